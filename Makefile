@@ -1,0 +1,32 @@
+# One-command set-up: every target creates .venv (CPU torch from the local wheel cache) on first use.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+export FASTPALS_DATA_DIR ?= $(abspath ../shared/data)
+
+.PHONY: setup train test lint bench clean
+
+$(VENV)/.installed: pyproject.toml setup.py
+	test -d $(VENV) || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "torch==2.13.0"
+	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q -e ".[dev,demo]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+train: setup
+	$(BIN)/python train.py --ds_config configs/cpu_bf16.json --out runs/default
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
+	$(BIN)/python -m pytest -q tests
+
+bench: setup
+	$(BIN)/python -m pytest bench/ --benchmark-only
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info runs

@@ -1,0 +1,1 @@
+"""Gradient surgery (PCGrad, GEM) as Gram matrix -> task weights -> sum of weighted task gradients."""

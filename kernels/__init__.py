@@ -1,0 +1,1 @@
+"""Triton kernels of fastpals, installed as ``fastpals.kernels``."""
