@@ -1,3 +1,20 @@
-"""fastpals: fused kernels for multi-task BERT fine-tuning with PALs and gradient surgery."""
+"""fastpals: fused kernels for multi-task BERT fine-tuning with PALs and gradient surgery.
+
+Public names: ``BertModel``, ``BertConfig``, ``PALConfig``, ``MultiTaskBert``, ``TaskSpec``,
+``count_parameters``; ``fastpals.functional`` (reference ops), ``fastpals.kernels`` (fused ops).
+"""
+
+from fastpals.model import BertConfig, BertModel, PALConfig
+from fastpals.multitask import MultiTaskBert, MultiTaskConfig, TaskSpec, count_parameters
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "BertConfig",
+    "BertModel",
+    "MultiTaskBert",
+    "MultiTaskConfig",
+    "PALConfig",
+    "TaskSpec",
+    "count_parameters",
+]

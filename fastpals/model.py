@@ -1,0 +1,711 @@
+"""minBERT with Projected Attention Layers, in one file.
+
+A BERT encoder (embeddings, post-LN layers, pooler) whose parameter names are HF transformers' ``BertModel``
+names, so HF checkpoints load as they are (CS224N minBERT names and ``bert.``-prefixed checkpoints load too).
+PALs (Stickland & Murray 2019) add, per task t and per layer l,
+
+    TS_t(h) = act(V^D_t · MHA_{t,l}(V^E_t · h))           (act = GELU by default, as in the original code)
+    h'      = LN(attn_out + FFN(attn_out) + gate · TS_t(h))
+
+where V^E/V^D are shared across layers (or per layer), MHA_{t,l} has per-task Q/K/V and no output projection.
+Every example of a batch carries its own task id, so one call serves a batch that mixes tasks.
+
+Shapes: ``B`` batch, ``L`` padded length, ``N`` packed tokens, ``d`` hidden size, ``T`` tasks, ``d_s`` PAL width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastpals.functional import check_task_ids, grouped_linear_reference, pal_reference, pal_varlen_reference
+
+__all__ = [
+    "BertConfig",
+    "BertModel",
+    "BertOutput",
+    "LoadReport",
+    "PALConfig",
+    "load_bert_state_dict",
+]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Configuration
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class BertConfig:
+    """The HF ``config.json`` fields minBERT uses (other fields are ignored)."""
+
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu"
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.1
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+    pad_token_id: int = 0
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> BertConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        cfg = cls(**{k: v for k, v in d.items() if k in names})
+        if cfg.hidden_act not in ("gelu", "gelu_new", "relu"):
+            raise ValueError(f"hidden_act={cfg.hidden_act!r} is not supported (gelu, gelu_new, relu)")
+        if cfg.hidden_size % cfg.num_attention_heads:
+            raise ValueError(
+                f"hidden_size {cfg.hidden_size} is not divisible by num_attention_heads {cfg.num_attention_heads}"
+            )
+        return cfg
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> BertConfig:
+        with open(path, encoding="utf-8") as f:
+            return cls.from_dict(json.load(f))
+
+
+@dataclass
+class PALConfig:
+    """What PALs to add and where. The defaults are the original Bert-n-Pals code.
+
+    - ``hidden`` (d_s, 204) and ``num_heads`` (6 → head dim 34; 12 → 17): the projected attention's width.
+    - ``gelu``: GELU after V^D (in the original code, not in the paper's formula).
+    - ``shared_projections``: V^E/V^D shared by all layers per task (True) or one pair per layer.
+    - ``layers``: ``"all"``, an int k (the top k layers) or an explicit list of layer indices.
+    - ``gate``: a learned scalar per layer and task multiplying TS (initial value ``gate_init``).
+    - ``variant``: ``"parallel"`` (PALs inside the layers), ``"top"`` (task-specific projected attention blocks
+      after the last layer, replacing its output), ``"top_parallel"`` (both; ``top_shares_projections`` reuses
+      the parallel V^E/V^D for the top), ``"embert"`` (per-task vectors added to Q, K, V of every BERT layer),
+      ``"none"`` (no task-specific encoder parameters: the multi-task baseline).
+    - ``top_blocks``/``top_heads``: the top's depth (6) and heads (12 of 17 for d_s = 204).
+    - ``dropout``: attention-probability dropout inside the PAL (None = BERT's attention dropout).
+    - ``zero_init_decoder``: start V^D at zero (with ``gelu`` the PAL then adds exactly 0 at step 0).
+    """
+
+    num_tasks: int = 3
+    hidden: int = 204
+    num_heads: int = 6
+    gelu: bool = True
+    shared_projections: bool = True
+    layers: str | int | list[int] = "all"
+    gate: bool = False
+    gate_init: float = 1.0
+    variant: str = "parallel"
+    top_blocks: int = 6
+    top_heads: int = 12
+    top_shares_projections: bool = False
+    dropout: float | None = None
+    init_std: float = 0.02
+    zero_init_decoder: bool = False
+
+    VARIANTS = ("parallel", "top", "top_parallel", "embert", "none")
+
+    @classmethod
+    def half(cls, **kw: Any) -> PALConfig:
+        """Bert-n-Pals' "half": PALs in the top 6 layers only, d_s = 276 (6 heads of 46)."""
+        return cls(**{"layers": 6, "hidden": 276, "num_heads": 6, **kw})
+
+    def validate(self, num_layers: int) -> None:
+        if self.variant not in self.VARIANTS:
+            raise ValueError(f"PALConfig.variant={self.variant!r}: choose one of {', '.join(self.VARIANTS)}")
+        if self.num_tasks < 1:
+            raise ValueError(f"PALConfig.num_tasks must be >= 1, got {self.num_tasks}")
+        if self.hidden < 1 or self.num_heads < 1 or self.hidden % self.num_heads:
+            raise ValueError(
+                f"PALConfig.num_heads={self.num_heads} must divide PALConfig.hidden={self.hidden}"
+            )
+        if self.variant in ("top", "top_parallel") and self.hidden % self.top_heads:
+            raise ValueError(
+                f"PALConfig.top_heads={self.top_heads} must divide PALConfig.hidden={self.hidden}"
+            )
+        self.layer_indices(num_layers)
+        if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"PALConfig.dropout must be in [0, 1), got {self.dropout}")
+
+    def layer_indices(self, num_layers: int) -> list[int]:
+        """The encoder layers that carry a parallel PAL (none unless the variant has them)."""
+        if self.variant not in ("parallel", "top_parallel"):
+            return []
+        if self.layers == "all":
+            return list(range(num_layers))
+        if isinstance(self.layers, int) and not isinstance(self.layers, bool):
+            if not 1 <= self.layers <= num_layers:
+                raise ValueError(f"PALConfig.layers={self.layers}: top k must be in [1, {num_layers}]")
+            return list(range(num_layers - self.layers, num_layers))
+        if isinstance(self.layers, (list, tuple)):
+            bad = [i for i in self.layers if not (isinstance(i, int) and 0 <= i < num_layers)]
+            if bad or len(set(self.layers)) != len(self.layers) or not self.layers:
+                raise ValueError(
+                    f"PALConfig.layers={self.layers}: need distinct indices in [0, {num_layers})"
+                )
+            return sorted(self.layers)
+        raise ValueError(f"PALConfig.layers={self.layers!r}: use 'all', an int (top k) or a list of indices")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PALConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"unknown PALConfig fields: {sorted(unknown)}")
+        return cls(**d)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Batch layout: padded [B, L, d] or packed [N, d] (no compute on padding)
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class _Layout:
+    """How a batch is laid out, shared by every layer of one forward call."""
+
+    batch: int
+    length: int
+    mask: torch.Tensor  # [B, L] bool, True = token
+    task_ids: torch.Tensor | None  # [B] int64
+    packed: bool = False
+    index: torch.Tensor | None = None  # [N] flat positions of the tokens in [B*L] (packed only)
+    cu_seqlens: torch.Tensor | None = None  # [B+1] int32 (packed only)
+    max_seqlen: int = 0
+    row_task_ids: torch.Tensor | None = None  # [N] task of each packed token
+    sdpa_mask: torch.Tensor | None = field(default=None, repr=False)  # [B, 1, 1, L] bool
+
+    def to_padded(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, ...] packed rows → [B, L, ...] with zeros at padding (identity when not packed)."""
+        if not self.packed:
+            return x
+        out = x.new_zeros(self.batch * self.length, *x.shape[1:])
+        out = out.index_copy(0, self.index, x)
+        return out.view(self.batch, self.length, *x.shape[1:])
+
+    def to_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, L, ...] → [N, ...] packed rows (identity when not packed)."""
+        if not self.packed:
+            return x
+        return x.flatten(0, 1).index_select(0, self.index)
+
+    def per_row(self, per_example: torch.Tensor) -> torch.Tensor:
+        """Broadcast a per-example tensor [B, ...] to the rows of this layout: [B, 1, ...] or [N, ...]."""
+        if self.packed:
+            return per_example.index_select(0, self.index // self.length)
+        return per_example.unsqueeze(1)
+
+
+def _make_layout(
+    attention_mask: torch.Tensor, task_ids: torch.Tensor | None, packed: bool, shape: tuple[int, int]
+) -> _Layout:
+    mask = attention_mask.to(torch.bool)
+    batch, length = shape
+    layout = _Layout(batch=batch, length=length, mask=mask, task_ids=task_ids, packed=packed)
+    layout.sdpa_mask = mask[:, None, None, :]
+    if packed:
+        lengths = mask.sum(1)
+        if not torch.equal(mask, torch.arange(length, device=mask.device)[None, :] < lengths[:, None]):
+            raise ValueError("unpad=True needs right-padded attention_mask rows (1...1 0...0)")
+        layout.index = mask.flatten().nonzero(as_tuple=True)[0]
+        cu = torch.zeros(batch + 1, dtype=torch.int32, device=mask.device)
+        cu[1:] = torch.cumsum(lengths, 0)
+        layout.cu_seqlens = cu
+        layout.max_seqlen = int(lengths.max()) if batch else 0
+        if task_ids is not None:
+            layout.row_task_ids = task_ids.index_select(0, layout.index // length)
+    return layout
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# BERT
+# ----------------------------------------------------------------------------------------------------------------
+def _act(name: str) -> nn.Module:
+    return {"gelu": nn.GELU(), "gelu_new": nn.GELU(approximate="tanh"), "relu": nn.ReLU()}[name]
+
+
+class BertEmbeddings(nn.Module):
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=cfg.pad_token_id)
+        self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size)
+        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids, token_type_ids: [B, L] int64 → [B, L, d]."""
+        pos = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = (
+            self.word_embeddings(input_ids)
+            + self.position_embeddings(pos)[None]
+            + self.token_type_embeddings(token_type_ids)
+        )
+        return self.dropout(self.LayerNorm(x))
+
+
+class BertSelfAttention(nn.Module):
+    """Q/K/V projections and scaled dot-product attention. With EmBERT, ``task_embedding [T, 3, d]`` adds a
+    per-task vector to Q, K and V."""
+
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        self.query = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.key = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.value = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.dropout_p = cfg.attention_probs_dropout_prob
+        self.task_embedding: nn.Parameter | None = None
+
+    def forward(self, x: torch.Tensor, layout: _Layout) -> torch.Tensor:
+        """x: [B, L, d] or packed [N, d] → same shape."""
+        q, k, v = self.query(x), self.key(x), self.value(x)
+        if self.task_embedding is not None:
+            vec = layout.per_row(self.task_embedding.index_select(0, layout.task_ids))  # [B,1,3,d] or [N,3,d]
+            q, k, v = q + vec[..., 0, :], k + vec[..., 1, :], v + vec[..., 2, :]
+        q, k, v = (layout.to_padded(t) for t in (q, k, v))
+        b, n, d = q.shape
+        q, k, v = (t.view(b, n, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        ctx = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=layout.sdpa_mask, dropout_p=self.dropout_p if self.training else 0.0
+        )
+        return layout.to_rows(ctx.transpose(1, 2).reshape(b, n, d))
+
+
+class BertSelfOutput(nn.Module):
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
+
+    def forward(self, ctx: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.dropout(self.dense(ctx)) + x)
+
+
+class BertAttention(nn.Module):
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.self = BertSelfAttention(cfg)
+        self.output = BertSelfOutput(cfg)
+
+    def forward(self, x: torch.Tensor, layout: _Layout) -> torch.Tensor:
+        return self.output(self.self(x, layout), x)
+
+
+class BertIntermediate(nn.Module):
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.act = _act(cfg.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.dense(x))
+
+
+class BertOutputBlock(nn.Module):
+    """The FFN's second dense and the layer's final LayerNorm (HF's ``BertOutput``)."""
+
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
+
+
+class BertLayer(nn.Module):
+    """Post-LN transformer layer; ``pal`` (if any) reads the layer input and enters the final LayerNorm."""
+
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.attention = BertAttention(cfg)
+        self.intermediate = BertIntermediate(cfg)
+        self.output = BertOutputBlock(cfg)
+        self.pal: PALLayer | None = None
+
+    def forward(self, x: torch.Tensor, layout: _Layout) -> torch.Tensor:
+        attn = self.attention(x, layout)
+        pre_ln = self.output.dropout(self.output.dense(self.intermediate(attn))) + attn
+        if self.pal is not None:
+            pre_ln = self.pal(x, layout, residual=pre_ln)
+        return self.output.LayerNorm(pre_ln)
+
+
+class BertPooler(nn.Module):
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.activation = nn.Tanh()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.activation(self.dense(hidden[:, 0]))
+
+
+class _Encoder(nn.Module):
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.layer = nn.ModuleList(BertLayer(cfg) for _ in range(cfg.num_hidden_layers))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# PALs
+# ----------------------------------------------------------------------------------------------------------------
+def _normal(shape: tuple[int, ...], std: float) -> nn.Parameter:
+    return nn.Parameter(torch.randn(shape) * std)
+
+
+class PALProjections(nn.Module):
+    """V^E (d → d_s) and V^D (d_s → d) for every task: ``enc_weight [T, d_s, d]``, ``enc_bias [T, d_s]``,
+    ``dec_weight [T, d, d_s]``, ``dec_bias [T, d]``."""
+
+    def __init__(self, num_tasks: int, d: int, d_s: int, std: float, zero_decoder: bool) -> None:
+        super().__init__()
+        self.enc_weight = _normal((num_tasks, d_s, d), std)
+        self.enc_bias = nn.Parameter(torch.zeros(num_tasks, d_s))
+        self.dec_weight = (
+            nn.Parameter(torch.zeros(num_tasks, d, d_s))
+            if zero_decoder
+            else _normal((num_tasks, d, d_s), std)
+        )
+        self.dec_bias = nn.Parameter(torch.zeros(num_tasks, d))
+
+
+class PALLayer(nn.Module):
+    """The per-layer part of a PAL: per-task Q/K/V of the projected attention (``qkv_weight [T, 3 d_s, d_s]``,
+    ``qkv_bias [T, 3 d_s]``), an optional gate ``[T]``, and the layer's own projections if not shared."""
+
+    def __init__(self, pal: PALConfig, d: int, dropout: float, shared: PALProjections | None) -> None:
+        super().__init__()
+        t, d_s = pal.num_tasks, pal.hidden
+        self.num_heads = pal.num_heads
+        self.gelu = pal.gelu
+        self.dropout_p = dropout
+        self.qkv_weight = _normal((t, 3 * d_s, d_s), pal.init_std)
+        self.qkv_bias = nn.Parameter(torch.zeros(t, 3 * d_s))
+        self.gate = nn.Parameter(torch.full((t,), float(pal.gate_init))) if pal.gate else None
+        self.projections = (
+            PALProjections(t, d, d_s, pal.init_std, pal.zero_init_decoder) if shared is None else None
+        )
+        # The shared projections are owned by the model; keep a plain reference (not a submodule).
+        object.__setattr__(self, "_shared", shared)
+
+    def proj(self) -> PALProjections:
+        return self.projections if self.projections is not None else self._shared
+
+    def forward(self, h: torch.Tensor, layout: _Layout, residual: torch.Tensor) -> torch.Tensor:
+        """h, residual: [B, L, d] or packed [N, d] → residual + gate · TS(h), same shape."""
+        p = self.proj()
+        dropout = self.dropout_p if self.training else 0.0
+        args = (layout.task_ids, p.enc_weight, p.enc_bias, self.qkv_weight, self.qkv_bias, p.dec_weight,
+                p.dec_bias, self.num_heads, self.gelu, dropout)  # fmt: skip
+        fused = _use_kernels(h)
+        if self.gate is None and fused:
+            return _kernel_pal(h, layout, args, residual)
+        ts = _kernel_pal(h, layout, args, None) if fused else _reference_pal(h, layout, args)
+        if self.gate is not None:
+            ts = ts * layout.per_row(self.gate.index_select(0, layout.task_ids)).unsqueeze(-1).to(ts.dtype)
+        return residual + ts
+
+
+def _use_kernels(h: torch.Tensor) -> bool:
+    from fastpals import kernels
+
+    return kernels.use_triton(h)
+
+
+def _kernel_pal(h: torch.Tensor, layout: _Layout, args: tuple, residual: torch.Tensor | None) -> torch.Tensor:
+    from fastpals import kernels
+
+    if layout.packed:
+        return kernels.pal_varlen(h, layout.cu_seqlens, layout.max_seqlen, *args, residual=residual)
+    return kernels.pal(h, layout.mask, *args, residual=residual)
+
+
+def _reference_pal(h: torch.Tensor, layout: _Layout, args: tuple) -> torch.Tensor:
+    if layout.packed:
+        return pal_varlen_reference(h, layout.cu_seqlens, layout.max_seqlen, *args)
+    return pal_reference(h, layout.mask, *args)
+
+
+class PALTop(nn.Module):
+    """Task-specific projected attention blocks after the last layer (Bert-n-Pals' ``top``): per task,
+    V^E, then ``top_blocks`` attention blocks (Q/K/V, a d_s×d_s output dense, residual and LayerNorm, all per
+    task), then V^D; the result replaces the last layer's output."""
+
+    def __init__(
+        self, pal: PALConfig, d: int, eps: float, dropout: float, shared: PALProjections | None
+    ) -> None:
+        super().__init__()
+        t, d_s, n = pal.num_tasks, pal.hidden, pal.top_blocks
+        self.num_heads = pal.top_heads
+        self.dropout_p = dropout
+        self.eps = eps
+        self.qkv_weight = _normal((n, t, 3 * d_s, d_s), pal.init_std)
+        self.qkv_bias = nn.Parameter(torch.zeros(n, t, 3 * d_s))
+        self.out_weight = _normal((n, t, d_s, d_s), pal.init_std)
+        self.out_bias = nn.Parameter(torch.zeros(n, t, d_s))
+        self.ln_weight = nn.Parameter(torch.ones(n, t, d_s))
+        self.ln_bias = nn.Parameter(torch.zeros(n, t, d_s))
+        self.projections = PALProjections(t, d, d_s, pal.init_std, False) if shared is None else None
+        object.__setattr__(self, "_shared", shared)
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor, task_ids: torch.Tensor) -> torch.Tensor:
+        """h: [B, L, d] (padded), mask [B, L] bool, task_ids [B] → [B, L, d]."""
+        from fastpals.functional import attention_reference
+
+        p = self.projections if self.projections is not None else self._shared
+        b, n, _ = h.shape
+        x = grouped_linear_reference(h, task_ids, p.enc_weight, p.enc_bias)
+        d_s = x.shape[-1]
+        dropout = self.dropout_p if self.training else 0.0
+        for i in range(self.qkv_weight.shape[0]):
+            qkv = grouped_linear_reference(x, task_ids, self.qkv_weight[i], self.qkv_bias[i])
+            q, k, v = qkv.view(b, n, 3, self.num_heads, d_s // self.num_heads).unbind(2)
+            ctx = attention_reference(q, k, v, mask, dropout).reshape(b, n, d_s)
+            y = grouped_linear_reference(ctx, task_ids, self.out_weight[i], self.out_bias[i]) + x
+            y = F.layer_norm(y, (d_s,), eps=self.eps)
+            x = y * self.ln_weight[i][task_ids][:, None] + self.ln_bias[i][task_ids][:, None]
+        return grouped_linear_reference(x, task_ids, p.dec_weight, p.dec_bias)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The model
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class BertOutput:
+    """``last_hidden_state [B, L, d]`` and ``pooler_output [B, d]`` (tanh(dense([CLS])))."""
+
+    last_hidden_state: torch.Tensor
+    pooler_output: torch.Tensor
+
+
+class BertModel(nn.Module):
+    """BERT encoder with optional PALs. ``BertModel(config, pal=PALConfig(...))`` or ``from_pretrained``."""
+
+    def __init__(self, config: BertConfig, pal: PALConfig | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.pal_config = pal
+        self.embeddings = BertEmbeddings(config)
+        self.encoder = _Encoder(config)
+        self.pooler = BertPooler(config)
+        self.apply(self._init_bert_weights)
+        self.pal_projections: PALProjections | None = None
+        self.pal_top: PALTop | None = None
+        if pal is not None:
+            self._add_pals(pal)
+        self.load_report: LoadReport | None = None
+
+    def _init_bert_weights(self, m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.LayerNorm):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+
+    def _add_pals(self, pal: PALConfig) -> None:
+        cfg = self.config
+        pal.validate(cfg.num_hidden_layers)
+        dropout = cfg.attention_probs_dropout_prob if pal.dropout is None else pal.dropout
+        layers = pal.layer_indices(cfg.num_hidden_layers)
+        if layers and pal.shared_projections:
+            self.pal_projections = PALProjections(
+                pal.num_tasks, cfg.hidden_size, pal.hidden, pal.init_std, pal.zero_init_decoder
+            )
+        for i in layers:
+            self.encoder.layer[i].pal = PALLayer(pal, cfg.hidden_size, dropout, self.pal_projections)
+        if pal.variant in ("top", "top_parallel"):
+            share = self.pal_projections if (pal.top_shares_projections and self.pal_projections) else None
+            if pal.top_shares_projections and share is None:
+                raise ValueError(
+                    "top_shares_projections needs variant='top_parallel' with shared_projections"
+                )
+            self.pal_top = PALTop(pal, cfg.hidden_size, cfg.layer_norm_eps, dropout, share)
+        if pal.variant == "embert":
+            for layer in self.encoder.layer:
+                att = layer.attention.self
+                att.task_embedding = nn.Parameter(torch.zeros(pal.num_tasks, 3, cfg.hidden_size))
+
+    @property
+    def num_tasks(self) -> int:
+        return 0 if self.pal_config is None else self.pal_config.num_tasks
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        task_ids: torch.Tensor | None = None,
+        unpad: bool = False,
+    ) -> BertOutput:
+        """input_ids/attention_mask/token_type_ids: [B, L] int; task_ids: [B] int (needed when the model has
+        task-specific parameters). ``unpad=True`` runs every token-wise op on the packed [N, d] tokens only
+        (right-padded masks), which saves the work on padding for batches of short sentences."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, length], got shape {list(input_ids.shape)}")
+        b, n = input_ids.shape
+        if n > self.config.max_position_embeddings:
+            raise ValueError(
+                f"sequence length {n} > max_position_embeddings {self.config.max_position_embeddings}"
+            )
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"attention_mask shape {list(attention_mask.shape)} != input_ids {list(input_ids.shape)}"
+            )
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        task_specific = self.pal_config is not None and self.pal_config.variant != "none"
+        if task_specific:
+            if task_ids is None:
+                raise ValueError(
+                    "this model has task-specific PAL parameters: pass task_ids (one per example)"
+                )
+            task_ids = check_task_ids(task_ids, self.num_tasks, b, input_ids.device)
+        layout = _make_layout(attention_mask, task_ids, unpad, (b, n))
+        x = layout.to_rows(self.embeddings(input_ids, token_type_ids))
+        for layer in self.encoder.layer:
+            x = layer(x, layout)
+        hidden = layout.to_padded(x)
+        if self.pal_top is not None:
+            hidden = self.pal_top(hidden, layout.mask, task_ids)
+        return BertOutput(last_hidden_state=hidden, pooler_output=self.pooler(hidden))
+
+    # ------------------------------------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(
+        cls, name_or_path: str | os.PathLike, pal: PALConfig | None = None, strict: bool = True
+    ) -> BertModel:
+        """Load ``minilm-l6`` (the offline all-MiniLM-L6-v2 package), a local folder of an HF BERT checkpoint
+        (config.json + model.safetensors or pytorch_model.bin), or a hub name such as ``bert-base-uncased``.
+
+        Unknown keys and missing encoder keys are reported in ``model.load_report`` and as a warning; with
+        ``strict=True`` missing encoder keys are an error. PAL parameters keep their random initialisation.
+        """
+        from fastpals.hub import resolve_model_dir
+
+        folder = resolve_model_dir(name_or_path, ("config.json", "model.safetensors", "pytorch_model.bin"))
+        config = BertConfig.from_json(folder / "config.json")
+        model = cls(config, pal=pal)
+        state = load_bert_state_dict(folder)
+        model.load_report = model.load_bert_weights(state, strict=strict, source=str(folder))
+        return model
+
+    def load_bert_weights(
+        self, state: dict[str, torch.Tensor], strict: bool = True, source: str = ""
+    ) -> LoadReport:
+        """Copy encoder weights from an HF/CS224N state dict (names normalised by :func:`normalize_key`)."""
+        own = {k: v for k, v in self.state_dict().items() if not _is_task_param(k)}
+        normalized: dict[str, torch.Tensor] = {}
+        unexpected: list[str] = []
+        for key, value in state.items():
+            new = normalize_key(key)
+            if new in own:
+                normalized[new] = value
+            elif not _is_ignorable(new):
+                unexpected.append(key)
+        missing = sorted(set(own) - set(normalized))
+        mismatched = [
+            f"{k}: checkpoint {list(v.shape)} vs model {list(own[k].shape)}"
+            for k, v in normalized.items()
+            if v.shape != own[k].shape
+        ]
+        if mismatched:
+            raise ValueError(f"shape mismatch loading {source}:\n  " + "\n  ".join(mismatched))
+        report = LoadReport(missing=missing, unexpected=sorted(unexpected), loaded=len(normalized))
+        if missing and strict:
+            raise ValueError(
+                f"checkpoint {source} lacks encoder weights: {missing[:10]}{' ...' if len(missing) > 10 else ''}"
+            )
+        self.load_state_dict(normalized, strict=False)
+        if report.missing or report.unexpected:
+            warnings.warn(f"loading {source}: {report}", stacklevel=3)
+        return report
+
+
+def _is_task_param(name: str) -> bool:
+    """True for PAL/EmBERT parameter names (under any prefix), False for BERT's own weights."""
+    parts = name.split(".")
+    return bool({"pal", "pal_projections", "pal_top"} & set(parts)) or parts[-1] == "task_embedding"
+
+
+def _is_ignorable(name: str) -> bool:
+    """Checkpoint entries that are not encoder weights by design: the position-id buffer and pre-training heads."""
+    return name.endswith("position_ids") or name.startswith(("cls.", "lm_head.", "classifier."))
+
+
+_MINBERT_NAMES = {  # CS224N minBERT → HF
+    "word_embedding": "embeddings.word_embeddings",
+    "pos_embedding": "embeddings.position_embeddings",
+    "tk_type_embedding": "embeddings.token_type_embeddings",
+    "embed_layer_norm": "embeddings.LayerNorm",
+    "pooler_dense": "pooler.dense",
+}
+_MINBERT_LAYER_NAMES = {
+    "self_attention.query": "attention.self.query",
+    "self_attention.key": "attention.self.key",
+    "self_attention.value": "attention.self.value",
+    "attention_dense": "attention.output.dense",
+    "attention_layer_norm": "attention.output.LayerNorm",
+    "interm_dense": "intermediate.dense",
+    "out_dense": "output.dense",
+    "out_layer_norm": "output.LayerNorm",
+}
+
+
+def normalize_key(key: str) -> str:
+    """Map a checkpoint key to minBERT's (= HF ``BertModel``'s) name: strips ``bert.``, renames TF-era
+    ``gamma``/``beta`` and CS224N minBERT names."""
+    if key.startswith("bert."):
+        key = key[5:]
+    if key.endswith(".gamma"):
+        key = key[:-6] + ".weight"
+    elif key.endswith(".beta"):
+        key = key[:-5] + ".bias"
+    head, _, tail = key.partition(".")
+    if head in _MINBERT_NAMES:
+        return f"{_MINBERT_NAMES[head]}.{tail}"
+    if head == "bert_layers":
+        idx, _, rest = tail.partition(".")
+        for old, new in _MINBERT_LAYER_NAMES.items():
+            if rest.startswith(old + "."):
+                return f"encoder.layer.{idx}.{new}{rest[len(old) :]}"
+    return key
+
+
+@dataclass
+class LoadReport:
+    """What a checkpoint load did: ``loaded`` tensors, ``missing`` model keys, ``unexpected`` checkpoint keys."""
+
+    missing: list[str]
+    unexpected: list[str]
+    loaded: int
+
+    def __str__(self) -> str:
+        return f"loaded {self.loaded} tensors; missing {self.missing or 'none'}; unexpected {self.unexpected or 'none'}"
+
+
+def load_bert_state_dict(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Read ``model.safetensors`` (preferred) or ``pytorch_model.bin`` from a checkpoint folder."""
+    folder = Path(folder)
+    st, pt = folder / "model.safetensors", folder / "pytorch_model.bin"
+    if st.is_file():
+        from safetensors.torch import load_file
+
+        return load_file(str(st))
+    if pt.is_file():
+        return torch.load(pt, map_location="cpu", weights_only=True)
+    raise FileNotFoundError(f"{folder} has neither model.safetensors nor pytorch_model.bin")
