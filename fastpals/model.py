@@ -597,7 +597,13 @@ class BertModel(nn.Module):
         """
         from fastpals.hub import resolve_model_dir
 
-        folder = resolve_model_dir(name_or_path, ("config.json", "model.safetensors", "pytorch_model.bin"))
+        try:
+            folder = resolve_model_dir(name_or_path, ("config.json", "model.safetensors"))
+        except FileNotFoundError as first:
+            try:
+                folder = resolve_model_dir(name_or_path, ("config.json", "pytorch_model.bin"))
+            except FileNotFoundError:
+                raise first from None
         config = BertConfig.from_json(folder / "config.json")
         model = cls(config, pal=pal)
         state = load_bert_state_dict(folder)
