@@ -1,0 +1,260 @@
+"""Evaluation metrics of the CS224N multi-task setting, prediction files, and confusion-matrix plots.
+
+* ``accuracy``: share of exact matches (SST, Quora, CFIMDB).
+* ``pearson``: Pearson correlation over the whole set in float64 (STS), not averaged over batches.
+* ``overall_score``: the CS224N leaderboard score ``(sst_acc + para_acc + (sts_r + 1) / 2) / 3``.
+* ``confusion_matrix`` / ``plot_confusion_matrix``: counts (rows = true class, columns = predicted) and a PNG.
+* ``bin_sts``: STS scores to 11 classes 0, 0.5, ..., 5 (class ``k`` is the score ``k / 2``) for a confusion matrix.
+* ``write_predictions`` / ``read_predictions``: the CS224N starter's prediction files: a header line
+  ``id \\t Predicted_<Name> `` then one ``<id> , <prediction> `` line per example.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+__all__ = [
+    "PREDICTION_HEADERS",
+    "accuracy",
+    "bin_sts",
+    "confusion_matrix",
+    "overall_score",
+    "pearson",
+    "plot_confusion_matrix",
+    "read_predictions",
+    "write_predictions",
+]
+
+# Column names used by the CS224N starter code (its STS spelling "Similiary" included), so that its graders and
+# scripts read these files unchanged.
+PREDICTION_HEADERS = {
+    "sst": "Predicted_Sentiment",
+    "cfimdb": "Predicted_Sentiment",
+    "para": "Predicted_Is_Paraphrase",
+    "sts": "Predicted_Similiary",
+}
+
+
+def _as_1d(values: Sequence | np.ndarray, name: str, dtype: type | None = None) -> np.ndarray:
+    if hasattr(values, "detach"):  # torch tensors, without importing torch here
+        values = values.detach().cpu().numpy()
+    array = np.asarray(values, dtype=dtype)
+    if array.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {array.shape}")
+    return array
+
+
+def _pair(y_true: Sequence, y_pred: Sequence, dtype: type | None = None) -> tuple[np.ndarray, np.ndarray]:
+    true = _as_1d(y_true, "y_true", dtype)
+    pred = _as_1d(y_pred, "y_pred", dtype)
+    if true.shape != pred.shape:
+        raise ValueError(f"y_true has {true.shape[0]} entries but y_pred has {pred.shape[0]}")
+    if true.size == 0:
+        raise ValueError("y_true and y_pred are empty")
+    return true, pred
+
+
+def accuracy(y_true: Sequence, y_pred: Sequence) -> float:
+    """Share of positions where ``y_pred == y_true``; both 1-D of length ``N >= 1`` (lists, numpy or torch)."""
+    true, pred = _pair(y_true, y_pred)
+    return float(np.mean(true == pred))
+
+
+def pearson(x: Sequence[float], y: Sequence[float]) -> float:
+    """Pearson correlation of two 1-D samples of length ``N >= 2``, computed in float64 over the whole set.
+
+    Returns NaN, with a ``RuntimeWarning``, when either sample is constant (the correlation is undefined).
+    Raises ``ValueError`` on non-finite values or mismatched lengths.
+    """
+    a, b = _pair(x, y, np.float64)
+    if a.size < 2:
+        raise ValueError(f"pearson needs at least 2 pairs, got {a.size}")
+    if not (np.isfinite(a).all() and np.isfinite(b).all()):
+        raise ValueError("pearson got non-finite values (NaN or inf)")
+    da = a - a.mean()
+    db = b - b.mean()
+    norm = math.sqrt(float(np.dot(da, da))) * math.sqrt(float(np.dot(db, db)))
+    if norm == 0.0:
+        warnings.warn(
+            "pearson: one input is constant, the correlation is undefined (NaN)", RuntimeWarning, stacklevel=2
+        )
+        return math.nan
+    return float(np.clip(np.dot(da, db) / norm, -1.0, 1.0))
+
+
+def overall_score(sst_acc: float, para_acc: float, sts_pearson: float) -> float:
+    """CS224N overall score ``(sst_acc + para_acc + (sts_pearson + 1) / 2) / 3``; accuracies in [0, 1], r in [-1, 1]."""
+    for name, value, low in (
+        ("sst_acc", sst_acc, 0.0),
+        ("para_acc", para_acc, 0.0),
+        ("sts_pearson", sts_pearson, -1.0),
+    ):
+        if not low <= value <= 1.0:  # also rejects NaN
+            raise ValueError(f"{name} must be in [{low:g}, 1], got {value!r}")
+    return (sst_acc + para_acc + (sts_pearson + 1.0) / 2.0) / 3.0
+
+
+def confusion_matrix(y_true: Sequence[int], y_pred: Sequence[int], num_classes: int) -> np.ndarray:
+    """Counts ``C[i, j]`` of examples of true class ``i`` predicted as ``j``: int64 ``(num_classes, num_classes)``.
+
+    Labels must be whole numbers in ``[0, num_classes)``.
+    """
+    if isinstance(num_classes, bool) or not isinstance(num_classes, (int, np.integer)) or num_classes < 1:
+        raise ValueError(f"num_classes must be an int >= 1, got {num_classes!r}")
+    true, pred = _pair(y_true, y_pred)
+    for name, array in (("y_true", true), ("y_pred", pred)):
+        if array.dtype.kind not in "iub":
+            if not np.all(np.isfinite(array)) or not np.all(array == np.round(array)):
+                raise ValueError(f"{name} must hold whole class indices")
+        if array.min() < 0 or array.max() >= num_classes:
+            raise ValueError(f"{name} holds {array.min()}..{array.max()}, outside [0, {num_classes})")
+    flat = true.astype(np.int64) * num_classes + pred.astype(np.int64)
+    return np.bincount(flat, minlength=num_classes * num_classes).reshape(num_classes, num_classes)
+
+
+def bin_sts(scores: Sequence[float]) -> np.ndarray:
+    """STS scores to classes 0..10 (``k`` = score ``k / 2``): clip to [0, 5], round to the nearest 0.5 (halves
+    round up). Returns int64 ``(N,)``; for predictions from a [0, 1] head multiply by 5 first."""
+    values = _as_1d(scores, "scores", np.float64)
+    if not np.isfinite(values).all():
+        raise ValueError("scores hold non-finite values (NaN or inf)")
+    return np.floor(np.clip(values, 0.0, 5.0) * 2.0 + 0.5).astype(np.int64)
+
+
+def _format_prediction(value: object) -> str:
+    if isinstance(value, (bool, np.bool_)):
+        return str(int(value))
+    if isinstance(value, (int, np.integer)):
+        return str(int(value))
+    if isinstance(value, (float, np.floating)):
+        if not math.isfinite(float(value)):
+            raise ValueError(f"prediction {value!r} is not finite")
+        return repr(float(value))
+    raise TypeError(f"predictions must be ints or floats, got {type(value).__name__}")
+
+
+def write_predictions(path: str | os.PathLike, ids: Sequence[str], predictions: Sequence, task: str) -> Path:
+    """Write a CS224N prediction file: ``id \\t Predicted_<Name> `` then ``<id> , <prediction> `` per example.
+
+    Args:
+        path: output file (its folder is created).
+        ids: example ids (str, no comma, tab or newline).
+        predictions: one int (class) or float (score) per id; numpy arrays and torch tensors work too.
+        task: ``sst``, ``cfimdb``, ``para`` or ``sts`` (picks the header).
+
+    Returns:
+        The path written.
+    """
+    if task not in PREDICTION_HEADERS:
+        raise ValueError(f"task must be one of {', '.join(PREDICTION_HEADERS)}, got {task!r}")
+    if hasattr(predictions, "detach"):
+        predictions = predictions.detach().cpu().numpy()
+    if isinstance(predictions, np.ndarray):
+        if predictions.ndim != 1:
+            raise ValueError(f"predictions must be 1-D, got shape {predictions.shape}")
+        predictions = predictions.tolist()
+    ids = list(ids)
+    predictions = list(predictions)
+    if len(ids) != len(predictions):
+        raise ValueError(f"ids has {len(ids)} entries but predictions has {len(predictions)}")
+    lines = [f"id \t {PREDICTION_HEADERS[task]} \n"]
+    for example_id, value in zip(ids, predictions):
+        if not isinstance(example_id, str) or not example_id or any(ch in example_id for ch in ",\t\n\r"):
+            raise ValueError(f"id {example_id!r} must be a non-empty str without comma, tab or newline")
+        lines.append(f"{example_id} , {_format_prediction(value)} \n")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(lines), encoding="utf-8")
+    return path
+
+
+def read_predictions(path: str | os.PathLike) -> tuple[str, dict[str, str]]:
+    """Read a file from ``write_predictions`` (or the CS224N starter): ``(header name, {id: prediction text})``."""
+    path = Path(path)
+    lines = path.read_text(encoding="utf-8").splitlines()
+    if not lines:
+        raise ValueError(f"{path}: empty prediction file")
+    header = lines[0].split("\t")
+    if len(header) != 2 or header[0].strip() != "id":
+        raise ValueError(f"{path}:1: header must be 'id \\t Predicted_...', got {lines[0]!r}")
+    out: dict[str, str] = {}
+    for line_no, line in enumerate(lines[1:], start=2):
+        parts = line.split(",")
+        if len(parts) != 2:
+            raise ValueError(f"{path}:{line_no}: expected '<id> , <prediction>', got {line!r}")
+        example_id = parts[0].strip()
+        if example_id in out:
+            raise ValueError(f"{path}:{line_no}: duplicate id {example_id}")
+        out[example_id] = parts[1].strip()
+    return header[1].strip(), out
+
+
+def plot_confusion_matrix(
+    matrix: np.ndarray,
+    path: str | os.PathLike,
+    class_names: Sequence[str] | None = None,
+    title: str | None = None,
+    normalize: bool = False,
+) -> Path:
+    """Draw a confusion matrix (rows = true, columns = predicted) to a PNG with matplotlib's Agg canvas.
+
+    Args:
+        matrix: square int array ``(K, K)`` from ``confusion_matrix``.
+        path: output PNG (its folder is created).
+        class_names: ``K`` tick labels (default ``0..K-1``).
+        title: figure title.
+        normalize: colour and print each row as shares of its true class (rows with no examples stay 0).
+
+    Returns:
+        The path written. Uses no pyplot state, so it is safe in threads and on machines without a display.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    counts = np.asarray(matrix)
+    if counts.ndim != 2 or counts.shape[0] != counts.shape[1] or counts.shape[0] == 0:
+        raise ValueError(f"matrix must be square (K, K) with K >= 1, got shape {counts.shape}")
+    if counts.dtype.kind not in "iu" or counts.min() < 0:
+        raise ValueError("matrix must hold non-negative integer counts")
+    size = counts.shape[0]
+    names = [str(i) for i in range(size)] if class_names is None else [str(name) for name in class_names]
+    if len(names) != size:
+        raise ValueError(f"class_names has {len(names)} entries but the matrix has {size} classes")
+    if normalize:
+        totals = counts.sum(axis=1, keepdims=True)
+        shown = np.divide(counts, totals, out=np.zeros(counts.shape, dtype=np.float64), where=totals > 0)
+        text = [[f"{value:.2f}" for value in row] for row in shown]
+    else:
+        shown = counts.astype(np.float64)
+        text = [[str(int(value)) for value in row] for row in counts]
+
+    side = max(3.5, 0.55 * size + 2.0)
+    figure = Figure(figsize=(side + 1.0, side))
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot(1, 1, 1)
+    image = axes.imshow(shown, cmap="Blues", vmin=0.0, vmax=max(float(shown.max()), 1e-12))
+    figure.colorbar(image, ax=axes, fraction=0.046, pad=0.04)
+    axes.set_xticks(range(size), labels=names, rotation=45 if size > 6 else 0)
+    axes.set_yticks(range(size), labels=names)
+    axes.set_xlabel("predicted")
+    axes.set_ylabel("true")
+    if title:
+        axes.set_title(title)
+    threshold = float(shown.max()) / 2.0
+    for i in range(size):
+        for j in range(size):
+            colour = "white" if shown[i, j] > threshold else "black"
+            axes.text(
+                j, i, text[i][j], ha="center", va="center", color=colour, fontsize=8 if size > 6 else 10
+            )
+    figure.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, format="png", dpi=110)
+    return path
