@@ -1,0 +1,489 @@
+# ruff: noqa: ANN001 - Triton kernel parameters are untyped by design
+"""Grouped-by-task linear layer: every example uses the weight slice of its own task, one launch for all tasks.
+
+``y = residual + act(x @ weight[task].T + bias[task])`` where ``task`` is the task of the example a row
+belongs to, ``act`` is the identity or the exact (erf) GELU. The forward and the input gradient run one
+grouped GEMM each over row tiles that never straddle tasks (see :class:`~fastpals.kernels.utils.TaskRowPlan`);
+the weight and bias gradients run one grouped GEMM over each task's row segment (``dW_t = dZ_tᵀ X_t``, the
+same FLOPs as an ordinary weight gradient). The GELU derivative is applied while loading the output gradient,
+from the pre-activation saved by the forward, so ``dZ`` is never materialised.
+
+Accumulation is fp32 for fp32, fp16 and bf16 inputs; fp32 dots use IEEE precision (no TF32).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fastpals.kernels.utils import (
+    TaskRowPlan,
+    build_task_row_plan,
+    check_cu_seqlens,
+    device_context,
+    dot_flags,
+    validate_task_ids,
+)
+
+__all__ = ["GroupedLinearFunction", "grouped_linear", "grouped_linear_varlen", "grouped_linear_rows"]
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_ACTIVATIONS = (None, "gelu")
+_SQRT1_2 = 0.7071067811865476
+_INV_SQRT_2PI = 0.3989422804014327
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr, INTERP_BF16: tl.constexpr):
+    """``acc + a @ b`` in fp32. IEEE: exact fp32 products for fp32 operands (no TF32). INTERP_BF16 (bf16 under
+    the CPU interpreter only, whose bf16 ``tl.dot`` is wrong): widen the tiles to fp32 first (bf16 products
+    are exact in fp32: the same result as a bf16 MMA with fp32 accumulation)."""
+    if INTERP_BF16:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _cast(x, dtype: tl.constexpr, INTERP_BF16: tl.constexpr):
+    """``x.to(dtype)`` rounding to nearest even. The CPU interpreter truncates fp32 -> bf16, so under
+    INTERP_BF16 the rounding is done on the bits first (the GPU cast already rounds to nearest even)."""
+    if INTERP_BF16:
+        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def _gelu_grad(z):
+    """d/dz of z * Phi(z), in fp32."""
+    cdf = 0.5 * (1.0 + tl.math.erf(z * 0.7071067811865476))
+    pdf = tl.exp(-0.5 * z * z) * 0.3989422804014327
+    return cdf + z * pdf
+
+
+@triton.jit
+def _grouped_mm_kernel(
+    a_ptr,  # [R, K_RED] rows read through row_index
+    z_ptr,  # [R, K_RED] pre-activation (only with GELU_GRAD_PROLOGUE)
+    w_ptr,  # [T, ...] indexed with (stride_wt, stride_wn, stride_wk)
+    bias_ptr,  # [T, N_OUT]
+    res_ptr,  # [R, N_OUT]
+    out_ptr,  # [R, N_OUT]
+    pre_ptr,  # [R, N_OUT] pre-activation store (only with STORE_PRE)
+    row_index_ptr,
+    tile_task_ptr,
+    tile_start_ptr,
+    tile_end_ptr,
+    N_OUT,
+    K_RED,
+    stride_a,
+    stride_z,
+    stride_wt,
+    stride_wn,
+    stride_wk,
+    stride_bt,
+    stride_res,
+    stride_out,
+    stride_pre,
+    HAS_BIAS: tl.constexpr,
+    GELU: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    STORE_PRE: tl.constexpr,
+    GELU_GRAD_PROLOGUE: tl.constexpr,
+    IEEE: tl.constexpr,
+    INTERP_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """out[rows, n] = epilogue(sum_k prologue(a[rows, k]) * w[task, n, k]) over one task's row tile."""
+    tile = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    task = tl.load(tile_task_ptr + tile)
+    if task < 0:  # unused tail of the tile list
+        return
+    start = tl.load(tile_start_ptr + tile)
+    end = tl.load(tile_end_ptr + tile)
+    offs_m = start + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < end
+    rows = tl.load(row_index_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N_OUT
+    w_base = w_ptr + task.to(tl.int64) * stride_wt
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K_RED, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K_RED
+        a_mask = m_mask[:, None] & k_mask[None, :]
+        a = tl.load(a_ptr + rows[:, None] * stride_a + offs_k[None, :], mask=a_mask, other=0.0)
+        if GELU_GRAD_PROLOGUE:
+            z = tl.load(z_ptr + rows[:, None] * stride_z + offs_k[None, :], mask=a_mask, other=0.0)
+            a = _cast(a.to(tl.float32) * _gelu_grad(z.to(tl.float32)), a_ptr.dtype.element_ty, INTERP_BF16)
+        w = tl.load(
+            w_base + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn,
+            mask=k_mask[:, None] & n_mask[None, :],
+            other=0.0,
+        )
+        acc = _dot(a, w, acc, IEEE, INTERP_BF16)
+
+    if HAS_BIAS:
+        b = tl.load(bias_ptr + task.to(tl.int64) * stride_bt + offs_n, mask=n_mask, other=0.0)
+        acc += b.to(tl.float32)[None, :]
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if STORE_PRE:
+        tl.store(
+            pre_ptr + rows[:, None] * stride_pre + offs_n[None, :],
+            _cast(acc, pre_ptr.dtype.element_ty, INTERP_BF16),
+            mask=out_mask,
+        )
+    if GELU:
+        acc = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + rows[:, None] * stride_res + offs_n[None, :], mask=out_mask, other=0.0)
+        acc += r.to(tl.float32)
+    tl.store(
+        out_ptr + rows[:, None] * stride_out + offs_n[None, :],
+        _cast(acc, out_ptr.dtype.element_ty, INTERP_BF16),
+        mask=out_mask,
+    )
+
+
+@triton.jit
+def _grouped_wgrad_kernel(
+    dy_ptr,  # [R, M] output gradient
+    z_ptr,  # [R, M] pre-activation (only with GELU_GRAD_PROLOGUE)
+    x_ptr,  # [R, K] forward input
+    dw_ptr,  # [T, M, K]
+    db_ptr,  # [T, M]
+    row_index_ptr,
+    task_row_offsets_ptr,
+    M,
+    K,
+    stride_dy,
+    stride_z,
+    stride_x,
+    GELU_GRAD_PROLOGUE: tl.constexpr,
+    HAS_BIAS_GRAD: tl.constexpr,
+    IEEE: tl.constexpr,
+    INTERP_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """dw[t, m, k] = sum over task t's rows of dz[r, m] * x[r, k]; db[t, m] = sum of dz[r, m] (fp32 acc).
+
+    A task with no rows stores zeros (its gradient is defined and zero)."""
+    task = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    start = tl.load(task_row_offsets_ptr + task)
+    end = tl.load(task_row_offsets_ptr + task + 1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    k_mask = offs_k < K
+
+    acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    db_acc = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for r0 in range(start, end, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        r_mask = offs_r < end
+        rows = tl.load(row_index_ptr + offs_r, mask=r_mask, other=0).to(tl.int64)
+        g_mask = r_mask[:, None] & m_mask[None, :]
+        g = tl.load(dy_ptr + rows[:, None] * stride_dy + offs_m[None, :], mask=g_mask, other=0.0)  # [R, M]
+        if GELU_GRAD_PROLOGUE:
+            z = tl.load(z_ptr + rows[:, None] * stride_z + offs_m[None, :], mask=g_mask, other=0.0)
+            g = _cast(g.to(tl.float32) * _gelu_grad(z.to(tl.float32)), dy_ptr.dtype.element_ty, INTERP_BF16)
+        xt = tl.load(
+            x_ptr + rows[:, None] * stride_x + offs_k[None, :],
+            mask=r_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )  # [R, K]
+        acc = _dot(tl.trans(g), xt, acc, IEEE, INTERP_BF16)
+        if HAS_BIAS_GRAD:
+            db_acc += tl.sum(g.to(tl.float32), axis=0)
+
+    task64 = task.to(tl.int64)
+    dw_ptrs = dw_ptr + task64 * M * K + offs_m[:, None] * K + offs_k[None, :]
+    tl.store(
+        dw_ptrs, _cast(acc, dw_ptr.dtype.element_ty, INTERP_BF16), mask=m_mask[:, None] & k_mask[None, :]
+    )
+    if HAS_BIAS_GRAD:
+        if pid_k == 0:
+            tl.store(
+                db_ptr + task64 * M + offs_m, _cast(db_acc, db_ptr.dtype.element_ty, INTERP_BF16), mask=m_mask
+            )
+
+
+def _block(n: int, cap: int = 64) -> int:
+    """Power-of-two tile edge for a dimension of size n: at least 16 (tl.dot's minimum), at most ``cap``."""
+    return max(16, min(cap, triton.next_power_of_2(max(n, 1))))
+
+
+def grouped_mm_rows(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    plan: TaskRowPlan,
+    transpose_weight: bool = False,
+    bias: torch.Tensor | None = None,
+    gelu: bool = False,
+    residual: torch.Tensor | None = None,
+    store_pre: bool = False,
+    gelu_grad_pre: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Launch the grouped GEMM on row-major ``a [R, K_red]`` (contiguous, validated by the caller).
+
+    ``transpose_weight=False``: ``out = a @ weight[t].T`` with weight ``[T, N, K_red]`` (the forward).
+    ``transpose_weight=True``: ``out = a @ weight[t]`` with weight ``[T, K_red, N]`` (the input gradient).
+    ``gelu_grad_pre``: multiply ``a`` by GELU'(pre) while loading (``a`` is then the output gradient).
+    Returns ``(out [R, N], pre [R, N] or None)``; rows outside the plan are left as allocated (the plans
+    built here always cover every row).
+    """
+    num_rows, k_red = a.shape
+    if transpose_weight:
+        n_out = weight.shape[2]
+        stride_wn, stride_wk = weight.stride(2), weight.stride(1)
+    else:
+        n_out = weight.shape[1]
+        stride_wn, stride_wk = weight.stride(1), weight.stride(2)
+    out = torch.empty(num_rows, n_out, dtype=a.dtype, device=a.device)
+    pre = torch.empty_like(out) if store_pre else None
+    if num_rows == 0 or n_out == 0:
+        return out, pre
+    if k_red == 0:
+        raise ValueError("grouped linear with an empty reduction dimension (K = 0) is not supported")
+    block_n = _block(n_out)
+    block_k = _block(k_red)
+    grid = (plan.num_tiles, triton.cdiv(n_out, block_n))
+    with device_context(a):
+        _grouped_mm_kernel[grid](
+            a,
+            gelu_grad_pre if gelu_grad_pre is not None else a,
+            weight,
+            bias if bias is not None else weight,
+            residual if residual is not None else out,
+            out,
+            pre if pre is not None else out,
+            plan.row_index,
+            plan.tile_task,
+            plan.tile_start,
+            plan.tile_end,
+            n_out,
+            k_red,
+            a.stride(0),
+            gelu_grad_pre.stride(0) if gelu_grad_pre is not None else 0,
+            weight.stride(0),
+            stride_wn,
+            stride_wk,
+            bias.stride(0) if bias is not None else 0,
+            residual.stride(0) if residual is not None else 0,
+            out.stride(0),
+            pre.stride(0) if pre is not None else 0,
+            HAS_BIAS=bias is not None,
+            GELU=gelu,
+            HAS_RESIDUAL=residual is not None,
+            STORE_PRE=store_pre,
+            GELU_GRAD_PROLOGUE=gelu_grad_pre is not None,
+            **dot_flags(a.dtype),
+            BLOCK_M=plan.block_rows,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+        )
+    return out, pre
+
+
+def grouped_wgrad_rows(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    plan: TaskRowPlan,
+    weight_dtype: torch.dtype,
+    with_bias: bool,
+    gelu_grad_pre: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-task weight/bias gradients: ``dW [T, M, K]``, ``db [T, M]`` from ``dy [R, M]`` and ``x [R, K]``."""
+    m, k = dy.shape[1], x.shape[1]
+    dw = torch.empty(plan.num_tasks, m, k, dtype=weight_dtype, device=dy.device)
+    db = torch.empty(plan.num_tasks, m, dtype=weight_dtype, device=dy.device) if with_bias else None
+    if m == 0 or k == 0:
+        if db is not None:
+            db.zero_()
+        return dw.zero_(), db
+    block_m = _block(m)
+    block_k = _block(k)
+    grid = (plan.num_tasks, triton.cdiv(m, block_m), triton.cdiv(k, block_k))
+    with device_context(dy):
+        _grouped_wgrad_kernel[grid](
+            dy,
+            gelu_grad_pre if gelu_grad_pre is not None else dy,
+            x,
+            dw,
+            db if db is not None else dw,
+            plan.row_index,
+            plan.task_row_offsets,
+            m,
+            k,
+            dy.stride(0),
+            gelu_grad_pre.stride(0) if gelu_grad_pre is not None else 0,
+            x.stride(0),
+            GELU_GRAD_PROLOGUE=gelu_grad_pre is not None,
+            HAS_BIAS_GRAD=with_bias,
+            **dot_flags(dy.dtype),
+            BLOCK_M=block_m,
+            BLOCK_K=block_k,
+            BLOCK_R=plan.block_rows,
+        )
+    return dw, db
+
+
+class GroupedLinearFunction(torch.autograd.Function):
+    """Autograd op over row-major activations: ``x [R, K]`` -> ``[R, M]`` with a prebuilt task plan."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        residual: torch.Tensor | None,
+        plan: TaskRowPlan,
+        activation: str | None,
+    ) -> torch.Tensor:
+        gelu = activation == "gelu"
+        y, pre = grouped_mm_rows(x, weight, plan, bias=bias, gelu=gelu, residual=residual, store_pre=gelu)
+        ctx.save_for_backward(x, weight, pre)
+        ctx.plan = plan
+        ctx.has_bias = bias is not None
+        ctx.has_residual = residual is not None
+        return y
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, dy: torch.Tensor) -> tuple:
+        x, weight, pre = ctx.saved_tensors
+        dy = dy.contiguous()
+        plan = ctx.plan
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx, _ = grouped_mm_rows(dy, weight, plan, transpose_weight=True, gelu_grad_pre=pre)
+        if ctx.needs_input_grad[1] or (ctx.has_bias and ctx.needs_input_grad[2]):
+            dw, db = grouped_wgrad_rows(dy, x, plan, weight.dtype, ctx.has_bias, gelu_grad_pre=pre)
+            if not ctx.needs_input_grad[1]:
+                dw = None
+        dres = dy if ctx.has_residual and ctx.needs_input_grad[3] else None
+        return dx, dw, db, dres, None, None
+
+
+def _check_operands(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str | None,
+    residual: torch.Tensor | None,
+    out_shape: tuple[int, ...],
+) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 3:
+        raise ValueError(f"weight must be a [T, M, K] tensor, got {getattr(weight, 'shape', type(weight))}")
+    if weight.shape[0] < 1:
+        raise ValueError("weight must hold at least one task (weight.shape[0] >= 1)")
+    if x.dtype not in _DTYPES:
+        raise TypeError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
+    if x.shape[-1] != weight.shape[2]:
+        raise ValueError(
+            f"x has {x.shape[-1]} features but weight is {list(weight.shape)} ([T, M, K], K must match)"
+        )
+    for name, t in (("weight", weight), ("bias", bias), ("residual", residual)):
+        if t is None:
+            continue
+        if t.dtype != x.dtype:
+            raise TypeError(
+                f"{name} has dtype {t.dtype} but x has {x.dtype}: all operands must share one dtype"
+            )
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0], weight.shape[1]):
+        raise ValueError(f"bias must have shape {[weight.shape[0], weight.shape[1]]}, got {list(bias.shape)}")
+    if residual is not None and tuple(residual.shape) != out_shape:
+        raise ValueError(
+            f"residual must have the output's shape {list(out_shape)}, got {list(residual.shape)}"
+        )
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"activation must be None or 'gelu', got {activation!r}")
+
+
+def grouped_linear_rows(
+    x: torch.Tensor,
+    plan: TaskRowPlan,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Grouped linear on row-major ``x [R, K]`` with a plan from :func:`~fastpals.kernels.utils.build_task_row_plan`
+    (reused across several layers of one batch, as the fused PAL does). Operands must already be validated."""
+    return GroupedLinearFunction.apply(
+        x.contiguous(),
+        weight.contiguous(),
+        None if bias is None else bias.contiguous(),
+        None if residual is None else residual.contiguous(),
+        plan,
+        activation,
+    )
+
+
+def grouped_linear(
+    x: torch.Tensor,
+    task_ids: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``residual + act(x[b] @ weight[task_ids[b]].T + bias[task_ids[b]])`` for a mixed-task batch.
+
+    x: ``[B, L, K]`` or ``[B, K]`` (fp32/fp16/bf16); task_ids: ``[B]`` integer (int64), values in ``[0, T)``;
+    weight: ``[T, M, K]``; bias: ``[T, M]`` or None; activation: None or ``"gelu"`` (exact erf GELU, after the
+    bias); residual: the output's shape (``[B, L, M]`` or ``[B, M]``), added after the activation, or None.
+    Returns ``[B, L, M]`` (or ``[B, M]``) in x's dtype; differentiable in x, weight, bias and residual.
+    Equal to ``residual + act(fastpals.functional.grouped_linear_reference(x, task_ids, weight, bias))``.
+    """
+    _check_operands(x, weight, bias, activation, residual, (*x.shape[:-1], weight.shape[1]))
+    if x.dim() not in (2, 3):
+        raise ValueError(f"x must be [B, L, K] or [B, K], got {list(x.shape)}")
+    batch = x.shape[0]
+    seq_len = x.shape[1] if x.dim() == 3 else 1
+    task_ids = validate_task_ids(task_ids, weight.shape[0], batch, x.device)
+    plan = build_task_row_plan(task_ids, weight.shape[0], batch * seq_len, seq_len=seq_len)
+    rows = x.reshape(batch * seq_len, x.shape[-1])
+    res_rows = None if residual is None else residual.reshape(batch * seq_len, weight.shape[1])
+    y = grouped_linear_rows(rows, plan, weight, bias, activation, res_rows)
+    return y.view(*x.shape[:-1], weight.shape[1])
+
+
+def grouped_linear_varlen(
+    x: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    task_ids: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Packed form of :func:`grouped_linear`: x ``[N, K]`` holds B sequences back to back.
+
+    cu_seqlens: ``[B+1]`` int32/int64 cumulative lengths (0 first, N last); task_ids: ``[B]``, one task per
+    sequence; residual: ``[N, M]`` or None. Returns ``[N, M]``.
+    """
+    _check_operands(x, weight, bias, activation, residual, (x.shape[0], weight.shape[1]))
+    if x.dim() != 2:
+        raise ValueError(f"x must be packed rows [N, K], got {list(x.shape)}")
+    batch = check_cu_seqlens(cu_seqlens, x.shape[0], x.device)
+    task_ids = validate_task_ids(task_ids, weight.shape[0], batch, x.device)
+    plan = build_task_row_plan(task_ids, weight.shape[0], x.shape[0], cu_seqlens=cu_seqlens)
+    return grouped_linear_rows(x, plan, weight, bias, activation, residual)

@@ -1,0 +1,404 @@
+# ruff: noqa: ANN001 - Triton kernel parameters are untyped by design
+"""The fused Projected Attention Layer: ``residual + act(V^D_t · MHA_t(V^E_t · h))`` for a mixed-task batch.
+
+Three launches forward, all grouped by task with one row plan built once per call:
+
+1. :class:`EncQKVFunction`: one kernel per row tile computes ``s = V^E_t h + b`` for the whole PAL width in
+   registers, stores it (the QKV weight gradient needs it) and immediately multiplies it by ``W^{QKV}_t``, so
+   the ``d``-wide layer input is read once and ``s`` is never read back in the forward;
+2. :func:`fastpals.kernels.pal_attention.pal_attention` (flash-style, small head dims) on strided Q/K/V views
+   of the packed QKV output;
+3. the grouped V^D GEMM of :mod:`fastpals.kernels.grouped_linear` with bias, exact GELU and the residual add
+   (the layer's pre-LayerNorm sum) as its epilogue.
+
+Backward: grouped input-gradient GEMMs and per-task weight-gradient GEMMs (``dW_t = dZ_tᵀ X_t``) for the
+three projections, the attention kernel's own backward, the GELU derivative folded into the V^D gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fastpals.kernels.grouped_linear import (
+    _cast,
+    _dot,
+    grouped_linear_rows,
+    grouped_mm_rows,
+    grouped_wgrad_rows,
+)
+from fastpals.kernels.pal_attention import pal_attention, pal_attention_varlen
+from fastpals.kernels.utils import (
+    TaskRowPlan,
+    build_task_row_plan,
+    check_cu_seqlens,
+    device_context,
+    dot_flags,
+    validate_task_ids,
+)
+
+__all__ = ["EncQKVFunction", "pal", "pal_varlen"]
+
+
+@triton.jit
+def _enc_qkv_kernel(
+    x_ptr,  # [R, D]
+    we_ptr,  # [T, DS, D]
+    be_ptr,  # [T, DS]
+    wq_ptr,  # [T, NQ, DS]
+    bq_ptr,  # [T, NQ]
+    s_ptr,  # [R, DS] out
+    qkv_ptr,  # [R, NQ] out
+    row_index_ptr,
+    tile_task_ptr,
+    tile_start_ptr,
+    tile_end_ptr,
+    D,
+    DS,
+    NQ,
+    stride_x,
+    IEEE: tl.constexpr,
+    INTERP_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """s = x @ we[t].T + be[t] (rounded to the input dtype, like the reference), qkv = s @ wq[t].T + bq[t]."""
+    tile = tl.program_id(0)
+    task = tl.load(tile_task_ptr + tile)
+    if task < 0:
+        return
+    start = tl.load(tile_start_ptr + tile)
+    end = tl.load(tile_end_ptr + tile)
+    offs_m = start + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < end
+    rows = tl.load(row_index_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+    task64 = task.to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    s_mask = offs_s < DS
+
+    acc_s = tl.zeros((BLOCK_M, BLOCK_S), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < D
+        a = tl.load(
+            x_ptr + rows[:, None] * stride_x + offs_k[None, :],
+            mask=m_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
+        w = tl.load(
+            we_ptr + task64 * DS * D + offs_s[None, :] * D + offs_k[:, None],
+            mask=k_mask[:, None] & s_mask[None, :],
+            other=0.0,
+        )
+        acc_s = _dot(a, w, acc_s, IEEE, INTERP_BF16)
+    be = tl.load(be_ptr + task64 * DS + offs_s, mask=s_mask, other=0.0)
+    s = _cast(
+        acc_s + be.to(tl.float32)[None, :], s_ptr.dtype.element_ty, INTERP_BF16
+    )  # padded columns stay 0
+    tl.store(s_ptr + rows[:, None] * DS + offs_s[None, :], s, mask=m_mask[:, None] & s_mask[None, :])
+
+    for n0 in range(0, NQ, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < NQ
+        wq = tl.load(
+            wq_ptr + task64 * NQ * DS + offs_n[None, :] * DS + offs_s[:, None],
+            mask=s_mask[:, None] & n_mask[None, :],
+            other=0.0,
+        )
+        acc = _dot(s, wq, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), IEEE, INTERP_BF16)
+        bq = tl.load(bq_ptr + task64 * NQ + offs_n, mask=n_mask, other=0.0)
+        acc += bq.to(tl.float32)[None, :]
+        tl.store(
+            qkv_ptr + rows[:, None] * NQ + offs_n[None, :],
+            _cast(acc, qkv_ptr.dtype.element_ty, INTERP_BF16),
+            mask=m_mask[:, None] & n_mask[None, :],
+        )
+
+
+def _enc_qkv_forward(
+    x: torch.Tensor,
+    enc_weight: torch.Tensor,
+    enc_bias: torch.Tensor,
+    qkv_weight: torch.Tensor,
+    qkv_bias: torch.Tensor,
+    plan: TaskRowPlan,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    num_rows, d = x.shape
+    d_s, n_qkv = enc_weight.shape[1], qkv_weight.shape[1]
+    s = torch.empty(num_rows, d_s, dtype=x.dtype, device=x.device)
+    qkv = torch.empty(num_rows, n_qkv, dtype=x.dtype, device=x.device)
+    if num_rows == 0:
+        return s, qkv
+    block_s = max(16, triton.next_power_of_2(d_s))
+    with device_context(x):
+        _enc_qkv_kernel[(plan.num_tiles,)](
+            x,
+            enc_weight,
+            enc_bias,
+            qkv_weight,
+            qkv_bias,
+            s,
+            qkv,
+            plan.row_index,
+            plan.tile_task,
+            plan.tile_start,
+            plan.tile_end,
+            d,
+            d_s,
+            n_qkv,
+            x.stride(0),
+            **dot_flags(x.dtype),
+            BLOCK_M=plan.block_rows,
+            BLOCK_S=block_s,
+            BLOCK_K=32 if block_s > 128 else 64,
+            BLOCK_N=32 if block_s > 128 else 64,
+        )
+    return s, qkv
+
+
+class EncQKVFunction(torch.autograd.Function):
+    """``qkv = (x V^E_tᵀ + b^E_t) W^{QKV}_tᵀ + b^{QKV}_t`` over row-major ``x [R, d]`` with a task plan."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        x: torch.Tensor,
+        enc_weight: torch.Tensor,
+        enc_bias: torch.Tensor,
+        qkv_weight: torch.Tensor,
+        qkv_bias: torch.Tensor,
+        plan: TaskRowPlan,
+    ) -> torch.Tensor:
+        s, qkv = _enc_qkv_forward(x, enc_weight, enc_bias, qkv_weight, qkv_bias, plan)
+        ctx.save_for_backward(x, enc_weight, qkv_weight, s)
+        ctx.plan = plan
+        return qkv
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, dqkv: torch.Tensor) -> tuple:
+        x, enc_weight, qkv_weight, s = ctx.saved_tensors
+        plan = ctx.plan
+        dqkv = dqkv.contiguous()
+        need_x, need_we, need_be, need_wq, need_bq = ctx.needs_input_grad[:5]
+        dx = dwe = dbe = dwq = dbq = None
+        if need_wq or need_bq:
+            dwq, dbq = grouped_wgrad_rows(dqkv, s, plan, qkv_weight.dtype, with_bias=True)
+        if need_x or need_we or need_be:
+            ds, _ = grouped_mm_rows(dqkv, qkv_weight, plan, transpose_weight=True)
+            if need_x:
+                dx, _ = grouped_mm_rows(ds, enc_weight, plan, transpose_weight=True)
+            if need_we or need_be:
+                dwe, dbe = grouped_wgrad_rows(ds, x, plan, enc_weight.dtype, with_bias=True)
+        return (
+            dx,
+            dwe if need_we else None,
+            dbe if need_be else None,
+            dwq if need_wq else None,
+            dbq if need_bq else None,
+            None,
+        )
+
+
+def _check_pal_weights(
+    h: torch.Tensor,
+    enc_weight: torch.Tensor,
+    enc_bias: torch.Tensor,
+    qkv_weight: torch.Tensor,
+    qkv_bias: torch.Tensor,
+    dec_weight: torch.Tensor,
+    dec_bias: torch.Tensor,
+    num_heads: int,
+    residual: torch.Tensor | None,
+) -> tuple[int, int, int]:
+    """Validate the PAL operands; returns ``(T, d, d_s)``."""
+    if not isinstance(h, torch.Tensor):
+        raise TypeError(f"h must be a torch.Tensor, got {type(h).__name__}")
+    for name, w in (("enc_weight", enc_weight), ("qkv_weight", qkv_weight), ("dec_weight", dec_weight)):
+        if not isinstance(w, torch.Tensor) or w.dim() != 3:
+            raise ValueError(f"{name} must be a 3-D [T, out, in] tensor, got {getattr(w, 'shape', type(w))}")
+    for name, b in (("enc_bias", enc_bias), ("qkv_bias", qkv_bias), ("dec_bias", dec_bias)):
+        if not isinstance(b, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(b).__name__}")
+    num_tasks, d_s, d = enc_weight.shape
+    if h.shape[-1] != d:
+        raise ValueError(
+            f"h has width {h.shape[-1]} but enc_weight is {list(enc_weight.shape)} ([T, d_s, d])"
+        )
+    if tuple(qkv_weight.shape) != (num_tasks, 3 * d_s, d_s):
+        raise ValueError(
+            f"qkv_weight must have shape {[num_tasks, 3 * d_s, d_s]}, got {list(qkv_weight.shape)}"
+        )
+    if tuple(dec_weight.shape) != (num_tasks, d, d_s):
+        raise ValueError(f"dec_weight must have shape {[num_tasks, d, d_s]}, got {list(dec_weight.shape)}")
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1 or d_s % num_heads:
+        raise ValueError(f"num_heads must be a positive int dividing d_s = {d_s}, got {num_heads!r}")
+    if h.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"h must be float32, float16 or bfloat16, got {h.dtype}")
+    expected = {
+        "enc_bias": (num_tasks, d_s),
+        "qkv_bias": (num_tasks, 3 * d_s),
+        "dec_bias": (num_tasks, d),
+        "residual": tuple(h.shape),
+    }
+    operands = {
+        "enc_weight": enc_weight,
+        "enc_bias": enc_bias,
+        "qkv_weight": qkv_weight,
+        "qkv_bias": qkv_bias,
+        "dec_weight": dec_weight,
+        "dec_bias": dec_bias,
+        "residual": residual,
+    }
+    for name, t in operands.items():
+        if t is None:
+            continue
+        if name in expected and tuple(t.shape) != expected[name]:
+            raise ValueError(f"{name} must have shape {list(expected[name])}, got {list(t.shape)}")
+        if t.dtype != h.dtype:
+            raise TypeError(
+                f"{name} has dtype {t.dtype} but h has {h.dtype}: all operands must share one dtype"
+            )
+        if t.device != h.device:
+            raise ValueError(f"{name} is on {t.device} but h is on {h.device}")
+    return num_tasks, d, d_s
+
+
+def _pal_rows(
+    rows: torch.Tensor,
+    plan: TaskRowPlan,
+    attend: object,
+    enc_weight: torch.Tensor,
+    enc_bias: torch.Tensor,
+    qkv_weight: torch.Tensor,
+    qkv_bias: torch.Tensor,
+    dec_weight: torch.Tensor,
+    dec_bias: torch.Tensor,
+    gelu: bool,
+    residual_rows: torch.Tensor | None,
+) -> torch.Tensor:
+    """Shared body of :func:`pal` and :func:`pal_varlen` over row-major ``rows [R, d]``."""
+    qkv = EncQKVFunction.apply(
+        rows.contiguous(),
+        enc_weight.contiguous(),
+        enc_bias.contiguous(),
+        qkv_weight.contiguous(),
+        qkv_bias.contiguous(),
+        plan,
+    )  # [R, 3 d_s]
+    ctx = attend(qkv)  # [R, d_s]
+    return grouped_linear_rows(ctx, plan, dec_weight, dec_bias, "gelu" if gelu else None, residual_rows)
+
+
+def pal(
+    h: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    task_ids: torch.Tensor,
+    enc_weight: torch.Tensor,
+    enc_bias: torch.Tensor,
+    qkv_weight: torch.Tensor,
+    qkv_bias: torch.Tensor,
+    dec_weight: torch.Tensor,
+    dec_bias: torch.Tensor,
+    num_heads: int,
+    gelu: bool = True,
+    dropout_p: float = 0.0,
+    residual: torch.Tensor | None = None,
+    generator_seed: int | None = None,
+) -> torch.Tensor:
+    """Fused PAL over a padded mixed-task batch: ``residual + pal_reference(h, ...)``.
+
+    h: ``[B, L, d]`` fp32/fp16/bf16; attention_mask: ``[B, L]`` (1 = token, 0 = padding) or None; task_ids:
+    ``[B]`` int64 in ``[0, T)``; enc_weight ``[T, d_s, d]``, enc_bias ``[T, d_s]``, qkv_weight
+    ``[T, 3 d_s, d_s]``, qkv_bias ``[T, 3 d_s]``, dec_weight ``[T, d, d_s]``, dec_bias ``[T, d]`` in h's dtype;
+    num_heads divides d_s (head dim ``d_s / num_heads`` <= 128); gelu: exact GELU after V^D; dropout_p:
+    attention-probability dropout (pass 0 at evaluation; the mask is drawn by the attention kernel from
+    ``generator_seed``, see :func:`fastpals.kernels.pal_attention.pal_attention_dropout_mask`); residual:
+    ``[B, L, d]`` added to the PAL output in the same kernel, or None.
+    Returns ``[B, L, d]`` in h's dtype, differentiable in h, the six weights and biases, and residual.
+    """
+    if not isinstance(h, torch.Tensor) or h.dim() != 3:
+        raise ValueError(f"h must be a [B, L, d] tensor, got {getattr(h, 'shape', type(h))}")
+    num_tasks, d, d_s = _check_pal_weights(
+        h, enc_weight, enc_bias, qkv_weight, qkv_bias, dec_weight, dec_bias, num_heads, residual
+    )
+    batch, length, _ = h.shape
+    if attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (batch, length):
+            raise ValueError(f"attention_mask must be a [B, L] = {[batch, length]} tensor or None")
+        if attention_mask.device != h.device:
+            raise ValueError(f"attention_mask is on {attention_mask.device} but h is on {h.device}")
+    task_ids = validate_task_ids(task_ids, num_tasks, batch, h.device)
+    plan = build_task_row_plan(
+        task_ids, num_tasks, batch * length, seq_len=length, block_rows=_block_rows(d_s)
+    )
+    head_dim = d_s // num_heads
+
+    def attend(qkv: torch.Tensor) -> torch.Tensor:
+        q, k, v = qkv.view(batch, length, 3, num_heads, head_dim).unbind(2)
+        out = pal_attention(
+            q, k, v, key_padding_mask=attention_mask, dropout_p=dropout_p, generator_seed=generator_seed
+        )
+        return out.reshape(batch * length, d_s)
+
+    res_rows = None if residual is None else residual.reshape(batch * length, d)
+    y = _pal_rows(
+        h.reshape(batch * length, d), plan, attend, enc_weight, enc_bias, qkv_weight, qkv_bias, dec_weight,
+        dec_bias, gelu, res_rows,
+    )  # fmt: skip
+    return y.view(batch, length, d)
+
+
+def pal_varlen(
+    h: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    task_ids: torch.Tensor,
+    enc_weight: torch.Tensor,
+    enc_bias: torch.Tensor,
+    qkv_weight: torch.Tensor,
+    qkv_bias: torch.Tensor,
+    dec_weight: torch.Tensor,
+    dec_bias: torch.Tensor,
+    num_heads: int,
+    gelu: bool = True,
+    dropout_p: float = 0.0,
+    residual: torch.Tensor | None = None,
+    generator_seed: int | None = None,
+) -> torch.Tensor:
+    """Packed form of :func:`pal`: ``residual + pal_varlen_reference(h, cu_seqlens, max_seqlen, ...)``.
+
+    h: ``[N, d]`` with B sequences back to back; cu_seqlens: ``[B+1]`` int32 (0 first, N last, non-decreasing);
+    max_seqlen: int >= the longest sequence; task_ids: ``[B]``, one task per sequence; residual: ``[N, d]`` or
+    None; the rest as in :func:`pal`. Returns ``[N, d]``.
+    """
+    if not isinstance(h, torch.Tensor) or h.dim() != 2:
+        raise ValueError(f"h must be packed rows [N, d], got {getattr(h, 'shape', type(h))}")
+    num_tasks, d, d_s = _check_pal_weights(
+        h, enc_weight, enc_bias, qkv_weight, qkv_bias, dec_weight, dec_bias, num_heads, residual
+    )
+    batch = check_cu_seqlens(cu_seqlens, h.shape[0], h.device)
+    task_ids = validate_task_ids(task_ids, num_tasks, batch, h.device)
+    plan = build_task_row_plan(
+        task_ids, num_tasks, h.shape[0], cu_seqlens=cu_seqlens, block_rows=_block_rows(d_s)
+    )
+    head_dim = d_s // num_heads
+    num_rows = h.shape[0]
+
+    def attend(qkv: torch.Tensor) -> torch.Tensor:
+        q, k, v = qkv.view(num_rows, 3, num_heads, head_dim).unbind(1)
+        out = pal_attention_varlen(
+            q, k, v, cu_seqlens, max_seqlen, dropout_p=dropout_p, generator_seed=generator_seed
+        )
+        return out.reshape(num_rows, d_s)
+
+    return _pal_rows(
+        h, plan, attend, enc_weight, enc_bias, qkv_weight, qkv_bias, dec_weight, dec_bias, gelu, residual
+    )
+
+
+def _block_rows(d_s: int) -> int:
+    """Row-tile height: the fused V^E/QKV kernel keeps a ``[rows, next_pow2(d_s)]`` fp32 tile in registers."""
+    return 32 if triton.next_power_of_2(d_s) > 128 else 64

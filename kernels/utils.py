@@ -1,0 +1,229 @@
+"""Shared helpers of the fastpals kernels: availability, the dispatch rule, input checks, and the task plan.
+
+Nothing here imports Triton at module load, so ``import fastpals.kernels`` stays cheap and works on machines
+without Triton. The task plan (:class:`TaskRowPlan`) is the multi-adapter trick of Punica's SGMV and vLLM's
+LoRA kernels: rows are grouped by task through an index array (no physical permutation of the activations),
+and row tiles are cut per task so that a tile never straddles two tasks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+from fastpals.functional import check_task_ids
+
+__all__ = [
+    "KERNELS_ENV",
+    "TaskRowPlan",
+    "available",
+    "build_task_row_plan",
+    "check_cu_seqlens",
+    "device_context",
+    "dot_flags",
+    "kernel_mode",
+    "use_triton",
+    "validate_task_ids",
+]
+
+KERNELS_ENV = "FASTPALS_KERNELS"
+_MODES = ("auto", "triton", "reference")
+
+
+def _interpret_mode() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_import_error() -> str | None:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken install raising something else at import
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def available() -> tuple[bool, str]:
+    """Can the Triton kernels run here? Returns ``(ok, reason)``.
+
+    ``ok`` is true when Triton imports and either a CUDA device is present or ``TRITON_INTERPRET=1`` is set
+    (Triton's CPU interpreter, slow, meant for tests). ``reason`` says what is missing, or what will be used.
+    """
+    err = _triton_import_error()
+    if err is not None:
+        return False, f"triton is not importable ({err})"
+    if torch.cuda.is_available():
+        return True, f"triton on CUDA device {torch.cuda.get_device_name()}"
+    if _interpret_mode():
+        return True, "triton interpreter (TRITON_INTERPRET=1, CPU tensors)"
+    return False, "no CUDA device and TRITON_INTERPRET is not 1"
+
+
+def kernel_mode() -> str:
+    """The value of ``$FASTPALS_KERNELS``: ``auto`` (default), ``triton`` or ``reference``."""
+    mode = os.environ.get(KERNELS_ENV, "auto").strip().lower() or "auto"
+    if mode not in _MODES:
+        raise ValueError(f"{KERNELS_ENV}={mode!r} is not one of {', '.join(_MODES)}")
+    return mode
+
+
+def use_triton(tensor: torch.Tensor) -> bool:
+    """Should the op on ``tensor`` run the Triton kernels (True) or the PyTorch reference (False)?
+
+    ``$FASTPALS_KERNELS``: ``reference`` -> False; ``auto`` (default) -> True when ``tensor`` is on CUDA and
+    :func:`available` is true; ``triton`` -> True, raising ``RuntimeError`` when the kernels cannot run on
+    ``tensor`` (no Triton; or a CPU tensor without ``TRITON_INTERPRET=1``, which must be set before Triton is
+    first imported).
+    """
+    mode = kernel_mode()
+    if mode == "reference":
+        return False
+    ok, reason = available()
+    if mode == "auto":
+        return tensor.is_cuda and ok
+    if not ok:
+        raise RuntimeError(f"{KERNELS_ENV}=triton but the Triton kernels cannot run: {reason}")
+    if tensor.is_cuda:
+        return True
+    if tensor.device.type == "cpu" and _interpret_mode():
+        return True
+    raise RuntimeError(
+        f"{KERNELS_ENV}=triton but the tensor is on {tensor.device}: the kernels need a CUDA tensor, or a CPU "
+        "tensor with TRITON_INTERPRET=1 set before Triton is imported"
+    )
+
+
+def check_cu_seqlens(
+    cu_seqlens: object, num_rows: int, device: torch.device, name: str = "cu_seqlens"
+) -> int:
+    """Validate packed-sequence boundaries ``[B+1]`` (int32 or int64, 0 first, non-decreasing, ``num_rows``
+    last) and return B. Reads the tensor once (a device sync)."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be int32 or int64, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
+        raise ValueError(f"{name} must have shape [B+1], got {list(cu_seqlens.shape)}")
+    if cu_seqlens.device != device:
+        raise ValueError(f"{name} is on {cu_seqlens.device} but the inputs are on {device}")
+    values = cu_seqlens.tolist()
+    if values[0] != 0 or values[-1] != num_rows:
+        raise ValueError(
+            f"{name} must start at 0 and end at the number of packed rows {num_rows}, got {values}"
+        )
+    if any(b < a for a, b in zip(values[:-1], values[1:])):
+        raise ValueError(f"{name} must be non-decreasing, got {values}")
+    return len(values) - 1
+
+
+@dataclass(frozen=True)
+class TaskRowPlan:
+    """Rows of a mixed-task batch grouped by task, and the row tiles the grouped kernels launch over.
+
+    - ``row_index [R] int32``: the rows of task 0's examples (stable order), then task 1's, ...
+    - ``task_row_offsets [T+1] int32``: task t owns ``row_index[task_row_offsets[t]:task_row_offsets[t+1]]``.
+    - ``tile_task / tile_start / tile_end [num_tiles] int32``: tile i covers ``row_index[tile_start:tile_end]``
+      (at most ``block_rows`` rows) of task ``tile_task``; ``num_tiles`` is the bound ``ceil(R / block_rows) + T``
+      so that no device-to-host sync is needed, and the unused tail has ``tile_task = -1`` (the program exits).
+    """
+
+    row_index: torch.Tensor
+    task_row_offsets: torch.Tensor
+    tile_task: torch.Tensor
+    tile_start: torch.Tensor
+    tile_end: torch.Tensor
+    num_rows: int
+    num_tasks: int
+    block_rows: int
+
+    @property
+    def num_tiles(self) -> int:
+        return self.tile_task.shape[0]
+
+
+def build_task_row_plan(
+    task_ids: torch.Tensor,
+    num_tasks: int,
+    num_rows: int,
+    seq_len: int | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    block_rows: int = 64,
+) -> TaskRowPlan:
+    """Group the rows of a batch by task. ``task_ids [B]`` int64 (already validated), one task per example.
+
+    Padded form (``seq_len`` given): example b owns rows ``b*seq_len .. (b+1)*seq_len - 1`` of the flattened
+    ``[B*seq_len, ...]`` batch (``seq_len = 1`` for a 2-D ``[B, K]`` input). Varlen form (``cu_seqlens [B+1]``):
+    example b owns rows ``cu_seqlens[b] .. cu_seqlens[b+1] - 1``. Everything runs on ``task_ids``' device with
+    torch ops (no Python loop over examples, no sync).
+    """
+    device = task_ids.device
+    order = torch.argsort(task_ids, stable=True)
+    if cu_seqlens is None:
+        if seq_len is None:
+            raise ValueError("build_task_row_plan needs seq_len (padded rows) or cu_seqlens (packed rows)")
+        lengths = torch.full_like(task_ids, seq_len)
+        starts = torch.arange(task_ids.shape[0], device=device, dtype=torch.long) * seq_len
+    else:
+        cu = cu_seqlens.long()
+        lengths = cu[1:] - cu[:-1]
+        starts = cu[:-1]
+    lengths_sorted = lengths[order]
+    seg_offsets = (
+        torch.cumsum(lengths_sorted, 0) - lengths_sorted
+    )  # start of each sorted example in row_index
+    seg_of_row = torch.repeat_interleave(
+        torch.arange(order.shape[0], device=device), lengths_sorted, output_size=num_rows
+    )
+    pos = torch.arange(num_rows, device=device, dtype=torch.long)
+    row_index = (starts[order][seg_of_row] + pos - seg_offsets[seg_of_row]).to(torch.int32)
+
+    rows_per_task = torch.zeros(num_tasks, dtype=torch.long, device=device)
+    rows_per_task.index_add_(0, task_ids, lengths)
+    task_row_offsets = torch.zeros(num_tasks + 1, dtype=torch.long, device=device)
+    task_row_offsets[1:] = torch.cumsum(rows_per_task, 0)
+
+    tiles_per_task = (rows_per_task + block_rows - 1) // block_rows
+    tile_ends_cum = torch.cumsum(tiles_per_task, 0)  # [T]
+    num_tiles = (num_rows + block_rows - 1) // block_rows + num_tasks
+    tile = torch.arange(num_tiles, device=device, dtype=torch.long)
+    task_of_tile = torch.searchsorted(tile_ends_cum, tile, right=True)  # T for the unused tail
+    valid = task_of_tile < num_tasks
+    safe_task = task_of_tile.clamp(max=num_tasks - 1)
+    local = tile - (tile_ends_cum[safe_task] - tiles_per_task[safe_task])
+    tile_start = task_row_offsets[safe_task] + local * block_rows
+    tile_end = torch.minimum(tile_start + block_rows, task_row_offsets[safe_task + 1])
+    tile_task = torch.where(valid, task_of_tile, torch.full_like(task_of_tile, -1))
+    return TaskRowPlan(
+        row_index=row_index.contiguous(),
+        task_row_offsets=task_row_offsets.to(torch.int32),
+        tile_task=tile_task.to(torch.int32),
+        tile_start=torch.where(valid, tile_start, 0).to(torch.int32),
+        tile_end=torch.where(valid, tile_end, 0).to(torch.int32),
+        num_rows=num_rows,
+        num_tasks=num_tasks,
+        block_rows=block_rows,
+    )
+
+
+def validate_task_ids(task_ids: object, num_tasks: int, batch: int, device: torch.device) -> torch.Tensor:
+    """:func:`fastpals.functional.check_task_ids`: integer ``[B]`` on the inputs' device, in ``[0, T)``."""
+    return check_task_ids(task_ids, num_tasks, batch, device)
+
+
+def device_context(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Launch on ``tensor``'s CUDA device (Triton launches on the current device); a no-op elsewhere."""
+    if tensor.is_cuda:
+        return torch.cuda.device(tensor.device)
+    return contextlib.nullcontext()
+
+
+def dot_flags(dtype: torch.dtype) -> dict[str, bool]:
+    """Constexpr flags of the kernels' ``_dot``: IEEE fp32 products for fp32 (and for upcast bf16 tiles);
+    INTERP_BF16 bf16 tiles to fp32 under the interpreter, whose bf16 ``tl.dot`` is wrong."""
+    upcast = dtype == torch.bfloat16 and _interpret_mode()
+    return {"IEEE": dtype == torch.float32 or upcast, "INTERP_BF16": upcast}
