@@ -6,15 +6,15 @@ Tasks and files (``data_dir`` defaults to ``$FASTPALS_DATA_DIR``)
 ======  ======  ================================  ==========================================  ==============
 task    kind    files (train / dev / test)        label                                       batch labels
 ======  ======  ================================  ==========================================  ==============
-sst     single  ids-sst-{train,dev,test-student}  sentiment, int 0..4                         int64 (5-way)
-cfimdb  single  ids-cfimdb-{train,dev,test-...}   sentiment, int 0/1                          int64 (2-way)
+sst     single  ids-sst-{train,dev,test-student}  sentiment, int 0..4                         int64
+cfimdb  single  ids-cfimdb-{train,dev,test-...}   sentiment, int 0/1                          float32
 para    pair    quora-dev.csv (see below)         is_duplicate, "0.0"/"1.0" -> int 0/1        float32
 sts     pair    sts-{train,dev,test-student}      similarity, float in [0, 5]                 float32
 ======  ======  ================================  ==========================================  ==============
 
-``sst`` and ``cfimdb`` are classified with a softmax over 5 and 2 classes (as in the CS224N starter), so their
-batch labels are class indices (int64); ``para`` is one logit (binary, float labels 0./1.); ``sts`` is a regression
-on the raw 0..5 score (float; divide by 5 yourself if the head predicts in [0, 1]). Test files carry no label
+The label kinds match ``fastpals.multitask.TASKS``: ``sst`` is a 5-way classification (batch labels are class
+indices, int64); ``cfimdb`` and ``para`` are binary (one logit, float labels 0./1.); ``sts`` is a regression on the
+raw 0..5 score (float; the model divides by its ``label_scale``). Test files carry no label
 (``label is None``; batches have no ``labels``); the SST and CFIMDB test files have a shifted header (an extra
 leading column), which is handled by finding every column by its header name.
 
@@ -65,14 +65,14 @@ from fastpals.tokenizer import Tokenizer
 
 __all__ = [
     "DATA_DIR_ENV",
-    "TASKS",
+    "TASK_FORMATS",
     "BadRow",
     "DataError",
     "DataWarning",
     "PairExample",
     "SentenceExample",
     "TaskBatcher",
-    "TaskSpec",
+    "TaskFormat",
     "load_task",
     "quora_split",
     "quora_split_sizes",
@@ -133,15 +133,15 @@ class BadRow:
 
 
 @dataclass(frozen=True)
-class TaskSpec:
+class TaskFormat:
     """What a task's files hold and how its labels are read.
 
     Attributes:
         name: ``sst``, ``cfimdb``, ``para`` or ``sts``.
         pair: two sentences per example (``sentence1``, ``sentence2``) instead of one (``sentence``).
         label_column: header name of the label column in labelled files.
-        label_kind: ``"multiclass"`` (int64 batch labels), ``"binary"`` or ``"regression"`` (float32).
-        num_classes: classes of a multiclass or binary task, ``None`` for regression.
+        label_kind: ``"classification"`` (int64 batch labels), ``"binary"`` or ``"regression"`` (float32).
+        num_classes: classes of a classification or binary task, ``None`` for regression.
         label_range: inclusive bounds of a valid label.
         files: file name per split.
     """
@@ -160,32 +160,32 @@ class TaskSpec:
 
     @property
     def label_dtype(self) -> torch.dtype:
-        return torch.int64 if self.label_kind == "multiclass" else torch.float32
+        return torch.int64 if self.label_kind == "classification" else torch.float32
 
 
-TASKS: dict[str, TaskSpec] = {
-    "sst": TaskSpec(
+TASK_FORMATS: dict[str, TaskFormat] = {
+    "sst": TaskFormat(
         "sst",
         False,
         "sentiment",
-        "multiclass",
+        "classification",
         5,
         (0, 4),
         {"train": "ids-sst-train.csv", "dev": "ids-sst-dev.csv", "test": "ids-sst-test-student.csv"},
     ),
-    "cfimdb": TaskSpec(
+    "cfimdb": TaskFormat(
         "cfimdb",
         False,
         "sentiment",
-        "multiclass",
+        "binary",
         2,
         (0, 1),
         {"train": "ids-cfimdb-train.csv", "dev": "ids-cfimdb-dev.csv", "test": "ids-cfimdb-test-student.csv"},
     ),
-    "para": TaskSpec(
+    "para": TaskFormat(
         "para", True, "is_duplicate", "binary", 2, (0, 1), {"train": QUORA_FILE, "dev": QUORA_FILE}
     ),
-    "sts": TaskSpec(
+    "sts": TaskFormat(
         "sts",
         True,
         "similarity",
@@ -199,12 +199,12 @@ TASKS: dict[str, TaskSpec] = {
 SPLITS = ("train", "dev", "test")
 
 
-def _task_spec(task: str | TaskSpec) -> TaskSpec:
-    if isinstance(task, TaskSpec):
+def _task_spec(task: str | TaskFormat) -> TaskFormat:
+    if isinstance(task, TaskFormat):
         return task
-    if task not in TASKS:
-        raise ValueError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
-    return TASKS[task]
+    if task not in TASK_FORMATS:
+        raise ValueError(f"task must be one of {', '.join(TASK_FORMATS)}, got {task!r}")
+    return TASK_FORMATS[task]
 
 
 def resolve_data_dir(data_dir: str | os.PathLike | None = None) -> Path:
@@ -225,7 +225,7 @@ def resolve_data_dir(data_dir: str | os.PathLike | None = None) -> Path:
     return path
 
 
-def _parse_label(text: str, spec: TaskSpec) -> tuple[int | float | None, str, str]:
+def _parse_label(text: str, spec: TaskFormat) -> tuple[int | float | None, str, str]:
     """Return ``(label, kind, reason)``; ``label`` is ``None`` when the text is not a valid label."""
     stripped = text.strip()
     if not stripped:
@@ -252,13 +252,13 @@ def _has_bad_utf8(text: str) -> bool:
 
 
 def read_task_file(
-    path: str | os.PathLike, task: str | TaskSpec, labelled: bool, strict: bool = True
+    path: str | os.PathLike, task: str | TaskFormat, labelled: bool, strict: bool = True
 ) -> tuple[list[Example], list[BadRow]]:
     """Read one tab-separated task file.
 
     Args:
         path: the CSV file (header row, then one example per row; quoted fields may span lines).
-        task: task name or ``TaskSpec``: which columns to read and how to check the label.
+        task: task name or ``TaskFormat``: which columns to read and how to check the label.
         labelled: read the label column (train/dev files) or not (test files: ``label=None``).
         strict: raise ``DataError`` at the first bad row (``True``) or skip bad rows (``False``).
 
@@ -426,7 +426,7 @@ class TaskBatcher:
     Each batch is a dict:
         ``input_ids``, ``attention_mask``, ``token_type_ids``: int64 ``(B, L)``, ``L`` = longest in the batch; for
             pairs the joint ``[CLS] s1 [SEP] s2 [SEP]`` encoding with token types 0/1.
-        ``labels``: ``(B,)`` int64 (multiclass tasks) or float32 (binary, regression); absent without labels.
+        ``labels``: ``(B,)`` int64 (classification) or float32 (binary, regression); absent without labels.
         ``ids``: ``list[str]`` of length ``B``; ``task``: the task name.
         with ``separate=True`` (pairs only) also ``input_ids_1``, ``attention_mask_1``, ``token_type_ids_1``
             (``(B, L1)``, sentence1 alone as ``[CLS] s1 [SEP]``) and the same with ``_2`` for sentence2.
@@ -434,7 +434,7 @@ class TaskBatcher:
     Args:
         examples: examples of one task (all with labels, or all without).
         tokenizer: a ``fastpals.Tokenizer``.
-        task: task name or ``TaskSpec`` (kind of example, label dtype).
+        task: task name or ``TaskFormat`` (kind of example, label dtype).
         batch_size: examples per batch.
         max_length: token limit per sequence (truncations are counted in ``num_truncated``).
         shuffle: permute examples and batches each epoch (training) or keep file order (evaluation).
@@ -449,7 +449,7 @@ class TaskBatcher:
         self,
         examples: Sequence[Example],
         tokenizer: Tokenizer,
-        task: str | TaskSpec,
+        task: str | TaskFormat,
         batch_size: int,
         *,
         max_length: int = 128,

@@ -12,7 +12,7 @@ import torch
 
 from fastpals.data import (
     DATA_DIR_ENV,
-    TASKS,
+    TASK_FORMATS,
     DataError,
     DataWarning,
     PairExample,
@@ -58,7 +58,7 @@ def load_quiet(name, split, data_dir, strict=True):
 def test_real_files_row_counts_and_labels(task_data_dir, name, split):
     examples = load_task(name, split, task_data_dir)
     assert len(examples) == EXPECTED_ROWS[(name, split)]
-    spec = TASKS[name]
+    spec = TASK_FORMATS[name]
     assert all(isinstance(ex, PairExample if spec.pair else SentenceExample) for ex in examples)
     assert len({ex.id for ex in examples}) == len(examples)
     assert all(len(ex.id) == 25 for ex in examples)
@@ -314,6 +314,8 @@ def test_binary_labels_are_float(tok):
     examples = [PairExample(f"q{i}", "how are you", "how do you do", i % 2) for i in range(5)]
     batch = next(iter(TaskBatcher(examples, tok, "para", 8)))
     assert batch["labels"].dtype == torch.float32 and sorted(batch["labels"].tolist()) == [0, 0, 0, 1, 1]
+    reviews = [SentenceExample(f"r{i}", "a fine film", i % 2) for i in range(3)]
+    assert next(iter(TaskBatcher(reviews, tok, "cfimdb", 8)))["labels"].dtype == torch.float32
 
 
 def test_test_split_has_no_labels(tok, task_data_dir):
