@@ -1,1 +1,57 @@
-"""Gradient surgery (PCGrad, GEM) as Gram matrix -> task weights -> sum of weighted task gradients."""
+"""Gradient surgery (PCGrad, GEM) as Gram matrix -> task weights -> sum of weighted task gradients.
+
+Every method here is an *aggregator*: a function of the ``T x T`` Gram matrix ``G[i, j] = <g_i, g_j>`` of the
+task gradients (over the parameters shared by the tasks) returning weights ``w [T]`` such that the update is
+``sum_t w_t g_t``: :func:`sum_weights`, :func:`mean_weights`, :func:`pcgrad_weights`, :func:`gem_weights`.
+The weights are computed on the device, without synchronising.
+
+:class:`TaskGradientBuffer` holds the per-task gradients of the shared parameters in one flat ``[T, P]`` tensor
+(float32 or bfloat16), filled by one backward per task with the graph freed each time; ``apply`` runs the fused
+Gram kernel (float32 accumulation, finite check fused), the aggregator, and the fused combine kernel that writes
+the update into the parameters' ``.grad``. :class:`PCGrad` and :class:`GEM` wrap an optimizer with
+Pytorch-PCGrad's ``pc_backward(losses)`` convention.
+
+Mixed precision: use one loss scale for all tasks (the weights do not depend on it; the Gram is accumulated in
+float32 so that ``S^2 |g|^2`` does not overflow). Inf/nan in any task gradient skips the step: ``apply`` returns
+``SurgeryResult(skipped=True, nonfinite_tasks=[...])``, writes nothing, and the wrappers' ``step()`` does nothing.
+With ``torch.amp.GradScaler``, do not call ``scaler.step`` on a skipped step (it finds no gradients); lower the
+scale yourself, e.g. ``scaler.update(scaler.get_scale() * scaler.get_backoff_factor())``. Clip after surgery.
+
+Data parallel: surgery must act on the global per-task gradients (per-rank Gram matrices do not add up to the
+global one). Run the per-task backwards without DDP's gradient all-reduce (``model.no_sync()`` or no DDP
+wrapper), then ``TaskGradientBuffer(..., all_reduce=True)`` (or ``process_group=pg``) averages the ``[T, P]``
+buffer across ranks before the Gram: ``T * P`` elements per step (plain DDP reduces ``P``), plus the
+task-specific gradients and ``T * n_params`` touched flags. Every rank then computes the same update.
+
+DeepSpeed (ZeRO stage 0, 1, 2): the buffer reads and writes gradients through callables. Build it with
+``grad_getter=deepspeed.utils.safe_get_full_grad`` and ``grad_setter=lambda p, g: safe_set_full_grad(p, g if g
+is not None else torch.zeros_like(p, dtype=torch.float32))``, call ``engine.backward(loss_t)`` then
+``buf.capture(t)`` per task, then ``buf.apply(...)`` and ``engine.step()``. Every rank must call the getters and
+setters (they gather/scatter partitions). See the report on issue 5 for what was measured with DeepSpeed 0.19.8.
+"""
+
+from fastpals.surgery.aggregators import gem_weights, mean_weights, pcgrad_orders, pcgrad_weights, sum_weights
+from fastpals.surgery.buffer import (
+    SurgeryResult,
+    TaskGradientBuffer,
+    default_grad_getter,
+    default_grad_setter,
+    parameters_reached,
+)
+from fastpals.surgery.optim import GEM, PCGrad, shared_parameters_by_name
+
+__all__ = [
+    "GEM",
+    "PCGrad",
+    "SurgeryResult",
+    "TaskGradientBuffer",
+    "default_grad_getter",
+    "default_grad_setter",
+    "gem_weights",
+    "mean_weights",
+    "parameters_reached",
+    "pcgrad_orders",
+    "pcgrad_weights",
+    "shared_parameters_by_name",
+    "sum_weights",
+]

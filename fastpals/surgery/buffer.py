@@ -1,0 +1,334 @@
+"""The flat per-task gradient buffer: capture one task's gradient at a time, then Gram -> weights -> combine.
+
+Usage from any training loop (one forward + backward per task, the graph freed each time)::
+
+    buf = TaskGradientBuffer(shared_params, num_tasks=T, task_params=task_specific_params)
+    optimizer.zero_grad(set_to_none=True)
+    for t in range(T):
+        loss_t = model_loss(batch[t], task=t)
+        loss_t.backward()          # shared grads land in .grad, task-specific grads accumulate
+        buf.capture(t)             # copies the shared grads into row t and clears them
+    result = buf.apply(pcgrad_weights, generator=g)   # writes sum_t w_t g_t into the shared .grad
+    if not result.skipped:
+        optimizer.step()
+
+Memory: the ``[T, P]`` buffer (``P`` = number of shared parameter elements, ``dtype`` float32 or bfloat16) and
+one flat ``[P]`` gradient tensor reused every step whose views are the shared parameters' ``.grad``: plain
+multi-task training plus ``T * P * bytes(dtype)``. Time: one copy of the shared gradients per task, one pass of
+the Gram kernel and one of the combine kernel over the buffer, and one device-to-host sync (the finite check).
+
+Task-specific parameters (a task's PAL slice, its head) are not in the buffer: their gradients accumulate
+normally over the per-task backwards, so each receives its own task's gradient unchanged (for stacked per-task
+weights ``[T, ...]`` each task's backward only fills its own slice). Pass them as ``task_params`` so that they
+take part in the finite check and in the data-parallel average, and so that :attr:`task_param_tasks` records
+which tasks touched each of them. A shared parameter that no task touched keeps ``grad = None``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fastpals.kernels.combine import combine
+from fastpals.kernels.gram import MAX_TASKS, gram
+
+__all__ = ["SurgeryResult", "TaskGradientBuffer", "default_grad_getter", "default_grad_setter"]
+
+GradGetter = Callable[[torch.nn.Parameter], "torch.Tensor | None"]
+GradSetter = Callable[[torch.nn.Parameter, "torch.Tensor | None"], None]
+Aggregator = Callable[..., torch.Tensor]
+
+
+def default_grad_getter(p: torch.nn.Parameter) -> torch.Tensor | None:
+    """``p.grad``."""
+    return p.grad
+
+
+def default_grad_setter(p: torch.nn.Parameter, value: torch.Tensor | None) -> None:
+    """``p.grad = value`` (``None`` clears it)."""
+    p.grad = value
+
+
+@dataclass
+class SurgeryResult:
+    """What :meth:`TaskGradientBuffer.apply` did.
+
+    - ``skipped``: True when a gradient was non-finite; nothing was written and the optimizer must not step.
+    - ``weights [T]`` (device; None when skipped): the update is ``sum_t weights[t] * g_t``.
+    - ``gram [T, T]`` float32 (device): the Gram matrix of the (globally averaged) task gradients.
+    - ``nonfinite_tasks``: rows whose gradient held inf/nan (or whose squared norm overflowed fp32).
+    - ``nonfinite_task_params``: True when a task-specific gradient was non-finite.
+    """
+
+    skipped: bool
+    weights: torch.Tensor | None
+    gram: torch.Tensor
+    nonfinite_tasks: list[int] = field(default_factory=list)
+    nonfinite_task_params: bool = False
+
+
+def _unique_params(params: Iterable[torch.nn.Parameter], name: str) -> list[torch.nn.Parameter]:
+    out: list[torch.nn.Parameter] = []
+    seen: set[int] = set()
+    for p in params:
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"{name} must hold tensors (parameters), got {type(p).__name__}")
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        out.append(p)
+    return out
+
+
+class TaskGradientBuffer:
+    """Per-task gradients of the shared parameters in one flat ``[num_tasks, P]`` tensor.
+
+    Args:
+        params: the parameters shared by the tasks (the Gram is over them). All on one device, one dtype.
+        num_tasks: rows of the buffer, ``1 <= num_tasks <= 32`` (GEM with an episodic memory uses ``2 T``).
+        dtype: buffer dtype, ``torch.float32`` (default), ``torch.bfloat16`` or ``torch.float16``. The Gram is
+            always accumulated in float32.
+        task_params: task-specific parameters (see the module docstring); optional.
+        grad_getter / grad_setter: how gradients are read and written; default ``p.grad``. Under DeepSpeed
+            ZeRO-1/2 pass ``deepspeed.utils.safe_get_full_grad`` and a setter built on ``safe_set_full_grad``
+            (see :mod:`fastpals.surgery`). A setter receiving ``None`` must clear the gradient.
+        grad_dtype: dtype of the combined gradient written back (default: the parameters' dtype).
+        process_group: data parallel: when given (or ``all_reduce=True`` with the default group), the buffer
+            is averaged over the ranks before the Gram, so that surgery acts on the global per-task gradients.
+            Communication per step: ``T * P`` buffer elements plus the task-specific gradients and a few flags.
+        all_reduce: average over the default process group (``torch.distributed`` must be initialised).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter],
+        num_tasks: int,
+        dtype: torch.dtype = torch.float32,
+        *,
+        task_params: Iterable[torch.nn.Parameter] | None = None,
+        grad_getter: GradGetter | None = None,
+        grad_setter: GradSetter | None = None,
+        grad_dtype: torch.dtype | None = None,
+        process_group: Any = None,
+        all_reduce: bool = False,
+    ) -> None:
+        self.params = _unique_params(params, "params")
+        if not self.params:
+            raise ValueError("params is empty: the buffer needs at least one shared parameter")
+        if not isinstance(num_tasks, int) or not 1 <= num_tasks <= MAX_TASKS:
+            raise ValueError(f"num_tasks must be an int in [1, {MAX_TASKS}], got {num_tasks!r}")
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise TypeError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
+        devices = {p.device for p in self.params}
+        dtypes = {p.dtype for p in self.params}
+        if len(devices) != 1:
+            raise ValueError(f"params must all be on one device, got {sorted(map(str, devices))}")
+        if len(dtypes) != 1 and grad_dtype is None:
+            raise ValueError(f"params have several dtypes {sorted(map(str, dtypes))}: pass grad_dtype")
+        shared_ids = {id(p) for p in self.params}
+        self.task_params = [
+            p for p in _unique_params(task_params or [], "task_params") if id(p) not in shared_ids
+        ]
+        if len(self.task_params) != len(_unique_params(task_params or [], "task_params")):
+            raise ValueError("a parameter cannot be both shared (params) and task-specific (task_params)")
+        self.device = devices.pop()
+        self.num_tasks = num_tasks
+        self.dtype = dtype
+        self.grad_dtype = grad_dtype or next(iter(dtypes))
+        self.grad_getter = grad_getter or default_grad_getter
+        self.grad_setter = grad_setter or default_grad_setter
+        self.process_group = process_group
+        self.all_reduce = all_reduce or process_group is not None
+        self.numels = [p.numel() for p in self.params]
+        self.num_elements = sum(self.numels)
+        self.data = torch.zeros((num_tasks, self.num_elements), dtype=dtype, device=self.device)
+        self._row_views = [list(torch.split(self.data[t], self.numels)) for t in range(num_tasks)]
+        self._flat_grad: torch.Tensor | None = None
+        self._captured = [False] * num_tasks
+        self._touched = [[False] * len(self.params) for _ in range(num_tasks)]
+        self._task_state: list[tuple[int, int] | None] = [None] * len(self.task_params)
+        self.task_param_tasks: list[set[int]] = [set() for _ in self.task_params]
+        self.skipped_steps = 0
+        self.steps = 0
+
+    # ------------------------------------------------------------------------------------------------------------
+    def _task_grad_state(self, p: torch.nn.Parameter) -> tuple[int, int] | None:
+        g = self.grad_getter(p)
+        return None if g is None else (id(g), g._version)
+
+    def capture(self, task: int, accumulate: bool = False) -> None:
+        """Copy the current gradients of the shared parameters into row ``task`` and clear them.
+
+        Call it after the backward of task ``task``. A parameter with no gradient contributes zeros and counts as
+        not touched by that task. ``accumulate=True`` adds to the row instead (several micro-batches of one task);
+        otherwise capturing a task twice before :meth:`apply` is an error.
+        """
+        if not isinstance(task, int) or not 0 <= task < self.num_tasks:
+            raise ValueError(f"task must be an int in [0, {self.num_tasks}), got {task!r}")
+        if self._captured[task] and not accumulate:
+            raise ValueError(f"task {task} was already captured since the last apply() (use accumulate=True)")
+        fresh = not self._captured[task]
+        dst_some: list[torch.Tensor] = []
+        src_some: list[torch.Tensor] = []
+        dst_none: list[torch.Tensor] = []
+        row = self._row_views[task]
+        touched = self._touched[task]
+        for k, p in enumerate(self.params):
+            g = self.grad_getter(p)
+            if g is None:
+                if fresh:
+                    dst_none.append(row[k])
+                continue
+            if g.shape != p.shape:
+                raise ValueError(
+                    f"gradient of shared parameter {k} has shape {list(g.shape)}, expected {list(p.shape)}"
+                )
+            if g.is_sparse:
+                raise ValueError(f"gradient of shared parameter {k} is sparse; dense gradients are required")
+            touched[k] = True
+            dst_some.append(row[k])
+            src_some.append(g.detach().reshape(-1))
+        if dst_some:
+            if fresh:
+                torch._foreach_copy_(dst_some, src_some)
+            else:
+                torch._foreach_add_(dst_some, [s.to(self.dtype) for s in src_some])
+        if dst_none:
+            torch._foreach_zero_(dst_none)
+        for p in self.params:
+            self.grad_setter(p, None)
+        self._captured[task] = True
+        for k, p in enumerate(self.task_params):
+            state = self._task_grad_state(p)
+            if state is not None and state != self._task_state[k]:
+                self.task_param_tasks[k].add(task)
+            self._task_state[k] = state
+
+    # ------------------------------------------------------------------------------------------------------------
+    def _reduce(self) -> list[torch.Tensor | None]:
+        """Average the buffer, the task-specific gradients and the touched flags over the process group."""
+        world = dist.get_world_size(self.process_group)
+        task_grads = [self.grad_getter(p) for p in self.task_params]
+        flags = torch.tensor(
+            [x for row in self._touched for x in row] + [g is not None for g in task_grads],
+            dtype=torch.float32,
+            device=self.device,
+        )
+        dist.all_reduce(flags, group=self.process_group)
+        self.data.div_(world)
+        dist.all_reduce(self.data, group=self.process_group)
+        n = len(self.params)
+        for t in range(self.num_tasks):
+            self._touched[t] = [bool(x) for x in (flags[t * n : (t + 1) * n] > 0).tolist()]
+        if not self.task_params:
+            return []
+        task_used = (flags[self.num_tasks * n :] > 0).tolist()
+        flat = torch.cat(
+            [
+                (
+                    g.detach().reshape(-1).float()
+                    if g is not None
+                    else torch.zeros(p.numel(), device=self.device)
+                )
+                for p, g in zip(self.task_params, task_grads)
+            ]
+        )
+        flat.div_(world)
+        dist.all_reduce(flat, group=self.process_group)
+        out: list[torch.Tensor | None] = []
+        for p, part, used in zip(
+            self.task_params, torch.split(flat, [p.numel() for p in self.task_params]), task_used
+        ):
+            out.append(part.view_as(p).to(p.dtype) if used else None)
+        return out
+
+    def apply(
+        self, aggregator: Aggregator, generator: torch.Generator | None = None, **aggregator_kwargs: Any
+    ) -> SurgeryResult:
+        """Gram -> ``aggregator(gram, generator=generator, **aggregator_kwargs)`` -> ``sum_t w_t g_t`` into .grad.
+
+        Rows not captured since the last call count as zero gradients (a task absent from this step). One
+        device-to-host sync: the finite check of every task gradient (fused into the Gram kernel) and of the
+        task-specific gradients. When something is non-finite the step is skipped: the shared gradients stay
+        ``None``, :attr:`skipped_steps` grows, and the result says which tasks were at fault; the aggregator is
+        not called.
+        """
+        for t in range(self.num_tasks):
+            if not self._captured[t]:
+                self.data[t].zero_()
+        task_grads: list[torch.Tensor | None]
+        if self.all_reduce:
+            if not dist.is_available() or not dist.is_initialized():
+                raise RuntimeError("all_reduce/process_group given but torch.distributed is not initialised")
+            task_grads = self._reduce()
+            for p, g in zip(self.task_params, task_grads):
+                self.grad_setter(p, g)
+        else:
+            task_grads = [self.grad_getter(p) for p in self.task_params]
+        g_mat, finite = gram(self.data)
+        present = [g for g in task_grads if g is not None]
+        if present:
+            norms = torch.stack(torch._foreach_norm([g.detach() for g in present]))
+            task_ok = torch.isfinite(norms).all().reshape(1)
+            flags = torch.cat([finite, task_ok]).cpu()  # the one device-to-host sync of the step
+        else:
+            flags = torch.cat([finite, torch.ones(1, dtype=torch.bool, device=finite.device)]).cpu()
+        self.steps += 1
+        touched = self._touched
+        self._captured = [False] * self.num_tasks
+        self._touched = [[False] * len(self.params) for _ in range(self.num_tasks)]
+        self._task_state = [self._task_grad_state(p) for p in self.task_params]
+        if not bool(flags.all()):
+            self.skipped_steps += 1
+            bad = [t for t in range(self.num_tasks) if not bool(flags[t])]
+            return SurgeryResult(True, None, g_mat, bad, not bool(flags[-1]))
+        weights = aggregator(g_mat, generator=generator, **aggregator_kwargs)
+        if self._flat_grad is None:
+            self._flat_grad = torch.empty(self.num_elements, dtype=self.grad_dtype, device=self.device)
+        combine(self.data, weights, out=self._flat_grad)
+        used = [any(touched[t][k] for t in range(self.num_tasks)) for k in range(len(self.params))]
+        for p, part, u in zip(self.params, torch.split(self._flat_grad, self.numels), used):
+            self.grad_setter(p, part.view_as(p) if u else None)
+        return SurgeryResult(False, weights, g_mat)
+
+    # ------------------------------------------------------------------------------------------------------------
+    def row(self, task: int) -> torch.Tensor:
+        """Row ``task`` of the buffer, ``[P]`` (the flattened gradient of the shared parameters)."""
+        return self.data[task]
+
+    def __repr__(self) -> str:
+        return (
+            f"TaskGradientBuffer(num_tasks={self.num_tasks}, shared_elements={self.num_elements}, "
+            f"dtype={self.dtype}, task_params={len(self.task_params)}, all_reduce={self.all_reduce})"
+        )
+
+
+def parameters_reached(loss: torch.Tensor, params: Sequence[torch.nn.Parameter]) -> list[bool]:
+    """Which of ``params`` the autograd graph of ``loss`` reaches (a walk over ``grad_fn``; no gradient is
+    computed). Used to split parameters into shared, task-specific and unused ones."""
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"loss must be a tensor, got {type(loss).__name__}")
+    index = {id(p): k for k, p in enumerate(params)}
+    reached = [False] * len(params)
+    if loss.grad_fn is None:
+        if loss.requires_grad and id(loss) in index:
+            reached[index[id(loss)]] = True
+        return reached
+    stack = [loss.grad_fn]
+    seen = {loss.grad_fn}
+    while stack:
+        node = stack.pop()
+        var = getattr(node, "variable", None)
+        if var is not None:
+            k = index.get(id(var))
+            if k is not None:
+                reached[k] = True
+        for nxt, _ in node.next_functions:
+            if nxt is not None and nxt not in seen:
+                seen.add(nxt)
+                stack.append(nxt)
+    return reached
