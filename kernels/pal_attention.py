@@ -1,0 +1,888 @@
+"""Flash-style multi-head attention for the PAL's projected space (small head dims, fused dropout).
+
+The PAL of Bert-n-Pals runs softmax attention with 6 or 12 heads of 17, 34 or 46 dimensions on a
+``d_s``-wide projection of the layer input. This module computes exactly what
+:func:`fastpals.functional.attention_reference` / :func:`~fastpals.functional.attention_varlen_reference` define,
+without ever holding an ``L x L`` matrix in memory:
+
+- forward: one program per (batch x head, block of queries) streams over key blocks with an online softmax in
+  fp32 and saves the per-row running max ``m`` and normaliser ``l`` (two fp32 numbers per query and head);
+- backward: a small pass computes ``delta = rowsum(dO * O)``; one kernel per key block accumulates ``dK`` and
+  ``dV`` over all query blocks, a second per query block accumulates ``dQ`` over all key blocks. The
+  probabilities are recomputed from ``m`` and ``l``; no atomics, so gradients are deterministic.
+
+Semantics shared with the reference:
+
+- padded keys (``key_padding_mask == 0``) get ``finfo(float32).min`` added to their fp32 score, exactly like
+  BERT's additive mask. A sequence whose keys are all padding therefore averages every key uniformly (as the
+  reference does) instead of producing NaN; every query row, padded or not, is computed.
+- the softmax scale defaults to ``1 / sqrt(Dh)``.
+- dropout on the (normalised) probabilities keeps an entry with probability ``1 - dropout_p`` and scales kept
+  entries by ``1 / (1 - dropout_p)``. The keep decision of entry (batch b, head h, query i, key j) is
+  ``tl.rand(seed, ((b * H + h) * S + i) * S + j) >= dropout_p`` with ``S`` = ``L`` (padded) or ``max_seqlen``
+  (varlen; i and j count from the start of each sequence), so the backward pass regenerates the forward mask
+  and a varlen batch drops exactly what the padded batch with ``L = max_seqlen`` drops.
+  :func:`pal_attention_dropout_mask` materialises that mask for tests and debugging.
+
+Head dims up to 128 are supported; a head dim is padded inside the kernel to the next power of two >= 16
+(``tl.dot`` needs 16) with masked loads and stores, so 17 runs in tiles of 32, 34 and 46 in tiles of 64.
+Inputs are fp32, fp16 or bf16; scores, softmax and every accumulator are fp32; fp32 inputs use IEEE fp32
+products (no TF32), so fp32 results match the reference to about 1e-6.
+"""
+
+# ruff: noqa: ANN001 - Triton kernel parameters (pointers, strides, scalars) carry no Python annotations:
+# Triton reads annotations as specialisation hints. Host functions below are fully annotated.
+from __future__ import annotations
+
+import math
+import numbers
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "MAX_HEAD_DIM",
+    "PALAttentionFunction",
+    "PALAttentionVarlenFunction",
+    "pal_attention",
+    "pal_attention_dropout_mask",
+    "pal_attention_varlen",
+]
+
+MAX_HEAD_DIM = 128
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# The reference's additive mask value for a padded key (softmax runs in fp32).
+_MASKED_SCORE = tl.constexpr(-3.4028234663852886e38)
+_SEED_LIMIT = 2**63
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Triton building blocks
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _mm(a, b, IEEE: tl.constexpr, INTERP_BF16: tl.constexpr):
+    """``a @ b`` with fp32 accumulation; IEEE fp32 products for fp32 operands (no TF32).
+
+    INTERP_BF16 (Triton's CPU interpreter with bf16 inputs only): the interpreter's bf16 ``tl.dot`` returns
+    garbage, so the bf16 tiles are widened to fp32 first. Products of bf16 values are exact in fp32, so this
+    computes what a bf16 MMA with fp32 accumulation computes.
+    """
+    if INTERP_BF16:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if IEEE:
+        c = tl.dot(a, b, input_precision="ieee")
+    else:
+        c = tl.dot(a, b)
+    return c
+
+
+@triton.jit
+def _cast(x, dtype: tl.constexpr, INTERP_BF16: tl.constexpr):
+    """fp32 -> ``dtype`` with round-to-nearest-even.
+
+    INTERP_BF16: Triton's CPU interpreter truncates fp32 -> bf16 (GPUs round to nearest even), which doubles the
+    rounding error; round the fp32 bits to the nearest bf16 value first so the truncation is exact.
+    """
+    if INTERP_BF16:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def _seq_bounds(CU, b, SEQ, IS_VARLEN: tl.constexpr):
+    """(first token row, length) of sequence ``b``: from ``cu_seqlens`` (varlen) or ``(0, L)`` (padded)."""
+    if IS_VARLEN:
+        start = tl.load(CU + b)
+        end = tl.load(CU + b + 1)
+    else:
+        start = b * 0
+        end = b * 0 + SEQ
+    return start, end - start
+
+
+@triton.jit
+def _key_bias(MASK, b64, offs_n, valid_n, stride_mb, stride_ml, HAS_MASK: tl.constexpr):
+    """Additive fp32 score bias per key: 0 for a token, finfo.min for padding, -inf past the sequence end."""
+    if HAS_MASK:
+        keep = tl.load(MASK + b64 * stride_mb + offs_n.to(tl.int64) * stride_ml, mask=valid_n, other=1)
+        bias = tl.where(keep != 0, 0.0, _MASKED_SCORE)
+    else:
+        bias = tl.zeros_like(offs_n).to(tl.float32)
+    return tl.where(valid_n, bias, float("-inf"))
+
+
+@triton.jit
+def _dropout_keep(seed, bh, q_idx, k_idx, SEQ, dropout_p):
+    """Keep decision of the probabilities at (query q_idx, key k_idx) of batch x head ``bh`` (broadcast 2-D).
+
+    One Philox counter per (batch, head, query, key), so forward, backward and the debug helper agree.
+    """
+    offsets = (bh.to(tl.int64) * SEQ + q_idx.to(tl.int64)) * SEQ + k_idx.to(tl.int64)
+    return tl.rand(seed, offsets) >= dropout_p
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Kernels. Grid axis 0 = batch * heads (no 65535 limit), axis 1 = blocks of the sequence.
+# Token row of position i of sequence b: b * stride_b + (start_b + i) * stride_l + h * stride_h
+# (varlen: stride_b = 0, start_b = cu_seqlens[b]; padded: start_b = 0).
+# Row statistics (m, l, delta) are fp32 [rows, H] with row = b * stat_stride_b + start_b + i.
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _pal_attn_fwd_kernel(
+    Q, K, V, Out, STAT_M, STAT_L, MASK, CU,
+    seed, dropout_p, dropout_scale, softmax_scale,
+    stride_qb, stride_ql, stride_qh,
+    stride_kb, stride_kl, stride_kh,
+    stride_vb, stride_vl, stride_vh,
+    stride_ob, stride_ol, stride_oh,
+    stride_mb, stride_ml, stat_stride_b,
+    H, SEQ, HEAD_DIM,
+    IS_VARLEN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    IEEE: tl.constexpr, INTERP_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    bh = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    b64 = b.to(tl.int64)
+    start, seqlen = _seq_bounds(CU, b, SEQ, IS_VARLEN)
+    if pid_m * BLOCK_M < seqlen:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        valid_m = offs_m < seqlen
+        valid_d = offs_d < HEAD_DIM
+        tok_m = (start + offs_m).to(tl.int64)
+        q_mask = valid_m[:, None] & valid_d[None, :]
+        q = tl.load(
+            Q + b64 * stride_qb + h * stride_qh + tok_m[:, None] * stride_ql + offs_d[None, :],
+            mask=q_mask,
+            other=0.0,
+        )
+        k_base = K + b64 * stride_kb + h * stride_kh
+        v_base = V + b64 * stride_vb + h * stride_vh
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for start_n in range(0, seqlen, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            valid_n = offs_n < seqlen
+            tok_n = (start + offs_n).to(tl.int64)
+            kv_mask = valid_n[:, None] & valid_d[None, :]
+            k = tl.load(k_base + tok_n[:, None] * stride_kl + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_base + tok_n[:, None] * stride_vl + offs_d[None, :], mask=kv_mask, other=0.0)
+            bias = _key_bias(MASK, b64, offs_n, valid_n, stride_mb, stride_ml, HAS_MASK)
+            s = _mm(q, tl.trans(k), IEEE, INTERP_BF16) * softmax_scale + bias[None, :]
+            # every tile holds at least one key inside the sequence, so m_new is finite
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if HAS_DROPOUT:
+                keep = _dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], SEQ, dropout_p)
+                p = tl.where(keep, p * dropout_scale, 0.0)
+            acc = acc * alpha[:, None] + _mm(_cast(p, v.dtype, INTERP_BF16), v, IEEE, INTERP_BF16)
+            m_i = m_new
+        acc = acc / l_i[:, None]
+        tl.store(
+            Out + b64 * stride_ob + h * stride_oh + tok_m[:, None] * stride_ol + offs_d[None, :],
+            _cast(acc, Out.dtype.element_ty, INTERP_BF16),
+            mask=q_mask,
+        )
+        stat = (b64 * stat_stride_b + tok_m) * H + h
+        tl.store(STAT_M + stat, m_i, mask=valid_m)
+        tl.store(STAT_L + stat, l_i, mask=valid_m)
+
+
+@triton.jit
+def _pal_attn_bwd_delta_kernel(
+    Out, DO, DELTA, CU,
+    stride_ob, stride_ol, stride_oh,
+    stride_dob, stride_dol, stride_doh,
+    stat_stride_b,
+    H, SEQ, HEAD_DIM,
+    IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    bh = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    b64 = b.to(tl.int64)
+    start, seqlen = _seq_bounds(CU, b, SEQ, IS_VARLEN)
+    if pid_m * BLOCK_M < seqlen:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        valid_m = offs_m < seqlen
+        tok_m = (start + offs_m).to(tl.int64)
+        mask = valid_m[:, None] & (offs_d < HEAD_DIM)[None, :]
+        o = tl.load(
+            Out + b64 * stride_ob + h * stride_oh + tok_m[:, None] * stride_ol + offs_d[None, :],
+            mask=mask,
+            other=0.0,
+        )
+        do = tl.load(
+            DO + b64 * stride_dob + h * stride_doh + tok_m[:, None] * stride_dol + offs_d[None, :],
+            mask=mask,
+            other=0.0,
+        )
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        tl.store(DELTA + (b64 * stat_stride_b + tok_m) * H + h, delta, mask=valid_m)
+
+
+@triton.jit
+def _pal_attn_bwd_dkdv_kernel(
+    Q, K, V, DO, DK, DV, STAT_M, STAT_L, DELTA, MASK, CU,
+    seed, dropout_p, dropout_scale, softmax_scale,
+    stride_qb, stride_ql, stride_qh,
+    stride_kb, stride_kl, stride_kh,
+    stride_vb, stride_vl, stride_vh,
+    stride_dob, stride_dol, stride_doh,
+    stride_gb, stride_gl, stride_gh,
+    stride_mb, stride_ml, stat_stride_b,
+    H, SEQ, HEAD_DIM,
+    IS_VARLEN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    IEEE: tl.constexpr, INTERP_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """dK, dV of one key block (transposed tiles: keys on rows, queries on columns)."""
+    bh = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    b64 = b.to(tl.int64)
+    start, seqlen = _seq_bounds(CU, b, SEQ, IS_VARLEN)
+    if pid_n * BLOCK_N < seqlen:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        valid_n = offs_n < seqlen
+        valid_d = offs_d < HEAD_DIM
+        tok_n = (start + offs_n).to(tl.int64)
+        kv_mask = valid_n[:, None] & valid_d[None, :]
+        k = tl.load(
+            K + b64 * stride_kb + h * stride_kh + tok_n[:, None] * stride_kl + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        v = tl.load(
+            V + b64 * stride_vb + h * stride_vh + tok_n[:, None] * stride_vl + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        bias = _key_bias(MASK, b64, offs_n, valid_n, stride_mb, stride_ml, HAS_MASK)
+        q_base = Q + b64 * stride_qb + h * stride_qh
+        do_base = DO + b64 * stride_dob + h * stride_doh
+
+        dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        for start_m in range(0, seqlen, BLOCK_M):
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            valid_m = offs_m < seqlen
+            tok_m = (start + offs_m).to(tl.int64)
+            q_mask = valid_m[:, None] & valid_d[None, :]
+            q = tl.load(q_base + tok_m[:, None] * stride_ql + offs_d[None, :], mask=q_mask, other=0.0)
+            do = tl.load(do_base + tok_m[:, None] * stride_dol + offs_d[None, :], mask=q_mask, other=0.0)
+            stat = (b64 * stat_stride_b + tok_m) * H + h
+            m = tl.load(STAT_M + stat, mask=valid_m, other=0.0)
+            l_row = tl.load(STAT_L + stat, mask=valid_m, other=1.0)
+            delta = tl.load(DELTA + stat, mask=valid_m, other=0.0)
+
+            s_t = _mm(k, tl.trans(q), IEEE, INTERP_BF16) * softmax_scale + bias[:, None]
+            p_t = tl.exp(s_t - m[None, :]) / l_row[None, :]
+            dp_t = _mm(v, tl.trans(do), IEEE, INTERP_BF16)
+            if HAS_DROPOUT:
+                keep_t = _dropout_keep(seed, bh, offs_m[None, :], offs_n[:, None], SEQ, dropout_p)
+                pd_t = tl.where(keep_t, p_t * dropout_scale, 0.0)
+                dp_t = tl.where(keep_t, dp_t * dropout_scale, 0.0)
+            else:
+                pd_t = p_t
+            dv += _mm(_cast(pd_t, do.dtype, INTERP_BF16), do, IEEE, INTERP_BF16)
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk += _mm(_cast(ds_t, q.dtype, INTERP_BF16), q, IEEE, INTERP_BF16)
+        dk = dk * softmax_scale
+        g_off = b64 * stride_gb + h * stride_gh + tok_n[:, None] * stride_gl + offs_d[None, :]
+        tl.store(DK + g_off, _cast(dk, DK.dtype.element_ty, INTERP_BF16), mask=kv_mask)
+        tl.store(DV + g_off, _cast(dv, DV.dtype.element_ty, INTERP_BF16), mask=kv_mask)
+
+
+@triton.jit
+def _pal_attn_bwd_dq_kernel(
+    Q, K, V, DO, DQ, STAT_M, STAT_L, DELTA, MASK, CU,
+    seed, dropout_p, dropout_scale, softmax_scale,
+    stride_qb, stride_ql, stride_qh,
+    stride_kb, stride_kl, stride_kh,
+    stride_vb, stride_vl, stride_vh,
+    stride_dob, stride_dol, stride_doh,
+    stride_gb, stride_gl, stride_gh,
+    stride_mb, stride_ml, stat_stride_b,
+    H, SEQ, HEAD_DIM,
+    IS_VARLEN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    IEEE: tl.constexpr, INTERP_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """dQ of one query block."""
+    bh = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    b64 = b.to(tl.int64)
+    start, seqlen = _seq_bounds(CU, b, SEQ, IS_VARLEN)
+    if pid_m * BLOCK_M < seqlen:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        valid_m = offs_m < seqlen
+        valid_d = offs_d < HEAD_DIM
+        tok_m = (start + offs_m).to(tl.int64)
+        q_mask = valid_m[:, None] & valid_d[None, :]
+        q = tl.load(
+            Q + b64 * stride_qb + h * stride_qh + tok_m[:, None] * stride_ql + offs_d[None, :],
+            mask=q_mask,
+            other=0.0,
+        )
+        do = tl.load(
+            DO + b64 * stride_dob + h * stride_doh + tok_m[:, None] * stride_dol + offs_d[None, :],
+            mask=q_mask,
+            other=0.0,
+        )
+        stat = (b64 * stat_stride_b + tok_m) * H + h
+        m = tl.load(STAT_M + stat, mask=valid_m, other=0.0)
+        l_row = tl.load(STAT_L + stat, mask=valid_m, other=1.0)
+        delta = tl.load(DELTA + stat, mask=valid_m, other=0.0)
+        k_base = K + b64 * stride_kb + h * stride_kh
+        v_base = V + b64 * stride_vb + h * stride_vh
+
+        dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for start_n in range(0, seqlen, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            valid_n = offs_n < seqlen
+            tok_n = (start + offs_n).to(tl.int64)
+            kv_mask = valid_n[:, None] & valid_d[None, :]
+            k = tl.load(k_base + tok_n[:, None] * stride_kl + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_base + tok_n[:, None] * stride_vl + offs_d[None, :], mask=kv_mask, other=0.0)
+            bias = _key_bias(MASK, b64, offs_n, valid_n, stride_mb, stride_ml, HAS_MASK)
+            s = _mm(q, tl.trans(k), IEEE, INTERP_BF16) * softmax_scale + bias[None, :]
+            p = tl.exp(s - m[:, None]) / l_row[:, None]
+            dp = _mm(do, tl.trans(v), IEEE, INTERP_BF16)
+            if HAS_DROPOUT:
+                keep = _dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], SEQ, dropout_p)
+                dp = tl.where(keep, dp * dropout_scale, 0.0)
+            ds = p * (dp - delta[:, None])
+            dq += _mm(_cast(ds, k.dtype, INTERP_BF16), k, IEEE, INTERP_BF16)
+        dq = dq * softmax_scale
+        tl.store(
+            DQ + b64 * stride_gb + h * stride_gh + tok_m[:, None] * stride_gl + offs_d[None, :],
+            _cast(dq, DQ.dtype.element_ty, INTERP_BF16),
+            mask=q_mask,
+        )
+
+
+@triton.jit
+def _pal_attn_dropout_mask_kernel(
+    KEEP, seed, dropout_p, H, SEQ, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):  # fmt: skip
+    bh = tl.program_id(0)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    keep = _dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], SEQ, dropout_p)
+    out = (bh.to(tl.int64) * SEQ + offs_m[:, None].to(tl.int64)) * SEQ + offs_n[None, :]
+    tl.store(KEEP + out, keep.to(tl.int8), mask=(offs_m[:, None] < SEQ) & (offs_n[None, :] < SEQ))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Host side: validation, launch configuration, autograd
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _interpreting() -> bool:
+    """True when Triton built this module's kernels for its CPU interpreter (TRITON_INTERPRET=1 at import)."""
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # pragma: no cover - layout of older/newer triton
+        import os
+
+        return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return isinstance(_pal_attn_fwd_kernel, InterpretedFunction)
+
+
+class _Layout(NamedTuple):
+    """How the kernels address one call's tokens (see the kernel section comment)."""
+
+    is_varlen: bool
+    batch: int
+    seq: int  # L (padded) or max_seqlen (varlen)
+    heads: int
+    head_dim: int
+    rows: int  # B * L (padded) or N (varlen): rows of the fp32 statistics
+    stat_stride_b: int  # L (padded) or 0 (varlen)
+    mask: torch.Tensor | None  # [B, L] integer view of key_padding_mask
+    cu_seqlens: torch.Tensor | None
+
+
+class _Config(NamedTuple):
+    block_m: int
+    block_n: int
+    block_d: int
+    num_warps: int
+    num_stages: int
+
+
+def _strides(x: torch.Tensor, is_varlen: bool) -> tuple[int, int, int]:
+    """(batch, token, head) element strides; varlen tensors have no batch dim (stride 0)."""
+    if is_varlen:
+        return 0, x.stride(0), x.stride(1)
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+def _clamp_block(block: int, seq: int) -> int:
+    return max(16, min(block, triton.next_power_of_2(max(seq, 1))))
+
+
+def _forward_config(layout: _Layout, dtype: torch.dtype) -> _Config:
+    block_d = max(16, triton.next_power_of_2(layout.head_dim))
+    if _interpreting():
+        return _Config(_clamp_block(16, layout.seq), 16, block_d, 4, 1)
+    if dtype == torch.float32:
+        block_m, block_n, warps, stages = 64, 32, 4, 2
+    elif block_d <= 64:
+        block_m, block_n, warps, stages = 128, 64, 4, 3
+    else:
+        block_m, block_n, warps, stages = 128, 64, 8, 2
+    return _Config(
+        _clamp_block(block_m, layout.seq), _clamp_block(block_n, layout.seq), block_d, warps, stages
+    )
+
+
+def _backward_config(layout: _Layout, dtype: torch.dtype) -> _Config:
+    block_d = max(16, triton.next_power_of_2(layout.head_dim))
+    if _interpreting():
+        return _Config(16, 16, block_d, 4, 1)
+    if dtype == torch.float32:
+        block_m, block_n, warps = 32, 32, 4
+    elif block_d <= 64:
+        block_m, block_n, warps = 64, 64, 4
+    else:
+        block_m, block_n, warps = 64, 64, 8
+    return _Config(_clamp_block(block_m, layout.seq), _clamp_block(block_n, layout.seq), block_d, warps, 2)
+
+
+def _check_qkv(q: object, k: object, v: object, ndim: int, form: str) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != ndim:
+            raise ValueError(f"{name} must have shape {form}, got {list(x.shape)} ({x.dim()} dims)")
+    assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+    if q.dtype not in _SUPPORTED_DTYPES:
+        raise TypeError(f"q must be float32, float16 or bfloat16, got {q.dtype}")
+    for name, x in (("k", k), ("v", v)):
+        if x.shape != q.shape:
+            raise ValueError(f"{name} must have the shape of q {list(q.shape)}, got {list(x.shape)}")
+        if x.dtype != q.dtype:
+            raise TypeError(
+                f"{name} has dtype {x.dtype} but q has {q.dtype}; q, k and v must share one dtype"
+            )
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device} but q is on {q.device}")
+    head_dim = q.shape[-1]
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim (last dim of q) must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
+    if q.device.type != "cuda" and not _interpreting():
+        raise RuntimeError(
+            f"q is on {q.device}: the Triton kernels need a CUDA device, or TRITON_INTERPRET=1 set before "
+            "triton is imported (CPU interpreter); use fastpals.functional.attention_reference on CPU"
+        )
+
+
+def _check_common(dropout_p: object, softmax_scale: object, generator_seed: object) -> None:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
+    if not (0.0 <= float(dropout_p) < 1.0):
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if softmax_scale is not None:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+            raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+        if not math.isfinite(float(softmax_scale)):
+            raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    if generator_seed is not None:
+        if isinstance(generator_seed, bool) or not isinstance(generator_seed, numbers.Integral):
+            raise TypeError(f"generator_seed must be an int or None, got {type(generator_seed).__name__}")
+        if not 0 <= int(generator_seed) < _SEED_LIMIT:
+            raise ValueError(f"generator_seed must be in [0, 2**63), got {generator_seed}")
+
+
+def _padded_layout(q: torch.Tensor, key_padding_mask: object) -> _Layout:
+    batch, length, heads, head_dim = q.shape
+    mask = None
+    if key_padding_mask is not None:
+        if not isinstance(key_padding_mask, torch.Tensor):
+            raise TypeError(
+                f"key_padding_mask must be a torch.Tensor or None, got {type(key_padding_mask).__name__}"
+            )
+        if key_padding_mask.shape != (batch, length):
+            raise ValueError(
+                f"key_padding_mask must have shape [B, L] = [{batch}, {length}], got {list(key_padding_mask.shape)}"
+            )
+        if key_padding_mask.device != q.device:
+            raise ValueError(f"key_padding_mask is on {key_padding_mask.device} but q is on {q.device}")
+        if key_padding_mask.dtype == torch.bool:
+            mask = key_padding_mask.view(torch.uint8)
+        elif key_padding_mask.is_floating_point() or key_padding_mask.is_complex():
+            raise TypeError(
+                f"key_padding_mask must be bool or integer (1 = token, 0 = padding), got {key_padding_mask.dtype}; "
+                "an additive float mask is not accepted (convert it with `mask == 0`)"
+            )
+        else:
+            mask = key_padding_mask
+    return _Layout(False, batch, length, heads, head_dim, batch * length, length, mask, None)
+
+
+def _varlen_layout(q: torch.Tensor, cu_seqlens: object, max_seqlen: object) -> _Layout:
+    total, heads, head_dim = q.shape
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype != torch.int32:
+        raise TypeError(f"cu_seqlens must be int32, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(f"cu_seqlens must have shape [B+1] with B >= 0, got {list(cu_seqlens.shape)}")
+    if cu_seqlens.device != q.device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but q is on {q.device}")
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral):
+        raise TypeError(f"max_seqlen must be an int, got {type(max_seqlen).__name__}")
+    # One small device-to-host copy (a sync on GPU): it guarantees no kernel reads past the packed rows.
+    host = cu_seqlens.cpu().long()
+    if int(host[0]) != 0:
+        raise ValueError(f"cu_seqlens[0] must be 0, got {int(host[0])}")
+    lengths = host[1:] - host[:-1]
+    if lengths.numel() and int(lengths.min()) < 0:
+        bad = int(torch.nonzero(lengths < 0)[0, 0])
+        raise ValueError(f"cu_seqlens must be non-decreasing; cu_seqlens[{bad + 1}] < cu_seqlens[{bad}]")
+    if int(host[-1]) != total:
+        raise ValueError(
+            f"cu_seqlens[-1] = {int(host[-1])} must equal the number of packed tokens q.shape[0] = {total}"
+        )
+    longest = int(lengths.max()) if lengths.numel() else 0
+    if int(max_seqlen) < longest:
+        raise ValueError(
+            f"max_seqlen = {int(max_seqlen)} is shorter than the longest sequence ({longest} tokens)"
+        )
+    batch = cu_seqlens.numel() - 1
+    return _Layout(True, batch, int(max_seqlen), heads, head_dim, total, 0, None, cu_seqlens)
+
+
+def _draw_seed(dropout_p: float, generator_seed: int | None) -> int:
+    """The Philox seed: ``generator_seed``, else one draw from torch's default (CPU) generator; 0 without dropout.
+
+    Drawing on the CPU generator costs no device sync, follows ``torch.manual_seed`` and is replayed by
+    ``torch.utils.checkpoint`` (which restores the CPU RNG state before recomputing).
+    """
+    if dropout_p == 0.0:
+        return 0
+    if generator_seed is not None:
+        return int(generator_seed)
+    return int(torch.randint(0, 2**31 - 1, (1,)).item())
+
+
+def _device_ctx(x: torch.Tensor):  # noqa: ANN202 - context manager
+    import contextlib
+
+    return torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
+
+
+def _flags(layout: _Layout, dtype: torch.dtype, dropout_p: float) -> dict:
+    interp_bf16 = dtype == torch.bfloat16 and _interpreting()
+    return {
+        "IS_VARLEN": layout.is_varlen,
+        "HAS_MASK": layout.mask is not None,
+        "HAS_DROPOUT": dropout_p > 0.0,
+        "IEEE": dtype == torch.float32 or interp_bf16,
+        "INTERP_BF16": interp_bf16,
+    }
+
+
+def _attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: _Layout,
+    dropout_p: float,
+    scale: float,
+    seed: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel; returns (out like q but contiguous, stat_m [rows, H], stat_l [rows, H])."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    stat_m = torch.empty(layout.rows, layout.heads, dtype=torch.float32, device=q.device)
+    stat_l = torch.empty_like(stat_m)
+    if out.numel() == 0 or layout.seq == 0:
+        return out, stat_m, stat_l
+    cfg = _forward_config(layout, q.dtype)
+    mask = layout.mask if layout.mask is not None else q
+    cu = layout.cu_seqlens if layout.cu_seqlens is not None else q
+    mask_strides = (mask.stride(0), mask.stride(1)) if layout.mask is not None else (0, 0)
+    dropout_scale = 1.0 / (1.0 - dropout_p)
+    grid = (layout.batch * layout.heads, triton.cdiv(layout.seq, cfg.block_m))
+    with _device_ctx(q):
+        _pal_attn_fwd_kernel[grid](
+            q, k, v, out, stat_m, stat_l, mask, cu,
+            seed, dropout_p, dropout_scale, scale,
+            *_strides(q, layout.is_varlen), *_strides(k, layout.is_varlen), *_strides(v, layout.is_varlen),
+            *_strides(out, layout.is_varlen), *mask_strides, layout.stat_stride_b,
+            layout.heads, layout.seq, layout.head_dim,
+            **_flags(layout, q.dtype, dropout_p),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+    return out, stat_m, stat_l
+
+
+def _attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    stat_m: torch.Tensor,
+    stat_l: torch.Tensor,
+    layout: _Layout,
+    dropout_p: float,
+    scale: float,
+    seed: int,
+    need_dq: bool,
+    need_dkdv: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Launch delta, dK/dV and dQ kernels; gradients come back contiguous in q's dtype."""
+    if dout.dtype != q.dtype:
+        dout = dout.to(q.dtype)
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device) if need_dq else None
+    dk = torch.empty(q.shape, dtype=q.dtype, device=q.device) if need_dkdv else None
+    dv = torch.empty(q.shape, dtype=q.dtype, device=q.device) if need_dkdv else None
+    if q.numel() == 0 or layout.seq == 0:
+        return dq, dk, dv
+    cfg = _backward_config(layout, q.dtype)
+    mask = layout.mask if layout.mask is not None else q
+    cu = layout.cu_seqlens if layout.cu_seqlens is not None else q
+    mask_strides = (mask.stride(0), mask.stride(1)) if layout.mask is not None else (0, 0)
+    varlen = layout.is_varlen
+    delta = torch.empty_like(stat_m)
+    dropout_scale = 1.0 / (1.0 - dropout_p)
+    bh = layout.batch * layout.heads
+    flags = _flags(layout, q.dtype, dropout_p)
+    # dq, dk and dv share one contiguous layout; any of them gives the strides.
+    grad_strides = _strides(next(g for g in (dq, dk, dv) if g is not None), varlen)
+    common = (
+        seed, dropout_p, dropout_scale, scale,
+        *_strides(q, varlen), *_strides(k, varlen), *_strides(v, varlen), *_strides(dout, varlen),
+        *grad_strides, *mask_strides, layout.stat_stride_b,
+        layout.heads, layout.seq, layout.head_dim,
+    )  # fmt: skip
+    with _device_ctx(q):
+        _pal_attn_bwd_delta_kernel[(bh, triton.cdiv(layout.seq, cfg.block_m))](
+            out, dout, delta, cu,
+            *_strides(out, varlen), *_strides(dout, varlen), layout.stat_stride_b,
+            layout.heads, layout.seq, layout.head_dim,
+            IS_VARLEN=varlen, BLOCK_M=cfg.block_m, BLOCK_D=cfg.block_d, num_warps=cfg.num_warps,
+        )  # fmt: skip
+        if need_dkdv:
+            _pal_attn_bwd_dkdv_kernel[(bh, triton.cdiv(layout.seq, cfg.block_n))](
+                q, k, v, dout, dk, dv, stat_m, stat_l, delta, mask, cu, *common, **flags,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )  # fmt: skip
+        if need_dq:
+            _pal_attn_bwd_dq_kernel[(bh, triton.cdiv(layout.seq, cfg.block_m))](
+                q, k, v, dout, dq, stat_m, stat_l, delta, mask, cu, *common, **flags,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )  # fmt: skip
+    return dq, dk, dv
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
+
+
+def _run_forward(
+    ctx,  # noqa: ANN001 - autograd context
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: _Layout,
+    dropout_p: float,
+    softmax_scale: float | None,
+    generator_seed: int | None,
+) -> torch.Tensor:
+    dropout_p = float(dropout_p)
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(layout.head_dim)
+    seed = _draw_seed(dropout_p, generator_seed)
+    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    out, stat_m, stat_l = _attention_forward(q, k, v, layout, dropout_p, scale, seed)
+    ctx.save_for_backward(q, k, v, out, stat_m, stat_l, layout.mask, layout.cu_seqlens)
+    ctx.layout = layout._replace(mask=None, cu_seqlens=None)
+    ctx.dropout_p, ctx.scale, ctx.seed = dropout_p, scale, seed
+    return out
+
+
+def _run_backward(ctx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # noqa: ANN001
+    q, k, v, out, stat_m, stat_l, mask, cu_seqlens = ctx.saved_tensors
+    layout = ctx.layout._replace(mask=mask, cu_seqlens=cu_seqlens)
+    need_dq = ctx.needs_input_grad[0]
+    need_dkdv = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+    if not (need_dq or need_dkdv):
+        return None, None, None
+    return _attention_backward(
+        dout, q, k, v, out, stat_m, stat_l, layout, ctx.dropout_p, ctx.scale, ctx.seed, need_dq, need_dkdv
+    )
+
+
+class PALAttentionFunction(torch.autograd.Function):
+    """Autograd op behind :func:`pal_attention`.
+
+    ``apply(q, k, v, key_padding_mask, dropout_p, softmax_scale, generator_seed)``; arguments as in
+    :func:`pal_attention` (validated here too).
+    """
+
+    @staticmethod
+    def forward(
+        ctx,  # noqa: ANN001
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key_padding_mask: torch.Tensor | None,
+        dropout_p: float,
+        softmax_scale: float | None,
+        generator_seed: int | None,
+    ) -> torch.Tensor:
+        _check_qkv(q, k, v, 4, "[B, L, H, Dh]")
+        _check_common(dropout_p, softmax_scale, generator_seed)
+        layout = _padded_layout(q, key_padding_mask)
+        return _run_forward(ctx, q, k, v, layout, dropout_p, softmax_scale, generator_seed)
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # noqa: ANN001
+        return (*_run_backward(ctx, dout), None, None, None, None)
+
+
+class PALAttentionVarlenFunction(torch.autograd.Function):
+    """Autograd op behind :func:`pal_attention_varlen`.
+
+    ``apply(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, generator_seed)``; arguments as in
+    :func:`pal_attention_varlen` (validated here too).
+    """
+
+    @staticmethod
+    def forward(
+        ctx,  # noqa: ANN001
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int,
+        dropout_p: float,
+        softmax_scale: float | None,
+        generator_seed: int | None,
+    ) -> torch.Tensor:
+        _check_qkv(q, k, v, 3, "[N, H, Dh]")
+        _check_common(dropout_p, softmax_scale, generator_seed)
+        layout = _varlen_layout(q, cu_seqlens, max_seqlen)
+        return _run_forward(ctx, q, k, v, layout, dropout_p, softmax_scale, generator_seed)
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # noqa: ANN001
+        return (*_run_backward(ctx, dout), None, None, None, None, None)
+
+
+def pal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    generator_seed: int | None = None,
+) -> torch.Tensor:
+    """Multi-head softmax attention over a padded batch; the fused form of ``attention_reference``.
+
+    Args:
+        q, k, v: ``[B, L, H, Dh]`` fp32, fp16 or bf16, one dtype and device; any strides on the first three
+            dims (e.g. the ``unbind`` of a ``[B, L, 3, H, Dh]`` view of one packed QKV projection), last dim
+            contiguous (otherwise copied). ``Dh <= 128``.
+        key_padding_mask: ``[B, L]`` bool or integer, 1 = token, 0 = padding; None = no padding. Padded keys
+            get ``finfo(float32).min`` added to their score (a sequence with no token averages all keys, as the
+            reference does); padded query rows are computed too.
+        dropout_p: probability in ``[0, 1)`` of zeroing an attention probability (kept ones scaled by
+            ``1 / (1 - dropout_p)``); pass 0 at evaluation.
+        softmax_scale: score scale; default ``1 / sqrt(Dh)``.
+        generator_seed: Philox seed of the dropout mask (see :func:`pal_attention_dropout_mask`); default: one
+            draw from torch's default CPU generator per call.
+
+    Returns:
+        ``[B, L, H, Dh]`` contiguous, q's dtype. Differentiable in q, k and v.
+    """
+    return PALAttentionFunction.apply(q, k, v, key_padding_mask, dropout_p, softmax_scale, generator_seed)
+
+
+def pal_attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    generator_seed: int | None = None,
+) -> torch.Tensor:
+    """Packed (varlen) form of :func:`pal_attention`; the fused form of ``attention_varlen_reference``.
+
+    Args:
+        q, k, v: ``[N, H, Dh]`` with the B sequences back to back (any strides on the first two dims, last dim
+            contiguous); dtypes and ``Dh`` as in :func:`pal_attention`.
+        cu_seqlens: ``[B+1]`` int32 on q's device, ``cu_seqlens[0] == 0``, non-decreasing, ``cu_seqlens[-1] == N``
+            (empty sequences are allowed). Checked on the host: one small device-to-host copy (a sync) per call.
+        max_seqlen: an int >= the longest sequence; it sizes the grid and the dropout counters.
+        dropout_p, softmax_scale, generator_seed: as in :func:`pal_attention`. Position i, j of sequence b uses
+            the same dropout counter as in a padded batch with ``L = max_seqlen``.
+
+    Returns:
+        ``[N, H, Dh]`` contiguous, q's dtype. Differentiable in q, k and v.
+    """
+    return PALAttentionVarlenFunction.apply(
+        q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, generator_seed
+    )
+
+
+def pal_attention_dropout_mask(
+    batch: int, num_heads: int, seqlen: int, dropout_p: float, seed: int, device: torch.device | str
+) -> torch.Tensor:
+    """The exact keep mask the kernels use for ``generator_seed=seed`` (for tests and debugging).
+
+    ``seqlen`` is ``L`` for :func:`pal_attention` and ``max_seqlen`` for :func:`pal_attention_varlen`.
+    Returns bool ``[batch, num_heads, seqlen, seqlen]`` indexed (b, h, query, key); True = kept. The
+    reference output is ``softmax(scores) * keep / (1 - dropout_p) @ v``.
+    """
+    for name, value in (("batch", batch), ("num_heads", num_heads), ("seqlen", seqlen)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    _check_common(dropout_p, None, seed)
+    device = torch.device(device)
+    if device.type != "cuda" and not _interpreting():
+        raise RuntimeError(f"device {device} needs TRITON_INTERPRET=1 (CPU interpreter) or a CUDA device")
+    keep = torch.empty(batch, num_heads, seqlen, seqlen, dtype=torch.int8, device=device)
+    if keep.numel() == 0:
+        return keep.bool()
+    block = 16 if _interpreting() else 64
+    grid = (batch * num_heads, triton.cdiv(seqlen, block), triton.cdiv(seqlen, block))
+    with _device_ctx(keep):
+        _pal_attn_dropout_mask_kernel[grid](
+            keep, int(seed), float(dropout_p), num_heads, seqlen, BLOCK_M=block, BLOCK_N=block
+        )
+    return keep.bool()
