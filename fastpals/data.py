@@ -42,7 +42,8 @@ Batching
 --------
 ``TaskBatcher`` tokenizes every example once, then yields padded batches in an order that is a pure function
 of ``(seed, epoch)``; ``state_dict()`` / ``load_state_dict()`` hold ``(epoch, position)``, so a resumed run
-continues with exactly the batches it would have seen.
+continues with exactly the batches it would have seen. ``merge_batches`` concatenates one batch per task into a
+mixed-task batch (``task_ids``, float labels) for ``MultiTaskBert.forward`` / ``MultiTaskBert.loss``.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ __all__ = [
     "TaskBatcher",
     "TaskFormat",
     "load_task",
+    "merge_batches",
     "quora_split",
     "quora_split_sizes",
     "read_task_file",
@@ -197,6 +199,7 @@ TASK_FORMATS: dict[str, TaskFormat] = {
 }
 
 SPLITS = ("train", "dev", "test")
+PAIR_ENCODINGS = ("joint", "separate", "both")
 
 
 def _task_spec(task: str | TaskFormat) -> TaskFormat:
@@ -428,8 +431,11 @@ class TaskBatcher:
             pairs the joint ``[CLS] s1 [SEP] s2 [SEP]`` encoding with token types 0/1.
         ``labels``: ``(B,)`` int64 (classification) or float32 (binary, regression); absent without labels.
         ``ids``: ``list[str]`` of length ``B``; ``task``: the task name.
-        with ``separate=True`` (pairs only) also ``input_ids_1``, ``attention_mask_1``, ``token_type_ids_1``
-            (``(B, L1)``, sentence1 alone as ``[CLS] s1 [SEP]``) and the same with ``_2`` for sentence2.
+        Pairs with ``pair_encoding="separate"`` (siamese heads; the keys ``MultiTaskBert.forward`` takes):
+            ``input_ids``, ``attention_mask``, ``token_type_ids`` hold sentence1 alone (``[CLS] s1 [SEP]``,
+            ``(B, L1)``) and ``input_ids_b``, ``attention_mask_b``, ``token_type_ids_b`` sentence2 alone
+            (``(B, L2)``). With ``"both"``: those keys plus the joint encoding as ``joint_input_ids``,
+            ``joint_attention_mask``, ``joint_token_type_ids``.
 
     Args:
         examples: examples of one task (all with labels, or all without).
@@ -442,7 +448,7 @@ class TaskBatcher:
         bucket_by_length: group examples of similar length (see above).
         bucket_size: chunk size in batches for the length sort.
         drop_last: drop a final incomplete batch.
-        separate: also encode the two sentences of a pair separately.
+        pair_encoding: ``"joint"`` (cross-encoder, default), ``"separate"`` or ``"both"`` (see above; pairs only).
     """
 
     def __init__(
@@ -458,7 +464,7 @@ class TaskBatcher:
         bucket_by_length: bool = True,
         bucket_size: int = 100,
         drop_last: bool = False,
-        separate: bool = False,
+        pair_encoding: str = "joint",
     ) -> None:
         self.spec = _task_spec(task)
         for name, value, low in (
@@ -468,9 +474,13 @@ class TaskBatcher:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-        if separate and not self.spec.pair:
+        if pair_encoding not in PAIR_ENCODINGS:
             raise ValueError(
-                f"separate=True needs a sentence-pair task, {self.spec.name!r} has single sentences"
+                f"pair_encoding must be one of {', '.join(PAIR_ENCODINGS)}, got {pair_encoding!r}"
+            )
+        if pair_encoding != "joint" and not self.spec.pair:
+            raise ValueError(
+                f"pair_encoding={pair_encoding!r} needs a sentence-pair task, {self.spec.name!r} has single sentences"
             )
         example_type = PairExample if self.spec.pair else SentenceExample
         examples = list(examples)
@@ -496,20 +506,25 @@ class TaskBatcher:
         self.bucket_by_length = bucket_by_length
         self.bucket_size = bucket_size
         self.drop_last = drop_last
-        self.separate = separate
+        self.pair_encoding = pair_encoding
 
         truncated_before = tokenizer.num_truncated
         if self.spec.pair:
             first = [example.sentence1 for example in examples]
             second = [example.sentence2 for example in examples]
-            self._joint = tokenizer.encode(first, second, max_length)
-            if separate:
+            if pair_encoding != "separate":
+                self._joint = tokenizer.encode(first, second, max_length)
+            if pair_encoding != "joint":
                 self._first = tokenizer.encode(first, max_length=max_length)
                 self._second = tokenizer.encode(second, max_length=max_length)
         else:
             self._joint = tokenizer.encode([example.sentence for example in examples], max_length=max_length)
         self.num_truncated = tokenizer.num_truncated - truncated_before
-        self.lengths = np.array([len(enc.input_ids) for enc in self._joint], dtype=np.int64)
+        if pair_encoding == "separate":  # bucket on the longer side: it sets the padded width of its tensor
+            lengths = [max(len(a.input_ids), len(b.input_ids)) for a, b in zip(self._first, self._second)]
+        else:
+            lengths = [len(enc.input_ids) for enc in self._joint]
+        self.lengths = np.array(lengths, dtype=np.int64)
         if self.has_labels:
             self._labels = torch.tensor([example.label for example in examples], dtype=self.spec.label_dtype)
 
@@ -546,11 +561,18 @@ class TaskBatcher:
     def collate(self, indices: Sequence[int]) -> dict:
         """The batch dict (see the class docstring) of the examples at ``indices``."""
         indices = [int(i) for i in indices]
-        batch: dict = dict(self.tokenizer.pad([self._joint[i] for i in indices]))
-        if self.separate:
-            for suffix, encoded in (("_1", self._first), ("_2", self._second)):
-                for key, value in self.tokenizer.pad([encoded[i] for i in indices]).items():
-                    batch[key + suffix] = value
+        pad = self.tokenizer.pad
+        if self.pair_encoding == "joint":
+            batch: dict = dict(pad([self._joint[i] for i in indices]))
+        else:
+            batch = dict(pad([self._first[i] for i in indices]))
+            batch.update(
+                (key + "_b", value) for key, value in pad([self._second[i] for i in indices]).items()
+            )
+            if self.pair_encoding == "both":
+                batch.update(
+                    ("joint_" + key, value) for key, value in pad([self._joint[i] for i in indices]).items()
+                )
         if self.has_labels:
             batch["labels"] = self._labels[indices]
         batch["ids"] = [self.examples[i].id for i in indices]
@@ -611,6 +633,8 @@ class TaskBatcher:
             "bucket_by_length": self.bucket_by_length,
             "bucket_size": self.bucket_size,
             "drop_last": self.drop_last,
+            "pair_encoding": self.pair_encoding,
+            "max_length": self.max_length,
             "num_examples": len(self.examples),
             "fingerprint": self._fingerprint(),
         }
@@ -626,3 +650,65 @@ class TaskBatcher:
         if not 0 <= position <= len(self):
             raise ValueError(f"position {position} is outside [0, {len(self)}]")
         self.epoch, self.position = int(epoch), int(position)
+
+
+_ENCODING_KEYS = ("input_ids", "attention_mask", "token_type_ids")
+
+
+def _pad_cat(tensors: Sequence[torch.Tensor], value: int) -> torch.Tensor:
+    width = max(t.shape[1] for t in tensors)
+    return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value) for t in tensors])
+
+
+def merge_batches(batches: Sequence[dict], task_ids: Sequence[int], tokenizer: Tokenizer) -> dict:
+    """Concatenate one batch per task into a mixed-task batch for ``MultiTaskBert.forward(..., task_ids=...)``.
+
+    Args:
+        batches: ``TaskBatcher`` batches (any tasks, single or pair, any ``pair_encoding``).
+        task_ids: for each batch, its task's index in the model (all its rows get that id).
+        tokenizer: gives the ``[PAD]``, ``[CLS]`` and ``[SEP]`` ids.
+
+    Returns:
+        ``input_ids``, ``attention_mask``, ``token_type_ids``: int64 ``(B, L)``, each batch right-padded to the
+        widest; ``task_ids``: int64 ``(B,)``; ``labels``: float32 ``(B,)`` (class indices are exact in float32;
+        ``MultiTaskBert.loss`` casts per task) when every batch has labels; ``ids``: ``list[str]``; ``tasks``: the
+        task name of every row. ``*_b`` (second sentences of siamese tasks) when some batch has them: the rows of
+        batches without them get ``[CLS] [SEP]`` (ignored by the model, and never an all-masked row).
+        ``joint_*`` keys are kept only when every batch has them.
+    """
+    if len(batches) == 0:
+        raise ValueError("batches is empty")
+    if len(task_ids) != len(batches):
+        raise ValueError(f"batches has {len(batches)} entries but task_ids has {len(task_ids)}")
+    pad_values = {"input_ids": tokenizer.pad_token_id, "attention_mask": 0, "token_type_ids": 0}
+    sizes = [len(batch["ids"]) for batch in batches]
+    merged: dict = {
+        key: _pad_cat([batch[key] for batch in batches], pad_values[key]) for key in _ENCODING_KEYS
+    }
+    if any("input_ids_b" in batch for batch in batches):
+        filler = {
+            "input_ids": [tokenizer.cls_token_id, tokenizer.sep_token_id],
+            "attention_mask": [1, 1],
+            "token_type_ids": [0, 0],
+        }
+        for key in _ENCODING_KEYS:
+            parts = [
+                batch[key + "_b"]
+                if key + "_b" in batch
+                else torch.tensor([filler[key]] * size, dtype=torch.int64)
+                for batch, size in zip(batches, sizes)
+            ]
+            merged[key + "_b"] = _pad_cat(parts, pad_values[key])
+    if all("joint_input_ids" in batch for batch in batches):
+        for key in _ENCODING_KEYS:
+            merged["joint_" + key] = _pad_cat([batch["joint_" + key] for batch in batches], pad_values[key])
+    merged["task_ids"] = torch.cat(
+        [torch.full((size,), int(task_id), dtype=torch.int64) for task_id, size in zip(task_ids, sizes)]
+    )
+    if all("labels" in batch for batch in batches):
+        merged["labels"] = torch.cat([batch["labels"].to(torch.float32) for batch in batches])
+    elif any("labels" in batch for batch in batches):
+        raise ValueError("some batches have labels and some do not")
+    merged["ids"] = [i for batch in batches for i in batch["ids"]]
+    merged["tasks"] = [batch["task"] for batch, size in zip(batches, sizes) for _ in range(size)]
+    return merged

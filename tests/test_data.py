@@ -19,6 +19,7 @@ from fastpals.data import (
     SentenceExample,
     TaskBatcher,
     load_task,
+    merge_batches,
     quora_split,
     quora_split_sizes,
     read_task_file,
@@ -292,8 +293,9 @@ def test_batches_equal_direct_tokenization(tok, sst_dev):
     assert len(batches[-1]["ids"]) == 1101 - 34 * 32
 
 
-def test_pair_batches_joint_and_separate(tok, sts_dev):
-    batcher = TaskBatcher(sts_dev, tok, "sts", batch_size=16, separate=True, seed=3)
+@pytest.mark.parametrize("pair_encoding", ["joint", "separate", "both"])
+def test_pair_batches(tok, sts_dev, pair_encoding):
+    batcher = TaskBatcher(sts_dev, tok, "sts", batch_size=16, pair_encoding=pair_encoding, seed=3)
     batch = next(iter(batcher))
     by_id = {ex.id: ex for ex in sts_dev}
     first = [by_id[i].sentence1 for i in batch["ids"]]
@@ -301,13 +303,53 @@ def test_pair_batches_joint_and_separate(tok, sts_dev):
     joint = tok(first, second)
     sep_a, sep_b = tok.encode_separately(first, second)
     for key in ("input_ids", "attention_mask", "token_type_ids"):
-        assert torch.equal(batch[key], joint[key])
-        assert torch.equal(batch[key + "_1"], sep_a[key])
-        assert torch.equal(batch[key + "_2"], sep_b[key])
+        if pair_encoding == "joint":
+            assert torch.equal(batch[key], joint[key])
+            assert key + "_b" not in batch
+        else:
+            assert torch.equal(batch[key], sep_a[key])
+            assert torch.equal(batch[key + "_b"], sep_b[key])
+            assert ("joint_" + key in batch) == (pair_encoding == "both")
+            if pair_encoding == "both":
+                assert torch.equal(batch["joint_" + key], joint[key])
     assert batch["labels"].dtype == torch.float32
     assert torch.allclose(batch["labels"], torch.tensor([by_id[i].label for i in batch["ids"]]))
-    with pytest.raises(ValueError, match="separate=True needs a sentence-pair task"):
-        TaskBatcher([SentenceExample("a", "b", 1)], tok, "sst", 4, separate=True)
+
+
+def test_pair_encoding_errors(tok):
+    with pytest.raises(ValueError, match="needs a sentence-pair task"):
+        TaskBatcher([SentenceExample("a", "b", 1)], tok, "sst", 4, pair_encoding="separate")
+    with pytest.raises(ValueError, match="pair_encoding must be one of"):
+        TaskBatcher([PairExample("a", "b", "c", 1)], tok, "para", 4, pair_encoding="siamese")
+
+
+def test_merge_batches_for_mixed_task_steps(tok, sst_dev, sts_dev):
+    sst = next(iter(TaskBatcher(sst_dev, tok, "sst", 3, seed=0)))
+    sts = next(iter(TaskBatcher(sts_dev, tok, "sts", 2, seed=0, pair_encoding="separate")))
+    merged = merge_batches([sst, sts], [0, 2], tok)
+    assert merged["task_ids"].tolist() == [0, 0, 0, 2, 2]
+    assert merged["ids"] == sst["ids"] + sts["ids"] and merged["tasks"] == ["sst"] * 3 + ["sts"] * 2
+    assert merged["labels"].dtype == torch.float32
+    assert merged["labels"].tolist() == pytest.approx(sst["labels"].tolist() + sts["labels"].tolist())
+    width = max(sst["input_ids"].shape[1], sts["input_ids"].shape[1])
+    assert merged["input_ids"].shape == (5, width)
+    # every row is its own batch's row, right-padded with [PAD] / mask 0
+    for row, (source, r) in enumerate([(sst, 0), (sst, 1), (sst, 2), (sts, 0), (sts, 1)]):
+        n = source["input_ids"].shape[1]
+        assert torch.equal(merged["input_ids"][row, :n], source["input_ids"][r])
+        assert torch.equal(merged["attention_mask"][row, :n], source["attention_mask"][r])
+        assert int(merged["attention_mask"][row, n:].sum()) == 0
+        assert bool((merged["input_ids"][row, n:] == tok.pad_token_id).all())
+    # second sentences: real for the siamese rows, [CLS] [SEP] filler for the others
+    assert torch.equal(merged["input_ids_b"][3:, : sts["input_ids_b"].shape[1]], sts["input_ids_b"])
+    assert merged["input_ids_b"][0, :2].tolist() == [tok.cls_token_id, tok.sep_token_id]
+    assert merged["attention_mask_b"][:3].sum(dim=1).tolist() == [2, 2, 2]
+    with pytest.raises(ValueError, match="task_ids has 1"):
+        merge_batches([sst, sts], [0], tok)
+    unlabelled = dict(sst)
+    del unlabelled["labels"]
+    with pytest.raises(ValueError, match="some batches have labels"):
+        merge_batches([unlabelled, sts], [0, 1], tok)
 
 
 def test_binary_labels_are_float(tok):
