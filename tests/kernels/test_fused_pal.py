@@ -1,0 +1,286 @@
+"""The fused PAL (fastpals.kernels.pal / pal_varlen) against fastpals.functional.pal_reference, the package API
+and the FASTPALS_KERNELS dispatch rule.
+
+Every case checks the output and the gradients of h, the six weights and biases, and the residual. fp32 within
+1e-5 of the fp32 reference; fp16/bf16: the kernel's max error against float64 at most 2x the same-dtype
+reference's. Runs on CPU under TRITON_INTERPRET=1 (tests/conftest.py sets it).
+"""
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fastpals.kernels as kernels
+from fastpals.functional import grouped_linear_reference, pal_reference, pal_varlen_reference
+from fastpals.kernels import utils as kernel_utils
+from fastpals.kernels.pal_attention import pal_attention_dropout_mask
+
+pytestmark = pytest.mark.kernels
+
+NAMES = [
+    "out",
+    "dh",
+    "d_enc_weight",
+    "d_enc_bias",
+    "d_qkv_weight",
+    "d_qkv_bias",
+    "d_dec_weight",
+    "d_dec_bias",
+]
+TASK_MIXES = {
+    "one_task": ([1, 1, 1, 1], 3),
+    "uniform": ([0, 1, 2, 0], 3),
+    "skewed": ([2, 2, 0, 2], 3),
+    "empty_task": ([3, 0, 3, 3], 4),  # tasks 1 and 2 have no examples
+}
+
+
+def _weights(num_tasks, d, d_s, dtype, g):
+    def rnd(*shape, scale):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype).requires_grad_()
+
+    return [
+        rnd(num_tasks, d_s, d, scale=d**-0.5),
+        rnd(num_tasks, d_s, scale=0.1),
+        rnd(num_tasks, 3 * d_s, d_s, scale=d_s**-0.5),
+        rnd(num_tasks, 3 * d_s, scale=0.1),
+        rnd(num_tasks, d, d_s, scale=d_s**-0.5),
+        rnd(num_tasks, d, scale=0.1),
+    ]
+
+
+def _grads(out, leaves, dy):
+    wrt = [t for t in leaves if t is not None]
+    return [out.detach(), *torch.autograd.grad(out, wrt, dy)]
+
+
+def _padded_case(batch, length, d, d_s, num_tasks, dtype, residual, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(batch, length, d, generator=g).to(dtype).requires_grad_()
+    res = torch.randn(batch, length, d, generator=g).to(dtype).requires_grad_() if residual else None
+    dy = torch.randn(batch, length, d, generator=g).to(dtype)
+    mask = torch.ones(batch, length, dtype=torch.long)
+    for b in range(batch):  # lengths L, L-2, 1, L-1, ...: padding everywhere but the first example
+        keep = [length, length - 2, 1, length - 1][b % 4]
+        mask[b, keep:] = 0
+    return h, mask, _weights(num_tasks, d, d_s, dtype, g), res, dy
+
+
+def _check_fp32(got, want, names):
+    for name, a, e in zip(names, got, want):
+        torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+# (d_s, heads): head dims 17, 34, 46, and the BERT-base PAL's 6 x 34 (d_s = 204, the wide-row-tile path)
+@pytest.mark.parametrize(
+    "d_s, heads, mix, gelu, residual",
+    [
+        (34, 2, "uniform", True, True),
+        (34, 1, "skewed", False, True),
+        (46, 1, "empty_task", True, False),
+        (92, 2, "one_task", True, True),
+        (204, 6, "uniform", True, False),
+    ],
+)
+def test_pal_padded_fp32_matches_reference(d_s, heads, mix, gelu, residual):
+    ids, num_tasks = TASK_MIXES[mix]
+    task_ids = torch.tensor(ids)
+    h, mask, weights, res, dy = _padded_case(len(ids), 7, 40, d_s, num_tasks, torch.float32, residual)
+    leaves = [h, *weights, res]
+    out = kernels.pal(h, mask, task_ids, *weights, heads, gelu, 0.0, residual=res)
+    ref = pal_reference(h, mask, task_ids, *weights, heads, gelu, 0.0)
+    ref = ref if res is None else res + ref
+    got, want = _grads(out, leaves, dy), _grads(ref, leaves, dy)
+    _check_fp32(got, want, NAMES + ["d_residual"])
+    for t in set(range(num_tasks)) - set(ids):
+        assert all(torch.count_nonzero(grad[t]) == 0 for grad in got[2:8]), f"task {t} has no examples"
+
+
+@pytest.mark.parametrize("d_s, heads, gelu, residual", [(34, 2, True, True), (46, 1, False, False)])
+def test_pal_varlen_fp32_matches_reference(d_s, heads, gelu, residual):
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.tensor([5, 0, 9, 1, 4])
+    task_ids = torch.tensor([2, 1, 0, 2, 2])  # task 1 only on the empty sequence
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(lengths, 0)
+    n, d, max_seqlen = int(cu[-1]), 24, 9
+    h = torch.randn(n, d, generator=g).requires_grad_()
+    res = torch.randn(n, d, generator=g).requires_grad_() if residual else None
+    dy = torch.randn(n, d, generator=g)
+    weights = _weights(3, d, d_s, torch.float32, g)
+    leaves = [h, *weights, res]
+    out = kernels.pal_varlen(h, cu, max_seqlen, task_ids, *weights, heads, gelu, 0.0, residual=res)
+    ref = pal_varlen_reference(h, cu, max_seqlen, task_ids, *weights, heads, gelu, 0.0)
+    ref = ref if res is None else res + ref
+    got, want = _grads(out, leaves, dy), _grads(ref, leaves, dy)
+    _check_fp32(got, want, NAMES + ["d_residual"])
+    assert all(torch.count_nonzero(grad[1]) == 0 for grad in got[2:8])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_pal_half_precision_error_at_most_twice_reference(dtype):
+    task_ids = torch.tensor([2, 0, 2, 2])
+    h, mask, weights, res, dy = _padded_case(4, 8, 48, 34, 3, dtype, residual=True, seed=5)
+    leaves = [h, *weights, res]
+    out = kernels.pal(h, mask, task_ids, *weights, 2, True, 0.0, residual=res)
+    got = _grads(out, leaves, dy)
+    want = _grads(res + pal_reference(h, mask, task_ids, *weights, 2, True, 0.0), leaves, dy)
+    leaves64 = [t.detach().double().requires_grad_() for t in leaves]
+    h64, *w64, res64 = leaves64
+    exact = _grads(res64 + pal_reference(h64, mask, task_ids, *w64, 2, True, 0.0), leaves64, dy.double())
+    for name, a, r, e in zip(NAMES + ["d_residual"], got, want, exact):
+        assert a.dtype == dtype, name
+        kernel_err = (a.double() - e).abs().max().item()
+        ref_err = (r.double() - e).abs().max().item()
+        floor = 1e-6 * e.abs().max().item()
+        assert kernel_err <= 2 * ref_err + floor, (
+            f"{name}: kernel error {kernel_err:.3g} vs reference {ref_err:.3g}"
+        )
+
+
+def _pal_with_keep_mask(h, mask, task_ids, weights, heads, keep, dropout_p):
+    """The PAL with an explicit attention-dropout keep mask [B, H, L, L] (a transcription of the reference)."""
+    we, be, wq, bq, wd, bd = weights
+    batch, length, _ = h.shape
+    d_s = we.shape[1]
+    s = grouped_linear_reference(h, task_ids, we, be)
+    qkv = grouped_linear_reference(s, task_ids, wq, bq).view(batch, length, 3, heads, d_s // heads)
+    q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))
+    scores = q @ k.transpose(-1, -2) / math.sqrt(d_s // heads)
+    scores = scores.masked_fill(~mask.bool()[:, None, None, :], torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, -1) * keep / (1.0 - dropout_p)
+    ctx = (probs @ v).transpose(1, 2).reshape(batch, length, d_s)
+    return F.gelu(grouped_linear_reference(ctx, task_ids, wd, bd))
+
+
+def test_pal_attention_dropout_follows_seed():
+    task_ids = torch.tensor([1, 0, 1, 1])
+    h, mask, weights, _, dy = _padded_case(4, 8, 24, 34, 2, torch.float32, residual=False, seed=7)
+    p, seed = 0.25, 1234
+    out = kernels.pal(h, mask, task_ids, *weights, 2, True, p, generator_seed=seed)
+    keep = pal_attention_dropout_mask(4, 2, 8, p, seed, "cpu")
+    assert 0 < keep.float().mean() < 1
+    ref = _pal_with_keep_mask(h, mask, task_ids, weights, 2, keep, p)
+    _check_fp32(_grads(out, [h, *weights], dy), _grads(ref, [h, *weights], dy), NAMES)
+
+
+class TestPalValidation:
+    def setup_method(self):
+        g = torch.Generator().manual_seed(0)
+        self.h = torch.randn(2, 5, 16)
+        self.mask = torch.ones(2, 5)
+        self.ids = torch.tensor([0, 1])
+        self.weights = [w.detach() for w in _weights(2, 16, 34, torch.float32, g)]
+
+    def test_heads_must_divide_width(self):
+        with pytest.raises(ValueError, match="num_heads"):
+            kernels.pal(self.h, self.mask, self.ids, *self.weights, 4)
+
+    def test_weight_shapes(self):
+        w = list(self.weights)
+        w[2] = torch.randn(2, 3 * 34, 33)
+        with pytest.raises(ValueError, match="qkv_weight must have shape"):
+            kernels.pal(self.h, self.mask, self.ids, *w, 2)
+        w = list(self.weights)
+        w[5] = torch.randn(2, 17)
+        with pytest.raises(ValueError, match="dec_bias must have shape"):
+            kernels.pal(self.h, self.mask, self.ids, *w, 2)
+
+    def test_mask_residual_dtype_and_task_ids(self):
+        with pytest.raises(ValueError, match="attention_mask"):
+            kernels.pal(self.h, torch.ones(2, 4), self.ids, *self.weights, 2)
+        with pytest.raises(ValueError, match="residual must have shape"):
+            kernels.pal(self.h, self.mask, self.ids, *self.weights, 2, residual=torch.randn(2, 5, 15))
+        with pytest.raises(TypeError, match="enc_weight has dtype torch.float16"):
+            kernels.pal(self.h, self.mask, self.ids, self.weights[0].half(), *self.weights[1:], 2)
+        with pytest.raises(ValueError, match="outside \\[0, 2\\)"):
+            kernels.pal(self.h, self.mask, torch.tensor([0, 2]), *self.weights, 2)
+        with pytest.raises(ValueError, match="cu_seqlens must start at 0"):
+            kernels.pal_varlen(
+                self.h[0], torch.tensor([0, 2, 4], dtype=torch.int32), 2, self.ids, *self.weights, 2
+            )
+
+
+class TestDispatch:
+    def test_reference_mode(self, monkeypatch):
+        monkeypatch.setenv("FASTPALS_KERNELS", "reference")
+        assert kernels.use_triton(torch.zeros(1)) is False
+
+    def test_auto_mode_uses_reference_on_cpu(self, monkeypatch):
+        monkeypatch.delenv("FASTPALS_KERNELS", raising=False)
+        assert kernels.kernel_mode() == "auto"
+        assert kernels.use_triton(torch.zeros(1)) is False
+        monkeypatch.setenv("FASTPALS_KERNELS", "AUTO")
+        assert kernels.use_triton(torch.zeros(1)) is False
+
+    def test_triton_mode_on_cpu_needs_the_interpreter(self, monkeypatch):
+        monkeypatch.setenv("FASTPALS_KERNELS", "triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        assert kernels.use_triton(torch.zeros(1)) is True
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+            kernels.use_triton(torch.zeros(1))
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        with pytest.raises(RuntimeError, match="meta"):
+            kernels.use_triton(torch.zeros(1, device="meta"))
+
+    def test_triton_mode_without_triton_is_an_error(self, monkeypatch):
+        monkeypatch.setenv("FASTPALS_KERNELS", "triton")
+        monkeypatch.setattr(
+            kernel_utils, "_triton_import_error", lambda: "ImportError: no module named triton"
+        )
+        ok, reason = kernels.available()
+        assert not ok and "not importable" in reason
+        with pytest.raises(RuntimeError, match="cannot run"):
+            kernels.use_triton(torch.zeros(1))
+        monkeypatch.setenv("FASTPALS_KERNELS", "auto")
+        assert kernels.use_triton(torch.zeros(1)) is False
+
+    def test_bad_mode(self, monkeypatch):
+        monkeypatch.setenv("FASTPALS_KERNELS", "cuda")
+        with pytest.raises(ValueError, match="FASTPALS_KERNELS='cuda'"):
+            kernels.use_triton(torch.zeros(1))
+
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none present)")
+    def test_auto_mode_uses_triton_on_cuda(self, monkeypatch):
+        monkeypatch.delenv("FASTPALS_KERNELS", raising=False)
+        assert kernels.use_triton(torch.zeros(1, device="cuda")) is True
+
+
+def test_package_import_is_cheap_and_safe_without_triton():
+    """``import fastpals.kernels`` loads no Triton; without Triton, available() says why and the ops raise a clear
+    ImportError; an op whose module has its name stays the function after the module is imported."""
+    code = """
+import sys
+import fastpals.kernels as k
+assert "triton" not in sys.modules, "import fastpals.kernels imported triton"
+sys.modules["triton"] = None  # as if triton were not installed
+ok, reason = k.available()
+assert not ok and "not importable" in reason, reason
+try:
+    k.pal
+except ImportError as exc:
+    assert "needs Triton" in str(exc), exc
+else:
+    raise AssertionError("k.pal without triton did not raise")
+print("ok")
+"""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_exported_ops_are_functions_not_modules():
+    import fastpals.kernels.grouped_linear  # noqa: F401 - the import system would rebind the package attribute
+    import fastpals.kernels.pal  # noqa: F401
+    import fastpals.kernels.pal_attention  # noqa: F401
+
+    for name in ("pal", "pal_varlen", "grouped_linear", "grouped_linear_varlen", "pal_attention"):
+        assert callable(getattr(kernels, name)), name
+    assert kernels.pal.__module__ == "fastpals.kernels.pal"
+    assert kernels.pal_attention.__module__ == "fastpals.kernels.pal_attention"
