@@ -89,6 +89,9 @@ class Tokenizer:
         vocab_size: number of tokens.
         pad_token_id, cls_token_id, sep_token_id, unk_token_id, mask_token_id: special token ids.
         num_truncated: how many sequences (a pair counts once) were truncated so far; reset it by assigning 0.
+
+    One instance sets its Rust tokenizer's truncation length per call: share it between threads only with a lock
+    (processes are fine: it pickles).
     """
 
     def __init__(self, vocab_file: str | os.PathLike) -> None:
