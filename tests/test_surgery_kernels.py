@@ -1,0 +1,136 @@
+"""The Gram and combine Triton kernels (TRITON_INTERPRET=1 on CPU) against PyTorch and float64.
+
+Rule (flash-attention's): the kernel's error against float64 is at most twice the same-dtype PyTorch
+reference's (plus a tiny floor for exactly-representable results).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastpals.kernels.combine import combine, combine_reference
+from fastpals.kernels.gram import MAX_TASKS, gram, gram_reference
+from fastpals.surgery import TaskGradientBuffer, gem_weights, pcgrad_weights
+
+# the interpreter runs numpy, which warns on inf/nan arithmetic in the finite-check tests
+pytestmark = [pytest.mark.kernels, pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")]
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture
+def triton_mode(monkeypatch):
+    monkeypatch.setenv("FASTPALS_KERNELS", "triton")
+
+
+def max_err(a: torch.Tensor, ref64: torch.Tensor) -> float:
+    return float((a.double() - ref64).abs().max() / ref64.abs().max().clamp_min(1e-300))
+
+
+def make_buf(t: int, p: int, dtype: torch.dtype, seed: int, row_pad: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    full = torch.randn(t, p + row_pad, generator=gen) * torch.rand(t, 1, generator=gen) * 3
+    return full.to(dtype)[:, :p]  # row_pad > 0: rows strided by p + row_pad
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,p", [(1, 1), (2, 1000), (3, 4099), (8, 777), (17, 300), (MAX_TASKS, 513)])
+def test_gram_matches_torch_and_float64(triton_mode, dtype, t, p):
+    buf = make_buf(t, p, dtype, seed=t * 1000 + p, row_pad=5 if t == 3 else 0)
+    got, finite = gram(buf)
+    ref, ref_finite = gram_reference(buf)
+    ref64 = buf.double() @ buf.double().T
+    assert got.dtype == torch.float32 and got.shape == (t, t) and finite.shape == (t,)
+    assert finite.all() and ref_finite.all()
+    assert torch.equal(got, got.T)
+    assert max_err(got, ref64) <= 2 * max_err(ref, ref64) + 1e-7
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("out_dtype", DTYPES)
+@pytest.mark.parametrize("t,p", [(1, 5), (3, 4099), (8, 1030), (MAX_TASKS, 257)])
+def test_combine_matches_torch_and_float64(triton_mode, dtype, out_dtype, t, p):
+    buf = make_buf(t, p, dtype, seed=t + p, row_pad=3 if t == 3 else 0)
+    w = torch.randn(t, generator=torch.Generator().manual_seed(t))
+    got = combine(buf, w, torch.empty(p, dtype=out_dtype))
+    ref = combine_reference(buf.contiguous(), w, torch.empty(p, dtype=out_dtype))
+    ref64 = w.double() @ buf.double()
+    assert got.dtype == out_dtype
+    assert max_err(got, ref64) <= 2 * max_err(ref, ref64) + 1e-7
+    if out_dtype != torch.float32:  # fp32 sums rounded to nearest even, as PyTorch rounds
+        assert max_err(got, ref64) <= 1.01 * max_err(ref, ref64) + 1e-7
+
+
+def test_combine_float64_weights_and_default_out(triton_mode):
+    buf = make_buf(4, 100, torch.float32, seed=1)
+    w = torch.randn(4, dtype=torch.float64)
+    got = combine(buf, w)
+    assert got.dtype == torch.float32
+    assert max_err(got, w @ buf.double()) < 1e-6
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gram_finite_check(triton_mode, bad, dtype):
+    buf = make_buf(5, 2000, dtype, seed=2).clone()
+    buf[2, 1999] = bad
+    buf[4, 0] = bad
+    _, finite = gram(buf)
+    assert finite.tolist() == [True, True, False, True, False]
+    assert gram_reference(buf)[1].tolist() == finite.tolist()
+
+
+def test_gram_overflow_is_reported(triton_mode):
+    buf = torch.full((2, 10), 1e20)  # finite, but its squares overflow fp32
+    buf[1] = 1.0
+    _, finite = gram(buf)
+    assert finite.tolist() == [False, True]
+
+
+def test_kernels_validate_inputs(triton_mode):
+    with pytest.raises(TypeError, match="buf"):
+        gram([[1.0]])
+    with pytest.raises(ValueError, match=r"\[T, P\]"):
+        gram(torch.zeros(3))
+    with pytest.raises(ValueError, match="T = 33"):
+        gram(torch.zeros(33, 4))
+    with pytest.raises(TypeError, match="float32"):
+        gram(torch.zeros(2, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="contiguous"):
+        gram(torch.zeros(4, 2).T)
+    buf = torch.zeros(2, 4)
+    with pytest.raises(ValueError, match="weights"):
+        combine(buf, torch.zeros(3))
+    with pytest.raises(ValueError, match="weights"):
+        combine(buf, torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="out"):
+        combine(buf, torch.zeros(2), torch.zeros(5))
+    with pytest.raises(ValueError, match="out"):
+        combine(buf, torch.zeros(2), torch.zeros(8)[::2])
+    with pytest.raises(TypeError, match="out"):
+        combine(buf, torch.zeros(2), "out")
+
+
+def test_dispatch_reference_mode_uses_torch(monkeypatch):
+    monkeypatch.setenv("FASTPALS_KERNELS", "reference")
+    buf = make_buf(3, 50, torch.float32, seed=3)
+    got, _ = gram(buf)
+    assert torch.equal(got, gram_reference(buf)[0])
+
+
+@pytest.mark.parametrize("aggregator", [pcgrad_weights, gem_weights])
+def test_buffer_through_the_triton_kernels(triton_mode, aggregator):
+    gen = torch.Generator().manual_seed(0)
+    grads = torch.randn(4, 600, generator=gen)
+    grads[0] -= 2 * grads[1]
+    p = torch.nn.Parameter(torch.zeros(600))
+    buf = TaskGradientBuffer([p], 4)
+    for t in range(4):
+        p.grad = grads[t].clone()
+        buf.capture(t)
+    result = buf.apply(aggregator, generator=torch.Generator().manual_seed(1))
+    g64 = grads.double()
+    w_ref = aggregator(g64 @ g64.T, generator=torch.Generator().manual_seed(1))
+    assert max_err(p.grad, w_ref @ g64) < 1e-5
+    assert max_err(result.gram, g64 @ g64.T) < 1e-6
