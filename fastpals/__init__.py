@@ -6,6 +6,7 @@ Public names: ``BertModel``, ``BertConfig``, ``PALConfig``, ``MultiTaskBert``, `
 
 from fastpals.model import BertConfig, BertModel, PALConfig
 from fastpals.multitask import MultiTaskBert, MultiTaskConfig, TaskSpec, count_parameters
+from fastpals.tokenizer import Tokenizer
 
 __version__ = "0.1.0"
 
@@ -16,5 +17,6 @@ __all__ = [
     "MultiTaskConfig",
     "PALConfig",
     "TaskSpec",
+    "Tokenizer",
     "count_parameters",
 ]
