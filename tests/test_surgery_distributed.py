@@ -1,0 +1,95 @@
+"""Data parallel surgery: 2 CPU processes (gloo) each holding half of every task's batch give the same update as
+one process holding the whole batch, because the [T, P] buffer is averaged before the Gram."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from fastpals.surgery import TaskGradientBuffer, gem_weights, pcgrad_weights
+
+pytestmark = pytest.mark.distributed
+
+NUM_TASKS = 3
+BATCH = 8  # per task, split 4 + 4 over the two ranks
+
+
+class Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 12))
+        self.heads = torch.nn.ModuleList([torch.nn.Linear(12, 1) for _ in range(NUM_TASKS)])
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor, task: int) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.heads[task](self.encoder(x)).squeeze(-1), y)
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for t in range(NUM_TASKS):
+        x = torch.randn(BATCH, 6, generator=gen)
+        y = torch.randn(BATCH, generator=gen) * (-2.0) ** t
+        out.append((x, y))
+    return out
+
+
+def surgery_step(rows: slice, aggregator, all_reduce: bool) -> dict[str, torch.Tensor]:
+    model = Model()
+    buf = TaskGradientBuffer(
+        list(model.encoder.parameters()),
+        NUM_TASKS,
+        task_params=list(model.heads.parameters()),
+        all_reduce=all_reduce,
+    )
+    for t, (x, y) in enumerate(batches()):
+        model.loss(x[rows], y[rows], t).backward()
+        buf.capture(t)
+    result = buf.apply(aggregator, generator=torch.Generator().manual_seed(7))
+    assert not result.skipped
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        half = BATCH // world
+        rows = slice(rank * half, (rank + 1) * half)
+        out = {
+            "pcgrad": surgery_step(rows, pcgrad_weights, all_reduce=True),
+            "gem": surgery_step(rows, gem_weights, all_reduce=True),
+        }
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_equal_one_process_with_the_whole_batch(tmp_path):
+    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    whole = slice(0, BATCH)
+    refs = {}
+    for name, agg in (("pcgrad", pcgrad_weights), ("gem", gem_weights)):
+        ref = refs[name] = surgery_step(whole, agg, all_reduce=False)
+        for rank in range(2):
+            got = torch.load(tmp_path / f"rank{rank}.pt")[name]
+            assert set(got) == set(ref)
+            for n in ref:
+                assert torch.allclose(got[n], ref[n], rtol=1e-5, atol=1e-7), (name, rank, n)
+    # and surgery on the global gradients is not surgery on one rank's gradients
+    local = surgery_step(slice(0, BATCH // 2), pcgrad_weights, all_reduce=False)
+    assert not torch.allclose(local["encoder.0.weight"], refs["pcgrad"]["encoder.0.weight"], rtol=1e-3)
