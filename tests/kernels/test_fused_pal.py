@@ -169,6 +169,27 @@ def test_pal_attention_dropout_follows_seed():
     _check_fp32(_grads(out, [h, *weights], dy), _grads(ref, [h, *weights], dy), NAMES)
 
 
+def test_pal_varlen_dropout_equals_padded_dropout():
+    """Packed and padded batches holding the same tokens drop the same probabilities for one seed."""
+    g = torch.Generator().manual_seed(11)
+    lengths = torch.tensor([3, 8, 5])
+    task_ids = torch.tensor([1, 0, 1])
+    cu = torch.zeros(4, dtype=torch.int32)
+    cu[1:] = torch.cumsum(lengths, 0)
+    mask = torch.arange(8)[None, :] < lengths[:, None]
+    h_pad = torch.randn(3, 8, 24, generator=g) * mask[..., None]
+    h_pad.requires_grad_()
+    weights = _weights(2, 24, 34, torch.float32, g)
+    padded = kernels.pal(h_pad, mask, task_ids, *weights, 2, True, 0.3, generator_seed=99)[mask]
+    h_packed = h_pad.detach()[mask].requires_grad_()
+    packed = kernels.pal_varlen(h_packed, cu, 8, task_ids, *weights, 2, True, 0.3, generator_seed=99)
+    dy = torch.randn(packed.shape, generator=g)
+    got = _grads(packed, [h_packed, *weights], dy)
+    want = _grads(padded, [h_pad, *weights], dy)
+    want[1] = want[1][mask]
+    _check_fp32(got, want, NAMES)
+
+
 class TestPalValidation:
     def setup_method(self):
         g = torch.Generator().manual_seed(0)

@@ -79,6 +79,32 @@ def test_padded_fp32_matches_reference(mix, bias, activation, residual):
                 assert torch.count_nonzero(got[3][t]) == 0
 
 
+@pytest.mark.parametrize(
+    "k, m, num_tasks, bias, activation",
+    [
+        (16, 16, 8, True, "gelu"),
+        (17, 3, 5, False, "gelu"),
+        (130, 70, 6, True, None),
+        (1, 33, 2, True, "gelu"),
+    ],
+)
+def test_sizes_and_zipf_task_mix_fp32(k, m, num_tasks, bias, activation):
+    """Odd and tiny feature sizes; tasks drawn from a Zipf-like law over many tasks (most examples on task 0)."""
+    g = torch.Generator().manual_seed(k * 1000 + m)
+    probs = 1.0 / torch.arange(1, num_tasks + 1, dtype=torch.float64)
+    task_ids = torch.multinomial(probs / probs.sum(), 12, replacement=True, generator=g)
+    leaves, dy = _make((12, 3, k), num_tasks, m, torch.float32, bias, residual=True, seed=k + m)
+
+    def kernel(x, w, b, r):
+        return grouped_linear(x, task_ids, w, b, activation, r)
+
+    def reference(x, w, b, r):
+        return _reference(x, task_ids, w, b, activation, r)
+
+    for a, e in zip(_run(kernel, leaves, dy), _run(reference, leaves, dy)):
+        torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5)
+
+
 def test_many_tiles_per_task_fp32():
     """160 rows, 140 of one task: several row tiles per task, several row blocks in the weight gradient."""
     task_ids = torch.tensor([2, 2, 0, 2, 2, 2, 2, 2])
