@@ -34,6 +34,7 @@ products (no TF32), so fp32 results match the reference to about 1e-6.
 # Triton reads annotations as specialisation hints. Host functions below are fully annotated.
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from typing import NamedTuple
@@ -402,6 +403,7 @@ def _pal_attn_dropout_mask_kernel(
 # ----------------------------------------------------------------------------------------------------------------
 
 
+@functools.cache
 def _interpreting() -> bool:
     """True when Triton built this module's kernels for its CPU interpreter (TRITON_INTERPRET=1 at import)."""
     try:
@@ -446,32 +448,42 @@ def _clamp_block(block: int, seq: int) -> int:
     return max(16, min(block, triton.next_power_of_2(max(seq, 1))))
 
 
-def _forward_config(layout: _Layout, dtype: torch.dtype) -> _Config:
+# GPU launch configurations (block_m = queries, block_n = keys, warps, stages) per kernel, per "fp32 or 16-bit"
+# and per padded head dim. Chosen as the largest tiles that compile for sm_90 without register spills with
+# every feature on (mask + dropout), from ptxas resource usage (cuobjdump); not yet timed on a GPU.
+_GPU_CONFIGS: dict[tuple[str, bool, int], tuple[int, int, int, int]] = {
+    ("fwd", False, 32): (128, 64, 8, 3),
+    ("fwd", False, 64): (128, 64, 8, 3),
+    ("fwd", False, 128): (128, 32, 8, 2),
+    ("fwd", True, 32): (64, 32, 4, 2),
+    ("fwd", True, 64): (32, 32, 8, 2),
+    ("fwd", True, 128): (32, 32, 8, 2),
+    ("dkdv", False, 32): (64, 64, 4, 2),
+    ("dkdv", False, 64): (64, 64, 8, 2),
+    ("dkdv", False, 128): (64, 32, 8, 2),
+    ("dkdv", True, 32): (32, 32, 4, 2),
+    ("dkdv", True, 64): (32, 32, 8, 2),
+    ("dkdv", True, 128): (16, 32, 4, 2),
+    ("dq", False, 32): (64, 64, 4, 2),
+    ("dq", False, 64): (64, 64, 8, 2),
+    ("dq", False, 128): (32, 64, 8, 2),
+    ("dq", True, 32): (32, 32, 4, 2),
+    ("dq", True, 64): (32, 32, 8, 2),
+    ("dq", True, 128): (32, 32, 8, 2),
+}
+_INTERPRETER_BLOCK = 16  # small tiles keep the CPU interpreter fast; never autotuned there
+
+
+def _launch_config(kernel: str, layout: _Layout, dtype: torch.dtype) -> _Config:
+    """Tile sizes of ``kernel`` ("fwd", "dkdv", "dq") for this call; tiles never exceed the sequence (>= 16)."""
     block_d = max(16, triton.next_power_of_2(layout.head_dim))
     if _interpreting():
-        return _Config(_clamp_block(16, layout.seq), 16, block_d, 4, 1)
-    if dtype == torch.float32:
-        block_m, block_n, warps, stages = 64, 32, 4, 2
-    elif block_d <= 64:
-        block_m, block_n, warps, stages = 128, 64, 4, 3
-    else:
-        block_m, block_n, warps, stages = 128, 64, 8, 2
+        block = _clamp_block(_INTERPRETER_BLOCK, layout.seq)
+        return _Config(block, block, block_d, 4, 1)
+    block_m, block_n, warps, stages = _GPU_CONFIGS[(kernel, dtype == torch.float32, max(32, block_d))]
     return _Config(
         _clamp_block(block_m, layout.seq), _clamp_block(block_n, layout.seq), block_d, warps, stages
     )
-
-
-def _backward_config(layout: _Layout, dtype: torch.dtype) -> _Config:
-    block_d = max(16, triton.next_power_of_2(layout.head_dim))
-    if _interpreting():
-        return _Config(16, 16, block_d, 4, 1)
-    if dtype == torch.float32:
-        block_m, block_n, warps = 32, 32, 4
-    elif block_d <= 64:
-        block_m, block_n, warps = 64, 64, 4
-    else:
-        block_m, block_n, warps = 64, 64, 8
-    return _Config(_clamp_block(block_m, layout.seq), _clamp_block(block_n, layout.seq), block_d, warps, 2)
 
 
 def _check_qkv(q: object, k: object, v: object, ndim: int, form: str) -> None:
@@ -519,6 +531,14 @@ def _check_common(dropout_p: object, softmax_scale: object, generator_seed: obje
             raise ValueError(f"generator_seed must be in [0, 2**63), got {generator_seed}")
 
 
+_MAX_SEQ = 65535 * 16  # grid axis 1 (blocks of >= 16 rows) is limited to 65535 on CUDA
+
+
+def _check_grid_rows(seq: int, name: str) -> None:
+    if seq > _MAX_SEQ:
+        raise ValueError(f"{name} = {seq} exceeds the longest supported sequence ({_MAX_SEQ} tokens)")
+
+
 def _padded_layout(q: torch.Tensor, key_padding_mask: object) -> _Layout:
     batch, length, heads, head_dim = q.shape
     mask = None
@@ -542,6 +562,7 @@ def _padded_layout(q: torch.Tensor, key_padding_mask: object) -> _Layout:
             )
         else:
             mask = key_padding_mask
+    _check_grid_rows(length, "L (q.shape[1])")
     return _Layout(False, batch, length, heads, head_dim, batch * length, length, mask, None)
 
 
@@ -575,6 +596,7 @@ def _varlen_layout(q: torch.Tensor, cu_seqlens: object, max_seqlen: object) -> _
             f"max_seqlen = {int(max_seqlen)} is shorter than the longest sequence ({longest} tokens)"
         )
     batch = cu_seqlens.numel() - 1
+    _check_grid_rows(int(max_seqlen), "max_seqlen")
     return _Layout(True, batch, int(max_seqlen), heads, head_dim, total, 0, None, cu_seqlens)
 
 
@@ -623,7 +645,7 @@ def _attention_forward(
     stat_l = torch.empty_like(stat_m)
     if out.numel() == 0 or layout.seq == 0:
         return out, stat_m, stat_l
-    cfg = _forward_config(layout, q.dtype)
+    cfg = _launch_config("fwd", layout, q.dtype)
     mask = layout.mask if layout.mask is not None else q
     cu = layout.cu_seqlens if layout.cu_seqlens is not None else q
     mask_strides = (mask.stride(0), mask.stride(1)) if layout.mask is not None else (0, 0)
@@ -668,7 +690,8 @@ def _attention_backward(
     dv = torch.empty(q.shape, dtype=q.dtype, device=q.device) if need_dkdv else None
     if q.numel() == 0 or layout.seq == 0:
         return dq, dk, dv
-    cfg = _backward_config(layout, q.dtype)
+    cfg_kv = _launch_config("dkdv", layout, q.dtype)
+    cfg_q = _launch_config("dq", layout, q.dtype)
     mask = layout.mask if layout.mask is not None else q
     cu = layout.cu_seqlens if layout.cu_seqlens is not None else q
     mask_strides = (mask.stride(0), mask.stride(1)) if layout.mask is not None else (0, 0)
@@ -686,23 +709,23 @@ def _attention_backward(
         layout.heads, layout.seq, layout.head_dim,
     )  # fmt: skip
     with _device_ctx(q):
-        _pal_attn_bwd_delta_kernel[(bh, triton.cdiv(layout.seq, cfg.block_m))](
+        _pal_attn_bwd_delta_kernel[(bh, triton.cdiv(layout.seq, cfg_q.block_m))](
             out, dout, delta, cu,
             *_strides(out, varlen), *_strides(dout, varlen), layout.stat_stride_b,
             layout.heads, layout.seq, layout.head_dim,
-            IS_VARLEN=varlen, BLOCK_M=cfg.block_m, BLOCK_D=cfg.block_d, num_warps=cfg.num_warps,
+            IS_VARLEN=varlen, BLOCK_M=cfg_q.block_m, BLOCK_D=cfg_q.block_d, num_warps=cfg_q.num_warps,
         )  # fmt: skip
         if need_dkdv:
-            _pal_attn_bwd_dkdv_kernel[(bh, triton.cdiv(layout.seq, cfg.block_n))](
+            _pal_attn_bwd_dkdv_kernel[(bh, triton.cdiv(layout.seq, cfg_kv.block_n))](
                 q, k, v, dout, dk, dv, stat_m, stat_l, delta, mask, cu, *common, **flags,
-                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n, BLOCK_D=cfg_kv.block_d,
+                num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages,
             )  # fmt: skip
         if need_dq:
-            _pal_attn_bwd_dq_kernel[(bh, triton.cdiv(layout.seq, cfg.block_m))](
+            _pal_attn_bwd_dq_kernel[(bh, triton.cdiv(layout.seq, cfg_q.block_m))](
                 q, k, v, dout, dq, stat_m, stat_l, delta, mask, cu, *common, **flags,
-                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                BLOCK_M=cfg_q.block_m, BLOCK_N=cfg_q.block_n, BLOCK_D=cfg_q.block_d,
+                num_warps=cfg_q.num_warps, num_stages=cfg_q.num_stages,
             )  # fmt: skip
     return dq, dk, dv
 
@@ -739,9 +762,10 @@ def _run_backward(ctx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  
     need_dkdv = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
     if not (need_dq or need_dkdv):
         return None, None, None
-    return _attention_backward(
+    dq, dk, dv = _attention_backward(
         dout, q, k, v, out, stat_m, stat_l, layout, ctx.dropout_p, ctx.scale, ctx.seed, need_dq, need_dkdv
     )
+    return dq, dk if ctx.needs_input_grad[1] else None, dv if ctx.needs_input_grad[2] else None
 
 
 class PALAttentionFunction(torch.autograd.Function):
@@ -873,6 +897,7 @@ def pal_attention_dropout_mask(
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
             raise ValueError(f"{name} must be a non-negative int, got {value!r}")
     _check_common(dropout_p, None, seed)
+    _check_grid_rows(int(seqlen), "seqlen")
     device = torch.device(device)
     if device.type != "cuda" and not _interpreting():
         raise RuntimeError(f"device {device} needs TRITON_INTERPRET=1 (CPU interpreter) or a CUDA device")
