@@ -19,11 +19,9 @@ import triton.language as tl
 
 from fastpals.kernels.utils import (
     TaskRowPlan,
-    build_task_row_plan,
-    check_cu_seqlens,
     device_context,
     dot_flags,
-    validate_task_ids,
+    task_row_plan,
 )
 
 __all__ = ["GroupedLinearFunction", "grouped_linear", "grouped_linear_varlen", "grouped_linear_rows"]
@@ -43,8 +41,10 @@ def _dot(a, b, acc, IEEE: tl.constexpr, INTERP_BF16: tl.constexpr):
         a = a.to(tl.float32)
         b = b.to(tl.float32)
     if IEEE:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
 
 
 @triton.jit
@@ -425,7 +425,7 @@ def grouped_linear_rows(
     activation: str | None = None,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Grouped linear on row-major ``x [R, K]`` with a plan from :func:`~fastpals.kernels.utils.build_task_row_plan`
+    """Grouped linear on row-major ``x [R, K]`` with a plan from :func:`~fastpals.kernels.utils.task_row_plan`
     (reused across several layers of one batch, as the fused PAL does). Operands must already be validated."""
     return GroupedLinearFunction.apply(
         x.contiguous(),
@@ -458,8 +458,7 @@ def grouped_linear(
         raise ValueError(f"x must be [B, L, K] or [B, K], got {list(x.shape)}")
     batch = x.shape[0]
     seq_len = x.shape[1] if x.dim() == 3 else 1
-    task_ids = validate_task_ids(task_ids, weight.shape[0], batch, x.device)
-    plan = build_task_row_plan(task_ids, weight.shape[0], batch * seq_len, seq_len=seq_len)
+    plan = task_row_plan(task_ids, weight.shape[0], batch * seq_len, x.device, batch=batch, seq_len=seq_len)
     rows = x.reshape(batch * seq_len, x.shape[-1])
     res_rows = None if residual is None else residual.reshape(batch * seq_len, weight.shape[1])
     y = grouped_linear_rows(rows, plan, weight, bias, activation, res_rows)
@@ -483,7 +482,5 @@ def grouped_linear_varlen(
     _check_operands(x, weight, bias, activation, residual, (x.shape[0], weight.shape[1]))
     if x.dim() != 2:
         raise ValueError(f"x must be packed rows [N, K], got {list(x.shape)}")
-    batch = check_cu_seqlens(cu_seqlens, x.shape[0], x.device)
-    task_ids = validate_task_ids(task_ids, weight.shape[0], batch, x.device)
-    plan = build_task_row_plan(task_ids, weight.shape[0], x.shape[0], cu_seqlens=cu_seqlens)
+    plan = task_row_plan(task_ids, weight.shape[0], x.shape[0], x.device, cu_seqlens=cu_seqlens)
     return grouped_linear_rows(x, plan, weight, bias, activation, residual)

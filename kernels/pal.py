@@ -31,11 +31,9 @@ from fastpals.kernels.grouped_linear import (
 from fastpals.kernels.pal_attention import pal_attention, pal_attention_varlen
 from fastpals.kernels.utils import (
     TaskRowPlan,
-    build_task_row_plan,
-    check_cu_seqlens,
     device_context,
     dot_flags,
-    validate_task_ids,
+    task_row_plan,
 )
 
 __all__ = ["EncQKVFunction", "pal", "pal_varlen"]
@@ -330,9 +328,14 @@ def pal(
             raise ValueError(f"attention_mask must be a [B, L] = {[batch, length]} tensor or None")
         if attention_mask.device != h.device:
             raise ValueError(f"attention_mask is on {attention_mask.device} but h is on {h.device}")
-    task_ids = validate_task_ids(task_ids, num_tasks, batch, h.device)
-    plan = build_task_row_plan(
-        task_ids, num_tasks, batch * length, seq_len=length, block_rows=_block_rows(d_s)
+    plan = task_row_plan(
+        task_ids,
+        num_tasks,
+        batch * length,
+        h.device,
+        batch=batch,
+        seq_len=length,
+        block_rows=_block_rows(d_s),
     )
     head_dim = d_s // num_heads
 
@@ -379,10 +382,8 @@ def pal_varlen(
     num_tasks, d, d_s = _check_pal_weights(
         h, enc_weight, enc_bias, qkv_weight, qkv_bias, dec_weight, dec_bias, num_heads, residual
     )
-    batch = check_cu_seqlens(cu_seqlens, h.shape[0], h.device)
-    task_ids = validate_task_ids(task_ids, num_tasks, batch, h.device)
-    plan = build_task_row_plan(
-        task_ids, num_tasks, h.shape[0], cu_seqlens=cu_seqlens, block_rows=_block_rows(d_s)
+    plan = task_row_plan(
+        task_ids, num_tasks, h.shape[0], h.device, cu_seqlens=cu_seqlens, block_rows=_block_rows(d_s)
     )
     head_dim = d_s // num_heads
     num_rows = h.shape[0]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,7 @@ __all__ = [
     "device_context",
     "dot_flags",
     "kernel_mode",
+    "task_row_plan",
     "use_triton",
     "validate_task_ids",
 ]
@@ -227,3 +229,78 @@ def dot_flags(dtype: torch.dtype) -> dict[str, bool]:
     INTERP_BF16 bf16 tiles to fp32 under the interpreter, whose bf16 ``tl.dot`` is wrong."""
     upcast = dtype == torch.bfloat16 and _interpret_mode()
     return {"IEEE": dtype == torch.float32 or upcast, "INTERP_BF16": upcast}
+
+
+class _PlanCache:
+    """The last few validated plans, keyed on the identity and in-place version of ``task_ids`` (and
+    ``cu_seqlens``) plus the sizes. The PAL of every layer of one forward receives the same ``task_ids`` object:
+    the validation sync and the ~15 small plan-building launches then happen once per forward, not per layer.
+    An in-place change of either tensor bumps its version and misses the cache; a new tensor misses too."""
+
+    def __init__(self, size: int = 8) -> None:
+        self.size = size
+        self.entries: list[tuple[tuple, tuple, TaskRowPlan]] = []
+
+    @staticmethod
+    def _alive(refs: tuple, versions: tuple, tensors: tuple) -> bool:
+        return all(
+            (r is None and t is None) or (r is not None and r() is t and t._version == v)
+            for r, v, t in zip(refs, versions, tensors)
+        )
+
+    def get(self, tensors: tuple, meta: tuple) -> TaskRowPlan | None:
+        for refs, versions, entry_meta, plan in self.entries:
+            if entry_meta == meta and self._alive(refs, versions, tensors):
+                return plan
+        return None
+
+    def put(self, tensors: tuple, meta: tuple, plan: TaskRowPlan) -> None:
+        refs = tuple(None if t is None else weakref.ref(t) for t in tensors)
+        versions = tuple(None if t is None else t._version for t in tensors)
+        self.entries = [e for e in self.entries if all(r is None or r() is not None for r in e[0])]
+        self.entries.insert(0, (refs, versions, meta, plan))
+        del self.entries[self.size :]
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+
+_PLAN_CACHE = _PlanCache()
+
+
+def task_row_plan(
+    task_ids: object,
+    num_tasks: int,
+    num_rows: int,
+    device: torch.device,
+    batch: int | None = None,
+    seq_len: int | None = None,
+    cu_seqlens: object = None,
+    block_rows: int = 64,
+) -> TaskRowPlan:
+    """Validate ``task_ids`` (and ``cu_seqlens``) and return the batch's :class:`TaskRowPlan`, from a small
+    cache when the same tensors (unchanged in place) were planned before with the same sizes.
+
+    Padded rows: ``batch`` (B) and ``seq_len`` given, ``num_rows = B * seq_len``. Packed rows: ``cu_seqlens
+    [B+1]`` given (B is read from it), ``num_rows = N``.
+    Raises ``TypeError``/``ValueError`` naming the argument on bad input.
+    """
+    tensors = (task_ids, cu_seqlens)
+    meta = (num_tasks, num_rows, batch, seq_len, block_rows, str(device))
+    if isinstance(task_ids, torch.Tensor):
+        plan = _PLAN_CACHE.get(tensors, meta)
+        if plan is not None:
+            return plan
+    if cu_seqlens is None:
+        if batch is None or seq_len is None or batch * seq_len != num_rows:
+            raise ValueError(
+                "task_row_plan needs batch and seq_len with batch * seq_len == num_rows, or cu_seqlens"
+            )
+    else:
+        batch = check_cu_seqlens(cu_seqlens, num_rows, device)
+    ids = validate_task_ids(task_ids, num_tasks, batch, device)
+    plan = build_task_row_plan(
+        ids, num_tasks, num_rows, seq_len=seq_len, cu_seqlens=cu_seqlens, block_rows=block_rows
+    )
+    _PLAN_CACHE.put(tensors, meta, plan)
+    return plan

@@ -242,3 +242,26 @@ class TestValidation:
             grouped_linear_varlen(x, torch.tensor([0.0, 2.0, 6.0]), ids, self.w)
         with pytest.raises(ValueError, match="task_ids must have shape \\[1\\]"):
             grouped_linear_varlen(x, torch.tensor([0, 6], dtype=torch.int32), ids, self.w)
+
+
+def test_plan_cache_reuses_validated_plans_and_sees_in_place_changes():
+    from fastpals.kernels.utils import task_row_plan
+
+    task_ids = torch.tensor([0, 1, 1])
+    plan = task_row_plan(task_ids, 2, 12, task_ids.device, batch=3, seq_len=4)
+    assert task_row_plan(task_ids, 2, 12, task_ids.device, batch=3, seq_len=4) is plan  # e.g. the next layer
+    assert task_row_plan(task_ids, 3, 12, task_ids.device, batch=3, seq_len=4) is not plan  # other sizes
+    assert task_row_plan(task_ids.clone(), 2, 12, task_ids.device, batch=3, seq_len=4) is not plan
+    task_ids[0] = 1  # in place: the version changes, the plan is rebuilt (and re-validated)
+    replanned = task_row_plan(task_ids, 2, 12, task_ids.device, batch=3, seq_len=4)
+    assert replanned is not plan and replanned.task_row_offsets.tolist() == [0, 0, 12]
+    task_ids[0] = 5
+    with pytest.raises(ValueError, match="outside \\[0, 2\\)"):
+        task_row_plan(task_ids, 2, 12, task_ids.device, batch=3, seq_len=4)
+    cu = torch.tensor([0, 5, 7], dtype=torch.int32)
+    ids = torch.tensor([1, 0])
+    varlen = task_row_plan(ids, 2, 7, ids.device, cu_seqlens=cu)
+    assert task_row_plan(ids, 2, 7, ids.device, cu_seqlens=cu) is varlen
+    cu[1] = 8
+    with pytest.raises(ValueError, match="non-decreasing"):
+        task_row_plan(ids, 2, 7, ids.device, cu_seqlens=cu)
