@@ -358,6 +358,13 @@ def test_validation_errors():
         pal_attention_varlen(packed, packed, packed, good, 3)
     with pytest.raises(ValueError, match=r"q must have shape \[N, H, Dh\]"):
         pal_attention_varlen(q, q, q, good, 4)
+    if torch.cuda.is_available():  # device mismatches need two devices
+        with pytest.raises(ValueError, match="k is on cpu"):
+            pal_attention(q, q.cpu(), q)
+        with pytest.raises(ValueError, match="key_padding_mask is on cpu"):
+            pal_attention(q, q, q, mask.cpu())
+        with pytest.raises(ValueError, match="cu_seqlens is on cpu"):
+            pal_attention_varlen(packed, packed, packed, good.cpu(), 4)
 
 
 def test_reference_dropout_agrees_in_distribution():
