@@ -27,6 +27,11 @@ from fastpals.kernels.utils import (
 __all__ = ["GroupedLinearFunction", "grouped_linear", "grouped_linear_varlen", "grouped_linear_rows"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Launch shape of every grouped kernel on the GPU: with 64 x 64 x 64 tiles (32-row tiles for the PAL), 8 warps
+# compile for sm_90 without register spills (Triton 3.9, measured by ahead-of-time compilation with ptxas -v; see
+# tests/kernels/test_grouped_linear.py::test_kernels_compile_for_sm90), 4 warps spill. Not yet timed on a GPU.
+GPU_NUM_WARPS = 8
+GPU_NUM_STAGES = 3
 _ACTIVATIONS = (None, "gelu")
 _SQRT1_2 = 0.7071067811865476
 _INV_SQRT_2PI = 0.3989422804014327
@@ -116,21 +121,23 @@ def _grouped_mm_kernel(
     n_mask = offs_n < N_OUT
     w_base = w_ptr + task.to(tl.int64) * stride_wt
 
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows[:, None] * stride_a + offs_k[None, :]
+    z_ptrs = z_ptr + rows[:, None] * stride_z + offs_k[None, :]
+    w_ptrs = w_base + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K_RED, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K_RED
+        k_mask = (k0 + offs_k) < K_RED
         a_mask = m_mask[:, None] & k_mask[None, :]
-        a = tl.load(a_ptr + rows[:, None] * stride_a + offs_k[None, :], mask=a_mask, other=0.0)
+        a = tl.load(a_ptrs, mask=a_mask, other=0.0)
         if GELU_GRAD_PROLOGUE:
-            z = tl.load(z_ptr + rows[:, None] * stride_z + offs_k[None, :], mask=a_mask, other=0.0)
+            z = tl.load(z_ptrs, mask=a_mask, other=0.0)
             a = _cast(a.to(tl.float32) * _gelu_grad(z.to(tl.float32)), a_ptr.dtype.element_ty, INTERP_BF16)
-        w = tl.load(
-            w_base + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn,
-            mask=k_mask[:, None] & n_mask[None, :],
-            other=0.0,
-        )
+            z_ptrs += BLOCK_K
+        w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc = _dot(a, w, acc, IEEE, INTERP_BF16)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
 
     if HAS_BIAS:
         b = tl.load(bias_ptr + task.to(tl.int64) * stride_bt + offs_n, mask=n_mask, other=0.0)
@@ -294,6 +301,8 @@ def grouped_mm_rows(
             BLOCK_M=plan.block_rows,
             BLOCK_N=block_n,
             BLOCK_K=block_k,
+            num_warps=GPU_NUM_WARPS,
+            num_stages=GPU_NUM_STAGES,
         )
     return out, pre
 
@@ -337,6 +346,8 @@ def grouped_wgrad_rows(
             BLOCK_M=block_m,
             BLOCK_K=block_k,
             BLOCK_R=plan.block_rows,
+            num_warps=GPU_NUM_WARPS,
+            num_stages=GPU_NUM_STAGES,
         )
     return dw, db
 

@@ -22,6 +22,8 @@ import triton
 import triton.language as tl
 
 from fastpals.kernels.grouped_linear import (
+    GPU_NUM_STAGES,
+    GPU_NUM_WARPS,
     _cast,
     _dot,
     grouped_linear_rows,
@@ -153,6 +155,8 @@ def _enc_qkv_forward(
             BLOCK_S=block_s,
             BLOCK_K=32 if block_s > 128 else 64,
             BLOCK_N=32 if block_s > 128 else 64,
+            num_warps=GPU_NUM_WARPS,
+            num_stages=GPU_NUM_STAGES,
         )
     return s, qkv
 
