@@ -19,6 +19,7 @@ import triton.language as tl
 
 from fastpals.kernels.utils import (
     TaskRowPlan,
+    autocast_dtype,
     device_context,
     dot_flags,
     task_row_plan,
@@ -428,6 +429,23 @@ def _check_operands(
         raise ValueError(f"activation must be None or 'gelu', got {activation!r}")
 
 
+def _autocast(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None
+) -> tuple:
+    """Under ``torch.autocast``: (x, weight, bias) in the autocast dtype, and a residual of another dtype moved
+    out of the kernel (returned last, to be added by the caller). Outside autocast: the inputs unchanged."""
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        return x, weight, bias, residual, None
+    cast = autocast_dtype(x)
+    if cast is None:
+        return x, weight, bias, residual, None
+    x, weight = x.to(cast), weight.to(cast)
+    bias = bias.to(cast) if isinstance(bias, torch.Tensor) else bias
+    if isinstance(residual, torch.Tensor) and residual.dtype != cast:
+        return x, weight, bias, None, residual
+    return x, weight, bias, residual, None
+
+
 def grouped_linear_rows(
     x: torch.Tensor,
     plan: TaskRowPlan,
@@ -463,7 +481,12 @@ def grouped_linear(
     bias); residual: the output's shape (``[B, L, M]`` or ``[B, M]``), added after the activation, or None.
     Returns ``[B, L, M]`` (or ``[B, M]``) in x's dtype; differentiable in x, weight, bias and residual.
     Equal to ``residual + act(fastpals.functional.grouped_linear_reference(x, task_ids, weight, bias))``.
+    Under ``torch.autocast`` x, weight and bias are cast to the autocast dtype first (like ``F.linear``); a
+    residual of another dtype is then added outside the kernel.
     """
+    x, weight, bias, residual, outside = _autocast(x, weight, bias, residual)
+    if outside is not None:
+        return outside + grouped_linear(x, task_ids, weight, bias, activation)
     _check_operands(x, weight, bias, activation, residual, (*x.shape[:-1], weight.shape[1]))
     if x.dim() not in (2, 3):
         raise ValueError(f"x must be [B, L, K] or [B, K], got {list(x.shape)}")
@@ -488,8 +511,11 @@ def grouped_linear_varlen(
     """Packed form of :func:`grouped_linear`: x ``[N, K]`` holds B sequences back to back.
 
     cu_seqlens: ``[B+1]`` int32/int64 cumulative lengths (0 first, N last); task_ids: ``[B]``, one task per
-    sequence; residual: ``[N, M]`` or None. Returns ``[N, M]``.
+    sequence; residual: ``[N, M]`` or None. Returns ``[N, M]``. Autocast as in :func:`grouped_linear`.
     """
+    x, weight, bias, residual, outside = _autocast(x, weight, bias, residual)
+    if outside is not None:
+        return outside + grouped_linear_varlen(x, cu_seqlens, task_ids, weight, bias, activation)
     _check_operands(x, weight, bias, activation, residual, (x.shape[0], weight.shape[1]))
     if x.dim() != 2:
         raise ValueError(f"x must be packed rows [N, K], got {list(x.shape)}")

@@ -33,6 +33,7 @@ from fastpals.kernels.grouped_linear import (
 from fastpals.kernels.pal_attention import pal_attention, pal_attention_varlen
 from fastpals.kernels.utils import (
     TaskRowPlan,
+    autocast_dtype,
     device_context,
     dot_flags,
     task_row_plan,
@@ -320,9 +321,21 @@ def pal(
     ``generator_seed``, see :func:`fastpals.kernels.pal_attention.pal_attention_dropout_mask`); residual:
     ``[B, L, d]`` added to the PAL output in the same kernel, or None.
     Returns ``[B, L, d]`` in h's dtype, differentiable in h, the six weights and biases, and residual.
+    Under ``torch.autocast`` h and the weights are cast to the autocast dtype first (like ``F.linear``); a
+    residual of another dtype is then added outside the kernel (the result dtype is promoted).
     """
     if not isinstance(h, torch.Tensor) or h.dim() != 3:
         raise ValueError(f"h must be a [B, L, d] tensor, got {getattr(h, 'shape', type(h))}")
+    cast = autocast_dtype(h)
+    if cast is not None:
+        h, *weights = _cast_floats(cast, h, enc_weight, enc_bias, qkv_weight, qkv_bias, dec_weight, dec_bias)
+        if (
+            residual is not None and residual.dtype != cast
+        ):  # the sum is promoted, as in ``residual + pal_reference``
+            return residual + pal(
+                h, attention_mask, task_ids, *weights, num_heads, gelu, dropout_p, None, generator_seed
+            )
+        enc_weight, enc_bias, qkv_weight, qkv_bias, dec_weight, dec_bias = weights
     num_tasks, d, d_s = _check_pal_weights(
         h, enc_weight, enc_bias, qkv_weight, qkv_bias, dec_weight, dec_bias, num_heads, residual
     )
@@ -383,6 +396,24 @@ def pal_varlen(
     """
     if not isinstance(h, torch.Tensor) or h.dim() != 2:
         raise ValueError(f"h must be packed rows [N, d], got {getattr(h, 'shape', type(h))}")
+    cast = autocast_dtype(h)
+    if cast is not None:
+        h, *weights = _cast_floats(cast, h, enc_weight, enc_bias, qkv_weight, qkv_bias, dec_weight, dec_bias)
+        if residual is not None and residual.dtype != cast:
+            out = pal_varlen(
+                h,
+                cu_seqlens,
+                max_seqlen,
+                task_ids,
+                *weights,
+                num_heads,
+                gelu,
+                dropout_p,
+                None,
+                generator_seed,
+            )
+            return residual + out
+        enc_weight, enc_bias, qkv_weight, qkv_bias, dec_weight, dec_bias = weights
     num_tasks, d, d_s = _check_pal_weights(
         h, enc_weight, enc_bias, qkv_weight, qkv_bias, dec_weight, dec_bias, num_heads, residual
     )
@@ -402,6 +433,11 @@ def pal_varlen(
     return _pal_rows(
         h, plan, attend, enc_weight, enc_bias, qkv_weight, qkv_bias, dec_weight, dec_bias, gelu, residual
     )
+
+
+def _cast_floats(dtype: torch.dtype, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Autocast's rule for the PAL's operands: floating tensors go to ``dtype`` (differentiably)."""
+    return [t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in tensors]
 
 
 def _block_rows(d_s: int) -> int:

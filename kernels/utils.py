@@ -21,6 +21,7 @@ from fastpals.functional import check_task_ids
 __all__ = [
     "KERNELS_ENV",
     "TaskRowPlan",
+    "autocast_dtype",
     "available",
     "build_task_row_plan",
     "check_cu_seqlens",
@@ -304,3 +305,14 @@ def task_row_plan(
     )
     _PLAN_CACHE.put(tensors, meta, plan)
     return plan
+
+
+def autocast_dtype(tensor: torch.Tensor) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` runs linear layers in on ``tensor``'s device, or None outside autocast.
+
+    The fused ops follow autocast like ``F.linear`` does: floating operands are cast (differentiably) to this
+    dtype, so fp32 parameters train under bf16/fp16 autocast with fp32 gradients."""
+    device_type = tensor.device.type
+    if device_type not in ("cuda", "cpu") or not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)

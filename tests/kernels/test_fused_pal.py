@@ -305,3 +305,22 @@ def test_exported_ops_are_functions_not_modules():
         assert callable(getattr(kernels, name)), name
     assert kernels.pal.__module__ == "fastpals.kernels.pal"
     assert kernels.pal_attention.__module__ == "fastpals.kernels.pal_attention"
+
+
+@pytest.mark.parametrize("residual_dtype", [torch.float32, torch.bfloat16])
+def test_pal_under_autocast_follows_the_reference(residual_dtype):
+    """fp32 parameters under bf16 autocast (the model's mixed-precision path): the kernel casts like F.linear,
+    returns the reference's dtype, and the fp32 parameters get fp32 gradients close to the reference's."""
+    task_ids = torch.tensor([1, 0, 1, 1])
+    h, mask, weights, res, dy = _padded_case(4, 8, 40, 34, 2, torch.float32, residual=True, seed=9)
+    res = res.detach().to(residual_dtype).requires_grad_()
+    leaves = [h, *weights, res]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = kernels.pal(h, mask, task_ids, *weights, 2, True, 0.0, residual=res)
+        ref = res + pal_reference(h, mask, task_ids, *weights, 2, True, 0.0)
+    assert out.dtype == ref.dtype
+    got, want = _grads(out, leaves, dy.to(out.dtype)), _grads(ref, leaves, dy.to(ref.dtype))
+    for name, a, e in zip(NAMES + ["d_residual"], got, want):
+        assert a.dtype == e.dtype, name
+        scale = e.abs().max().item()
+        assert (a - e).abs().max().item() <= 3e-2 * scale + 1e-3, name
