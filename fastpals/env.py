@@ -1,0 +1,243 @@
+"""What fastpals will use on this machine: ``python -m fastpals.env`` (or ``fastpals env``).
+
+Prints the Python and package versions, the device, which accelerated backends can run and why the others
+cannot, and what ``$FASTPALS_KERNELS`` selects. :func:`collect` returns the same as a JSON-serialisable dict
+(the benchmarks store it with their results). Nothing here builds, compiles or downloads anything, and the
+optional packages are looked up without importing them where an import would be slow (DeepSpeed) or could
+fail noisily.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import sys
+from typing import Any
+
+import torch
+
+__all__ = ["PACKAGES", "collect", "format_report", "main"]
+
+#: distributions whose versions are reported (pip names); ``None`` when not installed
+PACKAGES = ("torch", "triton", "deepspeed", "transformers", "tokenizers", "safetensors")
+
+KERNELS_ENV = "FASTPALS_KERNELS"
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _fastpals_version() -> str:
+    import fastpals
+
+    return getattr(fastpals, "__version__", None) or _version("fastpals") or "unknown"
+
+
+def _cpu_model() -> str:
+    """The CPU's marketing name (``model name`` in /proc/cpuinfo on Linux), else what ``platform`` knows."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def _device_info() -> dict[str, Any]:
+    """``{"type": "cuda", "name", "capability", "total_memory_bytes", "count"}`` for the current CUDA device,
+    else ``{"type": "cpu", "name", "cores", "torch_threads"}``."""
+    if torch.cuda.is_available():
+        index = torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(index)
+        return {
+            "type": "cuda",
+            "index": index,
+            "count": torch.cuda.device_count(),
+            "name": props.name,
+            "capability": f"{props.major}.{props.minor}",
+            "total_memory_bytes": int(props.total_memory),
+            "multiprocessors": int(props.multi_processor_count),
+        }
+    return {
+        "type": "cpu",
+        "name": _cpu_model(),
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def _status(available: bool, reason: str) -> dict[str, Any]:
+    return {"available": bool(available), "reason": reason}
+
+
+def _triton_kernels() -> dict[str, Any]:
+    try:
+        from fastpals.kernels import available
+    except ImportError as exc:  # the kernels package is missing from this install: judge Triton directly
+        if importlib.util.find_spec("triton") is None:
+            return _status(False, f"fastpals.kernels not importable ({exc}) and triton is not installed")
+        if torch.cuda.is_available():
+            return _status(False, f"fastpals.kernels not importable ({exc}); triton and CUDA are present")
+        return _status(False, f"fastpals.kernels not importable ({exc})")
+    ok, reason = available()
+    return _status(ok, reason)
+
+
+def _cuda_extension() -> dict[str, Any]:
+    try:
+        from fastpals import cuda_ext
+    except ImportError as exc:
+        return _status(False, f"fastpals.cuda_ext not importable ({exc})")
+    ok, reason = cuda_ext.available()
+    return _status(ok, reason)
+
+
+def _flash_attn() -> dict[str, Any]:
+    if importlib.util.find_spec("flash_attn") is None:
+        return _status(False, "flash_attn is not installed")
+    version = _version("flash-attn") or _version("flash_attn") or "unknown version"
+    if not torch.cuda.is_available():
+        return _status(False, f"flash_attn {version} is installed but there is no CUDA device")
+    try:
+        importlib.import_module("flash_attn")
+    except Exception as exc:  # a wheel built for another torch/CUDA fails here with various errors
+        return _status(False, f"flash_attn {version} fails to import: {type(exc).__name__}: {exc}")
+    return _status(True, f"flash_attn {version} on CUDA")
+
+
+def _apex_op(module: str, name: str, extension: str) -> dict[str, Any]:
+    """An apex fused op: apex installed, its compiled extension present (apex installs without them unless
+    built with ``--cpp_ext --cuda_ext``), a CUDA device, and the class importable."""
+    if importlib.util.find_spec("apex") is None:
+        return _status(False, "apex is not installed")
+    if importlib.util.find_spec(extension) is None:
+        return _status(False, f"apex is installed without its compiled extension {extension}")
+    if not torch.cuda.is_available():
+        return _status(False, f"apex {extension} is built but there is no CUDA device")
+    try:
+        getattr(importlib.import_module(module), name)
+    except Exception as exc:
+        return _status(False, f"{module}.{name} fails to import: {type(exc).__name__}: {exc}")
+    return _status(True, f"{module}.{name}")
+
+
+def _backends() -> dict[str, dict[str, Any]]:
+    return {
+        "triton_kernels": _triton_kernels(),
+        "cuda_extension": _cuda_extension(),
+        "flash_attn": _flash_attn(),
+        "apex_fused_layer_norm": _apex_op("apex.normalization", "FusedLayerNorm", "fused_layer_norm_cuda"),
+        "apex_fused_adam": _apex_op("apex.optimizers", "FusedAdam", "amp_C"),
+    }
+
+
+def _kernel_selection(triton: dict[str, Any]) -> dict[str, Any]:
+    """What ``$FASTPALS_KERNELS`` makes the PAL and surgery ops run (the rule of ``fastpals.kernels.use_triton``)."""
+    raw = os.environ.get(KERNELS_ENV)
+    mode = (raw or "auto").strip().lower() or "auto"
+    if mode == "reference":
+        selects = "the PyTorch reference ops everywhere"
+    elif mode == "auto":
+        if triton["available"] and torch.cuda.is_available():
+            selects = "the Triton kernels for CUDA tensors, the PyTorch reference ops for CPU tensors"
+        elif triton["available"]:
+            selects = "the PyTorch reference ops (auto runs the Triton kernels on CUDA tensors only; no CUDA device)"
+        else:
+            selects = f"the PyTorch reference ops (Triton kernels unavailable: {triton['reason']})"
+    elif mode == "triton":
+        if triton["available"]:
+            selects = f"the Triton kernels ({triton['reason']}); ops on other devices raise an error"
+        else:
+            selects = f"an error at the first fused op: the Triton kernels cannot run ({triton['reason']})"
+    else:
+        selects = f"an error: {mode!r} is not one of auto, triton, reference"
+    return {"env": KERNELS_ENV, "value": raw, "mode": mode, "selects": selects}
+
+
+def collect() -> dict[str, Any]:
+    """Everything :func:`main` prints, as a JSON-serialisable dict.
+
+    Keys: ``fastpals`` (version), ``python`` (version), ``python_executable``, ``platform``, ``versions``
+    (``{package: version or None}`` for :data:`PACKAGES`), ``torch_cuda`` (the CUDA version torch was built
+    with, or None), ``device`` (see below), ``backends`` (``{name: {"available": bool, "reason": str}}`` for
+    ``triton_kernels``, ``cuda_extension``, ``flash_attn``, ``apex_fused_layer_norm``, ``apex_fused_adam``),
+    ``kernels`` (``{"env", "value", "mode", "selects"}``: what ``$FASTPALS_KERNELS`` selects).
+    ``device`` is ``{"type": "cuda", "name", "capability", "total_memory_bytes", ...}`` or
+    ``{"type": "cpu", "name", "cores", "torch_threads"}``.
+    """
+    backends = _backends()
+    return {
+        "fastpals": _fastpals_version(),
+        "python": platform.python_version(),
+        "python_executable": sys.executable,
+        "platform": platform.platform(),
+        "versions": {name: _version(name) for name in PACKAGES},
+        "torch_cuda": torch.version.cuda,
+        "device": _device_info(),
+        "backends": backends,
+        "kernels": _kernel_selection(backends["triton_kernels"]),
+    }
+
+
+_BACKEND_LABELS = {
+    "triton_kernels": "Triton kernels",
+    "cuda_extension": "CUDA extension fastpals._C",
+    "flash_attn": "flash-attn",
+    "apex_fused_layer_norm": "apex FusedLayerNorm",
+    "apex_fused_adam": "apex FusedAdam",
+}
+
+
+def format_report(info: dict[str, Any]) -> str:
+    """The text :func:`main` prints for a :func:`collect` dict, one ``name: value`` line per item."""
+    lines = [f"fastpals: {info['fastpals']}", f"python: {info['python']} ({info['python_executable']})"]
+    for name, version in info["versions"].items():
+        text = version or "not installed"
+        if name == "torch" and version:
+            text += f" (CUDA {info['torch_cuda']})" if info["torch_cuda"] else " (CPU build)"
+        lines.append(f"{name}: {text}")
+    dev = info["device"]
+    if dev["type"] == "cuda":
+        gib = dev["total_memory_bytes"] / 2**30
+        lines.append(
+            f"device: cuda:{dev['index']} {dev['name']} (compute capability {dev['capability']}, "
+            f"{gib:.1f} GiB, {dev['count']} device(s))"
+        )
+    else:
+        lines.append(
+            f"device: cpu {dev['name']} ({dev['cores']} cores, torch threads {dev['torch_threads']})"
+        )
+    lines.append("backends:")
+    for key, status in info["backends"].items():
+        flag = "yes" if status["available"] else "no"
+        lines.append(f"  {_BACKEND_LABELS.get(key, key)}: {flag} ({status['reason']})")
+    k = info["kernels"]
+    value = k["value"] if k["value"] is not None else "unset = auto"
+    lines.append(f"{k['env']}: {value} -> {k['selects']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the report (``--json``: the :func:`collect` dict as JSON). ``argv`` excludes the program name;
+    ``None`` means no options (so ``fastpals env`` can call ``main()`` without the CLI's own arguments)."""
+    parser = argparse.ArgumentParser(prog="fastpals env", description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print the collected information as JSON")
+    args = parser.parse_args([] if argv is None else argv)
+    info = collect()
+    print(json.dumps(info, indent=2) if args.json else format_report(info))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
