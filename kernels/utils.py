@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 import weakref
 from dataclasses import dataclass
 
@@ -49,6 +50,13 @@ def _triton_import_error() -> str | None:
     except Exception as exc:  # ImportError, or a broken install raising something else at import
         return f"{type(exc).__name__}: {exc}"
     return None
+
+
+def _kernels_compiled_for_gpu() -> bool:
+    """True when the grouped kernels were already defined as GPU (non-interpreted) Triton functions."""
+    module = sys.modules.get("fastpals.kernels.grouped_linear")
+    kernel = getattr(module, "_grouped_mm_kernel", None)
+    return kernel is not None and type(kernel).__name__ != "InterpretedFunction"
 
 
 def available() -> tuple[bool, str]:
@@ -94,6 +102,11 @@ def use_triton(tensor: torch.Tensor) -> bool:
     if tensor.is_cuda:
         return True
     if tensor.device.type == "cpu" and _interpret_mode():
+        if _kernels_compiled_for_gpu():
+            raise RuntimeError(
+                f"{KERNELS_ENV}=triton on a CPU tensor: the kernels were loaded before TRITON_INTERPRET=1 was set "
+                "(Triton fixes the mode when a kernel is defined); set it before importing fastpals.kernels ops"
+            )
         return True
     raise RuntimeError(
         f"{KERNELS_ENV}=triton but the tensor is on {tensor.device}: the kernels need a CUDA tensor, or a CPU "

@@ -250,6 +250,19 @@ class TestDispatch:
         with pytest.raises(RuntimeError, match="meta"):
             kernels.use_triton(torch.zeros(1, device="meta"))
 
+    def test_triton_mode_on_cpu_with_kernels_loaded_for_gpu_is_an_error(self, monkeypatch):
+        import types
+
+        fake = types.ModuleType("fastpals.kernels.grouped_linear")
+        fake._grouped_mm_kernel = (
+            object()
+        )  # a GPU-compiled JITFunction stands here when TRITON_INTERPRET was unset
+        monkeypatch.setitem(sys.modules, "fastpals.kernels.grouped_linear", fake)
+        monkeypatch.setenv("FASTPALS_KERNELS", "triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        with pytest.raises(RuntimeError, match="loaded before TRITON_INTERPRET=1"):
+            kernels.use_triton(torch.zeros(1))
+
     def test_triton_mode_without_triton_is_an_error(self, monkeypatch):
         monkeypatch.setenv("FASTPALS_KERNELS", "triton")
         monkeypatch.setattr(
