@@ -254,6 +254,11 @@ def test_cpu_mixed_task_grouped_vs_naive(benchmark):
     heads = shape.pop("heads")
     inputs = make_inputs(**shape)
     names = ("grouped_reference", "naive_per_example", "naive_all_tasks")
+    h, mask, task_ids, weights, residual = inputs
+    with torch.no_grad():  # the three implementations compute the same function
+        want = grouped_reference(h, mask, task_ids, weights, heads, residual)
+        for n in names[1:]:
+            torch.testing.assert_close(VARIANTS[n](h, mask, task_ids, weights, heads, residual), want)
     fns = {n: (lambda n=n: fwd_bwd(VARIANTS[n], inputs, heads)) for n in names}
     times = interleaved_medians(fns, torch.device("cpu"), repeats=5)
     peak = {n: cpu_peak_rss_bytes(n, CPU_SHAPE) for n in names} if HAS_PROC_CLEAR_REFS else {}
