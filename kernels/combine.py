@@ -79,10 +79,13 @@ def _check(buf: torch.Tensor, weights: object, out: object) -> None:
         raise ValueError(f"out is on {out.device} but buf is on {buf.device}")
 
 
-def combine_reference(buf: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """PyTorch reference of :func:`combine` (fp32 ``w @ buf``; bf16/fp16 up-cast in chunks of 2^20 columns)."""
+def combine_reference(
+    buf: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, in_place: bool = False
+) -> torch.Tensor:
+    """PyTorch reference of :func:`combine` (fp32 ``w @ buf``; bf16/fp16, or ``out`` a row of ``buf``
+    (``in_place``): chunks of 2^20 columns, each computed in full before it is stored)."""
     w = weights.float()
-    if buf.dtype == torch.float32 and out.dtype == torch.float32:
+    if buf.dtype == torch.float32 and out.dtype == torch.float32 and not in_place:
         torch.mv(buf.T, w, out=out)
         return out
     for chunk, dst in zip(torch.split(buf, _REFERENCE_CHUNK, dim=1), torch.split(out, _REFERENCE_CHUNK)):
@@ -90,7 +93,9 @@ def combine_reference(buf: torch.Tensor, weights: torch.Tensor, out: torch.Tenso
     return out
 
 
-def combine(buf: torch.Tensor, weights: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def combine(
+    buf: torch.Tensor, weights: torch.Tensor, out: torch.Tensor | None = None, *, out_row: int | None = None
+) -> torch.Tensor:
     """``out = weights @ buf`` in one pass.
 
     Args:
@@ -98,16 +103,29 @@ def combine(buf: torch.Tensor, weights: torch.Tensor, out: torch.Tensor | None =
         weights: ``[T]`` float32/float64 on ``buf``'s device (read as fp32).
         out: ``[P]`` contiguous float32/float16/bfloat16 destination (e.g. the flat gradient of the shared
             parameters); a new float32 tensor when omitted. It must not overlap ``buf``.
+        out_row: instead of ``out``, write the result over row ``out_row`` of ``buf`` (no extra ``[P]`` memory;
+            each column is read in full before it is written).
 
     Returns:
         ``out``.
     """
     buf = check_task_buffer(buf)
-    if out is None:
+    in_place = out_row is not None
+    if in_place:
+        if out is not None:
+            raise ValueError("give either out or out_row, not both")
+        if not isinstance(out_row, int) or not 0 <= out_row < buf.shape[0]:
+            raise ValueError(f"out_row must be a row index in [0, {buf.shape[0]}), got {out_row!r}")
+        out = buf[out_row]
+    elif out is None:
         out = torch.empty(buf.shape[1], dtype=torch.float32, device=buf.device)
+    elif (
+        isinstance(out, torch.Tensor) and out.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+    ):
+        raise ValueError("out shares memory with buf: use out_row to overwrite a row of buf")
     _check(buf, weights, out)
     if not use_triton(buf):
-        return combine_reference(buf, weights, out)
+        return combine_reference(buf, weights, out, in_place=in_place)
     t, p = buf.shape
     t_pad = max(2, triton.next_power_of_2(t))
     block_p = max(128, 4096 // t_pad) if buf.is_cuda else 1024

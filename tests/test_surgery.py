@@ -314,6 +314,30 @@ def test_buffer_on_a_model_touches_only_shared_parameters(method):
     assert model.unused.weight.grad is None and model.unused.bias.grad is None
 
 
+def test_update_lives_in_the_buffer_and_next_step_without_zero_grad_accumulates():
+    a = torch.nn.Parameter(torch.ones(4))
+    buf = TaskGradientBuffer([a], 2)
+    for t in range(2):
+        (a * (t + 1)).sum().backward()
+        buf.capture(t)
+    buf.apply(sum_weights)
+    assert a.grad.data_ptr() == buf.row(1).data_ptr() and torch.equal(a.grad, torch.full((4,), 3.0))
+    # no zero_grad: task 0's backward accumulates onto the previous update, as in plain PyTorch
+    for t in range(2):
+        (a * (t + 1)).sum().backward()
+        buf.capture(t)
+    buf.apply(sum_weights)
+    assert torch.equal(a.grad, torch.full((4,), 6.0))
+    # a bf16 buffer with fp32 gradients writes into a separate fp32 tensor
+    buf16 = TaskGradientBuffer([a], 2, torch.bfloat16)
+    a.grad = None
+    for t in range(2):
+        (a * (t + 1)).sum().backward()
+        buf16.capture(t)
+    buf16.apply(sum_weights)
+    assert a.grad.dtype == torch.float32 and torch.equal(a.grad, torch.full((4,), 3.0))
+
+
 def test_shared_parameter_no_task_used_keeps_none():
     a = torch.nn.Parameter(torch.randn(4))
     b = torch.nn.Parameter(torch.randn(4))

@@ -70,6 +70,18 @@ def test_combine_float64_weights_and_default_out(triton_mode):
     assert max_err(got, w @ buf.double()) < 1e-6
 
 
+@pytest.mark.parametrize("mode", ["triton", "reference"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_combine_over_a_row_of_the_buffer(monkeypatch, mode, dtype):
+    monkeypatch.setenv("FASTPALS_KERNELS", mode)
+    buf = make_buf(5, 3001, dtype, seed=9).clone()
+    w = torch.randn(5, generator=torch.Generator().manual_seed(2))
+    expected = combine_reference(buf.clone(), w, torch.empty(3001, dtype=dtype))
+    got = combine(buf, w, out_row=4)
+    assert got.data_ptr() == buf[4].data_ptr()
+    assert torch.equal(got, expected)
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gram_finite_check(triton_mode, bad, dtype):
@@ -110,6 +122,10 @@ def test_kernels_validate_inputs(triton_mode):
         combine(buf, torch.zeros(2), torch.zeros(8)[::2])
     with pytest.raises(TypeError, match="out"):
         combine(buf, torch.zeros(2), "out")
+    with pytest.raises(ValueError, match="out_row"):
+        combine(buf, torch.zeros(2), out=buf[1])
+    with pytest.raises(ValueError, match="out_row"):
+        combine(buf, torch.zeros(2), out_row=2)
 
 
 def test_dispatch_reference_mode_uses_torch(monkeypatch):

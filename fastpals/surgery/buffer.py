@@ -12,9 +12,10 @@ Usage from any training loop (one forward + backward per task, the graph freed e
     if not result.skipped:
         optimizer.step()
 
-Memory: the ``[T, P]`` buffer (``P`` = number of shared parameter elements, ``dtype`` float32 or bfloat16) and
-one flat ``[P]`` gradient tensor reused every step whose views are the shared parameters' ``.grad``: plain
-multi-task training plus ``T * P * bytes(dtype)``. Time: one copy of the shared gradients per task, one pass of
+Memory: the ``[T, P]`` buffer (``P`` = number of shared parameter elements, ``dtype`` float32 or bfloat16),
+i.e. plain multi-task training plus at most ``T * P * bytes(dtype)``. When the buffer has the gradients' dtype,
+the update is written over the buffer's last row and the shared parameters' ``.grad`` are views of that row
+(valid until the next ``capture``); otherwise into one flat ``[P]`` tensor of ``grad_dtype``, reused every step. Time: one copy of the shared gradients per task, one pass of
 the Gram kernel and one of the combine kernel over the buffer, and one device-to-host sync (the finite check).
 
 Task-specific parameters (a task's PAL slice, its head) are not in the buffer: their gradients accumulate
@@ -287,11 +288,14 @@ class TaskGradientBuffer:
             bad = [t for t in range(self.num_tasks) if not bool(flags[t])]
             return SurgeryResult(True, None, g_mat, bad, not bool(flags[-1]))
         weights = aggregator(g_mat, generator=generator, **aggregator_kwargs)
-        if self._flat_grad is None:
-            self._flat_grad = torch.empty(self.num_elements, dtype=self.grad_dtype, device=self.device)
-        combine(self.data, weights, out=self._flat_grad)
+        if self.grad_dtype == self.dtype:  # the update overwrites the last row: no extra [P] tensor
+            flat = combine(self.data, weights, out_row=self.num_tasks - 1)
+        else:
+            if self._flat_grad is None:
+                self._flat_grad = torch.empty(self.num_elements, dtype=self.grad_dtype, device=self.device)
+            flat = combine(self.data, weights, out=self._flat_grad)
         used = [any(touched[t][k] for t in range(self.num_tasks)) for k in range(len(self.params))]
-        for p, part, u in zip(self.params, torch.split(self._flat_grad, self.numels), used):
+        for p, part, u in zip(self.params, torch.split(flat, self.numels), used):
             self.grad_setter(p, part.view_as(p) if u else None)
         return SurgeryResult(False, weights, g_mat)
 
