@@ -375,6 +375,7 @@ class GroupedLinearFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx: torch.autograd.function.FunctionCtx, dy: torch.Tensor) -> tuple:
         x, weight, pre = ctx.saved_tensors
         dy = dy.contiguous()

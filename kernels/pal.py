@@ -181,6 +181,7 @@ class EncQKVFunction(torch.autograd.Function):
         return qkv
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx: torch.autograd.function.FunctionCtx, dqkv: torch.Tensor) -> tuple:
         x, enc_weight, qkv_weight, s = ctx.saved_tensors
         plan = ctx.plan
