@@ -210,8 +210,13 @@ class TaskGradientBuffer:
             self._task_state[k] = state
 
     # ------------------------------------------------------------------------------------------------------------
-    def _reduce(self) -> list[torch.Tensor | None]:
-        """Average the buffer, the task-specific gradients and the touched flags over the process group."""
+    def _reduce(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Average the buffer and the task-specific gradients over the process group, and OR the touched flags.
+
+        Returns ``(flags, task_flat)`` on the device, without a host sync: ``flags`` holds the ``T x n_shared``
+        shared-touched flags then the ``n_task`` task-specific-used flags (> 0 where some rank touched it),
+        ``task_flat`` the averaged task-specific gradients (zeros where a rank had none), or None.
+        """
         world = dist.get_world_size(self.process_group)
         task_grads = [self.grad_getter(p) for p in self.task_params]
         flags = torch.tensor(
@@ -222,12 +227,8 @@ class TaskGradientBuffer:
         dist.all_reduce(flags, group=self.process_group)
         self.data.div_(world)
         dist.all_reduce(self.data, group=self.process_group)
-        n = len(self.params)
-        for t in range(self.num_tasks):
-            self._touched[t] = [bool(x) for x in (flags[t * n : (t + 1) * n] > 0).tolist()]
         if not self.task_params:
-            return []
-        task_used = (flags[self.num_tasks * n :] > 0).tolist()
+            return flags, None
         flat = torch.cat(
             [
                 (
@@ -240,12 +241,7 @@ class TaskGradientBuffer:
         )
         flat.div_(world)
         dist.all_reduce(flat, group=self.process_group)
-        out: list[torch.Tensor | None] = []
-        for p, part, used in zip(
-            self.task_params, torch.split(flat, [p.numel() for p in self.task_params]), task_used
-        ):
-            out.append(part.view_as(p).to(p.dtype) if used else None)
-        return out
+        return flags, flat
 
     def apply(
         self, aggregator: Aggregator, generator: torch.Generator | None = None, **aggregator_kwargs: Any
@@ -254,39 +250,48 @@ class TaskGradientBuffer:
 
         Rows not captured since the last call count as zero gradients (a task absent from this step). One
         device-to-host sync: the finite check of every task gradient (fused into the Gram kernel) and of the
-        task-specific gradients. When something is non-finite the step is skipped: the shared gradients stay
-        ``None``, :attr:`skipped_steps` grows, and the result says which tasks were at fault; the aggregator is
-        not called.
+        task-specific gradients (and, data parallel, the touched flags of all ranks). When something is
+        non-finite the step is skipped: the shared gradients stay ``None``, :attr:`skipped_steps` grows, and the
+        result says which tasks were at fault; the aggregator is not called.
         """
         for t in range(self.num_tasks):
             if not self._captured[t]:
                 self.data[t].zero_()
-        task_grads: list[torch.Tensor | None]
+        n_shared, n_task = len(self.params), len(self.task_params)
+        checks: list[torch.Tensor] = []
+        task_flat: torch.Tensor | None = None
         if self.all_reduce:
             if not dist.is_available() or not dist.is_initialized():
                 raise RuntimeError("all_reduce/process_group given but torch.distributed is not initialised")
-            task_grads = self._reduce()
-            for p, g in zip(self.task_params, task_grads):
-                self.grad_setter(p, g)
+            flags_dev, task_flat = self._reduce()
+            if task_flat is not None:
+                checks.append(torch.isfinite(task_flat.norm()).reshape(1))
         else:
-            task_grads = [self.grad_getter(p) for p in self.task_params]
+            present = [g.detach() for g in (self.grad_getter(p) for p in self.task_params) if g is not None]
+            if present:
+                checks.append(torch.isfinite(torch.stack(torch._foreach_norm(present))).all().reshape(1))
         g_mat, finite = gram(self.data)
-        present = [g for g in task_grads if g is not None]
-        if present:
-            norms = torch.stack(torch._foreach_norm([g.detach() for g in present]))
-            task_ok = torch.isfinite(norms).all().reshape(1)
-            flags = torch.cat([finite, task_ok]).cpu()  # the one device-to-host sync of the step
+        parts = [finite] + checks + ([flags_dev > 0] if self.all_reduce else [])
+        host = torch.cat(parts).cpu().tolist()  # the one device-to-host sync of the step
+        task_ok = bool(host[self.num_tasks]) if checks else True
+        if self.all_reduce:
+            flat_flags = host[self.num_tasks + len(checks) :]
+            touched = [flat_flags[t * n_shared : (t + 1) * n_shared] for t in range(self.num_tasks)]
+            task_used = flat_flags[self.num_tasks * n_shared : self.num_tasks * n_shared + n_task]
+            if task_flat is not None:
+                parts_t = torch.split(task_flat, [p.numel() for p in self.task_params])
+                for p, part, used in zip(self.task_params, parts_t, task_used):
+                    self.grad_setter(p, part.view_as(p).to(p.dtype) if used else None)
         else:
-            flags = torch.cat([finite, torch.ones(1, dtype=torch.bool, device=finite.device)]).cpu()
+            touched = self._touched
         self.steps += 1
-        touched = self._touched
         self._captured = [False] * self.num_tasks
-        self._touched = [[False] * len(self.params) for _ in range(self.num_tasks)]
+        self._touched = [[False] * n_shared for _ in range(self.num_tasks)]
         self._task_state = [self._task_grad_state(p) for p in self.task_params]
-        if not bool(flags.all()):
+        if not (all(host[: self.num_tasks]) and task_ok):
             self.skipped_steps += 1
-            bad = [t for t in range(self.num_tasks) if not bool(flags[t])]
-            return SurgeryResult(True, None, g_mat, bad, not bool(flags[-1]))
+            bad = [t for t in range(self.num_tasks) if not host[t]]
+            return SurgeryResult(True, None, g_mat, bad, not task_ok)
         weights = aggregator(g_mat, generator=generator, **aggregator_kwargs)
         if self.grad_dtype == self.dtype:  # the update overwrites the last row: no extra [P] tensor
             flat = combine(self.data, weights, out_row=self.num_tasks - 1)
@@ -294,7 +299,7 @@ class TaskGradientBuffer:
             if self._flat_grad is None:
                 self._flat_grad = torch.empty(self.num_elements, dtype=self.grad_dtype, device=self.device)
             flat = combine(self.data, weights, out=self._flat_grad)
-        used = [any(touched[t][k] for t in range(self.num_tasks)) for k in range(len(self.params))]
+        used = [any(touched[t][k] for t in range(self.num_tasks)) for k in range(n_shared)]
         for p, part, u in zip(self.params, torch.split(flat, self.numels), used):
             self.grad_setter(p, part.view_as(p) if u else None)
         return SurgeryResult(False, weights, g_mat)
