@@ -89,14 +89,19 @@ def grouped_linear_reference(
     x: ``[B, ..., K]``; task_ids: ``[B]`` int64; weight: ``[T, M, K]``; bias: ``[T, M]`` or None.
     Returns ``[B, ..., M]`` in x's dtype. Loops over tasks (T is small), never over examples.
     """
-    out = x.new_empty(*x.shape[:-1], weight.shape[1])
-    for t in range(weight.shape[0]):
-        idx = (task_ids == t).nonzero(as_tuple=True)[0]
-        if idx.numel() == 0:
-            continue
-        y = F.linear(x.index_select(0, idx), weight[t], None if bias is None else bias[t])
-        out = out.index_copy(0, idx, y)
-    return out
+    counts = torch.bincount(task_ids, minlength=weight.shape[0]).tolist()  # one host sync
+    order = torch.argsort(task_ids, stable=True)
+    x_sorted = x.index_select(0, order)
+    pieces, start = [], 0
+    for t, n in enumerate(counts):
+        if n:
+            pieces.append(F.linear(x_sorted[start : start + n], weight[t], None if bias is None else bias[t]))
+        start += n
+    if not pieces:
+        return x.new_empty(*x.shape[:-1], weight.shape[1])
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return torch.cat(pieces).index_select(0, inverse)
 
 
 def _key_mask_bias(key_padding_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
