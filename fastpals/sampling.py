@@ -1,0 +1,279 @@
+"""Which task each micro-batch of multi-task training comes from.
+
+Pure functions give the task probabilities of the sampling methods; :class:`TaskSampler` turns a method into a
+stream of task ids, one per micro-batch, that is a pure function of ``(seed, epoch)`` and resumable from
+``state_dict()``.
+
+Methods (``N_t`` = training examples of task ``t``, ``T`` tasks, ``e`` = epoch counted from 1 of ``E``):
+
+* ``round_robin``: every epoch exhausts every dataset: the tasks take turns (0, 1, 2, 0, 1, 2, ...) and a task
+  whose batches are used up drops out of the rotation, so an epoch is ``sum_t batches_t`` micro-batches. (The
+  Bert-n-Pals code's "round robin" trained task 0 only; here every task is visited.)
+* ``proportional``: ``p_t ∝ N_t``; ``uniform``: ``p_t = 1/T``; ``sqrt``: ``p_t ∝ sqrt(N_t)``.
+* ``annealed``: ``p_t ∝ N_t^α`` with ``α = 1 - 0.8 (e - 1) / (E - 1)`` (``α = 1`` when ``E = 1``): proportional
+  in the first epoch, close to uniform (``α = 0.2``) in the last (Stickland & Murray 2019, with ``e`` from 1).
+* ``every_task_plus_annealed``: each update holds one batch of every task (in a random order) followed by
+  ``extra`` batches drawn with the annealed probabilities.
+* ``random_round_robin``: each update holds one batch of every task, in a fresh random order: equal batches
+  per task.
+
+The last two have a natural *update group* (``group_size``): the micro-batches that belong to one optimizer
+update, which is what gradient surgery needs (several tasks in one update).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = [
+    "GROUPED_METHODS",
+    "SAMPLING_METHODS",
+    "TaskSampler",
+    "annealed_alpha",
+    "round_robin_order",
+    "task_probabilities",
+]
+
+SAMPLING_METHODS = (
+    "round_robin",
+    "proportional",
+    "uniform",
+    "sqrt",
+    "annealed",
+    "every_task_plus_annealed",
+    "random_round_robin",
+)
+GROUPED_METHODS = ("every_task_plus_annealed", "random_round_robin")
+_PROBABILITY_METHODS = ("proportional", "uniform", "sqrt", "annealed")
+
+
+def _check_sizes(sizes: Sequence[int]) -> np.ndarray:
+    array = np.asarray(list(sizes), dtype=np.float64)
+    if array.ndim != 1 or array.size == 0:
+        raise ValueError(f"sizes must be a non-empty 1-D sequence, got {sizes!r}")
+    if not np.all(np.isfinite(array)) or np.any(array <= 0):
+        raise ValueError(f"sizes must be positive counts, got {list(sizes)!r}")
+    return array
+
+
+def _check_epoch(epoch: int, num_epochs: int) -> None:
+    if isinstance(num_epochs, bool) or not isinstance(num_epochs, int) or num_epochs < 1:
+        raise ValueError(f"num_epochs must be an int >= 1, got {num_epochs!r}")
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or not 1 <= epoch <= num_epochs:
+        raise ValueError(f"epoch must be an int in [1, {num_epochs}] (counted from 1), got {epoch!r}")
+
+
+def annealed_alpha(epoch: int, num_epochs: int) -> float:
+    """``α = 1 - 0.8 (epoch - 1) / (num_epochs - 1)`` for ``epoch`` in ``1..num_epochs``; 1.0 when ``num_epochs == 1``."""
+    _check_epoch(epoch, num_epochs)
+    if num_epochs == 1:
+        return 1.0
+    return 1.0 - 0.8 * (epoch - 1) / (num_epochs - 1)
+
+
+def task_probabilities(sizes: Sequence[int], method: str, epoch: int = 1, num_epochs: int = 1) -> np.ndarray:
+    """Probability of drawing each task: float64 ``[T]`` summing to 1.
+
+    Args:
+        sizes: training examples per task, ``[T]`` positive.
+        method: ``proportional``, ``uniform``, ``sqrt``, ``annealed``, or ``every_task_plus_annealed`` (its
+            extra batches are annealed).
+        epoch: current epoch, from 1 (only ``annealed`` depends on it).
+        num_epochs: total epochs.
+    """
+    n = _check_sizes(sizes)
+    _check_epoch(epoch, num_epochs)
+    if method == "proportional":
+        weights = n
+    elif method == "uniform":
+        weights = np.ones_like(n)
+    elif method == "sqrt":
+        weights = np.sqrt(n)
+    elif method in ("annealed", "every_task_plus_annealed"):
+        weights = n ** annealed_alpha(epoch, num_epochs)
+    else:
+        raise ValueError(
+            f"method {method!r} has no per-draw probabilities; choose one of "
+            f"{', '.join(_PROBABILITY_METHODS)} (or every_task_plus_annealed)"
+        )
+    return weights / weights.sum()
+
+
+def round_robin_order(batches_per_task: Sequence[int]) -> list[int]:
+    """Task ids of one round-robin epoch: tasks take turns, an exhausted task leaves the rotation.
+
+    ``round_robin_order([2, 1, 3]) == [0, 1, 2, 0, 2, 2]``; task ``t`` appears ``batches_per_task[t]`` times.
+    """
+    counts = [int(c) for c in batches_per_task]
+    if not counts or any(c < 1 for c in counts):
+        raise ValueError(f"batches_per_task must be positive counts, got {list(batches_per_task)!r}")
+    order: list[int] = []
+    left = list(counts)
+    while any(left):
+        for t in range(len(left)):
+            if left[t]:
+                order.append(t)
+                left[t] -= 1
+    return order
+
+
+class TaskSampler:
+    """A resumable stream of task ids, one per micro-batch.
+
+    The ids of epoch ``e`` (from 1) are :meth:`epoch_order` ``(e)``, a pure function of ``(seed, e)``;
+    ``next_task()`` walks through them and ``state_dict()`` / ``load_state_dict()`` keep ``(epoch, position)``.
+
+    Args:
+        method: one of :data:`SAMPLING_METHODS`.
+        sizes: training examples per task ``[T]``.
+        batches_per_task: batches per epoch of each task ``[T]`` (``round_robin`` uses them).
+        num_epochs: ``E`` (the annealing schedule depends on it).
+        updates_per_epoch: optimizer updates per epoch; ``None`` only for ``round_robin`` (a full pass). For
+            ``round_robin`` a number cuts the pass short.
+        micro_batches_per_update: micro-batches in one update for the ungrouped methods (gradient
+            accumulation); the grouped methods use :attr:`group_size`.
+        extra: annealed batches after the every-task batches (``every_task_plus_annealed``).
+        seed: non-negative int.
+    """
+
+    def __init__(
+        self,
+        method: str,
+        sizes: Sequence[int],
+        batches_per_task: Sequence[int],
+        num_epochs: int,
+        updates_per_epoch: int | None,
+        micro_batches_per_update: int = 1,
+        extra: int = 1,
+        seed: int = 0,
+    ) -> None:
+        if method not in SAMPLING_METHODS:
+            raise ValueError(f"sampling method {method!r}: choose one of {', '.join(SAMPLING_METHODS)}")
+        self.sizes = [int(s) for s in _check_sizes(sizes)]
+        self.batches_per_task = [int(b) for b in batches_per_task]
+        if len(self.batches_per_task) != len(self.sizes) or any(b < 1 for b in self.batches_per_task):
+            raise ValueError(
+                f"batches_per_task must hold {len(self.sizes)} positive counts, got {list(batches_per_task)!r}"
+            )
+        _check_epoch(1, num_epochs)
+        for name, value, low in (
+            ("micro_batches_per_update", micro_batches_per_update, 1),
+            ("extra", extra, 0),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+        if updates_per_epoch is None and method != "round_robin":
+            raise ValueError(f"updates_per_epoch is needed for sampling {method!r}")
+        if updates_per_epoch is not None and (
+            isinstance(updates_per_epoch, bool)
+            or not isinstance(updates_per_epoch, int)
+            or updates_per_epoch < 1
+        ):
+            raise ValueError(f"updates_per_epoch must be an int >= 1, got {updates_per_epoch!r}")
+        self.method = method
+        self.num_tasks = len(self.sizes)
+        self.num_epochs = num_epochs
+        self.micro_batches_per_update = micro_batches_per_update
+        self.extra = extra
+        self.seed = seed
+        if method == "random_round_robin":
+            self.group_size = self.num_tasks
+        elif method == "every_task_plus_annealed":
+            self.group_size = self.num_tasks + extra
+        else:
+            self.group_size = micro_batches_per_update
+        if method == "round_robin":
+            full = math.ceil(sum(self.batches_per_task) / self.group_size)
+            self.updates_per_epoch = full if updates_per_epoch is None else min(full, updates_per_epoch)
+        else:
+            self.updates_per_epoch = int(updates_per_epoch)
+        self.epoch = 1
+        self.position = 0
+        self._cached: tuple[int, list[int]] | None = None
+
+    def probabilities(self, epoch: int) -> np.ndarray | None:
+        """Per-draw task probabilities in ``epoch`` (None for ``round_robin`` / ``random_round_robin``)."""
+        if self.method in ("round_robin", "random_round_robin"):
+            return None
+        return task_probabilities(self.sizes, self.method, epoch, self.num_epochs)
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        """Task ids of every micro-batch of ``epoch`` (from 1): ``updates_per_epoch * group_size`` ids, except a
+        ``round_robin`` pass whose last update may be short."""
+        _check_epoch(epoch, self.num_epochs)
+        rng = np.random.default_rng([self.seed, epoch])
+        total = self.updates_per_epoch * self.group_size
+        if self.method == "round_robin":
+            return round_robin_order(self.batches_per_task)[:total]
+        if self.method == "random_round_robin":
+            return [int(t) for _ in range(self.updates_per_epoch) for t in rng.permutation(self.num_tasks)]
+        p = self.probabilities(epoch)
+        if self.method == "every_task_plus_annealed":
+            order: list[int] = []
+            for _ in range(self.updates_per_epoch):
+                order.extend(int(t) for t in rng.permutation(self.num_tasks))
+                order.extend(int(t) for t in rng.choice(self.num_tasks, size=self.extra, p=p))
+            return order
+        return [int(t) for t in rng.choice(self.num_tasks, size=total, p=p)]
+
+    def _order(self) -> list[int]:
+        if self._cached is None or self._cached[0] != self.epoch:
+            self._cached = (self.epoch, self.epoch_order(self.epoch))
+        return self._cached[1]
+
+    def micro_batches_in_epoch(self) -> int:
+        """Micro-batches of the current epoch."""
+        return len(self._order())
+
+    def epoch_done(self) -> bool:
+        """True when the current epoch's micro-batches are all used."""
+        return self.position >= len(self._order())
+
+    def next_update(self) -> list[int]:
+        """The task ids of the next update's micro-batches (``group_size`` of them, or the rest of a round-robin
+        pass). Raises ``StopIteration`` at the end of the epoch: call :meth:`start_next_epoch`."""
+        order = self._order()
+        if self.position >= len(order):
+            raise StopIteration(f"epoch {self.epoch} is done")
+        group = order[self.position : self.position + self.group_size]
+        self.position += len(group)
+        return group
+
+    def start_next_epoch(self) -> None:
+        """Move to the first micro-batch of the next epoch."""
+        if self.epoch >= self.num_epochs:
+            raise ValueError(f"epoch {self.epoch} is the last of {self.num_epochs}")
+        self.epoch += 1
+        self.position = 0
+
+    def state_dict(self) -> dict:
+        """Plain-Python state: method, seed and shape settings (checked on load) and ``(epoch, position)``."""
+        return {
+            "method": self.method,
+            "sizes": list(self.sizes),
+            "batches_per_task": list(self.batches_per_task),
+            "num_epochs": self.num_epochs,
+            "updates_per_epoch": self.updates_per_epoch,
+            "group_size": self.group_size,
+            "seed": self.seed,
+            "epoch": self.epoch,
+            "position": self.position,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue at ``state``'s ``(epoch, position)``; every other entry must match this sampler's."""
+        mine = self.state_dict()
+        differ = [k for k in mine if k not in ("epoch", "position") and state.get(k) != mine[k]]
+        if differ:
+            detail = ", ".join(f"{k}: saved {state.get(k)!r}, now {mine[k]!r}" for k in differ)
+            raise ValueError(f"cannot resume the task sampler: {detail}")
+        _check_epoch(int(state["epoch"]), self.num_epochs)
+        self.epoch = int(state["epoch"])
+        self.position = int(state["position"])
+        if not 0 <= self.position <= len(self._order()):
+            raise ValueError(f"sampler position {self.position} is outside epoch {self.epoch}")
