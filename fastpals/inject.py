@@ -217,8 +217,8 @@ def _resolve_hf(
             f"{', '.join(sorted(TARGETS))}, fastpals.BertModel): pass {missing}. "
             f"Module lists in this model: {lists or 'none'}"
         )
-    layers_pattern = layers_pattern or target.layers
-    layer_norm_name = layer_norm_name or target.layer_norm
+    layers_pattern = target.layers if layers_pattern is None else layers_pattern
+    layer_norm_name = target.layer_norm if layer_norm_name is None else layer_norm_name
     found = [
         n
         for n, m in model.named_modules()
@@ -724,11 +724,11 @@ def load_pals(model: nn.Module, folder: str | os.PathLike) -> nn.Module:
     if state is None:
         targets = {} if _known(model) else {k: meta[k] for k in ("layers_pattern", "layer_norm_name")}
         resolved = _resolve(model, saved_cfg, mask_argument="attention_mask", **_resolve_kwargs(targets))
-        _check_shape(meta, resolved.hidden_size, len(resolved.layers), folder)
+        _check_shape(meta, resolved.layers_pattern, resolved.hidden_size, len(resolved.layers), folder)
         inject_pals(model, saved_cfg, **targets)
         state = _injection(model, "load_pals")
     else:
-        _check_shape(meta, state.hidden_size, state.num_layers, folder)
+        _check_shape(meta, state.layers_pattern, state.hidden_size, state.num_layers, folder)
         own = state.config.to_dict()
         diffs = [
             f"{k}: saved {v!r}, model {own.get(k)!r}"
@@ -767,7 +767,15 @@ def _known(model: nn.Module) -> bool:
     return _model_type(model) in TARGETS or any(isinstance(m, MiniBert) for m in model.modules())
 
 
-def _check_shape(meta: dict[str, Any], hidden: int, num_layers: int, folder: Path) -> None:
+def _check_shape(
+    meta: dict[str, Any], layers_pattern: str, hidden: int, num_layers: int, folder: Path
+) -> None:
+    if meta["layers_pattern"] != layers_pattern:
+        raise ValueError(
+            f"load_pals: the PALs in {folder} were saved from a {meta['model_type']} model with layers at "
+            f"'{meta['layers_pattern']}' (parameter names follow that path); this model's layers are at "
+            f"'{layers_pattern}'"
+        )
     if meta["hidden_size"] != hidden:
         raise ValueError(
             f"load_pals: the PALs in {folder} were saved for hidden size {meta['hidden_size']}, "
