@@ -82,11 +82,14 @@ def _check(buf: torch.Tensor, weights: object, out: object) -> None:
 def combine_reference(
     buf: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, in_place: bool = False
 ) -> torch.Tensor:
-    """PyTorch reference of :func:`combine` (fp32 ``w @ buf``; bf16/fp16, or ``out`` a row of ``buf``
-    (``in_place``): chunks of 2^20 columns, each computed in full before it is stored)."""
+    """PyTorch reference of :func:`combine`: fp32 ``w @ buf`` (through a ``[P]`` temporary when ``out`` is a row
+    of ``buf``, ``in_place``); bf16/fp16 up-cast in chunks of 2^20 columns, each computed before it is stored."""
     w = weights.float()
-    if buf.dtype == torch.float32 and out.dtype == torch.float32 and not in_place:
-        torch.mv(buf.T, w, out=out)
+    if buf.dtype == torch.float32 and out.dtype == torch.float32:
+        if in_place:  # a [P] temporary: the update is formed after the backward, when activations are freed
+            out.copy_(torch.mv(buf.T, w))
+        else:
+            torch.mv(buf.T, w, out=out)
         return out
     for chunk, dst in zip(torch.split(buf, _REFERENCE_CHUNK, dim=1), torch.split(out, _REFERENCE_CHUNK)):
         dst.copy_(w @ chunk.float())
