@@ -18,6 +18,7 @@ model whose layers are found with ``layers_pattern`` / ``layer_norm_name``) and 
   reference on CPU, exactly as in fastpals' own model;
 - :func:`save_pals` / :func:`load_pals` write and read the PAL weights alone (``pals.safetensors``) with their
   config (``pals_config.json``); loading into a model of another shape fails with a message saying what differs.
+  With a frozen base (below) the trained LayerNorms and ``modules_to_train`` go to ``trained_base.safetensors``.
 
 How the HF layers are changed (hooks only; no HF module is replaced or renamed):
 
@@ -43,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import itertools
 import json
 import os
 from collections.abc import Iterable, Iterator
@@ -67,9 +69,11 @@ __all__ = [
     "remove_pals",
     "save_pals",
     "set_task",
+    "trained_base_state_dict",
 ]
 
 WEIGHTS_NAME = "pals.safetensors"
+BASE_WEIGHTS_NAME = "trained_base.safetensors"
 CONFIG_NAME = "pals_config.json"
 FORMAT = "fastpals-pals"
 FORMAT_VERSION = 1
@@ -343,6 +347,9 @@ class _Injection:
         self.handles: list[Any] = []
         self.added: list[tuple[nn.Module, str]] = []  # (owner, attribute) of every added module
         self.default_task: int | torch.Tensor | None = None
+        self.frozen_base = (
+            False  # set by freeze_base_model: save_pals then also saves the trained base weights
+        )
         self._reset()
 
     def _reset(self) -> None:
@@ -659,6 +666,7 @@ def freeze_base_model(
     for p in model.parameters():
         p.requires_grad_(id(p) in keep)
         counts["trainable" if id(p) in keep else "frozen"] += p.numel()
+    state.frozen_base = True
     return counts
 
 
@@ -673,13 +681,32 @@ def _description(state: _Injection) -> dict[str, Any]:
     }
 
 
-def save_pals(model: nn.Module, folder: str | os.PathLike) -> Path:
+def trained_base_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The base model's parameters that are trainable (``requires_grad``), by their names in ``model``: after
+    :func:`freeze_base_model`, the LayerNorms and ``modules_to_train``. PAL parameters are not included."""
+    state = _injection(model, "trained_base_state_dict")
+    pal_ids = {id(p) for m in _pal_modules(state) for p in m.parameters()}
+    return {n: p for n, p in model.named_parameters() if p.requires_grad and id(p) not in pal_ids}
+
+
+def save_pals(model: nn.Module, folder: str | os.PathLike, include_trained_base: bool | None = None) -> Path:
     """Write the PAL weights alone to ``folder/pals.safetensors`` and their config (PALConfig, target
-    architecture, parameter names and shapes) to ``folder/pals_config.json``. Returns the folder."""
+    architecture, parameter names and shapes) to ``folder/pals_config.json``. Returns the folder.
+
+    ``include_trained_base``: also write the trainable base parameters (:func:`trained_base_state_dict`, by
+    their names in ``model``) to ``folder/trained_base.safetensors``. Default: True when the base was frozen
+    with :func:`freeze_base_model` (the "freeze" recipe trains the LayerNorms, which belong to the adaptation),
+    False otherwise (the base is then the user's to save). :func:`load_pals` loads them back.
+    """
     from safetensors.torch import save_file
 
     state = _injection(model, "save_pals")
     tensors = {k: v.detach().contiguous().cpu() for k, v in pal_state_dict(model).items()}
+    if include_trained_base is None:
+        include_trained_base = state.frozen_base
+    base = {k: v.detach().contiguous().cpu() for k, v in trained_base_state_dict(model).items()}
+    if not include_trained_base:
+        base = {}
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     meta = {
@@ -689,14 +716,22 @@ def save_pals(model: nn.Module, folder: str | os.PathLike) -> Path:
         **_description(state),
         "model_class": type(model).__name__,
         "parameters": {k: list(v.shape) for k, v in tensors.items()},
+        "trained_base_parameters": {k: list(v.shape) for k, v in base.items()},
     }
     save_file(tensors, str(folder / WEIGHTS_NAME), metadata={"format": FORMAT})
+    if base:
+        save_file(base, str(folder / BASE_WEIGHTS_NAME), metadata={"format": FORMAT})
+    elif (folder / BASE_WEIGHTS_NAME).exists():
+        (folder / BASE_WEIGHTS_NAME).unlink()  # a stale file from an earlier save would be loaded by mistake
     (folder / CONFIG_NAME).write_text(json.dumps(meta, indent=2))
     return folder
 
 
-def load_pals(model: nn.Module, folder: str | os.PathLike) -> nn.Module:
+def load_pals(model: nn.Module, folder: str | os.PathLike, load_trained_base: bool = True) -> nn.Module:
     """Load PALs written by :func:`save_pals` into ``model`` and return it.
+
+    ``load_trained_base``: also load the trained base parameters when the folder has them (names as in the
+    saving model; a missing name or another shape is an error).
 
     A model without PALs is injected first with the saved config and targets; an injected model must have the
     same PAL config. Any difference (hidden size, number of layers, PAL layers, number of tasks, PAL width,
@@ -750,8 +785,30 @@ def load_pals(model: nn.Module, folder: str | os.PathLike) -> nn.Module:
     ]
     if problems:
         raise ValueError(f"load_pals: cannot load {folder}:\n  " + "\n  ".join(problems))
+    base_names = meta.get("trained_base_parameters", {})
+    base_tensors: dict[str, torch.Tensor] = {}
+    if base_names and load_trained_base:
+        base_path = folder / BASE_WEIGHTS_NAME
+        if not base_path.is_file():
+            raise FileNotFoundError(
+                f"load_pals: {CONFIG_NAME} lists trained base parameters but {base_path} is missing"
+            )
+        base_tensors = load_file(str(base_path))
+        params = dict(model.named_parameters())
+        problems = [f"not in the model: {k}" for k in sorted(set(base_tensors) - set(params))]
+        problems += [
+            f"{k}: saved {list(v.shape)}, model {list(params[k].shape)}"
+            for k, v in base_tensors.items()
+            if k in params and v.shape != params[k].shape
+        ]
+        if problems:
+            raise ValueError(
+                f"load_pals: cannot load the trained base parameters of {folder} (saved from a "
+                f"{meta.get('model_class')}) into {type(model).__name__}:\n  " + "\n  ".join(problems)
+            )
+        own_state.update({k: params[k] for k in base_tensors})
     with torch.no_grad():
-        for k, v in tensors.items():
+        for k, v in itertools.chain(tensors.items(), base_tensors.items()):
             own_state[k].copy_(v)
     return model
 

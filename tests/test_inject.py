@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from fastpals.inject import (
+    BASE_WEIGHTS_NAME,
     CONFIG_NAME,
     WEIGHTS_NAME,
     freeze_base_model,
@@ -342,6 +343,37 @@ def test_save_load_round_trip(tmp_path, arch):
     again = inject_pals(_tiny(arch), pal)
     load_pals(again, tmp_path)
     assert all(torch.equal(pal_state_dict(again)[k], v) for k, v in saved.items())
+
+
+def test_save_load_with_frozen_base_keeps_the_trained_layernorms(tmp_path):
+    model = inject_pals(_tiny("bert"), PAL, freeze_base=True).eval()
+    with torch.no_grad():  # "training" moved the PALs and the LayerNorms
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.1)
+    save_pals(model, tmp_path)
+    from safetensors.torch import load_file
+
+    base = load_file(str(tmp_path / BASE_WEIGHTS_NAME))
+    assert set(base) == {n for n, _ in model.named_parameters() if "LayerNorm" in n}
+    ids, mask = _batch()
+    tasks = torch.tensor([0, 2, 1, 0])
+    with torch.no_grad():
+        want = _hidden(model, ids, mask, task_ids=tasks)
+        assert torch.equal(
+            _hidden(load_pals(_tiny("bert").eval(), tmp_path), ids, mask, task_ids=tasks), want
+        )
+        pals_only = load_pals(_tiny("bert").eval(), tmp_path, load_trained_base=False)
+        assert (_hidden(pals_only, ids, mask, task_ids=tasks) - want).abs().max() > 1e-3
+    # saving again without the base weights removes the stale file
+    save_pals(model, tmp_path, include_trained_base=False)
+    assert not (tmp_path / BASE_WEIGHTS_NAME).exists()
+    # trained base weights saved from BertForSequenceClassification name 'bert.*' and 'classifier.*'
+    wrapped = transformers.BertForSequenceClassification(transformers.BertConfig(**SMALL, num_labels=2))
+    inject_pals(wrapped, PAL, freeze_base=True, modules_to_train=["classifier"])
+    save_pals(wrapped, tmp_path / "cls")
+    with pytest.raises(ValueError, match="not in the model: bert.embeddings.LayerNorm.bias"):
+        load_pals(_tiny("bert"), tmp_path / "cls")
 
 
 def test_load_into_mismatched_model_fails_clearly(tmp_path):
