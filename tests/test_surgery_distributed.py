@@ -93,3 +93,74 @@ def test_two_processes_equal_one_process_with_the_whole_batch(tmp_path):
     # and surgery on the global gradients is not surgery on one rank's gradients
     local = surgery_step(slice(0, BATCH // 2), pcgrad_weights, all_reduce=False)
     assert not torch.allclose(local["encoder.0.weight"], refs["pcgrad"]["encoder.0.weight"], rtol=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# DeepSpeed ZeRO 0/1/2 (CPU accelerator, gloo): per-task engine.backward, gradients read and written through
+# safe_get_full_grad / safe_set_full_grad. DeepSpeed already averages the gradients over the ranks in each
+# backward, so the buffer does not all-reduce; ZeRO-1/2 backwards replace (not accumulate) the reduced gradients,
+# so the task-specific ones are captured too (capture_task_params=True).
+
+
+def _deepspeed_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
+    torch.set_num_threads(1)
+    import deepspeed
+    from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
+
+    def setter(p, g):
+        safe_set_full_grad(p, g if g is not None else torch.zeros_like(p, dtype=torch.float32))
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    half = BATCH // world
+    rows = slice(rank * half, (rank + 1) * half)
+    out = {}
+    for stage in (0, 1, 2):
+        model = Model()
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        config = {
+            "train_micro_batch_size_per_gpu": half,
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": 0.0,
+            "zero_optimization": {"stage": stage},
+            "zero_allow_untested_optimizer": True,
+        }
+        engine, *_ = deepspeed.initialize(
+            model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), config=config
+        )
+        module = engine.module
+        buf = TaskGradientBuffer(
+            list(module.encoder.parameters()),
+            NUM_TASKS,
+            task_params=list(module.heads.parameters()),
+            grad_getter=safe_get_full_grad,
+            grad_setter=setter,
+            capture_task_params=True,
+        )
+        for t, (x, y) in enumerate(batches()):
+            engine.backward(module.loss(x[rows], y[rows], t))
+            buf.capture(t)
+        result = buf.apply(pcgrad_weights, generator=torch.Generator().manual_seed(7))
+        assert not result.skipped
+        engine.step()  # SGD with lr 1: the update is before - after
+        out[stage] = {n: before[n] - p.detach() for n, p in module.named_parameters()}
+    torch.save(out, os.path.join(out_dir, f"ds_rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_deepspeed_zero_0_1_2_two_ranks_equal_one_process(tmp_path):
+    pytest.importorskip("deepspeed")
+    mp.spawn(_deepspeed_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    ref = surgery_step(slice(0, BATCH), pcgrad_weights, all_reduce=False)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"ds_rank{rank}.pt")
+        for stage in (0, 1, 2):
+            for n in ref:
+                assert torch.allclose(got[stage][n], ref[n], rtol=1e-5, atol=1e-6), (stage, rank, n)

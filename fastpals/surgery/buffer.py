@@ -104,6 +104,10 @@ class TaskGradientBuffer:
             is averaged over the ranks before the Gram, so that surgery acts on the global per-task gradients.
             Communication per step: ``T * P`` buffer elements plus the task-specific gradients and a few flags.
         all_reduce: average over the default process group (``torch.distributed`` must be initialised).
+        capture_task_params: also take the task-specific gradients out at each :meth:`capture` (through
+            ``grad_getter``, summed into a float32 copy, cleared with ``grad_setter``) and write them back in
+            :meth:`apply`. Needed where successive backwards do not accumulate gradients, as under DeepSpeed
+            ZeRO-1/2 (measured with 0.19.8: each ``engine.backward`` replaces the reduced gradients).
     """
 
     def __init__(
@@ -118,6 +122,7 @@ class TaskGradientBuffer:
         grad_dtype: torch.dtype | None = None,
         process_group: Any = None,
         all_reduce: bool = False,
+        capture_task_params: bool = False,
     ) -> None:
         self.params = _unique_params(params, "params")
         if not self.params:
@@ -155,6 +160,9 @@ class TaskGradientBuffer:
         self._touched = [[False] * len(self.params) for _ in range(num_tasks)]
         self._task_state: list[tuple[int, int] | None] = [None] * len(self.task_params)
         self.task_param_tasks: list[set[int]] = [set() for _ in self.task_params]
+        self.capture_task_params = capture_task_params
+        self._task_acc: list[torch.Tensor | None] = [None] * len(self.task_params)
+        self._task_seen = [False] * len(self.task_params)
         self.skipped_steps = 0
         self.steps = 0
 
@@ -206,10 +214,28 @@ class TaskGradientBuffer:
             self.grad_setter(p, None)
         self._captured[task] = True
         for k, p in enumerate(self.task_params):
+            if self.capture_task_params:
+                g = self.grad_getter(p)
+                if g is not None:
+                    if self._task_acc[k] is None:
+                        self._task_acc[k] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                    acc = self._task_acc[k]
+                    if not self._task_seen[k]:
+                        acc.zero_()
+                    acc.add_(g.detach())
+                    self._task_seen[k] = True
+                    self.task_param_tasks[k].add(task)
+                    self.grad_setter(p, None)
+                continue
             state = self._task_grad_state(p)
             if state is not None and state != self._task_state[k]:
                 self.task_param_tasks[k].add(task)
             self._task_state[k] = state
+
+    def _task_grads(self) -> list[torch.Tensor | None]:
+        if self.capture_task_params:
+            return [acc if seen else None for acc, seen in zip(self._task_acc, self._task_seen)]
+        return [self.grad_getter(p) for p in self.task_params]
 
     # ------------------------------------------------------------------------------------------------------------
     def _reduce(self) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -220,7 +246,7 @@ class TaskGradientBuffer:
         ``task_flat`` the averaged task-specific gradients (zeros where a rank had none), or None.
         """
         world = dist.get_world_size(self.process_group)
-        task_grads = [self.grad_getter(p) for p in self.task_params]
+        task_grads = self._task_grads()
         flags = torch.tensor(
             [x for row in self._touched for x in row] + [g is not None for g in task_grads],
             dtype=torch.float32,
@@ -269,7 +295,8 @@ class TaskGradientBuffer:
             if task_flat is not None:
                 checks.append(torch.isfinite(task_flat.norm()).reshape(1))
         else:
-            present = [g.detach() for g in (self.grad_getter(p) for p in self.task_params) if g is not None]
+            local_task_grads = self._task_grads()
+            present = [g.detach() for g in local_task_grads if g is not None]
             if present:
                 checks.append(torch.isfinite(torch.stack(torch._foreach_norm(present))).all().reshape(1))
         g_mat, finite = gram(self.data)
@@ -286,6 +313,11 @@ class TaskGradientBuffer:
                     self.grad_setter(p, part.view_as(p).to(p.dtype) if used else None)
         else:
             touched = self._touched
+            if self.capture_task_params:
+                for p, g in zip(self.task_params, local_task_grads):
+                    if g is not None:
+                        self.grad_setter(p, g.to(p.dtype) if g.dtype != p.dtype else g.clone())
+        self._task_seen = [False] * len(self.task_params)
         self.steps += 1
         self._captured = [False] * self.num_tasks
         self._touched = [[False] * n_shared for _ in range(self.num_tasks)]
