@@ -23,11 +23,28 @@ wrapper), then ``TaskGradientBuffer(..., all_reduce=True)`` (or ``process_group=
 buffer across ranks before the Gram: ``T * P`` elements per step (plain DDP reduces ``P``), plus the
 task-specific gradients and ``T * n_params`` touched flags. Every rank then computes the same update.
 
-DeepSpeed (ZeRO stage 0, 1, 2): the buffer reads and writes gradients through callables. Build it with
-``grad_getter=deepspeed.utils.safe_get_full_grad`` and ``grad_setter=lambda p, g: safe_set_full_grad(p, g if g
-is not None else torch.zeros_like(p, dtype=torch.float32))``, call ``engine.backward(loss_t)`` then
-``buf.capture(t)`` per task, then ``buf.apply(...)`` and ``engine.step()``. Every rank must call the getters and
-setters (they gather/scatter partitions). See the report on issue 5 for what was measured with DeepSpeed 0.19.8.
+DeepSpeed (ZeRO stage 0, 1, 2), measured with DeepSpeed 0.19.8 on its CPU accelerator (gloo, 1 and 2 ranks,
+``tests/test_surgery_distributed.py``): one ``engine.backward(loss_t)`` per task followed by ``buf.capture(t)``,
+then ``buf.apply(...)`` and ``engine.step()``, gives exactly the update of the plain-PyTorch buffer path on the
+whole batch, for stages 0, 1 and 2 (no "Gradient computed twice for this partition" error arose with three
+backwards per step). Build the buffer with::
+
+    from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
+    buf = TaskGradientBuffer(shared, T, task_params=specific, capture_task_params=True,
+                             grad_getter=safe_get_full_grad,
+                             grad_setter=lambda p, g: safe_set_full_grad(
+                                 p, g if g is not None else torch.zeros_like(p, dtype=torch.float32)))
+
+- DeepSpeed averages the gradients over the ranks inside each ``engine.backward``, so do not pass
+  ``all_reduce`` (the communication is ``T`` gradient reductions per step, ``T * P`` elements, as with the
+  buffer's own all-reduce).
+- Under ZeRO-1/2 each backward *replaces* the reduced gradients instead of accumulating them (a task head
+  trained by task 1 lost its gradient in task 2's backward), hence ``capture_task_params=True``, which takes the
+  task-specific gradients out at each capture and writes them back in ``apply``.
+- ``safe_get_full_grad`` / ``safe_set_full_grad`` must be called on every rank (the buffer does). With fp16 the
+  values carry the loss scale: the weights do not depend on it. DeepSpeed 0.19.8 clips gradients at 1.0 by
+  default; set ``"gradient_clipping"`` as you intend (it applies after surgery, in ``engine.step``).
+- Client optimizers need ``"zero_allow_untested_optimizer": true`` under ZeRO. ZeRO-3 is not covered.
 """
 
 from fastpals.surgery.aggregators import gem_weights, mean_weights, pcgrad_orders, pcgrad_weights, sum_weights
