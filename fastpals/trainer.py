@@ -861,9 +861,16 @@ class Trainer:
         if dev["overall"] > self.best["overall"]:
             self.best = {"overall": dev["overall"], "step": self.global_step, "epoch": epoch, "dev": dev}
             if self.is_main:
-                self.engine.module.save_pretrained(self.out / "best")
+                self._save_best()
                 self._write_dev_predictions(preds)
         return dev
+
+    def _save_best(self) -> None:
+        best = self.out / "best"
+        self.engine.module.save_pretrained(best)
+        shutil.copy(self.tokenizer.vocab_file, best / "vocab.txt")
+        info = {"max_length": self.args.max_length, "step": self.global_step, "tasks": self.args.task_list}
+        (best / "training_args.json").write_text(json.dumps(info, indent=2))
 
     def _write_dev_predictions(self, preds: dict[str, Any]) -> None:
         from fastpals.metrics import write_predictions

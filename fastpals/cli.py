@@ -1,0 +1,41 @@
+"""The ``fastpals`` command: ``fastpals train ...`` (= ``python train.py ...``), ``fastpals predict ...``
+(= ``python -m fastpals.predict ...``), ``fastpals env`` (= ``python -m fastpals.env``)."""
+
+from __future__ import annotations
+
+import sys
+
+__all__ = ["main"]
+
+USAGE = """usage: fastpals {train,predict,env} [options]
+
+  train     multi-task fine-tuning with DeepSpeed (same options as train.py; `fastpals train --help`)
+  predict   run a trained model on the test files or on given sentences (`fastpals predict --help`)
+  env       versions, devices and kernel back-ends of this installation
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE, end="")
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "train":
+        from fastpals.trainer import main as train_main
+
+        return train_main(rest)
+    if command == "predict":
+        from fastpals.predict import main as predict_main
+
+        return predict_main(rest)
+    if command == "env":
+        from fastpals.env import main as env_main
+
+        return env_main(rest)
+    print(f"fastpals: unknown command {command!r}\n{USAGE}", file=sys.stderr, end="")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,241 @@
+"""Trainer checks that need no training: options, DeepSpeed config contradictions, optimizer groups, schedule,
+and (in a subprocess, so that no process group leaks into the test session) one PCGrad update under DeepSpeed."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fastpals.model import BertConfig, PALConfig
+from fastpals.multitask import MultiTaskBert, MultiTaskConfig, get_task
+from fastpals.trainer import (
+    ConfigError,
+    build_parser,
+    check_ds_config,
+    load_ds_config,
+    lr_lambda,
+    optimizer_param_groups,
+    validate_args,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_fixtures import make_tiny_data, make_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return make_tiny_data(root / "data"), make_tiny_model(root / "model")
+
+
+def parse(tiny, *extra):
+    data, model = tiny
+    return build_parser().parse_args(["--model", str(model), "--data-dir", str(data), *extra])
+
+
+def test_valid_options_pass(tiny):
+    args = validate_args(parse(tiny, "--tasks", "sst,sts", "--pal", "12heads"))
+    assert args.task_list == ["sst", "sts"]
+    assert args.pal_config.num_heads == 12 and args.pal_config.hidden == 204
+    assert args.batch_size == 32 and args.grad_accum == 1  # not in the shipped config: option defaults
+    assert validate_args(parse(tiny, "--pal", "none")).pal_config is None
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--tasks", "sst,imdb"], "unknown task"),
+        (["--tasks", "sst,sst"], "twice"),
+        (["--pal-heads", "5"], "does not divide the PAL width d_s = 204"),
+        (["--pal-hidden", "100", "--pal-heads", "3"], "does not divide"),
+        (["--pal", "none", "--pal-heads", "2"], "need PALs"),
+        (["--surgery", "pcgrad", "--grad-accum", "2"], "--grad-accum 1"),
+        (["--surgery", "gem", "--tasks", "sst"], "at least two"),
+        (["--sampling", "random_round_robin", "--grad-accum", "2"], "--grad-accum 1"),
+        (["--lr", "-1"], "--lr must be a positive"),
+        (["--warmup", "1.5"], "--warmup"),
+        (["--max-length", "4"], "--max-length"),
+        (["--epochs", "0"], "--epochs"),
+        (["--batch-size", "0"], "--batch-size"),
+        (["--freeze-bert", "--pal", "none"], "--freeze-bert"),
+        (["--pair-mode", "sbert_cosine", "--tasks", "sst,para"], "sbert_cosine"),
+    ],
+)
+def test_bad_options(tiny, extra, message):
+    with pytest.raises(ConfigError, match=message.replace("-", r"\-").replace("(", r"\(")):
+        validate_args(parse(tiny, *extra))
+
+
+def test_missing_data(tiny, tmp_path):
+    _, model = tiny
+    args = build_parser().parse_args(["--model", str(model), "--data-dir", str(tmp_path)])
+    with pytest.raises(ConfigError, match="missing data file.*ids-sst-train.csv"):
+        validate_args(args)
+    args = build_parser().parse_args(["--model", str(model), "--data-dir", str(tmp_path / "nope")])
+    with pytest.raises(ConfigError, match="--data-dir"):
+        validate_args(args)
+
+
+def test_ds_config_contradictions():
+    base = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}, "gradient_clipping": 1.0}
+    filled = check_ds_config(base, 16, 2, cuda=False)
+    assert filled["train_micro_batch_size_per_gpu"] == 16
+    assert filled["gradient_accumulation_steps"] == 2 and filled["train_batch_size"] == 32
+    assert check_ds_config(base, 16, 1, surgery="pcgrad", cuda=False)["gradient_accumulation_steps"] == 1
+    cases = [
+        (
+            {**base, "train_micro_batch_size_per_gpu": 8},
+            {},
+            "train_micro_batch_size_per_gpu = 8 but --batch-size 16",
+        ),
+        ({**base, "gradient_accumulation_steps": 4}, {}, "gradient_accumulation_steps = 4"),
+        ({**base, "train_batch_size": 100}, {}, "train_batch_size = 100"),
+        ({**base, "optimizer": {"type": "Adam"}}, {}, "remove the 'optimizer' section"),
+        ({**base, "scheduler": {"type": "WarmupLR"}}, {}, "remove the 'scheduler' section"),
+        ({"fp16": {"enabled": True}}, {}, "fp16 needs a CUDA GPU"),
+        ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, {"cuda": True}, "both enabled"),
+        ({**base, "zero_optimization": {"stage": 3}}, {}, "ZeRO-3"),
+        ({"bf16": {"enabled": True}}, {}, "stage 0 on CPU"),
+        ({**base, "gradient_clipping": -1}, {}, "gradient_clipping"),
+    ]
+    for cfg, kw, message in cases:
+        with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+            check_ds_config(cfg, 16, 1, **{"cuda": False, **kw})
+    with pytest.raises(ConfigError, match="surgery"):
+        check_ds_config({**base, "gradient_accumulation_steps": 2}, 16, 1, surgery="pcgrad", cuda=False)
+
+
+def test_shipped_configs_parse_and_validate():
+    names = sorted(p.name for p in (ROOT / "configs").glob("*.json"))
+    expected = ["cpu_bf16.json", "cpu_fp32.json"] + [
+        f"gpu_{p}_zero{z}.json" for p in ("bf16", "fp16") for z in (0, 1, 2)
+    ]
+    assert sorted(expected) == names
+    for name in names:
+        cfg = load_ds_config(ROOT / "configs" / name)
+        checked = check_ds_config(cfg, 32, 1, cuda=name.startswith("gpu"))
+        assert checked["gradient_clipping"] == 1.0
+        stage = cfg.get("zero_optimization", {}).get("stage")
+        if name.startswith("gpu"):
+            precision, zero = name[4:8], int(name[-6])
+            assert cfg[precision]["enabled"] and stage == zero
+            if precision == "fp16":
+                assert cfg["fp16"]["loss_scale"] == 0  # dynamic loss scaling
+        elif name == "cpu_bf16.json":
+            assert cfg["bf16"]["enabled"] and stage == 1
+        else:
+            assert "bf16" not in cfg and "fp16" not in cfg
+    with pytest.raises(ConfigError, match="missing.json does not exist"):
+        load_ds_config(ROOT / "configs" / "missing.json")
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    class OneRank:  # stands in for a process group: DeepSpeed's parser asks for the world size
+        def get_data_parallel_world_size(self):
+            return 1
+
+        def get_model_parallel_world_size(self):
+            return 1
+
+        def get_data_parallel_rank(self):
+            return 0
+
+        def get_model_parallel_rank(self):
+            return 0
+
+    for name in names:  # DeepSpeed's own parser accepts them too
+        cfg = check_ds_config(load_ds_config(ROOT / "configs" / name), 32, 1, cuda=True)
+        parsed = DeepSpeedConfig(cfg, mpu=OneRank())
+        assert parsed.gradient_clipping == 1.0 and parsed.train_batch_size == 32
+        assert parsed.zero_optimization_stage == cfg["zero_optimization"]["stage"]
+
+
+def test_bad_json(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('{"bf16": {"enabled": true},}')
+    with pytest.raises(ConfigError, match="bad.json:1: not valid JSON"):
+        load_ds_config(path)
+
+
+def _tiny_model(pal):
+    bert = BertConfig(
+        vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
+    )
+    cfg = MultiTaskConfig(bert, [get_task(t) for t in ("sst", "para", "sts")], pal)
+    return MultiTaskBert(cfg)
+
+
+def test_optimizer_param_groups():
+    model = _tiny_model(PALConfig(hidden=16, num_heads=2, gate=True))
+    groups = optimizer_param_groups(model, 1e-5, 1e-4, 1e-3, 0.01)
+    by_name = {g["name"]: g for g in groups}
+    assert set(by_name) == {"encoder", "encoder_no_decay", "pal", "pal_no_decay", "head", "head_no_decay"}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for g in groups:
+        kind = g["name"].split("_")[0]
+        assert g["lr"] == {"encoder": 1e-5, "pal": 1e-4, "head": 1e-3}[kind]
+        assert g["weight_decay"] == (0.0 if g["name"].endswith("no_decay") else 0.01)
+        for p in g["params"]:
+            n = names[id(p)]
+            no_decay = n.endswith("bias") or "LayerNorm" in n or n.endswith(".gate")
+            assert no_decay == g["name"].endswith("no_decay"), n
+            if kind == "head":
+                assert n.startswith("heads.")
+            elif kind == "pal":
+                assert ".pal" in n or "pal_" in n
+    covered = [id(p) for g in groups for p in g["params"]]
+    assert sorted(covered) == sorted(id(p) for p in model.parameters())  # each parameter exactly once
+    assert "bert.pal_projections.enc_bias" in {names[id(p)] for p in by_name["pal_no_decay"]["params"]}
+    # frozen parameters are left out
+    for n, p in model.named_parameters():
+        if n.startswith("bert.embeddings.word"):
+            p.requires_grad_(False)
+    assert sum(len(g["params"]) for g in optimizer_param_groups(model, 1, 1, 1, 0)) == len(covered) - 1
+
+
+def test_lr_schedule():
+    values = [lr_lambda(s, 100, 0.1) for s in range(100)]
+    assert values[0] == pytest.approx(0.1) and values[9] == pytest.approx(1.0)
+    assert values[10] == pytest.approx(1.0) and values[55] == pytest.approx(0.5)
+    assert values[99] == pytest.approx(1 / 90) and lr_lambda(100, 100, 0.1) == 0.0
+    assert all(a >= b for a, b in zip(values[10:], values[11:]))
+    assert lr_lambda(0, 10, 0.0) == 1.0
+
+
+SURGERY_SCRIPT = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[3])
+from fastpals.trainer import Trainer, build_parser
+args = build_parser().parse_args(["--model", sys.argv[1], "--data-dir", sys.argv[2], "--out", sys.argv[4],
+    "--surgery", "pcgrad", "--sampling", "random_round_robin", "--batch-size", "4", "--max-length", "16",
+    "--pal-hidden", "16", "--pal-heads", "2", "--steps-per-epoch", "2", "--epochs", "1", "--lr", "1e-2",
+    "--max-eval", "4", "--no-progress"])
+tr = Trainer(args)
+tr._setup_data(); tr._setup_model(); tr._setup_engine()
+assert tr.zero_stage == 1
+module = tr.engine.module
+shared = {n: p.detach().float().clone() for n, p in module.named_parameters() if n.startswith("bert.encoder.layer.0.attention.self.query")}
+stats = tr.train_update([2, 0, 1])
+buf = tr.surgery_buffer
+assert buf.steps == 1 and buf.skipped_steps == 0
+rows = [buf.row(t).norm().item() for t in range(3)]
+print("rows", rows)
+assert rows[0] > 0 and rows[1] > 0  # tasks 0 and 1 captured (row 2 holds the combined update)
+changed = [not torch.equal(p.detach().float(), shared[n]) for n, p in module.named_parameters() if n in shared]
+assert changed and all(changed), changed
+assert set(stats["loss"]) == {"sst", "para", "sts"}
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_pcgrad_update_under_deepspeed(tiny, tmp_path):
+    data, model = tiny
+    env = {**os.environ, "FASTPALS_DATA_DIR": str(data)}
+    proc = subprocess.run(
+        [sys.executable, "-c", SURGERY_SCRIPT, str(model), str(data), str(ROOT), str(tmp_path / "run")],
+        capture_output=True, text=True, env=env, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
