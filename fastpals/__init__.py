@@ -1,9 +1,11 @@
 """fastpals: fused kernels for multi-task BERT fine-tuning with PALs and gradient surgery.
 
 Public names: ``BertModel``, ``BertConfig``, ``PALConfig``, ``MultiTaskBert``, ``TaskSpec``,
-``count_parameters``; ``fastpals.functional`` (reference ops), ``fastpals.kernels`` (fused ops).
+``count_parameters``, ``inject_pals``, ``save_pals``, ``load_pals``, ``set_task``; ``fastpals.surgery``
+(PCGrad, GEM); ``fastpals.functional`` (reference ops), ``fastpals.kernels`` (fused ops).
 """
 
+from fastpals.inject import inject_pals, load_pals, remove_pals, save_pals, set_task
 from fastpals.model import BertConfig, BertModel, PALConfig
 from fastpals.multitask import MultiTaskBert, MultiTaskConfig, TaskSpec, count_parameters
 from fastpals.tokenizer import Tokenizer
@@ -19,4 +21,9 @@ __all__ = [
     "TaskSpec",
     "Tokenizer",
     "count_parameters",
+    "inject_pals",
+    "load_pals",
+    "remove_pals",
+    "save_pals",
+    "set_task",
 ]
