@@ -380,7 +380,8 @@ def test_pcgrad_wrapper_matches_buffer_path_and_splits_by_graph():
     )
 
 
-def test_gem_wrapper_with_episodic_memory():
+@pytest.mark.parametrize("capture_task_params", [False, True])
+def test_gem_wrapper_with_episodic_memory(capture_task_params):
     t = 3
     model = TinyMultiTask(t)
     cur, mem = task_batches(t, seed=4), task_batches(t, seed=5)
@@ -389,7 +390,7 @@ def test_gem_wrapper_with_episodic_memory():
     flat_cur = torch.stack([torch.cat([g.reshape(-1) for g in ref_cur[k][:n]]) for k in range(t)])
     flat_mem = torch.stack([torch.cat([g.reshape(-1) for g in ref_mem[k][:n]]) for k in range(t)])
     ref = gem_paper(flat_cur.sum(0).numpy(), flat_mem.numpy())
-    gem = GEM(torch.optim.SGD(model.parameters(), lr=0.1))
+    gem = GEM(torch.optim.SGD(model.parameters(), lr=0.1), capture_task_params=capture_task_params)
     result = gem.gem_backward(
         [model.loss(x, y, k) for k, (x, y) in enumerate(cur)],
         memory_losses=[model.loss(x, y, k) for k, (x, y) in enumerate(mem)],

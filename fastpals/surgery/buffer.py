@@ -232,6 +232,15 @@ class TaskGradientBuffer:
                 self.task_param_tasks[k].add(task)
             self._task_state[k] = state
 
+    def drop_task_grads(self) -> None:
+        """Forget the task-specific gradients of this step so far (clear them through ``grad_setter`` and, with
+        ``capture_task_params``, the captured copies). GEM uses it after the episodic-memory backwards, whose
+        gradients only constrain the update."""
+        for k, p in enumerate(self.task_params):
+            self.grad_setter(p, None)
+            self._task_seen[k] = False
+        self._task_state = [self._task_grad_state(p) for p in self.task_params]
+
     def _task_grads(self) -> list[torch.Tensor | None]:
         if self.capture_task_params:
             return [acc if seen else None for acc, seen in zip(self._task_acc, self._task_seen)]

@@ -257,8 +257,7 @@ class GEM(_SurgeryOptimizer):
         buf = self._buffer_for(shared, specific, 2 * t)
         self._backward_into(buf, memory_losses, t)
         # Memory gradients only constrain the update: drop what they left in the task-specific parameters.
-        self.optimizer.zero_grad(set_to_none=True)
-        buf._task_state = [buf._task_grad_state(p) for p in buf.task_params]
+        buf.drop_task_grads()
         self._backward_into(buf, losses, 0)
         a = torch.zeros(2 * t, dtype=torch.float64)
         if self.proposal == "sum":
