@@ -1,6 +1,6 @@
 """Add PALs to a transformers BertModel and train it on two tasks at once (SST-5 and STS-B).
 
-    FASTPALS_DATA_DIR=/path/to/csvs python examples/inject_pals_hf.py [--steps 40] [--surgery pcgrad]
+    FASTPALS_DATA_DIR=/path/to/csvs python examples/inject_pals_hf.py [--steps 30] [--surgery pcgrad]
 
 What it shows:
 
@@ -67,9 +67,9 @@ class TwoTaskModel(nn.Module):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--batch-size", type=int, default=8, help="examples per task per step")
-    ap.add_argument("--max-length", type=int, default=64)
+    ap.add_argument("--max-length", type=int, default=48)
     ap.add_argument("--max-examples", type=int, default=2000, help="train examples read per task")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--full", action="store_true", help="train the whole encoder, not only PALs + LayerNorms")

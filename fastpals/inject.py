@@ -34,6 +34,11 @@ Limits: the PAL variant must be ``"parallel"`` (PALs inside the layers; gates, p
 an error (the final LayerNorm would run on recomputed or chunked inputs the hooks cannot pair with ``h``);
 minBERT's ``unpad=True`` is supported (minBERT runs its own PAL path).
 
+With HF ``Trainer``: keep a ``task_ids`` column in the data set and set
+``TrainingArguments(remove_unused_columns=False)`` (the Trainer drops columns the forward signature does not
+name). ``model.save_pretrained`` of an injected model writes the PAL weights too; :func:`save_pals` writes them
+alone.
+
 Training only part of the model (the Bert-n-Pals "freeze" recipe): ``inject_pals(..., freeze_base=True)`` leaves
 the PALs and every LayerNorm trainable and freezes the rest; heads you add afterwards are trainable by default,
 heads that already exist are named with ``modules_to_train=("classifier",)``. See :func:`freeze_base_model`.
@@ -347,9 +352,8 @@ class _Injection:
         self.handles: list[Any] = []
         self.added: list[tuple[nn.Module, str]] = []  # (owner, attribute) of every added module
         self.default_task: int | torch.Tensor | None = None
-        self.frozen_base = (
-            False  # set by freeze_base_model: save_pals then also saves the trained base weights
-        )
+        # set by freeze_base_model: save_pals then also saves the trained base weights
+        self.frozen_base = False
         self._reset()
 
     def _reset(self) -> None:

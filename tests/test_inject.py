@@ -305,6 +305,11 @@ def test_inject_into_minbert_equals_native_pals_and_cross_loads_with_hf(tmp_path
     with torch.no_grad():
         got = hf(input_ids=ids, attention_mask=mask, task_ids=tasks).last_hidden_state
     torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=1e-5, rtol=1e-5)
+    plain = MiniBert.from_pretrained("minilm-l6").eval()
+    with torch.no_grad():
+        remove_pals(injected)
+        assert set(injected.state_dict()) == set(plain.state_dict())
+        assert torch.equal(injected(ids, mask).last_hidden_state, plain(ids, mask).last_hidden_state)
     with pytest.raises(TypeError, match="MultiTaskBert"):
         from fastpals.multitask import MultiTaskBert, MultiTaskConfig, get_task
 
