@@ -875,7 +875,7 @@ class Trainer:
     def _write_dev_predictions(self, preds: dict[str, Any]) -> None:
         from fastpals.metrics import write_predictions
 
-        for t, (ids, p, y) in preds.items():
+        for t, (ids, p, _) in preds.items():
             values = p.astype(np.int64) if TASKS[t].metric == "accuracy" else p.astype(np.float64)
             write_predictions(self.out / "predictions" / f"{t}-dev-output.csv", ids, values, t)
         np.savez(
@@ -1111,7 +1111,7 @@ class Trainer:
                 self.out,
             )
         best = MultiTaskBert.load(self.out / "best").to(self.device)
-        for i, t in enumerate(self.args.task_list):
+        for t in self.args.task_list:
             if "test" not in TASK_FORMATS[t].files:
                 continue
             test = _load_split(t, "test", self.args.data_path, self.args.max_predict, self.log)

@@ -1,0 +1,183 @@
+"""End-to-end training runs on a tiny random BERT and small synthetic task files (a few seconds of compute
+each): both launch styles, outputs, prediction, kill + resume = uninterrupted, PCGrad/GEM, NaN, bad inputs."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_fixtures import make_tiny_data, make_tiny_model  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("e2e")
+    return make_tiny_data(root / "data"), make_tiny_model(root / "model")
+
+
+def common(tiny, out, *extra):
+    data, model = tiny
+    return [
+        "--model", str(model), "--data-dir", str(data), "--out", str(out), "--batch-size", "8",
+        "--max-length", "24", "--pal-hidden", "16", "--pal-heads", "2", "--max-eval", "24", "--max-predict", "8",
+        "--no-progress", *extra,
+    ]  # fmt: skip
+
+
+def run(cmd, timeout=300):
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
+    }
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_python_launch_writes_every_output(tiny, tmp_path):
+    out = tmp_path / "run"
+    rc, log = run(
+        [sys.executable, "train.py", "--ds_config", "configs/cpu_bf16.json",
+         *common(tiny, out, "--epochs", "2", "--steps-per-epoch", "3", "--eval-at-start", "--lr", "1e-3")]
+    )  # fmt: skip
+    assert rc == 0, log[-4000:]
+    assert "skipped 1 bad row(s)" in log and "quora-dev.csv:" in log  # the broken Quora row is reported
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["dev"]) == {"sst", "para", "sts", "overall"}
+    assert set(results["untrained_dev"]) == {"sst", "para", "sts", "overall"}
+    assert results["steps"] == 6 and results["zero_stage"] == 1
+    assert (
+        results["ds_config"]["bf16"]["enabled"]
+        and results["ds_config"]["train_micro_batch_size_per_gpu"] == 8
+    )
+    assert {"setup_s", "train_s", "eval_s"} <= set(results["timings"])
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["type"] == "step"]
+    assert [r["step"] for r in steps] == list(range(1, 7))
+    assert all(r["examples_per_s"] > 0 and len(r["lr"]) >= 4 for r in steps)
+    assert [r["epoch"] for r in records if r["type"] == "epoch"] == [1, 2]
+    assert "dev" in records[-1] or any(r["type"] == "eval" for r in records)
+    for name in ("training_curves.png", "confusion_sst.png", "confusion_sts.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    assert any((out / "tensorboard").iterdir())
+    for name in ("sst-dev-output.csv", "para-dev-output.csv", "sts-dev-output.csv", "sst-test-output.csv",
+                 "sts-test-output.csv"):  # fmt: skip
+        lines = (out / "predictions" / name).read_text().splitlines()
+        assert lines[0].startswith("id \t Predicted_") and len(lines) > 1, name
+    assert len((out / "predictions" / "sst-test-output.csv").read_text().splitlines()) == 9  # --max-predict 8
+    # fastpals predict: sentences and test files
+    rc, log = run([sys.executable, "-m", "fastpals.cli", "predict", str(out / "best"), "--task", "sst",
+                   "--text", "good movie", "--text", "bad plot"])  # fmt: skip
+    assert rc == 0, log
+    lines = [line for line in log.splitlines() if line.startswith("sst\t")]
+    assert len(lines) == 2 and float(lines[0].split("\t")[1]) in {0.0, 1.0, 2.0, 3.0, 4.0}
+    rc, log = run([sys.executable, "-m", "fastpals.predict", str(out / "best"), "--task", "sts",
+                   "--pair", "good movie", "good film"])  # fmt: skip
+    assert rc == 0 and 0.0 <= float(log.split("sts\t")[1].split("\t")[0]) <= 5.0, log
+    rc, log = run([sys.executable, "-m", "fastpals.predict", str(out / "best"), "--data-dir", str(tiny[0]),
+                   "--out", str(tmp_path / "pred")])  # fmt: skip
+    assert rc == 0, log
+    assert len((tmp_path / "pred" / "sts-test-output.csv").read_text().splitlines()) == 49
+    # a run folder with checkpoints is not overwritten by accident
+    rc, log = run([sys.executable, "train.py", *common(tiny, out, "--epochs", "1", "--steps-per-epoch", "1")])
+    assert rc == 2 and "--resume" in log
+
+
+def test_deepspeed_launcher(tiny, tmp_path):
+    launcher = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or shutil.which("deepspeed")
+    assert launcher, "the deepspeed launcher is not installed"
+    out = tmp_path / "ds"
+    rc, log = run([launcher, "--num_gpus", "1", "train.py", "--ds_config", "configs/cpu_bf16.json",
+                   *common(tiny, out, "--epochs", "1", "--steps-per-epoch", "2")])  # fmt: skip
+    assert rc == 0, log[-4000:]
+    assert "--local_rank=0" in log  # it went through the launcher
+    assert json.loads((out / "results.json").read_text())["steps"] == 2
+
+
+def test_kill_and_resume_equals_uninterrupted(tiny, tmp_path):
+    opts = [
+        "--epochs",
+        "2",
+        "--steps-per-epoch",
+        "3",
+        "--lr",
+        "1e-3",
+        "--sampling",
+        "annealed",
+        "--seed",
+        "3",
+    ]
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    rc, log = run([sys.executable, "train.py", *common(tiny, full, *opts)])
+    assert rc == 0, log[-4000:]
+    # SIGTERM after update 2 (mid-epoch 1): checkpoint, exit 128 + 15
+    rc, log = run([sys.executable, "train.py", *common(tiny, cut, *opts, "--stop-after-steps", "2")])
+    assert rc == 143, log[-4000:]
+    assert "stopped by signal SIGTERM after update step 2" in log
+    assert not (cut / "results.json").exists()
+    rc, log = run([sys.executable, "train.py", *common(tiny, cut, *opts, "--lr", "2e-3", "--resume")])
+    assert rc == 2 and "--lr (saved 0.001, now 0.002)" in log  # options must match the saved run
+    rc, log = run([sys.executable, "train.py", *common(tiny, cut, *opts, "--resume")])
+    assert rc == 0, log[-4000:]
+    a = json.loads((full / "results.json").read_text())
+    b = json.loads((cut / "results.json").read_text())
+    assert a["dev"] == b["dev"] and a["evals"] == b["evals"] and a["steps"] == b["steps"] == 6
+
+    def losses(folder):
+        records = (json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines())
+        return [(r["step"], r["loss"]) for r in records if r["type"] == "step"]
+
+    assert losses(full) == losses(cut)  # same batches, same dropout, same updates
+    assert (full / "best" / "model.safetensors").read_bytes() == (
+        cut / "best" / "model.safetensors"
+    ).read_bytes()
+
+
+@pytest.mark.parametrize(
+    "surgery, sampling", [("pcgrad", "random_round_robin"), ("gem", "every_task_plus_annealed")]
+)
+def test_surgery_runs(tiny, tmp_path, surgery, sampling):
+    out = tmp_path / surgery
+    rc, log = run([sys.executable, "train.py", "--ds_config", "configs/cpu_fp32.json",
+                   *common(tiny, out, "--surgery", surgery, "--sampling", sampling, "--epochs", "1",
+                           "--steps-per-epoch", "2", "--lr", "1e-3")])  # fmt: skip
+    assert rc == 0, log[-4000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["type"] == "step"]
+    assert len(steps) == 2 and all(set(r["loss"]) == {"sst", "para", "sts"} for r in steps)
+
+
+def test_nan_loss_is_reported_and_stops(tiny, tmp_path):
+    out = tmp_path / "nan"
+    rc, log = run([sys.executable, "train.py",
+                   *common(tiny, out, "--epochs", "1", "--steps-per-epoch", "4", "--inject-nan-at-step", "2")])  # fmt: skip
+    assert rc == 3, log[-4000:]
+    assert "non-finite loss nan at update step 2, task" in log
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["type"] == "nonfinite" and records[-1]["step"] == 2
+    assert records[-1]["task"] in ("sst", "para", "sts")
+
+
+def test_bad_inputs_fail_before_training(tiny, tmp_path):
+    data, _ = tiny
+    cases = [
+        (["--tasks", "sst,nope"], "unknown task"),
+        (["--pal-heads", "5", "--pal-hidden", "16"], "does not divide the PAL width"),
+        (["--data-dir", str(tmp_path)], "missing data file"),
+        (["--ds_config", "configs/gpu_fp16_zero1.json"], "fp16 needs a CUDA GPU"),
+    ]
+    bad_cfg = tmp_path / "micro.json"
+    bad_cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True},
+                                   "zero_optimization": {"stage": 1}}))  # fmt: skip
+    cases.append((["--ds_config", str(bad_cfg)], "train_micro_batch_size_per_gpu = 4 but --batch-size 8"))
+    for extra, message in cases:
+        out = tmp_path / "bad"
+        rc, log = run([sys.executable, "train.py", *common(tiny, out), *extra], timeout=120)
+        assert rc == 2 and message in log, (extra, log[-2000:])
+        assert "DeepSpeed" not in log and not (out / "metrics.jsonl").exists()  # nothing started
