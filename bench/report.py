@@ -139,6 +139,15 @@ def _steps_section(path: Path, doc: dict[str, Any], out_dir: Path) -> list[str]:
         lines.append("")
     kinds = sorted({str(r.get("peak_kind")) for r in doc["records"]})
     lines += [f"Peak memory: {', '.join(kinds)}.", ""]
+    loads = [r["load_average"] for r in doc["records"] if r.get("load_average") is not None]
+    if loads:
+        threads = sorted({r.get("torch_threads") for r in doc["records"] if r.get("torch_threads")})
+        lines += [
+            f"Machine load (1-minute load average at the end of each configuration): {min(loads):.1f} to "
+            f"{max(loads):.1f}; torch threads: {', '.join(map(str, threads)) or 'unknown'}. A load above the "
+            "core count means other processes shared the cores: compare ratios, not absolute times.",
+            "",
+        ]
     chart = out_dir / f"steps_{doc.get('device_type', 'device')}_{_slug(doc.get('device', ''))}.png"
     _steps_chart(doc, chart)
     lines += [f"![training steps]({chart.name})", ""]
@@ -156,9 +165,11 @@ def _steps_chart(doc: dict[str, Any], path: Path) -> None:
     variants = [v for v in VARIANT_LABELS if any(x["variant"] == v for g in groups for x in g["variants"])]
     width = 0.8 / max(1, len(variants))
     labels = [f"{g['key']['precision']} T={g['key']['num_tasks']}" for g in groups]
-    for row, (field, scale, ylabel) in enumerate(
-        (("median_s", 1e3, "step time (ms)"), ("peak_bytes", 1 / 2**20, "peak memory (MiB)"))
-    ):
+    panels = (
+        ("median_s", 1e3, "step time (ms, log scale)", "{:,.0f}", True),
+        ("peak_bytes", 1 / 2**20, "peak memory (MiB)", "{:,.0f}", False),
+    )
+    for row, (field, scale, ylabel, fmt, log) in enumerate(panels):
         ax = axes[row][0]
         for i, name in enumerate(variants):
             xs, ys = [], []
@@ -167,15 +178,21 @@ def _steps_chart(doc: dict[str, Any], path: Path) -> None:
                     if v["variant"] == name and v[field] is not None:
                         xs.append(gi + (i - (len(variants) - 1) / 2) * width)
                         ys.append(v[field] * scale)
-            ax.bar(xs, ys, width=width, label=VARIANT_LABELS[name])
+            color = f"C{list(VARIANT_LABELS).index(name)}"
+            bars = ax.bar(xs, ys, width=width, label=VARIANT_LABELS[name], color=color)
+            ax.bar_label(bars, labels=[fmt.format(y) for y in ys], fontsize=6, padding=1)
+        if log:
+            ax.set_yscale("log")
         ax.set_xticks(range(len(groups)), labels)
+        ax.set_xlim(-0.5, len(groups) - 0.5)
         ax.set_ylabel(ylabel)
         ax.grid(axis="y", alpha=0.3)
     axes[0][0].set_title(
         f"Training step, {groups[0]['key']['model'] if groups else ''} — {doc.get('device', '')}"
     )
-    axes[0][0].legend(fontsize=7, ncol=2)
-    fig.tight_layout()
+    handles, names = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="lower center", ncol=2, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -263,7 +280,8 @@ def _memory_chart(doc: dict[str, Any], path: Path) -> None:
             if res.get("batch") is not None:
                 xs.append(k + (i - (len(caps) - 1) / 2) * width)
                 ys.append(res["batch"])
-        ax.bar(xs, ys, width=width, label=cap)
+        bars = ax.bar(xs, ys, width=width, label=cap)
+        ax.bar_label(bars, fontsize=6, padding=1)
     ax.set_xticks(
         range(len(entries)),
         [f"{e['variant']}\nT={e['num_tasks']}" for e in entries],
