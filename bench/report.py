@@ -115,7 +115,7 @@ def _steps_section(path: Path, doc: dict[str, Any], out_dir: Path) -> list[str]:
     }
     for group in doc["side_by_side"]["groups"]:
         key = group["key"]
-        lines += [f"**{group['title']}**", ""]
+        lines += [f"**{group['title']}** (times: {group.get('timing', 'each configuration alone')})", ""]
         lines += [
             "| configuration | PAL path | step (ms) | examples/s | peak memory (MiB) | time vs BERT | memory vs BERT |",
             "|---|---|---:|---:|---:|---:|---:|",

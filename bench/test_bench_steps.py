@@ -15,9 +15,12 @@ Each test builds its configuration, runs one warm-up step while measuring peak m
 ``torch.cuda.max_memory_allocated``, absolute, over the warm-up and the timed rounds; CPU: the growth of the
 process's peak resident set over its resident set before the model was built, during the warm-up step, which
 allocates the optimizer state), then ``benchmark.pedantic`` times the steps (``FASTPALS_BENCH_ROUNDS``, default
-3 on CPU, 10 on CUDA). Every step's wall time (device synchronised) goes into the session's records; the
-session's terminal summary and, with ``FASTPALS_BENCH_WRITE=1``, ``bench/results/steps_<device>_*.json`` put
-each variant beside plain BERT and the fused/fastpals variants beside their references (``bench/conftest.py``).
+1 on CPU, 10 on CUDA). Then ``test_side_by_side_interleaved`` runs the group's configurations round robin
+(``FASTPALS_BENCH_INTERLEAVED_ROUNDS``, default 3 on CPU, 10 on CUDA; 0 turns it off), so that the time ratios
+do not depend on how busy the machine was when each configuration ran. The session's terminal summary and, with
+``FASTPALS_BENCH_WRITE=1``, ``bench/results/steps_<device>_*.json`` put each variant beside plain BERT and the
+fused/fastpals variants beside their references (``bench/conftest.py``): times are the interleaved medians when
+the group has them, else each configuration's own median; peak memory comes from each configuration's own test.
 """
 
 from __future__ import annotations
@@ -36,9 +39,16 @@ DEVICE = "cuda" if HAS_CUDA else "cpu"
 TASK_COUNTS = (3, 8)
 CPU_SHAPE = {"model": "minilm-l6", "batch": 16, "length": 32}
 CUDA_SHAPE = {"model": "bert-base", "batch": 32, "length": 128}
-ROUNDS = int(os.environ.get("FASTPALS_BENCH_ROUNDS", "10" if HAS_CUDA else "3"))
-if ROUNDS < 1:
-    raise ValueError(f"FASTPALS_BENCH_ROUNDS must be >= 1, got {ROUNDS}")
+ROUNDS = int(os.environ.get("FASTPALS_BENCH_ROUNDS", "10" if HAS_CUDA else "1"))
+INTERLEAVED_ROUNDS = int(os.environ.get("FASTPALS_BENCH_INTERLEAVED_ROUNDS", "10" if HAS_CUDA else "3"))
+if ROUNDS < 1 or INTERLEAVED_ROUNDS < 0:
+    raise ValueError(
+        f"FASTPALS_BENCH_ROUNDS must be >= 1 and FASTPALS_BENCH_INTERLEAVED_ROUNDS >= 0, got {ROUNDS}, "
+        f"{INTERLEAVED_ROUNDS}"
+    )
+
+# the steps of the group being measured, kept alive for its interleaved side-by-side test
+_LIVE: dict[tuple[str, int], dict[str, TrainingStep]] = {}
 
 
 def _precisions() -> tuple[str, ...]:
@@ -73,6 +83,19 @@ def _cases() -> list:
     return cases
 
 
+def _groups() -> list:
+    return [
+        pytest.param(
+            precision,
+            tasks,
+            id=f"{precision}-T{tasks}",
+            marks=[pytest.mark.slow] if tasks > 3 and not HAS_CUDA else [],
+        )
+        for precision in _precisions()
+        for tasks in TASK_COUNTS
+    ]
+
+
 def _release() -> None:
     gc.collect()
     if HAS_CUDA:
@@ -98,6 +121,7 @@ def test_train_step(benchmark, step_records, warm_process, precision, num_tasks,
     _release()
     cpu_ok, cpu_reason = cpu_peak_supported() if not HAS_CUDA else (False, "")
     rss_before = cpu_rss_bytes() if cpu_ok else None
+    cuda_before = torch.cuda.memory_allocated() if HAS_CUDA else 0
     step = TrainingStep(cfg)
     timer = StepTimer(step, DEVICE)
     process_peak = None
@@ -105,7 +129,7 @@ def test_train_step(benchmark, step_records, warm_process, precision, num_tasks,
         with CudaPeakMemory(DEVICE) as mem:
             step()  # warm-up: optimizer state, autotuning, first-use allocations
             benchmark.pedantic(timer, rounds=ROUNDS, iterations=1, warmup_rounds=0)
-        peak = mem.peak_bytes
+        peak = mem.peak_bytes - cuda_before  # other live configurations excluded
         peak_kind = "cuda_max_memory_allocated"
     elif cpu_ok:
         with CpuPeakMemory() as mem:
@@ -140,9 +164,55 @@ def test_train_step(benchmark, step_records, warm_process, precision, num_tasks,
         {k: record[k] for k in ("peak_bytes", "peak_kind", "pal_path", "skipped_steps")}
     )
     step_records.append(record)
+    if INTERLEAVED_ROUNDS:
+        _LIVE.setdefault((precision, num_tasks), {})[variant] = step
     del step, timer
     _release()
     assert median > 0
     # fp16 may skip a step on an overflow; fp32/bf16 steps on random data must all be finite
     if precision != "fp16":
         assert record["skipped_steps"] == 0, f"{variant}: surgery skipped steps on non-finite gradients"
+
+
+@pytest.mark.train_step
+@pytest.mark.parametrize(("precision", "num_tasks"), _groups())
+def test_side_by_side_interleaved(benchmark, interleaved_records, precision, num_tasks):
+    """Time ratios robust to machine-load drift: the group's configurations (built by ``test_train_step``, which
+    ``bench/conftest.py`` orders just before this test) run round robin, one step each per round, the order
+    rotated every round; the medians per configuration go into the session's side-by-side ratios."""
+    steps = _LIVE.pop((precision, num_tasks), {})
+    try:
+        if INTERLEAVED_ROUNDS == 0:
+            pytest.skip("FASTPALS_BENCH_INTERLEAVED_ROUNDS=0")
+        if len(steps) < 2:
+            pytest.skip("needs at least two configurations of this group measured in the same session")
+        timers = {name: StepTimer(step, DEVICE) for name, step in steps.items()}
+        names = list(timers)
+        rounds_done = []
+
+        def one_round():
+            k = len(rounds_done) % len(names)
+            for name in names[k:] + names[:k]:
+                timers[name]()
+            rounds_done.append(k)
+
+        benchmark.group = f"train-step interleaved {precision} T={num_tasks}"
+        benchmark.pedantic(one_round, rounds=INTERLEAVED_ROUNDS, iterations=1, warmup_rounds=0)
+        shape = CUDA_SHAPE if HAS_CUDA else CPU_SHAPE
+        entry = {
+            "model": shape["model"],
+            "device_type": torch.device(DEVICE).type,
+            "precision": precision,
+            "num_tasks": num_tasks,
+            "batch": shape["batch"],
+            "length": shape["length"],
+            "rounds": len(rounds_done),
+            "medians_s": {name: t.median(warmup=0) for name, t in timers.items()},
+            "times_s": {name: t.measured(0) for name, t in timers.items()},
+            "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        }
+        benchmark.extra_info["medians_s"] = entry["medians_s"]
+        interleaved_records.append(entry)
+    finally:
+        del steps
+        _release()

@@ -295,9 +295,11 @@ class TrainingStep:
 # ----------------------------------------------------------------------------------------------------------------
 
 RATIO_METHOD = (
-    "ratios of medians (time) and of peaks (memory) of records measured in the same pytest session on the same "
-    "machine, one configuration after another; memory: torch.cuda.max_memory_allocated on CUDA, growth of the "
-    "process's peak resident set over its resident set before the model was built on CPU"
+    "time: median step time per configuration over rounds in which all configurations of a group run round robin "
+    "(order rotated each round) in one process, when the group was interleaved, else the configuration's own "
+    "median; memory: peak of each configuration's own test (torch.cuda.max_memory_allocated above what was "
+    "allocated before the model was built, on CUDA; growth of the process's peak resident set over its resident "
+    "set before the model was built, on CPU); ratios of these, all from the same pytest session"
 )
 
 GROUP_KEYS = ("model", "device_type", "precision", "num_tasks", "batch", "length")
@@ -316,15 +318,26 @@ def group_title(key: dict[str, Any]) -> str:
     )
 
 
-def side_by_side(records: list[dict[str, Any]]) -> dict[str, Any]:
+def side_by_side(
+    records: list[dict[str, Any]], interleaved: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
     """Group step records by :data:`GROUP_KEYS`; per group, every variant's time and peak against ``bert`` and
-    the ratios of :data:`PAIRS` present. Returns ``{"groups": [{"key", "title", "variants", "pairs"}]}``."""
+    the ratios of :data:`PAIRS` present. A group's time is its ``interleaved`` median (entries with the same
+    :data:`GROUP_KEYS` and ``medians_s``) when given, else the record's own ``median_s``.
+    Returns ``{"groups": [{"key", "title", "timing", "variants", "pairs"}]}``."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in records:
         groups.setdefault(tuple(r[k] for k in GROUP_KEYS), []).append(r)
+    paired = {tuple(e[k] for k in GROUP_KEYS): e for e in interleaved or []}
     out = []
     for key_values, recs in groups.items():
-        by_variant = {r["variant"]: r for r in recs}
+        inter = paired.get(key_values)
+        by_variant = {}
+        for r in recs:
+            r = dict(r)
+            if inter is not None and r["variant"] in inter["medians_s"]:
+                r["median_s"] = inter["medians_s"][r["variant"]]
+            by_variant[r["variant"]] = r
         base = by_variant.get(BASELINE)
         variants = []
         for name in VARIANTS:
@@ -353,5 +366,8 @@ def side_by_side(records: list[dict[str, Any]]) -> dict[str, Any]:
                     }
                 )
         key = dict(zip(GROUP_KEYS, key_values))
-        out.append({"key": key, "title": group_title(key), "variants": variants, "pairs": pairs})
+        timing = f"interleaved, {inter['rounds']} rounds" if inter is not None else "each configuration alone"
+        out.append(
+            {"key": key, "title": group_title(key), "timing": timing, "variants": variants, "pairs": pairs}
+        )
     return {"groups": out}

@@ -108,6 +108,31 @@ def test_side_by_side_ratios():
     assert groups[1]["variants"][1]["time_vs_bert"] == pytest.approx(2.0)
 
 
+def test_side_by_side_prefers_interleaved_times():
+    inter = [
+        {
+            "model": "minilm-l6",
+            "device_type": "cpu",
+            "precision": "fp32",
+            "num_tasks": 3,
+            "batch": 16,
+            "length": 32,
+            "rounds": 3,
+            "medians_s": {"bert": 1.0, "pal_pcgrad_reference": 5.0, "pal_pcgrad_fastpals": 1.5},
+        }
+    ]
+    groups = side_by_side(RECORDS, inter)["groups"]
+    assert (
+        groups[0]["timing"] == "interleaved, 3 rounds" and groups[1]["timing"] == "each configuration alone"
+    )
+    g3 = {v["variant"]: v for v in groups[0]["variants"]}
+    assert g3["pal_pcgrad_reference"]["time_vs_bert"] == pytest.approx(5.0)
+    assert g3["pal_reference"]["median_s"] == pytest.approx(0.6)  # not in the interleaved run: its own median
+    pairs = {(p["numerator"], p["denominator"]): p for p in groups[0]["pairs"]}
+    assert pairs[("pal_pcgrad_fastpals", "pal_pcgrad_reference")]["time_ratio"] == pytest.approx(0.3)
+    assert RECORDS[0]["median_s"] == 0.5  # the records themselves are left alone
+
+
 def test_report_tables_and_charts(tmp_path):
     _write(tmp_path / "steps_cpu_1.json", _steps_doc())
     _write(
@@ -261,8 +286,12 @@ def test_bench_suites_collect_for_ci():
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     ids = [ln for ln in out.stdout.splitlines() if "test_bench_steps.py::" in ln]
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    expected = 2 * 6 * (2 if device == "cuda" else 1)
-    assert len(ids) == expected, ids
-    if device == "cpu":
+    precisions = 2 if torch.cuda.is_available() else 1
+    assert len(ids) == precisions * 2 * 7, (
+        ids
+    )  # per precision and T: 6 configurations, then the interleaved test
+    for i in range(0, len(ids), 7):  # each group's configurations run just before its interleaved comparison
+        assert all("test_train_step[" in x for x in ids[i : i + 6]) and "interleaved[" in ids[i + 6]
+    if not torch.cuda.is_available():
+        assert ids[6] == "bench/test_bench_steps.py::test_side_by_side_interleaved[fp32-T3]"
         assert "bench/test_bench_steps.py::test_train_step[fp32-T8-pal_pcgrad_reference]" in ids
