@@ -117,6 +117,12 @@ def warm_process():
 @pytest.mark.parametrize(("precision", "num_tasks", "variant"), _cases())
 def test_train_step(benchmark, step_records, warm_process, precision, num_tasks, variant):
     shape = CUDA_SHAPE if HAS_CUDA else CPU_SHAPE
+    if variant == "pal_fused":
+        from fastpals.kernels import available
+
+        ok, reason = available()
+        if not ok:
+            pytest.skip(f"the fused PAL cannot run: {reason}")
     cfg = StepConfig(variant, num_tasks, precision=precision, device=DEVICE, **shape)
     _release()
     cpu_ok, cpu_reason = cpu_peak_supported() if not HAS_CUDA else (False, "")
