@@ -130,6 +130,7 @@ def test_train_step(benchmark, step_records, warm_process, precision, num_tasks,
     cuda_before = torch.cuda.memory_allocated() if HAS_CUDA else 0
     step = TrainingStep(cfg)
     timer = StepTimer(step, DEVICE)
+    benchmark.group = f"train-step {cfg.model} {precision} T={num_tasks}"
     process_peak = None
     if HAS_CUDA:
         with CudaPeakMemory(DEVICE) as mem:
@@ -165,7 +166,6 @@ def test_train_step(benchmark, step_records, warm_process, precision, num_tasks,
         "torch_threads": torch.get_num_threads(),
         "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
     }
-    benchmark.group = f"train-step {cfg.model} {precision} T={num_tasks}"
     benchmark.extra_info.update(
         {k: record[k] for k in ("peak_bytes", "peak_kind", "pal_path", "skipped_steps")}
     )
