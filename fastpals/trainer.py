@@ -249,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-eval",
         type=int,
         default=None,
-        help="use at most N dev examples per task (the first N in file order) for quick runs",
+        help="use at most N dev examples per task (a fixed random subset, the same in every run) for quick runs",
     )
     a("--max-train", type=int, default=None, help="use at most N training examples per task (quick runs)")
     a("--max-predict", type=int, default=None, help="predict at most N test examples per task (quick runs)")
@@ -540,7 +540,13 @@ def set_single_process_env() -> None:
         os.environ["MASTER_PORT"] = str(_free_port())
 
 
-def _load_split(task: str, split: str, data_dir: Path, limit: int | None, log: Any) -> list:
+def _load_split(
+    task: str, split: str, data_dir: Path, limit: int | None, log: Any, sample: bool = False
+) -> list:
+    """The examples of one split; with ``limit``: the first ``limit`` (``sample=False``) or a fixed random subset
+    of ``limit`` kept in file order (``sample=True``: numpy seed 0, independent of ``--seed``, so that capped dev
+    sets are representative and the same for every run; the dev files are not shuffled, e.g. SST's first rows
+    are mostly positive)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", DataWarning)
         examples = load_task(task, split, data_dir, strict=False)
@@ -549,7 +555,12 @@ def _load_split(task: str, split: str, data_dir: Path, limit: int | None, log: A
             log(f"[data] {task}/{split}: {w.message}")
         else:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    return examples[:limit] if limit else examples
+    if not limit or limit >= len(examples):
+        return examples
+    if sample:
+        keep = np.sort(np.random.default_rng(0).choice(len(examples), size=limit, replace=False))
+        return [examples[i] for i in keep]
+    return examples[:limit]
 
 
 def _rng_state() -> dict[str, Any]:
@@ -653,7 +664,7 @@ class Trainer:
                 shard, self.tokenizer, t, args.batch_size, max_length=args.max_length, shuffle=True,
                 seed=args.seed * 1000 + i, pair_encoding=pair_enc[t],
             )  # fmt: skip
-            dev = _load_split(t, "dev", args.data_path, args.max_eval, self.log)
+            dev = _load_split(t, "dev", args.data_path, args.max_eval, self.log, sample=True)
             self.dev_batchers[t] = TaskBatcher(
                 dev, self.tokenizer, t, max(args.batch_size, 64), max_length=args.max_length, shuffle=False,
                 bucket_by_length=False, pair_encoding=pair_enc[t],

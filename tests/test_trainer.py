@@ -239,3 +239,18 @@ def test_pcgrad_update_under_deepspeed(tiny, tmp_path):
         capture_output=True, text=True, env=env, timeout=300, cwd=ROOT,
     )  # fmt: skip
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_capped_dev_sets_are_a_fixed_random_subset(tiny):
+    from fastpals.data import load_task
+    from fastpals.trainer import _load_split
+
+    data, _ = tiny
+    full = load_task("sst", "dev", data)
+    a = _load_split("sst", "dev", data, 10, print, sample=True)
+    b = _load_split("sst", "dev", data, 10, print, sample=True)
+    assert [e.id for e in a] == [e.id for e in b] and len(a) == 10
+    positions = [full.index(e) for e in a]
+    assert positions == sorted(positions) and positions != list(range(10))  # file order kept, not the head
+    assert _load_split("sst", "dev", data, 10, print) == full[:10]
+    assert _load_split("sst", "dev", data, 10**6, print, sample=True) == full
