@@ -19,6 +19,7 @@ __all__ = ["combine", "combine_reference"]
 
 _OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _REFERENCE_CHUNK = 1 << 20
+_IN_PLACE_CHUNK = 1 << 14
 _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -82,12 +83,19 @@ def _check(buf: torch.Tensor, weights: object, out: object) -> None:
 def combine_reference(
     buf: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, in_place: bool = False
 ) -> torch.Tensor:
-    """PyTorch reference of :func:`combine`: fp32 ``w @ buf`` (through a ``[P]`` temporary when ``out`` is a row
-    of ``buf``, ``in_place``); bf16/fp16 up-cast in chunks of 2^20 columns, each computed before it is stored."""
+    """PyTorch reference of :func:`combine`: fp32 ``w @ buf`` (in chunks of 2^14 columns through a small
+    temporary when ``out`` is a row of ``buf``, ``in_place``); bf16/fp16 up-cast in chunks of 2^20 columns, each
+    computed in full before it is stored."""
     w = weights.float()
     if buf.dtype == torch.float32 and out.dtype == torch.float32:
-        if in_place:  # a [P] temporary: the update is formed after the backward, when activations are freed
-            out.copy_(torch.mv(buf.T, w))
+        if in_place:  # cache-sized column chunks through a small temporary (no [P] allocation)
+            tmp = torch.empty(min(_IN_PLACE_CHUNK, out.numel()), dtype=torch.float32, device=out.device)
+            for chunk, dst in zip(
+                torch.split(buf, _IN_PLACE_CHUNK, dim=1), torch.split(out, _IN_PLACE_CHUNK)
+            ):
+                part = tmp[: dst.numel()]
+                torch.mv(chunk.T, w, out=part)
+                dst.copy_(part)
         else:
             torch.mv(buf.T, w, out=out)
         return out

@@ -74,9 +74,9 @@ def test_combine_float64_weights_and_default_out(triton_mode):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_combine_over_a_row_of_the_buffer(monkeypatch, mode, dtype):
     monkeypatch.setenv("FASTPALS_KERNELS", mode)
-    buf = make_buf(5, 3001, dtype, seed=9).clone()
+    buf = make_buf(5, 40001, dtype, seed=9).clone()  # > the 2^14-column chunks of the reference path
     w = torch.randn(5, generator=torch.Generator().manual_seed(2))
-    expected = combine_reference(buf.clone(), w, torch.empty(3001, dtype=dtype))
+    expected = combine_reference(buf.clone(), w, torch.empty(40001, dtype=dtype))
     got = combine(buf, w, out_row=4)
     assert got.data_ptr() == buf[4].data_ptr()
     assert torch.equal(got, expected)

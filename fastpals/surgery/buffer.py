@@ -15,9 +15,7 @@ Usage from any training loop (one forward + backward per task, the graph freed e
 Memory: the ``[T, P]`` buffer (``P`` = number of shared parameter elements, ``dtype`` float32 or bfloat16),
 i.e. plain multi-task training plus at most ``T * P * bytes(dtype)``. When the buffer has the gradients' dtype,
 the update is written over the buffer's last row and the shared parameters' ``.grad`` are views of that row
-(valid until the next ``capture``; the Triton kernel writes in place, the CPU path goes through a transient
-``[P]`` temporary, formed after the backwards when the activations are freed); otherwise into one flat ``[P]``
-tensor of ``grad_dtype``, reused every step. Time: one copy of the shared gradients per task, one pass of
+(valid until the next ``capture``); otherwise into one flat ``[P]`` tensor of ``grad_dtype``, reused every step. Time: one copy of the shared gradients per task, one pass of
 the Gram kernel and one of the combine kernel over the buffer, and one device-to-host sync (the finite check).
 
 Task-specific parameters (a task's PAL slice, its head) are not in the buffer: their gradients accumulate
