@@ -61,14 +61,18 @@ def check_task_ids(task_ids: object, num_tasks: int, batch: int, device: torch.d
     if task_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
         raise TypeError(f"task_ids must have an integer dtype, got {task_ids.dtype}")
     if task_ids.dim() != 1 or task_ids.shape[0] != batch:
-        raise ValueError(f"task_ids must have shape [{batch}] (one task per example), got {list(task_ids.shape)}")
+        raise ValueError(
+            f"task_ids must have shape [{batch}] (one task per example), got {list(task_ids.shape)}"
+        )
     if task_ids.device != device:
         raise ValueError(f"task_ids is on {task_ids.device} but the inputs are on {device}")
     if batch > 0:
         lo, hi = int(task_ids.min()), int(task_ids.max())
         if lo < 0 or hi >= num_tasks:
             bad = lo if lo < 0 else hi
-            raise ValueError(f"task_ids contains {bad}, outside [0, {num_tasks}) for a model with {num_tasks} tasks")
+            raise ValueError(
+                f"task_ids contains {bad}, outside [0, {num_tasks}) for a model with {num_tasks} tasks"
+            )
     return task_ids.long()
 
 
