@@ -4,7 +4,8 @@ Configurations (see ``bench/training.py``): plain multi-task BERT, BERT + PAL (P
 CUDA), BERT + PAL + PCGrad (Pytorch-PCGrad-style reference; fastpals buffer path), BERT + PAL + GEM (fastpals),
 for T = 3 and T = 8 tasks.
 
-- CPU (CI): all-MiniLM-L6-v2 (pretrained), fp32, batch 16 x 32 tokens; the fused PAL is skipped (CUDA only).
+- CPU (CI): all-MiniLM-L6-v2 (pretrained), fp32, batch 16 x 32 tokens, one torch thread (``FASTPALS_BENCH_THREADS``);
+  the fused PAL is skipped (CUDA only).
   The T = 8 cases are marked ``slow`` on CPU (eight backward passes and surgery over all 22.7M weights take tens
   of seconds per step there): CI runs ``-m "not slow"``, a full CPU run includes them.
 - CUDA: BERT-base shapes with random weights, batch 32 x 128 tokens, mixed precision ``bf16`` and ``fp16``
@@ -100,6 +101,23 @@ def _release() -> None:
     gc.collect()
     if HAS_CUDA:
         torch.cuda.empty_cache()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu_threads():
+    """CPU: ``FASTPALS_BENCH_THREADS`` torch threads (default 1) for this module, restored afterwards. One
+    thread keeps step times stable on shared machines (OpenMP teams slow down many-fold when other processes
+    take their cores); the count is recorded with every result."""
+    if HAS_CUDA:
+        yield
+        return
+    old = torch.get_num_threads()
+    threads = int(os.environ.get("FASTPALS_BENCH_THREADS", "1"))
+    if threads < 1:
+        raise ValueError(f"FASTPALS_BENCH_THREADS must be >= 1, got {threads}")
+    torch.set_num_threads(threads)
+    yield
+    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")
