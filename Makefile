@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 export FASTPALS_DATA_DIR ?= $(abspath ../shared/data)
 
-.PHONY: setup train test lint bench clean
+.PHONY: setup train test lint bench report clean
 
 $(VENV)/.installed: pyproject.toml setup.py
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -24,9 +24,13 @@ lint: setup
 
 test: lint
 	$(BIN)/python -m pytest -q tests
+	FASTPALS_BENCH_INTERLEAVED_ROUNDS=1 $(BIN)/python -m pytest -q bench --benchmark-only -m "not slow" -p no:cacheprovider
 
 bench: setup
 	$(BIN)/python -m pytest bench/ --benchmark-only
+
+report: setup
+	$(BIN)/python -m bench.report
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info runs
