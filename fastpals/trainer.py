@@ -17,12 +17,15 @@ draws as tasks), DeepSpeed's accumulation is 1, and after each task batch's back
 combined gradient ``sum_t w_t g_t`` is written back before ``engine.step()``, which clips it (clipping after
 surgery). Task-specific parameters (PALs, heads) keep their own task's gradient.
 
-Gradients under DeepSpeed 0.19.8 (measured on this package's CPU set-up, one rank): the buffer reads gradients
-with ``deepspeed.utils.safe_get_full_grad`` and writes them with ``safe_set_full_grad`` for every ZeRO stage
-(0, 1, 2); under ZeRO-1/2 these are the fp32 gradients of the optimizer's partitions (the bf16/fp16 module's
-``p.grad`` is not where the reduced gradient lives), so the buffer's combined gradient is fp32. ZeRO-3 is
-refused. On CPU only bf16 trains (fp16 needs CUDA) and bf16 with ZeRO-0 falls back to DeepSpeed's
-``FP16_UnfusedOptimizer``, so the CPU config uses ZeRO-1 (fp32 master weights in the optimizer).
+Gradients under DeepSpeed 0.19.8: the buffer reads gradients with ``deepspeed.utils.safe_get_full_grad`` and
+writes them with ``safe_set_full_grad`` (a zero tensor where the buffer clears one). Checked on CPU, one rank:
+ZeRO-0 fp32 (``safe_*`` fall through to ``p.grad``) and ZeRO-1 bf16, where they are the fp32 gradients of the
+optimizer's partitions (the bf16 module's ``p.grad`` is not where the reduced gradient lives), so the buffer and
+its combined gradient are fp32 (tests: ``test_pcgrad_update_under_deepspeed``, ``test_surgery_runs``). ZeRO-2
+uses the same calls (not run here: no GPU). ZeRO-3 is refused. On CPU fp16 is refused (it needs CUDA), and bf16
+with ZeRO-0 falls back to DeepSpeed's ``FP16_UnfusedOptimizer`` (no fp32 master weights) and is refused too, so
+``configs/cpu_bf16.json`` uses ZeRO-1. ``configs/cpu_fp32.json`` (ZeRO-0, fp32) is about 3x faster per step on
+CPUs without bf16 matrix instructions.
 
 Non-finite losses: the loss of every micro-batch is checked; a NaN/inf loss stops training before its backward
 with :class:`NonFiniteLossError` naming the update step, the task and the value, after a ``"nonfinite"`` record
