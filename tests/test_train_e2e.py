@@ -140,17 +140,28 @@ def test_kill_and_resume_equals_uninterrupted(tiny, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "surgery, sampling", [("pcgrad", "random_round_robin"), ("gem", "every_task_plus_annealed")]
-)
-def test_surgery_runs(tiny, tmp_path, surgery, sampling):
+    "surgery, sampling, extra",
+    [
+        ("pcgrad", "random_round_robin", ["--optimizer", "sgd", "--head", "mlp", "--eval-every", "1"]),
+        ("gem", "every_task_plus_annealed",
+         ["--optimizer", "rmsprop", "--freeze-bert", "--pal", "gate", "--pair-mode", "sbert_cosine"]),
+    ],
+)  # fmt: skip
+def test_surgery_runs(tiny, tmp_path, surgery, sampling, extra):
     out = tmp_path / surgery
     rc, log = run([sys.executable, "train.py", "--ds_config", "configs/cpu_fp32.json",
                    *common(tiny, out, "--surgery", surgery, "--sampling", sampling, "--epochs", "1",
-                           "--steps-per-epoch", "2", "--lr", "1e-3")])  # fmt: skip
+                           "--steps-per-epoch", "2", "--lr", "1e-3", *extra)])  # fmt: skip
     assert rc == 0, log[-4000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r["type"] == "step"]
     assert len(steps) == 2 and all(set(r["loss"]) == {"sst", "para", "sts"} for r in steps)
+    evals = [r["step"] for r in records if r["type"] == "eval"]
+    assert evals == ([1, 2] if "--eval-every" in extra else [2])
+    config = json.loads((out / "best" / "fastpals_config.json").read_text())
+    if "--freeze-bert" in extra:
+        assert [t["pair_mode"] for t in config["tasks"]] == ["joint", "sbert_concat", "sbert_cosine"]
+        assert config["pal"]["gate"] is True
 
 
 def test_nan_loss_is_reported_and_stops(tiny, tmp_path):
