@@ -62,7 +62,7 @@ from torch import nn
 
 from fastpals.functional import check_task_ids
 from fastpals.model import BertModel as MiniBert
-from fastpals.model import PALConfig, PALLayer, PALProjections, _Layout, _make_layout
+from fastpals.model import PALConfig, PALLayer, PALProjections, _Layout, _make_layout, state_dict_mismatches
 
 __all__ = [
     "TARGETS",
@@ -780,13 +780,7 @@ def load_pals(model: nn.Module, folder: str | os.PathLike, load_trained_base: bo
             )
     tensors = load_file(str(weights_path))
     own_state = pal_state_dict(model)
-    problems = [f"missing in {WEIGHTS_NAME}: {k}" for k in sorted(set(own_state) - set(tensors))]
-    problems += [f"not in the model: {k}" for k in sorted(set(tensors) - set(own_state))]
-    problems += [
-        f"{k}: saved {list(v.shape)}, model {list(own_state[k].shape)}"
-        for k, v in tensors.items()
-        if k in own_state and v.shape != own_state[k].shape
-    ]
+    problems = state_dict_mismatches(own_state, tensors)
     if problems:
         raise ValueError(f"load_pals: cannot load {folder}:\n  " + "\n  ".join(problems))
     base_names = meta.get("trained_base_parameters", {})

@@ -36,6 +36,7 @@ __all__ = [
     "LoadReport",
     "PALConfig",
     "load_bert_state_dict",
+    "state_dict_mismatches",
 ]
 
 
@@ -690,6 +691,19 @@ def normalize_key(key: str) -> str:
             if rest.startswith(old + "."):
                 return f"encoder.layer.{idx}.{new}{rest[len(old) :]}"
     return key
+
+
+def state_dict_mismatches(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor]) -> list[str]:
+    """Human-readable differences between a model's tensors (``expected``) and a checkpoint's (``found``):
+    names missing from the checkpoint, names the model lacks, and shape mismatches. Empty when they agree."""
+    problems = [f"missing in checkpoint: {k}" for k in sorted(set(expected) - set(found))]
+    problems += [f"not in the model: {k}" for k in sorted(set(found) - set(expected))]
+    problems += [
+        f"{k}: saved {list(v.shape)}, model {list(expected[k].shape)}"
+        for k, v in found.items()
+        if k in expected and v.shape != expected[k].shape
+    ]
+    return problems
 
 
 @dataclass

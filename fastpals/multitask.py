@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastpals.model import BertConfig, BertModel, PALConfig, _is_task_param
+from fastpals.model import BertConfig, BertModel, PALConfig, _is_task_param, state_dict_mismatches
 
 __all__ = [
     "TASKS",
@@ -387,13 +387,7 @@ def _load_checked(model: nn.Module, state: dict[str, torch.Tensor], folder: Path
     own = model.state_dict()
     if subset:
         own = {k: v for k, v in own.items() if k.startswith("heads.") or _is_task_param(k)}
-    problems = [f"missing in checkpoint: {k}" for k in sorted(set(own) - set(state))]
-    problems += [f"unexpected in checkpoint: {k}" for k in sorted(set(state) - set(own))]
-    problems += [
-        f"{k}: checkpoint {list(v.shape)} vs model {list(own[k].shape)}"
-        for k, v in state.items()
-        if k in own and v.shape != own[k].shape
-    ]
+    problems = state_dict_mismatches(own, state)
     if problems:
         raise ValueError(f"cannot load {folder}:\n  " + "\n  ".join(problems))
     model.load_state_dict(state, strict=not subset)
