@@ -753,6 +753,9 @@ class Trainer:
             self.surgery_buffer = TaskGradientBuffer(
                 shared, len(args.task_list), torch.float32, task_params=specific,
                 grad_getter=safe_get_full_grad, grad_setter=setter, grad_dtype=torch.float32,
+                # ZeRO-1/2 backwards replace the reduced gradients instead of adding to them (measured with
+                # DeepSpeed 0.19.8), so each task's head/PAL gradients are taken out at capture time too.
+                capture_task_params=self.zero_stage >= 1,
             )  # fmt: skip
             self.surgery_generator = torch.Generator().manual_seed(args.seed)
 
