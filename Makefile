@@ -16,7 +16,9 @@ $(VENV)/.installed: pyproject.toml setup.py
 setup: $(VENV)/.installed
 
 train: setup
-	$(BIN)/python train.py --ds_config configs/cpu_bf16.json --out runs/default
+	$(BIN)/python train.py --ds_config configs/cpu_bf16.json --out runs/default --epochs 1 --steps-per-epoch 60 \
+		--batch-size 16 --max-length 64 --max-eval 200 --max-predict 200 --eval-at-start \
+		--lr 1e-4 --pal-lr 1e-3 --head-lr 2e-3
 
 lint: setup
 	$(BIN)/ruff check .
