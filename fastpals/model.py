@@ -16,6 +16,8 @@ Shapes: ``B`` batch, ``L`` padded length, ``N`` packed tokens, ``d`` hidden size
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib.util
 import json
 import os
 import warnings
@@ -274,13 +276,31 @@ class BertSelfAttention(nn.Module):
         if self.task_embedding is not None:
             vec = layout.per_row(self.task_embedding.index_select(0, layout.task_ids))  # [B,1,3,d] or [N,3,d]
             q, k, v = q + vec[..., 0, :], k + vec[..., 1, :], v + vec[..., 2, :]
+        dropout = self.dropout_p if self.training else 0.0
+        if layout.packed and _flash_varlen_ok(q):
+            from flash_attn import flash_attn_varlen_func
+
+            shape = (q.shape[0], self.num_heads, self.head_dim)
+            ctx = flash_attn_varlen_func(
+                q.view(shape), k.view(shape), v.view(shape), layout.cu_seqlens, layout.cu_seqlens,
+                layout.max_seqlen, layout.max_seqlen, dropout_p=dropout,
+            )  # fmt: skip
+            return ctx.reshape(q.shape)
         q, k, v = (layout.to_padded(t) for t in (q, k, v))
         b, n, d = q.shape
         q, k, v = (t.view(b, n, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        ctx = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=layout.sdpa_mask, dropout_p=self.dropout_p if self.training else 0.0
-        )
+        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.sdpa_mask, dropout_p=dropout)
         return layout.to_rows(ctx.transpose(1, 2).reshape(b, n, d))
+
+
+def _flash_varlen_ok(q: torch.Tensor) -> bool:
+    """flash-attn's varlen kernel serves the packed path when installed, on CUDA, in fp16/bf16."""
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _flash_attn_installed()
+
+
+@functools.cache
+def _flash_attn_installed() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
 
 
 class BertSelfOutput(nn.Module):

@@ -1,6 +1,7 @@
 """minBERT against HF transformers' BertModel (the reference nobody here wrote)."""
 
 import csv
+import importlib.util
 import os
 
 import pytest
@@ -169,3 +170,51 @@ def test_bad_inputs_are_errors(ours_minilm):
         ours_minilm(torch.zeros(1, 600, dtype=torch.long))
     with pytest.raises(ValueError, match="right-padded"):
         ours_minilm(torch.ones(1, 4, dtype=torch.long), torch.tensor([[0, 1, 1, 1]]), unpad=True)
+
+
+def test_packed_path_uses_flash_attn_varlen_when_available(monkeypatch, ours_minilm):
+    """The wiring of flash-attn's varlen kernel, checked on CPU with a stand-in module computing the reference."""
+    import sys
+    import types
+
+    import fastpals.model as model_mod
+    from fastpals.functional import attention_varlen_reference
+
+    calls = []
+
+    def fake_varlen(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0):
+        calls.append((cu_q.tolist(), max_q, dropout_p))
+        assert cu_q is cu_k and max_q == max_k and q.dim() == 3
+        return attention_varlen_reference(q, k, v, cu_q, max_q)
+
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=fake_varlen))
+    monkeypatch.setattr(model_mod, "_flash_varlen_ok", lambda q: True)
+    ids = torch.randint(1000, 5000, (3, 9))
+    mask = torch.ones_like(ids)
+    mask[1, 4:] = 0
+    mask[2, 7:] = 0
+    with torch.no_grad():
+        flash = ours_minilm(ids, mask, unpad=True).last_hidden_state
+    assert len(calls) == ours_minilm.config.num_hidden_layers
+    assert calls[0] == ([0, 9, 13, 20], 9, 0.0)
+    monkeypatch.setattr(model_mod, "_flash_varlen_ok", lambda q: False)
+    with torch.no_grad():
+        sdpa = ours_minilm(ids, mask).last_hidden_state
+    assert (flash - sdpa)[mask.bool()].abs().max() <= 1e-5
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or importlib.util.find_spec("flash_attn") is None,
+    reason="needs a CUDA GPU and flash-attn",
+)
+def test_flash_attn_varlen_matches_sdpa_on_gpu(ours_minilm):
+    import copy
+
+    model = copy.deepcopy(ours_minilm).cuda().to(torch.bfloat16)
+    ids = torch.randint(1000, 5000, (4, 33), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, 20:] = 0
+    with torch.no_grad():
+        packed = model(ids, mask, unpad=True).last_hidden_state.float()
+        padded = model(ids, mask).last_hidden_state.float()
+    assert (packed - padded)[mask.bool()].abs().max() <= 3e-2
