@@ -1110,9 +1110,10 @@ class Trainer:
         from fastpals.metrics import write_predictions
         from fastpals.plots import plot_confusion_matrices, plot_training_curves
 
+        untrained = [{"step": 0, "dev": self.untrained}] if self.untrained else []
         plot_training_curves(
             self.step_losses,
-            self.evals,
+            untrained + list(self.evals),
             self.out / "training_curves.png",
             title=f"{self.args.pal} / {self.args.sampling} / {self.args.surgery}",
         )
