@@ -1,8 +1,8 @@
 """The multi-task model: a (PAL-)BERT encoder, one head per task, losses, predictions, save and load.
 
-Tasks are declared with :class:`TaskSpec` (kind, single sentence or pair, head, pooling, loss, metric), so
-users can add tasks beyond SST / Quora / STS. A batch may mix tasks: ``task_ids [B]`` says which task each
-example belongs to, every example goes through its own task's PALs and head in one call.
+Tasks are declared with :class:`fastpals.tasks.TaskSpec` (kind, single sentence or pair, head, pooling, loss,
+files, metric), so users can add tasks beyond SST / Quora / STS. A batch may mix tasks: ``task_ids [B]`` says
+which task each example belongs to, every example goes through its own task's PALs and head in one call.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastpals.model import BertConfig, BertModel, PALConfig, _is_task_param, state_dict_mismatches
+from fastpals.tasks import TASKS, TaskSpec, get_task
 
 __all__ = [
     "TASKS",
@@ -29,95 +30,6 @@ __all__ = [
     "count_parameters",
     "get_task",
 ]
-
-KINDS = ("classification", "binary", "regression")
-PAIR_MODES = ("joint", "sbert_cosine", "sbert_concat")
-HEADS = ("linear", "mlp")
-POOLINGS = ("cls", "mean", "max")
-LOSSES = {"classification": ("ce",), "binary": ("bce",), "regression": ("mse", "cosine")}
-
-
-@dataclass
-class TaskSpec:
-    """One task.
-
-    - ``kind``: ``classification`` (``num_labels``-way cross-entropy), ``binary`` (one logit, BCE) or
-      ``regression`` (one value trained on ``label / label_scale``; predictions clipped to [0, 1] and scaled
-      back, as in Bert-n-Pals' STS).
-    - ``pair``/``pair_mode``: pair tasks as a joint cross-encoder (``[CLS] a [SEP] b [SEP]``), as SBERT with
-      cosine similarity (regression only: the cosine is the prediction in [0, 1] units of the label range), or as
-      SBERT with concatenation ``(u, v, |u - v|)`` into the head.
-    - ``head``: ``linear`` (dropout + Linear) or ``mlp`` (Linear, GELU, dropout, Linear); ``pooling``: ``cls``
-      (BERT's pooler on [CLS]), ``mean`` or ``max`` over tokens.
-    - ``loss``: ``ce`` / ``bce`` / ``mse``, or ``cosine`` for regression (CoSENT: a ranking loss on the
-      predicted scores' pairwise order within the batch).
-    - ``data``: the name :func:`fastpals.data.load_task` knows the task's files by (defaults to ``name``).
-    """
-
-    name: str
-    kind: str
-    num_labels: int = 1
-    pair: bool = False
-    pair_mode: str = "joint"
-    head: str = "linear"
-    pooling: str = "cls"
-    loss: str | None = None
-    label_scale: float = 1.0
-    data: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"task {self.name!r}: kind={self.kind!r}, choose one of {KINDS}")
-        if self.kind == "classification" and self.num_labels < 2:
-            raise ValueError(f"task {self.name!r}: classification needs num_labels >= 2")
-        if self.kind != "classification":
-            self.num_labels = 1
-        if self.loss is None:
-            self.loss = LOSSES[self.kind][0]
-        if self.loss not in LOSSES[self.kind]:
-            raise ValueError(
-                f"task {self.name!r}: loss={self.loss!r} not valid for {self.kind} ({LOSSES[self.kind]})"
-            )
-        if self.pair_mode not in PAIR_MODES:
-            raise ValueError(f"task {self.name!r}: pair_mode={self.pair_mode!r}, choose one of {PAIR_MODES}")
-        if self.pair_mode != "joint" and not self.pair:
-            raise ValueError(f"task {self.name!r}: pair_mode={self.pair_mode!r} needs pair=True")
-        if self.pair_mode == "sbert_cosine" and self.kind != "regression":
-            raise ValueError(f"task {self.name!r}: sbert_cosine is for regression tasks")
-        if self.head not in HEADS:
-            raise ValueError(f"task {self.name!r}: head={self.head!r}, choose one of {HEADS}")
-        if self.pooling not in POOLINGS:
-            raise ValueError(f"task {self.name!r}: pooling={self.pooling!r}, choose one of {POOLINGS}")
-        if self.label_scale <= 0:
-            raise ValueError(f"task {self.name!r}: label_scale must be > 0")
-
-    @property
-    def metric(self) -> str:
-        return "pearson" if self.kind == "regression" else "accuracy"
-
-    @property
-    def siamese(self) -> bool:
-        return self.pair and self.pair_mode != "joint"
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-TASKS: dict[str, TaskSpec] = {
-    "sst": TaskSpec("sst", "classification", num_labels=5),
-    "para": TaskSpec("para", "binary", pair=True),
-    "sts": TaskSpec("sts", "regression", pair=True, label_scale=5.0),
-    "cfimdb": TaskSpec("cfimdb", "binary"),
-}
-
-
-def get_task(task: str | TaskSpec) -> TaskSpec:
-    """A built-in task by name (``sst``, ``para``, ``sts``, ``cfimdb``) or a :class:`TaskSpec` as is."""
-    if isinstance(task, TaskSpec):
-        return task
-    if task not in TASKS:
-        raise ValueError(f"unknown task {task!r}: built-in tasks are {sorted(TASKS)} (or pass a TaskSpec)")
-    return dataclasses.replace(TASKS[task])
 
 
 @dataclass
