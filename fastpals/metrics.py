@@ -1,33 +1,47 @@
 """Evaluation metrics of the CS224N multi-task setting, prediction files, and confusion-matrix plots.
 
-* ``accuracy``: share of exact matches (SST, Quora, CFIMDB).
+* ``accuracy``: share of exact matches (SST, Quora, CFIMDB, every classification and binary task).
 * ``pearson``: Pearson correlation over the whole set in float64 (STS), not averaged over batches.
-* ``overall_score``: the CS224N leaderboard score ``(sst_acc + para_acc + (sts_r + 1) / 2) / 3``.
+* ``spearman``: Spearman rank correlation (Pearson of the average ranks, ties sharing their mean rank).
+* ``task_metrics``: the metrics of one task by its kind: ``{"accuracy"}``, or ``{"pearson", "spearman"}``.
+* ``overall``: the score of any mix of tasks: the mean over tasks of ``unit_score``, which is the accuracy of a
+  classification or binary task and ``(r + 1) / 2`` of a regression task's Pearson ``r`` (NaN ``r``, from
+  constant predictions, counts as 0). For ``sst, para, sts`` it is the CS224N leaderboard score
+  ``overall_score`` = ``(sst_acc + para_acc + (sts_r + 1) / 2) / 3``.
 * ``confusion_matrix`` / ``plot_confusion_matrix``: counts (rows = true class, columns = predicted) and a PNG.
 * ``bin_sts``: STS scores to 11 classes 0, 0.5, ..., 5 (class ``k`` is the score ``k / 2``) for a confusion matrix.
 * ``write_predictions`` / ``read_predictions``: the CS224N starter's prediction files: a header line
-  ``id \\t Predicted_<Name> `` then one ``<id> , <prediction> `` line per example.
+  ``id \\t Predicted_<Name> `` then one ``<id> , <prediction> `` line per example. User tasks get the header
+  ``Predicted_<Label column>`` (``prediction_header``).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import re
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
+
+from fastpals.tasks import TaskSpec, get_task
 
 __all__ = [
     "PREDICTION_HEADERS",
     "accuracy",
     "bin_sts",
     "confusion_matrix",
+    "overall",
     "overall_score",
     "pearson",
     "plot_confusion_matrix",
+    "prediction_header",
     "read_predictions",
+    "spearman",
+    "task_metrics",
+    "unit_score",
     "write_predictions",
 ]
 
@@ -88,6 +102,82 @@ def pearson(x: Sequence[float], y: Sequence[float]) -> float:
     return float(np.clip(np.dot(da, db) / norm, -1.0, 1.0))
 
 
+def _average_ranks(values: np.ndarray) -> np.ndarray:
+    order = np.argsort(values, kind="stable")
+    ordered = values[order]
+    new_group = np.concatenate([[True], ordered[1:] != ordered[:-1]])
+    starts = np.flatnonzero(new_group)
+    sizes = np.diff(np.concatenate([starts, [values.size]]))
+    mean_rank = starts + (sizes - 1) / 2.0 + 1.0  # 1-based ranks, ties get the mean of their positions
+    ranks = np.empty(values.size, dtype=np.float64)
+    ranks[order] = np.repeat(mean_rank, sizes)
+    return ranks
+
+
+def spearman(x: Sequence[float], y: Sequence[float]) -> float:
+    """Spearman rank correlation of two 1-D samples of length ``N >= 2``: Pearson of the average ranks (tied
+    values share the mean of their ranks), in float64. NaN with a ``RuntimeWarning`` when either is constant."""
+    a, b = _pair(x, y, np.float64)
+    if a.size < 2:
+        raise ValueError(f"spearman needs at least 2 pairs, got {a.size}")
+    if not (np.isfinite(a).all() and np.isfinite(b).all()):
+        raise ValueError("spearman got non-finite values (NaN or inf)")
+    ranks_a, ranks_b = _average_ranks(a), _average_ranks(b)
+    if np.all(ranks_a == ranks_a[0]) or np.all(ranks_b == ranks_b[0]):
+        warnings.warn(
+            "spearman: one input is constant, the correlation is undefined (NaN)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return math.nan
+    return pearson(ranks_a, ranks_b)
+
+
+def task_metrics(task: str | TaskSpec, y_true: Sequence, y_pred: Sequence) -> dict[str, float]:
+    """The metrics of one task, by its kind: ``{"accuracy": a}`` (classification, binary: ``y_pred`` class
+    indices or 0/1) or ``{"pearson": r, "spearman": rho}`` (regression; NaN when the predictions are constant,
+    without a warning). ``task.metric`` names the primary one. 1-D inputs of equal length ``N >= 1`` (2 for
+    regression)."""
+    spec = get_task(task)
+    if spec.kind == "regression":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            return {"pearson": pearson(y_true, y_pred), "spearman": spearman(y_true, y_pred)}
+    true, pred = _pair(y_true, y_pred, np.float64)
+    return {"accuracy": accuracy(np.rint(true).astype(np.int64), np.rint(pred).astype(np.int64))}
+
+
+def unit_score(task: str | TaskSpec, value: float) -> float:
+    """One task's share of ``overall``, in [0, 1]: its accuracy, or ``(r + 1) / 2`` of a regression task's
+    Pearson ``r`` (NaN counts as ``r = 0``, i.e. 0.5)."""
+    spec = get_task(task)
+    if spec.kind == "regression":
+        value = 0.0 if math.isnan(value) else float(value)
+        if not -1.0 <= value <= 1.0:
+            raise ValueError(f"task {spec.name!r}: Pearson r must be in [-1, 1], got {value!r}")
+        return (value + 1.0) / 2.0
+    if not 0.0 <= value <= 1.0:  # also rejects NaN
+        raise ValueError(f"task {spec.name!r}: accuracy must be in [0, 1], got {value!r}")
+    return float(value)
+
+
+def overall(scores: Mapping[str, float], tasks: Iterable[str | TaskSpec] | None = None) -> float:
+    """The overall dev score of any mix of tasks: the mean of ``unit_score`` over the tasks in ``scores``.
+
+    Args:
+        scores: ``{task name: primary metric}`` (accuracy, or Pearson r for regression); an ``"overall"`` key
+            is ignored.
+        tasks: the specs (or built-in names) the names in ``scores`` refer to; built-in names need none.
+
+    For ``{"sst", "para", "sts"}`` this equals ``overall_score`` (the CS224N leaderboard score).
+    """
+    specs = {spec.name: spec for spec in (get_task(t) for t in (tasks or ()))}
+    parts = [unit_score(specs.get(name, name), value) for name, value in scores.items() if name != "overall"]
+    if not parts:
+        raise ValueError("scores holds no task")
+    return float(sum(parts) / len(parts))
+
+
 def overall_score(sst_acc: float, para_acc: float, sts_pearson: float) -> float:
     """CS224N overall score ``(sst_acc + para_acc + (sts_pearson + 1) / 2) / 3``; accuracies in [0, 1], r in [-1, 1]."""
     for name, value, low in (
@@ -139,20 +229,37 @@ def _format_prediction(value: object) -> str:
     raise TypeError(f"predictions must be ints or floats, got {type(value).__name__}")
 
 
-def write_predictions(path: str | os.PathLike, ids: Sequence[str], predictions: Sequence, task: str) -> Path:
+def prediction_header(task: str | TaskSpec) -> str:
+    """The prediction-file column of a task: the CS224N name of a built-in task (``PREDICTION_HEADERS``),
+    else ``Predicted_<Label column>`` (e.g. ``Predicted_Label``; other characters than letters, digits and
+    ``_`` become ``_``)."""
+    if isinstance(task, str) and task in PREDICTION_HEADERS:
+        return PREDICTION_HEADERS[task]
+    spec = get_task(task)
+    if spec.name in PREDICTION_HEADERS and spec.source is None:
+        return PREDICTION_HEADERS[spec.name]
+    column = spec.label_column or spec.name
+    return "Predicted_" + re.sub(r"\W", "_", column[:1].upper() + column[1:])
+
+
+def write_predictions(
+    path: str | os.PathLike, ids: Sequence[str], predictions: Sequence, task: str | TaskSpec
+) -> Path:
     """Write a CS224N prediction file: ``id \\t Predicted_<Name> `` then ``<id> , <prediction> `` per example.
 
     Args:
         path: output file (its folder is created).
         ids: example ids (str, no comma, tab or newline).
         predictions: one int (class) or float (score) per id; numpy arrays and torch tensors work too.
-        task: ``sst``, ``cfimdb``, ``para`` or ``sts`` (picks the header).
+        task: a built-in name (``sst``, ``cfimdb``, ``para``, ``sts``) or any ``TaskSpec`` (a task file's);
+            picks the header (``prediction_header``).
 
     Returns:
         The path written.
     """
-    if task not in PREDICTION_HEADERS:
-        raise ValueError(f"task must be one of {', '.join(PREDICTION_HEADERS)}, got {task!r}")
+    if isinstance(task, str) and task not in PREDICTION_HEADERS:
+        raise ValueError(f"task must be one of {', '.join(PREDICTION_HEADERS)} or a TaskSpec, got {task!r}")
+    header = prediction_header(task)
     if hasattr(predictions, "detach"):
         predictions = predictions.detach().cpu().numpy()
     if isinstance(predictions, np.ndarray):
@@ -163,7 +270,7 @@ def write_predictions(path: str | os.PathLike, ids: Sequence[str], predictions: 
     predictions = list(predictions)
     if len(ids) != len(predictions):
         raise ValueError(f"ids has {len(ids)} entries but predictions has {len(predictions)}")
-    lines = [f"id \t {PREDICTION_HEADERS[task]} \n"]
+    lines = [f"id \t {header} \n"]
     for example_id, value in zip(ids, predictions):
         if not isinstance(example_id, str) or not example_id or any(ch in example_id for ch in ",\t\n\r"):
             raise ValueError(f"id {example_id!r} must be a non-empty str without comma, tab or newline")

@@ -11,12 +11,18 @@ from fastpals.metrics import (
     accuracy,
     bin_sts,
     confusion_matrix,
+    overall,
     overall_score,
     pearson,
     plot_confusion_matrix,
+    prediction_header,
     read_predictions,
+    spearman,
+    task_metrics,
+    unit_score,
     write_predictions,
 )
+from fastpals.tasks import TaskSpec
 
 scipy_stats = pytest.importorskip("scipy.stats")
 
@@ -152,3 +158,67 @@ def test_plot_confusion_matrix_png(tmp_path):
         plot_confusion_matrix(cm, tmp_path / "bad.png", ["a", "b"])
     with pytest.raises(ValueError, match="square"):
         plot_confusion_matrix(np.zeros((2, 3), dtype=np.int64), tmp_path / "bad.png")
+
+
+# ---------------------------------------------------------------- Spearman, per-kind metrics, overall
+
+
+@pytest.mark.parametrize("n", [2, 3, 50, 5_000])
+def test_spearman_matches_scipy(n):
+    rng = np.random.default_rng(100 + n)
+    x = rng.normal(size=n)
+    y = np.exp(x) + rng.normal(size=n)
+    assert spearman(x, y) == pytest.approx(scipy_stats.spearmanr(x, y)[0], abs=1e-12)
+
+
+def test_spearman_ties_match_scipy():
+    rng = np.random.default_rng(7)
+    x = rng.integers(0, 6, size=300).astype(float) / 2  # STS-like labels: many ties
+    y = x + rng.integers(0, 3, size=300)
+    assert spearman(x, y) == pytest.approx(scipy_stats.spearmanr(x, y)[0], abs=1e-12)
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 1000]) == pytest.approx(1.0)  # monotone, not linear
+    with pytest.warns(RuntimeWarning, match="constant"):
+        assert math.isnan(spearman([1, 1, 1], [1, 2, 3]))
+    with pytest.raises(ValueError, match="at least 2"):
+        spearman([1.0], [2.0])
+
+
+def test_task_metrics_follow_the_kind():
+    reg = TaskSpec("rating", "regression", label_range=(1, 10))
+    true, pred = [1.0, 4.0, 2.5, 9.0], [2.0, 3.0, 3.5, 7.0]
+    got = task_metrics(reg, true, pred)
+    assert set(got) == {"pearson", "spearman"} and reg.metric == "pearson"
+    assert got["pearson"] == pytest.approx(scipy_stats.pearsonr(true, pred)[0], abs=1e-12)
+    assert got["spearman"] == pytest.approx(scipy_stats.spearmanr(true, pred)[0], abs=1e-12)
+    assert math.isnan(task_metrics(reg, true, [1.0] * 4)["pearson"])  # constant: NaN, no warning raised
+    assert task_metrics("sst", [0, 4, 2], np.array([0.0, 4.0, 1.0])) == {"accuracy": pytest.approx(2 / 3)}
+    assert task_metrics(TaskSpec("spam", "binary"), [1, 0], [1, 1]) == {"accuracy": 0.5}
+
+
+def test_overall_general_rule_and_cs224n_special_case():
+    assert overall({"sst": 0.5, "para": 0.8, "sts": 0.6, "overall": 9.0}) == pytest.approx(
+        overall_score(0.5, 0.8, 0.6)
+    )
+    imdb = TaskSpec("imdb", "classification", num_labels=2)
+    rating = TaskSpec("rating", "regression")
+    scores = {"sst": 0.5, "imdb": 0.9, "rating": -0.2}
+    assert overall(scores, [imdb, rating]) == pytest.approx((0.5 + 0.9 + 0.4) / 3)
+    assert overall({"rating": math.nan}, [rating]) == 0.5  # NaN r (constant predictions) counts as r = 0
+    assert unit_score("sts", 1.0) == 1.0 and unit_score("para", 0.25) == 0.25
+    with pytest.raises(ValueError, match="unknown task 'imdb'"):
+        overall(scores)  # a user task needs its spec
+    with pytest.raises(ValueError, match="accuracy must be in"):
+        overall({"imdb": 1.5}, [imdb])
+    with pytest.raises(ValueError, match="no task"):
+        overall({"overall": 0.3})
+
+
+def test_prediction_files_for_user_tasks(tmp_path):
+    spec = TaskSpec("imdb", "binary", columns={"text": "review", "label": "is positive"}, source="imdb.json")
+    assert prediction_header(spec) == "Predicted_Is_positive"
+    assert prediction_header("sst") == "Predicted_Sentiment"
+    path = write_predictions(tmp_path / "imdb-test-output.csv", ["r1", "line7"], np.array([1, 0]), spec)
+    assert read_predictions(path) == ("Predicted_Is_positive", {"r1": "1", "line7": "0"})
+    reg = TaskSpec("rating", "regression", columns={"text": "t", "label": "score"})
+    path = write_predictions(tmp_path / "r.csv", ["a"], np.array([7.5]), reg)
+    assert path.read_text(encoding="utf-8") == "id \t Predicted_Score \na , 7.5 \n"
