@@ -370,12 +370,12 @@ class _DelimitedText:
                     if line != open_line:
                         reason = (
                             f"field {column} opens with a quote that closes only on line {line + 1}, followed by "
-                            f"{text[pos : pos + 12]!r} instead of a separator or the line end: unclosed quote? "
+                            f"{self._snippet(pos, line)!r} instead of a separator or the line end: unclosed quote? "
                             f'(inside a quoted field write a quote as "")'
                         )
                     else:
                         reason = (
-                            f"field {column}: text {text[pos : pos + 12]!r} follows the closing quote (a field "
+                            f"field {column}: text {self._snippet(pos, line)!r} follows the closing quote (a field "
                             f'that starts with a quote must end with one; write a quote inside it as "")'
                         )
                     return self._problem(k, fields, "unclosed quote", open_line, reason)
@@ -400,6 +400,9 @@ class _DelimitedText:
                 return _Row(k + 1, fields, line + 1, multiline)
             fields.append(text[pos:cut])
             pos = cut + 1
+
+    def _snippet(self, pos: int, line: int) -> str:
+        return self.text[pos : min(pos + 20, self.ends[line])].split(self.delimiter)[0]
 
     def _problem(self, k: int, fields: list[str], kind: str, open_line: int, reason: str) -> _Row:
         return _Row(k + 1, fields, open_line + 1, [], kind, reason, open_line + 1, open_line + 1)

@@ -19,10 +19,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fastpals.data import TASK_FORMATS, PairExample, SentenceExample, TaskBatcher
+from fastpals.data import PairExample, SentenceExample, TaskBatcher
 from fastpals.multitask import MultiTaskBert
+from fastpals.tasks import TaskSpec
 
-__all__ = ["build_parser", "load_for_prediction", "main", "predict_examples"]
+__all__ = ["build_parser", "describe_predictions", "load_for_prediction", "main", "predict_examples"]
 
 
 def load_for_prediction(model_dir: str | Path) -> tuple[MultiTaskBert, object, dict]:
@@ -50,14 +51,16 @@ def predict_examples(
     examples: list,
     max_length: int = 128,
     batch_size: int = 64,
-) -> tuple[list[str], np.ndarray]:
-    """Predictions for ``examples`` of ``task`` in order: ``(ids, float64 [N])`` (class index, 0/1, or the STS
-    score in [0, 5])."""
+    return_logits: bool = False,
+) -> tuple[list[str], np.ndarray] | tuple[list[str], np.ndarray, np.ndarray]:
+    """Predictions for ``examples`` of ``task`` in order: ``(ids, float64 [N])`` (class index, 0/1, or the
+    regression score in the task's label range); with ``return_logits`` also the task's logits, float32
+    ``[N, num_labels]`` (see ``describe_predictions``)."""
     index = model.task_index(task)
     spec = model.tasks[index]
     encoding = "separate" if spec.siamese else "joint"
     batcher = TaskBatcher(
-        examples, tokenizer, task, batch_size, max_length=max_length, shuffle=False, bucket_by_length=False,
+        examples, tokenizer, spec, batch_size, max_length=max_length, shuffle=False, bucket_by_length=False,
         pair_encoding=encoding,
     )  # fmt: skip
     keys = (
@@ -68,13 +71,37 @@ def predict_examples(
         "attention_mask_b",
         "token_type_ids_b",
     )
-    ids, preds = [], []
+    ids, preds, logits = [], [], []
     for batch in batcher:
         inputs = {k: batch[k] for k in keys if k in batch}
         inputs["task_ids"] = torch.full((batch["input_ids"].shape[0],), index, dtype=torch.long)
-        preds.append(model.predict(model(**inputs)).double().numpy())
+        output = model(**inputs)
+        preds.append(model.predict(output).double().numpy())
+        logits.append(output.logits[:, : spec.num_labels].float().numpy())
         ids.extend(batch["ids"])
+    if return_logits:
+        return ids, np.concatenate(preds), np.concatenate(logits)
     return ids, np.concatenate(preds)
+
+
+def describe_predictions(spec: TaskSpec, logits: np.ndarray) -> list[tuple[str, float]]:
+    """``(label, value)`` per example from a task's logits ``[N, num_labels]`` (float): the predicted class's
+    name (``spec.label_names``, else its index) and its probability (softmax; sigmoid for binary tasks), or, for
+    regression, the score as text and the score."""
+    logits = np.asarray(logits, dtype=np.float64)
+    if spec.kind == "classification":
+        shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
+        probs = shifted / shifted.sum(axis=1, keepdims=True)
+        best = probs.argmax(axis=1)
+        return [(spec.label_name(int(k)), float(p[k])) for k, p in zip(best, probs)]
+    if spec.kind == "binary":
+        positive = 1.0 / (1.0 + np.exp(-logits[:, 0]))
+        return [
+            (spec.label_name(1), float(p)) if p > 0.5 else (spec.label_name(0), float(1.0 - p))
+            for p in positive
+        ]
+    scores = np.clip(logits[:, 0], 0.0, 1.0) * spec.label_scale
+    return [(f"{s:.4g}", float(s)) for s in scores]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -110,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.task is None or args.task not in model.task_names:
             print(f"fastpals predict: error: --task must be one of {model.task_names}", file=sys.stderr)
             return 2
-        pair = TASK_FORMATS[model.tasks[model.task_index(args.task)].data or args.task].pair
+        spec = model.tasks[model.task_index(args.task)]
+        pair = spec.pair
         if pair and args.text or not pair and args.pair:
             need = "--pair A B" if pair else "--text"
             print(f"fastpals predict: error: task {args.task} takes {need}", file=sys.stderr)
@@ -119,21 +147,30 @@ def main(argv: list[str] | None = None) -> int:
             examples = [PairExample(f"cli{i}", a, b) for i, (a, b) in enumerate(args.pair)]
         else:
             examples = [SentenceExample(f"cli{i}", s) for i, s in enumerate(args.text)]
-        _, preds = predict_examples(model, tokenizer, args.task, examples, max_length)
-        for example, value in zip(examples, preds):
+        _, preds, logits = predict_examples(
+            model, tokenizer, args.task, examples, max_length, return_logits=True
+        )
+        described = describe_predictions(spec, logits)
+        # one line per input: task, prediction (class index or score), label name and probability (or the
+        # score's range), the input
+        for example, pred, (label, value) in zip(examples, preds, described):
             shown = example.sentence if not pair else f"{example.sentence1} ||| {example.sentence2}"
-            print(f"{args.task}\t{value:.4g}\t{shown}")
+            if spec.kind == "regression":
+                low, high = spec.label_range
+                print(f"{args.task}\t{pred:.4g}\tscore in [{low:g}, {high:g}]\t{shown}")
+            else:
+                print(f"{args.task}\t{pred:.4g}\t{label} (p = {value:.3f})\t{shown}")
         return 0
     out = Path(args.out) if args.out else Path(args.model_dir).resolve().parent / "predictions"
-    for task in model.task_names:
-        if "test" not in TASK_FORMATS[task].files:
+    for spec in model.tasks:
+        task = spec.name
+        if "test" not in spec.files:
             print(f"[predict] {task}: no test file in this data set, skipped", file=sys.stderr)
             continue
-        examples = load_task(task, "test", args.data_dir, strict=False)
+        examples = load_task(spec, "test", args.data_dir, strict=False)
         ids, preds = predict_examples(model, tokenizer, task, examples, max_length)
-        spec = model.tasks[model.task_index(task)]
         values = preds.astype(np.int64) if spec.metric == "accuracy" else preds
-        path = write_predictions(out / f"{task}-test-output.csv", ids, values, task)
+        path = write_predictions(out / f"{task}-test-output.csv", ids, values, spec)
         print(f"[predict] {task}: {len(ids)} predictions -> {path}", file=sys.stderr)
     return 0
 

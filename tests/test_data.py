@@ -260,6 +260,153 @@ def test_lenient_warning_lists_every_row(tmp_path, monkeypatch):
     assert "ids-sst-dev.csv:2: empty sentence" in message and "and 6 more" in message
 
 
+# ---------------------------------------------------------------- quotes, line ends, NUL, long fields
+
+
+def _sst_dev_with_quote(task_data_dir, tmp_path, line):
+    """A copy of ids-sst-dev.csv where a quote opens the sentence field of ``line`` (a user's stray quote)."""
+    lines = open(os.path.join(task_data_dir, "ids-sst-dev.csv"), encoding="utf-8").read().split("\n")
+    index, row_id, sentence, label = lines[line - 1].split("\t")
+    lines[line - 1] = "\t".join([index, row_id, '"' + sentence.lstrip(), label])
+    return write(tmp_path, "ids-sst-dev.csv", "\n".join(lines)), len(lines) - 1
+
+
+def test_unclosed_quote_near_the_end_of_sst_dev_is_named_and_costs_one_row(task_data_dir, tmp_path):
+    path, num_lines = _sst_dev_with_quote(task_data_dir, tmp_path, 804)
+    with open(path, newline="", encoding="utf-8") as handle:  # the issue: csv swallowed 298 lines as one row
+        assert len(list(csv.reader(handle, delimiter="\t"))) == 804
+    with pytest.raises(DataError, match=r"ids-sst-dev\.csv:804: field 3 opens with a quote that is never closed "
+                       r"\(it would swallow the 298 line\(s\) after it") as info:  # fmt: skip
+        load_task("sst", "dev", tmp_path)
+    assert info.value.line == 804 and num_lines == 1102
+    with pytest.warns(DataWarning, match=r"skipped 1 bad row\(s\), kept 1100 \(1 x unclosed quote\)"):
+        examples = load_task("sst", "dev", tmp_path, strict=False)
+    original = load_task("sst", "dev", task_data_dir)
+    assert examples == original[:802] + original[803:]  # every other row whole
+
+
+def test_unclosed_quote_early_in_sst_dev_is_no_field_limit_traceback(task_data_dir, tmp_path):
+    path, _ = _sst_dev_with_quote(task_data_dir, tmp_path, 5)
+    with open(path, newline="", encoding="utf-8") as handle:  # the issue's traceback, without file or line
+        with pytest.raises(csv.Error, match="field larger than field limit"):
+            list(csv.reader(handle, delimiter="\t"))
+    with pytest.raises(
+        DataError, match=r"ids-sst-dev\.csv:5: field 3 opens with a quote that is never closed"
+    ):
+        load_task("sst", "dev", tmp_path)
+    _, bad = read_task_file(path, "sst", labelled=True, strict=False)
+    examples, _ = read_task_file(path, "sst", labelled=True, strict=False)
+    assert [(b.line, b.kind) for b in bad] == [(5, "unclosed quote")] and len(examples) == 1100
+
+
+def test_unclosed_quote_in_a_file_with_quoted_fields(task_data_dir, tmp_path):
+    # cfimdb dev has quoted fields: the stray quote is closed by the next one, followed by text
+    lines = open(os.path.join(task_data_dir, "ids-cfimdb-dev.csv"), encoding="utf-8").read().split("\n")
+    line = next(i for i in range(9, 99) if not lines[i].split("\t")[2].startswith('"')) + 1
+    fields = lines[line - 1].split("\t")
+    fields[2] = '"' + fields[2]
+    lines[line - 1] = "\t".join(fields)
+    path = write(tmp_path, "ids-cfimdb-dev.csv", "\n".join(lines))
+    with pytest.raises(DataError, match=rf"ids-cfimdb-dev\.csv:{line}: field 3 opens with a quote that closes only on line "
+                       r"\d+, followed by .* instead of a separator or the line end: unclosed quote\?"):  # fmt: skip
+        read_task_file(path, "cfimdb", labelled=True)
+    examples, bad = read_task_file(path, "cfimdb", labelled=True, strict=False)
+    assert [(b.line, b.kind) for b in bad] == [(line, "unclosed quote")] and len(examples) == 245 - 1
+
+
+RUNAWAYS = [
+    # closes cleanly two lines on, making a row of the right width: caught by the tabs it swallowed
+    (
+        SST_HEADER + '0\ta1\t"open\t3\n1\ta2\tnext\t2\n2\ta3\tend"\t4\n3\ta4\tok\t1\n',
+        "\t",
+        2,
+        "holds whole rows",
+    ),
+    # closes cleanly on the next line, making a row of the wrong width
+    (SST_HEADER + '0\ta1\t"open\t3\n1\ta2\tx"\n3\ta4\tok\t1\n', "\t", 2, "making a row of 3 field"),
+    ('id,sentence,sentiment\na1,"open,3\na2,x"\na4,ok,1\n', ",", 2, "making a row of 2 field"),
+    (
+        SST_HEADER + '0\ta1\t"quoted" tail\t3\n1\ta4\tok\t1\n',
+        "\t",
+        2,
+        "text ' tail' follows the closing quote",
+    ),
+]
+
+
+@pytest.mark.parametrize(("content", "delimiter", "line", "reason"), RUNAWAYS)
+def test_quote_runaways_are_caught(tmp_path, content, delimiter, line, reason):
+    path = write(tmp_path, "q.csv", content)
+    fmt = "tsv" if delimiter == "\t" else "csv"
+    with pytest.raises(DataError, match=rf"q\.csv:{line}: .*{reason}"):
+        read_task_file(path, "sst", labelled=True, format=fmt)
+    examples, bad = read_task_file(path, "sst", labelled=True, strict=False, format=fmt)
+    assert [(b.line, b.kind) for b in bad][0] == (line, "unclosed quote")
+    assert examples[-1] == SentenceExample("a4", "ok", 1)  # reading went on after the quote's line
+
+
+def test_lenient_counts_every_lost_row_exactly(tmp_path):
+    rows = [f"{i}\tid{i}\tfine {i}\t{i % 5}" for i in range(40)]
+    rows[3] = '3\tid3\t"runaway\t1'  # closed by the quote on row 20: text follows it
+    rows[20] = '20\tid20\t"quoted" x\t1'  # a bad row of its own
+    rows[30] = "30\tid30\ttoo\tmany\t1"
+    rows[35] = '35\tid35\t"never closed\t1'
+    path = write(tmp_path, "lost.csv", SST_HEADER + "\n".join(rows) + "\n")
+    examples, bad = read_task_file(path, "sst", labelled=True, strict=False)
+    assert [(b.line, b.kind) for b in bad] == [
+        (5, "unclosed quote"), (22, "unclosed quote"), (32, "wrong number of fields"), (37, "unclosed quote"),
+    ]  # fmt: skip
+    assert len(examples) == 36 and len(examples) + len(bad) == 40
+
+
+def test_crlf_and_doubled_quotes_load_whole(task_data_dir, tmp_path):
+    original = open(os.path.join(task_data_dir, "sts-dev.csv"), encoding="utf-8").read()
+    assert original.count('""') > 0  # the real file has doubled quotes inside quoted fields
+    write(tmp_path, "sts-dev.csv", original.replace("\n", "\r\n"))
+    assert load_task("sts", "dev", tmp_path) == load_task("sts", "dev", task_data_dir)
+    content = (
+        'id,sentence,sentiment\r\nx1,"line one\r\nline ""two"", with a comma",1\r\nx2,"""quoted""",0\r\n'
+    )
+    examples, bad = read_task_file(write(tmp_path, "q.csv", content), "sst", labelled=True, format="csv")
+    assert examples == [
+        SentenceExample("x1", 'line one\r\nline "two", with a comma', 1),
+        SentenceExample("x2", '"quoted"', 0),
+    ] and not bad  # fmt: skip
+
+
+def test_nul_bytes_name_file_and_line(tmp_path):
+    path = write(tmp_path, "nul.csv", SST_HEADER + "0\ta1\tfine\t1\n1\ta2\tbro\x00ken\t2\n2\ta3\tok\t0\n")
+    with pytest.raises(DataError, match=r"nul\.csv:3: field 3 holds a NUL byte"):
+        read_task_file(path, "sst", labelled=True)
+    examples, bad = read_task_file(path, "sst", labelled=True, strict=False)
+    assert [ex.id for ex in examples] == ["a1", "a3"] and [(b.line, b.kind) for b in bad] == [(3, "NUL byte")]
+    with pytest.raises(DataError, match=r"head\.csv:1: header row holds a NUL byte"):
+        read_task_file(
+            write(tmp_path, "head.csv", "\tid\x00\tsentence\tsentiment\n0\ta\tb\t1\n"), "sst", True
+        )
+
+
+def test_over_long_fields_name_file_and_line(tmp_path):
+    long = "word " * 40_000  # 200,000 characters: over the csv module's 131,072 limit
+    path = write(tmp_path, "long.csv", SST_HEADER + f'0\ta1\tfine\t1\n1\ta2\t{long}\t2\n2\ta3\t"{long}"\t2\n')
+    with pytest.raises(
+        DataError, match=r"long\.csv:3: field 3 has 200000 characters, more than max_field_chars"
+    ):
+        read_task_file(path, "sst", labelled=True)
+    examples, bad = read_task_file(path, "sst", labelled=True, strict=False)
+    assert [ex.id for ex in examples] == ["a1"] and [(b.line, b.kind) for b in bad] == [
+        (3, "field too long"), (4, "field too long"),
+    ]  # fmt: skip
+    examples, bad = read_task_file(path, "sst", labelled=True, strict=False, max_field_chars=300_000)
+    assert len(examples) == 3 and not bad
+
+
+def test_ids_that_prediction_files_cannot_hold(tmp_path):
+    path = write(tmp_path, "ids.csv", SST_HEADER + "0\ta,1\tfine\t1\n")
+    with pytest.raises(DataError, match=r"ids\.csv:2: id 'a,1' holds a comma"):
+        read_task_file(path, "sst", labelled=True)
+
+
 # ---------------------------------------------------------------- batching
 
 
