@@ -9,6 +9,7 @@
   constant predictions, counts as 0). For ``sst, para, sts`` it is the CS224N leaderboard score
   ``overall_score`` = ``(sst_acc + para_acc + (sts_r + 1) / 2) / 3``.
 * ``confusion_matrix`` / ``plot_confusion_matrix``: counts (rows = true class, columns = predicted) and a PNG.
+* ``task_confusion_matrix``: the confusion matrix and class names of any task (regression scores binned).
 * ``bin_sts``: STS scores to 11 classes 0, 0.5, ..., 5 (class ``k`` is the score ``k / 2``) for a confusion matrix.
 * ``write_predictions`` / ``read_predictions``: the CS224N starter's prediction files: a header line
   ``id \\t Predicted_<Name> `` then one ``<id> , <prediction> `` line per example. User tasks get the header
@@ -40,6 +41,7 @@ __all__ = [
     "prediction_header",
     "read_predictions",
     "spearman",
+    "task_confusion_matrix",
     "task_metrics",
     "unit_score",
     "write_predictions",
@@ -215,6 +217,33 @@ def bin_sts(scores: Sequence[float]) -> np.ndarray:
     if not np.isfinite(values).all():
         raise ValueError("scores hold non-finite values (NaN or inf)")
     return np.floor(np.clip(values, 0.0, 5.0) * 2.0 + 0.5).astype(np.int64)
+
+
+def task_confusion_matrix(
+    task: str | TaskSpec, y_true: Sequence, y_pred: Sequence, steps: int = 10
+) -> tuple[np.ndarray, list[str]]:
+    """A confusion matrix of any task and its class names: ``(int64 (K, K), K names)``.
+
+    Classification and binary tasks: ``K`` = their classes, named by ``label_names`` (else ``0..K-1``).
+    Regression: labels and predictions clipped to ``label_range`` and rounded to ``steps + 1`` evenly spaced
+    values (halves round up), named by those values; for ``sts`` (range [0, 5], 10 steps) that is ``bin_sts``.
+    """
+    spec = get_task(task)
+    if spec.kind != "regression":
+        names = [spec.label_name(k) for k in range(spec.num_classes)]
+        true, pred = _pair(y_true, y_pred, np.float64)
+        return confusion_matrix(true, pred, spec.num_classes), names
+    low, high = spec.label_range
+    binned = []
+    for name, values in (("y_true", y_true), ("y_pred", y_pred)):
+        array = _as_1d(values, name, np.float64)
+        if not np.isfinite(array).all():
+            raise ValueError(f"{name} holds non-finite values (NaN or inf)")
+        binned.append(
+            np.floor((np.clip(array, low, high) - low) / (high - low) * steps + 0.5).astype(np.int64)
+        )
+    names = [f"{low + k * (high - low) / steps:g}" for k in range(steps + 1)]
+    return confusion_matrix(binned[0], binned[1], steps + 1), names
 
 
 def _format_prediction(value: object) -> str:

@@ -177,6 +177,9 @@ class TaskSpec:
             self.files = dict(builtin["files"])
             self.columns = dict(builtin["columns"])
             self.format = builtin["format"]
+            if self.label_names is None and builtin["label_names"] is not None and self.kind != "regression":
+                if len(builtin["label_names"]) == (self.num_labels if self.kind == "classification" else 2):
+                    self.label_names = list(builtin["label_names"])
         self.files = dict(self.files)
         self.columns = dict(self.columns)
         bad_splits = [split for split in self.files if split not in SPLITS]
@@ -460,11 +463,13 @@ class TaskSpec:
             raise TaskFileError(src, None, str(err)) from None
 
 
-def _builtin_format(files: dict[str, str], text: str, label: str, pair: bool) -> dict[str, Any]:
+def _builtin_format(
+    files: dict[str, str], text: str, label: str, pair: bool, label_names: list[str] | None = None
+) -> dict[str, Any]:
     columns = {"id": "id", "text": "sentence1" if pair else text, "label": label}
     if pair:
         columns["text_pair"] = "sentence2"
-    return {"files": files, "columns": columns, "format": "tsv", "pair": pair}
+    return {"files": files, "columns": columns, "format": "tsv", "pair": pair, "label_names": label_names}
 
 
 QUORA_FILE = "quora-dev.csv"
@@ -477,14 +482,22 @@ _BUILTIN_FORMATS: dict[str, dict[str, Any]] = {
         "sentence",
         "sentiment",
         False,
+        ["very negative", "negative", "neutral", "positive", "very positive"],
     ),
     "cfimdb": _builtin_format(
         {"train": "ids-cfimdb-train.csv", "dev": "ids-cfimdb-dev.csv", "test": "ids-cfimdb-test-student.csv"},
         "sentence",
         "sentiment",
         False,
+        ["negative", "positive"],
     ),
-    "para": _builtin_format({"train": QUORA_FILE, "dev": QUORA_FILE}, "sentence", "is_duplicate", True),
+    "para": _builtin_format(
+        {"train": QUORA_FILE, "dev": QUORA_FILE},
+        "sentence",
+        "is_duplicate",
+        True,
+        ["not paraphrase", "paraphrase"],
+    ),
     "sts": _builtin_format(
         {"train": "sts-train.csv", "dev": "sts-dev.csv", "test": "sts-test-student.csv"},
         "sentence",
@@ -494,15 +507,10 @@ _BUILTIN_FORMATS: dict[str, dict[str, Any]] = {
 }
 
 TASKS: dict[str, TaskSpec] = {
-    "sst": TaskSpec(
-        "sst",
-        "classification",
-        num_labels=5,
-        label_names=["very negative", "negative", "neutral", "positive", "very positive"],
-    ),
-    "para": TaskSpec("para", "binary", pair=True, label_names=["not paraphrase", "paraphrase"]),
+    "sst": TaskSpec("sst", "classification", num_labels=5),
+    "para": TaskSpec("para", "binary", pair=True),
     "sts": TaskSpec("sts", "regression", pair=True, label_scale=5.0),
-    "cfimdb": TaskSpec("cfimdb", "binary", label_names=["negative", "positive"]),
+    "cfimdb": TaskSpec("cfimdb", "binary"),
 }
 
 

@@ -18,6 +18,7 @@ from fastpals.metrics import (
     prediction_header,
     read_predictions,
     spearman,
+    task_confusion_matrix,
     task_metrics,
     unit_score,
     write_predictions,
@@ -222,3 +223,16 @@ def test_prediction_files_for_user_tasks(tmp_path):
     reg = TaskSpec("rating", "regression", columns={"text": "t", "label": "score"})
     path = write_predictions(tmp_path / "r.csv", ["a"], np.array([7.5]), reg)
     assert path.read_text(encoding="utf-8") == "id \t Predicted_Score \na , 7.5 \n"
+
+
+def test_task_confusion_matrix_any_kind():
+    rng = np.random.default_rng(3)
+    labels, preds = rng.uniform(-1, 6, size=200), rng.uniform(-1, 6, size=200)
+    matrix, names = task_confusion_matrix("sts", labels, preds)
+    np.testing.assert_array_equal(matrix, confusion_matrix(bin_sts(labels), bin_sts(preds), 11))
+    assert names == ["0", "0.5", "1", "1.5", "2", "2.5", "3", "3.5", "4", "4.5", "5"]
+    matrix, names = task_confusion_matrix("sst", [0, 4, 4], [0, 4, 3])
+    assert names[0] == "very negative" and matrix[4, 3] == 1 and matrix.sum() == 3
+    rating = TaskSpec("rating", "regression", label_range=(1, 3))
+    matrix, names = task_confusion_matrix(rating, [1.0, 3.0], [1.05, 2.0], steps=2)
+    assert names == ["1", "2", "3"] and matrix.tolist() == [[1, 0, 0], [0, 0, 0], [0, 1, 0]]

@@ -120,6 +120,7 @@ def test_one_registry_behind_every_old_name():
     assert TASKS["para"].files == {"train": "quora-dev.csv", "dev": "quora-dev.csv"}
     # a spec built by name alone (as older code and saved configs do) gets the built-in files
     assert TaskSpec("sts", "regression", pair=True, label_scale=5.0) == sts
+    assert TaskSpec("sst", "classification", num_labels=5) == sst and sst.label_name(4) == "very positive"
     assert get_task("sst") == sst and get_task("sst") is not sst
 
 
