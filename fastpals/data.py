@@ -231,9 +231,12 @@ def _parse_label(value: Any, spec: TaskSpec) -> tuple[int | float | None, str, s
     return number, "", ""
 
 
+# bytes that are not UTF-8 decode to lone surrogates U+DC80..U+DCFF under errors="surrogateescape"
+_BAD_UTF8 = re.compile("[\udc80-\udcff]")
+
+
 def _has_bad_utf8(text: str) -> bool:
-    # bytes that are not UTF-8 decode to lone surrogates U+DC80..U+DCFF under errors="surrogateescape"
-    return any("\udc80" <= ch <= "\udcff" for ch in text)
+    return _BAD_UTF8.search(text) is not None
 
 
 class _RowChecker:
@@ -451,6 +454,7 @@ def _read_delimited(
     separated = "tab-separated" if delimiter == "\t" else "comma-separated"
 
     checker = _RowChecker(spec, labelled)
+    bad_utf8, has_nul = _has_bad_utf8(text), "\x00" in text  # per-row checks only when the file needs them
     examples: list[Example] = []
     bad_rows: list[BadRow] = []
     k = head.next_line
@@ -480,9 +484,9 @@ def _read_delimited(
                 else f"field {field + 1} opens with a quote that closes only on line {close_line} and holds "
                 f"whole rows (tabs and line breaks)"
             ) + ': unclosed quote? (inside a quoted field write a quote as "")'
-        elif any(_has_bad_utf8(field) for field in row.fields):
+        elif bad_utf8 and any(_has_bad_utf8(field) for field in row.fields):
             kind, reason = "bad UTF-8", "row is not valid UTF-8"
-        elif any("\x00" in field for field in row.fields):
+        elif has_nul and any("\x00" in field for field in row.fields):
             column = next(i for i, field in enumerate(row.fields) if "\x00" in field) + 1
             kind, reason = "NUL byte", f"field {column} holds a NUL byte (a binary or corrupt file?)"
         elif len(row.fields) != width:
