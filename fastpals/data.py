@@ -86,7 +86,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fastpals.tasks import QUORA_FILE, SPLITS, TASKS, TaskSpec, get_task
+from fastpals.tasks import FORMAT_BY_EXTENSION, QUORA_FILE, SPLITS, TASKS, TaskSpec, get_task
 from fastpals.tokenizer import Tokenizer
 
 __all__ = [
@@ -620,8 +620,6 @@ def read_task_file(
     if format is None:
         format = spec.format
     if format is None:
-        from fastpals.tasks import FORMAT_BY_EXTENSION
-
         format = FORMAT_BY_EXTENSION.get(path.suffix.lower())
         if format is None:
             raise ValueError(
