@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             shown = example.sentence if not pair else f"{example.sentence1} ||| {example.sentence2}"
             if spec.kind == "regression":
                 low, high = spec.label_range
-                print(f"{args.task}\t{pred:.4g}\tscore in [{low:g}, {high:g}]\t{shown}")
+                print(f"{args.task}\t{pred:.4g}\tscore (labels in [{low:g}, {high:g}])\t{shown}")
             else:
                 print(f"{args.task}\t{pred:.4g}\t{label} (p = {value:.3f})\t{shown}")
         return 0

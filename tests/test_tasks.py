@@ -407,7 +407,11 @@ def test_fastpals_predict_on_user_tasks(imdb, rating, tok, tmp_path, capsys):
         )
     assert main([str(folder), "--task", "rating", "--pair", "a man plays guitar", "the movie"]) == 0
     task, pred, described, shown = capsys.readouterr().out.strip().split("\t")
-    assert 0 <= float(pred) <= 10 and described == "score in [1, 10]" and shown.endswith("||| the movie")
+    assert (
+        0 <= float(pred) <= 10
+        and described == "score (labels in [1, 10])"
+        and shown.endswith("||| the movie")
+    )
     assert main([str(folder), "--out", str(tmp_path / "pred")]) == 0
     assert "rating: no test file" in capsys.readouterr().err
     assert read_predictions(tmp_path / "pred" / "imdb-test-output.csv")[0] == "Predicted_Label"
