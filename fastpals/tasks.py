@@ -329,10 +329,15 @@ class TaskSpec:
             raise TaskFileError(path, None, "not valid UTF-8") from None
         except json.JSONDecodeError as err:
             raise TaskFileError(path, None, f"not valid JSON: {err.msg} at line {err.lineno}") from None
-        return cls.from_dict(raw, base_dir=path.resolve().parent, source=path)
+        return cls.from_task_dict(raw, base_dir=path.resolve().parent, source=path)
 
     @classmethod
-    def from_dict(
+    def from_dict(cls, fields: dict[str, Any]) -> TaskSpec:
+        """The inverse of :meth:`to_dict` (every field; not the task-file schema, see :meth:`from_task_dict`)."""
+        return cls(**fields)
+
+    @classmethod
+    def from_task_dict(
         cls,
         raw: dict[str, Any],
         base_dir: str | os.PathLike | None = None,

@@ -126,7 +126,7 @@ def test_one_registry_behind_every_old_name():
 
 def test_spec_round_trips_through_json(imdb, rating):
     for spec in (*TASKS.values(), TaskSpec.from_file(imdb), TaskSpec.from_file(rating)):
-        again = TaskSpec(**json.loads(json.dumps(spec.to_dict())))
+        again = TaskSpec.from_dict(json.loads(json.dumps(spec.to_dict())))
         assert again == spec
     config = MultiTaskConfig(BertConfig(hidden_size=8, num_attention_heads=2), [TaskSpec.from_file(imdb)])
     assert MultiTaskConfig.from_dict(json.loads(json.dumps(config.to_dict()))).tasks == config.tasks
@@ -210,6 +210,15 @@ def test_task_file_errors_are_one_line_naming_file_and_key(tmp_path, change, key
     where = f"{key}: " if key else ""
     assert info.value.key == (key.replace("\\", "") if key else None)
     assert re.search(f"{re.escape(str(path))}: {where}.*{message}", text), text
+
+
+def test_task_dict_without_a_file(tmp_path):
+    (tmp_path / "t.tsv").write_text("text\tlabel\nfun\t1\n")
+    spec = TaskSpec.from_task_dict({**GOOD, "files": {"train": "t.tsv"}}, base_dir=tmp_path)
+    assert spec.files == {"train": str(tmp_path / "t.tsv")} and spec.source is None
+    assert load_task(spec, "train") == [SentenceExample("line2", "fun", 1)]
+    with pytest.raises(TaskFileError, match=r"^name: missing$"):
+        TaskSpec.from_task_dict({k: v for k, v in GOOD.items() if k != "name"}, base_dir=tmp_path)
 
 
 def test_task_file_not_json_or_not_an_object(tmp_path):
