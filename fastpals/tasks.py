@@ -180,6 +180,8 @@ class TaskSpec:
             if self.label_names is None and builtin["label_names"] is not None and self.kind != "regression":
                 if len(builtin["label_names"]) == (self.num_labels if self.kind == "classification" else 2):
                     self.label_names = list(builtin["label_names"])
+            if self.kind == "regression" and self.label_range is None and builtin["label_range"] is not None:
+                self.label_range = builtin["label_range"]
         self.files = dict(self.files)
         self.columns = dict(self.columns)
         bad_splits = [split for split in self.files if split not in SPLITS]
@@ -469,12 +471,20 @@ class TaskSpec:
 
 
 def _builtin_format(
-    files: dict[str, str], text: str, label: str, pair: bool, label_names: list[str] | None = None
+    files: dict[str, str],
+    text: str,
+    label: str,
+    pair: bool,
+    label_names: list[str] | None = None,
+    label_range: tuple[float, float] | None = None,
 ) -> dict[str, Any]:
     columns = {"id": "id", "text": "sentence1" if pair else text, "label": label}
     if pair:
         columns["text_pair"] = "sentence2"
-    return {"files": files, "columns": columns, "format": "tsv", "pair": pair, "label_names": label_names}
+    return {
+        "files": files, "columns": columns, "format": "tsv", "pair": pair, "label_names": label_names,
+        "label_range": label_range,
+    }  # fmt: skip
 
 
 QUORA_FILE = "quora-dev.csv"
@@ -508,13 +518,14 @@ _BUILTIN_FORMATS: dict[str, dict[str, Any]] = {
         "sentence",
         "similarity",
         True,
+        label_range=(0.0, 5.0),
     ),
 }
 
 TASKS: dict[str, TaskSpec] = {
     "sst": TaskSpec("sst", "classification", num_labels=5),
     "para": TaskSpec("para", "binary", pair=True),
-    "sts": TaskSpec("sts", "regression", pair=True, label_scale=5.0),
+    "sts": TaskSpec("sts", "regression", pair=True),
     "cfimdb": TaskSpec("cfimdb", "binary"),
 }
 

@@ -121,6 +121,9 @@ def test_one_registry_behind_every_old_name():
     # a spec built by name alone (as older code and saved configs do) gets the built-in files
     assert TaskSpec("sts", "regression", pair=True, label_scale=5.0) == sts
     assert TaskSpec("sst", "classification", num_labels=5) == sst and sst.label_name(4) == "very positive"
+    assert TaskSpec("sts", "regression", pair=True) == sts  # range and scale come with the built-in files
+    with pytest.raises(ValueError, match="label_scale=1 is below label_range's high 5"):
+        TaskSpec("sts", "regression", pair=True, label_scale=1.0)
     assert get_task("sst") == sst and get_task("sst") is not sst
 
 
