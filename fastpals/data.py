@@ -383,13 +383,14 @@ class _DelimitedText:
                         )
                     return self._problem(k, fields, "unclosed quote", open_line, reason)
                 if len(value) > self.max_field_chars:
-                    what = f"field {column}"
+                    what, hint = f"field {column}", ""
                     if line != open_line:
                         what = f"the quoted field {column} runs from here to line {line + 1} and"
+                        hint = " (an unclosed quote?)"
                     return self._problem(
                         k, fields, "field too long", open_line,
-                        f"{what} has {len(value)} characters, more than max_field_chars={self.max_field_chars} "
-                        f"(an unclosed quote?)",
+                        f"{what} has {len(value)} characters, more than max_field_chars={self.max_field_chars}"
+                        f"{hint}",
                     )  # fmt: skip
                 fields.append(value)
                 if pos < n and text[pos] == delimiter:

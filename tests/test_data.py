@@ -399,6 +399,10 @@ def test_over_long_fields_name_file_and_line(tmp_path):
     ]  # fmt: skip
     examples, bad = read_task_file(path, "sst", labelled=True, strict=False, max_field_chars=300_000)
     assert len(examples) == 3 and not bad
+    content = SST_HEADER + '0\ta1\t"many\nlines\nof text"\t1\n'
+    with pytest.raises(DataError, match=r"q\.csv:2: the quoted field 3 runs from here to line 4 and has 18 "
+                       r"characters, more than max_field_chars=10 \(an unclosed quote\?\)"):  # fmt: skip
+        read_task_file(write(tmp_path, "q.csv", content), "sst", labelled=True, max_field_chars=10)
 
 
 def test_ids_that_prediction_files_cannot_hold(tmp_path):
