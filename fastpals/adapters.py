@@ -43,7 +43,9 @@ __all__ = [
     "ADAPTER_WEIGHTS_NAME",
     "FORMAT_VERSION",
     "PEFT_TYPE",
+    "check_same_pal_config",
     "find_adapter_folder",
+    "join_name",
     "load_adapter_tensors",
     "read_adapter",
     "write_adapter",
@@ -60,8 +62,19 @@ FORMAT_VERSION = 2
 LIBRARY = "fastpals"
 
 
-def _join(prefix: str, name: str) -> str:
+def join_name(prefix: str, name: str) -> str:
+    """``prefix.name``, or ``name`` when the prefix is empty (a module's own parameters)."""
     return f"{prefix}.{name}" if prefix else name
+
+
+def check_same_pal_config(own: dict[str, Any], saved: dict[str, Any], source: str, caller: str) -> None:
+    """``ValueError`` naming every PALConfig field (``to_dict()`` form) where a saved adapter and a model
+    differ."""
+    diffs = [f"{k}: saved {v!r}, model {own.get(k)!r}" for k, v in saved.items() if own.get(k) != v]
+    if diffs:
+        raise ValueError(
+            f"{caller}: the PALs in {source} differ from the model's PALConfig: " + "; ".join(diffs)
+        )
 
 
 def write_adapter(
@@ -122,7 +135,9 @@ def write_adapter(
         "trained_base_parameters": shapes(set(trained_base_names)),
         "extra": extra or {},
     }
-    save_file(tensors, str(folder / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt", "library": LIBRARY})
+    save_file(
+        tensors, str(folder / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"}
+    )  # one entry: the header stays byte-stable
     (folder / ADAPTER_CONFIG_NAME).write_text(json.dumps(config, indent=2))
     return folder
 
@@ -212,9 +227,9 @@ def load_adapter_tensors(
 
     def target(name: str) -> str:
         if not saved_prefix:
-            return _join(encoder_prefix, name)
+            return join_name(encoder_prefix, name)
         if name.startswith(saved_prefix + "."):
-            return _join(encoder_prefix, name[len(saved_prefix) + 1 :])
+            return join_name(encoder_prefix, name[len(saved_prefix) + 1 :])
         return name  # outside the saving model's encoder (heads, a classifier): same name in the root
 
     own = model.state_dict(keep_vars=True)

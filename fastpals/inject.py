@@ -16,9 +16,12 @@ model whose layers are found with ``layers_pattern`` / ``layer_norm_name``) and 
   where ``h`` is the layer input and ``TS_t`` the PAL of example's task ``t``;
 - the PAL modules are :class:`fastpals.model.PALLayer`: the fused Triton kernels run on CUDA and the plain-PyTorch
   reference on CPU, exactly as in fastpals' own model;
-- :func:`save_pals` / :func:`load_pals` write and read the PAL weights alone (``pals.safetensors``) with their
-  config (``pals_config.json``); loading into a model of another shape fails with a message saying what differs.
-  With a frozen base (below) the trained LayerNorms and ``modules_to_train`` go to ``trained_base.safetensors``.
+- :func:`save_pals` / :func:`load_pals` write and read fastpals' one adapter format (:mod:`fastpals.adapters`,
+  PEFT's file names: ``adapter_config.json`` + ``adapter_model.safetensors``), the same files
+  :meth:`fastpals.MultiTaskBert.save_pretrained` writes: PALs saved from a ``MultiTaskBert`` load into an HF
+  ``BertModel`` and the other way round. Loading into a model of another shape, or one that cannot hold the
+  saved PALs, fails with a message saying what differs. With a frozen base (below) the trained LayerNorms and
+  ``modules_to_train`` are saved too.
 
 How the HF layers are changed (hooks only; no HF module is replaced or renamed):
 
@@ -37,10 +40,11 @@ minBERT's ``unpad=True`` is supported (minBERT runs its own PAL path).
 With HF ``Trainer``: keep a ``task_ids`` column in the data set and set
 ``TrainingArguments(remove_unused_columns=False)`` (the Trainer drops columns the forward signature does not
 name). ``model.save_pretrained`` of an injected model writes the PAL weights too; :func:`save_pals` writes them
-alone.
+alone. ``peft.PeftModel.from_pretrained`` cannot load them (PEFT has no PAL method): use :func:`load_pals`.
 
 Training only part of the model (the Bert-n-Pals "freeze" recipe): ``inject_pals(..., freeze_base=True)`` leaves
-the PALs and every LayerNorm trainable and freezes the rest; heads you add afterwards are trainable by default,
+the task-specific parameters (:func:`fastpals.model.is_task_specific`) and every LayerNorm trainable and freezes
+the rest; heads you add afterwards are trainable by default,
 heads that already exist are named with ``modules_to_train=("classifier",)``. See :func:`freeze_base_model`.
 """
 
@@ -717,7 +721,7 @@ def save_pals(
     ``base_model_name_or_path``: recorded for PEFT-style tools (default: the HF model's ``name_or_path``).
     A :class:`fastpals.MultiTaskBert` is saved with ``save_pretrained(folder, adapters_only=True)``.
     """
-    from fastpals.adapters import write_adapter
+    from fastpals.adapters import join_name, write_adapter
     from fastpals.multitask import MultiTaskBert
 
     if isinstance(model, MultiTaskBert):
@@ -725,7 +729,7 @@ def save_pals(
     state = _injection(model, "save_pals")
     if include_trained_base is None:
         include_trained_base = state.frozen_base
-    pals = {_join(state.base_name, k): v for k, v in pal_state_dict(model).items()}
+    pals = {join_name(state.base_name, k): v for k, v in pal_state_dict(model).items()}
     heads = {n: p for n, p in model.named_parameters() if task_specific_kind(n) == "head"}
     base = trained_base_state_dict(model) if include_trained_base else {}
     base = {k: v for k, v in base.items() if k not in heads}
@@ -769,7 +773,11 @@ def load_pals(
     :meth:`~fastpals.MultiTaskBert.load_adapter`. Folders of the old format (``pals.safetensors``) still load,
     with a ``FutureWarning``.
     """
-    from fastpals.adapters import find_adapter_folder, load_adapter_tensors, read_adapter
+    from fastpals.adapters import (
+        find_adapter_folder,
+        load_adapter_tensors,
+        read_adapter,
+    )
     from fastpals.multitask import MultiTaskBert
 
     if isinstance(model, MultiTaskBert):
@@ -788,18 +796,7 @@ def load_pals(
         raise ValueError(
             f"load_pals: the adapter in {adapter} holds no PALs (saved from a model with pal=None)"
         )
-    saved_cfg = PALConfig.from_dict(config["pal_config"])
-    encoder = config["encoder"]
-    state = getattr(model, _STATE_ATTR, None)
-    if state is None:
-        targets = {} if _known(model) else {k: encoder[k] for k in ("layers_pattern", "layer_norm_name")}
-        resolved = _resolve(model, saved_cfg, mask_argument="attention_mask", **_resolve_kwargs(targets))
-        _check_shape(encoder, resolved.layers_pattern, resolved.hidden_size, len(resolved.layers), adapter)
-        inject_pals(model, saved_cfg, **targets)
-        state = _injection(model, "load_pals")
-    else:
-        _check_shape(encoder, state.layers_pattern, state.hidden_size, state.num_layers, adapter)
-        _check_same_config(state.config, config["pal_config"], adapter)
+    state = _injected_like(model, PALConfig.from_dict(config["pal_config"]), config["encoder"], adapter)
     load_adapter_tensors(
         model,
         state.base_name,
@@ -811,19 +808,6 @@ def load_pals(
         strict=strict,
     )
     return model
-
-
-def _check_same_config(own_config: PALConfig, saved: dict[str, Any], folder: Path) -> None:
-    own = own_config.to_dict()
-    diffs = [f"{k}: saved {v!r}, model {own.get(k)!r}" for k, v in saved.items() if own.get(k) != v]
-    if diffs:
-        raise ValueError(
-            f"load_pals: the PALs in {folder} differ from the model's PALConfig: " + "; ".join(diffs)
-        )
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -846,17 +830,7 @@ def _load_legacy_pals(model: nn.Module, folder: Path, load_trained_base: bool) -
             f"load_pals: {cfg_path} has format {meta.get('format')!r} version {meta.get('format_version')!r}; "
             f"expected {LEGACY_FORMAT!r} version 1"
         )
-    saved_cfg = PALConfig.from_dict(meta["pal_config"])
-    state = getattr(model, _STATE_ATTR, None)
-    if state is None:
-        targets = {} if _known(model) else {k: meta[k] for k in ("layers_pattern", "layer_norm_name")}
-        resolved = _resolve(model, saved_cfg, mask_argument="attention_mask", **_resolve_kwargs(targets))
-        _check_shape(meta, resolved.layers_pattern, resolved.hidden_size, len(resolved.layers), folder)
-        inject_pals(model, saved_cfg, **targets)
-        state = _injection(model, "load_pals")
-    else:
-        _check_shape(meta, state.layers_pattern, state.hidden_size, state.num_layers, folder)
-        _check_same_config(state.config, meta["pal_config"], folder)
+    _injected_like(model, PALConfig.from_dict(meta["pal_config"]), meta, folder)
     tensors = load_file(str(weights_path))
     own_state = pal_state_dict(model)
     problems = state_dict_mismatches(own_state, tensors)
@@ -888,6 +862,23 @@ def _load_legacy_pals(model: nn.Module, folder: Path, load_trained_base: bool) -
         for k, v in itertools.chain(tensors.items(), base_tensors.items()):
             own_state[k].copy_(v)
     return model
+
+
+def _injected_like(model: nn.Module, saved: PALConfig, target: dict[str, Any], folder: Path) -> _Injection:
+    """Inject ``saved`` into ``model`` (where ``target``, a saved encoder description, says) or check that the
+    PALs already injected are the same; any difference is a ``ValueError``. Returns the injection state."""
+    from fastpals.adapters import check_same_pal_config
+
+    state = getattr(model, _STATE_ATTR, None)
+    if state is None:
+        targets = {} if _known(model) else {k: target[k] for k in ("layers_pattern", "layer_norm_name")}
+        resolved = _resolve(model, saved, mask_argument="attention_mask", **_resolve_kwargs(targets))
+        _check_shape(target, resolved.layers_pattern, resolved.hidden_size, len(resolved.layers), folder)
+        inject_pals(model, saved, **targets)
+        return _injection(model, "load_pals")
+    _check_shape(target, state.layers_pattern, state.hidden_size, state.num_layers, folder)
+    check_same_pal_config(state.config.to_dict(), saved.to_dict(), str(folder), "load_pals")
+    return state
 
 
 def _resolve_kwargs(targets: dict[str, str]) -> dict[str, str | None]:

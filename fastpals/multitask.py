@@ -266,7 +266,7 @@ class MultiTaskBert(nn.Module):
             return _load_legacy(cls, folder, base_model).eval()
         if tasks is None:
             raise ValueError(
-                f"{name_or_path} is not a saved MultiTaskBert (no {'adapter_config.json'}): to start a new "
+                f"{name_or_path} is not a saved MultiTaskBert (no adapter_config.json): to start a new "
                 "model from a base checkpoint call MultiTaskBert.from_base(name_or_path, tasks=[...], pal=...)"
             )
         return cls.from_base(name_or_path, tasks, pal, head_dropout)
@@ -511,8 +511,9 @@ class MultiTaskBert(nn.Module):
             adapter_dir = folder
         else:
             adapter_dir = folder / ADAPTER_SUBFOLDER
-            (folder / "config.json").write_text(json.dumps(hf_bert_config(self.config.bert), indent=2))
             shared = {k: v.detach().contiguous().cpu() for k, v in self.shared_state_dict().items()}
+            dtype = shared["embeddings.word_embeddings.weight"].dtype
+            (folder / "config.json").write_text(json.dumps(hf_bert_config(self.config.bert, dtype), indent=2))
             save_file(shared, str(folder / "model.safetensors"), metadata={"format": "pt"})
         write_adapter(
             adapter_dir,
@@ -532,7 +533,7 @@ class MultiTaskBert(nn.Module):
         config must equal this model's (else ``ValueError`` naming the fields that differ); PAL tensors must
         match exactly. Heads and trained base weights load by name; with ``strict`` a saved tensor this model
         has no place for is an error (else a warning names it). Returns the model."""
-        from fastpals.adapters import load_adapter_tensors, read_adapter
+        from fastpals.adapters import check_same_pal_config, load_adapter_tensors, read_adapter
 
         config, tensors, adapter = read_adapter(folder, "load_adapter")
         own = None if self.config.pal is None else self.config.pal.to_dict()
@@ -543,11 +544,7 @@ class MultiTaskBert(nn.Module):
                 f"{'none' if own is None else 'PALs'}"
             )
         if own is not None:
-            diffs = [f"{k}: saved {v!r}, model {own.get(k)!r}" for k, v in saved.items() if own.get(k) != v]
-            if diffs:
-                raise ValueError(
-                    f"load_adapter: the PALs in {adapter} differ from this model's: " + "; ".join(diffs)
-                )
+            check_same_pal_config(own, saved, str(adapter), "load_adapter")
         load_adapter_tensors(
             self,
             "bert",
@@ -561,8 +558,9 @@ class MultiTaskBert(nn.Module):
         return self
 
 
-def hf_bert_config(config: BertConfig) -> dict[str, Any]:
-    """An HF transformers ``config.json`` for a ``BertModel`` with this encoder's shape (``model_type`` bert)."""
+def hf_bert_config(config: BertConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """An HF transformers ``config.json`` for a ``BertModel`` with this encoder's shape (``model_type`` bert)
+    whose weights are saved in ``dtype``."""
     return {
         "architectures": ["BertModel"],
         "model_type": "bert",
@@ -570,6 +568,7 @@ def hf_bert_config(config: BertConfig) -> dict[str, Any]:
         "position_embedding_type": "absolute",
         "initializer_range": 0.02,
         "use_cache": True,
+        "torch_dtype": str(dtype).removeprefix("torch."),
     }
 
 
