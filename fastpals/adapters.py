@@ -48,6 +48,7 @@ __all__ = [
     "join_name",
     "load_adapter_tensors",
     "read_adapter",
+    "read_adapter_config",
     "write_adapter",
 ]
 
@@ -152,24 +153,20 @@ def find_adapter_folder(folder: str | os.PathLike) -> Path | None:
     return None
 
 
-def read_adapter(
-    folder: str | os.PathLike, caller: str
-) -> tuple[dict[str, Any], dict[str, torch.Tensor], Path]:
-    """Read an adapter folder (or a full model folder's ``pals/``): ``(config, tensors, adapter_folder)``.
+def read_adapter_config(folder: str | os.PathLike, caller: str) -> tuple[dict[str, Any], Path]:
+    """Read and check the ``adapter_config.json`` of an adapter folder (or of a full model folder's ``pals/``):
+    ``(config, adapter_folder)``.
 
-    Raises ``FileNotFoundError`` when there is no ``adapter_config.json``, ``ValueError`` when the config is not
-    valid JSON, is not a fastpals adapter (e.g. a PEFT LoRA adapter) or has another format version, or when the
-    weights file does not hold exactly the tensors the config lists.
+    Raises ``FileNotFoundError`` when there is none, ``ValueError`` when it is not valid JSON, not a fastpals
+    adapter (e.g. a PEFT LoRA adapter) or of another format version.
     """
-    from safetensors.torch import load_file
-
     adapter = find_adapter_folder(folder)
     if adapter is None:
         raise FileNotFoundError(
             f"{caller}: no {ADAPTER_CONFIG_NAME} in {folder} or {Path(folder) / ADAPTER_SUBFOLDER} "
             "(not a folder written by fastpals' save_pals / MultiTaskBert.save_pretrained)"
         )
-    cfg_path, weights_path = adapter / ADAPTER_CONFIG_NAME, adapter / ADAPTER_WEIGHTS_NAME
+    cfg_path = adapter / ADAPTER_CONFIG_NAME
     try:
         config = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as e:
@@ -184,6 +181,21 @@ def read_adapter(
             f"{caller}: {cfg_path} has format_version {config.get('format_version')!r}; this fastpals reads "
             f"version {FORMAT_VERSION}"
         )
+    return config, adapter
+
+
+def read_adapter(
+    folder: str | os.PathLike, caller: str
+) -> tuple[dict[str, Any], dict[str, torch.Tensor], Path]:
+    """Read an adapter folder (or a full model folder's ``pals/``): ``(config, tensors, adapter_folder)``.
+
+    Raises as :func:`read_adapter_config` does, and ``ValueError`` when the weights file does not hold exactly
+    the tensors (names and shapes) the config lists.
+    """
+    from safetensors.torch import load_file
+
+    config, adapter = read_adapter_config(folder, caller)
+    cfg_path, weights_path = adapter / ADAPTER_CONFIG_NAME, adapter / ADAPTER_WEIGHTS_NAME
     if not weights_path.is_file():
         raise FileNotFoundError(f"{caller}: {weights_path} not found (the adapter config is there)")
     tensors = load_file(str(weights_path))

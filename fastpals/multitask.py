@@ -285,9 +285,9 @@ class MultiTaskBert(nn.Module):
         head_dropout: float,
         base_model: str | os.PathLike | None,
     ) -> MultiTaskBert:
-        from fastpals.adapters import read_adapter
+        from fastpals.adapters import read_adapter_config
 
-        config, tensors, adapter = read_adapter(folder, "MultiTaskBert.from_pretrained")
+        config, adapter = read_adapter_config(folder, "MultiTaskBert.from_pretrained")
         saved_pal = None if config.get("pal_config") is None else PALConfig.from_dict(config["pal_config"])
         if pal is not None:
             raise ValueError(
