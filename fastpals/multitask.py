@@ -308,7 +308,7 @@ class MultiTaskBert(nn.Module):
         full = adapter != folder and (folder / "config.json").is_file()
         if full:
             bert_config = BertConfig.from_json(folder / "config.json")
-            base_name = config.get("base_model_name_or_path")
+            base_name = config.get("extra", {}).get("fine_tuned_from")
             model = cls(MultiTaskConfig(bert_config, specs, saved_pal, base_name, head_dropout))
             _load_shared(model, folder)
         else:
@@ -318,7 +318,10 @@ class MultiTaskBert(nn.Module):
                     f"{folder} holds an adapter only and records no base_model_name_or_path: pass base_model="
                 )
             model = cls.from_base(base, specs, saved_pal, head_dropout)
-        model.config.extra = {k: v for k, v in config.get("extra", {}).items() if k != "head_dropout"}
+        saved_extra = config.get("extra", {})
+        model.config.extra = {
+            k: v for k, v in saved_extra.items() if k not in ("head_dropout", "fine_tuned_from")
+        }
         model.load_adapter(adapter, strict=config.get("tasks") is not None)
         return model
 
@@ -489,7 +492,8 @@ class MultiTaskBert(nn.Module):
           encoder without PALs;
         - ``pals/adapter_config.json`` and ``pals/adapter_model.safetensors``: PALs and heads
           (:mod:`fastpals.adapters`); ``fastpals.load_pals(AutoModel.from_pretrained(folder), folder)`` gives the
-          HF encoder its PALs;
+          HF encoder its PALs. Their ``base_model_name_or_path`` is null (they belong to the encoder saved
+          beside them); the checkpoint the model started from is kept as ``extra.fine_tuned_from``;
         - with ``tokenizer`` (a :class:`fastpals.Tokenizer`): ``vocab.txt``, ``tokenizer.json``,
           ``tokenizer_config.json``, ``special_tokens_map.json`` for ``transformers.AutoTokenizer``.
 
@@ -515,12 +519,13 @@ class MultiTaskBert(nn.Module):
             dtype = shared["embeddings.word_embeddings.weight"].dtype
             (folder / "config.json").write_text(json.dumps(hf_bert_config(self.config.bert, dtype), indent=2))
             save_file(shared, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        kwargs = self._adapter_kwargs()
+        if not adapters_only:
+            # these PALs belong to the encoder saved beside them (fine-tuned or not), not to the original base
+            kwargs["base_model_name_or_path"] = None
+            kwargs["extra"]["fine_tuned_from"] = self.config.base_model
         write_adapter(
-            adapter_dir,
-            {**tensors, **base},
-            head_names=heads,
-            trained_base_names=set(base),
-            **self._adapter_kwargs(),
+            adapter_dir, {**tensors, **base}, head_names=heads, trained_base_names=set(base), **kwargs
         )
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)

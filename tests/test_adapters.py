@@ -261,6 +261,9 @@ def minilm_folder(tmp_path_factory):
 
 def test_automodel_and_autotokenizer_open_a_saved_folder(task_data_dir, minilm_folder):
     folder, model = minilm_folder
+    config = json.loads((folder / ADAPTER_SUBFOLDER / ADAPTER_CONFIG_NAME).read_text())
+    assert config["base_model_name_or_path"] is None and config["extra"]["fine_tuned_from"] == "minilm-l6"
+    assert MultiTaskBert.from_pretrained(folder).config.base_model == "minilm-l6"
     sents = _dev_sentences(task_data_dir)
     tok = Tokenizer.from_pretrained(folder)
     hf_tok = transformers.AutoTokenizer.from_pretrained(str(folder))
