@@ -761,8 +761,8 @@ def load_pals(
     """Load an adapter written by :func:`save_pals` or :meth:`fastpals.MultiTaskBert.save_pretrained` (an
     adapter folder, or a full model folder whose adapter is in ``pals/``) into ``model`` and return it.
 
-    A model without PALs is injected first with the saved config and targets; an injected model must have the
-    same PAL config. Any difference (hidden size, number of layers, PAL layers, number of tasks, PAL width,
+    A model without PALs is injected first with the saved config and targets; an injected model, or a
+    :class:`fastpals.BertModel` built with PALs (any variant), must have the same PAL config. Any difference (hidden size, number of layers, PAL layers, number of tasks, PAL width,
     parameter names or shapes) raises ``ValueError`` saying what differs, and so does an adapter whose PAL
     variant injection cannot hold (``top``, ``embert``: only fastpals' own model has them).
 
@@ -774,6 +774,7 @@ def load_pals(
     with a ``FutureWarning``.
     """
     from fastpals.adapters import (
+        check_same_pal_config,
         find_adapter_folder,
         load_adapter_tensors,
         read_adapter,
@@ -796,10 +797,19 @@ def load_pals(
         raise ValueError(
             f"load_pals: the adapter in {adapter} holds no PALs (saved from a model with pal=None)"
         )
-    state = _injected_like(model, PALConfig.from_dict(config["pal_config"]), config["encoder"], adapter)
+    saved = PALConfig.from_dict(config["pal_config"])
+    native = _native_pal_model(model)
+    if native is not None:  # fastpals' own BertModel built with PALs: any variant, the same names
+        name, mini = native
+        check_same_pal_config(mini.pal_config.to_dict(), saved.to_dict(), str(adapter), "load_pals")
+        _check_shape(config["encoder"], "encoder.layer", mini.config.hidden_size, mini.config.num_hidden_layers,
+                     adapter)  # fmt: skip
+        prefix = name
+    else:
+        prefix = _injected_like(model, saved, config["encoder"], adapter).base_name
     load_adapter_tensors(
         model,
-        state.base_name,
+        prefix,
         config,
         tensors,
         source=str(adapter),
@@ -862,6 +872,18 @@ def _load_legacy_pals(model: nn.Module, folder: Path, load_trained_base: bool) -
         for k, v in itertools.chain(tensors.items(), base_tensors.items()):
             own_state[k].copy_(v)
     return model
+
+
+def _native_pal_model(model: nn.Module) -> tuple[str, MiniBert] | None:
+    """The one fastpals ``BertModel`` in ``model`` that was built with PALs (not injected), with its name."""
+    if getattr(model, _STATE_ATTR, None) is not None:
+        return None
+    found = [
+        (n, m)
+        for n, m in model.named_modules()
+        if isinstance(m, MiniBert) and m.pal_config is not None and m.pal_config.variant != "none"
+    ]
+    return found[0] if len(found) == 1 else None
 
 
 def _injected_like(model: nn.Module, saved: PALConfig, target: dict[str, Any], folder: Path) -> _Injection:

@@ -233,6 +233,28 @@ def test_hf_bert_adapter_loads_into_multitask(tmp_path, base_folder):
         assert torch.equal(other.bert(ids, mask, types, TASK_IDS).last_hidden_state, got)
 
 
+@pytest.mark.parametrize("variant", ["top_parallel", "embert"])
+def test_any_variant_loads_into_a_fastpals_bert_built_with_the_same_pals(tmp_path, variant):
+    from fastpals import BertModel
+
+    pal = PALConfig(num_tasks=3, hidden=12, num_heads=2, top_blocks=1, top_heads=3, variant=variant)
+    model = _mt(pal)
+    model.save_pretrained(tmp_path)
+    torch.manual_seed(5)
+    encoder = BertModel(TINY, pal=pal).eval()
+    shared = {k: v for k, v in model.bert.state_dict().items() if not is_task_specific(k)}
+    encoder.load_state_dict(shared, strict=False)  # the same base, other PALs
+    ids, mask, types = _batch()
+    with torch.no_grad():
+        want = model.bert(ids, mask, types, TASK_IDS).last_hidden_state
+        assert (encoder(ids, mask, types, TASK_IDS).last_hidden_state - want).abs().max() > 1e-3
+        with pytest.warns(UserWarning, match="heads"):
+            load_pals(encoder, tmp_path)
+        assert torch.equal(encoder(ids, mask, types, TASK_IDS).last_hidden_state, want)
+    with pytest.raises(ValueError, match="hidden: saved 12, model 6"):
+        load_pals(BertModel(TINY, pal=dataclasses.replace(pal, hidden=6, top_heads=2)), tmp_path)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # HF AutoModel / AutoTokenizer / sentence-transformers on a saved folder
 # ----------------------------------------------------------------------------------------------------------------
