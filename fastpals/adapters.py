@@ -11,6 +11,10 @@ An adapter folder holds two files, named as PEFT names them:
   (``pal_parameters``, ``head_parameters``, ``trained_base_parameters``);
 - ``adapter_model.safetensors``: the tensors, named as in the saving model (``state_dict`` names).
 
+A full model folder (:meth:`fastpals.MultiTaskBert.save_pretrained`) keeps these two files in ``pals/``, beside
+the HF ``config.json`` + ``model.safetensors`` of the shared encoder: transformers hands a folder with a
+top-level ``adapter_config.json`` to PEFT, which would then fail, so ``AutoModel`` could not open it.
+
 Names inside the encoder are the same for every BERT-like encoder (HF ``BertModel``, fastpals' minBERT):
 ``pal_projections.{enc,dec}_{weight,bias}`` and ``encoder.layer.{i}.pal.*`` (plus ``pal_top.*`` and
 ``encoder.layer.{i}.attention.self.task_embedding`` for the variants only fastpals' own model has). A
