@@ -16,9 +16,12 @@ model whose layers are found with ``layers_pattern`` / ``layer_norm_name``) and 
   where ``h`` is the layer input and ``TS_t`` the PAL of example's task ``t``;
 - the PAL modules are :class:`fastpals.model.PALLayer`: the fused Triton kernels run on CUDA and the plain-PyTorch
   reference on CPU, exactly as in fastpals' own model;
-- :func:`save_pals` / :func:`load_pals` write and read the PAL weights alone (``pals.safetensors``) with their
-  config (``pals_config.json``); loading into a model of another shape fails with a message saying what differs.
-  With a frozen base (below) the trained LayerNorms and ``modules_to_train`` go to ``trained_base.safetensors``.
+- :func:`save_pals` / :func:`load_pals` write and read fastpals' one adapter format (:mod:`fastpals.adapters`,
+  PEFT's file names: ``adapter_config.json`` + ``adapter_model.safetensors``), the same files
+  :meth:`fastpals.MultiTaskBert.save_pretrained` writes: PALs saved from a ``MultiTaskBert`` load into an HF
+  ``BertModel`` and the other way round. Loading into a model of another shape, or one that cannot hold the
+  saved PALs, fails with a message saying what differs. With a frozen base (below) the trained LayerNorms and
+  ``modules_to_train`` are saved too.
 
 How the HF layers are changed (hooks only; no HF module is replaced or renamed):
 
@@ -37,10 +40,11 @@ minBERT's ``unpad=True`` is supported (minBERT runs its own PAL path).
 With HF ``Trainer``: keep a ``task_ids`` column in the data set and set
 ``TrainingArguments(remove_unused_columns=False)`` (the Trainer drops columns the forward signature does not
 name). ``model.save_pretrained`` of an injected model writes the PAL weights too; :func:`save_pals` writes them
-alone.
+alone. ``peft.PeftModel.from_pretrained`` cannot load them (PEFT has no PAL method): use :func:`load_pals`.
 
 Training only part of the model (the Bert-n-Pals "freeze" recipe): ``inject_pals(..., freeze_base=True)`` leaves
-the PALs and every LayerNorm trainable and freezes the rest; heads you add afterwards are trainable by default,
+the task-specific parameters (:func:`fastpals.model.is_task_specific`) and every LayerNorm trainable and freezes
+the rest; heads you add afterwards are trainable by default,
 heads that already exist are named with ``modules_to_train=("classifier",)``. See :func:`freeze_base_model`.
 """
 
@@ -52,6 +56,7 @@ import inspect
 import itertools
 import json
 import os
+import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,8 +66,17 @@ import torch
 from torch import nn
 
 from fastpals.functional import check_task_ids
+from fastpals.model import (
+    BatchLayout,
+    PALConfig,
+    PALLayer,
+    PALProjections,
+    freeze_shared_parameters,
+    make_layout,
+    state_dict_mismatches,
+    task_specific_kind,
+)
 from fastpals.model import BertModel as MiniBert
-from fastpals.model import PALConfig, PALLayer, PALProjections, _Layout, _make_layout, state_dict_mismatches
 
 __all__ = [
     "TARGETS",
@@ -77,11 +91,11 @@ __all__ = [
     "trained_base_state_dict",
 ]
 
-WEIGHTS_NAME = "pals.safetensors"
-BASE_WEIGHTS_NAME = "trained_base.safetensors"
-CONFIG_NAME = "pals_config.json"
-FORMAT = "fastpals-pals"
-FORMAT_VERSION = 1
+# the old format (read only, with a FutureWarning); the current one is fastpals.adapters'
+LEGACY_WEIGHTS_NAME = "pals.safetensors"
+LEGACY_BASE_WEIGHTS_NAME = "trained_base.safetensors"
+LEGACY_CONFIG_NAME = "pals_config.json"
+LEGACY_FORMAT = "fastpals-pals"
 _STATE_ATTR = "_fastpals_injection"
 
 
@@ -354,13 +368,14 @@ class _Injection:
         self.default_task: int | torch.Tensor | None = None
         # set by freeze_base_model: save_pals then also saves the trained base weights
         self.frozen_base = False
+        self.modules_to_train: list[str] = []
         self._reset()
 
     def _reset(self) -> None:
         self.depth = 0
         self.task_ids: torch.Tensor | None = None
         self.mask: torch.Tensor | None = None
-        self.layout: _Layout | None = None
+        self.layout: BatchLayout | None = None
         self.inputs: dict[int, torch.Tensor] = {}
 
     # --- root and base model --------------------------------------------------------------------------------
@@ -436,7 +451,7 @@ class _Injection:
         x = pal(h, self._layout(h), residual=x)
         return (x, *args[1:]), kwargs
 
-    def _layout(self, h: torch.Tensor) -> _Layout:
+    def _layout(self, h: torch.Tensor) -> BatchLayout:
         b, n = h.shape[0], h.shape[1]
         if self.layout is not None and self.layout.batch == b and self.layout.length == n:
             return self.layout
@@ -462,7 +477,7 @@ class _Injection:
                 )
             task_ids = self._default_task_ids(b, h.device)
         task_ids = check_task_ids(task_ids, self.config.num_tasks, b, h.device)
-        self.layout = _make_layout(mask, task_ids, False, (b, n))
+        self.layout = make_layout(mask, task_ids, False, (b, n))
         return self.layout
 
     def _default_task_ids(self, batch: int, device: torch.device) -> torch.Tensor:
@@ -525,8 +540,7 @@ def inject_pals(
     state.mask_argument = mask_argument
     if resolved.kind == "minbert":
         mini = resolved.base
-        mini._add_pals(config)
-        mini.pal_config = config
+        mini.add_pals(config)
         for owner, attr in [(mini, "pal_projections")] + [(mini.encoder.layer[i], "pal") for i in indices]:
             module = getattr(owner, attr)
             if module is not None:
@@ -644,38 +658,30 @@ def pal_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def freeze_base_model(
     model: nn.Module, train_layer_norms: bool = True, modules_to_train: Iterable[str] = ()
 ) -> dict[str, int]:
-    """Freeze every parameter of an injected ``model`` except the PALs, the LayerNorms (when
-    ``train_layer_norms``) and the modules named in ``modules_to_train``.
+    """Freeze every parameter of an injected ``model`` except the task-specific ones (the PALs, and task heads
+    in a module named ``heads``: :func:`fastpals.model.is_task_specific`), the LayerNorms (when
+    ``train_layer_norms``; matched by module type) and the modules named in ``modules_to_train``.
 
     ``modules_to_train``: module names, each matching a module whose qualified name equals it or ends with
     ``"." + name`` (e.g. ``"classifier"``, ``"pooler"``); a name that matches nothing is an error. Heads created
     after this call are trainable (new parameters have ``requires_grad=True``).
-    Returns ``{"trainable": n, "frozen": m}`` parameter element counts.
+    Returns ``{"trainable": n, "frozen": m}`` parameter element counts. This is
+    :func:`fastpals.model.freeze_shared_parameters`, plus a record that :func:`save_pals` should save the
+    trained base weights.
     """
     state = _injection(model, "freeze_base_model")
-    keep = {id(p) for m in _pal_modules(state) for p in m.parameters()}
-    names = list(modules_to_train)
-    if isinstance(modules_to_train, str):
-        raise TypeError("modules_to_train must be a list of module names, not a string")
-    unmatched = set(names)
-    for name, module in model.named_modules():
-        hit = [t for t in names if name == t or name.endswith("." + t)]
-        unmatched -= set(hit)
-        is_norm = isinstance(module, nn.LayerNorm) or type(module).__name__.lower().endswith("layernorm")
-        if hit or (train_layer_norms and is_norm):
-            keep.update(id(p) for p in module.parameters())
-    if unmatched:
-        raise ValueError(f"freeze_base_model: modules_to_train names {sorted(unmatched)} match no module")
-    counts = {"trainable": 0, "frozen": 0}
-    for p in model.parameters():
-        p.requires_grad_(id(p) in keep)
-        counts["trainable" if id(p) in keep else "frozen"] += p.numel()
+    try:
+        counts = freeze_shared_parameters(model, train_layer_norms, modules_to_train)
+    except ValueError as err:
+        raise ValueError(str(err).replace("freeze_shared_parameters", "freeze_base_model")) from None
     state.frozen_base = True
+    state.modules_to_train = list(modules_to_train)
     return counts
 
 
 def _description(state: _Injection) -> dict[str, Any]:
     return {
+        "prefix": state.base_name,
         "model_type": state.model_type,
         "layers_pattern": state.layers_pattern,
         "layer_norm_name": state.layer_norm_name,
@@ -693,59 +699,135 @@ def trained_base_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p for n, p in model.named_parameters() if p.requires_grad and id(p) not in pal_ids}
 
 
-def save_pals(model: nn.Module, folder: str | os.PathLike, include_trained_base: bool | None = None) -> Path:
-    """Write the PAL weights alone to ``folder/pals.safetensors`` and their config (PALConfig, target
-    architecture, parameter names and shapes) to ``folder/pals_config.json``. Returns the folder.
+def save_pals(
+    model: nn.Module,
+    folder: str | os.PathLike,
+    include_trained_base: bool | None = None,
+    task_names: list[str] | None = None,
+    base_model_name_or_path: str | None = None,
+) -> Path:
+    """Write the adapter of an injected ``model`` to ``folder`` in fastpals' adapter format
+    (:mod:`fastpals.adapters`): ``adapter_config.json`` and ``adapter_model.safetensors``. Returns the folder.
 
-    ``include_trained_base``: also write the trainable base parameters (:func:`trained_base_state_dict`, by
-    their names in ``model``) to ``folder/trained_base.safetensors``. Default: True when the base was frozen
-    with :func:`freeze_base_model` (the "freeze" recipe trains the LayerNorms, which belong to the adaptation),
-    False otherwise (the base is then the user's to save). :func:`load_pals` loads them back.
+    Saved: the PAL weights; task heads (parameters of a module named ``heads``) when the model has them; and
+    with ``include_trained_base`` the trainable base parameters (:func:`trained_base_state_dict`). Default: True
+    when the base was frozen with :func:`freeze_base_model` (the "freeze" recipe trains the LayerNorms, which
+    belong to the adaptation), False otherwise (the base is then the user's to save). Tensors keep their names
+    in ``model``; the config records where the encoder sits, so :func:`load_pals` can load them into another
+    model class with the same encoder (an HF ``BertModel``, a ``BertForSequenceClassification``, a
+    :class:`fastpals.MultiTaskBert`).
+
+    ``task_names``: names of the ``num_tasks`` tasks, recorded in the config (default ``task0``, ``task1``, ...).
+    ``base_model_name_or_path``: recorded for PEFT-style tools (default: the HF model's ``name_or_path``).
+    A :class:`fastpals.MultiTaskBert` is saved with ``save_pretrained(folder, adapters_only=True)``.
     """
-    from safetensors.torch import save_file
+    from fastpals.adapters import join_name, write_adapter
+    from fastpals.multitask import MultiTaskBert
 
+    if isinstance(model, MultiTaskBert):
+        return model.save_pretrained(folder, adapters_only=True)
     state = _injection(model, "save_pals")
-    tensors = {k: v.detach().contiguous().cpu() for k, v in pal_state_dict(model).items()}
     if include_trained_base is None:
         include_trained_base = state.frozen_base
-    base = {k: v.detach().contiguous().cpu() for k, v in trained_base_state_dict(model).items()}
-    if not include_trained_base:
-        base = {}
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    meta = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "pal_config": state.config.to_dict(),
-        **_description(state),
-        "model_class": type(model).__name__,
-        "parameters": {k: list(v.shape) for k, v in tensors.items()},
-        "trained_base_parameters": {k: list(v.shape) for k, v in base.items()},
-    }
-    save_file(tensors, str(folder / WEIGHTS_NAME), metadata={"format": FORMAT})
-    if base:
-        save_file(base, str(folder / BASE_WEIGHTS_NAME), metadata={"format": FORMAT})
-    elif (folder / BASE_WEIGHTS_NAME).exists():
-        (folder / BASE_WEIGHTS_NAME).unlink()  # a stale file from an earlier save would be loaded by mistake
-    (folder / CONFIG_NAME).write_text(json.dumps(meta, indent=2))
-    return folder
+    pals = {join_name(state.base_name, k): v for k, v in pal_state_dict(model).items()}
+    heads = {n: p for n, p in model.named_parameters() if task_specific_kind(n) == "head"}
+    base = trained_base_state_dict(model) if include_trained_base else {}
+    base = {k: v for k, v in base.items() if k not in heads}
+    if task_names is None:
+        task_names = [f"task{i}" for i in range(state.config.num_tasks)]
+    if len(task_names) != state.config.num_tasks:
+        raise ValueError(
+            f"save_pals: {len(task_names)} task_names for {state.config.num_tasks} tasks ({task_names})"
+        )
+    if base_model_name_or_path is None:
+        base_model_name_or_path = getattr(model, "name_or_path", None) or None
+    return write_adapter(
+        folder,
+        {**pals, **heads, **base},
+        pal_config=state.config.to_dict(),
+        encoder=_description(state),
+        base_model_name_or_path=base_model_name_or_path,
+        task_names=list(task_names),
+        head_names=set(heads),
+        trained_base_names=set(base),
+        modules_to_save=list(state.modules_to_train) or None,
+        saved_from=type(model).__name__,
+    )
 
 
-def load_pals(model: nn.Module, folder: str | os.PathLike, load_trained_base: bool = True) -> nn.Module:
-    """Load PALs written by :func:`save_pals` into ``model`` and return it.
+def load_pals(
+    model: nn.Module, folder: str | os.PathLike, load_trained_base: bool = True, strict: bool = False
+) -> nn.Module:
+    """Load an adapter written by :func:`save_pals` or :meth:`fastpals.MultiTaskBert.save_pretrained` (an
+    adapter folder, or a full model folder whose adapter is in ``pals/``) into ``model`` and return it.
 
-    ``load_trained_base``: also load the trained base parameters when the folder has them (names as in the
-    saving model; a missing name or another shape is an error).
+    A model without PALs is injected first with the saved config and targets; an injected model, or a
+    :class:`fastpals.BertModel` built with PALs (any variant), must have the same PAL config. Any difference (hidden size, number of layers, PAL layers, number of tasks, PAL width,
+    parameter names or shapes) raises ``ValueError`` saying what differs, and so does an adapter whose PAL
+    variant injection cannot hold (``top``, ``embert``: only fastpals' own model has them).
 
-    A model without PALs is injected first with the saved config and targets; an injected model must have the
-    same PAL config. Any difference (hidden size, number of layers, PAL layers, number of tasks, PAL width,
-    parameter names or shapes) raises ``ValueError`` saying what differs. Weights are copied to the device and
-    dtype of the model's PAL parameters.
+    ``load_trained_base``: also load the trained base weights the adapter holds (e.g. the LayerNorms of the
+    freeze recipe). Saved tensors the model has no place for (a MultiTaskBert's ``heads.*`` when loading into a
+    bare encoder) raise ``ValueError`` with ``strict=True``, else a warning names them. Weights are copied to the
+    device and dtype of the model's tensors. A :class:`fastpals.MultiTaskBert` loads with
+    :meth:`~fastpals.MultiTaskBert.load_adapter`. Folders of the old format (``pals.safetensors``) still load,
+    with a ``FutureWarning``.
     """
+    from fastpals.adapters import (
+        check_same_pal_config,
+        find_adapter_folder,
+        load_adapter_tensors,
+        read_adapter,
+    )
+    from fastpals.multitask import MultiTaskBert
+
+    if isinstance(model, MultiTaskBert):
+        return model.load_adapter(folder, load_trained_base=load_trained_base, strict=strict)
+    folder = Path(folder)
+    if find_adapter_folder(folder) is None and (folder / LEGACY_CONFIG_NAME).is_file():
+        warnings.warn(
+            f"load_pals: {folder} is in the old format ({LEGACY_WEIGHTS_NAME}); save it again with save_pals "
+            "to get adapter_config.json + adapter_model.safetensors",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return _load_legacy_pals(model, folder, load_trained_base)
+    config, tensors, adapter = read_adapter(folder, "load_pals")
+    if config.get("pal_config") is None:
+        raise ValueError(
+            f"load_pals: the adapter in {adapter} holds no PALs (saved from a model with pal=None)"
+        )
+    saved = PALConfig.from_dict(config["pal_config"])
+    native = _native_pal_model(model)
+    if native is not None:  # fastpals' own BertModel built with PALs: any variant, the same names
+        name, mini = native
+        check_same_pal_config(mini.pal_config.to_dict(), saved.to_dict(), str(adapter), "load_pals")
+        _check_shape(config["encoder"], "encoder.layer", mini.config.hidden_size, mini.config.num_hidden_layers,
+                     adapter)  # fmt: skip
+        prefix = name
+    else:
+        prefix = _injected_like(model, saved, config["encoder"], adapter).base_name
+    load_adapter_tensors(
+        model,
+        prefix,
+        config,
+        tensors,
+        source=str(adapter),
+        caller="load_pals",
+        load_trained_base=load_trained_base,
+        strict=strict,
+    )
+    return model
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The old format (pals.safetensors + pals_config.json [+ trained_base.safetensors]): read only
+# ----------------------------------------------------------------------------------------------------------------
+def _load_legacy_pals(model: nn.Module, folder: Path, load_trained_base: bool) -> nn.Module:
+    """Load a folder of the old format (fastpals 0.1 save_pals)."""
     from safetensors.torch import load_file
 
-    folder = Path(folder)
-    cfg_path, weights_path = folder / CONFIG_NAME, folder / WEIGHTS_NAME
+    cfg_path, weights_path = folder / LEGACY_CONFIG_NAME, folder / LEGACY_WEIGHTS_NAME
     for path in (cfg_path, weights_path):
         if not path.is_file():
             raise FileNotFoundError(f"load_pals: {path} not found (not a folder written by save_pals)")
@@ -753,31 +835,12 @@ def load_pals(model: nn.Module, folder: str | os.PathLike, load_trained_base: bo
         meta = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"load_pals: {cfg_path} is not valid JSON ({e})") from None
-    if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
+    if meta.get("format") != LEGACY_FORMAT or meta.get("format_version") != 1:
         raise ValueError(
             f"load_pals: {cfg_path} has format {meta.get('format')!r} version {meta.get('format_version')!r}; "
-            f"expected {FORMAT!r} version {FORMAT_VERSION}"
+            f"expected {LEGACY_FORMAT!r} version 1"
         )
-    saved_cfg = PALConfig.from_dict(meta["pal_config"])
-    state = getattr(model, _STATE_ATTR, None)
-    if state is None:
-        targets = {} if _known(model) else {k: meta[k] for k in ("layers_pattern", "layer_norm_name")}
-        resolved = _resolve(model, saved_cfg, mask_argument="attention_mask", **_resolve_kwargs(targets))
-        _check_shape(meta, resolved.layers_pattern, resolved.hidden_size, len(resolved.layers), folder)
-        inject_pals(model, saved_cfg, **targets)
-        state = _injection(model, "load_pals")
-    else:
-        _check_shape(meta, state.layers_pattern, state.hidden_size, state.num_layers, folder)
-        own = state.config.to_dict()
-        diffs = [
-            f"{k}: saved {v!r}, model {own.get(k)!r}"
-            for k, v in meta["pal_config"].items()
-            if own.get(k) != v
-        ]
-        if diffs:
-            raise ValueError(
-                f"load_pals: the PALs in {folder} differ from the model's PALConfig: " + "; ".join(diffs)
-            )
+    _injected_like(model, PALConfig.from_dict(meta["pal_config"]), meta, folder)
     tensors = load_file(str(weights_path))
     own_state = pal_state_dict(model)
     problems = state_dict_mismatches(own_state, tensors)
@@ -786,10 +849,10 @@ def load_pals(model: nn.Module, folder: str | os.PathLike, load_trained_base: bo
     base_names = meta.get("trained_base_parameters", {})
     base_tensors: dict[str, torch.Tensor] = {}
     if base_names and load_trained_base:
-        base_path = folder / BASE_WEIGHTS_NAME
+        base_path = folder / LEGACY_BASE_WEIGHTS_NAME
         if not base_path.is_file():
             raise FileNotFoundError(
-                f"load_pals: {CONFIG_NAME} lists trained base parameters but {base_path} is missing"
+                f"load_pals: {LEGACY_CONFIG_NAME} lists trained base parameters but {base_path} is missing"
             )
         base_tensors = load_file(str(base_path))
         params = dict(model.named_parameters())
@@ -809,6 +872,35 @@ def load_pals(model: nn.Module, folder: str | os.PathLike, load_trained_base: bo
         for k, v in itertools.chain(tensors.items(), base_tensors.items()):
             own_state[k].copy_(v)
     return model
+
+
+def _native_pal_model(model: nn.Module) -> tuple[str, MiniBert] | None:
+    """The one fastpals ``BertModel`` in ``model`` that was built with PALs (not injected), with its name."""
+    if getattr(model, _STATE_ATTR, None) is not None:
+        return None
+    found = [
+        (n, m)
+        for n, m in model.named_modules()
+        if isinstance(m, MiniBert) and m.pal_config is not None and m.pal_config.variant != "none"
+    ]
+    return found[0] if len(found) == 1 else None
+
+
+def _injected_like(model: nn.Module, saved: PALConfig, target: dict[str, Any], folder: Path) -> _Injection:
+    """Inject ``saved`` into ``model`` (where ``target``, a saved encoder description, says) or check that the
+    PALs already injected are the same; any difference is a ``ValueError``. Returns the injection state."""
+    from fastpals.adapters import check_same_pal_config
+
+    state = getattr(model, _STATE_ATTR, None)
+    if state is None:
+        targets = {} if _known(model) else {k: target[k] for k in ("layers_pattern", "layer_norm_name")}
+        resolved = _resolve(model, saved, mask_argument="attention_mask", **_resolve_kwargs(targets))
+        _check_shape(target, resolved.layers_pattern, resolved.hidden_size, len(resolved.layers), folder)
+        inject_pals(model, saved, **targets)
+        return _injection(model, "load_pals")
+    _check_shape(target, state.layers_pattern, state.hidden_size, state.num_layers, folder)
+    check_same_pal_config(state.config.to_dict(), saved.to_dict(), str(folder), "load_pals")
+    return state
 
 
 def _resolve_kwargs(targets: dict[str, str]) -> dict[str, str | None]:

@@ -21,6 +21,7 @@ import importlib.util
 import json
 import os
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,13 +33,19 @@ from torch import nn
 from fastpals.functional import check_task_ids, grouped_linear_reference, pal_reference, pal_varlen_reference
 
 __all__ = [
+    "BatchLayout",
     "BertConfig",
     "BertModel",
     "BertOutput",
     "LoadReport",
     "PALConfig",
+    "freeze_shared_parameters",
+    "is_layer_norm",
+    "is_task_specific",
     "load_bert_state_dict",
+    "make_layout",
     "state_dict_mismatches",
+    "task_specific_kind",
 ]
 
 
@@ -173,8 +180,13 @@ class PALConfig:
 # Batch layout: padded [B, L, d] or packed [N, d] (no compute on padding)
 # ----------------------------------------------------------------------------------------------------------------
 @dataclass
-class _Layout:
-    """How a batch is laid out, shared by every layer of one forward call."""
+class BatchLayout:
+    """How a batch is laid out, shared by every layer of one forward call (build it with :func:`make_layout`).
+
+    ``mask [B, L]`` bool (True = token), ``task_ids [B]`` int64 or None. Packed layouts (``packed=True``) also
+    hold ``index [N]`` (flat positions of the N tokens in ``[B*L]``), ``cu_seqlens [B+1]`` int32,
+    ``max_seqlen`` and ``row_task_ids [N]``; ``sdpa_mask [B, 1, 1, L]`` bool is SDPA's attention mask.
+    """
 
     batch: int
     length: int
@@ -208,12 +220,17 @@ class _Layout:
         return per_example.unsqueeze(1)
 
 
-def _make_layout(
+_Layout = BatchLayout  # the former name, still used by the kernel-dispatch functions below
+
+
+def make_layout(
     attention_mask: torch.Tensor, task_ids: torch.Tensor | None, packed: bool, shape: tuple[int, int]
-) -> _Layout:
+) -> BatchLayout:
+    """The layout of one batch: ``attention_mask [B, L]`` (1/True = token), ``task_ids [B]`` int64 or None,
+    ``packed`` (run token-wise ops on the N real tokens only; needs right-padded rows), ``shape = (B, L)``."""
     mask = attention_mask.to(torch.bool)
     batch, length = shape
-    layout = _Layout(batch=batch, length=length, mask=mask, task_ids=task_ids, packed=packed)
+    layout = BatchLayout(batch=batch, length=length, mask=mask, task_ids=task_ids, packed=packed)
     layout.sdpa_mask = mask[:, None, None, :]
     if packed:
         lengths = mask.sum(1)
@@ -270,7 +287,7 @@ class BertSelfAttention(nn.Module):
         self.dropout_p = cfg.attention_probs_dropout_prob
         self.task_embedding: nn.Parameter | None = None
 
-    def forward(self, x: torch.Tensor, layout: _Layout) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
         """x: [B, L, d] or packed [N, d] → same shape."""
         q, k, v = self.query(x), self.key(x), self.value(x)
         if self.task_embedding is not None:
@@ -320,7 +337,7 @@ class BertAttention(nn.Module):
         self.self = BertSelfAttention(cfg)
         self.output = BertSelfOutput(cfg)
 
-    def forward(self, x: torch.Tensor, layout: _Layout) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
         return self.output(self.self(x, layout), x)
 
 
@@ -354,7 +371,7 @@ class BertLayer(nn.Module):
         self.output = BertOutputBlock(cfg)
         self.pal: PALLayer | None = None
 
-    def forward(self, x: torch.Tensor, layout: _Layout) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
         attn = self.attention(x, layout)
         pre_ln = self.output.dropout(self.output.dense(self.intermediate(attn))) + attn
         if self.pal is not None:
@@ -423,7 +440,7 @@ class PALLayer(nn.Module):
     def proj(self) -> PALProjections:
         return self.projections if self.projections is not None else self._shared
 
-    def forward(self, h: torch.Tensor, layout: _Layout, residual: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, layout: BatchLayout, residual: torch.Tensor) -> torch.Tensor:
         """h, residual: [B, L, d] or packed [N, d] → residual + gate · TS(h), same shape."""
         p = self.proj()
         dropout = self.dropout_p if self.training else 0.0
@@ -524,7 +541,7 @@ class BertModel(nn.Module):
         self.pal_projections: PALProjections | None = None
         self.pal_top: PALTop | None = None
         if pal is not None:
-            self._add_pals(pal)
+            self.add_pals(pal)
         self.load_report: LoadReport | None = None
 
     def _init_bert_weights(self, m: nn.Module) -> None:
@@ -536,8 +553,12 @@ class BertModel(nn.Module):
             nn.init.ones_(m.weight)
             nn.init.zeros_(m.bias)
 
-    def _add_pals(self, pal: PALConfig) -> None:
+    def add_pals(self, pal: PALConfig) -> None:
+        """Add freshly initialised task-specific parameters of ``pal`` (any variant) to this model in place and
+        record ``pal`` as its ``pal_config``. The model must not have PALs yet."""
         cfg = self.config
+        if any(is_task_specific(n) for n, _ in self.named_parameters()):
+            raise ValueError("add_pals: this model already has task-specific (PAL) parameters")
         pal.validate(cfg.num_hidden_layers)
         dropout = cfg.attention_probs_dropout_prob if pal.dropout is None else pal.dropout
         layers = pal.layer_indices(cfg.num_hidden_layers)
@@ -558,6 +579,7 @@ class BertModel(nn.Module):
             for layer in self.encoder.layer:
                 att = layer.attention.self
                 att.task_embedding = nn.Parameter(torch.zeros(pal.num_tasks, 3, cfg.hidden_size))
+        self.pal_config = pal
 
     @property
     def num_tasks(self) -> int:
@@ -596,7 +618,7 @@ class BertModel(nn.Module):
                     "this model has task-specific PAL parameters: pass task_ids (one per example)"
                 )
             task_ids = check_task_ids(task_ids, self.num_tasks, b, input_ids.device)
-        layout = _make_layout(attention_mask, task_ids, unpad, (b, n))
+        layout = make_layout(attention_mask, task_ids, unpad, (b, n))
         x = layout.to_rows(self.embeddings(input_ids, token_type_ids))
         for layer in self.encoder.layer:
             x = layer(x, layout)
@@ -615,6 +637,7 @@ class BertModel(nn.Module):
 
         Unknown keys and missing encoder keys are reported in ``model.load_report`` and as a warning; with
         ``strict=True`` missing encoder keys are an error. PAL parameters keep their random initialisation.
+        The model comes back in eval mode (as in transformers): call ``.train()`` before training.
         """
         from fastpals.hub import resolve_model_dir
 
@@ -629,13 +652,13 @@ class BertModel(nn.Module):
         model = cls(config, pal=pal)
         state = load_bert_state_dict(folder)
         model.load_report = model.load_bert_weights(state, strict=strict, source=str(folder))
-        return model
+        return model.eval()
 
     def load_bert_weights(
         self, state: dict[str, torch.Tensor], strict: bool = True, source: str = ""
     ) -> LoadReport:
         """Copy encoder weights from an HF/CS224N state dict (names normalised by :func:`normalize_key`)."""
-        own = {k: v for k, v in self.state_dict().items() if not _is_task_param(k)}
+        own = {k: v for k, v in self.state_dict().items() if not is_task_specific(k)}
         normalized: dict[str, torch.Tensor] = {}
         unexpected: list[str] = []
         for key, value in state.items():
@@ -663,10 +686,70 @@ class BertModel(nn.Module):
         return report
 
 
-def _is_task_param(name: str) -> bool:
-    """True for PAL/EmBERT parameter names (under any prefix), False for BERT's own weights."""
+# ----------------------------------------------------------------------------------------------------------------
+# Which parameters are task-specific: the one rule (trainer, surgery, freezing, saving, injection use it)
+# ----------------------------------------------------------------------------------------------------------------
+PAL_MODULE_NAMES = ("pal", "pal_projections", "pal_top")
+HEAD_MODULE_NAME = "heads"
+TASK_EMBEDDING_NAME = "task_embedding"
+
+
+def task_specific_kind(name: str) -> str | None:
+    """What a parameter (or state-dict) name holds: ``"pal"`` for PAL weights of every variant (a module named
+    ``pal``, ``pal_projections`` or ``pal_top`` anywhere in the dotted name) and EmBERT's ``task_embedding``,
+    ``"head"`` for task heads (a module named ``heads`` anywhere in the name, as in
+    :class:`fastpals.MultiTaskBert` and ``inject_pals`` users' wrappers), ``None`` for shared (encoder) weights.
+    Names are matched by whole dotted components, under any prefix."""
     parts = name.split(".")
-    return bool({"pal", "pal_projections", "pal_top"} & set(parts)) or parts[-1] == "task_embedding"
+    if HEAD_MODULE_NAME in parts[:-1]:
+        return "head"
+    if any(p in PAL_MODULE_NAMES for p in parts[:-1]) or parts[-1] == TASK_EMBEDDING_NAME:
+        return "pal"
+    return None
+
+
+def is_task_specific(name: str) -> bool:
+    """True for task-specific parameter names (PALs, task embeddings, task heads; see :func:`task_specific_kind`),
+    False for the shared encoder weights. This is the rule every part of fastpals uses."""
+    return task_specific_kind(name) is not None
+
+
+def is_layer_norm(module: nn.Module) -> bool:
+    """True for ``nn.LayerNorm`` and for LayerNorm classes of other libraries (class name ending in LayerNorm,
+    e.g. apex's ``FusedLayerNorm``, T5's ``T5LayerNorm``): matched by module type, never by parameter name."""
+    return isinstance(module, nn.LayerNorm) or type(module).__name__.lower().endswith("layernorm")
+
+
+def freeze_shared_parameters(
+    model: nn.Module, train_layer_norms: bool = True, modules_to_train: Iterable[str] = ()
+) -> dict[str, int]:
+    """The Bert-n-Pals "freeze" recipe: set ``requires_grad=False`` on every parameter of ``model`` except the
+    task-specific ones (:func:`is_task_specific`), the LayerNorms (:func:`is_layer_norm`, when
+    ``train_layer_norms``) and the modules named in ``modules_to_train``.
+
+    ``modules_to_train``: module names, each matching a module whose qualified name equals it or ends with
+    ``"." + name`` (e.g. ``"classifier"``, ``"pooler"``); a name that matches nothing is an error.
+    Returns ``{"trainable": n, "frozen": m}`` parameter element counts.
+    """
+    if isinstance(modules_to_train, str):
+        raise TypeError("modules_to_train must be a list of module names, not a string")
+    names = list(modules_to_train)
+    keep = {id(p) for n, p in model.named_parameters() if is_task_specific(n)}
+    unmatched = set(names)
+    for name, module in model.named_modules():
+        hit = [t for t in names if name == t or name.endswith("." + t)]
+        unmatched -= set(hit)
+        if hit or (train_layer_norms and is_layer_norm(module)):
+            keep.update(id(p) for p in module.parameters())
+    if unmatched:
+        raise ValueError(
+            f"freeze_shared_parameters: modules_to_train names {sorted(unmatched)} match no module"
+        )
+    counts = {"trainable": 0, "frozen": 0}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in keep)
+        counts["trainable" if id(p) in keep else "frozen"] += p.numel()
+    return counts
 
 
 def _is_ignorable(name: str) -> bool:

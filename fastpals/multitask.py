@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastpals.model import BertConfig, BertModel, PALConfig, _is_task_param, state_dict_mismatches
+from fastpals.model import BertConfig, BertModel, PALConfig, state_dict_mismatches, task_specific_kind
 from fastpals.tasks import TASKS, TaskSpec, get_task
 
 __all__ = [
@@ -120,14 +121,17 @@ class MultiTaskBert(nn.Module):
 
     # ------------------------------------------------------------------------------------------------------------
     @classmethod
-    def from_pretrained(
+    def from_base(
         cls,
         name_or_path: str | os.PathLike,
         tasks: list[str | TaskSpec] | tuple[str | TaskSpec, ...] = ("sst", "para", "sts"),
         pal: PALConfig | None = None,
         head_dropout: float = 0.1,
     ) -> MultiTaskBert:
-        """Encoder weights from ``name_or_path`` (see :meth:`BertModel.from_pretrained`), random PALs and heads."""
+        """A new multi-task model on a pretrained encoder: encoder weights from the BERT checkpoint
+        ``name_or_path`` (see :meth:`BertModel.from_pretrained`: ``"minilm-l6"``, a local folder, a Hub name),
+        freshly initialised PALs (``pal``; ``num_tasks`` is set to ``len(tasks)``) and heads. Returned in eval
+        mode, as transformers does: call ``.train()`` before training."""
         specs = [get_task(t) for t in tasks]
         if pal is not None:
             pal = dataclasses.replace(pal, num_tasks=len(specs))
@@ -136,6 +140,101 @@ class MultiTaskBert(nn.Module):
         model = cls(config)
         model.bert.load_state_dict(encoder.state_dict())
         model.bert.load_report = encoder.load_report
+        return model.eval()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path: str | os.PathLike,
+        tasks: list[str | TaskSpec] | tuple[str | TaskSpec, ...] | None = None,
+        pal: PALConfig | None = None,
+        head_dropout: float = 0.1,
+        base_model: str | os.PathLike | None = None,
+    ) -> MultiTaskBert:
+        """Open a model saved with :meth:`save_pretrained` (a full folder, or an adapter-only folder whose
+        encoder comes from ``base_model``, default the ``base_model_name_or_path`` it records), in eval mode.
+
+        An adapter written by :func:`fastpals.save_pals` from an injected HF encoder records no task heads:
+        pass ``tasks=`` (one per PAL task); the heads then start fresh. For a base BERT checkpoint (no adapter),
+        ``from_pretrained(name, tasks=..., pal=...)`` is :meth:`from_base` (the clearer name for it). Folders of
+        the old format (``fastpals_config.json``) load with a ``FutureWarning``.
+        """
+        from fastpals.adapters import find_adapter_folder
+
+        folder = Path(name_or_path)
+        if folder.is_dir() and find_adapter_folder(folder) is not None:
+            return cls._from_adapter_folder(folder, tasks, pal, head_dropout, base_model).eval()
+        if folder.is_dir() and (folder / LEGACY_CONFIG_NAME).is_file():
+            if tasks is not None or pal is not None:
+                raise ValueError(
+                    f"{folder} is a saved MultiTaskBert: its tasks and PALs are fixed (drop tasks=/pal=)"
+                )
+            warnings.warn(
+                f"{folder} is in the old fastpals format ({LEGACY_CONFIG_NAME}); save it again with "
+                "save_pretrained to get config.json, model.safetensors and pals/adapter_*",
+                FutureWarning,
+                stacklevel=2,
+            )
+            return _load_legacy(cls, folder, base_model).eval()
+        if tasks is None:
+            raise ValueError(
+                f"{name_or_path} is not a saved MultiTaskBert (no adapter_config.json): to start a new "
+                "model from a base checkpoint call MultiTaskBert.from_base(name_or_path, tasks=[...], pal=...)"
+            )
+        return cls.from_base(name_or_path, tasks, pal, head_dropout)
+
+    @classmethod
+    def load(cls, folder: str | os.PathLike, base_model: str | os.PathLike | None = None) -> MultiTaskBert:
+        """The former name of :meth:`from_pretrained` for saved folders (kept as an alias)."""
+        return cls.from_pretrained(folder, base_model=base_model)
+
+    @classmethod
+    def _from_adapter_folder(
+        cls,
+        folder: Path,
+        tasks: list[str | TaskSpec] | tuple[str | TaskSpec, ...] | None,
+        pal: PALConfig | None,
+        head_dropout: float,
+        base_model: str | os.PathLike | None,
+    ) -> MultiTaskBert:
+        from fastpals.adapters import read_adapter_config
+
+        config, adapter = read_adapter_config(folder, "MultiTaskBert.from_pretrained")
+        saved_pal = None if config.get("pal_config") is None else PALConfig.from_dict(config["pal_config"])
+        if pal is not None:
+            raise ValueError(
+                f"{folder} is a saved model: its PALs are fixed by {adapter}/adapter_config.json (drop pal=)"
+            )
+        if config.get("tasks") is not None:
+            if tasks is not None:
+                raise ValueError(f"{folder} is a saved MultiTaskBert: its tasks are fixed (drop tasks=)")
+            specs = [TaskSpec(**t) for t in config["tasks"]]
+            head_dropout = config.get("extra", {}).get("head_dropout", head_dropout)
+        else:
+            if tasks is None:
+                raise ValueError(
+                    f"the adapter in {adapter} holds PALs for {config.get('task_names')} but no task heads "
+                    "(saved by save_pals): pass tasks=[...] (one per PAL task; the heads start fresh)"
+                )
+            specs = [get_task(t) for t in tasks]
+        full = adapter != folder and (folder / "config.json").is_file()
+        if full:
+            bert_config = BertConfig.from_json(folder / "config.json")
+            base_name = config.get("extra", {}).get("fine_tuned_from")
+            model = cls(MultiTaskConfig(bert_config, specs, saved_pal, base_name, head_dropout))
+            _load_shared(model, folder)
+        else:
+            base = base_model or config.get("base_model_name_or_path")
+            if base is None:
+                raise ValueError(
+                    f"{folder} holds an adapter only and records no base_model_name_or_path: pass base_model="
+                )
+            model = cls.from_base(base, specs, saved_pal, head_dropout)
+        saved_extra = config.get("extra", {})
+        model.config.extra = {
+            k: v for k, v in saved_extra.items() if k not in ("head_dropout", "fine_tuned_from")
+        }
+        model.load_adapter(adapter, strict=config.get("tasks") is not None)
         return model
 
     @property
@@ -251,54 +350,188 @@ class MultiTaskBert(nn.Module):
 
     # ------------------------------------------------------------------------------------------------------------
     def adapter_state_dict(self) -> dict[str, torch.Tensor]:
-        """The task-specific weights alone: PALs (every variant) and heads."""
-        return {k: v for k, v in self.state_dict().items() if k.startswith("heads.") or _is_task_param(k)}
+        """The task-specific weights alone (:func:`fastpals.model.is_task_specific`): PALs (every variant) and
+        heads, by their names in this model."""
+        return {k: v for k, v in self.state_dict().items() if task_specific_kind(k) is not None}
 
-    def save_pretrained(self, folder: str | os.PathLike, adapters_only: bool = False) -> Path:
-        """Write ``fastpals_config.json`` and ``model.safetensors`` (everything) or ``adapters.safetensors``
-        (PAL and head weights alone; loading them needs the base checkpoint named in the config)."""
+    def trained_base_state_dict(self) -> dict[str, torch.Tensor]:
+        """The shared (encoder) parameters that train while others are frozen (the freeze recipe trains the
+        LayerNorms): empty when every parameter is trainable or every shared one is frozen."""
+        shared = {n: p for n, p in self.named_parameters() if task_specific_kind(n) is None}
+        if all(p.requires_grad for p in shared.values()):
+            return {}
+        return {n: p.detach() for n, p in shared.items() if p.requires_grad}
+
+    def shared_state_dict(self) -> dict[str, torch.Tensor]:
+        """The shared encoder's weights under HF ``BertModel`` names (no ``bert.`` prefix, no PALs)."""
+        return {
+            k[len("bert.") :]: v
+            for k, v in self.bert.state_dict(prefix="bert.").items()
+            if task_specific_kind(k) is None
+        }
+
+    def _adapter_kwargs(self) -> dict[str, Any]:
+        cfg = self.config
+        n_layers = cfg.bert.num_hidden_layers
+        return {
+            "pal_config": None if cfg.pal is None else cfg.pal.to_dict(),
+            "encoder": {
+                "prefix": "bert",
+                "model_type": "bert",
+                "layers_pattern": "encoder.layer",
+                "layer_norm_name": "output.LayerNorm",
+                "hidden_size": cfg.bert.hidden_size,
+                "num_layers": n_layers,
+                "layer_indices": [] if cfg.pal is None else cfg.pal.layer_indices(n_layers),
+            },
+            "base_model_name_or_path": cfg.base_model,
+            "task_names": self.task_names,
+            "tasks": [t.to_dict() for t in self.tasks],
+            "modules_to_save": ["heads"],
+            "extra": {**cfg.extra, "head_dropout": cfg.head_dropout},
+            "saved_from": type(self).__name__,
+        }
+
+    def save_pretrained(
+        self, folder: str | os.PathLike, adapters_only: bool = False, tokenizer: Any | None = None
+    ) -> Path:
+        """Save the model so that :meth:`from_pretrained` opens it, and HF tools open its shared encoder.
+
+        Full (default), the folder holds:
+
+        - ``config.json`` (HF ``BertConfig``, ``model_type`` ``"bert"``) and ``model.safetensors`` (the shared
+          encoder under HF ``BertModel`` names): ``transformers.AutoModel.from_pretrained(folder)`` opens the
+          encoder without PALs;
+        - ``pals/adapter_config.json`` and ``pals/adapter_model.safetensors``: PALs and heads
+          (:mod:`fastpals.adapters`); ``fastpals.load_pals(AutoModel.from_pretrained(folder), folder)`` gives the
+          HF encoder its PALs. Their ``base_model_name_or_path`` is null (they belong to the encoder saved
+          beside them); the checkpoint the model started from is kept as ``extra.fine_tuned_from``;
+        - with ``tokenizer`` (a :class:`fastpals.Tokenizer`): ``vocab.txt``, ``tokenizer.json``,
+          ``tokenizer_config.json``, ``special_tokens_map.json`` for ``transformers.AutoTokenizer``.
+
+        ``adapters_only=True`` writes ``adapter_config.json`` and ``adapter_model.safetensors`` at the top of
+        ``folder``: PALs, heads, and (freeze recipe) the trained base weights; loading needs the base checkpoint
+        named in ``base_model_name_or_path``. Returns the folder.
+        """
         from safetensors.torch import save_file
+
+        from fastpals.adapters import ADAPTER_SUBFOLDER, write_adapter
 
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        meta = self.config.to_dict()
-        meta["format"] = "adapters" if adapters_only else "full"
-        (folder / "fastpals_config.json").write_text(json.dumps(meta, indent=2))
-        state = self.adapter_state_dict() if adapters_only else self.state_dict()
-        name = "adapters.safetensors" if adapters_only else "model.safetensors"
-        save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(folder / name))
+        tensors = self.adapter_state_dict()
+        heads = {k for k in tensors if task_specific_kind(k) == "head"}
+        base: dict[str, torch.Tensor] = {}
+        if adapters_only:
+            base = self.trained_base_state_dict()
+            adapter_dir = folder
+        else:
+            adapter_dir = folder / ADAPTER_SUBFOLDER
+            shared = {k: v.detach().contiguous().cpu() for k, v in self.shared_state_dict().items()}
+            dtype = shared["embeddings.word_embeddings.weight"].dtype
+            (folder / "config.json").write_text(json.dumps(hf_bert_config(self.config.bert, dtype), indent=2))
+            save_file(shared, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        kwargs = self._adapter_kwargs()
+        if not adapters_only:
+            # these PALs belong to the encoder saved beside them (fine-tuned or not), not to the original base
+            kwargs["base_model_name_or_path"] = None
+            kwargs["extra"]["fine_tuned_from"] = self.config.base_model
+        write_adapter(
+            adapter_dir, {**tensors, **base}, head_names=heads, trained_base_names=set(base), **kwargs
+        )
+        if tokenizer is not None:
+            tokenizer.save_pretrained(folder)
         return folder
 
-    @classmethod
-    def load(cls, folder: str | os.PathLike, base_model: str | os.PathLike | None = None) -> MultiTaskBert:
-        """Load what :meth:`save_pretrained` wrote. Adapter-only folders load the encoder from ``base_model``
-        (default: the one recorded in the config) and then the adapters; any mismatch is an error."""
-        from safetensors.torch import load_file
+    def load_adapter(
+        self, folder: str | os.PathLike, load_trained_base: bool = True, strict: bool = True
+    ) -> MultiTaskBert:
+        """Load an adapter (from :meth:`save_pretrained` or :func:`fastpals.save_pals`) into this model: its PAL
+        config must equal this model's (else ``ValueError`` naming the fields that differ); PAL tensors must
+        match exactly. Heads and trained base weights load by name; with ``strict`` a saved tensor this model
+        has no place for is an error (else a warning names it). Returns the model."""
+        from fastpals.adapters import check_same_pal_config, load_adapter_tensors, read_adapter
 
-        folder = Path(folder)
-        cfg_path = folder / "fastpals_config.json"
-        if not cfg_path.is_file():
-            raise FileNotFoundError(
-                f"{cfg_path} not found: not a folder written by MultiTaskBert.save_pretrained"
+        config, tensors, adapter = read_adapter(folder, "load_adapter")
+        own = None if self.config.pal is None else self.config.pal.to_dict()
+        saved = config.get("pal_config")
+        if (own is None) != (saved is None):
+            raise ValueError(
+                f"load_adapter: {adapter} holds {'no PALs' if saved is None else 'PALs'} but this model has "
+                f"{'none' if own is None else 'PALs'}"
             )
-        meta = json.loads(cfg_path.read_text())
-        config = MultiTaskConfig.from_dict(meta)
-        if meta.get("format") == "adapters":
-            base = base_model or config.base_model
-            if base is None:
-                raise ValueError(f"{folder} holds adapters only: pass base_model=")
-            model = cls.from_pretrained(base, config.tasks, config.pal, config.head_dropout)
-            _load_checked(model, load_file(str(folder / "adapters.safetensors")), folder, subset=True)
-        else:
-            model = cls(config)
-            _load_checked(model, load_file(str(folder / "model.safetensors")), folder, subset=False)
-        return model
+        if own is not None:
+            check_same_pal_config(own, saved, str(adapter), "load_adapter")
+        load_adapter_tensors(
+            self,
+            "bert",
+            config,
+            tensors,
+            source=str(adapter),
+            caller="load_adapter",
+            load_trained_base=load_trained_base,
+            strict=strict,
+        )
+        return self
+
+
+def hf_bert_config(config: BertConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """An HF transformers ``config.json`` for a ``BertModel`` with this encoder's shape (``model_type`` bert)
+    whose weights are saved in ``dtype``."""
+    return {
+        "architectures": ["BertModel"],
+        "model_type": "bert",
+        **dataclasses.asdict(config),
+        "position_embedding_type": "absolute",
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def _load_shared(model: MultiTaskBert, folder: Path) -> None:
+    """Load a full folder's ``model.safetensors`` (the shared encoder, HF names) into ``model.bert``: exactly."""
+    from safetensors.torch import load_file
+
+    path = folder / "model.safetensors"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found (a full MultiTaskBert folder has it beside config.json)")
+    state = load_file(str(path))
+    own = {k: v for k, v in model.bert.state_dict().items() if task_specific_kind(k) is None}
+    problems = state_dict_mismatches(own, state)
+    if problems:
+        raise ValueError(f"cannot load {path}:\n  " + "\n  ".join(problems))
+    model.bert.load_state_dict(state, strict=False)
+
+
+LEGACY_CONFIG_NAME = "fastpals_config.json"
+
+
+def _load_legacy(
+    cls: type[MultiTaskBert], folder: Path, base_model: str | os.PathLike | None
+) -> MultiTaskBert:
+    """Folders of fastpals 0.1: ``fastpals_config.json`` with ``model.safetensors`` (all weights, ``bert.``
+    names) or ``adapters.safetensors`` (PALs and heads)."""
+    from safetensors.torch import load_file
+
+    meta = json.loads((folder / LEGACY_CONFIG_NAME).read_text())
+    config = MultiTaskConfig.from_dict(meta)
+    if meta.get("format") == "adapters":
+        base = base_model or config.base_model
+        if base is None:
+            raise ValueError(f"{folder} holds adapters only: pass base_model=")
+        model = cls.from_base(base, config.tasks, config.pal, config.head_dropout)
+        _load_checked(model, load_file(str(folder / "adapters.safetensors")), folder, subset=True)
+    else:
+        model = cls(config)
+        _load_checked(model, load_file(str(folder / "model.safetensors")), folder, subset=False)
+    return model
 
 
 def _load_checked(model: nn.Module, state: dict[str, torch.Tensor], folder: Path, subset: bool) -> None:
     own = model.state_dict()
     if subset:
-        own = {k: v for k, v in own.items() if k.startswith("heads.") or _is_task_param(k)}
+        own = {k: v for k, v in own.items() if task_specific_kind(k) is not None}
     problems = state_dict_mismatches(own, state)
     if problems:
         raise ValueError(f"cannot load {folder}:\n  " + "\n  ".join(problems))
@@ -336,9 +569,10 @@ def count_parameters(model: nn.Module) -> dict[str, int]:
     for name, p in model.named_parameters():
         n = p.numel()
         counts["total"] += n
-        if name.startswith("heads.") or ".heads." in name:
+        kind = task_specific_kind(name)
+        if kind == "head":
             counts["heads"] += n
-        elif _is_task_param(name):
+        elif kind == "pal":
             counts["pal"] += n
             if "pal_top." in name:
                 counts["pal_top"] += n

@@ -20,6 +20,7 @@ sequence (or pair) is counted in ``Tokenizer.num_truncated``; nothing is cut wit
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -130,6 +131,40 @@ class Tokenizer:
         See ``fastpals.hub.resolve_model_dir`` for how the name is resolved and the errors it raises.
         """
         return cls(resolve_model_dir(name_or_path, ("vocab.txt",)) / "vocab.txt")
+
+    def save_pretrained(self, folder: str | os.PathLike) -> list[Path]:
+        """Write the tokenizer files HF transformers reads, so ``AutoTokenizer.from_pretrained(folder)`` gives a
+        ``BertTokenizerFast`` with the same ids, masks and token types (and ``Tokenizer.from_pretrained(folder)``
+        this tokenizer): ``vocab.txt``, ``tokenizer.json`` (this Rust pipeline, without truncation or padding),
+        ``tokenizer_config.json`` and ``special_tokens_map.json``. Returns the paths written."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        by_id = sorted(self.vocab, key=self.vocab.__getitem__)
+        special = {"unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]", "cls_token": "[CLS]",
+                   "mask_token": "[MASK]"}  # fmt: skip
+        pipeline = json.loads(self._rust.to_str())
+        pipeline["truncation"] = None
+        pipeline["padding"] = None
+        config = {
+            "tokenizer_class": "BertTokenizer",
+            "do_lower_case": True,
+            "tokenize_chinese_chars": True,
+            "strip_accents": None,
+            "model_max_length": MAX_POSITIONS,
+            "clean_up_tokenization_spaces": True,
+            **special,
+        }
+        files = {
+            "vocab.txt": "".join(t + "\n" for t in by_id),
+            "tokenizer.json": json.dumps(pipeline, ensure_ascii=False),
+            "tokenizer_config.json": json.dumps(config, indent=2),
+            "special_tokens_map.json": json.dumps(special, indent=2),
+        }
+        paths = []
+        for name, text in files.items():
+            (folder / name).write_text(text, encoding="utf-8")
+            paths.append(folder / name)
+        return paths
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_file={str(self.vocab_file)!r}, vocab_size={self.vocab_size})"

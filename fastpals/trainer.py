@@ -67,7 +67,7 @@ import numpy as np
 import torch
 
 from fastpals.data import DATA_DIR_ENV, TASK_FORMATS, DataWarning, TaskBatcher, load_task, resolve_data_dir
-from fastpals.model import PALConfig, _is_task_param
+from fastpals.model import PALConfig, freeze_shared_parameters, task_specific_kind
 from fastpals.multitask import TASKS, MultiTaskBert, get_task
 from fastpals.sampling import GROUPED_METHODS, SAMPLING_METHODS, TaskSampler
 
@@ -486,7 +486,7 @@ def optimizer_param_groups(
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        kind = "head" if name.startswith("heads.") else "pal" if _is_task_param(name) else "encoder"
+        kind = task_specific_kind(name) or "encoder"
         groups.setdefault((kind, not _no_decay(name)), []).append(p)
     rates = {"encoder": lr, "pal": pal_lr, "head": head_lr}
     out = []
@@ -715,9 +715,7 @@ class Trainer:
             except ValueError as err:
                 raise ConfigError(f"--pal {args.pal}: {err}") from None
         if args.freeze_bert:
-            for name, p in model.named_parameters():
-                if not (name.startswith("heads.") or _is_task_param(name) or "LayerNorm" in name):
-                    p.requires_grad_(False)
+            freeze_shared_parameters(model)  # PALs, heads and LayerNorms (by module type) keep training
         self.model = model
 
     def _setup_engine(self) -> None:
@@ -884,7 +882,7 @@ class Trainer:
 
     def _save_best(self) -> None:
         best = self.out / "best"
-        self.engine.module.save_pretrained(best)
+        self.engine.module.save_pretrained(best, tokenizer=self.tokenizer)
         shutil.copy(self.tokenizer.vocab_file, best / "vocab.txt")
         info = {"max_length": self.args.max_length, "step": self.global_step, "tasks": self.args.task_list}
         (best / "training_args.json").write_text(json.dumps(info, indent=2))

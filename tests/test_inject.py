@@ -8,10 +8,8 @@ import pytest
 import torch
 from torch import nn
 
+from fastpals.adapters import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME
 from fastpals.inject import (
-    BASE_WEIGHTS_NAME,
-    CONFIG_NAME,
-    WEIGHTS_NAME,
     freeze_base_model,
     inject_pals,
     load_pals,
@@ -331,9 +329,9 @@ def test_save_load_round_trip(tmp_path, arch):
     save_pals(model, tmp_path)
     from safetensors.torch import load_file
 
-    saved = load_file(str(tmp_path / WEIGHTS_NAME))
+    saved = load_file(str(tmp_path / ADAPTER_WEIGHTS_NAME))
     assert set(saved) == set(pal_state_dict(model))  # the PALs alone, no base weight
-    assert (tmp_path / CONFIG_NAME).is_file()
+    assert (tmp_path / ADAPTER_CONFIG_NAME).is_file()
     fresh = _tiny(arch).eval()  # the same base weights (same seed), new PALs
     loaded = load_pals(fresh, tmp_path)
     for k, v in pal_state_dict(model).items():
@@ -351,16 +349,20 @@ def test_save_load_round_trip(tmp_path, arch):
 
 
 def test_save_load_with_frozen_base_keeps_the_trained_layernorms(tmp_path):
+    import json
+
+    from safetensors.torch import load_file
+
     model = inject_pals(_tiny("bert"), PAL, freeze_base=True).eval()
     with torch.no_grad():  # "training" moved the PALs and the LayerNorms
         for p in model.parameters():
             if p.requires_grad:
                 p.add_(torch.randn_like(p) * 0.1)
     save_pals(model, tmp_path)
-    from safetensors.torch import load_file
-
-    base = load_file(str(tmp_path / BASE_WEIGHTS_NAME))
-    assert set(base) == {n for n, _ in model.named_parameters() if "LayerNorm" in n}
+    config = json.loads((tmp_path / ADAPTER_CONFIG_NAME).read_text())
+    layer_norms = {n for n, _ in model.named_parameters() if "LayerNorm" in n}
+    assert set(config["trained_base_parameters"]) == layer_norms
+    assert set(load_file(str(tmp_path / ADAPTER_WEIGHTS_NAME))) == layer_norms | set(pal_state_dict(model))
     ids, mask = _batch()
     tasks = torch.tensor([0, 2, 1, 0])
     with torch.no_grad():
@@ -370,15 +372,23 @@ def test_save_load_with_frozen_base_keeps_the_trained_layernorms(tmp_path):
         )
         pals_only = load_pals(_tiny("bert").eval(), tmp_path, load_trained_base=False)
         assert (_hidden(pals_only, ids, mask, task_ids=tasks) - want).abs().max() > 1e-3
-    # saving again without the base weights removes the stale file
+    # saving again without the base weights leaves them out
     save_pals(model, tmp_path, include_trained_base=False)
-    assert not (tmp_path / BASE_WEIGHTS_NAME).exists()
-    # trained base weights saved from BertForSequenceClassification name 'bert.*' and 'classifier.*'
+    assert json.loads((tmp_path / ADAPTER_CONFIG_NAME).read_text())["trained_base_parameters"] == {}
+    # saved from BertForSequenceClassification: the encoder's LayerNorms ('bert.*') load into a bare BertModel,
+    # the trained classifier has no place there: an error with strict=True, a warning naming it otherwise
     wrapped = transformers.BertForSequenceClassification(transformers.BertConfig(**SMALL, num_labels=2))
     inject_pals(wrapped, PAL, freeze_base=True, modules_to_train=["classifier"])
+    with torch.no_grad():
+        wrapped.bert.embeddings.LayerNorm.bias.fill_(0.25)
     save_pals(wrapped, tmp_path / "cls")
-    with pytest.raises(ValueError, match="not in the model: bert.embeddings.LayerNorm.bias"):
-        load_pals(_tiny("bert"), tmp_path / "cls")
+    config = json.loads((tmp_path / "cls" / ADAPTER_CONFIG_NAME).read_text())
+    assert config["encoder"]["prefix"] == "bert" and config["modules_to_save"] == ["classifier"]
+    with pytest.raises(ValueError, match="no place for 2 tensors.*classifier.bias"):
+        load_pals(_tiny("bert"), tmp_path / "cls", strict=True)
+    with pytest.warns(UserWarning, match="no place for 2 tensors.*classifier.bias.*not loaded"):
+        bare = load_pals(_tiny("bert"), tmp_path / "cls")
+    assert torch.equal(bare.embeddings.LayerNorm.bias, torch.full((32,), 0.25))
 
 
 def test_load_into_mismatched_model_fails_clearly(tmp_path):
@@ -395,14 +405,14 @@ def test_load_into_mismatched_model_fails_clearly(tmp_path):
         )
     with pytest.raises(ValueError, match="saved from a bert model with layers at 'encoder.layer'"):
         load_pals(_tiny("distilbert"), tmp_path)
-    with pytest.raises(FileNotFoundError, match=CONFIG_NAME):
+    with pytest.raises(FileNotFoundError, match=ADAPTER_CONFIG_NAME):
         load_pals(_tiny("bert"), tmp_path / "nowhere")
     # a tampered weights file: the names and shapes are checked, not trusted
     from safetensors.torch import load_file, save_file
 
-    state = load_file(str(tmp_path / WEIGHTS_NAME))
+    state = load_file(str(tmp_path / ADAPTER_WEIGHTS_NAME))
     state["pal_projections.enc_weight"] = state["pal_projections.enc_weight"][:, :6].contiguous()
-    save_file(state, str(tmp_path / WEIGHTS_NAME))
+    save_file(state, str(tmp_path / ADAPTER_WEIGHTS_NAME))
     with pytest.raises(
         ValueError, match=r"pal_projections.enc_weight: saved \[3, 6, 32\], model \[3, 12, 32\]"
     ):

@@ -27,7 +27,9 @@ def hf_minilm():
 
 @pytest.fixture(scope="module")
 def ours_minilm():
-    return BertModel.from_pretrained("minilm-l6").eval()
+    model = BertModel.from_pretrained("minilm-l6")
+    assert not model.training  # from_pretrained returns eval mode, as transformers does
+    return model
 
 
 def _hf_batch(sentences, pairs=None):

@@ -270,12 +270,13 @@ def test_task_spec_validation():
 @pytest.mark.parametrize("adapters_only", [False, True])
 def test_save_load_round_trip(tmp_path, adapters_only):
     if adapters_only:
-        model = MultiTaskBert.from_pretrained("minilm-l6", pal=PALConfig(hidden=24, num_heads=2))
+        model = MultiTaskBert.from_base("minilm-l6", pal=PALConfig(hidden=24, num_heads=2))
     else:
         model = _mt()
     model.eval()
     model.save_pretrained(tmp_path, adapters_only=adapters_only)
-    loaded = MultiTaskBert.load(tmp_path).eval()
+    loaded = MultiTaskBert.load(tmp_path)  # the former name of from_pretrained
+    assert not loaded.training
     ids, mask, types = _batch()
     ids = ids.clamp(max=99)
     tasks = torch.tensor([0, 1, 2, 0, 1])
@@ -284,7 +285,7 @@ def test_save_load_round_trip(tmp_path, adapters_only):
     if adapters_only:
         from safetensors.torch import load_file
 
-        keys = load_file(str(tmp_path / "adapters.safetensors")).keys()
+        keys = load_file(str(tmp_path / "adapter_model.safetensors")).keys()
         assert keys and all(k.startswith("heads.") or "pal" in k for k in keys)
 
 
@@ -292,12 +293,13 @@ def test_load_mismatch_is_reported(tmp_path):
     _mt().save_pretrained(tmp_path)
     import json
 
-    meta = json.loads((tmp_path / "fastpals_config.json").read_text())
-    meta["pal"]["hidden"] = 16
-    meta["pal"]["num_heads"] = 2
-    (tmp_path / "fastpals_config.json").write_text(json.dumps(meta))
+    path = tmp_path / "pals" / "adapter_config.json"
+    meta = json.loads(path.read_text())
+    meta["pal_config"]["hidden"] = 16
+    meta["pal_config"]["num_heads"] = 2
+    path.write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="qkv_weight"):
-        MultiTaskBert.load(tmp_path)
+        MultiTaskBert.from_pretrained(tmp_path)
 
 
 def test_public_names():

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -84,6 +85,30 @@ def test_python_launch_writes_every_output(tiny, tmp_path):
                    "--out", str(tmp_path / "pred")])  # fmt: skip
     assert rc == 0, log
     assert len((tmp_path / "pred" / "sts-test-output.csv").read_text().splitlines()) == 49
+    # best/ opens in HF transformers: the shared encoder, the tokenizer, and the encoder with its PALs
+    import transformers
+
+    from fastpals import MultiTaskBert, Tokenizer, load_pals
+
+    best = out / "best"
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(best))
+    ours = Tokenizer.from_pretrained(best)(["good movie", "a gripping, funny film"], max_length=32)
+    assert (
+        hf_tok(["good movie", "a gripping, funny film"], padding=True)["input_ids"]
+        == ours["input_ids"].tolist()
+    )
+    hf = (
+        transformers.AutoModel.from_pretrained(str(best), attn_implementation="eager").float().eval()
+    )  # bf16 run
+    model = MultiTaskBert.from_pretrained(best)
+    with pytest.warns(UserWarning, match="heads"):
+        load_pals(hf, best)
+    tasks = torch.tensor([0, 2])
+    with torch.no_grad():
+        want = model.bert(ours["input_ids"], ours["attention_mask"], ours["token_type_ids"], tasks)
+        got = hf(**ours, task_ids=tasks)
+    keep = ours["attention_mask"].bool()
+    assert (got.last_hidden_state - want.last_hidden_state)[keep].abs().max() <= 1e-5
     # a run folder with checkpoints is not overwritten by accident
     rc, log = run([sys.executable, "train.py", *common(tiny, out, "--epochs", "1", "--steps-per-epoch", "1")])
     assert rc == 2 and "--resume" in log
@@ -134,9 +159,8 @@ def test_kill_and_resume_equals_uninterrupted(tiny, tmp_path):
         return [(r["step"], r["loss"]) for r in records if r["type"] == "step"]
 
     assert losses(full) == losses(cut)  # same batches, same dropout, same updates
-    assert (full / "best" / "model.safetensors").read_bytes() == (
-        cut / "best" / "model.safetensors"
-    ).read_bytes()
+    for name in ("model.safetensors", "pals/adapter_model.safetensors"):
+        assert (full / "best" / name).read_bytes() == (cut / "best" / name).read_bytes(), name
 
 
 @pytest.mark.parametrize(
@@ -158,10 +182,10 @@ def test_surgery_runs(tiny, tmp_path, surgery, sampling, extra):
     assert len(steps) == 2 and all(set(r["loss"]) == {"sst", "para", "sts"} for r in steps)
     evals = [r["step"] for r in records if r["type"] == "eval"]
     assert evals == ([1, 2] if "--eval-every" in extra else [2])
-    config = json.loads((out / "best" / "fastpals_config.json").read_text())
+    config = json.loads((out / "best" / "pals" / "adapter_config.json").read_text())
     if "--freeze-bert" in extra:
         assert [t["pair_mode"] for t in config["tasks"]] == ["joint", "sbert_concat", "sbert_cosine"]
-        assert config["pal"]["gate"] is True
+        assert config["pal_config"]["gate"] is True
 
 
 def test_nan_loss_is_reported_and_stops(tiny, tmp_path):

@@ -39,10 +39,7 @@ def shared_parameters_by_name(
     and task embeddings are task-specific, every other (encoder) weight is shared.
     """
     if is_task_specific is None:
-        from fastpals.model import _is_task_param
-
-        def is_task_specific(name: str) -> bool:
-            return name.startswith("heads.") or ".heads." in name or _is_task_param(name)
+        from fastpals.model import is_task_specific
 
     shared, specific = [], []
     for name, p in model.named_parameters():
