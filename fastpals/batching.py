@@ -49,7 +49,7 @@ package live here (:func:`lengths_to_cu_seqlens`, :func:`cu_seqlens_to_mask`, :f
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -63,8 +63,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EQUAL_SHARE_METHODS",
+    "AttentionBucket",
+    "AttentionPlan",
     "MixedBatchSampler",
     "MixedSelection",
+    "attention_plan",
+    "bucketed_attention",
     "check_packed",
     "collate_packed",
     "cu_seqlens_to_mask",
@@ -178,6 +182,91 @@ def pool_packed(hidden: torch.Tensor, cu_seqlens: torch.Tensor, mode: str) -> to
         init = hidden.new_full((lengths.shape[0], hidden.shape[1]), torch.finfo(hidden.dtype).min)
         return init.scatter_reduce(0, index, hidden, reduce="amax", include_self=False)
     raise ValueError(f"pooling mode {mode!r}: choose first, mean or max")
+
+
+@dataclass(frozen=True)
+class AttentionBucket:
+    """Sequences of similar length attended together in one padded block ``[size, length]``.
+
+    ``tokens [n]`` int64: the packed positions of their tokens; ``slots [n]`` int64: where each lands in the
+    block flattened to ``[size * length]``; ``mask [size, length]`` bool (True = token).
+    """
+
+    tokens: torch.Tensor
+    slots: torch.Tensor
+    mask: torch.Tensor
+    size: int
+    length: int
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """How :func:`bucketed_attention` splits a packed batch: ``buckets`` and ``inverse [N]`` int64 (the position of
+    every packed token in the buckets' concatenated outputs)."""
+
+    buckets: list[AttentionBucket]
+    inverse: torch.Tensor
+
+
+def attention_plan(cu_seqlens: torch.Tensor, ratio: float = 0.8) -> AttentionPlan:
+    """Group the sequences of ``cu_seqlens [B+1]`` by length for attention over padded blocks (the CPU path):
+    sorted longest first, a sequence joins the current block while its length is at least ``ratio`` times the
+    block's longest, so at most ``1 - ratio`` of a block's query rows (and keys) are padding."""
+    cu = cu_seqlens.detach().to("cpu", torch.int64).numpy()
+    lengths = cu[1:] - cu[:-1]
+    order = np.argsort(-lengths, kind="stable")
+    groups: list[list[int]] = []
+    for s in order:
+        if groups and lengths[s] >= ratio * lengths[groups[-1][0]]:
+            groups[-1].append(int(s))
+        else:
+            groups.append([int(s)])
+    device = cu_seqlens.device
+    buckets, all_tokens = [], []
+    for group in groups:
+        length = int(lengths[group[0]])
+        tokens = np.concatenate([np.arange(cu[s], cu[s + 1]) for s in group])
+        slots = np.concatenate([j * length + np.arange(lengths[s]) for j, s in enumerate(group)])
+        mask = np.arange(length)[None, :] < lengths[group][:, None]
+        all_tokens.append(tokens)
+        buckets.append(
+            AttentionBucket(
+                tokens=torch.from_numpy(tokens).to(device),
+                slots=torch.from_numpy(slots).to(device),
+                mask=torch.from_numpy(mask).to(device),
+                size=len(group),
+                length=length,
+            )
+        )
+    inverse = np.empty(int(cu[-1]), dtype=np.int64)
+    inverse[np.concatenate(all_tokens)] = np.arange(int(cu[-1]))
+    return AttentionPlan(buckets=buckets, inverse=torch.from_numpy(inverse).to(device))
+
+
+def bucketed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: AttentionPlan,
+    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Packed attention computed block by block: ``q, k, v [N, H, Dh]`` → ``[N, H, Dh]``.
+
+    ``attend(q, k, v, mask)`` is padded attention on ``[size, length, H, Dh]`` with a key mask ``[size, length]``
+    bool (e.g. :func:`fastpals.functional.attention_reference`); each sequence only sees its own keys, as in
+    :func:`fastpals.functional.attention_varlen_reference`, with padding bounded per block instead of padding
+    every sequence to the batch's longest.
+    """
+    qkv = torch.stack((q, k, v), 1)  # [N, 3, H, Dh]
+    pieces = []
+    for b in plan.buckets:
+        block = qkv.new_zeros(b.size * b.length, *qkv.shape[1:]).index_copy(
+            0, b.slots, qkv.index_select(0, b.tokens)
+        )
+        qb, kb, vb = block.view(b.size, b.length, *qkv.shape[1:]).unbind(2)
+        ctx = attend(qb, kb, vb, b.mask)
+        pieces.append(ctx.reshape(b.size * b.length, *ctx.shape[2:]).index_select(0, b.slots))
+    return torch.cat(pieces).index_select(0, plan.inverse)
 
 
 def padding_fraction(batch: dict) -> float:

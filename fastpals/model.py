@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastpals.functional import check_task_ids, grouped_linear_reference, pal_reference, pal_varlen_reference
+from fastpals.functional import check_task_ids, grouped_linear_reference, pal_reference
 
 __all__ = [
     "BertConfig",
@@ -186,6 +186,17 @@ class _Layout:
     max_seqlen: int = 0
     row_task_ids: torch.Tensor | None = None  # [N] task of each packed token
     sdpa_mask: torch.Tensor | None = field(default=None, repr=False)  # [B, 1, 1, L] bool
+    plan: Any = field(
+        default=None, repr=False
+    )  # fastpals.batching.AttentionPlan (packed, built on first use)
+
+    def attention_plan(self) -> Any:
+        """The length buckets packed attention runs over when no varlen kernel serves it (built once per batch)."""
+        if self.plan is None:
+            from fastpals.batching import attention_plan
+
+            self.plan = attention_plan(self.cu_seqlens)
+        return self.plan
 
     def to_padded(self, x: torch.Tensor) -> torch.Tensor:
         """[N, ...] packed rows → [B, L, ...] with zeros at padding (identity when not packed)."""
@@ -287,6 +298,23 @@ class BertSelfAttention(nn.Module):
                 q.view(shape), k.view(shape), v.view(shape), layout.cu_seqlens, layout.cu_seqlens,
                 layout.max_seqlen, layout.max_seqlen, dropout_p=dropout,
             )  # fmt: skip
+            return ctx.reshape(q.shape)
+        if layout.packed:  # padded blocks of similar lengths, not every sequence padded to the longest
+            from fastpals.batching import bucketed_attention
+
+            def attend(
+                qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, mask: torch.Tensor
+            ) -> torch.Tensor:
+                qb, kb, vb = (t.transpose(1, 2) for t in (qb, kb, vb))
+                ctx = F.scaled_dot_product_attention(
+                    qb, kb, vb, attn_mask=mask[:, None, None, :], dropout_p=dropout
+                )
+                return ctx.transpose(1, 2)
+
+            shape = (q.shape[0], self.num_heads, self.head_dim)
+            ctx = bucketed_attention(
+                q.view(shape), k.view(shape), v.view(shape), layout.attention_plan(), attend
+            )
             return ctx.reshape(q.shape)
         q, k, v = (layout.to_padded(t) for t in (q, k, v))
         b, n, d = q.shape
@@ -456,8 +484,28 @@ def _kernel_pal(h: torch.Tensor, layout: _Layout, args: tuple, residual: torch.T
 
 def _reference_pal(h: torch.Tensor, layout: _Layout, args: tuple) -> torch.Tensor:
     if layout.packed:
-        return pal_varlen_reference(h, layout.cu_seqlens, layout.max_seqlen, *args)
+        return _packed_reference_pal(h, layout, args)
     return pal_reference(h, layout.mask, *args)
+
+
+def _packed_reference_pal(h: torch.Tensor, layout: _Layout, args: tuple) -> torch.Tensor:
+    """:func:`pal_varlen_reference` composed of the same reference ops, with the grouped linears on the packed
+    tokens only (each token's task from ``row_task_ids``) and the attention over length buckets."""
+    from fastpals.batching import bucketed_attention
+    from fastpals.functional import attention_reference
+
+    _, enc_w, enc_b, qkv_w, qkv_b, dec_w, dec_b, num_heads, gelu, dropout = args
+    tasks = layout.row_task_ids
+    s = grouped_linear_reference(h, tasks, enc_w, enc_b)  # [N, d_s]
+    n, d_s = s.shape
+    q, k, v = (
+        grouped_linear_reference(s, tasks, qkv_w, qkv_b).view(n, 3, num_heads, d_s // num_heads).unbind(1)
+    )
+    ctx = bucketed_attention(
+        q, k, v, layout.attention_plan(), lambda qb, kb, vb, m: attention_reference(qb, kb, vb, m, dropout)
+    )
+    y = grouped_linear_reference(ctx.reshape(n, d_s), tasks, dec_w, dec_b)
+    return F.gelu(y) if gelu else y
 
 
 class PALTop(nn.Module):
