@@ -285,5 +285,13 @@ def _write(payload: dict[str, Any]) -> None:
     lines += ["", "| side by side | tokens/s ratio | examples/s ratio |", "|---|---:|---:|"]
     for name, r in payload["ratios"].items():
         lines.append(f"| {name} | {r['tokens_per_s']:.2f}x | {r['examples_per_s']:.2f}x |")
-    lines += ["", f"Ratios: {payload['ratio_method']}. Goal: >= {GOAL}x tokens/s against per_task_padded."]
+    got = payload["ratios"]["mixed_packed / per_task_padded"]["tokens_per_s"]
+    lines += [
+        "",
+        f"Ratios: {payload['ratio_method']}. Goal: >= {GOAL}x tokens/s against per_task_padded (today's trainer "
+        f"update): {'met' if got >= GOAL else 'not met'} ({got:.2f}x). per_task_padded buckets rows by length "
+        "(TaskBatcher's default), so it computes little padding; on CPU the update is bound by the dense matmuls, "
+        "whose work is then the same in both paths. Against random (unbucketed) per-task batches the packed "
+        "update avoids their padding.",
+    ]
     path.with_suffix(".md").write_text("\n".join(lines) + "\n")

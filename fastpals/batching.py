@@ -425,11 +425,15 @@ class MixedBatchSampler:
             return np.full(self.num_tasks, 1.0 / self.num_tasks)
         return task_probabilities(self.sizes, self.method, epoch, self.num_epochs)
 
+    def pass_order(self, task: int, k: int) -> np.ndarray:
+        """The example order of pass ``k`` (from 0) over task ``task``: int64 ``[N_t]``, the same permutation as
+        :meth:`fastpals.data.TaskBatcher.epoch_batches` starts epoch ``k`` with (given the batcher's seed)."""
+        return np.random.default_rng([self.task_seeds[task], k]).permutation(self.sizes[task])
+
     def _perm(self, t: int) -> np.ndarray:
         cached = self._perms.get(t)
         if cached is None or cached[0] != self.passes[t]:
-            perm = np.random.default_rng([self.task_seeds[t], self.passes[t]]).permutation(self.sizes[t])
-            cached = (self.passes[t], perm)
+            cached = (self.passes[t], self.pass_order(t, self.passes[t]))
             self._perms[t] = cached
         return cached[1]
 
@@ -527,7 +531,12 @@ class MixedBatchSampler:
         if not 1 <= epoch <= self.num_epochs or not 0 <= step <= self.micro_batches_per_epoch:
             raise ValueError(f"saved epoch {epoch} / step {step} is outside this schedule")
         passes, positions = [int(x) for x in state["passes"]], [int(x) for x in state["positions"]]
-        if len(passes) != self.num_tasks or any(not 0 <= p <= n for p, n in zip(positions, self.sizes)):
+        if (
+            len(passes) != self.num_tasks
+            or len(positions) != self.num_tasks
+            or any(p < 0 for p in passes)
+            or any(not 0 <= p <= n for p, n in zip(positions, self.sizes))
+        ):
             raise ValueError("saved per-task positions do not fit these tasks")
         self.epoch, self.step, self.passes, self.positions = epoch, step, passes, positions
         self._rng.bit_generator.state = state["rng"]
