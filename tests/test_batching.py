@@ -485,3 +485,48 @@ def test_bucketed_attention_equals_varlen_reference():
     wg = torch.autograd.grad((want * w).sum(), (q, k, v))
     for a, b in zip(gg, wg):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.kernels
+def test_packed_mixed_batch_dispatches_to_pal_varlen_and_flash_varlen(monkeypatch):
+    """The packed micro-batch reaches the fused paths: Triton ``pal_varlen`` (interpreter mode on CPU) and
+    flash-attn's varlen attention (a stand-in computing the reference on CPU); both give the reference losses and
+    gradients."""
+    import copy
+    import sys
+    import types
+
+    import fastpals.model as model_mod
+    from fastpals import kernels
+    from fastpals.functional import attention_varlen_reference
+
+    pal = PALConfig(num_tasks=3, hidden=34, num_heads=2, gate=True, dropout=0.0)
+    model = _model(pal, "sbert_concat")
+    batches = _per_task_batches(model, sizes=(2, 3, 2), seed=7)
+    monkeypatch.setenv("FASTPALS_KERNELS", "reference")
+    _, want, want_grads = _packed_run(model, batches, "examples")
+
+    calls = {"pal_varlen": 0, "flash": []}
+    fused_op = kernels.pal_varlen
+
+    def counted(*args, **kwargs):
+        calls["pal_varlen"] += 1
+        return fused_op(*args, **kwargs)
+
+    def fake_varlen(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0):
+        calls["flash"].append((cu_q.tolist(), max_q))
+        return attention_varlen_reference(q, k, v, cu_q, max_q)
+
+    monkeypatch.setitem(kernels.__dict__, "pal_varlen", counted)
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=fake_varlen))
+    monkeypatch.setattr(model_mod, "_flash_varlen_ok", lambda q: True)
+    monkeypatch.setenv("FASTPALS_KERNELS", "triton")
+    fused_model = copy.deepcopy(model)
+    packed, got, got_grads = _packed_run(fused_model, batches, "examples")
+    layers = TINY.num_hidden_layers
+    assert calls["pal_varlen"] == 2 * layers  # sentence-1 pass and the siamese sentence-2 pass
+    assert len(calls["flash"]) == 2 * layers
+    assert calls["flash"][0] == (packed["cu_seqlens"].tolist(), packed["max_seqlen"])
+    assert calls["flash"][layers] == (packed["cu_seqlens_b"].tolist(), packed["max_seqlen_b"])
+    assert torch.allclose(got.total.detach(), want.total.detach(), rtol=1e-5, atol=0)
+    _assert_grads_close(got_grads, want_grads)
