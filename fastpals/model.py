@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastpals.functional import check_task_ids, grouped_linear_reference, pal_reference
+from fastpals.functional import check_task_ids, grouped_linear_reference, pal_reference, pal_varlen_reference
 
 __all__ = [
     "BertConfig",
@@ -186,9 +186,10 @@ class _Layout:
     max_seqlen: int = 0
     row_task_ids: torch.Tensor | None = None  # [N] task of each packed token
     sdpa_mask: torch.Tensor | None = field(default=None, repr=False)  # [B, 1, 1, L] bool
-    plan: Any = field(
-        default=None, repr=False
-    )  # fastpals.batching.AttentionPlan (packed, built on first use)
+    plan: Any = field(default=None, repr=False)  # fastpals.batching.AttentionPlan, built on first use
+    # packed inputs (cu_seqlens given): attention over length buckets and PAL linears on the packed tokens on the
+    # reference path; unpad=True keeps the padded-shape reference ops (bit-identical to the padded path)
+    buckets: bool = False
 
     def attention_plan(self) -> Any:
         """The length buckets packed attention runs over when no varlen kernel serves it (built once per batch)."""
@@ -299,7 +300,7 @@ class BertSelfAttention(nn.Module):
                 layout.max_seqlen, layout.max_seqlen, dropout_p=dropout,
             )  # fmt: skip
             return ctx.reshape(q.shape)
-        if layout.packed:  # padded blocks of similar lengths, not every sequence padded to the longest
+        if layout.buckets:  # padded blocks of similar lengths, not every sequence padded to the longest
             from fastpals.batching import bucketed_attention
 
             def attend(
@@ -483,8 +484,10 @@ def _kernel_pal(h: torch.Tensor, layout: _Layout, args: tuple, residual: torch.T
 
 
 def _reference_pal(h: torch.Tensor, layout: _Layout, args: tuple) -> torch.Tensor:
-    if layout.packed:
+    if layout.buckets:
         return _packed_reference_pal(h, layout, args)
+    if layout.packed:
+        return pal_varlen_reference(h, layout.cu_seqlens, layout.max_seqlen, *args)
     return pal_reference(h, layout.mask, *args)
 
 
@@ -698,6 +701,7 @@ class BertModel(nn.Module):
             task_ids = check_task_ids(task_ids, self.num_tasks, b, input_ids.device)
         mask = cu_seqlens_to_mask(cu_seqlens, int(max_seqlen))
         layout = _make_layout(mask, task_ids, True, (b, int(max_seqlen)))
+        layout.buckets = True
         position_ids = packed_position_ids(cu_seqlens, input_ids.shape[0])
         x = self.embeddings(input_ids, token_type_ids, position_ids)
         for layer in self.encoder.layer:
