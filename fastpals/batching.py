@@ -43,7 +43,9 @@ A packed micro-batch is a dict:
 
 :func:`model_inputs` picks the keys ``MultiTaskBert.forward`` takes. The pad/unpad/``cu_seqlens`` helpers of the
 package live here (:func:`lengths_to_cu_seqlens`, :func:`cu_seqlens_to_mask`, :func:`unpad`, :func:`pad_packed`,
-:func:`packed_position_ids`, :func:`pool_packed`).
+:func:`packed_position_ids`, :func:`pool_packed`). Without a varlen attention kernel (CPU, or CUDA without
+flash-attn / in fp32) the model attends over blocks of sequences of similar length (:func:`attention_plan`,
+:func:`bucketed_attention`), so packing does not bring back padding through attention.
 """
 
 from __future__ import annotations
