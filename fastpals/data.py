@@ -763,6 +763,10 @@ class TaskBatcher:
             (``(B, L2)``). With ``"both"``: those keys plus the joint encoding as ``joint_input_ids``,
             ``joint_attention_mask``, ``joint_token_type_ids``.
 
+    ``lengths [N]`` int64: each example's padded-width length (bucketing key); ``packed_lengths [N]`` int64: its
+    tokens once packed without padding (``fastpals.batching``: the joint encoding, or both sentences when
+    ``pair_encoding`` is ``"separate"``/``"both"``).
+
     Args:
         examples: examples of one task (all with labels, or all without).
         tokenizer: a ``fastpals.Tokenizer``.
@@ -851,6 +855,14 @@ class TaskBatcher:
         else:
             lengths = [len(enc.input_ids) for enc in self._joint]
         self.lengths = np.array(lengths, dtype=np.int64)
+        # tokens of each example once packed without padding (fastpals.batching): both sentences when separate
+        if pair_encoding == "joint":
+            self.packed_lengths = np.array([len(enc.input_ids) for enc in self._joint], dtype=np.int64)
+        else:
+            self.packed_lengths = np.array(
+                [len(a.input_ids) + len(b.input_ids) for a, b in zip(self._first, self._second)],
+                dtype=np.int64,
+            )
         if self.has_labels:
             self._labels = torch.tensor([example.label for example in examples], dtype=self.spec.label_dtype)
 

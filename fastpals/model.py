@@ -198,6 +198,18 @@ class BatchLayout:
     max_seqlen: int = 0
     row_task_ids: torch.Tensor | None = None  # [N] task of each packed token
     sdpa_mask: torch.Tensor | None = field(default=None, repr=False)  # [B, 1, 1, L] bool
+    plan: Any = field(default=None, repr=False)  # fastpals.batching.AttentionPlan, built on first use
+    # packed inputs (cu_seqlens given): attention over length buckets and PAL linears on the packed tokens on the
+    # reference path; unpad=True keeps the padded-shape reference ops (bit-identical to the padded path)
+    buckets: bool = False
+
+    def attention_plan(self) -> Any:
+        """The length buckets packed attention runs over when no varlen kernel serves it (built once per batch)."""
+        if self.plan is None:
+            from fastpals.batching import attention_plan
+
+            self.plan = attention_plan(self.cu_seqlens)
+        return self.plan
 
     def to_padded(self, x: torch.Tensor) -> torch.Tensor:
         """[N, ...] packed rows → [B, L, ...] with zeros at padding (identity when not packed)."""
@@ -262,14 +274,16 @@ class BertEmbeddings(nn.Module):
         self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
 
-    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids, token_type_ids: [B, L] int64 → [B, L, d]."""
-        pos = torch.arange(input_ids.shape[1], device=input_ids.device)
-        x = (
-            self.word_embeddings(input_ids)
-            + self.position_embeddings(pos)[None]
-            + self.token_type_embeddings(token_type_ids)
-        )
+    def forward(
+        self, input_ids: torch.Tensor, token_type_ids: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """input_ids, token_type_ids: [B, L] int64 → [B, L, d]; or packed [N] with ``position_ids [N]`` int64
+        (each token's position inside its own sequence) → [N, d]."""
+        if position_ids is None:
+            pos = self.position_embeddings(torch.arange(input_ids.shape[1], device=input_ids.device))[None]
+        else:
+            pos = self.position_embeddings(position_ids)
+        x = self.word_embeddings(input_ids) + pos + self.token_type_embeddings(token_type_ids)
         return self.dropout(self.LayerNorm(x))
 
 
@@ -302,6 +316,23 @@ class BertSelfAttention(nn.Module):
                 q.view(shape), k.view(shape), v.view(shape), layout.cu_seqlens, layout.cu_seqlens,
                 layout.max_seqlen, layout.max_seqlen, dropout_p=dropout,
             )  # fmt: skip
+            return ctx.reshape(q.shape)
+        if layout.buckets:  # padded blocks of similar lengths, not every sequence padded to the longest
+            from fastpals.batching import bucketed_attention
+
+            def attend(
+                qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, mask: torch.Tensor
+            ) -> torch.Tensor:
+                qb, kb, vb = (t.transpose(1, 2) for t in (qb, kb, vb))
+                ctx = F.scaled_dot_product_attention(
+                    qb, kb, vb, attn_mask=mask[:, None, None, :], dropout_p=dropout
+                )
+                return ctx.transpose(1, 2)
+
+            shape = (q.shape[0], self.num_heads, self.head_dim)
+            ctx = bucketed_attention(
+                q.view(shape), k.view(shape), v.view(shape), layout.attention_plan(), attend
+            )
             return ctx.reshape(q.shape)
         q, k, v = (layout.to_padded(t) for t in (q, k, v))
         b, n, d = q.shape
@@ -470,9 +501,31 @@ def _kernel_pal(h: torch.Tensor, layout: _Layout, args: tuple, residual: torch.T
 
 
 def _reference_pal(h: torch.Tensor, layout: _Layout, args: tuple) -> torch.Tensor:
+    if layout.buckets:
+        return _packed_reference_pal(h, layout, args)
     if layout.packed:
         return pal_varlen_reference(h, layout.cu_seqlens, layout.max_seqlen, *args)
     return pal_reference(h, layout.mask, *args)
+
+
+def _packed_reference_pal(h: torch.Tensor, layout: _Layout, args: tuple) -> torch.Tensor:
+    """:func:`pal_varlen_reference` composed of the same reference ops, with the grouped linears on the packed
+    tokens only (each token's task from ``row_task_ids``) and the attention over length buckets."""
+    from fastpals.batching import bucketed_attention
+    from fastpals.functional import attention_reference
+
+    _, enc_w, enc_b, qkv_w, qkv_b, dec_w, dec_b, num_heads, gelu, dropout = args
+    tasks = layout.row_task_ids
+    s = grouped_linear_reference(h, tasks, enc_w, enc_b)  # [N, d_s]
+    n, d_s = s.shape
+    q, k, v = (
+        grouped_linear_reference(s, tasks, qkv_w, qkv_b).view(n, 3, num_heads, d_s // num_heads).unbind(1)
+    )
+    ctx = bucketed_attention(
+        q, k, v, layout.attention_plan(), lambda qb, kb, vb, m: attention_reference(qb, kb, vb, m, dropout)
+    )
+    y = grouped_linear_reference(ctx.reshape(n, d_s), tasks, dec_w, dec_b)
+    return F.gelu(y) if gelu else y
 
 
 class PALTop(nn.Module):
@@ -521,10 +574,12 @@ class PALTop(nn.Module):
 # ----------------------------------------------------------------------------------------------------------------
 @dataclass
 class BertOutput:
-    """``last_hidden_state [B, L, d]`` and ``pooler_output [B, d]`` (tanh(dense([CLS])))."""
+    """``last_hidden_state [B, L, d]`` and ``pooler_output [B, d]`` (tanh(dense([CLS]))). For packed inputs
+    ``last_hidden_state`` is packed ``[N, d]`` and ``cu_seqlens [B+1]`` int32 says where each sequence lies."""
 
     last_hidden_state: torch.Tensor
     pooler_output: torch.Tensor
+    cu_seqlens: torch.Tensor | None = None
 
 
 class BertModel(nn.Module):
@@ -592,10 +647,22 @@ class BertModel(nn.Module):
         token_type_ids: torch.Tensor | None = None,
         task_ids: torch.Tensor | None = None,
         unpad: bool = False,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
     ) -> BertOutput:
         """input_ids/attention_mask/token_type_ids: [B, L] int; task_ids: [B] int (needed when the model has
         task-specific parameters). ``unpad=True`` runs every token-wise op on the packed [N, d] tokens only
-        (right-padded masks), which saves the work on padding for batches of short sentences."""
+        (right-padded masks), which saves the work on padding for batches of short sentences.
+
+        Packed inputs (no padding anywhere, see :mod:`fastpals.batching`): ``input_ids``/``token_type_ids``
+        ``[N]`` int64 with the ``B`` sequences back to back, ``cu_seqlens [B+1]`` int32 (``cu_seqlens[i]`` = start
+        of sequence i, ``cu_seqlens[B] = N``), ``max_seqlen`` int >= the longest sequence, no ``attention_mask``.
+        They run the same unpadded path as ``unpad=True``; the output's ``last_hidden_state`` is packed ``[N, d]``.
+        """
+        if cu_seqlens is not None:
+            return self._forward_packed(
+                input_ids, attention_mask, token_type_ids, task_ids, cu_seqlens, max_seqlen
+            )
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, length], got shape {list(input_ids.shape)}")
         b, n = input_ids.shape
@@ -626,6 +693,45 @@ class BertModel(nn.Module):
         if self.pal_top is not None:
             hidden = self.pal_top(hidden, layout.mask, task_ids)
         return BertOutput(last_hidden_state=hidden, pooler_output=self.pooler(hidden))
+
+    def _forward_packed(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        token_type_ids: torch.Tensor | None,
+        task_ids: torch.Tensor | None,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int | None,
+    ) -> BertOutput:
+        from fastpals.batching import check_packed, cu_seqlens_to_mask, packed_position_ids
+
+        if attention_mask is not None:
+            raise ValueError("packed inputs (cu_seqlens given) take no attention_mask")
+        lengths = check_packed(input_ids, cu_seqlens, max_seqlen, self.config.max_position_embeddings)
+        b = lengths.shape[0]
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        if token_type_ids.shape != input_ids.shape:
+            raise ValueError(
+                f"token_type_ids shape {list(token_type_ids.shape)} != input_ids {list(input_ids.shape)}"
+            )
+        if self.pal_config is not None and self.pal_config.variant != "none":
+            if task_ids is None:
+                raise ValueError(
+                    "this model has task-specific PAL parameters: pass task_ids (one per sequence)"
+                )
+            task_ids = check_task_ids(task_ids, self.num_tasks, b, input_ids.device)
+        mask = cu_seqlens_to_mask(cu_seqlens, int(max_seqlen))
+        layout = make_layout(mask, task_ids, True, (b, int(max_seqlen)))
+        layout.buckets = True
+        position_ids = packed_position_ids(cu_seqlens, input_ids.shape[0])
+        x = self.embeddings(input_ids, token_type_ids, position_ids)
+        for layer in self.encoder.layer:
+            x = layer(x, layout)
+        if self.pal_top is not None:
+            x = layout.to_rows(self.pal_top(layout.to_padded(x), layout.mask, task_ids))
+        cls = x.index_select(0, cu_seqlens[:-1].long())
+        return BertOutput(last_hidden_state=x, pooler_output=self.pooler(cls[:, None]), cu_seqlens=cu_seqlens)
 
     # ------------------------------------------------------------------------------------------------------------
     @classmethod

@@ -27,10 +27,14 @@ __all__ = [
     "MultiTaskBert",
     "MultiTaskConfig",
     "MultiTaskOutput",
+    "TASK_WEIGHTINGS",
+    "TaskLosses",
     "TaskSpec",
     "count_parameters",
     "get_task",
 ]
+
+TASK_WEIGHTINGS = ("examples", "equal")
 
 
 @dataclass
@@ -98,6 +102,23 @@ class MultiTaskOutput:
     logits: torch.Tensor
     task_ids: torch.Tensor
     pooled: torch.Tensor
+    row_tokens: torch.Tensor | None = None  # [B] int64: tokens the row ran (both sentences for siamese rows)
+
+
+@dataclass
+class TaskLosses:
+    """What :meth:`MultiTaskBert.task_losses` returns.
+
+    ``total``: the combined loss (0-dim, fp32) to back-propagate; ``per_task``: each present task's loss (0-dim,
+    the mean over its rows, CoSENT over its rows' pairs); ``weights``: the weight of each in ``total``;
+    ``examples`` / ``tokens``: each present task's rows and tokens in the batch (Python ints).
+    """
+
+    total: torch.Tensor
+    per_task: dict[str, torch.Tensor]
+    weights: dict[str, float]
+    examples: dict[str, int]
+    tokens: dict[str, int]
 
 
 class MultiTaskBert(nn.Module):
@@ -248,9 +269,13 @@ class MultiTaskBert(nn.Module):
             raise ValueError(f"unknown task {name!r}; this model has {self.task_names}") from None
 
     # ------------------------------------------------------------------------------------------------------------
-    def _features(self, spec: TaskSpec, out: Any, mask: torch.Tensor) -> torch.Tensor:
+    def _features(self, spec: TaskSpec, out: Any, mask: torch.Tensor | None) -> torch.Tensor:
         if spec.pooling == "cls":
             return out.pooler_output
+        if out.cu_seqlens is not None:  # packed [N, d]
+            from fastpals.batching import pool_packed
+
+            return pool_packed(out.last_hidden_state, out.cu_seqlens, spec.pooling)
         h = out.last_hidden_state
         m = mask.to(h.dtype).unsqueeze(-1)
         if spec.pooling == "mean":
@@ -260,19 +285,36 @@ class MultiTaskBert(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
         token_type_ids: torch.Tensor | None = None,
         task_ids: torch.Tensor | None = None,
         input_ids_b: torch.Tensor | None = None,
         attention_mask_b: torch.Tensor | None = None,
         token_type_ids_b: torch.Tensor | None = None,
         unpad: bool = False,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
+        cu_seqlens_b: torch.Tensor | None = None,
+        max_seqlen_b: int | None = None,
     ) -> MultiTaskOutput:
         """input_ids etc. ``[B, L]``; task_ids ``[B]`` int64 (may be omitted for a one-task model).
 
         Siamese pair tasks (``pair_mode`` sbert_*) take the second sentences in ``*_b`` ``[B, L2]`` (rows of other
         tasks are ignored there). Returns :class:`MultiTaskOutput`.
+
+        Packed inputs (:mod:`fastpals.batching`, no padding): ``input_ids``/``token_type_ids`` ``[N]``,
+        ``cu_seqlens [B+1]`` int32, ``max_seqlen``, no attention masks; the second sentences of the siamese rows
+        (only those, in row order) as ``input_ids_b``/``token_type_ids_b`` ``[N2]``, ``cu_seqlens_b [B2+1]``,
+        ``max_seqlen_b``. The encoder runs its unpadded path (Triton ``pal_varlen`` and flash-attn varlen on CUDA
+        when available) and pooling reads the packed rows.
         """
+        if cu_seqlens is not None:
+            return self._forward_packed(
+                input_ids, attention_mask, token_type_ids, task_ids, input_ids_b, token_type_ids_b, cu_seqlens,
+                max_seqlen, cu_seqlens_b, max_seqlen_b,
+            )  # fmt: skip
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
         b = input_ids.shape[0]
         if task_ids is None:
             if len(self.tasks) != 1:
@@ -304,7 +346,135 @@ class MultiTaskBert(nn.Module):
                 u = torch.cat([u, v, (u - v).abs()], dim=-1)
             y = self.heads[spec.name](u)
             logits = logits.index_copy(0, idx, F.pad(y, (0, width - spec.num_labels)))
-        return MultiTaskOutput(logits=logits, task_ids=task_ids, pooled=out_a.pooler_output)
+        row_tokens = attention_mask.sum(1).long()
+        if out_b is not None:
+            siamese = self._siamese_rows(task_ids)
+            row_tokens = row_tokens + torch.where(siamese, attention_mask_b.sum(1).long(), 0)
+        return MultiTaskOutput(
+            logits=logits, task_ids=task_ids, pooled=out_a.pooler_output, row_tokens=row_tokens
+        )
+
+    def _siamese_rows(self, task_ids: torch.Tensor) -> torch.Tensor:
+        """[B] bool: the rows whose task is a siamese pair task."""
+        flags = torch.tensor([s.siamese for s in self.tasks], device=task_ids.device)
+        return flags.index_select(0, task_ids)
+
+    def _forward_packed(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        token_type_ids: torch.Tensor | None,
+        task_ids: torch.Tensor | None,
+        input_ids_b: torch.Tensor | None,
+        token_type_ids_b: torch.Tensor | None,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int | None,
+        cu_seqlens_b: torch.Tensor | None,
+        max_seqlen_b: int | None,
+    ) -> MultiTaskOutput:
+        from fastpals.functional import check_task_ids
+
+        if attention_mask is not None:
+            raise ValueError("packed inputs (cu_seqlens given) take no attention_mask")
+        b = cu_seqlens.shape[0] - 1
+        if task_ids is None:
+            if len(self.tasks) != 1:
+                raise ValueError("task_ids is required for a model with more than one task")
+            task_ids = torch.zeros(b, dtype=torch.long, device=input_ids.device)
+        task_ids = check_task_ids(task_ids, len(self.tasks), b, input_ids.device)
+        enc_tasks = task_ids if self.bert.num_tasks else None
+        out_a = self.bert(
+            input_ids, None, token_type_ids, enc_tasks, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen
+        )
+        present = torch.bincount(task_ids, minlength=len(self.tasks)).tolist()  # one host sync per batch
+        row_tokens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+        out_b, slot_b = None, None
+        if any(present[i] and s.siamese for i, s in enumerate(self.tasks)):
+            rows_b = self._siamese_rows(task_ids).nonzero(as_tuple=True)[0]
+            if input_ids_b is None or cu_seqlens_b is None:
+                raise ValueError(
+                    "siamese pair tasks need input_ids_b and cu_seqlens_b (their second sentences)"
+                )
+            if cu_seqlens_b.shape[0] - 1 != rows_b.shape[0]:
+                raise ValueError(
+                    f"cu_seqlens_b holds {cu_seqlens_b.shape[0] - 1} sequences for {rows_b.shape[0]} siamese rows"
+                )
+            enc_b = None if enc_tasks is None else enc_tasks.index_select(0, rows_b)
+            out_b = self.bert(
+                input_ids_b, None, token_type_ids_b, enc_b, cu_seqlens=cu_seqlens_b, max_seqlen=max_seqlen_b
+            )
+            slot_b = torch.full((b,), -1, dtype=torch.long, device=task_ids.device)
+            slot_b[rows_b] = torch.arange(rows_b.shape[0], device=task_ids.device)
+            row_tokens = row_tokens.index_add(0, rows_b, (cu_seqlens_b[1:] - cu_seqlens_b[:-1]).long())
+        width = max(t.num_labels for t in self.tasks)
+        logits = out_a.pooler_output.new_zeros(b, width)
+        for i, spec in enumerate(self.tasks):
+            if not present[i]:
+                continue
+            idx = (task_ids == i).nonzero(as_tuple=True)[0]
+            u = self._features(spec, out_a, None).index_select(0, idx)
+            if spec.siamese:
+                v = self._features(spec, out_b, None).index_select(0, slot_b.index_select(0, idx))
+                if spec.pair_mode == "sbert_cosine":
+                    logits = logits.index_put((idx, torch.zeros_like(idx)), F.cosine_similarity(u, v, dim=-1))
+                    continue
+                u = torch.cat([u, v, (u - v).abs()], dim=-1)
+            y = self.heads[spec.name](u)
+            logits = logits.index_copy(0, idx, F.pad(y, (0, width - spec.num_labels)))
+        return MultiTaskOutput(
+            logits=logits, task_ids=task_ids, pooled=out_a.pooler_output, row_tokens=row_tokens
+        )
+
+    def _task_loss(self, spec: TaskSpec, z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if spec.kind == "classification":
+            return F.cross_entropy(z.float(), y.long())
+        if spec.kind == "binary":
+            return F.binary_cross_entropy_with_logits(z[:, 0].float(), y.float())
+        if spec.loss == "mse":
+            return F.mse_loss(z[:, 0].float(), y.float() / spec.label_scale)
+        return _cosent_loss(z[:, 0].float(), y.float())
+
+    def task_losses(
+        self, output: MultiTaskOutput, labels: torch.Tensor, weighting: str = "examples"
+    ) -> TaskLosses:
+        """One loss per task present (the mean over its rows), combined by ``weighting``:
+
+        - ``"examples"`` (default): ``total = sum_t (n_t / B) L_t``, the example-weighted mean (``n_t`` rows of
+          task t, ``B`` rows in all). For a batch of per-task micro-batches this equals their losses averaged
+          with each task's share as weight, i.e. what gradient accumulation over one micro-batch per task of
+          equal size computes.
+        - ``"equal"``: ``total = (1 / T_present) sum_t L_t``, each task present counts equally.
+
+        labels ``[B]`` float (as :meth:`loss`). Also returns each task's example and token counts (one host sync).
+        """
+        if weighting not in TASK_WEIGHTINGS:
+            raise ValueError(f"task weighting {weighting!r}: choose one of {', '.join(TASK_WEIGHTINGS)}")
+        num = len(self.tasks)
+        counts = torch.bincount(output.task_ids, minlength=num)
+        if output.row_tokens is not None:
+            tokens = torch.zeros(num, dtype=torch.long, device=counts.device).index_add(
+                0, output.task_ids, output.row_tokens
+            )
+        else:
+            tokens = torch.zeros_like(counts)
+        counts_l, tokens_l = counts.tolist(), tokens.tolist()
+        present = [i for i in range(num) if counts_l[i]]
+        rows = sum(counts_l)
+        total = output.logits.new_zeros((), dtype=torch.float32)
+        result = TaskLosses(total=total, per_task={}, weights={}, examples={}, tokens={})
+        for i in present:
+            spec = self.tasks[i]
+            idx = (output.task_ids == i).nonzero(as_tuple=True)[0]
+            z = output.logits.index_select(0, idx)[:, : spec.num_labels]
+            loss = self._task_loss(spec, z, labels.index_select(0, idx))
+            w = counts_l[i] / rows if weighting == "examples" else 1.0 / len(present)
+            total = total + w * loss
+            result.per_task[spec.name] = loss
+            result.weights[spec.name] = w
+            result.examples[spec.name] = counts_l[i]
+            result.tokens[spec.name] = tokens_l[i]
+        result.total = total
+        return result
 
     def loss(
         self, output: MultiTaskOutput, labels: torch.Tensor
@@ -320,15 +490,7 @@ class MultiTaskBert(nn.Module):
             if idx.numel() == 0:
                 continue
             z = output.logits.index_select(0, idx)[:, : spec.num_labels]
-            y = labels.index_select(0, idx)
-            if spec.kind == "classification":
-                loss = F.cross_entropy(z.float(), y.long())
-            elif spec.kind == "binary":
-                loss = F.binary_cross_entropy_with_logits(z[:, 0].float(), y.float())
-            elif spec.loss == "mse":
-                loss = F.mse_loss(z[:, 0].float(), y.float() / spec.label_scale)
-            else:
-                loss = _cosent_loss(z[:, 0].float(), y.float())
+            loss = self._task_loss(spec, z, labels.index_select(0, idx))
             per_task[spec.name] = loss
             total = total + loss
         return total, per_task
