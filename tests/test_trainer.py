@@ -249,3 +249,40 @@ def test_capped_dev_sets_are_a_fixed_random_subset(tiny):
     assert positions == sorted(positions) and positions != list(range(10))  # file order kept, not the head
     assert _load_split("sst", "dev", data, 10, print) == full[:10]
     assert _load_split("sst", "dev", data, 10**6, print, sample=True) == full
+
+
+def test_shipped_configs_resolve_by_name_from_any_folder(tmp_path, monkeypatch):
+    from fastpals.train.dsconfig import resolve_ds_config, shipped_configs
+
+    monkeypatch.chdir(tmp_path)  # no configs/ folder here
+    for spelling in ("cpu_bf16.json", "configs/cpu_bf16.json"):
+        assert resolve_ds_config(spelling) == shipped_configs()["cpu_bf16.json"]
+    assert load_ds_config("cpu_fp32.json") == load_ds_config(ROOT / "configs" / "cpu_fp32.json")
+    with pytest.raises(ConfigError, match="nope.json does not exist.*cpu_bf16.json"):
+        resolve_ds_config("nope.json")
+    (tmp_path / "mine.json").write_text('{"bf16": {"enabled": true}}')
+    assert resolve_ds_config("mine.json") == Path("mine.json")  # a file given by path wins
+
+
+@pytest.mark.slow
+def test_default_ds_config_works_from_a_wheel(tmp_path):
+    import zipfile
+
+    subprocess.run(
+        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "-o", str(tmp_path / "dist"), str(ROOT)],
+        check=True, capture_output=True, env={**os.environ, "FASTPALS_BUILD_CUDA": "0"},
+    )  # fmt: skip
+    (wheel,) = (tmp_path / "dist").glob("fastpals-*.whl")
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    assert (site / "fastpals" / "configs" / "cpu_bf16.json").is_file()
+    code = (
+        "import fastpals.train.dsconfig as d, fastpals.train.args as a; "
+        "print(d.resolve_ds_config(a.TrainArgs.__dataclass_fields__['ds_config'].default))"
+    )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=elsewhere,
+                          env={**os.environ, "PYTHONPATH": str(site)})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert Path(proc.stdout.strip()) == site / "fastpals" / "configs" / "cpu_bf16.json"

@@ -9,11 +9,8 @@ draws as tasks otherwise), DeepSpeed's accumulation is 1, and :func:`fastpals.tr
 captures each task's gradient of the shared weights into a :class:`fastpals.surgery.TaskGradientBuffer` and
 writes the combined gradient back before ``engine.step()`` clips it. Task-specific parameters (PALs, heads) keep
 their own task's gradient.
-
-Gradients under DeepSpeed 0.19.8: the buffer reads and writes them with ``deepspeed.utils.safe_get_full_grad`` /
-``safe_set_full_grad``. Checked on CPU, one rank: ZeRO-0 fp32 and ZeRO-1 bf16 (where they are the fp32 gradients
-of the optimizer's partitions, so the buffer is fp32). ZeRO-2 uses the same calls (not run here: no GPU); ZeRO-3
-is refused, fp16 needs CUDA, and bf16 with ZeRO-0 on CPU is refused (no fp32 master weights).
+Under DeepSpeed the buffer reads and writes gradients as :func:`fastpals.train.step.deepspeed_surgery_buffer`
+describes.
 
 Every micro-batch's loss is checked: a NaN/inf loss stops training before its backward with
 :class:`NonFiniteLossError` after a ``"nonfinite"`` record; the last checkpoint is untouched. SIGTERM/SIGINT
@@ -27,11 +24,9 @@ split of ``quora-dev.csv``), Pearson r (STS); overall = ``(sst + para + (r + 1) 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
-import random
 import signal
 import sys
 import time
@@ -44,7 +39,7 @@ import numpy as np
 import torch
 
 from fastpals.data import TASK_FORMATS, TaskBatcher
-from fastpals.multitask import MultiTaskBert, get_task
+from fastpals.multitask import MultiTaskBert
 from fastpals.sampling import TaskSampler
 from fastpals.train import evaluate as ev
 from fastpals.train import outputs
@@ -52,7 +47,7 @@ from fastpals.train.args import TrainArgs
 from fastpals.train.callbacks import Callback, default_callbacks
 from fastpals.train.dsconfig import check_ds_config, load_ds_config
 from fastpals.train.errors import ConfigError, NonFiniteLossError, TrainingInterrupted
-from fastpals.train.optim import freeze_encoder, lr_lambda, make_optimizer, optimizer_param_groups
+from fastpals.train.optim import build_model, lr_lambda, make_optimizer, optimizer_param_groups
 from fastpals.train.state import (
     GeneratorState,
     RNGState,
@@ -61,7 +56,7 @@ from fastpals.train.state import (
     load_checkpoint,
     save_checkpoint,
 )
-from fastpals.train.step import surgery_update
+from fastpals.train.step import deepspeed_surgery_buffer, surgery_update
 
 __all__ = ["Trainer", "timestamped"]
 
@@ -160,31 +155,7 @@ class Trainer:
         )  # fmt: skip
 
     def _setup_model(self) -> None:
-        args = self.args
-        torch.manual_seed(args.seed)
-        np.random.seed(args.seed)
-        random.seed(args.seed)
-        specs = []
-        for t in args.task_list:
-            spec = get_task(t)
-            mode = args.pair_mode
-            if spec.pair and mode != "joint":
-                if mode == "sbert_cosine" and spec.kind != "regression":
-                    mode = "sbert_concat"
-                spec = dataclasses.replace(spec, pair_mode=mode)
-            specs.append(dataclasses.replace(spec, head=args.head))
-        try:
-            model = MultiTaskBert.from_pretrained(args.model, tasks=specs, pal=args.pal_config)
-        except (FileNotFoundError, OSError, ImportError) as err:
-            raise ConfigError(f"--model {args.model}: {err}") from None
-        if args.pal_config is not None:
-            try:
-                args.pal_config.validate(model.config.bert.num_hidden_layers)
-            except ValueError as err:
-                raise ConfigError(f"--pal {args.pal}: {err}") from None
-        if args.freeze_bert:
-            freeze_encoder(model)
-        self.model = model
+        self.model = build_model(self.args)
 
     def _setup_engine(self) -> None:
         from fastpals.train.distributed import initialize
@@ -211,26 +182,11 @@ class Trainer:
             self._setup_surgery()
 
     def _setup_surgery(self) -> None:
-        from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
+        from fastpals.surgery import gem_weights, pcgrad_weights
 
-        from fastpals.surgery import (
-            TaskGradientBuffer,
-            gem_weights,
-            pcgrad_weights,
-            shared_parameters_by_name,
+        self.surgery_buffer = deepspeed_surgery_buffer(
+            self.engine.module, len(self.args.task_list), self.zero_stage
         )
-
-        def setter(p: torch.nn.Parameter, g: torch.Tensor | None) -> None:
-            safe_set_full_grad(p, g if g is not None else torch.zeros_like(p, dtype=torch.float32))
-
-        shared, specific = shared_parameters_by_name(self.engine.module)
-        self.surgery_buffer = TaskGradientBuffer(
-            shared, len(self.args.task_list), torch.float32, task_params=specific,
-            grad_getter=safe_get_full_grad, grad_setter=setter, grad_dtype=torch.float32,
-            # ZeRO-1/2 backwards replace the reduced gradients instead of adding to them (measured with
-            # DeepSpeed 0.19.8), so each task's head/PAL gradients are taken out at capture time too.
-            capture_task_params=self.zero_stage >= 1,
-        )  # fmt: skip
         self.aggregator = pcgrad_weights if self.args.surgery == "pcgrad" else gem_weights
         self.surgery_generator = torch.Generator().manual_seed(self.args.seed)
         self.components["surgery_rng"] = GeneratorState(self.surgery_generator)

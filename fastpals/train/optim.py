@@ -1,4 +1,5 @@
-"""Optimizer parameter groups, the optimizers, the warm-up/decay schedule and ``--freeze-bert``."""
+"""The model of a run's options, its optimizer parameter groups, the optimizers, the warm-up/decay schedule and
+``--freeze-bert``."""
 
 from __future__ import annotations
 
@@ -8,7 +9,14 @@ import torch
 
 from fastpals.train.errors import ConfigError
 
-__all__ = ["freeze_encoder", "lr_lambda", "make_optimizer", "optimizer_param_groups", "task_specific_names"]
+__all__ = [
+    "build_model",
+    "freeze_encoder",
+    "lr_lambda",
+    "make_optimizer",
+    "optimizer_param_groups",
+    "task_specific_names",
+]
 
 OPTIMIZERS = ("adamw", "sgd", "rmsprop")
 
@@ -89,3 +97,40 @@ def lr_lambda(step: int, total: int, warmup: float) -> float:
     if step < w:
         return (step + 1) / w
     return max(0.0, (total - step) / max(1, total - w))
+
+
+def build_model(args: Any) -> torch.nn.Module:
+    """The :class:`~fastpals.MultiTaskBert` of a run's options (``TrainArgs``): the encoder ``--model``, one
+    head per task (``--head``, ``--pair-mode``), the PALs of ``--pal``; seeded with ``--seed``; frozen encoder
+    with ``--freeze-bert``. A model that cannot be loaded is a :class:`ConfigError`."""
+    import dataclasses
+    import random
+
+    import numpy as np
+
+    from fastpals.multitask import MultiTaskBert, get_task
+
+    torch.manual_seed(args.seed)
+    np.random.seed(args.seed)
+    random.seed(args.seed)
+    specs = []
+    for t in args.task_list:
+        spec = get_task(t)
+        mode = args.pair_mode
+        if spec.pair and mode != "joint":
+            if mode == "sbert_cosine" and spec.kind != "regression":
+                mode = "sbert_concat"
+            spec = dataclasses.replace(spec, pair_mode=mode)
+        specs.append(dataclasses.replace(spec, head=args.head))
+    try:
+        model = MultiTaskBert.from_pretrained(args.model, tasks=specs, pal=args.pal_config)
+    except (FileNotFoundError, OSError, ImportError) as err:
+        raise ConfigError(f"--model {args.model}: {err}") from None
+    if args.pal_config is not None:
+        try:
+            args.pal_config.validate(model.config.bert.num_hidden_layers)
+        except ValueError as err:
+            raise ConfigError(f"--pal {args.pal}: {err}") from None
+    if args.freeze_bert:
+        freeze_encoder(model)
+    return model

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["SurgeryUpdate", "surgery_update"]
+__all__ = ["SurgeryUpdate", "deepspeed_surgery_buffer", "surgery_update"]
 
 
 @dataclass
@@ -61,3 +61,28 @@ def surgery_update(
     if sync is not None:
         sync()
     return SurgeryUpdate(outputs, result, seconds + time.perf_counter() - t0)
+
+
+def deepspeed_surgery_buffer(module: torch.nn.Module, num_tasks: int, zero_stage: int) -> Any:
+    """A :class:`fastpals.surgery.TaskGradientBuffer` (fp32, one row per task) over the shared parameters of a
+    DeepSpeed engine's ``module``.
+
+    Gradients under DeepSpeed 0.19.8 are read with ``deepspeed.utils.safe_get_full_grad`` and written with
+    ``safe_set_full_grad`` (a zero tensor where the buffer clears one). Checked on CPU, one rank: ZeRO-0 fp32
+    (``safe_*`` fall through to ``p.grad``) and ZeRO-1 bf16, where they are the fp32 gradients of the optimizer's
+    partitions (the bf16 module's ``p.grad`` is not where the reduced gradient lives), so the buffer is fp32.
+    ZeRO-2 uses the same calls (not run here: no GPU). ZeRO-1/2 backwards replace the reduced gradients instead of
+    adding to them, so each task's head/PAL gradients are taken out at capture time too.
+    """
+    from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
+
+    from fastpals.surgery import TaskGradientBuffer, shared_parameters_by_name
+
+    def setter(p: torch.nn.Parameter, g: torch.Tensor | None) -> None:
+        safe_set_full_grad(p, g if g is not None else torch.zeros_like(p, dtype=torch.float32))
+
+    shared, specific = shared_parameters_by_name(module)
+    return TaskGradientBuffer(
+        shared, num_tasks, torch.float32, task_params=specific, grad_getter=safe_get_full_grad,
+        grad_setter=setter, grad_dtype=torch.float32, capture_task_params=zero_stage >= 1,
+    )  # fmt: skip
