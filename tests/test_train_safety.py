@@ -272,7 +272,7 @@ def test_single_process_run_logs_times_and_builds_no_comm_op(tiny, tmp_path):
     assert "built successfully" not in err
     data_lines = [line for line in err.splitlines() if "[data]" in line or "[eval]" in line]
     assert data_lines and all(re.match(r"^\d\d:\d\d:\d\d \[", line) for line in data_lines), data_lines
-    assert re.search(r"train: .*\| 3/3 ", err)  # one bar over the whole run (3 updates)
+    assert re.search(r"train, epoch 1/1: .*\| 3/3 ", err)  # one bar over the whole run (3 updates)
     assert "dev sst" in err  # the dev evaluation's progress bar
 
 

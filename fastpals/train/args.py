@@ -283,6 +283,7 @@ class TrainArgs:
 
     # --- checks -------------------------------------------------------------------------------------------------
     def _not_implemented_yet(self) -> None:
+        # extension point: remove an entry here once the loop implements that option
         defaults = {"batching": "per_task", "max_tokens": None, "task_weighting": "examples",
                     "surgery_opts": [], "surgery_buffer_dtype": "fp32"}  # fmt: skip
         for name, default in defaults.items():

@@ -110,7 +110,7 @@ class Progress(Callback):
         for t, v in entry["loss"].items():
             self.ema[t] = v if t not in self.ema else 0.9 * self.ema[t] + 0.1 * v
         postfix = {**{t: f"{v:.3f}" for t, v in self.ema.items()}, "ex/s": f"{entry['examples_per_s']:.1f}"}
-        self.bar.set_description(f"epoch {entry['epoch']}/{trainer.args.epochs}", refresh=False)
+        self.bar.set_description(f"train, epoch {entry['epoch']}/{trainer.args.epochs}", refresh=False)
         self.bar.set_postfix(postfix, refresh=False)
         self.bar.update(1)
 

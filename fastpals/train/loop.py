@@ -187,6 +187,7 @@ class Trainer:
         self.surgery_buffer = deepspeed_surgery_buffer(
             self.engine.module, len(self.args.task_list), self.zero_stage
         )
+        # extension point: the aggregator registry replaces this choice (with --surgery-opts as its keywords)
         self.aggregator = pcgrad_weights if self.args.surgery == "pcgrad" else gem_weights
         self.surgery_generator = torch.Generator().manual_seed(self.args.seed)
         self.components["surgery_rng"] = GeneratorState(self.surgery_generator)
@@ -239,6 +240,7 @@ class Trainer:
 
     # --- one update ---------------------------------------------------------------------------------------------
     def _micro_step(self, task_index: int) -> tuple[float, int]:
+        # extension point: --batching mixed draws a micro-batch of several tasks here (task_ids per row)
         task = self.args.task_list[task_index]
         batch = self.train_batchers[task].next_batch()
         out = self.engine(**ev.model_inputs(batch, task_index, self.device))
@@ -255,6 +257,8 @@ class Trainer:
 
     def train_update(self, group: list[int]) -> dict[str, Any]:
         """One optimizer update over the micro-batches of ``group`` (task indices)."""
+        # extension point: one-backward surgery (per-task gradients from one backward) replaces the
+        # surgery_update branch below; mixed batching changes what a group holds
         if self.surgery_buffer is None:
             micro = []
             for t in group:
