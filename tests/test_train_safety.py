@@ -213,6 +213,9 @@ def test_user_errors_are_one_line_and_debug_shows_the_traceback(tiny, tmp_path):
     assert (
         rc == 2 and "Traceback" in err and err.strip().splitlines()[-1].startswith("train.py: error: --tasks")
     )
+    rc, _, err = run(common(tiny, tmp_path / "a", "--surgery", "pcgard"))
+    assert rc == 2
+    one_line_error(err, "--surgery: invalid choice: 'pcgard'", "--help")
     data, _ = tiny
     rc, _, err = run(["--model", "no-such-user/no-such-model", "--data-dir", str(data), "--out", str(tmp_path / "b"),
                       "--tasks", "sst"], env_extra={"HF_HUB_OFFLINE": "1"})  # fmt: skip

@@ -25,11 +25,16 @@ PROG = "train.py"
 PER_INVOCATION = ("resume", "overwrite", "debug", "local_rank", "stop_after_steps", "inject_nan_at_step")
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, not usage + error
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
+
+
 def build_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
     """The argparse parser of :class:`TrainArgs`: one option per field, its help from the field's metadata.
     ``suppress_defaults``: options not given are absent from the namespace (to tell given ones apart)."""
     may = resume_fields("may_change")
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog=PROG,
         description="Multi-task fine-tuning of BERT + PALs (SST, Quora, STS) with DeepSpeed. Run as `deepspeed "
         "train.py --ds_config configs/<name>.json [options]` or `python train.py [options]`.",
