@@ -3,6 +3,8 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 export FASTPALS_DATA_DIR ?= $(abspath ../shared/data)
+# JIT-built torch extensions (DeepSpeed's CPU shared-memory op, built only for multi-process CPU runs) stay in the venv
+export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
 .PHONY: setup train test lint bench report clean
 
@@ -16,7 +18,7 @@ $(VENV)/.installed: pyproject.toml setup.py
 setup: $(VENV)/.installed
 
 train: setup
-	$(BIN)/python train.py --ds_config configs/cpu_bf16.json --out runs/default --epochs 1 --steps-per-epoch 60 \
+	$(BIN)/python train.py --ds_config configs/cpu_bf16.json --out runs/default --overwrite --epochs 1 --steps-per-epoch 60 \
 		--batch-size 16 --max-length 64 --max-eval 200 --max-predict 200 --eval-at-start \
 		--lr 1e-4 --pal-lr 1e-3 --head-lr 2e-3
 

@@ -5,7 +5,7 @@ import os
 
 from setuptools import setup
 
-packages = ["fastpals", "fastpals.surgery", "fastpals.kernels"]
+packages = ["fastpals", "fastpals.surgery", "fastpals.train", "fastpals.kernels"]
 package_dir = {"fastpals": "fastpals", "fastpals.kernels": "kernels"}
 
 ext_modules = []
@@ -22,4 +22,10 @@ if os.environ.get("FASTPALS_BUILD_CUDA", "auto") != "0":
     except ImportError:
         pass
 
-setup(packages=packages, package_dir=package_dir, ext_modules=ext_modules, cmdclass=cmdclass)
+setup(
+    packages=packages,
+    package_dir=package_dir,
+    package_data={"fastpals": ["configs/*.json"]},  # the DeepSpeed configs, usable by name from a wheel
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+)

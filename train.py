@@ -3,12 +3,12 @@
     deepspeed train.py --ds_config configs/cpu_bf16.json [options]
     python train.py --ds_config configs/cpu_bf16.json [options]      # one process, DeepSpeed still the engine
 
-`python train.py --help` lists every option; see fastpals/trainer.py.
+`python train.py --help` lists every option; the code is in fastpals/train/.
 """
 
 import sys
 
-from fastpals.trainer import main
+from fastpals.train import main
 
 if __name__ == "__main__":
     sys.exit(main())

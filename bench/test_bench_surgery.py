@@ -7,7 +7,8 @@
   PALs, heads for sst / para / sts, 3 tasks x 16 sentences of 32 tokens, AdamW):
 
   * ``plain``: one forward + backward per task (the sum of the task losses), then the optimizer step;
-  * ``fastpals_buffer``: the same forwards/backwards, each followed by ``TaskGradientBuffer.capture``, then
+  * ``fastpals_buffer``: the trainer's ``fastpals.train.step.surgery_update``: the same forwards/backwards,
+    each followed by ``TaskGradientBuffer.capture``, then
     ``apply(pcgrad_weights)`` (Gram kernel, weights on the device, combine kernel) and the step;
   * ``fastpals_wrapper``: the Pytorch-PCGrad calling convention, ``PCGrad(opt).pc_backward(losses)`` over the
     three task losses (their graphs all alive until the last backward);
@@ -51,6 +52,7 @@ sys.path.insert(0, HERE)
 from pcgrad_reference import ReferencePCGrad  # noqa: E402
 
 from fastpals.surgery import PCGrad, TaskGradientBuffer, pcgrad_weights, shared_parameters_by_name  # noqa: E402
+from fastpals.train.step import surgery_update  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------------------------
 # model, batches, steps
@@ -120,17 +122,12 @@ class Runner:
         if self.buffer is None:
             self.buffer = TaskGradientBuffer(self.shared, NUM_TASKS, task_params=self.specific)
         self.opt.zero_grad(set_to_none=True)
-        surgery = 0.0
-        for t, batch in enumerate(self.batches):
-            task_loss(self.model, batch).backward()
-            t0 = time.perf_counter()
-            self.buffer.capture(t)
-            surgery += time.perf_counter() - t0
-        t0 = time.perf_counter()
-        skipped = self.buffer.apply(pcgrad_weights, generator=self.generator).skipped
-        _sync()
-        self.surgery_seconds.append(surgery + time.perf_counter() - t0)
-        if not skipped:
+        update = surgery_update(  # the trainer's surgery update
+            self.buffer, range(NUM_TASKS), lambda t: task_loss(self.model, self.batches[t]).backward(),
+            pcgrad_weights, generator=self.generator, sync=_sync,
+        )  # fmt: skip
+        self.surgery_seconds.append(update.surgery_seconds)
+        if not update.result.skipped:
             self.opt.step()
 
     def fastpals_wrapper(self):

@@ -244,16 +244,18 @@ class TrainingStep:
         self.reference.pc_backward([self._scaled(per_task[s.name]) for s in self.specs])
         self._optimizer_step()
 
+    def _task_backward(self, t: int) -> None:
+        total, _ = self._losses(self.task_batches[t])
+        self._scaled(total).backward()
+
     def _buffer_step(self) -> None:
         from fastpals.surgery import gem_weights, pcgrad_weights
+        from fastpals.train.step import surgery_update
 
         self.optimizer.zero_grad(set_to_none=True)
-        for t, batch in enumerate(self.task_batches):
-            total, _ = self._losses(batch)
-            self._scaled(total).backward()
-            self.buffer.capture(t)
         aggregator = pcgrad_weights if self.cfg.variant == "pal_pcgrad_fastpals" else gem_weights
-        result = self.buffer.apply(aggregator, generator=self.generator)
+        group = range(len(self.task_batches))  # the trainer's surgery update, one batch per task
+        result = surgery_update(self.buffer, group, self._task_backward, aggregator, self.generator).result
         if result.skipped:  # non-finite task gradient: no step; with fp16, lower the loss scale ourselves
             self.skipped_steps += 1
             if self.scaler is not None:

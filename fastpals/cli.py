@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "train":
-        from fastpals.trainer import main as train_main
+        from fastpals.train import main as train_main
 
         return train_main(rest)
     if command == "predict":

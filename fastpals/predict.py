@@ -6,24 +6,38 @@
 
 (``fastpals predict ...`` is the same.) The model folder is one written by ``MultiTaskBert.save_pretrained``
 (the trainer's ``<out>/best``); its tokenizer is the ``vocab.txt`` in the folder (the trainer copies it there)
-or the base model's, and ``training_args.json`` (written by the trainer) gives the max length.
+or the base model's, and ``training_args.json`` (written by the trainer) gives the max length. Sentences are
+printed as ``task <TAB> prediction <TAB> label name <TAB> probability (or score) <TAB> text``. The prediction
+loop is the trainer's (:func:`fastpals.train.evaluate.predict_batches`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import traceback
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from fastpals.data import PairExample, SentenceExample, TaskBatcher
+from fastpals.data import DATA_DIR_ENV, TASK_FORMATS, PairExample, SentenceExample, TaskBatcher
 from fastpals.multitask import MultiTaskBert
-from fastpals.tasks import TaskSpec
+from fastpals.train.evaluate import EVAL_BATCH, predict_batches
 
-__all__ = ["build_parser", "describe_predictions", "load_for_prediction", "main", "predict_examples"]
+__all__ = ["LABEL_NAMES", "build_parser", "load_for_prediction", "main", "predict_examples"]
+
+# names of the built-in tasks' labels (class index -> name)
+LABEL_NAMES = {
+    "sst": ("very negative", "negative", "neutral", "positive", "very positive"),
+    "cfimdb": ("negative", "positive"),
+    "para": ("not duplicate", "duplicate"),
+}
+
+
+class PredictError(ValueError):
+    """Something the user can fix; printed as one line."""
 
 
 def load_for_prediction(model_dir: str | Path) -> tuple[MultiTaskBert, object, dict]:
@@ -31,6 +45,8 @@ def load_for_prediction(model_dir: str | Path) -> tuple[MultiTaskBert, object, d
     from fastpals.tokenizer import Tokenizer
 
     model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"{model_dir} is not a folder (give the trainer's <out>/best)")
     model = MultiTaskBert.load(model_dir).eval()
     train_args_path = model_dir / "training_args.json"
     train_args = json.loads(train_args_path.read_text()) if train_args_path.is_file() else {}
@@ -43,65 +59,29 @@ def load_for_prediction(model_dir: str | Path) -> tuple[MultiTaskBert, object, d
     return model, tokenizer, train_args
 
 
-@torch.no_grad()
 def predict_examples(
     model: MultiTaskBert,
     tokenizer: object,
     task: str,
     examples: list,
     max_length: int = 128,
-    batch_size: int = 64,
-    return_logits: bool = False,
-) -> tuple[list[str], np.ndarray] | tuple[list[str], np.ndarray, np.ndarray]:
-    """Predictions for ``examples`` of ``task`` in order: ``(ids, float64 [N])`` (class index, 0/1, or the
-    regression score in the task's label range); with ``return_logits`` also the task's logits, float32
-    ``[N, num_labels]`` (see ``describe_predictions``)."""
+    batch_size: int = EVAL_BATCH,
+    progress: bool = False,
+    with_confidence: bool = False,
+) -> tuple[list[str], np.ndarray] | tuple[list[str], np.ndarray, np.ndarray | None]:
+    """Predictions for ``examples`` of ``task`` in order: ``(ids, float64 [N])`` (class index, 0/1, or the STS
+    score in [0, 5]); ``with_confidence`` adds the probability of each predicted label (float32 ``[N]``, None for
+    regression tasks)."""
     index = model.task_index(task)
     spec = model.tasks[index]
-    encoding = "separate" if spec.siamese else "joint"
     batcher = TaskBatcher(
-        examples, tokenizer, spec, batch_size, max_length=max_length, shuffle=False, bucket_by_length=False,
-        pair_encoding=encoding,
+        examples, tokenizer, task, batch_size, max_length=max_length, shuffle=False, bucket_by_length=False,
+        pair_encoding="separate" if spec.siamese else "joint",
     )  # fmt: skip
-    keys = (
-        "input_ids",
-        "attention_mask",
-        "token_type_ids",
-        "input_ids_b",
-        "attention_mask_b",
-        "token_type_ids_b",
+    ids, preds, _, conf = predict_batches(
+        model, batcher, index, progress, desc=f"predict {task}", with_confidence=True
     )
-    ids, preds, logits = [], [], []
-    for batch in batcher:
-        inputs = {k: batch[k] for k in keys if k in batch}
-        inputs["task_ids"] = torch.full((batch["input_ids"].shape[0],), index, dtype=torch.long)
-        output = model(**inputs)
-        preds.append(model.predict(output).double().numpy())
-        logits.append(output.logits[:, : spec.num_labels].float().numpy())
-        ids.extend(batch["ids"])
-    if return_logits:
-        return ids, np.concatenate(preds), np.concatenate(logits)
-    return ids, np.concatenate(preds)
-
-
-def describe_predictions(spec: TaskSpec, logits: np.ndarray) -> list[tuple[str, float]]:
-    """``(label, value)`` per example from a task's logits ``[N, num_labels]`` (float): the predicted class's
-    name (``spec.label_names``, else its index) and its probability (softmax; sigmoid for binary tasks), or, for
-    regression, the score as text and the score."""
-    logits = np.asarray(logits, dtype=np.float64)
-    if spec.kind == "classification":
-        shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
-        probs = shifted / shifted.sum(axis=1, keepdims=True)
-        best = probs.argmax(axis=1)
-        return [(spec.label_name(int(k)), float(p[k])) for k, p in zip(best, probs)]
-    if spec.kind == "binary":
-        positive = 1.0 / (1.0 + np.exp(-logits[:, 0]))
-        return [
-            (spec.label_name(1), float(p)) if p > 0.5 else (spec.label_name(0), float(1.0 - p))
-            for p in positive
-        ]
-    scores = np.clip(logits[:, 0], 0.0, 1.0) * spec.label_scale
-    return [(f"{s:.4g}", float(s)) for s in scores]
+    return (ids, preds.astype(np.float64), conf) if with_confidence else (ids, preds.astype(np.float64))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,64 +94,89 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task", help="task for --text/--pair (one of the model's tasks)")
     p.add_argument("--text", action="append", default=[], help="a sentence to classify (repeatable)")
     p.add_argument("--pair", nargs=2, action="append", default=[], metavar=("A", "B"), help="a sentence pair")
-    p.add_argument("--data-dir", default=None, help="folder of the test files (default $FASTPALS_DATA_DIR)")
+    p.add_argument("--data-dir", default=None, help=f"folder of the test files (default ${DATA_DIR_ENV})")
     p.add_argument(
         "--out", default=None, help="folder for prediction files (default <model_dir>/../predictions)"
     )
     p.add_argument("--max-length", type=int, default=None, help="tokens per sequence (default: as trained)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error")
     return p
+
+
+def _label(task: str, value: float, confidence: float | None) -> str:
+    if confidence is None:
+        return f"score\t{value:.3f}"
+    names = LABEL_NAMES.get(task)
+    name = names[int(value)] if names and 0 <= int(value) < len(names) else f"class {int(value)}"
+    return f"{name}\tp={confidence:.3f}"
+
+
+def _sentences(args: argparse.Namespace, model: MultiTaskBert, tokenizer: object, max_length: int) -> None:
+    if args.task is None or args.task not in model.task_names:
+        raise PredictError(f"--task must be one of {model.task_names}")
+    pair = TASK_FORMATS[model.tasks[model.task_index(args.task)].data or args.task].pair
+    if pair and args.text or not pair and args.pair:
+        raise PredictError(f"task {args.task} takes {'--pair A B' if pair else '--text'}")
+    if pair:
+        examples = [PairExample(f"cli{i}", a, b) for i, (a, b) in enumerate(args.pair)]
+    else:
+        examples = [SentenceExample(f"cli{i}", s) for i, s in enumerate(args.text)]
+    _, preds, conf = predict_examples(model, tokenizer, args.task, examples, max_length, with_confidence=True)
+    for i, (example, value) in enumerate(zip(examples, preds)):
+        shown = example.sentence if not pair else f"{example.sentence1} ||| {example.sentence2}"
+        print(
+            f"{args.task}\t{value:.4g}\t{_label(args.task, value, None if conf is None else conf[i])}\t{shown}"
+        )
+
+
+def _test_files(args: argparse.Namespace, model: MultiTaskBert, tokenizer: object, max_length: int) -> None:
+    from fastpals.data import load_task
+    from fastpals.metrics import write_predictions
+
+    if args.data_dir is None and not os.environ.get(DATA_DIR_ENV):
+        raise PredictError(
+            f"no data folder: pass --data-dir /path/to/the/test/files or `export {DATA_DIR_ENV}=...`"
+        )
+    data_dir = Path(args.data_dir or os.environ[DATA_DIR_ENV])
+    if not data_dir.is_dir():
+        raise PredictError(f"--data-dir {data_dir} is not a folder")
+    out = Path(args.out) if args.out else Path(args.model_dir).resolve().parent / "predictions"
+    if out.exists() and not out.is_dir():
+        raise PredictError(f"--out {out} is a file, not a folder: choose another --out")
+    for task in model.task_names:
+        if "test" not in TASK_FORMATS[task].files:
+            print(f"[predict] {task}: no test file in this data set, skipped", file=sys.stderr)
+            continue
+        if not (data_dir / TASK_FORMATS[task].files["test"]).is_file():
+            raise PredictError(
+                f"{data_dir / TASK_FORMATS[task].files['test']} does not exist (check --data-dir)"
+            )
+        examples = load_task(task, "test", data_dir, strict=False)
+        ids, preds = predict_examples(
+            model, tokenizer, task, examples, max_length, progress=not args.no_progress
+        )
+        spec = model.tasks[model.task_index(task)]
+        values = preds.astype(np.int64) if spec.metric == "accuracy" else preds
+        path = write_predictions(out / f"{task}-test-output.csv", ids, values, task)
+        print(f"[predict] {task}: {len(ids)} predictions -> {path}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from fastpals.data import load_task
-    from fastpals.metrics import write_predictions
-
     try:
         model, tokenizer, train_args = load_for_prediction(args.model_dir)
-    except (FileNotFoundError, ValueError) as err:
-        print(f"fastpals predict: error: {err}", file=sys.stderr)
-        return 2
-    max_length = args.max_length or train_args.get("max_length", 128)
-    if args.text or args.pair:
-        if args.task is None or args.task not in model.task_names:
-            print(f"fastpals predict: error: --task must be one of {model.task_names}", file=sys.stderr)
-            return 2
-        spec = model.tasks[model.task_index(args.task)]
-        pair = spec.pair
-        if pair and args.text or not pair and args.pair:
-            need = "--pair A B" if pair else "--text"
-            print(f"fastpals predict: error: task {args.task} takes {need}", file=sys.stderr)
-            return 2
-        if pair:
-            examples = [PairExample(f"cli{i}", a, b) for i, (a, b) in enumerate(args.pair)]
+        max_length = args.max_length or train_args.get("max_length", 128)
+        if args.text or args.pair:
+            _sentences(args, model, tokenizer, max_length)
         else:
-            examples = [SentenceExample(f"cli{i}", s) for i, s in enumerate(args.text)]
-        _, preds, logits = predict_examples(
-            model, tokenizer, args.task, examples, max_length, return_logits=True
-        )
-        described = describe_predictions(spec, logits)
-        # one line per input: task, prediction (class index or score), label name and probability (or the
-        # score's range), the input
-        for example, pred, (label, value) in zip(examples, preds, described):
-            shown = example.sentence if not pair else f"{example.sentence1} ||| {example.sentence2}"
-            if spec.kind == "regression":
-                low, high = spec.label_range
-                print(f"{args.task}\t{pred:.4g}\tscore (labels in [{low:g}, {high:g}])\t{shown}")
-            else:
-                print(f"{args.task}\t{pred:.4g}\t{label} (p = {value:.3f})\t{shown}")
-        return 0
-    out = Path(args.out) if args.out else Path(args.model_dir).resolve().parent / "predictions"
-    for spec in model.tasks:
-        task = spec.name
-        if "test" not in spec.files:
-            print(f"[predict] {task}: no test file in this data set, skipped", file=sys.stderr)
-            continue
-        examples = load_task(spec, "test", args.data_dir, strict=False)
-        ids, preds = predict_examples(model, tokenizer, task, examples, max_length)
-        values = preds.astype(np.int64) if spec.metric == "accuracy" else preds
-        path = write_predictions(out / f"{task}-test-output.csv", ids, values, spec)
-        print(f"[predict] {task}: {len(ids)} predictions -> {path}", file=sys.stderr)
+            _test_files(args, model, tokenizer, max_length)
+    except (PredictError, FileNotFoundError, ValueError) as err:
+        if args.debug:
+            traceback.print_exc()
+        print(f"fastpals predict: error: {err}" + ("" if args.debug else " (--debug shows the traceback)"),
+              file=sys.stderr)  # fmt: skip
+        return 2
     return 0
 
 

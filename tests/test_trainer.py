@@ -10,15 +10,10 @@ import pytest
 
 from fastpals.model import BertConfig, PALConfig
 from fastpals.multitask import MultiTaskBert, MultiTaskConfig, get_task
-from fastpals.trainer import (
-    ConfigError,
-    build_parser,
-    check_ds_config,
-    load_ds_config,
-    lr_lambda,
-    optimizer_param_groups,
-    validate_args,
-)
+from fastpals.train.cli import parse_args
+from fastpals.train.dsconfig import check_ds_config, load_ds_config
+from fastpals.train.errors import ConfigError
+from fastpals.train.optim import lr_lambda, optimizer_param_groups
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -32,16 +27,17 @@ def tiny(tmp_path_factory):
 
 
 def parse(tiny, *extra):
+    """Options from a command line, checked (``TrainArgs.__post_init__``)."""
     data, model = tiny
-    return build_parser().parse_args(["--model", str(model), "--data-dir", str(data), *extra])
+    return parse_args(["--model", str(model), "--data-dir", str(data), *extra])
 
 
 def test_valid_options_pass(tiny):
-    args = validate_args(parse(tiny, "--tasks", "sst,sts", "--pal", "12heads"))
+    args = parse(tiny, "--tasks", "sst,sts", "--pal", "12heads")
     assert args.task_list == ["sst", "sts"]
     assert args.pal_config.num_heads == 12 and args.pal_config.hidden == 204
     assert args.batch_size == 32 and args.grad_accum == 1  # not in the shipped config: option defaults
-    assert validate_args(parse(tiny, "--pal", "none")).pal_config is None
+    assert parse(tiny, "--pal", "none").pal_config is None
 
 
 @pytest.mark.parametrize(
@@ -66,17 +62,15 @@ def test_valid_options_pass(tiny):
 )
 def test_bad_options(tiny, extra, message):
     with pytest.raises(ConfigError, match=message.replace("-", r"\-").replace("(", r"\(")):
-        validate_args(parse(tiny, *extra))
+        parse(tiny, *extra)
 
 
 def test_missing_data(tiny, tmp_path):
     _, model = tiny
-    args = build_parser().parse_args(["--model", str(model), "--data-dir", str(tmp_path)])
     with pytest.raises(ConfigError, match="missing data file.*ids-sst-train.csv"):
-        validate_args(args)
-    args = build_parser().parse_args(["--model", str(model), "--data-dir", str(tmp_path / "nope")])
+        parse_args(["--model", str(model), "--data-dir", str(tmp_path)])
     with pytest.raises(ConfigError, match="--data-dir"):
-        validate_args(args)
+        parse_args(["--model", str(model), "--data-dir", str(tmp_path / "nope")])
 
 
 def test_ds_config_contradictions():
@@ -109,7 +103,7 @@ def test_ds_config_contradictions():
 
 
 def test_shipped_configs_parse_and_validate():
-    names = sorted(p.name for p in (ROOT / "configs").glob("*.json"))
+    names = sorted(p.name for p in (ROOT / "fastpals" / "configs").glob("*.json"))
     expected = ["cpu_bf16.json", "cpu_fp32.json"] + [
         f"gpu_{p}_zero{z}.json" for p in ("bf16", "fp16") for z in (0, 1, 2)
     ]
@@ -207,8 +201,9 @@ def test_lr_schedule():
 SURGERY_SCRIPT = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[3])
-from fastpals.trainer import Trainer, build_parser
-args = build_parser().parse_args(["--model", sys.argv[1], "--data-dir", sys.argv[2], "--out", sys.argv[4],
+from fastpals.train.cli import parse_args
+from fastpals.train.loop import Trainer
+args = parse_args(["--model", sys.argv[1], "--data-dir", sys.argv[2], "--out", sys.argv[4],
     "--surgery", "pcgrad", "--sampling", "random_round_robin", "--batch-size", "4", "--max-length", "16",
     "--pal-hidden", "16", "--pal-heads", "2", "--steps-per-epoch", "2", "--epochs", "1", "--lr", "1e-2",
     "--max-eval", "4", "--no-progress"])
@@ -243,7 +238,7 @@ def test_pcgrad_update_under_deepspeed(tiny, tmp_path):
 
 def test_capped_dev_sets_are_a_fixed_random_subset(tiny):
     from fastpals.data import load_task
-    from fastpals.trainer import _load_split
+    from fastpals.train.evaluate import load_split as _load_split
 
     data, _ = tiny
     full = load_task("sst", "dev", data)
@@ -254,3 +249,40 @@ def test_capped_dev_sets_are_a_fixed_random_subset(tiny):
     assert positions == sorted(positions) and positions != list(range(10))  # file order kept, not the head
     assert _load_split("sst", "dev", data, 10, print) == full[:10]
     assert _load_split("sst", "dev", data, 10**6, print, sample=True) == full
+
+
+def test_shipped_configs_resolve_by_name_from_any_folder(tmp_path, monkeypatch):
+    from fastpals.train.dsconfig import resolve_ds_config, shipped_configs
+
+    monkeypatch.chdir(tmp_path)  # no configs/ folder here
+    for spelling in ("cpu_bf16.json", "configs/cpu_bf16.json"):
+        assert resolve_ds_config(spelling) == shipped_configs()["cpu_bf16.json"]
+    assert load_ds_config("cpu_fp32.json") == load_ds_config(ROOT / "configs" / "cpu_fp32.json")
+    with pytest.raises(ConfigError, match="nope.json does not exist.*cpu_bf16.json"):
+        resolve_ds_config("nope.json")
+    (tmp_path / "mine.json").write_text('{"bf16": {"enabled": true}}')
+    assert resolve_ds_config("mine.json") == Path("mine.json")  # a file given by path wins
+
+
+@pytest.mark.slow
+def test_default_ds_config_works_from_a_wheel(tmp_path):
+    import zipfile
+
+    subprocess.run(
+        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "-o", str(tmp_path / "dist"), str(ROOT)],
+        check=True, capture_output=True, env={**os.environ, "FASTPALS_BUILD_CUDA": "0"},
+    )  # fmt: skip
+    (wheel,) = (tmp_path / "dist").glob("fastpals-*.whl")
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    assert (site / "fastpals" / "configs" / "cpu_bf16.json").is_file()
+    code = (
+        "import fastpals.train.dsconfig as d, fastpals.train.args as a; "
+        "print(d.resolve_ds_config(a.TrainArgs.__dataclass_fields__['ds_config'].default))"
+    )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=elsewhere,
+                          env={**os.environ, "PYTHONPATH": str(site)})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert Path(proc.stdout.strip()) == site / "fastpals" / "configs" / "cpu_bf16.json"

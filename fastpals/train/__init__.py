@@ -1,0 +1,34 @@
+"""Multi-task fine-tuning with DeepSpeed, as a library: ``train.py`` is :func:`main`.
+
+* :class:`TrainArgs` (:mod:`.args`): every option, checked; :func:`parse_args`/:func:`build_parser`
+  (:mod:`.cli`) make it from a command line.
+* :class:`Trainer` (:mod:`.loop`): set-up, updates, checkpoints; :class:`TrainState` (:mod:`.state`).
+* :mod:`.evaluate`: prediction and dev metrics, shared with ``fastpals predict``.
+* :mod:`.callbacks`: JSONL, TensorBoard, progress, plots, test-only faults.
+* :func:`surgery_update` (:mod:`.step`): the gradient-surgery update, also timed by the benchmarks.
+* :mod:`.dsconfig`, :mod:`.optim`, :mod:`.distributed`, :mod:`.outputs`.
+
+Imports are lazy, so ``fastpals.train.step`` or ``.dsconfig`` load without DeepSpeed or the data code.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_NAMES = {
+    "TrainArgs": "args", "PAL_PRESETS": "args", "build_pal_config": "args",
+    "build_parser": "cli", "main": "cli", "parse_args": "cli",
+    "ConfigError": "errors", "NonFiniteLossError": "errors", "TrainingInterrupted": "errors",
+    "Trainer": "loop", "TrainState": "state", "surgery_update": "step", "SurgeryUpdate": "step",
+    "check_ds_config": "dsconfig", "load_ds_config": "dsconfig", "resolve_ds_config": "dsconfig",
+    "lr_lambda": "optim", "optimizer_param_groups": "optim", "make_optimizer": "optim",
+}  # fmt: skip
+
+__all__ = sorted(_NAMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _NAMES:
+        return getattr(importlib.import_module(f"fastpals.train.{_NAMES[name]}"), name)
+    raise AttributeError(f"module 'fastpals.train' has no attribute {name!r}")

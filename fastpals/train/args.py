@@ -1,0 +1,375 @@
+"""Every option of a training run: :class:`TrainArgs`, one dataclass field per command-line option.
+
+Each field's metadata holds its help text, its command-line spelling and whether it must match the saved run on
+``--resume`` (``resume="match"``) or may change (``resume="may_change"``); :mod:`fastpals.train.cli` builds the
+argparse parser from these fields. ``TrainArgs.__post_init__`` checks every option (and that the data files
+exist) and raises :class:`ConfigError` with a one-line message naming the option.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastpals.data import DATA_DIR_ENV, TASK_FORMATS, resolve_data_dir
+from fastpals.model import PALConfig
+from fastpals.multitask import TASKS
+from fastpals.sampling import GROUPED_METHODS, SAMPLING_METHODS
+from fastpals.train.dsconfig import DEFAULT_DS_CONFIG, load_ds_config
+from fastpals.train.errors import ConfigError
+
+__all__ = [
+    "BATCHINGS",
+    "OPTIMIZERS",
+    "PAL_PRESETS",
+    "SURGERIES",
+    "SURGERY_BUFFER_DTYPES",
+    "TASK_WEIGHTINGS",
+    "TrainArgs",
+    "build_pal_config",
+    "resume_fields",
+]
+
+PAL_PRESETS: dict[str, dict[str, Any] | None] = {
+    "none": None,
+    "default": {},
+    "12heads": {"num_heads": 12},
+    "per_layer": {"shared_projections": False},
+    "half": {"layers": 6, "hidden": 276, "num_heads": 6},
+    "top": {"variant": "top"},
+    "top_parallel": {"variant": "top_parallel"},
+    "gate": {"gate": True},
+    "embert": {"variant": "embert"},
+}
+SURGERIES = ("none", "pcgrad", "gem")  # checked here until the aggregator registry is wired in
+OPTIMIZERS = ("adamw", "sgd", "rmsprop")
+BATCHINGS = ("per_task", "mixed")
+TASK_WEIGHTINGS = ("examples", "equal")
+SURGERY_BUFFER_DTYPES = ("fp32", "bf16")
+
+
+def opt(
+    help: str,
+    *,
+    resume: str = "match",
+    type: type | None = None,
+    choices: tuple[str, ...] | None = None,
+    flags: tuple[str, ...] = (),
+    metavar: str | None = None,
+    hidden: bool = False,
+    default: Any = None,
+    factory: Any = None,
+) -> Any:
+    """A :class:`TrainArgs` field: ``help`` text, ``resume`` ``"match"`` (must equal the saved run's value on
+    ``--resume``) or ``"may_change"``, argparse ``type``/``choices``/``metavar``, extra ``flags`` spellings, and
+    ``hidden`` (left out of ``--help``: test-only options)."""
+    assert resume in ("match", "may_change"), resume
+    meta = {"help": help, "resume": resume, "type": type, "choices": choices, "flags": flags,
+            "metavar": metavar, "hidden": hidden}  # fmt: skip
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+MAY = "may_change"
+
+
+@dataclass
+class TrainArgs:
+    """The options of one training run (``python train.py --help`` shows them with their help)."""
+
+    ds_config: str = opt(
+        "DeepSpeed JSON config (precision, ZeRO stage, gradient clipping): a path, or the name of a shipped one "
+        "(cpu_bf16.json, cpu_fp32.json, gpu_{bf16,fp16}_zero{0,1,2}.json; also as configs/<name>). Its batch and "
+        "accumulation entries must agree with --batch-size and --grad-accum (missing ones are filled in); "
+        "optimizer and scheduler come from the options",
+        resume=MAY, type=str, flags=("--ds_config", "--ds-config"), default=DEFAULT_DS_CONFIG,
+    )  # fmt: skip
+    model: str = opt(
+        "encoder checkpoint: 'minilm-l6' (offline all-MiniLM-L6-v2), a folder with config.json + "
+        "model.safetensors/pytorch_model.bin + vocab.txt, or a Hugging Face hub name",
+        type=str, default="minilm-l6",
+    )  # fmt: skip
+    tasks: str = opt(f"comma-separated tasks among {', '.join(TASKS)}", type=str, default="sst,para,sts")
+    data_dir: str | None = opt(
+        f"folder of the task CSV files (default: ${DATA_DIR_ENV})", resume=MAY, type=str, metavar="DIR"
+    )
+    epochs: int = opt("training epochs", type=int, default=3)
+    steps_per_epoch: int | None = opt(
+        "optimizer updates per epoch (default: 2400 as in Bert-n-Pals; with round_robin: one full pass over "
+        "every task's batches, which a number cuts short)",
+        type=int,
+    )
+    batch_size: int | None = opt(
+        "examples per micro-batch, all of one task (default: the config's train_micro_batch_size_per_gpu, "
+        "else 32)",
+        type=int,
+    )
+    lr: float = opt("peak learning rate of the BERT encoder weights", type=float, default=2e-5)
+    pal_lr: float | None = opt("peak learning rate of the PAL parameters (default: --lr)", type=float)
+    head_lr: float | None = opt("peak learning rate of the task heads (default: --lr)", type=float)
+    warmup: float = opt(
+        "fraction of all updates with a linear warm-up from 0; then linear decay to 0",
+        type=float,
+        default=0.1,
+    )
+    optimizer: str = opt(
+        "adamw (betas 0.9/0.999, eps 1e-6), sgd (momentum 0.9) or rmsprop",
+        choices=OPTIMIZERS,
+        default="adamw",
+    )
+    weight_decay: float = opt(
+        "decoupled weight decay; never on biases and LayerNorms", type=float, default=0.01
+    )
+    max_length: int = opt("tokens per sequence (a pair counts together), <= 512", type=int, default=128)
+    seed: int = opt("seed of weights init, sampling, batch order and dropout", type=int, default=0)
+    out: str = opt(
+        "output folder (metrics, checkpoints, best model, results); one that holds an earlier run is refused "
+        "unless --resume or --overwrite",
+        resume=MAY, type=str, default="runs/default",
+    )  # fmt: skip
+    resume: bool = opt(
+        "continue the run in --out from its last checkpoint, with its saved options (give only those that may "
+        "change)",
+        resume=MAY, default=False,
+    )  # fmt: skip
+    overwrite: bool = opt(
+        "delete the earlier run's outputs in --out (metrics, checkpoints, best/, TensorBoard events) first",
+        resume=MAY, default=False,
+    )  # fmt: skip
+    sampling: str = opt(
+        "which task each micro-batch comes from (see fastpals.sampling)", choices=SAMPLING_METHODS,
+        default="annealed",
+    )  # fmt: skip
+    batching: str = opt(
+        "per_task: every micro-batch holds one task; mixed: micro-batches mix tasks (not implemented yet)",
+        choices=BATCHINGS, default="per_task",
+    )  # fmt: skip
+    max_tokens: int | None = opt(
+        "mixed batching: at most this many tokens per micro-batch (not implemented yet)", type=int
+    )
+    task_weighting: str = opt(
+        "loss weight of each task in a mixed micro-batch: by its examples, or equal per task (not implemented "
+        "yet for equal)",
+        choices=TASK_WEIGHTINGS, default="examples",
+    )  # fmt: skip
+    surgery: str = opt(
+        "gradient surgery on the per-task gradients of the shared weights in each update",
+        choices=SURGERIES, default="none",
+    )  # fmt: skip
+    surgery_opts: list[str] = opt(
+        "options of the surgery aggregator, KEY=VALUE, repeatable (not implemented yet)",
+        type=str, metavar="KEY=VALUE", factory=list,
+    )  # fmt: skip
+    surgery_buffer_dtype: str = opt(
+        "dtype of the [tasks, shared parameters] gradient buffer (bf16: not implemented yet)",
+        choices=SURGERY_BUFFER_DTYPES, default="fp32",
+    )  # fmt: skip
+    pal: str = opt(
+        "PAL variant: none (multi-task baseline), default (Bert-n-Pals: d_s 204, 6 heads, shared V^E/V^D), "
+        "12heads, per_layer (V^E/V^D per layer), half (top 6 layers, d_s 276), top, top_parallel, gate, embert",
+        choices=tuple(PAL_PRESETS), default="default",
+    )  # fmt: skip
+    pal_heads: int | None = opt("attention heads inside each PAL (overrides the preset)", type=int)
+    pal_hidden: int | None = opt("PAL width d_s (overrides the preset)", type=int)
+    head: str = opt("task head on the pooled features", choices=("linear", "mlp"), default="linear")
+    pair_mode: str = opt(
+        "pair tasks: joint cross-encoder, or siamese (SBERT) with cosine similarity (STS; Quora then uses "
+        "sbert_concat) or with (u, v, |u-v|) into the head",
+        choices=("joint", "sbert_cosine", "sbert_concat"), default="joint",
+    )  # fmt: skip
+    grad_accum: int | None = opt(
+        "micro-batches per update without surgery (default: the config's gradient_accumulation_steps, else 1)",
+        type=int,
+    )
+    extra_batches: int = opt("annealed batches per update of every_task_plus_annealed", type=int, default=1)
+    eval_every: int = opt(
+        "also evaluate on dev every N updates (0: at epoch ends only)", resume=MAY, type=int, default=0
+    )
+    eval_at_start: bool = opt("evaluate the untrained model (step 0) first", resume=MAY, default=False)
+    max_eval: int | None = opt(
+        "use at most N dev examples per task (a fixed random subset, the same in every run) for quick runs",
+        resume=MAY, type=int,
+    )  # fmt: skip
+    max_train: int | None = opt("use at most N training examples per task (quick runs)", type=int)
+    max_predict: int | None = opt(
+        "predict at most N test examples per task (quick runs)", resume=MAY, type=int
+    )
+    freeze_bert: bool = opt("train only PALs, heads and LayerNorms", default=False)
+    no_progress: bool = opt("no progress bars", resume=MAY, default=False)
+    debug: bool = opt("show the Python traceback of an error, not only its one-line message", resume=MAY,
+                      default=False)  # fmt: skip
+    local_rank: int | None = opt(
+        "set by the deepspeed launcher; do not pass by hand", resume=MAY, type=int,
+        flags=("--local_rank", "--local-rank"),
+    )  # fmt: skip
+    stop_after_steps: int | None = opt(
+        "testing: send this process SIGTERM after N updates (checkpoint and stop, as a real kill would)",
+        resume=MAY, type=int,
+    )  # fmt: skip
+    inject_nan_at_step: int | None = opt(
+        "testing: NaN loss at this update", resume=MAY, type=int, hidden=True
+    )
+
+    # derived in __post_init__ (not options)
+    task_list: list[str] = field(init=False, repr=False, default_factory=list)
+    data_path: Path = field(init=False, repr=False, default=Path("."))
+    pal_config: PALConfig | None = field(init=False, repr=False, default=None)
+
+    def __post_init__(self) -> None:
+        tasks = [t.strip() for t in str(self.tasks).split(",") if t.strip()]
+        unknown = [t for t in tasks if t not in TASKS]
+        if unknown or not tasks:
+            raise ConfigError(f"--tasks: unknown task(s) {unknown or tasks}; choose among {', '.join(TASKS)}")
+        if len(set(tasks)) != len(tasks):
+            raise ConfigError(f"--tasks lists a task twice: {tasks}")
+        self.task_list = tasks
+        for name in ("optimizer", "sampling", "surgery", "pal", "head", "pair_mode", "batching",
+                     "task_weighting", "surgery_buffer_dtype"):  # fmt: skip
+            choices = _field(name).metadata["choices"]
+            if getattr(self, name) not in choices:
+                raise ConfigError(
+                    f"{_flag(name)} {getattr(self, name)!r}: choose one of {', '.join(choices)}"
+                )
+        self._not_implemented_yet()
+        if self.batch_size is None or self.grad_accum is None:
+            ds = load_ds_config(self.ds_config)
+            if self.batch_size is None:
+                self.batch_size = ds.get("train_micro_batch_size_per_gpu", 32)
+            if self.grad_accum is None:
+                self.grad_accum = 1 if self.surgery != "none" else ds.get("gradient_accumulation_steps", 1)
+        for name in ("epochs", "batch_size", "grad_accum"):
+            self._at_least(name)
+        for name in ("steps_per_epoch", "max_eval", "max_train", "max_predict", "stop_after_steps"):
+            self._at_least(name, allow_none=True)
+        self._at_least("extra_batches", low=0)
+        self._at_least("eval_every", low=0)
+        if self.seed < 0:
+            raise ConfigError(f"--seed must be >= 0, got {self.seed}")
+        if not 8 <= self.max_length <= 512:
+            raise ConfigError(f"--max-length must be in [8, 512], got {self.max_length}")
+        for name in ("lr", "pal_lr", "head_lr"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"{_flag(name)} must be a positive number, got {value}")
+        if not 0.0 <= self.warmup < 1.0:
+            raise ConfigError(f"--warmup is a fraction of the updates in [0, 1), got {self.warmup}")
+        if self.weight_decay < 0:
+            raise ConfigError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+        if self.surgery != "none" and self.grad_accum != 1:
+            raise ConfigError(
+                "--surgery groups the micro-batches of an update by itself (see --sampling); use --grad-accum 1"
+            )
+        if self.surgery != "none" and len(tasks) < 2:
+            raise ConfigError("--surgery needs at least two --tasks")
+        if self.sampling in GROUPED_METHODS and self.surgery == "none" and self.grad_accum != 1:
+            raise ConfigError(
+                f"--sampling {self.sampling} sets the micro-batches of an update; use --grad-accum 1"
+            )
+        if self.pair_mode == "sbert_cosine" and "sts" not in tasks:
+            raise ConfigError("--pair-mode sbert_cosine is for STS (regression); add sts or use sbert_concat")
+        self.pal_config = build_pal_config(self)
+        if self.freeze_bert and self.pal_config is None:
+            raise ConfigError(
+                "--freeze-bert with --pal none would train only the heads and LayerNorms; pick a --pal"
+            )
+        if Path(self.out).exists() and not Path(self.out).is_dir():
+            raise ConfigError(f"--out {self.out} is a file, not a folder: choose another --out")
+        self.data_path = self._check_data()
+
+    # --- checks -------------------------------------------------------------------------------------------------
+    def _not_implemented_yet(self) -> None:
+        # extension point: remove an entry here once the loop implements that option
+        defaults = {"batching": "per_task", "max_tokens": None, "task_weighting": "examples",
+                    "surgery_opts": [], "surgery_buffer_dtype": "fp32"}  # fmt: skip
+        for name, default in defaults.items():
+            if getattr(self, name) != default:
+                raise ConfigError(
+                    f"{_flag(name)} {getattr(self, name)!r} is not implemented yet; leave it out"
+                )
+
+    def _at_least(self, name: str, allow_none: bool = False, low: float = 1) -> None:
+        value = getattr(self, name)
+        if value is None and allow_none:
+            return
+        if value is None or value < low:
+            raise ConfigError(f"{_flag(name)} must be >= {low}, got {value}")
+
+    def _check_data(self) -> Path:
+        if self.data_dir is None and not os.environ.get(DATA_DIR_ENV):
+            raise ConfigError(
+                f"no data folder: pass --data-dir /path/to/the/task/files or `export {DATA_DIR_ENV}=/path/to/"
+                f"the/task/files`"
+            )
+        try:
+            data_path = resolve_data_dir(self.data_dir)
+        except FileNotFoundError as err:
+            raise ConfigError(f"--data-dir: {err}") from None
+        missing = [
+            str(data_path / TASK_FORMATS[t].files[split])
+            for t in self.task_list
+            for split in ("train", "dev")
+            if not (data_path / TASK_FORMATS[t].files[split]).is_file()
+        ]
+        if missing:
+            raise ConfigError(
+                f"missing data file(s): {', '.join(missing)} (check --data-dir / ${DATA_DIR_ENV})"
+            )
+        return data_path
+
+    # --- conversions --------------------------------------------------------------------------------------------
+    def options(self) -> dict[str, Any]:
+        """The options (not the derived fields) as JSON-ready values: what ``train_args.json`` holds."""
+        return {f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(self) if f.init}
+
+    def resume_options(self) -> dict[str, Any]:
+        """The options that must match the saved run's on ``--resume``."""
+        return {name: _jsonable(getattr(self, name)) for name in resume_fields("match")}
+
+
+def _field(name: str) -> dataclasses.Field:
+    return {f.name: f for f in dataclasses.fields(TrainArgs)}[name]
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (str, int, float, bool, type(None))):
+        return value
+    return str(value)
+
+
+def resume_fields(kind: str) -> list[str]:
+    """Names of the options whose ``resume`` flag is ``kind`` (``"match"`` or ``"may_change"``)."""
+    return [f.name for f in dataclasses.fields(TrainArgs) if f.init and f.metadata["resume"] == kind]
+
+
+def build_pal_config(args: TrainArgs) -> PALConfig | None:
+    """The :class:`PALConfig` of ``--pal`` with ``--pal-heads`` / ``--pal-hidden``; None for ``--pal none``."""
+    preset = PAL_PRESETS[args.pal]
+    if preset is None:
+        if args.pal_heads is not None or args.pal_hidden is not None:
+            raise ConfigError("--pal-heads/--pal-hidden need PALs: drop them or choose a --pal variant")
+        return None
+    kw = dict(preset)
+    if args.pal_heads is not None:
+        kw["num_heads"] = args.pal_heads
+    if args.pal_hidden is not None:
+        kw["hidden"] = args.pal_hidden
+    cfg = PALConfig(num_tasks=len(args.task_list), **kw)
+    if cfg.hidden < 1 or cfg.num_heads < 1 or cfg.hidden % cfg.num_heads:
+        raise ConfigError(
+            f"--pal-heads {cfg.num_heads} does not divide the PAL width d_s = {cfg.hidden} (--pal-hidden): "
+            f"choose heads that divide d_s, e.g. {', '.join(str(h) for h in range(1, 13) if cfg.hidden % h == 0)}"
+        )
+    if cfg.variant in ("top", "top_parallel") and cfg.hidden % cfg.top_heads:
+        raise ConfigError(f"--pal {args.pal}: its {cfg.top_heads} top heads do not divide d_s = {cfg.hidden}")
+    return cfg

@@ -1,0 +1,186 @@
+"""What a run reports, kept out of the update code: every record of the loop goes to the callbacks.
+
+* :class:`JsonlLog`: one JSON line per record in ``<out>/metrics.jsonl``.
+* :class:`TensorBoardLog`: losses, learning rate, throughput and dev scores under ``<out>/tensorboard``.
+* :class:`Progress`: one tqdm bar over the whole run (its ETA is the run's), losses in the postfix.
+* :class:`Plots`: ``training_curves.png`` and the confusion matrices at the end.
+* :class:`FaultInjection`: test-only faults (a NaN loss at an update, SIGTERM after N updates).
+
+A callback implements any of ``on_train_start(trainer)``, ``on_record(trainer, entry)`` and
+``on_train_end(trainer)``; records are dicts with a ``type`` (config, step, eval, epoch, nonfinite,
+interrupted).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "Callback",
+    "FaultInjection",
+    "JsonlLog",
+    "Plots",
+    "Progress",
+    "TensorBoardLog",
+    "default_callbacks",
+]
+
+
+class Callback:
+    """Base class: every hook does nothing."""
+
+    def on_train_start(self, trainer: Any) -> None:
+        pass
+
+    def on_record(self, trainer: Any, entry: dict[str, Any]) -> None:
+        pass
+
+    def on_train_end(self, trainer: Any) -> None:
+        pass
+
+
+class JsonlLog(Callback):
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_record(self, trainer: Any, entry: dict[str, Any]) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+
+
+class TensorBoardLog(Callback):
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.writer = None
+
+    def on_train_start(self, trainer: Any) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            trainer.log("[log] tensorboard is not installed: metrics go to metrics.jsonl only")
+            return
+        self.writer = SummaryWriter(str(self.folder))
+
+    def on_record(self, trainer: Any, entry: dict[str, Any]) -> None:
+        if self.writer is None:
+            return
+        step = entry.get("step")
+        if entry["type"] == "step":
+            for t, v in entry["loss"].items():
+                self.writer.add_scalar(f"train/loss_{t}", v, step)
+            self.writer.add_scalar("train/lr", entry["lr"][0], step)
+            self.writer.add_scalar("train/examples_per_s", entry["examples_per_s"], step)
+        elif entry["type"] == "eval" and not entry.get("untrained"):
+            for k, v in entry["dev"].items():
+                self.writer.add_scalar(f"dev/{k}", v, step)
+
+    def on_train_end(self, trainer: Any) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+class Progress(Callback):
+    """One bar over all the run's updates, so its ETA is the whole run's; the postfix shows each task's
+    loss (moving average) and the throughput."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.bar = None
+        self.ema: dict[str, float] = {}
+
+    def on_train_start(self, trainer: Any) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(
+            total=trainer.total_updates, initial=trainer.state.global_step, desc="train", unit="update",
+            disable=not self.enabled, file=sys.stderr, dynamic_ncols=True, mininterval=1.0,
+        )  # fmt: skip
+
+    def on_record(self, trainer: Any, entry: dict[str, Any]) -> None:
+        if self.bar is None or entry["type"] != "step":
+            return
+        for t, v in entry["loss"].items():
+            self.ema[t] = v if t not in self.ema else 0.9 * self.ema[t] + 0.1 * v
+        postfix = {**{t: f"{v:.3f}" for t, v in self.ema.items()}, "ex/s": f"{entry['examples_per_s']:.1f}"}
+        self.bar.set_description(f"train, epoch {entry['epoch']}/{trainer.args.epochs}", refresh=False)
+        self.bar.set_postfix(postfix, refresh=False)
+        self.bar.update(1)
+
+    def on_train_end(self, trainer: Any) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def run_title(args: Any) -> str:
+    """The settings a training-curves figure is about, in one line."""
+    return (
+        f"{args.model} | tasks {','.join(args.task_list)} | PAL {args.pal} | sampling {args.sampling} | "
+        f"surgery {args.surgery} | batch {args.batch_size} | lr {args.lr:g}"
+    )
+
+
+class Plots(Callback):
+    """``training_curves.png`` (losses and dev scores, one colour per task) and ``confusion_*.png``."""
+
+    def on_train_end(self, trainer: Any) -> None:
+        if not trainer.is_main or not trainer.finished:
+            return
+        from fastpals.plots import plot_confusion_matrices, plot_training_curves
+
+        state = trainer.state
+        untrained = [{"step": 0, "dev": state.untrained}] if state.untrained else []
+        plot_training_curves(
+            state.step_losses, untrained + list(state.evals), trainer.out / "training_curves.png",
+            title=run_title(trainer.args), tasks=trainer.args.task_list,
+        )  # fmt: skip
+        npz = trainer.out / "predictions" / "dev_labels_and_predictions.npz"
+        if npz.is_file():
+            data = np.load(npz)
+            pairs = {
+                t: (data[f"{t}_label"], data[f"{t}_pred"])
+                for t in trainer.args.task_list
+                if f"{t}_pred" in data
+            }
+            plot_confusion_matrices(pairs, trainer.out)
+
+
+class FaultInjection(Callback):
+    """Test-only faults, installed only when asked for: ``nan_at_step`` turns the loss of that update into NaN
+    (through the trainer's ``loss_hooks``); ``stop_after_steps`` sends this process SIGTERM after that update,
+    as a real kill would."""
+
+    def __init__(self, nan_at_step: int | None, stop_after_steps: int | None) -> None:
+        self.nan_at_step, self.stop_after_steps = nan_at_step, stop_after_steps
+
+    def on_train_start(self, trainer: Any) -> None:
+        if self.nan_at_step is not None:
+
+            def nan_loss(step: int, loss: Any) -> Any:
+                return loss * float("nan") if step == self.nan_at_step else loss
+
+            trainer.loss_hooks.append(nan_loss)
+
+    def on_record(self, trainer: Any, entry: dict[str, Any]) -> None:
+        if entry["type"] == "step" and entry["step"] == self.stop_after_steps:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def default_callbacks(args: Any, out: Path, is_main: bool) -> list[Callback]:
+    """The callbacks of ``train.py``: on the main rank JSONL, TensorBoard, progress and plots; fault injection
+    when a test option asks for it (on every rank)."""
+    callbacks: list[Callback] = []
+    if is_main:
+        callbacks += [JsonlLog(out / "metrics.jsonl"), TensorBoardLog(out / "tensorboard"),
+                      Progress(enabled=not args.no_progress), Plots()]  # fmt: skip
+    if args.inject_nan_at_step is not None or args.stop_after_steps is not None:
+        callbacks.append(FaultInjection(args.inject_nan_at_step, args.stop_after_steps))
+    return callbacks

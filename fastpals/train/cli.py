@@ -1,0 +1,144 @@
+"""The ``train.py`` / ``fastpals train`` command line, generated from :class:`TrainArgs`'s fields.
+
+``--resume`` reads the options saved in ``<out>/train_args.json``: give only ``--out`` and the options that may
+change (``--help`` marks them); a must-match option given with another value is a one-line error. Errors a user
+can fix print one line on stderr (``--debug``: the traceback too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+from fastpals.train.args import TrainArgs, resume_fields
+from fastpals.train.errors import ConfigError, NonFiniteLossError, TrainingInterrupted
+
+__all__ = ["build_parser", "main", "parse_args"]
+
+PROG = "train.py"
+# options of one command, never taken from the saved run on --resume
+PER_INVOCATION = ("resume", "overwrite", "debug", "local_rank", "stop_after_steps", "inject_nan_at_step")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, not usage + error
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
+
+
+def build_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
+    """The argparse parser of :class:`TrainArgs`: one option per field, its help from the field's metadata.
+    ``suppress_defaults``: options not given are absent from the namespace (to tell given ones apart)."""
+    may = resume_fields("may_change")
+    p = _Parser(
+        prog=PROG,
+        description="Multi-task fine-tuning of BERT + PALs (SST, Quora, STS) with DeepSpeed. Run as `deepspeed "
+        "train.py --ds_config configs/<name>.json [options]` or `python train.py [options]`.",
+        epilog="[may change on --resume] marks the options a resumed run may give anew: "
+        + ", ".join(_fmt(n) for n in may if not _field_hidden(n))
+        + ". --resume reads every option from <out>/train_args.json; giving one of the others with another value "
+        "is an error.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        argument_default=argparse.SUPPRESS if suppress_defaults else None,
+    )
+    for f in dataclasses.fields(TrainArgs):
+        if not f.init:
+            continue
+        m = f.metadata
+        flags = m["flags"] or ("--" + f.name.replace("_", "-"),)
+        help_text = (
+            argparse.SUPPRESS
+            if m["hidden"]
+            else m["help"] + (" [may change on --resume]" if m["resume"] == "may_change" else "")
+        )
+        kw: dict[str, Any] = {"dest": f.name, "help": help_text}
+        if not suppress_defaults:
+            kw["default"] = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if f.default is False:
+            kw["action"] = "store_true"
+        elif f.name == "surgery_opts":
+            kw.update(action="append", metavar=m["metavar"])
+        else:
+            if m["choices"]:
+                kw["choices"] = m["choices"]
+            if m["type"] is not None:
+                kw["type"] = m["type"]
+            if m["metavar"]:
+                kw["metavar"] = m["metavar"]
+        p.add_argument(*flags, **kw)
+    return p
+
+
+def _field_hidden(name: str) -> bool:
+    return {f.name: f for f in dataclasses.fields(TrainArgs)}[name].metadata["hidden"]
+
+
+def _fmt(name: str) -> str:
+    flags = {f.name: f for f in dataclasses.fields(TrainArgs)}[name].metadata["flags"]
+    return flags[0] if flags else "--" + name.replace("_", "-")
+
+
+def parse_args(argv: list[str] | None = None) -> TrainArgs:
+    """:class:`TrainArgs` from a command line; with ``--resume`` the saved options of ``<out>`` fill in the rest.
+    Raises :class:`ConfigError` (one line) for anything to fix."""
+    given = vars(build_parser(suppress_defaults=True).parse_args(argv))
+    if not given.get("resume"):
+        return TrainArgs(**vars(build_parser().parse_args(argv)))
+    out = Path(given.get("out", TrainArgs.__dataclass_fields__["out"].default))
+    saved_path = out / "train_args.json"
+    if not saved_path.is_file():
+        raise ConfigError(
+            f"--resume: {saved_path} does not exist, so --out {out} holds no run to resume: check --out, or start "
+            f"a new run without --resume"
+        )
+    try:
+        saved = json.loads(saved_path.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"--resume: {saved_path}:{err.lineno}: not valid JSON ({err.msg})") from None
+    match = set(resume_fields("match"))
+    differ = [k for k in given if k in match and k in saved and given[k] != saved[k]]
+    if differ:
+        detail = ", ".join(f"{_fmt(k)} (saved {saved[k]!r}, now {given[k]!r})" for k in differ)
+        raise ConfigError(
+            f"--resume with different options: {detail}; leave them out (the saved ones are used) or start a new "
+            f"run in another --out"
+        )
+    known = {f.name for f in dataclasses.fields(TrainArgs) if f.init}
+    options = {k: v for k, v in saved.items() if k in known and k not in PER_INVOCATION}
+    options.update(given)
+    return TrainArgs(**options)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``train.py`` and ``fastpals train``; returns the exit status (0 ok, 2 bad option, config,
+    data, run folder or checkpoint, 3 non-finite loss, 128 + signal number when stopped by SIGTERM/SIGINT after
+    checkpointing)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    try:
+        args = parse_args(argv)
+        from fastpals.train.loop import Trainer
+
+        Trainer(args).run()
+    except ConfigError as err:
+        _report(f"{PROG}: error: {err}", debug)
+        return 2
+    except NonFiniteLossError as err:
+        _report(f"{PROG}: {err}", debug)
+        return 3
+    except TrainingInterrupted as err:
+        print(f"{PROG}: {err}", file=sys.stderr)
+        return 128 + err.signum
+    return 0
+
+
+def _report(line: str, debug: bool) -> None:
+    if debug:
+        traceback.print_exc()
+    else:
+        line += " (--debug shows the traceback)"
+    print(line, file=sys.stderr)

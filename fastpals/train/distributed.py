@@ -1,0 +1,80 @@
+"""Process set-up for DeepSpeed: rank/world defaults for ``python train.py``, and no shared-memory comm op
+build for a single process.
+
+DeepSpeed 0.19.8's ``TorchBackend`` builds its CPU shared-memory all-reduce op (``deepspeed_shm_comm``) with
+ninja whenever the communication backend starts: 80-105 s the first time, under a lock in
+``~/.cache/torch_extensions`` shared by every checkout. One process never all-reduces across processes, so
+:func:`initialize` starts DeepSpeed without that op there (its collectives then fall back to
+``torch.distributed``, a one-rank gloo group). Several CPU ranks still need the op: it is built once into
+``$TORCH_EXTENSIONS_DIR`` (default: ``torch_extensions`` inside the Python environment, private to the venv),
+with a message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+__all__ = ["initialize", "set_single_process_env", "without_shm_comm_op"]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def set_single_process_env() -> None:
+    """Defaults for ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` (a free port) so
+    that ``deepspeed.initialize`` works without the launcher; values set by a launcher are kept."""
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, value)
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(_free_port())
+
+
+@contextlib.contextmanager
+def without_shm_comm_op() -> Iterator[None]:
+    """While active, DeepSpeed's communication backend starts without building/loading its CPU shared-memory
+    op (``deepspeed.comm.torch.build_shm_op`` returns None, which DeepSpeed handles as "op not available")."""
+    import importlib
+
+    ds_torch = importlib.import_module(
+        "deepspeed.comm.torch"
+    )  # `deepspeed.comm.torch` the attribute is torch
+    original = ds_torch.build_shm_op
+    ds_torch.build_shm_op = lambda: None
+    try:
+        yield
+    finally:
+        ds_torch.build_shm_op = original
+
+
+def _private_extensions_dir(log: Any) -> None:
+    if "TORCH_EXTENSIONS_DIR" not in os.environ:
+        os.environ["TORCH_EXTENSIONS_DIR"] = str(Path(sys.prefix) / "torch_extensions")
+    folder = Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    if not any(folder.glob("*/deepspeed_shm_comm/*.so")):
+        log(
+            f"[setup] building DeepSpeed's CPU shared-memory op once into {folder} (about 90 s; later runs reuse it)"
+        )
+
+
+def initialize(model: Any, optimizer: Any, scheduler: Any, config: dict[str, Any], log: Any = print) -> tuple:
+    """``deepspeed.initialize`` for this process: without the shared-memory op when it is the only process (or
+    on CUDA, where NCCL does the collectives); returns DeepSpeed's ``(engine, optimizer, loader, scheduler)``."""
+    import deepspeed
+    import torch
+
+    set_single_process_env()
+    single = int(os.environ["WORLD_SIZE"]) == 1
+    if not single and not torch.cuda.is_available():
+        _private_extensions_dir(log)
+    context = without_shm_comm_op() if single else contextlib.nullcontext()
+    with context:
+        return deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)

@@ -1,0 +1,170 @@
+"""Prediction and dev evaluation, shared by the trainer and ``fastpals predict``.
+
+:func:`predict_batches` runs a model over a :class:`~fastpals.data.TaskBatcher` in order (with a progress bar
+when asked); :func:`evaluate` turns the dev predictions into metrics; :func:`load_split` reads (a capped part of)
+a split and reports its skipped rows.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fastpals.data import DataWarning, TaskBatcher, load_task
+from fastpals.multitask import TASKS
+
+__all__ = [
+    "EVAL_BATCH",
+    "eval_model",
+    "evaluate",
+    "load_split",
+    "model_inputs",
+    "overall_from",
+    "predict_batches",
+]
+
+EVAL_BATCH = 64
+INPUT_KEYS = (
+    "input_ids",
+    "attention_mask",
+    "token_type_ids",
+    "input_ids_b",
+    "attention_mask_b",
+    "token_type_ids_b",
+)
+
+
+def model_inputs(batch: dict, task_index: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """The model's keyword inputs of a collated batch of one task: its tensors on ``device`` and ``task_ids``
+    (long ``[B]``, all ``task_index``)."""
+    inputs = {k: batch[k].to(device) for k in INPUT_KEYS if k in batch}
+    n = batch["input_ids"].shape[0]
+    inputs["task_ids"] = torch.full((n,), task_index, dtype=torch.long, device=device)
+    return inputs
+
+
+def confidence(model: torch.nn.Module, output: Any, task_index: int) -> torch.Tensor | None:
+    """Probability of the predicted label (float32 ``[B]``) for classification and binary tasks; None for
+    regression (its prediction is the score)."""
+    spec = model.tasks[task_index]
+    z = output.logits[:, : spec.num_labels].float()
+    if spec.kind == "classification":
+        return z.softmax(-1).amax(-1)
+    if spec.kind == "binary":
+        p = z[:, 0].sigmoid()
+        return torch.where(p >= 0.5, p, 1 - p)
+    return None
+
+
+@torch.no_grad()
+def predict_batches(
+    model: torch.nn.Module,
+    batcher: TaskBatcher,
+    task_index: int,
+    progress: bool = False,
+    desc: str | None = None,
+    with_confidence: bool = False,
+) -> tuple[list[str], np.ndarray, np.ndarray | None] | tuple[list[str], np.ndarray, np.ndarray | None, Any]:
+    """``(ids, predictions, labels or None)`` of every example of ``batcher`` in order, with ``model`` in eval
+    mode (restored afterwards); predictions as ``model.predict`` gives them (class index, 0/1 or score, ``[N]``).
+    ``progress`` shows a tqdm bar on stderr; ``with_confidence`` appends the probability of each predicted label
+    (float32 ``[N]``, None for regression tasks)."""
+    from tqdm import tqdm
+
+    was_training = model.training
+    model.eval()
+    ids, preds, labels, confs = [], [], [], []
+    device = next(model.parameters()).device
+    batcher.set_epoch(0)
+    with tqdm(total=len(batcher.examples), desc=desc, disable=not progress, file=sys.stderr, unit="ex",
+              dynamic_ncols=True, mininterval=1.0, leave=False) as bar:  # fmt: skip
+        for batch in batcher:
+            out = model(**model_inputs(batch, task_index, device))
+            preds.append(model.predict(out).cpu().numpy())
+            if with_confidence:
+                c = confidence(model, out, task_index)
+                confs.append(None if c is None else c.cpu().numpy())
+            ids.extend(batch["ids"])
+            if "labels" in batch:
+                labels.append(batch["labels"].numpy())
+            bar.update(len(batch["ids"]))
+    model.train(was_training)
+    result = (ids, np.concatenate(preds), (np.concatenate(labels) if labels else None))
+    if with_confidence:
+        return (*result, None if not confs or confs[0] is None else np.concatenate(confs))
+    return result
+
+
+def overall_from(dev: dict[str, float]) -> float:
+    """CS224N overall ``(sst + para + (r + 1)/2) / 3`` when the three are there; else the mean of accuracies and
+    ``(r + 1)/2``. A NaN Pearson (constant predictions) counts as r = 0."""
+    parts = []
+    for task, value in dev.items():
+        if task == "overall":
+            continue
+        if TASKS[task].metric == "pearson":
+            value = 0.0 if math.isnan(value) else value
+            parts.append((value + 1.0) / 2.0)
+        else:
+            parts.append(value)
+    return float(sum(parts) / len(parts))
+
+
+def eval_model(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """The module to evaluate: itself, or on CPU an fp32 copy of a bf16/fp16 module (CPUs without bf16 matrix
+    units run fp32 several times faster; the copy holds the same, rounded, weights)."""
+    if device.type == "cpu" and next(module.parameters()).dtype != torch.float32:
+        return copy.deepcopy(module).float()
+    return module
+
+
+def evaluate(
+    model: torch.nn.Module, dev_batchers: dict[str, TaskBatcher], task_list: list[str], progress: bool = False
+) -> tuple[dict[str, float], dict[str, Any]]:
+    """Dev metrics ``{task: accuracy or Pearson r, "overall": ...}`` and ``{task: (ids, predictions, labels)}``."""
+    from fastpals.metrics import accuracy, pearson
+
+    dev: dict[str, float] = {}
+    preds: dict[str, Any] = {}
+    for t, batcher in dev_batchers.items():
+        ids, p, y = predict_batches(model, batcher, task_list.index(t), progress, desc=f"dev {t}")
+        if TASKS[t].metric == "pearson":
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                dev[t] = pearson(p, y)
+        else:
+            dev[t] = accuracy(y.astype(np.int64), p.astype(np.int64))
+        preds[t] = (ids, p, y)
+    dev["overall"] = overall_from(dev)
+    return dev, preds
+
+
+def load_split(
+    task: str, split: str, data_dir: Path, limit: int | None, log: Callable[[str], None], sample: bool = False
+) -> list:
+    """The examples of one split; with ``limit``: the first ``limit`` (``sample=False``) or a fixed random subset
+    of ``limit`` kept in file order (``sample=True``: numpy seed 0, independent of ``--seed``, so that capped dev
+    sets are representative and the same for every run; the dev files are not shuffled, e.g. SST's first rows
+    are mostly positive). Skipped rows are reported through ``log``."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", DataWarning)
+        examples = load_task(task, split, data_dir, strict=False)
+    for w in caught:
+        if issubclass(w.category, DataWarning):
+            log(f"[data] {task}/{split}: {w.message}")
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    if not limit or limit >= len(examples):
+        return examples
+    if sample:
+        keep = np.sort(np.random.default_rng(0).choice(len(examples), size=limit, replace=False))
+        return [examples[i] for i in keep]
+    return examples[:limit]

@@ -1,0 +1,392 @@
+"""The training loop: set-up, one update, checkpoints. ``Trainer(args).run()`` → the results dict.
+
+A :class:`~fastpals.sampling.TaskSampler` decides the task of every micro-batch; each micro-batch holds
+``--batch-size`` examples of one task and gets its own forward and ``engine.backward``. Without surgery the
+DeepSpeed engine accumulates ``--grad-accum`` micro-batches per update (DeepSpeed averages them and clips with
+``gradient_clipping`` inside ``engine.step()``). With surgery an update is the sampler's group (one batch of every
+task for ``random_round_robin``; plus ``--extra-batches`` annealed ones for ``every_task_plus_annealed``; as many
+draws as tasks otherwise), DeepSpeed's accumulation is 1, and :func:`fastpals.train.step.surgery_update`
+captures each task's gradient of the shared weights into a :class:`fastpals.surgery.TaskGradientBuffer` and
+writes the combined gradient back before ``engine.step()`` clips it. Task-specific parameters (PALs, heads) keep
+their own task's gradient.
+Under DeepSpeed the buffer reads and writes gradients as :func:`fastpals.train.step.deepspeed_surgery_buffer`
+describes.
+
+Every micro-batch's loss is checked: a NaN/inf loss stops training before its backward with
+:class:`NonFiniteLossError` after a ``"nonfinite"`` record; the last checkpoint is untouched. SIGTERM/SIGINT
+write a checkpoint and raise :class:`TrainingInterrupted`.
+
+Outputs in ``--out``: ``train_args.json`` (the options; ``--resume`` reads them), ``metrics.jsonl``,
+``tensorboard/``, ``checkpoints/``, ``best/`` (best dev overall), ``predictions/``, ``results.json``,
+``training_curves.png``, ``confusion_*.png``. Evaluation: accuracy (SST, CFIMDB, Quora on the held-out 10% hash
+split of ``quora-dev.csv``), Pearson r (STS); overall = ``(sst + para + (r + 1) / 2) / 3``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fastpals.data import TASK_FORMATS, TaskBatcher
+from fastpals.multitask import MultiTaskBert
+from fastpals.sampling import TaskSampler
+from fastpals.train import evaluate as ev
+from fastpals.train import outputs
+from fastpals.train.args import TrainArgs
+from fastpals.train.callbacks import Callback, default_callbacks
+from fastpals.train.dsconfig import check_ds_config, load_ds_config
+from fastpals.train.errors import ConfigError, NonFiniteLossError, TrainingInterrupted
+from fastpals.train.optim import build_model, lr_lambda, make_optimizer, optimizer_param_groups
+from fastpals.train.state import (
+    GeneratorState,
+    RNGState,
+    TrainState,
+    check_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from fastpals.train.step import deepspeed_surgery_buffer, surgery_update
+
+__all__ = ["Trainer", "timestamped"]
+
+
+def timestamped(message: str) -> str:
+    return f"{datetime.now().strftime('%H:%M:%S')} {message}"
+
+
+class Trainer:
+    """One training run of :class:`TrainArgs`; ``callbacks`` default to :func:`default_callbacks`."""
+
+    def __init__(self, args: TrainArgs, callbacks: list[Callback] | None = None) -> None:
+        self.args = args
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.is_main = self.rank == 0
+        self.out = Path(args.out)
+        self.ds_config = check_ds_config(
+            load_ds_config(args.ds_config), args.batch_size, args.grad_accum, args.surgery, self.world_size
+        )
+        self.ckpt_dir = self.out / "checkpoints"
+        outputs.prepare_out(self.out, args.resume, args.overwrite, self.is_main)
+        if args.resume:
+            check_checkpoint(self.ckpt_dir)  # a broken checkpoint fails here, before the heavy set-up
+        self.callbacks = default_callbacks(args, self.out, self.is_main) if callbacks is None else callbacks
+        self.loss_hooks: list[Callable[[int, torch.Tensor], torch.Tensor]] = []  # test faults only
+        self.state = TrainState(
+            step_losses={t: ([], []) for t in args.task_list}, options=args.resume_options()
+        )
+        self.finished = False
+        self._stop_signal: int | None = None
+
+    # --- reporting ----------------------------------------------------------------------------------------------
+    def log(self, message: str) -> None:
+        """A timestamped line on stderr (main rank), above the progress bar."""
+        if self.is_main:
+            from tqdm import tqdm
+
+            tqdm.write(timestamped(message), file=sys.stderr)
+
+    def record(self, entry: dict[str, Any]) -> None:
+        """Hand one record (``metrics.jsonl`` line) to the callbacks."""
+        for callback in self.callbacks:
+            callback.on_record(self, entry)
+
+    # --- set-up -------------------------------------------------------------------------------------------------
+    def _setup_data(self) -> None:
+        from fastpals.tokenizer import Tokenizer
+
+        args = self.args
+        try:
+            self.tokenizer = Tokenizer.from_pretrained(args.model)
+        except (FileNotFoundError, OSError, ImportError, ValueError) as err:
+            raise ConfigError(f"--model {args.model}: {err}") from None
+        self.pair_encoding = {
+            t: "joint" if (args.pair_mode == "joint" or not TASK_FORMATS[t].pair) else "separate"
+            for t in args.task_list
+        }
+        self.train_batchers: dict[str, TaskBatcher] = {}
+        self.dev_batchers: dict[str, TaskBatcher] = {}
+        self.train_sizes: list[int] = []
+        for i, t in enumerate(args.task_list):
+            train = ev.load_split(t, "train", args.data_path, args.max_train, self.log)
+            self.train_sizes.append(len(train))
+            shard = train[self.rank :: self.world_size] if self.world_size > 1 else train
+            self.train_batchers[t] = TaskBatcher(
+                shard, self.tokenizer, t, args.batch_size, max_length=args.max_length, shuffle=True,
+                seed=args.seed * 1000 + i, pair_encoding=self.pair_encoding[t],
+            )  # fmt: skip
+            self.dev_batchers[t] = self._eval_batcher(t, "dev", args.max_eval, sample=True)
+        # identical on every rank: batches of the smallest shard
+        batches = [math.ceil((n // self.world_size) / args.batch_size) or 1 for n in self.train_sizes]
+        steps = args.steps_per_epoch
+        if steps is None and args.sampling != "round_robin":
+            steps = 2400
+        self.sampler = TaskSampler(
+            args.sampling, self.train_sizes, batches, args.epochs, steps,
+            micro_batches_per_update=args.grad_accum if args.surgery == "none" else len(args.task_list),
+            extra=args.extra_batches, seed=args.seed,
+        )  # fmt: skip
+        self.total_updates = self.sampler.updates_per_epoch * args.epochs
+        sizes = ", ".join(f"{t} {n}" for t, n in zip(args.task_list, self.train_sizes))
+        self.log(
+            f"[data] train examples: {sizes}; {self.sampler.updates_per_epoch} updates/epoch x {args.epochs} "
+            f"epochs, sampling {args.sampling}; dev: "
+            + ", ".join(f"{t} {len(b.examples)}" for t, b in self.dev_batchers.items())
+            + (" (para dev = held-out 10% hash split of quora-dev.csv)" if "para" in args.task_list else "")
+        )
+
+    def _eval_batcher(self, task: str, split: str, limit: int | None, sample: bool = False) -> TaskBatcher:
+        examples = ev.load_split(task, split, self.args.data_path, limit, self.log, sample=sample)
+        return TaskBatcher(
+            examples, self.tokenizer, task, max(self.args.batch_size, ev.EVAL_BATCH),
+            max_length=self.args.max_length, shuffle=False, bucket_by_length=False,
+            pair_encoding=self.pair_encoding[task],
+        )  # fmt: skip
+
+    def _setup_model(self) -> None:
+        self.model = build_model(self.args)
+
+    def _setup_engine(self) -> None:
+        from fastpals.train.distributed import initialize
+
+        args, lr = self.args, self.args.lr
+        groups = optimizer_param_groups(
+            self.model, lr, args.pal_lr or lr, args.head_lr or lr, args.weight_decay
+        )
+        optimizer = make_optimizer(groups, args.optimizer)
+        total, warmup = self.total_updates, args.warmup
+
+        def scheduler(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+            return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, total, warmup))
+
+        self.engine, self.optimizer, _, self.scheduler = initialize(
+            self.model, optimizer, scheduler, self.ds_config, log=self.log
+        )
+        self.device = self.engine.device
+        self.zero_stage = self.engine.zero_optimization_stage()
+        self.components: dict[str, Any] = {"sampler": self.sampler, "rng": RNGState(),
+                                           **{f"batcher/{t}": b for t, b in self.train_batchers.items()}}  # fmt: skip
+        self.surgery_buffer = None
+        if args.surgery != "none":
+            self._setup_surgery()
+
+    def _setup_surgery(self) -> None:
+        from fastpals.surgery import gem_weights, pcgrad_weights
+
+        self.surgery_buffer = deepspeed_surgery_buffer(
+            self.engine.module, len(self.args.task_list), self.zero_stage
+        )
+        # extension point: the aggregator registry replaces this choice (with --surgery-opts as its keywords)
+        self.aggregator = pcgrad_weights if self.args.surgery == "pcgrad" else gem_weights
+        self.surgery_generator = torch.Generator().manual_seed(self.args.seed)
+        self.components["surgery_rng"] = GeneratorState(self.surgery_generator)
+
+    # --- checkpoints --------------------------------------------------------------------------------------------
+    def save_checkpoint(self) -> Path:
+        """DeepSpeed checkpoint + train state + component states; the previous one is removed."""
+        return save_checkpoint(self.engine, self.ckpt_dir, self.state, self.components, self.is_main)
+
+    def load_checkpoint(self) -> None:
+        path, state = load_checkpoint(self.engine, self.ckpt_dir, self.components)
+        now = self.args.resume_options()
+        differ = [k for k in now if state.options.get(k) != now[k]]
+        if differ:
+            detail = ", ".join(f"--{k.replace('_', '-')} (saved {state.options.get(k)!r}, now {now[k]!r})"
+                               for k in differ)  # fmt: skip
+            raise ConfigError(f"--resume: {path} was saved with other options: {detail}")
+        self.state = state
+        self.log(f"[resume] {path}: update step {state.global_step}, epoch {self.sampler.epoch}")
+
+    # --- evaluation ---------------------------------------------------------------------------------------------
+    def evaluate(self) -> tuple[dict[str, float], dict[str, Any]]:
+        """Dev metrics and predictions of the current model (see :func:`fastpals.train.evaluate.evaluate`)."""
+        t0 = time.perf_counter()
+        model = ev.eval_model(self.engine.module, self.device)
+        result = ev.evaluate(model, self.dev_batchers, self.args.task_list, self._progress())
+        self.state.add_time("eval_s", time.perf_counter() - t0)
+        return result
+
+    def _progress(self) -> bool:
+        return self.is_main and not self.args.no_progress
+
+    def _eval_and_track(self, epoch: int) -> dict[str, float]:
+        dev, preds = self.evaluate()
+        state = self.state
+        entry = {"type": "eval", "step": state.global_step, "epoch": epoch, "dev": dev}
+        state.evals.append(entry)
+        self.record(entry)
+        self.log(
+            f"[eval] step {state.global_step} epoch {epoch}: "
+            + ", ".join(f"{k} {v:.4f}" for k, v in dev.items())
+        )
+        if dev["overall"] > state.best["overall"]:
+            state.best = {"overall": dev["overall"], "step": state.global_step, "epoch": epoch, "dev": dev}
+            if self.is_main:
+                outputs.save_best(self.engine.module, self.tokenizer, self.out / "best", self.args.max_length,
+                                  state.global_step, self.args.task_list)  # fmt: skip
+                outputs.write_dev_predictions(self.out / "predictions", preds)
+        return dev
+
+    # --- one update ---------------------------------------------------------------------------------------------
+    def _micro_step(self, task_index: int) -> tuple[float, int]:
+        # extension point: --batching mixed draws a micro-batch of several tasks here (task_ids per row)
+        task = self.args.task_list[task_index]
+        batch = self.train_batchers[task].next_batch()
+        out = self.engine(**ev.model_inputs(batch, task_index, self.device))
+        loss, _ = self.engine.module.loss(out, batch["labels"].to(self.device).float())
+        step = self.state.global_step + 1
+        for hook in self.loss_hooks:
+            loss = hook(step, loss)
+        value = loss.item()
+        if not math.isfinite(value):
+            self.record({"type": "nonfinite", "step": step, "task": task, "loss": value})
+            raise NonFiniteLossError(step, task, value)
+        self.engine.backward(loss)
+        return value, batch["input_ids"].shape[0]
+
+    def train_update(self, group: list[int]) -> dict[str, Any]:
+        """One optimizer update over the micro-batches of ``group`` (task indices)."""
+        # extension point: one-backward surgery (per-task gradients from one backward) replaces the
+        # surgery_update branch below; mixed batching changes what a group holds
+        if self.surgery_buffer is None:
+            micro = []
+            for t in group:
+                micro.append(self._micro_step(t))
+                self.engine.step()  # DeepSpeed updates only at the accumulation boundary
+        else:
+            update = surgery_update(self.surgery_buffer, group, self._micro_step, self.aggregator,
+                                    generator=self.surgery_generator)  # fmt: skip
+            micro = update.outputs
+            if update.result.skipped:
+                bad = [self.args.task_list[i] for i in update.result.nonfinite_tasks] or ["task-specific"]
+                step = self.state.global_step + 1
+                self.record({"type": "nonfinite", "step": step, "task": bad, "what": "gradient"})
+                raise NonFiniteLossError(step, ",".join(bad), math.nan, "task gradient")
+            self.engine.step()
+        self.state.global_step += 1
+        losses: dict[str, list[float]] = {}
+        for t, (value, _) in zip(group, micro):
+            losses.setdefault(self.args.task_list[t], []).append(value)
+        return {
+            "loss": {t: float(np.mean(v)) for t, v in losses.items()},
+            "examples": sum(n for _, n in micro),
+        }
+
+    # --- the run ------------------------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        args, start = self.args, time.perf_counter()
+        self._setup_data()
+        self._setup_model()
+        self._setup_engine()
+        if args.resume:
+            self.load_checkpoint()
+        elif self.is_main:
+            from fastpals.multitask import count_parameters
+
+            (self.out / "train_args.json").write_text(json.dumps(args.options(), indent=2))
+            self.record({"type": "config", "args": args.options(), "ds_config": self.ds_config,
+                         "parameters": count_parameters(self.model)})  # fmt: skip
+        self.state.add_time("setup_s", time.perf_counter() - start)
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            if args.eval_at_start and self.state.untrained is None:
+                self.state.untrained, _ = self.evaluate()
+                self.record(
+                    {"type": "eval", "step": 0, "epoch": 0, "dev": self.state.untrained, "untrained": True}
+                )
+                self.log(
+                    "[eval] untrained (step 0): "
+                    + ", ".join(f"{k} {v:.4f}" for k, v in self.state.untrained.items())
+                )
+            for callback in self.callbacks:
+                callback.on_train_start(self)
+            self._loop()
+            self.finished = True
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+            for callback in self.callbacks:
+                callback.on_train_end(self)
+        return self._finish(start)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._stop_signal = signum
+
+    def _loop(self) -> None:
+        args, sampler, state = self.args, self.sampler, self.state
+        self.engine.train()
+        t_train = time.perf_counter()
+        while True:
+            if sampler.epoch_done():
+                if state.evaluated_epoch < sampler.epoch:
+                    self._end_epoch()
+                if sampler.epoch == args.epochs:
+                    break
+                sampler.start_next_epoch()
+            while not sampler.epoch_done():
+                group = sampler.next_update()
+                t0 = time.perf_counter()
+                stats = self.train_update(group)
+                dt = time.perf_counter() - t0
+                entry = {"type": "step", "step": state.global_step, "epoch": sampler.epoch, "loss": stats["loss"],
+                         "lr": self.scheduler.get_last_lr(), "examples_per_s": stats["examples"] / dt, "seconds": dt}  # fmt: skip
+                for t, v in stats["loss"].items():
+                    state.step_losses[t][0].append(state.global_step)
+                    state.step_losses[t][1].append(v)
+                self.record(entry)
+                if args.eval_every and state.global_step % args.eval_every == 0 and not sampler.epoch_done():
+                    self._eval_and_track(sampler.epoch)
+                if self._stop_signal is not None:
+                    state.add_time("train_s", time.perf_counter() - t_train)
+                    path = self.save_checkpoint()
+                    self.record(
+                        {"type": "interrupted", "step": state.global_step, "signal": self._stop_signal}
+                    )
+                    raise TrainingInterrupted(self._stop_signal, state.global_step, path)
+        state.add_time("train_s", time.perf_counter() - t_train)
+
+    def _end_epoch(self) -> None:
+        epoch = self.sampler.epoch
+        dev = self._eval_and_track(epoch)
+        self.state.evaluated_epoch = epoch
+        self.record({"type": "epoch", "epoch": epoch, "step": self.state.global_step, "dev": dev})
+        self.save_checkpoint()
+
+    def _finish(self, start: float) -> dict[str, Any]:
+        args, state = self.args, self.state
+        results: dict[str, Any] = {
+            "dev": state.best["dev"], "best_step": state.best["step"], "best_epoch": state.best["epoch"],
+            "untrained_dev": state.untrained, "evals": state.evals, "steps": state.global_step,
+            "quora_note": "para dev = the held-out 10% (sha256 of id) split of quora-dev.csv; trained on the rest",
+            "config": args.options(), "pal_config": None if args.pal_config is None else args.pal_config.to_dict(),
+            "ds_config": self.ds_config, "zero_stage": self.zero_stage,
+        }  # fmt: skip
+        if self.is_main:
+            t0 = time.perf_counter()
+            self._predict_test()
+            state.timings["outputs_s"] = time.perf_counter() - t0
+            state.timings["total_s_this_process"] = time.perf_counter() - start
+            results["timings"] = state.timings
+            (self.out / "results.json").write_text(json.dumps(results, indent=2))
+            print(outputs.results_table(results), flush=True)
+        return results
+
+    def _predict_test(self) -> None:
+        best = MultiTaskBert.load(self.out / "best").to(self.device)
+        for i, t in enumerate(self.args.task_list):
+            if "test" not in TASK_FORMATS[t].files:
+                continue
+            batcher = self._eval_batcher(t, "test", self.args.max_predict)
+            ids, p, _ = ev.predict_batches(best, batcher, i, self._progress(), desc=f"test {t}")
+            outputs.write_test_predictions(self.out / "predictions", t, ids, p)
