@@ -105,8 +105,8 @@ class TrainArgs:
         type=int,
     )
     batch_size: int | None = opt(
-        "examples per micro-batch, all of one task (default: the config's train_micro_batch_size_per_gpu, "
-        "else 32)",
+        "examples per micro-batch (of one task with --batching per_task; default: the config's "
+        "train_micro_batch_size_per_gpu, else 32)",
         type=int,
     )
     lr: float = opt("peak learning rate of the BERT encoder weights", type=float, default=2e-5)
@@ -146,15 +146,19 @@ class TrainArgs:
         default="annealed",
     )  # fmt: skip
     batching: str = opt(
-        "per_task: every micro-batch holds one task; mixed: micro-batches mix tasks (not implemented yet)",
-        choices=BATCHINGS, default="per_task",
+        "mixed: every micro-batch mixes the tasks (shares from --sampling) and is packed without padding, one "
+        "forward and one backward per micro-batch (with --surgery too); per_task: every micro-batch holds one "
+        "task, padded (the seed systems' recipes)",
+        choices=BATCHINGS, default="mixed",
     )  # fmt: skip
     max_tokens: int | None = opt(
-        "mixed batching: at most this many tokens per micro-batch (not implemented yet)", type=int
+        "mixed batching: a token budget per micro-batch instead of --batch-size (rows are never split; a row "
+        "longer than the budget is an error)",
+        type=int,
     )
     task_weighting: str = opt(
-        "loss weight of each task in a mixed micro-batch: by its examples, or equal per task (not implemented "
-        "yet for equal)",
+        "mixed batching: the micro-batch loss is each task's mean loss weighted by its share of the examples "
+        "(examples: the example-weighted mean, as per-task micro-batches averaged by share) or equally (equal)",
         choices=TASK_WEIGHTINGS, default="examples",
     )  # fmt: skip
     surgery: str = opt(
@@ -266,7 +270,22 @@ class TrainArgs:
             )
         if self.surgery != "none" and len(tasks) < 2:
             raise ConfigError("--surgery needs at least two --tasks")
-        if self.sampling in GROUPED_METHODS and self.surgery == "none" and self.grad_accum != 1:
+        if self.batching == "per_task":
+            if self.max_tokens is not None:
+                raise ConfigError(
+                    "--max-tokens needs --batching mixed (per-task micro-batches use --batch-size)"
+                )
+            if self.task_weighting != "examples":
+                raise ConfigError(
+                    "--task-weighting weighs tasks inside a mixed micro-batch: use --batching mixed"
+                )
+        self._at_least("max_tokens", allow_none=True)
+        if (
+            self.sampling in GROUPED_METHODS
+            and self.batching == "per_task"
+            and self.surgery == "none"
+            and self.grad_accum != 1
+        ):
             raise ConfigError(
                 f"--sampling {self.sampling} sets the micro-batches of an update; use --grad-accum 1"
             )
@@ -284,8 +303,7 @@ class TrainArgs:
     # --- checks -------------------------------------------------------------------------------------------------
     def _not_implemented_yet(self) -> None:
         # extension point: remove an entry here once the loop implements that option
-        defaults = {"batching": "per_task", "max_tokens": None, "task_weighting": "examples",
-                    "surgery_opts": [], "surgery_buffer_dtype": "fp32"}  # fmt: skip
+        defaults = {"surgery_opts": [], "surgery_buffer_dtype": "fp32"}  # fmt: skip
         for name, default in defaults.items():
             if getattr(self, name) != default:
                 raise ConfigError(

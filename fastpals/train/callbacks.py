@@ -77,6 +77,9 @@ class TensorBoardLog(Callback):
                 self.writer.add_scalar(f"train/loss_{t}", v, step)
             self.writer.add_scalar("train/lr", entry["lr"][0], step)
             self.writer.add_scalar("train/examples_per_s", entry["examples_per_s"], step)
+            for key in ("task_examples", "task_tokens"):  # mixed batches
+                for t, v in entry.get(key, {}).items():
+                    self.writer.add_scalar(f"train/{key.split('_')[1]}_{t}", v, step)
         elif entry["type"] == "eval" and not entry.get("untrained"):
             for k, v in entry["dev"].items():
                 self.writer.add_scalar(f"dev/{k}", v, step)

@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from fastpals.batching import model_inputs as packed_model_inputs
+from fastpals.batching import pack_batches
 from fastpals.data import DataWarning, TaskBatcher, load_task
 from fastpals.multitask import TASKS
 
@@ -73,8 +75,8 @@ def predict_batches(
     desc: str | None = None,
     with_confidence: bool = False,
 ) -> tuple[list[str], np.ndarray, np.ndarray | None] | tuple[list[str], np.ndarray, np.ndarray | None, Any]:
-    """``(ids, predictions, labels or None)`` of every example of ``batcher`` in order, with ``model`` in eval
-    mode (restored afterwards); predictions as ``model.predict`` gives them (class index, 0/1 or score, ``[N]``).
+    """``(ids, predictions, labels or None)`` of every example of ``batcher`` in order (each batch packed
+    without padding), with ``model`` in eval mode (restored afterwards); predictions as ``model.predict`` gives them (class index, 0/1 or score, ``[N]``).
     ``progress`` shows a tqdm bar on stderr; ``with_confidence`` appends the probability of each predicted label
     (float32 ``[N]``, None for regression tasks)."""
     from tqdm import tqdm
@@ -86,8 +88,9 @@ def predict_batches(
     batcher.set_epoch(0)
     with tqdm(total=len(batcher.examples), desc=desc, disable=not progress, file=sys.stderr, unit="ex",
               dynamic_ncols=True, mininterval=1.0, leave=False) as bar:  # fmt: skip
-        for batch in batcher:
-            out = model(**model_inputs(batch, task_index, device))
+        for batch in batcher:  # packed (no padding), as training with --batching mixed
+            packed = pack_batches([batch], [task_index], len(model.tasks))
+            out = model(**packed_model_inputs(packed, device))
             preds.append(model.predict(out).cpu().numpy())
             if with_confidence:
                 c = confidence(model, out, task_index)

@@ -47,6 +47,7 @@ from fastpals.train.args import TrainArgs
 from fastpals.train.callbacks import Callback, default_callbacks
 from fastpals.train.dsconfig import check_ds_config, load_ds_config
 from fastpals.train.errors import ConfigError, NonFiniteLossError, TrainingInterrupted
+from fastpals.train.mixed import MixedUpdates, mixed_update
 from fastpals.train.optim import build_model, lr_lambda, make_optimizer, optimizer_param_groups
 from fastpals.train.state import (
     GeneratorState,
@@ -132,16 +133,23 @@ class Trainer:
         steps = args.steps_per_epoch
         if steps is None and args.sampling != "round_robin":
             steps = 2400
-        self.sampler = TaskSampler(
-            args.sampling, self.train_sizes, batches, args.epochs, steps,
-            micro_batches_per_update=args.grad_accum if args.surgery == "none" else len(args.task_list),
-            extra=args.extra_batches, seed=args.seed,
-        )  # fmt: skip
+        if args.batching == "mixed":
+            self.sampler = MixedUpdates(
+                list(self.train_batchers.values()), args.sampling, args.epochs,
+                None if args.max_tokens else args.batch_size, args.max_tokens, args.grad_accum,
+                args.steps_per_epoch, args.seed, self.world_size,
+            )  # fmt: skip
+        else:
+            self.sampler = TaskSampler(
+                args.sampling, self.train_sizes, batches, args.epochs, steps,
+                micro_batches_per_update=args.grad_accum if args.surgery == "none" else len(args.task_list),
+                extra=args.extra_batches, seed=args.seed,
+            )  # fmt: skip
         self.total_updates = self.sampler.updates_per_epoch * args.epochs
         sizes = ", ".join(f"{t} {n}" for t, n in zip(args.task_list, self.train_sizes))
         self.log(
             f"[data] train examples: {sizes}; {self.sampler.updates_per_epoch} updates/epoch x {args.epochs} "
-            f"epochs, sampling {args.sampling}; dev: "
+            f"epochs, sampling {args.sampling}, {args.batching} batches; dev: "
             + ", ".join(f"{t} {len(b.examples)}" for t, b in self.dev_batchers.items())
             + (" (para dev = held-out 10% hash split of quora-dev.csv)" if "para" in args.task_list else "")
         )
@@ -240,25 +248,38 @@ class Trainer:
 
     # --- one update ---------------------------------------------------------------------------------------------
     def _micro_step(self, task_index: int) -> tuple[float, int]:
-        # extension point: --batching mixed draws a micro-batch of several tasks here (task_ids per row)
         task = self.args.task_list[task_index]
         batch = self.train_batchers[task].next_batch()
         out = self.engine(**ev.model_inputs(batch, task_index, self.device))
         loss, _ = self.engine.module.loss(out, batch["labels"].to(self.device).float())
+        loss = self._check_loss(loss, {task: math.nan})  # names the task if the loss is not finite
+        self.engine.backward(loss)
+        return loss.item(), batch["input_ids"].shape[0]
+
+    def _check_loss(self, loss: torch.Tensor, per_task: dict[str, float]) -> torch.Tensor:
         step = self.state.global_step + 1
         for hook in self.loss_hooks:
             loss = hook(step, loss)
         value = loss.item()
         if not math.isfinite(value):
-            self.record({"type": "nonfinite", "step": step, "task": task, "loss": value})
-            raise NonFiniteLossError(step, task, value)
-        self.engine.backward(loss)
-        return value, batch["input_ids"].shape[0]
+            bad = [t for t, v in per_task.items() if not math.isfinite(v)] or list(per_task)
+            self.record({"type": "nonfinite", "step": step, "task": ",".join(bad), "loss": value})
+            raise NonFiniteLossError(step, ",".join(bad), value)
+        return loss
 
-    def train_update(self, group: list[int]) -> dict[str, Any]:
-        """One optimizer update over the micro-batches of ``group`` (task indices)."""
-        # extension point: one-backward surgery (per-task gradients from one backward) replaces the
-        # surgery_update branch below; mixed batching changes what a group holds
+    def train_update(self, group: list[Any]) -> dict[str, Any]:
+        """One optimizer update over the micro-batches of ``group`` (task indices, or with ``--batching mixed``
+        the mixed selections of :class:`fastpals.train.mixed.MixedUpdates`)."""
+        if self.args.batching == "mixed":
+            surgery = None
+            if self.surgery_buffer is not None:
+                surgery = (self.surgery_buffer, self.aggregator, self.surgery_generator)
+            stats = mixed_update(self.engine, list(self.train_batchers.values()), group,
+                                 self.args.task_weighting, self._check_loss, surgery)  # fmt: skip
+            if "result" in stats:
+                self._raise_if_skipped(stats.pop("result"))
+            self.state.global_step += 1
+            return stats
         if self.surgery_buffer is None:
             micro = []
             for t in group:
@@ -268,11 +289,7 @@ class Trainer:
             update = surgery_update(self.surgery_buffer, group, self._micro_step, self.aggregator,
                                     generator=self.surgery_generator)  # fmt: skip
             micro = update.outputs
-            if update.result.skipped:
-                bad = [self.args.task_list[i] for i in update.result.nonfinite_tasks] or ["task-specific"]
-                step = self.state.global_step + 1
-                self.record({"type": "nonfinite", "step": step, "task": bad, "what": "gradient"})
-                raise NonFiniteLossError(step, ",".join(bad), math.nan, "task gradient")
+            self._raise_if_skipped(update.result)
             self.engine.step()
         self.state.global_step += 1
         losses: dict[str, list[float]] = {}
@@ -282,6 +299,13 @@ class Trainer:
             "loss": {t: float(np.mean(v)) for t, v in losses.items()},
             "examples": sum(n for _, n in micro),
         }
+
+    def _raise_if_skipped(self, result: Any) -> None:
+        if result.skipped:
+            bad = [self.args.task_list[i] for i in result.nonfinite_tasks] or ["task-specific"]
+            step = self.state.global_step + 1
+            self.record({"type": "nonfinite", "step": step, "task": bad, "what": "gradient"})
+            raise NonFiniteLossError(step, ",".join(bad), math.nan, "task gradient")
 
     # --- the run ------------------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -341,6 +365,11 @@ class Trainer:
                 dt = time.perf_counter() - t0
                 entry = {"type": "step", "step": state.global_step, "epoch": sampler.epoch, "loss": stats["loss"],
                          "lr": self.scheduler.get_last_lr(), "examples_per_s": stats["examples"] / dt, "seconds": dt}  # fmt: skip
+                for key in ("task_examples", "task_tokens", "tokens"):  # mixed batches: counts per task
+                    if key in stats:
+                        entry[key] = stats[key]
+                if "tokens" in stats:
+                    entry["tokens_per_s"] = stats["tokens"] / dt
                 for t, v in stats["loss"].items():
                     state.step_losses[t][0].append(state.global_step)
                     state.step_losses[t][1].append(v)

@@ -1,0 +1,162 @@
+"""``--batching mixed``: every micro-batch mixes the tasks and is packed without padding.
+
+A :class:`fastpals.batching.MixedBatchSampler` draws each micro-batch's examples; each task's share follows the
+sampling scheme (annealed ``p_t ∝ N_t^α(e)``; proportional, uniform, sqrt: their probabilities; round robin and
+every-task: equal shares), with ``--batch-size`` examples or ``--max-tokens`` tokens per micro-batch. The rows
+are packed (``cu_seqlens``) and run through the model's unpadded path in ONE forward and ONE ``engine.backward``
+per micro-batch. The loss is one mean per task, combined by ``--task-weighting`` (see
+:meth:`fastpals.MultiTaskBert.task_losses`).
+
+With ``--surgery``, the update's per-task gradients of the shared weights come out of that same backward
+(:func:`fastpals.surgery.per_task_gradients`: a grouped weight gradient per task segment) and the aggregator
+combines them; the backward then runs on the sum of the task means (each task's gradient is that of its own mean
+loss, as in ``--batching per_task``).
+
+Epochs: ``--steps-per-epoch`` updates, or by default about one pass over the training examples
+(``ceil(sum N_t / batch size)`` micro-batches; with ``--max-tokens`` alone ``ceil(total tokens / budget)``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from fastpals.batching import MixedBatchSampler, MixedSelection, collate_packed, model_inputs
+from fastpals.data import TaskBatcher
+
+__all__ = ["MixedUpdates", "mixed_update"]
+
+
+class MixedUpdates:
+    """The update stream of ``--batching mixed`` with the interface the loop uses for a
+    :class:`fastpals.sampling.TaskSampler` (``epoch``, ``epoch_done``, ``start_next_epoch``, ``next_update``,
+    ``updates_per_epoch``, ``state_dict``/``load_state_dict``); an update is ``micro_per_update`` selections."""
+
+    def __init__(
+        self,
+        batchers: Sequence[TaskBatcher],
+        method: str,
+        num_epochs: int,
+        batch_size: int | None,
+        max_tokens: int | None,
+        micro_per_update: int,
+        updates_per_epoch: int | None,
+        seed: int,
+        world_size: int = 1,
+    ) -> None:
+        self.micro_per_update = micro_per_update
+        if (
+            updates_per_epoch is None
+        ):  # about one pass over the data (the smallest shard's, identical on ranks)
+            sizes = [len(b.examples) for b in batchers]
+            if batch_size is not None:
+                micro = math.ceil(sum(sizes) / batch_size)
+            else:
+                micro = math.ceil(sum(int(np.sum(b.packed_lengths)) for b in batchers) / max_tokens)
+            updates_per_epoch = max(1, micro // micro_per_update)
+            if world_size > 1:  # every rank must run the same number of updates
+                import torch.distributed as dist
+
+                count = torch.tensor([updates_per_epoch])
+                dist.all_reduce(count, op=dist.ReduceOp.MIN)
+                updates_per_epoch = int(count)
+        self.updates_per_epoch = updates_per_epoch
+        self.sampler = MixedBatchSampler.from_batchers(
+            batchers, method, num_epochs, batch_size=batch_size, max_tokens=max_tokens,
+            micro_batches_per_epoch=updates_per_epoch * micro_per_update, seed=seed,
+        )  # fmt: skip
+
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
+
+    def epoch_done(self) -> bool:
+        return self.sampler.epoch_done()
+
+    def start_next_epoch(self) -> None:
+        self.sampler.start_next_epoch()
+
+    def next_update(self) -> list[MixedSelection]:
+        return [self.sampler.next_micro_batch() for _ in range(self.micro_per_update)]
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state)
+
+
+def mixed_update(
+    engine: Any,
+    batchers: Sequence[TaskBatcher],
+    selections: Sequence[MixedSelection],
+    weighting: str,
+    check_loss: Callable[[torch.Tensor, dict[str, float]], torch.Tensor],
+    surgery: Any = None,
+) -> dict[str, Any]:
+    """One optimizer update over packed mixed micro-batches; returns the per-task statistics of the update.
+
+    Args:
+        engine: the DeepSpeed engine (its ``module`` is a :class:`fastpals.MultiTaskBert`).
+        batchers: one per task, in the model's task order (they collate the selected examples).
+        selections: the update's micro-batches.
+        weighting: ``--task-weighting`` (``examples`` or ``equal``); ignored with surgery, whose backward is on
+            the sum of the task means.
+        check_loss: called with the micro-batch's loss and its per-task values before the backward (raises on a
+            non-finite loss; test hooks may change the loss).
+        surgery: None, or ``(buffer, aggregator, generator)``: per-task gradients from the one backward, then the
+            aggregator's combination (see :func:`fastpals.surgery.per_task_gradients`).
+
+    Returns ``loss`` (per task: mean over the micro-batches holding it), ``task_examples``, ``task_tokens``
+    (per task, summed), ``examples``, ``tokens`` and, with surgery, ``result`` (the buffer's apply result).
+    """
+    device = engine.device
+    module = engine.module
+    losses: dict[str, list[float]] = {}
+    examples: dict[str, int] = {}
+    tokens: dict[str, int] = {}
+    for sel in selections:
+        batch = collate_packed(batchers, sel)
+        labels = batch["labels"].to(device)
+        inputs = model_inputs(batch, device)
+        if surgery is None:
+            res = module.task_losses(engine(**inputs), labels, weighting=weighting)
+            loss = check_loss(res.total, {t: float(v.detach()) for t, v in res.per_task.items()})
+            engine.backward(loss)
+            engine.step()  # DeepSpeed updates at the accumulation boundary only
+        else:
+            from fastpals.surgery import per_task_gradients
+
+            buffer = surgery[0]
+            with per_task_gradients(module, buffer, inputs["task_ids"], cu_seqlens=_cu_seqlens(inputs)):
+                res = module.task_losses(engine(**inputs), labels, weighting="equal")
+                total = sum(res.per_task.values())  # each task's gradient is that of its own mean loss
+                loss = check_loss(total, {t: float(v.detach()) for t, v in res.per_task.items()})
+                engine.backward(loss)
+        for t, v in res.per_task.items():
+            losses.setdefault(t, []).append(float(v))
+            examples[t] = examples.get(t, 0) + int(res.examples[t])
+            tokens[t] = tokens.get(t, 0) + int(res.tokens[t])
+    stats: dict[str, Any] = {
+        "loss": {t: float(np.mean(v)) for t, v in losses.items()},
+        "task_examples": examples,
+        "task_tokens": tokens,
+        "examples": sum(examples.values()),
+        "tokens": sum(tokens.values()),
+    }
+    if surgery is not None:
+        buffer, aggregator, generator = surgery
+        stats["result"] = buffer.apply(aggregator, generator=generator)
+        if not stats["result"].skipped:
+            engine.step()
+    return stats
+
+
+def _cu_seqlens(inputs: dict[str, Any]) -> Any:
+    if "cu_seqlens_b" in inputs:
+        return [inputs["cu_seqlens"], inputs["cu_seqlens_b"]]
+    return inputs["cu_seqlens"]
