@@ -15,7 +15,8 @@ Separately, the weight solve alone (``fn(gram)``) is timed on the Gram matrix of
 
 ``FASTPALS_BENCH_WRITE=1`` writes ``bench/results/aggregators_<device>_<UTC time>.json`` (device, versions, commit,
 date: :func:`bench.common.write_results`) and the same table as Markdown beside it.
-``FASTPALS_BENCH_ROUNDS`` sets the rounds (default 3).
+``FASTPALS_BENCH_ROUNDS`` sets the rounds (default 3), ``FASTPALS_BENCH_AGG_BATCH`` the sentences per task
+(default 16).
 """
 
 from __future__ import annotations
@@ -32,8 +33,12 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+import test_bench_surgery  # noqa: E402
 from common import should_write, write_results  # noqa: E402
 from test_bench_surgery import NUM_TASKS, build, interleaved_times, task_loss  # noqa: E402
+
+# smaller batches make more rounds affordable on a loaded CPU (build() reads these module globals)
+test_bench_surgery.BATCH = int(os.environ.get("FASTPALS_BENCH_AGG_BATCH", str(test_bench_surgery.BATCH)))
 
 from fastpals.surgery import AGGREGATORS, TaskGradientBuffer, make_weighting, shared_parameters_by_name  # noqa: E402
 
@@ -105,7 +110,7 @@ def markdown(result: dict) -> str:
     lines = [
         f"# Gram weightings in a MiniLM training step ({result['device_label']})",
         "",
-        f"T = {NUM_TASKS} tasks x 16 sentences x 32 tokens, all-MiniLM-L6-v2 (P(shared) = "
+        f"T = {NUM_TASKS} tasks x {test_bench_surgery.BATCH} sentences x {test_bench_surgery.LENGTH} tokens, all-MiniLM-L6-v2 (P(shared) = "
         f"{result['shared_elements']}), AdamW; {result['rounds']} interleaved rounds, "
         f"{result['threads']} torch threads. Commit {result['commit']}, torch {result['torch']}, {result['date']}.",
         "Step ratios are medians of wall-clock (and process-CPU) time; the solve is `fn(gram)` alone.",
@@ -163,6 +168,8 @@ def test_aggregators_side_by_side(benchmark, agg_runner):
     result = {
         "device_label": device_label,
         "num_tasks": NUM_TASKS,
+        "batch": test_bench_surgery.BATCH,
+        "length": test_bench_surgery.LENGTH,
         "shared_elements": sum(p.numel() for p in agg_runner.shared),
         "rounds": rounds,
         "threads": torch.get_num_threads(),

@@ -136,13 +136,13 @@ def test_direction_matches_torchjd_on_random_grams(name):
     for t, kind in CASES:
         if not applicable(name, kind):
             continue
-        for seed in range(2):
-            j = task_gradients(t, kind, seed)
-            g = j @ j.T
-            w_ref = ref(g)
-            w = fn(g)
-            assert w.dtype == F64 and w.shape == (t,)
-            worst.append((rel_dir(w, w_ref, j), t, kind, seed))
+        seed = t % 3
+        j = task_gradients(t, kind, seed)
+        g = j @ j.T
+        w_ref = ref(g)
+        w = fn(g)
+        assert w.dtype == F64 and w.shape == (t,)
+        worst.append((rel_dir(w, w_ref, j), t, kind, seed))
     bad = [x for x in worst if x[0] > 1e-4]
     assert not bad, f"{name}: direction differs from TorchJD by more than 1e-4 on {bad}"
 
@@ -528,3 +528,18 @@ def test_no_host_sync_on_cuda(name):
         fn(g, generator=torch.Generator().manual_seed(0))
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_weights_do_not_depend_on_a_common_loss_scale_except_fairgrad_and_nash_clip(name):
+    j = task_gradients(4, "conflict", 8)
+    g = j @ j.T
+    for scale in (1e-3, 1e3):
+        opts = {"max_norm": 0.0} if name == "nashmtl" else {}
+        fn1, _ = make_weighting(name, **opts)
+        fn2, _ = make_weighting(name, **opts)
+        w1 = fn1(g, generator=torch.Generator().manual_seed(0))
+        w2 = fn2(g * scale**2, generator=torch.Generator().manual_seed(0))
+        if name == "fairgrad":  # alpha = 1: w scales as S^-1
+            w2 = w2 * scale
+        assert torch.allclose(w1, w2, rtol=1e-7, atol=1e-12), (name, scale)

@@ -20,6 +20,10 @@ any device and ``w [T]`` on that device (float64 for a float64 Gram, else float3
 Defaults equal TorchJD 0.18's where TorchJD defines one (CAGrad's ``c`` and FairGrad's ``alpha`` have none there:
 fastpals uses ``c = 0.4``, CAGrad's paper setting, and ``alpha = 1``, proportional fairness).
 
+Loss scaling (fp16): the weights of every method but two do not change when all gradients are scaled by one
+factor ``S``. FairGrad's scale as ``S^(-2 alpha / (alpha + 1))`` and Nash-MTL's ``max_norm`` clip compares a
+scaled norm: give them unscaled Gram matrices (divide the Gram by ``S^2``) or train in bf16/fp32.
+
 Non-finite Gram matrices never reach a weighting (``TaskGradientBuffer.apply`` skips the step); singular ones
 (zero or linearly dependent task gradients) are handled by each method without producing NaN.
 
