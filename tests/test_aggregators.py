@@ -534,7 +534,8 @@ def test_no_host_sync_on_cuda(name):
 def test_weights_do_not_depend_on_a_common_loss_scale_except_fairgrad_and_nash_clip(name):
     j = task_gradients(4, "conflict", 8)
     g = j @ j.T
-    for scale in (1e-3, 1e3):
+    # GradVac's eps = 1e-8 in its denominators matters once |g_i| |g_j| nears it: scale up only
+    for scale in (1e3,) if name == "gradvac" else (1e-3, 1e3):
         opts = {"max_norm": 0.0} if name == "nashmtl" else {}
         fn1, _ = make_weighting(name, **opts)
         fn2, _ = make_weighting(name, **opts)

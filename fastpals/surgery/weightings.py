@@ -22,7 +22,8 @@ fastpals uses ``c = 0.4``, CAGrad's paper setting, and ``alpha = 1``, proportion
 
 Loss scaling (fp16): the weights of every method but two do not change when all gradients are scaled by one
 factor ``S``. FairGrad's scale as ``S^(-2 alpha / (alpha + 1))`` and Nash-MTL's ``max_norm`` clip compares a
-scaled norm: give them unscaled Gram matrices (divide the Gram by ``S^2``) or train in bf16/fp32.
+scaled norm: give them unscaled Gram matrices (divide the Gram by ``S^2``) or train in bf16/fp32. GradVac's
+``eps = 1e-8`` (TorchJD's) in its denominators also matters once ``|g_i| |g_j|`` comes near it.
 
 Non-finite Gram matrices never reach a weighting (``TaskGradientBuffer.apply`` skips the step); singular ones
 (zero or linearly dependent task gradients) are handled by each method without producing NaN.
