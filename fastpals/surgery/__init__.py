@@ -1,9 +1,12 @@
-"""Gradient surgery (PCGrad, GEM) as Gram matrix -> task weights -> sum of weighted task gradients.
+"""Gradient surgery (PCGrad, GEM, UPGrad, MGDA, CAGrad, Nash-MTL, ...) as Gram -> task weights -> weighted sum.
 
 Every method here is an *aggregator*: a function of the ``T x T`` Gram matrix ``G[i, j] = <g_i, g_j>`` of the
 task gradients (over the parameters shared by the tasks) returning weights ``w [T]`` such that the update is
 ``sum_t w_t g_t``: :func:`sum_weights`, :func:`mean_weights`, :func:`pcgrad_weights`, :func:`gem_weights`.
-The weights are computed on the device, without synchronising.
+The weights are computed on the device, without synchronising. :mod:`fastpals.surgery.weightings` adds UPGrad,
+MGDA, DualProj, IMTL-G, CAGrad, Aligned-MTL, FairGrad, Nash-MTL and GradVac; :data:`AGGREGATORS` maps every
+lower-case name to its function, :func:`make_weighting` builds one from string options, and
+:class:`SurgeryOptimizer` wraps an optimizer for any name.
 
 :class:`TaskGradientBuffer` holds the per-task gradients of the shared parameters in one flat ``[T, P]`` tensor
 (float32 or bfloat16), filled by one backward per task with the graph freed each time; ``apply`` runs the fused
@@ -55,10 +58,43 @@ from fastpals.surgery.buffer import (
     default_grad_setter,
     parameters_reached,
 )
-from fastpals.surgery.optim import GEM, PCGrad, shared_parameters_by_name
+from fastpals.surgery.optim import GEM, PCGrad, SurgeryOptimizer, shared_parameters_by_name
+from fastpals.surgery.weightings import (
+    AGGREGATORS,
+    STATEFUL,
+    GradVacState,
+    NashMTLState,
+    alignedmtl_weights,
+    cagrad_weights,
+    dualproj_weights,
+    fairgrad_weights,
+    gradvac_weights,
+    imtlg_weights,
+    make_weighting,
+    mgda_weights,
+    nashmtl_weights,
+    parse_surgery_options,
+    upgrad_weights,
+)
 
 __all__ = [
+    "AGGREGATORS",
     "GEM",
+    "STATEFUL",
+    "GradVacState",
+    "NashMTLState",
+    "SurgeryOptimizer",
+    "alignedmtl_weights",
+    "cagrad_weights",
+    "dualproj_weights",
+    "fairgrad_weights",
+    "gradvac_weights",
+    "imtlg_weights",
+    "make_weighting",
+    "mgda_weights",
+    "nashmtl_weights",
+    "parse_surgery_options",
+    "upgrad_weights",
     "PCGrad",
     "SurgeryResult",
     "TaskGradientBuffer",

@@ -17,7 +17,15 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["gem_weights", "mean_weights", "pcgrad_orders", "pcgrad_weights", "sum_weights"]
+__all__ = [
+    "check_gram",
+    "gem_weights",
+    "mean_weights",
+    "pcgrad_orders",
+    "pcgrad_weights",
+    "sum_weights",
+    "weights_dtype",
+]
 
 MAX_TASKS = 64
 
@@ -36,6 +44,17 @@ def _check_gram(gram: object) -> torch.Tensor:
 
 def _out_dtype(gram: torch.Tensor) -> torch.dtype:
     return torch.float64 if gram.dtype == torch.float64 else torch.float32
+
+
+def check_gram(gram: object) -> torch.Tensor:
+    """Validate a Gram matrix argument: a float32/float64 tensor of shape ``[T, T]``, ``1 <= T <= 64``
+    (raises ``TypeError``/``ValueError`` naming the problem); returns it unchanged."""
+    return _check_gram(gram)
+
+
+def weights_dtype(gram: torch.Tensor) -> torch.dtype:
+    """The dtype of an aggregator's weights for ``gram``: float64 for a float64 Gram, else float32."""
+    return _out_dtype(gram)
 
 
 def sum_weights(gram: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -26,8 +26,9 @@ import torch
 
 from fastpals.surgery.aggregators import gem_weights, pcgrad_weights
 from fastpals.surgery.buffer import SurgeryResult, TaskGradientBuffer, parameters_reached
+from fastpals.surgery.weightings import make_weighting
 
-__all__ = ["GEM", "PCGrad", "shared_parameters_by_name"]
+__all__ = ["GEM", "PCGrad", "SurgeryOptimizer", "shared_parameters_by_name"]
 
 
 def shared_parameters_by_name(
@@ -268,3 +269,60 @@ class GEM(_SurgeryOptimizer):
 
     backward = gem_backward
     pc_backward = gem_backward
+
+
+class SurgeryOptimizer(_SurgeryOptimizer):
+    """Any weighting of :data:`fastpals.surgery.AGGREGATORS` around any optimizer, with Pytorch-PCGrad's
+    calling convention: ``SurgeryOptimizer(opt, method="upgrad").backward(losses); opt.step()``.
+
+    Args:
+        optimizer: the wrapped optimizer.
+        method: a registry name (``"upgrad"``, ``"mgda"``, ``"cagrad"``, ``"nashmtl"``, ...).
+        generator: CPU ``torch.Generator`` for the random orders of ``pcgrad`` and ``gradvac``.
+        buffer_dtype, shared_params: as for :class:`PCGrad`.
+        buffer_kwargs: dict passed to :class:`TaskGradientBuffer` (``grad_getter``, ``process_group``, ...).
+        **options: the method's options (values may be strings, see
+            :func:`~fastpals.surgery.make_weighting`), e.g. ``c=0.5`` for CAGrad, ``alpha=2`` for FairGrad.
+
+    The state of a stateful method (``nashmtl``, ``gradvac``) is :attr:`weighting_state`; ``state_dict()`` holds
+    it under ``"surgery"`` beside the wrapped optimizer's state, and ``load_state_dict`` restores both.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        method: str = "pcgrad",
+        generator: torch.Generator | None = None,
+        buffer_dtype: torch.dtype = torch.float32,
+        shared_params: Iterable[torch.nn.Parameter] | None = None,
+        buffer_kwargs: dict[str, Any] | None = None,
+        **options: Any,
+    ) -> None:
+        super().__init__(optimizer, buffer_dtype, shared_params, **(buffer_kwargs or {}))
+        self.method = str(method).lower()
+        self.weighting, self.weighting_state = make_weighting(self.method, **options)
+        self.generator = generator
+
+    def backward(self, losses: Sequence[torch.Tensor]) -> SurgeryResult:
+        """Zero the gradients, back-propagate each task loss, and write the method's update into ``.grad``."""
+        losses = self._check_losses(losses, "losses")
+        shared, specific = self._split(losses)
+        buf = self._buffer_for(shared, specific, len(losses))
+        self.optimizer.zero_grad(set_to_none=True)
+        self._backward_into(buf, losses, 0)
+        return self._finish(buf.apply(self.weighting, generator=self.generator))
+
+    pc_backward = backward
+
+    def state_dict(self) -> dict[str, Any]:
+        out = dict(self.optimizer.state_dict())
+        if self.weighting_state is not None:
+            out["surgery"] = self.weighting_state.state_dict()
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        surgery = state_dict.pop("surgery", None)
+        self.optimizer.load_state_dict(state_dict)
+        if self.weighting_state is not None and surgery is not None:
+            self.weighting_state.load_state_dict(surgery)

@@ -1,0 +1,651 @@
+"""Gram-based multi-task weightings: ``T x T`` Gram matrix -> task weights ``w [T]`` (update ``sum_t w_t g_t``).
+
+The methods of the multi-task literature that TorchJD 0.18 expresses as functions of the Gram matrix, computed on
+the Gram's device with fixed iteration counts (no scipy, cvxpy or host round trip):
+
+============  =========================================================================================
+``upgrad``    UPGrad (Quinton & Rey 2024): each task gradient projected onto the dual cone, averaged
+``mgda``      MGDA (Désidéri 2012), Frank-Wolfe solver of Sener & Koltun 2018 (Algorithm 2)
+``dualproj``  DualProj: the mean gradient projected onto the dual cone (GEM's Eq. 11)
+``imtlg``     IMTL-G (Liu et al. 2021), the pseudo-inverse generalisation of Quinton & Rey 2024
+``cagrad``    CAGrad (Liu et al. 2021, Algorithm 1), radius ``c``
+``alignedmtl`` Aligned-MTL (Senushkin et al. 2023, Algorithm 1)
+``fairgrad``  FairGrad (Ban & Ji 2024, Eq. 4), alpha-fairness ``alpha``
+``nashmtl``   Nash-MTL (Navon et al. 2022): ``G a = 1 / a``, stateful (step counter, last weights)
+``gradvac``   GradVac (Wang et al. 2021): stateful EMA of the target cosine similarities
+============  =========================================================================================
+
+Every function is ``fn(gram, [state,] generator=None, **options) -> w`` with ``gram [T, T]`` float32/float64 on
+any device and ``w [T]`` on that device (float64 for a float64 Gram, else float32); the arithmetic is float64.
+Defaults equal TorchJD 0.18's where TorchJD defines one (CAGrad's ``c`` and FairGrad's ``alpha`` have none there:
+fastpals uses ``c = 0.4``, CAGrad's paper setting, and ``alpha = 1``, proportional fairness).
+
+Loss scaling (fp16): the weights of every method but two do not change when all gradients are scaled by one
+factor ``S``. FairGrad's scale as ``S^(-2 alpha / (alpha + 1))`` and Nash-MTL's ``max_norm`` clip compares a
+scaled norm: give them unscaled Gram matrices (divide the Gram by ``S^2``) or train in bf16/fp32. GradVac's
+``eps = 1e-8`` (TorchJD's) in its denominators also matters once ``|g_i| |g_j|`` comes near it.
+
+Non-finite Gram matrices never reach a weighting (``TaskGradientBuffer.apply`` skips the step); singular ones
+(zero or linearly dependent task gradients) are handled by each method without producing NaN.
+
+Host synchronisation: none, except on CUDA inside ``torch.linalg.pinv`` (``imtlg``) and ``torch.linalg.eigh``
+(``alignedmtl``), whose error checks read one flag back.
+
+:func:`make_weighting` builds a ``gram -> w`` callable (and its state) from a name and string options, for
+command lines (``--surgery NAME --surgery-opt KEY=VALUE``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from fastpals.surgery.aggregators import (
+    check_gram,
+    gem_weights,
+    mean_weights,
+    pcgrad_orders,
+    pcgrad_weights,
+    sum_weights,
+    weights_dtype,
+)
+
+__all__ = [
+    "AGGREGATORS",
+    "STATEFUL",
+    "GradVacState",
+    "NashMTLState",
+    "alignedmtl_weights",
+    "cagrad_weights",
+    "dualproj_weights",
+    "fairgrad_weights",
+    "gradvac_weights",
+    "imtlg_weights",
+    "make_weighting",
+    "mgda_weights",
+    "nashmtl_weights",
+    "nonneg_qp",
+    "parse_surgery_options",
+    "upgrad_weights",
+]
+
+F64 = torch.float64
+CAGRAD_MAX_TASKS = 10
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _normalize(g: torch.Tensor, eps: float) -> torch.Tensor:
+    """``G / trace(G)``, or zeros when ``trace(G) < eps`` (TorchJD's Frobenius normalisation of ``J``)."""
+    tr = torch.diagonal(g).sum()
+    small = tr < eps
+    return torch.where(small, torch.zeros_like(g), g / torch.where(small, torch.ones_like(tr), tr))
+
+
+def _pref(pref_vector: torch.Tensor | None, t: int, device: torch.device) -> torch.Tensor:
+    if pref_vector is None:
+        return torch.full((t,), 1.0 / t, dtype=F64, device=device)
+    if not isinstance(pref_vector, torch.Tensor) or pref_vector.shape != (t,):
+        raise ValueError(f"pref_vector must be a tensor of shape ({t},), got {pref_vector!r}")
+    return pref_vector.to(device=device, dtype=F64)
+
+
+def nonneg_qp(
+    q: torch.Tensor, b: torch.Tensor, max_iter: int | None = None, tol: float = 1e-13
+) -> torch.Tensor:
+    """Solve ``min_{x >= 0} 1/2 x^T Q x + b^T x`` for a batch of right-hand sides, on the device, no host sync.
+
+    Block principal pivoting (Júdice & Pires; Kim & Park's NNLS form) with full exchanges while the number of
+    infeasible variables falls, then Murty's single-pivot backup rule (finite termination for positive definite
+    ``Q``), run for a fixed ``max_iter`` iterations (default ``3 T + 10``); the free set freezes once the KKT
+    conditions hold to ``tol * max(diag Q)``.
+
+    Args:
+        q: ``[T, T]`` float64, symmetric positive definite.
+        b: ``[B, T]`` float64.
+
+    Returns:
+        ``x [B, T]`` float64, ``x >= 0``.
+    """
+    bsz, t = b.shape
+    device = q.device
+    eye = torch.eye(t, dtype=F64, device=device)
+    thresh = tol * torch.diagonal(q).amax().clamp_min(torch.finfo(F64).tiny)
+    iters = 3 * t + 10 if max_iter is None else int(max_iter)
+    passive = torch.zeros((bsz, t), dtype=torch.bool, device=device)
+    best = torch.full((bsz,), t + 1, device=device)
+    backup_left = torch.full((bsz,), 3, device=device)
+    index = torch.arange(t, device=device).expand(bsz, t)
+
+    def solve(free: torch.Tensor) -> torch.Tensor:
+        system = torch.where(free[:, :, None] & free[:, None, :], q, eye)
+        sol, _ = torch.linalg.solve_ex(system, torch.where(free, -b, torch.zeros_like(b)))
+        return torch.where(free, sol, torch.zeros_like(sol))
+
+    for _ in range(iters):
+        x = solve(passive)
+        slack = x @ q + b  # Q symmetric
+        infeasible = (passive & (x < -thresh)) | (~passive & (slack < -thresh))
+        ninf = infeasible.sum(dim=1)
+        done = (ninf == 0)[:, None]
+        improved = ninf < best
+        use_full = (improved | (backup_left > 0))[:, None]
+        backup_left = torch.where(improved, torch.full_like(backup_left, 3), backup_left - 1)
+        best = torch.minimum(best, ninf)
+        largest = torch.where(infeasible, index, torch.full_like(index, -1)).amax(dim=1, keepdim=True)
+        flip = torch.where(use_full, infeasible, infeasible & (index == largest))
+        passive = torch.where(done, passive, passive ^ flip)
+    return solve(passive).clamp_min(0.0)
+
+
+def _dual_cone_weights(
+    g: torch.Tensor, u: torch.Tensor, norm_eps: float, reg_eps: float, max_iter: int | None
+):
+    """Weights ``v`` of the projections of ``J^T u_k`` onto the dual cone of the rows of ``J``: for each row
+    ``u_k`` of ``u [B, T]``, ``argmin_{v >= u_k} v^T G' v`` with ``G' = G / trace(G) + reg_eps I`` (TorchJD's
+    regularised QP; ``reg_eps = 0`` is the exact projection for a non-singular ``G``)."""
+    t = g.shape[0]
+    gr = _normalize(g, norm_eps) + reg_eps * torch.eye(t, dtype=F64, device=g.device)
+    # v = u + x, x >= 0: min 1/2 x^T G' x + x^T G' u.
+    return u + nonneg_qp(gr, u @ gr, max_iter=max_iter)
+
+
+def _prepare(gram: torch.Tensor) -> torch.Tensor:
+    g = check_gram(gram).to(F64)
+    return 0.5 * (g + g.T)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# stateless weightings
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def upgrad_weights(
+    gram: torch.Tensor,
+    generator: torch.Generator | None = None,
+    *,
+    pref_vector: torch.Tensor | None = None,
+    norm_eps: float = 1e-4,
+    reg_eps: float = 1e-4,
+    max_iter: int | None = None,
+) -> torch.Tensor:
+    """UPGrad (Quinton & Rey, "Jacobian Descent for Multi-Objective Optimization", 2024).
+
+    Each task gradient ``g_i`` (scaled by ``pref_vector[i]``, default ``1 / T``) is projected onto the dual cone
+    ``{x : <x, g_j> >= 0 for all j}``; the projections are summed. In Gram terms (their Proposition 1): row ``i``'s
+    weights are ``argmin_{v >= p_i e_i} v^T G v``, solved by :func:`nonneg_qp`. As in TorchJD, ``G`` is divided by
+    its trace (zeroed below ``norm_eps``) and ``reg_eps * I`` is added before the solve.
+
+    Returns ``w [T]`` on ``gram``'s device (float64 for a float64 Gram, else float32).
+    """
+    g = _prepare(gram)
+    p = _pref(pref_vector, g.shape[0], g.device)
+    return (
+        _dual_cone_weights(g, torch.diag(p), norm_eps, reg_eps, max_iter).sum(dim=0).to(weights_dtype(gram))
+    )
+
+
+def dualproj_weights(
+    gram: torch.Tensor,
+    generator: torch.Generator | None = None,
+    *,
+    pref_vector: torch.Tensor | None = None,
+    norm_eps: float = 1e-4,
+    reg_eps: float = 1e-4,
+    max_iter: int | None = None,
+) -> torch.Tensor:
+    """DualProj: the preference-weighted gradient (default the mean) projected onto the dual cone of the task
+    gradients (GEM's Eq. 11 with every task as a constraint), with UPGrad's normalisation and ``reg_eps``."""
+    g = _prepare(gram)
+    p = _pref(pref_vector, g.shape[0], g.device)
+    return _dual_cone_weights(g, p[None, :], norm_eps, reg_eps, max_iter)[0].to(weights_dtype(gram))
+
+
+def mgda_weights(
+    gram: torch.Tensor,
+    generator: torch.Generator | None = None,
+    *,
+    epsilon: float = 1e-3,
+    max_iters: int = 100,
+) -> torch.Tensor:
+    """MGDA: the minimum-norm point of the convex hull of the task gradients, by the Frank-Wolfe solver of Sener &
+    Koltun 2018 (Algorithm 2), started at ``1 / T``, stopping once the step size falls below ``epsilon``
+    (TorchJD's rule). It runs ``max_iters`` iterations and freezes after the stopping one: no host sync."""
+    if epsilon <= 0 or int(max_iters) <= 0:
+        raise ValueError(f"mgda: epsilon and max_iters must be positive, got {epsilon}, {max_iters}")
+    g = check_gram(gram).to(F64)
+    t = g.shape[0]
+    alpha = torch.full((t,), 1.0 / t, dtype=F64, device=g.device)
+    done = torch.zeros((), dtype=torch.bool, device=g.device)
+    one, zero = torch.ones((), dtype=F64, device=g.device), torch.zeros((), dtype=F64, device=g.device)
+    for _ in range(int(max_iters)):
+        ga = g @ alpha
+        k = torch.argmin(ga)
+        gk = g[:, k]
+        a = alpha @ gk
+        b = alpha @ ga
+        c = g[k, k]
+        den = b + c - 2 * a
+        gamma = torch.where(c <= a, one, torch.where(b <= a, zero, (b - a) / torch.where(den > 0, den, one)))
+        new = (1 - gamma) * alpha
+        new = new + gamma * torch.nn.functional.one_hot(k, t).to(F64)
+        alpha = torch.where(done, alpha, new)
+        done = done | (gamma < epsilon)
+    return alpha.to(weights_dtype(gram))
+
+
+def imtlg_weights(gram: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """IMTL-G (Liu et al., "Towards Impartial Multi-task Learning", 2021): the combination ``w`` (summing to 1)
+    whose update has equal projections on every unit task gradient, ``G w ∝ d`` with ``d_i = |g_i|``. For linearly
+    dependent gradients TorchJD's generalisation ``w ∝ G^+ d`` is used; ``w = 0`` when ``sum(G^+ d) ~ 0``."""
+    g = check_gram(gram).to(F64)
+    d = torch.diagonal(g).clamp_min(0.0).sqrt()
+    v = torch.linalg.pinv(g) @ d
+    s = v.sum()
+    small = s.abs() < 1e-12
+    return torch.where(small, torch.zeros_like(v), v / torch.where(small, torch.ones_like(s), s)).to(
+        weights_dtype(gram)
+    )
+
+
+def alignedmtl_weights(
+    gram: torch.Tensor,
+    generator: torch.Generator | None = None,
+    *,
+    pref_vector: torch.Tensor | None = None,
+    scale_mode: str = "min",
+) -> torch.Tensor:
+    """Aligned-MTL (Senushkin et al. 2023, Algorithm 1): ``w = B p`` with the balance transformation
+    ``B = sqrt(s) V Λ^{-1/2} V^T`` over the eigenpairs of ``G`` above ``max(λ) T eps`` (eps of the Gram's dtype),
+    ``s`` their smallest (``"min"``, default), median (``"median"``) or mean (``"rmse"``) eigenvalue; ``B = I``
+    when ``G`` is zero. ``p`` is ``pref_vector`` (default ``1 / T``)."""
+    if scale_mode not in ("min", "median", "rmse"):
+        raise ValueError(f"alignedmtl: scale_mode must be 'min', 'median' or 'rmse', got {scale_mode!r}")
+    g = check_gram(gram).to(F64)
+    t = g.shape[0]
+    p = _pref(pref_vector, t, g.device)
+    lam, vec = torch.linalg.eigh(g, UPLO="U")
+    tol = lam.amax() * t * torch.finfo(gram.dtype).eps
+    keep = lam > tol
+    rank = keep.sum()
+    inv_sqrt = torch.where(
+        keep, 1.0 / torch.where(keep, lam, torch.ones_like(lam)).sqrt(), torch.zeros_like(lam)
+    )
+    if scale_mode == "min":
+        scale = torch.where(keep, lam, torch.full_like(lam, math.inf)).amin()
+    elif scale_mode == "rmse":
+        scale = torch.where(keep, lam, torch.zeros_like(lam)).sum() / rank.clamp_min(1)
+    else:  # torch.median's lower median of the kept eigenvalues
+        asc = torch.sort(torch.where(keep, lam, torch.full_like(lam, math.inf))).values
+        scale = asc[((rank - 1).clamp_min(0) // 2).reshape(1)][0]
+    scale = torch.where(rank > 0, scale, torch.ones_like(scale))
+    b = scale.sqrt() * (vec * inv_sqrt) @ vec.T
+    b = torch.where(rank > 0, b, torch.eye(t, dtype=F64, device=g.device))
+    return (b @ p).to(weights_dtype(gram))
+
+
+_SUBSETS: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _subsets(t: int, device: torch.device) -> torch.Tensor:
+    key = (t, str(device))
+    if key not in _SUBSETS:
+        codes = torch.arange(1, 2**t)
+        _SUBSETS[key] = ((codes[:, None] >> torch.arange(t)[None, :]) & 1).bool().to(device)
+    return _SUBSETS[key]
+
+
+def cagrad_weights(
+    gram: torch.Tensor, generator: torch.Generator | None = None, *, c: float = 0.4, norm_eps: float = 1e-4
+) -> torch.Tensor:
+    """CAGrad (Liu et al., "Conflict-Averse Gradient Descent", 2021, Algorithm 1).
+
+    With ``g_0`` the mean gradient and ``φ = c^2 |g_0|^2``: ``w* = argmin_{w in simplex} <g_w, g_0> + sqrt(φ)
+    |g_w|`` and the update is ``g_0 + sqrt(φ) / |g_w*| g_w*``, i.e. weights ``1/T + sqrt(φ) / |g_w*| w*`` (zero
+    when ``|g_w*| < norm_eps``). ``G`` is divided by its trace first, as in TorchJD.
+
+    The convex problem is solved exactly, without iterations: on an active set ``S`` its KKT conditions give
+    ``w_S = (λ G_SS^{-1} 1 - G_SS^{-1} b_S) / sqrt(disc)`` with ``b = G 1/T`` and ``λ`` the root of a quadratic,
+    so every support is evaluated in one batched solve and the best feasible one is kept (``2^T - 1`` supports:
+    at most ``T = 10`` tasks).
+    """
+    if c < 0:
+        raise ValueError(f"cagrad: c must be non-negative, got {c}")
+    g = _normalize(_prepare(gram), norm_eps)
+    t = g.shape[0]
+    if t > CAGRAD_MAX_TASKS:
+        raise ValueError(
+            f"cagrad supports at most {CAGRAD_MAX_TASKS} tasks (exact active-set solve), got {t}"
+        )
+    dev = g.device
+    u = torch.full((t,), 1.0 / t, dtype=F64, device=dev)
+    b = g @ u
+    rho = c * (u @ b).clamp_min(0.0).sqrt()
+    masks = _subsets(t, dev)  # [K, T]
+    eye = torch.eye(t, dtype=F64, device=dev)
+    scale = torch.diagonal(g).amax().clamp_min(1e-300)
+    outer = masks[:, :, None] & masks[:, None, :]
+    system = torch.where(outer, g + 1e-12 * scale * eye, eye)
+    rhs = torch.stack([masks.to(F64), torch.where(masks, b, torch.zeros_like(b))], dim=2)  # [K, T, 2]
+    sol, _ = torch.linalg.solve_ex(system, rhs)
+    sol = torch.where(masks[:, :, None], sol, torch.zeros_like(sol))
+    a_vec, c_vec = sol[..., 0], sol[..., 1]
+    big_a = a_vec.sum(1)
+    big_b = c_vec.sum(1)
+    big_c = c_vec @ b
+    disc = big_b * big_b - big_a * (big_c - rho * rho)
+    ok = (disc > 0) & (big_a > 0)
+    sd = torch.where(ok, disc, torch.ones_like(disc)).sqrt()
+    lam = (big_b + sd) / torch.where(ok, big_a, torch.ones_like(big_a))
+    w = (lam[:, None] * a_vec - c_vec) / sd[:, None]
+    ok = ok & (w >= -1e-9).all(1)
+    w = w.clamp_min(0.0)
+    w = w / w.sum(1, keepdim=True).clamp_min(1e-300)
+    # the vertices are always feasible candidates (they cover rho = 0 and degenerate supports)
+    w = torch.cat([w, eye])
+    ok = torch.cat([ok, torch.ones(t, dtype=torch.bool, device=dev)])
+    norms = ((w @ g) * w).sum(1).clamp_min(0.0).sqrt()
+    obj = w @ b + rho * norms
+    best = torch.argmin(torch.where(ok, obj, torch.full_like(obj, math.inf)))
+    w_opt, norm = w[best], norms[best]
+    small = norm < norm_eps
+    weights = u + rho / torch.where(small, torch.ones_like(norm), norm) * w_opt
+    return torch.where(small, torch.zeros_like(weights), weights).to(weights_dtype(gram))
+
+
+def _alpha_fair_solve(g: torch.Tensor, alpha: float, max_iter: int) -> torch.Tensor:
+    """The positive root ``x`` of ``G x = x^{-1/alpha}`` (the minimiser of the strictly convex
+    ``1/2 x^T G x - sum_i psi(x_i)``, ``psi' = x^{-1/alpha}``), by damped Newton with a batched backtracking line
+    search (no host sync). ``G`` is first divided by its trace; the root scales back as ``tr^{-alpha/(alpha+1)}``."""
+    t = g.shape[0]
+    dev = g.device
+    tr = torch.diagonal(g).sum().clamp_min(1e-300)
+    gn = g / tr
+    p = -1.0 / alpha
+
+    def psi(x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x) if alpha == 1.0 else (alpha / (alpha - 1.0)) * x.pow(1.0 + p)
+
+    def objective(x: torch.Tensor) -> torch.Tensor:  # x [..., T]
+        return 0.5 * ((x @ gn) * x).sum(-1) - psi(x).sum(-1)
+
+    s = (gn.sum() / (t * t)).clamp_min(1e-6)
+    x = torch.full((t,), 1.0, dtype=F64, device=dev) * s.pow(-alpha / (alpha + 1.0))
+    steps = torch.pow(0.5, torch.arange(40, dtype=F64, device=dev))  # [K]
+    eye = torch.eye(t, dtype=F64, device=dev)
+    for _ in range(max_iter):
+        grad = gn @ x - x.pow(p)
+        hess = gn + eye * (-p * x.pow(p - 1.0))
+        d, _ = torch.linalg.solve_ex(hess, -grad)
+        cand = x[None, :] + steps[:, None] * d[None, :]  # [K, T]
+        pos = (cand > 0).all(1)
+        f0 = objective(x)
+        fc = objective(torch.where(pos[:, None], cand, x[None, :]))
+        good = pos & (fc <= f0 + 1e-4 * steps * (grad @ d)) & torch.isfinite(fc)
+        first = torch.argmax(good.to(torch.int8))
+        x = torch.where(good.any(), cand[first], x)
+    # all task gradients zero: no root; the update is zero whatever the weights, return zeros
+    zero = torch.diagonal(g).sum() <= 0
+    return torch.where(zero, torch.zeros_like(x), x * tr.pow(-alpha / (alpha + 1.0)))
+
+
+def fairgrad_weights(
+    gram: torch.Tensor, generator: torch.Generator | None = None, *, alpha: float = 1.0, max_iter: int = 40
+) -> torch.Tensor:
+    """FairGrad (Ban & Ji, "Fair Resource Allocation in Multi-Task Learning", 2024, Eq. 4): the weights ``w > 0``
+    with ``G w = w^{-1/alpha}`` (alpha-fair utilities; ``alpha = 1`` is proportional fairness, the Nash-MTL
+    equation). ``alpha = 0`` gives ``1 / T``. Damped Newton, ``max_iter`` iterations (quadratic convergence:
+    the default reaches float64 round-off on the tests' Gram matrices)."""
+    if alpha < 0:
+        raise ValueError(f"fairgrad: alpha must be non-negative, got {alpha}")
+    g = _prepare(gram)
+    t = g.shape[0]
+    if alpha == 0:
+        return torch.full((t,), 1.0 / t, dtype=weights_dtype(gram), device=g.device)
+    return _alpha_fair_solve(g, float(alpha), int(max_iter)).to(weights_dtype(gram))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# stateful weightings
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class NashMTLState:
+    """Nash-MTL's state across steps: the step counter and the last weights (reused between updates when
+    ``update_weights_every > 1``). ``state_dict()`` / ``load_state_dict()`` for checkpoints."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.weights: torch.Tensor | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "weights": None if self.weights is None else self.weights.detach().cpu().clone(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.step = int(state["step"])
+        w = state["weights"]
+        self.weights = None if w is None else torch.as_tensor(w, dtype=F64).clone()
+
+    def reset(self) -> None:
+        self.__init__()
+
+
+def nashmtl_weights(
+    gram: torch.Tensor,
+    state: NashMTLState,
+    generator: torch.Generator | None = None,
+    *,
+    max_norm: float = 1.0,
+    update_weights_every: int = 1,
+    max_iter: int = 40,
+) -> torch.Tensor:
+    """Nash-MTL (Navon et al., "Multi-Task Learning as a Bargaining Game", 2022, Algorithm 1).
+
+    The Nash bargaining solution ``G' a = 1 / a`` on ``G' = G / |G|_F`` (the official code's normalisation), solved
+    to convergence by damped Newton (the paper's and TorchJD's sequence of convex programs approximate this root,
+    stopping at a residual of 1e-3), then scaled so that ``|sum_t a_t g_t| <= max_norm`` (``0`` disables it).
+    Every ``update_weights_every`` calls the weights are recomputed, in between the last ones are reused.
+    ``state`` is a :class:`NashMTLState`.
+    """
+    if not isinstance(state, NashMTLState):
+        raise TypeError(f"nashmtl needs a NashMTLState, got {type(state).__name__}")
+    if max_norm < 0 or int(update_weights_every) <= 0:
+        raise ValueError(
+            f"nashmtl: max_norm >= 0 and update_weights_every > 0 needed, got {max_norm}, "
+            f"{update_weights_every}"
+        )
+    g = _prepare(gram)
+    t = g.shape[0]
+    recompute = (
+        state.step % int(update_weights_every) == 0 or state.weights is None or state.weights.numel() != t
+    )
+    state.step += 1
+    if recompute:
+        nf = torch.linalg.matrix_norm(g).clamp_min(1e-300)
+        a = _alpha_fair_solve(g / nf, 1.0, int(max_iter))
+        state.weights = a
+    a = state.weights.to(device=g.device, dtype=F64)
+    if max_norm > 0:
+        norm = (a @ g @ a).clamp_min(0.0).sqrt()
+        a = torch.where(norm > max_norm, a * (max_norm / norm.clamp_min(1e-300)), a)
+    return a.to(weights_dtype(gram))
+
+
+class GradVacState:
+    """GradVac's state: the EMA targets ``phi_hat [T, T]`` (float64; zeros at the start)."""
+
+    def __init__(self) -> None:
+        self.phi: torch.Tensor | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"phi": None if self.phi is None else self.phi.detach().cpu().clone()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        phi = state["phi"]
+        self.phi = None if phi is None else torch.as_tensor(phi, dtype=F64).clone()
+
+    def reset(self) -> None:
+        self.phi = None
+
+
+def gradvac_weights(
+    gram: torch.Tensor,
+    state: GradVacState,
+    generator: torch.Generator | None = None,
+    *,
+    beta: float = 0.5,
+    eps: float = 1e-8,
+    orders: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """GradVac (Wang et al., "Gradient Vaccine", ICLR 2021), whole-model variant, as task weights.
+
+    For each task ``i`` and each other task ``j`` in a random order (drawn as :func:`pcgrad_orders` draws, from
+    ``generator``), the cosine ``phi`` between the current ``g_i^PC`` and the original ``g_j`` is compared with the
+    EMA target ``phi_hat[i, j]``; when ``phi < phi_hat``, ``g_i^PC += |g_i^PC| (phi_hat sqrt(1 - phi^2) - phi
+    sqrt(1 - phi_hat^2)) / (|g_j| sqrt(1 - phi_hat^2) + eps) g_j``; then ``phi_hat[i, j] <- (1 - beta) phi_hat +
+    beta phi``. The weights are the column sums of the coefficients (vectorised over ``i`` as in
+    :func:`pcgrad_weights`). ``state`` is a :class:`GradVacState`.
+    """
+    if not isinstance(state, GradVacState):
+        raise TypeError(f"gradvac needs a GradVacState, got {type(state).__name__}")
+    if not 0.0 <= beta <= 1.0 or eps < 0:
+        raise ValueError(f"gradvac: beta must be in [0, 1] and eps >= 0, got {beta}, {eps}")
+    g = check_gram(gram).to(F64)
+    t = g.shape[0]
+    dev = g.device
+    if orders is None:
+        orders = pcgrad_orders(t, generator)
+    orders = orders.to(dev, non_blocking=True)
+    if state.phi is None or state.phi.shape != (t, t):
+        state.phi = torch.zeros((t, t), dtype=F64, device=dev)
+    phi_t = state.phi.to(dev)
+    coef = torch.eye(t, dtype=F64, device=dev)
+    rows = torch.arange(t, device=dev)
+    norm_j_all = torch.diagonal(g).clamp_min(0.0).sqrt()
+    for step in range(t - 1):
+        j = orders[:, step]
+        cg = coef @ g
+        dot = cg[rows, j]
+        norm_i = (cg * coef).sum(1).clamp_min(0.0).sqrt()
+        norm_j = norm_j_all[j]
+        phi = dot / (norm_i * norm_j + eps)
+        hat = phi_t[rows, j]
+        s_phi = (1.0 - phi * phi).clamp_min(0.0).sqrt()
+        s_hat = (1.0 - hat * hat).clamp_min(0.0).sqrt()
+        w = norm_i * (hat * s_phi - phi * s_hat) / (norm_j * s_hat + eps)
+        coef[rows, j] += torch.where(phi < hat, w, torch.zeros_like(w))
+        phi_t[rows, j] = (1.0 - beta) * hat + beta * phi
+    state.phi = phi_t
+    return coef.sum(0).to(weights_dtype(gram))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# registry and command-line construction
+# ----------------------------------------------------------------------------------------------------------------
+
+AGGREGATORS: dict[str, Callable[..., torch.Tensor]] = {
+    "sum": sum_weights,
+    "mean": mean_weights,
+    "pcgrad": pcgrad_weights,
+    "gem": gem_weights,
+    "upgrad": upgrad_weights,
+    "mgda": mgda_weights,
+    "dualproj": dualproj_weights,
+    "imtlg": imtlg_weights,
+    "cagrad": cagrad_weights,
+    "alignedmtl": alignedmtl_weights,
+    "fairgrad": fairgrad_weights,
+    "nashmtl": nashmtl_weights,
+    "gradvac": gradvac_weights,
+}
+"""Name -> weights function ``fn(gram, [state,] generator=None, **options) -> w``."""
+
+STATEFUL: dict[str, type] = {"nashmtl": NashMTLState, "gradvac": GradVacState}
+"""Names whose function takes a state object (second argument / ``state=``), and the state's class."""
+
+# options settable from strings; everything else in a signature (generator, orders, state) is not an option
+_NOT_OPTIONS = {"gram", "generator", "state", "orders", "constraints"}
+
+
+def _options(name: str) -> dict[str, inspect.Parameter]:
+    sig = inspect.signature(AGGREGATORS[name])
+    return {k: p for k, p in sig.parameters.items() if k not in _NOT_OPTIONS}
+
+
+def _parse(name: str, key: str, value: Any, default: Any) -> Any:
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    try:
+        if key == "pref_vector" or (key == "proposal" and "," in text):
+            return torch.tensor([float(x) for x in text.split(",")], dtype=F64)
+        if key == "proposal":
+            return int(text) if text.lstrip("-").isdigit() else text
+        if isinstance(default, bool):
+            if text.lower() in ("1", "true", "yes"):
+                return True
+            if text.lower() in ("0", "false", "no"):
+                return False
+            raise ValueError(text)
+        if isinstance(default, int) or (default is None and key in ("max_iter", "max_iters")):
+            return int(text)
+        if isinstance(default, float):
+            return float(text)
+    except ValueError:
+        raise ValueError(f"surgery {name}: option {key}={value!r} is not a valid value") from None
+    return text
+
+
+def make_weighting(
+    name: str, **options: Any
+) -> tuple[Callable[..., torch.Tensor], NashMTLState | GradVacState | None]:
+    """Build the weighting ``name`` of :data:`AGGREGATORS` with ``options`` (values may be strings, as from
+    ``--surgery-opt KEY=VALUE``; they are parsed by the option's default type; ``pref_vector`` is comma-separated).
+
+    Returns ``(fn, state)``: ``fn(gram, generator=None) -> w [T]`` (the signature
+    :meth:`TaskGradientBuffer.apply` calls) and the state object of a stateful method (``None`` otherwise; keep it
+    in checkpoints through its ``state_dict()`` / ``load_state_dict()``; ``fn`` closes over it).
+    Raises ``ValueError`` (one line) for an unknown name or option or an unparsable value.
+    """
+    key = str(name).lower()
+    if key not in AGGREGATORS:
+        raise ValueError(f"unknown surgery method {name!r}; choose one of {', '.join(AGGREGATORS)}")
+    allowed = _options(key)
+    parsed: dict[str, Any] = {}
+    for opt, value in options.items():
+        if opt not in allowed:
+            known = ", ".join(allowed) or "none"
+            raise ValueError(f"surgery {key}: unknown option {opt!r} (options: {known})")
+        parsed[opt] = _parse(key, opt, value, allowed[opt].default)
+    fn = AGGREGATORS[key]
+    state = STATEFUL[key]() if key in STATEFUL else None
+
+    def weighting(gram: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        if state is not None:
+            return fn(gram, state, generator, **parsed)
+        return fn(gram, generator, **parsed)
+
+    weighting.__name__ = f"{key}_weighting"
+    weighting.__qualname__ = weighting.__name__
+    return weighting, state
+
+
+def parse_surgery_options(pairs: list[str] | tuple[str, ...]) -> dict[str, str]:
+    """``["c=0.5", "alpha=2"] -> {"c": "0.5", "alpha": "2"}`` (for ``--surgery-opt KEY=VALUE``, repeatable)."""
+    out: dict[str, str] = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise ValueError(f"--surgery-opt expects KEY=VALUE, got {pair!r}")
+        k, v = pair.split("=", 1)
+        out[k.strip()] = v.strip()
+    return out
