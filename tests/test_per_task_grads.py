@@ -8,7 +8,6 @@ through HF transformers' BertModel with inject_pals. Dropout is off (eval mode):
 
 from __future__ import annotations
 
-import copy
 import os
 import socket
 
@@ -35,7 +34,8 @@ RTOL = 1e-5
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -54,17 +54,28 @@ def _tasks(pair_mode: str) -> list[TaskSpec]:
 _BASE: dict[str, MultiTaskBert] = {}
 
 
-def minilm(pair_mode: str = "joint", pal: PALConfig | None = None) -> MultiTaskBert:
-    key = f"{pair_mode}-{pal}"
-    if key not in _BASE:
-        torch.manual_seed(0)
-        _BASE[key] = MultiTaskBert.from_pretrained("minilm-l6", tasks=_tasks(pair_mode), pal=pal)
-    model = copy.deepcopy(_BASE[key]).eval()
+def minilm(
+    pair_mode: str = "joint", pal: PALConfig | None = None, word_embeddings: bool = False
+) -> MultiTaskBert:
+    """MiniLM-L6 (all-MiniLM-L6-v2 weights) with heads for the three tasks, loaded once per test session.
+
+    ``word_embeddings=False`` freezes the word embeddings (11.7M of the 22.7M shared elements) to keep the
+    buffers small: two tests (the first case below and the HF one) train them."""
+    from fastpals.multitask import MultiTaskConfig
+
+    if "base" not in _BASE:
+        _BASE["base"] = MultiTaskBert.from_pretrained("minilm-l6", tasks=_tasks("joint"))
+    base = _BASE["base"]
+    torch.manual_seed(0)
+    model = MultiTaskBert(MultiTaskConfig(base.config.bert, _tasks(pair_mode), pal))
+    model.bert.load_state_dict(base.bert.state_dict(), strict=False)
+    model.eval()
     if pal is not None:  # random non-zero PAL decoders, so that the PALs change the encoder's gradients
         gen = torch.Generator().manual_seed(3)
         for name, p in model.named_parameters():
             if "dec_weight" in name:
                 p.data = torch.randn(p.shape, generator=gen) * 0.02
+    model.bert.embeddings.word_embeddings.weight.requires_grad_(word_embeddings)
     return model
 
 
@@ -157,16 +168,14 @@ def check_equal(ref, got, shared, specific, what: str) -> None:
     "pair_mode,pals,unpad,order",
     [
         ("joint", False, False, "sorted"),
-        ("joint", True, False, "unsorted"),
-        ("joint", True, True, "sorted"),
-        ("sbert_cosine", True, False, "sorted"),
+        ("joint", True, True, "unsorted"),
+        ("sbert_cosine", True, False, "sorted"),  # sts as sbert_cosine, para as sbert_concat
         ("sbert_concat", False, True, "unsorted"),
-        ("sbert_concat", True, False, "sorted"),
     ],
 )
 def test_one_backward_equals_separate_backwards_minilm(pair_mode, pals, unpad, order):
     pal = PALConfig(num_tasks=T, hidden=24, num_heads=2, gate=True) if pals else None
-    model = minilm(pair_mode, pal)
+    model = minilm(pair_mode, pal, word_embeddings=pair_mode == "joint" and not pals)
     shared, specific = shared_parameters_by_name(model)
     tids = [0, 0, 1, 1, 1, 2, 2] if order == "sorted" else [1, 0, 2, 1, 0, 2, 1]
     data = batch(tids)
@@ -206,7 +215,9 @@ def test_task_with_no_rows_and_accumulated_micro_batches():
             whole = {0: 2, 2: 3}
             total = sum(
                 loss * (d["task_ids"] == i).sum() / whole[i]
-                for i, (name, loss) in enumerate(zip(model.task_names, [losses.get(n) for n in model.task_names]))
+                for i, (name, loss) in enumerate(
+                    zip(model.task_names, [losses.get(n) for n in model.task_names])
+                )
                 if loss is not None
             )
             total.backward()
@@ -383,7 +394,10 @@ def _dp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         rows = torch.arange(rank, 10, world)  # interleaved halves: every task on both ranks
-        out = {name: _dp_update(rows, agg, True) for name, agg in (("pcgrad", pcgrad_weights), ("gem", gem_weights))}
+        out = {
+            name: _dp_update(rows, agg, True)
+            for name, agg in (("pcgrad", pcgrad_weights), ("gem", gem_weights))
+        }
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -398,4 +412,8 @@ def test_two_processes_one_backward_equal_one_process(tmp_path):
             got = torch.load(tmp_path / f"rank{rank}.pt")[name]
             assert set(got) == set(ref)
             for n in ref:
-                assert rel(got[n], ref[n]) < 1e-5 or float((got[n] - ref[n]).abs().max()) < 1e-7, (name, rank, n)
+                assert rel(got[n], ref[n]) < 1e-5 or float((got[n] - ref[n]).abs().max()) < 1e-7, (
+                    name,
+                    rank,
+                    n,
+                )

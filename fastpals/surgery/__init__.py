@@ -56,7 +56,12 @@ from fastpals.surgery.buffer import (
     parameters_reached,
 )
 from fastpals.surgery.optim import GEM, PCGrad, shared_parameters_by_name
-from fastpals.surgery.per_task import PerTaskGradients, cu_seqlens_from_mask, per_task_gradients, task_mean_loss
+from fastpals.surgery.per_task import (
+    PerTaskGradients,
+    cu_seqlens_from_mask,
+    per_task_gradients,
+    task_mean_loss,
+)
 
 __all__ = [
     "GEM",

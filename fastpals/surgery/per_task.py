@@ -289,6 +289,38 @@ class PerTaskGradients:
         flags[k] = True
         return first
 
+    def _all_tasks(self, tasks: Sequence[int]) -> bool:
+        return list(tasks) == list(range(self.num_tasks))
+
+    def stack_target(self, k: int, tasks: Sequence[int], dtype: torch.dtype) -> torch.Tensor | None:
+        """The ``[T, *shape]`` buffer view of shared parameter k when every task is written here for the first
+        time in a buffer of ``dtype`` (an op can then write all rows at once); else None (nothing marked)."""
+        if not self._all_tasks(tasks) or self.buffer.dtype != dtype:
+            return None
+        if not all(self.written.fresh[t] and not self.written.flags[t][k] for t in tasks):
+            return None
+        for t in tasks:
+            self.written.flags[t][k] = True
+        return self.buffer.param_rows(k)
+
+    def write_stack(self, k: int, tasks: Sequence[int], values: torch.Tensor) -> None:
+        """``values [len(tasks), *shape]``: row tasks[i] of shared parameter k (+)= values[i] (one op when every
+        task is written, all for the first time or all accumulating)."""
+        if self._all_tasks(tasks):
+            firsts = [self.written.fresh[t] and not self.written.flags[t][k] for t in tasks]
+            if all(firsts) or not any(firsts):
+                rows = self.buffer.param_rows(k)
+                vals = values.reshape(rows.shape)
+                if all(firsts):
+                    rows.copy_(vals)
+                else:
+                    rows.add_(vals.to(rows.dtype))
+                for t in tasks:
+                    self.written.flags[t][k] = True
+                return
+        for i, t in enumerate(tasks):
+            self.write(t, k, values[i])
+
     def write_mm(self, task: int, k: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """Row ``task`` of shared weight k (+)= ``a @ b`` (``a [M, R]``, ``b [R, K]``), straight into the buffer
         when the dtypes allow it (no temporary)."""
@@ -308,6 +340,16 @@ class PerTaskGradients:
 
     def write_segment_sums(self, k: int, values: torch.Tensor, rows: RowTasks) -> None:
         """Per task, the sum over its rows of ``values [R, n]`` into row t of shared parameter k (fp32 sums)."""
+        sl = [rows.slices[t] for t in rows.tasks]
+        if all(isinstance(s, slice) for s in sl):
+            n = sl[0].stop - sl[0].start
+            if all(s.stop - s.start == n and s.start == sl[0].start + i * n for i, s in enumerate(sl)):
+                seg = values[sl[0].start : sl[0].start + n * len(sl)]
+                self.write_stack(k, rows.tasks, seg.reshape(len(sl), n, -1).sum(1, dtype=torch.float32))
+                return
+            for t in rows.tasks:
+                self.write(t, k, values[rows.slices[t]].sum(0, dtype=torch.float32))
+            return
         sums = torch.zeros(self.num_tasks, values.shape[1], dtype=torch.float32, device=values.device)
         sums.index_add_(0, rows.row_task, values.float())
         for t in rows.tasks:
@@ -325,9 +367,17 @@ class PerTaskGradients:
 
     def _index_add(self, t: int, k: int, ids: torch.Tensor, g: torch.Tensor, padding_idx: int | None) -> None:
         dst = self.buffer.param_row(t, k)
-        if self._first(t, k):
+        first = self._first(t, k)
+        # Sum the rows of repeated ids into a compact [U, d] first (index_add_/index_put_ into the whole [V, d]
+        # table were measured 3-10x slower than the plain embedding backward on CPU), then write U rows.
+        uniq, inverse = torch.unique(ids, return_inverse=True)
+        compact = torch.zeros(uniq.numel(), g.shape[1], dtype=torch.float32, device=g.device)
+        compact.index_add_(0, inverse, g.float())
+        if first:
             dst.zero_()
-        dst.index_add_(0, ids, g.to(dst.dtype))
+            dst.index_copy_(0, uniq, compact.to(dst.dtype))
+        else:
+            dst.index_put_((uniq,), compact.to(dst.dtype), accumulate=True)
         if padding_idx is not None:
             dst[padding_idx].zero_()
 
@@ -369,7 +419,9 @@ class PerTaskGradients:
                 )
             covered.update(ids)
             found.append((name, m))
-        missing = [owners.get(id(p), f"#{k}") for k, p in enumerate(self.buffer.params) if id(p) not in covered]
+        missing = [
+            owners.get(id(p), f"#{k}") for k, p in enumerate(self.buffer.params) if id(p) not in covered
+        ]
         if missing:
             raise ValueError(
                 f"per_task_gradients: shared parameters {missing[:5]} are not parameters of a module of model"
@@ -513,13 +565,32 @@ def _linear_weight_grads(
     if _kernels_on(state, dy):
         _linear_weight_grads_triton(state, rows, k_w, weight, dy, x, has_bias)
         return
+    k_b = state.bias_of.get(id(weight)) if has_bias else None
+    sizes = {s.stop - s.start for s in rows.slices.values() if isinstance(s, slice)}
+    if len(rows.tasks) > 1 and len(sizes) == 1 and all(isinstance(s, slice) for s in rows.slices.values()):
+        # Equal, contiguous task segments: one batched GEMM over the segments (one parallel region, measured
+        # 1.5-2x faster than T separate GEMMs on a 2-core CPU), then one copy per task into its row.
+        n = sizes.pop()
+        starts = [rows.slices[t].start for t in rows.tasks]
+        if starts == [starts[0] + i * n for i in range(len(starts))]:
+            seg = slice(starts[0], starts[0] + n * len(starts))
+            dyb = dy[seg].view(len(starts), n, dy.shape[1])
+            xb = x[seg].view(len(starts), n, x.shape[1])
+            out = state.stack_target(k_w, rows.tasks, dy.dtype)
+            if out is not None:  # straight into the buffer rows: one op
+                torch.bmm(dyb.transpose(1, 2), xb, out=out)
+            else:
+                state.write_stack(k_w, rows.tasks, torch.bmm(dyb.transpose(1, 2), xb))
+            if k_b is not None:
+                state.write_stack(k_b, rows.tasks, dyb.sum(1))
+            return
     for t in rows.tasks:
         sel = rows.slices[t]
         dy_t = dy[sel] if isinstance(sel, slice) else dy.index_select(0, sel)
         x_t = x[sel] if isinstance(sel, slice) else x.index_select(0, sel)
         state.write_mm(t, k_w, dy_t.t(), x_t)
-        if has_bias:
-            state.write(t, state.bias_of[id(weight)], dy_t.sum(0, dtype=torch.float32))
+        if k_b is not None:
+            state.write(t, k_b, dy_t.sum(0))
 
 
 def _kernels_on(state: PerTaskGradients, t: torch.Tensor) -> bool:
@@ -548,7 +619,10 @@ def _linear_weight_grads_triton(
         state.task_ids, state.num_tasks, rows.num_rows, seq_len=rows.seq_len, cu_seqlens=rows.cu_seqlens
     )
     dw, db = grouped_wgrad_rows(
-        dy.contiguous(), x.contiguous(), plan, torch.float32 if state.buffer.dtype == torch.float32 else dy.dtype,
+        dy.contiguous(),
+        x.contiguous(),
+        plan,
+        torch.float32 if state.buffer.dtype == torch.float32 else dy.dtype,
         has_bias,
     )
     for t in rows.tasks:
