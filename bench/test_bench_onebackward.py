@@ -32,6 +32,7 @@ and the Markdown table ``bench/results/onebackward_cpu.md``. ``FASTPALS_BENCH_RO
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import os
@@ -114,17 +115,18 @@ class Runner:
         ids, mask, task_ids, labels = self.batch
         return self.model.loss(self.model(ids, mask, None, task_ids), labels)[0]
 
-    def task_losses(self, pooled: torch.Tensor | None = None) -> list[torch.Tensor]:
+    def task_losses(self, pooled: torch.Tensor | None = None, model=None) -> list[torch.Tensor]:
         """The T task losses of one mixed forward (the pooled features given: TorchJD's ``features``)."""
         import torch.nn.functional as F
 
+        model = model or self.model
         ids, mask, task_ids, labels = self.batch
         if pooled is None:
-            pooled = self.model.bert(ids, mask).pooler_output
+            pooled = model.bert(ids, mask).pooler_output
         out = []
         for t, spec in enumerate(self.model.tasks):
             rows = slice(t * PER_TASK, (t + 1) * PER_TASK)
-            z = self.model.heads[spec.name](pooled[rows])
+            z = model.heads[spec.name](pooled[rows])
             y = labels[rows]
             if spec.kind == "classification":
                 out.append(F.cross_entropy(z, y.long()))
@@ -172,13 +174,17 @@ class Runner:
         from torchjd.autogram import Engine
 
         if self.engine is None:
-            self.engine = Engine(self.model.bert, batch_dim=None)
-        self.opt.zero_grad(set_to_none=True)
-        losses = torch.stack(self.task_losses())
+            # The engine hooks the encoder's modules for good (every later forward records Jacobian work), so
+            # it gets its own copy of the model and optimizer, so as not to disturb the other variants.
+            self.jd_model = copy.deepcopy(self.model)
+            self.jd_opt = torch.optim.AdamW(self.jd_model.parameters(), lr=1e-5)
+            self.engine = Engine(self.jd_model.bert, batch_dim=None)
+        self.jd_opt.zero_grad(set_to_none=True)
+        losses = torch.stack(self.task_losses(model=self.jd_model))
         gramian = self.engine.compute_gramian(losses)
         weights = PCGradWeighting()(gramian)
         losses.backward(weights)
-        self.opt.step()
+        self.jd_opt.step()
 
     def reference_step(self) -> None:
         if self.reference is None:

@@ -204,7 +204,9 @@ class PerTaskGradients:
         self.forward_calls = 0
         self.backward_calls = 0
         self._handles: list[Any] = []
-        self.bias_of: dict[int, int] = {}
+        # A leaf that requires grad, passed to every function: their outputs require grad (and their backward
+        # runs) even where no input does (embedding lookups of detached tables). It never receives a gradient.
+        self.anchor = torch.zeros((), device=self.device, requires_grad=True)
         self._patched: list[nn.Module] = []
 
     # --- row layout ---------------------------------------------------------------------------------------------
@@ -430,11 +432,6 @@ class PerTaskGradients:
 
     def __enter__(self) -> PerTaskGradients:
         modules = self.shared_modules()
-        self.bias_of = {
-            id(m.weight): self.param_index(m.bias)
-            for _, m in modules
-            if isinstance(m, nn.Linear) and m.bias is not None
-        }
         parents: dict[int, nn.Module] = {}
         name_to_module = dict(self.model.named_modules())
         for name, m in modules:
@@ -519,21 +516,30 @@ def _check_rows(state: PerTaskGradients, lead: tuple[int, ...], what: str) -> Ro
 def _linear_forward(state: PerTaskGradients, m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = _check_rows(state, tuple(x.shape[:-1]), "a shared nn.Linear")
     state.forward_calls += 1
-    return _PerTaskLinear.apply(x, m.weight, m.bias, state, rows)
+    # The parameters enter the graph detached: autograd holds no gradient edge to them (no AccumulateGrad node,
+    # so no gradient hook, e.g. DeepSpeed's, fires for them); the backward writes their per-task gradients.
+    k_b = state.param_index(m.bias) if m.bias is not None else None
+    bias = m.bias.detach() if m.bias is not None else None
+    return _PerTaskLinear.apply(
+        state.anchor, x, m.weight.detach(), bias, state, rows, state.param_index(m.weight), k_b
+    )
 
 
 class _PerTaskLinear(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any,
+        anchor: torch.Tensor,
         x: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         state: PerTaskGradients,
         rows: RowTasks,
+        k_w: int,
+        k_b: int | None,
     ) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.state, ctx.rows, ctx.has_bias = state, rows, bias is not None
+        ctx.state, ctx.rows, ctx.k_w, ctx.k_b = state, rows, k_w, k_b
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -542,30 +548,29 @@ class _PerTaskLinear(torch.autograd.Function):
         state: PerTaskGradients = ctx.state
         state.mark_backward()
         dx = None
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[1]:
             dx = (dy @ weight.to(dy.dtype)).to(x.dtype)
         dy2, _ = _split_rows(dy)
         x2, _ = _split_rows(x)
         if x2.dtype != dy2.dtype:  # autocast: the GEMMs run in the output gradient's dtype
             x2 = x2.to(dy2.dtype)
-        _linear_weight_grads(state, ctx.rows, weight, dy2, x2, ctx.has_bias)
-        return dx, None, None, None, None
+        _linear_weight_grads(state, ctx.rows, ctx.k_w, ctx.k_b, dy2, x2)
+        return None, dx, None, None, None, None, None, None
 
 
 def _linear_weight_grads(
     state: PerTaskGradients,
     rows: RowTasks,
-    weight: torch.Tensor,
+    k_w: int,
+    k_b: int | None,
     dy: torch.Tensor,
     x: torch.Tensor,
-    has_bias: bool,
 ) -> None:
-    """``dW_t = dy_t^T x_t`` and ``db_t = sum dy_t`` per task into the buffer (``dy [R, M]``, ``x [R, K]``)."""
-    k_w = state.param_index(weight)
+    """``dW_t = dy_t^T x_t`` and ``db_t = sum dy_t`` per task into the buffer (``dy [R, M]``, ``x [R, K]``;
+    ``k_w`` / ``k_b`` the weight's and bias's indices among the buffer's shared parameters)."""
     if _kernels_on(state, dy):
-        _linear_weight_grads_triton(state, rows, k_w, weight, dy, x, has_bias)
+        _linear_weight_grads_triton(state, rows, k_w, k_b, dy, x)
         return
-    k_b = state.bias_of.get(id(weight)) if has_bias else None
     sizes = {s.stop - s.start for s in rows.slices.values() if isinstance(s, slice)}
     if len(rows.tasks) > 1 and len(sizes) == 1 and all(isinstance(s, slice) for s in rows.slices.values()):
         # Equal, contiguous task segments: one batched GEMM over the segments (one parallel region, measured
@@ -605,10 +610,9 @@ def _linear_weight_grads_triton(
     state: PerTaskGradients,
     rows: RowTasks,
     k_w: int,
-    weight: torch.Tensor,
+    k_b: int | None,
     dy: torch.Tensor,
     x: torch.Tensor,
-    has_bias: bool,
 ) -> None:
     """All task segments in one launch of the grouped weight-gradient kernel (fp32 accumulation), then one copy
     (or add) per task into its row. Temporary: ``[T, M, K]`` in the buffer's dtype."""
@@ -623,12 +627,12 @@ def _linear_weight_grads_triton(
         x.contiguous(),
         plan,
         torch.float32 if state.buffer.dtype == torch.float32 else dy.dtype,
-        has_bias,
+        k_b is not None,
     )
     for t in rows.tasks:
         state.write(t, k_w, dw[t])
-        if has_bias and db is not None:
-            state.write(t, state.bias_of[id(weight)], db[t])
+        if k_b is not None and db is not None:
+            state.write(t, k_b, db[t])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -639,25 +643,32 @@ def _layer_norm_forward(state: PerTaskGradients, m: nn.LayerNorm, x: torch.Tenso
         raise ValueError("per_task_gradients supports LayerNorm over the last dimension only")
     rows = _check_rows(state, tuple(x.shape[:-1]), "a shared nn.LayerNorm")
     state.forward_calls += 1
-    return _PerTaskLayerNorm.apply(x, m.weight, m.bias, m.eps, state, rows)
+    k_b = state.param_index(m.bias) if m.bias is not None else None
+    bias = m.bias.detach() if m.bias is not None else None
+    return _PerTaskLayerNorm.apply(
+        state.anchor, x, m.weight.detach(), bias, m.eps, state, rows, state.param_index(m.weight), k_b
+    )
 
 
 class _PerTaskLayerNorm(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any,
+        anchor: torch.Tensor,
         x: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         eps: float,
         state: PerTaskGradients,
         rows: RowTasks,
+        k_w: int,
+        k_b: int | None,
     ) -> torch.Tensor:
         w = weight.to(x.dtype)
         b = bias.to(x.dtype) if bias is not None else None
         y, mean, rstd = torch.native_layer_norm(x, (x.shape[-1],), w, b, eps)
         ctx.save_for_backward(x, weight, bias if bias is not None else weight, mean, rstd)
-        ctx.state, ctx.rows, ctx.has_bias = state, rows, bias is not None
+        ctx.state, ctx.rows, ctx.has_bias, ctx.k_w, ctx.k_b = state, rows, bias is not None, k_w, k_b
         return y
 
     @staticmethod
@@ -667,7 +678,7 @@ class _PerTaskLayerNorm(torch.autograd.Function):
         state.mark_backward()
         d = x.shape[-1]
         dx = None
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[1]:
             w = weight.to(x.dtype)
             dx, _, _ = torch.ops.aten.native_layer_norm_backward(
                 dy.to(x.dtype), x, [d], mean, rstd, w, bias.to(x.dtype) if ctx.has_bias else None,
@@ -675,10 +686,10 @@ class _PerTaskLayerNorm(torch.autograd.Function):
             )  # fmt: skip
         xhat = (x.float() - mean.float()) * rstd.float()
         dy2 = dy.reshape(-1, d)
-        state.write_segment_sums(state.param_index(weight), (dy2.float() * xhat.reshape(-1, d)), ctx.rows)
-        if ctx.has_bias:
-            state.write_segment_sums(state.param_index(bias), dy2, ctx.rows)
-        return dx, None, None, None, None, None
+        state.write_segment_sums(ctx.k_w, (dy2.float() * xhat.reshape(-1, d)), ctx.rows)
+        if ctx.k_b is not None:
+            state.write_segment_sums(ctx.k_b, dy2, ctx.rows)
+        return None, dx, None, None, None, None, None, None, None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -692,27 +703,30 @@ def _embedding_forward(state: PerTaskGradients, m: nn.Embedding, ids: torch.Tens
         rows = state.rows(tuple(ids.shape))
     if rows is None:  # looked up once for the batch and broadcast over it (position embeddings)
         frame.broadcast.append((m, ids))
-        return _BroadcastEmbedding.apply(ids, m.weight, m.padding_idx, frame, state)
+        return _BroadcastEmbedding.apply(state.anchor, ids, m.weight.detach(), m.padding_idx, frame, state)
     owner = not frame.owner_set
     frame.owner_set = True
-    return _PerTaskEmbedding.apply(ids, m.weight, m.padding_idx, state, rows, frame if owner else None)
+    k = state.param_index(m.weight)
+    return _PerTaskEmbedding.apply(
+        state.anchor, ids, m.weight.detach(), m.padding_idx, state, rows, frame if owner else None, k
+    )
 
 
 class _PerTaskEmbedding(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any,
+        anchor: torch.Tensor,
         ids: torch.Tensor,
         weight: torch.Tensor,
         padding_idx: int | None,
         state: PerTaskGradients,
         rows: RowTasks,
         frame: _Frame | None,
+        k: int,
     ) -> torch.Tensor:
         ctx.save_for_backward(ids)
-        ctx.state, ctx.rows, ctx.frame, ctx.padding_idx = state, rows, frame, padding_idx
-        ctx.weight_id = id(weight)
-        ctx.weight = weight  # not saved for backward: a parameter (kept alive by the model)
+        ctx.state, ctx.rows, ctx.frame, ctx.padding_idx, ctx.k = state, rows, frame, padding_idx, k
         return F.embedding(ids, weight, padding_idx)
 
     @staticmethod
@@ -722,9 +736,7 @@ class _PerTaskEmbedding(torch.autograd.Function):
         state.mark_backward()
         d = dy.shape[-1]
         rows: RowTasks = ctx.rows
-        state.write_embedding(
-            state.param_index(ctx.weight), ids.reshape(-1), dy.reshape(-1, d), rows, ctx.padding_idx
-        )
+        state.write_embedding(ctx.k, ids.reshape(-1), dy.reshape(-1, d), rows, ctx.padding_idx)
         frame: _Frame | None = ctx.frame
         if frame is not None and frame.broadcast:
             # The broadcast embeddings were summed with this one: their gradient is this dy summed over each
@@ -745,13 +757,14 @@ class _PerTaskEmbedding(torch.autograd.Function):
                 for t in ex_rows.tasks:
                     state._index_add(t, k, flat, sums[t].view(flat.numel(), d), m.padding_idx)
             frame.broadcast = []
-        return None, None, None, None, None, None
+        return None, None, None, None, None, None, None, None
 
 
 class _BroadcastEmbedding(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any,
+        anchor: torch.Tensor,
         ids: torch.Tensor,
         weight: torch.Tensor,
         padding_idx: int | None,
@@ -769,7 +782,7 @@ class _BroadcastEmbedding(torch.autograd.Function):
                 "per_task_gradients: an embedding looked up once for the whole batch (position embeddings) is "
                 "not summed with a per-example embedding of the same block: its gradient cannot be split by task"
             )
-        return None, None, None, None, None
+        return None, None, None, None, None, None
 
 
 @contextlib.contextmanager
