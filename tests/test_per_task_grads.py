@@ -478,7 +478,7 @@ def _ds_worker(rank: int, world: int, port: int, out_dir: str) -> None:
                 grad_dtype=torch.float32, capture_task_params=stage >= 1, all_reduce=path == "one_backward",
             )  # fmt: skip
 
-            def task_loss(d, t=None):
+            def task_loss(d, t=None, module=module):
                 o = module(d["input_ids"], d["attention_mask"], None, d["task_ids"],
                            input_ids_b=d["input_ids_b"], attention_mask_b=d["attention_mask_b"])  # fmt: skip
                 per = module.loss(o, d["labels"].to(torch.bfloat16))[1]
@@ -519,3 +519,32 @@ def test_deepspeed_zero_0_1_2_bf16_one_backward_equals_per_task_backwards(tmp_pa
             err = rel(flat_new, flat_ref)
             # bf16 activations and gradients on both paths: they differ by bf16 rounding only
             assert err < 2e-2, f"ZeRO-{stage} rank {rank}: one-backward update relative error {err:.2e}"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the Triton grouped weight-gradient kernel path (CUDA by default; here in Triton's interpreter on CPU)
+@pytest.mark.kernels
+@pytest.mark.parametrize("unpad,order", [(False, "unsorted"), (True, "sorted")])
+def test_triton_grouped_wgrad_path_equals_torch_path(unpad, order):
+    from fastpals.kernels.utils import available
+
+    ok, reason = available()
+    if not ok or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+        pytest.skip(f"Triton kernels cannot run here: {reason or 'no CUDA and TRITON_INTERPRET unset'}")
+    model = _tiny_model()
+    shared, specific = shared_parameters_by_name(model)
+    data = _tiny_batch()
+    if order == "sorted":
+        data = select(data, torch.argsort(data["task_ids"], stable=True))
+    cu = [cu_seqlens_from_mask(data["attention_mask"]), cu_seqlens_from_mask(data["attention_mask_b"])]
+    rows = {}
+    for kernels in (False, True):
+        buf = TaskGradientBuffer(shared, T, task_params=specific)
+        model.zero_grad(set_to_none=True)
+        with per_task_gradients(
+            model, buf, data["task_ids"], cu_seqlens=cu if unpad else None, use_kernels=kernels
+        ):
+            mt_loss(model, data, unpad=unpad).backward()
+        rows[kernels] = buf.data.clone()
+    for t in range(T):
+        assert rel(rows[True][t], rows[False][t]) < 1e-5, t
