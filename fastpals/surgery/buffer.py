@@ -240,6 +240,13 @@ class TaskGradientBuffer:
         """Which rows hold a gradient captured since the last :meth:`apply` (the others count as zero)."""
         return list(self._captured)
 
+    def release_update(self) -> None:
+        """Drop the buffer's reference to the flat update tensor of the last :meth:`apply` (used when the rows'
+        dtype differs from the gradients'; the ``.grad`` views keep it alive until ``zero_grad``), so that it is
+        freed with the gradients between steps instead of living through the next forward. ``apply`` allocates
+        a new one when needed. :func:`fastpals.surgery.per_task_gradients` calls it on entry."""
+        self._flat_grad = None
+
     def param_row(self, task: int, k: int) -> torch.Tensor:
         """Row ``task`` of shared parameter ``k`` as a view shaped like the parameter (write into it)."""
         return self._row_views[task][k].view(self.params[k].shape)

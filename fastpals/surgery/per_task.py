@@ -432,6 +432,7 @@ class PerTaskGradients:
 
     def __enter__(self) -> PerTaskGradients:
         modules = self.shared_modules()
+        self.buffer.release_update()  # bf16 rows: the last update's fp32 [P] goes with the .grad views
         parents: dict[int, nn.Module] = {}
         name_to_module = dict(self.model.named_modules())
         for name, m in modules:
