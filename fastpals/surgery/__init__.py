@@ -59,6 +59,12 @@ from fastpals.surgery.buffer import (
     parameters_reached,
 )
 from fastpals.surgery.optim import GEM, PCGrad, SurgeryOptimizer, shared_parameters_by_name
+from fastpals.surgery.per_task import (
+    PerTaskGradients,
+    cu_seqlens_from_mask,
+    per_task_gradients,
+    task_mean_loss,
+)
 from fastpals.surgery.weightings import (
     AGGREGATORS,
     STATEFUL,
@@ -96,15 +102,19 @@ __all__ = [
     "parse_surgery_options",
     "upgrad_weights",
     "PCGrad",
+    "PerTaskGradients",
     "SurgeryResult",
     "TaskGradientBuffer",
+    "cu_seqlens_from_mask",
     "default_grad_getter",
     "default_grad_setter",
     "gem_weights",
     "mean_weights",
     "parameters_reached",
+    "per_task_gradients",
     "pcgrad_orders",
     "pcgrad_weights",
     "shared_parameters_by_name",
     "sum_weights",
+    "task_mean_loss",
 ]

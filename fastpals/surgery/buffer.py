@@ -211,6 +211,11 @@ class TaskGradientBuffer:
         for p in self.params:
             self.grad_setter(p, None)
         self._captured[task] = True
+        self._capture_task_params([task])
+
+    def _capture_task_params(self, tasks: Sequence[int]) -> None:
+        """The task-specific half of a capture: record which tasks touched each task parameter and, with
+        ``capture_task_params``, take their gradients out (summed into float32 copies)."""
         for k, p in enumerate(self.task_params):
             if self.capture_task_params:
                 g = self.grad_getter(p)
@@ -222,13 +227,56 @@ class TaskGradientBuffer:
                         acc.zero_()
                     acc.add_(g.detach())
                     self._task_seen[k] = True
-                    self.task_param_tasks[k].add(task)
+                    self.task_param_tasks[k].update(tasks)
                     self.grad_setter(p, None)
                 continue
             state = self._task_grad_state(p)
             if state is not None and state != self._task_state[k]:
-                self.task_param_tasks[k].add(task)
+                self.task_param_tasks[k].update(tasks)
             self._task_state[k] = state
+
+    # --- rows written in place (one backward for every task: fastpals.surgery.per_task) -------------------------
+    def captured_tasks(self) -> list[bool]:
+        """Which rows hold a gradient captured since the last :meth:`apply` (the others count as zero)."""
+        return list(self._captured)
+
+    def release_update(self) -> None:
+        """Drop the buffer's reference to the flat update tensor of the last :meth:`apply` (used when the rows'
+        dtype differs from the gradients'; the ``.grad`` views keep it alive until ``zero_grad``), so that it is
+        freed with the gradients between steps instead of living through the next forward. ``apply`` allocates
+        a new one when needed. :func:`fastpals.surgery.per_task_gradients` calls it on entry."""
+        self._flat_grad = None
+
+    def param_row(self, task: int, k: int) -> torch.Tensor:
+        """Row ``task`` of shared parameter ``k`` as a view shaped like the parameter (write into it)."""
+        return self._row_views[task][k].view(self.params[k].shape)
+
+    def param_rows(self, k: int) -> torch.Tensor:
+        """Every task's row of shared parameter ``k``: a ``[T, *shape]`` view of the buffer."""
+        start = sum(self.numels[:k])
+        return self.data[:, start : start + self.numels[k]].view(self.num_tasks, *self.params[k].shape)
+
+    def capture_written(self, tasks: Sequence[int], written: Sequence[Sequence[bool]]) -> None:
+        """Record rows written in place by :func:`fastpals.surgery.per_task_gradients`: ``tasks`` had rows in the
+        batch; ``written[t][k]`` says that shared parameter k's part of row t was written. Rows captured since
+        the last :meth:`apply` accumulate; in a fresh row the parts nobody wrote are zeroed (not touched). Then
+        the task-specific gradients are handled as in :meth:`capture` (their tasks: all of ``tasks``)."""
+        tasks = list(tasks)
+        for t in tasks:
+            if not 0 <= t < self.num_tasks:
+                raise ValueError(f"task {t} out of range [0, {self.num_tasks})")
+            fresh = not self._captured[t]
+            stale = []
+            for k in range(len(self.params)):
+                if written[t][k]:
+                    self._touched[t][k] = True
+                elif fresh:
+                    stale.append(self._row_views[t][k])
+            if stale:
+                torch._foreach_zero_(stale)
+            self._captured[t] = True
+        if tasks:
+            self._capture_task_params(tasks)
 
     def drop_task_grads(self) -> None:
         """Forget the task-specific gradients of this step so far (clear them through ``grad_setter`` and, with
