@@ -130,6 +130,9 @@ class RowTasks:
     num_rows: int
     seq_len: int | None = None
     cu_seqlens: torch.Tensor | None = None
+    example_tasks: torch.Tensor | None = (
+        None  # [B_pass] int64 (device): the task of every example of the pass
+    )
 
 
 class _Frame:
@@ -159,6 +162,7 @@ class PerTaskGradients:
         task_ids: torch.Tensor,
         cu_seqlens: torch.Tensor | Sequence[torch.Tensor] | None = None,
         use_kernels: bool | None = None,
+        pass_task_ids: Sequence[torch.Tensor] | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -175,13 +179,17 @@ class PerTaskGradients:
                 f"task_ids must lie in [0, {self.num_tasks}) (the buffer's num_tasks), got "
                 f"[{int(host.min())}, {int(host.max())}]"
             )
-        self.batch = host.numel()
-        self.host_tasks = host
         self.device = buffer.device
-        self.task_ids = host.to(self.device)
         self.present = sorted(set(host.tolist()))
-        self.sorted = bool(host.numel() < 2 or bool((host[1:] >= host[:-1]).all()))
-        self._examples = {t: (host == t).nonzero(as_tuple=True)[0] for t in self.present}
+        # per encoder pass: the task of each of its examples (siamese second passes may hold fewer examples)
+        hosts = [host] + [torch.as_tensor(t).detach().cpu().long() for t in (pass_task_ids or [])[1:]]
+        for k, h in enumerate(hosts[1:], 1):
+            if h.dim() != 1 or (h.numel() and (int(h.min()) < 0 or int(h.max()) >= self.num_tasks)):
+                raise ValueError(
+                    f"pass_task_ids[{k}] must be a 1-D tensor of task ids in [0, {self.num_tasks})"
+                )
+        self._pass_hosts = hosts
+        self._use_pass(0)
         if cu_seqlens is None:
             self.cu_list: list[torch.Tensor] = []
         elif isinstance(cu_seqlens, torch.Tensor):
@@ -189,8 +197,9 @@ class PerTaskGradients:
         else:
             self.cu_list = list(cu_seqlens)
         for k, cu in enumerate(self.cu_list):
-            if not isinstance(cu, torch.Tensor) or cu.shape != (self.batch + 1,):
-                raise ValueError(f"cu_seqlens[{k}] must be a tensor [B+1] = [{self.batch + 1}]")
+            n = self._pass_hosts[min(k, len(self._pass_hosts) - 1)].numel()
+            if not isinstance(cu, torch.Tensor) or cu.shape != (n + 1,):
+                raise ValueError(f"cu_seqlens[{k}] must be a tensor [B+1] = [{n + 1}] (that pass's examples)")
         self._cu_host = [cu.detach().cpu().long() for cu in self.cu_list]
         self.use_kernels = use_kernels
         self._cache: dict[tuple, RowTasks] = {}
@@ -209,6 +218,17 @@ class PerTaskGradients:
         self.anchor = torch.zeros((), device=self.device, requires_grad=True)
         self._patched: list[nn.Module] = []
 
+    def _use_pass(self, k: int) -> None:
+        """Make pass ``k``'s examples (``pass_task_ids[k]``, else ``task_ids``) the ones rows map to."""
+        host = self._pass_hosts[min(k, len(self._pass_hosts) - 1)]
+        self.batch = host.numel()
+        self.host_tasks = host
+        self.task_ids = host.to(self.device)
+        self.pass_present = sorted(set(host.tolist()))
+        self.sorted = bool(host.numel() < 2 or bool((host[1:] >= host[:-1]).all()))
+        self._examples = {t: (host == t).nonzero(as_tuple=True)[0] for t in self.pass_present}
+        self._pass_key = min(k, len(self._pass_hosts) - 1)
+
     # --- row layout ---------------------------------------------------------------------------------------------
     def rows(self, lead: tuple[int, ...]) -> RowTasks | None:
         """The row -> task map of an input whose leading shape (all but the feature dimension) is ``lead``;
@@ -225,7 +245,7 @@ class PerTaskGradients:
             return self._cache[key]
         if len(lead) >= 1 and lead[0] == b and b > 0:
             per = num_rows // b
-            key = ("padded", per)
+            key = ("padded", self._pass_key, per)
             if key not in self._cache:
                 self._cache[key] = self._build_padded(per)
             return self._cache[key]
@@ -240,20 +260,22 @@ class PerTaskGradients:
     def _build_padded(self, per: int) -> RowTasks:
         row_task = self.task_ids.repeat_interleave(per)
         slices: dict[int, slice | torch.Tensor] = {}
-        for t in self.present:
+        for t in self.pass_present:
             ex = self._examples[t]
             if self.sorted:
                 slices[t] = slice(int(ex[0]) * per, (int(ex[-1]) + 1) * per)
             else:
                 idx = (ex[:, None] * per + torch.arange(per)[None, :]).reshape(-1)
                 slices[t] = idx.to(self.device)
-        return RowTasks(self.present, slices, row_task, self.batch * per, seq_len=per)
+        return RowTasks(
+            self.pass_present, slices, row_task, self.batch * per, seq_len=per, example_tasks=self.task_ids
+        )
 
     def _build_packed(self, cu: torch.Tensor, num_rows: int) -> RowTasks:
         lengths = cu[1:] - cu[:-1]
         row_task = self.host_tasks.repeat_interleave(lengths).to(self.device)
         slices: dict[int, slice | torch.Tensor] = {}
-        for t in self.present:
+        for t in self.pass_present:
             ex = self._examples[t]
             if self.sorted:
                 slices[t] = slice(int(cu[int(ex[0])]), int(cu[int(ex[-1]) + 1]))
@@ -261,8 +283,9 @@ class PerTaskGradients:
                 idx = torch.cat([torch.arange(int(cu[e]), int(cu[e + 1])) for e in ex.tolist()])
                 slices[t] = idx.to(self.device)
         return RowTasks(
-            self.present, slices, row_task, num_rows, cu_seqlens=cu.to(device=self.device, dtype=torch.int32)
-        )
+            self.pass_present, slices, row_task, num_rows,
+            cu_seqlens=cu.to(device=self.device, dtype=torch.int32), example_tasks=self.task_ids,
+        )  # fmt: skip
 
     def packed_ids(self, n: int) -> bool:
         """Is a 1-D index tensor of length n this pass's packed tokens?"""
@@ -460,6 +483,7 @@ class PerTaskGradients:
 
     def _enter_embeddings(self, module: nn.Module, args: tuple) -> None:
         self.passes += 1
+        self._use_pass(self.passes - 1)
         self._frames[id(module)] = _Frame()
 
     def frame_of(self, m: nn.Module) -> _Frame:
@@ -621,7 +645,11 @@ def _linear_weight_grads_triton(
     from fastpals.kernels.utils import build_task_row_plan
 
     plan = build_task_row_plan(
-        state.task_ids, state.num_tasks, rows.num_rows, seq_len=rows.seq_len, cu_seqlens=rows.cu_seqlens
+        rows.example_tasks if rows.example_tasks is not None else state.task_ids,
+        state.num_tasks,
+        rows.num_rows,
+        seq_len=rows.seq_len,
+        cu_seqlens=rows.cu_seqlens,
     )
     dw, db = grouped_wgrad_rows(
         dy.contiguous(),
@@ -793,6 +821,7 @@ def per_task_gradients(
     task_ids: torch.Tensor,
     cu_seqlens: torch.Tensor | Sequence[torch.Tensor] | None = None,
     use_kernels: bool | None = None,
+    pass_task_ids: Sequence[torch.Tensor] | None = None,
 ) -> Iterator[PerTaskGradients]:
     """Run the forward AND the backward of one mixed-task batch inside this block: the per-task gradients of the
     buffer's shared parameters go straight into the buffer's rows (accumulating over blocks until
@@ -804,11 +833,13 @@ def per_task_gradients(
       task-specific ones); any row dtype (float32, bfloat16);
     - ``task_ids [B]`` int: the task of every example (read on the host once);
     - ``cu_seqlens [B+1]`` int (or one per encoder pass): for packed inputs (minBERT ``unpad=True``);
-    - ``use_kernels``: force (True) or forbid (False) the Triton grouped weight-gradient kernel; default: on CUDA.
+    - ``use_kernels``: force (True) or forbid (False) the Triton grouped weight-gradient kernel; default: on CUDA;
+    - ``pass_task_ids``: per encoder pass, the task of each of its examples, where a pass holds other examples
+      than ``task_ids`` (packed siamese second sentences exist for the siamese rows only); entry 0 is ignored.
 
     The loss to differentiate is the sum over tasks of each task's loss (e.g. ``MultiTaskBert.loss``, or
     :func:`task_mean_loss` of per-example losses). Raises if the forward ran in the block but no backward did.
     """
-    state = PerTaskGradients(model, buffer, task_ids, cu_seqlens, use_kernels)
+    state = PerTaskGradients(model, buffer, task_ids, cu_seqlens, use_kernels, pass_task_ids)
     with state:
         yield state

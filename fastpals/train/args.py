@@ -19,6 +19,7 @@ from fastpals.data import DATA_DIR_ENV, TASK_FORMATS, resolve_data_dir
 from fastpals.model import PALConfig
 from fastpals.multitask import TASKS
 from fastpals.sampling import GROUPED_METHODS, SAMPLING_METHODS
+from fastpals.surgery import AGGREGATORS, make_weighting, parse_surgery_options
 from fastpals.train.dsconfig import DEFAULT_DS_CONFIG, load_ds_config
 from fastpals.train.errors import ConfigError
 
@@ -45,7 +46,7 @@ PAL_PRESETS: dict[str, dict[str, Any] | None] = {
     "gate": {"gate": True},
     "embert": {"variant": "embert"},
 }
-SURGERIES = ("none", "pcgrad", "gem")  # checked here until the aggregator registry is wired in
+SURGERIES = ("none", *AGGREGATORS)  # every fastpals.surgery.AGGREGATORS name
 OPTIMIZERS = ("adamw", "sgd", "rmsprop")
 BATCHINGS = ("per_task", "mixed")
 TASK_WEIGHTINGS = ("examples", "equal")
@@ -166,11 +167,13 @@ class TrainArgs:
         choices=SURGERIES, default="none",
     )  # fmt: skip
     surgery_opts: list[str] = opt(
-        "options of the surgery aggregator, KEY=VALUE, repeatable (not implemented yet)",
-        type=str, metavar="KEY=VALUE", factory=list,
+        "an option of the --surgery method, KEY=VALUE, repeatable (e.g. c=0.4 for cagrad, alpha=2 for fairgrad; "
+        "see fastpals.surgery.make_weighting)",
+        type=str, metavar="KEY=VALUE", factory=list, flags=("--surgery-opt", "--surgery-opts"),
     )  # fmt: skip
     surgery_buffer_dtype: str = opt(
-        "dtype of the [tasks, shared parameters] gradient buffer (bf16: not implemented yet)",
+        "storage dtype of the [tasks, shared parameters] gradient buffer: fp32, or bf16 (half the memory; the "
+        "Gram and the combination still accumulate in fp32)",
         choices=SURGERY_BUFFER_DTYPES, default="fp32",
     )  # fmt: skip
     pal: str = opt(
@@ -303,12 +306,13 @@ class TrainArgs:
     # --- checks -------------------------------------------------------------------------------------------------
     def _not_implemented_yet(self) -> None:
         # extension point: remove an entry here once the loop implements that option
-        defaults = {"surgery_opts": [], "surgery_buffer_dtype": "fp32"}  # fmt: skip
-        for name, default in defaults.items():
-            if getattr(self, name) != default:
-                raise ConfigError(
-                    f"{_flag(name)} {getattr(self, name)!r} is not implemented yet; leave it out"
-                )
+        if self.surgery == "none" and (self.surgery_opts or self.surgery_buffer_dtype != "fp32"):
+            raise ConfigError("--surgery-opt and --surgery-buffer-dtype need a --surgery method")
+        if self.surgery != "none":
+            try:
+                make_weighting(self.surgery, **parse_surgery_options(self.surgery_opts))
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
 
     def _at_least(self, name: str, allow_none: bool = False, low: float = 1) -> None:
         value = getattr(self, name)

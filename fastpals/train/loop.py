@@ -190,13 +190,20 @@ class Trainer:
             self._setup_surgery()
 
     def _setup_surgery(self) -> None:
-        from fastpals.surgery import gem_weights, pcgrad_weights
+        from fastpals.surgery import make_weighting, parse_surgery_options
 
-        self.surgery_buffer = deepspeed_surgery_buffer(
-            self.engine.module, len(self.args.task_list), self.zero_stage
+        args = self.args
+        dtype = torch.bfloat16 if args.surgery_buffer_dtype == "bf16" else torch.float32
+        one_backward = (
+            args.batching == "mixed"
+        )  # per-task gradients from one backward bypass DeepSpeed's reduce
+        self.surgery_buffer = deepspeed_surgery_buffer(self.engine.module, len(args.task_list), self.zero_stage,
+                                                       dtype, all_reduce=one_backward and self.world_size > 1)  # fmt: skip
+        self.aggregator, aggregator_state = make_weighting(
+            args.surgery, **parse_surgery_options(args.surgery_opts)
         )
-        # extension point: the aggregator registry replaces this choice (with --surgery-opts as its keywords)
-        self.aggregator = pcgrad_weights if self.args.surgery == "pcgrad" else gem_weights
+        if aggregator_state is not None:  # Nash-MTL, GradVac: their state is checkpointed
+            self.components["aggregator_state"] = aggregator_state
         self.surgery_generator = torch.Generator().manual_seed(self.args.seed)
         self.components["surgery_rng"] = GeneratorState(self.surgery_generator)
 

@@ -132,7 +132,7 @@ def mixed_update(
             from fastpals.surgery import per_task_gradients
 
             buffer = surgery[0]
-            with per_task_gradients(module, buffer, inputs["task_ids"], cu_seqlens=_cu_seqlens(inputs)):
+            with per_task_gradients(module, buffer, inputs["task_ids"], **_passes(module, inputs)):
                 res = module.task_losses(engine(**inputs), labels, weighting="equal")
                 total = sum(res.per_task.values())  # each task's gradient is that of its own mean loss
                 loss = check_loss(total, {t: float(v.detach()) for t, v in res.per_task.items()})
@@ -156,7 +156,14 @@ def mixed_update(
     return stats
 
 
-def _cu_seqlens(inputs: dict[str, Any]) -> Any:
-    if "cu_seqlens_b" in inputs:
-        return [inputs["cu_seqlens"], inputs["cu_seqlens_b"]]
-    return inputs["cu_seqlens"]
+def _passes(module: Any, inputs: dict[str, Any]) -> dict[str, Any]:
+    """The encoder passes' row layout for :func:`fastpals.surgery.per_task_gradients`: packed offsets, and for
+    the siamese second pass (its rows: the siamese tasks' examples, in order) their task ids."""
+    if "cu_seqlens_b" not in inputs:
+        return {"cu_seqlens": inputs["cu_seqlens"]}
+    task_ids = inputs["task_ids"]
+    siamese = torch.tensor([spec.siamese for spec in module.tasks], device=task_ids.device)
+    return {
+        "cu_seqlens": [inputs["cu_seqlens"], inputs["cu_seqlens_b"]],
+        "pass_task_ids": [task_ids, task_ids[siamese[task_ids]]],
+    }

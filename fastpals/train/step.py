@@ -63,9 +63,17 @@ def surgery_update(
     return SurgeryUpdate(outputs, result, seconds + time.perf_counter() - t0)
 
 
-def deepspeed_surgery_buffer(module: torch.nn.Module, num_tasks: int, zero_stage: int) -> Any:
-    """A :class:`fastpals.surgery.TaskGradientBuffer` (fp32, one row per task) over the shared parameters of a
-    DeepSpeed engine's ``module``.
+def deepspeed_surgery_buffer(
+    module: torch.nn.Module,
+    num_tasks: int,
+    zero_stage: int,
+    dtype: torch.dtype = torch.float32,
+    all_reduce: bool = False,
+) -> Any:
+    """A :class:`fastpals.surgery.TaskGradientBuffer` (rows of ``dtype``, one per task) over the shared parameters
+    of a DeepSpeed engine's ``module``. ``all_reduce``: average the ``[T, P]`` rows across ranks before the Gram
+    (for :func:`fastpals.surgery.per_task_gradients`, whose shared gradients bypass DeepSpeed's reduction: one
+    all-reduce of ``T * P`` elements per update).
 
     Gradients under DeepSpeed 0.19.8 are read with ``deepspeed.utils.safe_get_full_grad`` and written with
     ``safe_set_full_grad`` (a zero tensor where the buffer clears one). Checked on CPU, one rank: ZeRO-0 fp32
@@ -83,6 +91,6 @@ def deepspeed_surgery_buffer(module: torch.nn.Module, num_tasks: int, zero_stage
 
     shared, specific = shared_parameters_by_name(module)
     return TaskGradientBuffer(
-        shared, num_tasks, torch.float32, task_params=specific, grad_getter=safe_get_full_grad,
-        grad_setter=setter, grad_dtype=torch.float32, capture_task_params=zero_stage >= 1,
+        shared, num_tasks, dtype, task_params=specific, grad_getter=safe_get_full_grad,
+        grad_setter=setter, grad_dtype=torch.float32, capture_task_params=zero_stage >= 1, all_reduce=all_reduce,
     )  # fmt: skip
