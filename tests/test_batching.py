@@ -530,3 +530,48 @@ def test_packed_mixed_batch_dispatches_to_pal_varlen_and_flash_varlen(monkeypatc
     assert calls["flash"][layers] == (packed["cu_seqlens_b"].tolist(), packed["max_seqlen_b"])
     assert torch.allclose(got.total.detach(), want.total.detach(), rtol=1e-5, atol=0)
     _assert_grads_close(got_grads, want_grads)
+
+
+@pytest.mark.parametrize("mode", PAIR_MODES)
+@pytest.mark.parametrize("variant", ["no_pal", "parallel", "half", "embert"])
+@pytest.mark.parametrize("sizes", [(3, 4, 5), (0, 4, 5), (3, 0, 5)])
+def test_packed_one_backward_per_task_grads_equal_separate_backwards(variant, mode, sizes):
+    """What the trainer's ``--batching mixed --surgery`` runs: per-task gradients of the shared weights from ONE
+    backward over the packed mixed micro-batch (siamese second sentences packed for the siamese rows only) equal
+    each task's own padded backward; the task-specific gradients equal the sum of the tasks' own."""
+    from fastpals.model import is_task_specific
+    from fastpals.surgery import TaskGradientBuffer, per_task_gradients
+    from fastpals.train.mixed import packed_passes
+
+    model = _model(VARIANTS[variant], mode)
+    batches = _per_task_batches(model, sizes=sizes)
+    shared = [p for n, p in model.named_parameters() if not is_task_specific(n)]
+    specific = [p for n, p in model.named_parameters() if is_task_specific(n)]
+    want = torch.zeros(3, sum(p.numel() for p in shared))
+    want_specific = [torch.zeros_like(p) for p in specific]
+    for t, batch in batches.items():
+        model.zero_grad(set_to_none=True)
+        keys = ("input_ids", "attention_mask", "token_type_ids", "input_ids_b", "attention_mask_b")
+        out = model(**{k: batch[k] for k in keys if k in batch}, task_ids=torch.full((len(batch["ids"]),), t))
+        model.loss(out, batch["labels"].float())[0].backward()
+        want[t] = torch.cat(
+            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in shared]
+        )
+        for acc, p in zip(want_specific, specific):
+            if p.grad is not None:
+                acc += p.grad
+    model.zero_grad(set_to_none=True)
+    buf = TaskGradientBuffer(shared, 3, task_params=specific)
+    packed = pack_batches(list(batches.values()), list(batches), 3)
+    inputs = model_inputs(packed, "cpu")
+    with per_task_gradients(model, buf, inputs["task_ids"], **packed_passes(model, inputs)):
+        res = model.task_losses(model(**inputs), packed["labels"], "equal")
+        sum(res.per_task.values()).backward()
+    assert all(p.grad is None for p in shared)  # no ordinary summed gradient of a shared weight
+    for t in range(3):
+        got = buf.row(t).float()
+        scale = max(float(want[t].abs().max()), 1e-12)
+        assert float((got - want[t]).abs().max()) <= 1e-5 * scale + 1e-9, f"task {t}"
+    for p, w in zip(specific, want_specific):
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        assert torch.allclose(g, w, rtol=1e-5, atol=1e-8)

@@ -28,7 +28,7 @@ import torch
 from fastpals.batching import MixedBatchSampler, MixedSelection, collate_packed, model_inputs
 from fastpals.data import TaskBatcher
 
-__all__ = ["MixedUpdates", "mixed_update"]
+__all__ = ["MixedUpdates", "mixed_update", "packed_passes"]
 
 
 class MixedUpdates:
@@ -132,7 +132,7 @@ def mixed_update(
             from fastpals.surgery import per_task_gradients
 
             buffer = surgery[0]
-            with per_task_gradients(module, buffer, inputs["task_ids"], **_passes(module, inputs)):
+            with per_task_gradients(module, buffer, inputs["task_ids"], **packed_passes(module, inputs)):
                 res = module.task_losses(engine(**inputs), labels, weighting="equal")
                 total = sum(res.per_task.values())  # each task's gradient is that of its own mean loss
                 loss = check_loss(total, {t: float(v.detach()) for t, v in res.per_task.items()})
@@ -156,7 +156,7 @@ def mixed_update(
     return stats
 
 
-def _passes(module: Any, inputs: dict[str, Any]) -> dict[str, Any]:
+def packed_passes(module: Any, inputs: dict[str, Any]) -> dict[str, Any]:
     """The encoder passes' row layout for :func:`fastpals.surgery.per_task_gradients`: packed offsets, and for
     the siamese second pass (its rows: the siamese tasks' examples, in order) their task ids."""
     if "cu_seqlens_b" not in inputs:
