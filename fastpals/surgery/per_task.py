@@ -130,6 +130,7 @@ class RowTasks:
     num_rows: int
     seq_len: int | None = None
     cu_seqlens: torch.Tensor | None = None
+    plan: Any = None  # the grouped kernel's TaskRowPlan, built on first use
 
 
 class _Frame:
@@ -620,9 +621,11 @@ def _linear_weight_grads_triton(
     from fastpals.kernels.grouped_linear import grouped_wgrad_rows
     from fastpals.kernels.utils import build_task_row_plan
 
-    plan = build_task_row_plan(
-        state.task_ids, state.num_tasks, rows.num_rows, seq_len=rows.seq_len, cu_seqlens=rows.cu_seqlens
-    )
+    if rows.plan is None:  # one plan per row layout, shared by every Linear of that layout
+        rows.plan = build_task_row_plan(
+            state.task_ids, state.num_tasks, rows.num_rows, seq_len=rows.seq_len, cu_seqlens=rows.cu_seqlens
+        )
+    plan = rows.plan
     dw, db = grouped_wgrad_rows(
         dy.contiguous(),
         x.contiguous(),
