@@ -517,8 +517,11 @@ def test_deepspeed_zero_0_1_2_bf16_one_backward_equals_per_task_backwards(tmp_pa
             flat_ref = torch.cat([ref[n].reshape(-1) for n in sorted(ref)])
             flat_new = torch.cat([new[n].reshape(-1) for n in sorted(ref)])
             err = rel(flat_new, flat_ref)
-            # bf16 activations and gradients on both paths: they differ by bf16 rounding only
-            assert err < 2e-2, f"ZeRO-{stage} rank {rank}: one-backward update relative error {err:.2e}"
+            print(
+                f"ZeRO-{stage} rank {rank}: one-backward vs per-task backwards, relative difference {err:.2e}"
+            )
+            # bf16 activations and gradients on both paths: they differ by bf16 rounding only (measured 1.5e-3)
+            assert err < 1e-2, f"ZeRO-{stage} rank {rank}: one-backward update relative error {err:.2e}"
 
 
 # ----------------------------------------------------------------------------------------------------------------

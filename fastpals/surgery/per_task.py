@@ -51,15 +51,28 @@ Data parallel: the rows hold this rank's per-task gradients; build the buffer wi
 elements per step, plus the task-specific gradients and ``T * n_shared`` flags), and do not let DDP reduce the
 gradients (no DDP wrapper, or ``no_sync``): shared parameters get no ordinary gradient here anyway.
 
-DeepSpeed ZeRO 0/1/2: run ``engine.backward(loss)`` inside the block. DeepSpeed reduces the task-specific
-gradients; the shared ones bypass it (they reach no gradient hook) and are averaged by the buffer's all-reduce::
+DeepSpeed ZeRO 0/1/2 (tested: 0.19.8, CPU accelerator, bf16, 2 ranks, gradient_accumulation_steps = 1): run
+``engine.backward(loss)`` inside the block. The shared weights enter the autograd graph detached, so no
+gradient hook of DeepSpeed fires for them and DeepSpeed reduces only the task-specific gradients; the buffer's
+all-reduce averages the shared rows (``T * P`` elements per step, where the per-task-backward path had DeepSpeed
+reduce ``T`` full gradients)::
 
-    buf = TaskGradientBuffer(shared, T, task_params=specific, capture_task_params=True, all_reduce=world > 1,
-                             grad_getter=safe_get_full_grad, grad_setter=zero_filling_setter)
+    from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
+
+    def setter(p, g):
+        safe_set_full_grad(p, g if g is not None else torch.zeros_like(p, dtype=torch.float32))
+
+    buf = TaskGradientBuffer(shared, T, torch.float32, task_params=specific, grad_getter=safe_get_full_grad,
+                             grad_setter=setter, grad_dtype=torch.float32, capture_task_params=zero_stage >= 1,
+                             all_reduce=dist.is_initialized() and dist.get_world_size() > 1)
     with per_task_gradients(engine.module, buf, task_ids):
         engine.backward(engine.module.loss(engine(...), labels)[0])
-    buf.apply(pcgrad_weights, generator=g)      # writes the update with safe_set_full_grad
-    engine.step()
+    result = buf.apply(pcgrad_weights, generator=g)   # writes the update with safe_set_full_grad
+    engine.step()                                     # clipping ("gradient_clipping") after surgery
+
+Limits: models whose examples interact (batch norm, cross-example attention) break the row split; every shared
+parameter must belong to an ``nn.Linear`` / ``nn.LayerNorm`` (last dimension) / ``nn.Embedding`` (a clear error
+names any other); activation checkpointing, ``torch.compile`` and ZeRO-3 are not covered.
 """
 
 from __future__ import annotations
@@ -133,6 +146,7 @@ class RowTasks:
     example_tasks: torch.Tensor | None = (
         None  # [B_pass] int64 (device): the task of every example of the pass
     )
+    plan: Any = None  # the grouped kernel's TaskRowPlan, built on first use
 
 
 class _Frame:
@@ -644,13 +658,12 @@ def _linear_weight_grads_triton(
     from fastpals.kernels.grouped_linear import grouped_wgrad_rows
     from fastpals.kernels.utils import build_task_row_plan
 
-    plan = build_task_row_plan(
-        rows.example_tasks if rows.example_tasks is not None else state.task_ids,
-        state.num_tasks,
-        rows.num_rows,
-        seq_len=rows.seq_len,
-        cu_seqlens=rows.cu_seqlens,
-    )
+    if rows.plan is None:  # one plan per row layout, shared by every Linear of that layout
+        example_tasks = rows.example_tasks if rows.example_tasks is not None else state.task_ids
+        rows.plan = build_task_row_plan(
+            example_tasks, state.num_tasks, rows.num_rows, seq_len=rows.seq_len, cu_seqlens=rows.cu_seqlens
+        )
+    plan = rows.plan
     dw, db = grouped_wgrad_rows(
         dy.contiguous(),
         x.contiguous(),
