@@ -213,13 +213,13 @@ from fastpals.train.loop import Trainer
 args = parse_args(["--model", sys.argv[1], "--data-dir", sys.argv[2], "--out", sys.argv[4],
     "--surgery", "pcgrad", "--sampling", "random_round_robin", "--batch-size", "4", "--max-length", "16",
     "--pal-hidden", "16", "--pal-heads", "2", "--steps-per-epoch", "2", "--epochs", "1", "--lr", "1e-2",
-    "--max-eval", "4", "--no-progress"])
+    "--max-eval", "4", "--no-progress", "--batching", sys.argv[5]])
 tr = Trainer(args)
 tr._setup_data(); tr._setup_model(); tr._setup_engine()
 assert tr.zero_stage == 1
 module = tr.engine.module
 shared = {n: p.detach().float().clone() for n, p in module.named_parameters() if n.startswith("bert.encoder.layer.0.attention.self.query")}
-stats = tr.train_update([2, 0, 1])
+stats = tr.train_update([2, 0, 1] if sys.argv[5] == "per_task" else tr.sampler.next_update())
 buf = tr.surgery_buffer
 assert buf.steps == 1 and buf.skipped_steps == 0
 rows = [buf.row(t).norm().item() for t in range(3)]
@@ -233,11 +233,14 @@ print("ok")
 
 
 @pytest.mark.slow
-def test_pcgrad_update_under_deepspeed(tiny, tmp_path):
+@pytest.mark.parametrize("batching", ["per_task", "mixed"])
+def test_pcgrad_update_under_deepspeed(tiny, tmp_path, batching):
+    """ZeRO-1 bf16: T backwards into the buffer (per_task), or every task's gradient from one backward over a
+    packed mixed micro-batch (mixed); both change the shared weights through the PCGrad combination."""
     data, model = tiny
     env = {**os.environ, "FASTPALS_DATA_DIR": str(data)}
     proc = subprocess.run(
-        [sys.executable, "-c", SURGERY_SCRIPT, str(model), str(data), str(ROOT), str(tmp_path / "run")],
+        [sys.executable, "-c", SURGERY_SCRIPT, str(model), str(data), str(ROOT), str(tmp_path / "run"), batching],
         capture_output=True, text=True, env=env, timeout=300, cwd=ROOT,
     )  # fmt: skip
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
