@@ -534,7 +534,7 @@ def test_packed_mixed_batch_dispatches_to_pal_varlen_and_flash_varlen(monkeypatc
 
 @pytest.mark.parametrize("mode", PAIR_MODES)
 @pytest.mark.parametrize("variant", ["no_pal", "parallel", "half", "embert"])
-@pytest.mark.parametrize("sizes", [(3, 4, 5), (0, 4, 5), (3, 0, 5)])
+@pytest.mark.parametrize("sizes", [(3, 4, 5), (0, 4, 5), (3, 0, 5), "frozen"])
 def test_packed_one_backward_per_task_grads_equal_separate_backwards(variant, mode, sizes):
     """What the trainer's ``--batching mixed --surgery`` runs: per-task gradients of the shared weights from ONE
     backward over the packed mixed micro-batch (siamese second sentences packed for the siamese rows only) equal
@@ -543,10 +543,15 @@ def test_packed_one_backward_per_task_grads_equal_separate_backwards(variant, mo
     from fastpals.surgery import TaskGradientBuffer, per_task_gradients
     from fastpals.train.mixed import packed_passes
 
+    from fastpals.model import freeze_shared_parameters
+
     model = _model(VARIANTS[variant], mode)
+    if sizes == "frozen":  # --freeze-bert: embeddings and Linears frozen, LayerNorms (and task parts) train
+        freeze_shared_parameters(model)
+        sizes = (3, 4, 5)
     batches = _per_task_batches(model, sizes=sizes)
-    shared = [p for n, p in model.named_parameters() if not is_task_specific(n)]
-    specific = [p for n, p in model.named_parameters() if is_task_specific(n)]
+    shared = [p for n, p in model.named_parameters() if p.requires_grad and not is_task_specific(n)]
+    specific = [p for n, p in model.named_parameters() if p.requires_grad and is_task_specific(n)]
     want = torch.zeros(3, sum(p.numel() for p in shared))
     want_specific = [torch.zeros_like(p) for p in specific]
     for t, batch in batches.items():
@@ -567,7 +572,7 @@ def test_packed_one_backward_per_task_grads_equal_separate_backwards(variant, mo
     with per_task_gradients(model, buf, inputs["task_ids"], **packed_passes(model, inputs)):
         res = model.task_losses(model(**inputs), packed["labels"], "equal")
         sum(res.per_task.values()).backward()
-    assert all(p.grad is None for p in shared)  # no ordinary summed gradient of a shared weight
+    assert shared and all(p.grad is None for p in shared)  # no ordinary summed gradient of a shared weight
     for t in range(3):
         got = buf.row(t).float()
         scale = max(float(want[t].abs().max()), 1e-12)

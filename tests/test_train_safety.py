@@ -84,16 +84,6 @@ def test_help_lists_every_option_and_which_may_change_on_resume():
     assert "--inject-nan-at-step" not in text  # test-only, hidden
 
 
-@pytest.mark.parametrize(
-    "flag, value", [("--batching", "mixed"), ("--max-tokens", "512"), ("--task-weighting", "equal"),
-                    ("--surgery-opts", "memory=20"), ("--surgery-buffer-dtype", "bf16")],
-)  # fmt: skip
-def test_next_options_are_refused_until_implemented(tiny, flag, value):
-    data, model = tiny
-    with pytest.raises(ConfigError, match=f"{flag} .* is not implemented yet"):
-        parse_args(["--model", str(model), "--data-dir", str(data), flag, value])
-
-
 # --- resume ---------------------------------------------------------------------------------------------------
 def test_resume_reads_the_saved_options(stopped_run, tmp_path):
     saved = json.loads((stopped_run / "train_args.json").read_text())

@@ -50,7 +50,10 @@ def test_valid_options_pass(tiny):
         (["--pal", "none", "--pal-heads", "2"], "need PALs"),
         (["--surgery", "pcgrad", "--grad-accum", "2"], "--grad-accum 1"),
         (["--surgery", "gem", "--tasks", "sst"], "at least two"),
-        (["--batching", "per_task", "--sampling", "random_round_robin", "--grad-accum", "2"], "--grad-accum 1"),
+        (
+            ["--batching", "per_task", "--sampling", "random_round_robin", "--grad-accum", "2"],
+            "--grad-accum 1",
+        ),
         (["--batching", "per_task", "--max-tokens", "512"], "--max-tokens needs --batching mixed"),
         (["--batching", "per_task", "--task-weighting", "equal"], "--batching mixed"),
         (["--max-tokens", "0"], "--max-tokens must be >= 1"),

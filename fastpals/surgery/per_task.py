@@ -472,11 +472,16 @@ class PerTaskGradients:
         self.buffer.release_update()  # bf16 rows: the last update's fp32 [P] goes with the .grad views
         parents: dict[int, nn.Module] = {}
         name_to_module = dict(self.model.named_modules())
-        for name, m in modules:
+        shared_embeddings = {id(m) for _, m in modules if isinstance(m, nn.Embedding)}
+        for (
+            name,
+            m,
+        ) in name_to_module.items():  # every embeddings block counts encoder passes, frozen ones too
             if isinstance(m, nn.Embedding):
                 parent = name_to_module[name.rsplit(".", 1)[0]] if "." in name else self.model
                 parents[id(parent)] = parent
-                object.__setattr__(m, "_fastpals_parent", id(parent))
+                if id(m) in shared_embeddings:
+                    object.__setattr__(m, "_fastpals_parent", id(parent))
         for parent in parents.values():
             self._handles.append(parent.register_forward_pre_hook(self._enter_embeddings))
         try:
