@@ -20,7 +20,9 @@ import torch
 from fastpals.functional import check_task_ids
 
 __all__ = [
+    "ROW_ALIGN",
     "TaskRowPlan",
+    "aligned_rows",
     "autocast_dtype",
     "build_task_row_plan",
     "cast_floats",
@@ -31,6 +33,7 @@ __all__ = [
     "dot_flags",
     "aot_mode",
     "interpret_mode",
+    "last_dim_contiguous",
     "target_arch",
     "task_row_plan",
 ]
@@ -333,6 +336,23 @@ def autocast_dtype(tensor: torch.Tensor) -> torch.dtype | None:
     if device_type not in ("cuda", "cpu") or not torch.is_autocast_enabled(device_type):
         return None
     return torch.get_autocast_dtype(device_type)
+
+
+ROW_ALIGN = 16
+
+
+def aligned_rows(num_rows: int, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised ``[num_rows, width]`` view whose row stride is ``width`` rounded up to a multiple of 16
+    elements: every row then starts 16-byte aligned (fp32 and 16-bit) and Triton specialises the stride as
+    divisible by 16, so loads of the PAL's activations (widths 204, 276, 612, ...) can be vectorised. Costs at
+    most 15 columns of memory; values and shapes are unchanged."""
+    stride = -(-width // ROW_ALIGN) * ROW_ALIGN
+    return torch.empty(num_rows, stride, dtype=dtype, device=device)[:, :width]
+
+
+def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when its last dim has unit stride (the kernels take every other stride), else a copy."""
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 
 def cast_floats(dtype: torch.dtype, *tensors: object) -> list:

@@ -19,9 +19,11 @@ import triton.language as tl
 
 from fastpals.kernels.common import (
     TaskRowPlan,
+    aligned_rows,
     autocast_dtype,
     device_context,
     dot_flags,
+    last_dim_contiguous,
     target_arch,
     task_row_plan,
 )
@@ -47,12 +49,15 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # ptxas -v; tests/test_aot.py asserts the shared memory fits and 16-bit kernels do not spill on sm_80/sm_90).
 # Not yet timed on a GPU.
 GROUPED_CONFIGS: dict[tuple[bool, str], tuple[int, int, int, int, int]] = {
-    (False, "sm90"): (64, 64, 64, 8, 3),
-    (False, "sm80"): (64, 64, 64, 8, 3),
-    (False, "sm75"): (64, 64, 32, 4, 2),
-    (True, "sm90"): (32, 64, 32, 4, 2),
-    (True, "sm80"): (32, 64, 32, 4, 2),
-    (True, "sm75"): (32, 64, 32, 4, 2),
+    # 16-bit: 8 warps over 64 x 64 tiles, K in steps of 32 (4 warps, or K steps of 64 with 3 stages, spill 48-64 B
+    # on sm_80 where the PAL widths 204/276 defeat vectorised loads)
+    (False, "sm90"): (64, 64, 32, 8, 2),
+    (False, "sm80"): (64, 64, 32, 8, 2),
+    (False, "sm75"): (64, 64, 32, 8, 2),
+    # fp32 (IEEE products on CUDA cores): 32-row tiles, 8 warps (64-row tiles spilled 3.6-4.7 KB per thread)
+    (True, "sm90"): (32, 64, 32, 8, 2),
+    (True, "sm80"): (32, 64, 32, 8, 2),
+    (True, "sm75"): (32, 64, 32, 8, 2),
     (False, "interp"): (64, 64, 64, 4, 1),
     (True, "interp"): (64, 64, 64, 4, 1),
 }
@@ -250,12 +255,14 @@ def grouped_mm_rows(
     residual: torch.Tensor | None = None,
     store_pre: bool = False,
     gelu_grad_pre: torch.Tensor | None = None,
+    aligned_out: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Launch the grouped GEMM on row-major ``a [R, K_red]`` (contiguous, validated by the caller).
+    """Launch the grouped GEMM on row-major ``a [R, K_red]`` (unit last stride, validated by the caller).
 
     ``transpose_weight=False``: ``out = a @ weight[t].T`` with weight ``[T, N, K_red]`` (the forward).
     ``transpose_weight=True``: ``out = a @ weight[t]`` with weight ``[T, K_red, N]`` (the input gradient).
     ``gelu_grad_pre``: multiply ``a`` by GELU'(pre) while loading (``a`` is then the output gradient).
+    ``aligned_out``: ``out`` and ``pre`` get row strides padded to 16 elements (:func:`aligned_rows`).
     Returns ``(out [R, N], pre [R, N] or None)``; rows outside the plan are left as allocated (the plans
     built here always cover every row).
     """
@@ -266,8 +273,9 @@ def grouped_mm_rows(
     else:
         n_out = weight.shape[1]
         stride_wn, stride_wk = weight.stride(1), weight.stride(2)
-    out = torch.empty(num_rows, n_out, dtype=a.dtype, device=a.device)
-    pre = torch.empty_like(out) if store_pre else None
+    alloc = aligned_rows if aligned_out else lambda r, n, dt, dev: torch.empty(r, n, dtype=dt, device=dev)
+    out = alloc(num_rows, n_out, a.dtype, a.device)
+    pre = alloc(num_rows, n_out, a.dtype, a.device) if store_pre else None
     if num_rows == 0 or n_out == 0:
         return out, pre
     if k_red == 0:
@@ -373,9 +381,20 @@ class GroupedLinearFunction(torch.autograd.Function):
         residual: torch.Tensor | None,
         plan: TaskRowPlan,
         activation: str | None,
+        aligned_out: bool = False,
     ) -> torch.Tensor:
         gelu = activation == "gelu"
-        y, pre = grouped_mm_rows(x, weight, plan, bias=bias, gelu=gelu, residual=residual, store_pre=gelu)
+        ctx.aligned_out = aligned_out
+        y, pre = grouped_mm_rows(
+            x,
+            weight,
+            plan,
+            bias=bias,
+            gelu=gelu,
+            residual=residual,
+            store_pre=gelu,
+            aligned_out=ctx.aligned_out,
+        )
         ctx.save_for_backward(x, weight, pre)
         ctx.plan = plan
         ctx.has_bias = bias is not None
@@ -396,7 +415,7 @@ class GroupedLinearFunction(torch.autograd.Function):
             if not ctx.needs_input_grad[1]:
                 dw = None
         dres = dy if ctx.has_residual and ctx.needs_input_grad[3] else None
-        return dx, dw, db, dres, None, None
+        return dx, dw, db, dres, None, None, None
 
 
 def _check_operands(
@@ -466,10 +485,10 @@ def grouped_linear_rows(
     """Grouped linear on row-major ``x [R, K]`` with a plan from :func:`~fastpals.kernels.common.task_row_plan`
     (reused across several layers of one batch, as the fused PAL does). Operands must already be validated."""
     return GroupedLinearFunction.apply(
-        x.contiguous(),
+        last_dim_contiguous(x),
         weight.contiguous(),
         None if bias is None else bias.contiguous(),
-        None if residual is None else residual.contiguous(),
+        None if residual is None else last_dim_contiguous(residual),
         plan,
         activation,
     )

@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from fastpals.kernels.common import (
+    aligned_rows,
     aot_mode,
     check_cu_seqlens,
     cu_seqlens_int32,
@@ -428,41 +429,43 @@ def _clamp_block(block: int, seq: int) -> int:
     return max(16, min(block, triton.next_power_of_2(max(seq, 1))))
 
 
-# GPU launch configurations (block_m = queries, block_n = keys, warps, stages) per target ("sm75", "sm80",
-# "sm90"; see grouped_linear_triton.target_class), kernel, "fp32 or 16-bit" and padded head dim. Chosen from the
+# GPU launch configurations (block_m = queries, block_n = keys, warps, stages) per kernel, "fp32 or 16-bit" and
+# padded head dim; sm_75 takes one stage (see attention_config). Chosen from the
 # ahead-of-time compile of every launch (Triton 3.9, ptxas -v, every feature on: mask/varlen + dropout) so that
 # the shared memory fits each target and the 16-bit kernels do not spill on sm_80/sm_90 (tests/test_aot.py
 # asserts both); not yet timed on a GPU.
 _BASE_CONFIGS: dict[tuple[str, bool, int], tuple[int, int, int, int]] = {
-    ("fwd", False, 32): (128, 64, 8, 3),
-    ("fwd", False, 64): (128, 64, 8, 3),
-    ("fwd", False, 128): (128, 32, 8, 2),
-    ("fwd", True, 32): (64, 32, 4, 2),
-    ("fwd", True, 64): (32, 32, 8, 2),
-    ("fwd", True, 128): (32, 32, 8, 2),
-    ("dkdv", False, 32): (64, 64, 4, 2),
-    ("dkdv", False, 64): (64, 64, 8, 2),
-    ("dkdv", False, 128): (64, 32, 8, 2),
+    # 16-bit (tensor-core mma / wgmma): 64 x 64 tiles spilled 44-308 B on sm_80; dK/dV at head dim 17 with 32 x 32
+    # tiles and 4 warps spilled 8 B there (varlen + dropout), 64 x 32 with 8 warps does not
+    ("fwd", False, 32): (64, 32, 4, 2),
+    ("fwd", False, 64): (64, 32, 4, 2),
+    ("fwd", False, 128): (32, 32, 4, 2),
+    ("dkdv", False, 32): (64, 32, 8, 2),
+    ("dkdv", False, 64): (64, 32, 4, 2),
+    ("dkdv", False, 128): (16, 32, 4, 2),
+    ("dq", False, 32): (64, 32, 4, 2),
+    ("dq", False, 64): (64, 32, 4, 2),
+    ("dq", False, 128): (32, 32, 4, 2),
+    # fp32 (IEEE products on CUDA cores): smaller tiles, the operands take twice the registers
+    ("fwd", True, 32): (32, 32, 4, 2),
+    ("fwd", True, 64): (32, 32, 4, 2),
+    ("fwd", True, 128): (16, 32, 4, 2),
     ("dkdv", True, 32): (32, 32, 4, 2),
-    ("dkdv", True, 64): (32, 32, 8, 2),
+    ("dkdv", True, 64): (32, 32, 4, 2),
     ("dkdv", True, 128): (16, 32, 4, 2),
-    ("dq", False, 32): (64, 64, 4, 2),
-    ("dq", False, 64): (64, 64, 8, 2),
-    ("dq", False, 128): (32, 64, 8, 2),
     ("dq", True, 32): (32, 32, 4, 2),
-    ("dq", True, 64): (32, 32, 8, 2),
-    ("dq", True, 128): (32, 32, 8, 2),
+    ("dq", True, 64): (32, 32, 4, 2),
+    ("dq", True, 128): (16, 32, 4, 2),
 }
-#: per-target overrides of _BASE_CONFIGS: (target, kernel, fp32?, padded head dim) -> (block_m, block_n, warps, stages)
-_TARGET_CONFIGS: dict[tuple[str, str, bool, int], tuple[int, int, int, int]] = {}
 _INTERPRETER_BLOCK = 16  # small tiles keep the CPU interpreter fast; never autotuned there
 
 
 def attention_config(target: str, kernel: str, fp32: bool, block_d: int) -> tuple[int, int, int, int]:
     """(block_m, block_n, warps, stages) of ``kernel`` ("fwd", "dkdv", "dq") on ``target`` ("sm75", "sm80",
-    "sm90") for fp32 or 16-bit inputs and a padded head dim ``block_d`` (16 is launched as 32)."""
-    key = (kernel, fp32, max(32, block_d))
-    return _TARGET_CONFIGS.get((target, *key), _BASE_CONFIGS[key])
+    "sm90") for fp32 or 16-bit inputs and a padded head dim ``block_d`` (16 is launched as 32). sm_75 (64 KiB of
+    shared memory per block) runs one stage."""
+    block_m, block_n, warps, stages = _BASE_CONFIGS[(kernel, fp32, max(32, block_d))]
+    return block_m, block_n, warps, 1 if target == "sm75" else stages
 
 
 def _launch_config(kernel: str, layout: _Layout, q: torch.Tensor) -> _Config:
@@ -599,9 +602,14 @@ def _attention_forward(
     dropout_p: float,
     scale: float,
     seed: int,
+    aligned: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the forward kernel; returns (out like q but contiguous, stat_m [rows, H], stat_l [rows, H])."""
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    """Launch the forward kernel; returns (out like q but contiguous, or with 16-element-aligned rows when
+    ``aligned``; stat_m [rows, H]; stat_l [rows, H])."""
+    if aligned:  # rows of H * Dh values at a 16-element stride (the PAL's V^D reads them as [R, d_s])
+        out = aligned_rows(layout.rows, layout.heads * layout.head_dim, q.dtype, q.device).view(q.shape)
+    else:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     stat_m = torch.empty(layout.rows, layout.heads, dtype=torch.float32, device=q.device)
     stat_l = torch.empty_like(stat_m)
     if out.numel() == 0 or layout.seq == 0:
@@ -704,12 +712,13 @@ def _run_forward(
     dropout_p: float,
     softmax_scale: float | None,
     generator_seed: int | None,
+    aligned: bool = False,
 ) -> torch.Tensor:
     dropout_p = float(dropout_p)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(layout.head_dim)
     seed = _draw_seed(dropout_p, generator_seed)
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
-    out, stat_m, stat_l = _attention_forward(q, k, v, layout, dropout_p, scale, seed)
+    out, stat_m, stat_l = _attention_forward(q, k, v, layout, dropout_p, scale, seed, aligned)
     ctx.save_for_backward(q, k, v, out, stat_m, stat_l, layout.mask, layout.cu_seqlens)
     ctx.layout = layout._replace(mask=None, cu_seqlens=None)
     ctx.dropout_p, ctx.scale, ctx.seed = dropout_p, scale, seed
@@ -746,15 +755,16 @@ class PALAttentionFunction(torch.autograd.Function):
         dropout_p: float,
         softmax_scale: float | None,
         generator_seed: int | None,
+        aligned_rows: bool = False,
     ) -> torch.Tensor:
         _check_qkv(q, k, v, 4, "[B, L, H, Dh]")
         _check_common(dropout_p, softmax_scale, generator_seed)
         layout = _padded_layout(q, key_padding_mask)
-        return _run_forward(ctx, q, k, v, layout, dropout_p, softmax_scale, generator_seed)
+        return _run_forward(ctx, q, k, v, layout, dropout_p, softmax_scale, generator_seed, aligned_rows)
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # noqa: ANN001
-        return (*_run_backward(ctx, dout), None, None, None, None)
+        return (*_run_backward(ctx, dout), None, None, None, None, None)
 
 
 class PALAttentionVarlenFunction(torch.autograd.Function):
@@ -775,15 +785,16 @@ class PALAttentionVarlenFunction(torch.autograd.Function):
         dropout_p: float,
         softmax_scale: float | None,
         generator_seed: int | None,
+        aligned_rows: bool = False,
     ) -> torch.Tensor:
         _check_qkv(q, k, v, 3, "[N, H, Dh]")
         _check_common(dropout_p, softmax_scale, generator_seed)
         layout = _varlen_layout(q, cu_seqlens, max_seqlen)
-        return _run_forward(ctx, q, k, v, layout, dropout_p, softmax_scale, generator_seed)
+        return _run_forward(ctx, q, k, v, layout, dropout_p, softmax_scale, generator_seed, aligned_rows)
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # noqa: ANN001
-        return (*_run_backward(ctx, dout), None, None, None, None, None)
+        return (*_run_backward(ctx, dout), None, None, None, None, None, None)
 
 
 def pal_attention(
@@ -794,6 +805,8 @@ def pal_attention(
     dropout_p: float = 0.0,
     softmax_scale: float | None = None,
     generator_seed: int | None = None,
+    *,
+    aligned_rows: bool = False,
 ) -> torch.Tensor:
     """Multi-head softmax attention over a padded batch; the fused form of ``attention_reference``.
 
@@ -809,11 +822,15 @@ def pal_attention(
         softmax_scale: score scale; default ``1 / sqrt(Dh)``.
         generator_seed: Philox seed of the dropout mask (see :func:`pal_attention_dropout_mask`); default: one
             draw from torch's default CPU generator per call.
+        aligned_rows: return the ``[B*L, H*Dh]`` rows at a stride padded to 16 elements (the fused PAL's V^D then
+            reads 16-byte-aligned rows) instead of contiguous.
 
     Returns:
-        ``[B, L, H, Dh]`` contiguous, q's dtype. Differentiable in q, k and v.
+        ``[B, L, H, Dh]`` contiguous (or row-aligned), q's dtype. Differentiable in q, k and v.
     """
-    return PALAttentionFunction.apply(q, k, v, key_padding_mask, dropout_p, softmax_scale, generator_seed)
+    return PALAttentionFunction.apply(
+        q, k, v, key_padding_mask, dropout_p, softmax_scale, generator_seed, aligned_rows
+    )
 
 
 def pal_attention_varlen(
@@ -825,6 +842,8 @@ def pal_attention_varlen(
     dropout_p: float = 0.0,
     softmax_scale: float | None = None,
     generator_seed: int | None = None,
+    *,
+    aligned_rows: bool = False,
 ) -> torch.Tensor:
     """Packed (varlen) form of :func:`pal_attention`; the fused form of ``attention_varlen_reference``.
 
@@ -842,7 +861,7 @@ def pal_attention_varlen(
         ``[N, H, Dh]`` contiguous, q's dtype. Differentiable in q, k and v.
     """
     return PALAttentionVarlenFunction.apply(
-        q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, generator_seed
+        q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, generator_seed, aligned_rows
     )
 
 

@@ -49,8 +49,8 @@ def _enc_qkv_forward(
     b^QKV_t``: two grouped GEMMs whose output tiles cut the PAL width (204, 276, 612, 828, ...) into 64-wide
     column tiles, so no width is rounded up to a power of two and every tile fits the shared memory of
     sm_75/sm_80/sm_90 (see tests/test_aot.py). ``s`` is kept for the QKV weight gradient."""
-    s, _ = grouped_mm_rows(x, enc_weight, plan, bias=enc_bias)
-    qkv, _ = grouped_mm_rows(s, qkv_weight, plan, bias=qkv_bias)
+    s, _ = grouped_mm_rows(x, enc_weight, plan, bias=enc_bias, aligned_out=True)
+    qkv, _ = grouped_mm_rows(s, qkv_weight, plan, bias=qkv_bias, aligned_out=True)
     return s, qkv
 
 
@@ -83,7 +83,7 @@ class EncQKVFunction(torch.autograd.Function):
         if need_wq or need_bq:
             dwq, dbq = grouped_wgrad_rows(dqkv, s, plan, qkv_weight.dtype, with_bias=True)
         if need_x or need_we or need_be:
-            ds, _ = grouped_mm_rows(dqkv, qkv_weight, plan, transpose_weight=True)
+            ds, _ = grouped_mm_rows(dqkv, qkv_weight, plan, transpose_weight=True, aligned_out=True)
             if need_x:
                 dx, _ = grouped_mm_rows(ds, enc_weight, plan, transpose_weight=True)
             if need_we or need_be:
@@ -252,7 +252,7 @@ def pal(
     def attend(qkv: torch.Tensor) -> torch.Tensor:
         q, k, v = qkv.view(batch, length, 3, num_heads, head_dim).unbind(2)
         out = pal_attention(
-            q, k, v, key_padding_mask=attention_mask, dropout_p=dropout_p, generator_seed=generator_seed
+            q, k, v, attention_mask, dropout_p, generator_seed=generator_seed, aligned_rows=True
         )
         return out.reshape(batch * length, d_s)
 
@@ -320,7 +320,7 @@ def pal_varlen(
     def attend(qkv: torch.Tensor) -> torch.Tensor:
         q, k, v = qkv.view(num_rows, 3, num_heads, head_dim).unbind(1)
         out = pal_attention_varlen(
-            q, k, v, cu_seqlens, max_seqlen, dropout_p=dropout_p, generator_seed=generator_seed
+            q, k, v, cu_seqlens, max_seqlen, dropout_p, generator_seed=generator_seed, aligned_rows=True
         )
         return out.reshape(num_rows, d_s)
 
