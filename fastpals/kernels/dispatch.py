@@ -57,9 +57,10 @@ OPS = {
 }
 _TENSOR_CORE_OPS = ("pal", "grouped_linear", "pal_attention")
 _SM75_REASON = (
-    "sm_{cap}: Triton >= 3.3 emits no mma for this GPU, so the fused kernels' dots would run on CUDA cores "
-    "(the AOT test also measures spills there); cuBLAS and SDPA use its tensor cores"
+    "sm_{cap}: Triton >= 3.3 emits no mma for this GPU, so the fused kernels' 16-bit dots would run on CUDA "
+    "cores and spill up to 2.9 KB per thread (AOT test); cuBLAS and SDPA use its tensor cores"
 )
+_SM75_FP32_REASON = "sm_{cap} fp32: no tensor cores on either path; the stock ops are kept as for 16-bit (GPU speed not measured)"
 
 
 class Decision(NamedTuple):
@@ -104,9 +105,10 @@ def decide(
     if capability < (8, 0):
         if dtype == torch.bfloat16:
             return Decision("reference", f"sm_{cap}: no bf16 tensor cores; the PyTorch reference ops")
+        reason = (_SM75_REASON if half else _SM75_FP32_REASON).format(cap=cap)
         if op == "grouped_linear":
-            return Decision("reference", _SM75_REASON.format(cap=cap) + " (per-task cuBLAS matmuls)")
-        return Decision("sdpa", _SM75_REASON.format(cap=cap))
+            return Decision("reference", reason + " (per-task cuBLAS matmuls)")
+        return Decision("sdpa", reason)
     if half:
         return Decision(
             "triton",
