@@ -27,7 +27,7 @@ __all__ = [
     "weights_dtype",
 ]
 
-MAX_TASKS = 64
+from fastpals.functional import MAX_TASKS  # noqa: E402  (one limit for the buffer, the kernels and the weightings)
 
 
 def _check_gram(gram: object) -> torch.Tensor:
