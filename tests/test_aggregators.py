@@ -544,3 +544,24 @@ def test_weights_do_not_depend_on_a_common_loss_scale_except_fairgrad_and_nash_c
         if name == "fairgrad":  # alpha = 1: w scales as S^-1
             w2 = w2 * scale
         assert torch.allclose(w1, w2, rtol=1e-7, atol=1e-12), (name, scale)
+
+
+@pytest.mark.parametrize("method", ["pcgrad", "gem"])
+def test_surgery_optimizer_equals_the_pcgrad_and_gem_wrappers(method):
+    from fastpals.surgery import GEM, PCGrad
+
+    grads = []
+    for generic in (False, True):
+        torch.manual_seed(1)
+        model = TinyMultiTask(3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(4)
+        if generic:
+            wrapper = SurgeryOptimizer(opt, method=method, generator=gen)
+        else:
+            wrapper = PCGrad(opt, generator=gen) if method == "pcgrad" else GEM(opt)
+        torch.manual_seed(2)
+        xs, ys = [torch.randn(8, 6) for _ in range(3)], [torch.randn(8) for _ in range(3)]
+        wrapper.backward([model.loss(xs[k], ys[k], k) for k in range(3)])
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
