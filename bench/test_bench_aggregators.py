@@ -215,7 +215,8 @@ def test_aggregators_side_by_side(benchmark, agg_runner):
         "methods": methods,
     }
     lines = [
-        f"{'method':11s} {'step s':>7s} {'x plain':>8s} {'x pcgrad':>9s} {'x pcg cpu':>9s} {'solve ms':>9s}"
+        f"{'method':11s} {'step s':>7s} {'x plain':>8s} {'x pcg pair':>10s} {'x pcgrad':>9s} {'x pcg min':>9s} "
+        f"{'x pcg cpu':>9s} {'solve ms':>9s}"
     ]
     for name, r in methods.items():
         lines.append(
