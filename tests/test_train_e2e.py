@@ -216,3 +216,79 @@ def test_bad_inputs_fail_before_training(tiny, tmp_path):
         rc, log = run([sys.executable, "train.py", *common(tiny, out), *extra], timeout=120)
         assert rc == 2 and message in log, (extra, log[-2000:])
         assert "DeepSpeed" not in log and not (out / "metrics.jsonl").exists()  # nothing started
+
+
+def _user_tasks(folder: Path) -> tuple[Path, Path]:
+    """A JSONL classification task and a TSV pair-regression task (label range [1, 10]) with train/dev/test."""
+    import random
+
+    rng = random.Random(0)
+    words = "good bad film plot actor great boring fun slow music".split()
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, n in (("train", 40), ("dev", 12), ("test", 6)):
+        with open(folder / f"imdb_{split}.jsonl", "w") as f:
+            for i in range(n):
+                row = {"id": f"{split}{i}", "review": " ".join(rng.choice(words) for _ in range(6))}
+                if split != "test":
+                    row["label"] = rng.randrange(2)
+                f.write(json.dumps(row) + "\n")
+        with open(folder / f"rate_{split}.tsv", "w") as f:
+            f.write("id\ta\tb" + ("\tscore" if split != "test" else "") + "\n")
+            for i in range(n):
+                a = " ".join(rng.choice(words) for _ in range(5))
+                b = " ".join(rng.choice(words) for _ in range(5))
+                f.write(
+                    f"r{split}{i}\t{a}\t{b}"
+                    + (f"\t{rng.uniform(1, 10):.2f}" if split != "test" else "")
+                    + "\n"
+                )
+    imdb = folder / "imdb.json"
+    imdb.write_text(json.dumps({
+        "name": "imdb", "kind": "classification", "num_labels": 2, "label_names": ["negative", "positive"],
+        "files": {s: f"imdb_{s}.jsonl" for s in ("train", "dev", "test")},
+        "columns": {"text": "review", "label": "label", "id": "id"},
+    }))  # fmt: skip
+    rate = folder / "rate.json"
+    rate.write_text(json.dumps({
+        "name": "rate", "kind": "regression", "label_range": [1, 10],
+        "files": {s: f"rate_{s}.tsv" for s in ("train", "dev", "test")},
+        "columns": {"text": "a", "text_pair": "b", "label": "score", "id": "id"},
+    }))  # fmt: skip
+    return imdb, rate
+
+
+def test_user_task_files_train_end_to_end(tiny, tmp_path):
+    """--tasks mixes a built-in task with a JSONL and a TSV task file: training, dev metrics, prediction files,
+    confusion matrices and `fastpals predict` (label names) work for the user tasks."""
+    imdb, rate = _user_tasks(tmp_path / "tasks")
+    out = tmp_path / "user"
+    rc, log = run([sys.executable, "train.py", *common(tiny, out, "--tasks", f"sst,{imdb},{rate}",
+                   "--epochs", "1", "--steps-per-epoch", "3")])  # fmt: skip
+    assert rc == 0, log[-4000:]
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["dev"]) == {"sst", "imdb", "rate", "overall"}
+    for name in ("imdb-dev-output.csv", "imdb-test-output.csv", "rate-test-output.csv"):
+        assert (out / "predictions" / name).is_file(), name
+    assert len((out / "predictions" / "rate-test-output.csv").read_text().splitlines()) == 7  # header + 6
+    assert (out / "confusion_imdb.png").is_file() and (out / "confusion_rate.png").is_file()
+    rc, log = run([sys.executable, "-m", "fastpals.predict", str(out / "best"), "--task", "imdb", "--text",
+                   "good fun film"])  # fmt: skip
+    assert rc == 0 and ("negative" in log or "positive" in log), log[-2000:]
+
+
+def test_every_weighting_trains_through_the_trainer(tiny, tmp_path):
+    """Each fastpals.surgery.AGGREGATORS name runs an update through the trainer (mixed batches, one backward)
+    and, for the stateful ones, its state is part of the checkpoint."""
+    from fastpals.surgery import AGGREGATORS, STATEFUL
+    from fastpals.train.cli import parse_args
+    from fastpals.train.loop import Trainer
+
+    for name in AGGREGATORS:
+        args = parse_args(common(tiny, tmp_path / name, "--surgery", name, "--epochs", "1",
+                                 "--steps-per-epoch", "2", "--max-eval", "4", "--max-predict", "2"))  # fmt: skip
+        trainer = Trainer(args, callbacks=[])
+        results = trainer.run()
+        assert results["steps"] == 2, name
+        assert ("aggregator_state" in trainer.components) == (name in STATEFUL), name
+    ckpt = [p.name for p in (tmp_path / "nashmtl" / "checkpoints").rglob("*")]
+    assert ckpt, "the stateful run wrote a checkpoint"

@@ -138,7 +138,7 @@ def mixed_update(
                 loss = check_loss(total, {t: float(v.detach()) for t, v in res.per_task.items()})
                 engine.backward(loss)
         for t, v in res.per_task.items():
-            losses.setdefault(t, []).append(float(v))
+            losses.setdefault(t, []).append(float(v.detach()))
             examples[t] = examples.get(t, 0) + int(res.examples[t])
             tokens[t] = tokens.get(t, 0) + int(res.tokens[t])
     stats: dict[str, Any] = {
