@@ -25,7 +25,8 @@ if os.environ.get("FASTPALS_BUILD_CUDA", "auto") != "0":
 setup(
     packages=packages,
     package_dir=package_dir,
-    package_data={"fastpals": ["configs/*.json"]},  # the DeepSpeed configs, usable by name from a wheel
+    # the DeepSpeed configs and the recipes, usable by name from a wheel
+    package_data={"fastpals": ["configs/*.json", "configs/recipes/*.json"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )
