@@ -166,8 +166,8 @@ def write_markdown(rows: list[dict[str, Any]], path: Path, header: str) -> Path:
     lines += [
         "",
         "\\* Quora dev = the held-out 10% (sha256 of id) split of quora-dev.csv; the runs train on the rest.  ",
-        "† overall = (SST + Quora + (STS r + 1) / 2) / 3 over these three tasks only (CFIMDB not included); "
-        "— where a task is missing.  ",
+        "† overall = (SST + Quora + (STS r + 1) / 2) / 3 over these three tasks only (CFIMDB not included; an STS r "
+        "of nan, from constant predictions, counts as 0); — where a task is missing.  ",
         "train s: the updates; total s: the whole run (set-up, evaluation, test predictions).",
     ]
     path.write_text("\n".join(lines) + "\n")

@@ -25,6 +25,12 @@ def test_wheel_contains_kernels_under_fastpals(tmp_path):
     assert not any(n.startswith("kernels/") for n in names), "a top-level kernels package would clash on PyPI"
     for f in ("fastpals/__init__.py", "fastpals/model.py", "fastpals/surgery/__init__.py"):
         assert f in names
+    recipes = sorted(
+        f for f in os.listdir(os.path.join(ROOT, "fastpals", "configs", "recipes")) if f.endswith(".json")
+    )
+    assert recipes and all(
+        f"fastpals/configs/recipes/{f}" in names for f in recipes
+    )  # --recipe NAME from a wheel
 
 
 def test_kernels_import_as_fastpals_kernels():

@@ -224,5 +224,6 @@ def test_compare_rejects_bad_input_before_training(tiny, tmp_path, capsys):
     assert compare_main(["baseline_multitask", *common, "--epochs", "3"]) == 2
     assert "--epochs is set by compare itself" in capsys.readouterr().err
     assert compare_main([*common]) == 2
+    assert compare_main(["--help"]) == 0 and "--budget STEPS" in capsys.readouterr().out
     assert compare_main(["single_sst", "single_sst", *common]) == 2
     assert not out.exists()  # nothing ran
