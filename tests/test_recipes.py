@@ -208,9 +208,19 @@ def test_compare_two_recipes_writes_table_and_chart(tiny, tmp_path, capsys):
         sst = row["scores"]["sst"]
         assert rows[row["name"]][0] == f"{sst:.3f}" and 0.0 <= sst <= 1.0
     assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert (out / "baseline_multitask" / "results.json").is_file() and (
-        out / "single_sst" / "results.json"
-    ).is_file()
+    assert (out / "baseline_multitask" / "results.json").is_file()
+    # the second run is the run it would be alone: order in the comparison changes nothing (same seed and data)
+    from fastpals.train.loop import Trainer
+
+    alone = Trainer(parse_args(["--recipe", "single_sst", *common, "--epochs", "1", "--steps-per-epoch", "2",
+                                "--out", str(tmp_path / "alone"), "--max-predict", "8", "--max-eval", "6"])).run()  # fmt: skip
+    assert alone["dev"] == json.loads((out / "single_sst" / "results.json").read_text())["dev"]
+
+    def losses(run):
+        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        return [r["loss"] for r in records if r["type"] == "step"]
+
+    assert len(losses(out / "single_sst")) == 2 and losses(tmp_path / "alone") == losses(out / "single_sst")
 
 
 def test_compare_rejects_bad_input_before_training(tiny, tmp_path, capsys):
