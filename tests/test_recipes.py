@@ -237,3 +237,21 @@ def test_compare_rejects_bad_input_before_training(tiny, tmp_path, capsys):
     assert compare_main(["--help"]) == 0 and "--budget STEPS" in capsys.readouterr().out
     assert compare_main(["single_sst", "single_sst", *common]) == 2
     assert not out.exists()  # nothing ran
+
+
+def test_compare_reports_a_failed_run_in_its_row(tiny, tmp_path, capsys):
+    from fastpals.compare import main as compare_main
+
+    data, model = tiny
+    out = tmp_path / "cmp"
+    rc = compare_main(["single_sst", "--budget", "2", "--out", str(out), "--model", str(model), "--data-dir",
+                       str(data), "--batch-size", "4", "--max-length", "16", "--max-eval", "6", "--no-progress",
+                       "--inject-nan-at-step", "2"])  # fmt: skip
+    assert rc == 1
+    assert "[compare] 1/1 single_sst: done in" in capsys.readouterr().err
+    (row,) = [
+        line for line in (out / "compare.md").read_text().splitlines() if line.startswith("| single_sst")
+    ]
+    cells = row.split("|")[1:-1]
+    assert "failed: non-finite loss" in cells[1] and "update step 2" in cells[1]
+    assert len(cells) == 9  # recipe, SST, Quora, STS r, overall, updates, examples, train s, total s
