@@ -6,9 +6,9 @@ export FASTPALS_DATA_DIR ?= $(abspath ../shared/data)
 # JIT-built torch extensions (DeepSpeed's CPU shared-memory op, built only for multi-process CPU runs) stay in the venv
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
-.PHONY: setup train compare test lint bench report clean
+.PHONY: setup train compare test lint bench report clean gpu-session
 
-$(VENV)/.installed: pyproject.toml setup.py
+$(VENV)/.installed: pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "torch==2.13.0"
@@ -43,6 +43,11 @@ bench: setup
 
 report: setup
 	$(BIN)/python -m bench.report
+
+# On a lent GPU machine (its own python3 holds torch): `make gpu-session` or `make gpu-session STEPS=wheels,bench`.
+# Writes at most 8 files to $$OUT (the device tool's folder) or bench/results/gpu_session. See bench/gpu_session.py.
+gpu-session:
+	$(PY) bench/gpu_session.py $(if $(STEPS),--steps $(STEPS)) $(if $(BUDGET),--budget-s $(BUDGET))
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info runs

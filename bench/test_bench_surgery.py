@@ -255,8 +255,8 @@ def _kernel_buffer(device: str, dtype: torch.dtype):
 @pytest.mark.parametrize("impl", ["dispatch", "torch"])
 @pytest.mark.parametrize("op", ["gram", "combine"])
 def test_kernel(benchmark, op, impl, dtype):
-    from fastpals.kernels.combine import combine, combine_reference
-    from fastpals.kernels.gram import gram, gram_reference
+    from fastpals.functional import combine_reference, gram_reference
+    from fastpals.kernels import combine, gram
 
     device = "cuda" if HAS_CUDA else "cpu"
     if impl == "dispatch" and not HAS_CUDA:

@@ -1,7 +1,8 @@
 """What fastpals will use on this machine: ``python -m fastpals.env`` (or ``fastpals env``).
 
 Prints the Python and package versions, the device, which accelerated backends can run and why the others
-cannot, and what ``$FASTPALS_KERNELS`` selects. :func:`collect` returns the same as a JSON-serialisable dict
+cannot, what ``$FASTPALS_KERNELS`` selects, and the backend each op runs on this device and why
+(``--capability 7.5`` shows another GPU's). :func:`collect` returns the same as a JSON-serialisable dict
 (the benchmarks store it with their results). Nothing here builds, compiles or downloads anything, and the
 optional packages are looked up without importing them where an import would be slow (DeepSpeed) or could
 fail noisily.
@@ -94,15 +95,6 @@ def _triton_kernels() -> dict[str, Any]:
     return _status(ok, reason)
 
 
-def _cuda_extension() -> dict[str, Any]:
-    try:
-        from fastpals import cuda_ext
-    except ImportError as exc:
-        return _status(False, f"fastpals.cuda_ext not importable ({exc})")
-    ok, reason = cuda_ext.available()
-    return _status(ok, reason)
-
-
 def _flash_attn() -> dict[str, Any]:
     if importlib.util.find_spec("flash_attn") is None:
         return _status(False, "flash_attn is not installed")
@@ -135,7 +127,6 @@ def _apex_op(module: str, name: str, extension: str) -> dict[str, Any]:
 def _backends() -> dict[str, dict[str, Any]]:
     return {
         "triton_kernels": _triton_kernels(),
-        "cuda_extension": _cuda_extension(),
         "flash_attn": _flash_attn(),
         "apex_fused_layer_norm": _apex_op("apex.normalization", "FusedLayerNorm", "fused_layer_norm_cuda"),
         "apex_fused_adam": _apex_op("apex.optimizers", "FusedAdam", "amp_C"),
@@ -165,18 +156,52 @@ def _kernel_selection(triton: dict[str, Any]) -> dict[str, Any]:
     return {"env": KERNELS_ENV, "value": raw, "mode": mode, "selects": selects}
 
 
-def collect() -> dict[str, Any]:
+_DTYPE_NAMES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _parse_capability(text: str) -> tuple[int, int] | None:
+    """``"8.0"``/``"80"``/``"sm_80"`` -> (8, 0); ``"cpu"`` -> None."""
+    t = text.strip().lower().removeprefix("sm_")
+    if t == "cpu":
+        return None
+    major, _, minor = t.partition(".") if "." in t else (t[:-1], "", t[-1:])
+    if not (major.isdigit() and minor.isdigit()):
+        raise ValueError(f"capability must look like 8.0, 80, sm_80 or cpu, got {text!r}")
+    return int(major), int(minor)
+
+
+def _dispatch(capability: tuple[int, int] | None) -> dict[str, Any]:
+    """The backend and reason :func:`fastpals.kernels.dispatch.decide` gives every op, per dtype, on a device of
+    ``capability`` (None = CPU), with flash-attn as installed here."""
+    from fastpals.kernels import dispatch
+
+    flash = dispatch.flash_attn_installed()
+    table = {
+        op: {
+            name: dispatch.decide(op, capability, dtype, flash)._asdict()
+            for name, dtype in _DTYPE_NAMES.items()
+        }
+        for op in dispatch.OPS
+    }
+    return {"capability": None if capability is None else f"{capability[0]}.{capability[1]}", "ops": table}
+
+
+def collect(capability: tuple[int, int] | None | str = "device") -> dict[str, Any]:
     """Everything :func:`main` prints, as a JSON-serialisable dict.
 
     Keys: ``fastpals`` (version), ``python`` (version), ``python_executable``, ``platform``, ``versions``
     (``{package: version or None}`` for :data:`PACKAGES`), ``torch_cuda`` (the CUDA version torch was built
     with, or None), ``device`` (see below), ``backends`` (``{name: {"available": bool, "reason": str}}`` for
-    ``triton_kernels``, ``cuda_extension``, ``flash_attn``, ``apex_fused_layer_norm``, ``apex_fused_adam``),
-    ``kernels`` (``{"env", "value", "mode", "selects"}``: what ``$FASTPALS_KERNELS`` selects).
+    ``triton_kernels``, ``flash_attn``, ``apex_fused_layer_norm``, ``apex_fused_adam``),
+    ``kernels`` (``{"env", "value", "mode", "selects"}``: what ``$FASTPALS_KERNELS`` selects), ``dispatch``
+    (``{"capability", "ops": {op: {dtype: {"backend", "reason"}}}}``: the auto decision per op for this
+    device, or for ``capability`` when given: a ``(major, minor)`` tuple or None for a CPU).
     ``device`` is ``{"type": "cuda", "name", "capability", "total_memory_bytes", ...}`` or
     ``{"type": "cpu", "name", "cores", "torch_threads"}``.
     """
     backends = _backends()
+    if capability == "device":
+        capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
     return {
         "fastpals": _fastpals_version(),
         "python": platform.python_version(),
@@ -187,12 +212,12 @@ def collect() -> dict[str, Any]:
         "device": _device_info(),
         "backends": backends,
         "kernels": _kernel_selection(backends["triton_kernels"]),
+        "dispatch": _dispatch(capability),
     }
 
 
 _BACKEND_LABELS = {
     "triton_kernels": "Triton kernels",
-    "cuda_extension": "CUDA extension fastpals._C",
     "flash_attn": "flash-attn",
     "apex_fused_layer_norm": "apex FusedLayerNorm",
     "apex_fused_adam": "apex FusedAdam",
@@ -225,6 +250,12 @@ def format_report(info: dict[str, Any]) -> str:
     k = info["kernels"]
     value = k["value"] if k["value"] is not None else "unset = auto"
     lines.append(f"{k['env']}: {value} -> {k['selects']}")
+    disp = info["dispatch"]
+    where = "cpu" if disp["capability"] is None else f"sm_{disp['capability'].replace('.', '')}"
+    lines.append(f"dispatch (auto, {where}):")
+    for op, per_dtype in disp["ops"].items():
+        for dtype, d in per_dtype.items():
+            lines.append(f"  {op} {dtype}: {d['backend']} ({d['reason']})")
     return "\n".join(lines)
 
 
@@ -233,8 +264,16 @@ def main(argv: list[str] | None = None) -> int:
     ``None`` means no options (so ``fastpals env`` can call ``main()`` without the CLI's own arguments)."""
     parser = argparse.ArgumentParser(prog="fastpals env", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the collected information as JSON")
+    parser.add_argument(
+        "--capability",
+        help="show the dispatch for another device: a compute capability (7.5, 8.0, 9.0) or cpu",
+    )
     args = parser.parse_args([] if argv is None else argv)
-    info = collect()
+    try:
+        capability = "device" if args.capability is None else _parse_capability(args.capability)
+    except ValueError as exc:
+        parser.error(str(exc))
+    info = collect(capability)
     print(json.dumps(info, indent=2) if args.json else format_report(info))
     return 0
 

@@ -1,7 +1,7 @@
-"""Reference (plain PyTorch) definitions of the PAL ops.
+"""Reference (plain PyTorch) definitions of every fastpals op: the PAL ops and the gradient-surgery buffer ops.
 
-These functions *define* what every fused kernel in ``fastpals.kernels`` computes. They run on any device and
-are the path used on CPU. Shapes use these letters:
+These functions *define* what every fused kernel in ``fastpals.kernels`` computes. They run on any device, are
+the path used on CPU, and import no Triton. Shapes use these letters:
 
 - ``B`` examples, ``L`` padded sequence length, ``N`` packed tokens (varlen form), ``d`` model width,
 - ``T`` tasks, ``d_s`` PAL width, ``H`` PAL heads, ``Dh = d_s / H`` head dim.
@@ -25,12 +25,19 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
+    "MAX_TASKS",
     "TaskGroups",
     "attention_reference",
+    "attention_sdpa",
     "attention_varlen_reference",
+    "check_combine_args",
+    "check_task_buffer",
     "check_task_ids",
+    "combine_reference",
+    "gram_reference",
     "group_by_task",
     "grouped_linear_reference",
+    "pad_packed",
     "pal_reference",
     "pal_varlen_reference",
 ]
@@ -139,6 +146,29 @@ def attention_reference(
     return torch.matmul(probs, vh).transpose(1, 2)
 
 
+def attention_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """:func:`attention_reference` through ``F.scaled_dot_product_attention`` (the stock composition used on
+    GPUs where the Triton kernels lose, e.g. sm_75): the head dim is zero-padded to a multiple of 8 so the
+    fused SDPA backends (which need that alignment) take it; the padding changes no score and its output
+    columns are dropped. Same shapes and mask rule (an additive most-negative bias per padded key); dropout
+    draws its own mask. Returns ``[B, L, H, Dh]``.
+    """
+    head_dim = q.shape[-1]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    pad = (-head_dim) % 8
+    qh, kh, vh = (F.pad(t, (0, pad)).transpose(1, 2) if pad else t.transpose(1, 2) for t in (q, k, v))
+    bias = None if key_padding_mask is None else _key_mask_bias(key_padding_mask, q.dtype)
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias, dropout_p=dropout_p, scale=scale)
+    return out.transpose(1, 2)[..., :head_dim]
+
+
 def attention_varlen_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -150,15 +180,15 @@ def attention_varlen_reference(
 ) -> torch.Tensor:
     """Packed (varlen) form of :func:`attention_reference`.
 
-    q, k, v: ``[N, H, Dh]`` with sequences back to back; cu_seqlens: ``[B+1]`` int32 cumulative lengths.
+    q, k, v: ``[N, H, Dh]`` with sequences back to back; cu_seqlens: ``[B+1]`` int32 or int64 cumulative lengths.
     Returns ``[N, H, Dh]``.
     """
-    padded, mask, index = _pad(torch.stack((q, k, v)), cu_seqlens, max_seqlen)
+    padded, mask, index = pad_packed(torch.stack((q, k, v)), cu_seqlens, max_seqlen)
     out = attention_reference(padded[0], padded[1], padded[2], mask, dropout_p, softmax_scale)
     return out.flatten(0, 1).index_select(0, index)
 
 
-def _pad(x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> tuple[torch.Tensor, ...]:
+def pad_packed(x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> tuple[torch.Tensor, ...]:
     """Scatter packed rows ``x[..., N, *rest]`` (packed dim 1 if x is stacked, else 0) into a padded batch.
 
     Returns (padded ``[..., B, max_seqlen, *rest]``, mask ``[B, max_seqlen]``, index ``[N]`` of each packed
@@ -192,18 +222,24 @@ def pal_reference(
     num_heads: int,
     gelu: bool = True,
     dropout_p: float = 0.0,
+    attention: str = "reference",
 ) -> torch.Tensor:
     """The task-specific PAL output ``TS_t(h)`` for a mixed-task padded batch.
 
     h: ``[B, L, d]``; attention_mask: ``[B, L]`` (1 = token) or None; task_ids: ``[B]`` int64 (validated by
-    the caller with :func:`check_task_ids`); weights as in the module docstring. Returns ``[B, L, d]``.
+    the caller with :func:`check_task_ids`); weights as in the module docstring; attention: ``"reference"``
+    (:func:`attention_reference`) or ``"sdpa"`` (:func:`attention_sdpa`, the same result through PyTorch's
+    fused attention). Returns ``[B, L, d]``.
     """
+    attend = {"reference": attention_reference, "sdpa": attention_sdpa}.get(attention)
+    if attend is None:
+        raise ValueError(f"attention must be 'reference' or 'sdpa', got {attention!r}")
     batch, length, _ = h.shape
     d_s = enc_weight.shape[1]
     s = grouped_linear_reference(h, task_ids, enc_weight, enc_bias)  # [B, L, d_s]
     qkv = grouped_linear_reference(s, task_ids, qkv_weight, qkv_bias)  # [B, L, 3 d_s]
     q, k, v = qkv.view(batch, length, 3, num_heads, d_s // num_heads).unbind(2)
-    ctx = attention_reference(q, k, v, attention_mask, dropout_p).reshape(batch, length, d_s)
+    ctx = attend(q, k, v, attention_mask, dropout_p).reshape(batch, length, d_s)
     y = grouped_linear_reference(ctx, task_ids, dec_weight, dec_bias)
     return F.gelu(y) if gelu else y
 
@@ -222,14 +258,125 @@ def pal_varlen_reference(
     num_heads: int,
     gelu: bool = True,
     dropout_p: float = 0.0,
+    attention: str = "reference",
 ) -> torch.Tensor:
-    """Packed form of :func:`pal_reference`: h ``[N, d]``, cu_seqlens ``[B+1]`` int32, task_ids ``[B]``.
-
-    Returns ``[N, d]``.
+    """Packed form of :func:`pal_reference`: h ``[N, d]``, cu_seqlens ``[B+1]`` int32 or int64, task_ids
+    ``[B]``. Returns ``[N, d]``.
     """
-    padded, mask, index = _pad(h, cu_seqlens, max_seqlen)
+    padded, mask, index = pad_packed(h, cu_seqlens, max_seqlen)
     out = pal_reference(
         padded, mask, task_ids, enc_weight, enc_bias, qkv_weight, qkv_bias, dec_weight, dec_bias,
-        num_heads, gelu, dropout_p,
+        num_heads, gelu, dropout_p, attention,
     )  # fmt: skip
     return out.flatten(0, 1).index_select(0, index)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Gradient-surgery buffer ops: a [T, P] buffer of per-task gradients
+# ----------------------------------------------------------------------------------------------------------------
+#: most task rows a [T, P] task-gradient buffer may have (the Gram kernel pads T to a power of two <= 32)
+MAX_TASKS = 32
+_BUFFER_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_REFERENCE_CHUNK = 1 << 20  # columns per fp32 up-cast in the reference paths (bounds their temporary memory)
+_IN_PLACE_CHUNK = 1 << 14
+
+
+def check_task_buffer(buf: object, name: str = "buf") -> torch.Tensor:
+    """Validate a per-task gradient buffer: ``[T, P]`` float32/float16/bfloat16, ``1 <= T <= MAX_TASKS``,
+    ``P >= 1``, unit stride along P (rows may be strided)."""
+    if not isinstance(buf, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(buf).__name__}")
+    if buf.dim() != 2:
+        raise ValueError(f"{name} must have shape [T, P], got {list(buf.shape)}")
+    t, p = buf.shape
+    if not 1 <= t <= MAX_TASKS:
+        raise ValueError(f"{name} has T = {t} rows; 1 <= T <= {MAX_TASKS} is supported")
+    if p < 1:
+        raise ValueError(f"{name} has P = {p} columns; at least 1 is needed")
+    if buf.dtype not in _BUFFER_DTYPES:
+        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {buf.dtype}")
+    if buf.stride(1) != 1 or buf.stride(0) < p:
+        raise ValueError(f"{name} must be contiguous along P (strides {buf.stride()})")
+    return buf
+
+
+def gram_reference(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Gram matrix of the rows of ``buf`` and a per-row finite flag (the reference of
+    :func:`fastpals.kernels.gram`): ``(gram [T, T] float32, finite [T] bool)``; fp32 matmul (bf16/fp16 up-cast in chunks of 2^20 columns).
+
+    ``finite[t]`` is read from the diagonal: a sum of squares is inf/nan exactly when row ``t`` holds an inf or
+    a nan (non-negative terms never cancel) or overflows.
+    """
+    buf = check_task_buffer(buf)
+    if buf.dtype == torch.float32:
+        g = buf @ buf.T
+    else:
+        t = buf.shape[0]
+        g = torch.zeros((t, t), dtype=torch.float32, device=buf.device)
+        for chunk in torch.split(buf, _REFERENCE_CHUNK, dim=1):
+            c = chunk.float()
+            g.addmm_(c, c.T)
+    g = 0.5 * (g + g.T)
+    return g, torch.isfinite(torch.diagonal(g)).clone()
+
+
+def check_combine_args(buf: torch.Tensor, weights: object, out: object, out_row: object = None) -> tuple:
+    """Validate the arguments of :func:`fastpals.kernels.combine` (``buf`` already checked by
+    :func:`check_task_buffer`) and return ``(out, in_place)``: ``out`` is a new float32 ``[P]`` when None, row
+    ``out_row`` of ``buf`` when that is given."""
+    in_place = out_row is not None
+    if in_place:
+        if out is not None:
+            raise ValueError("give either out or out_row, not both")
+        if isinstance(out_row, bool) or not isinstance(out_row, int) or not 0 <= out_row < buf.shape[0]:
+            raise ValueError(f"out_row must be a row index in [0, {buf.shape[0]}), got {out_row!r}")
+        out = buf[out_row]
+    elif out is None:
+        out = torch.empty(buf.shape[1], dtype=torch.float32, device=buf.device)
+    elif (
+        isinstance(out, torch.Tensor) and out.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+    ):
+        raise ValueError("out shares memory with buf: use out_row to overwrite a row of buf")
+    t, p = buf.shape
+    if not isinstance(weights, torch.Tensor):
+        raise TypeError(f"weights must be a torch.Tensor, got {type(weights).__name__}")
+    if weights.shape != (t,) or weights.dtype not in (torch.float32, torch.float64):
+        raise ValueError(
+            f"weights must be float32/float64 of shape ({t},), got {weights.dtype} {list(weights.shape)}"
+        )
+    if weights.device != buf.device:
+        raise ValueError(f"weights are on {weights.device} but buf is on {buf.device}")
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if out.shape != (p,) or out.dtype not in _BUFFER_DTYPES or not out.is_contiguous():
+        raise ValueError(
+            f"out must be a contiguous float tensor of shape ({p},), got {out.dtype} {list(out.shape)}"
+        )
+    if out.device != buf.device:
+        raise ValueError(f"out is on {out.device} but buf is on {buf.device}")
+    return out, in_place
+
+
+def combine_reference(
+    buf: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, in_place: bool = False
+) -> torch.Tensor:
+    """``out = weights @ buf`` (the reference of :func:`fastpals.kernels.combine`, arguments checked by
+    :func:`check_combine_args`): fp32 ``w @ buf`` (in chunks of 2^14 columns through a small
+    temporary when ``out`` is a row of ``buf``, ``in_place``); bf16/fp16 up-cast in chunks of 2^20 columns, each
+    computed in full before it is stored."""
+    w = weights.float()
+    if buf.dtype == torch.float32 and out.dtype == torch.float32:
+        if in_place:  # cache-sized column chunks through a small temporary (no [P] allocation)
+            tmp = torch.empty(min(_IN_PLACE_CHUNK, out.numel()), dtype=torch.float32, device=out.device)
+            for chunk, dst in zip(
+                torch.split(buf, _IN_PLACE_CHUNK, dim=1), torch.split(out, _IN_PLACE_CHUNK)
+            ):
+                part = tmp[: dst.numel()]
+                torch.mv(chunk.T, w, out=part)
+                dst.copy_(part)
+        else:
+            torch.mv(buf.T, w, out=out)
+        return out
+    for chunk, dst in zip(torch.split(buf, _REFERENCE_CHUNK, dim=1), torch.split(out, _REFERENCE_CHUNK)):
+        dst.copy_(w @ chunk.float())
+    return out

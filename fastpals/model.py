@@ -16,8 +16,6 @@ Shapes: ``B`` batch, ``L`` padded length, ``N`` packed tokens, ``d`` hidden size
 from __future__ import annotations
 
 import dataclasses
-import functools
-import importlib.util
 import json
 import os
 import warnings
@@ -30,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastpals.functional import check_task_ids, grouped_linear_reference, pal_reference, pal_varlen_reference
+from fastpals.functional import check_task_ids, grouped_linear_reference
+from fastpals.kernels import dispatch
 
 __all__ = [
     "BatchLayout",
@@ -232,9 +231,6 @@ class BatchLayout:
         return per_example.unsqueeze(1)
 
 
-_Layout = BatchLayout  # the former name, still used by the kernel-dispatch functions below
-
-
 def make_layout(
     attention_mask: torch.Tensor, task_ids: torch.Tensor | None, packed: bool, shape: tuple[int, int]
 ) -> BatchLayout:
@@ -308,7 +304,7 @@ class BertSelfAttention(nn.Module):
             vec = layout.per_row(self.task_embedding.index_select(0, layout.task_ids))  # [B,1,3,d] or [N,3,d]
             q, k, v = q + vec[..., 0, :], k + vec[..., 1, :], v + vec[..., 2, :]
         dropout = self.dropout_p if self.training else 0.0
-        if layout.packed and _flash_varlen_ok(q):
+        if layout.packed and dispatch.flash_varlen_ok(q):
             from flash_attn import flash_attn_varlen_func
 
             shape = (q.shape[0], self.num_heads, self.head_dim)
@@ -339,16 +335,6 @@ class BertSelfAttention(nn.Module):
         q, k, v = (t.view(b, n, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
         ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.sdpa_mask, dropout_p=dropout)
         return layout.to_rows(ctx.transpose(1, 2).reshape(b, n, d))
-
-
-def _flash_varlen_ok(q: torch.Tensor) -> bool:
-    """flash-attn's varlen kernel serves the packed path when installed, on CUDA, in fp16/bf16."""
-    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _flash_attn_installed()
-
-
-@functools.cache
-def _flash_attn_installed() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None
 
 
 class BertSelfOutput(nn.Module):
@@ -477,38 +463,21 @@ class PALLayer(nn.Module):
         dropout = self.dropout_p if self.training else 0.0
         args = (layout.task_ids, p.enc_weight, p.enc_bias, self.qkv_weight, self.qkv_bias, p.dec_weight,
                 p.dec_bias, self.num_heads, self.gelu, dropout)  # fmt: skip
-        fused = _use_kernels(h)
-        if self.gate is None and fused:
-            return _kernel_pal(h, layout, args, residual)
-        ts = _kernel_pal(h, layout, args, None) if fused else _reference_pal(h, layout, args)
-        if self.gate is not None:
-            ts = ts * layout.per_row(self.gate.index_select(0, layout.task_ids)).unsqueeze(-1).to(ts.dtype)
+        where = {"mask": layout.mask, "cu_seqlens": layout.cu_seqlens if layout.packed else None,
+                 "max_seqlen": layout.max_seqlen}  # fmt: skip
+        if layout.buckets and dispatch.backend("pal", h) == "reference":  # CPU packed: no padded PAL work
+            ts = _packed_reference_pal(h, layout, args)
+            if self.gate is None:
+                return residual + ts
+        elif self.gate is None:
+            return dispatch.run_pal(h, args, **where, residual=residual)
+        else:
+            ts = dispatch.run_pal(h, args, **where)
+        ts = ts * layout.per_row(self.gate.index_select(0, layout.task_ids)).unsqueeze(-1).to(ts.dtype)
         return residual + ts
 
 
-def _use_kernels(h: torch.Tensor) -> bool:
-    from fastpals import kernels
-
-    return kernels.use_triton(h)
-
-
-def _kernel_pal(h: torch.Tensor, layout: _Layout, args: tuple, residual: torch.Tensor | None) -> torch.Tensor:
-    from fastpals import kernels
-
-    if layout.packed:
-        return kernels.pal_varlen(h, layout.cu_seqlens, layout.max_seqlen, *args, residual=residual)
-    return kernels.pal(h, layout.mask, *args, residual=residual)
-
-
-def _reference_pal(h: torch.Tensor, layout: _Layout, args: tuple) -> torch.Tensor:
-    if layout.buckets:
-        return _packed_reference_pal(h, layout, args)
-    if layout.packed:
-        return pal_varlen_reference(h, layout.cu_seqlens, layout.max_seqlen, *args)
-    return pal_reference(h, layout.mask, *args)
-
-
-def _packed_reference_pal(h: torch.Tensor, layout: _Layout, args: tuple) -> torch.Tensor:
+def _packed_reference_pal(h: torch.Tensor, layout: BatchLayout, args: tuple) -> torch.Tensor:
     """:func:`pal_varlen_reference` composed of the same reference ops, with the grouped linears on the packed
     tokens only (each token's task from ``row_task_ids``) and the attention over length buckets."""
     from fastpals.batching import bucketed_attention

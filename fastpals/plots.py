@@ -141,20 +141,35 @@ def plot_training_curves(
 
 
 def plot_confusion_matrices(
-    predictions: dict[str, tuple[Sequence, Sequence]], folder: str | os.PathLike
+    predictions: dict[str, tuple[Sequence, Sequence]], folder: str | os.PathLike, specs: dict | None = None
 ) -> list[Path]:
     """Confusion matrices of the dev predictions: ``sst`` (5 classes) to ``confusion_sst.png`` and ``sts``
-    (scores binned to 0, 0.5, ..., 5) to ``confusion_sts.png``.
+    (scores binned to 0, 0.5, ..., 5) to ``confusion_sts.png``; with ``specs`` (``{task: TaskSpec}``) every
+    other task too (``confusion_<task>.png``, :func:`fastpals.metrics.task_confusion_matrix`: its classes, or a
+    regression range in 11 bins).
 
     Args:
-        predictions: ``{task: (labels, predictions)}``; other tasks are ignored.
+        predictions: ``{task: (labels, predictions)}``; tasks without a spec other than sst/sts are ignored.
         folder: where the PNGs go.
+        specs: the tasks' specs (user tasks).
 
     Returns:
         The paths written.
     """
+    from fastpals.metrics import task_confusion_matrix
+
     folder = Path(folder)
     written = []
+    for task, spec in (specs or {}).items():
+        if task in ("sst", "sts") or task not in predictions:
+            continue
+        labels, preds = predictions[task]
+        matrix, names = task_confusion_matrix(spec, labels, preds)
+        written.append(
+            plot_confusion_matrix(
+                matrix, folder / f"confusion_{task}.png", class_names=names, title=f"{task} dev (rows: true)"
+            )
+        )
     if "sst" in predictions:
         labels, preds = predictions["sst"]
         matrix = confusion_matrix(np.asarray(labels, dtype=np.int64), np.asarray(preds, dtype=np.int64), 5)

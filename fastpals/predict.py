@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fastpals.data import DATA_DIR_ENV, TASK_FORMATS, PairExample, SentenceExample, TaskBatcher
+from fastpals.data import DATA_DIR_ENV, PairExample, SentenceExample, TaskBatcher, split_path
 from fastpals.multitask import MultiTaskBert
 from fastpals.train.evaluate import EVAL_BATCH, predict_batches
 
@@ -75,7 +75,7 @@ def predict_examples(
     index = model.task_index(task)
     spec = model.tasks[index]
     batcher = TaskBatcher(
-        examples, tokenizer, task, batch_size, max_length=max_length, shuffle=False, bucket_by_length=False,
+        examples, tokenizer, spec, batch_size, max_length=max_length, shuffle=False, bucket_by_length=False,
         pair_encoding="separate" if spec.siamese else "joint",
     )  # fmt: skip
     ids, preds, _, conf = predict_batches(
@@ -104,10 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _label(task: str, value: float, confidence: float | None) -> str:
+def _label(spec: object, value: float, confidence: float | None) -> str:
     if confidence is None:
         return f"score\t{value:.3f}"
-    names = LABEL_NAMES.get(task)
+    names = getattr(spec, "label_names", None) or LABEL_NAMES.get(getattr(spec, "name", ""))
     name = names[int(value)] if names and 0 <= int(value) < len(names) else f"class {int(value)}"
     return f"{name}\tp={confidence:.3f}"
 
@@ -115,7 +115,8 @@ def _label(task: str, value: float, confidence: float | None) -> str:
 def _sentences(args: argparse.Namespace, model: MultiTaskBert, tokenizer: object, max_length: int) -> None:
     if args.task is None or args.task not in model.task_names:
         raise PredictError(f"--task must be one of {model.task_names}")
-    pair = TASK_FORMATS[model.tasks[model.task_index(args.task)].data or args.task].pair
+    spec = model.tasks[model.task_index(args.task)]
+    pair = spec.pair
     if pair and args.text or not pair and args.pair:
         raise PredictError(f"task {args.task} takes {'--pair A B' if pair else '--text'}")
     if pair:
@@ -125,40 +126,38 @@ def _sentences(args: argparse.Namespace, model: MultiTaskBert, tokenizer: object
     _, preds, conf = predict_examples(model, tokenizer, args.task, examples, max_length, with_confidence=True)
     for i, (example, value) in enumerate(zip(examples, preds)):
         shown = example.sentence if not pair else f"{example.sentence1} ||| {example.sentence2}"
-        print(
-            f"{args.task}\t{value:.4g}\t{_label(args.task, value, None if conf is None else conf[i])}\t{shown}"
-        )
+        print(f"{args.task}\t{value:.4g}\t{_label(spec, value, None if conf is None else conf[i])}\t{shown}")
 
 
 def _test_files(args: argparse.Namespace, model: MultiTaskBert, tokenizer: object, max_length: int) -> None:
     from fastpals.data import load_task
     from fastpals.metrics import write_predictions
 
-    if args.data_dir is None and not os.environ.get(DATA_DIR_ENV):
+    builtin = any(spec.source is None for spec in model.tasks)  # task files name their own test files
+    if builtin and args.data_dir is None and not os.environ.get(DATA_DIR_ENV):
         raise PredictError(
             f"no data folder: pass --data-dir /path/to/the/test/files or `export {DATA_DIR_ENV}=...`"
         )
-    data_dir = Path(args.data_dir or os.environ[DATA_DIR_ENV])
-    if not data_dir.is_dir():
+    data_dir = Path(args.data_dir or os.environ[DATA_DIR_ENV]) if builtin else None
+    if data_dir is not None and not data_dir.is_dir():
         raise PredictError(f"--data-dir {data_dir} is not a folder")
     out = Path(args.out) if args.out else Path(args.model_dir).resolve().parent / "predictions"
     if out.exists() and not out.is_dir():
         raise PredictError(f"--out {out} is a file, not a folder: choose another --out")
-    for task in model.task_names:
-        if "test" not in TASK_FORMATS[task].files:
+    for spec in model.tasks:
+        task = spec.name
+        if "test" not in spec.files:
             print(f"[predict] {task}: no test file in this data set, skipped", file=sys.stderr)
             continue
-        if not (data_dir / TASK_FORMATS[task].files["test"]).is_file():
-            raise PredictError(
-                f"{data_dir / TASK_FORMATS[task].files['test']} does not exist (check --data-dir)"
-            )
-        examples = load_task(task, "test", data_dir, strict=False)
+        path = split_path(spec, "test", data_dir)
+        if not path.is_file():
+            raise PredictError(f"{path} does not exist (check --data-dir)")
+        examples = load_task(spec, "test", data_dir, strict=False)
         ids, preds = predict_examples(
             model, tokenizer, task, examples, max_length, progress=not args.no_progress
         )
-        spec = model.tasks[model.task_index(task)]
         values = preds.astype(np.int64) if spec.metric == "accuracy" else preds
-        path = write_predictions(out / f"{task}-test-output.csv", ids, values, task)
+        path = write_predictions(out / f"{task}-test-output.csv", ids, values, spec)
         print(f"[predict] {task}: {len(ids)} predictions -> {path}", file=sys.stderr)
 
 

@@ -11,7 +11,7 @@ import torch
 import fastpals.env as fenv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BACKENDS = ("triton_kernels", "cuda_extension", "flash_attn", "apex_fused_layer_norm", "apex_fused_adam")
+BACKENDS = ("triton_kernels", "flash_attn", "apex_fused_layer_norm", "apex_fused_adam")
 
 
 def run_env(*args, **env):
@@ -77,7 +77,6 @@ def test_report_backends_say_why(report_lines):
     start = report_lines.index("backends:")
     labels = [
         "Triton kernels",
-        "CUDA extension fastpals._C",
         "flash-attn",
         "apex FusedLayerNorm",
         "apex FusedAdam",
@@ -124,6 +123,7 @@ def test_collect_keys_and_types(monkeypatch):
         "device",
         "backends",
         "kernels",
+        "dispatch",
     }
     assert set(info["versions"]) == set(fenv.PACKAGES)
     assert info["versions"]["torch"] == torch.__version__
@@ -142,7 +142,6 @@ def test_collect_keys_and_types(monkeypatch):
             "cores": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
         }
-        assert not info["backends"]["cuda_extension"]["available"]
         assert not info["backends"]["flash_attn"]["available"]
     json.dumps(info)  # serialisable as is
 
@@ -159,3 +158,38 @@ def test_main_accepts_no_argv(capsys):
     assert capsys.readouterr().out.startswith("fastpals: ")
     with pytest.raises(SystemExit):
         fenv.main(["--no-such-option"])
+
+
+def test_report_prints_the_dispatch_decision_per_op(report_lines):
+    from fastpals.kernels.dispatch import OPS
+
+    start = report_lines.index(next(ln for ln in report_lines if ln.startswith("dispatch (auto, ")))
+    where = "cpu" if not torch.cuda.is_available() else "sm_"
+    assert where in report_lines[start]
+    block = report_lines[start + 1 : start + 1 + 3 * len(OPS)]
+    for op in OPS:
+        for dtype in ("fp32", "fp16", "bf16"):
+            line = next(ln for ln in block if ln.startswith(f"  {op} {dtype}: "))
+            assert line.endswith(")") and " (" in line, line
+
+
+@pytest.mark.parametrize(
+    ("cap", "pal", "gram"),
+    [
+        ("7.5", "sdpa", "triton"),
+        ("8.0", "triton", "triton"),
+        ("9.0", "triton", "triton"),
+        ("cpu", "reference", "reference"),
+    ],
+)
+def test_capability_option_shows_another_device(cap, pal, gram):
+    info = json.loads(run_env("--json", "--capability", cap))
+    ops = info["dispatch"]["ops"]
+    assert ops["pal"]["fp16"]["backend"] == pal
+    assert ops["gram"]["fp32"]["backend"] == gram
+    assert info["dispatch"]["capability"] == (None if cap == "cpu" else cap)
+
+
+def test_bad_capability_is_a_usage_error():
+    with pytest.raises(SystemExit):
+        fenv.main(["--capability", "ampere"])

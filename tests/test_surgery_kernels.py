@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastpals.kernels.combine import combine, combine_reference
-from fastpals.kernels.gram import MAX_TASKS, gram, gram_reference
+from fastpals.functional import MAX_TASKS, combine_reference, gram_reference
+from fastpals.kernels import combine, gram
 from fastpals.surgery import TaskGradientBuffer, gem_weights, pcgrad_weights
 
 # the interpreter runs numpy, which warns on inf/nan arithmetic in the finite-check tests

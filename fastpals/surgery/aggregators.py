@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from fastpals.functional import MAX_TASKS  # one limit for the buffer, the kernels and the weightings
+
 __all__ = [
     "check_gram",
     "gem_weights",
@@ -26,8 +28,6 @@ __all__ = [
     "sum_weights",
     "weights_dtype",
 ]
-
-MAX_TASKS = 64
 
 
 def _check_gram(gram: object) -> torch.Tensor:

@@ -34,8 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fastpals.kernels.combine import combine
-from fastpals.kernels.gram import MAX_TASKS, gram
+from fastpals.functional import MAX_TASKS
+from fastpals.kernels.dispatch import combine, gram
 
 __all__ = ["SurgeryResult", "TaskGradientBuffer", "default_grad_getter", "default_grad_setter"]
 

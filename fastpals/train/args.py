@@ -15,11 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastpals.data import DATA_DIR_ENV, TASK_FORMATS, resolve_data_dir
+from fastpals.data import DATA_DIR_ENV, resolve_data_dir, split_path
 from fastpals.model import PALConfig
 from fastpals.multitask import TASKS
 from fastpals.sampling import GROUPED_METHODS, SAMPLING_METHODS
 from fastpals.surgery import AGGREGATORS, make_weighting, parse_surgery_options
+from fastpals.tasks import TaskSpec, resolve_tasks
 from fastpals.train.dsconfig import DEFAULT_DS_CONFIG, load_ds_config
 from fastpals.train.errors import ConfigError
 
@@ -95,7 +96,11 @@ class TrainArgs:
         "model.safetensors/pytorch_model.bin + vocab.txt, or a Hugging Face hub name",
         type=str, default="minilm-l6",
     )  # fmt: skip
-    tasks: str = opt(f"comma-separated tasks among {', '.join(TASKS)}", type=str, default="sst,para,sts")
+    tasks: str = opt(
+        f"comma-separated tasks: built-in names ({', '.join(TASKS)}) and task files (path/to/task.json, see the "
+        "README's 'Your own task')",
+        type=str, default="sst,para,sts",
+    )  # fmt: skip
     data_dir: str | None = opt(
         f"folder of the task CSV files (default: ${DATA_DIR_ENV})", resume=MAY, type=str, metavar="DIR"
     )
@@ -224,17 +229,17 @@ class TrainArgs:
 
     # derived in __post_init__ (not options)
     task_list: list[str] = field(init=False, repr=False, default_factory=list)
-    data_path: Path = field(init=False, repr=False, default=Path("."))
+    task_specs: dict[str, TaskSpec] = field(init=False, repr=False, default_factory=dict)
+    data_path: Path | None = field(init=False, repr=False, default=None)  # None: task files only
     pal_config: PALConfig | None = field(init=False, repr=False, default=None)
 
     def __post_init__(self) -> None:
-        tasks = [t.strip() for t in str(self.tasks).split(",") if t.strip()]
-        unknown = [t for t in tasks if t not in TASKS]
-        if unknown or not tasks:
-            raise ConfigError(f"--tasks: unknown task(s) {unknown or tasks}; choose among {', '.join(TASKS)}")
-        if len(set(tasks)) != len(tasks):
-            raise ConfigError(f"--tasks lists a task twice: {tasks}")
-        self.task_list = tasks
+        try:
+            specs = resolve_tasks(str(self.tasks))
+        except ValueError as err:  # an unknown name, a task twice, or a bad task file: one line
+            raise ConfigError(f"--tasks: {err}") from None
+        self.task_specs = {spec.name: spec for spec in specs}
+        tasks = self.task_list = list(self.task_specs)
         for name in ("optimizer", "sampling", "surgery", "pal", "head", "pair_mode", "batching",
                      "task_weighting", "surgery_buffer_dtype"):  # fmt: skip
             choices = _field(name).metadata["choices"]
@@ -321,22 +326,25 @@ class TrainArgs:
         if value is None or value < low:
             raise ConfigError(f"{_flag(name)} must be >= {low}, got {value}")
 
-    def _check_data(self) -> Path:
-        if self.data_dir is None and not os.environ.get(DATA_DIR_ENV):
+    def _check_data(self) -> Path | None:
+        builtin = [
+            t for t, spec in self.task_specs.items() if spec.source is None
+        ]  # task files name their own
+        if builtin and self.data_dir is None and not os.environ.get(DATA_DIR_ENV):
             raise ConfigError(
                 f"no data folder: pass --data-dir /path/to/the/task/files or `export {DATA_DIR_ENV}=/path/to/"
                 f"the/task/files`"
             )
         try:
-            data_path = resolve_data_dir(self.data_dir)
-        except FileNotFoundError as err:
+            data_path = resolve_data_dir(self.data_dir) if builtin else None
+            paths = [
+                split_path(self.task_specs[t], split, data_path)
+                for t in self.task_list
+                for split in ("train", "dev")
+            ]
+        except (FileNotFoundError, ValueError) as err:
             raise ConfigError(f"--data-dir: {err}") from None
-        missing = [
-            str(data_path / TASK_FORMATS[t].files[split])
-            for t in self.task_list
-            for split in ("train", "dev")
-            if not (data_path / TASK_FORMATS[t].files[split]).is_file()
-        ]
+        missing = [str(p) for p in paths if not p.is_file()]
         if missing:
             raise ConfigError(
                 f"missing data file(s): {', '.join(missing)} (check --data-dir / ${DATA_DIR_ENV})"

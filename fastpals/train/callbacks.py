@@ -153,7 +153,7 @@ class Plots(Callback):
                 for t in trainer.args.task_list
                 if f"{t}_pred" in data
             }
-            plot_confusion_matrices(pairs, trainer.out)
+            plot_confusion_matrices(pairs, trainer.out, trainer.args.task_specs)
 
 
 class FaultInjection(Callback):

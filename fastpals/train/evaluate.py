@@ -8,7 +8,6 @@ a split and reports its skipped rows.
 from __future__ import annotations
 
 import copy
-import math
 import sys
 import warnings
 from collections.abc import Callable
@@ -21,7 +20,7 @@ import torch
 from fastpals.batching import model_inputs as packed_model_inputs
 from fastpals.batching import pack_batches
 from fastpals.data import DataWarning, TaskBatcher, load_task
-from fastpals.multitask import TASKS
+from fastpals.tasks import TaskSpec
 
 __all__ = [
     "EVAL_BATCH",
@@ -106,19 +105,13 @@ def predict_batches(
     return result
 
 
-def overall_from(dev: dict[str, float]) -> float:
+def overall_from(dev: dict[str, float], specs: Any = None) -> float:
     """CS224N overall ``(sst + para + (r + 1)/2) / 3`` when the three are there; else the mean of accuracies and
-    ``(r + 1)/2``. A NaN Pearson (constant predictions) counts as r = 0."""
-    parts = []
-    for task, value in dev.items():
-        if task == "overall":
-            continue
-        if TASKS[task].metric == "pearson":
-            value = 0.0 if math.isnan(value) else value
-            parts.append((value + 1.0) / 2.0)
-        else:
-            parts.append(value)
-    return float(sum(parts) / len(parts))
+    ``(r + 1)/2`` (:func:`fastpals.metrics.overall`; ``specs``: the task specs, needed for task files). A NaN
+    Pearson (constant predictions) counts as r = 0."""
+    from fastpals.metrics import overall
+
+    return overall(dev, specs)
 
 
 def eval_model(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
@@ -139,19 +132,24 @@ def evaluate(
     preds: dict[str, Any] = {}
     for t, batcher in dev_batchers.items():
         ids, p, y = predict_batches(model, batcher, task_list.index(t), progress, desc=f"dev {t}")
-        if TASKS[t].metric == "pearson":
+        if model.tasks[task_list.index(t)].metric == "pearson":
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)
                 dev[t] = pearson(p, y)
         else:
             dev[t] = accuracy(y.astype(np.int64), p.astype(np.int64))
         preds[t] = (ids, p, y)
-    dev["overall"] = overall_from(dev)
+    dev["overall"] = overall_from(dev, model.tasks)
     return dev, preds
 
 
 def load_split(
-    task: str, split: str, data_dir: Path, limit: int | None, log: Callable[[str], None], sample: bool = False
+    task: str | TaskSpec,
+    split: str,
+    data_dir: Path | None,
+    limit: int | None,
+    log: Callable[[str], None],
+    sample: bool = False,
 ) -> list:
     """The examples of one split; with ``limit``: the first ``limit`` (``sample=False``) or a fixed random subset
     of ``limit`` kept in file order (``sample=True``: numpy seed 0, independent of ``--seed``, so that capped dev
@@ -162,7 +160,7 @@ def load_split(
         examples = load_task(task, split, data_dir, strict=False)
     for w in caught:
         if issubclass(w.category, DataWarning):
-            log(f"[data] {task}/{split}: {w.message}")
+            log(f"[data] {getattr(task, 'name', task)}/{split}: {w.message}")
         else:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     if not limit or limit >= len(examples):

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fastpals.data import TASK_FORMATS, TaskBatcher
+from fastpals.data import TaskBatcher
 from fastpals.multitask import MultiTaskBert
 from fastpals.sampling import TaskSampler
 from fastpals.train import evaluate as ev
@@ -113,18 +113,18 @@ class Trainer:
         except (FileNotFoundError, OSError, ImportError, ValueError) as err:
             raise ConfigError(f"--model {args.model}: {err}") from None
         self.pair_encoding = {
-            t: "joint" if (args.pair_mode == "joint" or not TASK_FORMATS[t].pair) else "separate"
+            t: "joint" if (args.pair_mode == "joint" or not args.task_specs[t].pair) else "separate"
             for t in args.task_list
         }
         self.train_batchers: dict[str, TaskBatcher] = {}
         self.dev_batchers: dict[str, TaskBatcher] = {}
         self.train_sizes: list[int] = []
         for i, t in enumerate(args.task_list):
-            train = ev.load_split(t, "train", args.data_path, args.max_train, self.log)
+            train = ev.load_split(args.task_specs[t], "train", args.data_path, args.max_train, self.log)
             self.train_sizes.append(len(train))
             shard = train[self.rank :: self.world_size] if self.world_size > 1 else train
             self.train_batchers[t] = TaskBatcher(
-                shard, self.tokenizer, t, args.batch_size, max_length=args.max_length, shuffle=True,
+                shard, self.tokenizer, args.task_specs[t], args.batch_size, max_length=args.max_length, shuffle=True,
                 seed=args.seed * 1000 + i, pair_encoding=self.pair_encoding[t],
             )  # fmt: skip
             self.dev_batchers[t] = self._eval_batcher(t, "dev", args.max_eval, sample=True)
@@ -155,9 +155,10 @@ class Trainer:
         )
 
     def _eval_batcher(self, task: str, split: str, limit: int | None, sample: bool = False) -> TaskBatcher:
-        examples = ev.load_split(task, split, self.args.data_path, limit, self.log, sample=sample)
+        spec = self.args.task_specs[task]
+        examples = ev.load_split(spec, split, self.args.data_path, limit, self.log, sample=sample)
         return TaskBatcher(
-            examples, self.tokenizer, task, max(self.args.batch_size, ev.EVAL_BATCH),
+            examples, self.tokenizer, spec, max(self.args.batch_size, ev.EVAL_BATCH),
             max_length=self.args.max_length, shuffle=False, bucket_by_length=False,
             pair_encoding=self.pair_encoding[task],
         )  # fmt: skip
@@ -250,7 +251,7 @@ class Trainer:
             if self.is_main:
                 outputs.save_best(self.engine.module, self.tokenizer, self.out / "best", self.args.max_length,
                                   state.global_step, self.args.task_list)  # fmt: skip
-                outputs.write_dev_predictions(self.out / "predictions", preds)
+                outputs.write_dev_predictions(self.out / "predictions", preds, self.args.task_specs)
         return dev
 
     # --- one update ---------------------------------------------------------------------------------------------
@@ -421,8 +422,8 @@ class Trainer:
     def _predict_test(self) -> None:
         best = MultiTaskBert.load(self.out / "best").to(self.device)
         for i, t in enumerate(self.args.task_list):
-            if "test" not in TASK_FORMATS[t].files:
+            if "test" not in self.args.task_specs[t].files:
                 continue
             batcher = self._eval_batcher(t, "test", self.args.max_predict)
             ids, p, _ = ev.predict_batches(best, batcher, i, self._progress(), desc=f"test {t}")
-            outputs.write_test_predictions(self.out / "predictions", t, ids, p)
+            outputs.write_test_predictions(self.out / "predictions", self.args.task_specs[t], ids, p)

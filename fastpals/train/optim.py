@@ -101,14 +101,14 @@ def build_model(args: Any) -> torch.nn.Module:
 
     import numpy as np
 
-    from fastpals.multitask import MultiTaskBert, get_task
+    from fastpals.multitask import MultiTaskBert
 
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
     random.seed(args.seed)
     specs = []
     for t in args.task_list:
-        spec = get_task(t)
+        spec = args.task_specs[t]
         mode = args.pair_mode
         if spec.pair and mode != "joint":
             if mode == "sbert_cosine" and spec.kind != "regression":

@@ -51,19 +51,17 @@ def save_best(
     (folder / "training_args.json").write_text(json.dumps(info, indent=2))
 
 
-def _values(task: str, p: np.ndarray) -> np.ndarray:
-    from fastpals.multitask import TASKS
-
-    return p.astype(np.int64) if TASKS[task].metric == "accuracy" else p.astype(np.float64)
+def _values(spec: Any, p: np.ndarray) -> np.ndarray:
+    return p.astype(np.int64) if spec.metric == "accuracy" else p.astype(np.float64)
 
 
-def write_dev_predictions(folder: Path, preds: dict[str, Any]) -> None:
+def write_dev_predictions(folder: Path, preds: dict[str, Any], specs: dict[str, Any]) -> None:
     """CS224N-format ``<task>-dev-output.csv`` files and ``dev_labels_and_predictions.npz`` (for the confusion
-    matrices) from ``{task: (ids, predictions, labels)}``."""
+    matrices) from ``{task: (ids, predictions, labels)}``; ``specs``: ``{task: TaskSpec}``."""
     from fastpals.metrics import write_predictions
 
     for t, (ids, p, _) in preds.items():
-        write_predictions(folder / f"{t}-dev-output.csv", ids, _values(t, p), t)
+        write_predictions(folder / f"{t}-dev-output.csv", ids, _values(specs[t], p), specs[t])
     np.savez(
         folder / "dev_labels_and_predictions.npz",
         **{f"{t}_pred": p for t, (_, p, _) in preds.items()},
@@ -71,11 +69,11 @@ def write_dev_predictions(folder: Path, preds: dict[str, Any]) -> None:
     )
 
 
-def write_test_predictions(folder: Path, task: str, ids: list[str], p: np.ndarray) -> Path:
-    """``<task>-test-output.csv`` in CS224N format."""
+def write_test_predictions(folder: Path, spec: Any, ids: list[str], p: np.ndarray) -> Path:
+    """``<task>-test-output.csv`` in CS224N format (``spec``: the task's TaskSpec)."""
     from fastpals.metrics import write_predictions
 
-    return write_predictions(folder / f"{task}-test-output.csv", ids, _values(task, p), task)
+    return write_predictions(folder / f"{spec.name}-test-output.csv", ids, _values(spec, p), spec)
 
 
 def results_table(results: dict[str, Any]) -> str:

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 import fastpals.kernels as kernels
 from fastpals.functional import grouped_linear_reference, pal_reference, pal_varlen_reference
-from fastpals.kernels import utils as kernel_utils
-from fastpals.kernels.pal_attention import pal_attention_dropout_mask
+from fastpals.kernels import dispatch as kernel_dispatch
+from fastpals.kernels.pal_attention_triton import pal_attention_dropout_mask
 
 pytestmark = pytest.mark.kernels
 
@@ -120,6 +120,35 @@ def test_pal_varlen_fp32_matches_reference(d_s, heads, gelu, residual):
     got, want = _grads(out, leaves, dy), _grads(ref, leaves, dy)
     _check_fp32(got, want, NAMES + ["d_residual"])
     assert all(torch.count_nonzero(grad[1]) == 0 for grad in got[2:8])
+
+
+def test_pal_varlen_int64_boundaries_and_one_host_read_per_tensor(monkeypatch):
+    """int64 cu_seqlens follow the int32 rule (same result); the boundaries are read on the host once per tensor,
+    so the PALs of every layer of one forward (same cu_seqlens object) sync once, not once per layer."""
+    g = torch.Generator().manual_seed(5)
+    lengths = torch.tensor([3, 6, 2])
+    cu32 = torch.zeros(4, dtype=torch.int32)
+    cu32[1:] = torch.cumsum(lengths, 0)
+    cu64 = cu32.long()
+    h = torch.randn(int(cu32[-1]), 16, generator=g)
+    weights = [w.detach() for w in _weights(2, 16, 12, torch.float32, g)]
+    task_ids = torch.tensor([1, 0, 1])
+    reads = []
+    original = torch.Tensor.tolist
+
+    def counting_tolist(t):
+        if t is cu64:
+            reads.append(1)
+        return original(t)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counting_tolist)
+    outs = [kernels.pal_varlen(h, cu64, 6, task_ids, *weights, 2, True, 0.0) for _ in range(3)]  # 3 "layers"
+    assert len(reads) == 1, reads
+    want = kernels.pal_varlen(h, cu32, 6, task_ids, *weights, 2, True, 0.0)
+    for out in outs:
+        torch.testing.assert_close(out, want, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="max_seqlen = 5 is shorter"):
+        kernels.pal_varlen(h, cu64, 5, task_ids, *weights, 2, True, 0.0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -253,11 +282,11 @@ class TestDispatch:
     def test_triton_mode_on_cpu_with_kernels_loaded_for_gpu_is_an_error(self, monkeypatch):
         import types
 
-        fake = types.ModuleType("fastpals.kernels.grouped_linear")
+        fake = types.ModuleType("fastpals.kernels.grouped_linear_triton")
         fake._grouped_mm_kernel = (
             object()
         )  # a GPU-compiled JITFunction stands here when TRITON_INTERPRET was unset
-        monkeypatch.setitem(sys.modules, "fastpals.kernels.grouped_linear", fake)
+        monkeypatch.setitem(sys.modules, "fastpals.kernels.grouped_linear_triton", fake)
         monkeypatch.setenv("FASTPALS_KERNELS", "triton")
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         with pytest.raises(RuntimeError, match="loaded before TRITON_INTERPRET=1"):
@@ -266,7 +295,7 @@ class TestDispatch:
     def test_triton_mode_without_triton_is_an_error(self, monkeypatch):
         monkeypatch.setenv("FASTPALS_KERNELS", "triton")
         monkeypatch.setattr(
-            kernel_utils, "_triton_import_error", lambda: "ImportError: no module named triton"
+            kernel_dispatch, "_triton_import_error", lambda: "ImportError: no module named triton"
         )
         ok, reason = kernels.available()
         assert not ok and "not importable" in reason
@@ -310,14 +339,22 @@ print("ok")
 
 
 def test_exported_ops_are_functions_not_modules():
-    import fastpals.kernels.grouped_linear  # noqa: F401 - the import system would rebind the package attribute
-    import fastpals.kernels.pal  # noqa: F401
-    import fastpals.kernels.pal_attention  # noqa: F401
+    import fastpals.kernels.grouped_linear_triton  # noqa: F401 - no module shares an op's name
+    import fastpals.kernels.pal_attention_triton  # noqa: F401
+    import fastpals.kernels.pal_triton  # noqa: F401
 
-    for name in ("pal", "pal_varlen", "grouped_linear", "grouped_linear_varlen", "pal_attention"):
+    for name in (
+        "pal",
+        "pal_varlen",
+        "grouped_linear",
+        "grouped_linear_varlen",
+        "pal_attention",
+        "gram",
+        "combine",
+    ):
         assert callable(getattr(kernels, name)), name
-    assert kernels.pal.__module__ == "fastpals.kernels.pal"
-    assert kernels.pal_attention.__module__ == "fastpals.kernels.pal_attention"
+    assert kernels.pal.__module__ == "fastpals.kernels.pal_triton"
+    assert kernels.pal_attention.__module__ == "fastpals.kernels.pal_attention_triton"
 
 
 @pytest.mark.parametrize("residual_dtype", [torch.float32, torch.bfloat16])

@@ -5,17 +5,12 @@ reference; fp16/bf16: the kernel's max error against float64 at most 2x the same
 (flash-attn's rule). Runs on CPU under TRITON_INTERPRET=1 (tests/conftest.py sets it).
 """
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from fastpals.functional import grouped_linear_reference
-from fastpals.kernels.grouped_linear import grouped_linear, grouped_linear_varlen
+from fastpals.kernels.grouped_linear_triton import grouped_linear, grouped_linear_varlen
 
 pytestmark = pytest.mark.kernels
 
@@ -250,7 +245,7 @@ class TestValidation:
 
 
 def test_plan_cache_reuses_validated_plans_and_sees_in_place_changes():
-    from fastpals.kernels.utils import task_row_plan
+    from fastpals.kernels.common import task_row_plan
 
     task_ids = torch.tensor([0, 1, 1])
     plan = task_row_plan(task_ids, 2, 12, task_ids.device, batch=3, seq_len=4)
@@ -270,87 +265,3 @@ def test_plan_cache_reuses_validated_plans_and_sees_in_place_changes():
     cu[1] = 8
     with pytest.raises(ValueError, match="non-decreasing"):
         task_row_plan(ids, 2, 7, ids.device, cu_seqlens=cu)
-
-
-# ------------------------------------------------------------------------------------------------ GPU compilation
-
-_AOT_SCRIPT = textwrap.dedent(
-    """
-    import importlib, re, subprocess
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
-    from triton.compiler import ASTSource
-
-    gl = importlib.import_module("fastpals.kernels.grouped_linear")
-    pal = importlib.import_module("fastpals.kernels.pal")
-    target = GPUTarget("cuda", 90, 32)
-
-    def compile_kernel(fn, dtype, constexprs, ints):
-        # integer arguments: 1 becomes a constant and multiples of 16 get the divisibility hint, as Triton's
-        # launcher specialises them; pointers are 16-byte aligned (torch allocations)
-        sig, attrs, constexprs = {}, {}, dict(constexprs)
-        for i, name in enumerate(fn.arg_names):
-            if name in constexprs:
-                sig[name] = "constexpr"
-            elif name.endswith("_ptr"):
-                index_array = name.startswith(("row_index", "tile_", "task_row"))
-                sig[name] = "*i32" if index_array else "*" + dtype
-                attrs[(i,)] = [["tt.divisibility", 16]]
-            elif ints[name] == 1:
-                sig[name], constexprs[name] = "constexpr", 1
-            else:
-                sig[name] = "i32"
-                if ints[name] % 16 == 0:
-                    attrs[(i,)] = [["tt.divisibility", 16]]
-        opts = {"num_warps": gl.GPU_NUM_WARPS, "num_stages": gl.GPU_NUM_STAGES}
-        kernel = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs), target=target, options=opts)
-        assert kernel.metadata.shared <= 227 * 1024, (fn.__name__, kernel.metadata.shared)
-        with open(PTX, "w") as f:
-            f.write(kernel.asm["ptx"])
-        info = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", PTX, "-o", PTX + ".cubin"],
-                              capture_output=True, text=True, check=True).stderr
-        regs = re.search(r"Used (\\d+) registers", info).group(1)
-        spills = re.search(r"(\\d+) bytes spill stores", info).group(1)
-        print(fn.__name__, dtype, "registers", regs, "spill bytes", spills)
-
-    # BERT-base PAL shapes: d = 768, d_s = 204 (V^D forward/dx/dW; V^E + QKV), and a d_s <= 128 PAL (68)
-    n, d, ds = 4096, 768, 204
-    for dtype in ("bf16", "fp32"):
-        flags = dict(IEEE=dtype == "fp32", INTERP_BF16=False)
-        fwd = dict(HAS_BIAS=True, GELU=True, HAS_RESIDUAL=True, STORE_PRE=True, GELU_GRAD_PROLOGUE=False)
-        dx = dict(HAS_BIAS=False, GELU=False, HAS_RESIDUAL=False, STORE_PRE=False, GELU_GRAD_PROLOGUE=True)
-        fwd_ints = dict(N_OUT=d, K_RED=ds, stride_a=ds, stride_z=0, stride_wt=d * ds, stride_wn=ds, stride_wk=1,
-                        stride_bt=d, stride_res=d, stride_out=d, stride_pre=d)
-        dx_ints = dict(N_OUT=ds, K_RED=d, stride_a=d, stride_z=d, stride_wt=d * ds, stride_wn=1, stride_wk=ds,
-                       stride_bt=0, stride_res=0, stride_out=ds, stride_pre=0)
-        blocks = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64)
-        compile_kernel(gl._grouped_mm_kernel, dtype, {**fwd, **flags, **blocks}, fwd_ints)
-        compile_kernel(gl._grouped_mm_kernel, dtype, {**dx, **flags, **dict(blocks, BLOCK_M=64)}, dx_ints)
-        compile_kernel(gl._grouped_wgrad_kernel, dtype,
-                       dict(GELU_GRAD_PROLOGUE=True, HAS_BIAS_GRAD=True, BLOCK_M=64, BLOCK_K=64, BLOCK_R=32, **flags),
-                       dict(M=d, K=ds, stride_dy=d, stride_z=d, stride_x=ds))
-        for d_s, block_m, block_s, block_kn in ((ds, 32, 256, 32), (68, 64, 128, 64)):
-            compile_kernel(pal._enc_qkv_kernel, dtype,
-                           dict(BLOCK_M=block_m, BLOCK_S=block_s, BLOCK_K=block_kn, BLOCK_N=block_kn, **flags),
-                           dict(D=d, DS=d_s, NQ=3 * d_s, stride_x=d))
-    print("compiled")
-    """
-)
-
-
-def test_kernels_compile_for_sm90(tmp_path):
-    """The real (non-interpreted) kernels lower to sm_90 machine code at the launch shapes used on the GPU:
-    catches GPU-only compile errors on CPU (and prints registers / spills per kernel)."""
-    try:
-        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
-    except ImportError:
-        pytest.skip("triton's NVIDIA backend is not installed")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # the default; set to silence triton 3.9's warning
-    script = f"PTX = {str(tmp_path / 'k.ptx')!r}\n" + _AOT_SCRIPT
-    result = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
-    )
-    print(result.stdout)
-    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]

@@ -1,17 +1,17 @@
-"""Shared helpers of the fastpals kernels: availability, the dispatch rule, input checks, and the task plan.
+"""Host-side helpers shared by every fastpals kernel: the ``cu_seqlens`` rule, the task plan, casts, dot flags,
+device guards. Nothing here imports Triton (the Triton building blocks are in
+:mod:`fastpals.kernels.tl_helpers`; which backend runs is decided in :mod:`fastpals.kernels.dispatch`).
 
-Nothing here imports Triton at module load, so ``import fastpals.kernels`` stays cheap and works on machines
-without Triton. The task plan (:class:`TaskRowPlan`) is the multi-adapter trick of Punica's SGMV and vLLM's
-LoRA kernels: rows are grouped by task through an index array (no physical permutation of the activations),
-and row tiles are cut per task so that a tile never straddles two tasks.
+The task plan (:class:`TaskRowPlan`) is the multi-adapter trick of Punica's SGMV and vLLM's LoRA kernels: rows
+are grouped by task through an index array (no physical permutation of the activations), and row tiles are cut
+per task so that a tile never straddles two tasks.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
+import numbers
 import os
-import sys
 import weakref
 from dataclasses import dataclass
 
@@ -20,105 +20,91 @@ import torch
 from fastpals.functional import check_task_ids
 
 __all__ = [
-    "KERNELS_ENV",
+    "ROW_ALIGN",
     "TaskRowPlan",
+    "aligned_rows",
     "autocast_dtype",
-    "available",
     "build_task_row_plan",
+    "cast_floats",
     "check_cu_seqlens",
+    "cu_seqlens_from_lengths",
+    "cu_seqlens_int32",
     "device_context",
     "dot_flags",
-    "kernel_mode",
+    "aot_mode",
+    "interpret_mode",
+    "last_dim_contiguous",
+    "target_arch",
     "task_row_plan",
-    "use_triton",
-    "validate_task_ids",
 ]
 
-KERNELS_ENV = "FASTPALS_KERNELS"
-_MODES = ("auto", "triton", "reference")
 
-
-def _interpret_mode() -> bool:
+def interpret_mode() -> bool:
+    """True when ``TRITON_INTERPRET=1`` (Triton's CPU interpreter) is set."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@functools.lru_cache(maxsize=1)
-def _triton_import_error() -> str | None:
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except Exception as exc:  # ImportError, or a broken install raising something else at import
-        return f"{type(exc).__name__}: {exc}"
+#: set to 1 by :mod:`fastpals.kernels.aot` only: launches are compiled for a fake GPU target, never run
+AOT_ENV = "FASTPALS_AOT"
+
+
+def aot_mode() -> bool:
+    """True inside the ahead-of-time compile harness (CPU tensors stand for GPU ones, launches only compile)."""
+    return os.environ.get(AOT_ENV, "0") == "1"
+
+
+def target_arch(tensor: torch.Tensor) -> int | None:
+    """The compute capability (``major * 10 + minor``) the kernels on ``tensor`` compile for: its CUDA device's,
+    or the AOT harness's target; None under Triton's CPU interpreter."""
+    if tensor.is_cuda:
+        major, minor = torch.cuda.get_device_capability(tensor.device)
+        return major * 10 + minor
+    if aot_mode():
+        from triton.runtime.driver import driver
+
+        return int(driver.active.get_current_target().arch)
     return None
 
 
-def _kernels_compiled_for_gpu() -> bool:
-    """True when the grouped kernels were already defined as GPU (non-interpreted) Triton functions."""
-    module = sys.modules.get("fastpals.kernels.grouped_linear")
-    kernel = getattr(module, "_grouped_mm_kernel", None)
-    return kernel is not None and type(kernel).__name__ != "InterpretedFunction"
+class _CheckedCuSeqlens:
+    """The last few ``cu_seqlens`` tensors already validated, keyed on identity and in-place version: every
+    layer of one forward receives the same tensor, so the host read (a device sync) happens once per forward."""
+
+    def __init__(self, size: int = 8) -> None:
+        self.size = size
+        self.entries: list[
+            tuple[weakref.ref, int, int, int, int]
+        ] = []  # (ref, version, rows, batch, longest)
+
+    def get(self, cu: torch.Tensor, num_rows: int) -> tuple[int, int] | None:
+        for ref, version, rows, batch, longest in self.entries:
+            if ref() is cu and cu._version == version and rows == num_rows:
+                return batch, longest
+        return None
+
+    def put(self, cu: torch.Tensor, num_rows: int, batch: int, longest: int) -> None:
+        self.entries = [e for e in self.entries if e[0]() is not None]
+        self.entries.insert(0, (weakref.ref(cu), cu._version, num_rows, batch, longest))
+        del self.entries[self.size :]
 
 
-def available() -> tuple[bool, str]:
-    """Can the Triton kernels run here? Returns ``(ok, reason)``.
-
-    ``ok`` is true when Triton imports and either a CUDA device is present or ``TRITON_INTERPRET=1`` is set
-    (Triton's CPU interpreter, slow, meant for tests). ``reason`` says what is missing, or what will be used.
-    """
-    err = _triton_import_error()
-    if err is not None:
-        return False, f"triton is not importable ({err})"
-    if torch.cuda.is_available():
-        return True, f"triton on CUDA device {torch.cuda.get_device_name()}"
-    if _interpret_mode():
-        return True, "triton interpreter (TRITON_INTERPRET=1, CPU tensors)"
-    return False, "no CUDA device and TRITON_INTERPRET is not 1"
-
-
-def kernel_mode() -> str:
-    """The value of ``$FASTPALS_KERNELS``: ``auto`` (default), ``triton`` or ``reference``."""
-    mode = os.environ.get(KERNELS_ENV, "auto").strip().lower() or "auto"
-    if mode not in _MODES:
-        raise ValueError(f"{KERNELS_ENV}={mode!r} is not one of {', '.join(_MODES)}")
-    return mode
-
-
-def use_triton(tensor: torch.Tensor) -> bool:
-    """Should the op on ``tensor`` run the Triton kernels (True) or the PyTorch reference (False)?
-
-    ``$FASTPALS_KERNELS``: ``reference`` -> False; ``auto`` (default) -> True when ``tensor`` is on CUDA and
-    :func:`available` is true; ``triton`` -> True, raising ``RuntimeError`` when the kernels cannot run on
-    ``tensor`` (no Triton; or a CPU tensor without ``TRITON_INTERPRET=1``, which must be set before Triton is
-    first imported).
-    """
-    mode = kernel_mode()
-    if mode == "reference":
-        return False
-    ok, reason = available()
-    if mode == "auto":
-        return tensor.is_cuda and ok
-    if not ok:
-        raise RuntimeError(f"{KERNELS_ENV}=triton but the Triton kernels cannot run: {reason}")
-    if tensor.is_cuda:
-        return True
-    if tensor.device.type == "cpu" and _interpret_mode():
-        if _kernels_compiled_for_gpu():
-            raise RuntimeError(
-                f"{KERNELS_ENV}=triton on a CPU tensor: the kernels were loaded before TRITON_INTERPRET=1 was set "
-                "(Triton fixes the mode when a kernel is defined); set it before importing fastpals.kernels ops"
-            )
-        return True
-    raise RuntimeError(
-        f"{KERNELS_ENV}=triton but the tensor is on {tensor.device}: the kernels need a CUDA tensor, or a CPU "
-        "tensor with TRITON_INTERPRET=1 set before Triton is imported"
-    )
+_CHECKED_CU = _CheckedCuSeqlens()
 
 
 def check_cu_seqlens(
-    cu_seqlens: object, num_rows: int, device: torch.device, name: str = "cu_seqlens"
+    cu_seqlens: object,
+    num_rows: int,
+    device: torch.device,
+    max_seqlen: int | None = None,
+    name: str = "cu_seqlens",
 ) -> int:
-    """Validate packed-sequence boundaries ``[B+1]`` (int32 or int64, 0 first, non-decreasing, ``num_rows``
-    last) and return B. Reads the tensor once (a device sync)."""
+    """Validate packed-sequence boundaries and return B, the number of sequences.
+
+    The one rule for every packed op: ``cu_seqlens [B+1]`` int32 or int64 on ``device``, 0 first,
+    non-decreasing, ``num_rows`` last; ``max_seqlen`` (when given) at least the longest sequence. The kernels
+    read it as int32 (:func:`cu_seqlens_int32`). The tensor is read on the host once (a device sync); the same
+    tensor, unchanged in place, is not read again (every layer of a forward passes the same one).
+    """
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
@@ -127,14 +113,40 @@ def check_cu_seqlens(
         raise ValueError(f"{name} must have shape [B+1], got {list(cu_seqlens.shape)}")
     if cu_seqlens.device != device:
         raise ValueError(f"{name} is on {cu_seqlens.device} but the inputs are on {device}")
-    values = cu_seqlens.tolist()
-    if values[0] != 0 or values[-1] != num_rows:
+    if max_seqlen is not None and (
+        isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral)
+    ):
+        raise TypeError(f"max_seqlen must be an int, got {type(max_seqlen).__name__}")
+    cached = _CHECKED_CU.get(cu_seqlens, num_rows)
+    if cached is None:
+        values = cu_seqlens.tolist()
+        if values[0] != 0 or values[-1] != num_rows:
+            raise ValueError(
+                f"{name} must start at 0 and end at the number of packed rows {num_rows}, got {values}"
+            )
+        lengths = [b - a for a, b in zip(values[:-1], values[1:])]
+        if any(n < 0 for n in lengths):
+            raise ValueError(f"{name} must be non-decreasing, got {values}")
+        cached = (len(values) - 1, max(lengths, default=0))
+        _CHECKED_CU.put(cu_seqlens, num_rows, *cached)
+    batch, longest = cached
+    if max_seqlen is not None and int(max_seqlen) < longest:
         raise ValueError(
-            f"{name} must start at 0 and end at the number of packed rows {num_rows}, got {values}"
+            f"max_seqlen = {int(max_seqlen)} is shorter than the longest sequence ({longest} tokens)"
         )
-    if any(b < a for a, b in zip(values[:-1], values[1:])):
-        raise ValueError(f"{name} must be non-decreasing, got {values}")
-    return len(values) - 1
+    return batch
+
+
+def cu_seqlens_int32(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """The int32 form the kernels (and flash-attn) read; the tensor itself when it is already int32."""
+    return cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
+
+
+def cu_seqlens_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
+    """``[B]`` sequence lengths -> ``cu_seqlens [B+1]`` int32 (0 first), on the lengths' device."""
+    cu = torch.zeros(lengths.shape[0] + 1, dtype=torch.int32, device=lengths.device)
+    cu[1:] = torch.cumsum(lengths, 0)
+    return cu
 
 
 @dataclass(frozen=True)
@@ -226,11 +238,6 @@ def build_task_row_plan(
     )
 
 
-def validate_task_ids(task_ids: object, num_tasks: int, batch: int, device: torch.device) -> torch.Tensor:
-    """:func:`fastpals.functional.check_task_ids`: integer ``[B]`` on the inputs' device, in ``[0, T)``."""
-    return check_task_ids(task_ids, num_tasks, batch, device)
-
-
 def device_context(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
     """Launch on ``tensor``'s CUDA device (Triton launches on the current device); a no-op elsewhere."""
     if tensor.is_cuda:
@@ -239,9 +246,9 @@ def device_context(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
 
 
 def dot_flags(dtype: torch.dtype) -> dict[str, bool]:
-    """Constexpr flags of the kernels' ``_dot``: IEEE fp32 products for fp32 (and for upcast bf16 tiles);
+    """Constexpr flags of the kernels' ``dot_acc``: IEEE fp32 products for fp32 (and for upcast bf16 tiles);
     INTERP_BF16 bf16 tiles to fp32 under the interpreter, whose bf16 ``tl.dot`` is wrong."""
-    upcast = dtype == torch.bfloat16 and _interpret_mode()
+    upcast = dtype == torch.bfloat16 and interpret_mode()
     return {"IEEE": dtype == torch.float32 or upcast, "INTERP_BF16": upcast}
 
 
@@ -312,7 +319,7 @@ def task_row_plan(
             )
     else:
         batch = check_cu_seqlens(cu_seqlens, num_rows, device)
-    ids = validate_task_ids(task_ids, num_tasks, batch, device)
+    ids = check_task_ids(task_ids, num_tasks, batch, device)
     plan = build_task_row_plan(
         ids, num_tasks, num_rows, seq_len=seq_len, cu_seqlens=cu_seqlens, block_rows=block_rows
     )
@@ -329,3 +336,26 @@ def autocast_dtype(tensor: torch.Tensor) -> torch.dtype | None:
     if device_type not in ("cuda", "cpu") or not torch.is_autocast_enabled(device_type):
         return None
     return torch.get_autocast_dtype(device_type)
+
+
+ROW_ALIGN = 16
+
+
+def aligned_rows(num_rows: int, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised ``[num_rows, width]`` view whose row stride is ``width`` rounded up to a multiple of 16
+    elements: every row then starts 16-byte aligned (fp32 and 16-bit) and Triton specialises the stride as
+    divisible by 16, so loads of the PAL's activations (widths 204, 276, 612, ...) can be vectorised. Costs at
+    most 15 columns of memory; values and shapes are unchanged."""
+    stride = -(-width // ROW_ALIGN) * ROW_ALIGN
+    return torch.empty(num_rows, stride, dtype=dtype, device=device)[:, :width]
+
+
+def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when its last dim has unit stride (the kernels take every other stride), else a copy."""
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+
+
+def cast_floats(dtype: torch.dtype, *tensors: object) -> list:
+    """Autocast's rule for the fused ops' operands: floating tensors go to ``dtype`` (differentiably), the
+    rest (task ids, masks, None) pass unchanged."""
+    return [t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in tensors]

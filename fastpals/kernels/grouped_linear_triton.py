@@ -3,7 +3,7 @@
 
 ``y = residual + act(x @ weight[task].T + bias[task])`` where ``task`` is the task of the example a row
 belongs to, ``act`` is the identity or the exact (erf) GELU. The forward and the input gradient run one
-grouped GEMM each over row tiles that never straddle tasks (see :class:`~fastpals.kernels.utils.TaskRowPlan`);
+grouped GEMM each over row tiles that never straddle tasks (see :class:`~fastpals.kernels.common.TaskRowPlan`);
 the weight and bias gradients run one grouped GEMM over each task's row segment (``dW_t = dZ_tᵀ X_t``, the
 same FLOPs as an ordinary weight gradient). The GELU derivative is applied while loading the output gradient,
 from the pre-activation saved by the forward, so ``dZ`` is never materialised.
@@ -17,59 +17,51 @@ import torch
 import triton
 import triton.language as tl
 
-from fastpals.kernels.utils import (
+from fastpals.kernels.common import (
     TaskRowPlan,
+    aligned_rows,
     autocast_dtype,
     device_context,
     dot_flags,
+    last_dim_contiguous,
+    target_arch,
     task_row_plan,
 )
+from fastpals.kernels.tl_helpers import cast_rne, dot_acc, gelu_grad
 
-__all__ = ["GroupedLinearFunction", "grouped_linear", "grouped_linear_varlen", "grouped_linear_rows"]
+__all__ = [
+    "GROUPED_CONFIGS",
+    "GroupedLinearFunction",
+    "grouped_config",
+    "grouped_linear",
+    "grouped_linear_rows",
+    "grouped_linear_varlen",
+    "grouped_mm_rows",
+    "grouped_wgrad_rows",
+    "row_block",
+    "target_class",
+]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# Launch shape of every grouped kernel on the GPU: with 64 x 64 x 64 tiles (32-row tiles for the PAL), 8 warps
-# compile for sm_90 without register spills (Triton 3.9, measured by ahead-of-time compilation with ptxas -v; see
-# tests/kernels/test_grouped_linear.py::test_kernels_compile_for_sm90), 4 warps spill. Not yet timed on a GPU.
-GPU_NUM_WARPS = 8
-GPU_NUM_STAGES = 3
+# Launch shapes of the grouped kernels per target: (rows per tile, N-tile cap, K-tile cap, warps, stages), keyed
+# on (fp32?, target). "sm75" covers compute capability 7.x, "sm80" 8.x, "sm90" 9.x and newer; "interp" is
+# Triton's CPU interpreter. Chosen from the ahead-of-time compile of every launch for each target (Triton 3.9,
+# ptxas -v; tests/test_aot.py asserts the shared memory fits and 16-bit kernels do not spill on sm_80/sm_90).
+# Not yet timed on a GPU.
+GROUPED_CONFIGS: dict[tuple[bool, str], tuple[int, int, int, int, int]] = {
+    # 16-bit: 8 warps over 64 x 64 tiles, K in steps of 32 (4 warps, or K steps of 64 with 3 stages, spill 48-64 B
+    # on sm_80 where the PAL widths 204/276 defeat vectorised loads)
+    (False, "sm90"): (64, 64, 32, 8, 2),
+    (False, "sm80"): (64, 64, 32, 8, 2),
+    (False, "sm75"): (64, 64, 32, 8, 2),
+    # fp32 (IEEE products on CUDA cores): 32-row tiles, 8 warps (64-row tiles spilled 3.6-4.7 KB per thread)
+    (True, "sm90"): (32, 64, 32, 8, 2),
+    (True, "sm80"): (32, 64, 32, 8, 2),
+    (True, "sm75"): (32, 64, 32, 8, 2),
+    (False, "interp"): (64, 64, 64, 4, 1),
+    (True, "interp"): (64, 64, 64, 4, 1),
+}
 _ACTIVATIONS = (None, "gelu")
-_SQRT1_2 = 0.7071067811865476
-_INV_SQRT_2PI = 0.3989422804014327
-
-
-@triton.jit
-def _dot(a, b, acc, IEEE: tl.constexpr, INTERP_BF16: tl.constexpr):
-    """``acc + a @ b`` in fp32. IEEE: exact fp32 products for fp32 operands (no TF32). INTERP_BF16 (bf16 under
-    the CPU interpreter only, whose bf16 ``tl.dot`` is wrong): widen the tiles to fp32 first (bf16 products
-    are exact in fp32: the same result as a bf16 MMA with fp32 accumulation)."""
-    if INTERP_BF16:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    if IEEE:
-        acc = tl.dot(a, b, acc, input_precision="ieee")
-    else:
-        acc = tl.dot(a, b, acc)
-    return acc
-
-
-@triton.jit
-def _cast(x, dtype: tl.constexpr, INTERP_BF16: tl.constexpr):
-    """``x.to(dtype)`` rounding to nearest even. The CPU interpreter truncates fp32 -> bf16, so under
-    INTERP_BF16 the rounding is done on the bits first (the GPU cast already rounds to nearest even)."""
-    if INTERP_BF16:
-        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        x = bits.to(tl.float32, bitcast=True)
-    return x.to(dtype)
-
-
-@triton.jit
-def _gelu_grad(z):
-    """d/dz of z * Phi(z), in fp32."""
-    cdf = 0.5 * (1.0 + tl.math.erf(z * 0.7071067811865476))
-    pdf = tl.exp(-0.5 * z * z) * 0.3989422804014327
-    return cdf + z * pdf
 
 
 @triton.jit
@@ -133,10 +125,10 @@ def _grouped_mm_kernel(
         a = tl.load(a_ptrs, mask=a_mask, other=0.0)
         if GELU_GRAD_PROLOGUE:
             z = tl.load(z_ptrs, mask=a_mask, other=0.0)
-            a = _cast(a.to(tl.float32) * _gelu_grad(z.to(tl.float32)), a_ptr.dtype.element_ty, INTERP_BF16)
+            a = cast_rne(a.to(tl.float32) * gelu_grad(z.to(tl.float32)), a_ptr.dtype.element_ty, INTERP_BF16)
             z_ptrs += BLOCK_K
         w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = _dot(a, w, acc, IEEE, INTERP_BF16)
+        acc = dot_acc(a, w, acc, IEEE, INTERP_BF16)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
 
@@ -147,7 +139,7 @@ def _grouped_mm_kernel(
     if STORE_PRE:
         tl.store(
             pre_ptr + rows[:, None] * stride_pre + offs_n[None, :],
-            _cast(acc, pre_ptr.dtype.element_ty, INTERP_BF16),
+            cast_rne(acc, pre_ptr.dtype.element_ty, INTERP_BF16),
             mask=out_mask,
         )
     if GELU:
@@ -157,7 +149,7 @@ def _grouped_mm_kernel(
         acc += r.to(tl.float32)
     tl.store(
         out_ptr + rows[:, None] * stride_out + offs_n[None, :],
-        _cast(acc, out_ptr.dtype.element_ty, INTERP_BF16),
+        cast_rne(acc, out_ptr.dtype.element_ty, INTERP_BF16),
         mask=out_mask,
     )
 
@@ -207,26 +199,45 @@ def _grouped_wgrad_kernel(
         g = tl.load(dy_ptr + rows[:, None] * stride_dy + offs_m[None, :], mask=g_mask, other=0.0)  # [R, M]
         if GELU_GRAD_PROLOGUE:
             z = tl.load(z_ptr + rows[:, None] * stride_z + offs_m[None, :], mask=g_mask, other=0.0)
-            g = _cast(g.to(tl.float32) * _gelu_grad(z.to(tl.float32)), dy_ptr.dtype.element_ty, INTERP_BF16)
+            g = cast_rne(g.to(tl.float32) * gelu_grad(z.to(tl.float32)), dy_ptr.dtype.element_ty, INTERP_BF16)
         xt = tl.load(
             x_ptr + rows[:, None] * stride_x + offs_k[None, :],
             mask=r_mask[:, None] & k_mask[None, :],
             other=0.0,
         )  # [R, K]
-        acc = _dot(tl.trans(g), xt, acc, IEEE, INTERP_BF16)
+        acc = dot_acc(tl.trans(g), xt, acc, IEEE, INTERP_BF16)
         if HAS_BIAS_GRAD:
             db_acc += tl.sum(g.to(tl.float32), axis=0)
 
     task64 = task.to(tl.int64)
     dw_ptrs = dw_ptr + task64 * M * K + offs_m[:, None] * K + offs_k[None, :]
     tl.store(
-        dw_ptrs, _cast(acc, dw_ptr.dtype.element_ty, INTERP_BF16), mask=m_mask[:, None] & k_mask[None, :]
+        dw_ptrs, cast_rne(acc, dw_ptr.dtype.element_ty, INTERP_BF16), mask=m_mask[:, None] & k_mask[None, :]
     )
     if HAS_BIAS_GRAD:
         if pid_k == 0:
             tl.store(
-                db_ptr + task64 * M + offs_m, _cast(db_acc, db_ptr.dtype.element_ty, INTERP_BF16), mask=m_mask
+                db_ptr + task64 * M + offs_m,
+                cast_rne(db_acc, db_ptr.dtype.element_ty, INTERP_BF16),
+                mask=m_mask,
             )
+
+
+def target_class(arch: int | None) -> str:
+    """``"sm75"`` / ``"sm80"`` / ``"sm90"`` for a compute capability ``major*10+minor``; ``"interp"`` for None."""
+    if arch is None:
+        return "interp"
+    return "sm75" if arch < 80 else "sm80" if arch < 90 else "sm90"
+
+
+def grouped_config(dtype: torch.dtype, arch: int | None) -> tuple[int, int, int, int, int]:
+    """(rows per tile, N-tile cap, K-tile cap, warps, stages) of the grouped kernels for ``dtype`` on ``arch``."""
+    return GROUPED_CONFIGS[(dtype == torch.float32, target_class(arch))]
+
+
+def row_block(x: torch.Tensor) -> int:
+    """Rows per tile of the task plan for operands like ``x`` on the target it compiles for."""
+    return grouped_config(x.dtype, target_arch(x))[0]
 
 
 def _block(n: int, cap: int = 64) -> int:
@@ -244,12 +255,14 @@ def grouped_mm_rows(
     residual: torch.Tensor | None = None,
     store_pre: bool = False,
     gelu_grad_pre: torch.Tensor | None = None,
+    aligned_out: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Launch the grouped GEMM on row-major ``a [R, K_red]`` (contiguous, validated by the caller).
+    """Launch the grouped GEMM on row-major ``a [R, K_red]`` (unit last stride, validated by the caller).
 
     ``transpose_weight=False``: ``out = a @ weight[t].T`` with weight ``[T, N, K_red]`` (the forward).
     ``transpose_weight=True``: ``out = a @ weight[t]`` with weight ``[T, K_red, N]`` (the input gradient).
     ``gelu_grad_pre``: multiply ``a`` by GELU'(pre) while loading (``a`` is then the output gradient).
+    ``aligned_out``: ``out`` and ``pre`` get row strides padded to 16 elements (:func:`aligned_rows`).
     Returns ``(out [R, N], pre [R, N] or None)``; rows outside the plan are left as allocated (the plans
     built here always cover every row).
     """
@@ -260,14 +273,16 @@ def grouped_mm_rows(
     else:
         n_out = weight.shape[1]
         stride_wn, stride_wk = weight.stride(1), weight.stride(2)
-    out = torch.empty(num_rows, n_out, dtype=a.dtype, device=a.device)
-    pre = torch.empty_like(out) if store_pre else None
+    alloc = aligned_rows if aligned_out else lambda r, n, dt, dev: torch.empty(r, n, dtype=dt, device=dev)
+    out = alloc(num_rows, n_out, a.dtype, a.device)
+    pre = alloc(num_rows, n_out, a.dtype, a.device) if store_pre else None
     if num_rows == 0 or n_out == 0:
         return out, pre
     if k_red == 0:
         raise ValueError("grouped linear with an empty reduction dimension (K = 0) is not supported")
-    block_n = _block(n_out)
-    block_k = _block(k_red)
+    _, cap_n, cap_k, warps, stages = grouped_config(a.dtype, target_arch(a))
+    block_n = _block(n_out, cap_n)
+    block_k = _block(k_red, cap_k)
     grid = (plan.num_tiles, triton.cdiv(n_out, block_n))
     with device_context(a):
         _grouped_mm_kernel[grid](
@@ -302,8 +317,8 @@ def grouped_mm_rows(
             BLOCK_M=plan.block_rows,
             BLOCK_N=block_n,
             BLOCK_K=block_k,
-            num_warps=GPU_NUM_WARPS,
-            num_stages=GPU_NUM_STAGES,
+            num_warps=warps,
+            num_stages=stages,
         )
     return out, pre
 
@@ -324,8 +339,9 @@ def grouped_wgrad_rows(
         if db is not None:
             db.zero_()
         return dw.zero_(), db
-    block_m = _block(m)
-    block_k = _block(k)
+    _, cap_n, cap_k, warps, stages = grouped_config(dy.dtype, target_arch(dy))
+    block_m = _block(m, cap_n)
+    block_k = _block(k, cap_k)
     grid = (plan.num_tasks, triton.cdiv(m, block_m), triton.cdiv(k, block_k))
     with device_context(dy):
         _grouped_wgrad_kernel[grid](
@@ -347,8 +363,8 @@ def grouped_wgrad_rows(
             BLOCK_M=block_m,
             BLOCK_K=block_k,
             BLOCK_R=plan.block_rows,
-            num_warps=GPU_NUM_WARPS,
-            num_stages=GPU_NUM_STAGES,
+            num_warps=warps,
+            num_stages=stages,
         )
     return dw, db
 
@@ -365,9 +381,20 @@ class GroupedLinearFunction(torch.autograd.Function):
         residual: torch.Tensor | None,
         plan: TaskRowPlan,
         activation: str | None,
+        aligned_out: bool = False,
     ) -> torch.Tensor:
         gelu = activation == "gelu"
-        y, pre = grouped_mm_rows(x, weight, plan, bias=bias, gelu=gelu, residual=residual, store_pre=gelu)
+        ctx.aligned_out = aligned_out
+        y, pre = grouped_mm_rows(
+            x,
+            weight,
+            plan,
+            bias=bias,
+            gelu=gelu,
+            residual=residual,
+            store_pre=gelu,
+            aligned_out=ctx.aligned_out,
+        )
         ctx.save_for_backward(x, weight, pre)
         ctx.plan = plan
         ctx.has_bias = bias is not None
@@ -388,7 +415,7 @@ class GroupedLinearFunction(torch.autograd.Function):
             if not ctx.needs_input_grad[1]:
                 dw = None
         dres = dy if ctx.has_residual and ctx.needs_input_grad[3] else None
-        return dx, dw, db, dres, None, None
+        return dx, dw, db, dres, None, None, None
 
 
 def _check_operands(
@@ -455,13 +482,13 @@ def grouped_linear_rows(
     activation: str | None = None,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Grouped linear on row-major ``x [R, K]`` with a plan from :func:`~fastpals.kernels.utils.task_row_plan`
+    """Grouped linear on row-major ``x [R, K]`` with a plan from :func:`~fastpals.kernels.common.task_row_plan`
     (reused across several layers of one batch, as the fused PAL does). Operands must already be validated."""
     return GroupedLinearFunction.apply(
-        x.contiguous(),
+        last_dim_contiguous(x),
         weight.contiguous(),
         None if bias is None else bias.contiguous(),
-        None if residual is None else residual.contiguous(),
+        None if residual is None else last_dim_contiguous(residual),
         plan,
         activation,
     )
@@ -493,7 +520,15 @@ def grouped_linear(
         raise ValueError(f"x must be [B, L, K] or [B, K], got {list(x.shape)}")
     batch = x.shape[0]
     seq_len = x.shape[1] if x.dim() == 3 else 1
-    plan = task_row_plan(task_ids, weight.shape[0], batch * seq_len, x.device, batch=batch, seq_len=seq_len)
+    plan = task_row_plan(
+        task_ids,
+        weight.shape[0],
+        batch * seq_len,
+        x.device,
+        batch=batch,
+        seq_len=seq_len,
+        block_rows=row_block(x),
+    )
     rows = x.reshape(batch * seq_len, x.shape[-1])
     res_rows = None if residual is None else residual.reshape(batch * seq_len, weight.shape[1])
     y = grouped_linear_rows(rows, plan, weight, bias, activation, res_rows)
@@ -520,5 +555,7 @@ def grouped_linear_varlen(
     _check_operands(x, weight, bias, activation, residual, (x.shape[0], weight.shape[1]))
     if x.dim() != 2:
         raise ValueError(f"x must be packed rows [N, K], got {list(x.shape)}")
-    plan = task_row_plan(task_ids, weight.shape[0], x.shape[0], x.device, cu_seqlens=cu_seqlens)
+    plan = task_row_plan(
+        task_ids, weight.shape[0], x.shape[0], x.device, cu_seqlens=cu_seqlens, block_rows=row_block(x)
+    )
     return grouped_linear_rows(x, plan, weight, bias, activation, residual)

@@ -1,14 +1,15 @@
 # ruff: noqa: ANN001 - Triton kernel parameters are untyped by design
 """The fused Projected Attention Layer: ``residual + act(V^D_t · MHA_t(V^E_t · h))`` for a mixed-task batch.
 
-Three launches forward, all grouped by task with one row plan built once per call:
+Four launches forward, all grouped by task with one row plan built once per call:
 
-1. :class:`EncQKVFunction`: one kernel per row tile computes ``s = V^E_t h + b`` for the whole PAL width in
-   registers, stores it (the QKV weight gradient needs it) and immediately multiplies it by ``W^{QKV}_t``, so
-   the ``d``-wide layer input is read once and ``s`` is never read back in the forward;
-2. :func:`fastpals.kernels.pal_attention.pal_attention` (flash-style, small head dims) on strided Q/K/V views
+1. :class:`EncQKVFunction`: the grouped GEMM ``s = V^E_t h + b`` (stored: the QKV weight gradient needs it),
+   then the grouped GEMM ``qkv = W^{QKV}_t s + b``, both tiled in 64-wide column tiles of the PAL width (an
+   earlier single kernel held ``s`` for the whole width rounded up to a power of two, which overflowed the
+   shared memory of every GPU at d_s = 276);
+2. :func:`fastpals.kernels.pal_attention_triton.pal_attention` (flash-style, small head dims) on strided Q/K/V views
    of the packed QKV output;
-3. the grouped V^D GEMM of :mod:`fastpals.kernels.grouped_linear` with bias, exact GELU and the residual add
+3. the grouped V^D GEMM of :mod:`fastpals.kernels.grouped_linear_triton` with bias, exact GELU and the residual add
    (the layer's pre-LayerNorm sum) as its epilogue.
 
 Backward: grouped input-gradient GEMMs and per-task weight-gradient GEMMs (``dW_t = dZ_tᵀ X_t``) for the
@@ -18,105 +19,22 @@ three projections, the attention kernel's own backward, the GELU derivative fold
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from fastpals.kernels.grouped_linear import (
-    GPU_NUM_STAGES,
-    GPU_NUM_WARPS,
-    _cast,
-    _dot,
+from fastpals.kernels.common import (
+    TaskRowPlan,
+    autocast_dtype,
+    cast_floats,
+    task_row_plan,
+)
+from fastpals.kernels.grouped_linear_triton import (
     grouped_linear_rows,
     grouped_mm_rows,
     grouped_wgrad_rows,
+    row_block,
 )
-from fastpals.kernels.pal_attention import pal_attention, pal_attention_varlen
-from fastpals.kernels.utils import (
-    TaskRowPlan,
-    autocast_dtype,
-    device_context,
-    dot_flags,
-    task_row_plan,
-)
+from fastpals.kernels.pal_attention_triton import pal_attention, pal_attention_varlen
 
 __all__ = ["EncQKVFunction", "pal", "pal_varlen"]
-
-
-@triton.jit
-def _enc_qkv_kernel(
-    x_ptr,  # [R, D]
-    we_ptr,  # [T, DS, D]
-    be_ptr,  # [T, DS]
-    wq_ptr,  # [T, NQ, DS]
-    bq_ptr,  # [T, NQ]
-    s_ptr,  # [R, DS] out
-    qkv_ptr,  # [R, NQ] out
-    row_index_ptr,
-    tile_task_ptr,
-    tile_start_ptr,
-    tile_end_ptr,
-    D,
-    DS,
-    NQ,
-    stride_x,
-    IEEE: tl.constexpr,
-    INTERP_BF16: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """s = x @ we[t].T + be[t] (rounded to the input dtype, like the reference), qkv = s @ wq[t].T + bq[t]."""
-    tile = tl.program_id(0)
-    task = tl.load(tile_task_ptr + tile)
-    if task < 0:
-        return
-    start = tl.load(tile_start_ptr + tile)
-    end = tl.load(tile_end_ptr + tile)
-    offs_m = start + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < end
-    rows = tl.load(row_index_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
-    task64 = task.to(tl.int64)
-    offs_s = tl.arange(0, BLOCK_S)
-    s_mask = offs_s < DS
-
-    acc_s = tl.zeros((BLOCK_M, BLOCK_S), dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < D
-        a = tl.load(
-            x_ptr + rows[:, None] * stride_x + offs_k[None, :],
-            mask=m_mask[:, None] & k_mask[None, :],
-            other=0.0,
-        )
-        w = tl.load(
-            we_ptr + task64 * DS * D + offs_s[None, :] * D + offs_k[:, None],
-            mask=k_mask[:, None] & s_mask[None, :],
-            other=0.0,
-        )
-        acc_s = _dot(a, w, acc_s, IEEE, INTERP_BF16)
-    be = tl.load(be_ptr + task64 * DS + offs_s, mask=s_mask, other=0.0)
-    s = _cast(
-        acc_s + be.to(tl.float32)[None, :], s_ptr.dtype.element_ty, INTERP_BF16
-    )  # padded columns stay 0
-    tl.store(s_ptr + rows[:, None] * DS + offs_s[None, :], s, mask=m_mask[:, None] & s_mask[None, :])
-
-    for n0 in range(0, NQ, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < NQ
-        wq = tl.load(
-            wq_ptr + task64 * NQ * DS + offs_n[None, :] * DS + offs_s[:, None],
-            mask=s_mask[:, None] & n_mask[None, :],
-            other=0.0,
-        )
-        acc = _dot(s, wq, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), IEEE, INTERP_BF16)
-        bq = tl.load(bq_ptr + task64 * NQ + offs_n, mask=n_mask, other=0.0)
-        acc += bq.to(tl.float32)[None, :]
-        tl.store(
-            qkv_ptr + rows[:, None] * NQ + offs_n[None, :],
-            _cast(acc, qkv_ptr.dtype.element_ty, INTERP_BF16),
-            mask=m_mask[:, None] & n_mask[None, :],
-        )
 
 
 def _enc_qkv_forward(
@@ -127,38 +45,12 @@ def _enc_qkv_forward(
     qkv_bias: torch.Tensor,
     plan: TaskRowPlan,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    num_rows, d = x.shape
-    d_s, n_qkv = enc_weight.shape[1], qkv_weight.shape[1]
-    s = torch.empty(num_rows, d_s, dtype=x.dtype, device=x.device)
-    qkv = torch.empty(num_rows, n_qkv, dtype=x.dtype, device=x.device)
-    if num_rows == 0:
-        return s, qkv
-    block_s = max(16, triton.next_power_of_2(d_s))
-    with device_context(x):
-        _enc_qkv_kernel[(plan.num_tiles,)](
-            x,
-            enc_weight,
-            enc_bias,
-            qkv_weight,
-            qkv_bias,
-            s,
-            qkv,
-            plan.row_index,
-            plan.tile_task,
-            plan.tile_start,
-            plan.tile_end,
-            d,
-            d_s,
-            n_qkv,
-            x.stride(0),
-            **dot_flags(x.dtype),
-            BLOCK_M=plan.block_rows,
-            BLOCK_S=block_s,
-            BLOCK_K=32 if block_s > 128 else 64,
-            BLOCK_N=32 if block_s > 128 else 64,
-            num_warps=GPU_NUM_WARPS,
-            num_stages=GPU_NUM_STAGES,
-        )
+    """``s = x V^E_t^T + b^E_t`` (rounded to x's dtype, as the reference does) and ``qkv = s W^QKV_t^T +
+    b^QKV_t``: two grouped GEMMs whose output tiles cut the PAL width (204, 276, 612, 828, ...) into 64-wide
+    column tiles, so no width is rounded up to a power of two and every tile fits the shared memory of
+    sm_75/sm_80/sm_90 (see tests/test_aot.py). ``s`` is kept for the QKV weight gradient."""
+    s, _ = grouped_mm_rows(x, enc_weight, plan, bias=enc_bias, aligned_out=True)
+    qkv, _ = grouped_mm_rows(s, qkv_weight, plan, bias=qkv_bias, aligned_out=True)
     return s, qkv
 
 
@@ -191,7 +83,7 @@ class EncQKVFunction(torch.autograd.Function):
         if need_wq or need_bq:
             dwq, dbq = grouped_wgrad_rows(dqkv, s, plan, qkv_weight.dtype, with_bias=True)
         if need_x or need_we or need_be:
-            ds, _ = grouped_mm_rows(dqkv, qkv_weight, plan, transpose_weight=True)
+            ds, _ = grouped_mm_rows(dqkv, qkv_weight, plan, transpose_weight=True, aligned_out=True)
             if need_x:
                 dx, _ = grouped_mm_rows(ds, enc_weight, plan, transpose_weight=True)
             if need_we or need_be:
@@ -319,7 +211,7 @@ def pal(
     ``[T, 3 d_s, d_s]``, qkv_bias ``[T, 3 d_s]``, dec_weight ``[T, d, d_s]``, dec_bias ``[T, d]`` in h's dtype;
     num_heads divides d_s (head dim ``d_s / num_heads`` <= 128); gelu: exact GELU after V^D; dropout_p:
     attention-probability dropout (pass 0 at evaluation; the mask is drawn by the attention kernel from
-    ``generator_seed``, see :func:`fastpals.kernels.pal_attention.pal_attention_dropout_mask`); residual:
+    ``generator_seed``, see :func:`fastpals.kernels.pal_attention_triton.pal_attention_dropout_mask`); residual:
     ``[B, L, d]`` added to the PAL output in the same kernel, or None.
     Returns ``[B, L, d]`` in h's dtype, differentiable in h, the six weights and biases, and residual.
     Under ``torch.autocast`` h and the weights are cast to the autocast dtype first (like ``F.linear``); a
@@ -329,7 +221,7 @@ def pal(
         raise ValueError(f"h must be a [B, L, d] tensor, got {getattr(h, 'shape', type(h))}")
     cast = autocast_dtype(h)
     if cast is not None:
-        h, *weights = _cast_floats(cast, h, enc_weight, enc_bias, qkv_weight, qkv_bias, dec_weight, dec_bias)
+        h, *weights = cast_floats(cast, h, enc_weight, enc_bias, qkv_weight, qkv_bias, dec_weight, dec_bias)
         if (
             residual is not None and residual.dtype != cast
         ):  # the sum is promoted, as in ``residual + pal_reference``
@@ -353,14 +245,14 @@ def pal(
         h.device,
         batch=batch,
         seq_len=length,
-        block_rows=_block_rows(d_s),
+        block_rows=row_block(h),
     )
     head_dim = d_s // num_heads
 
     def attend(qkv: torch.Tensor) -> torch.Tensor:
         q, k, v = qkv.view(batch, length, 3, num_heads, head_dim).unbind(2)
         out = pal_attention(
-            q, k, v, key_padding_mask=attention_mask, dropout_p=dropout_p, generator_seed=generator_seed
+            q, k, v, attention_mask, dropout_p, generator_seed=generator_seed, aligned_rows=True
         )
         return out.reshape(batch * length, d_s)
 
@@ -391,15 +283,16 @@ def pal_varlen(
 ) -> torch.Tensor:
     """Packed form of :func:`pal`: ``residual + pal_varlen_reference(h, cu_seqlens, max_seqlen, ...)``.
 
-    h: ``[N, d]`` with B sequences back to back; cu_seqlens: ``[B+1]`` int32 (0 first, N last, non-decreasing);
-    max_seqlen: int >= the longest sequence; task_ids: ``[B]``, one task per sequence; residual: ``[N, d]`` or
+    h: ``[N, d]`` with B sequences back to back; cu_seqlens: ``[B+1]`` int32 or int64 (0 first, N last,
+    non-decreasing; read on the host once per tensor, so every layer of a forward passing the same tensor syncs
+    once); max_seqlen: int >= the longest sequence, computed once by the caller; task_ids: ``[B]``, one task per sequence; residual: ``[N, d]`` or
     None; the rest as in :func:`pal`. Returns ``[N, d]``.
     """
     if not isinstance(h, torch.Tensor) or h.dim() != 2:
         raise ValueError(f"h must be packed rows [N, d], got {getattr(h, 'shape', type(h))}")
     cast = autocast_dtype(h)
     if cast is not None:
-        h, *weights = _cast_floats(cast, h, enc_weight, enc_bias, qkv_weight, qkv_bias, dec_weight, dec_bias)
+        h, *weights = cast_floats(cast, h, enc_weight, enc_bias, qkv_weight, qkv_bias, dec_weight, dec_bias)
         if residual is not None and residual.dtype != cast:
             out = pal_varlen(
                 h,
@@ -419,7 +312,7 @@ def pal_varlen(
         h, enc_weight, enc_bias, qkv_weight, qkv_bias, dec_weight, dec_bias, num_heads, residual
     )
     plan = task_row_plan(
-        task_ids, num_tasks, h.shape[0], h.device, cu_seqlens=cu_seqlens, block_rows=_block_rows(d_s)
+        task_ids, num_tasks, h.shape[0], h.device, cu_seqlens=cu_seqlens, block_rows=row_block(h)
     )
     head_dim = d_s // num_heads
     num_rows = h.shape[0]
@@ -427,20 +320,10 @@ def pal_varlen(
     def attend(qkv: torch.Tensor) -> torch.Tensor:
         q, k, v = qkv.view(num_rows, 3, num_heads, head_dim).unbind(1)
         out = pal_attention_varlen(
-            q, k, v, cu_seqlens, max_seqlen, dropout_p=dropout_p, generator_seed=generator_seed
+            q, k, v, cu_seqlens, max_seqlen, dropout_p, generator_seed=generator_seed, aligned_rows=True
         )
         return out.reshape(num_rows, d_s)
 
     return _pal_rows(
         h, plan, attend, enc_weight, enc_bias, qkv_weight, qkv_bias, dec_weight, dec_bias, gelu, residual
     )
-
-
-def _cast_floats(dtype: torch.dtype, *tensors: torch.Tensor) -> list[torch.Tensor]:
-    """Autocast's rule for the PAL's operands: floating tensors go to ``dtype`` (differentiably)."""
-    return [t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in tensors]
-
-
-def _block_rows(d_s: int) -> int:
-    """Row-tile height: the fused V^E/QKV kernel keeps a ``[rows, next_pow2(d_s)]`` fp32 tile in registers."""
-    return 32 if triton.next_power_of_2(d_s) > 128 else 64

@@ -43,8 +43,21 @@ import torch
 import triton
 import triton.language as tl
 
+from fastpals.kernels.common import (
+    aligned_rows,
+    aot_mode,
+    check_cu_seqlens,
+    cu_seqlens_int32,
+    device_context,
+    dot_flags,
+    target_arch,
+)
+from fastpals.kernels.grouped_linear_triton import target_class
+from fastpals.kernels.tl_helpers import cast_rne, mm
+
 __all__ = [
     "MAX_HEAD_DIM",
+    "attention_config",
     "PALAttentionFunction",
     "PALAttentionVarlenFunction",
     "pal_attention",
@@ -62,38 +75,6 @@ _SEED_LIMIT = 2**63
 # ----------------------------------------------------------------------------------------------------------------
 # Triton building blocks
 # ----------------------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _mm(a, b, IEEE: tl.constexpr, INTERP_BF16: tl.constexpr):
-    """``a @ b`` with fp32 accumulation; IEEE fp32 products for fp32 operands (no TF32).
-
-    INTERP_BF16 (Triton's CPU interpreter with bf16 inputs only): the interpreter's bf16 ``tl.dot`` returns
-    garbage, so the bf16 tiles are widened to fp32 first. Products of bf16 values are exact in fp32, so this
-    computes what a bf16 MMA with fp32 accumulation computes.
-    """
-    if INTERP_BF16:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    if IEEE:
-        c = tl.dot(a, b, input_precision="ieee")
-    else:
-        c = tl.dot(a, b)
-    return c
-
-
-@triton.jit
-def _cast(x, dtype: tl.constexpr, INTERP_BF16: tl.constexpr):
-    """fp32 -> ``dtype`` with round-to-nearest-even.
-
-    INTERP_BF16: Triton's CPU interpreter truncates fp32 -> bf16 (GPUs round to nearest even), which doubles the
-    rounding error; round the fp32 bits to the nearest bf16 value first so the truncation is exact.
-    """
-    if INTERP_BF16:
-        bits = x.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-        x = bits.to(tl.float32, bitcast=True)
-    return x.to(dtype)
 
 
 @triton.jit
@@ -183,7 +164,7 @@ def _pal_attn_fwd_kernel(
             k = tl.load(k_base + tok_n[:, None] * stride_kl + offs_d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(v_base + tok_n[:, None] * stride_vl + offs_d[None, :], mask=kv_mask, other=0.0)
             bias = _key_bias(MASK, b64, offs_n, valid_n, stride_mb, stride_ml, HAS_MASK)
-            s = _mm(q, tl.trans(k), IEEE, INTERP_BF16) * softmax_scale + bias[None, :]
+            s = mm(q, tl.trans(k), IEEE, INTERP_BF16) * softmax_scale + bias[None, :]
             # every tile holds at least one key inside the sequence, so m_new is finite
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp(m_i - m_new)
@@ -192,12 +173,12 @@ def _pal_attn_fwd_kernel(
             if HAS_DROPOUT:
                 keep = _dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], SEQ, dropout_p)
                 p = tl.where(keep, p * dropout_scale, 0.0)
-            acc = acc * alpha[:, None] + _mm(_cast(p, v.dtype, INTERP_BF16), v, IEEE, INTERP_BF16)
+            acc = acc * alpha[:, None] + mm(cast_rne(p, v.dtype, INTERP_BF16), v, IEEE, INTERP_BF16)
             m_i = m_new
         acc = acc / l_i[:, None]
         tl.store(
             Out + b64 * stride_ob + h * stride_oh + tok_m[:, None] * stride_ol + offs_d[None, :],
-            _cast(acc, Out.dtype.element_ty, INTERP_BF16),
+            cast_rne(acc, Out.dtype.element_ty, INTERP_BF16),
             mask=q_mask,
         )
         stat = (b64 * stat_stride_b + tok_m) * H + h
@@ -297,22 +278,22 @@ def _pal_attn_bwd_dkdv_kernel(
             l_row = tl.load(STAT_L + stat, mask=valid_m, other=1.0)
             delta = tl.load(DELTA + stat, mask=valid_m, other=0.0)
 
-            s_t = _mm(k, tl.trans(q), IEEE, INTERP_BF16) * softmax_scale + bias[:, None]
+            s_t = mm(k, tl.trans(q), IEEE, INTERP_BF16) * softmax_scale + bias[:, None]
             p_t = tl.exp(s_t - m[None, :]) / l_row[None, :]
-            dp_t = _mm(v, tl.trans(do), IEEE, INTERP_BF16)
+            dp_t = mm(v, tl.trans(do), IEEE, INTERP_BF16)
             if HAS_DROPOUT:
                 keep_t = _dropout_keep(seed, bh, offs_m[None, :], offs_n[:, None], SEQ, dropout_p)
                 pd_t = tl.where(keep_t, p_t * dropout_scale, 0.0)
                 dp_t = tl.where(keep_t, dp_t * dropout_scale, 0.0)
             else:
                 pd_t = p_t
-            dv += _mm(_cast(pd_t, do.dtype, INTERP_BF16), do, IEEE, INTERP_BF16)
+            dv += mm(cast_rne(pd_t, do.dtype, INTERP_BF16), do, IEEE, INTERP_BF16)
             ds_t = p_t * (dp_t - delta[None, :])
-            dk += _mm(_cast(ds_t, q.dtype, INTERP_BF16), q, IEEE, INTERP_BF16)
+            dk += mm(cast_rne(ds_t, q.dtype, INTERP_BF16), q, IEEE, INTERP_BF16)
         dk = dk * softmax_scale
         g_off = b64 * stride_gb + h * stride_gh + tok_n[:, None] * stride_gl + offs_d[None, :]
-        tl.store(DK + g_off, _cast(dk, DK.dtype.element_ty, INTERP_BF16), mask=kv_mask)
-        tl.store(DV + g_off, _cast(dv, DV.dtype.element_ty, INTERP_BF16), mask=kv_mask)
+        tl.store(DK + g_off, cast_rne(dk, DK.dtype.element_ty, INTERP_BF16), mask=kv_mask)
+        tl.store(DV + g_off, cast_rne(dv, DV.dtype.element_ty, INTERP_BF16), mask=kv_mask)
 
 
 @triton.jit
@@ -370,18 +351,18 @@ def _pal_attn_bwd_dq_kernel(
             k = tl.load(k_base + tok_n[:, None] * stride_kl + offs_d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(v_base + tok_n[:, None] * stride_vl + offs_d[None, :], mask=kv_mask, other=0.0)
             bias = _key_bias(MASK, b64, offs_n, valid_n, stride_mb, stride_ml, HAS_MASK)
-            s = _mm(q, tl.trans(k), IEEE, INTERP_BF16) * softmax_scale + bias[None, :]
+            s = mm(q, tl.trans(k), IEEE, INTERP_BF16) * softmax_scale + bias[None, :]
             p = tl.exp(s - m[:, None]) / l_row[:, None]
-            dp = _mm(do, tl.trans(v), IEEE, INTERP_BF16)
+            dp = mm(do, tl.trans(v), IEEE, INTERP_BF16)
             if HAS_DROPOUT:
                 keep = _dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], SEQ, dropout_p)
                 dp = tl.where(keep, dp * dropout_scale, 0.0)
             ds = p * (dp - delta[:, None])
-            dq += _mm(_cast(ds, k.dtype, INTERP_BF16), k, IEEE, INTERP_BF16)
+            dq += mm(cast_rne(ds, k.dtype, INTERP_BF16), k, IEEE, INTERP_BF16)
         dq = dq * softmax_scale
         tl.store(
             DQ + b64 * stride_gb + h * stride_gh + tok_m[:, None] * stride_gl + offs_d[None, :],
-            _cast(dq, DQ.dtype.element_ty, INTERP_BF16),
+            cast_rne(dq, DQ.dtype.element_ty, INTERP_BF16),
             mask=q_mask,
         )
 
@@ -448,39 +429,53 @@ def _clamp_block(block: int, seq: int) -> int:
     return max(16, min(block, triton.next_power_of_2(max(seq, 1))))
 
 
-# GPU launch configurations (block_m = queries, block_n = keys, warps, stages) per kernel, per "fp32 or 16-bit"
-# and per padded head dim. Chosen as the largest tiles that compile for sm_90 without register spills with
-# every feature on (mask + dropout), from ptxas resource usage (cuobjdump); not yet timed on a GPU.
-_GPU_CONFIGS: dict[tuple[str, bool, int], tuple[int, int, int, int]] = {
-    ("fwd", False, 32): (128, 64, 8, 3),
-    ("fwd", False, 64): (128, 64, 8, 3),
-    ("fwd", False, 128): (128, 32, 8, 2),
-    ("fwd", True, 32): (64, 32, 4, 2),
-    ("fwd", True, 64): (32, 32, 8, 2),
-    ("fwd", True, 128): (32, 32, 8, 2),
-    ("dkdv", False, 32): (64, 64, 4, 2),
-    ("dkdv", False, 64): (64, 64, 8, 2),
-    ("dkdv", False, 128): (64, 32, 8, 2),
+# GPU launch configurations (block_m = queries, block_n = keys, warps, stages) per kernel, "fp32 or 16-bit" and
+# padded head dim; sm_75 takes one stage (see attention_config). Chosen from the
+# ahead-of-time compile of every launch (Triton 3.9, ptxas -v, every feature on: mask/varlen + dropout) so that
+# the shared memory fits each target and the 16-bit kernels do not spill on sm_80/sm_90 (tests/test_aot.py
+# asserts both); not yet timed on a GPU.
+_BASE_CONFIGS: dict[tuple[str, bool, int], tuple[int, int, int, int]] = {
+    # 16-bit (tensor-core mma / wgmma): 64 x 64 tiles spilled 44-308 B on sm_80; dK/dV at head dim 17 with 32 x 32
+    # tiles and 4 warps spilled 8 B there (varlen + dropout), 64 x 32 with 8 warps does not
+    ("fwd", False, 32): (64, 32, 4, 2),
+    ("fwd", False, 64): (64, 32, 4, 2),
+    ("fwd", False, 128): (32, 32, 4, 2),
+    ("dkdv", False, 32): (64, 32, 8, 2),
+    ("dkdv", False, 64): (64, 32, 4, 2),
+    ("dkdv", False, 128): (16, 32, 4, 2),
+    ("dq", False, 32): (64, 32, 4, 2),
+    ("dq", False, 64): (64, 32, 4, 2),
+    ("dq", False, 128): (32, 32, 4, 2),
+    # fp32 (IEEE products on CUDA cores): smaller tiles, the operands take twice the registers
+    ("fwd", True, 32): (32, 32, 4, 2),
+    ("fwd", True, 64): (32, 32, 4, 2),
+    ("fwd", True, 128): (16, 32, 4, 2),
     ("dkdv", True, 32): (32, 32, 4, 2),
-    ("dkdv", True, 64): (32, 32, 8, 2),
+    ("dkdv", True, 64): (32, 32, 4, 2),
     ("dkdv", True, 128): (16, 32, 4, 2),
-    ("dq", False, 32): (64, 64, 4, 2),
-    ("dq", False, 64): (64, 64, 8, 2),
-    ("dq", False, 128): (32, 64, 8, 2),
     ("dq", True, 32): (32, 32, 4, 2),
-    ("dq", True, 64): (32, 32, 8, 2),
-    ("dq", True, 128): (32, 32, 8, 2),
+    ("dq", True, 64): (32, 32, 4, 2),
+    ("dq", True, 128): (16, 32, 4, 2),
 }
 _INTERPRETER_BLOCK = 16  # small tiles keep the CPU interpreter fast; never autotuned there
 
 
-def _launch_config(kernel: str, layout: _Layout, dtype: torch.dtype) -> _Config:
+def attention_config(target: str, kernel: str, fp32: bool, block_d: int) -> tuple[int, int, int, int]:
+    """(block_m, block_n, warps, stages) of ``kernel`` ("fwd", "dkdv", "dq") on ``target`` ("sm75", "sm80",
+    "sm90") for fp32 or 16-bit inputs and a padded head dim ``block_d`` (16 is launched as 32). sm_75 (64 KiB of
+    shared memory per block) runs one stage."""
+    block_m, block_n, warps, stages = _BASE_CONFIGS[(kernel, fp32, max(32, block_d))]
+    return block_m, block_n, warps, 1 if target == "sm75" else stages
+
+
+def _launch_config(kernel: str, layout: _Layout, q: torch.Tensor) -> _Config:
     """Tile sizes of ``kernel`` ("fwd", "dkdv", "dq") for this call; tiles never exceed the sequence (>= 16)."""
     block_d = max(16, triton.next_power_of_2(layout.head_dim))
     if _interpreting():
         block = _clamp_block(_INTERPRETER_BLOCK, layout.seq)
         return _Config(block, block, block_d, 4, 1)
-    block_m, block_n, warps, stages = _GPU_CONFIGS[(kernel, dtype == torch.float32, max(32, block_d))]
+    target = target_class(target_arch(q))
+    block_m, block_n, warps, stages = attention_config(target, kernel, q.dtype == torch.float32, block_d)
     return _Config(
         _clamp_block(block_m, layout.seq), _clamp_block(block_n, layout.seq), block_d, warps, stages
     )
@@ -507,7 +502,7 @@ def _check_qkv(q: object, k: object, v: object, ndim: int, form: str) -> None:
     head_dim = q.shape[-1]
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"head dim (last dim of q) must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
-    if q.device.type != "cuda" and not _interpreting():
+    if q.device.type != "cuda" and not _interpreting() and not aot_mode():
         raise RuntimeError(
             f"q is on {q.device}: the Triton kernels need a CUDA device, or TRITON_INTERPRET=1 set before "
             "triton is imported (CPU interpreter); use fastpals.functional.attention_reference on CPU"
@@ -568,36 +563,13 @@ def _padded_layout(q: torch.Tensor, key_padding_mask: object) -> _Layout:
 
 def _varlen_layout(q: torch.Tensor, cu_seqlens: object, max_seqlen: object) -> _Layout:
     total, heads, head_dim = q.shape
-    if not isinstance(cu_seqlens, torch.Tensor):
-        raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
-    if cu_seqlens.dtype != torch.int32:
-        raise TypeError(f"cu_seqlens must be int32, got {cu_seqlens.dtype}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
-        raise ValueError(f"cu_seqlens must have shape [B+1] with B >= 0, got {list(cu_seqlens.shape)}")
-    if cu_seqlens.device != q.device:
-        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but q is on {q.device}")
-    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral):
-        raise TypeError(f"max_seqlen must be an int, got {type(max_seqlen).__name__}")
-    # One small device-to-host copy (a sync on GPU): it guarantees no kernel reads past the packed rows.
-    host = cu_seqlens.cpu().long()
-    if int(host[0]) != 0:
-        raise ValueError(f"cu_seqlens[0] must be 0, got {int(host[0])}")
-    lengths = host[1:] - host[:-1]
-    if lengths.numel() and int(lengths.min()) < 0:
-        bad = int(torch.nonzero(lengths < 0)[0, 0])
-        raise ValueError(f"cu_seqlens must be non-decreasing; cu_seqlens[{bad + 1}] < cu_seqlens[{bad}]")
-    if int(host[-1]) != total:
-        raise ValueError(
-            f"cu_seqlens[-1] = {int(host[-1])} must equal the number of packed tokens q.shape[0] = {total}"
-        )
-    longest = int(lengths.max()) if lengths.numel() else 0
-    if int(max_seqlen) < longest:
-        raise ValueError(
-            f"max_seqlen = {int(max_seqlen)} is shorter than the longest sequence ({longest} tokens)"
-        )
-    batch = cu_seqlens.numel() - 1
+    # The shared rule (int32 or int64, 0 first, non-decreasing, N last, max_seqlen >= longest): one host read
+    # per cu_seqlens tensor, not per call, so the PAL of every layer of one forward syncs once.
+    batch = check_cu_seqlens(cu_seqlens, total, q.device, max_seqlen=max_seqlen)
     _check_grid_rows(int(max_seqlen), "max_seqlen")
-    return _Layout(True, batch, int(max_seqlen), heads, head_dim, total, 0, None, cu_seqlens)
+    return _Layout(
+        True, batch, int(max_seqlen), heads, head_dim, total, 0, None, cu_seqlens_int32(cu_seqlens)
+    )
 
 
 def _draw_seed(dropout_p: float, generator_seed: int | None) -> int:
@@ -613,20 +585,12 @@ def _draw_seed(dropout_p: float, generator_seed: int | None) -> int:
     return int(torch.randint(0, 2**31 - 1, (1,)).item())
 
 
-def _device_ctx(x: torch.Tensor):  # noqa: ANN202 - context manager
-    import contextlib
-
-    return torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
-
-
 def _flags(layout: _Layout, dtype: torch.dtype, dropout_p: float) -> dict:
-    interp_bf16 = dtype == torch.bfloat16 and _interpreting()
     return {
         "IS_VARLEN": layout.is_varlen,
         "HAS_MASK": layout.mask is not None,
         "HAS_DROPOUT": dropout_p > 0.0,
-        "IEEE": dtype == torch.float32 or interp_bf16,
-        "INTERP_BF16": interp_bf16,
+        **dot_flags(dtype),
     }
 
 
@@ -638,20 +602,25 @@ def _attention_forward(
     dropout_p: float,
     scale: float,
     seed: int,
+    aligned: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the forward kernel; returns (out like q but contiguous, stat_m [rows, H], stat_l [rows, H])."""
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    """Launch the forward kernel; returns (out like q but contiguous, or with 16-element-aligned rows when
+    ``aligned``; stat_m [rows, H]; stat_l [rows, H])."""
+    if aligned:  # rows of H * Dh values at a 16-element stride (the PAL's V^D reads them as [R, d_s])
+        out = aligned_rows(layout.rows, layout.heads * layout.head_dim, q.dtype, q.device).view(q.shape)
+    else:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     stat_m = torch.empty(layout.rows, layout.heads, dtype=torch.float32, device=q.device)
     stat_l = torch.empty_like(stat_m)
     if out.numel() == 0 or layout.seq == 0:
         return out, stat_m, stat_l
-    cfg = _launch_config("fwd", layout, q.dtype)
+    cfg = _launch_config("fwd", layout, q)
     mask = layout.mask if layout.mask is not None else q
     cu = layout.cu_seqlens if layout.cu_seqlens is not None else q
     mask_strides = (mask.stride(0), mask.stride(1)) if layout.mask is not None else (0, 0)
     dropout_scale = 1.0 / (1.0 - dropout_p)
     grid = (layout.batch * layout.heads, triton.cdiv(layout.seq, cfg.block_m))
-    with _device_ctx(q):
+    with device_context(q):
         _pal_attn_fwd_kernel[grid](
             q, k, v, out, stat_m, stat_l, mask, cu,
             seed, dropout_p, dropout_scale, scale,
@@ -690,8 +659,8 @@ def _attention_backward(
     dv = torch.empty(q.shape, dtype=q.dtype, device=q.device) if need_dkdv else None
     if q.numel() == 0 or layout.seq == 0:
         return dq, dk, dv
-    cfg_kv = _launch_config("dkdv", layout, q.dtype)
-    cfg_q = _launch_config("dq", layout, q.dtype)
+    cfg_kv = _launch_config("dkdv", layout, q)
+    cfg_q = _launch_config("dq", layout, q)
     mask = layout.mask if layout.mask is not None else q
     cu = layout.cu_seqlens if layout.cu_seqlens is not None else q
     mask_strides = (mask.stride(0), mask.stride(1)) if layout.mask is not None else (0, 0)
@@ -708,7 +677,7 @@ def _attention_backward(
         *grad_strides, *mask_strides, layout.stat_stride_b,
         layout.heads, layout.seq, layout.head_dim,
     )  # fmt: skip
-    with _device_ctx(q):
+    with device_context(q):
         _pal_attn_bwd_delta_kernel[(bh, triton.cdiv(layout.seq, cfg_q.block_m))](
             out, dout, delta, cu,
             *_strides(out, varlen), *_strides(dout, varlen), layout.stat_stride_b,
@@ -743,12 +712,13 @@ def _run_forward(
     dropout_p: float,
     softmax_scale: float | None,
     generator_seed: int | None,
+    aligned: bool = False,
 ) -> torch.Tensor:
     dropout_p = float(dropout_p)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(layout.head_dim)
     seed = _draw_seed(dropout_p, generator_seed)
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
-    out, stat_m, stat_l = _attention_forward(q, k, v, layout, dropout_p, scale, seed)
+    out, stat_m, stat_l = _attention_forward(q, k, v, layout, dropout_p, scale, seed, aligned)
     ctx.save_for_backward(q, k, v, out, stat_m, stat_l, layout.mask, layout.cu_seqlens)
     ctx.layout = layout._replace(mask=None, cu_seqlens=None)
     ctx.dropout_p, ctx.scale, ctx.seed = dropout_p, scale, seed
@@ -785,15 +755,16 @@ class PALAttentionFunction(torch.autograd.Function):
         dropout_p: float,
         softmax_scale: float | None,
         generator_seed: int | None,
+        aligned_rows: bool = False,
     ) -> torch.Tensor:
         _check_qkv(q, k, v, 4, "[B, L, H, Dh]")
         _check_common(dropout_p, softmax_scale, generator_seed)
         layout = _padded_layout(q, key_padding_mask)
-        return _run_forward(ctx, q, k, v, layout, dropout_p, softmax_scale, generator_seed)
+        return _run_forward(ctx, q, k, v, layout, dropout_p, softmax_scale, generator_seed, aligned_rows)
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # noqa: ANN001
-        return (*_run_backward(ctx, dout), None, None, None, None)
+        return (*_run_backward(ctx, dout), None, None, None, None, None)
 
 
 class PALAttentionVarlenFunction(torch.autograd.Function):
@@ -814,15 +785,16 @@ class PALAttentionVarlenFunction(torch.autograd.Function):
         dropout_p: float,
         softmax_scale: float | None,
         generator_seed: int | None,
+        aligned_rows: bool = False,
     ) -> torch.Tensor:
         _check_qkv(q, k, v, 3, "[N, H, Dh]")
         _check_common(dropout_p, softmax_scale, generator_seed)
         layout = _varlen_layout(q, cu_seqlens, max_seqlen)
-        return _run_forward(ctx, q, k, v, layout, dropout_p, softmax_scale, generator_seed)
+        return _run_forward(ctx, q, k, v, layout, dropout_p, softmax_scale, generator_seed, aligned_rows)
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # noqa: ANN001
-        return (*_run_backward(ctx, dout), None, None, None, None, None)
+        return (*_run_backward(ctx, dout), None, None, None, None, None, None)
 
 
 def pal_attention(
@@ -833,6 +805,8 @@ def pal_attention(
     dropout_p: float = 0.0,
     softmax_scale: float | None = None,
     generator_seed: int | None = None,
+    *,
+    aligned_rows: bool = False,
 ) -> torch.Tensor:
     """Multi-head softmax attention over a padded batch; the fused form of ``attention_reference``.
 
@@ -848,11 +822,15 @@ def pal_attention(
         softmax_scale: score scale; default ``1 / sqrt(Dh)``.
         generator_seed: Philox seed of the dropout mask (see :func:`pal_attention_dropout_mask`); default: one
             draw from torch's default CPU generator per call.
+        aligned_rows: return the ``[B*L, H*Dh]`` rows at a stride padded to 16 elements (the fused PAL's V^D then
+            reads 16-byte-aligned rows) instead of contiguous.
 
     Returns:
-        ``[B, L, H, Dh]`` contiguous, q's dtype. Differentiable in q, k and v.
+        ``[B, L, H, Dh]`` contiguous (or row-aligned), q's dtype. Differentiable in q, k and v.
     """
-    return PALAttentionFunction.apply(q, k, v, key_padding_mask, dropout_p, softmax_scale, generator_seed)
+    return PALAttentionFunction.apply(
+        q, k, v, key_padding_mask, dropout_p, softmax_scale, generator_seed, aligned_rows
+    )
 
 
 def pal_attention_varlen(
@@ -864,14 +842,17 @@ def pal_attention_varlen(
     dropout_p: float = 0.0,
     softmax_scale: float | None = None,
     generator_seed: int | None = None,
+    *,
+    aligned_rows: bool = False,
 ) -> torch.Tensor:
     """Packed (varlen) form of :func:`pal_attention`; the fused form of ``attention_varlen_reference``.
 
     Args:
         q, k, v: ``[N, H, Dh]`` with the B sequences back to back (any strides on the first two dims, last dim
             contiguous); dtypes and ``Dh`` as in :func:`pal_attention`.
-        cu_seqlens: ``[B+1]`` int32 on q's device, ``cu_seqlens[0] == 0``, non-decreasing, ``cu_seqlens[-1] == N``
-            (empty sequences are allowed). Checked on the host: one small device-to-host copy (a sync) per call.
+        cu_seqlens: ``[B+1]`` int32 or int64 on q's device, ``cu_seqlens[0] == 0``, non-decreasing,
+            ``cu_seqlens[-1] == N`` (empty sequences are allowed). Checked on the host once per tensor (see
+            :func:`fastpals.kernels.common.check_cu_seqlens`): one device sync for the first call on it.
         max_seqlen: an int >= the longest sequence; it sizes the grid and the dropout counters.
         dropout_p, softmax_scale, generator_seed: as in :func:`pal_attention`. Position i, j of sequence b uses
             the same dropout counter as in a padded batch with ``L = max_seqlen``.
@@ -880,7 +861,7 @@ def pal_attention_varlen(
         ``[N, H, Dh]`` contiguous, q's dtype. Differentiable in q, k and v.
     """
     return PALAttentionVarlenFunction.apply(
-        q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, generator_seed
+        q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, generator_seed, aligned_rows
     )
 
 
@@ -899,14 +880,14 @@ def pal_attention_dropout_mask(
     _check_common(dropout_p, None, seed)
     _check_grid_rows(int(seqlen), "seqlen")
     device = torch.device(device)
-    if device.type != "cuda" and not _interpreting():
+    if device.type != "cuda" and not _interpreting() and not aot_mode():
         raise RuntimeError(f"device {device} needs TRITON_INTERPRET=1 (CPU interpreter) or a CUDA device")
     keep = torch.empty(batch, num_heads, seqlen, seqlen, dtype=torch.int8, device=device)
     if keep.numel() == 0:
         return keep.bool()
     block = 16 if _interpreting() else 64
     grid = (batch * num_heads, triton.cdiv(seqlen, block), triton.cdiv(seqlen, block))
-    with _device_ctx(keep):
+    with device_context(keep):
         _pal_attn_dropout_mask_kernel[grid](
             keep, int(seed), float(dropout_p), num_heads, seqlen, BLOCK_M=block, BLOCK_N=block
         )

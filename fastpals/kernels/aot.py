@@ -1,0 +1,324 @@
+"""Ahead-of-time compilation of every fastpals Triton kernel for a GPU target, on a machine without a GPU.
+
+``python -m fastpals.kernels.aot --cap 80 --out aot_80.json`` runs the real host wrappers (fused PAL forward and
+backward, padded and packed, with and without dropout; grouped linear; Gram; combine) on CPU tensors, with
+Triton's driver replaced by one whose target is ``GPUTarget("cuda", CAP, 32)``. Every kernel launch becomes a
+compile-only warm-up with Triton's own specialisations (integer divisibility, pointer alignment) computed from
+the real arguments, at the launch configuration the wrapper chooses for that target. ``ptxas -v`` (the one
+shipped with Triton) then reports registers, spills and shared memory of each compiled variant, and the PTX and
+TTGIR say whether ``tl.dot`` became tensor-core ``mma``/``wgmma``.
+
+Shapes: BERT-base (d 768) and MiniLM (d 384), the PAL widths of the presets (204, 276) with 6 and 12 heads,
+B 8 x L 128 (compiles do not depend on B; sequence lengths only clamp the tiles, and 128 is the training length).
+Must run in its own process: it sets ``FASTPALS_AOT=1`` and unsets ``TRITON_INTERPRET`` before Triton loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+#: per-block shared memory (bytes) of each target
+SMEM_LIMIT = {75: 64 * 1024, 80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+#: dtypes each target runs (sm_75 has no bf16 tensor cores and the dispatch never sends bf16 there)
+TARGET_DTYPES = {75: ("fp32", "fp16"), 80: ("fp32", "fp16", "bf16"), 90: ("fp32", "fp16", "bf16")}
+#: (d, d_s, heads): BERT-base and MiniLM widths with the seed PAL widths and head counts
+PAL_SHAPES = (
+    (768, 204, 6),
+    (768, 204, 12),
+    (768, 276, 6),
+    (768, 276, 12),
+    (384, 204, 6),
+    (384, 276, 12),
+)
+#: kernels whose dots run on 16-bit operands for 16-bit inputs (gram up-casts to fp32 on purpose)
+DOT_KERNELS = (
+    "_grouped_mm_kernel",
+    "_grouped_wgrad_kernel",
+    "_pal_attn_fwd_kernel",
+    "_pal_attn_bwd_dkdv_kernel",
+    "_pal_attn_bwd_dq_kernel",
+)
+
+
+def _install_fake_driver(cap: int) -> None:
+    import torch
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+
+    class CompileOnlyDriver:
+        """Just enough of Triton's driver for a compile-only launch (warm-up) on CPU tensors."""
+
+        def get_current_device(self) -> int:
+            return 0
+
+        def get_current_stream(self, device: int | None = None) -> int:
+            return 0
+
+        def get_current_target(self) -> GPUTarget:
+            return GPUTarget("cuda", cap, 32)
+
+        def get_active_torch_device(self) -> torch.device:
+            return torch.device("cpu")
+
+    driver.set_active(CompileOnlyDriver())
+
+
+def _ptxas_report(ptx: str, cap: int) -> dict[str, Any]:
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+    arch = sm_arch_from_capability(cap)
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        cmd = [get_ptxas(cap).path, "-v", f"--gpu-name={arch}", src, "-o", src + ".o"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    log = proc.stderr
+    out: dict[str, Any] = {"ptxas_rc": proc.returncode}
+    m = re.search(r"Used (\d+) registers", log)
+    out["regs"] = int(m.group(1)) if m else None
+    m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    out["stack"], out["spill_stores"], out["spill_loads"] = map(int, m.groups()) if m else (0, 0, 0)
+    return out
+
+
+class Recorder:
+    """Wraps ``JITFunction.run``: each launch compiles (warm-up) and each new variant is measured once."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.records: dict[str, dict[str, Any]] = {}
+        self.case = ""
+
+    def ptxas(self, kernel_hash: str, ptx: str) -> dict[str, Any]:
+        """:func:`_ptxas_report`, cached as JSON beside Triton's own cache (keyed on the kernel's hash)."""
+        cache = os.environ.get("TRITON_CACHE_DIR")
+        path = os.path.join(cache, f"fastpals-ptxas-{self.cap}-{kernel_hash}.json") if cache else None
+        if path and os.path.exists(path):
+            with open(path) as f:
+                return json.load(f)
+        report = _ptxas_report(ptx, self.cap)
+        if path:
+            os.makedirs(cache, exist_ok=True)
+            with open(path, "w") as f:
+                json.dump(report, f)
+        return report
+
+    def install(self) -> None:
+        from triton.runtime import jit
+
+        original = jit.JITFunction.run
+        recorder = self
+
+        def run(fn: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
+            kernel = original(fn, *args, grid=grid, warmup=True, **kwargs)
+            recorder.record(fn.fn.__name__, kernel, args, kwargs)
+            return kernel
+
+        jit.JITFunction.run = run
+
+    def record(self, name: str, kernel: Any, args: tuple, kwargs: dict) -> None:
+        key = f"{name}:{kernel.hash}"
+        rec = self.records.get(key)
+        if rec is None:
+            ptx, ttgir = kernel.asm["ptx"], kernel.asm.get("ttgir", "")
+            dtypes = sorted(
+                {
+                    str(a.dtype).replace("torch.", "")
+                    for a in args
+                    if hasattr(a, "dtype") and a.is_floating_point()
+                }
+            )
+            rec = {
+                "kernel": name,
+                "dtype": "/".join(dtypes),
+                "constexprs": {
+                    k: v
+                    for k, v in kwargs.items()
+                    if isinstance(v, (bool, int, float, str)) and k[:1].isupper()
+                },
+                "num_warps": kernel.metadata.num_warps,
+                "num_stages": kernel.metadata.num_stages,
+                "shared": int(kernel.metadata.shared),
+                "smem_limit": SMEM_LIMIT[self.cap],
+                "mma_sync": ptx.count("mma.sync"),
+                "wgmma": ptx.count("wgmma.mma_async"),
+                "mma_layout": sorted(set(re.findall(r"nvidia_mma<\{versionMajor = (\d)", ttgir))),
+                "cp_async": ptx.count("cp.async"),
+                "cases": [],
+            }
+            rec.update(self.ptxas(kernel.hash, ptx))
+            self.records[key] = rec
+        if len(rec["cases"]) < 3:
+            rec["cases"].append(self.case)
+
+
+def _pal_case(dtype: Any, d: int, d_s: int, heads: int, packed: bool, dropout: float) -> None:
+    import torch
+
+    from fastpals import kernels
+
+    batch, length, tasks = 8, 128, 3
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(length // 2, length + 1, (batch,), generator=g)
+    lengths[0] = length
+    mask = torch.arange(length)[None, :] < lengths[:, None]
+    task_ids = torch.arange(batch) % tasks
+
+    def w(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * 0.02).to(dtype).requires_grad_()
+
+    weights = [
+        w(tasks, d_s, d),
+        w(tasks, d_s),
+        w(tasks, 3 * d_s, d_s),
+        w(tasks, 3 * d_s),
+        w(tasks, d, d_s),
+        w(tasks, d),
+    ]
+    h = torch.randn(batch, length, d, generator=g).to(dtype)
+    if packed:
+        rows = h[mask].requires_grad_()
+        cu = torch.zeros(batch + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(lengths, 0)
+        res = rows.detach().clone().requires_grad_()
+        y = kernels.pal_varlen(rows, cu, length, task_ids, *weights, heads, True, dropout, residual=res)
+    else:
+        h.requires_grad_()
+        res = h.detach().clone().requires_grad_()
+        y = kernels.pal(h, mask, task_ids, *weights, heads, True, dropout, residual=res)
+    y.float().sum().backward()
+
+
+def _grouped_case(dtype: Any, d_in: int, d_out: int, gelu: bool) -> None:
+    import torch
+
+    from fastpals import kernels
+
+    x = torch.randn(8, 128, d_in).to(dtype).requires_grad_()
+    w = (torch.randn(3, d_out, d_in) * 0.02).to(dtype).requires_grad_()
+    b = torch.zeros(3, d_out).to(dtype).requires_grad_()
+    y = kernels.grouped_linear(x, torch.arange(8) % 3, w, b, "gelu" if gelu else None)
+    y.float().sum().backward()
+
+
+def _buffer_case(dtype: Any, tasks: int) -> None:
+    import torch
+
+    from fastpals.kernels.combine_triton import combine_triton
+    from fastpals.kernels.gram_triton import gram_triton
+
+    buf = torch.zeros(tasks, 1 << 20, dtype=dtype)
+    gram_triton(buf)
+    for out_dtype in {torch.float32, dtype}:
+        combine_triton(buf, torch.ones(tasks), torch.empty(1 << 20, dtype=out_dtype))
+    combine_triton(buf, torch.ones(tasks), buf[0])
+
+
+def _dropout_mask_case() -> None:
+    from fastpals.kernels.pal_attention_triton import pal_attention_dropout_mask
+
+    pal_attention_dropout_mask(8, 12, 128, 0.1, seed=1234, device="cpu")
+
+
+def cases(cap: int, quick: bool = False) -> list[tuple[str, Any, tuple]]:
+    """Every compile case for target ``cap``: (label, function, arguments)."""
+    import torch
+
+    dt = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+    out: list[tuple[str, Any, tuple]] = [("dropout mask", _dropout_mask_case, ())]
+    shapes = PAL_SHAPES[:3] if quick else PAL_SHAPES
+    for name in TARGET_DTYPES[cap]:
+        for d, d_s, heads in shapes:
+            for packed in (False, True):
+                for dropout in (0.0, 0.1):
+                    form = "packed" if packed else "padded"
+                    label = f"pal {name} d={d} d_s={d_s} H={heads} {form} p={dropout}"
+                    out.append((label, _pal_case, (dt[name], d, d_s, heads, packed, dropout)))
+        out.append((f"grouped_linear {name} 768->3072 gelu", _grouped_case, (dt[name], 768, 3072, True)))
+        out.append((f"grouped_linear {name} 384->204", _grouped_case, (dt[name], 384, 204, False)))
+        for tasks in (3, 16, 32):
+            out.append((f"gram+combine {name} T={tasks}", _buffer_case, (dt[name], tasks)))
+    return out
+
+
+def compile_all(cap: int, quick: bool = False) -> dict[str, Any]:
+    """Compile every case for ``cap`` in this process (which must not have loaded Triton's kernels yet)."""
+    os.environ.pop("TRITON_INTERPRET", None)
+    os.environ["FASTPALS_AOT"] = "1"
+    _install_fake_driver(cap)
+    recorder = Recorder(cap)
+    recorder.install()
+    errors, start = [], time.time()
+    for label, fn, args in cases(cap, quick):
+        recorder.case = label
+        try:
+            fn(*args)
+        except Exception as exc:  # a compile failure (e.g. OutOfResources) is a result, reported per case
+            errors.append({"case": label, "error": f"{type(exc).__name__}: {exc}"[:2000]})
+    import triton
+
+    return {
+        "cap": cap,
+        "triton": triton.__version__,
+        "records": list(recorder.records.values()),
+        "errors": errors,
+        "wall_s": round(time.time() - start, 1),
+    }
+
+
+def summary_rows(result: dict[str, Any]) -> list[str]:
+    """One Markdown table row per kernel and dtype: the worst registers, spills and shared memory over its
+    variants, and whether every 16-bit dot variant uses tensor cores."""
+    worst: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in result["records"]:
+        w = worst.setdefault(
+            (r["kernel"], r["dtype"]), {"regs": 0, "spill": 0, "smem": 0, "variants": 0, "mma": True}
+        )
+        w["regs"] = max(w["regs"], r["regs"] or 0)
+        w["spill"] = max(w["spill"], r["spill_stores"])
+        w["smem"] = max(w["smem"], r["shared"])
+        w["variants"] += 1
+        w["mma"] = w["mma"] and (r["mma_sync"] + r["wgmma"]) > 0
+    rows = []
+    for (kernel, dtype), w in sorted(worst.items()):
+        mma = "yes" if w["mma"] else "no"
+        if kernel not in DOT_KERNELS or dtype == "float32":
+            mma = "n/a" if not w["mma"] else "yes"
+        rows.append(
+            f"| sm_{result['cap']} | {kernel} | {dtype} | {w['variants']} | {w['regs']} | {w['spill']} | "
+            f"{w['smem'] / 1024:.1f} / {result['records'][0]['smem_limit'] // 1024} | {mma} |"
+        )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m fastpals.kernels.aot", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--cap", type=int, required=True, choices=sorted(TARGET_DTYPES), help="75, 80 or 90")
+    parser.add_argument("--out", required=True, help="JSON file for the per-variant records")
+    parser.add_argument("--quick", action="store_true", help="only the first three PAL shapes")
+    args = parser.parse_args(argv)
+    result = compile_all(args.cap, args.quick)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print("| target | kernel | dtype | variants | regs | spill B | smem KiB / limit | tensor cores |")
+    print("|---|---|---|---|---|---|---|---|")
+    print("\n".join(summary_rows(result)))
+    for e in result["errors"]:
+        print("ERROR", e["case"], e["error"][:300])
+    print(f"{len(result['records'])} variants, {len(result['errors'])} failing cases, {result['wall_s']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+# ruff: noqa: ANN001  (Triton kernel arguments are pointers and constexprs without Python annotations)
+"""Gram matrix of the per-task gradients, with a fused finite check, in one pass over the ``[T, P]`` buffer.
+
+``gram[i, j] = sum_p buf[i, p] * buf[j, p]`` accumulated in fp32 (every element is up-cast to fp32 and the dots
+run in IEEE precision, no TF32), and ``finite[t]`` is true when row ``t`` holds no inf/nan and its sum of
+squares did not overflow. Each program reads a contiguous run of columns of all ``T`` rows, accumulates a
+``T_PAD x T_PAD`` partial Gram with ``tl.dot`` and counts non-finite values per row; the partials are then
+summed (a tiny ``[programs, T_PAD, T_PAD]`` reduction, deterministic: no atomics).
+
+No autograd: the buffer holds gradients. The public op is :func:`fastpals.kernels.gram` (validation and
+dispatch in :mod:`fastpals.kernels.dispatch`); the reference is :func:`fastpals.functional.gram_reference`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fastpals.kernels.common import device_context
+
+__all__ = ["gram_triton"]
+
+
+@triton.jit
+def _gram_partial_kernel(
+    buf_ptr,
+    partial_ptr,  # [programs, T_PAD, T_PAD] fp32
+    bad_ptr,  # [programs, T_PAD] int32
+    T,
+    P,
+    stride_t,
+    cols_per_program,
+    T_PAD: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    rows = tl.arange(0, T_PAD)
+    row_mask = rows < T
+    row_offs = rows.to(tl.int64)[:, None] * stride_t
+    start = pid * cols_per_program
+    acc = tl.zeros((T_PAD, T_PAD), dtype=tl.float32)
+    bad = tl.zeros((T_PAD,), dtype=tl.int32)
+    for off in range(0, cols_per_program, BLOCK_P):
+        cols = start + off + tl.arange(0, BLOCK_P)
+        mask = row_mask[:, None] & (cols[None, :] < P)
+        # Up-cast first: bf16/fp16 products are exact in fp32, and fp32 dots run in IEEE precision (no TF32).
+        xf = tl.load(buf_ptr + row_offs + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        acc = tl.dot(xf, tl.trans(xf), acc, input_precision="ieee")
+        nonfinite = (xf != xf) | (tl.abs(xf) > 3.4028234663852886e38)
+        bad += tl.sum(nonfinite.to(tl.int32), axis=1)
+    out_rows = tl.arange(0, T_PAD)
+    tl.store(partial_ptr + pid * T_PAD * T_PAD + out_rows[:, None] * T_PAD + out_rows[None, :], acc)
+    tl.store(bad_ptr + pid * T_PAD + out_rows, bad)
+
+
+def gram_triton(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`fastpals.functional.gram_reference` by the Triton kernel, on ``buf``'s device (``buf`` already
+    validated by :func:`fastpals.functional.check_task_buffer`). No host synchronisation."""
+    t, p = buf.shape
+    t_pad = max(16, triton.next_power_of_2(t))  # tl.dot needs every dimension >= 16
+    # 16 x 128 up-cast tiles of a 16-bit buffer spilled 12 B on sm_90 (AOT test): 64 columns for 16-bit buffers
+    block_p = 128 if t_pad <= 16 and buf.element_size() == 4 else 64
+    blocks = triton.cdiv(p, block_p)
+    if buf.is_cuda:
+        max_programs = 4 * torch.cuda.get_device_properties(buf.device).multi_processor_count
+    else:  # the interpreter: few programs, each looping over many blocks
+        max_programs = 4
+    programs = min(blocks, max_programs)
+    cols_per_program = triton.cdiv(blocks, programs) * block_p
+    programs = triton.cdiv(p, cols_per_program)
+    partial = torch.empty((programs, t_pad, t_pad), dtype=torch.float32, device=buf.device)
+    bad = torch.empty((programs, t_pad), dtype=torch.int32, device=buf.device)
+    with device_context(buf):
+        _gram_partial_kernel[(programs,)](
+            buf,
+            partial,
+            bad,
+            t,
+            p,
+            buf.stride(0),
+            cols_per_program,
+            T_PAD=t_pad,
+            BLOCK_P=block_p,
+        )
+    g = partial.sum(dim=0)[:t, :t]
+    g = 0.5 * (g + g.T)
+    finite = (bad.sum(dim=0)[:t] == 0) & torch.isfinite(torch.diagonal(g))
+    return g, finite

@@ -1,0 +1,58 @@
+"""Triton building blocks shared by every fastpals kernel: the dot with its precision flags, the rounding cast,
+the GELU derivative. Imports Triton; the host-side helpers (dispatch, checks, task plans) are in
+:mod:`fastpals.kernels.common`, which does not."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["cast_rne", "dot_acc", "gelu_grad", "mm"]
+
+
+@triton.jit
+def dot_acc(a, b, acc, IEEE: tl.constexpr, INTERP_BF16: tl.constexpr):
+    """``acc + a @ b`` in fp32. IEEE: exact fp32 products for fp32 operands (no TF32). INTERP_BF16 (bf16 under
+    the CPU interpreter only, whose bf16 ``tl.dot`` is wrong): widen the tiles to fp32 first (bf16 products
+    are exact in fp32: the same result as a bf16 MMA with fp32 accumulation)."""
+    if INTERP_BF16:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if IEEE:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def mm(a, b, IEEE: tl.constexpr, INTERP_BF16: tl.constexpr):
+    """``a @ b`` with fp32 accumulation (no accumulator operand); flags as in :func:`dot_acc`."""
+    if INTERP_BF16:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if IEEE:
+        c = tl.dot(a, b, input_precision="ieee")
+    else:
+        c = tl.dot(a, b)
+    return c
+
+
+@triton.jit
+def cast_rne(x, dtype: tl.constexpr, INTERP_BF16: tl.constexpr):
+    """``x.to(dtype)`` rounding to nearest even. The CPU interpreter truncates fp32 -> bf16 (GPUs round to
+    nearest even), so under INTERP_BF16 the fp32 bits are rounded to the nearest bf16 value first and the
+    truncation is then exact."""
+    if INTERP_BF16:
+        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def gelu_grad(z):
+    """d/dz of z * Phi(z) (exact erf GELU), in fp32."""
+    cdf = 0.5 * (1.0 + tl.math.erf(z * 0.7071067811865476))
+    pdf = tl.exp(-0.5 * z * z) * 0.3989422804014327
+    return cdf + z * pdf

@@ -1,0 +1,133 @@
+"""The backend decision (fastpals.kernels.dispatch.decide) for each GPU generation, the $FASTPALS_KERNELS
+override, and the stock-composition path (grouped matmuls + SDPA) it picks on sm_75, against the reference."""
+
+import pytest
+import torch
+
+from fastpals.functional import attention_reference, attention_sdpa, pal_reference, pal_varlen_reference
+from fastpals.kernels import dispatch
+from fastpals.kernels.dispatch import OPS, decide
+
+FP32, FP16, BF16 = torch.float32, torch.float16, torch.bfloat16
+T4, A100, H100 = (7, 5), (8, 0), (9, 0)
+
+
+@pytest.mark.parametrize("dtype", [FP32, FP16, BF16])
+def test_cpu_runs_the_reference(dtype):
+    for op in OPS:
+        choice = decide(op, None, dtype)
+        expected = "sdpa" if op == "bert_attention_varlen" else "reference"
+        assert choice.backend == expected and "CPU" in choice.reason
+
+
+def test_sm75_takes_tensor_core_stock_ops():
+    """T4: Triton emits no mma there, so the PAL and its attention take cuBLAS + SDPA; bf16 has no tensor cores."""
+    for op in ("pal", "pal_attention"):
+        got = decide(op, T4, FP16)
+        assert got.backend == "sdpa" and "no mma" in got.reason and "sm_75" in got.reason
+    assert decide("grouped_linear", T4, FP16).backend == "reference"
+    assert decide("pal", T4, BF16).backend == "reference" and "bf16" in decide("pal", T4, BF16).reason
+    # memory-bound ops need no tensor cores
+    assert decide("gram", T4, FP16).backend == "triton"
+    assert decide("combine", T4, FP32).backend == "triton"
+    # flash-attn 2 needs sm_80
+    assert decide("bert_attention_varlen", T4, FP16, flash_attn=True).backend == "sdpa"
+
+
+@pytest.mark.parametrize("cap", [A100, H100])
+@pytest.mark.parametrize("dtype", [FP32, FP16, BF16])
+def test_sm80_and_sm90_take_triton(cap, dtype):
+    for op in ("pal", "grouped_linear", "pal_attention", "gram", "combine"):
+        got = decide(op, cap, dtype)
+        assert got.backend == "triton", (op, got)
+        assert got.reason
+    half = dtype != FP32
+    flash = decide("bert_attention_varlen", cap, dtype, flash_attn=True)
+    assert flash.backend == ("flash_attn" if half else "sdpa")
+    assert decide("bert_attention_varlen", cap, dtype, flash_attn=False).backend == "sdpa"
+
+
+def test_pre_volta_and_bad_arguments():
+    assert decide("gram", (6, 1), FP32).backend == "reference"
+    assert decide("pal", (6, 1), FP16).backend == "sdpa"
+    with pytest.raises(ValueError, match="op must be one of"):
+        decide("softmax", A100, FP16)
+    with pytest.raises(ValueError, match="dtype must be"):
+        decide("pal", A100, torch.float64)
+
+
+def test_backend_follows_the_env_override(monkeypatch):
+    x = torch.zeros(2)
+    monkeypatch.setenv("FASTPALS_KERNELS", "reference")
+    assert dispatch.backend("pal", x) == "reference"
+    monkeypatch.setenv("FASTPALS_KERNELS", "auto")
+    assert dispatch.backend("pal", x) == "reference"  # CPU tensor
+    monkeypatch.setenv("FASTPALS_KERNELS", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert dispatch.backend("gram", x) == "triton"
+    assert dispatch.backend("bert_attention_varlen", x) == "sdpa"
+    assert not dispatch.flash_varlen_ok(x)
+
+
+@pytest.mark.parametrize("head_dim", [17, 34, 46, 64])
+def test_attention_sdpa_matches_the_reference(head_dim):
+    g = torch.Generator().manual_seed(head_dim)
+    q, k, v = (torch.randn(3, 11, 2, head_dim, generator=g) for _ in range(3))
+    mask = torch.ones(3, 11, dtype=torch.bool)
+    mask[1, 6:] = False
+    mask[2, :] = False  # no token: both average every key uniformly (softmax in fp32 in both)
+    got = attention_sdpa(q, k, v, mask)
+    want = attention_reference(q, k, v, mask)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(attention_sdpa(q, k, v), attention_reference(q, k, v), rtol=0, atol=1e-5)
+
+
+def _pal_args(d, d_s, heads, tasks, g):
+    def w(*s):
+        return torch.randn(*s, generator=g) * 0.1
+
+    weights = (
+        w(tasks, d_s, d),
+        w(tasks, d_s),
+        w(tasks, 3 * d_s, d_s),
+        w(tasks, 3 * d_s),
+        w(tasks, d, d_s),
+        w(tasks, d),
+    )
+    return weights, heads
+
+
+def test_pal_sdpa_path_matches_the_reference_fp32():
+    g = torch.Generator().manual_seed(0)
+    weights, heads = _pal_args(24, 34, 2, 3, g)
+    h = torch.randn(4, 9, 24, generator=g)
+    mask = torch.ones(4, 9, dtype=torch.bool)
+    mask[1, 5:] = False
+    task_ids = torch.tensor([2, 0, 1, 2])
+    ref = pal_reference(h, mask, task_ids, *weights, heads)
+    sdpa = pal_reference(h, mask, task_ids, *weights, heads, attention="sdpa")
+    assert (ref - sdpa).abs().max().item() <= 1e-5
+    lengths = mask.sum(1)
+    cu = torch.zeros(5, dtype=torch.int64)
+    cu[1:] = torch.cumsum(lengths, 0)
+    packed = pal_varlen_reference(h[mask], cu, 9, task_ids, *weights, heads, attention="sdpa")
+    assert (packed - ref[mask]).abs().max().item() <= 1e-5
+    with pytest.raises(ValueError, match="attention must be"):
+        pal_reference(h, mask, task_ids, *weights, heads, attention="flash")
+
+
+def test_run_pal_adds_the_residual_on_every_backend(monkeypatch):
+    g = torch.Generator().manual_seed(1)
+    weights, heads = _pal_args(16, 12, 2, 2, g)
+    h = torch.randn(2, 5, 16, generator=g)
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    res = torch.randn(2, 5, 16, generator=g)
+    task_ids = torch.tensor([1, 0])
+    args = (task_ids, *weights, heads, True, 0.0)
+    want = res + pal_reference(h, mask, *args)
+    for choice in ("reference", "sdpa"):
+        monkeypatch.setattr(dispatch, "backend", lambda op, t, c=choice: c)
+        got = dispatch.run_pal(h, args, mask=mask, residual=res)
+        assert (got - want).abs().max().item() <= 1e-5, choice
+        assert (dispatch.run_pal(h, args, mask=mask) - (want - res)).abs().max().item() <= 1e-5

