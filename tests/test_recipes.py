@@ -160,6 +160,14 @@ def test_bad_recipe_file_is_one_line_naming_file_and_key(tiny, tmp_path, content
     assert str(path) in str(err.value) and "\n" not in str(err.value)
 
 
+def test_help_lists_the_recipes():
+    from fastpals.train.cli import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    assert "--recipe NAME start from a named recipe's options" in text
+    assert all(name in text.replace("- ", "-") for name in recipe_names())
+
+
 def test_recipe_errors_from_the_command_line(tiny, tmp_path, capsys):
     assert train_main(["--recipe", "nope", *quick(tiny, tmp_path)]) == 2
     err = capsys.readouterr().err.strip()

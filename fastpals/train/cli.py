@@ -72,9 +72,10 @@ def build_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
         p.add_argument(*flags, **kw)
     from fastpals.train.recipes import recipe_names
 
-    p.add_argument("--recipe", dest="recipe", metavar="NAME", help="start from a named recipe's options "
-                   f"({', '.join(recipe_names())}, or a JSON file of TrainArgs options; see "
-                   "fastpals/configs/recipes/); options given on the command line override it")  # fmt: skip
+    p.add_argument("--recipe", dest="recipe", metavar="NAME", default=argparse.SUPPRESS,
+                   help=f"start from a named recipe's options ({', '.join(recipe_names())}, or a JSON file of "
+                   "TrainArgs options; see fastpals/configs/recipes/); options given on the command line override "
+                   "it")  # fmt: skip
     return p
 
 
