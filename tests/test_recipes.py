@@ -3,6 +3,7 @@ names, each trains for two updates on a tiny random BERT, ``--recipe`` precedenc
 ``fastpals compare`` writing its table and chart."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -47,6 +48,25 @@ def make_tiny_model_6_layers(folder: Path) -> Path:
     model = BertModel(BertConfig.from_dict(config))
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
     return folder
+
+
+@pytest.fixture(scope="module", autouse=True)
+def own_process_group():
+    """The in-process runs here set RANK/WORLD_SIZE/MASTER_PORT... and start a one-process group listening on
+    MASTER_PORT: afterwards, close it and restore the environment, so that later tests' subprocesses do not
+    inherit a port in use."""
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    saved = {k: os.environ.get(k) for k in keys}
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 @pytest.fixture(scope="module")
