@@ -6,7 +6,7 @@ export FASTPALS_DATA_DIR ?= $(abspath ../shared/data)
 # JIT-built torch extensions (DeepSpeed's CPU shared-memory op, built only for multi-process CPU runs) stay in the venv
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
-.PHONY: setup train test lint bench report clean gpu-session
+.PHONY: setup train compare test lint bench report clean gpu-session
 
 $(VENV)/.installed: pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -21,6 +21,14 @@ train: setup
 	$(BIN)/python train.py --ds_config configs/cpu_bf16.json --out runs/default --overwrite --epochs 1 --steps-per-epoch 60 \
 		--batch-size 16 --max-length 64 --max-eval 200 --max-predict 200 --eval-at-start \
 		--lr 1e-4 --pal-lr 1e-3 --head-lr 2e-3
+
+# several recipes (fastpals/configs/recipes/) on one budget: runs/compare/compare.{md,json,png}
+# e.g. make compare RECIPES="baseline_multitask 004_pal_full single_sst single_para single_sts" BUDGET=200
+RECIPES ?= all
+BUDGET ?= 60
+COMPARE_ARGS ?= --batch-size 16 --max-length 64 --max-eval 200 --lr 1e-4 --pal-lr 1e-3 --head-lr 2e-3
+compare: setup
+	$(BIN)/python -m fastpals.cli compare $(RECIPES) --budget $(BUDGET) --out runs/compare $(COMPARE_ARGS)
 
 lint: setup
 	$(BIN)/ruff check .

@@ -1,5 +1,6 @@
 """The ``fastpals`` command: ``fastpals train ...`` (= ``python train.py ...``), ``fastpals predict ...``
-(= ``python -m fastpals.predict ...``), ``fastpals env`` (= ``python -m fastpals.env``)."""
+(= ``python -m fastpals.predict ...``), ``fastpals env`` (= ``python -m fastpals.env``),
+``fastpals compare RECIPE... --budget STEPS`` (several recipes on one budget: :mod:`fastpals.compare`)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,13 @@ import sys
 
 __all__ = ["main"]
 
-USAGE = """usage: fastpals {train,predict,env} [options]
+USAGE = """usage: fastpals {train,predict,env,compare} [options]
 
   train     multi-task fine-tuning with DeepSpeed (same options as train.py; `fastpals train --help`)
   predict   run a trained model on the test files or on given sentences (`fastpals predict --help`)
   env       versions, devices and kernel back-ends of this installation
+  compare   train several recipes on the same budget and data; a table and a bar chart
+            (`fastpals compare --help`)
 """
 
 
@@ -33,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
         from fastpals.env import main as env_main
 
         return env_main(rest)
+    if command == "compare":
+        from fastpals.compare import main as compare_main
+
+        return compare_main(rest)
     print(f"fastpals: unknown command {command!r}\n{USAGE}", file=sys.stderr, end="")
     return 2
 

@@ -31,6 +31,12 @@ def test_wheel_contains_kernels_under_fastpals(tmp_path):
     ):
         assert f in names
     assert not any(n.endswith((".so", ".cu", ".cpp")) for n in names), "no compiled extension is shipped"
+    recipes = sorted(
+        f for f in os.listdir(os.path.join(ROOT, "fastpals", "configs", "recipes")) if f.endswith(".json")
+    )
+    assert recipes and all(
+        f"fastpals/configs/recipes/{f}" in names for f in recipes
+    )  # --recipe NAME from a wheel
 
 
 def test_kernels_import_as_laid_out():

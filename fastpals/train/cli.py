@@ -70,6 +70,12 @@ def build_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
             if m["metavar"]:
                 kw["metavar"] = m["metavar"]
         p.add_argument(*flags, **kw)
+    from fastpals.train.recipes import recipe_names
+
+    p.add_argument("--recipe", dest="recipe", metavar="NAME", default=argparse.SUPPRESS,
+                   help=f"start from a named recipe's options ({', '.join(recipe_names())}, or a JSON file of "
+                   "TrainArgs options; see fastpals/configs/recipes/); options given on the command line override "
+                   "it")  # fmt: skip
     return p
 
 
@@ -86,8 +92,17 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
     """:class:`TrainArgs` from a command line; with ``--resume`` the saved options of ``<out>`` fill in the rest.
     Raises :class:`ConfigError` (one line) for anything to fix."""
     given = vars(build_parser(suppress_defaults=True).parse_args(argv))
+    recipe = given.pop("recipe", None)
+    if recipe is not None:
+        if given.get("resume"):
+            raise ConfigError(
+                "--recipe starts a new run; --resume takes the saved run's options: drop --recipe"
+            )
+        from fastpals.train.recipes import load_recipe
+
+        return TrainArgs(**{**load_recipe(recipe), **given})
     if not given.get("resume"):
-        return TrainArgs(**vars(build_parser().parse_args(argv)))
+        return TrainArgs(**{k: v for k, v in vars(build_parser().parse_args(argv)).items() if k != "recipe"})
     out = Path(given.get("out", TrainArgs.__dataclass_fields__["out"].default))
     saved_path = out / "train_args.json"
     if not saved_path.is_file():
