@@ -36,7 +36,7 @@ lint: setup
 
 test: lint
 	$(BIN)/python -m pytest -q tests
-	FASTPALS_BENCH_INTERLEAVED_ROUNDS=1 $(BIN)/python -m pytest -q bench --benchmark-only -m "not slow" -p no:cacheprovider
+	FASTPALS_BENCH_INTERLEAVED_ROUNDS=1 FASTPALS_BENCH_ROUNDS=1 $(BIN)/python -m pytest -q bench --benchmark-only -m "not slow" -p no:cacheprovider
 
 bench: setup
 	$(BIN)/python -m pytest bench/ --benchmark-only

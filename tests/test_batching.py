@@ -496,9 +496,9 @@ def test_packed_mixed_batch_dispatches_to_pal_varlen_and_flash_varlen(monkeypatc
     import sys
     import types
 
-    import fastpals.model as model_mod
     from fastpals import kernels
     from fastpals.functional import attention_varlen_reference
+    from fastpals.kernels import dispatch
 
     pal = PALConfig(num_tasks=3, hidden=34, num_heads=2, gate=True, dropout=0.0)
     model = _model(pal, "sbert_concat")
@@ -519,7 +519,7 @@ def test_packed_mixed_batch_dispatches_to_pal_varlen_and_flash_varlen(monkeypatc
 
     monkeypatch.setitem(kernels.__dict__, "pal_varlen", counted)
     monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=fake_varlen))
-    monkeypatch.setattr(model_mod, "_flash_varlen_ok", lambda q: True)
+    monkeypatch.setattr(dispatch, "flash_varlen_ok", lambda q: True)
     monkeypatch.setenv("FASTPALS_KERNELS", "triton")
     fused_model = copy.deepcopy(model)
     packed, got, got_grads = _packed_run(fused_model, batches, "examples")
