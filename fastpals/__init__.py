@@ -1,13 +1,16 @@
 """fastpals: fused kernels for multi-task BERT fine-tuning with PALs and gradient surgery.
 
-Public names: ``BertModel``, ``BertConfig``, ``PALConfig``, ``MultiTaskBert``, ``TaskSpec``,
-``count_parameters``, ``inject_pals``, ``save_pals``, ``load_pals``, ``set_task``; ``fastpals.surgery``
-(PCGrad, GEM); ``fastpals.functional`` (reference ops), ``fastpals.kernels`` (fused ops).
+Public names: ``BertModel``, ``BertConfig``, ``PALConfig``, ``MultiTaskBert``, ``TaskSpec``, ``resolve_tasks``,
+``count_parameters``, ``is_task_specific``, ``freeze_shared_parameters``, ``inject_pals``, ``save_pals``,
+``load_pals``, ``set_task``; ``fastpals.surgery`` (the weightings, the task-gradient buffer,
+``per_task_gradients``); ``fastpals.batching`` (mixed packed micro-batches); ``fastpals.functional`` (reference
+ops), ``fastpals.kernels`` (fused ops and their dispatch); ``fastpals.train`` (the trainer).
 """
 
 from fastpals.inject import inject_pals, load_pals, remove_pals, save_pals, set_task
-from fastpals.model import BertConfig, BertModel, PALConfig
+from fastpals.model import BertConfig, BertModel, PALConfig, freeze_shared_parameters, is_task_specific
 from fastpals.multitask import MultiTaskBert, MultiTaskConfig, TaskSpec, count_parameters
+from fastpals.tasks import resolve_tasks
 from fastpals.tokenizer import Tokenizer
 
 __version__ = "0.1.0"
@@ -21,9 +24,12 @@ __all__ = [
     "TaskSpec",
     "Tokenizer",
     "count_parameters",
+    "freeze_shared_parameters",
+    "is_task_specific",
     "inject_pals",
     "load_pals",
     "remove_pals",
+    "resolve_tasks",
     "save_pals",
     "set_task",
 ]

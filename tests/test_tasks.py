@@ -378,27 +378,6 @@ def test_siamese_user_pair_task(rating, tok):
 # ---------------------------------------------------------------- fastpals predict on user tasks
 
 
-def test_describe_predictions_names_and_probabilities():
-    from fastpals.predict import describe_predictions
-
-    logits = torch.tensor([[0.1, 2.0, -1.0, 0.0, 0.3], [3.0, 0.0, 0.0, 0.0, 0.0]])
-    got = describe_predictions(TASKS["sst"], logits.numpy())
-    probs = torch.softmax(logits.double(), dim=-1)
-    assert [name for name, _ in got] == ["negative", "very negative"]
-    assert [p for _, p in got] == pytest.approx([probs[0, 1].item(), probs[1, 0].item()], abs=1e-12)
-    got = describe_predictions(TASKS["para"], torch.tensor([[1.5], [-0.5]]).numpy())
-    sig = torch.sigmoid(torch.tensor([1.5, 0.5], dtype=torch.float64))
-    assert got == [
-        ("paraphrase", pytest.approx(sig[0].item())),
-        ("not paraphrase", pytest.approx(sig[1].item())),
-    ]
-    assert describe_predictions(TaskSpec("b", "binary"), torch.tensor([[0.2]]).numpy())[0][0] == "1"
-    assert describe_predictions(TASKS["sts"], torch.tensor([[0.5], [1.7]]).numpy()) == [
-        ("2.5", 2.5),
-        ("5", 5.0),
-    ]
-
-
 def test_fastpals_predict_on_user_tasks(imdb, rating, tok, tmp_path, capsys):
     from fastpals.predict import main
 
@@ -407,23 +386,17 @@ def test_fastpals_predict_on_user_tasks(imdb, rating, tok, tmp_path, capsys):
     (folder / "vocab.txt").write_text(tok.vocab_file.read_text())
     assert main([str(folder), "--task", "imdb", "--text", "a great film", "--text", "boring"]) == 0
     lines = [line.split("\t") for line in capsys.readouterr().out.splitlines()]
-    assert [len(line) for line in lines] == [4, 4] and [line[3] for line in lines] == [
+    # task, prediction, label name (from the task file's label_names), p=probability, text
+    assert [len(line) for line in lines] == [5, 5] and [line[4] for line in lines] == [
         "a great film",
         "boring",
     ]
-    for task, pred, described, _ in lines:
-        assert task == "imdb" and pred in ("0", "1")
-        name = described.split(" (p = ")[0]
-        assert (
-            name == ("pos" if pred == "1" else "neg") and 0.5 <= float(described.split("p = ")[1][:-1]) <= 1
-        )
+    for task, pred, name, prob, _ in lines:
+        assert task == "imdb" and float(pred) in (0.0, 1.0)
+        assert name == ("pos" if float(pred) == 1 else "neg") and 0.5 <= float(prob[2:]) <= 1
     assert main([str(folder), "--task", "rating", "--pair", "a man plays guitar", "the movie"]) == 0
-    task, pred, described, shown = capsys.readouterr().out.strip().split("\t")
-    assert (
-        0 <= float(pred) <= 10
-        and described == "score (labels in [1, 10])"
-        and shown.endswith("||| the movie")
-    )
+    task, pred, kind, score, shown = capsys.readouterr().out.strip().split("\t")
+    assert 0 <= float(pred) <= 10 and kind == "score" and shown.endswith("||| the movie")
     assert main([str(folder), "--out", str(tmp_path / "pred")]) == 0
     assert "rating: no test file" in capsys.readouterr().err
     assert read_predictions(tmp_path / "pred" / "imdb-test-output.csv")[0] == "Predicted_Label"

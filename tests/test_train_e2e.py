@@ -276,19 +276,29 @@ def test_user_task_files_train_end_to_end(tiny, tmp_path):
     assert rc == 0 and ("negative" in log or "positive" in log), log[-2000:]
 
 
-def test_every_weighting_trains_through_the_trainer(tiny, tmp_path):
-    """Each fastpals.surgery.AGGREGATORS name runs an update through the trainer (mixed batches, one backward)
-    and, for the stateful ones, its state is part of the checkpoint."""
-    from fastpals.surgery import AGGREGATORS, STATEFUL
-    from fastpals.train.cli import parse_args
-    from fastpals.train.loop import Trainer
+EVERY_WEIGHTING = r"""
+import json, sys
+from fastpals.surgery import AGGREGATORS, STATEFUL
+from fastpals.train.cli import parse_args
+from fastpals.train.loop import Trainer
 
-    for name in AGGREGATORS:
-        args = parse_args(common(tiny, tmp_path / name, "--surgery", name, "--epochs", "1",
-                                 "--steps-per-epoch", "2", "--max-eval", "4", "--max-predict", "2"))  # fmt: skip
-        trainer = Trainer(args, callbacks=[])
-        results = trainer.run()
-        assert results["steps"] == 2, name
-        assert ("aggregator_state" in trainer.components) == (name in STATEFUL), name
-    ckpt = [p.name for p in (tmp_path / "nashmtl" / "checkpoints").rglob("*")]
-    assert ckpt, "the stateful run wrote a checkpoint"
+common = json.loads(sys.argv[1])
+for name in AGGREGATORS:
+    args = parse_args([*common, "--out", sys.argv[2] + "/" + name, "--surgery", name, "--epochs", "1",
+                       "--steps-per-epoch", "2", "--max-eval", "4", "--max-predict", "2"])
+    trainer = Trainer(args, callbacks=[])
+    assert trainer.run()["steps"] == 2, name
+    assert ("aggregator_state" in trainer.components) == (name in STATEFUL), name
+    print("ok", name, flush=True)
+"""
+
+
+def test_every_weighting_trains_through_the_trainer(tiny, tmp_path):
+    """Each fastpals.surgery.AGGREGATORS name runs updates through the trainer (mixed batches, one backward),
+    in one process; the stateful ones' state is a checkpointed component."""
+    from fastpals.surgery import AGGREGATORS
+
+    rc, log = run([sys.executable, "-c", EVERY_WEIGHTING, json.dumps(common(tiny, tmp_path / "unused")),
+                   str(tmp_path)], timeout=900)  # fmt: skip
+    assert rc == 0, log[-4000:]
+    assert [line.split()[1] for line in log.splitlines() if line.startswith("ok ")] == list(AGGREGATORS)
