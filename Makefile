@@ -18,17 +18,8 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 train: setup
-	$(BIN)/python train.py --ds_config configs/cpu_bf16.json --out runs/default --overwrite --epochs 1 --steps-per-epoch 60 \
-		--batch-size 16 --max-length 64 --max-eval 200 --max-predict 200 --eval-at-start \
-		--lr 1e-4 --pal-lr 1e-3 --head-lr 2e-3
-
-# several recipes (fastpals/configs/recipes/) on one budget: runs/compare/compare.{md,json,png}
-# e.g. make compare RECIPES="baseline_multitask 004_pal_full single_sst single_para single_sts" BUDGET=200
-RECIPES ?= all
-BUDGET ?= 60
-COMPARE_ARGS ?= --batch-size 16 --max-length 64 --max-eval 200 --lr 1e-4 --pal-lr 1e-3 --head-lr 2e-3
-compare: setup
-	$(BIN)/python -m fastpals.cli compare $(RECIPES) --budget $(BUDGET) --out runs/compare $(COMPARE_ARGS)
+	$(BIN)/python train.py --ds_config configs/cpu_bf16.json --out runs/default --overwrite --epochs 1 \
+		--sampling proportional --batch-size 32 --max-length 128 --lr 1e-4 --pal-lr 5e-4 --head-lr 2e-4 --warmup 0.06
 
 lint: setup
 	$(BIN)/ruff check .
