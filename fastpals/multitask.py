@@ -316,13 +316,7 @@ class MultiTaskBert(nn.Module):
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         b = input_ids.shape[0]
-        if task_ids is None:
-            if len(self.tasks) != 1:
-                raise ValueError("task_ids is required for a model with more than one task")
-            task_ids = torch.zeros(b, dtype=torch.long, device=input_ids.device)
-        from fastpals.functional import check_task_ids
-
-        task_ids = check_task_ids(task_ids, len(self.tasks), b, input_ids.device)
+        task_ids = self._task_ids(task_ids, b, input_ids.device)
         enc_tasks = task_ids if self.bert.num_tasks else None
         out_a = self.bert(input_ids, attention_mask, token_type_ids, enc_tasks, unpad=unpad)
         present = torch.bincount(task_ids, minlength=len(self.tasks)).tolist()  # one host sync per batch
@@ -331,21 +325,11 @@ class MultiTaskBert(nn.Module):
             if input_ids_b is None or attention_mask_b is None:
                 raise ValueError("siamese pair tasks need input_ids_b and attention_mask_b")
             out_b = self.bert(input_ids_b, attention_mask_b, token_type_ids_b, enc_tasks, unpad=unpad)
-        width = max(t.num_labels for t in self.tasks)
-        logits = out_a.pooler_output.new_zeros(b, width)
-        for i, spec in enumerate(self.tasks):
-            if not present[i]:
-                continue
-            idx = (task_ids == i).nonzero(as_tuple=True)[0]
-            u = self._features(spec, out_a, attention_mask).index_select(0, idx)
-            if spec.siamese:
-                v = self._features(spec, out_b, attention_mask_b).index_select(0, idx)
-                if spec.pair_mode == "sbert_cosine":
-                    logits = logits.index_put((idx, torch.zeros_like(idx)), F.cosine_similarity(u, v, dim=-1))
-                    continue
-                u = torch.cat([u, v, (u - v).abs()], dim=-1)
-            y = self.heads[spec.name](u)
-            logits = logits.index_copy(0, idx, F.pad(y, (0, width - spec.num_labels)))
+        logits = self._head_logits(
+            task_ids, present, out_a.pooler_output,
+            lambda spec, idx: self._features(spec, out_a, attention_mask).index_select(0, idx),
+            lambda spec, idx: self._features(spec, out_b, attention_mask_b).index_select(0, idx),
+        )  # fmt: skip
         row_tokens = attention_mask.sum(1).long()
         if out_b is not None:
             siamese = self._siamese_rows(task_ids)
@@ -358,6 +342,44 @@ class MultiTaskBert(nn.Module):
         """[B] bool: the rows whose task is a siamese pair task."""
         flags = torch.tensor([s.siamese for s in self.tasks], device=task_ids.device)
         return flags.index_select(0, task_ids)
+
+    def _task_ids(self, task_ids: torch.Tensor | None, b: int, device: torch.device) -> torch.Tensor:
+        """``task_ids`` checked (long ``[B]``), or zeros for a one-task model."""
+        from fastpals.functional import check_task_ids
+
+        if task_ids is None:
+            if len(self.tasks) != 1:
+                raise ValueError("task_ids is required for a model with more than one task")
+            task_ids = torch.zeros(b, dtype=torch.long, device=device)
+        return check_task_ids(task_ids, len(self.tasks), b, device)
+
+    def _head_logits(
+        self,
+        task_ids: torch.Tensor,
+        present: list[int],
+        pooled: torch.Tensor,
+        features_a: Any,
+        features_b: Any,
+    ) -> torch.Tensor:
+        """Logits ``[B, max num_labels]``: each present task's head on its rows' features (``features_a(spec,
+        idx)``, and for siamese tasks ``features_b(spec, idx)`` of the second sentences: cosine, or the head on
+        ``(u, v, |u - v|)``)."""
+        width = max(t.num_labels for t in self.tasks)
+        logits = pooled.new_zeros(task_ids.shape[0], width)
+        for i, spec in enumerate(self.tasks):
+            if not present[i]:
+                continue
+            idx = (task_ids == i).nonzero(as_tuple=True)[0]
+            u = features_a(spec, idx)
+            if spec.siamese:
+                v = features_b(spec, idx)
+                if spec.pair_mode == "sbert_cosine":
+                    logits = logits.index_put((idx, torch.zeros_like(idx)), F.cosine_similarity(u, v, dim=-1))
+                    continue
+                u = torch.cat([u, v, (u - v).abs()], dim=-1)
+            y = self.heads[spec.name](u)
+            logits = logits.index_copy(0, idx, F.pad(y, (0, width - spec.num_labels)))
+        return logits
 
     def _forward_packed(
         self,
@@ -372,16 +394,10 @@ class MultiTaskBert(nn.Module):
         cu_seqlens_b: torch.Tensor | None,
         max_seqlen_b: int | None,
     ) -> MultiTaskOutput:
-        from fastpals.functional import check_task_ids
-
         if attention_mask is not None:
             raise ValueError("packed inputs (cu_seqlens given) take no attention_mask")
         b = cu_seqlens.shape[0] - 1
-        if task_ids is None:
-            if len(self.tasks) != 1:
-                raise ValueError("task_ids is required for a model with more than one task")
-            task_ids = torch.zeros(b, dtype=torch.long, device=input_ids.device)
-        task_ids = check_task_ids(task_ids, len(self.tasks), b, input_ids.device)
+        task_ids = self._task_ids(task_ids, b, input_ids.device)
         enc_tasks = task_ids if self.bert.num_tasks else None
         out_a = self.bert(
             input_ids, None, token_type_ids, enc_tasks, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen
@@ -406,21 +422,11 @@ class MultiTaskBert(nn.Module):
             slot_b = torch.full((b,), -1, dtype=torch.long, device=task_ids.device)
             slot_b[rows_b] = torch.arange(rows_b.shape[0], device=task_ids.device)
             row_tokens = row_tokens.index_add(0, rows_b, (cu_seqlens_b[1:] - cu_seqlens_b[:-1]).long())
-        width = max(t.num_labels for t in self.tasks)
-        logits = out_a.pooler_output.new_zeros(b, width)
-        for i, spec in enumerate(self.tasks):
-            if not present[i]:
-                continue
-            idx = (task_ids == i).nonzero(as_tuple=True)[0]
-            u = self._features(spec, out_a, None).index_select(0, idx)
-            if spec.siamese:
-                v = self._features(spec, out_b, None).index_select(0, slot_b.index_select(0, idx))
-                if spec.pair_mode == "sbert_cosine":
-                    logits = logits.index_put((idx, torch.zeros_like(idx)), F.cosine_similarity(u, v, dim=-1))
-                    continue
-                u = torch.cat([u, v, (u - v).abs()], dim=-1)
-            y = self.heads[spec.name](u)
-            logits = logits.index_copy(0, idx, F.pad(y, (0, width - spec.num_labels)))
+        logits = self._head_logits(
+            task_ids, present, out_a.pooler_output,
+            lambda spec, idx: self._features(spec, out_a, None).index_select(0, idx),
+            lambda spec, idx: self._features(spec, out_b, None).index_select(0, slot_b.index_select(0, idx)),
+        )  # fmt: skip
         return MultiTaskOutput(
             logits=logits, task_ids=task_ids, pooled=out_a.pooler_output, row_tokens=row_tokens
         )
