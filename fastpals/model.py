@@ -19,17 +19,28 @@ import dataclasses
 import json
 import os
 import warnings
-from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastpals.checkpoints import (
+    LoadReport,
+    is_ignorable_key,
+    load_bert_state_dict,
+    normalize_key,
+    state_dict_mismatches,
+)
 from fastpals.functional import check_task_ids, grouped_linear_reference
 from fastpals.kernels import dispatch
+from fastpals.task_params import (
+    freeze_shared_parameters,
+    is_layer_norm,
+    is_task_specific,
+    task_specific_kind,
+)
 
 __all__ = [
     "BatchLayout",
@@ -740,7 +751,7 @@ class BertModel(nn.Module):
             new = normalize_key(key)
             if new in own:
                 normalized[new] = value
-            elif not _is_ignorable(new):
+            elif not is_ignorable_key(new):
                 unexpected.append(key)
         missing = sorted(set(own) - set(normalized))
         mismatched = [
@@ -759,151 +770,3 @@ class BertModel(nn.Module):
         if report.missing or report.unexpected:
             warnings.warn(f"loading {source}: {report}", stacklevel=3)
         return report
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Which parameters are task-specific: the one rule (trainer, surgery, freezing, saving, injection use it)
-# ----------------------------------------------------------------------------------------------------------------
-PAL_MODULE_NAMES = ("pal", "pal_projections", "pal_top")
-HEAD_MODULE_NAME = "heads"
-TASK_EMBEDDING_NAME = "task_embedding"
-
-
-def task_specific_kind(name: str) -> str | None:
-    """What a parameter (or state-dict) name holds: ``"pal"`` for PAL weights of every variant (a module named
-    ``pal``, ``pal_projections`` or ``pal_top`` anywhere in the dotted name) and EmBERT's ``task_embedding``,
-    ``"head"`` for task heads (a module named ``heads`` anywhere in the name, as in
-    :class:`fastpals.MultiTaskBert` and ``inject_pals`` users' wrappers), ``None`` for shared (encoder) weights.
-    Names are matched by whole dotted components, under any prefix."""
-    parts = name.split(".")
-    if HEAD_MODULE_NAME in parts[:-1]:
-        return "head"
-    if any(p in PAL_MODULE_NAMES for p in parts[:-1]) or parts[-1] == TASK_EMBEDDING_NAME:
-        return "pal"
-    return None
-
-
-def is_task_specific(name: str) -> bool:
-    """True for task-specific parameter names (PALs, task embeddings, task heads; see :func:`task_specific_kind`),
-    False for the shared encoder weights. This is the rule every part of fastpals uses."""
-    return task_specific_kind(name) is not None
-
-
-def is_layer_norm(module: nn.Module) -> bool:
-    """True for ``nn.LayerNorm`` and for LayerNorm classes of other libraries (class name ending in LayerNorm,
-    e.g. apex's ``FusedLayerNorm``, T5's ``T5LayerNorm``): matched by module type, never by parameter name."""
-    return isinstance(module, nn.LayerNorm) or type(module).__name__.lower().endswith("layernorm")
-
-
-def freeze_shared_parameters(
-    model: nn.Module, train_layer_norms: bool = True, modules_to_train: Iterable[str] = ()
-) -> dict[str, int]:
-    """The Bert-n-Pals "freeze" recipe: set ``requires_grad=False`` on every parameter of ``model`` except the
-    task-specific ones (:func:`is_task_specific`), the LayerNorms (:func:`is_layer_norm`, when
-    ``train_layer_norms``) and the modules named in ``modules_to_train``.
-
-    ``modules_to_train``: module names, each matching a module whose qualified name equals it or ends with
-    ``"." + name`` (e.g. ``"classifier"``, ``"pooler"``); a name that matches nothing is an error.
-    Returns ``{"trainable": n, "frozen": m}`` parameter element counts.
-    """
-    if isinstance(modules_to_train, str):
-        raise TypeError("modules_to_train must be a list of module names, not a string")
-    names = list(modules_to_train)
-    keep = {id(p) for n, p in model.named_parameters() if is_task_specific(n)}
-    unmatched = set(names)
-    for name, module in model.named_modules():
-        hit = [t for t in names if name == t or name.endswith("." + t)]
-        unmatched -= set(hit)
-        if hit or (train_layer_norms and is_layer_norm(module)):
-            keep.update(id(p) for p in module.parameters())
-    if unmatched:
-        raise ValueError(
-            f"freeze_shared_parameters: modules_to_train names {sorted(unmatched)} match no module"
-        )
-    counts = {"trainable": 0, "frozen": 0}
-    for p in model.parameters():
-        p.requires_grad_(id(p) in keep)
-        counts["trainable" if id(p) in keep else "frozen"] += p.numel()
-    return counts
-
-
-def _is_ignorable(name: str) -> bool:
-    """Checkpoint entries that are not encoder weights by design: the position-id buffer and pre-training heads."""
-    return name.endswith("position_ids") or name.startswith(("cls.", "lm_head.", "classifier."))
-
-
-_MINBERT_NAMES = {  # CS224N minBERT → HF
-    "word_embedding": "embeddings.word_embeddings",
-    "pos_embedding": "embeddings.position_embeddings",
-    "tk_type_embedding": "embeddings.token_type_embeddings",
-    "embed_layer_norm": "embeddings.LayerNorm",
-    "pooler_dense": "pooler.dense",
-}
-_MINBERT_LAYER_NAMES = {
-    "self_attention.query": "attention.self.query",
-    "self_attention.key": "attention.self.key",
-    "self_attention.value": "attention.self.value",
-    "attention_dense": "attention.output.dense",
-    "attention_layer_norm": "attention.output.LayerNorm",
-    "interm_dense": "intermediate.dense",
-    "out_dense": "output.dense",
-    "out_layer_norm": "output.LayerNorm",
-}
-
-
-def normalize_key(key: str) -> str:
-    """Map a checkpoint key to minBERT's (= HF ``BertModel``'s) name: strips ``bert.``, renames TF-era
-    ``gamma``/``beta`` and CS224N minBERT names."""
-    if key.startswith("bert."):
-        key = key[5:]
-    if key.endswith(".gamma"):
-        key = key[:-6] + ".weight"
-    elif key.endswith(".beta"):
-        key = key[:-5] + ".bias"
-    head, _, tail = key.partition(".")
-    if head in _MINBERT_NAMES:
-        return f"{_MINBERT_NAMES[head]}.{tail}"
-    if head == "bert_layers":
-        idx, _, rest = tail.partition(".")
-        for old, new in _MINBERT_LAYER_NAMES.items():
-            if rest.startswith(old + "."):
-                return f"encoder.layer.{idx}.{new}{rest[len(old) :]}"
-    return key
-
-
-def state_dict_mismatches(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor]) -> list[str]:
-    """Human-readable differences between a model's tensors (``expected``) and a checkpoint's (``found``):
-    names missing from the checkpoint, names the model lacks, and shape mismatches. Empty when they agree."""
-    problems = [f"missing in checkpoint: {k}" for k in sorted(set(expected) - set(found))]
-    problems += [f"not in the model: {k}" for k in sorted(set(found) - set(expected))]
-    problems += [
-        f"{k}: saved {list(v.shape)}, model {list(expected[k].shape)}"
-        for k, v in found.items()
-        if k in expected and v.shape != expected[k].shape
-    ]
-    return problems
-
-
-@dataclass
-class LoadReport:
-    """What a checkpoint load did: ``loaded`` tensors, ``missing`` model keys, ``unexpected`` checkpoint keys."""
-
-    missing: list[str]
-    unexpected: list[str]
-    loaded: int
-
-    def __str__(self) -> str:
-        return f"loaded {self.loaded} tensors; missing {self.missing or 'none'}; unexpected {self.unexpected or 'none'}"
-
-
-def load_bert_state_dict(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Read ``model.safetensors`` (preferred) or ``pytorch_model.bin`` from a checkpoint folder."""
-    folder = Path(folder)
-    st, pt = folder / "model.safetensors", folder / "pytorch_model.bin"
-    if st.is_file():
-        from safetensors.torch import load_file
-
-        return load_file(str(st))
-    if pt.is_file():
-        return torch.load(pt, map_location="cpu", weights_only=True)
-    raise FileNotFoundError(f"{folder} has neither model.safetensors nor pytorch_model.bin")
