@@ -212,6 +212,10 @@ class TrainArgs:
         "predict at most N test examples per task (quick runs)", resume=MAY, type=int
     )
     freeze_bert: bool = opt("train only PALs, heads and LayerNorms", default=False)
+    freeze_word_embeddings: bool = opt(
+        "keep the word-embedding matrix fixed (on MiniLM half the weights: no gradient or optimizer work)",
+        default=False,
+    )
     no_progress: bool = opt("no progress bars", resume=MAY, default=False)
     debug: bool = opt("show the Python traceback of an error, not only its one-line message", resume=MAY,
                       default=False)  # fmt: skip
