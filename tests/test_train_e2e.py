@@ -302,3 +302,47 @@ def test_every_weighting_trains_through_the_trainer(tiny, tmp_path):
                    str(tmp_path)], timeout=900)  # fmt: skip
     assert rc == 0, log[-4000:]
     assert [line.split()[1] for line in log.splitlines() if line.startswith("ok ")] == list(AGGREGATORS)
+
+
+def test_mixed_batches_train_under_zero_1_2_bf16_and_freeze_word_embeddings(tiny, tmp_path):
+    """Mixed packed batches (the default) under DeepSpeed ZeRO-1 and ZeRO-2 with bf16 on the CPU accelerator:
+    both train; the first update's losses are identical (same weights, same packed batch) and the later ones
+    agree to bf16 rounding (both keep fp32 master weights). bf16 ZeRO-0 on CPU is refused before training with
+    the reason (DeepSpeed would run it without fp32 master weights). ``--freeze-word-embeddings`` leaves the
+    word-embedding matrix exactly as loaded."""
+    from safetensors.torch import load_file
+
+    losses = {}
+    for stage in (0, 1, 2, 2):
+        cfg = tmp_path / f"zero{stage}.json"
+        cfg.write_text(json.dumps({"bf16": {"enabled": True}, "zero_optimization": {"stage": stage},
+                                   "gradient_clipping": 1.0}))  # fmt: skip
+        out = tmp_path / f"z{stage}"
+        extra = ["--freeze-word-embeddings"] if f"z{stage}" in losses else []  # the second ZeRO-2 run
+        if extra:
+            out = tmp_path / "frozen"
+        rc, log = run([sys.executable, "train.py", "--ds_config", str(cfg),
+                       *common(tiny, out, "--epochs", "1", "--steps-per-epoch", "4", "--lr", "1e-3", *extra)])  # fmt: skip
+        if stage == 0:
+            assert rc == 2 and "bf16 with ZeRO stage 0 on CPU" in log, log[-2000:]
+            continue
+        assert rc == 0, log[-4000:]
+        results = json.loads((out / "results.json").read_text())
+        assert results["zero_stage"] == stage and results["config"]["batching"] == "mixed"
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        losses[out.name] = [r["loss"] for r in records if r["type"] == "step"]
+        assert len(losses[out.name]) == 4 and all(r["tokens"] > 0 for r in records if r["type"] == "step")
+    assert losses["z2"][0] == losses["z1"][0] == losses["frozen"][0]
+    for got, ref in zip(losses["z2"], losses["z1"]):
+        for task, value in ref.items():
+            assert abs(got[task] - value) <= 2e-2 * max(1.0, abs(value)), (task, got, ref)
+    _, model = tiny
+    base = load_file(str(model / "model.safetensors"))
+    key = next(k for k in base if k.endswith("word_embeddings.weight"))
+    saved = load_file(str(tmp_path / "frozen" / "best" / "model.safetensors"))
+    got = next(v for k, v in saved.items() if k.endswith("word_embeddings.weight"))
+    start = base[key].to(got.dtype)  # a bf16 run saves its bf16 weights
+    assert torch.equal(got, start)
+    trained = load_file(str(tmp_path / "z1" / "best" / "model.safetensors"))
+    moved = next(v for k, v in trained.items() if k.endswith("word_embeddings.weight"))
+    assert not torch.equal(moved, start)  # without the flag they train
