@@ -40,7 +40,7 @@ minBERT's ``unpad=True`` is supported (minBERT runs its own PAL path).
 With HF ``Trainer``: keep a ``task_ids`` column in the data set and set
 ``TrainingArguments(remove_unused_columns=False)`` (the Trainer drops columns the forward signature does not
 name). ``model.save_pretrained`` of an injected model writes the PAL weights too; :func:`save_pals` writes them
-alone. ``peft.PeftModel.from_pretrained`` cannot load them (PEFT has no PAL method): use :func:`load_pals`.
+alone. With PEFT, ``peft.PeftModel.from_pretrained`` loads them too (:mod:`fastpals.peft_method`).
 
 Training only part of the model (the Bert-n-Pals "freeze" recipe): ``inject_pals(..., freeze_base=True)`` leaves
 the task-specific parameters (:func:`fastpals.model.is_task_specific`) and every LayerNorm trainable and freezes
@@ -368,6 +368,8 @@ class _Injection:
         self.handles: list[Any] = []
         self.added: list[tuple[nn.Module, str]] = []  # (owner, attribute) of every added module
         self.default_task: int | torch.Tensor | None = None
+        # False: the PALs add nothing (the base model's forward); PEFT's disable_adapter sets it
+        self.enabled = True
         # set by freeze_base_model: save_pals then also saves the trained base weights
         self.frozen_base = False
         self.modules_to_train: list[str] = []
@@ -436,13 +438,15 @@ class _Injection:
             )
         self.inputs[index] = h
 
-    def add_pal(self, index: int, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def add_pal(self, index: int, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         h = self.inputs.pop(index, None)
         if h is None:
             raise RuntimeError(
                 f"the final LayerNorm of layer {index} ran without its layer input (it ran twice, or outside "
                 "the layer's forward)"
             )
+        if not self.enabled:
+            return None
         x = args[0] if args else kwargs.pop("input")
         if x.shape != h.shape:
             raise ValueError(
