@@ -2,14 +2,18 @@
 
 Public names: ``BertModel``, ``BertConfig``, ``PALConfig``, ``MultiTaskBert``, ``TaskSpec``, ``resolve_tasks``,
 ``count_parameters``, ``is_task_specific``, ``freeze_shared_parameters``, ``inject_pals``, ``save_pals``,
-``load_pals``, ``set_task``; ``fastpals.surgery`` (the weightings, the task-gradient buffer,
+``load_pals``, ``set_task``, ``register_with_peft``; ``fastpals.surgery`` (the weightings, the task-gradient buffer,
 ``per_task_gradients``); ``fastpals.batching`` (mixed packed micro-batches); ``fastpals.functional`` (reference
 ops), ``fastpals.kernels`` (fused ops and their dispatch); ``fastpals.train`` (the trainer).
+
+With PEFT installed, fastpals' PAL adapters are a PEFT method (``peft_type`` ``"FASTPALS"``,
+:mod:`fastpals.peft_method`), registered as soon as PEFT is imported (importing fastpals does not import PEFT).
 """
 
 from fastpals.inject import inject_pals, load_pals, remove_pals, save_pals, set_task
 from fastpals.model import BertConfig, BertModel, PALConfig, freeze_shared_parameters, is_task_specific
 from fastpals.multitask import MultiTaskBert, MultiTaskConfig, TaskSpec, count_parameters
+from fastpals.peft_registration import register_when_peft_is_imported, register_with_peft
 from fastpals.tasks import resolve_tasks
 from fastpals.tokenizer import Tokenizer
 
@@ -28,8 +32,11 @@ __all__ = [
     "is_task_specific",
     "inject_pals",
     "load_pals",
+    "register_with_peft",
     "remove_pals",
     "resolve_tasks",
     "save_pals",
     "set_task",
 ]
+
+register_when_peft_is_imported()

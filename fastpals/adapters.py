@@ -23,9 +23,11 @@ Names inside the encoder are the same for every BERT-like encoder (HF ``BertMode
 re-targets the encoder's tensors to wherever the loading model keeps its encoder, so an adapter saved from one
 loads into the other. Tensors outside the encoder (``heads.*``, a ``classifier``) load by their names.
 
-PEFT itself cannot load this adapter type: ``peft_type`` is ``"FASTPALS"``, which PEFT does not register, so
-``peft.PeftModel.from_pretrained`` stops with ``KeyError: 'FASTPALS'``. Load it with
-:func:`fastpals.load_pals` (any supported encoder) or :meth:`fastpals.MultiTaskBert.from_pretrained`.
+PEFT loads it too: ``peft_type`` ``"FASTPALS"`` is a PEFT method that fastpals registers once PEFT is imported
+(:mod:`fastpals.peft_method`), so ``peft.PeftModel.from_pretrained(model, folder)`` and
+``peft.PeftConfig.from_pretrained(folder)`` read these files, and ``save_pretrained`` of such a PEFT model writes
+them. Without PEFT, load it with :func:`fastpals.load_pals` (any supported encoder) or
+:meth:`fastpals.MultiTaskBert.from_pretrained`.
 """
 
 from __future__ import annotations
@@ -47,12 +49,16 @@ __all__ = [
     "ADAPTER_WEIGHTS_NAME",
     "FORMAT_VERSION",
     "PEFT_TYPE",
+    "adapter_config",
+    "check_adapter_tensors",
     "check_same_pal_config",
     "find_adapter_folder",
     "join_name",
     "load_adapter_tensors",
+    "plan_adapter_load",
     "read_adapter",
     "read_adapter_config",
+    "retarget",
     "write_adapter",
 ]
 
@@ -82,6 +88,53 @@ def check_same_pal_config(own: dict[str, Any], saved: dict[str, Any], source: st
         )
 
 
+def adapter_config(
+    tensors: dict[str, torch.Tensor],
+    *,
+    pal_config: dict[str, Any] | None,
+    encoder: dict[str, Any],
+    base_model_name_or_path: str | None,
+    task_names: list[str] | None,
+    tasks: list[dict[str, Any]] | None = None,
+    head_names: set[str] = frozenset(),
+    trained_base_names: set[str] = frozenset(),
+    modules_to_save: list[str] | None = None,
+    extra: dict[str, Any] | None = None,
+    saved_from: str = "",
+) -> dict[str, Any]:
+    """The ``adapter_config.json`` content (a dict) for an adapter holding ``tensors``; arguments as in
+    :func:`write_adapter`."""
+    from fastpals import __version__
+
+    def shapes(names: set[str] | None) -> dict[str, list[int]]:
+        return {
+            k: list(v.shape)
+            for k, v in sorted(tensors.items())
+            if (k in names if names is not None else k not in head_names | trained_base_names)
+        }
+
+    return {
+        "peft_type": PEFT_TYPE,
+        "task_type": "FEATURE_EXTRACTION",
+        "base_model_name_or_path": base_model_name_or_path,
+        "revision": None,
+        "inference_mode": True,
+        "modules_to_save": modules_to_save,
+        "library_name": LIBRARY,
+        "fastpals_version": __version__,
+        "format_version": FORMAT_VERSION,
+        "saved_from": saved_from,
+        "pal_config": pal_config,
+        "task_names": task_names,
+        "tasks": tasks,
+        "encoder": encoder,
+        "pal_parameters": shapes(None),
+        "head_parameters": shapes(set(head_names)),
+        "trained_base_parameters": shapes(set(trained_base_names)),
+        "extra": extra or {},
+    }
+
+
 def write_adapter(
     folder: str | os.PathLike,
     tensors: dict[str, torch.Tensor],
@@ -107,39 +160,22 @@ def write_adapter(
     """
     from safetensors.torch import save_file
 
-    from fastpals import __version__
-
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-
-    def shapes(names: set[str] | None) -> dict[str, list[int]]:
-        return {
-            k: list(v.shape)
-            for k, v in sorted(tensors.items())
-            if (k in names if names is not None else k not in head_names | trained_base_names)
-        }
-
-    config = {
-        "peft_type": PEFT_TYPE,
-        "task_type": "FEATURE_EXTRACTION",
-        "base_model_name_or_path": base_model_name_or_path,
-        "revision": None,
-        "inference_mode": True,
-        "modules_to_save": modules_to_save,
-        "library_name": LIBRARY,
-        "fastpals_version": __version__,
-        "format_version": FORMAT_VERSION,
-        "saved_from": saved_from,
-        "pal_config": pal_config,
-        "task_names": task_names,
-        "tasks": tasks,
-        "encoder": encoder,
-        "pal_parameters": shapes(None),
-        "head_parameters": shapes(set(head_names)),
-        "trained_base_parameters": shapes(set(trained_base_names)),
-        "extra": extra or {},
-    }
+    config = adapter_config(
+        tensors,
+        pal_config=pal_config,
+        encoder=encoder,
+        base_model_name_or_path=base_model_name_or_path,
+        task_names=task_names,
+        tasks=tasks,
+        head_names=head_names,
+        trained_base_names=trained_base_names,
+        modules_to_save=modules_to_save,
+        extra=extra,
+        saved_from=saved_from,
+    )
     save_file(
         tensors, str(folder / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"}
     )  # one entry: the header stays byte-stable
@@ -203,18 +239,96 @@ def read_adapter(
     if not weights_path.is_file():
         raise FileNotFoundError(f"{caller}: {weights_path} not found (the adapter config is there)")
     tensors = load_file(str(weights_path))
+    check_adapter_tensors(config, tensors, f"{weights_path} does not match {cfg_path}", caller)
+    return config, tensors, adapter
+
+
+def check_adapter_tensors(
+    config: dict[str, Any], tensors: dict[str, torch.Tensor], what: str, caller: str
+) -> None:
+    """``ValueError`` (``"{caller}: {what}:"`` and the differences) unless ``tensors`` are exactly the tensors,
+    names and shapes, that an adapter ``config`` lists (``pal_parameters``, ``head_parameters``,
+    ``trained_base_parameters``)."""
     listed = {
         k: v
         for kind in ("pal_parameters", "head_parameters", "trained_base_parameters")
-        for k, v in config.get(kind, {}).items()
+        for k, v in (config.get(kind) or {}).items()
     }
     problems = state_dict_mismatches({k: torch.empty(s, device="meta") for k, s in listed.items()}, tensors)
     if problems:
         raise ValueError(
-            f"{caller}: {weights_path} does not match {cfg_path}:\n  "
-            + "\n  ".join(p.replace("checkpoint", "weights file") for p in problems)
+            f"{caller}: {what}:\n  " + "\n  ".join(p.replace("checkpoint", "weights file") for p in problems)
         )
-    return config, tensors, adapter
+
+
+def retarget(name: str, saved_prefix: str, encoder_prefix: str) -> str:
+    """The name in the loading model (its encoder at ``encoder_prefix``) of a tensor an adapter saved as ``name``
+    from a model whose encoder was at ``saved_prefix``: tensors of the saving model's encoder move to the loading
+    model's encoder, others (heads, a classifier) keep their name."""
+    if not saved_prefix:
+        return join_name(encoder_prefix, name)
+    if name.startswith(saved_prefix + "."):
+        return join_name(encoder_prefix, name[len(saved_prefix) + 1 :])
+    return name
+
+
+def plan_adapter_load(
+    model: nn.Module,
+    encoder_prefix: str,
+    config: dict[str, Any],
+    tensors: dict[str, torch.Tensor],
+    *,
+    source: str,
+    caller: str,
+    load_trained_base: bool = True,
+    strict: bool = True,
+    stacklevel: int = 3,
+) -> tuple[list[tuple[str, torch.Tensor]], list[str]]:
+    """Check an adapter's tensors against ``model`` (its encoder at ``encoder_prefix``) as
+    :func:`load_adapter_tensors` does, without copying: ``(copies, skipped)``, where ``copies`` are
+    ``(name in the model, saved tensor)`` pairs, PAL tensors first, and ``skipped`` the saved names that have no
+    place in the model (a warning names them; with ``strict`` they are an error)."""
+    saved_prefix = config["encoder"]["prefix"]
+    own = model.state_dict(keep_vars=True)
+    pal_saved = {retarget(k, saved_prefix, encoder_prefix): tensors[k] for k in config["pal_parameters"]}
+    enc_dot = encoder_prefix + "." if encoder_prefix else ""
+    pal_own = {
+        k: v
+        for k, v in own.items()
+        if k.startswith(enc_dot) and task_specific_kind(k[len(enc_dot) :]) == "pal"
+    }
+    problems = state_dict_mismatches(pal_own, pal_saved)
+    if problems:
+        raise ValueError(
+            f"{caller}: the PALs in {source} do not fit {type(model).__name__}:\n  "
+            + "\n  ".join(p.replace("checkpoint", "adapter") for p in problems)
+        )
+    copies = list(pal_saved.items())
+    others = list(config["head_parameters"])
+    if load_trained_base:
+        others += list(config["trained_base_parameters"])
+    skipped, bad = [], []
+    for k in others:
+        name = retarget(k, saved_prefix, encoder_prefix)
+        if name not in own:
+            skipped.append(k)
+        elif own[name].shape != tensors[k].shape:
+            bad.append(f"{k}: saved {list(tensors[k].shape)}, model {list(own[name].shape)}")
+        else:
+            copies.append((name, tensors[k]))
+    if bad:
+        raise ValueError(
+            f"{caller}: cannot load {source} into {type(model).__name__}:\n  " + "\n  ".join(bad)
+        )
+    if skipped:
+        msg = (
+            f"{caller}: {type(model).__name__} has no place for {len(skipped)} tensors of {source} "
+            f"({', '.join(skipped[:4])}{' ...' if len(skipped) > 4 else ''})"
+        )
+        if strict:
+            raise ValueError(msg + "; pass strict=False to load the rest")
+        warnings.warn(msg + ": not loaded", stacklevel=stacklevel)
+    return copies, skipped
 
 
 def load_adapter_tensors(
@@ -239,54 +353,18 @@ def load_adapter_tensors(
 
     Values are copied into the model's tensors (their device and dtype).
     """
-    saved_prefix = config["encoder"]["prefix"]
-
-    def target(name: str) -> str:
-        if not saved_prefix:
-            return join_name(encoder_prefix, name)
-        if name.startswith(saved_prefix + "."):
-            return join_name(encoder_prefix, name[len(saved_prefix) + 1 :])
-        return name  # outside the saving model's encoder (heads, a classifier): same name in the root
-
+    copies, skipped = plan_adapter_load(
+        model,
+        encoder_prefix,
+        config,
+        tensors,
+        source=source,
+        caller=caller,
+        load_trained_base=load_trained_base,
+        strict=strict,
+        stacklevel=4,
+    )
     own = model.state_dict(keep_vars=True)
-    pal_saved = {target(k): tensors[k] for k in config["pal_parameters"]}
-    enc_dot = encoder_prefix + "." if encoder_prefix else ""
-    pal_own = {
-        k: v
-        for k, v in own.items()
-        if k.startswith(enc_dot) and task_specific_kind(k[len(enc_dot) :]) == "pal"
-    }
-    problems = state_dict_mismatches(pal_own, pal_saved)
-    if problems:
-        raise ValueError(
-            f"{caller}: the PALs in {source} do not fit {type(model).__name__}:\n  "
-            + "\n  ".join(p.replace("checkpoint", "adapter") for p in problems)
-        )
-    copies = list(pal_saved.items())
-    others = list(config["head_parameters"])
-    if load_trained_base:
-        others += list(config["trained_base_parameters"])
-    skipped, bad = [], []
-    for k in others:
-        name = target(k)
-        if name not in own:
-            skipped.append(k)
-        elif own[name].shape != tensors[k].shape:
-            bad.append(f"{k}: saved {list(tensors[k].shape)}, model {list(own[name].shape)}")
-        else:
-            copies.append((name, tensors[k]))
-    if bad:
-        raise ValueError(
-            f"{caller}: cannot load {source} into {type(model).__name__}:\n  " + "\n  ".join(bad)
-        )
-    if skipped:
-        msg = (
-            f"{caller}: {type(model).__name__} has no place for {len(skipped)} tensors of {source} "
-            f"({', '.join(skipped[:4])}{' ...' if len(skipped) > 4 else ''})"
-        )
-        if strict:
-            raise ValueError(msg + "; pass strict=False to load the rest")
-        warnings.warn(msg + ": not loaded", stacklevel=3)
     with torch.no_grad():
         for name, value in copies:
             own[name].copy_(value)

@@ -40,7 +40,7 @@ minBERT's ``unpad=True`` is supported (minBERT runs its own PAL path).
 With HF ``Trainer``: keep a ``task_ids`` column in the data set and set
 ``TrainingArguments(remove_unused_columns=False)`` (the Trainer drops columns the forward signature does not
 name). ``model.save_pretrained`` of an injected model writes the PAL weights too; :func:`save_pals` writes them
-alone. ``peft.PeftModel.from_pretrained`` cannot load them (PEFT has no PAL method): use :func:`load_pals`.
+alone. With PEFT, ``peft.PeftModel.from_pretrained`` loads them too (:mod:`fastpals.peft_method`).
 
 Training only part of the model (the Bert-n-Pals "freeze" recipe): ``inject_pals(..., freeze_base=True)`` leaves
 the task-specific parameters (:func:`fastpals.model.is_task_specific`) and every LayerNorm trainable and freezes
@@ -81,10 +81,12 @@ from fastpals.model import BertModel as MiniBert
 __all__ = [
     "TARGETS",
     "PALTarget",
+    "adapter_contents",
     "freeze_base_model",
     "inject_pals",
     "load_pals",
     "pal_state_dict",
+    "prepare_for_adapter",
     "remove_pals",
     "save_pals",
     "set_task",
@@ -366,6 +368,8 @@ class _Injection:
         self.handles: list[Any] = []
         self.added: list[tuple[nn.Module, str]] = []  # (owner, attribute) of every added module
         self.default_task: int | torch.Tensor | None = None
+        # False: the PALs add nothing (the base model's forward); PEFT's disable_adapter sets it
+        self.enabled = True
         # set by freeze_base_model: save_pals then also saves the trained base weights
         self.frozen_base = False
         self.modules_to_train: list[str] = []
@@ -434,13 +438,15 @@ class _Injection:
             )
         self.inputs[index] = h
 
-    def add_pal(self, index: int, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def add_pal(self, index: int, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         h = self.inputs.pop(index, None)
         if h is None:
             raise RuntimeError(
                 f"the final LayerNorm of layer {index} ran without its layer input (it ran twice, or outside "
                 "the layer's forward)"
             )
+        if not self.enabled:
+            return None
         x = args[0] if args else kwargs.pop("input")
         if x.shape != h.shape:
             raise ValueError(
@@ -721,7 +727,7 @@ def save_pals(
     ``base_model_name_or_path``: recorded for PEFT-style tools (default: the HF model's ``name_or_path``).
     A :class:`fastpals.MultiTaskBert` is saved with ``save_pretrained(folder, adapters_only=True)``.
     """
-    from fastpals.adapters import join_name, write_adapter
+    from fastpals.adapters import write_adapter
     from fastpals.multitask import MultiTaskBert
 
     if isinstance(model, MultiTaskBert):
@@ -729,30 +735,54 @@ def save_pals(
     state = _injection(model, "save_pals")
     if include_trained_base is None:
         include_trained_base = state.frozen_base
+    base_names = trained_base_state_dict(model) if include_trained_base else {}
+    tensors, kwargs = adapter_contents(model, base_names, task_names, base_model_name_or_path, "save_pals")
+    return write_adapter(folder, tensors, **kwargs)
+
+
+def adapter_contents(
+    model: nn.Module,
+    base_names: Iterable[str],
+    task_names: list[str] | None = None,
+    base_model_name_or_path: str | None = None,
+    caller: str = "save_pals",
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """What :func:`save_pals` writes for an injected ``model``: ``(tensors, kwargs)``, the tensors by their names
+    in ``model`` and the other arguments of :func:`fastpals.adapters.write_adapter`.
+
+    The tensors are the PAL weights, the task heads (parameters of a module named ``heads``) and the base
+    parameters named in ``base_names`` (trained base weights, e.g. LayerNorms); ``task_names`` and
+    ``base_model_name_or_path`` as in :func:`save_pals`. ``caller`` names the function in error messages.
+    """
+    from fastpals.adapters import join_name
+
+    state = _injection(model, caller)
     pals = {join_name(state.base_name, k): v for k, v in pal_state_dict(model).items()}
-    heads = {n: p for n, p in model.named_parameters() if task_specific_kind(n) == "head"}
-    base = trained_base_state_dict(model) if include_trained_base else {}
-    base = {k: v for k, v in base.items() if k not in heads}
+    params = dict(model.named_parameters())
+    heads = {n: p for n, p in params.items() if task_specific_kind(n) == "head"}
+    unknown = sorted(set(base_names) - set(params))
+    if unknown:
+        raise ValueError(f"{caller}: {type(model).__name__} has no parameters named {unknown}")
+    base = {k: params[k] for k in base_names if k not in heads}
     if task_names is None:
         task_names = [f"task{i}" for i in range(state.config.num_tasks)]
     if len(task_names) != state.config.num_tasks:
         raise ValueError(
-            f"save_pals: {len(task_names)} task_names for {state.config.num_tasks} tasks ({task_names})"
+            f"{caller}: {len(task_names)} task_names for {state.config.num_tasks} tasks ({task_names})"
         )
     if base_model_name_or_path is None:
         base_model_name_or_path = getattr(model, "name_or_path", None) or None
-    return write_adapter(
-        folder,
-        {**pals, **heads, **base},
-        pal_config=state.config.to_dict(),
-        encoder=_description(state),
-        base_model_name_or_path=base_model_name_or_path,
-        task_names=list(task_names),
-        head_names=set(heads),
-        trained_base_names=set(base),
-        modules_to_save=list(state.modules_to_train) or None,
-        saved_from=type(model).__name__,
-    )
+    kwargs = {
+        "pal_config": state.config.to_dict(),
+        "encoder": _description(state),
+        "base_model_name_or_path": base_model_name_or_path,
+        "task_names": list(task_names),
+        "head_names": set(heads),
+        "trained_base_names": set(base),
+        "modules_to_save": list(state.modules_to_train) or None,
+        "saved_from": type(model).__name__,
+    }
+    return {**pals, **heads, **base}, kwargs
 
 
 def load_pals(
@@ -773,12 +803,7 @@ def load_pals(
     :meth:`~fastpals.MultiTaskBert.load_adapter`. Folders of the old format (``pals.safetensors``) still load,
     with a ``FutureWarning``.
     """
-    from fastpals.adapters import (
-        check_same_pal_config,
-        find_adapter_folder,
-        load_adapter_tensors,
-        read_adapter,
-    )
+    from fastpals.adapters import find_adapter_folder, load_adapter_tensors, read_adapter
     from fastpals.multitask import MultiTaskBert
 
     if isinstance(model, MultiTaskBert):
@@ -793,20 +818,7 @@ def load_pals(
         )
         return _load_legacy_pals(model, folder, load_trained_base)
     config, tensors, adapter = read_adapter(folder, "load_pals")
-    if config.get("pal_config") is None:
-        raise ValueError(
-            f"load_pals: the adapter in {adapter} holds no PALs (saved from a model with pal=None)"
-        )
-    saved = PALConfig.from_dict(config["pal_config"])
-    native = _native_pal_model(model)
-    if native is not None:  # fastpals' own BertModel built with PALs: any variant, the same names
-        name, mini = native
-        check_same_pal_config(mini.pal_config.to_dict(), saved.to_dict(), str(adapter), "load_pals")
-        _check_shape(config["encoder"], "encoder.layer", mini.config.hidden_size, mini.config.num_hidden_layers,
-                     adapter)  # fmt: skip
-        prefix = name
-    else:
-        prefix = _injected_like(model, saved, config["encoder"], adapter).base_name
+    prefix = prepare_for_adapter(model, config, str(adapter), "load_pals")
     load_adapter_tensors(
         model,
         prefix,
@@ -818,6 +830,35 @@ def load_pals(
         strict=strict,
     )
     return model
+
+
+def prepare_for_adapter(
+    model: nn.Module, config: dict[str, Any], source: str, caller: str = "load_pals"
+) -> str:
+    """Give ``model`` the PALs an adapter ``config`` (its ``adapter_config.json``) describes, or check that it has
+    them; returns where its encoder sits (the module name, ``""`` for the model itself), for
+    :func:`fastpals.adapters.load_adapter_tensors`.
+
+    A model without PALs is injected with the saved PAL config and targets; an injected model, or a
+    :class:`fastpals.BertModel` built with PALs, must have the same PAL config. Any difference (hidden size,
+    number of layers, layer path, PAL config, a variant injection cannot hold) is a ``ValueError`` that starts
+    with ``caller`` and names ``source``.
+    """
+    from fastpals.adapters import check_same_pal_config
+
+    if config.get("pal_config") is None:
+        raise ValueError(
+            f"{caller}: the adapter in {source} holds no PALs (saved from a model with pal=None)"
+        )
+    saved = PALConfig.from_dict(config["pal_config"])
+    native = _native_pal_model(model)
+    if native is not None:  # fastpals' own BertModel built with PALs: any variant, the same names
+        name, mini = native
+        check_same_pal_config(mini.pal_config.to_dict(), saved.to_dict(), source, caller)
+        _check_shape(config["encoder"], "encoder.layer", mini.config.hidden_size, mini.config.num_hidden_layers,
+                     source, caller)  # fmt: skip
+        return name
+    return _injected_like(model, saved, config["encoder"], source, caller).base_name
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -886,7 +927,9 @@ def _native_pal_model(model: nn.Module) -> tuple[str, MiniBert] | None:
     return found[0] if len(found) == 1 else None
 
 
-def _injected_like(model: nn.Module, saved: PALConfig, target: dict[str, Any], folder: Path) -> _Injection:
+def _injected_like(
+    model: nn.Module, saved: PALConfig, target: dict[str, Any], source: str | Path, caller: str = "load_pals"
+) -> _Injection:
     """Inject ``saved`` into ``model`` (where ``target``, a saved encoder description, says) or check that the
     PALs already injected are the same; any difference is a ``ValueError``. Returns the injection state."""
     from fastpals.adapters import check_same_pal_config
@@ -895,11 +938,13 @@ def _injected_like(model: nn.Module, saved: PALConfig, target: dict[str, Any], f
     if state is None:
         targets = {} if _known(model) else {k: target[k] for k in ("layers_pattern", "layer_norm_name")}
         resolved = _resolve(model, saved, mask_argument="attention_mask", **_resolve_kwargs(targets))
-        _check_shape(target, resolved.layers_pattern, resolved.hidden_size, len(resolved.layers), folder)
+        _check_shape(
+            target, resolved.layers_pattern, resolved.hidden_size, len(resolved.layers), source, caller
+        )
         inject_pals(model, saved, **targets)
-        return _injection(model, "load_pals")
-    _check_shape(target, state.layers_pattern, state.hidden_size, state.num_layers, folder)
-    check_same_pal_config(state.config.to_dict(), saved.to_dict(), str(folder), "load_pals")
+        return _injection(model, caller)
+    _check_shape(target, state.layers_pattern, state.hidden_size, state.num_layers, source, caller)
+    check_same_pal_config(state.config.to_dict(), saved.to_dict(), str(source), caller)
     return state
 
 
@@ -915,21 +960,26 @@ def _known(model: nn.Module) -> bool:
 
 
 def _check_shape(
-    meta: dict[str, Any], layers_pattern: str, hidden: int, num_layers: int, folder: Path
+    meta: dict[str, Any],
+    layers_pattern: str,
+    hidden: int,
+    num_layers: int,
+    source: str | Path,
+    caller: str = "load_pals",
 ) -> None:
     if meta["layers_pattern"] != layers_pattern:
         raise ValueError(
-            f"load_pals: the PALs in {folder} were saved from a {meta['model_type']} model with layers at "
+            f"{caller}: the PALs in {source} were saved from a {meta['model_type']} model with layers at "
             f"'{meta['layers_pattern']}' (parameter names follow that path); this model's layers are at "
             f"'{layers_pattern}'"
         )
     if meta["hidden_size"] != hidden:
         raise ValueError(
-            f"load_pals: the PALs in {folder} were saved for hidden size {meta['hidden_size']}, "
+            f"{caller}: the PALs in {source} were saved for hidden size {meta['hidden_size']}, "
             f"the model has hidden size {hidden}"
         )
     if meta["num_layers"] != num_layers:
         raise ValueError(
-            f"load_pals: the PALs in {folder} were saved for a {meta['num_layers']}-layer model, "
+            f"{caller}: the PALs in {source} were saved for a {meta['num_layers']}-layer model, "
             f"the model has {num_layers} layers"
         )
