@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from fastpals.readers import Example, PairExample, SentenceExample
+from fastpals.sampling import check_resume_settings
 from fastpals.tasks import TaskSpec, get_task
 from fastpals.tokenizer import Tokenizer
 
@@ -269,11 +270,7 @@ class TaskBatcher:
 
     def load_state_dict(self, state: dict) -> None:
         """Continue where ``state`` was taken; the batch order settings and examples must be the same."""
-        mine = self.state_dict()
-        differ = [key for key in mine if key not in ("epoch", "position") and state.get(key) != mine[key]]
-        if differ:
-            detail = ", ".join(f"{key}: saved {state.get(key)!r}, now {mine[key]!r}" for key in differ)
-            raise ValueError(f"cannot resume TaskBatcher: {detail}")
+        check_resume_settings(state, self.state_dict(), "TaskBatcher", skip=("epoch", "position"))
         epoch, position = state["epoch"], state["position"]
         if not 0 <= position <= len(self):
             raise ValueError(f"position {position} is outside [0, {len(self)}]")

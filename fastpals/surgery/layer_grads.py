@@ -78,20 +78,27 @@ def _check_rows(state: PerTaskGradients, lead: tuple[int, ...], what: str) -> Ro
     return rows
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# nn.Linear
-# ----------------------------------------------------------------------------------------------------------------
-def linear_forward(state: PerTaskGradients, m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``m(x)`` (``x [..., K]`` -> ``[..., M]``) whose backward writes the per-task ``dW``/``db`` of ``m``."""
-    rows = _check_rows(state, tuple(x.shape[:-1]), "a shared nn.Linear")
+def _detached_params(
+    state: PerTaskGradients, m: nn.Linear | nn.LayerNorm, x: torch.Tensor, what: str
+) -> tuple[RowTasks, torch.Tensor, torch.Tensor | None, int, int | None]:
+    """One forward of a shared ``m`` on ``x [..., d]``: the row -> task map of ``x`` (checked), ``m``'s weight and
+    bias detached, and their indices among the buffer's shared parameters (``k_w``, ``k_b``; None: no bias)."""
+    rows = _check_rows(state, tuple(x.shape[:-1]), what)
     state.forward_calls += 1
     # The parameters enter the graph detached: autograd holds no gradient edge to them (no AccumulateGrad node,
     # so no gradient hook, e.g. DeepSpeed's, fires for them); the backward writes their per-task gradients.
     k_b = state.param_index(m.bias) if m.bias is not None else None
     bias = m.bias.detach() if m.bias is not None else None
-    return _PerTaskLinear.apply(
-        state.anchor, x, m.weight.detach(), bias, state, rows, state.param_index(m.weight), k_b
-    )
+    return rows, m.weight.detach(), bias, state.param_index(m.weight), k_b
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# nn.Linear
+# ----------------------------------------------------------------------------------------------------------------
+def linear_forward(state: PerTaskGradients, m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``m(x)`` (``x [..., K]`` -> ``[..., M]``) whose backward writes the per-task ``dW``/``db`` of ``m``."""
+    rows, weight, bias, k_w, k_b = _detached_params(state, m, x, "a shared nn.Linear")
+    return _PerTaskLinear.apply(state.anchor, x, weight, bias, state, rows, k_w, k_b)
 
 
 class _PerTaskLinear(torch.autograd.Function):
@@ -215,13 +222,8 @@ def layer_norm_forward(state: PerTaskGradients, m: nn.LayerNorm, x: torch.Tensor
     ``dgamma``/``dbeta`` of ``m``."""
     if len(m.normalized_shape) != 1:
         raise ValueError("per_task_gradients supports LayerNorm over the last dimension only")
-    rows = _check_rows(state, tuple(x.shape[:-1]), "a shared nn.LayerNorm")
-    state.forward_calls += 1
-    k_b = state.param_index(m.bias) if m.bias is not None else None
-    bias = m.bias.detach() if m.bias is not None else None
-    return _PerTaskLayerNorm.apply(
-        state.anchor, x, m.weight.detach(), bias, m.eps, state, rows, state.param_index(m.weight), k_b
-    )
+    rows, weight, bias, k_w, k_b = _detached_params(state, m, x, "a shared nn.LayerNorm")
+    return _PerTaskLayerNorm.apply(state.anchor, x, weight, bias, m.eps, state, rows, k_w, k_b)
 
 
 class _PerTaskLayerNorm(torch.autograd.Function):
