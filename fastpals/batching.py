@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from fastpals.sampling import SAMPLING_METHODS, task_probabilities
+from fastpals.sampling import SAMPLING_METHODS, check_resume_settings, next_epoch, task_probabilities
 
 if TYPE_CHECKING:
     from fastpals.data import TaskBatcher
@@ -458,9 +458,7 @@ class MixedBatchSampler:
 
     def start_next_epoch(self) -> None:
         """Move to the first micro-batch of the next epoch (the tasks' permutations go on where they were)."""
-        if self.epoch >= self.num_epochs:
-            raise ValueError(f"epoch {self.epoch} is the last of {self.num_epochs}")
-        self.epoch += 1
+        self.epoch = next_epoch(self.epoch, self.num_epochs)
         self.step = 0
 
     def next_micro_batch(self) -> MixedSelection:
@@ -524,11 +522,7 @@ class MixedBatchSampler:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue exactly where ``state`` was taken; every setting must match this sampler's."""
-        mine = self._settings()
-        differ = [k for k in mine if state.get(k) != mine[k]]
-        if differ:
-            detail = ", ".join(f"{k}: saved {state.get(k)!r}, now {mine[k]!r}" for k in differ)
-            raise ValueError(f"cannot resume the mixed batch sampler: {detail}")
+        check_resume_settings(state, self._settings(), "the mixed batch sampler")
         epoch, step = int(state["epoch"]), int(state["step"])
         if not 1 <= epoch <= self.num_epochs or not 0 <= step <= self.micro_batches_per_epoch:
             raise ValueError(f"saved epoch {epoch} / step {step} is outside this schedule")

@@ -23,14 +23,8 @@ model whose layers are found with ``layers_pattern`` / ``layer_norm_name``) and 
   saved PALs, fails with a message saying what differs. With a frozen base (below) the trained LayerNorms and
   ``modules_to_train`` are saved too.
 
-How the HF layers are changed (hooks only; no HF module is replaced or renamed):
-
-- a forward pre-hook on the model you pass (and on its base model) takes ``task_ids`` out of the keyword
-  arguments; a pre-hook on the base model reads its ``attention_mask`` argument (``[B, L]``, 1 = token; None =
-  no padding);
-- a forward pre-hook on each layer keeps the layer input ``h [B, L, d]``;
-- a forward pre-hook on the layer's final LayerNorm (BERT: ``output.LayerNorm``, DistilBERT:
-  ``output_layer_norm``) adds ``TS_t(h)`` to the LayerNorm's input.
+How the HF layers are changed (hooks only; no HF module is replaced or renamed): see
+:mod:`fastpals.inject_hooks`. The per-architecture targets are in :mod:`fastpals.inject_targets`.
 
 Limits: the PAL variant must be ``"parallel"`` (PALs inside the layers; gates, per-layer projections and
 ``layers`` subsets are supported); HF gradient checkpointing and ``chunk_size_feed_forward > 0`` are refused with
@@ -51,32 +45,26 @@ heads that already exist are named with ``modules_to_train=("classifier",)``. Se
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
 import itertools
 import json
 import os
 import warnings
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from fastpals.functional import check_task_ids
+from fastpals.inject_hooks import INJECTION_ATTR, PALInjection, add_hf_pals, get_injection
+from fastpals.inject_targets import TARGETS, PALTarget, is_known_model, resolve_targets
+from fastpals.model import BertModel as MiniBert
 from fastpals.model import (
-    BatchLayout,
     PALConfig,
-    PALLayer,
-    PALProjections,
     freeze_shared_parameters,
-    make_layout,
     state_dict_mismatches,
     task_specific_kind,
 )
-from fastpals.model import BertModel as MiniBert
 
 __all__ = [
     "TARGETS",
@@ -85,6 +73,7 @@ __all__ = [
     "freeze_base_model",
     "inject_pals",
     "load_pals",
+    "pal_modules",
     "pal_state_dict",
     "prepare_for_adapter",
     "remove_pals",
@@ -98,408 +87,6 @@ LEGACY_WEIGHTS_NAME = "pals.safetensors"
 LEGACY_BASE_WEIGHTS_NAME = "trained_base.safetensors"
 LEGACY_CONFIG_NAME = "pals_config.json"
 LEGACY_FORMAT = "fastpals-pals"
-_STATE_ATTR = "_fastpals_injection"
-
-
-@dataclass(frozen=True)
-class PALTarget:
-    """Where the PALs go in one architecture (PEFT's "target modules").
-
-    ``layers``: the ``nn.ModuleList`` of encoder layers, as a dotted path that the module name must end with
-    (``"encoder.layer"`` matches ``bert.encoder.layer``); the module holding it is the *base model*.
-    ``layer_norm``: the layer's final LayerNorm (the one after the FFN), relative to a layer.
-    ``dropout_attr``: the config attribute with BERT's attention-probability dropout (the PAL's default dropout).
-    """
-
-    layers: str
-    layer_norm: str
-    dropout_attr: str = "attention_probs_dropout_prob"
-
-
-_BERT_LIKE = PALTarget("encoder.layer", "output.LayerNorm")
-
-#: Known architectures, by ``config.model_type``. Others: pass ``layers_pattern`` and ``layer_norm_name``.
-TARGETS: dict[str, PALTarget] = {
-    "bert": _BERT_LIKE,
-    "roberta": _BERT_LIKE,
-    "xlm-roberta": _BERT_LIKE,
-    "electra": _BERT_LIKE,
-    "distilbert": PALTarget("transformer.layer", "output_layer_norm", "attention_dropout"),
-}
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Finding the targets
-# ----------------------------------------------------------------------------------------------------------------
-@dataclass
-class _Resolved:
-    """The resolved targets of one model (nothing changed yet)."""
-
-    kind: str  # "hf" (hooks) or "minbert" (minBERT's own PAL path)
-    model_type: str | None
-    base_name: str  # the base model's name in the root ("" = the root itself)
-    base: nn.Module
-    layers_pattern: str  # the layer list's path relative to the base
-    layer_norm_name: str
-    layers: list[nn.Module]
-    layer_norms: list[nn.Module]
-    hidden_size: int
-    dropout: float
-    mask_position: int | None  # index of attention_mask among the base forward's positional parameters
-
-
-def _model_type(model: nn.Module) -> str | None:
-    return getattr(getattr(model, "config", None), "model_type", None)
-
-
-def _resolve(
-    model: nn.Module,
-    config: PALConfig,
-    layers_pattern: str | None,
-    layer_norm_name: str | None,
-    mask_argument: str,
-) -> _Resolved:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"inject_pals: model must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(config, PALConfig):
-        raise TypeError(f"inject_pals: config must be a fastpals.PALConfig, got {type(config).__name__}")
-    if config.variant != "parallel":
-        raise ValueError(
-            f"inject_pals: PALConfig.variant={config.variant!r} is not supported by injection (only 'parallel'); "
-            "build fastpals.BertModel(config, pal=...) for the other variants"
-        )
-    minis = [(name, m) for name, m in model.named_modules() if isinstance(m, MiniBert)]
-    if minis:
-        return _resolve_minbert(model, config, minis, layers_pattern, layer_norm_name)
-    return _resolve_hf(model, config, layers_pattern, layer_norm_name, mask_argument)
-
-
-def _resolve_minbert(
-    model: nn.Module,
-    config: PALConfig,
-    minis: list[tuple[str, nn.Module]],
-    layers_pattern: str | None,
-    layer_norm_name: str | None,
-) -> _Resolved:
-    from fastpals.multitask import MultiTaskBert
-
-    if isinstance(model, MultiTaskBert):
-        raise TypeError(
-            "inject_pals: fastpals.MultiTaskBert builds its PALs itself: pass pal=PALConfig(...) to "
-            "MultiTaskBert.from_pretrained / MultiTaskConfig instead"
-        )
-    if len(minis) > 1:
-        raise ValueError(
-            f"inject_pals: {type(model).__name__} holds {len(minis)} fastpals.BertModel modules "
-            f"({', '.join(n or '<root>' for n, _ in minis)}): inject into one of them"
-        )
-    for arg, value, default in (
-        ("layers_pattern", layers_pattern, "encoder.layer"),
-        ("layer_norm_name", layer_norm_name, "output.LayerNorm"),
-    ):
-        if value not in (None, default):
-            raise ValueError(
-                f"inject_pals: {arg}={value!r} does not apply to fastpals.BertModel ({default!r})"
-            )
-    name, mini = minis[0]
-    if mini.pal_config is not None and mini.pal_config.variant != "none":
-        raise ValueError(f"inject_pals: the fastpals.BertModel at {name or '<root>'} already has PALs")
-    config.validate(mini.config.num_hidden_layers)
-    layers = list(mini.encoder.layer)
-    return _Resolved(
-        kind="minbert",
-        model_type="fastpals-bert",
-        base_name=name,
-        base=mini,
-        layers_pattern="encoder.layer",
-        layer_norm_name="output.LayerNorm",
-        layers=layers,
-        layer_norms=[layer.output.LayerNorm for layer in layers],
-        hidden_size=mini.config.hidden_size,
-        dropout=mini.config.attention_probs_dropout_prob if config.dropout is None else config.dropout,
-        mask_position=None,
-    )
-
-
-def _resolve_hf(
-    model: nn.Module,
-    config: PALConfig,
-    layers_pattern: str | None,
-    layer_norm_name: str | None,
-    mask_argument: str,
-) -> _Resolved:
-    model_type = _model_type(model)
-    target = TARGETS.get(model_type) if model_type is not None else None
-    if target is None and (layers_pattern is None or layer_norm_name is None):
-        missing = " and ".join(
-            a
-            for a, v in (("layers_pattern", layers_pattern), ("layer_norm_name", layer_norm_name))
-            if v is None
-        )
-        lists = [n for n, m in model.named_modules() if isinstance(m, nn.ModuleList)]
-        raise ValueError(
-            f"inject_pals: no PAL targets known for {type(model).__name__} (model_type={model_type!r}; known: "
-            f"{', '.join(sorted(TARGETS))}, fastpals.BertModel): pass {missing}. "
-            f"Module lists in this model: {lists or 'none'}"
-        )
-    layers_pattern = target.layers if layers_pattern is None else layers_pattern
-    layer_norm_name = target.layer_norm if layer_norm_name is None else layer_norm_name
-    found = [
-        n
-        for n, m in model.named_modules()
-        if isinstance(m, nn.ModuleList) and (n == layers_pattern or n.endswith("." + layers_pattern))
-    ]
-    if not found:
-        lists = [n for n, m in model.named_modules() if isinstance(m, nn.ModuleList)]
-        raise ValueError(
-            f"inject_pals: no nn.ModuleList named '{layers_pattern}' (layers_pattern) found in "
-            f"{type(model).__name__}; module lists in this model: {lists or 'none'}"
-        )
-    if len(found) > 1:
-        raise ValueError(
-            f"inject_pals: layers_pattern '{layers_pattern}' matches {len(found)} module lists ({found}): "
-            "give a longer pattern"
-        )
-    full = found[0]
-    base_name = full[: -len(layers_pattern)].rstrip(".")
-    base = model.get_submodule(base_name) if base_name else model
-    layers = list(base.get_submodule(layers_pattern))
-    if not layers:
-        raise ValueError(f"inject_pals: the layer list '{full}' is empty")
-    norms = []
-    for i, layer in enumerate(layers):
-        try:
-            norms.append(layer.get_submodule(layer_norm_name))
-        except AttributeError:
-            children = [n for n, _ in layer.named_modules() if n]
-            raise ValueError(
-                f"inject_pals: layer {full}.{i} ({type(layer).__name__}) has no module '{layer_norm_name}' "
-                f"(layer_norm_name); its modules: {children}"
-            ) from None
-    hidden = _hidden_size(model, norms[0], layer_norm_name)
-    config.validate(len(layers))
-    dropout = config.dropout
-    if dropout is None:
-        attrs = [target.dropout_attr] if target is not None else []
-        attrs += ["attention_probs_dropout_prob", "attention_dropout"]
-        hf_config = getattr(model, "config", None)
-        values = [
-            getattr(hf_config, a) for a in attrs if isinstance(getattr(hf_config, a, None), (int, float))
-        ]
-        if not values:
-            raise ValueError(
-                f"inject_pals: {type(model).__name__} has no config attribute {attrs[0]!r} giving the attention "
-                "dropout: set PALConfig.dropout"
-            )
-        dropout = float(values[0])
-    if getattr(getattr(model, "config", None), "chunk_size_feed_forward", 0):
-        raise ValueError(
-            "inject_pals: config.chunk_size_feed_forward > 0 runs the final LayerNorm on sequence chunks; "
-            "set it to 0 to inject PALs"
-        )
-    params = [
-        p
-        for p in inspect.signature(base.forward).parameters.values()
-        if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-    ]
-    names = [p.name for p in params]
-    if mask_argument not in names:
-        raise ValueError(
-            f"inject_pals: the base model {type(base).__name__}.forward has no '{mask_argument}' argument "
-            f"(mask_argument); its arguments: {names}"
-        )
-    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return _Resolved(
-        kind="hf",
-        model_type=model_type,
-        base_name=base_name,
-        base=base,
-        layers_pattern=layers_pattern,
-        layer_norm_name=layer_norm_name,
-        layers=layers,
-        layer_norms=norms,
-        hidden_size=hidden,
-        dropout=dropout,
-        mask_position=positional.index(mask_argument) if mask_argument in positional else None,
-    )
-
-
-def _hidden_size(model: nn.Module, norm: nn.Module, layer_norm_name: str) -> int:
-    shape = getattr(norm, "normalized_shape", None)
-    if isinstance(shape, (tuple, list)) and len(shape) == 1:
-        return int(shape[0])
-    weight = getattr(norm, "weight", None)
-    if isinstance(weight, torch.Tensor) and weight.dim() == 1:
-        return int(weight.shape[0])
-    cfg = getattr(model, "config", None)
-    for attr in ("hidden_size", "dim", "d_model"):
-        if isinstance(getattr(cfg, attr, None), int):
-            return int(getattr(cfg, attr))
-    raise ValueError(
-        f"inject_pals: cannot tell the hidden size: '{layer_norm_name}' ({type(norm).__name__}) has no "
-        "normalized_shape or 1-D weight, and the model config has no hidden_size"
-    )
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The injection: state and hooks
-# ----------------------------------------------------------------------------------------------------------------
-class _Injection:
-    """What :func:`inject_pals` did to one model, and the per-call context its hooks share.
-
-    Held as a plain attribute of the root model (not a module: it has no parameters). The hooks are bound
-    methods of this object, so ``copy.deepcopy(model)`` gives a copy whose hooks use the copy's state.
-    """
-
-    def __init__(self, config: PALConfig, resolved: _Resolved, layer_indices: list[int]) -> None:
-        self.config = config
-        self.kind = resolved.kind
-        self.model_type = resolved.model_type
-        self.base_name = resolved.base_name
-        self.base = resolved.base
-        self.layers_pattern = resolved.layers_pattern
-        self.layer_norm_name = resolved.layer_norm_name
-        self.layers = resolved.layers
-        self.hidden_size = resolved.hidden_size
-        self.num_layers = len(resolved.layers)
-        self.layer_indices = layer_indices
-        self.mask_position = resolved.mask_position
-        self.mask_argument = "attention_mask"
-        self.handles: list[Any] = []
-        self.added: list[tuple[nn.Module, str]] = []  # (owner, attribute) of every added module
-        self.default_task: int | torch.Tensor | None = None
-        # False: the PALs add nothing (the base model's forward); PEFT's disable_adapter sets it
-        self.enabled = True
-        # set by freeze_base_model: save_pals then also saves the trained base weights
-        self.frozen_base = False
-        self.modules_to_train: list[str] = []
-        self._reset()
-
-    def _reset(self) -> None:
-        self.depth = 0
-        self.task_ids: torch.Tensor | None = None
-        self.mask: torch.Tensor | None = None
-        self.layout: BatchLayout | None = None
-        self.inputs: dict[int, torch.Tensor] = {}
-
-    # --- root and base model --------------------------------------------------------------------------------
-    def enter(self, capture_mask: bool, is_root: bool, module: nn.Module, args: tuple, kwargs: dict) -> tuple:
-        """Pre-hook of the root model (``is_root``) and of the base model: take ``task_ids`` out of the
-        keyword arguments and, on the base model (``capture_mask``), read the padding mask."""
-        task_ids = kwargs.pop("task_ids", None)
-        if is_root or self.depth == 0:
-            self._reset()
-        if task_ids is not None:
-            self.task_ids = task_ids
-        self.depth += 1
-        if capture_mask:
-            if self.mask_argument in kwargs:
-                self.mask = kwargs[self.mask_argument]
-            elif self.mask_position is not None and len(args) > self.mask_position:
-                self.mask = args[self.mask_position]
-            else:
-                self.mask = None
-            self.layout = None
-        return args, kwargs
-
-    def leave(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        """Forward hook (always called, also on errors) of the root and base models."""
-        self.depth -= 1
-        if self.depth <= 0:
-            self._reset()
-
-    def enter_minbert(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """minBERT takes task_ids itself; fill them in from :func:`set_task` when the call has none."""
-        if kwargs.get("task_ids") is None and len(args) < 4 and self.default_task is not None:
-            input_ids = args[0] if args else kwargs.get("input_ids")
-            if not isinstance(input_ids, torch.Tensor):
-                raise ValueError("set_task: the model was called without input_ids")
-            kwargs["task_ids"] = self._default_task_ids(input_ids.shape[0], input_ids.device)
-        return args, kwargs
-
-    # --- layers ---------------------------------------------------------------------------------------------
-    def keep_input(self, index: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self.depth == 0:
-            raise RuntimeError(
-                f"PAL layer {index} ran outside the injected model's forward: call the model (or its base model) "
-                "so the PALs get task_ids and the attention mask"
-            )
-        if getattr(module, "gradient_checkpointing", False) and module.training:
-            raise RuntimeError(
-                "inject_pals does not support HF gradient checkpointing (the recomputed LayerNorm could not be "
-                "paired with the layer input): call model.gradient_checkpointing_disable()"
-            )
-        h = args[0] if args else kwargs.get("hidden_states")
-        if not isinstance(h, torch.Tensor) or h.dim() != 3 or h.shape[-1] != self.hidden_size:
-            got = list(h.shape) if isinstance(h, torch.Tensor) else type(h).__name__
-            raise ValueError(
-                f"PAL layer {index}: expected the layer input [batch, length, {self.hidden_size}] as the first "
-                f"argument or hidden_states=, got {got}"
-            )
-        self.inputs[index] = h
-
-    def add_pal(self, index: int, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        h = self.inputs.pop(index, None)
-        if h is None:
-            raise RuntimeError(
-                f"the final LayerNorm of layer {index} ran without its layer input (it ran twice, or outside "
-                "the layer's forward)"
-            )
-        if not self.enabled:
-            return None
-        x = args[0] if args else kwargs.pop("input")
-        if x.shape != h.shape:
-            raise ValueError(
-                f"layer {index}: the final LayerNorm's input has shape {list(x.shape)} but the layer input "
-                f"{list(h.shape)} (chunked feed-forward is not supported)"
-            )
-        pal = self.layers[index].pal
-        x = pal(h, self._layout(h), residual=x)
-        return (x, *args[1:]), kwargs
-
-    def _layout(self, h: torch.Tensor) -> BatchLayout:
-        b, n = h.shape[0], h.shape[1]
-        if self.layout is not None and self.layout.batch == b and self.layout.length == n:
-            return self.layout
-        mask = self.mask
-        if mask is None:
-            mask = torch.ones(b, n, dtype=torch.bool, device=h.device)
-        elif not isinstance(mask, torch.Tensor) or mask.dim() != 2 or tuple(mask.shape) != (b, n):
-            got = list(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
-            raise ValueError(
-                f"PALs need {self.mask_argument} as a [batch, length] = [{b}, {n}] padding mask (1 = token), "
-                f"got {got}"
-            )
-        if mask.device != h.device:
-            raise ValueError(
-                f"{self.mask_argument} is on {mask.device} but the hidden states are on {h.device}"
-            )
-        task_ids = self.task_ids
-        if task_ids is None:
-            if self.default_task is None:
-                raise ValueError(
-                    "this model has PALs: pass task_ids=[batch] int tensor (one task per example) to its "
-                    "forward, or wrap the call in fastpals.set_task(model, task)"
-                )
-            task_ids = self._default_task_ids(b, h.device)
-        task_ids = check_task_ids(task_ids, self.config.num_tasks, b, h.device)
-        self.layout = make_layout(mask, task_ids, False, (b, n))
-        return self.layout
-
-    def _default_task_ids(self, batch: int, device: torch.device) -> torch.Tensor:
-        task = self.default_task
-        if isinstance(task, torch.Tensor):
-            return task.to(device)
-        return torch.full((batch,), int(task), dtype=torch.long, device=device)
-
-
-def _injection(model: nn.Module, caller: str) -> _Injection:
-    state = getattr(model, _STATE_ATTR, None)
-    if not isinstance(state, _Injection):
-        raise ValueError(
-            f"{caller}: {type(model).__name__} has no PALs injected (call fastpals.inject_pals first)"
-        )
-    return state
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -536,13 +123,13 @@ def inject_pals(
     PAL weights are created on the device and in the dtype of the layers. Raises ``ValueError`` naming what was
     not found when the model has no matching layers / LayerNorms / mask argument, or already has PALs.
     """
-    if getattr(model, _STATE_ATTR, None) is not None:
+    if getattr(model, INJECTION_ATTR, None) is not None:
         raise ValueError(f"inject_pals: {type(model).__name__} already has PALs injected")
-    resolved = _resolve(model, config, layers_pattern, layer_norm_name, mask_argument)
+    resolved = resolve_targets(model, config, layers_pattern, layer_norm_name, mask_argument)
     indices = config.layer_indices(len(resolved.layers))
     ref = next(resolved.layers[0].parameters(), None)
     device, dtype = (ref.device, ref.dtype) if ref is not None else (torch.device("cpu"), torch.float32)
-    state = _Injection(config, resolved, indices)
+    state = PALInjection(config, resolved, indices)
     state.mask_argument = mask_argument
     if resolved.kind == "minbert":
         mini = resolved.base
@@ -554,8 +141,8 @@ def inject_pals(
                 state.added.append((owner, attr))
         state.handles.append(model.register_forward_pre_hook(state.enter_minbert, with_kwargs=True))
     else:
-        _add_hf_pals(model, resolved, config, indices, state, device, dtype)
-    setattr(model, _STATE_ATTR, state)
+        add_hf_pals(model, resolved, config, indices, state, device, dtype)
+    setattr(model, INJECTION_ATTR, state)
     if freeze_base:
         freeze_base_model(model, train_layer_norms=train_layer_norms, modules_to_train=modules_to_train)
     elif tuple(modules_to_train):
@@ -563,49 +150,9 @@ def inject_pals(
     return model
 
 
-def _add_hf_pals(
-    model: nn.Module,
-    resolved: _Resolved,
-    config: PALConfig,
-    indices: list[int],
-    state: _Injection,
-    device: torch.device,
-    dtype: torch.dtype,
-) -> None:
-    base, d = resolved.base, resolved.hidden_size
-    clashes = (
-        [f"{resolved.base_name or '<root>'}.pal_projections"] if hasattr(base, "pal_projections") else []
-    )
-    clashes += [f"{resolved.layers_pattern}.{i}.pal" for i in indices if hasattr(resolved.layers[i], "pal")]
-    if clashes:
-        raise ValueError(f"inject_pals: the model already has attributes named {clashes}")
-    shared = None
-    if config.shared_projections:
-        shared = PALProjections(config.num_tasks, d, config.hidden, config.init_std, config.zero_init_decoder)
-        base.add_module("pal_projections", shared.to(device=device, dtype=dtype))
-        state.added.append((base, "pal_projections"))
-    for i in indices:
-        pal = PALLayer(config, d, resolved.dropout, shared).to(device=device, dtype=dtype)
-        pal.train(resolved.layers[i].training)
-        resolved.layers[i].add_module("pal", pal)
-        state.added.append((resolved.layers[i], "pal"))
-    callers = [(model, base is model, True)] + ([(base, True, False)] if base is not model else [])
-    for module, capture_mask, is_root in callers:
-        pre = functools.partial(state.enter, capture_mask, is_root)
-        state.handles.append(module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
-        state.handles.append(module.register_forward_hook(state.leave, with_kwargs=True, always_call=True))
-    for i in indices:
-        layer, norm = resolved.layers[i], resolved.layer_norms[i]
-        hook = functools.partial(state.keep_input, i)
-        state.handles.append(layer.register_forward_pre_hook(hook, with_kwargs=True))
-        state.handles.append(
-            norm.register_forward_pre_hook(functools.partial(state.add_pal, i), with_kwargs=True)
-        )
-
-
 def remove_pals(model: nn.Module) -> nn.Module:
     """Undo :func:`inject_pals`: remove the hooks and the PAL modules (``requires_grad`` flags stay as set)."""
-    state = _injection(model, "remove_pals")
+    state = get_injection(model, "remove_pals")
     for handle in state.handles:
         handle.remove()
     for owner, attr in state.added:
@@ -615,7 +162,7 @@ def remove_pals(model: nn.Module) -> nn.Module:
             setattr(owner, attr, None)
     if state.kind == "minbert":
         state.base.pal_config = None
-    delattr(model, _STATE_ATTR)
+    delattr(model, INJECTION_ATTR)
     return model
 
 
@@ -627,7 +174,7 @@ def set_task(model: nn.Module, task: int | torch.Tensor) -> Iterator[None]:
     (one task per example; every call in the block must then have batch size B). A ``task_ids`` argument given to
     the forward wins over this. Blocks nest; the previous setting is restored on exit.
     """
-    state = _injection(model, "set_task")
+    state = get_injection(model, "set_task")
     if isinstance(task, bool) or not isinstance(task, (int, torch.Tensor)):
         raise TypeError(
             f"set_task: task must be an int or a [batch] integer tensor, got {type(task).__name__}"
@@ -644,17 +191,18 @@ def set_task(model: nn.Module, task: int | torch.Tensor) -> Iterator[None]:
         state.default_task = previous
 
 
-def _pal_modules(state: _Injection) -> list[nn.Module]:
+def pal_modules(state: PALInjection) -> list[nn.Module]:
+    """The PAL modules an injection added to the model (its shared projections and per-layer attentions)."""
     return [getattr(owner, attr) for owner, attr in state.added]
 
 
 def pal_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The PAL parameters of an injected model, named relative to its base model (fastpals' names:
     ``pal_projections.*``, ``<layers>.{i}.pal.*``)."""
-    state = _injection(model, "pal_state_dict")
+    state = get_injection(model, "pal_state_dict")
     names = {id(m): n for n, m in state.base.named_modules()}
     out: dict[str, torch.Tensor] = {}
-    for module in _pal_modules(state):
+    for module in pal_modules(state):
         prefix = names[id(module)]
         for k, v in module.state_dict().items():
             out[f"{prefix}.{k}"] = v
@@ -675,7 +223,7 @@ def freeze_base_model(
     :func:`fastpals.model.freeze_shared_parameters`, plus a record that :func:`save_pals` should save the
     trained base weights.
     """
-    state = _injection(model, "freeze_base_model")
+    state = get_injection(model, "freeze_base_model")
     try:
         counts = freeze_shared_parameters(model, train_layer_norms, modules_to_train)
     except ValueError as err:
@@ -685,7 +233,7 @@ def freeze_base_model(
     return counts
 
 
-def _description(state: _Injection) -> dict[str, Any]:
+def _description(state: PALInjection) -> dict[str, Any]:
     return {
         "prefix": state.base_name,
         "model_type": state.model_type,
@@ -700,8 +248,8 @@ def _description(state: _Injection) -> dict[str, Any]:
 def trained_base_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The base model's parameters that are trainable (``requires_grad``), by their names in ``model``: after
     :func:`freeze_base_model`, the LayerNorms and ``modules_to_train``. PAL parameters are not included."""
-    state = _injection(model, "trained_base_state_dict")
-    pal_ids = {id(p) for m in _pal_modules(state) for p in m.parameters()}
+    state = get_injection(model, "trained_base_state_dict")
+    pal_ids = {id(p) for m in pal_modules(state) for p in m.parameters()}
     return {n: p for n, p in model.named_parameters() if p.requires_grad and id(p) not in pal_ids}
 
 
@@ -732,7 +280,7 @@ def save_pals(
 
     if isinstance(model, MultiTaskBert):
         return model.save_pretrained(folder, adapters_only=True)
-    state = _injection(model, "save_pals")
+    state = get_injection(model, "save_pals")
     if include_trained_base is None:
         include_trained_base = state.frozen_base
     base_names = trained_base_state_dict(model) if include_trained_base else {}
@@ -756,7 +304,7 @@ def adapter_contents(
     """
     from fastpals.adapters import join_name
 
-    state = _injection(model, caller)
+    state = get_injection(model, caller)
     pals = {join_name(state.base_name, k): v for k, v in pal_state_dict(model).items()}
     params = dict(model.named_parameters())
     heads = {n: p for n, p in params.items() if task_specific_kind(n) == "head"}
@@ -917,7 +465,7 @@ def _load_legacy_pals(model: nn.Module, folder: Path, load_trained_base: bool) -
 
 def _native_pal_model(model: nn.Module) -> tuple[str, MiniBert] | None:
     """The one fastpals ``BertModel`` in ``model`` that was built with PALs (not injected), with its name."""
-    if getattr(model, _STATE_ATTR, None) is not None:
+    if getattr(model, INJECTION_ATTR, None) is not None:
         return None
     found = [
         (n, m)
@@ -929,20 +477,22 @@ def _native_pal_model(model: nn.Module) -> tuple[str, MiniBert] | None:
 
 def _injected_like(
     model: nn.Module, saved: PALConfig, target: dict[str, Any], source: str | Path, caller: str = "load_pals"
-) -> _Injection:
+) -> PALInjection:
     """Inject ``saved`` into ``model`` (where ``target``, a saved encoder description, says) or check that the
     PALs already injected are the same; any difference is a ``ValueError``. Returns the injection state."""
     from fastpals.adapters import check_same_pal_config
 
-    state = getattr(model, _STATE_ATTR, None)
+    state = getattr(model, INJECTION_ATTR, None)
     if state is None:
-        targets = {} if _known(model) else {k: target[k] for k in ("layers_pattern", "layer_norm_name")}
-        resolved = _resolve(model, saved, mask_argument="attention_mask", **_resolve_kwargs(targets))
+        targets = (
+            {} if is_known_model(model) else {k: target[k] for k in ("layers_pattern", "layer_norm_name")}
+        )
+        resolved = resolve_targets(model, saved, mask_argument="attention_mask", **_resolve_kwargs(targets))
         _check_shape(
             target, resolved.layers_pattern, resolved.hidden_size, len(resolved.layers), source, caller
         )
         inject_pals(model, saved, **targets)
-        return _injection(model, caller)
+        return get_injection(model, caller)
     _check_shape(target, state.layers_pattern, state.hidden_size, state.num_layers, source, caller)
     check_same_pal_config(state.config.to_dict(), saved.to_dict(), str(source), caller)
     return state
@@ -953,10 +503,6 @@ def _resolve_kwargs(targets: dict[str, str]) -> dict[str, str | None]:
         "layers_pattern": targets.get("layers_pattern"),
         "layer_norm_name": targets.get("layer_norm_name"),
     }
-
-
-def _known(model: nn.Module) -> bool:
-    return _model_type(model) in TARGETS or any(isinstance(m, MiniBert) for m in model.modules())
 
 
 def _check_shape(

@@ -54,17 +54,16 @@ from fastpals.adapters import (
     retarget,
 )
 from fastpals.inject import (
-    _STATE_ATTR,
-    _injection,
-    _pal_modules,
     adapter_contents,
     freeze_base_model,
     inject_pals,
+    pal_modules,
     prepare_for_adapter,
     remove_pals,
     set_task,
     trained_base_state_dict,
 )
+from fastpals.inject_hooks import INJECTION_ATTR, get_injection
 from fastpals.model import PALConfig, task_specific_kind
 
 __all__ = ["METHOD_NAME", "PREFIX", "FastPalsConfig", "FastPalsModel", "register"]
@@ -278,7 +277,7 @@ class FastPalsModel(BaseTuner):
                 f"{_CALLER}: low_cpu_mem_usage=True is not supported (fastpals creates the PALs with their "
                 "weights, not on the meta device); load without it"
             ) from None
-        state = _injection(model, _CALLER)
+        state = get_injection(model, _CALLER)
         self._adapter_name = adapter_name
         self._base_names = base_names
         self.targeted_module_names = [
@@ -307,7 +306,7 @@ class FastPalsModel(BaseTuner):
             base_names = list(trained_base_state_dict(model))
         else:  # a saved adapter: its PALs, where it says, or an error naming what differs
             encoder_prefix = prepare_for_adapter(model, config.to_dict(), config.source, _CALLER)
-            if getattr(model, _STATE_ATTR, None) is None:
+            if getattr(model, INJECTION_ATTR, None) is None:
                 raise ValueError(
                     f"{_CALLER}: {type(model).__name__} holds a fastpals.BertModel built with its own PALs; "
                     "PEFT support covers injected PALs: load it with fastpals.load_pals or "
@@ -321,13 +320,13 @@ class FastPalsModel(BaseTuner):
                 if (name := retarget(k, config.encoder["prefix"], encoder_prefix)) in params
                 and task_specific_kind(name) != "head"
             ]
-            _injection(model, _CALLER).modules_to_train = list(config.modules_to_save or [])
+            get_injection(model, _CALLER).modules_to_train = list(config.modules_to_save or [])
         return base_names
 
     def _adapter_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """The adapter's parameters in the model: PALs, task heads, and its trained base weights."""
-        state = _injection(self.model, _CALLER)
-        pal_ids = {id(p) for m in _pal_modules(state) for p in m.parameters()}
+        state = get_injection(self.model, _CALLER)
+        pal_ids = {id(p) for m in pal_modules(state) for p in m.parameters()}
         base = set(self._base_names)
         return [
             (n, p)
@@ -383,7 +382,7 @@ class FastPalsModel(BaseTuner):
             yield
 
     def _enable_adapter_layers(self, enabled: bool = True) -> None:
-        state = _injection(self.model, _CALLER)
+        state = get_injection(self.model, _CALLER)
         if state.kind != "hf":
             raise NotImplementedError(f"{_CALLER}: PALs in a fastpals.BertModel cannot be switched off")
         state.enabled = enabled
@@ -409,7 +408,7 @@ class FastPalsModel(BaseTuner):
 
     def unload(self) -> nn.Module:
         """Remove the PALs (:func:`fastpals.remove_pals`) and return the base model."""
-        if getattr(self.model, _STATE_ATTR, None) is not None:
+        if getattr(self.model, INJECTION_ATTR, None) is not None:
             remove_pals(self.model)
         return self.model
 
@@ -464,7 +463,7 @@ class FastPalsModel(BaseTuner):
         check_adapter_tensors(
             described, state_dict, f"the weights of {config.source} do not match its config", _CALLER
         )
-        state = _injection(tuner.model, _CALLER)
+        state = get_injection(tuner.model, _CALLER)
         copies, _ = plan_adapter_load(
             tuner.model,
             state.base_name,

@@ -24,7 +24,8 @@ update, which is what gradient surgery needs (several tasks in one update).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -33,6 +34,8 @@ __all__ = [
     "SAMPLING_METHODS",
     "TaskSampler",
     "annealed_alpha",
+    "check_resume_settings",
+    "next_epoch",
     "round_robin_order",
     "task_probabilities",
 ]
@@ -64,6 +67,25 @@ def _check_epoch(epoch: int, num_epochs: int) -> None:
         raise ValueError(f"num_epochs must be an int >= 1, got {num_epochs!r}")
     if isinstance(epoch, bool) or not isinstance(epoch, int) or not 1 <= epoch <= num_epochs:
         raise ValueError(f"epoch must be an int in [1, {num_epochs}] (counted from 1), got {epoch!r}")
+
+
+def next_epoch(epoch: int, num_epochs: int) -> int:
+    """``epoch + 1``; ``ValueError`` when ``epoch`` is already the last of ``num_epochs`` (epochs count from 1)."""
+    if epoch >= num_epochs:
+        raise ValueError(f"epoch {epoch} is the last of {num_epochs}")
+    return epoch + 1
+
+
+def check_resume_settings(
+    state: Mapping[str, Any], mine: Mapping[str, Any], what: str, skip: Sequence[str] = ()
+) -> None:
+    """Raise ``ValueError("cannot resume {what}: ...")`` naming every key of ``mine`` (a resumable object's
+    settings) whose value in the saved ``state`` differs (a missing key counts as ``None``); keys in ``skip`` (the
+    position) are not compared."""
+    differ = [k for k in mine if k not in skip and state.get(k) != mine[k]]
+    if differ:
+        detail = ", ".join(f"{k}: saved {state.get(k)!r}, now {mine[k]!r}" for k in differ)
+        raise ValueError(f"cannot resume {what}: {detail}")
 
 
 def annealed_alpha(epoch: int, num_epochs: int) -> float:
@@ -246,9 +268,7 @@ class TaskSampler:
 
     def start_next_epoch(self) -> None:
         """Move to the first micro-batch of the next epoch."""
-        if self.epoch >= self.num_epochs:
-            raise ValueError(f"epoch {self.epoch} is the last of {self.num_epochs}")
-        self.epoch += 1
+        self.epoch = next_epoch(self.epoch, self.num_epochs)
         self.position = 0
 
     def state_dict(self) -> dict:
@@ -267,11 +287,7 @@ class TaskSampler:
 
     def load_state_dict(self, state: dict) -> None:
         """Continue at ``state``'s ``(epoch, position)``; every other entry must match this sampler's."""
-        mine = self.state_dict()
-        differ = [k for k in mine if k not in ("epoch", "position") and state.get(k) != mine[k]]
-        if differ:
-            detail = ", ".join(f"{k}: saved {state.get(k)!r}, now {mine[k]!r}" for k in differ)
-            raise ValueError(f"cannot resume the task sampler: {detail}")
+        check_resume_settings(state, self.state_dict(), "the task sampler", skip=("epoch", "position"))
         _check_epoch(int(state["epoch"]), self.num_epochs)
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])

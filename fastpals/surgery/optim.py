@@ -153,6 +153,21 @@ class _SurgeryOptimizer:
             loss.backward(retain_graph=t < last)
             buf.capture(first_row + t)
 
+    def _weighted_backward(
+        self,
+        losses: Sequence[torch.Tensor],
+        weighting: Callable[..., torch.Tensor],
+        generator: torch.Generator | None,
+    ) -> SurgeryResult:
+        """Zero the gradients, back-propagate each task loss into its buffer row, and write the update of
+        ``weighting`` (a Gram -> weights function; ``generator`` for its random orders) into ``.grad``."""
+        losses = self._check_losses(losses, "losses")
+        shared, specific = self._split(losses)
+        buf = self._buffer_for(shared, specific, len(losses))
+        self.optimizer.zero_grad(set_to_none=True)
+        self._backward_into(buf, losses, 0)
+        return self._finish(buf.apply(weighting, generator=generator))
+
     def _finish(self, result: SurgeryResult) -> SurgeryResult:
         self.last_result = result
         if result.skipped:
@@ -188,12 +203,7 @@ class PCGrad(_SurgeryOptimizer):
 
     def pc_backward(self, losses: Sequence[torch.Tensor]) -> SurgeryResult:
         """Zero the gradients, back-propagate each task loss, and write the PCGrad update into ``.grad``."""
-        losses = self._check_losses(losses, "losses")
-        shared, specific = self._split(losses)
-        buf = self._buffer_for(shared, specific, len(losses))
-        self.optimizer.zero_grad(set_to_none=True)
-        self._backward_into(buf, losses, 0)
-        return self._finish(buf.apply(pcgrad_weights, generator=self.generator))
+        return self._weighted_backward(losses, pcgrad_weights, self.generator)
 
     backward = pc_backward
 
@@ -305,12 +315,7 @@ class SurgeryOptimizer(_SurgeryOptimizer):
 
     def backward(self, losses: Sequence[torch.Tensor]) -> SurgeryResult:
         """Zero the gradients, back-propagate each task loss, and write the method's update into ``.grad``."""
-        losses = self._check_losses(losses, "losses")
-        shared, specific = self._split(losses)
-        buf = self._buffer_for(shared, specific, len(losses))
-        self.optimizer.zero_grad(set_to_none=True)
-        self._backward_into(buf, losses, 0)
-        return self._finish(buf.apply(self.weighting, generator=self.generator))
+        return self._weighted_backward(losses, self.weighting, self.generator)
 
     pc_backward = backward
 

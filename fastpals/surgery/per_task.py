@@ -23,7 +23,8 @@ weights: the ordinary summed ``.grad`` of a shared parameter is never computed (
 second weight-gradient GEMM). Task-specific parameters (PALs, heads, task embeddings) keep their ordinary
 gradient: they only receive gradient from their own task's rows. Attention, softmax, GELU and dropout carry no
 parameters. Saved activations are the ones ordinary autograd keeps, freed by autograd as soon as the node's
-backward (which writes the per-task gradient) has run.
+backward (which writes the per-task gradient) has run. The per-layer rules (autograd functions) are in
+:mod:`fastpals.surgery.layer_grads`.
 
 Usage (minBERT / :class:`fastpals.MultiTaskBert`, or an HF model with :func:`fastpals.inject_pals`)::
 
@@ -83,10 +84,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fastpals.surgery.buffer import TaskGradientBuffer
+from fastpals.surgery.layer_grads import (
+    EmbeddingFrame,
+    RowTasks,
+    embedding_forward,
+    layer_norm_forward,
+    linear_forward,
+)
 
 __all__ = [
     "PerTaskGradients",
@@ -125,39 +132,8 @@ def task_mean_loss(losses: torch.Tensor, task_ids: torch.Tensor, num_tasks: int)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# rows -> tasks
+# the state of one block
 # ----------------------------------------------------------------------------------------------------------------
-@dataclass
-class RowTasks:
-    """Which task each row of a module's flattened input ``[R, d]`` belongs to.
-
-    - ``tasks``: the tasks with at least one row (sorted);
-    - ``slices[t]``: a contiguous ``slice`` of rows (batches grouped by task) or an int64 index tensor;
-    - ``row_task [R]`` int64 (device): the task of every row (for segmented sums with ``index_add``);
-    - ``num_rows`` R, ``starts`` / ``lengths`` (the per-example row ranges, for the grouped kernel).
-    """
-
-    tasks: list[int]
-    slices: dict[int, slice | torch.Tensor]
-    row_task: torch.Tensor
-    num_rows: int
-    seq_len: int | None = None
-    cu_seqlens: torch.Tensor | None = None
-    example_tasks: torch.Tensor | None = (
-        None  # [B_pass] int64 (device): the task of every example of the pass
-    )
-    plan: Any = None  # the grouped kernel's TaskRowPlan, built on first use
-
-
-class _Frame:
-    """One call of an embeddings block: the full-batch embedding that carries the summed gradient, and the
-    broadcast embeddings (position embeddings) summed with it."""
-
-    def __init__(self) -> None:
-        self.owner_set = False
-        self.broadcast: list[tuple[nn.Embedding, torch.Tensor]] = []
-
-
 @dataclass
 class _Written:
     """Per (task, shared parameter index): written since the block began (first write overwrites a fresh row)."""
@@ -218,7 +194,7 @@ class PerTaskGradients:
         self.use_kernels = use_kernels
         self._cache: dict[tuple, RowTasks] = {}
         self.passes = 0  # calls of the embeddings block(s): the encoder pass, for per-pass cu_seqlens
-        self._frames: dict[int, _Frame] = {}
+        self._frames: dict[int, EmbeddingFrame] = {}
         self._index = {id(p): k for k, p in enumerate(buffer.params)}
         self.written = _Written(
             fresh=[not c for c in buffer.captured_tasks()],
@@ -402,9 +378,13 @@ class PerTaskGradients:
             sel = rows.slices[t]
             g = grad[sel] if isinstance(sel, slice) else grad.index_select(0, sel)
             i = ids[sel] if isinstance(sel, slice) else ids.index_select(0, sel)
-            self._index_add(t, k, i, g, padding_idx)
+            self.index_add_rows(t, k, i, g, padding_idx)
 
-    def _index_add(self, t: int, k: int, ids: torch.Tensor, g: torch.Tensor, padding_idx: int | None) -> None:
+    def index_add_rows(
+        self, t: int, k: int, ids: torch.Tensor, g: torch.Tensor, padding_idx: int | None
+    ) -> None:
+        """Row ``t`` of embedding k (+)= ``g [R, d]`` summed at ``ids [R]`` (int64 rows of the ``[V, d]`` table;
+        overwrite on the first write); the ``padding_idx`` row stays zero."""
         dst = self.buffer.param_row(t, k)
         first = self._first(t, k)
         # Sum the rows of repeated ids into a compact [U, d] first (index_add_/index_put_ into the whole [V, d]
@@ -489,11 +469,11 @@ class PerTaskGradients:
                 if "forward" in m.__dict__:
                     raise RuntimeError(f"module {m!r} already has an instance-level forward (nested block?)")
                 if isinstance(m, nn.Linear):
-                    m.forward = _bind(_linear_forward, self, m)
+                    m.forward = _bind(linear_forward, self, m)
                 elif isinstance(m, nn.LayerNorm):
-                    m.forward = _bind(_layer_norm_forward, self, m)
+                    m.forward = _bind(layer_norm_forward, self, m)
                 else:
-                    m.forward = _bind(_embedding_forward, self, m)
+                    m.forward = _bind(embedding_forward, self, m)
                 self._patched.append(m)
         except BaseException:
             self._restore()
@@ -503,12 +483,12 @@ class PerTaskGradients:
     def _enter_embeddings(self, module: nn.Module, args: tuple) -> None:
         self.passes += 1
         self._use_pass(self.passes - 1)
-        self._frames[id(module)] = _Frame()
+        self._frames[id(module)] = EmbeddingFrame()
 
-    def frame_of(self, m: nn.Module) -> _Frame:
+    def frame_of(self, m: nn.Module) -> EmbeddingFrame:
         key = m.__dict__.get("_fastpals_parent")
         if key not in self._frames:
-            self._frames[key] = _Frame()
+            self._frames[key] = EmbeddingFrame()
         return self._frames[key]
 
     def _restore(self) -> None:
@@ -537,299 +517,6 @@ def _bind(fn: Any, state: PerTaskGradients, module: nn.Module) -> Any:
         return fn(state, module, *args, **kwargs)
 
     return forward
-
-
-def _split_rows(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
-    return x.reshape(-1, x.shape[-1]), tuple(x.shape[:-1])
-
-
-def _check_rows(state: PerTaskGradients, lead: tuple[int, ...], what: str) -> RowTasks:
-    rows = state.rows(lead)
-    if rows is None:
-        raise ValueError(
-            f"per_task_gradients: {what} got an input with leading shape {list(lead)} that does not map to the "
-            f"batch's {state.batch} examples (padded [B, L, d], per-example [B, d], or packed [N, d] with "
-            "cu_seqlens)"
-        )
-    return rows
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# nn.Linear
-# ----------------------------------------------------------------------------------------------------------------
-def _linear_forward(state: PerTaskGradients, m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    rows = _check_rows(state, tuple(x.shape[:-1]), "a shared nn.Linear")
-    state.forward_calls += 1
-    # The parameters enter the graph detached: autograd holds no gradient edge to them (no AccumulateGrad node,
-    # so no gradient hook, e.g. DeepSpeed's, fires for them); the backward writes their per-task gradients.
-    k_b = state.param_index(m.bias) if m.bias is not None else None
-    bias = m.bias.detach() if m.bias is not None else None
-    return _PerTaskLinear.apply(
-        state.anchor, x, m.weight.detach(), bias, state, rows, state.param_index(m.weight), k_b
-    )
-
-
-class _PerTaskLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any,
-        anchor: torch.Tensor,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        state: PerTaskGradients,
-        rows: RowTasks,
-        k_w: int,
-        k_b: int | None,
-    ) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.state, ctx.rows, ctx.k_w, ctx.k_b = state, rows, k_w, k_b
-        return F.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
-        x, weight = ctx.saved_tensors
-        state: PerTaskGradients = ctx.state
-        state.mark_backward()
-        dx = None
-        if ctx.needs_input_grad[1]:
-            dx = (dy @ weight.to(dy.dtype)).to(x.dtype)
-        dy2, _ = _split_rows(dy)
-        x2, _ = _split_rows(x)
-        if x2.dtype != dy2.dtype:  # autocast: the GEMMs run in the output gradient's dtype
-            x2 = x2.to(dy2.dtype)
-        _linear_weight_grads(state, ctx.rows, ctx.k_w, ctx.k_b, dy2, x2)
-        return None, dx, None, None, None, None, None, None
-
-
-def _linear_weight_grads(
-    state: PerTaskGradients,
-    rows: RowTasks,
-    k_w: int,
-    k_b: int | None,
-    dy: torch.Tensor,
-    x: torch.Tensor,
-) -> None:
-    """``dW_t = dy_t^T x_t`` and ``db_t = sum dy_t`` per task into the buffer (``dy [R, M]``, ``x [R, K]``;
-    ``k_w`` / ``k_b`` the weight's and bias's indices among the buffer's shared parameters)."""
-    if _kernels_on(state, dy):
-        _linear_weight_grads_triton(state, rows, k_w, k_b, dy, x)
-        return
-    sizes = {s.stop - s.start for s in rows.slices.values() if isinstance(s, slice)}
-    if len(rows.tasks) > 1 and len(sizes) == 1 and all(isinstance(s, slice) for s in rows.slices.values()):
-        # Equal, contiguous task segments: one batched GEMM over the segments (one parallel region, measured
-        # 1.5-2x faster than T separate GEMMs on a 2-core CPU), then one copy per task into its row.
-        n = sizes.pop()
-        starts = [rows.slices[t].start for t in rows.tasks]
-        if starts == [starts[0] + i * n for i in range(len(starts))]:
-            seg = slice(starts[0], starts[0] + n * len(starts))
-            dyb = dy[seg].view(len(starts), n, dy.shape[1])
-            xb = x[seg].view(len(starts), n, x.shape[1])
-            out = state.stack_target(k_w, rows.tasks, dy.dtype)
-            if out is not None:  # straight into the buffer rows: one op
-                torch.bmm(dyb.transpose(1, 2), xb, out=out)
-            else:
-                state.write_stack(k_w, rows.tasks, torch.bmm(dyb.transpose(1, 2), xb))
-            if k_b is not None:
-                state.write_stack(k_b, rows.tasks, dyb.sum(1))
-            return
-    for t in rows.tasks:
-        sel = rows.slices[t]
-        dy_t = dy[sel] if isinstance(sel, slice) else dy.index_select(0, sel)
-        x_t = x[sel] if isinstance(sel, slice) else x.index_select(0, sel)
-        state.write_mm(t, k_w, dy_t.t(), x_t)
-        if k_b is not None:
-            state.write(t, k_b, dy_t.sum(0))
-
-
-def _kernels_on(state: PerTaskGradients, t: torch.Tensor) -> bool:
-    if state.use_kernels is not None:
-        return state.use_kernels
-    from fastpals.kernels.dispatch import use_triton
-
-    return use_triton(t)
-
-
-def _linear_weight_grads_triton(
-    state: PerTaskGradients,
-    rows: RowTasks,
-    k_w: int,
-    k_b: int | None,
-    dy: torch.Tensor,
-    x: torch.Tensor,
-) -> None:
-    """All task segments in one launch of the grouped weight-gradient kernel (fp32 accumulation), then one copy
-    (or add) per task into its row. Temporary: ``[T, M, K]`` in the buffer's dtype."""
-    from fastpals.kernels.common import build_task_row_plan
-    from fastpals.kernels.grouped_linear_triton import grouped_wgrad_rows
-
-    if rows.plan is None:  # one plan per row layout, shared by every Linear of that layout
-        example_tasks = rows.example_tasks if rows.example_tasks is not None else state.task_ids
-        rows.plan = build_task_row_plan(
-            example_tasks, state.num_tasks, rows.num_rows, seq_len=rows.seq_len, cu_seqlens=rows.cu_seqlens
-        )
-    plan = rows.plan
-    dw, db = grouped_wgrad_rows(
-        dy.contiguous(),
-        x.contiguous(),
-        plan,
-        torch.float32 if state.buffer.dtype == torch.float32 else dy.dtype,
-        k_b is not None,
-    )
-    for t in rows.tasks:
-        state.write(t, k_w, dw[t])
-        if k_b is not None and db is not None:
-            state.write(t, k_b, db[t])
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# nn.LayerNorm
-# ----------------------------------------------------------------------------------------------------------------
-def _layer_norm_forward(state: PerTaskGradients, m: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
-    if len(m.normalized_shape) != 1:
-        raise ValueError("per_task_gradients supports LayerNorm over the last dimension only")
-    rows = _check_rows(state, tuple(x.shape[:-1]), "a shared nn.LayerNorm")
-    state.forward_calls += 1
-    k_b = state.param_index(m.bias) if m.bias is not None else None
-    bias = m.bias.detach() if m.bias is not None else None
-    return _PerTaskLayerNorm.apply(
-        state.anchor, x, m.weight.detach(), bias, m.eps, state, rows, state.param_index(m.weight), k_b
-    )
-
-
-class _PerTaskLayerNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any,
-        anchor: torch.Tensor,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        eps: float,
-        state: PerTaskGradients,
-        rows: RowTasks,
-        k_w: int,
-        k_b: int | None,
-    ) -> torch.Tensor:
-        w = weight.to(x.dtype)
-        b = bias.to(x.dtype) if bias is not None else None
-        y, mean, rstd = torch.native_layer_norm(x, (x.shape[-1],), w, b, eps)
-        ctx.save_for_backward(x, weight, bias if bias is not None else weight, mean, rstd)
-        ctx.state, ctx.rows, ctx.has_bias, ctx.k_w, ctx.k_b = state, rows, bias is not None, k_w, k_b
-        return y
-
-    @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
-        x, weight, bias, mean, rstd = ctx.saved_tensors
-        state: PerTaskGradients = ctx.state
-        state.mark_backward()
-        d = x.shape[-1]
-        dx = None
-        if ctx.needs_input_grad[1]:
-            w = weight.to(x.dtype)
-            dx, _, _ = torch.ops.aten.native_layer_norm_backward(
-                dy.to(x.dtype), x, [d], mean, rstd, w, bias.to(x.dtype) if ctx.has_bias else None,
-                [True, False, False],
-            )  # fmt: skip
-        xhat = (x.float() - mean.float()) * rstd.float()
-        dy2 = dy.reshape(-1, d)
-        state.write_segment_sums(ctx.k_w, (dy2.float() * xhat.reshape(-1, d)), ctx.rows)
-        if ctx.k_b is not None:
-            state.write_segment_sums(ctx.k_b, dy2, ctx.rows)
-        return None, dx, None, None, None, None, None, None, None
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# nn.Embedding
-# ----------------------------------------------------------------------------------------------------------------
-def _embedding_forward(state: PerTaskGradients, m: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
-    frame = state.frame_of(m)
-    state.forward_calls += 1
-    rows = None
-    if ids.dim() >= 2 or (ids.dim() == 1 and state.packed_ids(ids.shape[0])):
-        rows = state.rows(tuple(ids.shape))
-    if rows is None:  # looked up once for the batch and broadcast over it (position embeddings)
-        frame.broadcast.append((m, ids))
-        return _BroadcastEmbedding.apply(state.anchor, ids, m.weight.detach(), m.padding_idx, frame, state)
-    owner = not frame.owner_set
-    frame.owner_set = True
-    k = state.param_index(m.weight)
-    return _PerTaskEmbedding.apply(
-        state.anchor, ids, m.weight.detach(), m.padding_idx, state, rows, frame if owner else None, k
-    )
-
-
-class _PerTaskEmbedding(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any,
-        anchor: torch.Tensor,
-        ids: torch.Tensor,
-        weight: torch.Tensor,
-        padding_idx: int | None,
-        state: PerTaskGradients,
-        rows: RowTasks,
-        frame: _Frame | None,
-        k: int,
-    ) -> torch.Tensor:
-        ctx.save_for_backward(ids)
-        ctx.state, ctx.rows, ctx.frame, ctx.padding_idx, ctx.k = state, rows, frame, padding_idx, k
-        return F.embedding(ids, weight, padding_idx)
-
-    @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
-        (ids,) = ctx.saved_tensors
-        state: PerTaskGradients = ctx.state
-        state.mark_backward()
-        d = dy.shape[-1]
-        rows: RowTasks = ctx.rows
-        state.write_embedding(ctx.k, ids.reshape(-1), dy.reshape(-1, d), rows, ctx.padding_idx)
-        frame: _Frame | None = ctx.frame
-        if frame is not None and frame.broadcast:
-            # The broadcast embeddings were summed with this one: their gradient is this dy summed over each
-            # task's examples, at their own indices.
-            b = state.batch
-            per_example = dy.reshape(b, -1)
-            ex_rows = state.example_rows()
-            sums = torch.zeros(state.num_tasks, per_example.shape[1], dtype=torch.float32, device=dy.device)
-            sums.index_add_(0, ex_rows.row_task, per_example.float())
-            for m, pos in frame.broadcast:
-                flat = pos.reshape(-1)
-                k = state.param_index(m.weight)
-                if per_example.shape[1] != flat.numel() * d:
-                    raise ValueError(
-                        f"per_task_gradients: broadcast embedding indices {list(pos.shape)} do not match the "
-                        f"batch embedding {list(dy.shape)} they are summed with"
-                    )
-                for t in ex_rows.tasks:
-                    state._index_add(t, k, flat, sums[t].view(flat.numel(), d), m.padding_idx)
-            frame.broadcast = []
-        return None, None, None, None, None, None, None, None
-
-
-class _BroadcastEmbedding(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any,
-        anchor: torch.Tensor,
-        ids: torch.Tensor,
-        weight: torch.Tensor,
-        padding_idx: int | None,
-        frame: _Frame,
-        state: PerTaskGradients,
-    ) -> torch.Tensor:
-        ctx.frame, ctx.state = frame, state
-        return F.embedding(ids, weight, padding_idx)
-
-    @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
-        ctx.state.mark_backward()
-        if not ctx.frame.owner_set:
-            raise RuntimeError(
-                "per_task_gradients: an embedding looked up once for the whole batch (position embeddings) is "
-                "not summed with a per-example embedding of the same block: its gradient cannot be split by task"
-            )
-        return None, None, None, None, None, None
 
 
 @contextlib.contextmanager

@@ -1,8 +1,9 @@
 """Multi-task fine-tuning with DeepSpeed, as a library: ``train.py`` is :func:`main`.
 
-* :class:`TrainArgs` (:mod:`.args`): every option, checked; :func:`parse_args`/:func:`build_parser`
-  (:mod:`.cli`) make it from a command line.
+* :class:`TrainArgs` (:mod:`.args`, fields declared with :mod:`.options`): every option, checked;
+  :func:`parse_args`/:func:`build_parser` (:mod:`.cli`) make it from a command line.
 * :class:`Trainer` (:mod:`.loop`): set-up, updates, checkpoints; :class:`TrainState` (:mod:`.state`).
+* :mod:`.data_setup`: the run's tokenizer, task batchers and sampler.
 * :mod:`.evaluate`: prediction and dev metrics, shared with ``fastpals predict``.
 * :mod:`.callbacks`: JSONL, TensorBoard, progress, plots, test-only faults.
 * :func:`surgery_update` (:mod:`.step`): the gradient-surgery update, also timed by the benchmarks.

@@ -1,9 +1,10 @@
 """Every option of a training run: :class:`TrainArgs`, one dataclass field per command-line option.
 
-Each field's metadata holds its help text, its command-line spelling and whether it must match the saved run on
-``--resume`` (``resume="match"``) or may change (``resume="may_change"``); :mod:`fastpals.train.cli` builds the
-argparse parser from these fields. ``TrainArgs.__post_init__`` checks every option (and that the data files
-exist) and raises :class:`ConfigError` with a one-line message naming the option.
+Each field (declared with :func:`fastpals.train.options.opt`) holds in its metadata its help text, its
+command-line spelling and whether it must match the saved run on ``--resume`` (``resume="match"``) or may change
+(``resume="may_change"``); :mod:`fastpals.train.cli` builds the argparse parser from these fields.
+``TrainArgs.__post_init__`` checks every option (and that the data files exist) and raises :class:`ConfigError`
+with a one-line message naming the option.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from fastpals.surgery import AGGREGATORS, make_weighting, parse_surgery_options
 from fastpals.tasks import TaskSpec, resolve_tasks
 from fastpals.train.dsconfig import DEFAULT_DS_CONFIG, load_ds_config
 from fastpals.train.errors import ConfigError
+from fastpals.train.options import MAY, jsonable, opt, option_flag
 
 __all__ = [
     "BATCHINGS",
@@ -52,32 +54,6 @@ OPTIMIZERS = ("adamw", "sgd", "rmsprop")
 BATCHINGS = ("per_task", "mixed")
 TASK_WEIGHTINGS = ("examples", "equal")
 SURGERY_BUFFER_DTYPES = ("fp32", "bf16")
-
-
-def opt(
-    help: str,
-    *,
-    resume: str = "match",
-    type: type | None = None,
-    choices: tuple[str, ...] | None = None,
-    flags: tuple[str, ...] = (),
-    metavar: str | None = None,
-    hidden: bool = False,
-    default: Any = None,
-    factory: Any = None,
-) -> Any:
-    """A :class:`TrainArgs` field: ``help`` text, ``resume`` ``"match"`` (must equal the saved run's value on
-    ``--resume``) or ``"may_change"``, argparse ``type``/``choices``/``metavar``, extra ``flags`` spellings, and
-    ``hidden`` (left out of ``--help``: test-only options)."""
-    assert resume in ("match", "may_change"), resume
-    meta = {"help": help, "resume": resume, "type": type, "choices": choices, "flags": flags,
-            "metavar": metavar, "hidden": hidden}  # fmt: skip
-    if factory is not None:
-        return field(default_factory=factory, metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-MAY = "may_change"
 
 
 @dataclass
@@ -249,7 +225,7 @@ class TrainArgs:
             choices = _field(name).metadata["choices"]
             if getattr(self, name) not in choices:
                 raise ConfigError(
-                    f"{_flag(name)} {getattr(self, name)!r}: choose one of {', '.join(choices)}"
+                    f"{option_flag(name)} {getattr(self, name)!r}: choose one of {', '.join(choices)}"
                 )
         self._not_implemented_yet()
         if self.batch_size is None or self.grad_accum is None:
@@ -271,7 +247,7 @@ class TrainArgs:
         for name in ("lr", "pal_lr", "head_lr"):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):
-                raise ConfigError(f"{_flag(name)} must be a positive number, got {value}")
+                raise ConfigError(f"{option_flag(name)} must be a positive number, got {value}")
         if not 0.0 <= self.warmup < 1.0:
             raise ConfigError(f"--warmup is a fraction of the updates in [0, 1), got {self.warmup}")
         if self.weight_decay < 0:
@@ -328,7 +304,7 @@ class TrainArgs:
         if value is None and allow_none:
             return
         if value is None or value < low:
-            raise ConfigError(f"{_flag(name)} must be >= {low}, got {value}")
+            raise ConfigError(f"{option_flag(name)} must be >= {low}, got {value}")
 
     def _check_data(self) -> Path | None:
         builtin = [
@@ -358,27 +334,15 @@ class TrainArgs:
     # --- conversions --------------------------------------------------------------------------------------------
     def options(self) -> dict[str, Any]:
         """The options (not the derived fields) as JSON-ready values: what ``train_args.json`` holds."""
-        return {f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(self) if f.init}
+        return {f.name: jsonable(getattr(self, f.name)) for f in dataclasses.fields(self) if f.init}
 
     def resume_options(self) -> dict[str, Any]:
         """The options that must match the saved run's on ``--resume``."""
-        return {name: _jsonable(getattr(self, name)) for name in resume_fields("match")}
+        return {name: jsonable(getattr(self, name)) for name in resume_fields("match")}
 
 
 def _field(name: str) -> dataclasses.Field:
     return {f.name: f for f in dataclasses.fields(TrainArgs)}[name]
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, (str, int, float, bool, type(None))):
-        return value
-    return str(value)
 
 
 def resume_fields(kind: str) -> list[str]:

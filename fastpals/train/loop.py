@@ -1,5 +1,7 @@
 """The training loop: set-up, one update, checkpoints. ``Trainer(args).run()`` → the results dict.
 
+The data (tokenizer, task batchers, sampler) comes from :func:`fastpals.train.data_setup.setup_data`.
+
 A :class:`~fastpals.sampling.TaskSampler` decides the task of every micro-batch; each micro-batch holds
 ``--batch-size`` examples of one task and gets its own forward and ``engine.backward``. Without surgery the
 DeepSpeed engine accumulates ``--grad-accum`` micro-batches per update (DeepSpeed averages them and clips with
@@ -38,16 +40,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from fastpals.data import TaskBatcher
 from fastpals.multitask import MultiTaskBert
-from fastpals.sampling import TaskSampler
 from fastpals.train import evaluate as ev
 from fastpals.train import outputs
 from fastpals.train.args import TrainArgs
 from fastpals.train.callbacks import Callback, default_callbacks
+from fastpals.train.data_setup import eval_batcher, setup_data
 from fastpals.train.dsconfig import check_ds_config, load_ds_config
 from fastpals.train.errors import ConfigError, NonFiniteLossError, TrainingInterrupted
-from fastpals.train.mixed import MixedUpdates, mixed_update
+from fastpals.train.mixed import mixed_update
 from fastpals.train.optim import build_model, lr_lambda, make_optimizer, optimizer_param_groups
 from fastpals.train.state import (
     GeneratorState,
@@ -105,63 +106,10 @@ class Trainer:
 
     # --- set-up -------------------------------------------------------------------------------------------------
     def _setup_data(self) -> None:
-        from fastpals.tokenizer import Tokenizer
-
-        args = self.args
-        try:
-            self.tokenizer = Tokenizer.from_pretrained(args.model)
-        except (FileNotFoundError, OSError, ImportError, ValueError) as err:
-            raise ConfigError(f"--model {args.model}: {err}") from None
-        self.pair_encoding = {
-            t: "joint" if (args.pair_mode == "joint" or not args.task_specs[t].pair) else "separate"
-            for t in args.task_list
-        }
-        self.train_batchers: dict[str, TaskBatcher] = {}
-        self.dev_batchers: dict[str, TaskBatcher] = {}
-        self.train_sizes: list[int] = []
-        for i, t in enumerate(args.task_list):
-            train = ev.load_split(args.task_specs[t], "train", args.data_path, args.max_train, self.log)
-            self.train_sizes.append(len(train))
-            shard = train[self.rank :: self.world_size] if self.world_size > 1 else train
-            self.train_batchers[t] = TaskBatcher(
-                shard, self.tokenizer, args.task_specs[t], args.batch_size, max_length=args.max_length, shuffle=True,
-                seed=args.seed * 1000 + i, pair_encoding=self.pair_encoding[t],
-            )  # fmt: skip
-            self.dev_batchers[t] = self._eval_batcher(t, "dev", args.max_eval, sample=True)
-        # identical on every rank: batches of the smallest shard
-        batches = [math.ceil((n // self.world_size) / args.batch_size) or 1 for n in self.train_sizes]
-        steps = args.steps_per_epoch
-        if steps is None and args.sampling != "round_robin":
-            steps = 2400
-        if args.batching == "mixed":
-            self.sampler = MixedUpdates(
-                list(self.train_batchers.values()), args.sampling, args.epochs,
-                None if args.max_tokens else args.batch_size, args.max_tokens, args.grad_accum,
-                args.steps_per_epoch, args.seed, self.world_size,
-            )  # fmt: skip
-        else:
-            self.sampler = TaskSampler(
-                args.sampling, self.train_sizes, batches, args.epochs, steps,
-                micro_batches_per_update=args.grad_accum if args.surgery == "none" else len(args.task_list),
-                extra=args.extra_batches, seed=args.seed,
-            )  # fmt: skip
-        self.total_updates = self.sampler.updates_per_epoch * args.epochs
-        sizes = ", ".join(f"{t} {n}" for t, n in zip(args.task_list, self.train_sizes))
-        self.log(
-            f"[data] train examples: {sizes}; {self.sampler.updates_per_epoch} updates/epoch x {args.epochs} "
-            f"epochs, sampling {args.sampling}, {args.batching} batches; dev: "
-            + ", ".join(f"{t} {len(b.examples)}" for t, b in self.dev_batchers.items())
-            + (" (para dev = held-out 10% hash split of quora-dev.csv)" if "para" in args.task_list else "")
-        )
-
-    def _eval_batcher(self, task: str, split: str, limit: int | None, sample: bool = False) -> TaskBatcher:
-        spec = self.args.task_specs[task]
-        examples = ev.load_split(spec, split, self.args.data_path, limit, self.log, sample=sample)
-        return TaskBatcher(
-            examples, self.tokenizer, spec, max(self.args.batch_size, ev.EVAL_BATCH),
-            max_length=self.args.max_length, shuffle=False, bucket_by_length=False,
-            pair_encoding=self.pair_encoding[task],
-        )  # fmt: skip
+        data = setup_data(self.args, self.rank, self.world_size, self.log)
+        self.tokenizer, self.pair_encoding, self.sampler = data.tokenizer, data.pair_encoding, data.sampler
+        self.train_batchers, self.dev_batchers = data.train_batchers, data.dev_batchers
+        self.train_sizes, self.total_updates = data.train_sizes, data.total_updates
 
     def _setup_model(self) -> None:
         self.model = build_model(self.args)
@@ -424,6 +372,7 @@ class Trainer:
         for i, t in enumerate(self.args.task_list):
             if "test" not in self.args.task_specs[t].files:
                 continue
-            batcher = self._eval_batcher(t, "test", self.args.max_predict)
+            batcher = eval_batcher(self.args, self.tokenizer, self.pair_encoding, t, "test", self.args.max_predict,
+                                   self.log)  # fmt: skip
             ids, p, _ = ev.predict_batches(best, batcher, i, self._progress(), desc=f"test {t}")
             outputs.write_test_predictions(self.out / "predictions", self.args.task_specs[t], ids, p)
