@@ -130,3 +130,47 @@ def test_16bit_dots_use_tensor_cores(results, cap):
     for r in results[cap]["records"]:
         if r["kernel"] in DOT_KERNELS and _half(r):
             assert r["mma_sync"] + r["wgmma"] > 0, (r["kernel"], r["dtype"], r["constexprs"])
+
+
+#: the seed PAL shapes (d_s, heads) of issue #17: head dims 34, 17 and 46, widths 204 and 276
+SEED_PAL_SHAPES = ((204, 6), (204, 12), (276, 6))
+#: attention kernels with a loop to pipeline (the delta pass has none)
+PIPELINED_ATTENTION = ("_pal_attn_fwd_kernel", "_pal_attn_bwd_dkdv_kernel", "_pal_attn_bwd_dq_kernel")
+
+
+@pytest.mark.parametrize("cap", [80, 90])
+@pytest.mark.parametrize("d_s, heads", SEED_PAL_SHAPES)
+def test_16bit_pal_loads_are_vectorised_and_pipelined(results, cap, d_s, heads):
+    """The fused PAL's zero-padded layout (fastpals.kernels.pal_triton.pal_layout: heads of 40/24/48, ``s`` 208 or
+    288 wide) makes its 16-bit loads 16-byte aligned: the attention forward and backward and the QKV and V^D
+    forward GEMMs copy global -> shared with 16-byte ``cp.async`` (before the padding they had none)."""
+    from fastpals.kernels.pal_triton import pal_layout
+
+    lay = pal_layout(d_s, heads)
+    tag = f" d_s={d_s} H={heads} "
+    half = [r for r in results[cap]["records"] if _half(r) and any(tag in c for c in r["cases"])]
+    for name in PIPELINED_ATTENTION:
+        variants = [r for r in half if r["kernel"] == name]
+        assert variants, name
+        for r in variants:
+            assert r["cp_async_16"] > 0, (name, r["dtype"], r["constexprs"], r["cp_async"])
+
+    def forward_gemms(n_out, k_red):
+        """16-bit ``_grouped_mm_kernel`` variants launched as ``out[R, n_out] = a[R, k_red] @ W[t]ᵀ``."""
+        return [
+            r
+            for r in half
+            if r["kernel"] == "_grouped_mm_kernel"
+            and any(
+                (x["N_OUT"], x["K_RED"], x["stride_wk"]) == (n_out, k_red, 1)
+                and x["K_W"] == k_red  # the padded weight spans the whole aligned width
+                for x in r["launches"]
+            )
+        ]
+
+    qkv = forward_gemms(lay.qkv_width, lay.s_width)
+    dec = [r for d in (768, 384) for r in forward_gemms(d, lay.ctx_width) if r["constexprs"]["GELU"]]
+    assert qkv and dec
+    for r in qkv + dec:
+        assert r["cp_async_16"] > 0, (r["dtype"], r["constexprs"], r["launches"][:2], r["cp_async"])
+    assert {r["dtype"] for r in qkv} == {"float16", "bfloat16"}

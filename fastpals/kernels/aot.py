@@ -38,6 +38,10 @@ PAL_SHAPES = (
     (384, 204, 6),
     (384, 276, 12),
 )
+#: 16-byte asynchronous global -> shared copies in PTX (``cp.async`` also counts 4/8-byte copies and group marks)
+_CP_ASYNC_16 = re.compile(r"cp\.async\.c[ag]\.shared\.global[^;]*,\s*(?:0x10|16)\s*[,;]")
+#: distinct integer-argument sets kept per compiled variant
+MAX_LAUNCHES = 64
 #: kernels whose dots run on 16-bit operands for 16-bit inputs (gram up-casts to fp32 on purpose)
 DOT_KERNELS = (
     "_grouped_mm_kernel",
@@ -120,12 +124,19 @@ class Recorder:
 
         def run(fn: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
             kernel = original(fn, *args, grid=grid, warmup=True, **kwargs)
-            recorder.record(fn.fn.__name__, kernel, args, kwargs)
+            ints = {
+                name: a
+                for name, a in zip(fn.arg_names, args)
+                if isinstance(a, int) and not isinstance(a, bool)
+            }
+            recorder.record(fn.fn.__name__, kernel, args, kwargs, ints)
             return kernel
 
         jit.JITFunction.run = run
 
-    def record(self, name: str, kernel: Any, args: tuple, kwargs: dict) -> None:
+    def record(self, name: str, kernel: Any, args: tuple, kwargs: dict, ints: dict | None = None) -> None:
+        """One launch: a new variant is measured; every variant keeps the case labels that launched it and
+        (up to :data:`MAX_LAUNCHES`) the distinct integer arguments it was launched with (sizes, strides)."""
         key = f"{name}:{kernel.hash}"
         rec = self.records.get(key)
         if rec is None:
@@ -153,12 +164,16 @@ class Recorder:
                 "wgmma": ptx.count("wgmma.mma_async"),
                 "mma_layout": sorted(set(re.findall(r"nvidia_mma<\{versionMajor = (\d)", ttgir))),
                 "cp_async": ptx.count("cp.async"),
+                "cp_async_16": len(_CP_ASYNC_16.findall(ptx)),
                 "cases": [],
+                "launches": [],
             }
             rec.update(self.ptxas(kernel.hash, ptx))
             self.records[key] = rec
-        if len(rec["cases"]) < 3:
+        if self.case not in rec["cases"]:
             rec["cases"].append(self.case)
+        if ints is not None and ints not in rec["launches"] and len(rec["launches"]) < MAX_LAUNCHES:
+            rec["launches"].append(ints)
 
 
 def _pal_case(dtype: Any, d: int, d_s: int, heads: int, packed: bool, dropout: float) -> None:
@@ -277,17 +292,20 @@ def compile_all(cap: int, quick: bool = False) -> dict[str, Any]:
 
 def summary_rows(result: dict[str, Any]) -> list[str]:
     """One Markdown table row per kernel and dtype: the worst registers, spills and shared memory over its
-    variants, and whether every 16-bit dot variant uses tensor cores."""
+    variants, whether every 16-bit dot variant uses tensor cores, and the fewest 16-byte ``cp.async`` copies of
+    any variant."""
     worst: dict[tuple[str, str], dict[str, Any]] = {}
     for r in result["records"]:
         w = worst.setdefault(
-            (r["kernel"], r["dtype"]), {"regs": 0, "spill": 0, "smem": 0, "variants": 0, "mma": True}
+            (r["kernel"], r["dtype"]),
+            {"regs": 0, "spill": 0, "smem": 0, "variants": 0, "mma": True, "cp16": r["cp_async_16"]},
         )
         w["regs"] = max(w["regs"], r["regs"] or 0)
         w["spill"] = max(w["spill"], r["spill_stores"])
         w["smem"] = max(w["smem"], r["shared"])
         w["variants"] += 1
         w["mma"] = w["mma"] and (r["mma_sync"] + r["wgmma"]) > 0
+        w["cp16"] = min(w["cp16"], r["cp_async_16"])
     rows = []
     for (kernel, dtype), w in sorted(worst.items()):
         mma = "yes" if w["mma"] else "no"
@@ -295,7 +313,7 @@ def summary_rows(result: dict[str, Any]) -> list[str]:
             mma = "n/a" if not w["mma"] else "yes"
         rows.append(
             f"| sm_{result['cap']} | {kernel} | {dtype} | {w['variants']} | {w['regs']} | {w['spill']} | "
-            f"{w['smem'] / 1024:.1f} / {result['records'][0]['smem_limit'] // 1024} | {mma} |"
+            f"{w['smem'] / 1024:.1f} / {result['records'][0]['smem_limit'] // 1024} | {mma} | {w['cp16']} |"
         )
     return rows
 
@@ -311,8 +329,11 @@ def main(argv: list[str] | None = None) -> int:
     result = compile_all(args.cap, args.quick)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    print("| target | kernel | dtype | variants | regs | spill B | smem KiB / limit | tensor cores |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        "| target | kernel | dtype | variants | regs | spill B | smem KiB / limit | tensor cores "
+        "| 16-B cp.async (fewest) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     print("\n".join(summary_rows(result)))
     for e in result["errors"]:
         print("ERROR", e["case"], e["error"][:300])

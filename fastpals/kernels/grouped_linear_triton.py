@@ -79,6 +79,8 @@ def _grouped_mm_kernel(
     tile_end_ptr,
     N_OUT,
     K_RED,
+    N_W,
+    K_W,
     stride_a,
     stride_z,
     stride_wt,
@@ -99,7 +101,10 @@ def _grouped_mm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """out[rows, n] = epilogue(sum_k prologue(a[rows, k]) * w[task, n, k]) over one task's row tile."""
+    """out[rows, n] = epilogue(sum_k prologue(a[rows, k]) * w[task, n, k]) over one task's row tile.
+
+    The weight (and bias) hold ``N_W <= N_OUT`` outputs and ``K_W <= K_RED`` reduction entries: the rest reads
+    as zero, so a row-aligned ``a`` or ``out`` can run at its padded width (16-byte vectors, unmasked groups)."""
     tile = tl.program_id(0)
     pid_n = tl.program_id(1)
     task = tl.load(tile_task_ptr + tile)
@@ -112,6 +117,7 @@ def _grouped_mm_kernel(
     rows = tl.load(row_index_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N_OUT
+    nw_mask = offs_n < N_W
     w_base = w_ptr + task.to(tl.int64) * stride_wt
 
     offs_k = tl.arange(0, BLOCK_K)
@@ -127,13 +133,13 @@ def _grouped_mm_kernel(
             z = tl.load(z_ptrs, mask=a_mask, other=0.0)
             a = cast_rne(a.to(tl.float32) * gelu_grad(z.to(tl.float32)), a_ptr.dtype.element_ty, INTERP_BF16)
             z_ptrs += BLOCK_K
-        w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=((k0 + offs_k) < K_W)[:, None] & nw_mask[None, :], other=0.0)
         acc = dot_acc(a, w, acc, IEEE, INTERP_BF16)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
 
     if HAS_BIAS:
-        b = tl.load(bias_ptr + task.to(tl.int64) * stride_bt + offs_n, mask=n_mask, other=0.0)
+        b = tl.load(bias_ptr + task.to(tl.int64) * stride_bt + offs_n, mask=nw_mask, other=0.0)
         acc += b.to(tl.float32)[None, :]
     out_mask = m_mask[:, None] & n_mask[None, :]
     if STORE_PRE:
@@ -165,6 +171,7 @@ def _grouped_wgrad_kernel(
     task_row_offsets_ptr,
     M,
     K,
+    M_OUT,
     stride_dy,
     stride_z,
     stride_x,
@@ -178,7 +185,8 @@ def _grouped_wgrad_kernel(
 ):
     """dw[t, m, k] = sum over task t's rows of dz[r, m] * x[r, k]; db[t, m] = sum of dz[r, m] (fp32 acc).
 
-    A task with no rows stores zeros (its gradient is defined and zero)."""
+    Only the first ``M_OUT <= M`` rows of ``dw``/``db`` exist (``dw [T, M_OUT, K]``): ``dy`` may be read at its
+    row-aligned width ``M``. A task with no rows stores zeros (its gradient is defined and zero)."""
     task = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -210,16 +218,17 @@ def _grouped_wgrad_kernel(
             db_acc += tl.sum(g.to(tl.float32), axis=0)
 
     task64 = task.to(tl.int64)
-    dw_ptrs = dw_ptr + task64 * M * K + offs_m[:, None] * K + offs_k[None, :]
+    out_mask = offs_m < M_OUT
+    dw_ptrs = dw_ptr + task64 * M_OUT * K + offs_m[:, None] * K + offs_k[None, :]
     tl.store(
-        dw_ptrs, cast_rne(acc, dw_ptr.dtype.element_ty, INTERP_BF16), mask=m_mask[:, None] & k_mask[None, :]
+        dw_ptrs, cast_rne(acc, dw_ptr.dtype.element_ty, INTERP_BF16), mask=out_mask[:, None] & k_mask[None, :]
     )
     if HAS_BIAS_GRAD:
         if pid_k == 0:
             tl.store(
-                db_ptr + task64 * M + offs_m,
+                db_ptr + task64 * M_OUT + offs_m,
                 cast_rne(db_acc, db_ptr.dtype.element_ty, INTERP_BF16),
-                mask=m_mask,
+                mask=out_mask,
             )
 
 
@@ -256,23 +265,32 @@ def grouped_mm_rows(
     store_pre: bool = False,
     gelu_grad_pre: torch.Tensor | None = None,
     aligned_out: bool = False,
+    out_width: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch the grouped GEMM on row-major ``a [R, K_red]`` (unit last stride, validated by the caller).
 
-    ``transpose_weight=False``: ``out = a @ weight[t].T`` with weight ``[T, N, K_red]`` (the forward).
-    ``transpose_weight=True``: ``out = a @ weight[t]`` with weight ``[T, K_red, N]`` (the input gradient).
+    ``transpose_weight=False``: ``out = a @ weight[t].T`` with weight ``[T, N, K_w]`` (the forward).
+    ``transpose_weight=True``: ``out = a @ weight[t]`` with weight ``[T, K_w, N]`` (the input gradient).
+    ``a`` may be wider than the weight (``K_red >= K_w``): its extra columns meet zero weights (they must be
+    finite). ``out_width >= N``: the output's extra columns are computed with zero weights and bias (zeros
+    without a residual), so a row-aligned activation can be stored at its padded width.
     ``gelu_grad_pre``: multiply ``a`` by GELU'(pre) while loading (``a`` is then the output gradient).
     ``aligned_out``: ``out`` and ``pre`` get row strides padded to 16 elements (:func:`aligned_rows`).
-    Returns ``(out [R, N], pre [R, N] or None)``; rows outside the plan are left as allocated (the plans
+    Returns ``(out [R, out_width or N], pre or None)``; rows outside the plan are left as allocated (the plans
     built here always cover every row).
     """
     num_rows, k_red = a.shape
     if transpose_weight:
-        n_out = weight.shape[2]
+        n_w, k_w = weight.shape[2], weight.shape[1]
         stride_wn, stride_wk = weight.stride(2), weight.stride(1)
     else:
-        n_out = weight.shape[1]
+        n_w, k_w = weight.shape[1], weight.shape[2]
         stride_wn, stride_wk = weight.stride(1), weight.stride(2)
+    n_out = n_w if out_width is None else out_width
+    if k_w > k_red or n_w > n_out:
+        raise ValueError(
+            f"grouped GEMM: weight extents (N {n_w}, K {k_w}) exceed the operands' ({n_out}, {k_red})"
+        )
     alloc = aligned_rows if aligned_out else lambda r, n, dt, dev: torch.empty(r, n, dtype=dt, device=dev)
     out = alloc(num_rows, n_out, a.dtype, a.device)
     pre = alloc(num_rows, n_out, a.dtype, a.device) if store_pre else None
@@ -299,6 +317,8 @@ def grouped_mm_rows(
             plan.tile_end,
             n_out,
             k_red,
+            n_w,
+            k_w,
             a.stride(0),
             gelu_grad_pre.stride(0) if gelu_grad_pre is not None else 0,
             weight.stride(0),
@@ -330,11 +350,16 @@ def grouped_wgrad_rows(
     weight_dtype: torch.dtype,
     with_bias: bool,
     gelu_grad_pre: torch.Tensor | None = None,
+    out_rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-task weight/bias gradients: ``dW [T, M, K]``, ``db [T, M]`` from ``dy [R, M]`` and ``x [R, K]``."""
+    """Per-task weight/bias gradients: ``dW [T, M, K]``, ``db [T, M]`` from ``dy [R, M]`` and ``x [R, K]``.
+
+    ``out_rows``: keep only the first ``out_rows <= M`` rows of ``dW`` and ``db`` (``dy`` read at its padded,
+    row-aligned width ``M``)."""
     m, k = dy.shape[1], x.shape[1]
-    dw = torch.empty(plan.num_tasks, m, k, dtype=weight_dtype, device=dy.device)
-    db = torch.empty(plan.num_tasks, m, dtype=weight_dtype, device=dy.device) if with_bias else None
+    m_out = m if out_rows is None else out_rows
+    dw = torch.empty(plan.num_tasks, m_out, k, dtype=weight_dtype, device=dy.device)
+    db = torch.empty(plan.num_tasks, m_out, dtype=weight_dtype, device=dy.device) if with_bias else None
     if m == 0 or k == 0:
         if db is not None:
             db.zero_()
@@ -354,6 +379,7 @@ def grouped_wgrad_rows(
             plan.task_row_offsets,
             m,
             k,
+            m_out,
             dy.stride(0),
             gelu_grad_pre.stride(0) if gelu_grad_pre is not None else 0,
             x.stride(0),

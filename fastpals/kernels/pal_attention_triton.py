@@ -26,6 +26,9 @@ Semantics shared with the reference:
 
 Head dims up to 128 are supported; a head dim is padded inside the kernel to the next power of two >= 16
 (``tl.dot`` needs 16) with masked loads and stores, so 17 runs in tiles of 32, 34 and 46 in tiles of 64.
+When the head dim and every head stride are multiples of 8 elements (the fused PAL zero-pads its heads to 40, 24
+and 48, see :func:`fastpals.kernels.pal_triton.pal_layout`), the kernels get an ``ALIGN`` hint so that their
+16-bit loads become 16-byte vectors pipelined with ``cp.async``; otherwise they run unhinted.
 Inputs are fp32, fp16 or bf16; scores, softmax and every accumulator are fp32; fp32 inputs use IEEE fp32
 products (no TF32), so fp32 results match the reference to about 1e-6.
 """
@@ -110,6 +113,32 @@ def _dropout_keep(seed, bh, q_idx, k_idx, SEQ, dropout_p):
     return tl.rand(seed, offsets) >= dropout_p
 
 
+@triton.jit
+def _head_ptr(PTR, b64, h, stride_b, stride_h, ALIGN: tl.constexpr):
+    """``PTR`` advanced to (batch b, head h). ``ALIGN > 1``: the host checked that ``stride_h`` and the head dim
+    are multiples of ALIGN elements (the fused PAL's zero-padded heads), the hint that lets the loads and stores
+    along the head dim use 16-byte vectors and ``cp.async`` (Triton only infers divisibility by 16 itself)."""
+    off = h * stride_h
+    if ALIGN > 1:
+        off = tl.multiple_of(off, ALIGN)
+    return PTR + b64 * stride_b + off
+
+
+@triton.jit
+def _tile_ptrs(PTR, b64, h, tok, offs_d, stride_b, stride_l, stride_h, ALIGN: tl.constexpr):
+    """Pointers to the ``[len(tok), BLOCK_D]`` tile of token rows ``tok`` of (batch b, head h)."""
+    return _head_ptr(PTR, b64, h, stride_b, stride_h, ALIGN) + tok[:, None] * stride_l + offs_d[None, :]
+
+
+@triton.jit
+def _dim_mask(offs_d, HEAD_DIM, ALIGN: tl.constexpr):
+    """``offs_d < HEAD_DIM``, constant over groups of ALIGN columns when the host checked HEAD_DIM % ALIGN == 0."""
+    valid = offs_d < HEAD_DIM
+    if ALIGN > 1:
+        valid = tl.max_constancy(valid, [ALIGN])
+    return valid
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Kernels. Grid axis 0 = batch * heads (no 65535 limit), axis 1 = blocks of the sequence.
 # Token row of position i of sequence b: b * stride_b + (start_b + i) * stride_l + h * stride_h
@@ -129,7 +158,7 @@ def _pal_attn_fwd_kernel(
     stride_mb, stride_ml, stat_stride_b,
     H, SEQ, HEAD_DIM,
     IS_VARLEN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    IEEE: tl.constexpr, INTERP_BF16: tl.constexpr,
+    IEEE: tl.constexpr, INTERP_BF16: tl.constexpr, ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(0)
@@ -142,16 +171,16 @@ def _pal_attn_fwd_kernel(
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
         valid_m = offs_m < seqlen
-        valid_d = offs_d < HEAD_DIM
+        valid_d = _dim_mask(offs_d, HEAD_DIM, ALIGN)
         tok_m = (start + offs_m).to(tl.int64)
         q_mask = valid_m[:, None] & valid_d[None, :]
         q = tl.load(
-            Q + b64 * stride_qb + h * stride_qh + tok_m[:, None] * stride_ql + offs_d[None, :],
+            _tile_ptrs(Q, b64, h, tok_m, offs_d, stride_qb, stride_ql, stride_qh, ALIGN),
             mask=q_mask,
             other=0.0,
         )
-        k_base = K + b64 * stride_kb + h * stride_kh
-        v_base = V + b64 * stride_vb + h * stride_vh
+        k_base = _head_ptr(K, b64, h, stride_kb, stride_kh, ALIGN)
+        v_base = _head_ptr(V, b64, h, stride_vb, stride_vh, ALIGN)
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -177,7 +206,7 @@ def _pal_attn_fwd_kernel(
             m_i = m_new
         acc = acc / l_i[:, None]
         tl.store(
-            Out + b64 * stride_ob + h * stride_oh + tok_m[:, None] * stride_ol + offs_d[None, :],
+            _tile_ptrs(Out, b64, h, tok_m, offs_d, stride_ob, stride_ol, stride_oh, ALIGN),
             cast_rne(acc, Out.dtype.element_ty, INTERP_BF16),
             mask=q_mask,
         )
@@ -193,7 +222,7 @@ def _pal_attn_bwd_delta_kernel(
     stride_dob, stride_dol, stride_doh,
     stat_stride_b,
     H, SEQ, HEAD_DIM,
-    IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    IS_VARLEN: tl.constexpr, ALIGN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -206,14 +235,14 @@ def _pal_attn_bwd_delta_kernel(
         offs_d = tl.arange(0, BLOCK_D)
         valid_m = offs_m < seqlen
         tok_m = (start + offs_m).to(tl.int64)
-        mask = valid_m[:, None] & (offs_d < HEAD_DIM)[None, :]
+        mask = valid_m[:, None] & _dim_mask(offs_d, HEAD_DIM, ALIGN)[None, :]
         o = tl.load(
-            Out + b64 * stride_ob + h * stride_oh + tok_m[:, None] * stride_ol + offs_d[None, :],
+            _tile_ptrs(Out, b64, h, tok_m, offs_d, stride_ob, stride_ol, stride_oh, ALIGN),
             mask=mask,
             other=0.0,
         )
         do = tl.load(
-            DO + b64 * stride_dob + h * stride_doh + tok_m[:, None] * stride_dol + offs_d[None, :],
+            _tile_ptrs(DO, b64, h, tok_m, offs_d, stride_dob, stride_dol, stride_doh, ALIGN),
             mask=mask,
             other=0.0,
         )
@@ -233,7 +262,7 @@ def _pal_attn_bwd_dkdv_kernel(
     stride_mb, stride_ml, stat_stride_b,
     H, SEQ, HEAD_DIM,
     IS_VARLEN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    IEEE: tl.constexpr, INTERP_BF16: tl.constexpr,
+    IEEE: tl.constexpr, INTERP_BF16: tl.constexpr, ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """dK, dV of one key block (transposed tiles: keys on rows, queries on columns)."""
@@ -247,22 +276,22 @@ def _pal_attn_bwd_dkdv_kernel(
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
         valid_n = offs_n < seqlen
-        valid_d = offs_d < HEAD_DIM
+        valid_d = _dim_mask(offs_d, HEAD_DIM, ALIGN)
         tok_n = (start + offs_n).to(tl.int64)
         kv_mask = valid_n[:, None] & valid_d[None, :]
         k = tl.load(
-            K + b64 * stride_kb + h * stride_kh + tok_n[:, None] * stride_kl + offs_d[None, :],
+            _tile_ptrs(K, b64, h, tok_n, offs_d, stride_kb, stride_kl, stride_kh, ALIGN),
             mask=kv_mask,
             other=0.0,
         )
         v = tl.load(
-            V + b64 * stride_vb + h * stride_vh + tok_n[:, None] * stride_vl + offs_d[None, :],
+            _tile_ptrs(V, b64, h, tok_n, offs_d, stride_vb, stride_vl, stride_vh, ALIGN),
             mask=kv_mask,
             other=0.0,
         )
         bias = _key_bias(MASK, b64, offs_n, valid_n, stride_mb, stride_ml, HAS_MASK)
-        q_base = Q + b64 * stride_qb + h * stride_qh
-        do_base = DO + b64 * stride_dob + h * stride_doh
+        q_base = _head_ptr(Q, b64, h, stride_qb, stride_qh, ALIGN)
+        do_base = _head_ptr(DO, b64, h, stride_dob, stride_doh, ALIGN)
 
         dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
@@ -291,9 +320,10 @@ def _pal_attn_bwd_dkdv_kernel(
             ds_t = p_t * (dp_t - delta[None, :])
             dk += mm(cast_rne(ds_t, q.dtype, INTERP_BF16), q, IEEE, INTERP_BF16)
         dk = dk * softmax_scale
-        g_off = b64 * stride_gb + h * stride_gh + tok_n[:, None] * stride_gl + offs_d[None, :]
-        tl.store(DK + g_off, cast_rne(dk, DK.dtype.element_ty, INTERP_BF16), mask=kv_mask)
-        tl.store(DV + g_off, cast_rne(dv, DV.dtype.element_ty, INTERP_BF16), mask=kv_mask)
+        dk_ptrs = _tile_ptrs(DK, b64, h, tok_n, offs_d, stride_gb, stride_gl, stride_gh, ALIGN)
+        dv_ptrs = _tile_ptrs(DV, b64, h, tok_n, offs_d, stride_gb, stride_gl, stride_gh, ALIGN)
+        tl.store(dk_ptrs, cast_rne(dk, DK.dtype.element_ty, INTERP_BF16), mask=kv_mask)
+        tl.store(dv_ptrs, cast_rne(dv, DV.dtype.element_ty, INTERP_BF16), mask=kv_mask)
 
 
 @triton.jit
@@ -308,7 +338,7 @@ def _pal_attn_bwd_dq_kernel(
     stride_mb, stride_ml, stat_stride_b,
     H, SEQ, HEAD_DIM,
     IS_VARLEN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    IEEE: tl.constexpr, INTERP_BF16: tl.constexpr,
+    IEEE: tl.constexpr, INTERP_BF16: tl.constexpr, ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """dQ of one query block."""
@@ -322,16 +352,16 @@ def _pal_attn_bwd_dq_kernel(
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
         valid_m = offs_m < seqlen
-        valid_d = offs_d < HEAD_DIM
+        valid_d = _dim_mask(offs_d, HEAD_DIM, ALIGN)
         tok_m = (start + offs_m).to(tl.int64)
         q_mask = valid_m[:, None] & valid_d[None, :]
         q = tl.load(
-            Q + b64 * stride_qb + h * stride_qh + tok_m[:, None] * stride_ql + offs_d[None, :],
+            _tile_ptrs(Q, b64, h, tok_m, offs_d, stride_qb, stride_ql, stride_qh, ALIGN),
             mask=q_mask,
             other=0.0,
         )
         do = tl.load(
-            DO + b64 * stride_dob + h * stride_doh + tok_m[:, None] * stride_dol + offs_d[None, :],
+            _tile_ptrs(DO, b64, h, tok_m, offs_d, stride_dob, stride_dol, stride_doh, ALIGN),
             mask=q_mask,
             other=0.0,
         )
@@ -339,8 +369,8 @@ def _pal_attn_bwd_dq_kernel(
         m = tl.load(STAT_M + stat, mask=valid_m, other=0.0)
         l_row = tl.load(STAT_L + stat, mask=valid_m, other=1.0)
         delta = tl.load(DELTA + stat, mask=valid_m, other=0.0)
-        k_base = K + b64 * stride_kb + h * stride_kh
-        v_base = V + b64 * stride_vb + h * stride_vh
+        k_base = _head_ptr(K, b64, h, stride_kb, stride_kh, ALIGN)
+        v_base = _head_ptr(V, b64, h, stride_vb, stride_vh, ALIGN)
 
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         for start_n in range(0, seqlen, BLOCK_N):
@@ -361,7 +391,7 @@ def _pal_attn_bwd_dq_kernel(
             dq += mm(cast_rne(ds, k.dtype, INTERP_BF16), k, IEEE, INTERP_BF16)
         dq = dq * softmax_scale
         tl.store(
-            DQ + b64 * stride_gb + h * stride_gh + tok_m[:, None] * stride_gl + offs_d[None, :],
+            _tile_ptrs(DQ, b64, h, tok_m, offs_d, stride_gb, stride_gl, stride_gh, ALIGN),
             cast_rne(dq, DQ.dtype.element_ty, INTERP_BF16),
             mask=q_mask,
         )
@@ -436,12 +466,13 @@ def _clamp_block(block: int, seq: int) -> int:
 # asserts both); not yet timed on a GPU.
 _BASE_CONFIGS: dict[tuple[str, bool, int], tuple[int, int, int, int]] = {
     # 16-bit (tensor-core mma / wgmma): 64 x 64 tiles spilled 44-308 B on sm_80; dK/dV at head dim 17 with 32 x 32
-    # tiles and 4 warps spilled 8 B there (varlen + dropout), 64 x 32 with 8 warps does not
+    # tiles and 4 warps spilled 8 B there (varlen + dropout), 64 x 32 with 8 warps does not; dK/dV at the PAL's
+    # padded head dims 40/48 (16-byte cp.async loads) spilled 4 B on sm_80 with 4 warps (varlen), 8 warps do not
     ("fwd", False, 32): (64, 32, 4, 2),
     ("fwd", False, 64): (64, 32, 4, 2),
     ("fwd", False, 128): (32, 32, 4, 2),
     ("dkdv", False, 32): (64, 32, 8, 2),
-    ("dkdv", False, 64): (64, 32, 4, 2),
+    ("dkdv", False, 64): (64, 32, 8, 2),
     ("dkdv", False, 128): (16, 32, 4, 2),
     ("dq", False, 32): (64, 32, 4, 2),
     ("dq", False, 64): (64, 32, 4, 2),
@@ -585,11 +616,21 @@ def _draw_seed(dropout_p: float, generator_seed: int | None) -> int:
     return int(torch.randint(0, 2**31 - 1, (1,)).item())
 
 
-def _flags(layout: _Layout, dtype: torch.dtype, dropout_p: float) -> dict:
+def _head_align(head_dim: int, *tensors: torch.Tensor) -> int:
+    """The kernels' ALIGN hint: 16 or 8 when the head dim and every tensor's head stride are multiples of it (8
+    elements are 16 bytes in 16-bit: the fused PAL pads its heads so), else 1 (no hint)."""
+    for align in (16, 8):
+        if head_dim % align == 0 and all(t.stride(-2) % align == 0 for t in tensors):
+            return align
+    return 1
+
+
+def _flags(layout: _Layout, dtype: torch.dtype, dropout_p: float, *tensors: torch.Tensor) -> dict:
     return {
         "IS_VARLEN": layout.is_varlen,
         "HAS_MASK": layout.mask is not None,
         "HAS_DROPOUT": dropout_p > 0.0,
+        "ALIGN": _head_align(layout.head_dim, *tensors),
         **dot_flags(dtype),
     }
 
@@ -627,7 +668,7 @@ def _attention_forward(
             *_strides(q, layout.is_varlen), *_strides(k, layout.is_varlen), *_strides(v, layout.is_varlen),
             *_strides(out, layout.is_varlen), *mask_strides, layout.stat_stride_b,
             layout.heads, layout.seq, layout.head_dim,
-            **_flags(layout, q.dtype, dropout_p),
+            **_flags(layout, q.dtype, dropout_p, q, k, v, out),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
@@ -668,9 +709,10 @@ def _attention_backward(
     delta = torch.empty_like(stat_m)
     dropout_scale = 1.0 / (1.0 - dropout_p)
     bh = layout.batch * layout.heads
-    flags = _flags(layout, q.dtype, dropout_p)
+    grads = [g for g in (dq, dk, dv) if g is not None]
+    flags = _flags(layout, q.dtype, dropout_p, q, k, v, out, dout, *grads)
     # dq, dk and dv share one contiguous layout; any of them gives the strides.
-    grad_strides = _strides(next(g for g in (dq, dk, dv) if g is not None), varlen)
+    grad_strides = _strides(grads[0], varlen)
     common = (
         seed, dropout_p, dropout_scale, scale,
         *_strides(q, varlen), *_strides(k, varlen), *_strides(v, varlen), *_strides(dout, varlen),
@@ -682,7 +724,8 @@ def _attention_backward(
             out, dout, delta, cu,
             *_strides(out, varlen), *_strides(dout, varlen), layout.stat_stride_b,
             layout.heads, layout.seq, layout.head_dim,
-            IS_VARLEN=varlen, BLOCK_M=cfg_q.block_m, BLOCK_D=cfg_q.block_d, num_warps=cfg_q.num_warps,
+            IS_VARLEN=varlen, ALIGN=flags["ALIGN"], BLOCK_M=cfg_q.block_m, BLOCK_D=cfg_q.block_d,
+            num_warps=cfg_q.num_warps,
         )  # fmt: skip
         if need_dkdv:
             _pal_attn_bwd_dkdv_kernel[(bh, triton.cdiv(layout.seq, cfg_kv.block_n))](

@@ -14,13 +14,27 @@ Four launches forward, all grouped by task with one row plan built once per call
 
 Backward: grouped input-gradient GEMMs and per-task weight-gradient GEMMs (``dW_t = dZ_tᵀ X_t``) for the
 three projections, the attention kernel's own backward, the GELU derivative folded into the V^D gradients.
+
+Internal layout (:func:`pal_layout`; parameters keep their names and shapes): every 16-bit load is 16-byte
+aligned and unmasked in groups of 8, so Triton vectorises it and pipelines it with ``cp.async``. ``s`` is stored
+at its row-aligned width (204 -> 208) with zero columns; each head of Q, K, V and of the attention output is
+zero-padded to a multiple of 8 (34 -> 40, 17 -> 24, 46 -> 48). Each call copies the QKV weight and bias and the
+V^D weight into that layout (:class:`_ZeroPadded`, the same single copy as the cast autocast does anyway; the
+weights are small next to the activations); the zero rows and columns give zero Q/K/V pads, which add nothing to
+``QKᵀ`` (the softmax keeps the true head dim's scale) and give zero output pads, which meet zero V^D columns.
+The weight gradients of the pads are dropped on the way back to the parameters' shapes.
 """
 
 from __future__ import annotations
 
+import functools
+import math
+from typing import NamedTuple
+
 import torch
 
 from fastpals.kernels.common import (
+    ROW_ALIGN,
     TaskRowPlan,
     autocast_dtype,
     cast_floats,
@@ -34,7 +48,89 @@ from fastpals.kernels.grouped_linear_triton import (
 )
 from fastpals.kernels.pal_attention_triton import pal_attention, pal_attention_varlen
 
-__all__ = ["EncQKVFunction", "pal", "pal_varlen"]
+__all__ = ["HEAD_ALIGN", "EncQKVFunction", "PALLayout", "pal", "pal_layout", "pal_varlen"]
+
+#: inside the fused PAL every head is zero-padded to a multiple of this many elements (16 bytes of 16-bit data)
+HEAD_ALIGN = 8
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+class PALLayout(NamedTuple):
+    """The fused PAL's internal (zero-padded) widths for a PAL width ``d_s`` and ``heads`` heads."""
+
+    heads: int
+    head_dim: int  # d_s / heads: the softmax scale is 1 / sqrt(head_dim)
+    head_dim_pad: int  # head_dim rounded up to HEAD_ALIGN: Q, K, V and the attention output per head
+    s_width: int  # V^E output ``s``: d_s rounded up to ROW_ALIGN, the pad columns zero
+
+    @property
+    def qkv_width(self) -> int:
+        return 3 * self.heads * self.head_dim_pad
+
+    @property
+    def ctx_width(self) -> int:
+        return self.heads * self.head_dim_pad
+
+
+def pal_layout(d_s: int, heads: int) -> PALLayout:
+    """:class:`PALLayout` of a PAL of width ``d_s`` with ``heads`` heads (``heads`` divides ``d_s``)."""
+    head_dim = d_s // heads
+    return PALLayout(heads, head_dim, _round_up(head_dim, HEAD_ALIGN), _round_up(d_s, ROW_ALIGN))
+
+
+class _ZeroPadded(torch.autograd.Function):
+    """``x`` cast to ``dtype`` in the leading corner of a zero tensor of shape ``shape``; backward: the corner of
+    the gradient, cast back to x's dtype (the pads' gradient is dropped). One copy each way, fused with the cast."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, shape: tuple, dtype: torch.dtype
+    ) -> torch.Tensor:
+        ctx.corner = tuple(slice(0, n) for n in x.shape)
+        ctx.x_dtype = x.dtype
+        out = x.new_zeros(shape, dtype=dtype)
+        out[ctx.corner].copy_(x)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple:
+        corner = grad[ctx.corner]
+        return torch.empty(corner.shape, dtype=ctx.x_dtype, device=grad.device).copy_(corner), None, None
+
+
+def _zero_padded(x: torch.Tensor, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """:class:`_ZeroPadded`, or just the cast when there is nothing to pad."""
+    if tuple(x.shape) == tuple(shape):
+        return x.to(dtype)
+    return _ZeroPadded.apply(x, tuple(shape), dtype)
+
+
+def _padded_weights(
+    qkv_weight: torch.Tensor,
+    qkv_bias: torch.Tensor,
+    dec_weight: torch.Tensor,
+    lay: PALLayout,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The QKV weight ``[T, qkv_width, s_width]``, QKV bias ``[T, qkv_width]`` and V^D weight
+    ``[T, d, ctx_width]`` in the kernels' layout (see the module docstring), in ``dtype``, differentiable."""
+    num_tasks, d = dec_weight.shape[:2]
+    heads, hd, hdp = lay.heads, lay.head_dim, lay.head_dim_pad
+    d_s = heads * hd
+    wq = _zero_padded(
+        qkv_weight.reshape(num_tasks, 3, heads, hd, d_s), (num_tasks, 3, heads, hdp, lay.s_width), dtype
+    )
+    bq = _zero_padded(qkv_bias.reshape(num_tasks, 3, heads, hd), (num_tasks, 3, heads, hdp), dtype)
+    wd = _zero_padded(dec_weight.reshape(num_tasks, d, heads, hd), (num_tasks, d, heads, hdp), dtype)
+    return (
+        wq.view(num_tasks, lay.qkv_width, lay.s_width),
+        bq.view(num_tasks, lay.qkv_width),
+        wd.view(num_tasks, d, lay.ctx_width),
+    )
 
 
 def _enc_qkv_forward(
@@ -46,16 +142,22 @@ def _enc_qkv_forward(
     plan: TaskRowPlan,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``s = x V^E_t^T + b^E_t`` (rounded to x's dtype, as the reference does) and ``qkv = s W^QKV_t^T +
-    b^QKV_t``: two grouped GEMMs whose output tiles cut the PAL width (204, 276, 612, 828, ...) into 64-wide
+    b^QKV_t``: two grouped GEMMs whose output tiles cut the PAL width (204, 276, 720, 864, ...) into 64-wide
     column tiles, so no width is rounded up to a power of two and every tile fits the shared memory of
-    sm_75/sm_80/sm_90 (see tests/test_aot.py). ``s`` is kept for the QKV weight gradient."""
-    s, _ = grouped_mm_rows(x, enc_weight, plan, bias=enc_bias, aligned_out=True)
+    sm_75/sm_80/sm_90 (see tests/test_aot.py). ``s`` is written at the padded QKV weight's width (zero
+    columns past d_s) and kept for the QKV weight gradient."""
+    s, _ = grouped_mm_rows(
+        x, enc_weight, plan, bias=enc_bias, aligned_out=True, out_width=qkv_weight.shape[2]
+    )
     qkv, _ = grouped_mm_rows(s, qkv_weight, plan, bias=qkv_bias, aligned_out=True)
     return s, qkv
 
 
 class EncQKVFunction(torch.autograd.Function):
-    """``qkv = (x V^E_tᵀ + b^E_t) W^{QKV}_tᵀ + b^{QKV}_t`` over row-major ``x [R, d]`` with a task plan."""
+    """``qkv = (x V^E_tᵀ + b^E_t) W^{QKV}_tᵀ + b^{QKV}_t`` over row-major ``x [R, d]`` with a task plan.
+
+    ``qkv_weight [T, N, K]`` may be wider than ``s`` (``K >= d_s``, the extra columns zero): ``s`` is then
+    stored ``K`` wide with zero columns, so every GEMM reads it at an aligned width."""
 
     @staticmethod
     def forward(
@@ -83,11 +185,14 @@ class EncQKVFunction(torch.autograd.Function):
         if need_wq or need_bq:
             dwq, dbq = grouped_wgrad_rows(dqkv, s, plan, qkv_weight.dtype, with_bias=True)
         if need_x or need_we or need_be:
+            # ds's columns past d_s meet the zero columns of the QKV weight: zeros, read at the aligned width
             ds, _ = grouped_mm_rows(dqkv, qkv_weight, plan, transpose_weight=True, aligned_out=True)
             if need_x:
                 dx, _ = grouped_mm_rows(ds, enc_weight, plan, transpose_weight=True)
             if need_we or need_be:
-                dwe, dbe = grouped_wgrad_rows(ds, x, plan, enc_weight.dtype, with_bias=True)
+                dwe, dbe = grouped_wgrad_rows(
+                    ds, x, plan, enc_weight.dtype, with_bias=True, out_rows=enc_weight.shape[1]
+                )
         return (
             dx,
             dwe if need_we else None,
@@ -96,6 +201,10 @@ class EncQKVFunction(torch.autograd.Function):
             dbq if need_bq else None,
             None,
         )
+
+
+#: operands cast under autocast by their re-layout copy (:func:`_padded_weights`), not beforehand
+_CAST_BY_RELAYOUT = ("qkv_weight", "qkv_bias", "dec_weight")
 
 
 def _check_pal_weights(
@@ -108,8 +217,10 @@ def _check_pal_weights(
     dec_bias: torch.Tensor,
     num_heads: int,
     residual: torch.Tensor | None,
+    cast_later: bool = False,
 ) -> tuple[int, int, int]:
-    """Validate the PAL operands; returns ``(T, d, d_s)``."""
+    """Validate the PAL operands; returns ``(T, d, d_s)``. ``cast_later``: under autocast the QKV and V^D
+    weights may have any floating dtype (their re-layout copy casts them)."""
     if not isinstance(h, torch.Tensor):
         raise TypeError(f"h must be a torch.Tensor, got {type(h).__name__}")
     for name, w in (("enc_weight", enc_weight), ("qkv_weight", qkv_weight), ("dec_weight", dec_weight)):
@@ -153,7 +264,7 @@ def _check_pal_weights(
             continue
         if name in expected and tuple(t.shape) != expected[name]:
             raise ValueError(f"{name} must have shape {list(expected[name])}, got {list(t.shape)}")
-        if t.dtype != h.dtype:
+        if t.dtype != h.dtype and not (cast_later and name in _CAST_BY_RELAYOUT and t.is_floating_point()):
             raise TypeError(
                 f"{name} has dtype {t.dtype} but h has {h.dtype}: all operands must share one dtype"
             )
@@ -162,30 +273,44 @@ def _check_pal_weights(
     return num_tasks, d, d_s
 
 
+def _autocast_pal(h: torch.Tensor, weights: tuple, residual: torch.Tensor | None) -> tuple:
+    """``(h, weights, residual, outside, cast_later)``. Under ``torch.autocast``: h, the V^E weight and bias and
+    the V^D bias in the autocast dtype (the QKV and V^D weights are cast by their re-layout copy: cast_later),
+    and a residual of another dtype moved out of the kernel (``outside``, added by the caller: the sum is
+    promoted, as in ``residual + pal_reference``). Outside autocast: the operands unchanged."""
+    cast = autocast_dtype(h)
+    if cast is None:
+        return h, weights, residual, None, False
+    enc_weight, enc_bias, qkv_weight, qkv_bias, dec_weight, dec_bias = weights
+    h, enc_weight, enc_bias, dec_bias = cast_floats(cast, h, enc_weight, enc_bias, dec_bias)
+    weights = (enc_weight, enc_bias, qkv_weight, qkv_bias, dec_weight, dec_bias)
+    if residual is not None and residual.dtype != cast:
+        return h, weights, None, residual, True
+    return h, weights, residual, None, True
+
+
 def _pal_rows(
     rows: torch.Tensor,
+    lead: tuple[int, ...],
     plan: TaskRowPlan,
     attend: object,
-    enc_weight: torch.Tensor,
-    enc_bias: torch.Tensor,
-    qkv_weight: torch.Tensor,
-    qkv_bias: torch.Tensor,
-    dec_weight: torch.Tensor,
-    dec_bias: torch.Tensor,
+    weights: tuple,
+    num_heads: int,
     gelu: bool,
     residual_rows: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Shared body of :func:`pal` and :func:`pal_varlen` over row-major ``rows [R, d]``."""
+    """Shared body of :func:`pal` and :func:`pal_varlen` over row-major ``rows [R, d]``; ``lead`` is the
+    attention's token shape (``(B, L)`` or ``(N,)``) and ``attend(q, k, v, softmax_scale=...)`` its op."""
+    enc_weight, enc_bias, qkv_weight, qkv_bias, dec_weight, dec_bias = weights
+    lay = pal_layout(enc_weight.shape[1], num_heads)
+    wq, bq, wd = _padded_weights(qkv_weight, qkv_bias, dec_weight, lay, rows.dtype)
     qkv = EncQKVFunction.apply(
-        rows.contiguous(),
-        enc_weight.contiguous(),
-        enc_bias.contiguous(),
-        qkv_weight.contiguous(),
-        qkv_bias.contiguous(),
-        plan,
-    )  # [R, 3 d_s]
-    ctx = attend(qkv)  # [R, d_s]
-    return grouped_linear_rows(ctx, plan, dec_weight, dec_bias, "gelu" if gelu else None, residual_rows)
+        rows.contiguous(), enc_weight.contiguous(), enc_bias.contiguous(), wq, bq, plan
+    )  # [R, qkv_width]
+    q, k, v = qkv.view(*lead, 3, lay.heads, lay.head_dim_pad).unbind(len(lead))
+    ctx = attend(q, k, v, softmax_scale=1.0 / math.sqrt(lay.head_dim))  # zero columns in the head pads
+    ctx = ctx.reshape(rows.shape[0], lay.ctx_width)
+    return grouped_linear_rows(ctx, plan, wd, dec_bias, "gelu" if gelu else None, residual_rows)
 
 
 def pal(
@@ -219,19 +344,9 @@ def pal(
     """
     if not isinstance(h, torch.Tensor) or h.dim() != 3:
         raise ValueError(f"h must be a [B, L, d] tensor, got {getattr(h, 'shape', type(h))}")
-    cast = autocast_dtype(h)
-    if cast is not None:
-        h, *weights = cast_floats(cast, h, enc_weight, enc_bias, qkv_weight, qkv_bias, dec_weight, dec_bias)
-        if (
-            residual is not None and residual.dtype != cast
-        ):  # the sum is promoted, as in ``residual + pal_reference``
-            return residual + pal(
-                h, attention_mask, task_ids, *weights, num_heads, gelu, dropout_p, None, generator_seed
-            )
-        enc_weight, enc_bias, qkv_weight, qkv_bias, dec_weight, dec_bias = weights
-    num_tasks, d, d_s = _check_pal_weights(
-        h, enc_weight, enc_bias, qkv_weight, qkv_bias, dec_weight, dec_bias, num_heads, residual
-    )
+    weights = (enc_weight, enc_bias, qkv_weight, qkv_bias, dec_weight, dec_bias)
+    h, weights, residual, outside, cast_later = _autocast_pal(h, weights, residual)
+    num_tasks, d, _ = _check_pal_weights(h, *weights, num_heads, residual, cast_later)
     batch, length, _ = h.shape
     if attention_mask is not None:
         if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (batch, length):
@@ -247,21 +362,18 @@ def pal(
         seq_len=length,
         block_rows=row_block(h),
     )
-    head_dim = d_s // num_heads
-
-    def attend(qkv: torch.Tensor) -> torch.Tensor:
-        q, k, v = qkv.view(batch, length, 3, num_heads, head_dim).unbind(2)
-        out = pal_attention(
-            q, k, v, attention_mask, dropout_p, generator_seed=generator_seed, aligned_rows=True
-        )
-        return out.reshape(batch * length, d_s)
-
+    attend = functools.partial(
+        pal_attention,
+        key_padding_mask=attention_mask,
+        dropout_p=dropout_p,
+        generator_seed=generator_seed,
+        aligned_rows=True,
+    )
     res_rows = None if residual is None else residual.reshape(batch * length, d)
-    y = _pal_rows(
-        h.reshape(batch * length, d), plan, attend, enc_weight, enc_bias, qkv_weight, qkv_bias, dec_weight,
-        dec_bias, gelu, res_rows,
-    )  # fmt: skip
-    return y.view(batch, length, d)
+    rows = h.reshape(batch * length, d)
+    y = _pal_rows(rows, (batch, length), plan, attend, weights, num_heads, gelu, res_rows)
+    y = y.view(batch, length, d)
+    return y if outside is None else outside + y
 
 
 def pal_varlen(
@@ -285,45 +397,24 @@ def pal_varlen(
 
     h: ``[N, d]`` with B sequences back to back; cu_seqlens: ``[B+1]`` int32 or int64 (0 first, N last,
     non-decreasing; read on the host once per tensor, so every layer of a forward passing the same tensor syncs
-    once); max_seqlen: int >= the longest sequence, computed once by the caller; task_ids: ``[B]``, one task per sequence; residual: ``[N, d]`` or
-    None; the rest as in :func:`pal`. Returns ``[N, d]``.
+    once); max_seqlen: int >= the longest sequence, computed once by the caller; task_ids: ``[B]``, one task per
+    sequence; residual: ``[N, d]`` or None; the rest as in :func:`pal`. Returns ``[N, d]``.
     """
     if not isinstance(h, torch.Tensor) or h.dim() != 2:
         raise ValueError(f"h must be packed rows [N, d], got {getattr(h, 'shape', type(h))}")
-    cast = autocast_dtype(h)
-    if cast is not None:
-        h, *weights = cast_floats(cast, h, enc_weight, enc_bias, qkv_weight, qkv_bias, dec_weight, dec_bias)
-        if residual is not None and residual.dtype != cast:
-            out = pal_varlen(
-                h,
-                cu_seqlens,
-                max_seqlen,
-                task_ids,
-                *weights,
-                num_heads,
-                gelu,
-                dropout_p,
-                None,
-                generator_seed,
-            )
-            return residual + out
-        enc_weight, enc_bias, qkv_weight, qkv_bias, dec_weight, dec_bias = weights
-    num_tasks, d, d_s = _check_pal_weights(
-        h, enc_weight, enc_bias, qkv_weight, qkv_bias, dec_weight, dec_bias, num_heads, residual
-    )
+    weights = (enc_weight, enc_bias, qkv_weight, qkv_bias, dec_weight, dec_bias)
+    h, weights, residual, outside, cast_later = _autocast_pal(h, weights, residual)
+    num_tasks, _, _ = _check_pal_weights(h, *weights, num_heads, residual, cast_later)
     plan = task_row_plan(
         task_ids, num_tasks, h.shape[0], h.device, cu_seqlens=cu_seqlens, block_rows=row_block(h)
     )
-    head_dim = d_s // num_heads
-    num_rows = h.shape[0]
-
-    def attend(qkv: torch.Tensor) -> torch.Tensor:
-        q, k, v = qkv.view(num_rows, 3, num_heads, head_dim).unbind(1)
-        out = pal_attention_varlen(
-            q, k, v, cu_seqlens, max_seqlen, dropout_p, generator_seed=generator_seed, aligned_rows=True
-        )
-        return out.reshape(num_rows, d_s)
-
-    return _pal_rows(
-        h, plan, attend, enc_weight, enc_bias, qkv_weight, qkv_bias, dec_weight, dec_bias, gelu, residual
+    attend = functools.partial(
+        pal_attention_varlen,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max_seqlen,
+        dropout_p=dropout_p,
+        generator_seed=generator_seed,
+        aligned_rows=True,
     )
+    y = _pal_rows(h, (h.shape[0],), plan, attend, weights, num_heads, gelu, residual)
+    return y if outside is None else outside + y
