@@ -11,7 +11,8 @@ Triton; :func:`available` says whether the kernels can run here):
 - :func:`available`, :func:`use_triton`, :func:`kernel_mode`, :func:`backend`, :func:`decide`: the dispatch
   (:mod:`fastpals.kernels.dispatch`; ``$FASTPALS_KERNELS`` = auto | triton | reference).
 
-Layout: ``*_triton.py`` hold the Triton kernels and their host wrappers, :mod:`~fastpals.kernels.tl_helpers`
+Layout: ``*_triton.py`` hold the Triton kernels and their host wrappers (the PAL attention's kernels are in
+:mod:`~fastpals.kernels.pal_attention_kernels`), :mod:`~fastpals.kernels.tl_helpers`
 their shared Triton building blocks, :mod:`~fastpals.kernels.common` the shared host-side helpers (no Triton),
 :mod:`~fastpals.kernels.dispatch` the backend decision; the references are in :mod:`fastpals.functional`.
 """

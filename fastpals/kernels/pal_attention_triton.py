@@ -33,8 +33,6 @@ Inputs are fp32, fp16 or bf16; scores, softmax and every accumulator are fp32; f
 products (no TF32), so fp32 results match the reference to about 1e-6.
 """
 
-# ruff: noqa: ANN001 - Triton kernel parameters (pointers, strides, scalars) carry no Python annotations:
-# Triton reads annotations as specialisation hints. Host functions below are fully annotated.
 from __future__ import annotations
 
 import functools
@@ -44,7 +42,6 @@ from typing import NamedTuple
 
 import torch
 import triton
-import triton.language as tl
 
 from fastpals.kernels.common import (
     aligned_rows,
@@ -53,10 +50,17 @@ from fastpals.kernels.common import (
     cu_seqlens_int32,
     device_context,
     dot_flags,
+    last_dim_contiguous,
     target_arch,
 )
 from fastpals.kernels.grouped_linear_triton import target_class
-from fastpals.kernels.tl_helpers import cast_rne, mm
+from fastpals.kernels.pal_attention_kernels import (
+    _pal_attn_bwd_delta_kernel,
+    _pal_attn_bwd_dkdv_kernel,
+    _pal_attn_bwd_dq_kernel,
+    _pal_attn_dropout_mask_kernel,
+    _pal_attn_fwd_kernel,
+)
 
 __all__ = [
     "MAX_HEAD_DIM",
@@ -70,347 +74,11 @@ __all__ = [
 
 MAX_HEAD_DIM = 128
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# The reference's additive mask value for a padded key (softmax runs in fp32).
-_MASKED_SCORE = tl.constexpr(-3.4028234663852886e38)
 _SEED_LIMIT = 2**63
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Triton building blocks
-# ----------------------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _seq_bounds(CU, b, SEQ, IS_VARLEN: tl.constexpr):
-    """(first token row, length) of sequence ``b``: from ``cu_seqlens`` (varlen) or ``(0, L)`` (padded)."""
-    if IS_VARLEN:
-        start = tl.load(CU + b)
-        end = tl.load(CU + b + 1)
-    else:
-        start = b * 0
-        end = b * 0 + SEQ
-    return start, end - start
-
-
-@triton.jit
-def _key_bias(MASK, b64, offs_n, valid_n, stride_mb, stride_ml, HAS_MASK: tl.constexpr):
-    """Additive fp32 score bias per key: 0 for a token, finfo.min for padding, -inf past the sequence end."""
-    if HAS_MASK:
-        keep = tl.load(MASK + b64 * stride_mb + offs_n.to(tl.int64) * stride_ml, mask=valid_n, other=1)
-        bias = tl.where(keep != 0, 0.0, _MASKED_SCORE)
-    else:
-        bias = tl.zeros_like(offs_n).to(tl.float32)
-    return tl.where(valid_n, bias, float("-inf"))
-
-
-@triton.jit
-def _dropout_keep(seed, bh, q_idx, k_idx, SEQ, dropout_p):
-    """Keep decision of the probabilities at (query q_idx, key k_idx) of batch x head ``bh`` (broadcast 2-D).
-
-    One Philox counter per (batch, head, query, key), so forward, backward and the debug helper agree.
-    """
-    offsets = (bh.to(tl.int64) * SEQ + q_idx.to(tl.int64)) * SEQ + k_idx.to(tl.int64)
-    return tl.rand(seed, offsets) >= dropout_p
-
-
-@triton.jit
-def _head_ptr(PTR, b64, h, stride_b, stride_h, ALIGN: tl.constexpr):
-    """``PTR`` advanced to (batch b, head h). ``ALIGN > 1``: the host checked that ``stride_h`` and the head dim
-    are multiples of ALIGN elements (the fused PAL's zero-padded heads), the hint that lets the loads and stores
-    along the head dim use 16-byte vectors and ``cp.async`` (Triton only infers divisibility by 16 itself)."""
-    off = h * stride_h
-    if ALIGN > 1:
-        off = tl.multiple_of(off, ALIGN)
-    return PTR + b64 * stride_b + off
-
-
-@triton.jit
-def _tile_ptrs(PTR, b64, h, tok, offs_d, stride_b, stride_l, stride_h, ALIGN: tl.constexpr):
-    """Pointers to the ``[len(tok), BLOCK_D]`` tile of token rows ``tok`` of (batch b, head h)."""
-    return _head_ptr(PTR, b64, h, stride_b, stride_h, ALIGN) + tok[:, None] * stride_l + offs_d[None, :]
-
-
-@triton.jit
-def _dim_mask(offs_d, HEAD_DIM, ALIGN: tl.constexpr):
-    """``offs_d < HEAD_DIM``, constant over groups of ALIGN columns when the host checked HEAD_DIM % ALIGN == 0."""
-    valid = offs_d < HEAD_DIM
-    if ALIGN > 1:
-        valid = tl.max_constancy(valid, [ALIGN])
-    return valid
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Kernels. Grid axis 0 = batch * heads (no 65535 limit), axis 1 = blocks of the sequence.
-# Token row of position i of sequence b: b * stride_b + (start_b + i) * stride_l + h * stride_h
-# (varlen: stride_b = 0, start_b = cu_seqlens[b]; padded: start_b = 0).
-# Row statistics (m, l, delta) are fp32 [rows, H] with row = b * stat_stride_b + start_b + i.
-# ----------------------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _pal_attn_fwd_kernel(
-    Q, K, V, Out, STAT_M, STAT_L, MASK, CU,
-    seed, dropout_p, dropout_scale, softmax_scale,
-    stride_qb, stride_ql, stride_qh,
-    stride_kb, stride_kl, stride_kh,
-    stride_vb, stride_vl, stride_vh,
-    stride_ob, stride_ol, stride_oh,
-    stride_mb, stride_ml, stat_stride_b,
-    H, SEQ, HEAD_DIM,
-    IS_VARLEN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    IEEE: tl.constexpr, INTERP_BF16: tl.constexpr, ALIGN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    bh = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    b64 = b.to(tl.int64)
-    start, seqlen = _seq_bounds(CU, b, SEQ, IS_VARLEN)
-    if pid_m * BLOCK_M < seqlen:
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, BLOCK_D)
-        valid_m = offs_m < seqlen
-        valid_d = _dim_mask(offs_d, HEAD_DIM, ALIGN)
-        tok_m = (start + offs_m).to(tl.int64)
-        q_mask = valid_m[:, None] & valid_d[None, :]
-        q = tl.load(
-            _tile_ptrs(Q, b64, h, tok_m, offs_d, stride_qb, stride_ql, stride_qh, ALIGN),
-            mask=q_mask,
-            other=0.0,
-        )
-        k_base = _head_ptr(K, b64, h, stride_kb, stride_kh, ALIGN)
-        v_base = _head_ptr(V, b64, h, stride_vb, stride_vh, ALIGN)
-
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for start_n in range(0, seqlen, BLOCK_N):
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            valid_n = offs_n < seqlen
-            tok_n = (start + offs_n).to(tl.int64)
-            kv_mask = valid_n[:, None] & valid_d[None, :]
-            k = tl.load(k_base + tok_n[:, None] * stride_kl + offs_d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_base + tok_n[:, None] * stride_vl + offs_d[None, :], mask=kv_mask, other=0.0)
-            bias = _key_bias(MASK, b64, offs_n, valid_n, stride_mb, stride_ml, HAS_MASK)
-            s = mm(q, tl.trans(k), IEEE, INTERP_BF16) * softmax_scale + bias[None, :]
-            # every tile holds at least one key inside the sequence, so m_new is finite
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if HAS_DROPOUT:
-                keep = _dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], SEQ, dropout_p)
-                p = tl.where(keep, p * dropout_scale, 0.0)
-            acc = acc * alpha[:, None] + mm(cast_rne(p, v.dtype, INTERP_BF16), v, IEEE, INTERP_BF16)
-            m_i = m_new
-        acc = acc / l_i[:, None]
-        tl.store(
-            _tile_ptrs(Out, b64, h, tok_m, offs_d, stride_ob, stride_ol, stride_oh, ALIGN),
-            cast_rne(acc, Out.dtype.element_ty, INTERP_BF16),
-            mask=q_mask,
-        )
-        stat = (b64 * stat_stride_b + tok_m) * H + h
-        tl.store(STAT_M + stat, m_i, mask=valid_m)
-        tl.store(STAT_L + stat, l_i, mask=valid_m)
-
-
-@triton.jit
-def _pal_attn_bwd_delta_kernel(
-    Out, DO, DELTA, CU,
-    stride_ob, stride_ol, stride_oh,
-    stride_dob, stride_dol, stride_doh,
-    stat_stride_b,
-    H, SEQ, HEAD_DIM,
-    IS_VARLEN: tl.constexpr, ALIGN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    bh = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    b64 = b.to(tl.int64)
-    start, seqlen = _seq_bounds(CU, b, SEQ, IS_VARLEN)
-    if pid_m * BLOCK_M < seqlen:
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, BLOCK_D)
-        valid_m = offs_m < seqlen
-        tok_m = (start + offs_m).to(tl.int64)
-        mask = valid_m[:, None] & _dim_mask(offs_d, HEAD_DIM, ALIGN)[None, :]
-        o = tl.load(
-            _tile_ptrs(Out, b64, h, tok_m, offs_d, stride_ob, stride_ol, stride_oh, ALIGN),
-            mask=mask,
-            other=0.0,
-        )
-        do = tl.load(
-            _tile_ptrs(DO, b64, h, tok_m, offs_d, stride_dob, stride_dol, stride_doh, ALIGN),
-            mask=mask,
-            other=0.0,
-        )
-        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-        tl.store(DELTA + (b64 * stat_stride_b + tok_m) * H + h, delta, mask=valid_m)
-
-
-@triton.jit
-def _pal_attn_bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV, STAT_M, STAT_L, DELTA, MASK, CU,
-    seed, dropout_p, dropout_scale, softmax_scale,
-    stride_qb, stride_ql, stride_qh,
-    stride_kb, stride_kl, stride_kh,
-    stride_vb, stride_vl, stride_vh,
-    stride_dob, stride_dol, stride_doh,
-    stride_gb, stride_gl, stride_gh,
-    stride_mb, stride_ml, stat_stride_b,
-    H, SEQ, HEAD_DIM,
-    IS_VARLEN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    IEEE: tl.constexpr, INTERP_BF16: tl.constexpr, ALIGN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    """dK, dV of one key block (transposed tiles: keys on rows, queries on columns)."""
-    bh = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    b64 = b.to(tl.int64)
-    start, seqlen = _seq_bounds(CU, b, SEQ, IS_VARLEN)
-    if pid_n * BLOCK_N < seqlen:
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_d = tl.arange(0, BLOCK_D)
-        valid_n = offs_n < seqlen
-        valid_d = _dim_mask(offs_d, HEAD_DIM, ALIGN)
-        tok_n = (start + offs_n).to(tl.int64)
-        kv_mask = valid_n[:, None] & valid_d[None, :]
-        k = tl.load(
-            _tile_ptrs(K, b64, h, tok_n, offs_d, stride_kb, stride_kl, stride_kh, ALIGN),
-            mask=kv_mask,
-            other=0.0,
-        )
-        v = tl.load(
-            _tile_ptrs(V, b64, h, tok_n, offs_d, stride_vb, stride_vl, stride_vh, ALIGN),
-            mask=kv_mask,
-            other=0.0,
-        )
-        bias = _key_bias(MASK, b64, offs_n, valid_n, stride_mb, stride_ml, HAS_MASK)
-        q_base = _head_ptr(Q, b64, h, stride_qb, stride_qh, ALIGN)
-        do_base = _head_ptr(DO, b64, h, stride_dob, stride_doh, ALIGN)
-
-        dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-        dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-        for start_m in range(0, seqlen, BLOCK_M):
-            offs_m = start_m + tl.arange(0, BLOCK_M)
-            valid_m = offs_m < seqlen
-            tok_m = (start + offs_m).to(tl.int64)
-            q_mask = valid_m[:, None] & valid_d[None, :]
-            q = tl.load(q_base + tok_m[:, None] * stride_ql + offs_d[None, :], mask=q_mask, other=0.0)
-            do = tl.load(do_base + tok_m[:, None] * stride_dol + offs_d[None, :], mask=q_mask, other=0.0)
-            stat = (b64 * stat_stride_b + tok_m) * H + h
-            m = tl.load(STAT_M + stat, mask=valid_m, other=0.0)
-            l_row = tl.load(STAT_L + stat, mask=valid_m, other=1.0)
-            delta = tl.load(DELTA + stat, mask=valid_m, other=0.0)
-
-            s_t = mm(k, tl.trans(q), IEEE, INTERP_BF16) * softmax_scale + bias[:, None]
-            p_t = tl.exp(s_t - m[None, :]) / l_row[None, :]
-            dp_t = mm(v, tl.trans(do), IEEE, INTERP_BF16)
-            if HAS_DROPOUT:
-                keep_t = _dropout_keep(seed, bh, offs_m[None, :], offs_n[:, None], SEQ, dropout_p)
-                pd_t = tl.where(keep_t, p_t * dropout_scale, 0.0)
-                dp_t = tl.where(keep_t, dp_t * dropout_scale, 0.0)
-            else:
-                pd_t = p_t
-            dv += mm(cast_rne(pd_t, do.dtype, INTERP_BF16), do, IEEE, INTERP_BF16)
-            ds_t = p_t * (dp_t - delta[None, :])
-            dk += mm(cast_rne(ds_t, q.dtype, INTERP_BF16), q, IEEE, INTERP_BF16)
-        dk = dk * softmax_scale
-        dk_ptrs = _tile_ptrs(DK, b64, h, tok_n, offs_d, stride_gb, stride_gl, stride_gh, ALIGN)
-        dv_ptrs = _tile_ptrs(DV, b64, h, tok_n, offs_d, stride_gb, stride_gl, stride_gh, ALIGN)
-        tl.store(dk_ptrs, cast_rne(dk, DK.dtype.element_ty, INTERP_BF16), mask=kv_mask)
-        tl.store(dv_ptrs, cast_rne(dv, DV.dtype.element_ty, INTERP_BF16), mask=kv_mask)
-
-
-@triton.jit
-def _pal_attn_bwd_dq_kernel(
-    Q, K, V, DO, DQ, STAT_M, STAT_L, DELTA, MASK, CU,
-    seed, dropout_p, dropout_scale, softmax_scale,
-    stride_qb, stride_ql, stride_qh,
-    stride_kb, stride_kl, stride_kh,
-    stride_vb, stride_vl, stride_vh,
-    stride_dob, stride_dol, stride_doh,
-    stride_gb, stride_gl, stride_gh,
-    stride_mb, stride_ml, stat_stride_b,
-    H, SEQ, HEAD_DIM,
-    IS_VARLEN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    IEEE: tl.constexpr, INTERP_BF16: tl.constexpr, ALIGN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    """dQ of one query block."""
-    bh = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    b64 = b.to(tl.int64)
-    start, seqlen = _seq_bounds(CU, b, SEQ, IS_VARLEN)
-    if pid_m * BLOCK_M < seqlen:
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, BLOCK_D)
-        valid_m = offs_m < seqlen
-        valid_d = _dim_mask(offs_d, HEAD_DIM, ALIGN)
-        tok_m = (start + offs_m).to(tl.int64)
-        q_mask = valid_m[:, None] & valid_d[None, :]
-        q = tl.load(
-            _tile_ptrs(Q, b64, h, tok_m, offs_d, stride_qb, stride_ql, stride_qh, ALIGN),
-            mask=q_mask,
-            other=0.0,
-        )
-        do = tl.load(
-            _tile_ptrs(DO, b64, h, tok_m, offs_d, stride_dob, stride_dol, stride_doh, ALIGN),
-            mask=q_mask,
-            other=0.0,
-        )
-        stat = (b64 * stat_stride_b + tok_m) * H + h
-        m = tl.load(STAT_M + stat, mask=valid_m, other=0.0)
-        l_row = tl.load(STAT_L + stat, mask=valid_m, other=1.0)
-        delta = tl.load(DELTA + stat, mask=valid_m, other=0.0)
-        k_base = _head_ptr(K, b64, h, stride_kb, stride_kh, ALIGN)
-        v_base = _head_ptr(V, b64, h, stride_vb, stride_vh, ALIGN)
-
-        dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for start_n in range(0, seqlen, BLOCK_N):
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            valid_n = offs_n < seqlen
-            tok_n = (start + offs_n).to(tl.int64)
-            kv_mask = valid_n[:, None] & valid_d[None, :]
-            k = tl.load(k_base + tok_n[:, None] * stride_kl + offs_d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_base + tok_n[:, None] * stride_vl + offs_d[None, :], mask=kv_mask, other=0.0)
-            bias = _key_bias(MASK, b64, offs_n, valid_n, stride_mb, stride_ml, HAS_MASK)
-            s = mm(q, tl.trans(k), IEEE, INTERP_BF16) * softmax_scale + bias[None, :]
-            p = tl.exp(s - m[:, None]) / l_row[:, None]
-            dp = mm(do, tl.trans(v), IEEE, INTERP_BF16)
-            if HAS_DROPOUT:
-                keep = _dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], SEQ, dropout_p)
-                dp = tl.where(keep, dp * dropout_scale, 0.0)
-            ds = p * (dp - delta[:, None])
-            dq += mm(cast_rne(ds, k.dtype, INTERP_BF16), k, IEEE, INTERP_BF16)
-        dq = dq * softmax_scale
-        tl.store(
-            _tile_ptrs(DQ, b64, h, tok_m, offs_d, stride_gb, stride_gl, stride_gh, ALIGN),
-            cast_rne(dq, DQ.dtype.element_ty, INTERP_BF16),
-            mask=q_mask,
-        )
-
-
-@triton.jit
-def _pal_attn_dropout_mask_kernel(
-    KEEP, seed, dropout_p, H, SEQ, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
-):  # fmt: skip
-    bh = tl.program_id(0)
-    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
-    keep = _dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], SEQ, dropout_p)
-    out = (bh.to(tl.int64) * SEQ + offs_m[:, None].to(tl.int64)) * SEQ + offs_n[None, :]
-    tl.store(KEEP + out, keep.to(tl.int8), mask=(offs_m[:, None] < SEQ) & (offs_n[None, :] < SEQ))
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Host side: validation, launch configuration, autograd
+# Host side: validation, launch configuration, autograd (the kernels are in pal_attention_kernels.py)
 # ----------------------------------------------------------------------------------------------------------------
 
 
@@ -427,7 +95,7 @@ def _interpreting() -> bool:
 
 
 class _Layout(NamedTuple):
-    """How the kernels address one call's tokens (see the kernel section comment)."""
+    """How the kernels address one call's tokens (see :mod:`fastpals.kernels.pal_attention_kernels`)."""
 
     is_varlen: bool
     batch: int
@@ -742,10 +410,6 @@ def _attention_backward(
     return dq, dk, dv
 
 
-def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
-
-
 def _run_forward(
     ctx,  # noqa: ANN001 - autograd context
     q: torch.Tensor,
@@ -760,7 +424,7 @@ def _run_forward(
     dropout_p = float(dropout_p)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(layout.head_dim)
     seed = _draw_seed(dropout_p, generator_seed)
-    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
     out, stat_m, stat_l = _attention_forward(q, k, v, layout, dropout_p, scale, seed, aligned)
     ctx.save_for_backward(q, k, v, out, stat_m, stat_l, layout.mask, layout.cu_seqlens)
     ctx.layout = layout._replace(mask=None, cu_seqlens=None)

@@ -273,20 +273,21 @@ def _check_pal_weights(
     return num_tasks, d, d_s
 
 
-def _autocast_pal(h: torch.Tensor, weights: tuple, residual: torch.Tensor | None) -> tuple:
-    """``(h, weights, residual, outside, cast_later)``. Under ``torch.autocast``: h, the V^E weight and bias and
-    the V^D bias in the autocast dtype (the QKV and V^D weights are cast by their re-layout copy: cast_later),
-    and a residual of another dtype moved out of the kernel (``outside``, added by the caller: the sum is
-    promoted, as in ``residual + pal_reference``). Outside autocast: the operands unchanged."""
+def _pal_operands(h: torch.Tensor, weights: tuple, num_heads: int, residual: torch.Tensor | None) -> tuple:
+    """Autocast and validation shared by :func:`pal` and :func:`pal_varlen`: ``(h, weights, residual, outside,
+    T)``. Under ``torch.autocast``: h, the V^E weight and bias and the V^D bias in the autocast dtype (the QKV
+    and V^D weights are cast by their re-layout copy), and a residual of another dtype moved out of the kernel
+    (``outside``, added by the caller: the sum is promoted, as in ``residual + pal_reference``)."""
     cast = autocast_dtype(h)
-    if cast is None:
-        return h, weights, residual, None, False
-    enc_weight, enc_bias, qkv_weight, qkv_bias, dec_weight, dec_bias = weights
-    h, enc_weight, enc_bias, dec_bias = cast_floats(cast, h, enc_weight, enc_bias, dec_bias)
-    weights = (enc_weight, enc_bias, qkv_weight, qkv_bias, dec_weight, dec_bias)
-    if residual is not None and residual.dtype != cast:
-        return h, weights, None, residual, True
-    return h, weights, residual, None, True
+    outside = None
+    if cast is not None:
+        enc_weight, enc_bias, qkv_weight, qkv_bias, dec_weight, dec_bias = weights
+        h, enc_weight, enc_bias, dec_bias = cast_floats(cast, h, enc_weight, enc_bias, dec_bias)
+        weights = (enc_weight, enc_bias, qkv_weight, qkv_bias, dec_weight, dec_bias)
+        if residual is not None and residual.dtype != cast:
+            residual, outside = None, residual
+    num_tasks, _, _ = _check_pal_weights(h, *weights, num_heads, residual, cast_later=cast is not None)
+    return h, weights, residual, outside, num_tasks
 
 
 def _pal_rows(
@@ -297,10 +298,12 @@ def _pal_rows(
     weights: tuple,
     num_heads: int,
     gelu: bool,
+    dropout_p: float,
+    generator_seed: int | None,
     residual_rows: torch.Tensor | None,
 ) -> torch.Tensor:
     """Shared body of :func:`pal` and :func:`pal_varlen` over row-major ``rows [R, d]``; ``lead`` is the
-    attention's token shape (``(B, L)`` or ``(N,)``) and ``attend(q, k, v, softmax_scale=...)`` its op."""
+    attention's token shape (``(B, L)`` or ``(N,)``) and ``attend(q, k, v, **options)`` its op."""
     enc_weight, enc_bias, qkv_weight, qkv_bias, dec_weight, dec_bias = weights
     lay = pal_layout(enc_weight.shape[1], num_heads)
     wq, bq, wd = _padded_weights(qkv_weight, qkv_bias, dec_weight, lay, rows.dtype)
@@ -308,7 +311,15 @@ def _pal_rows(
         rows.contiguous(), enc_weight.contiguous(), enc_bias.contiguous(), wq, bq, plan
     )  # [R, qkv_width]
     q, k, v = qkv.view(*lead, 3, lay.heads, lay.head_dim_pad).unbind(len(lead))
-    ctx = attend(q, k, v, softmax_scale=1.0 / math.sqrt(lay.head_dim))  # zero columns in the head pads
+    ctx = attend(  # zero columns in the head pads
+        q,
+        k,
+        v,
+        dropout_p=dropout_p,
+        softmax_scale=1.0 / math.sqrt(lay.head_dim),
+        generator_seed=generator_seed,
+        aligned_rows=True,
+    )
     ctx = ctx.reshape(rows.shape[0], lay.ctx_width)
     return grouped_linear_rows(ctx, plan, wd, dec_bias, "gelu" if gelu else None, residual_rows)
 
@@ -345,9 +356,8 @@ def pal(
     if not isinstance(h, torch.Tensor) or h.dim() != 3:
         raise ValueError(f"h must be a [B, L, d] tensor, got {getattr(h, 'shape', type(h))}")
     weights = (enc_weight, enc_bias, qkv_weight, qkv_bias, dec_weight, dec_bias)
-    h, weights, residual, outside, cast_later = _autocast_pal(h, weights, residual)
-    num_tasks, d, _ = _check_pal_weights(h, *weights, num_heads, residual, cast_later)
-    batch, length, _ = h.shape
+    h, weights, residual, outside, num_tasks = _pal_operands(h, weights, num_heads, residual)
+    batch, length, d = h.shape
     if attention_mask is not None:
         if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (batch, length):
             raise ValueError(f"attention_mask must be a [B, L] = {[batch, length]} tensor or None")
@@ -362,17 +372,12 @@ def pal(
         seq_len=length,
         block_rows=row_block(h),
     )
-    attend = functools.partial(
-        pal_attention,
-        key_padding_mask=attention_mask,
-        dropout_p=dropout_p,
-        generator_seed=generator_seed,
-        aligned_rows=True,
-    )
+    attend = functools.partial(pal_attention, key_padding_mask=attention_mask)
     res_rows = None if residual is None else residual.reshape(batch * length, d)
     rows = h.reshape(batch * length, d)
-    y = _pal_rows(rows, (batch, length), plan, attend, weights, num_heads, gelu, res_rows)
-    y = y.view(batch, length, d)
+    y = _pal_rows(
+        rows, (batch, length), plan, attend, weights, num_heads, gelu, dropout_p, generator_seed, res_rows
+    ).view(batch, length, d)
     return y if outside is None else outside + y
 
 
@@ -403,18 +408,12 @@ def pal_varlen(
     if not isinstance(h, torch.Tensor) or h.dim() != 2:
         raise ValueError(f"h must be packed rows [N, d], got {getattr(h, 'shape', type(h))}")
     weights = (enc_weight, enc_bias, qkv_weight, qkv_bias, dec_weight, dec_bias)
-    h, weights, residual, outside, cast_later = _autocast_pal(h, weights, residual)
-    num_tasks, _, _ = _check_pal_weights(h, *weights, num_heads, residual, cast_later)
+    h, weights, residual, outside, num_tasks = _pal_operands(h, weights, num_heads, residual)
     plan = task_row_plan(
         task_ids, num_tasks, h.shape[0], h.device, cu_seqlens=cu_seqlens, block_rows=row_block(h)
     )
-    attend = functools.partial(
-        pal_attention_varlen,
-        cu_seqlens=cu_seqlens,
-        max_seqlen=max_seqlen,
-        dropout_p=dropout_p,
-        generator_seed=generator_seed,
-        aligned_rows=True,
+    attend = functools.partial(pal_attention_varlen, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+    y = _pal_rows(
+        h, (h.shape[0],), plan, attend, weights, num_heads, gelu, dropout_p, generator_seed, residual
     )
-    y = _pal_rows(h, (h.shape[0],), plan, attend, weights, num_heads, gelu, residual)
     return y if outside is None else outside + y
