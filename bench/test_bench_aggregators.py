@@ -131,7 +131,14 @@ def markdown(result: dict) -> str:
         f"{result['threads']} torch threads. Commit {result['commit']}, torch {result['torch']}, {result['date']}.",
         "Step ratios: medians (and minima) of wall-clock and medians of process-CPU time over the rounds; the solve is "
         "`fn(gram)` alone on the step's float32 Gram (30 calls). Adjacent pairs: each round, every variant's step "
-        "right after a PCGrad step, median of the pair ratios. The machine is shared: compare within one run.",
+        "right after a PCGrad step, median of the pair ratios. "
+        + (
+            f"Load average (1 min) before / after the run: {result['load_before']:.2f} / {result['load_after']:.2f} "
+            f"on {os.cpu_count()} cores (this benchmark alone gives about 1-2); a higher load means other jobs "
+            "shared the machine: compare within one run."
+            if "load_before" in result
+            else "Compare within one run."
+        ),
         "",
         "| method | step median (s) | x plain | x pcgrad, adjacent pairs (median) | x pcgrad median (wall) "
         "| x pcgrad min (wall) | x pcgrad median (CPU) | solve alone median / min (ms) | solve / pcgrad step |",
@@ -165,6 +172,7 @@ def test_aggregators_side_by_side(benchmark, agg_runner):
     """Interleaved step times of plain and of every registry method; weight-solve times alone."""
     rounds = int(os.environ.get("FASTPALS_BENCH_ROUNDS", "3"))
     measured: dict = {}
+    load_before = os.getloadavg()[0]
 
     def compare() -> None:
         measured["times"] = interleaved_times(agg_runner.steps, rounds)
@@ -211,6 +219,8 @@ def test_aggregators_side_by_side(benchmark, agg_runner):
         "rounds": rounds,
         "threads": torch.get_num_threads(),
         "goal_x_pcgrad": GOAL,
+        "load_before": load_before,
+        "load_after": os.getloadavg()[0],
         "gram": gram.double().cpu().tolist(),
         "methods": methods,
     }
