@@ -266,6 +266,30 @@ def test_bf16_buffer_update_close_to_fp32():
     assert err > 0, "the bf16 buffer should round (else this test measures nothing)"
 
 
+@pytest.mark.parametrize("pair_mode", ["joint", "sbert_cosine"])
+def test_bf16_rows_are_the_fp32_rows_rounded(pair_mode):
+    """With a bf16 buffer, the equal-segment batched weight gradient is computed in output-row chunks (a bounded
+    fp32 temporary, written as it goes, first write or accumulation): every row is the fp32 buffer's row rounded
+    to bf16. MiniLM's 384/1536-wide Linears at T = 3 take 2 and 7 chunks."""
+    from fastpals.surgery.layer_grads import STACK_TEMP_ELEMENTS
+
+    assert STACK_TEMP_ELEMENTS // (T * 384) < 384, "the test must exercise more than one chunk"
+    model = minilm(pair_mode)
+    shared, specific = shared_parameters_by_name(model)
+    data = batch([0, 0, 1, 1, 2, 2])  # equal contiguous segments: the batched path
+    rows = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        buf, _ = one_backward(model, data, lambda m, d: mt_loss(m, d), shared, specific, dtype=dtype)
+        rows[dtype] = buf.data.clone()
+    for t in range(T):
+        got, want = rows[torch.bfloat16][t].float(), rows[torch.float32][t]
+        if pair_mode == "joint":  # one write per weight: one bf16 rounding, at most 2^-8 relative per element
+            assert torch.all((got - want).abs() <= want.abs() * 2.0**-8), f"task {t}: not the rounded row"
+        else:  # two encoder passes: the second accumulates into the bf16 row (two roundings)
+            assert rel(got, want) < 2.0**-7, f"task {t}: relative error {rel(got, want):.2e}"
+        assert rel(got, want) > 0
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # HF transformers BertModel with inject_pals
 # ----------------------------------------------------------------------------------------------------------------

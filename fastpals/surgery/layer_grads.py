@@ -29,7 +29,19 @@ from torch import nn
 if TYPE_CHECKING:
     from fastpals.surgery.per_task import PerTaskGradients
 
-__all__ = ["EmbeddingFrame", "RowTasks", "embedding_forward", "layer_norm_forward", "linear_forward"]
+__all__ = [
+    "STACK_TEMP_ELEMENTS",
+    "EmbeddingFrame",
+    "RowTasks",
+    "embedding_forward",
+    "layer_norm_forward",
+    "linear_forward",
+]
+
+# Elements of the fp32 temporary of one output-row chunk of the batched [T, M, K] weight gradient when the buffer
+# holds another dtype (bf16 rows): 1 MiB, so the 16-bit buffer's peak stays within T * P * 2 bytes of plain
+# training (a whole [T, M, K] fp32 product of MiniLM's FFN weights is 6.75 MiB at T = 3).
+STACK_TEMP_ELEMENTS = 1 << 18
 
 
 @dataclass
@@ -160,8 +172,13 @@ def _linear_weight_grads(
             out = state.stack_target(k_w, rows.tasks, dy.dtype)
             if out is not None:  # straight into the buffer rows: one op
                 torch.bmm(dyb.transpose(1, 2), xb, out=out)
-            else:
-                state.write_stack(k_w, rows.tasks, torch.bmm(dyb.transpose(1, 2), xb))
+            else:  # another buffer dtype: the [T, M, K] product in output-row chunks (a bounded temporary)
+                step = max(1, STACK_TEMP_ELEMENTS // (len(starts) * x.shape[1]))
+                chunks = (
+                    (m0, torch.bmm(dyb[:, :, m0 : m0 + step].transpose(1, 2), xb))
+                    for m0 in range(0, dy.shape[1], step)
+                )
+                state.write_stack_chunks(k_w, rows.tasks, chunks)
             if k_b is not None:
                 state.write_stack(k_b, rows.tasks, dyb.sum(1))
             return
