@@ -269,7 +269,9 @@ def _markdown(result: dict) -> str:
         "# One-backward gradient surgery on a mixed batch (CPU)",
         "",
         f"- date: {result['date']}, commit: {result['commit']}",
-        f"- device: {result['device']} (shared machine, other processes running)",
+        f"- device: {result['device']}; load average (1 min) before / after the run "
+        f"{result.get('load_before', float('nan')):.2f} / {result.get('load_after', float('nan')):.2f} on "
+        f"{os.cpu_count()} cores (this benchmark alone gives about {result['threads']}; more means other jobs ran)",
         f"- torch {result['env'].get('torch', torch.__version__)}, torchjd {result['torchjd'] or 'not installed'}",
         f"- model: MiniLM-L6 (all-MiniLM-L6-v2), 3 tasks x {PER_TASK} = {NUM_TASKS * PER_TASK} examples of "
         f"<= {LENGTH} tokens per update, AdamW; P(shared) = {result['shared_elements']:,}; "
@@ -304,6 +306,7 @@ def test_side_by_side_cpu(benchmark, runner):
     """Interleaved step times and subprocess peak memory of every variant; ratios against ``plain``."""
     rounds = int(os.environ.get("FASTPALS_BENCH_ROUNDS", "3"))
     measured = {}
+    load_before = os.getloadavg()[0]
 
     def compare():
         measured["times"] = interleaved_times(runner.steps, rounds)
@@ -319,6 +322,8 @@ def test_side_by_side_cpu(benchmark, runner):
         "shared_elements": p,
         "rounds": rounds,
         "threads": torch.get_num_threads(),
+        "load_before": load_before,
+        "load_after": os.getloadavg()[0],
         "budget_fp32_kb": NUM_TASKS * p * 4 / 1024,
         "budget_bf16_kb": NUM_TASKS * p * 2 / 1024,
         "apply_s": {k: s[1:] for k, s in runner.apply_seconds.items()},
