@@ -163,6 +163,28 @@ def test_kill_and_resume_equals_uninterrupted(tiny, tmp_path):
         assert (full / "best" / name).read_bytes() == (cut / "best" / name).read_bytes(), name
 
 
+def test_the_main_jobs_options_twice_give_the_same_numbers(tiny, tmp_path):
+    """``make train``'s options (default config, mixed packed sqrt-share batches, frozen word embeddings, fused
+    AdamW, warm-up), at a tiny scale: two runs of the same command give identical losses, scores and weights."""
+    opts = ["--epochs", "1", "--steps-per-epoch", "4", "--sampling", "sqrt", "--lr", "1e-3", "--pal-lr", "2e-3",
+            "--head-lr", "2e-3", "--warmup", "0.25", "--freeze-word-embeddings"]  # fmt: skip
+    runs = [tmp_path / "a", tmp_path / "b"]
+    for out in runs:
+        rc, log = run([sys.executable, "train.py", *common(tiny, out, *opts)])
+        assert rc == 0, log[-4000:]
+        assert "[setup] precision: " in log
+    a, b = (json.loads((out / "results.json").read_text()) for out in runs)
+    assert a["dev"] == b["dev"] and a["evals"] == b["evals"] and a["steps"] == b["steps"] == 4
+
+    def losses(folder):
+        records = (json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines())
+        return [(r["step"], r["loss"]) for r in records if r["type"] == "step"]
+
+    assert losses(runs[0]) == losses(runs[1]) and len(losses(runs[0])) == 4
+    for name in ("model.safetensors", "pals/adapter_model.safetensors"):
+        assert (runs[0] / "best" / name).read_bytes() == (runs[1] / "best" / name).read_bytes(), name
+
+
 @pytest.mark.parametrize(
     "surgery, sampling, extra",
     [

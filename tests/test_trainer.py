@@ -114,7 +114,7 @@ def test_ds_config_contradictions():
 
 def test_shipped_configs_parse_and_validate():
     names = sorted(p.name for p in (ROOT / "fastpals" / "configs").glob("*.json"))
-    expected = ["cpu_bf16.json", "cpu_fp32.json"] + [
+    expected = ["cpu_auto.json", "cpu_bf16.json", "cpu_fp32.json"] + [
         f"gpu_{p}_zero{z}.json" for p in ("bf16", "fp16") for z in (0, 1, 2)
     ]
     assert sorted(expected) == names
@@ -129,7 +129,12 @@ def test_shipped_configs_parse_and_validate():
             if precision == "fp16":
                 assert cfg["fp16"]["loss_scale"] == 0  # dynamic loss scaling
         elif name == "cpu_bf16.json":
-            assert cfg["bf16"]["enabled"] and stage == 1
+            assert cfg["bf16"]["enabled"] is True and stage == 1
+        elif name == "cpu_auto.json":
+            assert cfg["bf16"]["enabled"] == "auto" and stage == 1
+            for native in (True, False):
+                resolved = check_ds_config(cfg, 32, 1, cuda=False, native_bf16=native)
+                assert resolved["bf16"]["enabled"] is native
         else:
             assert "bf16" not in cfg and "fp16" not in cfg
     with pytest.raises(ConfigError, match="missing.json does not exist"):
@@ -154,6 +159,35 @@ def test_shipped_configs_parse_and_validate():
         parsed = DeepSpeedConfig(cfg, mpu=OneRank())
         assert parsed.gradient_clipping == 1.0 and parsed.train_batch_size == 32
         assert parsed.zero_optimization_stage == cfg["zero_optimization"]["stage"]
+
+
+def test_bf16_auto_resolves_by_hardware_and_says_why():
+    from fastpals.train.dsconfig import cpu_has_native_bf16, precision_note
+
+    auto = {"bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 1}}
+    native = check_ds_config(auto, 8, 1, cuda=False, native_bf16=True)
+    emulated = check_ds_config(auto, 8, 1, cuda=False, native_bf16=False)
+    assert native["bf16"]["enabled"] is True and emulated["bf16"]["enabled"] is False
+    assert auto["bf16"]["enabled"] == "auto", "the caller's config is not modified"
+    assert "native on this CPU" in precision_note(auto, native, cuda=False, native_bf16=True)
+    note = precision_note(auto, emulated, cuda=False, native_bf16=False)
+    assert note.startswith("precision: fp32") and "no native bf16" in note
+    explicit = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}}
+    checked = check_ds_config(explicit, 8, 1, cuda=False, native_bf16=False)
+    assert checked["bf16"]["enabled"] is True  # asked for explicitly: kept, with a warning in the log line
+    assert "emulated" in precision_note(explicit, checked, cuda=False, native_bf16=False)
+    assert precision_note(explicit, checked, cuda=False, native_bf16=True) == "precision: bf16 (--ds_config)"
+    for bad, message in (
+        ({"bf16": {"enabled": "yes"}}, "bf16.enabled = 'yes'"),
+        ({"fp16": {"enabled": "auto"}}, "fp16.enabled"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            check_ds_config(bad, 8, 1, cuda=False)
+    # the detector agrees with the CPU's own flags where Linux lists them
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        flags = cpuinfo.read_text().split()
+        assert cpu_has_native_bf16() == ("avx512_bf16" in flags or "amx_bf16" in flags)
 
 
 def test_bad_json(tmp_path):
@@ -288,7 +322,7 @@ def test_default_ds_config_works_from_a_wheel(tmp_path):
     (wheel,) = (tmp_path / "dist").glob("fastpals-*.whl")
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
-    assert (site / "fastpals" / "configs" / "cpu_bf16.json").is_file()
+    assert (site / "fastpals" / "configs" / "cpu_auto.json").is_file()
     code = (
         "import fastpals.train.dsconfig as d, fastpals.train.args as a; "
         "print(d.resolve_ds_config(a.TrainArgs.__dataclass_fields__['ds_config'].default))"
@@ -298,4 +332,4 @@ def test_default_ds_config_works_from_a_wheel(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=elsewhere,
                           env={**os.environ, "PYTHONPATH": str(site)})  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert Path(proc.stdout.strip()) == site / "fastpals" / "configs" / "cpu_bf16.json"
+    assert Path(proc.stdout.strip()) == site / "fastpals" / "configs" / "cpu_auto.json"

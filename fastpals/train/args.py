@@ -62,7 +62,8 @@ class TrainArgs:
 
     ds_config: str = opt(
         "DeepSpeed JSON config (precision, ZeRO stage, gradient clipping): a path, or the name of a shipped one "
-        "(cpu_bf16.json, cpu_fp32.json, gpu_{bf16,fp16}_zero{0,1,2}.json; also as configs/<name>). Its batch and "
+        "(cpu_auto.json, the default: bf16 where the CPU has native bf16, else fp32; cpu_bf16.json, cpu_fp32.json, "
+        "gpu_{bf16,fp16}_zero{0,1,2}.json; also as configs/<name>). Its batch and "
         "accumulation entries must agree with --batch-size and --grad-accum (missing ones are filled in); "
         "optimizer and scheduler come from the options",
         resume=MAY, type=str, flags=("--ds_config", "--ds-config"), default=DEFAULT_DS_CONFIG,

@@ -46,7 +46,7 @@ from fastpals.train import outputs
 from fastpals.train.args import TrainArgs
 from fastpals.train.callbacks import Callback, default_callbacks
 from fastpals.train.data_setup import eval_batcher, setup_data
-from fastpals.train.dsconfig import check_ds_config, load_ds_config
+from fastpals.train.dsconfig import check_ds_config, load_ds_config, precision_note
 from fastpals.train.errors import ConfigError, NonFiniteLossError, TrainingInterrupted
 from fastpals.train.mixed import mixed_update
 from fastpals.train.optim import build_model, lr_lambda, make_optimizer, optimizer_param_groups
@@ -76,9 +76,11 @@ class Trainer:
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.is_main = self.rank == 0
         self.out = Path(args.out)
+        requested = load_ds_config(args.ds_config)
         self.ds_config = check_ds_config(
-            load_ds_config(args.ds_config), args.batch_size, args.grad_accum, args.surgery, self.world_size
+            requested, args.batch_size, args.grad_accum, args.surgery, self.world_size
         )
+        self.precision = precision_note(requested, self.ds_config)
         self.ckpt_dir = self.out / "checkpoints"
         outputs.prepare_out(self.out, args.resume, args.overwrite, self.is_main)
         if args.resume:
@@ -266,6 +268,7 @@ class Trainer:
     # --- the run ------------------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         args, start = self.args, time.perf_counter()
+        self.log(f"[setup] {self.precision}")
         self._setup_data()
         self._setup_model()
         self._setup_engine()
