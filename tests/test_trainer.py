@@ -131,10 +131,13 @@ def test_shipped_configs_parse_and_validate():
         elif name == "cpu_bf16.json":
             assert cfg["bf16"]["enabled"] is True and stage == 1
         elif name == "cpu_auto.json":
-            assert cfg["bf16"]["enabled"] == "auto" and stage == 1
+            assert cfg["bf16"]["enabled"] == "auto" and stage == "auto"
             for native in (True, False):
                 resolved = check_ds_config(cfg, 32, 1, cuda=False, native_bf16=native)
                 assert resolved["bf16"]["enabled"] is native
+                assert resolved["zero_optimization"]["stage"] == (1 if native else 0)
+            two_ranks = check_ds_config(cfg, 32, 1, world_size=2, cuda=False, native_bf16=False)
+            assert two_ranks["zero_optimization"]["stage"] == 1
         else:
             assert "bf16" not in cfg and "fp16" not in cfg
     with pytest.raises(ConfigError, match="missing.json does not exist"):
@@ -176,7 +179,10 @@ def test_bf16_auto_resolves_by_hardware_and_says_why():
     checked = check_ds_config(explicit, 8, 1, cuda=False, native_bf16=False)
     assert checked["bf16"]["enabled"] is True  # asked for explicitly: kept, with a warning in the log line
     assert "emulated" in precision_note(explicit, checked, cuda=False, native_bf16=False)
-    assert precision_note(explicit, checked, cuda=False, native_bf16=True) == "precision: bf16 (--ds_config)"
+    assert (
+        precision_note(explicit, checked, cuda=False, native_bf16=True)
+        == "precision: bf16 (--ds_config), ZeRO stage 1"
+    )
     for bad, message in (
         ({"bf16": {"enabled": "yes"}}, "bf16.enabled = 'yes'"),
         ({"fp16": {"enabled": "auto"}}, "fp16.enabled"),

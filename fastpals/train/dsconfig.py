@@ -29,8 +29,8 @@ DEFAULT_DS_CONFIG = "cpu_auto.json"
 # What bf16 costs where the CPU has no bf16 instructions (measured: MiniLM + PALs, mixed packed updates of 32, 2-core
 # AVX2 EPYC, 2026-11-23): the matmuls are emulated in software.
 _EMULATED_BF16_NOTE = (
-    "this CPU has no native bf16 (no avx512_bf16 / AMX): bf16 matmuls are emulated, measured 17x slower than "
-    "fp32 on a 2-core AVX2 EPYC"
+    "this CPU has no native bf16 (no avx512_bf16 / AMX): bf16 matmuls are emulated, measured over 20x slower "
+    "than fp32 on a 2-core AVX2 EPYC"
 )
 
 
@@ -113,8 +113,15 @@ def precision_note(
     cuda: bool | None = None,
     native_bf16: bool | None = None,
 ) -> str:
-    """One line for the run's log: the training precision of ``checked`` (what :func:`check_ds_config` made of
-    the config ``requested``) and why it was chosen."""
+    """One line for the run's log: the training precision and ZeRO stage of ``checked`` (what
+    :func:`check_ds_config` made of the config ``requested``) and why the precision was chosen."""
+    stage = (checked.get("zero_optimization") or {}).get("stage", 0)
+    return f"{_precision_reason(requested, checked, cuda, native_bf16)}, ZeRO stage {stage}"
+
+
+def _precision_reason(
+    requested: dict[str, Any], checked: dict[str, Any], cuda: bool | None, native_bf16: bool | None
+) -> str:
     cuda = torch.cuda.is_available() if cuda is None else cuda
     native = cpu_has_native_bf16() if native_bf16 is None else native_bf16
     section = requested.get("bf16")
@@ -152,11 +159,17 @@ def check_ds_config(
     (= ``grad_accum``, 1 with surgery) and ``train_batch_size`` when absent; every contradiction raises
     :class:`ConfigError` naming the entry and what to change. ``cuda`` defaults to ``torch.cuda.is_available()``.
     ``"bf16": {"enabled": "auto"}`` becomes bf16 on a GPU that supports it or a CPU with native bf16
-    (``native_bf16``, default :func:`cpu_has_native_bf16`), else fp32.
+    (``native_bf16``, default :func:`cpu_has_native_bf16`), else fp32; ``"zero_optimization": {"stage": "auto"}``
+    becomes 1 with bf16/fp16 or several ranks, else 0.
     """
     cuda = torch.cuda.is_available() if cuda is None else cuda
     out = copy.deepcopy(cfg)
     _resolve_auto_precision(out, cuda, native_bf16, name)
+    zero = out.get("zero_optimization")
+    if isinstance(zero, dict) and zero.get("stage") == "auto":
+        # ZeRO-1 where it earns its copies: bf16 (DeepSpeed keeps fp32 master weights there; on CPU nothing else
+        # does) or several ranks (partitioned optimizer state); one fp32 process gains nothing from it
+        zero["stage"] = 1 if _enabled(out, "bf16") or _enabled(out, "fp16") or world_size > 1 else 0
     accum = 1 if surgery != "none" else grad_accum
     micro = out.setdefault("train_micro_batch_size_per_gpu", batch_size)
     if micro != batch_size:
