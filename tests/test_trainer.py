@@ -254,7 +254,7 @@ sys.path.insert(0, sys.argv[3])
 from fastpals.train.cli import parse_args
 from fastpals.train.loop import Trainer
 args = parse_args(["--model", sys.argv[1], "--data-dir", sys.argv[2], "--out", sys.argv[4],
-    "--surgery", "pcgrad", "--sampling", "random_round_robin", "--batch-size", "4", "--max-length", "16",
+    "--ds_config", "cpu_bf16.json", "--surgery", "pcgrad", "--sampling", "random_round_robin", "--batch-size", "4", "--max-length", "16",
     "--pal-hidden", "16", "--pal-heads", "2", "--steps-per-epoch", "2", "--epochs", "1", "--lr", "1e-2",
     "--max-eval", "4", "--no-progress", "--batching", sys.argv[5]])
 tr = Trainer(args)

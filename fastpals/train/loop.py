@@ -268,9 +268,9 @@ class Trainer:
     # --- the run ------------------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         args, start = self.args, time.perf_counter()
-        self.log(f"[setup] {self.precision}")
         self._setup_data()
         self._setup_model()
+        self.log(f"[setup] {self.precision}")  # after the checks of data and model, whose errors are one line
         self._setup_engine()
         if args.resume:
             self.load_checkpoint()
