@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastpals.functional import Dropout
 from fastpals.model import BertConfig, BertModel, PALConfig, state_dict_mismatches, task_specific_kind
 from fastpals.tasks import TASKS, TaskSpec, get_task
 
@@ -77,9 +78,9 @@ class TaskHead(nn.Module):
     def __init__(self, spec: TaskSpec, d: int, dropout: float) -> None:
         super().__init__()
         width = 3 * d if spec.pair_mode == "sbert_concat" else d
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         if spec.head == "mlp":
-            self.mlp = nn.Sequential(nn.Linear(width, d), nn.GELU(), nn.Dropout(dropout))
+            self.mlp = nn.Sequential(nn.Linear(width, d), nn.GELU(), Dropout(dropout))
             width = d
         else:
             self.mlp = None

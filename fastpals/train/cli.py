@@ -136,8 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in argv
     try:
         args = parse_args(argv)
+        from fastpals.train.allocator import keep_freed_memory
         from fastpals.train.loop import Trainer
 
+        keep_freed_memory()  # reuse freed host memory: fewer page faults per update (see its module)
         Trainer(args).run()
     except ConfigError as err:
         _report(f"{PROG}: error: {err}", debug)

@@ -1,0 +1,48 @@
+"""Keep freed host memory in the process during training (glibc ``malloc`` tuning).
+
+A CPU training step allocates and frees the same activation and gradient tensors every update. With glibc's
+defaults every block above the (dynamic) mmap threshold is mapped fresh and unmapped on free, and the heap top is
+trimmed back to the system, so each update pays page faults to zero the same memory again. Measured on `make
+train`'s update (MiniLM + PALs, 32 mixed packed examples, bf16, 2-core AMD EPYC, 20 updates each, run twice in
+alternation): 1.05 M minor page faults and 3.1 s of system time per run without tuning, 0.41 M and 1.6 s with
+it; median update 0.623-0.636 s against 0.585-0.590 s.
+
+:func:`keep_freed_memory` raises the mmap threshold to 1 GiB (glibc before 2.35 caps it at 32 MiB on 64-bit and
+gets that) and stops trimming, so freed blocks are reused; the resident set then stays at its peak instead of
+shrinking between steps.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import platform
+
+__all__ = ["MMAP_THRESHOLD", "keep_freed_memory"]
+
+# mallopt parameter numbers (glibc malloc.h)
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+
+#: blocks up to this size come from the heap and are reused (older glibc refuses more than 32 MiB)
+MMAP_THRESHOLD = 1 << 30
+_OLD_GLIBC_MMAP_MAX = 32 * 1024 * 1024
+_TRIM_THRESHOLD = 2**31 - 1  # int max: never give the heap top back
+_TOP_PAD = 64 * 1024 * 1024
+
+
+def keep_freed_memory() -> bool:
+    """Tune glibc ``malloc`` for a training process (see the module doc). Returns True when every setting was
+    taken, False where there is no glibc (macOS, Windows, musl) or glibc refused one; nothing else changes."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return False
+    mallopt = libc.mallopt
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    mmap_ok = (
+        mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
+        or mallopt(_M_MMAP_THRESHOLD, _OLD_GLIBC_MMAP_MAX) == 1
+    )
+    return mmap_ok and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1 and mallopt(_M_TOP_PAD, _TOP_PAD) == 1

@@ -1,0 +1,136 @@
+"""The CPU training path's own ops: :func:`fastpals.functional.dropout`, matmul attention in the model on CPU, and
+:func:`fastpals.train.allocator.keep_freed_memory`."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastpals.functional import Dropout, attention_reference, dropout
+from fastpals.model import BertConfig, BertModel, PALConfig
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_dropout_keeps_the_right_fraction_and_is_unbiased(dtype, p):
+    torch.manual_seed(0)
+    x = torch.randn(1000, 1001, dtype=dtype)  # odd count: the last 64-bit word is only partly used
+    y = dropout(x, p)
+    kept = y != 0
+    n = x.numel()
+    sigma = math.sqrt(p * (1 - p) / n)
+    assert abs(kept.float().mean().item() - (1 - p)) < 6 * sigma
+    # kept values are x scaled by 1 / (1 - p) (p rounded to 1/65536), dropped ones are exactly 0
+    scale = 65536 / (65536 - round(p * 65536))
+    torch.testing.assert_close(y[kept], (x[kept].float() * scale).to(dtype), rtol=0, atol=0)
+    # unbiased: E[y] = x, checked on ones
+    ones = dropout(torch.ones(n, dtype=torch.float32), p)
+    assert abs(ones.mean().item() - 1.0) < 6 * math.sqrt(p / (1 - p) / n)
+
+
+def test_dropout_slices_are_independent():
+    """The four 16-bit slices of one 64-bit word decide four neighbouring elements: no correlation between them."""
+    torch.manual_seed(1)
+    keep = (dropout(torch.ones(4 * 250_000), 0.5) != 0).float().view(-1, 4)
+    centred = keep - keep.mean(0)
+    corr = (centred.T @ centred) / keep.shape[0] / centred.std(0).pow(2).mean()
+    off_diagonal = corr - torch.diag(torch.diag(corr))
+    assert off_diagonal.abs().max().item() < 0.01  # 1 / sqrt(250k) = 0.002 per pair
+
+
+def test_dropout_gradient_is_the_mask():
+    torch.manual_seed(2)
+    x = torch.randn(64, 33, requires_grad=True)
+    y = dropout(x, 0.25)
+    (y * 3.0).sum().backward()
+    expected = torch.where(y != 0, torch.full_like(x, 3.0 * 65536 / (65536 - 16384)), torch.zeros_like(x))
+    torch.testing.assert_close(x.grad, expected, rtol=0, atol=0)
+
+
+def test_dropout_follows_the_seed_and_identity_cases():
+    x = torch.randn(300)
+    torch.manual_seed(3)
+    a = dropout(x, 0.3)
+    b = dropout(x, 0.3)
+    torch.manual_seed(3)
+    assert torch.equal(dropout(x, 0.3), a)
+    assert not torch.equal(a, b)
+    assert dropout(x, 0.3, training=False) is x
+    assert dropout(x, 0.0) is x
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="dropout: p must be in"):
+            dropout(x, bad)
+
+
+def test_dropout_module_is_an_nn_dropout():
+    m = Dropout(0.2)
+    assert isinstance(m, torch.nn.Dropout) and m.p == 0.2 and m.state_dict() == {}
+    x = torch.randn(50, 40)
+    assert m.eval()(x) is x
+    assert (m.train()(x) == 0).any()
+
+
+def test_model_on_cpu_runs_matmul_attention_equal_to_sdpa():
+    """The CPU attention (matmul + fp32 softmax) equals torch's SDPA on BERT's padded and packed paths (eval)."""
+    cfg = BertConfig(vocab_size=50, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=96, max_position_embeddings=32)  # fmt: skip
+    torch.manual_seed(4)
+    model = BertModel(cfg, PALConfig(num_tasks=2, hidden=24, num_heads=2)).eval()
+    ids = torch.randint(1, 50, (3, 10))
+    mask = torch.ones(3, 10, dtype=torch.long)
+    mask[1, 6:] = 0
+    mask[2, 3:] = 0
+    tasks = torch.tensor([0, 1, 1])
+    ours = model(ids, attention_mask=mask, task_ids=tasks).last_hidden_state
+
+    def sdpa_as_reference(q, k, v, key_padding_mask=None, dropout_p=0.0):
+        qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+        m = key_padding_mask.bool()[:, None, None, :]
+        return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=m).transpose(1, 2)
+
+    import fastpals.model as model_module
+
+    original = model_module.attention_reference
+    model_module.attention_reference = sdpa_as_reference
+    try:
+        theirs = model(ids, attention_mask=mask, task_ids=tasks).last_hidden_state
+    finally:
+        model_module.attention_reference = original
+    real = mask.bool()
+    torch.testing.assert_close(ours[real], theirs[real], rtol=1e-5, atol=1e-5)
+    assert model_module.attention_reference is attention_reference
+
+
+def test_keep_freed_memory_cuts_page_faults():
+    """In a fresh process: 20 steps that allocate and free 64 MiB fault far less after the tuning."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("glibc malloc tuning is Linux-only")
+    script = textwrap.dedent(
+        """
+        import resource, sys, torch
+        from fastpals.train.allocator import keep_freed_memory
+        if sys.argv[1] == "1":
+            assert keep_freed_memory()
+        def step():
+            a = torch.ones(4 << 20); b = torch.ones(12 << 20); s = a.sum() + b.sum(); del a, b
+            return s
+        step()
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _ in range(20):
+            step()
+        print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+        """
+    )
+    faults = {}
+    for tuned in ("0", "1"):
+        out = subprocess.run(
+            [sys.executable, "-c", script, tuned], capture_output=True, text=True, check=True
+        )
+        faults[tuned] = int(out.stdout.strip().splitlines()[-1])
+    assert faults["1"] * 4 < faults["0"], faults
