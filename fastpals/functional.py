@@ -143,9 +143,8 @@ def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
     words = torch.empty((n + 3) // 4, dtype=torch.int64).random_(-(2**63), None)
     slices = words.view(torch.int16)[:n].view(x.shape)
     keep = slices >= drop - 32768
-    return (x * keep).mul_(
-        65536.0 / (65536 - drop)
-    )  # the scale is applied in the op's fp32 math: one rounding
+    # the scale is applied in the op's fp32 math: one rounding, as F.dropout
+    return (x * keep).mul_(65536.0 / (65536 - drop))
 
 
 class Dropout(torch.nn.Dropout):
