@@ -268,12 +268,12 @@ def test_bf16_buffer_update_close_to_fp32():
 
 @pytest.mark.parametrize("pair_mode", ["joint", "sbert_cosine"])
 def test_bf16_rows_are_the_fp32_rows_rounded(pair_mode):
-    """With a bf16 buffer, the equal-segment batched weight gradient is computed in output-row chunks (a bounded
+    """With a bf16 buffer, the equal-segment weight gradient is computed per task in output-row chunks (a bounded
     fp32 temporary, written as it goes, first write or accumulation): every row is the fp32 buffer's row rounded
-    to bf16. MiniLM's 384/1536-wide Linears at T = 3 take 2 and 7 chunks."""
+    to bf16. MiniLM's 384/1536-wide Linears take 3 and 10 chunks per task."""
     from fastpals.surgery.layer_grads import STACK_TEMP_ELEMENTS
 
-    assert STACK_TEMP_ELEMENTS // (T * 384) < 384, "the test must exercise more than one chunk"
+    assert STACK_TEMP_ELEMENTS // 384 < 384, "the test must exercise more than one chunk"
     model = minilm(pair_mode)
     shared, specific = shared_parameters_by_name(model)
     data = batch([0, 0, 1, 1, 2, 2])  # equal contiguous segments: the batched path
@@ -284,7 +284,9 @@ def test_bf16_rows_are_the_fp32_rows_rounded(pair_mode):
     for t in range(T):
         got, want = rows[torch.bfloat16][t].float(), rows[torch.float32][t]
         if pair_mode == "joint":  # one write per weight: one bf16 rounding, at most 2^-8 relative per element
-            assert torch.all((got - want).abs() <= want.abs() * 2.0**-8), f"task {t}: not the rounded row"
+            # plus fp32 GEMM noise (the chunked GEMMs sum in another order than the full one): 1e-6 of the row
+            bad = (got - want).abs() > want.abs() * 2.0**-8 + 1e-6 * want.abs().max()
+            assert not bad.any(), (t, int(bad.sum()), got[bad][:5], want[bad][:5])
         else:  # two encoder passes: the second accumulates into the bf16 row (two roundings)
             assert rel(got, want) < 2.0**-7, f"task {t}: relative error {rel(got, want):.2e}"
         assert rel(got, want) > 0

@@ -283,3 +283,35 @@ def test_compare_reports_a_failed_run_in_its_row(tiny, tmp_path, capsys):
     cells = row.split("|")[1:-1]
     assert "failed: non-finite loss" in cells[1] and "update step 2" in cells[1]
     assert len(cells) == 9  # recipe, SST, Quora, STS r, overall, updates, examples, train s, total s
+
+
+def test_freeze_layers_stops_the_backward_and_guards_the_pals(tiny6, tmp_path):
+    """``--freeze-layers K --pal-layers N``: embeddings and layers 0..K-1 get no gradient and no backward (their
+    outputs need no grad), PALs sit in the top N layers only; PALs left in a frozen layer are a ConfigError."""
+    from fastpals.batching import model_inputs, pack_batches
+    from fastpals.train.data_setup import setup_data
+    from fastpals.train.optim import build_model
+
+    args = parse_args([*quick(tiny6, tmp_path / "f"), "--freeze-layers", "2", "--pal-layers", "4"])
+    model = build_model(args).train()
+    layers = model.bert.encoder.layer
+    assert [i for i, layer in enumerate(layers) if getattr(layer, "pal", None) is not None] == [2, 3, 4, 5]
+    for name, p in model.named_parameters():
+        frozen = name.startswith(("bert.embeddings.", "bert.encoder.layer.0.", "bert.encoder.layer.1."))
+        assert p.requires_grad != frozen, name
+    needs_grad = {}
+    for i in (1, 2):
+        layers[i].register_forward_hook(lambda m, a, out, i=i: needs_grad.__setitem__(i, out.requires_grad))
+    data = setup_data(args, 0, 1, lambda message: None)
+    batches = [next(iter(data.train_batchers[t])) for t in args.task_list]
+    packed = pack_batches(batches, list(range(len(batches))), len(batches))
+    res = model.task_losses(model(**model_inputs(packed, "cpu")), packed["labels"], "equal")
+    sum(res.per_task.values()).backward()
+    assert needs_grad == {1: False, 2: True}
+    assert layers[2].output.dense.weight.grad is not None and layers[1].output.dense.weight.grad is None
+    with pytest.raises(ConfigError, match=r"--freeze-layers 2 would freeze the task-specific bert\.encoder\.layer\.0"):
+        build_model(parse_args([*quick(tiny6, tmp_path / "g"), "--freeze-layers", "2"]))
+    with pytest.raises(ConfigError, match="--freeze-layers 7: the encoder has 6 layers"):
+        build_model(parse_args([*quick(tiny6, tmp_path / "h"), "--freeze-layers", "7", "--pal", "none"]))
+    with pytest.raises(ConfigError, match="--pal-layers need PALs"):
+        parse_args([*quick(tiny6, tmp_path / "i"), "--pal", "none", "--pal-layers", "2"])

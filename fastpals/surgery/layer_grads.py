@@ -6,8 +6,7 @@ Rows: a module's input ``x [..., d]`` is flattened to ``[R, d]`` rows (``R = B *
 ``N`` packed tokens); :class:`RowTasks` says which task each row belongs to (built by
 :meth:`~fastpals.surgery.per_task.PerTaskGradients.rows`). Per task ``t`` (its rows only):
 
-- :func:`linear_forward`: ``dW_t = dY_t^T X_t`` (``[M, K]``), ``db_t = sum dY_t`` (``[M]``); one batched GEMM for
-  equal contiguous segments, the Triton grouped weight-gradient kernel on CUDA, else one ``addmm`` per task;
+- :func:`linear_forward`: ``dW_t = dY_t^T X_t`` (``[M, K]``), ``db_t = sum dY_t`` (``[M]``): one GEMM per task segment straight into the buffer row (the Triton grouped weight-gradient kernel on CUDA);
 - :func:`layer_norm_forward`: ``dgamma_t = sum dY * xhat``, ``dbeta_t = sum dY`` (fp32 sums);
 - :func:`embedding_forward`: an ``index_add`` of ``dY_t`` at the ids; embeddings looked up once and broadcast
   over the batch (position embeddings, :class:`EmbeddingFrame`) take the gradient of the full-batch embedding they
@@ -38,10 +37,9 @@ __all__ = [
     "linear_forward",
 ]
 
-# Elements of the fp32 temporary of one output-row chunk of the batched [T, M, K] weight gradient when the buffer
-# holds another dtype (bf16 rows): 256 KiB, so the 16-bit buffer's peak stays within T * P * 2 bytes of plain
-# training (a whole [T, M, K] fp32 product of MiniLM's FFN weights is 6.75 MiB at T = 3; 1 MiB chunks measured
-# 0.0-0.9 MiB over that budget, 256 KiB chunks 0.5-0.6 MiB under it).
+# Elements of the fp32 temporary of one output-row chunk of one task's weight gradient when the buffer holds
+# another dtype (bf16 rows): 256 KiB, so the 16-bit buffer's peak stays within T * P * 2 bytes of plain training
+# (a whole [T, M, K] fp32 product of MiniLM's FFN weights is 6.75 MiB at T = 3).
 STACK_TEMP_ELEMENTS = 1 << 16
 
 
@@ -162,8 +160,9 @@ def _linear_weight_grads(
         return
     sizes = {s.stop - s.start for s in rows.slices.values() if isinstance(s, slice)}
     if len(rows.tasks) > 1 and len(sizes) == 1 and all(isinstance(s, slice) for s in rows.slices.values()):
-        # Equal, contiguous task segments: one batched GEMM over the segments (one parallel region, measured
-        # 1.5-2x faster than T separate GEMMs on a 2-core CPU), then one copy per task into its row.
+        # Equal, contiguous task segments: one GEMM per segment straight into its buffer row. (torch.bmm over the
+        # T segments splits its threads over the batch: at T = 3 on 2 cores it measured 1.13-1.5x the single
+        # weight-gradient GEMM, where T GEMMs of all threads each measured 1.00-1.05x; MiniLM's shapes.)
         n = sizes.pop()
         starts = [rows.slices[t].start for t in rows.tasks]
         if starts == [starts[0] + i * n for i in range(len(starts))]:
@@ -171,13 +170,15 @@ def _linear_weight_grads(
             dyb = dy[seg].view(len(starts), n, dy.shape[1])
             xb = x[seg].view(len(starts), n, x.shape[1])
             out = state.stack_target(k_w, rows.tasks, dy.dtype)
-            if out is not None:  # straight into the buffer rows: one op
-                torch.bmm(dyb.transpose(1, 2), xb, out=out)
-            else:  # another buffer dtype: the [T, M, K] product in output-row chunks (a bounded temporary)
-                step = max(1, STACK_TEMP_ELEMENTS // (len(starts) * x.shape[1]))
+            if out is not None:  # straight into the buffer rows
+                for i in range(len(starts)):
+                    torch.mm(dyb[i].t(), xb[i], out=out[i])
+            else:  # another buffer dtype: each task's product in output-row chunks (a bounded temporary)
+                step = max(1, STACK_TEMP_ELEMENTS // x.shape[1])
                 chunks = (
-                    (m0, torch.bmm(dyb[:, :, m0 : m0 + step].transpose(1, 2), xb))
+                    (m0, i, torch.mm(dyb[i, :, m0 : m0 + step].t(), xb[i]))
                     for m0 in range(0, dy.shape[1], step)
+                    for i in range(len(starts))
                 )
                 state.write_stack_chunks(k_w, rows.tasks, chunks)
             if k_b is not None:

@@ -340,17 +340,16 @@ class PerTaskGradients:
         self, k: int, tasks: Sequence[int], chunks: Iterable[tuple[int, torch.Tensor]]
     ) -> None:
         """Like :meth:`write_stack` for a 2-D shared weight k (``[M, K]``) whose values arrive as output-row chunks
-        ``(m0, values [len(tasks), mc, K])`` (rows ``m0 : m0 + mc``), so that no ``[T, M, K]`` temporary of the
-        compute dtype is needed when the buffer holds another dtype."""
+        ``(m0, i, values [mc, K])`` of task ``tasks[i]`` (rows ``m0 : m0 + mc``), so that no ``[T, M, K]``
+        temporary of the compute dtype is needed when the buffer holds another dtype."""
         firsts = [self._first(t, k) for t in tasks]
         rows = [self.buffer.param_row(t, k) for t in tasks]
-        for m0, values in chunks:
-            mc = values.shape[1]
-            for dst, first, v in zip(rows, firsts, values):
-                if first:
-                    dst[m0 : m0 + mc].copy_(v)
-                else:
-                    dst[m0 : m0 + mc].add_(v.to(dst.dtype))
+        for m0, i, values in chunks:
+            dst = rows[i][m0 : m0 + values.shape[0]]
+            if firsts[i]:
+                dst.copy_(values)
+            else:
+                dst.add_(values.to(dst.dtype))
 
     def write_mm(self, task: int, k: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """Row ``task`` of shared weight k (+)= ``a @ b`` (``a [M, R]``, ``b [R, K]``), straight into the buffer

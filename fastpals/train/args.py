@@ -165,6 +165,7 @@ class TrainArgs:
     )  # fmt: skip
     pal_heads: int | None = opt("attention heads inside each PAL (overrides the preset)", type=int)
     pal_hidden: int | None = opt("PAL width d_s (overrides the preset)", type=int)
+    pal_layers: int | None = opt("PALs in the top N encoder layers only (overrides the preset)", type=int)
     head: str = opt("task head on the pooled features", choices=("linear", "mlp"), default="linear")
     pair_mode: str = opt(
         "pair tasks: joint cross-encoder, or siamese (SBERT) with cosine similarity (STS; Quora then uses "
@@ -193,6 +194,11 @@ class TrainArgs:
         "keep the word-embedding matrix fixed (on MiniLM half the weights: no gradient or optimizer work)",
         default=False,
     )
+    freeze_layers: int = opt(
+        "freeze the embeddings and the bottom K encoder layers: no gradient, and the backward stops at layer K "
+        "(PALs must sit above them: --pal-layers)",
+        type=int, default=0,
+    )  # fmt: skip
     no_progress: bool = opt("no progress bars", resume=MAY, default=False)
     debug: bool = opt("show the Python traceback of an error, not only its one-line message", resume=MAY,
                       default=False)  # fmt: skip
@@ -355,14 +361,20 @@ def build_pal_config(args: TrainArgs) -> PALConfig | None:
     """The :class:`PALConfig` of ``--pal`` with ``--pal-heads`` / ``--pal-hidden``; None for ``--pal none``."""
     preset = PAL_PRESETS[args.pal]
     if preset is None:
-        if args.pal_heads is not None or args.pal_hidden is not None:
-            raise ConfigError("--pal-heads/--pal-hidden need PALs: drop them or choose a --pal variant")
+        if args.pal_heads is not None or args.pal_hidden is not None or args.pal_layers is not None:
+            raise ConfigError(
+                "--pal-heads/--pal-hidden/--pal-layers need PALs: drop them or choose a --pal variant"
+            )
         return None
     kw = dict(preset)
     if args.pal_heads is not None:
         kw["num_heads"] = args.pal_heads
     if args.pal_hidden is not None:
         kw["hidden"] = args.pal_hidden
+    if args.pal_layers is not None:
+        if args.pal_layers < 1:
+            raise ConfigError(f"--pal-layers {args.pal_layers}: give the number of top layers with PALs (>= 1)")
+        kw["layers"] = args.pal_layers
     cfg = PALConfig(num_tasks=len(args.task_list), **kw)
     if cfg.hidden < 1 or cfg.num_heads < 1 or cfg.hidden % cfg.num_heads:
         raise ConfigError(

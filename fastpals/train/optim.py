@@ -12,6 +12,7 @@ from fastpals.train.errors import ConfigError
 
 __all__ = [
     "build_model",
+    "freeze_bottom_layers",
     "freeze_encoder",
     "lr_lambda",
     "make_optimizer",
@@ -134,4 +135,26 @@ def build_model(args: Any) -> torch.nn.Module:
         freeze_encoder(model)
     if args.freeze_word_embeddings:
         model.bert.embeddings.word_embeddings.weight.requires_grad_(False)
+    if args.freeze_layers:
+        freeze_bottom_layers(model, args.freeze_layers)
     return model
+
+
+def freeze_bottom_layers(model: torch.nn.Module, k: int) -> None:
+    """``--freeze-layers K``: the embeddings and encoder layers ``0 .. K-1`` of a :class:`~fastpals.MultiTaskBert`
+    get ``requires_grad = False``, so no gradient, optimizer state or backward work exists below layer K. A
+    task-specific parameter there (a PAL, EmBERT's task vectors) would be frozen at its random start: that is a
+    :class:`ConfigError` naming it (put the PALs above with ``--pal-layers``)."""
+    layers = model.bert.encoder.layer
+    if not 0 <= k <= len(layers):
+        raise ConfigError(f"--freeze-layers {k}: the encoder has {len(layers)} layers; choose 0..{len(layers)}")
+    frozen = [("bert.embeddings", model.bert.embeddings)]
+    frozen += [(f"bert.encoder.layer.{i}", layers[i]) for i in range(k)]
+    for prefix, module in frozen:
+        for name, p in module.named_parameters():
+            if is_task_specific(f"{prefix}.{name}"):
+                raise ConfigError(
+                    f"--freeze-layers {k} would freeze the task-specific {prefix}.{name}: put the PALs in the "
+                    f"layers above with --pal-layers {len(layers) - k} (or freeze fewer layers)"
+                )
+            p.requires_grad_(False)
