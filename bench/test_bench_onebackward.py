@@ -19,7 +19,8 @@ TorchJD is a test/bench-only dependency (``pip install torchjd==0.18.0``, in the
 are left out, with the reason printed and recorded, when it is not installed.
 
 Time: the variants run interleaved, round after round, in one process (medians of wall-clock and process CPU
-time; the machine may be shared). Peak memory (CPU): each variant in a fresh subprocess; after one warm-up step
+time; the machine may be shared), with glibc's freed memory kept in the process as ``train.py`` keeps it
+(:func:`fastpals.train.allocator.keep_freed_memory`). Peak memory (CPU): each variant in a fresh subprocess; after one warm-up step
 the peak resident set is reset (``/proc/self/clear_refs`` = 5) and ``VmHWM`` read after two more steps; large
 blocks are served by ``mmap`` so that the resident set follows the live tensors. Goals (issue 13): the fp32
 PCGrad step at most 1.15x the plain mixed step's time; peak memory at most plain + T*P*bytes, and at most 1.15x
@@ -56,6 +57,7 @@ from fastpals.surgery import (  # noqa: E402
     per_task_gradients,
     shared_parameters_by_name,
 )
+from fastpals.train.allocator import keep_freed_memory  # noqa: E402
 
 NUM_TASKS, PER_TASK, LENGTH = 3, 16, 32
 HAS_TORCHJD = importlib.util.find_spec("torchjd") is not None
@@ -253,6 +255,9 @@ def runner():
     if torch.cuda.is_available():
         pytest.skip("the CPU comparison (a GPU one needs BERT-base shapes)")
     torch.set_num_threads(THREADS)
+    # as train.py does: freed host memory is reused, so no variant pays page faults for the blocks that the one
+    # before it (the reference's 1.8 GB) gave back to the kernel (the memory subprocesses keep glibc's defaults)
+    keep_freed_memory()
     return Runner()
 
 
