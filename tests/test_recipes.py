@@ -309,7 +309,9 @@ def test_freeze_layers_stops_the_backward_and_guards_the_pals(tiny6, tmp_path):
     sum(res.per_task.values()).backward()
     assert needs_grad == {1: False, 2: True}
     assert layers[2].output.dense.weight.grad is not None and layers[1].output.dense.weight.grad is None
-    with pytest.raises(ConfigError, match=r"--freeze-layers 2 would freeze the task-specific bert\.encoder\.layer\.0"):
+    with pytest.raises(
+        ConfigError, match=r"--freeze-layers 2 would freeze the task-specific bert\.encoder\.layer\.0"
+    ):
         build_model(parse_args([*quick(tiny6, tmp_path / "g"), "--freeze-layers", "2"]))
     with pytest.raises(ConfigError, match="--freeze-layers 7: the encoder has 6 layers"):
         build_model(parse_args([*quick(tiny6, tmp_path / "h"), "--freeze-layers", "7", "--pal", "none"]))

@@ -373,7 +373,9 @@ def build_pal_config(args: TrainArgs) -> PALConfig | None:
         kw["hidden"] = args.pal_hidden
     if args.pal_layers is not None:
         if args.pal_layers < 1:
-            raise ConfigError(f"--pal-layers {args.pal_layers}: give the number of top layers with PALs (>= 1)")
+            raise ConfigError(
+                f"--pal-layers {args.pal_layers}: give the number of top layers with PALs (>= 1)"
+            )
         kw["layers"] = args.pal_layers
     cfg = PALConfig(num_tasks=len(args.task_list), **kw)
     if cfg.hidden < 1 or cfg.num_heads < 1 or cfg.hidden % cfg.num_heads:

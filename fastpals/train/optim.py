@@ -147,7 +147,9 @@ def freeze_bottom_layers(model: torch.nn.Module, k: int) -> None:
     :class:`ConfigError` naming it (put the PALs above with ``--pal-layers``)."""
     layers = model.bert.encoder.layer
     if not 0 <= k <= len(layers):
-        raise ConfigError(f"--freeze-layers {k}: the encoder has {len(layers)} layers; choose 0..{len(layers)}")
+        raise ConfigError(
+            f"--freeze-layers {k}: the encoder has {len(layers)} layers; choose 0..{len(layers)}"
+        )
     frozen = [("bert.embeddings", model.bert.embeddings)]
     frozen += [(f"bert.encoder.layer.{i}", layers[i]) for i in range(k)]
     for prefix, module in frozen:
