@@ -164,10 +164,12 @@ def test_kill_and_resume_equals_uninterrupted(tiny, tmp_path):
 
 
 def test_the_main_jobs_options_twice_give_the_same_numbers(tiny, tmp_path):
-    """``make train``'s options (default config, mixed packed sqrt-share batches, frozen word embeddings, fused
-    AdamW, warm-up), at a tiny scale: two runs of the same command give identical losses, scores and weights."""
+    """``make train``'s options (default config, mixed packed sqrt-share batches, frozen word embeddings and
+    bottom layer, PALs above it, fused AdamW, warm-up), at a tiny scale (2 layers): two runs of the same command
+    give identical losses, scores and weights."""
     opts = ["--epochs", "1", "--steps-per-epoch", "4", "--sampling", "sqrt", "--lr", "1e-3", "--pal-lr", "2e-3",
-            "--head-lr", "2e-3", "--warmup", "0.25", "--freeze-word-embeddings"]  # fmt: skip
+            "--head-lr", "2e-3", "--warmup", "0.25", "--freeze-word-embeddings", "--freeze-layers", "1",
+            "--pal-layers", "1"]  # fmt: skip
     runs = [tmp_path / "a", tmp_path / "b"]
     for out in runs:
         rc, log = run([sys.executable, "train.py", *common(tiny, out, *opts)])
