@@ -54,6 +54,7 @@ __all__ = [
     "is_task_specific",
     "load_bert_state_dict",
     "make_layout",
+    "padded_attention",
     "state_dict_mismatches",
     "task_specific_kind",
 ]
@@ -195,7 +196,7 @@ class BatchLayout:
 
     ``mask [B, L]`` bool (True = token), ``task_ids [B]`` int64 or None. Packed layouts (``packed=True``) also
     hold ``index [N]`` (flat positions of the N tokens in ``[B*L]``), ``cu_seqlens [B+1]`` int32,
-    ``max_seqlen`` and ``row_task_ids [N]``; ``sdpa_mask [B, 1, 1, L]`` bool is SDPA's attention mask.
+    ``max_seqlen`` and ``row_task_ids [N]``.
     """
 
     batch: int
@@ -207,7 +208,6 @@ class BatchLayout:
     cu_seqlens: torch.Tensor | None = None  # [B+1] int32 (packed only)
     max_seqlen: int = 0
     row_task_ids: torch.Tensor | None = None  # [N] task of each packed token
-    sdpa_mask: torch.Tensor | None = field(default=None, repr=False)  # [B, 1, 1, L] bool
     plan: Any = field(default=None, repr=False)  # fastpals.batching.AttentionPlan, built on first use
     # packed inputs (cu_seqlens given): attention over length buckets and PAL linears on the packed tokens on the
     # reference path; unpad=True keeps the padded-shape reference ops (bit-identical to the padded path)
@@ -250,7 +250,6 @@ def make_layout(
     mask = attention_mask.to(torch.bool)
     batch, length = shape
     layout = BatchLayout(batch=batch, length=length, mask=mask, task_ids=task_ids, packed=packed)
-    layout.sdpa_mask = mask[:, None, None, :]
     if packed:
         lengths = mask.sum(1)
         if not torch.equal(mask, torch.arange(length, device=mask.device)[None, :] < lengths[:, None]):
@@ -315,10 +314,10 @@ class BertSelfAttention(nn.Module):
             vec = layout.per_row(self.task_embedding.index_select(0, layout.task_ids))  # [B,1,3,d] or [N,3,d]
             q, k, v = q + vec[..., 0, :], k + vec[..., 1, :], v + vec[..., 2, :]
         dropout = self.dropout_p if self.training else 0.0
+        shape = (q.shape[0], self.num_heads, self.head_dim)
         if layout.packed and dispatch.flash_varlen_ok(q):
             from flash_attn import flash_attn_varlen_func
 
-            shape = (q.shape[0], self.num_heads, self.head_dim)
             ctx = flash_attn_varlen_func(
                 q.view(shape), k.view(shape), v.view(shape), layout.cu_seqlens, layout.cu_seqlens,
                 layout.max_seqlen, layout.max_seqlen, dropout_p=dropout,
@@ -330,31 +329,33 @@ class BertSelfAttention(nn.Module):
             def attend(
                 qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, mask: torch.Tensor
             ) -> torch.Tensor:
-                if qb.device.type == "cpu":  # matmul attention on CPU: see the padded path below
-                    return attention_reference(qb, kb, vb, mask, dropout)
-                qb, kb, vb = (t.transpose(1, 2) for t in (qb, kb, vb))
-                ctx = F.scaled_dot_product_attention(
-                    qb, kb, vb, attn_mask=mask[:, None, None, :], dropout_p=dropout
-                )
-                return ctx.transpose(1, 2)
+                return padded_attention(qb, kb, vb, mask, dropout)
 
-            shape = (q.shape[0], self.num_heads, self.head_dim)
             ctx = bucketed_attention(
                 q.view(shape), k.view(shape), v.view(shape), layout.attention_plan(), attend
             )
             return ctx.reshape(q.shape)
         q, k, v = (layout.to_padded(t) for t in (q, k, v))
         b, n, d = q.shape
-        if q.device.type == "cpu":
-            # CPU: matmul + fp32 softmax (the reference op). torch's CPU flash-attention backward spends ~15 us per
-            # (sequence, head) on BERT's short rows: 6 of MiniLM's 12 attention layers' worth of time per update;
-            # the reference's bmm made `make train`'s update 0.84 -> 0.57 s (2 cores, bf16).
-            ctx = attention_reference(*(t.view(b, n, self.num_heads, self.head_dim) for t in (q, k, v)),
-                                      layout.mask, dropout)  # fmt: skip
-            return layout.to_rows(ctx.reshape(b, n, d))
-        q, k, v = (t.view(b, n, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.sdpa_mask, dropout_p=dropout)
-        return layout.to_rows(ctx.transpose(1, 2).reshape(b, n, d))
+        ctx = padded_attention(*(t.view(b, n, *shape[1:]) for t in (q, k, v)), layout.mask, dropout)
+        return layout.to_rows(ctx.reshape(b, n, d))
+
+
+def padded_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, dropout: float
+) -> torch.Tensor:
+    """BERT's attention on padded blocks: ``q, k, v [B, L, H, Dh]``, key ``mask [B, L]`` bool → ``[B, L, H, Dh]``.
+
+    On CPU the matmul + fp32 softmax reference op: torch's CPU flash-attention backward spends ~15 us per
+    (sequence, head) on BERT's short rows (23% of a `make train` update in the profile). Paired on the same
+    batches, this attention and :func:`fastpals.functional.dropout` together made the update 0.877x as long.
+    Elsewhere ``F.scaled_dot_product_attention`` with the boolean mask.
+    """
+    if q.device.type == "cpu":
+        return attention_reference(q, k, v, mask, dropout)
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+    ctx = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask[:, None, None, :], dropout_p=dropout)
+    return ctx.transpose(1, 2)
 
 
 class BertSelfOutput(nn.Module):

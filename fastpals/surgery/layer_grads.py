@@ -6,7 +6,8 @@ Rows: a module's input ``x [..., d]`` is flattened to ``[R, d]`` rows (``R = B *
 ``N`` packed tokens); :class:`RowTasks` says which task each row belongs to (built by
 :meth:`~fastpals.surgery.per_task.PerTaskGradients.rows`). Per task ``t`` (its rows only):
 
-- :func:`linear_forward`: ``dW_t = dY_t^T X_t`` (``[M, K]``), ``db_t = sum dY_t`` (``[M]``): one GEMM per task segment straight into the buffer row (the Triton grouped weight-gradient kernel on CUDA);
+- :func:`linear_forward`: ``dW_t = dY_t^T X_t`` (``[M, K]``), ``db_t = sum dY_t`` (``[M]``): one GEMM per task
+  segment straight into the buffer row (the Triton grouped weight-gradient kernel on CUDA);
 - :func:`layer_norm_forward`: ``dgamma_t = sum dY * xhat``, ``dbeta_t = sum dY`` (fp32 sums);
 - :func:`embedding_forward`: an ``index_add`` of ``dY_t`` at the ids; embeddings looked up once and broadcast
   over the batch (position embeddings, :class:`EmbeddingFrame`) take the gradient of the full-batch embedding they

@@ -337,7 +337,7 @@ class PerTaskGradients:
             self.write(t, k, values[i])
 
     def write_stack_chunks(
-        self, k: int, tasks: Sequence[int], chunks: Iterable[tuple[int, torch.Tensor]]
+        self, k: int, tasks: Sequence[int], chunks: Iterable[tuple[int, int, torch.Tensor]]
     ) -> None:
         """Like :meth:`write_stack` for a 2-D shared weight k (``[M, K]``) whose values arrive as output-row chunks
         ``(m0, i, values [mc, K])`` of task ``tasks[i]`` (rows ``m0 : m0 + mc``), so that no ``[T, M, K]``
