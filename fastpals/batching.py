@@ -50,6 +50,7 @@ flash-attn / in fp32) the model attends over blocks of sequences of similar leng
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -200,6 +201,14 @@ class AttentionBucket:
     size: int
     length: int
 
+    @functools.cached_property
+    def key_bias(self) -> torch.Tensor:
+        """The block's additive fp32 key bias ``[size, 1, 1, length]`` (:func:`fastpals.functional.key_mask_bias`),
+        built on first use and shared by every layer that attends over this block."""
+        from fastpals.functional import key_mask_bias
+
+        return key_mask_bias(self.mask, torch.float32)
+
 
 @dataclass(frozen=True)
 class AttentionPlan:
@@ -210,7 +219,7 @@ class AttentionPlan:
     inverse: torch.Tensor
 
 
-def attention_plan(cu_seqlens: torch.Tensor, ratio: float = 0.8) -> AttentionPlan:
+def attention_plan(cu_seqlens: torch.Tensor, ratio: float = 0.5) -> AttentionPlan:
     """Group the sequences of ``cu_seqlens [B+1]`` by length for attention over padded blocks (the CPU path):
     sorted longest first, a sequence joins the current block while its length is at least ``ratio`` times the
     block's longest, so at most ``1 - ratio`` of a block's query rows (and keys) are padding."""
@@ -250,12 +259,13 @@ def bucketed_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     plan: AttentionPlan,
-    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionBucket], torch.Tensor],
 ) -> torch.Tensor:
     """Packed attention computed block by block: ``q, k, v [N, H, Dh]`` → ``[N, H, Dh]``.
 
-    ``attend(q, k, v, mask)`` is padded attention on ``[size, length, H, Dh]`` with a key mask ``[size, length]``
-    bool (e.g. :func:`fastpals.functional.attention_reference`); each sequence only sees its own keys, as in
+    ``attend(q, k, v, bucket)`` is padded attention on ``[size, length, H, Dh]`` with the bucket's key mask
+    (``bucket.mask [size, length]`` bool, or its cached fp32 ``bucket.key_bias``; e.g.
+    :func:`fastpals.functional.attention_with_key_bias`); each sequence only sees its own keys, as in
     :func:`fastpals.functional.attention_varlen_reference`, with padding bounded per block instead of padding
     every sequence to the batch's longest.
     """
@@ -266,7 +276,7 @@ def bucketed_attention(
             0, b.slots, qkv.index_select(0, b.tokens)
         )
         qb, kb, vb = block.view(b.size, b.length, *qkv.shape[1:]).unbind(2)
-        ctx = attend(qb, kb, vb, b.mask)
+        ctx = attend(qb, kb, vb, b)
         pieces.append(ctx.reshape(b.size * b.length, *ctx.shape[2:]).index_select(0, b.slots))
     return torch.cat(pieces).index_select(0, plan.inverse)
 

@@ -31,6 +31,7 @@ __all__ = [
     "attention_reference",
     "attention_sdpa",
     "attention_varlen_reference",
+    "attention_with_key_bias",
     "check_combine_args",
     "check_task_buffer",
     "check_task_ids",
@@ -39,9 +40,11 @@ __all__ = [
     "gram_reference",
     "group_by_task",
     "grouped_linear_reference",
+    "key_mask_bias",
     "pad_packed",
     "pal_reference",
     "pal_varlen_reference",
+    "segment_linear",
 ]
 
 
@@ -117,8 +120,30 @@ def grouped_linear_reference(
     return torch.cat(pieces).index_select(0, inverse)
 
 
-def _key_mask_bias(key_padding_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[B, L] (1 = token, 0 = padding) -> additive [B, 1, 1, L] (0 or the dtype's most negative value)."""
+def segment_linear(
+    x: torch.Tensor, counts: list[int], weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """:func:`grouped_linear_reference` for rows already grouped by task: ``x [N, K]`` holds ``counts[0]`` rows of
+    task 0, then ``counts[1]`` of task 1, ... (``sum(counts) == N``); ``weight [T, M, K]``, ``bias [T, M]`` or None.
+    Returns ``[N, M]`` in x's dtype: one ``F.linear`` per task on its slice, no gather or scatter.
+    """
+    if len(counts) != weight.shape[0] or sum(counts) != x.shape[0]:
+        raise ValueError(
+            f"segment_linear: counts {counts} must have one entry per task ({weight.shape[0]}) "
+            f"and sum to the rows of x ({x.shape[0]})"
+        )
+    pieces, start = [], 0
+    for t, n in enumerate(counts):
+        if n:
+            pieces.append(F.linear(x[start : start + n], weight[t], None if bias is None else bias[t]))
+        start += n
+    if not pieces:
+        return x.new_empty(0, weight.shape[1])
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def key_mask_bias(key_padding_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Key padding mask [B, L] (1 = token, 0 = padding) -> additive [B, 1, 1, L] (0 or the dtype's most negative value)."""
     keep = key_padding_mask.to(torch.bool)[:, None, None, :]
     return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)
 
@@ -168,11 +193,29 @@ def attention_reference(
     Padded keys get the dtype's most negative score (BERT's additive mask); every query row, padded or not,
     is computed. Softmax in fp32; dropout (``dropout_p``) on the probabilities. Returns ``[B, L, H, Dh]``.
     """
+    bias = None if key_padding_mask is None else key_mask_bias(key_padding_mask, torch.float32)
+    return attention_with_key_bias(q, k, v, bias, dropout_p, softmax_scale)
+
+
+def attention_with_key_bias(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_bias: torch.Tensor | None,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """:func:`attention_reference` with the key mask given as its additive fp32 bias ``key_bias [B, 1, 1, L]``
+    (from :func:`key_mask_bias`, so callers that attend over one block many times build it once), or None.
+
+    q, k, v: ``[B, L, H, Dh]`` → ``[B, L, H, Dh]`` in q's dtype: scores in q's dtype, then fp32 scale, bias and
+    softmax, probabilities cast back, dropout, then ``probs @ v``.
+    """
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, L, Dh]
-    scores = torch.matmul(qh, kh.transpose(-1, -2)).float() * scale
-    if key_padding_mask is not None:
-        scores = scores + _key_mask_bias(key_padding_mask, torch.float32)
+    scores = torch.matmul(qh, kh.transpose(-1, -2)).float().mul_(scale)
+    if key_bias is not None:
+        scores = scores.add_(key_bias)
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
     if dropout_p > 0.0:
         probs = dropout(probs, dropout_p)
@@ -197,7 +240,7 @@ def attention_sdpa(
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     pad = (-head_dim) % 8
     qh, kh, vh = (F.pad(t, (0, pad)).transpose(1, 2) if pad else t.transpose(1, 2) for t in (q, k, v))
-    bias = None if key_padding_mask is None else _key_mask_bias(key_padding_mask, q.dtype)
+    bias = None if key_padding_mask is None else key_mask_bias(key_padding_mask, q.dtype)
     out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias, dropout_p=dropout_p, scale=scale)
     return out.transpose(1, 2)[..., :head_dim]
 

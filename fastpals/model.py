@@ -33,7 +33,15 @@ from fastpals.checkpoints import (
     normalize_key,
     state_dict_mismatches,
 )
-from fastpals.functional import Dropout, attention_reference, check_task_ids, grouped_linear_reference
+from fastpals.functional import (
+    Dropout,
+    attention_reference,
+    attention_with_key_bias,
+    check_task_ids,
+    grouped_linear_reference,
+    key_mask_bias,
+    segment_linear,
+)
 from fastpals.kernels import dispatch
 from fastpals.task_params import (
     freeze_shared_parameters,
@@ -209,6 +217,7 @@ class BatchLayout:
     max_seqlen: int = 0
     row_task_ids: torch.Tensor | None = None  # [N] task of each packed token
     plan: Any = field(default=None, repr=False)  # fastpals.batching.AttentionPlan, built on first use
+    segments: tuple[int, list[int] | None] | None = field(default=None, repr=False)  # see task_segments
     # packed inputs (cu_seqlens given): attention over length buckets and PAL linears on the packed tokens on the
     # reference path; unpad=True keeps the padded-shape reference ops (bit-identical to the padded path)
     buckets: bool = False
@@ -220,6 +229,16 @@ class BatchLayout:
 
             self.plan = attention_plan(self.cu_seqlens)
         return self.plan
+
+    def task_segments(self, num_tasks: int) -> list[int] | None:
+        """Packed rows per task (``num_tasks`` counts) when the rows are grouped by task in increasing order, as
+        :func:`fastpals.batching.pack_batches` lays them out; None otherwise (built once per batch, one sync)."""
+        if self.segments is None:
+            ids = self.task_ids
+            grouped = ids is not None and self.packed and bool((ids[1:] >= ids[:-1]).all())
+            counts = torch.bincount(self.row_task_ids, minlength=num_tasks).tolist() if grouped else None
+            self.segments = (num_tasks, counts)
+        return self.segments[1] if self.segments[0] == num_tasks else None
 
     def to_padded(self, x: torch.Tensor) -> torch.Tensor:
         """[N, ...] packed rows → [B, L, ...] with zeros at padding (identity when not packed)."""
@@ -326,10 +345,8 @@ class BertSelfAttention(nn.Module):
         if layout.buckets:  # padded blocks of similar lengths, not every sequence padded to the longest
             from fastpals.batching import bucketed_attention
 
-            def attend(
-                qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, mask: torch.Tensor
-            ) -> torch.Tensor:
-                return padded_attention(qb, kb, vb, mask, dropout)
+            def attend(qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, bucket: Any) -> torch.Tensor:
+                return padded_attention(qb, kb, vb, bucket.mask, dropout, key_bias=bucket.key_bias)
 
             ctx = bucketed_attention(
                 q.view(shape), k.view(shape), v.view(shape), layout.attention_plan(), attend
@@ -342,9 +359,15 @@ class BertSelfAttention(nn.Module):
 
 
 def padded_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, dropout: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    dropout: float,
+    key_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """BERT's attention on padded blocks: ``q, k, v [B, L, H, Dh]``, key ``mask [B, L]`` bool → ``[B, L, H, Dh]``.
+    ``key_bias`` (optional): the mask's fp32 bias ``[B, 1, 1, L]`` when the caller has it built (CPU path only).
 
     On CPU the matmul + fp32 softmax reference op: torch's CPU flash-attention backward spends ~15 us per
     (sequence, head) on BERT's short rows (23% of a `make train` update in the profile). Paired on the same
@@ -352,7 +375,9 @@ def padded_attention(
     Elsewhere ``F.scaled_dot_product_attention`` with the boolean mask.
     """
     if q.device.type == "cpu":
-        return attention_reference(q, k, v, mask, dropout)
+        if key_bias is None:
+            key_bias = key_mask_bias(mask, torch.float32)
+        return attention_with_key_bias(q, k, v, key_bias, dropout)
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
     ctx = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask[:, None, None, :], dropout_p=dropout)
     return ctx.transpose(1, 2)
@@ -502,19 +527,29 @@ def _packed_reference_pal(h: torch.Tensor, layout: BatchLayout, args: tuple) -> 
     """:func:`pal_varlen_reference` composed of the same reference ops, with the grouped linears on the packed
     tokens only (each token's task from ``row_task_ids``) and the attention over length buckets."""
     from fastpals.batching import bucketed_attention
-    from fastpals.functional import attention_reference
 
     _, enc_w, enc_b, qkv_w, qkv_b, dec_w, dec_b, num_heads, gelu, dropout = args
-    tasks = layout.row_task_ids
-    s = grouped_linear_reference(h, tasks, enc_w, enc_b)  # [N, d_s]
+    tasks, counts = layout.row_task_ids, layout.task_segments(enc_w.shape[0])
+
+    def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        # rows grouped by task (pack_batches' layout): one linear per task slice, no gather/scatter
+        return (
+            segment_linear(x, counts, w, b)
+            if counts is not None
+            else grouped_linear_reference(x, tasks, w, b)
+        )
+
+    s = linear(h, enc_w, enc_b)  # [N, d_s]
     n, d_s = s.shape
-    q, k, v = (
-        grouped_linear_reference(s, tasks, qkv_w, qkv_b).view(n, 3, num_heads, d_s // num_heads).unbind(1)
-    )
+    q, k, v = linear(s, qkv_w, qkv_b).view(n, 3, num_heads, d_s // num_heads).unbind(1)
     ctx = bucketed_attention(
-        q, k, v, layout.attention_plan(), lambda qb, kb, vb, m: attention_reference(qb, kb, vb, m, dropout)
+        q,
+        k,
+        v,
+        layout.attention_plan(),
+        lambda qb, kb, vb, b: attention_with_key_bias(qb, kb, vb, b.key_bias, dropout),
     )
-    y = grouped_linear_reference(ctx.reshape(n, d_s), tasks, dec_w, dec_b)
+    y = linear(ctx.reshape(n, d_s), dec_w, dec_b)
     return F.gelu(y) if gelu else y
 
 
@@ -542,8 +577,6 @@ class PALTop(nn.Module):
 
     def forward(self, h: torch.Tensor, mask: torch.Tensor, task_ids: torch.Tensor) -> torch.Tensor:
         """h: [B, L, d] (padded), mask [B, L] bool, task_ids [B] → [B, L, d]."""
-        from fastpals.functional import attention_reference
-
         p = self.projections if self.projections is not None else self._shared
         b, n, _ = h.shape
         x = grouped_linear_reference(h, task_ids, p.enc_weight, p.enc_bias)

@@ -477,7 +477,7 @@ def test_bucketed_attention_equals_varlen_reference():
     plan = attention_plan(cu)
     assert sum(b.size for b in plan.buckets) == 7 and len(plan.buckets) > 1
     assert all(int(b.mask.sum(1).min()) >= 0.8 * b.length for b in plan.buckets)
-    got = bucketed_attention(q, k, v, plan, lambda a, b, c, m: attention_reference(a, b, c, m))
+    got = bucketed_attention(q, k, v, plan, lambda a, b, c, bucket: attention_reference(a, b, c, bucket.mask))
     want = attention_varlen_reference(q, k, v, cu, 30)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # softmax runs in fp32
     w = torch.randn(got.shape, generator=g)

@@ -11,7 +11,7 @@ import pytest
 from fastpals.model import BertConfig, PALConfig
 from fastpals.multitask import MultiTaskBert, MultiTaskConfig, get_task
 from fastpals.train.cli import parse_args
-from fastpals.train.dsconfig import check_ds_config, load_ds_config
+from fastpals.train.dsconfig import check_ds_config, cpu_has_native_bf16, load_ds_config, precision_note
 from fastpals.train.errors import ConfigError
 from fastpals.train.optim import lr_lambda, optimizer_param_groups
 
@@ -165,7 +165,6 @@ def test_shipped_configs_parse_and_validate():
 
 
 def test_bf16_auto_resolves_by_hardware_and_says_why():
-    from fastpals.train.dsconfig import cpu_has_native_bf16, precision_note
 
     auto = {"bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 1}}
     native = check_ds_config(auto, 8, 1, cuda=False, native_bf16=True)
@@ -194,6 +193,81 @@ def test_bf16_auto_resolves_by_hardware_and_says_why():
     if cpuinfo.is_file():
         flags = cpuinfo.read_text().split()
         assert cpu_has_native_bf16() == ("avx512_bf16" in flags or "amx_bf16" in flags)
+
+
+def test_grad_accum_dtype_auto_picks_fp32_accumulation_without_surgery():
+    auto = {"bf16": {"enabled": "auto"}, "zero_optimization": {"stage": "auto"},
+            "data_types": {"grad_accum_dtype": "auto"}}  # fmt: skip
+    native = check_ds_config(auto, 8, 1, cuda=False, native_bf16=True)
+    assert (
+        native["data_types"] == {"grad_accum_dtype": "fp32"}
+        and native["bf16"]["immediate_grad_update"] is True
+    )
+    assert "fp32 gradient accumulation" in precision_note(auto, native, cuda=False, native_bf16=True)
+    assert auto["data_types"]["grad_accum_dtype"] == "auto", "the caller's config is not modified"
+    emulated = check_ds_config(
+        auto, 8, 1, cuda=False, native_bf16=False
+    )  # fp32 training: DeepSpeed's default
+    assert "data_types" not in emulated and "immediate_grad_update" not in emulated["bf16"]
+    surgery = check_ds_config(auto, 8, 1, surgery="pcgrad", cuda=False, native_bf16=True)
+    assert "data_types" not in surgery and surgery["zero_optimization"]["stage"] == 1
+    kept = {**auto, "data_types": {"grad_accum_dtype": "auto", "other": 1}}
+    assert check_ds_config(kept, 8, 1, surgery="gem", cuda=False, native_bf16=True)["data_types"] == {
+        "other": 1
+    }
+    explicit = {
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 1},
+        "data_types": {"grad_accum_dtype": "fp32"},
+    }
+    assert check_ds_config(explicit, 8, 1, cuda=False)["data_types"] == {"grad_accum_dtype": "fp32"}
+    with pytest.raises(ConfigError, match="grad_accum_dtype = fp32 with bf16 and ZeRO-1.*--surgery pcgrad"):
+        check_ds_config(explicit, 8, 1, surgery="pcgrad", cuda=False)
+
+
+FP32_ACCUMULATION_SCRIPT = r"""
+import json, sys, torch
+sys.path.insert(0, sys.argv[3])
+from fastpals.train.cli import parse_args
+from fastpals.train.loop import Trainer
+model, data, out = sys.argv[1], sys.argv[2], sys.argv[4]
+params = {}
+for name, extra in (("zero", {}), ("fp32", {"data_types": {"grad_accum_dtype": "auto"}})):
+    cfg = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}, "gradient_clipping": 1.0, **extra}
+    path = f"{out}-{name}.json"
+    json.dump(cfg, open(path, "w"))
+    tr = Trainer(parse_args(["--model", model, "--data-dir", data, "--out", f"{out}-{name}", "--ds_config", path,
+        "--batch-size", "8", "--max-length", "16", "--pal-hidden", "16", "--pal-heads", "2", "--steps-per-epoch", "3",
+        "--epochs", "1", "--lr", "1e-3", "--max-eval", "4", "--no-progress", "--freeze-layers", "1",
+        "--pal-layers", "1"]))
+    tr._setup_data(); tr._setup_model(); tr._setup_engine(); tr.engine.train()
+    print(name, type(tr.engine.optimizer).__name__)
+    for _ in range(3):
+        tr.train_update(tr.sampler.next_update())
+    params[name] = {n: p.detach().float().clone() for n, p in tr.engine.module.named_parameters()}
+assert params["zero"].keys() == params["fp32"].keys()
+diff = max((params["zero"][n] - params["fp32"][n]).abs().max().item() for n in params["zero"])
+print("max diff", diff)
+"""
+
+
+@pytest.mark.skipif(
+    not cpu_has_native_bf16(),
+    reason="bf16 training on a CPU without native bf16 is emulated (20x slower)",
+)
+def test_fp32_gradient_accumulation_gives_the_zero1_updates(tiny, tmp_path):
+    """bf16 + ZeRO-1 with ``grad_accum_dtype`` auto runs DeepSpeed's BF16_Optimizer (fp32 gradients filled during
+    the backward); with one micro-batch per update its three updates equal the ZeRO-1 optimizer's bit for bit."""
+    data, model = tiny
+    env = {**os.environ, "FASTPALS_DATA_DIR": str(data)}
+    proc = subprocess.run(
+        [sys.executable, "-c", FP32_ACCUMULATION_SCRIPT, str(model), str(data), str(ROOT), str(tmp_path / "run")],
+        capture_output=True, text=True, env=env, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
+    assert "zero DeepSpeedZeroOptimizer" in out and "fp32 BF16_Optimizer" in out, out
+    assert "max diff 0.0" in out, out
 
 
 def test_bad_json(tmp_path):

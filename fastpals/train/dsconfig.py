@@ -116,7 +116,9 @@ def precision_note(
     """One line for the run's log: the training precision and ZeRO stage of ``checked`` (what
     :func:`check_ds_config` made of the config ``requested``) and why the precision was chosen."""
     stage = (checked.get("zero_optimization") or {}).get("stage", 0)
-    return f"{_precision_reason(requested, checked, cuda, native_bf16)}, ZeRO stage {stage}"
+    accum = (checked.get("data_types") or {}).get("grad_accum_dtype")
+    grads = f", {accum} gradient accumulation" if accum else ""
+    return f"{_precision_reason(requested, checked, cuda, native_bf16)}, ZeRO stage {stage}{grads}"
 
 
 def _precision_reason(
@@ -143,6 +145,38 @@ def _precision_reason(
     return "precision: fp32 (--ds_config)"
 
 
+def _resolve_grad_accum_dtype(cfg: dict[str, Any], surgery: str, name: str) -> None:
+    """Resolve ``"data_types": {"grad_accum_dtype": "auto"}`` in place, and refuse fp32 accumulation with surgery.
+
+    "auto" becomes fp32 with bf16 + ZeRO-1 and no surgery (then DeepSpeed runs its ``BF16_Optimizer``, and
+    ``bf16.immediate_grad_update`` moves each gradient into the fp32 buffer as the backward makes it; paired on
+    ``make train``'s batches that update took 0.77x as long as DeepSpeed's ZeRO-1 optimizer with bf16 gradients,
+    whose reduce buckets copy every gradient several times); otherwise the entry is removed (DeepSpeed's default:
+    the parameters' dtype). With surgery the fp32-accumulating optimizer is refused: it takes each gradient into its
+    fp32 buffer during the backward, before the aggregator writes the combined gradient back.
+    """
+    types = cfg.get("data_types")
+    if not isinstance(types, dict) or "grad_accum_dtype" not in types:
+        return
+    stage = (cfg.get("zero_optimization") or {}).get("stage", 0)
+    bf16_zero1 = _enabled(cfg, "bf16") and stage == 1
+    if types["grad_accum_dtype"] == "auto":
+        if bf16_zero1 and surgery == "none":
+            types["grad_accum_dtype"] = "fp32"
+            cfg["bf16"].setdefault("immediate_grad_update", True)
+        else:
+            del types["grad_accum_dtype"]
+            if not types:
+                del cfg["data_types"]
+        return
+    if bf16_zero1 and surgery != "none" and types["grad_accum_dtype"] in ("fp32", "float32", "float"):
+        raise ConfigError(
+            f"{name}: data_types.grad_accum_dtype = fp32 with bf16 and ZeRO-1 runs DeepSpeed's BF16_Optimizer, "
+            f"which takes the gradients before --surgery {surgery} combines them: delete the entry (or set it to "
+            f'"auto")'
+        )
+
+
 def check_ds_config(
     cfg: dict[str, Any],
     batch_size: int,
@@ -160,7 +194,8 @@ def check_ds_config(
     :class:`ConfigError` naming the entry and what to change. ``cuda`` defaults to ``torch.cuda.is_available()``.
     ``"bf16": {"enabled": "auto"}`` becomes bf16 on a GPU that supports it or a CPU with native bf16
     (``native_bf16``, default :func:`cpu_has_native_bf16`), else fp32; ``"zero_optimization": {"stage": "auto"}``
-    becomes 1 with bf16/fp16 or several ranks, else 0.
+    becomes 1 with bf16/fp16 or several ranks, else 0; ``"data_types": {"grad_accum_dtype": "auto"}`` becomes
+    fp32 with bf16 + ZeRO-1 and no surgery, else DeepSpeed's default (see :func:`_resolve_grad_accum_dtype`).
     """
     cuda = torch.cuda.is_available() if cuda is None else cuda
     out = copy.deepcopy(cfg)
@@ -170,6 +205,7 @@ def check_ds_config(
         # ZeRO-1 where it earns its copies: bf16 (DeepSpeed keeps fp32 master weights there; on CPU nothing else
         # does) or several ranks (partitioned optimizer state); one fp32 process gains nothing from it
         zero["stage"] = 1 if _enabled(out, "bf16") or _enabled(out, "fp16") or world_size > 1 else 0
+    _resolve_grad_accum_dtype(out, surgery, name)
     accum = 1 if surgery != "none" else grad_accum
     micro = out.setdefault("train_micro_batch_size_per_gpu", batch_size)
     if micro != batch_size:
