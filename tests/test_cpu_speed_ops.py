@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastpals.functional import Dropout, attention_reference, dropout
+from fastpals.functional import Dropout, dropout
 from fastpals.model import BertConfig, BertModel, PALConfig
 
 
@@ -77,34 +77,72 @@ def test_dropout_module_is_an_nn_dropout():
 
 
 def test_model_on_cpu_runs_matmul_attention_equal_to_sdpa():
-    """The CPU attention (matmul + fp32 softmax) equals torch's SDPA on BERT's padded and packed paths (eval)."""
+    """The CPU attention (matmul + fp32 softmax with a cached key bias) equals torch's SDPA on BERT's padded and
+    packed paths and in the packed PALs (eval)."""
     cfg = BertConfig(vocab_size=50, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
                      intermediate_size=96, max_position_embeddings=32)  # fmt: skip
     torch.manual_seed(4)
     model = BertModel(cfg, PALConfig(num_tasks=2, hidden=24, num_heads=2)).eval()
+    for p in model.parameters():  # PAL decoders start at zero: give them weights so the PAL attention counts
+        p.data.add_(0.05 * torch.randn_like(p))
     ids = torch.randint(1, 50, (3, 10))
     mask = torch.ones(3, 10, dtype=torch.long)
     mask[1, 6:] = 0
     mask[2, 3:] = 0
     tasks = torch.tensor([0, 1, 1])
-    ours = model(ids, attention_mask=mask, task_ids=tasks).last_hidden_state
+    real = mask.bool()
+    lengths = mask.sum(1)
+    cu = torch.zeros(4, dtype=torch.int32)
+    cu[1:] = torch.cumsum(lengths, 0)
 
-    def sdpa_as_reference(q, k, v, key_padding_mask=None, dropout_p=0.0):
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        padded = model(ids, attention_mask=mask, task_ids=tasks).last_hidden_state[real]
+        packed = model(ids[real], cu_seqlens=cu, max_seqlen=10, task_ids=tasks).last_hidden_state
+        return padded, packed
+
+    ours = run()
+    calls = []
+
+    def sdpa_as_reference(q, k, v, key_bias, dropout_p=0.0):
+        calls.append(q.shape)
         qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
-        m = key_padding_mask.bool()[:, None, None, :]
-        return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=m).transpose(1, 2)
+        return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=key_bias).transpose(1, 2)
 
     import fastpals.model as model_module
 
-    original = model_module.attention_reference
-    model_module.attention_reference = sdpa_as_reference
+    original = model_module.attention_with_key_bias
+    model_module.attention_with_key_bias = sdpa_as_reference
     try:
-        theirs = model(ids, attention_mask=mask, task_ids=tasks).last_hidden_state
+        theirs = run()
     finally:
-        model_module.attention_reference = original
-    real = mask.bool()
-    torch.testing.assert_close(ours[real], theirs[real], rtol=1e-5, atol=1e-5)
-    assert model_module.attention_reference is attention_reference
+        model_module.attention_with_key_bias = original
+    # padded: 2 BERT layers + 2 PAL layers (one call each); packed: the same per length bucket
+    assert len(calls) >= 8 and len({c[1] for c in calls}) > 1, calls
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert (ours[0] - ours[1]).abs().max() < 1e-5  # and packed equals padded
+
+
+def test_segment_linear_equals_the_grouped_reference():
+    from fastpals.functional import grouped_linear_reference, segment_linear
+
+    torch.manual_seed(5)
+    for dtype in (torch.float32, torch.bfloat16):
+        w, b = torch.randn(3, 7, 5, dtype=dtype), torch.randn(3, 7, dtype=dtype)
+        for counts in ([4, 0, 3], [0, 6, 0], [2, 2, 2]):
+            x = torch.randn(sum(counts), 5, dtype=dtype, requires_grad=True)
+            ids = torch.repeat_interleave(torch.arange(3), torch.tensor(counts))
+            got, want = segment_linear(x, counts, w, b), grouped_linear_reference(x, ids, w, b)
+            assert got.dtype == dtype and torch.equal(got, want)
+            g = torch.randn_like(got)
+            (gx,) = torch.autograd.grad(got, x, g)
+            (wx,) = torch.autograd.grad(want, x, g)
+            assert torch.equal(gx, wx)
+        assert torch.equal(segment_linear(x[:0], [0, 0, 0], w, None), x.new_empty(0, 7))
+    with pytest.raises(ValueError, match=r"counts \[2, 2\] must have one entry per task \(3\)"):
+        segment_linear(torch.randn(4, 5), [2, 2], w.float(), None)
+    with pytest.raises(ValueError, match=r"sum to the rows of x \(5\)"):
+        segment_linear(torch.randn(5, 5), [2, 2, 0], w.float(), None)
 
 
 def test_keep_freed_memory_cuts_page_faults():
