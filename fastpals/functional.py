@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -125,21 +126,65 @@ def segment_linear(
 ) -> torch.Tensor:
     """:func:`grouped_linear_reference` for rows already grouped by task: ``x [N, K]`` holds ``counts[0]`` rows of
     task 0, then ``counts[1]`` of task 1, ... (``sum(counts) == N``); ``weight [T, M, K]``, ``bias [T, M]`` or None.
-    Returns ``[N, M]`` in x's dtype: one ``F.linear`` per task on its slice, no gather or scatter.
+    Returns ``[N, M]`` in x's dtype.
+
+    One GEMM per task on its slice, written straight into the output (no gather, scatter or concatenation); the
+    backward likewise writes each task's input gradient into one ``[N, K]`` tensor and its weight gradient into
+    ``weight``'s row t. Composed of ``F.linear`` on slices and ``torch.cat``, autograd would instead add T
+    zero-padded ``[N, K]`` input gradients and T zero-padded ``[T, M, K]`` weight gradients.
     """
     if len(counts) != weight.shape[0] or sum(counts) != x.shape[0]:
         raise ValueError(
             f"segment_linear: counts {counts} must have one entry per task ({weight.shape[0]}) "
             f"and sum to the rows of x ({x.shape[0]})"
         )
-    pieces, start = [], 0
-    for t, n in enumerate(counts):
-        if n:
-            pieces.append(F.linear(x[start : start + n], weight[t], None if bias is None else bias[t]))
-        start += n
-    if not pieces:
-        return x.new_empty(0, weight.shape[1])
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    if x.dim() != 2 or weight.dim() != 3 or x.shape[1] != weight.shape[2]:
+        raise ValueError(
+            f"segment_linear: x {list(x.shape)} must be [N, K] and weight {list(weight.shape)} [T, M, K]"
+        )
+    return _SegmentLinear.apply(x, weight, bias, tuple(int(n) for n in counts))
+
+
+class _SegmentLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, counts: tuple[int, ...]
+    ) -> torch.Tensor:
+        out = x.new_empty(x.shape[0], weight.shape[1])
+        start = 0
+        for t, n in enumerate(counts):
+            if n:
+                rows = slice(start, start + n)
+                if bias is None:
+                    torch.mm(x[rows], weight[t].t(), out=out[rows])
+                else:
+                    torch.addmm(bias[t], x[rows], weight[t].t(), out=out[rows])
+            start += n
+        ctx.save_for_backward(x, weight)
+        ctx.counts, ctx.has_bias = counts, bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad = grad.contiguous()
+        gx = x.new_empty(x.shape) if need_x else None
+        gw = torch.zeros_like(weight) if need_w else None
+        gb = weight.new_zeros(weight.shape[:2]) if need_b and ctx.has_bias else None
+        start = 0
+        for t, n in enumerate(ctx.counts):
+            if n:
+                rows = slice(start, start + n)
+                g = grad[rows]
+                if gx is not None:
+                    torch.mm(g, weight[t], out=gx[rows])
+                if gw is not None:
+                    torch.mm(g.t(), x[rows], out=gw[t])
+                if gb is not None:
+                    gb[t] = g.sum(0)
+            start += n
+        return gx, gw, gb, None
 
 
 def key_mask_bias(key_padding_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

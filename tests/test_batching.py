@@ -474,17 +474,21 @@ def test_bucketed_attention_equals_varlen_reference():
     q, k, v = (torch.randn(int(lengths.sum()), 2, 4, generator=g) for _ in range(3))
     for t in (q, k, v):
         t.requires_grad_(True)
-    plan = attention_plan(cu)
-    assert sum(b.size for b in plan.buckets) == 7 and len(plan.buckets) > 1
-    assert all(int(b.mask.sum(1).min()) >= 0.8 * b.length for b in plan.buckets)
-    got = bucketed_attention(q, k, v, plan, lambda a, b, c, bucket: attention_reference(a, b, c, bucket.mask))
     want = attention_varlen_reference(q, k, v, cu, 30)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # softmax runs in fp32
-    w = torch.randn(got.shape, generator=g)
-    gg = torch.autograd.grad((got * w).sum(), (q, k, v))
+    w = torch.randn(want.shape, generator=g)
     wg = torch.autograd.grad((want * w).sum(), (q, k, v))
-    for a, b in zip(gg, wg):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for ratio in (0.5, 0.8, 0.0):
+        plan = attention_plan(cu, ratio)
+        assert sum(b.size for b in plan.buckets) == 7 and (len(plan.buckets) > 1) == (ratio > 0)
+        assert all(int(b.mask.sum(1).min()) >= ratio * b.length for b in plan.buckets)
+        assert len(set(plan.slots.tolist())) == len(plan.slots) < sum(b.size * b.length for b in plan.buckets)
+        got = bucketed_attention(
+            q, k, v, plan, lambda a, b, c, bucket: attention_reference(a, b, c, bucket.mask)
+        )
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # softmax runs in fp32
+        gg = torch.autograd.grad((got * w).sum(), (q, k, v))
+        for a, b in zip(gg, wg):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.kernels

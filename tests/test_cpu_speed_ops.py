@@ -128,17 +128,24 @@ def test_segment_linear_equals_the_grouped_reference():
 
     torch.manual_seed(5)
     for dtype in (torch.float32, torch.bfloat16):
-        w, b = torch.randn(3, 7, 5, dtype=dtype), torch.randn(3, 7, dtype=dtype)
+        w = torch.randn(3, 7, 5, dtype=dtype, requires_grad=True)
+        b = torch.randn(3, 7, dtype=dtype, requires_grad=True)
         for counts in ([4, 0, 3], [0, 6, 0], [2, 2, 2]):
             x = torch.randn(sum(counts), 5, dtype=dtype, requires_grad=True)
             ids = torch.repeat_interleave(torch.arange(3), torch.tensor(counts))
-            got, want = segment_linear(x, counts, w, b), grouped_linear_reference(x, ids, w, b)
-            assert got.dtype == dtype and torch.equal(got, want)
-            g = torch.randn_like(got)
-            (gx,) = torch.autograd.grad(got, x, g)
-            (wx,) = torch.autograd.grad(want, x, g)
-            assert torch.equal(gx, wx)
-        assert torch.equal(segment_linear(x[:0], [0, 0, 0], w, None), x.new_empty(0, 7))
+            for bias in (b, None):
+                got, want = segment_linear(x, counts, w, bias), grouped_linear_reference(x, ids, w, bias)
+                assert got.dtype == dtype and torch.equal(got, want)
+                g = torch.randn_like(got)
+                inputs = (x, w) if bias is None else (x, w, bias)
+                for ours, theirs in zip(
+                    torch.autograd.grad(got, inputs, g), torch.autograd.grad(want, inputs, g)
+                ):
+                    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)  # x, weight and bias gradients
+            only_x = torch.autograd.grad(segment_linear(x, counts, w.detach(), None), x, g)[0]
+            full = torch.autograd.grad(segment_linear(x, counts, w, None), x, g)[0]
+            torch.testing.assert_close(only_x, full, rtol=0, atol=0)
+        assert segment_linear(x[:0], [0, 0, 0], w, None).shape == (0, 7)
     with pytest.raises(ValueError, match=r"counts \[2, 2\] must have one entry per task \(3\)"):
         segment_linear(torch.randn(4, 5), [2, 2], w.float(), None)
     with pytest.raises(ValueError, match=r"sum to the rows of x \(5\)"):
