@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from fastpals.model import BertConfig, PALConfig
 from fastpals.multitask import MultiTaskBert, MultiTaskConfig, get_task
@@ -417,3 +418,30 @@ def test_default_ds_config_works_from_a_wheel(tmp_path):
                           env={**os.environ, "PYTHONPATH": str(site)})  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert Path(proc.stdout.strip()) == site / "fastpals" / "configs" / "cpu_auto.json"
+
+
+def test_eval_model_keeps_the_training_dtype_where_the_cpu_runs_it(monkeypatch):
+    """Dev and test predictions run in the training dtype on a CPU with native bf16 (the module itself, or a bf16
+    copy of the fp32 best weights); without native bf16, or for fp16, an fp32 copy with the same weights."""
+    import fastpals.train.dsconfig as dsconfig
+    from fastpals.train.evaluate import eval_model
+
+    cpu = torch.device("cpu")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3)).to(torch.bfloat16)
+    fp32 = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    for native in (True, False):
+        monkeypatch.setattr(dsconfig, "cpu_has_native_bf16", lambda native=native: native)
+        got = eval_model(model, cpu)
+        assert (got is model) == native and next(got.parameters()).dtype == (
+            torch.bfloat16 if native else torch.float32
+        )
+        assert torch.equal(got[0].weight.float(), model[0].weight.float())
+        best = eval_model(fp32, cpu, torch.bfloat16)
+        assert (best is not fp32) == native and next(best.parameters()).dtype == (
+            torch.bfloat16 if native else torch.float32
+        )
+        assert next(fp32.parameters()).dtype == torch.float32, "the caller's module is not changed"
+        assert eval_model(fp32, cpu) is fp32
+        half = eval_model(fp32.half(), cpu)
+        assert next(half.parameters()).dtype == torch.float32
+        fp32.float()

@@ -114,12 +114,27 @@ def overall_from(dev: dict[str, float], specs: Any = None) -> float:
     return overall(dev, specs)
 
 
-def eval_model(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """The module to evaluate: itself, or on CPU an fp32 copy of a bf16/fp16 module (CPUs without bf16 matrix
-    units run fp32 several times faster; the copy holds the same, rounded, weights)."""
-    if device.type == "cpu" and next(module.parameters()).dtype != torch.float32:
-        return copy.deepcopy(module).float()
-    return module
+def eval_model(
+    module: torch.nn.Module, device: torch.device, dtype: torch.dtype | None = None
+) -> torch.nn.Module:
+    """The module to evaluate, in the dtype the run trained in (``dtype``, default the module's own) where this
+    device computes it natively; else an fp32 copy.
+
+    On a CPU, bf16 is native with AVX512-BF16 or AMX (:func:`fastpals.train.dsconfig.cpu_has_native_bf16`); on CPUs
+    without them bf16 and fp16 matmuls are emulated, and fp32 runs several times faster (the copy holds the same,
+    rounded, weights). The result is ``module`` itself when nothing changes, else a copy.
+    """
+    from fastpals.train.dsconfig import cpu_has_native_bf16
+
+    current = next(module.parameters()).dtype
+    target = dtype or current
+    if (
+        device.type == "cpu"
+        and target != torch.float32
+        and not (target == torch.bfloat16 and cpu_has_native_bf16())
+    ):
+        target = torch.float32
+    return module if target == current else copy.deepcopy(module).to(target)
 
 
 def evaluate(

@@ -371,7 +371,9 @@ class Trainer:
         return results
 
     def _predict_test(self) -> None:
-        best = MultiTaskBert.load(self.out / "best").to(self.device)
+        # the best weights (saved in fp32), evaluated in the training dtype where the device runs it natively
+        dtype = next(self.engine.module.parameters()).dtype
+        best = ev.eval_model(MultiTaskBert.load(self.out / "best").to(self.device), self.device, dtype)
         for i, t in enumerate(self.args.task_list):
             if "test" not in self.args.task_specs[t].files:
                 continue
