@@ -371,7 +371,8 @@ def padded_attention(
 
     On CPU the matmul + fp32 softmax reference op: torch's CPU flash-attention backward spends ~15 us per
     (sequence, head) on BERT's short rows (23% of a `make train` update in the profile). Paired on the same
-    batches, this attention and :func:`fastpals.functional.dropout` together made the update 0.877x as long.
+    batches, SDPA with ``F.dropout`` made the update 1.32x as long as this attention with
+    :func:`fastpals.functional.dropout` (0.503 s against 0.380 s median).
     Elsewhere ``F.scaled_dot_product_attention`` with the boolean mask.
     """
     if q.device.type == "cpu":
