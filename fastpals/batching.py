@@ -191,12 +191,9 @@ def pool_packed(hidden: torch.Tensor, cu_seqlens: torch.Tensor, mode: str) -> to
 class AttentionBucket:
     """Sequences of similar length attended together in one padded block ``[size, length]``.
 
-    ``tokens [n]`` int64: the packed positions of their tokens; ``slots [n]`` int64: where each lands in the
-    block flattened to ``[size * length]``; ``mask [size, length]`` bool (True = token).
+    ``mask [size, length]`` bool (True = token); where each token lands is the plan's ``slots``.
     """
 
-    tokens: torch.Tensor
-    slots: torch.Tensor
     mask: torch.Tensor
     size: int
     length: int
@@ -248,13 +245,7 @@ def attention_plan(cu_seqlens: torch.Tensor, ratio: float = 0.5) -> AttentionPla
         offset += len(group) * length
         mask = np.arange(length)[None, :] < lengths[group][:, None]
         buckets.append(
-            AttentionBucket(
-                tokens=torch.from_numpy(tokens).to(device),
-                slots=torch.from_numpy(local).to(device),
-                mask=torch.from_numpy(mask).to(device),
-                size=len(group),
-                length=length,
-            )
+            AttentionBucket(mask=torch.from_numpy(mask).to(device), size=len(group), length=length)
         )
     return AttentionPlan(buckets=buckets, slots=torch.from_numpy(slots).to(device))
 

@@ -23,7 +23,8 @@ from torch import nn
 
 from fastpals.functional import check_task_ids
 from fastpals.inject_targets import ResolvedTargets
-from fastpals.model import BatchLayout, PALConfig, PALLayer, PALProjections, make_layout
+from fastpals.layout import BatchLayout, make_layout
+from fastpals.model import PALConfig, PALLayer, PALProjections
 
 __all__ = ["INJECTION_ATTR", "PALInjection", "add_hf_pals", "get_injection"]
 
