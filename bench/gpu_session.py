@@ -234,6 +234,19 @@ def download_wheels(dest: str, dry_run: bool) -> list[str]:
     return cmd
 
 
+def link_kernels(site: str) -> str:
+    """Make the top-level ``kernels/`` importable as ``fastpals_kernels`` from ``site`` (the device runs the source
+    tree from ``PYTHONPATH``, not installed, and only an install maps the folder to its import name); returns the
+    link's path."""
+    os.makedirs(site, exist_ok=True)
+    link = os.path.join(site, "fastpals_kernels")
+    if os.path.islink(link) and os.readlink(link) != os.path.join(ROOT, "kernels"):
+        os.remove(link)
+    if not os.path.lexists(link):
+        os.symlink(os.path.join(ROOT, "kernels"), link)
+    return link
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench/gpu_session.py", description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -254,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     os.makedirs(args.out, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    link_kernels(args.site)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (args.site, ROOT, env.get("PYTHONPATH")) if p)
     env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(args.site, "torch_extensions"))
     env["FASTPALS_BENCH_WRITE"] = "0"

@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     variants = _csv(args.variants, VARIANTS, "variants")
     cap_names = _csv(args.caps, tuple(CAPS), "caps")
     caps = {name: CAPS[name] for name in cap_names}
-    from fastpals.kernels import available
+    from fastpals_kernels import available
 
     triton_ok, triton_reason = available()
     device = torch.device("cuda")

@@ -1,6 +1,6 @@
 """PAL forward+backward benchmarks (pytest-benchmark): ``make bench`` or ``pytest bench/test_bench_pal.py``.
 
-- CUDA (skipped elsewhere): the fused PAL (``fastpals.kernels.pal``) against the PyTorch reference
+- CUDA (skipped elsewhere): the fused PAL (``fastpals_kernels.pal``) against the PyTorch reference
   (``fastpals.functional.pal_reference``) and the best stock composition (per-task cuBLAS matmuls + SDPA,
   ``stock_sdpa``) at BERT-base shapes (B=32, L=128, d=768, d_s=204, 6 heads of 34,
   T=3 and T=16, bf16, ~15% padding, mixed tasks), with the residual add; peak memory is
@@ -82,7 +82,7 @@ def stock_sdpa(h, mask, task_ids, weights, heads, residual):
 
 
 def fused(h, mask, task_ids, weights, heads, residual):
-    from fastpals.kernels import pal
+    from fastpals_kernels import pal
 
     return pal(h, mask, task_ids, *weights, heads, True, 0.0, residual=residual)
 

@@ -136,7 +136,7 @@ def warm_process():
 def test_train_step(benchmark, step_records, warm_process, precision, num_tasks, variant):
     shape = CUDA_SHAPE if HAS_CUDA else CPU_SHAPE
     if variant == "pal_fused":
-        from fastpals.kernels import available
+        from fastpals_kernels import available
 
         ok, reason = available()
         if not ok:

@@ -256,7 +256,7 @@ def _kernel_buffer(device: str, dtype: torch.dtype):
 @pytest.mark.parametrize("op", ["gram", "combine"])
 def test_kernel(benchmark, op, impl, dtype):
     from fastpals.functional import combine_reference, gram_reference
-    from fastpals.kernels import combine, gram
+    from fastpals_kernels import combine, gram
 
     device = "cuda" if HAS_CUDA else "cpu"
     if impl == "dispatch" and not HAS_CUDA:

@@ -276,7 +276,7 @@ class TrainingStep:
         """Which PAL implementation the step runs: ``triton``, ``reference``, or None (no PALs)."""
         if not self.cfg.has_pal:
             return None
-        from fastpals.kernels import use_triton
+        from fastpals_kernels import use_triton
 
         with env_var("FASTPALS_KERNELS", self.cfg.kernels_mode):
             probe = torch.empty(0, device=self.device)

@@ -4,7 +4,7 @@ Public names: ``BertModel``, ``BertConfig``, ``PALConfig``, ``MultiTaskBert``, `
 ``count_parameters``, ``is_task_specific``, ``freeze_shared_parameters``, ``inject_pals``, ``save_pals``,
 ``load_pals``, ``set_task``, ``register_with_peft``; ``fastpals.surgery`` (the weightings, the task-gradient buffer,
 ``per_task_gradients``); ``fastpals.batching`` (mixed packed micro-batches); ``fastpals.functional`` (reference
-ops), ``fastpals.kernels`` (fused ops and their dispatch); ``fastpals.train`` (the trainer).
+ops), ``fastpals_kernels`` (fused ops and their dispatch); ``fastpals.train`` (the trainer).
 
 With PEFT installed, fastpals' PAL adapters are a PEFT method (``peft_type`` ``"FASTPALS"``,
 :mod:`fastpals.peft_method`), registered as soon as PEFT is imported (importing fastpals does not import PEFT).

@@ -84,13 +84,13 @@ def _status(available: bool, reason: str) -> dict[str, Any]:
 
 def _triton_kernels() -> dict[str, Any]:
     try:
-        from fastpals.kernels import available
+        from fastpals_kernels import available
     except ImportError as exc:  # the kernels package is missing from this install: judge Triton directly
         if importlib.util.find_spec("triton") is None:
-            return _status(False, f"fastpals.kernels not importable ({exc}) and triton is not installed")
+            return _status(False, f"fastpals_kernels not importable ({exc}) and triton is not installed")
         if torch.cuda.is_available():
-            return _status(False, f"fastpals.kernels not importable ({exc}); triton and CUDA are present")
-        return _status(False, f"fastpals.kernels not importable ({exc})")
+            return _status(False, f"fastpals_kernels not importable ({exc}); triton and CUDA are present")
+        return _status(False, f"fastpals_kernels not importable ({exc})")
     ok, reason = available()
     return _status(ok, reason)
 
@@ -134,7 +134,7 @@ def _backends() -> dict[str, dict[str, Any]]:
 
 
 def _kernel_selection(triton: dict[str, Any]) -> dict[str, Any]:
-    """What ``$FASTPALS_KERNELS`` makes the PAL and surgery ops run (the rule of ``fastpals.kernels.use_triton``)."""
+    """What ``$FASTPALS_KERNELS`` makes the PAL and surgery ops run (the rule of ``fastpals_kernels.use_triton``)."""
     raw = os.environ.get(KERNELS_ENV)
     mode = (raw or "auto").strip().lower() or "auto"
     if mode == "reference":
@@ -171,9 +171,9 @@ def _parse_capability(text: str) -> tuple[int, int] | None:
 
 
 def _dispatch(capability: tuple[int, int] | None) -> dict[str, Any]:
-    """The backend and reason :func:`fastpals.kernels.dispatch.decide` gives every op, per dtype, on a device of
+    """The backend and reason :func:`fastpals_kernels.dispatch.decide` gives every op, per dtype, on a device of
     ``capability`` (None = CPU), with flash-attn as installed here."""
-    from fastpals.kernels import dispatch
+    from fastpals_kernels import dispatch
 
     flash = dispatch.flash_attn_installed()
     table = {

@@ -1,6 +1,6 @@
 """Reference (plain PyTorch) definitions of every fastpals op: the PAL ops and the gradient-surgery buffer ops.
 
-These functions *define* what every fused kernel in ``fastpals.kernels`` computes. They run on any device, are
+These functions *define* what every fused kernel in ``fastpals_kernels`` computes. They run on any device, are
 the path used on CPU, and import no Triton. Shapes use these letters:
 
 - ``B`` examples, ``L`` padded sequence length, ``N`` packed tokens (varlen form), ``d`` model width,
@@ -443,7 +443,7 @@ def check_task_buffer(buf: object, name: str = "buf") -> torch.Tensor:
 
 def gram_reference(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The Gram matrix of the rows of ``buf`` and a per-row finite flag (the reference of
-    :func:`fastpals.kernels.gram`): ``(gram [T, T] float32, finite [T] bool)``; fp32 products over blocks of 2^16
+    :func:`fastpals_kernels.gram`): ``(gram [T, T] float32, finite [T] bool)``; fp32 products over blocks of 2^16
     columns, summed (bf16/fp16 up-cast in chunks of 2^20 columns).
 
     ``finite[t]`` is read from the diagonal: a sum of squares is inf/nan exactly when row ``t`` holds an inf or
@@ -462,7 +462,7 @@ def gram_reference(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def check_combine_args(buf: torch.Tensor, weights: object, out: object, out_row: object = None) -> tuple:
-    """Validate the arguments of :func:`fastpals.kernels.combine` (``buf`` already checked by
+    """Validate the arguments of :func:`fastpals_kernels.combine` (``buf`` already checked by
     :func:`check_task_buffer`) and return ``(out, in_place)``: ``out`` is a new float32 ``[P]`` when None, row
     ``out_row`` of ``buf`` when that is given."""
     in_place = out_row is not None
@@ -501,7 +501,7 @@ def check_combine_args(buf: torch.Tensor, weights: object, out: object, out_row:
 def combine_reference(
     buf: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, in_place: bool = False
 ) -> torch.Tensor:
-    """``out = weights @ buf`` (the reference of :func:`fastpals.kernels.combine`, arguments checked by
+    """``out = weights @ buf`` (the reference of :func:`fastpals_kernels.combine`, arguments checked by
     :func:`check_combine_args`): fp32 ``w @ buf`` (in chunks of 2^20 columns through a 4 MiB
     temporary when ``out`` is a row of ``buf``, ``in_place``); bf16/fp16 up-cast in chunks of 2^20 columns, each
     computed in full before it is stored."""

@@ -42,7 +42,6 @@ from fastpals.functional import (
     key_mask_bias,
     segment_linear,
 )
-from fastpals.kernels import dispatch
 from fastpals.layout import BatchLayout, make_layout
 from fastpals.task_params import (
     freeze_shared_parameters,
@@ -50,6 +49,7 @@ from fastpals.task_params import (
     is_task_specific,
     task_specific_kind,
 )
+from fastpals_kernels import dispatch
 
 __all__ = [
     "BatchLayout",

@@ -1,7 +1,7 @@
 """Every Triton kernel compiles for sm_75 (T4), sm_80 (A100) and sm_90 (H100) at the launch configurations the host
 wrappers choose, with Triton's own specialisations, and fits each GPU: shared memory within the per-block limit,
 no register spills in 16-bit kernels on sm_80/sm_90 (a stated bound for fp32), tensor-core instructions in the
-16-bit dots. Runs on CPU: ``fastpals.kernels.aot`` compiles each launch against a fake driver and reads
+16-bit dots. Runs on CPU: ``fastpals_kernels.aot`` compiles each launch against a fake driver and reads
 ``ptxas -v``. Compiled kernels and ptxas reports are cached in ``<venv>/fastpals-aot-cache`` between runs."""
 
 import json
@@ -32,7 +32,7 @@ ALL_KERNELS = {
     "_gram_partial_kernel",
     "_combine_kernel",
 }
-#: on sm_75 the dispatch sends only these to Triton (memory-bound; see fastpals.kernels.dispatch.decide)
+#: on sm_75 the dispatch sends only these to Triton (memory-bound; see fastpals_kernels.dispatch.decide)
 SM75_DISPATCHED = {"_gram_partial_kernel", "_combine_kernel"}
 
 
@@ -59,7 +59,7 @@ def results(tmp_path_factory):
     def run(cap: int) -> dict:
         path = out_dir / f"aot_{cap}.json"
         proc = subprocess.run(
-            [sys.executable, "-m", "fastpals.kernels.aot", "--cap", str(cap), "--out", str(path)],
+            [sys.executable, "-m", "fastpals_kernels.aot", "--cap", str(cap), "--out", str(path)],
             capture_output=True,
             text=True,
             env=env,
@@ -125,7 +125,7 @@ def test_sm75_kernels_the_dispatch_uses_do_not_spill(results):
 
 @pytest.mark.parametrize("cap", [80, 90])
 def test_16bit_dots_use_tensor_cores(results, cap):
-    from fastpals.kernels.aot import DOT_KERNELS
+    from fastpals_kernels.aot import DOT_KERNELS
 
     for r in results[cap]["records"]:
         if r["kernel"] in DOT_KERNELS and _half(r):
@@ -141,10 +141,10 @@ PIPELINED_ATTENTION = ("_pal_attn_fwd_kernel", "_pal_attn_bwd_dkdv_kernel", "_pa
 @pytest.mark.parametrize("cap", [80, 90])
 @pytest.mark.parametrize("d_s, heads", SEED_PAL_SHAPES)
 def test_16bit_pal_loads_are_vectorised_and_pipelined(results, cap, d_s, heads):
-    """The fused PAL's zero-padded layout (fastpals.kernels.pal_triton.pal_layout: heads of 40/24/48, ``s`` 208 or
+    """The fused PAL's zero-padded layout (fastpals_kernels.pal_triton.pal_layout: heads of 40/24/48, ``s`` 208 or
     288 wide) makes its 16-bit loads 16-byte aligned: the attention forward and backward and the QKV and V^D
     forward GEMMs copy global -> shared with 16-byte ``cp.async`` (before the padding they had none)."""
-    from fastpals.kernels.pal_triton import pal_layout
+    from fastpals_kernels.pal_triton import pal_layout
 
     lay = pal_layout(d_s, heads)
     tag = f" d_s={d_s} H={heads} "

@@ -500,9 +500,9 @@ def test_packed_mixed_batch_dispatches_to_pal_varlen_and_flash_varlen(monkeypatc
     import sys
     import types
 
-    from fastpals import kernels
+    import fastpals_kernels as kernels
     from fastpals.functional import attention_varlen_reference
-    from fastpals.kernels import dispatch
+    from fastpals_kernels import dispatch
 
     pal = PALConfig(num_tasks=3, hidden=34, num_heads=2, gate=True, dropout=0.0)
     model = _model(pal, "sbert_concat")

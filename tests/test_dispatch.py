@@ -1,12 +1,12 @@
-"""The backend decision (fastpals.kernels.dispatch.decide) for each GPU generation, the $FASTPALS_KERNELS
+"""The backend decision (fastpals_kernels.dispatch.decide) for each GPU generation, the $FASTPALS_KERNELS
 override, and the stock-composition path (grouped matmuls + SDPA) it picks on sm_75, against the reference."""
 
 import pytest
 import torch
 
 from fastpals.functional import attention_reference, attention_sdpa, pal_reference, pal_varlen_reference
-from fastpals.kernels import dispatch
-from fastpals.kernels.dispatch import OPS, decide
+from fastpals_kernels import dispatch
+from fastpals_kernels.dispatch import OPS, decide
 
 FP32, FP16, BF16 = torch.float32, torch.float16, torch.bfloat16
 T4, A100, H100 = (7, 5), (8, 0), (9, 0)

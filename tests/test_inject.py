@@ -513,7 +513,7 @@ def test_gradient_checkpointing_is_refused():
 # ----------------------------------------------------------------------------------------------------------------
 @pytest.mark.kernels
 def test_injected_layers_dispatch_to_fused_kernel(monkeypatch):
-    from fastpals import kernels
+    import fastpals_kernels as kernels
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     pal = PALConfig(num_tasks=3, hidden=34, num_heads=2, dropout=0.0)

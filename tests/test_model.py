@@ -180,7 +180,7 @@ def test_packed_path_uses_flash_attn_varlen_when_available(monkeypatch, ours_min
     import types
 
     from fastpals.functional import attention_varlen_reference
-    from fastpals.kernels import dispatch
+    from fastpals_kernels import dispatch
 
     calls = []
 

@@ -555,7 +555,7 @@ def test_deepspeed_zero_0_1_2_bf16_one_backward_equals_per_task_backwards(tmp_pa
 @pytest.mark.kernels
 @pytest.mark.parametrize("unpad,order", [(False, "unsorted"), (True, "sorted")])
 def test_triton_grouped_wgrad_path_equals_torch_path(unpad, order):
-    from fastpals.kernels.dispatch import available
+    from fastpals_kernels.dispatch import available
 
     ok, reason = available()
     if not ok or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):

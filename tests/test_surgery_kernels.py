@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from fastpals.functional import MAX_TASKS, combine_reference, gram_reference
-from fastpals.kernels import combine, gram
 from fastpals.surgery import TaskGradientBuffer, gem_weights, pcgrad_weights
+from fastpals_kernels import combine, gram
 
 # the interpreter runs numpy, which warns on inf/nan arithmetic in the finite-check tests
 pytestmark = [pytest.mark.kernels, pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")]

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from fastpals.functional import MAX_TASKS
-from fastpals.kernels.dispatch import combine, gram
+from fastpals_kernels.dispatch import combine, gram
 
 __all__ = ["SurgeryResult", "TaskGradientBuffer", "default_grad_getter", "default_grad_setter"]
 

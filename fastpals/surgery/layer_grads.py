@@ -197,7 +197,7 @@ def _linear_weight_grads(
 def _kernels_on(state: PerTaskGradients, t: torch.Tensor) -> bool:
     if state.use_kernels is not None:
         return state.use_kernels
-    from fastpals.kernels.dispatch import use_triton
+    from fastpals_kernels.dispatch import use_triton
 
     return use_triton(t)
 
@@ -212,8 +212,8 @@ def _linear_weight_grads_triton(
 ) -> None:
     """All task segments in one launch of the grouped weight-gradient kernel (fp32 accumulation), then one copy
     (or add) per task into its row. Temporary: ``[T, M, K]`` in the buffer's dtype."""
-    from fastpals.kernels.common import build_task_row_plan
-    from fastpals.kernels.grouped_linear_triton import grouped_wgrad_rows
+    from fastpals_kernels.common import build_task_row_plan
+    from fastpals_kernels.grouped_linear_triton import grouped_wgrad_rows
 
     if rows.plan is None:  # one plan per row layout, shared by every Linear of that layout
         example_tasks = rows.example_tasks if rows.example_tasks is not None else state.task_ids

@@ -7,7 +7,7 @@ weight is a sum over that task's rows:
 
 - ``nn.Linear``: ``dW_t = dY_t^T X_t`` over task t's rows (tokens), ``db_t = sum of dY_t`` (a grouped GEMM with
   the FLOPs of the ordinary weight gradient: one matmul per task segment, ``addmm`` straight into the task's
-  row of the buffer; on CUDA the Triton grouped weight-gradient kernel of :mod:`fastpals.kernels.grouped_linear`
+  row of the buffer; on CUDA the Triton grouped weight-gradient kernel of :mod:`fastpals_kernels.grouped_linear`
   computes all segments in one launch, then one copy per task into its row);
 - ``nn.LayerNorm``: ``dgamma_t = sum (dY * xhat)``, ``dbeta_t = sum dY`` over task t's rows;
 - ``nn.Embedding``: a per-task ``index_add`` of task t's rows of ``dY``. Embeddings looked up once for the

@@ -1,4 +1,4 @@
-"""The fused PAL (fastpals.kernels.pal / pal_varlen) against fastpals.functional.pal_reference, the package API
+"""The fused PAL (fastpals_kernels.pal / pal_varlen) against fastpals.functional.pal_reference, the package API
 and the FASTPALS_KERNELS dispatch rule.
 
 Every case checks the output and the gradients of h, the six weights and biases, and the residual. fp32 within
@@ -15,10 +15,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import fastpals.kernels as kernels
+import fastpals_kernels as kernels
 from fastpals.functional import grouped_linear_reference, pal_reference, pal_varlen_reference
-from fastpals.kernels import dispatch as kernel_dispatch
-from fastpals.kernels.pal_attention_triton import pal_attention_dropout_mask
+from fastpals_kernels import dispatch as kernel_dispatch
+from fastpals_kernels.pal_attention_triton import pal_attention_dropout_mask
 
 pytestmark = pytest.mark.kernels
 
@@ -282,11 +282,11 @@ class TestDispatch:
     def test_triton_mode_on_cpu_with_kernels_loaded_for_gpu_is_an_error(self, monkeypatch):
         import types
 
-        fake = types.ModuleType("fastpals.kernels.grouped_linear_triton")
+        fake = types.ModuleType("fastpals_kernels.grouped_linear_triton")
         fake._grouped_mm_kernel = (
             object()
         )  # a GPU-compiled JITFunction stands here when TRITON_INTERPRET was unset
-        monkeypatch.setitem(sys.modules, "fastpals.kernels.grouped_linear_triton", fake)
+        monkeypatch.setitem(sys.modules, "fastpals_kernels.grouped_linear_triton", fake)
         monkeypatch.setenv("FASTPALS_KERNELS", "triton")
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         with pytest.raises(RuntimeError, match="loaded before TRITON_INTERPRET=1"):
@@ -316,12 +316,12 @@ class TestDispatch:
 
 
 def test_package_import_is_cheap_and_safe_without_triton():
-    """``import fastpals.kernels`` loads no Triton; without Triton, available() says why and the ops raise a clear
+    """``import fastpals_kernels`` loads no Triton; without Triton, available() says why and the ops raise a clear
     ImportError; an op whose module has its name stays the function after the module is imported."""
     code = """
 import sys
-import fastpals.kernels as k
-assert "triton" not in sys.modules, "import fastpals.kernels imported triton"
+import fastpals_kernels as k
+assert "triton" not in sys.modules, "import fastpals_kernels imported triton"
 sys.modules["triton"] = None  # as if triton were not installed
 ok, reason = k.available()
 assert not ok and "not importable" in reason, reason
@@ -339,9 +339,9 @@ print("ok")
 
 
 def test_exported_ops_are_functions_not_modules():
-    import fastpals.kernels.grouped_linear_triton  # noqa: F401 - no module shares an op's name
-    import fastpals.kernels.pal_attention_triton  # noqa: F401
-    import fastpals.kernels.pal_triton  # noqa: F401
+    import fastpals_kernels.grouped_linear_triton  # noqa: F401 - no module shares an op's name
+    import fastpals_kernels.pal_attention_triton  # noqa: F401
+    import fastpals_kernels.pal_triton  # noqa: F401
 
     for name in (
         "pal",
@@ -353,8 +353,8 @@ def test_exported_ops_are_functions_not_modules():
         "combine",
     ):
         assert callable(getattr(kernels, name)), name
-    assert kernels.pal.__module__ == "fastpals.kernels.pal_triton"
-    assert kernels.pal_attention.__module__ == "fastpals.kernels.pal_attention_triton"
+    assert kernels.pal.__module__ == "fastpals_kernels.pal_triton"
+    assert kernels.pal_attention.__module__ == "fastpals_kernels.pal_attention_triton"
 
 
 @pytest.mark.parametrize("residual_dtype", [torch.float32, torch.bfloat16])

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from fastpals.functional import grouped_linear_reference
-from fastpals.kernels.grouped_linear_triton import grouped_linear, grouped_linear_varlen
+from fastpals_kernels.grouped_linear_triton import grouped_linear, grouped_linear_varlen
 
 pytestmark = pytest.mark.kernels
 
@@ -245,7 +245,7 @@ class TestValidation:
 
 
 def test_plan_cache_reuses_validated_plans_and_sees_in_place_changes():
-    from fastpals.kernels.common import task_row_plan
+    from fastpals_kernels.common import task_row_plan
 
     task_ids = torch.tensor([0, 1, 1])
     plan = task_row_plan(task_ids, 2, 12, task_ids.device, batch=3, seq_len=4)

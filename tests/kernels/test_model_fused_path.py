@@ -50,7 +50,7 @@ def test_fused_model_equals_reference(monkeypatch, unpad, pal):
     torch.manual_seed(0)
     model = BertModel(TINY, pal=dataclasses.replace(pal, dropout=0.0)).to(device).train()
     ref_out, ref_grads = _run(model, "reference", monkeypatch, unpad, device)
-    from fastpals import kernels
+    import fastpals_kernels as kernels
 
     name = "pal_varlen" if unpad else "pal"
     fused_op, calls = getattr(kernels, name), []
@@ -64,7 +64,7 @@ def test_fused_model_equals_reference(monkeypatch, unpad, pal):
 
 
 def test_auto_mode_uses_reference_on_cpu(monkeypatch):
-    from fastpals import kernels
+    import fastpals_kernels as kernels
 
     monkeypatch.setenv("FASTPALS_KERNELS", "auto")
     assert kernels.use_triton(torch.zeros(1)) is False

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fastpals.functional import attention_reference, attention_varlen_reference
-from fastpals.kernels.pal_attention_triton import (
+from fastpals_kernels.pal_attention_triton import (
     MAX_HEAD_DIM,
     pal_attention,
     pal_attention_dropout_mask,

@@ -7,9 +7,9 @@ Four launches forward, all grouped by task with one row plan built once per call
    then the grouped GEMM ``qkv = W^{QKV}_t s + b``, both tiled in 64-wide column tiles of the PAL width (an
    earlier single kernel held ``s`` for the whole width rounded up to a power of two, which overflowed the
    shared memory of every GPU at d_s = 276);
-2. :func:`fastpals.kernels.pal_attention_triton.pal_attention` (flash-style, small head dims) on strided Q/K/V views
+2. :func:`fastpals_kernels.pal_attention_triton.pal_attention` (flash-style, small head dims) on strided Q/K/V views
    of the packed QKV output;
-3. the grouped V^D GEMM of :mod:`fastpals.kernels.grouped_linear_triton` with bias, exact GELU and the residual add
+3. the grouped V^D GEMM of :mod:`fastpals_kernels.grouped_linear_triton` with bias, exact GELU and the residual add
    (the layer's pre-LayerNorm sum) as its epilogue.
 
 Backward: grouped input-gradient GEMMs and per-task weight-gradient GEMMs (``dW_t = dZ_tᵀ X_t``) for the
@@ -33,20 +33,20 @@ from typing import NamedTuple
 
 import torch
 
-from fastpals.kernels.common import (
+from fastpals_kernels.common import (
     ROW_ALIGN,
     TaskRowPlan,
     autocast_dtype,
     cast_floats,
     task_row_plan,
 )
-from fastpals.kernels.grouped_linear_triton import (
+from fastpals_kernels.grouped_linear_triton import (
     grouped_linear_rows,
     grouped_mm_rows,
     grouped_wgrad_rows,
     row_block,
 )
-from fastpals.kernels.pal_attention_triton import pal_attention, pal_attention_varlen
+from fastpals_kernels.pal_attention_triton import pal_attention, pal_attention_varlen
 
 __all__ = ["HEAD_ALIGN", "EncQKVFunction", "PALLayout", "pal", "pal_layout", "pal_varlen"]
 
@@ -347,7 +347,7 @@ def pal(
     ``[T, 3 d_s, d_s]``, qkv_bias ``[T, 3 d_s]``, dec_weight ``[T, d, d_s]``, dec_bias ``[T, d]`` in h's dtype;
     num_heads divides d_s (head dim ``d_s / num_heads`` <= 128); gelu: exact GELU after V^D; dropout_p:
     attention-probability dropout (pass 0 at evaluation; the mask is drawn by the attention kernel from
-    ``generator_seed``, see :func:`fastpals.kernels.pal_attention_triton.pal_attention_dropout_mask`); residual:
+    ``generator_seed``, see :func:`fastpals_kernels.pal_attention_triton.pal_attention_dropout_mask`); residual:
     ``[B, L, d]`` added to the PAL output in the same kernel, or None.
     Returns ``[B, L, d]`` in h's dtype, differentiable in h, the six weights and biases, and residual.
     Under ``torch.autocast`` h and the weights are cast to the autocast dtype first (like ``F.linear``); a

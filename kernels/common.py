@@ -1,6 +1,6 @@
 """Host-side helpers shared by every fastpals kernel: the ``cu_seqlens`` rule, the task plan, casts, dot flags,
 device guards. Nothing here imports Triton (the Triton building blocks are in
-:mod:`fastpals.kernels.tl_helpers`; which backend runs is decided in :mod:`fastpals.kernels.dispatch`).
+:mod:`fastpals_kernels.tl_helpers`; which backend runs is decided in :mod:`fastpals_kernels.dispatch`).
 
 The task plan (:class:`TaskRowPlan`) is the multi-adapter trick of Punica's SGMV and vLLM's LoRA kernels: rows
 are grouped by task through an index array (no physical permutation of the activations), and row tiles are cut
@@ -44,7 +44,7 @@ def interpret_mode() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-#: set to 1 by :mod:`fastpals.kernels.aot` only: launches are compiled for a fake GPU target, never run
+#: set to 1 by :mod:`fastpals_kernels.aot` only: launches are compiled for a fake GPU target, never run
 AOT_ENV = "FASTPALS_AOT"
 
 

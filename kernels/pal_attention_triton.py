@@ -27,7 +27,7 @@ Semantics shared with the reference:
 Head dims up to 128 are supported; a head dim is padded inside the kernel to the next power of two >= 16
 (``tl.dot`` needs 16) with masked loads and stores, so 17 runs in tiles of 32, 34 and 46 in tiles of 64.
 When the head dim and every head stride are multiples of 8 elements (the fused PAL zero-pads its heads to 40, 24
-and 48, see :func:`fastpals.kernels.pal_triton.pal_layout`), the kernels get an ``ALIGN`` hint so that their
+and 48, see :func:`fastpals_kernels.pal_triton.pal_layout`), the kernels get an ``ALIGN`` hint so that their
 16-bit loads become 16-byte vectors pipelined with ``cp.async``; otherwise they run unhinted.
 Inputs are fp32, fp16 or bf16; scores, softmax and every accumulator are fp32; fp32 inputs use IEEE fp32
 products (no TF32), so fp32 results match the reference to about 1e-6.
@@ -43,7 +43,7 @@ from typing import NamedTuple
 import torch
 import triton
 
-from fastpals.kernels.common import (
+from fastpals_kernels.common import (
     aligned_rows,
     aot_mode,
     check_cu_seqlens,
@@ -53,8 +53,8 @@ from fastpals.kernels.common import (
     last_dim_contiguous,
     target_arch,
 )
-from fastpals.kernels.grouped_linear_triton import target_class
-from fastpals.kernels.pal_attention_kernels import (
+from fastpals_kernels.grouped_linear_triton import target_class
+from fastpals_kernels.pal_attention_kernels import (
     _pal_attn_bwd_delta_kernel,
     _pal_attn_bwd_dkdv_kernel,
     _pal_attn_bwd_dq_kernel,
@@ -95,7 +95,7 @@ def _interpreting() -> bool:
 
 
 class _Layout(NamedTuple):
-    """How the kernels address one call's tokens (see :mod:`fastpals.kernels.pal_attention_kernels`)."""
+    """How the kernels address one call's tokens (see :mod:`fastpals_kernels.pal_attention_kernels`)."""
 
     is_varlen: bool
     batch: int
@@ -559,7 +559,7 @@ def pal_attention_varlen(
             contiguous); dtypes and ``Dh`` as in :func:`pal_attention`.
         cu_seqlens: ``[B+1]`` int32 or int64 on q's device, ``cu_seqlens[0] == 0``, non-decreasing,
             ``cu_seqlens[-1] == N`` (empty sequences are allowed). Checked on the host once per tensor (see
-            :func:`fastpals.kernels.common.check_cu_seqlens`): one device sync for the first call on it.
+            :func:`fastpals_kernels.common.check_cu_seqlens`): one device sync for the first call on it.
         max_seqlen: an int >= the longest sequence; it sizes the grid and the dropout counters.
         dropout_p, softmax_scale, generator_seed: as in :func:`pal_attention`. Position i, j of sequence b uses
             the same dropout counter as in a padded batch with ``L = max_seqlen``.

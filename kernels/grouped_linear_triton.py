@@ -3,7 +3,7 @@
 
 ``y = residual + act(x @ weight[task].T + bias[task])`` where ``task`` is the task of the example a row
 belongs to, ``act`` is the identity or the exact (erf) GELU. The forward and the input gradient run one
-grouped GEMM each over row tiles that never straddle tasks (see :class:`~fastpals.kernels.common.TaskRowPlan`);
+grouped GEMM each over row tiles that never straddle tasks (see :class:`~fastpals_kernels.common.TaskRowPlan`);
 the weight and bias gradients run one grouped GEMM over each task's row segment (``dW_t = dZ_tᵀ X_t``, the
 same FLOPs as an ordinary weight gradient). The GELU derivative is applied while loading the output gradient,
 from the pre-activation saved by the forward, so ``dZ`` is never materialised.
@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastpals.kernels.common import (
+from fastpals_kernels.common import (
     TaskRowPlan,
     aligned_rows,
     autocast_dtype,
@@ -27,7 +27,7 @@ from fastpals.kernels.common import (
     target_arch,
     task_row_plan,
 )
-from fastpals.kernels.tl_helpers import cast_rne, dot_acc, gelu_grad
+from fastpals_kernels.tl_helpers import cast_rne, dot_acc, gelu_grad
 
 __all__ = [
     "GROUPED_CONFIGS",
@@ -508,7 +508,7 @@ def grouped_linear_rows(
     activation: str | None = None,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Grouped linear on row-major ``x [R, K]`` with a plan from :func:`~fastpals.kernels.common.task_row_plan`
+    """Grouped linear on row-major ``x [R, K]`` with a plan from :func:`~fastpals_kernels.common.task_row_plan`
     (reused across several layers of one batch, as the fused PAL does). Operands must already be validated."""
     return GroupedLinearFunction.apply(
         last_dim_contiguous(x),

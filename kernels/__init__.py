@@ -1,6 +1,6 @@
 """Fused kernels of fastpals and the dispatch that picks them.
 
-Public API (the Triton ops load lazily, on first use, so ``import fastpals.kernels`` is cheap and works without
+Public API (the Triton ops load lazily, on first use, so ``import fastpals_kernels`` is cheap and works without
 Triton; :func:`available` says whether the kernels can run here):
 
 - :func:`grouped_linear` / :func:`grouped_linear_varlen`: ``residual + act(x @ W[task].T + b[task])`` for a
@@ -9,19 +9,19 @@ Triton; :func:`available` says whether the kernels can run here):
 - :func:`pal_attention` / :func:`pal_attention_varlen`: the PAL's flash-style attention, small head dims (Triton);
 - :func:`gram` / :func:`combine`: the gradient-surgery buffer ops, dispatching to Triton or the reference;
 - :func:`available`, :func:`use_triton`, :func:`kernel_mode`, :func:`backend`, :func:`decide`: the dispatch
-  (:mod:`fastpals.kernels.dispatch`; ``$FASTPALS_KERNELS`` = auto | triton | reference).
+  (:mod:`fastpals_kernels.dispatch`; ``$FASTPALS_KERNELS`` = auto | triton | reference).
 
 Layout: ``*_triton.py`` hold the Triton kernels and their host wrappers (the PAL attention's kernels are in
-:mod:`~fastpals.kernels.pal_attention_kernels`), :mod:`~fastpals.kernels.tl_helpers`
-their shared Triton building blocks, :mod:`~fastpals.kernels.common` the shared host-side helpers (no Triton),
-:mod:`~fastpals.kernels.dispatch` the backend decision; the references are in :mod:`fastpals.functional`.
+:mod:`~fastpals_kernels.pal_attention_kernels`), :mod:`~fastpals_kernels.tl_helpers`
+their shared Triton building blocks, :mod:`~fastpals_kernels.common` the shared host-side helpers (no Triton),
+:mod:`~fastpals_kernels.dispatch` the backend decision; the references are in :mod:`fastpals.functional`.
 """
 
 from __future__ import annotations
 
 import importlib
 
-from fastpals.kernels.dispatch import available, backend, combine, decide, gram, kernel_mode, use_triton
+from fastpals_kernels.dispatch import available, backend, combine, decide, gram, kernel_mode, use_triton
 
 __all__ = [
     "available",
@@ -59,7 +59,7 @@ def __getattr__(name: str) -> object:
     except ImportError as exc:
         ok, reason = available()
         raise ImportError(
-            f"fastpals.kernels.{name} needs Triton ({reason if not ok else exc}); use the references in "
+            f"fastpals_kernels.{name} needs Triton ({reason if not ok else exc}); use the references in "
             "fastpals.functional instead"
         ) from exc
     value = getattr(module, name)

@@ -3,8 +3,8 @@
 
 The sum is accumulated in fp32 and stored in ``out``'s dtype (the parameters' gradient dtype), so the update of
 gradient surgery is written straight into a flat gradient tensor whose views are the parameters' ``.grad``.
-No autograd. The public op is :func:`fastpals.kernels.combine` (validation and dispatch in
-:mod:`fastpals.kernels.dispatch`); the reference is :func:`fastpals.functional.combine_reference`.
+No autograd. The public op is :func:`fastpals_kernels.combine` (validation and dispatch in
+:mod:`fastpals_kernels.dispatch`); the reference is :func:`fastpals.functional.combine_reference`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastpals.kernels.common import device_context, target_arch
+from fastpals_kernels.common import device_context, target_arch
 
 __all__ = ["OUT_KIND", "combine_triton"]
 

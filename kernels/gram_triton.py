@@ -7,8 +7,8 @@ squares did not overflow. Each program reads a contiguous run of columns of all 
 ``T_PAD x T_PAD`` partial Gram with ``tl.dot`` and counts non-finite values per row; the partials are then
 summed (a tiny ``[programs, T_PAD, T_PAD]`` reduction, deterministic: no atomics).
 
-No autograd: the buffer holds gradients. The public op is :func:`fastpals.kernels.gram` (validation and
-dispatch in :mod:`fastpals.kernels.dispatch`); the reference is :func:`fastpals.functional.gram_reference`.
+No autograd: the buffer holds gradients. The public op is :func:`fastpals_kernels.gram` (validation and
+dispatch in :mod:`fastpals_kernels.dispatch`); the reference is :func:`fastpals.functional.gram_reference`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastpals.kernels.common import device_context
+from fastpals_kernels.common import device_context
 
 __all__ = ["gram_triton"]
 

@@ -1,6 +1,6 @@
 """Ahead-of-time compilation of every fastpals Triton kernel for a GPU target, on a machine without a GPU.
 
-``python -m fastpals.kernels.aot --cap 80 --out aot_80.json`` runs the real host wrappers (fused PAL forward and
+``python -m fastpals_kernels.aot --cap 80 --out aot_80.json`` runs the real host wrappers (fused PAL forward and
 backward, padded and packed, with and without dropout; grouped linear; Gram; combine) on CPU tensors, with
 Triton's driver replaced by one whose target is ``GPUTarget("cuda", CAP, 32)``. Every kernel launch becomes a
 compile-only warm-up with Triton's own specialisations (integer divisibility, pointer alignment) computed from
@@ -179,7 +179,7 @@ class Recorder:
 def _pal_case(dtype: Any, d: int, d_s: int, heads: int, packed: bool, dropout: float) -> None:
     import torch
 
-    from fastpals import kernels
+    import fastpals_kernels as kernels
 
     batch, length, tasks = 8, 128, 3
     g = torch.Generator().manual_seed(0)
@@ -216,7 +216,7 @@ def _pal_case(dtype: Any, d: int, d_s: int, heads: int, packed: bool, dropout: f
 def _grouped_case(dtype: Any, d_in: int, d_out: int, gelu: bool) -> None:
     import torch
 
-    from fastpals import kernels
+    import fastpals_kernels as kernels
 
     x = torch.randn(8, 128, d_in).to(dtype).requires_grad_()
     w = (torch.randn(3, d_out, d_in) * 0.02).to(dtype).requires_grad_()
@@ -228,8 +228,8 @@ def _grouped_case(dtype: Any, d_in: int, d_out: int, gelu: bool) -> None:
 def _buffer_case(dtype: Any, tasks: int) -> None:
     import torch
 
-    from fastpals.kernels.combine_triton import combine_triton
-    from fastpals.kernels.gram_triton import gram_triton
+    from fastpals_kernels.combine_triton import combine_triton
+    from fastpals_kernels.gram_triton import gram_triton
 
     buf = torch.zeros(tasks, 1 << 20, dtype=dtype)
     gram_triton(buf)
@@ -239,7 +239,7 @@ def _buffer_case(dtype: Any, tasks: int) -> None:
 
 
 def _dropout_mask_case() -> None:
-    from fastpals.kernels.pal_attention_triton import pal_attention_dropout_mask
+    from fastpals_kernels.pal_attention_triton import pal_attention_dropout_mask
 
     pal_attention_dropout_mask(8, 12, 128, 0.1, seed=1234, device="cpu")
 
@@ -320,7 +320,7 @@ def summary_rows(result: dict[str, Any]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m fastpals.kernels.aot", description=__doc__.splitlines()[0]
+        prog="python -m fastpals_kernels.aot", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--cap", type=int, required=True, choices=sorted(TARGET_DTYPES), help="75, 80 or 90")
     parser.add_argument("--out", required=True, help="JSON file for the per-variant records")

@@ -4,7 +4,7 @@ One decision per op, from the device's compute capability and the dtype (:func:`
 ``$FASTPALS_KERNELS`` = ``auto`` (default) | ``triton`` | ``reference`` (:func:`backend`). ``python -m
 fastpals.env`` prints the decision and its reason for the current device. Backends:
 
-- ``triton``: the fused kernels of this package (``fastpals.kernels.*_triton``);
+- ``triton``: the fused kernels of this package (``fastpals_kernels.*_triton``);
 - ``sdpa``: grouped cuBLAS matmuls plus ``F.scaled_dot_product_attention`` with the head dim padded to a
   multiple of 8 (:func:`fastpals.functional.attention_sdpa`), for GPUs where Triton emits no tensor-core code;
 - ``flash_attn``: flash-attn's varlen kernel (BERT's own self-attention over packed rows);
@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 from fastpals import functional
-from fastpals.kernels.common import interpret_mode
+from fastpals_kernels.common import interpret_mode
 
 __all__ = [
     "KERNELS_ENV",
@@ -141,7 +141,7 @@ def _triton_import_error() -> str | None:
 
 def _kernels_compiled_for_gpu() -> bool:
     """True when the grouped kernels were already defined as GPU (non-interpreted) Triton functions."""
-    module = sys.modules.get("fastpals.kernels.grouped_linear_triton")
+    module = sys.modules.get("fastpals_kernels.grouped_linear_triton")
     kernel = getattr(module, "_grouped_mm_kernel", None)
     return kernel is not None and type(kernel).__name__ != "InterpretedFunction"
 
@@ -192,7 +192,7 @@ def use_triton(tensor: torch.Tensor) -> bool:
         if _kernels_compiled_for_gpu():
             raise RuntimeError(
                 f"{KERNELS_ENV}=triton on a CPU tensor: the kernels were loaded before TRITON_INTERPRET=1 was set "
-                "(Triton fixes the mode when a kernel is defined); set it before importing fastpals.kernels ops"
+                "(Triton fixes the mode when a kernel is defined); set it before importing fastpals_kernels ops"
             )
         return True
     raise RuntimeError(
@@ -241,7 +241,7 @@ def gram(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     buf = functional.check_task_buffer(buf)
     if backend("gram", buf) == "triton":
-        from fastpals.kernels.gram_triton import gram_triton
+        from fastpals_kernels.gram_triton import gram_triton
 
         return gram_triton(buf)
     return functional.gram_reference(buf)
@@ -266,7 +266,7 @@ def combine(
     buf = functional.check_task_buffer(buf)
     out, in_place = functional.check_combine_args(buf, weights, out, out_row)
     if backend("combine", buf) == "triton":
-        from fastpals.kernels.combine_triton import combine_triton
+        from fastpals_kernels.combine_triton import combine_triton
 
         return combine_triton(buf, weights, out)
     return functional.combine_reference(buf, weights, out, in_place=in_place)
@@ -290,7 +290,7 @@ def run_pal(
     """
     choice = backend("pal", h)
     if choice == "triton":
-        from fastpals import kernels
+        import fastpals_kernels as kernels
 
         if cu_seqlens is not None:
             return kernels.pal_varlen(h, cu_seqlens, max_seqlen, *args, residual=residual)

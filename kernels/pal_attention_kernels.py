@@ -1,6 +1,6 @@
 # ruff: noqa: ANN001, ANN201 - Triton kernel parameters and device functions carry no Python annotations
 # (Triton reads annotations as specialisation hints)
-"""The Triton kernels of the PAL attention (:mod:`fastpals.kernels.pal_attention_triton` holds their host
+"""The Triton kernels of the PAL attention (:mod:`fastpals_kernels.pal_attention_triton` holds their host
 wrappers, launch configurations and autograd ops, and documents the semantics).
 
 Grid axis 0 = batch * heads (no 65535 limit), axis 1 = blocks of the sequence. Token row of position i of
@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fastpals.kernels.tl_helpers import cast_rne, mm
+from fastpals_kernels.tl_helpers import cast_rne, mm
 
 # The reference's additive mask value for a padded key (softmax runs in fp32).
 _MASKED_SCORE = tl.constexpr(-3.4028234663852886e38)

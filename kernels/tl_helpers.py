@@ -1,6 +1,6 @@
 """Triton building blocks shared by every fastpals kernel: the dot with its precision flags, the rounding cast,
 the GELU derivative. Imports Triton; the host-side helpers (dispatch, checks, task plans) are in
-:mod:`fastpals.kernels.common`, which does not."""
+:mod:`fastpals_kernels.common`, which does not."""
 
 from __future__ import annotations
 
