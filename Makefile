@@ -19,7 +19,7 @@ setup: $(VENV)/.installed
 
 train: setup
 	$(BIN)/python train.py --ds_config configs/cpu_auto.json --out runs/default --overwrite --epochs 1 \
-		--steps-per-epoch 1300 --sampling sqrt --batch-size 32 --max-length 128 --lr 1e-4 --pal-lr 5e-4 --head-lr 2e-4 \
+		--steps-per-epoch 867 --sampling sqrt --batch-size 48 --max-length 128 --lr 1.2e-4 --pal-lr 6e-4 --head-lr 2.4e-4 \
 		--warmup 0.06 --freeze-word-embeddings --freeze-layers 1 --pal-layers 5
 
 lint: setup
