@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 
+from fastpals.batching import TaskRows
 from fastpals.readers import Example, PairExample, SentenceExample
 from fastpals.sampling import check_resume_settings
 from fastpals.tasks import TaskSpec, get_task
@@ -207,6 +208,25 @@ class TaskBatcher:
         batch["ids"] = [self.examples[i].id for i in indices]
         batch["task"] = self.spec.name
         return batch
+
+    def task_rows(self, indices: Sequence[int], task: int) -> TaskRows:
+        """The examples at ``indices`` as unpadded host token lists for :func:`fastpals.batching.pack_task_rows`
+        (``task``: the model's index of this batcher's task). Joint encodings for ``pair_encoding="joint"``,
+        else each sentence separately (siamese)."""
+        indices = [int(i) for i in indices]
+        first = self._joint if self.pair_encoding == "joint" else self._first
+        rows = TaskRows(
+            task,
+            [first[i].input_ids for i in indices],
+            [first[i].token_type_ids for i in indices],
+            labels=self._labels[indices] if self.has_labels else None,
+            ids=[self.examples[i].id for i in indices],
+            name=self.spec.name,
+        )
+        if self.pair_encoding != "joint":
+            rows.input_ids_b = [self._second[i].input_ids for i in indices]
+            rows.token_type_ids_b = [self._second[i].token_type_ids for i in indices]
+        return rows
 
     def _batches_of(self, epoch: int) -> list[np.ndarray]:
         if self._cached_epoch != epoch:

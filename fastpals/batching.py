@@ -50,15 +50,29 @@ flash-attn / in fp32) the model attends over blocks of sequences of similar leng
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from fastpals.layout import (
+    AttentionBucket,
+    AttentionPlan,
+    BatchLayout,
+    attention_plan,
+    bucketed_attention,
+    check_packed,
+    cu_seqlens_to_mask,
+    lengths_to_cu_seqlens,
+    pack_rows,
+    packed_position_ids,
+    pad_packed,
+    pool_packed,
+    unpad,
+)
 from fastpals.sampling import SAMPLING_METHODS, check_resume_settings, next_epoch, task_probabilities
 
 if TYPE_CHECKING:
@@ -68,6 +82,7 @@ __all__ = [
     "EQUAL_SHARE_METHODS",
     "AttentionBucket",
     "AttentionPlan",
+    "BatchLayout",
     "MixedBatchSampler",
     "MixedSelection",
     "attention_plan",
@@ -78,203 +93,18 @@ __all__ = [
     "lengths_to_cu_seqlens",
     "model_inputs",
     "pack_batches",
+    "pack_rows",
+    "pack_task_rows",
     "packed_position_ids",
     "pad_packed",
     "padding_fraction",
     "pool_packed",
     "share_counts",
+    "TaskRows",
     "unpad",
 ]
 
 EQUAL_SHARE_METHODS = ("round_robin", "random_round_robin", "every_task_plus_annealed")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# cu_seqlens helpers (the one place the package builds and reads packed layouts)
-# ----------------------------------------------------------------------------------------------------------------
-def lengths_to_cu_seqlens(lengths: torch.Tensor) -> torch.Tensor:
-    """Sequence lengths ``[B]`` (int) → ``cu_seqlens [B+1]`` int32 (0, then the running sums)."""
-    cu = torch.zeros(lengths.shape[0] + 1, dtype=torch.int32, device=lengths.device)
-    cu[1:] = torch.cumsum(lengths, 0)
-    return cu
-
-
-def cu_seqlens_to_mask(cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
-    """``cu_seqlens [B+1]`` → right-padded mask ``[B, max_seqlen]`` bool (True = token)."""
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    return torch.arange(max_seqlen, device=cu_seqlens.device)[None, :] < lengths[:, None]
-
-
-def packed_position_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    """Position of every packed token inside its own sequence: int64 ``[N]`` (``N = total = cu_seqlens[-1]``)."""
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    starts = cu_seqlens[:-1].long().repeat_interleave(lengths, output_size=total)
-    return torch.arange(total, device=cu_seqlens.device) - starts
-
-
-def unpad(x: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Right-padded ``x [B, L, ...]`` with ``attention_mask [B, L]`` (1 = token) → ``(packed [N, ...],
-    cu_seqlens [B+1] int32, max_seqlen)``. Raises ``ValueError`` if a mask row is not ``1...1 0...0``."""
-    mask = attention_mask.to(torch.bool)
-    lengths = mask.sum(1)
-    if not torch.equal(mask, torch.arange(mask.shape[1], device=mask.device)[None, :] < lengths[:, None]):
-        raise ValueError("attention_mask rows must be right-padded (1...1 0...0) to be packed")
-    max_seqlen = int(lengths.max()) if lengths.numel() else 0
-    return x[mask], lengths_to_cu_seqlens(lengths), max_seqlen
-
-
-def pad_packed(x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, value: float = 0) -> torch.Tensor:
-    """Packed ``x [N, ...]`` → right-padded ``[B, max_seqlen, ...]`` filled with ``value`` (inverse of :func:`unpad`)."""
-    mask = cu_seqlens_to_mask(cu_seqlens, max_seqlen)
-    out = x.new_full((mask.shape[0], max_seqlen, *x.shape[1:]), value)
-    out[mask] = x
-    return out
-
-
-def check_packed(
-    input_ids: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int | None, max_positions: int
-) -> torch.Tensor:
-    """Validate a packed batch and return its lengths ``[B]`` int64 (one host sync).
-
-    ``input_ids [N]``; ``cu_seqlens [B+1]`` int32 on the same device, starting at 0, ending at N, every sequence
-    at least one token; ``max_seqlen`` an int >= the longest sequence and <= ``max_positions``.
-    """
-    if input_ids.dim() != 1:
-        raise ValueError(
-            f"packed input_ids must be [N] (cu_seqlens given), got shape {list(input_ids.shape)}"
-        )
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
-        raise ValueError("cu_seqlens must be a 1-D tensor [B+1] with B >= 1")
-    if cu_seqlens.dtype != torch.int32:
-        raise TypeError(f"cu_seqlens must be int32 (flash-attn's layout), got {cu_seqlens.dtype}")
-    if cu_seqlens.device != input_ids.device:
-        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but input_ids on {input_ids.device}")
-    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
-        raise TypeError(f"max_seqlen must be an int with packed inputs, got {max_seqlen!r}")
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    first, last, shortest, longest = (
-        int(v) for v in (cu_seqlens[0], cu_seqlens[-1], lengths.min(), lengths.max())
-    )
-    if first != 0 or last != input_ids.shape[0]:
-        raise ValueError(f"cu_seqlens must run from 0 to N = {input_ids.shape[0]}, got {first} .. {last}")
-    if shortest < 1:
-        raise ValueError("cu_seqlens holds an empty sequence: every packed sequence needs at least one token")
-    if not longest <= max_seqlen <= max_positions:
-        raise ValueError(
-            f"max_seqlen {max_seqlen} must be >= the longest sequence ({longest}) and <= {max_positions}"
-        )
-    return lengths
-
-
-def pool_packed(hidden: torch.Tensor, cu_seqlens: torch.Tensor, mode: str) -> torch.Tensor:
-    """Pool packed token states ``hidden [N, d]`` per sequence → ``[B, d]`` (same dtype).
-
-    ``mode``: ``"first"`` (the [CLS] token), ``"mean"`` (over the sequence's tokens) or ``"max"`` (element-wise).
-    Equals the masked pooling of the padded batch.
-    """
-    starts = cu_seqlens[:-1].long()
-    if mode == "first":
-        return hidden.index_select(0, starts)
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    segment = torch.repeat_interleave(torch.arange(lengths.shape[0], device=hidden.device), lengths)
-    index = segment[:, None].expand_as(hidden)
-    if mode == "mean":
-        total = hidden.new_zeros(lengths.shape[0], hidden.shape[1]).index_add(0, segment, hidden)
-        return total / lengths.clamp_min(1).to(hidden.dtype)[:, None]
-    if mode == "max":
-        init = hidden.new_full((lengths.shape[0], hidden.shape[1]), torch.finfo(hidden.dtype).min)
-        return init.scatter_reduce(0, index, hidden, reduce="amax", include_self=False)
-    raise ValueError(f"pooling mode {mode!r}: choose first, mean or max")
-
-
-@dataclass(frozen=True)
-class AttentionBucket:
-    """Sequences of similar length attended together in one padded block ``[size, length]``.
-
-    ``mask [size, length]`` bool (True = token); where each token lands is the plan's ``slots``.
-    """
-
-    mask: torch.Tensor
-    size: int
-    length: int
-
-    @functools.cached_property
-    def key_bias(self) -> torch.Tensor:
-        """The block's additive fp32 key bias ``[size, 1, 1, length]`` (:func:`fastpals.functional.key_mask_bias`),
-        built on first use and shared by every layer that attends over this block."""
-        from fastpals.functional import key_mask_bias
-
-        return key_mask_bias(self.mask, torch.float32)
-
-
-@dataclass(frozen=True)
-class AttentionPlan:
-    """How :func:`bucketed_attention` splits a packed batch: ``buckets``, laid out back to back in one padded
-    buffer of ``sum(size * length)`` slots, and ``slots [N]`` int64: the buffer slot of every packed token."""
-
-    buckets: list[AttentionBucket]
-    slots: torch.Tensor
-
-
-def attention_plan(cu_seqlens: torch.Tensor, ratio: float = 0.5) -> AttentionPlan:
-    """Group the sequences of ``cu_seqlens [B+1]`` by length for attention over padded blocks (the CPU path):
-    sorted longest first, a sequence joins the current block while its length is at least ``ratio`` times the
-    block's longest, so at most ``1 - ratio`` of a block's query rows (and keys) are padding.
-
-    The ratio trades padding against per-block overhead: on ``make train``'s batches (32 rows of 5-69 tokens,
-    MiniLM on 2 CPU cores), paired on the same batches, 0.5 made the update 0.87x as long as 0.8; 0.65 gave
-    0.94x and 0.35 1.03x."""
-    cu = cu_seqlens.detach().to("cpu", torch.int64).numpy()
-    lengths = cu[1:] - cu[:-1]
-    order = np.argsort(-lengths, kind="stable")
-    groups: list[list[int]] = []
-    for s in order:
-        if groups and lengths[s] >= ratio * lengths[groups[-1][0]]:
-            groups[-1].append(int(s))
-        else:
-            groups.append([int(s)])
-    device = cu_seqlens.device
-    buckets = []
-    slots = np.empty(int(cu[-1]), dtype=np.int64)
-    offset = 0
-    for group in groups:
-        length = int(lengths[group[0]])
-        tokens = np.concatenate([np.arange(cu[s], cu[s + 1]) for s in group])
-        local = np.concatenate([j * length + np.arange(lengths[s]) for j, s in enumerate(group)])
-        slots[tokens] = offset + local
-        offset += len(group) * length
-        mask = np.arange(length)[None, :] < lengths[group][:, None]
-        buckets.append(
-            AttentionBucket(mask=torch.from_numpy(mask).to(device), size=len(group), length=length)
-        )
-    return AttentionPlan(buckets=buckets, slots=torch.from_numpy(slots).to(device))
-
-
-def bucketed_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    plan: AttentionPlan,
-    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionBucket], torch.Tensor],
-) -> torch.Tensor:
-    """Packed attention computed block by block: ``q, k, v [N, H, Dh]`` → ``[N, H, Dh]``.
-
-    ``attend(q, k, v, bucket)`` is padded attention on ``[size, length, H, Dh]`` with the bucket's key mask
-    (``bucket.mask [size, length]`` bool, or its cached fp32 ``bucket.key_bias``; e.g.
-    :func:`fastpals.functional.attention_with_key_bias`); each sequence only sees its own keys, as in
-    :func:`fastpals.functional.attention_varlen_reference`, with padding bounded per block instead of padding
-    every sequence to the batch's longest. The tokens enter one padded buffer holding every block with one
-    scatter and leave it with one gather (``plan.slots``), so the backward adds no per-block full-size gradients.
-    """
-    qkv = torch.stack((q, k, v), 1)  # [N, 3, H, Dh]
-    sizes = [b.size * b.length for b in plan.buckets]
-    padded = qkv.new_zeros(sum(sizes), *qkv.shape[1:]).index_copy(0, plan.slots, qkv)
-    pieces = []
-    for b, block in zip(plan.buckets, padded.split(sizes)):
-        qb, kb, vb = block.view(b.size, b.length, *qkv.shape[1:]).unbind(2)
-        ctx = attend(qb, kb, vb, b)
-        pieces.append(ctx.reshape(b.size * b.length, *ctx.shape[2:]))
-    return torch.cat(pieces).index_select(0, plan.slots)
 
 
 def padding_fraction(batch: dict) -> float:
@@ -548,9 +378,104 @@ class MixedBatchSampler:
 # ----------------------------------------------------------------------------------------------------------------
 # Packing
 # ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class TaskRows:
+    """One task's share of a packed micro-batch, as host values: per example its token ids and token types
+    (``list[int]`` or int64 arrays, unpadded), and for siamese pair tasks those of its second sentences."""
+
+    task: int
+    input_ids: list[Any]
+    token_type_ids: list[Any]
+    input_ids_b: list[Any] | None = None
+    token_type_ids_b: list[Any] | None = None
+    labels: torch.Tensor | None = None
+    ids: list[str] | None = None
+    name: str | None = None
+
+
+def pack_task_rows(parts: Sequence[TaskRows], num_tasks: int) -> dict:
+    """Concatenate the tasks' rows (host lists, no padding anywhere) into one packed micro-batch, rows grouped by
+    task in increasing task order, and build its :class:`~fastpals.layout.BatchLayout` (validated here, once)."""
+    if len(parts) == 0:
+        raise ValueError("batches is empty")
+    tasks_given = [int(p.task) for p in parts]
+    if len(set(tasks_given)) != len(tasks_given) or not all(0 <= t < num_tasks for t in tasks_given):
+        raise ValueError(f"task_ids must be distinct ints in [0, {num_tasks}), got {tasks_given}")
+    labelled = [p.labels is not None for p in parts]
+    if any(labelled) and not all(labelled):
+        raise ValueError("some batches have labels and some do not")
+    ids_a, types_a, ids_b, types_b, rows_task, rows_b, labels, names, tasks = (
+        [],
+        [],
+        [],
+        [],
+        [],
+        [],
+        [],
+        [],
+        [],
+    )
+    task_examples = [0] * num_tasks
+    task_tokens = [0] * num_tasks
+    for part in sorted(parts, key=lambda p: p.task):
+        t, n = part.task, len(part.input_ids)
+        if part.input_ids_b is not None:
+            rows_b.extend(range(len(rows_task), len(rows_task) + n))
+            ids_b.extend(part.input_ids_b)
+            types_b.extend(part.token_type_ids_b)
+            task_tokens[t] += sum(len(x) for x in part.input_ids_b)
+        rows_task.extend([t] * n)
+        ids_a.extend(part.input_ids)
+        types_a.extend(part.token_type_ids)
+        task_examples[t] += n
+        task_tokens[t] += sum(len(x) for x in part.input_ids)
+        if part.labels is not None:
+            labels.append(part.labels.to(torch.float32))
+        names.extend(part.ids if part.ids is not None else [""] * n)
+        tasks.extend([part.name if part.name is not None else str(t)] * n)
+    lengths = np.asarray([len(x) for x in ids_a], dtype=np.int64)
+    layout = BatchLayout.from_lengths(lengths, rows_task, num_tasks)
+    out: dict[str, Any] = {
+        "input_ids": pack_rows(ids_a),
+        "token_type_ids": pack_rows(types_a),
+        "cu_seqlens": layout.cu_seqlens,
+        "max_seqlen": layout.max_seqlen,
+        "task_ids": layout.task_ids,
+    }
+    if ids_b:
+        lengths_b = np.asarray([len(x) for x in ids_b], dtype=np.int64)
+        second = BatchLayout.from_lengths(lengths_b, [rows_task[r] for r in rows_b], num_tasks)
+        layout.with_second(second, rows_b)
+        out.update(
+            input_ids_b=pack_rows(ids_b),
+            token_type_ids_b=pack_rows(types_b),
+            cu_seqlens_b=second.cu_seqlens,
+            max_seqlen_b=second.max_seqlen,
+        )
+    if labels:
+        out["labels"] = torch.cat(labels)
+    out["ids"] = names
+    out["tasks"] = tasks
+    out["task_examples"] = torch.tensor(task_examples, dtype=torch.int64)
+    out["task_tokens"] = torch.tensor(task_tokens, dtype=torch.int64)
+    out["num_tokens"] = int(sum(task_tokens))
+    out["layout"] = layout
+    return out
+
+
+def _unpadded_rows(ids: torch.Tensor, types: torch.Tensor, mask: torch.Tensor) -> tuple[list, list]:
+    """Host rows of a right-padded host batch ``[R, L]`` (raises ``ValueError`` on a mask that is not
+    ``1...1 0...0``)."""
+    _, cu, _ = unpad(ids, mask)  # validates the mask (host tensors: no device read)
+    lengths = (cu[1:] - cu[:-1]).tolist()
+    ids_l, types_l = ids.tolist(), types.tolist()
+    return [r[:n] for r, n in zip(ids_l, lengths)], [r[:n] for r, n in zip(types_l, lengths)]
+
+
 def pack_batches(batches: Sequence[dict], task_ids: Sequence[int], num_tasks: int) -> dict:
-    """Pack padded per-task batches (:meth:`fastpals.data.TaskBatcher.collate` dicts) into one packed mixed
-    micro-batch (the dict of the module docstring), rows grouped by task in increasing task order.
+    """Pack padded per-task batches (:meth:`fastpals.data.TaskBatcher.collate` dicts, host tensors) into one packed
+    mixed micro-batch (the dict of the module docstring, with its ``layout``), rows grouped by task in increasing
+    task order. The trainer packs straight from the token lists instead (:func:`collate_packed`).
 
     ``task_ids[i]``: the model's index of ``batches[i]``'s task (distinct, in ``[0, num_tasks)``). Batches with
     ``input_ids_b`` (``pair_encoding="separate"`` or ``"both"``) are siamese: their ``input_ids`` is sentence 1
@@ -560,78 +485,29 @@ def pack_batches(batches: Sequence[dict], task_ids: Sequence[int], num_tasks: in
         raise ValueError("batches is empty")
     if len(task_ids) != len(batches):
         raise ValueError(f"batches has {len(batches)} entries but task_ids has {len(task_ids)}")
-    task_ids = [int(t) for t in task_ids]
-    if len(set(task_ids)) != len(task_ids) or not all(0 <= t < num_tasks for t in task_ids):
-        raise ValueError(f"task_ids must be distinct ints in [0, {num_tasks}), got {task_ids}")
-    labelled = ["labels" in b for b in batches]
-    if any(labelled) and not all(labelled):
-        raise ValueError("some batches have labels and some do not")
-    order = sorted(range(len(batches)), key=lambda i: task_ids[i])
-    ids_a, types_a, lengths_a, ids_b, types_b, lengths_b = [], [], [], [], [], []
-    rows_task, labels, names, tasks = [], [], [], []
-    task_examples = torch.zeros(num_tasks, dtype=torch.int64)
-    task_tokens = torch.zeros(num_tasks, dtype=torch.int64)
-    for i in order:
-        batch, t = batches[i], task_ids[i]
-        x, cu, _ = unpad(
-            torch.stack([batch["input_ids"], batch["token_type_ids"]], -1), batch["attention_mask"]
+    parts = []
+    for batch, t in zip(batches, task_ids):
+        ids, types = _unpadded_rows(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])
+        part = TaskRows(
+            int(t), ids, types, labels=batch.get("labels"), ids=batch.get("ids"), name=batch.get("task")
         )
-        ids_a.append(x[:, 0])
-        types_a.append(x[:, 1])
-        lens = cu[1:] - cu[:-1]
-        lengths_a.append(lens)
-        n = lens.shape[0]
-        tokens = int(cu[-1])
         if "input_ids_b" in batch:
-            xb, cub, _ = unpad(
-                torch.stack([batch["input_ids_b"], batch["token_type_ids_b"]], -1), batch["attention_mask_b"]
+            part.input_ids_b, part.token_type_ids_b = _unpadded_rows(
+                batch["input_ids_b"], batch["token_type_ids_b"], batch["attention_mask_b"]
             )
-            ids_b.append(xb[:, 0])
-            types_b.append(xb[:, 1])
-            lengths_b.append(cub[1:] - cub[:-1])
-            tokens += int(cub[-1])
-        rows_task.append(torch.full((n,), t, dtype=torch.int64))
-        task_examples[t] += n
-        task_tokens[t] += tokens
-        if all(labelled):
-            labels.append(batch["labels"].to(torch.float32))
-        names.extend(batch.get("ids", [""] * n))
-        tasks.extend([batch.get("task", str(t))] * n)
-    lengths = torch.cat(lengths_a)
-    out: dict[str, Any] = {
-        "input_ids": torch.cat(ids_a),
-        "token_type_ids": torch.cat(types_a),
-        "cu_seqlens": lengths_to_cu_seqlens(lengths),
-        "max_seqlen": int(lengths.max()),
-        "task_ids": torch.cat(rows_task),
-    }
-    if ids_b:
-        lb = torch.cat(lengths_b)
-        out.update(
-            input_ids_b=torch.cat(ids_b),
-            token_type_ids_b=torch.cat(types_b),
-            cu_seqlens_b=lengths_to_cu_seqlens(lb),
-            max_seqlen_b=int(lb.max()),
-        )
-    if labels:
-        out["labels"] = torch.cat(labels)
-    out["ids"] = names
-    out["tasks"] = tasks
-    out["task_examples"] = task_examples
-    out["task_tokens"] = task_tokens
-    out["num_tokens"] = int(task_tokens.sum())
-    return out
+        parts.append(part)
+    return pack_task_rows(parts, num_tasks)
 
 
 def collate_packed(batchers: Sequence[TaskBatcher], selection: MixedSelection) -> dict:
-    """The packed micro-batch of ``selection``: ``batchers[t].collate`` of task t's indices (tasks with no
-    example skipped), packed by :func:`pack_batches`."""
+    """The packed micro-batch of ``selection``: each task's selected examples straight from its batcher's token
+    lists (:meth:`fastpals.data.TaskBatcher.task_rows`, no padding made), packed by :func:`pack_task_rows`."""
     if len(batchers) != len(selection.indices):
         raise ValueError(f"{len(batchers)} batchers for a selection over {len(selection.indices)} tasks")
     present = [t for t, idx in enumerate(selection.indices) if len(idx)]
     if not present:
         raise ValueError("the selection holds no example")
-    return pack_batches([batchers[t].collate(selection.indices[t]) for t in present], present, len(batchers))
+    return pack_task_rows([batchers[t].task_rows(selection.indices[t], t) for t in present], len(batchers))
 
 
 _FORWARD_KEYS = (
@@ -640,9 +516,18 @@ _FORWARD_KEYS = (
 
 
 def model_inputs(batch: dict, device: torch.device | str) -> dict[str, Any]:
-    """The keyword arguments of ``MultiTaskBert.forward`` from a packed batch, tensors moved to ``device``."""
+    """The keyword arguments of ``MultiTaskBert.forward`` from a packed batch, tensors moved to ``device``: the
+    token tensors and the batch's ``layout`` (whose ``task_ids`` / ``cu_seqlens`` are the ``task_ids`` /
+    ``cu_seqlens`` entries, for callers such as :func:`fastpals.surgery.per_task_gradients`)."""
     out: dict[str, Any] = {k: batch[k].to(device, non_blocking=True) for k in _FORWARD_KEYS if k in batch}
     out["max_seqlen"] = batch["max_seqlen"]
     if "max_seqlen_b" in batch:
         out["max_seqlen_b"] = batch["max_seqlen_b"]
+    layout = batch.get("layout")
+    if layout is not None:
+        layout = layout.to(device)
+        out["layout"] = layout
+        out["task_ids"], out["cu_seqlens"] = layout.task_ids, layout.cu_seqlens
+        if layout.second is not None:
+            out["cu_seqlens_b"] = layout.second.cu_seqlens
     return out

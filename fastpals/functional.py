@@ -62,12 +62,15 @@ class TaskGroups:
     offsets: torch.Tensor
 
 
-def check_task_ids(task_ids: object, num_tasks: int, batch: int, device: torch.device) -> torch.Tensor:
+def check_task_ids(
+    task_ids: object, num_tasks: int, batch: int, device: torch.device, check_values: bool = True
+) -> torch.Tensor:
     """Validate ``task_ids`` (one integer task per example) and return it as int64.
 
     Raises ``TypeError``/``ValueError`` naming the argument on a wrong type, dtype, shape, device or range.
     The range check reads the tensor once (a device sync); it guarantees no kernel ever indexes a weight out of
-    bounds.
+    bounds. ``check_values=False`` leaves the range to the caller (:func:`fastpals.layout.make_layout` checks
+    it on the host values it reads anyway).
     """
     if not isinstance(task_ids, torch.Tensor):
         raise TypeError(f"task_ids must be a torch.Tensor of integer task ids, got {type(task_ids).__name__}")
@@ -79,7 +82,7 @@ def check_task_ids(task_ids: object, num_tasks: int, batch: int, device: torch.d
         )
     if task_ids.device != device:
         raise ValueError(f"task_ids is on {task_ids.device} but the inputs are on {device}")
-    if batch > 0:
+    if batch > 0 and check_values:
         lo, hi = int(task_ids.min()), int(task_ids.max())
         if lo < 0 or hi >= num_tasks:
             bad = lo if lo < 0 else hi

@@ -42,7 +42,7 @@ from fastpals.functional import (
     key_mask_bias,
     segment_linear,
 )
-from fastpals.layout import BatchLayout, make_layout
+from fastpals.layout import BatchLayout, bucketed_attention, layout_from_cu_seqlens, make_layout
 from fastpals.task_params import (
     freeze_shared_parameters,
     is_layer_norm,
@@ -256,7 +256,6 @@ class BertSelfAttention(nn.Module):
             )  # fmt: skip
             return ctx.reshape(q.shape)
         if layout.buckets:  # padded blocks of similar lengths, not every sequence padded to the longest
-            from fastpals.batching import bucketed_attention
 
             def attend(qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, bucket: Any) -> torch.Tensor:
                 return padded_attention(qb, kb, vb, bucket.mask, dropout, key_bias=bucket.key_bias)
@@ -267,7 +266,7 @@ class BertSelfAttention(nn.Module):
             return ctx.reshape(q.shape)
         q, k, v = (layout.to_padded(t) for t in (q, k, v))
         b, n, d = q.shape
-        ctx = padded_attention(*(t.view(b, n, *shape[1:]) for t in (q, k, v)), layout.mask, dropout)
+        ctx = padded_attention(*(t.view(b, n, *shape[1:]) for t in (q, k, v)), layout.padding_mask(), dropout)
         return layout.to_rows(ctx.reshape(b, n, d))
 
 
@@ -423,7 +422,7 @@ class PALLayer(nn.Module):
         dropout = self.dropout_p if self.training else 0.0
         args = (layout.task_ids, p.enc_weight, p.enc_bias, self.qkv_weight, self.qkv_bias, p.dec_weight,
                 p.dec_bias, self.num_heads, self.gelu, dropout)  # fmt: skip
-        where = {"mask": layout.mask, "cu_seqlens": layout.cu_seqlens if layout.packed else None,
+        where = {"mask": None if layout.packed else layout.mask, "cu_seqlens": layout.cu_seqlens if layout.packed else None,
                  "max_seqlen": layout.max_seqlen}  # fmt: skip
         if layout.buckets and dispatch.backend("pal", h) == "reference":  # CPU packed: no padded PAL work
             ts = _packed_reference_pal(h, layout, args)
@@ -440,8 +439,6 @@ class PALLayer(nn.Module):
 def _packed_reference_pal(h: torch.Tensor, layout: BatchLayout, args: tuple) -> torch.Tensor:
     """:func:`pal_varlen_reference` composed of the same reference ops, with the grouped linears on the packed
     tokens only (each token's task from ``row_task_ids``) and the attention over length buckets."""
-    from fastpals.batching import bucketed_attention
-
     _, enc_w, enc_b, qkv_w, qkv_b, dec_w, dec_b, num_heads, gelu, dropout = args
     tasks, counts = layout.row_task_ids, layout.task_segments(enc_w.shape[0])
 
@@ -586,19 +583,22 @@ class BertModel(nn.Module):
         unpad: bool = False,
         cu_seqlens: torch.Tensor | None = None,
         max_seqlen: int | None = None,
+        layout: BatchLayout | None = None,
     ) -> BertOutput:
         """input_ids/attention_mask/token_type_ids: [B, L] int; task_ids: [B] int (needed when the model has
         task-specific parameters). ``unpad=True`` runs every token-wise op on the packed [N, d] tokens only
         (right-padded masks), which saves the work on padding for batches of short sentences.
 
-        Packed inputs (no padding anywhere, see :mod:`fastpals.batching`): ``input_ids``/``token_type_ids``
-        ``[N]`` int64 with the ``B`` sequences back to back, ``cu_seqlens [B+1]`` int32 (``cu_seqlens[i]`` = start
-        of sequence i, ``cu_seqlens[B] = N``), ``max_seqlen`` int >= the longest sequence, no ``attention_mask``.
-        They run the same unpadded path as ``unpad=True``; the output's ``last_hidden_state`` is packed ``[N, d]``.
+        Packed inputs (no padding anywhere, see :mod:`fastpals.layout`): ``input_ids``/``token_type_ids``
+        ``[N]`` int64 with the ``B`` sequences back to back and their ``layout`` (a packed
+        :class:`~fastpals.layout.BatchLayout` built at collate time: no host read here), or ``cu_seqlens [B+1]``
+        int32 (``cu_seqlens[i]`` = start of sequence i, ``cu_seqlens[B] = N``), ``max_seqlen`` int >= the longest
+        sequence and ``task_ids``, from which a layout is built (one host read). No ``attention_mask``. They run the
+        same unpadded path as ``unpad=True``; the output's ``last_hidden_state`` is packed ``[N, d]``.
         """
-        if cu_seqlens is not None:
+        if cu_seqlens is not None or (layout is not None and input_ids.dim() == 1):
             return self._forward_packed(
-                input_ids, attention_mask, token_type_ids, task_ids, cu_seqlens, max_seqlen
+                input_ids, attention_mask, token_type_ids, task_ids, cu_seqlens, max_seqlen, layout
             )
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, length], got shape {list(input_ids.shape)}")
@@ -616,19 +616,47 @@ class BertModel(nn.Module):
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
         task_specific = self.pal_config is not None and self.pal_config.variant != "none"
-        if task_specific:
-            if task_ids is None:
+        if layout is not None:  # the caller built it (and checked the task ids) from this batch
+            if (layout.batch, layout.length) != (b, n) or layout.packed != unpad:
                 raise ValueError(
-                    "this model has task-specific PAL parameters: pass task_ids (one per example)"
+                    f"the layout ({layout.batch} x {layout.length}) does not describe this batch"
                 )
-            task_ids = check_task_ids(task_ids, self.num_tasks, b, input_ids.device)
-        layout = make_layout(attention_mask, task_ids, unpad, (b, n))
-        x = layout.to_rows(self.embeddings(input_ids, token_type_ids))
+        else:
+            if task_specific:
+                if task_ids is None:
+                    raise ValueError(
+                        "this model has task-specific PAL parameters: pass task_ids (one per example)"
+                    )
+                task_ids = check_task_ids(task_ids, self.num_tasks, b, input_ids.device, check_values=False)
+            layout = make_layout(
+                attention_mask, task_ids if task_specific else None, unpad, (b, n), self.num_tasks
+            )
+        if task_specific and layout.task_ids is None:
+            raise ValueError("this model has task-specific PAL parameters: pass task_ids (one per example)")
+        return self.forward_layout(input_ids, token_type_ids, layout)
+
+    def forward_layout(
+        self, input_ids: torch.Tensor, token_type_ids: torch.Tensor, layout: BatchLayout
+    ) -> BertOutput:
+        """The encoder on a batch whose :class:`~fastpals.layout.BatchLayout` is known: ``input_ids`` /
+        ``token_type_ids`` ``[B, L]`` (padded layouts) or ``[N]`` (packed ones). Reads no device value on the
+        host."""
+        if layout.packed and input_ids.dim() == 1:
+            x = self.embeddings(input_ids, token_type_ids, layout.position_ids)
+        else:
+            x = layout.to_rows(self.embeddings(input_ids, token_type_ids))
         for layer in self.encoder.layer:
             x = layer(x, layout)
+        if input_ids.dim() == 1:  # packed in, packed out
+            if self.pal_top is not None:
+                x = layout.to_rows(self.pal_top(layout.to_padded(x), layout.padding_mask(), layout.task_ids))
+            cls = x.index_select(0, layout.cls_index)
+            return BertOutput(
+                last_hidden_state=x, pooler_output=self.pooler(cls[:, None]), cu_seqlens=layout.cu_seqlens
+            )
         hidden = layout.to_padded(x)
         if self.pal_top is not None:
-            hidden = self.pal_top(hidden, layout.mask, task_ids)
+            hidden = self.pal_top(hidden, layout.padding_mask(), layout.task_ids)
         return BertOutput(last_hidden_state=hidden, pooler_output=self.pooler(hidden))
 
     def _forward_packed(
@@ -637,38 +665,35 @@ class BertModel(nn.Module):
         attention_mask: torch.Tensor | None,
         token_type_ids: torch.Tensor | None,
         task_ids: torch.Tensor | None,
-        cu_seqlens: torch.Tensor,
+        cu_seqlens: torch.Tensor | None,
         max_seqlen: int | None,
+        layout: BatchLayout | None,
     ) -> BertOutput:
-        from fastpals.batching import check_packed, cu_seqlens_to_mask, packed_position_ids
-
         if attention_mask is not None:
             raise ValueError("packed inputs (cu_seqlens given) take no attention_mask")
-        lengths = check_packed(input_ids, cu_seqlens, max_seqlen, self.config.max_position_embeddings)
-        b = lengths.shape[0]
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
         if token_type_ids.shape != input_ids.shape:
             raise ValueError(
                 f"token_type_ids shape {list(token_type_ids.shape)} != input_ids {list(input_ids.shape)}"
             )
-        if self.pal_config is not None and self.pal_config.variant != "none":
-            if task_ids is None:
+        task_specific = self.pal_config is not None and self.pal_config.variant != "none"
+        if layout is None:
+            if task_specific and task_ids is None:
                 raise ValueError(
                     "this model has task-specific PAL parameters: pass task_ids (one per sequence)"
                 )
-            task_ids = check_task_ids(task_ids, self.num_tasks, b, input_ids.device)
-        mask = cu_seqlens_to_mask(cu_seqlens, int(max_seqlen))
-        layout = make_layout(mask, task_ids, True, (b, int(max_seqlen)))
-        layout.buckets = True
-        position_ids = packed_position_ids(cu_seqlens, input_ids.shape[0])
-        x = self.embeddings(input_ids, token_type_ids, position_ids)
-        for layer in self.encoder.layer:
-            x = layer(x, layout)
-        if self.pal_top is not None:
-            x = layout.to_rows(self.pal_top(layout.to_padded(x), layout.mask, task_ids))
-        cls = x.index_select(0, cu_seqlens[:-1].long())
-        return BertOutput(last_hidden_state=x, pooler_output=self.pooler(cls[:, None]), cu_seqlens=cu_seqlens)
+            layout = layout_from_cu_seqlens(
+                input_ids, cu_seqlens, max_seqlen, task_ids if task_specific else None, self.num_tasks,
+                self.config.max_position_embeddings,
+            )  # fmt: skip
+        elif input_ids.dim() != 1 or input_ids.shape[0] != layout.total:
+            raise ValueError(
+                f"packed input_ids must be [N] = [{layout.total}] (the layout's tokens), got {list(input_ids.shape)}"
+            )
+        if task_specific and layout.task_ids is None:
+            raise ValueError("this model has task-specific PAL parameters: the layout needs task ids")
+        return self.forward_layout(input_ids, token_type_ids, layout)
 
     # ------------------------------------------------------------------------------------------------------------
     @classmethod

@@ -15,11 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from fastpals.functional import Dropout
+from fastpals.layout import BatchLayout, make_layout, pool_packed
 from fastpals.model import BertConfig, BertModel, PALConfig, state_dict_mismatches, task_specific_kind
 from fastpals.tasks import TASKS, TaskSpec, get_task
 
@@ -103,7 +105,9 @@ class MultiTaskOutput:
     logits: torch.Tensor
     task_ids: torch.Tensor
     pooled: torch.Tensor
-    row_tokens: torch.Tensor | None = None  # [B] int64: tokens the row ran (both sentences for siamese rows)
+    row_tokens: torch.Tensor | None = None  # unused; kept for callers that construct outputs themselves
+    layout: BatchLayout | None = None  # the batch's layout (host task counts and row ranges)
+    task_tokens: list[int] | None = None  # per task: tokens its rows ran (both sentences for siamese rows)
 
 
 @dataclass
@@ -274,8 +278,6 @@ class MultiTaskBert(nn.Module):
         if spec.pooling == "cls":
             return out.pooler_output
         if out.cu_seqlens is not None:  # packed [N, d]
-            from fastpals.batching import pool_packed
-
             return pool_packed(out.last_hidden_state, out.cu_seqlens, spec.pooling)
         h = out.last_hidden_state
         m = mask.to(h.dtype).unsqueeze(-1)
@@ -297,89 +299,96 @@ class MultiTaskBert(nn.Module):
         max_seqlen: int | None = None,
         cu_seqlens_b: torch.Tensor | None = None,
         max_seqlen_b: int | None = None,
+        layout: BatchLayout | None = None,
     ) -> MultiTaskOutput:
         """input_ids etc. ``[B, L]``; task_ids ``[B]`` int64 (may be omitted for a one-task model).
 
         Siamese pair tasks (``pair_mode`` sbert_*) take the second sentences in ``*_b`` ``[B, L2]`` (rows of other
         tasks are ignored there). Returns :class:`MultiTaskOutput`.
 
-        Packed inputs (:mod:`fastpals.batching`, no padding): ``input_ids``/``token_type_ids`` ``[N]``,
-        ``cu_seqlens [B+1]`` int32, ``max_seqlen``, no attention masks; the second sentences of the siamese rows
-        (only those, in row order) as ``input_ids_b``/``token_type_ids_b`` ``[N2]``, ``cu_seqlens_b [B2+1]``,
-        ``max_seqlen_b``. The encoder runs its unpadded path (Triton ``pal_varlen`` and flash-attn varlen on CUDA
-        when available) and pooling reads the packed rows.
+        Packed inputs (:mod:`fastpals.batching`, no padding): ``input_ids``/``token_type_ids`` ``[N]`` and the
+        batch's ``layout`` (:func:`fastpals.batching.model_inputs` passes both; the step then reads no device
+        value on the host), or ``cu_seqlens [B+1]`` int32 and ``max_seqlen`` (a layout is then built from them
+        with one host read), no attention masks; the second sentences of the siamese rows (only those, in row
+        order) as ``input_ids_b``/``token_type_ids_b`` ``[N2]`` (with ``layout.second``, or ``cu_seqlens_b
+        [B2+1]`` and ``max_seqlen_b``). The encoder runs its unpadded path (Triton ``pal_varlen`` and flash-attn
+        varlen on CUDA when available) and pooling reads the packed rows.
         """
-        if cu_seqlens is not None:
+        if layout is not None or cu_seqlens is not None:
             return self._forward_packed(
                 input_ids, attention_mask, token_type_ids, task_ids, input_ids_b, token_type_ids_b, cu_seqlens,
-                max_seqlen, cu_seqlens_b, max_seqlen_b,
+                max_seqlen, cu_seqlens_b, max_seqlen_b, layout,
             )  # fmt: skip
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, length], got shape {list(input_ids.shape)}")
         b = input_ids.shape[0]
         task_ids = self._task_ids(task_ids, b, input_ids.device)
-        enc_tasks = task_ids if self.bert.num_tasks else None
-        out_a = self.bert(input_ids, attention_mask, token_type_ids, enc_tasks, unpad=unpad)
-        present = torch.bincount(task_ids, minlength=len(self.tasks)).tolist()  # one host sync per batch
-        out_b = None
-        if any(present[i] and s.siamese for i, s in enumerate(self.tasks)):
+        num = len(self.tasks)
+        layout = make_layout(
+            attention_mask, task_ids, unpad, tuple(input_ids.shape), num
+        )  # reads the host once
+        out_a = self.bert(input_ids, attention_mask, token_type_ids, task_ids, unpad=unpad, layout=layout)
+        out_b, tokens = None, list(layout.task_tokens)
+        if any(self.tasks[t].siamese for t in layout.present):
             if input_ids_b is None or attention_mask_b is None:
                 raise ValueError("siamese pair tasks need input_ids_b and attention_mask_b")
-            out_b = self.bert(input_ids_b, attention_mask_b, token_type_ids_b, enc_tasks, unpad=unpad)
+            layout_b = make_layout(attention_mask_b, task_ids, unpad, tuple(input_ids_b.shape), num)
+            out_b = self.bert(
+                input_ids_b, attention_mask_b, token_type_ids_b, task_ids, unpad=unpad, layout=layout_b
+            )
+            tokens = [
+                n + (layout_b.task_tokens[t] if self.tasks[t].siamese else 0) for t, n in enumerate(tokens)
+            ]
         logits = self._head_logits(
-            task_ids, present, out_a.pooler_output,
-            lambda spec, idx: self._features(spec, out_a, attention_mask).index_select(0, idx),
-            lambda spec, idx: self._features(spec, out_b, attention_mask_b).index_select(0, idx),
+            layout, out_a.pooler_output,
+            lambda spec, rows: _take(self._features(spec, out_a, attention_mask), rows),
+            lambda spec, rows: _take(self._features(spec, out_b, attention_mask_b), rows),
         )  # fmt: skip
-        row_tokens = attention_mask.sum(1).long()
-        if out_b is not None:
-            siamese = self._siamese_rows(task_ids)
-            row_tokens = row_tokens + torch.where(siamese, attention_mask_b.sum(1).long(), 0)
         return MultiTaskOutput(
-            logits=logits, task_ids=task_ids, pooled=out_a.pooler_output, row_tokens=row_tokens
+            logits=logits, task_ids=task_ids, pooled=out_a.pooler_output, layout=layout, task_tokens=tokens
         )
 
-    def _siamese_rows(self, task_ids: torch.Tensor) -> torch.Tensor:
-        """[B] bool: the rows whose task is a siamese pair task."""
-        flags = torch.tensor([s.siamese for s in self.tasks], device=task_ids.device)
-        return flags.index_select(0, task_ids)
-
     def _task_ids(self, task_ids: torch.Tensor | None, b: int, device: torch.device) -> torch.Tensor:
-        """``task_ids`` checked (long ``[B]``), or zeros for a one-task model."""
+        """``task_ids`` checked (long ``[B]``; its range is checked where the layout reads it), or zeros for a
+        one-task model."""
         from fastpals.functional import check_task_ids
 
         if task_ids is None:
             if len(self.tasks) != 1:
                 raise ValueError("task_ids is required for a model with more than one task")
             task_ids = torch.zeros(b, dtype=torch.long, device=device)
-        return check_task_ids(task_ids, len(self.tasks), b, device)
+        return check_task_ids(task_ids, len(self.tasks), b, device, check_values=False)
 
     def _head_logits(
-        self,
-        task_ids: torch.Tensor,
-        present: list[int],
-        pooled: torch.Tensor,
-        features_a: Any,
-        features_b: Any,
+        self, layout: BatchLayout, pooled: torch.Tensor, features_a: Any, features_b: Any
     ) -> torch.Tensor:
         """Logits ``[B, max num_labels]``: each present task's head on its rows' features (``features_a(spec,
-        idx)``, and for siamese tasks ``features_b(spec, idx)`` of the second sentences: cosine, or the head on
-        ``(u, v, |u - v|)``)."""
+        rows)``, and for siamese tasks ``features_b(spec, rows)`` of the second sentences: cosine, or the head on
+        ``(u, v, |u - v|)``); ``rows`` is :meth:`BatchLayout.rows_of` (a slice when rows are grouped by task)."""
         width = max(t.num_labels for t in self.tasks)
-        logits = pooled.new_zeros(task_ids.shape[0], width)
-        for i, spec in enumerate(self.tasks):
-            if not present[i]:
-                continue
-            idx = (task_ids == i).nonzero(as_tuple=True)[0]
-            u = features_a(spec, idx)
+        pieces = []
+        logits = None if layout.grouped else pooled.new_zeros(layout.batch, width)
+        for i in layout.present:
+            spec = self.tasks[i]
+            rows = layout.rows_of(i)
+            u = features_a(spec, rows)
             if spec.siamese:
-                v = features_b(spec, idx)
+                v = features_b(spec, rows)
                 if spec.pair_mode == "sbert_cosine":
-                    logits = logits.index_put((idx, torch.zeros_like(idx)), F.cosine_similarity(u, v, dim=-1))
-                    continue
-                u = torch.cat([u, v, (u - v).abs()], dim=-1)
-            y = self.heads[spec.name](u)
-            logits = logits.index_copy(0, idx, F.pad(y, (0, width - spec.num_labels)))
+                    y = F.cosine_similarity(u, v, dim=-1)[:, None]
+                else:
+                    y = self.heads[spec.name](torch.cat([u, v, (u - v).abs()], dim=-1))
+            else:
+                y = self.heads[spec.name](u)
+            y = F.pad(y, (0, width - y.shape[1]))
+            if logits is None:
+                pieces.append(y)
+            else:
+                logits = logits.index_copy(0, rows, y.to(logits.dtype))
+        if logits is None:
+            logits = torch.cat(pieces) if pieces else pooled.new_zeros(0, width)
         return logits
 
     def _forward_packed(
@@ -390,46 +399,73 @@ class MultiTaskBert(nn.Module):
         task_ids: torch.Tensor | None,
         input_ids_b: torch.Tensor | None,
         token_type_ids_b: torch.Tensor | None,
-        cu_seqlens: torch.Tensor,
+        cu_seqlens: torch.Tensor | None,
         max_seqlen: int | None,
         cu_seqlens_b: torch.Tensor | None,
         max_seqlen_b: int | None,
+        layout: BatchLayout | None,
     ) -> MultiTaskOutput:
         if attention_mask is not None:
             raise ValueError("packed inputs (cu_seqlens given) take no attention_mask")
-        b = cu_seqlens.shape[0] - 1
-        task_ids = self._task_ids(task_ids, b, input_ids.device)
-        enc_tasks = task_ids if self.bert.num_tasks else None
-        out_a = self.bert(
-            input_ids, None, token_type_ids, enc_tasks, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen
-        )
-        present = torch.bincount(task_ids, minlength=len(self.tasks)).tolist()  # one host sync per batch
-        row_tokens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-        out_b, slot_b = None, None
-        if any(present[i] and s.siamese for i, s in enumerate(self.tasks)):
-            rows_b = self._siamese_rows(task_ids).nonzero(as_tuple=True)[0]
-            if input_ids_b is None or cu_seqlens_b is None:
+        num = len(self.tasks)
+        max_pos = self.config.bert.max_position_embeddings
+        if layout is None:  # packed tensors without their layout: read them on the host once, here
+            from fastpals.layout import layout_from_cu_seqlens
+
+            b = cu_seqlens.shape[0] - 1
+            task_ids = self._task_ids(task_ids, b, input_ids.device)
+            layout = layout_from_cu_seqlens(input_ids, cu_seqlens, max_seqlen, task_ids, num, max_pos)
+            siamese_rows = np.flatnonzero([self.tasks[t].siamese for t in layout.host_task_ids])
+            if siamese_rows.size and input_ids_b is not None and cu_seqlens_b is not None:
+                if cu_seqlens_b.shape[0] - 1 != siamese_rows.size:
+                    raise ValueError(
+                        f"cu_seqlens_b holds {cu_seqlens_b.shape[0] - 1} sequences for {siamese_rows.size} "
+                        "siamese rows"
+                    )
+                second = layout_from_cu_seqlens(
+                    input_ids_b, cu_seqlens_b, max_seqlen_b, layout.task_ids.index_select(
+                        0, torch.as_tensor(siamese_rows, device=input_ids.device)), num, max_pos,
+                )  # fmt: skip
+                layout.with_second(second, siamese_rows)
+        elif layout.host_task_ids is None or layout.num_tasks != num:
+            raise ValueError(f"the batch's layout must hold task ids of this model's {num} tasks")
+        if layout.max_seqlen > max_pos:
+            raise ValueError(
+                f"a sequence of {layout.max_seqlen} tokens exceeds max_position_embeddings {max_pos}"
+            )
+        enc_tasks = layout.task_ids if self.bert.num_tasks else None
+        out_a = self.bert(input_ids, None, token_type_ids, enc_tasks, layout=layout)
+        tokens = list(layout.task_tokens)
+        out_b = None
+        if any(self.tasks[t].siamese for t in layout.present):
+            second = layout.second
+            if input_ids_b is None or second is None:
                 raise ValueError(
                     "siamese pair tasks need input_ids_b and cu_seqlens_b (their second sentences)"
                 )
-            if cu_seqlens_b.shape[0] - 1 != rows_b.shape[0]:
-                raise ValueError(
-                    f"cu_seqlens_b holds {cu_seqlens_b.shape[0] - 1} sequences for {rows_b.shape[0]} siamese rows"
-                )
-            enc_b = None if enc_tasks is None else enc_tasks.index_select(0, rows_b)
-            out_b = self.bert(
-                input_ids_b, None, token_type_ids_b, enc_b, cu_seqlens=cu_seqlens_b, max_seqlen=max_seqlen_b
-            )
-            slot_b = torch.full((b,), -1, dtype=torch.long, device=task_ids.device)
-            slot_b[rows_b] = torch.arange(rows_b.shape[0], device=task_ids.device)
-            row_tokens = row_tokens.index_add(0, rows_b, (cu_seqlens_b[1:] - cu_seqlens_b[:-1]).long())
+            expected = int(sum(self.tasks[t].siamese for t in layout.host_task_ids))
+            if second.batch != expected:
+                raise ValueError(f"cu_seqlens_b holds {second.batch} sequences for {expected} siamese rows")
+            out_b = self.bert(input_ids_b, None, token_type_ids_b, enc_tasks, layout=second)
+            tokens = [n + second.task_tokens[t] for t, n in enumerate(tokens)]
+
+        def rows_b(i: int, rows: slice | torch.Tensor) -> slice | torch.Tensor:
+            if isinstance(rows, slice):
+                a, b = layout.second.example_ranges[i]
+                return slice(a, b)
+            return layout.second_slot.index_select(0, rows)
+
         logits = self._head_logits(
-            task_ids, present, out_a.pooler_output,
-            lambda spec, idx: self._features(spec, out_a, None).index_select(0, idx),
-            lambda spec, idx: self._features(spec, out_b, None).index_select(0, slot_b.index_select(0, idx)),
+            layout, out_a.pooler_output,
+            lambda spec, rows: _take(self._features(spec, out_a, None), rows),
+            lambda spec, rows: _take(self._features(spec, out_b, None), rows_b(self.task_index(spec.name), rows)),
         )  # fmt: skip
         return MultiTaskOutput(
-            logits=logits, task_ids=task_ids, pooled=out_a.pooler_output, row_tokens=row_tokens
+            logits=logits,
+            task_ids=layout.task_ids,
+            pooled=out_a.pooler_output,
+            layout=layout,
+            task_tokens=tokens,
         )
 
     def _task_loss(self, spec: TaskSpec, z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -452,34 +488,29 @@ class MultiTaskBert(nn.Module):
           equal size computes.
         - ``"equal"``: ``total = (1 / T_present) sum_t L_t``, each task present counts equally.
 
-        labels ``[B]`` float (as :meth:`loss`). Also returns each task's example and token counts (one host sync).
+        labels ``[B]`` float (as :meth:`loss`). Also returns each task's example and token counts: host values
+        of the batch's layout (no device read; the losses stay on the device).
         """
         if weighting not in TASK_WEIGHTINGS:
             raise ValueError(f"task weighting {weighting!r}: choose one of {', '.join(TASK_WEIGHTINGS)}")
-        num = len(self.tasks)
-        counts = torch.bincount(output.task_ids, minlength=num)
-        if output.row_tokens is not None:
-            tokens = torch.zeros(num, dtype=torch.long, device=counts.device).index_add(
-                0, output.task_ids, output.row_tokens
-            )
-        else:
-            tokens = torch.zeros_like(counts)
-        counts_l, tokens_l = counts.tolist(), tokens.tolist()
-        present = [i for i in range(num) if counts_l[i]]
-        rows = sum(counts_l)
+        layout = _output_layout(output, len(self.tasks))
+        counts = layout.task_examples
+        tokens = output.task_tokens if output.task_tokens is not None else [0] * len(counts)
+        present = layout.present
+        rows = sum(counts)
         total = output.logits.new_zeros((), dtype=torch.float32)
         result = TaskLosses(total=total, per_task={}, weights={}, examples={}, tokens={})
         for i in present:
             spec = self.tasks[i]
-            idx = (output.task_ids == i).nonzero(as_tuple=True)[0]
-            z = output.logits.index_select(0, idx)[:, : spec.num_labels]
-            loss = self._task_loss(spec, z, labels.index_select(0, idx))
-            w = counts_l[i] / rows if weighting == "examples" else 1.0 / len(present)
+            sel = layout.rows_of(i)
+            z = _take(output.logits, sel)[:, : spec.num_labels]
+            loss = self._task_loss(spec, z, _take(labels, sel))
+            w = counts[i] / rows if weighting == "examples" else 1.0 / len(present)
             total = total + w * loss
             result.per_task[spec.name] = loss
             result.weights[spec.name] = w
-            result.examples[spec.name] = counts_l[i]
-            result.tokens[spec.name] = tokens_l[i]
+            result.examples[spec.name] = counts[i]
+            result.tokens[spec.name] = tokens[i]
         result.total = total
         return result
 
@@ -490,14 +521,14 @@ class MultiTaskBert(nn.Module):
 
         labels ``[B]`` float (class index for classification, 0/1 for binary, the raw label for regression).
         """
+        layout = _output_layout(output, len(self.tasks))
         total = output.logits.new_zeros(())
         per_task: dict[str, torch.Tensor] = {}
-        for i, spec in enumerate(self.tasks):
-            idx = (output.task_ids == i).nonzero(as_tuple=True)[0]
-            if idx.numel() == 0:
-                continue
-            z = output.logits.index_select(0, idx)[:, : spec.num_labels]
-            loss = self._task_loss(spec, z, labels.index_select(0, idx))
+        for i in layout.present:
+            spec = self.tasks[i]
+            sel = layout.rows_of(i)
+            z = _take(output.logits, sel)[:, : spec.num_labels]
+            loss = self._task_loss(spec, z, _take(labels, sel))
             per_task[spec.name] = loss
             total = total + loss
         return total, per_task
@@ -642,6 +673,22 @@ class MultiTaskBert(nn.Module):
             strict=strict,
         )
         return self
+
+
+def _take(x: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:
+    """The rows ``rows`` of ``x`` (a slice view, or ``index_select`` of an int64 index tensor)."""
+    return x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
+
+
+def _output_layout(output: MultiTaskOutput, num_tasks: int) -> BatchLayout:
+    """The layout of an output; outputs built by hand without one get it from their task ids (one host read)."""
+    if output.layout is not None:
+        return output.layout
+    ids = np.asarray(output.task_ids.tolist(), dtype=np.int64)
+    return BatchLayout(
+        batch=int(ids.size), length=1, packed=False, lengths=np.ones(ids.size, dtype=np.int64), host_task_ids=ids,
+        num_tasks=num_tasks, device=output.task_ids.device, task_ids=output.task_ids,
+    )  # fmt: skip
 
 
 def hf_bert_config(config: BertConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
