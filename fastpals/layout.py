@@ -18,6 +18,7 @@ device value on the host.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,7 @@ __all__ = [
     "check_packed",
     "cu_seqlens_to_mask",
     "layout_from_cu_seqlens",
+    "layout_for",
     "lengths_to_cu_seqlens",
     "make_layout",
     "pack_rows",
@@ -248,6 +250,21 @@ def bucketed_attention(
 # ----------------------------------------------------------------------------------------------------------------
 # The layout
 # ----------------------------------------------------------------------------------------------------------------
+_BY_TASK_IDS: weakref.WeakValueDictionary[int, BatchLayout] = weakref.WeakValueDictionary()
+
+
+def layout_for(task_ids: object) -> BatchLayout | None:
+    """The live layout whose device ``task_ids`` tensor is this very tensor (e.g. ``model_inputs(...)["task_ids"]``),
+    else None: callers handed only the tensor (:func:`fastpals.surgery.per_task_gradients`) find the host values
+    without reading the device."""
+    if isinstance(task_ids, BatchLayout):
+        return task_ids
+    if not isinstance(task_ids, torch.Tensor):
+        return None
+    layout = _BY_TASK_IDS.get(id(task_ids))
+    return layout if layout is not None and layout.task_ids is task_ids else None
+
+
 def _ranges(ids: np.ndarray, starts: np.ndarray, num_tasks: int) -> dict[int, tuple[int, int]] | None:
     """Per present task, its contiguous range ``[starts[first row], starts[last row + 1])`` when rows are grouped
     by task in increasing order; None otherwise."""
@@ -381,6 +398,7 @@ class BatchLayout:
         if self.host_task_ids is not None:
             self.task_ids = torch.as_tensor(self.host_task_ids, device=dev)
             self.row_task_ids = torch.as_tensor(self.host_task_ids[row_example], device=dev)
+            _BY_TASK_IDS[id(self.task_ids)] = self
 
     def with_second(self, second: BatchLayout, rows: Sequence[int] | np.ndarray) -> BatchLayout:
         """Attach the siamese second pass: ``second`` lays out the second sentences of this layout's rows
@@ -411,6 +429,8 @@ class BatchLayout:
                 setattr(moved, name, value.to(device, non_blocking=True))
         if self.second is not None:
             moved.second, moved.second_rows = self.second.to(device), self.second_rows
+        if moved.task_ids is not None:
+            _BY_TASK_IDS[id(moved.task_ids)] = moved
         return moved
 
     # --- what the layers use ------------------------------------------------------------------------------------

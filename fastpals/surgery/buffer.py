@@ -356,7 +356,7 @@ class TaskGradientBuffer:
                 checks.append(torch.isfinite(torch.stack(torch._foreach_norm(present))).all().reshape(1))
         g_mat, finite = gram(self.data)
         parts = [finite] + checks + ([flags_dev > 0] if self.all_reduce else [])
-        host = torch.cat(parts).cpu().tolist()  # the one device-to-host sync of the step
+        host = torch.cat(parts).tolist()  # the one device-to-host read of the step (the skip decision)
         task_ok = bool(host[self.num_tasks]) if checks else True
         if self.all_reduce:
             flat_flags = host[self.num_tasks + len(checks) :]

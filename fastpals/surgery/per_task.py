@@ -83,9 +83,11 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
+from fastpals.layout import BatchLayout, layout_for
 from fastpals.surgery.buffer import TaskGradientBuffer
 from fastpals.surgery.layer_grads import (
     EmbeddingFrame,
@@ -143,57 +145,45 @@ class _Written:
 
 
 class PerTaskGradients:
-    """The state of one :func:`per_task_gradients` block (see the module docstring)."""
+    """The state of one :func:`per_task_gradients` block (see the module docstring).
+
+    Row maps come from the batch's :class:`~fastpals.layout.BatchLayout` (host values): the one passed as
+    ``layout``, or the live layout whose ``task_ids`` tensor is ``task_ids`` (as :func:`fastpals.batching.
+    model_inputs` hands them out). Only when neither exists are ``task_ids`` / ``cu_seqlens`` read on the host
+    (once, on entry)."""
 
     def __init__(
         self,
         model: nn.Module,
         buffer: TaskGradientBuffer,
-        task_ids: torch.Tensor,
+        task_ids: torch.Tensor | BatchLayout,
         cu_seqlens: torch.Tensor | Sequence[torch.Tensor] | None = None,
         use_kernels: bool | None = None,
         pass_task_ids: Sequence[torch.Tensor] | None = None,
+        layout: BatchLayout | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(buffer, TaskGradientBuffer):
             raise TypeError(f"buffer must be a TaskGradientBuffer, got {type(buffer).__name__}")
-        if not isinstance(task_ids, torch.Tensor) or task_ids.dim() != 1 or task_ids.dtype.is_floating_point:
-            raise ValueError("task_ids must be an integer tensor [B] (one task per example)")
         self.model = model
         self.buffer = buffer
         self.num_tasks = buffer.num_tasks
-        host = task_ids.detach().cpu().long()  # the one host read of the block
-        if host.numel() and (int(host.min()) < 0 or int(host.max()) >= self.num_tasks):
-            raise ValueError(
-                f"task_ids must lie in [0, {self.num_tasks}) (the buffer's num_tasks), got "
-                f"[{int(host.min())}, {int(host.max())}]"
-            )
         self.device = buffer.device
-        self.present = sorted(set(host.tolist()))
-        # per encoder pass: the task of each of its examples (siamese second passes may hold fewer examples)
-        hosts = [host] + [torch.as_tensor(t).detach().cpu().long() for t in (pass_task_ids or [])[1:]]
-        for k, h in enumerate(hosts[1:], 1):
-            if h.dim() != 1 or (h.numel() and (int(h.min()) < 0 or int(h.max()) >= self.num_tasks)):
+        layout = layout if layout is not None else layout_for(task_ids)
+        if layout is not None and layout.packed:
+            if max(layout.num_tasks, 1) > self.num_tasks:
                 raise ValueError(
-                    f"pass_task_ids[{k}] must be a 1-D tensor of task ids in [0, {self.num_tasks})"
+                    f"the batch's layout has {layout.num_tasks} tasks but the buffer {self.num_tasks} rows"
                 )
-        self._pass_hosts = hosts
-        self._use_pass(0)
-        if cu_seqlens is None:
-            self.cu_list: list[torch.Tensor] = []
-        elif isinstance(cu_seqlens, torch.Tensor):
-            self.cu_list = [cu_seqlens]
+            self._layouts = [layout] + ([layout.second] if layout.second is not None else [])
         else:
-            self.cu_list = list(cu_seqlens)
-        for k, cu in enumerate(self.cu_list):
-            n = self._pass_hosts[min(k, len(self._pass_hosts) - 1)].numel()
-            if not isinstance(cu, torch.Tensor) or cu.shape != (n + 1,):
-                raise ValueError(f"cu_seqlens[{k}] must be a tensor [B+1] = [{n + 1}] (that pass's examples)")
-        self._cu_host = [cu.detach().cpu().long() for cu in self.cu_list]
+            self._layouts = self._host_layouts(task_ids, cu_seqlens, pass_task_ids)
+        self.present = list(self._layouts[0].present)
+        self._use_pass(0)
         self.use_kernels = use_kernels
         self._cache: dict[tuple, RowTasks] = {}
-        self.passes = 0  # calls of the embeddings block(s): the encoder pass, for per-pass cu_seqlens
+        self.passes = 0  # calls of the embeddings block(s): the encoder pass
         self._frames: dict[int, EmbeddingFrame] = {}
         self._index = {id(p): k for k, p in enumerate(buffer.params)}
         self.written = _Written(
@@ -208,79 +198,126 @@ class PerTaskGradients:
         self.anchor = torch.zeros((), device=self.device, requires_grad=True)
         self._patched: list[nn.Module] = []
 
+    def _host_layouts(
+        self,
+        task_ids: object,
+        cu_seqlens: torch.Tensor | Sequence[torch.Tensor] | None,
+        pass_task_ids: Sequence[torch.Tensor] | None,
+    ) -> list[BatchLayout]:
+        """Per encoder pass, the layout of tensors given without one: ``task_ids`` (and ``cu_seqlens``) read on
+        the host once, and validated."""
+        if not isinstance(task_ids, torch.Tensor) or task_ids.dim() != 1 or task_ids.dtype.is_floating_point:
+            raise ValueError("task_ids must be an integer tensor [B] (one task per example)")
+        hosts = [np.asarray(task_ids.tolist(), dtype=np.int64)]  # the one host read of the block
+        hosts += [np.asarray(torch.as_tensor(t).tolist(), dtype=np.int64) for t in (pass_task_ids or [])[1:]]
+        for k, h in enumerate(hosts):
+            if h.ndim != 1 or (h.size and (int(h.min()) < 0 or int(h.max()) >= self.num_tasks)):
+                if k == 0:
+                    raise ValueError(
+                        f"task_ids must lie in [0, {self.num_tasks}) (the buffer's num_tasks), got "
+                        f"[{int(h.min())}, {int(h.max())}]"
+                    )
+                raise ValueError(
+                    f"pass_task_ids[{k}] must be a 1-D tensor of task ids in [0, {self.num_tasks})"
+                )
+        if cu_seqlens is None:
+            cu_list: list[torch.Tensor] = []
+        elif isinstance(cu_seqlens, torch.Tensor):
+            cu_list = [cu_seqlens]
+        else:
+            cu_list = list(cu_seqlens)
+        for k, cu in enumerate(cu_list):
+            n = hosts[min(k, len(hosts) - 1)].size
+            if not isinstance(cu, torch.Tensor) or cu.shape != (n + 1,):
+                raise ValueError(f"cu_seqlens[{k}] must be a tensor [B+1] = [{n + 1}] (that pass's examples)")
+        layouts = []
+        for k in range(max(len(hosts), len(cu_list), 1)):
+            ids = hosts[min(k, len(hosts) - 1)]
+            if cu_list:
+                cu = np.asarray(cu_list[min(k, len(cu_list) - 1)].tolist(), dtype=np.int64)
+                lay = BatchLayout(
+                    batch=int(ids.size), length=int((cu[1:] - cu[:-1]).max(initial=0)), packed=True,
+                    lengths=cu[1:] - cu[:-1], host_task_ids=ids, num_tasks=self.num_tasks, device=self.device,
+                )  # fmt: skip
+                lay._build_packed_tensors()
+            else:
+                lay = BatchLayout(
+                    batch=int(ids.size), length=1, packed=False, lengths=np.ones(ids.size, dtype=np.int64),
+                    host_task_ids=ids, num_tasks=self.num_tasks, device=self.device,
+                    task_ids=torch.as_tensor(ids, device=self.device),
+                )  # fmt: skip
+            layouts.append(lay)
+        return layouts
+
     def _use_pass(self, k: int) -> None:
-        """Make pass ``k``'s examples (``pass_task_ids[k]``, else ``task_ids``) the ones rows map to."""
-        host = self._pass_hosts[min(k, len(self._pass_hosts) - 1)]
-        self.batch = host.numel()
-        self.host_tasks = host
-        self.task_ids = host.to(self.device)
-        self.pass_present = sorted(set(host.tolist()))
-        self.sorted = bool(host.numel() < 2 or bool((host[1:] >= host[:-1]).all()))
-        self._examples = {t: (host == t).nonzero(as_tuple=True)[0] for t in self.pass_present}
-        self._pass_key = min(k, len(self._pass_hosts) - 1)
+        """Make pass ``k``'s layout the one rows map to (the last one for later passes)."""
+        self._pass_key = min(k, len(self._layouts) - 1)
+        lay = self._layouts[self._pass_key]
+        self.layout = lay
+        self.batch = lay.batch
+        self.task_ids = lay.task_ids
+        self.pass_present = list(lay.present)
+        self.sorted = lay.grouped
 
     # --- row layout ---------------------------------------------------------------------------------------------
     def rows(self, lead: tuple[int, ...]) -> RowTasks | None:
         """The row -> task map of an input whose leading shape (all but the feature dimension) is ``lead``;
-        None when the rows are not per example (a broadcast input)."""
+        None when the rows are not per example (a broadcast input). Host values only."""
         num_rows = 1
         for n in lead:
             num_rows *= n
-        b = self.batch
-        cu_k = self._pass_cu()
-        if cu_k is not None and len(lead) == 1 and lead[0] == int(cu_k[-1]) and lead[0] != b:
-            key = ("packed", self.passes, lead[0])
+        lay = self.layout
+        b = lay.batch
+        if lay.packed and len(lead) == 1 and lead[0] == lay.total and lead[0] != b:
+            key = ("packed", self._pass_key)
             if key not in self._cache:
-                self._cache[key] = self._build_packed(cu_k, lead[0])
+                self._cache[key] = self._build_packed(lay)
             return self._cache[key]
         if len(lead) >= 1 and lead[0] == b and b > 0:
             per = num_rows // b
             key = ("padded", self._pass_key, per)
             if key not in self._cache:
-                self._cache[key] = self._build_padded(per)
+                self._cache[key] = self._build_padded(lay, per)
             return self._cache[key]
         return None
 
-    def _pass_cu(self) -> torch.Tensor | None:
-        if not self._cu_host:
-            return None
-        k = max(self.passes - 1, 0)
-        return self._cu_host[min(k, len(self._cu_host) - 1)]
-
-    def _build_padded(self, per: int) -> RowTasks:
-        row_task = self.task_ids.repeat_interleave(per)
+    def _build_padded(self, lay: BatchLayout, per: int) -> RowTasks:
+        row_task = lay.task_ids.repeat_interleave(per) if per > 1 else lay.task_ids
         slices: dict[int, slice | torch.Tensor] = {}
-        for t in self.pass_present:
-            ex = self._examples[t]
-            if self.sorted:
-                slices[t] = slice(int(ex[0]) * per, (int(ex[-1]) + 1) * per)
+        for t in lay.present:
+            if lay.example_ranges is not None:
+                a, b = lay.example_ranges[t]
+                slices[t] = slice(a * per, b * per)
             else:
-                idx = (ex[:, None] * per + torch.arange(per)[None, :]).reshape(-1)
-                slices[t] = idx.to(self.device)
+                ex = np.flatnonzero(lay.host_task_ids == t)
+                slices[t] = torch.as_tensor(
+                    (ex[:, None] * per + np.arange(per)[None, :]).reshape(-1), device=self.device
+                )
         return RowTasks(
-            self.pass_present, slices, row_task, self.batch * per, seq_len=per, example_tasks=self.task_ids
+            lay.present, slices, row_task, lay.batch * per, seq_len=per, example_tasks=lay.task_ids
         )
 
-    def _build_packed(self, cu: torch.Tensor, num_rows: int) -> RowTasks:
-        lengths = cu[1:] - cu[:-1]
-        row_task = self.host_tasks.repeat_interleave(lengths).to(self.device)
+    def _build_packed(self, lay: BatchLayout) -> RowTasks:
         slices: dict[int, slice | torch.Tensor] = {}
-        for t in self.pass_present:
-            ex = self._examples[t]
-            if self.sorted:
-                slices[t] = slice(int(cu[int(ex[0])]), int(cu[int(ex[-1]) + 1]))
+        for t in lay.present:
+            if lay.token_ranges is not None:
+                slices[t] = slice(*lay.token_ranges[t])
             else:
-                idx = torch.cat([torch.arange(int(cu[e]), int(cu[e + 1])) for e in ex.tolist()])
-                slices[t] = idx.to(self.device)
+                ex = np.flatnonzero(lay.host_task_ids == t)
+                idx = np.concatenate([np.arange(lay.cu_host[e], lay.cu_host[e + 1]) for e in ex])
+                slices[t] = torch.as_tensor(idx, device=self.device)
         return RowTasks(
-            self.pass_present, slices, row_task, num_rows,
-            cu_seqlens=cu.to(device=self.device, dtype=torch.int32), example_tasks=self.task_ids,
-        )  # fmt: skip
+            lay.present,
+            slices,
+            lay.row_task_ids,
+            lay.total,
+            cu_seqlens=lay.cu_seqlens,
+            example_tasks=lay.task_ids,
+        )
 
     def packed_ids(self, n: int) -> bool:
         """Is a 1-D index tensor of length n this pass's packed tokens?"""
-        cu = self._pass_cu()
-        return cu is not None and int(cu[-1]) == n
+        return self.layout.packed and self.layout.total == n
 
     def example_rows(self) -> RowTasks:
         """One row per example."""
@@ -402,16 +439,20 @@ class PerTaskGradients:
         overwrite on the first write); the ``padding_idx`` row stays zero."""
         dst = self.buffer.param_row(t, k)
         first = self._first(t, k)
-        # Sum the rows of repeated ids into a compact [U, d] first (index_add_/index_put_ into the whole [V, d]
-        # table were measured 3-10x slower than the plain embedding backward on CPU), then write U rows.
-        uniq, inverse = torch.unique(ids, return_inverse=True)
-        compact = torch.zeros(uniq.numel(), g.shape[1], dtype=torch.float32, device=g.device)
-        compact.index_add_(0, inverse, g.float())
+        # Sum the rows of repeated ids into a compact [R, d] first (index_add_/index_put_ of every row into the
+        # whole [V, d] table were measured 3-10x slower than the plain embedding backward on CPU), then add it to
+        # the table. The runs of equal ids come from a stable sort (no data-dependent size, so no host read:
+        # torch.unique would need one); the compact rows past the last run are zero and land on id 0 (+0).
+        sorted_ids, order = torch.sort(ids, stable=True)
+        new_run = torch.ones_like(sorted_ids, dtype=torch.bool)
+        new_run[1:] = sorted_ids[1:] != sorted_ids[:-1]
+        run = torch.cumsum(new_run, 0) - 1
+        compact = torch.zeros(ids.shape[0], g.shape[1], dtype=torch.float32, device=g.device)
+        compact.index_add_(0, run, g.index_select(0, order).float())
+        run_ids = torch.zeros_like(sorted_ids).scatter_(0, run, sorted_ids)
         if first:
             dst.zero_()
-            dst.index_copy_(0, uniq, compact.to(dst.dtype))
-        else:
-            dst.index_put_((uniq,), compact.to(dst.dtype), accumulate=True)
+        dst.index_put_((run_ids,), compact.to(dst.dtype), accumulate=True)
         if padding_idx is not None:
             dst[padding_idx].zero_()
 
@@ -538,10 +579,11 @@ def _bind(fn: Any, state: PerTaskGradients, module: nn.Module) -> Any:
 def per_task_gradients(
     model: nn.Module,
     buffer: TaskGradientBuffer,
-    task_ids: torch.Tensor,
+    task_ids: torch.Tensor | BatchLayout,
     cu_seqlens: torch.Tensor | Sequence[torch.Tensor] | None = None,
     use_kernels: bool | None = None,
     pass_task_ids: Sequence[torch.Tensor] | None = None,
+    layout: BatchLayout | None = None,
 ) -> Iterator[PerTaskGradients]:
     """Run the forward AND the backward of one mixed-task batch inside this block: the per-task gradients of the
     buffer's shared parameters go straight into the buffer's rows (accumulating over blocks until
@@ -551,7 +593,11 @@ def per_task_gradients(
       (minBERT, :class:`fastpals.MultiTaskBert`, an HF model with ``inject_pals``, a DeepSpeed engine's module);
     - ``buffer``: a :class:`TaskGradientBuffer` whose ``params`` are the shared parameters (``task_params`` the
       task-specific ones); any row dtype (float32, bfloat16);
-    - ``task_ids [B]`` int: the task of every example (read on the host once);
+    - ``task_ids [B]`` int: the task of every example. When it is the ``task_ids`` of a live
+      :class:`~fastpals.layout.BatchLayout` (``model_inputs(batch, device)["task_ids"]``), or ``layout`` is given,
+      the block reads no device value: every row map comes from the layout's host values (its ``second`` pass
+      for siamese second sentences; ``cu_seqlens`` and ``pass_task_ids`` are then not needed). Otherwise
+      ``task_ids`` (and ``cu_seqlens``) are read on the host once, on entry;
     - ``cu_seqlens [B+1]`` int (or one per encoder pass): for packed inputs (minBERT ``unpad=True``);
     - ``use_kernels``: force (True) or forbid (False) the Triton grouped weight-gradient kernel; default: on CUDA;
     - ``pass_task_ids``: per encoder pass, the task of each of its examples, where a pass holds other examples
@@ -560,6 +606,6 @@ def per_task_gradients(
     The loss to differentiate is the sum over tasks of each task's loss (e.g. ``MultiTaskBert.loss``, or
     :func:`task_mean_loss` of per-example losses). Raises if the forward ran in the block but no backward did.
     """
-    state = PerTaskGradients(model, buffer, task_ids, cu_seqlens, use_kernels, pass_task_ids)
+    state = PerTaskGradients(model, buffer, task_ids, cu_seqlens, use_kernels, pass_task_ids, layout)
     with state:
         yield state
