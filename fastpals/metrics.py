@@ -136,31 +136,19 @@ def spearman(x: Sequence[float], y: Sequence[float]) -> float:
 
 
 def task_metrics(task: str | TaskSpec, y_true: Sequence, y_pred: Sequence) -> dict[str, float]:
-    """The metrics of one task, by its kind: ``{"accuracy": a}`` (classification, binary: ``y_pred`` class
-    indices or 0/1) or ``{"pearson": r, "spearman": rho}`` (regression; NaN when the predictions are constant,
-    without a warning). ``task.metric`` names the primary one. 1-D inputs of equal length ``N >= 1`` (2 for
-    regression)."""
+    """The metrics of one task, by its kind (:meth:`fastpals.task_kinds.TaskKind.metrics`): ``{"accuracy": a}``
+    (classification, binary: ``y_pred`` class indices or 0/1) or ``{"pearson": r, "spearman": rho}``
+    (regression; NaN when the predictions are constant, without a warning). ``task.metric`` names the primary
+    one. 1-D inputs of equal length ``N >= 1`` (2 for regression)."""
     spec = get_task(task)
-    if spec.kind == "regression":
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            return {"pearson": pearson(y_true, y_pred), "spearman": spearman(y_true, y_pred)}
-    true, pred = _pair(y_true, y_pred, np.float64)
-    return {"accuracy": accuracy(np.rint(true).astype(np.int64), np.rint(pred).astype(np.int64))}
+    return spec.task_kind.metrics(spec, y_true, y_pred)
 
 
 def unit_score(task: str | TaskSpec, value: float) -> float:
-    """One task's share of ``overall``, in [0, 1]: its accuracy, or ``(r + 1) / 2`` of a regression task's
-    Pearson ``r`` (NaN counts as ``r = 0``, i.e. 0.5)."""
+    """One task's share of ``overall``, in [0, 1], by its kind (:meth:`fastpals.task_kinds.TaskKind.unit_score`):
+    its accuracy, or ``(r + 1) / 2`` of a regression task's Pearson ``r`` (NaN counts as ``r = 0``, i.e. 0.5)."""
     spec = get_task(task)
-    if spec.kind == "regression":
-        value = 0.0 if math.isnan(value) else float(value)
-        if not -1.0 <= value <= 1.0:
-            raise ValueError(f"task {spec.name!r}: Pearson r must be in [-1, 1], got {value!r}")
-        return (value + 1.0) / 2.0
-    if not 0.0 <= value <= 1.0:  # also rejects NaN
-        raise ValueError(f"task {spec.name!r}: accuracy must be in [0, 1], got {value!r}")
-    return float(value)
+    return spec.task_kind.unit_score(spec, value)
 
 
 def overall(scores: Mapping[str, float], tasks: Iterable[str | TaskSpec] | None = None) -> float:
@@ -222,28 +210,15 @@ def bin_sts(scores: Sequence[float]) -> np.ndarray:
 def task_confusion_matrix(
     task: str | TaskSpec, y_true: Sequence, y_pred: Sequence, steps: int = 10
 ) -> tuple[np.ndarray, list[str]]:
-    """A confusion matrix of any task and its class names: ``(int64 (K, K), K names)``.
+    """A confusion matrix of any task and its class names: ``(int64 (K, K), K names)``, by its kind
+    (:meth:`fastpals.task_kinds.TaskKind.confusion_matrix`).
 
     Classification and binary tasks: ``K`` = their classes, named by ``label_names`` (else ``0..K-1``).
     Regression: labels and predictions clipped to ``label_range`` and rounded to ``steps + 1`` evenly spaced
     values (halves round up), named by those values; for ``sts`` (range [0, 5], 10 steps) that is ``bin_sts``.
     """
     spec = get_task(task)
-    if spec.kind != "regression":
-        names = [spec.label_name(k) for k in range(spec.num_classes)]
-        true, pred = _pair(y_true, y_pred, np.float64)
-        return confusion_matrix(true, pred, spec.num_classes), names
-    low, high = spec.label_range
-    binned = []
-    for name, values in (("y_true", y_true), ("y_pred", y_pred)):
-        array = _as_1d(values, name, np.float64)
-        if not np.isfinite(array).all():
-            raise ValueError(f"{name} holds non-finite values (NaN or inf)")
-        binned.append(
-            np.floor((np.clip(array, low, high) - low) / (high - low) * steps + 0.5).astype(np.int64)
-        )
-    names = [f"{low + k * (high - low) / steps:g}" for k in range(steps + 1)]
-    return confusion_matrix(binned[0], binned[1], steps + 1), names
+    return spec.task_kind.confusion_matrix(spec, y_true, y_pred, steps)
 
 
 def _format_prediction(value: object) -> str:

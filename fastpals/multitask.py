@@ -469,13 +469,9 @@ class MultiTaskBert(nn.Module):
         )
 
     def _task_loss(self, spec: TaskSpec, z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        if spec.kind == "classification":
-            return F.cross_entropy(z.float(), y.long())
-        if spec.kind == "binary":
-            return F.binary_cross_entropy_with_logits(z[:, 0].float(), y.float())
-        if spec.loss == "mse":
-            return F.mse_loss(z[:, 0].float(), y.float() / spec.label_scale)
-        return _cosent_loss(z[:, 0].float(), y.float())
+        """One task's loss (0-dim fp32) over its rows, by its kind (:meth:`fastpals.task_kinds.TaskKind.loss`):
+        ``z`` logits ``[n, num_labels]``, ``y`` labels ``[n]``."""
+        return spec.task_kind.loss(spec, z, y)
 
     def task_losses(
         self, output: MultiTaskOutput, labels: torch.Tensor, weighting: str = "examples"
@@ -534,18 +530,12 @@ class MultiTaskBert(nn.Module):
         return total, per_task
 
     def predict(self, output: MultiTaskOutput) -> torch.Tensor:
-        """Predicted labels ``[B]`` float: class index, 0/1, or the regression value clipped to the label range."""
+        """Predicted labels ``[B]`` float32 by each row's task kind (:meth:`fastpals.task_kinds.TaskKind.predict`):
+        class index, 0/1, or the regression value clipped to the label range. No host reads."""
         preds = output.logits.new_zeros(output.logits.shape[0], dtype=torch.float32)
-        for i, spec in enumerate(self.tasks):
-            rows = output.task_ids == i
-            z = output.logits[:, : spec.num_labels].float()
-            if spec.kind == "classification":
-                p = z.argmax(-1).float()
-            elif spec.kind == "binary":
-                p = (z[:, 0] > 0).float()
-            else:
-                p = z[:, 0].clamp(0.0, 1.0) * spec.label_scale
-            preds = torch.where(rows, p, preds)
+        for i, spec in enumerate(self.tasks):  # each kind predicts on every row; torch.where keeps its task's
+            p = spec.task_kind.predict(spec, output.logits[:, : spec.num_labels])
+            preds = torch.where(output.task_ids == i, p, preds)
         return preds
 
     # ------------------------------------------------------------------------------------------------------------
@@ -752,14 +742,6 @@ def _load_checked(model: nn.Module, state: dict[str, torch.Tensor], folder: Path
     if problems:
         raise ValueError(f"cannot load {folder}:\n  " + "\n  ".join(problems))
     model.load_state_dict(state, strict=not subset)
-
-
-def _cosent_loss(scores: torch.Tensor, labels: torch.Tensor, scale: float = 20.0) -> torch.Tensor:
-    """CoSENT: log(1 + Σ_{y_i > y_j} exp(s · (p_j − p_i))) over the pairs of a batch."""
-    diff = scale * (scores[None, :] - scores[:, None])  # [i, j] = s (p_j - p_i)
-    keep = labels[:, None] > labels[None, :]
-    diff = diff.masked_fill(~keep, float("-inf"))
-    return torch.logsumexp(torch.cat([diff.new_zeros(1), diff.flatten()]), 0)
 
 
 def count_parameters(model: nn.Module) -> dict[str, int]:

@@ -156,7 +156,7 @@ def _test_files(args: argparse.Namespace, model: MultiTaskBert, tokenizer: objec
         ids, preds = predict_examples(
             model, tokenizer, task, examples, max_length, progress=not args.no_progress
         )
-        values = preds.astype(np.int64) if spec.metric == "accuracy" else preds
+        values = preds.astype(np.int64) if spec.integer_labels else preds
         path = write_predictions(out / f"{task}-test-output.csv", ids, values, spec)
         print(f"[predict] {task}: {len(ids)} predictions -> {path}", file=sys.stderr)
 

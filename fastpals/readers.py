@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import bisect
 import json
-import math
 import os
 import re
 from collections.abc import Sequence
@@ -111,44 +110,10 @@ class BadRow:
 # --------------------------------------------------------------------------------------------------------------
 # labels and rows
 # --------------------------------------------------------------------------------------------------------------
-def _format_bound(value: float, spec: TaskSpec) -> str:
-    return str(int(value)) if spec.integer_labels else f"{value:g}"
-
-
 def _parse_label(value: Any, spec: TaskSpec) -> tuple[int | float | None, str, str]:
-    """Return ``(label, kind, reason)``; ``label`` is ``None`` when ``value`` is not a valid label."""
-    column = spec.label_column
-    names = spec.label_names
-    if value is None or (isinstance(value, str) and not value.strip()):
-        return None, "empty label", f"empty {column}"
-    if isinstance(value, bool):
-        if spec.kind != "binary":
-            return None, "bad label", f"{column} {value!r} is a boolean, the task is {spec.kind}"
-        return int(value), "", ""
-    if isinstance(value, str):
-        stripped = value.strip()
-        if names is not None and stripped in names:
-            return names.index(stripped), "", ""
-        try:
-            number = float(stripped)
-        except ValueError:
-            also = f" or one of {names}" if names is not None else ""
-            return None, "bad label", f"{column} {value!r} is not a number{also}"
-    elif isinstance(value, (int, float)):
-        number = float(value)
-    else:
-        return None, "bad label", f"{column} {value!r} is not a number"
-    if not math.isfinite(number):
-        return None, "bad label", f"{column} {value!r} is not a finite number"
-    low, high = spec.label_range
-    if not low <= number <= high:
-        bounds = f"[{_format_bound(low, spec)}, {_format_bound(high, spec)}]"
-        return None, "label out of range", f"{column} {value!r} is outside {bounds}"
-    if spec.integer_labels:
-        if number != int(number):
-            return None, "bad label", f"{column} {value!r} is not a whole number"
-        return int(number), "", ""
-    return number, "", ""
+    """Return ``(label, kind, reason)``; ``label`` is ``None`` when ``value`` is not a valid label (the task's
+    kind parses it: :meth:`fastpals.task_kinds.TaskKind.parse_label`)."""
+    return spec.task_kind.parse_label(spec, value)
 
 
 # bytes that are not UTF-8 decode to lone surrogates U+DC80..U+DCFF under errors="surrogateescape"

@@ -23,7 +23,7 @@ trainer's ``--tasks``) into a list of specs. The keys of a task file:
     task name (default: the file name without ``.json``); letters, digits, ``_`` and ``-``.
 ``kind``
     ``classification`` (``num_labels``-way cross-entropy), ``binary`` (one logit, labels 0/1) or ``regression``
-    (one value; Pearson and Spearman).
+    (one value; Pearson and Spearman), or another kind registered in :data:`fastpals.task_kinds.TASK_KINDS`.
 ``num_labels``
     classes of a classification task (>= 2); optional for binary (must then be 2), absent for regression.
 ``files``
@@ -61,21 +61,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fastpals.task_kinds import TASK_KINDS, TaskKind, kind_names
+
 __all__ = [
     "FORMATS",
     "KINDS",
     "TASKS",
+    "TASK_KINDS",
     "TaskFileError",
     "TaskSpec",
     "get_task",
     "resolve_tasks",
 ]
 
-KINDS = ("classification", "binary", "regression")
+KINDS = tuple(TASK_KINDS)  # the built-in kinds; TASK_KINDS (fastpals.task_kinds) holds every registered one
 PAIR_MODES = ("joint", "sbert_cosine", "sbert_concat")
 HEADS = ("linear", "mlp")
 POOLINGS = ("cls", "mean", "max")
-LOSSES = {"classification": ("ce",), "binary": ("bce",), "regression": ("mse", "cosine")}
 FORMATS = ("csv", "tsv", "jsonl")
 SPLITS = ("train", "dev", "test")
 COLUMN_ROLES = ("text", "text_pair", "label", "id")
@@ -102,7 +104,9 @@ class TaskSpec:
 
     - ``kind``: ``classification`` (``num_labels``-way cross-entropy), ``binary`` (one logit, BCE) or
       ``regression`` (one value trained on ``label / label_scale``; predictions clipped to [0, 1] and scaled
-      back, as in Bert-n-Pals' STS).
+      back, as in Bert-n-Pals' STS), or any kind registered in :data:`fastpals.task_kinds.TASK_KINDS`;
+      :attr:`task_kind` is its :class:`~fastpals.task_kinds.TaskKind` object, which holds the kind's loss,
+      predictions, metrics and label rules.
     - ``pair``/``pair_mode``: pair tasks as a joint cross-encoder (``[CLS] a [SEP] b [SEP]``), as SBERT with
       cosine similarity (regression only: the cosine is the prediction in [0, 1] units of the label range), or as
       SBERT with concatenation ``(u, v, |u - v|)`` into the head.
@@ -149,24 +153,25 @@ class TaskSpec:
 
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"task name must be a non-empty str, got {self.name!r}")
-        if self.kind not in KINDS:
-            fail(f"kind={self.kind!r}, choose one of {KINDS}")
+        if not isinstance(self.kind, str) or self.kind not in TASK_KINDS:
+            fail(f"kind={self.kind!r}, choose one of {tuple(TASK_KINDS)}")
+        kind = self.task_kind
         if isinstance(self.num_labels, bool) or not isinstance(self.num_labels, int):
             fail(f"num_labels must be an int, got {self.num_labels!r}")
-        if self.kind == "classification" and self.num_labels < 2:
-            fail("classification needs num_labels >= 2")
-        if self.kind != "classification":
-            self.num_labels = 1
+        try:
+            self.num_labels = kind.head_outputs(self.num_labels)
+        except ValueError as err:
+            fail(str(err))
         if self.loss is None:
-            self.loss = LOSSES[self.kind][0]
-        if self.loss not in LOSSES[self.kind]:
-            fail(f"loss={self.loss!r} not valid for {self.kind} ({LOSSES[self.kind]})")
+            self.loss = kind.losses[0]
+        if self.loss not in kind.losses:
+            fail(f"loss={self.loss!r} not valid for {self.kind} ({kind.losses})")
         if self.pair_mode not in PAIR_MODES:
             fail(f"pair_mode={self.pair_mode!r}, choose one of {PAIR_MODES}")
         if self.pair_mode != "joint" and not self.pair:
             fail(f"pair_mode={self.pair_mode!r} needs pair=True")
-        if self.pair_mode == "sbert_cosine" and self.kind != "regression":
-            fail("sbert_cosine is for regression tasks")
+        if self.pair_mode == "sbert_cosine" and not kind.cosine_pairs:
+            fail(f"sbert_cosine is for {kind_names(lambda k: k.cosine_pairs)} tasks")
         if self.head not in HEADS:
             fail(f"head={self.head!r}, choose one of {HEADS}")
         if self.pooling not in POOLINGS:
@@ -177,10 +182,10 @@ class TaskSpec:
             self.files = dict(builtin["files"])
             self.columns = dict(builtin["columns"])
             self.format = builtin["format"]
-            if self.label_names is None and builtin["label_names"] is not None and self.kind != "regression":
-                if len(builtin["label_names"]) == (self.num_labels if self.kind == "classification" else 2):
+            if self.label_names is None and builtin["label_names"] is not None and not kind.scored:
+                if len(builtin["label_names"]) == self.num_classes:
                     self.label_names = list(builtin["label_names"])
-            if self.kind == "regression" and self.label_range is None and builtin["label_range"] is not None:
+            if kind.scored and self.label_range is None and builtin["label_range"] is not None:
                 self.label_range = builtin["label_range"]
         self.files = dict(self.files)
         self.columns = dict(self.columns)
@@ -211,49 +216,26 @@ class TaskSpec:
             if not low < high:
                 fail(f"label_range [{low:g}, {high:g}] needs low < high")
             self.label_range = (low, high)
-        if self.kind == "regression":
-            if self.label_names is not None:
-                fail("label_names is for classification and binary tasks")
-            if self.label_range is None:
-                self.label_range = (0.0, float(self.label_scale or 1.0))
-            low, high = self.label_range
-            if low < 0:
-                fail(
-                    f"label_range [{low:g}, {high:g}]: low must be >= 0 (the model predicts in "
-                    "[0, label_scale]); shift the labels"
-                )
-            if self.label_scale is None:
-                self.label_scale = high
-            if not self.label_scale >= high:
-                fail(f"label_scale={self.label_scale:g} is below label_range's high {high:g}")
-        else:
-            implied = (0.0, float(self.num_classes - 1))
-            if self.label_range is not None and self.label_range != implied:
-                fail(f"label_range is {implied} for a {self.kind} task, got {self.label_range}")
-            self.label_range = implied
-            if self.label_scale is None:
-                self.label_scale = 1.0
-            if self.label_names is not None:
-                names = list(self.label_names)
-                if len(names) != self.num_classes or not all(isinstance(n, str) and n for n in names):
-                    fail(f"label_names must be {self.num_classes} non-empty strings, got {names!r}")
-                if len(set(names)) != len(names):
-                    fail(f"label_names has a name twice: {names!r}")
-                self.label_names = names
+        self.task_kind.check_labels(self, fail)
         self.label_scale = float(self.label_scale)
         if not self.label_scale > 0:
             fail("label_scale must be > 0")
 
     # --- derived ------------------------------------------------------------------------------------------------
     @property
+    def task_kind(self) -> TaskKind:
+        """The kind object of ``kind`` (``TASK_KINDS[kind]``): its loss, predictions, metrics and label rules."""
+        return TASK_KINDS[self.kind]
+
+    @property
     def metric(self) -> str:
-        """The primary dev metric: ``"pearson"`` (regression) or ``"accuracy"``."""
-        return "pearson" if self.kind == "regression" else "accuracy"
+        """The primary dev metric: ``"pearson"`` (regression) or ``"accuracy"`` (the kind's first metric)."""
+        return self.task_kind.metric_names[0]
 
     @property
     def metrics(self) -> tuple[str, ...]:
-        """Every metric reported for the task: ``("pearson", "spearman")`` or ``("accuracy",)``."""
-        return ("pearson", "spearman") if self.kind == "regression" else ("accuracy",)
+        """Every metric reported for the task: ``("pearson", "spearman")`` or ``("accuracy",)`` (the kind's)."""
+        return self.task_kind.metric_names
 
     @property
     def siamese(self) -> bool:
@@ -262,9 +244,7 @@ class TaskSpec:
     @property
     def num_classes(self) -> int | None:
         """Classes of a classification (``num_labels``) or binary (2) task; ``None`` for regression."""
-        if self.kind == "regression":
-            return None
-        return self.num_labels if self.kind == "classification" else 2
+        return self.task_kind.num_classes(self)
 
     @property
     def label_column(self) -> str | None:
@@ -277,14 +257,14 @@ class TaskSpec:
 
     @property
     def integer_labels(self) -> bool:
-        return self.kind != "regression"
+        """Labels are whole numbers (class indices or 0/1); False for regression scores."""
+        return self.task_kind.integer_labels
 
     @property
     def label_dtype(self) -> Any:
-        """``torch.int64`` for classification (class indices), ``torch.float32`` otherwise."""
-        import torch
-
-        return torch.int64 if self.kind == "classification" else torch.float32
+        """The batch label dtype: ``torch.int64`` for classification (class indices), ``torch.float32`` for
+        binary and regression."""
+        return self.task_kind.label_dtype
 
     def label_name(self, label: int) -> str:
         """The name of class ``label`` (``label_names``), or the index as text."""
@@ -373,22 +353,13 @@ class TaskSpec:
         if not isinstance(name, str) or not _NAME.match(name):
             raise TaskFileError(src, "name", f"{name!r} must be letters, digits, '_' or '-'")
         kind = raw.get("kind")
-        if kind not in KINDS:
-            what = "missing" if kind is None else f"{kind!r} is not one of {', '.join(KINDS)}"
+        if not isinstance(kind, str) or kind not in TASK_KINDS:
+            what = "missing" if kind is None else f"{kind!r} is not one of {', '.join(TASK_KINDS)}"
             raise TaskFileError(src, "kind", what)
-        num_labels = raw.get("num_labels")
-        if kind == "classification":
-            if isinstance(num_labels, bool) or not isinstance(num_labels, int) or num_labels < 2:
-                what = "missing" if num_labels is None else f"{num_labels!r} must be an int >= 2"
-                raise TaskFileError(src, "num_labels", f"{what} (classification needs the number of classes)")
-        elif kind == "binary":
-            if num_labels not in (None, 2) or isinstance(num_labels, bool):
-                raise TaskFileError(src, "num_labels", f"a binary task has 2 labels, got {num_labels!r}")
-            num_labels = 1
-        elif num_labels is not None:
-            raise TaskFileError(src, "num_labels", "not used by a regression task (give label_range)")
-        else:
-            num_labels = 1
+        try:
+            num_labels = TASK_KINDS[kind].task_file_num_labels(raw.get("num_labels"))
+        except ValueError as err:
+            raise TaskFileError(src, "num_labels", str(err)) from None
 
         files = raw.get("files")
         if not isinstance(files, dict) or not files:
@@ -437,8 +408,9 @@ class TaskSpec:
 
         label_range = raw.get("label_range")
         if label_range is not None:
-            if kind != "regression":
-                raise TaskFileError(src, "label_range", f"only for regression tasks, this one is {kind}")
+            if not TASK_KINDS[kind].scored:
+                scored = kind_names(lambda k: k.scored)
+                raise TaskFileError(src, "label_range", f"only for {scored} tasks, this one is {kind}")
             if (
                 not isinstance(label_range, list)
                 or len(label_range) != 2

@@ -54,15 +54,10 @@ def model_inputs(batch: dict, task_index: int, device: torch.device) -> dict[str
 
 def confidence(model: torch.nn.Module, output: Any, task_index: int) -> torch.Tensor | None:
     """Probability of the predicted label (float32 ``[B]``) for classification and binary tasks; None for
-    regression (its prediction is the score)."""
+    regression (its prediction is the score). The task's kind decides
+    (:meth:`fastpals.task_kinds.TaskKind.confidence`)."""
     spec = model.tasks[task_index]
-    z = output.logits[:, : spec.num_labels].float()
-    if spec.kind == "classification":
-        return z.softmax(-1).amax(-1)
-    if spec.kind == "binary":
-        p = z[:, 0].sigmoid()
-        return torch.where(p >= 0.5, p, 1 - p)
-    return None
+    return spec.task_kind.confidence(spec, output.logits[:, : spec.num_labels])
 
 
 @torch.no_grad()
@@ -140,19 +135,16 @@ def eval_model(
 def evaluate(
     model: torch.nn.Module, dev_batchers: dict[str, TaskBatcher], task_list: list[str], progress: bool = False
 ) -> tuple[dict[str, float], dict[str, Any]]:
-    """Dev metrics ``{task: accuracy or Pearson r, "overall": ...}`` and ``{task: (ids, predictions, labels)}``."""
-    from fastpals.metrics import accuracy, pearson
+    """Dev metrics ``{task: primary metric (accuracy or Pearson r), "overall": ...}`` (each task's kind computes
+    it, :func:`fastpals.metrics.task_metrics`) and ``{task: (ids, predictions, labels)}``."""
+    from fastpals.metrics import task_metrics
 
     dev: dict[str, float] = {}
     preds: dict[str, Any] = {}
     for t, batcher in dev_batchers.items():
         ids, p, y = predict_batches(model, batcher, task_list.index(t), progress, desc=f"dev {t}")
-        if model.tasks[task_list.index(t)].metric == "pearson":
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", RuntimeWarning)
-                dev[t] = pearson(p, y)
-        else:
-            dev[t] = accuracy(y.astype(np.int64), p.astype(np.int64))
+        spec = model.tasks[task_list.index(t)]
+        dev[t] = task_metrics(spec, y, p)[spec.metric]
         preds[t] = (ids, p, y)
     dev["overall"] = overall_from(dev, model.tasks)
     return dev, preds

@@ -118,7 +118,7 @@ def build_model(args: Any) -> torch.nn.Module:
         spec = args.task_specs[t]
         mode = args.pair_mode
         if spec.pair and mode != "joint":
-            if mode == "sbert_cosine" and spec.kind != "regression":
+            if mode == "sbert_cosine" and not spec.task_kind.cosine_pairs:
                 mode = "sbert_concat"
             spec = dataclasses.replace(spec, pair_mode=mode)
         specs.append(dataclasses.replace(spec, head=args.head))

@@ -52,7 +52,7 @@ def save_best(
 
 
 def _values(spec: Any, p: np.ndarray) -> np.ndarray:
-    return p.astype(np.int64) if spec.metric == "accuracy" else p.astype(np.float64)
+    return p.astype(np.int64) if spec.integer_labels else p.astype(np.float64)
 
 
 def write_dev_predictions(folder: Path, preds: dict[str, Any], specs: dict[str, Any]) -> None:
