@@ -28,7 +28,6 @@ which tasks touched each of them. A shared parameter that no task touched keeps 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -54,22 +53,76 @@ def default_grad_setter(p: torch.nn.Parameter, value: torch.Tensor | None) -> No
     p.grad = value
 
 
-@dataclass
 class SurgeryResult:
     """What :meth:`TaskGradientBuffer.apply` did.
 
-    - ``skipped``: True when a gradient was non-finite; nothing was written and the optimizer must not step.
+    - ``skipped``: True when a gradient was non-finite; the optimizer must not step.
     - ``weights [T]`` (device; None when skipped): the update is ``sum_t weights[t] * g_t``.
     - ``gram [T, T]`` float32 (device): the Gram matrix of the (globally averaged) task gradients.
     - ``nonfinite_tasks``: rows whose gradient held inf/nan (or whose squared norm overflowed fp32).
     - ``nonfinite_task_params``: True when a task-specific gradient was non-finite.
+    - ``ok``: 0-dim bool device tensor, True when nothing was non-finite (None for host-checked results).
+
+    A result of ``apply(..., sync=False)`` holds its flags on the device: ``skipped`` and the other host fields
+    read them on first access (one read), so a caller can instead stack ``ok`` with its own per-update values
+    and read everything at once.
     """
 
-    skipped: bool
-    weights: torch.Tensor | None
-    gram: torch.Tensor
-    nonfinite_tasks: list[int] = field(default_factory=list)
-    nonfinite_task_params: bool = False
+    def __init__(
+        self,
+        skipped: bool | None,
+        weights: torch.Tensor | None,
+        gram: torch.Tensor,
+        nonfinite_tasks: Sequence[int] = (),
+        nonfinite_task_params: bool = False,
+        *,
+        flags: torch.Tensor | None = None,
+        on_skip: Callable[[], None] | None = None,
+    ) -> None:
+        self._skipped = skipped
+        self._weights = weights
+        self.gram = gram
+        self._nonfinite_tasks = list(nonfinite_tasks)
+        self._nonfinite_task_params = nonfinite_task_params
+        self._flags = flags  # [T + 1] bool on the device: per row finite, then the task-specific check
+        self._on_skip = on_skip
+        self.ok = None if flags is None else flags.all()
+
+    def _resolve(self) -> None:
+        if self._skipped is None:
+            host = self._flags.tolist()  # the one host read of a deferred result
+            self._skipped = not all(host)
+            self._nonfinite_tasks = [t for t, f in enumerate(host[:-1]) if not f]
+            self._nonfinite_task_params = not host[-1]
+            if self._skipped:
+                self._weights = None
+                if self._on_skip is not None:
+                    self._on_skip()
+
+    @property
+    def skipped(self) -> bool:
+        self._resolve()
+        return bool(self._skipped)
+
+    @property
+    def weights(self) -> torch.Tensor | None:
+        if self._skipped is None:  # pending: the device weights (to be dropped if the flags say skip)
+            return self._weights
+        return None if self._skipped else self._weights
+
+    @property
+    def nonfinite_tasks(self) -> list[int]:
+        self._resolve()
+        return self._nonfinite_tasks
+
+    @property
+    def nonfinite_task_params(self) -> bool:
+        self._resolve()
+        return self._nonfinite_task_params
+
+    def __repr__(self) -> str:
+        state = "pending" if self._skipped is None else f"skipped={self._skipped}"
+        return f"SurgeryResult({state}, nonfinite_tasks={self._nonfinite_tasks})"
 
 
 def _unique_params(params: Iterable[torch.nn.Parameter], name: str) -> list[torch.nn.Parameter]:
@@ -327,7 +380,12 @@ class TaskGradientBuffer:
         return flags, flat
 
     def apply(
-        self, aggregator: Aggregator, generator: torch.Generator | None = None, **aggregator_kwargs: Any
+        self,
+        aggregator: Aggregator,
+        generator: torch.Generator | None = None,
+        *,
+        sync: bool = True,
+        **aggregator_kwargs: Any,
     ) -> SurgeryResult:
         """Gram -> ``aggregator(gram, generator=generator, **aggregator_kwargs)`` -> ``sum_t w_t g_t`` into .grad.
 
@@ -336,6 +394,11 @@ class TaskGradientBuffer:
         task-specific gradients (and, data parallel, the touched flags of all ranks). When something is
         non-finite the step is skipped: the shared gradients stay ``None``, :attr:`skipped_steps` grows, and the
         result says which tasks were at fault; the aggregator is not called.
+
+        ``sync=False`` (one rank, no all-reduce): no host read at all. The finite flags stay on the device
+        (``result.ok``); the aggregator runs on the Gram with non-finite entries replaced by the identity and the
+        update is written as usual (non-finite where a row was). The caller reads the flags once before stepping
+        (``result.skipped``, or ``result.ok`` stacked with its own values) and must not step when one is false.
         """
         for t in range(self.num_tasks):
             if not self._captured[t]:
@@ -355,6 +418,8 @@ class TaskGradientBuffer:
             if present:
                 checks.append(torch.isfinite(torch.stack(torch._foreach_norm(present))).all().reshape(1))
         g_mat, finite = gram(self.data)
+        if not sync:
+            return self._apply_on_device(aggregator, generator, g_mat, finite, checks, aggregator_kwargs)
         parts = [finite] + checks + ([flags_dev > 0] if self.all_reduce else [])
         host = torch.cat(parts).tolist()  # the one device-to-host read of the step (the skip decision)
         task_ok = bool(host[self.num_tasks]) if checks else True
@@ -392,6 +457,50 @@ class TaskGradientBuffer:
         for p, part, u in zip(self.params, torch.split(flat, self.numels), used):
             self.grad_setter(p, part.view_as(p) if u else None)
         return SurgeryResult(False, weights, g_mat)
+
+    def _apply_on_device(
+        self,
+        aggregator: Aggregator,
+        generator: torch.Generator | None,
+        g_mat: torch.Tensor,
+        finite: torch.Tensor,
+        checks: list[torch.Tensor],
+        aggregator_kwargs: dict[str, Any],
+    ) -> SurgeryResult:
+        """The rest of ``apply(sync=False)``: no host read; flags returned on the device."""
+        if self.all_reduce:
+            raise ValueError("apply(sync=False) is for one-rank buffers (the all-reduced flags are read on the host)")
+        n_shared = len(self.params)
+        task_ok = checks[0] if checks else torch.ones(1, dtype=torch.bool, device=finite.device)
+        flags = torch.cat([finite.to(torch.bool), task_ok.to(torch.bool).reshape(1)])
+        ok = flags.all()
+        eye = torch.eye(self.num_tasks, dtype=g_mat.dtype, device=g_mat.device)
+        safe = torch.where(ok, torch.nan_to_num(g_mat, nan=0.0, posinf=0.0, neginf=0.0), eye)
+        weights = aggregator(safe, generator=generator, **aggregator_kwargs)
+        touched = self._touched
+        if self.capture_task_params:
+            for p, g in zip(self.task_params, self._task_grads()):
+                if g is not None:
+                    self.grad_setter(p, g.to(p.dtype) if g.dtype != p.dtype else g.clone())
+        self._task_seen = [False] * len(self.task_params)
+        self.steps += 1
+        self._captured = [False] * self.num_tasks
+        self._touched = [[False] * n_shared for _ in range(self.num_tasks)]
+        self._task_state = [self._task_grad_state(p) for p in self.task_params]
+        if self.grad_dtype == self.dtype:
+            flat = combine(self.data, weights, out_row=self.num_tasks - 1)
+        else:
+            if self._flat_grad is None:
+                self._flat_grad = torch.empty(self.num_elements, dtype=self.grad_dtype, device=self.device)
+            flat = combine(self.data, weights, out=self._flat_grad)
+        used = [any(touched[t][k] for t in range(self.num_tasks)) for k in range(n_shared)]
+        for p, part, u in zip(self.params, torch.split(flat, self.numels), used):
+            self.grad_setter(p, part.view_as(p) if u else None)
+
+        def count_skip() -> None:
+            self.skipped_steps += 1
+
+        return SurgeryResult(None, weights, g_mat, flags=flags, on_skip=count_skip)
 
     # ------------------------------------------------------------------------------------------------------------
     def row(self, task: int) -> torch.Tensor:
