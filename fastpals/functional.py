@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from fastpals.layout import pad_packed_index as pad_packed
+
 __all__ = [
     "MAX_TASKS",
     "Dropout",
@@ -310,27 +312,6 @@ def attention_varlen_reference(
     padded, mask, index = pad_packed(torch.stack((q, k, v)), cu_seqlens, max_seqlen)
     out = attention_reference(padded[0], padded[1], padded[2], mask, dropout_p, softmax_scale)
     return out.flatten(0, 1).index_select(0, index)
-
-
-def pad_packed(x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> tuple[torch.Tensor, ...]:
-    """Scatter packed rows ``x[..., N, *rest]`` (packed dim 1 if x is stacked, else 0) into a padded batch.
-
-    Returns (padded ``[..., B, max_seqlen, *rest]``, mask ``[B, max_seqlen]``, index ``[N]`` of each packed
-    row in the flattened padded batch).
-    """
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    batch = lengths.shape[0]
-    pos = torch.arange(max_seqlen, device=x.device)
-    mask = pos[None, :] < lengths[:, None]
-    index = mask.flatten().nonzero(as_tuple=True)[0]
-    stacked = x.dim() >= 4  # [3, N, H, Dh] vs [N, ...]
-    if stacked:
-        flat = x.new_zeros(x.shape[0], batch * max_seqlen, *x.shape[2:])
-        flat[:, index] = x
-        return flat.view(x.shape[0], batch, max_seqlen, *x.shape[2:]), mask, index
-    flat = x.new_zeros(batch * max_seqlen, *x.shape[1:])
-    flat[index] = x
-    return flat.view(batch, max_seqlen, *x.shape[1:]), mask, index
 
 
 def pal_reference(

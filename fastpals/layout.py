@@ -41,6 +41,7 @@ __all__ = [
     "pack_rows",
     "packed_position_ids",
     "pad_packed",
+    "pad_packed_index",
     "pool_packed",
     "unpad",
 ]
@@ -87,6 +88,31 @@ def pad_packed(x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, value
     out = x.new_full((mask.shape[0], max_seqlen, *x.shape[1:]), value)
     out[mask] = x
     return out
+
+
+def pad_packed_index(x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> tuple[torch.Tensor, ...]:
+    """Scatter packed rows ``x[..., N, *rest]`` (packed dim 1 if x is stacked, else 0) into a padded batch.
+
+    Returns (padded ``[..., B, max_seqlen, *rest]``, mask ``[B, max_seqlen]``, index ``[N]`` of each packed
+    row in the flattened padded batch).
+    """
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    batch = lengths.shape[0]
+    pos = torch.arange(max_seqlen, device=x.device)
+    mask = pos[None, :] < lengths[:, None]
+    stacked = x.dim() >= 4  # [3, N, H, Dh] vs [N, ...]
+    total = x.shape[1] if stacked else x.shape[0]
+    example = torch.repeat_interleave(torch.arange(batch, device=x.device), lengths, output_size=total)
+    index = example * max_seqlen + packed_position_ids(
+        cu_seqlens, total
+    )  # no data-dependent size: no host read
+    if stacked:
+        flat = x.new_zeros(x.shape[0], batch * max_seqlen, *x.shape[2:])
+        flat[:, index] = x
+        return flat.view(x.shape[0], batch, max_seqlen, *x.shape[2:]), mask, index
+    flat = x.new_zeros(batch * max_seqlen, *x.shape[1:])
+    flat[index] = x
+    return flat.view(batch, max_seqlen, *x.shape[1:]), mask, index
 
 
 def check_packed(

@@ -87,7 +87,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fastpals.layout import BatchLayout, layout_for
+from fastpals.layout import BatchLayout, layout_for, lengths_to_cu_seqlens
 from fastpals.surgery.buffer import TaskGradientBuffer
 from fastpals.surgery.layer_grads import (
     EmbeddingFrame,
@@ -112,10 +112,7 @@ def cu_seqlens_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """``[B, L]`` right-padded attention mask (1 = token) -> ``cu_seqlens [B+1]`` int32 (packed token offsets)."""
     if attention_mask.dim() != 2:
         raise ValueError(f"attention_mask must be [B, L], got shape {list(attention_mask.shape)}")
-    lengths = attention_mask.to(torch.bool).sum(1)
-    cu = torch.zeros(attention_mask.shape[0] + 1, dtype=torch.int32, device=attention_mask.device)
-    cu[1:] = torch.cumsum(lengths, 0)
-    return cu
+    return lengths_to_cu_seqlens(attention_mask.to(torch.bool).sum(1))
 
 
 def task_mean_loss(losses: torch.Tensor, task_ids: torch.Tensor, num_tasks: int) -> torch.Tensor:

@@ -1,0 +1,142 @@
+"""The batch layout: built once on the host from token lengths, validated there, and the one source of every
+row map (task ranges, cu_seqlens, positions) the model and the per-task gradients use."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fastpals.batching import TaskRows, model_inputs, pack_batches, pack_task_rows
+from fastpals.layout import (
+    BatchLayout,
+    cu_seqlens_to_mask,
+    layout_for,
+    lengths_to_cu_seqlens,
+    packed_position_ids,
+)
+
+
+def test_from_lengths_host_values_and_device_tensors_agree():
+    lengths, tasks = [3, 1, 4, 2, 5], [0, 0, 1, 2, 2]
+    lay = BatchLayout.from_lengths(lengths, tasks, 3)
+    cu = lengths_to_cu_seqlens(torch.tensor(lengths))
+    assert torch.equal(lay.cu_seqlens, cu) and lay.cu_seqlens.dtype == torch.int32
+    assert lay.cu_host.tolist() == cu.tolist() and lay.total == 15 and lay.max_seqlen == 5
+    assert torch.equal(lay.position_ids, packed_position_ids(cu, 15))
+    assert lay.task_examples == [2, 1, 2] and lay.task_tokens == [4, 4, 7] and lay.present == [0, 1, 2]
+    assert lay.example_ranges == {0: (0, 2), 1: (2, 3), 2: (3, 5)}
+    assert lay.token_ranges == {0: (0, 4), 1: (4, 8), 2: (8, 15)}
+    assert lay.task_segments(3) == [4, 4, 7]
+    assert torch.equal(lay.row_task_ids, torch.tensor(tasks).repeat_interleave(torch.tensor(lengths)))
+    assert torch.equal(lay.cls_index, cu[:-1].long())
+    assert torch.equal(lay.padding_mask(), cu_seqlens_to_mask(cu, 5))
+    x = torch.randn(15, 2)
+    assert torch.equal(lay.to_rows(lay.to_padded(x)), x)
+    assert layout_for(lay.task_ids) is lay and layout_for(lay.task_ids.clone()) is None
+
+
+def test_ungrouped_rows_have_index_maps_and_no_segments():
+    lay = BatchLayout.from_lengths([2, 3, 1], [1, 0, 1], 2)
+    assert lay.example_ranges is None and lay.token_ranges is None and lay.task_segments(2) is None
+    assert torch.equal(lay.rows_of(1), torch.tensor([0, 2]))
+
+
+@pytest.mark.parametrize(
+    "lengths, tasks, match",
+    [([], [], "at least one sequence"), ([2, 0], [0, 0], "at least one token"), ([2, 2], [0, 3], "outside"),
+     ([2, 2], [0], "entries")],
+)  # fmt: skip
+def test_from_lengths_validates_once_on_the_host(lengths, tasks, match):
+    with pytest.raises(ValueError, match=match):
+        BatchLayout.from_lengths(lengths, tasks, 3)
+
+
+def test_packing_from_token_lists_equals_packing_padded_batches():
+    """Collate's direct packing (no pad-then-unpad) gives the tensors and layout of the padded route."""
+    rng = np.random.default_rng(0)
+    parts, padded = [], []
+    for t, n in ((0, 2), (2, 3)):
+        ids = [list(rng.integers(5, 50, size=k)) for k in rng.integers(2, 7, size=n)]
+        parts.append(
+            TaskRows(t, ids, [[0] * len(x) for x in ids], labels=torch.arange(n, dtype=torch.float32))
+        )
+        width = max(len(x) for x in ids)
+        padded.append({
+            "input_ids": torch.tensor([x + [0] * (width - len(x)) for x in ids]),
+            "token_type_ids": torch.zeros(n, width, dtype=torch.long),
+            "attention_mask": torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in ids]),
+            "labels": torch.arange(n, dtype=torch.float32),
+        })  # fmt: skip
+    a = pack_task_rows(parts, 3)
+    b = pack_batches(padded, [0, 2], 3)
+    for key in (
+        "input_ids",
+        "token_type_ids",
+        "cu_seqlens",
+        "task_ids",
+        "labels",
+        "task_examples",
+        "task_tokens",
+    ):
+        assert torch.equal(a[key], b[key]), key
+    assert a["layout"].token_ranges == b["layout"].token_ranges
+    inputs = model_inputs(a, "cpu")
+    assert (
+        inputs["task_ids"] is inputs["layout"].task_ids
+        and inputs["cu_seqlens"] is inputs["layout"].cu_seqlens
+    )
+
+
+def test_model_does_not_import_batching_or_data_modules():
+    code = (
+        "import sys, fastpals.model, fastpals.multitask; "
+        "bad = [m for m in ('fastpals.batching', 'fastpals.batcher', 'fastpals.data', 'fastpals.readers') "
+        "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: torch.cuda.set_sync_debug_mode")
+@pytest.mark.parametrize("surgery", [None, "pcgrad", "gem", "mgda", "upgrad"])
+def test_gpu_step_under_sync_debug_mode_error(surgery):
+    """On a GPU the same packed mixed-task step as tests/test_fake_step.py runs with synchronisations made
+    errors (``torch.cuda.set_sync_debug_mode("error")``): any host read inside the step raises."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_fake_step import TASKS, _batch, _tiny_model
+
+    from fastpals.surgery import (
+        AGGREGATORS,
+        TaskGradientBuffer,
+        per_task_gradients,
+        shared_parameters_by_name,
+    )
+
+    torch.manual_seed(0)
+    model = _tiny_model().cuda()
+    batch = _batch()
+    inputs = model_inputs(batch, "cuda")
+    labels = batch["labels"].cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    shared, specific = shared_parameters_by_name(model)
+    buf = TaskGradientBuffer(shared, len(TASKS), task_params=specific)
+    for warm in (True, False):  # the first step builds caches (allowed to sync); the second must not
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode(0 if warm else "error")
+        try:
+            opt.zero_grad(set_to_none=True)
+            if surgery is None:
+                model.task_losses(model(**inputs), labels, weighting="equal").total.backward()
+            else:
+                with per_task_gradients(model, buf, inputs["task_ids"]):
+                    res = model.task_losses(model(**inputs), labels, weighting="equal")
+                    sum(res.per_task.values()).backward()
+                buf.apply(AGGREGATORS[surgery], generator=torch.Generator().manual_seed(0), sync=False)
+            opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
