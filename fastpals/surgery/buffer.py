@@ -469,7 +469,9 @@ class TaskGradientBuffer:
     ) -> SurgeryResult:
         """The rest of ``apply(sync=False)``: no host read; flags returned on the device."""
         if self.all_reduce:
-            raise ValueError("apply(sync=False) is for one-rank buffers (the all-reduced flags are read on the host)")
+            raise ValueError(
+                "apply(sync=False) is for one-rank buffers (the all-reduced flags are read on the host)"
+            )
         n_shared = len(self.params)
         task_ok = checks[0] if checks else torch.ones(1, dtype=torch.bool, device=finite.device)
         flags = torch.cat([finite.to(torch.bool), task_ok.to(torch.bool).reshape(1)])
