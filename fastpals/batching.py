@@ -27,9 +27,11 @@ pass. Everything is a function of the seeds; ``state_dict()`` holds ``(epoch, st
 ``(pass, position)`` and the generator's state, so a resumed run draws exactly the micro-batches an uninterrupted
 one would.
 
-Packing (:func:`pack_batches`, :func:`collate_packed`)
-------------------------------------------------------
-A packed micro-batch is a dict:
+Packing (:func:`collate_packed`, :func:`pack_task_rows`, :func:`pack_batches`)
+-----------------------------------------------------------------------------
+:func:`collate_packed` concatenates the selected examples' token lists (no padding is ever made) and builds the
+micro-batch's :class:`~fastpals.layout.BatchLayout` from their lengths and tasks, on the host, once. A packed
+micro-batch is a dict:
 
 * ``input_ids``, ``token_type_ids``: int64 ``[N]``, the ``B`` rows back to back (joint pair tasks as
   ``[CLS] a [SEP] b [SEP]``, token types 0/1); ``cu_seqlens``: int32 ``[B+1]``; ``max_seqlen``: int.
@@ -40,12 +42,13 @@ A packed micro-batch is a dict:
   siamese row in row order (``B2`` = siamese rows; other rows have none).
 * ``task_examples``, ``task_tokens``: int64 ``[T]``: examples and tokens (both sentences) of each task;
   ``num_tokens``: int, ``N + N2``.
+* ``layout``: the :class:`~fastpals.layout.BatchLayout` (host values, and ``cu_seqlens``/``task_ids`` above as
+  its device tensors; its ``second`` lays out the siamese second sentences).
 
-:func:`model_inputs` picks the keys ``MultiTaskBert.forward`` takes. The pad/unpad/``cu_seqlens`` helpers of the
-package live here (:func:`lengths_to_cu_seqlens`, :func:`cu_seqlens_to_mask`, :func:`unpad`, :func:`pad_packed`,
-:func:`packed_position_ids`, :func:`pool_packed`). Without a varlen attention kernel (CPU, or CUDA without
-flash-attn / in fp32) the model attends over blocks of sequences of similar length (:func:`attention_plan`,
-:func:`bucketed_attention`), so packing does not bring back padding through attention.
+:func:`model_inputs` picks the keys ``MultiTaskBert.forward`` takes, the layout included. The pad/unpad/
+``cu_seqlens`` helpers live in :mod:`fastpals.layout` (re-exported here). Without a varlen attention kernel (CPU,
+or CUDA without flash-attn / in fp32) the model attends over blocks of sequences of similar length
+(:func:`attention_plan`, :func:`bucketed_attention`), so packing does not bring back padding through attention.
 """
 
 from __future__ import annotations

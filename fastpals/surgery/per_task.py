@@ -45,7 +45,9 @@ pooler's ``[B, d]`` one), and packed inputs (minBERT's ``unpad=True``: ``[N, d]`
 lengths; see :func:`cu_seqlens_from_mask`). Rows grouped by task (``task_ids`` sorted) make every task segment a
 contiguous slice; unsorted batches are supported (the segments are gathered). Several micro-batches before one
 ``apply`` accumulate in the rows. A task with no rows in the batch keeps a zero row (or its earlier
-micro-batches' sum). ``task_ids`` is read on the host once when the block is entered.
+micro-batches' sum). Row maps come from the batch's :class:`~fastpals.layout.BatchLayout` (host values; found
+from the ``task_ids`` tensor that :func:`fastpals.batching.model_inputs` hands out), so the block reads no device
+value; tensors without a layout are read on the host once, when the block is entered.
 
 Data parallel: the rows hold this rank's per-task gradients; build the buffer with ``all_reduce=True`` (or a
 ``process_group``) so that ``apply`` averages the ``[T, P]`` rows across ranks before the Gram (``T * P``
