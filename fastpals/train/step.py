@@ -108,9 +108,10 @@ class UpdateResult:
 class TorchEngine:
     """The part of a DeepSpeed engine that :func:`run_update` uses (``module``, forward, ``backward``, ``step``)
     over a plain module and optimizer, for benchmarks and tests: the forward runs under ``autocast`` (a dtype, or
-    None for none), ``backward`` scales the loss with ``scaler`` (a ``torch.amp.GradScaler``, or None), ``step``
-    steps the optimizer (through the scaler) and then zeroes the gradients, as DeepSpeed's ``step`` does. No
-    gradient accumulation: call ``step`` once per update."""
+    None for none); ``backward`` scales the loss by ``1 / accumulation`` and with ``scaler`` (a
+    ``torch.amp.GradScaler``, or None); every ``accumulation``-th ``step`` (the accumulation boundary) steps the
+    optimizer (through the scaler) and then zeroes the gradients, as DeepSpeed's ``step`` does; the others only
+    count."""
 
     def __init__(
         self,
@@ -118,8 +119,11 @@ class TorchEngine:
         optimizer: torch.optim.Optimizer,
         scaler: Any = None,
         autocast: torch.dtype | None = None,
+        accumulation: int = 1,
     ) -> None:
         self.module, self.optimizer, self.scaler, self.autocast = module, optimizer, scaler, autocast
+        self.accumulation = accumulation
+        self.micro_steps = 0
 
     def _autocast(self) -> AbstractContextManager:
         if self.autocast is None:
@@ -132,11 +136,17 @@ class TorchEngine:
             return self.module(**inputs)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """The backward of ``loss`` (scaled by the scaler, if any)."""
+        """The backward of ``loss`` (divided by ``accumulation``, scaled by the scaler, if any)."""
+        if self.accumulation != 1:
+            loss = loss / self.accumulation
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
     def step(self) -> None:
-        """The optimizer step (through the scaler, if any), then ``zero_grad(set_to_none=True)``."""
+        """At the accumulation boundary: the optimizer step (through the scaler, if any), then
+        ``zero_grad(set_to_none=True)``; elsewhere nothing but the count."""
+        self.micro_steps += 1
+        if self.micro_steps % self.accumulation:
+            return
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
