@@ -7,9 +7,10 @@
   PALs, heads for sst / para / sts, 3 tasks x 16 sentences of 32 tokens, AdamW):
 
   * ``plain``: one forward + backward per task (the sum of the task losses), then the optimizer step;
-  * ``fastpals_buffer``: the trainer's ``fastpals.train.step.surgery_update``: the same forwards/backwards,
-    each followed by ``TaskGradientBuffer.capture``, then
-    ``apply(pcgrad_weights)`` (Gram kernel, weights on the device, combine kernel) and the step;
+  * ``fastpals_buffer``: the trainer's update, ``fastpals.train.step.run_update`` with strategy
+    ``per_task_backward``: the same forwards/backwards, each followed by ``TaskGradientBuffer.capture``, the
+    update's one read of the losses, then ``apply(pcgrad_weights)`` (Gram kernel, weights on the device, combine
+    kernel) and the step;
   * ``fastpals_wrapper``: the Pytorch-PCGrad calling convention, ``PCGrad(opt).pc_backward(losses)`` over the
     three task losses (their graphs all alive until the last backward);
   * ``reference``: ``bench/pcgrad_reference.py``, Pytorch-PCGrad's semantics (T retained backwards, per-parameter
@@ -52,7 +53,7 @@ sys.path.insert(0, HERE)
 from pcgrad_reference import ReferencePCGrad  # noqa: E402
 
 from fastpals.surgery import PCGrad, TaskGradientBuffer, pcgrad_weights, shared_parameters_by_name  # noqa: E402
-from fastpals.train.step import surgery_update  # noqa: E402
+from fastpals.train.step import MicroBatch, Surgery, TorchEngine, run_update  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------------------------
 # model, batches, steps
@@ -122,13 +123,15 @@ class Runner:
         if self.buffer is None:
             self.buffer = TaskGradientBuffer(self.shared, NUM_TASKS, task_params=self.specific)
         self.opt.zero_grad(set_to_none=True)
-        update = surgery_update(  # the trainer's surgery update
-            self.buffer, range(NUM_TASKS), lambda t: task_loss(self.model, self.batches[t]).backward(),
-            pcgrad_weights, generator=self.generator, sync=_sync,
+        micro = [
+            MicroBatch({"input_ids": ids, "attention_mask": mask, "task_ids": tasks}, labels, (t,), (BATCH,))
+            for t, (ids, mask, tasks, labels) in enumerate(self.batches)
+        ]
+        update = run_update(  # the trainer's surgery update
+            TorchEngine(self.model, self.opt), micro, "per_task_backward",
+            surgery=Surgery(self.buffer, pcgrad_weights, self.generator), sync=_sync,
         )  # fmt: skip
         self.surgery_seconds.append(update.surgery_seconds)
-        if not update.result.skipped:
-            self.opt.step()
 
     def fastpals_wrapper(self):
         if self.wrapper is None:

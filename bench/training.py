@@ -9,8 +9,9 @@ A step trains on a mixed batch of ``batch`` examples of ``length`` tokens spread
 - ``pal_fused``: the same with the fused Triton PAL (``FASTPALS_KERNELS=triton``; CUDA only);
 - ``pal_pcgrad_reference``: BERT + reference PALs + Pytorch-PCGrad's algorithm (``bench/pcgrad_reference.py``):
   one forward, one retained backward per task loss, per-parameter flattening and projections, its merge;
-- ``pal_pcgrad_fastpals``: BERT + PALs (fused on CUDA, reference on CPU) + fastpals PCGrad: per task, a forward
-  and backward of that task's rows (the graph freed at once) and ``TaskGradientBuffer.capture``; then
+- ``pal_pcgrad_fastpals``: BERT + PALs (fused on CUDA, reference on CPU) + fastpals PCGrad, the trainer's update
+  (``fastpals.train.step.run_update``, strategy ``per_task_backward``): per task, a forward and backward of that
+  task's rows (the graph freed at once) and ``TaskGradientBuffer.capture``; one read of the losses; then
   ``apply(pcgrad_weights)`` (Gram and combine kernels on CUDA) and the step;
 - ``pal_gem_fastpals``: the same with ``gem_weights`` (GEM with the summed update as proposal).
 
@@ -200,13 +201,17 @@ class TrainingStep:
         self.batch = make_batch(cfg, self.specs, self.generator)
         self.task_batches = split_by_task(self.batch, cfg.num_tasks)
         self.buffer = None
+        self.engine = None
         self.reference = None
         self.skipped_steps = 0
         if cfg.variant in ("pal_pcgrad_fastpals", "pal_gem_fastpals"):
             from fastpals.surgery import TaskGradientBuffer, shared_parameters_by_name
+            from fastpals.train.step import TorchEngine
 
             shared, specific = shared_parameters_by_name(self.model)
             self.buffer = TaskGradientBuffer(shared, cfg.num_tasks, task_params=specific)
+            autocast = _DTYPES[cfg.precision] if cfg.precision in ("bf16", "fp16") else None
+            self.engine = TorchEngine(self.model, self.optimizer, self.scaler, autocast)
         elif cfg.variant == "pal_pcgrad_reference":
             self.reference = _reference_pcgrad_class()(self.optimizer, seed=cfg.seed)
 
@@ -244,24 +249,24 @@ class TrainingStep:
         self.reference.pc_backward([self._scaled(per_task[s.name]) for s in self.specs])
         self._optimizer_step()
 
-    def _task_backward(self, t: int) -> None:
-        total, _ = self._losses(self.task_batches[t])
-        self._scaled(total).backward()
-
     def _buffer_step(self) -> None:
         from fastpals.surgery import gem_weights, pcgrad_weights
-        from fastpals.train.step import surgery_update
+        from fastpals.train.step import MicroBatch, Surgery, run_update
 
         self.optimizer.zero_grad(set_to_none=True)
         aggregator = pcgrad_weights if self.cfg.variant == "pal_pcgrad_fastpals" else gem_weights
-        group = range(len(self.task_batches))  # the trainer's surgery update, one batch per task
-        result = surgery_update(self.buffer, group, self._task_backward, aggregator, self.generator).result
-        if result.skipped:  # non-finite task gradient: no step; with fp16, lower the loss scale ourselves
+        keys = ("input_ids", "attention_mask", "token_type_ids", "task_ids")
+        micro = [
+            MicroBatch({k: b[k] for k in keys}, b["labels"], (t,), (b["input_ids"].shape[0],))
+            for t, b in enumerate(self.task_batches)
+        ]  # the trainer's surgery update, one batch per task
+        update = run_update(
+            self.engine, micro, "per_task_backward", surgery=Surgery(self.buffer, aggregator, self.generator)
+        )
+        if not update.stepped:  # non-finite task gradient: no step; with fp16, lower the loss scale ourselves
             self.skipped_steps += 1
             if self.scaler is not None:
                 self.scaler.update(self.scaler.get_scale() * self.scaler.get_backoff_factor())
-            return
-        self._optimizer_step()
 
     def __call__(self) -> None:
         with env_var("FASTPALS_KERNELS", self.cfg.kernels_mode):

@@ -6,7 +6,8 @@
 * :mod:`.data_setup`: the run's tokenizer, task batchers and sampler.
 * :mod:`.evaluate`: prediction and dev metrics, shared with ``fastpals predict``.
 * :mod:`.callbacks`: JSONL, TensorBoard, progress, plots, test-only faults.
-* :func:`surgery_update` (:mod:`.step`): the gradient-surgery update, also timed by the benchmarks.
+* :func:`run_update` (:mod:`.step`): one optimizer update of either batching, with or without gradient surgery,
+  also timed by the benchmarks.
 * :mod:`.dsconfig`, :mod:`.optim`, :mod:`.distributed`, :mod:`.outputs`.
 
 Imports are lazy, so ``fastpals.train.step`` or ``.dsconfig`` load without DeepSpeed or the data code.
@@ -21,7 +22,7 @@ _NAMES = {
     "TrainArgs": "args", "PAL_PRESETS": "args", "build_pal_config": "args",
     "build_parser": "cli", "main": "cli", "parse_args": "cli",
     "ConfigError": "errors", "NonFiniteLossError": "errors", "TrainingInterrupted": "errors",
-    "Trainer": "loop", "TrainState": "state", "surgery_update": "step", "SurgeryUpdate": "step",
+    "Trainer": "loop", "TrainState": "state", "run_update": "step", "MicroBatch": "step", "UpdateResult": "step",
     "check_ds_config": "dsconfig", "load_ds_config": "dsconfig", "resolve_ds_config": "dsconfig",
     "lr_lambda": "optim", "optimizer_param_groups": "optim", "make_optimizer": "optim",
 }  # fmt: skip

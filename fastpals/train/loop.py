@@ -7,14 +7,15 @@ A :class:`~fastpals.sampling.TaskSampler` decides the task of every micro-batch;
 DeepSpeed engine accumulates ``--grad-accum`` micro-batches per update (DeepSpeed averages them and clips with
 ``gradient_clipping`` inside ``engine.step()``). With surgery an update is the sampler's group (one batch of every
 task for ``random_round_robin``; plus ``--extra-batches`` annealed ones for ``every_task_plus_annealed``; as many
-draws as tasks otherwise), DeepSpeed's accumulation is 1, and :func:`fastpals.train.step.surgery_update`
-captures each task's gradient of the shared weights into a :class:`fastpals.surgery.TaskGradientBuffer` and
-writes the combined gradient back before ``engine.step()`` clips it. Task-specific parameters (PALs, heads) keep
-their own task's gradient.
+draws as tasks otherwise), DeepSpeed's accumulation is 1, and each task's gradient of the shared weights is
+captured into a :class:`fastpals.surgery.TaskGradientBuffer`, whose combination is written back before
+``engine.step()`` clips it. Task-specific parameters (PALs, heads) keep their own task's gradient.
 Under DeepSpeed the buffer reads and writes gradients as :func:`fastpals.train.step.deepspeed_surgery_buffer`
-describes.
+describes. ``--batching mixed``: see :mod:`fastpals.train.mixed`. Every update, of either batching, is one call
+of :func:`fastpals.train.step.run_update`.
 
-Every micro-batch's loss is checked: a NaN/inf loss stops training before its backward with
+Every loss is checked, once per update after its backwards (the update's one read of device values, which also
+gives the logged losses): a NaN/inf loss stops training before ``engine.step()`` with
 :class:`NonFiniteLossError` after a ``"nonfinite"`` record; the last checkpoint is untouched. SIGTERM/SIGINT
 write a checkpoint and raise :class:`TrainingInterrupted`.
 
@@ -32,12 +33,11 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from fastpals.multitask import MultiTaskBert
@@ -48,7 +48,7 @@ from fastpals.train.callbacks import Callback, default_callbacks
 from fastpals.train.data_setup import eval_batcher, setup_data
 from fastpals.train.dsconfig import check_ds_config, load_ds_config, precision_note
 from fastpals.train.errors import ConfigError, NonFiniteLossError, TrainingInterrupted
-from fastpals.train.mixed import mixed_update
+from fastpals.train.mixed import packed_micro_batches
 from fastpals.train.optim import build_model, lr_lambda, make_optimizer, optimizer_param_groups
 from fastpals.train.state import (
     GeneratorState,
@@ -58,7 +58,7 @@ from fastpals.train.state import (
     load_checkpoint,
     save_checkpoint,
 )
-from fastpals.train.step import deepspeed_surgery_buffer, surgery_update
+from fastpals.train.step import MicroBatch, Surgery, deepspeed_surgery_buffer, run_update
 
 __all__ = ["Trainer", "timestamped"]
 
@@ -205,58 +205,43 @@ class Trainer:
         return dev
 
     # --- one update ---------------------------------------------------------------------------------------------
-    def _micro_step(self, task_index: int) -> tuple[float, int]:
-        task = self.args.task_list[task_index]
-        batch = self.train_batchers[task].next_batch()
-        out = self.engine(**ev.model_inputs(batch, task_index, self.device))
-        loss, _ = self.engine.module.loss(out, batch["labels"].to(self.device).float())
-        loss = self._check_loss(loss, {task: math.nan})  # names the task if the loss is not finite
-        self.engine.backward(loss)
-        return loss.item(), batch["input_ids"].shape[0]
-
-    def _check_loss(self, loss: torch.Tensor, per_task: dict[str, float]) -> torch.Tensor:
-        step = self.state.global_step + 1
-        for hook in self.loss_hooks:
-            loss = hook(step, loss)
-        value = loss.item()
-        if not math.isfinite(value):
-            bad = [t for t, v in per_task.items() if not math.isfinite(v)] or list(per_task)
-            self.record({"type": "nonfinite", "step": step, "task": ",".join(bad), "loss": value})
-            raise NonFiniteLossError(step, ",".join(bad), value)
-        return loss
+    def _task_micro_batch(self, task_index: int) -> MicroBatch:
+        """The next batch of task ``task_index`` (its batcher's), on the device."""
+        batch = self.train_batchers[self.args.task_list[task_index]].next_batch()
+        return MicroBatch(
+            inputs=ev.model_inputs(batch, task_index, self.device), labels=batch["labels"].to(self.device).float(),
+            tasks=(task_index,), examples=(batch["input_ids"].shape[0],),
+        )  # fmt: skip
 
     def train_update(self, group: list[Any]) -> dict[str, Any]:
         """One optimizer update over the micro-batches of ``group`` (task indices, or with ``--batching mixed``
-        the mixed selections of :class:`fastpals.train.mixed.MixedUpdates`)."""
-        if self.args.batching == "mixed":
-            surgery = None
-            if self.surgery_buffer is not None:
-                surgery = (self.surgery_buffer, self.aggregator, self.surgery_generator)
-            stats = mixed_update(self.engine, list(self.train_batchers.values()), group,
-                                 self.args.task_weighting, self._check_loss, surgery)  # fmt: skip
-            if "result" in stats:
-                self._raise_if_skipped(stats.pop("result"))
-            self.state.global_step += 1
-            return stats
-        if self.surgery_buffer is None:
-            micro = []
-            for t in group:
-                micro.append(self._micro_step(t))
-                self.engine.step()  # DeepSpeed updates only at the accumulation boundary
+        the mixed selections of :class:`fastpals.train.mixed.MixedUpdates`), run by
+        :func:`fastpals.train.step.run_update`: strategy ``none`` without surgery, ``per_task_backward``
+        (per-task batches) or ``one_backward`` (mixed batches) with it. Returns the update's ``loss`` per task and
+        ``examples`` (and for mixed batches ``task_examples``, ``task_tokens``, ``tokens``)."""
+        mixed = self.args.batching == "mixed"
+        if mixed:
+            micro: Iterable[MicroBatch] = packed_micro_batches(
+                list(self.train_batchers.values()), group, self.device, self.args.task_weighting
+            )
         else:
-            update = surgery_update(self.surgery_buffer, group, self._micro_step, self.aggregator,
-                                    generator=self.surgery_generator)  # fmt: skip
-            micro = update.outputs
-            self._raise_if_skipped(update.result)
-            self.engine.step()
+            micro = (self._task_micro_batch(t) for t in group)
+        surgery, strategy = None, "none"
+        if self.surgery_buffer is not None:
+            surgery = Surgery(self.surgery_buffer, self.aggregator, self.surgery_generator)
+            strategy = "one_backward" if mixed else "per_task_backward"
+        update = run_update(self.engine, micro, strategy, surgery=surgery, step=self.state.global_step + 1,
+                            loss_hooks=self.loss_hooks, record=self.record)  # fmt: skip
+        if update.surgery is not None:
+            self._raise_if_skipped(update.surgery)
         self.state.global_step += 1
-        losses: dict[str, list[float]] = {}
-        for t, (value, _) in zip(group, micro):
-            losses.setdefault(self.args.task_list[t], []).append(value)
-        return {
-            "loss": {t: float(np.mean(v)) for t, v in losses.items()},
-            "examples": sum(n for _, n in micro),
-        }
+        stats: dict[str, Any] = {"loss": update.loss}
+        if mixed:
+            stats.update(
+                task_examples=update.examples, task_tokens=update.tokens, tokens=sum(update.tokens.values())
+            )
+        stats["examples"] = sum(update.examples.values())
+        return stats
 
     def _raise_if_skipped(self, result: Any) -> None:
         if result.skipped:

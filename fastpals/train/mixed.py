@@ -10,7 +10,9 @@ per micro-batch. The loss is one mean per task, combined by ``--task-weighting``
 With ``--surgery``, the update's per-task gradients of the shared weights come out of that same backward
 (:func:`fastpals.surgery.per_task_gradients`: a grouped weight gradient per task segment) and the aggregator
 combines them; the backward then runs on the sum of the task means (each task's gradient is that of its own mean
-loss, as in ``--batching per_task``).
+loss, as in ``--batching per_task``). :func:`packed_micro_batches` describes the micro-batches for
+:func:`fastpals.train.step.run_update` (strategy ``none``, or ``one_backward`` with surgery), which runs the
+update.
 
 Epochs: ``--steps-per-epoch`` updates, or by default about one pass over the training examples
 (``ceil(sum N_t / batch size)`` micro-batches; with ``--max-tokens`` alone ``ceil(total tokens / budget)``).
@@ -19,7 +21,7 @@ Epochs: ``--steps-per-epoch`` updates, or by default about one pass over the tra
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -27,8 +29,9 @@ import torch
 
 from fastpals.batching import MixedBatchSampler, MixedSelection, collate_packed, model_inputs
 from fastpals.data import TaskBatcher
+from fastpals.train.step import MicroBatch
 
-__all__ = ["MixedUpdates", "mixed_update", "packed_passes"]
+__all__ = ["MixedUpdates", "packed_micro_batches", "packed_passes"]
 
 
 class MixedUpdates:
@@ -90,70 +93,34 @@ class MixedUpdates:
         self.sampler.load_state_dict(state)
 
 
-def mixed_update(
-    engine: Any,
+def packed_micro_batches(
     batchers: Sequence[TaskBatcher],
     selections: Sequence[MixedSelection],
+    device: torch.device | str,
     weighting: str,
-    check_loss: Callable[[torch.Tensor, dict[str, float]], torch.Tensor],
-    surgery: Any = None,
-) -> dict[str, Any]:
-    """One optimizer update over packed mixed micro-batches; returns the per-task statistics of the update.
+) -> Iterator[MicroBatch]:
+    """The update's packed mixed micro-batches for :func:`fastpals.train.step.run_update`, collated one at a time
+    (``collate_packed``, ``model_inputs``) as the update consumes them.
 
     Args:
-        engine: the DeepSpeed engine (its ``module`` is a :class:`fastpals.MultiTaskBert`).
         batchers: one per task, in the model's task order (they collate the selected examples).
         selections: the update's micro-batches.
-        weighting: ``--task-weighting`` (``examples`` or ``equal``); ignored with surgery, whose backward is on
-            the sum of the task means.
-        check_loss: called with the micro-batch's loss and its per-task values before the backward (raises on a
-            non-finite loss; test hooks may change the loss).
-        surgery: None, or ``(buffer, aggregator, generator)``: per-task gradients from the one backward, then the
-            aggregator's combination (see :func:`fastpals.surgery.per_task_gradients`).
+        device: where the inputs and labels go.
+        weighting: ``--task-weighting`` (``examples`` or ``equal``; the surgery strategy ``one_backward``
+            differentiates the sum of the task means instead).
 
-    Returns ``loss`` (per task: mean over the micro-batches holding it), ``task_examples``, ``task_tokens``
-    (per task, summed), ``examples``, ``tokens`` and, with surgery, ``result`` (the buffer's apply result).
+    Each task's examples and tokens are the host's counts: the selection's indices, and the batcher's
+    ``packed_lengths`` of them (the tokens the packed rows hold).
     """
-    device = engine.device
-    module = engine.module
-    losses: dict[str, list[float]] = {}
-    examples: dict[str, int] = {}
-    tokens: dict[str, int] = {}
     for sel in selections:
         batch = collate_packed(batchers, sel)
-        labels = batch["labels"].to(device)
-        inputs = model_inputs(batch, device)
-        if surgery is None:
-            res = module.task_losses(engine(**inputs), labels, weighting=weighting)
-            loss = check_loss(res.total, {t: float(v.detach()) for t, v in res.per_task.items()})
-            engine.backward(loss)
-            engine.step()  # DeepSpeed updates at the accumulation boundary only
-        else:
-            from fastpals.surgery import per_task_gradients
-
-            buffer = surgery[0]
-            with per_task_gradients(module, buffer, inputs["task_ids"], **packed_passes(module, inputs)):
-                res = module.task_losses(engine(**inputs), labels, weighting="equal")
-                total = sum(res.per_task.values())  # each task's gradient is that of its own mean loss
-                loss = check_loss(total, {t: float(v.detach()) for t, v in res.per_task.items()})
-                engine.backward(loss)
-        for t, v in res.per_task.items():
-            losses.setdefault(t, []).append(float(v.detach()))
-            examples[t] = examples.get(t, 0) + int(res.examples[t])
-            tokens[t] = tokens.get(t, 0) + int(res.tokens[t])
-    stats: dict[str, Any] = {
-        "loss": {t: float(np.mean(v)) for t, v in losses.items()},
-        "task_examples": examples,
-        "task_tokens": tokens,
-        "examples": sum(examples.values()),
-        "tokens": sum(tokens.values()),
-    }
-    if surgery is not None:
-        buffer, aggregator, generator = surgery
-        stats["result"] = buffer.apply(aggregator, generator=generator)
-        if not stats["result"].skipped:
-            engine.step()
-    return stats
+        tasks = tuple(t for t, idx in enumerate(sel.indices) if len(idx))
+        yield MicroBatch(
+            inputs=model_inputs(batch, device), labels=batch["labels"].to(device), tasks=tasks,
+            examples=tuple(len(sel.indices[t]) for t in tasks),
+            tokens=tuple(int(batchers[t].packed_lengths[sel.indices[t]].sum()) for t in tasks),
+            weighting=weighting,
+        )  # fmt: skip
 
 
 def packed_passes(module: Any, inputs: dict[str, Any]) -> dict[str, Any]:
