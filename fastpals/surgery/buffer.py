@@ -88,9 +88,18 @@ class SurgeryResult:
         self._on_skip = on_skip
         self.ok = None if flags is None else flags.all()
 
-    def _resolve(self) -> None:
+    @property
+    def flags(self) -> torch.Tensor | None:
+        """``[T + 1]`` bool on the device (deferred results): each row's finite flag, then the task-specific
+        gradients' one; read them with other values and pass them to :meth:`resolve`."""
+        return self._flags
+
+    def resolve(self, host: Sequence[float | bool]) -> None:
+        """Settle a deferred result with its ``flags`` read on the host by the caller (no read here)."""
         if self._skipped is None:
-            host = self._flags.tolist()  # the one host read of a deferred result
+            host = [bool(f) for f in host]
+            if len(host) != self._flags.shape[0]:
+                raise ValueError(f"resolve needs the {self._flags.shape[0]} flags, got {len(host)}")
             self._skipped = not all(host)
             self._nonfinite_tasks = [t for t, f in enumerate(host[:-1]) if not f]
             self._nonfinite_task_params = not host[-1]
@@ -98,6 +107,10 @@ class SurgeryResult:
                 self._weights = None
                 if self._on_skip is not None:
                     self._on_skip()
+
+    def _resolve(self) -> None:
+        if self._skipped is None:
+            self.resolve(self._flags.tolist())  # the one host read of a deferred result
 
     @property
     def skipped(self) -> bool:

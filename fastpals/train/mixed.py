@@ -124,8 +124,11 @@ def packed_micro_batches(
 
 
 def packed_passes(module: Any, inputs: dict[str, Any]) -> dict[str, Any]:
-    """The encoder passes' row layout for :func:`fastpals.surgery.per_task_gradients`: packed offsets, and for
-    the siamese second pass (its rows: the siamese tasks' examples, in order) their task ids."""
+    """The encoder passes' row layout for :func:`fastpals.surgery.per_task_gradients`: the batch's layout when the
+    inputs carry one (:func:`fastpals.batching.model_inputs`); else packed offsets, and for the siamese second
+    pass (its rows: the siamese tasks' examples, in order) their task ids (a host read)."""
+    if inputs.get("layout") is not None:  # the collated layout holds every pass's row map (no device read)
+        return {"layout": inputs["layout"]}
     if "cu_seqlens_b" not in inputs:
         return {"cu_seqlens": inputs["cu_seqlens"]}
     task_ids = inputs["task_ids"]

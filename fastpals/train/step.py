@@ -229,13 +229,15 @@ def run_update(
     Host reads: none per micro-batch. The loss of every backward (after the hooks) and each task's loss stay on
     the device until the last backward is done; then ONE ``.tolist()`` of one stacked float64 tensor reads them
     all, once per update, because the host needs them before ``engine.step()``: to stop on a NaN/inf loss before
-    the step applies anything, and to log the per-task losses. With surgery, ``buffer.apply`` reads once more
-    (its weights; that read is the buffer's). Examples and tokens come from the micro-batches' host counts.
+    the step applies anything, and to log the per-task losses. With surgery on one rank, ``buffer.apply(sync=
+    False)`` runs before that read and its finite flags (whether to skip the step) are read with the losses:
+    still one read. Data parallel (an all-reducing buffer), ``apply`` reads once more after the loss check.
+    Examples and tokens come from the micro-batches' host counts.
 
     A non-finite loss (of the first micro-batch that had one) is recorded (``record({"type": "nonfinite",
     "step", "task", "loss"})``) and raised as :class:`NonFiniteLossError` naming the tasks whose loss was
-    non-finite (or all of the micro-batch's tasks, when only the combined loss was), before ``buffer.apply`` and
-    before the ``engine.step()`` that would update: the parameters and the last checkpoint are untouched.
+    non-finite (or all of the micro-batch's tasks, when only the combined loss was), before the ``engine.step()``
+    that would update: the parameters and the last checkpoint are untouched.
 
     Args:
         engine: a DeepSpeed engine (or :class:`TorchEngine`) whose ``module`` is a
@@ -291,15 +293,26 @@ def run_update(
         mb = next(batches, None)
         if strategy == "none" and mb is not None:
             engine.step()  # not the accumulation boundary: DeepSpeed only counts the micro-batch
-    host = torch.stack([v.to(torch.float64) for v in values]).tolist()  # the update's one read
+    result = None
+    deferred = surgery is not None and not surgery.buffer.all_reduce
+    if deferred:  # one rank: apply without its own read; its finite flags join the update's one read
+        t0 = time.perf_counter()
+        result = surgery.buffer.apply(surgery.aggregator, generator=surgery.generator, sync=False)
+        seconds += time.perf_counter() - t0
+        values.append(result.flags)
+    n_losses = len(values) - (1 if deferred else 0)
+    host = torch.cat([v.to(torch.float64).reshape(-1) for v in values]).tolist()  # the update's one read
     for i, at in checked:
         if not math.isfinite(host[i]):
             bad = [name for name, j in at.items() if not math.isfinite(host[j])] or list(at)
             if record is not None:
                 record({"type": "nonfinite", "step": step, "task": ",".join(bad), "loss": host[i]})
             raise NonFiniteLossError(step, ",".join(bad), host[i])
-    result = None
-    if surgery is not None:
+    if deferred:
+        result.resolve(host[n_losses:])
+        if sync is not None:
+            sync()
+    elif surgery is not None:
         t0 = time.perf_counter()
         result = surgery.buffer.apply(surgery.aggregator, generator=surgery.generator)
         if sync is not None:
