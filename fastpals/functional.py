@@ -30,6 +30,7 @@ from fastpals.layout import pad_packed_index as pad_packed
 __all__ = [
     "MAX_TASKS",
     "Dropout",
+    "PALWeights",
     "TaskGroups",
     "attention_reference",
     "attention_sdpa",
@@ -312,6 +313,42 @@ def attention_varlen_reference(
     padded, mask, index = pad_packed(torch.stack((q, k, v)), cu_seqlens, max_seqlen)
     out = attention_reference(padded[0], padded[1], padded[2], mask, dropout_p, softmax_scale)
     return out.flatten(0, 1).index_select(0, index)
+
+
+@dataclass(frozen=True, eq=False)
+class PALWeights:
+    """The weights and options of one PAL op call (what :class:`fastpals.model.PALLayer` hands to the op).
+
+    Weights as in the module docstring, one slice per task (all of one dtype and device):
+    ``enc_weight [T, d_s, d]``, ``enc_bias [T, d_s]``, ``qkv_weight [T, 3 d_s, d_s]``, ``qkv_bias [T, 3 d_s]``,
+    ``dec_weight [T, d, d_s]``, ``dec_bias [T, d]``; ``num_heads`` (H, divides d_s), ``gelu`` (exact GELU after
+    V^D, else the identity) and ``dropout_p`` (attention-probability dropout of this call, 0.0 in eval).
+    The op's kernels (``fastpals_kernels``) take these positionally: :meth:`as_args` gives that tuple.
+    """
+
+    enc_weight: torch.Tensor
+    enc_bias: torch.Tensor
+    qkv_weight: torch.Tensor
+    qkv_bias: torch.Tensor
+    dec_weight: torch.Tensor
+    dec_bias: torch.Tensor
+    num_heads: int
+    gelu: bool = True
+    dropout_p: float = 0.0
+
+    @property
+    def num_tasks(self) -> int:
+        """T, the number of task slices."""
+        return self.enc_weight.shape[0]
+
+    def as_args(self, task_ids: torch.Tensor) -> tuple:
+        """The positional form ``(task_ids, enc_weight, enc_bias, qkv_weight, qkv_bias, dec_weight, dec_bias,
+        num_heads, gelu, dropout_p)`` that :func:`fastpals_kernels.dispatch.run_pal`, :func:`pal_reference` and
+        :func:`pal_varlen_reference` take after their inputs; ``task_ids [B]`` int64 (one task per sequence)."""
+        return (
+            task_ids, self.enc_weight, self.enc_bias, self.qkv_weight, self.qkv_bias, self.dec_weight,
+            self.dec_bias, self.num_heads, self.gelu, self.dropout_p,
+        )  # fmt: skip
 
 
 def pal_reference(

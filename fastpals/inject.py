@@ -467,11 +467,7 @@ def _native_pal_model(model: nn.Module) -> tuple[str, MiniBert] | None:
     """The one fastpals ``BertModel`` in ``model`` that was built with PALs (not injected), with its name."""
     if getattr(model, INJECTION_ATTR, None) is not None:
         return None
-    found = [
-        (n, m)
-        for n, m in model.named_modules()
-        if isinstance(m, MiniBert) and m.pal_config is not None and m.pal_config.variant != "none"
-    ]
+    found = [(n, m) for n, m in model.named_modules() if isinstance(m, MiniBert) and m.task_specific]
     return found[0] if len(found) == 1 else None
 
 

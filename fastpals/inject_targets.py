@@ -15,6 +15,7 @@ from torch import nn
 
 from fastpals.model import BertModel as MiniBert
 from fastpals.model import PALConfig
+from fastpals.pal_variants import PAL_VARIANTS
 
 __all__ = ["TARGETS", "PALTarget", "ResolvedTargets", "is_known_model", "resolve_targets"]
 
@@ -81,9 +82,11 @@ def resolve_targets(
         raise TypeError(f"inject_pals: model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(config, PALConfig):
         raise TypeError(f"inject_pals: config must be a fastpals.PALConfig, got {type(config).__name__}")
-    if config.variant != "parallel":
+    variant = PAL_VARIANTS.get(config.variant)
+    if variant is None or not variant.injectable:
+        supported = ", ".join(repr(name) for name, v in PAL_VARIANTS.items() if v.injectable)
         raise ValueError(
-            f"inject_pals: PALConfig.variant={config.variant!r} is not supported by injection (only 'parallel'); "
+            f"inject_pals: PALConfig.variant={config.variant!r} is not supported by injection (only {supported}); "
             "build fastpals.BertModel(config, pal=...) for the other variants"
         )
     minis = [(name, m) for name, m in model.named_modules() if isinstance(m, MiniBert)]
@@ -120,7 +123,7 @@ def _resolve_minbert(
                 f"inject_pals: {arg}={value!r} does not apply to fastpals.BertModel ({default!r})"
             )
     name, mini = minis[0]
-    if mini.pal_config is not None and mini.pal_config.variant != "none":
+    if mini.task_specific:
         raise ValueError(f"inject_pals: the fastpals.BertModel at {name or '<root>'} already has PALs")
     config.validate(mini.config.num_hidden_layers)
     layers = list(mini.encoder.layer)

@@ -35,14 +35,19 @@ from fastpals.checkpoints import (
 )
 from fastpals.functional import (
     Dropout,
-    attention_reference,
     attention_with_key_bias,
     check_task_ids,
-    grouped_linear_reference,
     key_mask_bias,
-    segment_linear,
 )
 from fastpals.layout import BatchLayout, bucketed_attention, layout_from_cu_seqlens, make_layout
+from fastpals.pal_variants import (
+    PAL_VARIANTS,
+    PALLayer,
+    PALProjections,
+    PALTop,
+    PALVariant,
+    get_pal_variant,
+)
 from fastpals.task_params import (
     freeze_shared_parameters,
     is_layer_norm,
@@ -58,6 +63,10 @@ __all__ = [
     "BertOutput",
     "LoadReport",
     "PALConfig",
+    "PALLayer",
+    "PALProjections",
+    "PALTop",
+    "PALVariant",
     "freeze_shared_parameters",
     "is_layer_norm",
     "is_task_specific",
@@ -107,6 +116,13 @@ class BertConfig:
             return cls.from_dict(json.load(f))
 
 
+class _RegisteredVariants:
+    """``PALConfig.VARIANTS``: the names of the registered PAL variants, read when accessed."""
+
+    def __get__(self, obj: object, owner: type | None = None) -> tuple[str, ...]:
+        return tuple(PAL_VARIANTS)
+
+
 @dataclass
 class PALConfig:
     """What PALs to add and where. The defaults are the original Bert-n-Pals code.
@@ -116,10 +132,12 @@ class PALConfig:
     - ``shared_projections``: V^E/V^D shared by all layers per task (True) or one pair per layer.
     - ``layers``: ``"all"``, an int k (the top k layers) or an explicit list of layer indices.
     - ``gate``: a learned scalar per layer and task multiplying TS (initial value ``gate_init``).
-    - ``variant``: ``"parallel"`` (PALs inside the layers), ``"top"`` (task-specific projected attention blocks
-      after the last layer, replacing its output), ``"top_parallel"`` (both; ``top_shares_projections`` reuses
-      the parallel V^E/V^D for the top), ``"embert"`` (per-task vectors added to Q, K, V of every BERT layer),
-      ``"none"`` (no task-specific encoder parameters: the multi-task baseline).
+    - ``variant``: the name of a registered :class:`~fastpals.pal_variants.PALVariant` (``pal_variant`` is that
+      object, which holds everything the variant does): ``"parallel"`` (PALs inside the layers), ``"top"``
+      (task-specific projected attention blocks after the last layer, replacing its output), ``"top_parallel"``
+      (both; ``top_shares_projections`` reuses the parallel V^E/V^D for the top), ``"embert"`` (per-task vectors
+      added to Q, K, V of every BERT layer), ``"none"`` (no task-specific encoder parameters: the multi-task
+      baseline), or one registered with :func:`fastpals.pal_variants.register_pal_variant`.
     - ``top_blocks``/``top_heads``: the top's depth (6) and heads (12 of 17 for d_s = 204).
     - ``dropout``: attention-probability dropout inside the PAL (None = BERT's attention dropout).
     - ``zero_init_decoder``: start V^D at zero (with ``gelu`` the PAL then adds exactly 0 at step 0).
@@ -141,48 +159,26 @@ class PALConfig:
     init_std: float = 0.02
     zero_init_decoder: bool = False
 
-    VARIANTS = ("parallel", "top", "top_parallel", "embert", "none")
+    VARIANTS = _RegisteredVariants()
 
     @classmethod
     def half(cls, **kw: Any) -> PALConfig:
         """Bert-n-Pals' "half": PALs in the top 6 layers only, d_s = 276 (6 heads of 46)."""
         return cls(**{"layers": 6, "hidden": 276, "num_heads": 6, **kw})
 
+    @property
+    def pal_variant(self) -> PALVariant:
+        """The :class:`~fastpals.pal_variants.PALVariant` ``variant`` names (``ValueError`` if none is
+        registered under that name)."""
+        return get_pal_variant(self.variant)
+
     def validate(self, num_layers: int) -> None:
-        if self.variant not in self.VARIANTS:
-            raise ValueError(f"PALConfig.variant={self.variant!r}: choose one of {', '.join(self.VARIANTS)}")
-        if self.num_tasks < 1:
-            raise ValueError(f"PALConfig.num_tasks must be >= 1, got {self.num_tasks}")
-        if self.hidden < 1 or self.num_heads < 1 or self.hidden % self.num_heads:
-            raise ValueError(
-                f"PALConfig.num_heads={self.num_heads} must divide PALConfig.hidden={self.hidden}"
-            )
-        if self.variant in ("top", "top_parallel") and self.hidden % self.top_heads:
-            raise ValueError(
-                f"PALConfig.top_heads={self.top_heads} must divide PALConfig.hidden={self.hidden}"
-            )
-        self.layer_indices(num_layers)
-        if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"PALConfig.dropout must be in [0, 1), got {self.dropout}")
+        """Raise ``ValueError`` naming the first field that cannot build PALs for a ``num_layers``-layer model."""
+        self.pal_variant.validate(self, num_layers)
 
     def layer_indices(self, num_layers: int) -> list[int]:
-        """The encoder layers that carry a parallel PAL (none unless the variant has them)."""
-        if self.variant not in ("parallel", "top_parallel"):
-            return []
-        if self.layers == "all":
-            return list(range(num_layers))
-        if isinstance(self.layers, int) and not isinstance(self.layers, bool):
-            if not 1 <= self.layers <= num_layers:
-                raise ValueError(f"PALConfig.layers={self.layers}: top k must be in [1, {num_layers}]")
-            return list(range(num_layers - self.layers, num_layers))
-        if isinstance(self.layers, (list, tuple)):
-            bad = [i for i in self.layers if not (isinstance(i, int) and 0 <= i < num_layers)]
-            if bad or len(set(self.layers)) != len(self.layers) or not self.layers:
-                raise ValueError(
-                    f"PALConfig.layers={self.layers}: need distinct indices in [0, {num_layers})"
-                )
-            return sorted(self.layers)
-        raise ValueError(f"PALConfig.layers={self.layers!r}: use 'all', an int (top k) or a list of indices")
+        """The encoder layers that carry a per-layer PAL (none unless the variant has them)."""
+        return self.pal_variant.layer_indices(self, num_layers)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -226,8 +222,8 @@ class BertEmbeddings(nn.Module):
 
 
 class BertSelfAttention(nn.Module):
-    """Q/K/V projections and scaled dot-product attention. With EmBERT, ``task_embedding [T, 3, d]`` adds a
-    per-task vector to Q, K and V."""
+    """Q/K/V projections and scaled dot-product attention; a PAL variant (``pal_variant``, set by
+    :meth:`BertModel.add_pals`) may change Q/K/V (:meth:`~fastpals.pal_variants.PALVariant.qkv`)."""
 
     def __init__(self, cfg: BertConfig) -> None:
         super().__init__()
@@ -237,14 +233,13 @@ class BertSelfAttention(nn.Module):
         self.key = nn.Linear(cfg.hidden_size, cfg.hidden_size)
         self.value = nn.Linear(cfg.hidden_size, cfg.hidden_size)
         self.dropout_p = cfg.attention_probs_dropout_prob
-        self.task_embedding: nn.Parameter | None = None
+        self.pal_variant: PALVariant | None = None
 
     def forward(self, x: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
         """x: [B, L, d] or packed [N, d] → same shape."""
         q, k, v = self.query(x), self.key(x), self.value(x)
-        if self.task_embedding is not None:
-            vec = layout.per_row(self.task_embedding.index_select(0, layout.task_ids))  # [B,1,3,d] or [N,3,d]
-            q, k, v = q + vec[..., 0, :], k + vec[..., 1, :], v + vec[..., 2, :]
+        if self.pal_variant is not None:
+            q, k, v = self.pal_variant.qkv(self, q, k, v, layout)
         dropout = self.dropout_p if self.training else 0.0
         shape = (q.shape[0], self.num_heads, self.head_dim)
         if layout.packed and dispatch.flash_varlen_ok(q):
@@ -338,7 +333,9 @@ class BertOutputBlock(nn.Module):
 
 
 class BertLayer(nn.Module):
-    """Post-LN transformer layer; ``pal`` (if any) reads the layer input and enters the final LayerNorm."""
+    """Post-LN transformer layer. A PAL variant (``pal_variant``, set by :meth:`BertModel.add_pals`) may change
+    what enters the final LayerNorm and the layer's output; the parallel variants' ``pal`` reads the layer input
+    and enters the final LayerNorm."""
 
     def __init__(self, cfg: BertConfig) -> None:
         super().__init__()
@@ -346,13 +343,17 @@ class BertLayer(nn.Module):
         self.intermediate = BertIntermediate(cfg)
         self.output = BertOutputBlock(cfg)
         self.pal: PALLayer | None = None
+        self.pal_variant: PALVariant | None = None
 
     def forward(self, x: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+        """x: [B, L, d] or packed [N, d] → same shape."""
         attn = self.attention(x, layout)
         pre_ln = self.output.dropout(self.output.dense(self.intermediate(attn))) + attn
-        if self.pal is not None:
-            pre_ln = self.pal(x, layout, residual=pre_ln)
-        return self.output.LayerNorm(pre_ln)
+        variant = self.pal_variant
+        if variant is None:
+            return self.output.LayerNorm(pre_ln)
+        pre_ln = variant.pre_layer_norm(self, x, layout, pre_ln)
+        return variant.layer_output(self, self.output.LayerNorm(pre_ln), layout)
 
 
 class BertPooler(nn.Module):
@@ -369,138 +370,6 @@ class _Encoder(nn.Module):
     def __init__(self, cfg: BertConfig) -> None:
         super().__init__()
         self.layer = nn.ModuleList(BertLayer(cfg) for _ in range(cfg.num_hidden_layers))
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# PALs
-# ----------------------------------------------------------------------------------------------------------------
-def _normal(shape: tuple[int, ...], std: float) -> nn.Parameter:
-    return nn.Parameter(torch.randn(shape) * std)
-
-
-class PALProjections(nn.Module):
-    """V^E (d → d_s) and V^D (d_s → d) for every task: ``enc_weight [T, d_s, d]``, ``enc_bias [T, d_s]``,
-    ``dec_weight [T, d, d_s]``, ``dec_bias [T, d]``."""
-
-    def __init__(self, num_tasks: int, d: int, d_s: int, std: float, zero_decoder: bool) -> None:
-        super().__init__()
-        self.enc_weight = _normal((num_tasks, d_s, d), std)
-        self.enc_bias = nn.Parameter(torch.zeros(num_tasks, d_s))
-        self.dec_weight = (
-            nn.Parameter(torch.zeros(num_tasks, d, d_s))
-            if zero_decoder
-            else _normal((num_tasks, d, d_s), std)
-        )
-        self.dec_bias = nn.Parameter(torch.zeros(num_tasks, d))
-
-
-class PALLayer(nn.Module):
-    """The per-layer part of a PAL: per-task Q/K/V of the projected attention (``qkv_weight [T, 3 d_s, d_s]``,
-    ``qkv_bias [T, 3 d_s]``), an optional gate ``[T]``, and the layer's own projections if not shared."""
-
-    def __init__(self, pal: PALConfig, d: int, dropout: float, shared: PALProjections | None) -> None:
-        super().__init__()
-        t, d_s = pal.num_tasks, pal.hidden
-        self.num_heads = pal.num_heads
-        self.gelu = pal.gelu
-        self.dropout_p = dropout
-        self.qkv_weight = _normal((t, 3 * d_s, d_s), pal.init_std)
-        self.qkv_bias = nn.Parameter(torch.zeros(t, 3 * d_s))
-        self.gate = nn.Parameter(torch.full((t,), float(pal.gate_init))) if pal.gate else None
-        self.projections = (
-            PALProjections(t, d, d_s, pal.init_std, pal.zero_init_decoder) if shared is None else None
-        )
-        # The shared projections are owned by the model; keep a plain reference (not a submodule).
-        object.__setattr__(self, "_shared", shared)
-
-    def proj(self) -> PALProjections:
-        return self.projections if self.projections is not None else self._shared
-
-    def forward(self, h: torch.Tensor, layout: BatchLayout, residual: torch.Tensor) -> torch.Tensor:
-        """h, residual: [B, L, d] or packed [N, d] → residual + gate · TS(h), same shape."""
-        p = self.proj()
-        dropout = self.dropout_p if self.training else 0.0
-        args = (layout.task_ids, p.enc_weight, p.enc_bias, self.qkv_weight, self.qkv_bias, p.dec_weight,
-                p.dec_bias, self.num_heads, self.gelu, dropout)  # fmt: skip
-        where = {"mask": None if layout.packed else layout.mask, "cu_seqlens": layout.cu_seqlens if layout.packed else None,
-                 "max_seqlen": layout.max_seqlen}  # fmt: skip
-        if layout.buckets and dispatch.backend("pal", h) == "reference":  # CPU packed: no padded PAL work
-            ts = _packed_reference_pal(h, layout, args)
-            if self.gate is None:
-                return residual + ts
-        elif self.gate is None:
-            return dispatch.run_pal(h, args, **where, residual=residual)
-        else:
-            ts = dispatch.run_pal(h, args, **where)
-        ts = ts * layout.per_row(self.gate.index_select(0, layout.task_ids)).unsqueeze(-1).to(ts.dtype)
-        return residual + ts
-
-
-def _packed_reference_pal(h: torch.Tensor, layout: BatchLayout, args: tuple) -> torch.Tensor:
-    """:func:`pal_varlen_reference` composed of the same reference ops, with the grouped linears on the packed
-    tokens only (each token's task from ``row_task_ids``) and the attention over length buckets."""
-    _, enc_w, enc_b, qkv_w, qkv_b, dec_w, dec_b, num_heads, gelu, dropout = args
-    tasks, counts = layout.row_task_ids, layout.task_segments(enc_w.shape[0])
-
-    def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        # rows grouped by task (pack_batches' layout): one linear per task slice, no gather/scatter
-        return (
-            segment_linear(x, counts, w, b)
-            if counts is not None
-            else grouped_linear_reference(x, tasks, w, b)
-        )
-
-    s = linear(h, enc_w, enc_b)  # [N, d_s]
-    n, d_s = s.shape
-    q, k, v = linear(s, qkv_w, qkv_b).view(n, 3, num_heads, d_s // num_heads).unbind(1)
-    ctx = bucketed_attention(
-        q,
-        k,
-        v,
-        layout.attention_plan(),
-        lambda qb, kb, vb, b: attention_with_key_bias(qb, kb, vb, b.key_bias, dropout),
-    )
-    y = linear(ctx.reshape(n, d_s), dec_w, dec_b)
-    return F.gelu(y) if gelu else y
-
-
-class PALTop(nn.Module):
-    """Task-specific projected attention blocks after the last layer (Bert-n-Pals' ``top``): per task,
-    V^E, then ``top_blocks`` attention blocks (Q/K/V, a d_s×d_s output dense, residual and LayerNorm, all per
-    task), then V^D; the result replaces the last layer's output."""
-
-    def __init__(
-        self, pal: PALConfig, d: int, eps: float, dropout: float, shared: PALProjections | None
-    ) -> None:
-        super().__init__()
-        t, d_s, n = pal.num_tasks, pal.hidden, pal.top_blocks
-        self.num_heads = pal.top_heads
-        self.dropout_p = dropout
-        self.eps = eps
-        self.qkv_weight = _normal((n, t, 3 * d_s, d_s), pal.init_std)
-        self.qkv_bias = nn.Parameter(torch.zeros(n, t, 3 * d_s))
-        self.out_weight = _normal((n, t, d_s, d_s), pal.init_std)
-        self.out_bias = nn.Parameter(torch.zeros(n, t, d_s))
-        self.ln_weight = nn.Parameter(torch.ones(n, t, d_s))
-        self.ln_bias = nn.Parameter(torch.zeros(n, t, d_s))
-        self.projections = PALProjections(t, d, d_s, pal.init_std, False) if shared is None else None
-        object.__setattr__(self, "_shared", shared)
-
-    def forward(self, h: torch.Tensor, mask: torch.Tensor, task_ids: torch.Tensor) -> torch.Tensor:
-        """h: [B, L, d] (padded), mask [B, L] bool, task_ids [B] → [B, L, d]."""
-        p = self.projections if self.projections is not None else self._shared
-        b, n, _ = h.shape
-        x = grouped_linear_reference(h, task_ids, p.enc_weight, p.enc_bias)
-        d_s = x.shape[-1]
-        dropout = self.dropout_p if self.training else 0.0
-        for i in range(self.qkv_weight.shape[0]):
-            qkv = grouped_linear_reference(x, task_ids, self.qkv_weight[i], self.qkv_bias[i])
-            q, k, v = qkv.view(b, n, 3, self.num_heads, d_s // self.num_heads).unbind(2)
-            ctx = attention_reference(q, k, v, mask, dropout).reshape(b, n, d_s)
-            y = grouped_linear_reference(ctx, task_ids, self.out_weight[i], self.out_bias[i]) + x
-            y = F.layer_norm(y, (d_s,), eps=self.eps)
-            x = y * self.ln_weight[i][task_ids][:, None] + self.ln_bias[i][task_ids][:, None]
-        return grouped_linear_reference(x, task_ids, p.dec_weight, p.dec_bias)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -543,32 +412,28 @@ class BertModel(nn.Module):
             nn.init.zeros_(m.bias)
 
     def add_pals(self, pal: PALConfig) -> None:
-        """Add freshly initialised task-specific parameters of ``pal`` (any variant) to this model in place and
-        record ``pal`` as its ``pal_config``. The model must not have PALs yet."""
-        cfg = self.config
+        """Add freshly initialised task-specific parameters of ``pal`` (any variant: its
+        :meth:`~fastpals.pal_variants.PALVariant.add_parameters`) to this model in place, hand the variant to
+        the layers' forward hooks and record ``pal`` as its ``pal_config``. The model must not have PALs yet."""
         if any(is_task_specific(n) for n, _ in self.named_parameters()):
             raise ValueError("add_pals: this model already has task-specific (PAL) parameters")
-        pal.validate(cfg.num_hidden_layers)
-        dropout = cfg.attention_probs_dropout_prob if pal.dropout is None else pal.dropout
-        layers = pal.layer_indices(cfg.num_hidden_layers)
-        if layers and pal.shared_projections:
-            self.pal_projections = PALProjections(
-                pal.num_tasks, cfg.hidden_size, pal.hidden, pal.init_std, pal.zero_init_decoder
-            )
-        for i in layers:
-            self.encoder.layer[i].pal = PALLayer(pal, cfg.hidden_size, dropout, self.pal_projections)
-        if pal.variant in ("top", "top_parallel"):
-            share = self.pal_projections if (pal.top_shares_projections and self.pal_projections) else None
-            if pal.top_shares_projections and share is None:
-                raise ValueError(
-                    "top_shares_projections needs variant='top_parallel' with shared_projections"
-                )
-            self.pal_top = PALTop(pal, cfg.hidden_size, cfg.layer_norm_eps, dropout, share)
-        if pal.variant == "embert":
-            for layer in self.encoder.layer:
-                att = layer.attention.self
-                att.task_embedding = nn.Parameter(torch.zeros(pal.num_tasks, 3, cfg.hidden_size))
+        pal.validate(self.config.num_hidden_layers)
+        variant = pal.pal_variant
+        variant.add_parameters(self, pal)
+        for layer in self.encoder.layer:
+            layer.pal_variant = variant
+            layer.attention.self.pal_variant = variant
         self.pal_config = pal
+
+    @property
+    def pal_variant(self) -> PALVariant | None:
+        """The :class:`~fastpals.pal_variants.PALVariant` of ``pal_config`` (None without PALs)."""
+        return None if self.pal_config is None else self.pal_config.pal_variant
+
+    @property
+    def task_specific(self) -> bool:
+        """True when the encoder has task-specific parameters (its forward then needs task ids)."""
+        return self.pal_config is not None and self.pal_config.pal_variant.task_specific
 
     @property
     def num_tasks(self) -> int:
@@ -615,7 +480,7 @@ class BertModel(nn.Module):
             )
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
-        task_specific = self.pal_config is not None and self.pal_config.variant != "none"
+        task_specific = self.task_specific
         if layout is not None:  # the caller built it (and checked the task ids) from this batch
             if (layout.batch, layout.length) != (b, n) or layout.packed != unpad:
                 raise ValueError(
@@ -647,16 +512,17 @@ class BertModel(nn.Module):
             x = layout.to_rows(self.embeddings(input_ids, token_type_ids))
         for layer in self.encoder.layer:
             x = layer(x, layout)
+        variant = self.pal_variant
         if input_ids.dim() == 1:  # packed in, packed out
-            if self.pal_top is not None:
-                x = layout.to_rows(self.pal_top(layout.to_padded(x), layout.padding_mask(), layout.task_ids))
+            if variant is not None:
+                x = variant.encoder_output(self, x, layout)
             cls = x.index_select(0, layout.cls_index)
             return BertOutput(
                 last_hidden_state=x, pooler_output=self.pooler(cls[:, None]), cu_seqlens=layout.cu_seqlens
             )
         hidden = layout.to_padded(x)
-        if self.pal_top is not None:
-            hidden = self.pal_top(hidden, layout.padding_mask(), layout.task_ids)
+        if variant is not None:
+            hidden = variant.encoder_output(self, hidden, layout)
         return BertOutput(last_hidden_state=hidden, pooler_output=self.pooler(hidden))
 
     def _forward_packed(
@@ -677,7 +543,7 @@ class BertModel(nn.Module):
             raise ValueError(
                 f"token_type_ids shape {list(token_type_ids.shape)} != input_ids {list(input_ids.shape)}"
             )
-        task_specific = self.pal_config is not None and self.pal_config.variant != "none"
+        task_specific = self.task_specific
         if layout is None:
             if task_specific and task_ids is None:
                 raise ValueError(

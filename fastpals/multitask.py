@@ -23,6 +23,7 @@ from torch import nn
 from fastpals.functional import Dropout
 from fastpals.layout import BatchLayout, make_layout, pool_packed
 from fastpals.model import BertConfig, BertModel, PALConfig, state_dict_mismatches, task_specific_kind
+from fastpals.pal_variants import pal_count_categories, pal_parameter_category
 from fastpals.tasks import TASKS, TaskSpec, get_task
 
 __all__ = [
@@ -748,22 +749,11 @@ def count_parameters(model: nn.Module) -> dict[str, int]:
     """Parameter counts by component (each shared tensor counted once).
 
     Keys: ``total``, ``encoder`` (the BERT weights), ``pal`` (all task-specific encoder parameters), ``heads``,
-    and the PAL breakdown ``pal_projections``, ``pal_attention``, ``pal_gates``, ``pal_top``, ``embert``.
+    and the PAL breakdown by the registered variants' categories
+    (:func:`fastpals.pal_variants.pal_count_categories`; built in: ``pal_projections``, ``pal_attention``,
+    ``pal_gates``, ``pal_top``, ``embert``), each variant classifying its own parameters.
     """
-    counts = dict.fromkeys(
-        (
-            "total",
-            "encoder",
-            "pal",
-            "heads",
-            "pal_projections",
-            "pal_attention",
-            "pal_gates",
-            "pal_top",
-            "embert",
-        ),
-        0,
-    )
+    counts = dict.fromkeys(("total", "encoder", "pal", "heads", *pal_count_categories()), 0)
     for name, p in model.named_parameters():
         n = p.numel()
         counts["total"] += n
@@ -772,16 +762,8 @@ def count_parameters(model: nn.Module) -> dict[str, int]:
             counts["heads"] += n
         elif kind == "pal":
             counts["pal"] += n
-            if "pal_top." in name:
-                counts["pal_top"] += n
-            elif name.endswith("task_embedding"):
-                counts["embert"] += n
-            elif name.endswith(".gate"):
-                counts["pal_gates"] += n
-            elif "qkv_" in name:
-                counts["pal_attention"] += n
-            else:
-                counts["pal_projections"] += n
+            category = pal_parameter_category(name)
+            counts[category] = counts.get(category, 0) + n
         else:
             counts["encoder"] += n
     return counts

@@ -13,24 +13,61 @@ __all__ = [
     "freeze_shared_parameters",
     "is_layer_norm",
     "is_task_specific",
+    "register_task_specific_names",
     "task_specific_kind",
+    "unregister_task_specific_names",
 ]
 
+#: the module names of the built-in PAL variants' weights (:mod:`fastpals.pal_variants`)
 PAL_MODULE_NAMES = ("pal", "pal_projections", "pal_top")
 HEAD_MODULE_NAME = "heads"
+#: EmBERT's per-layer parameter (``attention.self.task_embedding``)
 TASK_EMBEDDING_NAME = "task_embedding"
+
+# names registered by PAL variants (fastpals.pal_variants.register_pal_variant), by owner (the variant's name)
+_REGISTERED: dict[str, tuple[frozenset[str], frozenset[str]]] = {}
+_PAL_MODULES: frozenset[str] = frozenset(PAL_MODULE_NAMES)
+_PAL_PARAMETERS: frozenset[str] = frozenset((TASK_EMBEDDING_NAME,))
+
+
+def _rebuild() -> None:
+    global _PAL_MODULES, _PAL_PARAMETERS
+    _PAL_MODULES = frozenset(PAL_MODULE_NAMES).union(*(m for m, _ in _REGISTERED.values()))
+    _PAL_PARAMETERS = frozenset((TASK_EMBEDDING_NAME,)).union(*(p for _, p in _REGISTERED.values()))
+
+
+def register_task_specific_names(
+    owner: str, modules: Iterable[str] = (), parameters: Iterable[str] = ()
+) -> None:
+    """Make more names task-specific (kind ``"pal"``): a module named one of ``modules`` anywhere in a dotted
+    parameter name, or a parameter whose own (last) name is one of ``parameters``. ``owner`` (a PAL variant's
+    name) replaces what it registered before. The built-in names (:data:`PAL_MODULE_NAMES`,
+    :data:`TASK_EMBEDDING_NAME`) are always task-specific."""
+    if isinstance(modules, str) or isinstance(parameters, str):
+        raise TypeError(
+            "register_task_specific_names: modules and parameters are lists of names, not strings"
+        )
+    _REGISTERED[owner] = (frozenset(modules), frozenset(parameters))
+    _rebuild()
+
+
+def unregister_task_specific_names(owner: str) -> None:
+    """Forget the names ``owner`` registered with :func:`register_task_specific_names` (none: no-op)."""
+    _REGISTERED.pop(owner, None)
+    _rebuild()
 
 
 def task_specific_kind(name: str) -> str | None:
     """What a parameter (or state-dict) name holds: ``"pal"`` for PAL weights of every variant (a module named
-    ``pal``, ``pal_projections`` or ``pal_top`` anywhere in the dotted name) and EmBERT's ``task_embedding``,
-    ``"head"`` for task heads (a module named ``heads`` anywhere in the name, as in
-    :class:`fastpals.MultiTaskBert` and ``inject_pals`` users' wrappers), ``None`` for shared (encoder) weights.
-    Names are matched by whole dotted components, under any prefix."""
+    ``pal``, ``pal_projections`` or ``pal_top`` anywhere in the dotted name, EmBERT's ``task_embedding``, and the
+    names registered variants add, see :func:`register_task_specific_names`), ``"head"`` for task heads (a module
+    named ``heads`` anywhere in the name, as in :class:`fastpals.MultiTaskBert` and ``inject_pals`` users'
+    wrappers), ``None`` for shared (encoder) weights. Names are matched by whole dotted components, under any
+    prefix."""
     parts = name.split(".")
     if HEAD_MODULE_NAME in parts[:-1]:
         return "head"
-    if any(p in PAL_MODULE_NAMES for p in parts[:-1]) or parts[-1] == TASK_EMBEDDING_NAME:
+    if any(p in _PAL_MODULES for p in parts[:-1]) or parts[-1] in _PAL_PARAMETERS:
         return "pal"
     return None
 

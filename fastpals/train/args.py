@@ -19,6 +19,7 @@ from typing import Any
 from fastpals.data import DATA_DIR_ENV, resolve_data_dir, split_path
 from fastpals.model import PALConfig
 from fastpals.multitask import TASKS
+from fastpals.pal_variants import pal_presets
 from fastpals.sampling import GROUPED_METHODS, SAMPLING_METHODS
 from fastpals.surgery import AGGREGATORS, make_weighting, parse_surgery_options
 from fastpals.tasks import TaskSpec, resolve_tasks
@@ -38,17 +39,14 @@ __all__ = [
     "resume_fields",
 ]
 
+#: ``--pal`` presets: the PALConfig fields of each (None: no PALs), from the PAL variants registered when this
+#: module is imported (:attr:`fastpals.pal_variants.PALVariant.presets`)
 PAL_PRESETS: dict[str, dict[str, Any] | None] = {
-    "none": None,
-    "default": {},
-    "12heads": {"num_heads": 12},
-    "per_layer": {"shared_projections": False},
-    "half": {"layers": 6, "hidden": 276, "num_heads": 6},
-    "top": {"variant": "top"},
-    "top_parallel": {"variant": "top_parallel"},
-    "gate": {"gate": True},
-    "embert": {"variant": "embert"},
+    name: None if preset.fields is None else dict(preset.fields) for name, preset in pal_presets().items()
 }
+_PAL_HELP = ", ".join(
+    f"{name} ({preset.help})" if preset.help else name for name, preset in pal_presets().items()
+)
 SURGERIES = ("none", *AGGREGATORS)  # every fastpals.surgery.AGGREGATORS name
 OPTIMIZERS = ("adamw", "sgd", "rmsprop")
 BATCHINGS = ("per_task", "mixed")
@@ -159,8 +157,7 @@ class TrainArgs:
         choices=SURGERY_BUFFER_DTYPES, default="fp32",
     )  # fmt: skip
     pal: str = opt(
-        "PAL variant: none (multi-task baseline), default (Bert-n-Pals: d_s 204, 6 heads, shared V^E/V^D), "
-        "12heads, per_layer (V^E/V^D per layer), half (top 6 layers, d_s 276), top, top_parallel, gate, embert",
+        f"PAL variant: {_PAL_HELP}",
         choices=tuple(PAL_PRESETS), default="default",
     )  # fmt: skip
     pal_heads: int | None = opt("attention heads inside each PAL (overrides the preset)", type=int)
@@ -383,6 +380,7 @@ def build_pal_config(args: TrainArgs) -> PALConfig | None:
             f"--pal-heads {cfg.num_heads} does not divide the PAL width d_s = {cfg.hidden} (--pal-hidden): "
             f"choose heads that divide d_s, e.g. {', '.join(str(h) for h in range(1, 13) if cfg.hidden % h == 0)}"
         )
-    if cfg.variant in ("top", "top_parallel") and cfg.hidden % cfg.top_heads:
-        raise ConfigError(f"--pal {args.pal}: its {cfg.top_heads} top heads do not divide d_s = {cfg.hidden}")
+    problem = cfg.pal_variant.cli_check(cfg, args.pal)
+    if problem is not None:
+        raise ConfigError(problem)
     return cfg
