@@ -8,9 +8,17 @@ Every aggregator has the signature ``aggregator(gram, generator=None, **options)
   ``sum_t w[t] * g_t``.
 
 All arithmetic runs on ``gram``'s device in float64 (the matrix is tiny) with no device-to-host synchronisation:
-the weights can be fed straight into the combine kernel. Non-finite Gram matrices must not reach an aggregator
-(``TaskGradientBuffer.apply`` checks and skips the step); the aggregators do not check because checking needs a
-sync.
+the weights can be fed straight into the combine kernel. The code is branch-free tensor code: no ``.item()``,
+``.tolist()``, ``bool(tensor)``, data-dependent output sizes (boolean masks, ``nonzero``), indexing with a 0-dim
+device tensor, blocking host-to-device copies, ``torch.linalg`` calls that check errors on the host, or loops
+whose exit reads a tensor. Iterative solvers run a fixed iteration budget (an argument); once converged, the
+iterate is frozen (``torch.where(done, old, new)``), so iterations past convergence change nothing. The random
+PCGrad orders are drawn on the host from a CPU ``torch.Generator`` (no device read). Only Python arguments are
+validated (types, shapes, option values), never tensor values. ``tests/test_aggregators_fake.py`` runs every
+aggregator on a ``FakeTensorMode`` Gram, where any data-dependent host read raises.
+
+Non-finite Gram matrices must not reach an aggregator (``TaskGradientBuffer.apply`` checks and skips the step);
+the aggregators do not check because checking needs a sync.
 """
 
 from __future__ import annotations
@@ -47,8 +55,9 @@ def _out_dtype(gram: torch.Tensor) -> torch.dtype:
 
 
 def check_gram(gram: object) -> torch.Tensor:
-    """Validate a Gram matrix argument: a float32/float64 tensor of shape ``[T, T]``, ``1 <= T <= 64``
-    (raises ``TypeError``/``ValueError`` naming the problem); returns it unchanged."""
+    """Validate a Gram matrix argument: a float32/float64 tensor of shape ``[T, T]``,
+    ``1 <= T <= fastpals.functional.MAX_TASKS`` (raises ``TypeError``/``ValueError`` naming the problem); returns
+    it unchanged. Only metadata is checked (shape, dtype), never values: that would need a device read."""
     return _check_gram(gram)
 
 
@@ -58,13 +67,19 @@ def weights_dtype(gram: torch.Tensor) -> torch.dtype:
 
 
 def sum_weights(gram: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Plain multi-task sum: ``w = 1`` for every task. ``generator`` is accepted for a uniform signature."""
+    """Plain multi-task sum: ``w = 1`` for every task. ``generator`` is accepted for a uniform signature.
+
+    ``gram [T, T]`` float32/float64 (only its shape, dtype and device are used) -> ``w [T]`` on its device
+    (float64 for a float64 Gram, else float32). No iterations."""
     gram = _check_gram(gram)
     return torch.ones(gram.shape[0], dtype=_out_dtype(gram), device=gram.device)
 
 
 def mean_weights(gram: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Plain multi-task mean: ``w = 1 / T`` for every task."""
+    """Plain multi-task mean: ``w = 1 / T`` for every task.
+
+    ``gram [T, T]`` float32/float64 (only its shape, dtype and device are used) -> ``w [T]`` on its device
+    (float64 for a float64 Gram, else float32). No iterations."""
     gram = _check_gram(gram)
     t = gram.shape[0]
     return torch.full((t,), 1.0 / t, dtype=_out_dtype(gram), device=gram.device)
@@ -108,8 +123,10 @@ def pcgrad_weights(
     The projected gradients are tracked as combinations of the original ones, ``g_i^PC = sum_k C[i, k] g_k``
     (``C = I`` at the start), so every inner product is read from the Gram matrix:
     ``<g_i^PC, g_j> = (C @ gram)[i, j]`` and a projection subtracts ``<g_i^PC, g_j> / gram[j, j]`` from
-    ``C[i, j]``. All ``T`` tasks are processed together (``T - 1`` vectorised steps); ``w = C.sum(0)``.
-    A task with a zero gradient (``gram[j, j] == 0``) never conflicts and is never projected against.
+    ``C[i, j]``. All ``T`` tasks are processed together (exactly ``T - 1`` vectorised steps, no convergence
+    test); ``w = C.sum(0)``. The conflict test is a ``torch.where`` on the device (no host read); only the
+    orders are drawn on the host. A task with a zero gradient (``gram[j, j] == 0``) never conflicts and is never
+    projected against.
 
     Args:
         gram: ``[T, T]`` float32/float64 Gram matrix (any device).
@@ -159,13 +176,21 @@ def _proposal_vector(proposal: object, t: int, device: torch.device) -> torch.Te
             raise ValueError(
                 f"proposal tensor must be floating point of shape ({t},), got {tuple(proposal.shape)}"
             )
-        return proposal.to(device=device, dtype=torch.float64)
+        return proposal.to(device=device, dtype=torch.float64, non_blocking=True)
     raise TypeError(
         f"proposal must be 'sum', 'mean', a task index or a [T] tensor, got {type(proposal).__name__}"
     )
 
 
 def _constraint_mask(constraints: object, t: int, proposal: object, device: torch.device) -> torch.Tensor:
+    if isinstance(constraints, torch.Tensor) and constraints.device.type != "cpu":
+        # Indices already on a device: validating their values would read them back (a sync); scatter unchecked.
+        if constraints.dim() != 1 or constraints.dtype not in (torch.int32, torch.int64):
+            raise ValueError(
+                f"constraints must be a 1-D integer tensor, got {constraints.dtype} {constraints.shape}"
+            )
+        idx = constraints.to(device=device, dtype=torch.int64, non_blocking=True)
+        return torch.zeros(t, dtype=torch.bool, device=device).index_fill_(0, idx, True)
     mask = torch.zeros(t, dtype=torch.bool)
     if constraints is None:
         mask[:] = True
@@ -201,14 +226,27 @@ def gem_weights(
     ``constraints`` lists the constrained rows (default: every task, or every task but ``k`` when the proposal is
     task ``k``). With an episodic memory, put the memory gradients in their own rows (``2T`` rows: current
     batches, then memories), propose with the current rows (a ``[2T]`` tensor with zeros on memory rows) and
-    constrain the memory rows: :class:`fastpals.surgery.GEM` does exactly that.
+    constrain the memory rows: :class:`fastpals.surgery.GEM` does exactly that. ``constraints`` given as a CPU
+    tensor or a list is validated on the host; given as a device tensor it is used unchecked (checking would
+    read it back).
 
     The QP is solved on the device in float64, without synchronising, by block principal pivoting (Judice &
-    Pires; Kim & Park's NNLS form) run for a fixed ``max_iter`` iterations (default ``3 * T + 10``; it stops
-    changing once the KKT conditions hold to ``tol`` relative to ``max(diag G)``, and the Murty single-pivot
-    backup rule guarantees finite termination for a positive definite ``G``). ``ridge * max(diag G)`` is added to
-    the diagonal so that linearly dependent gradients (a singular ``G``) stay solvable; it perturbs the update by
-    a relative ``O(ridge)``.
+    Pires; Kim & Park's NNLS form) run for exactly ``max_iter`` iterations (default ``3 * T + 10``), with no
+    convergence read: once the KKT conditions hold to ``tol`` relative to ``max(diag G)`` the free set is frozen
+    (``torch.where(done, old, new)``), so the remaining iterations leave the result unchanged; the Murty
+    single-pivot backup rule guarantees finite termination for a positive definite ``G``. Each iteration is one
+    ``torch.linalg.solve_ex`` (no host error check). ``ridge * max(diag G)`` is added to the diagonal so that
+    linearly dependent gradients (a singular ``G``) stay solvable; it perturbs the update by a relative
+    ``O(ridge)``.
+
+    Args:
+        gram: ``[T, T]`` float32/float64 Gram matrix (any device).
+        generator: unused (uniform signature).
+        proposal: ``"sum"``, ``"mean"``, a task index or a floating ``[T]`` tensor.
+        constraints: constrained task indices (list or int tensor), default as above.
+        max_iter: the fixed iteration budget (default ``3 * T + 10``).
+        tol: KKT tolerance relative to ``max(diag G)``.
+        ridge: diagonal regularisation relative to ``max(diag G)``.
 
     Returns:
         ``w [T]`` on ``gram``'s device (float64 for a float64 Gram, else float32).
@@ -230,8 +268,9 @@ def gem_weights(
     iters = 3 * t + 10 if max_iter is None else int(max_iter)
 
     passive = torch.zeros(t, dtype=torch.bool, device=device)  # F: free (possibly positive) variables
-    best_ninf = torch.tensor(t + 1, device=device)
-    backup_left = torch.tensor(3, device=device)
+    # torch.full, not torch.tensor: a Python scalar copied to the device by torch.tensor is a blocking copy
+    best_ninf = torch.full((), t + 1, dtype=torch.int64, device=device)
+    backup_left = torch.full((), 3, dtype=torch.int64, device=device)
     index = torch.arange(t, device=device)
     for _ in range(iters):
         v = _solve_on(passive, q, b, eye)
