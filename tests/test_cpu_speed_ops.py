@@ -109,13 +109,17 @@ def test_model_on_cpu_runs_matmul_attention_equal_to_sdpa():
         return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=key_bias).transpose(1, 2)
 
     import fastpals.model as model_module
+    import fastpals.pal_variants as variants_module
 
-    original = model_module.attention_with_key_bias
-    model_module.attention_with_key_bias = sdpa_as_reference
+    modules = (model_module, variants_module)  # BERT's attention, and the packed PALs' reference path
+    originals = [m.attention_with_key_bias for m in modules]
+    for m in modules:
+        m.attention_with_key_bias = sdpa_as_reference
     try:
         theirs = run()
     finally:
-        model_module.attention_with_key_bias = original
+        for m, original in zip(modules, originals):
+            m.attention_with_key_bias = original
     # padded: 2 BERT layers + 2 PAL layers (one call each); packed: the same per length bucket
     assert len(calls) >= 8 and len({c[1] for c in calls}) > 1, calls
     for a, b in zip(ours, theirs):
