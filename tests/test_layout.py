@@ -140,3 +140,14 @@ def test_gpu_step_under_sync_debug_mode_error(surgery):
             opt.step()
         finally:
             torch.cuda.set_sync_debug_mode(0)
+
+
+def test_no_import_circle_between_the_per_task_gradient_modules():
+    """per_task.py imports layer_grads.py; layer_grads.py imports nothing of per_task (not even for types)."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1] / "fastpals" / "surgery"
+    tree = ast.parse((root / "layer_grads.py").read_text())
+    names = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
+    names += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    assert not [m for m in names if m.startswith("fastpals.surgery")], names

@@ -19,15 +19,13 @@ parameters enter the graph detached (no ordinary ``.grad``); the input gradient 
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-if TYPE_CHECKING:
-    from fastpals.surgery.per_task import PerTaskGradients
 
 __all__ = [
     "STACK_TEMP_ELEMENTS",
@@ -66,6 +64,40 @@ class RowTasks:
     plan: Any = None  # the grouped kernel's TaskRowPlan, built on first use
 
 
+class BlockState(Protocol):
+    """What these rules need of the block's state (:class:`fastpals.surgery.per_task.PerTaskGradients`, which
+    imports this module, not the other way round): the row maps and the writes into the buffer's rows."""
+
+    anchor: torch.Tensor
+    batch: int
+    buffer: Any
+    num_tasks: int
+    task_ids: torch.Tensor | None
+    use_kernels: bool | None
+    forward_calls: int
+
+    def rows(self, lead: tuple[int, ...]) -> RowTasks | None: ...
+    def example_rows(self) -> RowTasks: ...
+    def packed_ids(self, n: int) -> bool: ...
+    def frame_of(self, m: nn.Module) -> EmbeddingFrame: ...
+    def param_index(self, p: torch.Tensor) -> int: ...
+    def mark_backward(self) -> None: ...
+    def write(self, task: int, k: int, value: torch.Tensor) -> None: ...
+    def write_mm(self, task: int, k: int, a: torch.Tensor, b: torch.Tensor) -> None: ...
+    def write_stack(self, k: int, tasks: Sequence[int], values: torch.Tensor) -> None: ...
+    def write_stack_chunks(
+        self, k: int, tasks: Sequence[int], chunks: Iterable[tuple[int, int, torch.Tensor]]
+    ) -> None: ...
+    def stack_target(self, k: int, tasks: Sequence[int], dtype: torch.dtype) -> torch.Tensor | None: ...
+    def write_segment_sums(self, k: int, values: torch.Tensor, rows: RowTasks) -> None: ...
+    def write_embedding(
+        self, k: int, ids: torch.Tensor, grad: torch.Tensor, rows: RowTasks, padding_idx: int | None
+    ) -> None: ...
+    def index_add_rows(
+        self, t: int, k: int, ids: torch.Tensor, g: torch.Tensor, padding_idx: int | None
+    ) -> None: ...
+
+
 class EmbeddingFrame:
     """One call of an embeddings block: the full-batch embedding that carries the summed gradient, and the
     broadcast embeddings (position embeddings) summed with it."""
@@ -79,7 +111,7 @@ def _split_rows(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     return x.reshape(-1, x.shape[-1]), tuple(x.shape[:-1])
 
 
-def _check_rows(state: PerTaskGradients, lead: tuple[int, ...], what: str) -> RowTasks:
+def _check_rows(state: BlockState, lead: tuple[int, ...], what: str) -> RowTasks:
     rows = state.rows(lead)
     if rows is None:
         raise ValueError(
@@ -91,7 +123,7 @@ def _check_rows(state: PerTaskGradients, lead: tuple[int, ...], what: str) -> Ro
 
 
 def _detached_params(
-    state: PerTaskGradients, m: nn.Linear | nn.LayerNorm, x: torch.Tensor, what: str
+    state: BlockState, m: nn.Linear | nn.LayerNorm, x: torch.Tensor, what: str
 ) -> tuple[RowTasks, torch.Tensor, torch.Tensor | None, int, int | None]:
     """One forward of a shared ``m`` on ``x [..., d]``: the row -> task map of ``x`` (checked), ``m``'s weight and
     bias detached, and their indices among the buffer's shared parameters (``k_w``, ``k_b``; None: no bias)."""
@@ -107,7 +139,7 @@ def _detached_params(
 # ----------------------------------------------------------------------------------------------------------------
 # nn.Linear
 # ----------------------------------------------------------------------------------------------------------------
-def linear_forward(state: PerTaskGradients, m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def linear_forward(state: BlockState, m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """``m(x)`` (``x [..., K]`` -> ``[..., M]``) whose backward writes the per-task ``dW``/``db`` of ``m``."""
     rows, weight, bias, k_w, k_b = _detached_params(state, m, x, "a shared nn.Linear")
     return _PerTaskLinear.apply(state.anchor, x, weight, bias, state, rows, k_w, k_b)
@@ -121,7 +153,7 @@ class _PerTaskLinear(torch.autograd.Function):
         x: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
-        state: PerTaskGradients,
+        state: BlockState,
         rows: RowTasks,
         k_w: int,
         k_b: int | None,
@@ -133,7 +165,7 @@ class _PerTaskLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple:
         x, weight = ctx.saved_tensors
-        state: PerTaskGradients = ctx.state
+        state: BlockState = ctx.state
         state.mark_backward()
         dx = None
         if ctx.needs_input_grad[1]:
@@ -147,7 +179,7 @@ class _PerTaskLinear(torch.autograd.Function):
 
 
 def _linear_weight_grads(
-    state: PerTaskGradients,
+    state: BlockState,
     rows: RowTasks,
     k_w: int,
     k_b: int | None,
@@ -194,7 +226,7 @@ def _linear_weight_grads(
             state.write(t, k_b, dy_t.sum(0))
 
 
-def _kernels_on(state: PerTaskGradients, t: torch.Tensor) -> bool:
+def _kernels_on(state: BlockState, t: torch.Tensor) -> bool:
     if state.use_kernels is not None:
         return state.use_kernels
     from fastpals_kernels.dispatch import use_triton
@@ -203,7 +235,7 @@ def _kernels_on(state: PerTaskGradients, t: torch.Tensor) -> bool:
 
 
 def _linear_weight_grads_triton(
-    state: PerTaskGradients,
+    state: BlockState,
     rows: RowTasks,
     k_w: int,
     k_b: int | None,
@@ -237,7 +269,7 @@ def _linear_weight_grads_triton(
 # ----------------------------------------------------------------------------------------------------------------
 # nn.LayerNorm
 # ----------------------------------------------------------------------------------------------------------------
-def layer_norm_forward(state: PerTaskGradients, m: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+def layer_norm_forward(state: BlockState, m: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
     """``m(x)`` (``x [..., d]``, normalized over the last dimension) whose backward writes the per-task
     ``dgamma``/``dbeta`` of ``m``."""
     if len(m.normalized_shape) != 1:
@@ -255,7 +287,7 @@ class _PerTaskLayerNorm(torch.autograd.Function):
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         eps: float,
-        state: PerTaskGradients,
+        state: BlockState,
         rows: RowTasks,
         k_w: int,
         k_b: int | None,
@@ -270,7 +302,7 @@ class _PerTaskLayerNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple:
         x, weight, bias, mean, rstd = ctx.saved_tensors
-        state: PerTaskGradients = ctx.state
+        state: BlockState = ctx.state
         state.mark_backward()
         d = x.shape[-1]
         dx = None
@@ -291,7 +323,7 @@ class _PerTaskLayerNorm(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------------------------------
 # nn.Embedding
 # ----------------------------------------------------------------------------------------------------------------
-def embedding_forward(state: PerTaskGradients, m: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+def embedding_forward(state: BlockState, m: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
     """``m(ids)`` (``ids [B, L]``, packed ``[N]``, or broadcast ``[L]`` / ``[1, L]`` int64 -> ``[..., d]``) whose
     backward writes the per-task embedding gradient of ``m``."""
     frame = state.frame_of(m)
@@ -318,7 +350,7 @@ class _PerTaskEmbedding(torch.autograd.Function):
         ids: torch.Tensor,
         weight: torch.Tensor,
         padding_idx: int | None,
-        state: PerTaskGradients,
+        state: BlockState,
         rows: RowTasks,
         frame: EmbeddingFrame | None,
         k: int,
@@ -330,7 +362,7 @@ class _PerTaskEmbedding(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple:
         (ids,) = ctx.saved_tensors
-        state: PerTaskGradients = ctx.state
+        state: BlockState = ctx.state
         state.mark_backward()
         d = dy.shape[-1]
         rows: RowTasks = ctx.rows
@@ -367,7 +399,7 @@ class _BroadcastEmbedding(torch.autograd.Function):
         weight: torch.Tensor,
         padding_idx: int | None,
         frame: EmbeddingFrame,
-        state: PerTaskGradients,
+        state: BlockState,
     ) -> torch.Tensor:
         ctx.frame, ctx.state = frame, state
         return F.embedding(ids, weight, padding_idx)
