@@ -14,7 +14,7 @@ import pytest
 
 from fastpals.train.cli import build_parser, parse_args
 from fastpals.train.errors import ConfigError
-from fastpals.train.outputs import prepare_out
+from fastpals.train.outputs import discard_replaced, prepare_out, restore_replaced
 from fastpals.train.state import TrainState, check_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -176,13 +176,51 @@ def test_out_folder_with_an_earlier_run_is_refused(tmp_path):
     (out / "notes.txt").write_text("mine")
     with pytest.raises(ConfigError, match=r"already holds a run \(metrics.jsonl, tensorboard\).*--overwrite"):
         prepare_out(out, resume=False, overwrite=False, is_main=True)
-    prepare_out(out, resume=False, overwrite=True, is_main=True)
-    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]  # only the run's outputs are deleted
+    aside = prepare_out(out, resume=False, overwrite=True, is_main=True)
+    # only the run's outputs move, and only aside: nothing is deleted before the new run has a checkpoint
+    assert sorted(p.name for p in out.iterdir() if p != aside) == ["notes.txt"]
+    assert sorted(p.name for p in aside.iterdir()) == ["metrics.jsonl", "tensorboard"]
+    (out / "metrics.jsonl").write_text("new\n")  # the new run starts writing, then fails
+    restore_replaced(out, aside)
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "notes.txt", "tensorboard"]
+    assert (out / "metrics.jsonl").read_text() == "{}\n"
+    aside = prepare_out(out, resume=False, overwrite=True, is_main=True)
+    discard_replaced(aside)  # the new run wrote its first checkpoint
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
     prepare_out(tmp_path / "new", resume=False, overwrite=False, is_main=True)
     assert (tmp_path / "new").is_dir()
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match="is a file"):
         prepare_out(tmp_path / "file", resume=False, overwrite=False, is_main=True)
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_overwrite_with_a_bad_option_leaves_the_earlier_run_as_it_was(stopped_run, tmp_path, tiny):
+    """``--overwrite --model ./typo``: the new run fails at set-up, and the earlier run is byte-identical."""
+    earlier = tmp_path / "run"
+    shutil.copytree(stopped_run, earlier)
+    before = _tree(earlier)
+    args = common(tiny, earlier, "--overwrite")
+    args[args.index("--model") + 1] = str(tmp_path / "typo")
+    rc, _, err = run(args)
+    assert rc == 2
+    one_line_error(err, "--model", "typo")
+    assert _tree(earlier) == before
+    assert not any(p.name.startswith(".replaced-") for p in earlier.iterdir())
+
+
+def test_overwrite_replaces_the_earlier_run_once_the_new_one_has_a_checkpoint(stopped_run, tmp_path, tiny):
+    earlier = tmp_path / "run"
+    shutil.copytree(stopped_run, earlier)
+    rc, _, err = run(common(tiny, earlier, "--overwrite", "--no-progress"))
+    assert rc == 0, err[-3000:]
+    assert not any(p.name.startswith(".replaced-") for p in earlier.iterdir())
+    records = [json.loads(line) for line in (earlier / "metrics.jsonl").read_text().splitlines()]
+    assert sum(r["type"] == "config" for r in records) == 1  # the new run's records only
+    assert (earlier / "results.json").is_file()
 
 
 def test_out_reuse_on_the_command_line(stopped_run, tmp_path, tiny):

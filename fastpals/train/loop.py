@@ -82,7 +82,7 @@ class Trainer:
         )
         self.precision = precision_note(requested, self.ds_config)
         self.ckpt_dir = self.out / "checkpoints"
-        outputs.prepare_out(self.out, args.resume, args.overwrite, self.is_main)
+        self._replaced = outputs.prepare_out(self.out, args.resume, args.overwrite, self.is_main)
         if args.resume:
             check_checkpoint(self.ckpt_dir)  # a broken checkpoint fails here, before the heavy set-up
         self.callbacks = default_callbacks(args, self.out, self.is_main) if callbacks is None else callbacks
@@ -160,8 +160,22 @@ class Trainer:
 
     # --- checkpoints --------------------------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
-        """DeepSpeed checkpoint + train state + component states; the previous one is removed."""
-        return save_checkpoint(self.engine, self.ckpt_dir, self.state, self.components, self.is_main)
+        """DeepSpeed checkpoint + train state + component states; the previous one is removed. The first one of a
+        run started with ``--overwrite`` also deletes the earlier run it replaced."""
+        path = save_checkpoint(self.engine, self.ckpt_dir, self.state, self.components, self.is_main)
+        self._settle_replaced(failed=False)
+        return path
+
+    def _settle_replaced(self, failed: bool) -> None:
+        """The earlier run ``--overwrite`` moved aside: deleted once this run has a checkpoint or finished, put back
+        when this run fails before that (see :func:`fastpals.train.outputs.prepare_out`)."""
+        aside, self._replaced = getattr(self, "_replaced", None), None
+        if aside is None:
+            return
+        if failed:  # quietly: the error that stopped the run stays the one line the user sees
+            outputs.restore_replaced(self.out, aside)
+        else:
+            outputs.discard_replaced(aside)
 
     def load_checkpoint(self) -> None:
         path, state = load_checkpoint(self.engine, self.ckpt_dir, self.components)
@@ -252,6 +266,16 @@ class Trainer:
 
     # --- the run ------------------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
+        """Set up, train, evaluate and write the outputs; returns the results dict."""
+        try:
+            results = self._run()
+        except BaseException:
+            self._settle_replaced(failed=True)
+            raise
+        self._settle_replaced(failed=False)
+        return results
+
+    def _run(self) -> dict[str, Any]:
         args, start = self.args, time.perf_counter()
         self._setup_data()
         self._setup_model()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -12,33 +13,88 @@ import numpy as np
 
 from fastpals.train.errors import ConfigError
 
-__all__ = ["RUN_OUTPUTS", "prepare_out", "results_table", "save_best", "write_dev_predictions"]
+__all__ = [
+    "RUN_OUTPUTS",
+    "discard_replaced",
+    "prepare_out",
+    "restore_replaced",
+    "results_table",
+    "save_best",
+    "write_dev_predictions",
+]
 
 # what a run writes into --out; any of these there means an earlier run
 RUN_OUTPUTS = ("metrics.jsonl", "results.json", "train_args.json", "best", "checkpoints", "tensorboard",
                "predictions", "training_curves.png", "confusion_sst.png", "confusion_sts.png")  # fmt: skip
 
 
-def prepare_out(out: Path, resume: bool, overwrite: bool, is_main: bool) -> None:
-    """Make ``out`` ready: a new run needs a folder without an earlier run's outputs (``overwrite`` deletes
-    them first); ``resume`` continues the run there. :class:`ConfigError` otherwise."""
+REPLACED_PREFIX = ".replaced-"
+
+
+def prepare_out(out: Path, resume: bool, overwrite: bool, is_main: bool) -> Path | None:
+    """Make ``out`` ready: a new run needs a folder without an earlier run's outputs; ``resume`` continues the run
+    there. :class:`ConfigError` otherwise.
+
+    ``overwrite`` deletes nothing here: the earlier run's outputs move aside, into ``out/.replaced-<pid>/`` (a
+    rename in the same folder), and that folder is returned. The trainer deletes it once the new run has written
+    its first checkpoint or finished (:func:`discard_replaced`), and moves the earlier outputs back if the new run
+    fails before that (:func:`restore_replaced`): a failed start leaves the earlier run as it was. After a kill
+    in between, the earlier run stays in that folder."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file, not a folder: choose another --out")
     earlier = [name for name in RUN_OUTPUTS if (out / name).exists()]
     if resume:
         if overwrite:
             raise ConfigError("--resume and --overwrite contradict each other: give one of them")
-        return
+        return None
     if earlier and not overwrite:
         raise ConfigError(
             f"--out {out} already holds a run ({', '.join(earlier)}): pass --resume to continue it, --overwrite to "
             f"replace it, or choose another --out"
         )
-    if is_main:
+    if not is_main:
+        return None
+    out.mkdir(parents=True, exist_ok=True)
+    if not earlier:
+        return None
+    aside = out / f"{REPLACED_PREFIX}{os.getpid()}"
+    suffix = 0
+    while aside.exists():
+        suffix += 1
+        aside = out / f"{REPLACED_PREFIX}{os.getpid()}-{suffix}"
+    try:
+        aside.mkdir()
         for name in earlier:
+            (out / name).rename(aside / name)
+    except OSError as err:
+        restore_replaced(out, aside, remove_new=False)
+        raise ConfigError(
+            f"--overwrite: cannot move the earlier run in {out} aside ({err.strerror}): {err.filename}"
+        ) from None
+    return aside
+
+
+def discard_replaced(aside: Path | None) -> None:
+    """Delete the earlier run that :func:`prepare_out` moved aside (the new run has a checkpoint, or finished)."""
+    if aside is not None and aside.exists():
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def restore_replaced(out: Path, aside: Path | None, remove_new: bool = True) -> None:
+    """Put the earlier run moved aside by :func:`prepare_out` back in ``out``: the new run's outputs (any of
+    :data:`RUN_OUTPUTS`) are removed first when ``remove_new``, so the earlier run is as it was."""
+    if aside is None or not aside.exists():
+        return
+    if remove_new:
+        for name in RUN_OUTPUTS:
             path = out / name
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
-        out.mkdir(parents=True, exist_ok=True)
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            elif path.exists() or path.is_symlink():
+                path.unlink()
+    for child in aside.iterdir():
+        child.rename(out / child.name)
+    aside.rmdir()
 
 
 def save_best(
