@@ -223,6 +223,34 @@ def test_overwrite_replaces_the_earlier_run_once_the_new_one_has_a_checkpoint(st
     assert (earlier / "results.json").is_file()
 
 
+def test_sighup_stops_with_a_checkpoint_like_sigterm(tiny, tmp_path):
+    """A closed terminal (SIGHUP) mid-training: a checkpoint is written and the code is 128 + 1."""
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
+    }
+    args = common(tiny, out, "--no-progress")
+    args[args.index("--steps-per-epoch") + 1] = "400"
+    proc = subprocess.Popen(
+        [sys.executable, "train.py", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 240
+    metrics = out / "metrics.jsonl"
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and '"type": "step"' in metrics.read_text():
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    proc.send_signal(signal.SIGHUP)
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 128 + signal.SIGHUP, err[-3000:]
+    assert "SIGHUP" in err and (out / "checkpoints" / "latest").is_file()
+
+
 def test_out_reuse_on_the_command_line(stopped_run, tmp_path, tiny):
     rc, _, err = run(common(tiny, stopped_run))
     one_line_error(err, f"--out {stopped_run} already holds a run", "--resume", "--overwrite")

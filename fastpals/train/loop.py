@@ -16,7 +16,7 @@ of :func:`fastpals.train.step.run_update`.
 
 Every loss is checked, once per update after its backwards (the update's one read of device values, which also
 gives the logged losses): a NaN/inf loss stops training before ``engine.step()`` with
-:class:`NonFiniteLossError` after a ``"nonfinite"`` record; the last checkpoint is untouched. SIGTERM/SIGINT
+:class:`NonFiniteLossError` after a ``"nonfinite"`` record; the last checkpoint is untouched. SIGTERM/SIGINT/SIGHUP
 write a checkpoint and raise :class:`TrainingInterrupted`.
 
 Outputs in ``--out``: ``train_args.json`` (the options; ``--resume`` reads them), ``metrics.jsonl``,
@@ -290,7 +290,10 @@ class Trainer:
             self.record({"type": "config", "args": args.options(), "ds_config": self.ds_config,
                          "parameters": count_parameters(self.model)})  # fmt: skip
         self.state.add_time("setup_s", time.perf_counter() - start)
-        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        stops = [signal.SIGTERM, signal.SIGINT] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
+        old = {
+            s: signal.signal(s, self._on_signal) for s in stops
+        }  # a closed terminal (SIGHUP) stops as SIGTERM
         try:
             if args.eval_at_start and self.state.untrained is None:
                 self.state.untrained, _ = self.evaluate()
