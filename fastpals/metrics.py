@@ -32,10 +32,12 @@ from fastpals.tasks import TaskSpec, get_task
 __all__ = [
     "PREDICTION_HEADERS",
     "accuracy",
+    "as_1d",
     "bin_sts",
     "confusion_matrix",
     "overall",
     "overall_score",
+    "paired_arrays",
     "pearson",
     "plot_confusion_matrix",
     "prediction_header",
@@ -57,7 +59,9 @@ PREDICTION_HEADERS = {
 }
 
 
-def _as_1d(values: Sequence | np.ndarray, name: str, dtype: type | None = None) -> np.ndarray:
+def as_1d(values: Sequence | np.ndarray, name: str, dtype: type | None = None) -> np.ndarray:
+    """``values`` (a list, NumPy array or torch tensor) as a 1-D host array of ``dtype``; ``ValueError`` naming
+    ``name`` otherwise."""
     if hasattr(values, "detach"):  # torch tensors, without importing torch here
         values = values.detach().cpu().numpy()
     array = np.asarray(values, dtype=dtype)
@@ -66,9 +70,12 @@ def _as_1d(values: Sequence | np.ndarray, name: str, dtype: type | None = None) 
     return array
 
 
-def _pair(y_true: Sequence, y_pred: Sequence, dtype: type | None = None) -> tuple[np.ndarray, np.ndarray]:
-    true = _as_1d(y_true, "y_true", dtype)
-    pred = _as_1d(y_pred, "y_pred", dtype)
+def paired_arrays(
+    y_true: Sequence, y_pred: Sequence, dtype: type | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(y_true, y_pred)`` as 1-D host arrays of one length (:func:`as_1d`); ``ValueError`` otherwise."""
+    true = as_1d(y_true, "y_true", dtype)
+    pred = as_1d(y_pred, "y_pred", dtype)
     if true.shape != pred.shape:
         raise ValueError(f"y_true has {true.shape[0]} entries but y_pred has {pred.shape[0]}")
     if true.size == 0:
@@ -78,7 +85,7 @@ def _pair(y_true: Sequence, y_pred: Sequence, dtype: type | None = None) -> tupl
 
 def accuracy(y_true: Sequence, y_pred: Sequence) -> float:
     """Share of positions where ``y_pred == y_true``; both 1-D of length ``N >= 1`` (lists, numpy or torch)."""
-    true, pred = _pair(y_true, y_pred)
+    true, pred = paired_arrays(y_true, y_pred)
     return float(np.mean(true == pred))
 
 
@@ -88,7 +95,7 @@ def pearson(x: Sequence[float], y: Sequence[float]) -> float:
     Returns NaN, with a ``RuntimeWarning``, when either sample is constant (the correlation is undefined).
     Raises ``ValueError`` on non-finite values or mismatched lengths.
     """
-    a, b = _pair(x, y, np.float64)
+    a, b = paired_arrays(x, y, np.float64)
     if a.size < 2:
         raise ValueError(f"pearson needs at least 2 pairs, got {a.size}")
     if not (np.isfinite(a).all() and np.isfinite(b).all()):
@@ -119,7 +126,7 @@ def _average_ranks(values: np.ndarray) -> np.ndarray:
 def spearman(x: Sequence[float], y: Sequence[float]) -> float:
     """Spearman rank correlation of two 1-D samples of length ``N >= 2``: Pearson of the average ranks (tied
     values share the mean of their ranks), in float64. NaN with a ``RuntimeWarning`` when either is constant."""
-    a, b = _pair(x, y, np.float64)
+    a, b = paired_arrays(x, y, np.float64)
     if a.size < 2:
         raise ValueError(f"spearman needs at least 2 pairs, got {a.size}")
     if not (np.isfinite(a).all() and np.isfinite(b).all()):
@@ -187,7 +194,7 @@ def confusion_matrix(y_true: Sequence[int], y_pred: Sequence[int], num_classes: 
     """
     if isinstance(num_classes, bool) or not isinstance(num_classes, (int, np.integer)) or num_classes < 1:
         raise ValueError(f"num_classes must be an int >= 1, got {num_classes!r}")
-    true, pred = _pair(y_true, y_pred)
+    true, pred = paired_arrays(y_true, y_pred)
     for name, array in (("y_true", true), ("y_pred", pred)):
         if array.dtype.kind not in "iub":
             if not np.all(np.isfinite(array)) or not np.all(array == np.round(array)):
@@ -201,7 +208,7 @@ def confusion_matrix(y_true: Sequence[int], y_pred: Sequence[int], num_classes: 
 def bin_sts(scores: Sequence[float]) -> np.ndarray:
     """STS scores to classes 0..10 (``k`` = score ``k / 2``): clip to [0, 5], round to the nearest 0.5 (halves
     round up). Returns int64 ``(N,)``; for predictions from a [0, 1] head multiply by 5 first."""
-    values = _as_1d(scores, "scores", np.float64)
+    values = as_1d(scores, "scores", np.float64)
     if not np.isfinite(values).all():
         raise ValueError("scores hold non-finite values (NaN or inf)")
     return np.floor(np.clip(values, 0.0, 5.0) * 2.0 + 0.5).astype(np.int64)

@@ -185,9 +185,9 @@ class TaskKind:
     def metrics(self, spec: TaskSpec, y_true: Sequence, y_pred: Sequence) -> dict[str, float]:
         """``{name: value}`` for every name of :attr:`metric_names`, from 1-D host arrays of equal length
         ``N >= 1`` (lists, numpy or torch). Default: ``{"accuracy": a}``, both sides rounded to whole numbers."""
-        from fastpals.metrics import _pair, accuracy
+        from fastpals.metrics import accuracy, paired_arrays
 
-        true, pred = _pair(y_true, y_pred, np.float64)
+        true, pred = paired_arrays(y_true, y_pred, np.float64)
         return {"accuracy": accuracy(np.rint(true).astype(np.int64), np.rint(pred).astype(np.int64))}
 
     def unit_score(self, spec: TaskSpec, value: float) -> float:
@@ -202,11 +202,11 @@ class TaskKind:
     ) -> tuple[np.ndarray, list[str]]:
         """``(int64 (K, K) counts, K class names)`` (rows = true, columns = predicted) from 1-D host arrays.
         Default: the ``num_classes`` classes, named by ``label_names`` (else ``0..K-1``); ``steps`` is unused."""
-        from fastpals.metrics import _pair, confusion_matrix
+        from fastpals.metrics import confusion_matrix, paired_arrays
 
         num_classes = self.num_classes(spec)
         names = [spec.label_name(k) for k in range(num_classes)]
-        true, pred = _pair(y_true, y_pred, np.float64)
+        true, pred = paired_arrays(y_true, y_pred, np.float64)
         return confusion_matrix(true, pred, num_classes), names
 
 
@@ -357,12 +357,12 @@ class Regression(TaskKind):
     ) -> tuple[np.ndarray, list[str]]:
         """Labels and predictions clipped to ``label_range`` and rounded to ``steps + 1`` evenly spaced values
         (halves round up), named by those values: ``(int64 (steps + 1, steps + 1), names)``."""
-        from fastpals.metrics import _as_1d, confusion_matrix
+        from fastpals.metrics import as_1d, confusion_matrix
 
         low, high = spec.label_range
         binned = []
         for name, values in (("y_true", y_true), ("y_pred", y_pred)):
-            array = _as_1d(values, name, np.float64)
+            array = as_1d(values, name, np.float64)
             if not np.isfinite(array).all():
                 raise ValueError(f"{name} holds non-finite values (NaN or inf)")
             binned.append(

@@ -26,7 +26,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTens
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fastpals.surgery import AGGREGATORS, STATEFUL, GradVacState, NashMTLState, make_weighting
-from fastpals.surgery.weightings import _round_robin, jacobi_eigh, jacobi_sweeps
+from fastpals.surgery.solvers import _round_robin, jacobi_eigh, jacobi_sweeps
 
 F64 = torch.float64
 NAMES = list(AGGREGATORS)

@@ -450,26 +450,34 @@ class TaskGradientBuffer:
                 for p, g in zip(self.task_params, local_task_grads):
                     if g is not None:
                         self.grad_setter(p, g.to(p.dtype) if g.dtype != p.dtype else g.clone())
-        self._task_seen = [False] * len(self.task_params)
-        self.steps += 1
-        self._captured = [False] * self.num_tasks
-        self._touched = [[False] * n_shared for _ in range(self.num_tasks)]
-        self._task_state = [self._task_grad_state(p) for p in self.task_params]
+        self._end_step()
         if not (all(host[: self.num_tasks]) and task_ok):
             self.skipped_steps += 1
             bad = [t for t in range(self.num_tasks) if not host[t]]
             return SurgeryResult(True, None, g_mat, bad, not task_ok)
         weights = aggregator(g_mat, generator=generator, **aggregator_kwargs)
+        self._write_update(weights, touched)
+        return SurgeryResult(False, weights, g_mat)
+
+    def _end_step(self) -> None:
+        """Forget this step's captures (the next one starts fresh rows)."""
+        self._task_seen = [False] * len(self.task_params)
+        self.steps += 1
+        self._captured = [False] * self.num_tasks
+        self._touched = [[False] * len(self.params) for _ in range(self.num_tasks)]
+        self._task_state = [self._task_grad_state(p) for p in self.task_params]
+
+    def _write_update(self, weights: torch.Tensor, touched: Sequence[Sequence[bool]]) -> None:
+        """``sum_t weights[t] g_t`` into the shared parameters' gradients (None where no task touched one)."""
         if self.grad_dtype == self.dtype:  # the update overwrites the last row: no extra [P] tensor
             flat = combine(self.data, weights, out_row=self.num_tasks - 1)
         else:
             if self._flat_grad is None:
                 self._flat_grad = torch.empty(self.num_elements, dtype=self.grad_dtype, device=self.device)
             flat = combine(self.data, weights, out=self._flat_grad)
-        used = [any(touched[t][k] for t in range(self.num_tasks)) for k in range(n_shared)]
+        used = [any(touched[t][k] for t in range(self.num_tasks)) for k in range(len(self.params))]
         for p, part, u in zip(self.params, torch.split(flat, self.numels), used):
             self.grad_setter(p, part.view_as(p) if u else None)
-        return SurgeryResult(False, weights, g_mat)
 
     def _apply_on_device(
         self,
@@ -485,7 +493,6 @@ class TaskGradientBuffer:
             raise ValueError(
                 "apply(sync=False) is for one-rank buffers (the all-reduced flags are read on the host)"
             )
-        n_shared = len(self.params)
         task_ok = checks[0] if checks else torch.ones(1, dtype=torch.bool, device=finite.device)
         flags = torch.cat([finite.to(torch.bool), task_ok.to(torch.bool).reshape(1)])
         ok = flags.all()
@@ -497,20 +504,8 @@ class TaskGradientBuffer:
             for p, g in zip(self.task_params, self._task_grads()):
                 if g is not None:
                     self.grad_setter(p, g.to(p.dtype) if g.dtype != p.dtype else g.clone())
-        self._task_seen = [False] * len(self.task_params)
-        self.steps += 1
-        self._captured = [False] * self.num_tasks
-        self._touched = [[False] * n_shared for _ in range(self.num_tasks)]
-        self._task_state = [self._task_grad_state(p) for p in self.task_params]
-        if self.grad_dtype == self.dtype:
-            flat = combine(self.data, weights, out_row=self.num_tasks - 1)
-        else:
-            if self._flat_grad is None:
-                self._flat_grad = torch.empty(self.num_elements, dtype=self.grad_dtype, device=self.device)
-            flat = combine(self.data, weights, out=self._flat_grad)
-        used = [any(touched[t][k] for t in range(self.num_tasks)) for k in range(n_shared)]
-        for p, part, u in zip(self.params, torch.split(flat, self.numels), used):
-            self.grad_setter(p, part.view_as(p) if u else None)
+        self._end_step()
+        self._write_update(weights, touched)
 
         def count_skip() -> None:
             self.skipped_steps += 1
