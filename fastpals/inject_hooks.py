@@ -23,7 +23,7 @@ from torch import nn
 
 from fastpals.functional import check_task_ids
 from fastpals.inject_targets import ResolvedTargets
-from fastpals.layout import BatchLayout, make_layout
+from fastpals.layout import BatchLayout, make_layout, traced_layout
 from fastpals.model import PALConfig, PALLayer, PALProjections
 
 __all__ = ["INJECTION_ATTR", "PALInjection", "add_hf_pals", "get_injection"]
@@ -170,6 +170,10 @@ class PALInjection:
                     "forward, or wrap the call in fastpals.set_task(model, task)"
                 )
             task_ids = self._default_task_ids(b, h.device)
+        if torch.compiler.is_compiling():  # no host read in a compiled graph: the ids' range is the caller's
+            task_ids = check_task_ids(task_ids, self.config.num_tasks, b, h.device, check_values=False)
+            self.layout = traced_layout(mask, task_ids, self.config.num_tasks)
+            return self.layout
         task_ids = check_task_ids(task_ids, self.config.num_tasks, b, h.device)
         self.layout = make_layout(mask, task_ids, False, (b, n))
         return self.layout

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fastpals.checkpoints import (
@@ -35,11 +34,9 @@ from fastpals.checkpoints import (
 )
 from fastpals.functional import (
     Dropout,
-    attention_with_key_bias,
     check_task_ids,
-    key_mask_bias,
 )
-from fastpals.layout import BatchLayout, bucketed_attention, layout_from_cu_seqlens, make_layout
+from fastpals.layout import BatchLayout, layout_from_cu_seqlens, make_layout
 from fastpals.pal_variants import (
     PAL_VARIANTS,
     PALLayer,
@@ -55,6 +52,7 @@ from fastpals.task_params import (
     task_specific_kind,
 )
 from fastpals_kernels import dispatch
+from fastpals_kernels.dispatch import padded_attention
 
 __all__ = [
     "BatchLayout",
@@ -242,53 +240,16 @@ class BertSelfAttention(nn.Module):
             q, k, v = self.pal_variant.qkv(self, q, k, v, layout)
         dropout = self.dropout_p if self.training else 0.0
         shape = (q.shape[0], self.num_heads, self.head_dim)
-        if layout.packed and dispatch.flash_varlen_ok(q):
-            from flash_attn import flash_attn_varlen_func
-
-            ctx = flash_attn_varlen_func(
-                q.view(shape), k.view(shape), v.view(shape), layout.cu_seqlens, layout.cu_seqlens,
-                layout.max_seqlen, layout.max_seqlen, dropout_p=dropout,
-            )  # fmt: skip
-            return ctx.reshape(q.shape)
-        if layout.buckets:  # padded blocks of similar lengths, not every sequence padded to the longest
-
-            def attend(qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, bucket: Any) -> torch.Tensor:
-                return padded_attention(qb, kb, vb, bucket.mask, dropout, key_bias=bucket.key_bias)
-
-            ctx = bucketed_attention(
-                q.view(shape), k.view(shape), v.view(shape), layout.attention_plan(), attend
+        if layout.packed:
+            plan = layout.attention_plan() if layout.buckets else None
+            ctx = dispatch.attention_varlen(
+                q.view(shape), k.view(shape), v.view(shape), layout.cu_seqlens, layout.max_seqlen, dropout, plan
             )
             return ctx.reshape(q.shape)
         q, k, v = (layout.to_padded(t) for t in (q, k, v))
         b, n, d = q.shape
         ctx = padded_attention(*(t.view(b, n, *shape[1:]) for t in (q, k, v)), layout.padding_mask(), dropout)
         return layout.to_rows(ctx.reshape(b, n, d))
-
-
-def padded_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor,
-    dropout: float,
-    key_bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """BERT's attention on padded blocks: ``q, k, v [B, L, H, Dh]``, key ``mask [B, L]`` bool → ``[B, L, H, Dh]``.
-    ``key_bias`` (optional): the mask's fp32 bias ``[B, 1, 1, L]`` when the caller has it built (CPU path only).
-
-    On CPU the matmul + fp32 softmax reference op: torch's CPU flash-attention backward spends ~15 us per
-    (sequence, head) on BERT's short rows (23% of a `make train` update in the profile). Paired on the same
-    batches, SDPA with ``F.dropout`` made the update 1.32x as long as this attention with
-    :func:`fastpals.functional.dropout` (0.503 s against 0.380 s median).
-    Elsewhere ``F.scaled_dot_product_attention`` with the boolean mask.
-    """
-    if q.device.type == "cpu":
-        if key_bias is None:
-            key_bias = key_mask_bias(mask, torch.float32)
-        return attention_with_key_bias(q, k, v, key_bias, dropout)
-    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
-    ctx = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask[:, None, None, :], dropout_p=dropout)
-    return ctx.transpose(1, 2)
 
 
 class BertSelfOutput(nn.Module):

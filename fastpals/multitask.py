@@ -444,7 +444,7 @@ class MultiTaskBert(nn.Module):
                 raise ValueError(
                     "siamese pair tasks need input_ids_b and cu_seqlens_b (their second sentences)"
                 )
-            expected = int(sum(self.tasks[t].siamese for t in layout.host_task_ids))
+            expected = sum(n for t, n in enumerate(layout.task_examples) if self.tasks[t].siamese)
             if second.batch != expected:
                 raise ValueError(f"cu_seqlens_b holds {second.batch} sequences for {expected} siamese rows")
             out_b = self.bert(input_ids_b, None, token_type_ids_b, enc_tasks, layout=second)

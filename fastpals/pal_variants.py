@@ -41,11 +41,9 @@ from torch import nn
 from fastpals.functional import (
     PALWeights,
     attention_reference,
-    attention_with_key_bias,
     grouped_linear_reference,
-    segment_linear,
 )
-from fastpals.layout import BatchLayout, bucketed_attention
+from fastpals.layout import BatchLayout
 from fastpals.task_params import register_task_specific_names, unregister_task_specific_names
 from fastpals_kernels import dispatch
 
@@ -133,44 +131,17 @@ class PALLayer(nn.Module):
         weights = self.weights()
         where = {"mask": None if layout.packed else layout.mask, "cu_seqlens": layout.cu_seqlens if layout.packed else None,
                  "max_seqlen": layout.max_seqlen}  # fmt: skip
-        if layout.buckets and dispatch.backend("pal", h) == "reference":  # CPU packed: no padded PAL work
-            ts = _packed_reference_pal(h, layout, weights)
-            if self.gate is None:
-                return residual + ts
-        elif self.gate is None:
-            return dispatch.run_pal(h, weights.as_args(layout.task_ids), **where, residual=residual)
-        else:
-            ts = dispatch.run_pal(h, weights.as_args(layout.task_ids), **where)
+        if layout.packed and layout.buckets:  # host facts that let the reference skip padded PAL work
+            segments = dispatch.PackedSegments(
+                layout.row_task_ids, layout.task_segments(weights.num_tasks), layout.attention_plan()
+            )
+            where["segments"] = segments
+        args = weights.as_args(layout.task_ids)
+        if self.gate is None:
+            return dispatch.run_pal(h, args, **where, residual=residual)
+        ts = dispatch.run_pal(h, args, **where)
         ts = ts * layout.per_row(self.gate.index_select(0, layout.task_ids)).unsqueeze(-1).to(ts.dtype)
         return residual + ts
-
-
-def _packed_reference_pal(h: torch.Tensor, layout: BatchLayout, weights: PALWeights) -> torch.Tensor:
-    """:func:`pal_varlen_reference` composed of the same reference ops, with the grouped linears on the packed
-    tokens only (each token's task from ``row_task_ids``) and the attention over length buckets."""
-    w = weights
-    tasks, counts = layout.row_task_ids, layout.task_segments(w.num_tasks)
-
-    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        # rows grouped by task (pack_batches' layout): one linear per task slice, no gather/scatter
-        return (
-            segment_linear(x, counts, weight, bias)
-            if counts is not None
-            else grouped_linear_reference(x, tasks, weight, bias)
-        )
-
-    s = linear(h, w.enc_weight, w.enc_bias)  # [N, d_s]
-    n, d_s = s.shape
-    q, k, v = linear(s, w.qkv_weight, w.qkv_bias).view(n, 3, w.num_heads, d_s // w.num_heads).unbind(1)
-    ctx = bucketed_attention(
-        q,
-        k,
-        v,
-        layout.attention_plan(),
-        lambda qb, kb, vb, b: attention_with_key_bias(qb, kb, vb, b.key_bias, w.dropout_p),
-    )
-    y = linear(ctx.reshape(n, d_s), w.dec_weight, w.dec_bias)
-    return F.gelu(y) if w.gelu else y
 
 
 class PALTop(nn.Module):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 
+from fastpals_kernels import library  # noqa: F401 - registers torch.ops.fastpals
 from fastpals_kernels.dispatch import available, backend, combine, decide, gram, kernel_mode, use_triton
 
 __all__ = [

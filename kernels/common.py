@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastpals.functional import check_task_ids
+from fastpals_kernels.reference import check_task_ids
 
 __all__ = [
     "ROW_ALIGN",

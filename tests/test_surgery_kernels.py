@@ -91,7 +91,7 @@ def test_combine_float64_weights_and_default_out(triton_mode):
 def test_combine_over_a_row_of_the_buffer(monkeypatch, mode, dtype):
     monkeypatch.setenv("FASTPALS_KERNELS", mode)
     monkeypatch.setattr(
-        "fastpals.functional._IN_PLACE_CHUNK", 1 << 14
+        "fastpals_kernels.reference._IN_PLACE_CHUNK", 1 << 14
     )  # several chunks of the reference path
     buf = make_buf(5, 40001, dtype, seed=9).clone()
     w = torch.randn(5, generator=torch.Generator().manual_seed(2))

@@ -189,7 +189,7 @@ def _linear_weight_grads(
     """``dW_t = dy_t^T x_t`` and ``db_t = sum dy_t`` per task into the buffer (``dy [R, M]``, ``x [R, K]``;
     ``k_w`` / ``k_b`` the weight's and bias's indices among the buffer's shared parameters)."""
     if _kernels_on(state, dy):
-        _linear_weight_grads_triton(state, rows, k_w, k_b, dy, x)
+        _linear_weight_grads_grouped(state, rows, k_w, k_b, dy, x)
         return
     sizes = {s.stop - s.start for s in rows.slices.values() if isinstance(s, slice)}
     if len(rows.tasks) > 1 and len(sizes) == 1 and all(isinstance(s, slice) for s in rows.slices.values()):
@@ -229,12 +229,12 @@ def _linear_weight_grads(
 def _kernels_on(state: BlockState, t: torch.Tensor) -> bool:
     if state.use_kernels is not None:
         return state.use_kernels
-    from fastpals_kernels.dispatch import use_triton
+    from fastpals_kernels import dispatch
 
-    return use_triton(t)
+    return dispatch.backend("grouped_wgrad", t) == "triton"
 
 
-def _linear_weight_grads_triton(
+def _linear_weight_grads_grouped(
     state: BlockState,
     rows: RowTasks,
     k_w: int,
@@ -244,8 +244,8 @@ def _linear_weight_grads_triton(
 ) -> None:
     """All task segments in one launch of the grouped weight-gradient kernel (fp32 accumulation), then one copy
     (or add) per task into its row. Temporary: ``[T, M, K]`` in the buffer's dtype."""
+    from fastpals_kernels import dispatch
     from fastpals_kernels.common import build_task_row_plan
-    from fastpals_kernels.grouped_linear_triton import grouped_wgrad_rows
 
     if rows.plan is None:  # one plan per row layout, shared by every Linear of that layout
         example_tasks = rows.example_tasks if rows.example_tasks is not None else state.task_ids
@@ -253,7 +253,7 @@ def _linear_weight_grads_triton(
             example_tasks, state.num_tasks, rows.num_rows, seq_len=rows.seq_len, cu_seqlens=rows.cu_seqlens
         )
     plan = rows.plan
-    dw, db = grouped_wgrad_rows(
+    dw, db = dispatch.grouped_wgrad(
         dy.contiguous(),
         x.contiguous(),
         plan,

@@ -1,0 +1,561 @@
+# ruff: noqa: ANN001, ANN202 - fake implementations and autograd hooks mirror the ops' schemas
+"""fastpals' ops as ``torch.library`` custom ops: ``torch.ops.fastpals.<name>``.
+
+Each op has a schema, a fake (meta) implementation, an autograd formula where it is differentiable, a default
+implementation (the reference of :mod:`fastpals_kernels.reference`; what runs on the CPU) and a CUDA one (the
+Triton kernel, flash-attn or SDPA, as :func:`fastpals_kernels.dispatch.backend` decides for the tensors at hand).
+``torch.compile``, ``torch.export``, fake tensors and ``torch.library.opcheck`` see them as single ops.
+
+=====================  ======================================================================================
+op                     computes
+=====================  ======================================================================================
+``pal``                ``residual + PAL(h)`` over a padded mixed-task batch ``h [B, L, d]``
+``pal_varlen``         the same over packed rows ``h [N, d]`` with ``cu_seqlens [B+1]``
+``pal_backward``       the gradients of ``pal`` (h and the six weights), recomputing its forward
+``pal_varlen_backward``  the same for ``pal_varlen``
+``attention_varlen``   softmax attention over packed rows ``q, k, v [N, H, Dh]`` (each sequence its own keys)
+``attention_varlen_backward``  its gradients (q, k, v), recomputing the forward
+``grouped_wgrad``      per-task weight (and bias) gradients ``dW_t = dY_tᵀ X_t`` from one backward's rows
+``gram``               ``(buf bufᵀ [T, T] fp32, finite [T] bool)`` of a ``[T, P]`` task-gradient buffer
+``combine``            ``weights @ buf`` as a new fp32 ``[P]``
+``combine_out``        the same written into ``out [P]`` (mutates ``out``)
+``combine_row``        the same written over row ``row`` of ``buf`` (mutates ``buf``)
+=====================  ======================================================================================
+
+Dropout inside ``pal*`` and ``attention_varlen`` draws its mask from ``seed`` (an int64 tensor of one element,
+on the CPU: what the caller draws from torch's default generator), so a backward that recomputes the forward
+sees the same mask. The backward ops recompute the forward (one extra forward of the PAL or the attention, not
+of the encoder), as activation checkpointing does; the eager training path of :mod:`fastpals_kernels.dispatch`
+keeps the Triton ops' saved activations instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+from fastpals_kernels import reference
+
+__all__ = ["NAMESPACE", "OPS", "draw_seed"]
+
+NAMESPACE = "fastpals"
+Tensor = torch.Tensor
+
+
+def draw_seed() -> Tensor:
+    """A dropout seed for the ops above: one int64 drawn from torch's default CPU generator (no device read)."""
+    return torch.randint(0, 2**62, (1,), dtype=torch.int64)
+
+
+@contextlib.contextmanager
+def _seeded(seed: Tensor, device: torch.device, dropout_p: float) -> Iterator[None]:
+    """Run the block with torch's generators (CPU, and ``device``'s when CUDA) seeded from ``seed``, restored
+    afterwards; a no-op without dropout."""
+    if dropout_p <= 0.0:
+        yield
+        return
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices, device_type="cuda"):
+        torch.manual_seed(int(seed.reshape(-1)[0]))
+        yield
+
+
+def _vjp(fn: Callable[..., Tensor], inputs: Sequence[Tensor], grad: Tensor) -> tuple[Tensor, ...]:
+    """The gradients of ``fn(*inputs)`` against ``grad``, recomputing ``fn`` with autograd. An op's kernel runs
+    below the autograd dispatch key, so autograd is switched back on for the recomputation."""
+    leaves = [t.detach().requires_grad_(True) for t in inputs]
+    with _autograd_on(), torch.enable_grad():
+        out = fn(*leaves)
+        grads = torch.autograd.grad(out, leaves, grad, allow_unused=True)
+    # outputs may not alias each other (e.g. the unbound views of one stacked gradient)
+    return tuple(torch.zeros_like(x) if g is None else g.clone() if g._base is not None else g
+                 for g, x in zip(grads, leaves))  # fmt: skip
+
+
+@contextlib.contextmanager
+def _autograd_on() -> Iterator[None]:
+    """Autograd's dispatch keys switched back on (an op's kernel runs with them excluded)."""
+    keys = (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.ADInplaceOrView)
+    with contextlib.ExitStack() as stack:
+        for key in keys:
+            stack.enter_context(torch._C._SetExcludeDispatchKeyGuard(key, False))
+        yield
+
+
+def _backend(op: str, t: Tensor) -> str:
+    from fastpals_kernels import dispatch
+
+    return dispatch.backend(op, t)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# PAL
+# ----------------------------------------------------------------------------------------------------------------
+def _pal_eager(
+    h: Tensor,
+    where: dict,
+    task_ids: Tensor,
+    weights: Sequence[Tensor],
+    num_heads: int,
+    gelu: bool,
+    dropout_p: float,
+    residual: Tensor | None,
+    seed: Tensor,
+) -> Tensor:
+    """``residual + PAL(h)`` on the backend the dispatch picks for ``h`` (differentiable where its inputs are)."""
+    choice = _backend("pal", h)
+    args = (task_ids, *weights, num_heads, gelu, dropout_p)
+    varlen = "cu_seqlens" in where
+    if choice == "triton":
+        import fastpals_kernels as kernels
+
+        s = int(seed.reshape(-1)[0]) if dropout_p > 0.0 else None
+        if varlen:
+            return kernels.pal_varlen(h, where["cu_seqlens"], where["max_seqlen"], *args, residual=residual,
+                                      generator_seed=s)  # fmt: skip
+        return kernels.pal(h, where["mask"], *args, residual=residual, generator_seed=s)
+    attention = "sdpa" if choice == "sdpa" else "reference"
+    with _seeded(seed, h.device, dropout_p):
+        if varlen:
+            ts = reference.pal_varlen_reference(h, where["cu_seqlens"], where["max_seqlen"], *args,
+                                                attention=attention)  # fmt: skip
+        else:
+            ts = reference.pal_reference(h, where["mask"], *args, attention=attention)
+    return ts if residual is None else residual + ts
+
+
+def _pal_grads(
+    grad: Tensor,
+    h: Tensor,
+    where: dict,
+    task_ids: Tensor,
+    weights: Sequence[Tensor],
+    num_heads: int,
+    gelu: bool,
+    dropout_p: float,
+    seed: Tensor,
+) -> list[Tensor]:
+    """Gradients of ``PAL(h)`` in h and the six weights, by recomputing the forward with autograd."""
+    def forward(*inputs: Tensor) -> Tensor:
+        return _pal_eager(inputs[0], where, task_ids, inputs[1:], num_heads, gelu, dropout_p, None, seed)
+
+    return list(_vjp(forward, (h, *weights), grad))
+
+
+@torch.library.custom_op(f"{NAMESPACE}::pal", mutates_args=())
+def pal(
+    h: Tensor,
+    mask: Tensor | None,
+    task_ids: Tensor,
+    enc_weight: Tensor,
+    enc_bias: Tensor,
+    qkv_weight: Tensor,
+    qkv_bias: Tensor,
+    dec_weight: Tensor,
+    dec_bias: Tensor,
+    num_heads: int,
+    gelu: bool,
+    dropout_p: float,
+    residual: Tensor | None,
+    seed: Tensor,
+) -> Tensor:
+    """``residual + PAL(h)``: h ``[B, L, d]``, mask ``[B, L]`` (1 = token) or None, task_ids ``[B]`` int64,
+    weights as in :mod:`fastpals_kernels.reference`; returns ``[B, L, d]`` in h's dtype."""
+    weights = (enc_weight, enc_bias, qkv_weight, qkv_bias, dec_weight, dec_bias)
+    with torch.no_grad():
+        out = _pal_eager(h, {"mask": mask}, task_ids, weights, num_heads, gelu, dropout_p, residual, seed)
+    return out.clone() if out is h or out is residual else out
+
+
+@torch.library.custom_op(f"{NAMESPACE}::pal_varlen", mutates_args=())
+def pal_varlen(
+    h: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    task_ids: Tensor,
+    enc_weight: Tensor,
+    enc_bias: Tensor,
+    qkv_weight: Tensor,
+    qkv_bias: Tensor,
+    dec_weight: Tensor,
+    dec_bias: Tensor,
+    num_heads: int,
+    gelu: bool,
+    dropout_p: float,
+    residual: Tensor | None,
+    seed: Tensor,
+) -> Tensor:
+    """Packed form of :func:`pal`: h ``[N, d]``, cu_seqlens ``[B+1]`` int32/int64, max_seqlen >= the longest
+    sequence, task_ids ``[B]``; returns ``[N, d]``."""
+    weights = (enc_weight, enc_bias, qkv_weight, qkv_bias, dec_weight, dec_bias)
+    where = {"cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen}
+    with torch.no_grad():
+        out = _pal_eager(h, where, task_ids, weights, num_heads, gelu, dropout_p, residual, seed)
+    return out.clone() if out is h or out is residual else out
+
+
+@torch.library.custom_op(f"{NAMESPACE}::pal_backward", mutates_args=())
+def pal_backward(
+    grad: Tensor,
+    h: Tensor,
+    mask: Tensor | None,
+    task_ids: Tensor,
+    enc_weight: Tensor,
+    enc_bias: Tensor,
+    qkv_weight: Tensor,
+    qkv_bias: Tensor,
+    dec_weight: Tensor,
+    dec_bias: Tensor,
+    num_heads: int,
+    gelu: bool,
+    dropout_p: float,
+    seed: Tensor,
+) -> list[Tensor]:
+    """``[dh, d enc_weight, d enc_bias, d qkv_weight, d qkv_bias, d dec_weight, d dec_bias]`` of :func:`pal`."""
+    weights = (enc_weight, enc_bias, qkv_weight, qkv_bias, dec_weight, dec_bias)
+    return _pal_grads(grad, h, {"mask": mask}, task_ids, weights, num_heads, gelu, dropout_p, seed)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::pal_varlen_backward", mutates_args=())
+def pal_varlen_backward(
+    grad: Tensor,
+    h: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    task_ids: Tensor,
+    enc_weight: Tensor,
+    enc_bias: Tensor,
+    qkv_weight: Tensor,
+    qkv_bias: Tensor,
+    dec_weight: Tensor,
+    dec_bias: Tensor,
+    num_heads: int,
+    gelu: bool,
+    dropout_p: float,
+    seed: Tensor,
+) -> list[Tensor]:
+    """The gradients of :func:`pal_varlen`, as :func:`pal_backward`."""
+    weights = (enc_weight, enc_bias, qkv_weight, qkv_bias, dec_weight, dec_bias)
+    where = {"cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen}
+    return _pal_grads(grad, h, where, task_ids, weights, num_heads, gelu, dropout_p, seed)
+
+
+def _pal_out_fake(h: Tensor, residual: Tensor | None) -> Tensor:
+    dtype = h.dtype if residual is None else torch.promote_types(h.dtype, residual.dtype)
+    return h.new_empty(h.shape, dtype=dtype)
+
+
+@pal.register_fake
+def _(h, mask, task_ids, ew, eb, qw, qb, dw, db, num_heads, gelu, dropout_p, residual, seed):
+    return _pal_out_fake(h, residual)
+
+
+@pal_varlen.register_fake
+def _(h, cu, max_seqlen, task_ids, ew, eb, qw, qb, dw, db, num_heads, gelu, dropout_p, residual, seed):
+    return _pal_out_fake(h, residual)
+
+
+def _grads_fake(h: Tensor, *weights: Tensor) -> list[Tensor]:
+    return [torch.empty_like(t) for t in (h, *weights)]
+
+
+@pal_backward.register_fake
+def _(grad, h, mask, task_ids, ew, eb, qw, qb, dw, db, num_heads, gelu, dropout_p, seed):
+    return _grads_fake(h, ew, eb, qw, qb, dw, db)
+
+
+@pal_varlen_backward.register_fake
+def _(grad, h, cu, max_seqlen, task_ids, ew, eb, qw, qb, dw, db, num_heads, gelu, dropout_p, seed):
+    return _grads_fake(h, ew, eb, qw, qb, dw, db)
+
+
+_PAL_WEIGHT_NAMES = ("enc_weight", "enc_bias", "qkv_weight", "qkv_bias", "dec_weight", "dec_bias")
+
+
+def _pal_setup(ctx, inputs, output) -> None:
+    """Tensors (and None) through ``save_for_backward``, the scalars as attributes."""
+    ctx.save_for_backward(*[x if x is None or isinstance(x, Tensor) else None for x in inputs])
+    ctx.scalars = [None if x is None or isinstance(x, Tensor) else x for x in inputs]
+
+
+def _saved_inputs(ctx) -> list:
+    return [s if t is None else t for t, s in zip(ctx.saved_tensors, ctx.scalars)]
+
+
+def _pal_grad_outputs(ctx, grads: list[Tensor], residual: Tensor | None, grad: Tensor, lead: int) -> tuple:
+    """The per-input gradient tuple: ``lead`` non-differentiable inputs after h, then the six weights."""
+    out = [None] * len(ctx.scalars)
+    out[0] = grads[0]
+    for i, g in enumerate(grads[1:]):
+        out[lead + 1 + i] = g
+    if residual is not None:
+        out[-2] = grad.to(residual.dtype)
+    return tuple(out)
+
+
+def _pal_backward_formula(ctx, grad: Tensor) -> tuple:
+    h, mask, task_ids, ew, eb, qw, qb, dw, db, num_heads, gelu, dropout_p, residual, seed = _saved_inputs(ctx)
+    grads = torch.ops.fastpals.pal_backward(grad, h, mask, task_ids, ew, eb, qw, qb, dw, db, num_heads, gelu,
+                                            dropout_p, seed)  # fmt: skip
+    return _pal_grad_outputs(ctx, grads, residual, grad, lead=2)
+
+
+def _pal_varlen_backward_formula(ctx, grad: Tensor) -> tuple:
+    h, cu, max_seqlen, task_ids, ew, eb, qw, qb, dw, db, num_heads, gelu, dropout_p, residual, seed = (
+        _saved_inputs(ctx)
+    )
+    grads = torch.ops.fastpals.pal_varlen_backward(grad, h, cu, max_seqlen, task_ids, ew, eb, qw, qb, dw, db,
+                                                   num_heads, gelu, dropout_p, seed)  # fmt: skip
+    return _pal_grad_outputs(ctx, grads, residual, grad, lead=3)
+
+
+pal.register_autograd(_pal_backward_formula, setup_context=_pal_setup)
+pal_varlen.register_autograd(_pal_varlen_backward_formula, setup_context=_pal_setup)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Attention over packed rows (BERT's self-attention)
+# ----------------------------------------------------------------------------------------------------------------
+def _attention_eager(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float, seed: Tensor
+) -> Tensor:
+    if _backend("bert_attention_varlen", q) == "flash_attn":
+        from flash_attn import flash_attn_varlen_func
+
+        cu = cu_seqlens.to(torch.int32)
+        with _seeded(seed, q.device, dropout_p):
+            return flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=dropout_p)
+    padded, mask, index = reference.pad_packed(torch.stack((q, k, v)), cu_seqlens, max_seqlen)
+    attend = reference.attention_reference if q.device.type == "cpu" else reference.attention_sdpa
+    with _seeded(seed, q.device, dropout_p):
+        out = attend(padded[0], padded[1], padded[2], mask, dropout_p)
+    return out.flatten(0, 1).index_select(0, index)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::attention_varlen", mutates_args=())
+def attention_varlen(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float, seed: Tensor
+) -> Tensor:
+    """Softmax attention over packed rows: q, k, v ``[N, H, Dh]``, cu_seqlens ``[B+1]``; each sequence attends
+    to its own keys. Returns ``[N, H, Dh]`` in q's dtype (flash-attn varlen on CUDA sm_80+ fp16/bf16 where it is
+    installed, SDPA elsewhere on CUDA, the reference on the CPU)."""
+    with torch.no_grad():
+        return _attention_eager(q, k, v, cu_seqlens, max_seqlen, dropout_p, seed).contiguous()
+
+
+@torch.library.custom_op(f"{NAMESPACE}::attention_varlen_backward", mutates_args=())
+def attention_varlen_backward(
+    grad: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    dropout_p: float,
+    seed: Tensor,
+) -> list[Tensor]:
+    """``[dq, dk, dv]`` of :func:`attention_varlen`, recomputing its forward."""
+    def forward(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return _attention_eager(q, k, v, cu_seqlens, max_seqlen, dropout_p, seed)
+
+    return list(_vjp(forward, (q, k, v), grad))
+
+
+@attention_varlen.register_fake
+def _(q, k, v, cu, max_seqlen, dropout_p, seed):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+@attention_varlen_backward.register_fake
+def _(grad, q, k, v, cu, max_seqlen, dropout_p, seed):
+    return [torch.empty_like(t) for t in (q, k, v)]
+
+
+def _attention_setup(ctx, inputs, output) -> None:
+    q, k, v, cu, max_seqlen, dropout_p, seed = inputs
+    ctx.save_for_backward(q, k, v, cu, seed)
+    ctx.max_seqlen, ctx.dropout_p = max_seqlen, dropout_p
+
+
+def _attention_backward_formula(ctx, grad: Tensor) -> tuple:
+    q, k, v, cu, seed = ctx.saved_tensors
+    dq, dk, dv = torch.ops.fastpals.attention_varlen_backward(
+        grad, q, k, v, cu, ctx.max_seqlen, ctx.dropout_p, seed
+    )
+    return dq, dk, dv, None, None, None, None
+
+
+attention_varlen.register_autograd(_attention_backward_formula, setup_context=_attention_setup)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The grouped per-task weight gradient
+# ----------------------------------------------------------------------------------------------------------------
+@torch.library.custom_op(f"{NAMESPACE}::grouped_wgrad", mutates_args=())
+def grouped_wgrad(
+    dy: Tensor,
+    x: Tensor,
+    row_index: Tensor,
+    task_row_offsets: Tensor,
+    tile_task: Tensor,
+    tile_start: Tensor,
+    tile_end: Tensor,
+    num_tasks: int,
+    block_rows: int,
+    with_bias: bool,
+    out_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor]:
+    """Per-task ``dW_t = dY_tᵀ X_t`` ``[T, M, K]`` and ``db_t = Σ dY_t`` ``[T, M]`` (``[0]`` without bias) in
+    ``out_dtype``, fp32 accumulation: dy ``[R, M]``, x ``[R, K]``; task t owns rows
+    ``row_index[task_row_offsets[t]:task_row_offsets[t+1]]`` (the :class:`~fastpals_kernels.common.TaskRowPlan`
+    fields; ``tile_*`` are its launch tiles)."""
+    if _backend("grouped_wgrad", dy) == "triton":
+        from fastpals_kernels.common import TaskRowPlan
+        from fastpals_kernels.grouped_linear_triton import grouped_wgrad_rows
+
+        plan = TaskRowPlan(row_index, task_row_offsets, tile_task, tile_start, tile_end, dy.shape[0], num_tasks,
+                           block_rows)  # fmt: skip
+        dw, db = grouped_wgrad_rows(dy.contiguous(), x.contiguous(), plan, out_dtype, with_bias)
+        return dw, (db if db is not None else dy.new_empty(0, dtype=out_dtype))
+    return _grouped_wgrad_reference(dy, x, row_index, task_row_offsets, num_tasks, with_bias, out_dtype)
+
+
+def _grouped_wgrad_reference(
+    dy: Tensor,
+    x: Tensor,
+    row_index: Tensor,
+    task_row_offsets: Tensor,
+    num_tasks: int,
+    with_bias: bool,
+    out_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor]:
+    """The reference: each row's task from the plan (no host read), then one masked fp32 GEMM per task."""
+    rows = dy.shape[0]
+    positions = torch.arange(rows, device=dy.device)
+    task_of_position = torch.searchsorted(task_row_offsets[1:].long(), positions, right=True)
+    row_task = torch.empty(rows, dtype=torch.long, device=dy.device)
+    row_task[row_index.long()] = task_of_position
+    dyf, xf = dy.float(), x.float()
+    dw = torch.stack([(dyf * (row_task == t)[:, None]).T @ xf for t in range(num_tasks)])
+    if with_bias:
+        db = torch.stack([(dyf * (row_task == t)[:, None]).sum(0) for t in range(num_tasks)]).to(out_dtype)
+    else:
+        db = dy.new_empty(0, dtype=out_dtype)
+    return dw.to(out_dtype), db
+
+
+@grouped_wgrad.register_fake
+def _(
+    dy, x, row_index, offsets, tile_task, tile_start, tile_end, num_tasks, block_rows, with_bias, out_dtype
+):
+    dw = dy.new_empty(num_tasks, dy.shape[1], x.shape[1], dtype=out_dtype)
+    db = dy.new_empty((num_tasks, dy.shape[1]) if with_bias else (0,), dtype=out_dtype)
+    return dw, db
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Gradient-surgery buffer ops
+# ----------------------------------------------------------------------------------------------------------------
+@torch.library.custom_op(f"{NAMESPACE}::gram", mutates_args=())
+def gram(buf: Tensor) -> tuple[Tensor, Tensor]:
+    """``(buf bufᵀ [T, T] fp32, finite [T] bool)`` for ``buf [T, P]`` fp32/fp16/bf16 (one pass; no host read)."""
+    if _backend("gram", buf) == "triton":
+        from fastpals_kernels.gram_triton import gram_triton
+
+        return gram_triton(buf)
+    return reference.gram_reference(buf)
+
+
+@gram.register_fake
+def _(buf):
+    t = buf.shape[0]
+    return buf.new_empty(t, t, dtype=torch.float32), buf.new_empty(t, dtype=torch.bool)
+
+
+def _gram_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(inputs[0])
+
+
+def _gram_backward(ctx, grad_gram: Tensor, grad_finite: Tensor | None) -> Tensor:
+    (buf,) = ctx.saved_tensors
+    return ((grad_gram + grad_gram.T) @ buf.float()).to(buf.dtype)
+
+
+gram.register_autograd(_gram_backward, setup_context=_gram_setup)
+
+
+def _combine_into(buf: Tensor, weights: Tensor, out: Tensor, in_place: bool) -> Tensor:
+    if _backend("combine", buf) == "triton":
+        from fastpals_kernels.combine_triton import combine_triton
+
+        return combine_triton(buf, weights, out)
+    return reference.combine_reference(buf, weights, out, in_place=in_place)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::combine", mutates_args=())
+def combine(buf: Tensor, weights: Tensor) -> Tensor:
+    """``weights @ buf``: buf ``[T, P]``, weights ``[T]`` fp32/fp64 → a new fp32 ``[P]``."""
+    out = torch.empty(buf.shape[1], dtype=torch.float32, device=buf.device)
+    return _combine_into(buf, weights, out, in_place=False)
+
+
+@combine.register_fake
+def _(buf, weights):
+    return buf.new_empty(buf.shape[1], dtype=torch.float32)
+
+
+def _combine_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _combine_backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor]:
+    buf, weights = ctx.saved_tensors
+    d_buf = (weights.float()[:, None] * grad[None, :]).to(buf.dtype)
+    d_weights = (buf.float() @ grad).to(weights.dtype)
+    return d_buf, d_weights
+
+
+combine.register_autograd(_combine_backward, setup_context=_combine_setup)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::combine_out", mutates_args=("out",))
+def combine_out(buf: Tensor, weights: Tensor, out: Tensor) -> None:
+    """``out = weights @ buf`` into ``out [P]`` (fp32/fp16/bf16, not sharing memory with buf)."""
+    _combine_into(buf, weights, out, in_place=False)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::combine_row", mutates_args=("buf",))
+def combine_row(buf: Tensor, weights: Tensor, row: int) -> None:
+    """``buf[row] = weights @ buf`` (each column read in full before it is written; no ``[P]`` temporary)."""
+    _combine_into(buf, weights, buf[row], in_place=True)
+
+
+@combine_out.register_fake
+def _(buf, weights, out):
+    return None
+
+
+@combine_row.register_fake
+def _(buf, weights, row):
+    return None
+
+
+#: every op of the library, by name (``torch.ops.fastpals.<name>``)
+OPS = {
+    op._name: op
+    for op in (
+        pal,
+        pal_varlen,
+        pal_backward,
+        pal_varlen_backward,
+        attention_varlen,
+        attention_varlen_backward,
+        grouped_wgrad,
+        gram,
+        combine,
+        combine_out,
+        combine_row,
+    )
+}

@@ -1,0 +1,334 @@
+"""The op library: ``fastpals_kernels`` stands alone, every op is a ``torch.ops.fastpals`` custom op that
+``torch.library.opcheck`` accepts (schema, fake tensor, autograd registration, AOT dispatch) and that matches its
+reference, the registry takes new backends, and ``torch.compile(fullgraph=True)`` traces the packed multi-task
+model and an HF encoder with injected PALs without a graph break, matching eager."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.library import opcheck
+
+import fastpals_kernels
+from fastpals_kernels import dispatch, library, reference
+
+ROOT = Path(__file__).resolve().parents[1]
+DTYPES = [torch.float32, torch.bfloat16]
+T, D, DS, HEADS = 3, 16, 12, 2
+
+
+def _w(
+    g: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32, grad: bool = True
+) -> torch.Tensor:
+    return (torch.randn(*shape, generator=g) * 0.2).to(dtype).requires_grad_(grad)
+
+
+def _pal_operands(dtype: torch.dtype, seed: int = 0) -> tuple:
+    g = torch.Generator().manual_seed(seed)
+    weights = [
+        _w(g, *s, dtype=dtype)
+        for s in ((T, DS, D), (T, DS), (T, 3 * DS, DS), (T, 3 * DS), (T, D, DS), (T, D))
+    ]
+    h = _w(g, 4, 7, D, dtype=dtype)
+    mask = torch.ones(4, 7, dtype=torch.bool)
+    mask[1, 4:] = False
+    mask[3, 2:] = False
+    task_ids = torch.tensor([2, 0, 1, 2])
+    return h, mask, task_ids, weights, g
+
+
+def test_importing_the_kernels_imports_no_fastpals_module():
+    code = "import sys, fastpals_kernels; print(sorted(m for m in sys.modules if m.startswith('fastpals')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
+    modules = eval(out.stdout)
+    assert modules and all(m == "fastpals_kernels" or m.startswith("fastpals_kernels.") for m in modules), (
+        modules
+    )
+
+
+def test_no_kernel_module_imports_fastpals():
+    for path in sorted((ROOT / "kernels").glob("*.py")):
+        for line in path.read_text().splitlines():
+            stripped = line.strip()
+            assert not stripped.startswith(("from fastpals.", "from fastpals ", "import fastpals\n")), (
+                path,
+                line,
+            )
+            assert stripped != "import fastpals", (path, line)
+
+
+def test_the_namespace_holds_every_op():
+    names = {"pal", "pal_varlen", "pal_backward", "pal_varlen_backward", "attention_varlen",
+             "attention_varlen_backward", "grouped_wgrad", "gram", "combine", "combine_out", "combine_row"}  # fmt: skip
+    assert names <= set(library.OPS)
+    for name in names:
+        assert hasattr(torch.ops.fastpals, name), name
+
+
+# ------------------------------------------------------------------------------------------------------------
+# opcheck and the references, per op and dtype
+# ------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.25])
+def test_pal_opcheck(dtype, residual, dropout_p):
+    h, mask, task_ids, weights, g = _pal_operands(dtype)
+    res = _w(g, *h.shape, dtype=dtype) if residual else None
+    args = (h, mask, task_ids, *weights, HEADS, True, dropout_p, res, library.draw_seed())
+    opcheck(torch.ops.fastpals.pal.default, args)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pal_varlen_opcheck(dtype):
+    h, mask, task_ids, weights, g = _pal_operands(dtype)
+    cu = torch.tensor([0, 7, 11, 18, 20])
+    rows = _w(g, 20, D, dtype=dtype)
+    for res in (None, _w(g, 20, D, dtype=dtype)):
+        args = (rows, cu, 7, task_ids, *weights, HEADS, False, 0.1, res, library.draw_seed())
+        opcheck(torch.ops.fastpals.pal_varlen.default, args)
+
+
+def _grads(out: torch.Tensor, inputs: list, grad: torch.Tensor) -> tuple:
+    return torch.autograd.grad(out, inputs, grad)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_pal_ops_match_the_reference_in_output_and_every_gradient(packed):
+    h, mask, task_ids, weights, g = _pal_operands(torch.float32)
+    res = _w(g, *h.shape)
+    seed = library.draw_seed()
+    if packed:
+        cu = torch.tensor([0, 7, 11, 18, 20])
+        h, res = h[mask].detach().requires_grad_(), res[mask].detach().requires_grad_()
+        got = torch.ops.fastpals.pal_varlen(h, cu, 7, task_ids, *weights, HEADS, True, 0.0, res, seed)
+        want = res + reference.pal_varlen_reference(h, cu, 7, task_ids, *weights, HEADS, True, 0.0)
+    else:
+        got = torch.ops.fastpals.pal(h, mask, task_ids, *weights, HEADS, True, 0.0, res, seed)
+        want = res + reference.pal_reference(h, mask, task_ids, *weights, HEADS, True, 0.0)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    grad = torch.randn(got.shape, generator=g)
+    inputs = [h, *weights, res]
+    for a, b in zip(_grads(got, inputs, grad), _grads(want, inputs, grad)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_pal_op_dropout_replays_its_mask_in_the_backward():
+    """The backward recomputes the forward: the same seed gives the same mask, so the gradient is that of the
+    forward that ran (checked against autograd through the reference under the same seed)."""
+    h, mask, task_ids, weights, g = _pal_operands(torch.float32)
+    seed = torch.tensor([1234])
+    got = torch.ops.fastpals.pal(h, mask, task_ids, *weights, HEADS, True, 0.3, None, seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1234)
+        want = reference.pal_reference(h, mask, task_ids, *weights, HEADS, True, 0.3)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    grad = torch.randn(got.shape, generator=g)
+    for a, b in zip(_grads(got, [h, *weights], grad), _grads(want, [h, *weights], grad)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    other = torch.ops.fastpals.pal(h, mask, task_ids, *weights, HEADS, True, 0.3, None, torch.tensor([99]))
+    assert not torch.equal(other, got)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_varlen_opcheck_and_reference(dtype):
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (_w(g, 20, 2, 8, dtype=dtype) for _ in range(3))
+    cu = torch.tensor([0, 7, 11, 18, 20], dtype=torch.int32)
+    for p in (0.0, 0.2):
+        opcheck(torch.ops.fastpals.attention_varlen.default, (q, k, v, cu, 7, p, library.draw_seed()))
+    got = torch.ops.fastpals.attention_varlen(q, k, v, cu, 7, 0.0, library.draw_seed())
+    want = reference.attention_varlen_reference(q, k, v, cu, 7)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, rtol=0, atol=tol)
+    grad = torch.randn(got.shape, generator=g).to(dtype)
+    for a, b in zip(_grads(got, [q, k, v], grad), _grads(want, [q, k, v], grad)):
+        torch.testing.assert_close(a, b, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_grouped_wgrad_opcheck_and_reference(dtype, with_bias):
+    from fastpals_kernels.common import build_task_row_plan
+
+    g = torch.Generator().manual_seed(2)
+    task_ids = torch.tensor([1, 0, 2, 1])
+    cu = torch.tensor([0, 3, 8, 9, 13])
+    dy, x = _w(g, 13, 6, dtype=dtype, grad=False), _w(g, 13, 5, dtype=dtype, grad=False)
+    plan = build_task_row_plan(task_ids, T, 13, cu_seqlens=cu, block_rows=4)
+    args = (dy, x, plan.row_index, plan.task_row_offsets, plan.tile_task, plan.tile_start, plan.tile_end, T, 4,
+            with_bias, torch.float32)  # fmt: skip
+    opcheck(torch.ops.fastpals.grouped_wgrad.default, args)
+    dw, db = dispatch.grouped_wgrad(dy, x, plan, torch.float32, with_bias)
+    row_task = torch.repeat_interleave(task_ids, cu[1:] - cu[:-1])
+    for t in range(T):
+        rows = row_task == t
+        want = dy[rows].double().T @ x[rows].double()
+        torch.testing.assert_close(dw[t].double(), want, rtol=0, atol=1e-5)
+        if with_bias:
+            torch.testing.assert_close(db[t].double(), dy[rows].double().sum(0), rtol=0, atol=1e-5)
+    assert (db is None) == (not with_bias)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gram_and_combine_opcheck_and_reference(dtype):
+    g = torch.Generator().manual_seed(3)
+    buf = _w(g, 3, 257, dtype=dtype)
+    weights = _w(g, 3)
+    opcheck(torch.ops.fastpals.gram.default, (buf,))
+    opcheck(torch.ops.fastpals.combine.default, (buf, weights))
+    plain = buf.detach()
+    opcheck(torch.ops.fastpals.combine_out.default, (plain, weights.detach(), torch.empty(257)))
+    opcheck(torch.ops.fastpals.combine_row.default, (plain.clone(), weights.detach(), 1))
+    gram, finite = fastpals_kernels.gram(plain)
+    want, _ = reference.gram_reference(plain)
+    torch.testing.assert_close(gram, want, rtol=0, atol=1e-5)
+    assert finite.all()
+    out = fastpals_kernels.combine(plain, weights.detach())
+    torch.testing.assert_close(out, weights.detach() @ plain.float(), rtol=1e-5, atol=1e-5)
+    in_place = plain.clone()
+    fastpals_kernels.combine(in_place, weights.detach(), out_row=2)
+    torch.testing.assert_close(in_place[2].float(), out.to(dtype).float(), rtol=0, atol=0)
+    # the differentiable forms: d(gram)/d(buf) and d(combine)/d(buf, weights) against autograd on the math
+    if dtype == torch.float32:
+        x = buf.detach().double().requires_grad_()
+        gg = torch.randn(3, 3, generator=g, dtype=torch.float64)
+        (want_grad,) = torch.autograd.grad(x @ x.T, x, gg)
+        (got_grad,) = torch.autograd.grad(torch.ops.fastpals.gram(buf)[0], buf, gg.float())
+        torch.testing.assert_close(got_grad.double(), want_grad, rtol=0, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The registry
+# ------------------------------------------------------------------------------------------------------------
+def test_a_registered_backend_serves_its_op(monkeypatch):
+    calls = []
+
+    def my_gram(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append(buf.shape)
+        return reference.gram_reference(buf)
+
+    dispatch.register_backend(
+        "gram", "mine", lambda cap, dtype: "CPU test backend" if cap is None else None, my_gram
+    )
+    try:
+        assert dispatch.decide("gram", None, torch.float32) == dispatch.Decision("mine", "CPU test backend")
+        assert dispatch.decide("gram", (8, 0), torch.float32).backend == "triton"
+        dispatch.gram(torch.ones(2, 5))
+        assert calls == [torch.Size([2, 5])]
+    finally:
+        dispatch.unregister_backend("gram", "mine")
+    assert dispatch.decide("gram", None, torch.float32).backend == "reference"
+    with pytest.raises(ValueError, match="built-in"):
+        dispatch.register_backend("gram", "triton", lambda c, d: None, my_gram)
+
+
+def test_the_per_op_override(monkeypatch):
+    x = torch.zeros(2)
+    monkeypatch.setenv(dispatch.BACKENDS_ENV, "pal=sdpa, gram=reference")
+    assert dispatch.backend("pal", x) == "sdpa" and dispatch.backend("gram", x) == "reference"
+    monkeypatch.setenv(dispatch.BACKENDS_ENV, "pal=nope")
+    with pytest.raises(ValueError, match="names no backend"):
+        dispatch.backend("pal", x)
+    monkeypatch.setenv(dispatch.BACKENDS_ENV, "softmax=sdpa")
+    with pytest.raises(ValueError, match="op=backend"):
+        dispatch.backend("pal", x)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# torch.compile
+# ------------------------------------------------------------------------------------------------------------
+def _packed_step():
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_batching import PAL, _model, _per_task_batches
+
+    from fastpals.batching import model_inputs, pack_batches
+
+    model = _model(PAL, "sbert_concat").eval()  # dropout off: compiled and eager draw no masks
+    batches = _per_task_batches(model, sizes=(2, 3, 2), seed=7)
+    ids = sorted(batches)
+    batch = pack_batches([batches[t] for t in ids], ids, 3)
+    inputs, labels = model_inputs(batch, "cpu"), batch["labels"]
+
+    def loss() -> torch.Tensor:
+        return model.task_losses(model(**inputs), labels, weighting="equal").total
+
+    return model, loss
+
+
+def _compiled_matches_eager(model: torch.nn.Module, loss, eager_env: dict[str, str] | None = None) -> None:
+    params = [p for p in model.parameters() if p.requires_grad]
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    got = compiled()
+    got_grads = torch.autograd.grad(got, params, allow_unused=True)
+    saved = {k: os.environ.pop(k, None) for k in (eager_env or {})}
+    try:
+        want = loss()
+        want_grads = torch.autograd.grad(want, params, allow_unused=True)
+    finally:
+        os.environ.update({k: v for k, v in saved.items() if v is not None})
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    for a, b in zip(got_grads, want_grads):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_packed_multitask_forward_and_losses_have_no_graph_break():
+    torch._dynamo.reset()
+    _, loss = _packed_step()
+    explained = torch._dynamo.explain(loss)()
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    assert explained.graph_count == 1
+
+
+def test_fullgraph_compile_of_the_packed_step_matches_eager():
+    torch._dynamo.reset()
+    model, loss = _packed_step()
+    _compiled_matches_eager(model, loss)
+
+
+def test_fullgraph_compile_through_the_custom_ops_matches_the_eager_reference(monkeypatch):
+    """``$FASTPALS_OPS=library`` sends the PALs and the attention through torch.ops.fastpals (what a GPU compiles)."""
+    torch._dynamo.reset()
+    model, loss = _packed_step()
+    monkeypatch.setenv(dispatch.OPS_ENV, "library")
+    explained = torch._dynamo.explain(loss)()
+    assert explained.graph_break_count == 0
+    ops = {str(n.target) for g in explained.graphs for n in g.graph.nodes if n.op == "call_function"}
+    for name in ("fastpals.pal_varlen", "fastpals.attention_varlen"):
+        assert any(t.startswith(name) for t in ops), (name, sorted(ops))
+    torch._dynamo.reset()
+    _compiled_matches_eager(model, loss, eager_env={dispatch.OPS_ENV: "library"})
+
+
+def test_fullgraph_compile_of_an_hf_bert_with_injected_pals_matches_eager():
+    transformers = pytest.importorskip("transformers")
+    from fastpals import PALConfig, inject_pals
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(
+        vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=48,
+        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    model = inject_pals(
+        transformers.BertModel(cfg), PALConfig(num_tasks=3, hidden=12, num_heads=2, gate=True, dropout=0.0)
+    ).train()
+    ids = torch.randint(1, 97, (4, 9))
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0
+    task_ids = torch.tensor([0, 2, 1, 0])
+
+    def loss() -> torch.Tensor:
+        out = model(input_ids=ids, attention_mask=mask, task_ids=task_ids).last_hidden_state
+        return (out * mask[..., None]).square().mean()
+
+    explained = torch._dynamo.explain(loss)()
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    torch._dynamo.reset()
+    _compiled_matches_eager(model, loss)
