@@ -357,7 +357,11 @@ def main(argv: list[str] | None = None) -> int:
         "--out", default=os.environ.get("OUT") or os.path.join(ROOT, "bench", "results", "gpu_session")
     )
     parser.add_argument("--site", default=None, help="where the carried wheels are installed")
-    parser.add_argument("--state", default=None, help="a copy of every result, merged across calls")
+    parser.add_argument(
+        "--state",
+        default=None,
+        help="a copy of every result, merged across calls (default with $OUT set: /tmp/fastpals-gpu-session)",
+    )
     parser.add_argument("--budget-s", type=float, default=None, help="start no step after this many seconds")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     parser.add_argument("--rehearse", action="store_true", help="every step on the CPU at tiny shapes")
@@ -380,8 +384,12 @@ def main(argv: list[str] | None = None) -> int:
 
     scratch = tempfile.mkdtemp(prefix="fastpals-rehearsal-") if args.rehearse else None
     site = args.site or (os.path.join(scratch, "site") if scratch else "/tmp/fastpals-site")
-    state = args.state or (os.path.join(scratch, "state") if scratch else "/tmp/fastpals-gpu-session")
-    os.makedirs(state, exist_ok=True)
+    # the device tool empties $OUT before each call: there, every result is also kept on the machine
+    state = args.state or (os.path.join(scratch, "state") if scratch else None)
+    if state is None and os.environ.get("OUT"):
+        state = "/tmp/fastpals-gpu-session"
+    if state is not None:
+        os.makedirs(state, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if args.rehearse:
         env["TRITON_INTERPRET"] = "1"  # the kernels run in Triton's interpreter on the CPU
@@ -395,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     env["FASTPALS_BENCH_WRITE"] = "0"
     env.setdefault("PYTHONUNBUFFERED", "1")
     deadline = time.time() + (args.budget_s if args.budget_s is not None else 24 * 3600.0)
-    for fname in OUTPUT_FILES:  # an earlier call on this machine: its files come back with this call's
+    for fname in OUTPUT_FILES if state else ():  # an earlier call on this machine: its files come back too
         src, dst = os.path.join(state, fname), os.path.join(args.out, fname)
         if os.path.exists(src) and not os.path.exists(dst):
             shutil.copyfile(src, dst)
@@ -412,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
                 print("   ", cmd)
         _write(args.out, "session.json", json.dumps({"device": device, "steps": results}, indent=1))
         _write(args.out, "session.md", markdown(results, device, args.out))
-        for fname in OUTPUT_FILES:  # kept on this machine for a later call
+        for fname in OUTPUT_FILES if state else ():  # kept on this machine for a later call
             src = os.path.join(args.out, fname)
             if os.path.exists(src):
                 shutil.copyfile(src, os.path.join(state, fname))
