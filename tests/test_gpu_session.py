@@ -33,7 +33,8 @@ def test_every_step_has_commands_writing_only_session_files(tmp_path):
     memcheck, racecheck = gpu_session.step_commands("sanitizer", str(tmp_path), "/s", python="python3")
     assert memcheck[:3] == ["compute-sanitizer", "--tool", "memcheck"]
     assert racecheck[:3] == ["compute-sanitizer", "--tool", "racecheck"]
-    bench = gpu_session.step_commands("bench", str(tmp_path), "/s", python="python3")[0]
+    peers, bench = gpu_session.step_commands("bench", str(tmp_path), "/s", python="python3")
+    assert peers[:3] == ["python3", "-m", "bench.peers"] and "--shapes" not in peers
     assert f"--benchmark-json={tmp_path / 'bench.json'}" in bench
     memory = gpu_session.step_commands("memory", str(tmp_path), "/s", python="python3")[0]
     assert "T4 16GB,A100 40GB,80GB A100/H100" in memory
