@@ -36,10 +36,12 @@ bench: setup
 report: setup
 	$(BIN)/python -m bench.report
 
-# On a lent GPU machine (its own python3 holds torch): `make gpu-session` or `make gpu-session STEPS=wheels,bench`.
-# Writes at most 8 files to $$OUT (the device tool's folder) or bench/results/gpu_session. See bench/gpu_session.py.
+# On a lent GPU machine (its own python3 holds torch): `make gpu-session STEPS=wheels,bench BUDGET=390`.
+# Writes at most 8 files to $$OUT (the device tool's folder) or bench/results/gpu_session. See docs/gpu-session.md.
+# `make gpu-session REHEARSE=1`: every step on this CPU at tiny shapes (what CI runs).
 gpu-session:
-	$(PY) bench/gpu_session.py $(if $(STEPS),--steps $(STEPS)) $(if $(BUDGET),--budget-s $(BUDGET))
+	$(if $(REHEARSE),$(BIN)/python,$(PY)) bench/gpu_session.py $(if $(STEPS),--steps $(STEPS)) \
+		$(if $(BUDGET),--budget-s $(BUDGET)) $(if $(REHEARSE),--rehearse)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info runs

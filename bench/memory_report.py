@@ -14,7 +14,10 @@ fastpals, + GEM) at BERT-base shapes (random weights), ``--length`` tokens (128)
    that trained and the smallest that failed, to ``--resolution`` (1 = exact). After a failure the model and
    optimizer are rebuilt, so every probe starts from a clean allocator.
 
-A cap larger than the GPU present cannot be emulated: its column says so. Results go to
+A cap larger than the GPU present cannot be emulated: its column says so. ``--rehearse`` (the GPU session's CPU
+rehearsal) runs the same search on the CPU at the ``tiny`` model's shapes, the device-only calls swapped for
+stand-ins: the peak is the process's resident-set growth (:class:`bench.common.CpuPeakMemory`) and a cap
+(scaled by ``--cap-scale``) is enforced by failing a probe whose peak exceeds it as an out-of-memory error would. Results go to
 ``bench/results/memory_<precision>_<UTC time>.json`` (``python -m bench.report`` merges files of the same device
 and precision, newest entry per configuration, into ``REPORT.md`` and a chart). On a machine without CUDA the
 command prints why it cannot run and exits with status 1.
@@ -25,13 +28,14 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import os
 import sys
 import time
 from typing import Any
 
 import torch
 
-from bench.common import CudaPeakMemory, write_results
+from bench.common import CpuPeakMemory, CudaPeakMemory, cpu_rss_bytes, write_results
 from bench.training import PRECISIONS, VARIANTS, StepConfig, TrainingStep
 
 GIB = 2**30
@@ -54,12 +58,26 @@ METHOD = (
 )
 
 
+#: the emulated cap of a CPU rehearsal (None: no cap)
+_CPU_CAP: dict[str, int | None] = {"bytes": None}
+
+
 def _release() -> None:
     gc.collect()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _total_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _set_cap(cap_bytes: int | None, device: torch.device) -> None:
+    if device.type != "cuda":  # CPU stand-in: the probe checks its peak against the cap
+        _CPU_CAP["bytes"] = cap_bytes
+        return
     total = torch.cuda.get_device_properties(device).total_memory
     fraction = 1.0 if cap_bytes is None else min(1.0, cap_bytes / total)
     torch.cuda.set_per_process_memory_fraction(fraction, device)
@@ -93,10 +111,20 @@ class Prober:
             step = self._ensure()
             step.set_batch(batch)
             _release()
-            with CudaPeakMemory(self.device) as mem:
-                for _ in range(self.steps):
-                    step()
-            peak = mem.peak_bytes
+            if self.device.type == "cuda":
+                with CudaPeakMemory(self.device) as mem:
+                    for _ in range(self.steps):
+                        step()
+                peak = mem.peak_bytes
+            else:  # CPU stand-in: resident-set growth over the steps; over the emulated cap = out of memory
+                base = cpu_rss_bytes()
+                with CpuPeakMemory() as mem:
+                    for _ in range(self.steps):
+                        step()
+                peak = mem.peak_bytes - base
+                cap = _CPU_CAP["bytes"]
+                if cap is not None and peak > cap:
+                    raise torch.OutOfMemoryError(f"emulated cap: peak {peak} B > cap {cap} B (CPU rehearsal)")
         except torch.OutOfMemoryError as exc:
             failed = str(exc).splitlines()[0][:200]
         if failed is not None:
@@ -163,7 +191,7 @@ def measure(
 ) -> dict[str, Any]:
     """Peak at batch 16 and 32 (uncapped) and the largest batch under each cap, for one configuration."""
     device = torch.device(cfg.device)
-    total = torch.cuda.get_device_properties(device).total_memory
+    total = _total_memory(device)
     prober = Prober(cfg)
     _set_cap(None, device)
     ok16, peak16 = prober.run(16)
@@ -198,7 +226,9 @@ def measure(
             predicted = max(1, math.floor((0.97 * cap - entry["fit"]["intercept_bytes"]) / slope))
         else:
             predicted = 32
-        good, bad = largest_batch(lambda b, n=name: prober.run(b, n)[0], predicted, max_batch, resolution)
+        good, bad = largest_batch(
+            lambda b, n=name: prober.run(b, n)[0], predicted, max_batch, resolution, min_batch=cfg.num_tasks
+        )  # a batch holds at least one example per task
         entry["max_batch"][name] = {
             "batch": good,
             "first_failing_batch": bad,
@@ -239,28 +269,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-batch", type=int, default=4096, help="largest batch tried")
     parser.add_argument("--resolution", type=int, default=1, help="search until the gap is this (1: exact)")
     parser.add_argument("--out", default=None, help="results folder (default bench/results)")
+    parser.add_argument(
+        "--rehearse",
+        action="store_true",
+        help="CPU rehearsal: tiny model, fp32, resident-set peaks, emulated caps",
+    )
+    parser.add_argument(
+        "--cap-scale", type=float, default=1.0, help="multiply every cap (rehearsal: tiny caps)"
+    )
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
+    if args.rehearse:
+        args.precisions = "fp32"
+    elif not torch.cuda.is_available():
         print("memory report not run: it needs a CUDA GPU (none here) to cap and measure", file=sys.stderr)
         return 1
     precisions = _csv(args.precisions, PRECISIONS, "precisions")
     tasks = _csv(args.tasks, (), "tasks", int)
     variants = _csv(args.variants, VARIANTS, "variants")
     cap_names = _csv(args.caps, tuple(CAPS), "caps")
-    caps = {name: CAPS[name] for name in cap_names}
+    caps = {name: int(CAPS[name] * args.cap_scale) for name in cap_names}
     from fastpals_kernels import available
 
     triton_ok, triton_reason = available()
-    device = torch.device("cuda")
-    total = torch.cuda.get_device_properties(device).total_memory
+    device = torch.device("cpu" if args.rehearse else "cuda")
+    model, device_name = ("tiny", "cpu") if args.rehearse else ("bert-base", "cuda")
+    total = _total_memory(device)
     for precision in precisions:
         entries = []
         for t in tasks:
             for variant in variants:
-                if variant == "pal_fused" and not triton_ok:
+                if variant == "pal_fused" and (not triton_ok or args.rehearse):
                     print(f"skip {variant} T={t}: {triton_reason}", file=sys.stderr)
                     continue
-                cfg = StepConfig(variant, t, 32, args.length, precision, "bert-base", "cuda")
+                cfg = StepConfig(variant, t, 32, args.length, precision, model, device_name)
                 start = time.perf_counter()
                 entry = measure(cfg, caps, args.max_batch, args.resolution)
                 entry["seconds"] = round(time.perf_counter() - start, 1)

@@ -17,8 +17,9 @@ A step trains on a mixed batch of ``batch`` examples of ``length`` tokens spread
 
 Precisions: ``fp32``; ``bf16`` and ``fp16``: mixed precision as users train (``torch.autocast``, fp32 weights
 and optimizer state; fp16 with ``torch.amp.GradScaler``); ``bf16_pure``: weights, gradients and AdamW state in
-bf16 (no autocast). Model: ``minilm-l6`` (all-MiniLM-L6-v2, pretrained, 6 layers, d = 384) or ``bert-base``
-(BERT-base shapes, random weights: speed and memory do not depend on the values).
+bf16 (no autocast). Model: ``minilm-l6`` (all-MiniLM-L6-v2, pretrained, 6 layers, d = 384), ``bert-base``
+(BERT-base shapes, random weights: speed and memory do not depend on the values) or ``tiny`` (2 layers, d = 64,
+PAL d_s 34: the GPU session's CPU rehearsal, ``bench/gpu_session.py --rehearse``).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ VARIANTS = (
     "pal_gem_fastpals",
 )
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16_pure")
-MODELS = ("minilm-l6", "bert-base")
+MODELS = ("minilm-l6", "bert-base", "tiny")
 
 # the comparisons reported side by side: (numerator, denominator) of a time or memory ratio
 PAIRS = (
@@ -131,6 +132,10 @@ def build_model(cfg: StepConfig) -> torch.nn.Module:
     tasks = task_specs(cfg.num_tasks)
     if cfg.model == "minilm-l6":
         model = MultiTaskBert.from_pretrained("minilm-l6", tasks=tasks, pal=pal)
+    elif cfg.model == "tiny":
+        pal = PALConfig(num_tasks=cfg.num_tasks, hidden=34, num_heads=1) if cfg.has_pal else None
+        tiny = BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128)
+        model = MultiTaskBert(MultiTaskConfig(tiny, tasks, pal))
     else:
         model = MultiTaskBert(MultiTaskConfig(BertConfig(), tasks, pal))
     model.to(cfg.device)

