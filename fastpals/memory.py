@@ -1,0 +1,1001 @@
+"""``fastpals memory``: the peak memory of one training step, predicted before a GPU is rented.
+
+The prediction is traced, not hand-written: :func:`plan_memory` builds the model (from its ``config.json`` only:
+no weights) and runs the real update of the trainer, :func:`fastpals.train.step.run_update` (forward, losses,
+backward; with ``--surgery`` the one-backward capture :func:`fastpals.surgery.per_task_gradients` or the
+per-task backwards and :meth:`fastpals.surgery.TaskGradientBuffer.apply`; then the optimizer step), on fake
+tensors (``FakeTensorMode``: shapes and dtypes, no memory, no FLOPs). A ``TorchDispatchMode``
+(:class:`LiveTensorBytes`) adds up the bytes of every live tensor storage as ops create them and takes them off
+when a storage is freed (a weakref finalizer), so the peak and what is live at the peak come from the code.
+
+What DeepSpeed holds outside the module follows its layout for the precision and ZeRO stage
+(:func:`model_state_bytes`, checked against DeepSpeed's own estimators in ``tests/test_memory.py``): a
+DeepSpeed-like engine (:class:`LayoutEngine`) allocates the fp32 master weights and the Adam moments (partitioned
+over ``world_size`` ranks from ZeRO-1 on), runs the module in fp16/bf16 for mixed precision (as DeepSpeed casts
+it: no autocast), and at the step makes the fp32 gradient partition, unscales, clips, runs a fused in-place
+AdamW on the master partition and copies it back into the 16-bit weights.
+
+The peak is that of ``torch.cuda.max_memory_allocated`` (tensor storage), not of the caching allocator's
+reserve, nor of the CUDA context and library workspaces: :data:`DEVICES` gives each GPU the memory it leaves to
+tensors (the caps of ``bench/memory_report.py``). The trace runs the CPU code path (the PyTorch reference PAL and
+attention); the Triton kernels of a GPU run save the same or fewer tensors.
+:func:`measure_step` runs the same step on real tensors with the same tracker (CPU validation);
+:func:`predict_peak_bytes` is the entry point for a GPU session comparing with ``torch.cuda.max_memory_allocated``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = [
+    "CATEGORIES",
+    "DEVICES",
+    "Device",
+    "LayoutEngine",
+    "LiveTensorBytes",
+    "MemoryPlan",
+    "ModelStates",
+    "StepSpec",
+    "StepTrace",
+    "load_bert_config",
+    "main",
+    "measure_step",
+    "model_state_bytes",
+    "plan_memory",
+    "predict_peak_bytes",
+    "trace_step",
+]
+
+GIB = 2**30
+PRECISIONS = ("fp32", "bf16", "fp16")
+SURGERY_MODES = ("one_backward", "per_task")
+#: the parts of the peak, in the order printed
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "surgery", "temporaries")
+_CATEGORY_TEXT = {
+    "parameters": "parameters (module weights)",
+    "gradients": "gradients",
+    "optimizer": "optimizer + master states",
+    "activations": "activations (saved by the forward)",
+    "surgery": "surgery buffer",
+    "temporaries": "temporaries at the peak",
+}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_SHIPPED_MODELS = {
+    "bert-base-uncased": "bert-base-uncased.json",
+    "bert-large-uncased": "bert-large-uncased.json",
+    "minilm-l6": "minilm-l6.json",
+    "sentence-transformers/all-MiniLM-L6-v2": "minilm-l6.json",
+}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Devices
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Device:
+    """A target: ``usable_bytes`` is what the device leaves to tensors (for GPUs the card's memory less the CUDA
+    context and library workspaces, as ``bench/memory_report.py`` caps the allocator); ``bf16``/``fp16``: whether
+    training in that precision runs there."""
+
+    name: str
+    label: str
+    usable_bytes: int
+    bf16: bool = True
+    fp16: bool = True
+    why_not: dict[str, str] = field(default_factory=dict)
+
+    def supports(self, precision: str) -> str | None:
+        """None when ``precision`` trains on this device, else why not (one line)."""
+        if precision == "bf16" and not self.bf16:
+            return self.why_not.get("bf16", "no bf16")
+        if precision == "fp16" and not self.fp16:
+            return self.why_not.get("fp16", "no fp16")
+        return None
+
+
+def _host_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+#: the targets of ``fastpals memory`` (usable memory: the caps of ``bench/memory_report.py``; ``cpu``: this host)
+DEVICES: dict[str, Device] = {
+    "t4": Device(
+        "t4",
+        "T4 16GB",
+        int(14.0 * GIB),
+        bf16=False,
+        why_not={"bf16": "T4 (Turing) has no bf16: train in fp16 (--precision fp16)"},
+    ),  # fmt: skip
+    "a100-40": Device("a100-40", "A100 40GB", int(38.5 * GIB)),
+    "a100-80": Device("a100-80", "A100 80GB", int(78.0 * GIB)),
+    "h100-80": Device("h100-80", "H100 80GB", int(78.0 * GIB)),
+    "cpu": Device(
+        "cpu",
+        "this CPU host",
+        _host_memory(),
+        fp16=False,
+        why_not={"fp16": "fp16 training needs a CUDA GPU (the trainer refuses it on CPU)"},
+    ),  # fmt: skip
+}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Model states (DeepSpeed's layout)
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelStates:
+    """Bytes per rank of what DeepSpeed keeps for the model (steady state, after the first step).
+
+    ``params``: the module's weights (fp32, or fp16/bf16 for mixed precision); ``gradients``: the module's
+    gradients (same dtype; partitioned from ZeRO-2 on); ``master``: fp32 master weights (mixed precision, or any
+    ZeRO stage >= 1, which keeps an fp32 partition); ``fp32_gradients``: the fp32 gradient partition the
+    optimizer steps on (made at the step); ``optimizer``: AdamW's two fp32 moments; ``gathered``: ZeRO-3's
+    gathered largest layer (16-bit weights and gradients)."""
+
+    params: int
+    gradients: int
+    master: int
+    fp32_gradients: int
+    optimizer: int
+    gathered: int = 0
+
+    @property
+    def total(self) -> int:
+        return (
+            self.params + self.gradients + self.master + self.fp32_gradients + self.optimizer + self.gathered
+        )
+
+
+def model_state_bytes(
+    num_params: int,
+    precision: str,
+    zero_stage: int,
+    world_size: int = 1,
+    largest_layer_params: int = 0,
+) -> ModelStates:
+    """DeepSpeed's per-rank model-state bytes for ``num_params`` trainable parameters with AdamW.
+
+    Mixed precision (``fp16``/``bf16``): 16-bit weights (2 B, partitioned at ZeRO-3), 16-bit gradients (2 B,
+    partitioned from ZeRO-2; at ZeRO-3 only the gathered layer's, counted in ``gathered``), fp32 master weights,
+    fp32 gradient partition and two fp32 moments (4 + 4 + 8 B, partitioned from ZeRO-1, whole at ZeRO-0). This is
+    DeepSpeed's ``2 + 18 / N`` bytes per parameter at ZeRO-2 and ``18 / N`` plus 4 B per parameter of the largest
+    layer at ZeRO-3 (``estimate_zero2/3_model_states_mem_needs``). ``fp32``: fp32 weights and gradients (4 + 4 B),
+    two moments (8 B, partitioned from ZeRO-1); ZeRO >= 1 also keeps an fp32 partition copy of the weights and
+    flattens the gradient partition at the step (4 + 4 B / N).
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"--precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"--zero-stage {zero_stage}: choose 0, 1, 2 or 3")
+    if world_size < 1:
+        raise ValueError(f"--world-size {world_size}: give 1 or more ranks")
+    p, n = num_params, world_size
+    part = math.ceil(p / n)  # one rank's partition
+    width = 4 if precision == "fp32" else 2
+    params = width * (part if zero_stage == 3 else p)
+    grads = 0 if zero_stage == 3 else width * (part if zero_stage == 2 else p)
+    sharded = zero_stage >= 1
+    if precision == "fp32":
+        master = 4 * part if sharded else 0
+        fp32_grads = 4 * part if sharded else 0
+    else:
+        master = 4 * (part if sharded else p)
+        fp32_grads = 4 * (part if sharded else p)
+    optimizer = 8 * (part if sharded else p)
+    gathered = 2 * width * largest_layer_params if zero_stage == 3 else 0
+    return ModelStates(params, grads, master, fp32_grads, optimizer, gathered)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The tracker
+# ----------------------------------------------------------------------------------------------------------------
+class LiveTensorBytes(TorchDispatchMode):
+    """Adds up the bytes of the live tensor storages made by ops under this mode (fake or real tensors).
+
+    Every op output's storage is counted once, under the current :meth:`phase` (its category; a ``.grad`` is
+    re-tagged ``gradients`` by :meth:`tag`), and taken off when the storage is freed (a weakref finalizer; storages
+    keep their Python object while alive). ``peak`` is the largest total since :meth:`reset_peak`, ``at_peak`` the
+    bytes of each category at that moment. Under fake tensors, host reads (``.item()``, ``.tolist()``) return 1 so
+    that a step's finite checks pass (``stub_host_reads``)."""
+
+    def __init__(self, stub_host_reads: bool = False) -> None:
+        super().__init__()
+        self.live: dict[int, list[Any]] = {}  # storage key -> [bytes, category]
+        self.by_category = dict.fromkeys(CATEGORIES, 0)
+        self.current = 0
+        self.peak = 0
+        self.at_peak: dict[str, int] = dict(self.by_category)
+        self.peak_phase = ""
+        self.category = "temporaries"
+        self.stub_host_reads = stub_host_reads
+
+    @contextlib.contextmanager
+    def phase(self, category: str) -> Iterator[None]:
+        """Count what is made inside the block as ``category`` (one of :data:`CATEGORIES`)."""
+        if category not in CATEGORIES:
+            raise ValueError(f"category must be one of {CATEGORIES}, got {category!r}")
+        before, self.category = self.category, category
+        try:
+            yield
+        finally:
+            self.category = before
+
+    def set_phase(self, category: str) -> None:
+        """Count what is made from now on as ``category``."""
+        self.category = category
+
+    def reset_peak(self) -> None:
+        """Start a new peak at the current total."""
+        self.peak = self.current
+        self.at_peak = dict(self.by_category)
+        self.peak_phase = self.category
+
+    def _free(self, key: int) -> None:
+        entry = self.live.pop(key, None)
+        if entry is not None:
+            self.current -= entry[0]
+            self.by_category[entry[1]] -= entry[0]
+
+    def add(self, t: torch.Tensor, category: str | None = None) -> None:
+        """Count ``t``'s storage (once) under ``category`` (default: the current phase)."""
+        st = t.untyped_storage()
+        key = st._cdata
+        if key in self.live:
+            return
+        nbytes = st.nbytes()
+        cat = category or self.category
+        self.live[key] = [nbytes, cat]
+        self.current += nbytes
+        self.by_category[cat] += nbytes
+        weakref.finalize(st, self._free, key)
+        if self.current > self.peak:
+            self.peak = self.current
+            self.at_peak = dict(self.by_category)
+            self.peak_phase = self.category
+
+    def tag(self, t: torch.Tensor, category: str) -> None:
+        """Move ``t``'s storage (counted or not) to ``category``."""
+        key = t.untyped_storage()._cdata
+        entry = self.live.get(key)
+        if entry is None:
+            self.add(t, category)
+        elif entry[1] != category:
+            self.by_category[entry[1]] -= entry[0]
+            self.by_category[category] += entry[0]
+            entry[1] = category
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if self.stub_host_reads and func is torch.ops.aten._local_scalar_dense.default:
+            dtype = args[0].dtype
+            return True if dtype == torch.bool else (1.0 if dtype.is_floating_point else 1)
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                self.add(t)
+        return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The DeepSpeed-like engine
+# ----------------------------------------------------------------------------------------------------------------
+class LayoutEngine:
+    """What :func:`fastpals.train.step.run_update` needs of a DeepSpeed engine (``module``, forward,
+    ``backward``, ``step``), holding DeepSpeed's model states for ``precision`` and ``zero_stage`` on one of
+    ``world_size`` ranks (see :func:`model_state_bytes`; collectives are not run: a rank's own tensors are).
+
+    The module is cast to the training dtype (fp16/bf16 mixed precision: no autocast, as DeepSpeed). The fp32
+    master partition and the AdamW moments are allocated at construction (the steady state after a first step);
+    ``step`` makes the fp32 gradient partition from the module's gradients (or from what a surgery buffer wrote
+    through :meth:`grad_setter`), unscales (fp16), clips to norm 1, runs a fused in-place AdamW and copies the
+    master weights back into the module. ZeRO-2 on several ranks drops each 16-bit gradient once it is made
+    (reduce-scattered into a ``2 P / N``-byte partition buffer)."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        precision: str,
+        zero_stage: int,
+        world_size: int = 1,
+        tracker: LiveTensorBytes | None = None,
+    ) -> None:
+        self.module, self.precision = module, precision
+        self.zero_stage, self.world_size = zero_stage, world_size
+        self.tracker = tracker
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.numel = sum(p.numel() for p in self.params)
+        self.part = math.ceil(self.numel / world_size)
+        self.scale = 2.0**16 if precision == "fp16" else 1.0
+        self.hp_grads: dict[int, torch.Tensor] = {}  # id(param) -> fp32 gradient written by a surgery buffer
+        self.flat_master = precision != "fp32" or zero_stage >= 1
+        self._drop_grads = zero_stage == 2 and world_size > 1
+        with self._phase("optimizer"):
+            if self.flat_master:
+                master = torch.nn.Parameter(torch.zeros(self.part if zero_stage >= 1 else self.numel))
+                self.master = [master]
+            else:
+                self.master = self.params
+            self.optimizer = torch.optim.AdamW(self.master, lr=2e-5, weight_decay=0.01, eps=1e-6, fused=True)
+            for p in self.master:  # the moments as after the first step
+                self.optimizer.state[p] = {
+                    "step": torch.zeros((), dtype=torch.float32, device=p.device),
+                    "exp_avg": torch.zeros_like(p, dtype=torch.float32),
+                    "exp_avg_sq": torch.zeros_like(p, dtype=torch.float32),
+                }
+        if self._drop_grads:
+            with self._phase("gradients"):
+                self.grad_partition = torch.zeros(self.part, dtype=self.params[0].dtype)
+            for p in self.params:
+                p.register_post_accumulate_grad_hook(self._reduce_scatter)
+
+    def _phase(self, category: str) -> contextlib.AbstractContextManager:
+        return self.tracker.phase(category) if self.tracker is not None else contextlib.nullcontext()
+
+    def _set(self, category: str) -> None:
+        if self.tracker is not None:
+            self.tracker.set_phase(category)
+
+    @staticmethod
+    def _reduce_scatter(p: torch.Tensor) -> None:
+        p.grad = None  # reduced into the rank's partition buffer, the full 16-bit gradient freed
+
+    def grad_setter(self, p: torch.nn.Parameter, value: torch.Tensor | None) -> None:
+        """What ``deepspeed.utils.safe_set_full_grad`` does for a surgery buffer: the fp32 gradient the
+        optimizer steps on (kept, not copied into the 16-bit ``.grad``)."""
+        if value is None:
+            self.hp_grads.pop(id(p), None)
+        else:
+            self.hp_grads[id(p)] = value
+
+    def __call__(self, **inputs: Any) -> Any:
+        self._set("activations")
+        return self.module(**inputs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self._set("temporaries")
+        (loss * self.scale if self.scale != 1.0 else loss).backward()
+
+    def step(self) -> None:
+        self._set("temporaries")
+        if self.flat_master:
+            with self._phase("gradients"):
+                flat = torch.zeros(self.master[0].numel(), dtype=torch.float32)
+            start = 0
+            for p in self.params:  # this rank's partition of the flattened gradients, in fp32
+                n = p.numel()
+                lo, hi = max(start, 0), min(start + n, flat.numel())
+                g = self.hp_grads.get(id(p), p.grad)
+                if hi > lo and g is not None and not self._drop_grads:
+                    flat[lo:hi].copy_(g.reshape(-1)[lo - start : hi - start])
+                start += n
+            grads = [flat]
+        else:
+            grads = []
+            for p in self.params:
+                g = self.hp_grads.get(id(p), p.grad)
+                if g is not None and p.grad is None:
+                    p.grad = g
+                grads.append(p.grad)
+        grads = [g for g in grads if g is not None]
+        if self.scale != 1.0:
+            torch._foreach_mul_(grads, 1.0 / self.scale)
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+        torch._foreach_mul_(grads, torch.clamp(1.0 / (norm + 1e-6), max=1.0))
+        if self.flat_master:
+            self.master[0].grad = grads[0]
+        self.optimizer.step()
+        if self.flat_master:
+            self.master[0].grad = None
+            start = 0
+            with torch.no_grad():
+                for p in self.params:  # all-gather of the updated weights into the module
+                    n = p.numel()
+                    lo, hi = start, min(start + n, self.master[0].numel())
+                    if hi > lo:
+                        p.reshape(-1)[: hi - lo].copy_(self.master[0][lo:hi])
+                    start += n
+        for p in self.params:
+            p.grad = None
+        self.hp_grads.clear()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The configuration and the trace
+# ----------------------------------------------------------------------------------------------------------------
+def load_bert_config(model: str) -> Any:
+    """The :class:`fastpals.model.BertConfig` of ``model``: a shipped name (``bert-base-uncased``,
+    ``bert-large-uncased``, ``minilm-l6``; offline), a ``config.json`` path, a folder holding one, or a Hugging
+    Face Hub name (only its ``config.json`` is fetched). Raises ``ValueError`` (one line) when none is found."""
+    from fastpals.model import BertConfig
+
+    if model in _SHIPPED_MODELS:
+        return BertConfig.from_json(Path(__file__).parent / "configs" / "models" / _SHIPPED_MODELS[model])
+    path = Path(model)
+    if path.is_file():
+        return BertConfig.from_json(path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(
+                f"--model {model}: the folder has no config.json; give the folder of a BERT checkpoint"
+            )
+        return BertConfig.from_json(path / "config.json")
+    try:
+        from fastpals.hub import resolve_model_dir
+
+        return BertConfig.from_json(resolve_model_dir(model, files=("config.json",)) / "config.json")
+    except Exception as err:  # noqa: BLE001 - any failure to fetch is the same advice
+        shipped = ", ".join(n for n in _SHIPPED_MODELS if "/" not in n)
+        raise ValueError(
+            f"--model {model}: no config.json found ({str(err).splitlines()[0] if str(err) else type(err).__name__}); "
+            f"use a shipped model ({shipped}), a local folder or a config.json"
+        ) from None
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """One training configuration of :func:`plan_memory` (see ``fastpals memory --help`` for the fields).
+
+    ``max_length``: tokens per example (every example is assumed full length: the worst case of a packed batch);
+    ``max_tokens``: a packed batch's token budget instead of a batch size; ``surgery``: ``none`` or an aggregator
+    of :data:`fastpals.surgery.AGGREGATORS`; ``surgery_mode``: ``one_backward`` (mixed packed micro-batches, one
+    backward: ``--batching mixed``) or ``per_task`` (one backward per task's micro-batch of ``batch_size``
+    examples: ``--batching per_task``); ``buffer_dtype``: the rows of the surgery buffer."""
+
+    model: str = "minilm-l6"
+    tasks: tuple[str, ...] = ("sst", "para", "sts")
+    max_length: int = 128
+    precision: str = "bf16"
+    pal: str = "default"
+    surgery: str = "none"
+    surgery_mode: str = "one_backward"
+    buffer_dtype: str = "fp32"
+    zero_stage: int | None = None
+    world_size: int = 1
+
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage; None means the shipped configs' ``auto``: 1 with fp16/bf16 or several ranks, else 0."""
+        if self.zero_stage is not None:
+            return self.zero_stage
+        return 1 if self.precision != "fp32" or self.world_size > 1 else 0
+
+    def check(self) -> None:
+        """Raise ``ValueError`` (one line naming the option) on a bad field."""
+        from fastpals.surgery import AGGREGATORS
+        from fastpals.train.args import PAL_PRESETS
+
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"--precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}")
+        if self.surgery != "none" and self.surgery not in AGGREGATORS:
+            raise ValueError(f"--surgery {self.surgery!r}: choose none or one of {', '.join(AGGREGATORS)}")
+        if self.surgery_mode not in SURGERY_MODES:
+            raise ValueError(
+                f"--surgery-mode {self.surgery_mode!r}: choose one of {', '.join(SURGERY_MODES)}"
+            )
+        if self.surgery != "none" and len(self.tasks) < 2:
+            raise ValueError("--surgery needs at least two --tasks")
+        if self.buffer_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"--surgery-buffer-dtype {self.buffer_dtype!r}: choose fp32 or bf16")
+        if self.pal not in PAL_PRESETS:
+            raise ValueError(f"--pal {self.pal!r}: choose one of {', '.join(PAL_PRESETS)}")
+        if not 8 <= self.max_length <= 512:
+            raise ValueError(f"--max-length must be in [8, 512], got {self.max_length}")
+        if self.stage not in (0, 1, 2):
+            raise ValueError(
+                f"--zero-stage {self.stage}: fastpals trains with ZeRO 0, 1 or 2 (ZeRO-3 partitions the stacked "
+                f"per-task PAL weights and is not supported)"
+            )
+        if self.world_size < 1:
+            raise ValueError(f"--world-size {self.world_size}: give 1 or more ranks")
+
+
+def _build_model(spec: StepSpec, bert: Any) -> torch.nn.Module:
+    from fastpals.multitask import MultiTaskBert, MultiTaskConfig
+    from fastpals.tasks import resolve_tasks
+    from fastpals.train.args import PAL_PRESETS
+
+    specs = resolve_tasks(list(spec.tasks))
+    preset = PAL_PRESETS[spec.pal]
+    pal = None
+    if preset is not None:
+        from fastpals.model import PALConfig
+
+        pal = PALConfig(num_tasks=len(specs), **preset)
+        pal.validate(bert.num_hidden_layers)
+    model = MultiTaskBert(MultiTaskConfig(bert, specs, pal))
+    # as DeepSpeed's module.half() / .bfloat16(), in place (fake tensors cannot be swapped by Module.to)
+    if spec.precision != "fp32":
+        dtype = _DTYPES[spec.precision]
+        with torch.no_grad():
+            for t in [*model.parameters(), *model.buffers()]:
+                if t.is_floating_point():
+                    t.data = t.data.to(dtype)
+    return model.train()
+
+
+def _rows_per_task(batch_size: int, num_tasks: int) -> list[int]:
+    return [batch_size // num_tasks + (1 if t < batch_size % num_tasks else 0) for t in range(num_tasks)]
+
+
+def _micro_batches(spec: StepSpec, model: torch.nn.Module, batch_size: int, vocab: int) -> list[Any]:
+    """The update's micro-batches: every example ``max_length`` tokens (token id 1000, valid label 0)."""
+    from fastpals.batching import TaskRows, model_inputs, pack_task_rows
+    from fastpals.train.step import MicroBatch
+
+    num_tasks = len(model.tasks)
+    ids = [min(1000, vocab - 1)] * spec.max_length
+    types = [0] * spec.max_length
+
+    def rows(t: int, n: int) -> Any:
+        return TaskRows(t, [ids] * n, [types] * n, labels=torch.zeros(n))
+
+    def micro(parts: list[Any], weighting: str | None) -> Any:
+        batch = pack_task_rows(parts, num_tasks)
+        tasks = tuple(p.task for p in parts)
+        return MicroBatch(
+            model_inputs(batch, "cpu"), batch["labels"], tasks, tuple(len(p.input_ids) for p in parts),
+            tuple(len(p.input_ids) * spec.max_length for p in parts), weighting,
+        )  # fmt: skip
+
+    if spec.surgery != "none" and spec.surgery_mode == "per_task":
+        return [micro([rows(t, batch_size)], None) for t in range(num_tasks)]
+    counts = _rows_per_task(batch_size, num_tasks)
+    return [micro([rows(t, n) for t, n in enumerate(counts) if n], "equal")]
+
+
+class _PhasedTorchEngine:
+    """:class:`fastpals.train.step.TorchEngine` (fp32, no accumulation) telling the tracker the phases."""
+
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        from fastpals.train.step import TorchEngine
+
+        self.inner = TorchEngine(module, optimizer)
+        self.module, self.optimizer = module, optimizer
+        self.tracker: LiveTensorBytes | None = None
+
+    def __call__(self, **inputs: Any) -> Any:
+        self.tracker.set_phase("activations")
+        return self.inner(**inputs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.tracker.set_phase("temporaries")
+        self.inner.backward(loss)
+
+    def step(self) -> None:
+        self.tracker.set_phase("temporaries")
+        self.inner.step()
+
+
+@dataclass
+class StepTrace:
+    """One traced (or measured) step: ``peak_bytes`` of live tensor storage during the update, ``at_peak`` its
+    parts (:data:`CATEGORIES`), ``peak_phase`` where it happened, ``num_params`` (trainable), ``seconds``."""
+
+    batch_size: int
+    peak_bytes: int
+    at_peak: dict[str, int]
+    peak_phase: str
+    num_params: int
+    shared_params: int
+    seconds: float
+    fake: bool
+
+
+def _run_step(spec: StepSpec, batch_size: int, fake: bool, warmup: bool = False) -> StepTrace:
+    """Build and run one update of ``spec`` (see :func:`trace_step`); ``fake=False``: real tensors, with the
+    trainer's own optimizer (:func:`fastpals.train.optim.make_optimizer`, fp32 only) and a first update before
+    the measured one when ``warmup``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fastpals.surgery import AGGREGATORS, TaskGradientBuffer, shared_parameters_by_name
+    from fastpals.train.step import Surgery, run_update
+
+    spec.check()
+    bert = load_bert_config(spec.model)
+    start = time.perf_counter()
+    tracker = LiveTensorBytes(stub_host_reads=fake)
+    mode = FakeTensorMode() if fake else contextlib.nullcontext()
+    with mode, tracker:
+        with tracker.phase("parameters"):
+            torch.manual_seed(0)
+            model = _build_model(spec, bert)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        for p in trainable:  # a gradient is counted as one from the moment it lands in .grad
+            p.register_post_accumulate_grad_hook(
+                lambda q: q.grad is not None and tracker.tag(q.grad, "gradients")
+            )
+        if fake:
+            engine: Any = LayoutEngine(model, spec.precision, spec.stage, spec.world_size, tracker)
+        else:
+            if spec.precision != "fp32" or spec.stage != 0 or spec.world_size != 1:
+                raise ValueError("measure_step runs fp32, ZeRO-0, one rank (the trainer's CPU default)")
+            from fastpals.train.optim import make_optimizer, optimizer_param_groups
+
+            opt = make_optimizer(optimizer_param_groups(model, 2e-5, 2e-5, 2e-5, 0.01), "adamw")
+            engine = _PhasedTorchEngine(model, opt)
+            engine.tracker = tracker
+        surgery = None
+        if spec.surgery != "none":
+            shared, specific = shared_parameters_by_name(model)
+            kw: dict[str, Any] = {}
+            if fake and spec.precision != "fp32":
+                kw = {"grad_setter": engine.grad_setter, "grad_dtype": torch.float32}
+            with tracker.phase("surgery"):
+                buffer = TaskGradientBuffer(
+                    shared, len(spec.tasks), _DTYPES[spec.buffer_dtype], task_params=specific, **kw
+                )
+            for name in ("capture", "apply"):  # the buffer's own allocations are the surgery's
+                method = getattr(buffer, name)
+
+                def wrapped(*a: Any, _m: Any = method, **k: Any) -> Any:
+                    with tracker.phase("surgery"):
+                        return _m(*a, **k)
+
+                setattr(buffer, name, wrapped)
+            surgery = Surgery(buffer, AGGREGATORS[spec.surgery], torch.Generator().manual_seed(0))
+        strategy = "none" if surgery is None else (
+            "one_backward" if spec.surgery_mode == "one_backward" else "per_task_backward"
+        )  # fmt: skip
+        updates = 2 if warmup else 1
+        for u in range(updates):
+            with tracker.phase("activations"):
+                micro = _micro_batches(spec, model, batch_size, bert.vocab_size)
+            if u == updates - 1:
+                for state in getattr(getattr(engine, "optimizer", None), "state", {}).values():
+                    # the trainer's optimizer made its moments in the first update
+                    for value in state.values():
+                        if isinstance(value, torch.Tensor):
+                            tracker.tag(value, "optimizer")
+                tracker.set_phase("temporaries")
+                tracker.reset_peak()
+            engine_phase = tracker.category
+            run_update(engine, micro, strategy, surgery=surgery)
+            tracker.set_phase(engine_phase)
+            del micro
+        shared_numel = sum(p.numel() for p in shared) if surgery is not None else 0
+        peak, at_peak, phase = tracker.peak, dict(tracker.at_peak), tracker.peak_phase
+        numel = sum(p.numel() for p in trainable)
+    return StepTrace(batch_size, peak, at_peak, phase, numel, shared_numel, time.perf_counter() - start, fake)
+
+
+def trace_step(spec: StepSpec, batch_size: int) -> StepTrace:
+    """The predicted peak of one update of ``spec`` at ``batch_size`` examples (per rank): the real update on
+    fake tensors with DeepSpeed's model states (:class:`LayoutEngine`). Takes seconds, needs no weights."""
+    return _run_step(spec, batch_size, fake=True)
+
+
+def measure_step(spec: StepSpec, batch_size: int) -> StepTrace:
+    """The measured peak of live tensor storage of the same update on real CPU tensors (fp32, ZeRO-0: the
+    trainer's CPU default), with the trainer's optimizer and a first update before the measured one (its
+    optimizer states exist, as in training). The CPU validation of :func:`trace_step`."""
+    return _run_step(spec, batch_size, fake=False, warmup=True)
+
+
+def predict_peak_bytes(
+    model: str = "bert-base-uncased",
+    batch_size: int = 32,
+    max_length: int = 128,
+    precision: str = "bf16",
+    surgery: str = "none",
+    **spec_fields: Any,
+) -> int:
+    """Predicted peak bytes of tensor storage per rank for one update (what ``torch.cuda.max_memory_allocated``
+    measures over a steady-state update): the function a GPU session compares its measurement with.
+    ``spec_fields``: the other :class:`StepSpec` fields (``tasks``, ``pal``, ``surgery_mode``, ``zero_stage``...)."""
+    spec = StepSpec(model=model, max_length=max_length, precision=precision, surgery=surgery, **spec_fields)
+    return trace_step(spec, batch_size).peak_bytes
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The plan
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class MemoryPlan:
+    """What :func:`plan_memory` predicts for one configuration (bytes are per rank).
+
+    ``peak_bytes``: the traced peak of one update; ``at_peak``: its parts (:data:`CATEGORIES`); ``model_states``:
+    DeepSpeed's steady model states (:func:`model_state_bytes`); ``devices``: per :data:`DEVICES` name
+    ``{"label", "usable_bytes", "fits" (bool, or None where the precision does not run there), "note"}``;
+    ``fit``: ``{"intercept_bytes", "bytes_per_example"}`` of ``peak(b) = a + c b`` (with ``largest_batch``);
+    ``largest_batch``: per device the largest batch that fits (None: not even 1, or the precision does not run)."""
+
+    spec: StepSpec
+    batch_size: int
+    peak_bytes: int
+    at_peak: dict[str, int]
+    peak_phase: str
+    num_params: int
+    shared_params: int
+    model_states: ModelStates
+    devices: dict[str, dict[str, Any]]
+    trace_seconds: float
+    fit: dict[str, float] | None = None
+    largest_batch: dict[str, int | None] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready (``--json``)."""
+        out = dataclasses.asdict(self)
+        out["spec"]["zero_stage"] = self.spec.stage
+        out["model_states"]["total"] = self.model_states.total
+        out["predicted"] = True
+        return out
+
+
+def _fits(peak: int, device: Device, precision: str) -> dict[str, Any]:
+    why = device.supports(precision)
+    entry: dict[str, Any] = {"label": device.label, "usable_bytes": device.usable_bytes}
+    if why is not None:
+        return {**entry, "fits": None, "note": why}
+    fits = peak <= device.usable_bytes
+    return {**entry, "fits": fits, "note": f"{(device.usable_bytes - peak) / GIB:+.2f} GiB left"}
+
+
+def _fit_line(spec: StepSpec, traces: Sequence[StepTrace]) -> tuple[float, float]:
+    (b1, p1), (b2, p2) = [(t.batch_size, t.peak_bytes) for t in traces]
+    slope = (p2 - p1) / (b2 - b1)
+    return p1 - slope * b1, slope
+
+
+def largest_batches(
+    spec: StepSpec, devices: Sequence[str] = tuple(DEVICES), probes: tuple[int, int] | None = None
+) -> tuple[dict[str, int | None], dict[str, float]]:
+    """Per device the largest batch whose predicted peak fits, from two traces and the straight line through
+    them (the peak is linear in the batch at a fixed length: ``tests/test_memory.py`` checks it). ``probes``: the
+    two batch sizes traced (default 16 and 32 examples per task). Returns ``(largest, {"intercept_bytes",
+    "bytes_per_example"})``."""
+    t = len(spec.tasks)
+    probes = probes or (
+        (16, 32) if spec.surgery_mode == "per_task" and spec.surgery != "none" else (16 * t, 32 * t)
+    )
+    a, c = _fit_line(spec, [trace_step(spec, b) for b in probes])
+    out: dict[str, int | None] = {}
+    for name in devices:
+        device = DEVICES[name]
+        if device.supports(spec.precision) is not None or c <= 0:
+            out[name] = None
+            continue
+        b = math.floor((device.usable_bytes - a) / c)
+        out[name] = b if b >= 1 else None
+    return out, {"intercept_bytes": a, "bytes_per_example": c}
+
+
+def plan_memory(
+    spec: StepSpec,
+    batch_size: int | None = 32,
+    max_tokens: int | None = None,
+    largest_batch: bool = False,
+) -> MemoryPlan:
+    """Predict the peak memory of one training step of ``spec`` at ``batch_size`` examples of ``spec.max_length``
+    tokens (or a packed budget of ``max_tokens`` tokens: ``max_tokens // max_length`` full-length rows), per rank.
+
+    Traces the real update on fake tensors (:func:`trace_step`); ``largest_batch`` adds the largest batch per
+    device (:func:`largest_batches`). Raises ``ValueError`` (one line naming the option) on bad input."""
+    spec.check()
+    if max_tokens is not None:
+        if max_tokens < spec.max_length:
+            raise ValueError(
+                f"--max-tokens {max_tokens} holds no row of --max-length {spec.max_length}: give at least that many"
+            )
+        batch_size = max_tokens // spec.max_length
+    if batch_size is None or batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
+    if spec.surgery_mode == "one_backward" and spec.surgery != "none" and batch_size < len(spec.tasks):
+        raise ValueError(
+            f"--batch-size {batch_size} is smaller than the {len(spec.tasks)} tasks: a mixed micro-batch needs one "
+            f"example per task for one-backward surgery; give --batch-size >= {len(spec.tasks)}"
+        )
+    trace = trace_step(spec, batch_size)
+    states = model_state_bytes(trace.num_params, spec.precision, spec.stage, spec.world_size)
+    devices = {name: _fits(trace.peak_bytes, d, spec.precision) for name, d in DEVICES.items()}
+    plan = MemoryPlan(
+        spec, batch_size, trace.peak_bytes, trace.at_peak, trace.peak_phase, trace.num_params, trace.shared_params,
+        states, devices, trace.seconds,
+    )  # fmt: skip
+    if largest_batch:
+        plan.largest_batch, plan.fit = largest_batches(spec)
+    return plan
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def format_plan(plan: MemoryPlan) -> str:
+    """The text ``fastpals memory`` prints."""
+    s = plan.spec
+    surgery = "none" if s.surgery == "none" else f"{s.surgery} ({s.surgery_mode.replace('_', ' ')})"
+    batch = (
+        f"{plan.batch_size} examples per task micro-batch ({len(s.tasks)} backwards)"
+        if s.surgery != "none" and s.surgery_mode == "per_task"
+        else f"batch {plan.batch_size}"
+    )
+    lines = [
+        f"model {s.model}: {plan.num_params / 1e6:.1f} M trainable parameters; tasks {','.join(s.tasks)}; "
+        f"PAL {s.pal}; surgery {surgery}",
+        f"{batch} x {s.max_length} tokens; {s.precision}; ZeRO-{s.stage} on {s.world_size} rank(s)",
+        f"predicted peak of one training step, per rank: {_gib(plan.peak_bytes)} (tensor storage, as "
+        f"torch.cuda.max_memory_allocated; traced on fake tensors in {plan.trace_seconds:.1f} s)",
+        "at the peak:",
+    ]
+    for cat in CATEGORIES:
+        lines.append(f"  {_CATEGORY_TEXT[cat]:<38} {_gib(plan.at_peak.get(cat, 0)):>11}")
+    m = plan.model_states
+    lines.append(
+        f"DeepSpeed model states (steady, per rank): weights {_gib(m.params)}, gradients {_gib(m.gradients)}, "
+        f"fp32 master {_gib(m.master)}, fp32 gradient partition {_gib(m.fp32_gradients)} (made at the step), "
+        f"AdamW moments {_gib(m.optimizer)}: {_gib(m.total)}"
+    )
+    lines.append("fits (memory left to tensors):")
+    for name, d in plan.devices.items():
+        verdict = "n/a" if d["fits"] is None else ("fits" if d["fits"] else "does NOT fit")
+        extra = ""
+        if plan.largest_batch is not None:
+            lb = plan.largest_batch.get(name)
+            extra = f"; largest batch {lb if lb is not None else '-'}"
+        lines.append(
+            f"  {name:<8} {d['label']:<14} {_gib(d['usable_bytes']):>10}  {verdict:<12} {d['note']}{extra}"
+        )
+    if plan.fit is not None:
+        lines.append(
+            f"largest batch: peak(b) = {_gib(plan.fit['intercept_bytes'])} + b x "
+            f"{plan.fit['bytes_per_example'] / 2**20:.1f} MiB (two traces; linear in b)"
+        )
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# docs/memory.md
+# ----------------------------------------------------------------------------------------------------------------
+DOCS_COMMAND = "fastpals memory --table docs/memory.md"
+_TABLE_VARIANTS = (
+    ("plain", "none", "none"),
+    ("PAL", "default", "none"),
+    ("PAL + PCGrad", "default", "pcgrad"),
+)
+_TABLE_MODELS = ("bert-base-uncased", "bert-large-uncased")
+_TABLE_GPUS = ("t4", "a100-40", "a100-80", "h100-80")
+
+
+def memory_table(max_length: int = 128) -> str:
+    """The markdown of ``docs/memory.md``: the predicted largest batch at ``max_length`` on each GPU for BERT-base
+    and BERT-large, plain / PAL / PAL + PCGrad (one backward), fp16 / bf16, tasks sst, para, sts, ZeRO-1, one rank."""
+    rows = []
+    for model in _TABLE_MODELS:
+        for label, pal, surgery in _TABLE_VARIANTS:
+            for precision in ("fp16", "bf16"):
+                spec = StepSpec(
+                    model=model, max_length=max_length, precision=precision, pal=pal, surgery=surgery
+                )
+                largest, fit = largest_batches(spec, _TABLE_GPUS)
+                cells = [
+                    "no bf16" if DEVICES[g].supports(precision) else str(largest[g] if largest[g] else "-")
+                    for g in _TABLE_GPUS
+                ]
+                rows.append(
+                    f"| {model} | {label} | {precision} | {' | '.join(cells)} | "
+                    f"{fit['intercept_bytes'] / GIB:.2f} + {fit['bytes_per_example'] / 2**20:.1f} MiB x b |"
+                )
+    head = " | ".join(DEVICES[g].label for g in _TABLE_GPUS)
+    gpu_caps = ", ".join(f"{DEVICES[g].label} {DEVICES[g].usable_bytes / GIB:.1f} GiB" for g in _TABLE_GPUS)
+    return "\n".join(
+        [
+            "# Memory: the largest batch per GPU (predicted)",
+            "",
+            f"**Predicted, not measured.** Made by `{DOCS_COMMAND}` (run it again to regenerate this file); it is "
+            "to be replaced by measured values once a GPU session (`make gpu-session`) has measured them.",
+            "",
+            f"The largest batch of {max_length}-token examples whose predicted peak of one training step fits the "
+            f"memory each GPU leaves to tensors ({gpu_caps}). Tasks sst, para, sts in packed mixed micro-batches "
+            "(`--batching mixed`, every example full length: the worst case), AdamW, DeepSpeed ZeRO-1 on one rank "
+            "(fp16/bf16 weights and gradients, fp32 master weights and moments), PAL = `--pal default`, "
+            "PCGrad = `--surgery pcgrad` with one backward and fp32 buffer rows.",
+            "",
+            "How: `fastpals memory` runs the real training step (forward, losses, backward, surgery capture and "
+            "apply, optimizer step) on fake tensors and adds up the live tensor storage; each row traces two batch "
+            "sizes and uses the straight line `peak(b) = a + c b` (the peak is linear in the batch: "
+            "`tests/test_memory.py`). Peak = what `torch.cuda.max_memory_allocated` counts (not the caching "
+            "allocator's reserve). The T4 has no bf16.",
+            "",
+            f"| model | variant | precision | {head} | peak (GiB + per example) |",
+            "|---|---|---|" + "---|" * len(_TABLE_GPUS) + "---|",
+            *rows,
+            "",
+        ]
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The command
+# ----------------------------------------------------------------------------------------------------------------
+def _parser() -> argparse.ArgumentParser:
+    from fastpals.surgery import AGGREGATORS
+    from fastpals.train.args import PAL_PRESETS
+
+    p = argparse.ArgumentParser(
+        prog="fastpals memory",
+        description="Predict the peak memory of one training step (traced on fake tensors; no weights, no GPU) "
+        "and whether it fits a T4, A100 40/80 GB, H100 80 GB and this CPU.",
+    )
+    p.add_argument("--model", default="minilm-l6",
+                   help="bert-base-uncased, bert-large-uncased, minilm-l6 (shipped, offline), a folder with "
+                   "config.json, a config.json, or a Hub name (default: minilm-l6)")  # fmt: skip
+    p.add_argument(
+        "--tasks", default="sst,para,sts", help="comma-separated tasks, as for train (default sst,para,sts)"
+    )
+    p.add_argument("--batch-size", type=int, default=32, help="examples per micro-batch (default 32)")
+    p.add_argument(
+        "--max-length", type=int, default=128, help="tokens per example; all full length (default 128)"
+    )
+    p.add_argument(
+        "--max-tokens", type=int, help="packed token budget per micro-batch instead of --batch-size"
+    )
+    p.add_argument(
+        "--precision", choices=PRECISIONS, default="bf16", help="training precision (default bf16)"
+    )
+    p.add_argument(
+        "--pal", choices=tuple(PAL_PRESETS), default="default", help="PAL variant (default: default)"
+    )
+    p.add_argument(
+        "--surgery", choices=("none", *AGGREGATORS), default="none", help="gradient surgery aggregator"
+    )
+    p.add_argument("--surgery-mode", choices=SURGERY_MODES, default="one_backward",
+                   help="one_backward (--batching mixed) or per_task backwards (--batching per_task)")  # fmt: skip
+    p.add_argument(
+        "--surgery-buffer-dtype", choices=("fp32", "bf16"), default="fp32", help="surgery buffer rows"
+    )
+    p.add_argument("--zero-stage", type=int, choices=(0, 1, 2),
+                   help="DeepSpeed ZeRO stage (default: 1 with fp16/bf16 or several ranks, else 0)")  # fmt: skip
+    p.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
+    p.add_argument(
+        "--largest-batch", action="store_true", help="also the largest batch that fits each device"
+    )
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--table", metavar="PATH",
+                   help=f"write the predicted largest-batch table (docs/memory.md: `{DOCS_COMMAND}`) and exit")  # fmt: skip
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``fastpals memory``; returns the exit status (2 on bad input, with a one-line error)."""
+    args = _parser().parse_args(argv)
+    try:
+        if args.table:
+            text = memory_table(args.max_length)
+            Path(args.table).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.table).write_text(text, encoding="utf-8")
+            print(f"wrote {args.table}")
+            return 0
+        tasks = tuple(t.strip() for t in args.tasks.split(",") if t.strip())
+        spec = StepSpec(
+            model=args.model, tasks=tasks, max_length=args.max_length, precision=args.precision, pal=args.pal,
+            surgery=args.surgery, surgery_mode=args.surgery_mode, buffer_dtype=args.surgery_buffer_dtype,
+            zero_stage=args.zero_stage, world_size=args.world_size,
+        )  # fmt: skip
+        plan = plan_memory(spec, args.batch_size, args.max_tokens, args.largest_batch)
+    except ValueError as err:
+        print(f"fastpals memory: error: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
