@@ -20,6 +20,8 @@ __all__ = [
     "restore_replaced",
     "results_table",
     "save_best",
+    "strict_json",
+    "trim_metrics",
     "write_dev_predictions",
 ]
 
@@ -95,6 +97,67 @@ def restore_replaced(out: Path, aside: Path | None, remove_new: bool = True) -> 
     for child in aside.iterdir():
         child.rename(out / child.name)
     aside.rmdir()
+
+
+def finite_or_null(value: Any) -> Any:
+    """``value`` with every NaN/inf float (inside dicts, lists and tuples too) as None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(v) for v in value]
+    return value
+
+
+def strict_json(value: Any, **kw: Any) -> str:
+    """``json.dumps`` that writes strict JSON: NaN and inf become ``null`` (Python's ``NaN`` is not JSON)."""
+    return json.dumps(finite_or_null(value), allow_nan=False, **kw)
+
+
+def trim_metrics(path: Path, step: int) -> int:
+    """Before a resume from the checkpoint of update ``step``: drop the records of ``path`` (``metrics.jsonl``)
+    of later updates, which the resumed run writes again, and a last line cut short by a kill; the file is
+    replaced atomically. Returns the number of records dropped."""
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            dropped += 1
+            continue
+        later = isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step
+        if later:
+            dropped += 1
+        else:
+            kept.append(line)
+    if dropped:
+        atomic_write_text(path, "".join(line + "\n" for line in kept))
+    return dropped
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``path`` whole or not at all: a temporary file beside it, fsync, rename over ``path``."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    try:  # the rename itself survives a power cut once the folder is synced
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
 
 
 def save_best(
