@@ -47,7 +47,7 @@ from fastpals.train.args import TrainArgs
 from fastpals.train.callbacks import Callback, default_callbacks
 from fastpals.train.data_setup import eval_batcher, setup_data
 from fastpals.train.dsconfig import check_ds_config, load_ds_config, precision_note
-from fastpals.train.errors import ConfigError, NonFiniteLossError, TrainingInterrupted
+from fastpals.train.errors import ConfigError, NonFiniteLossError, OutputError, TrainingInterrupted
 from fastpals.train.mixed import packed_micro_batches
 from fastpals.train.optim import build_model, lr_lambda, make_optimizer, optimizer_param_groups
 from fastpals.train.runlock import RunLock
@@ -85,7 +85,12 @@ class Trainer:
         self.out = Path(args.out)
         requested = load_ds_config(args.ds_config)
         self.ds_config = check_ds_config(
-            requested, args.batch_size, args.grad_accum, args.surgery, self.world_size
+            requested,
+            args.batch_size,
+            args.grad_accum,
+            args.surgery,
+            self.world_size,
+            name=f"--ds_config {args.ds_config}",
         )
         self.precision = precision_note(requested, self.ds_config)
         self.ckpt_dir = self.out / "checkpoints"
@@ -181,6 +186,16 @@ class Trainer:
         self.surgery_generator = torch.Generator().manual_seed(self.args.seed)
         self.components["surgery_rng"] = GeneratorState(self.surgery_generator)
 
+    def output_sizes(self) -> tuple[int, int]:
+        """Bytes of a checkpoint (the module's weights, fp32 master weights under bf16/fp16 and the optimizer's
+        states of the trained ones) and of best/ (every weight in fp32), estimated from the engine's module."""
+        params = list(self.engine.module.parameters())
+        module = sum(p.numel() * p.element_size() for p in params)
+        trained = sum(p.numel() for p in params if p.requires_grad)
+        states = {"adamw": 2, "sgd": 1, "rmsprop": 1}.get(self.args.optimizer, 2)
+        master = 1 if params and params[0].dtype != torch.float32 else 0
+        return module + 4 * trained * (states + master), 4 * sum(p.numel() for p in params)
+
     # --- checkpoints --------------------------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
         """DeepSpeed checkpoint + train state + component states; the previous one is removed. The first one of a
@@ -262,7 +277,13 @@ class Trainer:
             if self.is_main:
                 outputs.save_best(self.engine.module, self.tokenizer, self.out / "best", self.args.max_length,
                                   state.global_step, self.args.task_list)  # fmt: skip
-                outputs.write_dev_predictions(self.out / "predictions", preds, self.args.task_specs)
+                try:
+                    outputs.write_dev_predictions(self.out / "predictions", preds, self.args.task_specs)
+                except OSError as err:
+                    raise OutputError(
+                        f"cannot write the dev predictions, {err.filename or self.out / 'predictions'}: "
+                        f"{err.strerror}: free space or fix the permissions, then --resume"
+                    ) from err
         return dev
 
     # --- one update ---------------------------------------------------------------------------------------------
@@ -346,6 +367,10 @@ class Trainer:
         self._setup_model()
         self.log(f"[setup] {self.precision}")  # after the checks of data and model, whose errors are one line
         self._setup_engine()
+        if self.is_main:  # before training: room for a checkpoint and best/
+            problem = outputs.free_space_error(self.out, *self.output_sizes(), resume=args.resume)
+            if problem is not None:
+                raise problem
         if args.resume:
             self.load_checkpoint()
         elif self.is_main:

@@ -11,11 +11,14 @@ from typing import Any
 
 import numpy as np
 
-from fastpals.train.errors import ConfigError
+from fastpals.train.errors import ConfigError, OutputError
 
 __all__ = [
     "RUN_OUTPUTS",
+    "atomic_write_text",
     "discard_replaced",
+    "finite_or_null",
+    "free_space_error",
     "prepare_out",
     "restore_replaced",
     "results_table",
@@ -164,10 +167,55 @@ def save_best(
     module: Any, tokenizer: Any, folder: Path, max_length: int, step: int, tasks: list[str]
 ) -> None:
     """The best model so far: ``module.save_pretrained(folder)`` (the one place the trainer saves a model), the
-    tokenizer's files (HF layout) and ``training_args.json`` (max length, step, tasks) for ``fastpals predict``."""
-    module.save_pretrained(folder, tokenizer=tokenizer)
-    info = {"max_length": max_length, "step": step, "tasks": tasks}
-    (folder / "training_args.json").write_text(json.dumps(info, indent=2))
+    tokenizer's files (HF layout) and ``training_args.json`` (max length, step, tasks) for ``fastpals predict``.
+
+    Written whole or not at all: into ``<folder>.partial``, which then takes the place of ``folder``. A failed
+    write (a full disk, no permission) removes the partial folder, keeps the previous best model and raises
+    :class:`OutputError` naming the path and the cause."""
+    from fastpals.train.state import is_write_error, save_error_cause
+
+    partial, old = folder.with_name(folder.name + ".partial"), folder.with_name(folder.name + ".old")
+    try:
+        for leftover in (partial, old):  # a kill during an earlier save
+            if leftover.exists():
+                shutil.rmtree(leftover)
+        module.save_pretrained(partial, tokenizer=tokenizer)
+        info = {"max_length": max_length, "step": step, "tasks": tasks}
+        (partial / "training_args.json").write_text(json.dumps(info, indent=2))
+        if folder.exists():
+            folder.rename(old)
+        partial.rename(folder)
+        shutil.rmtree(old, ignore_errors=True)
+    except (OSError, RuntimeError) as err:
+        if not is_write_error(err):
+            raise
+        shutil.rmtree(partial, ignore_errors=True)
+        if old.exists() and not folder.exists():
+            old.rename(folder)
+        path = Path(getattr(err, "filename", None) or partial)
+        kept = (
+            f"the previous best model in {folder} is whole" if folder.exists() else "no best model is saved"
+        )
+        raise OutputError(
+            f"cannot write the best model, {path}: {save_error_cause(err, path)}; the partial files were removed "
+            f"and {kept}: free space or fix the permissions, then --resume"
+        ) from err
+
+
+def free_space_error(out: Path, checkpoint_bytes: int, best_bytes: int, resume: bool) -> ConfigError | None:
+    """None when the disk of ``out`` has room for what the run writes: a checkpoint (twice while a new one is
+    written beside the previous one, unless resuming, where the previous one is already there) and best/
+    (twice: the new one is written beside the old); else the one-line error giving both sizes."""
+    need = checkpoint_bytes * (1 if resume else 2) + 2 * best_bytes
+    free = shutil.disk_usage(out).free
+    if free >= need:
+        return None
+    mib = 2**20
+    return ConfigError(
+        f"--out {out}: {free / mib:.0f} MiB free, but the run writes about {need / mib:.0f} MiB (checkpoint "
+        f"{checkpoint_bytes / mib:.0f} MiB, written beside the previous one, and best/ {best_bytes / mib:.0f} MiB, "
+        f"twice): free space or choose an --out on another disk"
+    )
 
 
 def _values(spec: Any, p: np.ndarray) -> np.ndarray:
