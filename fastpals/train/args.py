@@ -342,6 +342,12 @@ class TrainArgs:
             ]
         except (FileNotFoundError, ValueError) as err:
             raise ConfigError(f"--data-dir: {err}") from None
+        for p in paths:
+            problem = _file_problem(p)
+            if problem is not None:
+                raise ConfigError(
+                    f"data file {p} {problem} (check --data-dir / ${DATA_DIR_ENV} or the task file)"
+                )
         missing = [str(p) for p in paths if not p.is_file()]
         if missing:
             raise ConfigError(
@@ -357,6 +363,20 @@ class TrainArgs:
     def resume_options(self) -> dict[str, Any]:
         """The options that must match the saved run's on ``--resume``."""
         return {name: jsonable(getattr(self, name)) for name in resume_fields("match")}
+
+
+def _file_problem(path: Path) -> str | None:
+    """What keeps ``path`` from being read as a data file (a folder, a symbolic-link loop, no read permission),
+    or None (a readable file, or a missing one, which the caller reports with the others)."""
+    if path.is_dir():
+        return "is a folder, not a file"
+    try:
+        with open(path, "rb"):
+            return None
+    except FileNotFoundError:
+        return None if not path.is_symlink() else "is a symbolic link to nothing"
+    except OSError as err:
+        return f"cannot be read ({err.strerror or type(err).__name__})"
 
 
 def _field(name: str) -> dataclasses.Field:

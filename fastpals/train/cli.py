@@ -149,6 +149,12 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
         saved = json.loads(saved_path.read_text())
     except json.JSONDecodeError as err:
         raise ConfigError(f"--resume: {saved_path}:{err.lineno}: not valid JSON ({err.msg})") from None
+    if not isinstance(saved, dict):
+        raise ConfigError(
+            f"--resume: {saved_path} must hold a JSON object of options, not {type(saved).__name__}: restore it "
+            f"(the run's checkpoint keeps the options too) or start a new run"
+        )
+    _check_saved_types(saved, saved_path)
     match = set(resume_fields("match"))
     differ = [k for k in given if k in match and k in saved and given[k] != saved[k]]
     if differ:
@@ -161,6 +167,31 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
     options = {k: v for k, v in saved.items() if k in known and k not in PER_INVOCATION}
     options.update(given)
     return TrainArgs(**options)
+
+
+def _check_saved_types(saved: dict[str, Any], path: Path) -> None:
+    """Each option of ``train_args.json`` (``path``) has its option's type (a hand edit may break that)."""
+    for f in dataclasses.fields(TrainArgs):
+        if not f.init or f.name not in saved:
+            continue
+        value, kind = saved[f.name], f.metadata["type"]
+        if value is None and f.default is None:
+            continue
+        if f.default is False:
+            ok, want = isinstance(value, bool), "true or false"
+        elif f.name == "surgery_opts":
+            ok, want = isinstance(value, list) and all(isinstance(v, str) for v in value), "a list of strings"
+        elif kind is float:
+            ok, want = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+        elif kind is int:
+            ok, want = isinstance(value, int) and not isinstance(value, bool), "an integer"
+        else:
+            ok, want = isinstance(value, str), "a string"
+        if not ok:
+            raise ConfigError(
+                f"--resume: {path}: {f.name} = {json.dumps(value)} must be {want}: fix that entry (the run was "
+                f"started with the option {_fmt(f.name)})"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -316,7 +316,7 @@ def _unknown(name: str, key: str, valid: list[str] | set[str], where: str) -> Co
     close = difflib.get_close_matches(key.rsplit(".", 1)[-1], sorted(valid), n=1, cutoff=0.6)
     prefix = key.rsplit(".", 1)[0] + "." if "." in key else ""
     hint = f": did you mean {prefix}{close[0]}?" if close else f" (valid {where}: {', '.join(sorted(valid))})"
-    return ConfigError(f"{name}: unknown key {key!r}, which DeepSpeed would ignore{hint}")
+    return ConfigError(f"{name}: unknown key {key!r}{hint}")
 
 
 def check_ds_keys(cfg: dict[str, Any], name: str = "--ds_config") -> None:

@@ -208,6 +208,13 @@ def _whole(folder: Path) -> str | None:
             return f"checkpoint file {path} is truncated or corrupt ({type(err).__name__}: {err})"
         if bad is not None:
             return f"checkpoint file {path} is corrupt (bad CRC in {bad})"
+        try:  # torch's own zip reader is stricter about the zip directory and the entries' headers
+            reader = torch._C.PyTorchFileReader(str(path))
+            for name in reader.get_all_records():
+                reader.get_record_offset(name)
+        except RuntimeError as err:
+            detail = str(err).split(". ")[0] if str(err) else type(err).__name__
+            return f"checkpoint file {path} is corrupt ({detail})"
     return None
 
 
