@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -447,3 +448,87 @@ def test_help_documents_the_exit_codes():
                  "130  stopped by Ctrl-C", "143  stopped by SIGTERM"):  # fmt: skip
         assert code in text, code
     assert "--checkpoint-every" in text
+
+
+# --- one line, never a traceback ----------------------------------------------------------------------------
+def test_hand_edited_train_args_json_is_one_line(tmp_path):
+    from fastpals.train.cli import parse_args
+
+    (tmp_path / "train_args.json").write_text(json.dumps([1, 2]))
+    with pytest.raises(ConfigError, match=r"must hold a JSON object of options, not list"):
+        parse_args(["--out", str(tmp_path), "--resume"])
+    for entry, message in (({"lr": "fast"}, 'lr = "fast" must be a number'),
+                           ({"epochs": 1.5}, "epochs = 1.5 must be an integer"),
+                           ({"freeze_bert": "yes"}, 'freeze_bert = "yes" must be true or false'),
+                           ({"model": 3}, "model = 3 must be a string")):  # fmt: skip
+        (tmp_path / "train_args.json").write_text(json.dumps(entry))
+        with pytest.raises(ConfigError) as info:
+            parse_args(["--out", str(tmp_path), "--resume"])
+        assert message in str(info.value) and "train_args.json" in str(info.value), str(info.value)
+
+
+def test_garbage_weights_file_in_model_is_named(tiny, tmp_path):
+    from fastpals.train.cli import parse_args
+    from fastpals.train.optim import build_model
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny[1], model)
+    (model / "model.safetensors").write_bytes(b"\x00garbage" * 100)
+    args = parse_args(common(tiny, tmp_path / "run"))
+    args.model = str(model)
+    with pytest.raises(ConfigError) as info:
+        build_model(args)
+    message = str(info.value)
+    assert f"{model / 'model.safetensors'} is not a readable weights file" in message and "\n" not in message
+
+
+def test_data_file_that_is_a_folder_or_a_symlink_loop_is_named(tiny, tmp_path):
+    from fastpals.train.cli import parse_args
+
+    data = tmp_path / "data"
+    shutil.copytree(tiny[0], data)
+    train = data / "ids-sst-train.csv"
+    train.unlink()
+    train.mkdir()
+    argv = common(tiny, tmp_path / "run")
+    argv[argv.index("--data-dir") + 1] = str(data)
+    with pytest.raises(ConfigError, match=rf"data file {train} is a folder, not a file"):
+        parse_args(argv)
+    train.rmdir()
+    loop = data / "loop.csv"
+    loop.symlink_to(train)
+    train.symlink_to(loop)
+    with pytest.raises(ConfigError, match=rf"data file {train} cannot be read \(Too many levels of symbolic"):
+        parse_args(argv)
+
+
+def test_unwritable_out_is_one_line(tmp_path, monkeypatch):
+    from fastpals.train import runlock
+
+    def refuse(path, *a, **k):
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    monkeypatch.setattr(runlock.os, "open", refuse)
+    with pytest.raises(ConfigError) as info:
+        RunLock(tmp_path / "run").acquire()
+    assert "Read-only file system" in str(info.value) and "choose an --out" in str(info.value)
+
+
+def test_predict_refuses_a_model_with_non_finite_weights(killed_and_resumed, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    from fastpals.predict import PredictError, _refuse_nonfinite, main
+
+    best = tmp_path / "best"
+    shutil.copytree(killed_and_resumed[1] / "best", best)
+    assert main([str(best), "--task", "sst", "--text", "a good movie"]) == 0
+    weights = load_file(str(best / "model.safetensors"))
+    name = next(iter(weights))
+    weights[name].view(-1)[0] = float("nan")
+    save_file(weights, str(best / "model.safetensors"))
+    capsys.readouterr()
+    assert main([str(best), "--task", "sst", "--text", "a good movie"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds non-finite weights" in err and "p=nan" not in err
+    with pytest.raises(PredictError, match="2 non-finite output"):
+        _refuse_nonfinite("sst", np.array([0.0, np.nan]), np.array([0.5, np.inf]))
