@@ -532,3 +532,20 @@ def test_predict_refuses_a_model_with_non_finite_weights(killed_and_resumed, tmp
     assert err.count("\n") == 1 and "holds non-finite weights" in err and "p=nan" not in err
     with pytest.raises(PredictError, match="2 non-finite output"):
         _refuse_nonfinite("sst", np.array([0.0, np.nan]), np.array([0.5, np.inf]))
+
+
+def test_overwrite_also_clears_a_user_tasks_confusion_plot(tmp_path):
+    from fastpals.train.outputs import discard_replaced, prepare_out
+
+    out = tmp_path / "run"
+    out.mkdir()
+    for name in ("metrics.jsonl", "confusion_para.png", "confusion_mytask.png", "notes.txt"):
+        (out / name).write_text(name)
+    aside = prepare_out(out, resume=False, overwrite=True, is_main=True)
+    assert sorted(p.name for p in aside.iterdir()) == [
+        "confusion_mytask.png",
+        "confusion_para.png",
+        "metrics.jsonl",
+    ]
+    discard_replaced(aside)
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]

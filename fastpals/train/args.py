@@ -119,7 +119,9 @@ class TrainArgs:
         resume=MAY, default=False,
     )  # fmt: skip
     overwrite: bool = opt(
-        "delete the earlier run's outputs in --out (metrics, checkpoints, best/, TensorBoard events) first",
+        "replace the earlier run in --out: its outputs (metrics, checkpoints, best/, TensorBoard events, plots) "
+        "move aside to --out/.replaced-<pid>/ and are deleted once the new run has its first checkpoint; a new run "
+        "that fails before that puts them back",
         resume=MAY, default=False,
     )  # fmt: skip
     sampling: str = opt(

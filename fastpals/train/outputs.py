@@ -21,6 +21,7 @@ __all__ = [
     "free_space_error",
     "prepare_out",
     "restore_replaced",
+    "run_outputs",
     "results_table",
     "save_best",
     "strict_json",
@@ -36,6 +37,16 @@ RUN_OUTPUTS = ("metrics.jsonl", "results.json", "train_args.json", "best", "chec
 REPLACED_PREFIX = ".replaced-"
 
 
+def run_outputs(out: Path) -> list[str]:
+    """The names in ``out`` that a run wrote: :data:`RUN_OUTPUTS` and every task's ``confusion_<task>.png``
+    (user tasks have their own), plus a best/ save cut short (``best.partial``, ``best.old``)."""
+    if not out.is_dir():
+        return []
+    names = [name for name in RUN_OUTPUTS if (out / name).exists()]
+    extra = sorted(p.name for p in out.glob("confusion_*.png")) + ["best.partial", "best.old"]
+    return names + [name for name in extra if name not in names and (out / name).exists()]
+
+
 def prepare_out(out: Path, resume: bool, overwrite: bool, is_main: bool) -> Path | None:
     """Make ``out`` ready: a new run needs a folder without an earlier run's outputs; ``resume`` continues the run
     there. :class:`ConfigError` otherwise.
@@ -47,7 +58,7 @@ def prepare_out(out: Path, resume: bool, overwrite: bool, is_main: bool) -> Path
     in between, the earlier run stays in that folder."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file, not a folder: choose another --out")
-    earlier = [name for name in RUN_OUTPUTS if (out / name).exists()]
+    earlier = run_outputs(out)
     if resume:
         if overwrite:
             raise ConfigError("--resume and --overwrite contradict each other: give one of them")
@@ -91,7 +102,7 @@ def restore_replaced(out: Path, aside: Path | None, remove_new: bool = True) -> 
     if aside is None or not aside.exists():
         return
     if remove_new:
-        for name in RUN_OUTPUTS:
+        for name in run_outputs(out):
             path = out / name
             if path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path)
