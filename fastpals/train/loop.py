@@ -105,10 +105,12 @@ class Trainer:
             self._replaced = outputs.prepare_out(self.out, args.resume, args.overwrite, self.is_main)
             if args.resume:
                 check_checkpoint(self.ckpt_dir)  # a broken checkpoint fails here, before the heavy set-up
+            self.callbacks = (
+                default_callbacks(args, self.out, self.is_main) if callbacks is None else callbacks
+            )
         except BaseException:
             self._release_lock()
             raise
-        self.callbacks = default_callbacks(args, self.out, self.is_main) if callbacks is None else callbacks
         self.loss_hooks: list[Callable[[int, torch.Tensor], torch.Tensor]] = []  # test faults only
         self.state = TrainState(
             step_losses={t: ([], []) for t in args.task_list}, options=args.resume_options()
