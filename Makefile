@@ -6,7 +6,7 @@ export FASTPALS_DATA_DIR ?= $(abspath ../shared/data)
 # JIT-built torch extensions (DeepSpeed's CPU shared-memory op, built only for multi-process CPU runs) stay in the venv
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
-.PHONY: setup train compare test lint bench report clean gpu-session
+.PHONY: setup train resume compare test lint bench report clean gpu-session
 
 $(VENV)/.installed: pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -21,6 +21,10 @@ train: setup
 	$(BIN)/python train.py --ds_config configs/cpu_auto.json --out runs/default --overwrite --epochs 1 \
 		--steps-per-epoch 867 --sampling sqrt --batch-size 48 --max-length 128 --lr 1.2e-4 --pal-lr 6e-4 --head-lr 2.4e-4 \
 		--warmup 0.06 --freeze-word-embeddings --freeze-layers 1 --pal-layers 5
+
+# continue `make train` after a kill, Ctrl-C or power cut from its last checkpoint (every 100 updates)
+resume: setup
+	$(BIN)/python train.py --out runs/default --resume
 
 lint: setup
 	$(BIN)/ruff check .

@@ -8,7 +8,11 @@
 
 import sys
 
-from fastpals.train import main
+try:
+    from fastpals.train import main
+except KeyboardInterrupt:  # Ctrl-C while the libraries load: one line, code 130 (as later in the set-up)
+    print("train.py: interrupted by Ctrl-C during the set-up: nothing was trained", file=sys.stderr)
+    sys.exit(130)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -84,10 +84,18 @@ def load_bert_state_dict(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Read ``model.safetensors`` (preferred) or ``pytorch_model.bin`` from a checkpoint folder."""
     folder = Path(folder)
     st, pt = folder / "model.safetensors", folder / "pytorch_model.bin"
-    if st.is_file():
-        from safetensors.torch import load_file
+    path = st if st.is_file() else pt if pt.is_file() else None
+    if path is not None:
+        try:
+            if path is st:
+                from safetensors.torch import load_file
 
-        return load_file(str(st))
-    if pt.is_file():
-        return torch.load(pt, map_location="cpu", weights_only=True)
+                return load_file(str(st))
+            return torch.load(pt, map_location="cpu", weights_only=True)
+        except Exception as err:  # a damaged or foreign file: name it (the loaders' errors do not)
+            detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise OSError(
+                f"{path} is not a readable weights file ({type(err).__name__}: {detail}): replace it (download "
+                f"or copy the model again)"
+            ) from err
     raise FileNotFoundError(f"{folder} has neither model.safetensors nor pytorch_model.bin")

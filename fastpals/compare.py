@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``fastpals compare``; 0 when every run finished, 1 when one failed (its row says why), 2 for
     a bad option or recipe (before any run starts)."""
     from fastpals.train.cli import parse_args
-    from fastpals.train.errors import ConfigError, NonFiniteLossError, TrainingInterrupted
+    from fastpals.train.errors import ConfigError, NonFiniteLossError, OutputError, TrainingInterrupted
     from fastpals.train.recipes import recipe_names
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         run: dict[str, Any] = {"recipe": name, "results": None, "error": None}
         try:
             run["results"] = Trainer(args).run()
-        except (ConfigError, NonFiniteLossError) as err:
+        except (ConfigError, NonFiniteLossError, OutputError) as err:
             run["error"] = str(err).replace("|", "/")
             status = 1
         except TrainingInterrupted as err:

@@ -21,6 +21,7 @@ import traceback
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from fastpals.data import DATA_DIR_ENV, PairExample, SentenceExample, TaskBatcher, split_path
 from fastpals.multitask import MultiTaskBert
@@ -48,6 +49,12 @@ def load_for_prediction(model_dir: str | Path) -> tuple[MultiTaskBert, object, d
     if not model_dir.is_dir():
         raise FileNotFoundError(f"{model_dir} is not a folder (give the trainer's <out>/best)")
     model = MultiTaskBert.load(model_dir).eval()
+    flags = [torch.isfinite(p).all() for p in model.parameters()]
+    if flags and not bool(torch.stack(flags).all()):  # one check, one host read
+        raise PredictError(
+            f"{model_dir} holds non-finite weights (NaN/inf): its predictions would be meaningless; use a model "
+            f"saved by a run that finished (train.py never saves non-finite weights)"
+        )
     train_args_path = model_dir / "training_args.json"
     train_args = json.loads(train_args_path.read_text()) if train_args_path.is_file() else {}
     if (model_dir / "vocab.txt").is_file():
@@ -104,6 +111,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _refuse_nonfinite(task: str, preds: np.ndarray, conf: np.ndarray | None) -> None:
+    """One line instead of ``p=nan``: the model gave NaN/inf outputs."""
+    bad = int((~np.isfinite(preds)).sum() + (0 if conf is None else (~np.isfinite(conf)).sum()))
+    if bad:
+        raise PredictError(
+            f"the model gave {bad} non-finite output(s) (NaN/inf) for task {task}: no predictions written; the "
+            f"model is broken (use another checkpoint)"
+        )
+
+
 def _label(spec: object, value: float, confidence: float | None) -> str:
     if confidence is None:
         return f"score\t{value:.3f}"
@@ -124,6 +141,7 @@ def _sentences(args: argparse.Namespace, model: MultiTaskBert, tokenizer: object
     else:
         examples = [SentenceExample(f"cli{i}", s) for i, s in enumerate(args.text)]
     _, preds, conf = predict_examples(model, tokenizer, args.task, examples, max_length, with_confidence=True)
+    _refuse_nonfinite(args.task, preds, conf)
     for i, (example, value) in enumerate(zip(examples, preds)):
         shown = example.sentence if not pair else f"{example.sentence1} ||| {example.sentence2}"
         print(f"{args.task}\t{value:.4g}\t{_label(spec, value, None if conf is None else conf[i])}\t{shown}")
@@ -153,9 +171,10 @@ def _test_files(args: argparse.Namespace, model: MultiTaskBert, tokenizer: objec
         if not path.is_file():
             raise PredictError(f"{path} does not exist (check --data-dir)")
         examples = load_task(spec, "test", data_dir, strict=False)
-        ids, preds = predict_examples(
-            model, tokenizer, task, examples, max_length, progress=not args.no_progress
+        ids, preds, conf = predict_examples(
+            model, tokenizer, task, examples, max_length, progress=not args.no_progress, with_confidence=True
         )
+        _refuse_nonfinite(task, preds, conf)
         values = preds.astype(np.int64) if spec.integer_labels else preds
         path = write_predictions(out / f"{task}-test-output.csv", ids, values, spec)
         print(f"[predict] {task}: {len(ids)} predictions -> {path}", file=sys.stderr)

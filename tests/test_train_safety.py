@@ -148,7 +148,13 @@ def test_broken_checkpoint_is_named(stopped_run, tmp_path, how):
         check_checkpoint(out / "checkpoints")
     message = str(info.value)
     assert str(path) in message and "\n" not in message
-    assert "--overwrite" in message or "drop --resume" in message
+    if how in (
+        "no_latest",
+        "latest_nowhere",
+    ):  # the whole step folder beside it is named, with how to resume from it (#33)
+        assert "is a whole checkpoint (the newest)" in message and "--resume again" in message
+    else:
+        assert "--overwrite" in message or "drop --resume" in message
     check_checkpoint(stopped_run / "checkpoints")  # the intact one passes
 
 

@@ -212,9 +212,9 @@ def test_grad_accum_dtype_auto_picks_fp32_accumulation_without_surgery():
     assert "data_types" not in emulated and "immediate_grad_update" not in emulated["bf16"]
     surgery = check_ds_config(auto, 8, 1, surgery="pcgrad", cuda=False, native_bf16=True)
     assert "data_types" not in surgery and surgery["zero_optimization"]["stage"] == 1
-    kept = {**auto, "data_types": {"grad_accum_dtype": "auto", "other": 1}}
+    kept = {**auto, "data_types": {"grad_accum_dtype": "auto", "param_dtype": "bf16"}}  # other entries stay
     assert check_ds_config(kept, 8, 1, surgery="gem", cuda=False, native_bf16=True)["data_types"] == {
-        "other": 1
+        "param_dtype": "bf16"
     }
     explicit = {
         "bf16": {"enabled": True},

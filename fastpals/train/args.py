@@ -119,7 +119,9 @@ class TrainArgs:
         resume=MAY, default=False,
     )  # fmt: skip
     overwrite: bool = opt(
-        "delete the earlier run's outputs in --out (metrics, checkpoints, best/, TensorBoard events) first",
+        "replace the earlier run in --out: its outputs (metrics, checkpoints, best/, TensorBoard events, plots) "
+        "move aside to --out/.replaced-<pid>/ and are deleted once the new run has its first checkpoint; a new run "
+        "that fails before that puts them back",
         resume=MAY, default=False,
     )  # fmt: skip
     sampling: str = opt(
@@ -177,6 +179,12 @@ class TrainArgs:
     eval_every: int = opt(
         "also evaluate on dev every N updates (0: at epoch ends only)", resume=MAY, type=int, default=0
     )
+    checkpoint_every: int = opt(
+        "also write a resumable checkpoint every N updates inside an epoch (0: at epoch ends only); a kill "
+        "(kill -9, out of memory, power cut) loses at most N updates: --resume continues from the last one, "
+        "bit-identical to an uninterrupted run. The default, 100, is about 70 s of `make train` on a 2-core CPU",
+        resume=MAY, type=int, default=100,
+    )  # fmt: skip
     eval_at_start: bool = opt("evaluate the untrained model (step 0) first", resume=MAY, default=False)
     max_eval: int | None = opt(
         "use at most N dev examples per task (a fixed random subset, the same in every run) for quick runs",
@@ -210,6 +218,13 @@ class TrainArgs:
     inject_nan_at_step: int | None = opt(
         "testing: NaN loss at this update", resume=MAY, type=int, hidden=True
     )
+    inject_nan_weights_at_step: int | None = opt(
+        "testing: NaN in the weights after this update", resume=MAY, type=int, hidden=True
+    )
+    kill_after_steps: int | None = opt(
+        "testing: SIGKILL this process after N updates (no checkpoint, as kill -9 would)", resume=MAY, type=int,
+        hidden=True,
+    )  # fmt: skip
 
     # derived in __post_init__ (not options)
     task_list: list[str] = field(init=False, repr=False, default_factory=list)
@@ -244,6 +259,7 @@ class TrainArgs:
             self._at_least(name, allow_none=True)
         self._at_least("extra_batches", low=0)
         self._at_least("eval_every", low=0)
+        self._at_least("checkpoint_every", low=0)
         if self.seed < 0:
             raise ConfigError(f"--seed must be >= 0, got {self.seed}")
         if not 8 <= self.max_length <= 512:
@@ -328,6 +344,12 @@ class TrainArgs:
             ]
         except (FileNotFoundError, ValueError) as err:
             raise ConfigError(f"--data-dir: {err}") from None
+        for p in paths:
+            problem = _file_problem(p)
+            if problem is not None:
+                raise ConfigError(
+                    f"data file {p} {problem} (check --data-dir / ${DATA_DIR_ENV} or the task file)"
+                )
         missing = [str(p) for p in paths if not p.is_file()]
         if missing:
             raise ConfigError(
@@ -343,6 +365,20 @@ class TrainArgs:
     def resume_options(self) -> dict[str, Any]:
         """The options that must match the saved run's on ``--resume``."""
         return {name: jsonable(getattr(self, name)) for name in resume_fields("match")}
+
+
+def _file_problem(path: Path) -> str | None:
+    """What keeps ``path`` from being read as a data file (a folder, a symbolic-link loop, no read permission),
+    or None (a readable file, or a missing one, which the caller reports with the others)."""
+    if path.is_dir():
+        return "is a folder, not a file"
+    try:
+        with open(path, "rb"):
+            return None
+    except FileNotFoundError:
+        return None if not path.is_symlink() else "is a symbolic link to nothing"
+    except OSError as err:
+        return f"cannot be read ({err.strerror or type(err).__name__})"
 
 
 def _field(name: str) -> dataclasses.Field:

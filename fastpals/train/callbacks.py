@@ -13,7 +13,6 @@ interrupted).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -51,8 +50,10 @@ class JsonlLog(Callback):
         self.path = path
 
     def on_record(self, trainer: Any, entry: dict[str, Any]) -> None:
+        from fastpals.train.outputs import strict_json
+
         with open(self.path, "a") as f:
-            f.write(json.dumps(entry) + "\n")
+            f.write(strict_json(entry) + "\n")  # NaN/inf as null: every line is strict JSON
 
 
 class TensorBoardLog(Callback):
@@ -66,7 +67,9 @@ class TensorBoardLog(Callback):
         except ImportError:
             trainer.log("[log] tensorboard is not installed: metrics go to metrics.jsonl only")
             return
-        self.writer = SummaryWriter(str(self.folder))
+        # a resumed run drops the events of the updates after its checkpoint, which it runs again
+        purge = trainer.state.global_step + 1 if trainer.args.resume else None
+        self.writer = SummaryWriter(str(self.folder), purge_step=purge)
 
     def on_record(self, trainer: Any, entry: dict[str, Any]) -> None:
         if self.writer is None:
@@ -158,11 +161,19 @@ class Plots(Callback):
 
 class FaultInjection(Callback):
     """Test-only faults, installed only when asked for: ``nan_at_step`` turns the loss of that update into NaN
-    (through the trainer's ``loss_hooks``); ``stop_after_steps`` sends this process SIGTERM after that update,
-    as a real kill would."""
+    (through the trainer's ``loss_hooks``); ``nan_weights_at_step`` puts a NaN into the weights after that update;
+    ``stop_after_steps`` sends this process SIGTERM after that update, as a real kill would; ``kill_after_steps``
+    sends it SIGKILL (kill -9: no checkpoint, no clean-up)."""
 
-    def __init__(self, nan_at_step: int | None, stop_after_steps: int | None) -> None:
+    def __init__(
+        self,
+        nan_at_step: int | None,
+        stop_after_steps: int | None,
+        kill_after_steps: int | None = None,
+        nan_weights_at_step: int | None = None,
+    ) -> None:
         self.nan_at_step, self.stop_after_steps = nan_at_step, stop_after_steps
+        self.kill_after_steps, self.nan_weights_at_step = kill_after_steps, nan_weights_at_step
 
     def on_train_start(self, trainer: Any) -> None:
         if self.nan_at_step is not None:
@@ -173,7 +184,18 @@ class FaultInjection(Callback):
             trainer.loss_hooks.append(nan_loss)
 
     def on_record(self, trainer: Any, entry: dict[str, Any]) -> None:
-        if entry["type"] == "step" and entry["step"] == self.stop_after_steps:
+        if entry["type"] != "step":
+            return
+        if entry["step"] == self.nan_weights_at_step:
+            import torch
+
+            with torch.no_grad():
+                next(p for p in trainer.engine.module.parameters() if p.requires_grad).view(-1)[0] = float(
+                    "nan"
+                )
+        if entry["step"] == self.kill_after_steps:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if entry["step"] == self.stop_after_steps:
             os.kill(os.getpid(), signal.SIGTERM)
 
 
@@ -184,6 +206,12 @@ def default_callbacks(args: Any, out: Path, is_main: bool) -> list[Callback]:
     if is_main:
         callbacks += [JsonlLog(out / "metrics.jsonl"), TensorBoardLog(out / "tensorboard"),
                       Progress(enabled=not args.no_progress), Plots()]  # fmt: skip
-    if args.inject_nan_at_step is not None or args.stop_after_steps is not None:
-        callbacks.append(FaultInjection(args.inject_nan_at_step, args.stop_after_steps))
+    faults = (
+        args.inject_nan_at_step,
+        args.stop_after_steps,
+        args.kill_after_steps,
+        args.inject_nan_weights_at_step,
+    )
+    if any(f is not None for f in faults):
+        callbacks.append(FaultInjection(*faults))
     return callbacks

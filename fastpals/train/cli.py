@@ -16,18 +16,53 @@ from pathlib import Path
 from typing import Any
 
 from fastpals.train.args import TrainArgs, resume_fields
-from fastpals.train.errors import ConfigError, NonFiniteLossError, TrainingInterrupted
+from fastpals.train.errors import ConfigError, NonFiniteLossError, OutputError, TrainingInterrupted
 
 __all__ = ["build_parser", "main", "parse_args"]
 
 PROG = "train.py"
 # options of one command, never taken from the saved run on --resume
-PER_INVOCATION = ("resume", "overwrite", "debug", "local_rank", "stop_after_steps", "inject_nan_at_step")
+PER_INVOCATION = ("resume", "overwrite", "debug", "local_rank", "stop_after_steps", "inject_nan_at_step",
+                  "inject_nan_weights_at_step", "kill_after_steps")  # fmt: skip
+
+
+#: the exit codes of ``train.py`` (also in ``--help``)
+EXIT_CODES = (
+    (0, "the run finished"),
+    (2, "an option, the ds_config, the data, --out or a checkpoint is wrong (one line says what to change)"),
+    (3, "a non-finite loss, gradient or weights stopped training (nothing non-finite was saved)"),
+    (
+        4,
+        "an output could not be written (disk full, no permission, read-only): the previous checkpoint is whole",
+    ),
+    (129, "stopped by SIGHUP (a closed terminal) after writing a checkpoint: --resume continues"),
+    (
+        130,
+        "stopped by Ctrl-C: once, after a checkpoint (--resume continues); twice, or during the set-up, at once",
+    ),
+    (143, "stopped by SIGTERM after writing a checkpoint: --resume continues"),
+)
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, not usage + error
         self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults in the options' help; the epilog's lines (the exit codes) kept as written."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        import textwrap
+
+        return "\n".join(
+            textwrap.fill(
+                line, width, initial_indent=indent, subsequent_indent=indent + " " * 7 * line[:1].isspace()
+            )
+            if line.strip()
+            else ""
+            for line in text.splitlines()
+        )
 
 
 def build_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
@@ -41,8 +76,8 @@ def build_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
         epilog="[may change on --resume] marks the options a resumed run may give anew: "
         + ", ".join(_fmt(n) for n in may if not _field_hidden(n))
         + ". --resume reads every option from <out>/train_args.json; giving one of the others with another value "
-        "is an error.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        "is an error.\n\nexit codes:\n" + "\n".join(f"  {code:>3}  {text}" for code, text in EXIT_CODES),
+        formatter_class=_HelpFormatter,
         argument_default=argparse.SUPPRESS if suppress_defaults else None,
     )
     for f in dataclasses.fields(TrainArgs):
@@ -114,6 +149,12 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
         saved = json.loads(saved_path.read_text())
     except json.JSONDecodeError as err:
         raise ConfigError(f"--resume: {saved_path}:{err.lineno}: not valid JSON ({err.msg})") from None
+    if not isinstance(saved, dict):
+        raise ConfigError(
+            f"--resume: {saved_path} must hold a JSON object of options, not {type(saved).__name__}: restore it "
+            f"(the run's checkpoint keeps the options too) or start a new run"
+        )
+    _check_saved_types(saved, saved_path)
     match = set(resume_fields("match"))
     differ = [k for k in given if k in match and k in saved and given[k] != saved[k]]
     if differ:
@@ -128,34 +169,75 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
     return TrainArgs(**options)
 
 
+def _check_saved_types(saved: dict[str, Any], path: Path) -> None:
+    """Each option of ``train_args.json`` (``path``) has its option's type (a hand edit may break that)."""
+    for f in dataclasses.fields(TrainArgs):
+        if not f.init or f.name not in saved:
+            continue
+        value, kind = saved[f.name], f.metadata["type"]
+        if value is None and f.default is None:
+            continue
+        if f.default is False:
+            ok, want = isinstance(value, bool), "true or false"
+        elif f.name == "surgery_opts":
+            ok, want = isinstance(value, list) and all(isinstance(v, str) for v in value), "a list of strings"
+        elif kind is float:
+            ok, want = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+        elif kind is int:
+            ok, want = isinstance(value, int) and not isinstance(value, bool), "an integer"
+        else:
+            ok, want = isinstance(value, str), "a string"
+        if not ok:
+            raise ConfigError(
+                f"--resume: {path}: {f.name} = {json.dumps(value)} must be {want}: fix that entry (the run was "
+                f"started with the option {_fmt(f.name)})"
+            )
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``train.py`` and ``fastpals train``; returns the exit status (0 ok, 2 bad option, config,
-    data, run folder or checkpoint, 3 non-finite loss, 128 + signal number when stopped by SIGTERM/SIGINT after
-    checkpointing)."""
+    """Entry point of ``train.py`` and ``fastpals train``; returns the exit status (:data:`EXIT_CODES`: 0 ok,
+    2 bad option, config, data, run folder or checkpoint, 3 non-finite, 4 an output not written, 128 + signal
+    number when stopped by SIGTERM/SIGINT/SIGHUP)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
+    trainer = None
     try:
         args = parse_args(argv)
         from fastpals.train.allocator import keep_freed_memory
         from fastpals.train.loop import Trainer
 
         keep_freed_memory()  # reuse freed host memory: fewer page faults per update (see its module)
-        Trainer(args).run()
+        trainer = Trainer(args)
+        trainer.run()
     except ConfigError as err:
         _report(f"{PROG}: error: {err}", debug)
         return 2
     except NonFiniteLossError as err:
         _report(f"{PROG}: {err}", debug)
         return 3
+    except OutputError as err:
+        _report(f"{PROG}: error: {err}", debug)
+        return 4
     except TrainingInterrupted as err:
-        print(f"{PROG}: {err}", file=sys.stderr)
+        _report(f"{PROG}: {err}", debug and err.at_once, hint=False)
         return 128 + err.signum
+    except (
+        KeyboardInterrupt
+    ):  # Ctrl-C before the trainer's own handler (the set-up) or after it (the outputs)
+        phase = trainer.phase if trainer is not None else "set-up"
+        what = (
+            "nothing was trained"
+            if phase == "set-up"
+            else "training had finished; the outputs may be partial"
+        )
+        _report(f"{PROG}: interrupted by Ctrl-C during the {phase}: {what}", debug, hint=False)
+        return 130
     return 0
 
 
-def _report(line: str, debug: bool) -> None:
+def _report(line: str, debug: bool, hint: bool = True) -> None:
     if debug:
         traceback.print_exc()
-    else:
+    elif hint:
         line += " (--debug shows the traceback)"
     print(line, file=sys.stderr)

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import copy
+import difflib
 import json
 import os
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ from fastpals.train.errors import ConfigError
 __all__ = [
     "DEFAULT_DS_CONFIG",
     "check_ds_config",
+    "check_ds_keys",
     "cpu_has_native_bf16",
     "load_ds_config",
     "precision_note",
@@ -254,4 +257,102 @@ def check_ds_config(
     clip = out.get("gradient_clipping", 0.0)
     if not isinstance(clip, (int, float)) or clip < 0:
         raise ConfigError(f"{name}: gradient_clipping must be a number >= 0, got {clip!r}")
+    check_ds_keys(out, name)
     return out
+
+
+# DeepSpeed's top-level sections that deepspeed.runtime.constants does not name (DeepSpeed 0.19)
+_DS_SECTIONS = (
+    "zero_optimization", "monitor", "tensorboard", "wandb", "csv_monitor", "comet", "flops_profiler",
+    "activation_checkpointing", "comms_logger", "aio", "autotuning", "compression_training", "data_efficiency",
+    "elasticity", "pipeline", "timers", "compile", "hybrid_engine", "curriculum_learning", "nebula",
+    "weight_quantization", "amp", "sparse_gradients", "eigenvalue", "progressive_layer_drop", "quantize_training",
+    "sparse_attention", "graph_harvesting", "load_universal_checkpoint", "tensor_parallel", "sequence_parallel_size",
+    "zenflow", "deepcompile", "checkpoint",
+)  # fmt: skip
+
+
+def _valid_top_level_keys() -> set[str]:
+    import deepspeed.runtime.constants as constants
+
+    names = {
+        v
+        for k, v in vars(constants).items()
+        if k.isupper() and isinstance(v, str) and re.fullmatch(r"[a-z][a-z0-9_]*", v)
+    }
+    return names | set(_DS_SECTIONS)
+
+
+def _section_models() -> dict[str, Any]:
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    return {"zero_optimization": DeepSpeedZeroConfig, "bf16": DeepSpeedBF16Config, "bfloat16": DeepSpeedBF16Config,
+            "fp16": DeepSpeedFP16Config}  # fmt: skip
+
+
+_DATA_TYPES_KEYS = ("grad_accum_dtype", "param_dtype", "buffer_dtype", "keep_in_fp32_modules")
+
+
+def _model_keys(model: Any, path: tuple[Any, ...]) -> list[str]:
+    """The keys a (nested) DeepSpeed pydantic section accepts at ``path``: field names and their aliases."""
+    import typing
+
+    from pydantic import BaseModel
+
+    for part in path:
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        candidates = [field.annotation, *typing.get_args(field.annotation)]
+        model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        if model is None:
+            return []
+    fields = getattr(model, "model_fields", {})
+    return sorted(set(fields) | {f.alias for f in fields.values() if f.alias})
+
+
+def _unknown(name: str, key: str, valid: list[str] | set[str], where: str) -> ConfigError:
+    close = difflib.get_close_matches(key.rsplit(".", 1)[-1], sorted(valid), n=1, cutoff=0.6)
+    prefix = key.rsplit(".", 1)[0] + "." if "." in key else ""
+    hint = f": did you mean {prefix}{close[0]}?" if close else f" (valid {where}: {', '.join(sorted(valid))})"
+    return ConfigError(f"{name}: unknown key {key!r}{hint}")
+
+
+def check_ds_keys(cfg: dict[str, Any], name: str = "--ds_config") -> None:
+    """Refuse what DeepSpeed would ignore or reject only after the set-up: an unknown top-level key, an unknown
+    key inside ``zero_optimization``/``bf16``/``fp16``/``data_types`` (one line with the closest valid key), or a
+    value DeepSpeed's own validation refuses (one line naming the key)."""
+    try:
+        valid = _valid_top_level_keys()
+        models = _section_models()
+        from pydantic import ValidationError
+    except ImportError:  # no DeepSpeed here: it checks its config itself at the set-up
+        return
+    for key in cfg:
+        if key not in valid:
+            raise _unknown(name, key, valid, "top-level keys")
+    types = cfg.get("data_types")
+    if isinstance(types, dict):
+        for key in types:
+            if key not in _DATA_TYPES_KEYS:
+                raise _unknown(name, f"data_types.{key}", list(_DATA_TYPES_KEYS), "data_types keys")
+    for section, model in models.items():
+        if section not in cfg:
+            continue
+        if not isinstance(cfg[section], dict):
+            raise ConfigError(f"{name}: {section} must be a JSON object, got {cfg[section]!r}")
+        try:
+            model(**cfg[section])
+        except ValidationError as err:
+            first = err.errors()[0]
+            loc = tuple(first.get("loc", ()))
+            key = ".".join(str(p) for p in (section, *loc))
+            if first.get("type") == "extra_forbidden" and loc:
+                raise _unknown(name, key, _model_keys(model, loc[:-1]), f"{section} keys") from None
+            value = f" = {first['input']!r}" if "input" in first and loc else ""
+            raise ConfigError(f"{name}: {key}{value}: {first.get('msg', err)}") from None
+        except (TypeError, ValueError, AssertionError) as err:
+            raise ConfigError(
+                f"{name}: {section}: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
+            ) from None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-__all__ = ["ConfigError", "NonFiniteLossError", "TrainingInterrupted"]
+__all__ = ["ConfigError", "NonFiniteLossError", "OutputError", "TrainingInterrupted"]
 
 
 class ConfigError(ValueError):
@@ -13,24 +13,74 @@ class ConfigError(ValueError):
     says what to change. Raised before training starts (or when resuming)."""
 
 
+class OutputError(RuntimeError):
+    """Writing an output failed (a full disk, no permission, a read-only file system): one line naming the path
+    and the cause; the partial files are removed and the previous checkpoint is whole."""
+
+
+_LOWER_RATE = (
+    "start a new run (another --out, or --overwrite) with a lower --lr / --pal-lr / --head-lr, or bf16 instead of "
+    "fp16 (--resume keeps the saved options, so it would meet the same non-finite value again)"
+)
+
+
 class NonFiniteLossError(RuntimeError):
-    """A loss (or a task gradient under surgery) was NaN/inf: ``step`` (update, from 1), ``task``, ``value``."""
+    """A loss (or a task gradient under surgery, or the weights) was NaN/inf: ``step`` (update, from 1), ``task``,
+    ``value``. :meth:`add_context` names the run's last checkpoint and best model (both hold finite weights: a
+    non-finite model is never checkpointed, evaluated or saved)."""
 
     def __init__(self, step: int, task: str, value: float, what: str = "loss") -> None:
-        self.step, self.task, self.value = step, task, value
-        super().__init__(
-            f"non-finite {what} {value} at update step {step}, task {task!r}: training stopped before this "
-            f"step's update (the last checkpoint is intact). Lower --lr / --pal-lr / --head-lr, use bf16 instead "
-            f"of fp16, then --resume."
-        )
+        self.step, self.task, self.value, self.what = step, task, value, what
+        self.context = ""
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        if self.what == "weights":
+            head = (
+                f"non-finite weights after update step {self.step}: training stopped; they were not evaluated, "
+                f"saved as best/ or checkpointed"
+            )
+        else:
+            head = (
+                f"non-finite {self.what} {self.value} at update step {self.step}, task {self.task!r}: training "
+                f"stopped before this step's update"
+            )
+        return f"{head}{self.context}. To go on, {_LOWER_RATE}."
+
+    def add_context(
+        self, checkpoint: Path | None, checkpoint_step: int | None, best: Path | None, best_step: int | None
+    ) -> None:
+        """Say which good checkpoint and best model this run has (None: none yet)."""
+        if checkpoint is not None:
+            ckpt = f"the last checkpoint, {checkpoint} (update {checkpoint_step}), is good"
+        else:
+            ckpt = "this run wrote no checkpoint yet"
+        best_text = f"; {best} holds the best model so far (update {best_step})" if best is not None else ""
+        self.context = f" ({ckpt}{best_text})"
+        self.args = (self._message(),)
+
+    def __str__(self) -> str:
+        return self._message()
 
 
 class TrainingInterrupted(RuntimeError):
-    """SIGTERM/SIGINT arrived: a checkpoint was written; ``--resume`` continues. ``signum`` says which."""
+    """SIGTERM/SIGINT/SIGHUP arrived: a checkpoint was written (``checkpoint``), and ``--resume`` continues; or a
+    second Ctrl-C stopped the run at once (``at_once``; ``checkpoint`` is the last one written, or None).
+    ``signum`` says which signal."""
 
-    def __init__(self, signum: int, step: int, checkpoint: Path) -> None:
-        self.signum, self.step, self.checkpoint = signum, step, checkpoint
-        super().__init__(
-            f"stopped by signal {signal.Signals(signum).name} after update step {step}; checkpoint {checkpoint} "
-            f"(continue with --out {checkpoint.parent.parent} --resume)"
-        )
+    def __init__(self, signum: int, step: int, checkpoint: Path | None, at_once: bool = False) -> None:
+        self.signum, self.step, self.checkpoint, self.at_once = signum, step, checkpoint, at_once
+        name = signal.Signals(signum).name
+        if checkpoint is None:
+            then = "this run wrote no checkpoint yet: start it again (--overwrite)"
+        else:
+            then = f"continue with --out {checkpoint.parent.parent} --resume"
+        if at_once:
+            last = f"; the last checkpoint is {checkpoint}" if checkpoint is not None else ""
+            message = (
+                f"stopped at once by a second Ctrl-C after update step {step}, without a new checkpoint"
+                f"{last} ({then})"
+            )
+        else:
+            message = f"stopped by signal {name} after update step {step}; checkpoint {checkpoint} ({then})"
+        super().__init__(message)

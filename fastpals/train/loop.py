@@ -47,9 +47,10 @@ from fastpals.train.args import TrainArgs
 from fastpals.train.callbacks import Callback, default_callbacks
 from fastpals.train.data_setup import eval_batcher, setup_data
 from fastpals.train.dsconfig import check_ds_config, load_ds_config, precision_note
-from fastpals.train.errors import ConfigError, NonFiniteLossError, TrainingInterrupted
+from fastpals.train.errors import ConfigError, NonFiniteLossError, OutputError, TrainingInterrupted
 from fastpals.train.mixed import packed_micro_batches
 from fastpals.train.optim import build_model, lr_lambda, make_optimizer, optimizer_param_groups
+from fastpals.train.runlock import RunLock
 from fastpals.train.state import (
     GeneratorState,
     RNGState,
@@ -60,11 +61,17 @@ from fastpals.train.state import (
 )
 from fastpals.train.step import MicroBatch, Surgery, deepspeed_surgery_buffer, run_update
 
-__all__ = ["Trainer", "timestamped"]
+__all__ = ["Trainer", "parameters_finite", "timestamped"]
 
 
 def timestamped(message: str) -> str:
     return f"{datetime.now().strftime('%H:%M:%S')} {message}"
+
+
+def parameters_finite(module: torch.nn.Module) -> bool:
+    """Are all of ``module``'s parameters finite? The check runs on the device; one host read."""
+    flags = [torch.isfinite(p).all() for p in module.parameters()]
+    return bool(torch.stack(flags).all()) if flags else True
 
 
 class Trainer:
@@ -78,20 +85,43 @@ class Trainer:
         self.out = Path(args.out)
         requested = load_ds_config(args.ds_config)
         self.ds_config = check_ds_config(
-            requested, args.batch_size, args.grad_accum, args.surgery, self.world_size
+            requested,
+            args.batch_size,
+            args.grad_accum,
+            args.surgery,
+            self.world_size,
+            name=f"--ds_config {args.ds_config}",
         )
         self.precision = precision_note(requested, self.ds_config)
         self.ckpt_dir = self.out / "checkpoints"
-        self._replaced = outputs.prepare_out(self.out, args.resume, args.overwrite, self.is_main)
-        if args.resume:
-            check_checkpoint(self.ckpt_dir)  # a broken checkpoint fails here, before the heavy set-up
-        self.callbacks = default_callbacks(args, self.out, self.is_main) if callbacks is None else callbacks
+        self._lock: RunLock | None = None
+        if self.is_main:  # one run per folder: taken before anything in --out is touched
+            self._lock = RunLock(self.out).acquire()
+            if self._lock.taken_over is not None:
+                pid, host = self._lock.taken_over
+                self.log(f"[warning] {self._lock.path}: the run with pid {pid} on host {host} ended without "
+                         "releasing its lock (killed?); this run takes the folder over")  # fmt: skip
+        try:
+            self._replaced = outputs.prepare_out(self.out, args.resume, args.overwrite, self.is_main)
+            if args.resume:
+                check_checkpoint(self.ckpt_dir)  # a broken checkpoint fails here, before the heavy set-up
+            self.callbacks = (
+                default_callbacks(args, self.out, self.is_main) if callbacks is None else callbacks
+            )
+        except BaseException:
+            self._release_lock()
+            raise
         self.loss_hooks: list[Callable[[int, torch.Tensor], torch.Tensor]] = []  # test faults only
         self.state = TrainState(
             step_losses={t: ([], []) for t in args.task_list}, options=args.resume_options()
         )
         self.finished = False
+        self.phase = "set-up"  # then "training", then "writing the outputs" (named when Ctrl-C stops the run)
         self._stop_signal: int | None = None
+        self._checkpoint: tuple[Path, int] | None = (
+            None  # this run's last checkpoint (all finite) and its step
+        )
+        self._finite_step: int | None = None  # the update step whose weights were last checked finite
 
     # --- reporting ----------------------------------------------------------------------------------------------
     def log(self, message: str) -> None:
@@ -158,13 +188,41 @@ class Trainer:
         self.surgery_generator = torch.Generator().manual_seed(self.args.seed)
         self.components["surgery_rng"] = GeneratorState(self.surgery_generator)
 
+    def output_sizes(self) -> tuple[int, int]:
+        """Bytes of a checkpoint (the module's weights, fp32 master weights under bf16/fp16 and the optimizer's
+        states of the trained ones) and of best/ (every weight in fp32), estimated from the engine's module."""
+        params = list(self.engine.module.parameters())
+        module = sum(p.numel() * p.element_size() for p in params)
+        trained = sum(p.numel() for p in params if p.requires_grad)
+        states = {"adamw": 2, "sgd": 1, "rmsprop": 1}.get(self.args.optimizer, 2)
+        master = 1 if params and params[0].dtype != torch.float32 else 0
+        return module + 4 * trained * (states + master), 4 * sum(p.numel() for p in params)
+
     # --- checkpoints --------------------------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
         """DeepSpeed checkpoint + train state + component states; the previous one is removed. The first one of a
-        run started with ``--overwrite`` also deletes the earlier run it replaced."""
+        run started with ``--overwrite`` also deletes the earlier run it replaced. Non-finite weights are never
+        checkpointed (:meth:`check_finite`); a checkpoint of this step already written is not written again."""
+        step = self.state.global_step
+        if self._checkpoint is not None and self._checkpoint[1] == step:
+            return self._checkpoint[0]
+        self.check_finite()
         path = save_checkpoint(self.engine, self.ckpt_dir, self.state, self.components, self.is_main)
+        self._checkpoint = (path, step)
         self._settle_replaced(failed=False)
         return path
+
+    def check_finite(self) -> None:
+        """Before an evaluation, a best/ save or a checkpoint: are all the weights finite? One check on the device
+        and one host read, once per update step; :class:`NonFiniteLossError` (after a ``"nonfinite"`` record)
+        when not."""
+        step = self.state.global_step
+        if self._finite_step == step:
+            return
+        if not parameters_finite(self.engine.module):
+            self.record({"type": "nonfinite", "step": step, "task": "all", "what": "weights"})
+            raise NonFiniteLossError(step, "all", math.nan, "weights")
+        self._finite_step = step
 
     def _settle_replaced(self, failed: bool) -> None:
         """The earlier run ``--overwrite`` moved aside: deleted once this run has a checkpoint or finished, put back
@@ -186,7 +244,12 @@ class Trainer:
                                for k in differ)  # fmt: skip
             raise ConfigError(f"--resume: {path} was saved with other options: {detail}")
         self.state = state
+        self._checkpoint = (path, state.global_step)
         self.log(f"[resume] {path}: update step {state.global_step}, epoch {self.sampler.epoch}")
+        if self.is_main:  # records of the updates after the checkpoint are re-run: dropped, not kept twice
+            dropped = outputs.trim_metrics(self.out / "metrics.jsonl", state.global_step)
+            self.record({"type": "resume", "step": state.global_step, "checkpoint": str(path),
+                         "dropped_records": dropped})  # fmt: skip
 
     # --- evaluation ---------------------------------------------------------------------------------------------
     def evaluate(self) -> tuple[dict[str, float], dict[str, Any]]:
@@ -201,6 +264,7 @@ class Trainer:
         return self.is_main and not self.args.no_progress
 
     def _eval_and_track(self, epoch: int) -> dict[str, float]:
+        self.check_finite()  # a non-finite model is never evaluated nor saved as best/
         dev, preds = self.evaluate()
         state = self.state
         entry = {"type": "eval", "step": state.global_step, "epoch": epoch, "dev": dev}
@@ -215,7 +279,13 @@ class Trainer:
             if self.is_main:
                 outputs.save_best(self.engine.module, self.tokenizer, self.out / "best", self.args.max_length,
                                   state.global_step, self.args.task_list)  # fmt: skip
-                outputs.write_dev_predictions(self.out / "predictions", preds, self.args.task_specs)
+                try:
+                    outputs.write_dev_predictions(self.out / "predictions", preds, self.args.task_specs)
+                except OSError as err:
+                    raise OutputError(
+                        f"cannot write the dev predictions, {err.filename or self.out / 'predictions'}: "
+                        f"{err.strerror}: free space or fix the permissions, then --resume"
+                    ) from err
         return dev
 
     # --- one update ---------------------------------------------------------------------------------------------
@@ -268,12 +338,30 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         """Set up, train, evaluate and write the outputs; returns the results dict."""
         try:
-            results = self._run()
-        except BaseException:
-            self._settle_replaced(failed=True)
-            raise
-        self._settle_replaced(failed=False)
+            try:
+                results = self._run()
+            except NonFiniteLossError as err:
+                self._add_nonfinite_context(err)
+                self._settle_replaced(failed=True)
+                raise
+            except BaseException:
+                self._settle_replaced(failed=True)
+                raise
+            self._settle_replaced(failed=False)
+        finally:
+            self._release_lock()
         return results
+
+    def _add_nonfinite_context(self, err: NonFiniteLossError) -> None:
+        ckpt, ckpt_step = self._checkpoint if self._checkpoint is not None else (None, None)
+        best_step = self.state.best.get("step")
+        best = self.out / "best" if best_step is not None and (self.out / "best").is_dir() else None
+        err.add_context(ckpt, ckpt_step, best, best_step)
+
+    def _release_lock(self) -> None:
+        lock, self._lock = getattr(self, "_lock", None), None
+        if lock is not None:
+            lock.release()
 
     def _run(self) -> dict[str, Any]:
         args, start = self.args, time.perf_counter()
@@ -281,12 +369,16 @@ class Trainer:
         self._setup_model()
         self.log(f"[setup] {self.precision}")  # after the checks of data and model, whose errors are one line
         self._setup_engine()
+        if self.is_main:  # before training: room for a checkpoint and best/
+            problem = outputs.free_space_error(self.out, *self.output_sizes(), resume=args.resume)
+            if problem is not None:
+                raise problem
         if args.resume:
             self.load_checkpoint()
         elif self.is_main:
             from fastpals.multitask import count_parameters
 
-            (self.out / "train_args.json").write_text(json.dumps(args.options(), indent=2))
+            outputs.atomic_write_text(self.out / "train_args.json", json.dumps(args.options(), indent=2))
             self.record({"type": "config", "args": args.options(), "ds_config": self.ds_config,
                          "parameters": count_parameters(self.model)})  # fmt: skip
         self.state.add_time("setup_s", time.perf_counter() - start)
@@ -306,8 +398,10 @@ class Trainer:
                 )
             for callback in self.callbacks:
                 callback.on_train_start(self)
+            self.phase = "training"
             self._loop()
             self.finished = True
+            self.phase = "writing the outputs"
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
@@ -316,7 +410,25 @@ class Trainer:
         return self._finish(start)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
+        """SIGTERM/SIGHUP/SIGINT: stop after this update (or evaluation) with a checkpoint. The first Ctrl-C says
+        so at once; a second one stops at once, without a checkpoint (:class:`TrainingInterrupted`)."""
+        if self._stop_signal is not None and signum == signal.SIGINT:
+            ckpt = self._checkpoint[0] if self._checkpoint is not None else None
+            raise TrainingInterrupted(signum, self.state.global_step, ckpt, at_once=True)
         self._stop_signal = signum
+        if signum == signal.SIGINT and self.is_main:
+            print(f"{timestamped('[stop]')} Ctrl-C: stopping after this update/evaluation, with a checkpoint; "
+                  "Ctrl-C again to stop now (without one)", file=sys.stderr, flush=True)  # fmt: skip
+
+    def _stop_if_asked(self, t_train: float) -> None:
+        """After an update (and its evaluation, checkpoint): a stop signal writes a checkpoint and stops."""
+        if self._stop_signal is None:
+            return
+        state = self.state
+        state.add_time("train_s", time.perf_counter() - t_train)
+        path = self.save_checkpoint()
+        self.record({"type": "interrupted", "step": state.global_step, "signal": self._stop_signal})
+        raise TrainingInterrupted(self._stop_signal, state.global_step, path)
 
     def _loop(self) -> None:
         args, sampler, state = self.args, self.sampler, self.state
@@ -326,6 +438,7 @@ class Trainer:
             if sampler.epoch_done():
                 if state.evaluated_epoch < sampler.epoch:
                     self._end_epoch()
+                    self._stop_if_asked(t_train)
                 if sampler.epoch == args.epochs:
                     break
                 sampler.start_next_epoch()
@@ -345,15 +458,14 @@ class Trainer:
                     state.step_losses[t][0].append(state.global_step)
                     state.step_losses[t][1].append(v)
                 self.record(entry)
-                if args.eval_every and state.global_step % args.eval_every == 0 and not sampler.epoch_done():
+                inside = not sampler.epoch_done()  # the epoch's end evaluates and checkpoints anyway
+                if args.eval_every and state.global_step % args.eval_every == 0 and inside:
                     self._eval_and_track(sampler.epoch)
-                if self._stop_signal is not None:
+                if args.checkpoint_every and state.global_step % args.checkpoint_every == 0 and inside:
                     state.add_time("train_s", time.perf_counter() - t_train)
-                    path = self.save_checkpoint()
-                    self.record(
-                        {"type": "interrupted", "step": state.global_step, "signal": self._stop_signal}
-                    )
-                    raise TrainingInterrupted(self._stop_signal, state.global_step, path)
+                    t_train = time.perf_counter()
+                    self.save_checkpoint()
+                self._stop_if_asked(t_train)
         state.add_time("train_s", time.perf_counter() - t_train)
 
     def _end_epoch(self) -> None:
@@ -378,7 +490,7 @@ class Trainer:
             state.timings["outputs_s"] = time.perf_counter() - t0
             state.timings["total_s_this_process"] = time.perf_counter() - start
             results["timings"] = state.timings
-            (self.out / "results.json").write_text(json.dumps(results, indent=2))
+            outputs.atomic_write_text(self.out / "results.json", outputs.strict_json(results, indent=2))
             print(outputs.results_table(results), flush=True)
         return results
 

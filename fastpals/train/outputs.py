@@ -11,15 +11,21 @@ from typing import Any
 
 import numpy as np
 
-from fastpals.train.errors import ConfigError
+from fastpals.train.errors import ConfigError, OutputError
 
 __all__ = [
     "RUN_OUTPUTS",
+    "atomic_write_text",
     "discard_replaced",
+    "finite_or_null",
+    "free_space_error",
     "prepare_out",
     "restore_replaced",
+    "run_outputs",
     "results_table",
     "save_best",
+    "strict_json",
+    "trim_metrics",
     "write_dev_predictions",
 ]
 
@@ -29,6 +35,16 @@ RUN_OUTPUTS = ("metrics.jsonl", "results.json", "train_args.json", "best", "chec
 
 
 REPLACED_PREFIX = ".replaced-"
+
+
+def run_outputs(out: Path) -> list[str]:
+    """The names in ``out`` that a run wrote: :data:`RUN_OUTPUTS` and every task's ``confusion_<task>.png``
+    (user tasks have their own), plus a best/ save cut short (``best.partial``, ``best.old``)."""
+    if not out.is_dir():
+        return []
+    names = [name for name in RUN_OUTPUTS if (out / name).exists()]
+    extra = sorted(p.name for p in out.glob("confusion_*.png")) + ["best.partial", "best.old"]
+    return names + [name for name in extra if name not in names and (out / name).exists()]
 
 
 def prepare_out(out: Path, resume: bool, overwrite: bool, is_main: bool) -> Path | None:
@@ -42,7 +58,7 @@ def prepare_out(out: Path, resume: bool, overwrite: bool, is_main: bool) -> Path
     in between, the earlier run stays in that folder."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file, not a folder: choose another --out")
-    earlier = [name for name in RUN_OUTPUTS if (out / name).exists()]
+    earlier = run_outputs(out)
     if resume:
         if overwrite:
             raise ConfigError("--resume and --overwrite contradict each other: give one of them")
@@ -86,7 +102,7 @@ def restore_replaced(out: Path, aside: Path | None, remove_new: bool = True) -> 
     if aside is None or not aside.exists():
         return
     if remove_new:
-        for name in RUN_OUTPUTS:
+        for name in run_outputs(out):
             path = out / name
             if path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path)
@@ -97,14 +113,120 @@ def restore_replaced(out: Path, aside: Path | None, remove_new: bool = True) -> 
     aside.rmdir()
 
 
+def finite_or_null(value: Any) -> Any:
+    """``value`` with every NaN/inf float (inside dicts, lists and tuples too) as None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(v) for v in value]
+    return value
+
+
+def strict_json(value: Any, **kw: Any) -> str:
+    """``json.dumps`` that writes strict JSON: NaN and inf become ``null`` (Python's ``NaN`` is not JSON)."""
+    return json.dumps(finite_or_null(value), allow_nan=False, **kw)
+
+
+def trim_metrics(path: Path, step: int) -> int:
+    """Before a resume from the checkpoint of update ``step``: drop the records of ``path`` (``metrics.jsonl``)
+    of later updates, which the resumed run writes again, and a last line cut short by a kill; the file is
+    replaced atomically. Returns the number of records dropped."""
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            dropped += 1
+            continue
+        later = isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step
+        if later:
+            dropped += 1
+        else:
+            kept.append(line)
+    if dropped:
+        atomic_write_text(path, "".join(line + "\n" for line in kept))
+    return dropped
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``path`` whole or not at all: a temporary file beside it, fsync, rename over ``path``."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    try:  # the rename itself survives a power cut once the folder is synced
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
 def save_best(
     module: Any, tokenizer: Any, folder: Path, max_length: int, step: int, tasks: list[str]
 ) -> None:
     """The best model so far: ``module.save_pretrained(folder)`` (the one place the trainer saves a model), the
-    tokenizer's files (HF layout) and ``training_args.json`` (max length, step, tasks) for ``fastpals predict``."""
-    module.save_pretrained(folder, tokenizer=tokenizer)
-    info = {"max_length": max_length, "step": step, "tasks": tasks}
-    (folder / "training_args.json").write_text(json.dumps(info, indent=2))
+    tokenizer's files (HF layout) and ``training_args.json`` (max length, step, tasks) for ``fastpals predict``.
+
+    Written whole or not at all: into ``<folder>.partial``, which then takes the place of ``folder``. A failed
+    write (a full disk, no permission) removes the partial folder, keeps the previous best model and raises
+    :class:`OutputError` naming the path and the cause."""
+    from fastpals.train.state import is_write_error, save_error_cause
+
+    partial, old = folder.with_name(folder.name + ".partial"), folder.with_name(folder.name + ".old")
+    try:
+        for leftover in (partial, old):  # a kill during an earlier save
+            if leftover.exists():
+                shutil.rmtree(leftover)
+        module.save_pretrained(partial, tokenizer=tokenizer)
+        info = {"max_length": max_length, "step": step, "tasks": tasks}
+        (partial / "training_args.json").write_text(json.dumps(info, indent=2))
+        if folder.exists():
+            folder.rename(old)
+        partial.rename(folder)
+        shutil.rmtree(old, ignore_errors=True)
+    except (OSError, RuntimeError) as err:
+        if not is_write_error(err):
+            raise
+        shutil.rmtree(partial, ignore_errors=True)
+        if old.exists() and not folder.exists():
+            old.rename(folder)
+        path = Path(getattr(err, "filename", None) or partial)
+        kept = (
+            f"the previous best model in {folder} is whole" if folder.exists() else "no best model is saved"
+        )
+        raise OutputError(
+            f"cannot write the best model, {path}: {save_error_cause(err, path)}; the partial files were removed "
+            f"and {kept}: free space or fix the permissions, then --resume"
+        ) from err
+
+
+def free_space_error(out: Path, checkpoint_bytes: int, best_bytes: int, resume: bool) -> ConfigError | None:
+    """None when the disk of ``out`` has room for what the run writes: a checkpoint (twice while a new one is
+    written beside the previous one, unless resuming, where the previous one is already there) and best/
+    (twice: the new one is written beside the old); else the one-line error giving both sizes."""
+    need = checkpoint_bytes * (1 if resume else 2) + 2 * best_bytes
+    free = shutil.disk_usage(out).free
+    if free >= need:
+        return None
+    mib = 2**20
+    return ConfigError(
+        f"--out {out}: {free / mib:.0f} MiB free, but the run writes about {need / mib:.0f} MiB (checkpoint "
+        f"{checkpoint_bytes / mib:.0f} MiB, written beside the previous one, and best/ {best_bytes / mib:.0f} MiB, "
+        f"twice): free space or choose an --out on another disk"
+    )
 
 
 def _values(spec: Any, p: np.ndarray) -> np.ndarray:

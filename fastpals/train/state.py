@@ -7,14 +7,20 @@ where the components (task sampler, batchers, RNGs) are objects with ``state_dic
 once by the loop: saving and loading walk the same dict, so nothing is mirrored by hand.
 
 A missing, truncated or corrupt checkpoint file, or a ``latest`` that names no folder, is a
-:class:`ConfigError` with one line naming the file and what to do.
+:class:`ConfigError` with one line naming the file and what to do (and the newest whole checkpoint folder, when
+one is there). ``latest`` is written by :func:`save_checkpoint` itself, atomically, once the new folder is whole;
+a save that fails (a full disk, no permission) removes its partial folder and leaves the previous checkpoint and
+``latest`` as they were (:class:`OutputError`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import math
+import os
 import random
+import re
 import shutil
 import zipfile
 from dataclasses import dataclass, field
@@ -24,7 +30,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from fastpals.train.errors import ConfigError
+from fastpals.train.errors import ConfigError, OutputError
 
 __all__ = ["GeneratorState", "RNGState", "Stateful", "TrainState", "check_checkpoint", "load_checkpoint",
            "save_checkpoint"]  # fmt: skip
@@ -103,55 +109,163 @@ class GeneratorState:
         self.generator.set_state(state["state"])
 
 
+_STEP_FOLDER = re.compile(r"step(\d+)")
+
+
+def _read_latest(ckpt_dir: Path) -> str | None:
+    try:
+        return (ckpt_dir / "latest").read_text().strip() or None
+    except OSError:
+        return None
+
+
+def write_latest(ckpt_dir: Path, tag: str) -> None:
+    """``<ckpt_dir>/latest`` := ``tag``, atomically: a temporary file, fsync, rename."""
+    from fastpals.train.outputs import atomic_write_text
+
+    atomic_write_text(ckpt_dir / "latest", tag)
+
+
+def save_error_cause(err: BaseException, path: Path) -> str:
+    """What an error while writing ``path`` means, in words: the OS's cause (``No space left on device
+    (ENOSPC)``), or for torch's file writer, which reports a full disk as ``unexpected pos``, the free space."""
+    if isinstance(err, OSError) and err.errno is not None:
+        name = errno.errorcode.get(err.errno, str(err.errno))
+        return f"{err.strerror or os.strerror(err.errno)} ({name})"
+    first = str(err).splitlines()[0] if str(err) else type(err).__name__
+    try:
+        free = shutil.disk_usage(path if path.exists() else path.parent).free
+        return f"the file writer failed ({first}); {free / 2**20:.0f} MiB free there: is the disk full?"
+    except OSError:
+        return f"the file writer failed ({first})"
+
+
+def is_write_error(err: BaseException) -> bool:
+    """An OSError, or torch's file-writer RuntimeError (how ``torch.save`` reports a full disk)."""
+    if isinstance(err, OSError):
+        return True
+    text = str(err)
+    return isinstance(err, RuntimeError) and ("unexpected pos" in text or "PytorchStreamWriter" in text
+                                              or "file write failed" in text)  # fmt: skip
+
+
 def save_checkpoint(
     engine: Any, ckpt_dir: Path, state: TrainState, components: dict[str, Stateful], is_main: bool
 ) -> Path:
-    """DeepSpeed checkpoint ``<ckpt_dir>/step<N>`` with the train state and every component's state; the
-    previous checkpoint is removed once the new one is written."""
+    """DeepSpeed checkpoint ``<ckpt_dir>/step<N>`` with the train state and every component's state, then
+    ``latest`` (atomically); the previous checkpoint is removed once the new one is written, and so are step
+    folders left half-deleted by a kill. An OSError while writing (a full disk, no permission, a read-only file
+    system) is an :class:`OutputError` naming the path and the cause, after the partial folder is removed:
+    the previous checkpoint stays whole and ``latest`` names it."""
     tag = f"step{state.global_step}"
-    latest = ckpt_dir / "latest"
-    previous = latest.read_text().strip() if latest.is_file() else None
+    folder = ckpt_dir / tag
+    previous = _read_latest(ckpt_dir)
+    if is_main and ckpt_dir.is_dir():  # step folders that ``latest`` does not name: a kill during a removal
+        for stale in ckpt_dir.iterdir():
+            if stale.is_dir() and _STEP_FOLDER.fullmatch(stale.name) and stale.name not in (previous, tag):
+                shutil.rmtree(stale, ignore_errors=True)
     client = {
         "train_state": state.state_dict(),
         "components": {k: c.state_dict() for k, c in components.items()},
     }
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client)
+    try:
+        engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client, save_latest=False)
+        if is_main:
+            write_latest(ckpt_dir, tag)
+    except (OSError, RuntimeError) as err:
+        if not is_write_error(err):
+            raise
+        path = Path(getattr(err, "filename", None) or folder)
+        if is_main and tag != previous:
+            shutil.rmtree(folder, ignore_errors=True)
+        kept = (
+            f"the previous checkpoint {ckpt_dir / previous} is whole and `latest` names it"
+            if previous
+            else "there is no earlier checkpoint"
+        )
+        raise OutputError(
+            f"cannot write checkpoint file {path}: {save_error_cause(err, path)}; the partial {folder} was "
+            f"removed and {kept}: free space or fix the permissions, then --resume"
+            + ("" if previous else " (or start again)")
+        ) from err
     if is_main and previous and previous != tag and (ckpt_dir / previous).is_dir():
         shutil.rmtree(ckpt_dir / previous)
-    return ckpt_dir / tag
+    return folder
+
+
+def _whole(folder: Path) -> str | None:
+    """None when ``folder`` is a whole checkpoint (its model file there, every ``.pt`` a zip whose CRCs
+    match), else what is wrong."""
+    if not sorted(folder.glob("mp_rank_*_model_states.pt")):
+        return f"{folder / 'mp_rank_00_model_states.pt'} is missing"
+    for path in sorted(folder.glob("*.pt")):
+        try:
+            with zipfile.ZipFile(path) as z:
+                bad = z.testzip()
+        except (zipfile.BadZipFile, OSError, EOFError, UnicodeDecodeError, NotImplementedError,
+                ValueError, RuntimeError) as err:  # fmt: skip
+            # a damaged zip directory (the file's tail) can name no method or an undecodable file name
+            return f"checkpoint file {path} is truncated or corrupt ({type(err).__name__}: {err})"
+        if bad is not None:
+            return f"checkpoint file {path} is corrupt (bad CRC in {bad})"
+        try:  # torch's own zip reader is stricter about the zip directory and the entries' headers
+            reader = torch._C.PyTorchFileReader(str(path))
+            for name in reader.get_all_records():
+                reader.get_record_offset(name)
+        except RuntimeError as err:
+            detail = str(err).split(". ")[0] if str(err) else type(err).__name__
+            return f"checkpoint file {path} is corrupt ({detail})"
+    return None
+
+
+def newest_whole_checkpoint(ckpt_dir: Path) -> Path | None:
+    """The whole ``step<N>`` folder of ``ckpt_dir`` with the largest N, or None."""
+    if not ckpt_dir.is_dir():
+        return None
+    steps = sorted(
+        (
+            (int(m.group(1)), p)
+            for p in ckpt_dir.iterdir()
+            if p.is_dir() and (m := _STEP_FOLDER.fullmatch(p.name))
+        ),
+        reverse=True,
+    )
+    return next((p for _, p in steps if _whole(p) is None), None)
 
 
 def check_checkpoint(ckpt_dir: Path) -> str:
     """The tag ``latest`` names, after checking that its folder and files are there and whole (every ``.pt``
     file is a complete zip whose CRCs match); else :class:`ConfigError` naming the file."""
     latest = ckpt_dir / "latest"
-    if not latest.is_file():
-        raise ConfigError(
-            f"--resume: {latest} does not exist, so there is no checkpoint to resume: drop --resume (with "
-            f"--overwrite if --out holds an earlier run)"
-        )
-    tag = latest.read_text().strip()
-    folder = ckpt_dir / tag
-    if not tag or not folder.is_dir():
-        raise ConfigError(
-            f"--resume: {latest} names checkpoint {tag!r} but {folder} does not exist: write the name of an "
-            f"existing checkpoint folder into {latest}, or {FRESH_START}"
-        )
-    models = sorted(folder.glob("mp_rank_*_model_states.pt"))
-    if not models:
-        raise ConfigError(f"--resume: {folder / 'mp_rank_00_model_states.pt'} is missing: {FRESH_START}")
-    for path in sorted(folder.glob("*.pt")):
-        try:
-            with zipfile.ZipFile(path) as z:
-                bad = z.testzip()
-        except (zipfile.BadZipFile, OSError, EOFError) as err:
+    try:
+        tag = latest.read_text().strip() if latest.is_file() else None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"--resume: cannot read {latest} ({err}): {FRESH_START}") from None
+    if tag is None or not tag or not (ckpt_dir / tag).is_dir():
+        newest = newest_whole_checkpoint(ckpt_dir)
+        if tag is None:
+            problem = f"{latest} does not exist"
+        elif not tag:
+            problem = f"{latest} is empty"
+        else:
+            problem = f"{latest} names checkpoint {tag!r} but {ckpt_dir / tag} does not exist"
+        if newest is not None:
             raise ConfigError(
-                f"--resume: checkpoint file {path} is truncated or corrupt ({err}): {FRESH_START}"
-            ) from None
-        if bad is not None:
-            raise ConfigError(
-                f"--resume: checkpoint file {path} is corrupt (bad CRC in {bad}): {FRESH_START}"
+                f"--resume: {problem}, but {newest} is a whole checkpoint (the newest): resume from it with "
+                f"`echo {newest.name} > {latest}` and --resume again"
             )
+        if tag is None:
+            raise ConfigError(
+                f"--resume: {problem}, so there is no checkpoint to resume: drop --resume (with --overwrite if "
+                f"--out holds an earlier run)"
+            )
+        raise ConfigError(
+            f"--resume: {problem}: write the name of an existing checkpoint folder into {latest}, or "
+            f"{FRESH_START}"
+        )
+    problem = _whole(ckpt_dir / tag)
+    if problem is not None:
+        raise ConfigError(f"--resume: {problem}: {FRESH_START}")
     return tag
 
 
