@@ -8,10 +8,10 @@
   pytest-benchmark group of two or more benchmarks, each one's median beside the group's first.
 
 The whole-training-step suite (``test_bench_steps.py``) appends one record per configuration to
-:data:`STEP_RECORDS` through the ``step_records`` fixture. At the end of the session the records of the same
+:data:`STEP_RECORDS` through the ``step_records`` fixture. At the end of the run the records of the same
 group (model, device, precision, T, batch, length) are put side by side: every variant's time and peak memory
 against plain BERT and the named pairs of :data:`bench.training.PAIRS` (fused / reference, fastpals surgery /
-Pytorch-PCGrad-style reference, surgery / its PAL step). The ratios come from one pytest session on one machine:
+Pytorch-PCGrad-style reference, surgery / its PAL step). The ratios come from one pytest run on one machine:
 times from the group's interleaved test (all its configurations round robin, :data:`INTERLEAVED_RECORDS`) when it
 ran, else each configuration's own median; peak memory from each configuration's own test. They are
 printed in the terminal summary and, with ``FASTPALS_BENCH_WRITE=1``, written with the records to
@@ -138,7 +138,7 @@ def _step_ratios(tr: Any) -> None:
     from bench.training import side_by_side
 
     rows = side_by_side(STEP_RECORDS, INTERLEAVED_RECORDS)
-    tr.section("training steps side by side (ratios from this session)")
+    tr.section("training steps side by side (ratios from this run)")
     for group in rows["groups"]:
         tr.write_line(f"{group['title']} (times: {group['timing']})")
         tr.write_line(

@@ -1,4 +1,4 @@
-"""The benchmark suites' session plumbing (``bench/conftest.py``): ``--benchmark`` runs only the benchmarks, the
+"""The benchmark suites' run-level plumbing (``bench/conftest.py``): ``--benchmark`` runs only the benchmarks, the
 ``slow`` ones are left out unless ``-m`` asks for them, and every side-by-side table is printed at the end."""
 
 import os
