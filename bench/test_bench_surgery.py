@@ -247,7 +247,9 @@ def runner():
 def test_step(benchmark, runner, variant):
     step = runner.steps[variant]
     benchmark.group = "surgery step, per-task batches"
-    benchmark.pedantic(lambda: (step(), _sync()), rounds=3, iterations=1, warmup_rounds=1)
+    # one timed step each (CPU): test_side_by_side_cpu times the same steps interleaved, for the ratios
+    rounds = 3 if HAS_CUDA else 1
+    benchmark.pedantic(lambda: (step(), _sync()), rounds=rounds, iterations=1, warmup_rounds=1)
 
 
 def _kernel_buffer(device: str, dtype: torch.dtype):
