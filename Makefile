@@ -6,7 +6,7 @@ export FASTPALS_DATA_DIR ?= $(abspath ../shared/data)
 # JIT-built torch extensions (DeepSpeed's CPU shared-memory op, built only for multi-process CPU runs) stay in the venv
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
-.PHONY: setup train resume compare test lint bench report clean gpu-session
+.PHONY: setup train resume compare test lint bench bench-slow report clean gpu-session
 
 $(VENV)/.installed: pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -36,6 +36,9 @@ test: lint
 
 bench: setup
 	$(BIN)/python -m pytest bench/ --benchmark-only
+
+bench-slow: setup
+	$(BIN)/python -m pytest bench/ --benchmark-only -m slow
 
 report: setup
 	$(BIN)/python -m bench.report

@@ -238,7 +238,7 @@ def _memory_section(path: Path, doc: dict[str, Any], out_dir: Path) -> list[str]
 
 def _merge_memory(docs: list[tuple[Path, dict[str, Any]]]) -> list[tuple[Path, dict[str, Any]]]:
     """One document per (device, precision, length): the newest file's fields, with the entries of all its files
-    merged (the newest entry per configuration wins: a GPU session may measure the configurations in parts)."""
+    merged (the newest entry per configuration wins: a GPU run may measure the configurations in parts)."""
     groups: dict[tuple, list[tuple[Path, dict[str, Any]]]] = {}
     for path, doc in docs:
         _require(doc, path, "caps", "entries", "precision", "length")

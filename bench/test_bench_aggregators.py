@@ -168,7 +168,7 @@ def agg_runner():
     return AggRunner("cuda" if HAS_CUDA else "cpu")
 
 
-def test_aggregators_side_by_side(benchmark, agg_runner):
+def test_aggregators_side_by_side(benchmark, agg_runner, ratio_table):
     """Interleaved step times of plain and of every registry method; weight-solve times alone."""
     rounds = int(os.environ.get("FASTPALS_BENCH_ROUNDS", "3"))
     measured: dict = {}
@@ -236,7 +236,7 @@ def test_aggregators_side_by_side(benchmark, agg_runner):
             f"{r.get('x_pcgrad_cpu', float('nan')):9.3f} "
             f"{r.get('solve_ms', float('nan')):9.3f}"
         )
-    print("\n" + "\n".join(lines))
+    ratio_table(f"Gram weightings in a whole step, x PCGrad ({rounds} interleaved rounds)", lines)
     benchmark.extra_info.update({k: {"x_pcgrad_wall": v.get("x_pcgrad_wall")} for k, v in methods.items()})
     if should_write():
         stem = "aggregators_" + ("cuda" if HAS_CUDA else "cpu")

@@ -154,7 +154,7 @@ def threads():
     torch.set_num_threads(old)
 
 
-def test_mixed_packed_vs_per_task_padded(benchmark, threads):
+def test_mixed_packed_vs_per_task_padded(benchmark, threads, ratio_table):
     if torch.cuda.is_available():
         pytest.skip("this suite is the CPU comparison; the GPU comparison is not written yet")
     if not os.path.isdir(_data_dir()):
@@ -241,14 +241,17 @@ def test_mixed_packed_vs_per_task_padded(benchmark, threads):
         "goal": {"tokens_per_s_ratio_vs_per_task_padded": GOAL},
     }
     benchmark.extra_info.update({"ratios": ratios})
+    lines = []
     for name in names:
         c = per_config[name]
-        print(
+        lines.append(
             f"{name:28s} {c['median_update_s'] * 1e3:9.1f} ms/update {c['tokens_per_s']:9.1f} tok/s "
             f"{c['examples_per_s']:7.2f} ex/s padding {c['padding_fraction']:.3f} "
             f"(attention {c['attention_padding_fraction']:.3f})"
         )
-    print(ratios)
+    for name, r in ratios.items():
+        lines.append(f"{name:44s} tokens/s x{r['tokens_per_s']:.2f}, examples/s x{r['examples_per_s']:.2f}")
+    ratio_table(f"mixed packed vs per-task padded updates ({len(done)} interleaved rounds)", lines)
     if should_write():
         _write(payload)
     assert all(v["tokens_per_s"] > 0 for v in ratios.values())

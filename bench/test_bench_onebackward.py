@@ -265,6 +265,7 @@ def runner():
 def test_step(benchmark, runner, variant):
     """One step of the plain mixed step and of one-backward PCGrad (a fast smoke of the comparison below)."""
     step = runner.steps[variant]
+    benchmark.group = "one-backward surgery step, mixed batch (one round each)"
     benchmark.pedantic(step, rounds=1, iterations=1, warmup_rounds=1)
 
 
@@ -307,7 +308,7 @@ def _markdown(result: dict) -> str:
 
 
 @pytest.mark.slow
-def test_side_by_side_cpu(benchmark, runner):
+def test_side_by_side_cpu(benchmark, runner, ratio_table):
     """Interleaved step times and subprocess peak memory of every variant; ratios against ``plain``."""
     rounds = int(os.environ.get("FASTPALS_BENCH_ROUNDS", "3"))
     measured = {}
@@ -350,7 +351,7 @@ def test_side_by_side_cpu(benchmark, runner):
 
     header = results_header("onebackward_cpu")
     md = _markdown({**header, **result})
-    print("\n" + md)
+    ratio_table("one-backward surgery on a mixed batch, x plain", md.splitlines())
     benchmark.extra_info.update(
         {v: {k: x for k, x in r.items() if not k.endswith("_s")} for v, r in result["variants"].items()}
     )

@@ -256,7 +256,7 @@ def test_cpu_reference_pal_fwd_bwd(benchmark):
     )
 
 
-def test_cpu_mixed_task_grouped_vs_naive(benchmark):
+def test_cpu_mixed_task_grouped_vs_naive(benchmark, ratio_table):
     """Issue 3: mixed-task forward+backward time and peak memory, grouped reference vs naive loops, one run."""
     shape = dict(CPU_SHAPE)
     heads = shape.pop("heads")
@@ -284,13 +284,19 @@ def test_cpu_mixed_task_grouped_vs_naive(benchmark):
     benchmark.extra_info.update(info)
     benchmark.pedantic(fns["grouped_reference"], rounds=5, warmup_rounds=1)
     path = record("pal_cpu_grouped_vs_naive", info)
-    print(json.dumps(info, indent=1), path or "")
+    lines = [f"{'implementation':20s} {'median ms':>10s} {'x grouped':>10s} {'peak x grouped':>15s}"]
+    for n in names:
+        peak_ratio = peak[n] / max(peak["grouped_reference"], 1) if n in peak else float("nan")
+        lines.append(
+            f"{n:20s} {times[n] * 1e3:10.1f} {times[n] / times['grouped_reference']:10.2f} {peak_ratio:15.2f}"
+        )
+    ratio_table(f"mixed-task PAL forward+backward, CPU {CPU_SHAPE}" + (f" ({path})" if path else ""), lines)
     assert all(t > 0 for t in times.values())
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (none present)")
 @pytest.mark.parametrize("tasks", [3, 16])
-def test_cuda_fused_vs_reference_bert_base(benchmark, tasks):
+def test_cuda_fused_vs_reference_bert_base(benchmark, tasks, ratio_table):
     device = torch.device("cuda")
     heads = CUDA_SHAPE["heads"]
     shape = {k: v for k, v in CUDA_SHAPE.items() if k != "heads"}
@@ -314,7 +320,15 @@ def test_cuda_fused_vs_reference_bert_base(benchmark, tasks):
     benchmark.extra_info.update(info)
     benchmark.pedantic(fns["fused"], rounds=20, warmup_rounds=2)
     path = record(f"pal_cuda_T{tasks}", info)
-    print(json.dumps(info, indent=1), path or "")
+    lines = [f"{'implementation':20s} {'median ms':>10s} {'x fused':>8s} {'peak MiB':>9s}"]
+    for n in names:
+        lines.append(
+            f"{n:20s} {times[n] * 1e3:10.2f} {times[n] / times['fused']:8.2f} {peak[n] / 2**20:9.0f}"
+        )
+    ratio_table(
+        f"PAL forward+backward, CUDA bf16, BERT-base shapes, T={tasks}" + (f" ({path})" if path else ""),
+        lines,
+    )
 
 
 if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "--peak-rss":

@@ -246,7 +246,10 @@ def runner():
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_step(benchmark, runner, variant):
     step = runner.steps[variant]
-    benchmark.pedantic(lambda: (step(), _sync()), rounds=3, iterations=1, warmup_rounds=1)
+    benchmark.group = "surgery step, per-task batches"
+    # one timed step each (CPU): test_side_by_side_cpu times the same steps interleaved, for the ratios
+    rounds = 3 if HAS_CUDA else 1
+    benchmark.pedantic(lambda: (step(), _sync()), rounds=rounds, iterations=1, warmup_rounds=1)
 
 
 def _kernel_buffer(device: str, dtype: torch.dtype):
@@ -273,6 +276,7 @@ def test_kernel(benchmark, op, impl, dtype):
         fn = (
             (lambda: combine(buf, w, out)) if impl == "dispatch" else (lambda: combine_reference(buf, w, out))
         )
+    benchmark.group = f"surgery {op} {str(dtype).removeprefix('torch.')}"
     benchmark.pedantic(lambda: (fn(), _sync()), rounds=5, iterations=1, warmup_rounds=1)
     if HAS_CUDA:  # bandwidth against a device-to-device copy of the same bytes
         copy_src = buf.clone()
@@ -301,7 +305,7 @@ def _time_cuda(fn, reps: int = 20) -> float:
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="the CPU side-by-side comparison (the GPU one needs BERT-base shapes)")
-def test_side_by_side_cpu(benchmark, runner):
+def test_side_by_side_cpu(benchmark, runner, ratio_table):
     """Interleaved step times and subprocess peak memory of every variant; ratios against ``plain``.
 
     The whole comparison runs once inside ``benchmark.pedantic`` (so that ``--benchmark-only`` keeps it); the
@@ -349,7 +353,7 @@ def test_side_by_side_cpu(benchmark, runner):
             "memory_ratio": ratio_m,
             "extra_over_plain_kb": extra_kb,
         }
-    print("\n" + "\n".join(lines))
+    ratio_table(f"gradient surgery steps side by side, x plain ({rounds} interleaved rounds)", lines)
     benchmark.extra_info.update(
         {v: {k: x for k, x in r.items() if not k.endswith("_s")} for v, r in result["variants"].items()}
     )

@@ -303,7 +303,7 @@ class TrainingStep:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# side-by-side ratios of records measured in one session
+# side-by-side ratios of records measured in one pytest run
 # ----------------------------------------------------------------------------------------------------------------
 
 RATIO_METHOD = (

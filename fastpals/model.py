@@ -243,7 +243,13 @@ class BertSelfAttention(nn.Module):
         if layout.packed:
             plan = layout.attention_plan() if layout.buckets else None
             ctx = dispatch.attention_varlen(
-                q.view(shape), k.view(shape), v.view(shape), layout.cu_seqlens, layout.max_seqlen, dropout, plan
+                q.view(shape),
+                k.view(shape),
+                v.view(shape),
+                layout.cu_seqlens,
+                layout.max_seqlen,
+                dropout,
+                plan,
             )
             return ctx.reshape(q.shape)
         q, k, v = (layout.to_padded(t) for t in (q, k, v))

@@ -99,7 +99,7 @@ def decide(
 
     ``flash_attn``: whether flash-attn is installed (only ``bert_attention_varlen`` reads it). The rules follow
     what the ahead-of-time compile test (tests/test_aot.py) shows for each target; speed on a GPU is not yet
-    measured (the GPU session of bench/gpu_session.sh does that), so the reasons say which evidence they rest on.
+    measured (a GPU run of bench/gpu_session.py does that), so the reasons say which evidence they rest on.
     """
     if op not in OPS:
         raise ValueError(f"op must be one of {', '.join(OPS)}, got {op!r}")

@@ -138,6 +138,7 @@ def _pal_grads(
     seed: Tensor,
 ) -> list[Tensor]:
     """Gradients of ``PAL(h)`` in h and the six weights, by recomputing the forward with autograd."""
+
     def forward(*inputs: Tensor) -> Tensor:
         return _pal_eager(inputs[0], where, task_ids, inputs[1:], num_heads, gelu, dropout_p, None, seed)
 
@@ -357,6 +358,7 @@ def attention_varlen_backward(
     seed: Tensor,
 ) -> list[Tensor]:
     """``[dq, dk, dv]`` of :func:`attention_varlen`, recomputing its forward."""
+
     def forward(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         return _attention_eager(q, k, v, cu_seqlens, max_seqlen, dropout_p, seed)
 

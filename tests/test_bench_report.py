@@ -266,7 +266,8 @@ def test_cpu_peak_memory_sees_a_temporary_allocation():
 
 
 def test_bench_suites_collect_for_ci():
-    """``pytest bench/ --benchmark-only --collect-only``: every suite imports and the step cases are there."""
+    """``pytest bench/ --benchmark-only -m "slow or not slow" --collect-only``: every suite imports and the step
+    cases are there (the long ones too)."""
     out = subprocess.run(
         [
             sys.executable,
@@ -274,6 +275,8 @@ def test_bench_suites_collect_for_ci():
             "pytest",
             "bench/",
             "--benchmark-only",
+            "-m",
+            "slow or not slow",
             "--collect-only",
             "-q",
             "-p",

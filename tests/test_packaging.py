@@ -1,24 +1,53 @@
 """The built wheel holds the Python API ``fastpals`` and the top-level folder ``kernels/`` as the import package
-``fastpals_kernels`` (not ``kernels``, a name another PyPI project owns), and the source tree imports from where
-it is laid out."""
+``fastpals_kernels`` (not ``kernels``, a name another PyPI project owns), builds without setuptools warnings, and,
+installed into a fresh environment outside the checkout, runs ``fastpals --help``, ``python -m fastpals.env`` and
+a short ``fastpals train`` with the shipped configs and recipes; the source tree imports from where it is laid
+out."""
 
+import json
 import os
 import subprocess
 import sys
+import sysconfig
+import venv
 import zipfile
+from pathlib import Path
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_fixtures import make_tiny_data, make_tiny_model  # noqa: E402
+
+# variables that would point a subprocess at the checkout, or that make setuptools warn about byte-compiling
+CHECKOUT_ENV = ("PYTHONPATH", "PYTHONDONTWRITEBYTECODE", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
 
 
-def test_wheel_contains_kernels_as_fastpals_kernels(tmp_path):
-    subprocess.run(
-        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "-o", str(tmp_path), ROOT],
-        check=True,
-        capture_output=True,
-    )
-    (wheel,) = tmp_path.glob("fastpals-*.whl")
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in CHECKOUT_ENV}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """``python -m build --wheel`` of the checkout: the wheel's path and the build's output."""
+    out = tmp_path_factory.mktemp("wheel")
+    proc = subprocess.run(
+        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "-o", str(out), ROOT],
+        capture_output=True, text=True, env=_env(), timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    (wheel,) = out.glob("fastpals-*.whl")
+    return wheel, proc.stdout + proc.stderr
+
+
+def test_the_build_gives_no_warnings(built):
+    _, log = built
+    warnings = [line for line in log.splitlines() if "warning" in line.lower()]
+    assert not warnings, "\n".join(warnings)
+
+
+def test_wheel_contains_kernels_as_fastpals_kernels(built):
+    wheel, _ = built
     names = zipfile.ZipFile(wheel).namelist()
     kernel_dir = os.path.join(ROOT, "kernels")
     kernel_sources = sorted(f for f in os.listdir(kernel_dir) if f.endswith(".py"))
@@ -45,6 +74,46 @@ def test_wheel_contains_kernels_as_fastpals_kernels(tmp_path):
     assert recipes and all(
         f"fastpals/configs/recipes/{f}" in names for f in recipes
     )  # --recipe NAME from a wheel
+
+
+@pytest.mark.slow
+def test_the_installed_wheel_trains_with_its_shipped_configs(built, tmp_path):
+    """A fresh venv outside the checkout gets the wheel (no network: ``--no-deps``; the dependencies come from
+    this environment's site-packages through a ``.pth`` line, which does not run that environment's own
+    ``.pth`` files, so an editable install there stays out of sight); from a folder outside the checkout it runs
+    ``fastpals --help``, ``python -m fastpals.env`` and 3 updates of ``fastpals train --recipe
+    baseline_multitask --ds_config cpu_auto.json``, both found in the installed package."""
+    wheel, _ = built
+    env_dir, work = tmp_path / "venv", tmp_path / "work"
+    work.mkdir()
+    venv.EnvBuilder(with_pip=False, symlinks=True).create(env_dir)
+    python = env_dir / "bin" / "python"
+    pip = [sys.executable, "-m", "pip", "--python", str(python)]  # this pip, installing into the new venv
+    install = subprocess.run([*pip, "install", "--no-deps", "--no-index", "-q", str(wheel)], capture_output=True,
+                             text=True, env=_env(), timeout=600)  # fmt: skip
+    assert install.returncode == 0, install.stdout + install.stderr
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    Path(site, "_deps_from_test_env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+
+    def run(*cmd: str) -> str:
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=work, env=_env(), timeout=900)
+        assert proc.returncode == 0, f"{cmd}:\n{(proc.stdout + proc.stderr)[-4000:]}"
+        return proc.stdout + proc.stderr
+
+    where = run(str(python), "-c", "import fastpals, fastpals_kernels; print(fastpals.__file__); "
+                "print(fastpals_kernels.__file__)").split()  # fmt: skip
+    assert all(Path(f).is_relative_to(site) for f in where), f"not the installed wheel: {where}"
+    assert "train" in run(str(env_dir / "bin" / "fastpals"), "--help")
+    assert "torch" in run(str(python), "-m", "fastpals.env")
+    data, model = make_tiny_data(tmp_path / "data"), make_tiny_model(tmp_path / "model")
+    out = work / "run"
+    log = run(str(env_dir / "bin" / "fastpals"), "train", "--recipe", "baseline_multitask", "--ds_config",
+              "cpu_auto.json", "--model", str(model), "--data-dir", str(data), "--out", str(out),
+              "--epochs", "1", "--steps-per-epoch", "3", "--batch-size", "8", "--max-length", "24",
+              "--max-eval", "16", "--max-predict", "8", "--no-progress")  # fmt: skip
+    results = json.loads((out / "results.json").read_text())
+    assert results["steps"] == 3 and results["config"]["pal"] == "none", log[-2000:]  # the recipe's options
 
 
 def test_kernels_import_as_laid_out():

@@ -205,6 +205,10 @@ class TrainArgs:
         type=int, default=0,
     )  # fmt: skip
     no_progress: bool = opt("no progress bars", resume=MAY, default=False)
+    verbose: bool = opt(
+        "show DeepSpeed's INFO and memory logging and the libraries' warnings (quiet by default)", resume=MAY,
+        default=False,
+    )  # fmt: skip
     debug: bool = opt("show the Python traceback of an error, not only its one-line message", resume=MAY,
                       default=False)  # fmt: skip
     local_rank: int | None = opt(

@@ -22,7 +22,7 @@ __all__ = ["build_parser", "main", "parse_args"]
 
 PROG = "train.py"
 # options of one command, never taken from the saved run on --resume
-PER_INVOCATION = ("resume", "overwrite", "debug", "local_rank", "stop_after_steps", "inject_nan_at_step",
+PER_INVOCATION = ("resume", "overwrite", "debug", "verbose", "local_rank", "stop_after_steps", "inject_nan_at_step",
                   "inject_nan_weights_at_step", "kill_after_steps")  # fmt: skip
 
 

@@ -51,6 +51,7 @@ def setup_data(args: TrainArgs, rank: int, world_size: int, log: Callable[[str],
     train_batchers: dict[str, TaskBatcher] = {}
     dev_batchers: dict[str, TaskBatcher] = {}
     train_sizes: list[int] = []
+    log = _once(log)  # train and dev read from one file (Quora) report its skipped rows once
     for i, t in enumerate(args.task_list):
         train = ev.load_split(args.task_specs[t], "train", args.data_path, args.max_train, log)
         train_sizes.append(len(train))
@@ -91,6 +92,20 @@ def setup_data(args: TrainArgs, rank: int, world_size: int, log: Callable[[str],
     return RunData(
         tokenizer, pair_encoding, train_batchers, dev_batchers, train_sizes, sampler, total_updates
     )
+
+
+def _once(log: Callable[[str], None]) -> Callable[[str], None]:
+    """``log`` that drops a ``[data] task/split: message`` line whose message was already logged."""
+    said: set[str] = set()
+
+    def log_once(line: str) -> None:
+        message = line.split(": ", 1)[-1] if line.startswith("[data] ") else line
+        if message in said:
+            return
+        said.add(message)
+        log(line)
+
+    return log_once
 
 
 def eval_batcher(

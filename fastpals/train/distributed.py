@@ -8,11 +8,18 @@ ninja whenever the communication backend starts: 80-105 s the first time, under 
 ``torch.distributed``, a one-rank gloo group). Several CPU ranks still need the op: it is built once into
 ``$TORCH_EXTENSIONS_DIR`` (default: ``torch_extensions`` inside the Python environment, private to the venv),
 with a message.
+
+Quiet by default (:func:`quiet_libraries`): no accelerator guess on a machine without CUDA (``DS_ACCELERATOR=cpu``,
+so DeepSpeed does not warn that it "was unable to detect" a GPU), transformers' notes at error level only, and
+what DeepSpeed prints while it sets up (its optimizers' memory reports) held back unless the set-up fails.
+``--verbose`` keeps all of it and raises DeepSpeed's log level to INFO.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
+import logging
 import os
 import socket
 import sys
@@ -20,7 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["initialize", "set_single_process_env", "without_shm_comm_op"]
+__all__ = ["initialize", "quiet_libraries", "set_single_process_env", "without_shm_comm_op"]
 
 
 def _free_port() -> int:
@@ -65,9 +72,51 @@ def _private_extensions_dir(log: Any) -> None:
         )
 
 
-def initialize(model: Any, optimizer: Any, scheduler: Any, config: dict[str, Any], log: Any = print) -> tuple:
+def quiet_libraries(verbose: bool = False) -> None:
+    """Before DeepSpeed is imported: without ``verbose``, name the CPU accelerator where there is no CUDA device
+    (DeepSpeed would guess it, with a warning) and keep transformers to errors; with ``verbose``, DeepSpeed logs
+    at INFO. Settings already in the environment are kept."""
+    import torch
+
+    if not verbose:
+        if not torch.cuda.is_available():
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        return
+    from deepspeed.utils import logger
+
+    logger.setLevel(logging.INFO)
+    for handler in logger.handlers:
+        handler.setLevel(logging.INFO)
+
+
+@contextlib.contextmanager
+def _held_stdout(hold: bool) -> Iterator[None]:
+    """While active (``hold``), what is printed to stdout is kept; it is printed only if the block raises."""
+    if not hold:
+        yield
+        return
+    buffer = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buffer):
+            yield
+    except BaseException:
+        sys.stdout.write(buffer.getvalue())
+        raise
+
+
+def initialize(
+    model: Any,
+    optimizer: Any,
+    scheduler: Any,
+    config: dict[str, Any],
+    log: Any = print,
+    verbose: bool = False,
+) -> tuple:
     """``deepspeed.initialize`` for this process: without the shared-memory op when it is the only process (or
-    on CUDA, where NCCL does the collectives); returns DeepSpeed's ``(engine, optimizer, loader, scheduler)``."""
+    on CUDA, where NCCL does the collectives); returns DeepSpeed's ``(engine, optimizer, loader, scheduler)``.
+    Without ``verbose``, what DeepSpeed prints while it sets up (memory reports) is held back, unless it fails."""
+    quiet_libraries(verbose)
     import deepspeed
     import torch
 
@@ -76,7 +125,7 @@ def initialize(model: Any, optimizer: Any, scheduler: Any, config: dict[str, Any
     if not single and not torch.cuda.is_available():
         _private_extensions_dir(log)
     context = without_shm_comm_op() if single else contextlib.nullcontext()
-    with context:
+    with context, _held_stdout(not verbose):
         out = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
     engine = out[0]
     if (

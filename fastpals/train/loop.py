@@ -136,6 +136,24 @@ class Trainer:
         for callback in self.callbacks:
             callback.on_record(self, entry)
 
+    def _model_line(self) -> str:
+        """What is trained, in one line: the model, its PALs and parameter counts."""
+        from fastpals.multitask import count_parameters
+
+        args, counts = self.args, count_parameters(self.model)
+        trained = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        pals = "no PALs" if args.pal_config is None else f"PALs {args.pal}"
+        return (
+            f"[model] {args.model} + {pals}, tasks {','.join(args.task_list)}: {counts['total'] / 1e6:.1f}M "
+            f"parameters, {trained / 1e6:.1f}M trained"
+        )
+
+    def _device_name(self) -> str:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if torch.cuda.is_available():
+            return f"device cuda:{local} ({torch.cuda.get_device_name(local)})"
+        return f"device cpu ({torch.get_num_threads()} threads)"
+
     # --- set-up -------------------------------------------------------------------------------------------------
     def _setup_data(self) -> None:
         data = setup_data(self.args, self.rank, self.world_size, self.log)
@@ -160,7 +178,7 @@ class Trainer:
             return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, total, warmup))
 
         self.engine, self.optimizer, _, self.scheduler = initialize(
-            self.model, optimizer, scheduler, self.ds_config, log=self.log
+            self.model, optimizer, scheduler, self.ds_config, log=self.log, verbose=self.args.verbose
         )
         self.device = self.engine.device
         self.zero_stage = self.engine.zero_optimization_stage()
@@ -367,7 +385,9 @@ class Trainer:
         args, start = self.args, time.perf_counter()
         self._setup_data()
         self._setup_model()
-        self.log(f"[setup] {self.precision}")  # after the checks of data and model, whose errors are one line
+        self.log(self._model_line())
+        # after the checks of data and model, whose errors are one line
+        self.log(f"[setup] {self.precision}; {self._device_name()}")
         self._setup_engine()
         if self.is_main:  # before training: room for a checkpoint and best/
             problem = outputs.free_space_error(self.out, *self.output_sizes(), resume=args.resume)
