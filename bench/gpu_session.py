@@ -44,6 +44,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # run as a script (python3 bench/gpu_session.py): bench.* imports need the repo root
+    sys.path.insert(0, ROOT)
 STEPS = ("wheels", "env", "tests", "sanitizer", "bench", "memory")
 #: every file the session may write (the device tool returns at most 8)
 OUTPUT_FILES = (
