@@ -272,7 +272,17 @@ _DS_SECTIONS = (
 )  # fmt: skip
 
 
+def _quiet_import() -> None:
+    """Name the CPU accelerator before DeepSpeed is first imported (as the trainer's set-up does), so checking a
+    ds_config prints no accelerator guess."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
 def _valid_top_level_keys() -> set[str]:
+    _quiet_import()
     import deepspeed.runtime.constants as constants
 
     names = {
@@ -284,6 +294,7 @@ def _valid_top_level_keys() -> set[str]:
 
 
 def _section_models() -> dict[str, Any]:
+    _quiet_import()
     from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
