@@ -240,7 +240,7 @@ def test_busy_folder_refused_on_the_command_line_and_ctrl_c_stops_with_a_checkpo
 
 def test_ctrl_c_during_the_set_up_is_one_line_and_130(tiny, tmp_path):
     proc = popen(common(tiny, tmp_path / "run", "--steps-per-epoch", "2"))
-    time.sleep(1.0)  # importing torch and DeepSpeed alone takes longer
+    time.sleep(0.5)  # importing torch and DeepSpeed alone takes longer
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-3000:]
