@@ -59,9 +59,15 @@ def run(args, timeout=300, script=None):
     return proc.returncode, proc.stdout, proc.stderr
 
 
+def _default_sigint() -> None:
+    """In the child: Ctrl-C's default disposition. A shell starts background jobs with SIGINT ignored, and an
+    ignored SIGINT is inherited (Python then installs no KeyboardInterrupt handler): the run would never see it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def popen(args):
     return subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+                            stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint)  # fmt: skip
 
 
 def one_line(stderr, *needles):
