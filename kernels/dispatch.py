@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from fastpals_kernels import reference as functional
-from fastpals_kernels.common import interpret_mode
+from fastpals_kernels.common import cu_seqlens_int32, interpret_mode
 from fastpals_kernels.padding import AttentionPlan, bucketed_attention, pad_packed_index
 
 __all__ = [
@@ -48,9 +48,11 @@ __all__ = [
     "gram",
     "grouped_wgrad",
     "kernel_mode",
+    "attention_varlen_eager",
     "library_mode",
     "packed_pal_reference",
     "padded_attention",
+    "pal_eager",
     "register_backend",
     "run_pal",
     "unregister_backend",
@@ -487,10 +489,25 @@ def attention_varlen(
         return torch.ops.fastpals.attention_varlen(
             q, k, v, cu_seqlens, max_seqlen, dropout_p, _seed(dropout_p)
         )
+    return attention_varlen_eager(q, k, v, cu_seqlens, max_seqlen, dropout_p, plan)
+
+
+def attention_varlen_eager(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    dropout_p: float,
+    plan: AttentionPlan | None = None,
+) -> torch.Tensor:
+    """The eager backends of :func:`attention_varlen` (also what ``torch.ops.fastpals.attention_varlen`` runs):
+    flash-attn's varlen kernel where it serves ``q``, else padded attention over ``plan``'s length buckets or
+    over every sequence padded to ``max_seqlen``."""
     if flash_varlen_ok(q):
         from flash_attn import flash_attn_varlen_func
 
-        cu = functional_cu_int32(cu_seqlens)
+        cu = cu_seqlens_int32(cu_seqlens)
         return flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=dropout_p)
     if plan is not None:
 
@@ -501,11 +518,6 @@ def attention_varlen(
     padded, mask, index = pad_packed_index(torch.stack((q, k, v)), cu_seqlens, max_seqlen)
     ctx = padded_attention(padded[0], padded[1], padded[2], mask, dropout_p)
     return ctx.flatten(0, 1).index_select(0, index)
-
-
-def functional_cu_int32(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """``cu_seqlens`` as int32 (what flash-attn reads); the tensor itself when it already is."""
-    return cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
 
 
 def run_pal(
@@ -537,18 +549,41 @@ def run_pal(
         if cu_seqlens is not None:
             return torch.ops.fastpals.pal_varlen(h, cu_seqlens, max_seqlen, *args, residual, seed)
         return torch.ops.fastpals.pal(h, mask, *args, residual, seed)
+    return pal_eager(h, args, mask=mask, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, residual=residual,
+                     segments=segments, choice=choice)  # fmt: skip
+
+
+def pal_eager(
+    h: torch.Tensor,
+    args: tuple,
+    *,
+    mask: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int = 0,
+    residual: torch.Tensor | None = None,
+    segments: Any = None,
+    generator_seed: int | None = None,
+    choice: str | None = None,
+) -> torch.Tensor:
+    """The eager backends of :func:`run_pal` (also what ``torch.ops.fastpals.pal`` / ``pal_varlen`` run): the
+    Triton PAL (its attention dropout drawn from ``generator_seed`` when given), or the reference with the
+    reference or SDPA attention (the packed reference over ``segments`` when given). ``choice``: the backend, as
+    :func:`backend` gives it for ``h`` when None."""
+    choice = backend("pal", h) if choice is None else choice
     if choice == "triton":
         import fastpals_kernels as kernels
 
         if cu_seqlens is not None:
-            return kernels.pal_varlen(h, cu_seqlens, max_seqlen, *args, residual=residual)
-        return kernels.pal(h, mask, *args, residual=residual)
-    if choice == "reference" and cu_seqlens is not None and segments is not None:
+            return kernels.pal_varlen(h, cu_seqlens, max_seqlen, *args, residual=residual,
+                                      generator_seed=generator_seed)  # fmt: skip
+        return kernels.pal(h, mask, *args, residual=residual, generator_seed=generator_seed)
+    attention = "sdpa" if choice == "sdpa" else "reference"
+    if attention == "reference" and cu_seqlens is not None and segments is not None:
         ts = packed_pal_reference(h, args, segments)
     elif cu_seqlens is not None:
-        ts = functional.pal_varlen_reference(h, cu_seqlens, max_seqlen, *args, attention=choice)
+        ts = functional.pal_varlen_reference(h, cu_seqlens, max_seqlen, *args, attention=attention)
     else:
-        ts = functional.pal_reference(h, mask, *args, attention=choice)
+        ts = functional.pal_reference(h, mask, *args, attention=attention)
     return ts if residual is None else residual + ts
 
 

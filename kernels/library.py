@@ -104,26 +104,16 @@ def _pal_eager(
     residual: Tensor | None,
     seed: Tensor,
 ) -> Tensor:
-    """``residual + PAL(h)`` on the backend the dispatch picks for ``h`` (differentiable where its inputs are)."""
-    choice = _backend("pal", h)
-    args = (task_ids, *weights, num_heads, gelu, dropout_p)
-    varlen = "cu_seqlens" in where
-    if choice == "triton":
-        import fastpals_kernels as kernels
+    """``residual + PAL(h)`` on the backend the dispatch picks for ``h`` (differentiable where its inputs are),
+    its dropout drawn from ``seed``."""
+    from fastpals_kernels import dispatch
 
-        s = int(seed.reshape(-1)[0]) if dropout_p > 0.0 else None
-        if varlen:
-            return kernels.pal_varlen(h, where["cu_seqlens"], where["max_seqlen"], *args, residual=residual,
-                                      generator_seed=s)  # fmt: skip
-        return kernels.pal(h, where["mask"], *args, residual=residual, generator_seed=s)
-    attention = "sdpa" if choice == "sdpa" else "reference"
+    args = (task_ids, *weights, num_heads, gelu, dropout_p)
+    generator_seed = int(seed.reshape(-1)[0]) if dropout_p > 0.0 else None
     with _seeded(seed, h.device, dropout_p):
-        if varlen:
-            ts = reference.pal_varlen_reference(h, where["cu_seqlens"], where["max_seqlen"], *args,
-                                                attention=attention)  # fmt: skip
-        else:
-            ts = reference.pal_reference(h, where["mask"], *args, attention=attention)
-    return ts if residual is None else residual + ts
+        return dispatch.pal_eager(h, args, mask=where.get("mask"), cu_seqlens=where.get("cu_seqlens"),
+                                  max_seqlen=where.get("max_seqlen", 0), residual=residual,
+                                  generator_seed=generator_seed)  # fmt: skip
 
 
 def _pal_grads(
@@ -322,17 +312,10 @@ pal_varlen.register_autograd(_pal_varlen_backward_formula, setup_context=_pal_se
 def _attention_eager(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float, seed: Tensor
 ) -> Tensor:
-    if _backend("bert_attention_varlen", q) == "flash_attn":
-        from flash_attn import flash_attn_varlen_func
+    from fastpals_kernels import dispatch
 
-        cu = cu_seqlens.to(torch.int32)
-        with _seeded(seed, q.device, dropout_p):
-            return flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=dropout_p)
-    padded, mask, index = reference.pad_packed(torch.stack((q, k, v)), cu_seqlens, max_seqlen)
-    attend = reference.attention_reference if q.device.type == "cpu" else reference.attention_sdpa
     with _seeded(seed, q.device, dropout_p):
-        out = attend(padded[0], padded[1], padded[2], mask, dropout_p)
-    return out.flatten(0, 1).index_select(0, index)
+        return dispatch.attention_varlen_eager(q, k, v, cu_seqlens, max_seqlen, dropout_p)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::attention_varlen", mutates_args=())
