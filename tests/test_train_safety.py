@@ -19,7 +19,7 @@ from fastpals.train.state import TrainState, check_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_fixtures import make_tiny_data, make_tiny_model  # noqa: E402
+from train_fixtures import make_tiny_data, make_tiny_model, tiny_run_args  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -29,12 +29,7 @@ def tiny(tmp_path_factory):
 
 
 def common(tiny, out, *extra):
-    data, model = tiny
-    return [
-        "--model", str(model), "--data-dir", str(data), "--out", str(out), "--batch-size", "8",
-        "--max-length", "24", "--pal-hidden", "16", "--pal-heads", "2", "--max-eval", "16", "--max-predict", "8",
-        "--epochs", "1", "--steps-per-epoch", "3", "--lr", "1e-3", *extra,
-    ]  # fmt: skip
+    return tiny_run_args(*tiny, out, "--steps-per-epoch", "3", *extra)
 
 
 def run(args, env_extra=None, drop=(), module=None, timeout=300):

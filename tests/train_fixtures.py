@@ -90,3 +90,12 @@ def make_tiny_model(folder: Path, seed: int = 0) -> Path:
 
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
     return folder
+
+
+def tiny_run_args(data: Path, model: Path, out: Path, *extra: str) -> list[str]:
+    """train.py options of a one-epoch run on the tiny data and model (``extra`` appended: later ones win)."""
+    return [
+        "--model", str(model), "--data-dir", str(data), "--out", str(out), "--batch-size", "8",
+        "--max-length", "24", "--pal-hidden", "16", "--pal-heads", "2", "--max-eval", "16", "--max-predict", "8",
+        "--epochs", "1", "--lr", "1e-3", *extra,
+    ]  # fmt: skip
