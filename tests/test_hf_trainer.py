@@ -60,7 +60,12 @@ def _model(model_dir: Path) -> MultiTaskBert:
 
 
 def _hf_update(
-    model: MultiTaskBert, batchers: list[TaskBatcher], optim: str, out: Path, surgery: str
+    model: MultiTaskBert,
+    batchers: list[TaskBatcher],
+    optim: str,
+    out: Path,
+    surgery: str,
+    accumulation: int = 1,
 ) -> dict:
     from fastpals.integrations.transformers import MultiTaskTrainer
 
@@ -68,6 +73,7 @@ def _hf_update(
         output_dir=str(out), max_steps=1, per_device_train_batch_size=BATCH, learning_rate=1e-2,
         weight_decay=0.0, max_grad_norm=0.0, lr_scheduler_type="constant", optim=optim, seed=SEED,
         report_to=[], use_cpu=True, save_strategy="no", logging_strategy="no", disable_tqdm=True,
+        gradient_accumulation_steps=accumulation,
     )  # fmt: skip
     trainer = MultiTaskTrainer(model, args, dict(zip(TASKS, batchers)), sampling="annealed", surgery=surgery)
     first = next(iter(trainer.get_train_dataloader()))
@@ -76,35 +82,40 @@ def _hf_update(
 
 
 def _fastpals_update(model: MultiTaskBert, batchers: list[TaskBatcher], optimizer: torch.optim.Optimizer,
-                     surgery: str) -> dict:  # fmt: skip
-    sampler = MixedUpdates(batchers, "annealed", 1, BATCH, None, 1, None, SEED)
-    (selection,) = sampler.next_update()
-    (mb,) = list(packed_micro_batches(batchers, [selection], "cpu", "examples"))
+                     surgery: str, accumulation: int = 1) -> dict:  # fmt: skip
+    """run_update over the first update of fastpals' mixed sampler (``accumulation`` micro-batches, each loss
+    divided by their number, as DeepSpeed's and the Trainer's backward do)."""
+    sampler = MixedUpdates(batchers, "annealed", 1, BATCH, None, accumulation, None, SEED)
+    micro_batches = list(packed_micro_batches(batchers, sampler.next_update(), "cpu", "examples"))
     shared, specific = shared_parameters_by_name(model)
     aggregator = Surgery(
         TaskGradientBuffer(shared, len(TASKS), task_params=specific), make_weighting(surgery)[0],
         torch.Generator().manual_seed(SEED),
     )  # fmt: skip
-    run_update(TorchEngine(model, optimizer), [mb], "one_backward", surgery=aggregator)
-    return mb.inputs
+    hooks = [lambda step, loss: loss / accumulation] if accumulation > 1 else []
+    run_update(
+        TorchEngine(model, optimizer), micro_batches, "one_backward", surgery=aggregator, loss_hooks=hooks
+    )
+    return micro_batches[0].inputs
 
 
 @pytest.mark.parametrize(
-    ("optim", "surgery"), [("sgd", "pcgrad"), ("sgd", "mgda"), ("adamw_torch", "pcgrad")]
+    ("optim", "surgery", "accumulation"),
+    [("sgd", "pcgrad", 1), ("sgd", "mgda", 1), ("adamw_torch", "pcgrad", 1), ("sgd", "mgda", 2)],
 )
 def test_one_update_equals_fastpals_trainer(
-    tiny: tuple[Path, Path], tmp_path: Path, optim: str, surgery: str
+    tiny: tuple[Path, Path], tmp_path: Path, optim: str, surgery: str, accumulation: int
 ) -> None:
     data, model_dir = tiny
     start = _model(model_dir)
     ours = copy.deepcopy(start)
     hf = copy.deepcopy(start)
-    first = _hf_update(hf, _batchers(data, model_dir), optim, tmp_path / "hf", surgery)
+    first = _hf_update(hf, _batchers(data, model_dir), optim, tmp_path / "hf", surgery, accumulation)
     if optim == "sgd":
         opt = torch.optim.SGD(ours.parameters(), lr=1e-2)
     else:
         opt = torch.optim.AdamW(ours.parameters(), lr=1e-2, weight_decay=0.0)
-    inputs = _fastpals_update(ours, _batchers(data, model_dir), opt, surgery)
+    inputs = _fastpals_update(ours, _batchers(data, model_dir), opt, surgery, accumulation)
     # the same micro-batch: both tasks present, the same tokens
     assert torch.equal(first["input_ids"], inputs["input_ids"])
     assert torch.equal(first["layout"].task_ids, inputs["task_ids"])
@@ -117,9 +128,8 @@ def test_one_update_equals_fastpals_trainer(
 
     if surgery == "mgda":  # the aggregator acts: MGDA's update is not the plain sum of the task gradients
         plain = copy.deepcopy(start)
-        _fastpals_update(
-            plain, _batchers(data, model_dir), torch.optim.SGD(plain.parameters(), lr=1e-2), "sum"
-        )
+        sgd = torch.optim.SGD(plain.parameters(), lr=1e-2)
+        _fastpals_update(plain, _batchers(data, model_dir), sgd, "sum", accumulation)
         gap = max((p - q).abs().max().item() for p, q in zip(hf.parameters(), plain.parameters()))
         assert gap > 1e-5
 
