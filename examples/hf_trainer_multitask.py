@@ -93,12 +93,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         seed=args.seed, use_cpu=True, report_to=[], save_strategy="no", logging_steps=max(1, args.max_steps // 5),
         disable_tqdm=True,
     )  # fmt: skip
-    trainer = MultiTaskTrainer(model, training_args, train, sampling="annealed", surgery=args.surgery)
+    trainer = MultiTaskTrainer(
+        model, training_args, train, sampling="annealed", surgery=args.surgery, processing_class=tokenizer
+    )
     start = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - start
     scores, _ = evaluate(model, dev, list(TASKS))
-    trainer.save_model(str(out / "model"))
+    trainer.save_model(str(out / "model"))  # with vocab.txt; the max length for fastpals predict / export:
+    (out / "model" / "training_args.json").write_text(json.dumps({"max_length": args.max_length}))
     (out / "dev_scores.json").write_text(json.dumps(scores, indent=2))
     print(
         f"{args.max_steps} updates ({args.surgery}) in {seconds:.0f} s; dev: "

@@ -137,6 +137,7 @@ class MultiTaskTrainer(transformers.Trainer):
         self.surgery_generator = torch.Generator().manual_seed(args.seed)
         self.last_surgery: Any = None
         super().__init__(model=model, args=args, **kwargs)
+        self._sampler(1)  # the sampling options are checked here, not when train() starts
         if self.args.world_size > 1:
             raise ValueError(
                 f"MultiTaskTrainer runs on one process (this run has {self.args.world_size}): its surgery buffer "
@@ -144,24 +145,23 @@ class MultiTaskTrainer(transformers.Trainer):
             )
 
     # --- the data ----------------------------------------------------------------------------------------------
+    def _sampler(self, num_epochs: int, micro_batches_per_epoch: int | None = None) -> MixedBatchSampler:
+        batch_size = None if self.max_tokens else self.args.per_device_train_batch_size
+        return MixedBatchSampler.from_batchers(
+            self.train_batchers, self.sampling, num_epochs, batch_size=batch_size, max_tokens=self.max_tokens,
+            micro_batches_per_epoch=micro_batches_per_epoch or self.micro_batches_per_epoch, seed=self.args.seed,
+        )  # fmt: skip
+
     def get_train_dataloader(self) -> DataLoader:
         """Packed mixed-task micro-batches from fastpals' sampler (:class:`MixedTaskBatches`), one epoch per pass;
         the sampler anneals over the run's epochs (from ``max_steps`` when it is set)."""
-        batch_size = None if self.max_tokens else self.args.per_device_train_batch_size
-        probe = MixedBatchSampler.from_batchers(
-            self.train_batchers, self.sampling, 1, batch_size=batch_size, max_tokens=self.max_tokens,
-            micro_batches_per_epoch=self.micro_batches_per_epoch, seed=self.args.seed,
-        )  # fmt: skip
-        per_epoch = probe.micro_batches_per_epoch
+        per_epoch = self._sampler(1).micro_batches_per_epoch
         updates = max(1, per_epoch // self.args.gradient_accumulation_steps)
         if self.args.max_steps > 0:
             epochs = max(1, math.ceil(self.args.max_steps / updates))
         else:
             epochs = max(1, math.ceil(self.args.num_train_epochs))
-        sampler = MixedBatchSampler.from_batchers(
-            self.train_batchers, self.sampling, epochs, batch_size=batch_size, max_tokens=self.max_tokens,
-            micro_batches_per_epoch=per_epoch, seed=self.args.seed,
-        )  # fmt: skip
+        sampler = self._sampler(epochs, per_epoch)
         return DataLoader(MixedTaskBatches(self.train_batchers, sampler), batch_size=None, collate_fn=_as_is)
 
     # --- the step ----------------------------------------------------------------------------------------------
@@ -220,7 +220,12 @@ class MultiTaskTrainer(transformers.Trainer):
         return (loss, out) if return_outputs else loss
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """``MultiTaskBert.save_pretrained(output_dir)`` (the folder ``MultiTaskBert.from_pretrained`` opens)."""
+        """``MultiTaskBert.save_pretrained(output_dir)`` (the folder ``MultiTaskBert.from_pretrained`` opens), with
+        the Trainer's ``processing_class`` when it is a :class:`fastpals.Tokenizer` (its ``vocab.txt``, for
+        ``fastpals predict`` and ``fastpals export``)."""
+        from fastpals.tokenizer import Tokenizer
+
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        self.accelerator.unwrap_model(self.model).save_pretrained(output_dir)
+        tokenizer = self.processing_class if isinstance(self.processing_class, Tokenizer) else None
+        self.accelerator.unwrap_model(self.model).save_pretrained(output_dir, tokenizer=tokenizer)
         torch.save(self.args, f"{output_dir}/training_args.bin")
