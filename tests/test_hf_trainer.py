@@ -134,6 +134,26 @@ def test_one_update_equals_fastpals_trainer(
         assert gap > 1e-5
 
 
+def test_a_non_finite_task_gradient_changes_nothing(tiny: tuple[Path, Path], tmp_path: Path) -> None:
+    """A NaN in sts's head makes its task gradient non-finite: the surgery skips, the step leaves every weight."""
+    from fastpals.integrations.transformers import MultiTaskTrainer
+
+    data, model_dir = tiny
+    model = _model(model_dir)
+    with torch.no_grad():
+        model.heads["sts"].out.bias.fill_(float("nan"))
+    start = copy.deepcopy(model)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=BATCH, learning_rate=1e-2, optim="sgd",
+        max_grad_norm=1.0, seed=SEED, report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True,
+    )  # fmt: skip
+    trainer = MultiTaskTrainer(model, args, _batchers(data, model_dir), surgery="pcgrad")
+    trainer.train()
+    assert trainer.last_surgery.skipped and trainer.last_surgery.nonfinite_tasks == [1]
+    for (name, p), q in zip(model.named_parameters(), start.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, equal_nan=True, msg=lambda m, n=name: f"{n}: {m}")
+
+
 def test_bad_batchers_are_refused(tiny: tuple[Path, Path], tmp_path: Path) -> None:
     from fastpals.integrations.transformers import MultiTaskTrainer
 
