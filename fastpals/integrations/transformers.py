@@ -21,7 +21,9 @@ clipping (``max_grad_norm``, applied after the surgery, before ``optimizer.step(
 ``save_model`` writes the model with :meth:`fastpals.MultiTaskBert.save_pretrained`.
 
 Limits: one process (the buffer's all-reduce for data parallel is not wired to accelerate; several processes are
-refused); checked on CPU in fp32 (``tests/test_hf_trainer.py``).
+refused); checked on CPU in fp32 (``tests/test_hf_trainer.py``). The Trainer's checkpoints do not hold the
+sampler's position, the surgery's random stream or a stateful aggregator's state (Nash-MTL, GradVac), so
+``resume_from_checkpoint`` does not continue the same run (``train.py --resume`` does).
 """
 
 from __future__ import annotations
