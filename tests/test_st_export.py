@@ -75,7 +75,7 @@ def test_sts_round_trip_gives_fastpals_pearson(saved: dict[str, Path], tmp_path:
                           pair_encoding="separate")  # fmt: skip
     scores, _ = evaluate(model, {"sts": batcher}, model.task_names)
     _, preds, labels = predict_batches(model, batcher, 1)
-    assert 0.0 < cos.min() and cos.max() <= 1.0  # fastpals' clip(cos, 0, 1) leaves every pair as it is
+    # fastpals' sbert_cosine prediction is label_scale * cos on every pair, negative cosines included
     np.testing.assert_allclose(cos * spec.label_scale, preds, rtol=0, atol=1e-5)
     assert abs(pearson(labels, cos) - scores["sts"]) < 1e-4
 
@@ -103,3 +103,11 @@ def test_cross_encoder_sts_and_bad_options_are_refused(
     assert export_main(args) == 2
     assert "exists and is not empty" in capsys.readouterr().err
     assert (tmp_path / "c" / "keep.txt").read_text() == "mine"
+
+
+def test_sbert_cosine_prediction_is_the_scaled_cosine_unclipped() -> None:
+    joint = get_task("sts")
+    cosine = dataclasses.replace(joint, pair_mode="sbert_cosine")
+    z = torch.tensor([[-0.5], [0.25], [1.5]])
+    torch.testing.assert_close(cosine.task_kind.predict(cosine, z), z[:, 0] * cosine.label_scale)
+    torch.testing.assert_close(joint.task_kind.predict(joint, z), z[:, 0].clamp(0, 1) * joint.label_scale)

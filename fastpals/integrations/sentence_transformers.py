@@ -10,8 +10,8 @@ packed (unpadded) encoder path fastpals' evaluation runs, and the task's pooling
 What the cosine of two embeddings means depends on how the task was trained:
 
 - a pair task trained as a siamese cosine task (``--pair-mode sbert_cosine``): fastpals predicts
-  ``clip(cos(u, v), 0, 1) * label_scale``, so the embeddings' cosine is fastpals' score, up to that clip and
-  scale (Pearson is scale-free; the clip only touches pairs with a negative cosine). This is the export for STS;
+  ``cos(u, v) * label_scale``, so the embeddings' cosine is fastpals' score up to that scale (Pearson and
+  Spearman are scale-free). This is the export for STS;
 - a pair task trained otherwise (``joint``: a cross-encoder over ``[CLS] a [SEP] b [SEP]``; ``sbert_concat``: a head
   on ``(u, v, |u - v|)``): the score is not a function of the cosine, so the export is refused;
 - a single-sentence task: the embeddings are the features its head reads (exported; the head is not).
