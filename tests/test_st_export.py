@@ -111,3 +111,16 @@ def test_sbert_cosine_prediction_is_the_scaled_cosine_unclipped() -> None:
     z = torch.tensor([[-0.5], [0.25], [1.5]])
     torch.testing.assert_close(cosine.task_kind.predict(cosine, z), z[:, 0] * cosine.label_scale)
     torch.testing.assert_close(joint.task_kind.predict(joint, z), z[:, 0].clamp(0, 1) * joint.label_scale)
+
+
+def test_bf16_model_scores_cosine_pairs_in_fp32(saved: dict[str, Path]) -> None:
+    model = MultiTaskBert.from_pretrained(saved["cosine"])
+    tokenizer = Tokenizer.from_pretrained(saved["cosine"])
+    dev = load_task("sts", "dev", saved["data"])
+    batcher = TaskBatcher(dev, tokenizer, model.tasks[1], 16, max_length=MAX_LENGTH, shuffle=False,
+                          bucket_by_length=False, pair_encoding="separate")  # fmt: skip
+    _, fp32, _ = predict_batches(model, batcher, 1)
+    _, bf16, _ = predict_batches(model.to(torch.bfloat16), batcher, 1)
+    # bf16 features, fp32 cosine and logits: the scores keep more than bf16's 3 digits
+    assert np.abs(np.asarray(bf16) - np.asarray(fp32)).max() < 0.05
+    assert len(np.unique(np.asarray(bf16))) == len(np.unique(np.asarray(fp32)))
