@@ -1,7 +1,8 @@
 """The ``fastpals`` command: ``fastpals train ...`` (= ``python train.py ...``), ``fastpals predict ...``
 (= ``python -m fastpals.predict ...``), ``fastpals env`` (= ``python -m fastpals.env``),
 ``fastpals compare RECIPE... --budget STEPS`` (several recipes on one budget: :mod:`fastpals.compare`),
-``fastpals memory ...`` (the predicted peak memory of a training step: :mod:`fastpals.memory`)."""
+``fastpals memory ...`` (the predicted peak memory of a training step: :mod:`fastpals.memory`),
+``fastpals export ...`` (one task in another library's format: :mod:`fastpals.export`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 
 __all__ = ["main"]
 
-USAGE = """usage: fastpals {train,predict,env,compare,memory} [options]
+USAGE = """usage: fastpals {train,predict,env,compare,memory,export} [options]
 
   train     multi-task fine-tuning with DeepSpeed (same options as train.py; `fastpals train --help`)
   predict   run a trained model on the test files or on given sentences (`fastpals predict --help`)
@@ -18,6 +19,7 @@ USAGE = """usage: fastpals {train,predict,env,compare,memory} [options]
             (`fastpals compare --help`)
   memory    predict the peak memory of a training step and what fits a T4 / A100 / H100 / this CPU
             (traced on fake tensors, offline; `fastpals memory --help`)
+  export    one task of a trained model as a sentence-transformers model (`fastpals export --help`)
 """
 
 
@@ -47,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
         from fastpals.memory import main as memory_main
 
         return memory_main(rest)
+    if command == "export":
+        from fastpals.export import main as export_main
+
+        return export_main(rest)
     print(f"fastpals: unknown command {command!r}\n{USAGE}", file=sys.stderr, end="")
     return 2
 

@@ -370,7 +370,8 @@ class MultiTaskBert(nn.Module):
         ``(u, v, |u - v|)``); ``rows`` is :meth:`BatchLayout.rows_of` (a slice when rows are grouped by task)."""
         width = max(t.num_labels for t in self.tasks)
         pieces = []
-        logits = None if layout.grouped else pooled.new_zeros(layout.batch, width)
+        # fp32 logits: a bf16 model's scores keep fp32 resolution (a cosine near 1 has 3 digits in bf16)
+        logits = None if layout.grouped else pooled.new_zeros(layout.batch, width, dtype=torch.float32)
         for i in layout.present:
             spec = self.tasks[i]
             rows = layout.rows_of(i)
@@ -378,7 +379,7 @@ class MultiTaskBert(nn.Module):
             if spec.siamese:
                 v = features_b(spec, rows)
                 if spec.pair_mode == "sbert_cosine":
-                    y = F.cosine_similarity(u, v, dim=-1)[:, None]
+                    y = F.cosine_similarity(u.float(), v.float(), dim=-1)[:, None]
                 else:
                     y = self.heads[spec.name](torch.cat([u, v, (u - v).abs()], dim=-1))
             else:
@@ -389,7 +390,11 @@ class MultiTaskBert(nn.Module):
             else:
                 logits = logits.index_copy(0, rows, y.to(logits.dtype))
         if logits is None:
-            logits = torch.cat(pieces) if pieces else pooled.new_zeros(0, width)
+            logits = (
+                torch.cat([y.float() for y in pieces])
+                if pieces
+                else pooled.new_zeros(0, width, dtype=torch.float32)
+            )
         return logits
 
     def _forward_packed(

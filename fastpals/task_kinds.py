@@ -283,7 +283,9 @@ class Binary(TaskKind):
 class Regression(TaskKind):
     """Regression on a score in ``label_range`` (``low >= 0``): one value trained on ``label / label_scale``
     (``loss="mse"``) or with CoSENT (``loss="cosine"``, a ranking loss on the scores' pairwise order within the
-    batch); prediction ``clip(z, 0, 1) * label_scale``; Pearson (primary) and Spearman correlations."""
+    batch); prediction ``clip(z, 0, 1) * label_scale``, or ``cos * label_scale`` unclipped for
+    ``pair_mode="sbert_cosine"`` (the cosine as sentence-transformers scores it, so an exported model gives the same
+    correlations); Pearson (primary) and Spearman correlations."""
 
     name = "regression"
     losses = ("mse", "cosine")
@@ -333,8 +335,12 @@ class Regression(TaskKind):
         return cosent_loss(logits[:, 0].float(), labels.float())
 
     def predict(self, spec: TaskSpec, logits: torch.Tensor) -> torch.Tensor:
-        """``clip(logits[:, 0], 0, 1) * label_scale``, float32 ``[n]``."""
-        return logits.float()[:, 0].clamp(0.0, 1.0) * spec.label_scale
+        """``clip(logits[:, 0], 0, 1) * label_scale``, float32 ``[n]``; for ``sbert_cosine`` pairs the cosine
+        ``logits[:, 0]`` in ``[-1, 1]`` times ``label_scale``, unclipped."""
+        score = logits.float()[:, 0]
+        if spec.pair_mode != "sbert_cosine":
+            score = score.clamp(0.0, 1.0)
+        return score * spec.label_scale
 
     def metrics(self, spec: TaskSpec, y_true: Sequence, y_pred: Sequence) -> dict[str, float]:
         """``{"pearson": r, "spearman": rho}`` in float64 over the whole set (``N >= 2``); NaN, without a

@@ -1,0 +1,140 @@
+"""One task of a trained :class:`fastpals.MultiTaskBert` as a ``sentence_transformers.SentenceTransformer``.
+
+``fastpals export --task sts --format sentence-transformers runs/x/best out/`` (or :func:`export_task`) writes a
+sentence-transformers folder whose one module, :class:`PALTaskEncoder`, keeps the PALs as modules: PALs are
+projected attention layers (attention inside each adapter), which no linear merge folds into BERT's weights. The
+module runs the task's own path: every example through that task's PALs (``task_ids`` all the task's index), the
+packed (unpadded) encoder path fastpals' evaluation runs, and the task's pooling (``cls``: BERT's pooler output;
+``mean``; ``max``), so ``encode`` gives the features the task's head or cosine reads.
+
+What the cosine of two embeddings means depends on how the task was trained:
+
+- a pair task trained as a siamese cosine task (``--pair-mode sbert_cosine``): fastpals predicts
+  ``cos(u, v) * label_scale``, so the embeddings' cosine is fastpals' score up to that scale (Pearson and
+  Spearman are scale-free). This is the export for STS;
+- a pair task trained otherwise (``joint``: a cross-encoder over ``[CLS] a [SEP] b [SEP]``; ``sbert_concat``: a head
+  on ``(u, v, |u - v|)``): the score is not a function of the cosine, so the export is refused;
+- a single-sentence task: the embeddings are the features its head reads (exported; the head is not).
+
+Loading needs fastpals installed and, since sentence-transformers 6.0 refuses any module class outside its own
+package without it, ``SentenceTransformer(out, trust_remote_code=True)``. The folder holds the fastpals model
+(``fastpals_model/``, :meth:`fastpals.MultiTaskBert.save_pretrained` with its ``vocab.txt``) and
+``fastpals_encoder.json`` (task, max length); nothing is read from the network.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from sentence_transformers import SentenceTransformer
+from sentence_transformers.base.modules import InputModule
+
+from fastpals.multitask import MultiTaskBert
+
+__all__ = ["ExportError", "PALTaskEncoder", "check_exportable", "export_task"]
+
+MODEL_SUBFOLDER = "fastpals_model"
+CONFIG_NAME = "fastpals_encoder.json"
+
+
+class ExportError(ValueError):
+    """A task that cannot be exported, or a bad option; printed as one line."""
+
+
+def check_exportable(model: MultiTaskBert, task: str) -> None:
+    """Raise :class:`ExportError` when ``task`` is not a task of ``model`` or its score is not the cosine of
+    its sentence embeddings (a pair task not trained as ``sbert_cosine``)."""
+    if task not in model.task_names:
+        raise ExportError(f"--task {task}: the model has the tasks {', '.join(model.task_names)}")
+    spec = model.tasks[model.task_index(task)]
+    if spec.pair and spec.pair_mode != "sbert_cosine":
+        how = (
+            "a cross-encoder over the joined pair" if spec.pair_mode == "joint" else "a head on (u, v, |u-v|)"
+        )
+        raise ExportError(
+            f"--task {task} was trained with pair_mode {spec.pair_mode} ({how}): its score is not the cosine of "
+            "two sentence embeddings, so a sentence-transformers model cannot reproduce it; train it with "
+            "--pair-mode sbert_cosine to export it"
+        )
+
+
+class PALTaskEncoder(InputModule):
+    """A sentence-transformers input module running one task's path of a :class:`fastpals.MultiTaskBert`.
+
+    Args:
+        model: the multi-task model (kept whole; only ``task``'s PALs run).
+        tokenizer: its :class:`fastpals.Tokenizer` (``[CLS] text [SEP]``, truncated to ``max_seq_length``).
+        task: the task whose PALs and pooling give the embedding.
+        max_seq_length: tokens per text, special tokens included (the run's ``--max-length``).
+
+    ``preprocess(texts)`` gives ``input_ids``, ``attention_mask``, ``token_type_ids`` int64 ``[B, L]`` (right
+    padded); ``forward`` adds ``sentence_embedding`` ``[B, d]`` (the model's dtype).
+    """
+
+    config_keys = ["task", "max_seq_length"]
+    config_file_name = CONFIG_NAME
+
+    def __init__(self, model: MultiTaskBert, tokenizer: Any, task: str, max_seq_length: int = 128) -> None:
+        super().__init__()
+        check_exportable(model, task)
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.task = task
+        self.max_seq_length = int(max_seq_length)
+        self.task_index = model.task_index(task)
+
+    def preprocess(
+        self, inputs: Sequence[str], prompt: str | None = None, **kwargs: Any
+    ) -> dict[str, torch.Tensor]:
+        """Token ids of ``B`` texts, as fastpals tokenizes one sentence (``prompt`` is prepended if given)."""
+        texts = [str(text) for text in inputs]
+        if prompt:
+            texts = self._prepend_prompt(texts, prompt)
+        return self.tokenizer(texts, max_length=self.max_seq_length)
+
+    def forward(self, features: dict[str, torch.Tensor], **kwargs: Any) -> dict[str, torch.Tensor]:
+        """``features["sentence_embedding"]`` ``[B, d]``: the task's pooled features of each text."""
+        ids, mask = features["input_ids"], features["attention_mask"]
+        task_ids = torch.full((ids.shape[0],), self.task_index, dtype=torch.long, device=ids.device)
+        spec = self.model.tasks[self.task_index]
+        out = self.model.bert(ids, mask, features.get("token_type_ids"), task_ids, unpad=True)
+        features["sentence_embedding"] = self.model._features(spec, out, mask)
+        return features
+
+    def get_sentence_embedding_dimension(self) -> int:
+        """``d``, the encoder's hidden size."""
+        return self.model.config.bert.hidden_size
+
+    def save(self, output_path: str, *args: Any, safe_serialization: bool = True, **kwargs: Any) -> None:
+        """``fastpals_model/`` (the model and its ``vocab.txt``) and ``fastpals_encoder.json``."""
+        self.model.save_pretrained(Path(output_path) / MODEL_SUBFOLDER, tokenizer=self.tokenizer)
+        self.save_config(output_path)
+
+    @classmethod
+    def load(cls, model_name_or_path: str, subfolder: str = "", **kwargs: Any) -> PALTaskEncoder:
+        """Open a folder written by :meth:`save` (a local folder; fastpals opens the model)."""
+        from fastpals.tokenizer import Tokenizer
+
+        folder = Path(model_name_or_path) / subfolder
+        if not (folder / CONFIG_NAME).is_file():
+            raise FileNotFoundError(f"{folder} has no {CONFIG_NAME}: not a folder written by fastpals export")
+        config = json.loads((folder / CONFIG_NAME).read_text())
+        model = MultiTaskBert.from_pretrained(folder / MODEL_SUBFOLDER)
+        tokenizer = Tokenizer.from_pretrained(folder / MODEL_SUBFOLDER)
+        return cls(model, tokenizer, config["task"], config["max_seq_length"])
+
+
+def export_task(
+    model: MultiTaskBert, tokenizer: Any, task: str, out: str | os.PathLike, max_seq_length: int = 128
+) -> Path:
+    """Write ``task`` of ``model`` as a sentence-transformers folder ``out`` (cosine similarity); returns it.
+    Raises :class:`ExportError` for a task that cannot be exported (see the module docstring)."""
+    encoder = PALTaskEncoder(model, tokenizer, task, max_seq_length)
+    st = SentenceTransformer(modules=[encoder], similarity_fn_name="cosine", device="cpu")
+    st.save(str(out))
+    return Path(out)

@@ -1,0 +1,233 @@
+"""Multi-task PAL training with gradient surgery inside the Hugging Face ``transformers.Trainer``.
+
+:class:`MultiTaskTrainer` is a ``transformers.Trainer`` subclass for a :class:`fastpals.MultiTaskBert` (its PALs
+and task heads) and one :class:`fastpals.data.TaskBatcher` per task:
+
+- ``get_train_dataloader`` yields packed mixed-task micro-batches drawn by fastpals' sampler
+  (:class:`fastpals.batching.MixedBatchSampler`: ``annealed``, ``proportional``, ``sqrt``, ...), collated by
+  :func:`fastpals.batching.collate_packed` (no padding; the batch's :class:`~fastpals.layout.BatchLayout` holds
+  every host count, so the step reads no device value);
+- ``training_step`` runs one forward and one backward per micro-batch. With ``surgery`` (any name of
+  :data:`fastpals.surgery.AGGREGATORS`: ``pcgrad``, ``gem``, ``upgrad``, ``mgda``, ...) the backward runs inside
+  :func:`fastpals.surgery.per_task_gradients`, which puts each task's gradient of the shared weights into a
+  :class:`fastpals.surgery.TaskGradientBuffer` row; at the micro-batch that ends the Trainer's accumulation the
+  buffer's ``apply`` writes the aggregated gradient into ``.grad``. That is the update of fastpals' own trainer
+  (``--batching mixed --surgery NAME``, :func:`fastpals.train.step.run_update` with strategy ``one_backward``):
+  the loss differentiated is the sum of the task means, the PCGrad order stream is seeded with ``args.seed``.
+  Without surgery (``surgery="none"``) the loss is ``task_losses(..., weighting).total``.
+
+Everything else is the Trainer's own: the optimizer and schedule (``TrainingArguments``), gradient accumulation,
+clipping (``max_grad_norm``, applied after the surgery, before ``optimizer.step()``), logging, callbacks.
+``save_model`` writes the model with :meth:`fastpals.MultiTaskBert.save_pretrained`.
+
+Limits: one process (the buffer's all-reduce for data parallel is not wired to accelerate; several processes are
+refused); checked on CPU in fp32 (``tests/test_hf_trainer.py``). The Trainer's checkpoints do not hold the
+sampler's position, the surgery's random stream or a stateful aggregator's state (Nash-MTL, GradVac), so
+``resume_from_checkpoint`` does not continue the same run (``train.py --resume`` does).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import transformers
+from torch.utils.data import DataLoader, IterableDataset
+
+from fastpals.batching import MixedBatchSampler, collate_packed, model_inputs
+from fastpals.data import TaskBatcher
+
+__all__ = ["MixedTaskBatches", "MultiTaskTrainer"]
+
+
+def _as_is(item: Any) -> Any:
+    return item
+
+
+class MixedTaskBatches(IterableDataset):
+    """The packed mixed-task micro-batches of a :class:`MixedBatchSampler`, one epoch per ``iter()`` (the Trainer
+    iterates its train dataloader once per epoch); ``len()`` is the micro-batches of an epoch.
+
+    Each item is :func:`fastpals.batching.collate_packed`'s dict (``input_ids [N]`` int64, ``cu_seqlens [B+1]``
+    int32, ``labels [B]`` float32, ``layout``, ...; see :mod:`fastpals.batching`).
+    """
+
+    def __init__(self, batchers: Sequence[TaskBatcher], sampler: MixedBatchSampler) -> None:
+        self.batchers, self.sampler = list(batchers), sampler
+        self._started = False
+
+    def __len__(self) -> int:
+        return self.sampler.micro_batches_per_epoch
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        if self._started and self.sampler.epoch_done():
+            self.sampler.start_next_epoch()
+        self._started = True
+        while not self.sampler.epoch_done():
+            yield collate_packed(self.batchers, self.sampler.next_micro_batch())
+
+
+class MultiTaskTrainer(transformers.Trainer):
+    """A ``transformers.Trainer`` that trains a :class:`fastpals.MultiTaskBert` on mixed-task batches with
+    gradient surgery from one backward (see the module docstring).
+
+    Args:
+        model: the multi-task model (PALs and heads; e.g. ``MultiTaskBert.from_base("minilm-l6", tasks, pal)``).
+        args: the Trainer's ``TrainingArguments``; ``per_device_train_batch_size`` is the examples of a
+            micro-batch (unless ``max_tokens``), ``seed`` seeds the sampler and the surgery's random stream.
+        train_batchers: one :class:`fastpals.data.TaskBatcher` per task of ``model``, keyed by task name (or in
+            the model's task order); their ``seed`` orders each task's passes.
+        sampling: the task shares of a micro-batch (``annealed``, ``proportional``, ``uniform``, ``sqrt``,
+            ``round_robin``, ...; :data:`fastpals.sampling.SAMPLING_METHODS`).
+        surgery: an aggregator name of :data:`fastpals.surgery.AGGREGATORS`, or ``"none"``.
+        surgery_options: its options (:func:`fastpals.surgery.make_weighting`).
+        weighting: how task losses combine without surgery (``examples`` or ``equal``).
+        max_tokens: a token budget per micro-batch instead of a fixed number of examples.
+        micro_batches_per_epoch: default: about one pass over the training examples.
+        kwargs: the other ``transformers.Trainer`` arguments (callbacks, ...); ``train_dataset`` and
+            ``data_collator`` are refused (the batchers are the data).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        args: transformers.TrainingArguments,
+        train_batchers: Mapping[str, TaskBatcher] | Sequence[TaskBatcher],
+        *,
+        sampling: str = "annealed",
+        surgery: str = "pcgrad",
+        surgery_options: Mapping[str, Any] | None = None,
+        weighting: str = "examples",
+        max_tokens: int | None = None,
+        micro_batches_per_epoch: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        from fastpals.multitask import TASK_WEIGHTINGS
+        from fastpals.surgery import make_weighting
+
+        for key in ("train_dataset", "data_collator"):
+            if kwargs.get(key) is not None:
+                raise ValueError(f"MultiTaskTrainer takes no {key}: the train_batchers are the data")
+        names = [spec.name for spec in model.tasks]
+        if isinstance(train_batchers, Mapping):
+            missing = [n for n in names if n not in train_batchers]
+            extra = [n for n in train_batchers if n not in names]
+            if missing or extra:
+                raise ValueError(
+                    f"train_batchers has tasks {list(train_batchers)}, the model {names}: give one per task"
+                )
+            batchers = [train_batchers[n] for n in names]
+        else:
+            batchers = list(train_batchers)
+            got = [b.spec.name for b in batchers]
+            if got != names:
+                raise ValueError(
+                    f"train_batchers are for tasks {got}, the model's are {names} (in this order)"
+                )
+        if weighting not in TASK_WEIGHTINGS:
+            raise ValueError(f"weighting={weighting!r}: choose one of {', '.join(TASK_WEIGHTINGS)}")
+        self.train_batchers = batchers
+        self.sampling, self.max_tokens, self.weighting = sampling, max_tokens, weighting
+        self.micro_batches_per_epoch = micro_batches_per_epoch
+        self.surgery = surgery
+        self.aggregator = self.aggregator_state = None
+        if surgery != "none":
+            self.aggregator, self.aggregator_state = make_weighting(surgery, **dict(surgery_options or {}))
+        self.surgery_buffer: Any = None
+        self.surgery_generator = torch.Generator().manual_seed(args.seed)
+        self.last_surgery: Any = None
+        super().__init__(model=model, args=args, **kwargs)
+        self._sampler(1)  # the sampling options are checked here, not when train() starts
+        if self.args.world_size > 1:
+            raise ValueError(
+                f"MultiTaskTrainer runs on one process (this run has {self.args.world_size}): its surgery buffer "
+                "does not all-reduce through accelerate; use fastpals' own trainer (train.py) for data parallel"
+            )
+
+    # --- the data ----------------------------------------------------------------------------------------------
+    def _sampler(self, num_epochs: int, micro_batches_per_epoch: int | None = None) -> MixedBatchSampler:
+        batch_size = None if self.max_tokens else self.args.per_device_train_batch_size
+        return MixedBatchSampler.from_batchers(
+            self.train_batchers, self.sampling, num_epochs, batch_size=batch_size, max_tokens=self.max_tokens,
+            micro_batches_per_epoch=micro_batches_per_epoch or self.micro_batches_per_epoch, seed=self.args.seed,
+        )  # fmt: skip
+
+    def get_train_dataloader(self) -> DataLoader:
+        """Packed mixed-task micro-batches from fastpals' sampler (:class:`MixedTaskBatches`), one epoch per pass;
+        the sampler anneals over the run's epochs (from ``max_steps`` when it is set)."""
+        per_epoch = self._sampler(1).micro_batches_per_epoch
+        updates = max(1, per_epoch // self.args.gradient_accumulation_steps)
+        if self.args.max_steps > 0:
+            epochs = max(1, math.ceil(self.args.max_steps / updates))
+        else:
+            epochs = max(1, math.ceil(self.args.num_train_epochs))
+        sampler = self._sampler(epochs, per_epoch)
+        return DataLoader(MixedTaskBatches(self.train_batchers, sampler), batch_size=None, collate_fn=_as_is)
+
+    # --- the step ----------------------------------------------------------------------------------------------
+    def _buffer(self, model: torch.nn.Module) -> Any:
+        if self.surgery_buffer is None:
+            from fastpals.surgery import TaskGradientBuffer, shared_parameters_by_name
+
+            shared, specific = shared_parameters_by_name(model)
+            self.surgery_buffer = TaskGradientBuffer(shared, len(model.tasks), task_params=specific)
+        return self.surgery_buffer
+
+    def training_step(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, Any],
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> torch.Tensor:
+        """One packed mixed micro-batch: forward, loss, backward (``num_items_in_batch`` is not used: each task's
+        loss is its own mean). With surgery the per-task gradients go into the buffer, and the micro-batch that
+        ends the accumulation applies the aggregator (``.grad`` then holds the update; a non-finite task gradient
+        leaves every ``.grad`` empty, so the optimizer step changes nothing). Returns the loss, detached, divided
+        by the accumulation as the Trainer logs it."""
+        model.train()
+        batch = model_inputs(inputs, self.args.device)
+        labels = inputs["labels"].to(self.args.device)
+        scale = 1.0 / self.current_gradient_accumulation_steps
+        if self.aggregator is None:
+            with self.compute_loss_context_manager():
+                loss = model.task_losses(model(**batch), labels, weighting=self.weighting).total * scale
+            self.accelerator.backward(loss)
+            return loss.detach()
+        from fastpals.surgery import per_task_gradients
+
+        buffer = self._buffer(model)
+        with per_task_gradients(model, buffer, batch["task_ids"], layout=batch["layout"]):
+            with self.compute_loss_context_manager():
+                res = model.task_losses(model(**batch), labels, weighting="equal")
+                loss = sum(res.per_task.values()) * scale  # each task's gradient: that of its own mean loss
+            self.accelerator.backward(loss)
+        if self.accelerator.sync_gradients:  # the accumulation's last micro-batch: surgery before clipping
+            self.last_surgery = buffer.apply(self.aggregator, generator=self.surgery_generator)
+            if self.last_surgery.skipped:
+                model.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    def compute_loss(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, Any]:
+        """The combined loss (``weighting``) of a packed batch, for evaluation loops."""
+        out = model(**model_inputs(inputs, self.args.device))
+        loss = model.task_losses(out, inputs["labels"].to(self.args.device), weighting=self.weighting).total
+        return (loss, out) if return_outputs else loss
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """``MultiTaskBert.save_pretrained(output_dir)`` (the folder ``MultiTaskBert.from_pretrained`` opens), with
+        the Trainer's ``processing_class`` when it is a :class:`fastpals.Tokenizer` (its ``vocab.txt``, for
+        ``fastpals predict`` and ``fastpals export``)."""
+        from fastpals.tokenizer import Tokenizer
+
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        tokenizer = self.processing_class if isinstance(self.processing_class, Tokenizer) else None
+        self.accelerator.unwrap_model(self.model).save_pretrained(output_dir, tokenizer=tokenizer)
+        torch.save(self.args, f"{output_dir}/training_args.bin")
