@@ -597,8 +597,9 @@ class MultiTaskBert(nn.Module):
           (:mod:`fastpals.adapters`); ``fastpals.load_pals(AutoModel.from_pretrained(folder), folder)`` gives the
           HF encoder its PALs. Their ``base_model_name_or_path`` is null (they belong to the encoder saved
           beside them); the checkpoint the model started from is kept as ``extra.fine_tuned_from``;
-        - with ``tokenizer`` (a :class:`fastpals.Tokenizer`): ``vocab.txt``, ``tokenizer.json``,
-          ``tokenizer_config.json``, ``special_tokens_map.json`` for ``transformers.AutoTokenizer``.
+        - with ``tokenizer`` (a :class:`fastpals.Tokenizer`): ``tokenizer.json``, ``tokenizer_config.json``,
+          ``special_tokens_map.json`` for ``transformers.AutoTokenizer`` (and ``vocab.txt`` for a tokenizer
+          built from one).
 
         ``adapters_only=True`` writes ``adapter_config.json`` and ``adapter_model.safetensors`` at the top of
         ``folder``: PALs, heads, and (freeze recipe) the trained base weights; loading needs the base checkpoint
