@@ -38,8 +38,10 @@ def test_encoder_trains_three_pcgrad_updates(data, tmp_path, arch, capsys):
     model = make_encoder(arch, tmp_path / arch, _texts(), max_positions=64)
     assert not (model / "vocab.txt").exists()
     out = tmp_path / "run"
+    # sentence pairs: joint (the tokenizer's pair template) for half the families, siamese for the others
+    siamese = ["--pair-mode", "sbert_concat"] if ENCODERS.index(arch) % 2 else []
     argv = tiny_run_args(data, model, out, "--surgery", "pcgrad", "--steps-per-epoch", "3", "--max-eval", "8",
-                         "--max-predict", "4", "--no-progress", "--ds_config", "configs/cpu_fp32.json")  # fmt: skip
+                         "--max-predict", "4", "--no-progress", "--ds_config", "configs/cpu_fp32.json", *siamese)  # fmt: skip
     rc = main(argv)
     log = capsys.readouterr()
     assert rc == 0, (log.out + log.err)[-3000:]
