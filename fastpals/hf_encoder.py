@@ -142,8 +142,7 @@ class HFEncoder(nn.Module):
                 token_type_ids = (
                     token_type_ids.new_zeros(b * n).index_copy(0, index, token_type_ids).view(b, n)
                 )
-            if task_ids is None:
-                task_ids = layout.task_ids
+            task_ids = layout.task_ids  # this pass's rows (a siamese second pass holds the siamese rows only)
         kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask}
         if self.token_types and token_type_ids is not None:
             kwargs["token_type_ids"] = token_type_ids

@@ -107,6 +107,7 @@ class EmbeddingFrame:
     def __init__(self) -> None:
         self.owner_set = False
         self.broadcast: list[tuple[nn.Embedding, torch.Tensor]] = []
+        self.example_rows: RowTasks | None = None  # one row per example of the pass that made this frame
 
 
 def _split_rows(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -358,6 +359,10 @@ def embedding_forward(state: BlockState, m: nn.Embedding, ids: torch.Tensor) -> 
         return _BroadcastEmbedding.apply(state.anchor, ids, m.weight.detach(), m.padding_idx, frame, state)
     owner = not frame.owner_set
     frame.owner_set = True
+    if (
+        owner
+    ):  # the pass's examples, for the broadcast embeddings' backward (later passes may hold other rows)
+        frame.example_rows = state.example_rows()
     k = state.param_index(m.weight)
     return _PerTaskEmbedding.apply(
         state.anchor, ids, m.weight.detach(), m.padding_idx, state, rows, frame if owner else None, k
@@ -395,9 +400,8 @@ class _PerTaskEmbedding(torch.autograd.Function):
         if frame is not None and frame.broadcast:
             # The broadcast embeddings were summed with this one: their gradient is this dy summed over each
             # task's examples, at their own indices.
-            b = state.batch
-            per_example = dy.reshape(b, -1)
-            ex_rows = state.example_rows()
+            ex_rows = frame.example_rows if frame.example_rows is not None else state.example_rows()
+            per_example = dy.reshape(ex_rows.num_rows, -1)
             sums = torch.zeros(state.num_tasks, per_example.shape[1], dtype=torch.float32, device=dy.device)
             sums.index_add_(0, ex_rows.row_task, per_example.float())
             for m, pos in frame.broadcast:
