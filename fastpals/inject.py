@@ -1,7 +1,7 @@
 """Add PALs to a model you already have: ``inject_pals(model, PALConfig(...))``.
 
-Works on HF transformers encoders with post-LN layers (BERT, RoBERTa, XLM-RoBERTa, ELECTRA, DistilBERT, and any
-model whose layers are found with ``layers_pattern`` / ``layer_norm_name``) and on fastpals' own minBERT
+Works on HF transformers encoders (BERT, RoBERTa, XLM-RoBERTa, ELECTRA, DistilBERT, DeBERTa-v2/v3, ModernBERT,
+and any model whose layers are found with ``layers_pattern`` / ``layer_norm_name``) and on fastpals' own minBERT
 (:class:`fastpals.BertModel`). Like PEFT's LoRA injection it is one call that changes the model in place:
 
 - the base model's parameter names do not change (the PALs are new submodules), so the base checkpoint still

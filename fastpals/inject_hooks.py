@@ -7,7 +7,9 @@ How the HF layers are changed (hooks only; no HF module is replaced or renamed):
   no padding);
 - a forward pre-hook on each layer keeps the layer input ``h [B, L, d]``;
 - a forward pre-hook on the layer's final LayerNorm (BERT: ``output.LayerNorm``, DistilBERT:
-  ``output_layer_norm``) adds ``TS_t(h)`` to the LayerNorm's input.
+  ``output_layer_norm``) adds ``TS_t(h)`` to the LayerNorm's input; for pre-LN layers (ModernBERT, target
+  ``site="output"``) a forward hook on the target module (``mlp``) adds it to that module's output
+  (see :mod:`fastpals.inject_targets` for why that is the PAL algebra's place).
 
 The state (:class:`PALInjection`) is a plain attribute of the root model, named :data:`INJECTION_ATTR`; the
 hooks are its bound methods. Shapes: layer input ``h [B, L, d]``, padding mask ``[B, L]``, ``task_ids [B]`` int.
@@ -145,6 +147,23 @@ class PALInjection:
         x = pal(h, self._layout(h), residual=x)
         return (x, *args[1:]), kwargs
 
+    def add_pal_to_output(self, index: int, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        """Forward hook of a ``site="output"`` target: its output ``[B, L, d]`` plus ``TS_t(h)``."""
+        h = self.inputs.pop(index, None)
+        if h is None:
+            raise RuntimeError(
+                f"the PAL site of layer {index} ran without its layer input (it ran twice, or outside the "
+                "layer's forward)"
+            )
+        if not self.enabled:
+            return None
+        if not isinstance(output, torch.Tensor) or output.shape != h.shape:
+            got = list(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
+            raise ValueError(
+                f"layer {index}: the PAL site's output is {got} but the layer input {list(h.shape)}"
+            )
+        return self.layers[index].pal(h, self._layout(h), residual=output)
+
     def _layout(self, h: torch.Tensor) -> BatchLayout:
         b, n = h.shape[0], h.shape[1]
         if self.layout is not None and self.layout.batch == b and self.layout.length == n:
@@ -232,6 +251,9 @@ def add_hf_pals(
         layer, norm = resolved.layers[i], resolved.layer_norms[i]
         hook = functools.partial(state.keep_input, i)
         state.handles.append(layer.register_forward_pre_hook(hook, with_kwargs=True))
-        state.handles.append(
-            norm.register_forward_pre_hook(functools.partial(state.add_pal, i), with_kwargs=True)
-        )
+        if resolved.site == "output":
+            hook = functools.partial(state.add_pal_to_output, i)
+            state.handles.append(norm.register_forward_hook(hook, with_kwargs=True))
+        else:
+            hook = functools.partial(state.add_pal, i)
+            state.handles.append(norm.register_forward_pre_hook(hook, with_kwargs=True))

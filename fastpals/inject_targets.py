@@ -1,8 +1,22 @@
 """Where :func:`fastpals.inject_pals` puts the PALs: the per-architecture targets and finding them in a model.
 
-:data:`TARGETS` maps ``config.model_type`` to a :class:`PALTarget` (the encoder's layer list and each layer's
-final LayerNorm); :func:`resolve_targets` finds them in a model (an HF encoder, or fastpals' own minBERT) and
-checks the PAL config, the hidden size ``d`` and the base model's mask argument, without changing anything.
+:data:`TARGETS` maps ``config.model_type`` to a :class:`PALTarget` (the encoder's layer list and, in each layer,
+the module where ``TS_t(h)`` joins the residual sum); :func:`resolve_targets` finds them in a model (an HF
+encoder, or fastpals' own minBERT) and checks the PAL config, the hidden size ``d`` and the base model's mask
+argument, without changing anything.
+
+The PAL algebra (Stickland & Murray 2019, the seeds): a layer with input ``h`` computes
+``LN(ffn_out + attn_out + TS_t(h))``: ``TS_t(h)`` is one more branch of the layer's last residual sum, added
+before that sum is normalised. Where it goes:
+
+- post-LN layers (BERT, RoBERTa, XLM-R, ELECTRA, DeBERTa-v2/v3, DistilBERT): ``site="norm_input"``, added to the
+  input of the layer's final LayerNorm (BERT: ``output.LayerNorm``, whose input is ``ffn_out + attn_out``);
+- ModernBERT (pre-LN: ``h' = h + attn(LN(h)); out = h' + mlp(LN(h'))``, no LayerNorm after the FFN):
+  ``site="output"``, added to the output of ``mlp``, so the layer returns ``h + attn + mlp + TS_t(h)``. The
+  next normalisation of that sum (the next layer's ``attn_norm``, or ``final_norm``) is the LayerNorm of the
+  algebra, and ``TS_t`` reads the layer input ``h`` (the residual stream) as in BERT.
+
+Adding an architecture: one row in :data:`TARGETS` (and its case in tests/test_encoders.py).
 """
 
 from __future__ import annotations
@@ -17,7 +31,7 @@ from fastpals.model import BertModel as MiniBert
 from fastpals.model import PALConfig
 from fastpals.pal_variants import PAL_VARIANTS
 
-__all__ = ["TARGETS", "PALTarget", "ResolvedTargets", "is_known_model", "resolve_targets"]
+__all__ = ["SITES", "TARGETS", "PALTarget", "ResolvedTargets", "is_known_model", "resolve_targets"]
 
 
 @dataclass(frozen=True)
@@ -28,11 +42,14 @@ class PALTarget:
     (``"encoder.layer"`` matches ``bert.encoder.layer``); the module holding it is the *base model*.
     ``layer_norm``: the layer's final LayerNorm (the one after the FFN), relative to a layer.
     ``dropout_attr``: the config attribute with BERT's attention-probability dropout (the PAL's default dropout).
+    ``site``: ``"norm_input"`` (``TS_t(h)`` is added to the first input of ``layer_norm``) or ``"output"``
+    (added to the output of the module named ``layer_norm``, for pre-LN layers; see the module docstring).
     """
 
     layers: str
     layer_norm: str
     dropout_attr: str = "attention_probs_dropout_prob"
+    site: str = "norm_input"
 
 
 _BERT_LIKE = PALTarget("encoder.layer", "output.LayerNorm")
@@ -44,7 +61,12 @@ TARGETS: dict[str, PALTarget] = {
     "xlm-roberta": _BERT_LIKE,
     "electra": _BERT_LIKE,
     "distilbert": PALTarget("transformer.layer", "output_layer_norm", "attention_dropout"),
+    "deberta-v2": _BERT_LIKE,  # DeBERTa-v2 and v3 (v3 checkpoints have model_type "deberta-v2")
+    "modernbert": PALTarget("layers", "mlp", "attention_dropout", site="output"),
 }
+
+#: where TS_t(h) joins the residual sum (see :class:`PALTarget`)
+SITES = ("norm_input", "output")
 
 
 @dataclass
@@ -57,6 +79,7 @@ class ResolvedTargets:
     base: nn.Module
     layers_pattern: str  # the layer list's path relative to the base
     layer_norm_name: str
+    site: str  # "norm_input" or "output" (PALTarget.site)
     layers: list[nn.Module]
     layer_norms: list[nn.Module]
     hidden_size: int
@@ -134,6 +157,7 @@ def _resolve_minbert(
         base=mini,
         layers_pattern="encoder.layer",
         layer_norm_name="output.LayerNorm",
+        site="norm_input",
         layers=layers,
         layer_norms=[layer.output.LayerNorm for layer in layers],
         hidden_size=mini.config.hidden_size,
@@ -164,6 +188,10 @@ def _resolve_hf(
             f"Module lists in this model: {lists or 'none'}"
         )
     layers_pattern = target.layers if layers_pattern is None else layers_pattern
+    # the site goes with the target's module: a layer_norm_name of the caller's is a LayerNorm's input
+    site = (
+        target.site if target is not None and layer_norm_name in (None, target.layer_norm) else "norm_input"
+    )
     layer_norm_name = target.layer_norm if layer_norm_name is None else layer_norm_name
     found = [
         n
@@ -237,6 +265,7 @@ def _resolve_hf(
         base=base,
         layers_pattern=layers_pattern,
         layer_norm_name=layer_norm_name,
+        site=site,
         layers=layers,
         layer_norms=norms,
         hidden_size=hidden,

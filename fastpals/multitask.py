@@ -131,7 +131,9 @@ class MultiTaskBert(nn.Module):
     """A (PAL-)BERT encoder with one head per task. ``MultiTaskBert(config)`` is randomly initialised;
     :meth:`from_pretrained` loads the encoder from a checkpoint."""
 
-    def __init__(self, config: MultiTaskConfig) -> None:
+    def __init__(self, config: MultiTaskConfig, encoder: nn.Module | None = None) -> None:
+        """``encoder``: an :class:`fastpals.hf_encoder.HFEncoder` (an HF model with injected PALs; its
+        ``config`` must be ``config.bert``) instead of minBERT built from ``config.bert``."""
         super().__init__()
         if not config.tasks:
             raise ValueError("MultiTaskBert needs at least one task")
@@ -142,7 +144,7 @@ class MultiTaskBert(nn.Module):
             config.pal = dataclasses.replace(config.pal, num_tasks=len(config.tasks))
         self.config = config
         self.tasks = list(config.tasks)
-        self.bert = BertModel(config.bert, pal=config.pal)
+        self.bert = BertModel(config.bert, pal=config.pal) if encoder is None else encoder
         d = config.bert.hidden_size
         self.heads = nn.ModuleDict({t.name: TaskHead(t, d, config.head_dropout) for t in self.tasks})
 
@@ -159,9 +161,16 @@ class MultiTaskBert(nn.Module):
         ``name_or_path`` (see :meth:`BertModel.from_pretrained`: ``"minilm-l6"``, a local folder, a Hub name),
         freshly initialised PALs (``pal``; ``num_tasks`` is set to ``len(tasks)``) and heads. Returned in eval
         mode, as transformers does: call ``.train()`` before training."""
+        from fastpals.hf_encoder import HFEncoder, runs_as_minbert
+
         specs = [get_task(t) for t in tasks]
         if pal is not None:
             pal = dataclasses.replace(pal, num_tasks=len(specs))
+        if not runs_as_minbert(name_or_path):  # another architecture: the HF model with injected PALs
+            hf = HFEncoder.from_pretrained(name_or_path, pal=pal)
+            config = MultiTaskConfig(hf.config, specs, pal, str(name_or_path), head_dropout)
+            config.extra["hf_model_type"] = hf.model_type
+            return cls(config, encoder=hf).eval()
         encoder = BertModel.from_pretrained(name_or_path, pal=pal)
         config = MultiTaskConfig(encoder.config, specs, pal, str(name_or_path), head_dropout)
         model = cls(config)
@@ -245,7 +254,10 @@ class MultiTaskBert(nn.Module):
                 )
             specs = [get_task(t) for t in tasks]
         full = adapter != folder and (folder / "config.json").is_file()
-        if full:
+        if full and config.get("extra", {}).get("hf_model_type"):  # an HF encoder saved beside its adapter
+            model = cls.from_base(folder, specs, saved_pal, head_dropout)
+            model.config.base_model = config.get("extra", {}).get("fine_tuned_from")
+        elif full:
             bert_config = BertConfig.from_json(folder / "config.json")
             base_name = config.get("extra", {}).get("fine_tuned_from")
             model = cls(MultiTaskConfig(bert_config, specs, saved_pal, base_name, head_dropout))
@@ -559,23 +571,34 @@ class MultiTaskBert(nn.Module):
         return {n: p.detach() for n, p in shared.items() if p.requires_grad}
 
     def shared_state_dict(self) -> dict[str, torch.Tensor]:
-        """The shared encoder's weights under HF ``BertModel`` names (no ``bert.`` prefix, no PALs)."""
+        """The shared encoder's weights under HF names (``BertModel``'s, or the HF encoder's own; no PALs)."""
+        prefix = self.encoder_prefix + "."
         return {
-            k[len("bert.") :]: v
-            for k, v in self.bert.state_dict(prefix="bert.").items()
-            if task_specific_kind(k) is None
+            k[len(prefix) :]: v
+            for k, v in self.state_dict().items()
+            if k.startswith(prefix) and task_specific_kind(k) is None
         }
 
+    @property
+    def encoder_prefix(self) -> str:
+        """Where the encoder's HF-named modules sit in this model: ``"bert"`` (minBERT), ``"bert.model"`` (an
+        HF encoder)."""
+        return "bert" if isinstance(self.bert, BertModel) else "bert.model"
+
     def _adapter_kwargs(self) -> dict[str, Any]:
+        from fastpals.inject_targets import TARGETS
+
         cfg = self.config
         n_layers = cfg.bert.num_hidden_layers
+        model_type = cfg.extra.get("hf_model_type", "bert")
+        target = TARGETS.get(model_type, TARGETS["bert"])
         return {
             "pal_config": None if cfg.pal is None else cfg.pal.to_dict(),
             "encoder": {
-                "prefix": "bert",
-                "model_type": "bert",
-                "layers_pattern": "encoder.layer",
-                "layer_norm_name": "output.LayerNorm",
+                "prefix": self.encoder_prefix,
+                "model_type": model_type,
+                "layers_pattern": target.layers,
+                "layer_norm_name": target.layer_norm,
                 "hidden_size": cfg.bert.hidden_size,
                 "num_layers": n_layers,
                 "layer_indices": [] if cfg.pal is None else cfg.pal.layer_indices(n_layers),
@@ -602,8 +625,9 @@ class MultiTaskBert(nn.Module):
           (:mod:`fastpals.adapters`); ``fastpals.load_pals(AutoModel.from_pretrained(folder), folder)`` gives the
           HF encoder its PALs. Their ``base_model_name_or_path`` is null (they belong to the encoder saved
           beside them); the checkpoint the model started from is kept as ``extra.fine_tuned_from``;
-        - with ``tokenizer`` (a :class:`fastpals.Tokenizer`): ``vocab.txt``, ``tokenizer.json``,
-          ``tokenizer_config.json``, ``special_tokens_map.json`` for ``transformers.AutoTokenizer``.
+        - with ``tokenizer`` (a :class:`fastpals.Tokenizer`): ``tokenizer.json``, ``tokenizer_config.json``,
+          ``special_tokens_map.json`` for ``transformers.AutoTokenizer`` (and ``vocab.txt`` for a tokenizer
+          built from one).
 
         ``adapters_only=True`` writes ``adapter_config.json`` and ``adapter_model.safetensors`` at the top of
         ``folder``: PALs, heads, and (freeze recipe) the trained base weights; loading needs the base checkpoint
@@ -624,8 +648,12 @@ class MultiTaskBert(nn.Module):
         else:
             adapter_dir = folder / ADAPTER_SUBFOLDER
             shared = {k: v.detach().contiguous().cpu() for k, v in self.shared_state_dict().items()}
-            dtype = shared["embeddings.word_embeddings.weight"].dtype
-            (folder / "config.json").write_text(json.dumps(hf_bert_config(self.config.bert, dtype), indent=2))
+            if isinstance(self.bert, BertModel):
+                dtype = shared["embeddings.word_embeddings.weight"].dtype
+                config_json = json.dumps(hf_bert_config(self.config.bert, dtype), indent=2)
+                (folder / "config.json").write_text(config_json)
+            else:
+                self.bert.model.config.save_pretrained(folder)
             save_file(shared, str(folder / "model.safetensors"), metadata={"format": "pt"})
         kwargs = self._adapter_kwargs()
         if not adapters_only:
@@ -660,7 +688,7 @@ class MultiTaskBert(nn.Module):
             check_same_pal_config(own, saved, str(adapter), "load_adapter")
         load_adapter_tensors(
             self,
-            "bert",
+            self.encoder_prefix,
             config,
             tensors,
             source=str(adapter),

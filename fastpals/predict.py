@@ -5,8 +5,8 @@
     python -m fastpals.predict runs/default/best --task sts --pair "A man plays guitar." "Someone plays music."
 
 (``fastpals predict ...`` is the same.) The model folder is one written by ``MultiTaskBert.save_pretrained``
-(the trainer's ``<out>/best``); its tokenizer is the ``vocab.txt`` in the folder (the trainer copies it there)
-or the base model's, and ``training_args.json`` (written by the trainer) gives the max length. Sentences are
+(the trainer's ``<out>/best``); its tokenizer is the one saved in the folder (``tokenizer.json`` or
+``vocab.txt``; the trainer saves it there) or the base model's, and ``training_args.json`` (written by the trainer) gives the max length. Sentences are
 printed as ``task <TAB> prediction <TAB> label name <TAB> probability (or score) <TAB> text``. The prediction
 loop is the trainer's (:func:`fastpals.train.evaluate.predict_batches`).
 """
@@ -57,12 +57,14 @@ def load_for_prediction(model_dir: str | Path) -> tuple[MultiTaskBert, object, d
         )
     train_args_path = model_dir / "training_args.json"
     train_args = json.loads(train_args_path.read_text()) if train_args_path.is_file() else {}
-    if (model_dir / "vocab.txt").is_file():
-        tokenizer = Tokenizer(model_dir / "vocab.txt")
+    if any((model_dir / name).is_file() for name in ("tokenizer.json", "vocab.txt")):
+        tokenizer = Tokenizer.from_pretrained(model_dir)
     elif model.config.base_model:
         tokenizer = Tokenizer.from_pretrained(model.config.base_model)
     else:
-        raise FileNotFoundError(f"{model_dir} has no vocab.txt and its config names no base model")
+        raise FileNotFoundError(
+            f"{model_dir} has no tokenizer.json or vocab.txt and its config names no base model"
+        )
     return model, tokenizer, train_args
 
 

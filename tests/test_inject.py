@@ -36,6 +36,13 @@ def _tiny(arch: str, dropout: bool = True) -> nn.Module:
             **({} if dropout else dict(dropout=0.0, attention_dropout=0.0)),
         )  # fmt: skip
         model = transformers.DistilBertModel(cfg)
+    elif arch == "modernbert":
+        drop = {} if dropout else dict(attention_dropout=0.0, embedding_dropout=0.0, mlp_dropout=0.0)
+        cfg = transformers.ModernBertConfig(
+            **SMALL, max_position_embeddings=64, pad_token_id=1, bos_token_id=2, eos_token_id=3, cls_token_id=2,
+            sep_token_id=3, **({"attention_dropout": 0.1} if dropout else drop),
+        )  # fmt: skip
+        model = transformers.ModernBertModel(cfg)
     else:
         kw = dict(SMALL, max_position_embeddings=64, **({} if dropout else DROPOUT0))
         cls_cfg, cls_model = {
@@ -43,7 +50,11 @@ def _tiny(arch: str, dropout: bool = True) -> nn.Module:
             "roberta": (transformers.RobertaConfig, transformers.RobertaModel),
             "xlm-roberta": (transformers.XLMRobertaConfig, transformers.XLMRobertaModel),
             "electra": (transformers.ElectraConfig, transformers.ElectraModel),
+            "deberta-v2": (transformers.DebertaV2Config, transformers.DebertaV2Model),
         }[arch]
+        if arch == "deberta-v2":  # v3's layout: relative attention, bucketed positions, no absolute positions
+            kw.update(relative_attention=True, position_buckets=16, pos_att_type=["p2c", "c2p"],
+                      position_biased_input=False, norm_rel_ebd="layer_norm")  # fmt: skip
         if arch == "electra":
             kw["embedding_size"] = 16
         if arch in ("roberta", "xlm-roberta"):
@@ -53,7 +64,8 @@ def _tiny(arch: str, dropout: bool = True) -> nn.Module:
     return model
 
 
-ARCHS = ["bert", "roberta", "xlm-roberta", "electra", "distilbert"]
+ARCHS = ["bert", "roberta", "xlm-roberta", "electra", "distilbert", "deberta-v2", "modernbert"]
+LAYERS = {"distilbert": "transformer.layer", "modernbert": "layers"}
 PAL = PALConfig(num_tasks=3, hidden=12, num_heads=2)
 
 
@@ -99,7 +111,7 @@ def test_base_names_unchanged_and_base_checkpoint_loads(arch):
     assert set(base_state) <= set(own)
     pal_names = set(own) - set(base_state)
     assert pal_names == set(pal_state_dict(model))
-    layers = "transformer.layer" if arch == "distilbert" else "encoder.layer"
+    layers = LAYERS.get(arch, "encoder.layer")
     assert pal_names == {
         f"pal_projections.{n}" for n in ("enc_weight", "enc_bias", "dec_weight", "dec_bias")
     } | {f"{layers}.{i}.pal.{n}" for i in range(2) for n in ("qkv_weight", "qkv_bias")}
@@ -138,7 +150,7 @@ def test_mixed_task_training_step(arch):
     assert torch.equal(after[layer0][2], before[layer0][2]) and not torch.equal(
         after[layer0][0], before[layer0][0]
     )
-    word = next(n for n in after if "word_embeddings" in n)
+    word = next(n for n in after if "word_embeddings" in n or "tok_embeddings" in n)
     assert not torch.equal(after[word], before[word])
     assert all(torch.isfinite(p).all() for p in after.values())
 
@@ -595,3 +607,42 @@ def test_pcgrad_on_injected_hf_model_matches_float64_pcgrad():
     before = [p.detach().clone() for p in shared]
     opt.step()
     assert any(not torch.equal(p, b) for p, b in zip(shared, before))
+
+
+def test_modernbert_pal_joins_the_residual_sum_after_the_mlp():
+    """ModernBERT (pre-LN, no LayerNorm after the FFN): the injected layer returns the base layer's output plus
+    gate · TS_t(h) of its input h, i.e. h + attn + mlp + TS_t(h) (PAL computed by fastpals' PALLayer)."""
+    from fastpals.layout import make_layout
+
+    base = _tiny("modernbert", dropout=False).eval()
+    model = inject_pals(
+        copy.deepcopy(base), PALConfig(num_tasks=3, hidden=12, num_heads=2, gate=True, gate_init=0.7)
+    )
+    with torch.no_grad():
+        model.pal_projections.dec_weight.normal_(std=0.5)
+    ids, mask = _batch()
+    tasks = torch.tensor([2, 0, 1, 2])
+    seen: dict[str, torch.Tensor] = {}
+
+    def keep(name):
+        def hook(module, args, output):
+            seen[name + "_in"], seen[name + "_out"] = args[0], output
+
+        return hook
+
+    handles = [
+        base.layers[0].register_forward_hook(keep("base")),
+        model.layers[0].register_forward_hook(keep("pal")),
+    ]
+    with torch.no_grad():
+        _hidden(base, ids, mask)
+        _hidden(model, ids, mask, task_ids=tasks)
+        h = seen["pal_in"]
+        assert torch.equal(h, seen["base_in"])
+        ts = model.layers[0].pal(
+            h, make_layout(mask, tasks, False, tuple(ids.shape)), residual=torch.zeros_like(h)
+        )
+    for handle in handles:
+        handle.remove()
+    torch.testing.assert_close(seen["pal_out"] - seen["base_out"], ts, atol=1e-6, rtol=0)
+    assert ts[mask.bool()].abs().max() > 1e-3

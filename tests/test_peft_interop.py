@@ -228,3 +228,37 @@ def test_importing_fastpals_does_not_import_peft_and_registers_when_peft_is_impo
             [sys.executable, "-c", src], capture_output=True, text=True, cwd=ROOT, timeout=300
         )
         assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("arch", ["deberta-v2", "modernbert"])
+def test_peft_round_trip_on_deberta_v2_and_modernbert(tmp_path, arch):
+    """get_peft_model → save_pretrained → PeftModel.from_pretrained on the encoders added to the target table."""
+    from test_inject import _batch, _tiny
+
+    base_dir = tmp_path / "base"
+    _tiny(arch, dropout=False).save_pretrained(base_dir)
+    ids, mask = _batch()
+    enc = {"input_ids": ids, "attention_mask": mask}
+    names = ["a", "b", "c"]
+    pm = peft.get_peft_model(
+        _auto(base_dir),
+        FastPalsConfig(pal_config=PALConfig(num_tasks=3, hidden=12, num_heads=2), task_names=names),
+    )
+    task_ids = torch.tensor([2, 0, 1, 2])
+    with torch.no_grad():
+        assert (
+            _max_diff(
+                pm(**enc, task_ids=task_ids).last_hidden_state, _auto(base_dir)(**enc).last_hidden_state, enc
+            )
+            == 0.0
+        )
+        for p in pm.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.05)
+        want = pm(**enc, task_ids=task_ids).last_hidden_state
+    pm.save_pretrained(str(tmp_path / "adapter"))
+    with torch.no_grad():
+        again = peft.PeftModel.from_pretrained(_auto(base_dir), str(tmp_path / "adapter"))
+        assert _max_diff(again(**enc, task_ids=task_ids).last_hidden_state, want, enc) <= 1e-6
+        hf = load_pals(_auto(base_dir), tmp_path / "adapter")
+        assert _max_diff(hf(**enc, task_ids=task_ids).last_hidden_state, want, enc) <= 1e-6

@@ -354,9 +354,12 @@ def test_errors_are_clear():
     with pytest.raises(RuntimeError, match="no backward"):
         with per_task_gradients(m, buf, torch.tensor([0, 1])):
             m.lin(torch.randn(2, 4)).sum()
-    with pytest.raises(ValueError, match="does not map to the batch"):
+    # an input not split by example: its parameters need the exact path, which the caller must run
+    with pytest.raises(
+        RuntimeError, match=r"\['lin.weight', 'lin.bias'\] cannot be split.*exact_task_gradients"
+    ):
         with per_task_gradients(m, buf, torch.tensor([0, 1])):
-            m.lin(torch.randn(3, 4))
+            m.lin(torch.randn(3, 4)).sum().backward()
     # forwards are restored after the block
     assert "forward" not in m.lin.__dict__
 

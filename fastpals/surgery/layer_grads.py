@@ -75,8 +75,10 @@ class BlockState(Protocol):
     task_ids: torch.Tensor | None
     use_kernels: bool | None
     forward_calls: int
+    exact_pass: bool  # inside PerTaskGradients.exact_task_gradients: write nothing
 
     def rows(self, lead: tuple[int, ...]) -> RowTasks | None: ...
+    def note_ran(self, m: nn.Module, exact: bool) -> None: ...
     def example_rows(self) -> RowTasks: ...
     def packed_ids(self, n: int) -> bool: ...
     def frame_of(self, m: nn.Module) -> EmbeddingFrame: ...
@@ -105,6 +107,7 @@ class EmbeddingFrame:
     def __init__(self) -> None:
         self.owner_set = False
         self.broadcast: list[tuple[nn.Embedding, torch.Tensor]] = []
+        self.example_rows: RowTasks | None = None  # one row per example of the pass that made this frame
 
 
 def _split_rows(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -139,8 +142,20 @@ def _detached_params(
 # ----------------------------------------------------------------------------------------------------------------
 # nn.Linear
 # ----------------------------------------------------------------------------------------------------------------
+def _batch_independent(state: BlockState, x: torch.Tensor) -> bool:
+    """Is ``x [..., d]`` not split by example (e.g. DeBERTa's relative-position embeddings ``[2k, d]``)? Such a
+    module's parameters take the exact path (:meth:`PerTaskGradients.exact_task_gradients`)."""
+    return state.rows(tuple(x.shape[:-1])) is None
+
+
 def linear_forward(state: BlockState, m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """``m(x)`` (``x [..., K]`` -> ``[..., M]``) whose backward writes the per-task ``dW``/``db`` of ``m``."""
+    if _batch_independent(
+        state, x
+    ):  # not split by example: ordinary autograd, the exact path gives each task's
+        state.note_ran(m, exact=True)
+        return F.linear(x, m.weight, m.bias)
+    state.note_ran(m, exact=False)
     rows, weight, bias, k_w, k_b = _detached_params(state, m, x, "a shared nn.Linear")
     return _PerTaskLinear.apply(state.anchor, x, weight, bias, state, rows, k_w, k_b)
 
@@ -174,7 +189,8 @@ class _PerTaskLinear(torch.autograd.Function):
         x2, _ = _split_rows(x)
         if x2.dtype != dy2.dtype:  # autocast: the GEMMs run in the output gradient's dtype
             x2 = x2.to(dy2.dtype)
-        _linear_weight_grads(state, ctx.rows, ctx.k_w, ctx.k_b, dy2, x2)
+        if not state.exact_pass:  # the exact path's partial backwards only carry the input gradient through
+            _linear_weight_grads(state, ctx.rows, ctx.k_w, ctx.k_b, dy2, x2)
         return None, dx, None, None, None, None, None, None
 
 
@@ -274,6 +290,10 @@ def layer_norm_forward(state: BlockState, m: nn.LayerNorm, x: torch.Tensor) -> t
     ``dgamma``/``dbeta`` of ``m``."""
     if len(m.normalized_shape) != 1:
         raise ValueError("per_task_gradients supports LayerNorm over the last dimension only")
+    if _batch_independent(state, x):
+        state.note_ran(m, exact=True)
+        return F.layer_norm(x, m.normalized_shape, m.weight, m.bias, m.eps)
+    state.note_ran(m, exact=False)
     rows, weight, bias, k_w, k_b = _detached_params(state, m, x, "a shared nn.LayerNorm")
     return _PerTaskLayerNorm.apply(state.anchor, x, weight, bias, m.eps, state, rows, k_w, k_b)
 
@@ -312,6 +332,8 @@ class _PerTaskLayerNorm(torch.autograd.Function):
                 dy.to(x.dtype), x, [d], mean, rstd, w, bias.to(x.dtype) if ctx.has_bias else None,
                 [True, False, False],
             )  # fmt: skip
+        if state.exact_pass:
+            return None, dx, None, None, None, None, None, None, None
         xhat = (x.float() - mean.float()) * rstd.float()
         dy2 = dy.reshape(-1, d)
         state.write_segment_sums(ctx.k_w, (dy2.float() * xhat.reshape(-1, d)), ctx.rows)
@@ -327,6 +349,7 @@ def embedding_forward(state: BlockState, m: nn.Embedding, ids: torch.Tensor) -> 
     """``m(ids)`` (``ids [B, L]``, packed ``[N]``, or broadcast ``[L]`` / ``[1, L]`` int64 -> ``[..., d]``) whose
     backward writes the per-task embedding gradient of ``m``."""
     frame = state.frame_of(m)
+    state.note_ran(m, exact=False)
     state.forward_calls += 1
     rows = None
     if ids.dim() >= 2 or (ids.dim() == 1 and state.packed_ids(ids.shape[0])):
@@ -336,6 +359,10 @@ def embedding_forward(state: BlockState, m: nn.Embedding, ids: torch.Tensor) -> 
         return _BroadcastEmbedding.apply(state.anchor, ids, m.weight.detach(), m.padding_idx, frame, state)
     owner = not frame.owner_set
     frame.owner_set = True
+    if (
+        owner
+    ):  # the pass's examples, for the broadcast embeddings' backward (later passes may hold other rows)
+        frame.example_rows = state.example_rows()
     k = state.param_index(m.weight)
     return _PerTaskEmbedding.apply(
         state.anchor, ids, m.weight.detach(), m.padding_idx, state, rows, frame if owner else None, k
@@ -364,6 +391,8 @@ class _PerTaskEmbedding(torch.autograd.Function):
         (ids,) = ctx.saved_tensors
         state: BlockState = ctx.state
         state.mark_backward()
+        if state.exact_pass:
+            return None, None, None, None, None, None, None, None
         d = dy.shape[-1]
         rows: RowTasks = ctx.rows
         state.write_embedding(ctx.k, ids.reshape(-1), dy.reshape(-1, d), rows, ctx.padding_idx)
@@ -371,9 +400,8 @@ class _PerTaskEmbedding(torch.autograd.Function):
         if frame is not None and frame.broadcast:
             # The broadcast embeddings were summed with this one: their gradient is this dy summed over each
             # task's examples, at their own indices.
-            b = state.batch
-            per_example = dy.reshape(b, -1)
-            ex_rows = state.example_rows()
+            ex_rows = frame.example_rows if frame.example_rows is not None else state.example_rows()
+            per_example = dy.reshape(ex_rows.num_rows, -1)
             sums = torch.zeros(state.num_tasks, per_example.shape[1], dtype=torch.float32, device=dy.device)
             sums.index_add_(0, ex_rows.row_task, per_example.float())
             for m, pos in frame.broadcast:

@@ -191,6 +191,9 @@ class PerTaskGradients:
         )
         self.forward_calls = 0
         self.backward_calls = 0
+        self._ran: dict[int, bool] = {}  # id(module) -> ran on a batch-independent input (exact path)
+        self._exact_done = False
+        self.exact_pass = False
         self._handles: list[Any] = []
         # A leaf that requires grad, passed to every function: their outputs require grad (and their backward
         # runs) even where no input does (embedding lookups of detached tables). It never receives a gradient.
@@ -458,6 +461,44 @@ class PerTaskGradients:
     def mark_backward(self) -> None:
         self.backward_calls += 1
 
+    # --- the exact path ---------------------------------------------------------------------------------------
+    def note_ran(self, m: nn.Module, exact: bool) -> None:
+        """A patched module's forward ran (``exact``: on an input not split by example)."""
+        self._ran[id(m)] = self._ran.get(id(m), False) or exact
+
+    def exact_parameters(self, unused: bool = True) -> list[tuple[str, torch.Tensor]]:
+        """The shared parameters one backward cannot split by task, by name: those of modules that ran on an
+        input not split by example (DeBERTa's relative-position LayerNorm), and those of modules whose forward
+        did not run although the model ran (``unused``: a weight read directly, e.g. DeBERTa's
+        ``rel_embeddings.weight``, or a module the model did not use). Call after the forward."""
+        out = []
+        for name, m in self._modules:
+            ran = self._ran.get(id(m))
+            if ran or (unused and ran is None and self.forward_calls):
+                out += [(f"{name}.{n}" if name else n, p) for n, p in m.named_parameters(recurse=False)]
+        return out
+
+    def exact_task_gradients(self, task_losses: Sequence[tuple[int, torch.Tensor]]) -> list[str]:
+        """The exact path for :meth:`exact_parameters`: per task ``t`` with loss ``L_t`` (the terms of the loss
+        the one backward differentiates), ``autograd.grad(L_t, params, retain_graph=True)`` into row t. Call
+        after the forward and before the backward; the ordinary (summed) gradient the backward then gives these
+        parameters is dropped on exit. Returns their names (empty: nothing to do, no extra backward)."""
+        named = self.exact_parameters()
+        self._exact_done = True
+        if not named:
+            return []
+        params = [p for _, p in named]
+        self.exact_pass = True  # the per-layer rules on the way carry input gradients only (no row writes)
+        try:
+            for t, loss in task_losses:
+                grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+                for p, g in zip(params, grads):
+                    self.write(t, self.param_index(p), torch.zeros_like(p) if g is None else g)
+        finally:
+            self.exact_pass = False
+        self._exact = params
+        return [n for n, _ in named]
+
     # --- the block ----------------------------------------------------------------------------------------------
     def shared_modules(self) -> list[tuple[str, nn.Module]]:
         """The ``nn.Linear`` / ``nn.LayerNorm`` / ``nn.Embedding`` modules that hold the shared parameters; every
@@ -504,6 +545,8 @@ class PerTaskGradients:
 
     def __enter__(self) -> PerTaskGradients:
         modules = self.shared_modules()
+        self._modules = modules
+        self._exact: list[torch.Tensor] = []
         self.buffer.release_update()  # bf16 rows: the last update's fp32 [P] goes with the .grad views
         parents: dict[int, nn.Module] = {}
         name_to_module = dict(self.model.named_modules())
@@ -559,6 +602,16 @@ class PerTaskGradients:
         self._restore()
         if exc_type is not None:
             return
+        for p in self._exact:  # their rows came from the exact path; the backward's summed gradient goes
+            p.grad = None
+        if not self._exact_done and self.exact_parameters(unused=False):
+            names = [n for n, _ in self.exact_parameters(unused=False)]
+            raise RuntimeError(
+                f"per_task_gradients: shared parameters {names[:6]} cannot be split by task from one backward "
+                "(their module ran on an input not split by example, or the weight was read outside the module's "
+                "forward): call block.exact_task_gradients([(task, task_loss), ...]) between the forward and "
+                "the backward"
+            )
         if self.forward_calls and not self.backward_calls and self.present:
             raise RuntimeError(
                 "per_task_gradients: the forward ran inside the block but no backward did; run loss.backward() "

@@ -68,7 +68,7 @@ class TrainArgs:
     )  # fmt: skip
     model: str = opt(
         "encoder checkpoint: 'minilm-l6' (offline all-MiniLM-L6-v2), a folder with config.json + "
-        "model.safetensors/pytorch_model.bin + vocab.txt, or a Hugging Face hub name",
+        "model.safetensors/pytorch_model.bin + tokenizer.json (or vocab.txt), or a Hugging Face hub name",
         type=str, default="minilm-l6",
     )  # fmt: skip
     tasks: str = opt(

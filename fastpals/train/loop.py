@@ -148,6 +148,22 @@ class Trainer:
             f"parameters, {trained / 1e6:.1f}M trained"
         )
 
+    def _encoder_line(self) -> str:
+        """How the encoder runs: minBERT (packed mixed batches) or an HF model (padded per micro-batch)."""
+        from fastpals.hf_encoder import HFEncoder
+
+        bert = self.model.bert
+        mixed = self.args.batching == "mixed"
+        if isinstance(bert, HFEncoder):
+            how = (
+                "padded per micro-batch (its attention takes no varlen input)" if mixed else "padded per task"
+            )
+            return (
+                f"[model] encoder: HF {bert.model_type} (transformers AutoModel + inject_pals); batches {how}"
+            )
+        how = "packed without padding (varlen attention)" if mixed else "padded per task"
+        return f"[model] encoder: fastpals minBERT (fused PALs); batches {how}"
+
     def _device_name(self) -> str:
         local = int(os.environ.get("LOCAL_RANK", "0"))
         if torch.cuda.is_available():
@@ -158,6 +174,7 @@ class Trainer:
     def _setup_data(self) -> None:
         data = setup_data(self.args, self.rank, self.world_size, self.log)
         self.tokenizer, self.pair_encoding, self.sampler = data.tokenizer, data.pair_encoding, data.sampler
+        self._exact_logged = False
         self.train_batchers, self.dev_batchers = data.train_batchers, data.dev_batchers
         self.train_sizes, self.total_updates = data.train_sizes, data.total_updates
 
@@ -336,6 +353,15 @@ class Trainer:
                             loss_hooks=self.loss_hooks, record=self.record)  # fmt: skip
         if update.surgery is not None:
             self._raise_if_skipped(update.surgery)
+        if surgery is not None and surgery.exact_names is not None and not self._exact_logged:
+            self._exact_logged = True
+            if surgery.exact_names:
+                self.log(
+                    f"[surgery] one backward gives every task's gradient except for {len(surgery.exact_names)} "
+                    f"shared parameters, which take the exact per-task path: {', '.join(surgery.exact_names)}"
+                )
+            else:
+                self.log("[surgery] one backward gives every task's gradient of every shared parameter")
         self.state.global_step += 1
         stats: dict[str, Any] = {"loss": update.loss}
         if mixed:
@@ -386,6 +412,7 @@ class Trainer:
         self._setup_data()
         self._setup_model()
         self.log(self._model_line())
+        self.log(self._encoder_line())
         # after the checks of data and model, whose errors are one line
         self.log(f"[setup] {self.precision}; {self._device_name()}")
         self._setup_engine()

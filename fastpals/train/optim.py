@@ -124,7 +124,7 @@ def build_model(args: Any) -> torch.nn.Module:
         specs.append(dataclasses.replace(spec, head=args.head))
     try:
         model = MultiTaskBert.from_pretrained(args.model, tasks=specs, pal=args.pal_config)
-    except (FileNotFoundError, OSError, ImportError) as err:
+    except (FileNotFoundError, OSError, ImportError, ValueError) as err:
         raise ConfigError(f"--model {args.model}: {err}") from None
     if args.pal_config is not None:
         try:
@@ -134,7 +134,10 @@ def build_model(args: Any) -> torch.nn.Module:
     if args.freeze_bert:
         freeze_encoder(model)
     if args.freeze_word_embeddings:
-        model.bert.embeddings.word_embeddings.weight.requires_grad_(False)
+        if hasattr(model.bert, "model"):  # an HF encoder (fastpals.hf_encoder.HFEncoder)
+            model.bert.model.get_input_embeddings().weight.requires_grad_(False)
+        else:
+            model.bert.embeddings.word_embeddings.weight.requires_grad_(False)
     if args.freeze_layers:
         freeze_bottom_layers(model, args.freeze_layers)
     return model
@@ -145,6 +148,11 @@ def freeze_bottom_layers(model: torch.nn.Module, k: int) -> None:
     get ``requires_grad = False``, so no gradient, optimizer state or backward work exists below layer K. A
     task-specific parameter there (a PAL, EmBERT's task vectors) would be frozen at its random start: that is a
     :class:`ConfigError` naming it (put the PALs above with ``--pal-layers``)."""
+    if not hasattr(model.bert, "encoder"):
+        raise ConfigError(
+            f"--freeze-layers {k}: only BERT checkpoints (fastpals' minBERT) support it; this run's encoder is "
+            f"the HF {getattr(model.bert, 'model_type', type(model.bert).__name__)} (use --freeze-bert or no freezing)"
+        )
     layers = model.bert.encoder.layer
     if not 0 <= k <= len(layers):
         raise ConfigError(

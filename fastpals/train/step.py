@@ -80,6 +80,8 @@ class Surgery:
     buffer: Any
     aggregator: Callable[..., torch.Tensor]
     generator: torch.Generator | None = None
+    #: shared parameters whose per-task gradients took the exact path (set by the first one-backward update)
+    exact_names: list[str] | None = None
 
 
 @dataclass
@@ -170,6 +172,12 @@ def _check_strategy(strategy: str, surgery: Surgery | None, mb: MicroBatch) -> N
         raise ValueError("one_backward runs packed mixed micro-batches: give them a weighting")
 
 
+def _runs_minbert(module: Any) -> bool:
+    from fastpals.model import BertModel
+
+    return isinstance(getattr(module, "bert", None), BertModel)
+
+
 def _forward_backward(
     engine: Any,
     mb: MicroBatch,
@@ -186,9 +194,17 @@ def _forward_backward(
         from fastpals.train.mixed import packed_passes
 
         inputs = mb.inputs
-        with per_task_gradients(module, surgery.buffer, inputs["task_ids"], **packed_passes(module, inputs)):
+        passes = packed_passes(module, inputs)
+        with per_task_gradients(module, surgery.buffer, inputs["task_ids"], **passes) as block:
             res = module.task_losses(engine(**inputs), mb.labels, weighting="equal")
             loss = sum(res.per_task.values())  # each task's gradient is that of its own mean loss
+            if not _runs_minbert(
+                module
+            ):  # HF encoders: parameters one backward cannot split take the exact path
+                terms = [(module.task_index(name), value) for name, value in res.per_task.items()]
+                names = block.exact_task_gradients(terms)
+                if surgery.exact_names is None:
+                    surgery.exact_names = names
             for hook in loss_hooks:
                 loss = hook(step, loss)
             engine.backward(loss)
