@@ -141,7 +141,7 @@ class _StreamBlock(PerTaskGradients):
         self.buffer._count_call(self.param_index(module.weight), rows)
 
     def linear_done(self, rows: RowTasks, k_w: int, dy: torch.Tensor, x: torch.Tensor) -> None:
-        self.buffer._linear_done(rows, k_w, dy, x)
+        self.buffer._linear_done(rows, k_w, dy, x, self.written.flags)
 
     def write_embedding(
         self, k: int, ids: torch.Tensor, grad: torch.Tensor, rows: RowTasks, padding_idx: int | None
@@ -286,7 +286,9 @@ class StreamingTaskGradients:
         rows = self._rows.get(k)
         if rows is None:
             p = self.params[k]
-            rows = torch.zeros((self.num_tasks, *p.shape), dtype=torch.float32, device=self.device)
+            # uninitialised: the capture's first write of a task overwrites its row; rows no task wrote are
+            # zeroed when the parameter is done (_zero_unwritten)
+            rows = torch.empty((self.num_tasks, *p.shape), dtype=torch.float32, device=self.device)
             self._rows[k] = rows
         return rows
 
@@ -294,7 +296,15 @@ class StreamingTaskGradients:
         """Row ``task`` of shared parameter k, shaped like the parameter."""
         return self.param_rows(k)[task]
 
-    def _linear_done(self, rows: RowTasks, k: int, dy: torch.Tensor, x: torch.Tensor) -> None:
+    def _zero_unwritten(self, k: int, rows: torch.Tensor, written: Sequence[Sequence[bool]]) -> None:
+        """Zero the rows of parameter k that no task wrote (they were allocated uninitialised)."""
+        for t in range(self.num_tasks):
+            if not written[t][k]:
+                rows[t].zero_()
+
+    def _linear_done(
+        self, rows: RowTasks, k: int, dy: torch.Tensor, x: torch.Tensor, written: Sequence[Sequence[bool]]
+    ) -> None:
         """One call of the shared Linear whose weight is parameter k has written its task rows: keep ``dy`` and
         ``x`` if the weight streams; after its last call, its scratch goes into the Gram and is dropped."""
         if not self._streams(k, embedding=False):
@@ -306,6 +316,7 @@ class StreamingTaskGradients:
         scratch = self._rows.pop(k, None)
         if scratch is None:
             return
+        self._zero_unwritten(k, scratch, written)
         if not self.all_reduce:
             self._add_gram(scratch.view(self.num_tasks, -1))
             return
@@ -336,6 +347,8 @@ class StreamingTaskGradients:
             for k in range(len(self.params)):
                 if written[t][k]:
                     self._touched[t][k] = True
+        for k, rows in self._rows.items():  # kept rows (the streamed scratches are gone)
+            self._zero_unwritten(k, rows, written)
         self._present = tasks
         if not tasks:
             return
