@@ -210,3 +210,67 @@ def test_a_non_finite_task_gradient_skips_the_step():
     assert result.skipped and 0 in result.nonfinite_tasks
     assert all(p.grad is None for p in shared)
     assert buf.skipped_steps == 1
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# run_update (the trainer's update) and the trainer's option
+# ----------------------------------------------------------------------------------------------------------------
+def test_run_update_stream_reads_once_and_equals_buffer():
+    """``run_update(..., "one_backward")`` with the streaming surgery: one host read per update (the losses and
+    apply's flags together; none in stream.py), and the same parameters after the step as the buffer mode."""
+    from host_read_counter import READS, HostReads
+    from test_train_update import _micro_batches, _model
+
+    from fastpals.train.step import Surgery, TorchEngine, run_update
+
+    after = {}
+    for mode in ("buffer", "stream", "smaller"):
+        model = _model()
+        model.eval()  # no dropout: the modes see the same forward
+        engine = TorchEngine(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        shared, specific = shared_parameters_by_name(model)
+        buf = TaskGradientBuffer(shared, 3, task_params=specific) if mode == "buffer" else (
+            StreamingTaskGradients(shared, 3, task_params=specific, policy=mode))  # fmt: skip
+        surgery = Surgery(buf, pcgrad_weights, torch.Generator().manual_seed(3))
+        gen = torch.Generator().manual_seed(0)
+        for k in range(2):
+            micro = _micro_batches("mixed", gen)[:1]  # one mixed micro-batch per update
+            with HostReads(READS) as reads:
+                reads.active = k == 1
+                update = run_update(engine, micro, "one_backward", surgery=surgery)
+                reads.active = False
+        assert update.stepped
+        assert sum(reads.under("/fastpals/train/").values()) == 1, reads.under("/fastpals/")
+        assert sum(reads.under("/fastpals/surgery/").values()) == 0, reads.under("/fastpals/")
+        after[mode] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    for mode in ("stream", "smaller"):
+        assert rel(after[mode], after["buffer"]) < RTOL
+
+
+def test_surgery_memory_option():
+    from fastpals.train.step import surgery_memory_mode
+
+    assert surgery_memory_mode("auto", one_backward=True) == "smaller"
+    assert surgery_memory_mode("auto", one_backward=False) == "buffer"
+    assert surgery_memory_mode("auto", one_backward=True, buffer_dtype="bf16") == "buffer"
+    assert surgery_memory_mode("stream", one_backward=True) == "stream"
+
+
+def test_bf16_model_stream_close_to_the_fp32_buffer():
+    """A bf16 module (as DeepSpeed's bf16 engine runs it): the kept dY / X are bf16, the update's products fp32;
+    the streamed update is within bf16 rounding of the fp32-row buffer's, for both policies."""
+    data = _tiny_batch()
+    updates = {}
+    for mode in ("buffer", "stream", "smaller"):
+        model = _tiny_model().bfloat16()
+        shared, specific = shared_parameters_by_name(model)
+        kw = {"task_params": specific}
+        buf = TaskGradientBuffer(shared, T, **kw) if mode == "buffer" else (
+            StreamingTaskGradients(shared, T, policy=mode, **kw))  # fmt: skip
+        with per_task_gradients(model, buf, data["task_ids"]):
+            mt_loss(model, data).backward()
+        assert not buf.apply(pcgrad_weights, generator=torch.Generator().manual_seed(1)).skipped
+        updates[mode] = torch.cat([p.grad.float().reshape(-1) for p in shared])
+    for mode in ("stream", "smaller"):
+        err = rel(updates[mode], updates["buffer"])
+        assert err < 1e-2, f"{mode}: bf16 update relative error {err:.2e}"

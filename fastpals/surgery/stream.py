@@ -58,7 +58,7 @@ from fastpals.surgery.buffer import (
     default_grad_getter,
     default_grad_setter,
 )
-from fastpals.surgery.layer_grads import RowTasks
+from fastpals.surgery.layer_grads import STACK_TEMP_ELEMENTS, RowTasks
 from fastpals.surgery.per_task import PerTaskGradients
 from fastpals_kernels.dispatch import gram as gram_op
 
@@ -534,12 +534,22 @@ class StreamingTaskGradients:
         local: set[int] = set()
         while self._linears:
             k, row_task, dy, x = self._linears.pop(0)
-            scaled = dy * c.index_select(0, row_task).to(dy.dtype)[:, None]
-            prod = torch.mm(scaled.t(), x.to(dy.dtype))
-            if k in grads:
-                grads[k].add_(prod)
-            else:
-                grads[k] = prod.float() if prod.dtype != torch.float32 else prod
+            c_row = c.index_select(0, row_task)[:, None]
+            if dy.dtype == torch.float32:
+                prod = torch.mm((dy * c_row).t(), x.float())
+                if k in grads:
+                    grads[k].add_(prod)
+                else:
+                    grads[k] = prod
+            else:  # 16-bit dy / x: fp32 products (as the buffer's fp32 rows), in output-row chunks
+                if k not in grads:
+                    grads[k] = torch.zeros(self.params[k].shape, dtype=torch.float32, device=self.device)
+                x32 = x.float()
+                step = max(1, STACK_TEMP_ELEMENTS // max(dy.shape[0], 1))
+                for m0 in range(0, dy.shape[1], step):
+                    part = dy[:, m0 : m0 + step].float() * c_row
+                    grads[k][m0 : m0 + step].addmm_(part.t(), x32)
+                del x32
             local.add(k)
         while self._embeddings:
             k, ids, dy, row_task, pad = self._embeddings.pop(0)
