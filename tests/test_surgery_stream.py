@@ -274,3 +274,37 @@ def test_bf16_model_stream_close_to_the_fp32_buffer():
     for mode in ("stream", "smaller"):
         err = rel(updates[mode], updates["buffer"])
         assert err < 1e-2, f"{mode}: bf16 update relative error {err:.2e}"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the memory planner models every mode
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.slow  # three fake traces (about 35 s on the loaded 2-core CPU); the planner's stream step runs below
+def test_memory_planner_shows_every_mode(tmp_path):
+    """``fastpals memory`` traces every ``--surgery-memory`` mode of one-backward surgery and prints them."""
+    from train_fixtures import make_tiny_model
+
+    from fastpals.memory import StepSpec, format_plan, plan_memory
+
+    model = str(make_tiny_model(tmp_path / "model"))
+    plan = plan_memory(StepSpec(model=model, precision="fp32", surgery="pcgrad", max_length=16), 3)
+    assert set(plan.surgery_modes) == {"buffer", "stream", "auto"}
+    assert all(v > 0 for v in plan.surgery_modes.values())
+    assert "surgery memory modes" in format_plan(plan)
+
+
+def test_stream_step_saves_the_rows_on_real_tensors(tmp_path):
+    """On real tensors (the planner's CPU validation step) the streamed step's peak is below the buffer's by most
+    of the ``[T, P]`` rows. (The fake trace models DeepSpeed's step, whose fp32 gradient partition sets the
+    streamed step's peak on this tiny model.)"""
+    from train_fixtures import make_tiny_model
+
+    from fastpals.memory import StepSpec, measure_step
+
+    model = str(make_tiny_model(tmp_path / "model"))
+    peaks, shared = {}, 0
+    for mode in ("buffer", "stream"):
+        spec = StepSpec(model=model, precision="fp32", surgery="pcgrad", max_length=16, surgery_memory=mode)
+        trace = measure_step(spec, 6)
+        peaks[mode], shared = trace.peak_bytes, trace.shared_params
+    assert peaks["stream"] <= peaks["buffer"] - 3 * shared * 4 // 2, (peaks, shared)

@@ -524,14 +524,26 @@ class StreamingTaskGradients:
     def _write_update(self, weights: torch.Tensor, touched: Sequence[Sequence[Any]]) -> None:
         """``sum_t weights[t] g_t`` into the shared gradients: kept rows by a ``[T] @ [T, n]`` product, streamed
         Linear weights by ``(c_row * dY)^T X`` per call, token-id embeddings by an ``index_add`` of ``c_row * dY``;
-        each freed as it is used. Data parallel: the streamed parts (each rank's own rows) are then averaged."""
+        each parameter's gradient handed to ``grad_setter`` as soon as it is complete and the kept tensors freed
+        as they are used (so a setter that copies, as DeepSpeed's, holds no second ``[P]``). Data parallel: the
+        streamed parts (each rank's own rows) are averaged over the ranks first."""
         t = self.num_tasks
         c = weights.to(torch.float32).reshape(t)
+        used = [any(touched[i][k] for i in range(t)) for k in range(len(self.params))]
+        left: dict[int, int] = {}
+        for entry in (*self._linears, *self._embeddings):
+            left[entry[0]] = left.get(entry[0], 0) + 1
         grads: dict[int, torch.Tensor] = {}
-        for k, rows in self._rows.items():
-            grads[k] = (c @ rows.view(t, -1)).view(self.params[k].shape)
-        self._rows = {}
-        local: set[int] = set()
+        done: set[int] = set()
+
+        def hand_over(k: int) -> None:
+            g = grads.pop(k, None)
+            self.grad_setter(self.params[k], g.to(self.grad_dtype) if used[k] and g is not None else None)
+            done.add(k)
+
+        for k in list(self._rows):
+            grads[k] = (c @ self._rows.pop(k).view(t, -1)).view(self.params[k].shape)
+            hand_over(k)
         while self._linears:
             k, row_task, dy, x = self._linears.pop(0)
             c_row = c.index_select(0, row_task)[:, None]
@@ -550,7 +562,10 @@ class StreamingTaskGradients:
                     part = dy[:, m0 : m0 + step].float() * c_row
                     grads[k][m0 : m0 + step].addmm_(part.t(), x32)
                 del x32
-            local.add(k)
+            del dy, x, row_task
+            left[k] -= 1
+            if not left[k] and not self.all_reduce:
+                hand_over(k)
         while self._embeddings:
             k, ids, dy, row_task, pad = self._embeddings.pop(0)
             ids = ids.reshape(-1)
@@ -560,18 +575,21 @@ class StreamingTaskGradients:
             grads[k].index_add_(0, ids, dy.float() * c.index_select(0, row_task)[:, None])
             if pad is not None:
                 grads[k][pad].zero_()
-            local.add(k)
-        if self.all_reduce and local:
-            ks = sorted(local)
-            flat = torch.cat([grads[k].reshape(-1) for k in ks])
+            del dy, ids, row_task
+            left[k] -= 1
+            if not left[k] and not self.all_reduce:
+                hand_over(k)
+        if self.all_reduce and grads:
+            ks = sorted(grads)
+            flat = torch.cat([grads.pop(k).reshape(-1) for k in ks])
             flat.div_(dist.get_world_size(self.process_group))
             dist.all_reduce(flat, group=self.process_group)
             for k, part in zip(ks, torch.split(flat, [self.numels[k] for k in ks])):
                 grads[k] = part.view(self.params[k].shape)
-        for k, p in enumerate(self.params):
-            used = any(touched[i][k] for i in range(t))
-            g = grads.get(k)
-            self.grad_setter(p, g.to(self.grad_dtype) if used and g is not None else None)
+                hand_over(k)
+        for k in range(len(self.params)):
+            if k not in done:
+                hand_over(k)
 
     def _end_step(self) -> None:
         self.steps += 1
