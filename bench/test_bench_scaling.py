@@ -20,7 +20,8 @@ plain and time <= 1.30x plain; at T = 3 stream time <= 1.10x buffer.
 
 ``test_scaling_smoke`` runs T = 2 once per variant (fast); ``test_scaling_table`` (slow) the whole table.
 ``FASTPALS_BENCH_WRITE=1`` writes ``bench/results/scaling_cpu_<UTC>.json`` and ``bench/results/scaling_cpu.md``.
-``FASTPALS_BENCH_ROUNDS`` (3), ``FASTPALS_SCALING_TASKS`` (``2,3,4,8,16``), ``FASTPALS_BENCH_THREADS``.
+``FASTPALS_BENCH_ROUNDS`` (3), ``FASTPALS_SCALING_TASKS`` (``2,3,4,8,16``), ``FASTPALS_BENCH_THREADS``,
+``FASTPALS_SCALING_PEER=0`` leaves the TorchJD row out.
 """
 
 from __future__ import annotations
@@ -147,6 +148,8 @@ def torchjd_failure(num_tasks: int) -> str | None:
     """Why TorchJD's autogram step cannot run on this PAL model (its error's first line), or None."""
     if not HAS_TORCHJD:
         return "torchjd is not installed (pip install torchjd==0.18.0)"
+    if os.environ.get("FASTPALS_SCALING_PEER", "1") == "0":
+        return "left out by FASTPALS_SCALING_PEER=0"
     try:
         Runner(num_tasks).torchjd_autogram()
     except Exception as err:  # noqa: BLE001 - reported in the table
