@@ -533,12 +533,14 @@ def plan_memory(
     batch_size: int | None = 32,
     max_tokens: int | None = None,
     largest_batch: bool = False,
+    every_surgery_memory: bool = False,
 ) -> MemoryPlan:
     """Predict the peak memory of one training step of ``spec`` at ``batch_size`` examples of ``spec.max_length``
     tokens (or a packed budget of ``max_tokens`` tokens: ``max_tokens // max_length`` full-length rows), per rank.
 
     Traces the real update on fake tensors (:func:`trace_step`); ``largest_batch`` adds the largest batch per
-    device (:func:`largest_batches`). Raises ``ValueError`` (one line naming the option) on bad input."""
+    device (:func:`largest_batches`); ``every_surgery_memory`` (one-backward surgery) traces every
+    ``--surgery-memory`` mode too (``plan.surgery_modes``). Raises ``ValueError`` (one line naming the option) on bad input."""
     spec.check()
     if max_tokens is not None:
         if max_tokens < spec.max_length:
@@ -562,7 +564,7 @@ def plan_memory(
     )  # fmt: skip
     if largest_batch:
         plan.largest_batch, plan.fit = largest_batches(spec)
-    if spec.surgery != "none" and spec.surgery_mode == "one_backward":  # every memory mode, side by side
+    if every_surgery_memory and spec.surgery != "none" and spec.surgery_mode == "one_backward":
         plan.surgery_modes = {
             mode: trace.peak_bytes if mode == spec.surgery_memory else
             trace_step(dataclasses.replace(spec, surgery_memory=mode), batch_size).peak_bytes
@@ -726,9 +728,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--surgery-buffer-dtype", choices=("fp32", "bf16"), default="fp32", help="surgery buffer rows"
     )
-    p.add_argument("--surgery-memory", choices=SURGERY_MEMORIES, default="buffer",
-                   help="one-backward surgery: the [T, P] buffer, stream, or auto (default buffer; every mode's "
-                   "peak is shown)")  # fmt: skip
+    p.add_argument("--surgery-memory", choices=SURGERY_MEMORIES,
+                   help="one-backward surgery: the [T, P] buffer, stream, or auto (default: the plan of the buffer "
+                   "and every mode's predicted peak beside it; given: that mode alone)")  # fmt: skip
     p.add_argument("--zero-stage", type=int, choices=(0, 1, 2),
                    help="DeepSpeed ZeRO stage (default: 1 with fp16/bf16 or several ranks, else 0)")  # fmt: skip
     p.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
@@ -755,9 +757,15 @@ def main(argv: list[str] | None = None) -> int:
         spec = StepSpec(
             model=args.model, tasks=tasks, max_length=args.max_length, precision=args.precision, pal=args.pal,
             surgery=args.surgery, surgery_mode=args.surgery_mode, buffer_dtype=args.surgery_buffer_dtype,
-            surgery_memory=args.surgery_memory, zero_stage=args.zero_stage, world_size=args.world_size,
+            surgery_memory=args.surgery_memory or "buffer", zero_stage=args.zero_stage, world_size=args.world_size,
         )  # fmt: skip
-        plan = plan_memory(spec, args.batch_size, args.max_tokens, args.largest_batch)
+        plan = plan_memory(
+            spec,
+            args.batch_size,
+            args.max_tokens,
+            args.largest_batch,
+            every_surgery_memory=not args.surgery_memory,
+        )
     except ValueError as err:
         print(f"fastpals memory: error: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2

@@ -287,7 +287,8 @@ def test_memory_planner_shows_every_mode(tmp_path):
     from fastpals.memory import StepSpec, format_plan, plan_memory
 
     model = str(make_tiny_model(tmp_path / "model"))
-    plan = plan_memory(StepSpec(model=model, precision="fp32", surgery="pcgrad", max_length=16), 3)
+    spec = StepSpec(model=model, precision="fp32", surgery="pcgrad", max_length=16)
+    plan = plan_memory(spec, 3, every_surgery_memory=True)
     assert set(plan.surgery_modes) == {"buffer", "stream", "auto"}
     assert all(v > 0 for v in plan.surgery_modes.values())
     assert "surgery memory modes" in format_plan(plan)
