@@ -93,10 +93,11 @@ def test_every_aggregator_stream_equals_buffer(name, unpad):
     model = _tiny_model()
     data = _tiny_batch()
     results = {}
-    for mode in ("buffer", "stream", "smaller"):
+    modes = ("stream",) if unpad else ("stream", "smaller")  # (smaller's kept rows: layout-independent code)
+    for mode in ("buffer", *modes):
         fn, _ = make_weighting(name)  # a fresh state for the stateful ones
         results[mode] = _update(model, data, mode, fn, unpad)
-    for mode in ("stream", "smaller"):
+    for mode in modes:
         _check_same(results["buffer"], results[mode], f"{name} {mode} unpad={unpad}")
 
 
