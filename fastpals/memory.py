@@ -70,6 +70,9 @@ __all__ = [
 
 GIB = 2**30
 SURGERY_MODES = ("one_backward", "per_task")
+#: ``--surgery-memory`` of one-backward surgery: the [T, P] buffer, streaming, or auto (streaming with each layer's
+#: task rows kept where they are smaller than its kept activations: fastpals.surgery.stream)
+SURGERY_MEMORIES = ("buffer", "stream", "auto")
 #: the parts of the peak, in the order printed
 _CATEGORY_TEXT = {
     "parameters": "parameters (module weights)",
@@ -192,6 +195,7 @@ class StepSpec:
     surgery: str = "none"
     surgery_mode: str = "one_backward"
     buffer_dtype: str = "fp32"
+    surgery_memory: str = "buffer"
     zero_stage: int | None = None
     world_size: int = 1
 
@@ -217,6 +221,14 @@ class StepSpec:
             )
         if self.surgery != "none" and len(self.tasks) < 2:
             raise ValueError("--surgery needs at least two --tasks")
+        if self.surgery_memory not in SURGERY_MEMORIES:
+            raise ValueError(
+                f"--surgery-memory {self.surgery_memory!r}: choose one of {', '.join(SURGERY_MEMORIES)}"
+            )
+        if self.surgery_memory != "buffer" and self.surgery_mode != "one_backward":
+            raise ValueError(
+                "--surgery-memory stream/auto is for one-backward surgery (--surgery-mode one_backward)"
+            )
         if self.buffer_dtype not in ("fp32", "bf16"):
             raise ValueError(f"--surgery-buffer-dtype {self.buffer_dtype!r}: choose fp32 or bf16")
         if self.pal not in PAL_PRESETS:
@@ -330,7 +342,12 @@ def _run_step(spec: StepSpec, batch_size: int, fake: bool, warmup: bool = False)
     the measured one when ``warmup``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from fastpals.surgery import AGGREGATORS, TaskGradientBuffer, shared_parameters_by_name
+    from fastpals.surgery import (
+        AGGREGATORS,
+        StreamingTaskGradients,
+        TaskGradientBuffer,
+        shared_parameters_by_name,
+    )
     from fastpals.train.step import Surgery, run_update
 
     spec.check()
@@ -364,10 +381,18 @@ def _run_step(spec: StepSpec, batch_size: int, fake: bool, warmup: bool = False)
             if fake and spec.precision != "fp32":
                 kw = {"grad_setter": engine.grad_setter, "grad_dtype": torch.float32}
             with tracker.phase("surgery"):
-                buffer = TaskGradientBuffer(
-                    shared, len(spec.tasks), _DTYPES[spec.buffer_dtype], task_params=specific, **kw
-                )
+                if spec.surgery_memory == "buffer" or spec.surgery_mode != "one_backward":
+                    buffer = TaskGradientBuffer(
+                        shared, len(spec.tasks), _DTYPES[spec.buffer_dtype], task_params=specific, **kw
+                    )
+                else:
+                    policy = "stream" if spec.surgery_memory == "stream" else "smaller"
+                    buffer = StreamingTaskGradients(
+                        shared, len(spec.tasks), task_params=specific, policy=policy, **kw
+                    )
             for name in ("capture", "apply"):  # the buffer's own allocations are the surgery's
+                if not hasattr(buffer, name):
+                    continue
                 method = getattr(buffer, name)
 
                 def wrapped(*a: Any, _m: Any = method, **k: Any) -> Any:
@@ -454,6 +479,7 @@ class MemoryPlan:
     trace_seconds: float
     fit: dict[str, float] | None = None
     largest_batch: dict[str, int | None] | None = None
+    surgery_modes: dict[str, int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready (``--json``)."""
@@ -507,12 +533,14 @@ def plan_memory(
     batch_size: int | None = 32,
     max_tokens: int | None = None,
     largest_batch: bool = False,
+    every_surgery_memory: bool = False,
 ) -> MemoryPlan:
     """Predict the peak memory of one training step of ``spec`` at ``batch_size`` examples of ``spec.max_length``
     tokens (or a packed budget of ``max_tokens`` tokens: ``max_tokens // max_length`` full-length rows), per rank.
 
     Traces the real update on fake tensors (:func:`trace_step`); ``largest_batch`` adds the largest batch per
-    device (:func:`largest_batches`). Raises ``ValueError`` (one line naming the option) on bad input."""
+    device (:func:`largest_batches`); ``every_surgery_memory`` (one-backward surgery) traces every
+    ``--surgery-memory`` mode too (``plan.surgery_modes``). Raises ``ValueError`` (one line naming the option) on bad input."""
     spec.check()
     if max_tokens is not None:
         if max_tokens < spec.max_length:
@@ -536,6 +564,12 @@ def plan_memory(
     )  # fmt: skip
     if largest_batch:
         plan.largest_batch, plan.fit = largest_batches(spec)
+    if every_surgery_memory and spec.surgery != "none" and spec.surgery_mode == "one_backward":
+        plan.surgery_modes = {
+            mode: trace.peak_bytes if mode == spec.surgery_memory else
+            trace_step(dataclasses.replace(spec, surgery_memory=mode), batch_size).peak_bytes
+            for mode in SURGERY_MEMORIES
+        }  # fmt: skip
     return plan
 
 
@@ -568,6 +602,14 @@ def format_plan(plan: MemoryPlan) -> str:
         f"fp32 master {_gib(m.master)}, fp32 gradient partition {_gib(m.fp32_gradients)} (made at the step), "
         f"AdamW moments {_gib(m.optimizer)}: {_gib(m.total)}"
     )
+    if plan.surgery_modes is not None:
+        rows = len(s.tasks) * plan.shared_params * (2 if s.buffer_dtype == "bf16" else 4)
+        lines.append(
+            f"surgery memory modes (--surgery-memory; predicted peak per rank): buffer "
+            f"{_gib(plan.surgery_modes['buffer'])} ([T, P] rows: {_gib(rows)}), stream "
+            f"{_gib(plan.surgery_modes['stream'])}, auto {_gib(plan.surgery_modes['auto'])} (streaming, each layer's "
+            f"task rows kept where smaller than its kept activations); this plan: {s.surgery_memory}"
+        )
     lines.append("fits (memory left to tensors):")
     for name, d in plan.devices.items():
         verdict = "n/a" if d["fits"] is None else ("fits" if d["fits"] else "does NOT fit")
@@ -686,6 +728,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--surgery-buffer-dtype", choices=("fp32", "bf16"), default="fp32", help="surgery buffer rows"
     )
+    p.add_argument("--surgery-memory", choices=SURGERY_MEMORIES,
+                   help="one-backward surgery: the [T, P] buffer, stream, or auto (default: the plan of the buffer "
+                   "and every mode's predicted peak beside it; given: that mode alone)")  # fmt: skip
     p.add_argument("--zero-stage", type=int, choices=(0, 1, 2),
                    help="DeepSpeed ZeRO stage (default: 1 with fp16/bf16 or several ranks, else 0)")  # fmt: skip
     p.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
@@ -712,9 +757,15 @@ def main(argv: list[str] | None = None) -> int:
         spec = StepSpec(
             model=args.model, tasks=tasks, max_length=args.max_length, precision=args.precision, pal=args.pal,
             surgery=args.surgery, surgery_mode=args.surgery_mode, buffer_dtype=args.surgery_buffer_dtype,
-            zero_stage=args.zero_stage, world_size=args.world_size,
+            surgery_memory=args.surgery_memory or "buffer", zero_stage=args.zero_stage, world_size=args.world_size,
         )  # fmt: skip
-        plan = plan_memory(spec, args.batch_size, args.max_tokens, args.largest_batch)
+        plan = plan_memory(
+            spec,
+            args.batch_size,
+            args.max_tokens,
+            args.largest_batch,
+            every_surgery_memory=not args.surgery_memory,
+        )
     except ValueError as err:
         print(f"fastpals memory: error: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2

@@ -129,7 +129,12 @@ def test_peak_is_linear_in_the_batch() -> None:
 # The command
 # ------------------------------------------------------------------------------------------------------------------
 def test_command_prints_breakdown_and_devices(capsys: pytest.CaptureFixture) -> None:
-    assert main(["--batch-size", "6", "--precision", "bf16", "--surgery", "pcgrad"]) == 0
+    assert (
+        main(
+            ["--batch-size", "6", "--precision", "bf16", "--surgery", "pcgrad", "--surgery-memory", "buffer"]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     for word in (
         "parameters",

@@ -225,7 +225,19 @@ def test_task_with_no_rows_and_accumulated_micro_batches():
         assert rel(buf.row(t), ref[0].row(t)) < RTOL
 
 
-def test_pcgrad_and_gem_updates_equal():
+def stream_one_backward(model: nn.Module, data, loss_fn, shared, specific):
+    """One backward into the streaming surgery (no [T, P] rows): ``(surgery, task-specific grads)``."""
+    from fastpals.surgery import StreamingTaskGradients
+
+    buf = StreamingTaskGradients(shared, T, task_params=specific, policy="stream")
+    model.zero_grad(set_to_none=True)
+    with per_task_gradients(model, buf, data["task_ids"]):
+        loss_fn(model, data).backward()
+    return buf, {id(p): None if p.grad is None else p.grad.clone() for p in specific}
+
+
+@pytest.mark.parametrize("mode", ["buffer", "stream"])
+def test_pcgrad_and_gem_updates_equal(mode):
     model = minilm("sbert_concat", PALConfig(num_tasks=T, hidden=24, num_heads=2))
     shared, specific = shared_parameters_by_name(model)
     data = batch([0, 1, 1, 2, 2, 0])
@@ -235,7 +247,7 @@ def test_pcgrad_and_gem_updates_equal():
 
     for name, agg in (("pcgrad", pcgrad_weights), ("gem", gem_weights)):
         updates = []
-        for fn in (separate_backwards, one_backward):
+        for fn in (separate_backwards, one_backward if mode == "buffer" else stream_one_backward):
             buf, _ = fn(model, data, loss_fn, shared, specific)
             result = buf.apply(agg, generator=torch.Generator().manual_seed(5))
             assert not result.skipped

@@ -164,3 +164,80 @@ def test_deepspeed_zero_0_1_2_two_ranks_equal_one_process(tmp_path):
         for stage in (0, 1, 2):
             for n in ref:
                 assert torch.allclose(got[stage][n], ref[n], rtol=1e-5, atol=1e-6), (stage, rank, n)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Streaming surgery (fastpals.surgery.stream) on one backward per rank: each streamed layer's [T, layer] scratch
+# is averaged over the ranks as it is produced (buckets of 4096 elements here: several all-reduces per step), the
+# kept rows before their Gram, the token-id embedding rows gathered; the combined gradient is each rank's
+# sum_t c_t g_t with the global c, averaged. Two ranks holding half of a mixed batch each (tiny PAL model,
+# siamese pairs, trained word embeddings) equal one process holding all of it, in the buffer mode.
+
+
+def _stream_update(rows: torch.Tensor, aggregator, mode: str, all_reduce: bool) -> dict[str, torch.Tensor]:
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from test_per_task_grads import T, _tiny_batch, _tiny_model, select
+
+    from fastpals.surgery import StreamingTaskGradients, per_task_gradients, shared_parameters_by_name
+
+    model = _tiny_model()
+    shared, specific = shared_parameters_by_name(model)
+    data = select(_tiny_batch(), rows)
+    if mode == "buffer":
+        buf = TaskGradientBuffer(shared, T, task_params=specific, all_reduce=all_reduce)
+    else:
+        buf = StreamingTaskGradients(
+            shared, T, task_params=specific, all_reduce=all_reduce, policy=mode, bucket_elements=4096
+        )
+    with per_task_gradients(model, buf, data["task_ids"]):
+        out = model(data["input_ids"], data["attention_mask"], None, data["task_ids"],
+                    input_ids_b=data["input_ids_b"], attention_mask_b=data["attention_mask_b"])  # fmt: skip
+        per = model.loss(out, data["labels"])[1]
+        counts = torch.bincount(_tiny_batch()["task_ids"], minlength=T)
+        world = dist.get_world_size() if all_reduce else 1
+        total = sum(  # each task's mean over the GLOBAL batch, times the world size (the ranks are averaged)
+            per[name] * (data["task_ids"] == i).sum() / counts[i] * world
+            for i, name in enumerate(model.task_names)
+            if name in per
+        )
+        total.backward()
+    result = buf.apply(aggregator, generator=torch.Generator().manual_seed(7))
+    assert not result.skipped
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _stream_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        rows = torch.arange(rank, 10, world)  # interleaved halves: every task on both ranks
+        out = {
+            (name, mode): _stream_update(rows, agg, mode, all_reduce=True)
+            for name, agg in (("pcgrad", pcgrad_weights),)
+            for mode in ("stream", "smaller")
+        }
+        torch.save(out, os.path.join(out_dir, f"stream_rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_processes_streaming_equal_one_process_buffer(tmp_path):
+    mp.spawn(_stream_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    for name, agg in (("pcgrad", pcgrad_weights),):
+        ref = _stream_update(torch.arange(10), agg, "buffer", False)
+        for rank in range(2):
+            for mode in ("stream", "smaller"):
+                got = torch.load(tmp_path / f"stream_rank{rank}.pt")[(name, mode)]
+                assert set(got) == set(ref), (name, mode)
+                for n in ref:
+                    err = float((got[n] - ref[n]).norm() / ref[n].norm().clamp_min(1e-30))
+                    assert err < 1e-5 or float((got[n] - ref[n]).abs().max()) < 1e-7, (
+                        name,
+                        mode,
+                        rank,
+                        n,
+                        err,
+                    )

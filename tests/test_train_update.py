@@ -201,7 +201,9 @@ configs = {"per_task/none": ["--batching", "per_task", "--grad-accum", "3"],
            "mixed/none": ["--batching", "mixed", "--grad-accum", "2"],
            "per_task/per_task_backward": ["--batching", "per_task", "--surgery", "pcgrad", "--sampling",
                                           "random_round_robin"],
-           "mixed/one_backward": ["--batching", "mixed", "--surgery", "pcgrad", "--pair-mode", "sbert_concat"]}
+           "mixed/one_backward": ["--batching", "mixed", "--surgery", "pcgrad", "--pair-mode", "sbert_concat"],
+           "mixed/one_backward_stream": ["--batching", "mixed", "--surgery", "pcgrad", "--pair-mode",
+                                         "sbert_concat", "--surgery-memory", "stream"]}
 result = {}
 with HostReads(READS) as reads:
     for name, extra in configs.items():
@@ -214,7 +216,8 @@ with HostReads(READS) as reads:
         stats = tr.train_update(group)
         reads.active = False
         result[name] = {"micro_batches": len(group), "train": reads.under("/fastpals/train/"),
-                        "buffer": sum(reads.under("/fastpals/surgery/buffer.py").values()), "stats": stats}
+                        "buffer": sum(reads.under("/fastpals/surgery/buffer.py").values())
+                        + sum(reads.under("/fastpals/surgery/stream.py").values()), "stats": stats}
         if name.startswith("mixed"):  # the host counts equal what the collated batches count
             from fastpals.batching import collate_packed
             batchers = list(tr.train_batchers.values())

@@ -11,7 +11,10 @@ lower-case name to its function, :func:`make_weighting` builds one from string o
 :class:`TaskGradientBuffer` holds the per-task gradients of the shared parameters in one flat ``[T, P]`` tensor
 (float32 or bfloat16), filled by one backward per task with the graph freed each time; ``apply`` runs the fused
 Gram kernel (float32 accumulation, finite check fused), the aggregator, and the fused combine kernel that writes
-the update into the parameters' ``.grad``. :class:`PCGrad` and :class:`GEM` wrap an optimizer with
+the update into the parameters' ``.grad``. :class:`StreamingTaskGradients` is its streaming
+counterpart for the one-backward capture (:func:`per_task_gradients`): the Gram accumulated layer by layer during
+the backward and the update written by one weight-gradient GEMM per layer, memory flat in ``T``
+(:mod:`fastpals.surgery.stream`). :class:`PCGrad` and :class:`GEM` wrap an optimizer with
 Pytorch-PCGrad's ``pc_backward(losses)`` convention.
 
 Mixed precision: use one loss scale for all tasks (the weights do not depend on it; the Gram is accumulated in
@@ -65,6 +68,7 @@ from fastpals.surgery.per_task import (
     per_task_gradients,
     task_mean_loss,
 )
+from fastpals.surgery.stream import StreamingTaskGradients
 from fastpals.surgery.weightings import (
     AGGREGATORS,
     STATEFUL,
@@ -103,6 +107,7 @@ __all__ = [
     "upgrad_weights",
     "PCGrad",
     "PerTaskGradients",
+    "StreamingTaskGradients",
     "SurgeryResult",
     "TaskGradientBuffer",
     "cu_seqlens_from_mask",

@@ -163,8 +163,12 @@ class PerTaskGradients:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not isinstance(buffer, TaskGradientBuffer):
-            raise TypeError(f"buffer must be a TaskGradientBuffer, got {type(buffer).__name__}")
+        if not isinstance(buffer, TaskGradientBuffer) and getattr(buffer, "block_class", None) is not type(
+            self
+        ):
+            raise TypeError(
+                f"buffer must be a TaskGradientBuffer or a StreamingTaskGradients, got {type(buffer).__name__}"
+            )
         self.model = model
         self.buffer = buffer
         self.num_tasks = buffer.num_tasks
@@ -499,6 +503,10 @@ class PerTaskGradients:
         self._exact = params
         return [n for n, _ in named]
 
+    def linear_done(self, rows: RowTasks, k_w: int, dy: torch.Tensor, x: torch.Tensor) -> None:
+        """A shared Linear's backward has written its task rows (``dy [R, M]``, ``x [R, K]``): nothing to do here;
+        the streaming block (:mod:`fastpals.surgery.stream`) keeps them."""
+
     # --- the block ----------------------------------------------------------------------------------------------
     def shared_modules(self) -> list[tuple[str, nn.Module]]:
         """The ``nn.Linear`` / ``nn.LayerNorm`` / ``nn.Embedding`` modules that hold the shared parameters; every
@@ -630,7 +638,7 @@ def _bind(fn: Any, state: PerTaskGradients, module: nn.Module) -> Any:
 @contextlib.contextmanager
 def per_task_gradients(
     model: nn.Module,
-    buffer: TaskGradientBuffer,
+    buffer: TaskGradientBuffer | Any,
     task_ids: torch.Tensor | BatchLayout,
     cu_seqlens: torch.Tensor | Sequence[torch.Tensor] | None = None,
     use_kernels: bool | None = None,
@@ -644,7 +652,8 @@ def per_task_gradients(
     - ``model``: the module holding the shared ``nn.Linear`` / ``nn.LayerNorm`` / ``nn.Embedding`` modules
       (minBERT, :class:`fastpals.MultiTaskBert`, an HF model with ``inject_pals``, a DeepSpeed engine's module);
     - ``buffer``: a :class:`TaskGradientBuffer` whose ``params`` are the shared parameters (``task_params`` the
-      task-specific ones); any row dtype (float32, bfloat16);
+      task-specific ones); any row dtype (float32, bfloat16); or a
+      :class:`~fastpals.surgery.stream.StreamingTaskGradients` (no ``[T, P]`` rows; one block per ``apply``);
     - ``task_ids [B]`` int: the task of every example. When it is the ``task_ids`` of a live
       :class:`~fastpals.layout.BatchLayout` (``model_inputs(batch, device)["task_ids"]``), or ``layout`` is given,
       the block reads no device value: every row map comes from the layout's host values (its ``second`` pass
@@ -658,6 +667,7 @@ def per_task_gradients(
     The loss to differentiate is the sum over tasks of each task's loss (e.g. ``MultiTaskBert.loss``, or
     :func:`task_mean_loss` of per-example losses). Raises if the forward ran in the block but no backward did.
     """
-    state = PerTaskGradients(model, buffer, task_ids, cu_seqlens, use_kernels, pass_task_ids, layout)
+    block = getattr(buffer, "block_class", PerTaskGradients)  # StreamingTaskGradients: its streaming block
+    state = block(model, buffer, task_ids, cu_seqlens, use_kernels, pass_task_ids, layout)
     with state:
         yield state

@@ -33,6 +33,7 @@ __all__ = [
     "PAL_PRESETS",
     "SURGERIES",
     "SURGERY_BUFFER_DTYPES",
+    "SURGERY_MEMORIES",
     "TASK_WEIGHTINGS",
     "TrainArgs",
     "build_pal_config",
@@ -52,6 +53,7 @@ OPTIMIZERS = ("adamw", "sgd", "rmsprop")
 BATCHINGS = ("per_task", "mixed")
 TASK_WEIGHTINGS = ("examples", "equal")
 SURGERY_BUFFER_DTYPES = ("fp32", "bf16")
+SURGERY_MEMORIES = ("buffer", "stream", "auto")
 
 
 @dataclass
@@ -158,6 +160,13 @@ class TrainArgs:
         "Gram and the combination still accumulate in fp32)",
         choices=SURGERY_BUFFER_DTYPES, default="fp32",
     )  # fmt: skip
+    surgery_memory: str = opt(
+        "--batching mixed surgery: buffer (the [tasks, shared parameters] rows), stream (no such rows: the Gram "
+        "layer by layer in the one backward, the update by one weight-gradient GEMM per layer; memory flat in "
+        "the tasks), or auto (streaming with, per layer, the buffer's rows kept where they are smaller than that "
+        "layer's kept activations: the buffer at few tasks, streaming beyond; see fastpals.surgery.stream)",
+        choices=SURGERY_MEMORIES, default="buffer",
+    )  # fmt: skip
     pal: str = opt(
         f"PAL variant: {_PAL_HELP}",
         choices=tuple(PAL_PRESETS), default="default",
@@ -244,7 +253,7 @@ class TrainArgs:
         self.task_specs = {spec.name: spec for spec in specs}
         tasks = self.task_list = list(self.task_specs)
         for name in ("optimizer", "sampling", "surgery", "pal", "head", "pair_mode", "batching",
-                     "task_weighting", "surgery_buffer_dtype"):  # fmt: skip
+                     "task_weighting", "surgery_buffer_dtype", "surgery_memory"):  # fmt: skip
             choices = _field(name).metadata["choices"]
             if getattr(self, name) not in choices:
                 raise ConfigError(
@@ -317,6 +326,15 @@ class TrainArgs:
         # extension point: remove an entry here once the loop implements that option
         if self.surgery == "none" and (self.surgery_opts or self.surgery_buffer_dtype != "fp32"):
             raise ConfigError("--surgery-opt and --surgery-buffer-dtype need a --surgery method")
+        if self.surgery_memory == "stream" and (self.surgery == "none" or self.batching != "mixed"):
+            raise ConfigError(
+                "--surgery-memory stream needs a --surgery method and --batching mixed (one backward per update); "
+                "per-task batches use the buffer: drop --surgery-memory or use --batching mixed"
+            )
+        if self.surgery_memory == "stream" and self.surgery_buffer_dtype != "fp32":
+            raise ConfigError(
+                "--surgery-buffer-dtype sets the buffer's rows; --surgery-memory stream has none: drop one of them"
+            )
         if self.surgery != "none":
             try:
                 make_weighting(self.surgery, **parse_surgery_options(self.surgery_opts))

@@ -59,7 +59,14 @@ from fastpals.train.state import (
     load_checkpoint,
     save_checkpoint,
 )
-from fastpals.train.step import MicroBatch, Surgery, deepspeed_surgery_buffer, run_update
+from fastpals.train.step import (
+    SURGERY_MEMORY_TEXT,
+    MicroBatch,
+    Surgery,
+    deepspeed_surgery_buffer,
+    run_update,
+    surgery_memory_mode,
+)
 
 __all__ = ["Trainer", "parameters_finite", "timestamped"]
 
@@ -213,8 +220,13 @@ class Trainer:
         one_backward = (
             args.batching == "mixed"
         )  # per-task gradients from one backward bypass DeepSpeed's reduce
+        self.surgery_memory = surgery_memory_mode(
+            args.surgery_memory, one_backward, args.surgery_buffer_dtype
+        )
         self.surgery_buffer = deepspeed_surgery_buffer(self.engine.module, len(args.task_list), self.zero_stage,
-                                                       dtype, all_reduce=one_backward and self.world_size > 1)  # fmt: skip
+                                                       dtype, all_reduce=one_backward and self.world_size > 1,
+                                                       memory=self.surgery_memory)  # fmt: skip
+        self.log(f"[setup] surgery {args.surgery}: {SURGERY_MEMORY_TEXT[self.surgery_memory]}")
         self.aggregator, aggregator_state = make_weighting(
             args.surgery, **parse_surgery_options(args.surgery_opts)
         )

@@ -37,8 +37,10 @@ __all__ = [
     "Surgery",
     "TorchEngine",
     "UpdateResult",
+    "SURGERY_MEMORY_TEXT",
     "deepspeed_surgery_buffer",
     "run_update",
+    "surgery_memory_mode",
 ]
 
 #: the surgery strategies of :func:`run_update`
@@ -341,15 +343,34 @@ def run_update(
     return UpdateResult(loss, examples, tokens if all_tokens else None, result, seconds, stepped)
 
 
+#: what each surgery memory mode of :func:`deepspeed_surgery_buffer` holds (the run's set-up line says it)
+SURGERY_MEMORY_TEXT = {
+    "buffer": "buffer memory mode ([tasks, shared parameters] gradient rows)",
+    "stream": "stream memory mode (Gram layer by layer, no [tasks, shared parameters] rows)",
+    "smaller": "auto memory mode: streaming, with a layer's task rows kept where smaller than its kept activations",
+}
+
+
+def surgery_memory_mode(option: str, one_backward: bool, buffer_dtype: str = "fp32") -> str:
+    """``--surgery-memory`` -> what :func:`deepspeed_surgery_buffer` builds: ``buffer``, ``stream`` or
+    ``smaller`` (``auto`` with one-backward surgery and fp32 rows: per layer the smaller of the task rows and the
+    kept activations; otherwise ``auto`` is the buffer: per-task backwards, or bf16 rows asked for)."""
+    if option == "auto":
+        return "smaller" if one_backward and buffer_dtype == "fp32" else "buffer"
+    return option
+
+
 def deepspeed_surgery_buffer(
     module: torch.nn.Module,
     num_tasks: int,
     zero_stage: int,
     dtype: torch.dtype = torch.float32,
     all_reduce: bool = False,
+    memory: str = "buffer",
 ) -> Any:
     """A :class:`fastpals.surgery.TaskGradientBuffer` (rows of ``dtype``, one per task) over the shared parameters
-    of a DeepSpeed engine's ``module``. ``all_reduce``: average the ``[T, P]`` rows across ranks before the Gram
+    of a DeepSpeed engine's ``module`` (``memory``: ``buffer``; ``stream`` / ``smaller``: a
+    :class:`fastpals.surgery.StreamingTaskGradients` with that policy, same getter/setter and all-reduce). ``all_reduce``: average the ``[T, P]`` rows across ranks before the Gram
     (for :func:`fastpals.surgery.per_task_gradients`, whose shared gradients bypass DeepSpeed's reduction: one
     all-reduce of ``T * P`` elements per update).
 
@@ -362,12 +383,18 @@ def deepspeed_surgery_buffer(
     """
     from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
 
-    from fastpals.surgery import TaskGradientBuffer, shared_parameters_by_name
+    from fastpals.surgery import StreamingTaskGradients, TaskGradientBuffer, shared_parameters_by_name
 
     def setter(p: torch.nn.Parameter, g: torch.Tensor | None) -> None:
         safe_set_full_grad(p, g if g is not None else torch.zeros_like(p, dtype=torch.float32))
 
     shared, specific = shared_parameters_by_name(module)
+    if memory != "buffer":  # --surgery-memory stream / auto: fastpals.surgery.stream
+        return StreamingTaskGradients(
+            shared, num_tasks, task_params=specific, grad_getter=safe_get_full_grad, grad_setter=setter,
+            grad_dtype=torch.float32, capture_task_params=zero_stage >= 1, all_reduce=all_reduce,
+            policy="stream" if memory == "stream" else "smaller",
+        )  # fmt: skip
     return TaskGradientBuffer(
         shared, num_tasks, dtype, task_params=specific, grad_getter=safe_get_full_grad,
         grad_setter=setter, grad_dtype=torch.float32, capture_task_params=zero_stage >= 1, all_reduce=all_reduce,

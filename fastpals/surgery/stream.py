@@ -1,0 +1,602 @@
+"""Streaming gradient surgery: the Gram and the combined gradient of the one-backward capture without the ``[T, P]``
+buffer (``--surgery-memory stream``).
+
+Every aggregator is "``T x T`` Gram -> weights ``c`` -> ``sum_t c_t g_t``", and for a shared ``nn.Linear`` the task
+gradient is ``g_t = dY_t^T X_t`` over task t's rows. So neither the Gram nor the update needs all ``T`` gradients
+alive at once. :class:`StreamingTaskGradients` is used in place of a :class:`~fastpals.surgery.TaskGradientBuffer`
+inside :func:`~fastpals.surgery.per_task_gradients` (the same per-layer capture rules write into it) and, per
+shared parameter, keeps whichever is smaller:
+
+- **streamed** (``nn.Linear`` weights where ``T * M * K > N * (M + K)``, ``N`` the rows of the step through that
+  layer): during the one backward the layer's per-task weight gradients go into a scratch ``[T, M, K]`` (fp32),
+  whose pairwise dot products are added into the fp32 ``[T, T]`` Gram as soon as every call of the layer has
+  written (siamese pairs: both encoder passes), and the scratch is dropped. The layer's output gradient ``dY [N,
+  M]`` and input ``X [N, K]`` are kept in the training dtype. After the weights ``c`` are solved, one
+  weight-gradient GEMM per call, ``(c_row * dY)^T X`` (``c_row [N]`` the weight of each row's task), writes
+  ``sum_t c_t g_t`` into ``.grad``: the FLOPs of one ordinary weight-gradient pass, no second forward/backward.
+- **embeddings by token-id rows** (an ``nn.Embedding`` looked up per example whose ``T * V`` exceeds the step's
+  rows, e.g. BERT's word embeddings): the output gradient ``dY [N, d]`` and the ids are kept. The Gram uses
+  ``<g_s, g_t> = sum over ids of <sum_{rows of s with that id} dY, sum_{rows of t with that id} dY>``: rows are
+  summed per (id, task) after a stable sort (no host read), so that the at most ``T`` entries of one id are
+  adjacent, and the ``T`` diagonals of that banded product are added into the Gram (``T * N * d`` multiply-adds).
+  The update is one ``index_add`` of ``c_row * dY`` at the ids. The ``padding_idx`` row gets nothing.
+- **kept rows** (biases, LayerNorm weights and biases, broadcast position embeddings, small embeddings such as
+  BERT's token types, and Linear weights where ``T * M * K <= N * (M + K)``, i.e. few tasks): the per-task rows
+  of that parameter alone, ``[T, *shape]`` fp32, as the buffer holds them; Gram and combination at ``apply``.
+
+Task-specific parameters keep their ordinary gradients. The Gram is exact (fp32 accumulation, in another order
+than the buffer's kernel: equal within 1e-5 relative), so every aggregator gives the buffer mode's update.
+
+Limits: one :func:`~fastpals.surgery.per_task_gradients` block (one micro-batch, any number of encoder passes) per
+:meth:`~StreamingTaskGradients.apply` (a Gram of a sum over micro-batches needs their cross terms: use the buffer
+for gradient accumulation); ``capture`` (one backward per task) is the buffer's.
+
+Data parallel (``all_reduce=True`` or a ``process_group``): each streamed layer's scratch is averaged over the
+ranks when it is produced (bucketed: scratches are concatenated up to ``bucket_elements`` and all-reduced in one
+call), before its Gram contribution, and the kept rows before theirs, so the Gram is the global one and every
+rank solves the same ``c``. The embeddings by token-id rows are all-gathered (ids, task, summed rows: at most the
+step's rows per rank). Each rank's combined gradient ``sum_t c_t g_t`` of its own rows is then averaged over the
+ranks, as DDP averages an ordinary gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fastpals.functional import MAX_TASKS
+from fastpals.surgery.buffer import (
+    Aggregator,
+    GradGetter,
+    GradSetter,
+    SurgeryResult,
+    _unique_params,
+    default_grad_getter,
+    default_grad_setter,
+)
+from fastpals.surgery.layer_grads import STACK_TEMP_ELEMENTS, RowTasks
+from fastpals.surgery.per_task import PerTaskGradients
+from fastpals_kernels.dispatch import gram as gram_op
+
+__all__ = ["POLICIES", "StreamingTaskGradients", "embedding_row_gram", "stream_policy"]
+
+#: per-parameter choices of :class:`StreamingTaskGradients`: ``smaller`` (stream a layer where its kept output
+#: gradient is smaller than its task rows), ``stream`` (stream every Linear weight and per-example embedding)
+POLICIES = ("smaller", "stream")
+
+BUCKET_ELEMENTS = 1 << 22  # data parallel: scratch elements all-reduced in one call (16 MiB fp32)
+
+
+def stream_policy(policy: str, num_tasks: int, shape: Sequence[int], rows: int, embedding: bool) -> bool:
+    """Whether a shared parameter of ``shape`` (a Linear weight ``[M, K]``, or an embedding table ``[V, d]``)
+    through which the step runs ``rows`` rows is streamed (True) or kept as ``[T, *shape]`` task rows."""
+    if policy == "stream":
+        return True
+    if embedding:
+        return num_tasks * shape[0] > rows
+    m, k = shape
+    return num_tasks * m * k > rows * (m + k)
+
+
+def embedding_row_gram(
+    ids: torch.Tensor,
+    dy: torch.Tensor,
+    row_task: torch.Tensor,
+    num_tasks: int,
+    padding_idx: int | None = None,
+) -> torch.Tensor:
+    """The ``[T, T]`` fp32 Gram of the per-task gradients of an embedding table from its rows.
+
+    ``ids [N]`` int64, ``dy [N, d]`` (any float dtype), ``row_task [N]`` int64 in ``[0, T)``: task t's gradient
+    is ``index_add`` of its rows of ``dy`` at ``ids``. Rows at ``padding_idx`` count as zero. No host read."""
+    t = num_tasks
+    n = ids.shape[0]
+    g = torch.zeros(t * t, dtype=torch.float32, device=dy.device)
+    if n == 0:
+        return g.view(t, t)
+    d32 = dy.float()
+    if padding_idx is not None:
+        d32 = torch.where((ids == padding_idx)[:, None], 0.0, d32)
+    keys = ids.to(torch.int64) * t + row_task.to(torch.int64)
+    sorted_keys, order = torch.sort(keys, stable=True)
+    new_run = torch.ones_like(sorted_keys, dtype=torch.bool)
+    new_run[1:] = sorted_keys[1:] != sorted_keys[:-1]
+    run = torch.cumsum(new_run, 0) - 1
+    compact = torch.zeros(n, d32.shape[1], dtype=torch.float32, device=dy.device)
+    compact.index_add_(0, run, d32.index_select(0, order))
+    run_keys = torch.full_like(sorted_keys, -1).scatter_(0, run, sorted_keys)  # past the last run: zero rows
+    cid = torch.div(run_keys, t, rounding_mode="floor")
+    ctask = run_keys - cid * t
+    for o in range(min(t, n)):  # one id has at most T (id, task) entries, adjacent after the sort
+        a, b = compact[: n - o], compact[o:]
+        dots = (a * b).sum(1) * (cid[: n - o] == cid[o:])
+        g.index_add_(0, ctask[: n - o] * t + ctask[o:], dots)
+        if o:
+            g.index_add_(0, ctask[o:] * t + ctask[: n - o], dots)
+    return g.view(t, t)
+
+
+class _StreamBlock(PerTaskGradients):
+    """The state of one :func:`~fastpals.surgery.per_task_gradients` block over a :class:`StreamingTaskGradients`:
+    counts the calls and rows of every shared Linear / Embedding in the forward, and hands each layer's output
+    gradient to the streaming buffer in the backward."""
+
+    buffer: StreamingTaskGradients
+
+    def __enter__(self) -> _StreamBlock:
+        self.buffer._begin_block()
+        super().__enter__()
+        for _, m in self.shared_modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                self._handles.append(m.register_forward_pre_hook(self._count))
+        return self
+
+    def _count(self, module: nn.Module, args: tuple) -> None:
+        x = args[0]
+        rows = x.numel() if isinstance(module, nn.Embedding) else x.numel() // max(x.shape[-1], 1)
+        self.buffer._count_call(self.param_index(module.weight), rows)
+
+    def linear_done(self, rows: RowTasks, k_w: int, dy: torch.Tensor, x: torch.Tensor) -> None:
+        self.buffer._linear_done(rows, k_w, dy, x, self.written.flags)
+
+    def write_embedding(
+        self, k: int, ids: torch.Tensor, grad: torch.Tensor, rows: RowTasks, padding_idx: int | None
+    ) -> None:
+        if not self.buffer._streams(k, embedding=True):
+            super().write_embedding(k, ids, grad, rows, padding_idx)
+            return
+        for t in rows.tasks:
+            self.written.flags[t][k] = True
+        self.buffer._keep_embedding(k, ids, grad, rows.row_task, padding_idx)
+
+
+class StreamingTaskGradients:
+    """The streaming counterpart of :class:`~fastpals.surgery.TaskGradientBuffer` for
+    :func:`~fastpals.surgery.per_task_gradients` (see the module docstring): same ``apply``, same results, memory
+    flat in ``T``.
+
+    Args:
+        params: the shared parameters (weights of ``nn.Linear`` / ``nn.LayerNorm`` / ``nn.Embedding`` modules).
+        num_tasks: tasks, ``1 <= num_tasks <= MAX_TASKS``.
+        task_params, grad_getter, grad_setter, grad_dtype, process_group, all_reduce, capture_task_params: as for
+            :class:`~fastpals.surgery.TaskGradientBuffer`.
+        policy: ``smaller`` (default: per parameter, the smaller of the kept output gradient and the task rows)
+            or ``stream`` (every Linear weight and per-example embedding streamed).
+        bucket_elements: data parallel, scratch elements per all-reduce.
+    """
+
+    block_class = _StreamBlock
+    dtype = torch.float32  # the scratch and kept rows (the per-layer capture writes fp32 into them)
+
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter],
+        num_tasks: int,
+        *,
+        task_params: Iterable[torch.nn.Parameter] | None = None,
+        grad_getter: GradGetter | None = None,
+        grad_setter: GradSetter | None = None,
+        grad_dtype: torch.dtype | None = None,
+        process_group: Any = None,
+        all_reduce: bool = False,
+        capture_task_params: bool = False,
+        policy: str = "smaller",
+        bucket_elements: int = BUCKET_ELEMENTS,
+    ) -> None:
+        self.params = _unique_params(params, "params")
+        if not self.params:
+            raise ValueError("params is empty: streaming surgery needs at least one shared parameter")
+        if not isinstance(num_tasks, int) or not 1 <= num_tasks <= MAX_TASKS:
+            raise ValueError(f"num_tasks must be an int in [1, {MAX_TASKS}], got {num_tasks!r}")
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        devices = {p.device for p in self.params}
+        dtypes = {p.dtype for p in self.params}
+        if len(devices) != 1:
+            raise ValueError(f"params must all be on one device, got {sorted(map(str, devices))}")
+        if len(dtypes) != 1 and grad_dtype is None:
+            raise ValueError(f"params have several dtypes {sorted(map(str, dtypes))}: pass grad_dtype")
+        shared_ids = {id(p) for p in self.params}
+        given = _unique_params(task_params or [], "task_params")
+        self.task_params = [p for p in given if id(p) not in shared_ids]
+        if len(self.task_params) != len(given):
+            raise ValueError("a parameter cannot be both shared (params) and task-specific (task_params)")
+        self.device = devices.pop()
+        self.num_tasks = num_tasks
+        self.grad_dtype = grad_dtype or next(iter(dtypes))
+        self.grad_getter = grad_getter or default_grad_getter
+        self.grad_setter = grad_setter or default_grad_setter
+        self.process_group = process_group
+        self.all_reduce = all_reduce or process_group is not None
+        self.capture_task_params = capture_task_params
+        self.policy = policy
+        self.bucket_elements = bucket_elements
+        self.numels = [p.numel() for p in self.params]
+        self.num_elements = sum(self.numels)
+        self.task_param_tasks: list[set[int]] = [set() for _ in self.task_params]
+        self._task_acc: list[torch.Tensor | None] = [None] * len(self.task_params)
+        self.skipped_steps = 0
+        self.steps = 0
+        self._reset()
+
+    # --- the step's state ---------------------------------------------------------------------------------------
+    def _reset(self) -> None:
+        t = self.num_tasks
+        self._blocks = 0
+        self._gram: torch.Tensor | None = None
+        self._rows: dict[int, torch.Tensor] = {}  # kept rows and the live scratches, [T, *shape] fp32
+        self._decided: dict[int, bool] = {}  # per parameter: streamed?
+        self._calls: dict[int, int] = {}
+        self._row_counts: dict[int, int] = {}
+        self._left: dict[int, int] = {}
+        self._linears: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._embeddings: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, int | None]] = []
+        self._pending: list[
+            torch.Tensor
+        ] = []  # data parallel: scratches waiting for their bucket's all-reduce
+        self._pending_elements = 0
+        self._touched = [[False] * len(self.params) for _ in range(t)]
+        self._present: list[int] = []
+        self._task_seen = [False] * len(self.task_params)
+
+    def _begin_block(self) -> None:
+        if self._blocks:
+            raise RuntimeError(
+                "StreamingTaskGradients takes one per_task_gradients block per apply() (the Gram of several "
+                "micro-batches needs their cross terms): call apply() after each block, or use the "
+                "TaskGradientBuffer (--surgery-memory buffer) to accumulate micro-batches"
+            )
+        self._blocks = 1
+        self._gram = torch.zeros(self.num_tasks, self.num_tasks, dtype=torch.float64, device=self.device)
+
+    def _add_gram(self, rows: torch.Tensor) -> None:
+        """Gram += that of ``rows [T, n]`` fp32 (the op library's blocked Gram, as the buffer's; the per-layer
+        parts are summed in fp64)."""
+        self._gram.add_(gram_op(rows.contiguous())[0])
+
+    def _count_call(self, k: int, rows: int) -> None:
+        self._calls[k] = self._calls.get(k, 0) + 1
+        self._row_counts[k] = self._row_counts.get(k, 0) + rows
+
+    def _streams(self, k: int, embedding: bool) -> bool:
+        """Is shared parameter k (a Linear weight, or an ``embedding`` table) streamed this step? Decided on its
+        first backward, from the rows its forward calls ran."""
+        if k not in self._decided:
+            p = self.params[k]
+            self._decided[k] = stream_policy(
+                self.policy, self.num_tasks, p.shape, self._row_counts.get(k, 0), embedding
+            )
+            self._left[k] = self._calls.get(k, 1)
+        return self._decided[k]
+
+    # --- what the per-layer capture calls -----------------------------------------------------------------------
+    def captured_tasks(self) -> list[bool]:
+        """Every block starts fresh rows (one block per apply)."""
+        return [False] * self.num_tasks
+
+    def release_update(self) -> None:
+        """Nothing to release (the update lives in the parameters' own ``.grad``)."""
+
+    def param_rows(self, k: int) -> torch.Tensor:
+        """The ``[T, *shape]`` fp32 rows of shared parameter k (kept rows, or a streamed layer's scratch)."""
+        rows = self._rows.get(k)
+        if rows is None:
+            p = self.params[k]
+            # uninitialised: the capture's first write of a task overwrites its row; rows no task wrote are
+            # zeroed when the parameter is done (_zero_unwritten)
+            rows = torch.empty((self.num_tasks, *p.shape), dtype=torch.float32, device=self.device)
+            self._rows[k] = rows
+        return rows
+
+    def param_row(self, task: int, k: int) -> torch.Tensor:
+        """Row ``task`` of shared parameter k, shaped like the parameter."""
+        return self.param_rows(k)[task]
+
+    def _zero_unwritten(self, k: int, rows: torch.Tensor, written: Sequence[Sequence[bool]]) -> None:
+        """Zero the rows of parameter k that no task wrote (they were allocated uninitialised)."""
+        for t in range(self.num_tasks):
+            if not written[t][k]:
+                rows[t].zero_()
+
+    def _linear_done(
+        self, rows: RowTasks, k: int, dy: torch.Tensor, x: torch.Tensor, written: Sequence[Sequence[bool]]
+    ) -> None:
+        """One call of the shared Linear whose weight is parameter k has written its task rows: keep ``dy`` and
+        ``x`` if the weight streams; after its last call, its scratch goes into the Gram and is dropped."""
+        if not self._streams(k, embedding=False):
+            return
+        self._linears.append((k, rows.row_task, dy, x))
+        self._left[k] -= 1
+        if self._left[k] > 0:
+            return
+        scratch = self._rows.pop(k, None)
+        if scratch is None:
+            return
+        self._zero_unwritten(k, scratch, written)
+        if not self.all_reduce:
+            self._add_gram(scratch.view(self.num_tasks, -1))
+            return
+        self._pending.append(scratch.view(self.num_tasks, -1))
+        self._pending_elements += scratch.numel()
+        if self._pending_elements >= self.bucket_elements:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Data parallel: average the pending scratches over the ranks (one call) and add their Gram."""
+        if not self._pending:
+            return
+        flat = torch.cat(self._pending, 1) if len(self._pending) > 1 else self._pending[0]
+        self._pending, self._pending_elements = [], 0
+        flat.div_(dist.get_world_size(self.process_group))
+        dist.all_reduce(flat, group=self.process_group)
+        self._add_gram(flat)
+
+    def _keep_embedding(
+        self, k: int, ids: torch.Tensor, dy: torch.Tensor, row_task: torch.Tensor, padding_idx: int | None
+    ) -> None:
+        self._embeddings.append((k, ids, dy, row_task, padding_idx))
+
+    def capture_written(self, tasks: Sequence[int], written: Sequence[Sequence[bool]]) -> None:
+        """End of the block: which tasks had rows, which parameters each wrote; the task-specific gradients."""
+        tasks = list(tasks)
+        for t in tasks:
+            for k in range(len(self.params)):
+                if written[t][k]:
+                    self._touched[t][k] = True
+        for k, rows in self._rows.items():  # kept rows (the streamed scratches are gone)
+            self._zero_unwritten(k, rows, written)
+        self._present = tasks
+        if not tasks:
+            return
+        for k, p in enumerate(self.task_params):
+            g = self.grad_getter(p)
+            if g is None:
+                continue
+            self.task_param_tasks[k].update(tasks)
+            if self.capture_task_params:
+                if self._task_acc[k] is None:
+                    self._task_acc[k] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                acc = self._task_acc[k]
+                if not self._task_seen[k]:
+                    acc.zero_()
+                acc.add_(g.detach())
+                self.grad_setter(p, None)
+            self._task_seen[k] = True
+
+    # --- Gram -> weights -> combine -----------------------------------------------------------------------------
+    def _task_grads(self) -> list[torch.Tensor | None]:
+        if self.capture_task_params:
+            return [acc if seen else None for acc, seen in zip(self._task_acc, self._task_seen)]
+        return [self.grad_getter(p) for p in self.task_params]
+
+    def _finish_gram(self) -> torch.Tensor:
+        """Add the kept rows' and the token-id embeddings' parts to the streamed layers' Gram (data parallel: after
+        averaging / gathering them over the ranks)."""
+        t = self.num_tasks
+        if self._gram is None:
+            self._gram = torch.zeros(t, t, dtype=torch.float64, device=self.device)
+        if self.all_reduce:
+            self._flush()
+            kept = [r.view(t, -1) for r in self._rows.values()]
+            if kept:
+                flat = torch.cat(kept, 1)
+                flat.div_(dist.get_world_size(self.process_group))
+                dist.all_reduce(flat, group=self.process_group)
+                for r, part in zip(self._rows.values(), torch.split(flat, [x.shape[1] for x in kept], 1)):
+                    r.view(t, -1).copy_(part)
+        for r in self._rows.values():
+            self._add_gram(r.view(t, -1))
+        by_param: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int | None]]] = {}
+        for k, ids, dy, row_task, pad in self._embeddings:
+            by_param.setdefault(k, []).append((ids.reshape(-1), dy.reshape(ids.numel(), -1), row_task, pad))
+        for calls in by_param.values():
+            ids = torch.cat([c[0] for c in calls])
+            dy = torch.cat([c[1] for c in calls])
+            row_task = torch.cat([c[2] for c in calls])
+            if self.all_reduce:
+                ids, dy, row_task = self._gather_rows(ids, dy, row_task)
+            self._gram.add_(embedding_row_gram(ids, dy, row_task, t, calls[0][3]))
+        return self._gram.to(torch.float32)
+
+    def _gather_rows(
+        self, ids: torch.Tensor, dy: torch.Tensor, row_task: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Data parallel: every rank's embedding rows (``dy`` divided by the world size: the global gradient is
+        the ranks' mean), padded to the longest rank's count (padded rows are zero)."""
+        world = dist.get_world_size(self.process_group)
+        n = torch.tensor([ids.shape[0]], dtype=torch.int64, device=self.device)
+        counts = [torch.zeros_like(n) for _ in range(world)]
+        dist.all_gather(counts, n, group=self.process_group)
+        longest = max(int(c) for c in counts)  # host read: data parallel apply reads on the host anyway
+        pad = longest - ids.shape[0]
+        ids = torch.cat([ids, ids.new_zeros(pad)])
+        row_task = torch.cat([row_task, row_task.new_zeros(pad)])
+        dy = torch.cat([dy.float() / world, dy.new_zeros(pad, dy.shape[1], dtype=torch.float32)])
+        out = []
+        for x in (ids, dy, row_task):
+            parts = [torch.empty_like(x) for _ in range(world)]
+            dist.all_gather(parts, x.contiguous(), group=self.process_group)
+            out.append(torch.cat(parts))
+        return out[0], out[1], out[2]
+
+    def apply(
+        self,
+        aggregator: Aggregator,
+        generator: torch.Generator | None = None,
+        *,
+        sync: bool = True,
+        **aggregator_kwargs: Any,
+    ) -> SurgeryResult:
+        """As :meth:`fastpals.surgery.TaskGradientBuffer.apply`: Gram -> ``aggregator(gram, generator=...)`` ->
+        ``sum_t w_t g_t`` into the shared parameters' gradients (the streamed layers' by one weight-gradient GEMM
+        per call on the weighted output gradients). A non-finite task gradient skips the step (its Gram diagonal
+        is non-finite; nothing is written). ``sync=False`` (one rank): no host read, flags in ``result.flags``."""
+        if self.all_reduce and (not dist.is_available() or not dist.is_initialized()):
+            raise RuntimeError("all_reduce/process_group given but torch.distributed is not initialised")
+        if self.all_reduce and not sync:
+            raise ValueError(
+                "apply(sync=False) is for one-rank surgery (the all-reduced flags are read on the host)"
+            )
+        t = self.num_tasks
+        g_mat = self._finish_gram()
+        finite = torch.isfinite(torch.diagonal(g_mat))
+        task_grads = self._task_grads()
+        touched = self._touched
+        checks: list[torch.Tensor] = []
+        if self.all_reduce:
+            flags = torch.tensor(
+                [x for row in self._touched for x in row] + [g is not None for g in task_grads],
+                dtype=torch.float32, device=self.device,
+            )  # fmt: skip
+            dist.all_reduce(flags, group=self.process_group)
+            task_flat = None
+            if self.task_params:
+                task_flat = torch.cat([
+                    g.detach().reshape(-1).float() if g is not None else torch.zeros(p.numel(), device=self.device)
+                    for p, g in zip(self.task_params, task_grads)
+                ])  # fmt: skip
+                task_flat.div_(dist.get_world_size(self.process_group))
+                dist.all_reduce(task_flat, group=self.process_group)
+                checks.append(torch.isfinite(task_flat.norm()).reshape(1))
+            host = torch.cat([finite] + checks + [flags > 0]).tolist()  # the one host read
+            n = len(self.params)
+            flat_flags = host[t + len(checks) :]
+            touched = [flat_flags[i * n : (i + 1) * n] for i in range(t)]
+            used = flat_flags[t * n :]
+            if task_flat is not None:
+                for p, part, u in zip(self.task_params, torch.split(task_flat, self.numels_of_tasks()), used):
+                    self.grad_setter(p, part.view_as(p).to(p.dtype) if u else None)
+            ok = all(host[: t + len(checks)])
+            return self._finish(ok, host, g_mat, aggregator, generator, aggregator_kwargs, touched)
+        present = [g.detach() for g in task_grads if g is not None]
+        if present:
+            checks.append(torch.isfinite(torch.stack(torch._foreach_norm(present))).all().reshape(1))
+        if self.capture_task_params:
+            for p, g in zip(self.task_params, task_grads):
+                if g is not None:
+                    self.grad_setter(p, g.to(p.dtype) if g.dtype != p.dtype else g.clone())
+        if sync:
+            host = torch.cat([finite] + checks).tolist()  # the one host read
+            return self._finish(all(host), host, g_mat, aggregator, generator, aggregator_kwargs, touched)
+        task_ok = checks[0] if checks else torch.ones(1, dtype=torch.bool, device=self.device)
+        flags_dev = torch.cat([finite, task_ok.to(torch.bool).reshape(1)])
+        ok_dev = flags_dev.all()
+        eye = torch.eye(t, dtype=g_mat.dtype, device=g_mat.device)
+        safe = torch.where(ok_dev, torch.nan_to_num(g_mat, nan=0.0, posinf=0.0, neginf=0.0), eye)
+        weights = aggregator(safe, generator=generator, **aggregator_kwargs)
+        self._write_update(weights, touched)
+        self._end_step()
+
+        def count_skip() -> None:
+            self.skipped_steps += 1
+
+        return SurgeryResult(None, weights, g_mat, flags=flags_dev, on_skip=count_skip)
+
+    def numels_of_tasks(self) -> list[int]:
+        return [p.numel() for p in self.task_params]
+
+    def _finish(
+        self,
+        ok: bool,
+        host: list[Any],
+        g_mat: torch.Tensor,
+        aggregator: Aggregator,
+        generator: torch.Generator | None,
+        aggregator_kwargs: dict[str, Any],
+        touched: Sequence[Sequence[Any]],
+    ) -> SurgeryResult:
+        t = self.num_tasks
+        if not ok:
+            self.skipped_steps += 1
+            bad = [i for i in range(t) if not host[i]]
+            task_ok = bool(host[t]) if len(host) > t else True
+            self._end_step()
+            return SurgeryResult(True, None, g_mat, bad, not task_ok)
+        weights = aggregator(g_mat, generator=generator, **aggregator_kwargs)
+        self._write_update(weights, touched)
+        self._end_step()
+        return SurgeryResult(False, weights, g_mat)
+
+    def _write_update(self, weights: torch.Tensor, touched: Sequence[Sequence[Any]]) -> None:
+        """``sum_t weights[t] g_t`` into the shared gradients: kept rows by a ``[T] @ [T, n]`` product, streamed
+        Linear weights by ``(c_row * dY)^T X`` per call, token-id embeddings by an ``index_add`` of ``c_row * dY``;
+        each parameter's gradient handed to ``grad_setter`` as soon as it is complete and the kept tensors freed
+        as they are used (so a setter that copies, as DeepSpeed's, holds no second ``[P]``). Data parallel: the
+        streamed parts (each rank's own rows) are averaged over the ranks first."""
+        t = self.num_tasks
+        c = weights.to(torch.float32).reshape(t)
+        used = [any(touched[i][k] for i in range(t)) for k in range(len(self.params))]
+        left: dict[int, int] = {}
+        for entry in (*self._linears, *self._embeddings):
+            left[entry[0]] = left.get(entry[0], 0) + 1
+        grads: dict[int, torch.Tensor] = {}
+        done: set[int] = set()
+
+        def hand_over(k: int) -> None:
+            g = grads.pop(k, None)
+            self.grad_setter(self.params[k], g.to(self.grad_dtype) if used[k] and g is not None else None)
+            done.add(k)
+
+        for k in list(self._rows):
+            grads[k] = (c @ self._rows.pop(k).view(t, -1)).view(self.params[k].shape)
+            hand_over(k)
+        while self._linears:
+            k, row_task, dy, x = self._linears.pop(0)
+            c_row = c.index_select(0, row_task)[:, None]
+            if dy.dtype == torch.float32:
+                prod = torch.mm((dy * c_row).t(), x.float())
+                if k in grads:
+                    grads[k].add_(prod)
+                else:
+                    grads[k] = prod
+            else:  # 16-bit dy / x: fp32 products (as the buffer's fp32 rows), in output-row chunks
+                if k not in grads:
+                    grads[k] = torch.zeros(self.params[k].shape, dtype=torch.float32, device=self.device)
+                x32 = x.float()
+                step = max(1, STACK_TEMP_ELEMENTS // max(dy.shape[0], 1))
+                for m0 in range(0, dy.shape[1], step):
+                    part = dy[:, m0 : m0 + step].float() * c_row
+                    grads[k][m0 : m0 + step].addmm_(part.t(), x32)
+                del x32
+            del dy, x, row_task
+            left[k] -= 1
+            if not left[k] and not self.all_reduce:
+                hand_over(k)
+        while self._embeddings:
+            k, ids, dy, row_task, pad = self._embeddings.pop(0)
+            ids = ids.reshape(-1)
+            dy = dy.reshape(ids.numel(), -1)
+            if k not in grads:
+                grads[k] = torch.zeros(self.params[k].shape, dtype=torch.float32, device=self.device)
+            grads[k].index_add_(0, ids, dy.float() * c.index_select(0, row_task)[:, None])
+            if pad is not None:
+                grads[k][pad].zero_()
+            del dy, ids, row_task
+            left[k] -= 1
+            if not left[k] and not self.all_reduce:
+                hand_over(k)
+        if self.all_reduce and grads:
+            ks = sorted(grads)
+            flat = torch.cat([grads.pop(k).reshape(-1) for k in ks])
+            flat.div_(dist.get_world_size(self.process_group))
+            dist.all_reduce(flat, group=self.process_group)
+            for k, part in zip(ks, torch.split(flat, [self.numels[k] for k in ks])):
+                grads[k] = part.view(self.params[k].shape)
+                hand_over(k)
+        for k in range(len(self.params)):
+            if k not in done:
+                hand_over(k)
+
+    def _end_step(self) -> None:
+        self.steps += 1
+        self._reset()
+
+    def __repr__(self) -> str:
+        return (
+            f"StreamingTaskGradients(num_tasks={self.num_tasks}, shared_elements={self.num_elements}, "
+            f"policy={self.policy!r}, task_params={len(self.task_params)}, all_reduce={self.all_reduce})"
+        )
