@@ -33,6 +33,19 @@ SEED = 3
 BATCH = 12
 
 
+@pytest.fixture(autouse=True)
+def _one_plain_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An earlier in-process fastpals run (train.py's ``main``) leaves the launcher variables DeepSpeed reads
+    (``LOCAL_RANK``, ``WORLD_SIZE``, ...) in ``os.environ``; accelerate would read them as a 1-rank distributed run
+    and wrap the model in DDP. A user's own Trainer process starts without them."""
+    from accelerate.state import AcceleratorState, PartialState
+
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    AcceleratorState._reset_state(True)
+    PartialState._reset_state()
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("hf_trainer")
