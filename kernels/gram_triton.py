@@ -38,37 +38,44 @@ def _gram_partial_kernel(
     BLOCK_P: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
-    blk_i = tl.program_id(1)
-    blk_j = tl.program_id(2)
-    rows_i = blk_i * T_BLK + tl.arange(0, T_BLK)
-    rows_j = blk_j * T_BLK + tl.arange(0, T_BLK)
-    mask_i = rows_i < T
-    mask_j = rows_j < T
-    offs_i = rows_i.to(tl.int64)[:, None] * stride_t
-    offs_j = rows_j.to(tl.int64)[:, None] * stride_t
     start = pid * cols_per_program
-    acc = tl.zeros((T_BLK, T_BLK), dtype=tl.float32)
-    bad = tl.zeros((T_BLK,), dtype=tl.int32)
-    for off in range(0, cols_per_program, BLOCK_P):
-        cols = start + off + tl.arange(0, BLOCK_P)
-        col_mask = cols[None, :] < P
-        # Up-cast first: bf16/fp16 products are exact in fp32, and fp32 dots run in IEEE precision (no TF32).
-        xi = tl.load(buf_ptr + offs_i + cols[None, :], mask=mask_i[:, None] & col_mask, other=0.0).to(
-            tl.float32
-        )
-        if T_BLK == T_PAD:  # one block: J = I
-            xj = xi
-        else:
-            xj = tl.load(buf_ptr + offs_j + cols[None, :], mask=mask_j[:, None] & col_mask, other=0.0).to(
-                tl.float32
-            )
-        acc = tl.dot(xi, tl.trans(xj), acc, input_precision="ieee")
-        nonfinite = (xi != xi) | (tl.abs(xi) > 3.4028234663852886e38)
-        bad += tl.sum(nonfinite.to(tl.int32), axis=1)
-    base = partial_ptr + pid * T_PAD * T_PAD
-    tl.store(base + rows_i[:, None] * T_PAD + rows_j[None, :], acc)
-    if blk_j == 0:
-        tl.store(bad_ptr + pid * T_PAD + rows_i, bad)
+    if T_BLK == T_PAD:  # one row block (T <= 32): all rows against themselves
+        rows = tl.arange(0, T_PAD)
+        row_mask = rows < T
+        row_offs = rows.to(tl.int64)[:, None] * stride_t
+        acc = tl.zeros((T_PAD, T_PAD), dtype=tl.float32)
+        bad = tl.zeros((T_PAD,), dtype=tl.int32)
+        for off in range(0, cols_per_program, BLOCK_P):
+            cols = start + off + tl.arange(0, BLOCK_P)
+            mask = row_mask[:, None] & (cols[None, :] < P)
+            # Up-cast first: bf16/fp16 products are exact in fp32, and fp32 dots run in IEEE precision (no TF32).
+            xf = tl.load(buf_ptr + row_offs + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            acc = tl.dot(xf, tl.trans(xf), acc, input_precision="ieee")
+            nonfinite = (xf != xf) | (tl.abs(xf) > 3.4028234663852886e38)
+            bad += tl.sum(nonfinite.to(tl.int32), axis=1)
+        out_rows = tl.arange(0, T_PAD)
+        tl.store(partial_ptr + pid * T_PAD * T_PAD + out_rows[:, None] * T_PAD + out_rows[None, :], acc)
+        tl.store(bad_ptr + pid * T_PAD + out_rows, bad)
+    else:  # row blocks I (program axis 1) against J (axis 2)
+        rows_i = tl.program_id(1) * T_BLK + tl.arange(0, T_BLK)
+        rows_j = tl.program_id(2) * T_BLK + tl.arange(0, T_BLK)
+        offs_i = rows_i.to(tl.int64)[:, None] * stride_t
+        offs_j = rows_j.to(tl.int64)[:, None] * stride_t
+        acc = tl.zeros((T_BLK, T_BLK), dtype=tl.float32)
+        bad = tl.zeros((T_BLK,), dtype=tl.int32)
+        for off in range(0, cols_per_program, BLOCK_P):
+            cols = start + off + tl.arange(0, BLOCK_P)
+            col_mask = cols[None, :] < P
+            mask_i = (rows_i < T)[:, None] & col_mask
+            mask_j = (rows_j < T)[:, None] & col_mask
+            xi = tl.load(buf_ptr + offs_i + cols[None, :], mask=mask_i, other=0.0).to(tl.float32)
+            xj = tl.load(buf_ptr + offs_j + cols[None, :], mask=mask_j, other=0.0).to(tl.float32)
+            acc = tl.dot(xi, tl.trans(xj), acc, input_precision="ieee")
+            nonfinite = (xi != xi) | (tl.abs(xi) > 3.4028234663852886e38)
+            bad += tl.sum(nonfinite.to(tl.int32), axis=1)
+        tl.store(partial_ptr + pid * T_PAD * T_PAD + rows_i[:, None] * T_PAD + rows_j[None, :], acc)
+        if tl.program_id(2) == 0:
+            tl.store(bad_ptr + pid * T_PAD + rows_i, bad)
 
 
 def gram_triton(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,6 +86,8 @@ def gram_triton(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     t_blk = min(t_pad, 32)  # a 32 x 32 fp32 accumulator per program at most: more tasks, more row blocks
     # 16 x 128 up-cast tiles of a 16-bit buffer spilled 12 B on sm_90 (AOT test): 64 columns for 16-bit buffers
     block_p = 128 if t_blk <= 16 and buf.element_size() == 4 else 64
+    if t_pad > t_blk and buf.element_size() < 4:  # two 32 x 64 up-cast tiles spilled 8 B on sm_90 (AOT test)
+        block_p = 32
     blocks = triton.cdiv(p, block_p)
     if buf.is_cuda:
         max_programs = 4 * torch.cuda.get_device_properties(buf.device).multi_processor_count
