@@ -66,11 +66,18 @@ def check_encoder_fingerprint(
     saved: str | None, encoder: nn.Module, exclude: Iterable[str], source: str, caller: str, force: bool
 ) -> None:
     """Refuse (``EncoderMismatchError``, one line) an adapter whose recorded fingerprint ``saved`` differs from
-    ``encoder``'s, unless ``force``. Adapters saved before fingerprints (``saved`` None) load unchecked."""
+    ``encoder``'s, unless ``force`` (an encoder with NaN/inf weights is named as such). Adapters saved before
+    fingerprints (``saved`` None) load unchecked."""
     if saved is None or force:
         return
     own = encoder_fingerprint(encoder, exclude)
     if own != saved:
+        flags = [torch.isfinite(p).all() for p in encoder.parameters()]
+        if flags and not bool(torch.stack(flags).all()):  # a broken encoder: say that, not "another encoder"
+            raise EncoderMismatchError(
+                f"{caller}: the encoder beside the adapter in {source} holds non-finite weights (NaN/inf): the "
+                "model is broken; use another checkpoint"
+            )
         raise EncoderMismatchError(
             f"{caller}: the adapter in {source} was trained with another encoder (fingerprint {saved}, this "
             f"encoder's {own}): load it beside the encoder it was saved with, or pass force=True (--force) to "

@@ -184,8 +184,9 @@ class _SegmentLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad = grad.contiguous()
-        if torch._C._functorch.is_functorch_wrapped_tensor(grad):
-            # under torch.func.vmap (e.g. TorchJD's Jacobians): mm(out=...) has no batching rule
+        if not torch.compiler.is_compiling() and torch._C._functorch.is_functorch_wrapped_tensor(grad):
+            # under torch.func.vmap (e.g. TorchJD's Jacobians): mm(out=...) has no batching rule (the check is
+            # skipped while torch.compile traces: dynamo cannot trace it, and compiled code is not vmapped here)
             return _segment_linear_backward_functional(ctx, grad, x, weight, need_x, need_w, need_b)
         gx = x.new_empty(x.shape) if need_x else None
         gw = torch.zeros_like(weight) if need_w else None

@@ -123,7 +123,10 @@ class Trainer:
         )
         self.precision = precision_note(requested, self.ds_config)
         self.ckpt_dir = self.out / "checkpoints"
-        # the model and the tokenizer are opened (and validated) before --out is touched at all
+        # the model and the tokenizer are opened (and validated) before --out is touched at all; a folder in use
+        # is refused first, without waiting for them
+        if self.is_main:
+            RunLock(self.out).check_free()
         self._tokenizer = open_tokenizer(args)
         self._early_model, self._rng_after_model = _build_model_keeping_rng(args)
         self._lock: RunLock | None = None
