@@ -313,10 +313,16 @@ class Trainer:
 
     # --- evaluation ---------------------------------------------------------------------------------------------
     def evaluate(self) -> tuple[dict[str, float], dict[str, Any]]:
-        """Dev metrics and predictions of the current model (see :func:`fastpals.train.evaluate.evaluate`)."""
+        """Dev metrics and predictions of the current model (see :func:`fastpals.train.evaluate.evaluate`); NaN/inf
+        outputs stop the run (:class:`NonFiniteLossError`, after a ``"nonfinite"`` record)."""
         t0 = time.perf_counter()
         model = ev.eval_model(self.engine.module, self.device)
-        result = ev.evaluate(model, self.dev_batchers, self.args.task_list, self._progress())
+        try:
+            result = ev.evaluate(model, self.dev_batchers, self.args.task_list, self._progress())
+        except ev.NonFiniteOutputs as err:  # finite weights, NaN/inf logits: never scored nor saved as best/
+            step = self.state.global_step
+            self.record({"type": "nonfinite", "step": step, "task": err.task, "what": "outputs"})
+            raise NonFiniteLossError(step, err.task, math.nan, "outputs") from None
         self.state.add_time("eval_s", time.perf_counter() - t0)
         return result
 
@@ -325,12 +331,7 @@ class Trainer:
 
     def _eval_and_track(self, epoch: int) -> dict[str, float]:
         self.check_finite()  # a non-finite model is never evaluated nor saved as best/
-        try:
-            dev, preds = self.evaluate()
-        except ev.NonFiniteOutputs as err:  # finite weights, NaN/inf logits: never scored nor saved as best/
-            step = self.state.global_step
-            self.record({"type": "nonfinite", "step": step, "task": err.task, "what": "outputs"})
-            raise NonFiniteLossError(step, err.task, math.nan, "outputs") from None
+        dev, preds = self.evaluate()
         state = self.state
         entry = {"type": "eval", "step": state.global_step, "epoch": epoch, "dev": dev}
         state.evals.append(entry)
