@@ -45,6 +45,7 @@ from fastpals.model import state_dict_mismatches, task_specific_kind
 
 __all__ = [
     "ADAPTER_CONFIG_NAME",
+    "trained_base_in_encoder",
     "ADAPTER_SUBFOLDER",
     "ADAPTER_WEIGHTS_NAME",
     "FORMAT_VERSION",
@@ -369,3 +370,11 @@ def load_adapter_tensors(
         for name, value in copies:
             own[name].copy_(value)
     return skipped
+
+
+def trained_base_in_encoder(config: dict[str, Any]) -> set[str]:
+    """The trained base weights an adapter holds, by their names inside the encoder (the saving model's encoder
+    prefix removed): what :func:`fastpals.fingerprint.encoder_fingerprint` leaves out."""
+    prefix = config.get("encoder", {}).get("prefix", "")
+    lead = f"{prefix}." if prefix else ""
+    return {n[len(lead) :] if n.startswith(lead) else n for n in config.get("trained_base_parameters", {})}

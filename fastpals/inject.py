@@ -320,9 +320,16 @@ def adapter_contents(
         )
     if base_model_name_or_path is None:
         base_model_name_or_path = getattr(model, "name_or_path", None) or None
+    from fastpals.fingerprint import encoder_fingerprint
+
+    lead = f"{state.base_name}." if state.base_name else ""
+    encoder = model.get_submodule(state.base_name) if state.base_name else model
     kwargs = {
         "pal_config": state.config.to_dict(),
-        "encoder": _description(state),
+        "encoder": {
+            **_description(state),
+            "fingerprint": encoder_fingerprint(encoder, {n.removeprefix(lead) for n in base}),
+        },
         "base_model_name_or_path": base_model_name_or_path,
         "task_names": list(task_names),
         "head_names": set(heads),
@@ -334,7 +341,11 @@ def adapter_contents(
 
 
 def load_pals(
-    model: nn.Module, folder: str | os.PathLike, load_trained_base: bool = True, strict: bool = False
+    model: nn.Module,
+    folder: str | os.PathLike,
+    load_trained_base: bool = True,
+    strict: bool = False,
+    force: bool = False,
 ) -> nn.Module:
     """Load an adapter written by :func:`save_pals` or :meth:`fastpals.MultiTaskBert.save_pretrained` (an
     adapter folder, or a full model folder whose adapter is in ``pals/``) into ``model`` and return it.
@@ -349,13 +360,14 @@ def load_pals(
     bare encoder) raise ``ValueError`` with ``strict=True``, else a warning names them. Weights are copied to the
     device and dtype of the model's tensors. A :class:`fastpals.MultiTaskBert` loads with
     :meth:`~fastpals.MultiTaskBert.load_adapter`. Folders of the old format (``pals.safetensors``) still load,
-    with a ``FutureWarning``.
+    with a ``FutureWarning``. An adapter recording the fingerprint of the encoder it was trained with is refused
+    beside another encoder (:class:`fastpals.fingerprint.EncoderMismatchError`) unless ``force``.
     """
     from fastpals.adapters import find_adapter_folder, load_adapter_tensors, read_adapter
     from fastpals.multitask import MultiTaskBert
 
     if isinstance(model, MultiTaskBert):
-        return model.load_adapter(folder, load_trained_base=load_trained_base, strict=strict)
+        return model.load_adapter(folder, load_trained_base=load_trained_base, strict=strict, force=force)
     folder = Path(folder)
     if find_adapter_folder(folder) is None and (folder / LEGACY_CONFIG_NAME).is_file():
         warnings.warn(
@@ -367,6 +379,13 @@ def load_pals(
         return _load_legacy_pals(model, folder, load_trained_base)
     config, tensors, adapter = read_adapter(folder, "load_pals")
     prefix = prepare_for_adapter(model, config, str(adapter), "load_pals")
+    from fastpals.adapters import trained_base_in_encoder
+    from fastpals.fingerprint import check_encoder_fingerprint
+
+    check_encoder_fingerprint(
+        config.get("encoder", {}).get("fingerprint"), model.get_submodule(prefix) if prefix else model,
+        trained_base_in_encoder(config), str(adapter), "load_pals", force,
+    )  # fmt: skip
     load_adapter_tensors(
         model,
         prefix,

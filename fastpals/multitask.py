@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastpals.fingerprint import encoder_fingerprint, parameter_digests
 from fastpals.functional import Dropout
 from fastpals.layout import BatchLayout, make_layout, pool_packed
 from fastpals.model import BertConfig, BertModel, PALConfig, state_dict_mismatches, task_specific_kind
@@ -176,6 +177,7 @@ class MultiTaskBert(nn.Module):
         model = cls(config)
         model.bert.load_state_dict(encoder.state_dict())
         model.bert.load_report = encoder.load_report
+        model.base_digests = parameter_digests(model.bert)  # to tell at save time whether the encoder trained
         return model.eval()
 
     @classmethod
@@ -186,9 +188,12 @@ class MultiTaskBert(nn.Module):
         pal: PALConfig | None = None,
         head_dropout: float = 0.1,
         base_model: str | os.PathLike | None = None,
+        force: bool = False,
     ) -> MultiTaskBert:
         """Open a model saved with :meth:`save_pretrained` (a full folder, or an adapter-only folder whose
         encoder comes from ``base_model``, default the ``base_model_name_or_path`` it records), in eval mode.
+        ``force``: accept an adapter beside an encoder other than the one it was trained with (see
+        :meth:`load_adapter`).
 
         An adapter written by :func:`fastpals.save_pals` from an injected HF encoder records no task heads:
         pass ``tasks=`` (one per PAL task); the heads then start fresh. For a base BERT checkpoint (no adapter),
@@ -199,7 +204,7 @@ class MultiTaskBert(nn.Module):
 
         folder = Path(name_or_path)
         if folder.is_dir() and find_adapter_folder(folder) is not None:
-            return cls._from_adapter_folder(folder, tasks, pal, head_dropout, base_model).eval()
+            return cls._from_adapter_folder(folder, tasks, pal, head_dropout, base_model, force).eval()
         if folder.is_dir() and (folder / LEGACY_CONFIG_NAME).is_file():
             if tasks is not None or pal is not None:
                 raise ValueError(
@@ -220,9 +225,11 @@ class MultiTaskBert(nn.Module):
         return cls.from_base(name_or_path, tasks, pal, head_dropout)
 
     @classmethod
-    def load(cls, folder: str | os.PathLike, base_model: str | os.PathLike | None = None) -> MultiTaskBert:
+    def load(
+        cls, folder: str | os.PathLike, base_model: str | os.PathLike | None = None, force: bool = False
+    ) -> MultiTaskBert:
         """The former name of :meth:`from_pretrained` for saved folders (kept as an alias)."""
-        return cls.from_pretrained(folder, base_model=base_model)
+        return cls.from_pretrained(folder, base_model=base_model, force=force)
 
     @classmethod
     def _from_adapter_folder(
@@ -232,6 +239,7 @@ class MultiTaskBert(nn.Module):
         pal: PALConfig | None,
         head_dropout: float,
         base_model: str | os.PathLike | None,
+        force: bool = False,
     ) -> MultiTaskBert:
         from fastpals.adapters import read_adapter_config
 
@@ -273,7 +281,7 @@ class MultiTaskBert(nn.Module):
         model.config.extra = {
             k: v for k, v in saved_extra.items() if k not in ("head_dropout", "fine_tuned_from")
         }
-        model.load_adapter(adapter, strict=config.get("tasks") is not None)
+        model.load_adapter(adapter, strict=config.get("tasks") is not None, force=force)
         return model
 
     @property
@@ -631,7 +639,12 @@ class MultiTaskBert(nn.Module):
 
         ``adapters_only=True`` writes ``adapter_config.json`` and ``adapter_model.safetensors`` at the top of
         ``folder``: PALs, heads, and (freeze recipe) the trained base weights; loading needs the base checkpoint
-        named in ``base_model_name_or_path``. Returns the folder.
+        named in ``base_model_name_or_path``. It warns when the shared encoder trained (changed since
+        :meth:`from_base`): the adapter needs that encoder, which only the full save keeps.
+
+        Either way the adapter records the fingerprint of the encoder it was trained with
+        (``encoder.fingerprint``, :mod:`fastpals.fingerprint`; the trained base weights it carries left out):
+        :meth:`load_adapter` refuses it beside another encoder unless ``force=True``. Returns the folder.
         """
         from safetensors.torch import save_file
 
@@ -656,6 +669,11 @@ class MultiTaskBert(nn.Module):
                 self.bert.model.config.save_pretrained(folder)
             save_file(shared, str(folder / "model.safetensors"), metadata={"format": "pt"})
         kwargs = self._adapter_kwargs()
+        kwargs["encoder"]["fingerprint"] = encoder_fingerprint(
+            self.bert, {n.removeprefix("bert.") for n in base}
+        )
+        if adapters_only:
+            self._warn_if_encoder_trained(base)
         if not adapters_only:
             # these PALs belong to the encoder saved beside them (fine-tuned or not), not to the original base
             kwargs["base_model_name_or_path"] = None
@@ -667,16 +685,49 @@ class MultiTaskBert(nn.Module):
             tokenizer.save_pretrained(folder)
         return folder
 
+    def _warn_if_encoder_trained(self, base: dict[str, torch.Tensor]) -> None:
+        """``adapters_only`` drops the shared encoder: warn when it trained since :meth:`from_base` loaded it
+        (a shared parameter the adapter does not carry changed), since the adapter then needs that encoder."""
+        start = getattr(self, "base_digests", None)
+        if not start:
+            return
+        inner = {n.removeprefix("bert.") for n in base}
+        changed = [n for n, d in parameter_digests(self.bert).items() if n not in inner and start.get(n) != d]
+        if changed:
+            warnings.warn(
+                f"save_pretrained(adapters_only=True): the shared encoder trained ({len(changed)} tensors changed, "
+                f"e.g. {changed[0]}) but is not saved, so the adapter will not load beside its base encoder "
+                "(encoder fingerprint): save the full model (adapters_only=False) to keep the encoder",
+                UserWarning,
+                stacklevel=3,
+            )
+
     def load_adapter(
-        self, folder: str | os.PathLike, load_trained_base: bool = True, strict: bool = True
+        self,
+        folder: str | os.PathLike,
+        load_trained_base: bool = True,
+        strict: bool = True,
+        force: bool = False,
     ) -> MultiTaskBert:
         """Load an adapter (from :meth:`save_pretrained` or :func:`fastpals.save_pals`) into this model: its PAL
         config must equal this model's (else ``ValueError`` naming the fields that differ); PAL tensors must
         match exactly. Heads and trained base weights load by name; with ``strict`` a saved tensor this model
-        has no place for is an error (else a warning names it). Returns the model."""
-        from fastpals.adapters import check_same_pal_config, load_adapter_tensors, read_adapter
+        has no place for is an error (else a warning names it). An adapter that records the fingerprint of the
+        encoder it was trained with (:mod:`fastpals.fingerprint`) is refused beside another encoder
+        (:class:`fastpals.fingerprint.EncoderMismatchError`, one line) unless ``force``. Returns the model."""
+        from fastpals.adapters import (
+            check_same_pal_config,
+            load_adapter_tensors,
+            read_adapter,
+            trained_base_in_encoder,
+        )
+        from fastpals.fingerprint import check_encoder_fingerprint
 
         config, tensors, adapter = read_adapter(folder, "load_adapter")
+        check_encoder_fingerprint(
+            config.get("encoder", {}).get("fingerprint"), self.bert, trained_base_in_encoder(config),
+            str(adapter), "load_adapter", force,
+        )  # fmt: skip
         own = None if self.config.pal is None else self.config.pal.to_dict()
         saved = config.get("pal_config")
         if (own is None) != (saved is None):

@@ -41,14 +41,15 @@ class PredictError(ValueError):
     """Something the user can fix; printed as one line."""
 
 
-def load_for_prediction(model_dir: str | Path) -> tuple[MultiTaskBert, object, dict]:
-    """``(model in eval mode, tokenizer, training args)`` of a saved model folder."""
+def load_for_prediction(model_dir: str | Path, force: bool = False) -> tuple[MultiTaskBert, object, dict]:
+    """``(model in eval mode, tokenizer, training args)`` of a saved model folder. ``force``: accept an adapter
+    beside an encoder other than the one it was trained with (:mod:`fastpals.fingerprint`)."""
     from fastpals.tokenizer import Tokenizer
 
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"{model_dir} is not a folder (give the trainer's <out>/best)")
-    model = MultiTaskBert.load(model_dir).eval()
+    model = MultiTaskBert.load(model_dir, force=force).eval()
     flags = [torch.isfinite(p).all() for p in model.parameters()]
     if flags and not bool(torch.stack(flags).all()):  # one check, one host read
         raise PredictError(
@@ -109,6 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-length", type=int, default=None, help="tokens per sequence (default: as trained)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="load the adapter even beside an encoder other than the one it was trained with",
+    )
     p.add_argument("--debug", action="store_true", help="show the traceback of an error")
     return p
 
@@ -185,7 +191,7 @@ def _test_files(args: argparse.Namespace, model: MultiTaskBert, tokenizer: objec
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        model, tokenizer, train_args = load_for_prediction(args.model_dir)
+        model, tokenizer, train_args = load_for_prediction(args.model_dir, force=args.force)
         max_length = args.max_length or train_args.get("max_length", 128)
         if args.text or args.pair:
             _sentences(args, model, tokenizer, max_length)

@@ -260,7 +260,7 @@ def cases(cap: int, quick: bool = False) -> list[tuple[str, Any, tuple]]:
                     out.append((label, _pal_case, (dt[name], d, d_s, heads, packed, dropout)))
         out.append((f"grouped_linear {name} 768->3072 gelu", _grouped_case, (dt[name], 768, 3072, True)))
         out.append((f"grouped_linear {name} 384->204", _grouped_case, (dt[name], 384, 204, False)))
-        for tasks in (3, 16, 32):
+        for tasks in (3, 16, 32, 128):  # 128 = MAX_TASKS: the Gram in 32 x 32 row blocks
             out.append((f"gram+combine {name} T={tasks}", _buffer_case, (dt[name], tasks)))
     return out
 

@@ -64,7 +64,7 @@ def combine_triton(buf: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) 
     before it is written). Returns ``out``."""
     t, p = buf.shape
     t_pad = max(2, triton.next_power_of_2(t))
-    block_p = 1024 if target_arch(buf) is None else max(128, 4096 // t_pad)  # None: the CPU interpreter
+    block_p = 1024 if target_arch(buf) is None else max(32, 4096 // t_pad)  # None: the CPU interpreter
     w = weights.to(torch.float32).contiguous()
     with device_context(buf):
         _combine_kernel[(triton.cdiv(p, block_p),)](

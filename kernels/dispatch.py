@@ -379,7 +379,7 @@ def gram(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Gram matrix of the rows of ``buf`` and a per-row finite flag, in one pass (``torch.ops.fastpals.gram``).
 
     Args:
-        buf: ``[T, P]`` float32/float16/bfloat16, contiguous along P, ``T <= MAX_TASKS`` (32).
+        buf: ``[T, P]`` float32/float16/bfloat16, contiguous along P, ``T <= MAX_TASKS`` (128).
 
     Returns:
         ``(gram [T, T] float32, finite [T] bool)`` on ``buf``'s device (launched there). No host sync.
@@ -397,7 +397,7 @@ def combine(
     """``out = weights @ buf`` in one pass (``torch.ops.fastpals.combine`` / ``combine_out`` / ``combine_row``).
 
     Args:
-        buf: ``[T, P]`` float32/float16/bfloat16, contiguous along P, ``T <= 32``.
+        buf: ``[T, P]`` float32/float16/bfloat16, contiguous along P, ``T <= MAX_TASKS`` (128).
         weights: ``[T]`` float32/float64 on ``buf``'s device (read as fp32).
         out: ``[P]`` contiguous float32/float16/bfloat16 destination (e.g. the flat gradient of the shared
             parameters); a new float32 tensor when omitted. It must not overlap ``buf``.

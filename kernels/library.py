@@ -27,6 +27,9 @@ on the CPU: what the caller draws from torch's default generator), so a backward
 sees the same mask. The backward ops recompute the forward (one extra forward of the PAL or the attention, not
 of the encoder), as activation checkpointing does; the eager training path of :mod:`fastpals_kernels.dispatch`
 keeps the Triton ops' saved activations instead.
+
+Under ``torch.func.vmap`` (TorchJD's Jacobians) every non-mutating op runs once per sample
+(:func:`_per_sample_vmap`), so the ops, their autograd formulas included, work inside vmapped code.
 """
 
 from __future__ import annotations
@@ -544,3 +547,37 @@ OPS = {
         combine_row,
     )
 }
+
+
+def _per_sample_vmap(op: Callable) -> Callable:
+    """A ``torch.func.vmap`` rule for ``op``: the op on each sample of the batched arguments in turn (the
+    unbatched ones shared), the results stacked along dim 0. Exact (each call is the op itself) and works for
+    every backend; ``batch_size`` calls, so it suits the small batches of Jacobian rows (TorchJD's
+    ``mtl_backward`` vmaps the backward over its tasks). Dropout seeds are arguments: every sample sees the
+    same mask, as the unbatched call would."""
+
+    def rule(info, in_dims, *args):
+        outs = []
+        for i in range(info.batch_size):
+            outs.append(op(*[a if d is None else a.select(d, i) for a, d in zip(args, in_dims)]))
+        return _stack_outputs(outs)
+
+    return rule
+
+
+def _stack_outputs(items: list) -> tuple:
+    """Per-sample outputs (a tensor, None, or a tuple/list of them) stacked along dim 0: ``(value, out_dims)``."""
+    first = items[0]
+    if isinstance(first, torch.Tensor):
+        return torch.stack(items), 0
+    if first is None:
+        return None, None
+    parts = [_stack_outputs([item[k] for item in items]) for k in range(len(first))]
+    return type(first)(v for v, _ in parts), type(first)(d for _, d in parts)
+
+
+#: the ops that take a vmap rule (the mutating ``combine_out`` / ``combine_row`` write into their arguments)
+VMAPPED = ("pal", "pal_varlen", "pal_backward", "pal_varlen_backward", "attention_varlen",
+           "attention_varlen_backward", "grouped_wgrad", "gram", "combine")  # fmt: skip
+for _name in VMAPPED:
+    OPS[_name].register_vmap(_per_sample_vmap(OPS[_name]))

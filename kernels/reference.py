@@ -184,6 +184,10 @@ class _SegmentLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad = grad.contiguous()
+        if not torch.compiler.is_compiling() and torch._C._functorch.is_functorch_wrapped_tensor(grad):
+            # under torch.func.vmap (e.g. TorchJD's Jacobians): mm(out=...) has no batching rule (the check is
+            # skipped while torch.compile traces: dynamo cannot trace it, and compiled code is not vmapped here)
+            return _segment_linear_backward_functional(ctx, grad, x, weight, need_x, need_w, need_b)
         gx = x.new_empty(x.shape) if need_x else None
         gw = torch.zeros_like(weight) if need_w else None
         gb = weight.new_zeros(weight.shape[:2]) if need_b and ctx.has_bias else None
@@ -200,6 +204,34 @@ class _SegmentLinear(torch.autograd.Function):
                     gb[t] = g.sum(0)
             start += n
         return gx, gw, gb, None
+
+
+def _segment_linear_backward_functional(
+    ctx: Any,
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    need_x: bool,
+    need_w: bool,
+    need_b: bool,
+) -> tuple[torch.Tensor | None, ...]:
+    """:class:`_SegmentLinear`'s backward without ``out=`` or in-place writes (the pieces concatenated and
+    stacked), for ``torch.func`` transforms: the same values."""
+    gx_parts, gw_parts, gb_parts = [], [], []
+    start = 0
+    for t, n in enumerate(ctx.counts):
+        g = grad[start : start + n]
+        if need_x and n:
+            gx_parts.append(g @ weight[t])
+        if need_w:
+            gw_parts.append(g.t() @ x[start : start + n] if n else torch.zeros_like(weight[t]))
+        if need_b and ctx.has_bias:
+            gb_parts.append(g.sum(0) if n else weight.new_zeros(weight.shape[1]))
+        start += n
+    gx = (torch.cat(gx_parts) if gx_parts else x.new_zeros(x.shape)) if need_x else None
+    gw = torch.stack(gw_parts) if need_w else None
+    gb = torch.stack(gb_parts) if gb_parts else None
+    return gx, gw, gb, None
 
 
 def key_mask_bias(key_padding_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -426,8 +458,9 @@ def pal_varlen_reference(
 # ----------------------------------------------------------------------------------------------------------------
 # Gradient-surgery buffer ops: a [T, P] buffer of per-task gradients
 # ----------------------------------------------------------------------------------------------------------------
-#: most task rows a [T, P] task-gradient buffer may have (the Gram kernel pads T to a power of two <= 32)
-MAX_TASKS = 32
+#: most task rows a [T, P] task-gradient buffer may have: 64 tasks, and GEM's episodic memory (2 T rows) for
+#: them; the Gram kernel pads T to a power of two and tiles it in 32 x 32 blocks
+MAX_TASKS = 128
 _BUFFER_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _REFERENCE_CHUNK = 1 << 20  # columns per fp32 up-cast in the reference paths (bounds their temporary memory)
 # columns per in-place combine chunk (a 4 MiB fp32 temporary): measured 2x faster than 2^14 on a 2-core AVX2 EPYC

@@ -10,8 +10,9 @@ gradients. Where TorchJD's rule and the paper's differ, a float64 transcription 
   fastpals computes with ``reg_eps=0``.
 - IMTL-G: the paper's closed form needs a non-singular Gram; fastpals follows TorchJD's pseudo-inverse
   generalisation, equal to the paper on full-rank Grams (checked).
-- CAGrad: TorchJD solves the paper's problem with cvxpy/Clarabel; fastpals solves it exactly (active-set
-  enumeration), and its objective is checked to be no worse than TorchJD's.
+- CAGrad: TorchJD solves the paper's problem with cvxpy/Clarabel; fastpals solves it exactly up to 10 tasks
+  (active-set enumeration), and its objective is checked to be no worse than TorchJD's (beyond 10 tasks, its
+  polynomial solver: ``tests/test_many_tasks.py``).
 - Nash-MTL: the paper defines the weights by ``G a = 1 / a``; TorchJD (after the official code) approximates that
   root by at most 20 convex programs, stopping at a residual of 1e-3, and on some Grams does not reach it.
   fastpals follows the paper (Newton to convergence): it is compared with a float64 scipy root of the paper's
@@ -467,7 +468,9 @@ def test_registry_names_and_make_weighting_options():
     with pytest.raises(ValueError, match="scale_mode"):
         make_weighting("alignedmtl", scale_mode="max")[0](g)
     with pytest.raises(ValueError, match="at most 10 tasks"):
-        cagrad_weights(torch.eye(11, dtype=F64))
+        cagrad_weights(torch.eye(11, dtype=F64), solver="exact")  # the default takes any T (solver="pgd")
+    with pytest.raises(ValueError, match="solver must be"):
+        make_weighting("cagrad", solver="cvx")[0](g)
 
 
 class TinyMultiTask(torch.nn.Module):

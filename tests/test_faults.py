@@ -550,3 +550,89 @@ def test_overwrite_also_clears_a_user_tasks_confusion_plot(tmp_path):
     ]
     discard_replaced(aside)
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+# --- the run's manifest: --overwrite clears what the run wrote, nothing else --------------------------------------
+def test_overwrite_clears_exactly_the_runs_manifest(tmp_path):
+    """A run records every top-level name it creates in --out (``run_manifest.json``); ``--overwrite`` moves
+    exactly those aside (any file name: a user task's plot, an extra file), never the user's own files, even one
+    that looks like a run output."""
+    from fastpals.train.outputs import MANIFEST_NAME, discard_replaced, entries, prepare_out, record_manifest
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    (out / "confusion_mine.png").write_text("the user's own plot, from before the run")
+    before = entries(out)
+    for name in ("metrics.jsonl", "confusion_mytask.png", "mytask_extra.tsv"):
+        (out / name).write_text(name)
+    (out / "best").mkdir()
+    (out / ".lock").write_text("1 host")
+    record_manifest(out, before)
+    listed = json.loads((out / MANIFEST_NAME).read_text())["outputs"]
+    assert listed == ["best", "confusion_mytask.png", "metrics.jsonl", "mytask_extra.tsv"]
+    (out / ".lock").unlink()
+    aside = prepare_out(out, resume=False, overwrite=True, is_main=True)
+    assert sorted(p.name for p in aside.iterdir()) == sorted(listed + [MANIFEST_NAME])
+    discard_replaced(aside)
+    assert sorted(p.name for p in out.iterdir()) == ["confusion_mine.png", "notes.txt"]
+
+
+def test_a_run_lists_its_outputs_in_the_manifest(killed_and_resumed):
+    """The runs of the kill -9 fixture (one whole, one killed and resumed) list every name they wrote."""
+    from fastpals.train.outputs import MANIFEST_NAME
+
+    for out in killed_and_resumed[:2]:
+        listed = json.loads((out / MANIFEST_NAME).read_text())["outputs"]
+        assert {"metrics.jsonl", "results.json", "best", "checkpoints"} <= set(listed)
+        assert set(listed) == {p.name for p in out.iterdir()} - {".lock", MANIFEST_NAME}
+
+
+# --- the model and the tokenizer are opened before --out is touched -----------------------------------------------
+@pytest.mark.parametrize("broken", ["missing", "no_tokenizer", "garbage_weights"])
+def test_a_bad_model_or_tokenizer_is_refused_before_out_is_touched(tiny, tmp_path, broken):
+    from fastpals.train.cli import parse_args
+    from fastpals.train.loop import Trainer
+
+    model = tmp_path / "model"
+    if broken != "missing":
+        shutil.copytree(tiny[1], model)
+        if broken == "no_tokenizer":
+            (model / "vocab.txt").unlink()
+        else:
+            (model / "model.safetensors").write_bytes(b"not a safetensors file")
+    out = tmp_path / "new" / "run"
+    args = parse_args(tiny_run_args(tiny[0], model, out, "--no-progress"))
+    with pytest.raises(ConfigError, match="--model"):
+        Trainer(args)
+    assert not out.exists() and not out.parent.exists()
+
+
+# --- NaN outputs from finite weights --------------------------------------------------------------------------------
+NAN_OUTPUTS = """
+import sys
+from fastpals.multitask import MultiTaskBert
+forward = MultiTaskBert.forward
+def overflowing(self, *args, **kwargs):  # finite weights, non-finite logits in evaluation (an overflow)
+    out = forward(self, *args, **kwargs)
+    if not self.training:
+        out.logits = out.logits * float("inf")
+    return out
+MultiTaskBert.forward = overflowing
+from fastpals.train.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_nan_outputs_from_finite_weights_stop_the_run_in_one_line_and_are_not_saved(tiny, tmp_path):
+    """Finite weights whose dev logits are NaN/inf never reach ``pearson`` (``ValueError: pearson got
+    non-finite values``) nor score as class 0: one line, code 3, no best/."""
+    out = tmp_path / "run"
+    rc, _, err = run(common(tiny, out, "--steps-per-epoch", "2", "--eval-every", "1"), script=NAN_OUTPUTS)
+    assert rc == 3, err[-3000:]
+    one_line(err, "non-finite dev outputs (NaN/inf) of task", "after update step 1", "not saved as best/")
+    assert "pearson" not in err
+    assert not (out / "best").exists()
+    records = strict_records(out / "metrics.jsonl")
+    assert records[-1]["type"] == "nonfinite" and records[-1]["what"] == "outputs"
+    assert not any(r["type"] == "eval" for r in records)

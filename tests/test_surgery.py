@@ -235,7 +235,7 @@ def test_aggregator_input_errors():
     with pytest.raises(TypeError, match="gram"):
         gem_weights(torch.zeros(2, 2, dtype=torch.int64))
     with pytest.raises(ValueError, match="at most"):
-        sum_weights(torch.zeros(65, 65))
+        sum_weights(torch.zeros(129, 129))  # MAX_TASKS + 1
     with pytest.raises(ValueError, match="orders"):
         pcgrad_weights(torch.eye(3), orders=torch.zeros(3, 3, dtype=torch.int64))
     with pytest.raises(ValueError, match="proposal"):
@@ -470,7 +470,7 @@ def test_buffer_input_errors():
     with pytest.raises(ValueError, match="num_tasks"):
         TaskGradientBuffer([p], 0)
     with pytest.raises(ValueError, match="num_tasks"):
-        TaskGradientBuffer([p], 33)
+        TaskGradientBuffer([p], 129)  # MAX_TASKS + 1
     with pytest.raises(TypeError, match="dtype"):
         TaskGradientBuffer([p], 2, torch.int32)
     with pytest.raises(ValueError, match="params is empty"):

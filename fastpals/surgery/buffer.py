@@ -156,7 +156,8 @@ class TaskGradientBuffer:
 
     Args:
         params: the parameters shared by the tasks (the Gram is over them). All on one device, one dtype.
-        num_tasks: rows of the buffer, ``1 <= num_tasks <= 32`` (GEM with an episodic memory uses ``2 T``).
+        num_tasks: rows of the buffer, ``1 <= num_tasks <= MAX_TASKS`` (128: 64 tasks with GEM's
+            episodic memory, which uses ``2 T`` rows).
         dtype: buffer dtype, ``torch.float32`` (default), ``torch.bfloat16`` or ``torch.float16``. The Gram is
             always accumulated in float32.
         task_params: task-specific parameters (see the module docstring); optional.

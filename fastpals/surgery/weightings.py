@@ -84,7 +84,8 @@ __all__ = [
 from fastpals.surgery.solvers import jacobi_eigh, nonneg_qp, spd_solve
 
 F64 = torch.float64
-CAGRAD_MAX_TASKS = 10
+#: most tasks of CAGrad's exact solver (it enumerates the 2^T - 1 supports); ``pgd`` takes any number
+CAGRAD_EXACT_MAX_TASKS = 10
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -289,42 +290,19 @@ def _subsets(t: int, device: torch.device) -> torch.Tensor:
     return ((codes[:, None] >> torch.arange(t, device=device)[None, :]) & 1).bool()
 
 
-def cagrad_weights(
-    gram: torch.Tensor, generator: torch.Generator | None = None, *, c: float = 0.4, norm_eps: float = 1e-4
-) -> torch.Tensor:
-    """CAGrad (Liu et al., "Conflict-Averse Gradient Descent", 2021, Algorithm 1).
-
-    With ``g_0`` the mean gradient and ``φ = c^2 |g_0|^2``: ``w* = argmin_{w in simplex} <g_w, g_0> + sqrt(φ)
-    |g_w|`` and the update is ``g_0 + sqrt(φ) / |g_w*| g_w*``, i.e. weights ``1/T + sqrt(φ) / |g_w*| w*`` (zero
-    when ``|g_w*| < norm_eps``). ``G`` is divided by its trace first, as in TorchJD.
-
-    The convex problem is solved exactly, without iterations: on an active set ``S`` its KKT conditions give
-    ``w_S = (λ G_SS^{-1} 1 - G_SS^{-1} b_S) / sqrt(disc)`` with ``b = G 1/T`` and ``λ`` the root of a quadratic,
-    so every support is evaluated in one batched solve and the best feasible one is kept (``2^T - 1`` supports:
-    at most ``T = 10`` tasks). No iterations (the batched Gauss-Jordan solve takes ``T`` steps); the best support
-    is picked by ``argmin`` and gathered on the device.
-
-    ``gram [T, T]`` float32/float64 -> ``w [T]`` on its device (float64 for a float64 Gram, else float32).
-    """
-    if c < 0:
-        raise ValueError(f"cagrad: c must be non-negative, got {c}")
-    g = _normalize(_prepare(gram), norm_eps)
+def _cagrad_on_supports(
+    g: torch.Tensor, b: torch.Tensor, rho: torch.Tensor, masks: torch.Tensor, batched_solve: Any = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CAGrad's KKT solution on each support of ``masks [K, T]`` (bool): ``w_S = (λ G_SS^{-1} 1 - G_SS^{-1} b_S) /
+    sqrt(disc)`` with ``λ`` the root of a quadratic, one batched solve. Returns ``(w [K, T]`` on the simplex,
+    ``ok [K]`` bool: the support's solution exists and is non-negative)."""
     t = g.shape[0]
-    if t > CAGRAD_MAX_TASKS:
-        raise ValueError(
-            f"cagrad supports at most {CAGRAD_MAX_TASKS} tasks (exact active-set solve), got {t}"
-        )
-    dev = g.device
-    u = torch.full((t,), 1.0 / t, dtype=F64, device=dev)
-    b = g @ u
-    rho = c * (u @ b).clamp_min(0.0).sqrt()
-    masks = _subsets(t, dev)  # [K, T]
-    eye = torch.eye(t, dtype=F64, device=dev)
+    eye = torch.eye(t, dtype=F64, device=g.device)
     scale = torch.diagonal(g).amax().clamp_min(1e-300)
     outer = masks[:, :, None] & masks[:, None, :]
     system = torch.where(outer, g + 1e-12 * scale * eye, eye)
     rhs = torch.stack([masks.to(F64), torch.where(masks, b, torch.zeros_like(b))], dim=2)  # [K, T, 2]
-    sol = spd_solve(system, rhs)
+    sol = spd_solve(system, rhs) if batched_solve is None else batched_solve(system, rhs)[0]
     sol = torch.where(masks[:, :, None], sol, torch.zeros_like(sol))
     a_vec, c_vec = sol[..., 0], sol[..., 1]
     big_a = a_vec.sum(1)
@@ -337,7 +315,168 @@ def cagrad_weights(
     w = (lam[:, None] * a_vec - c_vec) / sd[:, None]
     ok = ok & (w >= -1e-9).all(1)
     w = w.clamp_min(0.0)
-    w = w / w.sum(1, keepdim=True).clamp_min(1e-300)
+    return w / w.sum(1, keepdim=True).clamp_min(1e-300), ok
+
+
+def _simplex_projection(v: torch.Tensor) -> torch.Tensor:
+    """Euclidean projection of each row of ``v [K, T]`` onto the probability simplex (sort-based, Held, Wolfe &
+    Crowder 1974; Duchi et al. 2008): ``max(v - θ, 0)`` with ``θ`` from the sorted prefix sums, no host read."""
+    u = torch.sort(v, dim=1, descending=True).values
+    css = u.cumsum(1) - 1.0
+    k = torch.arange(1, v.shape[1] + 1, dtype=F64, device=v.device)
+    count = (u - css / k > 0).sum(1, keepdim=True).clamp_min(1)  # the condition holds on a prefix
+    theta = css.gather(1, count - 1) / count.to(F64)
+    return (v - theta).clamp_min(0.0)
+
+
+def _cagrad_projected_gradient(
+    g: torch.Tensor, b: torch.Tensor, rho: torch.Tensor, iters: int
+) -> torch.Tensor:
+    """An approximate minimiser of ``f(w) = <b, w> + ρ sqrt(wᵀ G w)`` on the simplex: projected (sub)gradient
+    steps from ``1/T``, each trying the 40 step sizes ``2^-k`` at once and keeping the candidate with the lowest
+    ``f`` (the current point included, so ``f`` never rises). ``O(T^2 + 40 T log T)`` per iteration, exactly
+    ``iters`` iterations. Returns ``w [T]``."""
+    t = g.shape[0]
+    dev = g.device
+    w = torch.full((t,), 1.0 / t, dtype=F64, device=dev)
+    steps = torch.cat(
+        [torch.pow(0.5, torch.arange(40, dtype=F64, device=dev)), torch.zeros(1, dtype=F64, device=dev)]
+    )  # [K]: the last candidate is the current point
+
+    def objective(x: torch.Tensor) -> torch.Tensor:  # x [K, T]
+        return x @ b + rho * ((x @ g) * x).sum(1).clamp_min(0.0).sqrt()
+
+    for _ in range(iters):
+        gw = g @ w
+        norm = (w @ gw).clamp_min(0.0).sqrt()
+        grad = b + rho * gw / norm.clamp_min(1e-150)
+        grad = (
+            grad - grad.mean()
+        )  # the component along the simplex (1ᵀ x = 1 is kept by the projection anyway)
+        scale = grad.abs().amax().clamp_min(1e-300)  # the largest step moves some coordinate by 1
+        cand = _simplex_projection(w[None, :] - (steps / scale)[:, None] * grad[None, :])
+        best = torch.argmin(objective(cand)).reshape(1)
+        w = cand.index_select(0, best)[0]
+    return w
+
+
+def _cagrad_active_set(
+    g: torch.Tensor, b: torch.Tensor, rho: torch.Tensor, start: torch.Tensor, iters: int
+) -> torch.Tensor:
+    """A primal active-set method for CAGrad's problem from the support ``S`` of ``start [T]`` (a point of the
+    simplex): on ``S`` the KKT solution (one ``solve_ex``); the coordinates that come out negative leave ``S``
+    (no solution on ``S``, as for a singular ``G_SS``: ``S``'s smallest coordinate of the best point so far
+    leaves); when none does, the task with the most violated optimality condition (``∂f/∂w_i < μ``, ``μ`` the
+    common value on ``S``) comes in; none violated: optimal, ``S`` freezes. Exactly ``iters`` iterations,
+    ``O(T^3)`` each. Returns the best feasible point met (``start`` included): the objective never rises."""
+    t = g.shape[0]
+    dev = g.device
+    eye = torch.eye(t, dtype=F64, device=dev)
+    scale = torch.diagonal(g).amax().clamp_min(1e-300)
+    index = torch.arange(t, device=dev)
+    inf = torch.full((t,), math.inf, dtype=F64, device=dev)
+
+    def objective(x: torch.Tensor) -> torch.Tensor:
+        return x @ b + rho * (x @ g @ x).clamp_min(0.0).sqrt()
+
+    best, best_f = start, objective(start)
+    support = (start > 1e-6 * start.amax()) | (index == torch.argmax(start))
+    done = torch.zeros((), dtype=torch.bool, device=dev)
+    for _ in range(iters):
+        outer = support[:, None] & support[None, :]
+        system = torch.where(outer, g + 1e-12 * scale * eye, eye)
+        rhs = torch.stack([support.to(F64), torch.where(support, b, torch.zeros_like(b))], dim=1)  # [T, 2]
+        sol, _info = torch.linalg.solve_ex(system, rhs)
+        sol = torch.where(support[:, None], sol, torch.zeros_like(sol))
+        a_vec, c_vec = sol[:, 0], sol[:, 1]
+        big_a, big_b, big_c = a_vec.sum(), c_vec.sum(), c_vec @ b
+        disc = big_b * big_b - big_a * (big_c - rho * rho)
+        valid = (disc > 0) & (big_a > 0)
+        sd = torch.where(valid, disc, torch.ones_like(disc)).sqrt()
+        lam = (big_b + sd) / torch.where(valid, big_a, torch.ones_like(big_a))
+        w = (lam * a_vec - c_vec) / sd  # sums to 1 on S
+        neg = support & (w < 0)
+        feasible = valid & ~neg.any()
+        f = objective(w.clamp_min(0.0))
+        better = feasible & (f < best_f)
+        best = torch.where(better, w.clamp_min(0.0), best)
+        best_f = torch.where(better, f, best_f)
+        gw = g @ w
+        grad = b + rho * gw / (w @ gw).clamp_min(1e-300).sqrt()
+        mu = (grad * w).sum()
+        tol = 1e-12 * (grad.abs().amax() + 1e-300)
+        violated = ~support & (grad < mu - tol)
+        most = torch.argmin(torch.where(violated, grad, inf))
+        grown = support | (violated.any() & (index == most))
+        smallest = torch.argmin(torch.where(support, best, inf))
+        shrunk = torch.where(valid, support & ~neg, support & (index != smallest))
+        shrunk = shrunk | (~shrunk.any() & (index == torch.argmax(best)))  # never empty
+        step = torch.where(neg.any() | ~valid, shrunk, grown)
+        done = done | (feasible & ~violated.any())
+        support = torch.where(done, support, step)
+    return best
+
+
+def cagrad_weights(
+    gram: torch.Tensor,
+    generator: torch.Generator | None = None,
+    *,
+    c: float = 0.4,
+    norm_eps: float = 1e-4,
+    solver: str = "auto",
+    max_iter: int = 100,
+    search_iters: int | None = None,
+) -> torch.Tensor:
+    """CAGrad (Liu et al., "Conflict-Averse Gradient Descent", 2021, Algorithm 1).
+
+    With ``g_0`` the mean gradient and ``φ = c^2 |g_0|^2``: ``w* = argmin_{w in simplex} <g_w, g_0> + sqrt(φ)
+    |g_w|`` and the update is ``g_0 + sqrt(φ) / |g_w*| g_w*``, i.e. weights ``1/T + sqrt(φ) / |g_w*| w*`` (zero
+    when ``|g_w*| < norm_eps``). ``G`` is divided by its trace first, as in TorchJD.
+
+    On an active set ``S`` the problem's KKT conditions give ``w_S = (λ G_SS^{-1} 1 - G_SS^{-1} b_S) /
+    sqrt(disc)`` with ``b = G 1/T`` and ``λ`` the root of a quadratic. ``solver`` picks the candidate supports:
+
+    - ``exact``: every support (``2^T - 1`` of them, one batched solve; at most ``T = 10`` tasks), the best
+      feasible one kept: the exact minimiser, no iterations.
+    - ``pgd``: any ``T``, polynomial cost. ``max_iter`` projected-gradient steps on the simplex (each a batched
+      line search over 40 step sizes; ``O(max_iter (T^2 + 40 T log T))``), then ``search_iters`` (default
+      ``2 T + 10``) steps of a primal active-set method from the iterate's support (``O(T^3)`` each). The best
+      point met and the vertices are the candidates, so the objective is never above the projected-gradient
+      iterate's, and it is the exact minimiser once the active set reaches the optimal support (checked against ``exact`` for T <= 10 and against TorchJD's cvxpy solve up
+      to T = 64 in ``tests/test_many_tasks.py``).
+    - ``auto`` (default): ``exact`` up to 10 tasks, ``pgd`` beyond.
+
+    Either way the best candidate is picked by ``argmin`` and gathered on the device: no host read.
+
+    ``gram [T, T]`` float32/float64 -> ``w [T]`` on its device (float64 for a float64 Gram, else float32).
+    """
+    if c < 0:
+        raise ValueError(f"cagrad: c must be non-negative, got {c}")
+    if solver not in ("auto", "exact", "pgd"):
+        raise ValueError(f"cagrad: solver must be 'auto', 'exact' or 'pgd', got {solver!r}")
+    if int(max_iter) < 0 or (search_iters is not None and int(search_iters) < 0):
+        raise ValueError(f"cagrad: max_iter and search_iters must be >= 0, got {max_iter}, {search_iters}")
+    g = _normalize(_prepare(gram), norm_eps)
+    t = g.shape[0]
+    if solver == "auto":
+        solver = "exact" if t <= CAGRAD_EXACT_MAX_TASKS else "pgd"
+    if solver == "exact" and t > CAGRAD_EXACT_MAX_TASKS:
+        raise ValueError(
+            f"cagrad: solver='exact' enumerates 2^T supports, at most {CAGRAD_EXACT_MAX_TASKS} tasks, got {t}; "
+            "use solver='pgd' (or 'auto')"
+        )
+    dev = g.device
+    u = torch.full((t,), 1.0 / t, dtype=F64, device=dev)
+    b = g @ u
+    rho = c * (u @ b).clamp_min(0.0).sqrt()
+    eye = torch.eye(t, dtype=F64, device=dev)
+    if solver == "exact":
+        w, ok = _cagrad_on_supports(g, b, rho, _subsets(t, dev))
+    else:
+        it = _cagrad_projected_gradient(g, b, rho, int(max_iter))
+        search_iters = 2 * t + 10 if search_iters is None else search_iters
+        w = _cagrad_active_set(g, b, rho, it, int(search_iters))[None, :]
+        ok = torch.ones(1, dtype=torch.bool, device=dev)
     # the vertices are always feasible candidates (they cover rho = 0 and degenerate supports)
     w = torch.cat([w, eye])
     ok = torch.cat([ok, torch.ones(t, dtype=torch.bool, device=dev)])

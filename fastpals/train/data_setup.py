@@ -20,7 +20,7 @@ from fastpals.train.args import TrainArgs
 from fastpals.train.errors import ConfigError
 from fastpals.train.mixed import MixedUpdates
 
-__all__ = ["RunData", "eval_batcher", "setup_data"]
+__all__ = ["open_tokenizer", "RunData", "eval_batcher", "setup_data"]
 
 
 @dataclass
@@ -37,13 +37,26 @@ class RunData:
     total_updates: int
 
 
-def setup_data(args: TrainArgs, rank: int, world_size: int, log: Callable[[str], None]) -> RunData:
-    """Tokenizer, batchers and sampler of a run of ``args`` on process ``rank`` of ``world_size``; ``log``
-    gets one summary line. Raises :class:`ConfigError` when ``--model`` has no usable tokenizer."""
+def open_tokenizer(args: TrainArgs) -> Tokenizer:
+    """The tokenizer of ``--model``; :class:`ConfigError` (one line) when it has no usable one."""
     try:
-        tokenizer = Tokenizer.from_pretrained(args.model)
+        return Tokenizer.from_pretrained(args.model)
     except (FileNotFoundError, OSError, ImportError, ValueError) as err:
         raise ConfigError(f"--model {args.model}: {err}") from None
+
+
+def setup_data(
+    args: TrainArgs,
+    rank: int,
+    world_size: int,
+    log: Callable[[str], None],
+    tokenizer: Tokenizer | None = None,
+) -> RunData:
+    """Tokenizer (``tokenizer``, already opened by :func:`open_tokenizer`, or opened here), batchers and
+    sampler of a run of ``args`` on process ``rank`` of ``world_size``; ``log`` gets one summary line. Raises
+    :class:`ConfigError` when ``--model`` has no usable tokenizer."""
+    if tokenizer is None:
+        tokenizer = open_tokenizer(args)
     pair_encoding = {
         t: "joint" if (args.pair_mode == "joint" or not args.task_specs[t].pair) else "separate"
         for t in args.task_list

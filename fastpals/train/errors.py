@@ -35,7 +35,13 @@ class NonFiniteLossError(RuntimeError):
         super().__init__(self._message())
 
     def _message(self) -> str:
-        if self.what == "weights":
+        if self.what == "outputs":
+            head = (
+                f"non-finite dev outputs (NaN/inf) of task {self.task!r} after update step {self.step}, from finite "
+                f"weights (an overflow in the forward): training stopped; this model was not saved as best/ or "
+                f"checkpointed"
+            )
+        elif self.what == "weights":
             head = (
                 f"non-finite weights after update step {self.step}: training stopped; they were not evaluated, "
                 f"saved as best/ or checkpointed"

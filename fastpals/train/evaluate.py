@@ -24,6 +24,7 @@ from fastpals.tasks import TaskSpec
 
 __all__ = [
     "EVAL_BATCH",
+    "NonFiniteOutputs",
     "eval_model",
     "evaluate",
     "load_split",
@@ -60,6 +61,18 @@ def confidence(model: torch.nn.Module, output: Any, task_index: int) -> torch.Te
     return spec.task_kind.confidence(spec, output.logits[:, : spec.num_labels])
 
 
+class NonFiniteOutputs(ValueError):
+    """The model gave NaN/inf outputs (logits) for ``count`` example(s) of ``task``: its predictions (NaN logits
+    score as class 0) and metrics would be meaningless."""
+
+    def __init__(self, task: str, count: int) -> None:
+        self.task, self.count = task, count
+        super().__init__(
+            f"the model gave non-finite outputs (NaN/inf) for {count} example(s) of task {task}: no predictions "
+            "or metrics from them"
+        )
+
+
 @torch.no_grad()
 def predict_batches(
     model: torch.nn.Module,
@@ -72,19 +85,25 @@ def predict_batches(
     """``(ids, predictions, labels or None)`` of every example of ``batcher`` in order (each batch packed
     without padding), with ``model`` in eval mode (restored afterwards); predictions as ``model.predict`` gives them (class index, 0/1 or score, ``[N]``).
     ``progress`` shows a tqdm bar on stderr; ``with_confidence`` appends the probability of each predicted label
-    (float32 ``[N]``, None for regression tasks)."""
+    (float32 ``[N]``, None for regression tasks). NaN/inf outputs (logits) raise :class:`NonFiniteOutputs`:
+    a NaN logit would otherwise score as class 0."""
     from tqdm import tqdm
 
     was_training = model.training
     model.eval()
     ids, preds, labels, confs = [], [], [], []
     device = next(model.parameters()).device
+    spec = model.tasks[task_index]
+    bad = torch.zeros(
+        (), dtype=torch.int64, device=device
+    )  # examples with a non-finite output, on the device
     batcher.set_epoch(0)
     with tqdm(total=len(batcher.examples), desc=desc, disable=not progress, file=sys.stderr, unit="ex",
               dynamic_ncols=True, mininterval=1.0, leave=False) as bar:  # fmt: skip
         for batch in batcher:  # packed (no padding), as training with --batching mixed
             packed = pack_batches([batch], [task_index], len(model.tasks))
             out = model(**packed_model_inputs(packed, device))
+            bad += (~torch.isfinite(out.logits[:, : spec.num_labels])).any(dim=1).sum()
             preds.append(model.predict(out).cpu().numpy())
             if with_confidence:
                 c = confidence(model, out, task_index)
@@ -94,6 +113,9 @@ def predict_batches(
                 labels.append(batch["labels"].numpy())
             bar.update(len(batch["ids"]))
     model.train(was_training)
+    count = int(bad)  # one read per evaluated task, after its predictions were read
+    if count:
+        raise NonFiniteOutputs(spec.name, count)
     result = (ids, np.concatenate(preds), (np.concatenate(labels) if labels else None))
     if with_confidence:
         return (*result, None if not confs or confs[0] is None else np.concatenate(confs))

@@ -45,7 +45,7 @@ from fastpals.train import evaluate as ev
 from fastpals.train import outputs
 from fastpals.train.args import TrainArgs
 from fastpals.train.callbacks import Callback, default_callbacks
-from fastpals.train.data_setup import eval_batcher, setup_data
+from fastpals.train.data_setup import eval_batcher, open_tokenizer, setup_data
 from fastpals.train.dsconfig import check_ds_config, load_ds_config, precision_note
 from fastpals.train.errors import ConfigError, NonFiniteLossError, OutputError, TrainingInterrupted
 from fastpals.train.mixed import packed_micro_batches
@@ -81,6 +81,35 @@ def parameters_finite(module: torch.nn.Module) -> bool:
     return bool(torch.stack(flags).all()) if flags else True
 
 
+def _rng_state() -> tuple[Any, Any, Any]:
+    import random
+
+    import numpy as np
+
+    return torch.get_rng_state(), np.random.get_state(), random.getstate()
+
+
+def _set_rng_state(state: tuple[Any, Any, Any]) -> None:
+    import random
+
+    import numpy as np
+
+    torch.set_rng_state(state[0])
+    np.random.set_state(state[1])
+    random.setstate(state[2])
+
+
+def _build_model_keeping_rng(args: TrainArgs) -> tuple[torch.nn.Module, tuple[Any, Any, Any]]:
+    """:func:`build_model` now (before the run folder is touched), leaving the random state as it was: returns
+    the model and the random state its build left, for the set-up to restore where it would have built it (so
+    that the run is the one it was when the model was built after the data)."""
+    before = _rng_state()
+    model = build_model(args)
+    after = _rng_state()
+    _set_rng_state(before)
+    return model, after
+
+
 class Trainer:
     """One training run of :class:`TrainArgs`; ``callbacks`` default to :func:`default_callbacks`."""
 
@@ -101,6 +130,12 @@ class Trainer:
         )
         self.precision = precision_note(requested, self.ds_config)
         self.ckpt_dir = self.out / "checkpoints"
+        # the model and the tokenizer are opened (and validated) before --out is touched at all; a folder in use
+        # is refused first, without waiting for them
+        if self.is_main:
+            RunLock(self.out).check_free()
+        self._tokenizer = open_tokenizer(args)
+        self._early_model, self._rng_after_model = _build_model_keeping_rng(args)
         self._lock: RunLock | None = None
         if self.is_main:  # one run per folder: taken before anything in --out is touched
             self._lock = RunLock(self.out).acquire()
@@ -110,6 +145,7 @@ class Trainer:
                          "releasing its lock (killed?); this run takes the folder over")  # fmt: skip
         try:
             self._replaced = outputs.prepare_out(self.out, args.resume, args.overwrite, self.is_main)
+            self._before = outputs.entries(self.out)  # the user's files: never in this run's manifest
             if args.resume:
                 check_checkpoint(self.ckpt_dir)  # a broken checkpoint fails here, before the heavy set-up
             self.callbacks = (
@@ -179,14 +215,19 @@ class Trainer:
 
     # --- set-up -------------------------------------------------------------------------------------------------
     def _setup_data(self) -> None:
-        data = setup_data(self.args, self.rank, self.world_size, self.log)
+        data = setup_data(self.args, self.rank, self.world_size, self.log, tokenizer=self._tokenizer)
         self.tokenizer, self.pair_encoding, self.sampler = data.tokenizer, data.pair_encoding, data.sampler
         self._exact_logged = False
         self.train_batchers, self.dev_batchers = data.train_batchers, data.dev_batchers
         self.train_sizes, self.total_updates = data.train_sizes, data.total_updates
 
     def _setup_model(self) -> None:
-        self.model = build_model(self.args)
+        # the model opened in __init__, and the random state its build left (as if it were built here)
+        self.model, self._early_model = self._early_model, None
+        _set_rng_state(self._rng_after_model)
+        torch.cuda.manual_seed_all(
+            self.args.seed
+        )  # as build_model's torch.manual_seed did (lazy: no CUDA init)
 
     def _setup_engine(self) -> None:
         from fastpals.train.distributed import initialize
@@ -256,6 +297,7 @@ class Trainer:
         self.check_finite()
         path = save_checkpoint(self.engine, self.ckpt_dir, self.state, self.components, self.is_main)
         self._checkpoint = (path, step)
+        self._record_manifest()
         self._settle_replaced(failed=False)
         return path
 
@@ -300,10 +342,16 @@ class Trainer:
 
     # --- evaluation ---------------------------------------------------------------------------------------------
     def evaluate(self) -> tuple[dict[str, float], dict[str, Any]]:
-        """Dev metrics and predictions of the current model (see :func:`fastpals.train.evaluate.evaluate`)."""
+        """Dev metrics and predictions of the current model (see :func:`fastpals.train.evaluate.evaluate`); NaN/inf
+        outputs stop the run (:class:`NonFiniteLossError`, after a ``"nonfinite"`` record)."""
         t0 = time.perf_counter()
         model = ev.eval_model(self.engine.module, self.device)
-        result = ev.evaluate(model, self.dev_batchers, self.args.task_list, self._progress())
+        try:
+            result = ev.evaluate(model, self.dev_batchers, self.args.task_list, self._progress())
+        except ev.NonFiniteOutputs as err:  # finite weights, NaN/inf logits: never scored nor saved as best/
+            step = self.state.global_step
+            self.record({"type": "nonfinite", "step": step, "task": err.task, "what": "outputs"})
+            raise NonFiniteLossError(step, err.task, math.nan, "outputs") from None
         self.state.add_time("eval_s", time.perf_counter() - t0)
         return result
 
@@ -398,15 +446,27 @@ class Trainer:
                 results = self._run()
             except NonFiniteLossError as err:
                 self._add_nonfinite_context(err)
+                self._record_manifest()
                 self._settle_replaced(failed=True)
                 raise
             except BaseException:
+                self._record_manifest()
                 self._settle_replaced(failed=True)
                 raise
+            self._record_manifest()
             self._settle_replaced(failed=False)
         finally:
             self._release_lock()
         return results
+
+    def _record_manifest(self) -> None:
+        """The run's manifest in --out (main rank): what ``--overwrite`` clears (:func:`outputs.record_manifest`).
+        Quiet on an OSError: the error the run stops with, if any, stays the one line."""
+        if self.is_main and getattr(self, "_before", None) is not None:
+            try:
+                outputs.record_manifest(self.out, self._before)
+            except OSError:
+                pass
 
     def _add_nonfinite_context(self, err: NonFiniteLossError) -> None:
         ckpt, ckpt_step = self._checkpoint if self._checkpoint is not None else (None, None)

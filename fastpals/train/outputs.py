@@ -14,7 +14,11 @@ import numpy as np
 from fastpals.train.errors import ConfigError, OutputError
 
 __all__ = [
+    "MANIFEST_NAME",
     "RUN_OUTPUTS",
+    "entries",
+    "read_manifest",
+    "record_manifest",
     "atomic_write_text",
     "discard_replaced",
     "finite_or_null",
@@ -35,16 +39,55 @@ RUN_OUTPUTS = ("metrics.jsonl", "results.json", "train_args.json", "best", "chec
 
 
 REPLACED_PREFIX = ".replaced-"
+#: the run's manifest in ``--out``: every top-level name the run created there (``--overwrite`` clears those)
+MANIFEST_NAME = "run_manifest.json"
+_NOT_OUTPUTS = (".lock", MANIFEST_NAME)
+
+
+def entries(out: Path) -> set[str]:
+    """The top-level names in ``out`` now (empty when it does not exist)."""
+    return set(os.listdir(out)) if out.is_dir() else set()
+
+
+def read_manifest(out: Path) -> list[str] | None:
+    """The names the manifest of ``out`` lists, or None without a (readable) manifest."""
+    try:
+        names = json.loads((out / MANIFEST_NAME).read_text()).get("outputs")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return (
+        [n for n in names if isinstance(n, str) and "/" not in n and n not in ("", ".", "..")]
+        if isinstance(names, list)
+        else None
+    )
+
+
+def record_manifest(out: Path, before: set[str]) -> None:
+    """Write (atomically) the manifest of the run writing ``out``: the names it holds now that were not there
+    when the run started (``before``: the user's own files, and the lock, an earlier run moved aside), added to
+    those the manifest already lists (a resumed run's)."""
+    now = entries(out)
+    made = {n for n in now - before if n not in _NOT_OUTPUTS and not n.startswith(REPLACED_PREFIX)}
+    names = sorted(set(read_manifest(out) or []) | made)
+    atomic_write_text(out / MANIFEST_NAME, json.dumps({"outputs": names}, indent=1) + "\n")
 
 
 def run_outputs(out: Path) -> list[str]:
-    """The names in ``out`` that a run wrote: :data:`RUN_OUTPUTS` and every task's ``confusion_<task>.png``
-    (user tasks have their own), plus a best/ save cut short (``best.partial``, ``best.old``)."""
+    """The names in ``out`` that a run wrote: those its manifest (:data:`MANIFEST_NAME`) lists (every file and
+    folder the run created, a user task's confusion plot included, nothing else of the user's), the manifest
+    itself, the fixed :data:`RUN_OUTPUTS` names (a run killed between two manifest updates) and a best/ save cut
+    short (``best.partial``, ``best.old``). A run without a manifest (written before manifests) is found by
+    :data:`RUN_OUTPUTS` and ``confusion_*.png``."""
     if not out.is_dir():
         return []
     names = [name for name in RUN_OUTPUTS if (out / name).exists()]
-    extra = sorted(p.name for p in out.glob("confusion_*.png")) + ["best.partial", "best.old"]
-    return names + [name for name in extra if name not in names and (out / name).exists()]
+    listed = read_manifest(out)
+    if listed is None:
+        extra = sorted(p.name for p in out.glob("confusion_*.png"))
+    else:
+        extra = sorted(listed) + [MANIFEST_NAME]
+    extra += ["best.partial", "best.old"]
+    return names + [name for name in dict.fromkeys(extra) if name not in names and (out / name).exists()]
 
 
 def prepare_out(out: Path, resume: bool, overwrite: bool, is_main: bool) -> Path | None:

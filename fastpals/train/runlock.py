@@ -42,6 +42,29 @@ class RunLock:
         self.fd: int | None = None
         self.taken_over: tuple[str, str] | None = None
 
+    def check_free(self) -> None:
+        """Raise the :meth:`acquire` error when a live run holds the lock now, changing nothing in ``out`` (a
+        read-only open and a shared ``flock`` test): a run checks this before its slow set-up, and takes the lock
+        later with :meth:`acquire`."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError:
+            return  # no lock file (or unreadable: acquire reports it)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as err:
+            if err.errno in (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN):
+                pid, host = _read(fd) or ("?", "?")
+                raise self._busy(pid, host) from None
+        finally:
+            os.close(fd)
+
+    def _busy(self, pid: str, host: str) -> ConfigError:
+        return ConfigError(
+            f"--out {self.out} is in use by the run with pid {pid} on host {host} (lock {self.path}): wait "
+            f"for it to end, stop it, or choose another --out"
+        )
+
     def acquire(self) -> RunLock:
         try:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -56,10 +79,7 @@ class RunLock:
             if err.errno not in (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN):
                 raise writable_folder_error(self.out, err) from None
             pid, host = holder or ("?", "?")
-            raise ConfigError(
-                f"--out {self.out} is in use by the run with pid {pid} on host {host} (lock {self.path}): wait "
-                f"for it to end, stop it, or choose another --out"
-            ) from None
+            raise self._busy(pid, host) from None
         earlier = _read(fd)
         if earlier is not None and earlier[0] != str(os.getpid()):
             self.taken_over = earlier
