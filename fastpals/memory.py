@@ -70,6 +70,7 @@ __all__ = [
 
 GIB = 2**30
 SURGERY_MODES = ("one_backward", "per_task")
+BUFFER_DTYPES = ("auto", "fp32", "bf16")
 #: the parts of the peak, in the order printed
 _CATEGORY_TEXT = {
     "parameters": "parameters (module weights)",
@@ -191,9 +192,18 @@ class StepSpec:
     pal: str = "default"
     surgery: str = "none"
     surgery_mode: str = "one_backward"
-    buffer_dtype: str = "fp32"
+    buffer_dtype: str = "auto"
     zero_stage: int | None = None
     world_size: int = 1
+    activation_checkpointing: bool = False
+
+    @property
+    def rows_dtype(self) -> str:
+        """The surgery rows' dtype: ``buffer_dtype``, where ``auto`` follows the training precision as the trainer
+        does (bf16 rows with bf16 training, else fp32)."""
+        if self.buffer_dtype != "auto":
+            return self.buffer_dtype
+        return "bf16" if self.precision == "bf16" else "fp32"
 
     @property
     def stage(self) -> int:
@@ -217,8 +227,10 @@ class StepSpec:
             )
         if self.surgery != "none" and len(self.tasks) < 2:
             raise ValueError("--surgery needs at least two --tasks")
-        if self.buffer_dtype not in ("fp32", "bf16"):
-            raise ValueError(f"--surgery-buffer-dtype {self.buffer_dtype!r}: choose fp32 or bf16")
+        if self.buffer_dtype not in BUFFER_DTYPES:
+            raise ValueError(
+                f"--surgery-buffer-dtype {self.buffer_dtype!r}: choose one of {', '.join(BUFFER_DTYPES)}"
+            )
         if self.pal not in PAL_PRESETS:
             raise ValueError(f"--pal {self.pal!r}: choose one of {', '.join(PAL_PRESETS)}")
         if not 8 <= self.max_length <= 512:
@@ -246,6 +258,7 @@ def _build_model(spec: StepSpec, bert: Any) -> torch.nn.Module:
         pal = PALConfig(num_tasks=len(specs), **preset)
         pal.validate(bert.num_hidden_layers)
     model = MultiTaskBert(MultiTaskConfig(bert, specs, pal))
+    model.bert.set_activation_checkpointing(spec.activation_checkpointing)
     # as DeepSpeed's module.half() / .bfloat16(), in place (fake tensors cannot be swapped by Module.to)
     if spec.precision != "fp32":
         dtype = _DTYPES[spec.precision]
@@ -365,9 +378,9 @@ def _run_step(spec: StepSpec, batch_size: int, fake: bool, warmup: bool = False)
                 kw = {"grad_setter": engine.grad_setter, "grad_dtype": torch.float32}
             with tracker.phase("surgery"):
                 buffer = TaskGradientBuffer(
-                    shared, len(spec.tasks), _DTYPES[spec.buffer_dtype], task_params=specific, **kw
+                    shared, len(spec.tasks), _DTYPES[spec.rows_dtype], task_params=specific, **kw
                 )
-            for name in ("capture", "apply"):  # the buffer's own allocations are the surgery's
+            for name in ("capture", "apply", "_new_block"):  # the buffer's own allocations are the surgery's
                 method = getattr(buffer, name)
 
                 def wrapped(*a: Any, _m: Any = method, **k: Any) -> Any:
@@ -555,7 +568,8 @@ def format_plan(plan: MemoryPlan) -> str:
     lines = [
         f"model {s.model}: {plan.num_params / 1e6:.1f} M trainable parameters; tasks {','.join(s.tasks)}; "
         f"PAL {s.pal}; surgery {surgery}",
-        f"{batch} x {s.max_length} tokens; {s.precision}; ZeRO-{s.stage} on {s.world_size} rank(s)",
+        f"{batch} x {s.max_length} tokens; {s.precision}; ZeRO-{s.stage} on {s.world_size} rank(s)"
+        + ("; activation checkpointing" if s.activation_checkpointing else ""),
         f"predicted peak of one training step, per rank: {_gib(plan.peak_bytes)} (tensor storage, as "
         f"torch.cuda.max_memory_allocated; traced on fake tensors in {plan.trace_seconds:.1f} s)",
         "at the peak:",
@@ -590,10 +604,12 @@ def format_plan(plan: MemoryPlan) -> str:
 # docs/memory.md
 # ----------------------------------------------------------------------------------------------------------------
 DOCS_COMMAND = "fastpals memory --table docs/memory.md"
-_TABLE_VARIANTS = (
-    ("plain", "none", "none"),
-    ("PAL", "default", "none"),
-    ("PAL + PCGrad", "default", "pcgrad"),
+_TABLE_VARIANTS = (  # label, --pal, --surgery, --activation-checkpointing
+    ("plain", "none", "none", False),
+    ("PAL", "default", "none", False),
+    ("PAL + PCGrad", "default", "pcgrad", False),
+    ("PAL, checkpointed", "default", "none", True),
+    ("PAL + PCGrad, checkpointed", "default", "pcgrad", True),
 )
 _TABLE_MODELS = ("bert-base-uncased", "bert-large-uncased")
 _TABLE_GPUS = ("t4", "a100-40", "a100-80", "h100-80")
@@ -604,11 +620,12 @@ def memory_table(max_length: int = 128) -> str:
     and BERT-large, plain / PAL / PAL + PCGrad (one backward), fp16 / bf16, tasks sst, para, sts, ZeRO-1, one rank."""
     rows = []
     for model in _TABLE_MODELS:
-        for label, pal, surgery in _TABLE_VARIANTS:
+        for label, pal, surgery, ckpt in _TABLE_VARIANTS:
             for precision in ("fp16", "bf16"):
                 spec = StepSpec(
-                    model=model, max_length=max_length, precision=precision, pal=pal, surgery=surgery
-                )
+                    model=model, max_length=max_length, precision=precision, pal=pal, surgery=surgery,
+                    activation_checkpointing=ckpt,
+                )  # fmt: skip
                 largest, fit = largest_batches(spec, _TABLE_GPUS)
                 cells = [
                     "no bf16" if DEVICES[g].supports(precision) else str(largest[g] if largest[g] else "-")
@@ -683,12 +700,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--surgery-mode", choices=SURGERY_MODES, default="one_backward",
                    help="one_backward (--batching mixed) or per_task backwards (--batching per_task)")  # fmt: skip
-    p.add_argument(
-        "--surgery-buffer-dtype", choices=("fp32", "bf16"), default="fp32", help="surgery buffer rows"
-    )
+    p.add_argument("--surgery-buffer-dtype", choices=BUFFER_DTYPES, default="auto",
+                   help="surgery buffer rows (default auto: bf16 with --precision bf16, else fp32)")  # fmt: skip
     p.add_argument("--zero-stage", type=int, choices=(0, 1, 2),
                    help="DeepSpeed ZeRO stage (default: 1 with fp16/bf16 or several ranks, else 0)")  # fmt: skip
     p.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute the encoder layers in the backward (as train --activation-checkpointing)")  # fmt: skip
     p.add_argument(
         "--largest-batch", action="store_true", help="also the largest batch that fits each device"
     )
@@ -713,6 +731,7 @@ def main(argv: list[str] | None = None) -> int:
             model=args.model, tasks=tasks, max_length=args.max_length, precision=args.precision, pal=args.pal,
             surgery=args.surgery, surgery_mode=args.surgery_mode, buffer_dtype=args.surgery_buffer_dtype,
             zero_stage=args.zero_stage, world_size=args.world_size,
+            activation_checkpointing=args.activation_checkpointing,
         )  # fmt: skip
         plan = plan_memory(spec, args.batch_size, args.max_tokens, args.largest_batch)
     except ValueError as err:

@@ -192,7 +192,10 @@ class Trainer:
         from fastpals.surgery import make_weighting, parse_surgery_options
 
         args = self.args
-        dtype = torch.bfloat16 if args.surgery_buffer_dtype == "bf16" else torch.float32
+        rows = args.surgery_buffer_dtype
+        if rows == "auto":  # the training precision: bf16 rows with bf16 training (fp16 keeps fp32 rows)
+            rows = "bf16" if self.ds_config.get("bf16", {}).get("enabled") else "fp32"
+        dtype = torch.bfloat16 if rows == "bf16" else torch.float32
         one_backward = (
             args.batching == "mixed"
         )  # per-task gradients from one backward bypass DeepSpeed's reduce
