@@ -603,7 +603,7 @@ def format_plan(plan: MemoryPlan) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 # docs/memory.md
 # ----------------------------------------------------------------------------------------------------------------
-DOCS_COMMAND = "fastpals memory --table docs/memory.md"
+DOCS_COMMAND = "fastpals memory --table docs/memory.md --chart docs/memory.png"
 _TABLE_VARIANTS = (  # label, --pal, --surgery, --activation-checkpointing
     ("plain", "none", "none", False),
     ("PAL", "default", "none", False),
@@ -615,10 +615,14 @@ _TABLE_MODELS = ("bert-base-uncased", "bert-large-uncased")
 _TABLE_GPUS = ("t4", "a100-40", "a100-80", "h100-80")
 
 
-def memory_table(max_length: int = 128) -> str:
+def memory_table(max_length: int = 128, chart: str | Path | None = None) -> str:
     """The markdown of ``docs/memory.md``: the predicted largest batch at ``max_length`` on each GPU for BERT-base
-    and BERT-large, plain / PAL / PAL + PCGrad (one backward), fp16 / bf16, tasks sst, para, sts, ZeRO-1, one rank."""
+    and BERT-large, plain / PAL / PAL + PCGrad (one backward), without and with activation checkpointing,
+    fp16 / bf16, tasks sst, para, sts, ZeRO-1, one rank. ``chart``: also write the chart of the bf16 lines
+    (:func:`fastpals.memory_chart.plot_table`) there, linked from the markdown."""
     rows = []
+    lines = []
+    fits: dict[tuple, tuple[dict[str, int | None], dict[str, float]]] = {}
     for model in _TABLE_MODELS:
         for label, pal, surgery, ckpt in _TABLE_VARIANTS:
             for precision in ("fp16", "bf16"):
@@ -626,7 +630,12 @@ def memory_table(max_length: int = 128) -> str:
                     model=model, max_length=max_length, precision=precision, pal=pal, surgery=surgery,
                     activation_checkpointing=ckpt,
                 )  # fmt: skip
-                largest, fit = largest_batches(spec, _TABLE_GPUS)
+                # fp16 and bf16 hold the same bytes where the rows' dtype does not follow them (no surgery): one
+                # trace serves both (fp16's loss scaling is a scalar and in-place multiplies)
+                key = (model, pal, surgery, ckpt, spec.rows_dtype if surgery != "none" else None)
+                if key not in fits:
+                    fits[key] = largest_batches(spec, _TABLE_GPUS)
+                largest, fit = fits[key]
                 cells = [
                     "no bf16" if DEVICES[g].supports(precision) else str(largest[g] if largest[g] else "-")
                     for g in _TABLE_GPUS
@@ -635,6 +644,14 @@ def memory_table(max_length: int = 128) -> str:
                     f"| {model} | {label} | {precision} | {' | '.join(cells)} | "
                     f"{fit['intercept_bytes'] / GIB:.2f} + {fit['bytes_per_example'] / 2**20:.1f} MiB x b |"
                 )
+                lines.append((model, label, precision, fit["intercept_bytes"], fit["bytes_per_example"]))
+    chart_text: list[str] = []
+    if chart is not None:
+        from fastpals.memory_chart import plot_table
+
+        gpus = [(DEVICES[g].label, DEVICES[g].usable_bytes) for g in _TABLE_GPUS]
+        plot_table(lines, gpus, chart, "bf16", max_length)
+        chart_text = [f"![predicted peak against the batch size, bf16]({Path(chart).name})", ""]
     head = " | ".join(DEVICES[g].label for g in _TABLE_GPUS)
     gpu_caps = ", ".join(f"{DEVICES[g].label} {DEVICES[g].usable_bytes / GIB:.1f} GiB" for g in _TABLE_GPUS)
     return "\n".join(
@@ -648,8 +665,11 @@ def memory_table(max_length: int = 128) -> str:
             f"memory each GPU leaves to tensors ({gpu_caps}). Tasks sst, para, sts in packed mixed micro-batches "
             "(`--batching mixed`, every example full length: the worst case), AdamW, DeepSpeed ZeRO-1 on one rank "
             "(fp16/bf16 weights and gradients, fp32 master weights and moments), PAL = `--pal default`, "
-            "PCGrad = `--surgery pcgrad` with one backward and fp32 buffer rows.",
+            "PCGrad = `--surgery pcgrad` with one backward and the default rows (`--surgery-buffer-dtype auto`: "
+            "bf16 rows with bf16 training, fp32 rows with fp16); checkpointed = `--activation-checkpointing` "
+            "(every encoder layer recomputed in the backward).",
             "",
+            *chart_text,
             "How: `fastpals memory` runs the real training step (forward, losses, backward, surgery capture and "
             "apply, optimizer step) on fake tensors and adds up the live tensor storage; each row traces two batch "
             "sizes and uses the straight line `peak(b) = a + c b` (the peak is linear in the batch: "
@@ -713,6 +733,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--table", metavar="PATH",
                    help=f"write the predicted largest-batch table (docs/memory.md: `{DOCS_COMMAND}`) and exit")  # fmt: skip
+    p.add_argument("--chart", metavar="PNG",
+                   help="also write a chart: with --table, the peak against the batch per variant (bf16); else "
+                   "this configuration's peak by part beside the GPUs")  # fmt: skip
     return p
 
 
@@ -721,7 +744,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.table:
-            text = memory_table(args.max_length)
+            text = memory_table(args.max_length, args.chart)
             Path(args.table).parent.mkdir(parents=True, exist_ok=True)
             Path(args.table).write_text(text, encoding="utf-8")
             print(f"wrote {args.table}")
@@ -738,6 +761,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fastpals memory: error: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2
     print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
+    if args.chart:
+        from fastpals.memory_chart import plot_plan
+
+        s = plan.spec
+        title = (
+            f"{s.model}, batch {plan.batch_size} x {s.max_length}, {s.precision}, PAL {s.pal}, surgery {s.surgery}"
+            + (", checkpointed" if s.activation_checkpointing else "")
+        )
+        gpus = [(d.label, d.usable_bytes) for name, d in DEVICES.items() if name != "cpu"]
+        print(f"wrote {plot_plan(plan.at_peak, _CATEGORY_TEXT, gpus, title, args.chart)}", file=sys.stderr)
     return 0
 
 

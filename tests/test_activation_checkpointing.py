@@ -114,21 +114,18 @@ def test_eval_and_no_grad_run_without_checkpoints() -> None:
 
 
 def test_measured_cpu_peak_falls() -> None:
-    """MiniLM (random weights from its config), fp32, one-backward PCGrad, 12 examples of 64 tokens: the
-    measured peak of live tensor storage with checkpointing is lower, as the planner predicts."""
+    """MiniLM (random weights from its config) with PALs, fp32, the plain mixed step of 8 examples of 64 tokens
+    (the peak is the end of the forward): the measured peak of live tensor storage with checkpointing is lower,
+    and the planner predicts both within 10%. (With one-backward surgery and fp32 rows the end of the backward,
+    rows and all, is the peak at this size: checkpointing lowers it from batches of about 48 x 32 tokens on;
+    ``docs/memory.md``.)"""
     from fastpals.memory import StepSpec, measure_step, trace_step
 
     peaks = {}
     for ckpt in (False, True):
-        spec = StepSpec(
-            model="minilm-l6",
-            max_length=64,
-            precision="fp32",
-            surgery="pcgrad",
-            activation_checkpointing=ckpt,
-        )
-        peaks[ckpt] = (measure_step(spec, 12).peak_bytes, trace_step(spec, 12).peak_bytes)
-    print(f"MiniLM one-backward PCGrad, 12 x 64 tokens: peak (measured, predicted) {peaks}")
+        spec = StepSpec(model="minilm-l6", max_length=64, precision="fp32", activation_checkpointing=ckpt)
+        peaks[ckpt] = (measure_step(spec, 8).peak_bytes, trace_step(spec, 8).peak_bytes)
+    print(f"MiniLM plain step, 8 x 64 tokens: peak (measured, predicted) {peaks}")
     assert peaks[True][0] < 0.95 * peaks[False][0]
     assert peaks[True][1] < 0.95 * peaks[False][1]
     for measured, predicted in peaks.values():
