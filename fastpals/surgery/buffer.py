@@ -479,6 +479,7 @@ class TaskGradientBuffer:
         self._end_step()
         if not (all(host[: self.num_tasks]) and task_ok):
             self.skipped_steps += 1
+            self._blocks = [None] * len(self.params)  # nothing applied: the rows go
             bad = [t for t in range(self.num_tasks) if not host[t]]
             return SurgeryResult(True, None, g_mat, bad, not task_ok)
         weights = aggregator(g_mat, generator=generator, **aggregator_kwargs)
