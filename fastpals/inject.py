@@ -27,8 +27,10 @@ How the HF layers are changed (hooks only; no HF module is replaced or renamed):
 :mod:`fastpals.inject_hooks`. The per-architecture targets are in :mod:`fastpals.inject_targets`.
 
 Limits: the PAL variant must be ``"parallel"`` (PALs inside the layers; gates, per-layer projections and
-``layers`` subsets are supported); HF gradient checkpointing and ``chunk_size_feed_forward > 0`` are refused with
-an error (the final LayerNorm would run on recomputed or chunked inputs the hooks cannot pair with ``h``);
+``layers`` subsets are supported); ``chunk_size_feed_forward > 0`` is refused with an error (the final LayerNorm
+would run on chunked inputs the hooks cannot pair with ``h``); HF gradient checkpointing
+(``model.gradient_checkpointing_enable()``, before or after ``inject_pals``) works: the hooks wrap each layer's
+checkpointing function so that the layer's replay in the backward sees its call's task ids, mask and input;
 minBERT's ``unpad=True`` is supported (minBERT runs its own PAL path).
 
 With HF ``Trainer``: keep a ``task_ids`` column in the data set and set
@@ -155,6 +157,10 @@ def remove_pals(model: nn.Module) -> nn.Module:
     state = get_injection(model, "remove_pals")
     for handle in state.handles:
         handle.remove()
+    for layer in state.layers:  # the HF checkpointing functions wrapped by the hooks
+        func = getattr(layer, "_gradient_checkpointing_func", None)
+        if getattr(func, "_fastpals_state", None) is state:
+            layer._gradient_checkpointing_func = func._fastpals_inner
     for owner, attr in state.added:
         if attr in owner._modules:
             del owner._modules[attr]

@@ -115,10 +115,7 @@ class PALInjection:
                 "so the PALs get task_ids and the attention mask"
             )
         if getattr(module, "gradient_checkpointing", False) and module.training:
-            raise RuntimeError(
-                "inject_pals does not support HF gradient checkpointing (the recomputed LayerNorm could not be "
-                "paired with the layer input): call model.gradient_checkpointing_disable()"
-            )
+            self._wrap_checkpointing(index, module)
         h = args[0] if args else kwargs.get("hidden_states")
         if not isinstance(h, torch.Tensor) or h.dim() != 3 or h.shape[-1] != self.hidden_size:
             got = list(h.shape) if isinstance(h, torch.Tensor) else type(h).__name__
@@ -127,6 +124,35 @@ class PALInjection:
                 f"argument or hidden_states=, got {got}"
             )
         self.inputs[index] = h
+
+    def _wrap_checkpointing(self, index: int, layer: nn.Module) -> None:
+        """HF gradient checkpointing runs the layer's forward again in the backward, after this model's forward
+        has ended (no task ids, mask or layer input left here): wrap the layer's checkpointing function (again
+        after each ``gradient_checkpointing_enable``) so that the replay sees the call's own context."""
+        inner = getattr(layer, "_gradient_checkpointing_func", None)
+        if inner is None or getattr(inner, "_fastpals_state", None) is self:
+            return
+
+        def checkpointing(fn: Any, *args: Any, **kwargs: Any) -> Any:
+            saved = (self.task_ids, self.mask, self.layout, self.inputs.get(index))
+
+            def run(*a: Any, **k: Any) -> Any:
+                if self.depth > 0:  # the forward itself
+                    return fn(*a, **k)
+                self.task_ids, self.mask, self.layout, h = saved  # the replay, inside the backward
+                self.inputs[index] = h
+                self.depth += 1
+                try:
+                    return fn(*a, **k)
+                finally:
+                    self.depth -= 1
+                    self._reset()
+
+            return inner(run, *args, **kwargs)
+
+        checkpointing._fastpals_state = self  # type: ignore[attr-defined]
+        checkpointing._fastpals_inner = inner  # type: ignore[attr-defined]
+        layer._gradient_checkpointing_func = checkpointing
 
     def add_pal(self, index: int, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         h = self.inputs.pop(index, None)

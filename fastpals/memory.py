@@ -73,6 +73,7 @@ SURGERY_MODES = ("one_backward", "per_task")
 #: ``--surgery-memory`` of one-backward surgery: the [T, P] buffer, streaming, or auto (streaming with each layer's
 #: task rows kept where they are smaller than its kept activations: fastpals.surgery.stream)
 SURGERY_MEMORIES = ("buffer", "stream", "auto")
+BUFFER_DTYPES = ("auto", "fp32", "bf16")
 #: the parts of the peak, in the order printed
 _CATEGORY_TEXT = {
     "parameters": "parameters (module weights)",
@@ -194,10 +195,19 @@ class StepSpec:
     pal: str = "default"
     surgery: str = "none"
     surgery_mode: str = "one_backward"
-    buffer_dtype: str = "fp32"
+    buffer_dtype: str = "auto"
     surgery_memory: str = "buffer"
     zero_stage: int | None = None
     world_size: int = 1
+    activation_checkpointing: bool = False
+
+    @property
+    def rows_dtype(self) -> str:
+        """The surgery rows' dtype: ``buffer_dtype``, where ``auto`` follows the training precision as the trainer
+        does (bf16 rows with bf16 training, else fp32)."""
+        if self.buffer_dtype != "auto":
+            return self.buffer_dtype
+        return "bf16" if self.precision == "bf16" else "fp32"
 
     @property
     def stage(self) -> int:
@@ -229,8 +239,10 @@ class StepSpec:
             raise ValueError(
                 "--surgery-memory stream/auto is for one-backward surgery (--surgery-mode one_backward)"
             )
-        if self.buffer_dtype not in ("fp32", "bf16"):
-            raise ValueError(f"--surgery-buffer-dtype {self.buffer_dtype!r}: choose fp32 or bf16")
+        if self.buffer_dtype not in BUFFER_DTYPES:
+            raise ValueError(
+                f"--surgery-buffer-dtype {self.buffer_dtype!r}: choose one of {', '.join(BUFFER_DTYPES)}"
+            )
         if self.pal not in PAL_PRESETS:
             raise ValueError(f"--pal {self.pal!r}: choose one of {', '.join(PAL_PRESETS)}")
         if not 8 <= self.max_length <= 512:
@@ -258,6 +270,7 @@ def _build_model(spec: StepSpec, bert: Any) -> torch.nn.Module:
         pal = PALConfig(num_tasks=len(specs), **preset)
         pal.validate(bert.num_hidden_layers)
     model = MultiTaskBert(MultiTaskConfig(bert, specs, pal))
+    model.bert.set_activation_checkpointing(spec.activation_checkpointing)
     # as DeepSpeed's module.half() / .bfloat16(), in place (fake tensors cannot be swapped by Module.to)
     if spec.precision != "fp32":
         dtype = _DTYPES[spec.precision]
@@ -383,14 +396,14 @@ def _run_step(spec: StepSpec, batch_size: int, fake: bool, warmup: bool = False)
             with tracker.phase("surgery"):
                 if spec.surgery_memory == "buffer" or spec.surgery_mode != "one_backward":
                     buffer = TaskGradientBuffer(
-                        shared, len(spec.tasks), _DTYPES[spec.buffer_dtype], task_params=specific, **kw
+                        shared, len(spec.tasks), _DTYPES[spec.rows_dtype], task_params=specific, **kw
                     )
                 else:
                     policy = "stream" if spec.surgery_memory == "stream" else "smaller"
                     buffer = StreamingTaskGradients(
                         shared, len(spec.tasks), task_params=specific, policy=policy, **kw
                     )
-            for name in ("capture", "apply"):  # the buffer's own allocations are the surgery's
+            for name in ("capture", "apply", "_new_block"):  # the buffer's own allocations are the surgery's
                 if not hasattr(buffer, name):
                     continue
                 method = getattr(buffer, name)
@@ -589,7 +602,8 @@ def format_plan(plan: MemoryPlan) -> str:
     lines = [
         f"model {s.model}: {plan.num_params / 1e6:.1f} M trainable parameters; tasks {','.join(s.tasks)}; "
         f"PAL {s.pal}; surgery {surgery}",
-        f"{batch} x {s.max_length} tokens; {s.precision}; ZeRO-{s.stage} on {s.world_size} rank(s)",
+        f"{batch} x {s.max_length} tokens; {s.precision}; ZeRO-{s.stage} on {s.world_size} rank(s)"
+        + ("; activation checkpointing" if s.activation_checkpointing else ""),
         f"predicted peak of one training step, per rank: {_gib(plan.peak_bytes)} (tensor storage, as "
         f"torch.cuda.max_memory_allocated; traced on fake tensors in {plan.trace_seconds:.1f} s)",
         "at the peak:",
@@ -603,7 +617,7 @@ def format_plan(plan: MemoryPlan) -> str:
         f"AdamW moments {_gib(m.optimizer)}: {_gib(m.total)}"
     )
     if plan.surgery_modes is not None:
-        rows = len(s.tasks) * plan.shared_params * (2 if s.buffer_dtype == "bf16" else 4)
+        rows = len(s.tasks) * plan.shared_params * (2 if s.rows_dtype == "bf16" else 4)
         lines.append(
             f"surgery memory modes (--surgery-memory; predicted peak per rank): buffer "
             f"{_gib(plan.surgery_modes['buffer'])} ([T, P] rows: {_gib(rows)}), stream "
@@ -631,27 +645,76 @@ def format_plan(plan: MemoryPlan) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 # docs/memory.md
 # ----------------------------------------------------------------------------------------------------------------
-DOCS_COMMAND = "fastpals memory --table docs/memory.md"
-_TABLE_VARIANTS = (
-    ("plain", "none", "none"),
-    ("PAL", "default", "none"),
-    ("PAL + PCGrad", "default", "pcgrad"),
+DOCS_COMMAND = "fastpals memory --table docs/memory.md --chart docs/memory.png"
+_TABLE_VARIANTS = (  # label, --pal, --surgery, --activation-checkpointing
+    ("plain", "none", "none", False),
+    ("PAL", "default", "none", False),
+    ("PAL + PCGrad", "default", "pcgrad", False),
+    ("PAL, checkpointed", "default", "none", True),
+    ("PAL + PCGrad, checkpointed", "default", "pcgrad", True),
 )
 _TABLE_MODELS = ("bert-base-uncased", "bert-large-uncased")
 _TABLE_GPUS = ("t4", "a100-40", "a100-80", "h100-80")
 
 
-def memory_table(max_length: int = 128) -> str:
+#: measured on the CPU (not produced by the command; kept in docs/memory.md below the predicted table)
+MEASURED_NOTES = (
+    "## Measured on the CPU: surgery rows and activation checkpointing",
+    "",
+    "2026-11-25, 2-core AMD EPYC shared with other jobs (load average about 14: timings would not mean much, "
+    "memory does), torch 2.13 CPU, MiniLM-L6 (P = 22,713,216 shared elements), tasks sst, para, sts.",
+    "",
+    "**One-backward PCGrad against the plain mixed step.** The surgery rows are held per shared parameter, "
+    "made when the backward reaches that parameter (while autograd frees the activations, as plain training's "
+    "gradients are made) and freed once its combined gradient is handed over: aliased as `.grad` (the last row, "
+    "where the rows have the gradient's dtype) or copied by the setter into DeepSpeed's fp32 gradient partition "
+    "one parameter at a time (bf16 rows under bf16 training), so no `[P]` copy of the update exists beside the "
+    "gradient the optimizer reads, and no row lives through the next forward.",
+    "",
+    "| measure | plain | PCGrad, fp32 rows | PCGrad, bf16 rows | before (fp32 / bf16 rows) |",
+    "|---|---|---|---|---|",
+    "| peak RSS, `bench/test_bench_onebackward.py` children (3 x 16 examples of <= 32 tokens, fp32 training) "
+    "| 930 MiB | 1013 MiB (1.09x) | 936 MiB (1.01x) | 1.25x / 1.13x |",
+    "| live tensor storage, `measure_step` (48 x 32 tokens, fp32, ZeRO-0) | 682 MiB | 685 MiB (1.004x) | "
+    "684 MiB (1.003x) | 943 MiB (1.38x) / 813 MiB (1.19x) |",
+    "| predicted, `fastpals memory` (48 x 32 tokens, bf16, ZeRO-1; default rows = bf16) | 552 MiB | 702 MiB "
+    "(1.27x) | 557 MiB (1.01x) | - |",
+    "",
+    "Where the parameters rather than the activations make the peak (small batches: MiniLM fp32 at 6 x 32 "
+    "tokens), the end of the backward holds T rows where plain training holds one gradient: 1.45x with fp32 "
+    "rows there. bf16 rows change the PCGrad update by 1.7e-3 relative to fp32 rows (L2, MiniLM, "
+    "`tests/test_per_task_grads.py::test_bf16_buffer_update_close_to_fp32`); the Gram and the combination "
+    "accumulate in fp32. `--surgery-buffer-dtype fp32` keeps fp32 rows.",
+    "",
+    "**Activation checkpointing** (`--activation-checkpointing`): MiniLM with PALs, plain mixed step of 8 x 64 "
+    "tokens, fp32: live tensor storage measured 438.7 MiB without, 389.1 MiB with (the prediction within 1e-7 "
+    "of both); `tests/test_activation_checkpointing.py`. Predicted for 48 x 64 tokens, bf16, ZeRO-1: plain 838 "
+    "-> 485 MiB, one-backward PCGrad 845 -> 551 MiB. Per-task gradients are unchanged within 1e-6.",
+    "",
+)
+
+
+def memory_table(max_length: int = 128, chart: str | Path | None = None) -> str:
     """The markdown of ``docs/memory.md``: the predicted largest batch at ``max_length`` on each GPU for BERT-base
-    and BERT-large, plain / PAL / PAL + PCGrad (one backward), fp16 / bf16, tasks sst, para, sts, ZeRO-1, one rank."""
+    and BERT-large, plain / PAL / PAL + PCGrad (one backward), without and with activation checkpointing,
+    fp16 / bf16, tasks sst, para, sts, ZeRO-1, one rank. ``chart``: also write the chart of the bf16 lines
+    (:func:`fastpals.memory_chart.plot_table`) there, linked from the markdown."""
     rows = []
+    lines = []
+    fits: dict[tuple, tuple[dict[str, int | None], dict[str, float]]] = {}
     for model in _TABLE_MODELS:
-        for label, pal, surgery in _TABLE_VARIANTS:
+        for label, pal, surgery, ckpt in _TABLE_VARIANTS:
             for precision in ("fp16", "bf16"):
                 spec = StepSpec(
-                    model=model, max_length=max_length, precision=precision, pal=pal, surgery=surgery
-                )
-                largest, fit = largest_batches(spec, _TABLE_GPUS)
+                    model=model, max_length=max_length, precision=precision, pal=pal, surgery=surgery,
+                    activation_checkpointing=ckpt,
+                )  # fmt: skip
+                # fp16 and bf16 hold the same bytes where the rows' dtype does not follow them (no surgery): one
+                # trace serves both (fp16's loss scaling is a scalar and in-place multiplies)
+                key = (model, pal, surgery, ckpt, spec.rows_dtype if surgery != "none" else None)
+                if key not in fits:
+                    fits[key] = largest_batches(spec, _TABLE_GPUS)
+                largest, fit = fits[key]
                 cells = [
                     "no bf16" if DEVICES[g].supports(precision) else str(largest[g] if largest[g] else "-")
                     for g in _TABLE_GPUS
@@ -660,6 +723,14 @@ def memory_table(max_length: int = 128) -> str:
                     f"| {model} | {label} | {precision} | {' | '.join(cells)} | "
                     f"{fit['intercept_bytes'] / GIB:.2f} + {fit['bytes_per_example'] / 2**20:.1f} MiB x b |"
                 )
+                lines.append((model, label, precision, fit["intercept_bytes"], fit["bytes_per_example"]))
+    chart_text: list[str] = []
+    if chart is not None:
+        from fastpals.memory_chart import plot_table
+
+        gpus = [(DEVICES[g].label, DEVICES[g].usable_bytes) for g in _TABLE_GPUS]
+        plot_table(lines, gpus, chart, "bf16", max_length)
+        chart_text = [f"![predicted peak against the batch size, bf16]({Path(chart).name})", ""]
     head = " | ".join(DEVICES[g].label for g in _TABLE_GPUS)
     gpu_caps = ", ".join(f"{DEVICES[g].label} {DEVICES[g].usable_bytes / GIB:.1f} GiB" for g in _TABLE_GPUS)
     return "\n".join(
@@ -673,8 +744,11 @@ def memory_table(max_length: int = 128) -> str:
             f"memory each GPU leaves to tensors ({gpu_caps}). Tasks sst, para, sts in packed mixed micro-batches "
             "(`--batching mixed`, every example full length: the worst case), AdamW, DeepSpeed ZeRO-1 on one rank "
             "(fp16/bf16 weights and gradients, fp32 master weights and moments), PAL = `--pal default`, "
-            "PCGrad = `--surgery pcgrad` with one backward and fp32 buffer rows.",
+            "PCGrad = `--surgery pcgrad` with one backward and the default rows (`--surgery-buffer-dtype auto`: "
+            "bf16 rows with bf16 training, fp32 rows with fp16); checkpointed = `--activation-checkpointing` "
+            "(every encoder layer recomputed in the backward).",
             "",
+            *chart_text,
             "How: `fastpals memory` runs the real training step (forward, losses, backward, surgery capture and "
             "apply, optimizer step) on fake tensors and adds up the live tensor storage; each row traces two batch "
             "sizes and uses the straight line `peak(b) = a + c b` (the peak is linear in the batch: "
@@ -685,6 +759,7 @@ def memory_table(max_length: int = 128) -> str:
             "|---|---|---|" + "---|" * len(_TABLE_GPUS) + "---|",
             *rows,
             "",
+            *MEASURED_NOTES,
         ]
     )
 
@@ -725,21 +800,25 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--surgery-mode", choices=SURGERY_MODES, default="one_backward",
                    help="one_backward (--batching mixed) or per_task backwards (--batching per_task)")  # fmt: skip
-    p.add_argument(
-        "--surgery-buffer-dtype", choices=("fp32", "bf16"), default="fp32", help="surgery buffer rows"
-    )
+    p.add_argument("--surgery-buffer-dtype", choices=BUFFER_DTYPES, default="auto",
+                   help="surgery buffer rows (default auto: bf16 with --precision bf16, else fp32)")  # fmt: skip
     p.add_argument("--surgery-memory", choices=SURGERY_MEMORIES,
                    help="one-backward surgery: the [T, P] buffer, stream, or auto (default: the plan of the buffer "
                    "and every mode's predicted peak beside it; given: that mode alone)")  # fmt: skip
     p.add_argument("--zero-stage", type=int, choices=(0, 1, 2),
                    help="DeepSpeed ZeRO stage (default: 1 with fp16/bf16 or several ranks, else 0)")  # fmt: skip
     p.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute the encoder layers in the backward (as train --activation-checkpointing)")  # fmt: skip
     p.add_argument(
         "--largest-batch", action="store_true", help="also the largest batch that fits each device"
     )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--table", metavar="PATH",
                    help=f"write the predicted largest-batch table (docs/memory.md: `{DOCS_COMMAND}`) and exit")  # fmt: skip
+    p.add_argument("--chart", metavar="PNG",
+                   help="also write a chart: with --table, the peak against the batch per variant (bf16); else "
+                   "this configuration's peak by part beside the GPUs")  # fmt: skip
     return p
 
 
@@ -748,7 +827,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.table:
-            text = memory_table(args.max_length)
+            text = memory_table(args.max_length, args.chart)
             Path(args.table).parent.mkdir(parents=True, exist_ok=True)
             Path(args.table).write_text(text, encoding="utf-8")
             print(f"wrote {args.table}")
@@ -758,6 +837,7 @@ def main(argv: list[str] | None = None) -> int:
             model=args.model, tasks=tasks, max_length=args.max_length, precision=args.precision, pal=args.pal,
             surgery=args.surgery, surgery_mode=args.surgery_mode, buffer_dtype=args.surgery_buffer_dtype,
             surgery_memory=args.surgery_memory or "buffer", zero_stage=args.zero_stage, world_size=args.world_size,
+            activation_checkpointing=args.activation_checkpointing,
         )  # fmt: skip
         plan = plan_memory(
             spec,
@@ -770,6 +850,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fastpals memory: error: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2
     print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
+    if args.chart:
+        from fastpals.memory_chart import plot_plan
+
+        s = plan.spec
+        title = (
+            f"{s.model}, batch {plan.batch_size} x {s.max_length}, {s.precision}, PAL {s.pal}, surgery {s.surgery}"
+            + (", checkpointed" if s.activation_checkpointing else "")
+        )
+        gpus = [(d.label, d.usable_bytes) for name, d in DEVICES.items() if name != "cpu"]
+        print(f"wrote {plot_plan(plan.at_peak, _CATEGORY_TEXT, gpus, title, args.chart)}", file=sys.stderr)
     return 0
 
 

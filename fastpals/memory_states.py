@@ -210,6 +210,13 @@ class LayoutEngine:
         self.part = math.ceil(self.numel / world_size)
         self.scale = 2.0**16 if precision == "fp16" else 1.0
         self.hp_grads: dict[int, torch.Tensor] = {}  # id(param) -> fp32 gradient written by a surgery buffer
+        self._offsets: dict[int, int] = {}
+        start = 0
+        for p in self.params:
+            self._offsets[id(p)] = start
+            start += p.numel()
+        self._hp_flat: torch.Tensor | None = None  # the fp32 gradient partition a surgery buffer wrote into
+        self._hp_set: set[int] = set()  # the parameters it wrote
         self.flat_master = precision != "fp32" or zero_stage >= 1
         self._drop_grads = zero_stage == 2 and world_size > 1
         with self._phase("optimizer"):
@@ -243,12 +250,28 @@ class LayoutEngine:
         p.grad = None  # reduced into the rank's partition buffer, the full 16-bit gradient freed
 
     def grad_setter(self, p: torch.nn.Parameter, value: torch.Tensor | None) -> None:
-        """What ``deepspeed.utils.safe_set_full_grad`` does for a surgery buffer: the fp32 gradient the
-        optimizer steps on (kept, not copied into the 16-bit ``.grad``)."""
-        if value is None:
-            self.hp_grads.pop(id(p), None)
-        else:
-            self.hp_grads[id(p)] = value
+        """What ``deepspeed.utils.safe_set_full_grad`` does for a surgery buffer: copy this rank's part of the
+        fp32 gradient into the gradient partition the optimizer steps on (with a flat master; made at the first
+        call of a step, as DeepSpeed's own), so that ``value`` can be freed at once; without one (fp32 ZeRO-0)
+        the value becomes the gradient."""
+        if not self.flat_master:
+            if value is None:
+                self.hp_grads.pop(id(p), None)
+            else:
+                self.hp_grads[id(p)] = value
+            return
+        if self._hp_flat is None:
+            with self._phase("gradients"):
+                self._hp_flat = torch.zeros(self.master[0].numel(), dtype=torch.float32)
+        self._hp_set.add(id(p))
+        start, n = self._offsets[id(p)], p.numel()
+        lo, hi = start, min(start + n, self._hp_flat.numel())
+        if hi > lo:
+            part = self._hp_flat[lo:hi]
+            if value is None:
+                part.zero_()
+            else:
+                part.copy_(value.reshape(-1)[: hi - lo])
 
     def __call__(self, **inputs: Any) -> Any:
         self._set("activations")
@@ -261,13 +284,15 @@ class LayoutEngine:
     def step(self) -> None:
         self._set("temporaries")
         if self.flat_master:
-            with self._phase("gradients"):
-                flat = torch.zeros(self.master[0].numel(), dtype=torch.float32)
+            flat, self._hp_flat = self._hp_flat, None  # written by a surgery buffer's setter, or made here
+            if flat is None:
+                with self._phase("gradients"):
+                    flat = torch.zeros(self.master[0].numel(), dtype=torch.float32)
             start = 0
             for p in self.params:  # this rank's partition of the flattened gradients, in fp32
                 n = p.numel()
                 lo, hi = max(start, 0), min(start + n, flat.numel())
-                g = self.hp_grads.get(id(p), p.grad)
+                g = None if id(p) in self._hp_set else self.hp_grads.get(id(p), p.grad)
                 if hi > lo and g is not None and not self._drop_grads:
                     flat[lo:hi].copy_(g.reshape(-1)[lo - start : hi - start])
                 start += n
@@ -300,3 +325,4 @@ class LayoutEngine:
         for p in self.params:
             p.grad = None
         self.hp_grads.clear()
+        self._hp_set.clear()

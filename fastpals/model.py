@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from fastpals.checkpoints import (
@@ -368,6 +369,17 @@ class BertModel(nn.Module):
         if pal is not None:
             self.add_pals(pal)
         self.load_report: LoadReport | None = None
+        #: recompute each encoder layer in the backward instead of keeping its activations (training only)
+        self.activation_checkpointing = False
+
+    def set_activation_checkpointing(self, enabled: bool = True) -> None:
+        """Activation checkpointing of the encoder layers (``--activation-checkpointing``): in training with
+        gradients on, each layer keeps only its input and runs its forward again in the backward
+        (non-reentrant ``torch.utils.checkpoint``, dropout masks replayed from the saved RNG state), so the
+        forward's saved activations shrink to one ``[rows, d]`` tensor per layer at the cost of a second forward
+        of the layers. Results are unchanged; :func:`fastpals.surgery.per_task_gradients` counts each layer
+        once."""
+        self.activation_checkpointing = bool(enabled)
 
     def _init_bert_weights(self, m: nn.Module) -> None:
         if isinstance(m, (nn.Linear, nn.Embedding)):
@@ -477,8 +489,12 @@ class BertModel(nn.Module):
             x = self.embeddings(input_ids, token_type_ids, layout.position_ids)
         else:
             x = layout.to_rows(self.embeddings(input_ids, token_type_ids))
+        checkpointed = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.encoder.layer:
-            x = layer(x, layout)
+            if checkpointed:
+                x = torch.utils.checkpoint.checkpoint(layer, x, layout, use_reentrant=False)
+            else:
+                x = layer(x, layout)
         variant = self.pal_variant
         if input_ids.dim() == 1:  # packed in, packed out
             if variant is not None:

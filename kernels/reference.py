@@ -539,8 +539,8 @@ def check_combine_args(buf: torch.Tensor, weights: object, out: object, out_row:
     elif out is None:
         out = torch.empty(buf.shape[1], dtype=torch.float32, device=buf.device)
     elif (
-        isinstance(out, torch.Tensor) and out.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
-    ):
+        isinstance(out, torch.Tensor) and out.untyped_storage()._cdata == buf.untyped_storage()._cdata
+    ):  # the same storage (compared by identity: fake tensors have no data pointer)
         raise ValueError("out shares memory with buf: use out_row to overwrite a row of buf")
     t, p = buf.shape
     if not isinstance(weights, torch.Tensor):

@@ -515,14 +515,6 @@ def test_remove_pals_and_deepcopy():
         assert torch.equal(_hidden(model, ids, mask), _hidden(base, ids, mask))
 
 
-def test_gradient_checkpointing_is_refused():
-    model = inject_pals(_tiny("bert"), PAL).train()
-    model.gradient_checkpointing_enable()
-    ids, mask = _batch()
-    with pytest.raises(RuntimeError, match="gradient checkpointing"):
-        _hidden(model, ids, mask, task_ids=torch.zeros(4, dtype=torch.long))
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # fused kernels (Triton interpreter on CPU, compiled on CUDA)
 # ----------------------------------------------------------------------------------------------------------------

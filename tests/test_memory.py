@@ -128,13 +128,11 @@ def test_peak_is_linear_in_the_batch() -> None:
 # ------------------------------------------------------------------------------------------------------------------
 # The command
 # ------------------------------------------------------------------------------------------------------------------
-def test_command_prints_breakdown_and_devices(capsys: pytest.CaptureFixture) -> None:
-    assert (
-        main(
-            ["--batch-size", "6", "--precision", "bf16", "--surgery", "pcgrad", "--surgery-memory", "buffer"]
-        )
-        == 0
-    )
+def test_command_prints_breakdown_and_devices(capsys: pytest.CaptureFixture, tmp_path) -> None:
+    chart = tmp_path / "plan.png"
+    argv = ["--batch-size", "6", "--precision", "bf16", "--surgery", "pcgrad", "--surgery-memory", "buffer"]
+    assert main([*argv, "--chart", str(chart)]) == 0
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and chart.stat().st_size > 10_000
     out = capsys.readouterr().out
     for word in (
         "parameters",
@@ -171,6 +169,21 @@ def test_bad_input_is_one_line(argv: list[str], needle: str, capsys: pytest.Capt
     assert main([str(tmp_path) if a == "EMPTY_DIR" else a for a in argv]) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and "\n" not in err
+
+
+def test_table_chart(tmp_path) -> None:
+    """The chart of docs/memory.md: one panel per model, a line per bf16 variant, the GPUs' memory."""
+    from fastpals.memory_chart import plot_table
+
+    lines = [
+        (model, label, precision, a * 2**30, c * 2**20)
+        for model, scale in (("bert-base-uncased", 1.0), ("bert-large-uncased", 3.0))
+        for label, a, c in (("plain", 1.4, 62.0), ("PAL, checkpointed", 1.5, 20.0))
+        for precision in ("fp16", "bf16")
+        for a, c in [(a * scale, c * scale)]
+    ]
+    path = plot_table(lines, [("T4 16GB", 14 * 2**30), ("A100 40GB", 38 * 2**30)], tmp_path / "t.png")
+    assert path.read_bytes()[:4] == b"\x89PNG" and path.stat().st_size > 20_000
 
 
 def test_shipped_configs() -> None:

@@ -321,7 +321,10 @@ def test_update_lives_in_the_buffer_and_next_step_without_zero_grad_accumulates(
         (a * (t + 1)).sum().backward()
         buf.capture(t)
     buf.apply(sum_weights)
-    assert a.grad.data_ptr() == buf.row(1).data_ptr() and torch.equal(a.grad, torch.full((4,), 3.0))
+    base = a.grad._base  # the update is written over the last row of the parameter's [T, numel] block
+    assert base is not None and base.shape == (2, 4) and a.grad.data_ptr() == base[1].data_ptr()
+    assert torch.equal(a.grad, torch.full((4,), 3.0))
+    assert buf.data.abs().sum() == 0  # the buffer itself keeps no row past apply()
     # no zero_grad: task 0's backward accumulates onto the previous update, as in plain PyTorch
     for t in range(2):
         (a * (t + 1)).sum().backward()

@@ -12,11 +12,19 @@ Usage from any training loop (one forward + backward per task, the graph freed e
     if not result.skipped:
         optimizer.step()
 
-Memory: the ``[T, P]`` buffer (``P`` = number of shared parameter elements, ``dtype`` float32 or bfloat16),
-i.e. plain multi-task training plus at most ``T * P * bytes(dtype)``. When the buffer has the gradients' dtype,
-the update is written over the buffer's last row and the shared parameters' ``.grad`` are views of that row
-(valid until the next ``capture``); otherwise into one flat ``[P]`` tensor of ``grad_dtype``, reused every step. Time: one copy of the shared gradients per task, one pass of
-the Gram kernel and one of the combine kernel over the buffer, and one device-to-host sync (the finite check).
+Memory: the rows are held per shared parameter, one ``[T, numel]`` block each (``dtype`` float32, bfloat16 or
+float16; by default the parameters' dtype, i.e. the training precision), made when a step first writes that
+parameter's gradient and given up by :meth:`apply`. So the rows grow during the backward as plain training's
+gradients do (while autograd frees the activations), and no row outlives the step: at most ``T * P *
+bytes(dtype)`` above plain training (``P`` = shared parameter elements), and less where the peak is the end of the
+forward. :meth:`apply` writes the update parameter by parameter: where the rows have the gradients' dtype, over
+the block's last row, and the shared parameters' ``.grad`` are views of it (the block lives as long as that
+``.grad``); otherwise into a ``[numel]`` tensor of ``grad_dtype`` handed to ``grad_setter`` as soon as it is
+made, the block freed right after (under DeepSpeed the setter copies it into the fp32 gradient partition that the
+optimizer reads): no ``[P]`` copy of the update besides the gradient the optimizer reads. The Gram is summed
+over the blocks in float32. Time: one copy of the shared gradients per task (or none, with
+:func:`fastpals.surgery.per_task_gradients`), one pass of the Gram kernel and one of the combine kernel over
+every block, and one device-to-host sync (the finite check).
 
 Task-specific parameters (a task's PAL slice, its head) are not in the buffer: their gradients accumulate
 normally over the per-task backwards, so each receives its own task's gradient unchanged (for stacked per-task
@@ -158,8 +166,9 @@ class TaskGradientBuffer:
         params: the parameters shared by the tasks (the Gram is over them). All on one device, one dtype.
         num_tasks: rows of the buffer, ``1 <= num_tasks <= MAX_TASKS`` (128: 64 tasks with GEM's
             episodic memory, which uses ``2 T`` rows).
-        dtype: buffer dtype, ``torch.float32`` (default), ``torch.bfloat16`` or ``torch.float16``. The Gram is
-            always accumulated in float32.
+        dtype: row dtype, ``torch.float32``, ``torch.bfloat16`` or ``torch.float16``; default (None) the
+            parameters' dtype (bf16 rows for a bf16 module), float32 for any other. The Gram is always accumulated
+            in float32, the update combined in float32.
         task_params: task-specific parameters (see the module docstring); optional.
         grad_getter / grad_setter: how gradients are read and written; default ``p.grad``. Under DeepSpeed
             ZeRO-1/2 pass ``deepspeed.utils.safe_get_full_grad`` and a setter built on ``safe_set_full_grad``
@@ -179,7 +188,7 @@ class TaskGradientBuffer:
         self,
         params: Iterable[torch.nn.Parameter],
         num_tasks: int,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | None = None,
         *,
         task_params: Iterable[torch.nn.Parameter] | None = None,
         grad_getter: GradGetter | None = None,
@@ -194,10 +203,13 @@ class TaskGradientBuffer:
             raise ValueError("params is empty: the buffer needs at least one shared parameter")
         if not isinstance(num_tasks, int) or not 1 <= num_tasks <= MAX_TASKS:
             raise ValueError(f"num_tasks must be an int in [1, {MAX_TASKS}], got {num_tasks!r}")
-        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise TypeError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
         devices = {p.device for p in self.params}
         dtypes = {p.dtype for p in self.params}
+        if dtype is None:
+            only = next(iter(dtypes)) if len(dtypes) == 1 else torch.float32
+            dtype = only if only in (torch.bfloat16, torch.float16) else torch.float32
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise TypeError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
         if len(devices) != 1:
             raise ValueError(f"params must all be on one device, got {sorted(map(str, devices))}")
         if len(dtypes) != 1 and grad_dtype is None:
@@ -218,9 +230,8 @@ class TaskGradientBuffer:
         self.all_reduce = all_reduce or process_group is not None
         self.numels = [p.numel() for p in self.params]
         self.num_elements = sum(self.numels)
-        self.data = torch.zeros((num_tasks, self.num_elements), dtype=dtype, device=self.device)
-        self._row_views = [list(torch.split(self.data[t], self.numels)) for t in range(num_tasks)]
-        self._flat_grad: torch.Tensor | None = None
+        # per shared parameter its [T, numel_k] rows, made on demand within a step
+        self._blocks: list[torch.Tensor | None] = [None] * len(self.params)
         self._captured = [False] * num_tasks
         self._touched = [[False] * len(self.params) for _ in range(num_tasks)]
         self._task_state: list[tuple[int, int] | None] = [None] * len(self.task_params)
@@ -251,13 +262,12 @@ class TaskGradientBuffer:
         dst_some: list[torch.Tensor] = []
         src_some: list[torch.Tensor] = []
         dst_none: list[torch.Tensor] = []
-        row = self._row_views[task]
         touched = self._touched[task]
         for k, p in enumerate(self.params):
             g = self.grad_getter(p)
             if g is None:
-                if fresh:
-                    dst_none.append(row[k])
+                if fresh and self._blocks[k] is not None:
+                    dst_none.append(self._blocks[k][task])
                 continue
             if g.shape != p.shape:
                 raise ValueError(
@@ -266,7 +276,7 @@ class TaskGradientBuffer:
             if g.is_sparse:
                 raise ValueError(f"gradient of shared parameter {k} is sparse; dense gradients are required")
             touched[k] = True
-            dst_some.append(row[k])
+            dst_some.append(self.block(k)[task])
             src_some.append(g.detach().reshape(-1))
         if dst_some:
             if fresh:
@@ -308,20 +318,31 @@ class TaskGradientBuffer:
         return list(self._captured)
 
     def release_update(self) -> None:
-        """Drop the buffer's reference to the flat update tensor of the last :meth:`apply` (used when the rows'
-        dtype differs from the gradients'; the ``.grad`` views keep it alive until ``zero_grad``), so that it is
-        freed with the gradients between steps instead of living through the next forward. ``apply`` allocates
-        a new one when needed. :func:`fastpals.surgery.per_task_gradients` calls it on entry."""
-        self._flat_grad = None
+        """Kept for callers of earlier versions: :meth:`apply` now gives up every row block itself (the update
+        lives in the ``.grad`` tensors only), so there is nothing left to release."""
+
+    def _new_block(self, k: int) -> torch.Tensor:
+        """A ``[T, numel_k]`` block of rows for shared parameter ``k``: zeros when some row already holds an
+        earlier capture of this step (a later write may add to it), else uninitialised (every row is written,
+        or zeroed by the capture or by :meth:`apply`, before it is read). The memory planner counts what this
+        makes as the surgery buffer's."""
+        make = torch.zeros if any(self._captured) else torch.empty
+        return make((self.num_tasks, self.numels[k]), dtype=self.dtype, device=self.device)
+
+    def block(self, k: int) -> torch.Tensor:
+        """Every task's row of shared parameter ``k``, ``[T, numel_k]`` (made on first use in a step)."""
+        b = self._blocks[k]
+        if b is None:
+            b = self._blocks[k] = self._new_block(k)
+        return b
 
     def param_row(self, task: int, k: int) -> torch.Tensor:
         """Row ``task`` of shared parameter ``k`` as a view shaped like the parameter (write into it)."""
-        return self._row_views[task][k].view(self.params[k].shape)
+        return self.block(k)[task].view(self.params[k].shape)
 
     def param_rows(self, k: int) -> torch.Tensor:
-        """Every task's row of shared parameter ``k``: a ``[T, *shape]`` view of the buffer."""
-        start = sum(self.numels[:k])
-        return self.data[:, start : start + self.numels[k]].view(self.num_tasks, *self.params[k].shape)
+        """Every task's row of shared parameter ``k``: a ``[T, *shape]`` view of its block."""
+        return self.block(k).view(self.num_tasks, *self.params[k].shape)
 
     def capture_written(self, tasks: Sequence[int], written: Sequence[Sequence[bool]]) -> None:
         """Record rows written in place by :func:`fastpals.surgery.per_task_gradients`: ``tasks`` had rows in the
@@ -337,8 +358,8 @@ class TaskGradientBuffer:
             for k in range(len(self.params)):
                 if written[t][k]:
                     self._touched[t][k] = True
-                elif fresh:
-                    stale.append(self._row_views[t][k])
+                elif fresh and self._blocks[k] is not None:
+                    stale.append(self._blocks[k][t])
             if stale:
                 torch._foreach_zero_(stale)
             self._captured[t] = True
@@ -375,8 +396,13 @@ class TaskGradientBuffer:
             device=self.device,
         )
         dist.all_reduce(flags, group=self.process_group)
-        self.data.div_(world)
-        dist.all_reduce(self.data, group=self.process_group)
+        for k in range(len(self.params)):  # every rank reduces every block (zeros where it wrote none)
+            if self._blocks[k] is None:
+                self._blocks[k] = torch.zeros(
+                    (self.num_tasks, self.numels[k]), dtype=self.dtype, device=self.device
+                )
+            self._blocks[k].div_(world)
+            dist.all_reduce(self._blocks[k], group=self.process_group)
         if not self.task_params:
             return flags, None
         flat = torch.cat(
@@ -414,9 +440,9 @@ class TaskGradientBuffer:
         update is written as usual (non-finite where a row was). The caller reads the flags once before stepping
         (``result.skipped``, or ``result.ok`` stacked with its own values) and must not step when one is false.
         """
-        for t in range(self.num_tasks):
-            if not self._captured[t]:
-                self.data[t].zero_()
+        absent = [t for t in range(self.num_tasks) if not self._captured[t]]
+        if absent:
+            torch._foreach_zero_([b[t] for b in self._blocks if b is not None for t in absent])
         n_shared, n_task = len(self.params), len(self.task_params)
         checks: list[torch.Tensor] = []
         task_flat: torch.Tensor | None = None
@@ -431,7 +457,7 @@ class TaskGradientBuffer:
             present = [g.detach() for g in local_task_grads if g is not None]
             if present:
                 checks.append(torch.isfinite(torch.stack(torch._foreach_norm(present))).all().reshape(1))
-        g_mat, finite = gram(self.data)
+        g_mat, finite = self._gram()
         if not sync:
             return self._apply_on_device(aggregator, generator, g_mat, finite, checks, aggregator_kwargs)
         parts = [finite] + checks + ([flags_dev > 0] if self.all_reduce else [])
@@ -454,11 +480,24 @@ class TaskGradientBuffer:
         self._end_step()
         if not (all(host[: self.num_tasks]) and task_ok):
             self.skipped_steps += 1
+            self._blocks = [None] * len(self.params)  # nothing applied: the rows go
             bad = [t for t in range(self.num_tasks) if not host[t]]
             return SurgeryResult(True, None, g_mat, bad, not task_ok)
         weights = aggregator(g_mat, generator=generator, **aggregator_kwargs)
         self._write_update(weights, touched)
         return SurgeryResult(False, weights, g_mat)
+
+    def _gram(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(gram [T, T] float32, finite [T] bool)`` of the rows: the blocks' Grams summed (absent blocks are
+        zero rows)."""
+        g_mat = torch.zeros((self.num_tasks, self.num_tasks), dtype=torch.float32, device=self.device)
+        finite = torch.ones(self.num_tasks, dtype=torch.bool, device=self.device)
+        for b in self._blocks:
+            if b is not None:
+                g, f = gram(b)
+                g_mat.add_(g)
+                finite.logical_and_(f)
+        return g_mat, finite
 
     def _end_step(self) -> None:
         """Forget this step's captures (the next one starts fresh rows)."""
@@ -470,15 +509,20 @@ class TaskGradientBuffer:
 
     def _write_update(self, weights: torch.Tensor, touched: Sequence[Sequence[bool]]) -> None:
         """``sum_t weights[t] g_t`` into the shared parameters' gradients (None where no task touched one)."""
-        if self.grad_dtype == self.dtype:  # the update overwrites the last row: no extra [P] tensor
-            flat = combine(self.data, weights, out_row=self.num_tasks - 1)
-        else:
-            if self._flat_grad is None:
-                self._flat_grad = torch.empty(self.num_elements, dtype=self.grad_dtype, device=self.device)
-            flat = combine(self.data, weights, out=self._flat_grad)
-        used = [any(touched[t][k] for t in range(self.num_tasks)) for k in range(len(self.params))]
-        for p, part, u in zip(self.params, torch.split(flat, self.numels), used):
-            self.grad_setter(p, part.view_as(p) if u else None)
+        alias = self.grad_dtype == self.dtype
+        for k, p in enumerate(self.params):
+            b, self._blocks[k] = self._blocks[k], None  # the buffer keeps no row past the step
+            if b is None or not any(touched[t][k] for t in range(self.num_tasks)):
+                self.grad_setter(p, None)
+                continue
+            if alias:  # over the block's last row: .grad is a view of it, no extra tensor
+                update = combine(b, weights, out_row=self.num_tasks - 1)
+            else:  # one parameter's update, handed over at once (the block is freed with b)
+                update = combine(
+                    b, weights, out=torch.empty(b.shape[1], dtype=self.grad_dtype, device=b.device)
+                )
+            del b
+            self.grad_setter(p, update.view_as(p))
 
     def _apply_on_device(
         self,
@@ -514,8 +558,24 @@ class TaskGradientBuffer:
         return SurgeryResult(None, weights, g_mat, flags=flags, on_skip=count_skip)
 
     # ------------------------------------------------------------------------------------------------------------
+    @property
+    def data(self) -> torch.Tensor:
+        """A ``[T, P]`` copy of the rows captured since the last :meth:`apply` (the shared parameters' blocks side
+        by side, zeros for a block not written yet): for inspection and tests; :meth:`apply` reads the blocks."""
+        out = torch.cat(
+            [
+                b if b is not None else torch.zeros((self.num_tasks, n), dtype=self.dtype, device=self.device)
+                for b, n in zip(self._blocks, self.numels)
+            ],
+            dim=1,
+        )
+        for t in range(self.num_tasks):
+            if not self._captured[t]:
+                out[t].zero_()
+        return out
+
     def row(self, task: int) -> torch.Tensor:
-        """Row ``task`` of the buffer, ``[P]`` (the flattened gradient of the shared parameters)."""
+        """A copy of row ``task``, ``[P]`` (the flattened gradient of the shared parameters; see :attr:`data`)."""
         return self.data[task]
 
     def __repr__(self) -> str:

@@ -126,13 +126,26 @@ def _check_rows(state: BlockState, lead: tuple[int, ...], what: str) -> RowTasks
     return rows
 
 
+def recomputing() -> bool:
+    """True inside a backward (where activation checkpointing runs a layer's forward again)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def _detached_params(
     state: BlockState, m: nn.Linear | nn.LayerNorm, x: torch.Tensor, what: str
 ) -> tuple[RowTasks, torch.Tensor, torch.Tensor | None, int, int | None]:
     """One forward of a shared ``m`` on ``x [..., d]``: the row -> task map of ``x`` (checked), ``m``'s weight and
     bias detached, and their indices among the buffer's shared parameters (``k_w``, ``k_b``; None: no bias)."""
-    rows = _check_rows(state, tuple(x.shape[:-1]), what)
-    state.forward_calls += 1
+    if (
+        recomputing()
+    ):  # activation checkpointing replays the forward inside the backward: the node made by this
+        # replay is never differentiated (its saved tensors fill the first forward's node, whose row map and
+        # parameter indices are used), so it is not counted and its rows are not looked up (another encoder pass
+        # may be current by now)
+        rows = None
+    else:
+        rows = _check_rows(state, tuple(x.shape[:-1]), what)
+        state.forward_calls += 1
     # The parameters enter the graph detached: autograd holds no gradient edge to them (no AccumulateGrad node,
     # so no gradient hook, e.g. DeepSpeed's, fires for them); the backward writes their per-task gradients.
     k_b = state.param_index(m.bias) if m.bias is not None else None

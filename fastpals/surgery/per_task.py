@@ -75,7 +75,10 @@ reduce ``T`` full gradients)::
 
 Limits: models whose examples interact (batch norm, cross-example attention) break the row split; every shared
 parameter must belong to an ``nn.Linear`` / ``nn.LayerNorm`` (last dimension) / ``nn.Embedding`` (a clear error
-names any other); activation checkpointing, ``torch.compile`` and ZeRO-3 are not covered.
+names any other); ``torch.compile`` and ZeRO-3 are not covered. Activation checkpointing (non-reentrant
+``torch.utils.checkpoint`` of whole layers, as minBERT's ``--activation-checkpointing``) is: the layer's forward
+runs again inside the backward, and that replay is neither counted nor differentiated (its saved tensors fill the
+first forward's nodes, whose row maps are used), so each layer's per-task gradient is written once.
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ SURGERIES = ("none", *AGGREGATORS)  # every fastpals.surgery.AGGREGATORS name
 OPTIMIZERS = ("adamw", "sgd", "rmsprop")
 BATCHINGS = ("per_task", "mixed")
 TASK_WEIGHTINGS = ("examples", "equal")
-SURGERY_BUFFER_DTYPES = ("fp32", "bf16")
+SURGERY_BUFFER_DTYPES = ("auto", "fp32", "bf16")
 SURGERY_MEMORIES = ("buffer", "stream", "auto")
 
 
@@ -156,9 +156,10 @@ class TrainArgs:
         type=str, metavar="KEY=VALUE", factory=list, flags=("--surgery-opt", "--surgery-opts"),
     )  # fmt: skip
     surgery_buffer_dtype: str = opt(
-        "storage dtype of the [tasks, shared parameters] gradient buffer: fp32, or bf16 (half the memory; the "
+        "storage dtype of the per-task gradient rows of the shared parameters: auto (the training precision: "
+        "bf16 rows when the DeepSpeed config trains in bf16, else fp32), fp32, or bf16 (half the memory; the "
         "Gram and the combination still accumulate in fp32)",
-        choices=SURGERY_BUFFER_DTYPES, default="fp32",
+        choices=SURGERY_BUFFER_DTYPES, default="auto",
     )  # fmt: skip
     surgery_memory: str = opt(
         "--batching mixed surgery: buffer (the [tasks, shared parameters] rows), stream (no such rows: the Gram "
@@ -204,6 +205,12 @@ class TrainArgs:
         "predict at most N test examples per task (quick runs)", resume=MAY, type=int
     )
     freeze_bert: bool = opt("train only PALs, heads and LayerNorms", default=False)
+    activation_checkpointing: bool = opt(
+        "recompute each encoder layer in the backward instead of keeping its activations (non-reentrant "
+        "torch.utils.checkpoint): less memory for a larger batch, about one more forward of the layers per step; "
+        "the same gradients (with PALs and with one-backward --surgery)",
+        default=False,
+    )
     freeze_word_embeddings: bool = opt(
         "keep the word-embedding matrix fixed (on MiniLM half the weights: no gradient or optimizer work)",
         default=False,
@@ -324,14 +331,14 @@ class TrainArgs:
     # --- checks -------------------------------------------------------------------------------------------------
     def _not_implemented_yet(self) -> None:
         # extension point: remove an entry here once the loop implements that option
-        if self.surgery == "none" and (self.surgery_opts or self.surgery_buffer_dtype != "fp32"):
+        if self.surgery == "none" and (self.surgery_opts or self.surgery_buffer_dtype != "auto"):
             raise ConfigError("--surgery-opt and --surgery-buffer-dtype need a --surgery method")
         if self.surgery_memory == "stream" and (self.surgery == "none" or self.batching != "mixed"):
             raise ConfigError(
                 "--surgery-memory stream needs a --surgery method and --batching mixed (one backward per update); "
                 "per-task batches use the buffer: drop --surgery-memory or use --batching mixed"
             )
-        if self.surgery_memory == "stream" and self.surgery_buffer_dtype != "fp32":
+        if self.surgery_memory == "stream" and self.surgery_buffer_dtype == "bf16":
             raise ConfigError(
                 "--surgery-buffer-dtype sets the buffer's rows; --surgery-memory stream has none: drop one of them"
             )

@@ -257,13 +257,14 @@ class Trainer:
         from fastpals.surgery import make_weighting, parse_surgery_options
 
         args = self.args
-        dtype = torch.bfloat16 if args.surgery_buffer_dtype == "bf16" else torch.float32
+        rows = args.surgery_buffer_dtype
+        if rows == "auto":  # the training precision: bf16 rows with bf16 training (fp16 keeps fp32 rows)
+            rows = "bf16" if self.ds_config.get("bf16", {}).get("enabled") else "fp32"
+        dtype = torch.bfloat16 if rows == "bf16" else torch.float32
         one_backward = (
             args.batching == "mixed"
         )  # per-task gradients from one backward bypass DeepSpeed's reduce
-        self.surgery_memory = surgery_memory_mode(
-            args.surgery_memory, one_backward, args.surgery_buffer_dtype
-        )
+        self.surgery_memory = surgery_memory_mode(args.surgery_memory, one_backward, rows)
         self.surgery_buffer = deepspeed_surgery_buffer(self.engine.module, len(args.task_list), self.zero_stage,
                                                        dtype, all_reduce=one_backward and self.world_size > 1,
                                                        memory=self.surgery_memory)  # fmt: skip

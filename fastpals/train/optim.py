@@ -140,6 +140,8 @@ def build_model(args: Any) -> torch.nn.Module:
             model.bert.embeddings.word_embeddings.weight.requires_grad_(False)
     if args.freeze_layers:
         freeze_bottom_layers(model, args.freeze_layers)
+    if getattr(args, "activation_checkpointing", False):
+        model.bert.set_activation_checkpointing(True)
     return model
 
 
