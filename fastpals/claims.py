@@ -547,6 +547,7 @@ def main(argv: list[str] | None = None) -> int:
     done_cost = done_s = 0.0
     remaining_cost = sum(ARMS[a].cost for a, _ in plan)
     t_start = time.perf_counter()
+    run_env = _environment()  # recorded with every run (a resumed table may mix sessions)
     for i, (a, s) in enumerate(plan):
         name = run_name(a, s)
         run_dir = runs_dir / name
@@ -597,7 +598,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{prefix}: FAILED (exit {proc.returncode}); its output: {log}", file=sys.stderr, flush=True
             )
             continue
-        (run_dir / "claims_run.json").write_text(json.dumps({"argv": record["argv"][1:], "seconds": seconds}))
+        (run_dir / "claims_run.json").write_text(
+            json.dumps({"argv": record["argv"][1:], "seconds": seconds, "environment": run_env})
+        )
         if not opts.keep_checkpoints and (run_dir / "checkpoints").is_dir():
             shutil.rmtree(run_dir / "checkpoints")
         record.update(dev=results["dev"], status="done")
