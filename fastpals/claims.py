@@ -71,7 +71,8 @@ DEFAULT_BUDGET = (
 @dataclass(frozen=True)
 class Arm:
     """One system of a comparison: ``options`` are ``train.py`` options (a recipe and what it overrides);
-    ``cost`` the run time relative to the multi-task baseline at the same budget (for the order and the ETA)."""
+    ``cost`` its run time relative to the multi-task baseline at the same budget, from the 150-update table
+    docs/results/compare_minilm_cpu.md (it orders the runs and weighs the ETA)."""
 
     name: str
     label: str
@@ -108,15 +109,14 @@ class Finding:
 
 
 _BASE = ("--recipe", "baseline_multitask")
-_FOUR = ("--tasks", "sst,para,sts,cfimdb")
 ARMS: dict[str, Arm] = {
     a.name: a
     for a in (
         Arm("base", "multi-task baseline (no PALs, annealed, AdamW)", _BASE),
         Arm("pal12", "baseline + PAL (12 heads)", (*_BASE, "--pal", "12heads"), 1.3),
-        Arm("pcgrad", "baseline + PCGrad", (*_BASE, "--surgery", "pcgrad"), 4.5),
+        Arm("pcgrad", "baseline + PCGrad", (*_BASE, "--surgery", "pcgrad"), 4.0),
         Arm("pal12_pcgrad", "baseline + PAL (12 heads) + PCGrad", (*_BASE, "--pal", "12heads", "--surgery", "pcgrad"),
-            6.0),
+            10.0),
         Arm("round_robin", "baseline, round-robin sampling", (*_BASE, "--sampling", "round_robin")),
         Arm("proportional", "baseline, proportional sampling", (*_BASE, "--sampling", "proportional")),
         Arm("uniform", "baseline, uniform sampling", (*_BASE, "--sampling", "uniform")),
@@ -461,7 +461,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The options of ``fastpals claims``; every other option goes to every run (a ``train.py`` option)."""
-    p = _Parser(prog=PROG, usage=f"{PROG} [--budget STEPS] [--seeds N] [--out DIR] [--quick] [train.py options]",
+    p = _Parser(prog=PROG, allow_abbrev=False, usage=f"{PROG} [--budget STEPS] [--seeds N] [--out DIR] [--quick] [train.py options]",
                 description="Re-run the findings of the five CS224N reports: every arm for --budget updates with "
                 "seeds 0..N-1, then claims.md, claims.json and claims.png in --out. Finished runs are kept and "
                 "skipped on a rerun. Other options (e.g. --model, --data-dir, --max-length) go to every run, after "
@@ -473,6 +473,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", default="runs/claims", metavar="DIR", help="output folder (default: runs/claims)")
     p.add_argument("--only", default=None, metavar="KEY,...", help="only these findings (keys in claims.md)")
+    p.add_argument("--jobs", type=int, default=1, metavar="N", help="runs at a time (default: 1)")
+    p.add_argument(
+        "--report",
+        action="store_true",
+        help="train nothing: write the three files from the runs finished so far in --out",
+    )
     p.add_argument("--no-reference", action="store_true", help="skip the single-task reference runs")
     p.add_argument("--keep-checkpoints", action="store_true",
                    help="keep each finished run's checkpoints/ (default: removed once its results.json is written; "
@@ -481,6 +487,145 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"the pipeline check: findings {', '.join(QUICK_FINDINGS)}, 2 seeds, 2 updates, no "
                    "reference runs (give --model/--data-dir for tiny ones)")  # fmt: skip
     return p
+
+
+def _header(
+    findings: Sequence[Finding],
+    budget: int,
+    seeds: Sequence[int],
+    common: Sequence[str],
+    env: dict[str, str],
+    runs: dict[tuple[str, int], dict[str, Any]],
+    plan: Sequence[tuple[str, int]],
+    unfinished: Sequence[str],
+) -> str:
+    """The head of ``claims.md``: budget, seeds, common options, where and with what the runs ran."""
+    envs = {}
+    for r in runs.values():
+        e = r["environment"]
+        if e:
+            key = (e.get("device"), e.get("python"), e.get("torch"), e.get("fastpals"), e.get("commit"))
+            envs.setdefault(key, []).append(e.get("date", "?"))
+    where = "; ".join(f"{n} run(s) on {k[0]}, python {k[1]}, torch {k[2]}, fastpals {k[3]}, commit {k[4]}, "
+                      f"{min(d)} to {max(d)}" for k, d in envs.items() for n in [len(d)]) or "no run finished"  # fmt: skip
+    return (
+        f"# fastpals claims: {len(findings)} finding(s), {budget} updates per run, seeds "
+        f"{', '.join(map(str, seeds))}\n\n"
+        f"Every run: its arm's options, then `{' '.join(DEFAULT_COMMON)} {' '.join(common)}`, one epoch of {budget} "
+        f"updates, its seed (the exact command lines: claims.json). Runs: {where}. Table written {env['date']} "
+        f"(commit {env['commit']}). Runs finished: {len(plan) - len(unfinished)} of {len(plan)}"
+        + (f"; **not finished**: {', '.join(unfinished)}." if unfinished else ".")
+    )  # fmt: skip
+
+
+def _check_earlier(run_dir: Path, argv: Sequence[str]) -> dict[str, Any] | None:
+    """The ``claims_run.json`` of a finished run in ``run_dir`` (None when it has no ``results.json``); raises
+    :class:`ValueError` when that run had other options."""
+    if not (run_dir / "results.json").is_file():
+        return None
+    path = run_dir / "claims_run.json"
+    saved = json.loads(path.read_text()) if path.is_file() else {}
+    if saved.get("argv") != list(argv):
+        raise ValueError(f"{run_dir} holds a run with other options than {shlex.join(argv)}; use another --out or "
+                         "move that folder")  # fmt: skip
+    return saved
+
+
+def _execute(
+    plan: Sequence[tuple[str, int]],
+    runs: dict[tuple[str, int], dict[str, Any]],
+    command: list[str],
+    runs_dir: Path,
+    budget: int,
+    opts: argparse.Namespace,
+) -> int:
+    """Run the plan, ``opts.jobs`` subprocesses at a time (finished runs skipped; ``opts.report``: none started),
+    filling ``runs``. Returns 0, 1 (a run failed), 2 (a folder holds another run) or 128 + signal (stopped)."""
+    done_cost = done_s = 0.0
+    remaining = sum(ARMS[a].cost for a, _ in plan)
+    pending = []
+    for i, (a, s) in enumerate(plan):
+        record = runs[(a, s)]
+        run_dir = runs_dir / run_name(a, s)
+        try:
+            saved = _check_earlier(run_dir, record["argv"])
+        except ValueError as err:
+            print(f"{PROG}: error: {err}", file=sys.stderr)
+            return 2
+        if saved is None:
+            pending.append((i, a, s))
+            continue
+        results = _read_results(run_dir)
+        record.update(dev=results["dev"], status="done", seconds=saved.get("seconds"),
+                      environment=saved.get("environment"))  # fmt: skip
+        remaining -= ARMS[a].cost
+        print(f"[claims] {i + 1}/{len(plan)} {run_name(a, s)}: finished earlier, skipped (dev overall "
+              f"{_num(metric_value(results['dev'], 'overall'), 4)})", file=sys.stderr, flush=True)  # fmt: skip
+    if opts.report:
+        return 0
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    # a run is its own one-process job: no rank or port of a launcher (or of an in-process run) leaks in
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
+    }
+    env["PYTHONUNBUFFERED"] = "1"
+    session_env = _environment()
+    running: list[tuple[int, str, int, subprocess.Popen, float, Any]] = []
+    status = 0
+    try:
+        while pending or running:
+            while pending and len(running) < opts.jobs:
+                i, a, s = pending.pop(0)
+                name = run_name(a, s)
+                print(f"[claims] {i + 1}/{len(plan)} {name}: start ({budget} updates): {runs[(a, s)]['command']}",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                log = open(runs_dir / f"{name}.log", "w")
+                proc = subprocess.Popen([*command, *runs[(a, s)]["argv"]], stdout=log, stderr=subprocess.STDOUT,
+                                        env=env)  # fmt: skip
+                running.append((i, a, s, proc, time.perf_counter(), log))
+            time.sleep(0.2)
+            for item in [r for r in running if r[3].poll() is not None]:
+                running.remove(item)
+                i, a, s, proc, t0, log = item
+                log.close()
+                name, record, run_dir = run_name(a, s), runs[(a, s)], runs_dir / run_name(a, s)
+                seconds = time.perf_counter() - t0
+                code = proc.returncode
+                remaining -= ARMS[a].cost
+                if code < 0 or code in (130, 143):
+                    print(f"{PROG}: the run {name} was stopped (exit {code}); a rerun starts it again",
+                          file=sys.stderr)  # fmt: skip
+                    status = 128 + (-code if code < 0 else code - 128)
+                    pending.clear()
+                    continue
+                results = _read_results(run_dir) if code == 0 else None
+                if results is None:
+                    record["status"] = f"failed (exit {code}, see {log.name})"
+                    status = max(status, 1)
+                    print(f"[claims] {i + 1}/{len(plan)} {name}: FAILED (exit {code}); its output: {log.name}",
+                          file=sys.stderr, flush=True)  # fmt: skip
+                    continue
+                run_env = {**session_env, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+                (run_dir / "claims_run.json").write_text(
+                    json.dumps({"argv": record["argv"], "seconds": seconds, "environment": run_env})
+                )
+                if not opts.keep_checkpoints and (run_dir / "checkpoints").is_dir():
+                    shutil.rmtree(run_dir / "checkpoints")
+                record.update(dev=results["dev"], status="done", seconds=seconds, environment=run_env)
+                done_cost += ARMS[a].cost
+                done_s += seconds
+                eta = remaining * done_s / done_cost / max(1, opts.jobs)
+                print(f"[claims] {i + 1}/{len(plan)} {name}: done in {seconds:.0f} s, dev overall "
+                      f"{_num(metric_value(results['dev'], 'overall'), 4)}"
+                      f"{'' if opts.keep_checkpoints else ' (checkpoints/ removed, best/ kept)'}; "
+                      f"ETA {_fmt_time(eta)}", file=sys.stderr, flush=True)  # fmt: skip
+    except KeyboardInterrupt:
+        for item in running:
+            item[3].wait()  # Ctrl-C reached them too: each checkpoints and stops
+            item[5].close()
+        print(f"{PROG}: stopped; the finished runs are kept and a rerun skips them", file=sys.stderr)
+        return 130
+    return status
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -500,9 +645,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     budget = opts.budget if opts.budget is not None else (2 if opts.quick else DEFAULT_BUDGET)
     n_seeds = opts.seeds if opts.seeds is not None else (2 if opts.quick else 3)
-    if budget < 1 or n_seeds < 1:
+    if budget < 1 or n_seeds < 1 or opts.jobs < 1:
         print(
-            f"{PROG}: error: --budget and --seeds must be >= 1, got {budget} and {n_seeds}", file=sys.stderr
+            f"{PROG}: error: --budget, --seeds and --jobs must be >= 1, got {budget}, {n_seeds}, {opts.jobs}",
+            file=sys.stderr,
         )
         return 2
     keys = [f.key for f in FINDINGS]
@@ -540,94 +686,22 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
-    runs_dir.mkdir(parents=True, exist_ok=True)
     command = train_command()
-    runs: dict[tuple[str, int], dict[str, Any]] = {}
-    status = 0
-    done_cost = done_s = 0.0
-    remaining_cost = sum(ARMS[a].cost for a, _ in plan)
+    runs = {(a, s): {"arm": a, "seed": s, "command": shlex.join([*command, *argvs[(a, s)]]),
+                     "argv": argvs[(a, s)], "dev": None, "status": "not run", "seconds": None,
+                     "environment": None} for a, s in plan}  # fmt: skip
     t_start = time.perf_counter()
-    run_env = _environment()  # recorded with every run (a resumed table may mix sessions)
-    for i, (a, s) in enumerate(plan):
-        name = run_name(a, s)
-        run_dir = runs_dir / name
-        cmd = [*command, *argvs[(a, s)]]
-        record: dict[str, Any] = {"arm": a, "seed": s, "command": shlex.join(cmd), "argv": cmd[1:], "dev": None,
-                                  "status": "not run", "seconds": None}  # fmt: skip
-        runs[(a, s)] = record
-        results = _read_results(run_dir)
-        prefix = f"[claims] {i + 1}/{len(plan)} {name}"
-        if results is not None:
-            saved = (
-                json.loads((run_dir / "claims_run.json").read_text())
-                if (run_dir / "claims_run.json").is_file()
-                else {}
-            )
-            if saved.get("argv") != record["argv"][1:]:
-                print(f"{PROG}: error: {run_dir} holds a run with other options than this one's ({shlex.join(record['argv'])}); "
-                      "use another --out or move that folder", file=sys.stderr)  # fmt: skip
-                return 2
-            record.update(dev=results["dev"], status="done (earlier)", seconds=saved.get("seconds"))
-            remaining_cost -= ARMS[a].cost
-            print(f"{prefix}: finished earlier, skipped (dev overall {_num(metric_value(results['dev'], 'overall'), 4)})",
-                  file=sys.stderr, flush=True)  # fmt: skip
-            continue
-        print(f"{prefix}: start ({budget} updates): {record['command']}", file=sys.stderr, flush=True)
-        t0 = time.perf_counter()
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        log = runs_dir / f"{name}.log"
-        try:
-            with open(log, "w") as fh:
-                proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
-        except KeyboardInterrupt:
-            print(f"{PROG}: stopped; the finished runs are kept and a rerun skips them", file=sys.stderr)
-            status = 130
-            break
-        seconds = time.perf_counter() - t0
-        record["seconds"] = seconds
-        results = _read_results(run_dir) if proc.returncode == 0 else None
-        if proc.returncode < 0 or proc.returncode in (130, 143):
-            print(f"{PROG}: the run {name} was stopped (exit {proc.returncode}); a rerun starts it again",
-                  file=sys.stderr)  # fmt: skip
-            status = 128 + (-proc.returncode if proc.returncode < 0 else proc.returncode - 128)
-            break
-        if results is None:
-            record["status"] = f"failed (exit {proc.returncode}, see {log})"
-            status = 1
-            print(
-                f"{prefix}: FAILED (exit {proc.returncode}); its output: {log}", file=sys.stderr, flush=True
-            )
-            continue
-        (run_dir / "claims_run.json").write_text(
-            json.dumps({"argv": record["argv"][1:], "seconds": seconds, "environment": run_env})
-        )
-        if not opts.keep_checkpoints and (run_dir / "checkpoints").is_dir():
-            shutil.rmtree(run_dir / "checkpoints")
-        record.update(dev=results["dev"], status="done")
-        done_cost += ARMS[a].cost
-        done_s += seconds
-        remaining_cost -= ARMS[a].cost
-        eta = remaining_cost * done_s / done_cost
-        print(f"{prefix}: done in {seconds:.0f} s, dev overall {_num(metric_value(results['dev'], 'overall'), 4)}"
-              f"{'' if opts.keep_checkpoints else ' (checkpoints/ removed, best/ kept)'}; ETA {_fmt_time(eta)}",
-              file=sys.stderr, flush=True)  # fmt: skip
+    status = _execute(plan, runs, command, runs_dir, budget, opts)
+    if status == 2:
+        return 2
     summary = summarize(findings, runs, seeds)
     env = _environment()
-    unfinished = [run_name(a, s) for (a, s), r in runs.items() if r["dev"] is None] + [
-        run_name(a, s) for a, s in plan if (a, s) not in runs
-    ]
-    header = (
-        f"# fastpals claims: {len(findings)} finding(s), {budget} updates per run, seeds {', '.join(map(str, seeds))}\n\n"
-        f"Every run: `{' '.join(DEFAULT_COMMON)} {' '.join(common)}`, one epoch of {budget} updates, its arm's options "
-        f"and seed. Device: {env['device']}; python {env['python']}, torch {env['torch']}, fastpals {env['fastpals']}, "
-        f"commit {env['commit']}; written {env['date']}. Runs finished: {len(plan) - len(unfinished)} of {len(plan)}"
-        + (f"; not finished: {', '.join(unfinished)}." if unfinished else ".")
-    )  # fmt: skip
+    unfinished = [run_name(a, s) for a, s in plan if runs[(a, s)]["dev"] is None]
+    header = _header(findings, budget, seeds, common, env, runs, plan, unfinished)
     write_markdown(summary, out / "claims.md", header, seeds)
     data = {"budget": budget, "seeds": seeds, "common": [*DEFAULT_COMMON, *common], "environment": env,
             "wall_s_this_session": time.perf_counter() - t_start,
-            "runs": [runs.get((a, s)) or {"arm": a, "seed": s, "status": "not run", "dev": None,
-                                          "command": shlex.join([*command, *argvs[(a, s)]])} for a, s in plan],
+            "runs": [runs[(a, s)] for a, s in plan],
             "findings": summary}  # fmt: skip
     (out / "claims.json").write_text(json.dumps(_jsonable(data), indent=1))
     plot_claims(summary, out / "claims.png", f"fastpals claims: {budget} updates per run, {n_seeds} seed(s)")
