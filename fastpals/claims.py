@@ -518,6 +518,13 @@ def _header(
     )  # fmt: skip
 
 
+def _without_out(argv: Sequence[str]) -> list[str]:
+    """``argv`` without its ``--out DIR``."""
+    argv = list(argv)
+    i = argv.index("--out") if "--out" in argv else -1
+    return argv[:i] + argv[i + 2 :] if i >= 0 else argv
+
+
 def _check_earlier(run_dir: Path, argv: Sequence[str]) -> dict[str, Any] | None:
     """The ``claims_run.json`` of a finished run in ``run_dir`` (None when it has no ``results.json``); raises
     :class:`ValueError` when that run had other options."""
@@ -525,7 +532,7 @@ def _check_earlier(run_dir: Path, argv: Sequence[str]) -> dict[str, Any] | None:
         return None
     path = run_dir / "claims_run.json"
     saved = json.loads(path.read_text()) if path.is_file() else {}
-    if saved.get("argv") != list(argv):
+    if _without_out(saved.get("argv") or []) != _without_out(argv):  # a moved claims folder still matches
         raise ValueError(f"{run_dir} holds a run with other options than {shlex.join(argv)}; use another --out or "
                          "move that folder")  # fmt: skip
     return saved
@@ -556,8 +563,9 @@ def _execute(
             pending.append((i, a, s))
             continue
         results = _read_results(run_dir)
-        record.update(dev=results["dev"], status="done", seconds=saved.get("seconds"),
-                      environment=saved.get("environment"))  # fmt: skip
+        record.update(dev=results["dev"], status="done", seconds=saved.get("seconds"), argv=saved["argv"],
+                      environment=saved.get("environment"),
+                      command=saved.get("command") or shlex.join([*command, *saved["argv"]]))  # fmt: skip
         remaining -= ARMS[a].cost
         print(f"[claims] {i + 1}/{len(plan)} {run_name(a, s)}: finished earlier, skipped (dev overall "
               f"{_num(metric_value(results['dev'], 'overall'), 4)})", file=sys.stderr, flush=True)  # fmt: skip
@@ -607,7 +615,14 @@ def _execute(
                     continue
                 run_env = {**session_env, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
                 (run_dir / "claims_run.json").write_text(
-                    json.dumps({"argv": record["argv"], "seconds": seconds, "environment": run_env})
+                    json.dumps(
+                        {
+                            "command": record["command"],
+                            "argv": record["argv"],
+                            "seconds": seconds,
+                            "environment": run_env,
+                        }
+                    )  # fmt: skip
                 )
                 if not opts.keep_checkpoints and (run_dir / "checkpoints").is_dir():
                     shutil.rmtree(run_dir / "checkpoints")
