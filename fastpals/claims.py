@@ -408,10 +408,12 @@ def plot_claims(summary: list[dict[str, Any]], path: Path, title: str) -> Path:
         if ref["scores"]:
             ax.axhline(ref["mean"], color="black", linestyle="--", linewidth=0.8, label="single-task models")
             ax.legend(fontsize=6, loc="best", frameon=False)
+        ax.set_xlim(-0.5, len(arms) - 0.5)  # an arm without a finished run keeps its column
         ax.set_xticks(range(len(arms)))
         ax.set_xticklabels(arms, rotation=30, ha="right", fontsize=7)
         f = item["finding"]
-        verdicts = ", ".join(c["verdict"] for c in item["comparisons"])
+        counts = [c["verdict"] for c in item["comparisons"]]
+        verdicts = ", ".join(f"{counts.count(v)} {v}" for v in dict.fromkeys(counts))
         ax.set_title(f"{f.key}: {verdicts}", fontsize=8)
         ax.set_ylabel(f"dev {f.metric}", fontsize=7)
         ax.tick_params(axis="y", labelsize=7)
