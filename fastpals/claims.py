@@ -436,6 +436,19 @@ def _jsonable(x: Any) -> Any:
     return x
 
 
+def _cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux, else the machine type)."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _environment() -> dict[str, str]:
     import platform
 
@@ -449,7 +462,7 @@ def _environment() -> dict[str, str]:
     from fastpals import __version__
 
     device = (torch.cuda.get_device_name() if torch.cuda.is_available()
-              else f"CPU ({platform.processor() or platform.machine()}), {os.cpu_count()} cores")  # fmt: skip
+              else f"CPU ({_cpu_name()}), {os.cpu_count()} cores")  # fmt: skip
     return {"device": device, "python": platform.python_version(), "torch": torch.__version__,
             "fastpals": __version__, "commit": commit,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}  # fmt: skip
