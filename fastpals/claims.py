@@ -528,7 +528,8 @@ def _header(
         f"{', '.join(map(str, seeds))}\n\n"
         f"Every run: its arm's options, then `{' '.join(DEFAULT_COMMON)} {' '.join(common)}`, one epoch of {budget} "
         f"updates, its seed (the exact command lines: claims.json). Runs: {where}. Table written {env['date']} "
-        f"(commit {env['commit']}). Runs finished: {len(plan) - len(unfinished)} of {len(plan)}"
+        f"(commit {env['commit']}). Runs finished: {len(plan) - len(unfinished)} of {len(plan)}, "
+        f"{_fmt_time(sum(r['seconds'] or 0.0 for r in runs.values()))} of run time"
         + (f"; **not finished**: {', '.join(unfinished)}." if unfinished else ".")
     )  # fmt: skip
 
@@ -728,9 +729,11 @@ def main(argv: list[str] | None = None) -> int:
     env = _environment()
     unfinished = [run_name(a, s) for a, s in plan if runs[(a, s)]["dev"] is None]
     header = _header(findings, budget, seeds, common, env, runs, plan, unfinished)
+    out.mkdir(parents=True, exist_ok=True)
     write_markdown(summary, out / "claims.md", header, seeds)
     data = {"budget": budget, "seeds": seeds, "common": [*DEFAULT_COMMON, *common], "environment": env,
             "wall_s_this_session": time.perf_counter() - t_start,
+            "run_s_total": sum(r["seconds"] or 0.0 for r in runs.values()),
             "runs": [runs[(a, s)] for a, s in plan],
             "findings": summary}  # fmt: skip
     (out / "claims.json").write_text(json.dumps(_jsonable(data), indent=1))

@@ -121,7 +121,7 @@ def test_quick_end_to_end_resumes_and_reproduces(tiny, tmp_path, capsys):
         (c,) = f["comparisons"]
         assert c["seeds"] == [0, 1] and c["verdict"] in ("holds", "reversed", "not resolved")
     md = (tmp_path / "claims.md").read_text()
-    assert "| 004-para | 004 | pal_full > base | para |" in md and "Runs finished: 4 of 4." in md
+    assert "| 004-para | 004 | pal_full > base | para |" in md and "Runs finished: 4 of 4, " in md
     assert not (tmp_path / "runs" / "base-s0" / "checkpoints").exists()  # removed, as the progress line says
     # a stopped table continues: the finished runs are skipped, the missing one runs again from its command line
     removed = record["runs"][3]
