@@ -2,7 +2,8 @@
 (= ``python -m fastpals.predict ...``), ``fastpals env`` (= ``python -m fastpals.env``),
 ``fastpals compare RECIPE... --budget STEPS`` (several recipes on one budget: :mod:`fastpals.compare`),
 ``fastpals memory ...`` (the predicted peak memory of a training step: :mod:`fastpals.memory`),
-``fastpals export ...`` (one task in another library's format: :mod:`fastpals.export`)."""
+``fastpals export ...`` (one task in another library's format: :mod:`fastpals.export`), ``fastpals claims`` (the
+five reports' findings re-run over several seeds: :mod:`fastpals.claims`)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,15 @@ import sys
 
 __all__ = ["main"]
 
-USAGE = """usage: fastpals {train,predict,env,compare,memory,export} [options]
+USAGE = """usage: fastpals {train,predict,env,compare,claims,memory,export} [options]
 
   train     multi-task fine-tuning with DeepSpeed (same options as train.py; `fastpals train --help`)
   predict   run a trained model on the test files or on given sentences (`fastpals predict --help`)
   env       versions, devices and kernel back-ends of this installation
   compare   train several recipes on the same budget and data; a table and a bar chart
             (`fastpals compare --help`)
+  claims    re-run the five reports' findings over several seeds; which hold, with 95% intervals
+            (`fastpals claims --help`)
   memory    predict the peak memory of a training step and what fits a T4 / A100 / H100 / this CPU
             (traced on fake tensors, offline; `fastpals memory --help`)
   export    one task of a trained model as a sentence-transformers model (`fastpals export --help`)
@@ -45,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
         from fastpals.compare import main as compare_main
 
         return compare_main(rest)
+    if command == "claims":
+        from fastpals.claims import main as claims_main
+
+        return claims_main(rest)
     if command == "memory":
         from fastpals.memory import main as memory_main
 

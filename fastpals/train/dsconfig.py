@@ -210,6 +210,10 @@ def check_ds_config(
         # does) or several ranks (partitioned optimizer state); one fp32 process gains nothing from it
         zero["stage"] = 1 if _enabled(out, "bf16") or _enabled(out, "fp16") or world_size > 1 else 0
     _resolve_grad_accum_dtype(out, surgery, name)
+    if (out.get("zero_optimization") or {}).get("stage", 0) in (1, 2):
+        # the optimizer is always fastpals' own torch one (--optimizer adamw, sgd or rmsprop); DeepSpeed's ZeRO
+        # wraps any torch optimizer but refuses all but its tested few unless told
+        out.setdefault("zero_allow_untested_optimizer", True)
     accum = 1 if surgery != "none" else grad_accum
     micro = out.setdefault("train_micro_batch_size_per_gpu", batch_size)
     if micro != batch_size:

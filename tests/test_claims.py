@@ -1,0 +1,150 @@
+"""``fastpals claims``: the statistics against hand-computed cases (Student-t quantiles from a printed table), the
+findings table as data, and ``--quick`` end to end on a tiny random BERT: the three files, a resumed run that
+skips the finished runs and reproduces a removed run's dev scores from its recorded command line."""
+
+import json
+import math
+import shlex
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_fixtures import make_tiny_data, make_tiny_model  # noqa: E402
+
+from fastpals.claims import (  # noqa: E402
+    ARMS,
+    FINDINGS,
+    QUICK_FINDINGS,
+    REFERENCE_ARMS,
+    main,
+    metric_value,
+    paired_interval,
+    reference_scores,
+    verdict,
+)
+
+T_975 = {
+    1: 12.706,
+    2: 4.303,
+    4: 2.776,
+}  # Student-t 0.975 quantiles, df 1, 2, 4 (any printed table, 3 decimals)
+
+
+def test_paired_interval_matches_a_hand_computed_case():
+    # differences 0.02, 0.03, 0.04: mean 0.03, sd 0.01, half width t(0.975, 2) * 0.01 / sqrt(3) = 0.02484
+    iv = paired_interval([0.70, 0.72, 0.75], [0.68, 0.69, 0.71])
+    assert iv["n"] == 3
+    assert iv["mean"] == pytest.approx(0.03, abs=1e-12)
+    assert iv["sd"] == pytest.approx(0.01, abs=1e-12)
+    half = T_975[2] * 0.01 / math.sqrt(3)
+    assert iv["lo"] == pytest.approx(
+        0.03 - half, abs=3e-6
+    )  # the table rounds t to 3 decimals: |error| <= 5e-4 * 0.01 / sqrt(3)
+    assert iv["hi"] == pytest.approx(
+        0.03 + half, abs=3e-6
+    )  # the table rounds t to 3 decimals: |error| <= 5e-4 * 0.01 / sqrt(3)
+    assert verdict(iv) == "holds"
+    assert verdict(paired_interval([0.68, 0.69, 0.71], [0.70, 0.72, 0.75])) == "reversed"
+    # two seeds, differences 0.1 and -0.05: mean 0.025, sd 0.075 * sqrt(2) = 0.10607, half 12.706 * 0.075 = 0.953
+    iv = paired_interval([0.6, 0.5], [0.5, 0.55])
+    assert iv["sd"] == pytest.approx(0.075 * math.sqrt(2), abs=1e-12)
+    assert (iv["lo"], iv["hi"]) == pytest.approx(
+        (0.025 - T_975[1] * 0.075, 0.025 + T_975[1] * 0.075), abs=1e-3
+    )
+    assert verdict(iv) == "not resolved"
+    # five seeds, differences 1..5 (mean 3, sd sqrt(2.5)): half = 2.776 * sqrt(2.5 / 5)
+    iv = paired_interval([1.0, 2.0, 3.0, 4.0, 5.0], [0.0] * 5)
+    assert (iv["lo"], iv["hi"]) == pytest.approx(
+        (3 - T_975[4] * math.sqrt(0.5), 3 + T_975[4] * math.sqrt(0.5)), abs=1e-3
+    )
+    one = paired_interval([0.7], [0.6])  # one seed: a difference, no interval
+    assert one["mean"] == pytest.approx(0.1) and math.isnan(one["lo"]) and verdict(one) == "not resolved"
+    with pytest.raises(ValueError, match="same seeds"):
+        paired_interval([0.7, 0.8], [0.6])
+
+
+def test_metric_value():
+    dev = {"sst": 0.5, "para": 0.7, "sts": 0.6, "overall": 0.0}
+    assert metric_value(dev, "overall") == pytest.approx((0.5 + 0.7 + 0.8) / 3)
+    assert metric_value({**dev, "sts": None}, "overall") == pytest.approx((0.5 + 0.7 + 0.5) / 3)  # r nan -> 0
+    assert metric_value(dev, "para") == 0.7
+    assert math.isnan(metric_value({"sst": 0.5}, "overall")) and math.isnan(
+        metric_value({"sst": 0.5}, "para")
+    )
+    runs = {("single_sst", 0): {"dev": {"sst": 0.5, "overall": 0.5}}, ("single_para", 0): {"dev": {"para": 0.7}},
+            ("single_sts", 0): {"dev": {"sts": 0.6}}, ("single_sst", 1): {"dev": {"sst": 0.4}}}  # fmt: skip
+    assert reference_scores(runs, [0, 1], "overall") == {0: pytest.approx((0.5 + 0.7 + 0.8) / 3)}
+    assert reference_scores(runs, [0, 1], "sst") == {0: 0.5, 1: 0.4}
+
+
+def test_the_findings_table():
+    from fastpals.train.cli import parse_args
+
+    assert {f.report for f in FINDINGS} == {"000", "001", "002", "003", "004"}
+    assert len({f.key for f in FINDINGS}) == len(FINDINGS) and set(QUICK_FINDINGS) <= {
+        f.key for f in FINDINGS
+    }
+    for f in FINDINGS:
+        assert f.comparisons and f.metric in ("overall", "sst", "para", "sts"), f.key
+        assert all(a in ARMS for a in f.arm_names()), f.key
+    options = [a.options for a in ARMS.values()]
+    assert len(set(options)) == len(options)  # an arm that two findings share is one arm, run once per seed
+    assert all(a in ARMS for a in REFERENCE_ARMS)
+    for arm in ARMS.values():  # every arm is a valid train.py option set
+        parse_args([*arm.options, "--out", "unused"])
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("claims")
+    return make_tiny_data(root / "data", n=16), make_tiny_model(root / "model")
+
+
+def test_quick_end_to_end_resumes_and_reproduces(tiny, tmp_path, capsys):
+    data, model = tiny
+    opts = ["--quick", "--jobs", "2", "--out", str(tmp_path), "--model", str(model), "--data-dir", str(data),
+            "--max-length", "16", "--batch-size", "4", "--max-eval", "8"]  # fmt: skip
+    assert main(opts) == 0
+    for name in ("claims.md", "claims.json", "claims.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    record = json.loads((tmp_path / "claims.json").read_text())
+    assert [(r["arm"], r["seed"]) for r in record["runs"]] == [("base", 0), ("base", 1), ("pal_full", 0),
+                                                                ("pal_full", 1)]  # fmt: skip
+    assert all(
+        r["status"] == "done" and r["dev"] and "--seed" in shlex.split(r["command"]) for r in record["runs"]
+    )
+    assert [f["finding"]["key"] for f in record["findings"]] == list(QUICK_FINDINGS)
+    for f in record["findings"]:
+        (c,) = f["comparisons"]
+        assert c["seeds"] == [0, 1] and c["verdict"] in ("holds", "reversed", "not resolved")
+    md = (tmp_path / "claims.md").read_text()
+    assert "| 004-para | 004 | pal_full > base | para |" in md and "Runs finished: 4 of 4, " in md
+    assert not (tmp_path / "runs" / "base-s0" / "checkpoints").exists()  # removed, as the progress line says
+    # a stopped table continues: the finished runs are skipped, the missing one runs again from its command line
+    removed = record["runs"][3]
+    shutil.rmtree(tmp_path / "runs" / "pal_full-s1")
+    capsys.readouterr()
+    assert main(opts) == 0
+    err = capsys.readouterr().err
+    assert err.count("finished earlier, skipped") == 3 and "pal_full-s1: done" in err
+    again = json.loads((tmp_path / "claims.json").read_text())["runs"][3]
+    assert again["command"] == removed["command"]
+    for task, value in removed["dev"].items():  # the same seed and options: the same dev scores
+        assert (value is None and again["dev"][task] is None) or abs(again["dev"][task] - value) <= 0.005, (
+            task
+        )
+    assert main([*opts, "--report"]) == 0  # trains nothing
+    assert "start (" not in capsys.readouterr().err
+
+
+def test_bad_options(tmp_path, capsys):
+    safe = ["--report", "--out", str(tmp_path)]  # should a check fail to refuse, nothing trains
+    assert main(["--only", "nope", *safe]) == 2
+    assert "no such finding" in capsys.readouterr().err
+    assert main(["--seed", "3", *safe]) == 2  # not an abbreviation of --seeds: a per-run option claims sets
+    assert "set by claims itself" in capsys.readouterr().err
+    assert main(["--seeds", "0", *safe]) == 2
+    assert main(["--jobs", "0", *safe]) == 2
