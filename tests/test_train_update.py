@@ -248,7 +248,7 @@ def test_trainer_updates_read_the_device_once(tmp_path):
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
     result = json.loads(line[len("RESULT ") :])
     for name, r in result.items():
-        assert r["micro_batches"] >= (1 if name == "mixed/one_backward" else 2), (name, r)
+        assert r["micro_batches"] >= (1 if name.startswith("mixed/one_backward") else 2), (name, r)
         assert sum(r["train"].values()) == 1, (name, r)
         assert r["buffer"] == 0, (name, r)  # one rank: apply's flags are read with the update's losses
         assert set(r["stats"]["loss"]) <= {"sst", "para", "sts"} and r["stats"]["examples"] > 0, (name, r)
