@@ -142,26 +142,47 @@ def _many_task_batch(t: int, generator: torch.Generator):
 @pytest.mark.parametrize("name", ["sum", "mean", "pcgrad", "gem", "upgrad", "mgda", "dualproj", "imtlg", "cagrad",
                                   "alignedmtl", "fairgrad", "nashmtl", "gradvac"])  # fmt: skip
 def test_64_tasks_train_three_updates_with_every_aggregator(name):
-    """A 64-task model (PALs, heads) trains 3 one-backward surgery updates (buffer mode) with each aggregator:
-    finite weights of 64 tasks, every update applied, the shared weights move."""
-    from fastpals.surgery import TaskGradientBuffer, make_weighting, shared_parameters_by_name
+    """A 64-task model (PALs, heads) trains 3 one-backward surgery updates with each aggregator, in the buffer
+    mode and in the streaming mode from the same start and batches: finite weights of 64 tasks, every update
+    applied, the shared weights move, and both modes give the same weights and parameters."""
+    from fastpals.surgery import (
+        StreamingTaskGradients,
+        TaskGradientBuffer,
+        make_weighting,
+        shared_parameters_by_name,
+    )
     from fastpals.train.step import Surgery, TorchEngine, run_update
 
     t = 64
-    model = _many_task_model(t)
-    shared, specific = shared_parameters_by_name(model)
-    aggregator, _state = make_weighting(name)
-    surgery = Surgery(TaskGradientBuffer(shared, t, task_params=specific), aggregator, torch.Generator())
-    engine = TorchEngine(model, torch.optim.SGD(model.parameters(), lr=1e-2))
-    shared_list = [p for _n, p in shared] if shared and isinstance(shared[0], tuple) else list(shared)
-    before = [p.detach().clone() for p in shared_list]
-    gen = torch.Generator().manual_seed(0)
-    for step in range(1, 4):
-        result = run_update(engine, [_many_task_batch(t, gen)], "one_backward", surgery=surgery, step=step)
-        assert result.stepped and len(result.loss) == t
-        w = result.surgery.weights
-        assert w.shape == (t,) and torch.isfinite(w).all()
-    assert any(not torch.equal(a, p) for a, p in zip(before, shared_list))
+    runs = {}
+    for mode in ("buffer", "stream"):
+        model = _many_task_model(t)
+        shared, specific = shared_parameters_by_name(model)
+        aggregator, _state = make_weighting(name)
+        if mode == "buffer":
+            rows = TaskGradientBuffer(shared, t, task_params=specific)
+        else:
+            rows = StreamingTaskGradients(shared, t, task_params=specific, policy="stream")
+        surgery = Surgery(rows, aggregator, torch.Generator().manual_seed(1))
+        engine = TorchEngine(model, torch.optim.SGD(model.parameters(), lr=1e-2))
+        shared_list = [p for _n, p in shared] if shared and isinstance(shared[0], tuple) else list(shared)
+        before = [p.detach().clone() for p in shared_list]
+        gen = torch.Generator().manual_seed(0)
+        weights = []
+        for step in range(1, 4):
+            result = run_update(
+                engine, [_many_task_batch(t, gen)], "one_backward", surgery=surgery, step=step
+            )
+            assert result.stepped and len(result.loss) == t, mode
+            w = result.surgery.weights
+            assert w.shape == (t,) and torch.isfinite(w).all(), mode
+            weights.append(w.detach().clone())
+        assert any(not torch.equal(a, p) for a, p in zip(before, shared_list)), mode
+        runs[mode] = (weights, [p.detach().clone() for p in model.parameters()])
+    for a, b in zip(runs["buffer"][0], runs["stream"][0]):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+    for a, b in zip(runs["buffer"][1], runs["stream"][1]):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------------------------
