@@ -261,7 +261,15 @@ def _build_model(spec: StepSpec, bert: Any) -> torch.nn.Module:
     from fastpals.tasks import resolve_tasks
     from fastpals.train.args import PAL_PRESETS
 
-    specs = resolve_tasks(list(spec.tasks))
+    # "sst:3": a copy of a built-in task under its own name (``--tasks N`` plans N tasks)
+    specs = [
+        dataclasses.replace(resolve_tasks([name.split(":")[0]])[0], name=name) if ":" in name else None
+        for name in spec.tasks
+    ]
+    if not any(specs):
+        specs = resolve_tasks(list(spec.tasks))
+    elif not all(specs):
+        raise ValueError("--tasks: give built-in names and files, or a number of tasks, not both")
     preset = PAL_PRESETS[spec.pal]
     pal = None
     if preset is not None:
@@ -780,7 +788,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="bert-base-uncased, bert-large-uncased, minilm-l6 (shipped, offline), a folder with "
                    "config.json, a config.json, or a Hub name (default: minilm-l6)")  # fmt: skip
     p.add_argument(
-        "--tasks", default="sst,para,sts", help="comma-separated tasks, as for train (default sst,para,sts)"
+        "--tasks",
+        default="sst,para,sts",
+        help="comma-separated tasks, as for train (default sst,para,sts), or a number N: N tasks (copies of sst, "
+        "para and sts in turn)",
     )
     p.add_argument("--batch-size", type=int, default=32, help="examples per micro-batch (default 32)")
     p.add_argument(
@@ -832,7 +843,10 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.table).write_text(text, encoding="utf-8")
             print(f"wrote {args.table}")
             return 0
-        tasks = tuple(t.strip() for t in args.tasks.split(",") if t.strip())
+        if args.tasks.strip().isdigit():  # N tasks: copies of sst, para and sts in turn
+            tasks = tuple(f"{('sst', 'para', 'sts')[i % 3]}:{i}" for i in range(int(args.tasks)))
+        else:
+            tasks = tuple(t.strip() for t in args.tasks.split(",") if t.strip())
         spec = StepSpec(
             model=args.model, tasks=tasks, max_length=args.max_length, precision=args.precision, pal=args.pal,
             surgery=args.surgery, surgery_mode=args.surgery_mode, buffer_dtype=args.surgery_buffer_dtype,
