@@ -526,18 +526,37 @@ def _fit_line(spec: StepSpec, traces: Sequence[StepTrace]) -> tuple[float, float
     return p1 - slope * b1, slope
 
 
+#: extra traces of :func:`largest_batches` where the first two sit below the batch-dependent part of the peak
+_REFINE_STEPS = 3
+#: the largest batch :func:`largest_batches` traces
+_MAX_PROBE = 32768
+
+
 def largest_batches(
     spec: StepSpec, devices: Sequence[str] = tuple(DEVICES), probes: tuple[int, int] | None = None
 ) -> tuple[dict[str, int | None], dict[str, float]]:
-    """Per device the largest batch whose predicted peak fits, from two traces and the straight line through
-    them (the peak is linear in the batch at a fixed length: ``tests/test_memory.py`` checks it). ``probes``: the
-    two batch sizes traced (default 16 and 32 examples per task). Returns ``(largest, {"intercept_bytes",
-    "bytes_per_example"})``."""
+    """Per device the largest batch whose predicted peak fits, from the straight line through two traces (the
+    peak is linear in the batch at a fixed length where the activations make it: ``tests/test_memory.py`` checks
+    it). ``probes``: the two batch sizes traced first (default 16 and 32 examples per task). Where the line says
+    the largest device holds far more than the probes (the peak at the probes is a part that does not grow with
+    the batch, e.g. the model states and surgery rows with activation checkpointing: the batch-proportional part
+    of the line is under half the last trace's peak), up to
+    :data:`_REFINE_STEPS` more traces at that predicted limit (at most :data:`_MAX_PROBE` examples) replace the
+    line by the one through the last two traces. Returns ``(largest, {"intercept_bytes", "bytes_per_example"})``."""
     t = len(spec.tasks)
     probes = probes or (
         (16, 32) if spec.surgery_mode == "per_task" and spec.surgery != "none" else (16 * t, 32 * t)
     )
-    a, c = _fit_line(spec, [trace_step(spec, b) for b in probes])
+    traces = [trace_step(spec, b) for b in probes]
+    a, c = _fit_line(spec, traces[-2:])
+    usable = [DEVICES[n].usable_bytes for n in devices if DEVICES[n].supports(spec.precision) is None]
+    for _ in range(_REFINE_STEPS if usable else 0):
+        limit = (max(usable) - a) / c if c > 0 else math.inf
+        last = traces[-1].batch_size
+        if c * last >= 0.5 * traces[-1].peak_bytes or limit <= 2 * last or last >= _MAX_PROBE:
+            break  # the batch makes most of the peak already, or the limit is near
+        traces.append(trace_step(spec, int(min(limit, _MAX_PROBE))))
+        a, c = _fit_line(spec, traces[-2:])
     out: dict[str, int | None] = {}
     for name in devices:
         device = DEVICES[name]
@@ -601,7 +620,11 @@ def _gib(n: float) -> str:
 def format_plan(plan: MemoryPlan) -> str:
     """The text ``fastpals memory`` prints."""
     s = plan.spec
-    surgery = "none" if s.surgery == "none" else f"{s.surgery} ({s.surgery_mode.replace('_', ' ')})"
+    surgery = (
+        "none"
+        if s.surgery == "none"
+        else f"{s.surgery} ({s.surgery_mode.replace('_', ' ')}, {s.rows_dtype} rows)"
+    )
     batch = (
         f"{plan.batch_size} examples per task micro-batch ({len(s.tasks)} backwards)"
         if s.surgery != "none" and s.surgery_mode == "per_task"
