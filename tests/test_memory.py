@@ -190,3 +190,14 @@ def test_shipped_configs() -> None:
     assert load_bert_config("bert-large-uncased").num_hidden_layers == 24
     assert load_bert_config("bert-base-uncased").hidden_size == 768
     assert load_bert_config("minilm-l6").hidden_size == 384
+
+
+def test_a_number_of_tasks_plans_that_many_and_shows_every_surgery_memory(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    argv = ["--tasks", "4", "--batch-size", "4", "--max-length", "16", "--surgery", "pcgrad"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "tasks sst:0,para:1,sts:2,sst:3;" in out
+    assert "surgery memory modes" in out and "buffer" in out and "stream" in out
+    assert main(["--tasks", "sst,2", "--batch-size", "4"]) == 2
