@@ -26,3 +26,21 @@ def task_data_dir() -> str:
     if not os.path.isdir(path):
         pytest.fail(f"task data not found at {path}: set FASTPALS_DATA_DIR")
     return path
+
+
+_LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _launcher_variables_stay_in_their_test():
+    """An in-process run (train.py's ``main``, ``Trainer(args).run()``) sets the launcher variables DeepSpeed reads
+    in ``os.environ`` and keeps its process group's store listening on ``MASTER_PORT``. Put them back after each
+    test, so a later test's ``train.py`` subprocess picks a free port of its own instead of inheriting that one
+    (EADDRINUSE)."""
+    before = {key: os.environ.get(key) for key in _LAUNCHER_VARIABLES}
+    yield
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
