@@ -501,6 +501,8 @@ class MemoryPlan:
     fit: dict[str, float] | None = None
     largest_batch: dict[str, int | None] | None = None
     surgery_modes: dict[str, int] | None = None
+    #: per device, what ``--surgery-memory auto`` picks there (fastpals.surgery.memory_mode.plan_auto_modes)
+    auto_modes: dict[str, dict[str, str]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready (``--json``)."""
@@ -610,6 +612,13 @@ def plan_memory(
             trace_step(dataclasses.replace(spec, surgery_memory=mode), batch_size).peak_bytes
             for mode in SURGERY_MEMORIES
         }  # fmt: skip
+        from fastpals.surgery.memory_mode import plan_auto_modes
+
+        plan.auto_modes = plan_auto_modes(
+            load_bert_config(spec.model), len(spec.tasks), trace.shared_params, batch_size * spec.max_length,
+            spec.max_length, spec.precision, spec.rows_dtype, spec.buffer_dtype, plan.surgery_modes["buffer"],
+            {name: d.usable_bytes for name, d in DEVICES.items()},
+        )  # fmt: skip
     return plan
 
 
@@ -652,8 +661,10 @@ def format_plan(plan: MemoryPlan) -> str:
         lines.append(
             f"surgery memory modes (--surgery-memory; predicted peak per rank): buffer "
             f"{_gib(plan.surgery_modes['buffer'])} ([T, P] rows: {_gib(rows)}), stream "
-            f"{_gib(plan.surgery_modes['stream'])}, auto {_gib(plan.surgery_modes['auto'])} (streaming, each layer's "
-            f"task rows kept where smaller than its kept activations); this plan: {s.surgery_memory}"
+            f"{_gib(plan.surgery_modes['stream'])}, auto's streaming {_gib(plan.surgery_modes['auto'])} (each "
+            f"layer's task rows kept where smaller than its kept activations); this plan: {s.surgery_memory}; "
+            f"auto picks per device (below): the buffer where its peak fits with a margin and its rows are small "
+            f"beside the activations, else streaming"
         )
     lines.append("fits (memory left to tensors):")
     for name, d in plan.devices.items():
@@ -662,6 +673,9 @@ def format_plan(plan: MemoryPlan) -> str:
         if plan.largest_batch is not None:
             lb = plan.largest_batch.get(name)
             extra = f"; largest batch {lb if lb is not None else '-'}"
+        if plan.auto_modes is not None:
+            pick = plan.auto_modes[name]
+            extra += f"; auto: {pick['mode']} ({pick['why']})"
         lines.append(
             f"  {name:<8} {d['label']:<14} {_gib(d['usable_bytes']):>10}  {verdict:<12} {d['note']}{extra}"
         )

@@ -164,8 +164,9 @@ class TrainArgs:
     surgery_memory: str = opt(
         "--batching mixed surgery: buffer (the [tasks, shared parameters] rows), stream (no such rows: the Gram "
         "layer by layer in the one backward, the update by one weight-gradient GEMM per layer; memory flat in "
-        "the tasks), or auto (streaming with, per layer, the buffer's rows kept where they are smaller than that "
-        "layer's kept activations: the buffer at few tasks, streaming beyond; see fastpals.surgery.stream)",
+        "the tasks), or auto (the buffer where its predicted peak fits this device with a margin and its rows are "
+        "at most the activations, else streaming with, per layer, the rows kept where smaller than that layer's "
+        "kept activations; see fastpals.surgery.memory_mode)",
         choices=SURGERY_MEMORIES, default="buffer",
     )  # fmt: skip
     pal: str = opt(

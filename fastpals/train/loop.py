@@ -264,11 +264,17 @@ class Trainer:
         one_backward = (
             args.batching == "mixed"
         )  # per-task gradients from one backward bypass DeepSpeed's reduce
-        self.surgery_memory = surgery_memory_mode(args.surgery_memory, one_backward, rows)
+        choice = None
+        if args.surgery_memory == "auto" and one_backward and args.surgery_buffer_dtype != "bf16":
+            choice = self._auto_memory_mode(rows)
+        self.surgery_memory = surgery_memory_mode(
+            args.surgery_memory, one_backward, args.surgery_buffer_dtype, choice and choice.mode
+        )
         self.surgery_buffer = deepspeed_surgery_buffer(self.engine.module, len(args.task_list), self.zero_stage,
                                                        dtype, all_reduce=one_backward and self.world_size > 1,
                                                        memory=self.surgery_memory)  # fmt: skip
-        self.log(f"[setup] surgery {args.surgery}: {SURGERY_MEMORY_TEXT[self.surgery_memory]}")
+        why = f" (auto: {choice.why})" if choice is not None else ""
+        self.log(f"[setup] surgery {args.surgery}: {SURGERY_MEMORY_TEXT[self.surgery_memory]}{why}")
         self.aggregator, aggregator_state = make_weighting(
             args.surgery, **parse_surgery_options(args.surgery_opts)
         )
@@ -276,6 +282,22 @@ class Trainer:
             self.components["aggregator_state"] = aggregator_state
         self.surgery_generator = torch.Generator().manual_seed(self.args.seed)
         self.components["surgery_rng"] = GeneratorState(self.surgery_generator)
+
+    def _auto_memory_mode(self, rows: str) -> Any:
+        """``--surgery-memory auto``: :func:`fastpals.surgery.memory_mode.run_memory_mode` for this run."""
+        from fastpals.surgery import shared_parameters_by_name
+        from fastpals.surgery.memory_mode import run_memory_mode
+
+        args, module = self.args, self.engine.module
+        shared, _ = shared_parameters_by_name(module)
+        precision = "bf16" if self.ds_config.get("bf16", {}).get("enabled") else (
+            "fp16" if self.ds_config.get("fp16", {}).get("enabled") else "fp32"
+        )  # fmt: skip
+        tokens = args.max_tokens or args.batch_size * args.max_length
+        return run_memory_mode(
+            module, len(args.task_list), sum(p.numel() for p in shared), 2 if rows == "bf16" else 4, tokens,
+            args.max_length, precision, self.zero_stage, self.world_size, self.device,
+        )  # fmt: skip
 
     def output_sizes(self) -> tuple[int, int]:
         """Bytes of a checkpoint (the module's weights, fp32 master weights under bf16/fp16 and the optimizer's

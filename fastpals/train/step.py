@@ -351,12 +351,18 @@ SURGERY_MEMORY_TEXT = {
 }
 
 
-def surgery_memory_mode(option: str, one_backward: bool, buffer_dtype: str = "fp32") -> str:
+def surgery_memory_mode(
+    option: str, one_backward: bool, buffer_dtype: str = "fp32", auto_pick: str | None = None
+) -> str:
     """``--surgery-memory`` -> what :func:`deepspeed_surgery_buffer` builds: ``buffer``, ``stream`` or
-    ``smaller`` (``auto`` with one-backward surgery and fp32 rows: per layer the smaller of the task rows and the
-    kept activations; otherwise ``auto`` is the buffer: per-task backwards, or bf16 rows asked for)."""
+    ``smaller`` (``auto``'s streaming: per layer the smaller of the task rows and the kept activations).
+    ``auto`` is the buffer with per-task backwards or bf16 rows asked for (``buffer_dtype``: the
+    ``--surgery-buffer-dtype`` option); else ``auto_pick``, the mode that
+    :func:`fastpals.surgery.memory_mode.run_memory_mode` chose (``buffer`` or ``stream``; None: streaming)."""
     if option == "auto":
-        return "smaller" if one_backward and buffer_dtype == "fp32" else "buffer"
+        if not one_backward or buffer_dtype == "bf16" or auto_pick == "buffer":
+            return "buffer"
+        return "smaller"
     return option
 
 

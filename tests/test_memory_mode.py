@@ -1,0 +1,118 @@
+"""``--surgery-memory auto``: the decision (``fastpals.surgery.memory_mode``), the planner's per-GPU pick and the
+trainer's."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fastpals.surgery.memory_mode import (
+    FIT_SHARE,
+    choose_memory_mode,
+    estimate_activation_bytes,
+    plan_auto_modes,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+MIB = 2**20
+
+
+def test_the_buffer_where_it_fits_and_its_rows_are_small():
+    choice = choose_memory_mode(100 * MIB, 400 * MIB, 2000 * MIB, 16000 * MIB)
+    assert choice.mode == "buffer" and "fits" in choice.why
+
+
+def test_streaming_where_the_buffer_does_not_fit():
+    # rows small beside the activations, but the buffer's peak is over the margin of the device
+    choice = choose_memory_mode(100 * MIB, 400 * MIB, 15000 * MIB, 16000 * MIB)
+    assert choice.mode == "stream" and "over 90% of the device" in choice.why
+    # the same step on a device with room: the buffer; exactly at the margin: still the buffer
+    assert choose_memory_mode(100 * MIB, 400 * MIB, 15000 * MIB, 80000 * MIB).mode == "buffer"
+    assert choose_memory_mode(100 * MIB, 400 * MIB, int(FIT_SHARE * 1000 * MIB), 1000 * MIB).mode == "buffer"
+
+
+def test_streaming_where_the_rows_dominate():
+    choice = choose_memory_mode(500 * MIB, 400 * MIB, 2000 * MIB, 80000 * MIB)
+    assert choice.mode == "stream" and "rows" in choice.why and "activations" in choice.why
+    # an unknown device (0 bytes) checks the rows alone
+    assert choose_memory_mode(100 * MIB, 400 * MIB, 10**15, 0).mode == "buffer"
+
+
+def test_activation_estimate_within_15_percent_of_the_trace():
+    """The analytic activations (the trainer's, no trace) against the planner's traced saved activations."""
+    from fastpals.memory import StepSpec, load_bert_config, trace_step
+
+    bert = load_bert_config("minilm-l6")
+    trace = trace_step(StepSpec(model="minilm-l6", max_length=128, precision="fp32"), 16)
+    assert trace.peak_phase == "activations"
+    estimate = estimate_activation_bytes(
+        16 * 128, 128, bert.hidden_size, bert.num_hidden_layers, bert.num_attention_heads, "fp32"
+    )
+    assert abs(estimate / trace.at_peak["activations"] - 1) < 0.15, (estimate, trace.at_peak)
+
+
+def test_planner_pick_per_device():
+    """BERT-base, 4 tasks, 32 x 128 tokens, fp16 with fp32 rows (1.6 GiB, below the 2.6 GiB of activations): a
+    6 GiB buffer-mode peak fits an A100 but not a 4 GiB card; bf16 rows asked for: always the buffer."""
+    from fastpals.memory import load_bert_config
+
+    bert = load_bert_config("bert-base-uncased")
+    args = (bert, 4, 110_000_000, 32 * 128, 128, "fp16", "fp32", "auto")
+    picks = plan_auto_modes(*args, 6 * 2**30, {"small": 4 * 2**30, "a100-40": int(38.5 * 2**30)})
+    assert picks["small"]["mode"] == "stream" and "device" in picks["small"]["why"]
+    assert picks["a100-40"]["mode"] == "buffer"
+    picks = plan_auto_modes(*args[:-1], "bf16", 6 * 2**30, {"small": 4 * 2**30})
+    assert picks["small"] == {"mode": "buffer", "why": "bf16 rows asked for"}
+
+
+@pytest.mark.slow  # three fake traces of BERT-base (about 60 s on the loaded 2-core CPU); the rule is tested above
+def test_memory_cli_bert_base_8_tasks_names_auto_per_gpu(capsys):
+    from fastpals.memory import DEVICES, main
+
+    assert main(["--model", "bert-base-uncased", "--tasks", "8", "--surgery", "pcgrad"]) == 0
+    out = capsys.readouterr().out
+    assert "surgery memory modes" in out and "buffer" in out and "stream" in out
+    lines = [line for line in out.splitlines() if line.startswith("  ") and "auto:" in line]
+    assert len(lines) == len(DEVICES), out
+    # bf16 rows (1.6 GiB) below the activations (2.6 GiB): the buffer fits every GPU with room and is picked
+    assert all("auto: buffer" in line for line in lines), out
+
+
+TRAINER_SCRIPT = r"""
+import sys
+sys.path.insert(0, sys.argv[3])
+from fastpals.train.cli import parse_args
+from fastpals.train.loop import Trainer
+model, data, out = sys.argv[1], sys.argv[2], sys.argv[4]
+for batch, length in ((4, 16), (32, 64)):
+    tr = Trainer(parse_args(["--model", model, "--data-dir", data, "--out", f"{out}-{batch}", "--ds_config",
+        "configs/cpu_fp32.json", "--surgery", "pcgrad", "--surgery-memory", "auto", "--batch-size", str(batch),
+        "--max-length", str(length), "--pal-hidden", "16", "--pal-heads", "2", "--steps-per-epoch", "1",
+        "--epochs", "1", "--max-eval", "4", "--no-progress"]), callbacks=[])
+    tr._setup_data(); tr._setup_model(); tr._setup_engine()
+    print("MODE", batch, tr.surgery_memory, type(tr.surgery_buffer).__name__)
+"""
+
+
+def test_trainer_resolves_auto(tmp_path):
+    """The trainer's ``auto`` (tiny model, 3 tasks, fp32): 4 x 16 tokens, the rows (mostly the word embeddings)
+    dwarf the activations: streaming; 32 x 64 tokens: the buffer. The set-up line says why."""
+    from train_fixtures import make_tiny_data, make_tiny_model
+
+    data, model = make_tiny_data(tmp_path / "data"), make_tiny_model(tmp_path / "model")
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", TRAINER_SCRIPT, str(model), str(data), str(ROOT), str(tmp_path / "run")],
+        capture_output=True, text=True, env={**env, "FASTPALS_DATA_DIR": str(data)}, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "MODE 4 smaller StreamingTaskGradients" in out, out[-3000:]
+    assert "MODE 32 buffer TaskGradientBuffer" in out, out[-3000:]
+    assert "auto: the [T, P] rows" in out and "auto: the buffer's peak" in out, out[-3000:]
