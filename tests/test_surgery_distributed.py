@@ -241,3 +241,141 @@ def test_two_processes_streaming_equal_one_process_buffer(tmp_path):
                         n,
                         err,
                     )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Streaming under DeepSpeed ZeRO-1/2, 2 ranks (CPU accelerator, gloo), fp32, as the trainer builds it
+# (fastpals.train.step.deepspeed_surgery_buffer): one engine.backward inside per_task_gradients per rank, each
+# rank half of a mixed batch. The streamed update equals the buffer's within 1e-5, and the per-rank peak of the
+# live tensors the update makes (fastpals.memory_states.LiveTensorBytes around the backward and the apply) grows
+# with T by one layer's T x (layer) scratch for streaming, while the buffer's grows by its (T2 - T1) * P * 4 bytes
+# of rows.
+
+ZERO_ROWS = 16  # mixed rows in all, 8 per rank, split evenly over the T tasks
+
+
+def _wide_model(num_tasks: int) -> torch.nn.Module:
+    from fastpals import MultiTaskBert, PALConfig
+    from fastpals.model import BertConfig
+    from fastpals.multitask import MultiTaskConfig, TaskSpec
+
+    torch.manual_seed(0)
+    cfg = BertConfig(
+        vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, max_position_embeddings=16,
+    )  # fmt: skip
+    pal = PALConfig(num_tasks=num_tasks, hidden=8, num_heads=2, zero_init_decoder=False, dropout=0.0)
+    tasks = [TaskSpec(f"t{i}", "binary") for i in range(num_tasks)]
+    return MultiTaskBert(MultiTaskConfig(cfg, tasks, pal, head_dropout=0.0)).eval()
+
+
+def _zero_update(engine, num_tasks: int, rank: int, world: int, memory: str) -> tuple[dict, int]:
+    from deepspeed.utils import safe_get_full_grad
+
+    from fastpals.memory_states import LiveTensorBytes
+    from fastpals.surgery import per_task_gradients
+    from fastpals.train.step import deepspeed_surgery_buffer
+
+    module = engine.module
+    stage = engine.zero_optimization_stage()
+    buf = deepspeed_surgery_buffer(module, num_tasks, stage, all_reduce=True, memory=memory)
+    if (
+        memory == "stream"
+    ):  # a bucket of the scratches' all-reduce is fixed in T; the default one (4 M elements)
+        buf.bucket_elements = 4096  # would hold all T * P scratch elements of this small model at once
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, 64, (ZERO_ROWS, 8), generator=gen)
+    task_ids = torch.arange(num_tasks).repeat_interleave(ZERO_ROWS // num_tasks)
+    labels = torch.randint(0, 2, (ZERO_ROWS,), generator=gen).float()
+    mine = torch.arange(rank, ZERO_ROWS, world)  # interleaved halves: every task on both ranks
+    ids, task_ids, labels = ids[mine], task_ids[mine], labels[mine]
+    tracker = LiveTensorBytes()
+    with tracker:
+        tracker.reset_peak()
+        with per_task_gradients(module, buf, task_ids):
+            res = module.task_losses(
+                module(ids, torch.ones_like(ids), None, task_ids), labels, weighting="equal"
+            )
+            engine.backward(sum(res.per_task.values()))
+        assert not buf.apply(pcgrad_weights, generator=torch.Generator().manual_seed(7)).skipped
+    grads = {n: safe_get_full_grad(p).float().clone() for n, p in module.named_parameters()}
+    return grads, tracker.peak
+
+
+def _zero_stream_worker(rank: int, world: int, port: int, out_dir: str, stages, tasks) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
+    torch.set_num_threads(1)
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    out = {}
+    for stage in stages:
+        for t in tasks:
+            for memory in ("buffer", "stream"):
+                model = _wide_model(t)
+                config = {
+                    "train_micro_batch_size_per_gpu": ZERO_ROWS // world,
+                    "gradient_accumulation_steps": 1,
+                    "gradient_clipping": 0.0,
+                    # small reduce buckets: DeepSpeed's default (5e8 elements) would make its bucket the peak
+                    "zero_optimization": {
+                        "stage": stage,
+                        "reduce_bucket_size": 4096,
+                        "allgather_bucket_size": 4096,
+                    },
+                    "zero_allow_untested_optimizer": True,
+                }
+                engine, *_ = deepspeed.initialize(
+                    model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), config=config
+                )
+                grads, peak = _zero_update(engine, t, rank, world, memory)
+                shared = [p.numel() for p in _shared(engine.module)]
+                out[(stage, t, memory)] = {
+                    "grads": grads,
+                    "peak": peak,
+                    "shared": sum(shared),
+                    "largest": max(shared),
+                }
+    torch.save(out, os.path.join(out_dir, f"zero_stream_rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def _shared(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    from fastpals.surgery import shared_parameters_by_name
+
+    return shared_parameters_by_name(module)[0]
+
+
+def _check_zero_stream(tmp_path, stages, tasks) -> None:
+    pytest.importorskip("deepspeed")
+    mp.spawn(_zero_stream_worker, args=(2, _free_port(), str(tmp_path), stages, tasks), nprocs=2, join=True)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"zero_stream_rank{rank}.pt")
+        for stage in stages:
+            for t in tasks:
+                ref, new = got[(stage, t, "buffer")]["grads"], got[(stage, t, "stream")]["grads"]
+                assert set(ref) == set(new)
+                for n in ref:
+                    err = float((new[n] - ref[n]).norm() / ref[n].norm().clamp_min(1e-30))
+                    assert err < 1e-5 or float((new[n] - ref[n]).abs().max()) < 1e-7, (stage, t, rank, n, err)
+            if len(tasks) > 1:
+                lo, hi = min(tasks), max(tasks)
+                peak = {(t, m): got[(stage, t, m)]["peak"] for t in (lo, hi) for m in ("buffer", "stream")}
+                rows = (hi - lo) * got[(stage, hi, "buffer")]["shared"] * 4
+                print(f"ZeRO-{stage} rank {rank}: peaks {peak}, extra rows {rows}")
+                # the buffer grows by most of its extra rows; the streamed peak by at most the one layer's T x
+                # (layer) scratch that it holds at a time (its largest layer is 11 % of P in this small model)
+                scratch = (hi - lo) * got[(stage, hi, "stream")]["largest"] * 4
+                grown = peak[(hi, "stream")] - peak[(lo, "stream")]
+                assert peak[(hi, "buffer")] - peak[(lo, "buffer")] > 0.7 * rows, (stage, rank, peak, rows)
+                assert grown <= 1.25 * scratch and grown < 0.15 * rows, (stage, rank, peak, scratch)
+
+
+def test_deepspeed_zero_1_2_streaming_equals_buffer_and_stays_flat_in_tasks(tmp_path):
+    _check_zero_stream(tmp_path, (1, 2), (2, 8))
