@@ -292,3 +292,19 @@ def test_many_task_solvers_read_nothing_on_the_host(name, t):
     assert isinstance(w, FakeTensor) and w.shape == (t,)
     w, rec = audit(fn, torch.empty(t, t, device="meta"))
     assert w.device.type == "meta" and rec.count > 0 and not rec.problems, sorted(set(rec.problems))
+
+
+def test_upgrad_64_tasks_default_budget_against_torchjd():
+    """UPGrad's QP at T = 64 runs ``min(3 T + 10, 40)`` = 40 iterations by default (not 202): the weights equal
+    those of the uncapped budget and TorchJD 0.18's ``UPGradWeighting`` (quadprog) within 1e-4 in direction."""
+    pytest.importorskip("torchjd.aggregation", reason="torchjd (dev extra) is needed")
+    from test_aggregators import rel_dir, task_gradients
+    from torchjd.aggregation import UPGradWeighting
+
+    t = 64
+    for kind in ("lowrank", "conflict"):  # the two that need the most iterations
+        j = task_gradients(t, kind, 2, dim=200)
+        g = j @ j.T
+        w = upgrad_weights(g)
+        assert torch.allclose(w, upgrad_weights(g, max_iter=3 * t + 10), rtol=1e-10, atol=1e-14), kind
+        assert rel_dir(w, UPGradWeighting()(g), j) < 1e-4, kind

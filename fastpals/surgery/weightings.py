@@ -145,7 +145,7 @@ def upgrad_weights(
     ``{x : <x, g_j> >= 0 for all j}``; the projections are summed. In Gram terms (their Proposition 1): row ``i``'s
     weights are ``argmin_{v >= p_i e_i} v^T G v``, solved by :func:`nonneg_qp`. As in TorchJD, ``G`` is divided by
     its trace (zeroed below ``norm_eps``) and ``reg_eps * I`` is added before the solve. ``max_iter`` is
-    :func:`nonneg_qp`'s fixed iteration budget (default ``3 T + 10``; the free set freezes once optimal).
+    :func:`nonneg_qp`'s fixed iteration budget (default ``min(3 T + 10, 40)``; the free set freezes once optimal).
 
     ``gram [T, T]`` float32/float64; ``pref_vector`` ``[T]`` floating (any device).
 
@@ -169,7 +169,7 @@ def dualproj_weights(
 ) -> torch.Tensor:
     """DualProj: the preference-weighted gradient (default the mean) projected onto the dual cone of the task
     gradients (GEM's Eq. 11 with every task as a constraint), with UPGrad's normalisation and ``reg_eps``.
-    ``max_iter`` is :func:`nonneg_qp`'s fixed iteration budget (default ``3 T + 10``; frozen once optimal).
+    ``max_iter`` is :func:`nonneg_qp`'s fixed iteration budget (default ``min(3 T + 10, 40)``; frozen once optimal).
 
     ``gram [T, T]`` float32/float64 -> ``w [T]`` on its device (float64 for a float64 Gram, else float32)."""
     g = _prepare(gram)
