@@ -335,7 +335,7 @@ def test_scaling_table(benchmark, cpu_only, ratio_table):
         with open(os.path.join(HERE, "results", "scaling_cpu.md"), "w") as f:
             f.write(
                 f"# One-backward surgery scaling (CPU)\n\n- date: {header['date']}, commit: {header['commit']}\n"
-                f"- device: {header['device']}; torch threads {THREADS}; load (1 min) before / after: {load_before:.2f} / "
+                f"- device: {header['device']}; load (1 min) before / after: {load_before:.2f} / "
                 f"{measured['load_after']:.2f}\n\n{md}\n"
             )
     for rows in measured[
