@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+from typing import Any
 
 import pytest
 import torch
@@ -102,7 +103,8 @@ def test_two_processes_equal_one_process_with_the_whole_batch(tmp_path):
 # so the task-specific ones are captured too (capture_task_params=True).
 
 
-def _deepspeed_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+def _deepspeed_rank(rank: int, world: int, port: int) -> Any:
+    """A spawned rank's launcher variables and one torch thread; the ``deepspeed`` module."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -112,6 +114,12 @@ def _deepspeed_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     )
     torch.set_num_threads(1)
     import deepspeed
+
+    return deepspeed
+
+
+def _deepspeed_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    deepspeed = _deepspeed_rank(rank, world, port)
     from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
 
     def setter(p, g):
@@ -303,15 +311,7 @@ def _zero_update(engine, num_tasks: int, rank: int, world: int, memory: str) -> 
 
 
 def _zero_stream_worker(rank: int, world: int, port: int, out_dir: str, stages, tasks) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-    )
-    torch.set_num_threads(1)
-    import deepspeed
+    deepspeed = _deepspeed_rank(rank, world, port)
 
     deepspeed.init_distributed(dist_backend="gloo")
     out = {}
