@@ -159,6 +159,57 @@ def _unique_params(params: Iterable[torch.nn.Parameter], name: str) -> list[torc
     return out
 
 
+def task_grads_finite(grads: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+    """``[1]`` bool on the device: every present task-specific gradient is finite (one fused norm); None when
+    none is present."""
+    present = [g.detach() for g in grads if g is not None]
+    if not present:
+        return None
+    return torch.isfinite(torch.stack(torch._foreach_norm(present))).all().reshape(1)
+
+
+def hand_over_task_grads(
+    setter: GradSetter, params: Sequence[torch.nn.Parameter], grads: Sequence[torch.Tensor | None]
+) -> None:
+    """The captured task-specific gradients to ``setter`` (copies in the parameter's dtype: the capture's
+    accumulators are reused); an absent one (None) is left alone."""
+    for p, g in zip(params, grads):
+        if g is not None:
+            setter(p, g.to(p.dtype) if g.dtype != p.dtype else g.clone())
+
+
+def flat_task_grads(
+    params: Sequence[torch.nn.Parameter], grads: Sequence[torch.Tensor | None], device: torch.device
+) -> torch.Tensor:
+    """The task-specific gradients as one fp32 ``[sum numel]`` vector (zeros where absent), for one all-reduce."""
+    return torch.cat([
+        g.detach().reshape(-1).float() if g is not None else torch.zeros(p.numel(), device=device)
+        for p, g in zip(params, grads)
+    ])  # fmt: skip
+
+
+def hand_over_flat_task_grads(
+    setter: GradSetter, params: Sequence[torch.nn.Parameter], flat: torch.Tensor, used: Sequence[Any]
+) -> None:
+    """The all-reduced ``flat`` (:func:`flat_task_grads`) back to ``setter``, None where no rank ``used`` one."""
+    for p, part, u in zip(params, torch.split(flat, [p.numel() for p in params]), used):
+        setter(p, part.view_as(p).to(p.dtype) if u else None)
+
+
+def weights_on_device(
+    aggregator: Aggregator,
+    g_mat: torch.Tensor,
+    ok: torch.Tensor,
+    generator: torch.Generator | None,
+    aggregator_kwargs: dict[str, Any],
+) -> torch.Tensor:
+    """``apply(sync=False)``'s weights without a host read: the aggregator on the Gram where ``ok`` (a device
+    bool), else on the identity (non-finite entries zeroed first: the weights stay finite, the caller skips)."""
+    eye = torch.eye(g_mat.shape[0], dtype=g_mat.dtype, device=g_mat.device)
+    safe = torch.where(ok, torch.nan_to_num(g_mat, nan=0.0, posinf=0.0, neginf=0.0), eye)
+    return aggregator(safe, generator=generator, **aggregator_kwargs)
+
+
 class TaskGradientBuffer:
     """Per-task gradients of the shared parameters in one flat ``[num_tasks, P]`` tensor.
 
@@ -405,16 +456,7 @@ class TaskGradientBuffer:
             dist.all_reduce(self._blocks[k], group=self.process_group)
         if not self.task_params:
             return flags, None
-        flat = torch.cat(
-            [
-                (
-                    g.detach().reshape(-1).float()
-                    if g is not None
-                    else torch.zeros(p.numel(), device=self.device)
-                )
-                for p, g in zip(self.task_params, task_grads)
-            ]
-        )
+        flat = flat_task_grads(self.task_params, task_grads, self.device)
         flat.div_(world)
         dist.all_reduce(flat, group=self.process_group)
         return flags, flat
@@ -454,9 +496,9 @@ class TaskGradientBuffer:
                 checks.append(torch.isfinite(task_flat.norm()).reshape(1))
         else:
             local_task_grads = self._task_grads()
-            present = [g.detach() for g in local_task_grads if g is not None]
-            if present:
-                checks.append(torch.isfinite(torch.stack(torch._foreach_norm(present))).all().reshape(1))
+            finite_tasks = task_grads_finite(local_task_grads)
+            if finite_tasks is not None:
+                checks.append(finite_tasks)
         g_mat, finite = self._gram()
         if not sync:
             return self._apply_on_device(aggregator, generator, g_mat, finite, checks, aggregator_kwargs)
@@ -468,15 +510,11 @@ class TaskGradientBuffer:
             touched = [flat_flags[t * n_shared : (t + 1) * n_shared] for t in range(self.num_tasks)]
             task_used = flat_flags[self.num_tasks * n_shared : self.num_tasks * n_shared + n_task]
             if task_flat is not None:
-                parts_t = torch.split(task_flat, [p.numel() for p in self.task_params])
-                for p, part, used in zip(self.task_params, parts_t, task_used):
-                    self.grad_setter(p, part.view_as(p).to(p.dtype) if used else None)
+                hand_over_flat_task_grads(self.grad_setter, self.task_params, task_flat, task_used)
         else:
             touched = self._touched
             if self.capture_task_params:
-                for p, g in zip(self.task_params, local_task_grads):
-                    if g is not None:
-                        self.grad_setter(p, g.to(p.dtype) if g.dtype != p.dtype else g.clone())
+                hand_over_task_grads(self.grad_setter, self.task_params, local_task_grads)
         self._end_step()
         if not (all(host[: self.num_tasks]) and task_ok):
             self.skipped_steps += 1
@@ -540,15 +578,10 @@ class TaskGradientBuffer:
             )
         task_ok = checks[0] if checks else torch.ones(1, dtype=torch.bool, device=finite.device)
         flags = torch.cat([finite.to(torch.bool), task_ok.to(torch.bool).reshape(1)])
-        ok = flags.all()
-        eye = torch.eye(self.num_tasks, dtype=g_mat.dtype, device=g_mat.device)
-        safe = torch.where(ok, torch.nan_to_num(g_mat, nan=0.0, posinf=0.0, neginf=0.0), eye)
-        weights = aggregator(safe, generator=generator, **aggregator_kwargs)
+        weights = weights_on_device(aggregator, g_mat, flags.all(), generator, aggregator_kwargs)
         touched = self._touched
         if self.capture_task_params:
-            for p, g in zip(self.task_params, self._task_grads()):
-                if g is not None:
-                    self.grad_setter(p, g.to(p.dtype) if g.dtype != p.dtype else g.clone())
+            hand_over_task_grads(self.grad_setter, self.task_params, self._task_grads())
         self._end_step()
         self._write_update(weights, touched)
 

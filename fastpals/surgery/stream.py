@@ -57,6 +57,11 @@ from fastpals.surgery.buffer import (
     _unique_params,
     default_grad_getter,
     default_grad_setter,
+    flat_task_grads,
+    hand_over_flat_task_grads,
+    hand_over_task_grads,
+    task_grads_finite,
+    weights_on_device,
 )
 from fastpals.surgery.layer_grads import STACK_TEMP_ELEMENTS, RowTasks
 from fastpals.surgery.per_task import PerTaskGradients
@@ -455,10 +460,7 @@ class StreamingTaskGradients:
             dist.all_reduce(flags, group=self.process_group)
             task_flat = None
             if self.task_params:
-                task_flat = torch.cat([
-                    g.detach().reshape(-1).float() if g is not None else torch.zeros(p.numel(), device=self.device)
-                    for p, g in zip(self.task_params, task_grads)
-                ])  # fmt: skip
+                task_flat = flat_task_grads(self.task_params, task_grads, self.device)
                 task_flat.div_(dist.get_world_size(self.process_group))
                 dist.all_reduce(task_flat, group=self.process_group)
                 checks.append(torch.isfinite(task_flat.norm()).reshape(1))
@@ -468,26 +470,20 @@ class StreamingTaskGradients:
             touched = [flat_flags[i * n : (i + 1) * n] for i in range(t)]
             used = flat_flags[t * n :]
             if task_flat is not None:
-                for p, part, u in zip(self.task_params, torch.split(task_flat, self.numels_of_tasks()), used):
-                    self.grad_setter(p, part.view_as(p).to(p.dtype) if u else None)
+                hand_over_flat_task_grads(self.grad_setter, self.task_params, task_flat, used)
             ok = all(host[: t + len(checks)])
             return self._finish(ok, host, g_mat, aggregator, generator, aggregator_kwargs, touched)
-        present = [g.detach() for g in task_grads if g is not None]
-        if present:
-            checks.append(torch.isfinite(torch.stack(torch._foreach_norm(present))).all().reshape(1))
+        finite_tasks = task_grads_finite(task_grads)
+        if finite_tasks is not None:
+            checks.append(finite_tasks)
         if self.capture_task_params:
-            for p, g in zip(self.task_params, task_grads):
-                if g is not None:
-                    self.grad_setter(p, g.to(p.dtype) if g.dtype != p.dtype else g.clone())
+            hand_over_task_grads(self.grad_setter, self.task_params, task_grads)
         if sync:
             host = torch.cat([finite] + checks).tolist()  # the one host read
             return self._finish(all(host), host, g_mat, aggregator, generator, aggregator_kwargs, touched)
         task_ok = checks[0] if checks else torch.ones(1, dtype=torch.bool, device=self.device)
         flags_dev = torch.cat([finite, task_ok.to(torch.bool).reshape(1)])
-        ok_dev = flags_dev.all()
-        eye = torch.eye(t, dtype=g_mat.dtype, device=g_mat.device)
-        safe = torch.where(ok_dev, torch.nan_to_num(g_mat, nan=0.0, posinf=0.0, neginf=0.0), eye)
-        weights = aggregator(safe, generator=generator, **aggregator_kwargs)
+        weights = weights_on_device(aggregator, g_mat, flags_dev.all(), generator, aggregator_kwargs)
         self._write_update(weights, touched)
         self._end_step()
 
@@ -495,9 +491,6 @@ class StreamingTaskGradients:
             self.skipped_steps += 1
 
         return SurgeryResult(None, weights, g_mat, flags=flags_dev, on_skip=count_skip)
-
-    def numels_of_tasks(self) -> list[int]:
-        return [p.numel() for p in self.task_params]
 
     def _finish(
         self,
