@@ -69,6 +69,31 @@ def test_planner_pick_per_device():
     assert picks["small"] == {"mode": "buffer", "why": "bf16 rows asked for"}
 
 
+def test_memory_cli_names_auto_per_gpu(capsys):
+    """The fast variant of the BERT-base run below: MiniLM, 4 tasks, 4 x 16 tokens, fp32 rows (bf16 training:
+    auto's rows would be bf16; fp32 asked for here). The rows (4 x 22.7 M x 4 B) dwarf the activations of 64
+    tokens: streaming on every device, and the line says why."""
+    from fastpals.memory import DEVICES, main
+
+    argv = [
+        "--tasks",
+        "4",
+        "--batch-size",
+        "4",
+        "--max-length",
+        "16",
+        "--surgery",
+        "pcgrad",
+        "--precision",
+        "fp32",
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith("  ") and "auto:" in line]
+    assert len(lines) == len(DEVICES), out
+    assert all("auto: stream (the [T, P] rows" in line for line in lines), out
+
+
 @pytest.mark.slow  # three fake traces of BERT-base (about 60 s on the loaded 2-core CPU); the rule is tested above
 def test_memory_cli_bert_base_8_tasks_names_auto_per_gpu(capsys):
     from fastpals.memory import DEVICES, main
