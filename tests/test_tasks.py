@@ -1,4 +1,4 @@
-"""fastpals.tasks: the one task registry, users' task files (JSON schema, errors), and user tasks run through
+"""fastpals.data.tasks: the one task registry, users' task files (JSON schema, errors), and user tasks run through
 the readers, the batcher and MultiTaskBert (forward, loss, a few optimizer steps)."""
 
 import dataclasses
@@ -10,8 +10,7 @@ import pytest
 import torch
 
 import fastpals
-from fastpals import multitask
-from fastpals.data import (
+from fastpals.data.loading import (
     TASK_FORMATS,
     DataError,
     DataWarning,
@@ -23,11 +22,12 @@ from fastpals.data import (
     read_task_file,
     split_path,
 )
-from fastpals.metrics import read_predictions, task_metrics, write_predictions
-from fastpals.model import BertConfig, PALConfig
-from fastpals.multitask import MultiTaskBert, MultiTaskConfig
-from fastpals.tasks import TASKS, TaskFileError, TaskSpec, get_task, resolve_tasks
-from fastpals.tokenizer import Tokenizer
+from fastpals.data.metrics import read_predictions, task_metrics, write_predictions
+from fastpals.data.tasks import TASKS, TaskFileError, TaskSpec, get_task, resolve_tasks
+from fastpals.data.tokenizer import Tokenizer
+from fastpals.encoder.bert import BertConfig, PALConfig
+from fastpals.model import multitask
+from fastpals.model.multitask import MultiTaskBert, MultiTaskConfig
 
 WORDS = "good bad great awful film plot acting boring fun a the is was movie man plays guitar music".split()
 
@@ -379,7 +379,7 @@ def test_siamese_user_pair_task(rating, tok):
 
 
 def test_fastpals_predict_on_user_tasks(imdb, rating, tok, tmp_path, capsys):
-    from fastpals.predict import main
+    from fastpals.commands.predict import main
 
     specs = resolve_tasks([str(imdb), str(rating)])
     folder = _tiny_model(specs).save_pretrained(tmp_path / "best")

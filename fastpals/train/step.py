@@ -175,7 +175,7 @@ def _check_strategy(strategy: str, surgery: Surgery | None, mb: MicroBatch) -> N
 
 
 def _runs_minbert(module: Any) -> bool:
-    from fastpals.model import BertModel
+    from fastpals.encoder.bert import BertModel
 
     return isinstance(getattr(module, "bert", None), BertModel)
 
