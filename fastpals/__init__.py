@@ -10,14 +10,13 @@ With PEFT installed, fastpals' PAL adapters are a PEFT method (``peft_type`` ``"
 :mod:`fastpals.adapters.peft_method`), registered as soon as PEFT is imported (importing fastpals does not import PEFT).
 """
 
+from fastpals._version import __version__ as __version__
 from fastpals.adapters.inject import inject_pals, load_pals, remove_pals, save_pals, set_task
 from fastpals.adapters.peft_registration import register_when_peft_is_imported, register_with_peft
 from fastpals.data.tasks import resolve_tasks
 from fastpals.data.tokenizer import Tokenizer
 from fastpals.encoder.bert import BertConfig, BertModel, PALConfig, freeze_shared_parameters, is_task_specific
 from fastpals.model.multitask import MultiTaskBert, MultiTaskConfig, TaskSpec, count_parameters
-
-__version__ = "0.1.0"
 
 __all__ = [
     "BertConfig",

@@ -543,9 +543,9 @@ def test_packed_one_backward_per_task_grads_equal_separate_backwards(variant, mo
     """What the trainer's ``--batching mixed --surgery`` runs: per-task gradients of the shared weights from ONE
     backward over the packed mixed micro-batch (siamese second sentences packed for the siamese rows only) equal
     each task's own padded backward; the task-specific gradients equal the sum of the tasks' own."""
+    from fastpals.data.mixed_batches import packed_passes
     from fastpals.encoder.bert import freeze_shared_parameters, is_task_specific
     from fastpals.surgery import TaskGradientBuffer, per_task_gradients
-    from fastpals.train.mixed import packed_passes
 
     model = _model(VARIANTS[variant], mode)
     if sizes == "frozen":  # --freeze-bert: embeddings and Linears frozen, LayerNorms (and task parts) train

@@ -429,14 +429,14 @@ def test_default_ds_config_works_from_a_wheel(tmp_path):
 def test_eval_model_keeps_the_training_dtype_where_the_cpu_runs_it(monkeypatch):
     """Dev and test predictions run in the training dtype on a CPU with native bf16 (the module itself, or a bf16
     copy of the fp32 best weights); without native bf16, or for fp16, an fp32 copy with the same weights."""
-    import fastpals.train.dsconfig as dsconfig
+    import fastpals.encoder.precision as precision
     from fastpals.model.evaluate import eval_model
 
     cpu = torch.device("cpu")
     model = torch.nn.Sequential(torch.nn.Linear(4, 3)).to(torch.bfloat16)
     fp32 = torch.nn.Sequential(torch.nn.Linear(4, 3))
     for native in (True, False):
-        monkeypatch.setattr(dsconfig, "cpu_has_native_bf16", lambda native=native: native)
+        monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda native=native: native)
         got = eval_model(model, cpu)
         assert (got is model) == native and next(got.parameters()).dtype == (
             torch.bfloat16 if native else torch.float32

@@ -105,7 +105,7 @@ def adapter_config(
 ) -> dict[str, Any]:
     """The ``adapter_config.json`` content (a dict) for an adapter holding ``tensors``; arguments as in
     :func:`write_adapter`."""
-    from fastpals import __version__
+    from fastpals._version import __version__
 
     def shapes(names: set[str] | None) -> dict[str, list[int]]:
         return {

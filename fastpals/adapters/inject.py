@@ -59,7 +59,7 @@ import torch
 from torch import nn
 
 from fastpals.adapters.hooks import INJECTION_ATTR, PALInjection, add_hf_pals, get_injection
-from fastpals.adapters.targets import TARGETS, PALTarget, is_known_model, resolve_targets
+from fastpals.adapters.targets import TARGETS, PALTarget, builds_own_pals, is_known_model, resolve_targets
 from fastpals.encoder.bert import BertModel as MiniBert
 from fastpals.encoder.bert import (
     PALConfig,
@@ -282,9 +282,8 @@ def save_pals(
     A :class:`fastpals.MultiTaskBert` is saved with ``save_pretrained(folder, adapters_only=True)``.
     """
     from fastpals.adapters.format import write_adapter
-    from fastpals.model.multitask import MultiTaskBert
 
-    if isinstance(model, MultiTaskBert):
+    if builds_own_pals(model):
         return model.save_pretrained(folder, adapters_only=True)
     state = get_injection(model, "save_pals")
     if include_trained_base is None:
@@ -370,9 +369,8 @@ def load_pals(
     beside another encoder (:class:`fastpals.encoder.fingerprint.EncoderMismatchError`) unless ``force``.
     """
     from fastpals.adapters.format import find_adapter_folder, load_adapter_tensors, read_adapter
-    from fastpals.model.multitask import MultiTaskBert
 
-    if isinstance(model, MultiTaskBert):
+    if builds_own_pals(model):
         return model.load_adapter(folder, load_trained_base=load_trained_base, strict=strict, force=force)
     folder = Path(folder)
     if find_adapter_folder(folder) is None and (folder / LEGACY_CONFIG_NAME).is_file():

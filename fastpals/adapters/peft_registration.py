@@ -33,6 +33,9 @@ def register_with_peft() -> None:
 
 
 def _register_or_warn() -> None:
+    method = sys.modules.get("fastpals.adapters.peft_method")
+    if method is not None and not hasattr(method, "register"):
+        return  # PEFT imported by fastpals.adapters.peft_method itself, which registers once its import ends
     try:
         register_with_peft()
     except Exception as err:  # never break the user's `import peft`

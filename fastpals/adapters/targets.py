@@ -31,7 +31,15 @@ from fastpals.encoder.bert import BertModel as MiniBert
 from fastpals.encoder.bert import PALConfig
 from fastpals.encoder.pal_variants import PAL_VARIANTS
 
-__all__ = ["SITES", "TARGETS", "PALTarget", "ResolvedTargets", "is_known_model", "resolve_targets"]
+__all__ = [
+    "SITES",
+    "TARGETS",
+    "PALTarget",
+    "ResolvedTargets",
+    "builds_own_pals",
+    "is_known_model",
+    "resolve_targets",
+]
 
 
 @dataclass(frozen=True)
@@ -87,6 +95,13 @@ class ResolvedTargets:
     mask_position: int | None  # index of attention_mask among the base forward's positional parameters
 
 
+def builds_own_pals(model: nn.Module) -> bool:
+    """Is ``model`` a :class:`fastpals.MultiTaskBert` (or another model that builds, saves and loads its PALs
+    itself)? Such a class sets ``builds_own_pals = True``; this layer reads the mark instead of importing the
+    model layer above it."""
+    return bool(getattr(type(model), "builds_own_pals", False))
+
+
 def _model_type(model: nn.Module) -> str | None:
     return getattr(getattr(model, "config", None), "model_type", None)
 
@@ -125,9 +140,7 @@ def _resolve_minbert(
     layers_pattern: str | None,
     layer_norm_name: str | None,
 ) -> ResolvedTargets:
-    from fastpals.model.multitask import MultiTaskBert
-
-    if isinstance(model, MultiTaskBert):
+    if builds_own_pals(model):
         raise TypeError(
             "inject_pals: fastpals.MultiTaskBert builds its PALs itself: pass pal=PALConfig(...) to "
             "MultiTaskBert.from_pretrained / MultiTaskConfig instead"

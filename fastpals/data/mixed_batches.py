@@ -98,6 +98,7 @@ __all__ = [
     "pack_batches",
     "pack_rows",
     "pack_task_rows",
+    "packed_passes",
     "packed_position_ids",
     "pad_packed",
     "padding_fraction",
@@ -534,3 +535,19 @@ def model_inputs(batch: dict, device: torch.device | str) -> dict[str, Any]:
         if layout.second is not None:
             out["cu_seqlens_b"] = layout.second.cu_seqlens
     return out
+
+
+def packed_passes(module: Any, inputs: dict[str, Any]) -> dict[str, Any]:
+    """The encoder passes' row layout for :func:`fastpals.surgery.per_task_gradients`: the batch's layout when the
+    inputs carry one (:func:`model_inputs`); else packed offsets, and for the siamese second
+    pass (its rows: the siamese tasks' examples, in order) their task ids (a host read)."""
+    if inputs.get("layout") is not None:  # the collated layout holds every pass's row map (no device read)
+        return {"layout": inputs["layout"]}
+    if "cu_seqlens_b" not in inputs:
+        return {"cu_seqlens": inputs["cu_seqlens"]}
+    task_ids = inputs["task_ids"]
+    siamese = torch.tensor([spec.siamese for spec in module.tasks], device=task_ids.device)
+    return {
+        "cu_seqlens": [inputs["cu_seqlens"], inputs["cu_seqlens_b"]],
+        "pass_task_ids": [task_ids, task_ids[siamese[task_ids]]],
+    }

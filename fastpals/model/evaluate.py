@@ -137,18 +137,18 @@ def eval_model(
     """The module to evaluate, in the dtype the run trained in (``dtype``, default the module's own) where this
     device computes it natively; else an fp32 copy.
 
-    On a CPU, bf16 is native with AVX512-BF16 or AMX (:func:`fastpals.train.dsconfig.cpu_has_native_bf16`); on CPUs
+    On a CPU, bf16 is native with AVX512-BF16 or AMX (:func:`fastpals.encoder.precision.cpu_has_native_bf16`); on CPUs
     without them bf16 and fp16 matmuls are emulated, and fp32 runs several times faster (the copy holds the same,
     rounded, weights). The result is ``module`` itself when nothing changes, else a copy.
     """
-    from fastpals.train.dsconfig import cpu_has_native_bf16
+    from fastpals.encoder import precision
 
     current = next(module.parameters()).dtype
     target = dtype or current
     if (
         device.type == "cpu"
         and target != torch.float32
-        and not (target == torch.bfloat16 and cpu_has_native_bf16())
+        and not (target == torch.bfloat16 and precision.cpu_has_native_bf16())
     ):
         target = torch.float32
     return module if target == current else copy.deepcopy(module).to(target)

@@ -132,6 +132,10 @@ class MultiTaskBert(nn.Module):
     """A (PAL-)BERT encoder with one head per task. ``MultiTaskBert(config)`` is randomly initialised;
     :meth:`from_pretrained` loads the encoder from a checkpoint."""
 
+    #: ``inject_pals``, ``save_pals`` and ``load_pals`` hand this model to its own methods
+    #: (:func:`fastpals.adapters.targets.builds_own_pals`)
+    builds_own_pals = True
+
     def __init__(self, config: MultiTaskConfig, encoder: nn.Module | None = None) -> None:
         """``encoder``: an :class:`fastpals.model.hf_encoder.HFEncoder` (an HF model with injected PALs; its
         ``config`` must be ``config.bert``) instead of minBERT built from ``config.bert``."""

@@ -31,7 +31,7 @@ from fastpals.data.loading import TaskBatcher
 from fastpals.data.mixed_batches import MixedBatchSampler, MixedSelection, collate_packed, model_inputs
 from fastpals.train.step import MicroBatch
 
-__all__ = ["MixedUpdates", "packed_micro_batches", "packed_passes"]
+__all__ = ["MixedUpdates", "packed_micro_batches"]
 
 
 class MixedUpdates:
@@ -121,19 +121,3 @@ def packed_micro_batches(
             tokens=tuple(int(batchers[t].packed_lengths[sel.indices[t]].sum()) for t in tasks),
             weighting=weighting,
         )  # fmt: skip
-
-
-def packed_passes(module: Any, inputs: dict[str, Any]) -> dict[str, Any]:
-    """The encoder passes' row layout for :func:`fastpals.surgery.per_task_gradients`: the batch's layout when the
-    inputs carry one (:func:`fastpals.data.mixed_batches.model_inputs`); else packed offsets, and for the siamese second
-    pass (its rows: the siamese tasks' examples, in order) their task ids (a host read)."""
-    if inputs.get("layout") is not None:  # the collated layout holds every pass's row map (no device read)
-        return {"layout": inputs["layout"]}
-    if "cu_seqlens_b" not in inputs:
-        return {"cu_seqlens": inputs["cu_seqlens"]}
-    task_ids = inputs["task_ids"]
-    siamese = torch.tensor([spec.siamese for spec in module.tasks], device=task_ids.device)
-    return {
-        "cu_seqlens": [inputs["cu_seqlens"], inputs["cu_seqlens_b"]],
-        "pass_task_ids": [task_ids, task_ids[siamese[task_ids]]],
-    }

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from fastpals.train.errors import ConfigError, OutputError
+from fastpals.train.errors import ConfigError, OutputError, is_write_error, save_error_cause
 
 __all__ = [
     "MANIFEST_NAME",
@@ -226,7 +226,6 @@ def save_best(
     Written whole or not at all: into ``<folder>.partial``, which then takes the place of ``folder``. A failed
     write (a full disk, no permission) removes the partial folder, keeps the previous best model and raises
     :class:`OutputError` naming the path and the cause."""
-    from fastpals.train.state import is_write_error, save_error_cause
 
     partial, old = folder.with_name(folder.name + ".partial"), folder.with_name(folder.name + ".old")
     try:
