@@ -256,7 +256,7 @@ def run_argv(arm: Arm, seed: int, budget: int, common: Sequence[str], run_dir: P
 def train_command() -> list[str]:
     """The command that starts ``train.py``: the repository's ``train.py`` next to the package when present, else
     ``python -m fastpals.cli train`` (the same entry point)."""
-    script = Path(__file__).resolve().parent.parent / "train.py"
+    script = Path(__file__).resolve().parents[2] / "train.py"
     if script.is_file():
         return [sys.executable, str(script)]
     return [sys.executable, "-m", "fastpals.cli", "train"]

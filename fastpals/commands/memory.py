@@ -156,7 +156,7 @@ def load_bert_config(model: str) -> Any:
     from fastpals.encoder.bert import BertConfig
 
     if model in _SHIPPED_MODELS:
-        return BertConfig.from_json(Path(__file__).parent / "configs" / "models" / _SHIPPED_MODELS[model])
+        return BertConfig.from_json(Path(__file__).parents[1] / "configs" / "models" / _SHIPPED_MODELS[model])
     path = Path(model)
     if path.is_file():
         return BertConfig.from_json(path)
