@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return claims_main(rest)
     if command == "memory":
-        from fastpals.commands.memory import main as memory_main
+        from fastpals.commands.memory_cli import main as memory_main
 
         return memory_main(rest)
     if command == "export":

@@ -14,11 +14,11 @@ from fastpals.commands.memory import (
     LiveTensorBytes,
     StepSpec,
     load_bert_config,
-    main,
     measure_step,
     model_state_bytes,
     trace_step,
 )
+from fastpals.commands.memory_cli import main
 
 
 @pytest.mark.parametrize("fake", [False, True])

@@ -2,6 +2,7 @@
 
 - :mod:`.multitask` (:class:`MultiTaskBert`: encoder + PALs + one head per task; ``from_base``,
   ``save_pretrained``/``from_pretrained``, losses, predictions, :func:`count_parameters`);
+- :mod:`.heads` (the heads, the batch's output, the per-task losses and predictions);
 - :mod:`.hf_encoder` (an HF encoder with injected PALs as the multi-task model's encoder);
 - :mod:`.evaluate` (prediction over a task's batches and dev metrics, shared by the trainer and
   ``fastpals predict``).
@@ -16,6 +17,7 @@ from typing import Any
 
 _NAMES = {
     "MultiTaskBert": "multitask", "MultiTaskConfig": "multitask", "count_parameters": "multitask",
+    "MultiTaskOutput": "heads", "TaskLosses": "heads",
     "HFEncoder": "hf_encoder",
     "predict_batches": "evaluate",
 }  # fmt: skip

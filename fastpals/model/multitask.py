@@ -1,4 +1,5 @@
-"""The multi-task model: a (PAL-)BERT encoder, one head per task, losses, predictions, save and load.
+"""The multi-task model: a (PAL-)BERT encoder, one head per task, save and load (the heads, losses and predictions
+are :mod:`fastpals.model.heads`).
 
 Tasks are declared with :class:`fastpals.data.tasks.TaskSpec` (kind, single sentence or pair, head, pooling, loss,
 files, metric), so users can add tasks beyond SST / Quora / STS. A batch may mix tasks: ``task_ids [B]`` says
@@ -25,7 +26,16 @@ from fastpals.data.tasks import TASKS, TaskSpec, get_task
 from fastpals.encoder.bert import BertConfig, BertModel, PALConfig, state_dict_mismatches, task_specific_kind
 from fastpals.encoder.fingerprint import encoder_fingerprint, parameter_digests
 from fastpals.encoder.pal_variants import pal_count_categories, pal_parameter_category
-from fastpals.functional import Dropout
+from fastpals.model.heads import (
+    TASK_WEIGHTINGS,
+    MultiTaskOutput,
+    TaskHead,
+    TaskLosses,
+    predict,
+    summed_loss,
+    take_rows,
+    task_losses,
+)
 
 __all__ = [
     "TASKS",
@@ -38,8 +48,6 @@ __all__ = [
     "count_parameters",
     "get_task",
 ]
-
-TASK_WEIGHTINGS = ("examples", "equal")
 
 
 @dataclass
@@ -74,58 +82,6 @@ class MultiTaskConfig:
             head_dropout=d.get("head_dropout", 0.1),
             extra=d.get("extra", {}),
         )
-
-
-class TaskHead(nn.Module):
-    """Maps pooled features ``[n, in]`` to ``[n, num_labels]``."""
-
-    def __init__(self, spec: TaskSpec, d: int, dropout: float) -> None:
-        super().__init__()
-        width = 3 * d if spec.pair_mode == "sbert_concat" else d
-        self.dropout = Dropout(dropout)
-        if spec.head == "mlp":
-            self.mlp = nn.Sequential(nn.Linear(width, d), nn.GELU(), Dropout(dropout))
-            width = d
-        else:
-            self.mlp = None
-        self.out = nn.Linear(width, spec.num_labels)
-        nn.init.normal_(self.out.weight, std=0.02)
-        nn.init.zeros_(self.out.bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.dropout(x)
-        if self.mlp is not None:
-            x = self.mlp(x)
-        return self.out(x)
-
-
-@dataclass
-class MultiTaskOutput:
-    """``logits [B, C]`` (C = the largest ``num_labels``; row b's first ``num_labels`` of its task are valid,
-    the rest 0), ``task_ids [B]``, and the encoder's ``pooled [B, d]`` features of the first sentence."""
-
-    logits: torch.Tensor
-    task_ids: torch.Tensor
-    pooled: torch.Tensor
-    row_tokens: torch.Tensor | None = None  # unused; kept for callers that construct outputs themselves
-    layout: BatchLayout | None = None  # the batch's layout (host task counts and row ranges)
-    task_tokens: list[int] | None = None  # per task: tokens its rows ran (both sentences for siamese rows)
-
-
-@dataclass
-class TaskLosses:
-    """What :meth:`MultiTaskBert.task_losses` returns.
-
-    ``total``: the combined loss (0-dim, fp32) to back-propagate; ``per_task``: each present task's loss (0-dim,
-    the mean over its rows, CoSENT over its rows' pairs); ``weights``: the weight of each in ``total``;
-    ``examples`` / ``tokens``: each present task's rows and tokens in the batch (Python ints).
-    """
-
-    total: torch.Tensor
-    per_task: dict[str, torch.Tensor]
-    weights: dict[str, float]
-    examples: dict[str, int]
-    tokens: dict[str, int]
 
 
 class MultiTaskBert(nn.Module):
@@ -368,8 +324,8 @@ class MultiTaskBert(nn.Module):
             ]
         logits = self._head_logits(
             layout, out_a.pooler_output,
-            lambda spec, rows: _take(self._features(spec, out_a, attention_mask), rows),
-            lambda spec, rows: _take(self._features(spec, out_b, attention_mask_b), rows),
+            lambda spec, rows: take_rows(self._features(spec, out_a, attention_mask), rows),
+            lambda spec, rows: take_rows(self._features(spec, out_b, attention_mask_b), rows),
         )  # fmt: skip
         return MultiTaskOutput(
             logits=logits, task_ids=task_ids, pooled=out_a.pooler_output, layout=layout, task_tokens=tokens
@@ -487,8 +443,8 @@ class MultiTaskBert(nn.Module):
 
         logits = self._head_logits(
             layout, out_a.pooler_output,
-            lambda spec, rows: _take(self._features(spec, out_a, None), rows),
-            lambda spec, rows: _take(self._features(spec, out_b, None), rows_b(self.task_index(spec.name), rows)),
+            lambda spec, rows: take_rows(self._features(spec, out_a, None), rows),
+            lambda spec, rows: take_rows(self._features(spec, out_b, None), rows_b(self.task_index(spec.name), rows)),
         )  # fmt: skip
         return MultiTaskOutput(
             logits=logits,
@@ -506,67 +462,25 @@ class MultiTaskBert(nn.Module):
     def task_losses(
         self, output: MultiTaskOutput, labels: torch.Tensor, weighting: str = "examples"
     ) -> TaskLosses:
-        """One loss per task present (the mean over its rows), combined by ``weighting``:
-
-        - ``"examples"`` (default): ``total = sum_t (n_t / B) L_t``, the example-weighted mean (``n_t`` rows of
-          task t, ``B`` rows in all). For a batch of per-task micro-batches this equals their losses averaged
-          with each task's share as weight, i.e. what gradient accumulation over one micro-batch per task of
-          equal size computes.
-        - ``"equal"``: ``total = (1 / T_present) sum_t L_t``, each task present counts equally.
-
-        labels ``[B]`` float (as :meth:`loss`). Also returns each task's example and token counts: host values
-        of the batch's layout (no device read; the losses stay on the device).
-        """
-        if weighting not in TASK_WEIGHTINGS:
-            raise ValueError(f"task weighting {weighting!r}: choose one of {', '.join(TASK_WEIGHTINGS)}")
-        layout = _output_layout(output, len(self.tasks))
-        counts = layout.task_examples
-        tokens = output.task_tokens if output.task_tokens is not None else [0] * len(counts)
-        present = layout.present
-        rows = sum(counts)
-        total = output.logits.new_zeros((), dtype=torch.float32)
-        result = TaskLosses(total=total, per_task={}, weights={}, examples={}, tokens={})
-        for i in present:
-            spec = self.tasks[i]
-            sel = layout.rows_of(i)
-            z = _take(output.logits, sel)[:, : spec.num_labels]
-            loss = self._task_loss(spec, z, _take(labels, sel))
-            w = counts[i] / rows if weighting == "examples" else 1.0 / len(present)
-            total = total + w * loss
-            result.per_task[spec.name] = loss
-            result.weights[spec.name] = w
-            result.examples[spec.name] = counts[i]
-            result.tokens[spec.name] = tokens[i]
-        result.total = total
-        return result
+        """One loss per task present (the mean over its rows), combined by ``weighting`` (``"examples"``: the
+        example-weighted mean; ``"equal"``: each task present counts equally); see
+        :func:`fastpals.model.heads.task_losses`. labels ``[B]`` float (as :meth:`loss`)."""
+        return task_losses(self.tasks, output, labels, weighting, self._task_loss)
 
     def loss(
         self, output: MultiTaskOutput, labels: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Sum over the tasks present of each task's mean loss, and the per-task losses.
+        """Sum over the tasks present of each task's mean loss, and the per-task losses
+        (:func:`fastpals.model.heads.summed_loss`).
 
         labels ``[B]`` float (class index for classification, 0/1 for binary, the raw label for regression).
         """
-        layout = _output_layout(output, len(self.tasks))
-        total = output.logits.new_zeros(())
-        per_task: dict[str, torch.Tensor] = {}
-        for i in layout.present:
-            spec = self.tasks[i]
-            sel = layout.rows_of(i)
-            z = _take(output.logits, sel)[:, : spec.num_labels]
-            loss = self._task_loss(spec, z, _take(labels, sel))
-            per_task[spec.name] = loss
-            total = total + loss
-        return total, per_task
+        return summed_loss(self.tasks, output, labels, self._task_loss)
 
     def predict(self, output: MultiTaskOutput) -> torch.Tensor:
-        """Predicted labels ``[B]`` float32 by each row's task kind (:meth:`fastpals.data.task_kinds.TaskKind.predict`):
-        class index, 0/1, or the regression value clipped to the label range. No host reads."""
-        preds = output.logits.new_zeros(output.logits.shape[0], dtype=torch.float32)
-        for i, spec in enumerate(self.tasks):  # each kind predicts on every row; torch.where keeps its task's
-            p = spec.task_kind.predict(spec, output.logits[:, : spec.num_labels])
-            preds = torch.where(output.task_ids == i, p, preds)
-        return preds
+        """Predicted labels ``[B]`` float32 by each row's task kind (:func:`fastpals.model.heads.predict`): class
+        index, 0/1, or the regression value clipped to the label range. No host reads."""
+        return predict(self.tasks, output)
 
     # ------------------------------------------------------------------------------------------------------------
     def adapter_state_dict(self) -> dict[str, torch.Tensor]:
@@ -752,22 +666,6 @@ class MultiTaskBert(nn.Module):
             strict=strict,
         )
         return self
-
-
-def _take(x: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:
-    """The rows ``rows`` of ``x`` (a slice view, or ``index_select`` of an int64 index tensor)."""
-    return x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
-
-
-def _output_layout(output: MultiTaskOutput, num_tasks: int) -> BatchLayout:
-    """The layout of an output; outputs built by hand without one get it from their task ids (one host read)."""
-    if output.layout is not None:
-        return output.layout
-    ids = np.asarray(output.task_ids.tolist(), dtype=np.int64)
-    return BatchLayout(
-        batch=int(ids.size), length=1, packed=False, lengths=np.ones(ids.size, dtype=np.int64), host_task_ids=ids,
-        num_tasks=num_tasks, device=output.task_ids.device, task_ids=output.task_ids,
-    )  # fmt: skip
 
 
 def hf_bert_config(config: BertConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
