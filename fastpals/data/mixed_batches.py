@@ -164,7 +164,7 @@ class MixedBatchSampler:
 
     Args:
         lengths: per task, the packed token count of every example (``[N_t]`` ints: the joint encoding's length,
-            or both sentences' for siamese pairs; :attr:`fastpals.data.loading.TaskBatcher.packed_lengths`).
+            or both sentences' for siamese pairs; :attr:`fastpals.data.per_task_batches.TaskBatcher.packed_lengths`).
         method: a :data:`fastpals.data.sampling.SAMPLING_METHODS` name (sets the shares).
         num_epochs: ``E`` (the annealing schedule depends on it).
         batch_size: examples per micro-batch, and/or
