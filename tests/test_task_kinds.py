@@ -14,8 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastpals.data.loading import DataError, TaskBatcher, load_task, merge_batches, read_task_file
+from fastpals.data.loading import load_task
 from fastpals.data.metrics import overall, read_predictions, task_confusion_matrix, task_metrics, unit_score
+from fastpals.data.per_task_batches import TaskBatcher, merge_batches
+from fastpals.data.readers import DataError, read_task_file
 from fastpals.data.task_kinds import (
     TASK_KINDS,
     Binary,

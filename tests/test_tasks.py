@@ -10,19 +10,10 @@ import pytest
 import torch
 
 import fastpals
-from fastpals.data.loading import (
-    TASK_FORMATS,
-    DataError,
-    DataWarning,
-    PairExample,
-    SentenceExample,
-    TaskBatcher,
-    load_task,
-    merge_batches,
-    read_task_file,
-    split_path,
-)
+from fastpals.data.loading import TASK_FORMATS, load_task, split_path
 from fastpals.data.metrics import read_predictions, task_metrics, write_predictions
+from fastpals.data.per_task_batches import TaskBatcher, merge_batches
+from fastpals.data.readers import DataError, DataWarning, PairExample, SentenceExample, read_task_file
 from fastpals.data.tasks import TASKS, TaskFileError, TaskSpec, get_task, resolve_tasks
 from fastpals.data.tokenizer import Tokenizer
 from fastpals.encoder.bert import BertConfig, PALConfig

@@ -23,7 +23,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fastpals.data.loading import DATA_DIR_ENV, PairExample, SentenceExample, TaskBatcher, split_path
+from fastpals.data.loading import DATA_DIR_ENV, split_path
+from fastpals.data.per_task_batches import TaskBatcher
+from fastpals.data.readers import PairExample, SentenceExample
 from fastpals.model.evaluate import EVAL_BATCH, predict_batches
 from fastpals.model.multitask import MultiTaskBert
 

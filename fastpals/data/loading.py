@@ -35,8 +35,8 @@ original CS224N dev/test sets. The same rule applies to any task whose ``dev`` f
 Reading and batching
 --------------------
 The readers (file formats, row checks, ``DataError`` / ``DataWarning``) are in :mod:`fastpals.data.readers`;
-``TaskBatcher`` and ``merge_batches`` in :mod:`fastpals.data.per_task_batches`. Both are re-exported here, so
-``from fastpals.data.loading import ...`` gives every name it always gave.
+``TaskBatcher`` and ``merge_batches`` in :mod:`fastpals.data.per_task_batches`; :mod:`fastpals.data` gives them
+and :func:`load_task` under one name.
 """
 
 from __future__ import annotations
@@ -48,39 +48,23 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
-from fastpals.data.per_task_batches import PAIR_ENCODINGS, TaskBatcher, merge_batches
 from fastpals.data.readers import (
-    MAX_FIELD_CHARS,
     BadRow,
-    DataError,
     DataWarning,
     Example,
-    PairExample,
-    SentenceExample,
     read_task_file,
 )
 from fastpals.data.tasks import QUORA_FILE, SPLITS, TASKS, TaskSpec, get_task
 
 __all__ = [
     "DATA_DIR_ENV",
-    "MAX_FIELD_CHARS",
-    "PAIR_ENCODINGS",
     "QUORA_DEV_PERCENT",
     "TASK_FORMATS",
-    "BadRow",
-    "DataError",
-    "DataWarning",
-    "Example",
-    "PairExample",
-    "SentenceExample",
-    "TaskBatcher",
     "TaskFormat",
     "hash_split",
     "load_task",
-    "merge_batches",
     "quora_split",
     "quora_split_sizes",
-    "read_task_file",
     "resolve_data_dir",
     "split_path",
 ]

@@ -22,7 +22,7 @@ Both limits may be given (then at most ``batch_size`` examples and ``max_tokens`
 
 Each task walks through its own permutation of its examples: pass ``k`` (from 0) of task t is
 ``numpy.random.default_rng([task_seed_t, k]).permutation(N_t)``, the first step of
-:meth:`fastpals.data.loading.TaskBatcher.epoch_batches` with the batcher's seed; a task that runs out starts its next
+:meth:`fastpals.data.per_task_batches.TaskBatcher.epoch_batches` with the batcher's seed; a task that runs out starts its next
 pass. Everything is a function of the seeds; ``state_dict()`` holds ``(epoch, step)``, every task's
 ``(pass, position)`` and the generator's state, so a resumed run draws exactly the micro-batches an uninterrupted
 one would.
@@ -79,7 +79,7 @@ from fastpals.data.layout import (
 from fastpals.data.sampling import SAMPLING_METHODS, check_resume_settings, next_epoch, task_probabilities
 
 if TYPE_CHECKING:
-    from fastpals.data.loading import TaskBatcher
+    from fastpals.data.per_task_batches import TaskBatcher
 
 __all__ = [
     "EQUAL_SHARE_METHODS",
@@ -269,7 +269,7 @@ class MixedBatchSampler:
 
     def pass_order(self, task: int, k: int) -> np.ndarray:
         """The example order of pass ``k`` (from 0) over task ``task``: int64 ``[N_t]``, the same permutation as
-        :meth:`fastpals.data.loading.TaskBatcher.epoch_batches` starts epoch ``k`` with (given the batcher's seed)."""
+        :meth:`fastpals.data.per_task_batches.TaskBatcher.epoch_batches` starts epoch ``k`` with (given the batcher's seed)."""
         return np.random.default_rng([self.task_seeds[task], k]).permutation(self.sizes[task])
 
     def _perm(self, t: int) -> np.ndarray:
@@ -477,7 +477,7 @@ def _unpadded_rows(ids: torch.Tensor, types: torch.Tensor, mask: torch.Tensor) -
 
 
 def pack_batches(batches: Sequence[dict], task_ids: Sequence[int], num_tasks: int) -> dict:
-    """Pack padded per-task batches (:meth:`fastpals.data.loading.TaskBatcher.collate` dicts, host tensors) into one packed
+    """Pack padded per-task batches (:meth:`fastpals.data.per_task_batches.TaskBatcher.collate` dicts, host tensors) into one packed
     mixed micro-batch (the dict of the module docstring, with its ``layout``), rows grouped by task in increasing
     task order. The trainer packs straight from the token lists instead (:func:`collate_packed`).
 
@@ -505,7 +505,7 @@ def pack_batches(batches: Sequence[dict], task_ids: Sequence[int], num_tasks: in
 
 def collate_packed(batchers: Sequence[TaskBatcher], selection: MixedSelection) -> dict:
     """The packed micro-batch of ``selection``: each task's selected examples straight from its batcher's token
-    lists (:meth:`fastpals.data.loading.TaskBatcher.task_rows`, no padding made), packed by :func:`pack_task_rows`."""
+    lists (:meth:`fastpals.data.per_task_batches.TaskBatcher.task_rows`, no padding made), packed by :func:`pack_task_rows`."""
     if len(batchers) != len(selection.indices):
         raise ValueError(f"{len(batchers)} batchers for a selection over {len(selection.indices)} tasks")
     present = [t for t, idx in enumerate(selection.indices) if len(idx)]

@@ -1,7 +1,7 @@
 """Multi-task PAL training with gradient surgery inside the Hugging Face ``transformers.Trainer``.
 
 :class:`MultiTaskTrainer` is a ``transformers.Trainer`` subclass for a :class:`fastpals.MultiTaskBert` (its PALs
-and task heads) and one :class:`fastpals.data.loading.TaskBatcher` per task:
+and task heads) and one :class:`fastpals.data.per_task_batches.TaskBatcher` per task:
 
 - ``get_train_dataloader`` yields packed mixed-task micro-batches drawn by fastpals' sampler
   (:class:`fastpals.data.mixed_batches.MixedBatchSampler`: ``annealed``, ``proportional``, ``sqrt``, ...), collated by
@@ -36,8 +36,8 @@ import torch
 import transformers
 from torch.utils.data import DataLoader, IterableDataset
 
-from fastpals.data.loading import TaskBatcher
 from fastpals.data.mixed_batches import MixedBatchSampler, collate_packed, model_inputs
+from fastpals.data.per_task_batches import TaskBatcher
 
 __all__ = ["MixedTaskBatches", "MultiTaskTrainer"]
 
@@ -77,7 +77,7 @@ class MultiTaskTrainer(transformers.Trainer):
         model: the multi-task model (PALs and heads; e.g. ``MultiTaskBert.from_base("minilm-l6", tasks, pal)``).
         args: the Trainer's ``TrainingArguments``; ``per_device_train_batch_size`` is the examples of a
             micro-batch (unless ``max_tokens``), ``seed`` seeds the sampler and the surgery's random stream.
-        train_batchers: one :class:`fastpals.data.loading.TaskBatcher` per task of ``model``, keyed by task name (or in
+        train_batchers: one :class:`fastpals.data.per_task_batches.TaskBatcher` per task of ``model``, keyed by task name (or in
             the model's task order); their ``seed`` orders each task's passes.
         sampling: the task shares of a micro-batch (``annealed``, ``proportional``, ``uniform``, ``sqrt``,
             ``round_robin``, ...; :data:`fastpals.data.sampling.SAMPLING_METHODS`).

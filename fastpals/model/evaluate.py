@@ -1,6 +1,6 @@
 """Prediction and dev evaluation, shared by the trainer and ``fastpals predict``.
 
-:func:`predict_batches` runs a model over a :class:`~fastpals.data.loading.TaskBatcher` in order (with a progress bar
+:func:`predict_batches` runs a model over a :class:`~fastpals.data.per_task_batches.TaskBatcher` in order (with a progress bar
 when asked); :func:`evaluate` turns the dev predictions into metrics; :func:`load_split` reads (a capped part of)
 a split and reports its skipped rows.
 """
@@ -17,9 +17,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from fastpals.data.loading import DataWarning, TaskBatcher, load_task
+from fastpals.data.loading import load_task
 from fastpals.data.mixed_batches import model_inputs as packed_model_inputs
 from fastpals.data.mixed_batches import pack_batches
+from fastpals.data.per_task_batches import TaskBatcher
+from fastpals.data.readers import DataWarning
 from fastpals.data.tasks import TaskSpec
 
 __all__ = [

@@ -1,9 +1,9 @@
-"""The data of a training run: the tokenizer, every task's train and dev :class:`~fastpals.data.loading.TaskBatcher`, and
+"""The data of a training run: the tokenizer, every task's train and dev :class:`~fastpals.data.per_task_batches.TaskBatcher`, and
 the sampler that decides which micro-batches make an update.
 
 :func:`setup_data` builds them once per process (training examples are sharded by rank: rank ``r`` of ``W`` keeps
 examples ``r, r + W, ...``); :func:`eval_batcher` builds the in-order batcher of a dev or test split. Batches
-are dicts of int64 ``[B, L]`` tensors (see :class:`~fastpals.data.loading.TaskBatcher`).
+are dicts of int64 ``[B, L]`` tensors (see :class:`~fastpals.data.per_task_batches.TaskBatcher`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from fastpals.data.loading import TaskBatcher
+from fastpals.data.per_task_batches import TaskBatcher
 from fastpals.data.sampling import TaskSampler
 from fastpals.data.tokenizer import Tokenizer
 from fastpals.model import evaluate as ev

@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from fastpals.data.loading import TaskBatcher
 from fastpals.data.mixed_batches import MixedBatchSampler, MixedSelection, collate_packed, model_inputs
+from fastpals.data.per_task_batches import TaskBatcher
 from fastpals.train.step import MicroBatch
 
 __all__ = ["MixedUpdates", "packed_micro_batches"]
