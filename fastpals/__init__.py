@@ -2,9 +2,13 @@
 
 Public names: ``BertModel``, ``BertConfig``, ``PALConfig``, ``MultiTaskBert``, ``TaskSpec``, ``resolve_tasks``,
 ``count_parameters``, ``is_task_specific``, ``freeze_shared_parameters``, ``inject_pals``, ``save_pals``,
-``load_pals``, ``set_task``, ``register_with_peft``; ``fastpals.surgery`` (the weightings, the task-gradient buffer,
-``per_task_gradients``); ``fastpals.data.mixed_batches`` (mixed packed micro-batches); ``fastpals.functional`` (reference
-ops), ``fastpals_kernels`` (fused ops and their dispatch); ``fastpals.train`` (the trainer).
+``load_pals``, ``set_task``, ``register_with_peft``. One package per stage, each importing only the ones before it
+(docs/architecture.md): ``fastpals.data`` (tasks, tokenizer, per-task and mixed packed batches, ``BatchLayout``),
+``fastpals.encoder`` (minBERT, PAL variants), ``fastpals.adapters`` (``inject_pals``, the adapter format, PEFT),
+``fastpals.model`` (``MultiTaskBert``, heads, evaluation), ``fastpals.surgery`` (per-task gradients, the buffer,
+the weightings), ``fastpals.train`` (the trainer), ``fastpals.commands`` (``fastpals predict``, ``memory``, ...),
+``fastpals.integrations``; ``fastpals.functional`` (reference ops) and ``fastpals_kernels`` (fused ops and their
+dispatch) below them.
 
 With PEFT installed, fastpals' PAL adapters are a PEFT method (``peft_type`` ``"FASTPALS"``,
 :mod:`fastpals.adapters.peft_method`), registered as soon as PEFT is imported (importing fastpals does not import PEFT).
