@@ -29,6 +29,7 @@ resume: setup
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports  # the package's layers and no import circle: [tool.importlinter] in pyproject.toml
 
 test: lint
 	$(BIN)/python -m pytest -q tests

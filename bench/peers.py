@@ -138,7 +138,7 @@ def _autocast(device: torch.device) -> contextlib.AbstractContextManager:
 
 def task_rows(shapes: Shapes, vocab: int, seed: int = 0) -> list:
     """Per task (sst 5-way, para binary, sts regression), ``batch / 3`` rows of 50-100% of ``length`` tokens."""
-    from fastpals.batching import TaskRows
+    from fastpals.data.mixed_batches import TaskRows
 
     rng = np.random.default_rng(seed)
     per = shapes.batch // len(TASKS)
@@ -155,9 +155,9 @@ def task_rows(shapes: Shapes, vocab: int, seed: int = 0) -> list:
 
 def build_fastpals(shapes: Shapes, device: torch.device, pal: bool = False, seed: int = 0) -> torch.nn.Module:
     from fastpals import MultiTaskBert
-    from fastpals.model import BertConfig, PALConfig
-    from fastpals.multitask import MultiTaskConfig
-    from fastpals.tasks import get_task
+    from fastpals.data.tasks import get_task
+    from fastpals.encoder.bert import BertConfig, PALConfig
+    from fastpals.model.multitask import MultiTaskConfig
 
     torch.manual_seed(seed)
     cfg = BertConfig(**shapes.bert_config())
@@ -177,7 +177,7 @@ class FastpalsStep:
     def __init__(
         self, model: torch.nn.Module, batch: dict, device: torch.device, kind: str = "plain"
     ) -> None:
-        from fastpals.batching import model_inputs
+        from fastpals.data.mixed_batches import model_inputs
 
         self.model, self.device, self.kind = model, device, kind
         self.inputs = model_inputs(batch, device)
@@ -343,7 +343,7 @@ def hf_padded_step(shapes: Shapes, parts: list, device: torch.device) -> Callabl
 
 
 def row_packing(shapes: Shapes, device: torch.device) -> list[dict[str, Any]]:
-    from fastpals.batching import pack_task_rows
+    from fastpals.data.mixed_batches import pack_task_rows
 
     vocab = 30522
     parts = task_rows(shapes, vocab)
@@ -375,7 +375,7 @@ def row_packing(shapes: Shapes, device: torch.device) -> list[dict[str, Any]]:
 
 
 def row_pcgrad(shapes: Shapes, device: torch.device) -> list[dict[str, Any]]:
-    from fastpals.batching import pack_task_rows
+    from fastpals.data.mixed_batches import pack_task_rows
 
     batch = pack_task_rows(task_rows(shapes, 30522), len(TASKS))
     base = build_fastpals(shapes, device)
@@ -465,7 +465,7 @@ def _sync_check(step: Callable[[], None], device: torch.device) -> dict[str, Any
 
 
 def row_sync(shapes: Shapes, device: torch.device) -> list[dict[str, Any]]:
-    from fastpals.batching import pack_task_rows
+    from fastpals.data.mixed_batches import pack_task_rows
 
     results = {}
     for kind in ("plain", "onebwd"):
@@ -505,7 +505,7 @@ def row_sync(shapes: Shapes, device: torch.device) -> list[dict[str, Any]]:
 
 def _planner() -> tuple[Callable[..., Any] | None, str]:
     try:
-        from fastpals.memory import plan_memory
+        from fastpals.commands.memory import plan_memory
     except ImportError as exc:
         return None, f"planner not available ({exc})"
     return plan_memory, "fastpals.memory.plan_memory"
@@ -539,7 +539,7 @@ def _predict(plan: Callable[..., Any], shapes: Shapes, surgery: str | None) -> t
 
 def row_memory(shapes: Shapes, device: torch.device) -> list[dict[str, Any]]:
     from bench.common import CpuPeakMemory, CudaPeakMemory, cpu_rss_bytes
-    from fastpals.batching import pack_task_rows
+    from fastpals.data.mixed_batches import pack_task_rows
 
     plan, planner_note = _planner()
     measured, predicted, notes = {}, {}, {}

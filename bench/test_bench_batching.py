@@ -61,7 +61,9 @@ def _data_dir() -> str:
 def _batchers(tokenizer: Any, bucket: bool) -> list:
     import warnings
 
-    from fastpals.data import DataWarning, TaskBatcher, load_task
+    from fastpals.data.loading import load_task
+    from fastpals.data.per_task_batches import TaskBatcher
+    from fastpals.data.readers import DataWarning
 
     out = []
     for i, task in enumerate(TASKS):
@@ -116,7 +118,7 @@ class MixedPacked:
     """One packed micro-batch of 48 (16 per task), one forward and one backward."""
 
     def __init__(self, model: Any, batchers: list) -> None:
-        from fastpals.batching import MixedBatchSampler, collate_packed, model_inputs
+        from fastpals.data.mixed_batches import MixedBatchSampler, collate_packed, model_inputs
 
         self.model = model
         sampler = MixedBatchSampler.from_batchers(
@@ -127,7 +129,7 @@ class MixedPacked:
         self.k = 0
 
     def stats(self) -> dict[str, float]:
-        from fastpals.batching import attention_plan
+        from fastpals.data.mixed_batches import attention_plan
 
         tokens = slots = 0
         for u in self.updates:
@@ -159,9 +161,9 @@ def test_mixed_packed_vs_per_task_padded(benchmark, threads, ratio_table):
         pytest.skip("this suite is the CPU comparison; the GPU comparison is not written yet")
     if not os.path.isdir(_data_dir()):
         pytest.skip(f"task data not found at {_data_dir()}: set FASTPALS_DATA_DIR")
-    from fastpals.model import PALConfig
-    from fastpals.multitask import MultiTaskBert
-    from fastpals.tokenizer import Tokenizer
+    from fastpals.data.tokenizer import Tokenizer
+    from fastpals.encoder.bert import PALConfig
+    from fastpals.model.multitask import MultiTaskBert
 
     tokenizer = Tokenizer.from_pretrained("minilm-l6")
     torch.manual_seed(0)

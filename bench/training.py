@@ -114,7 +114,7 @@ class StepConfig:
 def task_specs(num_tasks: int) -> list:
     """``num_tasks`` task heads: sst (5-way), para (binary pair), sts (regression pair), then synthetic tasks
     cycling 3-way classification, binary and regression (all single forward, joint pairs)."""
-    from fastpals.multitask import TaskSpec, get_task
+    from fastpals.model.multitask import TaskSpec, get_task
 
     specs = [get_task(n) for n in ("sst", "para", "sts")][:num_tasks]
     kinds = (("classification", 3), ("binary", 1), ("regression", 1))

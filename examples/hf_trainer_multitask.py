@@ -30,7 +30,7 @@ import transformers
 from fastpals import MultiTaskBert, PALConfig, Tokenizer
 from fastpals.data import TaskBatcher
 from fastpals.integrations.transformers import MultiTaskTrainer
-from fastpals.train.evaluate import EVAL_BATCH, evaluate, load_split
+from fastpals.model.evaluate import EVAL_BATCH, evaluate, load_split
 
 TASKS = ("sst", "sts")
 

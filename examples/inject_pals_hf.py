@@ -30,8 +30,8 @@ import transformers
 from torch import nn
 
 from fastpals import MultiTaskBert, PALConfig, Tokenizer
+from fastpals.adapters.inject import inject_pals, load_pals, save_pals
 from fastpals.data import TaskBatcher, load_task, merge_batches
-from fastpals.inject import inject_pals, load_pals, save_pals
 from fastpals.surgery import PCGrad, shared_parameters_by_name
 
 TASKS = ("sst", "sts")  # task 0: 5-way sentiment; task 1: similarity regression on label / 5

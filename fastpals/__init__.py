@@ -2,22 +2,25 @@
 
 Public names: ``BertModel``, ``BertConfig``, ``PALConfig``, ``MultiTaskBert``, ``TaskSpec``, ``resolve_tasks``,
 ``count_parameters``, ``is_task_specific``, ``freeze_shared_parameters``, ``inject_pals``, ``save_pals``,
-``load_pals``, ``set_task``, ``register_with_peft``; ``fastpals.surgery`` (the weightings, the task-gradient buffer,
-``per_task_gradients``); ``fastpals.batching`` (mixed packed micro-batches); ``fastpals.functional`` (reference
-ops), ``fastpals_kernels`` (fused ops and their dispatch); ``fastpals.train`` (the trainer).
+``load_pals``, ``set_task``, ``register_with_peft``. One package per stage, each importing only the ones before it
+(docs/architecture.md): ``fastpals.data`` (tasks, tokenizer, per-task and mixed packed batches, ``BatchLayout``),
+``fastpals.encoder`` (minBERT, PAL variants), ``fastpals.adapters`` (``inject_pals``, the adapter format, PEFT),
+``fastpals.model`` (``MultiTaskBert``, heads, evaluation), ``fastpals.surgery`` (per-task gradients, the buffer,
+the weightings), ``fastpals.train`` (the trainer), ``fastpals.commands`` (``fastpals predict``, ``memory``, ...),
+``fastpals.integrations``; ``fastpals.functional`` (reference ops) and ``fastpals_kernels`` (fused ops and their
+dispatch) below them.
 
 With PEFT installed, fastpals' PAL adapters are a PEFT method (``peft_type`` ``"FASTPALS"``,
-:mod:`fastpals.peft_method`), registered as soon as PEFT is imported (importing fastpals does not import PEFT).
+:mod:`fastpals.adapters.peft_method`), registered as soon as PEFT is imported (importing fastpals does not import PEFT).
 """
 
-from fastpals.inject import inject_pals, load_pals, remove_pals, save_pals, set_task
-from fastpals.model import BertConfig, BertModel, PALConfig, freeze_shared_parameters, is_task_specific
-from fastpals.multitask import MultiTaskBert, MultiTaskConfig, TaskSpec, count_parameters
-from fastpals.peft_registration import register_when_peft_is_imported, register_with_peft
-from fastpals.tasks import resolve_tasks
-from fastpals.tokenizer import Tokenizer
-
-__version__ = "0.1.0"
+from fastpals._version import __version__ as __version__
+from fastpals.adapters.inject import inject_pals, load_pals, remove_pals, save_pals, set_task
+from fastpals.adapters.peft_registration import register_when_peft_is_imported, register_with_peft
+from fastpals.data.tasks import resolve_tasks
+from fastpals.data.tokenizer import Tokenizer
+from fastpals.encoder.bert import BertConfig, BertModel, PALConfig, freeze_shared_parameters, is_task_specific
+from fastpals.model.multitask import MultiTaskBert, MultiTaskConfig, TaskSpec, count_parameters
 
 __all__ = [
     "BertConfig",

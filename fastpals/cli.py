@@ -1,9 +1,9 @@
 """The ``fastpals`` command: ``fastpals train ...`` (= ``python train.py ...``), ``fastpals predict ...``
-(= ``python -m fastpals.predict ...``), ``fastpals env`` (= ``python -m fastpals.env``),
-``fastpals compare RECIPE... --budget STEPS`` (several recipes on one budget: :mod:`fastpals.compare`),
-``fastpals memory ...`` (the predicted peak memory of a training step: :mod:`fastpals.memory`),
-``fastpals export ...`` (one task in another library's format: :mod:`fastpals.export`), ``fastpals claims`` (the
-five reports' findings re-run over several seeds: :mod:`fastpals.claims`)."""
+(= ``python -m fastpals.commands.predict ...``), ``fastpals env`` (= ``python -m fastpals.env``),
+``fastpals compare RECIPE... --budget STEPS`` (several recipes on one budget: :mod:`fastpals.commands.compare`),
+``fastpals memory ...`` (the predicted peak memory of a training step: :mod:`fastpals.commands.memory`),
+``fastpals export ...`` (one task in another library's format: :mod:`fastpals.commands.export`), ``fastpals claims`` (the
+five reports' findings re-run over several seeds: :mod:`fastpals.commands.claims`)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return train_main(rest)
     if command == "predict":
-        from fastpals.predict import main as predict_main
+        from fastpals.commands.predict import main as predict_main
 
         return predict_main(rest)
     if command == "env":
@@ -45,19 +45,19 @@ def main(argv: list[str] | None = None) -> int:
 
         return env_main(rest)
     if command == "compare":
-        from fastpals.compare import main as compare_main
+        from fastpals.commands.compare import main as compare_main
 
         return compare_main(rest)
     if command == "claims":
-        from fastpals.claims import main as claims_main
+        from fastpals.commands.claims import main as claims_main
 
         return claims_main(rest)
     if command == "memory":
-        from fastpals.memory import main as memory_main
+        from fastpals.commands.memory_cli import main as memory_main
 
         return memory_main(rest)
     if command == "export":
-        from fastpals.export import main as export_main
+        from fastpals.commands.export import main as export_main
 
         return export_main(rest)
     print(f"fastpals: unknown command {command!r}\n{USAGE}", file=sys.stderr, end="")

@@ -4,7 +4,7 @@ path).
 
 A batch runs either *packed* (``[N, d]`` token rows, no padding; ``cu_seqlens [B+1]`` int32 says where each of
 the ``B`` sequences lies, the layout of flash-attn's varlen kernels) or *padded* (``[B, L, d]`` with a ``[B, L]``
-mask). Tensors in, tensors out; no host read unless a docstring says so. :class:`fastpals.layout.BatchLayout`
+mask). Tensors in, tensors out; no host read unless a docstring says so. :class:`fastpals.data.layout.BatchLayout`
 builds on these.
 """
 

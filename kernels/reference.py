@@ -72,7 +72,7 @@ def check_task_ids(
 
     Raises ``TypeError``/``ValueError`` naming the argument on a wrong type, dtype, shape, device or range.
     The range check reads the tensor once (a device sync); it guarantees no kernel ever indexes a weight out of
-    bounds. ``check_values=False`` leaves the range to the caller (:func:`fastpals.layout.make_layout` checks
+    bounds. ``check_values=False`` leaves the range to the caller (:func:`fastpals.data.layout.make_layout` checks
     it on the host values it reads anyway).
     """
     if not isinstance(task_ids, torch.Tensor):
@@ -359,7 +359,7 @@ def attention_varlen_reference(
 
 @dataclass(frozen=True, eq=False)
 class PALWeights:
-    """The weights and options of one PAL op call (what :class:`fastpals.model.PALLayer` hands to the op).
+    """The weights and options of one PAL op call (what :class:`fastpals.encoder.bert.PALLayer` hands to the op).
 
     Weights as in the module docstring, one slice per task (all of one dtype and device):
     ``enc_weight [T, d_s, d]``, ``enc_bias [T, d_s]``, ``qkv_weight [T, 3 d_s, d_s]``, ``qkv_bias [T, 3 d_s]``,

@@ -4,7 +4,7 @@
   the ordinary gradients, and the per-task gradients of one-backward surgery (every task's row, one encoder pass
   and siamese pairs with two), equal those without checkpointing within 1e-6 (each layer counted once, though
   its forward runs twice);
-- the measured CPU peak of live tensor storage of the MiniLM step (:func:`fastpals.memory.measure_step`, real
+- the measured CPU peak of live tensor storage of the MiniLM step (:func:`fastpals.commands.memory.measure_step`, real
   tensors) falls, and so does the planner's prediction;
 - :func:`fastpals.inject_pals` on an HF ``BertModel`` after ``gradient_checkpointing_enable()``: outputs and
   gradients equal those of the same model without checkpointing (HF's own BERT is the reference).
@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from fastpals import MultiTaskBert, PALConfig
-from fastpals.model import BertConfig
-from fastpals.multitask import MultiTaskConfig, TaskSpec
+from fastpals.encoder.bert import BertConfig
+from fastpals.model.multitask import MultiTaskConfig, TaskSpec
 from fastpals.surgery import TaskGradientBuffer, per_task_gradients, shared_parameters_by_name
 
 T = 3
@@ -119,7 +119,7 @@ def test_measured_cpu_peak_falls() -> None:
     and the planner predicts both within 10%. (With one-backward surgery and fp32 rows the end of the backward,
     rows and all, is the peak at this size: checkpointing lowers it from batches of about 48 x 32 tokens on;
     ``docs/memory.md``.)"""
-    from fastpals.memory import StepSpec, measure_step, trace_step
+    from fastpals.commands.memory import StepSpec, measure_step, trace_step
 
     peaks = {}
     for ckpt in (False, True):

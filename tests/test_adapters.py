@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from fastpals import MultiTaskBert, PALConfig, Tokenizer, inject_pals, load_pals, save_pals
-from fastpals.adapters import ADAPTER_CONFIG_NAME, ADAPTER_SUBFOLDER, ADAPTER_WEIGHTS_NAME, PEFT_TYPE
-from fastpals.model import (
+from fastpals.adapters.format import ADAPTER_CONFIG_NAME, ADAPTER_SUBFOLDER, ADAPTER_WEIGHTS_NAME, PEFT_TYPE
+from fastpals.encoder.bert import (
     BertConfig,
     PALLayer,
     PALProjections,
@@ -22,7 +22,7 @@ from fastpals.model import (
     is_task_specific,
     task_specific_kind,
 )
-from fastpals.multitask import MultiTaskConfig, get_task
+from fastpals.model.multitask import MultiTaskConfig, get_task
 
 transformers = pytest.importorskip("transformers")
 
@@ -412,7 +412,7 @@ def test_old_multitask_folders_load_with_a_warning(tmp_path, base_folder, adapte
 def test_old_pals_folder_loads_with_a_warning(tmp_path, base_folder):
     from safetensors.torch import save_file
 
-    from fastpals.inject import pal_state_dict
+    from fastpals.adapters.inject import pal_state_dict
 
     hf = inject_pals(_hf_bert(base_folder), PAL, freeze_base=True)
     with torch.no_grad():

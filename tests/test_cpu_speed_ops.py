@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fastpals.encoder.bert import BertConfig, BertModel, PALConfig
 from fastpals.functional import Dropout, dropout
-from fastpals.model import BertConfig, BertModel, PALConfig
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

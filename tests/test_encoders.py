@@ -2,7 +2,7 @@
 saves them (config.json + model.safetensors + tokenizer.json, no vocab.txt) with a tokenizer of their family
 trained here on the task data, each train 3 updates with ``--surgery pcgrad`` and write results.json.
 
-Adding an architecture: its row in fastpals.inject_targets.TARGETS and its case in ENCODERS
+Adding an architecture: its row in fastpals.adapters.targets.TARGETS and its case in ENCODERS
 (tests/encoder_fixtures.py: a tiny config and its tokenizer family)."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def _texts() -> list[str]:
 
 @pytest.mark.parametrize("arch", ENCODERS)
 def test_encoder_trains_three_pcgrad_updates(data, tmp_path, arch, capsys):
-    from fastpals.train.cli import main
+    from fastpals.train.command import main
 
     model = make_encoder(arch, tmp_path / arch, _texts(), max_positions=64)
     assert not (model / "vocab.txt").exists()

@@ -3,7 +3,7 @@
 inside fake mode, so these tests fail on any new synchronisation in the step: the forward, the losses, the
 backward, the per-task gradient capture, the aggregator's apply and the optimizer step.
 
-The batch is collated on the host as the trainer does (:func:`fastpals.batching.pack_task_rows`): its layout's
+The batch is collated on the host as the trainer does (:func:`fastpals.data.mixed_batches.pack_task_rows`): its layout's
 host values are real Python/NumPy values; every tensor, the model's parameters included, is fake.
 """
 
@@ -15,16 +15,16 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fastpals import MultiTaskBert
-from fastpals.batching import TaskRows, model_inputs, pack_task_rows
-from fastpals.model import BertConfig, PALConfig
-from fastpals.multitask import MultiTaskConfig
+from fastpals.data.mixed_batches import TaskRows, model_inputs, pack_task_rows
+from fastpals.data.tasks import get_task
+from fastpals.encoder.bert import BertConfig, PALConfig
+from fastpals.model.multitask import MultiTaskConfig
 from fastpals.surgery import (
     AGGREGATORS,
     TaskGradientBuffer,
     per_task_gradients,
     shared_parameters_by_name,
 )
-from fastpals.tasks import get_task
 
 TASKS = ("sst", "para", "sts")
 

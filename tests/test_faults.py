@@ -349,7 +349,7 @@ def test_a_failed_save_is_one_line_and_code_4_end_to_end(tiny, tmp_path):
         "        raise RuntimeError('[enforce fail at inline_container.cc:778] . unexpected pos 67456 vs 67350')\n"
         "    return real(obj, f, *a, **k)\n"
         "torch.save = save\n"
-        "from fastpals.train.cli import main\n"
+        "from fastpals.train.command import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )
     out = tmp_path / "run"
@@ -442,7 +442,7 @@ def test_ds_config_typo_fails_before_the_set_up(tiny, tmp_path):
 
 # --- --help ----------------------------------------------------------------------------------------------------
 def test_help_documents_the_exit_codes():
-    from fastpals.train.cli import build_parser
+    from fastpals.train.command import build_parser
 
     text = build_parser().format_help()
     for code in ("  0  the run finished", "  2  an option", "  3  a non-finite", "  4  an output", "129  ",
@@ -453,7 +453,7 @@ def test_help_documents_the_exit_codes():
 
 # --- one line, never a traceback ----------------------------------------------------------------------------
 def test_hand_edited_train_args_json_is_one_line(tmp_path):
-    from fastpals.train.cli import parse_args
+    from fastpals.train.command import parse_args
 
     (tmp_path / "train_args.json").write_text(json.dumps([1, 2]))
     with pytest.raises(ConfigError, match=r"must hold a JSON object of options, not list"):
@@ -469,8 +469,8 @@ def test_hand_edited_train_args_json_is_one_line(tmp_path):
 
 
 def test_garbage_weights_file_in_model_is_named(tiny, tmp_path):
-    from fastpals.train.cli import parse_args
-    from fastpals.train.optim import build_model
+    from fastpals.train.command import parse_args
+    from fastpals.train.optimizer_setup import build_model
 
     model = tmp_path / "model"
     shutil.copytree(tiny[1], model)
@@ -484,7 +484,7 @@ def test_garbage_weights_file_in_model_is_named(tiny, tmp_path):
 
 
 def test_data_file_that_is_a_folder_or_a_symlink_loop_is_named(tiny, tmp_path):
-    from fastpals.train.cli import parse_args
+    from fastpals.train.command import parse_args
 
     data = tmp_path / "data"
     shutil.copytree(tiny[0], data)
@@ -518,7 +518,7 @@ def test_unwritable_out_is_one_line(tmp_path, monkeypatch):
 def test_predict_refuses_a_model_with_non_finite_weights(killed_and_resumed, tmp_path, capsys):
     from safetensors.torch import load_file, save_file
 
-    from fastpals.predict import PredictError, _refuse_nonfinite, main
+    from fastpals.commands.predict import PredictError, _refuse_nonfinite, main
 
     best = tmp_path / "best"
     shutil.copytree(killed_and_resumed[1] / "best", best)
@@ -591,7 +591,7 @@ def test_a_run_lists_its_outputs_in_the_manifest(killed_and_resumed):
 # --- the model and the tokenizer are opened before --out is touched -----------------------------------------------
 @pytest.mark.parametrize("broken", ["missing", "no_tokenizer", "garbage_weights"])
 def test_a_bad_model_or_tokenizer_is_refused_before_out_is_touched(tiny, tmp_path, broken):
-    from fastpals.train.cli import parse_args
+    from fastpals.train.command import parse_args
     from fastpals.train.loop import Trainer
 
     model = tmp_path / "model"
@@ -611,7 +611,7 @@ def test_a_bad_model_or_tokenizer_is_refused_before_out_is_touched(tiny, tmp_pat
 # --- NaN outputs from finite weights --------------------------------------------------------------------------------
 NAN_OUTPUTS = """
 import sys
-from fastpals.multitask import MultiTaskBert
+from fastpals.model.multitask import MultiTaskBert
 forward = MultiTaskBert.forward
 def overflowing(self, *args, **kwargs):  # finite weights, non-finite logits in evaluation (an overflow)
     out = forward(self, *args, **kwargs)
@@ -619,7 +619,7 @@ def overflowing(self, *args, **kwargs):  # finite weights, non-finite logits in 
         out.logits = out.logits * float("inf")
     return out
 MultiTaskBert.forward = overflowing
-from fastpals.train.cli import main
+from fastpals.train.command import main
 sys.exit(main(sys.argv[1:]))
 """
 

@@ -1,4 +1,4 @@
-"""Adapters record the encoder they were trained with (``fastpals.fingerprint``): another run's ``pals/`` beside
+"""Adapters record the encoder they were trained with (``fastpals.encoder.fingerprint``): another run's ``pals/`` beside
 this encoder is refused with one line (``force=True`` / ``--force`` accepts it); ``adapters_only`` warns when
 the encoder trained."""
 
@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from fastpals import MultiTaskBert, load_pals
-from fastpals.adapters import ADAPTER_SUBFOLDER
-from fastpals.fingerprint import EncoderMismatchError, encoder_fingerprint
-from fastpals.model import PALConfig
+from fastpals.adapters.format import ADAPTER_SUBFOLDER
+from fastpals.encoder.bert import PALConfig
+from fastpals.encoder.fingerprint import EncoderMismatchError, encoder_fingerprint
 
 sys.path.insert(0, str(Path(__file__).parent))
 from train_fixtures import make_tiny_model  # noqa: E402
@@ -97,7 +97,7 @@ def test_adapters_only_warns_when_the_encoder_trained(tmp_path):
 
 
 def test_predict_refuses_a_mismatched_adapter_in_one_line_and_force_accepts(tmp_path, capsys):
-    from fastpals.predict import main
+    from fastpals.commands.predict import main
 
     base = make_tiny_model(tmp_path / "base")
     a, b = _trained(base, 1), _trained(base, 2)

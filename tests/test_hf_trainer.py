@@ -16,11 +16,12 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from fastpals.data import TaskBatcher, load_task  # noqa: E402
-from fastpals.model import PALConfig  # noqa: E402
-from fastpals.multitask import MultiTaskBert  # noqa: E402
+from fastpals.data.loading import load_task  # noqa: E402
+from fastpals.data.per_task_batches import TaskBatcher  # noqa: E402
+from fastpals.data.tokenizer import Tokenizer  # noqa: E402
+from fastpals.encoder.bert import PALConfig  # noqa: E402
+from fastpals.model.multitask import MultiTaskBert  # noqa: E402
 from fastpals.surgery import TaskGradientBuffer, make_weighting, shared_parameters_by_name  # noqa: E402
-from fastpals.tokenizer import Tokenizer  # noqa: E402
 from fastpals.train.mixed import MixedUpdates, packed_micro_batches  # noqa: E402
 from fastpals.train.step import Surgery, TorchEngine, run_update  # noqa: E402
 

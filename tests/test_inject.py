@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from fastpals.adapters import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME
-from fastpals.inject import (
+from fastpals.adapters.format import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME
+from fastpals.adapters.inject import (
     freeze_base_model,
     inject_pals,
     load_pals,
@@ -18,8 +18,8 @@ from fastpals.inject import (
     save_pals,
     set_task,
 )
-from fastpals.model import BertModel as MiniBert
-from fastpals.model import PALConfig
+from fastpals.encoder.bert import BertModel as MiniBert
+from fastpals.encoder.bert import PALConfig
 
 transformers = pytest.importorskip("transformers")
 
@@ -228,7 +228,7 @@ def _minbert_and_hf(which: str, pal: PALConfig, hf_minilm) -> tuple[nn.Module, n
     torch.manual_seed(0)
     if which == "minilm":
         return MiniBert.from_pretrained("minilm-l6", pal=pal), inject_pals(copy.deepcopy(hf_minilm), pal)
-    from fastpals.model import BertConfig
+    from fastpals.encoder.bert import BertConfig
 
     hf = _tiny("bert")
     ours = MiniBert(BertConfig.from_dict(hf.config.to_dict()), pal=pal)
@@ -321,7 +321,7 @@ def test_inject_into_minbert_equals_native_pals_and_cross_loads_with_hf(tmp_path
         assert set(injected.state_dict()) == set(plain.state_dict())
         assert torch.equal(injected(ids, mask).last_hidden_state, plain(ids, mask).last_hidden_state)
     with pytest.raises(TypeError, match="MultiTaskBert"):
-        from fastpals.multitask import MultiTaskBert, MultiTaskConfig, get_task
+        from fastpals.model.multitask import MultiTaskBert, MultiTaskConfig, get_task
 
         inject_pals(MultiTaskBert(MultiTaskConfig(native.config, [get_task("sst")])), pal)
     with pytest.raises(ValueError, match="already has PALs"):
@@ -607,7 +607,7 @@ def test_pcgrad_on_injected_hf_model_matches_float64_pcgrad():
 def test_modernbert_pal_joins_the_residual_sum_after_the_mlp():
     """ModernBERT (pre-LN, no LayerNorm after the FFN): the injected layer returns the base layer's output plus
     gate · TS_t(h) of its input h, i.e. h + attn + mlp + TS_t(h) (PAL computed by fastpals' PALLayer)."""
-    from fastpals.layout import make_layout
+    from fastpals.data.layout import make_layout
 
     base = _tiny("modernbert", dropout=False).eval()
     model = inject_pals(

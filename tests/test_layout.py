@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from fastpals.batching import TaskRows, model_inputs, pack_batches, pack_task_rows
-from fastpals.layout import (
+from fastpals.data.layout import (
     BatchLayout,
     cu_seqlens_to_mask,
     layout_for,
     lengths_to_cu_seqlens,
     packed_position_ids,
 )
+from fastpals.data.mixed_batches import TaskRows, model_inputs, pack_batches, pack_task_rows
 
 
 def test_from_lengths_host_values_and_device_tensors_agree():
@@ -94,8 +94,8 @@ def test_packing_from_token_lists_equals_packing_padded_batches():
 
 def test_model_does_not_import_batching_or_data_modules():
     code = (
-        "import sys, fastpals.model, fastpals.multitask; "
-        "bad = [m for m in ('fastpals.batching', 'fastpals.batcher', 'fastpals.data', 'fastpals.readers') "
+        "import sys, fastpals.encoder.bert, fastpals.model.multitask; "
+        "bad = [m for m in ('fastpals.data.mixed_batches', 'fastpals.data.per_task_batches', 'fastpals.data.loading', 'fastpals.data.readers') "
         "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from fastpals import MultiTaskBert
-from fastpals.batching import model_inputs
-from fastpals.model import BertConfig, PALConfig
-from fastpals.multitask import MultiTaskConfig
+from fastpals.data.mixed_batches import model_inputs
+from fastpals.data.tasks import get_task
+from fastpals.encoder.bert import BertConfig, PALConfig
+from fastpals.model.multitask import MultiTaskConfig
 from fastpals.surgery import upgrad_weights
-from fastpals.tasks import get_task
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_fake_step import TASKS, _batch  # noqa: E402
@@ -112,7 +112,7 @@ def _many_task_model(t: int) -> MultiTaskBert:
 
 
 def _many_task_batch(t: int, generator: torch.Generator):
-    from fastpals.batching import pack_batches
+    from fastpals.data.mixed_batches import pack_batches
     from fastpals.train.step import MicroBatch
 
     batches = []

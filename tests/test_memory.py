@@ -9,16 +9,16 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fastpals.memory import (
+from fastpals.commands.memory import (
     DEVICES,
     LiveTensorBytes,
     StepSpec,
     load_bert_config,
-    main,
     measure_step,
     model_state_bytes,
     trace_step,
 )
+from fastpals.commands.memory_cli import main
 
 
 @pytest.mark.parametrize("fake", [False, True])
@@ -85,7 +85,7 @@ def test_traced_states_follow_the_layout() -> None:
 
 
 def _minilm_params() -> list:
-    from fastpals.memory import _build_model
+    from fastpals.commands.memory import _build_model
 
     with FakeTensorMode():
         return [
@@ -173,7 +173,7 @@ def test_bad_input_is_one_line(argv: list[str], needle: str, capsys: pytest.Capt
 
 def test_table_chart(tmp_path) -> None:
     """The chart of docs/memory.md: one panel per model, a line per bf16 variant, the GPUs' memory."""
-    from fastpals.memory_chart import plot_table
+    from fastpals.commands.memory_chart import plot_table
 
     lines = [
         (model, label, precision, a * 2**30, c * 2**20)

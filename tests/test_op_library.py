@@ -246,7 +246,7 @@ def _packed_step():
     sys.path.insert(0, str(ROOT / "tests"))
     from test_batching import PAL, _model, _per_task_batches
 
-    from fastpals.batching import model_inputs, pack_batches
+    from fastpals.data.mixed_batches import model_inputs, pack_batches
 
     model = _model(PAL, "sbert_concat").eval()  # dropout off: compiled and eager draw no masks
     batches = _per_task_batches(model, sizes=(2, 3, 2), seed=7)

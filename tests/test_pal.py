@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 import fastpals
-from fastpals.model import BertConfig, BertModel, PALConfig
-from fastpals.multitask import MultiTaskBert, MultiTaskConfig, TaskSpec, count_parameters, get_task
+from fastpals.encoder.bert import BertConfig, BertModel, PALConfig
+from fastpals.model.multitask import MultiTaskBert, MultiTaskConfig, TaskSpec, count_parameters, get_task
 
 TINY = BertConfig(
     vocab_size=100, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64,

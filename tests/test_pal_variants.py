@@ -1,4 +1,4 @@
-"""PAL variants are one class each (fastpals.pal_variants): the built-in registry, the typed PAL op options, and a
+"""PAL variants are one class each (fastpals.encoder.pal_variants): the built-in registry, the typed PAL op options, and a
 new variant defined and registered in this file alone (LHUC), which then works everywhere: BertModel and
 MultiTaskBert, padded and packed forward, backward, the task-specific rule, count_parameters, saving and loading.
 """
@@ -10,12 +10,10 @@ import torch
 from torch import nn
 
 from fastpals import MultiTaskBert, count_parameters, freeze_shared_parameters, inject_pals, is_task_specific
-from fastpals.adapters import ADAPTER_CONFIG_NAME, ADAPTER_SUBFOLDER
-from fastpals.functional import PALWeights, pal_reference
-from fastpals.layout import BatchLayout, make_layout
-from fastpals.model import BertConfig, BertModel, PALConfig
-from fastpals.multitask import MultiTaskConfig, get_task
-from fastpals.pal_variants import (
+from fastpals.adapters.format import ADAPTER_CONFIG_NAME, ADAPTER_SUBFOLDER
+from fastpals.data.layout import BatchLayout, make_layout
+from fastpals.encoder.bert import BertConfig, BertModel, PALConfig
+from fastpals.encoder.pal_variants import (
     PAL_VARIANTS,
     EmBERT,
     NoPAL,
@@ -28,6 +26,8 @@ from fastpals.pal_variants import (
     register_pal_variant,
     unregister_pal_variant,
 )
+from fastpals.functional import PALWeights, pal_reference
+from fastpals.model.multitask import MultiTaskConfig, get_task
 
 TINY = BertConfig(
     vocab_size=100, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64,

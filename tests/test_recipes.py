@@ -13,8 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_fixtures import make_tiny_data, make_tiny_model  # noqa: E402
 
 from fastpals.train.args import TrainArgs  # noqa: E402
-from fastpals.train.cli import main as train_main  # noqa: E402
-from fastpals.train.cli import parse_args  # noqa: E402
+from fastpals.train.command import main as train_main  # noqa: E402
+from fastpals.train.command import parse_args  # noqa: E402
 from fastpals.train.errors import ConfigError  # noqa: E402
 from fastpals.train.recipes import load_recipe, recipe_info, recipe_names  # noqa: E402
 
@@ -33,8 +33,8 @@ def make_tiny_model_6_layers(folder: Path) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from fastpals.hub import resolve_model_dir
-    from fastpals.model import BertConfig, BertModel
+    from fastpals.data.hub import resolve_model_dir
+    from fastpals.encoder.bert import BertConfig, BertModel
 
     folder.mkdir(parents=True, exist_ok=True)
     vocab = resolve_model_dir("minilm-l6", ("vocab.txt",)) / "vocab.txt"
@@ -181,7 +181,7 @@ def test_bad_recipe_file_is_one_line_naming_file_and_key(tiny, tmp_path, content
 
 
 def test_help_lists_the_recipes():
-    from fastpals.train.cli import build_parser
+    from fastpals.train.command import build_parser
 
     text = " ".join(build_parser().format_help().split())
     assert "--recipe NAME start from a named recipe's options" in text
@@ -252,7 +252,7 @@ def test_compare_two_recipes_writes_table_and_chart(tiny, tmp_path, capsys):
 
 
 def test_compare_rejects_bad_input_before_training(tiny, tmp_path, capsys):
-    from fastpals.compare import main as compare_main
+    from fastpals.commands.compare import main as compare_main
 
     data, model = tiny
     out = tmp_path / "cmp"
@@ -268,7 +268,7 @@ def test_compare_rejects_bad_input_before_training(tiny, tmp_path, capsys):
 
 
 def test_compare_reports_a_failed_run_in_its_row(tiny, tmp_path, capsys):
-    from fastpals.compare import main as compare_main
+    from fastpals.commands.compare import main as compare_main
 
     data, model = tiny
     out = tmp_path / "cmp"
@@ -288,9 +288,9 @@ def test_compare_reports_a_failed_run_in_its_row(tiny, tmp_path, capsys):
 def test_freeze_layers_stops_the_backward_and_guards_the_pals(tiny6, tmp_path):
     """``--freeze-layers K --pal-layers N``: embeddings and layers 0..K-1 get no gradient and no backward (their
     outputs need no grad), PALs sit in the top N layers only; PALs left in a frozen layer are a ConfigError."""
-    from fastpals.batching import model_inputs, pack_batches
+    from fastpals.data.mixed_batches import model_inputs, pack_batches
     from fastpals.train.data_setup import setup_data
-    from fastpals.train.optim import build_model
+    from fastpals.train.optimizer_setup import build_model
 
     args = parse_args([*quick(tiny6, tmp_path / "f"), "--freeze-layers", "2", "--pal-layers", "4"])
     model = build_model(args).train()

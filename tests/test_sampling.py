@@ -6,7 +6,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from fastpals.sampling import (
+from fastpals.data.sampling import (
     SAMPLING_METHODS,
     TaskSampler,
     annealed_alpha,

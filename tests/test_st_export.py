@@ -1,6 +1,6 @@
 """``fastpals export --format sentence-transformers``: the exported folder opens with
 ``sentence_transformers.SentenceTransformer`` (offline), encodes through the task's own PALs, and the cosine of its
-embeddings on STS dev gives fastpals' own dev Pearson (``fastpals.train.evaluate.evaluate``) within 1e-4; tasks
+embeddings on STS dev gives fastpals' own dev Pearson (``fastpals.model.evaluate.evaluate``) within 1e-4; tasks
 whose score is not a cosine are refused with one line."""
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ import torch
 
 pytest.importorskip("sentence_transformers")
 
-from fastpals.data import TaskBatcher, load_task  # noqa: E402
-from fastpals.export import main as export_main  # noqa: E402
-from fastpals.metrics import pearson  # noqa: E402
-from fastpals.model import PALConfig  # noqa: E402
-from fastpals.multitask import MultiTaskBert, get_task  # noqa: E402
-from fastpals.tokenizer import Tokenizer  # noqa: E402
-from fastpals.train.evaluate import evaluate, predict_batches  # noqa: E402
+from fastpals.commands.export import main as export_main  # noqa: E402
+from fastpals.data.loading import load_task  # noqa: E402
+from fastpals.data.metrics import pearson  # noqa: E402
+from fastpals.data.per_task_batches import TaskBatcher  # noqa: E402
+from fastpals.data.tokenizer import Tokenizer  # noqa: E402
+from fastpals.encoder.bert import PALConfig  # noqa: E402
+from fastpals.model.evaluate import evaluate, predict_batches  # noqa: E402
+from fastpals.model.multitask import MultiTaskBert, get_task  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_fixtures import make_tiny_data, make_tiny_model  # noqa: E402

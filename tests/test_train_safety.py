@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fastpals.train.cli import build_parser, parse_args
+from fastpals.train.command import build_parser, parse_args
 from fastpals.train.errors import ConfigError
 from fastpals.train.outputs import discard_replaced, prepare_out, restore_replaced
 from fastpals.train.state import TrainState, check_checkpoint
@@ -296,27 +296,30 @@ def test_predict_errors_are_one_line(stopped_run, tiny, tmp_path):
     rc, _, err = run(["--out", str(out), "--resume", "--no-progress"])
     assert rc == 0, err[-2000:]
     shutil.copytree(out / "best", best)
-    rc, _, err = run([str(best), "--data-dir", str(tmp_path / "nowhere")], module="fastpals.predict")
+    rc, _, err = run([str(best), "--data-dir", str(tmp_path / "nowhere")], module="fastpals.commands.predict")
     assert rc == 2
     one_line_error(err, "--data-dir", "nowhere")
-    rc, _, err = run([str(best)], module="fastpals.predict", drop=("FASTPALS_DATA_DIR",))
+    rc, _, err = run([str(best)], module="fastpals.commands.predict", drop=("FASTPALS_DATA_DIR",))
     one_line_error(err, "--data-dir", "FASTPALS_DATA_DIR")
-    rc, _, err = run([str(tmp_path / "nomodel")], module="fastpals.predict")
+    rc, _, err = run([str(tmp_path / "nomodel")], module="fastpals.commands.predict")
     assert rc == 2
     one_line_error(err, "nomodel")
     (tmp_path / "f").write_text("x")
     rc, _, err = run(
-        [str(best), "--data-dir", str(tiny[0]), "--out", str(tmp_path / "f")], module="fastpals.predict"
+        [str(best), "--data-dir", str(tiny[0]), "--out", str(tmp_path / "f")],
+        module="fastpals.commands.predict",
     )
     one_line_error(err, "is a file")
-    rc, stdout, err = run([str(best), "--task", "sst", "--text", "good movie"], module="fastpals.predict")
+    rc, stdout, err = run(
+        [str(best), "--task", "sst", "--text", "good movie"], module="fastpals.commands.predict"
+    )
     assert rc == 0, err
     fields = stdout.strip().split("\t")
     names = ("very negative", "negative", "neutral", "positive", "very positive")
     assert fields[0] == "sst" and fields[2] == names[int(float(fields[1]))] and fields[3].startswith("p=")
     assert 0.2 <= float(fields[3][2:]) <= 1.0  # the probability of the predicted class of 5
     rc, stdout, err = run([str(best), "--data-dir", str(tiny[0]), "--out", str(tmp_path / "p")],
-                          module="fastpals.predict")  # fmt: skip
+                          module="fastpals.commands.predict")  # fmt: skip
     assert rc == 0 and "predict sst" in err  # the progress bar
 
 
@@ -337,7 +340,7 @@ def test_single_process_run_logs_times_and_builds_no_comm_op(tiny, tmp_path):
 
 
 def test_training_curve_colours_are_per_task():
-    from fastpals.plots import training_curve_series
+    from fastpals.train.plots import training_curve_series
 
     losses = {"sst": ([1, 4], [1.0, 0.8]), "para": ([2, 3, 5], [0.7, 0.6, 0.5]), "sts": ([3], [2.0])}
     evals = [{"step": 0, "dev": {"sst": 0.2, "para": 0.5, "sts": 0.1, "overall": 0.4}},

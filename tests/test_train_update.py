@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastpals.batching import model_inputs, pack_batches
-from fastpals.model import BertConfig, PALConfig
-from fastpals.multitask import MultiTaskBert, MultiTaskConfig, get_task
+from fastpals.data.mixed_batches import model_inputs, pack_batches
+from fastpals.encoder.bert import BertConfig, PALConfig
+from fastpals.model.multitask import MultiTaskBert, MultiTaskConfig, get_task
 from fastpals.train.errors import NonFiniteLossError
 from fastpals.train.step import MicroBatch, Surgery, TorchEngine, run_update
 
@@ -190,7 +190,7 @@ TRAINER_SCRIPT = r"""
 import json, sys
 sys.path.insert(0, sys.argv[4])
 from host_read_counter import READS, HostReads
-from fastpals.train.cli import parse_args
+from fastpals.train.command import parse_args
 from fastpals.train.loop import Trainer
 
 model, data, out = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -219,7 +219,7 @@ with HostReads(READS) as reads:
                         "buffer": sum(reads.under("/fastpals/surgery/buffer.py").values())
                         + sum(reads.under("/fastpals/surgery/stream.py").values()), "stats": stats}
         if name.startswith("mixed"):  # the host counts equal what the collated batches count
-            from fastpals.batching import collate_packed
+            from fastpals.data.mixed_batches import collate_packed
             batchers = list(tr.train_batchers.values())
             collated = [collate_packed(batchers, sel) for sel in group]
             result[name]["collated"] = {

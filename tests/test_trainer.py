@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastpals.model import BertConfig, PALConfig
-from fastpals.multitask import MultiTaskBert, MultiTaskConfig, get_task
-from fastpals.train.cli import parse_args
+from fastpals.encoder.bert import BertConfig, PALConfig
+from fastpals.model.multitask import MultiTaskBert, MultiTaskConfig, get_task
+from fastpals.train.command import parse_args
 from fastpals.train.dsconfig import check_ds_config, cpu_has_native_bf16, load_ds_config, precision_note
 from fastpals.train.errors import ConfigError
-from fastpals.train.optim import lr_lambda, optimizer_param_groups
+from fastpals.train.optimizer_setup import lr_lambda, optimizer_param_groups
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -232,7 +232,7 @@ def test_grad_accum_dtype_auto_picks_fp32_accumulation_without_surgery():
 FP32_ACCUMULATION_SCRIPT = r"""
 import json, sys, torch
 sys.path.insert(0, sys.argv[3])
-from fastpals.train.cli import parse_args
+from fastpals.train.command import parse_args
 from fastpals.train.loop import Trainer
 model, data, out = sys.argv[1], sys.argv[2], sys.argv[4]
 params = {}
@@ -333,7 +333,7 @@ def test_lr_schedule():
 SURGERY_SCRIPT = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[3])
-from fastpals.train.cli import parse_args
+from fastpals.train.command import parse_args
 from fastpals.train.loop import Trainer
 args = parse_args(["--model", sys.argv[1], "--data-dir", sys.argv[2], "--out", sys.argv[4],
     "--ds_config", "cpu_bf16.json", "--surgery", "pcgrad", "--sampling", "random_round_robin", "--batch-size", "4", "--max-length", "16",
@@ -375,8 +375,8 @@ def test_pcgrad_update_under_deepspeed(tiny, tmp_path, batching):
 
 
 def test_capped_dev_sets_are_a_fixed_random_subset(tiny):
-    from fastpals.data import load_task
-    from fastpals.train.evaluate import load_split as _load_split
+    from fastpals.data.loading import load_task
+    from fastpals.model.evaluate import load_split as _load_split
 
     data, _ = tiny
     full = load_task("sst", "dev", data)
@@ -429,14 +429,14 @@ def test_default_ds_config_works_from_a_wheel(tmp_path):
 def test_eval_model_keeps_the_training_dtype_where_the_cpu_runs_it(monkeypatch):
     """Dev and test predictions run in the training dtype on a CPU with native bf16 (the module itself, or a bf16
     copy of the fp32 best weights); without native bf16, or for fp16, an fp32 copy with the same weights."""
-    import fastpals.train.dsconfig as dsconfig
-    from fastpals.train.evaluate import eval_model
+    import fastpals.encoder.precision as precision
+    from fastpals.model.evaluate import eval_model
 
     cpu = torch.device("cpu")
     model = torch.nn.Sequential(torch.nn.Linear(4, 3)).to(torch.bfloat16)
     fp32 = torch.nn.Sequential(torch.nn.Linear(4, 3))
     for native in (True, False):
-        monkeypatch.setattr(dsconfig, "cpu_has_native_bf16", lambda native=native: native)
+        monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda native=native: native)
         got = eval_model(model, cpu)
         assert (got is model) == native and next(got.parameters()).dtype == (
             torch.bfloat16 if native else torch.float32

@@ -62,8 +62,8 @@ def make_tiny_model(folder: Path, seed: int = 0) -> Path:
     """A random 2-layer BERT (d = 32, 4 heads) in HF layout with MiniLM's vocab.txt."""
     import torch
 
-    from fastpals.hub import resolve_model_dir
-    from fastpals.model import BertConfig, BertModel
+    from fastpals.data.hub import resolve_model_dir
+    from fastpals.encoder.bert import BertConfig, BertModel
 
     folder.mkdir(parents=True, exist_ok=True)
     vocab = resolve_model_dir("minilm-l6", ("vocab.txt",)) / "vocab.txt"

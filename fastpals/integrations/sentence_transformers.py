@@ -34,7 +34,7 @@ import torch
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.base.modules import InputModule
 
-from fastpals.multitask import MultiTaskBert
+from fastpals.model.multitask import MultiTaskBert
 
 __all__ = ["ExportError", "PALTaskEncoder", "check_exportable", "export_task"]
 
@@ -118,7 +118,7 @@ class PALTaskEncoder(InputModule):
     @classmethod
     def load(cls, model_name_or_path: str, subfolder: str = "", **kwargs: Any) -> PALTaskEncoder:
         """Open a folder written by :meth:`save` (a local folder; fastpals opens the model)."""
-        from fastpals.tokenizer import Tokenizer
+        from fastpals.data.tokenizer import Tokenizer
 
         folder = Path(model_name_or_path) / subfolder
         if not (folder / CONFIG_NAME).is_file():

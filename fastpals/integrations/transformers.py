@@ -1,11 +1,11 @@
 """Multi-task PAL training with gradient surgery inside the Hugging Face ``transformers.Trainer``.
 
 :class:`MultiTaskTrainer` is a ``transformers.Trainer`` subclass for a :class:`fastpals.MultiTaskBert` (its PALs
-and task heads) and one :class:`fastpals.data.TaskBatcher` per task:
+and task heads) and one :class:`fastpals.data.per_task_batches.TaskBatcher` per task:
 
 - ``get_train_dataloader`` yields packed mixed-task micro-batches drawn by fastpals' sampler
-  (:class:`fastpals.batching.MixedBatchSampler`: ``annealed``, ``proportional``, ``sqrt``, ...), collated by
-  :func:`fastpals.batching.collate_packed` (no padding; the batch's :class:`~fastpals.layout.BatchLayout` holds
+  (:class:`fastpals.data.mixed_batches.MixedBatchSampler`: ``annealed``, ``proportional``, ``sqrt``, ...), collated by
+  :func:`fastpals.data.mixed_batches.collate_packed` (no padding; the batch's :class:`~fastpals.data.layout.BatchLayout` holds
   every host count, so the step reads no device value);
 - ``training_step`` runs one forward and one backward per micro-batch. With ``surgery`` (any name of
   :data:`fastpals.surgery.AGGREGATORS`: ``pcgrad``, ``gem``, ``upgrad``, ``mgda``, ...) the backward runs inside
@@ -36,8 +36,8 @@ import torch
 import transformers
 from torch.utils.data import DataLoader, IterableDataset
 
-from fastpals.batching import MixedBatchSampler, collate_packed, model_inputs
-from fastpals.data import TaskBatcher
+from fastpals.data.mixed_batches import MixedBatchSampler, collate_packed, model_inputs
+from fastpals.data.per_task_batches import TaskBatcher
 
 __all__ = ["MixedTaskBatches", "MultiTaskTrainer"]
 
@@ -50,8 +50,8 @@ class MixedTaskBatches(IterableDataset):
     """The packed mixed-task micro-batches of a :class:`MixedBatchSampler`, one epoch per ``iter()`` (the Trainer
     iterates its train dataloader once per epoch); ``len()`` is the micro-batches of an epoch.
 
-    Each item is :func:`fastpals.batching.collate_packed`'s dict (``input_ids [N]`` int64, ``cu_seqlens [B+1]``
-    int32, ``labels [B]`` float32, ``layout``, ...; see :mod:`fastpals.batching`).
+    Each item is :func:`fastpals.data.mixed_batches.collate_packed`'s dict (``input_ids [N]`` int64, ``cu_seqlens [B+1]``
+    int32, ``labels [B]`` float32, ``layout``, ...; see :mod:`fastpals.data.mixed_batches`).
     """
 
     def __init__(self, batchers: Sequence[TaskBatcher], sampler: MixedBatchSampler) -> None:
@@ -77,10 +77,10 @@ class MultiTaskTrainer(transformers.Trainer):
         model: the multi-task model (PALs and heads; e.g. ``MultiTaskBert.from_base("minilm-l6", tasks, pal)``).
         args: the Trainer's ``TrainingArguments``; ``per_device_train_batch_size`` is the examples of a
             micro-batch (unless ``max_tokens``), ``seed`` seeds the sampler and the surgery's random stream.
-        train_batchers: one :class:`fastpals.data.TaskBatcher` per task of ``model``, keyed by task name (or in
+        train_batchers: one :class:`fastpals.data.per_task_batches.TaskBatcher` per task of ``model``, keyed by task name (or in
             the model's task order); their ``seed`` orders each task's passes.
         sampling: the task shares of a micro-batch (``annealed``, ``proportional``, ``uniform``, ``sqrt``,
-            ``round_robin``, ...; :data:`fastpals.sampling.SAMPLING_METHODS`).
+            ``round_robin``, ...; :data:`fastpals.data.sampling.SAMPLING_METHODS`).
         surgery: an aggregator name of :data:`fastpals.surgery.AGGREGATORS`, or ``"none"``.
         surgery_options: its options (:func:`fastpals.surgery.make_weighting`).
         weighting: how task losses combine without surgery (``examples`` or ``equal``).
@@ -104,7 +104,7 @@ class MultiTaskTrainer(transformers.Trainer):
         micro_batches_per_epoch: int | None = None,
         **kwargs: Any,
     ) -> None:
-        from fastpals.multitask import TASK_WEIGHTINGS
+        from fastpals.model.multitask import TASK_WEIGHTINGS
         from fastpals.surgery import make_weighting
 
         for key in ("train_dataset", "data_collator"):
@@ -225,7 +225,7 @@ class MultiTaskTrainer(transformers.Trainer):
         """``MultiTaskBert.save_pretrained(output_dir)`` (the folder ``MultiTaskBert.from_pretrained`` opens), with
         the Trainer's ``processing_class`` when it is a :class:`fastpals.Tokenizer` (its ``vocab.txt``, for
         ``fastpals predict`` and ``fastpals export``)."""
-        from fastpals.tokenizer import Tokenizer
+        from fastpals.data.tokenizer import Tokenizer
 
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         tokenizer = self.processing_class if isinstance(self.processing_class, Tokenizer) else None

@@ -3,7 +3,7 @@
 Every method here is an *aggregator*: a function of the ``T x T`` Gram matrix ``G[i, j] = <g_i, g_j>`` of the
 task gradients (over the parameters shared by the tasks) returning weights ``w [T]`` such that the update is
 ``sum_t w_t g_t``: :func:`sum_weights`, :func:`mean_weights`, :func:`pcgrad_weights`, :func:`gem_weights`.
-The weights are computed on the device, without synchronising. :mod:`fastpals.surgery.weightings` adds UPGrad,
+The weights are computed on the device, without synchronising. :mod:`fastpals.surgery.weights_solved` adds UPGrad,
 MGDA, DualProj, IMTL-G, CAGrad, Aligned-MTL, FairGrad, Nash-MTL and GradVac; :data:`AGGREGATORS` maps every
 lower-case name to its function, :func:`make_weighting` builds one from string options, and
 :class:`SurgeryOptimizer` wraps an optimizer for any name.
@@ -53,7 +53,6 @@ backwards per step). Build the buffer with::
 - Client optimizers need ``"zero_allow_untested_optimizer": true`` under ZeRO. ZeRO-3 is not covered.
 """
 
-from fastpals.surgery.aggregators import gem_weights, mean_weights, pcgrad_orders, pcgrad_weights, sum_weights
 from fastpals.surgery.buffer import (
     SurgeryResult,
     TaskGradientBuffer,
@@ -61,7 +60,7 @@ from fastpals.surgery.buffer import (
     default_grad_setter,
     parameters_reached,
 )
-from fastpals.surgery.optim import GEM, PCGrad, SurgeryOptimizer, shared_parameters_by_name
+from fastpals.surgery.optimizer_wrappers import GEM, PCGrad, SurgeryOptimizer, shared_parameters_by_name
 from fastpals.surgery.per_task import (
     PerTaskGradients,
     cu_seqlens_from_mask,
@@ -69,7 +68,14 @@ from fastpals.surgery.per_task import (
     task_mean_loss,
 )
 from fastpals.surgery.stream import StreamingTaskGradients
-from fastpals.surgery.weightings import (
+from fastpals.surgery.weights_basic import (
+    gem_weights,
+    mean_weights,
+    pcgrad_orders,
+    pcgrad_weights,
+    sum_weights,
+)
+from fastpals.surgery.weights_solved import (
     AGGREGATORS,
     STATEFUL,
     GradVacState,

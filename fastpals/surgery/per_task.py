@@ -45,8 +45,8 @@ pooler's ``[B, d]`` one), and packed inputs (minBERT's ``unpad=True``: ``[N, d]`
 lengths; see :func:`cu_seqlens_from_mask`). Rows grouped by task (``task_ids`` sorted) make every task segment a
 contiguous slice; unsorted batches are supported (the segments are gathered). Several micro-batches before one
 ``apply`` accumulate in the rows. A task with no rows in the batch keeps a zero row (or its earlier
-micro-batches' sum). Row maps come from the batch's :class:`~fastpals.layout.BatchLayout` (host values; found
-from the ``task_ids`` tensor that :func:`fastpals.batching.model_inputs` hands out), so the block reads no device
+micro-batches' sum). Row maps come from the batch's :class:`~fastpals.data.layout.BatchLayout` (host values; found
+from the ``task_ids`` tensor that :func:`fastpals.data.mixed_batches.model_inputs` hands out), so the block reads no device
 value; tensors without a layout are read on the host once, when the block is entered.
 
 Data parallel: the rows hold this rank's per-task gradients; build the buffer with ``all_reduce=True`` (or a
@@ -92,7 +92,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fastpals.layout import BatchLayout, layout_for, lengths_to_cu_seqlens
+from fastpals.data.layout import BatchLayout, layout_for, lengths_to_cu_seqlens
 from fastpals.surgery.buffer import TaskGradientBuffer
 from fastpals.surgery.layer_grads import (
     EmbeddingFrame,
@@ -149,8 +149,8 @@ class _Written:
 class PerTaskGradients:
     """The state of one :func:`per_task_gradients` block (see the module docstring).
 
-    Row maps come from the batch's :class:`~fastpals.layout.BatchLayout` (host values): the one passed as
-    ``layout``, or the live layout whose ``task_ids`` tensor is ``task_ids`` (as :func:`fastpals.batching.
+    Row maps come from the batch's :class:`~fastpals.data.layout.BatchLayout` (host values): the one passed as
+    ``layout``, or the live layout whose ``task_ids`` tensor is ``task_ids`` (as :func:`fastpals.data.mixed_batches.
     model_inputs` hands them out). Only when neither exists are ``task_ids`` / ``cu_seqlens`` read on the host
     (once, on entry)."""
 
@@ -658,7 +658,7 @@ def per_task_gradients(
       task-specific ones); any row dtype (float32, bfloat16); or a
       :class:`~fastpals.surgery.stream.StreamingTaskGradients` (no ``[T, P]`` rows; one block per ``apply``);
     - ``task_ids [B]`` int: the task of every example. When it is the ``task_ids`` of a live
-      :class:`~fastpals.layout.BatchLayout` (``model_inputs(batch, device)["task_ids"]``), or ``layout`` is given,
+      :class:`~fastpals.data.layout.BatchLayout` (``model_inputs(batch, device)["task_ids"]``), or ``layout`` is given,
       the block reads no device value: every row map comes from the layout's host values (its ``second`` pass
       for siamese second sentences; ``cu_seqlens`` and ``pass_task_ids`` are then not needed). Otherwise
       ``task_ids`` (and ``cu_seqlens``) are read on the host once, on entry;

@@ -2,7 +2,7 @@
 
 Each field (declared with :func:`fastpals.train.options.opt`) holds in its metadata its help text, its
 command-line spelling and whether it must match the saved run on ``--resume`` (``resume="match"``) or may change
-(``resume="may_change"``); :mod:`fastpals.train.cli` builds the argparse parser from these fields.
+(``resume="may_change"``); :mod:`fastpals.train.command` builds the argparse parser from these fields.
 ``TrainArgs.__post_init__`` checks every option (and that the data files exist) and raises :class:`ConfigError`
 with a one-line message naming the option.
 """
@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastpals.data import DATA_DIR_ENV, resolve_data_dir, split_path
-from fastpals.model import PALConfig
-from fastpals.multitask import TASKS
-from fastpals.pal_variants import pal_presets
-from fastpals.sampling import GROUPED_METHODS, SAMPLING_METHODS
+from fastpals.data.loading import DATA_DIR_ENV, resolve_data_dir, split_path
+from fastpals.data.sampling import GROUPED_METHODS, SAMPLING_METHODS
+from fastpals.data.tasks import TaskSpec, resolve_tasks
+from fastpals.encoder.bert import PALConfig
+from fastpals.encoder.pal_variants import pal_presets
+from fastpals.model.multitask import TASKS
 from fastpals.surgery import AGGREGATORS, make_weighting, parse_surgery_options
-from fastpals.tasks import TaskSpec, resolve_tasks
 from fastpals.train.dsconfig import DEFAULT_DS_CONFIG, load_ds_config
 from fastpals.train.errors import ConfigError
 from fastpals.train.options import MAY, jsonable, opt, option_flag
@@ -41,7 +41,7 @@ __all__ = [
 ]
 
 #: ``--pal`` presets: the PALConfig fields of each (None: no PALs), from the PAL variants registered when this
-#: module is imported (:attr:`fastpals.pal_variants.PALVariant.presets`)
+#: module is imported (:attr:`fastpals.encoder.pal_variants.PALVariant.presets`)
 PAL_PRESETS: dict[str, dict[str, Any] | None] = {
     name: None if preset.fields is None else dict(preset.fields) for name, preset in pal_presets().items()
 }
@@ -127,7 +127,7 @@ class TrainArgs:
         resume=MAY, default=False,
     )  # fmt: skip
     sampling: str = opt(
-        "which task each micro-batch comes from (see fastpals.sampling)", choices=SAMPLING_METHODS,
+        "which task each micro-batch comes from (see fastpals.data.sampling)", choices=SAMPLING_METHODS,
         default="annealed",
     )  # fmt: skip
     batching: str = opt(

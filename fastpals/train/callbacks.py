@@ -140,7 +140,7 @@ class Plots(Callback):
     def on_train_end(self, trainer: Any) -> None:
         if not trainer.is_main or not trainer.finished:
             return
-        from fastpals.plots import plot_confusion_matrices, plot_training_curves
+        from fastpals.train.plots import plot_confusion_matrices, plot_training_curves
 
         state = trainer.state
         untrained = [{"step": 0, "dev": state.untrained}] if state.untrained else []

@@ -1,9 +1,9 @@
-"""The data of a training run: the tokenizer, every task's train and dev :class:`~fastpals.data.TaskBatcher`, and
+"""The data of a training run: the tokenizer, every task's train and dev :class:`~fastpals.data.per_task_batches.TaskBatcher`, and
 the sampler that decides which micro-batches make an update.
 
 :func:`setup_data` builds them once per process (training examples are sharded by rank: rank ``r`` of ``W`` keeps
 examples ``r, r + W, ...``); :func:`eval_batcher` builds the in-order batcher of a dev or test split. Batches
-are dicts of int64 ``[B, L]`` tensors (see :class:`~fastpals.data.TaskBatcher`).
+are dicts of int64 ``[B, L]`` tensors (see :class:`~fastpals.data.per_task_batches.TaskBatcher`).
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from fastpals.data import TaskBatcher
-from fastpals.sampling import TaskSampler
-from fastpals.tokenizer import Tokenizer
-from fastpals.train import evaluate as ev
+from fastpals.data.per_task_batches import TaskBatcher
+from fastpals.data.sampling import TaskSampler
+from fastpals.data.tokenizer import Tokenizer
+from fastpals.model import evaluate as ev
 from fastpals.train.args import TrainArgs
 from fastpals.train.errors import ConfigError
 from fastpals.train.mixed import MixedUpdates

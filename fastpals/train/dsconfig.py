@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from fastpals.encoder.precision import cpu_has_native_bf16
 from fastpals.train.errors import ConfigError
 
 __all__ = [
@@ -35,21 +36,6 @@ _EMULATED_BF16_NOTE = (
     "this CPU has no native bf16 (no avx512_bf16 / AMX): bf16 matmuls are emulated, measured over 20x slower "
     "than fp32 on a 2-core AVX2 EPYC"
 )
-
-
-def cpu_has_native_bf16() -> bool:
-    """Does this CPU run bf16 matmuls in hardware (AVX512-BF16 or AMX)? Read from torch's CPU capability checks,
-    else from ``/proc/cpuinfo``'s flags; False when neither can tell."""
-    checks = [
-        getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    ]
-    if all(callable(c) for c in checks):
-        return any(bool(c()) for c in checks)  # type: ignore[misc]
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def shipped_configs() -> dict[str, Path]:

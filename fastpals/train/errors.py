@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import errno
+import os
+import shutil
 import signal
 from pathlib import Path
 
-__all__ = ["ConfigError", "NonFiniteLossError", "OutputError", "TrainingInterrupted"]
+__all__ = [
+    "ConfigError",
+    "NonFiniteLossError",
+    "OutputError",
+    "TrainingInterrupted",
+    "is_write_error",
+    "save_error_cause",
+]
 
 
 class ConfigError(ValueError):
@@ -90,3 +100,26 @@ class TrainingInterrupted(RuntimeError):
         else:
             message = f"stopped by signal {name} after update step {step}; checkpoint {checkpoint} ({then})"
         super().__init__(message)
+
+
+def save_error_cause(err: BaseException, path: Path) -> str:
+    """What an error while writing ``path`` means, in words: the OS's cause (``No space left on device
+    (ENOSPC)``), or for torch's file writer, which reports a full disk as ``unexpected pos``, the free space."""
+    if isinstance(err, OSError) and err.errno is not None:
+        name = errno.errorcode.get(err.errno, str(err.errno))
+        return f"{err.strerror or os.strerror(err.errno)} ({name})"
+    first = str(err).splitlines()[0] if str(err) else type(err).__name__
+    try:
+        free = shutil.disk_usage(path if path.exists() else path.parent).free
+        return f"the file writer failed ({first}); {free / 2**20:.0f} MiB free there: is the disk full?"
+    except OSError:
+        return f"the file writer failed ({first})"
+
+
+def is_write_error(err: BaseException) -> bool:
+    """An OSError, or torch's file-writer RuntimeError (how ``torch.save`` reports a full disk)."""
+    if isinstance(err, OSError):
+        return True
+    text = str(err)
+    return isinstance(err, RuntimeError) and ("unexpected pos" in text or "PytorchStreamWriter" in text
+                                              or "file write failed" in text)  # fmt: skip

@@ -2,7 +2,7 @@
 
 The data (tokenizer, task batchers, sampler) comes from :func:`fastpals.train.data_setup.setup_data`.
 
-A :class:`~fastpals.sampling.TaskSampler` decides the task of every micro-batch; each micro-batch holds
+A :class:`~fastpals.data.sampling.TaskSampler` decides the task of every micro-batch; each micro-batch holds
 ``--batch-size`` examples of one task and gets its own forward and ``engine.backward``. Without surgery the
 DeepSpeed engine accumulates ``--grad-accum`` micro-batches per update (DeepSpeed averages them and clips with
 ``gradient_clipping`` inside ``engine.step()``). With surgery an update is the sampler's group (one batch of every
@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
-from fastpals.multitask import MultiTaskBert
-from fastpals.train import evaluate as ev
+from fastpals.model import evaluate as ev
+from fastpals.model.multitask import MultiTaskBert
 from fastpals.train import outputs
 from fastpals.train.args import TrainArgs
 from fastpals.train.callbacks import Callback, default_callbacks
@@ -49,7 +49,7 @@ from fastpals.train.data_setup import eval_batcher, open_tokenizer, setup_data
 from fastpals.train.dsconfig import check_ds_config, load_ds_config, precision_note
 from fastpals.train.errors import ConfigError, NonFiniteLossError, OutputError, TrainingInterrupted
 from fastpals.train.mixed import packed_micro_batches
-from fastpals.train.optim import build_model, lr_lambda, make_optimizer, optimizer_param_groups
+from fastpals.train.optimizer_setup import build_model, lr_lambda, make_optimizer, optimizer_param_groups
 from fastpals.train.runlock import RunLock
 from fastpals.train.state import (
     GeneratorState,
@@ -181,7 +181,7 @@ class Trainer:
 
     def _model_line(self) -> str:
         """What is trained, in one line: the model, its PALs and parameter counts."""
-        from fastpals.multitask import count_parameters
+        from fastpals.model.multitask import count_parameters
 
         args, counts = self.args, count_parameters(self.model)
         trained = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
@@ -193,7 +193,7 @@ class Trainer:
 
     def _encoder_line(self) -> str:
         """How the encoder runs: minBERT (packed mixed batches) or an HF model (padded per micro-batch)."""
-        from fastpals.hf_encoder import HFEncoder
+        from fastpals.model.hf_encoder import HFEncoder
 
         bert = self.model.bert
         mixed = self.args.batching == "mixed"
@@ -365,7 +365,7 @@ class Trainer:
 
     # --- evaluation ---------------------------------------------------------------------------------------------
     def evaluate(self) -> tuple[dict[str, float], dict[str, Any]]:
-        """Dev metrics and predictions of the current model (see :func:`fastpals.train.evaluate.evaluate`); NaN/inf
+        """Dev metrics and predictions of the current model (see :func:`fastpals.model.evaluate.evaluate`); NaN/inf
         outputs stop the run (:class:`NonFiniteLossError`, after a ``"nonfinite"`` record)."""
         t0 = time.perf_counter()
         model = ev.eval_model(self.engine.module, self.device)
@@ -518,7 +518,7 @@ class Trainer:
         if args.resume:
             self.load_checkpoint()
         elif self.is_main:
-            from fastpals.multitask import count_parameters
+            from fastpals.model.multitask import count_parameters
 
             outputs.atomic_write_text(self.out / "train_args.json", json.dumps(args.options(), indent=2))
             self.record({"type": "config", "args": args.options(), "ds_config": self.ds_config,

@@ -1,6 +1,6 @@
 """``--batching mixed``: every micro-batch mixes the tasks and is packed without padding.
 
-A :class:`fastpals.batching.MixedBatchSampler` draws each micro-batch's examples; each task's share follows the
+A :class:`fastpals.data.mixed_batches.MixedBatchSampler` draws each micro-batch's examples; each task's share follows the
 sampling scheme (annealed ``p_t ∝ N_t^α(e)``; proportional, uniform, sqrt: their probabilities; round robin and
 every-task: equal shares), with ``--batch-size`` examples or ``--max-tokens`` tokens per micro-batch. The rows
 are packed (``cu_seqlens``) and run through the model's unpadded path in ONE forward and ONE ``engine.backward``
@@ -27,16 +27,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from fastpals.batching import MixedBatchSampler, MixedSelection, collate_packed, model_inputs
-from fastpals.data import TaskBatcher
+from fastpals.data.mixed_batches import MixedBatchSampler, MixedSelection, collate_packed, model_inputs
+from fastpals.data.per_task_batches import TaskBatcher
 from fastpals.train.step import MicroBatch
 
-__all__ = ["MixedUpdates", "packed_micro_batches", "packed_passes"]
+__all__ = ["MixedUpdates", "packed_micro_batches"]
 
 
 class MixedUpdates:
     """The update stream of ``--batching mixed`` with the interface the loop uses for a
-    :class:`fastpals.sampling.TaskSampler` (``epoch``, ``epoch_done``, ``start_next_epoch``, ``next_update``,
+    :class:`fastpals.data.sampling.TaskSampler` (``epoch``, ``epoch_done``, ``start_next_epoch``, ``next_update``,
     ``updates_per_epoch``, ``state_dict``/``load_state_dict``); an update is ``micro_per_update`` selections."""
 
     def __init__(
@@ -121,19 +121,3 @@ def packed_micro_batches(
             tokens=tuple(int(batchers[t].packed_lengths[sel.indices[t]].sum()) for t in tasks),
             weighting=weighting,
         )  # fmt: skip
-
-
-def packed_passes(module: Any, inputs: dict[str, Any]) -> dict[str, Any]:
-    """The encoder passes' row layout for :func:`fastpals.surgery.per_task_gradients`: the batch's layout when the
-    inputs carry one (:func:`fastpals.batching.model_inputs`); else packed offsets, and for the siamese second
-    pass (its rows: the siamese tasks' examples, in order) their task ids (a host read)."""
-    if inputs.get("layout") is not None:  # the collated layout holds every pass's row map (no device read)
-        return {"layout": inputs["layout"]}
-    if "cu_seqlens_b" not in inputs:
-        return {"cu_seqlens": inputs["cu_seqlens"]}
-    task_ids = inputs["task_ids"]
-    siamese = torch.tensor([spec.siamese for spec in module.tasks], device=task_ids.device)
-    return {
-        "cu_seqlens": [inputs["cu_seqlens"], inputs["cu_seqlens_b"]],
-        "pass_task_ids": [task_ids, task_ids[siamese[task_ids]]],
-    }

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from fastpals.train.errors import ConfigError, OutputError
+from fastpals.train.errors import ConfigError, OutputError, is_write_error, save_error_cause
 
 __all__ = [
     "MANIFEST_NAME",
@@ -226,7 +226,6 @@ def save_best(
     Written whole or not at all: into ``<folder>.partial``, which then takes the place of ``folder``. A failed
     write (a full disk, no permission) removes the partial folder, keeps the previous best model and raises
     :class:`OutputError` naming the path and the cause."""
-    from fastpals.train.state import is_write_error, save_error_cause
 
     partial, old = folder.with_name(folder.name + ".partial"), folder.with_name(folder.name + ".old")
     try:
@@ -279,7 +278,7 @@ def _values(spec: Any, p: np.ndarray) -> np.ndarray:
 def write_dev_predictions(folder: Path, preds: dict[str, Any], specs: dict[str, Any]) -> None:
     """CS224N-format ``<task>-dev-output.csv`` files and ``dev_labels_and_predictions.npz`` (for the confusion
     matrices) from ``{task: (ids, predictions, labels)}``; ``specs``: ``{task: TaskSpec}``."""
-    from fastpals.metrics import write_predictions
+    from fastpals.data.metrics import write_predictions
 
     for t, (ids, p, _) in preds.items():
         write_predictions(folder / f"{t}-dev-output.csv", ids, _values(specs[t], p), specs[t])
@@ -292,7 +291,7 @@ def write_dev_predictions(folder: Path, preds: dict[str, Any], specs: dict[str, 
 
 def write_test_predictions(folder: Path, spec: Any, ids: list[str], p: np.ndarray) -> Path:
     """``<task>-test-output.csv`` in CS224N format (``spec``: the task's TaskSpec)."""
-    from fastpals.metrics import write_predictions
+    from fastpals.data.metrics import write_predictions
 
     return write_predictions(folder / f"{spec.name}-test-output.csv", ids, _values(spec, p), spec)
 

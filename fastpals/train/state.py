@@ -16,9 +16,7 @@ a save that fails (a full disk, no permission) removes its partial folder and le
 from __future__ import annotations
 
 import dataclasses
-import errno
 import math
-import os
 import random
 import re
 import shutil
@@ -30,7 +28,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from fastpals.train.errors import ConfigError, OutputError
+from fastpals.train.errors import ConfigError, OutputError, is_write_error, save_error_cause
 
 __all__ = ["GeneratorState", "RNGState", "Stateful", "TrainState", "check_checkpoint", "load_checkpoint",
            "save_checkpoint"]  # fmt: skip
@@ -124,29 +122,6 @@ def write_latest(ckpt_dir: Path, tag: str) -> None:
     from fastpals.train.outputs import atomic_write_text
 
     atomic_write_text(ckpt_dir / "latest", tag)
-
-
-def save_error_cause(err: BaseException, path: Path) -> str:
-    """What an error while writing ``path`` means, in words: the OS's cause (``No space left on device
-    (ENOSPC)``), or for torch's file writer, which reports a full disk as ``unexpected pos``, the free space."""
-    if isinstance(err, OSError) and err.errno is not None:
-        name = errno.errorcode.get(err.errno, str(err.errno))
-        return f"{err.strerror or os.strerror(err.errno)} ({name})"
-    first = str(err).splitlines()[0] if str(err) else type(err).__name__
-    try:
-        free = shutil.disk_usage(path if path.exists() else path.parent).free
-        return f"the file writer failed ({first}); {free / 2**20:.0f} MiB free there: is the disk full?"
-    except OSError:
-        return f"the file writer failed ({first})"
-
-
-def is_write_error(err: BaseException) -> bool:
-    """An OSError, or torch's file-writer RuntimeError (how ``torch.save`` reports a full disk)."""
-    if isinstance(err, OSError):
-        return True
-    text = str(err)
-    return isinstance(err, RuntimeError) and ("unexpected pos" in text or "PytorchStreamWriter" in text
-                                              or "file write failed" in text)  # fmt: skip
 
 
 def save_checkpoint(

@@ -175,7 +175,7 @@ def _check_strategy(strategy: str, surgery: Surgery | None, mb: MicroBatch) -> N
 
 
 def _runs_minbert(module: Any) -> bool:
-    from fastpals.model import BertModel
+    from fastpals.encoder.bert import BertModel
 
     return isinstance(getattr(module, "bert", None), BertModel)
 
@@ -192,8 +192,8 @@ def _forward_backward(
     loss (None for a one-task micro-batch, whose loss is its task's)."""
     module = engine.module
     if strategy == "one_backward":
+        from fastpals.data.mixed_batches import packed_passes
         from fastpals.surgery import per_task_gradients
-        from fastpals.train.mixed import packed_passes
 
         inputs = mb.inputs
         passes = packed_passes(module, inputs)

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from fastpals.model import BertConfig, BertModel, PALConfig
+from fastpals.encoder.bert import BertConfig, BertModel, PALConfig
 
 pytestmark = pytest.mark.kernels
 

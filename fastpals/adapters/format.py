@@ -1,0 +1,380 @@
+"""The one adapter format of fastpals, written and read by :class:`fastpals.MultiTaskBert` and by
+:func:`fastpals.save_pals` / :func:`fastpals.load_pals` (PALs injected into an HF encoder).
+
+An adapter folder holds two files, named as PEFT names them:
+
+- ``adapter_config.json``: PEFT's common fields (``peft_type``, ``task_type``, ``base_model_name_or_path``,
+  ``revision``, ``inference_mode``, ``modules_to_save``) and fastpals' own: ``format_version``, ``pal_config``
+  (:class:`fastpals.PALConfig`), ``task_names``, ``tasks`` (the :class:`fastpals.TaskSpec` of each head, or null),
+  ``encoder`` (where the PALs sit: the encoder's name in the saving model, its layer list, the LayerNorm the PALs
+  feed, hidden size, number of layers, PAL layers) and the name and shape of every saved tensor, by kind
+  (``pal_parameters``, ``head_parameters``, ``trained_base_parameters``);
+- ``adapter_model.safetensors``: the tensors, named as in the saving model (``state_dict`` names).
+
+A full model folder (:meth:`fastpals.MultiTaskBert.save_pretrained`) keeps these two files in ``pals/``, beside
+the HF ``config.json`` + ``model.safetensors`` of the shared encoder: transformers hands a folder with a
+top-level ``adapter_config.json`` to PEFT, which would then fail, so ``AutoModel`` could not open it.
+
+Names inside the encoder are the same for every BERT-like encoder (HF ``BertModel``, fastpals' minBERT):
+``pal_projections.{enc,dec}_{weight,bias}`` and ``encoder.layer.{i}.pal.*`` (plus ``pal_top.*`` and
+``encoder.layer.{i}.attention.self.task_embedding`` for the variants only fastpals' own model has). A
+:class:`~fastpals.MultiTaskBert` keeps its encoder at ``bert`` (``encoder.prefix = "bert"``), an injected HF
+``BertModel`` is its own encoder (``""``), a ``BertForSequenceClassification`` has it at ``bert``; loading
+re-targets the encoder's tensors to wherever the loading model keeps its encoder, so an adapter saved from one
+loads into the other. Tensors outside the encoder (``heads.*``, a ``classifier``) load by their names.
+
+PEFT loads it too: ``peft_type`` ``"FASTPALS"`` is a PEFT method that fastpals registers once PEFT is imported
+(:mod:`fastpals.adapters.peft_method`), so ``peft.PeftModel.from_pretrained(model, folder)`` and
+``peft.PeftConfig.from_pretrained(folder)`` read these files, and ``save_pretrained`` of such a PEFT model writes
+them. Without PEFT, load it with :func:`fastpals.load_pals` (any supported encoder) or
+:meth:`fastpals.MultiTaskBert.from_pretrained`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from fastpals.encoder.bert import state_dict_mismatches, task_specific_kind
+
+__all__ = [
+    "ADAPTER_CONFIG_NAME",
+    "trained_base_in_encoder",
+    "ADAPTER_SUBFOLDER",
+    "ADAPTER_WEIGHTS_NAME",
+    "FORMAT_VERSION",
+    "PEFT_TYPE",
+    "adapter_config",
+    "check_adapter_tensors",
+    "check_same_pal_config",
+    "find_adapter_folder",
+    "join_name",
+    "load_adapter_tensors",
+    "plan_adapter_load",
+    "read_adapter",
+    "read_adapter_config",
+    "retarget",
+    "write_adapter",
+]
+
+ADAPTER_CONFIG_NAME = "adapter_config.json"
+ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
+#: In a full model folder (``MultiTaskBert.save_pretrained``) the adapter lives in this subfolder, so that
+#: ``transformers.AutoModel.from_pretrained(folder)`` opens the shared encoder even with PEFT installed (with an
+#: ``adapter_config.json`` at the top, transformers would hand the folder to PEFT, which cannot load PALs).
+ADAPTER_SUBFOLDER = "pals"
+PEFT_TYPE = "FASTPALS"
+FORMAT_VERSION = 2
+LIBRARY = "fastpals"
+
+
+def join_name(prefix: str, name: str) -> str:
+    """``prefix.name``, or ``name`` when the prefix is empty (a module's own parameters)."""
+    return f"{prefix}.{name}" if prefix else name
+
+
+def check_same_pal_config(own: dict[str, Any], saved: dict[str, Any], source: str, caller: str) -> None:
+    """``ValueError`` naming every PALConfig field (``to_dict()`` form) where a saved adapter and a model
+    differ."""
+    diffs = [f"{k}: saved {v!r}, model {own.get(k)!r}" for k, v in saved.items() if own.get(k) != v]
+    if diffs:
+        raise ValueError(
+            f"{caller}: the PALs in {source} differ from the model's PALConfig: " + "; ".join(diffs)
+        )
+
+
+def adapter_config(
+    tensors: dict[str, torch.Tensor],
+    *,
+    pal_config: dict[str, Any] | None,
+    encoder: dict[str, Any],
+    base_model_name_or_path: str | None,
+    task_names: list[str] | None,
+    tasks: list[dict[str, Any]] | None = None,
+    head_names: set[str] = frozenset(),
+    trained_base_names: set[str] = frozenset(),
+    modules_to_save: list[str] | None = None,
+    extra: dict[str, Any] | None = None,
+    saved_from: str = "",
+) -> dict[str, Any]:
+    """The ``adapter_config.json`` content (a dict) for an adapter holding ``tensors``; arguments as in
+    :func:`write_adapter`."""
+    from fastpals._version import __version__
+
+    def shapes(names: set[str] | None) -> dict[str, list[int]]:
+        return {
+            k: list(v.shape)
+            for k, v in sorted(tensors.items())
+            if (k in names if names is not None else k not in head_names | trained_base_names)
+        }
+
+    return {
+        "peft_type": PEFT_TYPE,
+        "task_type": "FEATURE_EXTRACTION",
+        "base_model_name_or_path": base_model_name_or_path,
+        "revision": None,
+        "inference_mode": True,
+        "modules_to_save": modules_to_save,
+        "library_name": LIBRARY,
+        "fastpals_version": __version__,
+        "format_version": FORMAT_VERSION,
+        "saved_from": saved_from,
+        "pal_config": pal_config,
+        "task_names": task_names,
+        "tasks": tasks,
+        "encoder": encoder,
+        "pal_parameters": shapes(None),
+        "head_parameters": shapes(set(head_names)),
+        "trained_base_parameters": shapes(set(trained_base_names)),
+        "extra": extra or {},
+    }
+
+
+def write_adapter(
+    folder: str | os.PathLike,
+    tensors: dict[str, torch.Tensor],
+    *,
+    pal_config: dict[str, Any] | None,
+    encoder: dict[str, Any],
+    base_model_name_or_path: str | None,
+    task_names: list[str] | None,
+    tasks: list[dict[str, Any]] | None = None,
+    head_names: set[str] = frozenset(),
+    trained_base_names: set[str] = frozenset(),
+    modules_to_save: list[str] | None = None,
+    extra: dict[str, Any] | None = None,
+    saved_from: str = "",
+) -> Path:
+    """Write ``adapter_config.json`` and ``adapter_model.safetensors`` to ``folder`` (created if needed).
+
+    ``tensors``: every tensor to save, by its name in the saving model; ``head_names`` / ``trained_base_names``
+    say which of them are task heads / trained base weights, the rest are PAL tensors. ``encoder`` must hold
+    ``prefix`` (the encoder's module name in the saving model, ``""`` for the model itself), ``model_type``,
+    ``layers_pattern``, ``layer_norm_name``, ``hidden_size``, ``num_layers``, ``layer_indices``.
+    Returns the folder.
+    """
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    config = adapter_config(
+        tensors,
+        pal_config=pal_config,
+        encoder=encoder,
+        base_model_name_or_path=base_model_name_or_path,
+        task_names=task_names,
+        tasks=tasks,
+        head_names=head_names,
+        trained_base_names=trained_base_names,
+        modules_to_save=modules_to_save,
+        extra=extra,
+        saved_from=saved_from,
+    )
+    save_file(
+        tensors, str(folder / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"}
+    )  # one entry: the header stays byte-stable
+    (folder / ADAPTER_CONFIG_NAME).write_text(json.dumps(config, indent=2))
+    return folder
+
+
+def find_adapter_folder(folder: str | os.PathLike) -> Path | None:
+    """The folder holding a fastpals ``adapter_config.json``: ``folder`` itself, or its ``pals/`` subfolder (a
+    full model folder). None when neither exists."""
+    folder = Path(folder)
+    for candidate in (folder, folder / ADAPTER_SUBFOLDER):
+        if (candidate / ADAPTER_CONFIG_NAME).is_file():
+            return candidate
+    return None
+
+
+def read_adapter_config(folder: str | os.PathLike, caller: str) -> tuple[dict[str, Any], Path]:
+    """Read and check the ``adapter_config.json`` of an adapter folder (or of a full model folder's ``pals/``):
+    ``(config, adapter_folder)``.
+
+    Raises ``FileNotFoundError`` when there is none, ``ValueError`` when it is not valid JSON, not a fastpals
+    adapter (e.g. a PEFT LoRA adapter) or of another format version.
+    """
+    adapter = find_adapter_folder(folder)
+    if adapter is None:
+        raise FileNotFoundError(
+            f"{caller}: no {ADAPTER_CONFIG_NAME} in {folder} or {Path(folder) / ADAPTER_SUBFOLDER} "
+            "(not a folder written by fastpals' save_pals / MultiTaskBert.save_pretrained)"
+        )
+    cfg_path = adapter / ADAPTER_CONFIG_NAME
+    try:
+        config = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{caller}: {cfg_path} is not valid JSON ({e})") from None
+    if config.get("peft_type") != PEFT_TYPE or config.get("library_name") != LIBRARY:
+        raise ValueError(
+            f"{caller}: {cfg_path} is a {config.get('peft_type')!r} adapter, not a fastpals PAL adapter "
+            f"(peft_type {PEFT_TYPE!r}); load PEFT adapters with peft.PeftModel.from_pretrained"
+        )
+    if config.get("format_version") != FORMAT_VERSION:
+        raise ValueError(
+            f"{caller}: {cfg_path} has format_version {config.get('format_version')!r}; this fastpals reads "
+            f"version {FORMAT_VERSION}"
+        )
+    return config, adapter
+
+
+def read_adapter(
+    folder: str | os.PathLike, caller: str
+) -> tuple[dict[str, Any], dict[str, torch.Tensor], Path]:
+    """Read an adapter folder (or a full model folder's ``pals/``): ``(config, tensors, adapter_folder)``.
+
+    Raises as :func:`read_adapter_config` does, and ``ValueError`` when the weights file does not hold exactly
+    the tensors (names and shapes) the config lists.
+    """
+    from safetensors.torch import load_file
+
+    config, adapter = read_adapter_config(folder, caller)
+    cfg_path, weights_path = adapter / ADAPTER_CONFIG_NAME, adapter / ADAPTER_WEIGHTS_NAME
+    if not weights_path.is_file():
+        raise FileNotFoundError(f"{caller}: {weights_path} not found (the adapter config is there)")
+    tensors = load_file(str(weights_path))
+    check_adapter_tensors(config, tensors, f"{weights_path} does not match {cfg_path}", caller)
+    return config, tensors, adapter
+
+
+def check_adapter_tensors(
+    config: dict[str, Any], tensors: dict[str, torch.Tensor], what: str, caller: str
+) -> None:
+    """``ValueError`` (``"{caller}: {what}:"`` and the differences) unless ``tensors`` are exactly the tensors,
+    names and shapes, that an adapter ``config`` lists (``pal_parameters``, ``head_parameters``,
+    ``trained_base_parameters``)."""
+    listed = {
+        k: v
+        for kind in ("pal_parameters", "head_parameters", "trained_base_parameters")
+        for k, v in (config.get(kind) or {}).items()
+    }
+    problems = state_dict_mismatches({k: torch.empty(s, device="meta") for k, s in listed.items()}, tensors)
+    if problems:
+        raise ValueError(
+            f"{caller}: {what}:\n  " + "\n  ".join(p.replace("checkpoint", "weights file") for p in problems)
+        )
+
+
+def retarget(name: str, saved_prefix: str, encoder_prefix: str) -> str:
+    """The name in the loading model (its encoder at ``encoder_prefix``) of a tensor an adapter saved as ``name``
+    from a model whose encoder was at ``saved_prefix``: tensors of the saving model's encoder move to the loading
+    model's encoder, others (heads, a classifier) keep their name."""
+    if not saved_prefix:
+        return join_name(encoder_prefix, name)
+    if name.startswith(saved_prefix + "."):
+        return join_name(encoder_prefix, name[len(saved_prefix) + 1 :])
+    return name
+
+
+def plan_adapter_load(
+    model: nn.Module,
+    encoder_prefix: str,
+    config: dict[str, Any],
+    tensors: dict[str, torch.Tensor],
+    *,
+    source: str,
+    caller: str,
+    load_trained_base: bool = True,
+    strict: bool = True,
+    stacklevel: int = 3,
+) -> tuple[list[tuple[str, torch.Tensor]], list[str]]:
+    """Check an adapter's tensors against ``model`` (its encoder at ``encoder_prefix``) as
+    :func:`load_adapter_tensors` does, without copying: ``(copies, skipped)``, where ``copies`` are
+    ``(name in the model, saved tensor)`` pairs, PAL tensors first, and ``skipped`` the saved names that have no
+    place in the model (a warning names them; with ``strict`` they are an error)."""
+    saved_prefix = config["encoder"]["prefix"]
+    own = model.state_dict(keep_vars=True)
+    pal_saved = {retarget(k, saved_prefix, encoder_prefix): tensors[k] for k in config["pal_parameters"]}
+    enc_dot = encoder_prefix + "." if encoder_prefix else ""
+    pal_own = {
+        k: v
+        for k, v in own.items()
+        if k.startswith(enc_dot) and task_specific_kind(k[len(enc_dot) :]) == "pal"
+    }
+    problems = state_dict_mismatches(pal_own, pal_saved)
+    if problems:
+        raise ValueError(
+            f"{caller}: the PALs in {source} do not fit {type(model).__name__}:\n  "
+            + "\n  ".join(p.replace("checkpoint", "adapter") for p in problems)
+        )
+    copies = list(pal_saved.items())
+    others = list(config["head_parameters"])
+    if load_trained_base:
+        others += list(config["trained_base_parameters"])
+    skipped, bad = [], []
+    for k in others:
+        name = retarget(k, saved_prefix, encoder_prefix)
+        if name not in own:
+            skipped.append(k)
+        elif own[name].shape != tensors[k].shape:
+            bad.append(f"{k}: saved {list(tensors[k].shape)}, model {list(own[name].shape)}")
+        else:
+            copies.append((name, tensors[k]))
+    if bad:
+        raise ValueError(
+            f"{caller}: cannot load {source} into {type(model).__name__}:\n  " + "\n  ".join(bad)
+        )
+    if skipped:
+        msg = (
+            f"{caller}: {type(model).__name__} has no place for {len(skipped)} tensors of {source} "
+            f"({', '.join(skipped[:4])}{' ...' if len(skipped) > 4 else ''})"
+        )
+        if strict:
+            raise ValueError(msg + "; pass strict=False to load the rest")
+        warnings.warn(msg + ": not loaded", stacklevel=stacklevel)
+    return copies, skipped
+
+
+def load_adapter_tensors(
+    model: nn.Module,
+    encoder_prefix: str,
+    config: dict[str, Any],
+    tensors: dict[str, torch.Tensor],
+    *,
+    source: str,
+    caller: str,
+    load_trained_base: bool = True,
+    strict: bool = True,
+) -> list[str]:
+    """Copy an adapter's tensors into ``model`` (its encoder at ``encoder_prefix``); returns the saved names
+    that were not loaded.
+
+    - PAL tensors: the model's PAL tensors (:func:`fastpals.encoder.bert.task_specific_kind` ``"pal"``) and the saved
+      ones must agree exactly (names after re-targeting to ``encoder_prefix``, shapes); otherwise ``ValueError``.
+    - head and trained-base tensors: loaded where the model has a tensor of that name; another shape is an
+      error; a name the model lacks is an error with ``strict=True``, else a one-line warning that names it.
+    - ``load_trained_base=False`` leaves the trained base tensors out.
+
+    Values are copied into the model's tensors (their device and dtype).
+    """
+    copies, skipped = plan_adapter_load(
+        model,
+        encoder_prefix,
+        config,
+        tensors,
+        source=source,
+        caller=caller,
+        load_trained_base=load_trained_base,
+        strict=strict,
+        stacklevel=4,
+    )
+    own = model.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for name, value in copies:
+            own[name].copy_(value)
+    return skipped
+
+
+def trained_base_in_encoder(config: dict[str, Any]) -> set[str]:
+    """The trained base weights an adapter holds, by their names inside the encoder (the saving model's encoder
+    prefix removed): what :func:`fastpals.encoder.fingerprint.encoder_fingerprint` leaves out."""
+    prefix = config.get("encoder", {}).get("prefix", "")
+    lead = f"{prefix}." if prefix else ""
+    return {n[len(lead) :] if n.startswith(lead) else n for n in config.get("trained_base_parameters", {})}

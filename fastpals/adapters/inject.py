@@ -1,0 +1,550 @@
+"""Add PALs to a model you already have: ``inject_pals(model, PALConfig(...))``.
+
+Works on HF transformers encoders (BERT, RoBERTa, XLM-RoBERTa, ELECTRA, DistilBERT, DeBERTa-v2/v3, ModernBERT,
+and any model whose layers are found with ``layers_pattern`` / ``layer_norm_name``) and on fastpals' own minBERT
+(:class:`fastpals.BertModel`). Like PEFT's LoRA injection it is one call that changes the model in place:
+
+- the base model's parameter names do not change (the PALs are new submodules), so the base checkpoint still
+  loads into the injected model: ``model.load_state_dict(base_state, strict=False)`` reports only the PAL names
+  as missing;
+- the PAL parameters get fastpals' names, relative to the base model (the module holding the layer list):
+  ``pal_projections.{enc_weight, enc_bias, dec_weight, dec_bias}`` (V^E/V^D, shared by the layers) and
+  ``<layers>.{i}.pal.{qkv_weight, qkv_bias[, gate][, projections.*]}``. For BERT they are exactly the names of
+  :class:`fastpals.BertModel` with PALs, so PAL weights move between an HF ``BertModel`` and minBERT as they are;
+- the forward takes ``task_ids`` (``[B]`` int, one task per example; batches may mix tasks), or reads them from
+  :func:`set_task` for code that cannot pass them. Every layer computes ``LN(ffn_out + attn_out + TS_t(h))``
+  where ``h`` is the layer input and ``TS_t`` the PAL of example's task ``t``;
+- the PAL modules are :class:`fastpals.encoder.bert.PALLayer`: the fused Triton kernels run on CUDA and the plain-PyTorch
+  reference on CPU, exactly as in fastpals' own model;
+- :func:`save_pals` / :func:`load_pals` write and read fastpals' one adapter format (:mod:`fastpals.adapters.format`,
+  PEFT's file names: ``adapter_config.json`` + ``adapter_model.safetensors``), the same files
+  :meth:`fastpals.MultiTaskBert.save_pretrained` writes: PALs saved from a ``MultiTaskBert`` load into an HF
+  ``BertModel`` and the other way round. Loading into a model of another shape, or one that cannot hold the
+  saved PALs, fails with a message saying what differs. With a frozen base (below) the trained LayerNorms and
+  ``modules_to_train`` are saved too.
+
+How the HF layers are changed (hooks only; no HF module is replaced or renamed): see
+:mod:`fastpals.adapters.hooks`. The per-architecture targets are in :mod:`fastpals.adapters.targets`.
+
+Limits: the PAL variant must be ``"parallel"`` (PALs inside the layers; gates, per-layer projections and
+``layers`` subsets are supported); ``chunk_size_feed_forward > 0`` is refused with an error (the final LayerNorm
+would run on chunked inputs the hooks cannot pair with ``h``); HF gradient checkpointing
+(``model.gradient_checkpointing_enable()``, before or after ``inject_pals``) works: the hooks wrap each layer's
+checkpointing function so that the layer's replay in the backward sees its call's task ids, mask and input;
+minBERT's ``unpad=True`` is supported (minBERT runs its own PAL path).
+
+With HF ``Trainer``: keep a ``task_ids`` column in the data set and set
+``TrainingArguments(remove_unused_columns=False)`` (the Trainer drops columns the forward signature does not
+name). ``model.save_pretrained`` of an injected model writes the PAL weights too; :func:`save_pals` writes them
+alone. With PEFT, ``peft.PeftModel.from_pretrained`` loads them too (:mod:`fastpals.adapters.peft_method`).
+
+Training only part of the model (the Bert-n-Pals "freeze" recipe): ``inject_pals(..., freeze_base=True)`` leaves
+the task-specific parameters (:func:`fastpals.encoder.bert.is_task_specific`) and every LayerNorm trainable and freezes
+the rest; heads you add afterwards are trainable by default,
+heads that already exist are named with ``modules_to_train=("classifier",)``. See :func:`freeze_base_model`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import warnings
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from fastpals.adapters.hooks import INJECTION_ATTR, PALInjection, add_hf_pals, get_injection
+from fastpals.adapters.targets import TARGETS, PALTarget, builds_own_pals, is_known_model, resolve_targets
+from fastpals.encoder.bert import BertModel as MiniBert
+from fastpals.encoder.bert import (
+    PALConfig,
+    freeze_shared_parameters,
+    state_dict_mismatches,
+    task_specific_kind,
+)
+
+__all__ = [
+    "TARGETS",
+    "PALTarget",
+    "adapter_contents",
+    "freeze_base_model",
+    "inject_pals",
+    "load_pals",
+    "pal_modules",
+    "pal_state_dict",
+    "prepare_for_adapter",
+    "remove_pals",
+    "save_pals",
+    "set_task",
+    "trained_base_state_dict",
+]
+
+# the old format (read only, with a FutureWarning); the current one is fastpals.adapters.format'
+LEGACY_WEIGHTS_NAME = "pals.safetensors"
+LEGACY_BASE_WEIGHTS_NAME = "trained_base.safetensors"
+LEGACY_CONFIG_NAME = "pals_config.json"
+LEGACY_FORMAT = "fastpals-pals"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------------------------
+def inject_pals(
+    model: nn.Module,
+    config: PALConfig,
+    *,
+    layers_pattern: str | None = None,
+    layer_norm_name: str | None = None,
+    mask_argument: str = "attention_mask",
+    freeze_base: bool = False,
+    train_layer_norms: bool = True,
+    modules_to_train: Iterable[str] = (),
+) -> nn.Module:
+    """Add PALs (one set per task) to ``model`` in place and return it.
+
+    Args:
+        model: an HF transformers encoder (``BertModel``, ``BertForSequenceClassification``, ``RobertaModel``,
+            ``ElectraModel``, ``DistilBertModel``, ... or your own module holding one) or a
+            :class:`fastpals.BertModel` without PALs.
+        config: the PALs (``num_tasks``, width ``hidden``, ``num_heads``, ``layers``, ``gate``, ...);
+            ``variant`` must be ``"parallel"``. ``zero_init_decoder=True`` makes the injected model's output
+            equal the original model's until training moves V^D.
+        layers_pattern: dotted path the encoder's ``nn.ModuleList`` of layers ends with (default: by
+            ``config.model_type``, see :data:`TARGETS`).
+        layer_norm_name: the final LayerNorm inside a layer (default: by model type).
+        mask_argument: the base model's forward argument holding the ``[B, L]`` padding mask.
+        freeze_base, train_layer_norms, modules_to_train: see :func:`freeze_base_model` (called when
+            ``freeze_base`` is true).
+
+    The forward then takes ``task_ids`` (``[B]`` integer tensor, in ``[0, num_tasks)``) as a keyword argument.
+    PAL weights are created on the device and in the dtype of the layers. Raises ``ValueError`` naming what was
+    not found when the model has no matching layers / LayerNorms / mask argument, or already has PALs.
+    """
+    if getattr(model, INJECTION_ATTR, None) is not None:
+        raise ValueError(f"inject_pals: {type(model).__name__} already has PALs injected")
+    resolved = resolve_targets(model, config, layers_pattern, layer_norm_name, mask_argument)
+    indices = config.layer_indices(len(resolved.layers))
+    ref = next(resolved.layers[0].parameters(), None)
+    device, dtype = (ref.device, ref.dtype) if ref is not None else (torch.device("cpu"), torch.float32)
+    state = PALInjection(config, resolved, indices)
+    state.mask_argument = mask_argument
+    if resolved.kind == "minbert":
+        mini = resolved.base
+        mini.add_pals(config)
+        for owner, attr in [(mini, "pal_projections")] + [(mini.encoder.layer[i], "pal") for i in indices]:
+            module = getattr(owner, attr)
+            if module is not None:
+                module.to(device=device, dtype=dtype)
+                state.added.append((owner, attr))
+        state.handles.append(model.register_forward_pre_hook(state.enter_minbert, with_kwargs=True))
+    else:
+        add_hf_pals(model, resolved, config, indices, state, device, dtype)
+    setattr(model, INJECTION_ATTR, state)
+    if freeze_base:
+        freeze_base_model(model, train_layer_norms=train_layer_norms, modules_to_train=modules_to_train)
+    elif tuple(modules_to_train):
+        raise ValueError("inject_pals: modules_to_train only applies with freeze_base=True")
+    return model
+
+
+def remove_pals(model: nn.Module) -> nn.Module:
+    """Undo :func:`inject_pals`: remove the hooks and the PAL modules (``requires_grad`` flags stay as set)."""
+    state = get_injection(model, "remove_pals")
+    for handle in state.handles:
+        handle.remove()
+    for layer in state.layers:  # the HF checkpointing functions wrapped by the hooks
+        func = getattr(layer, "_gradient_checkpointing_func", None)
+        if getattr(func, "_fastpals_state", None) is state:
+            layer._gradient_checkpointing_func = func._fastpals_inner
+    for owner, attr in state.added:
+        if attr in owner._modules:
+            del owner._modules[attr]
+        if state.kind == "minbert":
+            setattr(owner, attr, None)
+    if state.kind == "minbert":
+        state.base.pal_config = None
+    delattr(model, INJECTION_ATTR)
+    return model
+
+
+@contextlib.contextmanager
+def set_task(model: nn.Module, task: int | torch.Tensor) -> Iterator[None]:
+    """Run ``model`` with these task ids when the caller cannot pass ``task_ids``.
+
+    ``task``: an int (every example of every call in the block belongs to that task) or a ``[B]`` integer tensor
+    (one task per example; every call in the block must then have batch size B). A ``task_ids`` argument given to
+    the forward wins over this. Blocks nest; the previous setting is restored on exit.
+    """
+    state = get_injection(model, "set_task")
+    if isinstance(task, bool) or not isinstance(task, (int, torch.Tensor)):
+        raise TypeError(
+            f"set_task: task must be an int or a [batch] integer tensor, got {type(task).__name__}"
+        )
+    if isinstance(task, int) and not 0 <= task < state.config.num_tasks:
+        raise ValueError(f"set_task: task {task} is outside [0, {state.config.num_tasks})")
+    if isinstance(task, torch.Tensor) and (task.dim() != 1 or task.dtype.is_floating_point):
+        raise ValueError(f"set_task: a task tensor must be 1-D integer, got {task.dtype} {list(task.shape)}")
+    previous = state.default_task
+    state.default_task = task
+    try:
+        yield
+    finally:
+        state.default_task = previous
+
+
+def pal_modules(state: PALInjection) -> list[nn.Module]:
+    """The PAL modules an injection added to the model (its shared projections and per-layer attentions)."""
+    return [getattr(owner, attr) for owner, attr in state.added]
+
+
+def pal_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The PAL parameters of an injected model, named relative to its base model (fastpals' names:
+    ``pal_projections.*``, ``<layers>.{i}.pal.*``)."""
+    state = get_injection(model, "pal_state_dict")
+    names = {id(m): n for n, m in state.base.named_modules()}
+    out: dict[str, torch.Tensor] = {}
+    for module in pal_modules(state):
+        prefix = names[id(module)]
+        for k, v in module.state_dict().items():
+            out[f"{prefix}.{k}"] = v
+    return out
+
+
+def freeze_base_model(
+    model: nn.Module, train_layer_norms: bool = True, modules_to_train: Iterable[str] = ()
+) -> dict[str, int]:
+    """Freeze every parameter of an injected ``model`` except the task-specific ones (the PALs, and task heads
+    in a module named ``heads``: :func:`fastpals.encoder.bert.is_task_specific`), the LayerNorms (when
+    ``train_layer_norms``; matched by module type) and the modules named in ``modules_to_train``.
+
+    ``modules_to_train``: module names, each matching a module whose qualified name equals it or ends with
+    ``"." + name`` (e.g. ``"classifier"``, ``"pooler"``); a name that matches nothing is an error. Heads created
+    after this call are trainable (new parameters have ``requires_grad=True``).
+    Returns ``{"trainable": n, "frozen": m}`` parameter element counts. This is
+    :func:`fastpals.encoder.bert.freeze_shared_parameters`, plus a record that :func:`save_pals` should save the
+    trained base weights.
+    """
+    state = get_injection(model, "freeze_base_model")
+    try:
+        counts = freeze_shared_parameters(model, train_layer_norms, modules_to_train)
+    except ValueError as err:
+        raise ValueError(str(err).replace("freeze_shared_parameters", "freeze_base_model")) from None
+    state.frozen_base = True
+    state.modules_to_train = list(modules_to_train)
+    return counts
+
+
+def _description(state: PALInjection) -> dict[str, Any]:
+    return {
+        "prefix": state.base_name,
+        "model_type": state.model_type,
+        "layers_pattern": state.layers_pattern,
+        "layer_norm_name": state.layer_norm_name,
+        "hidden_size": state.hidden_size,
+        "num_layers": state.num_layers,
+        "layer_indices": state.layer_indices,
+    }
+
+
+def trained_base_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The base model's parameters that are trainable (``requires_grad``), by their names in ``model``: after
+    :func:`freeze_base_model`, the LayerNorms and ``modules_to_train``. PAL parameters are not included."""
+    state = get_injection(model, "trained_base_state_dict")
+    pal_ids = {id(p) for m in pal_modules(state) for p in m.parameters()}
+    return {n: p for n, p in model.named_parameters() if p.requires_grad and id(p) not in pal_ids}
+
+
+def save_pals(
+    model: nn.Module,
+    folder: str | os.PathLike,
+    include_trained_base: bool | None = None,
+    task_names: list[str] | None = None,
+    base_model_name_or_path: str | None = None,
+) -> Path:
+    """Write the adapter of an injected ``model`` to ``folder`` in fastpals' adapter format
+    (:mod:`fastpals.adapters.format`): ``adapter_config.json`` and ``adapter_model.safetensors``. Returns the folder.
+
+    Saved: the PAL weights; task heads (parameters of a module named ``heads``) when the model has them; and
+    with ``include_trained_base`` the trainable base parameters (:func:`trained_base_state_dict`). Default: True
+    when the base was frozen with :func:`freeze_base_model` (the "freeze" recipe trains the LayerNorms, which
+    belong to the adaptation), False otherwise (the base is then the user's to save). Tensors keep their names
+    in ``model``; the config records where the encoder sits, so :func:`load_pals` can load them into another
+    model class with the same encoder (an HF ``BertModel``, a ``BertForSequenceClassification``, a
+    :class:`fastpals.MultiTaskBert`).
+
+    ``task_names``: names of the ``num_tasks`` tasks, recorded in the config (default ``task0``, ``task1``, ...).
+    ``base_model_name_or_path``: recorded for PEFT-style tools (default: the HF model's ``name_or_path``).
+    A :class:`fastpals.MultiTaskBert` is saved with ``save_pretrained(folder, adapters_only=True)``.
+    """
+    from fastpals.adapters.format import write_adapter
+
+    if builds_own_pals(model):
+        return model.save_pretrained(folder, adapters_only=True)
+    state = get_injection(model, "save_pals")
+    if include_trained_base is None:
+        include_trained_base = state.frozen_base
+    base_names = trained_base_state_dict(model) if include_trained_base else {}
+    tensors, kwargs = adapter_contents(model, base_names, task_names, base_model_name_or_path, "save_pals")
+    return write_adapter(folder, tensors, **kwargs)
+
+
+def adapter_contents(
+    model: nn.Module,
+    base_names: Iterable[str],
+    task_names: list[str] | None = None,
+    base_model_name_or_path: str | None = None,
+    caller: str = "save_pals",
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """What :func:`save_pals` writes for an injected ``model``: ``(tensors, kwargs)``, the tensors by their names
+    in ``model`` and the other arguments of :func:`fastpals.adapters.format.write_adapter`.
+
+    The tensors are the PAL weights, the task heads (parameters of a module named ``heads``) and the base
+    parameters named in ``base_names`` (trained base weights, e.g. LayerNorms); ``task_names`` and
+    ``base_model_name_or_path`` as in :func:`save_pals`. ``caller`` names the function in error messages.
+    """
+    from fastpals.adapters.format import join_name
+
+    state = get_injection(model, caller)
+    pals = {join_name(state.base_name, k): v for k, v in pal_state_dict(model).items()}
+    params = dict(model.named_parameters())
+    heads = {n: p for n, p in params.items() if task_specific_kind(n) == "head"}
+    unknown = sorted(set(base_names) - set(params))
+    if unknown:
+        raise ValueError(f"{caller}: {type(model).__name__} has no parameters named {unknown}")
+    base = {k: params[k] for k in base_names if k not in heads}
+    if task_names is None:
+        task_names = [f"task{i}" for i in range(state.config.num_tasks)]
+    if len(task_names) != state.config.num_tasks:
+        raise ValueError(
+            f"{caller}: {len(task_names)} task_names for {state.config.num_tasks} tasks ({task_names})"
+        )
+    if base_model_name_or_path is None:
+        base_model_name_or_path = getattr(model, "name_or_path", None) or None
+    from fastpals.encoder.fingerprint import encoder_fingerprint
+
+    lead = f"{state.base_name}." if state.base_name else ""
+    encoder = model.get_submodule(state.base_name) if state.base_name else model
+    kwargs = {
+        "pal_config": state.config.to_dict(),
+        "encoder": {
+            **_description(state),
+            "fingerprint": encoder_fingerprint(encoder, {n.removeprefix(lead) for n in base}),
+        },
+        "base_model_name_or_path": base_model_name_or_path,
+        "task_names": list(task_names),
+        "head_names": set(heads),
+        "trained_base_names": set(base),
+        "modules_to_save": list(state.modules_to_train) or None,
+        "saved_from": type(model).__name__,
+    }
+    return {**pals, **heads, **base}, kwargs
+
+
+def load_pals(
+    model: nn.Module,
+    folder: str | os.PathLike,
+    load_trained_base: bool = True,
+    strict: bool = False,
+    force: bool = False,
+) -> nn.Module:
+    """Load an adapter written by :func:`save_pals` or :meth:`fastpals.MultiTaskBert.save_pretrained` (an
+    adapter folder, or a full model folder whose adapter is in ``pals/``) into ``model`` and return it.
+
+    A model without PALs is injected first with the saved config and targets; an injected model, or a
+    :class:`fastpals.BertModel` built with PALs (any variant), must have the same PAL config. Any difference (hidden size, number of layers, PAL layers, number of tasks, PAL width,
+    parameter names or shapes) raises ``ValueError`` saying what differs, and so does an adapter whose PAL
+    variant injection cannot hold (``top``, ``embert``: only fastpals' own model has them).
+
+    ``load_trained_base``: also load the trained base weights the adapter holds (e.g. the LayerNorms of the
+    freeze recipe). Saved tensors the model has no place for (a MultiTaskBert's ``heads.*`` when loading into a
+    bare encoder) raise ``ValueError`` with ``strict=True``, else a warning names them. Weights are copied to the
+    device and dtype of the model's tensors. A :class:`fastpals.MultiTaskBert` loads with
+    :meth:`~fastpals.MultiTaskBert.load_adapter`. Folders of the old format (``pals.safetensors``) still load,
+    with a ``FutureWarning``. An adapter recording the fingerprint of the encoder it was trained with is refused
+    beside another encoder (:class:`fastpals.encoder.fingerprint.EncoderMismatchError`) unless ``force``.
+    """
+    from fastpals.adapters.format import find_adapter_folder, load_adapter_tensors, read_adapter
+
+    if builds_own_pals(model):
+        return model.load_adapter(folder, load_trained_base=load_trained_base, strict=strict, force=force)
+    folder = Path(folder)
+    if find_adapter_folder(folder) is None and (folder / LEGACY_CONFIG_NAME).is_file():
+        warnings.warn(
+            f"load_pals: {folder} is in the old format ({LEGACY_WEIGHTS_NAME}); save it again with save_pals "
+            "to get adapter_config.json + adapter_model.safetensors",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return _load_legacy_pals(model, folder, load_trained_base)
+    config, tensors, adapter = read_adapter(folder, "load_pals")
+    prefix = prepare_for_adapter(model, config, str(adapter), "load_pals")
+    from fastpals.adapters.format import trained_base_in_encoder
+    from fastpals.encoder.fingerprint import check_encoder_fingerprint
+
+    check_encoder_fingerprint(
+        config.get("encoder", {}).get("fingerprint"), model.get_submodule(prefix) if prefix else model,
+        trained_base_in_encoder(config), str(adapter), "load_pals", force,
+    )  # fmt: skip
+    load_adapter_tensors(
+        model,
+        prefix,
+        config,
+        tensors,
+        source=str(adapter),
+        caller="load_pals",
+        load_trained_base=load_trained_base,
+        strict=strict,
+    )
+    return model
+
+
+def prepare_for_adapter(
+    model: nn.Module, config: dict[str, Any], source: str, caller: str = "load_pals"
+) -> str:
+    """Give ``model`` the PALs an adapter ``config`` (its ``adapter_config.json``) describes, or check that it has
+    them; returns where its encoder sits (the module name, ``""`` for the model itself), for
+    :func:`fastpals.adapters.format.load_adapter_tensors`.
+
+    A model without PALs is injected with the saved PAL config and targets; an injected model, or a
+    :class:`fastpals.BertModel` built with PALs, must have the same PAL config. Any difference (hidden size,
+    number of layers, layer path, PAL config, a variant injection cannot hold) is a ``ValueError`` that starts
+    with ``caller`` and names ``source``.
+    """
+    from fastpals.adapters.format import check_same_pal_config
+
+    if config.get("pal_config") is None:
+        raise ValueError(
+            f"{caller}: the adapter in {source} holds no PALs (saved from a model with pal=None)"
+        )
+    saved = PALConfig.from_dict(config["pal_config"])
+    native = _native_pal_model(model)
+    if native is not None:  # fastpals' own BertModel built with PALs: any variant, the same names
+        name, mini = native
+        check_same_pal_config(mini.pal_config.to_dict(), saved.to_dict(), source, caller)
+        _check_shape(config["encoder"], "encoder.layer", mini.config.hidden_size, mini.config.num_hidden_layers,
+                     source, caller)  # fmt: skip
+        return name
+    return _injected_like(model, saved, config["encoder"], source, caller).base_name
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The old format (pals.safetensors + pals_config.json [+ trained_base.safetensors]): read only
+# ----------------------------------------------------------------------------------------------------------------
+def _load_legacy_pals(model: nn.Module, folder: Path, load_trained_base: bool) -> nn.Module:
+    """Load a folder of the old format (fastpals 0.1 save_pals)."""
+    from safetensors.torch import load_file
+
+    cfg_path, weights_path = folder / LEGACY_CONFIG_NAME, folder / LEGACY_WEIGHTS_NAME
+    for path in (cfg_path, weights_path):
+        if not path.is_file():
+            raise FileNotFoundError(f"load_pals: {path} not found (not a folder written by save_pals)")
+    try:
+        meta = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"load_pals: {cfg_path} is not valid JSON ({e})") from None
+    if meta.get("format") != LEGACY_FORMAT or meta.get("format_version") != 1:
+        raise ValueError(
+            f"load_pals: {cfg_path} has format {meta.get('format')!r} version {meta.get('format_version')!r}; "
+            f"expected {LEGACY_FORMAT!r} version 1"
+        )
+    _injected_like(model, PALConfig.from_dict(meta["pal_config"]), meta, folder)
+    tensors = load_file(str(weights_path))
+    own_state = pal_state_dict(model)
+    problems = state_dict_mismatches(own_state, tensors)
+    if problems:
+        raise ValueError(f"load_pals: cannot load {folder}:\n  " + "\n  ".join(problems))
+    base_names = meta.get("trained_base_parameters", {})
+    base_tensors: dict[str, torch.Tensor] = {}
+    if base_names and load_trained_base:
+        base_path = folder / LEGACY_BASE_WEIGHTS_NAME
+        if not base_path.is_file():
+            raise FileNotFoundError(
+                f"load_pals: {LEGACY_CONFIG_NAME} lists trained base parameters but {base_path} is missing"
+            )
+        base_tensors = load_file(str(base_path))
+        params = dict(model.named_parameters())
+        problems = [f"not in the model: {k}" for k in sorted(set(base_tensors) - set(params))]
+        problems += [
+            f"{k}: saved {list(v.shape)}, model {list(params[k].shape)}"
+            for k, v in base_tensors.items()
+            if k in params and v.shape != params[k].shape
+        ]
+        if problems:
+            raise ValueError(
+                f"load_pals: cannot load the trained base parameters of {folder} (saved from a "
+                f"{meta.get('model_class')}) into {type(model).__name__}:\n  " + "\n  ".join(problems)
+            )
+        own_state.update({k: params[k] for k in base_tensors})
+    with torch.no_grad():
+        for k, v in itertools.chain(tensors.items(), base_tensors.items()):
+            own_state[k].copy_(v)
+    return model
+
+
+def _native_pal_model(model: nn.Module) -> tuple[str, MiniBert] | None:
+    """The one fastpals ``BertModel`` in ``model`` that was built with PALs (not injected), with its name."""
+    if getattr(model, INJECTION_ATTR, None) is not None:
+        return None
+    found = [(n, m) for n, m in model.named_modules() if isinstance(m, MiniBert) and m.task_specific]
+    return found[0] if len(found) == 1 else None
+
+
+def _injected_like(
+    model: nn.Module, saved: PALConfig, target: dict[str, Any], source: str | Path, caller: str = "load_pals"
+) -> PALInjection:
+    """Inject ``saved`` into ``model`` (where ``target``, a saved encoder description, says) or check that the
+    PALs already injected are the same; any difference is a ``ValueError``. Returns the injection state."""
+    from fastpals.adapters.format import check_same_pal_config
+
+    state = getattr(model, INJECTION_ATTR, None)
+    if state is None:
+        targets = (
+            {} if is_known_model(model) else {k: target[k] for k in ("layers_pattern", "layer_norm_name")}
+        )
+        resolved = resolve_targets(model, saved, mask_argument="attention_mask", **_resolve_kwargs(targets))
+        _check_shape(
+            target, resolved.layers_pattern, resolved.hidden_size, len(resolved.layers), source, caller
+        )
+        inject_pals(model, saved, **targets)
+        return get_injection(model, caller)
+    _check_shape(target, state.layers_pattern, state.hidden_size, state.num_layers, source, caller)
+    check_same_pal_config(state.config.to_dict(), saved.to_dict(), str(source), caller)
+    return state
+
+
+def _resolve_kwargs(targets: dict[str, str]) -> dict[str, str | None]:
+    return {
+        "layers_pattern": targets.get("layers_pattern"),
+        "layer_norm_name": targets.get("layer_norm_name"),
+    }
+
+
+def _check_shape(
+    meta: dict[str, Any],
+    layers_pattern: str,
+    hidden: int,
+    num_layers: int,
+    source: str | Path,
+    caller: str = "load_pals",
+) -> None:
+    if meta["layers_pattern"] != layers_pattern:
+        raise ValueError(
+            f"{caller}: the PALs in {source} were saved from a {meta['model_type']} model with layers at "
+            f"'{meta['layers_pattern']}' (parameter names follow that path); this model's layers are at "
+            f"'{layers_pattern}'"
+        )
+    if meta["hidden_size"] != hidden:
+        raise ValueError(
+            f"{caller}: the PALs in {source} were saved for hidden size {meta['hidden_size']}, "
+            f"the model has hidden size {hidden}"
+        )
+    if meta["num_layers"] != num_layers:
+        raise ValueError(
+            f"{caller}: the PALs in {source} were saved for a {meta['num_layers']}-layer model, "
+            f"the model has {num_layers} layers"
+        )

@@ -1,0 +1,746 @@
+"""``fastpals claims``: the five CS224N reports' findings, each re-run as a comparison of arms over several seeds.
+
+Every finding of the reports (the table of issue 36) is data here (:data:`FINDINGS`): its report, the claim, its
+arms (named option sets of ``train.py``, :data:`ARMS`), its metric (``overall`` over SST, Quora and STS, or one
+task's dev score) and its expected direction (a list of ``better > worse`` comparisons). Every arm trains with the
+same data, the same number of updates (``--budget``) and the same seeds (``0 .. --seeds - 1``); an arm that several
+findings use runs once per seed. The single-task recipes run as the reference line.
+
+Each run is a subprocess ``python train.py ...`` into ``<out>/runs/<arm>-s<seed>/`` (its output in
+``<out>/runs/<arm>-s<seed>.log``). A run whose ``results.json`` exists is not run again, so a stopped claims run
+continues where it stopped. Written to ``<out>``: ``claims.md`` (per finding: each arm's mean ± sd over seeds, the
+paired difference of each comparison with its 95% t-interval over seeds, a verdict), ``claims.json`` (every run:
+arm, seed, command line, dev scores; every comparison) and ``claims.png`` (one panel per finding, a point per
+seed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "ARMS",
+    "FINDINGS",
+    "REFERENCE_ARMS",
+    "Arm",
+    "Comparison",
+    "Finding",
+    "main",
+    "metric_value",
+    "paired_interval",
+    "plot_claims",
+    "verdict",
+    "write_markdown",
+]
+
+PROG = "fastpals claims"
+#: options every run gets before the caller's common options (the short-budget learning rates of `fastpals compare`'s
+#: committed table, docs/results/compare_minilm_cpu.md)
+DEFAULT_COMMON = (
+    "--batch-size",
+    "16",
+    "--lr",
+    "1e-4",
+    "--pal-lr",
+    "5e-4",
+    "--head-lr",
+    "2e-4",
+    "--max-eval",
+    "600",
+)
+#: options set by claims itself (per run)
+RESERVED = ("--epochs", "--steps-per-epoch", "--out", "--resume", "--recipe", "--overwrite", "--seed")
+DEFAULT_BUDGET = (
+    100  # updates per run: about 2.5 h for the whole table, 3 seeds, on the 2-core CPU (docs/claims.md)
+)
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One system of a comparison: ``options`` are ``train.py`` options (a recipe and what it overrides);
+    ``cost`` its run time relative to the multi-task baseline at the same budget, from the 150-update table
+    docs/results/compare_minilm_cpu.md (it orders the runs and weighs the ETA)."""
+
+    name: str
+    label: str
+    options: tuple[str, ...]
+    cost: float = 1.0
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """The claim that arm ``better`` scores higher than arm ``worse`` on the finding's metric."""
+
+    better: str
+    worse: str
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One finding of one report: ``metric`` is ``overall`` (SST, Quora, STS) or a task name."""
+
+    key: str
+    report: str
+    claim: str
+    metric: str
+    comparisons: tuple[Comparison, ...]
+    note: str = ""
+    arms: tuple[str, ...] = field(default=())
+
+    def arm_names(self) -> tuple[str, ...]:
+        """The arms in the order of first mention (``arms`` when given, then the comparisons')."""
+        names = list(self.arms)
+        for c in self.comparisons:
+            names += [n for n in (c.better, c.worse) if n not in names]
+        return tuple(names)
+
+
+_BASE = ("--recipe", "baseline_multitask")
+ARMS: dict[str, Arm] = {
+    a.name: a
+    for a in (
+        Arm("base", "multi-task baseline (no PALs, annealed, AdamW)", _BASE),
+        Arm("pal12", "baseline + PAL (12 heads)", (*_BASE, "--pal", "12heads"), 1.3),
+        Arm("pcgrad", "baseline + PCGrad", (*_BASE, "--surgery", "pcgrad"), 4.0),
+        Arm("pal12_pcgrad", "baseline + PAL (12 heads) + PCGrad", (*_BASE, "--pal", "12heads", "--surgery", "pcgrad"),
+            10.0),
+        Arm("round_robin", "baseline, round-robin sampling", (*_BASE, "--sampling", "round_robin")),
+        Arm("proportional", "baseline, proportional sampling", (*_BASE, "--sampling", "proportional")),
+        Arm("uniform", "baseline, uniform sampling", (*_BASE, "--sampling", "uniform")),
+        Arm("rmsprop", "baseline with RMSProp", (*_BASE, "--optimizer", "rmsprop")),
+        Arm("sgd", "baseline with SGD (momentum 0.9)", (*_BASE, "--optimizer", "sgd")),
+        Arm("cos_base", "baseline, siamese pairs (STS cosine)", (*_BASE, "--pair-mode", "sbert_cosine")),
+        Arm("pal_pcgrad_cos", "001: PAL + PCGrad, siamese pairs (STS cosine)", ("--recipe", "001_pal_pcgrad_cosine"),
+            5.0),
+        Arm("gem_joint", "002 without PALs and GEM: jointly fine-tuned BERT",
+            ("--recipe", "002_pal12_gem", "--pal", "none", "--surgery", "none"), 2.2),
+        Arm("gem_pal", "002: PALs (12 heads) without GEM", ("--recipe", "002_pal12_gem", "--surgery", "none"), 2.5),
+        Arm("gem_pal_gem", "002: PALs (12 heads) with GEM", ("--recipe", "002_pal12_gem"), 2.8),
+        Arm("shared4", "003: all-shared baseline (no PALs), 4 tasks", ("--recipe", "003_pal_top", "--pal", "none"),
+            1.1),
+        Arm("embert", "003: EmBERT (every layer)", ("--recipe", "003_embert"), 1.1),
+        Arm("pal_gate", "003: gated PALs (every layer)", ("--recipe", "003_pal_gate"), 1.4),
+        Arm("pal_top", "003: PALs at the top", ("--recipe", "003_pal_top"), 1.4),
+        Arm("pal_top_parallel", "003: PALs top + parallel", ("--recipe", "003_pal_top_parallel"), 1.6),
+        Arm("pal_half", "004: half PALs (top 3 of MiniLM's 6 layers, d_s 276)",
+            ("--recipe", "004_pal_half", "--pal-layers", "3"), 1.2),
+        Arm("pal_full", "004: full PALs (every layer, d_s 204)", ("--recipe", "004_pal_full"), 1.3),
+        Arm("single_sst", "single-task SST", ("--recipe", "single_sst"), 0.85),
+        Arm("single_para", "single-task Quora", ("--recipe", "single_para"), 0.85),
+        Arm("single_sts", "single-task STS", ("--recipe", "single_sts"), 0.85),
+    )
+}  # fmt: skip
+REFERENCE_ARMS = ("single_sst", "single_para", "single_sts")
+
+C = Comparison
+FINDINGS: tuple[Finding, ...] = (
+    Finding("000-pal", "000", "PAL adds about +1% over the multi-task baseline", "overall", (C("pal12", "base"),)),
+    Finding("000-surgery", "000", "gradient surgery (PCGrad) adds about +1% over the multi-task baseline", "overall",
+            (C("pcgrad", "base"),)),
+    Finding("000-pal+surgery", "000", "PAL + surgery together is worse than either alone", "overall",
+            (C("pal12", "pal12_pcgrad"), C("pcgrad", "pal12_pcgrad"))),
+    Finding("000-sampling", "000", "annealed sampling beats round-robin, proportional and uniform", "overall",
+            (C("base", "round_robin"), C("base", "proportional"), C("base", "uniform"))),
+    Finding("000-optimizer", "000", "RMSProp ends higher than AdamW and SGD (same learning rate)", "overall",
+            (C("rmsprop", "base"), C("rmsprop", "sgd")),
+            "the report's 'peaks earlier' is not tested: each run is scored once, at its end"),
+    Finding("001", "001", "PAL with PCGrad improves the overall score over the multi-task baseline", "overall",
+            (C("pal_pcgrad_cos", "cos_base"),),
+            "both arms score STS by the cosine of siamese embeddings (the report's setting)"),
+    Finding("002", "002", "PALs without GEM beat jointly fine-tuned BERT; PALs with GEM are worse than without",
+            "overall", (C("gem_pal", "gem_joint"), C("gem_pal", "gem_pal_gem")),
+            "GEM here constrains each update with the current batches' task gradients, not an episodic memory"),
+    Finding("003", "003", "of single methods only PALs at the top beat the all-shared baseline; top + parallel is "
+            "best; methods inside every layer do worse than the stand-alone top layers", "overall",
+            (C("pal_top", "shared4"), C("shared4", "embert"), C("shared4", "pal_gate"),
+             C("pal_top_parallel", "pal_top"), C("pal_top", "embert"), C("pal_top", "pal_gate")),
+            "trained on 4 tasks (with CFIMDB) as in the report; the metric is overall over SST, Quora and STS"),
+    Finding("004-overall", "004", "zero PALs beat half and full PALs overall", "overall",
+            (C("base", "pal_half"), C("base", "pal_full")),
+            "zero PALs = the multi-task baseline (identical options); 'half' = the top 3 of MiniLM's 6 layers"),
+    Finding("004-para", "004", "PALs raise paraphrase (Quora) accuracy", "para",
+            (C("pal_half", "base"), C("pal_full", "base"))),
+)  # fmt: skip
+del C
+#: ``--quick``: two findings that share their arms (the CI check of the whole pipeline)
+QUICK_FINDINGS = ("004-overall", "004-para")
+QUICK_ARMS = ("base", "pal_full")
+
+
+def quick_finding(finding: Finding) -> Finding:
+    """``finding`` with only its comparisons between :data:`QUICK_ARMS` (``--quick``)."""
+    comps = tuple(c for c in finding.comparisons if c.better in QUICK_ARMS and c.worse in QUICK_ARMS)
+    return dataclasses.replace(finding, comparisons=comps, arms=())
+
+
+# ----------------------------------------------------------------------------------------------------- statistics
+def metric_value(dev: dict[str, float | None], metric: str) -> float:
+    """A run's dev score on ``metric``: a task's metric, or ``overall`` = (SST + Quora + (STS r + 1) / 2) / 3 (an
+    STS r of None/NaN, from constant predictions, counts as 0); NaN where a task is missing."""
+    if metric != "overall":
+        value = dev.get(metric)
+        return math.nan if value is None else float(value)
+    if not all(t in dev for t in ("sst", "para", "sts")):
+        return math.nan
+    r = dev["sts"]
+    r = 0.0 if r is None or (isinstance(r, float) and math.isnan(r)) else float(r)
+    if dev["sst"] is None or dev["para"] is None:
+        return math.nan
+    return (float(dev["sst"]) + float(dev["para"]) + (r + 1.0) / 2.0) / 3.0
+
+
+def mean_sd(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (n - 1; NaN for one value) of ``values``."""
+    n = len(values)
+    if n == 0:
+        return math.nan, math.nan
+    mean = sum(values) / n
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else math.nan
+    return mean, sd
+
+
+def paired_interval(better: Sequence[float], worse: Sequence[float], level: float = 0.95) -> dict[str, float]:
+    """The paired difference ``better[i] - worse[i]`` (same seed ``i``) over ``n`` seeds: ``{"n", "mean", "sd",
+    "lo", "hi"}`` with the two-sided ``level`` Student-t interval ``mean ± t_{(1+level)/2, n-1} sd / sqrt(n)``
+    (``lo``/``hi`` NaN for fewer than 2 seeds)."""
+    if len(better) != len(worse):
+        raise ValueError(f"paired values need the same seeds: {len(better)} vs {len(worse)}")
+    diffs = [b - w for b, w in zip(better, worse)]
+    n = len(diffs)
+    mean, sd = mean_sd(diffs)
+    if n < 2:
+        return {"n": n, "mean": mean, "sd": sd, "lo": math.nan, "hi": math.nan}
+    from scipy.stats import t
+
+    half = float(t.ppf((1.0 + level) / 2.0, n - 1)) * sd / math.sqrt(n)
+    return {"n": n, "mean": mean, "sd": sd, "lo": mean - half, "hi": mean + half}
+
+
+def verdict(interval: dict[str, float]) -> str:
+    """``holds`` (the interval lies above 0), ``reversed`` (below 0) or ``not resolved`` (it holds 0, or fewer
+    than 2 seeds)."""
+    lo, hi = interval["lo"], interval["hi"]
+    if math.isnan(lo) or math.isnan(hi):
+        return "not resolved"
+    if lo > 0:
+        return "holds"
+    if hi < 0:
+        return "reversed"
+    return "not resolved"
+
+
+# ------------------------------------------------------------------------------------------------------- the runs
+def run_name(arm: str, seed: int) -> str:
+    return f"{arm}-s{seed}"
+
+
+def run_argv(arm: Arm, seed: int, budget: int, common: Sequence[str], run_dir: Path) -> list[str]:
+    """The ``train.py`` options of one run: the arm's options, the common ones, then the budget, seed and folder."""
+    return [*arm.options, *DEFAULT_COMMON, *common, "--epochs", "1", "--steps-per-epoch", str(budget),
+            "--seed", str(seed), "--out", str(run_dir), "--overwrite", "--no-progress", "--max-predict", "8"]  # fmt: skip
+
+
+def train_command() -> list[str]:
+    """The command that starts ``train.py``: the repository's ``train.py`` next to the package when present, else
+    ``python -m fastpals.cli train`` (the same entry point)."""
+    script = Path(__file__).resolve().parents[2] / "train.py"
+    if script.is_file():
+        return [sys.executable, str(script)]
+    return [sys.executable, "-m", "fastpals.cli", "train"]
+
+
+def _read_results(run_dir: Path) -> dict[str, Any] | None:
+    path = run_dir / "results.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _fmt_time(seconds: float) -> str:
+    seconds = max(0, int(round(seconds)))
+    return (
+        f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
+        if seconds >= 3600
+        else f"{seconds // 60} min {seconds % 60:02d} s"
+    )
+
+
+def _plan(findings: Sequence[Finding], reference: bool) -> list[str]:
+    """The arms to run, cheapest finding first (so that a stopped run leaves whole findings), then the reference."""
+    order: list[str] = []
+    for f in sorted(findings, key=lambda f: sum(ARMS[a].cost for a in f.arm_names())):
+        order += [a for a in f.arm_names() if a not in order]
+    if reference:
+        order += [a for a in REFERENCE_ARMS if a not in order]
+    return order
+
+
+# ----------------------------------------------------------------------------------------------------- the report
+def _collect(
+    runs: dict[tuple[str, int], dict[str, Any]], arm: str, seeds: Sequence[int], metric: str
+) -> dict[int, float]:
+    out = {}
+    for s in seeds:
+        run = runs.get((arm, s))
+        if run and run.get("dev") is not None:
+            out[s] = metric_value(run["dev"], metric)
+    return out
+
+
+def reference_scores(
+    runs: dict[tuple[str, int], dict[str, Any]], seeds: Sequence[int], metric: str
+) -> dict[int, float]:
+    """Per seed, the single-task runs' score on ``metric`` (``overall``: the three single-task models together)."""
+    out = {}
+    for s in seeds:
+        dev = {}
+        for a in REFERENCE_ARMS:
+            run = runs.get((a, s))
+            if run and run.get("dev"):
+                dev.update({k: v for k, v in run["dev"].items() if k != "overall"})
+        value = metric_value(dev, metric)
+        if not math.isnan(value):
+            out[s] = value
+    return out
+
+
+def summarize(
+    findings: Sequence[Finding], runs: dict[tuple[str, int], dict[str, Any]], seeds: Sequence[int]
+) -> list[dict[str, Any]]:
+    """Per finding: each arm's scores per seed, mean and sd; each comparison's paired interval over the seeds where
+    both arms finished, and its verdict (``unfinished`` when no seed has both)."""
+    out = []
+    for f in findings:
+        arms = {}
+        for a in f.arm_names():
+            scores = _collect(runs, a, seeds, f.metric)
+            mean, sd = mean_sd(list(scores.values()))
+            arms[a] = {"label": ARMS[a].label, "scores": scores, "mean": mean, "sd": sd}
+        comps = []
+        for c in f.comparisons:
+            both = [s for s in seeds if s in arms[c.better]["scores"] and s in arms[c.worse]["scores"]]
+            iv = paired_interval(
+                [arms[c.better]["scores"][s] for s in both], [arms[c.worse]["scores"][s] for s in both]
+            )
+            v = "unfinished" if not both else verdict(iv)
+            comps.append({"better": c.better, "worse": c.worse, "seeds": both, **iv, "verdict": v})
+        ref = reference_scores(runs, seeds, f.metric)
+        rmean, rsd = mean_sd(list(ref.values()))
+        out.append({"finding": f, "arms": arms, "comparisons": comps,
+                    "reference": {"scores": ref, "mean": rmean, "sd": rsd}})  # fmt: skip
+    return out
+
+
+def _num(x: float, digits: int = 3, sign: bool = False) -> str:
+    if x is None or math.isnan(x):
+        return "—"
+    return f"{x:+.{digits}f}" if sign else f"{x:.{digits}f}"
+
+
+def write_markdown(summary: list[dict[str, Any]], path: Path, header: str, seeds: Sequence[int]) -> Path:
+    """``claims.md``: ``header``, the verdicts at a glance, then per finding its arms and comparisons."""
+    lines = [header, "", "## Verdicts", "", "| finding | report | comparison (expected: first > second) | metric "
+             "| difference, 95% interval | seeds | verdict |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for item in summary:
+        f = item["finding"]
+        for c in item["comparisons"]:
+            lines.append(f"| {f.key} | {f.report} | {c['better']} > {c['worse']} | {f.metric} | {_num(c['mean'], sign=True)} "
+                         f"[{_num(c['lo'], sign=True)}, {_num(c['hi'], sign=True)}] | {len(c['seeds'])} | **{c['verdict']}** |")  # fmt: skip
+    for item in summary:
+        f = item["finding"]
+        lines += ["", f"## {f.key} (report {f.report}): {f.claim}", "", f"Metric: dev {f.metric}." + (f" {f.note}." if f.note else ""), "",
+                  "| arm | options | " + " | ".join(f"seed {s}" for s in seeds) + " | mean ± sd |",
+                  "|---|---|" + "---|" * len(seeds) + "---|"]  # fmt: skip
+        for a, info in item["arms"].items():
+            cells = [_num(info["scores"][s]) if s in info["scores"] else "not run" for s in seeds]
+            lines.append(f"| {a}: {info['label']} | `{' '.join(ARMS[a].options)}` | " + " | ".join(cells)
+                         + f" | {_num(info['mean'])} ± {_num(info['sd'])} |")  # fmt: skip
+        ref = item["reference"]
+        if ref["scores"]:
+            cells = [_num(ref["scores"][s]) if s in ref["scores"] else "not run" for s in seeds]
+            lines.append("| reference: single-task models | `" + " / ".join(" ".join(ARMS[a].options) for a in REFERENCE_ARMS)
+                         + "` | " + " | ".join(cells) + f" | {_num(ref['mean'])} ± {_num(ref['sd'])} |")  # fmt: skip
+        lines += ["", "| comparison | paired difference (mean ± sd) | 95% t-interval | seeds | verdict |",
+                  "|---|---|---|---|---|"]  # fmt: skip
+        for c in item["comparisons"]:
+            lines.append(f"| {c['better']} > {c['worse']} | {_num(c['mean'], sign=True)} ± {_num(c['sd'])} | "
+                         f"[{_num(c['lo'], sign=True)}, {_num(c['hi'], sign=True)}] | {len(c['seeds'])} | {c['verdict']} |")  # fmt: skip
+    lines += ["", "overall = (SST acc + Quora acc + (STS r + 1) / 2) / 3 (an STS r of nan counts as 0). Quora dev = the "
+              "held-out 10% (sha256 of id) split of quora-dev.csv. A verdict holds when the 95% t-interval of the "
+              "paired difference (same seed) lies above 0, is reversed when it lies below 0, and is not resolved "
+              "otherwise; unfinished: no seed has both arms."]  # fmt: skip
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def plot_claims(summary: list[dict[str, Any]], path: Path, title: str) -> Path:
+    """``claims.png``: one panel per finding, one column per arm with a point per seed and a bar at the mean; the
+    single-task reference as a dashed line."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    n = max(1, len(summary))
+    cols = min(3, n)
+    rows = math.ceil(n / cols)
+    figure = Figure(figsize=(4.6 * cols, 3.6 * rows))
+    FigureCanvasAgg(figure)
+    for k, item in enumerate(summary):
+        ax = figure.add_subplot(rows, cols, k + 1)
+        arms = list(item["arms"])
+        for i, a in enumerate(arms):
+            scores = item["arms"][a]["scores"]
+            xs = [i + 0.08 * (j - (len(scores) - 1) / 2) for j in range(len(scores))]
+            ax.scatter(xs, list(scores.values()), s=14, color=f"C{i % 10}", zorder=3)
+            if scores:
+                ax.hlines(item["arms"][a]["mean"], i - 0.25, i + 0.25, color=f"C{i % 10}", linewidth=2)
+        ref = item["reference"]
+        if ref["scores"]:
+            ax.axhline(ref["mean"], color="black", linestyle="--", linewidth=0.8, label="single-task models")
+            ax.legend(fontsize=6, loc="best", frameon=False)
+        ax.set_xlim(-0.5, len(arms) - 0.5)  # an arm without a finished run keeps its column
+        ax.set_xticks(range(len(arms)))
+        ax.set_xticklabels(arms, rotation=30, ha="right", fontsize=7)
+        f = item["finding"]
+        counts = [c["verdict"] for c in item["comparisons"]]
+        verdicts = ", ".join(f"{counts.count(v)} {v}" for v in dict.fromkeys(counts))
+        ax.set_title(f"{f.key}: {verdicts}", fontsize=8)
+        ax.set_ylabel(f"dev {f.metric}", fontsize=7)
+        ax.tick_params(axis="y", labelsize=7)
+    figure.suptitle(title, fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, format="png", dpi=90)
+    return path
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, float) and math.isnan(x):
+        return None
+    if isinstance(x, Finding):
+        return {"key": x.key, "report": x.report, "claim": x.claim, "metric": x.metric, "note": x.note,
+                "arms": list(x.arm_names())}  # fmt: skip
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+def _cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux, else the machine type)."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _environment() -> dict[str, str]:
+    import platform
+
+    import torch
+
+    try:
+        commit = subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short", "HEAD"],
+                                capture_output=True, text=True, timeout=10).stdout.strip() or "unknown"  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        commit = "unknown"
+    from fastpals import __version__
+
+    device = (torch.cuda.get_device_name() if torch.cuda.is_available()
+              else f"CPU ({_cpu_name()}), {os.cpu_count()} cores")  # fmt: skip
+    return {"device": device, "python": platform.python_version(), "torch": torch.__version__,
+            "fastpals": __version__, "commit": commit,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------- the command
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help`)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The options of ``fastpals claims``; every other option goes to every run (a ``train.py`` option)."""
+    p = _Parser(prog=PROG, allow_abbrev=False, usage=f"{PROG} [--budget STEPS] [--seeds N] [--out DIR] [--quick] [train.py options]",
+                description="Re-run the findings of the five CS224N reports: every arm for --budget updates with "
+                "seeds 0..N-1, then claims.md, claims.json and claims.png in --out. Finished runs are kept and "
+                "skipped on a rerun. Other options (e.g. --model, --data-dir, --max-length) go to every run, after "
+                f"the defaults {' '.join(DEFAULT_COMMON)}.")  # fmt: skip
+    p.add_argument("--budget", type=int, default=None, metavar="STEPS",
+                   help=f"updates per run (default: {DEFAULT_BUDGET}; --quick: 2)")  # fmt: skip
+    p.add_argument(
+        "--seeds", type=int, default=None, metavar="N", help="seeds per arm (default: 3; --quick: 2)"
+    )
+    p.add_argument("--out", default="runs/claims", metavar="DIR", help="output folder (default: runs/claims)")
+    p.add_argument("--only", default=None, metavar="KEY,...", help="only these findings (keys in claims.md)")
+    p.add_argument("--jobs", type=int, default=1, metavar="N", help="runs at a time (default: 1)")
+    p.add_argument(
+        "--report",
+        action="store_true",
+        help="train nothing: write the three files from the runs finished so far in --out",
+    )
+    p.add_argument("--no-reference", action="store_true", help="skip the single-task reference runs")
+    p.add_argument("--keep-checkpoints", action="store_true",
+                   help="keep each finished run's checkpoints/ (default: removed once its results.json is written; "
+                   "best/ is kept)")  # fmt: skip
+    p.add_argument("--quick", action="store_true",
+                   help=f"the pipeline check: findings {', '.join(QUICK_FINDINGS)}, 2 seeds, 2 updates, no "
+                   "reference runs (give --model/--data-dir for tiny ones)")  # fmt: skip
+    return p
+
+
+def _header(
+    findings: Sequence[Finding],
+    budget: int,
+    seeds: Sequence[int],
+    common: Sequence[str],
+    env: dict[str, str],
+    runs: dict[tuple[str, int], dict[str, Any]],
+    plan: Sequence[tuple[str, int]],
+    unfinished: Sequence[str],
+) -> str:
+    """The head of ``claims.md``: budget, seeds, common options, where and with what the runs ran."""
+    envs = {}
+    for r in runs.values():
+        e = r["environment"]
+        if e:
+            key = (e.get("device"), e.get("python"), e.get("torch"), e.get("fastpals"), e.get("commit"))
+            envs.setdefault(key, []).append(e.get("date", "?"))
+    where = "; ".join(f"{n} run(s) on {k[0]}, python {k[1]}, torch {k[2]}, fastpals {k[3]}, commit {k[4]}, "
+                      f"{min(d)} to {max(d)}" for k, d in envs.items() for n in [len(d)]) or "no run finished"  # fmt: skip
+    return (
+        f"# fastpals claims: {len(findings)} finding(s), {budget} updates per run, seeds "
+        f"{', '.join(map(str, seeds))}\n\n"
+        f"Every run: its arm's options, then `{' '.join(DEFAULT_COMMON)} {' '.join(common)}`, one epoch of {budget} "
+        f"updates, its seed (the exact command lines: claims.json). Runs: {where}. Table written {env['date']} "
+        f"(commit {env['commit']}). Runs finished: {len(plan) - len(unfinished)} of {len(plan)}, "
+        f"{_fmt_time(sum(r['seconds'] or 0.0 for r in runs.values()))} of run time"
+        + (f"; **not finished**: {', '.join(unfinished)}." if unfinished else ".")
+    )  # fmt: skip
+
+
+def _without_out(argv: Sequence[str]) -> list[str]:
+    """``argv`` without its ``--out DIR``."""
+    argv = list(argv)
+    i = argv.index("--out") if "--out" in argv else -1
+    return argv[:i] + argv[i + 2 :] if i >= 0 else argv
+
+
+def _check_earlier(run_dir: Path, argv: Sequence[str]) -> dict[str, Any] | None:
+    """The ``claims_run.json`` of a finished run in ``run_dir`` (None when it has no ``results.json``); raises
+    :class:`ValueError` when that run had other options."""
+    if not (run_dir / "results.json").is_file():
+        return None
+    path = run_dir / "claims_run.json"
+    saved = json.loads(path.read_text()) if path.is_file() else {}
+    if _without_out(saved.get("argv") or []) != _without_out(argv):  # a moved claims folder still matches
+        raise ValueError(f"{run_dir} holds a run with other options than {shlex.join(argv)}; use another --out or "
+                         "move that folder")  # fmt: skip
+    return saved
+
+
+def _execute(
+    plan: Sequence[tuple[str, int]],
+    runs: dict[tuple[str, int], dict[str, Any]],
+    command: list[str],
+    runs_dir: Path,
+    budget: int,
+    opts: argparse.Namespace,
+) -> int:
+    """Run the plan, ``opts.jobs`` subprocesses at a time (finished runs skipped; ``opts.report``: none started),
+    filling ``runs``. Returns 0, 1 (a run failed), 2 (a folder holds another run) or 128 + signal (stopped)."""
+    done_cost = done_s = 0.0
+    remaining = sum(ARMS[a].cost for a, _ in plan)
+    pending = []
+    for i, (a, s) in enumerate(plan):
+        record = runs[(a, s)]
+        run_dir = runs_dir / run_name(a, s)
+        try:
+            saved = _check_earlier(run_dir, record["argv"])
+        except ValueError as err:
+            print(f"{PROG}: error: {err}", file=sys.stderr)
+            return 2
+        if saved is None:
+            pending.append((i, a, s))
+            continue
+        results = _read_results(run_dir)
+        record.update(dev=results["dev"], status="done", seconds=saved.get("seconds"), argv=saved["argv"],
+                      environment=saved.get("environment"),
+                      command=saved.get("command") or shlex.join([*command, *saved["argv"]]))  # fmt: skip
+        remaining -= ARMS[a].cost
+        print(f"[claims] {i + 1}/{len(plan)} {run_name(a, s)}: finished earlier, skipped (dev overall "
+              f"{_num(metric_value(results['dev'], 'overall'), 4)})", file=sys.stderr, flush=True)  # fmt: skip
+    if opts.report:
+        return 0
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    # a run is its own one-process job: no rank or port of a launcher (or of an in-process run) leaks in
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
+    }
+    env["PYTHONUNBUFFERED"] = "1"
+    session_env = _environment()
+    running: list[tuple[int, str, int, subprocess.Popen, float, Any]] = []
+    status = 0
+    try:
+        while pending or running:
+            while pending and len(running) < opts.jobs:
+                i, a, s = pending.pop(0)
+                name = run_name(a, s)
+                print(f"[claims] {i + 1}/{len(plan)} {name}: start ({budget} updates): {runs[(a, s)]['command']}",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                log = open(runs_dir / f"{name}.log", "w")
+                proc = subprocess.Popen([*command, *runs[(a, s)]["argv"]], stdout=log, stderr=subprocess.STDOUT,
+                                        env=env)  # fmt: skip
+                running.append((i, a, s, proc, time.perf_counter(), log))
+            time.sleep(0.2)
+            for item in [r for r in running if r[3].poll() is not None]:
+                running.remove(item)
+                i, a, s, proc, t0, log = item
+                log.close()
+                name, record, run_dir = run_name(a, s), runs[(a, s)], runs_dir / run_name(a, s)
+                seconds = time.perf_counter() - t0
+                code = proc.returncode
+                remaining -= ARMS[a].cost
+                if code < 0 or code in (130, 143):
+                    print(f"{PROG}: the run {name} was stopped (exit {code}); a rerun starts it again",
+                          file=sys.stderr)  # fmt: skip
+                    status = 128 + (-code if code < 0 else code - 128)
+                    pending.clear()
+                    continue
+                results = _read_results(run_dir) if code == 0 else None
+                if results is None:
+                    record["status"] = f"failed (exit {code}, see {log.name})"
+                    status = max(status, 1)
+                    print(f"[claims] {i + 1}/{len(plan)} {name}: FAILED (exit {code}); its output: {log.name}",
+                          file=sys.stderr, flush=True)  # fmt: skip
+                    continue
+                run_env = {**session_env, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+                (run_dir / "claims_run.json").write_text(
+                    json.dumps(
+                        {
+                            "command": record["command"],
+                            "argv": record["argv"],
+                            "seconds": seconds,
+                            "environment": run_env,
+                        }
+                    )  # fmt: skip
+                )
+                if not opts.keep_checkpoints and (run_dir / "checkpoints").is_dir():
+                    shutil.rmtree(run_dir / "checkpoints")
+                record.update(dev=results["dev"], status="done", seconds=seconds, environment=run_env)
+                done_cost += ARMS[a].cost
+                done_s += seconds
+                eta = remaining * done_s / done_cost / max(1, opts.jobs)
+                print(f"[claims] {i + 1}/{len(plan)} {name}: done in {seconds:.0f} s, dev overall "
+                      f"{_num(metric_value(results['dev'], 'overall'), 4)}"
+                      f"{'' if opts.keep_checkpoints else ' (checkpoints/ removed, best/ kept)'}; "
+                      f"ETA {_fmt_time(eta)}", file=sys.stderr, flush=True)  # fmt: skip
+    except KeyboardInterrupt:
+        for item in running:
+            item[3].wait()  # Ctrl-C reached them too: each checkpoints and stops
+            item[5].close()
+        print(f"{PROG}: stopped; the finished runs are kept and a rerun skips them", file=sys.stderr)
+        return 130
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``fastpals claims``: 0 when every run finished, 1 when one failed (the table marks it), 2 for
+    a bad option, 128 + signal when stopped (the finished runs are kept)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        build_parser().print_help()
+        return 0
+    opts, common = build_parser().parse_known_args(argv)
+    bad = [a.split("=")[0] for a in common if a.split("=")[0] in RESERVED]
+    if bad:
+        print(
+            f"{PROG}: error: {', '.join(bad)} is set by claims itself (use --budget, --seeds, --out)",
+            file=sys.stderr,
+        )
+        return 2
+    budget = opts.budget if opts.budget is not None else (2 if opts.quick else DEFAULT_BUDGET)
+    n_seeds = opts.seeds if opts.seeds is not None else (2 if opts.quick else 3)
+    if budget < 1 or n_seeds < 1 or opts.jobs < 1:
+        print(
+            f"{PROG}: error: --budget, --seeds and --jobs must be >= 1, got {budget}, {n_seeds}, {opts.jobs}",
+            file=sys.stderr,
+        )
+        return 2
+    keys = [f.key for f in FINDINGS]
+    wanted = (
+        QUICK_FINDINGS if opts.quick and opts.only is None else (opts.only.split(",") if opts.only else keys)
+    )
+    unknown = [k for k in wanted if k not in keys]
+    if unknown:
+        print(
+            f"{PROG}: error: --only {','.join(unknown)}: no such finding; the findings: {', '.join(keys)}",
+            file=sys.stderr,
+        )
+        return 2
+    findings = [f for f in FINDINGS if f.key in wanted]
+    if opts.quick:  # only the comparisons between the quick arms (any model depth, 2 arms per seed)
+        findings = [quick_finding(f) for f in findings]
+    reference = not (opts.no_reference or opts.quick)
+    seeds = list(range(n_seeds))
+    if opts.quick and "--max-eval" not in common:
+        common += ["--max-eval", "16"]
+    if "--data-dir" not in common and os.environ.get(
+        "FASTPALS_DATA_DIR"
+    ):  # the exact data in every command line
+        common += ["--data-dir", os.environ["FASTPALS_DATA_DIR"]]
+    out = Path(opts.out).resolve()
+    runs_dir = out / "runs"
+    plan = [(a, s) for a in _plan(findings, reference) for s in seeds]
+    from fastpals.train.command import parse_args
+    from fastpals.train.errors import ConfigError
+
+    argvs = {(a, s): run_argv(ARMS[a], s, budget, common, runs_dir / run_name(a, s)) for a, s in plan}
+    try:  # every run's options are checked before the first starts
+        for a, s in plan:
+            parse_args(argvs[(a, s)])
+    except ConfigError as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+    command = train_command()
+    runs = {(a, s): {"arm": a, "seed": s, "command": shlex.join([*command, *argvs[(a, s)]]),
+                     "argv": argvs[(a, s)], "dev": None, "status": "not run", "seconds": None,
+                     "environment": None} for a, s in plan}  # fmt: skip
+    t_start = time.perf_counter()
+    status = _execute(plan, runs, command, runs_dir, budget, opts)
+    if status == 2:
+        return 2
+    summary = summarize(findings, runs, seeds)
+    env = _environment()
+    unfinished = [run_name(a, s) for a, s in plan if runs[(a, s)]["dev"] is None]
+    header = _header(findings, budget, seeds, common, env, runs, plan, unfinished)
+    out.mkdir(parents=True, exist_ok=True)
+    write_markdown(summary, out / "claims.md", header, seeds)
+    data = {"budget": budget, "seeds": seeds, "common": [*DEFAULT_COMMON, *common], "environment": env,
+            "wall_s_this_session": time.perf_counter() - t_start,
+            "run_s_total": sum(r["seconds"] or 0.0 for r in runs.values()),
+            "runs": [runs[(a, s)] for a, s in plan],
+            "findings": summary}  # fmt: skip
+    (out / "claims.json").write_text(json.dumps(_jsonable(data), indent=1))
+    plot_claims(summary, out / "claims.png", f"fastpals claims: {budget} updates per run, {n_seeds} seed(s)")
+    print(f"[claims] wrote {out / 'claims.md'}, {out / 'claims.json'}, {out / 'claims.png'}", file=sys.stderr)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,313 @@
+"""``fastpals compare RECIPE... --budget STEPS``: several recipes on the same budget, seed and data, one table.
+
+Each recipe (see :mod:`fastpals.train.recipes`; ``all`` = every shipped one) trains for one epoch of ``STEPS``
+updates in ``<out>/<recipe>/``, one after the other in this process, with the same common options (any
+``train.py`` option: ``--model``, ``--batch-size``, ``--max-length``, ``--seed``, ...). The first run also scores
+the untrained model (``--eval-at-start``). Written to ``<out>``: ``compare.md`` (Markdown table: recipe, SST,
+Quora, STS r, [CFIMDB], overall, updates, examples, time), ``compare.json`` (the same rows as data) and
+``compare.png`` (grouped bars of the dev scores per task, with the untrained row and, when single-task recipes are
+in the list, their combined single-task row).
+
+An update of a surgery recipe or of a grouped sampling (``random_round_robin``) holds one micro-batch per task, so
+equal updates are not equal examples: the table counts the examples each run trained on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["SCORE_COLUMNS", "compare_rows", "main", "plot_compare", "write_markdown"]
+
+SCORE_COLUMNS = (("sst", "SST acc"), ("para", "Quora acc*"), ("sts", "STS r"), ("cfimdb", "CFIMDB acc"))
+PROG = "fastpals compare"
+RESERVED = ("--epochs", "--steps-per-epoch", "--out", "--resume", "--recipe", "--overwrite")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help`)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The options of ``fastpals compare`` itself; every other option is a common ``train.py`` option."""
+    from fastpals.train.recipes import recipe_names
+
+    p = _Parser(
+        prog=PROG,
+        usage=f"{PROG} RECIPE [RECIPE ...] --budget STEPS [--out DIR] [--max-eval N] [train.py options]",
+        description="Train each recipe for one epoch of STEPS updates on the same data and seed, then write "
+        "compare.md, compare.json and compare.png in --out. Recipes: all, "
+        + ", ".join(recipe_names())
+        + ", or "
+        "JSON files. Other options (e.g. --model, --batch-size, --max-length, --seed, --data-dir) go to every run.",
+    )
+    p.add_argument(
+        "--budget", type=int, required=True, metavar="STEPS", help="updates per recipe (one epoch)"
+    )
+    p.add_argument(
+        "--out", default="runs/compare", metavar="DIR", help="output folder (default: runs/compare)"
+    )
+    p.add_argument("--max-eval", type=int, metavar="N", help="dev examples per task (default: all)")
+    p.add_argument("--max-predict", type=int, default=8, metavar="N",
+                   help="test predictions per task written by each run (default: 8)")  # fmt: skip
+    return p
+
+
+def _split(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Leading non-option words are the recipes; the rest are options."""
+    i = 0
+    while i < len(argv) and not argv[i].startswith("-"):
+        i += 1
+    return argv[:i], argv[i:]
+
+
+def _examples(run_dir: Path) -> int:
+    """Training examples of a run, from its ``metrics.jsonl`` step records."""
+    total = 0.0
+    path = run_dir / "metrics.jsonl"
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            if rec.get("type") == "step":
+                total += rec["examples_per_s"] * rec["seconds"]
+    return round(total)
+
+
+def _overall3(dev: dict[str, float]) -> float:
+    from fastpals.data.metrics import overall
+
+    if all(t in dev for t in ("sst", "para", "sts")):
+        return overall({t: dev[t] for t in ("sst", "para", "sts")})
+    return None
+
+
+def compare_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Table rows from the runs ``[{"recipe", "results" (results.json or None), "error", "seconds",
+    "examples"}]``: an ``untrained`` row (from the first run that scored its step-0 model), one row per run,
+    and a ``single-task`` row combining the ``single_<task>`` recipes when any ran. Each row: ``name``,
+    ``scores`` ``{task: metric}``, ``overall`` (SST, Quora, STS; None unless all three), ``steps``, ``examples``,
+    ``train_s``, ``total_s``, ``error``, ``kind`` (``untrained`` / ``recipe`` / ``single``)."""
+    rows: list[dict[str, Any]] = []
+    for run in runs:
+        untrained = (run.get("results") or {}).get("untrained_dev")
+        if untrained:
+            scores = {k: v for k, v in untrained.items() if k != "overall"}
+            rows.append({"name": f"untrained ({run['recipe']}, step 0)", "kind": "untrained", "scores": scores,
+                         "overall": _overall3(scores), "steps": 0, "examples": 0, "train_s": None,
+                         "total_s": None, "error": None})  # fmt: skip
+            break
+    singles: dict[str, float] = {}
+    single_time = [0.0, 0.0, 0, 0]
+    for run in runs:
+        res = run.get("results") or {}
+        scores = {k: v for k, v in (res.get("dev") or {}).items() if k != "overall"}
+        timings = res.get("timings") or {}
+        row = {"name": run["recipe"], "kind": "recipe", "scores": scores, "overall": _overall3(scores),
+               "steps": res.get("steps", 0), "examples": run.get("examples", 0),
+               "train_s": timings.get("train_s"), "total_s": run.get("seconds"),
+               "error": run.get("error")}  # fmt: skip
+        rows.append(row)
+        name = Path(run["recipe"]).stem
+        if name.startswith("single_") and len(scores) == 1 and not row["error"]:
+            singles.update(scores)
+            single_time = [single_time[0] + (row["train_s"] or 0.0), single_time[1] + (row["total_s"] or 0.0),
+                           single_time[2] + row["steps"], single_time[3] + row["examples"]]  # fmt: skip
+    if singles:
+        rows.append({"name": "single-task (" + " + ".join(f"single_{t}" for t in singles) + ")", "kind": "single",
+                     "scores": singles, "overall": _overall3(singles), "train_s": single_time[0],
+                     "total_s": single_time[1], "steps": single_time[2], "examples": single_time[3],
+                     "error": None})  # fmt: skip
+    return rows
+
+
+def _no_nan(value: Any) -> Any:
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _no_nan(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_no_nan(v) for v in value]
+    return value
+
+
+def _fmt(value: float | None, digits: int = 3) -> str:
+    """``—`` for a missing value (None), ``nan`` for a measured NaN (e.g. Pearson r of constant predictions)."""
+    return "—" if value is None else f"{value:.{digits}f}"
+
+
+def write_markdown(rows: list[dict[str, Any]], path: Path, header: str) -> Path:
+    """``compare.md``: ``header`` then the table (a CFIMDB column only when a row has that task)."""
+    cols = [(k, n) for k, n in SCORE_COLUMNS if k != "cfimdb" or any(k in r["scores"] for r in rows)]
+    lines = [header, ""]
+    lines.append(
+        "| recipe | "
+        + " | ".join(n for _, n in cols)
+        + " | overall† | updates | examples | train s | total s |"
+    )
+    lines.append("|---" * (len(cols) + 6) + "|")
+    for r in rows:
+        if r["error"]:
+            lines.append(f"| {r['name']} | failed: {r['error']} |" + " |" * (len(cols) + 4))
+            continue
+        cells = [_fmt(r["scores"].get(k)) for k, _ in cols]
+        lines.append(
+            f"| {r['name']} | " + " | ".join(cells)
+            + f" | {_fmt(r['overall'])} | {r['steps']} | {r['examples']} | {_fmt(r['train_s'], 1)} "
+            f"| {_fmt(r['total_s'], 1)} |"
+        )  # fmt: skip
+    lines += [
+        "",
+        "\\* Quora dev = the held-out 10% (sha256 of id) split of quora-dev.csv; the runs train on the rest.  ",
+        "† overall = (SST + Quora + (STS r + 1) / 2) / 3 over these three tasks only (CFIMDB not included; an STS r "
+        "of nan, from constant predictions, counts as 0); — where a task is missing.  ",
+        "train s: the updates; total s: the whole run (set-up, evaluation, test predictions).",
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def plot_compare(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
+    """``compare.png``: one group of bars per dev metric (tasks and overall), one bar per row (the single-task
+    recipes' own rows are drawn as their combined ``single-task`` row)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    shown = [r for r in rows if not r["error"] and not (r["kind"] == "recipe" and Path(r["name"]).stem.startswith(
+        "single_") and any(x["kind"] == "single" for x in rows))]  # fmt: skip
+    cols = [(k, n) for k, n in SCORE_COLUMNS if any(k in r["scores"] for r in shown)] + [
+        ("overall", "overall†")
+    ]
+    figure = Figure(figsize=(max(7.0, 1.2 + 0.35 * len(shown) * len(cols)), 4.8))
+    FigureCanvasAgg(figure)
+    ax = figure.add_subplot(1, 1, 1)
+    width = 0.8 / max(1, len(shown))
+    for i, r in enumerate(shown):
+        values = [r["overall"] if k == "overall" else r["scores"].get(k) for k, _ in cols]
+        values = [math.nan if v is None else v for v in values]
+        xs = [j - 0.4 + width * (i + 0.5) for j in range(len(cols))]
+        color = "0.6" if r["kind"] == "untrained" else ("black" if r["kind"] == "single" else f"C{i % 10}")
+        ax.bar(xs, values, width=width, label=r["name"], color=color)
+    ax.set_xticks(range(len(cols)))
+    ax.set_xticklabels([n for _, n in cols])
+    ax.axhline(0.0, color="black", linewidth=0.5)
+    ax.set_ylabel("dev score (accuracy / Pearson r)")
+    ax.set_title(title, fontsize=9)
+    if shown:  # all runs failed: an empty chart (the table says why)
+        figure.legend(loc="lower center", ncol=min(4, len(shown)), fontsize=7, frameon=False)
+    rows_of_legend = math.ceil(len(shown) / 4)
+    figure.tight_layout(rect=(0, min(0.4, 0.05 * rows_of_legend + 0.02), 1, 1))
+    figure.savefig(path, format="png", dpi=100)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``fastpals compare``; 0 when every run finished, 1 when one failed (its row says why), 2 for
+    a bad option or recipe (before any run starts)."""
+    from fastpals.train.command import parse_args
+    from fastpals.train.errors import ConfigError, NonFiniteLossError, OutputError, TrainingInterrupted
+    from fastpals.train.recipes import recipe_names
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        build_parser().print_help()
+        return 0
+    recipes, rest = _split(argv)
+    opts, common = build_parser().parse_known_args(rest)
+    if not recipes:
+        print(
+            f"{PROG}: error: name at least one recipe (or all): {', '.join(recipe_names())}", file=sys.stderr
+        )
+        return 2
+    recipes = [n for r in recipes for n in (recipe_names() if r == "all" else [r])]
+    bad = [a.split("=")[0] for a in common if a.split("=")[0] in RESERVED]
+    if bad:
+        print(
+            f"{PROG}: error: {', '.join(bad)} is set by compare itself (use --budget, --out)", file=sys.stderr
+        )
+        return 2
+    if opts.budget < 1:
+        print(f"{PROG}: error: --budget must be >= 1, got {opts.budget}", file=sys.stderr)
+        return 2
+    if len(set(recipes)) != len(recipes):
+        print(f"{PROG}: error: a recipe is listed twice: {recipes}", file=sys.stderr)
+        return 2
+    out = Path(opts.out)
+    argvs = []
+    for i, name in enumerate(recipes):
+        run_argv = ["--recipe", name, *common, "--epochs", "1", "--steps-per-epoch", str(opts.budget),
+                    "--out", str(out / Path(name).stem), "--overwrite", "--max-predict", str(opts.max_predict)]  # fmt: skip
+        if opts.max_eval is not None:
+            run_argv += ["--max-eval", str(opts.max_eval)]
+        if i == 0 and "--eval-at-start" not in common:
+            run_argv.append("--eval-at-start")
+        argvs.append(run_argv)
+    try:  # every recipe is checked before the first run starts
+        parsed = [parse_args(a) for a in argvs]
+    except ConfigError as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+    from fastpals.train.loop import Trainer
+
+    out.mkdir(parents=True, exist_ok=True)
+    runs: list[dict[str, Any]] = []
+    status = 0
+    for i, (name, args) in enumerate(zip(recipes, parsed)):
+        print(f"[compare] {i + 1}/{len(recipes)} {name}: start ({opts.budget} updates, out {args.out})",
+              file=sys.stderr, flush=True)  # fmt: skip
+        t0 = time.perf_counter()
+        run: dict[str, Any] = {"recipe": name, "results": None, "error": None}
+        try:
+            run["results"] = Trainer(args).run()
+        except (ConfigError, NonFiniteLossError, OutputError) as err:
+            run["error"] = str(err).replace("|", "/")
+            status = 1
+        except TrainingInterrupted as err:
+            print(f"{PROG}: {err}; the table holds the runs finished so far", file=sys.stderr)
+            status = 128 + err.signum
+            break
+        finally:
+            gc.collect()
+        run["seconds"] = time.perf_counter() - t0
+        run["examples"] = _examples(Path(args.out))
+        runs.append(run)
+        overall = (run["results"] or {}).get("dev", {}).get("overall")
+        end = f"failed: {run['error']}" if run["error"] else f"dev overall {overall:.4f}"
+        print(f"[compare] {i + 1}/{len(recipes)} {name}: done in {run['seconds']:.1f} s, {end}", file=sys.stderr,
+              flush=True)  # fmt: skip
+    rows = compare_rows(runs)
+    import torch
+
+    first = parsed[0]
+    device = (
+        torch.cuda.get_device_name()
+        if torch.cuda.is_available()
+        else f"CPU, {torch.get_num_threads()} threads of {os.cpu_count()} cores"
+    )
+    header = (
+        f"# fastpals compare: {len(runs)} recipe(s), {opts.budget} updates each\n\n"
+        f"Same data and seed for every run: model {first.model}, seed {first.seed}, batch size {first.batch_size}, "
+        f"max length {first.max_length}, dev examples per task: {first.max_eval or 'all'}; common options: "
+        f"`{' '.join(common) or '(none)'}`. Device: {device}, torch {torch.__version__}."
+    )
+    write_markdown(rows, out / "compare.md", header)
+    (out / "compare.json").write_text(
+        json.dumps({"budget": opts.budget, "common": common, "rows": _no_nan(rows)}, indent=2)
+    )
+    plot_compare(rows, out / "compare.png", f"dev scores after {opts.budget} updates per recipe")
+    print(
+        f"[compare] wrote {out / 'compare.md'}, {out / 'compare.json'}, {out / 'compare.png'}",
+        file=sys.stderr,
+    )
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,685 @@
+"""``fastpals memory``: the peak memory of one training step, predicted before a GPU is rented.
+
+The prediction is traced, not hand-written: :func:`plan_memory` builds the model (from its ``config.json`` only:
+no weights) and runs the real update of the trainer, :func:`fastpals.train.step.run_update` (forward, losses,
+backward; with ``--surgery`` the one-backward capture :func:`fastpals.surgery.per_task_gradients` or the
+per-task backwards and :meth:`fastpals.surgery.TaskGradientBuffer.apply`; then the optimizer step), on fake
+tensors (``FakeTensorMode``: shapes and dtypes, no memory, no FLOPs). A ``TorchDispatchMode``
+(:class:`LiveTensorBytes`) adds up the bytes of every live tensor storage as ops create them and takes them off
+when a storage is freed (a weakref finalizer), so the peak and what is live at the peak come from the code.
+
+What DeepSpeed holds outside the module follows its layout for the precision and ZeRO stage
+(:func:`model_state_bytes`, checked against DeepSpeed's own estimators in ``tests/test_memory.py``): a
+DeepSpeed-like engine (:class:`LayoutEngine`) allocates the fp32 master weights and the Adam moments (partitioned
+over ``world_size`` ranks from ZeRO-1 on), runs the module in fp16/bf16 for mixed precision (as DeepSpeed casts
+it: no autocast), and at the step makes the fp32 gradient partition, unscales, clips, runs a fused in-place
+AdamW on the master partition and copies it back into the 16-bit weights.
+
+The peak is that of ``torch.cuda.max_memory_allocated`` (tensor storage), not of the caching allocator's
+reserve, nor of the CUDA context and library workspaces: :data:`DEVICES` gives each GPU the memory it leaves to
+tensors (the caps of ``bench/memory_report.py``). The trace runs the CPU code path (the PyTorch reference PAL and
+attention); the Triton kernels of a GPU run save the same or fewer tensors.
+:func:`measure_step` runs the same step on real tensors with the same tracker (CPU validation);
+:func:`predict_peak_bytes` is the entry point for a GPU session comparing with ``torch.cuda.max_memory_allocated``.
+The command line, the ``docs/memory.md`` table and the charts are :mod:`fastpals.commands.memory_cli`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastpals.commands.memory_states import (
+    CATEGORIES,
+    PRECISIONS,
+    LayoutEngine,
+    LiveTensorBytes,
+    ModelStates,
+    model_state_bytes,
+)
+
+__all__ = [
+    "CATEGORIES",
+    "CATEGORY_TEXT",
+    "DEVICES",
+    "Device",
+    "LayoutEngine",
+    "LiveTensorBytes",
+    "MemoryPlan",
+    "ModelStates",
+    "StepSpec",
+    "StepTrace",
+    "load_bert_config",
+    "measure_step",
+    "model_state_bytes",
+    "plan_memory",
+    "predict_peak_bytes",
+    "trace_step",
+]
+
+GIB = 2**30
+SURGERY_MODES = ("one_backward", "per_task")
+#: ``--surgery-memory`` of one-backward surgery: the [T, P] buffer, streaming, or auto (streaming with each layer's
+#: task rows kept where they are smaller than its kept activations: fastpals.surgery.stream)
+SURGERY_MEMORIES = ("buffer", "stream", "auto")
+BUFFER_DTYPES = ("auto", "fp32", "bf16")
+#: the parts of the peak, in the order printed
+CATEGORY_TEXT = {
+    "parameters": "parameters (module weights)",
+    "gradients": "gradients",
+    "optimizer": "optimizer + master states",
+    "activations": "activations (saved by the forward)",
+    "surgery": "surgery buffer",
+    "temporaries": "temporaries at the peak",
+}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_SHIPPED_MODELS = {
+    "bert-base-uncased": "bert-base-uncased.json",
+    "bert-large-uncased": "bert-large-uncased.json",
+    "minilm-l6": "minilm-l6.json",
+    "sentence-transformers/all-MiniLM-L6-v2": "minilm-l6.json",
+}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Devices
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Device:
+    """A target: ``usable_bytes`` is what the device leaves to tensors (for GPUs the card's memory less the CUDA
+    context and library workspaces, as ``bench/memory_report.py`` caps the allocator); ``bf16``/``fp16``: whether
+    training in that precision runs there."""
+
+    name: str
+    label: str
+    usable_bytes: int
+    bf16: bool = True
+    fp16: bool = True
+    why_not: dict[str, str] = field(default_factory=dict)
+
+    def supports(self, precision: str) -> str | None:
+        """None when ``precision`` trains on this device, else why not (one line)."""
+        if precision == "bf16" and not self.bf16:
+            return self.why_not.get("bf16", "no bf16")
+        if precision == "fp16" and not self.fp16:
+            return self.why_not.get("fp16", "no fp16")
+        return None
+
+
+def _host_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+#: the targets of ``fastpals memory`` (usable memory: the caps of ``bench/memory_report.py``; ``cpu``: this host)
+DEVICES: dict[str, Device] = {
+    "t4": Device(
+        "t4",
+        "T4 16GB",
+        int(14.0 * GIB),
+        bf16=False,
+        why_not={"bf16": "T4 (Turing) has no bf16: train in fp16 (--precision fp16)"},
+    ),  # fmt: skip
+    "a100-40": Device("a100-40", "A100 40GB", int(38.5 * GIB)),
+    "a100-80": Device("a100-80", "A100 80GB", int(78.0 * GIB)),
+    "h100-80": Device("h100-80", "H100 80GB", int(78.0 * GIB)),
+    "cpu": Device(
+        "cpu",
+        "this CPU host",
+        _host_memory(),
+        fp16=False,
+        why_not={"fp16": "fp16 training needs a CUDA GPU (the trainer refuses it on CPU)"},
+    ),  # fmt: skip
+}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The configuration and the trace
+# ----------------------------------------------------------------------------------------------------------------
+def load_bert_config(model: str) -> Any:
+    """The :class:`fastpals.encoder.bert.BertConfig` of ``model``: a shipped name (``bert-base-uncased``,
+    ``bert-large-uncased``, ``minilm-l6``; offline), a ``config.json`` path, a folder holding one, or a Hugging
+    Face Hub name (only its ``config.json`` is fetched). Raises ``ValueError`` (one line) when none is found."""
+    from fastpals.encoder.bert import BertConfig
+
+    if model in _SHIPPED_MODELS:
+        return BertConfig.from_json(Path(__file__).parents[1] / "configs" / "models" / _SHIPPED_MODELS[model])
+    path = Path(model)
+    if path.is_file():
+        return BertConfig.from_json(path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(
+                f"--model {model}: the folder has no config.json; give the folder of a BERT checkpoint"
+            )
+        return BertConfig.from_json(path / "config.json")
+    try:
+        from fastpals.data.hub import resolve_model_dir
+
+        return BertConfig.from_json(resolve_model_dir(model, files=("config.json",)) / "config.json")
+    except Exception as err:  # noqa: BLE001 - any failure to fetch is the same advice
+        shipped = ", ".join(n for n in _SHIPPED_MODELS if "/" not in n)
+        raise ValueError(
+            f"--model {model}: no config.json found ({str(err).splitlines()[0] if str(err) else type(err).__name__}); "
+            f"use a shipped model ({shipped}), a local folder or a config.json"
+        ) from None
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """One training configuration of :func:`plan_memory` (see ``fastpals memory --help`` for the fields).
+
+    ``max_length``: tokens per example (every example is assumed full length: the worst case of a packed batch);
+    ``max_tokens``: a packed batch's token budget instead of a batch size; ``surgery``: ``none`` or an aggregator
+    of :data:`fastpals.surgery.AGGREGATORS`; ``surgery_mode``: ``one_backward`` (mixed packed micro-batches, one
+    backward: ``--batching mixed``) or ``per_task`` (one backward per task's micro-batch of ``batch_size``
+    examples: ``--batching per_task``); ``buffer_dtype``: the rows of the surgery buffer."""
+
+    model: str = "minilm-l6"
+    tasks: tuple[str, ...] = ("sst", "para", "sts")
+    max_length: int = 128
+    precision: str = "bf16"
+    pal: str = "default"
+    surgery: str = "none"
+    surgery_mode: str = "one_backward"
+    buffer_dtype: str = "auto"
+    surgery_memory: str = "buffer"
+    zero_stage: int | None = None
+    world_size: int = 1
+    activation_checkpointing: bool = False
+
+    @property
+    def rows_dtype(self) -> str:
+        """The surgery rows' dtype: ``buffer_dtype``, where ``auto`` follows the training precision as the trainer
+        does (bf16 rows with bf16 training, else fp32)."""
+        if self.buffer_dtype != "auto":
+            return self.buffer_dtype
+        return "bf16" if self.precision == "bf16" else "fp32"
+
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage; None means the shipped configs' ``auto``: 1 with fp16/bf16 or several ranks, else 0."""
+        if self.zero_stage is not None:
+            return self.zero_stage
+        return 1 if self.precision != "fp32" or self.world_size > 1 else 0
+
+    def check(self) -> None:
+        """Raise ``ValueError`` (one line naming the option) on a bad field."""
+        from fastpals.surgery import AGGREGATORS
+        from fastpals.train.args import PAL_PRESETS
+
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"--precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}")
+        if self.surgery != "none" and self.surgery not in AGGREGATORS:
+            raise ValueError(f"--surgery {self.surgery!r}: choose none or one of {', '.join(AGGREGATORS)}")
+        if self.surgery_mode not in SURGERY_MODES:
+            raise ValueError(
+                f"--surgery-mode {self.surgery_mode!r}: choose one of {', '.join(SURGERY_MODES)}"
+            )
+        if self.surgery != "none" and len(self.tasks) < 2:
+            raise ValueError("--surgery needs at least two --tasks")
+        if self.surgery_memory not in SURGERY_MEMORIES:
+            raise ValueError(
+                f"--surgery-memory {self.surgery_memory!r}: choose one of {', '.join(SURGERY_MEMORIES)}"
+            )
+        if self.surgery_memory != "buffer" and self.surgery_mode != "one_backward":
+            raise ValueError(
+                "--surgery-memory stream/auto is for one-backward surgery (--surgery-mode one_backward)"
+            )
+        if self.buffer_dtype not in BUFFER_DTYPES:
+            raise ValueError(
+                f"--surgery-buffer-dtype {self.buffer_dtype!r}: choose one of {', '.join(BUFFER_DTYPES)}"
+            )
+        if self.pal not in PAL_PRESETS:
+            raise ValueError(f"--pal {self.pal!r}: choose one of {', '.join(PAL_PRESETS)}")
+        if not 8 <= self.max_length <= 512:
+            raise ValueError(f"--max-length must be in [8, 512], got {self.max_length}")
+        if self.stage not in (0, 1, 2):
+            raise ValueError(
+                f"--zero-stage {self.stage}: fastpals trains with ZeRO 0, 1 or 2 (ZeRO-3 partitions the stacked "
+                f"per-task PAL weights and is not supported)"
+            )
+        if self.world_size < 1:
+            raise ValueError(f"--world-size {self.world_size}: give 1 or more ranks")
+
+
+def _build_model(spec: StepSpec, bert: Any) -> torch.nn.Module:
+    from fastpals.data.tasks import resolve_tasks
+    from fastpals.model.multitask import MultiTaskBert, MultiTaskConfig
+    from fastpals.train.args import PAL_PRESETS
+
+    # "sst:3": a copy of a built-in task under its own name (``--tasks N`` plans N tasks)
+    specs = [
+        dataclasses.replace(resolve_tasks([name.split(":")[0]])[0], name=name) if ":" in name else None
+        for name in spec.tasks
+    ]
+    if not any(specs):
+        specs = resolve_tasks(list(spec.tasks))
+    elif not all(specs):
+        raise ValueError("--tasks: give built-in names and files, or a number of tasks, not both")
+    preset = PAL_PRESETS[spec.pal]
+    pal = None
+    if preset is not None:
+        from fastpals.encoder.bert import PALConfig
+
+        pal = PALConfig(num_tasks=len(specs), **preset)
+        pal.validate(bert.num_hidden_layers)
+    model = MultiTaskBert(MultiTaskConfig(bert, specs, pal))
+    model.bert.set_activation_checkpointing(spec.activation_checkpointing)
+    # as DeepSpeed's module.half() / .bfloat16(), in place (fake tensors cannot be swapped by Module.to)
+    if spec.precision != "fp32":
+        dtype = _DTYPES[spec.precision]
+        with torch.no_grad():
+            for t in [*model.parameters(), *model.buffers()]:
+                if t.is_floating_point():
+                    t.data = t.data.to(dtype)
+    return model.train()
+
+
+def _rows_per_task(batch_size: int, num_tasks: int) -> list[int]:
+    return [batch_size // num_tasks + (1 if t < batch_size % num_tasks else 0) for t in range(num_tasks)]
+
+
+def _micro_batches(spec: StepSpec, model: torch.nn.Module, batch_size: int, vocab: int) -> list[Any]:
+    """The update's micro-batches: every example ``max_length`` tokens (token id 1000, valid label 0)."""
+    from fastpals.data.mixed_batches import TaskRows, model_inputs, pack_task_rows
+    from fastpals.train.step import MicroBatch
+
+    num_tasks = len(model.tasks)
+    ids = [min(1000, vocab - 1)] * spec.max_length
+    types = [0] * spec.max_length
+
+    def rows(t: int, n: int) -> Any:
+        return TaskRows(t, [ids] * n, [types] * n, labels=torch.zeros(n))
+
+    def micro(parts: list[Any], weighting: str | None) -> Any:
+        batch = pack_task_rows(parts, num_tasks)
+        tasks = tuple(p.task for p in parts)
+        return MicroBatch(
+            model_inputs(batch, "cpu"), batch["labels"], tasks, tuple(len(p.input_ids) for p in parts),
+            tuple(len(p.input_ids) * spec.max_length for p in parts), weighting,
+        )  # fmt: skip
+
+    if spec.surgery != "none" and spec.surgery_mode == "per_task":
+        return [micro([rows(t, batch_size)], None) for t in range(num_tasks)]
+    counts = _rows_per_task(batch_size, num_tasks)
+    return [micro([rows(t, n) for t, n in enumerate(counts) if n], "equal")]
+
+
+class _PhasedTorchEngine:
+    """:class:`fastpals.train.step.TorchEngine` (fp32, no accumulation) telling the tracker the phases."""
+
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        from fastpals.train.step import TorchEngine
+
+        self.inner = TorchEngine(module, optimizer)
+        self.module, self.optimizer = module, optimizer
+        self.tracker: LiveTensorBytes | None = None
+
+    def __call__(self, **inputs: Any) -> Any:
+        self.tracker.set_phase("activations")
+        return self.inner(**inputs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.tracker.set_phase("temporaries")
+        self.inner.backward(loss)
+
+    def step(self) -> None:
+        self.tracker.set_phase("temporaries")
+        self.inner.step()
+
+
+@dataclass
+class StepTrace:
+    """One traced (or measured) step: ``peak_bytes`` of live tensor storage during the update, ``at_peak`` its
+    parts (:data:`CATEGORIES`), ``peak_phase`` where it happened, ``num_params`` (trainable), ``seconds``."""
+
+    batch_size: int
+    peak_bytes: int
+    at_peak: dict[str, int]
+    peak_phase: str
+    num_params: int
+    shared_params: int
+    seconds: float
+    fake: bool
+
+
+def _run_step(spec: StepSpec, batch_size: int, fake: bool, warmup: bool = False) -> StepTrace:
+    """Build and run one update of ``spec`` (see :func:`trace_step`); ``fake=False``: real tensors, with the
+    trainer's own optimizer (:func:`fastpals.train.optimizer_setup.make_optimizer`, fp32 only) and a first update before
+    the measured one when ``warmup``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fastpals.surgery import (
+        AGGREGATORS,
+        StreamingTaskGradients,
+        TaskGradientBuffer,
+        shared_parameters_by_name,
+    )
+    from fastpals.train.step import Surgery, run_update
+
+    spec.check()
+    bert = load_bert_config(spec.model)
+    start = time.perf_counter()
+    tracker = LiveTensorBytes(stub_host_reads=fake)
+    mode = FakeTensorMode() if fake else contextlib.nullcontext()
+    with mode, tracker:
+        with tracker.phase("parameters"):
+            torch.manual_seed(0)
+            model = _build_model(spec, bert)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        for p in trainable:  # a gradient is counted as one from the moment it lands in .grad
+            p.register_post_accumulate_grad_hook(
+                lambda q: q.grad is not None and tracker.tag(q.grad, "gradients")
+            )
+        if fake:
+            engine: Any = LayoutEngine(model, spec.precision, spec.stage, spec.world_size, tracker)
+        else:
+            if spec.precision != "fp32" or spec.stage != 0 or spec.world_size != 1:
+                raise ValueError("measure_step runs fp32, ZeRO-0, one rank (the trainer's CPU default)")
+            from fastpals.train.optimizer_setup import make_optimizer, optimizer_param_groups
+
+            opt = make_optimizer(optimizer_param_groups(model, 2e-5, 2e-5, 2e-5, 0.01), "adamw")
+            engine = _PhasedTorchEngine(model, opt)
+            engine.tracker = tracker
+        surgery = None
+        if spec.surgery != "none":
+            shared, specific = shared_parameters_by_name(model)
+            kw: dict[str, Any] = {}
+            if fake and spec.precision != "fp32":
+                kw = {"grad_setter": engine.grad_setter, "grad_dtype": torch.float32}
+            with tracker.phase("surgery"):
+                if spec.surgery_memory == "buffer" or spec.surgery_mode != "one_backward":
+                    buffer = TaskGradientBuffer(
+                        shared, len(spec.tasks), _DTYPES[spec.rows_dtype], task_params=specific, **kw
+                    )
+                else:
+                    policy = "stream" if spec.surgery_memory == "stream" else "smaller"
+                    buffer = StreamingTaskGradients(
+                        shared, len(spec.tasks), task_params=specific, policy=policy, **kw
+                    )
+            for name in ("capture", "apply", "_new_block"):  # the buffer's own allocations are the surgery's
+                if not hasattr(buffer, name):
+                    continue
+                method = getattr(buffer, name)
+
+                def wrapped(*a: Any, _m: Any = method, **k: Any) -> Any:
+                    with tracker.phase("surgery"):
+                        return _m(*a, **k)
+
+                setattr(buffer, name, wrapped)
+            surgery = Surgery(buffer, AGGREGATORS[spec.surgery], torch.Generator().manual_seed(0))
+        strategy = "none" if surgery is None else (
+            "one_backward" if spec.surgery_mode == "one_backward" else "per_task_backward"
+        )  # fmt: skip
+        updates = 2 if warmup else 1
+        for u in range(updates):
+            with tracker.phase("activations"):
+                micro = _micro_batches(spec, model, batch_size, bert.vocab_size)
+            if u == updates - 1:
+                for state in getattr(getattr(engine, "optimizer", None), "state", {}).values():
+                    # the trainer's optimizer made its moments in the first update
+                    for value in state.values():
+                        if isinstance(value, torch.Tensor):
+                            tracker.tag(value, "optimizer")
+                tracker.set_phase("temporaries")
+                tracker.reset_peak()
+            engine_phase = tracker.category
+            run_update(engine, micro, strategy, surgery=surgery)
+            tracker.set_phase(engine_phase)
+            del micro
+        shared_numel = sum(p.numel() for p in shared) if surgery is not None else 0
+        peak, at_peak, phase = tracker.peak, dict(tracker.at_peak), tracker.peak_phase
+        numel = sum(p.numel() for p in trainable)
+    return StepTrace(batch_size, peak, at_peak, phase, numel, shared_numel, time.perf_counter() - start, fake)
+
+
+def trace_step(spec: StepSpec, batch_size: int) -> StepTrace:
+    """The predicted peak of one update of ``spec`` at ``batch_size`` examples (per rank): the real update on
+    fake tensors with DeepSpeed's model states (:class:`LayoutEngine`). Takes seconds, needs no weights."""
+    return _run_step(spec, batch_size, fake=True)
+
+
+def measure_step(spec: StepSpec, batch_size: int) -> StepTrace:
+    """The measured peak of live tensor storage of the same update on real CPU tensors (fp32, ZeRO-0: the
+    trainer's CPU default), with the trainer's optimizer and a first update before the measured one (its
+    optimizer states exist, as in training). The CPU validation of :func:`trace_step`."""
+    return _run_step(spec, batch_size, fake=False, warmup=True)
+
+
+def predict_peak_bytes(
+    model: str = "bert-base-uncased",
+    batch_size: int = 32,
+    max_length: int = 128,
+    precision: str = "bf16",
+    surgery: str = "none",
+    **spec_fields: Any,
+) -> int:
+    """Predicted peak bytes of tensor storage per rank for one update (what ``torch.cuda.max_memory_allocated``
+    measures over a steady-state update): the function a GPU session compares its measurement with.
+    ``spec_fields``: the other :class:`StepSpec` fields (``tasks``, ``pal``, ``surgery_mode``, ``zero_stage``...)."""
+    spec = StepSpec(model=model, max_length=max_length, precision=precision, surgery=surgery, **spec_fields)
+    return trace_step(spec, batch_size).peak_bytes
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The plan
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class MemoryPlan:
+    """What :func:`plan_memory` predicts for one configuration (bytes are per rank).
+
+    ``peak_bytes``: the traced peak of one update; ``at_peak``: its parts (:data:`CATEGORIES`); ``model_states``:
+    DeepSpeed's steady model states (:func:`model_state_bytes`); ``devices``: per :data:`DEVICES` name
+    ``{"label", "usable_bytes", "fits" (bool, or None where the precision does not run there), "note"}``;
+    ``fit``: ``{"intercept_bytes", "bytes_per_example"}`` of ``peak(b) = a + c b`` (with ``largest_batch``);
+    ``largest_batch``: per device the largest batch that fits (None: not even 1, or the precision does not run)."""
+
+    spec: StepSpec
+    batch_size: int
+    peak_bytes: int
+    at_peak: dict[str, int]
+    peak_phase: str
+    num_params: int
+    shared_params: int
+    model_states: ModelStates
+    devices: dict[str, dict[str, Any]]
+    trace_seconds: float
+    fit: dict[str, float] | None = None
+    largest_batch: dict[str, int | None] | None = None
+    surgery_modes: dict[str, int] | None = None
+    #: per device, what ``--surgery-memory auto`` picks there (fastpals.surgery.memory_mode.plan_auto_modes)
+    auto_modes: dict[str, dict[str, str]] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready (``--json``)."""
+        out = dataclasses.asdict(self)
+        out["spec"]["zero_stage"] = self.spec.stage
+        out["model_states"]["total"] = self.model_states.total
+        out["predicted"] = True
+        return out
+
+
+def _fits(peak: int, device: Device, precision: str) -> dict[str, Any]:
+    why = device.supports(precision)
+    entry: dict[str, Any] = {"label": device.label, "usable_bytes": device.usable_bytes}
+    if why is not None:
+        return {**entry, "fits": None, "note": why}
+    fits = peak <= device.usable_bytes
+    return {**entry, "fits": fits, "note": f"{(device.usable_bytes - peak) / GIB:+.2f} GiB left"}
+
+
+def _fit_line(spec: StepSpec, traces: Sequence[StepTrace]) -> tuple[float, float]:
+    (b1, p1), (b2, p2) = [(t.batch_size, t.peak_bytes) for t in traces]
+    slope = (p2 - p1) / (b2 - b1)
+    return p1 - slope * b1, slope
+
+
+#: extra traces of :func:`largest_batches` where the first two sit below the batch-dependent part of the peak
+_REFINE_STEPS = 3
+#: the largest batch :func:`largest_batches` traces
+_MAX_PROBE = 32768
+
+
+def largest_batches(
+    spec: StepSpec, devices: Sequence[str] = tuple(DEVICES), probes: tuple[int, int] | None = None
+) -> tuple[dict[str, int | None], dict[str, float]]:
+    """Per device the largest batch whose predicted peak fits, from the straight line through two traces (the
+    peak is linear in the batch at a fixed length where the activations make it: ``tests/test_memory.py`` checks
+    it). ``probes``: the two batch sizes traced first (default 16 and 32 examples per task). Where the line says
+    the largest device holds far more than the probes (the peak at the probes is a part that does not grow with
+    the batch, e.g. the model states and surgery rows with activation checkpointing: the batch-proportional part
+    of the line is under half the last trace's peak), up to
+    :data:`_REFINE_STEPS` more traces at that predicted limit (at most :data:`_MAX_PROBE` examples) replace the
+    line by the one through the last two traces. Returns ``(largest, {"intercept_bytes", "bytes_per_example"})``."""
+    t = len(spec.tasks)
+    probes = probes or (
+        (16, 32) if spec.surgery_mode == "per_task" and spec.surgery != "none" else (16 * t, 32 * t)
+    )
+    traces = [trace_step(spec, b) for b in probes]
+    a, c = _fit_line(spec, traces[-2:])
+    usable = [DEVICES[n].usable_bytes for n in devices if DEVICES[n].supports(spec.precision) is None]
+    for _ in range(_REFINE_STEPS if usable else 0):
+        limit = (max(usable) - a) / c if c > 0 else math.inf
+        last = traces[-1].batch_size
+        if c * last >= 0.5 * traces[-1].peak_bytes or limit <= 2 * last or last >= _MAX_PROBE:
+            break  # the batch makes most of the peak already, or the limit is near
+        traces.append(trace_step(spec, int(min(limit, _MAX_PROBE))))
+        a, c = _fit_line(spec, traces[-2:])
+    out: dict[str, int | None] = {}
+    for name in devices:
+        device = DEVICES[name]
+        if device.supports(spec.precision) is not None or c <= 0:
+            out[name] = None
+            continue
+        b = math.floor((device.usable_bytes - a) / c)
+        out[name] = b if b >= 1 else None
+    return out, {"intercept_bytes": a, "bytes_per_example": c}
+
+
+def plan_memory(
+    spec: StepSpec,
+    batch_size: int | None = 32,
+    max_tokens: int | None = None,
+    largest_batch: bool = False,
+    every_surgery_memory: bool = False,
+) -> MemoryPlan:
+    """Predict the peak memory of one training step of ``spec`` at ``batch_size`` examples of ``spec.max_length``
+    tokens (or a packed budget of ``max_tokens`` tokens: ``max_tokens // max_length`` full-length rows), per rank.
+
+    Traces the real update on fake tensors (:func:`trace_step`); ``largest_batch`` adds the largest batch per
+    device (:func:`largest_batches`); ``every_surgery_memory`` (one-backward surgery) traces every
+    ``--surgery-memory`` mode too (``plan.surgery_modes``). Raises ``ValueError`` (one line naming the option) on bad input."""
+    spec.check()
+    if max_tokens is not None:
+        if max_tokens < spec.max_length:
+            raise ValueError(
+                f"--max-tokens {max_tokens} holds no row of --max-length {spec.max_length}: give at least that many"
+            )
+        batch_size = max_tokens // spec.max_length
+    if batch_size is None or batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
+    if spec.surgery_mode == "one_backward" and spec.surgery != "none" and batch_size < len(spec.tasks):
+        raise ValueError(
+            f"--batch-size {batch_size} is smaller than the {len(spec.tasks)} tasks: a mixed micro-batch needs one "
+            f"example per task for one-backward surgery; give --batch-size >= {len(spec.tasks)}"
+        )
+    trace = trace_step(spec, batch_size)
+    states = model_state_bytes(trace.num_params, spec.precision, spec.stage, spec.world_size)
+    devices = {name: _fits(trace.peak_bytes, d, spec.precision) for name, d in DEVICES.items()}
+    plan = MemoryPlan(
+        spec, batch_size, trace.peak_bytes, trace.at_peak, trace.peak_phase, trace.num_params, trace.shared_params,
+        states, devices, trace.seconds,
+    )  # fmt: skip
+    if largest_batch:
+        plan.largest_batch, plan.fit = largest_batches(spec)
+    if every_surgery_memory and spec.surgery != "none" and spec.surgery_mode == "one_backward":
+        plan.surgery_modes = {
+            mode: trace.peak_bytes if mode == spec.surgery_memory else
+            trace_step(dataclasses.replace(spec, surgery_memory=mode), batch_size).peak_bytes
+            for mode in SURGERY_MEMORIES
+        }  # fmt: skip
+        from fastpals.surgery.memory_mode import plan_auto_modes
+
+        plan.auto_modes = plan_auto_modes(
+            load_bert_config(spec.model), len(spec.tasks), trace.shared_params, batch_size * spec.max_length,
+            spec.max_length, spec.precision, spec.rows_dtype, spec.buffer_dtype, plan.surgery_modes["buffer"],
+            {name: d.usable_bytes for name, d in DEVICES.items()},
+        )  # fmt: skip
+    return plan
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def format_plan(plan: MemoryPlan) -> str:
+    """The text ``fastpals memory`` prints."""
+    s = plan.spec
+    surgery = (
+        "none"
+        if s.surgery == "none"
+        else f"{s.surgery} ({s.surgery_mode.replace('_', ' ')}, {s.rows_dtype} rows)"
+    )
+    batch = (
+        f"{plan.batch_size} examples per task micro-batch ({len(s.tasks)} backwards)"
+        if s.surgery != "none" and s.surgery_mode == "per_task"
+        else f"batch {plan.batch_size}"
+    )
+    lines = [
+        f"model {s.model}: {plan.num_params / 1e6:.1f} M trainable parameters; tasks {','.join(s.tasks)}; "
+        f"PAL {s.pal}; surgery {surgery}",
+        f"{batch} x {s.max_length} tokens; {s.precision}; ZeRO-{s.stage} on {s.world_size} rank(s)"
+        + ("; activation checkpointing" if s.activation_checkpointing else ""),
+        f"predicted peak of one training step, per rank: {_gib(plan.peak_bytes)} (tensor storage, as "
+        f"torch.cuda.max_memory_allocated; traced on fake tensors in {plan.trace_seconds:.1f} s)",
+        "at the peak:",
+    ]
+    for cat in CATEGORIES:
+        lines.append(f"  {CATEGORY_TEXT[cat]:<38} {_gib(plan.at_peak.get(cat, 0)):>11}")
+    m = plan.model_states
+    lines.append(
+        f"DeepSpeed model states (steady, per rank): weights {_gib(m.params)}, gradients {_gib(m.gradients)}, "
+        f"fp32 master {_gib(m.master)}, fp32 gradient partition {_gib(m.fp32_gradients)} (made at the step), "
+        f"AdamW moments {_gib(m.optimizer)}: {_gib(m.total)}"
+    )
+    if plan.surgery_modes is not None:
+        rows = len(s.tasks) * plan.shared_params * (2 if s.rows_dtype == "bf16" else 4)
+        lines.append(
+            f"surgery memory modes (--surgery-memory; predicted peak per rank): buffer "
+            f"{_gib(plan.surgery_modes['buffer'])} ([T, P] rows: {_gib(rows)}), stream "
+            f"{_gib(plan.surgery_modes['stream'])}, auto's streaming {_gib(plan.surgery_modes['auto'])} (each "
+            f"layer's task rows kept where smaller than its kept activations); this plan: {s.surgery_memory}; "
+            f"auto picks per device (below): the buffer where its peak fits with a margin and its rows are small "
+            f"beside the activations, else streaming"
+        )
+    lines.append("fits (memory left to tensors):")
+    for name, d in plan.devices.items():
+        verdict = "n/a" if d["fits"] is None else ("fits" if d["fits"] else "does NOT fit")
+        extra = ""
+        if plan.largest_batch is not None:
+            lb = plan.largest_batch.get(name)
+            extra = f"; largest batch {lb if lb is not None else '-'}"
+        if plan.auto_modes is not None:
+            pick = plan.auto_modes[name]
+            extra += f"; auto: {pick['mode']} ({pick['why']})"
+        lines.append(
+            f"  {name:<8} {d['label']:<14} {_gib(d['usable_bytes']):>10}  {verdict:<12} {d['note']}{extra}"
+        )
+    if plan.fit is not None:
+        lines.append(
+            f"largest batch: peak(b) = {_gib(plan.fit['intercept_bytes'])} + b x "
+            f"{plan.fit['bytes_per_example'] / 2**20:.1f} MiB (two traces; linear in b)"
+        )
+    return "\n".join(lines)

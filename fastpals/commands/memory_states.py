@@ -1,0 +1,328 @@
+"""What one training step's memory is made of, for :mod:`fastpals.commands.memory`: the bytes DeepSpeed keeps per rank for
+the model (:func:`model_state_bytes`, its layout for each precision and ZeRO stage), a ``TorchDispatchMode`` that
+adds up live tensor storage as a step runs (:class:`LiveTensorBytes`), and a DeepSpeed-like engine that allocates
+that layout around the real update (:class:`LayoutEngine`)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["CATEGORIES", "PRECISIONS", "LayoutEngine", "LiveTensorBytes", "ModelStates", "model_state_bytes"]
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+#: what the bytes at the peak are, by category
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "surgery", "temporaries")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Model states (DeepSpeed's layout)
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelStates:
+    """Bytes per rank of what DeepSpeed keeps for the model (steady state, after the first step).
+
+    ``params``: the module's weights (fp32, or fp16/bf16 for mixed precision); ``gradients``: the module's
+    gradients (same dtype; partitioned from ZeRO-2 on); ``master``: fp32 master weights (mixed precision, or any
+    ZeRO stage >= 1, which keeps an fp32 partition); ``fp32_gradients``: the fp32 gradient partition the
+    optimizer steps on (made at the step); ``optimizer``: AdamW's two fp32 moments; ``gathered``: ZeRO-3's
+    gathered largest layer (16-bit weights and gradients)."""
+
+    params: int
+    gradients: int
+    master: int
+    fp32_gradients: int
+    optimizer: int
+    gathered: int = 0
+
+    @property
+    def total(self) -> int:
+        return (
+            self.params + self.gradients + self.master + self.fp32_gradients + self.optimizer + self.gathered
+        )
+
+
+def model_state_bytes(
+    num_params: int,
+    precision: str,
+    zero_stage: int,
+    world_size: int = 1,
+    largest_layer_params: int = 0,
+) -> ModelStates:
+    """DeepSpeed's per-rank model-state bytes for ``num_params`` trainable parameters with AdamW.
+
+    Mixed precision (``fp16``/``bf16``): 16-bit weights (2 B, partitioned at ZeRO-3), 16-bit gradients (2 B,
+    partitioned from ZeRO-2; at ZeRO-3 only the gathered layer's, counted in ``gathered``), fp32 master weights,
+    fp32 gradient partition and two fp32 moments (4 + 4 + 8 B, partitioned from ZeRO-1, whole at ZeRO-0). This is
+    DeepSpeed's ``2 + 18 / N`` bytes per parameter at ZeRO-2 and ``18 / N`` plus 4 B per parameter of the largest
+    layer at ZeRO-3 (``estimate_zero2/3_model_states_mem_needs``). ``fp32``: fp32 weights and gradients (4 + 4 B),
+    two moments (8 B, partitioned from ZeRO-1); ZeRO >= 1 also keeps an fp32 partition copy of the weights and
+    flattens the gradient partition at the step (4 + 4 B / N).
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"--precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"--zero-stage {zero_stage}: choose 0, 1, 2 or 3")
+    if world_size < 1:
+        raise ValueError(f"--world-size {world_size}: give 1 or more ranks")
+    p, n = num_params, world_size
+    part = math.ceil(p / n)  # one rank's partition
+    width = 4 if precision == "fp32" else 2
+    params = width * (part if zero_stage == 3 else p)
+    grads = 0 if zero_stage == 3 else width * (part if zero_stage == 2 else p)
+    sharded = zero_stage >= 1
+    if precision == "fp32":
+        master = 4 * part if sharded else 0
+        fp32_grads = 4 * part if sharded else 0
+    else:
+        master = 4 * (part if sharded else p)
+        fp32_grads = 4 * (part if sharded else p)
+    optimizer = 8 * (part if sharded else p)
+    gathered = 2 * width * largest_layer_params if zero_stage == 3 else 0
+    return ModelStates(params, grads, master, fp32_grads, optimizer, gathered)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The tracker
+# ----------------------------------------------------------------------------------------------------------------
+class LiveTensorBytes(TorchDispatchMode):
+    """Adds up the bytes of the live tensor storages made by ops under this mode (fake or real tensors).
+
+    Every op output's storage is counted once, under the current :meth:`phase` (its category; a ``.grad`` is
+    re-tagged ``gradients`` by :meth:`tag`), and taken off when the storage is freed (a weakref finalizer; storages
+    keep their Python object while alive). ``peak`` is the largest total since :meth:`reset_peak`, ``at_peak`` the
+    bytes of each category at that moment. Under fake tensors, host reads (``.item()``, ``.tolist()``) return 1 so
+    that a step's finite checks pass (``stub_host_reads``)."""
+
+    def __init__(self, stub_host_reads: bool = False) -> None:
+        super().__init__()
+        self.live: dict[int, list[Any]] = {}  # storage key -> [bytes, category]
+        self.by_category = dict.fromkeys(CATEGORIES, 0)
+        self.current = 0
+        self.peak = 0
+        self.at_peak: dict[str, int] = dict(self.by_category)
+        self.peak_phase = ""
+        self.category = "temporaries"
+        self.stub_host_reads = stub_host_reads
+
+    @contextlib.contextmanager
+    def phase(self, category: str) -> Iterator[None]:
+        """Count what is made inside the block as ``category`` (one of :data:`CATEGORIES`)."""
+        if category not in CATEGORIES:
+            raise ValueError(f"category must be one of {CATEGORIES}, got {category!r}")
+        before, self.category = self.category, category
+        try:
+            yield
+        finally:
+            self.category = before
+
+    def set_phase(self, category: str) -> None:
+        """Count what is made from now on as ``category``."""
+        self.category = category
+
+    def reset_peak(self) -> None:
+        """Start a new peak at the current total."""
+        self.peak = self.current
+        self.at_peak = dict(self.by_category)
+        self.peak_phase = self.category
+
+    def _free(self, key: int) -> None:
+        entry = self.live.pop(key, None)
+        if entry is not None:
+            self.current -= entry[0]
+            self.by_category[entry[1]] -= entry[0]
+
+    def add(self, t: torch.Tensor, category: str | None = None) -> None:
+        """Count ``t``'s storage (once) under ``category`` (default: the current phase)."""
+        st = t.untyped_storage()
+        key = st._cdata
+        if key in self.live:
+            return
+        nbytes = st.nbytes()
+        cat = category or self.category
+        self.live[key] = [nbytes, cat]
+        self.current += nbytes
+        self.by_category[cat] += nbytes
+        weakref.finalize(st, self._free, key)
+        if self.current > self.peak:
+            self.peak = self.current
+            self.at_peak = dict(self.by_category)
+            self.peak_phase = self.category
+
+    def tag(self, t: torch.Tensor, category: str) -> None:
+        """Move ``t``'s storage (counted or not) to ``category``."""
+        key = t.untyped_storage()._cdata
+        entry = self.live.get(key)
+        if entry is None:
+            self.add(t, category)
+        elif entry[1] != category:
+            self.by_category[entry[1]] -= entry[0]
+            self.by_category[category] += entry[0]
+            entry[1] = category
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if self.stub_host_reads and func is torch.ops.aten._local_scalar_dense.default:
+            dtype = args[0].dtype
+            return True if dtype == torch.bool else (1.0 if dtype.is_floating_point else 1)
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                self.add(t)
+        return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The DeepSpeed-like engine
+# ----------------------------------------------------------------------------------------------------------------
+class LayoutEngine:
+    """What :func:`fastpals.train.step.run_update` needs of a DeepSpeed engine (``module``, forward,
+    ``backward``, ``step``), holding DeepSpeed's model states for ``precision`` and ``zero_stage`` on one of
+    ``world_size`` ranks (see :func:`model_state_bytes`; collectives are not run: a rank's own tensors are).
+
+    The module is cast to the training dtype (fp16/bf16 mixed precision: no autocast, as DeepSpeed). The fp32
+    master partition and the AdamW moments are allocated at construction (the steady state after a first step);
+    ``step`` makes the fp32 gradient partition from the module's gradients (or from what a surgery buffer wrote
+    through :meth:`grad_setter`), unscales (fp16), clips to norm 1, runs a fused in-place AdamW and copies the
+    master weights back into the module. ZeRO-2 on several ranks drops each 16-bit gradient once it is made
+    (reduce-scattered into a ``2 P / N``-byte partition buffer)."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        precision: str,
+        zero_stage: int,
+        world_size: int = 1,
+        tracker: LiveTensorBytes | None = None,
+    ) -> None:
+        self.module, self.precision = module, precision
+        self.zero_stage, self.world_size = zero_stage, world_size
+        self.tracker = tracker
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.numel = sum(p.numel() for p in self.params)
+        self.part = math.ceil(self.numel / world_size)
+        self.scale = 2.0**16 if precision == "fp16" else 1.0
+        self.hp_grads: dict[int, torch.Tensor] = {}  # id(param) -> fp32 gradient written by a surgery buffer
+        self._offsets: dict[int, int] = {}
+        start = 0
+        for p in self.params:
+            self._offsets[id(p)] = start
+            start += p.numel()
+        self._hp_flat: torch.Tensor | None = None  # the fp32 gradient partition a surgery buffer wrote into
+        self._hp_set: set[int] = set()  # the parameters it wrote
+        self.flat_master = precision != "fp32" or zero_stage >= 1
+        self._drop_grads = zero_stage == 2 and world_size > 1
+        with self._phase("optimizer"):
+            if self.flat_master:
+                master = torch.nn.Parameter(torch.zeros(self.part if zero_stage >= 1 else self.numel))
+                self.master = [master]
+            else:
+                self.master = self.params
+            self.optimizer = torch.optim.AdamW(self.master, lr=2e-5, weight_decay=0.01, eps=1e-6, fused=True)
+            for p in self.master:  # the moments as after the first step
+                self.optimizer.state[p] = {
+                    "step": torch.zeros((), dtype=torch.float32, device=p.device),
+                    "exp_avg": torch.zeros_like(p, dtype=torch.float32),
+                    "exp_avg_sq": torch.zeros_like(p, dtype=torch.float32),
+                }
+        if self._drop_grads:
+            with self._phase("gradients"):
+                self.grad_partition = torch.zeros(self.part, dtype=self.params[0].dtype)
+            for p in self.params:
+                p.register_post_accumulate_grad_hook(self._reduce_scatter)
+
+    def _phase(self, category: str) -> contextlib.AbstractContextManager:
+        return self.tracker.phase(category) if self.tracker is not None else contextlib.nullcontext()
+
+    def _set(self, category: str) -> None:
+        if self.tracker is not None:
+            self.tracker.set_phase(category)
+
+    @staticmethod
+    def _reduce_scatter(p: torch.Tensor) -> None:
+        p.grad = None  # reduced into the rank's partition buffer, the full 16-bit gradient freed
+
+    def grad_setter(self, p: torch.nn.Parameter, value: torch.Tensor | None) -> None:
+        """What ``deepspeed.utils.safe_set_full_grad`` does for a surgery buffer: copy this rank's part of the
+        fp32 gradient into the gradient partition the optimizer steps on (with a flat master; made at the first
+        call of a step, as DeepSpeed's own), so that ``value`` can be freed at once; without one (fp32 ZeRO-0)
+        the value becomes the gradient."""
+        if not self.flat_master:
+            if value is None:
+                self.hp_grads.pop(id(p), None)
+            else:
+                self.hp_grads[id(p)] = value
+            return
+        if self._hp_flat is None:
+            with self._phase("gradients"):
+                self._hp_flat = torch.zeros(self.master[0].numel(), dtype=torch.float32)
+        self._hp_set.add(id(p))
+        start, n = self._offsets[id(p)], p.numel()
+        lo, hi = start, min(start + n, self._hp_flat.numel())
+        if hi > lo:
+            part = self._hp_flat[lo:hi]
+            if value is None:
+                part.zero_()
+            else:
+                part.copy_(value.reshape(-1)[: hi - lo])
+
+    def __call__(self, **inputs: Any) -> Any:
+        self._set("activations")
+        return self.module(**inputs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self._set("temporaries")
+        (loss * self.scale if self.scale != 1.0 else loss).backward()
+
+    def step(self) -> None:
+        self._set("temporaries")
+        if self.flat_master:
+            flat, self._hp_flat = self._hp_flat, None  # written by a surgery buffer's setter, or made here
+            if flat is None:
+                with self._phase("gradients"):
+                    flat = torch.zeros(self.master[0].numel(), dtype=torch.float32)
+            start = 0
+            for p in self.params:  # this rank's partition of the flattened gradients, in fp32
+                n = p.numel()
+                lo, hi = max(start, 0), min(start + n, flat.numel())
+                g = None if id(p) in self._hp_set else self.hp_grads.get(id(p), p.grad)
+                if hi > lo and g is not None and not self._drop_grads:
+                    flat[lo:hi].copy_(g.reshape(-1)[lo - start : hi - start])
+                start += n
+            grads = [flat]
+        else:
+            grads = []
+            for p in self.params:
+                g = self.hp_grads.get(id(p), p.grad)
+                if g is not None and p.grad is None:
+                    p.grad = g
+                grads.append(p.grad)
+        grads = [g for g in grads if g is not None]
+        if self.scale != 1.0:
+            torch._foreach_mul_(grads, 1.0 / self.scale)
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+        torch._foreach_mul_(grads, torch.clamp(1.0 / (norm + 1e-6), max=1.0))
+        if self.flat_master:
+            self.master[0].grad = grads[0]
+        self.optimizer.step()
+        if self.flat_master:
+            self.master[0].grad = None
+            start = 0
+            with torch.no_grad():
+                for p in self.params:  # all-gather of the updated weights into the module
+                    n = p.numel()
+                    lo, hi = start, min(start + n, self.master[0].numel())
+                    if hi > lo:
+                        p.reshape(-1)[: hi - lo].copy_(self.master[0][lo:hi])
+                    start += n
+        for p in self.params:
+            p.grad = None
+        self.hp_grads.clear()
+        self._hp_set.clear()

@@ -1,0 +1,190 @@
+"""Task data: where each split's file is, the Quora hash split, and :func:`load_task` (typed examples).
+
+Every task, built-in or from a task file, is a :class:`fastpals.data.tasks.TaskSpec`: its ``files``, ``columns``,
+``format`` and labels say how its files are read (see :mod:`fastpals.data.tasks` for the task-file keys). The
+functions here take a task name (``sst``, ``para``, ``sts``, ``cfimdb``) or a spec.
+
+Built-in tasks (``data_dir`` defaults to ``$FASTPALS_DATA_DIR``)
+-----------------------------------------------------------------
+
+======  ======  ================================  ==========================================  ==============
+task    kind    files (train / dev / test)        label                                       batch labels
+======  ======  ================================  ==========================================  ==============
+sst     single  ids-sst-{train,dev,test-student}  sentiment, int 0..4                         int64
+cfimdb  single  ids-cfimdb-{train,dev,test-...}   sentiment, int 0/1                          float32
+para    pair    quora-dev.csv (see below)         is_duplicate, "0.0"/"1.0" -> int 0/1        float32
+sts     pair    sts-{train,dev,test-student}      similarity, float in [0, 5]                 float32
+======  ======  ================================  ==========================================  ==============
+
+``sst`` is a 5-way classification (batch labels are class indices, int64); ``cfimdb`` and ``para`` are binary
+(one logit, float labels 0./1.); ``sts`` is a regression on the raw 0..5 score (float; the model divides by its
+``label_scale``). Test files carry no label (``label is None``; batches have no ``labels``); the SST and CFIMDB
+test files have a shifted header (an extra leading column), which is handled by finding every column by its
+header name. The CS224N files are tab-separated although they are named ``.csv``.
+
+The Quora split
+---------------
+Only ``quora-dev.csv`` (20,214 rows, 2 of them broken) is available, so ``para`` ``train`` and ``dev`` are carved
+from it deterministically: a row goes to ``dev`` when ``int.from_bytes(sha256(id)[:8], "big") % 100 < 10`` (``id``
+= the 25-character hex id column, UTF-8), else to ``train``. This does not depend on the row order, on Python's
+hash seed or on the other rows. On the released file with the 2 broken rows skipped that gives
+``train`` 18,187 rows and ``dev`` 2,025 rows (``quora_split_sizes()`` recomputes it). ``para`` has no ``test``
+split. Quora numbers reported from this package are on that held-out 10% of the original dev file, not on the
+original CS224N dev/test sets. The same rule applies to any task whose ``dev`` file is its ``train`` file.
+
+Reading and batching
+--------------------
+The readers (file formats, row checks, ``DataError`` / ``DataWarning``) are in :mod:`fastpals.data.readers`;
+``TaskBatcher`` and ``merge_batches`` in :mod:`fastpals.data.per_task_batches`; :mod:`fastpals.data` gives them
+and :func:`load_task` under one name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import warnings
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+
+from fastpals.data.readers import (
+    BadRow,
+    DataWarning,
+    Example,
+    read_task_file,
+)
+from fastpals.data.tasks import QUORA_FILE, SPLITS, TASKS, TaskSpec, get_task
+
+__all__ = [
+    "DATA_DIR_ENV",
+    "QUORA_DEV_PERCENT",
+    "TASK_FORMATS",
+    "TaskFormat",
+    "hash_split",
+    "load_task",
+    "quora_split",
+    "quora_split_sizes",
+    "resolve_data_dir",
+    "split_path",
+]
+
+DATA_DIR_ENV = "FASTPALS_DATA_DIR"
+QUORA_DEV_PERCENT = 10
+_MAX_LISTED_BAD_ROWS = 20
+
+# The one task registry lives in fastpals.data.tasks; these names are kept for code written against data.py.
+TaskFormat = TaskSpec
+TASK_FORMATS = TASKS
+
+
+def resolve_data_dir(data_dir: str | os.PathLike | None = None) -> Path:
+    """``data_dir`` if given, else ``$FASTPALS_DATA_DIR``; the folder must exist."""
+    if data_dir is None:
+        data_dir = os.environ.get(DATA_DIR_ENV)
+        if not data_dir:
+            raise FileNotFoundError(
+                f"no data_dir given and ${DATA_DIR_ENV} is not set: pass data_dir= or "
+                f"`export {DATA_DIR_ENV}=/path/to/the/csv/files`"
+            )
+        origin = f"${DATA_DIR_ENV}"
+    else:
+        origin = "data_dir"
+    path = Path(data_dir).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"{origin} = {str(path)!r} is not a folder")
+    return path
+
+
+def _warn_bad_rows(bad_rows: Sequence[BadRow], path: Path, kept: int) -> None:
+    if not bad_rows:
+        return
+    counts = Counter(bad.kind for bad in bad_rows)
+    per_reason = ", ".join(f"{count} x {kind}" for kind, count in counts.most_common())
+    listed = "; ".join(f"{bad.path}:{bad.line}: {bad.reason}" for bad in bad_rows[:_MAX_LISTED_BAD_ROWS])
+    more = (
+        f"; and {len(bad_rows) - _MAX_LISTED_BAD_ROWS} more" if len(bad_rows) > _MAX_LISTED_BAD_ROWS else ""
+    )
+    warnings.warn(
+        f"{path}: skipped {len(bad_rows)} bad row(s), kept {kept} ({per_reason}): {listed}{more}",
+        DataWarning,
+        stacklevel=3,
+    )
+
+
+def _is_held_out(example_id: str) -> bool:
+    digest = hashlib.sha256(example_id.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") % 100 < QUORA_DEV_PERCENT
+
+
+def hash_split(examples: Sequence[Example]) -> tuple[list[Example], list[Example]]:
+    """Split examples into ``(train, dev)`` by a SHA-256 hash of each id (about 90% / 10%; see the docstring)."""
+    train, dev = [], []
+    for example in examples:
+        (dev if _is_held_out(example.id) else train).append(example)
+    return train, dev
+
+
+quora_split = hash_split
+
+
+def quora_split_sizes(data_dir: str | os.PathLike | None = None) -> dict[str, int]:
+    """Rows per ``para`` split and skipped rows: ``{"train": ..., "dev": ..., "skipped": ...}``."""
+    path = resolve_data_dir(data_dir) / QUORA_FILE
+    examples, bad_rows = read_task_file(path, "para", labelled=True, strict=False)
+    train, dev = quora_split(examples)
+    return {"train": len(train), "dev": len(dev), "skipped": len(bad_rows)}
+
+
+def split_path(task: str | TaskSpec, split: str, data_dir: str | os.PathLike | None = None) -> Path:
+    """The file of ``split`` of ``task``: task-file paths as they are, built-in names under the data folder.
+
+    Raises:
+        ValueError: unknown split, or the task has no file for it.
+        FileNotFoundError: a relative file name and no data folder (see ``resolve_data_dir``).
+    """
+    spec = get_task(task)
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+    if split not in spec.files:
+        if not spec.files:
+            raise ValueError(
+                f"task {spec.name!r} defines no files: give files= or load it with TaskSpec.from_file"
+            )
+        shared = spec.files.get("train") is not None and spec.files.get("train") == spec.files.get("dev")
+        note = (
+            f": its labelled data is only {Path(spec.files['train']).name}, which is split by id hash into "
+            f"'train' and 'dev'"
+            if shared
+            else f" (its files: {', '.join(spec.files)})"
+        )
+        raise ValueError(f"task {spec.name!r} has no {split!r} split{note}")
+    path = Path(spec.files[split]).expanduser()
+    return path if path.is_absolute() else resolve_data_dir(data_dir) / path
+
+
+def load_task(
+    name: str | TaskSpec, split: str, data_dir: str | os.PathLike | None = None, strict: bool = True
+) -> list[Example]:
+    """Load one split of a task as typed examples, in file order.
+
+    Args:
+        name: a built-in task (``"sst"``, ``"para"``, ``"sts"``, ``"cfimdb"``) or a ``TaskSpec`` (e.g. from
+            ``TaskSpec.from_file``).
+        split: ``"train"``, ``"dev"`` or ``"test"``. When a task's ``dev`` file is its ``train`` file (``para``),
+            ``train`` / ``dev`` are the hash split described in the module docstring.
+        data_dir: folder of relative file names (the built-in tasks); default ``$FASTPALS_DATA_DIR``.
+        strict: raise ``DataError`` on the first bad row, or skip bad rows with a ``DataWarning``.
+
+    Returns:
+        ``list[SentenceExample]`` (single text) or ``list[PairExample]`` (pairs); labels are ``None`` for
+        ``test``.
+    """
+    spec = get_task(name)
+    path = split_path(spec, split, data_dir)
+    examples, bad_rows = read_task_file(path, spec, labelled=split != "test", strict=strict)
+    _warn_bad_rows(bad_rows, path, len(examples))
+    if split in ("train", "dev") and spec.files.get("train") == spec.files.get("dev"):
+        train, dev = hash_split(examples)
+        return train if split == "train" else dev
+    return examples

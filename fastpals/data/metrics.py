@@ -1,0 +1,278 @@
+"""Evaluation metrics of the CS224N multi-task setting, prediction files, and confusion-matrix plots (the
+numeric scores of one task kind are :mod:`fastpals.data.scores`, re-exported here).
+
+* ``accuracy``: share of exact matches (SST, Quora, CFIMDB, every classification and binary task).
+* ``pearson``: Pearson correlation over the whole set in float64 (STS), not averaged over batches.
+* ``spearman``: Spearman rank correlation (Pearson of the average ranks, ties sharing their mean rank).
+* ``task_metrics``: the metrics of one task by its kind: ``{"accuracy"}``, or ``{"pearson", "spearman"}``.
+* ``overall``: the score of any mix of tasks: the mean over tasks of ``unit_score``, which is the accuracy of a
+  classification or binary task and ``(r + 1) / 2`` of a regression task's Pearson ``r`` (NaN ``r``, from
+  constant predictions, counts as 0). For ``sst, para, sts`` it is the CS224N leaderboard score
+  ``overall_score`` = ``(sst_acc + para_acc + (sts_r + 1) / 2) / 3``.
+* ``confusion_matrix`` / ``plot_confusion_matrix``: counts (rows = true class, columns = predicted) and a PNG.
+* ``task_confusion_matrix``: the confusion matrix and class names of any task (regression scores binned).
+* ``bin_sts``: STS scores to 11 classes 0, 0.5, ..., 5 (class ``k`` is the score ``k / 2``) for a confusion matrix.
+* ``write_predictions`` / ``read_predictions``: the CS224N starter's prediction files: a header line
+  ``id \\t Predicted_<Name> `` then one ``<id> , <prediction> `` line per example. User tasks get the header
+  ``Predicted_<Label column>`` (``prediction_header``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from fastpals.data.scores import accuracy, as_1d, confusion_matrix, paired_arrays, pearson, spearman
+from fastpals.data.tasks import TaskSpec, get_task
+
+__all__ = [
+    "PREDICTION_HEADERS",
+    "accuracy",
+    "as_1d",
+    "bin_sts",
+    "confusion_matrix",
+    "overall",
+    "overall_score",
+    "paired_arrays",
+    "pearson",
+    "plot_confusion_matrix",
+    "prediction_header",
+    "read_predictions",
+    "spearman",
+    "task_confusion_matrix",
+    "task_metrics",
+    "unit_score",
+    "write_predictions",
+]
+
+# Column names used by the CS224N starter code (its STS spelling "Similiary" included), so that its graders and
+# scripts read these files unchanged.
+PREDICTION_HEADERS = {
+    "sst": "Predicted_Sentiment",
+    "cfimdb": "Predicted_Sentiment",
+    "para": "Predicted_Is_Paraphrase",
+    "sts": "Predicted_Similiary",
+}
+
+
+def task_metrics(task: str | TaskSpec, y_true: Sequence, y_pred: Sequence) -> dict[str, float]:
+    """The metrics of one task, by its kind (:meth:`fastpals.data.task_kinds.TaskKind.metrics`): ``{"accuracy": a}``
+    (classification, binary: ``y_pred`` class indices or 0/1) or ``{"pearson": r, "spearman": rho}``
+    (regression; NaN when the predictions are constant, without a warning). ``task.metric`` names the primary
+    one. 1-D inputs of equal length ``N >= 1`` (2 for regression)."""
+    spec = get_task(task)
+    return spec.task_kind.metrics(spec, y_true, y_pred)
+
+
+def unit_score(task: str | TaskSpec, value: float) -> float:
+    """One task's share of ``overall``, in [0, 1], by its kind (:meth:`fastpals.data.task_kinds.TaskKind.unit_score`):
+    its accuracy, or ``(r + 1) / 2`` of a regression task's Pearson ``r`` (NaN counts as ``r = 0``, i.e. 0.5)."""
+    spec = get_task(task)
+    return spec.task_kind.unit_score(spec, value)
+
+
+def overall(scores: Mapping[str, float], tasks: Iterable[str | TaskSpec] | None = None) -> float:
+    """The overall dev score of any mix of tasks: the mean of ``unit_score`` over the tasks in ``scores``.
+
+    Args:
+        scores: ``{task name: primary metric}`` (accuracy, or Pearson r for regression); an ``"overall"`` key
+            is ignored.
+        tasks: the specs (or built-in names) the names in ``scores`` refer to; built-in names need none.
+
+    For ``{"sst", "para", "sts"}`` this equals ``overall_score`` (the CS224N leaderboard score).
+    """
+    specs = {spec.name: spec for spec in (get_task(t) for t in (tasks or ()))}
+    parts = [unit_score(specs.get(name, name), value) for name, value in scores.items() if name != "overall"]
+    if not parts:
+        raise ValueError("scores holds no task")
+    return float(sum(parts) / len(parts))
+
+
+def overall_score(sst_acc: float, para_acc: float, sts_pearson: float) -> float:
+    """CS224N overall score ``(sst_acc + para_acc + (sts_pearson + 1) / 2) / 3``; accuracies in [0, 1], r in [-1, 1]."""
+    for name, value, low in (
+        ("sst_acc", sst_acc, 0.0),
+        ("para_acc", para_acc, 0.0),
+        ("sts_pearson", sts_pearson, -1.0),
+    ):
+        if not low <= value <= 1.0:  # also rejects NaN
+            raise ValueError(f"{name} must be in [{low:g}, 1], got {value!r}")
+    return (sst_acc + para_acc + (sts_pearson + 1.0) / 2.0) / 3.0
+
+
+def bin_sts(scores: Sequence[float]) -> np.ndarray:
+    """STS scores to classes 0..10 (``k`` = score ``k / 2``): clip to [0, 5], round to the nearest 0.5 (halves
+    round up). Returns int64 ``(N,)``; for predictions from a [0, 1] head multiply by 5 first."""
+    values = as_1d(scores, "scores", np.float64)
+    if not np.isfinite(values).all():
+        raise ValueError("scores hold non-finite values (NaN or inf)")
+    return np.floor(np.clip(values, 0.0, 5.0) * 2.0 + 0.5).astype(np.int64)
+
+
+def task_confusion_matrix(
+    task: str | TaskSpec, y_true: Sequence, y_pred: Sequence, steps: int = 10
+) -> tuple[np.ndarray, list[str]]:
+    """A confusion matrix of any task and its class names: ``(int64 (K, K), K names)``, by its kind
+    (:meth:`fastpals.data.task_kinds.TaskKind.confusion_matrix`).
+
+    Classification and binary tasks: ``K`` = their classes, named by ``label_names`` (else ``0..K-1``).
+    Regression: labels and predictions clipped to ``label_range`` and rounded to ``steps + 1`` evenly spaced
+    values (halves round up), named by those values; for ``sts`` (range [0, 5], 10 steps) that is ``bin_sts``.
+    """
+    spec = get_task(task)
+    return spec.task_kind.confusion_matrix(spec, y_true, y_pred, steps)
+
+
+def _format_prediction(value: object) -> str:
+    if isinstance(value, (bool, np.bool_)):
+        return str(int(value))
+    if isinstance(value, (int, np.integer)):
+        return str(int(value))
+    if isinstance(value, (float, np.floating)):
+        if not math.isfinite(float(value)):
+            raise ValueError(f"prediction {value!r} is not finite")
+        return repr(float(value))
+    raise TypeError(f"predictions must be ints or floats, got {type(value).__name__}")
+
+
+def prediction_header(task: str | TaskSpec) -> str:
+    """The prediction-file column of a task: the CS224N name of a built-in task (``PREDICTION_HEADERS``),
+    else ``Predicted_<Label column>`` (e.g. ``Predicted_Label``; other characters than letters, digits and
+    ``_`` become ``_``)."""
+    if isinstance(task, str) and task in PREDICTION_HEADERS:
+        return PREDICTION_HEADERS[task]
+    spec = get_task(task)
+    if spec.name in PREDICTION_HEADERS and spec.source is None:
+        return PREDICTION_HEADERS[spec.name]
+    column = spec.label_column or spec.name
+    return "Predicted_" + re.sub(r"\W", "_", column[:1].upper() + column[1:])
+
+
+def write_predictions(
+    path: str | os.PathLike, ids: Sequence[str], predictions: Sequence, task: str | TaskSpec
+) -> Path:
+    """Write a CS224N prediction file: ``id \\t Predicted_<Name> `` then ``<id> , <prediction> `` per example.
+
+    Args:
+        path: output file (its folder is created).
+        ids: example ids (str, no comma, tab or newline).
+        predictions: one int (class) or float (score) per id; numpy arrays and torch tensors work too.
+        task: a built-in name (``sst``, ``cfimdb``, ``para``, ``sts``) or any ``TaskSpec`` (a task file's);
+            picks the header (``prediction_header``).
+
+    Returns:
+        The path written.
+    """
+    if isinstance(task, str) and task not in PREDICTION_HEADERS:
+        raise ValueError(f"task must be one of {', '.join(PREDICTION_HEADERS)} or a TaskSpec, got {task!r}")
+    header = prediction_header(task)
+    if hasattr(predictions, "detach"):
+        predictions = predictions.detach().cpu().numpy()
+    if isinstance(predictions, np.ndarray):
+        if predictions.ndim != 1:
+            raise ValueError(f"predictions must be 1-D, got shape {predictions.shape}")
+        predictions = predictions.tolist()
+    ids = list(ids)
+    predictions = list(predictions)
+    if len(ids) != len(predictions):
+        raise ValueError(f"ids has {len(ids)} entries but predictions has {len(predictions)}")
+    lines = [f"id \t {header} \n"]
+    for example_id, value in zip(ids, predictions):
+        if not isinstance(example_id, str) or not example_id or any(ch in example_id for ch in ",\t\n\r"):
+            raise ValueError(f"id {example_id!r} must be a non-empty str without comma, tab or newline")
+        lines.append(f"{example_id} , {_format_prediction(value)} \n")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(lines), encoding="utf-8")
+    return path
+
+
+def read_predictions(path: str | os.PathLike) -> tuple[str, dict[str, str]]:
+    """Read a file from ``write_predictions`` (or the CS224N starter): ``(header name, {id: prediction text})``."""
+    path = Path(path)
+    lines = path.read_text(encoding="utf-8").splitlines()
+    if not lines:
+        raise ValueError(f"{path}: empty prediction file")
+    header = lines[0].split("\t")
+    if len(header) != 2 or header[0].strip() != "id":
+        raise ValueError(f"{path}:1: header must be 'id \\t Predicted_...', got {lines[0]!r}")
+    out: dict[str, str] = {}
+    for line_no, line in enumerate(lines[1:], start=2):
+        parts = line.split(",")
+        if len(parts) != 2:
+            raise ValueError(f"{path}:{line_no}: expected '<id> , <prediction>', got {line!r}")
+        example_id = parts[0].strip()
+        if example_id in out:
+            raise ValueError(f"{path}:{line_no}: duplicate id {example_id}")
+        out[example_id] = parts[1].strip()
+    return header[1].strip(), out
+
+
+def plot_confusion_matrix(
+    matrix: np.ndarray,
+    path: str | os.PathLike,
+    class_names: Sequence[str] | None = None,
+    title: str | None = None,
+    normalize: bool = False,
+) -> Path:
+    """Draw a confusion matrix (rows = true, columns = predicted) to a PNG with matplotlib's Agg canvas.
+
+    Args:
+        matrix: square int array ``(K, K)`` from ``confusion_matrix``.
+        path: output PNG (its folder is created).
+        class_names: ``K`` tick labels (default ``0..K-1``).
+        title: figure title.
+        normalize: colour and print each row as shares of its true class (rows with no examples stay 0).
+
+    Returns:
+        The path written. Uses no pyplot state, so it is safe in threads and on machines without a display.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    counts = np.asarray(matrix)
+    if counts.ndim != 2 or counts.shape[0] != counts.shape[1] or counts.shape[0] == 0:
+        raise ValueError(f"matrix must be square (K, K) with K >= 1, got shape {counts.shape}")
+    if counts.dtype.kind not in "iu" or counts.min() < 0:
+        raise ValueError("matrix must hold non-negative integer counts")
+    size = counts.shape[0]
+    names = [str(i) for i in range(size)] if class_names is None else [str(name) for name in class_names]
+    if len(names) != size:
+        raise ValueError(f"class_names has {len(names)} entries but the matrix has {size} classes")
+    if normalize:
+        totals = counts.sum(axis=1, keepdims=True)
+        shown = np.divide(counts, totals, out=np.zeros(counts.shape, dtype=np.float64), where=totals > 0)
+        text = [[f"{value:.2f}" for value in row] for row in shown]
+    else:
+        shown = counts.astype(np.float64)
+        text = [[str(int(value)) for value in row] for row in counts]
+
+    side = max(3.5, 0.55 * size + 2.0)
+    figure = Figure(figsize=(side + 1.0, side))
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot(1, 1, 1)
+    image = axes.imshow(shown, cmap="Blues", vmin=0.0, vmax=max(float(shown.max()), 1e-12))
+    figure.colorbar(image, ax=axes, fraction=0.046, pad=0.04)
+    axes.set_xticks(range(size), labels=names, rotation=45 if size > 6 else 0)
+    axes.set_yticks(range(size), labels=names)
+    axes.set_xlabel("predicted")
+    axes.set_ylabel("true")
+    if title:
+        axes.set_title(title)
+    threshold = float(shown.max()) / 2.0
+    for i in range(size):
+        for j in range(size):
+            colour = "white" if shown[i, j] > threshold else "black"
+            axes.text(
+                j, i, text[i][j], ha="center", va="center", color=colour, fontsize=8 if size > 6 else 10
+            )
+    figure.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, format="png", dpi=110)
+    return path

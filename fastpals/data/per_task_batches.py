@@ -1,0 +1,359 @@
+"""Deterministic, resumable batches of one task's examples, and mixed-task batches.
+
+``TaskBatcher`` tokenizes every example once, then yields padded batches in an order that is a pure function
+of ``(seed, epoch)``; ``state_dict()`` / ``load_state_dict()`` hold ``(epoch, position)``, so a resumed run
+continues with exactly the batches it would have seen. ``merge_batches`` concatenates one batch per task into a
+mixed-task batch (``task_ids``, float labels) for ``MultiTaskBert.forward`` / ``MultiTaskBert.loss``.
+
+Shapes and dtypes of a batch: see :class:`TaskBatcher`; of a merged batch: see :func:`merge_batches`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from fastpals.data.mixed_batches import TaskRows
+from fastpals.data.readers import Example, PairExample, SentenceExample
+from fastpals.data.sampling import check_resume_settings
+from fastpals.data.tasks import TaskSpec, get_task
+from fastpals.data.tokenizer import Tokenizer
+
+__all__ = ["PAIR_ENCODINGS", "TaskBatcher", "merge_batches"]
+
+PAIR_ENCODINGS = ("joint", "separate", "both")
+
+
+class TaskBatcher:
+    """Padded, deterministic batches of one task's examples.
+
+    All examples are tokenized once at construction. The batches of epoch ``e`` are ``epoch_batches(e)``, a pure
+    function of ``(seed, e)``:
+
+    1. the example indices, permuted by ``numpy.random.default_rng([seed, e])`` when ``shuffle``;
+    2. with ``bucket_by_length``: cut into chunks of ``bucket_size * batch_size`` and each chunk sorted by token
+       length (stable), so a batch holds examples of similar length and pads little;
+    3. cut into batches of ``batch_size`` (the last one smaller unless ``drop_last``);
+    4. when ``shuffle``: the batches permuted by the same generator.
+
+    Iterating yields the remaining batches of the current epoch, then moves to the next epoch (``next_batch()``
+    gives the same sequence one batch at a time, across epochs); ``state_dict()``
+    taken between two batches and given to ``load_state_dict()`` of a new batcher over the same examples resumes
+    with the next batch. Use one iterator at a time.
+
+    Each batch is a dict:
+        ``input_ids``, ``attention_mask``, ``token_type_ids``: int64 ``(B, L)``, ``L`` = longest in the batch; for
+            pairs the joint ``[CLS] s1 [SEP] s2 [SEP]`` encoding with token types 0/1.
+        ``labels``: ``(B,)`` int64 (classification) or float32 (binary, regression); absent without labels.
+        ``ids``: ``list[str]`` of length ``B``; ``task``: the task name.
+        Pairs with ``pair_encoding="separate"`` (siamese heads; the keys ``MultiTaskBert.forward`` takes):
+            ``input_ids``, ``attention_mask``, ``token_type_ids`` hold sentence1 alone (``[CLS] s1 [SEP]``,
+            ``(B, L1)``) and ``input_ids_b``, ``attention_mask_b``, ``token_type_ids_b`` sentence2 alone
+            (``(B, L2)``). With ``"both"``: those keys plus the joint encoding as ``joint_input_ids``,
+            ``joint_attention_mask``, ``joint_token_type_ids``.
+
+    ``lengths [N]`` int64: each example's padded-width length (bucketing key); ``packed_lengths [N]`` int64: its
+    tokens once packed without padding (``fastpals.data.mixed_batches``: the joint encoding, or both sentences when
+    ``pair_encoding`` is ``"separate"``/``"both"``).
+
+    Args:
+        examples: examples of one task (all with labels, or all without).
+        tokenizer: a ``fastpals.Tokenizer``.
+        task: task name or ``TaskSpec`` (kind of example, label dtype).
+        batch_size: examples per batch.
+        max_length: token limit per sequence (truncations are counted in ``num_truncated``).
+        shuffle: permute examples and batches each epoch (training) or keep file order (evaluation).
+        seed: non-negative int.
+        bucket_by_length: group examples of similar length (see above).
+        bucket_size: chunk size in batches for the length sort.
+        drop_last: drop a final incomplete batch.
+        pair_encoding: ``"joint"`` (cross-encoder, default), ``"separate"`` or ``"both"`` (see above; pairs only).
+    """
+
+    def __init__(
+        self,
+        examples: Sequence[Example],
+        tokenizer: Tokenizer,
+        task: str | TaskSpec,
+        batch_size: int,
+        *,
+        max_length: int = 128,
+        shuffle: bool = True,
+        seed: int = 0,
+        bucket_by_length: bool = True,
+        bucket_size: int = 100,
+        drop_last: bool = False,
+        pair_encoding: str = "joint",
+    ) -> None:
+        self.spec = get_task(task)
+        for name, value, low in (
+            ("batch_size", batch_size, 1),
+            ("bucket_size", bucket_size, 1),
+            ("seed", seed, 0),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        if pair_encoding not in PAIR_ENCODINGS:
+            raise ValueError(
+                f"pair_encoding must be one of {', '.join(PAIR_ENCODINGS)}, got {pair_encoding!r}"
+            )
+        if pair_encoding != "joint" and not self.spec.pair:
+            raise ValueError(
+                f"pair_encoding={pair_encoding!r} needs a sentence-pair task, {self.spec.name!r} has single sentences"
+            )
+        example_type = PairExample if self.spec.pair else SentenceExample
+        examples = list(examples)
+        if not examples:
+            raise ValueError("examples is empty")
+        for i, example in enumerate(examples):
+            if not isinstance(example, example_type):
+                raise TypeError(
+                    f"examples[{i}] is a {type(example).__name__}; task {self.spec.name!r} needs {example_type.__name__}"
+                )
+        with_labels = [example.label is not None for example in examples]
+        if any(with_labels) and not all(with_labels):
+            raise ValueError(
+                f"examples mix labelled and unlabelled ones (example {with_labels.index(False)} has none)"
+            )
+        self.has_labels = with_labels[0]
+        self.examples = examples
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.max_length = max_length
+        self.shuffle = shuffle
+        self.seed = seed
+        self.bucket_by_length = bucket_by_length
+        self.bucket_size = bucket_size
+        self.drop_last = drop_last
+        self.pair_encoding = pair_encoding
+
+        truncated_before = tokenizer.num_truncated
+        if self.spec.pair:
+            first = [example.sentence1 for example in examples]
+            second = [example.sentence2 for example in examples]
+            if pair_encoding != "separate":
+                self._joint = tokenizer.encode(first, second, max_length)
+            if pair_encoding != "joint":
+                self._first = tokenizer.encode(first, max_length=max_length)
+                self._second = tokenizer.encode(second, max_length=max_length)
+        else:
+            self._joint = tokenizer.encode([example.sentence for example in examples], max_length=max_length)
+        self.num_truncated = tokenizer.num_truncated - truncated_before
+        if pair_encoding == "separate":  # bucket on the longer side: it sets the padded width of its tensor
+            lengths = [max(len(a.input_ids), len(b.input_ids)) for a, b in zip(self._first, self._second)]
+        else:
+            lengths = [len(enc.input_ids) for enc in self._joint]
+        self.lengths = np.array(lengths, dtype=np.int64)
+        # tokens of each example once packed without padding (fastpals.data.mixed_batches): both sentences when separate
+        if pair_encoding == "joint":
+            self.packed_lengths = np.array([len(enc.input_ids) for enc in self._joint], dtype=np.int64)
+        else:
+            self.packed_lengths = np.array(
+                [len(a.input_ids) + len(b.input_ids) for a, b in zip(self._first, self._second)],
+                dtype=np.int64,
+            )
+        if self.has_labels:
+            self._labels = torch.tensor([example.label for example in examples], dtype=self.spec.label_dtype)
+
+        self.epoch = 0
+        self.position = 0
+        self._cached_epoch: int | None = None
+        self._cached_batches: list[np.ndarray] = []
+
+    def __len__(self) -> int:
+        """Batches per epoch."""
+        full, rest = divmod(len(self.examples), self.batch_size)
+        return full + (1 if rest and not self.drop_last else 0)
+
+    def epoch_batches(self, epoch: int) -> list[np.ndarray]:
+        """The example indices of every batch of ``epoch``, in order (int64 arrays)."""
+        n = len(self.examples)
+        rng = np.random.default_rng([self.seed, epoch])
+        order = rng.permutation(n) if self.shuffle else np.arange(n)
+        if self.bucket_by_length:
+            chunk = self.bucket_size * self.batch_size
+            order = np.concatenate(
+                [
+                    part[np.argsort(self.lengths[part], kind="stable")]
+                    for part in (order[start : start + chunk] for start in range(0, n, chunk))
+                ]
+            )
+        batches = [order[start : start + self.batch_size] for start in range(0, n, self.batch_size)]
+        if self.drop_last and len(batches[-1]) < self.batch_size:
+            batches.pop()
+        if self.shuffle:
+            batches = [batches[i] for i in rng.permutation(len(batches))]
+        return batches
+
+    def collate(self, indices: Sequence[int]) -> dict:
+        """The batch dict (see the class docstring) of the examples at ``indices``."""
+        indices = [int(i) for i in indices]
+        pad = self.tokenizer.pad
+        if self.pair_encoding == "joint":
+            batch: dict = dict(pad([self._joint[i] for i in indices]))
+        else:
+            batch = dict(pad([self._first[i] for i in indices]))
+            batch.update(
+                (key + "_b", value) for key, value in pad([self._second[i] for i in indices]).items()
+            )
+            if self.pair_encoding == "both":
+                batch.update(
+                    ("joint_" + key, value) for key, value in pad([self._joint[i] for i in indices]).items()
+                )
+        if self.has_labels:
+            batch["labels"] = self._labels[indices]
+        batch["ids"] = [self.examples[i].id for i in indices]
+        batch["task"] = self.spec.name
+        return batch
+
+    def task_rows(self, indices: Sequence[int], task: int) -> TaskRows:
+        """The examples at ``indices`` as unpadded host token lists for :func:`fastpals.data.mixed_batches.pack_task_rows`
+        (``task``: the model's index of this batcher's task). Joint encodings for ``pair_encoding="joint"``,
+        else each sentence separately (siamese)."""
+        indices = [int(i) for i in indices]
+        first = self._joint if self.pair_encoding == "joint" else self._first
+        rows = TaskRows(
+            task,
+            [first[i].input_ids for i in indices],
+            [first[i].token_type_ids for i in indices],
+            labels=self._labels[indices] if self.has_labels else None,
+            ids=[self.examples[i].id for i in indices],
+            name=self.spec.name,
+        )
+        if self.pair_encoding != "joint":
+            rows.input_ids_b = [self._second[i].input_ids for i in indices]
+            rows.token_type_ids_b = [self._second[i].token_type_ids for i in indices]
+        return rows
+
+    def _batches_of(self, epoch: int) -> list[np.ndarray]:
+        if self._cached_epoch != epoch:
+            self._cached_batches = self.epoch_batches(epoch)
+            self._cached_epoch = epoch
+        return self._cached_batches
+
+    def __iter__(self) -> Iterator[dict]:
+        """Yield the remaining batches of the current epoch, then move ``epoch`` on by one."""
+        batches = self._batches_of(self.epoch)
+        while self.position < len(batches):
+            indices = batches[self.position]
+            self.position += 1  # counted before the yield: a state_dict taken now resumes after this batch
+            yield self.collate(indices)
+        self.epoch += 1
+        self.position = 0
+
+    def next_batch(self) -> dict:
+        """The next batch, going on into the next epoch when the current one is used up.
+
+        For trainers that interleave tasks (one ``next_batch()`` per task step); the sequence of batches is the
+        same as iterating epoch after epoch.
+        """
+        if self.position >= len(self):
+            self.epoch += 1
+            self.position = 0
+        indices = self._batches_of(self.epoch)[self.position]
+        self.position += 1
+        return self.collate(indices)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch ``epoch`` from its first batch."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
+        self.epoch = epoch
+        self.position = 0
+
+    def _fingerprint(self) -> str:
+        digest = hashlib.sha256()
+        for example in self.examples:
+            digest.update(example.id.encode("utf-8") + b"\0")
+        return digest.hexdigest()[:16]
+
+    def state_dict(self) -> dict:
+        """``{"epoch", "position", "seed", "batch_size", "num_examples", "fingerprint", ...}`` (plain Python)."""
+        return {
+            "task": self.spec.name,
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "shuffle": self.shuffle,
+            "bucket_by_length": self.bucket_by_length,
+            "bucket_size": self.bucket_size,
+            "drop_last": self.drop_last,
+            "pair_encoding": self.pair_encoding,
+            "max_length": self.max_length,
+            "num_examples": len(self.examples),
+            "fingerprint": self._fingerprint(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue where ``state`` was taken; the batch order settings and examples must be the same."""
+        check_resume_settings(state, self.state_dict(), "TaskBatcher", skip=("epoch", "position"))
+        epoch, position = state["epoch"], state["position"]
+        if not 0 <= position <= len(self):
+            raise ValueError(f"position {position} is outside [0, {len(self)}]")
+        self.epoch, self.position = int(epoch), int(position)
+
+
+_ENCODING_KEYS = ("input_ids", "attention_mask", "token_type_ids")
+
+
+def _pad_cat(tensors: Sequence[torch.Tensor], value: int) -> torch.Tensor:
+    width = max(t.shape[1] for t in tensors)
+    return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value) for t in tensors])
+
+
+def merge_batches(batches: Sequence[dict], task_ids: Sequence[int], tokenizer: Tokenizer) -> dict:
+    """Concatenate one batch per task into a mixed-task batch for ``MultiTaskBert.forward(..., task_ids=...)``.
+
+    Args:
+        batches: ``TaskBatcher`` batches (any tasks, single or pair, any ``pair_encoding``).
+        task_ids: for each batch, its task's index in the model (all its rows get that id).
+        tokenizer: gives the ``[PAD]``, ``[CLS]`` and ``[SEP]`` ids.
+
+    Returns:
+        ``input_ids``, ``attention_mask``, ``token_type_ids``: int64 ``(B, L)``, each batch right-padded to the
+        widest; ``task_ids``: int64 ``(B,)``; ``labels``: float32 ``(B,)`` (class indices are exact in float32;
+        ``MultiTaskBert.loss`` casts per task) when every batch has labels; ``ids``: ``list[str]``; ``tasks``: the
+        task name of every row. ``*_b`` (second sentences of siamese tasks) when some batch has them: the rows of
+        batches without them get ``[CLS] [SEP]`` (ignored by the model, and never an all-masked row).
+        ``joint_*`` keys are kept only when every batch has them.
+    """
+    if len(batches) == 0:
+        raise ValueError("batches is empty")
+    if len(task_ids) != len(batches):
+        raise ValueError(f"batches has {len(batches)} entries but task_ids has {len(task_ids)}")
+    pad_values = {"input_ids": tokenizer.pad_token_id, "attention_mask": 0, "token_type_ids": 0}
+    sizes = [len(batch["ids"]) for batch in batches]
+    merged: dict = {
+        key: _pad_cat([batch[key] for batch in batches], pad_values[key]) for key in _ENCODING_KEYS
+    }
+    if any("input_ids_b" in batch for batch in batches):
+        filler = {
+            "input_ids": [tokenizer.cls_token_id, tokenizer.sep_token_id],
+            "attention_mask": [1, 1],
+            "token_type_ids": [0, 0],
+        }
+        for key in _ENCODING_KEYS:
+            parts = [
+                batch[key + "_b"]
+                if key + "_b" in batch
+                else torch.tensor([filler[key]] * size, dtype=torch.int64)
+                for batch, size in zip(batches, sizes)
+            ]
+            merged[key + "_b"] = _pad_cat(parts, pad_values[key])
+    if all("joint_input_ids" in batch for batch in batches):
+        for key in _ENCODING_KEYS:
+            merged["joint_" + key] = _pad_cat([batch["joint_" + key] for batch in batches], pad_values[key])
+    merged["task_ids"] = torch.cat(
+        [torch.full((size,), int(task_id), dtype=torch.int64) for task_id, size in zip(task_ids, sizes)]
+    )
+    if all("labels" in batch for batch in batches):
+        merged["labels"] = torch.cat([batch["labels"].to(torch.float32) for batch in batches])
+    elif any("labels" in batch for batch in batches):
+        raise ValueError("some batches have labels and some do not")
+    merged["ids"] = [i for batch in batches for i in batch["ids"]]
+    merged["tasks"] = [batch["task"] for batch, size in zip(batches, sizes) for _ in range(size)]
+    return merged

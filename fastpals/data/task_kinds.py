@@ -1,0 +1,421 @@
+"""Task kinds: everything that depends on what a task predicts, one class per kind.
+
+A task's ``kind`` (:attr:`fastpals.data.tasks.TaskSpec.kind`, the string of task files and saved configs) names an
+entry of :data:`TASK_KINDS`; :attr:`TaskSpec.task_kind <fastpals.data.tasks.TaskSpec.task_kind>` returns that object.
+A :class:`TaskKind` holds, for its kind:
+
+* the spec side: the head's output count (:meth:`~TaskKind.head_outputs`, and ``num_labels`` of a task file,
+  :meth:`~TaskKind.task_file_num_labels`), :meth:`~TaskKind.num_classes`, the allowed ``loss`` values
+  (:attr:`~TaskKind.losses`, the first the default), and the label checks (:meth:`~TaskKind.check_labels`:
+  ``label_range``, ``label_names``, ``label_scale``);
+* the data side: how a raw label cell parses (:meth:`~TaskKind.parse_label`, with the readers' one-line
+  reasons) and the batch label dtype (:attr:`~TaskKind.label_dtype`);
+* the model side: :meth:`~TaskKind.loss`, :meth:`~TaskKind.predict` (branch-free tensor code, no host reads)
+  and :meth:`~TaskKind.confidence`;
+* the metrics: :attr:`~TaskKind.metric_names` (the first the primary dev metric), :meth:`~TaskKind.metrics`,
+  :meth:`~TaskKind.unit_score` (a task's share of the overall score) and :meth:`~TaskKind.confusion_matrix`.
+
+The built-in kinds are :class:`Classification` (``num_labels``-way cross-entropy), :class:`Binary` (one logit,
+BCE) and :class:`Regression` (one value in [0, 1] units of ``label_scale``; MSE or CoSENT). The defaults of
+:class:`TaskKind` fit kinds whose labels are class indices ``0..K-1`` (accuracy, a K x K confusion matrix);
+:class:`Regression` overrides them.
+
+Adding a kind touches this module only (or any module of your own): subclass :class:`TaskKind`, set its
+attributes, write ``head_outputs``, ``task_file_num_labels``, ``loss`` and ``predict`` (and override whatever
+else differs), and :func:`register_task_kind` an instance. Task files, the readers, the batcher,
+``MultiTaskBert``'s loss and predictions, the metrics, evaluation and prediction files all ask the kind.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from fastpals.data.tasks import TaskSpec
+
+__all__ = [
+    "TASK_KINDS",
+    "Binary",
+    "Classification",
+    "Regression",
+    "TaskKind",
+    "cosent_loss",
+    "kind_names",
+    "register_task_kind",
+]
+
+Fail = Callable[[str], NoReturn]
+
+
+class TaskKind:
+    """What a task predicts, and everything that follows from it (see the module docstring).
+
+    Subclasses set the class attributes and implement :meth:`head_outputs`, :meth:`task_file_num_labels`,
+    :meth:`loss` and :meth:`predict`. The other methods default to a kind whose labels are class indices
+    ``0..num_classes-1`` scored by accuracy.
+
+    Attributes:
+        name: the kind's name, the value of ``TaskSpec.kind`` and of a task file's ``kind``.
+        losses: the allowed values of ``TaskSpec.loss``; the first is the default.
+        metric_names: the metrics :meth:`metrics` reports; the first is the primary dev metric
+            (``TaskSpec.metric``).
+        integer_labels: labels are whole numbers (class indices); predictions are written as integers.
+        label_dtype: the dtype of a batch's labels (``TaskSpec.label_dtype``).
+        boolean_labels: a JSON ``true``/``false`` label cell reads as 1/0 (otherwise it is a bad label).
+        scored: labels are scores in a ``label_range`` the task file may give (no classes, no ``label_names``).
+        cosine_pairs: pair tasks may use ``pair_mode="sbert_cosine"`` (the cosine is the prediction).
+    """
+
+    name: str = ""
+    losses: tuple[str, ...] = ()
+    metric_names: tuple[str, ...] = ("accuracy",)
+    integer_labels: bool = True
+    label_dtype: torch.dtype = torch.int64
+    boolean_labels: bool = False
+    scored: bool = False
+    cosine_pairs: bool = False
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+    # --- the spec ----------------------------------------------------------------------------------------------
+    def head_outputs(self, num_labels: int) -> int:
+        """The head's output count for a ``TaskSpec`` given ``num_labels`` (the value ``TaskSpec.num_labels``
+        takes). Must be idempotent (``head_outputs(head_outputs(n)) == head_outputs(n)``): saved specs are
+        rebuilt from their fields. Raises ``ValueError(reason)`` for a bad ``num_labels``."""
+        raise NotImplementedError
+
+    def task_file_num_labels(self, value: Any) -> int:
+        """``TaskSpec.num_labels`` from a task file's ``num_labels`` value (``None`` when the key is absent).
+        Raises ``ValueError(reason)``: the one-line reason after ``<file>: num_labels:``."""
+        raise NotImplementedError
+
+    def num_classes(self, spec: TaskSpec) -> int | None:
+        """Classes of the task (``TaskSpec.num_classes``); ``None`` for a scored kind. Default: ``num_labels``."""
+        return spec.num_labels
+
+    def check_labels(self, spec: TaskSpec, fail: Fail) -> None:
+        """Check and complete ``spec.label_range``, ``label_names`` and ``label_scale`` (called from
+        ``TaskSpec.__post_init__`` after the kind-independent ``label_range`` checks; ``fail(reason)`` raises the
+        spec's one-line error). Default (class labels): ``label_range`` is ``(0, num_classes - 1)``,
+        ``label_scale`` 1, ``label_names`` one distinct non-empty name per class."""
+        num_classes = self.num_classes(spec)
+        implied = (0.0, float(num_classes - 1))
+        if spec.label_range is not None and spec.label_range != implied:
+            fail(f"label_range is {implied} for a {spec.kind} task, got {spec.label_range}")
+        spec.label_range = implied
+        if spec.label_scale is None:
+            spec.label_scale = 1.0
+        if spec.label_names is not None:
+            names = list(spec.label_names)
+            if len(names) != num_classes or not all(isinstance(n, str) and n for n in names):
+                fail(f"label_names must be {num_classes} non-empty strings, got {names!r}")
+            if len(set(names)) != len(names):
+                fail(f"label_names has a name twice: {names!r}")
+            spec.label_names = names
+
+    # --- the data ----------------------------------------------------------------------------------------------
+    def parse_label(self, spec: TaskSpec, value: Any) -> tuple[int | float | None, str, str]:
+        """One raw label cell (a CSV/TSV string, or a JSON value) to ``(label, problem, reason)``: the label (an
+        int for integer kinds, else a float) with ``problem == reason == ""``, or ``(None, problem, reason)`` with
+        the bad row's category (``"empty label"``, ``"bad label"``, ``"label out of range"``) and its one-line
+        reason. Names of ``label_names`` read as their index; numbers must lie in ``label_range``."""
+        column = spec.label_column
+        names = spec.label_names
+        if value is None or (isinstance(value, str) and not value.strip()):
+            return None, "empty label", f"empty {column}"
+        if isinstance(value, bool):
+            if not self.boolean_labels:
+                return None, "bad label", f"{column} {value!r} is a boolean, the task is {spec.kind}"
+            return int(value), "", ""
+        if isinstance(value, str):
+            stripped = value.strip()
+            if names is not None and stripped in names:
+                return names.index(stripped), "", ""
+            try:
+                number = float(stripped)
+            except ValueError:
+                also = f" or one of {names}" if names is not None else ""
+                return None, "bad label", f"{column} {value!r} is not a number{also}"
+        elif isinstance(value, (int, float)):
+            number = float(value)
+        else:
+            return None, "bad label", f"{column} {value!r} is not a number"
+        if not math.isfinite(number):
+            return None, "bad label", f"{column} {value!r} is not a finite number"
+        low, high = spec.label_range
+        if not low <= number <= high:
+            bounds = f"[{self._format_bound(low)}, {self._format_bound(high)}]"
+            return None, "label out of range", f"{column} {value!r} is outside {bounds}"
+        if self.integer_labels:
+            if number != int(number):
+                return None, "bad label", f"{column} {value!r} is not a whole number"
+            return int(number), "", ""
+        return number, "", ""
+
+    def _format_bound(self, value: float) -> str:
+        return str(int(value)) if self.integer_labels else f"{value:g}"
+
+    # --- the model ---------------------------------------------------------------------------------------------
+    def loss(self, spec: TaskSpec, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The task's loss over its rows: ``logits`` ``[n, num_labels]`` (any float dtype), ``labels`` ``[n]``
+        (any dtype; class index, 0/1 or the raw score). Returns a 0-dim float32 tensor (the mean over the rows,
+        or a loss over the batch's pairs)."""
+        raise NotImplementedError
+
+    def predict(self, spec: TaskSpec, logits: torch.Tensor) -> torch.Tensor:
+        """Predicted labels float32 ``[n]`` from ``logits`` ``[n, num_labels]`` (any float dtype), in label
+        units. Branch-free tensor code without host reads (no ``.item()``, ``.tolist()``, ``nonzero``):
+        ``MultiTaskBert.predict`` runs it on every row of a batch and keeps this task's rows."""
+        raise NotImplementedError
+
+    def confidence(self, spec: TaskSpec, logits: torch.Tensor) -> torch.Tensor | None:
+        """Probability of the predicted label, float32 ``[n]``, from ``logits`` ``[n, num_labels]``; ``None``
+        when the kind has none (the default; a regression's prediction is its score)."""
+        return None
+
+    # --- the metrics -------------------------------------------------------------------------------------------
+    def metrics(self, spec: TaskSpec, y_true: Sequence, y_pred: Sequence) -> dict[str, float]:
+        """``{name: value}`` for every name of :attr:`metric_names`, from 1-D host arrays of equal length
+        ``N >= 1`` (lists, numpy or torch). Default: ``{"accuracy": a}``, both sides rounded to whole numbers."""
+        from fastpals.data.scores import accuracy, paired_arrays
+
+        true, pred = paired_arrays(y_true, y_pred, np.float64)
+        return {"accuracy": accuracy(np.rint(true).astype(np.int64), np.rint(pred).astype(np.int64))}
+
+    def unit_score(self, spec: TaskSpec, value: float) -> float:
+        """The task's share of the overall score, in [0, 1], from its primary metric ``value``. Default: the
+        accuracy itself (``ValueError`` outside [0, 1] or NaN)."""
+        if not 0.0 <= value <= 1.0:  # also rejects NaN
+            raise ValueError(f"task {spec.name!r}: accuracy must be in [0, 1], got {value!r}")
+        return float(value)
+
+    def confusion_matrix(
+        self, spec: TaskSpec, y_true: Sequence, y_pred: Sequence, steps: int = 10
+    ) -> tuple[np.ndarray, list[str]]:
+        """``(int64 (K, K) counts, K class names)`` (rows = true, columns = predicted) from 1-D host arrays.
+        Default: the ``num_classes`` classes, named by ``label_names`` (else ``0..K-1``); ``steps`` is unused."""
+        from fastpals.data.scores import confusion_matrix, paired_arrays
+
+        num_classes = self.num_classes(spec)
+        names = [spec.label_name(k) for k in range(num_classes)]
+        true, pred = paired_arrays(y_true, y_pred, np.float64)
+        return confusion_matrix(true, pred, num_classes), names
+
+
+class Classification(TaskKind):
+    """``num_labels``-way classification: cross-entropy on ``num_labels`` logits, labels class indices (int64),
+    prediction the argmax, scored by accuracy."""
+
+    name = "classification"
+    losses = ("ce",)
+
+    def head_outputs(self, num_labels: int) -> int:
+        """``num_labels`` itself (>= 2)."""
+        if num_labels < 2:
+            raise ValueError("classification needs num_labels >= 2")
+        return num_labels
+
+    def task_file_num_labels(self, value: Any) -> int:
+        """The number of classes, an int >= 2 (required)."""
+        if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+            what = "missing" if value is None else f"{value!r} must be an int >= 2"
+            raise ValueError(f"{what} (classification needs the number of classes)")
+        return value
+
+    def loss(self, spec: TaskSpec, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of the fp32 logits ``[n, K]`` against the class indices ``labels`` ``[n]``."""
+        return F.cross_entropy(logits.float(), labels.long())
+
+    def predict(self, spec: TaskSpec, logits: torch.Tensor) -> torch.Tensor:
+        """The argmax class ``[n]`` as float32."""
+        return logits.float().argmax(-1).float()
+
+    def confidence(self, spec: TaskSpec, logits: torch.Tensor) -> torch.Tensor:
+        """The softmax probability of the argmax class, float32 ``[n]``."""
+        return logits.float().softmax(-1).amax(-1)
+
+
+class Binary(TaskKind):
+    """Binary classification: one logit trained with BCE, labels 0/1 (float32 in batches; JSON booleans
+    accepted), prediction ``logit > 0``, scored by accuracy."""
+
+    name = "binary"
+    losses = ("bce",)
+    label_dtype = torch.float32
+    boolean_labels = True
+
+    def head_outputs(self, num_labels: int) -> int:
+        """Always 1 (one logit)."""
+        return 1
+
+    def task_file_num_labels(self, value: Any) -> int:
+        """Absent or 2; gives 1 (one logit)."""
+        if value not in (None, 2) or isinstance(value, bool):
+            raise ValueError(f"a binary task has 2 labels, got {value!r}")
+        return 1
+
+    def num_classes(self, spec: TaskSpec) -> int:
+        """Always 2."""
+        return 2
+
+    def loss(self, spec: TaskSpec, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean BCE-with-logits of the fp32 logit ``logits[:, 0]`` against the 0/1 ``labels`` ``[n]``."""
+        return F.binary_cross_entropy_with_logits(logits[:, 0].float(), labels.float())
+
+    def predict(self, spec: TaskSpec, logits: torch.Tensor) -> torch.Tensor:
+        """``1.0`` where the logit is positive, else ``0.0``; float32 ``[n]``."""
+        return (logits.float()[:, 0] > 0).float()
+
+    def confidence(self, spec: TaskSpec, logits: torch.Tensor) -> torch.Tensor:
+        """``max(p, 1 - p)`` with ``p = sigmoid(logit)``, float32 ``[n]``."""
+        p = logits.float()[:, 0].sigmoid()
+        return torch.where(p >= 0.5, p, 1 - p)
+
+
+class Regression(TaskKind):
+    """Regression on a score in ``label_range`` (``low >= 0``): one value trained on ``label / label_scale``
+    (``loss="mse"``) or with CoSENT (``loss="cosine"``, a ranking loss on the scores' pairwise order within the
+    batch); prediction ``clip(z, 0, 1) * label_scale``, or ``cos * label_scale`` unclipped for
+    ``pair_mode="sbert_cosine"`` (the cosine as sentence-transformers scores it, so an exported model gives the same
+    correlations); Pearson (primary) and Spearman correlations."""
+
+    name = "regression"
+    losses = ("mse", "cosine")
+    metric_names = ("pearson", "spearman")
+    integer_labels = False
+    label_dtype = torch.float32
+    scored = True
+    cosine_pairs = True
+
+    def head_outputs(self, num_labels: int) -> int:
+        """Always 1 (one value)."""
+        return 1
+
+    def task_file_num_labels(self, value: Any) -> int:
+        """Must be absent (a regression task gives ``label_range`` instead); gives 1."""
+        if value is not None:
+            raise ValueError("not used by a regression task (give label_range)")
+        return 1
+
+    def num_classes(self, spec: TaskSpec) -> None:
+        """None: a score has no classes."""
+        return None
+
+    def check_labels(self, spec: TaskSpec, fail: Fail) -> None:
+        """``label_range`` defaults to ``(0, label_scale or 1)`` and needs ``low >= 0``; ``label_scale``
+        defaults to the range's high and may not be below it; no ``label_names``."""
+        if spec.label_names is not None:
+            fail(f"label_names is for {kind_names(lambda kind: not kind.scored)} tasks")
+        if spec.label_range is None:
+            spec.label_range = (0.0, float(spec.label_scale or 1.0))
+        low, high = spec.label_range
+        if low < 0:
+            fail(
+                f"label_range [{low:g}, {high:g}]: low must be >= 0 (the model predicts in "
+                "[0, label_scale]); shift the labels"
+            )
+        if spec.label_scale is None:
+            spec.label_scale = high
+        if not spec.label_scale >= high:
+            fail(f"label_scale={spec.label_scale:g} is below label_range's high {high:g}")
+
+    def loss(self, spec: TaskSpec, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """``mse``: mean squared error of the fp32 ``logits[:, 0]`` against ``labels / label_scale``;
+        ``cosine``: :func:`cosent_loss` of ``logits[:, 0]`` and the raw ``labels`` ``[n]``."""
+        if spec.loss == "mse":
+            return F.mse_loss(logits[:, 0].float(), labels.float() / spec.label_scale)
+        return cosent_loss(logits[:, 0].float(), labels.float())
+
+    def predict(self, spec: TaskSpec, logits: torch.Tensor) -> torch.Tensor:
+        """``clip(logits[:, 0], 0, 1) * label_scale``, float32 ``[n]``; for ``sbert_cosine`` pairs the cosine
+        ``logits[:, 0]`` in ``[-1, 1]`` times ``label_scale``, unclipped."""
+        score = logits.float()[:, 0]
+        if spec.pair_mode != "sbert_cosine":
+            score = score.clamp(0.0, 1.0)
+        return score * spec.label_scale
+
+    def metrics(self, spec: TaskSpec, y_true: Sequence, y_pred: Sequence) -> dict[str, float]:
+        """``{"pearson": r, "spearman": rho}`` in float64 over the whole set (``N >= 2``); NaN, without a
+        warning, when either side is constant."""
+        from fastpals.data.scores import pearson, spearman
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            return {"pearson": pearson(y_true, y_pred), "spearman": spearman(y_true, y_pred)}
+
+    def unit_score(self, spec: TaskSpec, value: float) -> float:
+        """``(r + 1) / 2`` of the Pearson ``r`` (NaN counts as ``r = 0``); ``ValueError`` outside [-1, 1]."""
+        value = 0.0 if math.isnan(value) else float(value)
+        if not -1.0 <= value <= 1.0:
+            raise ValueError(f"task {spec.name!r}: Pearson r must be in [-1, 1], got {value!r}")
+        return (value + 1.0) / 2.0
+
+    def confusion_matrix(
+        self, spec: TaskSpec, y_true: Sequence, y_pred: Sequence, steps: int = 10
+    ) -> tuple[np.ndarray, list[str]]:
+        """Labels and predictions clipped to ``label_range`` and rounded to ``steps + 1`` evenly spaced values
+        (halves round up), named by those values: ``(int64 (steps + 1, steps + 1), names)``."""
+        from fastpals.data.scores import as_1d, confusion_matrix
+
+        low, high = spec.label_range
+        binned = []
+        for name, values in (("y_true", y_true), ("y_pred", y_pred)):
+            array = as_1d(values, name, np.float64)
+            if not np.isfinite(array).all():
+                raise ValueError(f"{name} holds non-finite values (NaN or inf)")
+            binned.append(
+                np.floor((np.clip(array, low, high) - low) / (high - low) * steps + 0.5).astype(np.int64)
+            )
+        names = [f"{low + k * (high - low) / steps:g}" for k in range(steps + 1)]
+        return confusion_matrix(binned[0], binned[1], steps + 1), names
+
+
+def cosent_loss(scores: torch.Tensor, labels: torch.Tensor, scale: float = 20.0) -> torch.Tensor:
+    """CoSENT: ``log(1 + sum_{y_i > y_j} exp(s * (p_j - p_i)))`` over the pairs of a batch.
+
+    ``scores`` and ``labels`` float ``[n]``; returns a 0-dim tensor of ``scores``' dtype (0-dim ``log 1 = 0``
+    when no pair is ordered)."""
+    diff = scale * (scores[None, :] - scores[:, None])  # [i, j] = s (p_j - p_i)
+    keep = labels[:, None] > labels[None, :]
+    diff = diff.masked_fill(~keep, float("-inf"))
+    return torch.logsumexp(torch.cat([diff.new_zeros(1), diff.flatten()]), 0)
+
+
+TASK_KINDS: dict[str, TaskKind] = {}
+
+
+def register_task_kind(kind: TaskKind, replace: bool = False) -> TaskKind:
+    """Add ``kind`` to :data:`TASK_KINDS` under ``kind.name`` and return it. A name already registered is a
+    ``ValueError`` unless ``replace``."""
+    if not isinstance(kind, TaskKind):
+        raise TypeError(f"register_task_kind takes a TaskKind instance, got {type(kind).__name__}")
+    if not kind.name or not isinstance(kind.name, str):
+        raise ValueError(f"{type(kind).__name__}.name must be a non-empty str, got {kind.name!r}")
+    if not kind.losses or not kind.metric_names:
+        raise ValueError(f"{type(kind).__name__} needs at least one loss and one metric name")
+    if kind.name in TASK_KINDS and not replace:
+        raise ValueError(f"task kind {kind.name!r} is already registered ({TASK_KINDS[kind.name]!r})")
+    TASK_KINDS[kind.name] = kind
+    return kind
+
+
+def kind_names(where: Callable[[TaskKind], bool]) -> str:
+    """The registered kinds ``where`` holds for, in registration order, for messages: ``"a"``,
+    ``"a and b"``, ``"a, b and c"``."""
+    names = [name for name, kind in TASK_KINDS.items() if where(kind)]
+    if len(names) <= 1:
+        return "".join(names)
+    return ", ".join(names[:-1]) + " and " + names[-1]
+
+
+for _kind in (Classification(), Binary(), Regression()):
+    register_task_kind(_kind)
+del _kind

@@ -1,0 +1,552 @@
+"""The task registry: one definition per task holds the model side, the file format and the metric.
+
+A :class:`TaskSpec` says
+
+* what the model does with the task: ``kind`` (``classification`` / ``binary`` / ``regression``), ``num_labels``,
+  ``pair`` and ``pair_mode``, ``head``, ``pooling``, ``loss``, ``label_scale``;
+* where its examples are and how they are read: ``files`` per split, ``columns`` (``text``, ``text_pair``,
+  ``label``, ``id``), ``format`` (``csv``, ``tsv`` or ``jsonl``; by file extension when ``None``),
+  ``label_range`` and ``label_names``;
+* how it is scored: ``metric`` (``accuracy``, or ``pearson`` for regression; Spearman is reported beside it).
+
+The built-in tasks are in :data:`TASKS` (``sst``, ``para``, ``sts``, ``cfimdb``, the CS224N files, whose
+relative file names resolve against the data folder). Users define their own in a JSON task file::
+
+    {"name": "imdb", "kind": "classification", "num_labels": 2,
+     "files": {"train": "imdb/train.jsonl", "dev": "imdb/dev.jsonl", "test": "imdb/test.jsonl"},
+     "columns": {"text": "review", "label": "label"}}
+
+loaded with :meth:`TaskSpec.from_file`; :func:`resolve_tasks` turns ``"sst,para,path/to/imdb.json"`` (the
+trainer's ``--tasks``) into a list of specs. The keys of a task file:
+
+``name``
+    task name (default: the file name without ``.json``); letters, digits, ``_`` and ``-``.
+``kind``
+    ``classification`` (``num_labels``-way cross-entropy), ``binary`` (one logit, labels 0/1) or ``regression``
+    (one value; Pearson and Spearman), or another kind registered in :data:`fastpals.data.task_kinds.TASK_KINDS`.
+``num_labels``
+    classes of a classification task (>= 2); optional for binary (must then be 2), absent for regression.
+``files``
+    ``{"train": ..., "dev": ..., "test": ...}``, at least ``train``; paths relative to the task file's folder.
+    ``test`` files may lack the label column. When ``dev`` names the same file as ``train``, ``dev`` is the 10%
+    of examples whose id hashes below 10 (``sha256(id)`` mod 100, as for Quora) and ``train`` the rest.
+``columns``
+    ``{"text": ..., "label": ...}`` plus ``"text_pair"`` for sentence-pair tasks and ``"id"`` when the
+    files have an id column (ids must then be unique per file; without it, examples are named ``line<N>``).
+    For CSV/TSV these are header names, for JSONL keys of each object.
+``format``
+    ``csv``, ``tsv`` or ``jsonl`` for every file; default by extension (``.csv``, ``.tsv``/``.tab``,
+    ``.jsonl``/``.ndjson``).
+``label_range``
+    regression only: ``[low, high]`` with ``0 <= low < high`` (default ``[0, 1]``); labels outside are bad rows.
+    The model predicts ``clip(z, 0, 1) * high``.
+``label_names``
+    classification/binary: one name per class; label cells may then hold a name instead of an index, and
+    ``fastpals predict`` prints the name.
+``head``, ``pooling``, ``loss``, ``pair_mode``
+    optional model settings, as the fields of :class:`TaskSpec`.
+
+Anything else is an error (a mistyped key is never ignored). Errors are :class:`TaskFileError`, one line
+naming the task file and the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastpals.data.task_kinds import TASK_KINDS, TaskKind, kind_names
+
+__all__ = [
+    "FORMATS",
+    "KINDS",
+    "TASKS",
+    "TASK_KINDS",
+    "TaskFileError",
+    "TaskSpec",
+    "get_task",
+    "resolve_tasks",
+]
+
+KINDS = tuple(
+    TASK_KINDS
+)  # the built-in kinds; TASK_KINDS (fastpals.data.task_kinds) holds every registered one
+PAIR_MODES = ("joint", "sbert_cosine", "sbert_concat")
+HEADS = ("linear", "mlp")
+POOLINGS = ("cls", "mean", "max")
+FORMATS = ("csv", "tsv", "jsonl")
+SPLITS = ("train", "dev", "test")
+COLUMN_ROLES = ("text", "text_pair", "label", "id")
+FORMAT_BY_EXTENSION = {".csv": "csv", ".tsv": "tsv", ".tab": "tsv", ".jsonl": "jsonl", ".ndjson": "jsonl"}
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
+
+
+class TaskFileError(ValueError):
+    """A task file (or a task definition) is invalid: ``path`` and ``key`` say where, the message in one line."""
+
+    def __init__(self, path: str | os.PathLike | None, key: str | None, reason: str) -> None:
+        self.path = None if path is None else str(path)
+        self.key = key
+        self.reason = reason
+        where = ": ".join(part for part in (self.path, key) if part)
+        super().__init__(f"{where}: {reason}" if where else reason)
+
+
+@dataclass
+class TaskSpec:
+    """One task: model side, file format and metric (see the module docstring for the task-file keys).
+
+    Model side:
+
+    - ``kind``: ``classification`` (``num_labels``-way cross-entropy), ``binary`` (one logit, BCE) or
+      ``regression`` (one value trained on ``label / label_scale``; predictions clipped to [0, 1] and scaled
+      back, as in Bert-n-Pals' STS), or any kind registered in :data:`fastpals.data.task_kinds.TASK_KINDS`;
+      :attr:`task_kind` is its :class:`~fastpals.data.task_kinds.TaskKind` object, which holds the kind's loss,
+      predictions, metrics and label rules.
+    - ``pair``/``pair_mode``: pair tasks as a joint cross-encoder (``[CLS] a [SEP] b [SEP]``), as SBERT with
+      cosine similarity (regression only: the cosine is the prediction in [0, 1] units of the label range), or as
+      SBERT with concatenation ``(u, v, |u - v|)`` into the head.
+    - ``head``: ``linear`` (dropout + Linear) or ``mlp`` (Linear, GELU, dropout, Linear); ``pooling``: ``cls``
+      (BERT's pooler on [CLS]), ``mean`` or ``max`` over tokens.
+    - ``loss``: ``ce`` / ``bce`` / ``mse``, or ``cosine`` for regression (CoSENT: a ranking loss on the
+      predicted scores' pairwise order within the batch).
+    - ``label_scale``: regression labels are divided by it for training; default ``label_range[1]`` (1.0 for
+      the other kinds).
+
+    Files:
+
+    - ``files``: file per split (``train``/``dev``/``test``); relative names resolve against the data folder
+      (``$FASTPALS_DATA_DIR``), task files store absolute paths. Empty for a task that has no files; when empty
+      and ``data`` (default ``name``) is a built-in task, the built-in files, columns and format are filled in.
+    - ``columns``: ``{"text", "label"}`` plus ``"text_pair"`` (pairs) and ``"id"`` (optional).
+    - ``format``: ``csv`` / ``tsv`` / ``jsonl``, or ``None`` for "by extension".
+    - ``label_range``: inclusive bounds of a valid label; derived for classification ``(0, K - 1)`` and binary
+      ``(0, 1)``; regression default ``(0, label_scale)``.
+    - ``label_names``: one name per class (classification/binary), or ``None``.
+    - ``source``: the task file this spec came from, if any.
+    """
+
+    name: str
+    kind: str
+    num_labels: int = 1
+    pair: bool = False
+    pair_mode: str = "joint"
+    head: str = "linear"
+    pooling: str = "cls"
+    loss: str | None = None
+    label_scale: float | None = None
+    data: str | None = None
+    files: dict[str, str] = field(default_factory=dict)
+    columns: dict[str, str] = field(default_factory=dict)
+    format: str | None = None
+    label_range: tuple[float, float] | None = None
+    label_names: list[str] | None = None
+    source: str | None = None
+
+    def __post_init__(self) -> None:
+        def fail(reason: str) -> None:
+            raise ValueError(f"task {self.name!r}: {reason}")
+
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"task name must be a non-empty str, got {self.name!r}")
+        if not isinstance(self.kind, str) or self.kind not in TASK_KINDS:
+            fail(f"kind={self.kind!r}, choose one of {tuple(TASK_KINDS)}")
+        kind = self.task_kind
+        if isinstance(self.num_labels, bool) or not isinstance(self.num_labels, int):
+            fail(f"num_labels must be an int, got {self.num_labels!r}")
+        try:
+            self.num_labels = kind.head_outputs(self.num_labels)
+        except ValueError as err:
+            fail(str(err))
+        if self.loss is None:
+            self.loss = kind.losses[0]
+        if self.loss not in kind.losses:
+            fail(f"loss={self.loss!r} not valid for {self.kind} ({kind.losses})")
+        if self.pair_mode not in PAIR_MODES:
+            fail(f"pair_mode={self.pair_mode!r}, choose one of {PAIR_MODES}")
+        if self.pair_mode != "joint" and not self.pair:
+            fail(f"pair_mode={self.pair_mode!r} needs pair=True")
+        if self.pair_mode == "sbert_cosine" and not kind.cosine_pairs:
+            fail(f"sbert_cosine is for {kind_names(lambda k: k.cosine_pairs)} tasks")
+        if self.head not in HEADS:
+            fail(f"head={self.head!r}, choose one of {HEADS}")
+        if self.pooling not in POOLINGS:
+            fail(f"pooling={self.pooling!r}, choose one of {POOLINGS}")
+
+        builtin = _BUILTIN_FORMATS.get(self.data or self.name)
+        if not self.files and not self.columns and builtin is not None and builtin["pair"] == self.pair:
+            self.files = dict(builtin["files"])
+            self.columns = dict(builtin["columns"])
+            self.format = builtin["format"]
+            if self.label_names is None and builtin["label_names"] is not None and not kind.scored:
+                if len(builtin["label_names"]) == self.num_classes:
+                    self.label_names = list(builtin["label_names"])
+            if kind.scored and self.label_range is None and builtin["label_range"] is not None:
+                self.label_range = builtin["label_range"]
+        self.files = dict(self.files)
+        self.columns = dict(self.columns)
+        bad_splits = [split for split in self.files if split not in SPLITS]
+        if bad_splits:
+            fail(f"files has split(s) {bad_splits}; the splits are {SPLITS}")
+        bad_roles = [role for role in self.columns if role not in COLUMN_ROLES]
+        if bad_roles:
+            fail(f"columns has key(s) {bad_roles}; the keys are {COLUMN_ROLES}")
+        if self.columns:
+            for role in ("text", "label"):
+                if role not in self.columns:
+                    fail(f"columns needs a {role!r} entry")
+            if "text_pair" in self.columns and not self.pair:
+                fail("columns has a 'text_pair' entry but pair=False")
+            if self.pair and "text_pair" not in self.columns:
+                fail("pair=True needs a 'text_pair' entry in columns")
+        if self.format is not None and self.format not in FORMATS:
+            fail(f"format={self.format!r}, choose one of {FORMATS}")
+
+        self._check_labels(fail)
+
+    def _check_labels(self, fail: Any) -> None:
+        if self.label_range is not None:
+            if len(self.label_range) != 2:
+                fail(f"label_range must be [low, high], got {self.label_range!r}")
+            low, high = (float(v) for v in self.label_range)
+            if not low < high:
+                fail(f"label_range [{low:g}, {high:g}] needs low < high")
+            self.label_range = (low, high)
+        self.task_kind.check_labels(self, fail)
+        self.label_scale = float(self.label_scale)
+        if not self.label_scale > 0:
+            fail("label_scale must be > 0")
+
+    # --- derived ------------------------------------------------------------------------------------------------
+    @property
+    def task_kind(self) -> TaskKind:
+        """The kind object of ``kind`` (``TASK_KINDS[kind]``): its loss, predictions, metrics and label rules."""
+        return TASK_KINDS[self.kind]
+
+    @property
+    def metric(self) -> str:
+        """The primary dev metric: ``"pearson"`` (regression) or ``"accuracy"`` (the kind's first metric)."""
+        return self.task_kind.metric_names[0]
+
+    @property
+    def metrics(self) -> tuple[str, ...]:
+        """Every metric reported for the task: ``("pearson", "spearman")`` or ``("accuracy",)`` (the kind's)."""
+        return self.task_kind.metric_names
+
+    @property
+    def siamese(self) -> bool:
+        return self.pair and self.pair_mode != "joint"
+
+    @property
+    def num_classes(self) -> int | None:
+        """Classes of a classification (``num_labels``) or binary (2) task; ``None`` for regression."""
+        return self.task_kind.num_classes(self)
+
+    @property
+    def label_column(self) -> str | None:
+        return self.columns.get("label")
+
+    @property
+    def label_kind(self) -> str:
+        """Same as ``kind`` (the name the data readers used)."""
+        return self.kind
+
+    @property
+    def integer_labels(self) -> bool:
+        """Labels are whole numbers (class indices or 0/1); False for regression scores."""
+        return self.task_kind.integer_labels
+
+    @property
+    def label_dtype(self) -> Any:
+        """The batch label dtype: ``torch.int64`` for classification (class indices), ``torch.float32`` for
+        binary and regression."""
+        return self.task_kind.label_dtype
+
+    def label_name(self, label: int) -> str:
+        """The name of class ``label`` (``label_names``), or the index as text."""
+        if self.label_names is not None and 0 <= int(label) < len(self.label_names):
+            return self.label_names[int(label)]
+        return str(int(label))
+
+    def file_format(self, split: str) -> str:
+        """``csv``, ``tsv`` or ``jsonl`` for the file of ``split`` (``format``, else by extension)."""
+        if self.format is not None:
+            return self.format
+        path = self.files[split]
+        fmt = FORMAT_BY_EXTENSION.get(Path(path).suffix.lower())
+        if fmt is None:
+            raise TaskFileError(
+                self.source,
+                f"files.{split}",
+                f'cannot tell the format of {path} from its extension: add "format": '
+                f"one of {', '.join(FORMATS)}",
+            )
+        return fmt
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON fields; ``TaskSpec(**spec.to_dict())`` rebuilds the spec."""
+        out = dataclasses.asdict(self)
+        out["label_range"] = None if self.label_range is None else list(self.label_range)
+        return out
+
+    # --- task files ---------------------------------------------------------------------------------------------
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> TaskSpec:
+        """Read a JSON task file (keys in the module docstring); relative file paths resolve against its folder.
+
+        Raises:
+            TaskFileError: the file is missing, not JSON, or has a bad key or value (one line naming file and
+                key), or a data file it lists does not exist.
+        """
+        path = Path(path).expanduser()
+        if not path.is_file():
+            raise TaskFileError(path, None, "task file does not exist")
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError:
+            raise TaskFileError(path, None, "not valid UTF-8") from None
+        except json.JSONDecodeError as err:
+            raise TaskFileError(path, None, f"not valid JSON: {err.msg} at line {err.lineno}") from None
+        return cls.from_task_dict(raw, base_dir=path.resolve().parent, source=path)
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> TaskSpec:
+        """The inverse of :meth:`to_dict` (every field; not the task-file schema, see :meth:`from_task_dict`)."""
+        return cls(**fields)
+
+    @classmethod
+    def from_task_dict(
+        cls,
+        raw: dict[str, Any],
+        base_dir: str | os.PathLike | None = None,
+        source: str | os.PathLike | None = None,
+        check_files: bool = True,
+    ) -> TaskSpec:
+        """A spec from the contents of a task file (see the module docstring).
+
+        Args:
+            raw: the parsed JSON object.
+            base_dir: folder that relative ``files`` resolve against (default: the current folder).
+            source: the task file, for error messages and ``TaskSpec.source``.
+            check_files: require every listed data file to exist.
+        """
+        src = None if source is None else str(source)
+        if not isinstance(raw, dict):
+            raise TaskFileError(src, None, f"must hold a JSON object, got {type(raw).__name__}")
+        allowed = (
+            "name", "kind", "num_labels", "files", "columns", "format", "label_range", "label_names",
+            "head", "pooling", "loss", "pair_mode",
+        )  # fmt: skip
+        unknown = [key for key in raw if key not in allowed]
+        if unknown:
+            raise TaskFileError(src, unknown[0], f"unknown key (the keys are {', '.join(allowed)})")
+
+        name = raw.get("name")
+        if name is None:
+            if src is None:
+                raise TaskFileError(src, "name", "missing")
+            name = Path(src).stem
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise TaskFileError(src, "name", f"{name!r} must be letters, digits, '_' or '-'")
+        kind = raw.get("kind")
+        if not isinstance(kind, str) or kind not in TASK_KINDS:
+            what = "missing" if kind is None else f"{kind!r} is not one of {', '.join(TASK_KINDS)}"
+            raise TaskFileError(src, "kind", what)
+        try:
+            num_labels = TASK_KINDS[kind].task_file_num_labels(raw.get("num_labels"))
+        except ValueError as err:
+            raise TaskFileError(src, "num_labels", str(err)) from None
+
+        files = raw.get("files")
+        if not isinstance(files, dict) or not files:
+            raise TaskFileError(src, "files", 'needs an object like {"train": PATH, "dev": PATH}')
+        base = Path(base_dir) if base_dir is not None else Path.cwd()
+        resolved: dict[str, str] = {}
+        for split, value in files.items():
+            key = f"files.{split}"
+            if split not in SPLITS:
+                raise TaskFileError(src, key, f"unknown split (the splits are {', '.join(SPLITS)})")
+            if not isinstance(value, str) or not value:
+                raise TaskFileError(src, key, f"must be a file path, got {value!r}")
+            file_path = Path(os.path.normpath(base / Path(value).expanduser()))
+            if check_files and not file_path.is_file():
+                raise TaskFileError(src, key, f"data file {file_path} does not exist")
+            resolved[split] = str(file_path)
+        if "train" not in resolved:
+            raise TaskFileError(src, "files.train", "missing (a task needs a training file)")
+
+        columns = raw.get("columns")
+        if not isinstance(columns, dict):
+            raise TaskFileError(src, "columns", 'needs an object like {"text": COLUMN, "label": COLUMN}')
+        for role, value in columns.items():
+            if role not in COLUMN_ROLES:
+                raise TaskFileError(
+                    src, f"columns.{role}", f"unknown key (the keys are {', '.join(COLUMN_ROLES)})"
+                )
+            if not isinstance(value, str) or not value:
+                raise TaskFileError(src, f"columns.{role}", f"must be a column name, got {value!r}")
+        for role in ("text", "label"):
+            if role not in columns:
+                raise TaskFileError(src, f"columns.{role}", "missing")
+
+        fmt = raw.get("format")
+        if fmt is not None and fmt not in FORMATS:
+            raise TaskFileError(src, "format", f"{fmt!r} is not one of {', '.join(FORMATS)}")
+        if fmt is None:
+            for split, value in resolved.items():
+                if Path(value).suffix.lower() not in FORMAT_BY_EXTENSION:
+                    raise TaskFileError(
+                        src,
+                        f"files.{split}",
+                        f'cannot tell the format of {value} from its extension: add "format": '
+                        f"one of {', '.join(FORMATS)}",
+                    )
+
+        label_range = raw.get("label_range")
+        if label_range is not None:
+            if not TASK_KINDS[kind].scored:
+                scored = kind_names(lambda k: k.scored)
+                raise TaskFileError(src, "label_range", f"only for {scored} tasks, this one is {kind}")
+            if (
+                not isinstance(label_range, list)
+                or len(label_range) != 2
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in label_range)
+            ):
+                raise TaskFileError(src, "label_range", f"must be [low, high] numbers, got {label_range!r}")
+        label_names = raw.get("label_names")
+        if label_names is not None and (
+            not isinstance(label_names, list) or not all(isinstance(n, str) for n in label_names)
+        ):
+            raise TaskFileError(src, "label_names", f"must be a list of strings, got {label_names!r}")
+
+        options = {key: raw[key] for key in ("head", "pooling", "loss", "pair_mode") if key in raw}
+        try:
+            return cls(
+                name,
+                kind,
+                num_labels=num_labels,
+                pair="text_pair" in columns,
+                files=resolved,
+                columns=dict(columns),
+                format=fmt,
+                label_range=None if label_range is None else tuple(label_range),
+                label_names=label_names,
+                source=None if src is None else str(Path(src).resolve()),
+                **options,
+            )
+        except ValueError as err:
+            raise TaskFileError(src, None, str(err)) from None
+
+
+def _builtin_format(
+    files: dict[str, str],
+    text: str,
+    label: str,
+    pair: bool,
+    label_names: list[str] | None = None,
+    label_range: tuple[float, float] | None = None,
+) -> dict[str, Any]:
+    columns = {"id": "id", "text": "sentence1" if pair else text, "label": label}
+    if pair:
+        columns["text_pair"] = "sentence2"
+    return {
+        "files": files, "columns": columns, "format": "tsv", "pair": pair, "label_names": label_names,
+        "label_range": label_range,
+    }  # fmt: skip
+
+
+QUORA_FILE = "quora-dev.csv"
+
+# The CS224N files (tab-separated although named .csv). Quora has one labelled file: ``para`` train and dev are
+# its hash split (same file for both splits), and there is no test file.
+_BUILTIN_FORMATS: dict[str, dict[str, Any]] = {
+    "sst": _builtin_format(
+        {"train": "ids-sst-train.csv", "dev": "ids-sst-dev.csv", "test": "ids-sst-test-student.csv"},
+        "sentence",
+        "sentiment",
+        False,
+        ["very negative", "negative", "neutral", "positive", "very positive"],
+    ),
+    "cfimdb": _builtin_format(
+        {"train": "ids-cfimdb-train.csv", "dev": "ids-cfimdb-dev.csv", "test": "ids-cfimdb-test-student.csv"},
+        "sentence",
+        "sentiment",
+        False,
+        ["negative", "positive"],
+    ),
+    "para": _builtin_format(
+        {"train": QUORA_FILE, "dev": QUORA_FILE},
+        "sentence",
+        "is_duplicate",
+        True,
+        ["not paraphrase", "paraphrase"],
+    ),
+    "sts": _builtin_format(
+        {"train": "sts-train.csv", "dev": "sts-dev.csv", "test": "sts-test-student.csv"},
+        "sentence",
+        "similarity",
+        True,
+        label_range=(0.0, 5.0),
+    ),
+}
+
+TASKS: dict[str, TaskSpec] = {
+    "sst": TaskSpec("sst", "classification", num_labels=5),
+    "para": TaskSpec("para", "binary", pair=True),
+    "sts": TaskSpec("sts", "regression", pair=True),
+    "cfimdb": TaskSpec("cfimdb", "binary"),
+}
+
+
+def get_task(task: str | TaskSpec) -> TaskSpec:
+    """A copy of a built-in task by name (``sst``, ``para``, ``sts``, ``cfimdb``), or a :class:`TaskSpec` as is."""
+    if isinstance(task, TaskSpec):
+        return task
+    if task not in TASKS:
+        raise ValueError(
+            f"unknown task {task!r}: built-in tasks are {sorted(TASKS)} (or pass a TaskSpec or a task file)"
+        )
+    return dataclasses.replace(TASKS[task])
+
+
+def _looks_like_path(item: str) -> bool:
+    return item.lower().endswith(".json") or "/" in item or os.sep in item
+
+
+def resolve_tasks(tasks: str | Sequence[str | TaskSpec]) -> list[TaskSpec]:
+    """Built-in names and task files to specs, in order: ``"sst,para,path/to/imdb.json"`` (the trainer's
+    ``--tasks``) or a list of names, paths and specs.
+
+    An item is a task file when it ends in ``.json`` or contains a path separator, else a built-in name.
+
+    Raises:
+        ValueError: an unknown name, an empty list, or two tasks with one name (one line each).
+        TaskFileError: a bad task file (a ``ValueError`` too).
+    """
+    items = [t.strip() for t in tasks.split(",")] if isinstance(tasks, str) else list(tasks)
+    items = [t for t in items if not (isinstance(t, str) and not t)]
+    if not items:
+        raise ValueError("no tasks given")
+    specs: list[TaskSpec] = []
+    for item in items:
+        if isinstance(item, TaskSpec):
+            specs.append(item)
+        elif item in TASKS:
+            specs.append(get_task(item))
+        elif _looks_like_path(item) or Path(item).is_file():
+            specs.append(TaskSpec.from_file(item))
+        else:
+            raise ValueError(
+                f"unknown task {item!r}: give a built-in task ({', '.join(TASKS)}) or a task file ending in .json"
+            )
+    names = [spec.name for spec in specs]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"task name(s) {', '.join(twice)} given twice (tasks: {', '.join(names)})")
+    return specs

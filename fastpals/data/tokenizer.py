@@ -1,0 +1,420 @@
+"""The checkpoint's own tokenizer, on the Rust ``tokenizers`` library, with truncation counting and padding.
+
+``Tokenizer.from_pretrained(name_or_path)`` loads the model's ``tokenizer.json`` (what transformers 5 saves for
+every tokenizer, BERT's included) with its normalizer, pre-tokenizer, model and post-processor, so its special
+tokens and its pair template are the checkpoint's:
+
+    BERT, ELECTRA, DistilBERT:   [CLS] a [SEP] b [SEP]         token types 0 ... 0 1 ... 1
+    RoBERTa, XLM-R:              <s> a </s></s> b </s>
+    DeBERTa-v2/v3, ModernBERT:   [CLS] a [SEP] b [SEP]
+
+The special-token names (pad, unk, mask) come from ``tokenizer_config.json`` / ``special_tokens_map.json``; the
+pad id must be in the vocabulary. Token types are kept only where the model has them (its ``config.json`` has
+``type_vocab_size >= 2``); elsewhere they are all 0.
+
+A folder with only a BERT ``vocab.txt`` (older checkpoints) gets the uncased BERT pipeline built from it: BERT
+normalizer (clean control characters, space around CJK characters, lower-case), BERT pre-tokenizer, WordPiece
+(``##``, ``[UNK]`` for words over 100 characters), the template above. It is the same pipeline as the
+``tokenizer.json`` of an uncased BERT: on the task data (SST, CFIMDB, STS, Quora) both give identical ids and
+token types, and neither is measurably faster, so ``tokenizer.json`` is read whenever the folder has it.
+
+Truncation is always on, at ``max_length`` tokens including the special tokens; pairs are truncated
+longest-first, as HF does. Every truncated sequence (or pair) is counted in ``Tokenizer.num_truncated``; nothing
+is cut without being counted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from tokenizers import Tokenizer as RustTokenizer
+from tokenizers import decoders, normalizers, pre_tokenizers, processors
+from tokenizers.models import WordPiece
+
+from fastpals.data.hub import resolve_model_dir
+
+__all__ = ["MAX_POSITIONS", "Encoded", "Tokenizer"]
+
+MAX_POSITIONS = 512
+SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+
+
+class Encoded(NamedTuple):
+    """One tokenized (unpadded) sequence: ``input_ids`` and ``token_type_ids``, both ``list[int]`` of one length."""
+
+    input_ids: list[int]
+    token_type_ids: list[int]
+
+
+def _read_vocab(path: Path) -> dict[str, int]:
+    vocab: dict[str, int] = {}
+    with open(path, encoding="utf-8") as handle:
+        for line_no, line in enumerate(handle):
+            token = line.rstrip("\n").rstrip("\r")
+            if token in vocab:  # BERT vocabularies have unique lines; a duplicate would silently shift ids
+                raise ValueError(f"{path}:{line_no + 1}: token {token!r} already at line {vocab[token] + 1}")
+            vocab[token] = line_no
+    if not vocab:
+        raise ValueError(f"{path} is empty: a vocab.txt holds one token per line")
+    missing = [token for token in SPECIAL_TOKENS if token not in vocab]
+    if missing:
+        raise ValueError(f"{path} lacks the special tokens {', '.join(missing)}")
+    return vocab
+
+
+def _bert_pipeline(vocab: dict[str, int]) -> RustTokenizer:
+    """The uncased BERT pipeline of a ``vocab.txt`` (see the module docstring)."""
+    rust = RustTokenizer(WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=100))
+    rust.normalizer = normalizers.BertNormalizer(
+        clean_text=True, handle_chinese_chars=True, strip_accents=None, lowercase=True
+    )
+    rust.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    rust.post_processor = processors.TemplateProcessing(
+        single="[CLS]:0 $A:0 [SEP]:0",
+        pair="[CLS]:0 $A:0 [SEP]:0 $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])],
+    )
+    rust.decoder = decoders.WordPiece(prefix="##")
+    rust.add_special_tokens(list(SPECIAL_TOKENS))
+    return rust
+
+
+def _check_texts(texts: Sequence[str], name: str) -> list[str]:
+    if isinstance(texts, str) or not isinstance(texts, Sequence):
+        raise TypeError(f"{name} must be a list of str, got {type(texts).__name__}")
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise TypeError(f"{name}[{i}] must be a str, got {type(text).__name__}")
+    return list(texts)
+
+
+def _check_max_length(max_length: int, pair: bool, limit: int = MAX_POSITIONS) -> int:
+    if isinstance(max_length, bool) or not isinstance(max_length, int):
+        raise TypeError(f"max_length must be an int, got {type(max_length).__name__}")
+    smallest = 4 if pair else 3  # room for the special tokens and one token of text per sequence
+    if not smallest <= max_length <= limit:
+        raise ValueError(f"max_length must be in [{smallest}, {limit}], got {max_length}")
+    return max_length
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON ({err})") from None
+    return data if isinstance(data, dict) else {}
+
+
+def _token_name(value: Any) -> str | None:
+    """A special token as tokenizer_config.json / special_tokens_map.json write it: a str or {"content": str}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+#: files a tokenizer folder may hold (fetched from the Hub when present)
+TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "config.json")
+#: a tokenizer folder holds one of these (the first is read when both are there)
+TOKENIZER_MAIN_FILES = ("tokenizer.json", "vocab.txt")
+
+
+class Tokenizer:
+    """A checkpoint's tokenizer (``tokenizer.json``, or a BERT ``vocab.txt``) with dynamic padding.
+
+    Build it with ``Tokenizer.from_pretrained("minilm-l6" | folder | hub name)`` or ``Tokenizer(vocab_file)``
+    (a BERT ``vocab.txt``).
+
+    Attributes:
+        source: the file it was built from (``tokenizer.json`` or ``vocab.txt``).
+        vocab_size: number of tokens (added tokens included).
+        pad_token_id, unk_token_id, mask_token_id: special token ids (unk / mask None when the tokenizer has none).
+        cls_token_id, sep_token_id: the first and last special token of a single sequence (BERT ``[CLS]`` /
+            ``[SEP]``, RoBERTa ``<s>`` / ``</s>``).
+        token_types: whether ``token_type_ids`` carry the pair's segment ids (else they are all 0).
+        max_positions: the longest ``max_length`` accepted (512, or the tokenizer config's longer ``model_max_length``).
+        num_truncated: how many sequences (a pair counts once) were truncated so far; reset it by assigning 0.
+
+    One instance sets its Rust tokenizer's truncation length per call: share it between threads only with a lock
+    (processes are fine: it pickles).
+    """
+
+    def __init__(
+        self,
+        vocab_file: str | os.PathLike | None = None,
+        *,
+        tokenizer_file: str | os.PathLike | None = None,
+        special_tokens: dict[str, str] | None = None,
+        token_types: bool = True,
+        max_positions: int = MAX_POSITIONS,
+    ) -> None:
+        if (vocab_file is None) == (tokenizer_file is None):
+            raise TypeError(
+                "Tokenizer takes one of vocab_file (a BERT vocab.txt) or tokenizer_file (tokenizer.json)"
+            )
+        special = dict(special_tokens or {})
+        if vocab_file is not None:
+            self.source = Path(vocab_file)
+            if not self.source.is_file():
+                raise FileNotFoundError(f"vocab_file {self.source} does not exist")
+            rust = _bert_pipeline(_read_vocab(self.source))
+            special = {"pad_token": "[PAD]", "unk_token": "[UNK]", "mask_token": "[MASK]", "cls_token": "[CLS]",
+                       "sep_token": "[SEP]", **special}  # fmt: skip
+        else:
+            self.source = Path(tokenizer_file)
+            if not self.source.is_file():
+                raise FileNotFoundError(f"tokenizer_file {self.source} does not exist")
+            try:
+                rust = RustTokenizer.from_file(str(self.source))
+            except Exception as err:  # the Rust library's parse errors carry no file name
+                raise ValueError(f"{self.source} is not a tokenizers tokenizer.json ({err})") from None
+            padding = rust.padding
+            if "pad_token" not in special and padding is not None:
+                special["pad_token"] = padding["pad_token"]
+        rust.no_padding()
+        rust.no_truncation()
+        self._rust = rust
+        self.special_tokens = special
+        self.vocab_size = rust.get_vocab_size(with_added_tokens=True)
+        pad = special.get("pad_token")
+        self.pad_token_id = None if pad is None else rust.token_to_id(pad)
+        if self.pad_token_id is None:
+            raise ValueError(
+                f"{self.source}: the tokenizer has no pad token{f' ({pad!r} is not in its vocabulary)' if pad else ''}"
+                ": set pad_token in tokenizer_config.json next to it"
+            )
+        self.unk_token_id = rust.token_to_id(special["unk_token"]) if "unk_token" in special else None
+        self.mask_token_id = rust.token_to_id(special["mask_token"]) if "mask_token" in special else None
+        empty = rust.encode("", add_special_tokens=True)
+        if not empty.ids:
+            raise ValueError(
+                f"{self.source}: the tokenizer adds no special tokens to a sequence (no post_processor "
+                "template): an encoder needs its [CLS]-like first token"
+            )
+        self.cls_token_id, self.sep_token_id = empty.ids[0], empty.ids[-1]
+        self.token_types = token_types
+        self.max_positions = max_positions
+        self.num_truncated = 0
+        self._truncation_length: int | None = None
+
+    @property
+    def vocab_file(self) -> Path:
+        """The file the tokenizer was built from (the former name of :attr:`source`)."""
+        return self.source
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | os.PathLike) -> Tokenizer:
+        """The tokenizer of ``"minilm-l6"``, a local folder, or a Hugging Face Hub repository id: its
+        ``tokenizer.json`` (else its BERT ``vocab.txt``), special tokens from ``tokenizer_config.json`` /
+        ``special_tokens_map.json``, token types as the folder's ``config.json`` says (``type_vocab_size``).
+
+        See ``fastpals.data.hub.resolve_model_dir`` for how the name is resolved and the errors it raises.
+        """
+        folder = resolve_model_dir(name_or_path, (), optional=TOKENIZER_FILES, any_of=TOKENIZER_MAIN_FILES)
+        special: dict[str, str] = {}
+        config = _read_json(folder / "tokenizer_config.json")
+        for data in (_read_json(folder / "special_tokens_map.json"), config):
+            for key in ("pad_token", "unk_token", "mask_token", "cls_token", "sep_token"):
+                name = _token_name(data.get(key))
+                if name is not None:
+                    special[key] = name
+        model_config = _read_json(folder / "config.json")
+        types = model_config.get("type_vocab_size", 2 if not model_config else 0)
+        limit = config.get("model_max_length")  # longer models (ModernBERT: 8192) raise the 512 of BERT
+        limit = max(MAX_POSITIONS, limit) if isinstance(limit, int) and limit <= 1_000_000 else MAX_POSITIONS
+        kwargs: dict[str, Any] = dict(
+            special_tokens=special, token_types=isinstance(types, int) and types >= 2, max_positions=limit
+        )
+        if (folder / "tokenizer.json").is_file():
+            return cls(tokenizer_file=folder / "tokenizer.json", **kwargs)
+        return cls(folder / "vocab.txt", **kwargs)
+
+    def save_pretrained(self, folder: str | os.PathLike) -> list[Path]:
+        """Write the tokenizer files HF transformers reads, so ``AutoTokenizer.from_pretrained(folder)`` gives a
+        tokenizer with the same ids, masks and token types (and ``Tokenizer.from_pretrained(folder)`` this
+        tokenizer): ``tokenizer.json`` (this Rust pipeline, without truncation or padding),
+        ``tokenizer_config.json`` and ``special_tokens_map.json`` (the source folder's, else BERT's), and for a
+        tokenizer built from a ``vocab.txt``, that file. Returns the paths written."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        pipeline = json.loads(self._rust.to_str())
+        pipeline["truncation"] = None
+        pipeline["padding"] = None
+        files = {"tokenizer.json": json.dumps(pipeline, ensure_ascii=False)}
+        src = self.source.parent
+        if self.source.name == "vocab.txt":
+            special = {k: v for k, v in self.special_tokens.items()}
+            config = {
+                "tokenizer_class": "BertTokenizer",
+                "do_lower_case": True,
+                "tokenize_chinese_chars": True,
+                "strip_accents": None,
+                "model_max_length": self.max_positions,
+                "clean_up_tokenization_spaces": True,
+                **special,
+            }
+            by_id = sorted(self._rust.get_vocab(with_added_tokens=False).items(), key=lambda kv: kv[1])
+            files["vocab.txt"] = "".join(t + "\n" for t, _ in by_id)
+            files["tokenizer_config.json"] = json.dumps(config, indent=2)
+            files["special_tokens_map.json"] = json.dumps(special, indent=2)
+        else:
+            for name in ("tokenizer_config.json", "special_tokens_map.json"):
+                if (src / name).is_file():
+                    files[name] = (src / name).read_text(encoding="utf-8")
+            if "tokenizer_config.json" not in files:
+                config = {"tokenizer_class": "PreTrainedTokenizerFast", **self.special_tokens}
+                files["tokenizer_config.json"] = json.dumps(config, indent=2)
+        paths = []
+        for name, text in files.items():
+            (folder / name).write_text(text, encoding="utf-8")
+            paths.append(folder / name)
+        return paths
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(source={str(self.source)!r}, vocab_size={self.vocab_size})"
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def _set_truncation(self, max_length: int) -> None:
+        if self._truncation_length != max_length:
+            self._rust.enable_truncation(max_length, stride=0, strategy="longest_first", direction="right")
+            self._truncation_length = max_length
+
+    def encode(
+        self, texts: Sequence[str], pair_texts: Sequence[str] | None = None, max_length: int = 128
+    ) -> list[Encoded]:
+        """Tokenize without padding.
+
+        Args:
+            texts: ``B`` strings.
+            pair_texts: ``None``, or ``B`` second sentences encoded jointly with the tokenizer's pair template.
+            max_length: most tokens per sequence, special tokens included (``<= max_positions``).
+
+        Returns:
+            ``B`` ``Encoded(input_ids, token_type_ids)``; truncated ones are counted in ``num_truncated``.
+        """
+        texts = _check_texts(texts, "texts")
+        max_length = _check_max_length(max_length, pair_texts is not None, self.max_positions)
+        if pair_texts is None:
+            inputs: list = texts
+        else:
+            pair_texts = _check_texts(pair_texts, "pair_texts")
+            if len(pair_texts) != len(texts):
+                raise ValueError(f"texts has {len(texts)} entries but pair_texts has {len(pair_texts)}")
+            inputs = list(zip(texts, pair_texts))
+        if not inputs:
+            return []
+        self._set_truncation(max_length)
+        encodings = self._rust.encode_batch(inputs, add_special_tokens=True)
+        self.num_truncated += sum(1 for enc in encodings if enc.overflowing)
+        if self.token_types:
+            return [Encoded(enc.ids, enc.type_ids) for enc in encodings]
+        return [Encoded(enc.ids, [0] * len(enc.ids)) for enc in encodings]
+
+    def pad(
+        self, encoded: Sequence[Encoded], return_tensors: str | None = "pt"
+    ) -> dict[str, torch.Tensor] | dict[str, list[list[int]]]:
+        """Pad to the longest sequence of the batch (right padding with ``[PAD]``, token type 0, mask 0).
+
+        Args:
+            encoded: ``B`` ``Encoded`` sequences (``B >= 1``).
+            return_tensors: ``"pt"`` for int64 tensors of shape ``(B, L)``, ``None`` for nested lists.
+
+        Returns:
+            ``{"input_ids", "attention_mask", "token_type_ids"}``, each ``(B, L)`` with ``L`` the longest length.
+        """
+        if return_tensors not in ("pt", None):
+            raise ValueError(f"return_tensors must be 'pt' or None, got {return_tensors!r}")
+        if len(encoded) == 0:
+            raise ValueError("encoded is empty: cannot pad a batch of 0 sequences")
+        longest = max(len(enc.input_ids) for enc in encoded)
+        input_ids = [enc.input_ids + [self.pad_token_id] * (longest - len(enc.input_ids)) for enc in encoded]
+        type_ids = [enc.token_type_ids + [0] * (longest - len(enc.token_type_ids)) for enc in encoded]
+        mask = [[1] * len(enc.input_ids) + [0] * (longest - len(enc.input_ids)) for enc in encoded]
+        if return_tensors is None:
+            return {"input_ids": input_ids, "attention_mask": mask, "token_type_ids": type_ids}
+        return {
+            "input_ids": torch.tensor(input_ids, dtype=torch.int64),
+            "attention_mask": torch.tensor(mask, dtype=torch.int64),
+            "token_type_ids": torch.tensor(type_ids, dtype=torch.int64),
+        }
+
+    def __call__(
+        self,
+        texts: Sequence[str],
+        pair_texts: Sequence[str] | None = None,
+        max_length: int = 128,
+        padding: bool = True,
+        return_tensors: str | None = "pt",
+    ) -> dict[str, torch.Tensor] | dict[str, list[list[int]]]:
+        """Tokenize a batch: single sentences, or pairs encoded jointly (the pair template; BERT: ``[CLS] a [SEP] b
+        [SEP]``, types 0/1).
+
+        Args:
+            texts: ``B`` strings (``B >= 1``).
+            pair_texts: ``None`` or ``B`` second sentences.
+            max_length: most tokens per sequence, special tokens included (``<= max_positions``); longer inputs are
+                truncated (longest-first for pairs) and counted in ``num_truncated``.
+            padding: ``True`` pads to the longest sequence of the batch. ``False`` is only allowed with
+                ``return_tensors=None`` (ragged lists; ``attention_mask`` all ones).
+            return_tensors: ``"pt"`` (int64 tensors ``(B, L)``) or ``None`` (lists).
+
+        Returns:
+            ``{"input_ids", "attention_mask", "token_type_ids"}``.
+        """
+        if isinstance(texts, str):
+            raise TypeError("texts must be a list of str (wrap a single sentence in a list)")
+        encoded = self.encode(texts, pair_texts, max_length)
+        if not encoded:
+            raise ValueError("texts is empty: nothing to tokenize")
+        if padding:
+            return self.pad(encoded, return_tensors)
+        if return_tensors is not None:
+            raise ValueError("padding=False gives ragged sequences: it needs return_tensors=None")
+        return {
+            "input_ids": [enc.input_ids for enc in encoded],
+            "attention_mask": [[1] * len(enc.input_ids) for enc in encoded],
+            "token_type_ids": [enc.token_type_ids for enc in encoded],
+        }
+
+    def encode_separately(
+        self,
+        texts_a: Sequence[str],
+        texts_b: Sequence[str],
+        max_length: int = 128,
+        return_tensors: str | None = "pt",
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Tokenize the two sentences of each pair as two single sequences (for siamese / bi-encoder heads).
+
+        Each side is a single sequence (BERT: ``[CLS] x [SEP]``) with token type 0, truncated to ``max_length`` on its own and padded to
+        the longest of its own side. Returns ``(batch_a, batch_b)`` as from ``__call__``.
+        """
+        texts_a = _check_texts(texts_a, "texts_a")
+        texts_b = _check_texts(texts_b, "texts_b")
+        if len(texts_a) != len(texts_b):
+            raise ValueError(f"texts_a has {len(texts_a)} entries but texts_b has {len(texts_b)}")
+        return (
+            self(texts_a, max_length=max_length, return_tensors=return_tensors),
+            self(texts_b, max_length=max_length, return_tensors=return_tensors),
+        )
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Turn ids back into text (WordPiece pieces merged; lower-cased as encoded)."""
+        return self._rust.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        """The vocabulary entry of each id."""
+        out = []
+        for i in ids:
+            token = self._rust.id_to_token(int(i))
+            if token is None:
+                raise ValueError(f"id {i} is outside the vocabulary (size {self.vocab_size})")
+            out.append(token)
+        return out

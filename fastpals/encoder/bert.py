@@ -1,0 +1,603 @@
+"""minBERT with Projected Attention Layers, in one file.
+
+A BERT encoder (embeddings, post-LN layers, pooler) whose parameter names are HF transformers' ``BertModel``
+names, so HF checkpoints load as they are (CS224N minBERT names and ``bert.``-prefixed checkpoints load too).
+PALs (Stickland & Murray 2019) add, per task t and per layer l,
+
+    TS_t(h) = act(V^D_t · MHA_{t,l}(V^E_t · h))           (act = GELU by default, as in the original code)
+    h'      = LN(attn_out + FFN(attn_out) + gate · TS_t(h))
+
+where V^E/V^D are shared across layers (or per layer), MHA_{t,l} has per-task Q/K/V and no output projection.
+Every example of a batch carries its own task id, so one call serves a batch that mixes tasks.
+
+Shapes: ``B`` batch, ``L`` padded length, ``N`` packed tokens, ``d`` hidden size, ``T`` tasks, ``d_s`` PAL width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+from fastpals.data.layout import BatchLayout, layout_from_cu_seqlens, make_layout
+from fastpals.encoder.checkpoints import (
+    LoadReport,
+    is_ignorable_key,
+    load_bert_state_dict,
+    normalize_key,
+    state_dict_mismatches,
+)
+from fastpals.encoder.pal_variants import (
+    PAL_VARIANTS,
+    PALLayer,
+    PALProjections,
+    PALTop,
+    PALVariant,
+    get_pal_variant,
+)
+from fastpals.encoder.task_params import (
+    freeze_shared_parameters,
+    is_layer_norm,
+    is_task_specific,
+    task_specific_kind,
+)
+from fastpals.functional import (
+    Dropout,
+    check_task_ids,
+)
+from fastpals_kernels import dispatch
+from fastpals_kernels.dispatch import padded_attention
+
+__all__ = [
+    "BatchLayout",
+    "BertConfig",
+    "BertModel",
+    "BertOutput",
+    "LoadReport",
+    "PALConfig",
+    "PALLayer",
+    "PALProjections",
+    "PALTop",
+    "PALVariant",
+    "freeze_shared_parameters",
+    "is_layer_norm",
+    "is_task_specific",
+    "load_bert_state_dict",
+    "make_layout",
+    "padded_attention",
+    "state_dict_mismatches",
+    "task_specific_kind",
+]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Configuration
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class BertConfig:
+    """The HF ``config.json`` fields minBERT uses (other fields are ignored)."""
+
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu"
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.1
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+    pad_token_id: int = 0
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> BertConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        cfg = cls(**{k: v for k, v in d.items() if k in names})
+        if cfg.hidden_act not in ("gelu", "gelu_new", "relu"):
+            raise ValueError(f"hidden_act={cfg.hidden_act!r} is not supported (gelu, gelu_new, relu)")
+        if cfg.hidden_size % cfg.num_attention_heads:
+            raise ValueError(
+                f"hidden_size {cfg.hidden_size} is not divisible by num_attention_heads {cfg.num_attention_heads}"
+            )
+        return cfg
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> BertConfig:
+        with open(path, encoding="utf-8") as f:
+            return cls.from_dict(json.load(f))
+
+
+class _RegisteredVariants:
+    """``PALConfig.VARIANTS``: the names of the registered PAL variants, read when accessed."""
+
+    def __get__(self, obj: object, owner: type | None = None) -> tuple[str, ...]:
+        return tuple(PAL_VARIANTS)
+
+
+@dataclass
+class PALConfig:
+    """What PALs to add and where. The defaults are the original Bert-n-Pals code.
+
+    - ``hidden`` (d_s, 204) and ``num_heads`` (6 → head dim 34; 12 → 17): the projected attention's width.
+    - ``gelu``: GELU after V^D (in the original code, not in the paper's formula).
+    - ``shared_projections``: V^E/V^D shared by all layers per task (True) or one pair per layer.
+    - ``layers``: ``"all"``, an int k (the top k layers) or an explicit list of layer indices.
+    - ``gate``: a learned scalar per layer and task multiplying TS (initial value ``gate_init``).
+    - ``variant``: the name of a registered :class:`~fastpals.encoder.pal_variants.PALVariant` (``pal_variant`` is that
+      object, which holds everything the variant does): ``"parallel"`` (PALs inside the layers), ``"top"``
+      (task-specific projected attention blocks after the last layer, replacing its output), ``"top_parallel"``
+      (both; ``top_shares_projections`` reuses the parallel V^E/V^D for the top), ``"embert"`` (per-task vectors
+      added to Q, K, V of every BERT layer), ``"none"`` (no task-specific encoder parameters: the multi-task
+      baseline), or one registered with :func:`fastpals.encoder.pal_variants.register_pal_variant`.
+    - ``top_blocks``/``top_heads``: the top's depth (6) and heads (12 of 17 for d_s = 204).
+    - ``dropout``: attention-probability dropout inside the PAL (None = BERT's attention dropout).
+    - ``zero_init_decoder``: start V^D at zero (with ``gelu`` the PAL then adds exactly 0 at step 0).
+    """
+
+    num_tasks: int = 3
+    hidden: int = 204
+    num_heads: int = 6
+    gelu: bool = True
+    shared_projections: bool = True
+    layers: str | int | list[int] = "all"
+    gate: bool = False
+    gate_init: float = 1.0
+    variant: str = "parallel"
+    top_blocks: int = 6
+    top_heads: int = 12
+    top_shares_projections: bool = False
+    dropout: float | None = None
+    init_std: float = 0.02
+    zero_init_decoder: bool = False
+
+    VARIANTS = _RegisteredVariants()
+
+    @classmethod
+    def half(cls, **kw: Any) -> PALConfig:
+        """Bert-n-Pals' "half": PALs in the top 6 layers only, d_s = 276 (6 heads of 46)."""
+        return cls(**{"layers": 6, "hidden": 276, "num_heads": 6, **kw})
+
+    @property
+    def pal_variant(self) -> PALVariant:
+        """The :class:`~fastpals.encoder.pal_variants.PALVariant` ``variant`` names (``ValueError`` if none is
+        registered under that name)."""
+        return get_pal_variant(self.variant)
+
+    def validate(self, num_layers: int) -> None:
+        """Raise ``ValueError`` naming the first field that cannot build PALs for a ``num_layers``-layer model."""
+        self.pal_variant.validate(self, num_layers)
+
+    def layer_indices(self, num_layers: int) -> list[int]:
+        """The encoder layers that carry a per-layer PAL (none unless the variant has them)."""
+        return self.pal_variant.layer_indices(self, num_layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PALConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"unknown PALConfig fields: {sorted(unknown)}")
+        return cls(**d)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# BERT
+# ----------------------------------------------------------------------------------------------------------------
+def _act(name: str) -> nn.Module:
+    return {"gelu": nn.GELU(), "gelu_new": nn.GELU(approximate="tanh"), "relu": nn.ReLU()}[name]
+
+
+class BertEmbeddings(nn.Module):
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=cfg.pad_token_id)
+        self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size)
+        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.dropout = Dropout(cfg.hidden_dropout_prob)
+
+    def forward(
+        self, input_ids: torch.Tensor, token_type_ids: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """input_ids, token_type_ids: [B, L] int64 → [B, L, d]; or packed [N] with ``position_ids [N]`` int64
+        (each token's position inside its own sequence) → [N, d]."""
+        if position_ids is None:
+            pos = self.position_embeddings(torch.arange(input_ids.shape[1], device=input_ids.device))[None]
+        else:
+            pos = self.position_embeddings(position_ids)
+        x = self.word_embeddings(input_ids) + pos + self.token_type_embeddings(token_type_ids)
+        return self.dropout(self.LayerNorm(x))
+
+
+class BertSelfAttention(nn.Module):
+    """Q/K/V projections and scaled dot-product attention; a PAL variant (``pal_variant``, set by
+    :meth:`BertModel.add_pals`) may change Q/K/V (:meth:`~fastpals.encoder.pal_variants.PALVariant.qkv`)."""
+
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        self.query = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.key = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.value = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.dropout_p = cfg.attention_probs_dropout_prob
+        self.pal_variant: PALVariant | None = None
+
+    def forward(self, x: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+        """x: [B, L, d] or packed [N, d] → same shape."""
+        q, k, v = self.query(x), self.key(x), self.value(x)
+        if self.pal_variant is not None:
+            q, k, v = self.pal_variant.qkv(self, q, k, v, layout)
+        dropout = self.dropout_p if self.training else 0.0
+        shape = (q.shape[0], self.num_heads, self.head_dim)
+        if layout.packed:
+            plan = layout.attention_plan() if layout.buckets else None
+            ctx = dispatch.attention_varlen(
+                q.view(shape),
+                k.view(shape),
+                v.view(shape),
+                layout.cu_seqlens,
+                layout.max_seqlen,
+                dropout,
+                plan,
+            )
+            return ctx.reshape(q.shape)
+        q, k, v = (layout.to_padded(t) for t in (q, k, v))
+        b, n, d = q.shape
+        ctx = padded_attention(*(t.view(b, n, *shape[1:]) for t in (q, k, v)), layout.padding_mask(), dropout)
+        return layout.to_rows(ctx.reshape(b, n, d))
+
+
+class BertSelfOutput(nn.Module):
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.dropout = Dropout(cfg.hidden_dropout_prob)
+
+    def forward(self, ctx: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.dropout(self.dense(ctx)) + x)
+
+
+class BertAttention(nn.Module):
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.self = BertSelfAttention(cfg)
+        self.output = BertSelfOutput(cfg)
+
+    def forward(self, x: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+        return self.output(self.self(x, layout), x)
+
+
+class BertIntermediate(nn.Module):
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.act = _act(cfg.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.dense(x))
+
+
+class BertOutputBlock(nn.Module):
+    """The FFN's second dense and the layer's final LayerNorm (HF's ``BertOutput``)."""
+
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.dropout = Dropout(cfg.hidden_dropout_prob)
+
+
+class BertLayer(nn.Module):
+    """Post-LN transformer layer. A PAL variant (``pal_variant``, set by :meth:`BertModel.add_pals`) may change
+    what enters the final LayerNorm and the layer's output; the parallel variants' ``pal`` reads the layer input
+    and enters the final LayerNorm."""
+
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.attention = BertAttention(cfg)
+        self.intermediate = BertIntermediate(cfg)
+        self.output = BertOutputBlock(cfg)
+        self.pal: PALLayer | None = None
+        self.pal_variant: PALVariant | None = None
+
+    def forward(self, x: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+        """x: [B, L, d] or packed [N, d] → same shape."""
+        attn = self.attention(x, layout)
+        pre_ln = self.output.dropout(self.output.dense(self.intermediate(attn))) + attn
+        variant = self.pal_variant
+        if variant is None:
+            return self.output.LayerNorm(pre_ln)
+        pre_ln = variant.pre_layer_norm(self, x, layout, pre_ln)
+        return variant.layer_output(self, self.output.LayerNorm(pre_ln), layout)
+
+
+class BertPooler(nn.Module):
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.activation = nn.Tanh()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.activation(self.dense(hidden[:, 0]))
+
+
+class _Encoder(nn.Module):
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.layer = nn.ModuleList(BertLayer(cfg) for _ in range(cfg.num_hidden_layers))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The model
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class BertOutput:
+    """``last_hidden_state [B, L, d]`` and ``pooler_output [B, d]`` (tanh(dense([CLS]))). For packed inputs
+    ``last_hidden_state`` is packed ``[N, d]`` and ``cu_seqlens [B+1]`` int32 says where each sequence lies."""
+
+    last_hidden_state: torch.Tensor
+    pooler_output: torch.Tensor
+    cu_seqlens: torch.Tensor | None = None
+
+
+class BertModel(nn.Module):
+    """BERT encoder with optional PALs. ``BertModel(config, pal=PALConfig(...))`` or ``from_pretrained``."""
+
+    def __init__(self, config: BertConfig, pal: PALConfig | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.pal_config = pal
+        self.embeddings = BertEmbeddings(config)
+        self.encoder = _Encoder(config)
+        self.pooler = BertPooler(config)
+        self.apply(self._init_bert_weights)
+        self.pal_projections: PALProjections | None = None
+        self.pal_top: PALTop | None = None
+        if pal is not None:
+            self.add_pals(pal)
+        self.load_report: LoadReport | None = None
+        #: recompute each encoder layer in the backward instead of keeping its activations (training only)
+        self.activation_checkpointing = False
+
+    def set_activation_checkpointing(self, enabled: bool = True) -> None:
+        """Activation checkpointing of the encoder layers (``--activation-checkpointing``): in training with
+        gradients on, each layer keeps only its input and runs its forward again in the backward
+        (non-reentrant ``torch.utils.checkpoint``, dropout masks replayed from the saved RNG state), so the
+        forward's saved activations shrink to one ``[rows, d]`` tensor per layer at the cost of a second forward
+        of the layers. Results are unchanged; :func:`fastpals.surgery.per_task_gradients` counts each layer
+        once."""
+        self.activation_checkpointing = bool(enabled)
+
+    def _init_bert_weights(self, m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.LayerNorm):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+
+    def add_pals(self, pal: PALConfig) -> None:
+        """Add freshly initialised task-specific parameters of ``pal`` (any variant: its
+        :meth:`~fastpals.encoder.pal_variants.PALVariant.add_parameters`) to this model in place, hand the variant to
+        the layers' forward hooks and record ``pal`` as its ``pal_config``. The model must not have PALs yet."""
+        if any(is_task_specific(n) for n, _ in self.named_parameters()):
+            raise ValueError("add_pals: this model already has task-specific (PAL) parameters")
+        pal.validate(self.config.num_hidden_layers)
+        variant = pal.pal_variant
+        variant.add_parameters(self, pal)
+        for layer in self.encoder.layer:
+            layer.pal_variant = variant
+            layer.attention.self.pal_variant = variant
+        self.pal_config = pal
+
+    @property
+    def pal_variant(self) -> PALVariant | None:
+        """The :class:`~fastpals.encoder.pal_variants.PALVariant` of ``pal_config`` (None without PALs)."""
+        return None if self.pal_config is None else self.pal_config.pal_variant
+
+    @property
+    def task_specific(self) -> bool:
+        """True when the encoder has task-specific parameters (its forward then needs task ids)."""
+        return self.pal_config is not None and self.pal_config.pal_variant.task_specific
+
+    @property
+    def num_tasks(self) -> int:
+        return 0 if self.pal_config is None else self.pal_config.num_tasks
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        task_ids: torch.Tensor | None = None,
+        unpad: bool = False,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
+        layout: BatchLayout | None = None,
+    ) -> BertOutput:
+        """input_ids/attention_mask/token_type_ids: [B, L] int; task_ids: [B] int (needed when the model has
+        task-specific parameters). ``unpad=True`` runs every token-wise op on the packed [N, d] tokens only
+        (right-padded masks), which saves the work on padding for batches of short sentences.
+
+        Packed inputs (no padding anywhere, see :mod:`fastpals.data.layout`): ``input_ids``/``token_type_ids``
+        ``[N]`` int64 with the ``B`` sequences back to back and their ``layout`` (a packed
+        :class:`~fastpals.data.layout.BatchLayout` built at collate time: no host read here), or ``cu_seqlens [B+1]``
+        int32 (``cu_seqlens[i]`` = start of sequence i, ``cu_seqlens[B] = N``), ``max_seqlen`` int >= the longest
+        sequence and ``task_ids``, from which a layout is built (one host read). No ``attention_mask``. They run the
+        same unpadded path as ``unpad=True``; the output's ``last_hidden_state`` is packed ``[N, d]``.
+        """
+        if cu_seqlens is not None or (layout is not None and input_ids.dim() == 1):
+            return self._forward_packed(
+                input_ids, attention_mask, token_type_ids, task_ids, cu_seqlens, max_seqlen, layout
+            )
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, length], got shape {list(input_ids.shape)}")
+        b, n = input_ids.shape
+        if n > self.config.max_position_embeddings:
+            raise ValueError(
+                f"sequence length {n} > max_position_embeddings {self.config.max_position_embeddings}"
+            )
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"attention_mask shape {list(attention_mask.shape)} != input_ids {list(input_ids.shape)}"
+            )
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        task_specific = self.task_specific
+        if layout is not None:  # the caller built it (and checked the task ids) from this batch
+            if (layout.batch, layout.length) != (b, n) or layout.packed != unpad:
+                raise ValueError(
+                    f"the layout ({layout.batch} x {layout.length}) does not describe this batch"
+                )
+        else:
+            if task_specific:
+                if task_ids is None:
+                    raise ValueError(
+                        "this model has task-specific PAL parameters: pass task_ids (one per example)"
+                    )
+                task_ids = check_task_ids(task_ids, self.num_tasks, b, input_ids.device, check_values=False)
+            layout = make_layout(
+                attention_mask, task_ids if task_specific else None, unpad, (b, n), self.num_tasks
+            )
+        if task_specific and layout.task_ids is None:
+            raise ValueError("this model has task-specific PAL parameters: pass task_ids (one per example)")
+        return self.forward_layout(input_ids, token_type_ids, layout)
+
+    def forward_layout(
+        self, input_ids: torch.Tensor, token_type_ids: torch.Tensor, layout: BatchLayout
+    ) -> BertOutput:
+        """The encoder on a batch whose :class:`~fastpals.data.layout.BatchLayout` is known: ``input_ids`` /
+        ``token_type_ids`` ``[B, L]`` (padded layouts) or ``[N]`` (packed ones). Reads no device value on the
+        host."""
+        if layout.packed and input_ids.dim() == 1:
+            x = self.embeddings(input_ids, token_type_ids, layout.position_ids)
+        else:
+            x = layout.to_rows(self.embeddings(input_ids, token_type_ids))
+        checkpointed = self.activation_checkpointing and self.training and torch.is_grad_enabled()
+        for layer in self.encoder.layer:
+            if checkpointed:
+                x = torch.utils.checkpoint.checkpoint(layer, x, layout, use_reentrant=False)
+            else:
+                x = layer(x, layout)
+        variant = self.pal_variant
+        if input_ids.dim() == 1:  # packed in, packed out
+            if variant is not None:
+                x = variant.encoder_output(self, x, layout)
+            cls = x.index_select(0, layout.cls_index)
+            return BertOutput(
+                last_hidden_state=x, pooler_output=self.pooler(cls[:, None]), cu_seqlens=layout.cu_seqlens
+            )
+        hidden = layout.to_padded(x)
+        if variant is not None:
+            hidden = variant.encoder_output(self, hidden, layout)
+        return BertOutput(last_hidden_state=hidden, pooler_output=self.pooler(hidden))
+
+    def _forward_packed(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        token_type_ids: torch.Tensor | None,
+        task_ids: torch.Tensor | None,
+        cu_seqlens: torch.Tensor | None,
+        max_seqlen: int | None,
+        layout: BatchLayout | None,
+    ) -> BertOutput:
+        if attention_mask is not None:
+            raise ValueError("packed inputs (cu_seqlens given) take no attention_mask")
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        if token_type_ids.shape != input_ids.shape:
+            raise ValueError(
+                f"token_type_ids shape {list(token_type_ids.shape)} != input_ids {list(input_ids.shape)}"
+            )
+        task_specific = self.task_specific
+        if layout is None:
+            if task_specific and task_ids is None:
+                raise ValueError(
+                    "this model has task-specific PAL parameters: pass task_ids (one per sequence)"
+                )
+            layout = layout_from_cu_seqlens(
+                input_ids, cu_seqlens, max_seqlen, task_ids if task_specific else None, self.num_tasks,
+                self.config.max_position_embeddings,
+            )  # fmt: skip
+        elif input_ids.dim() != 1 or input_ids.shape[0] != layout.total:
+            raise ValueError(
+                f"packed input_ids must be [N] = [{layout.total}] (the layout's tokens), got {list(input_ids.shape)}"
+            )
+        if task_specific and layout.task_ids is None:
+            raise ValueError("this model has task-specific PAL parameters: the layout needs task ids")
+        return self.forward_layout(input_ids, token_type_ids, layout)
+
+    # ------------------------------------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(
+        cls, name_or_path: str | os.PathLike, pal: PALConfig | None = None, strict: bool = True
+    ) -> BertModel:
+        """Load ``minilm-l6`` (the offline all-MiniLM-L6-v2 package), a local folder of an HF BERT checkpoint
+        (config.json + model.safetensors or pytorch_model.bin), or a hub name such as ``bert-base-uncased``.
+
+        Unknown keys and missing encoder keys are reported in ``model.load_report`` and as a warning; with
+        ``strict=True`` missing encoder keys are an error. PAL parameters keep their random initialisation.
+        The model comes back in eval mode (as in transformers): call ``.train()`` before training.
+        """
+        from fastpals.data.hub import resolve_model_dir
+
+        try:
+            folder = resolve_model_dir(name_or_path, ("config.json", "model.safetensors"))
+        except FileNotFoundError as first:
+            try:
+                folder = resolve_model_dir(name_or_path, ("config.json", "pytorch_model.bin"))
+            except FileNotFoundError:
+                raise first from None
+        config = BertConfig.from_json(folder / "config.json")
+        model = cls(config, pal=pal)
+        state = load_bert_state_dict(folder)
+        model.load_report = model.load_bert_weights(state, strict=strict, source=str(folder))
+        return model.eval()
+
+    def load_bert_weights(
+        self, state: dict[str, torch.Tensor], strict: bool = True, source: str = ""
+    ) -> LoadReport:
+        """Copy encoder weights from an HF/CS224N state dict (names normalised by :func:`normalize_key`)."""
+        own = {k: v for k, v in self.state_dict().items() if not is_task_specific(k)}
+        normalized: dict[str, torch.Tensor] = {}
+        unexpected: list[str] = []
+        for key, value in state.items():
+            new = normalize_key(key)
+            if new in own:
+                normalized[new] = value
+            elif not is_ignorable_key(new):
+                unexpected.append(key)
+        missing = sorted(set(own) - set(normalized))
+        mismatched = [
+            f"{k}: checkpoint {list(v.shape)} vs model {list(own[k].shape)}"
+            for k, v in normalized.items()
+            if v.shape != own[k].shape
+        ]
+        if mismatched:
+            raise ValueError(f"shape mismatch loading {source}:\n  " + "\n  ".join(mismatched))
+        report = LoadReport(missing=missing, unexpected=sorted(unexpected), loaded=len(normalized))
+        if missing and strict:
+            raise ValueError(
+                f"checkpoint {source} lacks encoder weights: {missing[:10]}{' ...' if len(missing) > 10 else ''}"
+            )
+        self.load_state_dict(normalized, strict=False)
+        if report.missing or report.unexpected:
+            warnings.warn(f"loading {source}: {report}", stacklevel=3)
+        return report

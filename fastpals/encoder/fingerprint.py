@@ -1,0 +1,85 @@
+"""A fingerprint of the encoder an adapter was trained with, recorded in its ``adapter_config.json``
+(``encoder.fingerprint``) and checked when the adapter loads, so that PALs and heads trained on one encoder are
+not silently served beside another (a different checkpoint, or another run's fine-tuned encoder).
+
+The fingerprint hashes (SHA-256, 16 hex digits kept) the name and shape of every shared encoder parameter
+(``embeddings.*`` and ``encoder.layer.*``, HF ``BertModel`` names, as in fastpals' own encoder; PAL tensors,
+the pooler and the parameters the adapter itself holds excluded) and, as a cheap checksum of the weights, up to
+``SAMPLES`` evenly spaced values of each, rounded to bfloat16 (so that the same encoder in fp32 or bf16 has one
+fingerprint). Fine-tuning changes nearly every weight, so a trained encoder differs from its base in the
+samples; the cost is a few milliseconds (no full pass over the weights).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from fastpals.encoder.bert import task_specific_kind
+
+__all__ = [
+    "SAMPLES",
+    "EncoderMismatchError",
+    "check_encoder_fingerprint",
+    "encoder_fingerprint",
+    "parameter_digests",
+]
+
+#: values sampled per parameter tensor
+SAMPLES = 1024
+_SHARED_PREFIXES = ("embeddings.", "encoder.layer.")
+
+
+class EncoderMismatchError(ValueError):
+    """An adapter loads beside an encoder other than the one it was trained with (one line)."""
+
+
+def parameter_digests(encoder: nn.Module) -> dict[str, str]:
+    """Per shared parameter of ``encoder`` (names inside it), a digest of its name, shape and sampled values."""
+    out = {}
+    for name, p in encoder.named_parameters():
+        if not name.startswith(_SHARED_PREFIXES) or task_specific_kind(name) is not None:
+            continue
+        flat = p.detach().reshape(-1)
+        n = flat.numel()
+        index = torch.linspace(0, max(n - 1, 0), min(n, SAMPLES), device=flat.device).round().long()
+        values = flat.index_select(0, index).to(torch.bfloat16).view(torch.int16).cpu().numpy()
+        digest = hashlib.sha256(f"{name}:{list(p.shape)};".encode())
+        digest.update(values.tobytes())
+        out[name] = digest.hexdigest()
+    return out
+
+
+def encoder_fingerprint(encoder: nn.Module, exclude: Iterable[str] = ()) -> str:
+    """The fingerprint (16 hex digits) of ``encoder``'s shared parameters, leaving out the names in ``exclude``
+    (names inside the encoder: the trained base weights an adapter carries itself)."""
+    skip = set(exclude)
+    digests = parameter_digests(encoder)
+    text = ";".join(f"{name}={digests[name]}" for name in sorted(digests) if name not in skip)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def check_encoder_fingerprint(
+    saved: str | None, encoder: nn.Module, exclude: Iterable[str], source: str, caller: str, force: bool
+) -> None:
+    """Refuse (``EncoderMismatchError``, one line) an adapter whose recorded fingerprint ``saved`` differs from
+    ``encoder``'s, unless ``force`` (an encoder with NaN/inf weights is named as such). Adapters saved before
+    fingerprints (``saved`` None) load unchecked."""
+    if saved is None or force:
+        return
+    own = encoder_fingerprint(encoder, exclude)
+    if own != saved:
+        flags = [torch.isfinite(p).all() for p in encoder.parameters()]
+        if flags and not bool(torch.stack(flags).all()):  # a broken encoder: say that, not "another encoder"
+            raise EncoderMismatchError(
+                f"{caller}: the encoder beside the adapter in {source} holds non-finite weights (NaN/inf): the "
+                "model is broken; use another checkpoint"
+            )
+        raise EncoderMismatchError(
+            f"{caller}: the adapter in {source} was trained with another encoder (fingerprint {saved}, this "
+            f"encoder's {own}): load it beside the encoder it was saved with, or pass force=True (--force) to "
+            "accept the mismatch"
+        )

@@ -1,0 +1,116 @@
+"""Which parameters are task-specific: the one rule the trainer, surgery, freezing, saving and injection use."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from torch import nn
+
+__all__ = [
+    "HEAD_MODULE_NAME",
+    "PAL_MODULE_NAMES",
+    "TASK_EMBEDDING_NAME",
+    "freeze_shared_parameters",
+    "is_layer_norm",
+    "is_task_specific",
+    "register_task_specific_names",
+    "task_specific_kind",
+    "unregister_task_specific_names",
+]
+
+#: the module names of the built-in PAL variants' weights (:mod:`fastpals.encoder.pal_variants`)
+PAL_MODULE_NAMES = ("pal", "pal_projections", "pal_top")
+HEAD_MODULE_NAME = "heads"
+#: EmBERT's per-layer parameter (``attention.self.task_embedding``)
+TASK_EMBEDDING_NAME = "task_embedding"
+
+# names registered by PAL variants (fastpals.encoder.pal_variants.register_pal_variant), by owner (the variant's name)
+_REGISTERED: dict[str, tuple[frozenset[str], frozenset[str]]] = {}
+_PAL_MODULES: frozenset[str] = frozenset(PAL_MODULE_NAMES)
+_PAL_PARAMETERS: frozenset[str] = frozenset((TASK_EMBEDDING_NAME,))
+
+
+def _rebuild() -> None:
+    global _PAL_MODULES, _PAL_PARAMETERS
+    _PAL_MODULES = frozenset(PAL_MODULE_NAMES).union(*(m for m, _ in _REGISTERED.values()))
+    _PAL_PARAMETERS = frozenset((TASK_EMBEDDING_NAME,)).union(*(p for _, p in _REGISTERED.values()))
+
+
+def register_task_specific_names(
+    owner: str, modules: Iterable[str] = (), parameters: Iterable[str] = ()
+) -> None:
+    """Make more names task-specific (kind ``"pal"``): a module named one of ``modules`` anywhere in a dotted
+    parameter name, or a parameter whose own (last) name is one of ``parameters``. ``owner`` (a PAL variant's
+    name) replaces what it registered before. The built-in names (:data:`PAL_MODULE_NAMES`,
+    :data:`TASK_EMBEDDING_NAME`) are always task-specific."""
+    if isinstance(modules, str) or isinstance(parameters, str):
+        raise TypeError(
+            "register_task_specific_names: modules and parameters are lists of names, not strings"
+        )
+    _REGISTERED[owner] = (frozenset(modules), frozenset(parameters))
+    _rebuild()
+
+
+def unregister_task_specific_names(owner: str) -> None:
+    """Forget the names ``owner`` registered with :func:`register_task_specific_names` (none: no-op)."""
+    _REGISTERED.pop(owner, None)
+    _rebuild()
+
+
+def task_specific_kind(name: str) -> str | None:
+    """What a parameter (or state-dict) name holds: ``"pal"`` for PAL weights of every variant (a module named
+    ``pal``, ``pal_projections`` or ``pal_top`` anywhere in the dotted name, EmBERT's ``task_embedding``, and the
+    names registered variants add, see :func:`register_task_specific_names`), ``"head"`` for task heads (a module
+    named ``heads`` anywhere in the name, as in :class:`fastpals.MultiTaskBert` and ``inject_pals`` users'
+    wrappers), ``None`` for shared (encoder) weights. Names are matched by whole dotted components, under any
+    prefix."""
+    parts = name.split(".")
+    if HEAD_MODULE_NAME in parts[:-1]:
+        return "head"
+    if any(p in _PAL_MODULES for p in parts[:-1]) or parts[-1] in _PAL_PARAMETERS:
+        return "pal"
+    return None
+
+
+def is_task_specific(name: str) -> bool:
+    """True for task-specific parameter names (PALs, task embeddings, task heads; see :func:`task_specific_kind`),
+    False for the shared encoder weights. This is the rule every part of fastpals uses."""
+    return task_specific_kind(name) is not None
+
+
+def is_layer_norm(module: nn.Module) -> bool:
+    """True for ``nn.LayerNorm`` and for LayerNorm classes of other libraries (class name ending in LayerNorm,
+    e.g. apex's ``FusedLayerNorm``, T5's ``T5LayerNorm``): matched by module type, never by parameter name."""
+    return isinstance(module, nn.LayerNorm) or type(module).__name__.lower().endswith("layernorm")
+
+
+def freeze_shared_parameters(
+    model: nn.Module, train_layer_norms: bool = True, modules_to_train: Iterable[str] = ()
+) -> dict[str, int]:
+    """The Bert-n-Pals "freeze" recipe: set ``requires_grad=False`` on every parameter of ``model`` except the
+    task-specific ones (:func:`is_task_specific`), the LayerNorms (:func:`is_layer_norm`, when
+    ``train_layer_norms``) and the modules named in ``modules_to_train``.
+
+    ``modules_to_train``: module names, each matching a module whose qualified name equals it or ends with
+    ``"." + name`` (e.g. ``"classifier"``, ``"pooler"``); a name that matches nothing is an error.
+    Returns ``{"trainable": n, "frozen": m}`` parameter element counts.
+    """
+    if isinstance(modules_to_train, str):
+        raise TypeError("modules_to_train must be a list of module names, not a string")
+    names = list(modules_to_train)
+    keep = {id(p) for n, p in model.named_parameters() if is_task_specific(n)}
+    unmatched = set(names)
+    for name, module in model.named_modules():
+        hit = [t for t in names if name == t or name.endswith("." + t)]
+        unmatched -= set(hit)
+        if hit or (train_layer_norms and is_layer_norm(module)):
+            keep.update(id(p) for p in module.parameters())
+    if unmatched:
+        raise ValueError(
+            f"freeze_shared_parameters: modules_to_train names {sorted(unmatched)} match no module"
+        )
+    counts = {"trainable": 0, "frozen": 0}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in keep)
+        counts["trainable" if id(p) in keep else "frozen"] += p.numel()
+    return counts

@@ -1,0 +1,202 @@
+"""Prediction and dev evaluation, shared by the trainer and ``fastpals predict``.
+
+:func:`predict_batches` runs a model over a :class:`~fastpals.data.per_task_batches.TaskBatcher` in order (with a progress bar
+when asked); :func:`evaluate` turns the dev predictions into metrics; :func:`load_split` reads (a capped part of)
+a split and reports its skipped rows.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fastpals.data.loading import load_task
+from fastpals.data.mixed_batches import model_inputs as packed_model_inputs
+from fastpals.data.mixed_batches import pack_batches
+from fastpals.data.per_task_batches import TaskBatcher
+from fastpals.data.readers import DataWarning
+from fastpals.data.tasks import TaskSpec
+
+__all__ = [
+    "EVAL_BATCH",
+    "NonFiniteOutputs",
+    "eval_model",
+    "evaluate",
+    "load_split",
+    "model_inputs",
+    "overall_from",
+    "predict_batches",
+]
+
+EVAL_BATCH = 64
+INPUT_KEYS = (
+    "input_ids",
+    "attention_mask",
+    "token_type_ids",
+    "input_ids_b",
+    "attention_mask_b",
+    "token_type_ids_b",
+)
+
+
+def model_inputs(batch: dict, task_index: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """The model's keyword inputs of a collated batch of one task: its tensors on ``device`` and ``task_ids``
+    (long ``[B]``, all ``task_index``)."""
+    inputs = {k: batch[k].to(device) for k in INPUT_KEYS if k in batch}
+    n = batch["input_ids"].shape[0]
+    inputs["task_ids"] = torch.full((n,), task_index, dtype=torch.long, device=device)
+    return inputs
+
+
+def confidence(model: torch.nn.Module, output: Any, task_index: int) -> torch.Tensor | None:
+    """Probability of the predicted label (float32 ``[B]``) for classification and binary tasks; None for
+    regression (its prediction is the score). The task's kind decides
+    (:meth:`fastpals.data.task_kinds.TaskKind.confidence`)."""
+    spec = model.tasks[task_index]
+    return spec.task_kind.confidence(spec, output.logits[:, : spec.num_labels])
+
+
+class NonFiniteOutputs(ValueError):
+    """The model gave NaN/inf outputs (logits) for ``count`` example(s) of ``task``: its predictions (NaN logits
+    score as class 0) and metrics would be meaningless."""
+
+    def __init__(self, task: str, count: int) -> None:
+        self.task, self.count = task, count
+        super().__init__(
+            f"the model gave non-finite outputs (NaN/inf) for {count} example(s) of task {task}: no predictions "
+            "or metrics from them"
+        )
+
+
+@torch.no_grad()
+def predict_batches(
+    model: torch.nn.Module,
+    batcher: TaskBatcher,
+    task_index: int,
+    progress: bool = False,
+    desc: str | None = None,
+    with_confidence: bool = False,
+) -> tuple[list[str], np.ndarray, np.ndarray | None] | tuple[list[str], np.ndarray, np.ndarray | None, Any]:
+    """``(ids, predictions, labels or None)`` of every example of ``batcher`` in order (each batch packed
+    without padding), with ``model`` in eval mode (restored afterwards); predictions as ``model.predict`` gives them (class index, 0/1 or score, ``[N]``).
+    ``progress`` shows a tqdm bar on stderr; ``with_confidence`` appends the probability of each predicted label
+    (float32 ``[N]``, None for regression tasks). NaN/inf outputs (logits) raise :class:`NonFiniteOutputs`:
+    a NaN logit would otherwise score as class 0."""
+    from tqdm import tqdm
+
+    was_training = model.training
+    model.eval()
+    ids, preds, labels, confs = [], [], [], []
+    device = next(model.parameters()).device
+    spec = model.tasks[task_index]
+    bad = torch.zeros(
+        (), dtype=torch.int64, device=device
+    )  # examples with a non-finite output, on the device
+    batcher.set_epoch(0)
+    with tqdm(total=len(batcher.examples), desc=desc, disable=not progress, file=sys.stderr, unit="ex",
+              dynamic_ncols=True, mininterval=1.0, leave=False) as bar:  # fmt: skip
+        for batch in batcher:  # packed (no padding), as training with --batching mixed
+            packed = pack_batches([batch], [task_index], len(model.tasks))
+            out = model(**packed_model_inputs(packed, device))
+            bad += (~torch.isfinite(out.logits[:, : spec.num_labels])).any(dim=1).sum()
+            preds.append(model.predict(out).cpu().numpy())
+            if with_confidence:
+                c = confidence(model, out, task_index)
+                confs.append(None if c is None else c.cpu().numpy())
+            ids.extend(batch["ids"])
+            if "labels" in batch:
+                labels.append(batch["labels"].numpy())
+            bar.update(len(batch["ids"]))
+    model.train(was_training)
+    count = int(bad)  # one read per evaluated task, after its predictions were read
+    if count:
+        raise NonFiniteOutputs(spec.name, count)
+    result = (ids, np.concatenate(preds), (np.concatenate(labels) if labels else None))
+    if with_confidence:
+        return (*result, None if not confs or confs[0] is None else np.concatenate(confs))
+    return result
+
+
+def overall_from(dev: dict[str, float], specs: Any = None) -> float:
+    """CS224N overall ``(sst + para + (r + 1)/2) / 3`` when the three are there; else the mean of accuracies and
+    ``(r + 1)/2`` (:func:`fastpals.data.metrics.overall`; ``specs``: the task specs, needed for task files). A NaN
+    Pearson (constant predictions) counts as r = 0."""
+    from fastpals.data.metrics import overall
+
+    return overall(dev, specs)
+
+
+def eval_model(
+    module: torch.nn.Module, device: torch.device, dtype: torch.dtype | None = None
+) -> torch.nn.Module:
+    """The module to evaluate, in the dtype the run trained in (``dtype``, default the module's own) where this
+    device computes it natively; else an fp32 copy.
+
+    On a CPU, bf16 is native with AVX512-BF16 or AMX (:func:`fastpals.encoder.precision.cpu_has_native_bf16`); on CPUs
+    without them bf16 and fp16 matmuls are emulated, and fp32 runs several times faster (the copy holds the same,
+    rounded, weights). The result is ``module`` itself when nothing changes, else a copy.
+    """
+    from fastpals.encoder import precision
+
+    current = next(module.parameters()).dtype
+    target = dtype or current
+    if (
+        device.type == "cpu"
+        and target != torch.float32
+        and not (target == torch.bfloat16 and precision.cpu_has_native_bf16())
+    ):
+        target = torch.float32
+    return module if target == current else copy.deepcopy(module).to(target)
+
+
+def evaluate(
+    model: torch.nn.Module, dev_batchers: dict[str, TaskBatcher], task_list: list[str], progress: bool = False
+) -> tuple[dict[str, float], dict[str, Any]]:
+    """Dev metrics ``{task: primary metric (accuracy or Pearson r), "overall": ...}`` (each task's kind computes
+    it, :func:`fastpals.data.metrics.task_metrics`) and ``{task: (ids, predictions, labels)}``."""
+    from fastpals.data.metrics import task_metrics
+
+    dev: dict[str, float] = {}
+    preds: dict[str, Any] = {}
+    for t, batcher in dev_batchers.items():
+        ids, p, y = predict_batches(model, batcher, task_list.index(t), progress, desc=f"dev {t}")
+        spec = model.tasks[task_list.index(t)]
+        dev[t] = task_metrics(spec, y, p)[spec.metric]
+        preds[t] = (ids, p, y)
+    dev["overall"] = overall_from(dev, model.tasks)
+    return dev, preds
+
+
+def load_split(
+    task: str | TaskSpec,
+    split: str,
+    data_dir: Path | None,
+    limit: int | None,
+    log: Callable[[str], None],
+    sample: bool = False,
+) -> list:
+    """The examples of one split; with ``limit``: the first ``limit`` (``sample=False``) or a fixed random subset
+    of ``limit`` kept in file order (``sample=True``: numpy seed 0, independent of ``--seed``, so that capped dev
+    sets are representative and the same for every run; the dev files are not shuffled, e.g. SST's first rows
+    are mostly positive). Skipped rows are reported through ``log``."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", DataWarning)
+        examples = load_task(task, split, data_dir, strict=False)
+    for w in caught:
+        if issubclass(w.category, DataWarning):
+            log(f"[data] {getattr(task, 'name', task)}/{split}: {w.message}")
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    if not limit or limit >= len(examples):
+        return examples
+    if sample:
+        keep = np.sort(np.random.default_rng(0).choice(len(examples), size=limit, replace=False))
+        return [examples[i] for i in keep]
+    return examples[:limit]

@@ -1,0 +1,180 @@
+"""The multi-task model's heads, outputs and losses: one :class:`TaskHead` per task, the :class:`MultiTaskOutput`
+of a batch, and the per-task losses (:func:`task_losses`, :func:`summed_loss`) and predictions (:func:`predict`)
+by each task's kind (:mod:`fastpals.data.task_kinds`). :class:`fastpals.model.multitask.MultiTaskBert` holds the
+heads and calls these functions; they read the batch's rows per task from its layout (host values, no device
+read)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from fastpals.data.layout import BatchLayout
+from fastpals.data.tasks import TaskSpec
+from fastpals.functional import Dropout
+
+__all__ = [
+    "TASK_WEIGHTINGS",
+    "MultiTaskOutput",
+    "TaskHead",
+    "TaskLosses",
+    "predict",
+    "summed_loss",
+    "take_rows",
+    "task_losses",
+]
+
+TASK_WEIGHTINGS = ("examples", "equal")
+
+
+class TaskHead(nn.Module):
+    """Maps pooled features ``[n, in]`` to ``[n, num_labels]``."""
+
+    def __init__(self, spec: TaskSpec, d: int, dropout: float) -> None:
+        super().__init__()
+        width = 3 * d if spec.pair_mode == "sbert_concat" else d
+        self.dropout = Dropout(dropout)
+        if spec.head == "mlp":
+            self.mlp = nn.Sequential(nn.Linear(width, d), nn.GELU(), Dropout(dropout))
+            width = d
+        else:
+            self.mlp = None
+        self.out = nn.Linear(width, spec.num_labels)
+        nn.init.normal_(self.out.weight, std=0.02)
+        nn.init.zeros_(self.out.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.dropout(x)
+        if self.mlp is not None:
+            x = self.mlp(x)
+        return self.out(x)
+
+
+@dataclass
+class MultiTaskOutput:
+    """``logits [B, C]`` (C = the largest ``num_labels``; row b's first ``num_labels`` of its task are valid,
+    the rest 0), ``task_ids [B]``, and the encoder's ``pooled [B, d]`` features of the first sentence."""
+
+    logits: torch.Tensor
+    task_ids: torch.Tensor
+    pooled: torch.Tensor
+    row_tokens: torch.Tensor | None = None  # unused; kept for callers that construct outputs themselves
+    layout: BatchLayout | None = None  # the batch's layout (host task counts and row ranges)
+    task_tokens: list[int] | None = None  # per task: tokens its rows ran (both sentences for siamese rows)
+
+
+@dataclass
+class TaskLosses:
+    """What :meth:`MultiTaskBert.task_losses` returns.
+
+    ``total``: the combined loss (0-dim, fp32) to back-propagate; ``per_task``: each present task's loss (0-dim,
+    the mean over its rows, CoSENT over its rows' pairs); ``weights``: the weight of each in ``total``;
+    ``examples`` / ``tokens``: each present task's rows and tokens in the batch (Python ints).
+    """
+
+    total: torch.Tensor
+    per_task: dict[str, torch.Tensor]
+    weights: dict[str, float]
+    examples: dict[str, int]
+    tokens: dict[str, int]
+
+
+#: ``loss_fn(spec, z [n, num_labels], y [n]) -> 0-dim fp32``: one task's loss over its rows
+LossFn = Callable[[TaskSpec, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _kind_loss(spec: TaskSpec, z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return spec.task_kind.loss(spec, z, y)
+
+
+def task_losses(
+    tasks: Sequence[TaskSpec],
+    output: MultiTaskOutput,
+    labels: torch.Tensor,
+    weighting: str = "examples",
+    loss_fn: LossFn = _kind_loss,
+) -> TaskLosses:
+    """One loss per task present (the mean over its rows), combined by ``weighting``:
+
+    - ``"examples"`` (default): ``total = sum_t (n_t / B) L_t``, the example-weighted mean (``n_t`` rows of
+      task t, ``B`` rows in all). For a batch of per-task micro-batches this equals their losses averaged
+      with each task's share as weight, i.e. what gradient accumulation over one micro-batch per task of
+      equal size computes.
+    - ``"equal"``: ``total = (1 / T_present) sum_t L_t``, each task present counts equally.
+
+    ``tasks``: the model's task specs in task-id order; labels ``[B]`` float; ``loss_fn``: one task's loss (default
+    its kind's, :meth:`fastpals.data.task_kinds.TaskKind.loss`). Also returns each task's example and token
+    counts: host values of the batch's layout (no device read; the losses stay on the device).
+    """
+    if weighting not in TASK_WEIGHTINGS:
+        raise ValueError(f"task weighting {weighting!r}: choose one of {', '.join(TASK_WEIGHTINGS)}")
+    layout = _output_layout(output, len(tasks))
+    counts = layout.task_examples
+    tokens = output.task_tokens if output.task_tokens is not None else [0] * len(counts)
+    present = layout.present
+    rows = sum(counts)
+    total = output.logits.new_zeros((), dtype=torch.float32)
+    result = TaskLosses(total=total, per_task={}, weights={}, examples={}, tokens={})
+    for i in present:
+        spec = tasks[i]
+        sel = layout.rows_of(i)
+        z = take_rows(output.logits, sel)[:, : spec.num_labels]
+        loss = loss_fn(spec, z, take_rows(labels, sel))
+        w = counts[i] / rows if weighting == "examples" else 1.0 / len(present)
+        total = total + w * loss
+        result.per_task[spec.name] = loss
+        result.weights[spec.name] = w
+        result.examples[spec.name] = counts[i]
+        result.tokens[spec.name] = tokens[i]
+    result.total = total
+    return result
+
+
+def summed_loss(
+    tasks: Sequence[TaskSpec], output: MultiTaskOutput, labels: torch.Tensor, loss_fn: LossFn = _kind_loss
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Sum over the tasks present of each task's mean loss (0-dim), and the per-task losses.
+
+    labels ``[B]`` float (class index for classification, 0/1 for binary, the raw label for regression).
+    """
+    layout = _output_layout(output, len(tasks))
+    total = output.logits.new_zeros(())
+    per_task: dict[str, torch.Tensor] = {}
+    for i in layout.present:
+        spec = tasks[i]
+        sel = layout.rows_of(i)
+        z = take_rows(output.logits, sel)[:, : spec.num_labels]
+        loss = loss_fn(spec, z, take_rows(labels, sel))
+        per_task[spec.name] = loss
+        total = total + loss
+    return total, per_task
+
+
+def predict(tasks: Sequence[TaskSpec], output: MultiTaskOutput) -> torch.Tensor:
+    """Predicted labels ``[B]`` float32 by each row's task kind (:meth:`fastpals.data.task_kinds.TaskKind.predict`):
+    class index, 0/1, or the regression value clipped to the label range. No host reads."""
+    preds = output.logits.new_zeros(output.logits.shape[0], dtype=torch.float32)
+    for i, spec in enumerate(tasks):  # each kind predicts on every row; torch.where keeps its task's
+        p = spec.task_kind.predict(spec, output.logits[:, : spec.num_labels])
+        preds = torch.where(output.task_ids == i, p, preds)
+    return preds
+
+
+def take_rows(x: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:
+    """The rows ``rows`` of ``x`` (a slice view, or ``index_select`` of an int64 index tensor)."""
+    return x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
+
+
+def _output_layout(output: MultiTaskOutput, num_tasks: int) -> BatchLayout:
+    """The layout of an output; outputs built by hand without one get it from their task ids (one host read)."""
+    if output.layout is not None:
+        return output.layout
+    ids = np.asarray(output.task_ids.tolist(), dtype=np.int64)
+    return BatchLayout(
+        batch=int(ids.size), length=1, packed=False, lengths=np.ones(ids.size, dtype=np.int64), host_task_ids=ids,
+        num_tasks=num_tasks, device=output.task_ids.device, task_ids=output.task_ids,
+    )  # fmt: skip

@@ -1,0 +1,159 @@
+"""Any HF transformers encoder as the encoder of :class:`fastpals.MultiTaskBert`.
+
+BERT checkpoints (``config.json`` ``model_type`` ``"bert"``, MiniLM included) run as fastpals' own minBERT, with its
+fused PALs and its packed (unpadded) path. Every other architecture (RoBERTa, XLM-R, DeBERTa-v2/v3, ModernBERT,
+ELECTRA, DistilBERT, and any other whose layers :func:`fastpals.inject_pals` finds) runs as the HF model
+(``transformers.AutoModel``) with PALs injected by :func:`fastpals.inject_pals`, wrapped in :class:`HFEncoder`,
+which takes minBERT's call:
+
+- padded inputs ``[B, L]`` (per-task micro-batches) go to the HF model as they are;
+- packed mixed-task micro-batches (``[N]`` tokens and the batch's :class:`~fastpals.data.layout.BatchLayout`) are padded
+  for the HF model (its attention takes no varlen input) and its output is packed again ``[N, d]``: the heads,
+  losses, pooling and per-task gradient rows see the packed batch as with minBERT. The index maps come from the
+  layout's host values (no device read).
+
+``token_type_ids`` are passed only where the model has token types (``type_vocab_size >= 2``).
+``pooler_output`` is the model's pooler where it has one (BERT-style tanh pooler), else the first token's hidden
+state.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from fastpals.data.layout import BatchLayout
+from fastpals.encoder.bert import BertConfig, PALConfig
+
+__all__ = ["MINBERT_MODEL_TYPES", "HFEncoder", "HFEncoderOutput", "checkpoint_model_type", "runs_as_minbert"]
+
+#: ``config.json`` model types that run as fastpals' own minBERT
+MINBERT_MODEL_TYPES = ("bert",)
+
+
+def checkpoint_model_type(name_or_path: str | os.PathLike) -> str:
+    """The ``model_type`` in the ``config.json`` of ``"minilm-l6"``, a local folder or a Hub id (see
+    :func:`fastpals.data.hub.resolve_model_dir` for the errors)."""
+    import json
+
+    from fastpals.data.hub import resolve_model_dir
+
+    folder = resolve_model_dir(name_or_path, ("config.json",))
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{folder / 'config.json'} is not valid JSON ({err})") from None
+    return str(config.get("model_type", "bert"))
+
+
+def runs_as_minbert(name_or_path: str | os.PathLike) -> bool:
+    """Does the checkpoint run as fastpals' minBERT (a BERT), not as an HF model with injected PALs?"""
+    return checkpoint_model_type(name_or_path) in MINBERT_MODEL_TYPES
+
+
+@dataclass
+class HFEncoderOutput:
+    """minBERT's output: ``last_hidden_state [B, L, d]`` (packed ``[N, d]`` with ``cu_seqlens [B+1]``) and
+    ``pooler_output [B, d]``."""
+
+    last_hidden_state: torch.Tensor
+    pooler_output: torch.Tensor
+    cu_seqlens: torch.Tensor | None = None
+
+
+def mirror_config(hf_config: Any) -> BertConfig:
+    """The :class:`~fastpals.encoder.bert.BertConfig` fields fastpals reads (sizes, positions) of an HF config."""
+    positions = getattr(hf_config, "max_position_embeddings", 512)
+    if getattr(hf_config, "model_type", None) in ("roberta", "xlm-roberta", "camembert"):
+        positions -= (getattr(hf_config, "pad_token_id", 1) or 0) + 1  # positions start after the pad id
+    return BertConfig(
+        vocab_size=hf_config.vocab_size,
+        hidden_size=hf_config.hidden_size,
+        num_hidden_layers=hf_config.num_hidden_layers,
+        num_attention_heads=hf_config.num_attention_heads,
+        intermediate_size=getattr(hf_config, "intermediate_size", 4 * hf_config.hidden_size),
+        max_position_embeddings=positions,
+        type_vocab_size=getattr(hf_config, "type_vocab_size", 0) or 0,
+        pad_token_id=getattr(hf_config, "pad_token_id", 0) or 0,
+    )
+
+
+class HFEncoder(nn.Module):
+    """An HF encoder (``transformers.AutoModel``) with injected PALs, called like minBERT (see the module
+    docstring). ``model``: the HF model (PALs are injected here when ``pal`` is given)."""
+
+    def __init__(self, model: nn.Module, pal: PALConfig | None = None) -> None:
+        super().__init__()
+        from fastpals.adapters.inject import inject_pals
+
+        self.model = model
+        hf_config = model.config
+        self.model_type = hf_config.model_type
+        self.config = mirror_config(hf_config)
+        self.num_tasks = 0 if pal is None else pal.num_tasks
+        if pal is not None:
+            inject_pals(model, pal)
+        params = inspect.signature(model.forward).parameters
+        self.token_types = "token_type_ids" in params and self.config.type_vocab_size >= 2
+        self.has_pooler = getattr(model, "pooler", None) is not None
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | os.PathLike, pal: PALConfig | None = None) -> HFEncoder:
+        """The checkpoint ``name_or_path`` (``AutoModel``; a local folder or a Hub id) with ``pal`` injected."""
+        import transformers
+
+        from fastpals.data.hub import resolve_model_dir
+
+        folder = resolve_model_dir(
+            name_or_path, ("config.json",), any_of=("model.safetensors", "pytorch_model.bin")
+        )
+        model = transformers.AutoModel.from_pretrained(str(folder))
+        return cls(model, pal)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        task_ids: torch.Tensor | None = None,
+        unpad: bool = False,
+        layout: BatchLayout | None = None,
+    ) -> HFEncoderOutput:
+        """minBERT's call: padded ``[B, L]`` int64 inputs, or packed ``[N]`` ones with their ``layout``;
+        ``task_ids [B]`` int64 (for the PALs). ``unpad`` is ignored (the HF model runs padded)."""
+        packed = layout is not None and layout.packed and input_ids.dim() == 1
+        index = None
+        if packed:
+            b, n = layout.batch, layout.max_seqlen
+            rows = np.concatenate([e * n + np.arange(k) for e, k in enumerate(layout.lengths.tolist())])
+            index = torch.as_tensor(rows, device=input_ids.device)
+            mask_host = np.zeros(b * n, dtype=np.int64)
+            mask_host[rows] = 1
+            attention_mask = torch.as_tensor(mask_host.reshape(b, n), device=input_ids.device)
+            pad = self.config.pad_token_id
+            input_ids = input_ids.new_full((b * n,), pad).index_copy(0, index, input_ids).view(b, n)
+            if token_type_ids is not None:
+                token_type_ids = (
+                    token_type_ids.new_zeros(b * n).index_copy(0, index, token_type_ids).view(b, n)
+                )
+            task_ids = layout.task_ids  # this pass's rows (a siamese second pass holds the siamese rows only)
+        kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if self.token_types and token_type_ids is not None:
+            kwargs["token_type_ids"] = token_type_ids
+        if self.num_tasks:
+            kwargs["task_ids"] = task_ids
+        out = self.model(**kwargs)
+        h = out.last_hidden_state
+        pooled = getattr(out, "pooler_output", None) if self.has_pooler else None
+        if pooled is None:
+            pooled = h[:, 0]
+        if packed:
+            flat = h.reshape(-1, h.shape[-1]).index_select(0, index)
+            return HFEncoderOutput(flat, pooled, layout.cu_seqlens)
+        return HFEncoderOutput(h, pooled)

@@ -1,0 +1,755 @@
+"""The multi-task model: a (PAL-)BERT encoder, one head per task, save and load (the heads, losses and predictions
+are :mod:`fastpals.model.heads`).
+
+Tasks are declared with :class:`fastpals.data.tasks.TaskSpec` (kind, single sentence or pair, head, pooling, loss,
+files, metric), so users can add tasks beyond SST / Quora / STS. A batch may mix tasks: ``task_ids [B]`` says
+which task each example belongs to, every example goes through its own task's PALs and head in one call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastpals.data.layout import BatchLayout, make_layout, pool_packed
+from fastpals.data.tasks import TASKS, TaskSpec, get_task
+from fastpals.encoder.bert import BertConfig, BertModel, PALConfig, state_dict_mismatches, task_specific_kind
+from fastpals.encoder.fingerprint import encoder_fingerprint, parameter_digests
+from fastpals.encoder.pal_variants import pal_count_categories, pal_parameter_category
+from fastpals.model.heads import (
+    TASK_WEIGHTINGS,
+    MultiTaskOutput,
+    TaskHead,
+    TaskLosses,
+    predict,
+    summed_loss,
+    take_rows,
+    task_losses,
+)
+
+__all__ = [
+    "TASKS",
+    "MultiTaskBert",
+    "MultiTaskConfig",
+    "MultiTaskOutput",
+    "TASK_WEIGHTINGS",
+    "TaskLosses",
+    "TaskSpec",
+    "count_parameters",
+    "get_task",
+]
+
+
+@dataclass
+class MultiTaskConfig:
+    """Everything needed to rebuild a :class:`MultiTaskBert`: the encoder config, the tasks, the PAL config
+    (None = no PALs), and the base checkpoint it was fine-tuned from (for adapter-only saves)."""
+
+    bert: BertConfig
+    tasks: list[TaskSpec]
+    pal: PALConfig | None = None
+    base_model: str | None = None
+    head_dropout: float = 0.1
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "bert": dataclasses.asdict(self.bert),
+            "tasks": [t.to_dict() for t in self.tasks],
+            "pal": None if self.pal is None else self.pal.to_dict(),
+            "base_model": self.base_model,
+            "head_dropout": self.head_dropout,
+            "extra": self.extra,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> MultiTaskConfig:
+        return cls(
+            bert=BertConfig.from_dict(d["bert"]),
+            tasks=[TaskSpec(**t) for t in d["tasks"]],
+            pal=None if d.get("pal") is None else PALConfig.from_dict(d["pal"]),
+            base_model=d.get("base_model"),
+            head_dropout=d.get("head_dropout", 0.1),
+            extra=d.get("extra", {}),
+        )
+
+
+class MultiTaskBert(nn.Module):
+    """A (PAL-)BERT encoder with one head per task. ``MultiTaskBert(config)`` is randomly initialised;
+    :meth:`from_pretrained` loads the encoder from a checkpoint."""
+
+    #: ``inject_pals``, ``save_pals`` and ``load_pals`` hand this model to its own methods
+    #: (:func:`fastpals.adapters.targets.builds_own_pals`)
+    builds_own_pals = True
+
+    def __init__(self, config: MultiTaskConfig, encoder: nn.Module | None = None) -> None:
+        """``encoder``: an :class:`fastpals.model.hf_encoder.HFEncoder` (an HF model with injected PALs; its
+        ``config`` must be ``config.bert``) instead of minBERT built from ``config.bert``."""
+        super().__init__()
+        if not config.tasks:
+            raise ValueError("MultiTaskBert needs at least one task")
+        names = [t.name for t in config.tasks]
+        if len(set(names)) != len(names):
+            raise ValueError(f"task names must be distinct, got {names}")
+        if config.pal is not None and config.pal.num_tasks != len(config.tasks):
+            config.pal = dataclasses.replace(config.pal, num_tasks=len(config.tasks))
+        self.config = config
+        self.tasks = list(config.tasks)
+        self.bert = BertModel(config.bert, pal=config.pal) if encoder is None else encoder
+        d = config.bert.hidden_size
+        self.heads = nn.ModuleDict({t.name: TaskHead(t, d, config.head_dropout) for t in self.tasks})
+
+    # ------------------------------------------------------------------------------------------------------------
+    @classmethod
+    def from_base(
+        cls,
+        name_or_path: str | os.PathLike,
+        tasks: list[str | TaskSpec] | tuple[str | TaskSpec, ...] = ("sst", "para", "sts"),
+        pal: PALConfig | None = None,
+        head_dropout: float = 0.1,
+    ) -> MultiTaskBert:
+        """A new multi-task model on a pretrained encoder: encoder weights from the BERT checkpoint
+        ``name_or_path`` (see :meth:`BertModel.from_pretrained`: ``"minilm-l6"``, a local folder, a Hub name),
+        freshly initialised PALs (``pal``; ``num_tasks`` is set to ``len(tasks)``) and heads. Returned in eval
+        mode, as transformers does: call ``.train()`` before training."""
+        from fastpals.model.hf_encoder import HFEncoder, runs_as_minbert
+
+        specs = [get_task(t) for t in tasks]
+        if pal is not None:
+            pal = dataclasses.replace(pal, num_tasks=len(specs))
+        if not runs_as_minbert(name_or_path):  # another architecture: the HF model with injected PALs
+            hf = HFEncoder.from_pretrained(name_or_path, pal=pal)
+            config = MultiTaskConfig(hf.config, specs, pal, str(name_or_path), head_dropout)
+            config.extra["hf_model_type"] = hf.model_type
+            return cls(config, encoder=hf).eval()
+        encoder = BertModel.from_pretrained(name_or_path, pal=pal)
+        config = MultiTaskConfig(encoder.config, specs, pal, str(name_or_path), head_dropout)
+        model = cls(config)
+        model.bert.load_state_dict(encoder.state_dict())
+        model.bert.load_report = encoder.load_report
+        model.base_digests = parameter_digests(model.bert)  # to tell at save time whether the encoder trained
+        return model.eval()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path: str | os.PathLike,
+        tasks: list[str | TaskSpec] | tuple[str | TaskSpec, ...] | None = None,
+        pal: PALConfig | None = None,
+        head_dropout: float = 0.1,
+        base_model: str | os.PathLike | None = None,
+        force: bool = False,
+    ) -> MultiTaskBert:
+        """Open a model saved with :meth:`save_pretrained` (a full folder, or an adapter-only folder whose
+        encoder comes from ``base_model``, default the ``base_model_name_or_path`` it records), in eval mode.
+        ``force``: accept an adapter beside an encoder other than the one it was trained with (see
+        :meth:`load_adapter`).
+
+        An adapter written by :func:`fastpals.save_pals` from an injected HF encoder records no task heads:
+        pass ``tasks=`` (one per PAL task); the heads then start fresh. For a base BERT checkpoint (no adapter),
+        ``from_pretrained(name, tasks=..., pal=...)`` is :meth:`from_base` (the clearer name for it). Folders of
+        the old format (``fastpals_config.json``) load with a ``FutureWarning``.
+        """
+        from fastpals.adapters.format import find_adapter_folder
+
+        folder = Path(name_or_path)
+        if folder.is_dir() and find_adapter_folder(folder) is not None:
+            return cls._from_adapter_folder(folder, tasks, pal, head_dropout, base_model, force).eval()
+        if folder.is_dir() and (folder / LEGACY_CONFIG_NAME).is_file():
+            if tasks is not None or pal is not None:
+                raise ValueError(
+                    f"{folder} is a saved MultiTaskBert: its tasks and PALs are fixed (drop tasks=/pal=)"
+                )
+            warnings.warn(
+                f"{folder} is in the old fastpals format ({LEGACY_CONFIG_NAME}); save it again with "
+                "save_pretrained to get config.json, model.safetensors and pals/adapter_*",
+                FutureWarning,
+                stacklevel=2,
+            )
+            return _load_legacy(cls, folder, base_model).eval()
+        if tasks is None:
+            raise ValueError(
+                f"{name_or_path} is not a saved MultiTaskBert (no adapter_config.json): to start a new "
+                "model from a base checkpoint call MultiTaskBert.from_base(name_or_path, tasks=[...], pal=...)"
+            )
+        return cls.from_base(name_or_path, tasks, pal, head_dropout)
+
+    @classmethod
+    def load(
+        cls, folder: str | os.PathLike, base_model: str | os.PathLike | None = None, force: bool = False
+    ) -> MultiTaskBert:
+        """The former name of :meth:`from_pretrained` for saved folders (kept as an alias)."""
+        return cls.from_pretrained(folder, base_model=base_model, force=force)
+
+    @classmethod
+    def _from_adapter_folder(
+        cls,
+        folder: Path,
+        tasks: list[str | TaskSpec] | tuple[str | TaskSpec, ...] | None,
+        pal: PALConfig | None,
+        head_dropout: float,
+        base_model: str | os.PathLike | None,
+        force: bool = False,
+    ) -> MultiTaskBert:
+        from fastpals.adapters.format import read_adapter_config
+
+        config, adapter = read_adapter_config(folder, "MultiTaskBert.from_pretrained")
+        saved_pal = None if config.get("pal_config") is None else PALConfig.from_dict(config["pal_config"])
+        if pal is not None:
+            raise ValueError(
+                f"{folder} is a saved model: its PALs are fixed by {adapter}/adapter_config.json (drop pal=)"
+            )
+        if config.get("tasks") is not None:
+            if tasks is not None:
+                raise ValueError(f"{folder} is a saved MultiTaskBert: its tasks are fixed (drop tasks=)")
+            specs = [TaskSpec(**t) for t in config["tasks"]]
+            head_dropout = config.get("extra", {}).get("head_dropout", head_dropout)
+        else:
+            if tasks is None:
+                raise ValueError(
+                    f"the adapter in {adapter} holds PALs for {config.get('task_names')} but no task heads "
+                    "(saved by save_pals): pass tasks=[...] (one per PAL task; the heads start fresh)"
+                )
+            specs = [get_task(t) for t in tasks]
+        full = adapter != folder and (folder / "config.json").is_file()
+        if full and config.get("extra", {}).get("hf_model_type"):  # an HF encoder saved beside its adapter
+            model = cls.from_base(folder, specs, saved_pal, head_dropout)
+            model.config.base_model = config.get("extra", {}).get("fine_tuned_from")
+        elif full:
+            bert_config = BertConfig.from_json(folder / "config.json")
+            base_name = config.get("extra", {}).get("fine_tuned_from")
+            model = cls(MultiTaskConfig(bert_config, specs, saved_pal, base_name, head_dropout))
+            _load_shared(model, folder)
+        else:
+            base = base_model or config.get("base_model_name_or_path")
+            if base is None:
+                raise ValueError(
+                    f"{folder} holds an adapter only and records no base_model_name_or_path: pass base_model="
+                )
+            model = cls.from_base(base, specs, saved_pal, head_dropout)
+        saved_extra = config.get("extra", {})
+        model.config.extra = {
+            k: v for k, v in saved_extra.items() if k not in ("head_dropout", "fine_tuned_from")
+        }
+        model.load_adapter(adapter, strict=config.get("tasks") is not None, force=force)
+        return model
+
+    @property
+    def task_names(self) -> list[str]:
+        return [t.name for t in self.tasks]
+
+    def task_index(self, name: str) -> int:
+        try:
+            return self.task_names.index(name)
+        except ValueError:
+            raise ValueError(f"unknown task {name!r}; this model has {self.task_names}") from None
+
+    # ------------------------------------------------------------------------------------------------------------
+    def _features(self, spec: TaskSpec, out: Any, mask: torch.Tensor | None) -> torch.Tensor:
+        if spec.pooling == "cls":
+            return out.pooler_output
+        if out.cu_seqlens is not None:  # packed [N, d]
+            return pool_packed(out.last_hidden_state, out.cu_seqlens, spec.pooling)
+        h = out.last_hidden_state
+        m = mask.to(h.dtype).unsqueeze(-1)
+        if spec.pooling == "mean":
+            return (h * m).sum(1) / m.sum(1).clamp_min(1.0)
+        return h.masked_fill(m == 0, torch.finfo(h.dtype).min).amax(1)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        task_ids: torch.Tensor | None = None,
+        input_ids_b: torch.Tensor | None = None,
+        attention_mask_b: torch.Tensor | None = None,
+        token_type_ids_b: torch.Tensor | None = None,
+        unpad: bool = False,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
+        cu_seqlens_b: torch.Tensor | None = None,
+        max_seqlen_b: int | None = None,
+        layout: BatchLayout | None = None,
+    ) -> MultiTaskOutput:
+        """input_ids etc. ``[B, L]``; task_ids ``[B]`` int64 (may be omitted for a one-task model).
+
+        Siamese pair tasks (``pair_mode`` sbert_*) take the second sentences in ``*_b`` ``[B, L2]`` (rows of other
+        tasks are ignored there). Returns :class:`MultiTaskOutput`.
+
+        Packed inputs (:mod:`fastpals.data.mixed_batches`, no padding): ``input_ids``/``token_type_ids`` ``[N]`` and the
+        batch's ``layout`` (:func:`fastpals.data.mixed_batches.model_inputs` passes both; the step then reads no device
+        value on the host), or ``cu_seqlens [B+1]`` int32 and ``max_seqlen`` (a layout is then built from them
+        with one host read), no attention masks; the second sentences of the siamese rows (only those, in row
+        order) as ``input_ids_b``/``token_type_ids_b`` ``[N2]`` (with ``layout.second``, or ``cu_seqlens_b
+        [B2+1]`` and ``max_seqlen_b``). The encoder runs its unpadded path (Triton ``pal_varlen`` and flash-attn
+        varlen on CUDA when available) and pooling reads the packed rows.
+        """
+        if layout is not None or cu_seqlens is not None:
+            return self._forward_packed(
+                input_ids, attention_mask, token_type_ids, task_ids, input_ids_b, token_type_ids_b, cu_seqlens,
+                max_seqlen, cu_seqlens_b, max_seqlen_b, layout,
+            )  # fmt: skip
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, length], got shape {list(input_ids.shape)}")
+        b = input_ids.shape[0]
+        task_ids = self._task_ids(task_ids, b, input_ids.device)
+        num = len(self.tasks)
+        layout = make_layout(
+            attention_mask, task_ids, unpad, tuple(input_ids.shape), num
+        )  # reads the host once
+        out_a = self.bert(input_ids, attention_mask, token_type_ids, task_ids, unpad=unpad, layout=layout)
+        out_b, tokens = None, list(layout.task_tokens)
+        if any(self.tasks[t].siamese for t in layout.present):
+            if input_ids_b is None or attention_mask_b is None:
+                raise ValueError("siamese pair tasks need input_ids_b and attention_mask_b")
+            layout_b = make_layout(attention_mask_b, task_ids, unpad, tuple(input_ids_b.shape), num)
+            out_b = self.bert(
+                input_ids_b, attention_mask_b, token_type_ids_b, task_ids, unpad=unpad, layout=layout_b
+            )
+            tokens = [
+                n + (layout_b.task_tokens[t] if self.tasks[t].siamese else 0) for t, n in enumerate(tokens)
+            ]
+        logits = self._head_logits(
+            layout, out_a.pooler_output,
+            lambda spec, rows: take_rows(self._features(spec, out_a, attention_mask), rows),
+            lambda spec, rows: take_rows(self._features(spec, out_b, attention_mask_b), rows),
+        )  # fmt: skip
+        return MultiTaskOutput(
+            logits=logits, task_ids=task_ids, pooled=out_a.pooler_output, layout=layout, task_tokens=tokens
+        )
+
+    def _task_ids(self, task_ids: torch.Tensor | None, b: int, device: torch.device) -> torch.Tensor:
+        """``task_ids`` checked (long ``[B]``; its range is checked where the layout reads it), or zeros for a
+        one-task model."""
+        from fastpals.functional import check_task_ids
+
+        if task_ids is None:
+            if len(self.tasks) != 1:
+                raise ValueError("task_ids is required for a model with more than one task")
+            task_ids = torch.zeros(b, dtype=torch.long, device=device)
+        return check_task_ids(task_ids, len(self.tasks), b, device, check_values=False)
+
+    def _head_logits(
+        self, layout: BatchLayout, pooled: torch.Tensor, features_a: Any, features_b: Any
+    ) -> torch.Tensor:
+        """Logits ``[B, max num_labels]``: each present task's head on its rows' features (``features_a(spec,
+        rows)``, and for siamese tasks ``features_b(spec, rows)`` of the second sentences: cosine, or the head on
+        ``(u, v, |u - v|)``); ``rows`` is :meth:`BatchLayout.rows_of` (a slice when rows are grouped by task)."""
+        width = max(t.num_labels for t in self.tasks)
+        pieces = []
+        # fp32 logits: a bf16 model's scores keep fp32 resolution (a cosine near 1 has 3 digits in bf16)
+        logits = None if layout.grouped else pooled.new_zeros(layout.batch, width, dtype=torch.float32)
+        for i in layout.present:
+            spec = self.tasks[i]
+            rows = layout.rows_of(i)
+            u = features_a(spec, rows)
+            if spec.siamese:
+                v = features_b(spec, rows)
+                if spec.pair_mode == "sbert_cosine":
+                    y = F.cosine_similarity(u.float(), v.float(), dim=-1)[:, None]
+                else:
+                    y = self.heads[spec.name](torch.cat([u, v, (u - v).abs()], dim=-1))
+            else:
+                y = self.heads[spec.name](u)
+            y = F.pad(y, (0, width - y.shape[1]))
+            if logits is None:
+                pieces.append(y)
+            else:
+                logits = logits.index_copy(0, rows, y.to(logits.dtype))
+        if logits is None:
+            logits = (
+                torch.cat([y.float() for y in pieces])
+                if pieces
+                else pooled.new_zeros(0, width, dtype=torch.float32)
+            )
+        return logits
+
+    def _forward_packed(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        token_type_ids: torch.Tensor | None,
+        task_ids: torch.Tensor | None,
+        input_ids_b: torch.Tensor | None,
+        token_type_ids_b: torch.Tensor | None,
+        cu_seqlens: torch.Tensor | None,
+        max_seqlen: int | None,
+        cu_seqlens_b: torch.Tensor | None,
+        max_seqlen_b: int | None,
+        layout: BatchLayout | None,
+    ) -> MultiTaskOutput:
+        if attention_mask is not None:
+            raise ValueError("packed inputs (cu_seqlens given) take no attention_mask")
+        num = len(self.tasks)
+        max_pos = self.config.bert.max_position_embeddings
+        if layout is None:  # packed tensors without their layout: read them on the host once, here
+            from fastpals.data.layout import layout_from_cu_seqlens
+
+            b = cu_seqlens.shape[0] - 1
+            task_ids = self._task_ids(task_ids, b, input_ids.device)
+            layout = layout_from_cu_seqlens(input_ids, cu_seqlens, max_seqlen, task_ids, num, max_pos)
+            siamese_rows = np.flatnonzero([self.tasks[t].siamese for t in layout.host_task_ids])
+            if siamese_rows.size and input_ids_b is not None and cu_seqlens_b is not None:
+                if cu_seqlens_b.shape[0] - 1 != siamese_rows.size:
+                    raise ValueError(
+                        f"cu_seqlens_b holds {cu_seqlens_b.shape[0] - 1} sequences for {siamese_rows.size} "
+                        "siamese rows"
+                    )
+                second = layout_from_cu_seqlens(
+                    input_ids_b, cu_seqlens_b, max_seqlen_b, layout.task_ids.index_select(
+                        0, torch.as_tensor(siamese_rows, device=input_ids.device)), num, max_pos,
+                )  # fmt: skip
+                layout.with_second(second, siamese_rows)
+        elif layout.host_task_ids is None or layout.num_tasks != num:
+            raise ValueError(f"the batch's layout must hold task ids of this model's {num} tasks")
+        if layout.max_seqlen > max_pos:
+            raise ValueError(
+                f"a sequence of {layout.max_seqlen} tokens exceeds max_position_embeddings {max_pos}"
+            )
+        enc_tasks = layout.task_ids if self.bert.num_tasks else None
+        out_a = self.bert(input_ids, None, token_type_ids, enc_tasks, layout=layout)
+        tokens = list(layout.task_tokens)
+        out_b = None
+        if any(self.tasks[t].siamese for t in layout.present):
+            second = layout.second
+            if input_ids_b is None or second is None:
+                raise ValueError(
+                    "siamese pair tasks need input_ids_b and cu_seqlens_b (their second sentences)"
+                )
+            expected = sum(n for t, n in enumerate(layout.task_examples) if self.tasks[t].siamese)
+            if second.batch != expected:
+                raise ValueError(f"cu_seqlens_b holds {second.batch} sequences for {expected} siamese rows")
+            out_b = self.bert(input_ids_b, None, token_type_ids_b, enc_tasks, layout=second)
+            tokens = [n + second.task_tokens[t] for t, n in enumerate(tokens)]
+
+        def rows_b(i: int, rows: slice | torch.Tensor) -> slice | torch.Tensor:
+            if isinstance(rows, slice):
+                a, b = layout.second.example_ranges[i]
+                return slice(a, b)
+            return layout.second_slot.index_select(0, rows)
+
+        logits = self._head_logits(
+            layout, out_a.pooler_output,
+            lambda spec, rows: take_rows(self._features(spec, out_a, None), rows),
+            lambda spec, rows: take_rows(self._features(spec, out_b, None), rows_b(self.task_index(spec.name), rows)),
+        )  # fmt: skip
+        return MultiTaskOutput(
+            logits=logits,
+            task_ids=layout.task_ids,
+            pooled=out_a.pooler_output,
+            layout=layout,
+            task_tokens=tokens,
+        )
+
+    def _task_loss(self, spec: TaskSpec, z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """One task's loss (0-dim fp32) over its rows, by its kind (:meth:`fastpals.data.task_kinds.TaskKind.loss`):
+        ``z`` logits ``[n, num_labels]``, ``y`` labels ``[n]``."""
+        return spec.task_kind.loss(spec, z, y)
+
+    def task_losses(
+        self, output: MultiTaskOutput, labels: torch.Tensor, weighting: str = "examples"
+    ) -> TaskLosses:
+        """One loss per task present (the mean over its rows), combined by ``weighting`` (``"examples"``: the
+        example-weighted mean; ``"equal"``: each task present counts equally); see
+        :func:`fastpals.model.heads.task_losses`. labels ``[B]`` float (as :meth:`loss`)."""
+        return task_losses(self.tasks, output, labels, weighting, self._task_loss)
+
+    def loss(
+        self, output: MultiTaskOutput, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Sum over the tasks present of each task's mean loss, and the per-task losses
+        (:func:`fastpals.model.heads.summed_loss`).
+
+        labels ``[B]`` float (class index for classification, 0/1 for binary, the raw label for regression).
+        """
+        return summed_loss(self.tasks, output, labels, self._task_loss)
+
+    def predict(self, output: MultiTaskOutput) -> torch.Tensor:
+        """Predicted labels ``[B]`` float32 by each row's task kind (:func:`fastpals.model.heads.predict`): class
+        index, 0/1, or the regression value clipped to the label range. No host reads."""
+        return predict(self.tasks, output)
+
+    # ------------------------------------------------------------------------------------------------------------
+    def adapter_state_dict(self) -> dict[str, torch.Tensor]:
+        """The task-specific weights alone (:func:`fastpals.encoder.bert.is_task_specific`): PALs (every variant) and
+        heads, by their names in this model."""
+        return {k: v for k, v in self.state_dict().items() if task_specific_kind(k) is not None}
+
+    def trained_base_state_dict(self) -> dict[str, torch.Tensor]:
+        """The shared (encoder) parameters that train while others are frozen (the freeze recipe trains the
+        LayerNorms): empty when every parameter is trainable or every shared one is frozen."""
+        shared = {n: p for n, p in self.named_parameters() if task_specific_kind(n) is None}
+        if all(p.requires_grad for p in shared.values()):
+            return {}
+        return {n: p.detach() for n, p in shared.items() if p.requires_grad}
+
+    def shared_state_dict(self) -> dict[str, torch.Tensor]:
+        """The shared encoder's weights under HF names (``BertModel``'s, or the HF encoder's own; no PALs)."""
+        prefix = self.encoder_prefix + "."
+        return {
+            k[len(prefix) :]: v
+            for k, v in self.state_dict().items()
+            if k.startswith(prefix) and task_specific_kind(k) is None
+        }
+
+    @property
+    def encoder_prefix(self) -> str:
+        """Where the encoder's HF-named modules sit in this model: ``"bert"`` (minBERT), ``"bert.model"`` (an
+        HF encoder)."""
+        return "bert" if isinstance(self.bert, BertModel) else "bert.model"
+
+    def _adapter_kwargs(self) -> dict[str, Any]:
+        from fastpals.adapters.targets import TARGETS
+
+        cfg = self.config
+        n_layers = cfg.bert.num_hidden_layers
+        model_type = cfg.extra.get("hf_model_type", "bert")
+        target = TARGETS.get(model_type, TARGETS["bert"])
+        return {
+            "pal_config": None if cfg.pal is None else cfg.pal.to_dict(),
+            "encoder": {
+                "prefix": self.encoder_prefix,
+                "model_type": model_type,
+                "layers_pattern": target.layers,
+                "layer_norm_name": target.layer_norm,
+                "hidden_size": cfg.bert.hidden_size,
+                "num_layers": n_layers,
+                "layer_indices": [] if cfg.pal is None else cfg.pal.layer_indices(n_layers),
+            },
+            "base_model_name_or_path": cfg.base_model,
+            "task_names": self.task_names,
+            "tasks": [t.to_dict() for t in self.tasks],
+            "modules_to_save": ["heads"],
+            "extra": {**cfg.extra, "head_dropout": cfg.head_dropout},
+            "saved_from": type(self).__name__,
+        }
+
+    def save_pretrained(
+        self, folder: str | os.PathLike, adapters_only: bool = False, tokenizer: Any | None = None
+    ) -> Path:
+        """Save the model so that :meth:`from_pretrained` opens it, and HF tools open its shared encoder.
+
+        Full (default), the folder holds:
+
+        - ``config.json`` (HF ``BertConfig``, ``model_type`` ``"bert"``) and ``model.safetensors`` (the shared
+          encoder under HF ``BertModel`` names): ``transformers.AutoModel.from_pretrained(folder)`` opens the
+          encoder without PALs;
+        - ``pals/adapter_config.json`` and ``pals/adapter_model.safetensors``: PALs and heads
+          (:mod:`fastpals.adapters.format`); ``fastpals.load_pals(AutoModel.from_pretrained(folder), folder)`` gives the
+          HF encoder its PALs. Their ``base_model_name_or_path`` is null (they belong to the encoder saved
+          beside them); the checkpoint the model started from is kept as ``extra.fine_tuned_from``;
+        - with ``tokenizer`` (a :class:`fastpals.Tokenizer`): ``tokenizer.json``, ``tokenizer_config.json``,
+          ``special_tokens_map.json`` for ``transformers.AutoTokenizer`` (and ``vocab.txt`` for a tokenizer
+          built from one).
+
+        ``adapters_only=True`` writes ``adapter_config.json`` and ``adapter_model.safetensors`` at the top of
+        ``folder``: PALs, heads, and (freeze recipe) the trained base weights; loading needs the base checkpoint
+        named in ``base_model_name_or_path``. It warns when the shared encoder trained (changed since
+        :meth:`from_base`): the adapter needs that encoder, which only the full save keeps.
+
+        Either way the adapter records the fingerprint of the encoder it was trained with
+        (``encoder.fingerprint``, :mod:`fastpals.encoder.fingerprint`; the trained base weights it carries left out):
+        :meth:`load_adapter` refuses it beside another encoder unless ``force=True``. Returns the folder.
+        """
+        from safetensors.torch import save_file
+
+        from fastpals.adapters.format import ADAPTER_SUBFOLDER, write_adapter
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        tensors = self.adapter_state_dict()
+        heads = {k for k in tensors if task_specific_kind(k) == "head"}
+        base: dict[str, torch.Tensor] = {}
+        if adapters_only:
+            base = self.trained_base_state_dict()
+            adapter_dir = folder
+        else:
+            adapter_dir = folder / ADAPTER_SUBFOLDER
+            shared = {k: v.detach().contiguous().cpu() for k, v in self.shared_state_dict().items()}
+            if isinstance(self.bert, BertModel):
+                dtype = shared["embeddings.word_embeddings.weight"].dtype
+                config_json = json.dumps(hf_bert_config(self.config.bert, dtype), indent=2)
+                (folder / "config.json").write_text(config_json)
+            else:
+                self.bert.model.config.save_pretrained(folder)
+            save_file(shared, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        kwargs = self._adapter_kwargs()
+        kwargs["encoder"]["fingerprint"] = encoder_fingerprint(
+            self.bert, {n.removeprefix("bert.") for n in base}
+        )
+        if adapters_only:
+            self._warn_if_encoder_trained(base)
+        if not adapters_only:
+            # these PALs belong to the encoder saved beside them (fine-tuned or not), not to the original base
+            kwargs["base_model_name_or_path"] = None
+            kwargs["extra"]["fine_tuned_from"] = self.config.base_model
+        write_adapter(
+            adapter_dir, {**tensors, **base}, head_names=heads, trained_base_names=set(base), **kwargs
+        )
+        if tokenizer is not None:
+            tokenizer.save_pretrained(folder)
+        return folder
+
+    def _warn_if_encoder_trained(self, base: dict[str, torch.Tensor]) -> None:
+        """``adapters_only`` drops the shared encoder: warn when it trained since :meth:`from_base` loaded it
+        (a shared parameter the adapter does not carry changed), since the adapter then needs that encoder."""
+        start = getattr(self, "base_digests", None)
+        if not start:
+            return
+        inner = {n.removeprefix("bert.") for n in base}
+        changed = [n for n, d in parameter_digests(self.bert).items() if n not in inner and start.get(n) != d]
+        if changed:
+            warnings.warn(
+                f"save_pretrained(adapters_only=True): the shared encoder trained ({len(changed)} tensors changed, "
+                f"e.g. {changed[0]}) but is not saved, so the adapter will not load beside its base encoder "
+                "(encoder fingerprint): save the full model (adapters_only=False) to keep the encoder",
+                UserWarning,
+                stacklevel=3,
+            )
+
+    def load_adapter(
+        self,
+        folder: str | os.PathLike,
+        load_trained_base: bool = True,
+        strict: bool = True,
+        force: bool = False,
+    ) -> MultiTaskBert:
+        """Load an adapter (from :meth:`save_pretrained` or :func:`fastpals.save_pals`) into this model: its PAL
+        config must equal this model's (else ``ValueError`` naming the fields that differ); PAL tensors must
+        match exactly. Heads and trained base weights load by name; with ``strict`` a saved tensor this model
+        has no place for is an error (else a warning names it). An adapter that records the fingerprint of the
+        encoder it was trained with (:mod:`fastpals.encoder.fingerprint`) is refused beside another encoder
+        (:class:`fastpals.encoder.fingerprint.EncoderMismatchError`, one line) unless ``force``. Returns the model."""
+        from fastpals.adapters.format import (
+            check_same_pal_config,
+            load_adapter_tensors,
+            read_adapter,
+            trained_base_in_encoder,
+        )
+        from fastpals.encoder.fingerprint import check_encoder_fingerprint
+
+        config, tensors, adapter = read_adapter(folder, "load_adapter")
+        check_encoder_fingerprint(
+            config.get("encoder", {}).get("fingerprint"), self.bert, trained_base_in_encoder(config),
+            str(adapter), "load_adapter", force,
+        )  # fmt: skip
+        own = None if self.config.pal is None else self.config.pal.to_dict()
+        saved = config.get("pal_config")
+        if (own is None) != (saved is None):
+            raise ValueError(
+                f"load_adapter: {adapter} holds {'no PALs' if saved is None else 'PALs'} but this model has "
+                f"{'none' if own is None else 'PALs'}"
+            )
+        if own is not None:
+            check_same_pal_config(own, saved, str(adapter), "load_adapter")
+        load_adapter_tensors(
+            self,
+            self.encoder_prefix,
+            config,
+            tensors,
+            source=str(adapter),
+            caller="load_adapter",
+            load_trained_base=load_trained_base,
+            strict=strict,
+        )
+        return self
+
+
+def hf_bert_config(config: BertConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """An HF transformers ``config.json`` for a ``BertModel`` with this encoder's shape (``model_type`` bert)
+    whose weights are saved in ``dtype``."""
+    return {
+        "architectures": ["BertModel"],
+        "model_type": "bert",
+        **dataclasses.asdict(config),
+        "position_embedding_type": "absolute",
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def _load_shared(model: MultiTaskBert, folder: Path) -> None:
+    """Load a full folder's ``model.safetensors`` (the shared encoder, HF names) into ``model.bert``: exactly."""
+    from safetensors.torch import load_file
+
+    path = folder / "model.safetensors"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found (a full MultiTaskBert folder has it beside config.json)")
+    state = load_file(str(path))
+    own = {k: v for k, v in model.bert.state_dict().items() if task_specific_kind(k) is None}
+    problems = state_dict_mismatches(own, state)
+    if problems:
+        raise ValueError(f"cannot load {path}:\n  " + "\n  ".join(problems))
+    model.bert.load_state_dict(state, strict=False)
+
+
+LEGACY_CONFIG_NAME = "fastpals_config.json"
+
+
+def _load_legacy(
+    cls: type[MultiTaskBert], folder: Path, base_model: str | os.PathLike | None
+) -> MultiTaskBert:
+    """Folders of fastpals 0.1: ``fastpals_config.json`` with ``model.safetensors`` (all weights, ``bert.``
+    names) or ``adapters.safetensors`` (PALs and heads)."""
+    from safetensors.torch import load_file
+
+    meta = json.loads((folder / LEGACY_CONFIG_NAME).read_text())
+    config = MultiTaskConfig.from_dict(meta)
+    if meta.get("format") == "adapters":
+        base = base_model or config.base_model
+        if base is None:
+            raise ValueError(f"{folder} holds adapters only: pass base_model=")
+        model = cls.from_base(base, config.tasks, config.pal, config.head_dropout)
+        _load_checked(model, load_file(str(folder / "adapters.safetensors")), folder, subset=True)
+    else:
+        model = cls(config)
+        _load_checked(model, load_file(str(folder / "model.safetensors")), folder, subset=False)
+    return model
+
+
+def _load_checked(model: nn.Module, state: dict[str, torch.Tensor], folder: Path, subset: bool) -> None:
+    own = model.state_dict()
+    if subset:
+        own = {k: v for k, v in own.items() if task_specific_kind(k) is not None}
+    problems = state_dict_mismatches(own, state)
+    if problems:
+        raise ValueError(f"cannot load {folder}:\n  " + "\n  ".join(problems))
+    model.load_state_dict(state, strict=not subset)
+
+
+def count_parameters(model: nn.Module) -> dict[str, int]:
+    """Parameter counts by component (each shared tensor counted once).
+
+    Keys: ``total``, ``encoder`` (the BERT weights), ``pal`` (all task-specific encoder parameters), ``heads``,
+    and the PAL breakdown by the registered variants' categories
+    (:func:`fastpals.encoder.pal_variants.pal_count_categories`; built in: ``pal_projections``, ``pal_attention``,
+    ``pal_gates``, ``pal_top``, ``embert``), each variant classifying its own parameters.
+    """
+    counts = dict.fromkeys(("total", "encoder", "pal", "heads", *pal_count_categories()), 0)
+    for name, p in model.named_parameters():
+        n = p.numel()
+        counts["total"] += n
+        kind = task_specific_kind(name)
+        if kind == "head":
+            counts["heads"] += n
+        elif kind == "pal":
+            counts["pal"] += n
+            category = pal_parameter_category(name)
+            counts[category] = counts.get(category, 0) + n
+        else:
+            counts["encoder"] += n
+    return counts

@@ -1,0 +1,333 @@
+"""Optimizer wrappers for users coming from Pytorch-PCGrad: ``PCGrad(optimizer)`` and ``GEM(optimizer)``.
+
+``pc_backward(losses)`` takes the per-task scalar losses of one forward (one shared graph), runs one backward
+per loss (``retain_graph`` for all but the last, as Pytorch-PCGrad does), captures each task's gradient of the
+shared parameters into a :class:`~fastpals.surgery.TaskGradientBuffer`, and writes the surgery's update into
+``.grad``. ``step()`` then steps the wrapped optimizer (or does nothing when the step was skipped for non-finite
+gradients), ``zero_grad()`` delegates.
+
+Which parameters are shared is decided per call from the autograd graphs of the losses (a parameter reached by
+two or more losses is shared, by one is task-specific, by none is unused and keeps ``grad = None``), unless
+``shared_params`` is given. Give it for models whose task-specific weights are slices of one stacked parameter
+(``fastpals.MultiTaskBert``'s PALs: every task's graph reaches the whole stacked tensor); see
+:func:`shared_parameters_by_name`.
+
+This API keeps the graph of every task alive until the last backward (it has to: the losses share one forward).
+The buffer path (a forward + backward per task batch, each graph freed at once, :class:`TaskGradientBuffer`
+driven from the training loop) is faster and uses less activation memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+
+from fastpals.surgery.buffer import SurgeryResult, TaskGradientBuffer, parameters_reached
+from fastpals.surgery.weights_basic import gem_weights, pcgrad_weights
+from fastpals.surgery.weights_solved import make_weighting
+
+__all__ = ["GEM", "PCGrad", "SurgeryOptimizer", "shared_parameters_by_name"]
+
+
+def shared_parameters_by_name(
+    model: torch.nn.Module, is_task_specific: Callable[[str], bool] | None = None
+) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+    """Split ``model``'s trainable parameters into ``(shared, task_specific)`` by name.
+
+    The default rule is fastpals' :class:`~fastpals.MultiTaskBert` naming: heads (``heads.*``), PAL weights
+    and task embeddings are task-specific, every other (encoder) weight is shared.
+    """
+    if is_task_specific is None:
+        from fastpals.encoder.bert import is_task_specific
+
+    shared, specific = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (specific if is_task_specific(name) else shared).append(p)
+    return shared, specific
+
+
+class _SurgeryOptimizer:
+    """Shared machinery of :class:`PCGrad` and :class:`GEM`."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        buffer_dtype: torch.dtype = torch.float32,
+        shared_params: Iterable[torch.nn.Parameter] | None = None,
+        **buffer_kwargs: Any,
+    ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        self.optimizer = optimizer
+        self.buffer_dtype = buffer_dtype
+        self.shared_params = list(shared_params) if shared_params is not None else None
+        self.buffer_kwargs = buffer_kwargs
+        self.buffer: TaskGradientBuffer | None = None
+        self.last_result: SurgeryResult | None = None
+        self.skipped_steps = 0
+
+    # --- delegation ---------------------------------------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Step the wrapped optimizer, unless the last surgery skipped the step (non-finite gradients)."""
+        if self.last_result is not None and self.last_result.skipped:
+            return None
+        return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+
+    # --- internals ----------------------------------------------------------------------------------------------
+    def _trainable(self) -> list[torch.nn.Parameter]:
+        out, seen = [], set()
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
+
+    def _split(
+        self, losses: Sequence[torch.Tensor]
+    ) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+        params = self._trainable()
+        if self.shared_params is not None:
+            ids = {id(p) for p in self.shared_params}
+            return list(self.shared_params), [p for p in params if id(p) not in ids]
+        reached = [parameters_reached(loss, params) for loss in losses]
+        counts = [sum(r[k] for r in reached) for k in range(len(params))]
+        shared = [p for p, c in zip(params, counts) if c >= 2]
+        specific = [p for p, c in zip(params, counts) if c == 1]
+        if not shared:  # one task, or tasks sharing nothing: every weight is 1, surgery leaves the sum as is
+            shared, specific = specific, []
+        if not shared:
+            raise ValueError("no optimizer parameter is reached by the losses' graphs")
+        return shared, specific
+
+    def _buffer_for(
+        self, shared: list[torch.nn.Parameter], specific: list[torch.nn.Parameter], rows: int
+    ) -> TaskGradientBuffer:
+        buf = self.buffer
+        if (
+            buf is None
+            or buf.num_tasks != rows
+            or [id(p) for p in buf.params] != [id(p) for p in shared]
+            or [id(p) for p in buf.task_params] != [id(p) for p in specific]
+        ):
+            buf = TaskGradientBuffer(
+                shared, rows, self.buffer_dtype, task_params=specific, **self.buffer_kwargs
+            )
+            self.buffer = buf
+        return buf
+
+    @staticmethod
+    def _check_losses(losses: Sequence[torch.Tensor], name: str) -> list[torch.Tensor]:
+        if isinstance(losses, torch.Tensor) or not isinstance(losses, Sequence) or len(losses) == 0:
+            raise TypeError(f"{name} must be a non-empty list of scalar loss tensors, one per task")
+        for t, loss in enumerate(losses):
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise ValueError(f"{name}[{t}] must be a scalar tensor")
+            if not loss.requires_grad:
+                raise ValueError(f"{name}[{t}] does not require grad")
+        return list(losses)
+
+    def _backward_into(self, buf: TaskGradientBuffer, losses: list[torch.Tensor], first_row: int) -> None:
+        last = len(losses) - 1
+        for t, loss in enumerate(losses):
+            loss.backward(retain_graph=t < last)
+            buf.capture(first_row + t)
+
+    def _weighted_backward(
+        self,
+        losses: Sequence[torch.Tensor],
+        weighting: Callable[..., torch.Tensor],
+        generator: torch.Generator | None,
+    ) -> SurgeryResult:
+        """Zero the gradients, back-propagate each task loss into its buffer row, and write the update of
+        ``weighting`` (a Gram -> weights function; ``generator`` for its random orders) into ``.grad``."""
+        losses = self._check_losses(losses, "losses")
+        shared, specific = self._split(losses)
+        buf = self._buffer_for(shared, specific, len(losses))
+        self.optimizer.zero_grad(set_to_none=True)
+        self._backward_into(buf, losses, 0)
+        return self._finish(buf.apply(weighting, generator=generator))
+
+    def _finish(self, result: SurgeryResult) -> SurgeryResult:
+        self.last_result = result
+        if result.skipped:
+            self.skipped_steps += 1
+        return result
+
+
+class PCGrad(_SurgeryOptimizer):
+    """PCGrad (Yu et al. 2020) around any optimizer, with Pytorch-PCGrad's calling convention.
+
+    Args:
+        optimizer: the wrapped optimizer (its parameters are the ones surgery and the split consider).
+        generator: CPU ``torch.Generator`` for the projection orders (default: PyTorch's global CPU RNG).
+        buffer_dtype: dtype of the per-task gradient buffer (float32, or bfloat16 to halve its memory).
+        shared_params: the parameters shared by the tasks (default: found from the losses' graphs).
+        **buffer_kwargs: passed to :class:`TaskGradientBuffer` (``grad_getter``, ``grad_setter``,
+            ``process_group``, ``all_reduce``, ``grad_dtype``).
+
+    Unlike Pytorch-PCGrad, the projected gradients are summed (the paper's rule) over the shared parameters
+    only; task-specific and unused parameters are left alone.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        generator: torch.Generator | None = None,
+        buffer_dtype: torch.dtype = torch.float32,
+        shared_params: Iterable[torch.nn.Parameter] | None = None,
+        **buffer_kwargs: Any,
+    ) -> None:
+        super().__init__(optimizer, buffer_dtype, shared_params, **buffer_kwargs)
+        self.generator = generator
+
+    def pc_backward(self, losses: Sequence[torch.Tensor]) -> SurgeryResult:
+        """Zero the gradients, back-propagate each task loss, and write the PCGrad update into ``.grad``."""
+        return self._weighted_backward(losses, pcgrad_weights, self.generator)
+
+    backward = pc_backward
+
+
+class GEM(_SurgeryOptimizer):
+    """GEM (Lopez-Paz & Ranzato 2017) for multi-task training, around any optimizer.
+
+    Args:
+        optimizer: the wrapped optimizer.
+        proposal: the update GEM projects: ``"sum"`` (default: the plain multi-task update), ``"mean"``, or a
+            task index ``k`` (``g_k``, GEM's "current task"; then the other tasks are the constraints).
+        buffer_dtype, shared_params, **buffer_kwargs: as for :class:`PCGrad`.
+        max_iter, tol, ridge: solver options of :func:`~fastpals.surgery.gem_weights`.
+
+    :meth:`gem_backward` constrains the update to have a non-negative inner product with every task's gradient.
+    The constraint gradients are those of ``memory_losses`` when given (one loss per task on that task's episodic
+    memory; the buffer then holds ``2 T`` rows), otherwise those of the current task losses.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        proposal: str | int = "sum",
+        buffer_dtype: torch.dtype = torch.float32,
+        shared_params: Iterable[torch.nn.Parameter] | None = None,
+        max_iter: int | None = None,
+        tol: float = 1e-12,
+        ridge: float = 1e-12,
+        **buffer_kwargs: Any,
+    ) -> None:
+        super().__init__(optimizer, buffer_dtype, shared_params, **buffer_kwargs)
+        if not (
+            proposal in ("sum", "mean") or (isinstance(proposal, int) and not isinstance(proposal, bool))
+        ):
+            raise ValueError(f"proposal must be 'sum', 'mean' or a task index, got {proposal!r}")
+        self.proposal = proposal
+        self.solver_options = {"max_iter": max_iter, "tol": tol, "ridge": ridge}
+
+    def gem_backward(
+        self, losses: Sequence[torch.Tensor], memory_losses: Sequence[torch.Tensor] | None = None
+    ) -> SurgeryResult:
+        """Zero the gradients, back-propagate the (memory and) task losses, write the GEM update into ``.grad``."""
+        losses = self._check_losses(losses, "losses")
+        t = len(losses)
+        if isinstance(self.proposal, int) and not 0 <= self.proposal < t:
+            raise ValueError(f"proposal task {self.proposal} is out of range for {t} losses")
+        shared, specific = self._split(losses)
+        self.optimizer.zero_grad(set_to_none=True)
+        if memory_losses is None:
+            buf = self._buffer_for(shared, specific, t)
+            self._backward_into(buf, losses, 0)
+            result = buf.apply(gem_weights, proposal=self.proposal, **self.solver_options)
+            return self._finish(result)
+        memory_losses = self._check_losses(memory_losses, "memory_losses")
+        if len(memory_losses) != t:
+            raise ValueError(
+                f"memory_losses has {len(memory_losses)} losses but losses has {t}: one per task"
+            )
+        buf = self._buffer_for(shared, specific, 2 * t)
+        self._backward_into(buf, memory_losses, t)
+        # Memory gradients only constrain the update: drop what they left in the task-specific parameters.
+        buf.drop_task_grads()
+        self._backward_into(buf, losses, 0)
+        a = torch.zeros(2 * t, dtype=torch.float64)
+        if self.proposal == "sum":
+            a[:t] = 1.0
+        elif self.proposal == "mean":
+            a[:t] = 1.0 / t
+        else:
+            a[self.proposal] = 1.0
+        result = buf.apply(gem_weights, proposal=a, constraints=list(range(t, 2 * t)), **self.solver_options)
+        return self._finish(result)
+
+    backward = gem_backward
+    pc_backward = gem_backward
+
+
+class SurgeryOptimizer(_SurgeryOptimizer):
+    """Any weighting of :data:`fastpals.surgery.AGGREGATORS` around any optimizer, with Pytorch-PCGrad's
+    calling convention: ``SurgeryOptimizer(opt, method="upgrad").backward(losses); opt.step()``.
+
+    Args:
+        optimizer: the wrapped optimizer.
+        method: a registry name (``"upgrad"``, ``"mgda"``, ``"cagrad"``, ``"nashmtl"``, ...).
+        generator: CPU ``torch.Generator`` for the random orders of ``pcgrad`` and ``gradvac``.
+        buffer_dtype, shared_params: as for :class:`PCGrad`.
+        buffer_kwargs: dict passed to :class:`TaskGradientBuffer` (``grad_getter``, ``process_group``, ...).
+        **options: the method's options (values may be strings, see
+            :func:`~fastpals.surgery.make_weighting`), e.g. ``c=0.5`` for CAGrad, ``alpha=2`` for FairGrad.
+
+    The state of a stateful method (``nashmtl``, ``gradvac``) is :attr:`weighting_state`; ``state_dict()`` holds
+    it under ``"surgery"`` beside the wrapped optimizer's state, and ``load_state_dict`` restores both.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        method: str = "pcgrad",
+        generator: torch.Generator | None = None,
+        buffer_dtype: torch.dtype = torch.float32,
+        shared_params: Iterable[torch.nn.Parameter] | None = None,
+        buffer_kwargs: dict[str, Any] | None = None,
+        **options: Any,
+    ) -> None:
+        super().__init__(optimizer, buffer_dtype, shared_params, **(buffer_kwargs or {}))
+        self.method = str(method).lower()
+        self.weighting, self.weighting_state = make_weighting(self.method, **options)
+        self.generator = generator
+
+    def backward(self, losses: Sequence[torch.Tensor]) -> SurgeryResult:
+        """Zero the gradients, back-propagate each task loss, and write the method's update into ``.grad``."""
+        return self._weighted_backward(losses, self.weighting, self.generator)
+
+    pc_backward = backward
+
+    def state_dict(self) -> dict[str, Any]:
+        out = dict(self.optimizer.state_dict())
+        if self.weighting_state is not None:
+            out["surgery"] = self.weighting_state.state_dict()
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        surgery = state_dict.pop("surgery", None)
+        self.optimizer.load_state_dict(state_dict)
+        if self.weighting_state is not None and surgery is not None:
+            self.weighting_state.load_state_dict(surgery)

@@ -1,0 +1,188 @@
+"""Pictures of a training run (PNG, matplotlib's Agg canvas, no pyplot state): loss curves per task with the dev
+scores per evaluation, and confusion matrices for SST and for STS binned to 0.5 (via :mod:`fastpals.data.metrics`)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from fastpals.data.metrics import bin_sts, confusion_matrix, plot_confusion_matrix
+
+__all__ = [
+    "plot_confusion_matrices",
+    "plot_training_curves",
+    "smooth",
+    "task_colors",
+    "training_curve_series",
+]
+
+
+def smooth(values: Sequence[float], window: int) -> np.ndarray:
+    """Trailing moving average of ``values`` over ``window`` points (shorter at the start); float64 ``[N]``."""
+    x = np.asarray(values, dtype=np.float64)
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    if x.size == 0:
+        return x
+    c = np.cumsum(np.insert(x, 0, 0.0))
+    idx = np.arange(1, x.size + 1)
+    lo = np.maximum(idx - window, 0)
+    return (c[idx] - c[lo]) / (idx - lo)
+
+
+def task_colors(tasks: Sequence[str]) -> dict[str, str]:
+    """One colour per task (matplotlib's tab10 cycle, in the given order) and black for ``overall``: every panel of
+    a figure uses this map, so a task keeps its colour everywhere."""
+    palette = [f"C{i % 10}" for i in range(len(tasks))]
+    return {**dict(zip(tasks, palette)), "overall": "black"}
+
+
+def training_curve_series(
+    step_losses: dict[str, tuple[Sequence[int], Sequence[float]]],
+    evals: Sequence[dict],
+    tasks: Sequence[str] | None = None,
+) -> list[dict]:
+    """What :func:`plot_training_curves` draws, as data: a list of series ``{"panel": "loss" | "dev", "task",
+    "kind": "points" | "smoothed" | "dev", "x", "y", "color"}``. Losses are drawn only at the updates where the
+    task trained: its points and a moving average over its own updates."""
+    keys = sorted({k for e in evals for k in e["dev"] if isinstance(e["dev"][k], (int, float))} - {"overall"})
+    order = list(tasks) if tasks is not None else sorted(set(step_losses) | set(keys))
+    order += [t for t in sorted(set(step_losses) | set(keys)) if t not in order]
+    colors = task_colors(order)
+    series = []
+    for task in order:
+        if task not in step_losses:
+            continue
+        steps, losses = step_losses[task]
+        if len(steps) != len(losses):
+            raise ValueError(f"task {task}: {len(steps)} steps but {len(losses)} losses")
+        if not len(steps):
+            continue
+        x, y = np.asarray(steps), np.asarray(losses, dtype=np.float64)
+        series.append(
+            {"panel": "loss", "task": task, "kind": "points", "x": x, "y": y, "color": colors[task]}
+        )
+        window = max(1, len(losses) // 20)
+        series.append(
+            {
+                "panel": "loss",
+                "task": task,
+                "kind": "smoothed",
+                "x": x,
+                "y": smooth(y, window),
+                "color": colors[task],
+            }
+        )
+    for key in [t for t in order if t in keys] + (
+        ["overall"] if any("overall" in e["dev"] for e in evals) else []
+    ):
+        xs = [e["step"] for e in evals if key in e["dev"]]
+        ys = [e["dev"][key] for e in evals if key in e["dev"]]
+        series.append({"panel": "dev", "task": key, "kind": "dev", "x": np.asarray(xs), "y": np.asarray(ys),
+                       "color": colors[key]})  # fmt: skip
+    return series
+
+
+def plot_training_curves(
+    step_losses: dict[str, tuple[Sequence[int], Sequence[float]]],
+    evals: Sequence[dict],
+    path: str | os.PathLike,
+    title: str | None = None,
+    tasks: Sequence[str] | None = None,
+) -> Path:
+    """Two panels: per-task training loss against the update step (a point per update where the task trained,
+    faint, and a moving average over those updates), and the dev metric of every task plus the overall score at
+    each evaluation. Each task has one colour in both panels (:func:`task_colors`); the legend sits below the
+    panels, off the curves.
+
+    Args:
+        step_losses: ``{task: (steps, losses)}``, steps and losses of equal length.
+        evals: ``[{"step": int, "dev": {task or "overall": float}}, ...]``.
+        path: the PNG to write (its folder is created).
+        title: figure title (the run's settings).
+        tasks: the task order that fixes the colours (default: sorted names).
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(11, 4.8))
+    FigureCanvasAgg(figure)
+    left = figure.add_subplot(1, 2, 1)
+    right = figure.add_subplot(1, 2, 2)
+    handles: dict[str, object] = {}
+    for s in training_curve_series(step_losses, evals, tasks):
+        if s["kind"] == "points":
+            left.plot(s["x"], s["y"], linestyle="none", marker=".", markersize=3, alpha=0.3, color=s["color"])
+        elif s["kind"] == "smoothed":
+            (handles[s["task"]],) = left.plot(s["x"], s["y"], color=s["color"], linewidth=1.5)
+        else:
+            width = 2.0 if s["task"] == "overall" else 1.0
+            (line,) = right.plot(s["x"], s["y"], marker="o", color=s["color"], linewidth=width)
+            handles.setdefault(s["task"], line)
+    left.set_xlabel("update step")
+    left.set_ylabel("training loss")
+    left.set_title("training loss per task (points: updates that trained it)", fontsize=9)
+    right.set_xlabel("update step")
+    right.set_ylabel("dev score (accuracy / Pearson r)")
+    right.set_title("dev evaluation", fontsize=9)
+    if title:
+        figure.suptitle(title, fontsize=9)
+    if handles:
+        figure.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(len(handles), 8),
+                      frameon=False)  # fmt: skip
+    figure.tight_layout(rect=(0, 0.08, 1, 1))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, format="png", dpi=100)
+    return path
+
+
+def plot_confusion_matrices(
+    predictions: dict[str, tuple[Sequence, Sequence]], folder: str | os.PathLike, specs: dict | None = None
+) -> list[Path]:
+    """Confusion matrices of the dev predictions: ``sst`` (5 classes) to ``confusion_sst.png`` and ``sts``
+    (scores binned to 0, 0.5, ..., 5) to ``confusion_sts.png``; with ``specs`` (``{task: TaskSpec}``) every
+    other task too (``confusion_<task>.png``, :func:`fastpals.data.metrics.task_confusion_matrix`: its classes, or a
+    regression range in 11 bins).
+
+    Args:
+        predictions: ``{task: (labels, predictions)}``; tasks without a spec other than sst/sts are ignored.
+        folder: where the PNGs go.
+        specs: the tasks' specs (user tasks).
+
+    Returns:
+        The paths written.
+    """
+    from fastpals.data.metrics import task_confusion_matrix
+
+    folder = Path(folder)
+    written = []
+    for task, spec in (specs or {}).items():
+        if task in ("sst", "sts") or task not in predictions:
+            continue
+        labels, preds = predictions[task]
+        matrix, names = task_confusion_matrix(spec, labels, preds)
+        written.append(
+            plot_confusion_matrix(
+                matrix, folder / f"confusion_{task}.png", class_names=names, title=f"{task} dev (rows: true)"
+            )
+        )
+    if "sst" in predictions:
+        labels, preds = predictions["sst"]
+        matrix = confusion_matrix(np.asarray(labels, dtype=np.int64), np.asarray(preds, dtype=np.int64), 5)
+        written.append(
+            plot_confusion_matrix(matrix, folder / "confusion_sst.png", title="SST dev (rows: true)")
+        )
+    if "sts" in predictions:
+        labels, preds = predictions["sts"]
+        matrix = confusion_matrix(bin_sts(labels), bin_sts(preds), 11)
+        names = [f"{k / 2:g}" for k in range(11)]
+        written.append(
+            plot_confusion_matrix(
+                matrix, folder / "confusion_sts.png", class_names=names, title="STS dev, binned to 0.5"
+            )
+        )
+    return written
