@@ -65,6 +65,8 @@ __all__ = [
     "model_state_bytes",
     "plan_memory",
     "predict_peak_bytes",
+    "step_micro_batches",
+    "step_model",
     "trace_step",
 ]
 
@@ -473,6 +475,21 @@ def predict_peak_bytes(
     ``spec_fields``: the other :class:`StepSpec` fields (``tasks``, ``pal``, ``surgery_mode``, ``zero_stage``...)."""
     spec = StepSpec(model=model, max_length=max_length, precision=precision, surgery=surgery, **spec_fields)
     return trace_step(spec, batch_size).peak_bytes
+
+
+def step_model(spec: StepSpec, cast: bool = True) -> torch.nn.Module:
+    """The model :func:`trace_step` runs (``spec.model``'s config, random weights from seed 0, train mode, on the
+    default device): cast to ``spec.precision`` as DeepSpeed casts it, or fp32 with ``cast=False`` (for a real
+    DeepSpeed engine to cast)."""
+    torch.manual_seed(0)
+    fp32 = spec if cast else dataclasses.replace(spec, precision="fp32")
+    return _build_model(fp32, load_bert_config(spec.model))
+
+
+def step_micro_batches(spec: StepSpec, model: torch.nn.Module, batch_size: int) -> list[Any]:
+    """The micro-batches (:class:`fastpals.train.step.MicroBatch`, on the CPU) of the update :func:`trace_step`
+    runs at ``batch_size`` examples of ``spec.max_length`` tokens."""
+    return _micro_batches(spec, model, batch_size, load_bert_config(spec.model).vocab_size)
 
 
 # ----------------------------------------------------------------------------------------------------------------
