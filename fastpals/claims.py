@@ -174,8 +174,7 @@ FINDINGS: tuple[Finding, ...] = (
             "each run's best dev overall of its evaluations every 20 updates and at its end"),
     Finding("000-optimizer-earlier", "000", "RMSProp peaks earlier than AdamW and SGD", "best_step",
             (C("rmsprop_curve", "adamw_curve"), C("rmsprop_curve", "sgd_curve")),
-            "the metric is the update of each run's best dev overall, of its evaluations every 20 updates and at "
-            "its end (ties: the first); earlier is better", lower=True),
+            "each run is evaluated every 20 updates and at its end (ties: the first); earlier is better", lower=True),
     Finding("001", "001", "PAL with PCGrad improves the overall score over the multi-task baseline", "overall",
             (C("pal_pcgrad_cos", "cos_base"),),
             "both arms score STS by the cosine of siamese embeddings (the report's setting)"),
@@ -385,7 +384,7 @@ def write_markdown(summary: list[dict[str, Any]], path: Path, header: str, seeds
     for item in summary:
         f = item["finding"]
         op, d = ("<" if f.lower else ">"), (1 if f.metric == "best_step" else 3)
-        lines += ["", f"## {f.key} (report {f.report}): {f.claim}", "", f"Metric: dev {f.metric}." + (f" {f.note}." if f.note else ""), "",
+        lines += ["", f"## {f.key} (report {f.report}): {f.claim}", "", ("Metric: the update of the best dev overall (best_step)." if f.metric == "best_step" else f"Metric: dev {f.metric}.") + (f" {f.note}." if f.note else ""), "",
                   "| arm | options | " + " | ".join(f"seed {s}" for s in seeds) + " | mean ± sd |",
                   "|---|---|" + "---|" * len(seeds) + "---|"]  # fmt: skip
         for a, info in item["arms"].items():
