@@ -11,12 +11,15 @@ Steps (``--steps``, comma list, default all, in this order):
 - ``bench``: the benchmarks at BERT-base shapes (fused PAL against the reference and the stock composition,
   Gram/combine against copy bandwidth, whole training steps), pytest-benchmark JSON; then the peers side by side
   in one process (``python -m bench.peers``: the table of ratios, ``peers.json``);
-- ``memory``: ``python -m bench.memory_report`` for the 16 GB (T4), 40 GB and 80 GB caps.
+- ``memory``: ``python -m bench.memory_validate`` (``fastpals memory``'s predicted peak against
+  ``torch.cuda.max_memory_allocated`` of a real DeepSpeed step, BERT-base batch 32 x 128, fp16 and bf16, plain and
+  one-backward PCGrad: the ratio), then ``python -m bench.memory_report`` for the 16 GB (T4), 40 GB and 80 GB caps.
 
 ``--rehearse`` runs every step's real code path on the CPU at tiny shapes (CI runs it): the wheels into a scratch
 site (when ``.whl/`` exists), the env, a subset of the kernel tests under ``TRITON_INTERPRET=1``, the same subset
 where compute-sanitizer would wrap it, a benchmark subset and the peers at tiny shapes, the memory report's search
-with CPU stand-ins; only the device-only calls are swapped. It writes the same files.
+with CPU stand-ins and the planner's validation at tiny shapes (live tensor bytes as the measured side); only the
+device-only calls are swapped. It writes the same files.
 
 Each step needing a GPU (or a tool such as compute-sanitizer) is skipped with the reason when it is missing, so
 the plumbing runs anywhere (CI runs it on CPU). At most 8 files are written to ``--out`` (``$OUT`` when set, else
@@ -144,7 +147,10 @@ def step_commands(
     if name == "memory":
         extra = REHEARSAL_MEMORY if rehearse else ["--precisions", "bf16", "--resolution", "8",
                                                    "--caps", "T4 16GB,A100 40GB,80GB A100/H100"]  # fmt: skip
-        return [[python, "-m", "bench.memory_report", *extra, "--out", out]]
+        return [  # the planner's validation first: a budget cut then loses the largest-batch search, not it
+            [python, "-m", "bench.memory_validate", *(["--rehearse"] if rehearse else []), "--out", out],
+            [python, "-m", "bench.memory_report", *extra, "--out", out],
+        ]
     raise ValueError(f"unknown step {name!r}; choose from {', '.join(STEPS)}")
 
 
@@ -222,7 +228,8 @@ def _write(out: str, name: str, text: str) -> None:
 
 
 def _collect_memory(out: str) -> None:
-    """bench.memory_report writes memory_<precision>_<time>.json files: merge them into memory.json."""
+    """bench.memory_validate and bench.memory_report write memory_validate_<time>.json and
+    memory_<precision>_<time>.json files: merge them into memory.json (a list; each file's ``suite`` says which)."""
     found = sorted(glob.glob(os.path.join(out, "memory_*.json")))
     merged = []
     for path in found:

@@ -2,6 +2,7 @@
 findings table as data, and ``--quick`` end to end on a tiny random BERT: the three files, a resumed run that
 skips the finished runs and reproduces a removed run's dev scores from its recorded command line."""
 
+import dataclasses
 import json
 import math
 import shlex
@@ -23,7 +24,9 @@ from fastpals.commands.claims import (  # noqa: E402
     metric_value,
     paired_interval,
     reference_scores,
+    summarize,
     verdict,
+    write_markdown,
 )
 
 T_975 = {
@@ -88,13 +91,40 @@ def test_the_findings_table():
         f.key for f in FINDINGS
     }
     for f in FINDINGS:
-        assert f.comparisons and f.metric in ("overall", "sst", "para", "sts"), f.key
+        assert f.comparisons and f.metric in ("overall", "sst", "para", "sts", "best_step"), f.key
         assert all(a in ARMS for a in f.arm_names()), f.key
     options = [a.options for a in ARMS.values()]
     assert len(set(options)) == len(options)  # an arm that two findings share is one arm, run once per seed
     assert all(a in ARMS for a in REFERENCE_ARMS)
     for arm in ARMS.values():  # every arm is a valid train.py option set
         parse_args([*arm.options, "--out", "unused"])
+
+
+def test_peaks_earlier_is_a_lower_best_step(tmp_path):
+    # the learning-curve arms evaluate every 20 updates; their best update comes from each run's results.json
+    (f,) = [f for f in FINDINGS if f.key == "000-optimizer-earlier"]
+    assert f.lower and f.metric == "best_step" and [(c.better, c.worse) for c in f.comparisons] == [
+        ("rmsprop_curve", "adamw_curve"), ("rmsprop_curve", "sgd_curve")]  # fmt: skip
+    for a in f.arm_names():
+        assert ARMS[a].options[-2:] == ("--eval-every", "20")
+    steps = {"rmsprop_curve": [20, 40, 40], "adamw_curve": [60, 100, 80], "sgd_curve": [40, 20, 60]}
+    runs = {
+        (a, s): {"dev": {"overall": 0.5}, "best_step": v} for a, vs in steps.items() for s, v in enumerate(vs)
+    }
+    item_lower, item_height = summarize([f, dataclasses.replace(f, lower=False)], runs, [0, 1, 2])
+    assert item_lower["arms"]["rmsprop_curve"]["scores"] == {0: 20.0, 1: 40.0, 2: 40.0}
+    # adamw - rmsprop: 40, 60, 40 (mean 46.667, sd 11.547); sgd - rmsprop: 20, -20, 20 (mean 6.667, sd 23.094)
+    c1, c2 = item_lower["comparisons"]
+    half = T_975[2] * 11.547005 / math.sqrt(3)
+    assert (c1["mean"], c1["lo"], c1["hi"]) == pytest.approx(
+        (46.6667, 46.6667 - half, 46.6667 + half),
+        abs=4e-3,  # t to 3 decimals: 5e-4 * 11.55 / sqrt(3)
+    )
+    assert c1["verdict"] == "holds" and c2["verdict"] == "not resolved"
+    assert item_height["comparisons"][0]["verdict"] == "reversed"  # the same numbers read as "higher"
+    write_markdown([item_lower], tmp_path / "c.md", "# t", [0, 1, 2])
+    md = (tmp_path / "c.md").read_text()
+    assert "| 000-optimizer-earlier | 000 | rmsprop_curve < adamw_curve | best_step | +46.7 [" in md
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,8 @@ def test_every_step_has_commands_writing_only_session_files(tmp_path):
     peers, bench = gpu_session.step_commands("bench", str(tmp_path), "/s", python="python3")
     assert peers[:3] == ["python3", "-m", "bench.peers"] and "--shapes" not in peers
     assert f"--benchmark-json={tmp_path / 'bench.json'}" in bench
-    memory = gpu_session.step_commands("memory", str(tmp_path), "/s", python="python3")[0]
+    validate, memory = gpu_session.step_commands("memory", str(tmp_path), "/s", python="python3")
+    assert validate[:3] == ["python3", "-m", "bench.memory_validate"] and "--rehearse" not in validate
     assert "T4 16GB,A100 40GB,80GB A100/H100" in memory
     assert len(gpu_session.OUTPUT_FILES) <= 8
     with pytest.raises(ValueError, match="unknown step"):
@@ -154,8 +155,19 @@ def test_rehearsal_runs_every_step_on_the_cpu_and_writes_the_sessions_files(tmp_
     assert rows["pcgrad"]["ratio"] > 0 and rows["packing"]["ratio"] > 0
     md = (out / "session.md").read_text()
     assert "Peers side by side" in md and "CPU figures" in md
-    memory = json.loads((out / "memory.json").read_text())
-    assert memory[0]["entries"][0]["max_batch"]
+    memory = {doc["suite"]: doc for doc in json.loads((out / "memory.json").read_text())}
+    assert memory["memory_report"]["entries"][0]["max_batch"]
+    # the planner against the real step (tiny MiniLM, fp32, live tensor bytes): every case, within 10%
+    validation = memory["memory_validate"]
+    assert validation["rehearsal"] is True and validation["measured_on"] == "cpu"
+    assert validation["torch"] and "triton" in validation and validation["commit"] and validation["date"]
+    cases = validation["entries"]
+    assert [(e["precision"], e["surgery"]) for e in cases] == [("fp32", "none"), ("fp32", "pcgrad")]
+    for e in cases:
+        assert "error" not in e, e
+        assert e["predicted_bytes"] > 0 and e["measured_bytes"] > 0 and e["measured_by"]
+        assert e["ratio"] == e["predicted_bytes"] / e["measured_bytes"] and 0.9 <= e["ratio"] <= 1.1, e
+    assert cases[1]["measured_bytes"] > cases[0]["measured_bytes"]  # the surgery buffer is measured
 
 
 def test_sync_stand_in_catches_a_host_read():

@@ -1,4 +1,4 @@
-"""``--surgery-memory auto``: the decision (``fastpals.surgery.memory_mode``), the planner's per-GPU pick and the
+"""``--surgery-memory auto``: the decision (``fastpals.train.memory_mode``), the planner's per-GPU pick and the
 trainer's."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fastpals.surgery.memory_mode import (
+from fastpals.train.memory_mode import (
     FIT_SHARE,
     choose_memory_mode,
     estimate_activation_bytes,
@@ -44,7 +44,7 @@ def test_streaming_where_the_rows_dominate():
 
 def test_activation_estimate_within_15_percent_of_the_trace():
     """The analytic activations (the trainer's, no trace) against the planner's traced saved activations."""
-    from fastpals.memory import StepSpec, load_bert_config, trace_step
+    from fastpals.commands.memory import StepSpec, load_bert_config, trace_step
 
     bert = load_bert_config("minilm-l6")
     trace = trace_step(StepSpec(model="minilm-l6", max_length=128, precision="fp32"), 16)
@@ -58,7 +58,7 @@ def test_activation_estimate_within_15_percent_of_the_trace():
 def test_planner_pick_per_device():
     """BERT-base, 4 tasks, 32 x 128 tokens, fp16 with fp32 rows (1.6 GiB, below the 2.6 GiB of activations): a
     6 GiB buffer-mode peak fits an A100 but not a 4 GiB card; bf16 rows asked for: always the buffer."""
-    from fastpals.memory import load_bert_config
+    from fastpals.commands.memory import load_bert_config
 
     bert = load_bert_config("bert-base-uncased")
     args = (bert, 4, 110_000_000, 32 * 128, 128, "fp16", "fp32", "auto")
@@ -73,7 +73,8 @@ def test_memory_cli_names_auto_per_gpu(capsys):
     """The fast variant of the BERT-base run below: MiniLM, 4 tasks, 4 x 16 tokens, fp32 rows (bf16 training:
     auto's rows would be bf16; fp32 asked for here). The rows (4 x 22.7 M x 4 B) dwarf the activations of 64
     tokens: streaming on every device, and the line says why."""
-    from fastpals.memory import DEVICES, main
+    from fastpals.commands.memory import DEVICES
+    from fastpals.commands.memory_cli import main
 
     argv = [
         "--tasks",
@@ -96,7 +97,8 @@ def test_memory_cli_names_auto_per_gpu(capsys):
 
 @pytest.mark.slow  # three fake traces of BERT-base (about 60 s on the loaded 2-core CPU); the rule is tested above
 def test_memory_cli_bert_base_8_tasks_names_auto_per_gpu(capsys):
-    from fastpals.memory import DEVICES, main
+    from fastpals.commands.memory import DEVICES
+    from fastpals.commands.memory_cli import main
 
     assert main(["--model", "bert-base-uncased", "--tasks", "8", "--surgery", "pcgrad"]) == 0
     out = capsys.readouterr().out
@@ -110,7 +112,7 @@ def test_memory_cli_bert_base_8_tasks_names_auto_per_gpu(capsys):
 TRAINER_SCRIPT = r"""
 import sys
 sys.path.insert(0, sys.argv[3])
-from fastpals.train.cli import parse_args
+from fastpals.train.command import parse_args
 from fastpals.train.loop import Trainer
 model, data, out = sys.argv[1], sys.argv[2], sys.argv[4]
 for batch, length in ((4, 16), (32, 64)):

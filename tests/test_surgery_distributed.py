@@ -255,7 +255,7 @@ def test_two_processes_streaming_equal_one_process_buffer(tmp_path):
 # Streaming under DeepSpeed ZeRO-1/2, 2 ranks (CPU accelerator, gloo), fp32, as the trainer builds it
 # (fastpals.train.step.deepspeed_surgery_buffer): one engine.backward inside per_task_gradients per rank, each
 # rank half of a mixed batch. The streamed update equals the buffer's within 1e-5, and the per-rank peak of the
-# live tensors the update makes (fastpals.memory_states.LiveTensorBytes around the backward and the apply) grows
+# live tensors the update makes (fastpals.train.memory_states.LiveTensorBytes around the backward and the apply) grows
 # with T by one layer's T x (layer) scratch for streaming, while the buffer's grows by its (T2 - T1) * P * 4 bytes
 # of rows.
 
@@ -265,7 +265,7 @@ ZERO_ROWS = 16  # mixed rows in all, 8 per rank, split evenly over the T tasks
 def _wide_model(num_tasks: int) -> torch.nn.Module:
     from fastpals import MultiTaskBert, PALConfig
     from fastpals.model import BertConfig
-    from fastpals.multitask import MultiTaskConfig, TaskSpec
+    from fastpals.model.multitask import MultiTaskConfig, TaskSpec
 
     torch.manual_seed(0)
     cfg = BertConfig(
@@ -280,8 +280,8 @@ def _wide_model(num_tasks: int) -> torch.nn.Module:
 def _zero_update(engine, num_tasks: int, rank: int, world: int, memory: str) -> tuple[dict, int]:
     from deepspeed.utils import safe_get_full_grad
 
-    from fastpals.memory_states import LiveTensorBytes
     from fastpals.surgery import per_task_gradients
+    from fastpals.train.memory_states import LiveTensorBytes
     from fastpals.train.step import deepspeed_surgery_buffer
 
     module = engine.module

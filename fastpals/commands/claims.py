@@ -2,7 +2,9 @@
 
 Every finding of the reports (the table of issue 36) is data here (:data:`FINDINGS`): its report, the claim, its
 arms (named option sets of ``train.py``, :data:`ARMS`), its metric (``overall`` over SST, Quora and STS, or one
-task's dev score) and its expected direction (a list of ``better > worse`` comparisons). Every arm trains with the
+task's dev score, or ``best_step``: the update of a run's best dev overall, for the learning-curve arms that
+evaluate every 20 updates) and its expected direction (a list of ``better > worse`` comparisons; ``better < worse``
+for ``best_step``: earlier). Every arm trains with the
 same data, the same number of updates (``--budget``) and the same seeds (``0 .. --seeds - 1``); an arm that several
 findings use runs once per seed. The single-task recipes run as the reference line.
 
@@ -90,7 +92,8 @@ class Comparison:
 
 @dataclass(frozen=True)
 class Finding:
-    """One finding of one report: ``metric`` is ``overall`` (SST, Quora, STS) or a task name."""
+    """One finding of one report: ``metric`` is ``overall`` (SST, Quora, STS), a task name or ``best_step`` (the
+    update of a run's best dev overall, from its ``results.json``)."""
 
     key: str
     report: str
@@ -99,6 +102,8 @@ class Finding:
     comparisons: tuple[Comparison, ...]
     note: str = ""
     arms: tuple[str, ...] = field(default=())
+    #: the claim is that ``better`` has the LOWER value (``best_step``: it peaks earlier)
+    lower: bool = False
 
     def arm_names(self) -> tuple[str, ...]:
         """The arms in the order of first mention (``arms`` when given, then the comparisons')."""
@@ -109,6 +114,8 @@ class Finding:
 
 
 _BASE = ("--recipe", "baseline_multitask")
+#: the learning-curve arms' evaluation: dev every 20 updates (and at the end), so a run's best update is known
+_CURVE = ("--eval-every", "20")
 ARMS: dict[str, Arm] = {
     a.name: a
     for a in (
@@ -122,6 +129,11 @@ ARMS: dict[str, Arm] = {
         Arm("uniform", "baseline, uniform sampling", (*_BASE, "--sampling", "uniform")),
         Arm("rmsprop", "baseline with RMSProp", (*_BASE, "--optimizer", "rmsprop")),
         Arm("sgd", "baseline with SGD (momentum 0.9)", (*_BASE, "--optimizer", "sgd")),
+        Arm("adamw_curve", "baseline (AdamW), dev every 20 updates", (*_BASE, *_CURVE), 1.2),
+        Arm("rmsprop_curve", "baseline with RMSProp, dev every 20 updates", (*_BASE, "--optimizer", "rmsprop", *_CURVE),
+            1.2),
+        Arm("sgd_curve", "baseline with SGD (momentum 0.9), dev every 20 updates",
+            (*_BASE, "--optimizer", "sgd", *_CURVE), 1.2),
         Arm("cos_base", "baseline, siamese pairs (STS cosine)", (*_BASE, "--pair-mode", "sbert_cosine")),
         Arm("pal_pcgrad_cos", "001: PAL + PCGrad, siamese pairs (STS cosine)", ("--recipe", "001_pal_pcgrad_cosine"),
             5.0),
@@ -156,7 +168,13 @@ FINDINGS: tuple[Finding, ...] = (
             (C("base", "round_robin"), C("base", "proportional"), C("base", "uniform"))),
     Finding("000-optimizer", "000", "RMSProp ends higher than AdamW and SGD (same learning rate)", "overall",
             (C("rmsprop", "base"), C("rmsprop", "sgd")),
-            "the report's 'peaks earlier' is not tested: each run is scored once, at its end"),
+            "each run scored once, at its end; the peaks: 000-optimizer-peak and 000-optimizer-earlier"),
+    Finding("000-optimizer-peak", "000", "RMSProp peaks higher than AdamW and SGD (same learning rate)", "overall",
+            (C("rmsprop_curve", "adamw_curve"), C("rmsprop_curve", "sgd_curve")),
+            "each run's best dev overall of its evaluations every 20 updates and at its end"),
+    Finding("000-optimizer-earlier", "000", "RMSProp peaks earlier than AdamW and SGD", "best_step",
+            (C("rmsprop_curve", "adamw_curve"), C("rmsprop_curve", "sgd_curve")),
+            "each run is evaluated every 20 updates and at its end (ties: the first); earlier is better", lower=True),
     Finding("001", "001", "PAL with PCGrad improves the overall score over the multi-task baseline", "overall",
             (C("pal_pcgrad_cos", "cos_base"),),
             "both arms score STS by the cosine of siamese embeddings (the report's setting)"),
@@ -294,7 +312,11 @@ def _collect(
     for s in seeds:
         run = runs.get((arm, s))
         if run and run.get("dev") is not None:
-            out[s] = metric_value(run["dev"], metric)
+            if metric == "best_step":
+                if run.get("best_step") is not None:
+                    out[s] = float(run["best_step"])
+            else:
+                out[s] = metric_value(run["dev"], metric)
     return out
 
 
@@ -319,7 +341,9 @@ def summarize(
     findings: Sequence[Finding], runs: dict[tuple[str, int], dict[str, Any]], seeds: Sequence[int]
 ) -> list[dict[str, Any]]:
     """Per finding: each arm's scores per seed, mean and sd; each comparison's paired interval over the seeds where
-    both arms finished, and its verdict (``unfinished`` when no seed has both)."""
+    both arms finished, and its verdict (``unfinished`` when no seed has both). The paired difference is
+    ``better - worse``, or ``worse - better`` for a finding whose claim is a lower value (``Finding.lower``): a
+    difference above 0 supports the claim either way."""
     out = []
     for f in findings:
         arms = {}
@@ -330,12 +354,11 @@ def summarize(
         comps = []
         for c in f.comparisons:
             both = [s for s in seeds if s in arms[c.better]["scores"] and s in arms[c.worse]["scores"]]
-            iv = paired_interval(
-                [arms[c.better]["scores"][s] for s in both], [arms[c.worse]["scores"][s] for s in both]
-            )
+            pair = ([arms[c.better]["scores"][s] for s in both], [arms[c.worse]["scores"][s] for s in both])
+            iv = paired_interval(*(pair[::-1] if f.lower else pair))
             v = "unfinished" if not both else verdict(iv)
             comps.append({"better": c.better, "worse": c.worse, "seeds": both, **iv, "verdict": v})
-        ref = reference_scores(runs, seeds, f.metric)
+        ref = reference_scores(runs, seeds, f.metric) if f.metric != "best_step" else {}
         rmean, rsd = mean_sd(list(ref.values()))
         out.append({"finding": f, "arms": arms, "comparisons": comps,
                     "reference": {"scores": ref, "mean": rmean, "sd": rsd}})  # fmt: skip
@@ -350,22 +373,24 @@ def _num(x: float, digits: int = 3, sign: bool = False) -> str:
 
 def write_markdown(summary: list[dict[str, Any]], path: Path, header: str, seeds: Sequence[int]) -> Path:
     """``claims.md``: ``header``, the verdicts at a glance, then per finding its arms and comparisons."""
-    lines = [header, "", "## Verdicts", "", "| finding | report | comparison (expected: first > second) | metric "
+    lines = [header, "", "## Verdicts", "", "| finding | report | comparison (the claim) | metric "
              "| difference, 95% interval | seeds | verdict |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     for item in summary:
         f = item["finding"]
+        op, d = ("<" if f.lower else ">"), (1 if f.metric == "best_step" else 3)
         for c in item["comparisons"]:
-            lines.append(f"| {f.key} | {f.report} | {c['better']} > {c['worse']} | {f.metric} | {_num(c['mean'], sign=True)} "
-                         f"[{_num(c['lo'], sign=True)}, {_num(c['hi'], sign=True)}] | {len(c['seeds'])} | **{c['verdict']}** |")  # fmt: skip
+            lines.append(f"| {f.key} | {f.report} | {c['better']} {op} {c['worse']} | {f.metric} | {_num(c['mean'], d, sign=True)} "
+                         f"[{_num(c['lo'], d, sign=True)}, {_num(c['hi'], d, sign=True)}] | {len(c['seeds'])} | **{c['verdict']}** |")  # fmt: skip
     for item in summary:
         f = item["finding"]
-        lines += ["", f"## {f.key} (report {f.report}): {f.claim}", "", f"Metric: dev {f.metric}." + (f" {f.note}." if f.note else ""), "",
+        op, d = ("<" if f.lower else ">"), (1 if f.metric == "best_step" else 3)
+        lines += ["", f"## {f.key} (report {f.report}): {f.claim}", "", ("Metric: the update of the best dev overall (best_step)." if f.metric == "best_step" else f"Metric: dev {f.metric}.") + (f" {f.note}." if f.note else ""), "",
                   "| arm | options | " + " | ".join(f"seed {s}" for s in seeds) + " | mean ± sd |",
                   "|---|---|" + "---|" * len(seeds) + "---|"]  # fmt: skip
         for a, info in item["arms"].items():
-            cells = [_num(info["scores"][s]) if s in info["scores"] else "not run" for s in seeds]
+            cells = [_num(info["scores"][s], d) if s in info["scores"] else "not run" for s in seeds]
             lines.append(f"| {a}: {info['label']} | `{' '.join(ARMS[a].options)}` | " + " | ".join(cells)
-                         + f" | {_num(info['mean'])} ± {_num(info['sd'])} |")  # fmt: skip
+                         + f" | {_num(info['mean'], d)} ± {_num(info['sd'], d)} |")  # fmt: skip
         ref = item["reference"]
         if ref["scores"]:
             cells = [_num(ref["scores"][s]) if s in ref["scores"] else "not run" for s in seeds]
@@ -374,11 +399,13 @@ def write_markdown(summary: list[dict[str, Any]], path: Path, header: str, seeds
         lines += ["", "| comparison | paired difference (mean ± sd) | 95% t-interval | seeds | verdict |",
                   "|---|---|---|---|---|"]  # fmt: skip
         for c in item["comparisons"]:
-            lines.append(f"| {c['better']} > {c['worse']} | {_num(c['mean'], sign=True)} ± {_num(c['sd'])} | "
-                         f"[{_num(c['lo'], sign=True)}, {_num(c['hi'], sign=True)}] | {len(c['seeds'])} | {c['verdict']} |")  # fmt: skip
+            lines.append(f"| {c['better']} {op} {c['worse']} | {_num(c['mean'], d, sign=True)} ± {_num(c['sd'], d)} | "
+                         f"[{_num(c['lo'], d, sign=True)}, {_num(c['hi'], d, sign=True)}] | {len(c['seeds'])} | {c['verdict']} |")  # fmt: skip
     lines += ["", "overall = (SST acc + Quora acc + (STS r + 1) / 2) / 3 (an STS r of nan counts as 0). Quora dev = the "
-              "held-out 10% (sha256 of id) split of quora-dev.csv. A verdict holds when the 95% t-interval of the "
-              "paired difference (same seed) lies above 0, is reversed when it lies below 0, and is not resolved "
+              "held-out 10% (sha256 of id) split of quora-dev.csv. best_step = the update of a run's best dev overall. The "
+              "paired difference (same seed) is first - second for a claim first > second, second - first for a claim "
+              "first < second. A verdict holds when the 95% t-interval of the "
+              "paired difference lies above 0, is reversed when it lies below 0, and is not resolved "
               "otherwise; unfinished: no seed has both arms."]  # fmt: skip
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -415,7 +442,7 @@ def plot_claims(summary: list[dict[str, Any]], path: Path, title: str) -> Path:
         counts = [c["verdict"] for c in item["comparisons"]]
         verdicts = ", ".join(f"{counts.count(v)} {v}" for v in dict.fromkeys(counts))
         ax.set_title(f"{f.key}: {verdicts}", fontsize=8)
-        ax.set_ylabel(f"dev {f.metric}", fontsize=7)
+        ax.set_ylabel("update of the best dev" if f.metric == "best_step" else f"dev {f.metric}", fontsize=7)
         ax.tick_params(axis="y", labelsize=7)
     figure.suptitle(title, fontsize=9)
     figure.tight_layout()
@@ -579,7 +606,8 @@ def _execute(
             pending.append((i, a, s))
             continue
         results = _read_results(run_dir)
-        record.update(dev=results["dev"], status="done", seconds=saved.get("seconds"), argv=saved["argv"],
+        record.update(dev=results["dev"], best_step=results.get("best_step"), status="done",
+                      seconds=saved.get("seconds"), argv=saved["argv"],
                       environment=saved.get("environment"),
                       command=saved.get("command") or shlex.join([*command, *saved["argv"]]))  # fmt: skip
         remaining -= ARMS[a].cost
@@ -642,7 +670,8 @@ def _execute(
                 )
                 if not opts.keep_checkpoints and (run_dir / "checkpoints").is_dir():
                     shutil.rmtree(run_dir / "checkpoints")
-                record.update(dev=results["dev"], status="done", seconds=seconds, environment=run_env)
+                record.update(dev=results["dev"], best_step=results.get("best_step"), status="done", seconds=seconds,
+                              environment=run_env)  # fmt: skip
                 done_cost += ARMS[a].cost
                 done_s += seconds
                 eta = remaining * done_s / done_cost / max(1, opts.jobs)
@@ -719,7 +748,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     command = train_command()
     runs = {(a, s): {"arm": a, "seed": s, "command": shlex.join([*command, *argvs[(a, s)]]),
-                     "argv": argvs[(a, s)], "dev": None, "status": "not run", "seconds": None,
+                     "argv": argvs[(a, s)], "dev": None, "best_step": None, "status": "not run", "seconds": None,
                      "environment": None} for a, s in plan}  # fmt: skip
     t_start = time.perf_counter()
     status = _execute(plan, runs, command, runs_dir, budget, opts)

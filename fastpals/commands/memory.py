@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from fastpals.commands.memory_states import (
+from fastpals.train.memory_states import (
     CATEGORIES,
     PRECISIONS,
     LayoutEngine,
@@ -63,6 +63,8 @@ __all__ = [
     "model_state_bytes",
     "plan_memory",
     "predict_peak_bytes",
+    "step_micro_batches",
+    "step_model",
     "trace_step",
 ]
 
@@ -165,7 +167,7 @@ def load_bert_config(model: str) -> Any:
             )
         return BertConfig.from_json(path / "config.json")
     try:
-        from fastpals.data.hub import resolve_model_dir
+        from fastpals.data.loading.hub import resolve_model_dir
 
         return BertConfig.from_json(resolve_model_dir(model, files=("config.json",)) / "config.json")
     except Exception as err:  # noqa: BLE001 - any failure to fetch is the same advice
@@ -255,8 +257,8 @@ class StepSpec:
 
 
 def _build_model(spec: StepSpec, bert: Any) -> torch.nn.Module:
-    from fastpals.data.tasks import resolve_tasks
-    from fastpals.model.multitask import MultiTaskBert, MultiTaskConfig
+    from fastpals.data.loading.tasks import resolve_tasks
+    from fastpals.encoder.bert.multitask import MultiTaskBert, MultiTaskConfig
     from fastpals.train.args import PAL_PRESETS
 
     # "sst:3": a copy of a built-in task under its own name (``--tasks N`` plans N tasks)
@@ -293,7 +295,7 @@ def _rows_per_task(batch_size: int, num_tasks: int) -> list[int]:
 
 def _micro_batches(spec: StepSpec, model: torch.nn.Module, batch_size: int, vocab: int) -> list[Any]:
     """The update's micro-batches: every example ``max_length`` tokens (token id 1000, valid label 0)."""
-    from fastpals.data.mixed_batches import TaskRows, model_inputs, pack_task_rows
+    from fastpals.data.loading.mixed_batches import TaskRows, model_inputs, pack_task_rows
     from fastpals.train.step import MicroBatch
 
     num_tasks = len(model.tasks)
@@ -473,6 +475,21 @@ def predict_peak_bytes(
     return trace_step(spec, batch_size).peak_bytes
 
 
+def step_model(spec: StepSpec, cast: bool = True) -> torch.nn.Module:
+    """The model :func:`trace_step` runs (``spec.model``'s config, random weights from seed 0, train mode, on the
+    default device): cast to ``spec.precision`` as DeepSpeed casts it, or fp32 with ``cast=False`` (for a real
+    DeepSpeed engine to cast)."""
+    torch.manual_seed(0)
+    fp32 = spec if cast else dataclasses.replace(spec, precision="fp32")
+    return _build_model(fp32, load_bert_config(spec.model))
+
+
+def step_micro_batches(spec: StepSpec, model: torch.nn.Module, batch_size: int) -> list[Any]:
+    """The micro-batches (:class:`fastpals.train.step.MicroBatch`, on the CPU) of the update :func:`trace_step`
+    runs at ``batch_size`` examples of ``spec.max_length`` tokens."""
+    return _micro_batches(spec, model, batch_size, load_bert_config(spec.model).vocab_size)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The plan
 # ----------------------------------------------------------------------------------------------------------------
@@ -499,7 +516,7 @@ class MemoryPlan:
     fit: dict[str, float] | None = None
     largest_batch: dict[str, int | None] | None = None
     surgery_modes: dict[str, int] | None = None
-    #: per device, what ``--surgery-memory auto`` picks there (fastpals.surgery.memory_mode.plan_auto_modes)
+    #: per device, what ``--surgery-memory auto`` picks there (fastpals.train.memory_mode.plan_auto_modes)
     auto_modes: dict[str, dict[str, str]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -610,7 +627,7 @@ def plan_memory(
             trace_step(dataclasses.replace(spec, surgery_memory=mode), batch_size).peak_bytes
             for mode in SURGERY_MEMORIES
         }  # fmt: skip
-        from fastpals.surgery.memory_mode import plan_auto_modes
+        from fastpals.train.memory_mode import plan_auto_modes
 
         plan.auto_modes = plan_auto_modes(
             load_bert_config(spec.model), len(spec.tasks), trace.shared_params, batch_size * spec.max_length,

@@ -1,4 +1,4 @@
-"""Small dense solvers for the Gram-matrix weightings (:mod:`fastpals.surgery.weightings`): batched SPD solves, a
+"""Small dense solvers for the Gram-matrix weightings (:mod:`fastpals.surgery.weights_solved`): batched SPD solves, a
 fixed-sweep Jacobi eigensolver and a non-negative QP, all branch-free tensor code with fixed budgets, so that none
 reads a device value on the host (``torch.linalg.eigh``/``pinv`` check errors on the host on CUDA)."""
 

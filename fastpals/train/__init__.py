@@ -9,6 +9,8 @@
 * :func:`run_update` (:mod:`.step`): one optimizer update of either batching, with or without gradient surgery,
   also timed by the benchmarks.
 * :mod:`.dsconfig`, :mod:`.optimizer_setup`, :mod:`.distributed`, :mod:`.outputs`.
+* :mod:`.memory_states` (DeepSpeed's model states per rank, the live-tensor tracker) and :mod:`.memory_mode`
+  (what ``--surgery-memory auto`` picks), shared with ``fastpals memory``.
 
 Imports are lazy, so ``fastpals.train.step`` or ``.dsconfig`` load without DeepSpeed or the data code.
 """

@@ -166,7 +166,7 @@ class TrainArgs:
         "layer by layer in the one backward, the update by one weight-gradient GEMM per layer; memory flat in "
         "the tasks), or auto (the buffer where its predicted peak fits this device with a margin and its rows are "
         "at most the activations, else streaming with, per layer, the rows kept where smaller than that layer's "
-        "kept activations; see fastpals.surgery.memory_mode)",
+        "kept activations; see fastpals.train.memory_mode)",
         choices=SURGERY_MEMORIES, default="buffer",
     )  # fmt: skip
     pal: str = opt(

@@ -284,9 +284,9 @@ class Trainer:
         self.components["surgery_rng"] = GeneratorState(self.surgery_generator)
 
     def _auto_memory_mode(self, rows: str) -> Any:
-        """``--surgery-memory auto``: :func:`fastpals.surgery.memory_mode.run_memory_mode` for this run."""
+        """``--surgery-memory auto``: :func:`fastpals.train.memory_mode.run_memory_mode` for this run."""
         from fastpals.surgery import shared_parameters_by_name
-        from fastpals.surgery.memory_mode import run_memory_mode
+        from fastpals.train.memory_mode import run_memory_mode
 
         args, module = self.args, self.engine.module
         shared, _ = shared_parameters_by_name(module)

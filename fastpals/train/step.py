@@ -54,8 +54,8 @@ class MicroBatch:
     """One micro-batch of an update, described the same way for every batching.
 
     Attributes:
-        inputs: the model's keyword inputs, on the device (``fastpals.batching.model_inputs`` of a packed batch,
-            or ``fastpals.train.evaluate.model_inputs`` of one task's padded batch).
+        inputs: the model's keyword inputs, on the device (``fastpals.data.mixed_batches.model_inputs`` of a packed batch,
+            or ``fastpals.model.evaluate.model_inputs`` of one task's padded batch).
         labels: ``[B]`` float, on the device.
         tasks: the model's indices of the tasks it holds, increasing (one for a per-task batch).
         examples: examples of each task of ``tasks`` (host ints, known at collate time).
@@ -358,7 +358,7 @@ def surgery_memory_mode(
     ``smaller`` (``auto``'s streaming: per layer the smaller of the task rows and the kept activations).
     ``auto`` is the buffer with per-task backwards or bf16 rows asked for (``buffer_dtype``: the
     ``--surgery-buffer-dtype`` option); else ``auto_pick``, the mode that
-    :func:`fastpals.surgery.memory_mode.run_memory_mode` chose (``buffer`` or ``stream``; None: streaming)."""
+    :func:`fastpals.train.memory_mode.run_memory_mode` chose (``buffer`` or ``stream``; None: streaming)."""
     if option == "auto":
         if not one_backward or buffer_dtype == "bf16" or auto_pick == "buffer":
             return "buffer"

@@ -15,7 +15,7 @@ seconds):
 The numbers: the rows are exact (``T * P * bytes`` of the rows' dtype); the activations are
 :func:`estimate_activation_bytes`, a per-token, per-layer formula fitted to the planner's traces of MiniLM-L6 and
 BERT-base at 32 and 128 tokens (within about 15 % of them; ``tests/test_memory_mode.py``); the trainer's buffer-mode
-peak is model states (``fastpals.memory_states.model_state_bytes``) + activations + rows, an upper bound of the
+peak is model states (``fastpals.train.memory_states.model_state_bytes``) + activations + rows, an upper bound of the
 traced one (the rows are made while the backward frees activations).
 """
 
@@ -131,7 +131,7 @@ def run_memory_mode(
     """The trainer's ``auto``: :func:`choose_memory_mode` with the run's device memory and the analytic numbers
     (``module``: the multi-task model, whose ``bert.config`` gives the encoder's shape; ``tokens``: tokens of a
     micro-batch, all rows full length; ``row_bytes``: 4 for fp32 rows, 2 for bf16)."""
-    from fastpals.memory_states import model_state_bytes
+    from fastpals.train.memory_states import model_state_bytes
 
     config: Any = getattr(getattr(module, "bert", module), "config", None)
     hidden = int(getattr(config, "hidden_size", 768))
