@@ -167,7 +167,7 @@ def load_bert_config(model: str) -> Any:
             )
         return BertConfig.from_json(path / "config.json")
     try:
-        from fastpals.data.loading.hub import resolve_model_dir
+        from fastpals.data.hub import resolve_model_dir
 
         return BertConfig.from_json(resolve_model_dir(model, files=("config.json",)) / "config.json")
     except Exception as err:  # noqa: BLE001 - any failure to fetch is the same advice
@@ -257,8 +257,8 @@ class StepSpec:
 
 
 def _build_model(spec: StepSpec, bert: Any) -> torch.nn.Module:
-    from fastpals.data.loading.tasks import resolve_tasks
-    from fastpals.encoder.bert.multitask import MultiTaskBert, MultiTaskConfig
+    from fastpals.data.tasks import resolve_tasks
+    from fastpals.model.multitask import MultiTaskBert, MultiTaskConfig
     from fastpals.train.args import PAL_PRESETS
 
     # "sst:3": a copy of a built-in task under its own name (``--tasks N`` plans N tasks)
@@ -295,7 +295,7 @@ def _rows_per_task(batch_size: int, num_tasks: int) -> list[int]:
 
 def _micro_batches(spec: StepSpec, model: torch.nn.Module, batch_size: int, vocab: int) -> list[Any]:
     """The update's micro-batches: every example ``max_length`` tokens (token id 1000, valid label 0)."""
-    from fastpals.data.loading.mixed_batches import TaskRows, model_inputs, pack_task_rows
+    from fastpals.data.mixed_batches import TaskRows, model_inputs, pack_task_rows
     from fastpals.train.step import MicroBatch
 
     num_tasks = len(model.tasks)
