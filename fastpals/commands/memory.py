@@ -41,6 +41,7 @@ import torch
 from fastpals.train.memory_states import (
     CATEGORIES,
     PRECISIONS,
+    GradientBuckets,
     LayoutEngine,
     LiveTensorBytes,
     ModelStates,
@@ -52,6 +53,7 @@ __all__ = [
     "CATEGORY_TEXT",
     "DEVICES",
     "Device",
+    "GradientBuckets",
     "LayoutEngine",
     "LiveTensorBytes",
     "MemoryPlan",
@@ -59,6 +61,7 @@ __all__ = [
     "StepSpec",
     "StepTrace",
     "load_bert_config",
+    "measure_deepspeed_step",
     "measure_step",
     "model_state_bytes",
     "plan_memory",
@@ -79,6 +82,7 @@ CATEGORY_TEXT = {
     "parameters": "parameters (module weights)",
     "gradients": "gradients",
     "optimizer": "optimizer + master states",
+    "buckets": "DeepSpeed gradient buckets",
     "activations": "activations (saved by the forward)",
     "surgery": "surgery buffer",
     "temporaries": "temporaries at the peak",
@@ -186,7 +190,9 @@ class StepSpec:
     ``max_tokens``: a packed batch's token budget instead of a batch size; ``surgery``: ``none`` or an aggregator
     of :data:`fastpals.surgery.AGGREGATORS`; ``surgery_mode``: ``one_backward`` (mixed packed micro-batches, one
     backward: ``--batching mixed``) or ``per_task`` (one backward per task's micro-batch of ``batch_size``
-    examples: ``--batching per_task``); ``buffer_dtype``: the rows of the surgery buffer."""
+    examples: ``--batching per_task``); ``buffer_dtype``: the rows of the surgery buffer; ``ds_config``: the
+    DeepSpeed config whose ``zero_optimization`` sets the gradient buckets (a path or a shipped name; None: the
+    shipped ``gpu_<precision>_zero<stage>.json`` for fp16/bf16, DeepSpeed's defaults for fp32)."""
 
     model: str = "minilm-l6"
     tasks: tuple[str, ...] = ("sst", "para", "sts")
@@ -200,6 +206,7 @@ class StepSpec:
     zero_stage: int | None = None
     world_size: int = 1
     activation_checkpointing: bool = False
+    ds_config: str | None = None
 
     @property
     def rows_dtype(self) -> str:
@@ -215,6 +222,28 @@ class StepSpec:
         if self.zero_stage is not None:
             return self.zero_stage
         return 1 if self.precision != "fp32" or self.world_size > 1 else 0
+
+    def gradient_buckets(self) -> GradientBuckets:
+        """The gradient buckets DeepSpeed allocates for each backward of this run
+        (:func:`fastpals.train.memory_states.gradient_buckets` of :attr:`ds_config`)."""
+        from fastpals.train.dsconfig import load_ds_config
+        from fastpals.train.errors import ConfigError
+        from fastpals.train.memory_states import gradient_buckets
+
+        name = self.ds_config
+        if name is None and self.precision != "fp32":
+            name = f"gpu_{self.precision}_zero{self.stage}.json"
+        try:
+            cfg = load_ds_config(name) if name is not None else None
+        except ConfigError as err:
+            raise ValueError(str(err).splitlines()[0]) from None
+        stage = ((cfg or {}).get("zero_optimization") or {}).get("stage", self.stage)
+        if self.ds_config is not None and isinstance(stage, int) and stage != self.stage:
+            raise ValueError(
+                f"--ds-config {self.ds_config} has zero_optimization.stage {stage} but the plan is ZeRO-{self.stage}:"
+                f" give --zero-stage {stage}"
+            )
+        return gradient_buckets(cfg, self.precision, self.stage, self.surgery)
 
     def check(self) -> None:
         """Raise ``ValueError`` (one line naming the option) on a bad field."""
@@ -386,7 +415,9 @@ def _run_step(spec: StepSpec, batch_size: int, fake: bool, warmup: bool = False)
                 lambda q: q.grad is not None and tracker.tag(q.grad, "gradients")
             )
         if fake:
-            engine: Any = LayoutEngine(model, spec.precision, spec.stage, spec.world_size, tracker)
+            engine: Any = LayoutEngine(
+                model, spec.precision, spec.stage, spec.world_size, tracker, spec.gradient_buckets()
+            )
         else:
             if spec.precision != "fp32" or spec.stage != 0 or spec.world_size != 1:
                 raise ValueError("measure_step runs fp32, ZeRO-0, one rank (the trainer's CPU default)")
@@ -460,6 +491,45 @@ def measure_step(spec: StepSpec, batch_size: int) -> StepTrace:
     return _run_step(spec, batch_size, fake=False, warmup=True)
 
 
+def measure_deepspeed_step(spec: StepSpec, batch_size: int, ds_config: str | dict[str, Any]) -> StepTrace:
+    """The measured peak of live tensor storage of one update of ``spec`` on a real DeepSpeed engine on the CPU
+    (``ds_config``: a path, a shipped name or a dict; checked as the trainer checks it), built as the trainer
+    builds it (fp32 model that DeepSpeed casts, the trainer's AdamW groups), after a first update: the CPU check
+    of :func:`trace_step`'s DeepSpeed states and gradient buckets with the same tracker. No surgery; ``at_peak``
+    is all ``temporaries`` but the module's weights."""
+    import gc
+
+    from fastpals.train.distributed import initialize
+    from fastpals.train.dsconfig import check_ds_config, load_ds_config
+    from fastpals.train.optimizer_setup import make_optimizer, optimizer_param_groups
+    from fastpals.train.step import run_update
+
+    if spec.surgery != "none":
+        raise ValueError("measure_deepspeed_step runs the plain step (--surgery none)")
+    cfg = load_ds_config(ds_config) if not isinstance(ds_config, dict) else ds_config
+    cfg = check_ds_config(cfg, batch_size, 1, cuda=False, native_bf16=True)
+    start = time.perf_counter()
+    tracker = LiveTensorBytes()
+    with tracker:
+        with tracker.phase("parameters"):
+            model = step_model(spec, cast=False)
+        optimizer = make_optimizer(optimizer_param_groups(model, 2e-5, 2e-5, 2e-5, 0.01), "adamw")
+        engine, *_ = initialize(model, optimizer, None, cfg)
+        numel = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
+        for update in range(2):  # the first makes the optimizer states; the second is measured
+            micro = step_micro_batches(spec, engine.module, batch_size)
+            gc.collect()
+            if update == 1:
+                tracker.set_phase("temporaries")
+                tracker.reset_peak()
+            run_update(engine, micro, "none")
+            del micro
+    return StepTrace(
+        batch_size, tracker.peak, dict(tracker.at_peak), tracker.peak_phase, numel, 0,
+        time.perf_counter() - start, False,
+    )  # fmt: skip
+
+
 def predict_peak_bytes(
     model: str = "bert-base-uncased",
     batch_size: int = 32,
@@ -518,12 +588,16 @@ class MemoryPlan:
     surgery_modes: dict[str, int] | None = None
     #: per device, what ``--surgery-memory auto`` picks there (fastpals.train.memory_mode.plan_auto_modes)
     auto_modes: dict[str, dict[str, str]] | None = None
+    #: DeepSpeed's gradient buckets of each backward (counted in the trace, ``at_peak["buckets"]`` where live)
+    gradient_buckets: GradientBuckets | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready (``--json``)."""
         out = dataclasses.asdict(self)
         out["spec"]["zero_stage"] = self.spec.stage
         out["model_states"]["total"] = self.model_states.total
+        if self.gradient_buckets is not None:
+            out["gradient_buckets"]["bytes"] = self.gradient_buckets.bytes
         out["predicted"] = True
         return out
 
@@ -617,7 +691,7 @@ def plan_memory(
     devices = {name: _fits(trace.peak_bytes, d, spec.precision) for name, d in DEVICES.items()}
     plan = MemoryPlan(
         spec, batch_size, trace.peak_bytes, trace.at_peak, trace.peak_phase, trace.num_params, trace.shared_params,
-        states, devices, trace.seconds,
+        states, devices, trace.seconds, gradient_buckets=spec.gradient_buckets(),
     )  # fmt: skip
     if largest_batch:
         plan.largest_batch, plan.fit = largest_batches(spec)
@@ -671,6 +745,14 @@ def format_plan(plan: MemoryPlan) -> str:
         f"fp32 master {_gib(m.master)}, fp32 gradient partition {_gib(m.fp32_gradients)} (made at the step), "
         f"AdamW moments {_gib(m.optimizer)}: {_gib(m.total)}"
     )
+    if plan.gradient_buckets is not None:
+        b = plan.gradient_buckets
+        lines.append(
+            f"DeepSpeed gradient buckets (each backward, per rank): {_gib(b.bytes)} ({b.why}; "
+            f"{s.ds_config or 'the shipped config'})"
+            if b.count
+            else f"DeepSpeed gradient buckets: none ({b.why})"
+        )
     if plan.surgery_modes is not None:
         rows = len(s.tasks) * plan.shared_params * (2 if s.rows_dtype == "bf16" else 4)
         lines.append(

@@ -217,6 +217,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--zero-stage", type=int, choices=(0, 1, 2),
                    help="DeepSpeed ZeRO stage (default: 1 with fp16/bf16 or several ranks, else 0)")  # fmt: skip
     p.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
+    p.add_argument("--ds-config", metavar="JSON",
+                   help="the run's DeepSpeed config (a path or a shipped name), for its gradient buckets "
+                   "(zero_optimization.reduce_bucket_size, overlap_comm, contiguous_gradients; default: the "
+                   "shipped gpu_<precision>_zero<stage>.json, DeepSpeed's defaults for fp32)")  # fmt: skip
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute the encoder layers in the backward (as train --activation-checkpointing)")  # fmt: skip
     p.add_argument(
@@ -249,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
             model=args.model, tasks=tasks, max_length=args.max_length, precision=args.precision, pal=args.pal,
             surgery=args.surgery, surgery_mode=args.surgery_mode, buffer_dtype=args.surgery_buffer_dtype,
             surgery_memory=args.surgery_memory or "buffer", zero_stage=args.zero_stage, world_size=args.world_size,
-            activation_checkpointing=args.activation_checkpointing,
+            activation_checkpointing=args.activation_checkpointing, ds_config=args.ds_config,
         )  # fmt: skip
         plan = plan_memory(
             spec,

@@ -1,7 +1,8 @@
 """What one training step's memory is made of, for :mod:`fastpals.commands.memory`: the bytes DeepSpeed keeps per rank for
 the model (:func:`model_state_bytes`, its layout for each precision and ZeRO stage), a ``TorchDispatchMode`` that
 adds up live tensor storage as a step runs (:class:`LiveTensorBytes`), and a DeepSpeed-like engine that allocates
-that layout around the real update (:class:`LayoutEngine`)."""
+that layout around the real update (:class:`LayoutEngine`), with the gradient buckets DeepSpeed's ZeRO-1/2 optimizer
+allocates for each backward (:func:`gradient_buckets`)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,20 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["CATEGORIES", "PRECISIONS", "LayoutEngine", "LiveTensorBytes", "ModelStates", "model_state_bytes"]
+__all__ = [
+    "CATEGORIES",
+    "PRECISIONS",
+    "GradientBuckets",
+    "LayoutEngine",
+    "LiveTensorBytes",
+    "ModelStates",
+    "gradient_buckets",
+    "model_state_bytes",
+]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 #: what the bytes at the peak are, by category
-CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "surgery", "temporaries")
+CATEGORIES = ("parameters", "gradients", "optimizer", "buckets", "activations", "surgery", "temporaries")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -91,6 +101,67 @@ def model_state_bytes(
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# DeepSpeed's gradient buckets
+# ----------------------------------------------------------------------------------------------------------------
+_DS_DTYPES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "bf16": "bf16", "bfloat16": "bf16",
+              "fp16": "fp16", "float16": "fp16", "half": "fp16"}  # fmt: skip
+_WIDTH = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class GradientBuckets:
+    """The contiguous gradient buckets of DeepSpeed's ZeRO-1/2 optimizer for one backward: ``count`` flat buffers
+    of ``elements`` each in ``dtype`` (``fp32``/``bf16``/``fp16``); ``why``: one line on where that comes from."""
+
+    count: int
+    elements: int
+    dtype: str
+    why: str
+
+    @property
+    def bytes(self) -> int:
+        return self.count * self.elements * _WIDTH[self.dtype]
+
+
+def gradient_buckets(
+    ds_config: dict[str, Any] | None, precision: str, zero_stage: int, surgery: str = "none"
+) -> GradientBuckets:
+    """What DeepSpeed 0.19.8's ``DeepSpeedZeroOptimizer`` allocates for each backward under ``ds_config`` (a
+    DeepSpeed config dict; None: DeepSpeed's defaults) with ``precision`` and ``zero_stage``.
+
+    ``setup_buckets`` (``deepspeed/runtime/zero/stage_1_and_2.py``), run by the first gradient hook of a backward,
+    allocates with ``contiguous_gradients`` (default true) one ``torch.empty(reduce_bucket_size)`` per
+    communication dtype (one here: no torch autocast), and a second one with ``overlap_comm`` (default false at
+    ZeRO-1/2), of exactly ``reduce_bucket_size`` elements (default 5e8; not capped by the model's size) in
+    ``_gradient_reduction_buffer_dtype()``: the gradient accumulation dtype where it differs from the model's at
+    ZeRO-1 (``use_grad_accum_attribute``), else the model's dtype. ``_release_ipg_buffers`` frees them at the
+    backward's epilogue. ZeRO-0 allocates none, nor bf16 + ZeRO-1 with fp32 ``data_types.grad_accum_dtype``
+    (DeepSpeed's ``BF16_Optimizer`` runs instead). ``"auto"`` entries resolve as the trainer resolves them
+    (:func:`fastpals.train.dsconfig.check_ds_config`: ``grad_accum_dtype`` auto is fp32 with bf16 + ZeRO-1 and no
+    ``surgery``)."""
+    cfg = ds_config or {}
+    zero = cfg.get("zero_optimization") or {}
+    if zero_stage not in (1, 2):
+        return GradientBuckets(0, 0, precision, f"ZeRO-{zero_stage}: no gradient buckets")
+    accum = (cfg.get("data_types") or {}).get("grad_accum_dtype")
+    if accum == "auto":
+        accum = "fp32" if precision == "bf16" and zero_stage == 1 and surgery == "none" else None
+    accum = precision if accum is None else _DS_DTYPES.get(str(accum).lower(), precision)
+    if precision == "bf16" and accum == "fp32" and zero_stage == 1:
+        return GradientBuckets(0, 0, accum, "bf16 ZeRO-1 with fp32 gradient accumulation: BF16_Optimizer, no buckets")
+    if not zero.get("contiguous_gradients", True):
+        return GradientBuckets(0, 0, precision, "contiguous_gradients off: no contiguous buckets")
+    elements = int(float(zero.get("reduce_bucket_size", 5e8)))
+    overlap = bool(zero.get("overlap_comm", False))
+    dtype = accum if zero_stage == 1 and accum != precision else precision
+    why = (
+        f"reduce_bucket_size {elements:,} x {2 if overlap else 1} (overlap_comm {'on' if overlap else 'off'}), "
+        f"{dtype}"
+    )
+    return GradientBuckets(2 if overlap else 1, elements, dtype, why)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # The tracker
 # ----------------------------------------------------------------------------------------------------------------
 class LiveTensorBytes(TorchDispatchMode):
@@ -141,7 +212,10 @@ class LiveTensorBytes(TorchDispatchMode):
             self.by_category[entry[1]] -= entry[0]
 
     def add(self, t: torch.Tensor, category: str | None = None) -> None:
-        """Count ``t``'s storage (once) under ``category`` (default: the current phase)."""
+        """Count ``t``'s storage (once) under ``category`` (default: the current phase). Meta tensors hold no
+        memory and are not counted (DeepSpeed's ZeRO optimizer makes a meta copy of every parameter)."""
+        if t.device.type == "meta":
+            return
         st = t.untyped_storage()
         key = st._cdata
         if key in self.live:
@@ -192,7 +266,9 @@ class LayoutEngine:
     ``step`` makes the fp32 gradient partition from the module's gradients (or from what a surgery buffer wrote
     through :meth:`grad_setter`), unscales (fp16), clips to norm 1, runs a fused in-place AdamW and copies the
     master weights back into the module. ZeRO-2 on several ranks drops each 16-bit gradient once it is made
-    (reduce-scattered into a ``2 P / N``-byte partition buffer)."""
+    (reduce-scattered into a ``2 P / N``-byte partition buffer). ``buckets`` (:func:`gradient_buckets`): allocated
+    by the first gradient of each backward and freed when the backward ends, as DeepSpeed's ``setup_buckets`` and
+    ``_release_ipg_buffers``."""
 
     def __init__(
         self,
@@ -201,8 +277,11 @@ class LayoutEngine:
         zero_stage: int,
         world_size: int = 1,
         tracker: LiveTensorBytes | None = None,
+        buckets: GradientBuckets | None = None,
     ) -> None:
         self.module, self.precision = module, precision
+        self.buckets = buckets if buckets is not None and buckets.count else None
+        self._bucket_buffers: list[torch.Tensor] = []
         self.zero_stage, self.world_size = zero_stage, world_size
         self.tracker = tracker
         self.params = [p for p in module.parameters() if p.requires_grad]
@@ -232,6 +311,9 @@ class LayoutEngine:
                     "exp_avg": torch.zeros_like(p, dtype=torch.float32),
                     "exp_avg_sq": torch.zeros_like(p, dtype=torch.float32),
                 }
+        if self.buckets is not None:
+            for p in self.params:
+                p.register_post_accumulate_grad_hook(self._setup_buckets)
         if self._drop_grads:
             with self._phase("gradients"):
                 self.grad_partition = torch.zeros(self.part, dtype=self.params[0].dtype)
@@ -244,6 +326,15 @@ class LayoutEngine:
     def _set(self, category: str) -> None:
         if self.tracker is not None:
             self.tracker.set_phase(category)
+
+    def _setup_buckets(self, p: torch.Tensor) -> None:
+        if self._bucket_buffers or self.buckets is None:
+            return
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.buckets.dtype]
+        with self._phase("buckets"):
+            self._bucket_buffers = [
+                torch.empty(self.buckets.elements, dtype=dtype) for _ in range(self.buckets.count)
+            ]
 
     @staticmethod
     def _reduce_scatter(p: torch.Tensor) -> None:
@@ -280,6 +371,7 @@ class LayoutEngine:
     def backward(self, loss: torch.Tensor) -> None:
         self._set("temporaries")
         (loss * self.scale if self.scale != 1.0 else loss).backward()
+        self._bucket_buffers = []  # released at the backward's epilogue
 
     def step(self) -> None:
         self._set("temporaries")
