@@ -211,7 +211,8 @@ def test_a_number_of_tasks_plans_that_many_and_shows_every_surgery_memory(
     [
         ("gpu_bf16_zero1.json", "bf16", 1, "none", (2, 50_000_000, "bf16")),  # overlap_comm: two buffers
         ("gpu_fp16_zero2.json", "fp16", 2, "none", (2, 50_000_000, "fp16")),
-        ("cpu_bf16.json", "bf16", 1, "none", (1, 500_000_000, "bf16")),  # DeepSpeed's default size, no overlap
+        # DeepSpeed's default size, no overlap
+        ("cpu_bf16.json", "bf16", 1, "none", (1, 500_000_000, "bf16")),
         ("cpu_auto.json", "bf16", 1, "none", (0, 0, "fp32")),  # grad_accum_dtype auto -> fp32: BF16_Optimizer
         ("cpu_auto.json", "bf16", 1, "pcgrad", (1, 500_000_000, "bf16")),
         ("gpu_bf16_zero0.json", "bf16", 0, "none", (0, 0, "bf16")),
@@ -241,6 +242,8 @@ def test_prediction_matches_a_real_deepspeed_step(config: str, stage: int) -> No
     predicted = trace_step(spec, 6)
     measured = measure_deepspeed_step(spec, 6, config)
     buckets = spec.gradient_buckets()
-    print(f"{config}: predicted {predicted.peak_bytes} measured {measured.peak_bytes} buckets {buckets.bytes}")
+    print(
+        f"{config}: predicted {predicted.peak_bytes} measured {measured.peak_bytes} buckets {buckets.bytes}"
+    )
     assert predicted.at_peak["buckets"] == buckets.bytes > 0
     assert 0.9 <= predicted.peak_bytes / measured.peak_bytes <= 1.1

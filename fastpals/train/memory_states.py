@@ -148,7 +148,9 @@ def gradient_buckets(
         accum = "fp32" if precision == "bf16" and zero_stage == 1 and surgery == "none" else None
     accum = precision if accum is None else _DS_DTYPES.get(str(accum).lower(), precision)
     if precision == "bf16" and accum == "fp32" and zero_stage == 1:
-        return GradientBuckets(0, 0, accum, "bf16 ZeRO-1 with fp32 gradient accumulation: BF16_Optimizer, no buckets")
+        return GradientBuckets(
+            0, 0, accum, "bf16 ZeRO-1 with fp32 gradient accumulation: BF16_Optimizer, no buckets"
+        )
     if not zero.get("contiguous_gradients", True):
         return GradientBuckets(0, 0, precision, "contiguous_gradients off: no contiguous buckets")
     elements = int(float(zero.get("reduce_bucket_size", 5e8)))
