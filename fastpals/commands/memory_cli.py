@@ -89,13 +89,26 @@ MEASURED_NOTES = (
     "side (fp32, ZeRO-0: `fastpals.memory.measure_step`), agrees within 10% for MiniLM at two batch sizes "
     "(`tests/test_memory.py`) and to 0.1% at the rehearsal's 6 x 16 tokens.",
     "",
-    "Not counted by the planner: the gradient buckets DeepSpeed's ZeRO-1/2 optimizer allocates for each "
-    "backward with `contiguous_gradients` (DeepSpeed 0.19.8, `DeepSpeedZeroOptimizer.setup_buckets`: "
-    "`reduce_bucket_size` elements, twice with `overlap_comm`, in the gradient reduction dtype). With the "
-    "shipped GPU configs (`reduce_bucket_size` 5e7, `overlap_comm` on) that is 191 MiB in the 16-bit training"
-    " dtype (381 MiB where the gradients accumulate in fp32); with `cpu_bf16.json` (DeepSpeed's default 5e8, "
-    "no overlap) 954 MiB, which a real DeepSpeed bf16 ZeRO-1 step on the CPU showed (MiniLM, 6 x 16 tokens, "
-    "the same tracker: peak 1391 MiB against 485 MiB predicted; the states before the update agree).",
+    "**DeepSpeed's gradient buckets** are counted (`DeepSpeed gradient buckets` in the breakdown, "
+    "`gradient_buckets` and `at_peak.buckets` in `--json`): DeepSpeed 0.19.8's ZeRO-1/2 optimizer "
+    "(`DeepSpeedZeroOptimizer.setup_buckets`, `deepspeed/runtime/zero/stage_1_and_2.py`) allocates, at the first "
+    "gradient of each backward and with `contiguous_gradients` (its default), a flat buffer of exactly "
+    "`reduce_bucket_size` elements (not capped by the model's size), a second one with `overlap_comm`, in the "
+    "gradient reduction dtype (the model's dtype; the accumulation dtype where it differs at ZeRO-1), and frees "
+    "them at the backward's epilogue (`_release_ipg_buffers`). None at ZeRO-0, nor with bf16 ZeRO-1 and fp32 "
+    "`grad_accum_dtype` (`cpu_auto.json` without surgery: DeepSpeed's `BF16_Optimizer`). The planner reads them "
+    "from the run's config (`--ds-config`; default the shipped `gpu_<precision>_zero<stage>.json`: 2 x 5e7 "
+    "16-bit elements, 191 MiB; `cpu_bf16.json`: DeepSpeed's default 5e8, one buffer, 954 MiB). Checked on a real "
+    "DeepSpeed bf16 step on the CPU under the planner's tracker (MiniLM, 6 x 16 tokens, "
+    "`tests/test_memory.py::test_prediction_matches_a_real_deepspeed_step`): ZeRO-1 with `cpu_bf16.json` "
+    "measured 1342.03 MiB, predicted 1342.03 MiB (485 MiB before the buckets were counted; the 1391 MiB first "
+    "measured also counted DeepSpeed's meta-device copies of the parameters, 48.5 MiB that hold no memory and "
+    "that the tracker now skips); ZeRO-2 with `gpu_bf16_zero2.json` measured 579.02, predicted 579.09 MiB. "
+    "With a bucket too small to make the peak (1e6 elements) the measured peak, at the optimizer step, is "
+    "518 MiB against 485 MiB predicted (0.94): DeepSpeed's step flattens the 16-bit gradient partition "
+    "before casting it to fp32, a copy the planner does not hold. For BERT-base at 32 x 128 tokens, bf16, "
+    "ZeRO-1 (`gpu_bf16_zero1.json`) the predicted peak rises from 3.90 to 4.07 GiB (plain) and from 3.92 to "
+    "4.11 GiB (one-backward PCGrad).",
     "",
 )
 
@@ -149,7 +162,8 @@ def memory_table(max_length: int = 128, chart: str | Path | None = None) -> str:
             f"The largest batch of {max_length}-token examples whose predicted peak of one training step fits the "
             f"memory each GPU leaves to tensors ({gpu_caps}). Tasks sst, para, sts in packed mixed micro-batches "
             "(`--batching mixed`, every example full length: the worst case), AdamW, DeepSpeed ZeRO-1 on one rank "
-            "(fp16/bf16 weights and gradients, fp32 master weights and moments), PAL = `--pal default`, "
+            "(fp16/bf16 weights and gradients, fp32 master weights and moments; the gradient buckets of the shipped "
+            "`gpu_<precision>_zero1.json` during the backward: 2 x 5e7 16-bit elements), PAL = `--pal default`, "
             "PCGrad = `--surgery pcgrad` with one backward and the default rows (`--surgery-buffer-dtype auto`: "
             "bf16 rows with bf16 training, fp32 rows with fp16); checkpointed = `--activation-checkpointing` "
             "(every encoder layer recomputed in the backward).",
