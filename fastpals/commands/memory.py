@@ -223,6 +223,14 @@ class StepSpec:
             return self.zero_stage
         return 1 if self.precision != "fp32" or self.world_size > 1 else 0
 
+    @property
+    def ds_config_name(self) -> str | None:
+        """:attr:`ds_config`, or the shipped ``gpu_<precision>_zero<stage>.json`` for fp16/bf16 (None for fp32:
+        DeepSpeed's defaults)."""
+        if self.ds_config is None and self.precision != "fp32":
+            return f"gpu_{self.precision}_zero{self.stage}.json"
+        return self.ds_config
+
     def gradient_buckets(self) -> GradientBuckets:
         """The gradient buckets DeepSpeed allocates for each backward of this run
         (:func:`fastpals.train.memory_states.gradient_buckets` of :attr:`ds_config`)."""
@@ -230,9 +238,7 @@ class StepSpec:
         from fastpals.train.errors import ConfigError
         from fastpals.train.memory_states import gradient_buckets
 
-        name = self.ds_config
-        if name is None and self.precision != "fp32":
-            name = f"gpu_{self.precision}_zero{self.stage}.json"
+        name = self.ds_config_name
         try:
             cfg = load_ds_config(name) if name is not None else None
         except ConfigError as err:
@@ -749,7 +755,7 @@ def format_plan(plan: MemoryPlan) -> str:
         b = plan.gradient_buckets
         lines.append(
             f"DeepSpeed gradient buckets (each backward, per rank): {_gib(b.bytes)} ({b.why}; "
-            f"{s.ds_config or 'the shipped config'})"
+            f"{s.ds_config_name or 'DeepSpeed defaults'})"
             if b.count
             else f"DeepSpeed gradient buckets: none ({b.why})"
         )
