@@ -264,7 +264,7 @@ ZERO_ROWS = 16  # mixed rows in all, 8 per rank, split evenly over the T tasks
 
 def _wide_model(num_tasks: int) -> torch.nn.Module:
     from fastpals import MultiTaskBert, PALConfig
-    from fastpals.model import BertConfig
+    from fastpals.encoder.bert import BertConfig
     from fastpals.model.multitask import MultiTaskConfig, TaskSpec
 
     torch.manual_seed(0)
