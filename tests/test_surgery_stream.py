@@ -28,6 +28,7 @@ from fastpals.surgery import (
     pcgrad_weights,
     per_task_gradients,
     shared_parameters_by_name,
+    stream,
 )
 from fastpals.surgery.stream import embedding_row_gram, stream_policy
 
@@ -112,6 +113,30 @@ def test_the_tiny_model_exercises_every_path():
     assert stream_policy("stream", T, (32, 16), 10 * 6, embedding=False)
     assert not stream_policy("smaller", T, (384, 384), 3000, embedding=False)
     assert stream_policy("smaller", 16, (1536, 384), 3000, embedding=False)
+
+
+@pytest.mark.parametrize("missing", [False, True], ids=["all-tasks", "task-1-absent"])
+def test_streamed_gram_in_output_row_blocks_equals_buffer(monkeypatch, missing):
+    """The streamed Linears' Gram, built in blocks of output rows: with a 1000-byte budget every Linear takes
+    several blocks and a shorter last one (3 tasks x 5 rows x 16 inputs x 4 bytes), over both siamese passes;
+    a task with no rows in the batch is left out of the blocks. Equals the buffer's Gram and update."""
+    seen = []
+    blocked = stream.StreamingTaskGradients._blocked_gram
+
+    def spy(self, k, calls):
+        seen.append((len(calls), len({t for rows, _, _ in calls for t in rows.tasks})))
+        return blocked(self, k, calls)
+
+    monkeypatch.setattr(stream, "GRAM_CHUNK_BYTES", 1000)
+    monkeypatch.setattr(stream.StreamingTaskGradients, "_blocked_gram", spy)
+    model = _tiny_model()
+    data = _tiny_batch()
+    if missing:
+        data = select(data, torch.tensor([0, 1, 4, 5, 6, 8, 9]))
+    ref = _update(model, data, "buffer", pcgrad_weights, unpad=True)
+    got = _update(model, data, "stream", pcgrad_weights, unpad=True)
+    _check_same(ref, got, f"blocked Gram missing={missing}")
+    assert seen and all(calls == 2 and tasks == (2 if missing else T) for calls, tasks in seen)
 
 
 # ----------------------------------------------------------------------------------------------------------------

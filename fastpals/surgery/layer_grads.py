@@ -85,6 +85,7 @@ class BlockState(Protocol):
     def param_index(self, p: torch.Tensor) -> int: ...
     def mark_backward(self) -> None: ...
     def linear_done(self, rows: RowTasks, k_w: int, dy: torch.Tensor, x: torch.Tensor) -> None: ...
+    def defers_linear_weight(self, k_w: int, rows: RowTasks) -> bool: ...
     def write(self, task: int, k: int, value: torch.Tensor) -> None: ...
     def write_mm(self, task: int, k: int, a: torch.Tensor, b: torch.Tensor) -> None: ...
     def write_stack(self, k: int, tasks: Sequence[int], values: torch.Tensor) -> None: ...
@@ -204,7 +205,9 @@ class _PerTaskLinear(torch.autograd.Function):
         if x2.dtype != dy2.dtype:  # autocast: the GEMMs run in the output gradient's dtype
             x2 = x2.to(dy2.dtype)
         if not state.exact_pass:  # the exact path's partial backwards only carry the input gradient through
-            _linear_weight_grads(state, ctx.rows, ctx.k_w, ctx.k_b, dy2, x2)
+            # streaming surgery may build the weight's Gram later from the kept dy and x (surgery.stream)
+            weight = _kernels_on(state, dy2) or not state.defers_linear_weight(ctx.k_w, ctx.rows)
+            _linear_weight_grads(state, ctx.rows, ctx.k_w, ctx.k_b, dy2, x2, weight)
             state.linear_done(ctx.rows, ctx.k_w, dy2, x2)  # streaming surgery keeps dy and x (surgery.stream)
         return None, dx, None, None, None, None, None, None
 
@@ -216,11 +219,15 @@ def _linear_weight_grads(
     k_b: int | None,
     dy: torch.Tensor,
     x: torch.Tensor,
+    weight: bool = True,
 ) -> None:
     """``dW_t = dy_t^T x_t`` and ``db_t = sum dy_t`` per task into the buffer (``dy [R, M]``, ``x [R, K]``;
-    ``k_w`` / ``k_b`` the weight's and bias's indices among the buffer's shared parameters)."""
-    if _kernels_on(state, dy):
+    ``k_w`` / ``k_b`` the weight's and bias's indices among the buffer's shared parameters; ``weight=False``: the
+    bias only)."""
+    if weight and _kernels_on(state, dy):
         _linear_weight_grads_grouped(state, rows, k_w, k_b, dy, x)
+        return
+    if not weight and k_b is None:
         return
     sizes = {s.stop - s.start for s in rows.slices.values() if isinstance(s, slice)}
     if len(rows.tasks) > 1 and len(sizes) == 1 and all(isinstance(s, slice) for s in rows.slices.values()):
@@ -233,11 +240,11 @@ def _linear_weight_grads(
             seg = slice(starts[0], starts[0] + n * len(starts))
             dyb = dy[seg].view(len(starts), n, dy.shape[1])
             xb = x[seg].view(len(starts), n, x.shape[1])
-            out = state.stack_target(k_w, rows.tasks, dy.dtype)
+            out = state.stack_target(k_w, rows.tasks, dy.dtype) if weight else None
             if out is not None:  # straight into the buffer rows
                 for i in range(len(starts)):
                     torch.mm(dyb[i].t(), xb[i], out=out[i])
-            else:  # another buffer dtype: each task's product in output-row chunks (a bounded temporary)
+            elif weight:  # another buffer dtype: per task, output-row chunks (a bounded temporary)
                 step = max(1, STACK_TEMP_ELEMENTS // x.shape[1])
                 chunks = (
                     (m0, i, torch.mm(dyb[i, :, m0 : m0 + step].t(), xb[i]))
@@ -252,7 +259,8 @@ def _linear_weight_grads(
         sel = rows.slices[t]
         dy_t = dy[sel] if isinstance(sel, slice) else dy.index_select(0, sel)
         x_t = x[sel] if isinstance(sel, slice) else x.index_select(0, sel)
-        state.write_mm(t, k_w, dy_t.t(), x_t)
+        if weight:
+            state.write_mm(t, k_w, dy_t.t(), x_t)
         if k_b is not None:
             state.write(t, k_b, dy_t.sum(0))
 

@@ -510,6 +510,11 @@ class PerTaskGradients:
         """A shared Linear's backward has written its task rows (``dy [R, M]``, ``x [R, K]``): nothing to do here;
         the streaming block (:mod:`fastpals.surgery.stream`) keeps them."""
 
+    def defers_linear_weight(self, k_w: int, rows: RowTasks) -> bool:
+        """Skip the per-task rows of shared Linear weight ``k_w`` in this backward (its bias is still written)?
+        Never here; the streaming block builds a streamed weight's Gram from the kept ``dy`` and ``x``."""
+        return False
+
     # --- the block ----------------------------------------------------------------------------------------------
     def shared_modules(self) -> list[tuple[str, nn.Module]]:
         """The ``nn.Linear`` / ``nn.LayerNorm`` / ``nn.Embedding`` modules that hold the shared parameters; every

@@ -8,10 +8,12 @@ inside :func:`~fastpals.surgery.per_task_gradients` (the same per-layer capture 
 shared parameter, keeps whichever is smaller:
 
 - **streamed** (``nn.Linear`` weights where ``T * M * K > N * (M + K)``, ``N`` the rows of the step through that
-  layer): during the one backward the layer's per-task weight gradients go into a scratch ``[T, M, K]`` (fp32),
-  whose pairwise dot products are added into the fp32 ``[T, T]`` Gram as soon as every call of the layer has
-  written (siamese pairs: both encoder passes), and the scratch is dropped. The layer's output gradient ``dY [N,
-  M]`` and input ``X [N, K]`` are kept in the training dtype. After the weights ``c`` are solved, one
+  layer): the layer's output gradient ``dY [N, M]`` and input ``X [N, K]`` are kept in the training dtype. As
+  soon as every call of the layer has run its backward (siamese pairs: both encoder passes), the Gram of a
+  streamed Linear is built in cache-sized chunks of output rows: each chunk's per-task weight gradients (summed
+  over the calls), ``[T, rows, K]`` fp32 within ``GRAM_CHUNK_BYTES``, have their pairwise dot products added into
+  the fp32 ``[T, T]`` Gram at once, with no ``[T, M, K]`` scratch (data parallel and the op library's Triton
+  path: the capture writes a whole ``[T, M, K]`` fp32 scratch, whose Gram is added and which is then dropped). After the weights ``c`` are solved, one
   weight-gradient GEMM per call, ``(c_row * dY)^T X`` (``c_row [N]`` the weight of each row's task), writes
   ``sum_t c_t g_t`` into ``.grad``: the FLOPs of one ordinary weight-gradient pass, no second forward/backward.
 - **embeddings by token-id rows** (an ``nn.Embedding`` looked up per example whose ``T * V`` exceeds the step's
@@ -74,6 +76,10 @@ __all__ = ["POLICIES", "StreamingTaskGradients", "embedding_row_gram", "stream_p
 POLICIES = ("smaller", "stream")
 
 BUCKET_ELEMENTS = 1 << 22  # data parallel: scratch elements all-reduced in one call (16 MiB fp32)
+# One rank: a streamed Linear's Gram is built over blocks of output rows whose fp32 per-task products, [T, rows, K],
+# stay within this many bytes (in cache), not from a whole [T, M, K] scratch written and read back (memory-bound:
+# MiniLM's FFN weights at T = 16, one thread, 44-50 ms for the scratch and its Gram, 30-32 ms in 3 MiB blocks).
+GRAM_CHUNK_BYTES = 3 << 20
 
 
 def stream_policy(policy: str, num_tasks: int, shape: Sequence[int], rows: int, embedding: bool) -> bool:
@@ -147,6 +153,13 @@ class _StreamBlock(PerTaskGradients):
 
     def linear_done(self, rows: RowTasks, k_w: int, dy: torch.Tensor, x: torch.Tensor) -> None:
         self.buffer._linear_done(rows, k_w, dy, x, self.written.flags)
+
+    def defers_linear_weight(self, k_w: int, rows: RowTasks) -> bool:
+        if not self.buffer._defers(k_w):
+            return False
+        for t in rows.tasks:
+            self.written.flags[t][k_w] = True
+        return True
 
     def write_embedding(
         self, k: int, ids: torch.Tensor, grad: torch.Tensor, rows: RowTasks, padding_idx: int | None
@@ -239,6 +252,8 @@ class StreamingTaskGradients:
         self._row_counts: dict[int, int] = {}
         self._left: dict[int, int] = {}
         self._linears: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._deferred: dict[int, bool] = {}  # per streamed Linear weight: Gram in blocks (no scratch)?
+        self._deferred_calls: dict[int, list[tuple[RowTasks, torch.Tensor, torch.Tensor]]] = {}
         self._embeddings: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, int | None]] = []
         self._pending: list[
             torch.Tensor
@@ -278,6 +293,64 @@ class StreamingTaskGradients:
             self._left[k] = self._calls.get(k, 1)
         return self._decided[k]
 
+    def _defers(self, k: int) -> bool:
+        """Is streamed Linear weight k's Gram built in output-row blocks from its kept ``dy`` and ``x``
+        (:meth:`_blocked_gram`) instead of a ``[T, M, K]`` scratch? One rank only (data parallel all-reduces the
+        scratch first), and not where its rows were already written this step (the exact path). Decided on the
+        weight's first backward call, kept for its later calls."""
+        if k not in self._deferred:
+            self._deferred[k] = (
+                self._streams(k, embedding=False) and not self.all_reduce and k not in self._rows
+            )
+        return self._deferred[k]
+
+    def _blocked_gram(self, k: int, calls: Sequence[tuple[RowTasks, torch.Tensor, torch.Tensor]]) -> None:
+        """Gram += that of the per-task gradients ``sum over calls of dy_t^T x_t`` of Linear weight k
+        (``[M, K]``), in blocks of output rows: each block's fp32 products ``[n, rows, K]`` (``n`` the tasks
+        with rows; the same GEMMs, dtypes and summing order over calls as the scratch's) within
+        ``GRAM_CHUNK_BYTES``, its Gram added at once (fp64 sum over blocks), the block reused."""
+        tasks = sorted({t for rows, _, _ in calls for t in rows.tasks})
+        if not tasks:
+            return
+        m, kk = self.params[k].shape
+        n = len(tasks)
+        pos = {t: i for i, t in enumerate(tasks)}
+        step = max(1, min(m, GRAM_CHUNK_BYTES // (n * kk * 4)))
+        block = torch.empty(n * step * kk, dtype=torch.float32, device=self.device)
+        g = torch.zeros(n, n, dtype=torch.float64, device=self.device)
+        for m0 in range(0, m, step):
+            mc = min(step, m - m0)
+            v = block[: n * mc * kk].view(n, mc, kk)
+            first = [True] * n
+            for rows, dy, x in calls:
+                for t in rows.tasks:
+                    sel = rows.slices[t]
+                    if isinstance(sel, slice):
+                        a, b = dy[sel, m0 : m0 + mc].t(), x[sel]
+                    else:
+                        a, b = dy[:, m0 : m0 + mc].index_select(0, sel).t(), x.index_select(0, sel)
+                    i = pos[t]
+                    if a.dtype == b.dtype == torch.float32:
+                        if first[i]:
+                            torch.mm(a, b, out=v[i])
+                        else:
+                            v[i].addmm_(a, b)
+                    else:  # 16-bit dy / x: the product in their dtype, then fp32 (as the scratch is written)
+                        prod = torch.mm(a, b.to(a.dtype))
+                        if first[i]:
+                            v[i].copy_(prod)
+                        else:
+                            v[i].add_(prod.to(torch.float32))
+                    first[i] = False
+            flat = v.view(n, -1)
+            g.add_(torch.mm(flat, flat.t()))
+        g = 0.5 * (g + g.t())
+        if n == self.num_tasks:
+            self._gram.add_(g)
+        else:
+            idx = torch.tensor(tasks, dtype=torch.int64, device=self.device)
+            self._gram.index_put_((idx[:, None], idx[None, :]), g, accumulate=True)
+
     # --- what the per-layer capture calls -----------------------------------------------------------------------
     def captured_tasks(self) -> list[bool]:
         """Every block starts fresh rows (one block per apply)."""
@@ -315,8 +388,14 @@ class StreamingTaskGradients:
         if not self._streams(k, embedding=False):
             return
         self._linears.append((k, rows.row_task, dy, x))
+        if self._deferred.get(k):
+            self._deferred_calls.setdefault(k, []).append((rows, dy, x))
         self._left[k] -= 1
         if self._left[k] > 0:
+            return
+        calls = self._deferred_calls.pop(k, None)
+        if calls is not None:
+            self._blocked_gram(k, calls)
             return
         scratch = self._rows.pop(k, None)
         if scratch is None:
@@ -384,6 +463,8 @@ class StreamingTaskGradients:
         t = self.num_tasks
         if self._gram is None:
             self._gram = torch.zeros(t, t, dtype=torch.float64, device=self.device)
+        for k in list(self._deferred_calls):  # a weight whose forward calls outnumber its backward calls
+            self._blocked_gram(k, self._deferred_calls.pop(k))
         if self.all_reduce:
             self._flush()
             kept = [r.view(t, -1) for r in self._rows.values()]
