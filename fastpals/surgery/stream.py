@@ -10,12 +10,13 @@ shared parameter, keeps whichever is smaller:
 - **streamed** (``nn.Linear`` weights where ``T * M * K > N * (M + K)``, ``N`` the rows of the step through that
   layer): the layer's output gradient ``dY [N, M]`` and input ``X [N, K]`` are kept in the training dtype. As
   soon as every call of the layer has run its backward (siamese pairs: both encoder passes), the Gram of a
-  streamed Linear is built in cache-sized chunks of output rows: each chunk's per-task weight gradients (summed
-  over the calls), ``[T, rows, K]`` fp32 within ``GRAM_CHUNK_BYTES``, have their pairwise dot products added into
-  the fp32 ``[T, T]`` Gram at once, with no ``[T, M, K]`` scratch (data parallel and the op library's Triton
-  path: the capture writes a whole ``[T, M, K]`` fp32 scratch, whose Gram is added and which is then dropped). After the weights ``c`` are solved, one
-  weight-gradient GEMM per call, ``(c_row * dY)^T X`` (``c_row [N]`` the weight of each row's task), writes
-  ``sum_t c_t g_t`` into ``.grad``: the FLOPs of one ordinary weight-gradient pass, no second forward/backward.
+  streamed Linear is built in chunks of output rows: each chunk's per-task weight gradients (summed over the
+  calls), ``[T, rows, K]`` fp32 within ``GRAM_CHUNK_BYTES`` (12 MiB), have their pairwise dot products added
+  into the fp32 ``[T, T]`` Gram at once, with no ``[T, M, K]`` scratch (data parallel and the op library's Triton
+  path: the capture writes a whole ``[T, M, K]`` fp32 scratch, whose Gram is added and which is then dropped).
+  After the weights ``c`` are solved, one weight-gradient GEMM per call, ``(c_row * dY)^T X`` (``c_row [N]`` the
+  weight of each row's task), writes ``sum_t c_t g_t`` into ``.grad``: the FLOPs of one ordinary weight-gradient
+  pass, no second forward/backward.
 - **embeddings by token-id rows** (an ``nn.Embedding`` looked up per example whose ``T * V`` exceeds the step's
   rows, e.g. BERT's word embeddings): the output gradient ``dY [N, d]`` and the ids are kept. The Gram uses
   ``<g_s, g_t> = sum over ids of <sum_{rows of s with that id} dY, sum_{rows of t with that id} dY>``: rows are
@@ -77,9 +78,12 @@ POLICIES = ("smaller", "stream")
 
 BUCKET_ELEMENTS = 1 << 22  # data parallel: scratch elements all-reduced in one call (16 MiB fp32)
 # One rank: a streamed Linear's Gram is built over blocks of output rows whose fp32 per-task products, [T, rows, K],
-# stay within this many bytes (in cache), not from a whole [T, M, K] scratch written and read back (memory-bound:
-# MiniLM's FFN weights at T = 16, one thread, 44-50 ms for the scratch and its Gram, 30-32 ms in 3 MiB blocks).
-GRAM_CHUNK_BYTES = 3 << 20
+# stay within this many bytes, not from a whole [T, M, K] scratch written and read back (memory-bound). MiniLM's
+# FFN weights at T = 16, one thread: 43-45 ms per layer for the scratch and its Gram, 29-30 ms in blocks of 128 to
+# 512 rows; blocks under 128 rows of K = 1536 lose it again (32 rows: 36 ms), hence 12 MiB, not an L2-sized block.
+GRAM_CHUNK_BYTES = 12 << 20
+# columns of one fp32 Gram product, the products summed in fp64 (the op library's Gram sums such blocks)
+GRAM_COLUMNS = 1 << 16
 
 
 def stream_policy(policy: str, num_tasks: int, shape: Sequence[int], rows: int, embedding: bool) -> bool:
@@ -308,7 +312,8 @@ class StreamingTaskGradients:
         """Gram += that of the per-task gradients ``sum over calls of dy_t^T x_t`` of Linear weight k
         (``[M, K]``), in blocks of output rows: each block's fp32 products ``[n, rows, K]`` (``n`` the tasks
         with rows; the same GEMMs, dtypes and summing order over calls as the scratch's) within
-        ``GRAM_CHUNK_BYTES``, its Gram added at once (fp64 sum over blocks), the block reused."""
+        ``GRAM_CHUNK_BYTES``, its Gram added at once (fp32 products over ``GRAM_COLUMNS`` columns, summed in
+        fp64), the block reused."""
         tasks = sorted({t for rows, _, _ in calls for t in rows.tasks})
         if not tasks:
             return
@@ -343,7 +348,9 @@ class StreamingTaskGradients:
                             v[i].add_(prod.to(torch.float32))
                     first[i] = False
             flat = v.view(n, -1)
-            g.add_(torch.mm(flat, flat.t()))
+            for c0 in range(0, flat.shape[1], GRAM_COLUMNS):  # fp32 products over at most 2^16 columns
+                part = flat[:, c0 : c0 + GRAM_COLUMNS]
+                g.add_(torch.mm(part, part.t()))
         g = 0.5 * (g + g.t())
         if n == self.num_tasks:
             self._gram.add_(g)
