@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastpals_kernels.reference import check_task_ids
+from fastpals_kernels.reference import autocast_dtype, check_task_ids
 
 __all__ = [
     "ROW_ALIGN",
@@ -325,17 +325,6 @@ def task_row_plan(
     )
     _PLAN_CACHE.put(tensors, meta, plan)
     return plan
-
-
-def autocast_dtype(tensor: torch.Tensor) -> torch.dtype | None:
-    """The dtype ``torch.autocast`` runs linear layers in on ``tensor``'s device, or None outside autocast.
-
-    The fused ops follow autocast like ``F.linear`` does: floating operands are cast (differentiably) to this
-    dtype, so fp32 parameters train under bf16/fp16 autocast with fp32 gradients."""
-    device_type = tensor.device.type
-    if device_type not in ("cuda", "cpu") or not torch.is_autocast_enabled(device_type):
-        return None
-    return torch.get_autocast_dtype(device_type)
 
 
 ROW_ALIGN = 16

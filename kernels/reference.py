@@ -65,6 +65,17 @@ class TaskGroups:
     offsets: torch.Tensor
 
 
+def autocast_dtype(tensor: torch.Tensor) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` runs linear layers in on ``tensor``'s device, or None outside autocast.
+
+    The fused ops follow autocast like ``F.linear`` does: floating operands are cast (differentiably) to this
+    dtype, so fp32 parameters train under bf16/fp16 autocast with fp32 gradients."""
+    device_type = tensor.device.type
+    if device_type not in ("cuda", "cpu") or not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
 def check_task_ids(
     task_ids: object, num_tasks: int, batch: int, device: torch.device, check_values: bool = True
 ) -> torch.Tensor:
@@ -110,7 +121,9 @@ def grouped_linear_reference(
     """``y[b] = x[b] @ weight[task_ids[b]].T + bias[task_ids[b]]``.
 
     x: ``[B, ..., K]``; task_ids: ``[B]`` int64; weight: ``[T, M, K]``; bias: ``[T, M]`` or None.
-    Returns ``[B, ..., M]`` in x's dtype. Loops over tasks (T is small), never over examples; under
+    Returns ``[B, ..., M]`` in x's dtype. Sorts the examples by task and runs :func:`segment_linear` (one GEMM
+    per task, its weight gradient written into the task's row: no ``T`` zero-padded ``[T, M, K]`` gradients
+    added up in the backward), never a loop over examples; under
     ``torch.compile`` (where the per-task row counts would be a host read) one batched matmul against each
     example's gathered weight instead.
     """
@@ -122,18 +135,15 @@ def grouped_linear_reference(
             y = y + bias.index_select(0, task_ids)[:, None, :]
         return y.reshape(*x.shape[:-1], weight.shape[1])
     counts = torch.bincount(task_ids, minlength=weight.shape[0]).tolist()  # one host sync
+    if x.shape[0] == 0:
+        return x.new_empty(*x.shape[:-1], weight.shape[1])
     order = torch.argsort(task_ids, stable=True)
     x_sorted = x.index_select(0, order)
-    pieces, start = [], 0
-    for t, n in enumerate(counts):
-        if n:
-            pieces.append(F.linear(x_sorted[start : start + n], weight[t], None if bias is None else bias[t]))
-        start += n
-    if not pieces:
-        return x.new_empty(*x.shape[:-1], weight.shape[1])
+    per_example = x[0].numel() // x.shape[-1]  # rows of one example
+    y = segment_linear(x_sorted.reshape(-1, x.shape[-1]), [n * per_example for n in counts], weight, bias)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
-    return torch.cat(pieces).index_select(0, inverse)
+    return y.view(*x.shape[:-1], weight.shape[1]).index_select(0, inverse)
 
 
 def segment_linear(
@@ -157,7 +167,12 @@ def segment_linear(
         raise ValueError(
             f"segment_linear: x {list(x.shape)} must be [N, K] and weight {list(weight.shape)} [T, M, K]"
         )
-    return _SegmentLinear.apply(x, weight, bias, tuple(int(n) for n in counts))
+    cast = autocast_dtype(x)  # follow torch.autocast as F.linear does: operands cast (differentiably) first
+    if cast is not None:
+        x, weight = x.to(cast), weight.to(cast)
+        bias = None if bias is None else bias.to(cast)
+    with torch.autocast(x.device.type, enabled=False):
+        return _SegmentLinear.apply(x, weight, bias, tuple(int(n) for n in counts))
 
 
 class _SegmentLinear(torch.autograd.Function):

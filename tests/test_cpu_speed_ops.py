@@ -159,6 +159,56 @@ def test_segment_linear_equals_the_grouped_reference():
         segment_linear(torch.randn(5, 5), [2, 2, 0], w.float(), None)
 
 
+def test_grouped_reference_equals_a_gathered_float64_transcription_with_one_weight_gradient_node():
+    """grouped_linear_reference (padded ``[B, L, K]`` and ``[B, K]``, absent tasks, autocast) against the
+    per-example definition ``y[b] = x[b] @ W[t_b]^T + b[t_b]`` in float64 (every gradient), and its backward writes
+    the weight gradient once: no per-task ``SelectBackward`` adding ``T`` zero-padded ``[T, M, K]`` gradients (that
+    made the plain step at T = 16 about 12% slower on MiniLM)."""
+    from fastpals.functional import grouped_linear_reference
+
+    def definition(x, ids, w, b):
+        y = torch.einsum("b...k,bmk->b...m", x, w.index_select(0, ids))
+        return y if b is None else y + b.index_select(0, ids).view(ids.shape[0], *[1] * (x.dim() - 2), b.shape[1])
+
+    def nodes(fn):
+        seen, todo = set(), [fn]
+        while todo:
+            f = todo.pop()
+            if f is None or f in seen:
+                continue
+            seen.add(f)
+            todo.extend(n for n, _ in f.next_functions)
+        return [type(f).__name__ for f in seen]
+
+    torch.manual_seed(3)
+    for shape, ids in (((6, 4, 5), [2, 0, 2, 4, 0, 2]), ((5, 5), [1, 1, 1, 1, 1]), ((0, 3, 5), [])):
+        ids = torch.tensor(ids, dtype=torch.int64)
+        x = torch.randn(*shape, requires_grad=True)
+        w = torch.randn(5, 7, 5, requires_grad=True)  # tasks 1 and 3 (and more) absent
+        b = torch.randn(5, 7, requires_grad=True)
+        for bias in (b, None):
+            y = grouped_linear_reference(x, ids, w, bias)
+            leaves = (x, w) if bias is None else (x, w, bias)
+            as64 = [t.detach().double().requires_grad_() for t in leaves]
+            want = definition(as64[0], ids, as64[1], as64[2] if bias is not None else None)
+            assert y.shape == want.shape
+            torch.testing.assert_close(y.double(), want, rtol=0, atol=1e-5)
+            if y.numel():
+                names = nodes(y.grad_fn)
+                assert "SelectBackward0" not in names and names.count("_SegmentLinearBackward") == 1, names
+                g = torch.randn_like(y)
+                for ours, theirs in zip(
+                    torch.autograd.grad(y, leaves, g), torch.autograd.grad(want, as64, g.double())
+                ):
+                    torch.testing.assert_close(ours.double(), theirs, rtol=0, atol=1e-5)
+    x = torch.randn(4, 3, 5)
+    ids = torch.tensor([0, 1, 1, 0])
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # follows autocast as F.linear does
+        y = grouped_linear_reference(x, ids, w, b)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), definition(x, ids, w, b).detach(), rtol=2e-2, atol=5e-2)
+
+
 def test_keep_freed_memory_cuts_page_faults():
     """In a fresh process: 20 steps that allocate and free 64 MiB fault far less after the tuning."""
     if not sys.platform.startswith("linux"):

@@ -199,7 +199,9 @@ class _PerTaskLinear(torch.autograd.Function):
         state.mark_backward()
         dx = None
         if ctx.needs_input_grad[1]:
-            dx = (dy @ weight.to(dy.dtype)).to(x.dtype)
+            # one 2-D GEMM (a non-contiguous 3-D dy would make matmul batch it against an expanded weight)
+            flat = torch.mm(dy.reshape(-1, dy.shape[-1]), weight.to(dy.dtype))
+            dx = flat.view(*dy.shape[:-1], weight.shape[1]).to(x.dtype)
         dy2, _ = _split_rows(dy)
         x2, _ = _split_rows(x)
         if x2.dtype != dy2.dtype:  # autocast: the GEMMs run in the output gradient's dtype

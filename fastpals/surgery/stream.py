@@ -628,8 +628,11 @@ class StreamingTaskGradients:
         while self._linears:
             k, row_task, dy, x = self._linears.pop(0)
             c_row = c.index_select(0, row_task)[:, None]
-            if dy.dtype == torch.float32:
-                prod = torch.mm((dy * c_row).t(), x.float())
+            if dy.dtype == torch.float32:  # c_row scales the narrower of dy and x
+                if dy.shape[1] <= x.shape[1]:
+                    prod = torch.mm((dy * c_row).t(), x.float())
+                else:
+                    prod = torch.mm(dy.t(), x.float() * c_row)
                 if k in grads:
                     grads[k].add_(prod)
                 else:
