@@ -168,7 +168,11 @@ def test_grouped_reference_equals_a_gathered_float64_transcription_with_one_weig
 
     def definition(x, ids, w, b):
         y = torch.einsum("b...k,bmk->b...m", x, w.index_select(0, ids))
-        return y if b is None else y + b.index_select(0, ids).view(ids.shape[0], *[1] * (x.dim() - 2), b.shape[1])
+        return (
+            y
+            if b is None
+            else y + b.index_select(0, ids).view(ids.shape[0], *[1] * (x.dim() - 2), b.shape[1])
+        )
 
     def nodes(fn):
         seen, todo = set(), [fn]
