@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from fastpals_kernels import reference
+from fastpals_kernels import backends, eager, reference
 
 __all__ = ["NAMESPACE", "OPS", "draw_seed"]
 
@@ -88,9 +88,7 @@ def _autograd_on() -> Iterator[None]:
 
 
 def _backend(op: str, t: Tensor) -> str:
-    from fastpals_kernels import dispatch
-
-    return dispatch.backend(op, t)
+    return backends.backend(op, t)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -109,12 +107,10 @@ def _pal_eager(
 ) -> Tensor:
     """``residual + PAL(h)`` on the backend the dispatch picks for ``h`` (differentiable where its inputs are),
     its dropout drawn from ``seed``."""
-    from fastpals_kernels import dispatch
-
     args = (task_ids, *weights, num_heads, gelu, dropout_p)
     generator_seed = int(seed.reshape(-1)[0]) if dropout_p > 0.0 else None
     with _seeded(seed, h.device, dropout_p):
-        return dispatch.pal_eager(h, args, mask=where.get("mask"), cu_seqlens=where.get("cu_seqlens"),
+        return eager.pal_eager(h, args, mask=where.get("mask"), cu_seqlens=where.get("cu_seqlens"),
                                   max_seqlen=where.get("max_seqlen", 0), residual=residual,
                                   generator_seed=generator_seed)  # fmt: skip
 
@@ -315,10 +311,8 @@ pal_varlen.register_autograd(_pal_varlen_backward_formula, setup_context=_pal_se
 def _attention_eager(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float, seed: Tensor
 ) -> Tensor:
-    from fastpals_kernels import dispatch
-
     with _seeded(seed, q.device, dropout_p):
-        return dispatch.attention_varlen_eager(q, k, v, cu_seqlens, max_seqlen, dropout_p)
+        return eager.attention_varlen_eager(q, k, v, cu_seqlens, max_seqlen, dropout_p)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::attention_varlen", mutates_args=())

@@ -503,7 +503,7 @@ def test_packed_mixed_batch_dispatches_to_pal_varlen_and_flash_varlen(monkeypatc
 
     import fastpals_kernels as kernels
     from fastpals.functional import attention_varlen_reference
-    from fastpals_kernels import dispatch
+    from fastpals_kernels import backends
 
     pal = PALConfig(num_tasks=3, hidden=34, num_heads=2, gate=True, dropout=0.0)
     model = _model(pal, "sbert_concat")
@@ -524,7 +524,7 @@ def test_packed_mixed_batch_dispatches_to_pal_varlen_and_flash_varlen(monkeypatc
 
     monkeypatch.setitem(kernels.__dict__, "pal_varlen", counted)
     monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=fake_varlen))
-    monkeypatch.setattr(dispatch, "flash_varlen_ok", lambda q: True)
+    monkeypatch.setattr(backends, "flash_varlen_ok", lambda q: True)
     monkeypatch.setenv("FASTPALS_KERNELS", "triton")
     fused_model = copy.deepcopy(model)
     packed, got, got_grads = _packed_run(fused_model, batches, "examples")

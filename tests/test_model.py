@@ -180,7 +180,7 @@ def test_packed_path_uses_flash_attn_varlen_when_available(monkeypatch, ours_min
     import types
 
     from fastpals.functional import attention_varlen_reference
-    from fastpals_kernels import dispatch
+    from fastpals_kernels import backends
 
     calls = []
 
@@ -190,7 +190,7 @@ def test_packed_path_uses_flash_attn_varlen_when_available(monkeypatch, ours_min
         return attention_varlen_reference(q, k, v, cu_q, max_q)
 
     monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=fake_varlen))
-    monkeypatch.setattr(dispatch, "flash_varlen_ok", lambda q: True)
+    monkeypatch.setattr(backends, "flash_varlen_ok", lambda q: True)
     ids = torch.randint(1000, 5000, (3, 9))
     mask = torch.ones_like(ids)
     mask[1, 4:] = 0
@@ -199,7 +199,7 @@ def test_packed_path_uses_flash_attn_varlen_when_available(monkeypatch, ours_min
         flash = ours_minilm(ids, mask, unpad=True).last_hidden_state
     assert len(calls) == ours_minilm.config.num_hidden_layers
     assert calls[0] == ([0, 9, 13, 20], 9, 0.0)
-    monkeypatch.setattr(dispatch, "flash_varlen_ok", lambda q: False)
+    monkeypatch.setattr(backends, "flash_varlen_ok", lambda q: False)
     with torch.no_grad():
         sdpa = ours_minilm(ids, mask).last_hidden_state
     assert (flash - sdpa)[mask.bool()].abs().max() <= 1e-5

@@ -10,6 +10,7 @@ refusals. Dropout is off: exact math, fp32 within 1e-5.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -53,7 +54,7 @@ def _surgery_buffer(mode: str, shared, specific):
     return StreamingTaskGradients(shared, T, task_params=specific, policy=mode)
 
 
-def _update(model, data, mode: str, aggregator, unpad: bool, seed: int = 5):
+def _update(model, data, mode: str, aggregator, unpad: bool, seed: int = 5, use_kernels: bool | None = None):
     """One one-backward surgery update in ``mode`` (buffer / stream / smaller): the Gram and every gradient."""
     shared, specific = shared_parameters_by_name(model)
     buf = _surgery_buffer(mode, shared, specific)
@@ -61,7 +62,7 @@ def _update(model, data, mode: str, aggregator, unpad: bool, seed: int = 5):
     cu = None
     if unpad:  # one cu_seqlens per encoder pass (the siamese second sentences pack to other lengths)
         cu = [cu_seqlens_from_mask(data["attention_mask"]), cu_seqlens_from_mask(data["attention_mask_b"])]
-    with per_task_gradients(model, buf, data["task_ids"], cu_seqlens=cu):
+    with per_task_gradients(model, buf, data["task_ids"], cu_seqlens=cu, use_kernels=use_kernels):
         mt_loss(model, data, unpad=unpad).backward()
     assert all(p.grad is None for p in shared), "shared parameters get no ordinary .grad before apply"
     result = buf.apply(aggregator, generator=torch.Generator().manual_seed(seed))
@@ -124,7 +125,7 @@ def test_streamed_gram_in_output_row_blocks_equals_buffer(monkeypatch, missing):
     blocked = stream.StreamingTaskGradients._blocked_gram
 
     def spy(self, k, calls):
-        seen.append((len(calls), len({t for rows, _, _ in calls for t in rows.tasks})))
+        seen.append((len(calls), len({t for rows, _, _, _ in calls for t in rows.tasks})))
         return blocked(self, k, calls)
 
     monkeypatch.setattr(stream, "GRAM_CHUNK_BYTES", 1000)
@@ -137,6 +138,42 @@ def test_streamed_gram_in_output_row_blocks_equals_buffer(monkeypatch, missing):
     got = _update(model, data, "stream", pcgrad_weights, unpad=True)
     _check_same(ref, got, f"blocked Gram missing={missing}")
     assert seen and all(calls == 2 and tasks == (2 if missing else T) for calls, tasks in seen)
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("missing", [False, True], ids=["all-tasks", "task-1-absent"])
+def test_streamed_gram_on_the_grouped_kernel_in_output_row_blocks(monkeypatch, missing):
+    """The op library's path (the Triton grouped weight-gradient kernel; here in Triton's interpreter): the
+    streamed Linears' Gram in blocks of output rows, each block one kernel launch per call on that block's
+    columns of dy, so no [T, M, K] scratch is made. Equals the buffer on the torch path (Gram and update)."""
+    from fastpals_kernels import dispatch
+    from fastpals_kernels.dispatch import available
+
+    ok, reason = available()
+    if not ok or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+        pytest.skip(f"Triton kernels cannot run here: {reason or 'no CUDA and TRITON_INTERPRET unset'}")
+    shapes = []
+    grouped = dispatch.grouped_wgrad
+
+    def spy(dy, x, plan, out_dtype, with_bias):
+        dw, db = grouped(dy, x, plan, out_dtype, with_bias)
+        shapes.append(tuple(dw.shape))
+        return dw, db
+
+    model = _tiny_model()
+    data = _tiny_batch()
+    if missing:
+        data = select(data, torch.tensor([0, 1, 4, 5, 6, 8, 9]))
+    ref = _update(model, data, "buffer", pcgrad_weights, unpad=True)
+    monkeypatch.setattr(stream, "GRAM_CHUNK_BYTES_DEVICE", 1000)
+    monkeypatch.setattr(dispatch, "grouped_wgrad", spy)
+    got = _update(model, data, "stream", pcgrad_weights, unpad=True, use_kernels=True)
+    _check_same(ref, got, f"grouped blocked Gram missing={missing}")
+    linears = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    assert shapes and all(s[0] == T for s in shapes)
+    # 1000 bytes: at most 1000 // (T * K * 4) output rows per launch, never a whole weight's [T, M, K]
+    assert all(s[1] <= max(1, 1000 // (T * s[2] * 4)) for s in shapes), shapes
+    assert not any((s[1], s[2]) in linears and s[1] > 1000 // (T * s[2] * 4) for s in shapes)
 
 
 # ----------------------------------------------------------------------------------------------------------------

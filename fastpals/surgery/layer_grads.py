@@ -208,7 +208,7 @@ class _PerTaskLinear(torch.autograd.Function):
             x2 = x2.to(dy2.dtype)
         if not state.exact_pass:  # the exact path's partial backwards only carry the input gradient through
             # streaming surgery may build the weight's Gram later from the kept dy and x (surgery.stream)
-            weight = _kernels_on(state, dy2) or not state.defers_linear_weight(ctx.k_w, ctx.rows)
+            weight = not state.defers_linear_weight(ctx.k_w, ctx.rows)
             _linear_weight_grads(state, ctx.rows, ctx.k_w, ctx.k_b, dy2, x2, weight)
             state.linear_done(ctx.rows, ctx.k_w, dy2, x2)  # streaming surgery keeps dy and x (surgery.stream)
         return None, dx, None, None, None, None, None, None
@@ -275,6 +275,24 @@ def _kernels_on(state: BlockState, t: torch.Tensor) -> bool:
     return dispatch.backend("grouped_wgrad", t) == "triton"
 
 
+def row_plan(state: BlockState, rows: RowTasks) -> Any:
+    """The grouped weight-gradient kernel's :class:`~fastpals_kernels.common.TaskRowPlan` of ``rows``: built on
+    first use, one per row layout, shared by every Linear of that layout."""
+    if rows.plan is None:
+        from fastpals_kernels.common import build_task_row_plan
+
+        example_tasks = rows.example_tasks if rows.example_tasks is not None else state.task_ids
+        rows.plan = build_task_row_plan(
+            example_tasks, state.num_tasks, rows.num_rows, seq_len=rows.seq_len, cu_seqlens=rows.cu_seqlens
+        )
+    return rows.plan
+
+
+def kernels_on(state: BlockState, t: torch.Tensor) -> bool:
+    """Does the block run the op library's grouped weight-gradient kernel for tensors like ``t``?"""
+    return _kernels_on(state, t)
+
+
 def _linear_weight_grads_grouped(
     state: BlockState,
     rows: RowTasks,
@@ -286,14 +304,8 @@ def _linear_weight_grads_grouped(
     """All task segments in one launch of the grouped weight-gradient kernel (fp32 accumulation), then one copy
     (or add) per task into its row. Temporary: ``[T, M, K]`` in the buffer's dtype."""
     from fastpals_kernels import dispatch
-    from fastpals_kernels.common import build_task_row_plan
 
-    if rows.plan is None:  # one plan per row layout, shared by every Linear of that layout
-        example_tasks = rows.example_tasks if rows.example_tasks is not None else state.task_ids
-        rows.plan = build_task_row_plan(
-            example_tasks, state.num_tasks, rows.num_rows, seq_len=rows.seq_len, cu_seqlens=rows.cu_seqlens
-        )
-    plan = rows.plan
+    plan = row_plan(state, rows)
     dw, db = dispatch.grouped_wgrad(
         dy.contiguous(),
         x.contiguous(),

@@ -11,9 +11,11 @@ shared parameter, keeps whichever is smaller:
   layer): the layer's output gradient ``dY [N, M]`` and input ``X [N, K]`` are kept in the training dtype. As
   soon as every call of the layer has run its backward (siamese pairs: both encoder passes), the Gram of a
   streamed Linear is built in chunks of output rows: each chunk's per-task weight gradients (summed over the
-  calls), ``[T, rows, K]`` fp32 within ``GRAM_CHUNK_BYTES`` (12 MiB), have their pairwise dot products added
-  into the fp32 ``[T, T]`` Gram at once, with no ``[T, M, K]`` scratch (data parallel and the op library's Triton
-  path: the capture writes a whole ``[T, M, K]`` fp32 scratch, whose Gram is added and which is then dropped).
+  calls), ``[T, rows, K]`` fp32 within ``GRAM_CHUNK_BYTES`` (12 MiB; on the op library's grouped kernel, the
+  Triton path, one launch per call and block on that block's columns of ``dY``, within
+  ``GRAM_CHUNK_BYTES_DEVICE``, 64 MiB), have their pairwise dot products added into the fp32 ``[T, T]`` Gram at
+  once, with no ``[T, M, K]`` scratch (data parallel: the capture writes a whole ``[T, M, K]`` fp32 scratch,
+  all-reduced, whose Gram is added and which is then dropped).
   After the weights ``c`` are solved, one weight-gradient GEMM per call, ``(c_row * dY)^T X`` (``c_row [N]`` the
   weight of each row's task), writes ``sum_t c_t g_t`` into ``.grad``: the FLOPs of one ordinary weight-gradient
   pass, no second forward/backward.
@@ -66,7 +68,7 @@ from fastpals.surgery.buffer import (
     task_grads_finite,
     weights_on_device,
 )
-from fastpals.surgery.layer_grads import STACK_TEMP_ELEMENTS, RowTasks
+from fastpals.surgery.layer_grads import STACK_TEMP_ELEMENTS, RowTasks, kernels_on, row_plan
 from fastpals.surgery.per_task import PerTaskGradients
 from fastpals_kernels.dispatch import gram as gram_op
 
@@ -82,6 +84,8 @@ BUCKET_ELEMENTS = 1 << 22  # data parallel: scratch elements all-reduced in one 
 # FFN weights at T = 16, one thread: 43-45 ms per layer for the scratch and its Gram, 29-30 ms in blocks of 128 to
 # 512 rows; blocks under 128 rows of K = 1536 lose it again (32 rows: 36 ms), hence 12 MiB, not an L2-sized block.
 GRAM_CHUNK_BYTES = 12 << 20
+# The same on the op library's grouped kernel (CUDA): larger blocks, fewer launches
+GRAM_CHUNK_BYTES_DEVICE = 64 << 20
 # columns of one fp32 Gram product, the products summed in fp64 (the op library's Gram sums such blocks)
 GRAM_COLUMNS = 1 << 16
 
@@ -156,7 +160,10 @@ class _StreamBlock(PerTaskGradients):
         self.buffer._count_call(self.param_index(module.weight), rows)
 
     def linear_done(self, rows: RowTasks, k_w: int, dy: torch.Tensor, x: torch.Tensor) -> None:
-        self.buffer._linear_done(rows, k_w, dy, x, self.written.flags)
+        grouped = self.buffer._deferred.get(k_w, False) and kernels_on(self, dy)
+        if grouped:
+            row_plan(self, rows)  # the grouped kernel's plan of these rows, for the blocked Gram
+        self.buffer._linear_done(rows, k_w, dy, x, self.written.flags, grouped)
 
     def defers_linear_weight(self, k_w: int, rows: RowTasks) -> bool:
         if not self.buffer._defers(k_w):
@@ -257,7 +264,7 @@ class StreamingTaskGradients:
         self._left: dict[int, int] = {}
         self._linears: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._deferred: dict[int, bool] = {}  # per streamed Linear weight: Gram in blocks (no scratch)?
-        self._deferred_calls: dict[int, list[tuple[RowTasks, torch.Tensor, torch.Tensor]]] = {}
+        self._deferred_calls: dict[int, list[tuple[RowTasks, torch.Tensor, torch.Tensor, bool]]] = {}
         self._embeddings: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, int | None]] = []
         self._pending: list[
             torch.Tensor
@@ -308,14 +315,42 @@ class StreamingTaskGradients:
             )
         return self._deferred[k]
 
-    def _blocked_gram(self, k: int, calls: Sequence[tuple[RowTasks, torch.Tensor, torch.Tensor]]) -> None:
+    def _blocked_gram_grouped(
+        self, k: int, calls: Sequence[tuple[RowTasks, torch.Tensor, torch.Tensor, bool]]
+    ) -> None:
+        """:meth:`_blocked_gram` on the op library's grouped weight-gradient kernel (the Triton path): per block
+        of output rows, one kernel launch per call on that block's columns of ``dy`` gives the ``[T, rows, K]``
+        fp32 per-task products (summed over the calls), whose Gram the fused Gram op adds; blocks within
+        ``GRAM_CHUNK_BYTES_DEVICE``, so no whole ``[T, M, K]`` scratch is made."""
+        from fastpals_kernels import dispatch
+
+        m, kk = self.params[k].shape
+        t = self.num_tasks
+        step = max(1, min(m, GRAM_CHUNK_BYTES_DEVICE // (t * kk * 4)))
+        xs = [x.contiguous() for _, _, x, _ in calls]
+        for m0 in range(0, m, step):
+            v = None
+            for (rows, dy, _, _), x in zip(calls, xs):
+                dw, _ = dispatch.grouped_wgrad(
+                    dy[:, m0 : m0 + step].contiguous(), x, rows.plan, torch.float32, False
+                )
+                v = dw if v is None else v.add_(dw)
+            if v is not None:
+                self._add_gram(v.view(t, -1))
+
+    def _blocked_gram(
+        self, k: int, calls: Sequence[tuple[RowTasks, torch.Tensor, torch.Tensor, bool]]
+    ) -> None:
         """Gram += that of the per-task gradients ``sum over calls of dy_t^T x_t`` of Linear weight k
         (``[M, K]``), in blocks of output rows: each block's fp32 products ``[n, rows, K]`` (``n`` the tasks
         with rows; the same GEMMs, dtypes and summing order over calls as the scratch's) within
         ``GRAM_CHUNK_BYTES``, its Gram added at once (fp32 products over ``GRAM_COLUMNS`` columns, summed in
         fp64), the block reused."""
-        tasks = sorted({t for rows, _, _ in calls for t in rows.tasks})
+        tasks = sorted({t for rows, _, _, _ in calls for t in rows.tasks})
         if not tasks:
+            return
+        if any(grouped for _, _, _, grouped in calls):
+            self._blocked_gram_grouped(k, calls)
             return
         m, kk = self.params[k].shape
         n = len(tasks)
@@ -327,7 +362,7 @@ class StreamingTaskGradients:
             mc = min(step, m - m0)
             v = block[: n * mc * kk].view(n, mc, kk)
             first = [True] * n
-            for rows, dy, x in calls:
+            for rows, dy, x, _ in calls:
                 for t in rows.tasks:
                     sel = rows.slices[t]
                     if isinstance(sel, slice):
@@ -388,7 +423,13 @@ class StreamingTaskGradients:
                 rows[t].zero_()
 
     def _linear_done(
-        self, rows: RowTasks, k: int, dy: torch.Tensor, x: torch.Tensor, written: Sequence[Sequence[bool]]
+        self,
+        rows: RowTasks,
+        k: int,
+        dy: torch.Tensor,
+        x: torch.Tensor,
+        written: Sequence[Sequence[bool]],
+        grouped: bool = False,
     ) -> None:
         """One call of the shared Linear whose weight is parameter k has written its task rows: keep ``dy`` and
         ``x`` if the weight streams; after its last call, its scratch goes into the Gram and is dropped."""
@@ -396,7 +437,7 @@ class StreamingTaskGradients:
             return
         self._linears.append((k, rows.row_task, dy, x))
         if self._deferred.get(k):
-            self._deferred_calls.setdefault(k, []).append((rows, dy, x))
+            self._deferred_calls.setdefault(k, []).append((rows, dy, x, grouped))
         self._left[k] -= 1
         if self._left[k] > 0:
             return

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import fastpals_kernels as kernels
 from fastpals.functional import grouped_linear_reference, pal_reference, pal_varlen_reference
-from fastpals_kernels import dispatch as kernel_dispatch
+from fastpals_kernels import backends as kernel_backends
 from fastpals_kernels.pal_attention_triton import pal_attention_dropout_mask
 
 pytestmark = pytest.mark.kernels
@@ -295,7 +295,7 @@ class TestDispatch:
     def test_triton_mode_without_triton_is_an_error(self, monkeypatch):
         monkeypatch.setenv("FASTPALS_KERNELS", "triton")
         monkeypatch.setattr(
-            kernel_dispatch, "_triton_import_error", lambda: "ImportError: no module named triton"
+            kernel_backends, "_triton_import_error", lambda: "ImportError: no module named triton"
         )
         ok, reason = kernels.available()
         assert not ok and "not importable" in reason

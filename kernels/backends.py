@@ -1,0 +1,360 @@
+"""Which backend runs each fastpals op: the Triton kernels, a stock PyTorch composition, or the reference.
+
+One decision per op, from the device's compute capability and the dtype (:func:`decide`), under the override
+``$FASTPALS_KERNELS`` = ``auto`` (default) | ``triton`` | ``reference`` (:func:`backend`), and whether a call
+goes through the custom ops of :mod:`fastpals_kernels.library` (:func:`use_library`). ``python -m
+fastpals.env`` prints the decision and its reason for the current device. Backends:
+
+- ``triton``: the fused kernels of this package (``fastpals_kernels.*_triton``);
+- ``sdpa``: grouped cuBLAS matmuls plus ``F.scaled_dot_product_attention`` with the head dim padded to a
+  multiple of 8 (:func:`fastpals.functional.attention_sdpa`), for GPUs where Triton emits no tensor-core code;
+- ``flash_attn``: flash-attn's varlen kernel (BERT's own self-attention over packed rows);
+- ``reference``: the plain PyTorch definitions in :mod:`fastpals.functional` (CPU, or forced).
+
+The bottom of the op library's dispatch: it imports no other module of the package but :mod:`common`
+(``interpret_mode``), so :mod:`fastpals_kernels.eager`, :mod:`fastpals_kernels.library` and
+:mod:`fastpals_kernels.dispatch` all build on it without an import circle. Nothing here imports Triton at module
+load.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from fastpals_kernels.common import interpret_mode
+
+__all__ = [
+    "BACKENDS_ENV",
+    "KERNELS_ENV",
+    "OPS",
+    "OPS_ENV",
+    "Backend",
+    "Decision",
+    "available",
+    "backend",
+    "capability_of",
+    "decide",
+    "flash_attn_installed",
+    "flash_varlen_ok",
+    "forced_backends",
+    "kernel_mode",
+    "library_mode",
+    "register_backend",
+    "registered",
+    "unregister_backend",
+    "use_library",
+    "use_triton",
+]
+
+
+KERNELS_ENV = "FASTPALS_KERNELS"
+#: per-op override: ``op=backend,op=backend`` (e.g. ``pal=sdpa,gram=reference``)
+BACKENDS_ENV = "FASTPALS_BACKENDS"
+#: ``library``: every op call goes through ``torch.ops.fastpals`` (default ``auto``)
+OPS_ENV = "FASTPALS_OPS"
+_BUILTIN_BACKENDS = ("triton", "sdpa", "flash_attn", "reference")
+_MODES = ("auto", "triton", "reference")
+
+#: every op the dispatch decides, with what it is
+OPS = {
+    "pal": "fused PAL (V^E, per-task QKV, attention, V^D + GELU + residual)",
+    "grouped_linear": "grouped-by-task linear layer",
+    "grouped_wgrad": "per-task weight gradients of a Linear from one backward (grouped GEMM)",
+    "pal_attention": "attention of the PAL's projected space (head dims 17/34/46)",
+    "gram": "Gram matrix of the [T, P] task-gradient buffer",
+    "combine": "weighted sum of the buffer's rows",
+    "bert_attention_varlen": "BERT self-attention over packed rows",
+}
+_TENSOR_CORE_OPS = ("pal", "grouped_linear", "pal_attention")
+_SM75_REASON = (
+    "sm_{cap}: Triton >= 3.3 emits no mma for this GPU, so the fused kernels' 16-bit dots would run on CUDA "
+    "cores and spill up to 2.9 KB per thread (AOT test); cuBLAS and SDPA use its tensor cores"
+)
+_SM75_FP32_REASON = "sm_{cap} fp32: no tensor cores on either path; the stock ops are kept as for 16-bit (GPU speed not measured)"
+
+
+class Decision(NamedTuple):
+    backend: str  # "triton" | "sdpa" | "flash_attn" | "reference"
+    reason: str
+
+
+def decide(
+    op: str,
+    capability: tuple[int, int] | None,
+    dtype: torch.dtype,
+    flash_attn: bool = False,
+) -> Decision:
+    """The backend for ``op`` on a device of compute ``capability`` (``None`` = CPU) with ``dtype`` operands.
+
+    ``flash_attn``: whether flash-attn is installed (only ``bert_attention_varlen`` reads it). The rules follow
+    what the ahead-of-time compile test (tests/test_aot.py) shows for each target; speed on a GPU is not yet
+    measured (a GPU run of bench/gpu_session.py does that), so the reasons say which evidence they rest on.
+    """
+    if op not in OPS:
+        raise ValueError(f"op must be one of {', '.join(OPS)}, got {op!r}")
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+    for registered in _REGISTERED.get(op, []):
+        reason = registered.serves(capability, dtype)
+        if reason:
+            return Decision(registered.name, reason)
+    if op == "grouped_wgrad":  # the same grouped GEMMs as the grouped linear's backward
+        op = "grouped_linear"
+    half = dtype != torch.float32
+    if op == "bert_attention_varlen":
+        if capability is None:
+            return Decision("sdpa", "CPU: padded scaled_dot_product_attention")
+        if not flash_attn:
+            return Decision("sdpa", "flash-attn is not installed: padded scaled_dot_product_attention")
+        if capability < (8, 0):
+            return Decision("sdpa", f"sm_{capability[0]}{capability[1]}: flash-attn 2 needs sm_80 or newer")
+        if not half:
+            return Decision("sdpa", "fp32: flash-attn runs fp16/bf16 only")
+        return Decision("flash_attn", "flash-attn varlen kernel: packed rows, no padding work")
+    if capability is None:
+        return Decision("reference", "CPU: the PyTorch reference ops")
+    cap = f"{capability[0]}{capability[1]}"
+    if op in ("gram", "combine"):
+        if capability < (7, 0):
+            return Decision("reference", f"sm_{cap}: older than the GPUs Triton supports")
+        return Decision("triton", "memory-bound single pass over the buffer (no tensor cores needed)")
+    if capability < (8, 0):
+        if dtype == torch.bfloat16:
+            return Decision("reference", f"sm_{cap}: no bf16 tensor cores; the PyTorch reference ops")
+        reason = (_SM75_REASON if half else _SM75_FP32_REASON).format(cap=cap)
+        if op == "grouped_linear":
+            return Decision("reference", reason + " (per-task cuBLAS matmuls)")
+        return Decision("sdpa", reason)
+    if half:
+        return Decision(
+            "triton",
+            f"sm_{cap}: fused kernels compile to tensor-core mma with no spills (AOT test); GPU speed not yet "
+            "measured",
+        )
+    return Decision(
+        "triton",
+        f"sm_{cap} fp32: IEEE fp32 products on both paths (no TF32, no tensor cores); the fused kernels save "
+        "launches and never hold the L x L matrix; GPU speed not yet measured",
+    )
+
+
+def capability_of(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """The compute capability of ``tensor``'s CUDA device, or None for a CPU (or other) tensor."""
+    if not tensor.is_cuda:
+        return None
+    return torch.cuda.get_device_capability(tensor.device)
+
+
+#: probes that cannot change while the process runs, memoised in a plain dict (``torch.compile`` traces through
+#: ``functools`` caches with a warning; it reads a dict)
+_PROBES: dict[str, Any] = {}
+
+
+def _triton_import_error() -> str | None:
+    if "triton" not in _PROBES:
+        try:
+            import triton  # noqa: F401
+            import triton.language  # noqa: F401
+        except Exception as exc:  # ImportError, or a broken install raising something else at import
+            _PROBES["triton"] = f"{type(exc).__name__}: {exc}"
+        else:
+            _PROBES["triton"] = None
+    return _PROBES["triton"]
+
+
+def _kernels_compiled_for_gpu() -> bool:
+    """True when the grouped kernels were already defined as GPU (non-interpreted) Triton functions."""
+    module = sys.modules.get("fastpals_kernels.grouped_linear_triton")
+    kernel = getattr(module, "_grouped_mm_kernel", None)
+    return kernel is not None and type(kernel).__name__ != "InterpretedFunction"
+
+
+def available() -> tuple[bool, str]:
+    """Can the Triton kernels run here? Returns ``(ok, reason)``.
+
+    ``ok`` is true when Triton imports and either a CUDA device is present or ``TRITON_INTERPRET=1`` is set
+    (Triton's CPU interpreter, slow, meant for tests). ``reason`` says what is missing, or what will be used.
+    """
+    err = _triton_import_error()
+    if err is not None:
+        return False, f"triton is not importable ({err})"
+    if torch.cuda.is_available():
+        return True, f"triton on CUDA device {torch.cuda.get_device_name()}"
+    if interpret_mode():
+        return True, "triton interpreter (TRITON_INTERPRET=1, CPU tensors)"
+    return False, "no CUDA device and TRITON_INTERPRET is not 1"
+
+
+def kernel_mode() -> str:
+    """The value of ``$FASTPALS_KERNELS``: ``auto`` (default), ``triton`` or ``reference``."""
+    mode = os.environ.get(KERNELS_ENV, "auto").strip().lower() or "auto"
+    if mode not in _MODES:
+        raise ValueError(f"{KERNELS_ENV}={mode!r} is not one of {', '.join(_MODES)}")
+    return mode
+
+
+def use_triton(tensor: torch.Tensor) -> bool:
+    """May the Triton kernels run on ``tensor`` under ``$FASTPALS_KERNELS``?
+
+    ``reference`` -> False; ``auto`` (default) -> True when ``tensor`` is on CUDA and :func:`available` is true
+    (:func:`backend` then asks :func:`decide` whether they should); ``triton`` -> True, raising
+    ``RuntimeError`` when the kernels cannot run on ``tensor`` (no Triton; or a CPU tensor without
+    ``TRITON_INTERPRET=1``, which must be set before Triton is first imported).
+    """
+    mode = kernel_mode()
+    if mode == "reference":
+        return False
+    ok, reason = available()
+    if mode == "auto":
+        return tensor.is_cuda and ok
+    if not ok:
+        raise RuntimeError(f"{KERNELS_ENV}=triton but the Triton kernels cannot run: {reason}")
+    if tensor.is_cuda:
+        return True
+    if tensor.device.type == "cpu" and interpret_mode():
+        if _kernels_compiled_for_gpu():
+            raise RuntimeError(
+                f"{KERNELS_ENV}=triton on a CPU tensor: the kernels were loaded before TRITON_INTERPRET=1 was set "
+                "(Triton fixes the mode when a kernel is defined); set it before importing fastpals_kernels ops"
+            )
+        return True
+    raise RuntimeError(
+        f"{KERNELS_ENV}=triton but the tensor is on {tensor.device}: the kernels need a CUDA tensor, or a CPU "
+        "tensor with TRITON_INTERPRET=1 set before Triton is imported"
+    )
+
+
+def backend(op: str, tensor: torch.Tensor) -> str:
+    """The backend that runs ``op`` on ``tensor`` now: ``reference`` mode -> reference; ``triton`` mode -> triton
+    (or an error, see :func:`use_triton`); ``auto`` -> :func:`decide` for ``tensor``'s device and dtype, the
+    reference wherever the Triton kernels cannot run. ``$FASTPALS_BACKENDS`` names a backend per op over all of
+    that (``triton`` still needs the kernels to be able to run: see :func:`use_triton`)."""
+    forced = forced_backends().get(op)
+    if forced is not None:
+        if forced not in _BUILTIN_BACKENDS and registered(op, forced) is None:
+            raise ValueError(f"{BACKENDS_ENV}: {op}={forced} names no backend of {op}")
+        if forced == "triton" and not tensor.is_cuda and not interpret_mode():
+            raise RuntimeError(f"{BACKENDS_ENV}: {op}=triton needs a CUDA tensor or TRITON_INTERPRET=1")
+        return forced
+    if op == "bert_attention_varlen":
+        dtype = tensor.dtype if tensor.dtype in (torch.float16, torch.bfloat16) else torch.float32
+        return decide(op, capability_of(tensor), dtype, flash_attn_installed()).backend
+    dtype = tensor.dtype if tensor.dtype in (torch.float16, torch.bfloat16) else torch.float32
+    if _REGISTERED.get(op) and kernel_mode() == "auto":
+        choice = decide(op, capability_of(tensor), dtype).backend
+        if registered(op, choice) is not None:
+            return choice
+    if not use_triton(tensor):
+        return "reference"
+    if kernel_mode() == "triton":
+        return "triton"
+    return decide(op, capability_of(tensor), dtype).backend
+
+
+def flash_attn_installed() -> bool:
+    """flash-attn is importable (looked up, not imported)."""
+    if "flash_attn" not in _PROBES:
+        _PROBES["flash_attn"] = importlib.util.find_spec("flash_attn") is not None
+    return _PROBES["flash_attn"]
+
+
+def flash_varlen_ok(q: torch.Tensor) -> bool:
+    """flash-attn's varlen kernel serves BERT's packed attention on ``q``: installed, CUDA sm_80+, fp16/bf16."""
+    return q.is_cuda and backend("bert_attention_varlen", q) == "flash_attn"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Registered backends: a new backend is one module that calls register_backend
+# ----------------------------------------------------------------------------------------------------------------
+class Backend(NamedTuple):
+    """A backend added with :func:`register_backend`.
+
+    ``serves(capability, dtype)`` returns the reason it serves ``op`` on such a device (None: it does not);
+    ``impl`` takes the arguments of the dispatching function of ``op`` in :mod:`fastpals_kernels.dispatch` (``run_pal``,
+    ``attention_varlen``, ``grouped_wgrad``, ``gram``, ``combine``) and returns what it returns.
+    """
+
+    name: str
+    serves: Callable[[tuple[int, int] | None, torch.dtype], str | None]
+    impl: Callable[..., Any]
+
+
+_REGISTERED: dict[str, list[Backend]] = {}
+
+
+def register_backend(
+    op: str,
+    name: str,
+    serves: Callable[[tuple[int, int] | None, torch.dtype], str | None],
+    impl: Callable[..., Any],
+) -> None:
+    """Add a backend for ``op``: asked before the built-in rules of :func:`decide`, newest first; it runs wherever
+    ``serves`` gives a reason (and wherever ``$FASTPALS_BACKENDS`` names it)."""
+    if op not in OPS:
+        raise ValueError(f"op must be one of {', '.join(OPS)}, got {op!r}")
+    if name in _BUILTIN_BACKENDS:
+        raise ValueError(f"{name!r} is a built-in backend name; pick another")
+    backends = [b for b in _REGISTERED.get(op, []) if b.name != name]
+    _REGISTERED[op] = [Backend(name, serves, impl), *backends]
+
+
+def unregister_backend(op: str, name: str) -> None:
+    """Remove a backend added with :func:`register_backend` (no error when absent)."""
+    _REGISTERED[op] = [b for b in _REGISTERED.get(op, []) if b.name != name]
+
+
+def registered(op: str, name: str) -> Backend | None:
+    """The backend registered for ``op`` under ``name`` (:func:`register_backend`), or None."""
+    return next((b for b in _REGISTERED.get(op, []) if b.name == name), None)
+
+
+def forced_backends() -> dict[str, str]:
+    """``$FASTPALS_BACKENDS`` (``op=backend,op=backend``) as a dict; one-line ``ValueError`` when malformed."""
+    text = os.environ.get(BACKENDS_ENV, "").strip()
+    out: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        op, sep, name = item.partition("=")
+        op, name = op.strip(), name.strip()
+        if not sep or op not in OPS or not name:
+            raise ValueError(
+                f"{BACKENDS_ENV}={text!r}: each item must be op=backend with op one of {', '.join(OPS)}"
+            )
+        out[op] = name
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Which implementation runs: the custom ops of the library, or the eager paths
+# ----------------------------------------------------------------------------------------------------------------
+def library_mode() -> bool:
+    """``$FASTPALS_OPS=library``: every call goes through ``torch.ops.fastpals`` (default ``auto``: only where
+    :func:`use_library` says)."""
+    mode = os.environ.get(OPS_ENV, "auto").strip().lower() or "auto"
+    if mode not in ("auto", "library"):
+        raise ValueError(f"{OPS_ENV}={mode!r} is not one of auto, library")
+    return mode == "library"
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def use_library(choice: str, t: torch.Tensor) -> bool:
+    """Does this call go through ``torch.ops.fastpals`` (the custom op) rather than the eager path?
+
+    Yes under ``$FASTPALS_OPS=library``, and under ``torch.compile`` / fake tensors for every backend other
+    than the reference (the reference is plain PyTorch: the compiler traces it as it is). Eager training on a
+    GPU keeps the Triton ops' saved activations (the custom op's backward recomputes the forward)."""
+    if library_mode():
+        return True
+    if choice == "reference":
+        return False
+    return torch.compiler.is_compiling() or _is_fake(t)
