@@ -7,8 +7,8 @@ seconds):
 - **buffer** where the buffer-mode peak fits the device with a margin (at most :data:`FIT_SHARE` of its memory)
   and the ``[T, P]`` rows are small beside the activations (``T * P * bytes <= ROWS_SHARE * activations``, with
   :data:`ROWS_SHARE` = 1: the rows are made while the backward frees the activations, so up to that size they
-  take the activations' place and do not raise the peak; traced, BERT-base, 8 tasks, 32 x 128 tokens, bf16: buffer
-  4.05 GiB, stream 4.06 GiB, rows 1.63 GiB);
+  take the activations' place and do not raise the peak; traced, BERT-base, 8 tasks, 32 x 128 tokens, bf16, ZeRO-1
+  with DeepSpeed's gradient buckets: buffer 4.23 GiB, stream 4.22 GiB, rows 1.63 GiB);
 - **stream** otherwise: the buffer would not fit, or its rows would make the peak (then the streamed step is the
   same update at about the plain step's peak, for one more weight-gradient GEMM pass).
 
