@@ -1,6 +1,6 @@
 """fastpals against its peers, side by side in one process on one device: one table of ratios.
 
-``python -m bench.peers --out DIR [--shapes bert-base|tiny] [--rows pal,packing,pcgrad,bandwidth,sync,memory]``
+``python -m bench.peers --out DIR [--shapes bert-base|tiny] [--rows pal,packing,pcgrad,bandwidth,sync,memory,many_tasks]``
 
 Every row says what it compares, the ratio measured and the ratio the project's goal asks for:
 
@@ -21,7 +21,11 @@ Every row says what it compares, the ratio measured and the ratio the project's 
 - ``sync``: the plain and the one-backward PCGrad training step under ``torch.cuda.set_sync_debug_mode("error")``:
   pass, or the first synchronisation's stack. Goal: pass (the trainer reads the losses once per step, outside);
 - ``memory``: ``torch.cuda.max_memory_allocated`` over two steps (plain and one-backward PCGrad) beside the memory
-  planner's prediction (``fastpals.memory.plan_memory``, when it exists). Goal: within 10% (issue 31).
+  planner's prediction (``fastpals.memory.plan_memory``, when it exists). Goal: within 10% (issue 31);
+- ``many_tasks``: plain / ``[T, P]`` buffer / streamed one-backward PCGrad at T = 2, 3, 4, 8, 16 (BERT-base, 48
+  rows of up to 128 tokens; ``bench/scaling_gpu.py``, every T's times and peaks in the row). Goal: streaming at
+  T = 16 at most 1.30x the plain step's time and 1.15x its peak, at T = 3 at most 1.10x the buffer's time
+  (issue 35).
 
 Times are medians over interleaved rounds (each round runs every variant once, the order rotated) after warm-up.
 On a machine without CUDA (``--shapes tiny``, the session's rehearsal) the same code runs at tiny shapes and the
@@ -58,7 +62,7 @@ if os.path.dirname(HERE) not in sys.path:
 
 from bench.common import env_var  # noqa: E402
 
-ROWS = ("pal", "packing", "pcgrad", "bandwidth", "sync", "memory")
+ROWS = ("pal", "packing", "pcgrad", "bandwidth", "sync", "memory", "many_tasks")
 TASKS = ("sst", "para", "sts")
 
 
@@ -581,6 +585,40 @@ def row_memory(shapes: Shapes, device: torch.device) -> list[dict[str, Any]]:
     ]
 
 
+def row_many_tasks(shapes: Shapes, device: torch.device) -> list[dict[str, Any]]:
+    from bench import scaling_gpu
+
+    shape = dict(scaling_gpu.GPU_SHAPE if shapes.name == "bert-base" else scaling_gpu.REHEARSAL_SHAPE)
+    result = scaling_gpu.measure(shape, device, tuple(shape["tasks"]))
+    per_t = result["tasks"]
+    most, few = str(max(shape["tasks"])), "3" if "3" in per_t else str(min(shape["tasks"]))
+    top = per_t[most]
+    time_x = top["time_x_plain"]["stream"]
+    peak_x = None if top["peak_x_plain"] is None else top["peak_x_plain"]["stream"]
+    vs_buffer = per_t[few]["stream_time_x_buffer"]
+    met = None
+    if device.type == "cuda" and peak_x is not None:
+        met = bool(time_x <= 1.30 and peak_x <= 1.15 and vs_buffer <= 1.10)
+    return [
+        _row(
+            "many_tasks",
+            f"streamed one-backward PCGrad (--surgery-memory stream) vs the plain step at T = {most}, and vs the "
+            f"[T, P] buffer at T = {few}; {shape['model']} (random weights), default PALs, {shape['rows']} rows "
+            f"of up to {shape['length']} tokens split over T tasks, "
+            f"{'bf16/fp16 autocast' if device.type == 'cuda' else 'fp32'}; every T in `tasks`",
+            "stream at the most tasks <= 1.30x the plain step's time and <= 1.15x its peak; at T = 3 <= 1.10x "
+            "the buffer's time",
+            device,
+            seconds=top["median_s"],
+            ratio=time_x,
+            ratio_peak=peak_x,
+            ratio_vs_buffer_at_few=vs_buffer,
+            tasks=per_t,
+            met=met,
+        )
+    ]
+
+
 RUNNERS = {
     "pal": row_pal,
     "packing": row_packing,
@@ -588,6 +626,7 @@ RUNNERS = {
     "bandwidth": row_bandwidth,
     "sync": row_sync,
     "memory": row_memory,
+    "many_tasks": row_many_tasks,
 }
 
 

@@ -148,11 +148,14 @@ def test_rehearsal_runs_every_step_on_the_cpu_and_writes_the_sessions_files(tmp_
     peers = json.loads((out / "peers.json").read_text())
     rows = {r["row"]: r for r in peers["rows"]}
     assert set(rows) == {"pal_fp16", "pal_bf16", "pal_fp32", "packing", "pcgrad", "bandwidth_fp32",
-                         "bandwidth_bf16", "sync", "memory"}  # fmt: skip
+                         "bandwidth_bf16", "sync", "memory", "many_tasks"}  # fmt: skip
     for r in rows.values():
         assert "error" not in r and r["cpu_figures"] and r["compares"] and r["goal"]
     assert rows["sync"]["met"] is True
     assert rows["pcgrad"]["ratio"] > 0 and rows["packing"]["ratio"] > 0
+    many = rows["many_tasks"]  # plain / buffer / stream at T = 2 and 3 (CPU, tiny): times, no CUDA peaks
+    assert set(many["tasks"]) == {"2", "3"} and many["ratio"] > 0 and many["ratio_vs_buffer_at_few"] > 0
+    assert many["ratio_peak"] is None and many["met"] is None
     md = (out / "session.md").read_text()
     assert "Peers side by side" in md and "CPU figures" in md
     memory = {doc["suite"]: doc for doc in json.loads((out / "memory.json").read_text())}
