@@ -42,7 +42,49 @@ GPU_SHAPE = {"model": "bert-base-uncased", "rows": 48, "length": 128, "tasks": (
 REHEARSAL_SHAPE = {"model": "minilm-l6", "rows": 6, "length": 16, "tasks": (2, 3), "rounds": 1}
 
 
-class Steps:
+class SurgerySteps:
+    """The plain step and the one-backward surgery step of a bench model (shared by ``bench/test_bench_scaling.py``):
+    needs ``model``, ``opt``, ``shared``, ``specific``, ``num_tasks``, ``batch`` (task ids third), ``generator``,
+    ``surgery`` (a dict) and ``_loss()``."""
+
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    shared: list
+    specific: list
+    num_tasks: int
+    batch: tuple
+    generator: torch.Generator
+    surgery: dict[str, Any]
+
+    def _loss(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def plain(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+        self._loss().backward()
+        self.opt.step()
+
+    def one_backward(self, mode: str) -> None:
+        """``mode``: ``buffer`` (the ``[T, P]`` TaskGradientBuffer) or ``stream`` (StreamingTaskGradients)."""
+        from fastpals.surgery import (
+            StreamingTaskGradients,
+            TaskGradientBuffer,
+            pcgrad_weights,
+            per_task_gradients,
+        )
+
+        surgery = self.surgery.get(mode)
+        if surgery is None:
+            cls = TaskGradientBuffer if mode == "buffer" else StreamingTaskGradients
+            surgery = self.surgery[mode] = cls(self.shared, self.num_tasks, task_params=self.specific)
+        self.opt.zero_grad(set_to_none=True)
+        with per_task_gradients(self.model, surgery, self.batch[2]):
+            self._loss().backward()
+        if not surgery.apply(pcgrad_weights, generator=self.generator).skipped:
+            self.opt.step()
+
+
+class Steps(SurgerySteps):
     """One model of ``num_tasks`` tasks on ``device``, its AdamW, the batch, and a step per variant."""
 
     def __init__(self, model_name: str, num_tasks: int, rows: int, length: int, device: torch.device) -> None:
@@ -88,29 +130,6 @@ class Steps:
             return self.model.loss(self.model(ids, mask, None, task_ids), labels)[0]
         with torch.autocast(self.device.type, dtype=self.autocast_dtype):
             return self.model.loss(self.model(ids, mask, None, task_ids), labels)[0]
-
-    def plain(self) -> None:
-        self.opt.zero_grad(set_to_none=True)
-        self._loss().backward()
-        self.opt.step()
-
-    def one_backward(self, mode: str) -> None:
-        from fastpals.surgery import (
-            StreamingTaskGradients,
-            TaskGradientBuffer,
-            pcgrad_weights,
-            per_task_gradients,
-        )
-
-        surgery = self.surgery.get(mode)
-        if surgery is None:
-            cls = TaskGradientBuffer if mode == "buffer" else StreamingTaskGradients
-            surgery = self.surgery[mode] = cls(self.shared, self.num_tasks, task_params=self.specific)
-        self.opt.zero_grad(set_to_none=True)
-        with per_task_gradients(self.model, surgery, self.batch[2]):
-            self._loss().backward()
-        if not surgery.apply(pcgrad_weights, generator=self.generator).skipped:
-            self.opt.step()
 
 
 def timed(steps: Steps, rounds: int) -> dict[str, list[float]]:

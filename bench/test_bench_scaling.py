@@ -51,11 +51,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
+from bench.scaling_gpu import SurgerySteps  # noqa: E402
 from fastpals.surgery import (  # noqa: E402
-    StreamingTaskGradients,
-    TaskGradientBuffer,
-    pcgrad_weights,
-    per_task_gradients,
     shared_parameters_by_name,
 )
 from fastpals.train.allocator import keep_freed_memory  # noqa: E402
@@ -98,7 +95,7 @@ def build(num_tasks: int, seed: int = 0, per: int | None = None):
     return model, (ids * mask, mask, task_ids, labels)
 
 
-class Runner:
+class Runner(SurgerySteps):
     """One model of T tasks, one AdamW, the batch, and a step per variant."""
 
     def __init__(self, num_tasks: int, peer: bool = True, per: int | None = None) -> None:
@@ -112,8 +109,8 @@ class Runner:
         self.engine = None
         self.steps = {
             "plain": self.plain,
-            "buffer": lambda: self.onebwd("buffer"),
-            "stream": lambda: self.onebwd("stream"),
+            "buffer": lambda: self.one_backward("buffer"),
+            "stream": lambda: self.one_backward("stream"),
         }
         if HAS_TORCHJD and peer:
             self.steps["torchjd_autogram"] = self.torchjd_autogram
@@ -123,21 +120,8 @@ class Runner:
         ids, mask, task_ids, labels = self.batch
         return model.loss(model(ids, mask, None, task_ids), labels)[0]
 
-    def plain(self) -> None:
-        self.opt.zero_grad(set_to_none=True)
-        self.loss().backward()
-        self.opt.step()
-
-    def onebwd(self, mode: str) -> None:
-        surgery = self.surgery.get(mode)
-        if surgery is None:
-            cls = TaskGradientBuffer if mode == "buffer" else StreamingTaskGradients
-            surgery = self.surgery[mode] = cls(self.shared, self.num_tasks, task_params=self.specific)
-        self.opt.zero_grad(set_to_none=True)
-        with per_task_gradients(self.model, surgery, self.batch[2]):
-            self.loss().backward()
-        if not surgery.apply(pcgrad_weights, generator=self.generator).skipped:
-            self.opt.step()
+    def _loss(self) -> torch.Tensor:
+        return self.loss()
 
     def torchjd_autogram(self) -> None:
         from torchjd.aggregation import PCGradWeighting
