@@ -9,8 +9,9 @@ The GPU counterpart of ``bench/test_bench_scaling.py`` (the CPU table of docs/su
   and ``T`` binary heads, fp32 weights, bf16 autocast where the GPU has bf16 (else fp16 autocast), AdamW;
 - batch: one padded mixed batch of 48 sequences of up to 128 tokens split evenly over the ``T`` tasks;
 - variants: ``plain`` (one forward and backward of the summed losses, the step), ``buffer`` (inside
-  ``per_task_gradients`` into the ``[T, P]`` fp32 ``TaskGradientBuffer``, ``apply(pcgrad_weights)``, the step) and
-  ``stream`` (the same into ``StreamingTaskGradients``);
+  ``per_task_gradients`` into the ``[T, P]`` fp32 ``TaskGradientBuffer``, ``apply(pcgrad_weights)``, the step),
+  ``stream`` (the same into ``StreamingTaskGradients``) and ``stream_kept`` (``--surgery-memory auto``'s
+  streaming: the first layers' Linear task rows kept within ``KEEP_SHARE`` of the estimated activations);
 - time: the variants interleaved round after round in one process, CUDA events around each step, medians;
 - peak: ``torch.cuda.max_memory_allocated`` over one step of each variant after ``reset_peak_memory_stats`` (the
   model and optimizer states included, the same for every variant); ratios against the plain step of the same T.
@@ -37,7 +38,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from bench.common import results_header, write_results  # noqa: E402
 
-VARIANTS = ("plain", "buffer", "stream")
+VARIANTS = ("plain", "buffer", "stream", "stream_kept")
 GPU_SHAPE = {"model": "bert-base-uncased", "rows": 48, "length": 128, "tasks": (2, 3, 4, 8, 16), "rounds": 5}
 REHEARSAL_SHAPE = {"model": "minilm-l6", "rows": 6, "length": 16, "tasks": (2, 3), "rounds": 1}
 
@@ -55,6 +56,8 @@ class SurgerySteps:
     batch: tuple
     generator: torch.Generator
     surgery: dict[str, Any]
+    #: ``stream_kept``: StreamingTaskGradients's ``keep_bytes`` (auto's streaming: KEEP_SHARE of the activations)
+    keep_bytes: int = 0
 
     def _loss(self) -> torch.Tensor:
         raise NotImplementedError
@@ -65,7 +68,9 @@ class SurgerySteps:
         self.opt.step()
 
     def one_backward(self, mode: str) -> None:
-        """``mode``: ``buffer`` (the ``[T, P]`` TaskGradientBuffer) or ``stream`` (StreamingTaskGradients)."""
+        """``mode``: ``buffer`` (the ``[T, P]`` TaskGradientBuffer), ``stream`` (StreamingTaskGradients, every
+        layer the policy streams streamed) or ``stream_kept`` (the first layers' rows kept within ``keep_bytes``,
+        as ``--surgery-memory auto`` streams)."""
         from fastpals.surgery import (
             StreamingTaskGradients,
             TaskGradientBuffer,
@@ -75,8 +80,14 @@ class SurgerySteps:
 
         surgery = self.surgery.get(mode)
         if surgery is None:
-            cls = TaskGradientBuffer if mode == "buffer" else StreamingTaskGradients
-            surgery = self.surgery[mode] = cls(self.shared, self.num_tasks, task_params=self.specific)
+            if mode == "buffer":
+                surgery = TaskGradientBuffer(self.shared, self.num_tasks, task_params=self.specific)
+            else:
+                keep = self.keep_bytes if mode == "stream_kept" else 0
+                surgery = StreamingTaskGradients(
+                    self.shared, self.num_tasks, task_params=self.specific, keep_bytes=keep
+                )
+            self.surgery[mode] = surgery
         self.opt.zero_grad(set_to_none=True)
         with per_task_gradients(self.model, surgery, self.batch[2]):
             self._loss().backward()
@@ -118,10 +129,24 @@ class Steps(SurgerySteps):
         self.autocast_dtype = (
             (torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16) if cuda else None
         )
+        from fastpals.train.memory_mode import estimate_activation_bytes, keep_bytes
+
+        precision = "fp32" if self.autocast_dtype is None else "bf16"
+        self.keep_bytes = keep_bytes(
+            estimate_activation_bytes(
+                b * length,
+                length,
+                bert.hidden_size,
+                bert.num_hidden_layers,
+                bert.num_attention_heads,
+                precision,
+            )
+        )
         self.steps: dict[str, Callable[[], None]] = {
             "plain": self.plain,
             "buffer": lambda: self.one_backward("buffer"),
             "stream": lambda: self.one_backward("stream"),
+            "stream_kept": lambda: self.one_backward("stream_kept"),
         }
 
     def _loss(self) -> torch.Tensor:
@@ -202,20 +227,26 @@ def markdown(result: dict[str, Any], header: dict[str, Any]) -> str:
         f"- {shape['model']} (random weights), default PALs, {shape['rows']} rows of up to {shape['length']} "
         f"tokens split over T tasks, AdamW, PCGrad; {shape['rounds']} interleaved rounds, medians",
         "",
-        "| T | rows/task | plain (ms) | buffer | stream | stream / buffer | plain peak (MiB) | buffer peak | stream peak |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| T | rows/task | plain (ms) | buffer | stream | stream, kept rows (auto) | stream / buffer | "
+        "plain peak (MiB) | buffer peak | stream peak | stream, kept rows peak |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for t, r in result["tasks"].items():
         x = r["time_x_plain"]
         p, px = r["peak_bytes"], r["peak_x_plain"]
         peak_cells = (
-            ["-", "-", "-"]
+            ["-", "-", "-", "-"]
             if p is None
-            else [f"{p['plain'] / 2**20:.0f}", f"{px['buffer']:.2f}x", f"{px['stream']:.2f}x"]
+            else [
+                f"{p['plain'] / 2**20:.0f}",
+                *(f"{px[v]:.2f}x" for v in ("buffer", "stream", "stream_kept")),
+            ]
         )
         lines.append(
             f"| {t} | {r['rows_per_task']} | {r['median_s']['plain'] * 1e3:.1f} | {x['buffer']:.2f}x | "
-            f"{x['stream']:.2f}x | {r['stream_time_x_buffer']:.2f} | " + " | ".join(peak_cells) + " |"
+            f"{x['stream']:.2f}x | {x['stream_kept']:.2f}x | {r['stream_time_x_buffer']:.2f} | "
+            + " | ".join(peak_cells)
+            + " |"
         )
     return "\n".join(lines) + "\n"
 

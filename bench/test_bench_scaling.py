@@ -15,6 +15,9 @@ Variants on the same model and batch:
   ``TaskGradientBuffer``, ``apply(pcgrad_weights)``, the step;
 - ``stream``: the same into ``StreamingTaskGradients`` (``--surgery-memory stream``: Gram layer by layer,
   update by one weight-gradient GEMM per layer), ``apply(pcgrad_weights)``, the step;
+- ``stream_kept``: the streaming ``--surgery-memory auto`` runs: ``StreamingTaskGradients`` with ``keep_bytes``
+  = ``KEEP_SHARE`` of the batch's estimated activations (``fastpals.train.memory_mode``), so the first layers
+  keep their Linear task rows and skip the second weight-gradient pass;
 - ``torchjd_autogram``: TorchJD 0.18's ``autogram.Engine`` over the encoder (the Gramian of the T losses),
   ``PCGradWeighting``, the weighted second backward, the step (the peer; on a copy of the model; in the regimes
   of ``FASTPALS_SCALING_PEER_REGIMES``, default ``total``: at 8 rows per task and T = 16 one of its steps takes
@@ -26,6 +29,7 @@ thread, so the CPU time is the step's work whatever else runs on a shared machin
 a fresh subprocess, peak resident set (``VmHWM`` reset after a warm-up step, read after one more step; large
 blocks from ``mmap``), as ``bench/test_bench_onebackward.py`` measures it. Goals (issue 35): stream at T = 16
 (48 rows) peak <= 1.15x plain and time <= 1.30x plain; at T = 3 stream time <= 1.10x buffer.
+The stream / buffer column is the ``stream`` variant's.
 
 ``test_scaling_smoke`` runs T = 2 once per variant (fast); ``test_scaling_table`` (slow) the whole table.
 ``FASTPALS_BENCH_WRITE=1`` writes ``bench/results/scaling_cpu_<UTC>.json`` and ``bench/results/scaling_cpu.md``.
@@ -60,7 +64,7 @@ from fastpals.train.allocator import keep_freed_memory  # noqa: E402
 ROWS, LENGTH = 48, 32
 HAS_TORCHJD = importlib.util.find_spec("torchjd") is not None
 THREADS = int(os.environ.get("FASTPALS_BENCH_THREADS", "1"))
-VARIANTS = ("plain", "buffer", "stream") + (("torchjd_autogram",) if HAS_TORCHJD else ())
+VARIANTS = ("plain", "buffer", "stream", "stream_kept") + (("torchjd_autogram",) if HAS_TORCHJD else ())
 
 
 PER_TASK = int(os.environ.get("FASTPALS_SCALING_PER_TASK", "8"))
@@ -107,10 +111,15 @@ class Runner(SurgerySteps):
         self.generator = torch.Generator().manual_seed(0)
         self.surgery: dict[str, object] = {}
         self.engine = None
+        from fastpals.train.memory_mode import estimate_activation_bytes, keep_bytes
+
+        rows = self.batch[0].shape[0]  # auto's budget, as the trainer estimates it (every row full length)
+        self.keep_bytes = keep_bytes(estimate_activation_bytes(rows * LENGTH, LENGTH, 384, 6, 12, "fp32"))
         self.steps = {
             "plain": self.plain,
             "buffer": lambda: self.one_backward("buffer"),
             "stream": lambda: self.one_backward("stream"),
+            "stream_kept": lambda: self.one_backward("stream_kept"),
         }
         if HAS_TORCHJD and peer:
             self.steps["torchjd_autogram"] = self.torchjd_autogram
@@ -238,14 +247,19 @@ def measure(regimes: dict[str, list[int]], rounds: int, peer_regimes: tuple[str,
     return out
 
 
+STREAMS = ("buffer", "stream", "stream_kept")
+
+
 def markdown(result: dict) -> str:
     """The table: per regime and T, wall and CPU time and peak of each variant against plain."""
     jd = result.get("torchjd_skipped") is None and HAS_TORCHJD
     lines = [
         "| regime | T | rows/task | plain wall / CPU (s) | buffer wall / CPU | stream wall / CPU | "
-        "stream / buffer wall / CPU | " + ("TorchJD autogram wall / CPU | " if jd else "")
-        + "plain peak (MiB) | buffer peak | stream peak | " + ("TorchJD autogram peak |" if jd else ""),
-        "|---" * (10 + 2 * jd) + "|",
+        "stream, kept rows (auto) wall / CPU | stream / buffer wall / CPU | "
+        + ("TorchJD autogram wall / CPU | " if jd else "")
+        + "plain peak (MiB) | buffer peak | stream peak | stream, kept rows peak | "
+        + ("TorchJD autogram peak |" if jd else ""),
+        "|---" * (12 + 2 * jd) + "|",
     ]  # fmt: skip
     for regime, rows in result["regimes"].items():
         for t, r in rows.items():
@@ -254,7 +268,7 @@ def markdown(result: dict) -> str:
             cells = [
                 regime, str(t), str(r["rows_per_task"]),
                 f"{statistics.median(p['wall_s']):.2f} / {statistics.median(p['cpu_s']):.2f}",
-                *(f"{v[k]['time_x_plain']:.2f}x / {v[k]['cpu_x_plain']:.2f}x" for k in ("buffer", "stream")),
+                *(f"{v[k]['time_x_plain']:.2f}x / {v[k]['cpu_x_plain']:.2f}x" for k in STREAMS),
                 f"{r['stream_time_x_buffer']:.2f} / {r['stream_cpu_x_buffer']:.2f}",
             ]  # fmt: skip
             jd_row = jd and "torchjd_autogram" in v
@@ -263,7 +277,7 @@ def markdown(result: dict) -> str:
                 cells.append(f"{j['time_x_plain']:.2f}x / {j['cpu_x_plain']:.2f}x" if jd_row else "-")
             cells += [
                 f"{p['peak_kb'] / 1024:.0f}",
-                *(f"{v[k]['peak_x_plain']:.2f}x" for k in ("buffer", "stream")),
+                *(f"{v[k]['peak_x_plain']:.2f}x" for k in STREAMS),
             ]
             if jd:
                 cells.append(f"{v['torchjd_autogram']['peak_x_plain']:.2f}x" if jd_row else "-")

@@ -12,9 +12,12 @@ import pytest
 
 from fastpals.train.memory_mode import (
     FIT_SHARE,
+    KEEP_SHARE,
     choose_memory_mode,
     estimate_activation_bytes,
+    keep_bytes,
     plan_auto_modes,
+    run_memory_mode,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,6 +43,29 @@ def test_streaming_where_the_rows_dominate():
     assert choice.mode == "stream" and "rows" in choice.why and "activations" in choice.why
     # an unknown device (0 bytes) checks the rows alone
     assert choose_memory_mode(100 * MIB, 400 * MIB, 10**15, 0).mode == "buffer"
+
+
+def test_auto_streaming_keeps_the_first_layers_rows_within_a_share_of_the_activations():
+    """``auto``'s streaming budget of kept Linear rows: KEEP_SHARE of the activations, named in the set-up line;
+    none for the buffer, none when asked (data parallel), none from the trainer's rule with 2 ranks."""
+    choice = choose_memory_mode(500 * MIB, 400 * MIB, 2000 * MIB, 80000 * MIB)
+    assert choice.keep_bytes == keep_bytes(400 * MIB) == int(KEEP_SHARE * 400 * MIB) > 0
+    assert f"kept within {KEEP_SHARE * 400:,.0f} MiB" in choice.why
+    assert choose_memory_mode(100 * MIB, 400 * MIB, 2000 * MIB, 16000 * MIB).keep_bytes == 0
+    none = choose_memory_mode(500 * MIB, 400 * MIB, 2000 * MIB, 80000 * MIB, keep_share=0.0)
+    assert none.mode == "stream" and none.keep_bytes == 0 and "kept" not in none.why
+    from fastpals import MultiTaskBert
+    from fastpals.encoder.bert import BertConfig
+    from fastpals.model.multitask import MultiTaskConfig, TaskSpec
+
+    cfg = BertConfig(vocab_size=5000, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=64, max_position_embeddings=64)  # fmt: skip
+    model = MultiTaskBert(MultiTaskConfig(cfg, [TaskSpec(f"t{i}", "binary") for i in range(16)]))
+    shared = sum(p.numel() for n, p in model.named_parameters() if n.startswith("bert."))
+    picks = [run_memory_mode(model, 16, shared, 4, 8 * 32, 32, "fp32", 0, world, "cpu") for world in (1, 2)]
+    assert [c.mode for c in picks] == ["stream", "stream"]
+    assert picks[0].keep_bytes == keep_bytes(estimate_activation_bytes(8 * 32, 32, 32, 2, 2)) > 0
+    assert picks[1].keep_bytes == 0
 
 
 def test_activation_estimate_within_15_percent_of_the_trace():
@@ -121,7 +147,8 @@ for batch, length in ((4, 16), (32, 64)):
         "--max-length", str(length), "--pal-hidden", "16", "--pal-heads", "2", "--steps-per-epoch", "1",
         "--epochs", "1", "--max-eval", "4", "--no-progress"]), callbacks=[])
     tr._setup_data(); tr._setup_model(); tr._setup_engine()
-    print("MODE", batch, tr.surgery_memory, type(tr.surgery_buffer).__name__)
+    print("MODE", batch, tr.surgery_memory, type(tr.surgery_buffer).__name__,
+          getattr(tr.surgery_buffer, "keep_bytes", "-"))
 """
 
 
@@ -140,6 +167,7 @@ def test_trainer_resolves_auto(tmp_path):
     )  # fmt: skip
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
-    assert "MODE 4 smaller StreamingTaskGradients" in out, out[-3000:]
+    kept = keep_bytes(estimate_activation_bytes(4 * 16, 16, 32, 2, 4))  # the tiny model (train_fixtures)
+    assert f"MODE 4 smaller StreamingTaskGradients {kept}" in out, out[-3000:]
     assert "MODE 32 buffer TaskGradientBuffer" in out, out[-3000:]
     assert "auto: the [T, P] rows" in out and "auto: the buffer's peak" in out, out[-3000:]

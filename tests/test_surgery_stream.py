@@ -196,6 +196,54 @@ def test_minilm_pcgrad_stream_equals_buffer(pair_mode, pals, unpad, order):
     _check_same(ref, got, f"MiniLM {pair_mode} pals={pals} unpad={unpad} {order}")
 
 
+@pytest.mark.parametrize("unpad", [False, True], ids=["padded", "packed"])
+def test_kept_rows_within_keep_bytes_are_a_forward_order_prefix_and_equal_buffer(unpad):
+    """``keep_bytes`` (auto's streaming): the Linear weights whose rows are kept instead of streamed are the first
+    ones of the forward whose rows, less the ``dY`` and ``X`` they spare, fit the budget (the next one would not);
+    the update equals the buffer's (PCGrad, and MGDA whose weights depend on every Gram entry)."""
+    pal = PALConfig(num_tasks=T, hidden=24, num_heads=2, gate=True)
+    model = minilm("joint", pal)
+    data = batch([0, 0, 1, 1, 1, 2, 2])
+    shared, specific = shared_parameters_by_name(model)
+    budget = 25 << 20  # a few of MiniLM's 37 Linear weights at these 7 x 8 rows
+    for aggregator in (pcgrad_weights, make_weighting("mgda")[0]):
+        ref = _update(model, data, "buffer", aggregator, unpad)
+        buf = StreamingTaskGradients(shared, T, task_params=specific, keep_bytes=budget)
+        model.zero_grad(set_to_none=True)
+        cu = [cu_seqlens_from_mask(data["attention_mask"]), cu_seqlens_from_mask(data["attention_mask_b"])]
+        with per_task_gradients(model, buf, data["task_ids"], cu_seqlens=cu if unpad else None):
+            mt_loss(model, data, unpad=unpad).backward()
+        order = list(buf._linear_order)
+        kept = buf._kept_linears
+        assert len(order) == 37 and kept is not None  # 6 x 6 in the encoder, the pooler
+        assert 0 < len(kept) < len(order)
+        needs = []
+        for k in order:
+            m, kk = buf.params[k].shape
+            needs.append(T * m * kk * 4 - buf._row_counts[k] * (m + kk) * 4)
+        assert set(order[: len(kept)]) == kept, "the kept weights are the forward's first ones"
+        assert sum(needs[: len(kept)]) <= budget < sum(needs[: len(kept) + 1])
+        assert all(not buf._decided[k] for k in kept) and all(buf._decided[k] for k in order if k not in kept)
+        assert set(kept) <= set(buf._rows), "kept weights hold [T, M, K] rows until apply"
+        result = buf.apply(aggregator, generator=torch.Generator().manual_seed(5))
+        grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
+        _check_same(ref, (result.gram, result.weights, grads), f"keep_bytes unpad={unpad}")
+
+
+def test_keep_bytes_is_checked_and_off_under_data_parallel():
+    model = _tiny_model()
+    shared, specific = shared_parameters_by_name(model)
+    for bad in (-1, 1.5, "1"):
+        with pytest.raises(ValueError, match="keep_bytes must be an int >= 0"):
+            StreamingTaskGradients(shared, T, keep_bytes=bad)
+    one = StreamingTaskGradients(shared, T, keep_bytes=1 << 20)
+    dp = StreamingTaskGradients(shared, T, keep_bytes=1 << 20, all_reduce=True)
+    assert one.keep_bytes == 1 << 20 and dp.keep_bytes == 0, (
+        "data parallel all-reduces kept rows in one piece"
+    )
+    assert "keep_bytes=1048576" in repr(one)
+
+
 def test_stream_pcgrad_equals_the_paper_on_separate_backwards():
     """The streamed PCGrad update against Algorithm 1 of Yu et al. in float64 on the T task gradients of T plain
     autograd backwards (each task's examples alone), with the projection orders of the same generator."""

@@ -445,8 +445,16 @@ def _run_step(spec: StepSpec, batch_size: int, fake: bool, warmup: bool = False)
                     )
                 else:
                     policy = "stream" if spec.surgery_memory == "stream" else "smaller"
+                    keep = 0
+                    if spec.surgery_memory == "auto" and spec.world_size == 1:  # auto's streaming (one rank)
+                        from fastpals.train.memory_mode import estimate_activation_bytes, keep_bytes
+
+                        keep = keep_bytes(estimate_activation_bytes(
+                            batch_size * spec.max_length, spec.max_length, bert.hidden_size,
+                            bert.num_hidden_layers, bert.num_attention_heads, spec.precision,
+                        ))  # fmt: skip
                     buffer = StreamingTaskGradients(
-                        shared, len(spec.tasks), task_params=specific, policy=policy, **kw
+                        shared, len(spec.tasks), task_params=specific, policy=policy, keep_bytes=keep, **kw
                     )
             for name in ("capture", "apply", "_new_block"):  # the buffer's own allocations are the surgery's
                 if not hasattr(buffer, name):
@@ -765,7 +773,8 @@ def format_plan(plan: MemoryPlan) -> str:
             f"surgery memory modes (--surgery-memory; predicted peak per rank): buffer "
             f"{_gib(plan.surgery_modes['buffer'])} ([T, P] rows: {_gib(rows)}), stream "
             f"{_gib(plan.surgery_modes['stream'])}, auto's streaming {_gib(plan.surgery_modes['auto'])} (each "
-            f"layer's task rows kept where smaller than its kept activations); this plan: {s.surgery_memory}; "
+            f"layer's task rows kept where smaller than its kept activations, and the first layers' within half "
+            f"the activations); this plan: {s.surgery_memory}; "
             f"auto picks per device (below): the buffer where its peak fits with a margin and its rows are small "
             f"beside the activations, else streaming"
         )

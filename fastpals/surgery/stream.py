@@ -26,8 +26,19 @@ shared parameter, keeps whichever is smaller:
   adjacent, and the ``T`` diagonals of that banded product are added into the Gram (``T * N * d`` multiply-adds).
   The update is one ``index_add`` of ``c_row * dY`` at the ids. The ``padding_idx`` row gets nothing.
 - **kept rows** (biases, LayerNorm weights and biases, broadcast position embeddings, small embeddings such as
-  BERT's token types, and Linear weights where ``T * M * K <= N * (M + K)``, i.e. few tasks): the per-task rows
-  of that parameter alone, ``[T, *shape]`` fp32, as the buffer holds them; Gram and combination at ``apply``.
+  BERT's token types, Linear weights where ``T * M * K <= N * (M + K)``, i.e. few tasks, and the Linear weights
+  within ``keep_bytes``, below): the per-task rows of that parameter alone, ``[T, *shape]`` fp32, as the buffer
+  holds them; Gram and combination at ``apply``.
+
+``keep_bytes`` (one rank; default 0) trades memory for time: Linear weights that the policy would stream keep
+their fp32 task rows instead, in the order of the forward (the first layers, whose backward runs last), as long as
+what those rows add over the ``dY`` and ``X`` they spare (``T * M * K * 4 - N * (M + K) * bytes`` each) totals at
+most ``keep_bytes``; the first weight that does not fit ends the kept prefix. The streamed step's memory is
+highest at the end of its backward, so these bytes come on top of that (MiniLM, 16 tasks, 48 x 32 tokens: the
+peak rises by about the budget less 60 MB). A kept weight's per-task products go straight into its rows and its
+update is a ``[T] @ [T, M * K]`` product, where a streamed one runs its weight-gradient GEMMs twice (per task for
+the Gram, then ``(c_row * dY)^T X``). ``--surgery-memory auto`` sets it to ``KEEP_SHARE`` of the step's estimated
+activations (``fastpals.train.memory_mode``); ``--surgery-memory stream`` keeps none.
 
 Task-specific parameters keep their ordinary gradients. The Gram is exact (fp32 accumulation, in another order
 than the buffer's kernel: equal within 1e-5 relative), so every aggregator gives the buffer mode's update.
@@ -157,7 +168,7 @@ class _StreamBlock(PerTaskGradients):
     def _count(self, module: nn.Module, args: tuple) -> None:
         x = args[0]
         rows = x.numel() if isinstance(module, nn.Embedding) else x.numel() // max(x.shape[-1], 1)
-        self.buffer._count_call(self.param_index(module.weight), rows)
+        self.buffer._count_call(self.param_index(module.weight), rows, isinstance(module, nn.Linear))
 
     def linear_done(self, rows: RowTasks, k_w: int, dy: torch.Tensor, x: torch.Tensor) -> None:
         grouped = self.buffer._deferred.get(k_w, False) and kernels_on(self, dy)
@@ -195,6 +206,9 @@ class StreamingTaskGradients:
             :class:`~fastpals.surgery.TaskGradientBuffer`.
         policy: ``smaller`` (default: per parameter, the smaller of the kept output gradient and the task rows)
             or ``stream`` (every Linear weight and per-example embedding streamed).
+        keep_bytes: bytes that kept task rows of Linear weights the policy would stream may add over the ``dY``
+            and ``X`` they spare, in forward order (module docstring). Ignored with data parallel, which
+            all-reduces the kept rows in one piece.
         bucket_elements: data parallel, scratch elements per all-reduce.
     """
 
@@ -215,6 +229,7 @@ class StreamingTaskGradients:
         capture_task_params: bool = False,
         policy: str = "smaller",
         bucket_elements: int = BUCKET_ELEMENTS,
+        keep_bytes: int = 0,
     ) -> None:
         self.params = _unique_params(params, "params")
         if not self.params:
@@ -223,6 +238,8 @@ class StreamingTaskGradients:
             raise ValueError(f"num_tasks must be an int in [1, {MAX_TASKS}], got {num_tasks!r}")
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        if not isinstance(keep_bytes, int) or keep_bytes < 0:
+            raise ValueError(f"keep_bytes must be an int >= 0, got {keep_bytes!r}")
         devices = {p.device for p in self.params}
         dtypes = {p.dtype for p in self.params}
         if len(devices) != 1:
@@ -244,6 +261,7 @@ class StreamingTaskGradients:
         self.capture_task_params = capture_task_params
         self.policy = policy
         self.bucket_elements = bucket_elements
+        self.keep_bytes = 0 if self.all_reduce else keep_bytes
         self.numels = [p.numel() for p in self.params]
         self.num_elements = sum(self.numels)
         self.task_param_tasks: list[set[int]] = [set() for _ in self.task_params]
@@ -260,6 +278,9 @@ class StreamingTaskGradients:
         self._rows: dict[int, torch.Tensor] = {}  # kept rows and the live scratches, [T, *shape] fp32
         self._decided: dict[int, bool] = {}  # per parameter: streamed?
         self._calls: dict[int, int] = {}
+        # shared Linear weights in the order of their first forward call; those whose rows keep_bytes keeps
+        self._linear_order: dict[int, None] = {}
+        self._kept_linears: set[int] | None = None
         self._row_counts: dict[int, int] = {}
         self._left: dict[int, int] = {}
         self._linears: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -289,9 +310,31 @@ class StreamingTaskGradients:
         parts are summed in fp64)."""
         self._gram.add_(gram_op(rows.contiguous())[0])
 
-    def _count_call(self, k: int, rows: int) -> None:
+    def _count_call(self, k: int, rows: int, linear: bool = False) -> None:
         self._calls[k] = self._calls.get(k, 0) + 1
         self._row_counts[k] = self._row_counts.get(k, 0) + rows
+        if linear:
+            self._linear_order.setdefault(k)
+
+    def _kept_by_budget(self) -> set[int]:
+        """The Linear weights whose rows ``keep_bytes`` keeps: the forward-order prefix of those the policy would
+        stream whose fp32 rows, less the kept ``dY`` and ``X`` they spare, fit the budget together (decided once
+        per step, on the first backward)."""
+        if self._kept_linears is None:
+            kept: set[int] = set()
+            left = self.keep_bytes
+            for k in self._linear_order:
+                p = self.params[k]
+                if not stream_policy(self.policy, self.num_tasks, p.shape, self._row_counts.get(k, 0), False):
+                    continue
+                m, kk = p.shape
+                need = self.num_tasks * m * kk * 4 - self._row_counts.get(k, 0) * (m + kk) * p.element_size()
+                if need > left:
+                    break
+                kept.add(k)
+                left -= need
+            self._kept_linears = kept
+        return self._kept_linears
 
     def _streams(self, k: int, embedding: bool) -> bool:
         """Is shared parameter k (a Linear weight, or an ``embedding`` table) streamed this step? Decided on its
@@ -300,7 +343,7 @@ class StreamingTaskGradients:
             p = self.params[k]
             self._decided[k] = stream_policy(
                 self.policy, self.num_tasks, p.shape, self._row_counts.get(k, 0), embedding
-            )
+            ) and (embedding or not self.keep_bytes or k not in self._kept_by_budget())
             self._left[k] = self._calls.get(k, 1)
         return self._decided[k]
 
@@ -723,5 +766,6 @@ class StreamingTaskGradients:
     def __repr__(self) -> str:
         return (
             f"StreamingTaskGradients(num_tasks={self.num_tasks}, shared_elements={self.num_elements}, "
-            f"policy={self.policy!r}, task_params={len(self.task_params)}, all_reduce={self.all_reduce})"
+            f"policy={self.policy!r}, keep_bytes={self.keep_bytes}, task_params={len(self.task_params)}, "
+            f"all_reduce={self.all_reduce})"
         )

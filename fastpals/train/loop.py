@@ -272,7 +272,8 @@ class Trainer:
         )
         self.surgery_buffer = deepspeed_surgery_buffer(self.engine.module, len(args.task_list), self.zero_stage,
                                                        dtype, all_reduce=one_backward and self.world_size > 1,
-                                                       memory=self.surgery_memory)  # fmt: skip
+                                                       memory=self.surgery_memory,
+                                                       keep_bytes=choice.keep_bytes if choice is not None else 0)  # fmt: skip
         why = f" (auto: {choice.why})" if choice is not None else ""
         self.log(f"[setup] surgery {args.surgery}: {SURGERY_MEMORY_TEXT[self.surgery_memory]}{why}")
         self.aggregator, aggregator_state = make_weighting(

@@ -10,7 +10,12 @@ seconds):
   take the activations' place and do not raise the peak; traced, BERT-base, 8 tasks, 32 x 128 tokens, bf16, ZeRO-1
   with DeepSpeed's gradient buckets: buffer 4.23 GiB, stream 4.22 GiB, rows 1.63 GiB);
 - **stream** otherwise: the buffer would not fit, or its rows would make the peak (then the streamed step is the
-  same update at about the plain step's peak, for one more weight-gradient GEMM pass).
+  same update at about the plain step's peak, for one more weight-gradient GEMM pass). ``auto``'s streaming keeps
+  the task rows of the first layers' Linear weights where what they add over the ``dY`` and ``X`` they spare is
+  within :data:`KEEP_SHARE` of the activations (``keep_bytes`` of
+  :class:`~fastpals.surgery.StreamingTaskGradients`): those layers skip the second weight-gradient pass. MiniLM,
+  16 tasks, 48 x 32 tokens, one CPU thread: 17 of 36 Linear weights kept, the step 1.37x -> about 1.25x the
+  plain step's time for a peak of 1.01x -> about 1.12x (``docs/surgery-scaling.md``).
 
 The numbers: the rows are exact (``T * P * bytes`` of the rows' dtype); the activations are
 :func:`estimate_activation_bytes`, a per-token, per-layer formula fitted to the planner's traces of MiniLM-L6 and
@@ -29,6 +34,7 @@ import torch
 
 __all__ = [
     "FIT_SHARE",
+    "KEEP_SHARE",
     "ROWS_SHARE",
     "MemoryModeChoice",
     "choose_memory_mode",
@@ -41,6 +47,9 @@ __all__ = [
 FIT_SHARE = 0.9
 #: ... and while its ``[T, P]`` rows are at most this share of the step's activations
 ROWS_SHARE = 1.0
+#: ``auto``'s streaming: the first layers' Linear task rows are kept within this share of the activations (net of
+#: the ``dY`` and ``X`` they spare)
+KEEP_SHARE = 0.5
 #: bytes per saved activation element: fp32, and fp16/bf16 training (some saved tensors stay fp32 or bool)
 _ELEMENT_BYTES = {"fp32": 4.0, "bf16": 2.4, "fp16": 2.4}
 #: saved elements per token and layer: ``_PER_HIDDEN * hidden + _PER_SCORE * heads * length`` (fitted, see above)
@@ -49,10 +58,12 @@ _PER_HIDDEN, _PER_SCORE = 24.0, 3.4
 
 @dataclass(frozen=True)
 class MemoryModeChoice:
-    """What :func:`choose_memory_mode` decided: ``mode`` (``buffer`` or ``stream``) and ``why`` (one line)."""
+    """What :func:`choose_memory_mode` decided: ``mode`` (``buffer`` or ``stream``), ``why`` (one line) and, for
+    ``stream``, ``keep_bytes`` (:class:`~fastpals.surgery.StreamingTaskGradients`'s budget of kept Linear rows)."""
 
     mode: str
     why: str
+    keep_bytes: int = 0
 
 
 def _mib(n: float) -> str:
@@ -66,6 +77,7 @@ def choose_memory_mode(
     device_bytes: int,
     fit_share: float = FIT_SHARE,
     rows_share: float = ROWS_SHARE,
+    keep_share: float = KEEP_SHARE,
 ) -> MemoryModeChoice:
     """``auto``'s pick from host-known byte counts (Python ints, per rank).
 
@@ -75,24 +87,36 @@ def choose_memory_mode(
         buffer_peak_bytes: the predicted peak of the step in buffer mode (rows included).
         device_bytes: the memory the device leaves to tensors (0: unknown, the fit is not checked).
         fit_share, rows_share: the margins (:data:`FIT_SHARE`, :data:`ROWS_SHARE`).
+        keep_share: streaming's kept Linear rows, a share of the activations (:data:`KEEP_SHARE`; 0: none, as
+            data parallel runs, whose streaming ignores ``keep_bytes``).
     """
+    keep = keep_bytes(activation_bytes, keep_share)
+    kept = f"; the first layers' Linear task rows kept within {_mib(keep)}" if keep else ""
     if device_bytes > 0 and buffer_peak_bytes > fit_share * device_bytes:
         return MemoryModeChoice(
             "stream",
             f"the buffer's predicted peak {_mib(buffer_peak_bytes)} is over {fit_share:.0%} of the device's "
-            f"{_mib(device_bytes)}",
+            f"{_mib(device_bytes)}{kept}",
+            keep,
         )
     if rows_bytes > rows_share * activation_bytes:
         return MemoryModeChoice(
             "stream",
             f"the [T, P] rows ({_mib(rows_bytes)}) are over {rows_share:.0%} of the activations "
-            f"(~{_mib(activation_bytes)})",
+            f"(~{_mib(activation_bytes)}){kept}",
+            keep,
         )
     return MemoryModeChoice(
         "buffer",
         f"the buffer's peak {_mib(buffer_peak_bytes)} fits and its rows ({_mib(rows_bytes)}) are at most "
         f"{rows_share:.0%} of the activations (~{_mib(activation_bytes)})",
     )
+
+
+def keep_bytes(activation_bytes: int, share: float = KEEP_SHARE) -> int:
+    """``auto``'s streaming budget of kept Linear task rows (``keep_bytes`` of
+    :class:`~fastpals.surgery.StreamingTaskGradients`): ``share`` of the step's activations, in bytes."""
+    return int(share * activation_bytes)
 
 
 def estimate_activation_bytes(
@@ -142,7 +166,10 @@ def run_memory_mode(
     trained = sum(p.numel() for p in module.parameters() if p.requires_grad)
     states = model_state_bytes(trained, precision, zero_stage, world_size).total
     rows = num_tasks * shared_elements * row_bytes
-    return choose_memory_mode(rows, activations, states + activations + rows, device_memory_bytes(device))
+    return choose_memory_mode(
+        rows, activations, states + activations + rows, device_memory_bytes(device),
+        keep_share=KEEP_SHARE if world_size == 1 else 0.0,
+    )  # fmt: skip
 
 
 def plan_auto_modes(

@@ -347,7 +347,8 @@ def run_update(
 SURGERY_MEMORY_TEXT = {
     "buffer": "buffer memory mode ([tasks, shared parameters] gradient rows)",
     "stream": "stream memory mode (Gram layer by layer, no [tasks, shared parameters] rows)",
-    "smaller": "auto memory mode: streaming, with a layer's task rows kept where smaller than its kept activations",
+    "smaller": "auto memory mode: streaming, with a layer's task rows kept where smaller than its kept activations "
+    "and the first layers' within a budget",
 }
 
 
@@ -373,6 +374,7 @@ def deepspeed_surgery_buffer(
     dtype: torch.dtype = torch.float32,
     all_reduce: bool = False,
     memory: str = "buffer",
+    keep_bytes: int = 0,
 ) -> Any:
     """A :class:`fastpals.surgery.TaskGradientBuffer` (rows of ``dtype``, one per task) over the shared parameters
     of a DeepSpeed engine's ``module`` (``memory``: ``buffer``; ``stream`` / ``smaller``: a
@@ -399,7 +401,7 @@ def deepspeed_surgery_buffer(
         return StreamingTaskGradients(
             shared, num_tasks, task_params=specific, grad_getter=safe_get_full_grad, grad_setter=setter,
             grad_dtype=torch.float32, capture_task_params=zero_stage >= 1, all_reduce=all_reduce,
-            policy="stream" if memory == "stream" else "smaller",
+            policy="stream" if memory == "stream" else "smaller", keep_bytes=keep_bytes if memory == "smaller" else 0,
         )  # fmt: skip
     return TaskGradientBuffer(
         shared, num_tasks, dtype, task_params=specific, grad_getter=safe_get_full_grad,
