@@ -613,6 +613,8 @@ def row_many_tasks(shapes: Shapes, device: torch.device) -> list[dict[str, Any]]
             ratio=time_x,
             ratio_peak=peak_x,
             ratio_vs_buffer_at_few=vs_buffer,
+            ratio_kept=top["time_x_plain"]["stream_kept"],  # auto's streaming (first layers' rows kept)
+            ratio_peak_kept=None if top["peak_x_plain"] is None else top["peak_x_plain"]["stream_kept"],
             tasks=per_t,
             met=met,
         )

@@ -156,6 +156,7 @@ def test_rehearsal_runs_every_step_on_the_cpu_and_writes_the_sessions_files(tmp_
     many = rows["many_tasks"]  # plain / buffer / stream at T = 2 and 3 (CPU, tiny): times, no CUDA peaks
     assert set(many["tasks"]) == {"2", "3"} and many["ratio"] > 0 and many["ratio_vs_buffer_at_few"] > 0
     assert many["ratio_peak"] is None and many["met"] is None
+    assert many["ratio_kept"] > 0 and many["ratio_peak_kept"] is None
     md = (out / "session.md").read_text()
     assert "Peers side by side" in md and "CPU figures" in md
     memory = {doc["suite"]: doc for doc in json.loads((out / "memory.json").read_text())}

@@ -52,6 +52,10 @@ def test_auto_streaming_keeps_the_first_layers_rows_within_a_share_of_the_activa
     assert choice.keep_bytes == keep_bytes(400 * MIB) == int(KEEP_SHARE * 400 * MIB) > 0
     assert f"kept within {KEEP_SHARE * 400:,.0f} MiB" in choice.why
     assert choose_memory_mode(100 * MIB, 400 * MIB, 2000 * MIB, 16000 * MIB).keep_bytes == 0
+    # the buffer does not fit: the kept rows fit what the device leaves above the streamed peak (1900 MiB)
+    tight = choose_memory_mode(100 * MIB, 400 * MIB, 2000 * MIB, 2200 * MIB)
+    assert tight.mode == "stream" and tight.keep_bytes == int(FIT_SHARE * 2200 * MIB) - 1900 * MIB
+    assert choose_memory_mode(100 * MIB, 400 * MIB, 2200 * MIB, 2200 * MIB).keep_bytes == 0
     none = choose_memory_mode(500 * MIB, 400 * MIB, 2000 * MIB, 80000 * MIB, keep_share=0.0)
     assert none.mode == "stream" and none.keep_bytes == 0 and "kept" not in none.why
     from fastpals import MultiTaskBert

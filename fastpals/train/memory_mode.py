@@ -14,8 +14,8 @@ seconds):
   the task rows of the first layers' Linear weights where what they add over the ``dY`` and ``X`` they spare is
   within :data:`KEEP_SHARE` of the activations (``keep_bytes`` of
   :class:`~fastpals.surgery.StreamingTaskGradients`): those layers skip the second weight-gradient pass. MiniLM,
-  16 tasks, 48 x 32 tokens, one CPU thread: 17 of 36 Linear weights kept, the step 1.37x -> about 1.25x the
-  plain step's time for a peak of 1.01x -> about 1.12x (``docs/surgery-scaling.md``).
+  16 tasks, 48 x 32 tokens, one CPU thread: 17 of 37 Linear weights kept, the step 1.37-1.42x -> 1.25-1.29x the
+  plain step's time for a peak of 1.01x -> 1.12x (``docs/surgery-scaling.md``).
 
 The numbers: the rows are exact (``T * P * bytes`` of the rows' dtype); the activations are
 :func:`estimate_activation_bytes`, a per-token, per-layer formula fitted to the planner's traces of MiniLM-L6 and
@@ -88,9 +88,12 @@ def choose_memory_mode(
         device_bytes: the memory the device leaves to tensors (0: unknown, the fit is not checked).
         fit_share, rows_share: the margins (:data:`FIT_SHARE`, :data:`ROWS_SHARE`).
         keep_share: streaming's kept Linear rows, a share of the activations (:data:`KEEP_SHARE`; 0: none, as
-            data parallel runs, whose streaming ignores ``keep_bytes``).
+            data parallel runs, whose streaming ignores ``keep_bytes``), at most what the device leaves above
+            the streamed peak (taken as the buffer's peak less its rows) within ``fit_share``.
     """
     keep = keep_bytes(activation_bytes, keep_share)
+    if device_bytes > 0:  # the kept rows come on top of the streamed peak (about the buffer's, less its rows)
+        keep = max(0, min(keep, int(fit_share * device_bytes) - (buffer_peak_bytes - rows_bytes)))
     kept = f"; the first layers' Linear task rows kept within {_mib(keep)}" if keep else ""
     if device_bytes > 0 and buffer_peak_bytes > fit_share * device_bytes:
         return MemoryModeChoice(
