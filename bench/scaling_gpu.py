@@ -129,19 +129,10 @@ class Steps(SurgerySteps):
         self.autocast_dtype = (
             (torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16) if cuda else None
         )
-        from fastpals.train.memory_mode import estimate_activation_bytes, keep_bytes
+        from fastpals.train.memory_mode import keep_bytes_for
 
         precision = "fp32" if self.autocast_dtype is None else "bf16"
-        self.keep_bytes = keep_bytes(
-            estimate_activation_bytes(
-                b * length,
-                length,
-                bert.hidden_size,
-                bert.num_hidden_layers,
-                bert.num_attention_heads,
-                precision,
-            )
-        )
+        self.keep_bytes = keep_bytes_for(bert, b * length, length, precision)
         self.steps: dict[str, Callable[[], None]] = {
             "plain": self.plain,
             "buffer": lambda: self.one_backward("buffer"),

@@ -111,10 +111,10 @@ class Runner(SurgerySteps):
         self.generator = torch.Generator().manual_seed(0)
         self.surgery: dict[str, object] = {}
         self.engine = None
-        from fastpals.train.memory_mode import estimate_activation_bytes, keep_bytes
+        from fastpals.train.memory_mode import keep_bytes_for
 
         rows = self.batch[0].shape[0]  # auto's budget, as the trainer estimates it (every row full length)
-        self.keep_bytes = keep_bytes(estimate_activation_bytes(rows * LENGTH, LENGTH, 384, 6, 12, "fp32"))
+        self.keep_bytes = keep_bytes_for(self.model.bert.config, rows * LENGTH, LENGTH)
         self.steps = {
             "plain": self.plain,
             "buffer": lambda: self.one_backward("buffer"),

@@ -447,12 +447,11 @@ def _run_step(spec: StepSpec, batch_size: int, fake: bool, warmup: bool = False)
                     policy = "stream" if spec.surgery_memory == "stream" else "smaller"
                     keep = 0
                     if spec.surgery_memory == "auto" and spec.world_size == 1:  # auto's streaming (one rank)
-                        from fastpals.train.memory_mode import estimate_activation_bytes, keep_bytes
+                        from fastpals.train.memory_mode import keep_bytes_for
 
-                        keep = keep_bytes(estimate_activation_bytes(
-                            batch_size * spec.max_length, spec.max_length, bert.hidden_size,
-                            bert.num_hidden_layers, bert.num_attention_heads, spec.precision,
-                        ))  # fmt: skip
+                        keep = keep_bytes_for(
+                            bert, batch_size * spec.max_length, spec.max_length, spec.precision
+                        )
                     buffer = StreamingTaskGradients(
                         shared, len(spec.tasks), task_params=specific, policy=policy, keep_bytes=keep, **kw
                     )

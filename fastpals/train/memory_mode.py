@@ -40,6 +40,8 @@ __all__ = [
     "choose_memory_mode",
     "device_memory_bytes",
     "estimate_activation_bytes",
+    "keep_bytes",
+    "keep_bytes_for",
     "run_memory_mode",
 ]
 
@@ -120,6 +122,17 @@ def keep_bytes(activation_bytes: int, share: float = KEEP_SHARE) -> int:
     """``auto``'s streaming budget of kept Linear task rows (``keep_bytes`` of
     :class:`~fastpals.surgery.StreamingTaskGradients`): ``share`` of the step's activations, in bytes."""
     return int(share * activation_bytes)
+
+
+def keep_bytes_for(config: Any, tokens: int, length: int, precision: str = "fp32") -> int:
+    """:func:`keep_bytes` of a step of ``tokens`` tokens in sequences of ``length`` through the encoder of
+    ``config`` (``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``), its activations estimated by
+    :func:`estimate_activation_bytes`: the budget ``auto``'s streaming runs with on one rank."""
+    c = config
+    activations = estimate_activation_bytes(
+        tokens, length, c.hidden_size, c.num_hidden_layers, c.num_attention_heads, precision
+    )
+    return keep_bytes(activations)
 
 
 def estimate_activation_bytes(
