@@ -82,16 +82,11 @@ def attention_with_keep_mask(q, k, v, key_padding_mask, keep=None, dropout_p=0.0
     return torch.matmul(probs, vh).transpose(1, 2)
 
 
-def varlen_attention_float64(q, k, v, cu_seqlens, softmax_scale=None):
+def varlen_attention_float64(q, k, v, cu_seqlens):
     """attention_with_keep_mask over each packed sequence of float64 q, k, v [N, H, Dh] -> [N, H, Dh]."""
     bounds = cu_seqlens.tolist()
-    outs = [
-        attention_with_keep_mask(q[a:b][None], k[a:b][None], v[a:b][None], None, softmax_scale=softmax_scale)[
-            0
-        ]
-        for a, b in zip(bounds[:-1], bounds[1:])
-    ]
-    return torch.cat(outs)
+    rows = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+    return torch.cat([attention_with_keep_mask(q[r][None], k[r][None], v[r][None], None)[0] for r in rows])
 
 
 def varlen_inputs(lengths, heads, head_dim, dtype=torch.float32, seed=0):
