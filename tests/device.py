@@ -7,13 +7,15 @@ move them with ``.to(DEVICE)``, so the values are the same on every device.
 """
 
 import os
+import re
 
 import pytest
 import torch
 
 _requested = os.environ.get("FASTPALS_TEST_DEVICE", "").strip()
-DEVICE = torch.device(_requested or ("cuda" if torch.cuda.is_available() else "cpu"))
-if DEVICE.type not in ("cpu", "cuda"):
+_default = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE = torch.device(_requested if re.fullmatch(r"cpu|cuda(:\d+)?", _requested) else _default)
+if _requested and str(DEVICE) != _requested:
     raise ValueError(
         f"FASTPALS_TEST_DEVICE={_requested!r}: the tests run on cpu or cuda[:N]; unset it or pick one"
     )
