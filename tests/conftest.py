@@ -1,17 +1,13 @@
-"""Test set-up: on machines without CUDA, Triton kernels run in interpreter mode (set before triton loads)."""
+"""Test set-up: the tests' device comes from tests/device.py, which also turns Triton's interpreter on off CUDA
+(imported here, before any test module loads Triton)."""
 
 import os
 
+import device  # noqa: F401 - sets TRITON_INTERPRET off CUDA before a test module imports Triton
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 torch.set_num_threads(min(2, os.cpu_count() or 1))
-
-HAS_CUDA = torch.cuda.is_available()
-requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (none present)")
 
 
 def data_dir() -> str:

@@ -28,6 +28,7 @@ import io
 import numpy as np
 import pytest
 import torch
+from device import DEVICE, requires_cuda
 
 from fastpals.surgery import (
     AGGREGATORS,
@@ -519,10 +520,10 @@ def test_surgery_optimizer_trains_with_every_method_and_checkpoints_state(name):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@requires_cuda
 @pytest.mark.parametrize("name", NAMES)
 def test_no_host_sync_on_cuda(name):
-    j = task_gradients(4, "conflict", 0).cuda()
+    j = task_gradients(4, "conflict", 0).to(DEVICE)
     g = (j @ j.T).float()
     fn, _ = make_weighting(name)
     fn(g, generator=torch.Generator().manual_seed(0))  # warm-up (allocations, cuSOLVER/cuBLAS handles)

@@ -157,11 +157,11 @@ def _padded_reference(model, batches, weighting):
     return total, losses, _grads(model)
 
 
-def _packed_run(model, batches, weighting):
+def _packed_run(model, batches, weighting, device="cpu"):
     model.zero_grad(set_to_none=True)
     packed = pack_batches(list(batches.values()), list(batches), len(model.tasks))
-    out = model(**model_inputs(packed, "cpu"))
-    result = model.task_losses(out, packed["labels"], weighting)
+    out = model(**model_inputs(packed, device))
+    result = model.task_losses(out, packed["labels"].to(device), weighting)
     result.total.backward()
     return packed, result, _grads(model)
 
@@ -501,15 +501,17 @@ def test_packed_mixed_batch_dispatches_to_pal_varlen_and_flash_varlen(monkeypatc
     import sys
     import types
 
+    from device import DEVICE
+
     import fastpals_kernels as kernels
     from fastpals.functional import attention_varlen_reference
     from fastpals_kernels import backends
 
     pal = PALConfig(num_tasks=3, hidden=34, num_heads=2, gate=True, dropout=0.0)
-    model = _model(pal, "sbert_concat")
+    model = _model(pal, "sbert_concat").to(DEVICE)
     batches = _per_task_batches(model, sizes=(2, 3, 2), seed=7)
     monkeypatch.setenv("FASTPALS_KERNELS", "reference")
-    _, want, want_grads = _packed_run(model, batches, "examples")
+    _, want, want_grads = _packed_run(model, batches, "examples", DEVICE)
 
     calls = {"pal_varlen": 0, "flash": []}
     fused_op = kernels.pal_varlen
@@ -527,7 +529,7 @@ def test_packed_mixed_batch_dispatches_to_pal_varlen_and_flash_varlen(monkeypatc
     monkeypatch.setattr(backends, "flash_varlen_ok", lambda q: True)
     monkeypatch.setenv("FASTPALS_KERNELS", "triton")
     fused_model = copy.deepcopy(model)
-    packed, got, got_grads = _packed_run(fused_model, batches, "examples")
+    packed, got, got_grads = _packed_run(fused_model, batches, "examples", DEVICE)
     layers = TINY.num_hidden_layers
     assert calls["pal_varlen"] == 2 * layers  # sentence-1 pass and the siamese sentence-2 pass
     assert len(calls["flash"]) == 2 * layers

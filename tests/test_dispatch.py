@@ -3,6 +3,7 @@ override, and the stock-composition path (grouped matmuls + SDPA) it picks on sm
 
 import pytest
 import torch
+from device import TRITON_INTERPRETED
 
 from fastpals.functional import attention_reference, attention_sdpa, pal_reference, pal_varlen_reference
 from fastpals_kernels import dispatch
@@ -57,6 +58,8 @@ def test_pre_volta_and_bad_arguments():
 
 
 def test_backend_follows_the_env_override(monkeypatch):
+    import fastpals_kernels.grouped_linear_triton  # noqa: F401 - defines the kernels before the variable changes
+
     x = torch.zeros(2)
     monkeypatch.setenv("FASTPALS_KERNELS", "reference")
     assert dispatch.backend("pal", x) == "reference"
@@ -64,7 +67,11 @@ def test_backend_follows_the_env_override(monkeypatch):
     assert dispatch.backend("pal", x) == "reference"  # CPU tensor
     monkeypatch.setenv("FASTPALS_KERNELS", "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert dispatch.backend("gram", x) == "triton"
+    if TRITON_INTERPRETED:  # the kernels are interpreted functions: a CPU tensor may run them
+        assert dispatch.backend("gram", x) == "triton"
+    else:  # compiled for the GPU: setting the variable now is too late, and the dispatch says so
+        with pytest.raises(RuntimeError, match="loaded before TRITON_INTERPRET=1"):
+            dispatch.backend("gram", x)
     assert dispatch.backend("bert_attention_varlen", x) == "sdpa"
     assert not dispatch.flash_varlen_ok(x)
 

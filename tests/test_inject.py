@@ -520,13 +520,14 @@ def test_remove_pals_and_deepcopy():
 # ----------------------------------------------------------------------------------------------------------------
 @pytest.mark.kernels
 def test_injected_layers_dispatch_to_fused_kernel(monkeypatch):
+    from device import DEVICE
+
     import fastpals_kernels as kernels
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     pal = PALConfig(num_tasks=3, hidden=34, num_heads=2, dropout=0.0)
-    model = inject_pals(_tiny("bert", dropout=False), pal).to(device).train()
-    ids, mask = (t.to(device) for t in _batch())
-    tasks = torch.tensor([2, 0, 2, 0], device=device)
+    model = inject_pals(_tiny("bert", dropout=False), pal).to(DEVICE).train()
+    ids, mask = (t.to(DEVICE) for t in _batch())
+    tasks = torch.tensor([2, 0, 2, 0], device=DEVICE)
 
     def run(mode):
         monkeypatch.setenv("FASTPALS_KERNELS", mode)

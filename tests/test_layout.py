@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from device import DEVICE, requires_cuda
 
 from fastpals.data.layout import (
     BatchLayout,
@@ -102,7 +103,8 @@ def test_model_does_not_import_batching_or_data_modules():
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: torch.cuda.set_sync_debug_mode")
+@pytest.mark.gpu
+@requires_cuda  # torch.cuda.set_sync_debug_mode
 @pytest.mark.parametrize("surgery", [None, "pcgrad", "gem", "mgda", "upgrad"])
 def test_gpu_step_under_sync_debug_mode_error(surgery):
     """On a GPU the same packed mixed-task step as tests/test_fake_step.py runs with synchronisations made
@@ -118,10 +120,10 @@ def test_gpu_step_under_sync_debug_mode_error(surgery):
     )
 
     torch.manual_seed(0)
-    model = _tiny_model().cuda()
+    model = _tiny_model().to(DEVICE)
     batch = _batch()
-    inputs = model_inputs(batch, "cuda")
-    labels = batch["labels"].cuda()
+    inputs = model_inputs(batch, DEVICE)
+    labels = batch["labels"].to(DEVICE)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     shared, specific = shared_parameters_by_name(model)
     buf = TaskGradientBuffer(shared, len(TASKS), task_params=specific)

@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from device import DEVICE, requires_cuda
 
 from fastpals.encoder.bert import BertConfig, BertModel, load_bert_state_dict, normalize_key
 
@@ -205,15 +206,14 @@ def test_packed_path_uses_flash_attn_varlen_when_available(monkeypatch, ours_min
     assert (flash - sdpa)[mask.bool()].abs().max() <= 1e-5
 
 
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or importlib.util.find_spec("flash_attn") is None,
-    reason="needs a CUDA GPU and flash-attn",
-)
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None, reason="needs flash-attn")
 def test_flash_attn_varlen_matches_sdpa_on_gpu(ours_minilm):
     import copy
 
-    model = copy.deepcopy(ours_minilm).cuda().to(torch.bfloat16)
-    ids = torch.randint(1000, 5000, (4, 33), device="cuda")
+    model = copy.deepcopy(ours_minilm).to(DEVICE, torch.bfloat16)
+    ids = torch.randint(1000, 5000, (4, 33), device=DEVICE)
     mask = torch.ones_like(ids)
     mask[1, 20:] = 0
     with torch.no_grad():

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from device import DEVICE, requires_cuda
 from torch.library import opcheck
 
 import fastpals_kernels
@@ -334,31 +335,32 @@ def test_fullgraph_compile_of_an_hf_bert_with_injected_pals_matches_eager():
     _compiled_matches_eager(model, loss)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the ops' CUDA kernels (Triton)")
+@pytest.mark.gpu
+@requires_cuda  # the ops' CUDA kernels (Triton)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_every_op_passes_opcheck_on_cuda(dtype):
     from fastpals_kernels.common import build_task_row_plan
 
     h, mask, task_ids, weights, g = _pal_operands(dtype)
-    cuda = [t.detach().cuda().requires_grad_(t.requires_grad) for t in (h, *weights)]
-    h, weights = cuda[0], cuda[1:]
-    mask, task_ids = mask.cuda(), task_ids.cuda()
+    on_device = [t.detach().to(DEVICE).requires_grad_(t.requires_grad) for t in (h, *weights)]
+    h, weights = on_device[0], on_device[1:]
+    mask, task_ids = mask.to(DEVICE), task_ids.to(DEVICE)
     seed = library.draw_seed()
     opcheck(torch.ops.fastpals.pal.default, (h, mask, task_ids, *weights, HEADS, True, 0.0, None, seed))
-    cu = torch.tensor([0, 7, 11, 18, 20], device="cuda", dtype=torch.int32)
-    rows = torch.randn(20, D, device="cuda", dtype=dtype, requires_grad=True)
+    cu = torch.tensor([0, 7, 11, 18, 20], device=DEVICE, dtype=torch.int32)
+    rows = torch.randn(20, D, device=DEVICE, dtype=dtype, requires_grad=True)
     opcheck(
         torch.ops.fastpals.pal_varlen.default, (rows, cu, 7, task_ids, *weights, HEADS, True, 0.0, None, seed)
     )
-    q, k, v = (torch.randn(20, 2, 8, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(20, 2, 8, device=DEVICE, dtype=dtype, requires_grad=True) for _ in range(3))
     opcheck(torch.ops.fastpals.attention_varlen.default, (q, k, v, cu, 7, 0.0, seed))
-    dy, x = torch.randn(20, 6, device="cuda", dtype=dtype), torch.randn(20, 5, device="cuda", dtype=dtype)
+    dy, x = torch.randn(20, 6, device=DEVICE, dtype=dtype), torch.randn(20, 5, device=DEVICE, dtype=dtype)
     plan = build_task_row_plan(task_ids, T, 20, cu_seqlens=cu)
     opcheck(torch.ops.fastpals.grouped_wgrad.default, (dy, x, plan.row_index, plan.task_row_offsets, plan.tile_task,
             plan.tile_start, plan.tile_end, T, plan.block_rows, True, torch.float32))  # fmt: skip
-    buf = torch.randn(3, 4099, device="cuda", dtype=dtype)
-    w = torch.randn(3, device="cuda")
+    buf = torch.randn(3, 4099, device=DEVICE, dtype=dtype)
+    w = torch.randn(3, device=DEVICE)
     opcheck(torch.ops.fastpals.gram.default, (buf,))
     opcheck(torch.ops.fastpals.combine.default, (buf, w))
-    opcheck(torch.ops.fastpals.combine_out.default, (buf, w, torch.empty(4099, device="cuda")))
+    opcheck(torch.ops.fastpals.combine_out.default, (buf, w, torch.empty(4099, device=DEVICE)))
     opcheck(torch.ops.fastpals.combine_row.default, (buf.clone(), w, 0))

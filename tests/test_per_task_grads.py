@@ -570,14 +570,16 @@ def test_deepspeed_zero_0_1_2_bf16_one_backward_equals_per_task_backwards(tmp_pa
 @pytest.mark.kernels
 @pytest.mark.parametrize("unpad,order", [(False, "unsorted"), (True, "sorted")])
 def test_triton_grouped_wgrad_path_equals_torch_path(unpad, order):
+    from device import DEVICE, ON_CUDA, TRITON_INTERPRETED
+
     from fastpals_kernels.dispatch import available
 
     ok, reason = available()
-    if not ok or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+    if not ok or not (ON_CUDA or TRITON_INTERPRETED):
         pytest.skip(f"Triton kernels cannot run here: {reason or 'no CUDA and TRITON_INTERPRET unset'}")
-    model = _tiny_model()
+    model = _tiny_model().to(DEVICE)
     shared, specific = shared_parameters_by_name(model)
-    data = _tiny_batch()
+    data = {k: v.to(DEVICE) for k, v in _tiny_batch().items()}
     if order == "sorted":
         data = select(data, torch.argsort(data["task_ids"], stable=True))
     cu = [cu_seqlens_from_mask(data["attention_mask"]), cu_seqlens_from_mask(data["attention_mask_b"])]

@@ -1,13 +1,16 @@
-"""The Gram and combine Triton kernels (TRITON_INTERPRET=1 on CPU) against PyTorch and float64.
+"""The Gram and combine Triton kernels against PyTorch and float64, on tests/device.py's DEVICE (off CUDA in
+Triton's interpreter).
 
-Rule (flash-attention's): the kernel's error against float64 is at most twice the same-dtype PyTorch
-reference's (plus a tiny floor for exactly-representable results).
+Rule (flash-attention's, tests/tolerances.py): the kernel's error against float64 is at most twice the same-dtype
+PyTorch reference's, plus a floor of 1e-7 of the largest float64 value (exactly representable results).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from device import DEVICE
+from tolerances import assert_close_to_reference
 
 from fastpals.functional import MAX_TASKS, combine_reference, gram_reference
 from fastpals.surgery import TaskGradientBuffer, gem_weights, pcgrad_weights
@@ -30,8 +33,10 @@ def max_err(a: torch.Tensor, ref64: torch.Tensor) -> float:
 
 def make_buf(t: int, p: int, dtype: torch.dtype, seed: int, row_pad: int = 0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    full = torch.randn(t, p + row_pad, generator=gen) * torch.rand(t, 1, generator=gen) * 3
-    return full.to(dtype)[:, :p]  # row_pad > 0: rows strided by p + row_pad
+    full = (torch.randn(t, p + row_pad, generator=gen) * torch.rand(t, 1, generator=gen) * 3).to(
+        DEVICE, dtype
+    )
+    return full[:, :p]  # row_pad > 0: rows strided by p + row_pad
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -44,7 +49,7 @@ def test_gram_matches_torch_and_float64(triton_mode, dtype, t, p):
     assert got.dtype == torch.float32 and got.shape == (t, t) and finite.shape == (t,)
     assert finite.all() and ref_finite.all()
     assert torch.equal(got, got.T)
-    assert max_err(got, ref64) <= 2 * max_err(ref, ref64) + 1e-7
+    assert_close_to_reference("gram", got, ref, ref64, rtol=1e-7)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -68,19 +73,19 @@ def test_reference_gram_of_long_rows_is_blocked_and_accurate(dtype, t, p):
 @pytest.mark.parametrize("t,p", [(1, 5), (3, 4099), (8, 1030), (MAX_TASKS, 257)])
 def test_combine_matches_torch_and_float64(triton_mode, dtype, out_dtype, t, p):
     buf = make_buf(t, p, dtype, seed=t + p, row_pad=3 if t == 3 else 0)
-    w = torch.randn(t, generator=torch.Generator().manual_seed(t))
-    got = combine(buf, w, torch.empty(p, dtype=out_dtype))
-    ref = combine_reference(buf.contiguous(), w, torch.empty(p, dtype=out_dtype))
+    w = torch.randn(t, generator=torch.Generator().manual_seed(t)).to(DEVICE)
+    got = combine(buf, w, torch.empty(p, dtype=out_dtype, device=DEVICE))
+    ref = combine_reference(buf.contiguous(), w, torch.empty(p, dtype=out_dtype, device=DEVICE))
     ref64 = w.double() @ buf.double()
     assert got.dtype == out_dtype
-    assert max_err(got, ref64) <= 2 * max_err(ref, ref64) + 1e-7
+    assert_close_to_reference("combine", got, ref, ref64, rtol=1e-7)
     if out_dtype != torch.float32:  # fp32 sums rounded to nearest even, as PyTorch rounds
         assert max_err(got, ref64) <= 1.01 * max_err(ref, ref64) + 1e-7
 
 
 def test_combine_float64_weights_and_default_out(triton_mode):
     buf = make_buf(4, 100, torch.float32, seed=1)
-    w = torch.randn(4, dtype=torch.float64)
+    w = torch.randn(4, dtype=torch.float64, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     got = combine(buf, w)
     assert got.dtype == torch.float32
     assert max_err(got, w @ buf.double()) < 1e-6
@@ -94,8 +99,8 @@ def test_combine_over_a_row_of_the_buffer(monkeypatch, mode, dtype):
         "fastpals_kernels.reference._IN_PLACE_CHUNK", 1 << 14
     )  # several chunks of the reference path
     buf = make_buf(5, 40001, dtype, seed=9).clone()
-    w = torch.randn(5, generator=torch.Generator().manual_seed(2))
-    expected = combine_reference(buf.clone(), w, torch.empty(40001, dtype=dtype))
+    w = torch.randn(5, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    expected = combine_reference(buf.clone(), w, torch.empty(40001, dtype=dtype, device=DEVICE))
     got = combine(buf, w, out_row=4)
     assert got.data_ptr() == buf[4].data_ptr()
     assert torch.equal(got, expected)
@@ -113,7 +118,7 @@ def test_gram_finite_check(triton_mode, bad, dtype):
 
 
 def test_gram_overflow_is_reported(triton_mode):
-    buf = torch.full((2, 10), 1e20)  # finite, but its squares overflow fp32
+    buf = torch.full((2, 10), 1e20, device=DEVICE)  # finite, but its squares overflow fp32
     buf[1] = 1.0
     _, finite = gram(buf)
     assert finite.tolist() == [False, True]
@@ -123,28 +128,28 @@ def test_kernels_validate_inputs(triton_mode):
     with pytest.raises(TypeError, match="buf"):
         gram([[1.0]])
     with pytest.raises(ValueError, match=r"\[T, P\]"):
-        gram(torch.zeros(3))
+        gram(torch.zeros(3, device=DEVICE))
     with pytest.raises(ValueError, match="T = 129"):
-        gram(torch.zeros(129, 4))
+        gram(torch.zeros(129, 4, device=DEVICE))
     with pytest.raises(TypeError, match="float32"):
-        gram(torch.zeros(2, 4, dtype=torch.float64))
+        gram(torch.zeros(2, 4, dtype=torch.float64, device=DEVICE))
     with pytest.raises(ValueError, match="contiguous"):
-        gram(torch.zeros(4, 2).T)
-    buf = torch.zeros(2, 4)
+        gram(torch.zeros(4, 2, device=DEVICE).T)
+    buf = torch.zeros(2, 4, device=DEVICE)
     with pytest.raises(ValueError, match="weights"):
-        combine(buf, torch.zeros(3))
+        combine(buf, torch.zeros(3, device=DEVICE))
     with pytest.raises(ValueError, match="weights"):
-        combine(buf, torch.zeros(2, dtype=torch.int64))
+        combine(buf, torch.zeros(2, dtype=torch.int64, device=DEVICE))
     with pytest.raises(ValueError, match="out"):
-        combine(buf, torch.zeros(2), torch.zeros(5))
+        combine(buf, torch.zeros(2, device=DEVICE), torch.zeros(5, device=DEVICE))
     with pytest.raises(ValueError, match="out"):
-        combine(buf, torch.zeros(2), torch.zeros(8)[::2])
+        combine(buf, torch.zeros(2, device=DEVICE), torch.zeros(8, device=DEVICE)[::2])
     with pytest.raises(TypeError, match="out"):
-        combine(buf, torch.zeros(2), "out")
+        combine(buf, torch.zeros(2, device=DEVICE), "out")
     with pytest.raises(ValueError, match="out_row"):
-        combine(buf, torch.zeros(2), out=buf[1])
+        combine(buf, torch.zeros(2, device=DEVICE), out=buf[1])
     with pytest.raises(ValueError, match="out_row"):
-        combine(buf, torch.zeros(2), out_row=2)
+        combine(buf, torch.zeros(2, device=DEVICE), out_row=2)
 
 
 def test_dispatch_reference_mode_uses_torch(monkeypatch):
@@ -157,9 +162,9 @@ def test_dispatch_reference_mode_uses_torch(monkeypatch):
 @pytest.mark.parametrize("aggregator", [pcgrad_weights, gem_weights])
 def test_buffer_through_the_triton_kernels(triton_mode, aggregator):
     gen = torch.Generator().manual_seed(0)
-    grads = torch.randn(4, 600, generator=gen)
+    grads = torch.randn(4, 600, generator=gen).to(DEVICE)
     grads[0] -= 2 * grads[1]
-    p = torch.nn.Parameter(torch.zeros(600))
+    p = torch.nn.Parameter(torch.zeros(600, device=DEVICE))
     buf = TaskGradientBuffer([p], 4)
     for t in range(4):
         p.grad = grads[t].clone()

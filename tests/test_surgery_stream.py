@@ -10,7 +10,6 @@ refusals. Dropout is off: exact math, fp32 within 1e-5.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -146,11 +145,13 @@ def test_streamed_gram_on_the_grouped_kernel_in_output_row_blocks(monkeypatch, m
     """The op library's path (the Triton grouped weight-gradient kernel; here in Triton's interpreter): the
     streamed Linears' Gram in blocks of output rows, each block one kernel launch per call on that block's
     columns of dy, so no [T, M, K] scratch is made. Equals the buffer on the torch path (Gram and update)."""
+    from device import DEVICE, ON_CUDA, TRITON_INTERPRETED
+
     from fastpals_kernels import dispatch
     from fastpals_kernels.dispatch import available
 
     ok, reason = available()
-    if not ok or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+    if not ok or not (ON_CUDA or TRITON_INTERPRETED):
         pytest.skip(f"Triton kernels cannot run here: {reason or 'no CUDA and TRITON_INTERPRET unset'}")
     shapes = []
     grouped = dispatch.grouped_wgrad
@@ -160,10 +161,10 @@ def test_streamed_gram_on_the_grouped_kernel_in_output_row_blocks(monkeypatch, m
         shapes.append(tuple(dw.shape))
         return dw, db
 
-    model = _tiny_model()
-    data = _tiny_batch()
+    model = _tiny_model().to(DEVICE)
+    data = {k: v.to(DEVICE) for k, v in _tiny_batch().items()}
     if missing:
-        data = select(data, torch.tensor([0, 1, 4, 5, 6, 8, 9]))
+        data = select(data, torch.tensor([0, 1, 4, 5, 6, 8, 9], device=DEVICE))
     ref = _update(model, data, "buffer", pcgrad_weights, unpad=True)
     monkeypatch.setattr(stream, "GRAM_CHUNK_BYTES_DEVICE", 1000)
     monkeypatch.setattr(dispatch, "grouped_wgrad", spy)

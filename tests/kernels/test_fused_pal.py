@@ -2,8 +2,9 @@
 and the FASTPALS_KERNELS dispatch rule.
 
 Every case checks the output and the gradients of h, the six weights and biases, and the residual. fp32 within
-1e-5 of the fp32 reference; fp16/bf16: the kernel's max error against float64 at most 2x the same-dtype
-reference's. Runs on CPU under TRITON_INTERPRET=1 (tests/conftest.py sets it).
+1e-5 of the fp32 reference; every dtype: the kernel's max error against a float64 transcription at most 2x the
+same-dtype reference's (tests/tolerances.py). Inputs are drawn on the CPU and moved to tests/device.py's DEVICE;
+off CUDA the kernels run in Triton's interpreter.
 """
 
 import math
@@ -14,6 +15,8 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from device import DEVICE, TRITON_INTERPRETED, requires_cuda
+from tolerances import assert_close_to_reference, assert_fp32_close
 
 import fastpals_kernels as kernels
 from fastpals.functional import grouped_linear_reference, pal_reference, pal_varlen_reference
@@ -42,7 +45,7 @@ TASK_MIXES = {
 
 def _weights(num_tasks, d, d_s, dtype, g):
     def rnd(*shape, scale):
-        return (torch.randn(*shape, generator=g) * scale).to(dtype).requires_grad_()
+        return (torch.randn(*shape, generator=g) * scale).to(DEVICE, dtype).requires_grad_()
 
     return [
         rnd(num_tasks, d_s, d, scale=d**-0.5),
@@ -61,19 +64,57 @@ def _grads(out, leaves, dy):
 
 def _padded_case(batch, length, d, d_s, num_tasks, dtype, residual, seed=0):
     g = torch.Generator().manual_seed(seed)
-    h = torch.randn(batch, length, d, generator=g).to(dtype).requires_grad_()
-    res = torch.randn(batch, length, d, generator=g).to(dtype).requires_grad_() if residual else None
-    dy = torch.randn(batch, length, d, generator=g).to(dtype)
-    mask = torch.ones(batch, length, dtype=torch.long)
+    h = torch.randn(batch, length, d, generator=g).to(DEVICE, dtype).requires_grad_()
+    res = torch.randn(batch, length, d, generator=g).to(DEVICE, dtype).requires_grad_() if residual else None
+    dy = torch.randn(batch, length, d, generator=g).to(DEVICE, dtype)
+    mask = torch.ones(batch, length, dtype=torch.long, device=DEVICE)
     for b in range(batch):  # lengths L, L-2, 1, L-1, ...: padding everywhere but the first example
         keep = [length, length - 2, 1, length - 1][b % 4]
         mask[b, keep:] = 0
     return h, mask, _weights(num_tasks, d, d_s, dtype, g), res, dy
 
 
-def _check_fp32(got, want, names):
-    for name, a, e in zip(names, got, want):
-        torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+def _check_fp32(got, want, names, exact=None):
+    """fp32 outputs and gradients within 1e-5 of the reference's; with ``exact`` (their float64 values), also at
+    most 2x the reference's error."""
+    for i, (name, a, e) in enumerate(zip(names, got, want)):
+        assert_fp32_close(name, a, e)
+        if exact is not None:
+            assert_close_to_reference(name, a, e, exact[i])
+
+
+def _float64(leaves):
+    return [None if t is None else t.detach().double().requires_grad_() for t in leaves]
+
+
+def _pal_transcription(h, mask, task_ids, weights, heads, gelu=True, keep=None, dropout_p=0.0):
+    """The PAL in h's dtype, softmax included (pal_reference computes it in fp32), with an explicit attention-
+    dropout keep mask [B, H, L, L] or none; mask [B, L] or None."""
+    we, be, wq, bq, wd, bd = weights
+    batch, length, _ = h.shape
+    d_s = we.shape[1]
+    s = grouped_linear_reference(h, task_ids, we, be)
+    qkv = grouped_linear_reference(s, task_ids, wq, bq).view(batch, length, 3, heads, d_s // heads)
+    q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))
+    scores = q @ k.transpose(-1, -2) / math.sqrt(d_s // heads)
+    if mask is not None:
+        scores = scores.masked_fill(~mask.bool()[:, None, None, :], torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, -1)
+    if keep is not None:
+        probs = probs * keep / (1.0 - dropout_p)
+    ctx = (probs @ v).transpose(1, 2).reshape(batch, length, d_s)
+    y = grouped_linear_reference(ctx, task_ids, wd, bd)
+    return F.gelu(y) if gelu else y
+
+
+def _pal_varlen_transcription(h, cu_seqlens, task_ids, weights, heads, gelu=True):
+    """_pal_transcription over each packed sequence of h [N, d] -> [N, d]."""
+    bounds = cu_seqlens.tolist()
+    outs = [
+        _pal_transcription(h[a:b][None], None, task_ids[i : i + 1], weights, heads, gelu)[0]
+        for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))
+    ]
+    return torch.cat(outs)
 
 
 # (d_s, heads): head dims 17, 34, 46, and the BERT-base PAL's 6 x 34 (d_s = 204, the wide-row-tile path)
@@ -89,14 +130,17 @@ def _check_fp32(got, want, names):
 )
 def test_pal_padded_fp32_matches_reference(d_s, heads, mix, gelu, residual):
     ids, num_tasks = TASK_MIXES[mix]
-    task_ids = torch.tensor(ids)
+    task_ids = torch.tensor(ids, device=DEVICE)
     h, mask, weights, res, dy = _padded_case(len(ids), 7, 40, d_s, num_tasks, torch.float32, residual)
     leaves = [h, *weights, res]
     out = kernels.pal(h, mask, task_ids, *weights, heads, gelu, 0.0, residual=res)
     ref = pal_reference(h, mask, task_ids, *weights, heads, gelu, 0.0)
     ref = ref if res is None else res + ref
+    h64, *w64, res64 = leaves64 = _float64(leaves)
+    ref64 = _pal_transcription(h64, mask, task_ids, w64, heads, gelu)
+    ref64 = ref64 if res is None else res64 + ref64
     got, want = _grads(out, leaves, dy), _grads(ref, leaves, dy)
-    _check_fp32(got, want, NAMES + ["d_residual"])
+    _check_fp32(got, want, NAMES + ["d_residual"], exact=_grads(ref64, leaves64, dy.double()))
     for t in set(range(num_tasks)) - set(ids):
         assert all(torch.count_nonzero(grad[t]) == 0 for grad in got[2:8]), f"task {t} has no examples"
 
@@ -104,21 +148,23 @@ def test_pal_padded_fp32_matches_reference(d_s, heads, mix, gelu, residual):
 @pytest.mark.parametrize("d_s, heads, gelu, residual", [(34, 2, True, True), (46, 1, False, False)])
 def test_pal_varlen_fp32_matches_reference(d_s, heads, gelu, residual):
     g = torch.Generator().manual_seed(3)
-    lengths = torch.tensor([5, 0, 9, 1, 4])
-    task_ids = torch.tensor([2, 1, 0, 2, 2])  # task 1 only on the empty sequence
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(lengths, 0)
-    n, d, max_seqlen = int(cu[-1]), 24, 9
-    h = torch.randn(n, d, generator=g).requires_grad_()
-    res = torch.randn(n, d, generator=g).requires_grad_() if residual else None
-    dy = torch.randn(n, d, generator=g)
+    lengths = [5, 0, 9, 1, 4]
+    task_ids = torch.tensor([2, 1, 0, 2, 2], device=DEVICE)  # task 1 only on the empty sequence
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    n, d, max_seqlen = sum(lengths), 24, 9
+    h = torch.randn(n, d, generator=g).to(DEVICE).requires_grad_()
+    res = torch.randn(n, d, generator=g).to(DEVICE).requires_grad_() if residual else None
+    dy = torch.randn(n, d, generator=g).to(DEVICE)
     weights = _weights(3, d, d_s, torch.float32, g)
     leaves = [h, *weights, res]
     out = kernels.pal_varlen(h, cu, max_seqlen, task_ids, *weights, heads, gelu, 0.0, residual=res)
     ref = pal_varlen_reference(h, cu, max_seqlen, task_ids, *weights, heads, gelu, 0.0)
     ref = ref if res is None else res + ref
+    h64, *w64, res64 = leaves64 = _float64(leaves)
+    ref64 = _pal_varlen_transcription(h64, cu, task_ids, w64, heads, gelu)
+    ref64 = ref64 if res is None else res64 + ref64
     got, want = _grads(out, leaves, dy), _grads(ref, leaves, dy)
-    _check_fp32(got, want, NAMES + ["d_residual"])
+    _check_fp32(got, want, NAMES + ["d_residual"], exact=_grads(ref64, leaves64, dy.double()))
     assert all(torch.count_nonzero(grad[1]) == 0 for grad in got[2:8])
 
 
@@ -126,13 +172,11 @@ def test_pal_varlen_int64_boundaries_and_one_host_read_per_tensor(monkeypatch):
     """int64 cu_seqlens follow the int32 rule (same result); the boundaries are read on the host once per tensor,
     so the PALs of every layer of one forward (same cu_seqlens object) sync once, not once per layer."""
     g = torch.Generator().manual_seed(5)
-    lengths = torch.tensor([3, 6, 2])
-    cu32 = torch.zeros(4, dtype=torch.int32)
-    cu32[1:] = torch.cumsum(lengths, 0)
+    cu32 = torch.tensor([0, 3, 9, 11], dtype=torch.int32, device=DEVICE)
     cu64 = cu32.long()
-    h = torch.randn(int(cu32[-1]), 16, generator=g)
+    h = torch.randn(11, 16, generator=g).to(DEVICE)
     weights = [w.detach() for w in _weights(2, 16, 12, torch.float32, g)]
-    task_ids = torch.tensor([1, 0, 1])
+    task_ids = torch.tensor([1, 0, 1], device=DEVICE)
     reads = []
     original = torch.Tensor.tolist
 
@@ -153,66 +197,47 @@ def test_pal_varlen_int64_boundaries_and_one_host_read_per_tensor(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_pal_half_precision_error_at_most_twice_reference(dtype):
-    task_ids = torch.tensor([2, 0, 2, 2])
+    task_ids = torch.tensor([2, 0, 2, 2], device=DEVICE)
     h, mask, weights, res, dy = _padded_case(4, 8, 48, 34, 3, dtype, residual=True, seed=5)
     leaves = [h, *weights, res]
     out = kernels.pal(h, mask, task_ids, *weights, 2, True, 0.0, residual=res)
     got = _grads(out, leaves, dy)
     want = _grads(res + pal_reference(h, mask, task_ids, *weights, 2, True, 0.0), leaves, dy)
-    leaves64 = [t.detach().double().requires_grad_() for t in leaves]
-    h64, *w64, res64 = leaves64
-    exact = _grads(res64 + pal_reference(h64, mask, task_ids, *w64, 2, True, 0.0), leaves64, dy.double())
+    h64, *w64, res64 = leaves64 = _float64(leaves)
+    exact = _grads(res64 + _pal_transcription(h64, mask, task_ids, w64, 2), leaves64, dy.double())
     for name, a, r, e in zip(NAMES + ["d_residual"], got, want, exact):
         assert a.dtype == dtype, name
-        kernel_err = (a.double() - e).abs().max().item()
-        ref_err = (r.double() - e).abs().max().item()
-        floor = 1e-6 * e.abs().max().item()
-        assert kernel_err <= 2 * ref_err + floor, (
-            f"{name}: kernel error {kernel_err:.3g} vs reference {ref_err:.3g}"
-        )
-
-
-def _pal_with_keep_mask(h, mask, task_ids, weights, heads, keep, dropout_p):
-    """The PAL with an explicit attention-dropout keep mask [B, H, L, L] (a transcription of the reference)."""
-    we, be, wq, bq, wd, bd = weights
-    batch, length, _ = h.shape
-    d_s = we.shape[1]
-    s = grouped_linear_reference(h, task_ids, we, be)
-    qkv = grouped_linear_reference(s, task_ids, wq, bq).view(batch, length, 3, heads, d_s // heads)
-    q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))
-    scores = q @ k.transpose(-1, -2) / math.sqrt(d_s // heads)
-    scores = scores.masked_fill(~mask.bool()[:, None, None, :], torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores, -1) * keep / (1.0 - dropout_p)
-    ctx = (probs @ v).transpose(1, 2).reshape(batch, length, d_s)
-    return F.gelu(grouped_linear_reference(ctx, task_ids, wd, bd))
+        assert_close_to_reference(name, a, r, e, rtol=1e-6)
 
 
 def test_pal_attention_dropout_follows_seed():
-    task_ids = torch.tensor([1, 0, 1, 1])
+    task_ids = torch.tensor([1, 0, 1, 1], device=DEVICE)
     h, mask, weights, _, dy = _padded_case(4, 8, 24, 34, 2, torch.float32, residual=False, seed=7)
     p, seed = 0.25, 1234
     out = kernels.pal(h, mask, task_ids, *weights, 2, True, p, generator_seed=seed)
-    keep = pal_attention_dropout_mask(4, 2, 8, p, seed, "cpu")
+    keep = pal_attention_dropout_mask(4, 2, 8, p, seed, DEVICE)
     assert 0 < keep.float().mean() < 1
-    ref = _pal_with_keep_mask(h, mask, task_ids, weights, 2, keep, p)
-    _check_fp32(_grads(out, [h, *weights], dy), _grads(ref, [h, *weights], dy), NAMES)
+    ref = _pal_transcription(h, mask, task_ids, weights, 2, keep=keep, dropout_p=p)
+    h64, *w64 = leaves64 = _float64([h, *weights])
+    ref64 = _pal_transcription(h64, mask, task_ids, w64, 2, keep=keep, dropout_p=p)
+    want, exact = _grads(ref, [h, *weights], dy), _grads(ref64, leaves64, dy.double())
+    _check_fp32(_grads(out, [h, *weights], dy), want, NAMES, exact=exact)
 
 
 def test_pal_varlen_dropout_equals_padded_dropout():
     """Packed and padded batches holding the same tokens drop the same probabilities for one seed."""
     g = torch.Generator().manual_seed(11)
-    lengths = torch.tensor([3, 8, 5])
-    task_ids = torch.tensor([1, 0, 1])
-    cu = torch.zeros(4, dtype=torch.int32)
-    cu[1:] = torch.cumsum(lengths, 0)
-    mask = torch.arange(8)[None, :] < lengths[:, None]
-    h_pad = torch.randn(3, 8, 24, generator=g) * mask[..., None]
+    lengths = torch.tensor([3, 8, 5], device=DEVICE)
+    task_ids = torch.tensor([1, 0, 1], device=DEVICE)
+    cu = torch.tensor([0, 3, 11, 16], dtype=torch.int32, device=DEVICE)
+    mask = torch.arange(8, device=DEVICE)[None, :] < lengths[:, None]
+    h_pad = torch.randn(3, 8, 24, generator=g).to(DEVICE) * mask[..., None]
     h_pad.requires_grad_()
     weights = _weights(2, 24, 34, torch.float32, g)
     padded = kernels.pal(h_pad, mask, task_ids, *weights, 2, True, 0.3, generator_seed=99)[mask]
     h_packed = h_pad.detach()[mask].requires_grad_()
     packed = kernels.pal_varlen(h_packed, cu, 8, task_ids, *weights, 2, True, 0.3, generator_seed=99)
-    dy = torch.randn(packed.shape, generator=g)
+    dy = torch.randn(packed.shape, generator=g).to(DEVICE)
     got = _grads(packed, [h_packed, *weights], dy)
     want = _grads(padded, [h_pad, *weights], dy)
     want[1] = want[1][mask]
@@ -222,9 +247,9 @@ def test_pal_varlen_dropout_equals_padded_dropout():
 class TestPalValidation:
     def setup_method(self):
         g = torch.Generator().manual_seed(0)
-        self.h = torch.randn(2, 5, 16)
-        self.mask = torch.ones(2, 5)
-        self.ids = torch.tensor([0, 1])
+        self.h = torch.randn(2, 5, 16, generator=g).to(DEVICE)
+        self.mask = torch.ones(2, 5, device=DEVICE)
+        self.ids = torch.tensor([0, 1], device=DEVICE)
         self.weights = [w.detach() for w in _weights(2, 16, 34, torch.float32, g)]
 
     def test_heads_must_divide_width(self):
@@ -233,48 +258,65 @@ class TestPalValidation:
 
     def test_weight_shapes(self):
         w = list(self.weights)
-        w[2] = torch.randn(2, 3 * 34, 33)
+        w[2] = torch.randn(2, 3 * 34, 33, device=DEVICE)
         with pytest.raises(ValueError, match="qkv_weight must have shape"):
             kernels.pal(self.h, self.mask, self.ids, *w, 2)
         w = list(self.weights)
-        w[5] = torch.randn(2, 17)
+        w[5] = torch.randn(2, 17, device=DEVICE)
         with pytest.raises(ValueError, match="dec_bias must have shape"):
             kernels.pal(self.h, self.mask, self.ids, *w, 2)
 
     def test_mask_residual_dtype_and_task_ids(self):
         with pytest.raises(ValueError, match="attention_mask"):
-            kernels.pal(self.h, torch.ones(2, 4), self.ids, *self.weights, 2)
+            kernels.pal(self.h, torch.ones(2, 4, device=DEVICE), self.ids, *self.weights, 2)
         with pytest.raises(ValueError, match="residual must have shape"):
-            kernels.pal(self.h, self.mask, self.ids, *self.weights, 2, residual=torch.randn(2, 5, 15))
+            kernels.pal(
+                self.h, self.mask, self.ids, *self.weights, 2, residual=torch.randn(2, 5, 15, device=DEVICE)
+            )
         with pytest.raises(TypeError, match="enc_weight has dtype torch.float16"):
             kernels.pal(self.h, self.mask, self.ids, self.weights[0].half(), *self.weights[1:], 2)
         with pytest.raises(ValueError, match="outside \\[0, 2\\)"):
-            kernels.pal(self.h, self.mask, torch.tensor([0, 2]), *self.weights, 2)
+            kernels.pal(self.h, self.mask, torch.tensor([0, 2], device=DEVICE), *self.weights, 2)
         with pytest.raises(ValueError, match="cu_seqlens must start at 0"):
             kernels.pal_varlen(
-                self.h[0], torch.tensor([0, 2, 4], dtype=torch.int32), 2, self.ids, *self.weights, 2
+                self.h[0],
+                torch.tensor([0, 2, 4], dtype=torch.int32, device=DEVICE),
+                2,
+                self.ids,
+                *self.weights,
+                2,
             )
+
+
+#: the dispatch rule for a tensor on the host, whatever DEVICE is
+HOST_TENSOR = torch.zeros(1, device="cpu")  # host: the rule under test is the CPU tensor's
 
 
 class TestDispatch:
     def test_reference_mode(self, monkeypatch):
         monkeypatch.setenv("FASTPALS_KERNELS", "reference")
-        assert kernels.use_triton(torch.zeros(1)) is False
+        assert kernels.use_triton(HOST_TENSOR) is False
 
     def test_auto_mode_uses_reference_on_cpu(self, monkeypatch):
         monkeypatch.delenv("FASTPALS_KERNELS", raising=False)
         assert kernels.kernel_mode() == "auto"
-        assert kernels.use_triton(torch.zeros(1)) is False
+        assert kernels.use_triton(HOST_TENSOR) is False
         monkeypatch.setenv("FASTPALS_KERNELS", "AUTO")
-        assert kernels.use_triton(torch.zeros(1)) is False
+        assert kernels.use_triton(HOST_TENSOR) is False
 
     def test_triton_mode_on_cpu_needs_the_interpreter(self, monkeypatch):
+        import fastpals_kernels.grouped_linear_triton  # noqa: F401 - defines the kernels before the variable changes
+
         monkeypatch.setenv("FASTPALS_KERNELS", "triton")
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-        assert kernels.use_triton(torch.zeros(1)) is True
+        if TRITON_INTERPRETED:  # the kernels are interpreted functions: a CPU tensor may run them
+            assert kernels.use_triton(HOST_TENSOR) is True
+        else:  # compiled for the GPU: setting the variable now is too late, and use_triton says so
+            with pytest.raises(RuntimeError, match="loaded before TRITON_INTERPRET=1"):
+                kernels.use_triton(HOST_TENSOR)
         monkeypatch.setenv("TRITON_INTERPRET", "0")
         with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
-            kernels.use_triton(torch.zeros(1))
+            kernels.use_triton(HOST_TENSOR)
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         with pytest.raises(RuntimeError, match="meta"):
             kernels.use_triton(torch.zeros(1, device="meta"))
@@ -290,7 +332,7 @@ class TestDispatch:
         monkeypatch.setenv("FASTPALS_KERNELS", "triton")
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         with pytest.raises(RuntimeError, match="loaded before TRITON_INTERPRET=1"):
-            kernels.use_triton(torch.zeros(1))
+            kernels.use_triton(HOST_TENSOR)
 
     def test_triton_mode_without_triton_is_an_error(self, monkeypatch):
         monkeypatch.setenv("FASTPALS_KERNELS", "triton")
@@ -300,19 +342,19 @@ class TestDispatch:
         ok, reason = kernels.available()
         assert not ok and "not importable" in reason
         with pytest.raises(RuntimeError, match="cannot run"):
-            kernels.use_triton(torch.zeros(1))
+            kernels.use_triton(HOST_TENSOR)
         monkeypatch.setenv("FASTPALS_KERNELS", "auto")
-        assert kernels.use_triton(torch.zeros(1)) is False
+        assert kernels.use_triton(HOST_TENSOR) is False
 
     def test_bad_mode(self, monkeypatch):
         monkeypatch.setenv("FASTPALS_KERNELS", "cuda")
         with pytest.raises(ValueError, match="FASTPALS_KERNELS='cuda'"):
-            kernels.use_triton(torch.zeros(1))
+            kernels.use_triton(HOST_TENSOR)
 
-    @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none present)")
+    @requires_cuda
     def test_auto_mode_uses_triton_on_cuda(self, monkeypatch):
         monkeypatch.delenv("FASTPALS_KERNELS", raising=False)
-        assert kernels.use_triton(torch.zeros(1, device="cuda")) is True
+        assert kernels.use_triton(torch.zeros(1, device=DEVICE)) is True
 
 
 def test_package_import_is_cheap_and_safe_without_triton():
@@ -361,11 +403,11 @@ def test_exported_ops_are_functions_not_modules():
 def test_pal_under_autocast_follows_the_reference(residual_dtype):
     """fp32 parameters under bf16 autocast (the model's mixed-precision path): the kernel casts like F.linear,
     returns the reference's dtype, and the fp32 parameters get fp32 gradients close to the reference's."""
-    task_ids = torch.tensor([1, 0, 1, 1])
+    task_ids = torch.tensor([1, 0, 1, 1], device=DEVICE)
     h, mask, weights, res, dy = _padded_case(4, 8, 40, 34, 2, torch.float32, residual=True, seed=9)
     res = res.detach().to(residual_dtype).requires_grad_()
     leaves = [h, *weights, res]
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
         out = kernels.pal(h, mask, task_ids, *weights, 2, True, 0.0, residual=res)
         ref = res + pal_reference(h, mask, task_ids, *weights, 2, True, 0.0)
     assert out.dtype == ref.dtype

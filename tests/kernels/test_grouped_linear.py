@@ -1,13 +1,16 @@
 """grouped_linear / grouped_linear_varlen against the per-task reference (fastpals.functional) and float64.
 
 Checked per case: the output and every gradient (x, weight, bias, residual). fp32 within 1e-5 of the fp32
-reference; fp16/bf16: the kernel's max error against float64 at most 2x the same-dtype PyTorch reference's
-(flash-attn's rule). Runs on CPU under TRITON_INTERPRET=1 (tests/conftest.py sets it).
+reference; every dtype: the kernel's max error against float64 at most 2x the same-dtype PyTorch reference's
+(flash-attn's rule, tests/tolerances.py). Inputs are drawn on the CPU and moved to tests/device.py's DEVICE; off
+CUDA the kernels run in Triton's interpreter.
 """
 
 import pytest
 import torch
 import torch.nn.functional as F
+from device import DEVICE
+from tolerances import assert_close_to_reference, assert_fp32_close
 
 from fastpals.functional import grouped_linear_reference
 from fastpals_kernels.grouped_linear_triton import grouped_linear, grouped_linear_varlen
@@ -33,11 +36,11 @@ def _reference(x, task_ids, weight, bias, activation, residual):
 def _make(shape_x, num_tasks, m, dtype, bias=True, residual=True, seed=0):
     g = torch.Generator().manual_seed(seed)
     k = shape_x[-1]
-    x = torch.randn(*shape_x, generator=g)
-    w = torch.randn(num_tasks, m, k, generator=g) / k**0.5
-    b = torch.randn(num_tasks, m, generator=g) if bias else None
-    r = torch.randn(*shape_x[:-1], m, generator=g) if residual else None
-    dy = torch.randn(*shape_x[:-1], m, generator=g)
+    x = torch.randn(*shape_x, generator=g).to(DEVICE)
+    w = (torch.randn(num_tasks, m, k, generator=g) / k**0.5).to(DEVICE)
+    b = torch.randn(num_tasks, m, generator=g).to(DEVICE) if bias else None
+    r = torch.randn(*shape_x[:-1], m, generator=g).to(DEVICE) if residual else None
+    dy = torch.randn(*shape_x[:-1], m, generator=g).to(DEVICE)
     leaves = [t.to(dtype).requires_grad_() if t is not None else None for t in (x, w, b, r)]
     return leaves, dy.to(dtype)
 
@@ -53,13 +56,25 @@ def _as64(leaves):
     return [t.detach().double().requires_grad_() if t is not None else None for t in leaves]
 
 
+def _check_fp32(kernel, reference, leaves, dy, names=("y", "dx", "dW", "db", "dres")):
+    """Run both on fp32 ``leaves`` and ``reference`` on their float64 copies: the kernel's output and gradients
+    within 1e-5 of the fp32 reference's and at most 2x its error against float64. Returns the kernel's."""
+    got, want = _run(kernel, leaves, dy), _run(reference, leaves, dy)
+    exact = _run(reference, _as64(leaves), dy.double())
+    assert len(got) == len(want) == len(exact)
+    for name, a, e, e64 in zip(names, got, want, exact):
+        assert_fp32_close(name, a, e)
+        assert_close_to_reference(name, a, e, e64)
+    return got
+
+
 @pytest.mark.parametrize(
     "bias, activation, residual", [(True, "gelu", True), (False, None, False), (True, None, True)]
 )
 @pytest.mark.parametrize("mix", list(TASK_MIXES))
 def test_padded_fp32_matches_reference(mix, bias, activation, residual):
     ids, num_tasks = TASK_MIXES[mix]
-    task_ids = torch.tensor(ids)
+    task_ids = torch.tensor(ids, device=DEVICE)
     leaves, dy = _make((len(ids), 5, 80), num_tasks, 24, torch.float32, bias, residual)
 
     def kernel(x, w, b, r):
@@ -68,9 +83,8 @@ def test_padded_fp32_matches_reference(mix, bias, activation, residual):
     def reference(x, w, b, r):
         return _reference(x, task_ids, w, b, activation, r)
 
-    got, want = _run(kernel, leaves, dy), _run(reference, leaves, dy)
-    for name, a, e in zip(["y", "dx", "dW", "db", "dres"], got, want):
-        torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    names = ["y", "dx", "dW"] + ["db"] * bias + ["dres"] * residual
+    got = _check_fp32(kernel, reference, leaves, dy, names)
     dw = got[2]
     for t in range(num_tasks):
         if t not in ids:
@@ -91,8 +105,10 @@ def test_padded_fp32_matches_reference(mix, bias, activation, residual):
 def test_sizes_and_zipf_task_mix_fp32(k, m, num_tasks, bias, activation):
     """Odd and tiny feature sizes; tasks drawn from a Zipf-like law over many tasks (most examples on task 0)."""
     g = torch.Generator().manual_seed(k * 1000 + m)
-    probs = 1.0 / torch.arange(1, num_tasks + 1, dtype=torch.float64)
-    task_ids = torch.multinomial(probs / probs.sum(), 12, replacement=True, generator=g)
+    zipf = 1.0 / torch.arange(
+        1, num_tasks + 1, dtype=torch.float64
+    )  # multinomial normalizes; host: drawn by g
+    task_ids = torch.multinomial(zipf, 12, replacement=True, generator=g).to(DEVICE)
     leaves, dy = _make((12, 3, k), num_tasks, m, torch.float32, bias, residual=True, seed=k + m)
 
     def kernel(x, w, b, r):
@@ -101,13 +117,12 @@ def test_sizes_and_zipf_task_mix_fp32(k, m, num_tasks, bias, activation):
     def reference(x, w, b, r):
         return _reference(x, task_ids, w, b, activation, r)
 
-    for a, e in zip(_run(kernel, leaves, dy), _run(reference, leaves, dy)):
-        torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5)
+    _check_fp32(kernel, reference, leaves, dy, names=["y", "dx", "dW"] + ["db"] * bias + ["dres"])
 
 
 def test_many_tiles_per_task_fp32():
     """160 rows, 140 of one task: several row tiles per task, several row blocks in the weight gradient."""
-    task_ids = torch.tensor([2, 2, 0, 2, 2, 2, 2, 2])
+    task_ids = torch.tensor([2, 2, 0, 2, 2, 2, 2, 2], device=DEVICE)
     leaves, dy = _make((8, 20, 48), 3, 40, torch.float32)
 
     def kernel(x, w, b, r):
@@ -116,12 +131,11 @@ def test_many_tiles_per_task_fp32():
     def reference(x, w, b, r):
         return _reference(x, task_ids, w, b, "gelu", r)
 
-    for a, e in zip(_run(kernel, leaves, dy), _run(reference, leaves, dy)):
-        torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5)
+    _check_fp32(kernel, reference, leaves, dy)
 
 
 def test_two_dim_input_fp32():
-    task_ids = torch.tensor([1, 0, 1, 1, 0])
+    task_ids = torch.tensor([1, 0, 1, 1, 0], device=DEVICE)
     leaves, dy = _make((5, 33), 2, 17, torch.float32)
 
     def kernel(x, w, b, r):
@@ -130,18 +144,16 @@ def test_two_dim_input_fp32():
     def reference(x, w, b, r):
         return _reference(x, task_ids, w, b, "gelu", r)
 
-    for a, e in zip(_run(kernel, leaves, dy), _run(reference, leaves, dy)):
-        torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5)
+    _check_fp32(kernel, reference, leaves, dy)
 
 
 @pytest.mark.parametrize("activation, residual", [("gelu", True), (None, False)])
 def test_varlen_fp32_matches_reference(activation, residual):
-    lengths = torch.tensor([4, 0, 7, 1, 9, 3])  # an empty sequence included
-    task_ids = torch.tensor([0, 1, 3, 0, 3, 0])  # task 2 unused
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(lengths, 0)
+    lengths = torch.tensor([4, 0, 7, 1, 9, 3], device=DEVICE)  # an empty sequence included
+    task_ids = torch.tensor([0, 1, 3, 0, 3, 0], device=DEVICE)  # task 2 unused
+    cu = torch.tensor([0, 4, 4, 11, 12, 21, 24], dtype=torch.int32, device=DEVICE)
     row_tasks = torch.repeat_interleave(task_ids, lengths)
-    leaves, dy = _make((int(cu[-1]), 36), 4, 20, torch.float32, residual=residual)
+    leaves, dy = _make((24, 36), 4, 20, torch.float32, residual=residual)
 
     def kernel(x, w, b, r):
         return grouped_linear_varlen(x, cu, task_ids, w, b, activation, r)
@@ -149,15 +161,14 @@ def test_varlen_fp32_matches_reference(activation, residual):
     def reference(x, w, b, r):  # every packed row is its own example
         return _reference(x, row_tasks, w, b, activation, r)
 
-    for a, e in zip(_run(kernel, leaves, dy), _run(reference, leaves, dy)):
-        torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5)
+    _check_fp32(kernel, reference, leaves, dy, names=["y", "dx", "dW", "db"] + ["dres"] * residual)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("mix", ["skewed", "empty_task"])
 def test_half_precision_error_at_most_twice_reference(dtype, mix):
     ids, num_tasks = TASK_MIXES[mix]
-    task_ids = torch.tensor(ids)
+    task_ids = torch.tensor(ids, device=DEVICE)
     leaves, dy = _make((len(ids), 6, 72), num_tasks, 40, dtype, seed=1)
 
     def kernel(x, w, b, r):
@@ -171,39 +182,38 @@ def test_half_precision_error_at_most_twice_reference(dtype, mix):
     exact = _run(reference, _as64(leaves), dy.double())
     for name, a, r, e in zip(["y", "dx", "dW", "db", "dres"], got, ref, exact):
         assert a.dtype == dtype
-        kernel_err = (a.double() - e).abs().max().item()
-        ref_err = (r.double() - e).abs().max().item()
-        floor = 1e-6 * e.abs().max().item()  # where the reference is exact (dres = dy) allow rounding noise
-        assert kernel_err <= 2 * ref_err + floor, (
-            f"{name}: kernel error {kernel_err:.3g} vs reference {ref_err:.3g}"
-        )
+        assert_close_to_reference(name, a, r, e, rtol=1e-6)  # rtol: where the reference is exact (dres = dy)
 
 
 def test_no_grad_inputs_and_partial_grads():
     """Only the weight needs a gradient (a frozen input, e.g. the first PAL layer): dx is not computed."""
-    task_ids = torch.tensor([0, 1, 1])
-    x = torch.randn(3, 4, 20)
-    w = torch.randn(2, 16, 20, requires_grad=True)
+    g = torch.Generator().manual_seed(0)
+    task_ids = torch.tensor([0, 1, 1], device=DEVICE)
+    x = torch.randn(3, 4, 20, generator=g).to(DEVICE)
+    w = torch.randn(2, 16, 20, generator=g).to(DEVICE).requires_grad_()
     out = grouped_linear(x, task_ids, w)
     (dw,) = torch.autograd.grad(out.sum(), [w])
     (dw_ref,) = torch.autograd.grad(grouped_linear_reference(x, task_ids, w, None).sum(), [w])
-    torch.testing.assert_close(dw, dw_ref, atol=1e-5, rtol=1e-5)
+    w64 = w.detach().double().requires_grad_()
+    (dw64,) = torch.autograd.grad(grouped_linear_reference(x.double(), task_ids, w64, None).sum(), [w64])
+    assert_fp32_close("dW", dw, dw_ref)
+    assert_close_to_reference("dW", dw, dw_ref, dw64)
 
 
 class TestValidation:
     def setup_method(self):
-        self.x = torch.randn(3, 4, 8)
-        self.w = torch.randn(2, 5, 8)
-        self.b = torch.randn(2, 5)
+        self.x = torch.randn(3, 4, 8, device=DEVICE)
+        self.w = torch.randn(2, 5, 8, device=DEVICE)
+        self.b = torch.randn(2, 5, device=DEVICE)
 
     @pytest.mark.parametrize(
         "task_ids, error, match",
         [
-            (torch.tensor([0, 2, 1]), ValueError, "outside \\[0, 2\\)"),
-            (torch.tensor([0, -1, 1]), ValueError, "-1"),
-            (torch.tensor([0.0, 1.0, 1.0]), TypeError, "integer dtype"),
-            (torch.tensor([0, 1]), ValueError, "shape \\[3\\]"),
-            (torch.tensor([[0, 1, 1]]), ValueError, "shape \\[3\\]"),
+            (torch.tensor([0, 2, 1], device=DEVICE), ValueError, "outside \\[0, 2\\)"),
+            (torch.tensor([0, -1, 1], device=DEVICE), ValueError, "-1"),
+            (torch.tensor([0.0, 1.0, 1.0], device=DEVICE), TypeError, "integer dtype"),
+            (torch.tensor([0, 1], device=DEVICE), ValueError, "shape \\[3\\]"),
+            (torch.tensor([[0, 1, 1]], device=DEVICE), ValueError, "shape \\[3\\]"),
             ([0, 1, 1], TypeError, "torch.Tensor"),
             (torch.tensor([0, 1, 1], device="meta"), ValueError, "task_ids is on meta"),
         ],
@@ -214,40 +224,43 @@ class TestValidation:
 
     def test_dtype_mismatch(self):
         with pytest.raises(TypeError, match="weight has dtype torch.float16"):
-            grouped_linear(self.x, torch.tensor([0, 1, 1]), self.w.half(), None)
+            grouped_linear(self.x, torch.tensor([0, 1, 1], device=DEVICE), self.w.half(), None)
         with pytest.raises(TypeError, match="bias has dtype torch.float64"):
-            grouped_linear(self.x, torch.tensor([0, 1, 1]), self.w, self.b.double())
+            grouped_linear(self.x, torch.tensor([0, 1, 1], device=DEVICE), self.w, self.b.double())
 
     def test_shape_mismatch(self):
-        ids = torch.tensor([0, 1, 1])
+        ids = torch.tensor([0, 1, 1], device=DEVICE)
         with pytest.raises(ValueError, match="K must match"):
-            grouped_linear(self.x, ids, torch.randn(2, 5, 9))
+            grouped_linear(self.x, ids, torch.randn(2, 5, 9, device=DEVICE))
         with pytest.raises(ValueError, match="bias must have shape"):
-            grouped_linear(self.x, ids, self.w, torch.randn(3, 5))
+            grouped_linear(self.x, ids, self.w, torch.randn(3, 5, device=DEVICE))
         with pytest.raises(ValueError, match="residual must have"):
-            grouped_linear(self.x, ids, self.w, self.b, residual=torch.randn(3, 4, 6))
+            grouped_linear(self.x, ids, self.w, self.b, residual=torch.randn(3, 4, 6, device=DEVICE))
         with pytest.raises(ValueError, match="activation"):
             grouped_linear(self.x, ids, self.w, self.b, activation="relu")
 
     def test_bad_cu_seqlens(self):
-        x = torch.randn(6, 8)
-        ids = torch.tensor([0, 1])
+        x = torch.randn(6, 8, device=DEVICE)
+        ids = torch.tensor([0, 1], device=DEVICE)
         with pytest.raises(ValueError, match="end at the number of packed rows 6"):
-            grouped_linear_varlen(x, torch.tensor([0, 2, 5], dtype=torch.int32), ids, self.w)
+            grouped_linear_varlen(x, torch.tensor([0, 2, 5], dtype=torch.int32, device=DEVICE), ids, self.w)
         with pytest.raises(ValueError, match="non-decreasing"):
             grouped_linear_varlen(
-                x, torch.tensor([0, 4, 2, 6], dtype=torch.int32), torch.tensor([0, 1, 1]), self.w
+                x,
+                torch.tensor([0, 4, 2, 6], dtype=torch.int32, device=DEVICE),
+                torch.tensor([0, 1, 1], device=DEVICE),
+                self.w,
             )
         with pytest.raises(TypeError, match="int32 or int64"):
-            grouped_linear_varlen(x, torch.tensor([0.0, 2.0, 6.0]), ids, self.w)
+            grouped_linear_varlen(x, torch.tensor([0.0, 2.0, 6.0], device=DEVICE), ids, self.w)
         with pytest.raises(ValueError, match="task_ids must have shape \\[1\\]"):
-            grouped_linear_varlen(x, torch.tensor([0, 6], dtype=torch.int32), ids, self.w)
+            grouped_linear_varlen(x, torch.tensor([0, 6], dtype=torch.int32, device=DEVICE), ids, self.w)
 
 
 def test_plan_cache_reuses_validated_plans_and_sees_in_place_changes():
     from fastpals_kernels.common import task_row_plan
 
-    task_ids = torch.tensor([0, 1, 1])
+    task_ids = torch.tensor([0, 1, 1], device=DEVICE)
     plan = task_row_plan(task_ids, 2, 12, task_ids.device, batch=3, seq_len=4)
     assert task_row_plan(task_ids, 2, 12, task_ids.device, batch=3, seq_len=4) is plan  # e.g. the next layer
     assert task_row_plan(task_ids, 3, 12, task_ids.device, batch=3, seq_len=4) is not plan  # other sizes
@@ -258,8 +271,8 @@ def test_plan_cache_reuses_validated_plans_and_sees_in_place_changes():
     task_ids[0] = 5
     with pytest.raises(ValueError, match="outside \\[0, 2\\)"):
         task_row_plan(task_ids, 2, 12, task_ids.device, batch=3, seq_len=4)
-    cu = torch.tensor([0, 5, 7], dtype=torch.int32)
-    ids = torch.tensor([1, 0])
+    cu = torch.tensor([0, 5, 7], dtype=torch.int32, device=DEVICE)
+    ids = torch.tensor([1, 0], device=DEVICE)
     varlen = task_row_plan(ids, 2, 7, ids.device, cu_seqlens=cu)
     assert task_row_plan(ids, 2, 7, ids.device, cu_seqlens=cu) is varlen
     cu[1] = 8

@@ -1,7 +1,7 @@
 """The PAL modules dispatch to the fused kernels and give the reference path's outputs and gradients.
 
-On CPU this runs the Triton kernels in interpreter mode (``FASTPALS_KERNELS=triton``, ``TRITON_INTERPRET=1``);
-on a GPU it runs them compiled.
+On tests/device.py's DEVICE: off CUDA the Triton kernels run in interpreter mode (``FASTPALS_KERNELS=triton``,
+``TRITON_INTERPRET=1``); on a GPU they run compiled.
 """
 
 import copy
@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 import torch
+from device import DEVICE
 
 from fastpals.encoder.bert import BertConfig, BertModel, PALConfig
 
@@ -20,14 +21,14 @@ TINY = BertConfig(
 )  # fmt: skip
 
 
-def _run(model, mode, monkeypatch, unpad, device):
+def _run(model, mode, monkeypatch, unpad):
     monkeypatch.setenv("FASTPALS_KERNELS", mode)
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, 64, (4, 11), generator=g).to(device)
-    mask = torch.ones(4, 11, dtype=torch.long, device=device)
+    ids = torch.randint(1, 64, (4, 11), generator=g).to(DEVICE)
+    mask = torch.ones(4, 11, dtype=torch.long, device=DEVICE)
     mask[1, 6:] = 0
     mask[3, 2:] = 0
-    tasks = torch.tensor([2, 0, 2, 0], device=device)  # task 1 has no examples
+    tasks = torch.tensor([2, 0, 2, 0], device=DEVICE)  # task 1 has no examples
     model.zero_grad(set_to_none=True)
     out = model(ids, mask, task_ids=tasks, unpad=unpad)
     loss = (out.last_hidden_state * mask[..., None]).pow(2).mean() + out.pooler_output.sum()
@@ -46,16 +47,15 @@ def _run(model, mode, monkeypatch, unpad, device):
     ids=["dh34", "dh17_gate"],
 )
 def test_fused_model_equals_reference(monkeypatch, unpad, pal):
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
-    model = BertModel(TINY, pal=dataclasses.replace(pal, dropout=0.0)).to(device).train()
-    ref_out, ref_grads = _run(model, "reference", monkeypatch, unpad, device)
+    model = BertModel(TINY, pal=dataclasses.replace(pal, dropout=0.0)).to(DEVICE).train()
+    ref_out, ref_grads = _run(model, "reference", monkeypatch, unpad)
     import fastpals_kernels as kernels
 
     name = "pal_varlen" if unpad else "pal"
     fused_op, calls = getattr(kernels, name), []
     monkeypatch.setitem(kernels.__dict__, name, lambda *a, **k: calls.append(1) or fused_op(*a, **k))
-    fused_out, fused_grads = _run(copy.deepcopy(model), "triton", monkeypatch, unpad, device)
+    fused_out, fused_grads = _run(copy.deepcopy(model), "triton", monkeypatch, unpad)
     assert len(calls) == TINY.num_hidden_layers, "the PAL modules did not dispatch to the fused kernels"
     torch.testing.assert_close(fused_out, ref_out, atol=1e-5, rtol=1e-5)
     assert ref_grads.keys() == fused_grads.keys()
@@ -67,4 +67,4 @@ def test_auto_mode_uses_reference_on_cpu(monkeypatch):
     import fastpals_kernels as kernels
 
     monkeypatch.setenv("FASTPALS_KERNELS", "auto")
-    assert kernels.use_triton(torch.zeros(1)) is False
+    assert kernels.use_triton(torch.zeros(1, device="cpu")) is False  # host: the rule for a CPU tensor

@@ -1,12 +1,16 @@
 """Tests of the flash-style PAL attention kernels against fastpals.functional's attention references.
 
-On CPU the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1), so shapes are small.
+Inputs are drawn on the CPU and moved to tests/device.py's DEVICE. Off CUDA the kernels run in Triton's interpreter,
+so shapes are small. fp32: within 1e-5 of the fp32 reference, and (as every dtype) at most 2x its error against a
+float64 transcription (tests/tolerances.py).
 """
 
 import math
 
 import pytest
 import torch
+from device import DEVICE, ON_CUDA, requires_cuda
+from tolerances import assert_close_to_reference, assert_fp32_close
 
 from fastpals.functional import attention_reference, attention_varlen_reference
 from fastpals_kernels.pal_attention_triton import (
@@ -17,13 +21,6 @@ from fastpals_kernels.pal_attention_triton import (
 )
 
 pytestmark = pytest.mark.kernels
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-requires_cuda = pytest.mark.skipif(
-    not torch.cuda.is_available(),
-    reason="GPU-sized shapes and launch configs; needs a CUDA GPU (none present)",
-)
-FP32_ATOL = 1e-5
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -56,33 +53,40 @@ def split_qkv_grad(grad):
     return dict(zip(("dq", "dk", "dv"), grad.unflatten(-1, (3, -1)).unbind(-2)))
 
 
-def assert_close_fp32(name, actual, expected):
-    err = (actual - expected).abs().max().item()
-    assert err <= FP32_ATOL, f"{name}: max abs error {err:.3g} > {FP32_ATOL}"
+def assert_fp32_matches(name, got, ref, ref64):
+    """fp32 rule: within 1e-5 of the fp32 reference and at most 2x its error against float64."""
+    assert_fp32_close(name, got, ref)
+    assert_close_to_reference(name, got, ref, ref64)
 
 
-def assert_within_2x_reference(name, kernel, reference, reference64, slack):
-    """flash-attn's rule: kernel error vs float64 <= 2 x (same-dtype PyTorch reference error vs float64) + slack."""
-    err_kernel = (kernel.double() - reference64).abs().max().item()
-    err_reference = (reference.double() - reference64).abs().max().item()
-    assert math.isfinite(err_kernel), f"{name}: kernel produced non-finite values"
-    assert err_kernel <= 2 * err_reference + slack, (
-        f"{name}: kernel error {err_kernel:.3g} > 2 x reference error {err_reference:.3g} + {slack:g}"
-    )
+def float64_qkv(qkv, *view):
+    """A float64 leaf copy of a packed projection output and its q, k, v views (split on dim -3)."""
+    qkv64 = qkv.detach().double().requires_grad_()
+    return (qkv64, *qkv64.view(*view).unbind(-3))
 
 
-def attention_with_keep_mask(q, k, v, key_padding_mask, keep, dropout_p, softmax_scale=None):
-    """attention_reference with F.dropout replaced by a given keep mask [B, H, L, L] (same op order)."""
+def attention_with_keep_mask(q, k, v, key_padding_mask, keep=None, dropout_p=0.0, softmax_scale=None):
+    """attention_reference's op order with F.dropout replaced by a given keep mask [B, H, L, L] (or none); the
+    softmax in fp32, or in float64 for float64 inputs (attention_reference computes it in fp32 always)."""
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    softmax_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
-    scores = torch.matmul(qh, kh.transpose(-1, -2)).float() * scale
+    scores = torch.matmul(qh, kh.transpose(-1, -2)).to(softmax_dtype) * scale
     if key_padding_mask is not None:
-        bias = torch.zeros(scores.shape[0], 1, 1, scores.shape[-1], device=scores.device)
+        bias = torch.zeros(scores.shape[0], 1, 1, scores.shape[-1], dtype=softmax_dtype, device=scores.device)
         bias = bias.masked_fill(~key_padding_mask.bool()[:, None, None, :], torch.finfo(torch.float32).min)
         scores = scores + bias
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    probs = probs * (keep.to(q.dtype) / (1.0 - dropout_p))
+    if keep is not None:
+        probs = probs * (keep.to(q.dtype) / (1.0 - dropout_p))
     return torch.matmul(probs, vh).transpose(1, 2)
+
+
+def varlen_attention_float64(q, k, v, cu_seqlens):
+    """attention_with_keep_mask over each packed sequence of float64 q, k, v [N, H, Dh] -> [N, H, Dh]."""
+    bounds = cu_seqlens.tolist()
+    rows = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+    return torch.cat([attention_with_keep_mask(q[r][None], k[r][None], v[r][None], None)[0] for r in rows])
 
 
 def varlen_inputs(lengths, heads, head_dim, dtype=torch.float32, seed=0):
@@ -124,13 +128,18 @@ def test_padded_fp32_matches_reference(heads, head_dim, lengths, scale):
     out_grad = randn(batch, length, heads, head_dim, seed=100)
     out, grad = out_and_grad(pal_attention(q, k, v, mask, softmax_scale=scale), qkv, out_grad)
     ref, ref_grad = out_and_grad(attention_reference(q, k, v, mask, softmax_scale=scale), qkv, out_grad)
+    qkv64, q64, k64, v64 = float64_qkv(qkv, batch, length, 3, heads, head_dim)
+    ref64, ref64_grad = out_and_grad(
+        attention_with_keep_mask(q64, k64, v64, mask, softmax_scale=scale), qkv64, out_grad.double()
+    )
     assert (
         out.shape == (batch, length, heads, head_dim) and out.is_contiguous() and out.dtype == torch.float32
     )
     assert torch.isfinite(out).all() and torch.isfinite(grad).all()
-    assert_close_fp32("out", out, ref)
-    for (name, g), r in zip(split_qkv_grad(grad).items(), split_qkv_grad(ref_grad).values()):
-        assert_close_fp32(name, g, r)
+    assert_fp32_matches("out", out, ref, ref64)
+    for name in ("dq", "dk", "dv"):
+        g, r, r64 = (split_qkv_grad(x)[name] for x in (grad, ref_grad, ref64_grad))
+        assert_fp32_matches(name, g, r, r64)
 
 
 def test_varlen_fp32_matches_reference():
@@ -143,9 +152,11 @@ def test_varlen_fp32_matches_reference():
     out_grad = randn(sum(lengths), heads, head_dim, seed=101)
     out, grad = out_and_grad(pal_attention_varlen(q, k, v, cu, 20), qkv, out_grad)
     ref, ref_grad = out_and_grad(attention_varlen_reference(q, k, v, cu, 20), qkv, out_grad)
+    qkv64, q64, k64, v64 = float64_qkv(qkv, sum(lengths), 3, heads, head_dim)
+    ref64, ref64_grad = out_and_grad(varlen_attention_float64(q64, k64, v64, cu), qkv64, out_grad.double())
     assert out.shape == (sum(lengths), heads, head_dim) and out.is_contiguous()
-    assert_close_fp32("out", out, ref)
-    assert_close_fp32("dq, dk, dv", grad, ref_grad)
+    assert_fp32_matches("out", out, ref, ref64)
+    assert_fp32_matches("dq, dk, dv", grad, ref_grad, ref64_grad)
 
 
 def test_head_dim_extremes_fp32():
@@ -156,8 +167,12 @@ def test_head_dim_extremes_fp32():
         out_grad = randn(2, 7, 2, head_dim, seed=200 + seed)
         out, grad = out_and_grad(pal_attention(q, k, v, mask), qkv, out_grad)
         ref, ref_grad = out_and_grad(attention_reference(q, k, v, mask), qkv, out_grad)
-        assert_close_fp32(f"Dh={head_dim} out", out, ref)
-        assert_close_fp32(f"Dh={head_dim} dq, dk, dv", grad, ref_grad)
+        qkv64, q64, k64, v64 = float64_qkv(qkv, 2, 7, 3, 2, head_dim)
+        ref64, ref64_grad = out_and_grad(
+            attention_with_keep_mask(q64, k64, v64, mask), qkv64, out_grad.double()
+        )
+        assert_fp32_matches(f"Dh={head_dim} out", out, ref, ref64)
+        assert_fp32_matches(f"Dh={head_dim} dq, dk, dv", grad, ref_grad, ref64_grad)
 
 
 def test_layouts_and_partial_gradients():
@@ -168,10 +183,13 @@ def test_layouts_and_partial_gradients():
     mask = ragged_mask([9, 4], 9).to(torch.int64)
     out = pal_attention(q, k, v, mask)
     ref = attention_reference(q, k, v, mask)
-    assert_close_fp32("out", out, ref)
+    q64 = q.detach().double().requires_grad_()
+    ref64 = attention_with_keep_mask(q64, k.double(), v.double(), mask)
+    assert_fp32_matches("out", out, ref, ref64)
     (dq,) = torch.autograd.grad(out.sum(), q)  # sum().backward() hands in an expanded, stride-0 gradient
     (ref_dq,) = torch.autograd.grad(ref.sum(), q)
-    assert_close_fp32("dq", dq, ref_dq)
+    (ref64_dq,) = torch.autograd.grad(ref64.sum(), q64)
+    assert_fp32_matches("dq", dq, ref_dq, ref64_dq)
     empty = torch.randn(0, 5, 2, 17, device=DEVICE, requires_grad=True)
     out = pal_attention(empty, empty, empty)
     assert out.shape == (0, 5, 2, 17)
@@ -189,31 +207,27 @@ def test_low_precision_within_2x_reference_error(dtype):
     qkv, q, k, v = packed_qkv(len(lengths), 20, heads, head_dim, dtype=dtype, seed=7)
     mask = ragged_mask(lengths, 20)
     out_grad = randn(len(lengths), 20, heads, head_dim, seed=102, dtype=dtype)
-    qkv64 = qkv.detach().double().requires_grad_()
-    q64, k64, v64 = qkv64.view(len(lengths), 20, 3, heads, head_dim).unbind(2)
-    ref64, ref64_grad = out_and_grad(attention_reference(q64, k64, v64, mask), qkv64, out_grad.double())
+    qkv64, q64, k64, v64 = float64_qkv(qkv, len(lengths), 20, 3, heads, head_dim)
+    ref64, ref64_grad = out_and_grad(attention_with_keep_mask(q64, k64, v64, mask), qkv64, out_grad.double())
     ref, ref_grad = out_and_grad(attention_reference(q, k, v, mask), qkv, out_grad)
     out, grad = out_and_grad(pal_attention(q, k, v, mask), qkv, out_grad)
     assert out.dtype == dtype and grad.dtype == dtype
-    assert_within_2x_reference("out", out, ref, ref64, slack=1e-4)
+    assert_close_to_reference("out", out, ref, ref64, rtol=0.0, atol=1e-4)
     for name in ("dq", "dk", "dv"):
         g, r, r64 = (split_qkv_grad(x)[name] for x in (grad, ref_grad, ref64_grad))
-        assert_within_2x_reference(name, g, r, r64, slack=1e-4)
+        assert_close_to_reference(name, g, r, r64, rtol=0.0, atol=1e-4)
 
     lengths = [5, 1, 17]
     qkv, q, k, v, cu = varlen_inputs(lengths, 2, 17, dtype=dtype, seed=8)
-    qkv64 = qkv.detach().double().requires_grad_()
-    q64, k64, v64 = qkv64.view(sum(lengths), 3, 2, 17).unbind(1)
+    qkv64, q64, k64, v64 = float64_qkv(qkv, sum(lengths), 3, 2, 17)
     out_grad = randn(sum(lengths), 2, 17, seed=103, dtype=dtype)
-    ref64, ref64_grad = out_and_grad(
-        attention_varlen_reference(q64, k64, v64, cu, 17), qkv64, out_grad.double()
-    )
+    ref64, ref64_grad = out_and_grad(varlen_attention_float64(q64, k64, v64, cu), qkv64, out_grad.double())
     ref, ref_grad = out_and_grad(attention_varlen_reference(q, k, v, cu, 17), qkv, out_grad)
     out, grad = out_and_grad(pal_attention_varlen(q, k, v, cu, 17), qkv, out_grad)
-    assert_within_2x_reference("varlen out", out, ref, ref64, slack=1e-4)
+    assert_close_to_reference("varlen out", out, ref, ref64, rtol=0.0, atol=1e-4)
     for name in ("dq", "dk", "dv"):
         g, r, r64 = (split_qkv_grad(x)[name] for x in (grad, ref_grad, ref64_grad))
-        assert_within_2x_reference("varlen " + name, g, r, r64, slack=1e-4)
+        assert_close_to_reference("varlen " + name, g, r, r64, rtol=0.0, atol=1e-4)
 
 
 @requires_cuda
@@ -225,18 +239,17 @@ def test_gpu_sizes_within_2x_reference_error(dtype, heads, head_dim):
     qkv, q, k, v = packed_qkv(len(lengths), 300, heads, head_dim, dtype=dtype, seed=head_dim)
     mask = ragged_mask(lengths, 300)
     out_grad = randn(len(lengths), 300, heads, head_dim, seed=104, dtype=dtype)
-    qkv64 = qkv.detach().double().requires_grad_()
-    q64, k64, v64 = qkv64.view(len(lengths), 300, 3, heads, head_dim).unbind(2)
-    ref64, ref64_grad = out_and_grad(attention_reference(q64, k64, v64, mask), qkv64, out_grad.double())
+    qkv64, q64, k64, v64 = float64_qkv(qkv, len(lengths), 300, 3, heads, head_dim)
+    ref64, ref64_grad = out_and_grad(attention_with_keep_mask(q64, k64, v64, mask), qkv64, out_grad.double())
     ref, ref_grad = out_and_grad(attention_reference(q, k, v, mask), qkv, out_grad)
     out, grad = out_and_grad(pal_attention(q, k, v, mask), qkv, out_grad)
-    slack = 1e-5 if dtype == torch.float32 else 1e-4
+    floor = {"rtol": 0.0, "atol": 1e-5 if dtype == torch.float32 else 1e-4}
     if dtype == torch.float32:
-        assert_close_fp32("out", out, ref)
-    assert_within_2x_reference("out", out, ref, ref64, slack=slack)
+        assert_fp32_close("out", out, ref)
+    assert_close_to_reference("out", out, ref, ref64, **floor)
     for name in ("dq", "dk", "dv"):
         g, r, r64 = (split_qkv_grad(x)[name] for x in (grad, ref_grad, ref64_grad))
-        assert_within_2x_reference(name, g, r, r64, slack=slack)
+        assert_close_to_reference(name, g, r, r64, **floor)
 
 
 # ------------------------------------------------------------------------------------------------ dropout
@@ -253,7 +266,7 @@ def test_dropout_mask_statistics_and_determinism():
     assert (keep != other_seed).float().mean().item() > 0.3  # independent masks differ in 2p(1-p) = 42%
     flat = keep.view(6, -1).float()
     assert (
-        (flat[:, None] - flat[None]).abs().mean(-1) + torch.eye(6)
+        (flat[:, None] - flat[None]).abs().mean(-1) + torch.eye(6, device=DEVICE)
     ).min().item() > 0.3  # heads/batches differ
 
 
@@ -265,8 +278,12 @@ def test_dropout_matches_masked_reference():
     out_grad = randn(3, 19, heads, head_dim, seed=105)
     out, grad = out_and_grad(pal_attention(q, k, v, mask, dropout_p=p, generator_seed=99), qkv, out_grad)
     ref, ref_grad = out_and_grad(attention_with_keep_mask(q, k, v, mask, keep, p), qkv, out_grad)
-    assert_close_fp32("out", out, ref)
-    assert_close_fp32("dq, dk, dv", grad, ref_grad)
+    qkv64, q64, k64, v64 = float64_qkv(qkv, 3, 19, 3, heads, head_dim)
+    ref64, ref64_grad = out_and_grad(
+        attention_with_keep_mask(q64, k64, v64, mask, keep, p), qkv64, out_grad.double()
+    )
+    assert_fp32_matches("out", out, ref, ref64)
+    assert_fp32_matches("dq, dk, dv", grad, ref_grad, ref64_grad)
     no_drop = attention_reference(q, k, v, mask)
     assert (out - no_drop).abs().max().item() > 0.1  # dropout did something
 
@@ -276,14 +293,14 @@ def test_dropout_matches_masked_reference():
     cu = torch.tensor([0, 19, 25, 26], dtype=torch.int32, device=DEVICE)
     out_v = pal_attention_varlen(qv, kv, vv, cu, 19, dropout_p=p, generator_seed=99)
     # rows of padded keys never contribute, so the packed rows of the padded output must agree
-    assert_close_fp32("varlen out", out_v, out.reshape(3 * 19, heads, head_dim)[packed_rows])
+    assert_fp32_close("varlen out", out_v, out.reshape(3 * 19, heads, head_dim)[packed_rows])
     (grad_v,) = torch.autograd.grad(out_v, qkv, out_grad.reshape(3 * 19, heads, head_dim)[packed_rows])
     (grad_p,) = torch.autograd.grad(
         attention_with_keep_mask(q, k, v, mask, keep, p).reshape(3 * 19, heads, head_dim)[packed_rows],
         qkv,
         out_grad.reshape(3 * 19, heads, head_dim)[packed_rows],
     )
-    assert_close_fp32("varlen dq, dk, dv", grad_v, grad_p)
+    assert_fp32_close("varlen dq, dk, dv", grad_v, grad_p)
 
 
 def test_dropout_seed_comes_from_torch_generator():
@@ -297,7 +314,12 @@ def test_dropout_seed_comes_from_torch_generator():
     assert not torch.equal(first, second)
     # p = 0: plain attention, no seed drawn
     state = torch.get_rng_state()
-    assert_close_fp32("p=0", pal_attention(q, k, v, dropout_p=0.0), attention_reference(q, k, v))
+    assert_fp32_matches(
+        "p=0",
+        pal_attention(q, k, v, dropout_p=0.0),
+        attention_reference(q, k, v),
+        attention_with_keep_mask(q.double(), k.double(), v.double(), None),
+    )
     assert torch.equal(state, torch.get_rng_state())
 
 
@@ -359,13 +381,13 @@ def test_validation_errors():
         pal_attention_varlen(packed, packed, packed, good, 3)
     with pytest.raises(ValueError, match=r"q must have shape \[N, H, Dh\]"):
         pal_attention_varlen(q, q, q, good, 4)
-    if torch.cuda.is_available():  # device mismatches need two devices
+    if ON_CUDA:  # device mismatches need two devices
         with pytest.raises(ValueError, match="k is on cpu"):
-            pal_attention(q, q.cpu(), q)
+            pal_attention(q, q.cpu(), q)  # host: a deliberate device mismatch
         with pytest.raises(ValueError, match="key_padding_mask is on cpu"):
-            pal_attention(q, q, q, mask.cpu())
+            pal_attention(q, q, q, mask.cpu())  # host: a deliberate device mismatch
         with pytest.raises(ValueError, match="cu_seqlens is on cpu"):
-            pal_attention_varlen(packed, packed, packed, good.cpu(), 4)
+            pal_attention_varlen(packed, packed, packed, good.cpu(), 4)  # host: a deliberate device mismatch
 
 
 def test_reference_dropout_agrees_in_distribution():
