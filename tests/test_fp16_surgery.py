@@ -9,6 +9,10 @@ clipping sees the unscaled update. The ``gpu`` test runs the overflow under Deep
 from __future__ import annotations
 
 import copy
+import importlib.util
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -26,9 +30,17 @@ from fastpals.surgery import (
     shared_parameters_by_name,
     upgrad_weights,
 )
-from fastpals.train.step import MicroBatch, Surgery, TorchEngine, run_update
+from fastpals.train.step import (
+    MicroBatch,
+    Surgery,
+    TorchEngine,
+    deepspeed_surgery_buffer,
+    run_update,
+    skips_overflow,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import requires_cuda  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TASKS = ("sst", "para", "sts")
@@ -229,3 +241,149 @@ def test_the_fp16_update_matches_a_float64_reference(memory, aggregator):
     assert 0 < err <= 2 * budget
     sum_of_tasks = 3 * plain64  # three tasks of three examples each: the loss is the mean of the task losses
     assert _relative_error(ref, sum_of_tasks) > 100 * err  # the surgery changed the update: the check sees it
+
+
+def test_the_gram_of_fp16_rows_is_accumulated_in_fp32():
+    """fp16 rows hold the scaled gradients; their Gram (``S^2 |g|^2``) is beyond fp16's range and stays finite
+    in fp32, and the update equals the fp32 rows' up to fp16 rounding."""
+    steps = []
+    for rows in (torch.float16, torch.float32):
+        model = _model()
+        shared, specific = shared_parameters_by_name(model)
+        buffer = TaskGradientBuffer(shared, 3, rows, task_params=specific)
+        surgery = Surgery(buffer, pcgrad_weights, torch.Generator().manual_seed(0))
+        before = _params(model)
+        engine = _fp16_engine(model, torch.optim.SGD(model.parameters(), lr=1.0))
+        update = run_update(engine, [_micro_batch(5)], "one_backward", surgery=surgery)
+        gram = update.surgery.gram
+        assert update.stepped and gram.dtype == torch.float32 and torch.isfinite(gram).all()
+        assert torch.diagonal(gram).max() > torch.finfo(torch.float16).max  # would be inf in fp16
+        steps.append(_flat_step(model, before))
+    assert _relative_error(steps[0], steps[1]) < 1e-3
+
+
+def _recording(aggregator, grams: list[torch.Tensor]):
+    def record(gram, generator=None, **kwargs):
+        grams.append(gram.detach().clone())
+        return aggregator(gram, generator=generator, **kwargs)
+
+    return record
+
+
+@pytest.mark.parametrize("memory, aggregator", CASES)
+def test_a_non_finite_gram_skips_the_step_before_the_solver(memory, aggregator):
+    """fp32 compute (no autocast) with one task's gradient 1e25 times larger: its rows stay finite, their squared
+    norm overflows fp32. The update is skipped as an overflow and the solver never sees a non-finite Gram."""
+    model = _model()
+    scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
+    engine = TorchEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), scaler=scaler)
+    surgery = _surgery(model, memory, aggregator)
+    grams: list[torch.Tensor] = []
+    surgery.aggregator = _recording(surgery.aggregator, grams)
+    before = _params(model)
+    handle = _scale_task_gradient(model, "para", 1e25)
+    try:
+        update = run_update(engine, [_micro_batch(5)], "one_backward", surgery=surgery)
+    finally:
+        handle.remove()
+    assert update.overflow and update.surgery.nonfinite_tasks == [1]
+    assert not torch.isfinite(torch.diagonal(update.surgery.gram)[1])
+    assert grams and all(torch.isfinite(g).all() for g in grams)
+    assert scaler.get_scale() < INIT_SCALE
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_a_buffer_with_finite_rows_and_an_overflowing_gram_calls_no_solver():
+    """The buffer on its own: finite fp32 rows whose Gram overflows; ``apply`` skips without calling the
+    aggregator, ``apply(sync=False)`` gives it only a finite Gram."""
+    params = [torch.nn.Parameter(torch.zeros(4, 8)), torch.nn.Parameter(torch.zeros(8))]
+    for sync in (True, False):
+        buffer = TaskGradientBuffer(params, 2)
+        for k, p in enumerate(params):
+            buffer.param_row(0, k).copy_(torch.full(p.shape, 0.5))
+            buffer.param_row(1, k).copy_(torch.full(p.shape, 1e20))
+        buffer.capture_written([0, 1], [[True, True], [True, True]])
+        assert all(torch.isfinite(b).all() for b in buffer._blocks)
+        grams: list[torch.Tensor] = []
+        result = buffer.apply(_recording(pcgrad_weights, grams), sync=sync)
+        assert result.skipped and result.nonfinite_tasks == [1]
+        assert all(torch.isfinite(g).all() for g in grams) and len(grams) == (0 if sync else 1)
+        assert _holds_no_rows(buffer)
+
+
+def test_clipping_sees_the_unscaled_update_after_surgery():
+    """``max_grad_norm`` clips the unscaled surgery update: the step is that update rescaled to norm ``c``
+    (clipping the scaled gradients would give norm ``c / S`` after unscaling)."""
+    steps = []
+    for clip in (None, 0.5):  # then half the unclipped update's norm
+        model = _model()
+        before = _params(model)
+        if clip is not None:
+            clip = clip * float(steps[0].norm())
+        engine = _fp16_engine(model, torch.optim.SGD(model.parameters(), lr=1.0), max_grad_norm=clip)
+        run_update(engine, [_micro_batch(5)], "one_backward", surgery=_surgery(model, "buffer", "pcgrad"))
+        steps.append(_flat_step(model, before))
+    free, clipped = steps
+    assert abs(float(clipped.norm()) / clip - 1) < 1e-5
+    assert _relative_error(clipped, free * (clip / free.norm())) < 1e-5
+
+
+def _deepspeed_fp16_overflow(stage: int, memory: str) -> str:
+    """Under ``fastpals/configs/gpu_fp16_zero{stage}.json`` (hysteresis 1, so one overflow halves the scale; an
+    initial scale of 2^10, so that only the injected overflow overflows), on ``cuda``: an update, an overflow in
+    one task's rows, an update. Runs in the DeepSpeed process of :func:`test_deepspeed_fp16_overflow`."""
+    import deepspeed
+
+    config = json.loads((ROOT / f"fastpals/configs/gpu_fp16_zero{stage}.json").read_text())
+    config["fp16"].update(initial_scale_power=10, hysteresis=1)
+    config.update(
+        train_micro_batch_size_per_gpu=9, gradient_accumulation_steps=1, zero_allow_untested_optimizer=True
+    )
+    model = _model()
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), config=config
+    )
+    assert skips_overflow(engine)
+    buffer = deepspeed_surgery_buffer(engine.module, 3, stage, memory=memory)
+    surgery = Surgery(buffer, pcgrad_weights, torch.Generator().manual_seed(0))
+    assert run_update(engine, [_micro_batch(1, "cuda")], "one_backward", surgery=surgery).stepped
+    scale, before = engine.optimizer.loss_scale, _params(engine.module)
+    handle = _scale_task_gradient(engine.module, "para", 1e30)
+    try:
+        update = run_update(engine, [_micro_batch(2, "cuda")], "one_backward", surgery=surgery)
+    finally:
+        handle.remove()
+    assert update.overflow and update.surgery.nonfinite_tasks == [1], update
+    assert engine.skipped_steps == 1 and engine.optimizer.loss_scale == scale / 2
+    assert all(torch.equal(p, before[n]) for n, p in engine.module.named_parameters())
+    assert _holds_no_rows(buffer)
+    update = run_update(engine, [_micro_batch(3, "cuda")], "one_backward", surgery=surgery)
+    assert update.stepped and not update.overflow and engine.skipped_steps == 1
+    assert all(torch.isfinite(p).all() for p in engine.module.parameters())
+    changed = sum(not torch.equal(p, before[n]) for n, p in engine.module.named_parameters())
+    assert changed > 0.9 * len(before), changed
+    return f"ZeRO-{stage} {memory}: overflow skipped, scale {scale} -> {scale / 2}, next update applied"
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed (not installed)")
+def test_deepspeed_fp16_overflow():
+    """The overflow rehearsal under DeepSpeed's fp16 configs (ZeRO 0, 1, 2; buffer and stream), one rank, in a
+    subprocess (its process group stays out of the test session)."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517", "RANK": "0", "WORLD_SIZE": "1",
+           "LOCAL_RANK": "0"}  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+    print(run.stdout)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+
+if __name__ == "__main__":  # the DeepSpeed process of test_deepspeed_fp16_overflow
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="nccl")
+    for stage in (0, 1, 2):
+        for memory in ("buffer", "stream"):
+            print(_deepspeed_fp16_overflow(stage, memory), flush=True)
