@@ -435,7 +435,7 @@ class Trainer:
             strategy = "one_backward" if mixed else "per_task_backward"
         update = run_update(self.engine, micro, strategy, surgery=surgery, step=self.state.global_step + 1,
                             loss_hooks=self.loss_hooks, record=self.record)  # fmt: skip
-        if update.surgery is not None:
+        if update.surgery is not None and not update.overflow:  # an fp16 overflow: the loss scaler skipped it
             self._raise_if_skipped(update.surgery)
         if surgery is not None and surgery.exact_names is not None and not self._exact_logged:
             self._exact_logged = True

@@ -40,6 +40,7 @@ __all__ = [
     "SURGERY_MEMORY_TEXT",
     "deepspeed_surgery_buffer",
     "run_update",
+    "skips_overflow",
     "surgery_memory_mode",
 ]
 
@@ -97,8 +98,10 @@ class UpdateResult:
         surgery: the buffer's ``apply`` result (``.skipped``, ``.nonfinite_tasks``, ``.weights``), None without
             surgery.
         surgery_seconds: wall time inside the buffer's own calls (every ``capture`` and the ``apply``).
-        stepped: whether ``engine.step()`` ended the update (False when ``surgery.skipped``: a non-finite task
-            gradient, nothing applied).
+        stepped: whether the update was handed to ``engine.step()`` to apply (False when ``surgery.skipped``: a
+            non-finite task gradient, nothing applied).
+        overflow: ``surgery.skipped`` under dynamic loss scaling (fp16): the engine's loss scaler took the step
+            as an overflow (skipped it, lowered the scale, zeroed the gradients); training goes on.
     """
 
     loss: dict[str, float]
@@ -107,15 +110,17 @@ class UpdateResult:
     surgery: Any
     surgery_seconds: float
     stepped: bool
+    overflow: bool = False
 
 
 class TorchEngine:
     """The part of a DeepSpeed engine that :func:`run_update` uses (``module``, forward, ``backward``, ``step``)
     over a plain module and optimizer, for benchmarks and tests: the forward runs under ``autocast`` (a dtype, or
     None for none); ``backward`` scales the loss by ``1 / accumulation`` and with ``scaler`` (a
-    ``torch.amp.GradScaler``, or None); every ``accumulation``-th ``step`` (the accumulation boundary) steps the
-    optimizer (through the scaler) and then zeroes the gradients, as DeepSpeed's ``step`` does; the others only
-    count."""
+    ``torch.amp.GradScaler``, or None); every ``accumulation``-th ``step`` (the accumulation boundary) unscales
+    the gradients, clips their norm to ``max_grad_norm`` (if given), steps the optimizer (through the scaler,
+    which skips the step and lowers the scale when a gradient is non-finite) and then zeroes the gradients, as
+    DeepSpeed's ``step`` does; the others only count."""
 
     def __init__(
         self,
@@ -124,9 +129,11 @@ class TorchEngine:
         scaler: Any = None,
         autocast: torch.dtype | None = None,
         accumulation: int = 1,
+        max_grad_norm: float | None = None,
     ) -> None:
         self.module, self.optimizer, self.scaler, self.autocast = module, optimizer, scaler, autocast
         self.accumulation = accumulation
+        self.max_grad_norm = max_grad_norm
         self.micro_steps = 0
 
     def _autocast(self) -> AbstractContextManager:
@@ -151,12 +158,40 @@ class TorchEngine:
         self.micro_steps += 1
         if self.micro_steps % self.accumulation:
             return
+        if self.max_grad_norm is not None:
+            if self.scaler is not None:
+                self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.max_grad_norm)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+
+def skips_overflow(engine: Any) -> bool:
+    """Whether ``engine.step()`` itself skips an update with a non-finite gradient and lowers the loss scale
+    (dynamic loss scaling): a :class:`TorchEngine` with an enabled ``GradScaler``, a DeepSpeed engine with
+    fp16 and ``"loss_scale": 0``."""
+    if isinstance(engine, TorchEngine):
+        return engine.scaler is not None and engine.scaler.is_enabled()
+    fp16, dynamic = getattr(engine, "fp16_enabled", None), getattr(engine, "dynamic_loss_scale", None)
+    return bool(fp16 is not None and dynamic is not None and fp16() and dynamic())
+
+
+def _skip_step(engine: Any, buffer: Any) -> bool:
+    """End an update whose surgery was skipped without applying anything: under dynamic loss scaling hand
+    ``engine.step()`` a NaN gradient (the first shared parameter's, through the buffer's setter), so that the loss
+    scaler counts the overflow, lowers the scale and zeroes the gradients itself; otherwise drop the module's
+    gradients (as DeepSpeed's ``zero_grad``). Returns whether the loss scaler took it."""
+    if not skips_overflow(engine):
+        engine.module.zero_grad(set_to_none=True)
+        return False
+    p = buffer.params[0]
+    buffer.grad_setter(p, torch.full(p.shape, math.nan, dtype=buffer.grad_dtype, device=p.device))
+    engine.step()
+    return True
 
 
 def _check_strategy(strategy: str, surgery: Surgery | None, mb: MicroBatch) -> None:
@@ -269,7 +304,9 @@ def run_update(
         sync: called before reading the clock after ``apply`` (e.g. ``torch.cuda.synchronize``).
 
     Returns an :class:`UpdateResult`; when ``result.surgery.skipped`` (a non-finite task gradient) nothing was
-    applied and ``engine.step()`` was not called: the caller decides (the trainer raises).
+    applied and the gradients are dropped. Under dynamic loss scaling (:func:`skips_overflow`: fp16) that is an
+    overflow, ``result.overflow``: ``engine.step()`` runs on a NaN gradient, so that the loss scaler skips the
+    step and lowers the scale, and the next update goes on. Otherwise the caller decides (the trainer raises).
     """
     module = engine.module
     names = [spec.name for spec in module.tasks]
@@ -337,10 +374,13 @@ def run_update(
             sync()
         seconds += time.perf_counter() - t0
     stepped = result is None or not result.skipped
+    overflow = False
     if stepped:
         engine.step()
+    else:
+        overflow = _skip_step(engine, surgery.buffer)
     loss = {name: float(np.mean([host[i] for i in at])) for name, at in loss_at.items()}
-    return UpdateResult(loss, examples, tokens if all_tokens else None, result, seconds, stepped)
+    return UpdateResult(loss, examples, tokens if all_tokens else None, result, seconds, stepped, overflow)
 
 
 #: what each surgery memory mode of :func:`deepspeed_surgery_buffer` holds (the run's set-up line says it)
