@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from device import requires_cuda
 
 from fastpals.data.mixed_batches import model_inputs, pack_batches
 from fastpals.encoder.bert import BertConfig, PALConfig
@@ -40,9 +41,6 @@ from fastpals.train.step import (
     run_update,
     skips_overflow,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import requires_cuda  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TASKS = ("sst", "para", "sts")
