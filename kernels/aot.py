@@ -40,6 +40,31 @@ PAL_SHAPES = (
 )
 #: 16-byte asynchronous global -> shared copies in PTX (``cp.async`` also counts 4/8-byte copies and group marks)
 _CP_ASYNC_16 = re.compile(r"cp\.async\.c[ag]\.shared\.global[^;]*,\s*(?:0x10|16)\s*[,;]")
+#: fp32 arithmetic in PTX: fused multiply-adds, multiplies, adds (any rounding/ftz modifiers)
+_FMA_F32 = re.compile(r"\bfma\.rn(?:\.ftz)?\.f32\b")
+_MUL_F32 = re.compile(r"\bmul(?:\.rn)?(?:\.ftz)?\.f32\b")
+_ADD_F32 = re.compile(r"\badd(?:\.rn)?(?:\.ftz)?\.f32\b")
+#: a global load's vector width and bits per lane (``ld.global.v4.b32``, ``ld.global.nc.b16``, ...)
+_LD_GLOBAL = re.compile(r"\bld\.global(?:\.[a-z_0-9:]+)*?(?:\.v(\d))?\.[bfsu](\d+)\b")
+#: bytes of an asynchronous global -> shared copy (``cp.async.cg.shared.global [a], [b], 16``)
+_CP_ASYNC_BYTES = re.compile(r"cp\.async\.c[ag]\.shared\.global[^;]*?,\s*(0x10|16|8|4)\s*[,;]")
+
+
+def arithmetic_counts(ptx: str) -> dict[str, int]:
+    """Static counts in one kernel's PTX (one thread's instructions, a loop body counted once): fp32 ``fma``,
+    ``mul`` and ``add`` instructions, and ``loaded_bytes``, the bytes its global loads and ``cp.async`` copies
+    read. Divided by the element size, ``loaded_bytes`` is the elements one thread loads per pass of the code;
+    ``(fma + mul) / elements`` is then the fp32 products per loaded element."""
+    loaded = sum(int(vec or 1) * int(bits) // 8 for vec, bits in _LD_GLOBAL.findall(ptx))
+    loaded += sum(int(n, 0) for n in _CP_ASYNC_BYTES.findall(ptx))
+    return {
+        "fma": len(_FMA_F32.findall(ptx)),
+        "mul": len(_MUL_F32.findall(ptx)),
+        "add": len(_ADD_F32.findall(ptx)),
+        "loaded_bytes": loaded,
+    }
+
+
 #: distinct integer-argument sets kept per compiled variant
 MAX_LAUNCHES = 64
 #: kernels whose dots run on 16-bit operands for 16-bit inputs (gram up-casts to fp32 on purpose)
@@ -165,6 +190,7 @@ class Recorder:
                 "mma_layout": sorted(set(re.findall(r"nvidia_mma<\{versionMajor = (\d)", ttgir))),
                 "cp_async": ptx.count("cp.async"),
                 "cp_async_16": len(_CP_ASYNC_16.findall(ptx)),
+                **arithmetic_counts(ptx),
                 "cases": [],
                 "launches": [],
             }
@@ -260,13 +286,14 @@ def cases(cap: int, quick: bool = False) -> list[tuple[str, Any, tuple]]:
                     out.append((label, _pal_case, (dt[name], d, d_s, heads, packed, dropout)))
         out.append((f"grouped_linear {name} 768->3072 gelu", _grouped_case, (dt[name], 768, 3072, True)))
         out.append((f"grouped_linear {name} 384->204", _grouped_case, (dt[name], 384, 204, False)))
-        for tasks in (3, 16, 32, 128):  # 128 = MAX_TASKS: the Gram in 32 x 32 row blocks
+        for tasks in (3, 8, 16, 32, 128):  # 8: the most row pairs; 128 = MAX_TASKS: 32 x 32 row blocks
             out.append((f"gram+combine {name} T={tasks}", _buffer_case, (dt[name], tasks)))
     return out
 
 
-def compile_all(cap: int, quick: bool = False) -> dict[str, Any]:
-    """Compile every case for ``cap`` in this process (which must not have loaded Triton's kernels yet)."""
+def compile_all(cap: int, quick: bool = False, only: str = "") -> dict[str, Any]:
+    """Compile every case for ``cap`` (those whose label contains ``only``) in this process (which must not have
+    loaded Triton's kernels yet)."""
     os.environ.pop("TRITON_INTERPRET", None)
     os.environ["FASTPALS_AOT"] = "1"
     _install_fake_driver(cap)
@@ -274,6 +301,8 @@ def compile_all(cap: int, quick: bool = False) -> dict[str, Any]:
     recorder.install()
     errors, start = [], time.time()
     for label, fn, args in cases(cap, quick):
+        if only not in label:
+            continue
         recorder.case = label
         try:
             fn(*args)
@@ -325,8 +354,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cap", type=int, required=True, choices=sorted(TARGET_DTYPES), help="75, 80 or 90")
     parser.add_argument("--out", required=True, help="JSON file for the per-variant records")
     parser.add_argument("--quick", action="store_true", help="only the first three PAL shapes")
+    parser.add_argument("--only", default="", help="only the cases whose label contains this, e.g. 'gram'")
     args = parser.parse_args(argv)
-    result = compile_all(args.cap, args.quick)
+    result = compile_all(args.cap, args.quick, args.only)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(
