@@ -6,7 +6,9 @@ Triton's driver replaced by one whose target is ``GPUTarget("cuda", CAP, 32)``. 
 compile-only warm-up with Triton's own specialisations (integer divisibility, pointer alignment) computed from
 the real arguments, at the launch configuration the wrapper chooses for that target. ``ptxas -v`` (the one
 shipped with Triton) then reports registers, spills and shared memory of each compiled variant, and the PTX and
-TTGIR say whether ``tl.dot`` became tensor-core ``mma``/``wgmma``.
+TTGIR say whether ``tl.dot`` became tensor-core ``mma``/``wgmma``. Each variant also carries its static fp32
+``fma``/``mul``/``add`` counts and global-load bytes (PTX), and those of :data:`SASS_KERNELS` their
+``FFMA``/``FMUL``/``FADD`` counts (SASS, by the ``cuobjdump`` shipped with Triton): arithmetic per loaded element.
 
 Shapes: BERT-base (d 768) and MiniLM (d 384), the PAL widths of the presets (204, 276) with 6 and 12 heads,
 B 8 x L 128 (compiles do not depend on B; sequence lengths only clamp the tiles, and 128 is the training length).
@@ -65,6 +67,8 @@ def arithmetic_counts(ptx: str) -> dict[str, int]:
     }
 
 
+#: kernels whose SASS arithmetic is counted too (disassembly costs about half a second per variant)
+SASS_KERNELS = ("_gram_pairs_kernel",)
 #: distinct integer-argument sets kept per compiled variant
 MAX_LAUNCHES = 64
 #: kernels whose dots run on 16-bit operands for 16-bit inputs (gram up-casts to fp32 on purpose)
@@ -100,7 +104,9 @@ def _install_fake_driver(cap: int) -> None:
     driver.set_active(CompileOnlyDriver())
 
 
-def _ptxas_report(ptx: str, cap: int) -> dict[str, Any]:
+def _ptxas_report(ptx: str, cap: int, sass: bool = False) -> dict[str, Any]:
+    """``ptxas -v``'s registers, spills and stack of one kernel's PTX; with ``sass``, also its SASS's fp32
+    ``FFMA``/``FMUL``/``FADD`` counts (``cuobjdump``, about half a second per kernel)."""
     from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 
     arch = sm_arch_from_capability(cap)
@@ -108,10 +114,18 @@ def _ptxas_report(ptx: str, cap: int) -> dict[str, Any]:
         src = os.path.join(d, "k.ptx")
         with open(src, "w") as f:
             f.write(ptx)
-        cmd = [get_ptxas(cap).path, "-v", f"--gpu-name={arch}", src, "-o", src + ".o"]
+        ptxas = get_ptxas(cap).path
+        cmd = [ptxas, "-v", f"--gpu-name={arch}", src, "-o", src + ".o"]
         proc = subprocess.run(cmd, capture_output=True, text=True)
+        cuobjdump = os.path.join(os.path.dirname(ptxas), "cuobjdump")
+        listing = None
+        if sass and proc.returncode == 0 and os.path.exists(cuobjdump):
+            listing = subprocess.run([cuobjdump, "-sass", src + ".o"], capture_output=True, text=True).stdout
     log = proc.stderr
     out: dict[str, Any] = {"ptxas_rc": proc.returncode}
+    if listing is not None:  # fp32 arithmetic in the SASS, any modifiers, predicated or not
+        for op in ("FFMA", "FMUL", "FADD"):
+            out[f"sass_{op.lower()}"] = len(re.findall(rf"\s{op}(?:\.[A-Z0-9_.]+)?\s", listing))
     m = re.search(r"Used (\d+) registers", log)
     out["regs"] = int(m.group(1)) if m else None
     m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
@@ -127,14 +141,14 @@ class Recorder:
         self.records: dict[str, dict[str, Any]] = {}
         self.case = ""
 
-    def ptxas(self, kernel_hash: str, ptx: str) -> dict[str, Any]:
+    def ptxas(self, kernel_hash: str, ptx: str, sass: bool = False) -> dict[str, Any]:
         """:func:`_ptxas_report`, cached as JSON beside Triton's own cache (keyed on the kernel's hash)."""
         cache = os.environ.get("TRITON_CACHE_DIR")
         path = os.path.join(cache, f"fastpals-ptxas-{self.cap}-{kernel_hash}.json") if cache else None
         if path and os.path.exists(path):
             with open(path) as f:
                 return json.load(f)
-        report = _ptxas_report(ptx, self.cap)
+        report = _ptxas_report(ptx, self.cap, sass)
         if path:
             os.makedirs(cache, exist_ok=True)
             with open(path, "w") as f:
@@ -194,7 +208,7 @@ class Recorder:
                 "cases": [],
                 "launches": [],
             }
-            rec.update(self.ptxas(kernel.hash, ptx))
+            rec.update(self.ptxas(kernel.hash, ptx, sass=name in SASS_KERNELS))
             self.records[key] = rec
         if self.case not in rec["cases"]:
             rec["cases"].append(self.case)

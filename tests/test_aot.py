@@ -181,11 +181,10 @@ def test_16bit_pal_loads_are_vectorised_and_pipelined(results, cap, d_s, heads):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_small_gram_reads_each_element_once_and_does_only_the_pair_products(results, cap, dtype):
     """At T = 3 each column of the buffer is T loaded elements and needs T (T + 1) / 2 products (the upper
-    triangle). From the PTX of one pass of the Gram kernel's loop (one thread's code, ``fastpals_kernels.aot``'s
-    ``arithmetic_counts``) times its threads, per ``BLOCK_P`` columns: it loads T elements per column, and its
-    fp32 products (``fma`` + ``mul``) per loaded element are at most twice T (T + 1) / 2 / T. The ``tl.dot``
-    kernel that padded 3 rows to 16 loaded 48 elements per column and ran 5.3 products per loaded element
-    (256 per column)."""
+    triangle). Counted in the code of one pass of the Gram kernel's loop (one thread's instructions, times its
+    threads, per ``BLOCK_P`` columns): it loads T elements per column (PTX global loads), and its fp32 products
+    (PTX ``fma`` + ``mul``, and SASS ``FFMA`` + ``FMUL``) per loaded element are at most twice
+    T (T + 1) / 2 / T."""
     t, size = 3, {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
     name = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
     grams = [
@@ -199,5 +198,7 @@ def test_small_gram_reads_each_element_once_and_does_only_the_pair_products(resu
     loaded = r["loaded_bytes"] / size
     products = r["fma"] + r["mul"]
     assert products / loaded <= 2 * (t * (t + 1) / 2) / t, (r["kernel"], products, loaded, r["constexprs"])
+    sass = (r.get("sass_ffma"), r.get("sass_fmul"))  # counted for fastpals_kernels.aot.SASS_KERNELS
+    assert None not in sass and sum(sass) == products, (r["kernel"], sass, products)
     assert loaded / columns_per_thread == t, (r["kernel"], r["loaded_bytes"], r["constexprs"])
     assert products / columns_per_thread >= t * (t + 1) / 2, (r["kernel"], r["fma"], r["mul"])  # counted them
