@@ -142,9 +142,11 @@ def _gram_pairs(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The Gram of ``T <= PAIRS_MAX_TASKS`` rows by :func:`_gram_pairs_kernel`. A row holding inf/nan, or whose
     sum of squares overflows, has a non-finite diagonal entry: that is its finite flag."""
     t, p = buf.shape
-    # columns per thread: four (16-byte fp32 loads) while the T (T + 1) / 2 accumulators stay within about
-    # 64 registers, else two
-    per_thread = 4 if t * (t + 1) // 2 <= 16 else 2
+    # columns per thread: 16-byte loads (4 fp32, 8 16-bit) while the T (T + 1) / 2 fp32 accumulators stay within
+    # 64 registers, else halved down to two
+    per_thread = 16 // buf.element_size()
+    while per_thread > 2 and t * (t + 1) // 2 * per_thread > 64:
+        per_thread //= 2
     block_p = per_thread * 32 * PAIRS_WARPS
     programs, cols_per_program = _programs(buf, block_p)
     partial = torch.empty((programs, t, t), dtype=torch.float32, device=buf.device)

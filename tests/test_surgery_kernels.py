@@ -37,7 +37,7 @@ def make_buf(t: int, p: int, dtype: torch.dtype, seed: int, row_pad: int = 0) ->
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "t,p",
-    # T <= 8: row-pair products in blocks of 512 (T <= 5) or 256 columns; beyond: tl.dot on padded row blocks
+    # T <= 8: row-pair products in blocks of 256 to 1024 columns; beyond: tl.dot on padded row blocks
     [
         (1, 1),
         (2, 1000),
