@@ -98,6 +98,8 @@ def _gram_pairs_kernel(
     T: tl.constexpr,
     BLOCK_P: tl.constexpr,
 ):
+    """Program ``pid``'s partial Gram ``[T, T]`` (both triangles written) over its ``cols_per_program`` columns
+    of the ``T <= 8`` rows of ``buf [T, P]`` (fp32, bf16 or fp16; columns contiguous, rows ``stride_t`` apart)."""
     pid = tl.program_id(0).to(tl.int64)
     start = pid * cols_per_program
     row_ptr = buf_ptr + start
