@@ -1,8 +1,9 @@
 """Every Triton kernel compiles for sm_75 (T4), sm_80 (A100) and sm_90 (H100) at the launch configurations the host
 wrappers choose, with Triton's own specialisations, and fits each GPU: shared memory within the per-block limit,
 no register spills in 16-bit kernels on sm_80/sm_90 (a stated bound for fp32), tensor-core instructions in the
-16-bit dots. Runs on CPU: ``fastpals_kernels.aot`` compiles each launch against a fake driver and reads
-``ptxas -v``. Compiled kernels and ptxas reports are cached in ``<venv>/fastpals-aot-cache`` between runs."""
+16-bit dots, at most twice the fp32 products its row pairs need in the small-T Gram. Runs on CPU:
+``fastpals_kernels.aot`` compiles each launch against a fake driver and reads ``ptxas -v``. Compiled kernels and
+ptxas reports are cached in ``<venv>/fastpals-aot-cache`` between runs."""
 
 import json
 import os
