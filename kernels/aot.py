@@ -6,7 +6,9 @@ Triton's driver replaced by one whose target is ``GPUTarget("cuda", CAP, 32)``. 
 compile-only warm-up with Triton's own specialisations (integer divisibility, pointer alignment) computed from
 the real arguments, at the launch configuration the wrapper chooses for that target. ``ptxas -v`` (the one
 shipped with Triton) then reports registers, spills and shared memory of each compiled variant, and the PTX and
-TTGIR say whether ``tl.dot`` became tensor-core ``mma``/``wgmma``.
+TTGIR say whether ``tl.dot`` became tensor-core ``mma``/``wgmma``. Each variant also carries its static fp32
+``fma``/``mul``/``add`` counts and global-load bytes (PTX), and those of :data:`SASS_KERNELS` their
+``FFMA``/``FMUL``/``FADD`` counts (SASS, by the ``cuobjdump`` shipped with Triton): arithmetic per loaded element.
 
 Shapes: BERT-base (d 768) and MiniLM (d 384), the PAL widths of the presets (204, 276) with 6 and 12 heads,
 B 8 x L 128 (compiles do not depend on B; sequence lengths only clamp the tiles, and 128 is the training length).
@@ -40,6 +42,33 @@ PAL_SHAPES = (
 )
 #: 16-byte asynchronous global -> shared copies in PTX (``cp.async`` also counts 4/8-byte copies and group marks)
 _CP_ASYNC_16 = re.compile(r"cp\.async\.c[ag]\.shared\.global[^;]*,\s*(?:0x10|16)\s*[,;]")
+#: fp32 arithmetic in PTX: fused multiply-adds, multiplies, adds (any rounding/ftz modifiers)
+_FMA_F32 = re.compile(r"\bfma\.rn(?:\.ftz)?\.f32\b")
+_MUL_F32 = re.compile(r"\bmul(?:\.rn)?(?:\.ftz)?\.f32\b")
+_ADD_F32 = re.compile(r"\badd(?:\.rn)?(?:\.ftz)?\.f32\b")
+#: a global load's vector width and bits per lane (``ld.global.v4.b32``, ``ld.global.nc.b16``, ...)
+_LD_GLOBAL = re.compile(r"\bld\.global(?:\.[a-z_0-9:]+)*?(?:\.v(\d))?\.[bfsu](\d+)\b")
+#: bytes of an asynchronous global -> shared copy (``cp.async.cg.shared.global [a], [b], 16``)
+_CP_ASYNC_BYTES = re.compile(r"cp\.async\.c[ag]\.shared\.global[^;]*?,\s*(0x10|16|8|4)\s*[,;]")
+
+
+def arithmetic_counts(ptx: str) -> dict[str, int]:
+    """Static counts in one kernel's PTX (one thread's instructions, a loop body counted once): fp32 ``fma``,
+    ``mul`` and ``add`` instructions, and ``loaded_bytes``, the bytes its global loads and ``cp.async`` copies
+    read. Divided by the element size, ``loaded_bytes`` is the elements one thread loads per pass of the code;
+    ``(fma + mul) / elements`` is then the fp32 products per loaded element."""
+    loaded = sum(int(vec or 1) * int(bits) // 8 for vec, bits in _LD_GLOBAL.findall(ptx))
+    loaded += sum(int(n, 0) for n in _CP_ASYNC_BYTES.findall(ptx))
+    return {
+        "fma": len(_FMA_F32.findall(ptx)),
+        "mul": len(_MUL_F32.findall(ptx)),
+        "add": len(_ADD_F32.findall(ptx)),
+        "loaded_bytes": loaded,
+    }
+
+
+#: kernels whose SASS arithmetic is counted too (disassembly costs about half a second per variant)
+SASS_KERNELS = ("_gram_pairs_kernel",)
 #: distinct integer-argument sets kept per compiled variant
 MAX_LAUNCHES = 64
 #: kernels whose dots run on 16-bit operands for 16-bit inputs (gram up-casts to fp32 on purpose)
@@ -75,7 +104,9 @@ def _install_fake_driver(cap: int) -> None:
     driver.set_active(CompileOnlyDriver())
 
 
-def _ptxas_report(ptx: str, cap: int) -> dict[str, Any]:
+def _ptxas_report(ptx: str, cap: int, sass: bool = False) -> dict[str, Any]:
+    """``ptxas -v``'s registers, spills and stack of one kernel's PTX; with ``sass``, also its SASS's fp32
+    ``FFMA``/``FMUL``/``FADD`` counts (``cuobjdump``, about half a second per kernel)."""
     from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 
     arch = sm_arch_from_capability(cap)
@@ -83,10 +114,18 @@ def _ptxas_report(ptx: str, cap: int) -> dict[str, Any]:
         src = os.path.join(d, "k.ptx")
         with open(src, "w") as f:
             f.write(ptx)
-        cmd = [get_ptxas(cap).path, "-v", f"--gpu-name={arch}", src, "-o", src + ".o"]
+        ptxas = get_ptxas(cap).path
+        cmd = [ptxas, "-v", f"--gpu-name={arch}", src, "-o", src + ".o"]
         proc = subprocess.run(cmd, capture_output=True, text=True)
+        cuobjdump = os.path.join(os.path.dirname(ptxas), "cuobjdump")
+        listing = None
+        if sass and proc.returncode == 0 and os.path.exists(cuobjdump):
+            listing = subprocess.run([cuobjdump, "-sass", src + ".o"], capture_output=True, text=True).stdout
     log = proc.stderr
     out: dict[str, Any] = {"ptxas_rc": proc.returncode}
+    if listing is not None:  # fp32 arithmetic in the SASS, any modifiers, predicated or not
+        for op in ("FFMA", "FMUL", "FADD"):
+            out[f"sass_{op.lower()}"] = len(re.findall(rf"\s{op}(?:\.[A-Z0-9_.]+)?\s", listing))
     m = re.search(r"Used (\d+) registers", log)
     out["regs"] = int(m.group(1)) if m else None
     m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
@@ -102,14 +141,14 @@ class Recorder:
         self.records: dict[str, dict[str, Any]] = {}
         self.case = ""
 
-    def ptxas(self, kernel_hash: str, ptx: str) -> dict[str, Any]:
+    def ptxas(self, kernel_hash: str, ptx: str, sass: bool = False) -> dict[str, Any]:
         """:func:`_ptxas_report`, cached as JSON beside Triton's own cache (keyed on the kernel's hash)."""
         cache = os.environ.get("TRITON_CACHE_DIR")
         path = os.path.join(cache, f"fastpals-ptxas-{self.cap}-{kernel_hash}.json") if cache else None
         if path and os.path.exists(path):
             with open(path) as f:
                 return json.load(f)
-        report = _ptxas_report(ptx, self.cap)
+        report = _ptxas_report(ptx, self.cap, sass)
         if path:
             os.makedirs(cache, exist_ok=True)
             with open(path, "w") as f:
@@ -165,10 +204,11 @@ class Recorder:
                 "mma_layout": sorted(set(re.findall(r"nvidia_mma<\{versionMajor = (\d)", ttgir))),
                 "cp_async": ptx.count("cp.async"),
                 "cp_async_16": len(_CP_ASYNC_16.findall(ptx)),
+                **arithmetic_counts(ptx),
                 "cases": [],
                 "launches": [],
             }
-            rec.update(self.ptxas(kernel.hash, ptx))
+            rec.update(self.ptxas(kernel.hash, ptx, sass=name in SASS_KERNELS))
             self.records[key] = rec
         if self.case not in rec["cases"]:
             rec["cases"].append(self.case)
@@ -260,13 +300,14 @@ def cases(cap: int, quick: bool = False) -> list[tuple[str, Any, tuple]]:
                     out.append((label, _pal_case, (dt[name], d, d_s, heads, packed, dropout)))
         out.append((f"grouped_linear {name} 768->3072 gelu", _grouped_case, (dt[name], 768, 3072, True)))
         out.append((f"grouped_linear {name} 384->204", _grouped_case, (dt[name], 384, 204, False)))
-        for tasks in (3, 16, 32, 128):  # 128 = MAX_TASKS: the Gram in 32 x 32 row blocks
+        for tasks in (3, 8, 16, 32, 128):  # 8: the most row pairs; 128 = MAX_TASKS: 32 x 32 row blocks
             out.append((f"gram+combine {name} T={tasks}", _buffer_case, (dt[name], tasks)))
     return out
 
 
-def compile_all(cap: int, quick: bool = False) -> dict[str, Any]:
-    """Compile every case for ``cap`` in this process (which must not have loaded Triton's kernels yet)."""
+def compile_all(cap: int, quick: bool = False, only: str = "") -> dict[str, Any]:
+    """Compile every case for ``cap`` (those whose label contains ``only``) in this process (which must not have
+    loaded Triton's kernels yet)."""
     os.environ.pop("TRITON_INTERPRET", None)
     os.environ["FASTPALS_AOT"] = "1"
     _install_fake_driver(cap)
@@ -274,6 +315,8 @@ def compile_all(cap: int, quick: bool = False) -> dict[str, Any]:
     recorder.install()
     errors, start = [], time.time()
     for label, fn, args in cases(cap, quick):
+        if only not in label:
+            continue
         recorder.case = label
         try:
             fn(*args)
@@ -325,8 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cap", type=int, required=True, choices=sorted(TARGET_DTYPES), help="75, 80 or 90")
     parser.add_argument("--out", required=True, help="JSON file for the per-variant records")
     parser.add_argument("--quick", action="store_true", help="only the first three PAL shapes")
+    parser.add_argument("--only", default="", help="only the cases whose label contains this, e.g. 'gram'")
     args = parser.parse_args(argv)
-    result = compile_all(args.cap, args.quick)
+    result = compile_all(args.cap, args.quick, args.only)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(

@@ -1,13 +1,18 @@
 # ruff: noqa: ANN001  (Triton kernel arguments are pointers and constexprs without Python annotations)
 """Gram matrix of the per-task gradients, with a fused finite check, in one pass over the ``[T, P]`` buffer.
 
-``gram[i, j] = sum_p buf[i, p] * buf[j, p]`` accumulated in fp32 (every element is up-cast to fp32 and the dots
-run in IEEE precision, no TF32), and ``finite[t]`` is true when row ``t`` holds no inf/nan and its sum of
-squares did not overflow. The rows are padded to ``T_PAD`` (a power of two >= 16) and cut into row blocks of
-``T_BLK = min(T_PAD, 32)`` rows; each program reads a contiguous run of columns of two row blocks ``I`` and
-``J``, accumulates the ``T_BLK x T_BLK`` partial Gram block ``(I, J)`` with ``tl.dot`` and (for ``J = 0``)
-counts non-finite values per row of ``I``; the partials are then summed (a tiny ``[programs, T_PAD, T_PAD]``
-reduction, deterministic: no atomics). Up to 32 tasks that is one block, as many tasks as needed beyond.
+``gram[i, j] = sum_p buf[i, p] * buf[j, p]`` accumulated in fp32 (every element is up-cast to fp32 in registers
+and the products run in IEEE precision, no TF32), and ``finite[t]`` is true when row ``t`` holds no inf/nan and
+its sum of squares did not overflow. Each program reads a contiguous run of columns of the rows once and writes
+a partial Gram; the partials are then summed (a tiny ``[programs, ., .]`` reduction, deterministic: no atomics).
+
+- ``T <= 8`` (:func:`_gram_pairs_kernel`): the rows' ``T`` values of each column give the ``T (T + 1) / 2``
+  products of the upper triangle, one FMA each into a per-pair, per-column accumulator, reduced once at the end.
+  A non-finite value or an overflowing sum of squares makes the row's diagonal entry non-finite.
+- ``T > 8`` (:func:`_gram_partial_kernel`): the rows are padded to ``T_PAD`` (a power of two >= 16, as ``tl.dot``
+  needs) and cut into row blocks of ``T_BLK = min(T_PAD, 32)`` rows; each program accumulates the partial Gram
+  block ``(I, J)`` of row blocks ``I`` and ``J`` with ``tl.dot`` and (for ``J = 0``) counts non-finite values
+  per row of ``I``. Up to 32 tasks that is one block, as many tasks as needed beyond.
 
 No autograd: the buffer holds gradients. The public op is :func:`fastpals_kernels.gram` (validation and
 dispatch in :mod:`fastpals_kernels.dispatch`); the reference is :func:`fastpals.functional.gram_reference`.
@@ -22,6 +27,11 @@ import triton.language as tl
 from fastpals_kernels.common import device_context
 
 __all__ = ["gram_triton"]
+
+#: up to this many rows the Gram runs as row-pair products (:func:`_gram_pairs_kernel`), beyond as ``tl.dot``
+PAIRS_MAX_TASKS = 8
+#: warps of the row-pair kernel
+PAIRS_WARPS = 4
 
 
 @triton.jit
@@ -78,24 +88,91 @@ def _gram_partial_kernel(
             tl.store(bad_ptr + pid * T_PAD + rows_i, bad)
 
 
+@triton.jit
+def _gram_pairs_kernel(
+    buf_ptr,
+    partial_ptr,  # [programs, T, T] fp32
+    P,
+    stride_t,
+    cols_per_program,
+    T: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    """Program ``pid``'s partial Gram ``[T, T]`` (both triangles written) over its ``cols_per_program`` columns
+    of the ``T <= 8`` rows of ``buf [T, P]`` (fp32, bf16 or fp16; columns contiguous, rows ``stride_t`` apart)."""
+    pid = tl.program_id(0).to(tl.int64)
+    start = pid * cols_per_program
+    row_ptr = buf_ptr + start
+    stride = stride_t.to(tl.int64)
+    n_cols = tl.minimum(P - start, cols_per_program).to(tl.int32)  # this program's columns
+    # one fp32 accumulator per column and row pair (i <= j), pair k = i * T - i * (i - 1) // 2 + j - i
+    acc = ()
+    for _ in tl.static_range(T * (T + 1) // 2):
+        acc = acc + (tl.zeros((BLOCK_P,), dtype=tl.float32),)
+    for off in range(0, cols_per_program, BLOCK_P):
+        cols = off + tl.arange(0, BLOCK_P)
+        mask = cols < n_cols
+        rows = ()
+        for i in tl.static_range(T):  # every row read once, up-cast in registers
+            rows = rows + (tl.load(row_ptr + i * stride + cols, mask=mask, other=0.0).to(tl.float32),)
+        new = ()
+        for i in tl.static_range(T):
+            for j in tl.static_range(i, T):
+                new = new + (acc[i * T - i * (i - 1) // 2 + j - i] + rows[i] * rows[j],)
+        acc = new
+    for i in tl.static_range(T):
+        for j in tl.static_range(i, T):
+            s = tl.sum(acc[i * T - i * (i - 1) // 2 + j - i])
+            tl.store(partial_ptr + pid * T * T + i * T + j, s)
+            if j != i:
+                tl.store(partial_ptr + pid * T * T + j * T + i, s)
+
+
+def _programs(buf: torch.Tensor, block_p: int) -> tuple[int, int]:
+    """``(programs, cols_per_program)``: the columns cut into whole blocks of ``block_p``, spread over at most four
+    programs per SM (on the CPU, in the interpreter: four programs, each looping over many blocks)."""
+    blocks = triton.cdiv(buf.shape[1], block_p)
+    if buf.is_cuda:
+        max_programs = 4 * torch.cuda.get_device_properties(buf.device).multi_processor_count
+    else:
+        max_programs = 4
+    cols_per_program = triton.cdiv(blocks, min(blocks, max_programs)) * block_p
+    return triton.cdiv(buf.shape[1], cols_per_program), cols_per_program
+
+
+def _gram_pairs(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Gram of ``T <= PAIRS_MAX_TASKS`` rows by :func:`_gram_pairs_kernel`. A row holding inf/nan, or whose
+    sum of squares overflows, has a non-finite diagonal entry: that is its finite flag."""
+    t, p = buf.shape
+    # columns per thread: 16-byte loads (4 fp32, 8 16-bit) while the T (T + 1) / 2 fp32 accumulators stay within
+    # 64 registers, else halved down to two
+    per_thread = 16 // buf.element_size()
+    while per_thread > 2 and t * (t + 1) // 2 * per_thread > 64:
+        per_thread //= 2
+    block_p = per_thread * 32 * PAIRS_WARPS
+    programs, cols_per_program = _programs(buf, block_p)
+    partial = torch.empty((programs, t, t), dtype=torch.float32, device=buf.device)
+    with device_context(buf):
+        _gram_pairs_kernel[(programs,)](
+            buf, partial, p, buf.stride(0), cols_per_program, T=t, BLOCK_P=block_p, num_warps=PAIRS_WARPS
+        )
+    g = partial.sum(dim=0)
+    return g, torch.isfinite(torch.diagonal(g))
+
+
 def gram_triton(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`fastpals.functional.gram_reference` by the Triton kernel, on ``buf``'s device (``buf`` already
+    """:func:`fastpals.functional.gram_reference` by the Triton kernels, on ``buf``'s device (``buf`` already
     validated by :func:`fastpals.functional.check_task_buffer`). No host synchronisation."""
     t, p = buf.shape
+    if t <= PAIRS_MAX_TASKS:
+        return _gram_pairs(buf)
     t_pad = max(16, triton.next_power_of_2(t))  # tl.dot needs every dimension >= 16
     t_blk = min(t_pad, 32)  # a 32 x 32 fp32 accumulator per program at most: more tasks, more row blocks
     # 16 x 128 up-cast tiles of a 16-bit buffer spilled 12 B on sm_90 (AOT test): 64 columns for 16-bit buffers
     block_p = 128 if t_blk <= 16 and buf.element_size() == 4 else 64
     if t_pad > t_blk and buf.element_size() < 4:  # two 32 x 64 up-cast tiles spilled 8 B on sm_90 (AOT test)
         block_p = 32
-    blocks = triton.cdiv(p, block_p)
-    if buf.is_cuda:
-        max_programs = 4 * torch.cuda.get_device_properties(buf.device).multi_processor_count
-    else:  # the interpreter: few programs, each looping over many blocks
-        max_programs = 4
-    programs = min(blocks, max_programs)
-    cols_per_program = triton.cdiv(blocks, programs) * block_p
-    programs = triton.cdiv(p, cols_per_program)
+    programs, cols_per_program = _programs(buf, block_p)
     partial = torch.empty((programs, t_pad, t_pad), dtype=torch.float32, device=buf.device)
     bad = torch.empty((programs, t_pad), dtype=torch.int32, device=buf.device)
     n_blk = t_pad // t_blk

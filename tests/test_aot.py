@@ -1,8 +1,9 @@
 """Every Triton kernel compiles for sm_75 (T4), sm_80 (A100) and sm_90 (H100) at the launch configurations the host
 wrappers choose, with Triton's own specialisations, and fits each GPU: shared memory within the per-block limit,
 no register spills in 16-bit kernels on sm_80/sm_90 (a stated bound for fp32), tensor-core instructions in the
-16-bit dots. Runs on CPU: ``fastpals_kernels.aot`` compiles each launch against a fake driver and reads
-``ptxas -v``. Compiled kernels and ptxas reports are cached in ``<venv>/fastpals-aot-cache`` between runs."""
+16-bit dots, at most twice the fp32 products its row pairs need in the small-T Gram. Runs on CPU:
+``fastpals_kernels.aot`` compiles each launch against a fake driver and reads ``ptxas -v``. Compiled kernels and
+ptxas reports are cached in ``<venv>/fastpals-aot-cache`` between runs."""
 
 import json
 import os
@@ -30,10 +31,11 @@ ALL_KERNELS = {
     "_pal_attn_bwd_dq_kernel",
     "_pal_attn_dropout_mask_kernel",
     "_gram_partial_kernel",
+    "_gram_pairs_kernel",
     "_combine_kernel",
 }
 #: on sm_75 the dispatch sends only these to Triton (memory-bound; see fastpals_kernels.dispatch.decide)
-SM75_DISPATCHED = {"_gram_partial_kernel", "_combine_kernel"}
+SM75_DISPATCHED = {"_gram_partial_kernel", "_gram_pairs_kernel", "_combine_kernel"}
 
 
 def _nvidia_backend_missing() -> str | None:
@@ -174,3 +176,30 @@ def test_16bit_pal_loads_are_vectorised_and_pipelined(results, cap, d_s, heads):
     for r in qkv + dec:
         assert r["cp_async_16"] > 0, (r["dtype"], r["constexprs"], r["launches"][:2], r["cp_async"])
     assert {r["dtype"] for r in qkv} == {"float16", "bfloat16"}
+
+
+@pytest.mark.parametrize("cap", [80, 90])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_small_gram_reads_each_element_once_and_does_only_the_pair_products(results, cap, dtype):
+    """At T = 3 each column of the buffer is T loaded elements and needs T (T + 1) / 2 products (the upper
+    triangle). Counted in the code of one pass of the Gram kernel's loop (one thread's instructions, times its
+    threads, per ``BLOCK_P`` columns): it loads T elements per column (PTX global loads), and its fp32 products
+    (PTX ``fma`` + ``mul``, and SASS ``FFMA`` + ``FMUL``) per loaded element are at most twice
+    T (T + 1) / 2 / T."""
+    t, size = 3, {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    name = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
+    grams = [
+        r
+        for r in results[cap]["records"]
+        if r["kernel"].startswith("_gram") and f"gram+combine {name} T={t}" in r["cases"]
+    ]
+    assert len(grams) == 1, [(r["kernel"], r["cases"]) for r in grams]
+    r = grams[0]
+    columns_per_thread = r["constexprs"]["BLOCK_P"] / (32 * r["num_warps"])
+    loaded = r["loaded_bytes"] / size
+    products = r["fma"] + r["mul"]
+    assert products / loaded <= 2 * (t * (t + 1) / 2) / t, (r["kernel"], products, loaded, r["constexprs"])
+    sass = (r.get("sass_ffma"), r.get("sass_fmul"))  # counted for fastpals_kernels.aot.SASS_KERNELS
+    assert None not in sass and sum(sass) == products, (r["kernel"], sass, products)
+    assert loaded / columns_per_thread == t, (r["kernel"], r["loaded_bytes"], r["constexprs"])
+    assert products / columns_per_thread >= t * (t + 1) / 2, (r["kernel"], r["fma"], r["mul"])  # counted them

@@ -40,9 +40,24 @@ def make_buf(t: int, p: int, dtype: torch.dtype, seed: int, row_pad: int = 0) ->
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("t,p", [(1, 1), (2, 1000), (3, 4099), (8, 777), (17, 300), (MAX_TASKS, 513)])
+@pytest.mark.parametrize(
+    "t,p",
+    # T <= 8: row-pair products in blocks of 256 to 1024 columns; beyond: tl.dot on padded row blocks
+    [
+        (1, 1),
+        (2, 1000),
+        (3, 4099),
+        (4, 513),
+        (5, 1537),
+        (6, 2049),
+        (7, 255),
+        (8, 777),
+        (17, 300),
+        (MAX_TASKS, 513),
+    ],
+)
 def test_gram_matches_torch_and_float64(triton_mode, dtype, t, p):
-    buf = make_buf(t, p, dtype, seed=t * 1000 + p, row_pad=5 if t == 3 else 0)
+    buf = make_buf(t, p, dtype, seed=t * 1000 + p, row_pad=5 if t in (3, 6) else 0)
     got, finite = gram(buf)
     ref, ref_finite = gram_reference(buf)
     ref64 = buf.double() @ buf.double().T
@@ -108,20 +123,22 @@ def test_combine_over_a_row_of_the_buffer(monkeypatch, mode, dtype):
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gram_finite_check(triton_mode, bad, dtype):
-    buf = make_buf(5, 2000, dtype, seed=2).clone()
+@pytest.mark.parametrize("t", [5, 17])  # the row-pair kernel and the tl.dot kernel
+def test_gram_finite_check(triton_mode, bad, dtype, t):
+    buf = make_buf(t, 2000, dtype, seed=2).clone()
     buf[2, 1999] = bad
     buf[4, 0] = bad
     _, finite = gram(buf)
-    assert finite.tolist() == [True, True, False, True, False]
+    assert finite.tolist() == [i not in (2, 4) for i in range(t)]
     assert gram_reference(buf)[1].tolist() == finite.tolist()
 
 
-def test_gram_overflow_is_reported(triton_mode):
-    buf = torch.full((2, 10), 1e20, device=DEVICE)  # finite, but its squares overflow fp32
-    buf[1] = 1.0
+@pytest.mark.parametrize("t", [2, 17])
+def test_gram_overflow_is_reported(triton_mode, t):
+    buf = torch.ones(t, 10, device=DEVICE)
+    buf[0] = 1e20  # finite, but its squares overflow fp32
     _, finite = gram(buf)
-    assert finite.tolist() == [False, True]
+    assert finite.tolist() == [i != 0 for i in range(t)]
 
 
 def test_kernels_validate_inputs(triton_mode):
