@@ -11,6 +11,8 @@
   its own ``mmap`` (returned to the OS when freed) while a measurement runs, and free heap pages are released
   (``malloc_trim``) before the baseline is read. It is an OS-level measure, near but not equal to tensor bytes
   (it includes allocator and library overheads); compare variants measured the same way.
+- Subprocesses: :func:`run_killable` runs a command with a time limit and kills its whole process group at the
+  limit (pytest workers, compute-sanitizer's children), returning the output decoded.
 - Results: :func:`write_results` writes ``bench/results/<name>_<UTC time>.json`` with the device, the software
   versions (:func:`fastpals.env.collect`), the git commit and the date, when ``FASTPALS_BENCH_WRITE=1``.
 """
@@ -20,10 +22,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import dataclasses
 import datetime
 import gc
 import json
 import os
+import signal
 import statistics
 import subprocess
 import time
@@ -196,6 +200,40 @@ class CpuPeakMemory:
         self.peak_bytes = _proc_status_bytes("VmHWM")
         self.libc.mallopt(_M_MMAP_THRESHOLD, _RESTORE_MMAP_THRESHOLD)
         self.libc.mallopt(_M_TRIM_THRESHOLD, 2 * _RESTORE_MMAP_THRESHOLD)
+
+
+@dataclasses.dataclass
+class Finished:
+    """What :func:`run_killable` returns: exit status (124 when killed at the limit), the output as text."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    timed_out: bool
+
+
+def run_killable(
+    cmd: list[str], timeout_s: float, cwd: str | os.PathLike | None = None, env: dict[str, str] | None = None
+) -> Finished:
+    """Run ``cmd`` in its own process group; at ``timeout_s`` kill the whole group (so that no grandchild keeps
+    the pipes open) and return what it printed so far, decoded."""
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=max(timeout_s, 0.0))
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        timed_out = True
+    return Finished(
+        124 if timed_out else proc.returncode,
+        out.decode(errors="replace"),
+        err.decode(errors="replace"),
+        timed_out,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -32,7 +32,6 @@ import dataclasses
 import gc
 import json
 import os
-import subprocess
 import sys
 import time
 from typing import Any
@@ -46,6 +45,8 @@ GPU_PRECISIONS = ("fp16", "bf16")
 REHEARSAL_SHAPE = {"model": "minilm-l6", "batch_size": 6, "max_length": 16}
 REHEARSAL_PRECISIONS = ("fp32",)
 SURGERIES = ("none", "pcgrad")
+#: seconds one CUDA case may take (it runs in its own process, killed at this limit)
+CASE_TIMEOUT_S = 150.0
 TASKS = ("sst", "para", "sts")
 
 
@@ -158,22 +159,28 @@ def run_case(case: Case, device: str) -> dict[str, Any]:
     return entry
 
 
-def _isolated(case: Case) -> dict[str, Any]:
-    """:func:`run_case` on CUDA in a fresh process (the allocator holds nothing of an earlier case)."""
+def _isolated(case: Case, timeout_s: float = CASE_TIMEOUT_S) -> dict[str, Any]:
+    """:func:`run_case` on CUDA in a fresh process (the allocator holds nothing of an earlier case), killed with its
+    children after ``timeout_s`` seconds (the entry then says so and the next case runs)."""
+    from bench.common import run_killable
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, "-m", "bench.memory_validate", "--case", json.dumps(dataclasses.asdict(case))]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = run_killable(cmd, timeout_s, cwd=root)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode == 0 and lines:
         return json.loads(lines[-1])
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-    return {
-        "case": case.name,
-        **dataclasses.asdict(case),
-        "error": f"exit {proc.returncode}: {' | '.join(tail)}",
-    }
+    if proc.timed_out:
+        error = f"killed after {timeout_s:.0f} s (--case-timeout-s): {' | '.join(tail)}"
+    else:
+        error = f"exit {proc.returncode}: {' | '.join(tail)}"
+    return {"case": case.name, **dataclasses.asdict(case), "error": error}
 
 
-def validate(rehearse: bool, out: str | None = None) -> tuple[Any, list[dict[str, Any]]]:
+def validate(
+    rehearse: bool, out: str | None = None, case_timeout_s: float = CASE_TIMEOUT_S
+) -> tuple[Any, list[dict[str, Any]]]:
     """Run every case, write the results file into ``out`` (default ``bench/results``); returns its path and the
     entries."""
     from bench.common import write_results
@@ -182,7 +189,7 @@ def validate(rehearse: bool, out: str | None = None) -> tuple[Any, list[dict[str
     entries = []
     for case in cases(rehearse):
         if device == "cuda":
-            entry = _isolated(case)
+            entry = _isolated(case, case_timeout_s)
         else:
             try:
                 entry = run_case(case, device)
@@ -224,6 +231,12 @@ def main(argv: list[str] | None = None) -> int:
         "--rehearse", action="store_true", help="the CPU rehearsal: tiny shapes, fp32, live tensors"
     )
     parser.add_argument("--out", default=None, help="results folder (default bench/results)")
+    parser.add_argument(
+        "--case-timeout-s",
+        type=float,
+        default=CASE_TIMEOUT_S,
+        help="seconds a CUDA case's process may run before it is killed and reported",
+    )
     parser.add_argument("--case", default=None, help=argparse.SUPPRESS)  # one CUDA case, JSON on stdout
     args = parser.parse_args(argv)
     if args.case is not None:
@@ -234,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         print("memory validation not run: it needs a CUDA GPU (none here); --rehearse runs it on the CPU",
               file=sys.stderr)  # fmt: skip
         return 1
-    path, entries = validate(args.rehearse, args.out)
+    path, entries = validate(args.rehearse, args.out, args.case_timeout_s)
     print(f"wrote {path}")
     return 1 if any("error" in e for e in entries) else 0
 
