@@ -172,7 +172,7 @@ def _isolated(case: Case, timeout_s: float = CASE_TIMEOUT_S) -> dict[str, Any]:
         return json.loads(lines[-1])
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
     if proc.timed_out:
-        error = f"killed after {timeout_s:.0f} s (--case-timeout-s): {' | '.join(tail)}"
+        error = f"killed after {timeout_s:g} s (--case-timeout-s): {' | '.join(tail)}"
     else:
         error = f"exit {proc.returncode}: {' | '.join(tail)}"
     return {"case": case.name, **dataclasses.asdict(case), "error": error}
