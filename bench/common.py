@@ -284,8 +284,11 @@ def results_header(name: str) -> dict[str, Any]:
     }
 
 
-def write_results(name: str, payload: dict[str, Any], results_dir: Path | str | None = None) -> Path:
+def write_results(
+    name: str, payload: dict[str, Any], results_dir: Path | str | None = None, path: Path | None = None
+) -> Path:
     """Write ``<results_dir>/<name>_<UTC time>.json`` = :func:`results_header` + ``payload``; return the path.
+    ``path``: rewrite that file instead (a run that records its results as they come).
 
     ``name`` must be a plain file-name stem (letters, digits, ``_``, ``-``, ``.``).
     """
@@ -295,10 +298,12 @@ def write_results(name: str, payload: dict[str, Any], results_dir: Path | str | 
     out_dir = Path(results_dir) if results_dir is not None else RESULTS_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    path = out_dir / f"{name}_{stamp}.json"
-    with open(path, "w", encoding="utf-8") as f:
+    path = path or out_dir / f"{name}_{stamp}.json"
+    partial = path.with_name(path.name + ".partial")  # then renamed: a killed writer leaves no half file
+    with open(partial, "w", encoding="utf-8") as f:
         json.dump(doc, f, indent=2)
         f.write("\n")
+    os.replace(partial, path)
     return path
 
 

@@ -387,7 +387,7 @@ def _collect_memory(out: str) -> None:
         os.remove(path)
     if merged:
         _write(out, "memory.json", json.dumps(list(merged.values()), indent=1))
-    for path in glob.glob(os.path.join(out, "*.json")):
+    for path in glob.glob(os.path.join(out, "*.json*")):
         if os.path.basename(path) not in OUTPUT_FILES:
             os.remove(path)
 

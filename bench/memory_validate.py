@@ -186,7 +186,15 @@ def validate(
     from bench.common import write_results
 
     device = "cpu" if rehearse else "cuda"
-    entries = []
+    versions: dict[str, Any] = {"torch": torch.__version__}
+    try:
+        import triton
+
+        versions["triton"] = triton.__version__
+    except ImportError:
+        versions["triton"] = None
+    entries: list[dict[str, Any]] = []
+    path = None
     for case in cases(rehearse):
         if device == "cuda":
             entry = _isolated(case, case_timeout_s)
@@ -206,20 +214,14 @@ def validate(
             print(f"{case.name} batch {case.batch_size} x {case.max_length}: predicted "
                   f"{entry['predicted_bytes'] / 2**20:.1f} MiB, measured {entry['measured_bytes'] / 2**20:.1f} MiB, "
                   f"ratio {entry['ratio']:.3f} ({entry['seconds']} s)", flush=True)  # fmt: skip
-    versions: dict[str, Any] = {"torch": torch.__version__}
-    try:
-        import triton
-
-        versions["triton"] = triton.__version__
-    except ImportError:
-        versions["triton"] = None
-    path = write_results("memory_validate", {
-        "suite": "memory_validate", "rehearsal": rehearse, "measured_on": device, **versions,
-        "method": "predicted = fastpals.commands.memory.trace_step (fake tensors, DeepSpeed's model states); measured = one "
-        "real update of the same model and micro-batches through fastpals.train.step.run_update after a first "
-        "update; ratio = predicted / measured",
-        "entries": entries,
-    }, out)  # fmt: skip
+        # rewritten after every case: a run killed at the session's budget keeps the cases it finished
+        path = write_results("memory_validate", {
+            "suite": "memory_validate", "rehearsal": rehearse, "measured_on": device, **versions,
+            "method": "predicted = fastpals.commands.memory.trace_step (fake tensors, DeepSpeed's model states); measured "
+            "= one real update of the same model and micro-batches through fastpals.train.step.run_update after a "
+            "first update; ratio = predicted / measured",
+            "entries": entries,
+        }, out, path)  # fmt: skip
     return path, entries
 
 
