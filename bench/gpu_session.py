@@ -459,13 +459,25 @@ def _copy_parts(src: str, out: str, name: str) -> None:
 
 
 def merge_dirs(folders: list[str], out: str | None) -> tuple[str, dict[str, Any]]:
-    """Merge the files of several calls (each call's returned files in one folder, in call order) into ``out``
-    (default ``bench/results/<device>``): every step's latest result that ran, with the parts of the files it
-    wrote in the call that ran it; the header (device, versions, date) of the latest call. Returns (out, doc)."""
+    """Merge the files of calls (each call's returned files in one folder, in call order) into ``out`` (default
+    ``bench/results/<device>``, whose results come first when it has some): every step's latest result that ran,
+    stamped with the commit and date of the call that ran it, with the parts of the files it wrote in that call;
+    the header (device, versions, date) of the latest call. Returns (out, doc)."""
+    from bench.common import git_commit
+
+    sessions = [(folder, _load_session(folder)) for folder in folders]
+    gpus = [s["device"] for _, s in sessions if s.get("device") not in (None, "no GPU")]
+    out = out or os.path.join(ROOT, "bench", "results", device_slug(gpus[-1] if gpus else "no GPU"))
+    if os.path.exists(os.path.join(out, "session.json")):
+        sessions.insert(0, (out, _load_session(out)))
     doc: dict[str, Any] = {"device": "no GPU", "steps": {}}
     sources: dict[str, str] = {}
-    for folder in folders:
-        session = _load_session(folder)
+    for folder, session in sessions:
+        if session.get("commit") in (None, "unknown"):  # the tree sent had no .git: the checkout it came from
+            session["commit"], session["commit_from"] = git_commit(), "the checkout at --merge time"
+        for r in session["steps"].values():
+            r.setdefault("commit", session["commit"])
+            r.setdefault("date", session.get("date"))
         if session.get("device") not in (None, "no GPU"):
             doc.update({k: v for k, v in session.items() if k != "steps"})
         merged = merge_results(doc["steps"], session["steps"])
@@ -473,15 +485,10 @@ def merge_dirs(folders: list[str], out: str | None) -> tuple[str, dict[str, Any]
             if doc["steps"].get(name) is not r:
                 sources[name] = folder
         doc["steps"] = merged
-    out = out or os.path.join(ROOT, "bench", "results", device_slug(doc["device"]))
     os.makedirs(out, exist_ok=True)
     for name in STEPS:
         if name in sources and os.path.abspath(sources[name]) != os.path.abspath(out):
             _copy_parts(sources[name], out, name)
-    if doc.get("commit") in (None, "unknown"):  # the tree sent had no .git: the checkout it was sent from
-        from bench.common import git_commit
-
-        doc["commit"], doc["commit_from"] = git_commit(), "the checkout at --merge time"
     _write(out, "session.json", json.dumps(doc, indent=1))
     _write(out, "session.md", markdown(doc, out))
     return out, doc

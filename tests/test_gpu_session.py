@@ -366,10 +366,12 @@ def test_calls_on_different_machines_merge_into_the_device_folder(tmp_path):
         )
     )
     gpu_session.write_sections(str(second / "tests.log"), {"tests": "not this one"})
-    assert gpu_session.main(["--merge", str(first), str(second), "--out", str(out)]) == 0
+    assert gpu_session.main(["--merge", str(first), "--out", str(out)]) == 0  # after each call
+    assert gpu_session.main(["--merge", str(second), "--out", str(out)]) == 0  # onto what is there
     doc = json.loads((out / "session.json").read_text())
     assert doc["steps"]["tests"]["status"] == "ok" and doc["steps"]["peers"]["status"] == "ok"
     assert doc["commit"] and doc["device"] == head["device"] and doc["torch"] == "2.11.0"
+    assert all(r["commit"] == doc["commit"] and r["date"] == head["date"] for r in doc["steps"].values())
     assert gpu_session.read_sections(str(out / "tests.log")) == {"tests": "first"}
     merged_rows = {r["row"]: r["v"] for r in json.loads((out / "peers.json").read_text())["rows"]}
     assert merged_rows == {"sync": 1, "pal_bf16": 2}  # each step's rows from the call that ran it
