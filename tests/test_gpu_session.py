@@ -267,6 +267,24 @@ def test_no_kernel_or_gpu_test_is_skipped_for_a_package_the_gpu_machine_lacks(tm
     )
 
 
+def test_the_racecheck_subset_selects_tests_of_both_kernels():
+    """The ``racecheck`` step's ``-k`` names tests that exist (a renamed test would leave it checking nothing)."""
+    (cmd,) = gpu_session.step_commands("racecheck", "/o", "/s", python=sys.executable)
+    pytest_args = cmd[cmd.index("pytest") + 1 :]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "--co", *pytest_args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (
+        "tests/kernels/test_fused_pal.py::" in proc.stdout
+        and "tests/test_surgery_kernels.py::" in proc.stdout
+    )
+
+
 @NO_GPU
 def test_rehearsal_runs_every_step_on_the_cpu_and_fills_every_peer_row(tmp_path):
     """``--rehearse``: every step's real code path at tiny shapes (CI's proof that ``make gpu-session`` runs)."""
