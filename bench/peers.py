@@ -746,7 +746,7 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(args.out, exist_ok=True)
     doc = run(rows, shapes, device, args.out)
     print(markdown(doc))
-    failed = [r["row"] for r in doc["rows"] if "error" in r]
+    failed = [r["row"] for r in doc["rows"] if "error" in r and _row_group(r["row"]) in rows]
     if failed:
         print(f"rows that failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0

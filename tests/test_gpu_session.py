@@ -404,3 +404,24 @@ def test_a_cut_call_keeps_its_finished_steps(tmp_path):
     assert gpu_session.main(["--steps", "tests", "--out", str(out2), "--state", state]) == 0
     steps = json.loads((out2 / "session.json").read_text())["steps"]
     assert set(steps) == {"env", "tests"} and (out2 / "env.json").exists()
+
+
+def test_peer_rows_of_other_steps_are_kept_and_do_not_fail_this_one(tmp_path, monkeypatch):
+    """bench.peers merges into the peers.json of earlier steps; only the rows it ran decide its exit status."""
+    import torch
+
+    from bench import peers
+
+    earlier = {
+        "device": "cpu",
+        "shapes": "tiny",
+        "rows": [{"row": "pal_fp16", "error": "from an earlier step"}],
+    }
+    (tmp_path / "peers.json").write_text(json.dumps(earlier))
+    row = peers._row("sync", "a stand-in", "pass", torch.device("cpu"), results={}, ratio=None, met=True)
+    monkeypatch.setitem(peers.RUNNERS, "sync", lambda shapes, device: [row])
+    assert peers.main(["--rows", "sync", "--out", str(tmp_path), "--shapes", "tiny"]) == 0
+    rows = [r["row"] for r in json.loads((tmp_path / "peers.json").read_text())["rows"]]
+    assert rows == ["pal_fp16", "sync"]
+    monkeypatch.setitem(peers.RUNNERS, "sync", lambda shapes, device: 1 / 0)
+    assert peers.main(["--rows", "sync", "--out", str(tmp_path), "--shapes", "tiny"]) == 1
