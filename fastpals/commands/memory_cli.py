@@ -77,7 +77,7 @@ MEASURED_NOTES = (
     "",
     "## Checked against real steps",
     "",
-    "`make gpu-session` (its `memory` step: `python -m bench.memory_validate`, see docs/gpu-session.md) "
+    "`make gpu-session` (its `memory_validate` step: `python -m bench.memory_validate`, see docs/gpu-session.md) "
     "compares the predicted peak with `torch.cuda.max_memory_allocated` over one real training step: "
     "BERT-base (shipped config, random weights), default PALs, tasks sst, para, sts, batch 32 x 128 tokens, "
     "fp16 and bf16, plain and one-backward PCGrad, each on a DeepSpeed engine built as the trainer builds it "
