@@ -6,7 +6,7 @@
   DeBERTa-v2/v3, ModernBERT, minBERT) and :mod:`.hooks` (the injection state and its forward hooks);
 - :mod:`.format` (``adapter_config.json`` + ``adapter_model.safetensors``, shared with ``MultiTaskBert``);
 - :mod:`.peft_method` (the same adapters as the PEFT method ``FASTPALS``; imports PEFT) and
-  :mod:`.peft_registration` (registers it when PEFT is imported).
+  :mod:`.peft_registration` (registers it with PEFT without importing PEFT first).
 """
 
 from fastpals.adapters.format import read_adapter, write_adapter

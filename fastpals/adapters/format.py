@@ -23,8 +23,8 @@ Names inside the encoder are the same for every BERT-like encoder (HF ``BertMode
 re-targets the encoder's tensors to wherever the loading model keeps its encoder, so an adapter saved from one
 loads into the other. Tensors outside the encoder (``heads.*``, a ``classifier``) load by their names.
 
-PEFT loads it too: ``peft_type`` ``"FASTPALS"`` is a PEFT method that fastpals registers once PEFT is imported
-(:mod:`fastpals.adapters.peft_method`), so ``peft.PeftModel.from_pretrained(model, folder)`` and
+PEFT loads it too: ``peft_type`` ``"FASTPALS"`` is a PEFT method (:mod:`fastpals.adapters.peft_method`,
+registered by :func:`fastpals.register_with_peft`), so ``peft.PeftModel.from_pretrained(model, folder)`` and
 ``peft.PeftConfig.from_pretrained(folder)`` read these files, and ``save_pretrained`` of such a PEFT model writes
 them. Without PEFT, load it with :func:`fastpals.load_pals` (any supported encoder) or
 :meth:`fastpals.MultiTaskBert.from_pretrained`.

@@ -40,6 +40,7 @@ from typing import Any
 import peft
 import torch
 from peft.config import PeftConfig
+from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING, PEFT_TYPE_TO_TUNER_MAPPING
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 from peft.utils.peft_types import PeftType, TaskType, register_peft_method
 from torch import nn
@@ -478,8 +479,6 @@ class FastPalsModel(BaseTuner):
 
 def register() -> None:
     """Register the ``fastpals`` PEFT method (idempotent)."""
-    from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING, PEFT_TYPE_TO_TUNER_MAPPING
-
     if PEFT_TYPE_TO_CONFIG_MAPPING.get(FASTPALS) is FastPalsConfig:
         return
     if FASTPALS in PEFT_TYPE_TO_CONFIG_MAPPING or FASTPALS in PEFT_TYPE_TO_TUNER_MAPPING:
