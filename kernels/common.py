@@ -60,7 +60,7 @@ def target_arch(tensor: torch.Tensor) -> int | None:
         major, minor = torch.cuda.get_device_capability(tensor.device)
         return major * 10 + minor
     if aot_mode():
-        from triton.runtime.driver import driver
+        from triton.runtime.driver import driver  # Triton: optional
 
         return int(driver.active.get_current_target().arch)
     return None

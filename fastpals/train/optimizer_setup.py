@@ -3,11 +3,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import random
 from typing import Any
 
+import numpy as np
 import torch
 
 from fastpals.encoder.bert import freeze_shared_parameters, is_task_specific, task_specific_kind
+from fastpals.model.multitask import MultiTaskBert
 from fastpals.train.errors import ConfigError
 
 __all__ = [
@@ -103,12 +107,6 @@ def build_model(args: Any) -> torch.nn.Module:
     """The :class:`~fastpals.MultiTaskBert` of a run's options (``TrainArgs``): the encoder ``--model``, one
     head per task (``--head``, ``--pair-mode``), the PALs of ``--pal``; seeded with ``--seed``; frozen encoder
     with ``--freeze-bert``. A model that cannot be loaded is a :class:`ConfigError`."""
-    import dataclasses
-    import random
-
-    import numpy as np
-
-    from fastpals.model.multitask import MultiTaskBert
 
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
