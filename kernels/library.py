@@ -262,9 +262,6 @@ def _(grad, h, cu, max_seqlen, task_ids, ew, eb, qw, qb, dw, db, num_heads, gelu
     return _grads_fake(h, ew, eb, qw, qb, dw, db)
 
 
-_PAL_WEIGHT_NAMES = ("enc_weight", "enc_bias", "qkv_weight", "qkv_bias", "dec_weight", "dec_bias")
-
-
 def _pal_setup(ctx, inputs, output) -> None:
     """Tensors (and None) through ``save_for_backward``, the scalars as attributes."""
     ctx.save_for_backward(*[x if x is None or isinstance(x, Tensor) else None for x in inputs])

@@ -21,16 +21,9 @@ __all__ = [
     "lr_lambda",
     "make_optimizer",
     "optimizer_param_groups",
-    "task_specific_names",
 ]
 
 OPTIMIZERS = ("adamw", "sgd", "rmsprop")
-
-
-def task_specific_names(model: torch.nn.Module) -> set[str]:
-    """Names of ``model``'s task-specific parameters (PALs, task embeddings, heads): the one rule of
-    :func:`fastpals.encoder.bert.is_task_specific`, the one surgery uses too."""
-    return {n for n, _ in model.named_parameters() if is_task_specific(n)}
 
 
 def _no_decay(name: str) -> bool:
