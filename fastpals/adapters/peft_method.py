@@ -3,8 +3,8 @@
 fastpals writes (:mod:`fastpals.adapters.format`), through fastpals' own injection (:func:`fastpals.inject_pals`,
 :func:`fastpals.adapters.inject.prepare_for_adapter`) and its checked loading (:func:`fastpals.adapters.format.plan_adapter_load`).
 
-Importing this module imports PEFT and registers the method; ``import fastpals`` does that for you as soon as PEFT
-is imported (:mod:`fastpals.adapters.peft_registration`), and :func:`fastpals.register_with_peft` does it explicitly.
+Importing this module imports PEFT and registers the method, as :func:`fastpals.register_with_peft` does;
+``import fastpals`` does it when PEFT is already imported (:mod:`fastpals.adapters.peft_registration`).
 
 - :class:`FastPalsConfig` (a ``peft.PeftConfig``): the PAL config (``pal_config``, a :class:`fastpals.PALConfig` or
   its dict), ``task_names``, and for training ``init_weights`` (V^D starts at zero, so the PEFT model's output is
