@@ -11,12 +11,13 @@ the weightings), ``fastpals.train`` (the trainer), ``fastpals.commands`` (``fast
 dispatch) below them.
 
 With PEFT installed, fastpals' PAL adapters are a PEFT method (``peft_type`` ``"FASTPALS"``,
-:mod:`fastpals.adapters.peft_method`), registered as soon as PEFT is imported (importing fastpals does not import PEFT).
+:mod:`fastpals.adapters.peft_method`): ``import fastpals`` registers it if PEFT is already imported (it does not
+import PEFT itself), :func:`register_with_peft` at any time.
 """
 
 from fastpals._version import __version__ as __version__
 from fastpals.adapters.inject import inject_pals, load_pals, remove_pals, save_pals, set_task
-from fastpals.adapters.peft_registration import register_when_peft_is_imported, register_with_peft
+from fastpals.adapters.peft_registration import register_if_peft_is_imported, register_with_peft
 from fastpals.data.tasks import resolve_tasks
 from fastpals.data.tokenizer import Tokenizer
 from fastpals.encoder.bert import BertConfig, BertModel, PALConfig, freeze_shared_parameters, is_task_specific
@@ -42,4 +43,4 @@ __all__ = [
     "set_task",
 ]
 
-register_when_peft_is_imported()
+register_if_peft_is_imported()

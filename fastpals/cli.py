@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE, end="")
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
+    # each command imports its own modules (the trainer: DeepSpeed) only when it runs
     if command == "train":
         from fastpals.train import main as train_main
 

@@ -22,6 +22,9 @@ from typing import Any
 
 import torch
 
+import fastpals
+from fastpals_kernels import dispatch
+
 __all__ = ["PACKAGES", "collect", "format_report", "main"]
 
 #: distributions whose versions are reported (pip names); ``None`` when not installed
@@ -38,8 +41,6 @@ def _version(dist: str) -> str | None:
 
 
 def _fastpals_version() -> str:
-    import fastpals
-
     return getattr(fastpals, "__version__", None) or _version("fastpals") or "unknown"
 
 
@@ -173,7 +174,6 @@ def _parse_capability(text: str) -> tuple[int, int] | None:
 def _dispatch(capability: tuple[int, int] | None) -> dict[str, Any]:
     """The backend and reason :func:`fastpals_kernels.dispatch.decide` gives every op, per dtype, on a device of
     ``capability`` (None = CPU), with flash-attn as installed here."""
-    from fastpals_kernels import dispatch
 
     flash = dispatch.flash_attn_installed()
     table = {

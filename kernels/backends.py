@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from fastpals_kernels.common import interpret_mode
 
@@ -71,7 +72,6 @@ OPS = {
     "combine": "weighted sum of the buffer's rows",
     "bert_attention_varlen": "BERT self-attention over packed rows",
 }
-_TENSOR_CORE_OPS = ("pal", "grouped_linear", "pal_attention")
 _SM75_REASON = (
     "sm_{cap}: Triton >= 3.3 emits no mma for this GPU, so the fused kernels' 16-bit dots would run on CUDA "
     "cores and spill up to 2.9 KB per thread (AOT test); cuBLAS and SDPA use its tensor cores"
@@ -342,8 +342,6 @@ def library_mode() -> bool:
 
 
 def _is_fake(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
     return isinstance(t, FakeTensor)
 
 

@@ -27,7 +27,6 @@ __all__ = [
     "build_task_row_plan",
     "cast_floats",
     "check_cu_seqlens",
-    "cu_seqlens_from_lengths",
     "cu_seqlens_int32",
     "device_context",
     "dot_flags",
@@ -60,7 +59,7 @@ def target_arch(tensor: torch.Tensor) -> int | None:
         major, minor = torch.cuda.get_device_capability(tensor.device)
         return major * 10 + minor
     if aot_mode():
-        from triton.runtime.driver import driver
+        from triton.runtime.driver import driver  # Triton: optional
 
         return int(driver.active.get_current_target().arch)
     return None
@@ -140,13 +139,6 @@ def check_cu_seqlens(
 def cu_seqlens_int32(cu_seqlens: torch.Tensor) -> torch.Tensor:
     """The int32 form the kernels (and flash-attn) read; the tensor itself when it is already int32."""
     return cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
-
-
-def cu_seqlens_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
-    """``[B]`` sequence lengths -> ``cu_seqlens [B+1]`` int32 (0 first), on the lengths' device."""
-    cu = torch.zeros(lengths.shape[0] + 1, dtype=torch.int32, device=lengths.device)
-    cu[1:] = torch.cumsum(lengths, 0)
-    return cu
 
 
 @dataclass(frozen=True)

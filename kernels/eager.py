@@ -65,7 +65,7 @@ def attention_varlen_eager(
     flash-attn's varlen kernel where it serves ``q``, else padded attention over ``plan``'s length buckets or
     over every sequence padded to ``max_seqlen``."""
     if backends.flash_varlen_ok(q):
-        from flash_attn import flash_attn_varlen_func
+        from flash_attn import flash_attn_varlen_func  # optional
 
         cu = cu_seqlens_int32(cu_seqlens)
         return flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=dropout_p)
@@ -98,7 +98,7 @@ def pal_eager(
     :func:`backend` gives it for ``h`` when None."""
     choice = backends.backend("pal", h) if choice is None else choice
     if choice == "triton":
-        import fastpals_kernels as kernels
+        import fastpals_kernels as kernels  # the Triton ops: loaded on first use
 
         if cu_seqlens is not None:
             return kernels.pal_varlen(h, cu_seqlens, max_seqlen, *args, residual=residual,

@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from fastpals_kernels import backends, eager, reference
+from fastpals_kernels.common import TaskRowPlan
 
 __all__ = ["NAMESPACE", "OPS", "draw_seed"]
 
@@ -261,9 +262,6 @@ def _(grad, h, cu, max_seqlen, task_ids, ew, eb, qw, qb, dw, db, num_heads, gelu
     return _grads_fake(h, ew, eb, qw, qb, dw, db)
 
 
-_PAL_WEIGHT_NAMES = ("enc_weight", "enc_bias", "qkv_weight", "qkv_bias", "dec_weight", "dec_bias")
-
-
 def _pal_setup(ctx, inputs, output) -> None:
     """Tensors (and None) through ``save_for_backward``, the scalars as attributes."""
     ctx.save_for_backward(*[x if x is None or isinstance(x, Tensor) else None for x in inputs])
@@ -394,8 +392,7 @@ def grouped_wgrad(
     ``row_index[task_row_offsets[t]:task_row_offsets[t+1]]`` (the :class:`~fastpals_kernels.common.TaskRowPlan`
     fields; ``tile_*`` are its launch tiles)."""
     if _backend("grouped_wgrad", dy) == "triton":
-        from fastpals_kernels.common import TaskRowPlan
-        from fastpals_kernels.grouped_linear_triton import grouped_wgrad_rows
+        from fastpals_kernels.grouped_linear_triton import grouped_wgrad_rows  # Triton: optional
 
         plan = TaskRowPlan(row_index, task_row_offsets, tile_task, tile_start, tile_end, dy.shape[0], num_tasks,
                            block_rows)  # fmt: skip
@@ -444,7 +441,7 @@ def _(
 def gram(buf: Tensor) -> tuple[Tensor, Tensor]:
     """``(buf bufᵀ [T, T] fp32, finite [T] bool)`` for ``buf [T, P]`` fp32/fp16/bf16 (one pass; no host read)."""
     if _backend("gram", buf) == "triton":
-        from fastpals_kernels.gram_triton import gram_triton
+        from fastpals_kernels.gram_triton import gram_triton  # Triton: optional
 
         return gram_triton(buf)
     return reference.gram_reference(buf)
@@ -470,7 +467,7 @@ gram.register_autograd(_gram_backward, setup_context=_gram_setup)
 
 def _combine_into(buf: Tensor, weights: Tensor, out: Tensor, in_place: bool) -> Tensor:
     if _backend("combine", buf) == "triton":
-        from fastpals_kernels.combine_triton import combine_triton
+        from fastpals_kernels.combine_triton import combine_triton  # Triton: optional
 
         return combine_triton(buf, weights, out)
     return reference.combine_reference(buf, weights, out, in_place=in_place)

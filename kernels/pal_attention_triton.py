@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import os
 from typing import NamedTuple
 
 import torch
@@ -88,8 +89,6 @@ def _interpreting() -> bool:
     try:
         from triton.runtime.interpreter import InterpretedFunction
     except ImportError:  # pragma: no cover - layout of older/newer triton
-        import os
-
         return os.environ.get("TRITON_INTERPRET", "0") == "1"
     return isinstance(_pal_attn_fwd_kernel, InterpretedFunction)
 

@@ -31,7 +31,6 @@ __all__ = [
     "MAX_TASKS",
     "Dropout",
     "PALWeights",
-    "TaskGroups",
     "attention_reference",
     "attention_sdpa",
     "attention_varlen_reference",
@@ -42,7 +41,6 @@ __all__ = [
     "combine_reference",
     "dropout",
     "gram_reference",
-    "group_by_task",
     "grouped_linear_reference",
     "key_mask_bias",
     "pad_packed",
@@ -50,19 +48,6 @@ __all__ = [
     "pal_varlen_reference",
     "segment_linear",
 ]
-
-
-@dataclass(frozen=True)
-class TaskGroups:
-    """Examples grouped by task.
-
-    ``order [B] int64``: a stable permutation putting examples of task 0 first, then task 1, ...;
-    ``counts [T] int64``: examples per task; ``offsets [T+1] int64``: start of each task's run in ``order``.
-    """
-
-    order: torch.Tensor
-    counts: torch.Tensor
-    offsets: torch.Tensor
 
 
 def autocast_dtype(tensor: torch.Tensor) -> torch.dtype | None:
@@ -104,15 +89,6 @@ def check_task_ids(
                 f"task_ids contains {bad}, outside [0, {num_tasks}) for a model with {num_tasks} tasks"
             )
     return task_ids.long()
-
-
-def group_by_task(task_ids: torch.Tensor, num_tasks: int) -> TaskGroups:
-    """Group examples by task with one stable sort (no Python loop over examples)."""
-    order = torch.argsort(task_ids, stable=True)
-    counts = torch.bincount(task_ids, minlength=num_tasks)
-    offsets = torch.zeros(num_tasks + 1, dtype=torch.long, device=task_ids.device)
-    offsets[1:] = torch.cumsum(counts, 0)
-    return TaskGroups(order=order, counts=counts, offsets=offsets)
 
 
 def grouped_linear_reference(

@@ -11,7 +11,15 @@ import pytest
 import torch
 from torch import nn
 
-from fastpals import MultiTaskBert, PALConfig, Tokenizer, inject_pals, load_pals, save_pals
+from fastpals import (
+    MultiTaskBert,
+    PALConfig,
+    Tokenizer,
+    inject_pals,
+    load_pals,
+    register_with_peft,
+    save_pals,
+)
 from fastpals.adapters.format import ADAPTER_CONFIG_NAME, ADAPTER_SUBFOLDER, ADAPTER_WEIGHTS_NAME, PEFT_TYPE
 from fastpals.encoder.bert import (
     BertConfig,
@@ -338,7 +346,8 @@ def test_with_peft_installed_automodel_still_opens_the_folder(minilm_folder):
     # transformers hands a folder with a top-level adapter_config.json to PEFT: fastpals keeps it in pals/
     hf = transformers.AutoModel.from_pretrained(str(folder))
     assert not hasattr(hf, "peft_config")
-    # PEFT itself opens pals/ (fastpals registers its PAL method): tests/test_peft_interop.py
+    # PEFT itself opens pals/ once fastpals registers its PAL method: tests/test_peft_interop.py
+    register_with_peft()
     assert type(peft.PeftConfig.from_pretrained(str(folder / ADAPTER_SUBFOLDER))).__name__ == "FastPalsConfig"
 
 

@@ -200,18 +200,26 @@ def test_models_that_cannot_hold_the_pals_are_clear_errors(saved, tmp_path):
         pm.merge_and_unload()
 
 
-def test_importing_fastpals_does_not_import_peft_and_registers_when_peft_is_imported():
+def test_importing_fastpals_does_not_import_peft_and_registration_is_explicit():
     code = (
         "import sys\n"
+        "finders = list(sys.meta_path)\n"
         "import fastpals\n"
         "assert 'peft' not in sys.modules and 'transformers' not in sys.modules\n"
-        "import importlib.util; assert importlib.util.find_spec('peft') is not None  # a probe: no import\n"
-        "assert 'peft' not in sys.modules\n"
+        "assert sys.meta_path == finders, 'import fastpals added an import hook'\n"
         "import peft\n"
         "from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING\n"
+        "assert 'FASTPALS' not in PEFT_TYPE_TO_CONFIG_MAPPING\n"
+        "fastpals.register_with_peft()\n"
         "assert PEFT_TYPE_TO_CONFIG_MAPPING['FASTPALS'].__name__ == 'FastPalsConfig'\n"
-        "assert not any(type(f).__name__ == '_RegisterAfterPeftImport' for f in sys.meta_path)\n"
         "fastpals.register_with_peft()  # idempotent\n"
+        "print('ok')\n"
+    )
+    peft_first = (
+        "import peft\n"
+        "import fastpals  # registers at once: PEFT is imported\n"
+        "from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING\n"
+        "assert PEFT_TYPE_TO_CONFIG_MAPPING['FASTPALS'].__name__ == 'FastPalsConfig'\n"
         "print('ok')\n"
     )
     without = (
@@ -223,7 +231,7 @@ def test_importing_fastpals_does_not_import_peft_and_registers_when_peft_is_impo
         "except ImportError:\n"
         "    print('ok')\n"
     )
-    for src in (code, without):
+    for src in (code, peft_first, without):
         proc = subprocess.run(
             [sys.executable, "-c", src], capture_output=True, text=True, cwd=ROOT, timeout=300
         )

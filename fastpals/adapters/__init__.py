@@ -6,28 +6,22 @@
   DeBERTa-v2/v3, ModernBERT, minBERT) and :mod:`.hooks` (the injection state and its forward hooks);
 - :mod:`.format` (``adapter_config.json`` + ``adapter_model.safetensors``, shared with ``MultiTaskBert``);
 - :mod:`.peft_method` (the same adapters as the PEFT method ``FASTPALS``; imports PEFT) and
-  :mod:`.peft_registration` (registers it when PEFT is imported).
-
-The names below load their module on first use.
+  :mod:`.peft_registration` (registers it with PEFT without importing PEFT first).
 """
 
-from __future__ import annotations
+from fastpals.adapters.format import read_adapter, write_adapter
+from fastpals.adapters.inject import inject_pals, load_pals, remove_pals, save_pals, set_task
+from fastpals.adapters.peft_registration import register_with_peft
+from fastpals.adapters.targets import TARGETS
 
-import importlib
-from typing import Any
-
-_NAMES = {
-    "inject_pals": "inject", "save_pals": "inject", "load_pals": "inject", "set_task": "inject",
-    "remove_pals": "inject",
-    "TARGETS": "targets",
-    "read_adapter": "format", "write_adapter": "format",
-    "register_with_peft": "peft_registration",
-}  # fmt: skip
-
-__all__ = sorted(_NAMES)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _NAMES:
-        return getattr(importlib.import_module(f"fastpals.adapters.{_NAMES[name]}"), name)
-    raise AttributeError(f"module 'fastpals.adapters' has no attribute {name!r}")
+__all__ = [
+    "TARGETS",
+    "inject_pals",
+    "load_pals",
+    "read_adapter",
+    "register_with_peft",
+    "remove_pals",
+    "save_pals",
+    "set_task",
+    "write_adapter",
+]

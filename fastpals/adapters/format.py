@@ -23,8 +23,8 @@ Names inside the encoder are the same for every BERT-like encoder (HF ``BertMode
 re-targets the encoder's tensors to wherever the loading model keeps its encoder, so an adapter saved from one
 loads into the other. Tensors outside the encoder (``heads.*``, a ``classifier``) load by their names.
 
-PEFT loads it too: ``peft_type`` ``"FASTPALS"`` is a PEFT method that fastpals registers once PEFT is imported
-(:mod:`fastpals.adapters.peft_method`), so ``peft.PeftModel.from_pretrained(model, folder)`` and
+PEFT loads it too: ``peft_type`` ``"FASTPALS"`` is a PEFT method (:mod:`fastpals.adapters.peft_method`,
+registered by :func:`fastpals.register_with_peft`), so ``peft.PeftModel.from_pretrained(model, folder)`` and
 ``peft.PeftConfig.from_pretrained(folder)`` read these files, and ``save_pretrained`` of such a PEFT model writes
 them. Without PEFT, load it with :func:`fastpals.load_pals` (any supported encoder) or
 :meth:`fastpals.MultiTaskBert.from_pretrained`.
@@ -39,8 +39,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
+from fastpals._version import __version__
 from fastpals.encoder.bert import state_dict_mismatches, task_specific_kind
 
 __all__ = [
@@ -105,7 +107,6 @@ def adapter_config(
 ) -> dict[str, Any]:
     """The ``adapter_config.json`` content (a dict) for an adapter holding ``tensors``; arguments as in
     :func:`write_adapter`."""
-    from fastpals._version import __version__
 
     def shapes(names: set[str] | None) -> dict[str, list[int]]:
         return {
@@ -159,7 +160,6 @@ def write_adapter(
     ``layers_pattern``, ``layer_norm_name``, ``hidden_size``, ``num_layers``, ``layer_indices``.
     Returns the folder.
     """
-    from safetensors.torch import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -233,7 +233,6 @@ def read_adapter(
     Raises as :func:`read_adapter_config` does, and ``ValueError`` when the weights file does not hold exactly
     the tensors (names and shapes) the config lists.
     """
-    from safetensors.torch import load_file
 
     config, adapter = read_adapter_config(folder, caller)
     cfg_path, weights_path = adapter / ADAPTER_CONFIG_NAME, adapter / ADAPTER_WEIGHTS_NAME

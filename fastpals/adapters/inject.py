@@ -56,8 +56,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
+from fastpals.adapters.format import (
+    check_same_pal_config,
+    find_adapter_folder,
+    join_name,
+    load_adapter_tensors,
+    read_adapter,
+    trained_base_in_encoder,
+    write_adapter,
+)
 from fastpals.adapters.hooks import INJECTION_ATTR, PALInjection, add_hf_pals, get_injection
 from fastpals.adapters.targets import TARGETS, PALTarget, builds_own_pals, is_known_model, resolve_targets
 from fastpals.encoder.bert import BertModel as MiniBert
@@ -67,6 +77,7 @@ from fastpals.encoder.bert import (
     state_dict_mismatches,
     task_specific_kind,
 )
+from fastpals.encoder.fingerprint import check_encoder_fingerprint, encoder_fingerprint
 
 __all__ = [
     "TARGETS",
@@ -281,7 +292,6 @@ def save_pals(
     ``base_model_name_or_path``: recorded for PEFT-style tools (default: the HF model's ``name_or_path``).
     A :class:`fastpals.MultiTaskBert` is saved with ``save_pretrained(folder, adapters_only=True)``.
     """
-    from fastpals.adapters.format import write_adapter
 
     if builds_own_pals(model):
         return model.save_pretrained(folder, adapters_only=True)
@@ -307,7 +317,6 @@ def adapter_contents(
     parameters named in ``base_names`` (trained base weights, e.g. LayerNorms); ``task_names`` and
     ``base_model_name_or_path`` as in :func:`save_pals`. ``caller`` names the function in error messages.
     """
-    from fastpals.adapters.format import join_name
 
     state = get_injection(model, caller)
     pals = {join_name(state.base_name, k): v for k, v in pal_state_dict(model).items()}
@@ -325,7 +334,6 @@ def adapter_contents(
         )
     if base_model_name_or_path is None:
         base_model_name_or_path = getattr(model, "name_or_path", None) or None
-    from fastpals.encoder.fingerprint import encoder_fingerprint
 
     lead = f"{state.base_name}." if state.base_name else ""
     encoder = model.get_submodule(state.base_name) if state.base_name else model
@@ -368,7 +376,6 @@ def load_pals(
     with a ``FutureWarning``. An adapter recording the fingerprint of the encoder it was trained with is refused
     beside another encoder (:class:`fastpals.encoder.fingerprint.EncoderMismatchError`) unless ``force``.
     """
-    from fastpals.adapters.format import find_adapter_folder, load_adapter_tensors, read_adapter
 
     if builds_own_pals(model):
         return model.load_adapter(folder, load_trained_base=load_trained_base, strict=strict, force=force)
@@ -383,8 +390,6 @@ def load_pals(
         return _load_legacy_pals(model, folder, load_trained_base)
     config, tensors, adapter = read_adapter(folder, "load_pals")
     prefix = prepare_for_adapter(model, config, str(adapter), "load_pals")
-    from fastpals.adapters.format import trained_base_in_encoder
-    from fastpals.encoder.fingerprint import check_encoder_fingerprint
 
     check_encoder_fingerprint(
         config.get("encoder", {}).get("fingerprint"), model.get_submodule(prefix) if prefix else model,
@@ -415,7 +420,6 @@ def prepare_for_adapter(
     number of layers, layer path, PAL config, a variant injection cannot hold) is a ``ValueError`` that starts
     with ``caller`` and names ``source``.
     """
-    from fastpals.adapters.format import check_same_pal_config
 
     if config.get("pal_config") is None:
         raise ValueError(
@@ -437,7 +441,6 @@ def prepare_for_adapter(
 # ----------------------------------------------------------------------------------------------------------------
 def _load_legacy_pals(model: nn.Module, folder: Path, load_trained_base: bool) -> nn.Module:
     """Load a folder of the old format (fastpals 0.1 save_pals)."""
-    from safetensors.torch import load_file
 
     cfg_path, weights_path = folder / LEGACY_CONFIG_NAME, folder / LEGACY_WEIGHTS_NAME
     for path in (cfg_path, weights_path):
@@ -499,7 +502,6 @@ def _injected_like(
 ) -> PALInjection:
     """Inject ``saved`` into ``model`` (where ``target``, a saved encoder description, says) or check that the
     PALs already injected are the same; any difference is a ``ValueError``. Returns the injection state."""
-    from fastpals.adapters.format import check_same_pal_config
 
     state = getattr(model, INJECTION_ATTR, None)
     if state is None:

@@ -3,8 +3,8 @@
 fastpals writes (:mod:`fastpals.adapters.format`), through fastpals' own injection (:func:`fastpals.inject_pals`,
 :func:`fastpals.adapters.inject.prepare_for_adapter`) and its checked loading (:func:`fastpals.adapters.format.plan_adapter_load`).
 
-Importing this module imports PEFT and registers the method; ``import fastpals`` does that for you as soon as PEFT
-is imported (:mod:`fastpals.adapters.peft_registration`), and :func:`fastpals.register_with_peft` does it explicitly.
+Importing this module imports PEFT and registers the method, as :func:`fastpals.register_with_peft` does;
+``import fastpals`` does it when PEFT is already imported (:mod:`fastpals.adapters.peft_registration`).
 
 - :class:`FastPalsConfig` (a ``peft.PeftConfig``): the PAL config (``pal_config``, a :class:`fastpals.PALConfig` or
   its dict), ``task_names``, and for training ``init_weights`` (V^D starts at zero, so the PEFT model's output is
@@ -40,6 +40,7 @@ from typing import Any
 import peft
 import torch
 from peft.config import PeftConfig
+from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING, PEFT_TYPE_TO_TUNER_MAPPING
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 from peft.utils.peft_types import PeftType, TaskType, register_peft_method
 from torch import nn
@@ -478,8 +479,6 @@ class FastPalsModel(BaseTuner):
 
 def register() -> None:
     """Register the ``fastpals`` PEFT method (idempotent)."""
-    from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING, PEFT_TYPE_TO_TUNER_MAPPING
-
     if PEFT_TYPE_TO_CONFIG_MAPPING.get(FASTPALS) is FastPalsConfig:
         return
     if FASTPALS in PEFT_TYPE_TO_CONFIG_MAPPING or FASTPALS in PEFT_TYPE_TO_TUNER_MAPPING:

@@ -32,7 +32,6 @@ from fastpals.encoder.bert import PALConfig
 from fastpals.encoder.pal_variants import PAL_VARIANTS
 
 __all__ = [
-    "SITES",
     "TARGETS",
     "PALTarget",
     "ResolvedTargets",
@@ -72,9 +71,6 @@ TARGETS: dict[str, PALTarget] = {
     "deberta-v2": _BERT_LIKE,  # DeBERTa-v2 and v3 (v3 checkpoints have model_type "deberta-v2")
     "modernbert": PALTarget("layers", "mlp", "attention_dropout", site="output"),
 }
-
-#: where TS_t(h) joins the residual sum (see :class:`PALTarget`)
-SITES = ("norm_input", "output")
 
 
 @dataclass

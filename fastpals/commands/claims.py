@@ -23,6 +23,7 @@ import dataclasses
 import json
 import math
 import os
+import platform
 import shlex
 import shutil
 import subprocess
@@ -32,6 +33,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import torch
+
+from fastpals import __version__
+from fastpals.train.command import parse_args
+from fastpals.train.errors import ConfigError
 
 __all__ = [
     "ARMS",
@@ -241,7 +248,7 @@ def paired_interval(better: Sequence[float], worse: Sequence[float], level: floa
     mean, sd = mean_sd(diffs)
     if n < 2:
         return {"n": n, "mean": mean, "sd": sd, "lo": math.nan, "hi": math.nan}
-    from scipy.stats import t
+    from scipy.stats import t  # scipy: a dev extra
 
     half = float(t.ppf((1.0 + level) / 2.0, n - 1)) * sd / math.sqrt(n)
     return {"n": n, "mean": mean, "sd": sd, "lo": mean - half, "hi": mean + half}
@@ -414,7 +421,7 @@ def write_markdown(summary: list[dict[str, Any]], path: Path, header: str, seeds
 def plot_claims(summary: list[dict[str, Any]], path: Path, title: str) -> Path:
     """``claims.png``: one panel per finding, one column per arm with a point per seed and a bar at the mean; the
     single-task reference as a dashed line."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # matplotlib: costly, only for plots
     from matplotlib.figure import Figure
 
     n = max(1, len(summary))
@@ -465,7 +472,6 @@ def _jsonable(x: Any) -> Any:
 
 def _cpu_name() -> str:
     """The CPU's model name (``/proc/cpuinfo`` on Linux, else the machine type)."""
-    import platform
 
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -477,16 +483,11 @@ def _cpu_name() -> str:
 
 
 def _environment() -> dict[str, str]:
-    import platform
-
-    import torch
-
     try:
         commit = subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short", "HEAD"],
                                 capture_output=True, text=True, timeout=10).stdout.strip() or "unknown"  # fmt: skip
     except (OSError, subprocess.SubprocessError):
         commit = "unknown"
-    from fastpals import __version__
 
     device = (torch.cuda.get_device_name() if torch.cuda.is_available()
               else f"CPU ({_cpu_name()}), {os.cpu_count()} cores")  # fmt: skip
@@ -736,8 +737,6 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(opts.out).resolve()
     runs_dir = out / "runs"
     plan = [(a, s) for a in _plan(findings, reference) for s in seeds]
-    from fastpals.train.command import parse_args
-    from fastpals.train.errors import ConfigError
 
     argvs = {(a, s): run_argv(ARMS[a], s, budget, common, runs_dir / run_name(a, s)) for a, s in plan}
     try:  # every run's options are checked before the first starts

@@ -24,6 +24,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from fastpals.data.metrics import overall
+from fastpals.train.command import parse_args
+from fastpals.train.errors import ConfigError, NonFiniteLossError, OutputError, TrainingInterrupted
+from fastpals.train.loop import Trainer
+from fastpals.train.recipes import recipe_names
+
 __all__ = ["SCORE_COLUMNS", "compare_rows", "main", "plot_compare", "write_markdown"]
 
 SCORE_COLUMNS = (("sst", "SST acc"), ("para", "Quora acc*"), ("sts", "STS r"), ("cfimdb", "CFIMDB acc"))
@@ -38,7 +46,6 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The options of ``fastpals compare`` itself; every other option is a common ``train.py`` option."""
-    from fastpals.train.recipes import recipe_names
 
     p = _Parser(
         prog=PROG,
@@ -82,8 +89,6 @@ def _examples(run_dir: Path) -> int:
 
 
 def _overall3(dev: dict[str, float]) -> float:
-    from fastpals.data.metrics import overall
-
     if all(t in dev for t in ("sst", "para", "sts")):
         return overall({t: dev[t] for t in ("sst", "para", "sts")})
     return None
@@ -177,7 +182,7 @@ def write_markdown(rows: list[dict[str, Any]], path: Path, header: str) -> Path:
 def plot_compare(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
     """``compare.png``: one group of bars per dev metric (tasks and overall), one bar per row (the single-task
     recipes' own rows are drawn as their combined ``single-task`` row)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # matplotlib: costly, only for plots
     from matplotlib.figure import Figure
 
     shown = [r for r in rows if not r["error"] and not (r["kind"] == "recipe" and Path(r["name"]).stem.startswith(
@@ -211,9 +216,6 @@ def plot_compare(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``fastpals compare``; 0 when every run finished, 1 when one failed (its row says why), 2 for
     a bad option or recipe (before any run starts)."""
-    from fastpals.train.command import parse_args
-    from fastpals.train.errors import ConfigError, NonFiniteLossError, OutputError, TrainingInterrupted
-    from fastpals.train.recipes import recipe_names
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
@@ -254,7 +256,6 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
-    from fastpals.train.loop import Trainer
 
     out.mkdir(parents=True, exist_ok=True)
     runs: list[dict[str, Any]] = []
@@ -283,7 +284,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[compare] {i + 1}/{len(recipes)} {name}: done in {run['seconds']:.1f} s, {end}", file=sys.stderr,
               flush=True)  # fmt: skip
     rows = compare_rows(runs)
-    import torch
 
     first = parsed[0]
     device = (

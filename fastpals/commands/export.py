@@ -45,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_length is not None and not 2 <= args.max_length <= 512:
             raise ValueError(f"--max-length {args.max_length}: give a number of tokens in [2, 512]")
         from fastpals.commands.predict import load_for_prediction
+
+        # needs sentence-transformers (optional)
         from fastpals.integrations.sentence_transformers import check_exportable, export_task
 
         model, tokenizer, train_args = load_for_prediction(args.model_dir)

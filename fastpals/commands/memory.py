@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import math
 import os
 import time
@@ -37,7 +38,24 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
+from fastpals.data.hub import resolve_model_dir
+from fastpals.data.mixed_batches import TaskRows, model_inputs, pack_task_rows
+from fastpals.data.tasks import resolve_tasks
+from fastpals.encoder.bert import BertConfig, PALConfig
+from fastpals.model.multitask import MultiTaskBert, MultiTaskConfig
+from fastpals.surgery import (
+    AGGREGATORS,
+    StreamingTaskGradients,
+    TaskGradientBuffer,
+    shared_parameters_by_name,
+)
+from fastpals.train.args import PAL_PRESETS
+from fastpals.train.distributed import initialize
+from fastpals.train.dsconfig import check_ds_config, load_ds_config
+from fastpals.train.errors import ConfigError
+from fastpals.train.memory_mode import keep_bytes_for, plan_auto_modes
 from fastpals.train.memory_states import (
     CATEGORIES,
     PRECISIONS,
@@ -45,8 +63,11 @@ from fastpals.train.memory_states import (
     LayoutEngine,
     LiveTensorBytes,
     ModelStates,
+    gradient_buckets,
     model_state_bytes,
 )
+from fastpals.train.optimizer_setup import make_optimizer, optimizer_param_groups
+from fastpals.train.step import MicroBatch, Surgery, TorchEngine, run_update
 
 __all__ = [
     "CATEGORIES",
@@ -157,7 +178,6 @@ def load_bert_config(model: str) -> Any:
     """The :class:`fastpals.encoder.bert.BertConfig` of ``model``: a shipped name (``bert-base-uncased``,
     ``bert-large-uncased``, ``minilm-l6``; offline), a ``config.json`` path, a folder holding one, or a Hugging
     Face Hub name (only its ``config.json`` is fetched). Raises ``ValueError`` (one line) when none is found."""
-    from fastpals.encoder.bert import BertConfig
 
     if model in _SHIPPED_MODELS:
         return BertConfig.from_json(Path(__file__).parents[1] / "configs" / "models" / _SHIPPED_MODELS[model])
@@ -171,8 +191,6 @@ def load_bert_config(model: str) -> Any:
             )
         return BertConfig.from_json(path / "config.json")
     try:
-        from fastpals.data.hub import resolve_model_dir
-
         return BertConfig.from_json(resolve_model_dir(model, files=("config.json",)) / "config.json")
     except Exception as err:  # noqa: BLE001 - any failure to fetch is the same advice
         shipped = ", ".join(n for n in _SHIPPED_MODELS if "/" not in n)
@@ -234,9 +252,6 @@ class StepSpec:
     def gradient_buckets(self) -> GradientBuckets:
         """The gradient buckets DeepSpeed allocates for each backward of this run
         (:func:`fastpals.train.memory_states.gradient_buckets` of :attr:`ds_config`)."""
-        from fastpals.train.dsconfig import load_ds_config
-        from fastpals.train.errors import ConfigError
-        from fastpals.train.memory_states import gradient_buckets
 
         name = self.ds_config_name
         try:
@@ -253,8 +268,6 @@ class StepSpec:
 
     def check(self) -> None:
         """Raise ``ValueError`` (one line naming the option) on a bad field."""
-        from fastpals.surgery import AGGREGATORS
-        from fastpals.train.args import PAL_PRESETS
 
         if self.precision not in PRECISIONS:
             raise ValueError(f"--precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}")
@@ -292,10 +305,6 @@ class StepSpec:
 
 
 def _build_model(spec: StepSpec, bert: Any) -> torch.nn.Module:
-    from fastpals.data.tasks import resolve_tasks
-    from fastpals.model.multitask import MultiTaskBert, MultiTaskConfig
-    from fastpals.train.args import PAL_PRESETS
-
     # "sst:3": a copy of a built-in task under its own name (``--tasks N`` plans N tasks)
     specs = [
         dataclasses.replace(resolve_tasks([name.split(":")[0]])[0], name=name) if ":" in name else None
@@ -308,8 +317,6 @@ def _build_model(spec: StepSpec, bert: Any) -> torch.nn.Module:
     preset = PAL_PRESETS[spec.pal]
     pal = None
     if preset is not None:
-        from fastpals.encoder.bert import PALConfig
-
         pal = PALConfig(num_tasks=len(specs), **preset)
         pal.validate(bert.num_hidden_layers)
     model = MultiTaskBert(MultiTaskConfig(bert, specs, pal))
@@ -330,8 +337,6 @@ def _rows_per_task(batch_size: int, num_tasks: int) -> list[int]:
 
 def _micro_batches(spec: StepSpec, model: torch.nn.Module, batch_size: int, vocab: int) -> list[Any]:
     """The update's micro-batches: every example ``max_length`` tokens (token id 1000, valid label 0)."""
-    from fastpals.data.mixed_batches import TaskRows, model_inputs, pack_task_rows
-    from fastpals.train.step import MicroBatch
 
     num_tasks = len(model.tasks)
     ids = [min(1000, vocab - 1)] * spec.max_length
@@ -358,8 +363,6 @@ class _PhasedTorchEngine:
     """:class:`fastpals.train.step.TorchEngine` (fp32, no accumulation) telling the tracker the phases."""
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        from fastpals.train.step import TorchEngine
-
         self.inner = TorchEngine(module, optimizer)
         self.module, self.optimizer = module, optimizer
         self.tracker: LiveTensorBytes | None = None
@@ -396,15 +399,6 @@ def _run_step(spec: StepSpec, batch_size: int, fake: bool, warmup: bool = False)
     """Build and run one update of ``spec`` (see :func:`trace_step`); ``fake=False``: real tensors, with the
     trainer's own optimizer (:func:`fastpals.train.optimizer_setup.make_optimizer`, fp32 only) and a first update before
     the measured one when ``warmup``."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from fastpals.surgery import (
-        AGGREGATORS,
-        StreamingTaskGradients,
-        TaskGradientBuffer,
-        shared_parameters_by_name,
-    )
-    from fastpals.train.step import Surgery, run_update
 
     spec.check()
     bert = load_bert_config(spec.model)
@@ -427,7 +421,6 @@ def _run_step(spec: StepSpec, batch_size: int, fake: bool, warmup: bool = False)
         else:
             if spec.precision != "fp32" or spec.stage != 0 or spec.world_size != 1:
                 raise ValueError("measure_step runs fp32, ZeRO-0, one rank (the trainer's CPU default)")
-            from fastpals.train.optimizer_setup import make_optimizer, optimizer_param_groups
 
             opt = make_optimizer(optimizer_param_groups(model, 2e-5, 2e-5, 2e-5, 0.01), "adamw")
             engine = _PhasedTorchEngine(model, opt)
@@ -447,8 +440,6 @@ def _run_step(spec: StepSpec, batch_size: int, fake: bool, warmup: bool = False)
                     policy = "stream" if spec.surgery_memory == "stream" else "smaller"
                     keep = 0
                     if spec.surgery_memory == "auto" and spec.world_size == 1:  # auto's streaming (one rank)
-                        from fastpals.train.memory_mode import keep_bytes_for
-
                         keep = keep_bytes_for(
                             bert, batch_size * spec.max_length, spec.max_length, spec.precision
                         )
@@ -510,12 +501,6 @@ def measure_deepspeed_step(spec: StepSpec, batch_size: int, ds_config: str | dic
     builds it (fp32 model that DeepSpeed casts, the trainer's AdamW groups), after a first update: the CPU check
     of :func:`trace_step`'s DeepSpeed states and gradient buckets with the same tracker. No surgery; ``at_peak``
     is all ``temporaries`` but the module's weights."""
-    import gc
-
-    from fastpals.train.distributed import initialize
-    from fastpals.train.dsconfig import check_ds_config, load_ds_config
-    from fastpals.train.optimizer_setup import make_optimizer, optimizer_param_groups
-    from fastpals.train.step import run_update
 
     if spec.surgery != "none":
         raise ValueError("measure_deepspeed_step runs the plain step (--surgery none)")
@@ -714,7 +699,6 @@ def plan_memory(
             trace_step(dataclasses.replace(spec, surgery_memory=mode), batch_size).peak_bytes
             for mode in SURGERY_MEMORIES
         }  # fmt: skip
-        from fastpals.train.memory_mode import plan_auto_modes
 
         plan.auto_modes = plan_auto_modes(
             load_bert_config(spec.model), len(spec.tasks), trace.shared_params, batch_size * spec.max_length,

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 __all__ = ["TableLine", "plot_plan", "plot_table"]
 
 GIB = 2**30
@@ -21,7 +23,7 @@ TableLine = tuple[str, str, str, float, float]
 
 
 def _figure(width: float, height: float) -> tuple[Any, Any]:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # matplotlib: costly, only for plots
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(width, height), dpi=110)
@@ -45,7 +47,6 @@ def plot_table(
     """Write the chart of ``docs/memory.md``: per model a panel with ``peak(b) = a + c b`` (GiB) for every variant
     of ``lines`` in ``precision`` over the batch sizes up to the largest that fits the largest GPU, and a dashed
     line at each GPU's ``(label, usable bytes)`` of ``gpus``. Returns the path written."""
-    import numpy as np
 
     models = list(dict.fromkeys(line[0] for line in lines))
     fig, _ = _figure(5.2 * len(models), 4.2)

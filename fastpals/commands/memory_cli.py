@@ -22,6 +22,9 @@ from fastpals.commands.memory import (
     largest_batches,
     plan_memory,
 )
+from fastpals.commands.memory_chart import plot_plan, plot_table
+from fastpals.surgery import AGGREGATORS
+from fastpals.train.args import PAL_PRESETS
 
 __all__ = ["DOCS_COMMAND", "MEASURED_NOTES", "main", "memory_table"]
 
@@ -145,8 +148,6 @@ def memory_table(max_length: int = 128, chart: str | Path | None = None) -> str:
                 lines.append((model, label, precision, fit["intercept_bytes"], fit["bytes_per_example"]))
     chart_text: list[str] = []
     if chart is not None:
-        from fastpals.commands.memory_chart import plot_table
-
         gpus = [(DEVICES[g].label, DEVICES[g].usable_bytes) for g in _TABLE_GPUS]
         plot_table(lines, gpus, chart, "bf16", max_length)
         chart_text = [f"![predicted peak against the batch size, bf16]({Path(chart).name})", ""]
@@ -188,9 +189,6 @@ def memory_table(max_length: int = 128, chart: str | Path | None = None) -> str:
 # The command
 # ----------------------------------------------------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
-    from fastpals.surgery import AGGREGATORS
-    from fastpals.train.args import PAL_PRESETS
-
     p = argparse.ArgumentParser(
         prog="fastpals memory",
         description="Predict the peak memory of one training step (traced on fake tensors; no weights, no GPU) "
@@ -281,8 +279,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
     if args.chart:
-        from fastpals.commands.memory_chart import plot_plan
-
         s = plan.spec
         title = (
             f"{s.model}, batch {plan.batch_size} x {s.max_length}, {s.precision}, PAL {s.pal}, surgery {s.surgery}"

@@ -23,9 +23,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fastpals.data.loading import DATA_DIR_ENV, split_path
+from fastpals.data.loading import DATA_DIR_ENV, load_task, split_path
+from fastpals.data.metrics import write_predictions
 from fastpals.data.per_task_batches import TaskBatcher
 from fastpals.data.readers import PairExample, SentenceExample
+from fastpals.data.tokenizer import Tokenizer
 from fastpals.model.evaluate import EVAL_BATCH, predict_batches
 from fastpals.model.multitask import MultiTaskBert
 
@@ -46,7 +48,6 @@ class PredictError(ValueError):
 def load_for_prediction(model_dir: str | Path, force: bool = False) -> tuple[MultiTaskBert, object, dict]:
     """``(model in eval mode, tokenizer, training args)`` of a saved model folder. ``force``: accept an adapter
     beside an encoder other than the one it was trained with (:mod:`fastpals.encoder.fingerprint`)."""
-    from fastpals.data.tokenizer import Tokenizer
 
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -158,9 +159,6 @@ def _sentences(args: argparse.Namespace, model: MultiTaskBert, tokenizer: object
 
 
 def _test_files(args: argparse.Namespace, model: MultiTaskBert, tokenizer: object, max_length: int) -> None:
-    from fastpals.data.loading import load_task
-    from fastpals.data.metrics import write_predictions
-
     builtin = any(spec.source is None for spec in model.tasks)  # task files name their own test files
     if builtin and args.data_dir is None and not os.environ.get(DATA_DIR_ENV):
         raise PredictError(

@@ -10,32 +10,37 @@
   :mod:`.mixed_batches` (mixed-task micro-batches packed without padding, attention buckets,
   :class:`MixedBatchSampler`);
 - :mod:`.layout` (:class:`BatchLayout`, built once at collate time, and every pad/unpad helper).
-
-The names below load their module on first use, so ``fastpals.data.layout`` loads without the file readers.
 """
 
-from __future__ import annotations
+from fastpals.data.layout import BatchLayout
+from fastpals.data.loading import load_task, resolve_data_dir, split_path
+from fastpals.data.mixed_batches import MixedBatchSampler, collate_packed, model_inputs, pack_batches
+from fastpals.data.per_task_batches import TaskBatcher, merge_batches
+from fastpals.data.readers import DataError, DataWarning, Example, PairExample, SentenceExample
+from fastpals.data.sampling import TaskSampler
+from fastpals.data.tasks import TASKS, TaskSpec, get_task, resolve_tasks
+from fastpals.data.tokenizer import Tokenizer
 
-import importlib
-from typing import Any
-
-_NAMES = {
-    "load_task": "loading", "resolve_data_dir": "loading", "split_path": "loading",
-    "TaskSpec": "tasks", "get_task": "tasks", "resolve_tasks": "tasks", "TASKS": "tasks",
-    "DataError": "readers", "DataWarning": "readers", "Example": "readers", "PairExample": "readers",
-    "SentenceExample": "readers",
-    "Tokenizer": "tokenizer",
-    "TaskSampler": "sampling",
-    "TaskBatcher": "per_task_batches", "merge_batches": "per_task_batches",
-    "MixedBatchSampler": "mixed_batches", "collate_packed": "mixed_batches", "model_inputs": "mixed_batches",
-    "pack_batches": "mixed_batches",
-    "BatchLayout": "layout",
-}  # fmt: skip
-
-__all__ = sorted(_NAMES)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _NAMES:
-        return getattr(importlib.import_module(f"fastpals.data.{_NAMES[name]}"), name)
-    raise AttributeError(f"module 'fastpals.data' has no attribute {name!r}")
+__all__ = [
+    "BatchLayout",
+    "DataError",
+    "DataWarning",
+    "Example",
+    "MixedBatchSampler",
+    "PairExample",
+    "SentenceExample",
+    "TASKS",
+    "TaskBatcher",
+    "TaskSampler",
+    "TaskSpec",
+    "Tokenizer",
+    "collate_packed",
+    "get_task",
+    "load_task",
+    "merge_batches",
+    "model_inputs",
+    "pack_batches",
+    "resolve_data_dir",
+    "resolve_tasks",
+    "split_path",
+]

@@ -59,7 +59,7 @@ def _hub_dir(
     name: str, files: tuple[str, ...], optional: tuple[str, ...] = (), any_of: tuple[str, ...] = ()
 ) -> Path:
     try:
-        import huggingface_hub
+        import huggingface_hub  # optional (the hub extra)
     except ImportError as err:
         raise FileNotFoundError(
             f"{name!r} is not a local folder, and huggingface_hub is not installed to fetch it from the "

@@ -232,7 +232,7 @@ def plot_confusion_matrix(
     Returns:
         The path written. Uses no pyplot state, so it is safe in threads and on machines without a display.
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # matplotlib: costly, only for plots
     from matplotlib.figure import Figure
 
     counts = np.asarray(matrix)

@@ -248,10 +248,6 @@ class TaskSampler:
             self._cached = (self.epoch, self.epoch_order(self.epoch))
         return self._cached[1]
 
-    def micro_batches_in_epoch(self) -> int:
-        """Micro-batches of the current epoch."""
-        return len(self._order())
-
     def epoch_done(self) -> bool:
         """True when the current epoch's micro-batches are all used."""
         return self.position >= len(self._order())

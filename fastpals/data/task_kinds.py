@@ -37,6 +37,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fastpals.data.scores import accuracy, as_1d, confusion_matrix, paired_arrays, pearson, spearman
+
 if TYPE_CHECKING:
     from fastpals.data.tasks import TaskSpec
 
@@ -185,7 +187,6 @@ class TaskKind:
     def metrics(self, spec: TaskSpec, y_true: Sequence, y_pred: Sequence) -> dict[str, float]:
         """``{name: value}`` for every name of :attr:`metric_names`, from 1-D host arrays of equal length
         ``N >= 1`` (lists, numpy or torch). Default: ``{"accuracy": a}``, both sides rounded to whole numbers."""
-        from fastpals.data.scores import accuracy, paired_arrays
 
         true, pred = paired_arrays(y_true, y_pred, np.float64)
         return {"accuracy": accuracy(np.rint(true).astype(np.int64), np.rint(pred).astype(np.int64))}
@@ -202,7 +203,6 @@ class TaskKind:
     ) -> tuple[np.ndarray, list[str]]:
         """``(int64 (K, K) counts, K class names)`` (rows = true, columns = predicted) from 1-D host arrays.
         Default: the ``num_classes`` classes, named by ``label_names`` (else ``0..K-1``); ``steps`` is unused."""
-        from fastpals.data.scores import confusion_matrix, paired_arrays
 
         num_classes = self.num_classes(spec)
         names = [spec.label_name(k) for k in range(num_classes)]
@@ -345,7 +345,6 @@ class Regression(TaskKind):
     def metrics(self, spec: TaskSpec, y_true: Sequence, y_pred: Sequence) -> dict[str, float]:
         """``{"pearson": r, "spearman": rho}`` in float64 over the whole set (``N >= 2``); NaN, without a
         warning, when either side is constant."""
-        from fastpals.data.scores import pearson, spearman
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
@@ -363,7 +362,6 @@ class Regression(TaskKind):
     ) -> tuple[np.ndarray, list[str]]:
         """Labels and predictions clipped to ``label_range`` and rounded to ``steps + 1`` evenly spaced values
         (halves round up), named by those values: ``(int64 (steps + 1, steps + 1), names)``."""
-        from fastpals.data.scores import as_1d, confusion_matrix
 
         low, high = spec.label_range
         binned = []

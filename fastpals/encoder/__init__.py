@@ -5,28 +5,24 @@
 - :mod:`.task_params` (the one rule for task-specific parameters, :func:`freeze_shared_parameters`);
 - :mod:`.checkpoints` (HF / CS224N checkpoint key names, load reports) and :mod:`.fingerprint` (the encoder's
   fingerprint recorded in an adapter).
-
-The names below load their module on first use.
 """
 
-from __future__ import annotations
+from fastpals.encoder.bert import BertConfig, BertModel, PALConfig
+from fastpals.encoder.checkpoints import load_bert_state_dict
+from fastpals.encoder.fingerprint import encoder_fingerprint
+from fastpals.encoder.pal_variants import PAL_VARIANTS, PALVariant, get_pal_variant, register_pal_variant
+from fastpals.encoder.task_params import freeze_shared_parameters, is_task_specific
 
-import importlib
-from typing import Any
-
-_NAMES = {
-    "BertConfig": "bert", "BertModel": "bert", "PALConfig": "bert",
-    "PAL_VARIANTS": "pal_variants", "PALVariant": "pal_variants", "register_pal_variant": "pal_variants",
-    "get_pal_variant": "pal_variants",
-    "is_task_specific": "task_params", "freeze_shared_parameters": "task_params",
-    "load_bert_state_dict": "checkpoints",
-    "encoder_fingerprint": "fingerprint",
-}  # fmt: skip
-
-__all__ = sorted(_NAMES)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _NAMES:
-        return getattr(importlib.import_module(f"fastpals.encoder.{_NAMES[name]}"), name)
-    raise AttributeError(f"module 'fastpals.encoder' has no attribute {name!r}")
+__all__ = [
+    "BertConfig",
+    "BertModel",
+    "PALConfig",
+    "PALVariant",
+    "PAL_VARIANTS",
+    "encoder_fingerprint",
+    "freeze_shared_parameters",
+    "get_pal_variant",
+    "is_task_specific",
+    "load_bert_state_dict",
+    "register_pal_variant",
+]

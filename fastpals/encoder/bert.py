@@ -26,6 +26,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
+from fastpals.data.hub import resolve_model_dir
 from fastpals.data.layout import BatchLayout, layout_from_cu_seqlens, make_layout
 from fastpals.encoder.checkpoints import (
     LoadReport,
@@ -556,7 +557,6 @@ class BertModel(nn.Module):
         ``strict=True`` missing encoder keys are an error. PAL parameters keep their random initialisation.
         The model comes back in eval mode (as in transformers): call ``.train()`` before training.
         """
-        from fastpals.data.hub import resolve_model_dir
 
         try:
             folder = resolve_model_dir(name_or_path, ("config.json", "model.safetensors"))

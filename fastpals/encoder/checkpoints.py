@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 __all__ = ["LoadReport", "is_ignorable_key", "load_bert_state_dict", "normalize_key", "state_dict_mismatches"]
 
@@ -88,8 +89,6 @@ def load_bert_state_dict(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
     if path is not None:
         try:
             if path is st:
-                from safetensors.torch import load_file
-
                 return load_file(str(st))
             return torch.load(pt, map_location="cpu", weights_only=True)
         except Exception as err:  # a damaged or foreign file: name it (the loaders' errors do not)

@@ -34,6 +34,7 @@ import torch
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.base.modules import InputModule
 
+from fastpals.data.tokenizer import Tokenizer
 from fastpals.model.multitask import MultiTaskBert
 
 __all__ = ["ExportError", "PALTaskEncoder", "check_exportable", "export_task"]
@@ -118,7 +119,6 @@ class PALTaskEncoder(InputModule):
     @classmethod
     def load(cls, model_name_or_path: str, subfolder: str = "", **kwargs: Any) -> PALTaskEncoder:
         """Open a folder written by :meth:`save` (a local folder; fastpals opens the model)."""
-        from fastpals.data.tokenizer import Tokenizer
 
         folder = Path(model_name_or_path) / subfolder
         if not (folder / CONFIG_NAME).is_file():

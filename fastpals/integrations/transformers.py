@@ -38,6 +38,9 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from fastpals.data.mixed_batches import MixedBatchSampler, collate_packed, model_inputs
 from fastpals.data.per_task_batches import TaskBatcher
+from fastpals.data.tokenizer import Tokenizer
+from fastpals.model.multitask import TASK_WEIGHTINGS
+from fastpals.surgery import TaskGradientBuffer, make_weighting, per_task_gradients, shared_parameters_by_name
 
 __all__ = ["MixedTaskBatches", "MultiTaskTrainer"]
 
@@ -104,8 +107,6 @@ class MultiTaskTrainer(transformers.Trainer):
         micro_batches_per_epoch: int | None = None,
         **kwargs: Any,
     ) -> None:
-        from fastpals.model.multitask import TASK_WEIGHTINGS
-        from fastpals.surgery import make_weighting
 
         for key in ("train_dataset", "data_collator"):
             if kwargs.get(key) is not None:
@@ -169,8 +170,6 @@ class MultiTaskTrainer(transformers.Trainer):
     # --- the step ----------------------------------------------------------------------------------------------
     def _buffer(self, model: torch.nn.Module) -> Any:
         if self.surgery_buffer is None:
-            from fastpals.surgery import TaskGradientBuffer, shared_parameters_by_name
-
             shared, specific = shared_parameters_by_name(model)
             self.surgery_buffer = TaskGradientBuffer(shared, len(model.tasks), task_params=specific)
         return self.surgery_buffer
@@ -195,7 +194,6 @@ class MultiTaskTrainer(transformers.Trainer):
                 loss = model.task_losses(model(**batch), labels, weighting=self.weighting).total * scale
             self.accelerator.backward(loss)
             return loss.detach()
-        from fastpals.surgery import per_task_gradients
 
         buffer = self._buffer(model)
         with per_task_gradients(model, buffer, batch["task_ids"], layout=batch["layout"]):
@@ -225,7 +223,6 @@ class MultiTaskTrainer(transformers.Trainer):
         """``MultiTaskBert.save_pretrained(output_dir)`` (the folder ``MultiTaskBert.from_pretrained`` opens), with
         the Trainer's ``processing_class`` when it is a :class:`fastpals.Tokenizer` (its ``vocab.txt``, for
         ``fastpals predict`` and ``fastpals export``)."""
-        from fastpals.data.tokenizer import Tokenizer
 
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         tokenizer = self.processing_class if isinstance(self.processing_class, Tokenizer) else None

@@ -6,26 +6,19 @@
 - :mod:`.hf_encoder` (an HF encoder with injected PALs as the multi-task model's encoder);
 - :mod:`.evaluate` (prediction over a task's batches and dev metrics, shared by the trainer and
   ``fastpals predict``).
-
-The names below load their module on first use.
 """
 
-from __future__ import annotations
+from fastpals.model.evaluate import predict_batches
+from fastpals.model.heads import MultiTaskOutput, TaskLosses
+from fastpals.model.hf_encoder import HFEncoder
+from fastpals.model.multitask import MultiTaskBert, MultiTaskConfig, count_parameters
 
-import importlib
-from typing import Any
-
-_NAMES = {
-    "MultiTaskBert": "multitask", "MultiTaskConfig": "multitask", "count_parameters": "multitask",
-    "MultiTaskOutput": "heads", "TaskLosses": "heads",
-    "HFEncoder": "hf_encoder",
-    "predict_batches": "evaluate",
-}  # fmt: skip
-
-__all__ = sorted(_NAMES)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _NAMES:
-        return getattr(importlib.import_module(f"fastpals.model.{_NAMES[name]}"), name)
-    raise AttributeError(f"module 'fastpals.model' has no attribute {name!r}")
+__all__ = [
+    "HFEncoder",
+    "MultiTaskBert",
+    "MultiTaskConfig",
+    "MultiTaskOutput",
+    "TaskLosses",
+    "count_parameters",
+    "predict_batches",
+]

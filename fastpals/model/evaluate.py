@@ -16,13 +16,16 @@ from typing import Any
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from fastpals.data.loading import load_task
+from fastpals.data.metrics import overall, task_metrics
 from fastpals.data.mixed_batches import model_inputs as packed_model_inputs
 from fastpals.data.mixed_batches import pack_batches
 from fastpals.data.per_task_batches import TaskBatcher
 from fastpals.data.readers import DataWarning
 from fastpals.data.tasks import TaskSpec
+from fastpals.encoder import precision
 
 __all__ = [
     "EVAL_BATCH",
@@ -89,7 +92,6 @@ def predict_batches(
     ``progress`` shows a tqdm bar on stderr; ``with_confidence`` appends the probability of each predicted label
     (float32 ``[N]``, None for regression tasks). NaN/inf outputs (logits) raise :class:`NonFiniteOutputs`:
     a NaN logit would otherwise score as class 0."""
-    from tqdm import tqdm
 
     was_training = model.training
     model.eval()
@@ -128,7 +130,6 @@ def overall_from(dev: dict[str, float], specs: Any = None) -> float:
     """CS224N overall ``(sst + para + (r + 1)/2) / 3`` when the three are there; else the mean of accuracies and
     ``(r + 1)/2`` (:func:`fastpals.data.metrics.overall`; ``specs``: the task specs, needed for task files). A NaN
     Pearson (constant predictions) counts as r = 0."""
-    from fastpals.data.metrics import overall
 
     return overall(dev, specs)
 
@@ -143,7 +144,6 @@ def eval_model(
     without them bf16 and fp16 matmuls are emulated, and fp32 runs several times faster (the copy holds the same,
     rounded, weights). The result is ``module`` itself when nothing changes, else a copy.
     """
-    from fastpals.encoder import precision
 
     current = next(module.parameters()).dtype
     target = dtype or current
@@ -161,7 +161,6 @@ def evaluate(
 ) -> tuple[dict[str, float], dict[str, Any]]:
     """Dev metrics ``{task: primary metric (accuracy or Pearson r), "overall": ...}`` (each task's kind computes
     it, :func:`fastpals.data.metrics.task_metrics`) and ``{task: (ids, predictions, labels)}``."""
-    from fastpals.data.metrics import task_metrics
 
     dev: dict[str, float] = {}
     preds: dict[str, Any] = {}

@@ -20,6 +20,7 @@ state.
 from __future__ import annotations
 
 import inspect
+import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from fastpals.adapters.inject import inject_pals
+from fastpals.data.hub import resolve_model_dir
 from fastpals.data.layout import BatchLayout
 from fastpals.encoder.bert import BertConfig, PALConfig
 
@@ -40,9 +43,6 @@ MINBERT_MODEL_TYPES = ("bert",)
 def checkpoint_model_type(name_or_path: str | os.PathLike) -> str:
     """The ``model_type`` in the ``config.json`` of ``"minilm-l6"``, a local folder or a Hub id (see
     :func:`fastpals.data.hub.resolve_model_dir` for the errors)."""
-    import json
-
-    from fastpals.data.hub import resolve_model_dir
 
     folder = resolve_model_dir(name_or_path, ("config.json",))
     try:
@@ -90,7 +90,6 @@ class HFEncoder(nn.Module):
 
     def __init__(self, model: nn.Module, pal: PALConfig | None = None) -> None:
         super().__init__()
-        from fastpals.adapters.inject import inject_pals
 
         self.model = model
         hf_config = model.config
@@ -106,9 +105,7 @@ class HFEncoder(nn.Module):
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike, pal: PALConfig | None = None) -> HFEncoder:
         """The checkpoint ``name_or_path`` (``AutoModel``; a local folder or a Hub id) with ``pal`` injected."""
-        import transformers
-
-        from fastpals.data.hub import resolve_model_dir
+        import transformers  # optional: only HF encoders need it
 
         folder = resolve_model_dir(
             name_or_path, ("config.json",), any_of=("model.safetensors", "pytorch_model.bin")

@@ -19,13 +19,26 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from torch import nn
 
-from fastpals.data.layout import BatchLayout, make_layout, pool_packed
+from fastpals.adapters.format import (
+    ADAPTER_SUBFOLDER,
+    check_same_pal_config,
+    find_adapter_folder,
+    load_adapter_tensors,
+    read_adapter,
+    read_adapter_config,
+    trained_base_in_encoder,
+    write_adapter,
+)
+from fastpals.adapters.targets import TARGETS
+from fastpals.data.layout import BatchLayout, layout_from_cu_seqlens, make_layout, pool_packed
 from fastpals.data.tasks import TASKS, TaskSpec, get_task
 from fastpals.encoder.bert import BertConfig, BertModel, PALConfig, state_dict_mismatches, task_specific_kind
-from fastpals.encoder.fingerprint import encoder_fingerprint, parameter_digests
+from fastpals.encoder.fingerprint import check_encoder_fingerprint, encoder_fingerprint, parameter_digests
 from fastpals.encoder.pal_variants import pal_count_categories, pal_parameter_category
+from fastpals.functional import check_task_ids
 from fastpals.model.heads import (
     TASK_WEIGHTINGS,
     MultiTaskOutput,
@@ -36,6 +49,7 @@ from fastpals.model.heads import (
     take_rows,
     task_losses,
 )
+from fastpals.model.hf_encoder import HFEncoder, runs_as_minbert
 
 __all__ = [
     "TASKS",
@@ -122,7 +136,6 @@ class MultiTaskBert(nn.Module):
         ``name_or_path`` (see :meth:`BertModel.from_pretrained`: ``"minilm-l6"``, a local folder, a Hub name),
         freshly initialised PALs (``pal``; ``num_tasks`` is set to ``len(tasks)``) and heads. Returned in eval
         mode, as transformers does: call ``.train()`` before training."""
-        from fastpals.model.hf_encoder import HFEncoder, runs_as_minbert
 
         specs = [get_task(t) for t in tasks]
         if pal is not None:
@@ -160,7 +173,6 @@ class MultiTaskBert(nn.Module):
         ``from_pretrained(name, tasks=..., pal=...)`` is :meth:`from_base` (the clearer name for it). Folders of
         the old format (``fastpals_config.json``) load with a ``FutureWarning``.
         """
-        from fastpals.adapters.format import find_adapter_folder
 
         folder = Path(name_or_path)
         if folder.is_dir() and find_adapter_folder(folder) is not None:
@@ -201,7 +213,6 @@ class MultiTaskBert(nn.Module):
         base_model: str | os.PathLike | None,
         force: bool = False,
     ) -> MultiTaskBert:
-        from fastpals.adapters.format import read_adapter_config
 
         config, adapter = read_adapter_config(folder, "MultiTaskBert.from_pretrained")
         saved_pal = None if config.get("pal_config") is None else PALConfig.from_dict(config["pal_config"])
@@ -334,7 +345,6 @@ class MultiTaskBert(nn.Module):
     def _task_ids(self, task_ids: torch.Tensor | None, b: int, device: torch.device) -> torch.Tensor:
         """``task_ids`` checked (long ``[B]``; its range is checked where the layout reads it), or zeros for a
         one-task model."""
-        from fastpals.functional import check_task_ids
 
         if task_ids is None:
             if len(self.tasks) != 1:
@@ -396,8 +406,6 @@ class MultiTaskBert(nn.Module):
         num = len(self.tasks)
         max_pos = self.config.bert.max_position_embeddings
         if layout is None:  # packed tensors without their layout: read them on the host once, here
-            from fastpals.data.layout import layout_from_cu_seqlens
-
             b = cu_seqlens.shape[0] - 1
             task_ids = self._task_ids(task_ids, b, input_ids.device)
             layout = layout_from_cu_seqlens(input_ids, cu_seqlens, max_seqlen, task_ids, num, max_pos)
@@ -512,8 +520,6 @@ class MultiTaskBert(nn.Module):
         return "bert" if isinstance(self.bert, BertModel) else "bert.model"
 
     def _adapter_kwargs(self) -> dict[str, Any]:
-        from fastpals.adapters.targets import TARGETS
-
         cfg = self.config
         n_layers = cfg.bert.num_hidden_layers
         model_type = cfg.extra.get("hf_model_type", "bert")
@@ -564,9 +570,6 @@ class MultiTaskBert(nn.Module):
         (``encoder.fingerprint``, :mod:`fastpals.encoder.fingerprint`; the trained base weights it carries left out):
         :meth:`load_adapter` refuses it beside another encoder unless ``force=True``. Returns the folder.
         """
-        from safetensors.torch import save_file
-
-        from fastpals.adapters.format import ADAPTER_SUBFOLDER, write_adapter
 
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
@@ -633,13 +636,6 @@ class MultiTaskBert(nn.Module):
         has no place for is an error (else a warning names it). An adapter that records the fingerprint of the
         encoder it was trained with (:mod:`fastpals.encoder.fingerprint`) is refused beside another encoder
         (:class:`fastpals.encoder.fingerprint.EncoderMismatchError`, one line) unless ``force``. Returns the model."""
-        from fastpals.adapters.format import (
-            check_same_pal_config,
-            load_adapter_tensors,
-            read_adapter,
-            trained_base_in_encoder,
-        )
-        from fastpals.encoder.fingerprint import check_encoder_fingerprint
 
         config, tensors, adapter = read_adapter(folder, "load_adapter")
         check_encoder_fingerprint(
@@ -684,7 +680,6 @@ def hf_bert_config(config: BertConfig, dtype: torch.dtype = torch.float32) -> di
 
 def _load_shared(model: MultiTaskBert, folder: Path) -> None:
     """Load a full folder's ``model.safetensors`` (the shared encoder, HF names) into ``model.bert``: exactly."""
-    from safetensors.torch import load_file
 
     path = folder / "model.safetensors"
     if not path.is_file():
@@ -705,7 +700,6 @@ def _load_legacy(
 ) -> MultiTaskBert:
     """Folders of fastpals 0.1: ``fastpals_config.json`` with ``model.safetensors`` (all weights, ``bert.``
     names) or ``adapters.safetensors`` (PALs and heads)."""
-    from safetensors.torch import load_file
 
     meta = json.loads((folder / LEGACY_CONFIG_NAME).read_text())
     config = MultiTaskConfig.from_dict(meta)

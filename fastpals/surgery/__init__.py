@@ -35,7 +35,7 @@ then ``buf.apply(...)`` and ``engine.step()``, gives exactly the update of the p
 whole batch, for stages 0, 1 and 2 (no "Gradient computed twice for this partition" error arose with three
 backwards per step). Build the buffer with::
 
-    from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
+    from deepspeed.utils import safe_get_full_grad, safe_set_full_grad  # DeepSpeed's import takes seconds
     buf = TaskGradientBuffer(shared, T, task_params=specific, capture_task_params=True,
                              grad_getter=safe_get_full_grad,
                              grad_setter=lambda p, g: safe_set_full_grad(

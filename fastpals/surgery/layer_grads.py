@@ -27,6 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastpals_kernels import dispatch
+from fastpals_kernels.common import build_task_row_plan
+
 __all__ = [
     "STACK_TEMP_ELEMENTS",
     "EmbeddingFrame",
@@ -270,7 +273,6 @@ def _linear_weight_grads(
 def _kernels_on(state: BlockState, t: torch.Tensor) -> bool:
     if state.use_kernels is not None:
         return state.use_kernels
-    from fastpals_kernels import dispatch
 
     return dispatch.backend("grouped_wgrad", t) == "triton"
 
@@ -279,8 +281,6 @@ def row_plan(state: BlockState, rows: RowTasks) -> Any:
     """The grouped weight-gradient kernel's :class:`~fastpals_kernels.common.TaskRowPlan` of ``rows``: built on
     first use, one per row layout, shared by every Linear of that layout."""
     if rows.plan is None:
-        from fastpals_kernels.common import build_task_row_plan
-
         example_tasks = rows.example_tasks if rows.example_tasks is not None else state.task_ids
         rows.plan = build_task_row_plan(
             example_tasks, state.num_tasks, rows.num_rows, seq_len=rows.seq_len, cu_seqlens=rows.cu_seqlens
@@ -303,7 +303,6 @@ def _linear_weight_grads_grouped(
 ) -> None:
     """All task segments in one launch of the grouped weight-gradient kernel (fp32 accumulation), then one copy
     (or add) per task into its row. Temporary: ``[T, M, K]`` in the buffer's dtype."""
-    from fastpals_kernels import dispatch
 
     plan = row_plan(state, rows)
     dw, db = dispatch.grouped_wgrad(

@@ -40,7 +40,7 @@ def shared_parameters_by_name(
     and task embeddings are task-specific, every other (encoder) weight is shared.
     """
     if is_task_specific is None:
-        from fastpals.encoder.bert import is_task_specific
+        from fastpals.encoder.bert import is_task_specific  # the parameter's default rule
 
     shared, specific = [], []
     for name, p in model.named_parameters():

@@ -11,28 +11,36 @@
 * :mod:`.dsconfig`, :mod:`.optimizer_setup`, :mod:`.distributed`, :mod:`.outputs`.
 * :mod:`.memory_states` (DeepSpeed's model states per rank, the live-tensor tracker) and :mod:`.memory_mode`
   (what ``--surgery-memory auto`` picks), shared with ``fastpals memory``.
-
-Imports are lazy, so ``fastpals.train.step`` or ``.dsconfig`` load without DeepSpeed or the data code.
 """
 
-from __future__ import annotations
+from fastpals.train.args import PAL_PRESETS, TrainArgs, build_pal_config
+from fastpals.train.command import build_parser, main, parse_args
+from fastpals.train.dsconfig import check_ds_config, load_ds_config, resolve_ds_config
+from fastpals.train.errors import ConfigError, NonFiniteLossError, TrainingInterrupted
+from fastpals.train.loop import Trainer
+from fastpals.train.optimizer_setup import lr_lambda, make_optimizer, optimizer_param_groups
+from fastpals.train.state import TrainState
+from fastpals.train.step import MicroBatch, UpdateResult, run_update
 
-import importlib
-from typing import Any
-
-_NAMES = {
-    "TrainArgs": "args", "PAL_PRESETS": "args", "build_pal_config": "args",
-    "build_parser": "command", "main": "command", "parse_args": "command",
-    "ConfigError": "errors", "NonFiniteLossError": "errors", "TrainingInterrupted": "errors",
-    "Trainer": "loop", "TrainState": "state", "run_update": "step", "MicroBatch": "step", "UpdateResult": "step",
-    "check_ds_config": "dsconfig", "load_ds_config": "dsconfig", "resolve_ds_config": "dsconfig",
-    "lr_lambda": "optimizer_setup", "optimizer_param_groups": "optimizer_setup", "make_optimizer": "optimizer_setup",
-}  # fmt: skip
-
-__all__ = sorted(_NAMES)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _NAMES:
-        return getattr(importlib.import_module(f"fastpals.train.{_NAMES[name]}"), name)
-    raise AttributeError(f"module 'fastpals.train' has no attribute {name!r}")
+__all__ = [
+    "ConfigError",
+    "MicroBatch",
+    "NonFiniteLossError",
+    "PAL_PRESETS",
+    "TrainArgs",
+    "TrainState",
+    "Trainer",
+    "TrainingInterrupted",
+    "UpdateResult",
+    "build_pal_config",
+    "build_parser",
+    "check_ds_config",
+    "load_ds_config",
+    "lr_lambda",
+    "main",
+    "make_optimizer",
+    "optimizer_param_groups",
+    "parse_args",
+    "resolve_ds_config",
+    "run_update",
+]

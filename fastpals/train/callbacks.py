@@ -20,6 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+from tqdm import tqdm
+
+from fastpals.train.outputs import strict_json
+from fastpals.train.plots import plot_confusion_matrices, plot_training_curves
 
 __all__ = [
     "Callback",
@@ -50,8 +55,6 @@ class JsonlLog(Callback):
         self.path = path
 
     def on_record(self, trainer: Any, entry: dict[str, Any]) -> None:
-        from fastpals.train.outputs import strict_json
-
         with open(self.path, "a") as f:
             f.write(strict_json(entry) + "\n")  # NaN/inf as null: every line is strict JSON
 
@@ -103,8 +106,6 @@ class Progress(Callback):
         self.ema: dict[str, float] = {}
 
     def on_train_start(self, trainer: Any) -> None:
-        from tqdm import tqdm
-
         self.bar = tqdm(
             total=trainer.total_updates, initial=trainer.state.global_step, desc="train", unit="update",
             disable=not self.enabled, file=sys.stderr, dynamic_ncols=True, mininterval=1.0,
@@ -140,7 +141,6 @@ class Plots(Callback):
     def on_train_end(self, trainer: Any) -> None:
         if not trainer.is_main or not trainer.finished:
             return
-        from fastpals.train.plots import plot_confusion_matrices, plot_training_curves
 
         state = trainer.state
         untrained = [{"step": 0, "dev": state.untrained}] if state.untrained else []
@@ -187,8 +187,6 @@ class FaultInjection(Callback):
         if entry["type"] != "step":
             return
         if entry["step"] == self.nan_weights_at_step:
-            import torch
-
             with torch.no_grad():
                 next(p for p in trainer.engine.module.parameters() if p.requires_grad).view(-1)[0] = float(
                     "nan"

@@ -11,12 +11,16 @@ import argparse
 import dataclasses
 import json
 import sys
+import textwrap
 import traceback
 from pathlib import Path
 from typing import Any
 
+from fastpals.train.allocator import keep_freed_memory
 from fastpals.train.args import TrainArgs, resume_fields
 from fastpals.train.errors import ConfigError, NonFiniteLossError, OutputError, TrainingInterrupted
+from fastpals.train.loop import Trainer
+from fastpals.train.recipes import load_recipe, recipe_names
 
 __all__ = ["build_parser", "main", "parse_args"]
 
@@ -53,8 +57,6 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Defaults in the options' help; the epilog's lines (the exit codes) kept as written."""
 
     def _fill_text(self, text: str, width: int, indent: str) -> str:
-        import textwrap
-
         return "\n".join(
             textwrap.fill(
                 line, width, initial_indent=indent, subsequent_indent=indent + " " * 7 * line[:1].isspace()
@@ -105,7 +107,6 @@ def build_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
             if m["metavar"]:
                 kw["metavar"] = m["metavar"]
         p.add_argument(*flags, **kw)
-    from fastpals.train.recipes import recipe_names
 
     p.add_argument("--recipe", dest="recipe", metavar="NAME", default=argparse.SUPPRESS,
                    help=f"start from a named recipe's options ({', '.join(recipe_names())}, or a JSON file of "
@@ -133,7 +134,6 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
             raise ConfigError(
                 "--recipe starts a new run; --resume takes the saved run's options: drop --recipe"
             )
-        from fastpals.train.recipes import load_recipe
 
         return TrainArgs(**{**load_recipe(recipe), **given})
     if not given.get("resume"):
@@ -203,9 +203,6 @@ def main(argv: list[str] | None = None) -> int:
     trainer = None
     try:
         args = parse_args(argv)
-        from fastpals.train.allocator import keep_freed_memory
-        from fastpals.train.loop import Trainer
-
         keep_freed_memory()  # reuse freed host memory: fewer page faults per update (see its module)
         trainer = Trainer(args)
         trainer.run()

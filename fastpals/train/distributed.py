@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib
 import io
 import logging
 import os
@@ -27,6 +28,8 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import torch
 
 __all__ = ["initialize", "quiet_libraries", "set_single_process_env", "without_shm_comm_op"]
 
@@ -50,7 +53,6 @@ def set_single_process_env() -> None:
 def without_shm_comm_op() -> Iterator[None]:
     """While active, DeepSpeed's communication backend starts without building/loading its CPU shared-memory
     op (``deepspeed.comm.torch.build_shm_op`` returns None, which DeepSpeed handles as "op not available")."""
-    import importlib
 
     ds_torch = importlib.import_module(
         "deepspeed.comm.torch"
@@ -77,14 +79,13 @@ def quiet_libraries(verbose: bool = False) -> None:
     """Before DeepSpeed is imported: without ``verbose``, name the CPU accelerator where there is no CUDA device
     (DeepSpeed would guess it, with a warning) and keep transformers to errors; with ``verbose``, DeepSpeed logs
     at INFO. Settings already in the environment are kept."""
-    import torch
 
     if not verbose:
         if not torch.cuda.is_available():
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         return
-    from deepspeed.utils import logger
+    from deepspeed.utils import logger  # DeepSpeed's import takes seconds
 
     logger.setLevel(logging.INFO)
     for handler in logger.handlers:
@@ -131,8 +132,7 @@ def initialize(
     on CUDA, where NCCL does the collectives); returns DeepSpeed's ``(engine, optimizer, loader, scheduler)``.
     Without ``verbose``, what DeepSpeed prints while it sets up (memory reports) is held back, unless it fails."""
     quiet_libraries(verbose)
-    import deepspeed
-    import torch
+    import deepspeed  # its import takes seconds
 
     set_single_process_env()
     single = int(os.environ["WORLD_SIZE"]) == 1

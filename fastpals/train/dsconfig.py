@@ -8,6 +8,7 @@ import difflib
 import json
 import os
 import re
+import typing
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -265,7 +266,6 @@ _DS_SECTIONS = (
 def _quiet_import() -> None:
     """Name the CPU accelerator before DeepSpeed is first imported (as the trainer's set-up does), so checking a
     ds_config prints no accelerator guess."""
-    import torch
 
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -273,7 +273,7 @@ def _quiet_import() -> None:
 
 def _valid_top_level_keys() -> set[str]:
     _quiet_import()
-    import deepspeed.runtime.constants as constants
+    import deepspeed.runtime.constants as constants  # DeepSpeed's import takes seconds
 
     names = {
         v
@@ -285,6 +285,7 @@ def _valid_top_level_keys() -> set[str]:
 
 def _section_models() -> dict[str, Any]:
     _quiet_import()
+    # DeepSpeed's import takes seconds
     from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
@@ -297,9 +298,8 @@ _DATA_TYPES_KEYS = ("grad_accum_dtype", "param_dtype", "buffer_dtype", "keep_in_
 
 def _model_keys(model: Any, path: tuple[Any, ...]) -> list[str]:
     """The keys a (nested) DeepSpeed pydantic section accepts at ``path``: field names and their aliases."""
-    import typing
 
-    from pydantic import BaseModel
+    from pydantic import BaseModel  # comes with DeepSpeed
 
     for part in path:
         field = getattr(model, "model_fields", {}).get(part)

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from fastpals.train.memory_states import model_state_bytes
+
 __all__ = [
     "FIT_SHARE",
     "KEEP_SHARE",
@@ -171,7 +173,6 @@ def run_memory_mode(
     """The trainer's ``auto``: :func:`choose_memory_mode` with the run's device memory and the analytic numbers
     (``module``: the multi-task model, whose ``bert.config`` gives the encoder's shape; ``tokens``: tokens of a
     micro-batch, all rows full length; ``row_bytes``: 4 for fp32 rows, 2 for bf16)."""
-    from fastpals.train.memory_states import model_state_bytes
 
     config: Any = getattr(getattr(module, "bert", module), "config", None)
     hidden = int(getattr(config, "hidden_size", 768))

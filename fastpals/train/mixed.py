@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from fastpals.data.mixed_batches import MixedBatchSampler, MixedSelection, collate_packed, model_inputs
 from fastpals.data.per_task_batches import TaskBatcher
@@ -62,8 +63,6 @@ class MixedUpdates:
                 micro = math.ceil(sum(int(np.sum(b.packed_lengths)) for b in batchers) / max_tokens)
             updates_per_epoch = max(1, micro // micro_per_update)
             if world_size > 1:  # every rank must run the same number of updates
-                import torch.distributed as dist
-
                 count = torch.tensor([updates_per_epoch])
                 dist.all_reduce(count, op=dist.ReduceOp.MIN)
                 updates_per_epoch = int(count)

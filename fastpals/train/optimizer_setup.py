@@ -3,11 +3,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import random
 from typing import Any
 
+import numpy as np
 import torch
 
 from fastpals.encoder.bert import freeze_shared_parameters, is_task_specific, task_specific_kind
+from fastpals.model.multitask import MultiTaskBert
 from fastpals.train.errors import ConfigError
 
 __all__ = [
@@ -17,16 +21,9 @@ __all__ = [
     "lr_lambda",
     "make_optimizer",
     "optimizer_param_groups",
-    "task_specific_names",
 ]
 
 OPTIMIZERS = ("adamw", "sgd", "rmsprop")
-
-
-def task_specific_names(model: torch.nn.Module) -> set[str]:
-    """Names of ``model``'s task-specific parameters (PALs, task embeddings, heads): the one rule of
-    :func:`fastpals.encoder.bert.is_task_specific`, the one surgery uses too."""
-    return {n for n, _ in model.named_parameters() if is_task_specific(n)}
 
 
 def _no_decay(name: str) -> bool:
@@ -103,12 +100,6 @@ def build_model(args: Any) -> torch.nn.Module:
     """The :class:`~fastpals.MultiTaskBert` of a run's options (``TrainArgs``): the encoder ``--model``, one
     head per task (``--head``, ``--pair-mode``), the PALs of ``--pal``; seeded with ``--seed``; frozen encoder
     with ``--freeze-bert``. A model that cannot be loaded is a :class:`ConfigError`."""
-    import dataclasses
-    import random
-
-    import numpy as np
-
-    from fastpals.model.multitask import MultiTaskBert
 
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)

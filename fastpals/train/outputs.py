@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from fastpals.data.metrics import write_predictions
 from fastpals.train.errors import ConfigError, OutputError, is_write_error, save_error_cause
 
 __all__ = [
@@ -278,7 +279,6 @@ def _values(spec: Any, p: np.ndarray) -> np.ndarray:
 def write_dev_predictions(folder: Path, preds: dict[str, Any], specs: dict[str, Any]) -> None:
     """CS224N-format ``<task>-dev-output.csv`` files and ``dev_labels_and_predictions.npz`` (for the confusion
     matrices) from ``{task: (ids, predictions, labels)}``; ``specs``: ``{task: TaskSpec}``."""
-    from fastpals.data.metrics import write_predictions
 
     for t, (ids, p, _) in preds.items():
         write_predictions(folder / f"{t}-dev-output.csv", ids, _values(specs[t], p), specs[t])
@@ -291,7 +291,6 @@ def write_dev_predictions(folder: Path, preds: dict[str, Any], specs: dict[str, 
 
 def write_test_predictions(folder: Path, spec: Any, ids: list[str], p: np.ndarray) -> Path:
     """``<task>-test-output.csv`` in CS224N format (``spec``: the task's TaskSpec)."""
-    from fastpals.data.metrics import write_predictions
 
     return write_predictions(folder / f"{spec.name}-test-output.csv", ids, _values(spec, p), spec)
 

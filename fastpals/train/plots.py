@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fastpals.data.metrics import bin_sts, confusion_matrix, plot_confusion_matrix
+from fastpals.data.metrics import bin_sts, confusion_matrix, plot_confusion_matrix, task_confusion_matrix
 
 __all__ = [
     "plot_confusion_matrices",
@@ -105,7 +105,7 @@ def plot_training_curves(
         title: figure title (the run's settings).
         tasks: the task order that fixes the colours (default: sorted names).
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # matplotlib: costly, only for plots
     from matplotlib.figure import Figure
 
     figure = Figure(figsize=(11, 4.8))
@@ -156,7 +156,6 @@ def plot_confusion_matrices(
     Returns:
         The paths written.
     """
-    from fastpals.data.metrics import task_confusion_matrix
 
     folder = Path(folder)
     written = []

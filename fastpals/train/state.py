@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from fastpals.train.errors import ConfigError, OutputError, is_write_error, save_error_cause
+from fastpals.train.outputs import atomic_write_text
 
 __all__ = ["GeneratorState", "RNGState", "Stateful", "TrainState", "check_checkpoint", "load_checkpoint",
            "save_checkpoint"]  # fmt: skip
@@ -119,7 +120,6 @@ def _read_latest(ckpt_dir: Path) -> str | None:
 
 def write_latest(ckpt_dir: Path, tag: str) -> None:
     """``<ckpt_dir>/latest`` := ``tag``, atomically: a temporary file, fsync, rename."""
-    from fastpals.train.outputs import atomic_write_text
 
     atomic_write_text(ckpt_dir / "latest", tag)
 
