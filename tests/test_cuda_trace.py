@@ -36,7 +36,7 @@ CASES = [
         "capability": SM90,
         "variants": [[None, "buffer"], ["pcgrad", "buffer"], ["pcgrad", "stream"]],
     },
-    {"tasks": 3, "capability": SM90, "layers": 2, "variants": [["pcgrad", "buffer"]]},
+    {"tasks": 3, "capability": SM90, "layers": 2, "variants": [["pcgrad", "buffer"], ["pcgrad", "stream"]]},
 ]
 
 
@@ -91,3 +91,33 @@ def test_every_update_runs_on_cuda_without_a_host_read(traces, cap) -> None:
             assert (counts.get("fastpals.grouped_wgrad", 0) > 0) == (cap == SM90)
             assert row["gram"] > 0
             assert (row["combine"] > 0) == (row["memory"] == "buffer")
+
+
+def test_buffer_gram_and_combine_launches_do_not_grow_with_the_parameter_tensors(traces) -> None:
+    """The buffer's Gram and combine run over all shared parameters in one launch each: BERT-base with 2 layers
+    (39 shared parameter tensors) and with 12 (199) launch the same number."""
+    small, large = _find(traces, 3, "pcgrad", layers=2), _find(traces, 3, "pcgrad")
+    assert (small["gram"], small["combine"]) == (large["gram"], large["combine"]) == (1, 1)
+
+
+def _surgery_overhead(traces: list[dict], tasks: int, memory: str) -> float:
+    plain, surgery = _find(traces, tasks, None), _find(traces, tasks, "pcgrad", memory)
+    return (surgery["total"] - surgery["solve"]) / plain["total"] - 1
+
+
+@pytest.mark.xfail(strict=True, reason="not met yet: see docs/gpu-session.md, Launch counts")
+@pytest.mark.parametrize("memory", ["buffer", "stream"])
+@pytest.mark.parametrize(("tasks", "budget"), [(3, 0.15), (16, 0.25)])
+def test_surgery_launch_budget(traces, tasks, budget, memory) -> None:
+    """Surgery (without the weight solve) adds at most 15% to the plain update's launches at T = 3, 25% at
+    T = 16 (strict xfail: it fails as soon as a budget is met, so that the mark is removed)."""
+    assert _surgery_overhead(traces, tasks, memory) <= budget
+
+
+@pytest.mark.parametrize("memory", ["buffer", "stream"])
+def test_surgery_launches_do_not_grow_past_the_measured(traces, memory) -> None:
+    """Until the budgets hold, the launches surgery adds (without the solve) stay within the measured values of
+    docs/gpu-session.md (plus 2%), so that none is added unseen."""
+    measured = {("buffer", 3): 1.42, ("stream", 3): 2.71, ("buffer", 16): 4.88, ("stream", 16): 5.91}
+    for tasks in (3, 16):
+        assert _surgery_overhead(traces, tasks, memory) <= measured[memory, tasks] + 0.02
