@@ -12,19 +12,17 @@ Usage from any training loop (one forward + backward per task, the graph freed e
     if not result.skipped:
         optimizer.step()
 
-Memory: the rows are held per shared parameter, one ``[T, numel]`` block each (``dtype`` float32, bfloat16 or
-float16; by default the parameters' dtype, i.e. the training precision), made when a step first writes that
-parameter's gradient and given up by :meth:`apply`. So the rows grow during the backward as plain training's
-gradients do (while autograd frees the activations), and no row outlives the step: at most ``T * P *
-bytes(dtype)`` above plain training (``P`` = shared parameter elements), and less where the peak is the end of the
-forward. :meth:`apply` writes the update parameter by parameter: where the rows have the gradients' dtype, over
-the block's last row, and the shared parameters' ``.grad`` are views of it (the block lives as long as that
-``.grad``); otherwise into a ``[numel]`` tensor of ``grad_dtype`` handed to ``grad_setter`` as soon as it is
-made, the block freed right after (under DeepSpeed the setter copies it into the fp32 gradient partition that the
-optimizer reads): no ``[P]`` copy of the update besides the gradient the optimizer reads. The Gram is summed
-over the blocks in float32. Time: one copy of the shared gradients per task (or none, with
-:func:`fastpals.surgery.per_task_gradients`), one pass of the Gram kernel and one of the combine kernel over
-every block, and one device-to-host sync (the finite check).
+Memory: the rows are one ``[T, P]`` tensor (``P`` = shared parameter elements; ``dtype`` float32, bfloat16 or
+float16; by default the parameters' dtype, i.e. the training precision), made at a step's first write and given
+up by :meth:`apply`; each shared parameter's ``[T, numel]`` block is a column view of it. No row outlives the
+step: ``T * P * bytes(dtype)`` above plain training. Where the rows have the gradients' dtype, :meth:`apply`
+writes the update in one pass over the last row, and the shared parameters' ``.grad`` are views of it (the rows
+live as long as those ``.grad``); otherwise parameter by parameter into a ``[numel]`` tensor of ``grad_dtype``
+handed to ``grad_setter`` as soon as it is made (under DeepSpeed the setter copies it into the fp32 gradient
+partition that the optimizer reads): no ``[P]`` copy of the update besides the gradient the optimizer reads. The Gram is summed
+in float32. Time: one copy of the shared gradients per task (or none, with
+:func:`fastpals.surgery.per_task_gradients`), one launch of the Gram kernel and one of the combine kernel over
+the rows whatever the number of parameter tensors, and one device-to-host sync (the finite check).
 
 Task-specific parameters (a task's PAL slice, its head) are not in the buffer: their gradients accumulate
 normally over the per-task backwards, so each receives its own task's gradient unchanged (for stacked per-task
@@ -281,7 +279,10 @@ class TaskGradientBuffer:
         self.all_reduce = all_reduce or process_group is not None
         self.numels = [p.numel() for p in self.params]
         self.num_elements = sum(self.numels)
-        # per shared parameter its [T, numel_k] rows, made on demand within a step
+        # per shared parameter its [T, numel_k] rows: column views of one [T, P] tensor made at a step's first
+        # write, each marked as made on first use within the step
+        self._flat: torch.Tensor | None = None
+        self._offsets = [sum(self.numels[:k]) for k in range(len(self.numels))]
         self._blocks: list[torch.Tensor | None] = [None] * len(self.params)
         self._captured = [False] * num_tasks
         self._touched = [[False] * len(self.params) for _ in range(num_tasks)]
@@ -373,12 +374,19 @@ class TaskGradientBuffer:
         lives in the ``.grad`` tensors only), so there is nothing left to release."""
 
     def _new_block(self, k: int) -> torch.Tensor:
-        """A ``[T, numel_k]`` block of rows for shared parameter ``k``: zeros when some row already holds an
-        earlier capture of this step (a later write may add to it), else uninitialised (every row is written,
-        or zeroed by the capture or by :meth:`apply`, before it is read). The memory planner counts what this
-        makes as the surgery buffer's."""
-        make = torch.zeros if any(self._captured) else torch.empty
-        return make((self.num_tasks, self.numels[k]), dtype=self.dtype, device=self.device)
+        """The ``[T, numel_k]`` block of rows of shared parameter ``k``: its columns of the step's ``[T, P]``
+        tensor (made uninitialised by the step's first write), zeroed when some row already holds an earlier
+        capture of this step (a later write may add to it); otherwise every row is written, or zeroed by the
+        capture or by :meth:`apply`, before it is read. The memory planner counts what this makes as the surgery
+        buffer's."""
+        if self._flat is None:
+            self._flat = torch.empty(
+                (self.num_tasks, self.num_elements), dtype=self.dtype, device=self.device
+            )
+        block = self._flat[:, self._offsets[k] : self._offsets[k] + self.numels[k]]
+        if any(self._captured):
+            block.zero_()
+        return block
 
     def block(self, k: int) -> torch.Tensor:
         """Every task's row of shared parameter ``k``, ``[T, numel_k]`` (made on first use in a step)."""
@@ -447,13 +455,13 @@ class TaskGradientBuffer:
             device=self.device,
         )
         dist.all_reduce(flags, group=self.process_group)
-        for k in range(len(self.params)):  # every rank reduces every block (zeros where it wrote none)
-            if self._blocks[k] is None:
-                self._blocks[k] = torch.zeros(
-                    (self.num_tasks, self.numels[k]), dtype=self.dtype, device=self.device
-                )
-            self._blocks[k].div_(world)
-            dist.all_reduce(self._blocks[k], group=self.process_group)
+        unmade = [k for k in range(len(self.params)) if self._blocks[k] is None]
+        for k in unmade:  # every rank reduces every block (zeros where it wrote none)
+            self._blocks[k] = self.block(k)
+        if unmade:
+            torch._foreach_zero_([self._blocks[k] for k in unmade])
+        self._flat.div_(world)
+        dist.all_reduce(self._flat, group=self.process_group)
         if not self.task_params:
             return flags, None
         flat = flat_task_grads(self.task_params, task_grads, self.device)
@@ -483,8 +491,8 @@ class TaskGradientBuffer:
         (``result.skipped``, or ``result.ok`` stacked with its own values) and must not step when one is false.
         """
         absent = [t for t in range(self.num_tasks) if not self._captured[t]]
-        if absent:
-            torch._foreach_zero_([b[t] for b in self._blocks if b is not None for t in absent])
+        if absent and self._flat is not None:
+            torch._foreach_zero_([self._flat[t] for t in absent])
         n_shared, n_task = len(self.params), len(self.task_params)
         checks: list[torch.Tensor] = []
         task_flat: torch.Tensor | None = None
@@ -518,7 +526,7 @@ class TaskGradientBuffer:
         self._end_step()
         if not (all(host[: self.num_tasks]) and task_ok):
             self.skipped_steps += 1
-            self._blocks = [None] * len(self.params)  # nothing applied: the rows go
+            self._blocks, self._flat = [None] * len(self.params), None  # nothing applied: the rows go
             bad = [t for t in range(self.num_tasks) if not host[t]]
             return SurgeryResult(True, None, g_mat, bad, not task_ok)
         weights = aggregator(g_mat, generator=generator, **aggregator_kwargs)
@@ -526,16 +534,17 @@ class TaskGradientBuffer:
         return SurgeryResult(False, weights, g_mat)
 
     def _gram(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(gram [T, T] float32, finite [T] bool)`` of the rows: the blocks' Grams summed (absent blocks are
-        zero rows)."""
-        g_mat = torch.zeros((self.num_tasks, self.num_tasks), dtype=torch.float32, device=self.device)
-        finite = torch.ones(self.num_tasks, dtype=torch.bool, device=self.device)
-        for b in self._blocks:
-            if b is not None:
-                g, f = gram(b)
-                g_mat.add_(g)
-                finite.logical_and_(f)
-        return g_mat, finite
+        """``(gram [T, T] float32, finite [T] bool)`` of the rows: one pass over the ``[T, P]`` tensor, whose
+        columns of blocks nobody wrote are zeroed first."""
+        if self._flat is None:
+            g_mat = torch.zeros((self.num_tasks, self.num_tasks), dtype=torch.float32, device=self.device)
+            return g_mat, torch.ones(self.num_tasks, dtype=torch.bool, device=self.device)
+        unwritten = [
+            self._flat[:, o : o + n] for b, o, n in zip(self._blocks, self._offsets, self.numels) if b is None
+        ]
+        if unwritten:
+            torch._foreach_zero_(unwritten)
+        return gram(self._flat)
 
     def _end_step(self) -> None:
         """Forget this step's captures (the next one starts fresh rows)."""
@@ -548,13 +557,17 @@ class TaskGradientBuffer:
     def _write_update(self, weights: torch.Tensor, touched: Sequence[Sequence[bool]]) -> None:
         """``sum_t weights[t] g_t`` into the shared parameters' gradients (None where no task touched one)."""
         alias = self.grad_dtype == self.dtype
+        last = None
+        if alias and self._flat is not None:  # one pass over the rows, the update over the last row
+            last = combine(self._flat, weights, out_row=self.num_tasks - 1)
+        self._flat = None  # the .grad views keep the rows alive as long as they live
         for k, p in enumerate(self.params):
             b, self._blocks[k] = self._blocks[k], None  # the buffer keeps no row past the step
             if b is None or not any(touched[t][k] for t in range(self.num_tasks)):
                 self.grad_setter(p, None)
                 continue
-            if alias:  # over the block's last row: .grad is a view of it, no extra tensor
-                update = combine(b, weights, out_row=self.num_tasks - 1)
+            if last is not None:  # .grad is a view of the update row, no extra tensor
+                update = last[self._offsets[k] : self._offsets[k] + self.numels[k]]
             else:  # one parameter's update, handed over at once (the block is freed with b)
                 update = combine(
                     b, weights, out=torch.empty(b.shape[1], dtype=self.grad_dtype, device=b.device)

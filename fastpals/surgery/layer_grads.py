@@ -302,7 +302,7 @@ def _linear_weight_grads_grouped(
     x: torch.Tensor,
 ) -> None:
     """All task segments in one launch of the grouped weight-gradient kernel (fp32 accumulation), then one copy
-    (or add) per task into its row. Temporary: ``[T, M, K]`` in the buffer's dtype."""
+    (or add) into the rows (:meth:`write_stack`). Temporary: ``[T, M, K]`` in the buffer's dtype."""
 
     plan = row_plan(state, rows)
     dw, db = dispatch.grouped_wgrad(
@@ -312,10 +312,10 @@ def _linear_weight_grads_grouped(
         torch.float32 if state.buffer.dtype == torch.float32 else dy.dtype,
         k_b is not None,
     )
-    for t in rows.tasks:
-        state.write(t, k_w, dw[t])
-        if k_b is not None and db is not None:
-            state.write(t, k_b, db[t])
+    present = slice(None) if list(rows.tasks) == list(range(dw.shape[0])) else rows.tasks
+    state.write_stack(k_w, rows.tasks, dw[present])
+    if k_b is not None and db is not None:
+        state.write_stack(k_b, rows.tasks, db[present])
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -415,7 +415,9 @@ class PerTaskGradients:
             dst.add_(prod.to(dst.dtype))
 
     def write_segment_sums(self, k: int, values: torch.Tensor, rows: RowTasks) -> None:
-        """Per task, the sum over its rows of ``values [R, n]`` into row t of shared parameter k (fp32 sums)."""
+        """Per task, the sum over its rows of ``values [R, n]`` into row t of shared parameter k (fp32 sums): one
+        reduction for all tasks (a reshaped sum where they have equal row counts, else an ``index_add`` by
+        ``row_task``), written with :meth:`write_stack`."""
         sl = [rows.slices[t] for t in rows.tasks]
         if all(isinstance(s, slice) for s in sl):
             n = sl[0].stop - sl[0].start
@@ -423,13 +425,15 @@ class PerTaskGradients:
                 seg = values[sl[0].start : sl[0].start + n * len(sl)]
                 self.write_stack(k, rows.tasks, seg.reshape(len(sl), n, -1).sum(1, dtype=torch.float32))
                 return
-            for t in rows.tasks:
-                self.write(t, k, values[rows.slices[t]].sum(0, dtype=torch.float32))
+        target = self.stack_target(k, rows.tasks, torch.float32)
+        if target is not None:  # every task's first write: summed straight into the rows
+            target = target.view(self.num_tasks, -1)
+            target.zero_()
+            target.index_add_(0, rows.row_task, values.float())
             return
         sums = torch.zeros(self.num_tasks, values.shape[1], dtype=torch.float32, device=values.device)
         sums.index_add_(0, rows.row_task, values.float())
-        for t in rows.tasks:
-            self.write(t, k, sums[t])
+        self.write_stack(k, rows.tasks, sums if self._all_tasks(rows.tasks) else sums[rows.tasks])
 
     def write_embedding(
         self, k: int, ids: torch.Tensor, grad: torch.Tensor, rows: RowTasks, padding_idx: int | None

@@ -99,6 +99,9 @@ GRAM_CHUNK_BYTES = 12 << 20
 GRAM_CHUNK_BYTES_DEVICE = 64 << 20
 # columns of one fp32 Gram product, the products summed in fp64 (the op library's Gram sums such blocks)
 GRAM_COLUMNS = 1 << 16
+#: kept rows of at most this many elements per task (biases, LayerNorm, small embeddings) are put side by side
+#: for one Gram and one combine launch over all of them
+SMALL_ROW_ELEMENTS = 1 << 20
 
 
 def stream_policy(policy: str, num_tasks: int, shape: Sequence[int], rows: int, embedding: bool) -> bool:
@@ -276,6 +279,7 @@ class StreamingTaskGradients:
         self._blocks = 0
         self._gram: torch.Tensor | None = None
         self._rows: dict[int, torch.Tensor] = {}  # kept rows and the live scratches, [T, *shape] fp32
+        self._small: tuple[list[int], torch.Tensor] | None = None  # small kept rows side by side, [T, n] fp32
         self._decided: dict[int, bool] = {}  # per parameter: streamed?
         self._calls: dict[int, int] = {}
         # shared Linear weights in the order of their first forward call; those whose rows keep_bytes keeps
@@ -565,6 +569,10 @@ class StreamingTaskGradients:
                 dist.all_reduce(flat, group=self.process_group)
                 for r, part in zip(self._rows.values(), torch.split(flat, [x.shape[1] for x in kept], 1)):
                     r.view(t, -1).copy_(part)
+        small = [k for k, r in self._rows.items() if r[0].numel() <= SMALL_ROW_ELEMENTS]
+        if small:  # one Gram (and, in _write_update, one combine) over all of them
+            self._small = (small, torch.cat([self._rows.pop(k).view(t, -1) for k in small], 1))
+            self._add_gram(self._small[1])
         for r in self._rows.values():
             self._add_gram(r.view(t, -1))
         by_param: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int | None]]] = {}
@@ -706,6 +714,16 @@ class StreamingTaskGradients:
             self.grad_setter(self.params[k], g.to(self.grad_dtype) if used[k] and g is not None else None)
             done.add(k)
 
+        if self._small is not None:
+            keys, rows = self._small
+            self._small = None
+            update = c @ rows
+            del rows
+            start = 0
+            for k in keys:  # slices, not torch.split: a caller may scale the gradients in place
+                grads[k] = update[start : start + self.numels[k]].view(self.params[k].shape)
+                start += self.numels[k]
+                hand_over(k)
         for k in list(self._rows):
             grads[k] = (c @ self._rows.pop(k).view(t, -1)).view(self.params[k].shape)
             hand_over(k)

@@ -1,0 +1,132 @@
+"""One whole training update as a GPU would run it, traced on the CPU (:mod:`bench.cuda_trace`): fake tensors on
+device ``cuda`` at BERT-base shapes (12 layers, 768 hidden, default PALs), the op library's dispatch resolving its
+CUDA backends for sm_90 and sm_75, for plain training and one-backward surgery (PCGrad, UPGrad, MGDA, IMTL-G;
+buffer and stream memory). A CPU tensor meeting a ``cuda`` one or a host read of a device value raises inside the
+trace, so every update completing is the device and sync check. The same trace counts the kernels each update
+launches; the counts are in docs/gpu-session.md (``## Launch counts``).
+
+The traces run in one subprocess (the fake-CUDA runtime of :mod:`bench.fake_cuda` must load before torch, and
+makes torch believe it was built with CUDA for the rest of that process).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SM90, SM75 = [9, 0], [7, 5]
+AGGREGATORS = ("pcgrad", "upgrad", "mgda", "imtlg")
+ALL_VARIANTS = [[None, "buffer"]] + [[a, m] for a in AGGREGATORS for m in ("buffer", "stream")]
+CASES = [
+    {"check": "guards"},
+    {"tasks": 3, "capability": SM90, "variants": ALL_VARIANTS},
+    {
+        "tasks": 3,
+        "capability": SM75,
+        "variants": [[None, "buffer"], ["upgrad", "buffer"], ["mgda", "stream"]],
+    },
+    {
+        "tasks": 16,
+        "capability": SM90,
+        "variants": [[None, "buffer"], ["pcgrad", "buffer"], ["pcgrad", "stream"]],
+    },
+    {"tasks": 3, "capability": SM90, "layers": 2, "variants": [["pcgrad", "buffer"], ["pcgrad", "stream"]]},
+]
+
+
+@pytest.fixture(scope="module")
+def traces() -> list[dict]:
+    """Every case of :data:`CASES` traced in one fresh interpreter; one dict per update (or check)."""
+    code = (
+        "import sys; from bench.fake_cuda import load_runtime; load_runtime(); "
+        "from bench.cuda_trace import main; main(sys.argv[1:])"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}
+    proc = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(CASES)], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"the CUDA trace failed:\n{proc.stderr[-6000:]}"
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def _find(
+    traces: list[dict], tasks: int, surgery: str | None, memory: str = "buffer", cap=SM90, layers=12
+) -> dict:
+    for row in traces:
+        if (
+            row.get("tasks") == tasks and row["surgery"] == surgery and row["capability"] == cap
+            and row["layers"] == layers and (surgery is None or row["memory"] == memory)
+        ):  # fmt: skip
+            return row
+    raise KeyError((tasks, surgery, memory, cap, layers))
+
+
+def test_the_trace_catches_device_mismatches_and_host_reads(traces) -> None:
+    """The guard itself (so the updates below cannot pass vacuously): a CPU tensor meeting a ``cuda`` one and a
+    host read of a ``cuda`` value both raise inside :func:`bench.cuda_trace.fake_cuda`."""
+    assert {"guards": "ok"} in traces
+
+
+@pytest.mark.parametrize("cap", [SM90, SM75], ids=["sm90", "sm75"])
+def test_every_update_runs_on_cuda_without_a_host_read(traces, cap) -> None:
+    """Each traced update completed (no device mismatch, no host read) and launched the op library's CUDA ops:
+    the PAL and the attention as custom ops (Triton on sm_90, SDPA inside them on sm_75), the grouped
+    weight-gradient kernel on sm_90 only (sm_75 fp32 takes per-task cuBLAS matmuls), the Gram and the combine
+    as custom ops on both."""
+    rows = [r for r in traces if r.get("capability") == cap and r.get("layers") == 12]
+    expected = 9 if cap == SM90 else 3
+    assert len([r for r in rows if r["tasks"] == 3]) == expected
+    for row in rows:
+        counts = row["counts"]
+        assert counts.get("fastpals.attention_varlen", 0) == 12  # 12 layers, one launch each
+        assert counts.get("fastpals.pal_varlen", 0) == 12
+        if row["surgery"] is not None:
+            assert (counts.get("fastpals.grouped_wgrad", 0) > 0) == (cap == SM90)
+            assert row["gram"] > 0
+            assert (row["combine"] > 0) == (row["memory"] == "buffer")
+
+
+def test_buffer_gram_and_combine_launches_do_not_grow_with_the_parameter_tensors(traces) -> None:
+    """The buffer's Gram and combine run over all shared parameters in one launch each: BERT-base with 2 layers
+    (39 shared parameter tensors) and with 12 (199) launch the same number."""
+    small, large = _find(traces, 3, "pcgrad", layers=2), _find(traces, 3, "pcgrad")
+    assert (small["gram"], small["combine"]) == (large["gram"], large["combine"]) == (1, 1)
+
+
+def test_stream_gram_takes_one_launch_for_all_kept_rows(traces) -> None:
+    """The stream mode's Gram: one launch over all its kept rows, plus one per streamed Linear weight (6 per
+    layer, and the pooler's)."""
+    for layers in (2, 12):
+        row = _find(traces, 3, "pcgrad", "stream", layers=layers)
+        assert row["gram"] == 1 + 6 * layers + 1
+        assert row["counts"]["fastpals.grouped_wgrad"] == 6 * layers + 1
+
+
+def _surgery_overhead(traces: list[dict], tasks: int, memory: str) -> float:
+    plain, surgery = _find(traces, tasks, None), _find(traces, tasks, "pcgrad", memory)
+    return (surgery["total"] - surgery["solve"]) / plain["total"] - 1
+
+
+@pytest.mark.xfail(strict=True, reason="not met yet: see docs/gpu-session.md, Launch counts")
+@pytest.mark.parametrize("memory", ["buffer", "stream"])
+@pytest.mark.parametrize(("tasks", "budget"), [(3, 0.15), (16, 0.25)])
+def test_surgery_launch_budget(traces, tasks, budget, memory) -> None:
+    """Surgery (without the weight solve) adds at most 15% to the plain update's launches at T = 3, 25% at
+    T = 16 (strict xfail: it fails as soon as a budget is met, so that the mark is removed)."""
+    assert _surgery_overhead(traces, tasks, memory) <= budget
+
+
+@pytest.mark.parametrize("memory", ["buffer", "stream"])
+def test_surgery_launches_do_not_grow_past_the_measured(traces, memory) -> None:
+    """Until the budgets hold, the launches surgery adds (without the solve) stay within the measured values of
+    docs/gpu-session.md (plus 2%), so that none is added unseen."""
+    measured = {("buffer", 3): 0.70, ("stream", 3): 1.70, ("buffer", 16): 1.04, ("stream", 16): 3.84}
+    for tasks in (3, 16):
+        assert _surgery_overhead(traces, tasks, memory) <= measured[memory, tasks] + 0.02
