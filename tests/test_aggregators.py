@@ -113,8 +113,11 @@ def task_gradients(t: int, kind: str, seed: int, dim: int = 40) -> torch.Tensor:
 
 
 def rel_dir(w: torch.Tensor, w_ref: torch.Tensor, j: torch.Tensor) -> float:
+    """``|d - d_ref| / |d_ref|`` for the updates ``d = w J``; where the reference update vanishes (MGDA on
+    gradients with 0 in their convex hull: ``|d_ref|`` at the round-off level), relative to ``1e-12 max |g_i|``."""
     d, d_ref = w.to(F64) @ j, w_ref.to(F64) @ j
-    return float((d - d_ref).norm() / d_ref.norm().clamp_min(1e-300))
+    floor = 1e-12 * j.to(F64).norm(dim=1).max().clamp_min(1e-300)
+    return float((d - d_ref).norm() / torch.maximum(d_ref.norm(), floor))
 
 
 def applicable(name: str, kind: str) -> bool:

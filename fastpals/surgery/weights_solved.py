@@ -81,7 +81,8 @@ __all__ = [
     "upgrad_weights",
 ]
 
-from fastpals.surgery.solvers import jacobi_eigh, nonneg_qp, spd_solve
+from fastpals.surgery import compiled
+from fastpals.surgery.solvers import QP_MAX_ITER, jacobi_eigh, jacobi_sweeps, nonneg_qp, spd_solve
 
 F64 = torch.float64
 #: most tasks of CAGrad's exact solver (it enumerates the 2^T - 1 supports); ``pgd`` takes any number
@@ -120,6 +121,16 @@ def _dual_cone_weights(
     return u + nonneg_qp(gr, u @ gr, max_iter=max_iter)
 
 
+def _compiled_dual_cone(
+    gram: torch.Tensor, method: str, p: torch.Tensor, norm_eps: float, reg_eps: float, max_iter: int | None
+) -> torch.Tensor:
+    """UPGrad's or DualProj's weights from the compiled solve (:mod:`fastpals.surgery.compiled`)."""
+    t = gram.shape[0]
+    iters = min(3 * t + 10, QP_MAX_ITER) if max_iter is None else int(max_iter)
+    vec = torch.cat([p, torch.zeros_like(p)])
+    return compiled.solve_weights(gram, method, vec, [norm_eps, reg_eps, iters])
+
+
 def _prepare(gram: torch.Tensor) -> torch.Tensor:
     g = check_gram(gram).to(F64)
     return 0.5 * (g + g.T)
@@ -153,6 +164,8 @@ def upgrad_weights(
     """
     g = _prepare(gram)
     p = _pref(pref_vector, g.shape[0], g.device)
+    if compiled.enabled(g):
+        return _compiled_dual_cone(gram, "upgrad", p, norm_eps, reg_eps, max_iter)
     return (
         _dual_cone_weights(g, torch.diag(p), norm_eps, reg_eps, max_iter).sum(dim=0).to(weights_dtype(gram))
     )
@@ -174,6 +187,8 @@ def dualproj_weights(
     ``gram [T, T]`` float32/float64 -> ``w [T]`` on its device (float64 for a float64 Gram, else float32)."""
     g = _prepare(gram)
     p = _pref(pref_vector, g.shape[0], g.device)
+    if compiled.enabled(g):
+        return _compiled_dual_cone(gram, "dualproj", p, norm_eps, reg_eps, max_iter)
     return _dual_cone_weights(g, p[None, :], norm_eps, reg_eps, max_iter)[0].to(weights_dtype(gram))
 
 
@@ -192,6 +207,8 @@ def mgda_weights(
     ``gram [T, T]`` float32/float64 -> ``w [T]`` on its device (float64 for a float64 Gram, else float32)."""
     if epsilon <= 0 or int(max_iters) <= 0:
         raise ValueError(f"mgda: epsilon and max_iters must be positive, got {epsilon}, {max_iters}")
+    if compiled.enabled(check_gram(gram)):
+        return compiled.solve_weights(gram, "mgda", None, [epsilon, int(max_iters)])
     g = check_gram(gram).to(F64)
     t = g.shape[0]
     alpha = torch.full((t,), 1.0 / t, dtype=F64, device=g.device)
@@ -228,6 +245,10 @@ def imtlg_weights(
     ``gram [T, T]`` float32/float64 -> ``w [T]`` on its device (float64 for a float64 Gram, else float32)."""
     g = check_gram(gram).to(F64)
     t = g.shape[0]
+    if compiled.enabled(g):
+        return compiled.solve_weights(
+            gram, "imtlg", None, [jacobi_sweeps(t) if sweeps is None else int(sweeps)]
+        )
     d = torch.diagonal(g).clamp_min(0.0).sqrt()
     lam, vec = jacobi_eigh(0.5 * (g + g.T), sweeps)
     sig = lam.abs()
@@ -264,6 +285,13 @@ def alignedmtl_weights(
     g = check_gram(gram).to(F64)
     t = g.shape[0]
     p = _pref(pref_vector, t, g.device)
+    if compiled.enabled(g):
+        mode = ("min", "median", "rmse").index(scale_mode)
+        budget = jacobi_sweeps(t) if sweeps is None else int(sweeps)
+        eps = torch.finfo(gram.dtype).eps
+        return compiled.solve_weights(
+            gram, "alignedmtl", torch.cat([p, torch.zeros_like(p)]), [budget, mode, eps]
+        )
     lam, vec = jacobi_eigh(torch.triu(g) + torch.triu(g, 1).T, sweeps)
     tol = lam.amax() * t * torch.finfo(gram.dtype).eps
     keep = lam > tol
