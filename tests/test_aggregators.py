@@ -445,8 +445,8 @@ def test_nonfinite_gradient_skips_every_method(name):
 
 
 def test_registry_names_and_make_weighting_options():
-    assert list(AGGREGATORS) == NAMES
-    assert set(STATEFUL) == {"nashmtl", "gradvac"}
+    assert list(AGGREGATORS)[: len(NAMES)] == NAMES  # the later ones: tests/test_weights_extra.py
+    assert {"nashmtl", "gradvac"} <= set(STATEFUL)
     j = task_gradients(3, "conflict", 1)
     g = j @ j.T
     fn, state = make_weighting("cagrad", **parse_surgery_options(["c=0.9"]))

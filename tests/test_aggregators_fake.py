@@ -79,6 +79,8 @@ def option_variants(t: int) -> list[tuple[str, dict]]:
 @pytest.mark.parametrize("t", [2, 3, 5])
 @pytest.mark.parametrize("name", NAMES)
 def test_fake_gram_every_aggregator(name, t):
+    if name == "krum" and t < 3:
+        pytest.skip("Krum needs T >= n_byzantine + 3")
     gram = real_gram(t)
     with FakeTensorMode() as mode:
         fake = mode.from_tensor(gram)
@@ -386,7 +388,8 @@ def test_fake_suite_iterations_past_the_budget_change_nothing(name):
 # the weights of the code before the rewrite
 
 
-@pytest.mark.parametrize("name", NAMES)
+# the methods of that code (the later ones: tests/test_weights_extra.py)
+@pytest.mark.parametrize("name", NAMES[:13])
 def test_fake_suite_weights_equal_the_pre_rewrite_code(name):
     checked = 0
     for ref_name, options, t, kind, expected in REFERENCE:

@@ -63,10 +63,12 @@ from fastpals.surgery.weights_basic import (
 __all__ = [
     "AGGREGATORS",
     "STATEFUL",
+    "CRMOGMState",
     "GradVacState",
     "NashMTLState",
     "alignedmtl_weights",
     "cagrad_weights",
+    "crmogm_weights",
     "dualproj_weights",
     "fairgrad_weights",
     "gradvac_weights",
@@ -83,6 +85,15 @@ __all__ = [
 
 from fastpals.surgery import compiled
 from fastpals.surgery.solvers import QP_MAX_ITER, jacobi_eigh, jacobi_sweeps, nonneg_qp, spd_solve
+from fastpals.surgery.weights_extra import (
+    MoDoState,
+    SDMGradState,
+    constant_weights,
+    krum_weights,
+    modo_weights,
+    random_weights,
+    sdmgrad_weights,
+)
 
 F64 = torch.float64
 #: most tasks of CAGrad's exact solver (it enumerates the 2^T - 1 supports); ``pgd`` takes any number
@@ -718,6 +729,57 @@ def gradvac_weights(
     return coef.sum(0).to(weights_dtype(gram))
 
 
+class CRMOGMState:
+    """CR-MOGM's smoothed weights ``lambda [T]`` (float64, on the Gram's device; ``None`` before the first call)."""
+
+    def __init__(self) -> None:
+        self.weights: torch.Tensor | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"weights": None if self.weights is None else self.weights.detach().cpu().clone()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        w = state["weights"]
+        self.weights = None if w is None else torch.as_tensor(w, dtype=F64).clone()
+
+    def reset(self) -> None:
+        self.weights = None
+
+
+def crmogm_weights(
+    gram: torch.Tensor,
+    state: CRMOGMState,
+    generator: torch.Generator | None = None,
+    *,
+    base: str = "mgda",
+    alpha: float = 0.9,
+) -> torch.Tensor:
+    """CR-MOGM (Zhou et al., "On the Convergence of Stochastic Multi-Objective Gradient Manipulation", NeurIPS
+    2022): the weights of the stateless weighting ``base`` (default ``mgda``, with its default options),
+    smoothed across calls, ``lambda <- alpha lambda + (1 - alpha) lambda_hat`` (the first call returns
+    ``lambda_hat``). ``state`` is a :class:`CRMOGMState`.
+
+    ``gram [T, T]`` float32/float64 -> ``w [T]`` on its device (float64 for a float64 Gram, else float32)."""
+    if not isinstance(state, CRMOGMState):
+        raise TypeError(f"crmogm needs a CRMOGMState, got {type(state).__name__}")
+    if base not in AGGREGATORS or base in STATEFUL:
+        stateless = ", ".join(k for k in AGGREGATORS if k not in STATEFUL and k != "constant")
+        raise ValueError(f"crmogm: option base={base!r} must be a stateless weighting: {stateless}")
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"crmogm: alpha must be in [0, 1], got {alpha}")
+    lam_hat = AGGREGATORS[base](gram, generator).to(F64)
+    t = lam_hat.shape[0]
+    if state.weights is None or state.weights.shape != (t,):
+        lam = lam_hat
+    else:
+        lam = (
+            alpha * state.weights.to(device=lam_hat.device, dtype=F64, non_blocking=True)
+            + (1.0 - alpha) * lam_hat
+        )
+    state.weights = lam
+    return lam.to(weights_dtype(gram))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # registry and command-line construction
 # ----------------------------------------------------------------------------------------------------------------
@@ -736,10 +798,22 @@ AGGREGATORS: dict[str, Callable[..., torch.Tensor]] = {
     "fairgrad": fairgrad_weights,
     "nashmtl": nashmtl_weights,
     "gradvac": gradvac_weights,
+    "constant": constant_weights,
+    "random": random_weights,
+    "krum": krum_weights,
+    "modo": modo_weights,
+    "sdmgrad": sdmgrad_weights,
+    "crmogm": crmogm_weights,
 }
 """Name -> weights function ``fn(gram, [state,] generator=None, **options) -> w``."""
 
-STATEFUL: dict[str, type] = {"nashmtl": NashMTLState, "gradvac": GradVacState}
+STATEFUL: dict[str, type] = {
+    "nashmtl": NashMTLState,
+    "gradvac": GradVacState,
+    "modo": MoDoState,
+    "sdmgrad": SDMGradState,
+    "crmogm": CRMOGMState,
+}
 """Names whose function takes a state object (second argument / ``state=``), and the state's class."""
 
 # options settable from strings; everything else in a signature (generator, orders, state) is not an option
@@ -756,7 +830,7 @@ def _parse(name: str, key: str, value: Any, default: Any) -> Any:
         return value
     text = value.strip()
     try:
-        if key == "pref_vector" or (key == "proposal" and "," in text):
+        if key in ("pref_vector", "weights") or (key == "proposal" and "," in text):
             return torch.tensor([float(x) for x in text.split(",")], dtype=F64)
         if key == "proposal":
             return int(text) if text.lstrip("-").isdigit() else text
@@ -775,9 +849,7 @@ def _parse(name: str, key: str, value: Any, default: Any) -> Any:
     return text
 
 
-def make_weighting(
-    name: str, **options: Any
-) -> tuple[Callable[..., torch.Tensor], NashMTLState | GradVacState | None]:
+def make_weighting(name: str, **options: Any) -> tuple[Callable[..., torch.Tensor], Any]:
     """Build the weighting ``name`` of :data:`AGGREGATORS` with ``options`` (values may be strings, as from
     ``--surgery-opt KEY=VALUE``; they are parsed by the option's default type; ``pref_vector`` is comma-separated).
 
