@@ -12,11 +12,12 @@
 namespace fastpals {
 
 int method_code(const std::string& method) {
-  static const char* names[NUM_METHODS] = {"imtlg", "alignedmtl", "upgrad", "dualproj", "gem", "mgda"};
+  static const char* names[NUM_METHODS] = {"imtlg", "alignedmtl", "upgrad", "dualproj",
+                                           "gem",   "mgda",       "alpha_fair"};
   for (int i = 0; i < NUM_METHODS; ++i)
     if (method == names[i]) return i;
   TORCH_CHECK(false, "solve_weights: unknown method '", method,
-              "'; choose one of imtlg, alignedmtl, upgrad, dualproj, gem, mgda");
+              "'; choose one of imtlg, alignedmtl, upgrad, dualproj, gem, mgda, alpha_fair");
   return -1;
 }
 

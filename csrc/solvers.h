@@ -26,7 +26,16 @@
 namespace fastpals {
 
 // method codes of solve_weights (the op's `method` string maps to these in solve_weights.cpp)
-enum Method : int { IMTLG = 0, ALIGNEDMTL = 1, UPGRAD = 2, DUALPROJ = 3, GEM = 4, MGDA = 5, NUM_METHODS = 6 };
+enum Method : int {
+  IMTLG = 0,
+  ALIGNEDMTL = 1,
+  UPGRAD = 2,
+  DUALPROJ = 3,
+  GEM = 4,
+  MGDA = 5,
+  ALPHA_FAIR = 6,
+  NUM_METHODS = 7
+};
 
 // the slots of the `params` array per method (unused slots are ignored)
 //   IMTLG:      [0] sweeps
@@ -34,6 +43,7 @@ enum Method : int { IMTLG = 0, ALIGNEDMTL = 1, UPGRAD = 2, DUALPROJ = 3, GEM = 4
 //   UPGRAD, DUALPROJ: [0] norm_eps, [1] reg_eps, [2] max_iter
 //   GEM:        [0] tol, [1] ridge, [2] max_iter
 //   MGDA:       [0] epsilon, [1] max_iters
+//   ALPHA_FAIR: [0] alpha (> 0), [1] max_iter  (FairGrad's and Nash-MTL's root of G x = x^(-1/alpha))
 // `vec` (length 2T): UPGRAD/DUALPROJ/ALIGNEDMTL: the preference vector in [0, T); GEM: the proposal in [0, T)
 // and the constraint mask (1 or 0) in [T, 2T); MGDA, IMTLG: unused.
 constexpr int NUM_PARAMS = 3;
@@ -55,6 +65,15 @@ template <typename S>
 FASTPALS_HD inline S smax(S a, S b) { return a > b ? a : b; }
 template <typename S>
 FASTPALS_HD inline S smin(S a, S b) { return a < b ? a : b; }
+
+template <typename S>
+FASTPALS_HD inline bool finite(S v) {
+#if defined(__CUDA_ARCH__)
+  return isfinite(v);
+#else
+  return std::isfinite(v);
+#endif
+}
 
 FASTPALS_HD inline int jacobi_sweeps(int t) {
   int n = t + t % 2, bits = 0;
@@ -395,6 +414,105 @@ FASTPALS_HD void mgda(const S* g, int t, S epsilon, int max_iters, S* w, S* ws) 
   }
 }
 
+// Solve a x = b in place (a: k x k row-major, general) by LU with partial pivoting (rows swapped in place).
+template <typename S>
+FASTPALS_HD void lu_solve(S* a, S* b, int k) {
+  for (int c = 0; c < k; ++c) {
+    int piv = c;
+    for (int i = c + 1; i < k; ++i)
+      if (fabs(a[i * k + c]) > fabs(a[piv * k + c])) piv = i;
+    if (piv != c) {
+      for (int j = 0; j < k; ++j) {
+        S tmp = a[c * k + j];
+        a[c * k + j] = a[piv * k + j];
+        a[piv * k + j] = tmp;
+      }
+      S tmp = b[c];
+      b[c] = b[piv];
+      b[piv] = tmp;
+    }
+    S d = a[c * k + c];
+    for (int i = c + 1; i < k; ++i) {
+      S f = a[i * k + c] / d;
+      for (int j = c + 1; j < k; ++j) a[i * k + j] -= f * a[c * k + j];
+      b[i] -= f * b[c];
+    }
+  }
+  for (int i = k - 1; i >= 0; --i) {
+    S acc = b[i];
+    for (int j = i + 1; j < k; ++j) acc -= a[i * k + j] * b[j];
+    b[i] = acc / a[i * k + i];
+  }
+}
+
+// 1/2 x^T gn x - sum_i psi(x_i), psi = log (alpha = 1) or alpha / (alpha - 1) x^(1 - 1/alpha)
+template <typename S>
+FASTPALS_HD S alpha_fair_objective(const S* gn, const S* x, int t, S alpha) {
+  S quad = S(0), psi = S(0);
+  for (int j = 0; j < t; ++j) {
+    S acc = S(0);
+    for (int i = 0; i < t; ++i) acc += x[i] * gn[i * t + j];
+    quad += acc * x[j];
+    psi += alpha == S(1) ? log(x[j]) : (alpha / (alpha - S(1))) * pow(x[j], S(1) - S(1) / alpha);
+  }
+  return S(0.5) * quad - psi;
+}
+
+FASTPALS_HD inline int64_t alpha_fair_workspace(int t) { return 2 * int64_t(t) * t + 4 * int64_t(t); }
+
+// The positive root of G x = x^(-1/alpha) by damped Newton on G / tr(G): exactly max_iter steps, each taking the
+// first of the step sizes 2^-k, k < 40, that keeps x positive and satisfies Armijo's rule (none: x is kept);
+// zeros when tr(G) <= 0. As weights_solved._alpha_fair_solve.
+template <typename S>
+FASTPALS_HD void alpha_fair(const S* g, int t, S alpha, int max_iter, S* x, S* ws) {
+  S* gn = ws;
+  S* hess = gn + t * t;
+  S* grad = hess + t * t;
+  S* d = grad + t;
+  S* cand = d + t;
+  S trace = S(0);
+  for (int i = 0; i < t; ++i) trace += g[i * t + i];
+  S tr = smax(trace, S(sizeof(S) == sizeof(double) ? 1e-300 : 1e-37));
+  S total = S(0);
+  for (int i = 0; i < t * t; ++i) {
+    gn[i] = g[i] / tr;
+    total += gn[i];
+  }
+  const S p = S(-1) / alpha;
+  S s = smax(total / S(t * t), S(1e-6));
+  S x0 = pow(s, -alpha / (alpha + S(1)));
+  for (int i = 0; i < t; ++i) x[i] = x0;
+  for (int it = 0; it < max_iter; ++it) {
+    for (int i = 0; i < t; ++i) {
+      S acc = S(0);
+      for (int j = 0; j < t; ++j) acc += gn[i * t + j] * x[j];
+      grad[i] = acc - pow(x[i], p);
+      d[i] = -grad[i];
+      for (int j = 0; j < t; ++j) hess[i * t + j] = gn[i * t + j] + (i == j ? -p * pow(x[i], p - S(1)) : S(0));
+    }
+    lu_solve(hess, d, t);
+    S slope = S(0);
+    for (int i = 0; i < t; ++i) slope += grad[i] * d[i];
+    S f0 = alpha_fair_objective(gn, x, t, alpha);
+    S step = S(1);
+    for (int k = 0; k < 40; ++k, step *= S(0.5)) {
+      bool pos = true;
+      for (int i = 0; i < t; ++i) {
+        cand[i] = x[i] + step * d[i];
+        pos = pos && cand[i] > S(0);
+      }
+      if (!pos) continue;
+      S fc = alpha_fair_objective(gn, cand, t, alpha);
+      if (fc <= f0 + S(1e-4) * step * slope && finite(fc)) {
+        for (int i = 0; i < t; ++i) x[i] = cand[i];
+        break;
+      }
+    }
+  }
+  S back = pow(tr, -alpha / (alpha + S(1)));
+  for (int i = 0; i < t; ++i) x[i] = trace <= S(0) ? S(0) : x[i] * back;
+}
+
 FASTPALS_HD inline int64_t solve_workspace_size(int method, int t) {
   switch (method) {
     case IMTLG:
@@ -406,6 +524,8 @@ FASTPALS_HD inline int64_t solve_workspace_size(int method, int t) {
       return int64_t(t) * t + 2 * int64_t(t) + qp_workspace(t);
     case MGDA:
       return t;
+    case ALPHA_FAIR:
+      return alpha_fair_workspace(t);
     default:
       return 0;
   }
@@ -431,6 +551,9 @@ FASTPALS_HD void solve_weights(int method, const S* g, int t, const S* vec, cons
       break;
     case MGDA:
       mgda(g, t, params[0], int(params[1]), w, ws);
+      break;
+    case ALPHA_FAIR:
+      alpha_fair(g, t, params[0], int(params[1]), w, ws);
       break;
     default:
       break;

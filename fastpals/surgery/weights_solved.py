@@ -535,6 +535,8 @@ def _alpha_fair_solve(g: torch.Tensor, alpha: float, max_iter: int) -> torch.Ten
     taking the first that satisfies Armijo's rule (none: ``x`` is kept). At the root the Newton step is at the
     round-off level, so iterations past convergence leave ``x`` unchanged up to round-off. ``G`` is first divided
     by its trace; the root scales back as ``tr^{-alpha/(alpha+1)}``."""
+    if compiled.enabled(g):
+        return compiled.solve_weights(g, "alpha_fair", None, [alpha, max_iter])
     t = g.shape[0]
     dev = g.device
     tr = torch.diagonal(g).sum().clamp_min(1e-300)
