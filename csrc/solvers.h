@@ -88,16 +88,36 @@ FASTPALS_HD inline int64_t jacobi_workspace(int t) {
 
 // Eigendecomposition of the symmetric n x n matrix m (row-major, n even; an odd T is padded by the caller with
 // a zero row and column), in place: on return diag(m) holds the eigenvalues and vec (n x n, row-major) the
-// eigenvectors in its columns. At most `sweeps` sweeps of n - 1 rounds of n / 2 disjoint rotations; each round first
+// eigenvectors in its columns. At most `sweeps` sweeps of n - 1 rounds of n / 2 disjoint rotations; each round
 // rotates the rows of all its pairs, then the columns, then zeroes the pairs' off-diagonal entries, as the
-// PyTorch transcription does. work: 3 n elements.
+// PyTorch transcription does. The column rotation is done as a row rotation of the transpose (the same
+// products and sums, contiguous), and the eigenvectors are kept transposed until the end. work: 3 n elements.
+template <typename S>
+FASTPALS_HD void rotate_rows(S* a, int n, int p, int q, S c, S sp, S sq) {
+  for (int j = 0; j < n; ++j) {
+    S ap = a[p * n + j], aq = a[q * n + j];
+    a[p * n + j] = c * ap + sp * aq;
+    a[q * n + j] = c * aq + sq * ap;
+  }
+}
+
+template <typename S>
+FASTPALS_HD void transpose(S* a, int n) {
+  for (int i = 0; i < n; ++i)
+    for (int j = i + 1; j < n; ++j) {
+      S tmp = a[i * n + j];
+      a[i * n + j] = a[j * n + i];
+      a[j * n + i] = tmp;
+    }
+}
+
 template <typename S>
 FASTPALS_HD void jacobi_eigh(S* m, S* vec, int n, int sweeps, S* work) {
-  S* cs = work;          // cos of the rotation that index i is part of
-  S* sn = work + n;      // signed sin (R[partner(i), i])
+  S* cs = work;               // cos of the rotation that index i is part of
+  S* sn = work + n;           // signed sin (R[partner(i), i])
   S* partner = work + 2 * n;  // as S to keep one workspace type
   for (int i = 0; i < n; ++i)
-    for (int j = 0; j < n; ++j) vec[i * n + j] = i == j ? S(1) : S(0);
+    for (int j = 0; j < n; ++j) vec[i * n + j] = i == j ? S(1) : S(0);  // vec^T
   const S eps = Eps<double>::value;  // the float64 eps, as in the transcription
   const int half = n / 2;
   for (int sweep = 0; sweep < sweeps; ++sweep) {
@@ -105,8 +125,7 @@ FASTPALS_HD void jacobi_eigh(S* m, S* vec, int n, int sweeps, S* work) {
     for (int r = 0; r < n - 1; ++r) {
       for (int k = 0; k < half; ++k) {
         int p = k == 0 ? 0 : 1 + (k - 1 + r) % (n - 1);
-        int kq = n - 1 - k;
-        int q = 1 + (kq - 1 + r) % (n - 1);
+        int q = 1 + (n - 2 - k + r) % (n - 1);
         S app = m[p * n + p], aqq = m[q * n + q], apq = m[p * n + q];
         bool skip = fabs(apq) <= eps * sqrt(fabs(app * aqq));
         S theta = skip ? S(0) : S(0.5) * atan(S(2) * apq / (aqq - app));
@@ -119,30 +138,23 @@ FASTPALS_HD void jacobi_eigh(S* m, S* vec, int n, int sweeps, S* work) {
         partner[p] = S(q);
         partner[q] = S(p);
       }
-      // rows: m[i, :] = c_i m[i, :] + s_i m[partner(i), :], a pair's two rows at once
+      // m <- R^T m (rows), m <- (R^T m^T)^T = m R (columns), vec^T <- R^T vec^T
       for (int k = 0; k < half; ++k) {
         int p = k == 0 ? 0 : 1 + (k - 1 + r) % (n - 1);
         int q = int(partner[p]);
-        S c = cs[p], sp = sn[p], sq = sn[q];
-        for (int j = 0; j < n; ++j) {
-          S mp = m[p * n + j], mq = m[q * n + j];
-          m[p * n + j] = c * mp + sp * mq;
-          m[q * n + j] = c * mq + sq * mp;
-        }
+        rotate_rows(m, n, p, q, cs[p], sn[p], sn[q]);
       }
-      // columns, and the eigenvectors' columns
+      transpose(m, n);
       for (int k = 0; k < half; ++k) {
         int p = k == 0 ? 0 : 1 + (k - 1 + r) % (n - 1);
         int q = int(partner[p]);
-        S c = cs[p], sp = sn[p], sq = sn[q];
-        for (int i = 0; i < n; ++i) {
-          S mp = m[i * n + p], mq = m[i * n + q];
-          m[i * n + p] = mp * c + mq * sp;
-          m[i * n + q] = mq * c + mp * sq;
-          S vp = vec[i * n + p], vq = vec[i * n + q];
-          vec[i * n + p] = vp * c + vq * sp;
-          vec[i * n + q] = vq * c + vp * sq;
-        }
+        rotate_rows(m, n, p, q, cs[p], sn[p], sn[q]);
+        rotate_rows(vec, n, p, q, cs[p], sn[p], sn[q]);
+      }
+      transpose(m, n);
+      for (int k = 0; k < half; ++k) {
+        int p = k == 0 ? 0 : 1 + (k - 1 + r) % (n - 1);
+        int q = int(partner[p]);
         m[p * n + q] = S(0);
         m[q * n + p] = S(0);
       }
@@ -151,22 +163,34 @@ FASTPALS_HD void jacobi_eigh(S* m, S* vec, int n, int sweeps, S* work) {
     // remaining sweeps of the budget are the identity
     if (!rotated) break;
   }
+  transpose(vec, n);
 }
 
-// Solve a x = b in place for the symmetric positive definite k x k system a (row-major) by Gauss-Jordan
-// elimination without pivoting (pivots clamped to the type's smallest normal), as solvers.py spd_solve.
+// Solve a x = b in place for the symmetric positive definite k x k system a (row-major; its lower triangle is
+// overwritten) by Cholesky, pivots clamped to the type's smallest normal (a singular a stays finite, as the
+// PyTorch transcription's clamped Gauss-Jordan does).
 template <typename S>
 FASTPALS_HD void spd_solve(S* a, S* b, int k) {
-  for (int piv_i = 0; piv_i < k; ++piv_i) {
-    S piv = smax(a[piv_i * k + piv_i], S(Eps<S>::tiny));
-    for (int j = 0; j < k; ++j) a[piv_i * k + j] = a[piv_i * k + j] / piv;
-    b[piv_i] = b[piv_i] / piv;
-    for (int i = 0; i < k; ++i) {
-      if (i == piv_i) continue;
-      S f = a[i * k + piv_i];
-      for (int j = 0; j < k; ++j) a[i * k + j] = a[i * k + j] - f * a[piv_i * k + j];
-      b[i] = b[i] - f * b[piv_i];
+  for (int j = 0; j < k; ++j) {
+    S d = a[j * k + j];
+    for (int c = 0; c < j; ++c) d -= a[j * k + c] * a[j * k + c];
+    d = sqrt(smax(d, S(Eps<S>::tiny)));
+    a[j * k + j] = d;
+    for (int i = j + 1; i < k; ++i) {
+      S v = a[i * k + j];
+      for (int c = 0; c < j; ++c) v -= a[i * k + c] * a[j * k + c];
+      a[i * k + j] = v / d;
     }
+  }
+  for (int i = 0; i < k; ++i) {  // L y = b
+    S v = b[i];
+    for (int c = 0; c < i; ++c) v -= a[i * k + c] * b[c];
+    b[i] = v / a[i * k + i];
+  }
+  for (int i = k - 1; i >= 0; --i) {  // L^T x = y
+    S v = b[i];
+    for (int c = i + 1; c < k; ++c) v -= a[c * k + i] * b[c];
+    b[i] = v / a[i * k + i];
   }
 }
 
