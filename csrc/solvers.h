@@ -9,6 +9,9 @@
 //   jacobi_eigh   solvers.py jacobi_eigh      cyclic Jacobi, round-robin order, Demmel-Veselic skip rule
 //   nonneg_qp     solvers.py nonneg_qp        block principal pivoting with Murty's backup rule
 //   mgda          weights_solved.py           Frank-Wolfe (Sener & Koltun, Algorithm 2)
+//   alpha_fair    weights_solved.py           FairGrad's / Nash-MTL's damped Newton root
+// The linear solves are LU with partial pivoting (the PyTorch code: clamped Gauss-Jordan up to T = 16, LAPACK's
+// LU beyond), so results agree to round-off, not bit for bit.
 // Iterative loops stop once their iterate is a fixed point (the PyTorch code runs the whole fixed budget with
 // the iterate frozen instead, which gives the same result).
 #pragma once
@@ -166,31 +169,34 @@ FASTPALS_HD void jacobi_eigh(S* m, S* vec, int n, int sweeps, S* work) {
   transpose(vec, n);
 }
 
-// Solve a x = b in place for the symmetric positive definite k x k system a (row-major; its lower triangle is
-// overwritten) by Cholesky, pivots clamped to the type's smallest normal (a singular a stays finite, as the
-// PyTorch transcription's clamped Gauss-Jordan does).
+// Solve a x = b in place (a: k x k row-major, general) by LU with partial pivoting (rows swapped in place).
 template <typename S>
-FASTPALS_HD void spd_solve(S* a, S* b, int k) {
-  for (int j = 0; j < k; ++j) {
-    S d = a[j * k + j];
-    for (int c = 0; c < j; ++c) d -= a[j * k + c] * a[j * k + c];
-    d = sqrt(smax(d, S(Eps<S>::tiny)));
-    a[j * k + j] = d;
-    for (int i = j + 1; i < k; ++i) {
-      S v = a[i * k + j];
-      for (int c = 0; c < j; ++c) v -= a[i * k + c] * a[j * k + c];
-      a[i * k + j] = v / d;
+FASTPALS_HD void lu_solve(S* a, S* b, int k) {
+  for (int c = 0; c < k; ++c) {
+    int piv = c;
+    for (int i = c + 1; i < k; ++i)
+      if (fabs(a[i * k + c]) > fabs(a[piv * k + c])) piv = i;
+    if (piv != c) {
+      for (int j = 0; j < k; ++j) {
+        S tmp = a[c * k + j];
+        a[c * k + j] = a[piv * k + j];
+        a[piv * k + j] = tmp;
+      }
+      S tmp = b[c];
+      b[c] = b[piv];
+      b[piv] = tmp;
+    }
+    S d = a[c * k + c];
+    for (int i = c + 1; i < k; ++i) {
+      S f = a[i * k + c] / d;
+      for (int j = c + 1; j < k; ++j) a[i * k + j] -= f * a[c * k + j];
+      b[i] -= f * b[c];
     }
   }
-  for (int i = 0; i < k; ++i) {  // L y = b
-    S v = b[i];
-    for (int c = 0; c < i; ++c) v -= a[i * k + c] * b[c];
-    b[i] = v / a[i * k + i];
-  }
-  for (int i = k - 1; i >= 0; --i) {  // L^T x = y
-    S v = b[i];
-    for (int c = i + 1; c < k; ++c) v -= a[c * k + i] * b[c];
-    b[i] = v / a[i * k + i];
+  for (int i = k - 1; i >= 0; --i) {
+    S acc = b[i];
+    for (int j = i + 1; j < k; ++j) acc -= a[i * k + j] * b[j];
+    b[i] = acc / a[i * k + i];
   }
 }
 
@@ -219,7 +225,7 @@ FASTPALS_HD void nonneg_qp(const S* q, const S* b, int t, int iters, S thresh, S
       for (int c = 0; c < k; ++c) sys[a * k + c] = q[i * t + int(free_idx[c])];
       rhs[a] = -b[i];
     }
-    spd_solve(sys, rhs, k);
+    lu_solve(sys, rhs, k);
     for (int i = 0; i < t; ++i) x[i] = S(0);
     for (int a = 0; a < k; ++a) x[int(free_idx[a])] = rhs[a];
     if (it == iters) break;
@@ -435,37 +441,6 @@ FASTPALS_HD void mgda(const S* g, int t, S epsilon, int max_iters, S* w, S* ws) 
     S gamma = c <= a ? S(1) : (b <= a ? S(0) : (b - a) / (den > S(0) ? den : S(1)));
     for (int i = 0; i < t; ++i) w[i] = (S(1) - gamma) * w[i] + (i == k ? gamma : S(0));
     if (gamma < epsilon) break;
-  }
-}
-
-// Solve a x = b in place (a: k x k row-major, general) by LU with partial pivoting (rows swapped in place).
-template <typename S>
-FASTPALS_HD void lu_solve(S* a, S* b, int k) {
-  for (int c = 0; c < k; ++c) {
-    int piv = c;
-    for (int i = c + 1; i < k; ++i)
-      if (fabs(a[i * k + c]) > fabs(a[piv * k + c])) piv = i;
-    if (piv != c) {
-      for (int j = 0; j < k; ++j) {
-        S tmp = a[c * k + j];
-        a[c * k + j] = a[piv * k + j];
-        a[piv * k + j] = tmp;
-      }
-      S tmp = b[c];
-      b[c] = b[piv];
-      b[piv] = tmp;
-    }
-    S d = a[c * k + c];
-    for (int i = c + 1; i < k; ++i) {
-      S f = a[i * k + c] / d;
-      for (int j = c + 1; j < k; ++j) a[i * k + j] -= f * a[c * k + j];
-      b[i] -= f * b[c];
-    }
-  }
-  for (int i = k - 1; i >= 0; --i) {
-    S acc = b[i];
-    for (int j = i + 1; j < k; ++j) acc -= a[i * k + j] * b[j];
-    b[i] = acc / a[i * k + i];
   }
 }
 

@@ -75,12 +75,12 @@ def test_krum_equals_torchjd(n_byzantine, n_selected):
         torch.testing.assert_close(got, ref, rtol=0, atol=0, msg=f"T={t} {kind}")
 
 
-def run_steps(name, ref, options, steps=4):
+def run_steps(name, ref, options, steps=4, grams=GRAMS):
     """The fastpals weighting and the TorchJD one over ``steps`` calls on changing Grams: the largest
     difference of the weights."""
     state = STATEFUL[name]()
     worst = 0.0
-    for t, kind in GRAMS:
+    for t, kind in grams:
         state.reset()
         ref.reset()
         for step in range(steps):
@@ -108,7 +108,8 @@ def test_sdmgrad_equals_torchjd_over_steps():
 
 def test_crmogm_equals_torchjd_over_steps():
     for base, ref_base in (("mgda", tja.MGDAWeighting()), ("upgrad", tja.UPGradWeighting())):
-        worst = run_steps("crmogm", tja.CRMOGMWeighting(ref_base, alpha=0.9), {"base": base})
+        small = [(t, kind) for t, kind in GRAMS if t <= 16]  # TorchJD's UPGrad: T quadprog solves per call
+        worst = run_steps("crmogm", tja.CRMOGMWeighting(ref_base, alpha=0.9), {"base": base}, grams=small)
         assert worst < 1e-6, (base, worst)  # the base weightings agree with TorchJD's to ~1e-7 relative
 
 
