@@ -444,17 +444,13 @@ FASTPALS_HD void mgda(const S* g, int t, S epsilon, int max_iters, S* w, S* ws) 
   }
 }
 
-// 1/2 x^T gn x - sum_i psi(x_i), psi = log (alpha = 1) or alpha / (alpha - 1) x^(1 - 1/alpha)
+// sum_i psi(x_i), psi = log (alpha = 1) or alpha / (alpha - 1) x^(1 - 1/alpha)
 template <typename S>
-FASTPALS_HD S alpha_fair_objective(const S* gn, const S* x, int t, S alpha) {
-  S quad = S(0), psi = S(0);
-  for (int j = 0; j < t; ++j) {
-    S acc = S(0);
-    for (int i = 0; i < t; ++i) acc += x[i] * gn[i * t + j];
-    quad += acc * x[j];
+FASTPALS_HD S alpha_fair_psi(const S* x, int t, S alpha) {
+  S psi = S(0);
+  for (int j = 0; j < t; ++j)
     psi += alpha == S(1) ? log(x[j]) : (alpha / (alpha - S(1))) * pow(x[j], S(1) - S(1) / alpha);
-  }
-  return S(0.5) * quad - psi;
+  return psi;
 }
 
 FASTPALS_HD inline int64_t alpha_fair_workspace(int t) { return 2 * int64_t(t) * t + 4 * int64_t(t); }
@@ -490,9 +486,20 @@ FASTPALS_HD void alpha_fair(const S* g, int t, S alpha, int max_iter, S* x, S* w
       for (int j = 0; j < t; ++j) hess[i * t + j] = gn[i * t + j] + (i == j ? -p * pow(x[i], p - S(1)) : S(0));
     }
     lu_solve(hess, d, t);
-    S slope = S(0);
-    for (int i = 0; i < t; ++i) slope += grad[i] * d[i];
-    S f0 = alpha_fair_objective(gn, x, t, alpha);
+    // the objective 1/2 x^T gn x - psi(x) along x + step d: the quadratic from x^T gn x, x^T gn d, d^T gn d
+    S slope = S(0), xgx = S(0), xgd = S(0), dgd = S(0);
+    for (int i = 0; i < t; ++i) {
+      S gx = S(0), gd = S(0);
+      for (int j = 0; j < t; ++j) {
+        gx += gn[i * t + j] * x[j];
+        gd += gn[i * t + j] * d[j];
+      }
+      slope += grad[i] * d[i];
+      xgx += x[i] * gx;
+      xgd += x[i] * gd;
+      dgd += d[i] * gd;
+    }
+    S f0 = S(0.5) * xgx - alpha_fair_psi(x, t, alpha);
     S step = S(1);
     for (int k = 0; k < 40; ++k, step *= S(0.5)) {
       bool pos = true;
@@ -501,7 +508,7 @@ FASTPALS_HD void alpha_fair(const S* g, int t, S alpha, int max_iter, S* x, S* w
         pos = pos && cand[i] > S(0);
       }
       if (!pos) continue;
-      S fc = alpha_fair_objective(gn, cand, t, alpha);
+      S fc = S(0.5) * (xgx + S(2) * step * xgd + step * step * dgd) - alpha_fair_psi(cand, t, alpha);
       if (fc <= f0 + S(1e-4) * step * slope && finite(fc)) {
         for (int i = 0; i < t; ++i) x[i] = cand[i];
         break;

@@ -1,7 +1,7 @@
 """The CUDA half of the compiled weight solve (``csrc/solve_weights_kernel.cuh``) compiled with nvcc, without
 torch headers, for sm_75, sm_80 and sm_90 with ``-Xptxas -v`` (nothing runs): every kernel instantiation
-(float and double) must use at most 128 registers per thread, spill nothing, and keep its static shared memory
-within the architecture's per-block limit. The T x T problem's dynamic shared memory is asked for by the
+(double for each, float for sm_90) must use at most 128 registers per thread, spill nothing, and keep its
+static shared memory within the architecture's per-block limit. The T x T problem's dynamic shared memory is asked for by the
 launcher (``solve_weights_cuda.cu``) only where it fits the device's opt-in limit (read at run time); beyond
 (T = 128 in fp64 on every architecture here), the kernel works in a global workspace."""
 
@@ -22,12 +22,15 @@ MAX_REGISTERS = 128
 
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 
+# the launcher's double kernel for every architecture; the float one (same template) for the newest only
 INSTANTIATE = """
 #include "solve_weights_kernel.cuh"
 template __global__ void fastpals::solve_weights_kernel<double>(
     int, const double*, int, const double*, double, double, double, double*, double*, bool);
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
 template __global__ void fastpals::solve_weights_kernel<float>(
     int, const float*, int, const float*, float, float, float, float*, float*, bool);
+#endif
 """
 
 
@@ -45,7 +48,7 @@ def test_ptxas_registers_spills_and_shared_memory(tmp_path):
         r".*?Used (\d+) registers(?:, used \d+ barriers)?(?:, (\d+) bytes smem)?",
         log, re.S,
     )  # fmt: skip
-    assert len(entries) == 2 * len(ARCHS), log[-4000:]
+    assert len(entries) == len(ARCHS) + 1, log[-4000:]
     for name, arch, stores, loads, regs, smem in entries:
         where = f"{name} on sm_{arch}"
         assert int(stores) == 0 and int(loads) == 0, f"{where} spills ({stores} B stored, {loads} B loaded)"
