@@ -200,6 +200,8 @@ def audit(fn, *args, **kwargs) -> tuple[torch.Tensor, OpAudit]:
 @pytest.mark.parametrize("t", [2, 3, 5])
 @pytest.mark.parametrize("name", NAMES)
 def test_fake_meta_gram_no_host_read_no_blocking_copy(name, t):
+    if name == "krum" and t < 3:
+        pytest.skip("Krum needs T >= n_byzantine + 3")
     gram = torch.empty(t, t, device="meta")
     w, rec = audit(call, name, gram)
     assert w.device.type == "meta" and w.shape == (t,) and w.dtype == torch.float32
