@@ -1,5 +1,6 @@
 // The CUDA kernel of torch.ops.fastpals.solve_weights: one launch of one block per solve, on the Gram's stream.
 #include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
