@@ -19,7 +19,18 @@ from bench.common import env_var, write_results
 from fastpals.surgery import AGGREGATORS, STATEFUL, compiled
 
 SIZES = (3, 16, 64)
-COMPILED = {"imtlg", "alignedmtl", "upgrad", "dualproj", "gem", "mgda", "fairgrad", "nashmtl", "crmogm"}
+COMPILED = {
+    "imtlg",
+    "alignedmtl",
+    "upgrad",
+    "dualproj",
+    "gem",
+    "mgda",
+    "fairgrad",
+    "nashmtl",
+    "gradvac",
+    "crmogm",
+}
 
 
 def conflicting_gram(t: int, seed: int = 0) -> torch.Tensor:

@@ -37,7 +37,8 @@ enum Method : int {
   GEM = 4,
   MGDA = 5,
   ALPHA_FAIR = 6,
-  NUM_METHODS = 7
+  GRADVAC = 7,
+  NUM_METHODS = 8
 };
 
 // the slots of the `params` array per method (unused slots are ignored)
@@ -47,7 +48,9 @@ enum Method : int {
 //   GEM:        [0] tol, [1] ridge, [2] max_iter
 //   MGDA:       [0] epsilon, [1] max_iters
 //   ALPHA_FAIR: [0] alpha (> 0), [1] max_iter  (FairGrad's and Nash-MTL's root of G x = x^(-1/alpha))
-// `vec` (length 2T): UPGRAD/DUALPROJ/ALIGNEDMTL: the preference vector in [0, T); GEM: the proposal in [0, T)
+//   GRADVAC:    [0] beta, [1] eps; vec: the projection orders (T x (T - 1), row-major); state: the EMA
+//               targets phi_hat (T x T, read and written)
+// `vec` (length vec_size(method, T)): UPGRAD/DUALPROJ/ALIGNEDMTL: the preference vector in [0, T); GEM: the proposal in [0, T)
 // and the constraint mask (1 or 0) in [T, 2T); MGDA, IMTLG: unused.
 constexpr int NUM_PARAMS = 3;
 
@@ -519,6 +522,49 @@ FASTPALS_HD void alpha_fair(const S* g, int t, S alpha, int max_iter, S* x, S* w
   for (int i = 0; i < t; ++i) x[i] = trace <= S(0) ? S(0) : x[i] * back;
 }
 
+// GradVac (whole-model variant) as weights: for each task i, against the other tasks j in the order of row i of
+// `orders`, g_i^PC += |g_i^PC| (hat sqrt(1 - phi^2) - phi sqrt(1 - hat^2)) / (|g_j| sqrt(1 - hat^2) + eps) g_j when
+// the cosine phi of g_i^PC and g_j is below the target hat = phi_hat[i, j]; phi_hat[i, j] <- (1 - beta) hat +
+// beta phi. g_i^PC is tracked as coefficients of the g_k and its products with them (updated by one row of G per
+// projection); w = the coefficients' column sums. The rows are independent, so they run one after the other.
+template <typename S>
+FASTPALS_HD void gradvac(const S* g, const S* orders, int t, S beta, S eps, S* phi_hat, S* w, S* ws) {
+  S* coef = ws;      // t: row i of the coefficients
+  S* cg = coef + t;  // t: coef @ G
+  S* norm = cg + t;  // t: |g_k|
+  for (int k = 0; k < t; ++k) {
+    norm[k] = sqrt(smax(g[k * t + k], S(0)));
+    w[k] = S(0);
+  }
+  for (int i = 0; i < t; ++i) {
+    for (int k = 0; k < t; ++k) {
+      coef[k] = k == i ? S(1) : S(0);
+      cg[k] = g[i * t + k];
+    }
+    for (int step = 0; step < t - 1; ++step) {
+      int j = int(orders[i * (t - 1) + step]);
+      S sq = S(0);
+      for (int k = 0; k < t; ++k) sq += cg[k] * coef[k];
+      S norm_i = sqrt(smax(sq, S(0)));
+      S phi = cg[j] / (norm_i * norm[j] + eps);
+      S hat = phi_hat[i * t + j];
+      S s_phi = sqrt(smax(S(1) - phi * phi, S(0)));
+      S s_hat = sqrt(smax(S(1) - hat * hat, S(0)));
+      S delta = phi < hat ? norm_i * (hat * s_phi - phi * s_hat) / (norm[j] * s_hat + eps) : S(0);
+      if (delta != S(0)) {
+        coef[j] += delta;
+        for (int k = 0; k < t; ++k) cg[k] += delta * g[j * t + k];
+      }
+      phi_hat[i * t + j] = (S(1) - beta) * hat + beta * phi;
+    }
+    for (int k = 0; k < t; ++k) w[k] += coef[k];
+  }
+}
+
+FASTPALS_HD inline int64_t vec_size(int method, int t) {
+  return method == GRADVAC ? int64_t(t) * (t - 1) : 2 * int64_t(t);
+}
+
 FASTPALS_HD inline int64_t solve_workspace_size(int method, int t) {
   switch (method) {
     case IMTLG:
@@ -532,15 +578,18 @@ FASTPALS_HD inline int64_t solve_workspace_size(int method, int t) {
       return t;
     case ALPHA_FAIR:
       return alpha_fair_workspace(t);
+    case GRADVAC:
+      return 3 * int64_t(t);
     default:
       return 0;
   }
 }
 
 // The one entry: weights w [T] of `method` for the Gram g [T, T]; vec, params as documented above; ws holds
-// solve_workspace_size(method, T) elements.
+// solve_workspace_size(method, T) elements; state: GRADVAC's targets (else unused, may be null).
 template <typename S>
-FASTPALS_HD void solve_weights(int method, const S* g, int t, const S* vec, const S* params, S* w, S* ws) {
+FASTPALS_HD void solve_weights(int method, const S* g, int t, const S* vec, const S* params, S* w, S* ws,
+                               S* state) {
   switch (method) {
     case IMTLG:
       imtlg(g, t, int(params[0]), w, ws);
@@ -560,6 +609,9 @@ FASTPALS_HD void solve_weights(int method, const S* g, int t, const S* vec, cons
       break;
     case ALPHA_FAIR:
       alpha_fair(g, t, params[0], int(params[1]), w, ws);
+      break;
+    case GRADVAC:
+      gradvac(g, vec, t, params[0], params[1], state, w, ws);
       break;
     default:
       break;

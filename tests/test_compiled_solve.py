@@ -23,7 +23,7 @@ from fastpals.surgery.weights_basic import gem_weights  # noqa: E402
 
 tja = pytest.importorskip("torchjd.aggregation", reason="torchjd (dev extra) is needed for the comparisons")
 F64 = torch.float64
-METHODS = ("imtlg", "alignedmtl", "upgrad", "dualproj", "gem", "mgda", "fairgrad", "nashmtl")
+METHODS = ("imtlg", "alignedmtl", "upgrad", "dualproj", "gem", "mgda", "fairgrad", "nashmtl", "gradvac")
 SIZES = (2, 3, 5, 8, 16, 17, 33, 64)
 KINDS = ("full", "lowrank", "conflict")
 # the PyTorch Jacobi solver takes ~0.4 s at T = 64: every kind up to 16, one each beyond
@@ -42,8 +42,11 @@ def op():
 
 
 def weights(name, g):
-    """``AGGREGATORS[name]`` on ``g`` (a fresh state for a stateful one)."""
-    return AGGREGATORS[name](g, STATEFUL[name]()) if name in STATEFUL else AGGREGATORS[name](g)
+    """``AGGREGATORS[name]`` on ``g`` (a fresh state for a stateful one; GradVac's orders from seed 0)."""
+    gen = torch.Generator().manual_seed(0)
+    if name in STATEFUL:
+        return AGGREGATORS[name](g, STATEFUL[name](), generator=gen)
+    return AGGREGATORS[name](g, generator=gen)
 
 
 def pytorch_solver(name, g, monkeypatch):
@@ -91,6 +94,23 @@ def test_compiled_equals_the_pytorch_solver(name, monkeypatch):
             worst.append((err, tol, t, kind, dtype))
     bad = [x for x in worst if x[0] > x[1]]
     assert not bad, f"{name}: compiled solve differs from the PyTorch solver on {bad}"
+
+
+def test_gradvac_state_over_steps_equals_the_pytorch_solver(monkeypatch):
+    """GradVac's targets live in the op's ``state`` tensor, updated in place: weights and targets over 4 calls
+    equal the PyTorch solver's."""
+    for t in (2, 5, 16, 64):
+        compiled_state, torch_state = STATEFUL["gradvac"](), STATEFUL["gradvac"]()
+        for step in range(4):
+            g = task_gradients(t, "conflict", step, dim=max(40, 2 * t))
+            g = g @ g.T
+            w = AGGREGATORS["gradvac"](g, compiled_state, torch.Generator().manual_seed(step), beta=0.3)
+            monkeypatch.setenv("FASTPALS_SOLVE", "torch")
+            w_ref = AGGREGATORS["gradvac"](g, torch_state, torch.Generator().manual_seed(step), beta=0.3)
+            monkeypatch.delenv("FASTPALS_SOLVE")
+            scale = float(w_ref.abs().max())
+            assert float((w - w_ref).abs().max()) <= 1e-10 * scale, (t, step)
+            assert float((compiled_state.phi - torch_state.phi).abs().max()) <= 1e-10, (t, step)
 
 
 def torchjd_weighting(name):

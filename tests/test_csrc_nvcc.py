@@ -26,10 +26,10 @@ pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is no
 INSTANTIATE = """
 #include "solve_weights_kernel.cuh"
 template __global__ void fastpals::solve_weights_kernel<double>(
-    int, const double*, int, const double*, double, double, double, double*, double*, bool);
+    int, const double*, int, const double*, double, double, double, double*, double*, bool, double*);
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
 template __global__ void fastpals::solve_weights_kernel<float>(
-    int, const float*, int, const float*, float, float, float, float*, float*, bool);
+    int, const float*, int, const float*, float, float, float, float*, float*, bool, float*);
 #endif
 """
 

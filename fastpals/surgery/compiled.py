@@ -7,8 +7,9 @@ install .``, see ``setup.py``) or from ``csrc/`` built just in time with ninja (
 into ``$XDG_CACHE_HOME/fastpals/extensions`` (``~/.cache/...``); without a compiler (or with
 ``FASTPALS_SOLVE=torch``) the PyTorch solvers run. The first solve prints one line saying which.
 
-``solve_weights(gram [T, T] float32/float64, method, vec [2 T] float64 or None, params [<= 3] floats)`` returns
-``w [T]`` in the Gram's dtype; ``method``, ``vec`` and ``params`` are laid out in ``csrc/solvers.h``.
+``solve_weights(gram [T, T] float32/float64, method, vec float64 or None, params [<= 3] floats, state=None)``
+returns ``w [T]`` in the Gram's dtype; ``method``, ``vec``, ``params`` and ``state`` (GradVac's targets, updated
+in place) are laid out in ``csrc/solvers.h``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ __all__ = ["CSRC", "METHODS", "enabled", "extension_cache_dir", "load", "solve_w
 #: the sources of the op (a checkout's top-level ``csrc/``)
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 #: the methods the op solves (codes of ``csrc/solvers.h``)
-METHODS = ("imtlg", "alignedmtl", "upgrad", "dualproj", "gem", "mgda", "alpha_fair")
+METHODS = ("imtlg", "alignedmtl", "upgrad", "dualproj", "gem", "mgda", "alpha_fair", "gradvac")
 CPU_SOURCES = ("solve_weights.cpp",)
 CUDA_SOURCES = ("solve_weights_cuda.cu",)
 
@@ -53,7 +54,13 @@ def _registered() -> bool:
 
 def _register_fake() -> None:
     @torch.library.register_fake("fastpals::solve_weights")
-    def _(gram: torch.Tensor, method: str, vec: torch.Tensor | None, params: Sequence[float]) -> torch.Tensor:
+    def _(
+        gram: torch.Tensor,
+        method: str,
+        vec: torch.Tensor | None,
+        params: Sequence[float],
+        state: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         return gram.new_empty((gram.shape[0],))
 
 
@@ -123,10 +130,14 @@ def enabled(gram: torch.Tensor) -> bool:
 
 
 def solve_weights(
-    gram: torch.Tensor, method: str, vec: torch.Tensor | None, params: Sequence[float]
+    gram: torch.Tensor,
+    method: str,
+    vec: torch.Tensor | None,
+    params: Sequence[float],
+    state: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``torch.ops.fastpals.solve_weights`` (see the module docstring); ``w [T]`` float32 or float64 (float64 for
-    a float64 ``gram``, else float32)."""
+    a float64 ``gram``, else float32). ``state`` (GradVac's ``[T, T]`` float64 targets) is updated in place."""
     if gram.dtype != torch.float64:
         gram = gram.to(torch.float32)
-    return torch.ops.fastpals.solve_weights(gram, method, vec, [float(p) for p in params])
+    return torch.ops.fastpals.solve_weights(gram, method, vec, [float(p) for p in params], state)

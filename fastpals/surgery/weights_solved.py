@@ -710,6 +710,10 @@ def gradvac_weights(
     orders = orders.to(dev, non_blocking=True)
     if state.phi is None or state.phi.shape != (t, t):
         state.phi = torch.zeros((t, t), dtype=F64, device=dev)
+    if compiled.enabled(g):
+        state.phi = state.phi.to(device=dev, dtype=F64, non_blocking=True).contiguous()
+        vec = orders.to(F64).reshape(-1)
+        return compiled.solve_weights(gram, "gradvac", vec, [beta, eps], state=state.phi)
     phi_t = state.phi.to(dev, non_blocking=True)
     coef = torch.eye(t, dtype=F64, device=dev)
     rows = torch.arange(t, device=dev)
