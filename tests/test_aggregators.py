@@ -113,8 +113,11 @@ def task_gradients(t: int, kind: str, seed: int, dim: int = 40) -> torch.Tensor:
 
 
 def rel_dir(w: torch.Tensor, w_ref: torch.Tensor, j: torch.Tensor) -> float:
+    """``|d - d_ref| / |d_ref|`` for the updates ``d = w J``; where the reference update vanishes (MGDA on
+    gradients with 0 in their convex hull: ``|d_ref|`` at the round-off level), relative to ``1e-12 max |g_i|``."""
     d, d_ref = w.to(F64) @ j, w_ref.to(F64) @ j
-    return float((d - d_ref).norm() / d_ref.norm().clamp_min(1e-300))
+    floor = 1e-12 * j.to(F64).norm(dim=1).max().clamp_min(1e-300)
+    return float((d - d_ref).norm() / torch.maximum(d_ref.norm(), floor))
 
 
 def applicable(name: str, kind: str) -> bool:
@@ -442,8 +445,8 @@ def test_nonfinite_gradient_skips_every_method(name):
 
 
 def test_registry_names_and_make_weighting_options():
-    assert list(AGGREGATORS) == NAMES
-    assert set(STATEFUL) == {"nashmtl", "gradvac"}
+    assert list(AGGREGATORS)[: len(NAMES)] == NAMES  # the later ones: tests/test_weights_extra.py
+    assert {"nashmtl", "gradvac"} <= set(STATEFUL)
     j = task_gradients(3, "conflict", 1)
     g = j @ j.T
     fn, state = make_weighting("cagrad", **parse_surgery_options(["c=0.9"]))

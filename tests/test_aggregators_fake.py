@@ -79,6 +79,8 @@ def option_variants(t: int) -> list[tuple[str, dict]]:
 @pytest.mark.parametrize("t", [2, 3, 5])
 @pytest.mark.parametrize("name", NAMES)
 def test_fake_gram_every_aggregator(name, t):
+    if name == "krum" and t < 3:
+        pytest.skip("Krum needs T >= n_byzantine + 3")
     gram = real_gram(t)
     with FakeTensorMode() as mode:
         fake = mode.from_tensor(gram)
@@ -198,6 +200,8 @@ def audit(fn, *args, **kwargs) -> tuple[torch.Tensor, OpAudit]:
 @pytest.mark.parametrize("t", [2, 3, 5])
 @pytest.mark.parametrize("name", NAMES)
 def test_fake_meta_gram_no_host_read_no_blocking_copy(name, t):
+    if name == "krum" and t < 3:
+        pytest.skip("Krum needs T >= n_byzantine + 3")
     gram = torch.empty(t, t, device="meta")
     w, rec = audit(call, name, gram)
     assert w.device.type == "meta" and w.shape == (t,) and w.dtype == torch.float32
@@ -386,7 +390,8 @@ def test_fake_suite_iterations_past_the_budget_change_nothing(name):
 # the weights of the code before the rewrite
 
 
-@pytest.mark.parametrize("name", NAMES)
+# the methods of that code (the later ones: tests/test_weights_extra.py)
+@pytest.mark.parametrize("name", NAMES[:13])
 def test_fake_suite_weights_equal_the_pre_rewrite_code(name):
     checked = 0
     for ref_name, options, t, kind, expected in REFERENCE:

@@ -67,6 +67,7 @@ def test_wheel_contains_kernels_as_fastpals_kernels(built):
         "fastpals/surgery/__init__.py",
     ):
         assert f in names
+    # the compiled weight solve ships only when asked (FASTPALS_BUILD_EXT=1: tests/test_compiled_solve.py)
     assert not any(n.endswith((".so", ".cu", ".cpp")) for n in names), "no compiled extension is shipped"
     recipes = sorted(
         f for f in os.listdir(os.path.join(ROOT, "fastpals", "configs", "recipes")) if f.endswith(".json")
@@ -120,7 +121,6 @@ def test_kernels_import_as_laid_out():
     import fastpals_kernels
 
     assert os.path.samefile(os.path.dirname(fastpals_kernels.__file__), os.path.join(ROOT, "kernels"))
-    assert not os.path.exists(os.path.join(ROOT, "setup.py")), "pyproject.toml alone describes the build"
     assert type(sys.modules["fastpals_kernels"]).__name__ == "module", "no module-class patching"
 
 

@@ -4,7 +4,8 @@ Every method here is an *aggregator*: a function of the ``T x T`` Gram matrix ``
 task gradients (over the parameters shared by the tasks) returning weights ``w [T]`` such that the update is
 ``sum_t w_t g_t``: :func:`sum_weights`, :func:`mean_weights`, :func:`pcgrad_weights`, :func:`gem_weights`.
 The weights are computed on the device, without synchronising. :mod:`fastpals.surgery.weights_solved` adds UPGrad,
-MGDA, DualProj, IMTL-G, CAGrad, Aligned-MTL, FairGrad, Nash-MTL and GradVac; :data:`AGGREGATORS` maps every
+MGDA, DualProj, IMTL-G, CAGrad, Aligned-MTL, FairGrad, Nash-MTL, GradVac and CR-MOGM, and
+:mod:`fastpals.surgery.weights_extra` Constant, Random, Krum, MoDo and SDMGrad; :data:`AGGREGATORS` maps every
 lower-case name to its function, :func:`make_weighting` builds one from string options, and
 :class:`SurgeryOptimizer` wraps an optimizer for any name.
 
@@ -75,13 +76,24 @@ from fastpals.surgery.weights_basic import (
     pcgrad_weights,
     sum_weights,
 )
+from fastpals.surgery.weights_extra import (
+    MoDoState,
+    SDMGradState,
+    constant_weights,
+    krum_weights,
+    modo_weights,
+    random_weights,
+    sdmgrad_weights,
+)
 from fastpals.surgery.weights_solved import (
     AGGREGATORS,
     STATEFUL,
+    CRMOGMState,
     GradVacState,
     NashMTLState,
     alignedmtl_weights,
     cagrad_weights,
+    crmogm_weights,
     dualproj_weights,
     fairgrad_weights,
     gradvac_weights,
@@ -97,19 +109,28 @@ __all__ = [
     "AGGREGATORS",
     "GEM",
     "STATEFUL",
+    "CRMOGMState",
     "GradVacState",
+    "MoDoState",
     "NashMTLState",
+    "SDMGradState",
     "SurgeryOptimizer",
     "alignedmtl_weights",
     "cagrad_weights",
+    "constant_weights",
+    "crmogm_weights",
     "dualproj_weights",
     "fairgrad_weights",
     "gradvac_weights",
     "imtlg_weights",
+    "krum_weights",
     "make_weighting",
     "mgda_weights",
+    "modo_weights",
     "nashmtl_weights",
     "parse_surgery_options",
+    "random_weights",
+    "sdmgrad_weights",
     "upgrad_weights",
     "PCGrad",
     "PerTaskGradients",

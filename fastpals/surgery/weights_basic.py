@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from fastpals.functional import MAX_TASKS  # one limit for the buffer, the kernels and the weightings
+from fastpals.surgery import compiled
 
 __all__ = [
     "check_gram",
@@ -256,6 +257,10 @@ def gem_weights(
     device = gram.device
     a = _proposal_vector(proposal, t, device)
     mask = _constraint_mask(constraints, t, proposal, device)
+    iters = 3 * t + 10 if max_iter is None else int(max_iter)
+    if compiled.enabled(gram):
+        vec = torch.cat([a.to(torch.float64), mask.to(torch.float64)])
+        return compiled.solve_weights(gram, "gem", vec, [tol, ridge, iters])
     g = gram.to(torch.float64)
     g = 0.5 * (g + g.T)
     scale = torch.diagonal(g).amax().clamp_min(torch.finfo(torch.float64).tiny)
@@ -265,7 +270,6 @@ def gem_weights(
     q = torch.where(outer, g + ridge * scale * eye, eye)
     b = torch.where(mask, g @ a, torch.zeros_like(a))
     thresh = tol * scale
-    iters = 3 * t + 10 if max_iter is None else int(max_iter)
 
     passive = torch.zeros(t, dtype=torch.bool, device=device)  # F: free (possibly positive) variables
     # torch.full, not torch.tensor: a Python scalar copied to the device by torch.tensor is a blocking copy

@@ -63,10 +63,12 @@ from fastpals.surgery.weights_basic import (
 __all__ = [
     "AGGREGATORS",
     "STATEFUL",
+    "CRMOGMState",
     "GradVacState",
     "NashMTLState",
     "alignedmtl_weights",
     "cagrad_weights",
+    "crmogm_weights",
     "dualproj_weights",
     "fairgrad_weights",
     "gradvac_weights",
@@ -81,7 +83,17 @@ __all__ = [
     "upgrad_weights",
 ]
 
-from fastpals.surgery.solvers import jacobi_eigh, nonneg_qp, spd_solve
+from fastpals.surgery import compiled
+from fastpals.surgery.solvers import QP_MAX_ITER, jacobi_eigh, jacobi_sweeps, nonneg_qp, spd_solve
+from fastpals.surgery.weights_extra import (
+    MoDoState,
+    SDMGradState,
+    constant_weights,
+    krum_weights,
+    modo_weights,
+    random_weights,
+    sdmgrad_weights,
+)
 
 F64 = torch.float64
 #: most tasks of CAGrad's exact solver (it enumerates the 2^T - 1 supports); ``pgd`` takes any number
@@ -120,6 +132,16 @@ def _dual_cone_weights(
     return u + nonneg_qp(gr, u @ gr, max_iter=max_iter)
 
 
+def _compiled_dual_cone(
+    gram: torch.Tensor, method: str, p: torch.Tensor, norm_eps: float, reg_eps: float, max_iter: int | None
+) -> torch.Tensor:
+    """UPGrad's or DualProj's weights from the compiled solve (:mod:`fastpals.surgery.compiled`)."""
+    t = gram.shape[0]
+    iters = min(3 * t + 10, QP_MAX_ITER) if max_iter is None else int(max_iter)
+    vec = torch.cat([p, torch.zeros_like(p)])
+    return compiled.solve_weights(gram, method, vec, [norm_eps, reg_eps, iters])
+
+
 def _prepare(gram: torch.Tensor) -> torch.Tensor:
     g = check_gram(gram).to(F64)
     return 0.5 * (g + g.T)
@@ -153,6 +175,8 @@ def upgrad_weights(
     """
     g = _prepare(gram)
     p = _pref(pref_vector, g.shape[0], g.device)
+    if compiled.enabled(g):
+        return _compiled_dual_cone(gram, "upgrad", p, norm_eps, reg_eps, max_iter)
     return (
         _dual_cone_weights(g, torch.diag(p), norm_eps, reg_eps, max_iter).sum(dim=0).to(weights_dtype(gram))
     )
@@ -174,6 +198,8 @@ def dualproj_weights(
     ``gram [T, T]`` float32/float64 -> ``w [T]`` on its device (float64 for a float64 Gram, else float32)."""
     g = _prepare(gram)
     p = _pref(pref_vector, g.shape[0], g.device)
+    if compiled.enabled(g):
+        return _compiled_dual_cone(gram, "dualproj", p, norm_eps, reg_eps, max_iter)
     return _dual_cone_weights(g, p[None, :], norm_eps, reg_eps, max_iter)[0].to(weights_dtype(gram))
 
 
@@ -192,6 +218,8 @@ def mgda_weights(
     ``gram [T, T]`` float32/float64 -> ``w [T]`` on its device (float64 for a float64 Gram, else float32)."""
     if epsilon <= 0 or int(max_iters) <= 0:
         raise ValueError(f"mgda: epsilon and max_iters must be positive, got {epsilon}, {max_iters}")
+    if compiled.enabled(check_gram(gram)):
+        return compiled.solve_weights(gram, "mgda", None, [epsilon, int(max_iters)])
     g = check_gram(gram).to(F64)
     t = g.shape[0]
     alpha = torch.full((t,), 1.0 / t, dtype=F64, device=g.device)
@@ -228,6 +256,10 @@ def imtlg_weights(
     ``gram [T, T]`` float32/float64 -> ``w [T]`` on its device (float64 for a float64 Gram, else float32)."""
     g = check_gram(gram).to(F64)
     t = g.shape[0]
+    if compiled.enabled(g):
+        return compiled.solve_weights(
+            gram, "imtlg", None, [jacobi_sweeps(t) if sweeps is None else int(sweeps)]
+        )
     d = torch.diagonal(g).clamp_min(0.0).sqrt()
     lam, vec = jacobi_eigh(0.5 * (g + g.T), sweeps)
     sig = lam.abs()
@@ -264,6 +296,13 @@ def alignedmtl_weights(
     g = check_gram(gram).to(F64)
     t = g.shape[0]
     p = _pref(pref_vector, t, g.device)
+    if compiled.enabled(g):
+        mode = ("min", "median", "rmse").index(scale_mode)
+        budget = jacobi_sweeps(t) if sweeps is None else int(sweeps)
+        eps = torch.finfo(gram.dtype).eps
+        return compiled.solve_weights(
+            gram, "alignedmtl", torch.cat([p, torch.zeros_like(p)]), [budget, mode, eps]
+        )
     lam, vec = jacobi_eigh(torch.triu(g) + torch.triu(g, 1).T, sweeps)
     tol = lam.amax() * t * torch.finfo(gram.dtype).eps
     keep = lam > tol
@@ -496,6 +535,8 @@ def _alpha_fair_solve(g: torch.Tensor, alpha: float, max_iter: int) -> torch.Ten
     taking the first that satisfies Armijo's rule (none: ``x`` is kept). At the root the Newton step is at the
     round-off level, so iterations past convergence leave ``x`` unchanged up to round-off. ``G`` is first divided
     by its trace; the root scales back as ``tr^{-alpha/(alpha+1)}``."""
+    if compiled.enabled(g):
+        return compiled.solve_weights(g, "alpha_fair", None, [alpha, max_iter])
     t = g.shape[0]
     dev = g.device
     tr = torch.diagonal(g).sum().clamp_min(1e-300)
@@ -669,6 +710,10 @@ def gradvac_weights(
     orders = orders.to(dev, non_blocking=True)
     if state.phi is None or state.phi.shape != (t, t):
         state.phi = torch.zeros((t, t), dtype=F64, device=dev)
+    if compiled.enabled(g):
+        state.phi = state.phi.to(device=dev, dtype=F64, non_blocking=True).contiguous()
+        vec = orders.to(F64).reshape(-1)
+        return compiled.solve_weights(gram, "gradvac", vec, [beta, eps], state=state.phi)
     phi_t = state.phi.to(dev, non_blocking=True)
     coef = torch.eye(t, dtype=F64, device=dev)
     rows = torch.arange(t, device=dev)
@@ -690,6 +735,57 @@ def gradvac_weights(
     return coef.sum(0).to(weights_dtype(gram))
 
 
+class CRMOGMState:
+    """CR-MOGM's smoothed weights ``lambda [T]`` (float64, on the Gram's device; ``None`` before the first call)."""
+
+    def __init__(self) -> None:
+        self.weights: torch.Tensor | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"weights": None if self.weights is None else self.weights.detach().cpu().clone()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        w = state["weights"]
+        self.weights = None if w is None else torch.as_tensor(w, dtype=F64).clone()
+
+    def reset(self) -> None:
+        self.weights = None
+
+
+def crmogm_weights(
+    gram: torch.Tensor,
+    state: CRMOGMState,
+    generator: torch.Generator | None = None,
+    *,
+    base: str = "mgda",
+    alpha: float = 0.9,
+) -> torch.Tensor:
+    """CR-MOGM (Zhou et al., "On the Convergence of Stochastic Multi-Objective Gradient Manipulation", NeurIPS
+    2022): the weights of the stateless weighting ``base`` (default ``mgda``, with its default options),
+    smoothed across calls, ``lambda <- alpha lambda + (1 - alpha) lambda_hat`` (the first call returns
+    ``lambda_hat``). ``state`` is a :class:`CRMOGMState`.
+
+    ``gram [T, T]`` float32/float64 -> ``w [T]`` on its device (float64 for a float64 Gram, else float32)."""
+    if not isinstance(state, CRMOGMState):
+        raise TypeError(f"crmogm needs a CRMOGMState, got {type(state).__name__}")
+    if base not in AGGREGATORS or base in STATEFUL:
+        stateless = ", ".join(k for k in AGGREGATORS if k not in STATEFUL and k != "constant")
+        raise ValueError(f"crmogm: option base={base!r} must be a stateless weighting: {stateless}")
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"crmogm: alpha must be in [0, 1], got {alpha}")
+    lam_hat = AGGREGATORS[base](gram, generator).to(F64)
+    t = lam_hat.shape[0]
+    if state.weights is None or state.weights.shape != (t,):
+        lam = lam_hat
+    else:
+        lam = (
+            alpha * state.weights.to(device=lam_hat.device, dtype=F64, non_blocking=True)
+            + (1.0 - alpha) * lam_hat
+        )
+    state.weights = lam
+    return lam.to(weights_dtype(gram))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # registry and command-line construction
 # ----------------------------------------------------------------------------------------------------------------
@@ -708,10 +804,22 @@ AGGREGATORS: dict[str, Callable[..., torch.Tensor]] = {
     "fairgrad": fairgrad_weights,
     "nashmtl": nashmtl_weights,
     "gradvac": gradvac_weights,
+    "constant": constant_weights,
+    "random": random_weights,
+    "krum": krum_weights,
+    "modo": modo_weights,
+    "sdmgrad": sdmgrad_weights,
+    "crmogm": crmogm_weights,
 }
 """Name -> weights function ``fn(gram, [state,] generator=None, **options) -> w``."""
 
-STATEFUL: dict[str, type] = {"nashmtl": NashMTLState, "gradvac": GradVacState}
+STATEFUL: dict[str, type] = {
+    "nashmtl": NashMTLState,
+    "gradvac": GradVacState,
+    "modo": MoDoState,
+    "sdmgrad": SDMGradState,
+    "crmogm": CRMOGMState,
+}
 """Names whose function takes a state object (second argument / ``state=``), and the state's class."""
 
 # options settable from strings; everything else in a signature (generator, orders, state) is not an option
@@ -728,7 +836,7 @@ def _parse(name: str, key: str, value: Any, default: Any) -> Any:
         return value
     text = value.strip()
     try:
-        if key == "pref_vector" or (key == "proposal" and "," in text):
+        if key in ("pref_vector", "weights") or (key == "proposal" and "," in text):
             return torch.tensor([float(x) for x in text.split(",")], dtype=F64)
         if key == "proposal":
             return int(text) if text.lstrip("-").isdigit() else text
@@ -747,9 +855,7 @@ def _parse(name: str, key: str, value: Any, default: Any) -> Any:
     return text
 
 
-def make_weighting(
-    name: str, **options: Any
-) -> tuple[Callable[..., torch.Tensor], NashMTLState | GradVacState | None]:
+def make_weighting(name: str, **options: Any) -> tuple[Callable[..., torch.Tensor], Any]:
     """Build the weighting ``name`` of :data:`AGGREGATORS` with ``options`` (values may be strings, as from
     ``--surgery-opt KEY=VALUE``; they are parsed by the option's default type; ``pref_vector`` is comma-separated).
 

@@ -1,0 +1,143 @@
+"""The compiled weight solve ``torch.ops.fastpals.solve_weights`` (``csrc/``): one op call per Gram -> weights
+solve, C++ on the CPU and one CUDA kernel launch on the GPU, in place of the loops of small PyTorch ops of
+:mod:`fastpals.surgery.solvers` (which stay the reference and the fallback).
+
+The op comes, in this order, from the extension ``fastpals._C`` built into the wheel (``FASTPALS_BUILD_EXT=1 pip
+install .``, see ``setup.py``) or from ``csrc/`` built just in time with ninja (``torch.utils.cpp_extension.load``)
+into ``$XDG_CACHE_HOME/fastpals/extensions`` (``~/.cache/...``); without a compiler (or with
+``FASTPALS_SOLVE=torch``) the PyTorch solvers run. The first solve prints one line saying which.
+
+``solve_weights(gram [T, T] float32/float64, method, vec float64 or None, params [<= 3] floats, state=None)``
+returns ``w [T]`` in the Gram's dtype; ``method``, ``vec``, ``params`` and ``state`` (GradVac's targets, updated
+in place) are laid out in ``csrc/solvers.h``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+__all__ = ["CSRC", "METHODS", "enabled", "extension_cache_dir", "load", "solve_weights"]
+
+#: the sources of the op (a checkout's top-level ``csrc/``)
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
+#: the methods the op solves (codes of ``csrc/solvers.h``)
+METHODS = ("imtlg", "alignedmtl", "upgrad", "dualproj", "gem", "mgda", "alpha_fair", "gradvac")
+CPU_SOURCES = ("solve_weights.cpp",)
+CUDA_SOURCES = ("solve_weights_cuda.cu",)
+
+_state: dict[str, object] = {}
+
+
+def extension_cache_dir() -> Path:
+    """Where the just-in-time build lives: ``$XDG_CACHE_HOME/fastpals/extensions/<python>-<torch>-<cpu|cuXY>``."""
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fastpals" / "extensions"
+    flavour = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
+    tag = (
+        f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__.split('+')[0]}-{flavour}"
+    )
+    return root / tag
+
+
+def _registered() -> bool:
+    try:
+        torch.ops.fastpals.solve_weights  # noqa: B018 - raises AttributeError while the op is not defined
+    except AttributeError:
+        return False
+    return True
+
+
+def _register_fake() -> None:
+    @torch.library.register_fake("fastpals::solve_weights")
+    def _(
+        gram: torch.Tensor,
+        method: str,
+        vec: torch.Tensor | None,
+        params: Sequence[float],
+        state: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return gram.new_empty((gram.shape[0],))
+
+
+def _build_jit() -> str:
+    from torch.utils import cpp_extension
+
+    sources = [str(CSRC / f) for f in CPU_SOURCES]
+    with_cuda = torch.cuda.is_available() and cpp_extension.CUDA_HOME is not None
+    if with_cuda:
+        sources += [str(CSRC / f) for f in CUDA_SOURCES]
+    build = extension_cache_dir()
+    build.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(
+        name="fastpals_solve_weights",
+        sources=sources,
+        extra_cflags=["-O2", "-ffp-contract=off"],
+        extra_cuda_cflags=["-O2"],
+        extra_include_paths=[str(CSRC)],
+        build_directory=str(build),
+        is_python_module=False,
+        verbose=False,
+    )
+    kind = "C++ and CUDA" if with_cuda else "C++"
+    return f"({kind}) built just in time with ninja, cached in {build} (rebuilt when csrc/ changes)"
+
+
+def load() -> bool:
+    """Load (or build) the op once per process; print one line saying which solver path runs. True if the op
+    is there."""
+    if "ok" in _state:
+        return bool(_state["ok"])
+    if os.environ.get("FASTPALS_SOLVE", "").lower() == "torch":
+        _state["ok"], how = False, "FASTPALS_SOLVE=torch: weight solves run as PyTorch ops"
+    elif _registered():
+        _state["ok"], how = True, None
+    else:
+        try:
+            spec = importlib.util.find_spec("fastpals._C")
+            if spec is not None and spec.origin:
+                torch.ops.load_library(spec.origin)
+                how = f"compiled weight solve from the installed extension {spec.origin}"
+            elif (CSRC / CPU_SOURCES[0]).is_file():
+                how = "compiled weight solve " + _build_jit()
+            else:
+                raise RuntimeError("neither the extension fastpals._C nor the csrc/ sources are installed")
+            _state["ok"] = True
+        except Exception as exc:  # no compiler, no ninja, a failed build: the PyTorch solvers run
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            _state["ok"], how = False, f"weight solves run as PyTorch ops (no compiled solve: {reason})"
+    if _state["ok"] and not hasattr(torch.ops.fastpals.solve_weights.default, "_fastpals_fake"):
+        try:
+            _register_fake()
+        except RuntimeError:  # registered by an earlier load of this module
+            pass
+        torch.ops.fastpals.solve_weights.default._fastpals_fake = True
+    if how:
+        print(f"fastpals: {how}", file=sys.stderr)
+    return bool(_state["ok"])
+
+
+def enabled(gram: torch.Tensor) -> bool:
+    """Whether ``gram``'s solve goes through the compiled op: it is loaded and has a kernel for the device."""
+    if os.environ.get("FASTPALS_SOLVE", "").lower() == "torch" or not load():
+        return False
+    key = "CUDA" if gram.device.type == "cuda" else "CPU" if gram.device.type in ("cpu", "meta") else None
+    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key("fastpals::solve_weights", key)
+
+
+def solve_weights(
+    gram: torch.Tensor,
+    method: str,
+    vec: torch.Tensor | None,
+    params: Sequence[float],
+    state: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``torch.ops.fastpals.solve_weights`` (see the module docstring); ``w [T]`` float32 or float64 (float64 for
+    a float64 ``gram``, else float32). ``state`` (GradVac's ``[T, T]`` float64 targets) is updated in place."""
+    if gram.dtype != torch.float64:
+        gram = gram.to(torch.float32)
+    return torch.ops.fastpals.solve_weights(gram, method, vec, [float(p) for p in params], state)

@@ -1,0 +1,200 @@
+"""TorchJD 0.18's further Gram-matrix weightings: ``T x T`` Gram -> task weights ``w [T]``.
+
+============  =========================================================================================
+``constant``  fixed weights ``weights`` (TorchJD's ``ConstantWeighting``; default ones)
+``random``    ``softmax(z)``, ``z ~ N(0, I)`` drawn from ``generator`` (Lin et al. 2022, Algorithm 2)
+``krum``      (Multi-)Krum (Blanchard et al. 2017): the ``n_selected`` gradients closest to their neighbours
+``modo``      MoDo (Chen et al., JMLR 2024): one projected gradient step on the task weights per call, stateful
+``sdmgrad``   SDMGrad (Xiao et al., NeurIPS 2023): ``n_iter`` momentum steps on the simplex per call, stateful
+============  =========================================================================================
+
+Same conventions as :mod:`fastpals.surgery.weights_solved`: ``fn(gram, [state,] generator=None, **options)``,
+``gram [T, T]`` float32/float64 on any device, ``w [T]`` on that device (float64 for a float64 Gram, else
+float32), float64 arithmetic, branch-free tensor code without host reads; the state objects keep their tensors
+on the Gram's device. MoDo and SDMGrad are defined on ``J_1 J_2^T`` of two independent mini-batches; given the
+Gram ``J J^T`` of one batch (what :class:`TaskGradientBuffer` computes) they run as TorchJD runs on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from fastpals.surgery.weights_basic import check_gram, weights_dtype
+
+__all__ = [
+    "MoDoState",
+    "SDMGradState",
+    "constant_weights",
+    "krum_weights",
+    "modo_weights",
+    "project_onto_simplex",
+    "random_weights",
+    "sdmgrad_weights",
+]
+
+F64 = torch.float64
+
+
+def project_onto_simplex(y: torch.Tensor) -> torch.Tensor:
+    """The Euclidean projection of ``y [T]`` onto the probability simplex (sort-based, branch-free): ``max(y -
+    tau, 0)`` with ``tau = (sum of the k largest - 1) / k`` for the largest ``k`` where it stays below the
+    ``k``-th largest (the rule of the official MoDo and SDMGrad code)."""
+    t = y.shape[0]
+    desc = torch.sort(y, descending=True).values
+    k = torch.arange(1, t + 1, dtype=y.dtype, device=y.device)
+    taus = (torch.cumsum(desc, 0) - 1.0) / k
+    support = desc > taus  # a prefix of the k (k = 1 always holds); the threshold is the last one's
+    last = (support.sum() - 1).reshape(1)
+    tau = taus.index_select(0, last)[0]
+    return (y - tau).clamp_min(0.0)
+
+
+def constant_weights(
+    gram: torch.Tensor, generator: torch.Generator | None = None, *, weights: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The fixed ``weights [T]`` whatever the Gram (``--surgery-opt weights=1,2,...``; default ones, the sum).
+
+    ``gram [T, T]`` float32/float64 -> ``w [T]`` on its device (float64 for a float64 Gram, else float32)."""
+    g = check_gram(gram)
+    t = g.shape[0]
+    if weights is None:
+        return torch.ones(t, dtype=weights_dtype(gram), device=g.device)
+    if not isinstance(weights, torch.Tensor) or weights.shape != (t,):
+        raise ValueError(f"constant: option weights must be {t} comma-separated values, got {weights!r}")
+    return weights.to(device=g.device, dtype=weights_dtype(gram), non_blocking=True)
+
+
+def random_weights(gram: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Random weighting (Lin et al., "Reasonable Effectiveness of Random Weighting", 2022): ``softmax(z)`` with
+    ``z [T]`` standard normal, float64, drawn on the CPU from ``generator`` (torch's default one if ``None``) and
+    copied to the Gram's device without waiting.
+
+    ``gram [T, T]`` float32/float64 -> ``w [T]`` on its device (float64 for a float64 Gram, else float32)."""
+    g = check_gram(gram)
+    z = torch.randn(g.shape[0], dtype=F64, generator=generator)
+    return torch.softmax(z, 0).to(device=g.device, dtype=weights_dtype(gram), non_blocking=True)
+
+
+def krum_weights(
+    gram: torch.Tensor, generator: torch.Generator | None = None, *, n_byzantine: int = 0, n_selected: int = 1
+) -> torch.Tensor:
+    """(Multi-)Krum (Blanchard et al. 2017): each gradient's score is the sum of its distances to its ``T -
+    n_byzantine - 2`` nearest others (distances from the Gram: ``|g_i|^2 + |g_j|^2 - 2 G_ij``); the
+    ``n_selected`` lowest scores get weight ``1 / n_selected``, the others 0. Needs ``T >= n_byzantine + 3``.
+
+    ``gram [T, T]`` float32/float64 -> ``w [T]`` on its device (float64 for a float64 Gram, else float32)."""
+    g = check_gram(gram).to(F64)
+    t = g.shape[0]
+    if n_byzantine < 0 or n_selected < 1 or t < n_byzantine + 3 or n_selected > t:
+        raise ValueError(
+            f"krum: needs n_byzantine >= 0, 1 <= n_selected <= T and T >= n_byzantine + 3, got "
+            f"n_byzantine={n_byzantine}, n_selected={n_selected}, T={t}"
+        )
+    sq = torch.diagonal(g)
+    dist = (sq[None, :] + sq[:, None] - 2 * g).clamp_min(0.0).sqrt()
+    nearest = torch.topk(dist, k=t - n_byzantine - 1, largest=False).values[:, 1:]
+    scores = nearest.sum(1)
+    chosen = torch.topk(scores, k=n_selected, largest=False).indices
+    w = torch.zeros(t, dtype=F64, device=g.device).index_fill(0, chosen, 1.0 / n_selected)
+    return w.to(weights_dtype(gram))
+
+
+class _WeightsState:
+    """A weight vector carried across calls (``None`` until the first; reset when T changes)."""
+
+    def __init__(self) -> None:
+        self.weights: torch.Tensor | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"weights": None if self.weights is None else self.weights.detach().cpu().clone()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        w = state["weights"]
+        self.weights = None if w is None else torch.as_tensor(w, dtype=F64).clone()
+
+    def reset(self) -> None:
+        self.weights = None
+
+    def current(self, t: int, device: torch.device) -> torch.Tensor:
+        if self.weights is None or self.weights.shape != (t,):
+            return torch.full((t,), 1.0 / t, dtype=F64, device=device)
+        return self.weights.to(device=device, dtype=F64, non_blocking=True)
+
+
+class MoDoState(_WeightsState):
+    """MoDo's task weights ``lambda [T]`` (float64, on the Gram's device; uniform at the start)."""
+
+
+class SDMGradState(_WeightsState):
+    """SDMGrad's inner iterate ``w [T]`` (float64, on the Gram's device; uniform at the start)."""
+
+
+def modo_weights(
+    gram: torch.Tensor,
+    state: MoDoState,
+    generator: torch.Generator | None = None,
+    *,
+    gamma: float = 0.1,
+    rho: float = 0.1,
+) -> torch.Tensor:
+    """MoDo (Chen, Fernando, Ying & Chen, "Three-Way Trade-Off in Multi-Objective Learning", JMLR 2024): one
+    step ``lambda <- Proj_simplex(lambda - gamma (G lambda + rho lambda))`` per call from the stored ``lambda``
+    (uniform at the start); returns the new ``lambda``. ``state`` is a :class:`MoDoState`.
+
+    ``gram [T, T]`` float32/float64 -> ``w [T]`` on its device (float64 for a float64 Gram, else float32)."""
+    if not isinstance(state, MoDoState):
+        raise TypeError(f"modo needs a MoDoState, got {type(state).__name__}")
+    if gamma <= 0 or rho < 0:
+        raise ValueError(f"modo: gamma must be positive and rho non-negative, got {gamma}, {rho}")
+    g = check_gram(gram).to(F64)
+    lam = state.current(g.shape[0], g.device)
+    lam = project_onto_simplex(lam - gamma * (g @ lam + rho * lam))
+    state.weights = lam
+    return lam.to(weights_dtype(gram))
+
+
+def sdmgrad_weights(
+    gram: torch.Tensor,
+    state: SDMGradState,
+    generator: torch.Generator | None = None,
+    *,
+    lr: float = 10.0,
+    momentum: float = 0.5,
+    n_iter: int = 20,
+    lambda_: float = 0.3,
+    pref_vector: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """SDMGrad (Xiao, Ban & Ji, "Direction-oriented Multi-objective Learning", NeurIPS 2023): ``n_iter`` steps of
+    momentum SGD on the simplex for ``min_w 1/2 |J^T (w + lambda_ p)|^2`` on ``A = G / (mean_i sqrt(G_ii))^2``
+    from the stored ``w`` (uniform at the start); returns ``(w + lambda_ p) / (1 + lambda_)``, ``p`` =
+    ``pref_vector`` (default ``1 / T``). ``state`` is a :class:`SDMGradState`.
+
+    ``gram [T, T]`` float32/float64 -> ``w [T]`` on its device (float64 for a float64 Gram, else float32)."""
+    if not isinstance(state, SDMGradState):
+        raise TypeError(f"sdmgrad needs an SDMGradState, got {type(state).__name__}")
+    if lr <= 0 or not 0 <= momentum < 1 or int(n_iter) < 1 or lambda_ < 0:
+        raise ValueError(
+            f"sdmgrad: needs lr > 0, 0 <= momentum < 1, n_iter >= 1, lambda_ >= 0, got {lr}, {momentum}, "
+            f"{n_iter}, {lambda_}"
+        )
+    g = check_gram(gram).to(F64)
+    t = g.shape[0]
+    if pref_vector is None:
+        p = torch.full((t,), 1.0 / t, dtype=F64, device=g.device)
+    elif isinstance(pref_vector, torch.Tensor) and pref_vector.shape == (t,):
+        p = pref_vector.to(device=g.device, dtype=F64, non_blocking=True)
+    else:
+        raise ValueError(f"sdmgrad: pref_vector must be a tensor of shape ({t},), got {pref_vector!r}")
+    scale = torch.diagonal(g).clamp_min(0.0).sqrt().mean()
+    a = g / (scale.pow(2) + 1e-8)
+    w = state.current(t, g.device)
+    velocity = torch.zeros_like(w)
+    for step in range(int(n_iter)):
+        grad = a @ (w + lambda_ * p)
+        velocity = grad if step == 0 else momentum * velocity + grad
+        w = project_onto_simplex(w - lr * velocity)
+    state.weights = w
+    return ((w + lambda_ * p) / (1.0 + lambda_)).to(weights_dtype(gram))
