@@ -1000,6 +1000,12 @@ def main(argv: list[str] | None = None) -> int:
     env = _environment()
     unfinished = [run_name(a, s) for a, s in plan if runs[(a, s)]["dev"] is None]
     wall_s = time.perf_counter() - t_start
+    earlier = out / "claims.json"
+    if (
+        opts.report and earlier.is_file()
+    ):  # the table's wall time and runs at once stay those of the training call
+        saved = json.loads(earlier.read_text())
+        wall_s, jobs = saved.get("wall_s_this_session", wall_s), saved.get("jobs", jobs)
     header = _header(findings, budget, seeds, common, env, runs, plan, unfinished, jobs, wall_s)
     out.mkdir(parents=True, exist_ok=True)
     convergence = convergence_rows(runs, plan)
