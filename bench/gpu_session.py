@@ -30,7 +30,8 @@ the memory steps with CPU stand-ins. It writes the same files.
 At most 8 files are written to ``--out`` (``$OUT`` when set, else ``bench/results/gpu_session``): ``session.json``
 and ``session.md`` (device, versions, commit, date, every step: status, seconds, reason, log tail; the peer
 table), ``env.json``, ``tests.log`` (tests, opcheck), ``sanitizer.log`` (memcheck, racecheck), ``bench.json``,
-``peers.json``, ``memory.json``. They are rewritten after every step and copied to ``--state``
+``peers.json``, ``memory.json``; the claims step's call (its own ``--state``) returns ``session.json``,
+``session.md`` and ``claims/claims.{md,json,png}``. They are rewritten after every step and copied to ``--state``
 (``/tmp/fastpals-gpu-session`` under ``$OUT``), so a cut call keeps its finished steps and a later call on the
 same machine returns them too. ``--merge DIR...`` merges several calls' files into ``bench/results/<device>/``.
 ``docs/gpu-session.md`` gives the device calls.

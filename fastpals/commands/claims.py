@@ -798,7 +798,7 @@ def job_environment(jobs: int) -> dict[str, str]:
     threads = str(max(1, _cpu_cores() // jobs))
     env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[0] if visible else "0"
+    env["CUDA_VISIBLE_DEVICES"] = "0" if visible is None else visible.split(",")[0]  # "": no GPU, kept
     return env
 
 
