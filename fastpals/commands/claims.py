@@ -5,13 +5,16 @@ arms (named option sets of ``train.py``, :data:`ARMS`), its metric (``overall`` 
 task's dev score, or ``best_step``: the update of a run's best dev overall, for the learning-curve arms that
 evaluate every 20 updates) and its expected direction (a list of ``better > worse`` comparisons; ``better < worse``
 for ``best_step``: earlier). Every arm trains with the
-same data, the same number of updates (``--budget``) and the same seeds (``0 .. --seeds - 1``); an arm that several
-findings use runs once per seed. The single-task recipes run as the reference line.
+same data, the same budget (``--budget``, :class:`Budget`: ``early`` = 100 updates of 16, the CPU default;
+``converged`` = the main job's 867 updates of 48, the GPU default) and the same seeds (``0 .. --seeds - 1``); an arm
+that several findings use runs once per seed. The single-task recipes run as the reference line. ``--jobs`` runs
+run at once on one device (``auto``: as many as the memory planner fits), the CPU cores split between them.
 
 Each run is a subprocess ``python train.py ...`` into ``<out>/runs/<arm>-s<seed>/`` (its output in
 ``<out>/runs/<arm>-s<seed>.log``). A run whose ``results.json`` exists is not run again, so a stopped claims run
 continues where it stopped. Written to ``<out>``: ``claims.md`` (per finding: each arm's mean ± sd over seeds, the
-paired difference of each comparison with its 95% t-interval over seeds, a verdict), ``claims.json`` (every run:
+paired difference of each comparison with its 95% t-interval over seeds, a verdict; each run's dev overall at its
+last two evaluations, "still improving" where the last gained more than 0.005), ``claims.json`` (every run:
 arm, seed, command line, dev scores; every comparison) and ``claims.png`` (one panel per finding, a point per
 seed).
 """
