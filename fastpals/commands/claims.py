@@ -5,13 +5,16 @@ arms (named option sets of ``train.py``, :data:`ARMS`), its metric (``overall`` 
 task's dev score, or ``best_step``: the update of a run's best dev overall, for the learning-curve arms that
 evaluate every 20 updates) and its expected direction (a list of ``better > worse`` comparisons; ``better < worse``
 for ``best_step``: earlier). Every arm trains with the
-same data, the same number of updates (``--budget``) and the same seeds (``0 .. --seeds - 1``); an arm that several
-findings use runs once per seed. The single-task recipes run as the reference line.
+same data, the same budget (``--budget``, :class:`Budget`: ``early`` = 100 updates of 16, the CPU default;
+``converged`` = the main job's 867 updates of 48, the GPU default) and the same seeds (``0 .. --seeds - 1``); an arm
+that several findings use runs once per seed. The single-task recipes run as the reference line. ``--jobs`` runs
+run at once on one device (``auto``: as many as the memory planner fits), the CPU cores split between them.
 
 Each run is a subprocess ``python train.py ...`` into ``<out>/runs/<arm>-s<seed>/`` (its output in
 ``<out>/runs/<arm>-s<seed>.log``). A run whose ``results.json`` exists is not run again, so a stopped claims run
 continues where it stopped. Written to ``<out>``: ``claims.md`` (per finding: each arm's mean ± sd over seeds, the
-paired difference of each comparison with its 95% t-interval over seeds, a verdict), ``claims.json`` (every run:
+paired difference of each comparison with its 95% t-interval over seeds, a verdict; each run's dev overall at its
+last two evaluations, "still improving" where the last gained more than 0.005), ``claims.json`` (every run:
 arm, seed, command line, dev scores; every comparison) and ``claims.png`` (one panel per finding, a point per
 seed).
 """
@@ -72,9 +75,50 @@ DEFAULT_COMMON = (
 )
 #: options set by claims itself (per run)
 RESERVED = ("--epochs", "--steps-per-epoch", "--out", "--resume", "--recipe", "--overwrite", "--seed")
-DEFAULT_BUDGET = (
-    100  # updates per run: about 2.5 h for the whole table, 3 seeds, on the 2-core CPU (docs/claims.md)
-)
+#: options every run of the converged budget gets first: the main job's settings (the Makefile's ``train`` target)
+CONVERGED_COMMON = (
+    "--batch-size", "48", "--lr", "1.2e-4", "--pal-lr", "6e-4", "--head-lr", "2.4e-4", "--warmup", "0.06",
+    "--max-length", "128", "--max-eval", "600",
+)  # fmt: skip
+#: a run whose last evaluation gained more than this over the previous one is "still improving"
+IMPROVING = 0.005
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How long every run trains: ``updates`` updates (of the options ``defaults`` set first); ``evals``
+    evaluations of the dev sets, evenly spaced, the last at the end; ``examples_equivalent``: an arm whose update
+    holds one micro-batch per task (gradient surgery) trains ``updates / tasks`` updates, the same examples."""
+
+    name: str
+    updates: int
+    defaults: tuple[str, ...] = DEFAULT_COMMON
+    evals: int = 1
+    examples_equivalent: bool = False
+    what: str = ""
+
+    def arm_updates(self, micro_batches_per_update: int) -> int:
+        """The updates of an arm whose update holds ``micro_batches_per_update`` micro-batches."""
+        if not self.examples_equivalent:
+            return self.updates
+        return max(1, round(self.updates / micro_batches_per_update))
+
+    def eval_every(self, updates: int) -> int | None:
+        """``--eval-every`` of a run of ``updates`` updates (None: evaluated at its end only)."""
+        return math.ceil(updates / self.evals) if self.evals > 1 else None
+
+
+#: the CPU table's budget: how fast each arm starts (about 2.5 h for the whole table, 3 seeds, on the 2-core CPU)
+EARLY = Budget("early-training", 100, what="100 updates of 16 examples, each run scored at its end: how fast each "
+               "arm starts, not what it reaches")  # fmt: skip
+#: the main job's budget (`make train`: 867 updates of 48 examples), dev every 174 updates
+CONVERGED = Budget("converged", 867, CONVERGED_COMMON, evals=5, examples_equivalent=True,
+                   what="the main job's budget (`make train`): 867 updates of 48 examples, an arm with one "
+                   "micro-batch per task per update (gradient surgery) the same examples in fewer updates; "
+                   "dev every 1/5 of the run")  # fmt: skip
+#: ``--quick``: 4 updates, dev after 2 and 4 (the pipeline check of the converged protocol)
+QUICK = Budget("quick", 4, evals=2, what="the pipeline check: 4 updates, dev after 2 and 4")
+DEFAULT_BUDGET = EARLY.updates
 
 
 @dataclass(frozen=True)
@@ -272,10 +316,98 @@ def run_name(arm: str, seed: int) -> str:
     return f"{arm}-s{seed}"
 
 
-def run_argv(arm: Arm, seed: int, budget: int, common: Sequence[str], run_dir: Path) -> list[str]:
-    """The ``train.py`` options of one run: the arm's options, the common ones, then the budget, seed and folder."""
-    return [*arm.options, *DEFAULT_COMMON, *common, "--epochs", "1", "--steps-per-epoch", str(budget),
+def run_argv(
+    arm: Arm,
+    seed: int,
+    updates: int,
+    common: Sequence[str],
+    run_dir: Path,
+    defaults: Sequence[str] = DEFAULT_COMMON,
+    eval_every: int | None = None,
+) -> list[str]:
+    """The ``train.py`` options of one run: the arm's options, the budget's ``defaults``, the common ones, then
+    the updates, the evaluation interval (when the budget evaluates during the run), seed and folder."""
+    every = ["--eval-every", str(eval_every)] if eval_every else []
+    return [*arm.options, *defaults, *common, "--epochs", "1", "--steps-per-epoch", str(updates), *every,
             "--seed", str(seed), "--out", str(run_dir), "--overwrite", "--no-progress", "--max-predict", "8"]  # fmt: skip
+
+
+def micro_batches_per_update(train_argv: Sequence[str]) -> int:
+    """Micro-batches in one update of the run ``train_argv``: one per task with gradient surgery, else
+    ``--grad-accum``. Raises :class:`fastpals.train.errors.ConfigError` for bad options."""
+    from fastpals.train.command import parse_args
+
+    args = parse_args([*train_argv, "--out", "unused"])
+    return len(args.task_list) if args.surgery != "none" else int(args.grad_accum)
+
+
+def pick_jobs(per_run_bytes: int, free_bytes: int, cores: int, runs: int) -> int:
+    """How many runs go at once: as many as 90% of ``free_bytes`` holds at ``per_run_bytes`` each, at most one per
+    CPU core and one per run; at least 1."""
+    by_memory = int(0.9 * free_bytes // per_run_bytes) if per_run_bytes > 0 else runs
+    return max(1, min(by_memory, cores, runs))
+
+
+#: what a run's process holds besides the tensors the planner counts: the CUDA context and allocator slack on a
+#: GPU; the interpreter, torch, the data and the tokenizer on the CPU
+GPU_PROCESS_BYTES = 1 << 30
+CPU_PROCESS_BYTES = 3 << 29
+
+
+def _option(argv: Sequence[str], name: str, default: str) -> str:
+    """The last value of option ``name`` in ``argv`` (``--x v`` or ``--x=v``), else ``default``."""
+    value = default
+    for i, a in enumerate(argv):
+        if a == name and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif a.startswith(name + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def _cpu_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def auto_jobs(train_argv: Sequence[str], runs: int) -> tuple[int, str]:
+    """``--jobs auto``: the runs that fit at once, from the memory planner's peak of one run
+    (:func:`fastpals.commands.memory.plan_memory` of its model, batch and length with PALs and PCGrad, the
+    heaviest arms) plus a process's own memory, against the GPU's free memory (on the CPU: the available RAM)
+    and the CPU cores. Returns (jobs, how it was chosen)."""
+    import torch
+
+    from fastpals.commands.memory import StepSpec, plan_memory
+
+    cuda = torch.cuda.is_available()
+    ds = _option(train_argv, "--ds_config", _option(train_argv, "--ds-config", ""))
+    precision = next((p for p in ("fp16", "bf16", "fp32") if p in ds), "bf16" if cuda else "fp32")
+    spec = StepSpec(model=_option(train_argv, "--model", "minilm-l6"), precision=precision, pal="12heads",
+                    max_length=int(_option(train_argv, "--max-length", "128")), surgery="pcgrad")  # fmt: skip
+    peak = plan_memory(spec, int(_option(train_argv, "--batch-size", "16"))).peak_bytes
+    if cuda:
+        free, per_run, where = torch.cuda.mem_get_info()[0], peak + GPU_PROCESS_BYTES, "GPU memory free"
+    else:
+        from fastpals.commands.memory import _host_memory
+
+        free, per_run, where = _available_ram() or _host_memory(), peak + CPU_PROCESS_BYTES, "RAM available"
+    cores = _cpu_cores()
+    jobs = pick_jobs(per_run, free, cores, runs)
+    return jobs, (f"--jobs auto: {jobs} (per run {per_run / 2**30:.2f} GiB = planner peak {peak / 2**30:.2f} GiB "
+                  f"+ the process; {free / 2**30:.1f} GiB {where}; {cores} CPU cores; {runs} runs)")  # fmt: skip
+
+
+def _available_ram() -> int:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes (0 where there is none)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def train_command() -> list[str]:
@@ -311,7 +443,54 @@ def _plan(findings: Sequence[Finding], reference: bool) -> list[str]:
     return order
 
 
+def resolve_budget(text: str | None, quick: bool = False) -> Budget:
+    """``--budget``: ``early``, ``converged``, a number of updates, or None (``--quick``: :data:`QUICK`; on a GPU
+    :data:`CONVERGED`; else :data:`EARLY`). Raises ValueError (one line) for anything else."""
+    if text is None:
+        if quick:
+            return QUICK
+        import torch
+
+        return CONVERGED if torch.cuda.is_available() else EARLY
+    if text in ("early", EARLY.name):
+        return EARLY
+    if text == "converged":
+        return CONVERGED
+    if text.isdigit() and int(text) >= 1:
+        return Budget(
+            f"{int(text)} updates", int(text), what=f"{int(text)} updates, each run scored at its end"
+        )
+    raise ValueError(f"--budget {text}: give early, converged or a number of updates >= 1")
+
+
 # ----------------------------------------------------------------------------------------------------- the report
+def convergence_rows(
+    runs: dict[tuple[str, int], dict[str, Any]], plan: Sequence[tuple[str, int]]
+) -> list[dict[str, Any]]:
+    """Per finished run: its updates, the dev overall at its last two evaluations (``previous`` None when it was
+    evaluated once), their difference and ``improving`` (the last gained more than :data:`IMPROVING`)."""
+    rows = []
+    for a, s in plan:
+        evals = runs[(a, s)].get("evals") or []
+        if not evals:
+            continue
+        (prev_step, prev), (last_step, last) = ([None, None], *evals[-1:]) if len(evals) < 2 else evals[-2:]
+        gain = None if prev is None else last - prev
+        rows.append({"arm": a, "seed": s, "updates": runs[(a, s)]["updates"], "previous_step": prev_step,
+                     "previous": prev, "last_step": last_step, "last": last, "gain": gain,
+                     "improving": gain is not None and gain > IMPROVING})  # fmt: skip
+    return rows
+
+
+def still_improving(convergence: Sequence[dict[str, Any]]) -> dict[str, list[int]]:
+    """Per arm, the seeds whose run was still improving at its end."""
+    out: dict[str, list[int]] = {}
+    for r in convergence:
+        if r["improving"]:
+            out.setdefault(r["arm"], []).append(r["seed"])
+    return out
+
+
 def _collect(
     runs: dict[tuple[str, int], dict[str, Any]], arm: str, seeds: Sequence[int], metric: str
 ) -> dict[int, float]:
@@ -378,16 +557,32 @@ def _num(x: float, digits: int = 3, sign: bool = False) -> str:
     return f"{x:+.{digits}f}" if sign else f"{x:.{digits}f}"
 
 
-def write_markdown(summary: list[dict[str, Any]], path: Path, header: str, seeds: Sequence[int]) -> Path:
-    """``claims.md``: ``header``, the verdicts at a glance, then per finding its arms and comparisons."""
+def write_markdown(
+    summary: list[dict[str, Any]],
+    path: Path,
+    header: str,
+    seeds: Sequence[int],
+    convergence: Sequence[dict[str, Any]] = (),
+) -> Path:
+    """``claims.md``: ``header``, the verdicts at a glance (each marked where an arm was still improving at its
+    end), then per finding its arms and comparisons, then each run's dev overall at its last two evaluations
+    (``convergence``: :func:`convergence_rows`)."""
+    improving = still_improving(convergence)
+
+    def marks(*arms: str) -> str:
+        return "; ".join(f"{a} still improving (seed {', '.join(map(str, improving[a]))})" for a in arms
+                         if a in improving) or "—"  # fmt: skip
+
     lines = [header, "", "## Verdicts", "", "| finding | report | comparison (the claim) | metric "
-             "| difference, 95% interval | seeds | verdict |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| difference, 95% interval | seeds | verdict | still improving at the end |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for item in summary:
         f = item["finding"]
         op, d = ("<" if f.lower else ">"), (1 if f.metric == "best_step" else 3)
         for c in item["comparisons"]:
             lines.append(f"| {f.key} | {f.report} | {c['better']} {op} {c['worse']} | {f.metric} | {_num(c['mean'], d, sign=True)} "
-                         f"[{_num(c['lo'], d, sign=True)}, {_num(c['hi'], d, sign=True)}] | {len(c['seeds'])} | **{c['verdict']}** |")  # fmt: skip
+                         f"[{_num(c['lo'], d, sign=True)}, {_num(c['hi'], d, sign=True)}] | {len(c['seeds'])} | **{c['verdict']}** "
+                         f"| {marks(c['better'], c['worse'])} |")  # fmt: skip
     for item in summary:
         f = item["finding"]
         op, d = ("<" if f.lower else ">"), (1 if f.metric == "best_step" else 3)
@@ -408,6 +603,16 @@ def write_markdown(summary: list[dict[str, Any]], path: Path, header: str, seeds
         for c in item["comparisons"]:
             lines.append(f"| {c['better']} {op} {c['worse']} | {_num(c['mean'], d, sign=True)} ± {_num(c['sd'], d)} | "
                          f"[{_num(c['lo'], d, sign=True)}, {_num(c['hi'], d, sign=True)}] | {len(c['seeds'])} | {c['verdict']} |")  # fmt: skip
+    if convergence:
+        lines += ["", "## Convergence: dev overall at each run's last two evaluations", "",
+                  f"A run is **still improving** where its last evaluation gained more than {IMPROVING} over the "
+                  "previous one; a verdict on such an arm may change with a longer budget.", "",
+                  "| run | updates | previous evaluation | last evaluation (end) | gain | |", "|---|---|---|---|---|---|"]  # fmt: skip
+        for r in convergence:
+            prev = "—" if r["previous"] is None else f"{_num(r['previous'], 4)} (update {r['previous_step']})"
+            lines.append(f"| {run_name(r['arm'], r['seed'])} | {r['updates']} | {prev} | {_num(r['last'], 4)} (update "
+                         f"{r['last_step']}) | {_num(r['gain'] if r['gain'] is not None else math.nan, 4, sign=True)} "
+                         f"| {'**still improving**' if r['improving'] else ''} |")  # fmt: skip
     lines += ["", "overall = (SST acc + Quora acc + (STS r + 1) / 2) / 3 (an STS r of nan counts as 0). Quora dev = the "
               "held-out 10% (sha256 of id) split of quora-dev.csv. best_step = the update of a run's best dev overall. The "
               "paired difference (same seed) is first - second for a claim first > second, second - first for a claim "
@@ -504,19 +709,23 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The options of ``fastpals claims``; every other option goes to every run (a ``train.py`` option)."""
-    p = _Parser(prog=PROG, allow_abbrev=False, usage=f"{PROG} [--budget STEPS] [--seeds N] [--out DIR] [--quick] [train.py options]",
-                description="Re-run the findings of the five CS224N reports: every arm for --budget updates with "
+    p = _Parser(prog=PROG, allow_abbrev=False, usage=f"{PROG} [--budget early|converged|STEPS] [--seeds N] [--jobs N|auto] [--out DIR] [--quick] [train.py options]",
+                description="Re-run the findings of the five CS224N reports: every arm for --budget with "
                 "seeds 0..N-1, then claims.md, claims.json and claims.png in --out. Finished runs are kept and "
                 "skipped on a rerun. Other options (e.g. --model, --data-dir, --max-length) go to every run, after "
-                f"the defaults {' '.join(DEFAULT_COMMON)}.")  # fmt: skip
-    p.add_argument("--budget", type=int, default=None, metavar="STEPS",
-                   help=f"updates per run (default: {DEFAULT_BUDGET}; --quick: 2)")  # fmt: skip
+                "the budget's defaults.")  # fmt: skip
+    p.add_argument("--budget", default=None, metavar="early|converged|STEPS",
+                   help=f"early: {EARLY.what} (the default on the CPU); converged: {CONVERGED.what} (the default "
+                   f"on a GPU); a number: that many updates, scored at the end (--quick: {QUICK.what})")  # fmt: skip
     p.add_argument(
         "--seeds", type=int, default=None, metavar="N", help="seeds per arm (default: 3; --quick: 2)"
     )
     p.add_argument("--out", default="runs/claims", metavar="DIR", help="output folder (default: runs/claims)")
     p.add_argument("--only", default=None, metavar="KEY,...", help="only these findings (keys in claims.md)")
-    p.add_argument("--jobs", type=int, default=1, metavar="N", help="runs at a time (default: 1)")
+    p.add_argument("--jobs", default="1", metavar="N|auto",
+                   help="runs at a time, all on one device, the CPU cores split between them; auto: as many as the "
+                   "memory planner's peak of one run fits in the GPU's free memory (CPU: RAM) and the cores "
+                   "(default: 1)")  # fmt: skip
     p.add_argument(
         "--report",
         action="store_true",
@@ -527,22 +736,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep each finished run's checkpoints/ (default: removed once its results.json is written; "
                    "best/ is kept)")  # fmt: skip
     p.add_argument("--quick", action="store_true",
-                   help=f"the pipeline check: findings {', '.join(QUICK_FINDINGS)}, 2 seeds, 2 updates, no "
+                   help=f"the pipeline check: findings {', '.join(QUICK_FINDINGS)}, 2 seeds, 4 updates, no "
                    "reference runs (give --model/--data-dir for tiny ones)")  # fmt: skip
     return p
 
 
 def _header(
     findings: Sequence[Finding],
-    budget: int,
+    budget: Budget,
     seeds: Sequence[int],
     common: Sequence[str],
     env: dict[str, str],
     runs: dict[tuple[str, int], dict[str, Any]],
     plan: Sequence[tuple[str, int]],
     unfinished: Sequence[str],
+    jobs: int,
+    wall_s: float,
 ) -> str:
-    """The head of ``claims.md``: budget, seeds, common options, where and with what the runs ran."""
+    """The head of ``claims.md``: budget, seeds, common options, where and with what the runs ran, the wall time."""
     envs = {}
     for r in runs.values():
         e = r["environment"]
@@ -551,13 +762,16 @@ def _header(
             envs.setdefault(key, []).append(e.get("date", "?"))
     where = "; ".join(f"{n} run(s) on {k[0]}, python {k[1]}, torch {k[2]}, fastpals {k[3]}, commit {k[4]}, "
                       f"{min(d)} to {max(d)}" for k, d in envs.items() for n in [len(d)]) or "no run finished"  # fmt: skip
+    updates = sorted({r["updates"] for r in runs.values()})
     return (
-        f"# fastpals claims: {len(findings)} finding(s), {budget} updates per run, seeds "
-        f"{', '.join(map(str, seeds))}\n\n"
-        f"Every run: its arm's options, then `{' '.join(DEFAULT_COMMON)} {' '.join(common)}`, one epoch of {budget} "
-        f"updates, its seed (the exact command lines: claims.json). Runs: {where}. Table written {env['date']} "
-        f"(commit {env['commit']}). Runs finished: {len(plan) - len(unfinished)} of {len(plan)}, "
-        f"{_fmt_time(sum(r['seconds'] or 0.0 for r in runs.values()))} of run time"
+        f"# fastpals claims: {len(findings)} finding(s), budget {budget.name} ({'/'.join(map(str, updates))} "
+        f"updates per run), seeds {', '.join(map(str, seeds))}\n\n"
+        f"**Budget: {budget.name}**: {budget.what}. The verdicts are about the model of these runs at this budget. "
+        f"Every run: its arm's options, then `{' '.join(budget.defaults)} {' '.join(common)}`, one epoch of "
+        f"{'/'.join(map(str, updates))} updates, its seed (the exact command lines: claims.json). Runs: {where}. "
+        f"Table written {env['date']} (commit {env['commit']}). Runs finished: {len(plan) - len(unfinished)} of "
+        f"{len(plan)}, {_fmt_time(sum(r['seconds'] or 0.0 for r in runs.values()))} of run time; wall time of "
+        f"this call {_fmt_time(wall_s)} with {jobs} run(s) at a time"
         + (f"; **not finished**: {', '.join(unfinished)}." if unfinished else ".")
     )  # fmt: skip
 
@@ -582,12 +796,30 @@ def _check_earlier(run_dir: Path, argv: Sequence[str]) -> dict[str, Any] | None:
     return saved
 
 
+def job_environment(jobs: int) -> dict[str, str]:
+    """The variables every run gets when ``jobs`` run at once: the CPU cores split between them
+    (``OMP_NUM_THREADS``, ``MKL_NUM_THREADS``), and one GPU for all (the first visible one)."""
+    threads = str(max(1, _cpu_cores() // jobs))
+    env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    env["CUDA_VISIBLE_DEVICES"] = "0" if visible is None else visible.split(",")[0]  # "": no GPU, kept
+    return env
+
+
+def run_scores(arm: str, results: dict[str, Any]) -> dict[str, Any]:
+    """What the table reads of a finished run's ``results.json``: ``dev`` (a learning-curve arm's best dev, any
+    other arm's last evaluation, at its end), ``best_step`` and ``evals`` (``[[update, dev overall], ...]``)."""
+    evals = [[e["step"], metric_value(e["dev"], "overall")] for e in results.get("evals") or []]
+    curve = "--eval-every" in ARMS[arm].options
+    last = (results.get("evals") or [{"dev": results["dev"]}])[-1]["dev"]
+    return {"dev": results["dev"] if curve else last, "best_step": results.get("best_step"), "evals": evals}
+
+
 def _execute(
     plan: Sequence[tuple[str, int]],
     runs: dict[tuple[str, int], dict[str, Any]],
     command: list[str],
     runs_dir: Path,
-    budget: int,
     opts: argparse.Namespace,
 ) -> int:
     """Run the plan, ``opts.jobs`` subprocesses at a time (finished runs skipped; ``opts.report``: none started),
@@ -607,8 +839,7 @@ def _execute(
             pending.append((i, a, s))
             continue
         results = _read_results(run_dir)
-        record.update(dev=results["dev"], best_step=results.get("best_step"), status="done",
-                      seconds=saved.get("seconds"), argv=saved["argv"],
+        record.update(**run_scores(a, results), status="done", seconds=saved.get("seconds"), argv=saved["argv"],
                       environment=saved.get("environment"),
                       command=saved.get("command") or shlex.join([*command, *saved["argv"]]))  # fmt: skip
         remaining -= ARMS[a].cost
@@ -622,6 +853,7 @@ def _execute(
         k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
     }
     env["PYTHONUNBUFFERED"] = "1"
+    env.update(job_environment(opts.jobs))
     session_env = _environment()
     running: list[tuple[int, str, int, subprocess.Popen, float, Any]] = []
     status = 0
@@ -630,7 +862,7 @@ def _execute(
             while pending and len(running) < opts.jobs:
                 i, a, s = pending.pop(0)
                 name = run_name(a, s)
-                print(f"[claims] {i + 1}/{len(plan)} {name}: start ({budget} updates): {runs[(a, s)]['command']}",
+                print(f"[claims] {i + 1}/{len(plan)} {name}: start ({runs[(a, s)]['updates']} updates): {runs[(a, s)]['command']}",
                       file=sys.stderr, flush=True)  # fmt: skip
                 log = open(runs_dir / f"{name}.log", "w")
                 proc = subprocess.Popen([*command, *runs[(a, s)]["argv"]], stdout=log, stderr=subprocess.STDOUT,
@@ -671,8 +903,7 @@ def _execute(
                 )
                 if not opts.keep_checkpoints and (run_dir / "checkpoints").is_dir():
                     shutil.rmtree(run_dir / "checkpoints")
-                record.update(dev=results["dev"], best_step=results.get("best_step"), status="done", seconds=seconds,
-                              environment=run_env)  # fmt: skip
+                record.update(**run_scores(a, results), status="done", seconds=seconds, environment=run_env)
                 done_cost += ARMS[a].cost
                 done_s += seconds
                 eta = remaining * done_s / done_cost / max(1, opts.jobs)
@@ -704,13 +935,16 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    budget = opts.budget if opts.budget is not None else (2 if opts.quick else DEFAULT_BUDGET)
+    try:
+        budget = resolve_budget(opts.budget, opts.quick)
+    except ValueError as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
     n_seeds = opts.seeds if opts.seeds is not None else (2 if opts.quick else 3)
-    if budget < 1 or n_seeds < 1 or opts.jobs < 1:
-        print(
-            f"{PROG}: error: --budget, --seeds and --jobs must be >= 1, got {budget}, {n_seeds}, {opts.jobs}",
-            file=sys.stderr,
-        )
+    jobs = int(opts.jobs) if opts.jobs.isdigit() else -1 if opts.jobs != "auto" else 0
+    if n_seeds < 1 or jobs < 0 or opts.jobs == "0":
+        print(f"{PROG}: error: --seeds and --jobs must be >= 1 (--jobs also auto), got {n_seeds}, {opts.jobs}",
+              file=sys.stderr)  # fmt: skip
         return 2
     keys = [f.key for f in FINDINGS]
     wanted = (
@@ -738,34 +972,53 @@ def main(argv: list[str] | None = None) -> int:
     runs_dir = out / "runs"
     plan = [(a, s) for a in _plan(findings, reference) for s in seeds]
 
-    argvs = {(a, s): run_argv(ARMS[a], s, budget, common, runs_dir / run_name(a, s)) for a, s in plan}
     try:  # every run's options are checked before the first starts
+        updates = {a: budget.arm_updates(micro_batches_per_update([*ARMS[a].options, *budget.defaults, *common]))
+                   for a in dict.fromkeys(a for a, _ in plan)}  # fmt: skip
+        argvs = {(a, s): run_argv(ARMS[a], s, updates[a], common, runs_dir / run_name(a, s), budget.defaults,
+                                  budget.eval_every(updates[a])) for a, s in plan}  # fmt: skip
         for a, s in plan:
             parse_args(argvs[(a, s)])
     except ConfigError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
+    if jobs == 0:
+        jobs, how = (
+            (1, "--jobs auto: 1 (--report)")
+            if opts.report
+            else auto_jobs([*budget.defaults, *common], len(plan))
+        )
+        print(f"[claims] {how}", file=sys.stderr, flush=True)
+    opts.jobs = jobs
     command = train_command()
     runs = {(a, s): {"arm": a, "seed": s, "command": shlex.join([*command, *argvs[(a, s)]]),
-                     "argv": argvs[(a, s)], "dev": None, "best_step": None, "status": "not run", "seconds": None,
-                     "environment": None} for a, s in plan}  # fmt: skip
+                     "argv": argvs[(a, s)], "updates": updates[a], "dev": None, "best_step": None, "evals": [],
+                     "status": "not run", "seconds": None, "environment": None} for a, s in plan}  # fmt: skip
     t_start = time.perf_counter()
-    status = _execute(plan, runs, command, runs_dir, budget, opts)
+    status = _execute(plan, runs, command, runs_dir, opts)
     if status == 2:
         return 2
     summary = summarize(findings, runs, seeds)
     env = _environment()
     unfinished = [run_name(a, s) for a, s in plan if runs[(a, s)]["dev"] is None]
-    header = _header(findings, budget, seeds, common, env, runs, plan, unfinished)
+    wall_s = time.perf_counter() - t_start
+    earlier = out / "claims.json"
+    if (
+        opts.report and earlier.is_file()
+    ):  # the table's wall time and runs at once stay those of the training call
+        saved = json.loads(earlier.read_text())
+        wall_s, jobs = saved.get("wall_s_this_session", wall_s), saved.get("jobs", jobs)
+    header = _header(findings, budget, seeds, common, env, runs, plan, unfinished, jobs, wall_s)
     out.mkdir(parents=True, exist_ok=True)
-    write_markdown(summary, out / "claims.md", header, seeds)
-    data = {"budget": budget, "seeds": seeds, "common": [*DEFAULT_COMMON, *common], "environment": env,
-            "wall_s_this_session": time.perf_counter() - t_start,
+    convergence = convergence_rows(runs, plan)
+    write_markdown(summary, out / "claims.md", header, seeds, convergence)
+    data = {"budget": dataclasses.asdict(budget), "seeds": seeds, "common": [*budget.defaults, *common],
+            "environment": env, "jobs": jobs, "wall_s_this_session": wall_s, "convergence": convergence,
             "run_s_total": sum(r["seconds"] or 0.0 for r in runs.values()),
             "runs": [runs[(a, s)] for a, s in plan],
             "findings": summary}  # fmt: skip
     (out / "claims.json").write_text(json.dumps(_jsonable(data), indent=1))
-    plot_claims(summary, out / "claims.png", f"fastpals claims: {budget} updates per run, {n_seeds} seed(s)")
+    plot_claims(summary, out / "claims.png", f"fastpals claims: budget {budget.name}, {n_seeds} seed(s)")
     print(f"[claims] wrote {out / 'claims.md'}, {out / 'claims.json'}, {out / 'claims.png'}", file=sys.stderr)
     return status
 
