@@ -142,5 +142,5 @@ def test_stream_surgery_launch_budget(traces, tasks, budget) -> None:
 def test_stream_surgery_launches_do_not_grow_past_the_measured(traces) -> None:
     """Until the stream budgets hold, the launches stream surgery adds (without the solve) stay within the
     measured values of docs/gpu-session.md (plus 2%), so that none is added unseen."""
-    for tasks, measured in ((3, 0.88), (16, 1.12)):
+    for tasks, measured in ((3, 0.87), (16, 1.12)):
         assert _surgery_overhead(traces, tasks, "stream") <= measured + 0.02

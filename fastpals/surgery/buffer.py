@@ -587,9 +587,8 @@ class TaskGradientBuffer:
             torch._foreach_zero_(unwritten)
         if len(made) == 1:
             return gram(made[0])
-        g_mat = torch.stack([gram(c)[0] for c in made]).sum(0)
-        # a row is finite where its squared norm is (a sum of squares: inf or nan stays, none cancels)
-        return g_mat, torch.isfinite(g_mat.diagonal())
+        parts = [gram(c) for c in made]
+        return torch.stack([g for g, _ in parts]).sum(0), torch.stack([f for _, f in parts]).all(0)
 
     def _end_step(self) -> None:
         """Forget this step's captures (the next one starts fresh rows)."""

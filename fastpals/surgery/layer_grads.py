@@ -8,8 +8,8 @@ Rows: a module's input ``x [..., d]`` is flattened to ``[R, d]`` rows (``R = B *
 
 - :func:`linear_forward`: ``dW_t = dY_t^T X_t`` (``[M, K]``), ``db_t = sum dY_t`` (``[M]``): one GEMM per task
   segment straight into the buffer row (the Triton grouped weight-gradient kernel on CUDA);
-- :func:`layer_norm_forward`: ``dgamma_t = sum dY * xhat``, ``dbeta_t = sum dY`` (fp32 sums, one product with
-  the rows' task indicator each);
+- :func:`layer_norm_forward`: ``dgamma_t = sum dY * xhat``, ``dbeta_t = sum dY`` (fp32 sums, one reduction by
+  task each);
 - :func:`embedding_forward`: ``dY_t`` summed at the ids, every task at once; embeddings looked up once and broadcast
   over the batch (position embeddings, :class:`EmbeddingFrame`) take the gradient of the full-batch embedding they
   are summed with, summed per task over its examples.
@@ -39,7 +39,6 @@ __all__ = [
     "embedding_forward",
     "layer_norm_forward",
     "linear_forward",
-    "task_indicator",
 ]
 
 # Elements of the fp32 temporary of one output-row chunk of one task's weight gradient when the buffer holds
@@ -69,7 +68,6 @@ class RowTasks:
     )
     plan: Any = None  # the grouped kernel's TaskRowPlan, built on first use
     host_examples: tuple[np.ndarray, np.ndarray] | None = None  # per example its task and rows, host values
-    indicator: torch.Tensor | None = None  # [T, R] fp32, 1 where row r is task t's (task_indicator)
 
 
 class BlockState(Protocol):
@@ -237,7 +235,7 @@ def _linear_weight_grads(
     if weight and _kernels_on(state, dy):
         _linear_weight_grads_grouped(state, rows, k_w, k_b, dy, x)
         return
-    if not weight:  # the bias only: one product with the rows' task indicator for all tasks
+    if not weight:  # the bias only: one reduction by task for all tasks
         if k_b is not None:
             state.write_segment_sums(k_b, dy, rows)
         return
@@ -275,16 +273,6 @@ def _linear_weight_grads(
             state.write_mm(t, k_w, dy_t.t(), x_t)
         if k_b is not None:
             state.write(t, k_b, dy_t.sum(0))
-
-
-def task_indicator(rows: RowTasks, num_tasks: int) -> torch.Tensor:
-    """``[T, R]`` float32, 1 where row r belongs to task t (built on first use, one per row layout): its product
-    with ``[R, n]`` values sums them by task in one launch."""
-    if rows.indicator is None:
-        row_task = rows.row_task.reshape(1, -1)
-        ind = torch.zeros(num_tasks, row_task.shape[1], dtype=torch.float32, device=row_task.device)
-        rows.indicator = ind.scatter_(0, row_task, 1.0)
-    return rows.indicator
 
 
 def _kernels_on(state: BlockState, t: torch.Tensor) -> bool:

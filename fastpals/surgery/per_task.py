@@ -100,7 +100,6 @@ from fastpals.surgery.layer_grads import (
     embedding_forward,
     layer_norm_forward,
     linear_forward,
-    task_indicator,
 )
 
 __all__ = [
@@ -419,16 +418,18 @@ class PerTaskGradients:
             dst.add_(prod.to(dst.dtype))
 
     def write_segment_sums(self, k: int, values: torch.Tensor, rows: RowTasks) -> None:
-        """Per task, the sum over its rows of ``values [R, n]`` into row t of shared parameter k (fp32 sums): one
-        product with the rows' ``[T, R]`` task indicator for all tasks, straight into the rows when every task is
-        written here for the first time (else through :meth:`write_stack`)."""
+        """Per task, the sum over its rows of ``values [R, n]`` into row t of shared parameter k (fp32 sums), all
+        tasks in one reduction by ``row_task``: straight into the rows when every task is written here for the
+        first time (each row receives its sum, nothing to zero first), else through :meth:`write_stack`. A task's
+        non-finite rows stay in its own sum."""
+        index = rows.row_task[:, None].expand(-1, values.shape[1])
         target = self.stack_target(k, rows.tasks, torch.float32)
         if target is not None:
-            torch.mm(
-                task_indicator(rows, self.num_tasks), values.float(), out=target.view(self.num_tasks, -1)
-            )
+            target = target.view(self.num_tasks, -1)
+            target.scatter_reduce_(0, index, values.float(), "sum", include_self=False)
             return
-        sums = torch.mm(task_indicator(rows, self.num_tasks), values.float())
+        sums = torch.zeros(self.num_tasks, values.shape[1], dtype=torch.float32, device=values.device)
+        sums.index_add_(0, rows.row_task, values.float())
         self.write_stack(k, rows.tasks, sums if self._all_tasks(rows.tasks) else sums[rows.tasks])
 
     def write_embedding(
