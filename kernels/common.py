@@ -15,6 +15,7 @@ import os
 import weakref
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from fastpals_kernels.reference import autocast_dtype, check_task_ids
@@ -25,6 +26,7 @@ __all__ = [
     "aligned_rows",
     "autocast_dtype",
     "build_task_row_plan",
+    "build_task_row_plan_host",
     "cast_floats",
     "check_cu_seqlens",
     "cu_seqlens_int32",
@@ -340,3 +342,43 @@ def cast_floats(dtype: torch.dtype, *tensors: object) -> list:
     """Autocast's rule for the fused ops' operands: floating tensors go to ``dtype`` (differentiably), the
     rest (task ids, masks, None) pass unchanged."""
     return [t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in tensors]
+
+
+def build_task_row_plan_host(
+    task_ids: np.ndarray,
+    num_tasks: int,
+    lengths: np.ndarray,
+    device: torch.device | str,
+    block_rows: int = 64,
+) -> TaskRowPlan:
+    """:func:`build_task_row_plan` from host values: ``task_ids [B]`` and ``lengths [B]`` int (example b owns the
+    ``lengths[b]`` rows after those of examples ``0 .. b-1``: packed tokens, or ``seq_len`` padded rows each). The
+    plan is built with numpy and copied to ``device`` in one transfer (its tensors are views of one int32 tensor),
+    where the device form takes some fifty small launches."""
+    task_ids = np.asarray(task_ids, dtype=np.int64)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    num_rows = int(lengths.sum())
+    order = np.argsort(task_ids, kind="stable")
+    row_index = (
+        np.concatenate([np.arange(starts[e], starts[e] + lengths[e]) for e in order])
+        if order.size
+        else np.zeros(0, dtype=np.int64)
+    )
+    rows_per_task = np.bincount(task_ids, weights=lengths, minlength=num_tasks).astype(np.int64)
+    task_row_offsets = np.concatenate([[0], np.cumsum(rows_per_task)]).astype(np.int64)
+    tiles_per_task = (rows_per_task + block_rows - 1) // block_rows
+    tile_ends_cum = np.cumsum(tiles_per_task)
+    tile = np.arange((num_rows + block_rows - 1) // block_rows + num_tasks)
+    task_of_tile = np.searchsorted(tile_ends_cum, tile, side="right")
+    valid = task_of_tile < num_tasks
+    safe = np.minimum(task_of_tile, num_tasks - 1)
+    tile_start = task_row_offsets[safe] + (tile - (tile_ends_cum[safe] - tiles_per_task[safe])) * block_rows
+    tile_end = np.minimum(tile_start + block_rows, task_row_offsets[safe + 1])
+    parts = [
+        row_index, task_row_offsets, np.where(valid, task_of_tile, -1), np.where(valid, tile_start, 0),
+        np.where(valid, tile_end, 0),
+    ]  # fmt: skip
+    flat = torch.from_numpy(np.concatenate(parts).astype(np.int32)).to(device)
+    views = torch.split(flat, [p.size for p in parts])
+    return TaskRowPlan(*views, num_rows=num_rows, num_tasks=num_tasks, block_rows=block_rows)

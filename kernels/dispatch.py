@@ -63,6 +63,7 @@ __all__ = [
     "forced_backends",
     "gram",
     "grouped_wgrad",
+    "grouped_wgrad_into",
     "kernel_mode",
     "library_mode",
     "packed_pal_reference",
@@ -145,6 +146,25 @@ def grouped_wgrad(
         plan.num_tasks, plan.block_rows, with_bias, out_dtype,
     )  # fmt: skip
     return dw, (db if with_bias else None)
+
+
+def grouped_wgrad_into(
+    dy: torch.Tensor, x: torch.Tensor, plan: Any, dw: torch.Tensor, db: torch.Tensor | None
+) -> None:
+    """:func:`grouped_wgrad` written into ``dw [T, M, K]`` and ``db [T, M]`` (None: no bias gradient) in their
+    dtype (``torch.ops.fastpals.grouped_wgrad_out``): each ``dw[t]`` / ``db[t]`` contiguous, any stride between
+    tasks (e.g. the rows of a surgery buffer), so no ``[T, M, K]`` temporary is made."""
+    ext = registered("grouped_wgrad", backend("grouped_wgrad", dy))
+    if ext is not None:
+        got_dw, got_db = ext.impl(dy, x, plan, dw.dtype, db is not None)
+        dw.copy_(got_dw)
+        if db is not None:
+            db.copy_(got_db)
+        return
+    torch.ops.fastpals.grouped_wgrad_out(
+        dy, x, plan.row_index, plan.task_row_offsets, plan.tile_task, plan.tile_start, plan.tile_end,
+        plan.num_tasks, plan.block_rows, dw, db if db is not None else dw.new_empty(0),
+    )  # fmt: skip
 
 
 def attention_varlen(

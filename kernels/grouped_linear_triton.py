@@ -165,8 +165,8 @@ def _grouped_wgrad_kernel(
     dy_ptr,  # [R, M] output gradient
     z_ptr,  # [R, M] pre-activation (only with GELU_GRAD_PROLOGUE)
     x_ptr,  # [R, K] forward input
-    dw_ptr,  # [T, M, K]
-    db_ptr,  # [T, M]
+    dw_ptr,  # [T, M, K], task stride stride_dw (each task's [M, K] row-major)
+    db_ptr,  # [T, M], task stride stride_db
     row_index_ptr,
     task_row_offsets_ptr,
     M,
@@ -175,6 +175,8 @@ def _grouped_wgrad_kernel(
     stride_dy,
     stride_z,
     stride_x,
+    stride_dw,
+    stride_db,
     GELU_GRAD_PROLOGUE: tl.constexpr,
     HAS_BIAS_GRAD: tl.constexpr,
     IEEE: tl.constexpr,
@@ -219,14 +221,14 @@ def _grouped_wgrad_kernel(
 
     task64 = task.to(tl.int64)
     out_mask = offs_m < M_OUT
-    dw_ptrs = dw_ptr + task64 * M_OUT * K + offs_m[:, None] * K + offs_k[None, :]
+    dw_ptrs = dw_ptr + task64 * stride_dw + offs_m[:, None] * K + offs_k[None, :]
     tl.store(
         dw_ptrs, cast_rne(acc, dw_ptr.dtype.element_ty, INTERP_BF16), mask=out_mask[:, None] & k_mask[None, :]
     )
     if HAS_BIAS_GRAD:
         if pid_k == 0:
             tl.store(
-                db_ptr + task64 * M_OUT + offs_m,
+                db_ptr + task64 * stride_db + offs_m,
                 cast_rne(db_acc, db_ptr.dtype.element_ty, INTERP_BF16),
                 mask=out_mask,
             )
@@ -351,15 +353,20 @@ def grouped_wgrad_rows(
     with_bias: bool,
     gelu_grad_pre: torch.Tensor | None = None,
     out_rows: int | None = None,
+    dw: torch.Tensor | None = None,
+    db: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-task weight/bias gradients: ``dW [T, M, K]``, ``db [T, M]`` from ``dy [R, M]`` and ``x [R, K]``.
 
     ``out_rows``: keep only the first ``out_rows <= M`` rows of ``dW`` and ``db`` (``dy`` read at its padded,
-    row-aligned width ``M``)."""
+    row-aligned width ``M``). ``dw`` / ``db``: write into these (each task's ``[M, K]`` / ``[M]`` contiguous, any
+    task stride, e.g. row views of a surgery buffer) instead of new tensors."""
     m, k = dy.shape[1], x.shape[1]
     m_out = m if out_rows is None else out_rows
-    dw = torch.empty(plan.num_tasks, m_out, k, dtype=weight_dtype, device=dy.device)
-    db = torch.empty(plan.num_tasks, m_out, dtype=weight_dtype, device=dy.device) if with_bias else None
+    if dw is None:
+        dw = torch.empty(plan.num_tasks, m_out, k, dtype=weight_dtype, device=dy.device)
+    if db is None and with_bias:
+        db = torch.empty(plan.num_tasks, m_out, dtype=weight_dtype, device=dy.device)
     if m == 0 or k == 0:
         if db is not None:
             db.zero_()
@@ -383,6 +390,8 @@ def grouped_wgrad_rows(
             dy.stride(0),
             gelu_grad_pre.stride(0) if gelu_grad_pre is not None else 0,
             x.stride(0),
+            dw.stride(0),
+            db.stride(0) if db is not None else 0,
             GELU_GRAD_PROLOGUE=gelu_grad_pre is not None,
             HAS_BIAS_GRAD=with_bias,
             **dot_flags(dy.dtype),

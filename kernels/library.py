@@ -434,6 +434,46 @@ def _(
     return dw, db
 
 
+@torch.library.custom_op(f"{NAMESPACE}::grouped_wgrad_out", mutates_args=("dw", "db"))
+def grouped_wgrad_out(
+    dy: Tensor,
+    x: Tensor,
+    row_index: Tensor,
+    task_row_offsets: Tensor,
+    tile_task: Tensor,
+    tile_start: Tensor,
+    tile_end: Tensor,
+    num_tasks: int,
+    block_rows: int,
+    dw: Tensor,
+    db: Tensor,
+) -> None:
+    """:func:`grouped_wgrad` written into ``dw [T, M, K]`` (each ``dw[t]`` contiguous, any task stride: e.g. the
+    rows of a surgery buffer) and ``db [T, M]`` (each ``db[t]`` contiguous; ``[0]``: no bias gradient), in their
+    dtype."""
+    with_bias = db.numel() > 0
+    if _backend("grouped_wgrad", dy) == "triton":
+        from fastpals_kernels.grouped_linear_triton import grouped_wgrad_rows  # Triton: optional
+
+        plan = TaskRowPlan(row_index, task_row_offsets, tile_task, tile_start, tile_end, dy.shape[0], num_tasks,
+                           block_rows)  # fmt: skip
+        grouped_wgrad_rows(
+            dy.contiguous(), x.contiguous(), plan, dw.dtype, with_bias, dw=dw, db=db if with_bias else None
+        )
+        return
+    ref_dw, ref_db = _grouped_wgrad_reference(
+        dy, x, row_index, task_row_offsets, num_tasks, with_bias, dw.dtype
+    )
+    dw.copy_(ref_dw)
+    if with_bias:
+        db.copy_(ref_db)
+
+
+@grouped_wgrad_out.register_fake
+def _(dy, x, row_index, offsets, tile_task, tile_start, tile_end, num_tasks, block_rows, dw, db):
+    return None
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Gradient-surgery buffer ops
 # ----------------------------------------------------------------------------------------------------------------
@@ -532,6 +572,7 @@ OPS = {
         attention_varlen,
         attention_varlen_backward,
         grouped_wgrad,
+        grouped_wgrad_out,
         gram,
         combine,
         combine_out,
@@ -567,7 +608,8 @@ def _stack_outputs(items: list) -> tuple:
     return type(first)(v for v, _ in parts), type(first)(d for _, d in parts)
 
 
-#: the ops that take a vmap rule (the mutating ``combine_out`` / ``combine_row`` write into their arguments)
+#: the ops that take a vmap rule (the mutating ``grouped_wgrad_out`` / ``combine_out`` / ``combine_row`` write into
+#: their arguments)
 VMAPPED = ("pal", "pal_varlen", "pal_backward", "pal_varlen_backward", "attention_varlen",
            "attention_varlen_backward", "grouped_wgrad", "gram", "combine")  # fmt: skip
 for _name in VMAPPED:

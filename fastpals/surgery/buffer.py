@@ -12,17 +12,19 @@ Usage from any training loop (one forward + backward per task, the graph freed e
     if not result.skipped:
         optimizer.step()
 
-Memory: the rows are one ``[T, P]`` tensor (``P`` = shared parameter elements; ``dtype`` float32, bfloat16 or
-float16; by default the parameters' dtype, i.e. the training precision), made at a step's first write and given
-up by :meth:`apply`; each shared parameter's ``[T, numel]`` block is a column view of it. No row outlives the
+Memory: the rows are :data:`NUM_CHUNKS` flat ``[T, P_c]`` tensors (``P`` = shared parameter elements split into
+runs of consecutive parameters, their sizes doubling in the backward's write order, last parameters first;
+``dtype`` float32, bfloat16 or float16; by default the parameters' dtype, i.e. the training precision), each made
+at its first write in a step and given up by :meth:`apply`; each shared parameter's ``[T, numel]`` block is a
+column view of its chunk. The rows grow with the backward while activations are freed, and no row outlives the
 step: ``T * P * bytes(dtype)`` above plain training. Where the rows have the gradients' dtype, :meth:`apply`
-writes the update in one pass over the last row, and the shared parameters' ``.grad`` are views of it (the rows
+writes the update in one pass over each chunk's last row, and the shared parameters' ``.grad`` are views of it (the rows
 live as long as those ``.grad``); otherwise parameter by parameter into a ``[numel]`` tensor of ``grad_dtype``
 handed to ``grad_setter`` as soon as it is made (under DeepSpeed the setter copies it into the fp32 gradient
 partition that the optimizer reads): no ``[P]`` copy of the update besides the gradient the optimizer reads. The Gram is summed
 in float32. Time: one copy of the shared gradients per task (or none, with
-:func:`fastpals.surgery.per_task_gradients`), one launch of the Gram kernel and one of the combine kernel over
-the rows whatever the number of parameter tensors, and one device-to-host sync (the finite check).
+:func:`fastpals.surgery.per_task_gradients`), one launch of the Gram kernel and one of the combine kernel per
+chunk whatever the number of parameter tensors, and one device-to-host sync (the finite check).
 
 Task-specific parameters (a task's PAL slice, its head) are not in the buffer: their gradients accumulate
 normally over the per-task backwards, so each receives its own task's gradient unchanged (for stacked per-task
@@ -42,7 +44,11 @@ import torch.distributed as dist
 from fastpals.functional import MAX_TASKS
 from fastpals_kernels.dispatch import combine, gram
 
-__all__ = ["SurgeryResult", "TaskGradientBuffer", "default_grad_getter", "default_grad_setter"]
+__all__ = ["NUM_CHUNKS", "SurgeryResult", "TaskGradientBuffer", "default_grad_getter", "default_grad_setter"]
+
+#: Flat ``[T, P_c]`` tensors the rows are split into (fewer when there are fewer shared parameters): the Gram and
+#: the combine take this many launches whatever the number of parameter tensors.
+NUM_CHUNKS = 6
 
 GradGetter = Callable[[torch.nn.Parameter], "torch.Tensor | None"]
 GradSetter = Callable[[torch.nn.Parameter, "torch.Tensor | None"], None]
@@ -208,8 +214,30 @@ def weights_on_device(
     return aggregator(safe, generator=generator, **aggregator_kwargs)
 
 
+def chunk_bounds(numels: Sequence[int], num_chunks: int = NUM_CHUNKS) -> list[tuple[int, int]]:
+    """Parameter index ranges ``[(a, b), ...]`` (in parameter order) of the buffer's chunks: runs of consecutive
+    parameters taken from the last one back (the backward's write order), whose element counts double from one
+    chunk to the next (the first written about ``P / (2^num_chunks - 1)``), so that the chunk a backward has just
+    made is about as large as the rows it has written before."""
+    total = sum(numels)
+    bounds: list[tuple[int, int]] = []
+    end, done, target = len(numels), 0, 0.0
+    for c in range(num_chunks):
+        if end == 0:
+            break
+        target += total * 2**c / (2**num_chunks - 1)
+        start = end - 1
+        done += numels[start]
+        while start > 0 and (c == num_chunks - 1 or done + numels[start - 1] <= target):
+            start -= 1
+            done += numels[start]
+        bounds.append((start, end))
+        end = start
+    return bounds[::-1]
+
+
 class TaskGradientBuffer:
-    """Per-task gradients of the shared parameters in one flat ``[num_tasks, P]`` tensor.
+    """Per-task gradients of the shared parameters in :data:`NUM_CHUNKS` flat ``[num_tasks, P_c]`` tensors.
 
     Args:
         params: the parameters shared by the tasks (the Gram is over them). All on one device, one dtype.
@@ -279,10 +307,12 @@ class TaskGradientBuffer:
         self.all_reduce = all_reduce or process_group is not None
         self.numels = [p.numel() for p in self.params]
         self.num_elements = sum(self.numels)
-        # per shared parameter its [T, numel_k] rows: column views of one [T, P] tensor made at a step's first
-        # write, each marked as made on first use within the step
-        self._flat: torch.Tensor | None = None
-        self._offsets = [sum(self.numels[:k]) for k in range(len(self.numels))]
+        # per shared parameter its [T, numel_k] rows: column views of its chunk's [T, P_c] tensor, made at the
+        # chunk's first write in a step, each marked as made on first use within the step
+        self._bounds = chunk_bounds(self.numels)
+        self._chunks: list[torch.Tensor | None] = [None] * len(self._bounds)
+        self._chunk_of = [c for c, (a, b) in enumerate(self._bounds) for _ in range(a, b)]
+        self._offsets = [sum(self.numels[a:k]) for a, b in self._bounds for k in range(a, b)]
         self._blocks: list[torch.Tensor | None] = [None] * len(self.params)
         self._captured = [False] * num_tasks
         self._touched = [[False] * len(self.params) for _ in range(num_tasks)]
@@ -373,17 +403,23 @@ class TaskGradientBuffer:
         """Kept for callers of earlier versions: :meth:`apply` now gives up every row block itself (the update
         lives in the ``.grad`` tensors only), so there is nothing left to release."""
 
-    def _new_block(self, k: int) -> torch.Tensor:
-        """The ``[T, numel_k]`` block of rows of shared parameter ``k``: its columns of the step's ``[T, P]``
-        tensor (made uninitialised by the step's first write), zeroed when some row already holds an earlier
-        capture of this step (a later write may add to it); otherwise every row is written, or zeroed by the
-        capture or by :meth:`apply`, before it is read. The memory planner counts what this makes as the surgery
-        buffer's."""
-        if self._flat is None:
-            self._flat = torch.empty(
-                (self.num_tasks, self.num_elements), dtype=self.dtype, device=self.device
+    def _chunk(self, c: int) -> torch.Tensor:
+        """Chunk ``c``'s ``[T, P_c]`` tensor, made uninitialised at its first use in a step."""
+        chunk = self._chunks[c]
+        if chunk is None:
+            a, b = self._bounds[c]
+            chunk = self._chunks[c] = torch.empty(
+                (self.num_tasks, sum(self.numels[a:b])), dtype=self.dtype, device=self.device
             )
-        block = self._flat[:, self._offsets[k] : self._offsets[k] + self.numels[k]]
+        return chunk
+
+    def _new_block(self, k: int) -> torch.Tensor:
+        """The ``[T, numel_k]`` block of rows of shared parameter ``k``: its columns of its chunk (made by the
+        chunk's first write in the step), zeroed when some row already holds an earlier capture of this step (a
+        later write may add to it); otherwise every row is written, or zeroed by the capture or by :meth:`apply`,
+        before it is read. The memory planner counts what this makes as the surgery buffer's."""
+        chunk = self._chunk(self._chunk_of[k])
+        block = chunk[:, self._offsets[k] : self._offsets[k] + self.numels[k]]
         if any(self._captured):
             block.zero_()
         return block
@@ -460,8 +496,9 @@ class TaskGradientBuffer:
             self._blocks[k] = self.block(k)
         if unmade:
             torch._foreach_zero_([self._blocks[k] for k in unmade])
-        self._flat.div_(world)
-        dist.all_reduce(self._flat, group=self.process_group)
+        for chunk in self._chunks:
+            chunk.div_(world)
+            dist.all_reduce(chunk, group=self.process_group)
         if not self.task_params:
             return flags, None
         flat = flat_task_grads(self.task_params, task_grads, self.device)
@@ -491,8 +528,8 @@ class TaskGradientBuffer:
         (``result.skipped``, or ``result.ok`` stacked with its own values) and must not step when one is false.
         """
         absent = [t for t in range(self.num_tasks) if not self._captured[t]]
-        if absent and self._flat is not None:
-            torch._foreach_zero_([self._flat[t] for t in absent])
+        if absent and any(c is not None for c in self._chunks):
+            torch._foreach_zero_([c[t] for c in self._chunks if c is not None for t in absent])
         n_shared, n_task = len(self.params), len(self.task_params)
         checks: list[torch.Tensor] = []
         task_flat: torch.Tensor | None = None
@@ -526,7 +563,8 @@ class TaskGradientBuffer:
         self._end_step()
         if not (all(host[: self.num_tasks]) and task_ok):
             self.skipped_steps += 1
-            self._blocks, self._flat = [None] * len(self.params), None  # nothing applied: the rows go
+            self._blocks = [None] * len(self.params)  # nothing applied: the rows go
+            self._chunks = [None] * len(self._bounds)
             bad = [t for t in range(self.num_tasks) if not host[t]]
             return SurgeryResult(True, None, g_mat, bad, not task_ok)
         weights = aggregator(g_mat, generator=generator, **aggregator_kwargs)
@@ -534,17 +572,23 @@ class TaskGradientBuffer:
         return SurgeryResult(False, weights, g_mat)
 
     def _gram(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(gram [T, T] float32, finite [T] bool)`` of the rows: one pass over the ``[T, P]`` tensor, whose
-        columns of blocks nobody wrote are zeroed first."""
-        if self._flat is None:
+        """``(gram [T, T] float32, finite [T] bool)`` of the rows: one pass over each chunk made in the step
+        (an unmade chunk's rows are zero), whose columns of blocks nobody wrote are zeroed first."""
+        made = [c for c in self._chunks if c is not None]
+        if not made:
             g_mat = torch.zeros((self.num_tasks, self.num_tasks), dtype=torch.float32, device=self.device)
             return g_mat, torch.ones(self.num_tasks, dtype=torch.bool, device=self.device)
         unwritten = [
-            self._flat[:, o : o + n] for b, o, n in zip(self._blocks, self._offsets, self.numels) if b is None
+            self._chunks[c][:, o : o + n]
+            for b, c, o, n in zip(self._blocks, self._chunk_of, self._offsets, self.numels)
+            if b is None and self._chunks[c] is not None
         ]
         if unwritten:
             torch._foreach_zero_(unwritten)
-        return gram(self._flat)
+        if len(made) == 1:
+            return gram(made[0])
+        parts = [gram(c) for c in made]
+        return torch.stack([g for g, _ in parts]).sum(0), torch.stack([f for _, f in parts]).all(0)
 
     def _end_step(self) -> None:
         """Forget this step's captures (the next one starts fresh rows)."""
@@ -557,17 +601,17 @@ class TaskGradientBuffer:
     def _write_update(self, weights: torch.Tensor, touched: Sequence[Sequence[bool]]) -> None:
         """``sum_t weights[t] g_t`` into the shared parameters' gradients (None where no task touched one)."""
         alias = self.grad_dtype == self.dtype
-        last = None
-        if alias and self._flat is not None:  # one pass over the rows, the update over the last row
-            last = combine(self._flat, weights, out_row=self.num_tasks - 1)
-        self._flat = None  # the .grad views keep the rows alive as long as they live
+        last: list[torch.Tensor | None] = [None] * len(self._chunks)
+        if alias:  # one pass over each chunk's rows, the update over its last row
+            last = [c if c is None else combine(c, weights, out_row=self.num_tasks - 1) for c in self._chunks]
+        self._chunks = [None] * len(self._bounds)  # the .grad views keep the rows alive as long as they live
         for k, p in enumerate(self.params):
             b, self._blocks[k] = self._blocks[k], None  # the buffer keeps no row past the step
             if b is None or not any(touched[t][k] for t in range(self.num_tasks)):
                 self.grad_setter(p, None)
                 continue
-            if last is not None:  # .grad is a view of the update row, no extra tensor
-                update = last[self._offsets[k] : self._offsets[k] + self.numels[k]]
+            if alias:  # .grad is a view of its chunk's update row, no extra tensor
+                update = last[self._chunk_of[k]][self._offsets[k] : self._offsets[k] + self.numels[k]]
             else:  # one parameter's update, handed over at once (the block is freed with b)
                 update = combine(
                     b, weights, out=torch.empty(b.shape[1], dtype=self.grad_dtype, device=b.device)

@@ -8,8 +8,9 @@ Rows: a module's input ``x [..., d]`` is flattened to ``[R, d]`` rows (``R = B *
 
 - :func:`linear_forward`: ``dW_t = dY_t^T X_t`` (``[M, K]``), ``db_t = sum dY_t`` (``[M]``): one GEMM per task
   segment straight into the buffer row (the Triton grouped weight-gradient kernel on CUDA);
-- :func:`layer_norm_forward`: ``dgamma_t = sum dY * xhat``, ``dbeta_t = sum dY`` (fp32 sums);
-- :func:`embedding_forward`: an ``index_add`` of ``dY_t`` at the ids; embeddings looked up once and broadcast
+- :func:`layer_norm_forward`: ``dgamma_t = sum dY * xhat``, ``dbeta_t = sum dY`` (fp32 sums, one reduction by
+  task each);
+- :func:`embedding_forward`: ``dY_t`` summed at the ids, every task at once; embeddings looked up once and broadcast
   over the batch (position embeddings, :class:`EmbeddingFrame`) take the gradient of the full-batch embedding they
   are summed with, summed per task over its examples.
 
@@ -23,12 +24,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from fastpals_kernels import dispatch
-from fastpals_kernels.common import build_task_row_plan
+from fastpals_kernels.common import build_task_row_plan, build_task_row_plan_host
 
 __all__ = [
     "STACK_TEMP_ELEMENTS",
@@ -65,6 +67,7 @@ class RowTasks:
         None  # [B_pass] int64 (device): the task of every example of the pass
     )
     plan: Any = None  # the grouped kernel's TaskRowPlan, built on first use
+    host_examples: tuple[np.ndarray, np.ndarray] | None = None  # per example its task and rows, host values
 
 
 class BlockState(Protocol):
@@ -100,8 +103,8 @@ class BlockState(Protocol):
     def write_embedding(
         self, k: int, ids: torch.Tensor, grad: torch.Tensor, rows: RowTasks, padding_idx: int | None
     ) -> None: ...
-    def index_add_rows(
-        self, t: int, k: int, ids: torch.Tensor, g: torch.Tensor, padding_idx: int | None
+    def write_broadcast_embedding(
+        self, k: int, ids: torch.Tensor, sums: torch.Tensor, tasks: Sequence[int], padding_idx: int | None
     ) -> None: ...
 
 
@@ -232,7 +235,9 @@ def _linear_weight_grads(
     if weight and _kernels_on(state, dy):
         _linear_weight_grads_grouped(state, rows, k_w, k_b, dy, x)
         return
-    if not weight and k_b is None:
+    if not weight:  # the bias only: one reduction by task for all tasks
+        if k_b is not None:
+            state.write_segment_sums(k_b, dy, rows)
         return
     sizes = {s.stop - s.start for s in rows.slices.values() if isinstance(s, slice)}
     if len(rows.tasks) > 1 and len(sizes) == 1 and all(isinstance(s, slice) for s in rows.slices.values()):
@@ -280,6 +285,9 @@ def _kernels_on(state: BlockState, t: torch.Tensor) -> bool:
 def row_plan(state: BlockState, rows: RowTasks) -> Any:
     """The grouped weight-gradient kernel's :class:`~fastpals_kernels.common.TaskRowPlan` of ``rows``: built on
     first use, one per row layout, shared by every Linear of that layout."""
+    if rows.plan is None and rows.host_examples is not None:  # host values: one transfer
+        task_ids, lengths = rows.host_examples
+        rows.plan = build_task_row_plan_host(task_ids, state.num_tasks, lengths, rows.row_task.device)
     if rows.plan is None:
         example_tasks = rows.example_tasks if rows.example_tasks is not None else state.task_ids
         rows.plan = build_task_row_plan(
@@ -301,10 +309,23 @@ def _linear_weight_grads_grouped(
     dy: torch.Tensor,
     x: torch.Tensor,
 ) -> None:
-    """All task segments in one launch of the grouped weight-gradient kernel (fp32 accumulation), then one copy
-    (or add) into the rows (:meth:`write_stack`). Temporary: ``[T, M, K]`` in the buffer's dtype."""
+    """All task segments in one launch of the grouped weight-gradient kernel (fp32 accumulation), straight into
+    the rows when every task's rows are written here for the first time; otherwise into a ``[T, M, K]``
+    temporary in the buffer's dtype, then one copy (or add) into the rows (:meth:`write_stack`)."""
 
     plan = row_plan(state, rows)
+    dtype = torch.float32 if state.buffer.dtype == torch.float32 else dy.dtype
+    dw_rows = state.stack_target(k_w, rows.tasks, dtype)
+    if dw_rows is not None:
+        db_rows = state.stack_target(k_b, rows.tasks, dtype) if k_b is not None else None
+        if k_b is None or db_rows is not None:
+            dispatch.grouped_wgrad_into(dy.contiguous(), x.contiguous(), plan, dw_rows, db_rows)
+            return
+        # the bias rows hold an earlier write of this step: the kernel's bias sums go through a temporary
+        db_tmp = torch.empty(dw_rows.shape[:2], dtype=dtype, device=dy.device)
+        dispatch.grouped_wgrad_into(dy.contiguous(), x.contiguous(), plan, dw_rows, db_tmp)
+        state.write_stack(k_b, rows.tasks, db_tmp)
+        return
     dw, db = dispatch.grouped_wgrad(
         dy.contiguous(),
         x.contiguous(),
@@ -353,6 +374,7 @@ class _PerTaskLayerNorm(torch.autograd.Function):
         y, mean, rstd = torch.native_layer_norm(x, (x.shape[-1],), w, b, eps)
         ctx.save_for_backward(x, weight, bias if bias is not None else weight, mean, rstd)
         ctx.state, ctx.rows, ctx.has_bias, ctx.k_w, ctx.k_b = state, rows, bias is not None, k_w, k_b
+        ctx.eps = eps
         return y
 
     @staticmethod
@@ -370,9 +392,9 @@ class _PerTaskLayerNorm(torch.autograd.Function):
             )  # fmt: skip
         if state.exact_pass:
             return None, dx, None, None, None, None, None, None, None
-        xhat = (x.float() - mean.float()) * rstd.float()
+        xhat = torch.native_layer_norm(x.float(), [d], None, None, ctx.eps)[0]  # the forward's, in one launch
         dy2 = dy.reshape(-1, d)
-        state.write_segment_sums(ctx.k_w, (dy2.float() * xhat.reshape(-1, d)), ctx.rows)
+        state.write_segment_sums(ctx.k_w, dy2.float() * xhat.reshape(-1, d), ctx.rows)
         if ctx.k_b is not None:
             state.write_segment_sums(ctx.k_b, dy2, ctx.rows)
         return None, dx, None, None, None, None, None, None, None
@@ -448,8 +470,8 @@ class _PerTaskEmbedding(torch.autograd.Function):
                         f"per_task_gradients: broadcast embedding indices {list(pos.shape)} do not match the "
                         f"batch embedding {list(dy.shape)} they are summed with"
                     )
-                for t in ex_rows.tasks:
-                    state.index_add_rows(t, k, flat, sums[t].view(flat.numel(), d), m.padding_idx)
+                sums_t = sums.view(state.num_tasks, flat.numel(), d)
+                state.write_broadcast_embedding(k, flat, sums_t, ex_rows.tasks, m.padding_idx)
             frame.broadcast = []
         return None, None, None, None, None, None, None, None
 

@@ -302,9 +302,11 @@ class PerTaskGradients:
                 slices[t] = torch.as_tensor(
                     (ex[:, None] * per + np.arange(per)[None, :]).reshape(-1), device=self.device
                 )
+        host = None if lay.host_task_ids is None else (lay.host_task_ids, np.full(lay.batch, per))
         return RowTasks(
-            lay.present, slices, row_task, lay.batch * per, seq_len=per, example_tasks=lay.task_ids
-        )
+            lay.present, slices, row_task, lay.batch * per, seq_len=per, example_tasks=lay.task_ids,
+            host_examples=host,
+        )  # fmt: skip
 
     def _build_packed(self, lay: BatchLayout) -> RowTasks:
         slices: dict[int, slice | torch.Tensor] = {}
@@ -322,6 +324,7 @@ class PerTaskGradients:
             lay.total,
             cu_seqlens=lay.cu_seqlens,
             example_tasks=lay.task_ids,
+            host_examples=None if lay.host_task_ids is None else (lay.host_task_ids, lay.lengths),
         )
 
     def packed_ids(self, n: int) -> bool:
@@ -415,21 +418,15 @@ class PerTaskGradients:
             dst.add_(prod.to(dst.dtype))
 
     def write_segment_sums(self, k: int, values: torch.Tensor, rows: RowTasks) -> None:
-        """Per task, the sum over its rows of ``values [R, n]`` into row t of shared parameter k (fp32 sums): one
-        reduction for all tasks (a reshaped sum where they have equal row counts, else an ``index_add`` by
-        ``row_task``), written with :meth:`write_stack`."""
-        sl = [rows.slices[t] for t in rows.tasks]
-        if all(isinstance(s, slice) for s in sl):
-            n = sl[0].stop - sl[0].start
-            if all(s.stop - s.start == n and s.start == sl[0].start + i * n for i, s in enumerate(sl)):
-                seg = values[sl[0].start : sl[0].start + n * len(sl)]
-                self.write_stack(k, rows.tasks, seg.reshape(len(sl), n, -1).sum(1, dtype=torch.float32))
-                return
+        """Per task, the sum over its rows of ``values [R, n]`` into row t of shared parameter k (fp32 sums), all
+        tasks in one reduction by ``row_task``: straight into the rows when every task is written here for the
+        first time (each row receives its sum, nothing to zero first), else through :meth:`write_stack`. A task's
+        non-finite rows stay in its own sum."""
+        index = rows.row_task[:, None].expand(-1, values.shape[1])
         target = self.stack_target(k, rows.tasks, torch.float32)
-        if target is not None:  # every task's first write: summed straight into the rows
+        if target is not None:
             target = target.view(self.num_tasks, -1)
-            target.zero_()
-            target.index_add_(0, rows.row_task, values.float())
+            target.scatter_reduce_(0, index, values.float(), "sum", include_self=False)
             return
         sums = torch.zeros(self.num_tasks, values.shape[1], dtype=torch.float32, device=values.device)
         sums.index_add_(0, rows.row_task, values.float())
@@ -438,36 +435,43 @@ class PerTaskGradients:
     def write_embedding(
         self, k: int, ids: torch.Tensor, grad: torch.Tensor, rows: RowTasks, padding_idx: int | None
     ) -> None:
-        """Per task, ``index_add`` of its rows of ``grad [R, d]`` at ``ids [R]`` into row t of embedding k."""
-        for t in rows.tasks:
-            sel = rows.slices[t]
-            g = grad[sel] if isinstance(sel, slice) else grad.index_select(0, sel)
-            i = ids[sel] if isinstance(sel, slice) else ids.index_select(0, sel)
-            self.index_add_rows(t, k, i, g, padding_idx)
-
-    def index_add_rows(
-        self, t: int, k: int, ids: torch.Tensor, g: torch.Tensor, padding_idx: int | None
-    ) -> None:
-        """Row ``t`` of embedding k (+)= ``g [R, d]`` summed at ``ids [R]`` (int64 rows of the ``[V, d]`` table;
-        overwrite on the first write); the ``padding_idx`` row stays zero."""
-        dst = self.buffer.param_row(t, k)
-        first = self._first(t, k)
-        # Sum the rows of repeated ids into a compact [R, d] first (index_add_/index_put_ of every row into the
-        # whole [V, d] table were measured 3-10x slower than the plain embedding backward on CPU), then add it to
-        # the table. The runs of equal ids come from a stable sort (no data-dependent size, so no host read:
-        # torch.unique would need one); the compact rows past the last run are zero and land on id 0 (+0).
-        sorted_ids, order = torch.sort(ids, stable=True)
-        new_run = torch.ones_like(sorted_ids, dtype=torch.bool)
-        new_run[1:] = sorted_ids[1:] != sorted_ids[:-1]
-        run = torch.cumsum(new_run, 0) - 1
-        compact = torch.zeros(ids.shape[0], g.shape[1], dtype=torch.float32, device=g.device)
-        compact.index_add_(0, run, g.index_select(0, order).float())
-        run_ids = torch.zeros_like(sorted_ids).scatter_(0, run, sorted_ids)
-        if first:
-            dst.zero_()
-        dst.index_put_((run_ids,), compact.to(dst.dtype), accumulate=True)
+        """Every task's rows of ``grad [R, d]`` summed at ``ids [R]`` into its row of embedding k, all tasks at
+        once: one accumulating ``index_put_`` at the ``(task, id)`` pairs into the ``[T, V, d]`` rows (overwrite
+        where a task's row is written for the first time); the ``padding_idx`` rows stay zero. On the CPU the
+        rows of equal pairs are summed into a compact ``[R, d]`` fp32 tensor first (:func:`_sum_by_key`); CUDA's
+        accumulating ``index_put_`` sorts by index itself."""
+        dst = self._embedding_rows(k, rows.tasks)
+        if compacts_embedding_rows(grad.device):
+            vocab = self.buffer.params[k].shape[0]
+            run_keys, values = _sum_by_key(torch.add(ids, rows.row_task, alpha=vocab), grad)
+            index = (torch.div(run_keys, vocab, rounding_mode="floor"), torch.remainder(run_keys, vocab))
+        else:
+            index, values = (rows.row_task, ids), grad
+        dst.index_put_(index, values.to(dst.dtype), accumulate=True)
         if padding_idx is not None:
-            dst[padding_idx].zero_()
+            dst[:, padding_idx].zero_()
+
+    def write_broadcast_embedding(
+        self, k: int, ids: torch.Tensor, sums: torch.Tensor, tasks: Sequence[int], padding_idx: int | None
+    ) -> None:
+        """A broadcast embedding's rows (position embeddings looked up once for the batch): ``sums [T, L, d]``
+        fp32 (zero for a task with no example) added at ``ids [L]`` into every task's row of embedding k, one
+        ``index_add_`` for all tasks (overwrite where a task of ``tasks`` is written for the first time)."""
+        dst = self._embedding_rows(k, tasks)
+        dst.index_add_(1, ids, sums.to(dst.dtype))
+        if padding_idx is not None:
+            dst[:, padding_idx].zero_()
+
+    def _embedding_rows(self, k: int, tasks: Sequence[int]) -> torch.Tensor:
+        """Embedding k's ``[T, V, d]`` rows, those of ``tasks`` written here for the first time zeroed (one
+        launch) and marked written."""
+        rows = self.buffer.param_rows(k)
+        firsts = [t for t in tasks if self._first(t, k)]
+        if len(firsts) == self.num_tasks:
+            rows.zero_()
+        elif firsts:
+            torch._foreach_zero_([rows[t] for t in firsts])
+        return rows
 
     def mark_backward(self) -> None:
         self.backward_calls += 1
@@ -638,6 +642,29 @@ class PerTaskGradients:
                 "(or engine.backward(loss)) inside the with-block"
             )
         self.buffer.capture_written(self.present, self.written.flags)
+
+
+def compacts_embedding_rows(device: torch.device) -> bool:
+    """Are an embedding's per-task rows summed by ``(task, id)`` before the ``index_put_`` on ``device``? On the
+    CPU (whose accumulating ``index_put_`` adds row by row), not on CUDA (whose sorts by index itself)."""
+    return device.type == "cpu"
+
+
+def _sum_by_key(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of ``values [R, d]`` summed by ``keys [R]`` int64: ``(run_keys [R], sums [R, d] fp32)``, one row
+    per distinct key (first ones) then zero rows at key 0 (+0 where added).
+
+    Summing the rows of repeated keys into a compact ``[R, d]`` first keeps the later ``index_put_`` into a whole
+    ``[V, d]`` table cheap on the CPU (3-10x slower than the plain embedding backward without it). The runs
+    of equal keys come from a stable sort: no data-dependent size, so no host read (``torch.unique`` would
+    need one)."""
+    sorted_keys, order = torch.sort(keys, stable=True)
+    new_run = torch.ones_like(sorted_keys, dtype=torch.bool)
+    new_run[1:] = sorted_keys[1:] != sorted_keys[:-1]
+    run = torch.cumsum(new_run, 0) - 1
+    sums = torch.zeros(keys.shape[0], values.shape[1], dtype=torch.float32, device=values.device)
+    sums.index_add_(0, run, values.index_select(0, order).float())
+    return torch.zeros_like(sorted_keys).scatter_(0, run, sorted_keys), sums
 
 
 def _bind(fn: Any, state: PerTaskGradients, module: nn.Module) -> Any:
