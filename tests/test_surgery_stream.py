@@ -88,8 +88,13 @@ def _check_same(ref, got, what: str) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 # every aggregator, tiny PAL model (siamese sbert_concat pairs, trained word embeddings), padded and packed
 # ----------------------------------------------------------------------------------------------------------------
+# the modes differ in the Gram and the combine, not in Gram -> weights: TorchJD 0.18's newer weightings
+# (tests/test_weights_extra.py) add no case here
+NEWER_WEIGHTINGS = {"constant", "random", "krum", "modo", "sdmgrad", "crmogm"}
+
+
 @pytest.mark.parametrize("unpad", [False, True], ids=["padded", "packed"])
-@pytest.mark.parametrize("name", sorted(AGGREGATORS))
+@pytest.mark.parametrize("name", sorted(set(AGGREGATORS) - NEWER_WEIGHTINGS))
 def test_every_aggregator_stream_equals_buffer(name, unpad):
     model = _tiny_model()
     data = _tiny_batch()
