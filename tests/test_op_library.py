@@ -358,6 +358,10 @@ def test_every_op_passes_opcheck_on_cuda(dtype):
     plan = build_task_row_plan(task_ids, T, 20, cu_seqlens=cu)
     opcheck(torch.ops.fastpals.grouped_wgrad.default, (dy, x, plan.row_index, plan.task_row_offsets, plan.tile_task,
             plan.tile_start, plan.tile_end, T, plan.block_rows, True, torch.float32))  # fmt: skip
+    # fp32 rows, as the surgery buffer's
+    dw, db = torch.zeros(T, 6, 5, device=DEVICE), torch.zeros(T, 6, device=DEVICE)
+    opcheck(torch.ops.fastpals.grouped_wgrad_out.default, (dy, x, plan.row_index, plan.task_row_offsets,
+            plan.tile_task, plan.tile_start, plan.tile_end, T, plan.block_rows, dw, db))  # fmt: skip
     buf = torch.randn(3, 4099, device=DEVICE, dtype=dtype)
     w = torch.randn(3, device=DEVICE)
     opcheck(torch.ops.fastpals.gram.default, (buf,))
