@@ -390,9 +390,9 @@ def auto_jobs(train_argv: Sequence[str], runs: int) -> tuple[int, str]:
     if cuda:
         free, per_run, where = torch.cuda.mem_get_info()[0], peak + GPU_PROCESS_BYTES, "GPU memory free"
     else:
-        from fastpals.commands.memory import _host_memory
+        from fastpals.commands.memory import host_memory
 
-        free, per_run, where = _available_ram() or _host_memory(), peak + CPU_PROCESS_BYTES, "RAM available"
+        free, per_run, where = _available_ram() or host_memory(), peak + CPU_PROCESS_BYTES, "RAM available"
     cores = _cpu_cores()
     jobs = pick_jobs(per_run, free, cores, runs)
     return jobs, (f"--jobs auto: {jobs} (per run {per_run / 2**30:.2f} GiB = planner peak {peak / 2**30:.2f} GiB "

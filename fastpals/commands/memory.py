@@ -142,7 +142,7 @@ class Device:
         return None
 
 
-def _host_memory() -> int:
+def host_memory() -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
@@ -164,7 +164,7 @@ DEVICES: dict[str, Device] = {
     "cpu": Device(
         "cpu",
         "this CPU host",
-        _host_memory(),
+        host_memory(),
         fp16=False,
         why_not={"fp16": "fp16 training needs a CUDA GPU (the trainer refuses it on CPU)"},
     ),  # fmt: skip
