@@ -248,6 +248,50 @@ def test_ctrl_c_during_the_set_up_is_one_line_and_130(tiny, tmp_path):
     one_line(err, "interrupted by Ctrl-C during the set-up", "nothing was trained")
 
 
+class _SwallowedCtrlC:
+    """Deleted at once: its finalizer runs the SIGINT handler, whose KeyboardInterrupt Python swallows (as a Ctrl-C
+    landing in an import lock's callback)."""
+
+    def __del__(self):
+        signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
+
+
+def test_a_ctrl_c_python_swallows_during_the_set_up_still_stops_the_run(tiny, tmp_path, monkeypatch, capsys):
+    from fastpals.train import command
+
+    set_up = command.Trainer.__init__
+
+    def set_up_then_ctrl_c(self, args):
+        set_up(self, args)
+        _SwallowedCtrlC()
+
+    monkeypatch.setattr(command.Trainer, "__init__", set_up_then_ctrl_c)
+    before = signal.getsignal(signal.SIGINT), sys.unraisablehook
+    assert command.main(common(tiny, tmp_path / "run", "--steps-per-epoch", "2")) == 130
+    one_line(capsys.readouterr().err, "interrupted by Ctrl-C during the set-up", "nothing was trained")
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert (signal.getsignal(signal.SIGINT), sys.unraisablehook) == before
+
+
+def test_a_ctrl_c_python_swallows_while_the_libraries_load_is_one_line_and_130(tiny, tmp_path):
+    script = (
+        "import builtins, runpy, signal, sys\n"
+        "load = builtins.__import__\n"
+        "class Swallowed:\n"
+        "    def __del__(self): signal.getsignal(signal.SIGINT)(signal.SIGINT, None)\n"
+        "def ctrl_c_in_an_import(name, *a, **k):\n"
+        "    if name == 'fastpals.train': Swallowed()\n"
+        "    return load(name, *a, **k)\n"
+        "builtins.__import__ = ctrl_c_in_an_import\n"
+        "sys.argv[0] = 'train.py'\n"
+        "runpy.run_path('train.py', run_name='__main__')\n"
+    )
+    rc, _, err = run(common(tiny, tmp_path / "run", "--steps-per-epoch", "2"), script=script)
+    assert rc == 130, err[-3000:]
+    one_line(err, "interrupted by Ctrl-C during the set-up", "nothing was trained")
+    assert not (tmp_path / "run").exists()
+
+
 def test_second_ctrl_c_stops_at_once_and_names_the_last_checkpoint(capsys):
     from fastpals.train.loop import Trainer
 

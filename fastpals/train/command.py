@@ -12,13 +12,20 @@ import dataclasses
 import json
 import sys
 import textwrap
+import threading
 import traceback
 from pathlib import Path
 from typing import Any
 
 from fastpals.train.allocator import keep_freed_memory
 from fastpals.train.args import TrainArgs, resume_fields
-from fastpals.train.errors import ConfigError, NonFiniteLossError, OutputError, TrainingInterrupted
+from fastpals.train.errors import (
+    ConfigError,
+    NonFiniteLossError,
+    OutputError,
+    SetupCtrlC,
+    TrainingInterrupted,
+)
 from fastpals.train.loop import Trainer
 from fastpals.train.recipes import load_recipe, recipe_names
 
@@ -201,10 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     trainer = None
+    ctrl_c = SetupCtrlC().install() if threading.current_thread() is threading.main_thread() else SetupCtrlC()
     try:
         args = parse_args(argv)
         keep_freed_memory()  # reuse freed host memory: fewer page faults per update (see its module)
         trainer = Trainer(args)
+        ctrl_c.check()
         trainer.run()
     except ConfigError as err:
         _report(f"{PROG}: error: {err}", debug)
@@ -229,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         _report(f"{PROG}: interrupted by Ctrl-C during the {phase}: {what}", debug, hint=False)
         return 130
+    finally:
+        ctrl_c.restore()
     return 0
 
 

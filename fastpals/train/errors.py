@@ -6,12 +6,15 @@ import errno
 import os
 import shutil
 import signal
+import sys
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "ConfigError",
     "NonFiniteLossError",
     "OutputError",
+    "SetupCtrlC",
     "TrainingInterrupted",
     "is_write_error",
     "save_error_cause",
@@ -21,6 +24,43 @@ __all__ = [
 class ConfigError(ValueError):
     """An option, the DeepSpeed config, the data, the run folder or a checkpoint is wrong; the message (one line)
     says what to change. Raised before training starts (or when resuming)."""
+
+
+class SetupCtrlC:
+    """Ctrl-C during the set-up: the SIGINT handler raises KeyboardInterrupt and remembers it, so a Ctrl-C that
+    Python swallows (one landing in an import lock's or a finalizer's callback) still stops the run, quietly, when
+    the trainer takes over (:meth:`check`). :meth:`install` and :meth:`restore` on the main thread only."""
+
+    def __init__(self) -> None:
+        self.seen = False
+        self._previous: tuple[Any, Any] | None = None
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.seen = True
+        raise KeyboardInterrupt
+
+    def _unraisable(self, info: Any) -> None:
+        if isinstance(info.exc_value, KeyboardInterrupt):
+            self.seen = True  # swallowed by Python: no "Exception ignored" traceback, the check stops the run
+        else:
+            self._previous[1](info)  # type: ignore[index]
+
+    def install(self) -> SetupCtrlC:
+        self._previous = (signal.signal(signal.SIGINT, self), sys.unraisablehook)
+        sys.unraisablehook = self._unraisable
+        return self
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            if signal.getsignal(signal.SIGINT) is self:
+                signal.signal(signal.SIGINT, self._previous[0])
+            sys.unraisablehook = self._previous[1]
+            self._previous = None
+
+    def check(self) -> None:
+        """Raise KeyboardInterrupt if a Ctrl-C came since :meth:`install`, swallowed or not."""
+        if self.seen:
+            raise KeyboardInterrupt
 
 
 class OutputError(RuntimeError):

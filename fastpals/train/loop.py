@@ -47,7 +47,13 @@ from fastpals.train.args import TrainArgs
 from fastpals.train.callbacks import Callback, default_callbacks
 from fastpals.train.data_setup import eval_batcher, open_tokenizer, setup_data
 from fastpals.train.dsconfig import check_ds_config, load_ds_config, precision_note
-from fastpals.train.errors import ConfigError, NonFiniteLossError, OutputError, TrainingInterrupted
+from fastpals.train.errors import (
+    ConfigError,
+    NonFiniteLossError,
+    OutputError,
+    SetupCtrlC,
+    TrainingInterrupted,
+)
 from fastpals.train.mixed import packed_micro_batches
 from fastpals.train.optimizer_setup import build_model, lr_lambda, make_optimizer, optimizer_param_groups
 from fastpals.train.runlock import RunLock
@@ -530,6 +536,8 @@ class Trainer:
             s: signal.signal(s, self._on_signal) for s in stops
         }  # a closed terminal (SIGHUP) stops as SIGTERM
         try:
+            if isinstance(old[signal.SIGINT], SetupCtrlC):
+                old[signal.SIGINT].check()  # a Ctrl-C of the set-up that Python swallowed
             if args.eval_at_start and self.state.untrained is None:
                 self.state.untrained, _ = self.evaluate()
                 self.record(
