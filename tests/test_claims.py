@@ -23,18 +23,20 @@ from fastpals.commands.claims import (  # noqa: E402
     QUICK_FINDINGS,
     REFERENCE_ARMS,
     convergence_rows,
-    job_environment,
     main,
-    metric_value,
-    micro_batches_per_update,
     paired_interval,
-    pick_jobs,
     reference_scores,
     resolve_budget,
     run_argv,
     summarize,
     verdict,
     write_markdown,
+)
+from fastpals.commands.claims_jobs import (  # noqa: E402
+    job_environment,
+    metric_value,
+    micro_batches_per_update,
+    pick_jobs,
 )
 
 T_975 = {
@@ -234,7 +236,7 @@ def test_converged_budget_and_still_improving_marks(tmp_path, monkeypatch):
     assert [pick_jobs(2 * gib, 20 * gib, 16, 81), pick_jobs(2 * gib, 20 * gib, 4, 81),
             pick_jobs(2 * gib, 20 * gib, 16, 5), pick_jobs(30 * gib, 20 * gib, 16, 81)] == [9, 4, 5, 1]  # fmt: skip
     # 4 runs at once on 16 cores: 4 threads each, all on the first visible GPU
-    monkeypatch.setattr("fastpals.commands.claims._cpu_cores", lambda: 16)
+    monkeypatch.setattr("fastpals.commands.claims_jobs.cpu_cores", lambda: 16)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
     assert job_environment(4) == {"OMP_NUM_THREADS": "4", "MKL_NUM_THREADS": "4", "CUDA_VISIBLE_DEVICES": "3"}
     # gains of 0.006 and 0.004 at the last evaluation: the first is still improving, the second not

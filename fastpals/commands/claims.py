@@ -1,22 +1,10 @@
 """``fastpals claims``: the five CS224N reports' findings, each re-run as a comparison of arms over several seeds.
 
-Every finding of the reports (the table of issue 36) is data here (:data:`FINDINGS`): its report, the claim, its
-arms (named option sets of ``train.py``, :data:`ARMS`), its metric (``overall`` over SST, Quora and STS, or one
-task's dev score, or ``best_step``: the update of a run's best dev overall, for the learning-curve arms that
-evaluate every 20 updates) and its expected direction (a list of ``better > worse`` comparisons; ``better < worse``
-for ``best_step``: earlier). Every arm trains with the
-same data, the same budget (``--budget``, :class:`Budget`: ``early`` = 100 updates of 16, the CPU default;
-``converged`` = the main job's 867 updates of 48, the GPU default) and the same seeds (``0 .. --seeds - 1``); an arm
-that several findings use runs once per seed. The single-task recipes run as the reference line. ``--jobs`` runs
-run at once on one device (``auto``: as many as the memory planner fits), the CPU cores split between them.
-
-Each run is a subprocess ``python train.py ...`` into ``<out>/runs/<arm>-s<seed>/`` (its output in
-``<out>/runs/<arm>-s<seed>.log``). A run whose ``results.json`` exists is not run again, so a stopped claims run
-continues where it stopped. Written to ``<out>``: ``claims.md`` (per finding: each arm's mean ± sd over seeds, the
-paired difference of each comparison with its 95% t-interval over seeds, a verdict; each run's dev overall at its
-last two evaluations, "still improving" where the last gained more than 0.005), ``claims.json`` (every run:
-arm, seed, command line, dev scores; every comparison) and ``claims.png`` (one panel per finding, a point per
-seed).
+A finding (:data:`FINDINGS`) names its report, the claim, its arms (option sets of ``train.py``, :data:`ARMS`), its
+metric and the expected direction of each comparison. Every arm trains with the same data, budget
+(:class:`Budget`) and seeds; the runs are subprocesses (:mod:`fastpals.commands.claims_jobs`). Written to
+``--out``: ``claims.md`` (per finding: each arm's mean ± sd, each comparison's paired 95% t-interval and verdict),
+``claims.json`` (every run and comparison) and ``claims.png``. Usage and the committed table: ``docs/claims.md``.
 """
 
 from __future__ import annotations
@@ -26,10 +14,7 @@ import dataclasses
 import json
 import math
 import os
-import platform
 import shlex
-import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -38,8 +23,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
 
-from fastpals import __version__
+from fastpals.commands.claims_jobs import (
+    PROG,
+    auto_jobs,
+    environment,
+    execute,
+    fmt_time,
+    metric_value,
+    micro_batches_per_update,
+    run_name,
+    train_command,
+)
 from fastpals.train.command import parse_args
 from fastpals.train.errors import ConfigError
 
@@ -51,14 +48,12 @@ __all__ = [
     "Comparison",
     "Finding",
     "main",
-    "metric_value",
     "paired_interval",
     "plot_claims",
     "verdict",
     "write_markdown",
 ]
 
-PROG = "fastpals claims"
 #: options every run gets before the caller's common options (the short-budget learning rates of `fastpals compare`'s
 #: committed table, docs/results/compare_minilm_cpu.md)
 DEFAULT_COMMON = (
@@ -118,7 +113,6 @@ CONVERGED = Budget("converged", 867, CONVERGED_COMMON, evals=5, examples_equival
                    "dev every 1/5 of the run")  # fmt: skip
 #: ``--quick``: 4 updates, dev after 2 and 4 (the pipeline check of the converged protocol)
 QUICK = Budget("quick", 4, evals=2, what="the pipeline check: 4 updates, dev after 2 and 4")
-DEFAULT_BUDGET = EARLY.updates
 
 
 @dataclass(frozen=True)
@@ -256,21 +250,6 @@ def quick_finding(finding: Finding) -> Finding:
 
 
 # ----------------------------------------------------------------------------------------------------- statistics
-def metric_value(dev: dict[str, float | None], metric: str) -> float:
-    """A run's dev score on ``metric``: a task's metric, or ``overall`` = (SST + Quora + (STS r + 1) / 2) / 3 (an
-    STS r of None/NaN, from constant predictions, counts as 0); NaN where a task is missing."""
-    if metric != "overall":
-        value = dev.get(metric)
-        return math.nan if value is None else float(value)
-    if not all(t in dev for t in ("sst", "para", "sts")):
-        return math.nan
-    r = dev["sts"]
-    r = 0.0 if r is None or (isinstance(r, float) and math.isnan(r)) else float(r)
-    if dev["sst"] is None or dev["para"] is None:
-        return math.nan
-    return (float(dev["sst"]) + float(dev["para"]) + (r + 1.0) / 2.0) / 3.0
-
-
 def mean_sd(values: Sequence[float]) -> tuple[float, float]:
     """Mean and sample standard deviation (n - 1; NaN for one value) of ``values``."""
     n = len(values)
@@ -292,7 +271,7 @@ def paired_interval(better: Sequence[float], worse: Sequence[float], level: floa
     mean, sd = mean_sd(diffs)
     if n < 2:
         return {"n": n, "mean": mean, "sd": sd, "lo": math.nan, "hi": math.nan}
-    from scipy.stats import t  # scipy: a dev extra
+    from scipy.stats import t  # optional: scipy is a dev extra
 
     half = float(t.ppf((1.0 + level) / 2.0, n - 1)) * sd / math.sqrt(n)
     return {"n": n, "mean": mean, "sd": sd, "lo": mean - half, "hi": mean + half}
@@ -312,10 +291,6 @@ def verdict(interval: dict[str, float]) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------- the runs
-def run_name(arm: str, seed: int) -> str:
-    return f"{arm}-s{seed}"
-
-
 def run_argv(
     arm: Arm,
     seed: int,
@@ -330,107 +305,6 @@ def run_argv(
     every = ["--eval-every", str(eval_every)] if eval_every else []
     return [*arm.options, *defaults, *common, "--epochs", "1", "--steps-per-epoch", str(updates), *every,
             "--seed", str(seed), "--out", str(run_dir), "--overwrite", "--no-progress", "--max-predict", "8"]  # fmt: skip
-
-
-def micro_batches_per_update(train_argv: Sequence[str]) -> int:
-    """Micro-batches in one update of the run ``train_argv``: one per task with gradient surgery, else
-    ``--grad-accum``. Raises :class:`fastpals.train.errors.ConfigError` for bad options."""
-    from fastpals.train.command import parse_args
-
-    args = parse_args([*train_argv, "--out", "unused"])
-    return len(args.task_list) if args.surgery != "none" else int(args.grad_accum)
-
-
-def pick_jobs(per_run_bytes: int, free_bytes: int, cores: int, runs: int) -> int:
-    """How many runs go at once: as many as 90% of ``free_bytes`` holds at ``per_run_bytes`` each, at most one per
-    CPU core and one per run; at least 1."""
-    by_memory = int(0.9 * free_bytes // per_run_bytes) if per_run_bytes > 0 else runs
-    return max(1, min(by_memory, cores, runs))
-
-
-#: what a run's process holds besides the tensors the planner counts: the CUDA context and allocator slack on a
-#: GPU; the interpreter, torch, the data and the tokenizer on the CPU
-GPU_PROCESS_BYTES = 1 << 30
-CPU_PROCESS_BYTES = 3 << 29
-
-
-def _option(argv: Sequence[str], name: str, default: str) -> str:
-    """The last value of option ``name`` in ``argv`` (``--x v`` or ``--x=v``), else ``default``."""
-    value = default
-    for i, a in enumerate(argv):
-        if a == name and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif a.startswith(name + "="):
-            value = a.split("=", 1)[1]
-    return value
-
-
-def _cpu_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
-def auto_jobs(train_argv: Sequence[str], runs: int) -> tuple[int, str]:
-    """``--jobs auto``: the runs that fit at once, from the memory planner's peak of one run
-    (:func:`fastpals.commands.memory.plan_memory` of its model, batch and length with PALs and PCGrad, the
-    heaviest arms) plus a process's own memory, against the GPU's free memory (on the CPU: the available RAM)
-    and the CPU cores. Returns (jobs, how it was chosen)."""
-    import torch
-
-    from fastpals.commands.memory import StepSpec, plan_memory
-
-    cuda = torch.cuda.is_available()
-    ds = _option(train_argv, "--ds_config", _option(train_argv, "--ds-config", ""))
-    precision = next((p for p in ("fp16", "bf16", "fp32") if p in ds), "bf16" if cuda else "fp32")
-    spec = StepSpec(model=_option(train_argv, "--model", "minilm-l6"), precision=precision, pal="12heads",
-                    max_length=int(_option(train_argv, "--max-length", "128")), surgery="pcgrad")  # fmt: skip
-    peak = plan_memory(spec, int(_option(train_argv, "--batch-size", "16"))).peak_bytes
-    if cuda:
-        free, per_run, where = torch.cuda.mem_get_info()[0], peak + GPU_PROCESS_BYTES, "GPU memory free"
-    else:
-        from fastpals.commands.memory import host_memory
-
-        free, per_run, where = _available_ram() or host_memory(), peak + CPU_PROCESS_BYTES, "RAM available"
-    cores = _cpu_cores()
-    jobs = pick_jobs(per_run, free, cores, runs)
-    return jobs, (f"--jobs auto: {jobs} (per run {per_run / 2**30:.2f} GiB = planner peak {peak / 2**30:.2f} GiB "
-                  f"+ the process; {free / 2**30:.1f} GiB {where}; {cores} CPU cores; {runs} runs)")  # fmt: skip
-
-
-def _available_ram() -> int:
-    """``MemAvailable`` of ``/proc/meminfo`` in bytes (0 where there is none)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
-
-
-def train_command() -> list[str]:
-    """The command that starts ``train.py``: the repository's ``train.py`` next to the package when present, else
-    ``python -m fastpals.cli train`` (the same entry point)."""
-    script = Path(__file__).resolve().parents[2] / "train.py"
-    if script.is_file():
-        return [sys.executable, str(script)]
-    return [sys.executable, "-m", "fastpals.cli", "train"]
-
-
-def _read_results(run_dir: Path) -> dict[str, Any] | None:
-    path = run_dir / "results.json"
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
-def _fmt_time(seconds: float) -> str:
-    seconds = max(0, int(round(seconds)))
-    return (
-        f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
-        if seconds >= 3600
-        else f"{seconds // 60} min {seconds % 60:02d} s"
-    )
 
 
 def _plan(findings: Sequence[Finding], reference: bool) -> list[str]:
@@ -449,8 +323,6 @@ def resolve_budget(text: str | None, quick: bool = False) -> Budget:
     if text is None:
         if quick:
             return QUICK
-        import torch
-
         return CONVERGED if torch.cuda.is_available() else EARLY
     if text in ("early", EARLY.name):
         return EARLY
@@ -626,9 +498,6 @@ def write_markdown(
 def plot_claims(summary: list[dict[str, Any]], path: Path, title: str) -> Path:
     """``claims.png``: one panel per finding, one column per arm with a point per seed and a bar at the mean; the
     single-task reference as a dashed line."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # matplotlib: costly, only for plots
-    from matplotlib.figure import Figure
-
     n = max(1, len(summary))
     cols = min(3, n)
     rows = math.ceil(n / cols)
@@ -673,32 +542,6 @@ def _jsonable(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return [_jsonable(v) for v in x]
     return x
-
-
-def _cpu_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo`` on Linux, else the machine type)."""
-
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _environment() -> dict[str, str]:
-    try:
-        commit = subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short", "HEAD"],
-                                capture_output=True, text=True, timeout=10).stdout.strip() or "unknown"  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        commit = "unknown"
-
-    device = (torch.cuda.get_device_name() if torch.cuda.is_available()
-              else f"CPU ({_cpu_name()}), {os.cpu_count()} cores")  # fmt: skip
-    return {"device": device, "python": platform.python_version(), "torch": torch.__version__,
-            "fastpals": __version__, "commit": commit,
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------- the command
@@ -770,154 +613,10 @@ def _header(
         f"Every run: its arm's options, then `{' '.join(budget.defaults)} {' '.join(common)}`, one epoch of "
         f"{'/'.join(map(str, updates))} updates, its seed (the exact command lines: claims.json). Runs: {where}. "
         f"Table written {env['date']} (commit {env['commit']}). Runs finished: {len(plan) - len(unfinished)} of "
-        f"{len(plan)}, {_fmt_time(sum(r['seconds'] or 0.0 for r in runs.values()))} of run time; wall time of "
-        f"this call {_fmt_time(wall_s)} with {jobs} run(s) at a time"
+        f"{len(plan)}, {fmt_time(sum(r['seconds'] or 0.0 for r in runs.values()))} of run time; wall time of "
+        f"this call {fmt_time(wall_s)} with {jobs} run(s) at a time"
         + (f"; **not finished**: {', '.join(unfinished)}." if unfinished else ".")
     )  # fmt: skip
-
-
-def _without_out(argv: Sequence[str]) -> list[str]:
-    """``argv`` without its ``--out DIR``."""
-    argv = list(argv)
-    i = argv.index("--out") if "--out" in argv else -1
-    return argv[:i] + argv[i + 2 :] if i >= 0 else argv
-
-
-def _check_earlier(run_dir: Path, argv: Sequence[str]) -> dict[str, Any] | None:
-    """The ``claims_run.json`` of a finished run in ``run_dir`` (None when it has no ``results.json``); raises
-    :class:`ValueError` when that run had other options."""
-    if not (run_dir / "results.json").is_file():
-        return None
-    path = run_dir / "claims_run.json"
-    saved = json.loads(path.read_text()) if path.is_file() else {}
-    if _without_out(saved.get("argv") or []) != _without_out(argv):  # a moved claims folder still matches
-        raise ValueError(f"{run_dir} holds a run with other options than {shlex.join(argv)}; use another --out or "
-                         "move that folder")  # fmt: skip
-    return saved
-
-
-def job_environment(jobs: int) -> dict[str, str]:
-    """The variables every run gets when ``jobs`` run at once: the CPU cores split between them
-    (``OMP_NUM_THREADS``, ``MKL_NUM_THREADS``), and one GPU for all (the first visible one)."""
-    threads = str(max(1, _cpu_cores() // jobs))
-    env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    env["CUDA_VISIBLE_DEVICES"] = "0" if visible is None else visible.split(",")[0]  # "": no GPU, kept
-    return env
-
-
-def run_scores(arm: str, results: dict[str, Any]) -> dict[str, Any]:
-    """What the table reads of a finished run's ``results.json``: ``dev`` (a learning-curve arm's best dev, any
-    other arm's last evaluation, at its end), ``best_step`` and ``evals`` (``[[update, dev overall], ...]``)."""
-    evals = [[e["step"], metric_value(e["dev"], "overall")] for e in results.get("evals") or []]
-    curve = "--eval-every" in ARMS[arm].options
-    last = (results.get("evals") or [{"dev": results["dev"]}])[-1]["dev"]
-    return {"dev": results["dev"] if curve else last, "best_step": results.get("best_step"), "evals": evals}
-
-
-def _execute(
-    plan: Sequence[tuple[str, int]],
-    runs: dict[tuple[str, int], dict[str, Any]],
-    command: list[str],
-    runs_dir: Path,
-    opts: argparse.Namespace,
-) -> int:
-    """Run the plan, ``opts.jobs`` subprocesses at a time (finished runs skipped; ``opts.report``: none started),
-    filling ``runs``. Returns 0, 1 (a run failed), 2 (a folder holds another run) or 128 + signal (stopped)."""
-    done_cost = done_s = 0.0
-    remaining = sum(ARMS[a].cost for a, _ in plan)
-    pending = []
-    for i, (a, s) in enumerate(plan):
-        record = runs[(a, s)]
-        run_dir = runs_dir / run_name(a, s)
-        try:
-            saved = _check_earlier(run_dir, record["argv"])
-        except ValueError as err:
-            print(f"{PROG}: error: {err}", file=sys.stderr)
-            return 2
-        if saved is None:
-            pending.append((i, a, s))
-            continue
-        results = _read_results(run_dir)
-        record.update(**run_scores(a, results), status="done", seconds=saved.get("seconds"), argv=saved["argv"],
-                      environment=saved.get("environment"),
-                      command=saved.get("command") or shlex.join([*command, *saved["argv"]]))  # fmt: skip
-        remaining -= ARMS[a].cost
-        print(f"[claims] {i + 1}/{len(plan)} {run_name(a, s)}: finished earlier, skipped (dev overall "
-              f"{_num(metric_value(results['dev'], 'overall'), 4)})", file=sys.stderr, flush=True)  # fmt: skip
-    if opts.report:
-        return 0
-    runs_dir.mkdir(parents=True, exist_ok=True)
-    # a run is its own one-process job: no rank or port of a launcher (or of an in-process run) leaks in
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
-    }
-    env["PYTHONUNBUFFERED"] = "1"
-    env.update(job_environment(opts.jobs))
-    session_env = _environment()
-    running: list[tuple[int, str, int, subprocess.Popen, float, Any]] = []
-    status = 0
-    try:
-        while pending or running:
-            while pending and len(running) < opts.jobs:
-                i, a, s = pending.pop(0)
-                name = run_name(a, s)
-                print(f"[claims] {i + 1}/{len(plan)} {name}: start ({runs[(a, s)]['updates']} updates): {runs[(a, s)]['command']}",
-                      file=sys.stderr, flush=True)  # fmt: skip
-                log = open(runs_dir / f"{name}.log", "w")
-                proc = subprocess.Popen([*command, *runs[(a, s)]["argv"]], stdout=log, stderr=subprocess.STDOUT,
-                                        env=env)  # fmt: skip
-                running.append((i, a, s, proc, time.perf_counter(), log))
-            time.sleep(0.2)
-            for item in [r for r in running if r[3].poll() is not None]:
-                running.remove(item)
-                i, a, s, proc, t0, log = item
-                log.close()
-                name, record, run_dir = run_name(a, s), runs[(a, s)], runs_dir / run_name(a, s)
-                seconds = time.perf_counter() - t0
-                code = proc.returncode
-                remaining -= ARMS[a].cost
-                if code < 0 or code in (130, 143):
-                    print(f"{PROG}: the run {name} was stopped (exit {code}); a rerun starts it again",
-                          file=sys.stderr)  # fmt: skip
-                    status = 128 + (-code if code < 0 else code - 128)
-                    pending.clear()
-                    continue
-                results = _read_results(run_dir) if code == 0 else None
-                if results is None:
-                    record["status"] = f"failed (exit {code}, see {log.name})"
-                    status = max(status, 1)
-                    print(f"[claims] {i + 1}/{len(plan)} {name}: FAILED (exit {code}); its output: {log.name}",
-                          file=sys.stderr, flush=True)  # fmt: skip
-                    continue
-                run_env = {**session_env, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-                (run_dir / "claims_run.json").write_text(
-                    json.dumps(
-                        {
-                            "command": record["command"],
-                            "argv": record["argv"],
-                            "seconds": seconds,
-                            "environment": run_env,
-                        }
-                    )  # fmt: skip
-                )
-                if not opts.keep_checkpoints and (run_dir / "checkpoints").is_dir():
-                    shutil.rmtree(run_dir / "checkpoints")
-                record.update(**run_scores(a, results), status="done", seconds=seconds, environment=run_env)
-                done_cost += ARMS[a].cost
-                done_s += seconds
-                eta = remaining * done_s / done_cost / max(1, opts.jobs)
-                print(f"[claims] {i + 1}/{len(plan)} {name}: done in {seconds:.0f} s, dev overall "
-                      f"{_num(metric_value(results['dev'], 'overall'), 4)}"
-                      f"{'' if opts.keep_checkpoints else ' (checkpoints/ removed, best/ kept)'}; "
-                      f"ETA {_fmt_time(eta)}", file=sys.stderr, flush=True)  # fmt: skip
-    except KeyboardInterrupt:
-        for item in running:
-            item[3].wait()  # Ctrl-C reached them too: each checkpoints and stops
-            item[5].close()
-        print(f"{PROG}: stopped; the finished runs are kept and a rerun skips them", file=sys.stderr)
-        return 130
-    return status
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -989,17 +688,16 @@ def main(argv: list[str] | None = None) -> int:
             else auto_jobs([*budget.defaults, *common], len(plan))
         )
         print(f"[claims] {how}", file=sys.stderr, flush=True)
-    opts.jobs = jobs
     command = train_command()
     runs = {(a, s): {"arm": a, "seed": s, "command": shlex.join([*command, *argvs[(a, s)]]),
                      "argv": argvs[(a, s)], "updates": updates[a], "dev": None, "best_step": None, "evals": [],
                      "status": "not run", "seconds": None, "environment": None} for a, s in plan}  # fmt: skip
     t_start = time.perf_counter()
-    status = _execute(plan, runs, command, runs_dir, opts)
+    status = execute(plan, runs, command, runs_dir, jobs, ARMS, opts.report, opts.keep_checkpoints)
     if status == 2:
         return 2
     summary = summarize(findings, runs, seeds)
-    env = _environment()
+    env = environment()
     unfinished = [run_name(a, s) for a, s in plan if runs[(a, s)]["dev"] is None]
     wall_s = time.perf_counter() - t_start
     earlier = out / "claims.json"
