@@ -1,33 +1,13 @@
-"""The one adapter format of fastpals, written and read by :class:`fastpals.MultiTaskBert` and by
-:func:`fastpals.save_pals` / :func:`fastpals.load_pals` (PALs injected into an HF encoder).
+"""The one adapter format of fastpals, written and read by :class:`fastpals.MultiTaskBert`,
+:func:`fastpals.save_pals` / :func:`fastpals.load_pals` and PEFT (``peft_type`` ``"FASTPALS"``,
+:mod:`fastpals.adapters.peft_method`); described in ``docs/api.md``.
 
-An adapter folder holds two files, named as PEFT names them:
-
-- ``adapter_config.json``: PEFT's common fields (``peft_type``, ``task_type``, ``base_model_name_or_path``,
-  ``revision``, ``inference_mode``, ``modules_to_save``) and fastpals' own: ``format_version``, ``pal_config``
-  (:class:`fastpals.PALConfig`), ``task_names``, ``tasks`` (the :class:`fastpals.TaskSpec` of each head, or null),
-  ``encoder`` (where the PALs sit: the encoder's name in the saving model, its layer list, the LayerNorm the PALs
-  feed, hidden size, number of layers, PAL layers) and the name and shape of every saved tensor, by kind
-  (``pal_parameters``, ``head_parameters``, ``trained_base_parameters``);
-- ``adapter_model.safetensors``: the tensors, named as in the saving model (``state_dict`` names).
-
-A full model folder (:meth:`fastpals.MultiTaskBert.save_pretrained`) keeps these two files in ``pals/``, beside
-the HF ``config.json`` + ``model.safetensors`` of the shared encoder: transformers hands a folder with a
-top-level ``adapter_config.json`` to PEFT, which would then fail, so ``AutoModel`` could not open it.
-
-Names inside the encoder are the same for every BERT-like encoder (HF ``BertModel``, fastpals' minBERT):
-``pal_projections.{enc,dec}_{weight,bias}`` and ``encoder.layer.{i}.pal.*`` (plus ``pal_top.*`` and
-``encoder.layer.{i}.attention.self.task_embedding`` for the variants only fastpals' own model has). A
-:class:`~fastpals.MultiTaskBert` keeps its encoder at ``bert`` (``encoder.prefix = "bert"``), an injected HF
-``BertModel`` is its own encoder (``""``), a ``BertForSequenceClassification`` has it at ``bert``; loading
-re-targets the encoder's tensors to wherever the loading model keeps its encoder, so an adapter saved from one
-loads into the other. Tensors outside the encoder (``heads.*``, a ``classifier``) load by their names.
-
-PEFT loads it too: ``peft_type`` ``"FASTPALS"`` is a PEFT method (:mod:`fastpals.adapters.peft_method`,
-registered by :func:`fastpals.register_with_peft`), so ``peft.PeftModel.from_pretrained(model, folder)`` and
-``peft.PeftConfig.from_pretrained(folder)`` read these files, and ``save_pretrained`` of such a PEFT model writes
-them. Without PEFT, load it with :func:`fastpals.load_pals` (any supported encoder) or
-:meth:`fastpals.MultiTaskBert.from_pretrained`.
+An adapter folder holds ``adapter_config.json`` (PEFT's fields and fastpals': ``pal_config``, ``tasks``,
+``encoder``, every saved tensor's name and shape by kind) and ``adapter_model.safetensors`` (the tensors under the
+saving model's ``state_dict`` names); a full model folder keeps them in ``pals/``. Names inside the encoder are the
+same for every BERT-like encoder, so loading re-targets the encoder's tensors from the saving model's
+``encoder.prefix`` to wherever the loading model keeps its encoder: an adapter saved from a ``MultiTaskBert``
+(encoder at ``bert``) loads into an injected HF ``BertModel`` (``""``) and back.
 """
 
 from __future__ import annotations
@@ -67,9 +47,8 @@ __all__ = [
 
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
-#: In a full model folder (``MultiTaskBert.save_pretrained``) the adapter lives in this subfolder, so that
-#: ``transformers.AutoModel.from_pretrained(folder)`` opens the shared encoder even with PEFT installed (with an
-#: ``adapter_config.json`` at the top, transformers would hand the folder to PEFT, which cannot load PALs).
+#: a full model folder's adapter subfolder: with ``adapter_config.json`` at the top, transformers would hand the
+#: folder to PEFT instead of opening the shared encoder
 ADAPTER_SUBFOLDER = "pals"
 PEFT_TYPE = "FASTPALS"
 FORMAT_VERSION = 2
@@ -105,8 +84,11 @@ def adapter_config(
     extra: dict[str, Any] | None = None,
     saved_from: str = "",
 ) -> dict[str, Any]:
-    """The ``adapter_config.json`` content (a dict) for an adapter holding ``tensors``; arguments as in
-    :func:`write_adapter`."""
+    """The ``adapter_config.json`` content for an adapter holding ``tensors`` (every tensor to save, by its name
+    in the saving model). ``head_names`` / ``trained_base_names`` say which are task heads / trained base weights,
+    the rest are PAL tensors. ``encoder`` holds ``prefix`` (the encoder's module name in the saving model, ``""``
+    for the model itself), ``model_type``, ``layers_pattern``, ``layer_norm_name``, ``hidden_size``,
+    ``num_layers`` and ``layer_indices``."""
 
     def shapes(names: set[str] | None) -> dict[str, list[int]]:
         return {
@@ -137,49 +119,15 @@ def adapter_config(
     }
 
 
-def write_adapter(
-    folder: str | os.PathLike,
-    tensors: dict[str, torch.Tensor],
-    *,
-    pal_config: dict[str, Any] | None,
-    encoder: dict[str, Any],
-    base_model_name_or_path: str | None,
-    task_names: list[str] | None,
-    tasks: list[dict[str, Any]] | None = None,
-    head_names: set[str] = frozenset(),
-    trained_base_names: set[str] = frozenset(),
-    modules_to_save: list[str] | None = None,
-    extra: dict[str, Any] | None = None,
-    saved_from: str = "",
-) -> Path:
-    """Write ``adapter_config.json`` and ``adapter_model.safetensors`` to ``folder`` (created if needed).
-
-    ``tensors``: every tensor to save, by its name in the saving model; ``head_names`` / ``trained_base_names``
-    say which of them are task heads / trained base weights, the rest are PAL tensors. ``encoder`` must hold
-    ``prefix`` (the encoder's module name in the saving model, ``""`` for the model itself), ``model_type``,
-    ``layers_pattern``, ``layer_norm_name``, ``hidden_size``, ``num_layers``, ``layer_indices``.
-    Returns the folder.
-    """
-
+def write_adapter(folder: str | os.PathLike, tensors: dict[str, torch.Tensor], **fields: Any) -> Path:
+    """Write ``adapter_config.json`` (:func:`adapter_config` of ``tensors`` and ``fields``) and
+    ``adapter_model.safetensors`` to ``folder`` (created if needed). Returns the folder."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    config = adapter_config(
-        tensors,
-        pal_config=pal_config,
-        encoder=encoder,
-        base_model_name_or_path=base_model_name_or_path,
-        task_names=task_names,
-        tasks=tasks,
-        head_names=head_names,
-        trained_base_names=trained_base_names,
-        modules_to_save=modules_to_save,
-        extra=extra,
-        saved_from=saved_from,
-    )
-    save_file(
-        tensors, str(folder / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"}
-    )  # one entry: the header stays byte-stable
+    config = adapter_config(tensors, **fields)
+    # one metadata entry: the header stays byte-stable
+    save_file(tensors, str(folder / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"})
     (folder / ADAPTER_CONFIG_NAME).write_text(json.dumps(config, indent=2))
     return folder
 
@@ -228,12 +176,8 @@ def read_adapter_config(folder: str | os.PathLike, caller: str) -> tuple[dict[st
 def read_adapter(
     folder: str | os.PathLike, caller: str
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor], Path]:
-    """Read an adapter folder (or a full model folder's ``pals/``): ``(config, tensors, adapter_folder)``.
-
-    Raises as :func:`read_adapter_config` does, and ``ValueError`` when the weights file does not hold exactly
-    the tensors (names and shapes) the config lists.
-    """
-
+    """Read an adapter folder (or a full model folder's ``pals/``): ``(config, tensors, adapter_folder)``. Raises
+    as :func:`read_adapter_config` does, and ``ValueError`` when the weights file and the config differ."""
     config, adapter = read_adapter_config(folder, caller)
     cfg_path, weights_path = adapter / ADAPTER_CONFIG_NAME, adapter / ADAPTER_WEIGHTS_NAME
     if not weights_path.is_file():
@@ -342,17 +286,8 @@ def load_adapter_tensors(
     load_trained_base: bool = True,
     strict: bool = True,
 ) -> list[str]:
-    """Copy an adapter's tensors into ``model`` (its encoder at ``encoder_prefix``); returns the saved names
-    that were not loaded.
-
-    - PAL tensors: the model's PAL tensors (:func:`fastpals.encoder.bert.task_specific_kind` ``"pal"``) and the saved
-      ones must agree exactly (names after re-targeting to ``encoder_prefix``, shapes); otherwise ``ValueError``.
-    - head and trained-base tensors: loaded where the model has a tensor of that name; another shape is an
-      error; a name the model lacks is an error with ``strict=True``, else a one-line warning that names it.
-    - ``load_trained_base=False`` leaves the trained base tensors out.
-
-    Values are copied into the model's tensors (their device and dtype).
-    """
+    """Copy an adapter's tensors into ``model`` (its encoder at ``encoder_prefix``), into the model's devices and
+    dtypes, after the checks of :func:`plan_adapter_load`; returns the saved names that were not loaded."""
     copies, skipped = plan_adapter_load(
         model,
         encoder_prefix,

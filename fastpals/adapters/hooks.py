@@ -154,13 +154,18 @@ class PALInjection:
         checkpointing._fastpals_inner = inner  # type: ignore[attr-defined]
         layer._gradient_checkpointing_func = checkpointing
 
-    def add_pal(self, index: int, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    def _layer_input(self, index: int, site: str) -> torch.Tensor:
+        """The input of layer ``index``, recorded by its pre-hook; ``site`` names the hook that needs it."""
         h = self.inputs.pop(index, None)
         if h is None:
             raise RuntimeError(
-                f"the final LayerNorm of layer {index} ran without its layer input (it ran twice, or outside "
-                "the layer's forward)"
+                f"{site} of layer {index} ran without its layer input (it ran twice, or outside the layer's "
+                "forward)"
             )
+        return h
+
+    def add_pal(self, index: int, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        h = self._layer_input(index, "the final LayerNorm")
         if not self.enabled:
             return None
         x = args[0] if args else kwargs.pop("input")
@@ -175,12 +180,7 @@ class PALInjection:
 
     def add_pal_to_output(self, index: int, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         """Forward hook of a ``site="output"`` target: its output ``[B, L, d]`` plus ``TS_t(h)``."""
-        h = self.inputs.pop(index, None)
-        if h is None:
-            raise RuntimeError(
-                f"the PAL site of layer {index} ran without its layer input (it ran twice, or outside the "
-                "layer's forward)"
-            )
+        h = self._layer_input(index, "the PAL site")
         if not self.enabled:
             return None
         if not isinstance(output, torch.Tensor) or output.shape != h.shape:

@@ -1,47 +1,12 @@
-"""Add PALs to a model you already have: ``inject_pals(model, PALConfig(...))``.
+"""Add PALs to a model you already have: ``inject_pals(model, PALConfig(...))``, in place, like PEFT's LoRA
+injection, on HF encoders (the architectures of :data:`TARGETS`, or any model whose layers ``layers_pattern`` /
+``layer_norm_name`` find) and on fastpals' minBERT.
 
-Works on HF transformers encoders (BERT, RoBERTa, XLM-RoBERTa, ELECTRA, DistilBERT, DeBERTa-v2/v3, ModernBERT,
-and any model whose layers are found with ``layers_pattern`` / ``layer_norm_name``) and on fastpals' own minBERT
-(:class:`fastpals.BertModel`). Like PEFT's LoRA injection it is one call that changes the model in place:
-
-- the base model's parameter names do not change (the PALs are new submodules), so the base checkpoint still
-  loads into the injected model: ``model.load_state_dict(base_state, strict=False)`` reports only the PAL names
-  as missing;
-- the PAL parameters get fastpals' names, relative to the base model (the module holding the layer list):
-  ``pal_projections.{enc_weight, enc_bias, dec_weight, dec_bias}`` (V^E/V^D, shared by the layers) and
-  ``<layers>.{i}.pal.{qkv_weight, qkv_bias[, gate][, projections.*]}``. For BERT they are exactly the names of
-  :class:`fastpals.BertModel` with PALs, so PAL weights move between an HF ``BertModel`` and minBERT as they are;
-- the forward takes ``task_ids`` (``[B]`` int, one task per example; batches may mix tasks), or reads them from
-  :func:`set_task` for code that cannot pass them. Every layer computes ``LN(ffn_out + attn_out + TS_t(h))``
-  where ``h`` is the layer input and ``TS_t`` the PAL of example's task ``t``;
-- the PAL modules are :class:`fastpals.encoder.bert.PALLayer`: the fused Triton kernels run on CUDA and the plain-PyTorch
-  reference on CPU, exactly as in fastpals' own model;
-- :func:`save_pals` / :func:`load_pals` write and read fastpals' one adapter format (:mod:`fastpals.adapters.format`,
-  PEFT's file names: ``adapter_config.json`` + ``adapter_model.safetensors``), the same files
-  :meth:`fastpals.MultiTaskBert.save_pretrained` writes: PALs saved from a ``MultiTaskBert`` load into an HF
-  ``BertModel`` and the other way round. Loading into a model of another shape, or one that cannot hold the
-  saved PALs, fails with a message saying what differs. With a frozen base (below) the trained LayerNorms and
-  ``modules_to_train`` are saved too.
-
-How the HF layers are changed (hooks only; no HF module is replaced or renamed): see
-:mod:`fastpals.adapters.hooks`. The per-architecture targets are in :mod:`fastpals.adapters.targets`.
-
-Limits: the PAL variant must be ``"parallel"`` (PALs inside the layers; gates, per-layer projections and
-``layers`` subsets are supported); ``chunk_size_feed_forward > 0`` is refused with an error (the final LayerNorm
-would run on chunked inputs the hooks cannot pair with ``h``); HF gradient checkpointing
-(``model.gradient_checkpointing_enable()``, before or after ``inject_pals``) works: the hooks wrap each layer's
-checkpointing function so that the layer's replay in the backward sees its call's task ids, mask and input;
-minBERT's ``unpad=True`` is supported (minBERT runs its own PAL path).
-
-With HF ``Trainer``: keep a ``task_ids`` column in the data set and set
-``TrainingArguments(remove_unused_columns=False)`` (the Trainer drops columns the forward signature does not
-name). ``model.save_pretrained`` of an injected model writes the PAL weights too; :func:`save_pals` writes them
-alone. With PEFT, ``peft.PeftModel.from_pretrained`` loads them too (:mod:`fastpals.adapters.peft_method`).
-
-Training only part of the model (the Bert-n-Pals "freeze" recipe): ``inject_pals(..., freeze_base=True)`` leaves
-the task-specific parameters (:func:`fastpals.encoder.bert.is_task_specific`) and every LayerNorm trainable and freezes
-the rest; heads you add afterwards are trainable by default,
-heads that already exist are named with ``modules_to_train=("classifier",)``. See :func:`freeze_base_model`.
+The base model's parameter names do not change (the PALs are new submodules named as in
+:class:`fastpals.BertModel`, so PAL weights move between an HF ``BertModel`` and minBERT as they are). The forward
+takes ``task_ids`` (``[B]`` int) or reads them from :func:`set_task`; every layer computes
+``LN(ffn_out + attn_out + TS_t(h))``. The hooks are in :mod:`fastpals.adapters.hooks`. Only the ``"parallel"``
+variant injects; ``chunk_size_feed_forward > 0`` is refused; HF gradient checkpointing works.
 """
 
 from __future__ import annotations
@@ -102,9 +67,6 @@ LEGACY_CONFIG_NAME = "pals_config.json"
 LEGACY_FORMAT = "fastpals-pals"
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Public API
-# ----------------------------------------------------------------------------------------------------------------
 def inject_pals(
     model: nn.Module,
     config: PALConfig,
@@ -118,23 +80,12 @@ def inject_pals(
 ) -> nn.Module:
     """Add PALs (one set per task) to ``model`` in place and return it.
 
-    Args:
-        model: an HF transformers encoder (``BertModel``, ``BertForSequenceClassification``, ``RobertaModel``,
-            ``ElectraModel``, ``DistilBertModel``, ... or your own module holding one) or a
-            :class:`fastpals.BertModel` without PALs.
-        config: the PALs (``num_tasks``, width ``hidden``, ``num_heads``, ``layers``, ``gate``, ...);
-            ``variant`` must be ``"parallel"``. ``zero_init_decoder=True`` makes the injected model's output
-            equal the original model's until training moves V^D.
-        layers_pattern: dotted path the encoder's ``nn.ModuleList`` of layers ends with (default: by
-            ``config.model_type``, see :data:`TARGETS`).
-        layer_norm_name: the final LayerNorm inside a layer (default: by model type).
-        mask_argument: the base model's forward argument holding the ``[B, L]`` padding mask.
-        freeze_base, train_layer_norms, modules_to_train: see :func:`freeze_base_model` (called when
-            ``freeze_base`` is true).
-
-    The forward then takes ``task_ids`` (``[B]`` integer tensor, in ``[0, num_tasks)``) as a keyword argument.
-    PAL weights are created on the device and in the dtype of the layers. Raises ``ValueError`` naming what was
-    not found when the model has no matching layers / LayerNorms / mask argument, or already has PALs.
+    ``model``: an HF encoder (or a module holding one) or a :class:`fastpals.BertModel` without PALs. ``config``:
+    the PALs (``variant="parallel"``; ``zero_init_decoder=True`` keeps the model's output until V^D trains).
+    ``layers_pattern`` / ``layer_norm_name``: where the layer list and each layer's final LayerNorm are (default:
+    by model type, :data:`TARGETS`); ``mask_argument``: the forward argument holding the ``[B, L]`` padding mask.
+    ``freeze_base`` calls :func:`freeze_base_model` with ``train_layer_norms`` and ``modules_to_train``. PAL
+    weights take the layers' device and dtype. ``ValueError`` names what was not found, or PALs already there.
     """
     if getattr(model, INJECTION_ATTR, None) is not None:
         raise ValueError(f"inject_pals: {type(model).__name__} already has PALs injected")
@@ -164,7 +115,7 @@ def inject_pals(
 
 
 def remove_pals(model: nn.Module) -> nn.Module:
-    """Undo :func:`inject_pals`: remove the hooks and the PAL modules (``requires_grad`` flags stay as set)."""
+    """Undo :func:`inject_pals`: remove the hooks and the PAL modules (``requires_grad`` flags stay)."""
     state = get_injection(model, "remove_pals")
     for handle in state.handles:
         handle.remove()
@@ -185,12 +136,8 @@ def remove_pals(model: nn.Module) -> nn.Module:
 
 @contextlib.contextmanager
 def set_task(model: nn.Module, task: int | torch.Tensor) -> Iterator[None]:
-    """Run ``model`` with these task ids when the caller cannot pass ``task_ids``.
-
-    ``task``: an int (every example of every call in the block belongs to that task) or a ``[B]`` integer tensor
-    (one task per example; every call in the block must then have batch size B). A ``task_ids`` argument given to
-    the forward wins over this. Blocks nest; the previous setting is restored on exit.
-    """
+    """Run ``model`` with these task ids when the caller cannot pass ``task_ids``: an int (every example's task)
+    or a ``[B]`` integer tensor. A ``task_ids`` argument wins over this; blocks nest."""
     state = get_injection(model, "set_task")
     if isinstance(task, bool) or not isinstance(task, (int, torch.Tensor)):
         raise TypeError(
@@ -229,17 +176,10 @@ def pal_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def freeze_base_model(
     model: nn.Module, train_layer_norms: bool = True, modules_to_train: Iterable[str] = ()
 ) -> dict[str, int]:
-    """Freeze every parameter of an injected ``model`` except the task-specific ones (the PALs, and task heads
-    in a module named ``heads``: :func:`fastpals.encoder.bert.is_task_specific`), the LayerNorms (when
-    ``train_layer_norms``; matched by module type) and the modules named in ``modules_to_train``.
-
-    ``modules_to_train``: module names, each matching a module whose qualified name equals it or ends with
-    ``"." + name`` (e.g. ``"classifier"``, ``"pooler"``); a name that matches nothing is an error. Heads created
-    after this call are trainable (new parameters have ``requires_grad=True``).
-    Returns ``{"trainable": n, "frozen": m}`` parameter element counts. This is
-    :func:`fastpals.encoder.bert.freeze_shared_parameters`, plus a record that :func:`save_pals` should save the
-    trained base weights.
-    """
+    """Freeze every parameter of an injected ``model`` except the task-specific ones (PALs, ``heads``), the
+    LayerNorms (with ``train_layer_norms``) and the modules named in ``modules_to_train`` (a qualified name or its
+    last parts, e.g. ``"classifier"``; one that matches nothing is an error); :func:`save_pals` then saves the
+    trained base weights. Returns ``{"trainable": n, "frozen": m}`` element counts."""
     state = get_injection(model, "freeze_base_model")
     try:
         counts = freeze_shared_parameters(model, train_layer_norms, modules_to_train)
@@ -277,21 +217,10 @@ def save_pals(
     task_names: list[str] | None = None,
     base_model_name_or_path: str | None = None,
 ) -> Path:
-    """Write the adapter of an injected ``model`` to ``folder`` in fastpals' adapter format
-    (:mod:`fastpals.adapters.format`): ``adapter_config.json`` and ``adapter_model.safetensors``. Returns the folder.
-
-    Saved: the PAL weights; task heads (parameters of a module named ``heads``) when the model has them; and
-    with ``include_trained_base`` the trainable base parameters (:func:`trained_base_state_dict`). Default: True
-    when the base was frozen with :func:`freeze_base_model` (the "freeze" recipe trains the LayerNorms, which
-    belong to the adaptation), False otherwise (the base is then the user's to save). Tensors keep their names
-    in ``model``; the config records where the encoder sits, so :func:`load_pals` can load them into another
-    model class with the same encoder (an HF ``BertModel``, a ``BertForSequenceClassification``, a
-    :class:`fastpals.MultiTaskBert`).
-
-    ``task_names``: names of the ``num_tasks`` tasks, recorded in the config (default ``task0``, ``task1``, ...).
-    ``base_model_name_or_path``: recorded for PEFT-style tools (default: the HF model's ``name_or_path``).
-    A :class:`fastpals.MultiTaskBert` is saved with ``save_pretrained(folder, adapters_only=True)``.
-    """
+    """Write the adapter of an injected ``model`` to ``folder`` (:mod:`fastpals.adapters.format`): the PAL
+    weights, the task heads and, with ``include_trained_base`` (default: when the base was frozen with
+    :func:`freeze_base_model`), the trained base weights. ``task_names`` default to ``task0, task1, ...``;
+    ``base_model_name_or_path`` to the HF model's ``name_or_path``. Returns the folder."""
 
     if builds_own_pals(model):
         return model.save_pretrained(folder, adapters_only=True)
@@ -310,13 +239,9 @@ def adapter_contents(
     base_model_name_or_path: str | None = None,
     caller: str = "save_pals",
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """What :func:`save_pals` writes for an injected ``model``: ``(tensors, kwargs)``, the tensors by their names
-    in ``model`` and the other arguments of :func:`fastpals.adapters.format.write_adapter`.
-
-    The tensors are the PAL weights, the task heads (parameters of a module named ``heads``) and the base
-    parameters named in ``base_names`` (trained base weights, e.g. LayerNorms); ``task_names`` and
-    ``base_model_name_or_path`` as in :func:`save_pals`. ``caller`` names the function in error messages.
-    """
+    """What :func:`save_pals` writes for an injected ``model``: ``(tensors, fields)``, the PAL weights, heads and
+    the base parameters ``base_names`` by their names in ``model``, and the fields of
+    :func:`fastpals.adapters.format.adapter_config`. ``caller`` names the function in error messages."""
 
     state = get_injection(model, caller)
     pals = {join_name(state.base_name, k): v for k, v in pal_state_dict(model).items()}
@@ -360,21 +285,12 @@ def load_pals(
     strict: bool = False,
     force: bool = False,
 ) -> nn.Module:
-    """Load an adapter written by :func:`save_pals` or :meth:`fastpals.MultiTaskBert.save_pretrained` (an
-    adapter folder, or a full model folder whose adapter is in ``pals/``) into ``model`` and return it.
+    """Load an adapter (an adapter folder, or a full model folder's ``pals/``) into ``model`` and return it.
 
-    A model without PALs is injected first with the saved config and targets; an injected model, or a
-    :class:`fastpals.BertModel` built with PALs (any variant), must have the same PAL config. Any difference (hidden size, number of layers, PAL layers, number of tasks, PAL width,
-    parameter names or shapes) raises ``ValueError`` saying what differs, and so does an adapter whose PAL
-    variant injection cannot hold (``top``, ``embert``: only fastpals' own model has them).
-
-    ``load_trained_base``: also load the trained base weights the adapter holds (e.g. the LayerNorms of the
-    freeze recipe). Saved tensors the model has no place for (a MultiTaskBert's ``heads.*`` when loading into a
-    bare encoder) raise ``ValueError`` with ``strict=True``, else a warning names them. Weights are copied to the
-    device and dtype of the model's tensors. A :class:`fastpals.MultiTaskBert` loads with
-    :meth:`~fastpals.MultiTaskBert.load_adapter`. Folders of the old format (``pals.safetensors``) still load,
-    with a ``FutureWarning``. An adapter recording the fingerprint of the encoder it was trained with is refused
-    beside another encoder (:class:`fastpals.encoder.fingerprint.EncoderMismatchError`) unless ``force``.
+    A model without PALs is injected first (:func:`prepare_for_adapter`); any difference from the saved PALs is a
+    ``ValueError`` saying what differs. ``load_trained_base``: also load the trained base weights the adapter
+    holds; saved tensors without a place in the model are an error with ``strict``, else a warning. An adapter
+    trained beside another encoder is refused unless ``force``. Old-format folders load with a FutureWarning.
     """
 
     if builds_own_pals(model):
@@ -411,15 +327,8 @@ def load_pals(
 def prepare_for_adapter(
     model: nn.Module, config: dict[str, Any], source: str, caller: str = "load_pals"
 ) -> str:
-    """Give ``model`` the PALs an adapter ``config`` (its ``adapter_config.json``) describes, or check that it has
-    them; returns where its encoder sits (the module name, ``""`` for the model itself), for
-    :func:`fastpals.adapters.format.load_adapter_tensors`.
-
-    A model without PALs is injected with the saved PAL config and targets; an injected model, or a
-    :class:`fastpals.BertModel` built with PALs, must have the same PAL config. Any difference (hidden size,
-    number of layers, layer path, PAL config, a variant injection cannot hold) is a ``ValueError`` that starts
-    with ``caller`` and names ``source``.
-    """
+    """Give ``model`` the PALs an adapter ``config`` describes, or check that it has the same ones; returns
+    where its encoder sits (``""``: the model itself). A difference is a ``ValueError`` naming ``source``."""
 
     if config.get("pal_config") is None:
         raise ValueError(
@@ -436,12 +345,8 @@ def prepare_for_adapter(
     return _injected_like(model, saved, config["encoder"], source, caller).base_name
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The old format (pals.safetensors + pals_config.json [+ trained_base.safetensors]): read only
-# ----------------------------------------------------------------------------------------------------------------
 def _load_legacy_pals(model: nn.Module, folder: Path, load_trained_base: bool) -> nn.Module:
-    """Load a folder of the old format (fastpals 0.1 save_pals)."""
-
+    """Load a folder of the old format (``pals.safetensors`` + ``pals_config.json``)."""
     cfg_path, weights_path = folder / LEGACY_CONFIG_NAME, folder / LEGACY_WEIGHTS_NAME
     for path in (cfg_path, weights_path):
         if not path.is_file():
@@ -502,7 +407,6 @@ def _injected_like(
 ) -> PALInjection:
     """Inject ``saved`` into ``model`` (where ``target``, a saved encoder description, says) or check that the
     PALs already injected are the same; any difference is a ``ValueError``. Returns the injection state."""
-
     state = getattr(model, INJECTION_ATTR, None)
     if state is None:
         targets = (

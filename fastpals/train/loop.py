@@ -1,28 +1,10 @@
-"""The training loop: set-up, one update, checkpoints. ``Trainer(args).run()`` → the results dict.
+"""The training loop: ``Trainer(args).run()`` sets up the data, model and DeepSpeed engine, runs the updates
+(each one call of :func:`fastpals.train.step.run_update`), evaluates, checkpoints and writes the outputs of
+``--out`` (``docs/training.md``); it returns the results dict.
 
-The data (tokenizer, task batchers, sampler) comes from :func:`fastpals.train.data_setup.setup_data`.
-
-A :class:`~fastpals.data.sampling.TaskSampler` decides the task of every micro-batch; each micro-batch holds
-``--batch-size`` examples of one task and gets its own forward and ``engine.backward``. Without surgery the
-DeepSpeed engine accumulates ``--grad-accum`` micro-batches per update (DeepSpeed averages them and clips with
-``gradient_clipping`` inside ``engine.step()``). With surgery an update is the sampler's group (one batch of every
-task for ``random_round_robin``; plus ``--extra-batches`` annealed ones for ``every_task_plus_annealed``; as many
-draws as tasks otherwise), DeepSpeed's accumulation is 1, and each task's gradient of the shared weights is
-captured into a :class:`fastpals.surgery.TaskGradientBuffer`, whose combination is written back before
-``engine.step()`` clips it. Task-specific parameters (PALs, heads) keep their own task's gradient.
-Under DeepSpeed the buffer reads and writes gradients as :func:`fastpals.train.step.deepspeed_surgery_buffer`
-describes. ``--batching mixed``: see :mod:`fastpals.train.mixed`. Every update, of either batching, is one call
-of :func:`fastpals.train.step.run_update`.
-
-Every loss is checked, once per update after its backwards (the update's one read of device values, which also
-gives the logged losses): a NaN/inf loss stops training before ``engine.step()`` with
-:class:`NonFiniteLossError` after a ``"nonfinite"`` record; the last checkpoint is untouched. SIGTERM/SIGINT/SIGHUP
-write a checkpoint and raise :class:`TrainingInterrupted`.
-
-Outputs in ``--out``: ``train_args.json`` (the options; ``--resume`` reads them), ``metrics.jsonl``,
-``tensorboard/``, ``checkpoints/``, ``best/`` (best dev overall), ``predictions/``, ``results.json``,
-``training_curves.png``, ``confusion_*.png``. Evaluation: accuracy (SST, CFIMDB, Quora on the held-out 10% hash
-split of ``quora-dev.csv``), Pearson r (STS); overall = ``(sst + para + (r + 1) / 2) / 3``.
+Every loss is checked once per update, after its backwards: a NaN/inf loss stops the run before
+``engine.step()`` with :class:`NonFiniteLossError`, the last checkpoint untouched. SIGTERM/SIGINT/SIGHUP write a
+checkpoint and raise :class:`TrainingInterrupted`.
 """
 
 from __future__ import annotations
@@ -30,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import signal
 import sys
 import time
@@ -38,14 +21,19 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from tqdm import tqdm
 
 from fastpals.model import evaluate as ev
-from fastpals.model.multitask import MultiTaskBert
+from fastpals.model.hf_encoder import HFEncoder
+from fastpals.model.multitask import MultiTaskBert, count_parameters
+from fastpals.surgery import make_weighting, parse_surgery_options
 from fastpals.train import outputs
 from fastpals.train.args import TrainArgs
 from fastpals.train.callbacks import Callback, default_callbacks
 from fastpals.train.data_setup import eval_batcher, open_tokenizer, setup_data
+from fastpals.train.distributed import initialize
 from fastpals.train.dsconfig import check_ds_config, load_ds_config, precision_note
 from fastpals.train.errors import (
     ConfigError,
@@ -88,18 +76,10 @@ def parameters_finite(module: torch.nn.Module) -> bool:
 
 
 def _rng_state() -> tuple[Any, Any, Any]:
-    import random
-
-    import numpy as np
-
     return torch.get_rng_state(), np.random.get_state(), random.getstate()
 
 
 def _set_rng_state(state: tuple[Any, Any, Any]) -> None:
-    import random
-
-    import numpy as np
-
     torch.set_rng_state(state[0])
     np.random.set_state(state[1])
     random.setstate(state[2])
@@ -176,8 +156,6 @@ class Trainer:
     def log(self, message: str) -> None:
         """A timestamped line on stderr (main rank), above the progress bar."""
         if self.is_main:
-            from tqdm import tqdm
-
             tqdm.write(timestamped(message), file=sys.stderr)
 
     def record(self, entry: dict[str, Any]) -> None:
@@ -187,8 +165,6 @@ class Trainer:
 
     def _model_line(self) -> str:
         """What is trained, in one line: the model, its PALs and parameter counts."""
-        from fastpals.model.multitask import count_parameters
-
         args, counts = self.args, count_parameters(self.model)
         trained = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         pals = "no PALs" if args.pal_config is None else f"PALs {args.pal}"
@@ -199,8 +175,6 @@ class Trainer:
 
     def _encoder_line(self) -> str:
         """How the encoder runs: minBERT (packed mixed batches) or an HF model (padded per micro-batch)."""
-        from fastpals.model.hf_encoder import HFEncoder
-
         bert = self.model.bert
         mixed = self.args.batching == "mixed"
         if isinstance(bert, HFEncoder):
@@ -236,8 +210,6 @@ class Trainer:
         )  # as build_model's torch.manual_seed did (lazy: no CUDA init)
 
     def _setup_engine(self) -> None:
-        from fastpals.train.distributed import initialize
-
         args, lr = self.args, self.args.lr
         groups = optimizer_param_groups(
             self.model, lr, args.pal_lr or lr, args.head_lr or lr, args.weight_decay
@@ -260,8 +232,6 @@ class Trainer:
             self._setup_surgery()
 
     def _setup_surgery(self) -> None:
-        from fastpals.surgery import make_weighting, parse_surgery_options
-
         args = self.args
         rows = args.surgery_buffer_dtype
         if rows == "auto":  # the training precision: bf16 rows with bf16 training (fp16 keeps fp32 rows)
@@ -525,8 +495,6 @@ class Trainer:
         if args.resume:
             self.load_checkpoint()
         elif self.is_main:
-            from fastpals.model.multitask import count_parameters
-
             outputs.atomic_write_text(self.out / "train_args.json", json.dumps(args.options(), indent=2))
             self.record({"type": "config", "args": args.options(), "ds_config": self.ds_config,
                          "parameters": count_parameters(self.model)})  # fmt: skip
