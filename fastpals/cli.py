@@ -1,12 +1,9 @@
-"""The ``fastpals`` command: ``fastpals train ...`` (= ``python train.py ...``), ``fastpals predict ...``
-(= ``python -m fastpals.commands.predict ...``), ``fastpals env`` (= ``python -m fastpals.env``),
-``fastpals compare RECIPE... --budget STEPS`` (several recipes on one budget: :mod:`fastpals.commands.compare`),
-``fastpals memory ...`` (the predicted peak memory of a training step: :mod:`fastpals.commands.memory`),
-``fastpals export ...`` (one task in another library's format: :mod:`fastpals.commands.export`), ``fastpals claims`` (the
-five reports' findings re-run over several seeds: :mod:`fastpals.commands.claims`)."""
+"""The ``fastpals`` command: ``fastpals train|predict|env|compare|claims|memory|export ...``, each the ``main`` of
+its module (:data:`COMMANDS`)."""
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 __all__ = ["main"]
@@ -26,43 +23,29 @@ USAGE = """usage: fastpals {train,predict,env,compare,claims,memory,export} [opt
 """
 
 
+#: the module whose ``main(argv)`` runs each command, imported only when it runs (start-up: ``fastpals env`` does
+#: not load the trainer)
+COMMANDS = {
+    "train": "fastpals.train",
+    "predict": "fastpals.commands.predict",
+    "env": "fastpals.env",
+    "compare": "fastpals.commands.compare",
+    "claims": "fastpals.commands.claims",
+    "memory": "fastpals.commands.memory_cli",
+    "export": "fastpals.commands.export",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, end="")
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
-    # each command imports its own modules (the trainer: DeepSpeed) only when it runs
-    if command == "train":
-        from fastpals.train import main as train_main
-
-        return train_main(rest)
-    if command == "predict":
-        from fastpals.commands.predict import main as predict_main
-
-        return predict_main(rest)
-    if command == "env":
-        from fastpals.env import main as env_main
-
-        return env_main(rest)
-    if command == "compare":
-        from fastpals.commands.compare import main as compare_main
-
-        return compare_main(rest)
-    if command == "claims":
-        from fastpals.commands.claims import main as claims_main
-
-        return claims_main(rest)
-    if command == "memory":
-        from fastpals.commands.memory_cli import main as memory_main
-
-        return memory_main(rest)
-    if command == "export":
-        from fastpals.commands.export import main as export_main
-
-        return export_main(rest)
-    print(f"fastpals: unknown command {command!r}\n{USAGE}", file=sys.stderr, end="")
-    return 2
+    if command not in COMMANDS:
+        print(f"fastpals: unknown command {command!r}\n{USAGE}", file=sys.stderr, end="")
+        return 2
+    return importlib.import_module(COMMANDS[command]).main(rest)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,9 @@
 """What fastpals will use on this machine: ``python -m fastpals.env`` (or ``fastpals env``).
 
-Prints the Python and package versions, the device, which accelerated backends can run and why the others
-cannot, what ``$FASTPALS_KERNELS`` selects, and the backend each op runs on this device and why
-(``--capability 7.5`` shows another GPU's). :func:`collect` returns the same as a JSON-serialisable dict
-(the benchmarks store it with their results). Nothing here builds, compiles or downloads anything, and the
-optional packages are looked up without importing them where an import would be slow (DeepSpeed) or could
-fail noisily.
+The Python and package versions, the device, which accelerated backends can run and why the others cannot, and
+the backend each op runs (``--capability 7.5`` shows another GPU's); :func:`collect` returns it as a
+JSON-serialisable dict. Nothing is built or downloaded; slow or noisy packages (DeepSpeed) are looked up without
+importing them.
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
-"""The adapter stage: PALs put into an encoder someone already has, and the one format they are saved in.
-
-- :mod:`.inject` (:func:`inject_pals`, :func:`save_pals`, :func:`load_pals`, :func:`set_task`,
-  :func:`remove_pals`);
-- :mod:`.targets` (the per-architecture targets ``TARGETS``: BERT, RoBERTa, XLM-R, ELECTRA, DistilBERT,
-  DeBERTa-v2/v3, ModernBERT, minBERT) and :mod:`.hooks` (the injection state and its forward hooks);
-- :mod:`.format` (``adapter_config.json`` + ``adapter_model.safetensors``, shared with ``MultiTaskBert``);
-- :mod:`.peft_method` (the same adapters as the PEFT method ``FASTPALS``; imports PEFT) and
-  :mod:`.peft_registration` (registers it with PEFT without importing PEFT first).
-"""
+"""PALs put into an encoder someone already has (:mod:`.inject`, with the per-architecture :mod:`.targets` and
+the forward :mod:`.hooks`), the one adapter :mod:`.format`, and the PEFT method (:mod:`.peft_method`, registered
+by :mod:`.peft_registration` without importing PEFT first)."""
 
 from fastpals.adapters.format import read_adapter, write_adapter
 from fastpals.adapters.inject import inject_pals, load_pals, remove_pals, save_pals, set_task

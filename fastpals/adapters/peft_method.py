@@ -1,31 +1,13 @@
-"""fastpals' PAL adapters as a PEFT method (``peft_type`` ``"FASTPALS"``): ``peft.PeftModel.from_pretrained``,
-``peft.PeftConfig.from_pretrained`` and ``peft.get_peft_model`` + ``save_pretrained`` work on the adapter folders
-fastpals writes (:mod:`fastpals.adapters.format`), through fastpals' own injection (:func:`fastpals.inject_pals`,
-:func:`fastpals.adapters.inject.prepare_for_adapter`) and its checked loading (:func:`fastpals.adapters.format.plan_adapter_load`).
+"""fastpals' PAL adapters as the PEFT method ``FASTPALS``: ``peft.PeftModel.from_pretrained``,
+``peft.PeftConfig.from_pretrained`` and ``peft.get_peft_model`` + ``save_pretrained`` work on fastpals' adapter
+folders (:mod:`fastpals.adapters.format`), through fastpals' injection and checked loading. Importing this module
+imports PEFT and registers the method (usage: ``docs/api.md``).
 
-Importing this module imports PEFT and registers the method, as :func:`fastpals.register_with_peft` does;
-``import fastpals`` does it when PEFT is already imported (:mod:`fastpals.adapters.peft_registration`).
-
-- :class:`FastPalsConfig` (a ``peft.PeftConfig``): the PAL config (``pal_config``, a :class:`fastpals.PALConfig` or
-  its dict), ``task_names``, and for training ``init_weights`` (V^D starts at zero, so the PEFT model's output is
-  the base model's), ``train_layer_norms`` / ``modules_to_save`` (what else trains, as in
-  :func:`fastpals.freeze_base_model`). Its other fields are fastpals' adapter format, filled in on save, so
-  ``PeftConfig.from_pretrained`` reads a fastpals adapter as is and ``save_pretrained`` writes one.
-- :class:`FastPalsModel` (a ``peft.tuners.tuners_utils.BaseTuner``): injects the PALs into the model (any model
-  :func:`fastpals.inject_pals` supports: HF BERT, RoBERTa, XLM-R, ELECTRA, DistilBERT, or others with
-  ``layers_pattern`` / ``layer_norm_name``), loads and saves their tensors under fastpals' names (the model's own
-  parameter names, no ``base_model.model.`` prefix), and selects the task.
-
-Task selection: the forward of the ``PeftModel`` takes ``task_ids`` (``[B]`` int, as PEFT's multi-task methods
-do), or ``with peft_model.set_task("sts"):`` (a task name or index) runs calls without them. PEFT's task-specific
-wrappers (``PeftModelForFeatureExtraction``, ``...ForSequenceClassification``) have fixed forward signatures that
-drop ``task_ids``, so this config keeps ``task_type=None`` (the plain ``PeftModel``, whose forward passes every
-argument to the model); fastpals' files say ``"FEATURE_EXTRACTION"``, which is read as None.
-
-Why the registration touches PEFT internals: PEFT 0.21's ``register_peft_method`` only accepts names that are
-members of its closed ``PeftType`` enum, so the ``FASTPALS`` member is added to that enum first (nothing else of
-PEFT is changed). One PAL adapter per model (it holds the PALs of every task); PALs cannot be merged into the base
-weights (``merge_and_unload`` refuses, ``unload`` removes them).
+The ``PeftModel``'s forward takes ``task_ids`` ``[B]``, or ``with peft_model.set_task("sts"):`` runs calls
+without them. PEFT's task-specific wrappers drop ``task_ids``, so ``task_type`` stays None (fastpals' files say
+``"FEATURE_EXTRACTION"``, read as None). PEFT 0.21's ``register_peft_method`` accepts only members of its closed
+``PeftType`` enum, so the ``FASTPALS`` member is added to it first. One PAL adapter per model (it holds every
+task's PALs); PALs cannot be merged into the base weights.
 """
 
 from __future__ import annotations
@@ -69,11 +51,11 @@ from fastpals.encoder.bert import PALConfig, task_specific_kind
 
 __all__ = ["METHOD_NAME", "PREFIX", "FastPalsConfig", "FastPalsModel", "register"]
 
-#: The PEFT method name (PEFT wants it lower case; the ``PeftType`` member is ``FASTPALS``).
+#: the PEFT method name (PEFT wants it lower case; the ``PeftType`` member is ``FASTPALS``)
 METHOD_NAME = PEFT_TYPE.lower()
-#: PEFT's per-method prefix (it must be unique among PEFT methods).
+#: PEFT's per-method prefix (unique among PEFT methods)
 PREFIX = "fastpals_"
-#: Keys PEFT puts in front of the model's parameter names in a ``PeftModel``'s state dict.
+#: what PEFT puts in front of the model's parameter names in a ``PeftModel``'s state dict
 _PEFT_MODEL_PREFIX = "base_model.model."
 _CALLER = "FASTPALS adapter"
 # adapter_config.json fields that describe the saved PALs (fastpals' format), refreshed on every save
@@ -123,25 +105,12 @@ FASTPALS = _add_peft_type_member()
 
 @dataclass
 class FastPalsConfig(PeftConfig):
-    """PEFT config of fastpals' PALs (``peft_type`` ``"FASTPALS"``).
-
-    For a new adapter (``peft.get_peft_model(model, FastPalsConfig(...))``):
-
-    - ``pal_config``: the PALs (:class:`fastpals.PALConfig` or its ``to_dict()``; default ``PALConfig()``);
-      ``variant`` must be ``"parallel"`` (the variant :func:`fastpals.inject_pals` adds to HF encoders);
-    - ``task_names``: one name per PAL task (default ``task0``, ``task1``, ...), for ``set_task("name")``;
-    - ``init_weights``: start V^D at zero (``zero_init_decoder=True``), so that the model's output equals the base
-      model's until training moves it, as PEFT's methods start. False keeps ``pal_config.zero_init_decoder``;
-    - ``train_layer_norms``: the LayerNorms train with the PALs (the Bert-n-PALs "freeze" recipe, fastpals'
-      default) and are saved in the adapter; False freezes them with the rest of the base model;
-    - ``modules_to_save``: more base modules that train and are saved (e.g. ``["classifier"]``), by name as in
-      :func:`fastpals.freeze_base_model` (no PEFT ``ModulesToSaveWrapper``: they stay where they are);
-    - ``layers_pattern`` / ``layer_norm_name``: where the PALs go in architectures fastpals does not know.
-
-    The remaining fields are fastpals' adapter format (:mod:`fastpals.adapters.format`): read from a saved
-    ``adapter_config.json``, written on save. ``task_type`` must be None or ``"FEATURE_EXTRACTION"`` (read as
-    None, see :mod:`fastpals.adapters.peft_method`).
-    """
+    """PEFT config of fastpals' PALs (``peft_type`` ``"FASTPALS"``). For a new adapter: ``pal_config`` (a
+    :class:`fastpals.PALConfig` or its dict, variant ``"parallel"``), ``task_names`` (for ``set_task("name")``),
+    ``init_weights`` (V^D starts at zero: the output is the base model's), ``train_layer_norms`` and
+    ``modules_to_save`` (what else trains and is saved, as in :func:`fastpals.freeze_base_model`), and
+    ``layers_pattern`` / ``layer_norm_name`` for architectures fastpals does not know. The other fields are the
+    adapter format, read from a saved ``adapter_config.json`` and written on save."""
 
     pal_config: dict[str, Any] | None = field(
         default=None, metadata={"help": "fastpals.PALConfig (or its to_dict()) of the PALs"}

@@ -1,15 +1,9 @@
 """``fastpals compare RECIPE... --budget STEPS``: several recipes on the same budget, seed and data, one table.
 
-Each recipe (see :mod:`fastpals.train.recipes`; ``all`` = every shipped one) trains for one epoch of ``STEPS``
-updates in ``<out>/<recipe>/``, one after the other in this process, with the same common options (any
-``train.py`` option: ``--model``, ``--batch-size``, ``--max-length``, ``--seed``, ...). The first run also scores
-the untrained model (``--eval-at-start``). Written to ``<out>``: ``compare.md`` (Markdown table: recipe, SST,
-Quora, STS r, [CFIMDB], overall, updates, examples, time), ``compare.json`` (the same rows as data) and
-``compare.png`` (grouped bars of the dev scores per task, with the untrained row and, when single-task recipes are
-in the list, their combined single-task row).
-
-An update of a surgery recipe or of a grouped sampling (``random_round_robin``) holds one micro-batch per task, so
-equal updates are not equal examples: the table counts the examples each run trained on.
+Each recipe (``all``: every shipped one) trains one epoch of ``STEPS`` updates in ``<out>/<recipe>/``, one after
+the other in this process, with the same common ``train.py`` options; the first also scores the untrained model.
+Written to ``<out>``: ``compare.md``, ``compare.json`` and ``compare.png``. A surgery update holds one
+micro-batch per task, so the table counts the examples each run trained on.
 """
 
 from __future__ import annotations
@@ -25,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
 
 from fastpals.data.metrics import overall
 from fastpals.train.command import parse_args
@@ -182,9 +178,6 @@ def write_markdown(rows: list[dict[str, Any]], path: Path, header: str) -> Path:
 def plot_compare(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
     """``compare.png``: one group of bars per dev metric (tasks and overall), one bar per row (the single-task
     recipes' own rows are drawn as their combined ``single-task`` row)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # matplotlib: costly, only for plots
-    from matplotlib.figure import Figure
-
     shown = [r for r in rows if not r["error"] and not (r["kind"] == "recipe" and Path(r["name"]).stem.startswith(
         "single_") and any(x["kind"] == "single" for x in rows))]  # fmt: skip
     cols = [(k, n) for k, n in SCORE_COLUMNS if any(k in r["scores"] for r in shown)] + [

@@ -1,19 +1,13 @@
-"""``fastpals export``: one task of a trained model in another library's format.
-
-    fastpals export --task sts --format sentence-transformers runs/default/best out/sts-st
-
-The model folder is one written by ``MultiTaskBert.save_pretrained`` (the trainer's ``<out>/best``; its
-``training_args.json`` gives the max length). ``--format sentence-transformers`` writes a folder that
-``SentenceTransformer(out, trust_remote_code=True)`` opens offline (fastpals installed): the task's PALs, pooling
-and tokenizer, see :mod:`fastpals.integrations.sentence_transformers` for what its cosine similarity means and
-which tasks can be exported.
-"""
+"""``fastpals export --task TASK --format sentence-transformers MODEL_DIR OUT``: one task of a trained model in
+another library's format (:mod:`fastpals.integrations.sentence_transformers`)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
+
+from fastpals.commands.predict import load_for_prediction
 
 __all__ = ["FORMATS", "build_parser", "main"]
 
@@ -44,9 +38,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"{out} exists and is not empty: give another folder, or --overwrite")
         if args.max_length is not None and not 2 <= args.max_length <= 512:
             raise ValueError(f"--max-length {args.max_length}: give a number of tokens in [2, 512]")
-        from fastpals.commands.predict import load_for_prediction
-
-        # needs sentence-transformers (optional)
+        # optional: sentence-transformers
         from fastpals.integrations.sentence_transformers import check_exportable, export_task
 
         model, tokenizer, train_args = load_for_prediction(args.model_dir)

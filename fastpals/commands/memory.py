@@ -1,27 +1,13 @@
-"""``fastpals memory``: the peak memory of one training step, predicted before a GPU is rented.
+"""``fastpals memory``: the peak memory of one training step, predicted before a GPU is rented (``docs/memory.md``).
 
-The prediction is traced, not hand-written: :func:`plan_memory` builds the model (from its ``config.json`` only:
-no weights) and runs the real update of the trainer, :func:`fastpals.train.step.run_update` (forward, losses,
-backward; with ``--surgery`` the one-backward capture :func:`fastpals.surgery.per_task_gradients` or the
-per-task backwards and :meth:`fastpals.surgery.TaskGradientBuffer.apply`; then the optimizer step), on fake
-tensors (``FakeTensorMode``: shapes and dtypes, no memory, no FLOPs). A ``TorchDispatchMode``
-(:class:`LiveTensorBytes`) adds up the bytes of every live tensor storage as ops create them and takes them off
-when a storage is freed (a weakref finalizer), so the peak and what is live at the peak come from the code.
-
-What DeepSpeed holds outside the module follows its layout for the precision and ZeRO stage
-(:func:`model_state_bytes`, checked against DeepSpeed's own estimators in ``tests/test_memory.py``): a
-DeepSpeed-like engine (:class:`LayoutEngine`) allocates the fp32 master weights and the Adam moments (partitioned
-over ``world_size`` ranks from ZeRO-1 on), runs the module in fp16/bf16 for mixed precision (as DeepSpeed casts
-it: no autocast), and at the step makes the fp32 gradient partition, unscales, clips, runs a fused in-place
-AdamW on the master partition and copies it back into the 16-bit weights.
-
-The peak is that of ``torch.cuda.max_memory_allocated`` (tensor storage), not of the caching allocator's
-reserve, nor of the CUDA context and library workspaces: :data:`DEVICES` gives each GPU the memory it leaves to
-tensors (the caps of ``bench/memory_report.py``). The trace runs the CPU code path (the PyTorch reference PAL and
-attention); the Triton kernels of a GPU run save the same or fewer tensors.
-:func:`measure_step` runs the same step on real tensors with the same tracker (CPU validation);
-:func:`predict_peak_bytes` is the entry point for a GPU session comparing with ``torch.cuda.max_memory_allocated``.
-The command line, the ``docs/memory.md`` table and the charts are :mod:`fastpals.commands.memory_cli`.
+:func:`plan_memory` builds the model from its ``config.json`` (no weights) and runs the trainer's own update,
+:func:`fastpals.train.step.run_update`, on fake tensors (``FakeTensorMode``: shapes and dtypes, no memory), inside
+:class:`~fastpals.train.memory_states.LiveTensorBytes`, which adds up every live tensor storage: the peak and what
+is live at it come from the code. A :class:`~fastpals.train.memory_states.DeepSpeedLikeEngine` holds DeepSpeed's
+model states for the precision and ZeRO stage. The peak is that of ``torch.cuda.max_memory_allocated`` (tensor
+storage); :data:`DEVICES` gives each GPU the memory it leaves to tensors. The trace runs the CPU code path; the
+Triton kernels save the same or fewer tensors. :func:`measure_step` runs the step on real tensors (CPU
+validation). The command line is :mod:`fastpals.commands.memory_cli`.
 """
 
 from __future__ import annotations
@@ -59,8 +45,8 @@ from fastpals.train.memory_mode import keep_bytes_for, plan_auto_modes
 from fastpals.train.memory_states import (
     CATEGORIES,
     PRECISIONS,
+    DeepSpeedLikeEngine,
     GradientBuckets,
-    LayoutEngine,
     LiveTensorBytes,
     ModelStates,
     gradient_buckets,
@@ -75,7 +61,7 @@ __all__ = [
     "DEVICES",
     "Device",
     "GradientBuckets",
-    "LayoutEngine",
+    "DeepSpeedLikeEngine",
     "LiveTensorBytes",
     "MemoryPlan",
     "ModelStates",
@@ -117,9 +103,6 @@ _SHIPPED_MODELS = {
 }
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Devices
-# ----------------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Device:
     """A target: ``usable_bytes`` is what the device leaves to tensors (for GPUs the card's memory less the CUDA
@@ -171,9 +154,6 @@ DEVICES: dict[str, Device] = {
 }
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The configuration and the trace
-# ----------------------------------------------------------------------------------------------------------------
 def load_bert_config(model: str) -> Any:
     """The :class:`fastpals.encoder.bert.BertConfig` of ``model``: a shipped name (``bert-base-uncased``,
     ``bert-large-uncased``, ``minilm-l6``; offline), a ``config.json`` path, a folder holding one, or a Hugging
@@ -415,7 +395,7 @@ def _run_step(spec: StepSpec, batch_size: int, fake: bool, warmup: bool = False)
                 lambda q: q.grad is not None and tracker.tag(q.grad, "gradients")
             )
         if fake:
-            engine: Any = LayoutEngine(
+            engine: Any = DeepSpeedLikeEngine(
                 model, spec.precision, spec.stage, spec.world_size, tracker, spec.gradient_buckets()
             )
         else:
@@ -484,7 +464,7 @@ def _run_step(spec: StepSpec, batch_size: int, fake: bool, warmup: bool = False)
 
 def trace_step(spec: StepSpec, batch_size: int) -> StepTrace:
     """The predicted peak of one update of ``spec`` at ``batch_size`` examples (per rank): the real update on
-    fake tensors with DeepSpeed's model states (:class:`LayoutEngine`). Takes seconds, needs no weights."""
+    fake tensors with DeepSpeed's model states (:class:`DeepSpeedLikeEngine`). Takes seconds, needs no weights."""
     return _run_step(spec, batch_size, fake=True)
 
 
@@ -558,9 +538,6 @@ def step_micro_batches(spec: StepSpec, model: torch.nn.Module, batch_size: int) 
     return _micro_batches(spec, model, batch_size, load_bert_config(spec.model).vocab_size)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The plan
-# ----------------------------------------------------------------------------------------------------------------
 @dataclass
 class MemoryPlan:
     """What :func:`plan_memory` predicts for one configuration (bytes are per rank).

@@ -1,10 +1,6 @@
-"""Charts of ``fastpals memory`` (PNG, matplotlib's Agg canvas, no pyplot state).
-
-- :func:`plot_table`: the predicted peak of one step against the batch size, ``peak(b) = a + c b``, one line per
-  variant of ``docs/memory.md`` (one panel per model), and the memory each GPU leaves to tensors;
-- :func:`plot_plan`: one configuration's peak split into its parts (parameters, gradients, optimizer states,
-  activations, surgery buffer, temporaries) beside the GPUs' memory.
-"""
+"""Charts of ``fastpals memory`` (PNG, matplotlib's Agg canvas): :func:`plot_table`, the predicted peak against
+the batch size per variant of ``docs/memory.md``; :func:`plot_plan`, one configuration's peak by part beside the
+GPUs' memory."""
 
 from __future__ import annotations
 
@@ -23,7 +19,7 @@ TableLine = tuple[str, str, str, float, float]
 
 
 def _figure(width: float, height: float) -> tuple[Any, Any]:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # matplotlib: costly, only for plots
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # start-up: matplotlib's import is slow
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(width, height), dpi=110)

@@ -26,7 +26,7 @@ from fastpals.commands.memory_chart import plot_plan, plot_table
 from fastpals.surgery import AGGREGATORS
 from fastpals.train.args import PAL_PRESETS
 
-__all__ = ["DOCS_COMMAND", "MEASURED_NOTES", "main", "memory_table"]
+__all__ = ["DOCS_COMMAND", "main", "memory_table"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -42,78 +42,6 @@ _TABLE_VARIANTS = (  # label, --pal, --surgery, --activation-checkpointing
 )
 _TABLE_MODELS = ("bert-base-uncased", "bert-large-uncased")
 _TABLE_GPUS = ("t4", "a100-40", "a100-80", "h100-80")
-
-
-#: measured on the CPU (not produced by the command; kept in docs/memory.md below the predicted table)
-MEASURED_NOTES = (
-    "## Measured on the CPU: surgery rows and activation checkpointing",
-    "",
-    "2026-11-25, 2-core AMD EPYC shared with other jobs (load average about 14: timings would not mean much, "
-    "memory does), torch 2.13 CPU, MiniLM-L6 (P = 22,713,216 shared elements), tasks sst, para, sts.",
-    "",
-    "**One-backward PCGrad against the plain mixed step.** The surgery rows are held per shared parameter, "
-    "made when the backward reaches that parameter (while autograd frees the activations, as plain training's "
-    "gradients are made) and freed once its combined gradient is handed over: aliased as `.grad` (the last row, "
-    "where the rows have the gradient's dtype) or copied by the setter into DeepSpeed's fp32 gradient partition "
-    "one parameter at a time (bf16 rows under bf16 training), so no `[P]` copy of the update exists beside the "
-    "gradient the optimizer reads, and no row lives through the next forward.",
-    "",
-    "| measure | plain | PCGrad, fp32 rows | PCGrad, bf16 rows | before (fp32 / bf16 rows) |",
-    "|---|---|---|---|---|",
-    "| peak RSS, `bench/test_bench_onebackward.py` children (3 x 16 examples of <= 32 tokens, fp32 training) "
-    "| 930 MiB | 1013 MiB (1.09x) | 936 MiB (1.01x) | 1.25x / 1.13x |",
-    "| live tensor storage, `measure_step` (48 x 32 tokens, fp32, ZeRO-0) | 682 MiB | 685 MiB (1.004x) | "
-    "684 MiB (1.003x) | 943 MiB (1.38x) / 813 MiB (1.19x) |",
-    "| predicted, `fastpals memory` (48 x 32 tokens, bf16, ZeRO-1; default rows = bf16) | 552 MiB | 702 MiB "
-    "(1.27x) | 557 MiB (1.01x) | - |",
-    "",
-    "Where the parameters rather than the activations make the peak (small batches: MiniLM fp32 at 6 x 32 "
-    "tokens), the end of the backward holds T rows where plain training holds one gradient: 1.45x with fp32 "
-    "rows there. bf16 rows change the PCGrad update by 1.7e-3 relative to fp32 rows (L2, MiniLM, "
-    "`tests/test_per_task_grads.py::test_bf16_buffer_update_close_to_fp32`); the Gram and the combination "
-    "accumulate in fp32. `--surgery-buffer-dtype fp32` keeps fp32 rows.",
-    "",
-    "**Activation checkpointing** (`--activation-checkpointing`): MiniLM with PALs, plain mixed step of 8 x 64 "
-    "tokens, fp32: live tensor storage measured 438.7 MiB without, 389.1 MiB with (the prediction within 1e-7 "
-    "of both); `tests/test_activation_checkpointing.py`. Predicted for 48 x 64 tokens, bf16, ZeRO-1: plain 838 "
-    "-> 485 MiB, one-backward PCGrad 845 -> 551 MiB. Per-task gradients are unchanged within 1e-6.",
-    "",
-    "## Checked against real steps",
-    "",
-    "`make gpu-session` (its `memory_validate` step: `python -m bench.memory_validate`, see docs/gpu-session.md) "
-    "compares the predicted peak with `torch.cuda.max_memory_allocated` over one real training step: "
-    "BERT-base (shipped config, random weights), default PALs, tasks sst, para, sts, batch 32 x 128 tokens, "
-    "fp16 and bf16, plain and one-backward PCGrad, each on a DeepSpeed engine built as the trainer builds it "
-    "(the shipped `gpu_<precision>_zero1.json`, AdamW), the second update measured. It records predicted, "
-    "measured and their ratio per case in the session's `memory.json`, with the device, torch and triton "
-    "versions, commit and date. No GPU has been lent yet, so no ratio is recorded here.",
-    "",
-    "On the CPU the same comparison, with the planner's live-tensor tracker on real tensors as the measured "
-    "side (fp32, ZeRO-0: `fastpals.memory.measure_step`), agrees within 10% for MiniLM at two batch sizes "
-    "(`tests/test_memory.py`) and to 0.1% at the rehearsal's 6 x 16 tokens.",
-    "",
-    "**DeepSpeed's gradient buckets** are counted (`DeepSpeed gradient buckets` in the breakdown, "
-    "`gradient_buckets` and `at_peak.buckets` in `--json`): DeepSpeed 0.19.8's ZeRO-1/2 optimizer "
-    "(`DeepSpeedZeroOptimizer.setup_buckets`, `deepspeed/runtime/zero/stage_1_and_2.py`) allocates, at the first "
-    "gradient of each backward and with `contiguous_gradients` (its default), a flat buffer of exactly "
-    "`reduce_bucket_size` elements (not capped by the model's size), a second one with `overlap_comm`, in the "
-    "gradient reduction dtype (the model's dtype; the accumulation dtype where it differs at ZeRO-1), and frees "
-    "them at the backward's epilogue (`_release_ipg_buffers`). None at ZeRO-0, nor with bf16 ZeRO-1 and fp32 "
-    "`grad_accum_dtype` (`cpu_auto.json` without surgery: DeepSpeed's `BF16_Optimizer`). The planner reads them "
-    "from the run's config (`--ds-config`; default the shipped `gpu_<precision>_zero<stage>.json`: 2 x 5e7 "
-    "16-bit elements, 191 MiB; `cpu_bf16.json`: DeepSpeed's default 5e8, one buffer, 954 MiB). Checked on a real "
-    "DeepSpeed bf16 step on the CPU under the planner's tracker (MiniLM, 6 x 16 tokens, "
-    "`tests/test_memory.py::test_prediction_matches_a_real_deepspeed_step`): ZeRO-1 with `cpu_bf16.json` "
-    "measured 1342.03 MiB, predicted 1342.03 MiB (485 MiB before the buckets were counted; the 1391 MiB first "
-    "measured also counted DeepSpeed's meta-device copies of the parameters, 48.5 MiB that hold no memory and "
-    "that the tracker now skips); ZeRO-2 with `gpu_bf16_zero2.json` measured 579.02, predicted 579.09 MiB. "
-    "With a bucket too small to make the peak (1e6 elements) the measured peak, at the optimizer step, is "
-    "518 MiB against 485 MiB predicted (0.94): DeepSpeed's step flattens the 16-bit gradient partition "
-    "before casting it to fp32, a copy the planner does not hold. For BERT-base at 32 x 128 tokens, bf16, "
-    "ZeRO-1 (`gpu_bf16_zero1.json`) the predicted peak rises from 3.90 to 4.07 GiB (plain) and from 3.92 to "
-    "4.11 GiB (one-backward PCGrad).",
-    "",
-)
 
 
 def memory_table(max_length: int = 128, chart: str | Path | None = None) -> str:
@@ -180,7 +108,8 @@ def memory_table(max_length: int = 128, chart: str | Path | None = None) -> str:
             "|---|---|---|" + "---|" * len(_TABLE_GPUS) + "---|",
             *rows,
             "",
-            *MEASURED_NOTES,
+            "Measured on the CPU, and the checks against real steps: [measurements.md](measurements.md#memory).",
+            "",
         ]
     )
 
@@ -217,7 +146,7 @@ def _parser() -> argparse.ArgumentParser:
         "--pal", choices=tuple(PAL_PRESETS), default="default", help="PAL variant (default: default)"
     )
     p.add_argument(
-        "--surgery", choices=("none", *AGGREGATORS), default="none", help="gradient surgery aggregator"
+        "--surgery", choices=("none", *AGGREGATORS), default="none", help="the surgery's aggregator"
     )
     p.add_argument("--surgery-mode", choices=SURGERY_MODES, default="one_backward",
                    help="one_backward (--batching mixed) or per_task backwards (--batching per_task)")  # fmt: skip

@@ -1,14 +1,8 @@
-"""Run a trained multi-task model on the CS224N test files or on sentences given on the command line.
+"""``fastpals predict MODEL_DIR``: a trained multi-task model on the CS224N test files, or on ``--text`` /
+``--pair`` sentences (printed as ``task, prediction, label name, probability or score, text``, tab-separated).
 
-    python -m fastpals.commands.predict runs/default/best                       # test files -> CS224N prediction files
-    python -m fastpals.commands.predict runs/default/best --task sst --text "a gripping, funny film"
-    python -m fastpals.commands.predict runs/default/best --task sts --pair "A man plays guitar." "Someone plays music."
-
-(``fastpals predict ...`` is the same.) The model folder is one written by ``MultiTaskBert.save_pretrained``
-(the trainer's ``<out>/best``); its tokenizer is the one saved in the folder (``tokenizer.json`` or
-``vocab.txt``; the trainer saves it there) or the base model's, and ``training_args.json`` (written by the trainer) gives the max length. Sentences are
-printed as ``task <TAB> prediction <TAB> label name <TAB> probability (or score) <TAB> text``. The prediction
-loop is the trainer's (:func:`fastpals.model.evaluate.predict_batches`).
+The folder is one ``MultiTaskBert.save_pretrained`` wrote (the trainer's ``<out>/best``): its tokenizer and
+``training_args.json`` (the max length) come from there. The prediction loop is the trainer's.
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
-"""One task of a trained :class:`fastpals.MultiTaskBert` as a ``sentence_transformers.SentenceTransformer``.
+"""One task of a trained :class:`fastpals.MultiTaskBert` as a ``sentence_transformers.SentenceTransformer``
+(``fastpals export --format sentence-transformers``, :func:`export_task`).
 
-``fastpals export --task sts --format sentence-transformers runs/x/best out/`` (or :func:`export_task`) writes a
-sentence-transformers folder whose one module, :class:`PALTaskEncoder`, keeps the PALs as modules: PALs are
-projected attention layers (attention inside each adapter), which no linear merge folds into BERT's weights. The
-module runs the task's own path: every example through that task's PALs (``task_ids`` all the task's index), the
-packed (unpadded) encoder path fastpals' evaluation runs, and the task's pooling (``cls``: BERT's pooler output;
-``mean``; ``max``), so ``encode`` gives the features the task's head or cosine reads.
-
-What the cosine of two embeddings means depends on how the task was trained:
-
-- a pair task trained as a siamese cosine task (``--pair-mode sbert_cosine``): fastpals predicts
-  ``cos(u, v) * label_scale``, so the embeddings' cosine is fastpals' score up to that scale (Pearson and
-  Spearman are scale-free). This is the export for STS;
-- a pair task trained otherwise (``joint``: a cross-encoder over ``[CLS] a [SEP] b [SEP]``; ``sbert_concat``: a head
-  on ``(u, v, |u - v|)``): the score is not a function of the cosine, so the export is refused;
-- a single-sentence task: the embeddings are the features its head reads (exported; the head is not).
-
-Loading needs fastpals installed and, since sentence-transformers 6.0 refuses any module class outside its own
-package without it, ``SentenceTransformer(out, trust_remote_code=True)``. The folder holds the fastpals model
-(``fastpals_model/``, :meth:`fastpals.MultiTaskBert.save_pretrained` with its ``vocab.txt``) and
-``fastpals_encoder.json`` (task, max length); nothing is read from the network.
+The folder's one module, :class:`PALTaskEncoder`, keeps the PALs as modules (attention inside each adapter folds
+into no linear merge) and runs the task's own path: its PALs, the packed encoder, its pooling. Only tasks whose
+score is the cosine of two embeddings export: a pair task trained with ``--pair-mode sbert_cosine`` (fastpals
+predicts ``cos(u, v) * label_scale``) or a single-sentence task (the features its head reads). Loading needs
+fastpals and ``SentenceTransformer(out, trust_remote_code=True)``; nothing is read from the network.
 """
 
 from __future__ import annotations
@@ -65,17 +51,10 @@ def check_exportable(model: MultiTaskBert, task: str) -> None:
 
 
 class PALTaskEncoder(InputModule):
-    """A sentence-transformers input module running one task's path of a :class:`fastpals.MultiTaskBert`.
-
-    Args:
-        model: the multi-task model (kept whole; only ``task``'s PALs run).
-        tokenizer: its :class:`fastpals.Tokenizer` (``[CLS] text [SEP]``, truncated to ``max_seq_length``).
-        task: the task whose PALs and pooling give the embedding.
-        max_seq_length: tokens per text, special tokens included (the run's ``--max-length``).
-
+    """A sentence-transformers input module running ``task``'s path of a :class:`fastpals.MultiTaskBert`.
     ``preprocess(texts)`` gives ``input_ids``, ``attention_mask``, ``token_type_ids`` int64 ``[B, L]`` (right
-    padded); ``forward`` adds ``sentence_embedding`` ``[B, d]`` (the model's dtype).
-    """
+    padded, ``max_seq_length`` tokens with the special ones); ``forward`` adds ``sentence_embedding`` ``[B, d]``
+    in the model's dtype."""
 
     config_keys = ["task", "max_seq_length"]
     config_file_name = CONFIG_NAME
@@ -119,7 +98,6 @@ class PALTaskEncoder(InputModule):
     @classmethod
     def load(cls, model_name_or_path: str, subfolder: str = "", **kwargs: Any) -> PALTaskEncoder:
         """Open a folder written by :meth:`save` (a local folder; fastpals opens the model)."""
-
         folder = Path(model_name_or_path) / subfolder
         if not (folder / CONFIG_NAME).is_file():
             raise FileNotFoundError(f"{folder} has no {CONFIG_NAME}: not a folder written by fastpals export")
@@ -133,7 +111,7 @@ def export_task(
     model: MultiTaskBert, tokenizer: Any, task: str, out: str | os.PathLike, max_seq_length: int = 128
 ) -> Path:
     """Write ``task`` of ``model`` as a sentence-transformers folder ``out`` (cosine similarity); returns it.
-    Raises :class:`ExportError` for a task that cannot be exported (see the module docstring)."""
+    Raises :class:`ExportError` for a task that cannot be exported (:func:`check_exportable`)."""
     encoder = PALTaskEncoder(model, tokenizer, task, max_seq_length)
     st = SentenceTransformer(modules=[encoder], similarity_fn_name="cosine", device="cpu")
     st.save(str(out))

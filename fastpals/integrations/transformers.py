@@ -1,29 +1,13 @@
-"""Multi-task PAL training with gradient surgery inside the Hugging Face ``transformers.Trainer``.
+"""Multi-task PAL training with surgery inside the Hugging Face ``transformers.Trainer`` (``docs/api.md``).
 
-:class:`MultiTaskTrainer` is a ``transformers.Trainer`` subclass for a :class:`fastpals.MultiTaskBert` (its PALs
-and task heads) and one :class:`fastpals.data.per_task_batches.TaskBatcher` per task:
+:class:`MultiTaskTrainer` trains a :class:`fastpals.MultiTaskBert` on packed mixed-task micro-batches drawn by
+fastpals' sampler; with ``surgery`` each micro-batch's one backward runs inside
+:func:`fastpals.surgery.per_task_gradients`, and the micro-batch that ends the Trainer's accumulation applies the
+aggregator before the Trainer clips and steps: the update of ``train.py --batching mixed --surgery NAME``.
 
-- ``get_train_dataloader`` yields packed mixed-task micro-batches drawn by fastpals' sampler
-  (:class:`fastpals.data.mixed_batches.MixedBatchSampler`: ``annealed``, ``proportional``, ``sqrt``, ...), collated by
-  :func:`fastpals.data.mixed_batches.collate_packed` (no padding; the batch's :class:`~fastpals.data.layout.BatchLayout` holds
-  every host count, so the step reads no device value);
-- ``training_step`` runs one forward and one backward per micro-batch. With ``surgery`` (any name of
-  :data:`fastpals.surgery.AGGREGATORS`: ``pcgrad``, ``gem``, ``upgrad``, ``mgda``, ...) the backward runs inside
-  :func:`fastpals.surgery.per_task_gradients`, which puts each task's gradient of the shared weights into a
-  :class:`fastpals.surgery.TaskGradientBuffer` row; at the micro-batch that ends the Trainer's accumulation the
-  buffer's ``apply`` writes the aggregated gradient into ``.grad``. That is the update of fastpals' own trainer
-  (``--batching mixed --surgery NAME``, :func:`fastpals.train.step.run_update` with strategy ``one_backward``):
-  the loss differentiated is the sum of the task means, the PCGrad order stream is seeded with ``args.seed``.
-  Without surgery (``surgery="none"``) the loss is ``task_losses(..., weighting).total``.
-
-Everything else is the Trainer's own: the optimizer and schedule (``TrainingArguments``), gradient accumulation,
-clipping (``max_grad_norm``, applied after the surgery, before ``optimizer.step()``), logging, callbacks.
-``save_model`` writes the model with :meth:`fastpals.MultiTaskBert.save_pretrained`.
-
-Limits: one process (the buffer's all-reduce for data parallel is not wired to accelerate; several processes are
-refused); checked on CPU in fp32 (``tests/test_hf_trainer.py``). The Trainer's checkpoints do not hold the
-sampler's position, the surgery's random stream or a stateful aggregator's state (Nash-MTL, GradVac), so
-``resume_from_checkpoint`` does not continue the same run (``train.py --resume`` does).
+Limits: one process; the Trainer's checkpoints do not hold the sampler's position, the surgery's random stream or
+a stateful aggregator's state, so ``resume_from_checkpoint`` does not continue the same run (``train.py --resume``
+does).
 """
 
 from __future__ import annotations
@@ -50,12 +34,8 @@ def _as_is(item: Any) -> Any:
 
 
 class MixedTaskBatches(IterableDataset):
-    """The packed mixed-task micro-batches of a :class:`MixedBatchSampler`, one epoch per ``iter()`` (the Trainer
-    iterates its train dataloader once per epoch); ``len()`` is the micro-batches of an epoch.
-
-    Each item is :func:`fastpals.data.mixed_batches.collate_packed`'s dict (``input_ids [N]`` int64, ``cu_seqlens [B+1]``
-    int32, ``labels [B]`` float32, ``layout``, ...; see :mod:`fastpals.data.mixed_batches`).
-    """
+    """The packed mixed-task micro-batches (:func:`fastpals.data.mixed_batches.collate_packed`'s dicts) of a
+    :class:`MixedBatchSampler`, one epoch per ``iter()``; ``len()`` is the micro-batches of an epoch."""
 
     def __init__(self, batchers: Sequence[TaskBatcher], sampler: MixedBatchSampler) -> None:
         self.batchers, self.sampler = list(batchers), sampler
@@ -73,24 +53,16 @@ class MixedTaskBatches(IterableDataset):
 
 
 class MultiTaskTrainer(transformers.Trainer):
-    """A ``transformers.Trainer`` that trains a :class:`fastpals.MultiTaskBert` on mixed-task batches with
-    gradient surgery from one backward (see the module docstring).
+    """A ``transformers.Trainer`` that trains a :class:`fastpals.MultiTaskBert` on mixed-task batches with surgery
+    from one backward.
 
-    Args:
-        model: the multi-task model (PALs and heads; e.g. ``MultiTaskBert.from_base("minilm-l6", tasks, pal)``).
-        args: the Trainer's ``TrainingArguments``; ``per_device_train_batch_size`` is the examples of a
-            micro-batch (unless ``max_tokens``), ``seed`` seeds the sampler and the surgery's random stream.
-        train_batchers: one :class:`fastpals.data.per_task_batches.TaskBatcher` per task of ``model``, keyed by task name (or in
-            the model's task order); their ``seed`` orders each task's passes.
-        sampling: the task shares of a micro-batch (``annealed``, ``proportional``, ``uniform``, ``sqrt``,
-            ``round_robin``, ...; :data:`fastpals.data.sampling.SAMPLING_METHODS`).
-        surgery: an aggregator name of :data:`fastpals.surgery.AGGREGATORS`, or ``"none"``.
-        surgery_options: its options (:func:`fastpals.surgery.make_weighting`).
-        weighting: how task losses combine without surgery (``examples`` or ``equal``).
-        max_tokens: a token budget per micro-batch instead of a fixed number of examples.
-        micro_batches_per_epoch: default: about one pass over the training examples.
-        kwargs: the other ``transformers.Trainer`` arguments (callbacks, ...); ``train_dataset`` and
-            ``data_collator`` are refused (the batchers are the data).
+    ``train_batchers``: one :class:`~fastpals.data.per_task_batches.TaskBatcher` per task of ``model``, by name or
+    in the model's task order; ``sampling``: the task shares of a micro-batch
+    (:data:`fastpals.data.sampling.SAMPLING_METHODS`); ``surgery``: an aggregator of
+    :data:`fastpals.surgery.AGGREGATORS` or ``"none"``, with ``surgery_options``; ``weighting``: how task losses
+    combine without surgery; ``max_tokens``: a token budget per micro-batch instead of
+    ``per_device_train_batch_size`` examples. ``args.seed`` seeds the sampler and the surgery's random stream.
+    ``train_dataset`` and ``data_collator`` are refused (the batchers are the data).
     """
 
     def __init__(
@@ -107,7 +79,6 @@ class MultiTaskTrainer(transformers.Trainer):
         micro_batches_per_epoch: int | None = None,
         **kwargs: Any,
     ) -> None:
-
         for key in ("train_dataset", "data_collator"):
             if kwargs.get(key) is not None:
                 raise ValueError(f"MultiTaskTrainer takes no {key}: the train_batchers are the data")
@@ -180,11 +151,10 @@ class MultiTaskTrainer(transformers.Trainer):
         inputs: dict[str, Any],
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> torch.Tensor:
-        """One packed mixed micro-batch: forward, loss, backward (``num_items_in_batch`` is not used: each task's
-        loss is its own mean). With surgery the per-task gradients go into the buffer, and the micro-batch that
-        ends the accumulation applies the aggregator (``.grad`` then holds the update; a non-finite task gradient
-        leaves every ``.grad`` empty, so the optimizer step changes nothing). Returns the loss, detached, divided
-        by the accumulation as the Trainer logs it."""
+        """One packed mixed micro-batch: forward, loss, backward (each task's loss is its own mean, so
+        ``num_items_in_batch`` is unused). With surgery the micro-batch that ends the accumulation applies the
+        aggregator; a non-finite task gradient empties every ``.grad``. Returns the loss divided by the
+        accumulation, detached."""
         model.train()
         batch = model_inputs(inputs, self.args.device)
         labels = inputs["labels"].to(self.args.device)
@@ -220,9 +190,8 @@ class MultiTaskTrainer(transformers.Trainer):
         return (loss, out) if return_outputs else loss
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """``MultiTaskBert.save_pretrained(output_dir)`` (the folder ``MultiTaskBert.from_pretrained`` opens), with
-        the Trainer's ``processing_class`` when it is a :class:`fastpals.Tokenizer` (its ``vocab.txt``, for
-        ``fastpals predict`` and ``fastpals export``)."""
+        """``MultiTaskBert.save_pretrained(output_dir)``, with the ``processing_class`` when it is a
+        :class:`fastpals.Tokenizer`."""
 
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         tokenizer = self.processing_class if isinstance(self.processing_class, Tokenizer) else None

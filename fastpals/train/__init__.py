@@ -1,16 +1,5 @@
-"""Multi-task fine-tuning with DeepSpeed, as a library: ``train.py`` is :func:`main`.
-
-* :class:`TrainArgs` (:mod:`.args`, fields declared with :mod:`.options`): every option, checked;
-  :func:`parse_args`/:func:`build_parser` (:mod:`.command`) make it from a command line.
-* :class:`Trainer` (:mod:`.loop`): set-up, updates, checkpoints; :class:`TrainState` (:mod:`.state`).
-* :mod:`.data_setup`: the run's tokenizer, task batchers and sampler.
-* :mod:`fastpals.model.evaluate`: prediction and dev metrics, shared with ``fastpals predict``.
-* :mod:`.callbacks`: JSONL, TensorBoard, progress, plots (:mod:`.plots`), test-only faults.
-* :func:`run_update` (:mod:`.step`): one optimizer update of either batching, with or without gradient surgery,
-  also timed by the benchmarks.
-* :mod:`.dsconfig`, :mod:`.optimizer_setup`, :mod:`.distributed`, :mod:`.outputs`.
-* :mod:`.memory_states` (DeepSpeed's model states per rank, the live-tensor tracker) and :mod:`.memory_mode`
-  (what ``--surgery-memory auto`` picks), shared with ``fastpals memory``.
+"""Multi-task fine-tuning with DeepSpeed, as a library: ``train.py`` is :func:`main`, :class:`TrainArgs` every
+option, :class:`Trainer` the loop and :func:`run_update` one optimizer update. The modules: ``docs/architecture.md``.
 """
 
 from fastpals.train.args import PAL_PRESETS, TrainArgs, build_pal_config

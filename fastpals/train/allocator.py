@@ -1,15 +1,8 @@
 """Keep freed host memory in the process during training (glibc ``malloc`` tuning).
 
-A CPU training step allocates and frees the same activation and gradient tensors every update. With glibc's
-defaults every block above the (dynamic) mmap threshold is mapped fresh and unmapped on free, and the heap top is
-trimmed back to the system, so each update pays page faults to zero the same memory again. Measured on `make
-train`'s update (MiniLM + PALs, 32 mixed packed examples, bf16, 2-core AMD EPYC, 20 updates each, run twice in
-alternation): 1.05 M minor page faults and 3.1 s of system time per run without tuning, 0.41 M and 1.6 s with
-it; median update 0.623-0.636 s against 0.585-0.590 s.
-
-:func:`keep_freed_memory` raises the mmap threshold to 1 GiB (glibc before 2.35 caps it at 32 MiB on 64-bit and
-gets that) and stops trimming, so freed blocks are reused; the resident set then stays at its peak instead of
-shrinking between steps.
+A CPU step allocates and frees the same tensors every update; with glibc's defaults large blocks are mapped fresh
+and unmapped on free, so each update pays page faults again (measured in ``docs/measurements.md``).
+:func:`keep_freed_memory` raises the mmap threshold and stops trimming, so freed blocks are reused.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""Every option of a training run: :class:`TrainArgs`, one dataclass field per command-line option.
-
-Each field (declared with :func:`fastpals.train.options.opt`) holds in its metadata its help text, its
-command-line spelling and whether it must match the saved run on ``--resume`` (``resume="match"``) or may change
-(``resume="may_change"``); :mod:`fastpals.train.command` builds the argparse parser from these fields.
-``TrainArgs.__post_init__`` checks every option (and that the data files exist) and raises :class:`ConfigError`
-with a one-line message naming the option.
-"""
+"""Every option of a training run: :class:`TrainArgs`, one dataclass field per command-line option (help,
+spelling, and whether it must match on ``--resume``). ``__post_init__`` checks every option and raises a one-line
+:class:`ConfigError` naming it."""
 
 from __future__ import annotations
 
@@ -147,11 +142,11 @@ class TrainArgs:
         choices=TASK_WEIGHTINGS, default="examples",
     )  # fmt: skip
     surgery: str = opt(
-        "gradient surgery on the per-task gradients of the shared weights in each update",
+        "surgery: the aggregator that combines the per-task gradients of the shared weights in each update",
         choices=SURGERIES, default="none",
     )  # fmt: skip
     surgery_opts: list[str] = opt(
-        "an option of the --surgery method, KEY=VALUE, repeatable (e.g. c=0.4 for cagrad, alpha=2 for fairgrad; "
+        "an option of the --surgery aggregator, KEY=VALUE, repeatable (e.g. c=0.4 for cagrad, alpha=2 for fairgrad; "
         "see fastpals.surgery.make_weighting)",
         type=str, metavar="KEY=VALUE", factory=list, flags=("--surgery-opt", "--surgery-opts"),
     )  # fmt: skip

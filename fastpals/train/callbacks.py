@@ -1,15 +1,7 @@
-"""What a run reports, kept out of the update code: every record of the loop goes to the callbacks.
-
-* :class:`JsonlLog`: one JSON line per record in ``<out>/metrics.jsonl``.
-* :class:`TensorBoardLog`: losses, learning rate, throughput and dev scores under ``<out>/tensorboard``.
-* :class:`Progress`: one tqdm bar over the whole run (its ETA is the run's), losses in the postfix.
-* :class:`Plots`: ``training_curves.png`` and the confusion matrices at the end.
-* :class:`FaultInjection`: test-only faults (a NaN loss at an update, SIGTERM after N updates).
-
-A callback implements any of ``on_train_start(trainer)``, ``on_record(trainer, entry)`` and
-``on_train_end(trainer)``; records are dicts with a ``type`` (config, step, eval, epoch, nonfinite,
-interrupted).
-"""
+"""What a run reports, kept out of the update code: every record of the loop goes to the callbacks
+(``metrics.jsonl``, TensorBoard, the progress bar, the plots, test-only faults). A callback implements any of
+``on_train_start(trainer)``, ``on_record(trainer, entry)`` and ``on_train_end(trainer)``; records are dicts with
+a ``type`` (config, step, eval, epoch, nonfinite, interrupted)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""The ``train.py`` / ``fastpals train`` command line, generated from :class:`TrainArgs`'s fields.
-
-``--resume`` reads the options saved in ``<out>/train_args.json``: give only ``--out`` and the options that may
-change (``--help`` marks them); a must-match option given with another value is a one-line error. Errors a user
-can fix print one line on stderr (``--debug``: the traceback too).
-"""
+"""The ``train.py`` / ``fastpals train`` command line, generated from :class:`TrainArgs`'s fields. ``--resume``
+reads the options saved in ``<out>/train_args.json``; errors a user can fix print one line (``--debug``: the
+traceback too)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""The data of a training run: the tokenizer, every task's train and dev :class:`~fastpals.data.per_task_batches.TaskBatcher`, and
-the sampler that decides which micro-batches make an update.
-
-:func:`setup_data` builds them once per process (training examples are sharded by rank: rank ``r`` of ``W`` keeps
-examples ``r, r + W, ...``); :func:`eval_batcher` builds the in-order batcher of a dev or test split. Batches
-are dicts of int64 ``[B, L]`` tensors (see :class:`~fastpals.data.per_task_batches.TaskBatcher`).
-"""
+"""The data of a training run: the tokenizer, every task's train and dev
+:class:`~fastpals.data.per_task_batches.TaskBatcher` and the sampler of the updates. Training examples are sharded
+by rank (rank ``r`` of ``W`` keeps ``r, r + W, ...``)."""
 
 from __future__ import annotations
 

@@ -1,18 +1,10 @@
-"""Process set-up for DeepSpeed: rank/world defaults for ``python train.py``, and no shared-memory comm op
-build for a single process.
+"""Process set-up for DeepSpeed: rank/world defaults for ``python train.py``, quiet libraries, and no
+shared-memory comm op build for a single process.
 
-DeepSpeed 0.19.8's ``TorchBackend`` builds its CPU shared-memory all-reduce op (``deepspeed_shm_comm``) with
-ninja whenever the communication backend starts: 80-105 s the first time, under a lock in
-``~/.cache/torch_extensions`` shared by every checkout. One process never all-reduces across processes, so
-:func:`initialize` starts DeepSpeed without that op there (its collectives then fall back to
-``torch.distributed``, a one-rank gloo group). Several CPU ranks still need the op: it is built once into
-``$TORCH_EXTENSIONS_DIR`` (default: ``torch_extensions`` inside the Python environment, private to the venv),
-with a message.
-
-Quiet by default (:func:`quiet_libraries`): no accelerator guess on a machine without CUDA (``DS_ACCELERATOR=cpu``,
-so DeepSpeed does not warn that it "was unable to detect" a GPU), transformers' notes at error level only, and
-what DeepSpeed prints while it sets up (its optimizers' memory reports) held back unless the set-up fails.
-``--verbose`` keeps all of it and raises DeepSpeed's log level to INFO.
+DeepSpeed's ``TorchBackend`` builds its CPU shared-memory all-reduce op (``deepspeed_shm_comm``) with ninja when
+the communication backend starts, which takes minutes the first time (``docs/measurements.md``, Start-up). One process never all-reduces across
+processes, so :func:`initialize` starts DeepSpeed without that op there; several CPU ranks build it once into
+``$TORCH_EXTENSIONS_DIR`` (default: inside the Python environment). ``--verbose`` keeps the libraries' output.
 """
 
 from __future__ import annotations

@@ -31,8 +31,7 @@ __all__ = [
 
 DEFAULT_DS_CONFIG = "cpu_auto.json"
 
-# What bf16 costs where the CPU has no bf16 instructions (measured: MiniLM + PALs, mixed packed updates of 32, 2-core
-# AVX2 EPYC, 2026-11-23): the matmuls are emulated in software.
+# bf16 where the CPU has no bf16 instructions: the matmuls are emulated in software
 _EMULATED_BF16_NOTE = (
     "this CPU has no native bf16 (no avx512_bf16 / AMX): bf16 matmuls are emulated, measured over 20x slower "
     "than fp32 on a 2-core AVX2 EPYC"

@@ -179,12 +179,12 @@ class Trainer:
         mixed = self.args.batching == "mixed"
         if isinstance(bert, HFEncoder):
             how = (
-                "padded per micro-batch (its attention takes no varlen input)" if mixed else "padded per task"
+                "padded per micro-batch (its attention takes no packed input)" if mixed else "padded per task"
             )
             return (
                 f"[model] encoder: HF {bert.model_type} (transformers AutoModel + inject_pals); batches {how}"
             )
-        how = "packed without padding (varlen attention)" if mixed else "padded per task"
+        how = "packed without padding" if mixed else "padded per task"
         return f"[model] encoder: fastpals minBERT (fused PALs); batches {how}"
 
     def _device_name(self) -> str:

@@ -1,8 +1,8 @@
-"""What one training step's memory is made of, for :mod:`fastpals.commands.memory`: the bytes DeepSpeed keeps per rank for
-the model (:func:`model_state_bytes`, its layout for each precision and ZeRO stage), a ``TorchDispatchMode`` that
-adds up live tensor storage as a step runs (:class:`LiveTensorBytes`), and a DeepSpeed-like engine that allocates
-that layout around the real update (:class:`LayoutEngine`), with the gradient buckets DeepSpeed's ZeRO-1/2 optimizer
-allocates for each backward (:func:`gradient_buckets`)."""
+"""What one training step's memory is made of, for :mod:`fastpals.commands.memory`: the bytes DeepSpeed keeps per
+rank for the model at each precision and ZeRO stage (:func:`model_state_bytes`), a ``TorchDispatchMode`` that adds
+up live tensor storage as a step runs (:class:`LiveTensorBytes`), and a DeepSpeed-like engine that holds those
+states around the real update (:class:`DeepSpeedLikeEngine`) with the gradient buckets of ZeRO-1/2
+(:func:`gradient_buckets`)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from torch.utils._pytree import tree_flatten
 __all__ = [
     "CATEGORIES",
     "PRECISIONS",
+    "DeepSpeedLikeEngine",
     "GradientBuckets",
-    "LayoutEngine",
     "LiveTensorBytes",
     "ModelStates",
     "gradient_buckets",
@@ -33,9 +33,6 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 CATEGORIES = ("parameters", "gradients", "optimizer", "buckets", "activations", "surgery", "temporaries")
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Model states (DeepSpeed's layout)
-# ----------------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ModelStates:
     """Bytes per rank of what DeepSpeed keeps for the model (steady state, after the first step).
@@ -100,9 +97,6 @@ def model_state_bytes(
     return ModelStates(params, grads, master, fp32_grads, optimizer, gathered)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# DeepSpeed's gradient buckets
-# ----------------------------------------------------------------------------------------------------------------
 _DS_DTYPES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "bf16": "bf16", "bfloat16": "bf16",
               "fp16": "fp16", "float16": "fp16", "half": "fp16"}  # fmt: skip
 _WIDTH = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -163,9 +157,6 @@ def gradient_buckets(
     return GradientBuckets(2 if overlap else 1, elements, dtype, why)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The tracker
-# ----------------------------------------------------------------------------------------------------------------
 class LiveTensorBytes(TorchDispatchMode):
     """Adds up the bytes of the live tensor storages made by ops under this mode (fake or real tensors).
 
@@ -255,10 +246,7 @@ class LiveTensorBytes(TorchDispatchMode):
         return out
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The DeepSpeed-like engine
-# ----------------------------------------------------------------------------------------------------------------
-class LayoutEngine:
+class DeepSpeedLikeEngine:
     """What :func:`fastpals.train.step.run_update` needs of a DeepSpeed engine (``module``, forward,
     ``backward``, ``step``), holding DeepSpeed's model states for ``precision`` and ``zero_stage`` on one of
     ``world_size`` ranks (see :func:`model_state_bytes`; collectives are not run: a rank's own tensors are).

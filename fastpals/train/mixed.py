@@ -1,21 +1,10 @@
-"""``--batching mixed``: every micro-batch mixes the tasks and is packed without padding.
+"""``--batching mixed``: every micro-batch mixes the tasks, packed without padding (``docs/training.md``).
 
-A :class:`fastpals.data.mixed_batches.MixedBatchSampler` draws each micro-batch's examples; each task's share follows the
-sampling scheme (annealed ``p_t ∝ N_t^α(e)``; proportional, uniform, sqrt: their probabilities; round robin and
-every-task: equal shares), with ``--batch-size`` examples or ``--max-tokens`` tokens per micro-batch. The rows
-are packed (``cu_seqlens``) and run through the model's unpadded path in ONE forward and ONE ``engine.backward``
-per micro-batch. The loss is one mean per task, combined by ``--task-weighting`` (see
-:meth:`fastpals.MultiTaskBert.task_losses`).
-
-With ``--surgery``, the update's per-task gradients of the shared weights come out of that same backward
-(:func:`fastpals.surgery.per_task_gradients`: a grouped weight gradient per task segment) and the aggregator
-combines them; the backward then runs on the sum of the task means (each task's gradient is that of its own mean
-loss, as in ``--batching per_task``). :func:`packed_micro_batches` describes the micro-batches for
-:func:`fastpals.train.step.run_update` (strategy ``none``, or ``one_backward`` with surgery), which runs the
-update.
-
-Epochs: ``--steps-per-epoch`` updates, or by default about one pass over the training examples
-(``ceil(sum N_t / batch size)`` micro-batches; with ``--max-tokens`` alone ``ceil(total tokens / budget)``).
+:class:`MixedUpdates` draws each micro-batch's examples with a :class:`~fastpals.data.mixed_batches.MixedBatchSampler`
+(``--batch-size`` examples or ``--max-tokens`` tokens); :func:`packed_micro_batches` hands them to
+:func:`fastpals.train.step.run_update`: one forward and one backward per micro-batch, with surgery the per-task
+gradients from that same backward. An epoch is ``--steps-per-epoch`` updates, else about one pass over the
+training examples.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """The field helper of :class:`fastpals.train.args.TrainArgs`: :func:`opt` declares one command-line option as a
-dataclass field whose metadata (help, resume rule, argparse ``type``/``choices``/``metavar``/``flags``,
-``hidden``) :mod:`fastpals.train.command` reads; plus the option's spelling (:func:`option_flag`) and JSON-ready
-values (:func:`jsonable`) for ``train_args.json``.
-"""
+dataclass field whose metadata :mod:`fastpals.train.command` reads; :func:`option_flag` spells it and
+:func:`jsonable` makes values JSON-ready for ``train_args.json``."""
 
 from __future__ import annotations
 

@@ -105,7 +105,7 @@ def plot_training_curves(
         title: figure title (the run's settings).
         tasks: the task order that fixes the colours (default: sorted names).
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # matplotlib: costly, only for plots
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # start-up: matplotlib's import is slow
     from matplotlib.figure import Figure
 
     figure = Figure(figsize=(11, 4.8))

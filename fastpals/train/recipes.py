@@ -1,10 +1,6 @@
-"""Named recipes: the seed systems' option sets, shipped as JSON in ``fastpals/configs/recipes/``.
-
-A recipe is a JSON object of :class:`~fastpals.train.args.TrainArgs` option values (field names, e.g.
-``"pal": "12heads"``) plus a ``"description"`` and a ``"source"`` line. ``train.py --recipe NAME`` takes its
-options as defaults; options given on the command line override them. ``NAME`` is a shipped recipe (listed by
-:func:`recipe_names`) or a path to a JSON file of the same form.
-"""
+"""Named recipes: JSON objects of :class:`~fastpals.train.args.TrainArgs` option values plus ``"description"``
+and ``"source"``, shipped in ``fastpals/configs/recipes/`` or given as a path. ``train.py --recipe NAME`` takes
+them as defaults; options on the command line override them."""
 
 from __future__ import annotations
 

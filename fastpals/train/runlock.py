@@ -1,10 +1,8 @@
 """One run per output folder: :class:`RunLock` holds ``<out>/.lock`` while a run writes there.
 
-The lock is an ``fcntl.flock`` on the file, taken without waiting, so the kernel decides atomically which of two
-runs started together gets it, and releases it when its holder dies (kill -9, a power cut): a lock left behind
-is never "stale" for the kernel. The file records ``pid host`` of its holder; a run that finds the file filled
-in but the flock free took over from a run that ended without releasing it, and says so. A clean end empties
-the file.
+An ``fcntl.flock`` taken without waiting: the kernel decides which of two runs gets it and releases it when its
+holder dies, so a lock is never stale. The file records ``pid host``; a run that finds it filled in but the flock
+free takes over from a run that ended without releasing it, and says so.
 """
 
 from __future__ import annotations

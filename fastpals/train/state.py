@@ -1,16 +1,10 @@
 """What a run carries from update to update, and its checkpoints.
 
-:class:`TrainState` (progress, curves, evaluations, best score, timings, the options that must match on resume)
-is one dataclass that round-trips through ``state_dict`` / ``from_state_dict``. A checkpoint is DeepSpeed's
-(module, optimizer, scheduler) with the client state ``{"train_state": ..., "components": {name: state}}``,
-where the components (task sampler, batchers, RNGs) are objects with ``state_dict``/``load_state_dict`` named
-once by the loop: saving and loading walk the same dict, so nothing is mirrored by hand.
-
-A missing, truncated or corrupt checkpoint file, or a ``latest`` that names no folder, is a
-:class:`ConfigError` with one line naming the file and what to do (and the newest whole checkpoint folder, when
-one is there). ``latest`` is written by :func:`save_checkpoint` itself, atomically, once the new folder is whole;
-a save that fails (a full disk, no permission) removes its partial folder and leaves the previous checkpoint and
-``latest`` as they were (:class:`OutputError`).
+:class:`TrainState` round-trips through ``state_dict`` / ``from_state_dict``. A checkpoint is DeepSpeed's
+(module, optimizer, scheduler) with the client state ``{"train_state": ..., "components": {name: state}}``; the
+components (sampler, batchers, RNGs) are objects with ``state_dict``/``load_state_dict``. ``latest`` is written
+atomically once the new folder is whole; a failed save removes its partial folder (:class:`OutputError`), and a
+missing or corrupt checkpoint is a one-line :class:`ConfigError`.
 """
 
 from __future__ import annotations
