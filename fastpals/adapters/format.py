@@ -228,10 +228,11 @@ def plan_adapter_load(
     strict: bool = True,
     stacklevel: int = 3,
 ) -> tuple[list[tuple[str, torch.Tensor]], list[str]]:
-    """Check an adapter's tensors against ``model`` (its encoder at ``encoder_prefix``) as
-    :func:`load_adapter_tensors` does, without copying: ``(copies, skipped)``, where ``copies`` are
-    ``(name in the model, saved tensor)`` pairs, PAL tensors first, and ``skipped`` the saved names that have no
-    place in the model (a warning names them; with ``strict`` they are an error)."""
+    """Check an adapter's tensors against ``model`` (its encoder at ``encoder_prefix``) without copying:
+    ``(copies, skipped)``, ``copies`` the ``(name in the model, saved tensor)`` pairs, PAL tensors first, and
+    ``skipped`` the saved names without a place in the model (a warning, or with ``strict`` an error). The PAL
+    tensors must match the model's exactly; a head or trained-base tensor of another shape is an error;
+    ``load_trained_base=False`` leaves the trained base tensors out."""
     saved_prefix = config["encoder"]["prefix"]
     own = model.state_dict(keep_vars=True)
     pal_saved = {retarget(k, saved_prefix, encoder_prefix): tensors[k] for k in config["pal_parameters"]}
@@ -280,25 +281,12 @@ def load_adapter_tensors(
     encoder_prefix: str,
     config: dict[str, Any],
     tensors: dict[str, torch.Tensor],
-    *,
-    source: str,
-    caller: str,
-    load_trained_base: bool = True,
-    strict: bool = True,
+    **options: Any,
 ) -> list[str]:
     """Copy an adapter's tensors into ``model`` (its encoder at ``encoder_prefix``), into the model's devices and
-    dtypes, after the checks of :func:`plan_adapter_load`; returns the saved names that were not loaded."""
-    copies, skipped = plan_adapter_load(
-        model,
-        encoder_prefix,
-        config,
-        tensors,
-        source=source,
-        caller=caller,
-        load_trained_base=load_trained_base,
-        strict=strict,
-        stacklevel=4,
-    )
+    dtypes, after the checks of :func:`plan_adapter_load` (``options``: its keyword arguments); returns the saved
+    names that were not loaded."""
+    copies, skipped = plan_adapter_load(model, encoder_prefix, config, tensors, stacklevel=4, **options)
     own = model.state_dict(keep_vars=True)
     with torch.no_grad():
         for name, value in copies:

@@ -103,7 +103,7 @@ class Budget:
         return math.ceil(updates / self.evals) if self.evals > 1 else None
 
 
-#: the CPU table's budget: how fast each arm starts (about 2.5 h for the whole table, 3 seeds, on the 2-core CPU)
+#: the CPU table's budget: how fast each arm starts
 EARLY = Budget("early-training", 100, what="100 updates of 16 examples, each run scored at its end: how fast each "
                "arm starts, not what it reaches")  # fmt: skip
 #: the main job's budget (`make train`: 867 updates of 48 examples), dev every 174 updates
@@ -663,9 +663,8 @@ def main(argv: list[str] | None = None) -> int:
     seeds = list(range(n_seeds))
     if opts.quick and "--max-eval" not in common:
         common += ["--max-eval", "16"]
-    if "--data-dir" not in common and os.environ.get(
-        "FASTPALS_DATA_DIR"
-    ):  # the exact data in every command line
+    # the exact data in every command line
+    if "--data-dir" not in common and os.environ.get("FASTPALS_DATA_DIR"):
         common += ["--data-dir", os.environ["FASTPALS_DATA_DIR"]]
     out = Path(opts.out).resolve()
     runs_dir = out / "runs"
@@ -701,9 +700,8 @@ def main(argv: list[str] | None = None) -> int:
     unfinished = [run_name(a, s) for a, s in plan if runs[(a, s)]["dev"] is None]
     wall_s = time.perf_counter() - t_start
     earlier = out / "claims.json"
-    if (
-        opts.report and earlier.is_file()
-    ):  # the table's wall time and runs at once stay those of the training call
+    # the table's wall time and runs at once stay those of the training call
+    if opts.report and earlier.is_file():
         saved = json.loads(earlier.read_text())
         wall_s, jobs = saved.get("wall_s_this_session", wall_s), saved.get("jobs", jobs)
     header = _header(findings, budget, seeds, common, env, runs, plan, unfinished, jobs, wall_s)

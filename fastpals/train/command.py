@@ -224,9 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingInterrupted as err:
         _report(f"{PROG}: {err}", debug and err.at_once, hint=False)
         return 128 + err.signum
-    except (
-        KeyboardInterrupt
-    ):  # Ctrl-C before the trainer's own handler (the set-up) or after it (the outputs)
+    except KeyboardInterrupt:  # before the trainer's own handler (the set-up) or after it (the outputs)
         phase = trainer.phase if trainer is not None else "set-up"
         what = (
             "nothing was trained"

@@ -46,9 +46,8 @@ def without_shm_comm_op() -> Iterator[None]:
     """While active, DeepSpeed's communication backend starts without building/loading its CPU shared-memory
     op (``deepspeed.comm.torch.build_shm_op`` returns None, which DeepSpeed handles as "op not available")."""
 
-    ds_torch = importlib.import_module(
-        "deepspeed.comm.torch"
-    )  # `deepspeed.comm.torch` the attribute is torch
+    # `deepspeed.comm.torch` the attribute is torch
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
     original = ds_torch.build_shm_op
     ds_torch.build_shm_op = lambda: None
     try:

@@ -135,16 +135,10 @@ def _precision_reason(
 
 
 def _resolve_grad_accum_dtype(cfg: dict[str, Any], surgery: str, name: str) -> None:
-    """Resolve ``"data_types": {"grad_accum_dtype": "auto"}`` in place, and refuse fp32 accumulation with surgery.
-
-    "auto" becomes fp32 with bf16 + ZeRO-1 and no surgery (then DeepSpeed runs its ``BF16_Optimizer``, and
-    ``bf16.immediate_grad_update`` moves each gradient into the fp32 buffer as the backward makes it. On
-    ``make train``'s updates the optimizer step took a median 11-16 ms against 41-54 ms with DeepSpeed's ZeRO-1
-    optimizer and bf16 gradients, whose reduce buckets copy every gradient several times; the updates are bit for
-    bit the same); otherwise the entry is removed (DeepSpeed's default:
-    the parameters' dtype). With surgery the fp32-accumulating optimizer is refused: it takes each gradient into its
-    fp32 buffer during the backward, before the aggregator writes the combined gradient back.
-    """
+    """Resolve ``"data_types": {"grad_accum_dtype": "auto"}`` in place: fp32 with bf16 + ZeRO-1 and no surgery
+    (DeepSpeed's ``BF16_Optimizer`` with ``immediate_grad_update``: a faster optimizer step, the same updates;
+    ``docs/measurements.md``), else DeepSpeed's default (the parameters' dtype). With surgery fp32 accumulation is
+    refused: that optimizer takes each gradient during the backward, before the aggregator combines them."""
     types = cfg.get("data_types")
     if not isinstance(types, dict) or "grad_accum_dtype" not in types:
         return
@@ -177,16 +171,11 @@ def check_ds_config(
     name: str = "--ds_config",
     native_bf16: bool | None = None,
 ) -> dict[str, Any]:
-    """Check a DeepSpeed config against the options and return a completed copy.
-
-    Fills ``train_micro_batch_size_per_gpu`` (= ``batch_size``), ``gradient_accumulation_steps``
-    (= ``grad_accum``, 1 with surgery) and ``train_batch_size`` when absent; every contradiction raises
-    :class:`ConfigError` naming the entry and what to change. ``cuda`` defaults to ``torch.cuda.is_available()``.
-    ``"bf16": {"enabled": "auto"}`` becomes bf16 on a GPU that supports it or a CPU with native bf16
-    (``native_bf16``, default :func:`cpu_has_native_bf16`), else fp32; ``"zero_optimization": {"stage": "auto"}``
-    becomes 1 with bf16/fp16 or several ranks, else 0; ``"data_types": {"grad_accum_dtype": "auto"}`` becomes
-    fp32 with bf16 + ZeRO-1 and no surgery, else DeepSpeed's default (see :func:`_resolve_grad_accum_dtype`).
-    """
+    """Check a DeepSpeed config against the options and return a completed copy: the batch entries filled in
+    from ``batch_size`` and ``grad_accum`` (1 with surgery), every ``"auto"`` resolved (bf16 where the device runs
+    it natively, ``native_bf16`` default :func:`cpu_has_native_bf16`; ZeRO-1 with bf16/fp16 or several ranks;
+    :func:`_resolve_grad_accum_dtype`), every contradiction a :class:`ConfigError` naming the entry. ``cuda``
+    defaults to ``torch.cuda.is_available()``."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
     out = copy.deepcopy(cfg)
     _resolve_auto_precision(out, cuda, native_bf16, name)

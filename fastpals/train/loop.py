@@ -147,9 +147,7 @@ class Trainer:
         self.finished = False
         self.phase = "set-up"  # then "training", then "writing the outputs" (named when Ctrl-C stops the run)
         self._stop_signal: int | None = None
-        self._checkpoint: tuple[Path, int] | None = (
-            None  # this run's last checkpoint (all finite) and its step
-        )
+        self._checkpoint: tuple[Path, int] | None = None  # the last checkpoint (all finite) and its step
         self._finite_step: int | None = None  # the update step whose weights were last checked finite
 
     # --- reporting ----------------------------------------------------------------------------------------------
@@ -205,9 +203,8 @@ class Trainer:
         # the model opened in __init__, and the random state its build left (as if it were built here)
         self.model, self._early_model = self._early_model, None
         _set_rng_state(self._rng_after_model)
-        torch.cuda.manual_seed_all(
-            self.args.seed
-        )  # as build_model's torch.manual_seed did (lazy: no CUDA init)
+        # as build_model's torch.manual_seed did (lazy: no CUDA init)
+        torch.cuda.manual_seed_all(self.args.seed)
 
     def _setup_engine(self) -> None:
         args, lr = self.args, self.args.lr
@@ -500,9 +497,8 @@ class Trainer:
                          "parameters": count_parameters(self.model)})  # fmt: skip
         self.state.add_time("setup_s", time.perf_counter() - start)
         stops = [signal.SIGTERM, signal.SIGINT] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
-        old = {
-            s: signal.signal(s, self._on_signal) for s in stops
-        }  # a closed terminal (SIGHUP) stops as SIGTERM
+        # a closed terminal (SIGHUP) stops as SIGTERM
+        old = {s: signal.signal(s, self._on_signal) for s in stops}
         try:
             if isinstance(old[signal.SIGINT], SetupCtrlC):
                 old[signal.SIGINT].check()  # a Ctrl-C of the set-up that Python swallowed

@@ -42,9 +42,8 @@ class MixedUpdates:
         world_size: int = 1,
     ) -> None:
         self.micro_per_update = micro_per_update
-        if (
-            updates_per_epoch is None
-        ):  # about one pass over the data (the smallest shard's, identical on ranks)
+        # about one pass over the data (the smallest shard's, identical on ranks)
+        if updates_per_epoch is None:
             sizes = [len(b.examples) for b in batchers]
             if batch_size is not None:
                 micro = math.ceil(sum(sizes) / batch_size)
