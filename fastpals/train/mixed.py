@@ -87,18 +87,8 @@ def packed_micro_batches(
     weighting: str,
 ) -> Iterator[MicroBatch]:
     """The update's packed mixed micro-batches for :func:`fastpals.train.step.run_update`, collated one at a time
-    (``collate_packed``, ``model_inputs``) as the update consumes them.
-
-    Args:
-        batchers: one per task, in the model's task order (they collate the selected examples).
-        selections: the update's micro-batches.
-        device: where the inputs and labels go.
-        weighting: ``--task-weighting`` (``examples`` or ``equal``; the surgery strategy ``one_backward``
-            differentiates the sum of the task means instead).
-
-    Each task's examples and tokens are the host's counts: the selection's indices, and the batcher's
-    ``packed_lengths`` of them (the tokens the packed rows hold).
-    """
+    as it consumes them: ``batchers`` one per task in the model's order, ``weighting`` the ``--task-weighting``.
+    Each task's examples and tokens are host counts (the selection's indices, the batcher's ``packed_lengths``)."""
     for sel in selections:
         batch = collate_packed(batchers, sel)
         tasks = tuple(t for t, idx in enumerate(sel.indices) if len(idx))

@@ -93,18 +93,9 @@ def plot_training_curves(
     title: str | None = None,
     tasks: Sequence[str] | None = None,
 ) -> Path:
-    """Two panels: per-task training loss against the update step (a point per update where the task trained,
-    faint, and a moving average over those updates), and the dev metric of every task plus the overall score at
-    each evaluation. Each task has one colour in both panels (:func:`task_colors`); the legend sits below the
-    panels, off the curves.
-
-    Args:
-        step_losses: ``{task: (steps, losses)}``, steps and losses of equal length.
-        evals: ``[{"step": int, "dev": {task or "overall": float}}, ...]``.
-        path: the PNG to write (its folder is created).
-        title: figure title (the run's settings).
-        tasks: the task order that fixes the colours (default: sorted names).
-    """
+    """Write ``path`` (PNG): per-task training loss against the update (``step_losses``: ``{task: (steps,
+    losses)}``; points and a moving average) beside the dev scores of each evaluation (``evals``: ``[{"step",
+    "dev"}, ...]``), one colour per task in both panels (``tasks`` fixes the order), ``title`` above."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # start-up: matplotlib's import is slow
     from matplotlib.figure import Figure
 
@@ -143,19 +134,9 @@ def plot_training_curves(
 def plot_confusion_matrices(
     predictions: dict[str, tuple[Sequence, Sequence]], folder: str | os.PathLike, specs: dict | None = None
 ) -> list[Path]:
-    """Confusion matrices of the dev predictions: ``sst`` (5 classes) to ``confusion_sst.png`` and ``sts``
-    (scores binned to 0, 0.5, ..., 5) to ``confusion_sts.png``; with ``specs`` (``{task: TaskSpec}``) every
-    other task too (``confusion_<task>.png``, :func:`fastpals.data.metrics.task_confusion_matrix`: its classes, or a
-    regression range in 11 bins).
-
-    Args:
-        predictions: ``{task: (labels, predictions)}``; tasks without a spec other than sst/sts are ignored.
-        folder: where the PNGs go.
-        specs: the tasks' specs (user tasks).
-
-    Returns:
-        The paths written.
-    """
+    """Confusion matrices of the dev predictions (``{task: (labels, predictions)}``) in ``folder``:
+    ``confusion_sst.png``, ``confusion_sts.png`` (scores binned to 0.5) and, with ``specs``, every other task's
+    (:func:`fastpals.data.metrics.task_confusion_matrix`). Returns the paths written."""
 
     folder = Path(folder)
     written = []
