@@ -1,22 +1,12 @@
-"""Where :func:`fastpals.inject_pals` puts the PALs: the per-architecture targets and finding them in a model.
+"""Where :func:`fastpals.inject_pals` puts the PALs: :data:`TARGETS` maps ``config.model_type`` to a
+:class:`PALTarget`, and :func:`resolve_targets` finds it in a model (an HF encoder or minBERT) and checks the PAL
+config, hidden size and mask argument, changing nothing.
 
-:data:`TARGETS` maps ``config.model_type`` to a :class:`PALTarget` (the encoder's layer list and, in each layer,
-the module where ``TS_t(h)`` joins the residual sum); :func:`resolve_targets` finds them in a model (an HF
-encoder, or fastpals' own minBERT) and checks the PAL config, the hidden size ``d`` and the base model's mask
-argument, without changing anything.
-
-The PAL algebra (Stickland & Murray 2019, the seeds): a layer with input ``h`` computes
-``LN(ffn_out + attn_out + TS_t(h))``: ``TS_t(h)`` is one more branch of the layer's last residual sum, added
-before that sum is normalised. Where it goes:
-
-- post-LN layers (BERT, RoBERTa, XLM-R, ELECTRA, DeBERTa-v2/v3, DistilBERT): ``site="norm_input"``, added to the
-  input of the layer's final LayerNorm (BERT: ``output.LayerNorm``, whose input is ``ffn_out + attn_out``);
-- ModernBERT (pre-LN: ``h' = h + attn(LN(h)); out = h' + mlp(LN(h'))``, no LayerNorm after the FFN):
-  ``site="output"``, added to the output of ``mlp``, so the layer returns ``h + attn + mlp + TS_t(h)``. The
-  next normalisation of that sum (the next layer's ``attn_norm``, or ``final_norm``) is the LayerNorm of the
-  algebra, and ``TS_t`` reads the layer input ``h`` (the residual stream) as in BERT.
-
-Adding an architecture: one row in :data:`TARGETS` (and its case in tests/test_encoders.py).
+A layer with input ``h`` computes ``LN(ffn_out + attn_out + TS_t(h))`` (Stickland & Murray 2019): ``TS_t(h)`` is
+one more branch of the layer's last residual sum, before it is normalised. Post-LN layers (BERT, RoBERTa, XLM-R,
+ELECTRA, DeBERTa-v2/v3, DistilBERT) add it to the input of the final LayerNorm (``site="norm_input"``).
+ModernBERT is pre-LN (no LayerNorm after the FFN): it adds it to the output of ``mlp`` (``site="output"``), and
+the next normalisation of ``h + attn + mlp + TS_t(h)`` is the algebra's LayerNorm.
 """
 
 from __future__ import annotations
@@ -43,15 +33,10 @@ __all__ = [
 
 @dataclass(frozen=True)
 class PALTarget:
-    """Where the PALs go in one architecture (PEFT's "target modules").
-
-    ``layers``: the ``nn.ModuleList`` of encoder layers, as a dotted path that the module name must end with
-    (``"encoder.layer"`` matches ``bert.encoder.layer``); the module holding it is the *base model*.
-    ``layer_norm``: the layer's final LayerNorm (the one after the FFN), relative to a layer.
-    ``dropout_attr``: the config attribute with BERT's attention-probability dropout (the PAL's default dropout).
-    ``site``: ``"norm_input"`` (``TS_t(h)`` is added to the first input of ``layer_norm``) or ``"output"``
-    (added to the output of the module named ``layer_norm``, for pre-LN layers; see the module docstring).
-    """
+    """Where the PALs go in one architecture (PEFT's "target modules"): ``layers``, the dotted path the layer
+    list's name ends with (its parent is the *base model*); ``layer_norm``, a layer's final LayerNorm (or, with
+    ``site="output"``, the module whose output takes ``TS_t(h)``); ``dropout_attr``, the config attribute of the
+    attention dropout (the PAL's default)."""
 
     layers: str
     layer_norm: str

@@ -182,15 +182,10 @@ def load_bert_config(model: str) -> Any:
 
 @dataclass(frozen=True)
 class StepSpec:
-    """One training configuration of :func:`plan_memory` (see ``fastpals memory --help`` for the fields).
-
-    ``max_length``: tokens per example (every example is assumed full length: the worst case of a packed batch);
-    ``max_tokens``: a packed batch's token budget instead of a batch size; ``surgery``: ``none`` or an aggregator
-    of :data:`fastpals.surgery.AGGREGATORS`; ``surgery_mode``: ``one_backward`` (mixed packed micro-batches, one
-    backward: ``--batching mixed``) or ``per_task`` (one backward per task's micro-batch of ``batch_size``
-    examples: ``--batching per_task``); ``buffer_dtype``: the rows of the surgery buffer; ``ds_config``: the
-    DeepSpeed config whose ``zero_optimization`` sets the gradient buckets (a path or a shipped name; None: the
-    shipped ``gpu_<precision>_zero<stage>.json`` for fp16/bf16, DeepSpeed's defaults for fp32)."""
+    """One training configuration of :func:`plan_memory` (the fields: ``fastpals memory --help``). Every example
+    is ``max_length`` tokens (the worst case of a packed batch); ``surgery_mode`` ``one_backward`` is
+    ``--batching mixed``, ``per_task`` one backward per task's micro-batch; ``ds_config`` sets the gradient
+    buckets (None: the shipped ``gpu_<precision>_zero<stage>.json`` for fp16/bf16, DeepSpeed's defaults for fp32)."""
 
     model: str = "minilm-l6"
     tasks: tuple[str, ...] = ("sst", "para", "sts")
@@ -601,14 +596,11 @@ _MAX_PROBE = 32768
 def largest_batches(
     spec: StepSpec, devices: Sequence[str] = tuple(DEVICES), probes: tuple[int, int] | None = None
 ) -> tuple[dict[str, int | None], dict[str, float]]:
-    """Per device the largest batch whose predicted peak fits, from the straight line through two traces (the
-    peak is linear in the batch at a fixed length where the activations make it: ``tests/test_memory.py`` checks
-    it). ``probes``: the two batch sizes traced first (default 16 and 32 examples per task). Where the line says
-    the largest device holds far more than the probes (the peak at the probes is a part that does not grow with
-    the batch, e.g. the model states and surgery rows with activation checkpointing: the batch-proportional part
-    of the line is under half the last trace's peak), up to
-    :data:`_REFINE_STEPS` more traces at that predicted limit (at most :data:`_MAX_PROBE` examples) replace the
-    line by the one through the last two traces. Returns ``(largest, {"intercept_bytes", "bytes_per_example"})``."""
+    """Per device the largest batch whose predicted peak fits, from the straight line through two traces at
+    ``probes`` (default 16 and 32 examples per task; the peak is linear in the batch, ``tests/test_memory.py``).
+    Where the batch-proportional part of the line is under half the last trace's peak (model states and surgery
+    rows dominate), up to :data:`_REFINE_STEPS` more traces at the predicted limit refit the line. Returns
+    ``(largest, {"intercept_bytes", "bytes_per_example"})``."""
     t = len(spec.tasks)
     probes = probes or (
         (16, 32) if spec.surgery_mode == "per_task" and spec.surgery != "none" else (16 * t, 32 * t)
@@ -641,12 +633,10 @@ def plan_memory(
     largest_batch: bool = False,
     every_surgery_memory: bool = False,
 ) -> MemoryPlan:
-    """Predict the peak memory of one training step of ``spec`` at ``batch_size`` examples of ``spec.max_length``
-    tokens (or a packed budget of ``max_tokens`` tokens: ``max_tokens // max_length`` full-length rows), per rank.
-
-    Traces the real update on fake tensors (:func:`trace_step`); ``largest_batch`` adds the largest batch per
-    device (:func:`largest_batches`); ``every_surgery_memory`` (one-backward surgery) traces every
-    ``--surgery-memory`` mode too (``plan.surgery_modes``). Raises ``ValueError`` (one line naming the option) on bad input."""
+    """Predict the peak memory per rank of one training step of ``spec`` at ``batch_size`` examples (or
+    ``max_tokens // max_length`` full-length rows), traced on fake tensors (:func:`trace_step`).
+    ``largest_batch`` adds the largest batch per device; ``every_surgery_memory`` traces every
+    ``--surgery-memory`` mode too. Raises a one-line ``ValueError`` naming the option on bad input."""
     spec.check()
     if max_tokens is not None:
         if max_tokens < spec.max_length:

@@ -64,16 +64,10 @@ def model_state_bytes(
     world_size: int = 1,
     largest_layer_params: int = 0,
 ) -> ModelStates:
-    """DeepSpeed's per-rank model-state bytes for ``num_params`` trainable parameters with AdamW.
-
-    Mixed precision (``fp16``/``bf16``): 16-bit weights (2 B, partitioned at ZeRO-3), 16-bit gradients (2 B,
-    partitioned from ZeRO-2; at ZeRO-3 only the gathered layer's, counted in ``gathered``), fp32 master weights,
-    fp32 gradient partition and two fp32 moments (4 + 4 + 8 B, partitioned from ZeRO-1, whole at ZeRO-0). This is
-    DeepSpeed's ``2 + 18 / N`` bytes per parameter at ZeRO-2 and ``18 / N`` plus 4 B per parameter of the largest
-    layer at ZeRO-3 (``estimate_zero2/3_model_states_mem_needs``). ``fp32``: fp32 weights and gradients (4 + 4 B),
-    two moments (8 B, partitioned from ZeRO-1); ZeRO >= 1 also keeps an fp32 partition copy of the weights and
-    flattens the gradient partition at the step (4 + 4 B / N).
-    """
+    """DeepSpeed's per-rank model-state bytes for ``num_params`` trainable parameters with AdamW, as DeepSpeed's
+    ``estimate_zero2/3_model_states_mem_needs`` count them: mixed precision keeps 16-bit weights and gradients
+    plus fp32 master weights, gradient partition and two moments (``2 + 18 / N`` bytes per parameter at ZeRO-2);
+    ``fp32`` keeps fp32 weights, gradients and moments, and from ZeRO-1 an fp32 partition copy of the weights."""
     if precision not in PRECISIONS:
         raise ValueError(f"--precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
     if zero_stage not in (0, 1, 2, 3):
@@ -249,16 +243,11 @@ class LiveTensorBytes(TorchDispatchMode):
 class DeepSpeedLikeEngine:
     """What :func:`fastpals.train.step.run_update` needs of a DeepSpeed engine (``module``, forward,
     ``backward``, ``step``), holding DeepSpeed's model states for ``precision`` and ``zero_stage`` on one of
-    ``world_size`` ranks (see :func:`model_state_bytes`; collectives are not run: a rank's own tensors are).
-
-    The module is cast to the training dtype (fp16/bf16 mixed precision: no autocast, as DeepSpeed). The fp32
-    master partition and the AdamW moments are allocated at construction (the steady state after a first step);
-    ``step`` makes the fp32 gradient partition from the module's gradients (or from what a surgery buffer wrote
-    through :meth:`grad_setter`), unscales (fp16), clips to norm 1, runs a fused in-place AdamW and copies the
-    master weights back into the module. ZeRO-2 on several ranks drops each 16-bit gradient once it is made
-    (reduce-scattered into a ``2 P / N``-byte partition buffer). ``buckets`` (:func:`gradient_buckets`): allocated
-    by the first gradient of each backward and freed when the backward ends, as DeepSpeed's ``setup_buckets`` and
-    ``_release_ipg_buffers``."""
+    ``world_size`` ranks (collectives are not run). The module runs in the training dtype (no autocast, as
+    DeepSpeed); the master partition and AdamW moments exist from the start (the steady state); ``step`` makes
+    the fp32 gradient partition (or takes what a surgery buffer wrote through :meth:`grad_setter`), unscales,
+    clips, steps in place and copies back. ZeRO-2 on several ranks drops each 16-bit gradient once
+    reduce-scattered; ``buckets`` live from a backward's first gradient to its end, as DeepSpeed's."""
 
     def __init__(
         self,
