@@ -26,6 +26,7 @@ from fastpals.data.metrics import overall
 from fastpals.train.command import parse_args
 from fastpals.train.errors import ConfigError, NonFiniteLossError, OutputError, TrainingInterrupted
 from fastpals.train.loop import Trainer
+from fastpals.train.outputs import finite_or_null
 from fastpals.train.recipes import recipe_names
 
 __all__ = ["SCORE_COLUMNS", "compare_rows", "main", "plot_compare", "write_markdown"]
@@ -127,16 +128,6 @@ def compare_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                      "total_s": single_time[1], "steps": single_time[2], "examples": single_time[3],
                      "error": None})  # fmt: skip
     return rows
-
-
-def _no_nan(value: Any) -> Any:
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _no_nan(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_no_nan(v) for v in value]
-    return value
 
 
 def _fmt(value: float | None, digits: int = 3) -> str:
@@ -292,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     write_markdown(rows, out / "compare.md", header)
     (out / "compare.json").write_text(
-        json.dumps({"budget": opts.budget, "common": common, "rows": _no_nan(rows)}, indent=2)
+        json.dumps({"budget": opts.budget, "common": common, "rows": finite_or_null(rows)}, indent=2)
     )
     plot_compare(rows, out / "compare.png", f"dev scores after {opts.budget} updates per recipe")
     print(
