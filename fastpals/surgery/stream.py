@@ -64,21 +64,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fastpals.functional import MAX_TASKS
-from fastpals.surgery.buffer import (
-    Aggregator,
-    GradGetter,
-    GradSetter,
-    SurgeryResult,
-    _unique_params,
-    default_grad_getter,
-    default_grad_setter,
-    flat_task_grads,
-    hand_over_flat_task_grads,
-    hand_over_task_grads,
-    task_grads_finite,
-    weights_on_device,
-)
+from fastpals.surgery.core import TaskGradients
 from fastpals.surgery.layer_grads import STACK_TEMP_ELEMENTS, RowTasks, kernels_on, row_plan
 from fastpals.surgery.per_task import PerTaskGradients
 from fastpals_kernels.dispatch import gram as gram_op
@@ -197,16 +183,14 @@ class _StreamBlock(PerTaskGradients):
         self.buffer._keep_embedding(k, ids, grad, rows.row_task, padding_idx)
 
 
-class StreamingTaskGradients:
+class StreamingTaskGradients(TaskGradients):
     """The streaming counterpart of :class:`~fastpals.surgery.TaskGradientBuffer` for
     :func:`~fastpals.surgery.per_task_gradients` (see the module docstring): same ``apply``, same results, memory
     flat in ``T``.
 
     Args:
-        params: the shared parameters (weights of ``nn.Linear`` / ``nn.LayerNorm`` / ``nn.Embedding`` modules).
-        num_tasks: tasks, ``1 <= num_tasks <= MAX_TASKS``.
-        task_params, grad_getter, grad_setter, grad_dtype, process_group, all_reduce, capture_task_params: as for
-            :class:`~fastpals.surgery.TaskGradientBuffer`.
+        params, num_tasks, task_params, grad_getter, grad_setter, grad_dtype, process_group, all_reduce,
+            capture_task_params: as for :class:`~fastpals.surgery.core.TaskGradients`.
         policy: ``smaller`` (default: per parameter, the smaller of the kept output gradient and the task rows)
             or ``stream`` (every Linear weight and per-example embedding streamed).
         keep_bytes: bytes that kept task rows of Linear weights the policy would stream may add over the ``dY``
@@ -223,54 +207,19 @@ class StreamingTaskGradients:
         params: Iterable[torch.nn.Parameter],
         num_tasks: int,
         *,
-        task_params: Iterable[torch.nn.Parameter] | None = None,
-        grad_getter: GradGetter | None = None,
-        grad_setter: GradSetter | None = None,
-        grad_dtype: torch.dtype | None = None,
-        process_group: Any = None,
-        all_reduce: bool = False,
-        capture_task_params: bool = False,
         policy: str = "smaller",
         bucket_elements: int = BUCKET_ELEMENTS,
         keep_bytes: int = 0,
+        **kwargs: Any,
     ) -> None:
-        self.params = _unique_params(params, "params")
-        if not self.params:
-            raise ValueError("params is empty: streaming surgery needs at least one shared parameter")
-        if not isinstance(num_tasks, int) or not 1 <= num_tasks <= MAX_TASKS:
-            raise ValueError(f"num_tasks must be an int in [1, {MAX_TASKS}], got {num_tasks!r}")
+        super().__init__(params, num_tasks, **kwargs)
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         if not isinstance(keep_bytes, int) or keep_bytes < 0:
             raise ValueError(f"keep_bytes must be an int >= 0, got {keep_bytes!r}")
-        devices = {p.device for p in self.params}
-        dtypes = {p.dtype for p in self.params}
-        if len(devices) != 1:
-            raise ValueError(f"params must all be on one device, got {sorted(map(str, devices))}")
-        if len(dtypes) != 1 and grad_dtype is None:
-            raise ValueError(f"params have several dtypes {sorted(map(str, dtypes))}: pass grad_dtype")
-        shared_ids = {id(p) for p in self.params}
-        given = _unique_params(task_params or [], "task_params")
-        self.task_params = [p for p in given if id(p) not in shared_ids]
-        if len(self.task_params) != len(given):
-            raise ValueError("a parameter cannot be both shared (params) and task-specific (task_params)")
-        self.device = devices.pop()
-        self.num_tasks = num_tasks
-        self.grad_dtype = grad_dtype or next(iter(dtypes))
-        self.grad_getter = grad_getter or default_grad_getter
-        self.grad_setter = grad_setter or default_grad_setter
-        self.process_group = process_group
-        self.all_reduce = all_reduce or process_group is not None
-        self.capture_task_params = capture_task_params
         self.policy = policy
         self.bucket_elements = bucket_elements
         self.keep_bytes = 0 if self.all_reduce else keep_bytes
-        self.numels = [p.numel() for p in self.params]
-        self.num_elements = sum(self.numels)
-        self.task_param_tasks: list[set[int]] = [set() for _ in self.task_params]
-        self._task_acc: list[torch.Tensor | None] = [None] * len(self.task_params)
-        self.skipped_steps = 0
-        self.steps = 0
         self._reset()
 
     # --- the step's state ---------------------------------------------------------------------------------------
@@ -547,11 +496,6 @@ class StreamingTaskGradients:
             self._task_seen[k] = True
 
     # --- Gram -> weights -> combine -----------------------------------------------------------------------------
-    def _task_grads(self) -> list[torch.Tensor | None]:
-        if self.capture_task_params:
-            return [acc if seen else None for acc, seen in zip(self._task_acc, self._task_seen)]
-        return [self.grad_getter(p) for p in self.task_params]
-
     def _finish_gram(self) -> torch.Tensor:
         """Add the kept rows' and the token-id embeddings' parts to the streamed layers' Gram (data parallel: after
         averaging / gathering them over the ranks)."""
@@ -607,92 +551,6 @@ class StreamingTaskGradients:
             dist.all_gather(parts, x.contiguous(), group=self.process_group)
             out.append(torch.cat(parts))
         return out[0], out[1], out[2]
-
-    def apply(
-        self,
-        aggregator: Aggregator,
-        generator: torch.Generator | None = None,
-        *,
-        sync: bool = True,
-        **aggregator_kwargs: Any,
-    ) -> SurgeryResult:
-        """As :meth:`fastpals.surgery.TaskGradientBuffer.apply`: Gram -> ``aggregator(gram, generator=...)`` ->
-        ``sum_t w_t g_t`` into the shared parameters' gradients (the streamed layers' by one weight-gradient GEMM
-        per call on the weighted output gradients). A non-finite task gradient skips the step (its Gram diagonal
-        is non-finite; nothing is written). ``sync=False`` (one rank): no host read, flags in ``result.flags``."""
-        if self.all_reduce and (not dist.is_available() or not dist.is_initialized()):
-            raise RuntimeError("all_reduce/process_group given but torch.distributed is not initialised")
-        if self.all_reduce and not sync:
-            raise ValueError(
-                "apply(sync=False) is for one-rank surgery (the all-reduced flags are read on the host)"
-            )
-        t = self.num_tasks
-        g_mat = self._finish_gram()
-        finite = torch.isfinite(torch.diagonal(g_mat))
-        task_grads = self._task_grads()
-        touched = self._touched
-        checks: list[torch.Tensor] = []
-        if self.all_reduce:
-            flags = torch.tensor(
-                [x for row in self._touched for x in row] + [g is not None for g in task_grads],
-                dtype=torch.float32, device=self.device,
-            )  # fmt: skip
-            dist.all_reduce(flags, group=self.process_group)
-            task_flat = None
-            if self.task_params:
-                task_flat = flat_task_grads(self.task_params, task_grads, self.device)
-                task_flat.div_(dist.get_world_size(self.process_group))
-                dist.all_reduce(task_flat, group=self.process_group)
-                checks.append(torch.isfinite(task_flat.norm()).reshape(1))
-            host = torch.cat([finite] + checks + [flags > 0]).tolist()  # the one host read
-            n = len(self.params)
-            flat_flags = host[t + len(checks) :]
-            touched = [flat_flags[i * n : (i + 1) * n] for i in range(t)]
-            used = flat_flags[t * n :]
-            if task_flat is not None:
-                hand_over_flat_task_grads(self.grad_setter, self.task_params, task_flat, used)
-            ok = all(host[: t + len(checks)])
-            return self._finish(ok, host, g_mat, aggregator, generator, aggregator_kwargs, touched)
-        finite_tasks = task_grads_finite(task_grads)
-        if finite_tasks is not None:
-            checks.append(finite_tasks)
-        if self.capture_task_params:
-            hand_over_task_grads(self.grad_setter, self.task_params, task_grads)
-        if sync:
-            host = torch.cat([finite] + checks).tolist()  # the one host read
-            return self._finish(all(host), host, g_mat, aggregator, generator, aggregator_kwargs, touched)
-        task_ok = checks[0] if checks else torch.ones(1, dtype=torch.bool, device=self.device)
-        flags_dev = torch.cat([finite, task_ok.to(torch.bool).reshape(1)])
-        weights = weights_on_device(aggregator, g_mat, flags_dev.all(), generator, aggregator_kwargs)
-        self._write_update(weights, touched)
-        self._end_step()
-
-        def count_skip() -> None:
-            self.skipped_steps += 1
-
-        return SurgeryResult(None, weights, g_mat, flags=flags_dev, on_skip=count_skip)
-
-    def _finish(
-        self,
-        ok: bool,
-        host: list[Any],
-        g_mat: torch.Tensor,
-        aggregator: Aggregator,
-        generator: torch.Generator | None,
-        aggregator_kwargs: dict[str, Any],
-        touched: Sequence[Sequence[Any]],
-    ) -> SurgeryResult:
-        t = self.num_tasks
-        if not ok:
-            self.skipped_steps += 1
-            bad = [i for i in range(t) if not host[i]]
-            task_ok = bool(host[t]) if len(host) > t else True
-            self._end_step()
-            return SurgeryResult(True, None, g_mat, bad, not task_ok)
-        weights = aggregator(g_mat, generator=generator, **aggregator_kwargs)
-        self._write_update(weights, touched)
-        self._end_step()
-        return SurgeryResult(False, weights, g_mat)
 
     def _write_update(self, weights: torch.Tensor, touched: Sequence[Sequence[Any]]) -> None:
         """``sum_t weights[t] g_t`` into the shared gradients: kept rows by a ``[T] @ [T, n]`` product, streamed
@@ -778,7 +636,7 @@ class StreamingTaskGradients:
                 hand_over(k)
 
     def _end_step(self) -> None:
-        self.steps += 1
+        super()._end_step()
         self._reset()
 
     def __repr__(self) -> str:

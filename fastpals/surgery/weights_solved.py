@@ -43,57 +43,33 @@ command lines (``--surgery NAME --surgery-opt KEY=VALUE``).
 
 from __future__ import annotations
 
-import inspect
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from fastpals.surgery.weights_basic import (
-    check_gram,
-    gem_weights,
-    mean_weights,
-    pcgrad_orders,
-    pcgrad_weights,
-    sum_weights,
-    weights_dtype,
-)
+from fastpals.surgery import compiled
+from fastpals.surgery.solvers import QP_MAX_ITER, jacobi_eigh, jacobi_sweeps, nonneg_qp, spd_solve
+from fastpals.surgery.weights_basic import check_gram, pcgrad_orders, weights_dtype
+from fastpals.surgery.weights_extra import WeightsState
 
 __all__ = [
-    "AGGREGATORS",
-    "STATEFUL",
-    "CRMOGMState",
     "GradVacState",
     "NashMTLState",
     "alignedmtl_weights",
     "cagrad_weights",
-    "crmogm_weights",
     "dualproj_weights",
     "fairgrad_weights",
     "gradvac_weights",
     "imtlg_weights",
     "jacobi_eigh",
-    "make_weighting",
     "mgda_weights",
     "nashmtl_weights",
     "nonneg_qp",
-    "parse_surgery_options",
     "spd_solve",
     "upgrad_weights",
 ]
-
-from fastpals.surgery import compiled
-from fastpals.surgery.solvers import QP_MAX_ITER, jacobi_eigh, jacobi_sweeps, nonneg_qp, spd_solve
-from fastpals.surgery.weights_extra import (
-    MoDoState,
-    SDMGradState,
-    constant_weights,
-    krum_weights,
-    modo_weights,
-    random_weights,
-    sdmgrad_weights,
-)
 
 F64 = torch.float64
 #: most tasks of CAGrad's exact solver (it enumerates the 2^T - 1 supports); ``pgd`` takes any number
@@ -593,27 +569,20 @@ def fairgrad_weights(
 # ----------------------------------------------------------------------------------------------------------------
 
 
-class NashMTLState:
+class NashMTLState(WeightsState):
     """Nash-MTL's state across steps: the step counter and the last weights (reused between updates when
-    ``update_weights_every > 1``). ``state_dict()`` / ``load_state_dict()`` for checkpoints."""
-
-    def __init__(self) -> None:
-        self.step = 0
-        self.weights: torch.Tensor | None = None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "weights": None if self.weights is None else self.weights.detach().cpu().clone(),
-        }
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.step = int(state["step"])
-        w = state["weights"]
-        self.weights = None if w is None else torch.as_tensor(w, dtype=F64).clone()
+    ``update_weights_every > 1``)."""
 
     def reset(self) -> None:
-        self.__init__()
+        super().reset()
+        self.step = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, **super().state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.step = int(state["step"])
 
 
 def nashmtl_weights(
@@ -660,21 +629,11 @@ def nashmtl_weights(
     return a.to(weights_dtype(gram))
 
 
-class GradVacState:
-    """GradVac's state: the EMA targets ``phi_hat [T, T]`` (float64; zeros at the start)."""
+class GradVacState(WeightsState):
+    """GradVac's state: the EMA targets ``phi [T, T]`` (float64; zeros at the start)."""
 
-    def __init__(self) -> None:
-        self.phi: torch.Tensor | None = None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"phi": None if self.phi is None else self.phi.detach().cpu().clone()}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        phi = state["phi"]
-        self.phi = None if phi is None else torch.as_tensor(phi, dtype=F64).clone()
-
-    def reset(self) -> None:
-        self.phi = None
+    tensors = ("phi",)
+    phi: torch.Tensor | None
 
 
 def gradvac_weights(
@@ -733,166 +692,3 @@ def gradvac_weights(
         phi_t[rows, j] = (1.0 - beta) * hat + beta * phi
     state.phi = phi_t
     return coef.sum(0).to(weights_dtype(gram))
-
-
-class CRMOGMState:
-    """CR-MOGM's smoothed weights ``lambda [T]`` (float64, on the Gram's device; ``None`` before the first call)."""
-
-    def __init__(self) -> None:
-        self.weights: torch.Tensor | None = None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"weights": None if self.weights is None else self.weights.detach().cpu().clone()}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        w = state["weights"]
-        self.weights = None if w is None else torch.as_tensor(w, dtype=F64).clone()
-
-    def reset(self) -> None:
-        self.weights = None
-
-
-def crmogm_weights(
-    gram: torch.Tensor,
-    state: CRMOGMState,
-    generator: torch.Generator | None = None,
-    *,
-    base: str = "mgda",
-    alpha: float = 0.9,
-) -> torch.Tensor:
-    """CR-MOGM (Zhou et al., "On the Convergence of Stochastic Multi-Objective Gradient Manipulation", NeurIPS
-    2022): the weights of the stateless weighting ``base`` (default ``mgda``, with its default options),
-    smoothed across calls, ``lambda <- alpha lambda + (1 - alpha) lambda_hat`` (the first call returns
-    ``lambda_hat``). ``state`` is a :class:`CRMOGMState`.
-
-    ``gram [T, T]`` float32/float64 -> ``w [T]`` on its device (float64 for a float64 Gram, else float32)."""
-    if not isinstance(state, CRMOGMState):
-        raise TypeError(f"crmogm needs a CRMOGMState, got {type(state).__name__}")
-    if base not in AGGREGATORS or base in STATEFUL:
-        stateless = ", ".join(k for k in AGGREGATORS if k not in STATEFUL and k != "constant")
-        raise ValueError(f"crmogm: option base={base!r} must be a stateless weighting: {stateless}")
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"crmogm: alpha must be in [0, 1], got {alpha}")
-    lam_hat = AGGREGATORS[base](gram, generator).to(F64)
-    t = lam_hat.shape[0]
-    if state.weights is None or state.weights.shape != (t,):
-        lam = lam_hat
-    else:
-        lam = (
-            alpha * state.weights.to(device=lam_hat.device, dtype=F64, non_blocking=True)
-            + (1.0 - alpha) * lam_hat
-        )
-    state.weights = lam
-    return lam.to(weights_dtype(gram))
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# registry and command-line construction
-# ----------------------------------------------------------------------------------------------------------------
-
-AGGREGATORS: dict[str, Callable[..., torch.Tensor]] = {
-    "sum": sum_weights,
-    "mean": mean_weights,
-    "pcgrad": pcgrad_weights,
-    "gem": gem_weights,
-    "upgrad": upgrad_weights,
-    "mgda": mgda_weights,
-    "dualproj": dualproj_weights,
-    "imtlg": imtlg_weights,
-    "cagrad": cagrad_weights,
-    "alignedmtl": alignedmtl_weights,
-    "fairgrad": fairgrad_weights,
-    "nashmtl": nashmtl_weights,
-    "gradvac": gradvac_weights,
-    "constant": constant_weights,
-    "random": random_weights,
-    "krum": krum_weights,
-    "modo": modo_weights,
-    "sdmgrad": sdmgrad_weights,
-    "crmogm": crmogm_weights,
-}
-"""Name -> weights function ``fn(gram, [state,] generator=None, **options) -> w``."""
-
-STATEFUL: dict[str, type] = {
-    "nashmtl": NashMTLState,
-    "gradvac": GradVacState,
-    "modo": MoDoState,
-    "sdmgrad": SDMGradState,
-    "crmogm": CRMOGMState,
-}
-"""Names whose function takes a state object (second argument / ``state=``), and the state's class."""
-
-# options settable from strings; everything else in a signature (generator, orders, state) is not an option
-_NOT_OPTIONS = {"gram", "generator", "state", "orders", "constraints"}
-
-
-def _options(name: str) -> dict[str, inspect.Parameter]:
-    sig = inspect.signature(AGGREGATORS[name])
-    return {k: p for k, p in sig.parameters.items() if k not in _NOT_OPTIONS}
-
-
-def _parse(name: str, key: str, value: Any, default: Any) -> Any:
-    if not isinstance(value, str):
-        return value
-    text = value.strip()
-    try:
-        if key in ("pref_vector", "weights") or (key == "proposal" and "," in text):
-            return torch.tensor([float(x) for x in text.split(",")], dtype=F64)
-        if key == "proposal":
-            return int(text) if text.lstrip("-").isdigit() else text
-        if isinstance(default, bool):
-            if text.lower() in ("1", "true", "yes"):
-                return True
-            if text.lower() in ("0", "false", "no"):
-                return False
-            raise ValueError(text)
-        if isinstance(default, int) or (default is None and key in ("max_iter", "max_iters", "sweeps")):
-            return int(text)
-        if isinstance(default, float):
-            return float(text)
-    except ValueError:
-        raise ValueError(f"surgery {name}: option {key}={value!r} is not a valid value") from None
-    return text
-
-
-def make_weighting(name: str, **options: Any) -> tuple[Callable[..., torch.Tensor], Any]:
-    """Build the weighting ``name`` of :data:`AGGREGATORS` with ``options`` (values may be strings, as from
-    ``--surgery-opt KEY=VALUE``; they are parsed by the option's default type; ``pref_vector`` is comma-separated).
-
-    Returns ``(fn, state)``: ``fn(gram, generator=None) -> w [T]`` (the signature
-    :meth:`TaskGradientBuffer.apply` calls) and the state object of a stateful method (``None`` otherwise; keep it
-    in checkpoints through its ``state_dict()`` / ``load_state_dict()``; ``fn`` closes over it).
-    Raises ``ValueError`` (one line) for an unknown name or option or an unparsable value.
-    """
-    key = str(name).lower()
-    if key not in AGGREGATORS:
-        raise ValueError(f"unknown surgery method {name!r}; choose one of {', '.join(AGGREGATORS)}")
-    allowed = _options(key)
-    parsed: dict[str, Any] = {}
-    for opt, value in options.items():
-        if opt not in allowed:
-            known = ", ".join(allowed) or "none"
-            raise ValueError(f"surgery {key}: unknown option {opt!r} (options: {known})")
-        parsed[opt] = _parse(key, opt, value, allowed[opt].default)
-    fn = AGGREGATORS[key]
-    state = STATEFUL[key]() if key in STATEFUL else None
-
-    def weighting(gram: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        if state is not None:
-            return fn(gram, state, generator, **parsed)
-        return fn(gram, generator, **parsed)
-
-    weighting.__name__ = f"{key}_weighting"
-    weighting.__qualname__ = weighting.__name__
-    return weighting, state
-
-
-def parse_surgery_options(pairs: list[str] | tuple[str, ...]) -> dict[str, str]:
-    """``["c=0.5", "alpha=2"] -> {"c": "0.5", "alpha": "2"}`` (for ``--surgery-opt KEY=VALUE``, repeatable)."""
-    out: dict[str, str] = {}
-    for pair in pairs:
-        if "=" not in pair:
-            raise ValueError(f"--surgery-opt expects KEY=VALUE, got {pair!r}")
-        k, v = pair.split("=", 1)
-        out[k.strip()] = v.strip()
-    return out
