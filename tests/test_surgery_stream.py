@@ -365,7 +365,7 @@ def test_run_update_stream_reads_once_and_equals_buffer():
 
 
 def test_surgery_memory_option():
-    from fastpals.train.step import surgery_memory_mode
+    from fastpals.train.memory_mode import surgery_memory_mode
 
     assert surgery_memory_mode("auto", one_backward=True) == "smaller"
     assert surgery_memory_mode("auto", one_backward=False) == "buffer"

@@ -35,19 +35,12 @@ DeepSpeed already averages each backward over the ranks: do not pass ``all_reduc
 from fastpals.surgery.buffer import TaskGradientBuffer, parameters_reached
 from fastpals.surgery.core import SurgeryResult, TaskGradients, default_grad_getter, default_grad_setter
 from fastpals.surgery.optimizer_wrappers import GEM, PCGrad, SurgeryOptimizer, shared_parameters_by_name
+from fastpals.surgery.options import make_weighting, parse_surgery_options
 from fastpals.surgery.per_task import (
     PerTaskGradients,
     cu_seqlens_from_mask,
     per_task_gradients,
     task_mean_loss,
-)
-from fastpals.surgery.registry import (
-    AGGREGATORS,
-    STATEFUL,
-    CRMOGMState,
-    crmogm_weights,
-    make_weighting,
-    parse_surgery_options,
 )
 from fastpals.surgery.stream import StreamingTaskGradients
 from fastpals.surgery.weights_basic import (
@@ -67,10 +60,14 @@ from fastpals.surgery.weights_extra import (
     sdmgrad_weights,
 )
 from fastpals.surgery.weights_solved import (
+    AGGREGATORS,
+    STATEFUL,
+    CRMOGMState,
     GradVacState,
     NashMTLState,
     alignedmtl_weights,
     cagrad_weights,
+    crmogm_weights,
     dualproj_weights,
     fairgrad_weights,
     gradvac_weights,

@@ -160,15 +160,8 @@ class TaskGradientBuffer(TaskGradients):
             if self.capture_task_params:
                 g = self.grad_getter(p)
                 if g is not None:
-                    if self._task_acc[k] is None:
-                        self._task_acc[k] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-                    acc = self._task_acc[k]
-                    if not self._task_seen[k]:
-                        acc.zero_()
-                    acc.add_(g.detach())
-                    self._task_seen[k] = True
+                    self._take_task_grad(k, g)
                     self.task_param_tasks[k].update(tasks)
-                    self.grad_setter(p, None)
                 continue
             state = self._task_grad_state(p)
             if state is not None and state != self._task_state[k]:

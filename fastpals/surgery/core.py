@@ -237,6 +237,18 @@ class TaskGradients:
             return [acc if seen else None for acc, seen in zip(self._task_acc, self._task_seen)]
         return [self.grad_getter(p) for p in self.task_params]
 
+    def _take_task_grad(self, k: int, g: torch.Tensor) -> None:
+        """``capture_task_params``: add task parameter ``k``'s gradient ``g`` into its float32 copy (zeroed at the
+        step's first capture) and clear the gradient."""
+        p = self.task_params[k]
+        if self._task_acc[k] is None:
+            self._task_acc[k] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        if not self._task_seen[k]:
+            self._task_acc[k].zero_()
+        self._task_acc[k].add_(g.detach())
+        self._task_seen[k] = True
+        self.grad_setter(p, None)
+
     def _count_skip(self) -> None:
         self.skipped_steps += 1
 

@@ -21,7 +21,7 @@ import torch
 
 from fastpals.surgery.buffer import TaskGradientBuffer, parameters_reached
 from fastpals.surgery.core import SurgeryResult
-from fastpals.surgery.registry import make_weighting
+from fastpals.surgery.options import make_weighting
 from fastpals.surgery.weights_basic import gem_weights
 
 __all__ = ["GEM", "PCGrad", "SurgeryOptimizer", "shared_parameters_by_name"]

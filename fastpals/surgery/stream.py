@@ -1,58 +1,29 @@
-"""Streaming gradient surgery: the Gram and the combined gradient of the one-backward capture without the ``[T, P]``
-buffer (``--surgery-memory stream``).
+"""Streaming gradient surgery (``--surgery-memory stream``): the Gram and the combined gradient of the one-backward
+capture without the ``[T, P]`` rows.
 
-Every aggregator is "``T x T`` Gram -> weights ``c`` -> ``sum_t c_t g_t``", and for a shared ``nn.Linear`` the task
-gradient is ``g_t = dY_t^T X_t`` over task t's rows. So neither the Gram nor the update needs all ``T`` gradients
-alive at once. :class:`StreamingTaskGradients` is used in place of a :class:`~fastpals.surgery.TaskGradientBuffer`
-inside :func:`~fastpals.surgery.per_task_gradients` (the same per-layer capture rules write into it) and, per
-shared parameter, keeps whichever is smaller:
+For a shared ``nn.Linear`` the task gradient is ``g_t = dY_t^T X_t`` over task t's rows, so neither the Gram nor
+the update ``sum_t c_t g_t`` needs all ``T`` gradients alive at once. :class:`StreamingTaskGradients` takes the
+buffer's place inside :func:`~fastpals.surgery.per_task_gradients` and keeps, per shared parameter, the smaller of:
 
-- **streamed** (``nn.Linear`` weights where ``T * M * K > N * (M + K)``, ``N`` the rows of the step through that
-  layer): the layer's output gradient ``dY [N, M]`` and input ``X [N, K]`` are kept in the training dtype. As
-  soon as every call of the layer has run its backward (siamese pairs: both encoder passes), the Gram of a
-  streamed Linear is built in chunks of output rows: each chunk's per-task weight gradients (summed over the
-  calls), ``[T, rows, K]`` fp32 within ``GRAM_CHUNK_BYTES`` (12 MiB; on the op library's grouped kernel, the
-  Triton path, one launch per call and block on that block's columns of ``dY``, within
-  ``GRAM_CHUNK_BYTES_DEVICE``, 64 MiB), have their pairwise dot products added into the fp32 ``[T, T]`` Gram at
-  once, with no ``[T, M, K]`` scratch (data parallel: the capture writes a whole ``[T, M, K]`` fp32 scratch,
-  all-reduced, whose Gram is added and which is then dropped).
-  After the weights ``c`` are solved, one weight-gradient GEMM per call, ``(c_row * dY)^T X`` (``c_row [N]`` the
-  weight of each row's task), writes ``sum_t c_t g_t`` into ``.grad``: the FLOPs of one ordinary weight-gradient
-  pass, no second forward/backward.
-- **embeddings by token-id rows** (an ``nn.Embedding`` looked up per example whose ``T * V`` exceeds the step's
-  rows, e.g. BERT's word embeddings): the output gradient ``dY [N, d]`` and the ids are kept. The Gram uses
-  ``<g_s, g_t> = sum over ids of <sum_{rows of s with that id} dY, sum_{rows of t with that id} dY>``: rows are
-  summed per (id, task) after a stable sort (no host read), so that the at most ``T`` entries of one id are
-  adjacent, and the ``T`` diagonals of that banded product are added into the Gram (``T * N * d`` multiply-adds).
-  The update is one ``index_add`` of ``c_row * dY`` at the ids. The ``padding_idx`` row gets nothing.
-- **kept rows** (biases, LayerNorm weights and biases, broadcast position embeddings, small embeddings such as
-  BERT's token types, Linear weights where ``T * M * K <= N * (M + K)``, i.e. few tasks, and the Linear weights
-  within ``keep_bytes``, below): the per-task rows of that parameter alone, ``[T, *shape]`` fp32, as the buffer
-  holds them; Gram and combination at ``apply``.
+- **streamed** (Linear weights where ``T * M * K > N * (M + K)``, ``N`` the step's rows through the layer): its
+  ``dY [N, M]`` and ``X [N, K]`` in the training dtype. After the layer's last backward call its Gram is added
+  from blocks of output rows of the per-task products (fp32, within ``GRAM_CHUNK_BYTES``; data parallel: a whole
+  ``[T, M, K]`` scratch, all-reduced). The update is one weight-gradient GEMM per call, ``(c_row * dY)^T X``.
+- **embeddings by token-id rows** (an ``nn.Embedding`` looked up per example with ``T * V`` above the step's
+  rows): ``dY [N, d]`` and the ids; the Gram sums rows per (id, task) after a stable sort
+  (:func:`embedding_row_gram`), the update is one ``index_add`` of ``c_row * dY``.
+- **kept rows** (biases, LayerNorm, small embeddings, Linear weights with few tasks, and Linear weights within
+  ``keep_bytes``): ``[T, *shape]`` fp32 rows, as the buffer holds them.
 
-``keep_bytes`` (one rank; default 0) trades memory for time: Linear weights that the policy would stream keep
-their fp32 task rows instead, in the order of the forward (the first layers, whose backward runs last), as long as
-what those rows add over the ``dY`` and ``X`` they spare (``T * M * K * 4 - N * (M + K) * bytes`` each) totals at
-most ``keep_bytes``; the first weight that does not fit ends the kept prefix. The streamed step's memory is
-highest at the end of its backward, so these bytes come on top of that (MiniLM, 16 tasks, 48 x 32 tokens: the
-peak rises by about the budget less 60 MB). A kept weight's per-task products go straight into its rows and its
-update is a ``[T] @ [T, M * K]`` product, where a streamed one runs its weight-gradient GEMMs twice (per task for
-the Gram, then ``(c_row * dY)^T X``). ``--surgery-memory auto`` sets it to ``KEEP_SHARE`` of the step's estimated
-activations (``fastpals.train.memory_mode``); ``--surgery-memory stream`` keeps none.
+``keep_bytes`` (one rank) keeps the task rows of the first Linear weights in forward order that the policy would
+stream, as long as what they add over the ``dY`` and ``X`` they spare totals at most ``keep_bytes``: those skip
+the second weight-gradient pass (``--surgery-memory auto``: :mod:`fastpals.train.memory_mode`).
 
-Task-specific parameters keep their ordinary gradients. The Gram is exact (fp32 accumulation, in another order
-than the buffer's kernel: equal within 1e-5 relative), so every aggregator gives the buffer mode's update.
-
-Limits: one :func:`~fastpals.surgery.per_task_gradients` block (one micro-batch, any number of encoder passes) per
-:meth:`~StreamingTaskGradients.apply` (a Gram of a sum over micro-batches needs their cross terms: use the buffer
-for gradient accumulation); ``capture`` (one backward per task) is the buffer's.
-
-Data parallel (``all_reduce=True`` or a ``process_group``): each streamed layer's scratch is averaged over the
-ranks when it is produced (bucketed: scratches are concatenated up to ``bucket_elements`` and all-reduced in one
-call), before its Gram contribution, and the kept rows before theirs, so the Gram is the global one and every
-rank solves the same ``c``. The embeddings by token-id rows are all-gathered (ids, task, summed rows: at most the
-step's rows per rank). Each rank's combined gradient ``sum_t c_t g_t`` of its own rows is then averaged over the
-ranks, as DDP averages an ordinary gradient.
+The Gram is exact (fp32 products, summed in another order than the buffer's: equal within 1e-5 relative), so
+every aggregator gives the buffer mode's update. One :func:`~fastpals.surgery.per_task_gradients` block per
+``apply`` (a Gram over micro-batches needs their cross terms: use the buffer for gradient accumulation).
+Data parallel: the scratches and kept rows are averaged over the ranks before their Gram, the token-id rows
+all-gathered, and each rank's combined gradient averaged, as DDP averages an ordinary gradient.
 """
 
 from __future__ import annotations
@@ -77,9 +48,8 @@ POLICIES = ("smaller", "stream")
 
 BUCKET_ELEMENTS = 1 << 22  # data parallel: scratch elements all-reduced in one call (16 MiB fp32)
 # One rank: a streamed Linear's Gram is built over blocks of output rows whose fp32 per-task products, [T, rows, K],
-# stay within this many bytes, not from a whole [T, M, K] scratch written and read back (memory-bound). MiniLM's
-# FFN weights at T = 16, one thread: 43-45 ms per layer for the scratch and its Gram, 29-30 ms in blocks of 128 to
-# 512 rows; blocks under 128 rows of K = 1536 lose it again (32 rows: 36 ms), hence 12 MiB, not an L2-sized block.
+# stay within this many bytes, not from a whole [T, M, K] scratch written and read back (memory-bound); smaller
+# blocks lose the gain again (docs/surgery-scaling.md)
 GRAM_CHUNK_BYTES = 12 << 20
 # The same on the op library's grouped kernel (CUDA): larger blocks, fewer launches
 GRAM_CHUNK_BYTES_DEVICE = 64 << 20
@@ -486,13 +456,7 @@ class StreamingTaskGradients(TaskGradients):
                 continue
             self.task_param_tasks[k].update(tasks)
             if self.capture_task_params:
-                if self._task_acc[k] is None:
-                    self._task_acc[k] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-                acc = self._task_acc[k]
-                if not self._task_seen[k]:
-                    acc.zero_()
-                acc.add_(g.detach())
-                self.grad_setter(p, None)
+                self._take_task_grad(k, g)
             self._task_seen[k] = True
 
     # --- Gram -> weights -> combine -----------------------------------------------------------------------------

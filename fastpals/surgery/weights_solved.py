@@ -15,50 +15,49 @@ the Gram's device with fixed iteration counts (no scipy, cvxpy or host round tri
 ``gradvac``   GradVac (Wang et al. 2021): stateful EMA of the target cosine similarities
 ============  =========================================================================================
 
-Every function is ``fn(gram, [state,] generator=None, **options) -> w`` with ``gram [T, T]`` float32/float64 on
-any device and ``w [T]`` on that device (float64 for a float64 Gram, else float32); the arithmetic is float64.
-Defaults equal TorchJD 0.18's where TorchJD defines one (CAGrad's ``c`` and FairGrad's ``alpha`` have none there:
-fastpals uses ``c = 0.4``, CAGrad's paper setting, and ``alpha = 1``, proportional fairness).
+Every function is ``fn(gram, [state,] generator=None, **options) -> w`` with the conventions of
+:mod:`fastpals.surgery.weights_basic` (no host read, fixed iteration budgets, float64 arithmetic); ``imtlg`` and
+``alignedmtl`` use :func:`jacobi_eigh` because ``torch.linalg.eigh``/``pinv`` check errors on the host on CUDA.
+Defaults equal TorchJD 0.18's where TorchJD defines one (CAGrad's ``c = 0.4``, the paper's, and FairGrad's
+``alpha = 1`` have none there).
+:data:`AGGREGATORS` names every aggregator of the package (:func:`~fastpals.surgery.make_weighting` builds one
+from string options).
 
-Loss scaling (fp16): the weights of every method but two do not change when all gradients are scaled by one
-factor ``S``. FairGrad's scale as ``S^(-2 alpha / (alpha + 1))`` and Nash-MTL's ``max_norm`` clip compares a
-scaled norm: give them unscaled Gram matrices (divide the Gram by ``S^2``) or train in bf16/fp32. GradVac's
-``eps = 1e-8`` (TorchJD's) in its denominators also matters once ``|g_i| |g_j|`` comes near it.
-
-Non-finite Gram matrices never reach a weighting (``TaskGradientBuffer.apply`` skips the step); singular ones
-(zero or linearly dependent task gradients) are handled by each method without producing NaN.
-
-Host synchronisation: none. Every weighting is branch-free tensor code (no ``.item()``, ``bool(tensor)``,
-boolean-mask indexing, indexing with a 0-dim device tensor, blocking host-to-device copy, or loop whose exit
-reads a tensor), and every iterative solver runs a fixed budget (an option, documented per function) with the
-iterate frozen or a fixed point once converged. ``torch.linalg.pinv`` / ``torch.linalg.eigh`` check errors on
-the host on CUDA, so ``imtlg`` and ``alignedmtl`` use :func:`jacobi_eigh` (cyclic Jacobi, fixed sweep count)
-instead; the linear solves are :func:`spd_solve` (elementwise Gauss-Jordan) or ``torch.linalg.solve_ex``
-(errors not checked). Only Python arguments are validated, never tensor values. The state objects keep their
-tensors on the Gram's device; only ``state_dict()`` (checkpointing) copies them to the host.
-
-:func:`make_weighting` builds a ``gram -> w`` callable (and its state) from a name and string options, for
-command lines (``--surgery NAME --surgery-opt KEY=VALUE``).
+Loss scaling (fp16): only FairGrad's weights (``S^(-2 alpha / (alpha + 1))``) and Nash-MTL's ``max_norm`` clip
+depend on a common gradient scale ``S``: give them unscaled Gram matrices (divide by ``S^2``) or train in
+bf16/fp32.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from fastpals.surgery import compiled
+from fastpals.surgery import compiled, weights_extra
 from fastpals.surgery.solvers import QP_MAX_ITER, jacobi_eigh, jacobi_sweeps, nonneg_qp, spd_solve
-from fastpals.surgery.weights_basic import check_gram, pcgrad_orders, weights_dtype
+from fastpals.surgery.weights_basic import (
+    check_gram,
+    gem_weights,
+    mean_weights,
+    pcgrad_orders,
+    pcgrad_weights,
+    sum_weights,
+    weights_dtype,
+)
 from fastpals.surgery.weights_extra import WeightsState
 
 __all__ = [
+    "AGGREGATORS",
+    "STATEFUL",
+    "CRMOGMState",
     "GradVacState",
     "NashMTLState",
     "alignedmtl_weights",
     "cagrad_weights",
+    "crmogm_weights",
     "dualproj_weights",
     "fairgrad_weights",
     "gradvac_weights",
@@ -692,3 +691,74 @@ def gradvac_weights(
         phi_t[rows, j] = (1.0 - beta) * hat + beta * phi
     state.phi = phi_t
     return coef.sum(0).to(weights_dtype(gram))
+
+
+class CRMOGMState(WeightsState):
+    """CR-MOGM's smoothed weights ``lambda [T]`` (float64, on the Gram's device; ``None`` before the first call)."""
+
+
+def crmogm_weights(
+    gram: torch.Tensor,
+    state: CRMOGMState,
+    generator: torch.Generator | None = None,
+    *,
+    base: str = "mgda",
+    alpha: float = 0.9,
+) -> torch.Tensor:
+    """CR-MOGM (Zhou et al., "On the Convergence of Stochastic Multi-Objective Gradient Manipulation", NeurIPS
+    2022): the weights of the stateless aggregator ``base`` (default ``mgda``, with its default options),
+    smoothed across calls, ``lambda <- alpha lambda + (1 - alpha) lambda_hat`` (the first call returns
+    ``lambda_hat``). ``state`` is a :class:`CRMOGMState`.
+
+    ``gram [T, T]`` float32/float64 -> ``w [T]`` on its device (float64 for a float64 Gram, else float32)."""
+    if not isinstance(state, CRMOGMState):
+        raise TypeError(f"crmogm needs a CRMOGMState, got {type(state).__name__}")
+    if base not in AGGREGATORS or base in STATEFUL:
+        stateless = ", ".join(k for k in AGGREGATORS if k not in STATEFUL and k != "constant")
+        raise ValueError(f"crmogm: option base={base!r} must be a stateless weighting: {stateless}")
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"crmogm: alpha must be in [0, 1], got {alpha}")
+    lam_hat = AGGREGATORS[base](gram, generator).to(F64)
+    t = lam_hat.shape[0]
+    if state.weights is None or state.weights.shape != (t,):
+        lam = lam_hat
+    else:
+        lam = (
+            alpha * state.weights.to(device=lam_hat.device, dtype=F64, non_blocking=True)
+            + (1.0 - alpha) * lam_hat
+        )
+    state.weights = lam
+    return lam.to(weights_dtype(gram))
+
+
+AGGREGATORS: dict[str, Callable[..., torch.Tensor]] = {
+    "sum": sum_weights,
+    "mean": mean_weights,
+    "pcgrad": pcgrad_weights,
+    "gem": gem_weights,
+    "upgrad": upgrad_weights,
+    "mgda": mgda_weights,
+    "dualproj": dualproj_weights,
+    "imtlg": imtlg_weights,
+    "cagrad": cagrad_weights,
+    "alignedmtl": alignedmtl_weights,
+    "fairgrad": fairgrad_weights,
+    "nashmtl": nashmtl_weights,
+    "gradvac": gradvac_weights,
+    "constant": weights_extra.constant_weights,
+    "random": weights_extra.random_weights,
+    "krum": weights_extra.krum_weights,
+    "modo": weights_extra.modo_weights,
+    "sdmgrad": weights_extra.sdmgrad_weights,
+    "crmogm": crmogm_weights,
+}
+"""Name -> aggregator ``fn(gram, [state,] generator=None, **options) -> w``."""
+
+STATEFUL: dict[str, type] = {
+    "nashmtl": NashMTLState,
+    "gradvac": GradVacState,
+    "modo": weights_extra.MoDoState,
+    "sdmgrad": weights_extra.SDMGradState,
+    "crmogm": CRMOGMState,
+}
+"""Names whose function takes a state object (second argument / ``state=``), and the state's class."""

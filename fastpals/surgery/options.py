@@ -1,6 +1,5 @@
-"""The aggregators by name: :data:`AGGREGATORS`, :data:`STATEFUL`, :func:`make_weighting` (a ``gram -> w``
-callable from a name and string options, for ``--surgery NAME --surgery-opt KEY=VALUE``), and CR-MOGM, which
-smooths any stateless aggregator of the registry."""
+"""Aggregators from command-line options: :func:`make_weighting` (``--surgery NAME --surgery-opt KEY=VALUE``)
+and :func:`parse_surgery_options`."""
 
 from __future__ import annotations
 
@@ -10,90 +9,11 @@ from typing import Any
 
 import torch
 
-from fastpals.surgery import weights_basic, weights_extra, weights_solved
-from fastpals.surgery.weights_basic import weights_dtype
+from fastpals.surgery.weights_solved import AGGREGATORS, STATEFUL
 
-__all__ = [
-    "AGGREGATORS",
-    "STATEFUL",
-    "CRMOGMState",
-    "crmogm_weights",
-    "make_weighting",
-    "parse_surgery_options",
-]
+__all__ = ["make_weighting", "parse_surgery_options"]
 
 F64 = torch.float64
-
-
-class CRMOGMState(weights_extra.WeightsState):
-    """CR-MOGM's smoothed weights ``lambda [T]`` (float64, on the Gram's device; ``None`` before the first call)."""
-
-
-def crmogm_weights(
-    gram: torch.Tensor,
-    state: CRMOGMState,
-    generator: torch.Generator | None = None,
-    *,
-    base: str = "mgda",
-    alpha: float = 0.9,
-) -> torch.Tensor:
-    """CR-MOGM (Zhou et al., "On the Convergence of Stochastic Multi-Objective Gradient Manipulation", NeurIPS
-    2022): the weights of the stateless aggregator ``base`` (default ``mgda``, with its default options),
-    smoothed across calls, ``lambda <- alpha lambda + (1 - alpha) lambda_hat`` (the first call returns
-    ``lambda_hat``). ``state`` is a :class:`CRMOGMState`.
-
-    ``gram [T, T]`` float32/float64 -> ``w [T]`` on its device (float64 for a float64 Gram, else float32)."""
-    if not isinstance(state, CRMOGMState):
-        raise TypeError(f"crmogm needs a CRMOGMState, got {type(state).__name__}")
-    if base not in AGGREGATORS or base in STATEFUL:
-        stateless = ", ".join(k for k in AGGREGATORS if k not in STATEFUL and k != "constant")
-        raise ValueError(f"crmogm: option base={base!r} must be a stateless weighting: {stateless}")
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"crmogm: alpha must be in [0, 1], got {alpha}")
-    lam_hat = AGGREGATORS[base](gram, generator).to(F64)
-    t = lam_hat.shape[0]
-    if state.weights is None or state.weights.shape != (t,):
-        lam = lam_hat
-    else:
-        lam = (
-            alpha * state.weights.to(device=lam_hat.device, dtype=F64, non_blocking=True)
-            + (1.0 - alpha) * lam_hat
-        )
-    state.weights = lam
-    return lam.to(weights_dtype(gram))
-
-
-AGGREGATORS: dict[str, Callable[..., torch.Tensor]] = {
-    "sum": weights_basic.sum_weights,
-    "mean": weights_basic.mean_weights,
-    "pcgrad": weights_basic.pcgrad_weights,
-    "gem": weights_basic.gem_weights,
-    "upgrad": weights_solved.upgrad_weights,
-    "mgda": weights_solved.mgda_weights,
-    "dualproj": weights_solved.dualproj_weights,
-    "imtlg": weights_solved.imtlg_weights,
-    "cagrad": weights_solved.cagrad_weights,
-    "alignedmtl": weights_solved.alignedmtl_weights,
-    "fairgrad": weights_solved.fairgrad_weights,
-    "nashmtl": weights_solved.nashmtl_weights,
-    "gradvac": weights_solved.gradvac_weights,
-    "constant": weights_extra.constant_weights,
-    "random": weights_extra.random_weights,
-    "krum": weights_extra.krum_weights,
-    "modo": weights_extra.modo_weights,
-    "sdmgrad": weights_extra.sdmgrad_weights,
-    "crmogm": crmogm_weights,
-}
-"""Name -> aggregator ``fn(gram, [state,] generator=None, **options) -> w``."""
-
-STATEFUL: dict[str, type] = {
-    "nashmtl": weights_solved.NashMTLState,
-    "gradvac": weights_solved.GradVacState,
-    "modo": weights_extra.MoDoState,
-    "sdmgrad": weights_extra.SDMGradState,
-    "crmogm": CRMOGMState,
-}
-"""Names whose function takes a state object (second argument / ``state=``), and the state's class."""
 
 # options settable from strings; everything else in a signature (generator, orders, state) is not an option
 _NOT_OPTIONS = {"gram", "generator", "state", "orders", "constraints"}
