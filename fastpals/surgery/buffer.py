@@ -173,10 +173,6 @@ class TaskGradientBuffer(TaskGradients):
         """Which rows hold a gradient captured since the last :meth:`apply` (the others count as zero)."""
         return list(self._captured)
 
-    def release_update(self) -> None:
-        """Kept for callers of earlier versions: :meth:`apply` now gives up every row block itself (the update
-        lives in the ``.grad`` tensors only), so there is nothing left to release."""
-
     def _chunk(self, c: int) -> torch.Tensor:
         """Chunk ``c``'s ``[T, P_c]`` tensor, made uninitialised at its first use in a step."""
         chunk = self._chunks[c]

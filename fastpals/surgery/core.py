@@ -231,6 +231,9 @@ class TaskGradients:
         """Forget this step's gradients (the next step starts fresh)."""
         self.steps += 1
 
+    def release_update(self) -> None:
+        """Nothing to release: ``apply`` keeps no row past the step, the update lives in the ``.grad`` tensors."""
+
     # --- Gram -> weights -> combine -----------------------------------------------------------------------------
     def _task_grads(self) -> list[torch.Tensor | None]:
         if self.capture_task_params:

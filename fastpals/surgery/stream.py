@@ -364,9 +364,6 @@ class StreamingTaskGradients(TaskGradients):
         """Every block starts fresh rows (one block per apply)."""
         return [False] * self.num_tasks
 
-    def release_update(self) -> None:
-        """Nothing to release (the update lives in the parameters' own ``.grad``)."""
-
     def param_rows(self, k: int) -> torch.Tensor:
         """The ``[T, *shape]`` fp32 rows of shared parameter k (kept rows, or a streamed layer's scratch)."""
         rows = self._rows.get(k)
