@@ -551,6 +551,7 @@ def test_surgery_optimizer_equals_the_pcgrad_and_gem_wrappers(method):
             wrapper = SurgeryOptimizer(opt, method=method, generator=gen)
         else:
             wrapper = PCGrad(opt, generator=gen) if method == "pcgrad" else GEM(opt)
+            assert isinstance(wrapper, SurgeryOptimizer) and wrapper.method == method  # names, not copies
         torch.manual_seed(2)
         xs, ys = [torch.randn(8, 6) for _ in range(3)], [torch.randn(8) for _ in range(3)]
         wrapper.backward([model.loss(xs[k], ys[k], k) for k in range(3)])

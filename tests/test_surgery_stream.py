@@ -365,12 +365,30 @@ def test_run_update_stream_reads_once_and_equals_buffer():
 
 
 def test_surgery_memory_option():
-    from fastpals.train.step import surgery_memory_mode
+    from fastpals.train.memory_mode import surgery_memory_mode
 
     assert surgery_memory_mode("auto", one_backward=True) == "smaller"
     assert surgery_memory_mode("auto", one_backward=False) == "buffer"
     assert surgery_memory_mode("auto", one_backward=True, buffer_dtype="bf16") == "buffer"
     assert surgery_memory_mode("stream", one_backward=True) == "stream"
+
+
+def test_task_gradients_builds_each_memory_mode_on_the_one_core():
+    """``memory_mode.task_gradients``: the buffer with its row dtype, or the stream with the mode's policy and
+    budget (``stream`` keeps no rows); both run the one ``TaskGradients.apply``."""
+    from fastpals.surgery import StreamingTaskGradients, TaskGradientBuffer, TaskGradients
+    from fastpals.train.memory_mode import task_gradients
+
+    params = [torch.nn.Parameter(torch.zeros(4, 3)), torch.nn.Parameter(torch.zeros(4))]
+    head = torch.nn.Parameter(torch.zeros(2))
+    buf = task_gradients("buffer", params, 3, torch.bfloat16, 10, task_params=[head])
+    assert type(buf) is TaskGradientBuffer and buf.dtype == torch.bfloat16 and buf.task_params == [head]
+    for memory, policy, keep in (("stream", "stream", 0), ("smaller", "smaller", 10)):
+        got = task_gradients(memory, params, 3, torch.bfloat16, 10)
+        assert type(got) is StreamingTaskGradients and (got.policy, got.keep_bytes) == (policy, keep)
+    assert TaskGradientBuffer.apply is StreamingTaskGradients.apply is TaskGradients.apply
+    with pytest.raises(ValueError, match="surgery memory 'auto'"):
+        task_gradients("auto", params, 3)
 
 
 def test_bf16_model_stream_close_to_the_fp32_buffer():

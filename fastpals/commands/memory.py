@@ -33,15 +33,19 @@ from fastpals.encoder.bert import BertConfig, PALConfig
 from fastpals.model.multitask import MultiTaskBert, MultiTaskConfig
 from fastpals.surgery import (
     AGGREGATORS,
-    StreamingTaskGradients,
-    TaskGradientBuffer,
     shared_parameters_by_name,
 )
 from fastpals.train.args import PAL_PRESETS
 from fastpals.train.distributed import initialize
 from fastpals.train.dsconfig import check_ds_config, load_ds_config
 from fastpals.train.errors import ConfigError
-from fastpals.train.memory_mode import keep_bytes_for, plan_auto_modes
+from fastpals.train.memory_mode import (
+    SURGERY_MEMORIES,
+    keep_bytes_for,
+    plan_auto_modes,
+    surgery_memory_mode,
+    task_gradients,
+)
 from fastpals.train.memory_states import (
     CATEGORIES,
     PRECISIONS,
@@ -80,9 +84,6 @@ __all__ = [
 
 GIB = 2**30
 SURGERY_MODES = ("one_backward", "per_task")
-#: ``--surgery-memory`` of one-backward surgery: the [T, P] buffer, streaming, or auto (streaming with each layer's
-#: task rows kept where they are smaller than its kept activations: fastpals.surgery.stream)
-SURGERY_MEMORIES = ("buffer", "stream", "auto")
 BUFFER_DTYPES = ("auto", "fp32", "bf16")
 #: the parts of the peak, in the order printed
 CATEGORY_TEXT = {
@@ -407,20 +408,19 @@ def _run_step(spec: StepSpec, batch_size: int, fake: bool, warmup: bool = False)
             if fake and spec.precision != "fp32":
                 kw = {"grad_setter": engine.grad_setter, "grad_dtype": torch.float32}
             with tracker.phase("surgery"):
-                if spec.surgery_memory == "buffer" or spec.surgery_mode != "one_backward":
-                    buffer = TaskGradientBuffer(
-                        shared, len(spec.tasks), _DTYPES[spec.rows_dtype], task_params=specific, **kw
-                    )
-                else:
-                    policy = "stream" if spec.surgery_memory == "stream" else "smaller"
-                    keep = 0
-                    if spec.surgery_memory == "auto" and spec.world_size == 1:  # auto's streaming (one rank)
-                        keep = keep_bytes_for(
-                            bert, batch_size * spec.max_length, spec.max_length, spec.precision
-                        )
-                    buffer = StreamingTaskGradients(
-                        shared, len(spec.tasks), task_params=specific, policy=policy, keep_bytes=keep, **kw
-                    )
+                memory = surgery_memory_mode(spec.surgery_memory, spec.surgery_mode == "one_backward")
+                keep = 0
+                if memory == "smaller" and spec.world_size == 1:  # auto's streaming (one rank)
+                    keep = keep_bytes_for(bert, batch_size * spec.max_length, spec.max_length, spec.precision)
+                buffer = task_gradients(
+                    memory,
+                    shared,
+                    len(spec.tasks),
+                    _DTYPES[spec.rows_dtype],
+                    keep,
+                    task_params=specific,
+                    **kw,
+                )
             for name in ("capture", "apply", "_new_block"):  # the buffer's own allocations are the surgery's
                 if not hasattr(buffer, name):
                     continue

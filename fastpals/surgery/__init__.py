@@ -1,67 +1,41 @@
-"""Gradient surgery (PCGrad, GEM, UPGrad, MGDA, CAGrad, Nash-MTL, ...) as Gram -> task weights -> weighted sum.
+"""Gradient surgery: per-task gradients of the shared parameters -> ``T x T`` Gram -> task weights -> one update.
 
-Every method here is an *aggregator*: a function of the ``T x T`` Gram matrix ``G[i, j] = <g_i, g_j>`` of the
-task gradients (over the parameters shared by the tasks) returning weights ``w [T]`` such that the update is
-``sum_t w_t g_t``: :func:`sum_weights`, :func:`mean_weights`, :func:`pcgrad_weights`, :func:`gem_weights`.
-The weights are computed on the device, without synchronising. :mod:`fastpals.surgery.weights_solved` adds UPGrad,
-MGDA, DualProj, IMTL-G, CAGrad, Aligned-MTL, FairGrad, Nash-MTL, GradVac and CR-MOGM, and
-:mod:`fastpals.surgery.weights_extra` Constant, Random, Krum, MoDo and SDMGrad; :data:`AGGREGATORS` maps every
-lower-case name to its function, :func:`make_weighting` builds one from string options, and
-:class:`SurgeryOptimizer` wraps an optimizer for any name.
+An *aggregator* maps the Gram ``G[i, j] = <g_i, g_j>`` (float32/float64, on the device) to weights ``w [T]``;
+the update is ``sum_t w_t g_t``. :data:`AGGREGATORS` names them all (``pcgrad``, ``gem``, ``upgrad``, ``mgda``,
+``cagrad``, ``nashmtl``, ...: :mod:`.weights_basic`, :mod:`.weights_solved`, :mod:`.weights_extra`) and
+:func:`make_weighting` builds one from string options. No aggregator reads the device from the host.
 
-:class:`TaskGradientBuffer` holds the per-task gradients of the shared parameters in one flat ``[T, P]`` tensor
-(float32 or bfloat16), filled by one backward per task with the graph freed each time; ``apply`` runs the fused
-Gram kernel (float32 accumulation, finite check fused), the aggregator, and the fused combine kernel that writes
-the update into the parameters' ``.grad``. :class:`StreamingTaskGradients` is its streaming
-counterpart for the one-backward capture (:func:`per_task_gradients`): the Gram accumulated layer by layer during
-the backward and the update written by one weight-gradient GEMM per layer, memory flat in ``T``
-(:mod:`fastpals.surgery.stream`). :class:`PCGrad` and :class:`GEM` wrap an optimizer with
+The per-task gradients live in one of two memory modes, both :class:`TaskGradients` (:mod:`.core`), whose
+``apply`` runs Gram -> weights -> combine: :class:`TaskGradientBuffer` holds ``[T, P]`` rows (one backward per
+task and :meth:`~TaskGradientBuffer.capture`, or :func:`per_task_gradients` from one backward);
+:class:`StreamingTaskGradients` builds the Gram layer by layer in the one backward, memory flat in ``T``.
+:class:`SurgeryOptimizer` (and its names :class:`PCGrad`, :class:`GEM`) wraps an optimizer with
 Pytorch-PCGrad's ``pc_backward(losses)`` convention.
 
 Mixed precision: use one loss scale for all tasks (the weights do not depend on it; the Gram is accumulated in
-float32 so that ``S^2 |g|^2`` does not overflow). Inf/nan in any task gradient skips the step: ``apply`` returns
-``SurgeryResult(skipped=True, nonfinite_tasks=[...])``, writes nothing, and the wrappers' ``step()`` does nothing.
-With ``torch.amp.GradScaler``, do not call ``scaler.step`` on a skipped step (it finds no gradients); lower the
-scale yourself, e.g. ``scaler.update(scaler.get_scale() * scaler.get_backoff_factor())``. Clip after surgery.
+float32). Inf/nan in any task gradient skips the step: ``apply`` returns ``SurgeryResult(skipped=True, ...)``
+and writes nothing; with ``torch.amp.GradScaler`` do not call ``scaler.step`` then, lower the scale yourself.
 
-Data parallel: surgery must act on the global per-task gradients (per-rank Gram matrices do not add up to the
-global one). Run the per-task backwards without DDP's gradient all-reduce (``model.no_sync()`` or no DDP
-wrapper), then ``TaskGradientBuffer(..., all_reduce=True)`` (or ``process_group=pg``) averages the ``[T, P]``
-buffer across ranks before the Gram: ``T * P`` elements per step (plain DDP reduces ``P``), plus the
-task-specific gradients and ``T * n_params`` touched flags. Every rank then computes the same update.
+Data parallel: run the per-task backwards without DDP's all-reduce (``model.no_sync()``) and pass
+``all_reduce=True`` (or ``process_group``): the task gradients are averaged before the Gram (per-rank Grams do
+not add up to the global one), so every rank computes the same update. DeepSpeed ZeRO 0-2 (not 3): one
+``engine.backward(loss_t)`` and ``buf.capture(t)`` per task, then ``buf.apply(...)`` and ``engine.step()``, with
+``capture_task_params=True`` (ZeRO-1/2 backwards replace gradients) and DeepSpeed's getter and setter::
 
-DeepSpeed (ZeRO stage 0, 1, 2), measured with DeepSpeed 0.19.8 on its CPU accelerator (gloo, 1 and 2 ranks,
-``tests/test_surgery_distributed.py``): one ``engine.backward(loss_t)`` per task followed by ``buf.capture(t)``,
-then ``buf.apply(...)`` and ``engine.step()``, gives exactly the update of the plain-PyTorch buffer path on the
-whole batch, for stages 0, 1 and 2 (no "Gradient computed twice for this partition" error arose with three
-backwards per step). Build the buffer with::
-
-    from deepspeed.utils import safe_get_full_grad, safe_set_full_grad  # DeepSpeed's import takes seconds
+    from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
     buf = TaskGradientBuffer(shared, T, task_params=specific, capture_task_params=True,
                              grad_getter=safe_get_full_grad,
                              grad_setter=lambda p, g: safe_set_full_grad(
                                  p, g if g is not None else torch.zeros_like(p, dtype=torch.float32)))
 
-- DeepSpeed averages the gradients over the ranks inside each ``engine.backward``, so do not pass
-  ``all_reduce`` (the communication is ``T`` gradient reductions per step, ``T * P`` elements, as with the
-  buffer's own all-reduce).
-- Under ZeRO-1/2 each backward *replaces* the reduced gradients instead of accumulating them (a task head
-  trained by task 1 lost its gradient in task 2's backward), hence ``capture_task_params=True``, which takes the
-  task-specific gradients out at each capture and writes them back in ``apply``.
-- ``safe_get_full_grad`` / ``safe_set_full_grad`` must be called on every rank (the buffer does). With fp16 the
-  values carry the loss scale: the weights do not depend on it. DeepSpeed 0.19.8 clips gradients at 1.0 by
-  default; set ``"gradient_clipping"`` as you intend (it applies after surgery, in ``engine.step``).
-- Client optimizers need ``"zero_allow_untested_optimizer": true`` under ZeRO. ZeRO-3 is not covered.
+DeepSpeed already averages each backward over the ranks: do not pass ``all_reduce``. Client optimizers need
+``"zero_allow_untested_optimizer": true``; ``"gradient_clipping"`` applies after surgery.
 """
 
-from fastpals.surgery.buffer import (
-    SurgeryResult,
-    TaskGradientBuffer,
-    default_grad_getter,
-    default_grad_setter,
-    parameters_reached,
-)
+from fastpals.surgery.buffer import TaskGradientBuffer, parameters_reached
+from fastpals.surgery.core import SurgeryResult, TaskGradients, default_grad_getter, default_grad_setter
 from fastpals.surgery.optimizer_wrappers import GEM, PCGrad, SurgeryOptimizer, shared_parameters_by_name
+from fastpals.surgery.options import make_weighting, parse_surgery_options
 from fastpals.surgery.per_task import (
     PerTaskGradients,
     cu_seqlens_from_mask,
@@ -98,10 +72,8 @@ from fastpals.surgery.weights_solved import (
     fairgrad_weights,
     gradvac_weights,
     imtlg_weights,
-    make_weighting,
     mgda_weights,
     nashmtl_weights,
-    parse_surgery_options,
     upgrad_weights,
 )
 
@@ -137,6 +109,7 @@ __all__ = [
     "StreamingTaskGradients",
     "SurgeryResult",
     "TaskGradientBuffer",
+    "TaskGradients",
     "cu_seqlens_from_mask",
     "default_grad_getter",
     "default_grad_setter",

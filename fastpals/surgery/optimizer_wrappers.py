@@ -1,20 +1,15 @@
-"""Optimizer wrappers for users coming from Pytorch-PCGrad: ``PCGrad(optimizer)`` and ``GEM(optimizer)``.
+"""``SurgeryOptimizer(optimizer, method=...)``: any aggregator around any optimizer, with Pytorch-PCGrad's
+``pc_backward(losses)`` convention; :class:`PCGrad` and :class:`GEM` are its ``pcgrad`` and ``gem`` methods.
 
-``pc_backward(losses)`` takes the per-task scalar losses of one forward (one shared graph), runs one backward
-per loss (``retain_graph`` for all but the last, as Pytorch-PCGrad does), captures each task's gradient of the
-shared parameters into a :class:`~fastpals.surgery.TaskGradientBuffer`, and writes the surgery's update into
-``.grad``. ``step()`` then steps the wrapped optimizer (or does nothing when the step was skipped for non-finite
-gradients), ``zero_grad()`` delegates.
+``backward(losses)`` takes the per-task scalar losses of one forward (one shared graph), runs one backward per
+loss (``retain_graph`` for all but the last), captures each task's gradient of the shared parameters into a
+:class:`~fastpals.surgery.TaskGradientBuffer`, and writes the surgery's update into ``.grad``; ``step()`` steps
+the wrapped optimizer unless the step was skipped for non-finite gradients.
 
-Which parameters are shared is decided per call from the autograd graphs of the losses (a parameter reached by
-two or more losses is shared, by one is task-specific, by none is unused and keeps ``grad = None``), unless
-``shared_params`` is given. Give it for models whose task-specific weights are slices of one stacked parameter
-(``fastpals.MultiTaskBert``'s PALs: every task's graph reaches the whole stacked tensor); see
+Shared parameters are found per call from the losses' autograd graphs (reached by two or more losses: shared; by
+one: task-specific; by none: unused, ``grad = None``), unless ``shared_params`` is given. Give it where the
+task-specific weights are slices of one stacked parameter (``fastpals.MultiTaskBert``'s PALs); see
 :func:`shared_parameters_by_name`.
-
-This API keeps the graph of every task alive until the last backward (it has to: the losses share one forward).
-The buffer path (a forward + backward per task batch, each graph freed at once, :class:`TaskGradientBuffer`
-driven from the training loop) is faster and uses less activation memory.
 """
 
 from __future__ import annotations
@@ -24,9 +19,10 @@ from typing import Any
 
 import torch
 
-from fastpals.surgery.buffer import SurgeryResult, TaskGradientBuffer, parameters_reached
-from fastpals.surgery.weights_basic import gem_weights, pcgrad_weights
-from fastpals.surgery.weights_solved import make_weighting
+from fastpals.surgery.buffer import TaskGradientBuffer, parameters_reached
+from fastpals.surgery.core import SurgeryResult
+from fastpals.surgery.options import make_weighting
+from fastpals.surgery.weights_basic import gem_weights
 
 __all__ = ["GEM", "PCGrad", "SurgeryOptimizer", "shared_parameters_by_name"]
 
@@ -49,22 +45,44 @@ def shared_parameters_by_name(
     return shared, specific
 
 
-class _SurgeryOptimizer:
-    """Shared machinery of :class:`PCGrad` and :class:`GEM`."""
+class SurgeryOptimizer:
+    """Any aggregator of :data:`fastpals.surgery.AGGREGATORS` around any optimizer, with Pytorch-PCGrad's
+    calling convention: ``SurgeryOptimizer(opt, method="upgrad").backward(losses); opt.step()``.
+
+    Args:
+        optimizer: the wrapped optimizer (its parameters are the ones surgery and the split consider).
+        method: a registry name (``"pcgrad"``, ``"upgrad"``, ``"mgda"``, ``"cagrad"``, ``"nashmtl"``, ...).
+        generator: CPU ``torch.Generator`` for the random orders of ``pcgrad`` and ``gradvac``.
+        buffer_dtype: dtype of the per-task gradient rows (float32, or bfloat16 to halve their memory).
+        shared_params: the parameters shared by the tasks (default: found from the losses' graphs).
+        buffer_kwargs: passed to :class:`TaskGradientBuffer` (``grad_getter``, ``process_group``, ...).
+        **options: the method's options (values may be strings, see :func:`~fastpals.surgery.make_weighting`),
+            e.g. ``c=0.5`` for CAGrad, ``alpha=2`` for FairGrad.
+
+    The projected gradients are summed over the shared parameters only; task-specific and unused parameters are
+    left alone. The state of a stateful method (``nashmtl``, ``gradvac``, ...) is :attr:`weighting_state`;
+    ``state_dict()`` holds it under ``"surgery"`` beside the wrapped optimizer's state.
+    """
 
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
+        method: str = "pcgrad",
+        generator: torch.Generator | None = None,
         buffer_dtype: torch.dtype = torch.float32,
         shared_params: Iterable[torch.nn.Parameter] | None = None,
-        **buffer_kwargs: Any,
+        buffer_kwargs: dict[str, Any] | None = None,
+        **options: Any,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self.optimizer = optimizer
+        self.method = str(method).lower()
+        self.weighting, self.weighting_state = make_weighting(self.method, **options)
+        self.generator = generator
         self.buffer_dtype = buffer_dtype
         self.shared_params = list(shared_params) if shared_params is not None else None
-        self.buffer_kwargs = buffer_kwargs
+        self.buffer_kwargs = buffer_kwargs or {}
         self.buffer: TaskGradientBuffer | None = None
         self.last_result: SurgeryResult | None = None
         self.skipped_steps = 0
@@ -79,10 +97,17 @@ class _SurgeryOptimizer:
         return self.optimizer.state
 
     def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
+        out = dict(self.optimizer.state_dict())
+        if self.weighting_state is not None:
+            out["surgery"] = self.weighting_state.state_dict()
+        return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        surgery = state_dict.pop("surgery", None)
         self.optimizer.load_state_dict(state_dict)
+        if self.weighting_state is not None and surgery is not None:
+            self.weighting_state.load_state_dict(surgery)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -153,20 +178,17 @@ class _SurgeryOptimizer:
             loss.backward(retain_graph=t < last)
             buf.capture(first_row + t)
 
-    def _weighted_backward(
-        self,
-        losses: Sequence[torch.Tensor],
-        weighting: Callable[..., torch.Tensor],
-        generator: torch.Generator | None,
-    ) -> SurgeryResult:
-        """Zero the gradients, back-propagate each task loss into its buffer row, and write the update of
-        ``weighting`` (a Gram -> weights function; ``generator`` for its random orders) into ``.grad``."""
+    def backward(self, losses: Sequence[torch.Tensor]) -> SurgeryResult:
+        """Zero the gradients, back-propagate each task loss into its buffer row, and write the method's update
+        into ``.grad``."""
         losses = self._check_losses(losses, "losses")
         shared, specific = self._split(losses)
         buf = self._buffer_for(shared, specific, len(losses))
         self.optimizer.zero_grad(set_to_none=True)
         self._backward_into(buf, losses, 0)
-        return self._finish(buf.apply(weighting, generator=generator))
+        return self._finish(buf.apply(self.weighting, generator=self.generator))
+
+    pc_backward = backward
 
     def _finish(self, result: SurgeryResult) -> SurgeryResult:
         self.last_result = result
@@ -175,20 +197,9 @@ class _SurgeryOptimizer:
         return result
 
 
-class PCGrad(_SurgeryOptimizer):
-    """PCGrad (Yu et al. 2020) around any optimizer, with Pytorch-PCGrad's calling convention.
-
-    Args:
-        optimizer: the wrapped optimizer (its parameters are the ones surgery and the split consider).
-        generator: CPU ``torch.Generator`` for the projection orders (default: PyTorch's global CPU RNG).
-        buffer_dtype: dtype of the per-task gradient buffer (float32, or bfloat16 to halve its memory).
-        shared_params: the parameters shared by the tasks (default: found from the losses' graphs).
-        **buffer_kwargs: passed to :class:`TaskGradientBuffer` (``grad_getter``, ``grad_setter``,
-            ``process_group``, ``all_reduce``, ``grad_dtype``).
-
-    Unlike Pytorch-PCGrad, the projected gradients are summed (the paper's rule) over the shared parameters
-    only; task-specific and unused parameters are left alone.
-    """
+class PCGrad(SurgeryOptimizer):
+    """``SurgeryOptimizer(optimizer, method="pcgrad", ...)``: PCGrad (Yu et al. 2020), the projected gradients
+    summed (the paper's rule). ``**buffer_kwargs`` go to :class:`TaskGradientBuffer`."""
 
     def __init__(
         self,
@@ -198,30 +209,15 @@ class PCGrad(_SurgeryOptimizer):
         shared_params: Iterable[torch.nn.Parameter] | None = None,
         **buffer_kwargs: Any,
     ) -> None:
-        super().__init__(optimizer, buffer_dtype, shared_params, **buffer_kwargs)
-        self.generator = generator
-
-    def pc_backward(self, losses: Sequence[torch.Tensor]) -> SurgeryResult:
-        """Zero the gradients, back-propagate each task loss, and write the PCGrad update into ``.grad``."""
-        return self._weighted_backward(losses, pcgrad_weights, self.generator)
-
-    backward = pc_backward
+        super().__init__(optimizer, "pcgrad", generator, buffer_dtype, shared_params, buffer_kwargs)
 
 
-class GEM(_SurgeryOptimizer):
-    """GEM (Lopez-Paz & Ranzato 2017) for multi-task training, around any optimizer.
-
-    Args:
-        optimizer: the wrapped optimizer.
-        proposal: the update GEM projects: ``"sum"`` (default: the plain multi-task update), ``"mean"``, or a
-            task index ``k`` (``g_k``, GEM's "current task"; then the other tasks are the constraints).
-        buffer_dtype, shared_params, **buffer_kwargs: as for :class:`PCGrad`.
-        max_iter, tol, ridge: solver options of :func:`~fastpals.surgery.gem_weights`.
-
-    :meth:`gem_backward` constrains the update to have a non-negative inner product with every task's gradient.
-    The constraint gradients are those of ``memory_losses`` when given (one loss per task on that task's episodic
-    memory; the buffer then holds ``2 T`` rows), otherwise those of the current task losses.
-    """
+class GEM(SurgeryOptimizer):
+    """``SurgeryOptimizer(optimizer, method="gem", proposal=..., ...)``: GEM (Lopez-Paz & Ranzato 2017), the update
+    closest to the ``proposal`` (``"sum"``, ``"mean"`` or a task index ``k``) whose inner product with every
+    constraint gradient is non-negative; ``max_iter``, ``tol``, ``ridge``: :func:`~fastpals.surgery.gem_weights`'s
+    solver options. The constraints are the task gradients, or with :meth:`gem_backward`'s ``memory_losses`` (one
+    loss per task on its episodic memory; ``2 T`` buffer rows) those of the memory."""
 
     def __init__(
         self,
@@ -234,13 +230,16 @@ class GEM(_SurgeryOptimizer):
         ridge: float = 1e-12,
         **buffer_kwargs: Any,
     ) -> None:
-        super().__init__(optimizer, buffer_dtype, shared_params, **buffer_kwargs)
         if not (
             proposal in ("sum", "mean") or (isinstance(proposal, int) and not isinstance(proposal, bool))
         ):
             raise ValueError(f"proposal must be 'sum', 'mean' or a task index, got {proposal!r}")
         self.proposal = proposal
         self.solver_options = {"max_iter": max_iter, "tol": tol, "ridge": ridge}
+        super().__init__(
+            optimizer, "gem", None, buffer_dtype, shared_params, buffer_kwargs, proposal=proposal,
+            **self.solver_options,
+        )  # fmt: skip
 
     def gem_backward(
         self, losses: Sequence[torch.Tensor], memory_losses: Sequence[torch.Tensor] | None = None
@@ -250,13 +249,10 @@ class GEM(_SurgeryOptimizer):
         t = len(losses)
         if isinstance(self.proposal, int) and not 0 <= self.proposal < t:
             raise ValueError(f"proposal task {self.proposal} is out of range for {t} losses")
+        if memory_losses is None:
+            return SurgeryOptimizer.backward(self, losses)
         shared, specific = self._split(losses)
         self.optimizer.zero_grad(set_to_none=True)
-        if memory_losses is None:
-            buf = self._buffer_for(shared, specific, t)
-            self._backward_into(buf, losses, 0)
-            result = buf.apply(gem_weights, proposal=self.proposal, **self.solver_options)
-            return self._finish(result)
         memory_losses = self._check_losses(memory_losses, "memory_losses")
         if len(memory_losses) != t:
             raise ValueError(
@@ -279,55 +275,3 @@ class GEM(_SurgeryOptimizer):
 
     backward = gem_backward
     pc_backward = gem_backward
-
-
-class SurgeryOptimizer(_SurgeryOptimizer):
-    """Any weighting of :data:`fastpals.surgery.AGGREGATORS` around any optimizer, with Pytorch-PCGrad's
-    calling convention: ``SurgeryOptimizer(opt, method="upgrad").backward(losses); opt.step()``.
-
-    Args:
-        optimizer: the wrapped optimizer.
-        method: a registry name (``"upgrad"``, ``"mgda"``, ``"cagrad"``, ``"nashmtl"``, ...).
-        generator: CPU ``torch.Generator`` for the random orders of ``pcgrad`` and ``gradvac``.
-        buffer_dtype, shared_params: as for :class:`PCGrad`.
-        buffer_kwargs: dict passed to :class:`TaskGradientBuffer` (``grad_getter``, ``process_group``, ...).
-        **options: the method's options (values may be strings, see
-            :func:`~fastpals.surgery.make_weighting`), e.g. ``c=0.5`` for CAGrad, ``alpha=2`` for FairGrad.
-
-    The state of a stateful method (``nashmtl``, ``gradvac``) is :attr:`weighting_state`; ``state_dict()`` holds
-    it under ``"surgery"`` beside the wrapped optimizer's state, and ``load_state_dict`` restores both.
-    """
-
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        method: str = "pcgrad",
-        generator: torch.Generator | None = None,
-        buffer_dtype: torch.dtype = torch.float32,
-        shared_params: Iterable[torch.nn.Parameter] | None = None,
-        buffer_kwargs: dict[str, Any] | None = None,
-        **options: Any,
-    ) -> None:
-        super().__init__(optimizer, buffer_dtype, shared_params, **(buffer_kwargs or {}))
-        self.method = str(method).lower()
-        self.weighting, self.weighting_state = make_weighting(self.method, **options)
-        self.generator = generator
-
-    def backward(self, losses: Sequence[torch.Tensor]) -> SurgeryResult:
-        """Zero the gradients, back-propagate each task loss, and write the method's update into ``.grad``."""
-        return self._weighted_backward(losses, self.weighting, self.generator)
-
-    pc_backward = backward
-
-    def state_dict(self) -> dict[str, Any]:
-        out = dict(self.optimizer.state_dict())
-        if self.weighting_state is not None:
-            out["surgery"] = self.weighting_state.state_dict()
-        return out
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state_dict = dict(state_dict)
-        surgery = state_dict.pop("surgery", None)
-        self.optimizer.load_state_dict(state_dict)
-        if self.weighting_state is not None and surgery is not None:
-            self.weighting_state.load_state_dict(surgery)

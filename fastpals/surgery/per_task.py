@@ -1,84 +1,36 @@
 """Every task's gradient of the shared parameters from ONE forward and ONE backward over a mixed-task batch.
 
-When every example belongs to one task and examples do not interact (BERT: attention stays inside a sequence),
-one backward of the sum of the task losses ``sum_t L_t`` already carries every task's output gradients, split by
-rows: row ``r`` of a layer only reaches the loss of its own example's task. So the per-task gradient of a shared
-weight is a sum over that task's rows:
+Where examples do not interact (BERT: attention stays inside a sequence), one backward of ``sum_t L_t`` carries
+every task's output gradients split by rows, so a shared weight's per-task gradient is a sum over that task's
+rows: ``nn.Linear`` ``dW_t = dY_t^T X_t`` and ``db_t = sum dY_t`` (a grouped GEMM with the FLOPs of the ordinary
+weight gradient); ``nn.LayerNorm`` ``dgamma_t = sum dY * xhat``, ``dbeta_t = sum dY``; ``nn.Embedding`` a per-task
+``index_add`` (broadcast position embeddings take the gradient of the embedding they are summed with).
 
-- ``nn.Linear``: ``dW_t = dY_t^T X_t`` over task t's rows (tokens), ``db_t = sum of dY_t`` (a grouped GEMM with
-  the FLOPs of the ordinary weight gradient: one matmul per task segment, ``addmm`` straight into the task's
-  row of the buffer; on CUDA the Triton grouped weight-gradient kernel of :mod:`fastpals_kernels.grouped_linear`
-  computes all segments in one launch, then one copy per task into its row);
-- ``nn.LayerNorm``: ``dgamma_t = sum (dY * xhat)``, ``dbeta_t = sum dY`` over task t's rows;
-- ``nn.Embedding``: a per-task ``index_add`` of task t's rows of ``dY``. Embeddings looked up once for the
-  whole batch and broadcast over it (BERT's position embeddings, indices ``[L]`` or ``[1, L]``) take the
-  gradient of the full-batch embedding they are summed with (the word embeddings of the same embeddings block:
-  ``word + position + token_type`` all receive the same gradient), summed per task over its examples.
+Inside :func:`per_task_gradients` the shared Linear / LayerNorm / Embedding modules run through the autograd
+functions of :mod:`fastpals.surgery.layer_grads`, whose backward writes these gradients into the task rows of a
+:class:`~fastpals.surgery.TaskGradientBuffer` (or a :class:`~fastpals.surgery.StreamingTaskGradients`) and
+returns none for the shared weights: no summed ``[P]`` gradient is computed. Task-specific parameters keep their
+ordinary gradients. Rows are padded ``[B, L, d]`` or packed ``[N, d]`` (``cu_seqlens [B+1]``, one per encoder
+pass for siamese pairs); the row maps are host values of the batch's :class:`~fastpals.data.layout.BatchLayout`,
+so the block reads no device value. Several micro-batches before one ``apply`` accumulate in the rows.
 
-:func:`per_task_gradients` wraps the forward and the backward of one mixed batch. Inside the block the shared
-``nn.Linear`` / ``nn.LayerNorm`` / ``nn.Embedding`` modules (found by type: those whose parameters are the
-buffer's shared parameters) run through autograd functions whose backward writes these per-task gradients into
-the task's row of the :class:`~fastpals.surgery.TaskGradientBuffer` and returns no gradient for the shared
-weights: the ordinary summed ``.grad`` of a shared parameter is never computed (no ``[P]`` gradient, no
-second weight-gradient GEMM). Task-specific parameters (PALs, heads, task embeddings) keep their ordinary
-gradient: they only receive gradient from their own task's rows. Attention, softmax, GELU and dropout carry no
-parameters. Saved activations are the ones ordinary autograd keeps, freed by autograd as soon as the node's
-backward (which writes the per-task gradient) has run. The per-layer rules (autograd functions) are in
-:mod:`fastpals.surgery.layer_grads`.
+Usage::
 
-Usage (minBERT / :class:`fastpals.MultiTaskBert`, or an HF model with :func:`fastpals.inject_pals`)::
-
-    buf = TaskGradientBuffer(shared, T, task_params=specific)          # fp32 or bf16 rows
+    buf = TaskGradientBuffer(shared, T, task_params=specific)
     optimizer.zero_grad(set_to_none=True)
     with per_task_gradients(model, buf, task_ids):                      # task_ids [B]
-        out = model(input_ids, attention_mask, None, task_ids)
-        loss, _ = model.loss(out, labels)                                 # sum over tasks of each task's mean
+        loss, _ = model.loss(model(input_ids, attention_mask, None, task_ids), labels)
         loss.backward()                                                   # one backward
-    result = buf.apply(pcgrad_weights, generator=g)                       # Gram -> weights -> combine
-    if not result.skipped:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)          # clipping after surgery
+    if not buf.apply(pcgrad_weights, generator=g).skipped:              # Gram -> weights -> combine
         optimizer.step()
 
-Row layouts: padded inputs ``[B, L]`` (a shared module's input ``[B, L, d]`` has ``L`` rows per example, the
-pooler's ``[B, d]`` one), and packed inputs (minBERT's ``unpad=True``: ``[N, d]`` token rows) given by
-``cu_seqlens [B+1]`` (one tensor, or one per encoder pass for siamese pairs whose second sentences pack to other
-lengths; see :func:`cu_seqlens_from_mask`). Rows grouped by task (``task_ids`` sorted) make every task segment a
-contiguous slice; unsorted batches are supported (the segments are gathered). Several micro-batches before one
-``apply`` accumulate in the rows. A task with no rows in the batch keeps a zero row (or its earlier
-micro-batches' sum). Row maps come from the batch's :class:`~fastpals.data.layout.BatchLayout` (host values; found
-from the ``task_ids`` tensor that :func:`fastpals.data.mixed_batches.model_inputs` hands out), so the block reads no device
-value; tensors without a layout are read on the host once, when the block is entered.
+Data parallel and DeepSpeed ZeRO 0-2: build the buffer as :mod:`fastpals.surgery` says, with ``all_reduce``
+(the shared weights enter the graph detached, so neither DDP nor DeepSpeed reduces them) and run
+``engine.backward(loss)`` inside the block.
 
-Data parallel: the rows hold this rank's per-task gradients; build the buffer with ``all_reduce=True`` (or a
-``process_group``) so that ``apply`` averages the ``[T, P]`` rows across ranks before the Gram (``T * P``
-elements per step, plus the task-specific gradients and ``T * n_shared`` flags), and do not let DDP reduce the
-gradients (no DDP wrapper, or ``no_sync``): shared parameters get no ordinary gradient here anyway.
-
-DeepSpeed ZeRO 0/1/2 (tested: 0.19.8, CPU accelerator, bf16, 2 ranks, gradient_accumulation_steps = 1): run
-``engine.backward(loss)`` inside the block. The shared weights enter the autograd graph detached, so no
-gradient hook of DeepSpeed fires for them and DeepSpeed reduces only the task-specific gradients; the buffer's
-all-reduce averages the shared rows (``T * P`` elements per step, where the per-task-backward path had DeepSpeed
-reduce ``T`` full gradients)::
-
-    from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
-
-    def setter(p, g):
-        safe_set_full_grad(p, g if g is not None else torch.zeros_like(p, dtype=torch.float32))
-
-    buf = TaskGradientBuffer(shared, T, torch.float32, task_params=specific, grad_getter=safe_get_full_grad,
-                             grad_setter=setter, grad_dtype=torch.float32, capture_task_params=zero_stage >= 1,
-                             all_reduce=dist.is_initialized() and dist.get_world_size() > 1)
-    with per_task_gradients(engine.module, buf, task_ids):
-        engine.backward(engine.module.loss(engine(...), labels)[0])
-    result = buf.apply(pcgrad_weights, generator=g)   # writes the update with safe_set_full_grad
-    engine.step()                                     # clipping ("gradient_clipping") after surgery
-
-Limits: models whose examples interact (batch norm, cross-example attention) break the row split; every shared
-parameter must belong to an ``nn.Linear`` / ``nn.LayerNorm`` (last dimension) / ``nn.Embedding`` (a clear error
-names any other); ``torch.compile`` and ZeRO-3 are not covered. Activation checkpointing (non-reentrant
-``torch.utils.checkpoint`` of whole layers, as minBERT's ``--activation-checkpointing``) is: the layer's forward
-runs again inside the backward, and that replay is neither counted nor differentiated (its saved tensors fill the
-first forward's nodes, whose row maps are used), so each layer's per-task gradient is written once.
+Limits: examples must not interact (no batch norm, no cross-example attention); every shared parameter belongs
+to an ``nn.Linear``, ``nn.LayerNorm`` or ``nn.Embedding``; ``torch.compile`` and ZeRO-3 are not covered.
+Non-reentrant activation checkpointing of whole layers is: the replayed forward is not differentiated again.
 """
 
 from __future__ import annotations

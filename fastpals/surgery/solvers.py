@@ -11,10 +11,8 @@ __all__ = ["jacobi_eigh", "jacobi_sweeps", "nonneg_qp", "spd_solve"]
 F64 = torch.float64
 #: the largest systems solved by :func:`spd_solve`; larger ones go to ``torch.linalg.solve_ex`` (no host check)
 SPD_SOLVE_MAX_T = 16
-#: the most iterations of :func:`nonneg_qp` by default (its budget is ``min(3 T + 10, QP_MAX_ITER)``): measured, the
-#: free set is optimal after 0 to 7 iterations at T = 16, 32, 64 and 128 (random, low-rank, graded and conflicting
-#: Grams, UPGrad's T right-hand sides); the fixed budget runs every iteration (no host read ends it early), so at
-#: T = 64 the uncapped 202 iterations were 0.8 s of CPU per UPGrad update against 0.16 s with 40
+#: the most iterations of :func:`nonneg_qp` by default (its budget is ``min(3 T + 10, QP_MAX_ITER)``); the fixed
+#: budget runs every iteration (no host read ends it early), so a cap keeps large T affordable
 QP_MAX_ITER = 40
 
 

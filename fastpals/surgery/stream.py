@@ -1,58 +1,29 @@
-"""Streaming gradient surgery: the Gram and the combined gradient of the one-backward capture without the ``[T, P]``
-buffer (``--surgery-memory stream``).
+"""Streaming gradient surgery (``--surgery-memory stream``): the Gram and the combined gradient of the one-backward
+capture without the ``[T, P]`` rows.
 
-Every aggregator is "``T x T`` Gram -> weights ``c`` -> ``sum_t c_t g_t``", and for a shared ``nn.Linear`` the task
-gradient is ``g_t = dY_t^T X_t`` over task t's rows. So neither the Gram nor the update needs all ``T`` gradients
-alive at once. :class:`StreamingTaskGradients` is used in place of a :class:`~fastpals.surgery.TaskGradientBuffer`
-inside :func:`~fastpals.surgery.per_task_gradients` (the same per-layer capture rules write into it) and, per
-shared parameter, keeps whichever is smaller:
+For a shared ``nn.Linear`` the task gradient is ``g_t = dY_t^T X_t`` over task t's rows, so neither the Gram nor
+the update ``sum_t c_t g_t`` needs all ``T`` gradients alive at once. :class:`StreamingTaskGradients` takes the
+buffer's place inside :func:`~fastpals.surgery.per_task_gradients` and keeps, per shared parameter, the smaller of:
 
-- **streamed** (``nn.Linear`` weights where ``T * M * K > N * (M + K)``, ``N`` the rows of the step through that
-  layer): the layer's output gradient ``dY [N, M]`` and input ``X [N, K]`` are kept in the training dtype. As
-  soon as every call of the layer has run its backward (siamese pairs: both encoder passes), the Gram of a
-  streamed Linear is built in chunks of output rows: each chunk's per-task weight gradients (summed over the
-  calls), ``[T, rows, K]`` fp32 within ``GRAM_CHUNK_BYTES`` (12 MiB; on the op library's grouped kernel, the
-  Triton path, one launch per call and block on that block's columns of ``dY``, within
-  ``GRAM_CHUNK_BYTES_DEVICE``, 64 MiB), have their pairwise dot products added into the fp32 ``[T, T]`` Gram at
-  once, with no ``[T, M, K]`` scratch (data parallel: the capture writes a whole ``[T, M, K]`` fp32 scratch,
-  all-reduced, whose Gram is added and which is then dropped).
-  After the weights ``c`` are solved, one weight-gradient GEMM per call, ``(c_row * dY)^T X`` (``c_row [N]`` the
-  weight of each row's task), writes ``sum_t c_t g_t`` into ``.grad``: the FLOPs of one ordinary weight-gradient
-  pass, no second forward/backward.
-- **embeddings by token-id rows** (an ``nn.Embedding`` looked up per example whose ``T * V`` exceeds the step's
-  rows, e.g. BERT's word embeddings): the output gradient ``dY [N, d]`` and the ids are kept. The Gram uses
-  ``<g_s, g_t> = sum over ids of <sum_{rows of s with that id} dY, sum_{rows of t with that id} dY>``: rows are
-  summed per (id, task) after a stable sort (no host read), so that the at most ``T`` entries of one id are
-  adjacent, and the ``T`` diagonals of that banded product are added into the Gram (``T * N * d`` multiply-adds).
-  The update is one ``index_add`` of ``c_row * dY`` at the ids. The ``padding_idx`` row gets nothing.
-- **kept rows** (biases, LayerNorm weights and biases, broadcast position embeddings, small embeddings such as
-  BERT's token types, Linear weights where ``T * M * K <= N * (M + K)``, i.e. few tasks, and the Linear weights
-  within ``keep_bytes``, below): the per-task rows of that parameter alone, ``[T, *shape]`` fp32, as the buffer
-  holds them; Gram and combination at ``apply``.
+- **streamed** (Linear weights where ``T * M * K > N * (M + K)``, ``N`` the step's rows through the layer): its
+  ``dY [N, M]`` and ``X [N, K]`` in the training dtype. After the layer's last backward call its Gram is added
+  from blocks of output rows of the per-task products (fp32, within ``GRAM_CHUNK_BYTES``; data parallel: a whole
+  ``[T, M, K]`` scratch, all-reduced). The update is one weight-gradient GEMM per call, ``(c_row * dY)^T X``.
+- **embeddings by token-id rows** (an ``nn.Embedding`` looked up per example with ``T * V`` above the step's
+  rows): ``dY [N, d]`` and the ids; the Gram sums rows per (id, task) after a stable sort
+  (:func:`embedding_row_gram`), the update is one ``index_add`` of ``c_row * dY``.
+- **kept rows** (biases, LayerNorm, small embeddings, Linear weights with few tasks, and Linear weights within
+  ``keep_bytes``): ``[T, *shape]`` fp32 rows, as the buffer holds them.
 
-``keep_bytes`` (one rank; default 0) trades memory for time: Linear weights that the policy would stream keep
-their fp32 task rows instead, in the order of the forward (the first layers, whose backward runs last), as long as
-what those rows add over the ``dY`` and ``X`` they spare (``T * M * K * 4 - N * (M + K) * bytes`` each) totals at
-most ``keep_bytes``; the first weight that does not fit ends the kept prefix. The streamed step's memory is
-highest at the end of its backward, so these bytes come on top of that (MiniLM, 16 tasks, 48 x 32 tokens: the
-peak rises by about the budget less 60 MB). A kept weight's per-task products go straight into its rows and its
-update is a ``[T] @ [T, M * K]`` product, where a streamed one runs its weight-gradient GEMMs twice (per task for
-the Gram, then ``(c_row * dY)^T X``). ``--surgery-memory auto`` sets it to ``KEEP_SHARE`` of the step's estimated
-activations (``fastpals.train.memory_mode``); ``--surgery-memory stream`` keeps none.
+``keep_bytes`` (one rank) keeps the task rows of the first Linear weights in forward order that the policy would
+stream, as long as what they add over the ``dY`` and ``X`` they spare totals at most ``keep_bytes``: those skip
+the second weight-gradient pass (``--surgery-memory auto``: :mod:`fastpals.train.memory_mode`).
 
-Task-specific parameters keep their ordinary gradients. The Gram is exact (fp32 accumulation, in another order
-than the buffer's kernel: equal within 1e-5 relative), so every aggregator gives the buffer mode's update.
-
-Limits: one :func:`~fastpals.surgery.per_task_gradients` block (one micro-batch, any number of encoder passes) per
-:meth:`~StreamingTaskGradients.apply` (a Gram of a sum over micro-batches needs their cross terms: use the buffer
-for gradient accumulation); ``capture`` (one backward per task) is the buffer's.
-
-Data parallel (``all_reduce=True`` or a ``process_group``): each streamed layer's scratch is averaged over the
-ranks when it is produced (bucketed: scratches are concatenated up to ``bucket_elements`` and all-reduced in one
-call), before its Gram contribution, and the kept rows before theirs, so the Gram is the global one and every
-rank solves the same ``c``. The embeddings by token-id rows are all-gathered (ids, task, summed rows: at most the
-step's rows per rank). Each rank's combined gradient ``sum_t c_t g_t`` of its own rows is then averaged over the
-ranks, as DDP averages an ordinary gradient.
+The Gram is exact (fp32 products, summed in another order than the buffer's: equal within 1e-5 relative), so
+every aggregator gives the buffer mode's update. One :func:`~fastpals.surgery.per_task_gradients` block per
+``apply`` (a Gram over micro-batches needs their cross terms: use the buffer for gradient accumulation).
+Data parallel: the scratches and kept rows are averaged over the ranks before their Gram, the token-id rows
+all-gathered, and each rank's combined gradient averaged, as DDP averages an ordinary gradient.
 """
 
 from __future__ import annotations
@@ -64,21 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fastpals.functional import MAX_TASKS
-from fastpals.surgery.buffer import (
-    Aggregator,
-    GradGetter,
-    GradSetter,
-    SurgeryResult,
-    _unique_params,
-    default_grad_getter,
-    default_grad_setter,
-    flat_task_grads,
-    hand_over_flat_task_grads,
-    hand_over_task_grads,
-    task_grads_finite,
-    weights_on_device,
-)
+from fastpals.surgery.core import TaskGradients
 from fastpals.surgery.layer_grads import STACK_TEMP_ELEMENTS, RowTasks, kernels_on, row_plan
 from fastpals.surgery.per_task import PerTaskGradients
 from fastpals_kernels.dispatch import gram as gram_op
@@ -91,9 +48,8 @@ POLICIES = ("smaller", "stream")
 
 BUCKET_ELEMENTS = 1 << 22  # data parallel: scratch elements all-reduced in one call (16 MiB fp32)
 # One rank: a streamed Linear's Gram is built over blocks of output rows whose fp32 per-task products, [T, rows, K],
-# stay within this many bytes, not from a whole [T, M, K] scratch written and read back (memory-bound). MiniLM's
-# FFN weights at T = 16, one thread: 43-45 ms per layer for the scratch and its Gram, 29-30 ms in blocks of 128 to
-# 512 rows; blocks under 128 rows of K = 1536 lose it again (32 rows: 36 ms), hence 12 MiB, not an L2-sized block.
+# stay within this many bytes, not from a whole [T, M, K] scratch written and read back (memory-bound); smaller
+# blocks lose the gain again (docs/surgery-scaling.md)
 GRAM_CHUNK_BYTES = 12 << 20
 # The same on the op library's grouped kernel (CUDA): larger blocks, fewer launches
 GRAM_CHUNK_BYTES_DEVICE = 64 << 20
@@ -197,16 +153,14 @@ class _StreamBlock(PerTaskGradients):
         self.buffer._keep_embedding(k, ids, grad, rows.row_task, padding_idx)
 
 
-class StreamingTaskGradients:
+class StreamingTaskGradients(TaskGradients):
     """The streaming counterpart of :class:`~fastpals.surgery.TaskGradientBuffer` for
     :func:`~fastpals.surgery.per_task_gradients` (see the module docstring): same ``apply``, same results, memory
     flat in ``T``.
 
     Args:
-        params: the shared parameters (weights of ``nn.Linear`` / ``nn.LayerNorm`` / ``nn.Embedding`` modules).
-        num_tasks: tasks, ``1 <= num_tasks <= MAX_TASKS``.
-        task_params, grad_getter, grad_setter, grad_dtype, process_group, all_reduce, capture_task_params: as for
-            :class:`~fastpals.surgery.TaskGradientBuffer`.
+        params, num_tasks, task_params, grad_getter, grad_setter, grad_dtype, process_group, all_reduce,
+            capture_task_params: as for :class:`~fastpals.surgery.core.TaskGradients`.
         policy: ``smaller`` (default: per parameter, the smaller of the kept output gradient and the task rows)
             or ``stream`` (every Linear weight and per-example embedding streamed).
         keep_bytes: bytes that kept task rows of Linear weights the policy would stream may add over the ``dY``
@@ -223,54 +177,19 @@ class StreamingTaskGradients:
         params: Iterable[torch.nn.Parameter],
         num_tasks: int,
         *,
-        task_params: Iterable[torch.nn.Parameter] | None = None,
-        grad_getter: GradGetter | None = None,
-        grad_setter: GradSetter | None = None,
-        grad_dtype: torch.dtype | None = None,
-        process_group: Any = None,
-        all_reduce: bool = False,
-        capture_task_params: bool = False,
         policy: str = "smaller",
         bucket_elements: int = BUCKET_ELEMENTS,
         keep_bytes: int = 0,
+        **kwargs: Any,
     ) -> None:
-        self.params = _unique_params(params, "params")
-        if not self.params:
-            raise ValueError("params is empty: streaming surgery needs at least one shared parameter")
-        if not isinstance(num_tasks, int) or not 1 <= num_tasks <= MAX_TASKS:
-            raise ValueError(f"num_tasks must be an int in [1, {MAX_TASKS}], got {num_tasks!r}")
+        super().__init__(params, num_tasks, **kwargs)
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         if not isinstance(keep_bytes, int) or keep_bytes < 0:
             raise ValueError(f"keep_bytes must be an int >= 0, got {keep_bytes!r}")
-        devices = {p.device for p in self.params}
-        dtypes = {p.dtype for p in self.params}
-        if len(devices) != 1:
-            raise ValueError(f"params must all be on one device, got {sorted(map(str, devices))}")
-        if len(dtypes) != 1 and grad_dtype is None:
-            raise ValueError(f"params have several dtypes {sorted(map(str, dtypes))}: pass grad_dtype")
-        shared_ids = {id(p) for p in self.params}
-        given = _unique_params(task_params or [], "task_params")
-        self.task_params = [p for p in given if id(p) not in shared_ids]
-        if len(self.task_params) != len(given):
-            raise ValueError("a parameter cannot be both shared (params) and task-specific (task_params)")
-        self.device = devices.pop()
-        self.num_tasks = num_tasks
-        self.grad_dtype = grad_dtype or next(iter(dtypes))
-        self.grad_getter = grad_getter or default_grad_getter
-        self.grad_setter = grad_setter or default_grad_setter
-        self.process_group = process_group
-        self.all_reduce = all_reduce or process_group is not None
-        self.capture_task_params = capture_task_params
         self.policy = policy
         self.bucket_elements = bucket_elements
         self.keep_bytes = 0 if self.all_reduce else keep_bytes
-        self.numels = [p.numel() for p in self.params]
-        self.num_elements = sum(self.numels)
-        self.task_param_tasks: list[set[int]] = [set() for _ in self.task_params]
-        self._task_acc: list[torch.Tensor | None] = [None] * len(self.task_params)
-        self.skipped_steps = 0
-        self.steps = 0
         self._reset()
 
     # --- the step's state ---------------------------------------------------------------------------------------
@@ -445,9 +364,6 @@ class StreamingTaskGradients:
         """Every block starts fresh rows (one block per apply)."""
         return [False] * self.num_tasks
 
-    def release_update(self) -> None:
-        """Nothing to release (the update lives in the parameters' own ``.grad``)."""
-
     def param_rows(self, k: int) -> torch.Tensor:
         """The ``[T, *shape]`` fp32 rows of shared parameter k (kept rows, or a streamed layer's scratch)."""
         rows = self._rows.get(k)
@@ -537,21 +453,10 @@ class StreamingTaskGradients:
                 continue
             self.task_param_tasks[k].update(tasks)
             if self.capture_task_params:
-                if self._task_acc[k] is None:
-                    self._task_acc[k] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-                acc = self._task_acc[k]
-                if not self._task_seen[k]:
-                    acc.zero_()
-                acc.add_(g.detach())
-                self.grad_setter(p, None)
+                self._take_task_grad(k, g)
             self._task_seen[k] = True
 
     # --- Gram -> weights -> combine -----------------------------------------------------------------------------
-    def _task_grads(self) -> list[torch.Tensor | None]:
-        if self.capture_task_params:
-            return [acc if seen else None for acc, seen in zip(self._task_acc, self._task_seen)]
-        return [self.grad_getter(p) for p in self.task_params]
-
     def _finish_gram(self) -> torch.Tensor:
         """Add the kept rows' and the token-id embeddings' parts to the streamed layers' Gram (data parallel: after
         averaging / gathering them over the ranks)."""
@@ -607,92 +512,6 @@ class StreamingTaskGradients:
             dist.all_gather(parts, x.contiguous(), group=self.process_group)
             out.append(torch.cat(parts))
         return out[0], out[1], out[2]
-
-    def apply(
-        self,
-        aggregator: Aggregator,
-        generator: torch.Generator | None = None,
-        *,
-        sync: bool = True,
-        **aggregator_kwargs: Any,
-    ) -> SurgeryResult:
-        """As :meth:`fastpals.surgery.TaskGradientBuffer.apply`: Gram -> ``aggregator(gram, generator=...)`` ->
-        ``sum_t w_t g_t`` into the shared parameters' gradients (the streamed layers' by one weight-gradient GEMM
-        per call on the weighted output gradients). A non-finite task gradient skips the step (its Gram diagonal
-        is non-finite; nothing is written). ``sync=False`` (one rank): no host read, flags in ``result.flags``."""
-        if self.all_reduce and (not dist.is_available() or not dist.is_initialized()):
-            raise RuntimeError("all_reduce/process_group given but torch.distributed is not initialised")
-        if self.all_reduce and not sync:
-            raise ValueError(
-                "apply(sync=False) is for one-rank surgery (the all-reduced flags are read on the host)"
-            )
-        t = self.num_tasks
-        g_mat = self._finish_gram()
-        finite = torch.isfinite(torch.diagonal(g_mat))
-        task_grads = self._task_grads()
-        touched = self._touched
-        checks: list[torch.Tensor] = []
-        if self.all_reduce:
-            flags = torch.tensor(
-                [x for row in self._touched for x in row] + [g is not None for g in task_grads],
-                dtype=torch.float32, device=self.device,
-            )  # fmt: skip
-            dist.all_reduce(flags, group=self.process_group)
-            task_flat = None
-            if self.task_params:
-                task_flat = flat_task_grads(self.task_params, task_grads, self.device)
-                task_flat.div_(dist.get_world_size(self.process_group))
-                dist.all_reduce(task_flat, group=self.process_group)
-                checks.append(torch.isfinite(task_flat.norm()).reshape(1))
-            host = torch.cat([finite] + checks + [flags > 0]).tolist()  # the one host read
-            n = len(self.params)
-            flat_flags = host[t + len(checks) :]
-            touched = [flat_flags[i * n : (i + 1) * n] for i in range(t)]
-            used = flat_flags[t * n :]
-            if task_flat is not None:
-                hand_over_flat_task_grads(self.grad_setter, self.task_params, task_flat, used)
-            ok = all(host[: t + len(checks)])
-            return self._finish(ok, host, g_mat, aggregator, generator, aggregator_kwargs, touched)
-        finite_tasks = task_grads_finite(task_grads)
-        if finite_tasks is not None:
-            checks.append(finite_tasks)
-        if self.capture_task_params:
-            hand_over_task_grads(self.grad_setter, self.task_params, task_grads)
-        if sync:
-            host = torch.cat([finite] + checks).tolist()  # the one host read
-            return self._finish(all(host), host, g_mat, aggregator, generator, aggregator_kwargs, touched)
-        task_ok = checks[0] if checks else torch.ones(1, dtype=torch.bool, device=self.device)
-        flags_dev = torch.cat([finite, task_ok.to(torch.bool).reshape(1)])
-        weights = weights_on_device(aggregator, g_mat, flags_dev.all(), generator, aggregator_kwargs)
-        self._write_update(weights, touched)
-        self._end_step()
-
-        def count_skip() -> None:
-            self.skipped_steps += 1
-
-        return SurgeryResult(None, weights, g_mat, flags=flags_dev, on_skip=count_skip)
-
-    def _finish(
-        self,
-        ok: bool,
-        host: list[Any],
-        g_mat: torch.Tensor,
-        aggregator: Aggregator,
-        generator: torch.Generator | None,
-        aggregator_kwargs: dict[str, Any],
-        touched: Sequence[Sequence[Any]],
-    ) -> SurgeryResult:
-        t = self.num_tasks
-        if not ok:
-            self.skipped_steps += 1
-            bad = [i for i in range(t) if not host[i]]
-            task_ok = bool(host[t]) if len(host) > t else True
-            self._end_step()
-            return SurgeryResult(True, None, g_mat, bad, not task_ok)
-        weights = aggregator(g_mat, generator=generator, **aggregator_kwargs)
-        self._write_update(weights, touched)
-        self._end_step()
-        return SurgeryResult(False, weights, g_mat)
 
     def _write_update(self, weights: torch.Tensor, touched: Sequence[Sequence[Any]]) -> None:
         """``sum_t weights[t] g_t`` into the shared gradients: kept rows by a ``[T] @ [T, n]`` product, streamed
@@ -778,7 +597,7 @@ class StreamingTaskGradients:
                 hand_over(k)
 
     def _end_step(self) -> None:
-        self.steps += 1
+        super()._end_step()
         self._reset()
 
     def __repr__(self) -> str:

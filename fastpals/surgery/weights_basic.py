@@ -17,8 +17,8 @@ PCGrad orders are drawn on the host from a CPU ``torch.Generator`` (no device re
 validated (types, shapes, option values), never tensor values. ``tests/test_aggregators_fake.py`` runs every
 aggregator on a ``FakeTensorMode`` Gram, where any data-dependent host read raises.
 
-Non-finite Gram matrices must not reach an aggregator (``TaskGradientBuffer.apply`` checks and skips the step);
-the aggregators do not check because checking needs a sync.
+Non-finite Gram matrices never reach an aggregator (``TaskGradients.apply`` skips the step); the aggregators do
+not check because checking needs a sync.
 """
 
 from __future__ import annotations

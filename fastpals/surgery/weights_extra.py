@@ -33,6 +33,7 @@ __all__ = [
     "project_onto_simplex",
     "random_weights",
     "sdmgrad_weights",
+    "WeightsState",
 ]
 
 F64 = torch.float64
@@ -102,33 +103,41 @@ def krum_weights(
     return w.to(weights_dtype(gram))
 
 
-class _WeightsState:
-    """A weight vector carried across calls (``None`` until the first; reset when T changes)."""
+class WeightsState:
+    """Tensors an aggregator carries across calls (float64, on the Gram's device; ``None`` until the first call),
+    named in ``tensors``; ``state_dict()`` / ``load_state_dict()`` for checkpoints (host copies)."""
+
+    tensors: tuple[str, ...] = ("weights",)
+    weights: torch.Tensor | None
 
     def __init__(self) -> None:
-        self.weights: torch.Tensor | None = None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"weights": None if self.weights is None else self.weights.detach().cpu().clone()}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        w = state["weights"]
-        self.weights = None if w is None else torch.as_tensor(w, dtype=F64).clone()
+        self.reset()
 
     def reset(self) -> None:
-        self.weights = None
+        for name in self.tensors:
+            setattr(self, name, None)
+
+    def state_dict(self) -> dict[str, Any]:
+        values = {name: getattr(self, name) for name in self.tensors}
+        return {name: None if v is None else v.detach().cpu().clone() for name, v in values.items()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for name in self.tensors:
+            v = state[name]
+            setattr(self, name, None if v is None else torch.as_tensor(v, dtype=F64).clone())
 
     def current(self, t: int, device: torch.device) -> torch.Tensor:
+        """The stored ``weights`` on ``device``, uniform ``1 / t`` before the first call or when ``T`` changed."""
         if self.weights is None or self.weights.shape != (t,):
             return torch.full((t,), 1.0 / t, dtype=F64, device=device)
         return self.weights.to(device=device, dtype=F64, non_blocking=True)
 
 
-class MoDoState(_WeightsState):
+class MoDoState(WeightsState):
     """MoDo's task weights ``lambda [T]`` (float64, on the Gram's device; uniform at the start)."""
 
 
-class SDMGradState(_WeightsState):
+class SDMGradState(WeightsState):
     """SDMGrad's inner iterate ``w [T]`` (float64, on the Gram's device; uniform at the start)."""
 
 

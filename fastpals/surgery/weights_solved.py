@@ -15,41 +15,29 @@ the Gram's device with fixed iteration counts (no scipy, cvxpy or host round tri
 ``gradvac``   GradVac (Wang et al. 2021): stateful EMA of the target cosine similarities
 ============  =========================================================================================
 
-Every function is ``fn(gram, [state,] generator=None, **options) -> w`` with ``gram [T, T]`` float32/float64 on
-any device and ``w [T]`` on that device (float64 for a float64 Gram, else float32); the arithmetic is float64.
-Defaults equal TorchJD 0.18's where TorchJD defines one (CAGrad's ``c`` and FairGrad's ``alpha`` have none there:
-fastpals uses ``c = 0.4``, CAGrad's paper setting, and ``alpha = 1``, proportional fairness).
+Every function is ``fn(gram, [state,] generator=None, **options) -> w`` with the conventions of
+:mod:`fastpals.surgery.weights_basic` (no host read, fixed iteration budgets, float64 arithmetic); ``imtlg`` and
+``alignedmtl`` use :func:`jacobi_eigh` because ``torch.linalg.eigh``/``pinv`` check errors on the host on CUDA.
+Defaults equal TorchJD 0.18's where TorchJD defines one (CAGrad's ``c = 0.4``, the paper's, and FairGrad's
+``alpha = 1`` have none there).
+:data:`AGGREGATORS` names every aggregator of the package (:func:`~fastpals.surgery.make_weighting` builds one
+from string options).
 
-Loss scaling (fp16): the weights of every method but two do not change when all gradients are scaled by one
-factor ``S``. FairGrad's scale as ``S^(-2 alpha / (alpha + 1))`` and Nash-MTL's ``max_norm`` clip compares a
-scaled norm: give them unscaled Gram matrices (divide the Gram by ``S^2``) or train in bf16/fp32. GradVac's
-``eps = 1e-8`` (TorchJD's) in its denominators also matters once ``|g_i| |g_j|`` comes near it.
-
-Non-finite Gram matrices never reach a weighting (``TaskGradientBuffer.apply`` skips the step); singular ones
-(zero or linearly dependent task gradients) are handled by each method without producing NaN.
-
-Host synchronisation: none. Every weighting is branch-free tensor code (no ``.item()``, ``bool(tensor)``,
-boolean-mask indexing, indexing with a 0-dim device tensor, blocking host-to-device copy, or loop whose exit
-reads a tensor), and every iterative solver runs a fixed budget (an option, documented per function) with the
-iterate frozen or a fixed point once converged. ``torch.linalg.pinv`` / ``torch.linalg.eigh`` check errors on
-the host on CUDA, so ``imtlg`` and ``alignedmtl`` use :func:`jacobi_eigh` (cyclic Jacobi, fixed sweep count)
-instead; the linear solves are :func:`spd_solve` (elementwise Gauss-Jordan) or ``torch.linalg.solve_ex``
-(errors not checked). Only Python arguments are validated, never tensor values. The state objects keep their
-tensors on the Gram's device; only ``state_dict()`` (checkpointing) copies them to the host.
-
-:func:`make_weighting` builds a ``gram -> w`` callable (and its state) from a name and string options, for
-command lines (``--surgery NAME --surgery-opt KEY=VALUE``).
+Loss scaling (fp16): only FairGrad's weights (``S^(-2 alpha / (alpha + 1))``) and Nash-MTL's ``max_norm`` clip
+depend on a common gradient scale ``S``: give them unscaled Gram matrices (divide by ``S^2``) or train in
+bf16/fp32.
 """
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
+from fastpals.surgery import compiled, weights_extra
+from fastpals.surgery.solvers import QP_MAX_ITER, jacobi_eigh, jacobi_sweeps, nonneg_qp, spd_solve
 from fastpals.surgery.weights_basic import (
     check_gram,
     gem_weights,
@@ -59,6 +47,7 @@ from fastpals.surgery.weights_basic import (
     sum_weights,
     weights_dtype,
 )
+from fastpals.surgery.weights_extra import WeightsState
 
 __all__ = [
     "AGGREGATORS",
@@ -74,26 +63,12 @@ __all__ = [
     "gradvac_weights",
     "imtlg_weights",
     "jacobi_eigh",
-    "make_weighting",
     "mgda_weights",
     "nashmtl_weights",
     "nonneg_qp",
-    "parse_surgery_options",
     "spd_solve",
     "upgrad_weights",
 ]
-
-from fastpals.surgery import compiled
-from fastpals.surgery.solvers import QP_MAX_ITER, jacobi_eigh, jacobi_sweeps, nonneg_qp, spd_solve
-from fastpals.surgery.weights_extra import (
-    MoDoState,
-    SDMGradState,
-    constant_weights,
-    krum_weights,
-    modo_weights,
-    random_weights,
-    sdmgrad_weights,
-)
 
 F64 = torch.float64
 #: most tasks of CAGrad's exact solver (it enumerates the 2^T - 1 supports); ``pgd`` takes any number
@@ -593,27 +568,20 @@ def fairgrad_weights(
 # ----------------------------------------------------------------------------------------------------------------
 
 
-class NashMTLState:
+class NashMTLState(WeightsState):
     """Nash-MTL's state across steps: the step counter and the last weights (reused between updates when
-    ``update_weights_every > 1``). ``state_dict()`` / ``load_state_dict()`` for checkpoints."""
-
-    def __init__(self) -> None:
-        self.step = 0
-        self.weights: torch.Tensor | None = None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "weights": None if self.weights is None else self.weights.detach().cpu().clone(),
-        }
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.step = int(state["step"])
-        w = state["weights"]
-        self.weights = None if w is None else torch.as_tensor(w, dtype=F64).clone()
+    ``update_weights_every > 1``)."""
 
     def reset(self) -> None:
-        self.__init__()
+        super().reset()
+        self.step = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, **super().state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.step = int(state["step"])
 
 
 def nashmtl_weights(
@@ -660,21 +628,11 @@ def nashmtl_weights(
     return a.to(weights_dtype(gram))
 
 
-class GradVacState:
-    """GradVac's state: the EMA targets ``phi_hat [T, T]`` (float64; zeros at the start)."""
+class GradVacState(WeightsState):
+    """GradVac's state: the EMA targets ``phi [T, T]`` (float64; zeros at the start)."""
 
-    def __init__(self) -> None:
-        self.phi: torch.Tensor | None = None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"phi": None if self.phi is None else self.phi.detach().cpu().clone()}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        phi = state["phi"]
-        self.phi = None if phi is None else torch.as_tensor(phi, dtype=F64).clone()
-
-    def reset(self) -> None:
-        self.phi = None
+    tensors = ("phi",)
+    phi: torch.Tensor | None
 
 
 def gradvac_weights(
@@ -735,21 +693,8 @@ def gradvac_weights(
     return coef.sum(0).to(weights_dtype(gram))
 
 
-class CRMOGMState:
+class CRMOGMState(WeightsState):
     """CR-MOGM's smoothed weights ``lambda [T]`` (float64, on the Gram's device; ``None`` before the first call)."""
-
-    def __init__(self) -> None:
-        self.weights: torch.Tensor | None = None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"weights": None if self.weights is None else self.weights.detach().cpu().clone()}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        w = state["weights"]
-        self.weights = None if w is None else torch.as_tensor(w, dtype=F64).clone()
-
-    def reset(self) -> None:
-        self.weights = None
 
 
 def crmogm_weights(
@@ -761,7 +706,7 @@ def crmogm_weights(
     alpha: float = 0.9,
 ) -> torch.Tensor:
     """CR-MOGM (Zhou et al., "On the Convergence of Stochastic Multi-Objective Gradient Manipulation", NeurIPS
-    2022): the weights of the stateless weighting ``base`` (default ``mgda``, with its default options),
+    2022): the weights of the stateless aggregator ``base`` (default ``mgda``, with its default options),
     smoothed across calls, ``lambda <- alpha lambda + (1 - alpha) lambda_hat`` (the first call returns
     ``lambda_hat``). ``state`` is a :class:`CRMOGMState`.
 
@@ -786,10 +731,6 @@ def crmogm_weights(
     return lam.to(weights_dtype(gram))
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# registry and command-line construction
-# ----------------------------------------------------------------------------------------------------------------
-
 AGGREGATORS: dict[str, Callable[..., torch.Tensor]] = {
     "sum": sum_weights,
     "mean": mean_weights,
@@ -804,95 +745,20 @@ AGGREGATORS: dict[str, Callable[..., torch.Tensor]] = {
     "fairgrad": fairgrad_weights,
     "nashmtl": nashmtl_weights,
     "gradvac": gradvac_weights,
-    "constant": constant_weights,
-    "random": random_weights,
-    "krum": krum_weights,
-    "modo": modo_weights,
-    "sdmgrad": sdmgrad_weights,
+    "constant": weights_extra.constant_weights,
+    "random": weights_extra.random_weights,
+    "krum": weights_extra.krum_weights,
+    "modo": weights_extra.modo_weights,
+    "sdmgrad": weights_extra.sdmgrad_weights,
     "crmogm": crmogm_weights,
 }
-"""Name -> weights function ``fn(gram, [state,] generator=None, **options) -> w``."""
+"""Name -> aggregator ``fn(gram, [state,] generator=None, **options) -> w``."""
 
 STATEFUL: dict[str, type] = {
     "nashmtl": NashMTLState,
     "gradvac": GradVacState,
-    "modo": MoDoState,
-    "sdmgrad": SDMGradState,
+    "modo": weights_extra.MoDoState,
+    "sdmgrad": weights_extra.SDMGradState,
     "crmogm": CRMOGMState,
 }
 """Names whose function takes a state object (second argument / ``state=``), and the state's class."""
-
-# options settable from strings; everything else in a signature (generator, orders, state) is not an option
-_NOT_OPTIONS = {"gram", "generator", "state", "orders", "constraints"}
-
-
-def _options(name: str) -> dict[str, inspect.Parameter]:
-    sig = inspect.signature(AGGREGATORS[name])
-    return {k: p for k, p in sig.parameters.items() if k not in _NOT_OPTIONS}
-
-
-def _parse(name: str, key: str, value: Any, default: Any) -> Any:
-    if not isinstance(value, str):
-        return value
-    text = value.strip()
-    try:
-        if key in ("pref_vector", "weights") or (key == "proposal" and "," in text):
-            return torch.tensor([float(x) for x in text.split(",")], dtype=F64)
-        if key == "proposal":
-            return int(text) if text.lstrip("-").isdigit() else text
-        if isinstance(default, bool):
-            if text.lower() in ("1", "true", "yes"):
-                return True
-            if text.lower() in ("0", "false", "no"):
-                return False
-            raise ValueError(text)
-        if isinstance(default, int) or (default is None and key in ("max_iter", "max_iters", "sweeps")):
-            return int(text)
-        if isinstance(default, float):
-            return float(text)
-    except ValueError:
-        raise ValueError(f"surgery {name}: option {key}={value!r} is not a valid value") from None
-    return text
-
-
-def make_weighting(name: str, **options: Any) -> tuple[Callable[..., torch.Tensor], Any]:
-    """Build the weighting ``name`` of :data:`AGGREGATORS` with ``options`` (values may be strings, as from
-    ``--surgery-opt KEY=VALUE``; they are parsed by the option's default type; ``pref_vector`` is comma-separated).
-
-    Returns ``(fn, state)``: ``fn(gram, generator=None) -> w [T]`` (the signature
-    :meth:`TaskGradientBuffer.apply` calls) and the state object of a stateful method (``None`` otherwise; keep it
-    in checkpoints through its ``state_dict()`` / ``load_state_dict()``; ``fn`` closes over it).
-    Raises ``ValueError`` (one line) for an unknown name or option or an unparsable value.
-    """
-    key = str(name).lower()
-    if key not in AGGREGATORS:
-        raise ValueError(f"unknown surgery method {name!r}; choose one of {', '.join(AGGREGATORS)}")
-    allowed = _options(key)
-    parsed: dict[str, Any] = {}
-    for opt, value in options.items():
-        if opt not in allowed:
-            known = ", ".join(allowed) or "none"
-            raise ValueError(f"surgery {key}: unknown option {opt!r} (options: {known})")
-        parsed[opt] = _parse(key, opt, value, allowed[opt].default)
-    fn = AGGREGATORS[key]
-    state = STATEFUL[key]() if key in STATEFUL else None
-
-    def weighting(gram: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        if state is not None:
-            return fn(gram, state, generator, **parsed)
-        return fn(gram, generator, **parsed)
-
-    weighting.__name__ = f"{key}_weighting"
-    weighting.__qualname__ = weighting.__name__
-    return weighting, state
-
-
-def parse_surgery_options(pairs: list[str] | tuple[str, ...]) -> dict[str, str]:
-    """``["c=0.5", "alpha=2"] -> {"c": "0.5", "alpha": "2"}`` (for ``--surgery-opt KEY=VALUE``, repeatable)."""
-    out: dict[str, str] = {}
-    for pair in pairs:
-        if "=" not in pair:
-            raise ValueError(f"--surgery-opt expects KEY=VALUE, got {pair!r}")
-        k, v = pair.split("=", 1)
-        out[k.strip()] = v.strip()
-    return out

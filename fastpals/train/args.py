@@ -20,6 +20,7 @@ from fastpals.model.multitask import TASKS
 from fastpals.surgery import AGGREGATORS, make_weighting, parse_surgery_options
 from fastpals.train.dsconfig import DEFAULT_DS_CONFIG, load_ds_config
 from fastpals.train.errors import ConfigError
+from fastpals.train.memory_mode import SURGERY_MEMORIES
 from fastpals.train.options import MAY, jsonable, opt, option_flag
 
 __all__ = [
@@ -48,7 +49,6 @@ OPTIMIZERS = ("adamw", "sgd", "rmsprop")
 BATCHINGS = ("per_task", "mixed")
 TASK_WEIGHTINGS = ("examples", "equal")
 SURGERY_BUFFER_DTYPES = ("auto", "fp32", "bf16")
-SURGERY_MEMORIES = ("buffer", "stream", "auto")
 
 
 @dataclass

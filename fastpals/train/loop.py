@@ -42,6 +42,7 @@ from fastpals.train.errors import (
     SetupCtrlC,
     TrainingInterrupted,
 )
+from fastpals.train.memory_mode import SURGERY_MEMORY_TEXT, surgery_memory_mode
 from fastpals.train.mixed import packed_micro_batches
 from fastpals.train.optimizer_setup import build_model, lr_lambda, make_optimizer, optimizer_param_groups
 from fastpals.train.runlock import RunLock
@@ -53,14 +54,7 @@ from fastpals.train.state import (
     load_checkpoint,
     save_checkpoint,
 )
-from fastpals.train.step import (
-    SURGERY_MEMORY_TEXT,
-    MicroBatch,
-    Surgery,
-    deepspeed_surgery_buffer,
-    run_update,
-    surgery_memory_mode,
-)
+from fastpals.train.step import MicroBatch, Surgery, deepspeed_surgery_buffer, run_update
 
 __all__ = ["Trainer", "parameters_finite", "timestamped"]
 
@@ -238,8 +232,8 @@ class Trainer:
             args.batching == "mixed"
         )  # per-task gradients from one backward bypass DeepSpeed's reduce
         choice = None
-        if args.surgery_memory == "auto" and one_backward and args.surgery_buffer_dtype != "bf16":
-            choice = self._auto_memory_mode(rows)
+        if surgery_memory_mode(args.surgery_memory, one_backward, args.surgery_buffer_dtype) == "smaller":
+            choice = self._auto_memory_mode(rows)  # auto streams unless the estimate picks the buffer
         self.surgery_memory = surgery_memory_mode(
             args.surgery_memory, one_backward, args.surgery_buffer_dtype, choice and choice.mode
         )

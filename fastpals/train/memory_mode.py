@@ -1,27 +1,20 @@
-"""Which memory mode ``--surgery-memory auto`` picks for one-backward surgery: the buffer or streaming.
+"""The surgery memory mode (``--surgery-memory buffer|stream|auto``): which one-backward surgery builds, and
+``auto``'s choice between the ``[T, P]`` buffer and streaming.
 
-One rule, :func:`choose_memory_mode`, serves ``fastpals memory`` (per GPU, with the traced buffer-mode peak) and
-the trainer (with the run's device memory and the analytic numbers below: no trace at start-up, it costs
-seconds):
+:func:`surgery_memory_mode` resolves the option and :func:`task_gradients` builds the buffer or the stream for
+it. ``auto``'s rule, :func:`choose_memory_mode`, serves ``fastpals memory`` (per GPU, with the traced buffer-mode
+peak) and the trainer (:func:`run_memory_mode`, with the run's device memory and analytic estimates, no trace):
 
 - **buffer** where the buffer-mode peak fits the device with a margin (at most :data:`FIT_SHARE` of its memory)
-  and the ``[T, P]`` rows are small beside the activations (``T * P * bytes <= ROWS_SHARE * activations``, with
-  :data:`ROWS_SHARE` = 1: the rows are made while the backward frees the activations, so up to that size they
-  take the activations' place and do not raise the peak; traced, BERT-base, 8 tasks, 32 x 128 tokens, bf16, ZeRO-1
-  with DeepSpeed's gradient buckets: buffer 4.23 GiB, stream 4.22 GiB, rows 1.63 GiB);
-- **stream** otherwise: the buffer would not fit, or its rows would make the peak (then the streamed step is the
-  same update at about the plain step's peak, for one more weight-gradient GEMM pass). ``auto``'s streaming keeps
-  the task rows of the first layers' Linear weights where what they add over the ``dY`` and ``X`` they spare is
-  within :data:`KEEP_SHARE` of the activations (``keep_bytes`` of
-  :class:`~fastpals.surgery.StreamingTaskGradients`): those layers skip the second weight-gradient pass. MiniLM,
-  16 tasks, 48 x 32 tokens, one CPU thread: 17 of 37 Linear weights kept, the step 1.37-1.42x -> 1.25-1.29x the
-  plain step's time for a peak of 1.01x -> 1.12x (``docs/surgery-scaling.md``).
+  and the ``[T, P]`` rows are at most :data:`ROWS_SHARE` of the activations (the rows are made while the backward
+  frees the activations, so up to that size they take the activations' place and do not raise the peak);
+- **stream** otherwise, keeping the task rows of the first layers' Linear weights where what they add over the
+  ``dY`` and ``X`` they spare is within :data:`KEEP_SHARE` of the activations (``keep_bytes`` of
+  :class:`~fastpals.surgery.StreamingTaskGradients`): those layers skip the second weight-gradient pass.
 
-The numbers: the rows are exact (``T * P * bytes`` of the rows' dtype); the activations are
-:func:`estimate_activation_bytes`, a per-token, per-layer formula fitted to the planner's traces of MiniLM-L6 and
-BERT-base at 32 and 128 tokens (within about 15 % of them; ``tests/test_memory_mode.py``); the trainer's buffer-mode
-peak is model states (``fastpals.train.memory_states.model_state_bytes``) + activations + rows, an upper bound of the
-traced one (the rows are made while the backward frees activations).
+The rows are exact (``T * P * bytes``); the activations are :func:`estimate_activation_bytes`, a per-token,
+per-layer formula fitted to the planner's traces of MiniLM-L6 and BERT-base (``tests/test_memory_mode.py``); the
+trainer's buffer-mode peak is model states + activations + rows, an upper bound of the traced one.
 """
 
 from __future__ import annotations
@@ -32,20 +25,36 @@ from typing import Any
 
 import torch
 
+from fastpals.surgery import StreamingTaskGradients, TaskGradientBuffer, TaskGradients
 from fastpals.train.memory_states import model_state_bytes
 
 __all__ = [
     "FIT_SHARE",
     "KEEP_SHARE",
     "ROWS_SHARE",
+    "SURGERY_MEMORIES",
+    "SURGERY_MEMORY_TEXT",
     "MemoryModeChoice",
     "choose_memory_mode",
     "device_memory_bytes",
     "estimate_activation_bytes",
     "keep_bytes",
     "keep_bytes_for",
+    "plan_auto_modes",
     "run_memory_mode",
+    "surgery_memory_mode",
+    "task_gradients",
 ]
+
+#: ``--surgery-memory`` of one-backward surgery: the [T, P] buffer, streaming, or auto
+SURGERY_MEMORIES = ("buffer", "stream", "auto")
+#: what each mode of :func:`surgery_memory_mode` holds (the run's set-up line says it)
+SURGERY_MEMORY_TEXT = {
+    "buffer": "buffer memory mode ([tasks, shared parameters] gradient rows)",
+    "stream": "stream memory mode (Gram layer by layer, no [tasks, shared parameters] rows)",
+    "smaller": "auto memory mode: streaming, with a layer's task rows kept where smaller than its kept activations "
+    "and the first layers' within a budget",
+}
 
 #: the buffer is kept only while its predicted peak is at most this share of the device's memory
 FIT_SHARE = 0.9
@@ -68,6 +77,40 @@ class MemoryModeChoice:
     mode: str
     why: str
     keep_bytes: int = 0
+
+
+def surgery_memory_mode(
+    option: str, one_backward: bool, buffer_dtype: str = "fp32", auto_pick: str | None = None
+) -> str:
+    """``--surgery-memory`` -> what :func:`task_gradients` builds: ``buffer``, ``stream`` or ``smaller``
+    (``auto``'s streaming: per layer the smaller of the task rows and the kept activations). ``auto`` is the
+    buffer with per-task backwards, with bf16 rows asked for (``buffer_dtype``: ``--surgery-buffer-dtype``), or
+    where ``auto_pick`` (:func:`run_memory_mode`'s mode; None: not run) is ``buffer``; else ``smaller``."""
+    if option == "auto":
+        if not one_backward or buffer_dtype == "bf16" or auto_pick == "buffer":
+            return "buffer"
+        return "smaller"
+    return option
+
+
+def task_gradients(
+    memory: str,
+    params: list[torch.nn.Parameter],
+    num_tasks: int,
+    dtype: torch.dtype | None = None,
+    keep_bytes: int = 0,
+    **kwargs: Any,
+) -> TaskGradients:
+    """The per-task gradients of a :func:`surgery_memory_mode`: a :class:`~fastpals.surgery.TaskGradientBuffer`
+    with rows of ``dtype`` for ``buffer``, else a :class:`~fastpals.surgery.StreamingTaskGradients` (``stream``:
+    every Linear weight streamed; ``smaller``: per layer the smaller, and ``keep_bytes`` of kept Linear rows).
+    ``kwargs``: the getter, setter, task parameters and data-parallel options both take."""
+    if memory not in SURGERY_MEMORY_TEXT:
+        raise ValueError(f"surgery memory {memory!r}: choose one of {', '.join(SURGERY_MEMORY_TEXT)}")
+    if memory == "buffer":
+        return TaskGradientBuffer(params, num_tasks, dtype, **kwargs)
+    policy, keep = ("stream", 0) if memory == "stream" else ("smaller", keep_bytes)
+    return StreamingTaskGradients(params, num_tasks, policy=policy, keep_bytes=keep, **kwargs)
 
 
 def _mib(n: float) -> str:

@@ -37,11 +37,9 @@ __all__ = [
     "Surgery",
     "TorchEngine",
     "UpdateResult",
-    "SURGERY_MEMORY_TEXT",
     "deepspeed_surgery_buffer",
     "run_update",
     "skips_overflow",
-    "surgery_memory_mode",
 ]
 
 #: the surgery strategies of :func:`run_update`
@@ -383,30 +381,6 @@ def run_update(
     return UpdateResult(loss, examples, tokens if all_tokens else None, result, seconds, stepped, overflow)
 
 
-#: what each surgery memory mode of :func:`deepspeed_surgery_buffer` holds (the run's set-up line says it)
-SURGERY_MEMORY_TEXT = {
-    "buffer": "buffer memory mode ([tasks, shared parameters] gradient rows)",
-    "stream": "stream memory mode (Gram layer by layer, no [tasks, shared parameters] rows)",
-    "smaller": "auto memory mode: streaming, with a layer's task rows kept where smaller than its kept activations "
-    "and the first layers' within a budget",
-}
-
-
-def surgery_memory_mode(
-    option: str, one_backward: bool, buffer_dtype: str = "fp32", auto_pick: str | None = None
-) -> str:
-    """``--surgery-memory`` -> what :func:`deepspeed_surgery_buffer` builds: ``buffer``, ``stream`` or
-    ``smaller`` (``auto``'s streaming: per layer the smaller of the task rows and the kept activations).
-    ``auto`` is the buffer with per-task backwards or bf16 rows asked for (``buffer_dtype``: the
-    ``--surgery-buffer-dtype`` option); else ``auto_pick``, the mode that
-    :func:`fastpals.train.memory_mode.run_memory_mode` chose (``buffer`` or ``stream``; None: streaming)."""
-    if option == "auto":
-        if not one_backward or buffer_dtype == "bf16" or auto_pick == "buffer":
-            return "buffer"
-        return "smaller"
-    return option
-
-
 def deepspeed_surgery_buffer(
     module: torch.nn.Module,
     num_tasks: int,
@@ -431,19 +405,14 @@ def deepspeed_surgery_buffer(
     """
     from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
 
-    from fastpals.surgery import StreamingTaskGradients, TaskGradientBuffer, shared_parameters_by_name
+    from fastpals.surgery import shared_parameters_by_name
+    from fastpals.train.memory_mode import task_gradients
 
     def setter(p: torch.nn.Parameter, g: torch.Tensor | None) -> None:
         safe_set_full_grad(p, g if g is not None else torch.zeros_like(p, dtype=torch.float32))
 
     shared, specific = shared_parameters_by_name(module)
-    if memory != "buffer":  # --surgery-memory stream / auto: fastpals.surgery.stream
-        return StreamingTaskGradients(
-            shared, num_tasks, task_params=specific, grad_getter=safe_get_full_grad, grad_setter=setter,
-            grad_dtype=torch.float32, capture_task_params=zero_stage >= 1, all_reduce=all_reduce,
-            policy="stream" if memory == "stream" else "smaller", keep_bytes=keep_bytes if memory == "smaller" else 0,
-        )  # fmt: skip
-    return TaskGradientBuffer(
-        shared, num_tasks, dtype, task_params=specific, grad_getter=safe_get_full_grad,
+    return task_gradients(
+        memory, shared, num_tasks, dtype, keep_bytes, task_params=specific, grad_getter=safe_get_full_grad,
         grad_setter=setter, grad_dtype=torch.float32, capture_task_params=zero_stage >= 1, all_reduce=all_reduce,
     )  # fmt: skip

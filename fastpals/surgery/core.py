@@ -1,0 +1,349 @@
+"""The surgery core shared by the buffer and the stream: Gram -> aggregator weights -> combined update.
+
+:class:`TaskGradients` holds what both memory modes share (the shared and task-specific parameters, the
+gradient getter and setter, the data-parallel flags, the step counters) and runs :meth:`TaskGradients.apply`.
+A mode supplies two hooks: ``_finish_gram() -> [T, T] float32`` (the Gram of the step's task gradients over the
+shared parameters, globally averaged when data parallel) and ``_write_update(weights, touched)`` (``sum_t w_t g_t``
+into the shared parameters' gradients).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fastpals.functional import MAX_TASKS
+
+__all__ = ["SurgeryResult", "TaskGradients", "default_grad_getter", "default_grad_setter"]
+
+GradGetter = Callable[[torch.nn.Parameter], "torch.Tensor | None"]
+GradSetter = Callable[[torch.nn.Parameter, "torch.Tensor | None"], None]
+Aggregator = Callable[..., torch.Tensor]
+
+
+def default_grad_getter(p: torch.nn.Parameter) -> torch.Tensor | None:
+    """``p.grad``."""
+    return p.grad
+
+
+def default_grad_setter(p: torch.nn.Parameter, value: torch.Tensor | None) -> None:
+    """``p.grad = value`` (``None`` clears it)."""
+    p.grad = value
+
+
+class SurgeryResult:
+    """What :meth:`TaskGradients.apply` did.
+
+    - ``skipped``: True when a gradient was non-finite; the optimizer must not step.
+    - ``weights [T]`` (device; None when skipped): the update is ``sum_t weights[t] * g_t``.
+    - ``gram [T, T]`` float32 (device): the Gram matrix of the (globally averaged) task gradients.
+    - ``nonfinite_tasks``: rows whose gradient held inf/nan (or whose squared norm overflowed fp32).
+    - ``nonfinite_task_params``: True when a task-specific gradient was non-finite.
+    - ``ok``: 0-dim bool device tensor, True when nothing was non-finite (None for host-checked results).
+
+    A result of ``apply(..., sync=False)`` holds its flags on the device: ``skipped`` and the other host fields
+    read them on first access (one read), so a caller can instead stack ``ok`` with its own per-update values
+    and read everything at once.
+    """
+
+    def __init__(
+        self,
+        skipped: bool | None,
+        weights: torch.Tensor | None,
+        gram: torch.Tensor,
+        nonfinite_tasks: Sequence[int] = (),
+        nonfinite_task_params: bool = False,
+        *,
+        flags: torch.Tensor | None = None,
+        on_skip: Callable[[], None] | None = None,
+    ) -> None:
+        self._skipped = skipped
+        self._weights = weights
+        self.gram = gram
+        self._nonfinite_tasks = list(nonfinite_tasks)
+        self._nonfinite_task_params = nonfinite_task_params
+        self._flags = flags  # [T + 1] bool on the device: per row finite, then the task-specific check
+        self._on_skip = on_skip
+        self.ok = None if flags is None else flags.all()
+
+    @property
+    def flags(self) -> torch.Tensor | None:
+        """``[T + 1]`` bool on the device (deferred results): each row's finite flag, then the task-specific
+        gradients' one; read them with other values and pass them to :meth:`resolve`."""
+        return self._flags
+
+    def resolve(self, host: Sequence[float | bool]) -> None:
+        """Settle a deferred result with its ``flags`` read on the host by the caller (no read here)."""
+        if self._skipped is None:
+            host = [bool(f) for f in host]
+            if len(host) != self._flags.shape[0]:
+                raise ValueError(f"resolve needs the {self._flags.shape[0]} flags, got {len(host)}")
+            self._skipped = not all(host)
+            self._nonfinite_tasks = [t for t, f in enumerate(host[:-1]) if not f]
+            self._nonfinite_task_params = not host[-1]
+            if self._skipped:
+                self._weights = None
+                if self._on_skip is not None:
+                    self._on_skip()
+
+    def _resolve(self) -> None:
+        if self._skipped is None:
+            self.resolve(self._flags.tolist())  # the one host read of a deferred result
+
+    @property
+    def skipped(self) -> bool:
+        self._resolve()
+        return bool(self._skipped)
+
+    @property
+    def weights(self) -> torch.Tensor | None:
+        if self._skipped is None:  # pending: the device weights (to be dropped if the flags say skip)
+            return self._weights
+        return None if self._skipped else self._weights
+
+    @property
+    def nonfinite_tasks(self) -> list[int]:
+        self._resolve()
+        return self._nonfinite_tasks
+
+    @property
+    def nonfinite_task_params(self) -> bool:
+        self._resolve()
+        return self._nonfinite_task_params
+
+    def __repr__(self) -> str:
+        state = "pending" if self._skipped is None else f"skipped={self._skipped}"
+        return f"SurgeryResult({state}, nonfinite_tasks={self._nonfinite_tasks})"
+
+
+def unique_params(params: Iterable[torch.nn.Parameter], name: str) -> list[torch.nn.Parameter]:
+    """``params`` without repeats, in order; a ``TypeError`` naming ``name`` for anything but tensors."""
+    out: list[torch.nn.Parameter] = []
+    seen: set[int] = set()
+    for p in params:
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"{name} must hold tensors (parameters), got {type(p).__name__}")
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def task_grads_finite(grads: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+    """``[1]`` bool on the device: every present task-specific gradient is finite (one fused norm); None when
+    none is present."""
+    present = [g.detach() for g in grads if g is not None]
+    if not present:
+        return None
+    return torch.isfinite(torch.stack(torch._foreach_norm(present))).all().reshape(1)
+
+
+def weights_on_device(
+    aggregator: Aggregator,
+    g_mat: torch.Tensor,
+    ok: torch.Tensor,
+    generator: torch.Generator | None,
+    aggregator_kwargs: dict[str, Any],
+) -> torch.Tensor:
+    """``apply(sync=False)``'s weights without a host read: the aggregator on the Gram where ``ok`` (a device
+    bool), else on the identity (non-finite entries zeroed first: the weights stay finite, the caller skips)."""
+    eye = torch.eye(g_mat.shape[0], dtype=g_mat.dtype, device=g_mat.device)
+    safe = torch.where(ok, torch.nan_to_num(g_mat, nan=0.0, posinf=0.0, neginf=0.0), eye)
+    return aggregator(safe, generator=generator, **aggregator_kwargs)
+
+
+class TaskGradients:
+    """Per-task gradients of the shared parameters, reduced to one update by :meth:`apply`.
+
+    Args:
+        params: the parameters shared by the tasks (the Gram is over them). All on one device.
+        num_tasks: ``1 <= num_tasks <= MAX_TASKS``.
+        task_params: task-specific parameters; their gradients are not in the Gram. They take part in the finite
+            check and the data-parallel average, and :attr:`task_param_tasks` records which tasks touched each.
+        grad_getter / grad_setter: how gradients are read and written; default ``p.grad``. A setter receiving
+            ``None`` must clear the gradient.
+        grad_dtype: dtype of the combined gradient written back (default: the parameters' dtype).
+        process_group / all_reduce: data parallel: average the task gradients over the group (the default group
+            with ``all_reduce=True``) before the Gram, so that surgery acts on the global per-task gradients.
+        capture_task_params: take the task-specific gradients out at each capture and write them back in
+            :meth:`apply` (where successive backwards replace gradients instead of adding, as DeepSpeed ZeRO-1/2).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter],
+        num_tasks: int,
+        *,
+        task_params: Iterable[torch.nn.Parameter] | None = None,
+        grad_getter: GradGetter | None = None,
+        grad_setter: GradSetter | None = None,
+        grad_dtype: torch.dtype | None = None,
+        process_group: Any = None,
+        all_reduce: bool = False,
+        capture_task_params: bool = False,
+    ) -> None:
+        self.params = unique_params(params, "params")
+        if not self.params:
+            raise ValueError(f"params is empty: {type(self).__name__} needs at least one shared parameter")
+        if not isinstance(num_tasks, int) or not 1 <= num_tasks <= MAX_TASKS:
+            raise ValueError(f"num_tasks must be an int in [1, {MAX_TASKS}], got {num_tasks!r}")
+        devices = {p.device for p in self.params}
+        dtypes = {p.dtype for p in self.params}
+        if len(devices) != 1:
+            raise ValueError(f"params must all be on one device, got {sorted(map(str, devices))}")
+        if len(dtypes) != 1 and grad_dtype is None:
+            raise ValueError(f"params have several dtypes {sorted(map(str, dtypes))}: pass grad_dtype")
+        shared_ids = {id(p) for p in self.params}
+        given = unique_params(task_params or [], "task_params")
+        self.task_params = [p for p in given if id(p) not in shared_ids]
+        if len(self.task_params) != len(given):
+            raise ValueError("a parameter cannot be both shared (params) and task-specific (task_params)")
+        self.device = devices.pop()
+        self.num_tasks = num_tasks
+        self.grad_dtype = grad_dtype or next(iter(dtypes))
+        self.grad_getter = grad_getter or default_grad_getter
+        self.grad_setter = grad_setter or default_grad_setter
+        self.process_group = process_group
+        self.all_reduce = all_reduce or process_group is not None
+        self.capture_task_params = capture_task_params
+        self.numels = [p.numel() for p in self.params]
+        self.num_elements = sum(self.numels)
+        self.task_param_tasks: list[set[int]] = [set() for _ in self.task_params]
+        self._task_acc: list[torch.Tensor | None] = [None] * len(self.task_params)
+        self._task_seen = [False] * len(self.task_params)
+        self._touched = [[False] * len(self.params) for _ in range(num_tasks)]
+        self.skipped_steps = 0
+        self.steps = 0
+
+    # --- the mode's hooks ---------------------------------------------------------------------------------------
+    def _finish_gram(self) -> torch.Tensor:
+        """``[T, T]`` float32 Gram of this step's task gradients (globally averaged when data parallel)."""
+        raise NotImplementedError
+
+    def _write_update(self, weights: torch.Tensor, touched: Sequence[Sequence[Any]]) -> None:
+        """``sum_t weights[t] g_t`` into the shared gradients (None where no task ``touched[t][k]`` one)."""
+        raise NotImplementedError
+
+    def _end_step(self) -> None:
+        """Forget this step's gradients (the next step starts fresh)."""
+        self.steps += 1
+
+    def release_update(self) -> None:
+        """Nothing to release: ``apply`` keeps no row past the step, the update lives in the ``.grad`` tensors."""
+
+    # --- Gram -> weights -> combine -----------------------------------------------------------------------------
+    def _task_grads(self) -> list[torch.Tensor | None]:
+        if self.capture_task_params:
+            return [acc if seen else None for acc, seen in zip(self._task_acc, self._task_seen)]
+        return [self.grad_getter(p) for p in self.task_params]
+
+    def _take_task_grad(self, k: int, g: torch.Tensor) -> None:
+        """``capture_task_params``: add task parameter ``k``'s gradient ``g`` into its float32 copy (zeroed at the
+        step's first capture) and clear the gradient."""
+        p = self.task_params[k]
+        if self._task_acc[k] is None:
+            self._task_acc[k] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        if not self._task_seen[k]:
+            self._task_acc[k].zero_()
+        self._task_acc[k].add_(g.detach())
+        self._task_seen[k] = True
+        self.grad_setter(p, None)
+
+    def _count_skip(self) -> None:
+        self.skipped_steps += 1
+
+    def apply(
+        self,
+        aggregator: Aggregator,
+        generator: torch.Generator | None = None,
+        *,
+        sync: bool = True,
+        **aggregator_kwargs: Any,
+    ) -> SurgeryResult:
+        """Gram -> ``aggregator(gram, generator=generator, **aggregator_kwargs)`` -> ``sum_t w_t g_t`` into .grad.
+
+        Tasks with no gradient this step count as zero gradients. One device-to-host read: the finite check of
+        every task gradient (read from the Gram's diagonal) and of the task-specific gradients (and, data
+        parallel, the touched flags of all ranks). When something is non-finite the step is skipped: the shared
+        gradients stay ``None``, :attr:`skipped_steps` grows, the result names the tasks at fault, and the
+        aggregator is not called.
+
+        ``sync=False`` (one rank): no host read. The flags stay on the device (``result.ok``); the aggregator
+        runs on the Gram with non-finite entries replaced by the identity and the update is written (non-finite
+        where a row was). The caller reads the flags before stepping and must not step when one is false.
+        """
+        if self.all_reduce and (not dist.is_available() or not dist.is_initialized()):
+            raise RuntimeError("all_reduce/process_group given but torch.distributed is not initialised")
+        if self.all_reduce and not sync:
+            raise ValueError("apply(sync=False) is for one rank (the all-reduced flags are read on the host)")
+        t = self.num_tasks
+        g_mat = self._finish_gram()
+        finite = torch.isfinite(torch.diagonal(g_mat))
+        task_grads = self._task_grads()
+        if self.all_reduce:
+            flags = torch.tensor(
+                [x for row in self._touched for x in row] + [g is not None for g in task_grads],
+                dtype=torch.float32, device=self.device,
+            )  # fmt: skip
+            dist.all_reduce(flags, group=self.process_group)
+            checks, task_flat = [], None
+            if self.task_params:
+                task_flat = torch.cat([
+                    g.detach().reshape(-1).float() if g is not None else torch.zeros(p.numel(), device=self.device)
+                    for p, g in zip(self.task_params, task_grads)
+                ])  # fmt: skip
+                task_flat.div_(dist.get_world_size(self.process_group))
+                dist.all_reduce(task_flat, group=self.process_group)
+                checks.append(torch.isfinite(task_flat.norm()).reshape(1))
+            host = torch.cat([finite] + checks + [flags > 0]).tolist()  # the one host read
+            n = len(self.params)
+            used = host[t + len(checks) :]
+            touched = [used[i * n : (i + 1) * n] for i in range(t)]
+            if task_flat is not None:
+                parts = torch.split(task_flat, [p.numel() for p in self.task_params])
+                for p, part, u in zip(self.task_params, parts, used[t * n :]):
+                    self.grad_setter(p, part.view_as(p).to(p.dtype) if u else None)
+            return self._settle(
+                host[: t + len(checks)], g_mat, touched, aggregator, generator, aggregator_kwargs
+            )
+        touched = self._touched
+        task_ok = task_grads_finite(task_grads)
+        if self.capture_task_params:  # the captured copies back (reused accumulators: hand over copies)
+            for p, g in zip(self.task_params, task_grads):
+                if g is not None:
+                    self.grad_setter(p, g.to(p.dtype) if g.dtype != p.dtype else g.clone())
+        if sync:
+            host = torch.cat(
+                [finite] + ([task_ok] if task_ok is not None else [])
+            ).tolist()  # the one host read
+            return self._settle(host, g_mat, touched, aggregator, generator, aggregator_kwargs)
+        if task_ok is None:
+            task_ok = torch.ones(1, dtype=torch.bool, device=self.device)
+        flags_dev = torch.cat([finite, task_ok])
+        weights = weights_on_device(aggregator, g_mat, flags_dev.all(), generator, aggregator_kwargs)
+        self._write_update(weights, touched)
+        self._end_step()
+        return SurgeryResult(None, weights, g_mat, flags=flags_dev, on_skip=self._count_skip)
+
+    def _settle(
+        self,
+        host: Sequence[Any],
+        g_mat: torch.Tensor,
+        touched: Sequence[Sequence[Any]],
+        aggregator: Aggregator,
+        generator: torch.Generator | None,
+        aggregator_kwargs: dict[str, Any],
+    ) -> SurgeryResult:
+        """The rest of a host-checked ``apply``: ``host`` holds the ``T`` row flags, then the task-specific one."""
+        t = self.num_tasks
+        if not all(host):
+            self._count_skip()
+            self._end_step()
+            return SurgeryResult(True, None, g_mat, [i for i in range(t) if not host[i]], not all(host[t:]))
+        weights = aggregator(g_mat, generator=generator, **aggregator_kwargs)
+        self._write_update(weights, touched)
+        self._end_step()
+        return SurgeryResult(False, weights, g_mat)
