@@ -53,8 +53,8 @@ class MixedTaskBatches(IterableDataset):
     """The packed mixed-task micro-batches of a :class:`MixedBatchSampler`, one epoch per ``iter()`` (the Trainer
     iterates its train dataloader once per epoch); ``len()`` is the micro-batches of an epoch.
 
-    Each item is :func:`fastpals.data.mixed_batches.collate_packed`'s dict (``input_ids [N]`` int64, ``cu_seqlens [B+1]``
-    int32, ``labels [B]`` float32, ``layout``, ...; see :mod:`fastpals.data.mixed_batches`).
+    Each item is :func:`fastpals.data.mixed_batches.collate_packed`'s dict (``input_ids [N]`` int64,
+    ``labels [B]`` float32, ``layout``, ...; see :mod:`fastpals.data.mixed_batches`).
     """
 
     def __init__(self, batchers: Sequence[TaskBatcher], sampler: MixedBatchSampler) -> None:
@@ -196,7 +196,7 @@ class MultiTaskTrainer(transformers.Trainer):
             return loss.detach()
 
         buffer = self._buffer(model)
-        with per_task_gradients(model, buffer, batch["task_ids"], layout=batch["layout"]):
+        with per_task_gradients(model, buffer, batch["layout"]):
             with self.compute_loss_context_manager():
                 res = model.task_losses(model(**batch), labels, weighting="equal")
                 loss = sum(res.per_task.values()) * scale  # each task's gradient: that of its own mean loss

@@ -33,7 +33,7 @@ from fastpals.adapters.format import (
     write_adapter,
 )
 from fastpals.adapters.targets import TARGETS
-from fastpals.data.layout import BatchLayout, layout_from_cu_seqlens, make_layout, pool_packed
+from fastpals.data.layout import BatchLayout, layout_from_cu_seqlens, make_layout
 from fastpals.data.tasks import TASKS, TaskSpec, get_task
 from fastpals.encoder.bert import BertConfig, BertModel, PALConfig, state_dict_mismatches, task_specific_kind
 from fastpals.encoder.fingerprint import check_encoder_fingerprint, encoder_fingerprint, parameter_digests
@@ -50,6 +50,7 @@ from fastpals.model.heads import (
     task_losses,
 )
 from fastpals.model.hf_encoder import HFEncoder, runs_as_minbert
+from fastpals_kernels.padding import pool_packed
 
 __all__ = [
     "TASKS",

@@ -84,6 +84,7 @@ first forward's nodes, whose row maps are used), so each layer's per-task gradie
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,7 +93,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fastpals.data.layout import BatchLayout, layout_for, lengths_to_cu_seqlens
+from fastpals.data.layout import BatchLayout
 from fastpals.surgery.buffer import TaskGradientBuffer
 from fastpals.surgery.layer_grads import (
     EmbeddingFrame,
@@ -101,6 +102,7 @@ from fastpals.surgery.layer_grads import (
     layer_norm_forward,
     linear_forward,
 )
+from fastpals_kernels.padding import lengths_to_cu_seqlens
 
 __all__ = [
     "PerTaskGradients",
@@ -147,22 +149,17 @@ class _Written:
 
 
 class PerTaskGradients:
-    """The state of one :func:`per_task_gradients` block (see the module docstring).
-
-    Row maps come from the batch's :class:`~fastpals.data.layout.BatchLayout` (host values): the one passed as
-    ``layout``, or the live layout whose ``task_ids`` tensor is ``task_ids`` (as :func:`fastpals.data.mixed_batches.
-    model_inputs` hands them out). Only when neither exists are ``task_ids`` / ``cu_seqlens`` read on the host
-    (once, on entry)."""
+    """The state of one :func:`per_task_gradients` block (see the module docstring): row maps from the batch's
+    :class:`~fastpals.data.layout.BatchLayout` (host values)."""
 
     def __init__(
         self,
         model: nn.Module,
         buffer: TaskGradientBuffer,
-        task_ids: torch.Tensor | BatchLayout,
+        layout: BatchLayout | torch.Tensor,
         cu_seqlens: torch.Tensor | Sequence[torch.Tensor] | None = None,
         use_kernels: bool | None = None,
         pass_task_ids: Sequence[torch.Tensor] | None = None,
-        layout: BatchLayout | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -176,15 +173,24 @@ class PerTaskGradients:
         self.buffer = buffer
         self.num_tasks = buffer.num_tasks
         self.device = buffer.device
-        layout = layout if layout is not None else layout_for(task_ids)
-        if layout is not None and layout.packed:
+        if isinstance(layout, BatchLayout):
+            if cu_seqlens is not None or pass_task_ids is not None:
+                raise ValueError(
+                    "per_task_gradients: cu_seqlens / pass_task_ids go with task_ids, not a layout"
+                )
             if max(layout.num_tasks, 1) > self.num_tasks:
                 raise ValueError(
                     f"the batch's layout has {layout.num_tasks} tasks but the buffer {self.num_tasks} rows"
                 )
             self._layouts = [layout] + ([layout.second] if layout.second is not None else [])
         else:
-            self._layouts = self._host_layouts(task_ids, cu_seqlens, pass_task_ids)
+            warnings.warn(
+                "per_task_gradients(model, buffer, task_ids): pass the batch's BatchLayout instead "
+                "(model_inputs(batch, device)['layout']); task ids will not be accepted in the next release",
+                DeprecationWarning,
+                stacklevel=4,
+            )
+            self._layouts = self._host_layouts(layout, cu_seqlens, pass_task_ids)
         self.present = list(self._layouts[0].present)
         self._use_pass(0)
         self.use_kernels = use_kernels
@@ -213,8 +219,8 @@ class PerTaskGradients:
         cu_seqlens: torch.Tensor | Sequence[torch.Tensor] | None,
         pass_task_ids: Sequence[torch.Tensor] | None,
     ) -> list[BatchLayout]:
-        """Per encoder pass, the layout of tensors given without one: ``task_ids`` (and ``cu_seqlens``) read on
-        the host once, and validated."""
+        """Per encoder pass, the layout of tensors given without one (the deprecated call): ``task_ids`` (and
+        ``cu_seqlens``) read on the host once, and validated."""
         if not isinstance(task_ids, torch.Tensor) or task_ids.dim() != 1 or task_ids.dtype.is_floating_point:
             raise ValueError("task_ids must be an integer tensor [B] (one task per example)")
         hosts = [np.asarray(task_ids.tolist(), dtype=np.int64)]  # the one host read of the block
@@ -244,11 +250,7 @@ class PerTaskGradients:
             ids = hosts[min(k, len(hosts) - 1)]
             if cu_list:
                 cu = np.asarray(cu_list[min(k, len(cu_list) - 1)].tolist(), dtype=np.int64)
-                lay = BatchLayout(
-                    batch=int(ids.size), length=int((cu[1:] - cu[:-1]).max(initial=0)), packed=True,
-                    lengths=cu[1:] - cu[:-1], host_task_ids=ids, num_tasks=self.num_tasks, device=self.device,
-                )  # fmt: skip
-                lay._build_packed_tensors()
+                lay = BatchLayout.from_lengths(cu[1:] - cu[:-1], ids, self.num_tasks, self.device)
             else:
                 lay = BatchLayout(
                     batch=int(ids.size), length=1, packed=False, lengths=np.ones(ids.size, dtype=np.int64),
@@ -678,11 +680,10 @@ def _bind(fn: Any, state: PerTaskGradients, module: nn.Module) -> Any:
 def per_task_gradients(
     model: nn.Module,
     buffer: TaskGradientBuffer | Any,
-    task_ids: torch.Tensor | BatchLayout,
+    layout: BatchLayout | torch.Tensor,
     cu_seqlens: torch.Tensor | Sequence[torch.Tensor] | None = None,
     use_kernels: bool | None = None,
     pass_task_ids: Sequence[torch.Tensor] | None = None,
-    layout: BatchLayout | None = None,
 ) -> Iterator[PerTaskGradients]:
     """Run the forward AND the backward of one mixed-task batch inside this block: the per-task gradients of the
     buffer's shared parameters go straight into the buffer's rows (accumulating over blocks until
@@ -693,20 +694,19 @@ def per_task_gradients(
     - ``buffer``: a :class:`TaskGradientBuffer` whose ``params`` are the shared parameters (``task_params`` the
       task-specific ones); any row dtype (float32, bfloat16); or a
       :class:`~fastpals.surgery.stream.StreamingTaskGradients` (no ``[T, P]`` rows; one block per ``apply``);
-    - ``task_ids [B]`` int: the task of every example. When it is the ``task_ids`` of a live
-      :class:`~fastpals.data.layout.BatchLayout` (``model_inputs(batch, device)["task_ids"]``), or ``layout`` is given,
-      the block reads no device value: every row map comes from the layout's host values (its ``second`` pass
-      for siamese second sentences; ``cu_seqlens`` and ``pass_task_ids`` are then not needed). Otherwise
-      ``task_ids`` (and ``cu_seqlens``) are read on the host once, on entry;
-    - ``cu_seqlens [B+1]`` int (or one per encoder pass): for packed inputs (minBERT ``unpad=True``);
-    - ``use_kernels``: force (True) or forbid (False) the Triton grouped weight-gradient kernel; default: on CUDA;
-    - ``pass_task_ids``: per encoder pass, the task of each of its examples, where a pass holds other examples
-      than ``task_ids`` (packed siamese second sentences exist for the siamese rows only); entry 0 is ignored.
+    - ``layout``: the batch's :class:`~fastpals.data.layout.BatchLayout` (``model_inputs(batch, device)["layout"]``,
+      or :func:`fastpals.data.layout.make_layout` of a padded batch): every row map comes from its host values
+      (its ``second`` for the siamese second sentences), so the block reads no device value;
+    - ``use_kernels``: force (True) or forbid (False) the Triton grouped weight-gradient kernel; default: on CUDA.
+
+    Deprecated: ``layout`` given as ``task_ids [B]`` int, with ``cu_seqlens [B+1]`` (one per encoder pass) for
+    packed inputs and ``pass_task_ids`` (per pass, the task of each of its examples; entry 0 ignored): read on the
+    host once, on entry.
 
     The loss to differentiate is the sum over tasks of each task's loss (e.g. ``MultiTaskBert.loss``, or
     :func:`task_mean_loss` of per-example losses). Raises if the forward ran in the block but no backward did.
     """
     block = getattr(buffer, "block_class", PerTaskGradients)  # StreamingTaskGradients: its streaming block
-    state = block(model, buffer, task_ids, cu_seqlens, use_kernels, pass_task_ids, layout)
+    state = block(model, buffer, layout, cu_seqlens, use_kernels, pass_task_ids)
     with state:
         yield state
