@@ -184,6 +184,30 @@ def test_packed_mixed_equals_per_task_padded(variant, mode):
     assert got.weights == {model.tasks[t].name: len(b["ids"]) / 12 for t, b in batches.items()}
 
 
+@pytest.mark.parametrize("variant", ["parallel", "top"])
+def test_padded_input_runs_the_packed_path(variant):
+    """MultiTaskBert.forward has one path: a padded batch is packed once at the edge, so its logits are those of
+    the same rows packed by collate, bit for bit (siamese second sentences included); the former ``unpad``
+    keyword still runs, with a FutureWarning."""
+    model = _model(VARIANTS[variant], "sbert_concat").eval()
+    keys = (
+        "input_ids",
+        "attention_mask",
+        "token_type_ids",
+        "input_ids_b",
+        "attention_mask_b",
+        "token_type_ids_b",
+    )
+    with torch.no_grad():
+        for t, batch in _per_task_batches(model).items():
+            want = model(**model_inputs(pack_batches([batch], [t], 3), "cpu")).logits
+            padded = {k: batch[k] for k in keys if k in batch}
+            task_ids = torch.full((len(batch["ids"]),), t)
+            assert torch.equal(model(**padded, task_ids=task_ids).logits, want), t
+            with pytest.warns(FutureWarning, match="unpad"):
+                assert torch.equal(model(**padded, task_ids=task_ids, unpad=True).logits, want), t
+
+
 def test_equal_task_weighting():
     model = _model(VARIANTS["parallel"], "sbert_concat")
     batches = _per_task_batches(model, sizes=(2, 6, 4))

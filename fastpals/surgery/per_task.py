@@ -191,6 +191,11 @@ class PerTaskGradients:
                 stacklevel=4,
             )
             self._layouts = self._host_layouts(layout, cu_seqlens, pass_task_ids)
+        # the deprecated call on a model that packs padded batches itself (MultiTaskBert.batch_layout): the
+        # layout it builds replaces the one made from the task ids
+        self._adopts_layout = not isinstance(layout, BatchLayout) and callable(
+            getattr(model, "batch_layout", None)
+        )
         self.present = list(self._layouts[0].present)
         self._use_pass(0)
         self.use_kernels = use_kernels
@@ -483,6 +488,10 @@ class PerTaskGradients:
         """A patched module's forward ran (``exact``: on an input not split by example)."""
         self._ran[id(m)] = self._ran.get(id(m), False) or exact
 
+    def ran_exact(self, m: nn.Module) -> bool:
+        """Did ``m``'s forward in this block run on an input not split by example?"""
+        return self._ran.get(id(m), False)
+
     def exact_parameters(self, unused: bool = True) -> list[tuple[str, torch.Tensor]]:
         """The shared parameters one backward cannot split by task, by name: those of modules that ran on an
         input not split by example (DeBERTa's relative-position LayerNorm), and those of modules whose forward
@@ -588,6 +597,8 @@ class PerTaskGradients:
                     object.__setattr__(m, "_fastpals_parent", id(parent))
         for parent in parents.values():
             self._handles.append(parent.register_forward_pre_hook(self._enter_embeddings))
+        if self._adopts_layout:
+            self.model.__dict__["batch_layout"] = self._adopting(self.model.batch_layout)
         try:
             for _, m in modules:
                 if "forward" in m.__dict__:
@@ -604,6 +615,18 @@ class PerTaskGradients:
             raise
         return self
 
+    def _adopting(self, batch_layout: Any) -> Any:
+        def adopt(*args: Any, **kwargs: Any) -> BatchLayout:
+            layout = batch_layout(*args, **kwargs)
+            if not np.array_equal(layout.host_task_ids, self._layouts[0].host_task_ids):
+                raise ValueError("per_task_gradients: the model's batch holds other task ids than task_ids")
+            self._layouts = [layout] + ([layout.second] if layout.second is not None else [])
+            self._cache.clear()
+            self._use_pass(0)
+            return layout
+
+        return adopt
+
     def _enter_embeddings(self, module: nn.Module, args: tuple) -> None:
         self.passes += 1
         self._use_pass(self.passes - 1)
@@ -616,6 +639,7 @@ class PerTaskGradients:
         return self._frames[key]
 
     def _restore(self) -> None:
+        self.model.__dict__.pop("batch_layout", None)
         for m in self._patched:
             m.__dict__.pop("forward", None)
             m.__dict__.pop("_fastpals_parent", None)
