@@ -219,7 +219,7 @@ def trace_updates(
                 else:
                     make = TaskGradientBuffer if memory == "buffer" else StreamingTaskGradients
                     buf = make(shared, num_tasks, task_params=specific)
-                    with per_task_gradients(model, buf, inputs["task_ids"]):
+                    with per_task_gradients(model, buf, inputs["layout"]):
                         res = model.task_losses(model(**inputs), labels, weighting="equal")
                         sum(res.per_task.values()).backward()
 

@@ -225,7 +225,7 @@ class FastpalsStep:
         elif self.kind == "onebwd":
             from fastpals.surgery import pcgrad_weights, per_task_gradients
 
-            with per_task_gradients(self.model, self.buffer, self.inputs["task_ids"]):
+            with per_task_gradients(self.model, self.buffer, self.inputs["layout"]):
                 res = self.losses()
                 sum(res.per_task.values()).backward()
             result = self.buffer.apply(pcgrad_weights, generator=self.generator, sync=sync)
@@ -362,7 +362,8 @@ def row_packing(shapes: Shapes, device: torch.device) -> list[dict[str, Any]]:
     vocab = 30522
     parts = task_rows(shapes, vocab)
     batch = pack_task_rows(parts, len(TASKS))
-    real = int(batch["num_tokens"])
+    layout = batch["layout"]
+    real = layout.total + (layout.second.total if layout.second is not None else 0)
     longest = max(len(x) for p in parts for x in p.input_ids)
     fns = {
         "fastpals_packed": FastpalsStep(build_fastpals(shapes, device), batch, device),

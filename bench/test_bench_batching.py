@@ -129,14 +129,14 @@ class MixedPacked:
         self.k = 0
 
     def stats(self) -> dict[str, float]:
-        from fastpals.data.mixed_batches import attention_plan
+        from fastpals_kernels.padding import attention_plan
 
         tokens = slots = 0
         for u in self.updates:
-            for key in ("cu_seqlens", "cu_seqlens_b"):
-                if key in u:
-                    tokens += int(u[key][-1])
-                    slots += sum(b.size * b.length for b in attention_plan(u[key]).buckets)
+            for lay in (u["layout"], u["layout"].second):
+                if lay is not None:
+                    tokens += lay.total
+                    slots += sum(b.size * b.length for b in attention_plan(lay.cu_host).buckets)
         return {"padding_fraction": 0.0, "attention_padding_fraction": 1 - tokens / slots}
 
     def __call__(self) -> tuple[int, int]:
@@ -145,7 +145,8 @@ class MixedPacked:
         out = self.model(**self.inputs[i])
         self.model.task_losses(out, self.updates[i]["labels"]).total.backward()
         self.k += 1
-        return self.updates[i]["num_tokens"], len(self.updates[i]["ids"])
+        lay = self.updates[i]["layout"]
+        return lay.total + (lay.second.total if lay.second is not None else 0), len(self.updates[i]["ids"])
 
 
 @pytest.fixture(scope="module")

@@ -9,19 +9,15 @@ import torch
 from fastpals.data.mixed_batches import (
     MixedBatchSampler,
     collate_packed,
-    cu_seqlens_to_mask,
-    lengths_to_cu_seqlens,
     model_inputs,
     pack_batches,
-    pad_packed,
     padding_fraction,
-    pool_packed,
     share_counts,
-    unpad,
 )
 from fastpals.data.sampling import annealed_alpha, task_probabilities
 from fastpals.encoder.bert import BertConfig, BertModel, PALConfig
 from fastpals.model.multitask import MultiTaskBert, MultiTaskConfig, TaskSpec, get_task
+from fastpals_kernels.padding import cu_seqlens_to_mask, lengths_to_cu_seqlens, pad_packed, pool_packed, unpad
 
 TINY = BertConfig(
     vocab_size=100, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64,
@@ -181,9 +177,35 @@ def test_packed_mixed_equals_per_task_padded(variant, mode):
     for t, batch in batches.items():
         name = model.tasks[t].name
         tokens = int(batch["attention_mask"].sum()) + int(batch.get("attention_mask_b", torch.zeros(1)).sum())
-        assert got.examples[name] == len(batch["ids"]) == int(packed["task_examples"][t])
-        assert got.tokens[name] == tokens == int(packed["task_tokens"][t])
+        second = packed["layout"].second
+        packed_tokens = packed["layout"].task_tokens[t] + (second.task_tokens[t] if second is not None else 0)
+        assert got.examples[name] == len(batch["ids"]) == packed["layout"].task_examples[t]
+        assert got.tokens[name] == tokens == packed_tokens
     assert got.weights == {model.tasks[t].name: len(b["ids"]) / 12 for t, b in batches.items()}
+
+
+@pytest.mark.parametrize("variant", ["parallel", "top"])
+def test_padded_input_runs_the_packed_path(variant):
+    """MultiTaskBert.forward has one path: a padded batch is packed once at the edge, so its logits are those of
+    the same rows packed by collate, bit for bit (siamese second sentences included); the former ``unpad``
+    keyword still runs, with a FutureWarning."""
+    model = _model(VARIANTS[variant], "sbert_concat").eval()
+    keys = (
+        "input_ids",
+        "attention_mask",
+        "token_type_ids",
+        "input_ids_b",
+        "attention_mask_b",
+        "token_type_ids_b",
+    )
+    with torch.no_grad():
+        for t, batch in _per_task_batches(model).items():
+            want = model(**model_inputs(pack_batches([batch], [t], 3), "cpu")).logits
+            padded = {k: batch[k] for k in keys if k in batch}
+            task_ids = torch.full((len(batch["ids"]),), t)
+            assert torch.equal(model(**padded, task_ids=task_ids).logits, want), t
+            with pytest.warns(FutureWarning, match="unpad"):
+                assert torch.equal(model(**padded, task_ids=task_ids, unpad=True).logits, want), t
 
 
 def test_equal_task_weighting():
@@ -212,7 +234,9 @@ def test_task_with_no_rows_and_single_task_micro_batch(sizes):
     assert torch.allclose(got.total.detach(), want_total, rtol=1e-5, atol=0)
     _assert_grads_close(got_grads, want_grads)
     if sizes[2] == 0:
-        assert "cu_seqlens_b" not in packed  # no siamese rows, no second pass
+        assert (
+            packed["layout"].second is None and "input_ids_b" not in packed
+        )  # no siamese rows, no second pass
     absent = [t.name for t, n in zip(model.tasks, sizes) if n == 0]
     for name in absent:
         assert model.heads[name].out.weight.grad is None
@@ -287,7 +311,7 @@ def test_unpad_pad_round_trip_and_padding_fraction():
     assert cu.dtype == torch.int32 and cu.tolist() == [0, 4, 6, 11] and max_len == 5
     assert torch.equal(pad_packed(x, cu, 5), batch["input_ids"])
     assert padding_fraction(batch) == pytest.approx(1 - 11 / 15)
-    assert padding_fraction({"cu_seqlens": cu}) == 0.0
+    assert padding_fraction(pack_batches([batch], [0], 1)) == 0.0
     bad = batch["attention_mask"].clone()
     bad[0, 0] = 0
     with pytest.raises(ValueError, match="right-padded"):
@@ -298,16 +322,17 @@ def test_pack_batches_layout():
     a = _padded([3, 5], label_kind="class", task="sst")
     c = _padded([4], [2], label_kind="reg", task="sts")
     packed = pack_batches([c, a], [2, 0], 3)  # given out of order: rows come grouped by task, sorted
-    assert packed["task_ids"].tolist() == [0, 0, 2]
-    assert packed["cu_seqlens"].tolist() == [0, 3, 8, 12] and packed["max_seqlen"] == 5
-    assert packed["cu_seqlens_b"].tolist() == [0, 2] and packed["max_seqlen_b"] == 2
+    layout = packed["layout"]
+    assert layout.task_ids.tolist() == [0, 0, 2]
+    assert layout.cu_seqlens.tolist() == [0, 3, 8, 12] and layout.max_seqlen == 5
+    assert layout.second.cu_seqlens.tolist() == [0, 2] and layout.second.max_seqlen == 2
     assert (
         packed["input_ids"].tolist()
         == a["input_ids"][0, :3].tolist() + a["input_ids"][1].tolist() + c["input_ids"][0].tolist()
     )
     assert packed["tasks"] == ["sst", "sst", "sts"] and packed["labels"].dtype == torch.float32
-    assert packed["task_examples"].tolist() == [2, 0, 1] and packed["task_tokens"].tolist() == [8, 0, 6]
-    assert packed["num_tokens"] == 14
+    assert layout.task_examples == [2, 0, 1] and layout.task_tokens == [8, 0, 4]
+    assert layout.second.task_tokens == [0, 0, 2]
     with pytest.raises(ValueError, match="distinct"):
         pack_batches([a, a], [0, 0], 3)
 
@@ -466,8 +491,8 @@ def test_minilm_packed_mixed_batch_from_task_batchers(task_data_dir):
 
 
 def test_bucketed_attention_equals_varlen_reference():
-    from fastpals.data.mixed_batches import attention_plan, bucketed_attention
     from fastpals.functional import attention_reference, attention_varlen_reference
+    from fastpals_kernels.padding import attention_plan, bucketed_attention
 
     g = torch.Generator().manual_seed(0)
     lengths = torch.tensor([7, 1, 30, 12, 28, 9, 10])
@@ -533,8 +558,9 @@ def test_packed_mixed_batch_dispatches_to_pal_varlen_and_flash_varlen(monkeypatc
     layers = TINY.num_hidden_layers
     assert calls["pal_varlen"] == 2 * layers  # sentence-1 pass and the siamese sentence-2 pass
     assert len(calls["flash"]) == 2 * layers
-    assert calls["flash"][0] == (packed["cu_seqlens"].tolist(), packed["max_seqlen"])
-    assert calls["flash"][layers] == (packed["cu_seqlens_b"].tolist(), packed["max_seqlen_b"])
+    layout = packed["layout"]
+    assert calls["flash"][0] == (layout.cu_seqlens.tolist(), layout.max_seqlen)
+    assert calls["flash"][layers] == (layout.second.cu_seqlens.tolist(), layout.second.max_seqlen)
     assert torch.allclose(got.total.detach(), want.total.detach(), rtol=1e-5, atol=0)
     _assert_grads_close(got_grads, want_grads)
 
@@ -546,7 +572,6 @@ def test_packed_one_backward_per_task_grads_equal_separate_backwards(variant, mo
     """What the trainer's ``--batching mixed --surgery`` runs: per-task gradients of the shared weights from ONE
     backward over the packed mixed micro-batch (siamese second sentences packed for the siamese rows only) equal
     each task's own padded backward; the task-specific gradients equal the sum of the tasks' own."""
-    from fastpals.data.mixed_batches import packed_passes
     from fastpals.encoder.bert import freeze_shared_parameters, is_task_specific
     from fastpals.surgery import TaskGradientBuffer, per_task_gradients
 
@@ -574,7 +599,7 @@ def test_packed_one_backward_per_task_grads_equal_separate_backwards(variant, mo
     buf = TaskGradientBuffer(shared, 3, task_params=specific)
     packed = pack_batches(list(batches.values()), list(batches), 3)
     inputs = model_inputs(packed, "cpu")
-    with per_task_gradients(model, buf, inputs["task_ids"], **packed_passes(model, inputs)):
+    with per_task_gradients(model, buf, inputs["layout"]):
         res = model.task_losses(model(**inputs), packed["labels"], "equal")
         sum(res.per_task.values()).backward()
     assert shared and all(p.grad is None for p in shared)  # no ordinary summed gradient of a shared weight

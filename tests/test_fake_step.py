@@ -67,7 +67,7 @@ def _fake_step(surgery: str | None) -> None:
         else:
             shared, specific = shared_parameters_by_name(model)
             buf = TaskGradientBuffer(shared, len(TASKS), task_params=specific)
-            with per_task_gradients(model, buf, inputs["task_ids"]):
+            with per_task_gradients(model, buf, inputs["layout"]):
                 res = model.task_losses(model(**inputs), labels, weighting="equal")
                 sum(res.per_task.values()).backward()
             result = buf.apply(AGGREGATORS[surgery], generator=torch.Generator().manual_seed(0), sync=False)
@@ -107,7 +107,7 @@ def test_deferred_apply_equals_host_checked_apply() -> None:
         shared, specific = shared_parameters_by_name(model)
         buf = TaskGradientBuffer(shared, len(TASKS), task_params=specific)
         torch.manual_seed(1)
-        with per_task_gradients(model, buf, inputs["task_ids"]):
+        with per_task_gradients(model, buf, inputs["layout"]):
             res = model.task_losses(model(**inputs), batch["labels"], weighting="equal")
             sum(res.per_task.values()).backward()
         result = buf.apply(AGGREGATORS["pcgrad"], generator=torch.Generator().manual_seed(0), sync=sync)
@@ -123,7 +123,7 @@ def test_deferred_apply_reports_a_nonfinite_task() -> None:
     inputs = model_inputs(batch, "cpu")
     shared, specific = shared_parameters_by_name(model)
     buf = TaskGradientBuffer(shared, len(TASKS), task_params=specific)
-    with per_task_gradients(model, buf, inputs["task_ids"]):
+    with per_task_gradients(model, buf, inputs["layout"]):
         res = model.task_losses(model(**inputs), batch["labels"], weighting="equal")
         (res.per_task["sst"] + res.per_task["para"] * float("inf") + res.per_task["sts"]).backward()
     result = buf.apply(AGGREGATORS["pcgrad"], sync=False)

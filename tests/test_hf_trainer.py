@@ -132,7 +132,7 @@ def test_one_update_equals_fastpals_trainer(
     inputs = _fastpals_update(ours, _batchers(data, model_dir), opt, surgery, accumulation)
     # the same micro-batch: both tasks present, the same tokens
     assert torch.equal(first["input_ids"], inputs["input_ids"])
-    assert torch.equal(first["layout"].task_ids, inputs["task_ids"])
+    assert torch.equal(first["layout"].task_ids, inputs["layout"].task_ids)
     assert set(first["layout"].present) == {0, 1}
     moved = 0.0
     for (name, p), q, p0 in zip(hf.named_parameters(), ours.parameters(), start.parameters()):

@@ -4,6 +4,7 @@ row map (task ranges, cu_seqlens, positions) the model and the per-task gradient
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -11,14 +12,9 @@ import pytest
 import torch
 from device import DEVICE, requires_cuda
 
-from fastpals.data.layout import (
-    BatchLayout,
-    cu_seqlens_to_mask,
-    layout_for,
-    lengths_to_cu_seqlens,
-    packed_position_ids,
-)
+from fastpals.data.layout import BatchLayout
 from fastpals.data.mixed_batches import TaskRows, model_inputs, pack_batches, pack_task_rows
+from fastpals_kernels.padding import cu_seqlens_to_mask, lengths_to_cu_seqlens, packed_position_ids
 
 
 def test_from_lengths_host_values_and_device_tensors_agree():
@@ -37,7 +33,6 @@ def test_from_lengths_host_values_and_device_tensors_agree():
     assert torch.equal(lay.padding_mask(), cu_seqlens_to_mask(cu, 5))
     x = torch.randn(15, 2)
     assert torch.equal(lay.to_rows(lay.to_padded(x)), x)
-    assert layout_for(lay.task_ids) is lay and layout_for(lay.task_ids.clone()) is None
 
 
 def test_ungrouped_rows_have_index_maps_and_no_segments():
@@ -74,22 +69,41 @@ def test_packing_from_token_lists_equals_packing_padded_batches():
         })  # fmt: skip
     a = pack_task_rows(parts, 3)
     b = pack_batches(padded, [0, 2], 3)
-    for key in (
-        "input_ids",
-        "token_type_ids",
-        "cu_seqlens",
-        "task_ids",
-        "labels",
-        "task_examples",
-        "task_tokens",
-    ):
+    assert a.keys() == b.keys() == {"input_ids", "token_type_ids", "labels", "ids", "tasks", "layout"}
+    for key in ("input_ids", "token_type_ids", "labels"):
         assert torch.equal(a[key], b[key]), key
-    assert a["layout"].token_ranges == b["layout"].token_ranges
-    inputs = model_inputs(a, "cpu")
-    assert (
-        inputs["task_ids"] is inputs["layout"].task_ids
-        and inputs["cu_seqlens"] is inputs["layout"].cu_seqlens
-    )
+    la, lb = a["layout"], b["layout"]
+    assert torch.equal(la.cu_seqlens, lb.cu_seqlens) and torch.equal(la.task_ids, lb.task_ids)
+    assert la.token_ranges == lb.token_ranges and la.task_tokens == lb.task_tokens
+    assert model_inputs(a, "cpu").keys() == {"input_ids", "token_type_ids", "layout"}
+
+
+def test_per_task_gradients_takes_the_layout_and_task_ids_only_with_a_warning():
+    """The block gets the batch's layout as an argument; task ids (the old call) still give the same per-task
+    gradients, read on the host, with a DeprecationWarning (the layout is never found from the tensor)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_fake_step import TASKS, _batch, _tiny_model
+
+    from fastpals.surgery import TaskGradientBuffer, per_task_gradients, shared_parameters_by_name
+
+    torch.manual_seed(0)
+    model = _tiny_model().eval()
+    batch = _batch()
+    inputs = model_inputs(batch, "cpu")
+    layout = inputs["layout"]
+    shared, specific = shared_parameters_by_name(model)
+    rows = []
+    for old in (False, True):
+        buf = TaskGradientBuffer(shared, len(TASKS), task_params=specific)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            args = (layout.task_ids, layout.cu_seqlens) if old else (layout,)
+            with per_task_gradients(model, buf, *args):
+                res = model.task_losses(model(**inputs), batch["labels"], weighting="equal")
+                sum(res.per_task.values()).backward()
+        assert [w.category for w in caught if "BatchLayout" in str(w.message)] == [DeprecationWarning] * old
+        rows.append(torch.stack([buf.row(t) for t in range(len(TASKS))]))
+    assert rows[0].abs().sum() > 0 and torch.equal(rows[0], rows[1])
 
 
 def test_model_does_not_import_batching_or_data_modules():
@@ -138,7 +152,7 @@ def test_gpu_step_under_sync_debug_mode_error(surgery):
             if surgery is None:
                 model.task_losses(model(**inputs), labels, weighting="equal").total.backward()
             else:
-                with per_task_gradients(model, buf, inputs["task_ids"]):
+                with per_task_gradients(model, buf, inputs["layout"]):
                     res = model.task_losses(model(**inputs), labels, weighting="equal")
                     sum(res.per_task.values()).backward()
                 buf.apply(AGGREGATORS[surgery], generator=torch.Generator().manual_seed(0), sync=False)

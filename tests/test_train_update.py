@@ -221,10 +221,12 @@ with HostReads(READS) as reads:
         if name.startswith("mixed"):  # the host counts equal what the collated batches count
             from fastpals.data.mixed_batches import collate_packed
             batchers = list(tr.train_batchers.values())
-            collated = [collate_packed(batchers, sel) for sel in group]
+            layouts = [collate_packed(batchers, sel)["layout"] for sel in group]
+            passes = [p for lay in layouts for p in (lay, lay.second) if p is not None]
             result[name]["collated"] = {
-                key: {t: sum(int(b[key][i]) for b in collated) for i, t in enumerate(tr.args.task_list)}
-                for key in ("task_examples", "task_tokens")}
+                "task_examples": {t: sum(lay.task_examples[i] for lay in layouts)
+                                  for i, t in enumerate(tr.args.task_list)},
+                "task_tokens": {t: sum(p.task_tokens[i] for p in passes) for i, t in enumerate(tr.args.task_list)}}
 print("RESULT " + json.dumps(result))
 """
 

@@ -7,9 +7,8 @@
 - :mod:`.tokenizer` (WordPiece via ``tokenizers``) and :mod:`.hub` (the folder of a pretrained model's files);
 - :mod:`.sampling` (which task each micro-batch comes from);
 - :mod:`.per_task_batches` (:class:`TaskBatcher`: one task per batch, padded, resumable) and
-  :mod:`.mixed_batches` (mixed-task micro-batches packed without padding, attention buckets,
-  :class:`MixedBatchSampler`);
-- :mod:`.layout` (:class:`BatchLayout`, built once at collate time, and every pad/unpad helper).
+  :mod:`.mixed_batches` (:class:`MixedBatchSampler`, mixed-task micro-batches packed without padding);
+- :mod:`.layout` (:class:`BatchLayout`: a batch's rows and tasks, built once and passed along).
 """
 
 from fastpals.data.layout import BatchLayout

@@ -1,85 +1,34 @@
-"""The one description of a micro-batch (:class:`BatchLayout`) and every pad/unpad/``cu_seqlens`` helper of the
-package (the role of flash-attention's ``bert_padding.py``).
+"""The layout of one batch (:class:`BatchLayout`): where each sequence's tokens lie and which task it belongs to.
 
-A batch runs either *packed* (``[N, d]`` token rows, no padding; ``cu_seqlens [B+1]`` int32 says where each of
-the ``B`` sequences lies, the layout of flash-attn's varlen kernels) or *padded* (``[B, L, d]`` with a ``[B, L]``
-mask). Its :class:`BatchLayout` is built ONCE, on the host, where the data enters:
-
-- packed batches: by :meth:`BatchLayout.from_lengths` at collate time, straight from the examples' token lengths
-  and task ids (Python ints / NumPy), validated there;
-- padded batches (and packed tensors handed to the model without a layout): by :func:`make_layout` /
-  :func:`layout_from_cu_seqlens` at the model's entry, which read the mask or ``cu_seqlens`` on the host once.
-
-Everything after that point (the model, PALs, heads, losses, per-task gradients, kernels) reads the layout's host
-values (Python ints, NumPy arrays) and its device tensors, and never derives them again: a training step reads no
-device value on the host.
+A batch runs *packed* (``[N, d]`` token rows, ``cu_seqlens [B+1]`` int32, no padding) or *padded* (``[B, L, d]``
+with a ``[B, L]`` mask). Its layout is built once, on the host, where the data enters (collate, or the model's
+entry for padded tensors), and is then passed to the model, the losses and :func:`fastpals.surgery.
+per_task_gradients`, which read its host values and device tensors and never derive them again.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from fastpals_kernels.padding import (
-    AttentionBucket,
-    AttentionPlan,
-    attention_plan,
-    bucketed_attention,
-    check_packed,
-    cu_seqlens_to_mask,
-    lengths_to_cu_seqlens,
-    packed_position_ids,
-    pad_packed,
-    pad_packed_index,
-    pool_packed,
-    unpad,
-)
+from fastpals_kernels.padding import AttentionPlan, attention_plan, check_packed
 
 __all__ = [
-    "AttentionBucket",
-    "AttentionPlan",
     "BatchLayout",
-    "attention_plan",
-    "bucketed_attention",
-    "check_packed",
-    "cu_seqlens_to_mask",
-    "layout_from_cu_seqlens",
     "TracedLayout",
-    "traced_layout",
-    "layout_for",
-    "lengths_to_cu_seqlens",
+    "layout_from_cu_seqlens",
     "make_layout",
     "pack_rows",
-    "packed_position_ids",
-    "pad_packed",
-    "pad_packed_index",
-    "pool_packed",
-    "unpad",
+    "traced_layout",
 ]
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # The layout
 # ----------------------------------------------------------------------------------------------------------------
-_BY_TASK_IDS: weakref.WeakValueDictionary[int, BatchLayout] = weakref.WeakValueDictionary()
-
-
-def layout_for(task_ids: object) -> BatchLayout | None:
-    """The live layout whose device ``task_ids`` tensor is this very tensor (e.g. ``model_inputs(...)["task_ids"]``),
-    else None: callers handed only the tensor (:func:`fastpals.surgery.per_task_gradients`) find the host values
-    without reading the device."""
-    if isinstance(task_ids, BatchLayout):
-        return task_ids
-    if not isinstance(task_ids, torch.Tensor):
-        return None
-    layout = _BY_TASK_IDS.get(id(task_ids))
-    return layout if layout is not None and layout.task_ids is task_ids else None
-
-
 def _ranges(ids: np.ndarray, starts: np.ndarray, num_tasks: int) -> dict[int, tuple[int, int]] | None:
     """Per present task, its contiguous range ``[starts[first row], starts[last row + 1])`` when rows are grouped
     by task in increasing order; None otherwise."""
@@ -201,6 +150,29 @@ class BatchLayout:
         layout._build_packed_tensors()
         return layout
 
+    @classmethod
+    def from_mask(
+        cls,
+        attention_mask: torch.Tensor,
+        task_ids: torch.Tensor | np.ndarray | None,
+        num_tasks: int,
+        max_positions: int | None = None,
+    ) -> BatchLayout:
+        """The packed layout of a right-padded batch: ``attention_mask [B, L]`` (1/True = token), ``task_ids [B]``
+        int64 (a tensor, host values, or None for a model without tasks). Reads the mask and a task-id tensor on
+        the host once; raises ``ValueError`` on a mask row that is not ``1...1 0...0``."""
+        mask = attention_mask.to(torch.bool)
+        host = mask.long()
+        if isinstance(task_ids, torch.Tensor):
+            host = torch.cat([host, task_ids.to(host.device, torch.long)[:, None]], 1)
+        host = np.asarray(host.tolist(), dtype=np.int64).reshape(mask.shape[0], -1)  # the one host read
+        keep = host[:, : mask.shape[1]].astype(bool)
+        lengths = keep.sum(1)
+        if not np.array_equal(keep, np.arange(mask.shape[1])[None, :] < lengths[:, None]):
+            raise ValueError("attention_mask rows must be right-padded (1...1 0...0) to be packed")
+        ids = host[:, -1] if isinstance(task_ids, torch.Tensor) else task_ids
+        return cls.from_lengths(lengths, ids, num_tasks, mask.device, max_positions)
+
     def _build_packed_tensors(self) -> None:
         dev = self.device
         row_example = np.repeat(np.arange(self.batch, dtype=np.int64), self.lengths)
@@ -213,7 +185,6 @@ class BatchLayout:
         if self.host_task_ids is not None:
             self.task_ids = torch.as_tensor(self.host_task_ids, device=dev)
             self.row_task_ids = torch.as_tensor(self.host_task_ids[row_example], device=dev)
-            _BY_TASK_IDS[id(self.task_ids)] = self
         self._build_plan()
 
     def _build_plan(self) -> None:
@@ -251,8 +222,6 @@ class BatchLayout:
                 setattr(moved, name, value.to(device, non_blocking=True))
         if self.second is not None:
             moved.second, moved.second_rows = self.second.to(device), self.second_rows
-        if moved.task_ids is not None:
-            _BY_TASK_IDS[id(moved.task_ids)] = moved
         moved._build_plan()
         return moved
 

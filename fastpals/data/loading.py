@@ -1,42 +1,14 @@
-"""Task data: where each split's file is, the Quora hash split, and :func:`load_task` (typed examples).
+"""Task data: each split's file (:func:`split_path`), the Quora hash split, and :func:`load_task` (typed examples).
 
-Every task, built-in or from a task file, is a :class:`fastpals.data.tasks.TaskSpec`: its ``files``, ``columns``,
-``format`` and labels say how its files are read (see :mod:`fastpals.data.tasks` for the task-file keys). The
-functions here take a task name (``sst``, ``para``, ``sts``, ``cfimdb``) or a spec.
+Built-in tasks (files under ``$FASTPALS_DATA_DIR``): ``sst`` (5 classes, int64 labels), ``cfimdb`` (binary),
+``para`` (binary, from ``quora-dev.csv``), ``sts`` (regression on the 0..5 score). Test files carry no label.
+The CS224N files are tab-separated although named ``.csv``, and the SST/CFIMDB test files have an extra leading
+column: every column is found by its header name.
 
-Built-in tasks (``data_dir`` defaults to ``$FASTPALS_DATA_DIR``)
------------------------------------------------------------------
-
-======  ======  ================================  ==========================================  ==============
-task    kind    files (train / dev / test)        label                                       batch labels
-======  ======  ================================  ==========================================  ==============
-sst     single  ids-sst-{train,dev,test-student}  sentiment, int 0..4                         int64
-cfimdb  single  ids-cfimdb-{train,dev,test-...}   sentiment, int 0/1                          float32
-para    pair    quora-dev.csv (see below)         is_duplicate, "0.0"/"1.0" -> int 0/1        float32
-sts     pair    sts-{train,dev,test-student}      similarity, float in [0, 5]                 float32
-======  ======  ================================  ==========================================  ==============
-
-``sst`` is a 5-way classification (batch labels are class indices, int64); ``cfimdb`` and ``para`` are binary
-(one logit, float labels 0./1.); ``sts`` is a regression on the raw 0..5 score (float; the model divides by its
-``label_scale``). Test files carry no label (``label is None``; batches have no ``labels``); the SST and CFIMDB
-test files have a shifted header (an extra leading column), which is handled by finding every column by its
-header name. The CS224N files are tab-separated although they are named ``.csv``.
-
-The Quora split
----------------
-Only ``quora-dev.csv`` (20,214 rows, 2 of them broken) is available, so ``para`` ``train`` and ``dev`` are carved
-from it deterministically: a row goes to ``dev`` when ``int.from_bytes(sha256(id)[:8], "big") % 100 < 10`` (``id``
-= the 25-character hex id column, UTF-8), else to ``train``. This does not depend on the row order, on Python's
-hash seed or on the other rows. On the released file with the 2 broken rows skipped that gives
-``train`` 18,187 rows and ``dev`` 2,025 rows (``quora_split_sizes()`` recomputes it). ``para`` has no ``test``
-split. Quora numbers reported from this package are on that held-out 10% of the original dev file, not on the
-original CS224N dev/test sets. The same rule applies to any task whose ``dev`` file is its ``train`` file.
-
-Reading and batching
---------------------
-The readers (file formats, row checks, ``DataError`` / ``DataWarning``) are in :mod:`fastpals.data.readers`;
-``TaskBatcher`` and ``merge_batches`` in :mod:`fastpals.data.per_task_batches`; :mod:`fastpals.data` gives them
-and :func:`load_task` under one name.
+Only ``quora-dev.csv`` exists, so ``para``'s ``train`` and ``dev`` are carved from it: a row is ``dev`` when
+``int.from_bytes(sha256(id)[:8], "big") % 100 < 10``, independent of row order and hash seed (18,187 / 2,025
+rows on the released file; :func:`quora_split_sizes`). The same rule splits any task whose ``dev`` file is its
+``train`` file. ``para`` has no ``test`` split.
 """
 
 from __future__ import annotations
@@ -118,7 +90,7 @@ def _is_held_out(example_id: str) -> bool:
 
 
 def hash_split(examples: Sequence[Example]) -> tuple[list[Example], list[Example]]:
-    """Split examples into ``(train, dev)`` by a SHA-256 hash of each id (about 90% / 10%; see the docstring)."""
+    """Split examples into ``(train, dev)`` by a SHA-256 hash of each id (about 90% / 10%; see the module)."""
     train, dev = [], []
     for example in examples:
         (dev if _is_held_out(example.id) else train).append(example)

@@ -1,20 +1,10 @@
-"""Evaluation metrics of the CS224N multi-task setting, prediction files, and confusion-matrix plots (the
-numeric scores of one task kind are :mod:`fastpals.data.scores`, re-exported here).
+"""Evaluation metrics, prediction files and confusion-matrix plots (the numeric scores of the task kinds are in
+:mod:`fastpals.data.scores`, re-exported here).
 
-* ``accuracy``: share of exact matches (SST, Quora, CFIMDB, every classification and binary task).
-* ``pearson``: Pearson correlation over the whole set in float64 (STS), not averaged over batches.
-* ``spearman``: Spearman rank correlation (Pearson of the average ranks, ties sharing their mean rank).
-* ``task_metrics``: the metrics of one task by its kind: ``{"accuracy"}``, or ``{"pearson", "spearman"}``.
-* ``overall``: the score of any mix of tasks: the mean over tasks of ``unit_score``, which is the accuracy of a
-  classification or binary task and ``(r + 1) / 2`` of a regression task's Pearson ``r`` (NaN ``r``, from
-  constant predictions, counts as 0). For ``sst, para, sts`` it is the CS224N leaderboard score
-  ``overall_score`` = ``(sst_acc + para_acc + (sts_r + 1) / 2) / 3``.
-* ``confusion_matrix`` / ``plot_confusion_matrix``: counts (rows = true class, columns = predicted) and a PNG.
-* ``task_confusion_matrix``: the confusion matrix and class names of any task (regression scores binned).
-* ``bin_sts``: STS scores to 11 classes 0, 0.5, ..., 5 (class ``k`` is the score ``k / 2``) for a confusion matrix.
-* ``write_predictions`` / ``read_predictions``: the CS224N starter's prediction files: a header line
-  ``id \\t Predicted_<Name> `` then one ``<id> , <prediction> `` line per example. User tasks get the header
-  ``Predicted_<Label column>`` (``prediction_header``).
+Metrics run over the whole set, never averaged over batches: accuracy, Pearson (float64) and Spearman.
+:func:`overall` scores any mix of tasks as the mean of each task's ``unit_score`` (accuracy, or ``(r + 1) / 2`` of
+a regression task's Pearson ``r``, a NaN ``r`` counting as 0): for ``sst, para, sts`` the CS224N score. Prediction
+files follow the CS224N starter: a header ``id \\t Predicted_<Name>``, then ``<id> , <prediction>`` per line.
 """
 
 from __future__ import annotations

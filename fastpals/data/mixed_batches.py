@@ -1,54 +1,22 @@
-"""Mixed-task micro-batches, packed without padding.
+"""Mixed-task micro-batches: which examples each holds (:class:`MixedBatchSampler`) and how they are packed.
 
-A *mixed* micro-batch holds examples of every task, in shares that follow the sampling scheme, and its rows are
-concatenated without padding (``cu_seqlens``/``max_seqlen``, the layout of flash-attn's varlen kernels), so one
-forward pass serves all tasks and no op computes on padding tokens.
+Sampling: task ``t`` gets the share ``p_t`` of each micro-batch (:func:`fastpals.data.sampling.task_probabilities`,
+or ``1/T`` for the round-robin methods). With ``batch_size`` B it gets ``floor(B p_t)`` examples plus one more with
+the probability of the fractional part (systematic rounding: the counts sum to B, their mean is ``B p_t``). With
+``max_tokens`` tasks take turns by smooth weighted round robin until the next row would pass the budget; rows are
+never split. Each task walks through its own permutation per pass, ``default_rng([task_seed, pass])``, so the stream
+is a function of the seeds and ``state_dict()`` resumes it exactly.
 
-Sampling (:class:`MixedBatchSampler`)
--------------------------------------
-``p_t`` = the share of task ``t`` in each micro-batch (``N_t`` = training examples of task ``t``):
+Packing: a packed micro-batch is a dict of the rows back to back, never padded, and their
+:class:`~fastpals.data.layout.BatchLayout`:
 
-* ``annealed``: ``p_t ∝ N_t^α(e)`` with :func:`fastpals.data.sampling.annealed_alpha` (α = 1 in the first epoch, 0.2 in
-  the last); ``proportional``, ``uniform``, ``sqrt``: :func:`fastpals.data.sampling.task_probabilities`;
-* ``round_robin``, ``random_round_robin``, ``every_task_plus_annealed``: equal shares ``1/T``.
+* ``input_ids``, ``token_type_ids``: int64 ``[N]``; rows grouped by task in increasing order;
+* siamese pair tasks: their second sentences ``input_ids_b``, ``token_type_ids_b`` int64 ``[N2]``, one per siamese
+  row in row order (laid out by ``layout.second``);
+* ``labels`` float32 ``[B]`` (when labelled), ``ids`` ``list[str]``, ``tasks`` (the task name of every row);
+* ``layout``: lengths, task ids and offsets of the rows (host values and device tensors).
 
-With ``batch_size`` B, task t gets ``floor(B p_t)`` examples plus one more with probability equal to the
-fractional part of ``B p_t`` (systematic sampling: one uniform draw per micro-batch), so the counts sum to B and
-their expectation is exactly ``B p_t``. With ``max_tokens`` (fairseq's token budget), tasks take turns by smooth
-weighted round robin (credit ``c_t += p_t`` per pick, the largest credit picks and pays 1; credits start at
-uniform random offsets each micro-batch), each pick taking that task's next example, until the next example would
-exceed the budget; rows are never split, and a row longer than the budget is an error naming ``--max-tokens``.
-Both limits may be given (then at most ``batch_size`` examples and ``max_tokens`` tokens).
-
-Each task walks through its own permutation of its examples: pass ``k`` (from 0) of task t is
-``numpy.random.default_rng([task_seed_t, k]).permutation(N_t)``, the first step of
-:meth:`fastpals.data.per_task_batches.TaskBatcher.epoch_batches` with the batcher's seed; a task that runs out starts its next
-pass. Everything is a function of the seeds; ``state_dict()`` holds ``(epoch, step)``, every task's
-``(pass, position)`` and the generator's state, so a resumed run draws exactly the micro-batches an uninterrupted
-one would.
-
-Packing (:func:`collate_packed`, :func:`pack_task_rows`, :func:`pack_batches`)
------------------------------------------------------------------------------
-:func:`collate_packed` concatenates the selected examples' token lists (no padding is ever made) and builds the
-micro-batch's :class:`~fastpals.data.layout.BatchLayout` from their lengths and tasks, on the host, once. A packed
-micro-batch is a dict:
-
-* ``input_ids``, ``token_type_ids``: int64 ``[N]``, the ``B`` rows back to back (joint pair tasks as
-  ``[CLS] a [SEP] b [SEP]``, token types 0/1); ``cu_seqlens``: int32 ``[B+1]``; ``max_seqlen``: int.
-* ``task_ids``: int64 ``[B]``, grouped by task in increasing order; ``labels``: float32 ``[B]`` (when labelled);
-  ``ids``: ``list[str]``; ``tasks``: the task name of every row.
-* siamese pair tasks (``pair_mode`` sbert_*, batches with ``*_b`` keys): their second sentences, as separate
-  sequences ``input_ids_b``, ``token_type_ids_b`` ``[N2]``, ``cu_seqlens_b`` ``[B2+1]``, ``max_seqlen_b``, one per
-  siamese row in row order (``B2`` = siamese rows; other rows have none).
-* ``task_examples``, ``task_tokens``: int64 ``[T]``: examples and tokens (both sentences) of each task;
-  ``num_tokens``: int, ``N + N2``.
-* ``layout``: the :class:`~fastpals.data.layout.BatchLayout` (host values, and ``cu_seqlens``/``task_ids`` above as
-  its device tensors; its ``second`` lays out the siamese second sentences).
-
-:func:`model_inputs` picks the keys ``MultiTaskBert.forward`` takes, the layout included. The pad/unpad/
-``cu_seqlens`` helpers live in :mod:`fastpals.data.layout` (re-exported here). Without a varlen attention kernel (CPU,
-or CUDA without flash-attn / in fp32) the model attends over blocks of sequences of similar length
-(:func:`attention_plan`, :func:`bucketed_attention`), so packing does not bring back padding through attention.
+:func:`model_inputs` gives ``MultiTaskBert.forward``'s keyword arguments: the token tensors and the layout.
 """
 
 from __future__ import annotations
@@ -61,51 +29,24 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from fastpals.data.layout import (
-    AttentionBucket,
-    AttentionPlan,
-    BatchLayout,
-    attention_plan,
-    bucketed_attention,
-    check_packed,
-    cu_seqlens_to_mask,
-    lengths_to_cu_seqlens,
-    pack_rows,
-    packed_position_ids,
-    pad_packed,
-    pool_packed,
-    unpad,
-)
+from fastpals.data.layout import BatchLayout, pack_rows
 from fastpals.data.sampling import SAMPLING_METHODS, check_resume_settings, next_epoch, task_probabilities
+from fastpals_kernels.padding import unpad
 
 if TYPE_CHECKING:
     from fastpals.data.per_task_batches import TaskBatcher
 
 __all__ = [
     "EQUAL_SHARE_METHODS",
-    "AttentionBucket",
-    "AttentionPlan",
-    "BatchLayout",
     "MixedBatchSampler",
     "MixedSelection",
-    "attention_plan",
-    "bucketed_attention",
-    "check_packed",
+    "TaskRows",
     "collate_packed",
-    "cu_seqlens_to_mask",
-    "lengths_to_cu_seqlens",
     "model_inputs",
     "pack_batches",
-    "pack_rows",
     "pack_task_rows",
-    "packed_passes",
-    "packed_position_ids",
-    "pad_packed",
     "padding_fraction",
-    "pool_packed",
     "share_counts",
-    "TaskRows",
-    "unpad",
 ]
 
 EQUAL_SHARE_METHODS = ("round_robin", "random_round_robin", "every_task_plus_annealed")
@@ -113,8 +54,8 @@ EQUAL_SHARE_METHODS = ("round_robin", "random_round_robin", "every_task_plus_ann
 
 def padding_fraction(batch: dict) -> float:
     """Fraction of the token slots a batch dict makes the model compute that are padding: 0.0 for a packed batch
-    (``cu_seqlens``), ``1 - tokens / (B * L)`` over ``attention_mask`` (and ``attention_mask_b``) for a padded one."""
-    if "cu_seqlens" in batch:
+    (``layout``), ``1 - tokens / (B * L)`` over ``attention_mask`` (and ``attention_mask_b``) for a padded one."""
+    if "layout" in batch:
         return 0.0
     slots = tokens = 0
     for key in ("attention_mask", "attention_mask_b"):
@@ -398,8 +339,8 @@ class TaskRows:
 
 
 def pack_task_rows(parts: Sequence[TaskRows], num_tasks: int) -> dict:
-    """Concatenate the tasks' rows (host lists, no padding anywhere) into one packed micro-batch, rows grouped by
-    task in increasing task order, and build its :class:`~fastpals.data.layout.BatchLayout` (validated here, once)."""
+    """One packed micro-batch (the dict of the module docstring) of the tasks' rows (host lists), grouped by task in
+    increasing task order; its :class:`~fastpals.data.layout.BatchLayout` is built and validated here, once."""
     if len(parts) == 0:
         raise ValueError("batches is empty")
     tasks_given = [int(p.task) for p in parts]
@@ -419,51 +360,28 @@ def pack_task_rows(parts: Sequence[TaskRows], num_tasks: int) -> dict:
         [],
         [],
     )
-    task_examples = [0] * num_tasks
-    task_tokens = [0] * num_tasks
     for part in sorted(parts, key=lambda p: p.task):
         t, n = part.task, len(part.input_ids)
         if part.input_ids_b is not None:
             rows_b.extend(range(len(rows_task), len(rows_task) + n))
             ids_b.extend(part.input_ids_b)
             types_b.extend(part.token_type_ids_b)
-            task_tokens[t] += sum(len(x) for x in part.input_ids_b)
         rows_task.extend([t] * n)
         ids_a.extend(part.input_ids)
         types_a.extend(part.token_type_ids)
-        task_examples[t] += n
-        task_tokens[t] += sum(len(x) for x in part.input_ids)
         if part.labels is not None:
             labels.append(part.labels.to(torch.float32))
         names.extend(part.ids if part.ids is not None else [""] * n)
         tasks.extend([part.name if part.name is not None else str(t)] * n)
-    lengths = np.asarray([len(x) for x in ids_a], dtype=np.int64)
-    layout = BatchLayout.from_lengths(lengths, rows_task, num_tasks)
-    out: dict[str, Any] = {
-        "input_ids": pack_rows(ids_a),
-        "token_type_ids": pack_rows(types_a),
-        "cu_seqlens": layout.cu_seqlens,
-        "max_seqlen": layout.max_seqlen,
-        "task_ids": layout.task_ids,
-    }
+    layout = BatchLayout.from_lengths([len(x) for x in ids_a], rows_task, num_tasks)
+    out: dict[str, Any] = {"input_ids": pack_rows(ids_a), "token_type_ids": pack_rows(types_a)}
     if ids_b:
-        lengths_b = np.asarray([len(x) for x in ids_b], dtype=np.int64)
-        second = BatchLayout.from_lengths(lengths_b, [rows_task[r] for r in rows_b], num_tasks)
+        second = BatchLayout.from_lengths([len(x) for x in ids_b], [rows_task[r] for r in rows_b], num_tasks)
         layout.with_second(second, rows_b)
-        out.update(
-            input_ids_b=pack_rows(ids_b),
-            token_type_ids_b=pack_rows(types_b),
-            cu_seqlens_b=second.cu_seqlens,
-            max_seqlen_b=second.max_seqlen,
-        )
+        out.update(input_ids_b=pack_rows(ids_b), token_type_ids_b=pack_rows(types_b))
     if labels:
         out["labels"] = torch.cat(labels)
-    out["ids"] = names
-    out["tasks"] = tasks
-    out["task_examples"] = torch.tensor(task_examples, dtype=torch.int64)
-    out["task_tokens"] = torch.tensor(task_tokens, dtype=torch.int64)
-    out["num_tokens"] = int(sum(task_tokens))
-    out["layout"] = layout
+    out.update(ids=names, tasks=tasks, layout=layout)
     return out
 
 
@@ -514,40 +432,12 @@ def collate_packed(batchers: Sequence[TaskBatcher], selection: MixedSelection) -
     return pack_task_rows([batchers[t].task_rows(selection.indices[t], t) for t in present], len(batchers))
 
 
-_FORWARD_KEYS = (
-    "input_ids", "token_type_ids", "task_ids", "cu_seqlens", "input_ids_b", "token_type_ids_b", "cu_seqlens_b",
-)  # fmt: skip
+_TOKEN_KEYS = ("input_ids", "token_type_ids", "input_ids_b", "token_type_ids_b")
 
 
 def model_inputs(batch: dict, device: torch.device | str) -> dict[str, Any]:
-    """The keyword arguments of ``MultiTaskBert.forward`` from a packed batch, tensors moved to ``device``: the
-    token tensors and the batch's ``layout`` (whose ``task_ids`` / ``cu_seqlens`` are the ``task_ids`` /
-    ``cu_seqlens`` entries, for callers such as :func:`fastpals.surgery.per_task_gradients`)."""
-    out: dict[str, Any] = {k: batch[k].to(device, non_blocking=True) for k in _FORWARD_KEYS if k in batch}
-    out["max_seqlen"] = batch["max_seqlen"]
-    if "max_seqlen_b" in batch:
-        out["max_seqlen_b"] = batch["max_seqlen_b"]
-    layout = batch.get("layout")
-    if layout is not None:
-        layout = layout.to(device)
-        out["layout"] = layout
-        out["task_ids"], out["cu_seqlens"] = layout.task_ids, layout.cu_seqlens
-        if layout.second is not None:
-            out["cu_seqlens_b"] = layout.second.cu_seqlens
+    """``MultiTaskBert.forward``'s keyword arguments of a packed batch: its token tensors and its ``layout``, on
+    ``device``."""
+    out: dict[str, Any] = {k: batch[k].to(device, non_blocking=True) for k in _TOKEN_KEYS if k in batch}
+    out["layout"] = batch["layout"].to(device)
     return out
-
-
-def packed_passes(module: Any, inputs: dict[str, Any]) -> dict[str, Any]:
-    """The encoder passes' row layout for :func:`fastpals.surgery.per_task_gradients`: the batch's layout when the
-    inputs carry one (:func:`model_inputs`); else packed offsets, and for the siamese second
-    pass (its rows: the siamese tasks' examples, in order) their task ids (a host read)."""
-    if inputs.get("layout") is not None:  # the collated layout holds every pass's row map (no device read)
-        return {"layout": inputs["layout"]}
-    if "cu_seqlens_b" not in inputs:
-        return {"cu_seqlens": inputs["cu_seqlens"]}
-    task_ids = inputs["task_ids"]
-    siamese = torch.tensor([spec.siamese for spec in module.tasks], device=task_ids.device)
-    return {
-        "cu_seqlens": [inputs["cu_seqlens"], inputs["cu_seqlens_b"]],
-        "pass_task_ids": [task_ids, task_ids[siamese[task_ids]]],
-    }

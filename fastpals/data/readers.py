@@ -1,36 +1,16 @@
 """Reading one task file: the TSV, CSV and JSONL readers, their row checks, and the example types.
 
 :func:`read_task_file` reads one file of a :class:`fastpals.data.tasks.TaskSpec` (its ``columns``, ``format`` and
-labels say how) into :class:`SentenceExample` / :class:`PairExample` rows, checking every row;
-:func:`fastpals.data.loading.load_task` picks the file of a split and reports skipped rows.
+labels say how) into :class:`SentenceExample` / :class:`PairExample` rows; :func:`fastpals.data.loading.load_task`
+picks the file of a split.
 
-File formats
-------------
-* ``tsv`` / ``csv``: a header row naming the columns, then one example per row, separated by tabs / commas.
-  Quoting follows the usual CSV rules: a field that *starts* with ``"`` is quoted, may hold the separator and
-  line breaks, writes a quote as ``""``, and must end with ``"`` followed by the separator or the line end.
-  A ``"`` elsewhere in a field is an ordinary character. CRLF, LF and CR line ends are all accepted; a UTF-8 BOM
-  is dropped; lines holding nothing but spaces are not rows.
-* ``jsonl``: one JSON object per line; ``columns`` name its keys. Labels may be numbers, booleans (binary) or
-  strings; ids strings or integers. Blank lines are not rows.
-
-Bad input (nothing is lost silently)
-------------------------------------
-Every data row is checked: valid UTF-8, no NUL byte, field count equal to the header's, no field longer than
-``max_field_chars`` (default 131,072), non-empty id without comma, tab or line break (prediction files hold
-ids), no duplicate id, non-empty text(s), and (labelled files) a label that parses and lies in range.
-
-A quote that opens a field and is never closed properly would swallow the lines after it. The reader detects
-it and names the line where the quote opened: the quote reaches the end of the file; the quote closes on a
-later line and is followed by text; the row it makes has the wrong number of fields; or (tab-separated files) a
-quoted field spanning lines holds as many tabs as a whole row. Such a row is one bad row, and reading goes on
-from the line after the quote, so every other row is kept.
-
-A missing file, an empty file, or a header that lacks a needed column always raises. With ``strict=True`` (the
-default) the first bad row raises ``DataError`` naming file, line and reason; with ``strict=False`` bad rows are
-skipped and a ``DataWarning`` lists the count per reason and the ``file:line`` of each skipped row (the first
-20). ``quora-dev.csv`` really has 2 broken rows (lines 2577 and 14222), so loading ``para`` needs
-``strict=False``.
+CSV/TSV follow the usual quoting rules (a field that starts with ``"`` is quoted, ``""`` is a quote; any line end;
+a UTF-8 BOM is dropped); JSONL holds one object per line. Every row is checked (UTF-8, no NUL, field count, field
+length, id, duplicate id, non-empty text, label in range). A quote that opens a field and is never closed is
+one bad row reported at its opening line, and reading goes on after it, so it cannot swallow the rows below.
+A missing or empty file or a missing column always raises; a bad row raises :class:`DataError` (file, line,
+reason) with ``strict=True``, else it is skipped and a :class:`DataWarning` counts and lists the skipped rows
+(``quora-dev.csv`` has 2 broken rows, so ``para`` loads with ``strict=False``).
 """
 
 from __future__ import annotations

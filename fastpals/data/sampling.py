@@ -1,24 +1,18 @@
 """Which task each micro-batch of multi-task training comes from.
 
-Pure functions give the task probabilities of the sampling methods; :class:`TaskSampler` turns a method into a
-stream of task ids, one per micro-batch, that is a pure function of ``(seed, epoch)`` and resumable from
-``state_dict()``.
+Pure functions give the task probabilities of each method; :class:`TaskSampler` turns a method into a stream of
+task ids, one per micro-batch, a pure function of ``(seed, epoch)`` resumable from ``state_dict()``. With
+``N_t`` examples of task ``t``, ``T`` tasks, epoch ``e`` from 1 of ``E``:
 
-Methods (``N_t`` = training examples of task ``t``, ``T`` tasks, ``e`` = epoch counted from 1 of ``E``):
+* ``round_robin``: tasks take turns and a task whose batches are used up drops out (an epoch exhausts every task);
+* ``proportional`` ``p_t ∝ N_t``; ``uniform`` ``1/T``; ``sqrt`` ``p_t ∝ sqrt(N_t)``;
+* ``annealed``: ``p_t ∝ N_t^α``, ``α = 1 - 0.8 (e - 1) / (E - 1)`` (Stickland & Murray 2019; ``α = 1`` when
+  ``E = 1``);
+* ``every_task_plus_annealed``: one batch of every task in a random order, then ``extra`` annealed draws;
+* ``random_round_robin``: one batch of every task, in a fresh random order.
 
-* ``round_robin``: every epoch exhausts every dataset: the tasks take turns (0, 1, 2, 0, 1, 2, ...) and a task
-  whose batches are used up drops out of the rotation, so an epoch is ``sum_t batches_t`` micro-batches. (The
-  Bert-n-Pals code's "round robin" trained task 0 only; here every task is visited.)
-* ``proportional``: ``p_t ∝ N_t``; ``uniform``: ``p_t = 1/T``; ``sqrt``: ``p_t ∝ sqrt(N_t)``.
-* ``annealed``: ``p_t ∝ N_t^α`` with ``α = 1 - 0.8 (e - 1) / (E - 1)`` (``α = 1`` when ``E = 1``): proportional
-  in the first epoch, close to uniform (``α = 0.2``) in the last (Stickland & Murray 2019, with ``e`` from 1).
-* ``every_task_plus_annealed``: each update holds one batch of every task (in a random order) followed by
-  ``extra`` batches drawn with the annealed probabilities.
-* ``random_round_robin``: each update holds one batch of every task, in a fresh random order: equal batches
-  per task.
-
-The last two have a natural *update group* (``group_size``): the micro-batches that belong to one optimizer
-update, which is what gradient surgery needs (several tasks in one update).
+The last two form *update groups* (``group_size`` micro-batches per optimizer update), which gradient surgery
+needs (several tasks in one update).
 """
 
 from __future__ import annotations

@@ -1,29 +1,11 @@
-"""Task kinds: everything that depends on what a task predicts, one class per kind.
+"""Task kinds: everything that depends on what a task predicts, one :class:`TaskKind` per kind.
 
-A task's ``kind`` (:attr:`fastpals.data.tasks.TaskSpec.kind`, the string of task files and saved configs) names an
-entry of :data:`TASK_KINDS`; :attr:`TaskSpec.task_kind <fastpals.data.tasks.TaskSpec.task_kind>` returns that object.
-A :class:`TaskKind` holds, for its kind:
-
-* the spec side: the head's output count (:meth:`~TaskKind.head_outputs`, and ``num_labels`` of a task file,
-  :meth:`~TaskKind.task_file_num_labels`), :meth:`~TaskKind.num_classes`, the allowed ``loss`` values
-  (:attr:`~TaskKind.losses`, the first the default), and the label checks (:meth:`~TaskKind.check_labels`:
-  ``label_range``, ``label_names``, ``label_scale``);
-* the data side: how a raw label cell parses (:meth:`~TaskKind.parse_label`, with the readers' one-line
-  reasons) and the batch label dtype (:attr:`~TaskKind.label_dtype`);
-* the model side: :meth:`~TaskKind.loss`, :meth:`~TaskKind.predict` (branch-free tensor code, no host reads)
-  and :meth:`~TaskKind.confidence`;
-* the metrics: :attr:`~TaskKind.metric_names` (the first the primary dev metric), :meth:`~TaskKind.metrics`,
-  :meth:`~TaskKind.unit_score` (a task's share of the overall score) and :meth:`~TaskKind.confusion_matrix`.
-
-The built-in kinds are :class:`Classification` (``num_labels``-way cross-entropy), :class:`Binary` (one logit,
-BCE) and :class:`Regression` (one value in [0, 1] units of ``label_scale``; MSE or CoSENT). The defaults of
-:class:`TaskKind` fit kinds whose labels are class indices ``0..K-1`` (accuracy, a K x K confusion matrix);
-:class:`Regression` overrides them.
-
-Adding a kind touches this module only (or any module of your own): subclass :class:`TaskKind`, set its
-attributes, write ``head_outputs``, ``task_file_num_labels``, ``loss`` and ``predict`` (and override whatever
-else differs), and :func:`register_task_kind` an instance. Task files, the readers, the batcher,
-``MultiTaskBert``'s loss and predictions, the metrics, evaluation and prediction files all ask the kind.
+A task's ``kind`` string names an entry of :data:`TASK_KINDS`. The kind holds the head's output count and label
+checks, how a label cell parses and its batch dtype, the loss, the predictions (branch-free, no host reads), the
+metrics and the task's share of the overall score. Built in: :class:`Classification` (cross-entropy),
+:class:`Binary` (one logit, BCE) and :class:`Regression` (one value in [0, 1] units of ``label_scale``; MSE or
+CoSENT). A new kind is a subclass registered with :func:`register_task_kind`; task files, the readers, the
+model's losses and predictions and the metrics all ask the kind.
 """
 
 from __future__ import annotations

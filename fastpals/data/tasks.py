@@ -1,53 +1,10 @@
-"""The task registry: one definition per task holds the model side, the file format and the metric.
+"""The task registry: one :class:`TaskSpec` per task holds the model side (kind, pair mode, head, pooling, loss),
+the files and how they are read (columns, format, labels), and the metric.
 
-A :class:`TaskSpec` says
-
-* what the model does with the task: ``kind`` (``classification`` / ``binary`` / ``regression``), ``num_labels``,
-  ``pair`` and ``pair_mode``, ``head``, ``pooling``, ``loss``, ``label_scale``;
-* where its examples are and how they are read: ``files`` per split, ``columns`` (``text``, ``text_pair``,
-  ``label``, ``id``), ``format`` (``csv``, ``tsv`` or ``jsonl``; by file extension when ``None``),
-  ``label_range`` and ``label_names``;
-* how it is scored: ``metric`` (``accuracy``, or ``pearson`` for regression; Spearman is reported beside it).
-
-The built-in tasks are in :data:`TASKS` (``sst``, ``para``, ``sts``, ``cfimdb``, the CS224N files, whose
-relative file names resolve against the data folder). Users define their own in a JSON task file::
-
-    {"name": "imdb", "kind": "classification", "num_labels": 2,
-     "files": {"train": "imdb/train.jsonl", "dev": "imdb/dev.jsonl", "test": "imdb/test.jsonl"},
-     "columns": {"text": "review", "label": "label"}}
-
-loaded with :meth:`TaskSpec.from_file`; :func:`resolve_tasks` turns ``"sst,para,path/to/imdb.json"`` (the
-trainer's ``--tasks``) into a list of specs. The keys of a task file:
-
-``name``
-    task name (default: the file name without ``.json``); letters, digits, ``_`` and ``-``.
-``kind``
-    ``classification`` (``num_labels``-way cross-entropy), ``binary`` (one logit, labels 0/1) or ``regression``
-    (one value; Pearson and Spearman), or another kind registered in :data:`fastpals.data.task_kinds.TASK_KINDS`.
-``num_labels``
-    classes of a classification task (>= 2); optional for binary (must then be 2), absent for regression.
-``files``
-    ``{"train": ..., "dev": ..., "test": ...}``, at least ``train``; paths relative to the task file's folder.
-    ``test`` files may lack the label column. When ``dev`` names the same file as ``train``, ``dev`` is the 10%
-    of examples whose id hashes below 10 (``sha256(id)`` mod 100, as for Quora) and ``train`` the rest.
-``columns``
-    ``{"text": ..., "label": ...}`` plus ``"text_pair"`` for sentence-pair tasks and ``"id"`` when the
-    files have an id column (ids must then be unique per file; without it, examples are named ``line<N>``).
-    For CSV/TSV these are header names, for JSONL keys of each object.
-``format``
-    ``csv``, ``tsv`` or ``jsonl`` for every file; default by extension (``.csv``, ``.tsv``/``.tab``,
-    ``.jsonl``/``.ndjson``).
-``label_range``
-    regression only: ``[low, high]`` with ``0 <= low < high`` (default ``[0, 1]``); labels outside are bad rows.
-    The model predicts ``clip(z, 0, 1) * high``.
-``label_names``
-    classification/binary: one name per class; label cells may then hold a name instead of an index, and
-    ``fastpals predict`` prints the name.
-``head``, ``pooling``, ``loss``, ``pair_mode``
-    optional model settings, as the fields of :class:`TaskSpec`.
-
-Anything else is an error (a mistyped key is never ignored). Errors are :class:`TaskFileError`, one line
-naming the task file and the key.
+The built-in tasks are :data:`TASKS` (``sst``, ``para``, ``sts``, ``cfimdb``: the CS224N files, resolved against
+the data folder). A JSON task file defines another (:meth:`TaskSpec.from_file`; the keys are in
+docs/training.md, "Your own task"); :func:`resolve_tasks` turns the trainer's ``--tasks`` into specs. A bad task
+file is a :class:`TaskFileError`, one line naming the file and the key.
 """
 
 from __future__ import annotations
@@ -100,7 +57,7 @@ class TaskFileError(ValueError):
 
 @dataclass
 class TaskSpec:
-    """One task: model side, file format and metric (see the module docstring for the task-file keys).
+    """One task: model side, file format and metric (task-file keys: docs/training.md).
 
     Model side:
 

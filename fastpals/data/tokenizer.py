@@ -1,26 +1,14 @@
 """The checkpoint's own tokenizer, on the Rust ``tokenizers`` library, with truncation counting and padding.
 
-``Tokenizer.from_pretrained(name_or_path)`` loads the model's ``tokenizer.json`` (what transformers 5 saves for
-every tokenizer, BERT's included) with its normalizer, pre-tokenizer, model and post-processor, so its special
-tokens and its pair template are the checkpoint's:
+``Tokenizer.from_pretrained(name_or_path)`` loads the model's ``tokenizer.json`` (normalizer, pre-tokenizer,
+model, post-processor), so special tokens and the pair template are the checkpoint's (``[CLS] a [SEP] b [SEP]``
+for BERT, ``<s> a </s></s> b </s>`` for RoBERTa); special-token names come from ``tokenizer_config.json`` /
+``special_tokens_map.json``. Token types are kept only where the model has them (``type_vocab_size >= 2``). A
+folder with only a BERT ``vocab.txt`` gets the uncased BERT pipeline built from it (the ids of an uncased BERT's
+``tokenizer.json``).
 
-    BERT, ELECTRA, DistilBERT:   [CLS] a [SEP] b [SEP]         token types 0 ... 0 1 ... 1
-    RoBERTa, XLM-R:              <s> a </s></s> b </s>
-    DeBERTa-v2/v3, ModernBERT:   [CLS] a [SEP] b [SEP]
-
-The special-token names (pad, unk, mask) come from ``tokenizer_config.json`` / ``special_tokens_map.json``; the
-pad id must be in the vocabulary. Token types are kept only where the model has them (its ``config.json`` has
-``type_vocab_size >= 2``); elsewhere they are all 0.
-
-A folder with only a BERT ``vocab.txt`` (older checkpoints) gets the uncased BERT pipeline built from it: BERT
-normalizer (clean control characters, space around CJK characters, lower-case), BERT pre-tokenizer, WordPiece
-(``##``, ``[UNK]`` for words over 100 characters), the template above. It is the same pipeline as the
-``tokenizer.json`` of an uncased BERT: on the task data (SST, CFIMDB, STS, Quora) both give identical ids and
-token types, and neither is measurably faster, so ``tokenizer.json`` is read whenever the folder has it.
-
-Truncation is always on, at ``max_length`` tokens including the special tokens; pairs are truncated
-longest-first, as HF does. Every truncated sequence (or pair) is counted in ``Tokenizer.num_truncated``; nothing
-is cut without being counted.
+Truncation is always on, at ``max_length`` tokens including the special tokens, longest-first for pairs; every
+truncated sequence or pair is counted in ``Tokenizer.num_truncated``.
 """
 
 from __future__ import annotations

@@ -44,6 +44,7 @@ from fastpals.functional import (
     PALWeights,
     attention_reference,
     grouped_linear_reference,
+    segment_linear,
 )
 from fastpals_kernels import dispatch
 
@@ -166,21 +167,44 @@ class PALTop(nn.Module):
         self.projections = PALProjections(t, d, d_s, pal.init_std, False) if shared is None else None
         object.__setattr__(self, "_shared", shared)
 
-    def forward(self, h: torch.Tensor, mask: torch.Tensor, task_ids: torch.Tensor) -> torch.Tensor:
-        """h: [B, L, d] (padded), mask [B, L] bool, task_ids [B] → [B, L, d]."""
+    def forward(self, h: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+        """h: the last layer's rows, ``[B, L, d]`` (padded layout) or ``[N, d]`` (packed) → the same shape."""
         p = self.projections if self.projections is not None else self._shared
-        b, n, _ = h.shape
-        x = grouped_linear_reference(h, task_ids, p.enc_weight, p.enc_bias)
-        d_s = x.shape[-1]
         dropout = self.dropout_p if self.training else 0.0
+        if h.dim() == 2:  # packed rows: varlen attention, per-task GEMMs on task segments
+            segments = layout.task_segments(self.qkv_weight.shape[1])
+            plan = layout.attention_plan() if layout.buckets else None
+
+            def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+                if segments is not None:
+                    return segment_linear(x, segments, w, b)
+                return grouped_linear_reference(x, layout.row_task_ids, w, b)
+
+            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                return dispatch.attention_varlen(q, k, v, layout.cu_seqlens, layout.max_seqlen, dropout, plan)
+
+            def per_row(t: torch.Tensor) -> torch.Tensor:
+                return t.index_select(0, layout.row_task_ids)
+        else:
+
+            def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+                return grouped_linear_reference(x, layout.task_ids, w, b)
+
+            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                return attention_reference(q, k, v, layout.padding_mask(), dropout)
+
+            def per_row(t: torch.Tensor) -> torch.Tensor:
+                return t.index_select(0, layout.task_ids)[:, None]
+
+        x = linear(h, p.enc_weight, p.enc_bias)
+        d_s = x.shape[-1]
         for i in range(self.qkv_weight.shape[0]):
-            qkv = grouped_linear_reference(x, task_ids, self.qkv_weight[i], self.qkv_bias[i])
-            q, k, v = qkv.view(b, n, 3, self.num_heads, d_s // self.num_heads).unbind(2)
-            ctx = attention_reference(q, k, v, mask, dropout).reshape(b, n, d_s)
-            y = grouped_linear_reference(ctx, task_ids, self.out_weight[i], self.out_bias[i]) + x
+            qkv = linear(x, self.qkv_weight[i], self.qkv_bias[i])
+            q, k, v = qkv.view(*x.shape[:-1], 3, self.num_heads, d_s // self.num_heads).unbind(-3)
+            y = linear(attend(q, k, v).reshape(x.shape), self.out_weight[i], self.out_bias[i]) + x
             y = F.layer_norm(y, (d_s,), eps=self.eps)
-            x = y * self.ln_weight[i][task_ids][:, None] + self.ln_bias[i][task_ids][:, None]
-        return grouped_linear_reference(x, task_ids, p.dec_weight, p.dec_bias)
+            x = y * per_row(self.ln_weight[i]) + per_row(self.ln_bias[i])
+        return linear(x, p.dec_weight, p.dec_bias)
 
 
 def pal_dropout(pal: PALConfig, config: BertConfig) -> float:
@@ -425,13 +449,8 @@ class Top(PALVariant):
         return "pal_top" if _owns(name, Top.module_names, ()) else None
 
     def encoder_output(self, model: BertModel, x: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
-        """The top blocks' output (run on the padded form: packed ``x`` is padded and packed back)."""
-        top = model.pal_top
-        if top is None:
-            return x
-        if x.dim() == 2:  # packed [N, d]
-            return layout.to_rows(top(layout.to_padded(x), layout.padding_mask(), layout.task_ids))
-        return top(x, layout.padding_mask(), layout.task_ids)
+        """The top blocks' output, in ``x``'s form (padded or packed)."""
+        return x if model.pal_top is None else model.pal_top(x, layout)
 
 
 class TopParallel(Parallel, Top):

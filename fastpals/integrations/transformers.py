@@ -166,7 +166,7 @@ class MultiTaskTrainer(transformers.Trainer):
             return loss.detach()
 
         buffer = self._buffer(model)
-        with per_task_gradients(model, buffer, batch["task_ids"], layout=batch["layout"]):
+        with per_task_gradients(model, buffer, batch["layout"]):
             with self.compute_loss_context_manager():
                 res = model.task_losses(model(**batch), labels, weighting="equal")
                 loss = sum(res.per_task.values()) * scale  # each task's gradient: that of its own mean loss

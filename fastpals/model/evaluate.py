@@ -21,7 +21,7 @@ from tqdm import tqdm
 from fastpals.data.loading import load_task
 from fastpals.data.metrics import overall, task_metrics
 from fastpals.data.mixed_batches import model_inputs as packed_model_inputs
-from fastpals.data.mixed_batches import pack_batches
+from fastpals.data.mixed_batches import pack_task_rows
 from fastpals.data.per_task_batches import TaskBatcher
 from fastpals.data.readers import DataWarning
 from fastpals.data.tasks import TaskSpec
@@ -101,21 +101,20 @@ def predict_batches(
     bad = torch.zeros(
         (), dtype=torch.int64, device=device
     )  # examples with a non-finite output, on the device
-    batcher.set_epoch(0)
     with tqdm(total=len(batcher.examples), desc=desc, disable=not progress, file=sys.stderr, unit="ex",
               dynamic_ncols=True, mininterval=1.0, leave=False) as bar:  # fmt: skip
-        for batch in batcher:  # packed (no padding), as training with --batching mixed
-            packed = pack_batches([batch], [task_index], len(model.tasks))
-            out = model(**packed_model_inputs(packed, device))
+        for indices in batcher.epoch_batches(0):  # packed from the token lists, as training packs them
+            rows = batcher.task_rows(indices, task_index)
+            out = model(**packed_model_inputs(pack_task_rows([rows], len(model.tasks)), device))
             bad += (~torch.isfinite(out.logits[:, : spec.num_labels])).any(dim=1).sum()
             preds.append(model.predict(out).cpu().numpy())
             if with_confidence:
                 c = confidence(model, out, task_index)
                 confs.append(None if c is None else c.cpu().numpy())
-            ids.extend(batch["ids"])
-            if "labels" in batch:
-                labels.append(batch["labels"].numpy())
-            bar.update(len(batch["ids"]))
+            ids.extend(rows.ids)
+            if rows.labels is not None:
+                labels.append(rows.labels.numpy())
+            bar.update(len(rows.ids))
     model.train(was_training)
     count = int(bad)  # one read per evaluated task, after its predictions were read
     if count:

@@ -1,20 +1,12 @@
 """Any HF transformers encoder as the encoder of :class:`fastpals.MultiTaskBert`.
 
-BERT checkpoints (``config.json`` ``model_type`` ``"bert"``, MiniLM included) run as fastpals' own minBERT, with its
-fused PALs and its packed (unpadded) path. Every other architecture (RoBERTa, XLM-R, DeBERTa-v2/v3, ModernBERT,
-ELECTRA, DistilBERT, and any other whose layers :func:`fastpals.inject_pals` finds) runs as the HF model
+BERT checkpoints run as fastpals' own minBERT. Every other architecture runs as the HF model
 (``transformers.AutoModel``) with PALs injected by :func:`fastpals.inject_pals`, wrapped in :class:`HFEncoder`,
-which takes minBERT's call:
-
-- padded inputs ``[B, L]`` (per-task micro-batches) go to the HF model as they are;
-- packed mixed-task micro-batches (``[N]`` tokens and the batch's :class:`~fastpals.data.layout.BatchLayout`) are padded
-  for the HF model (its attention takes no varlen input) and its output is packed again ``[N, d]``: the heads,
-  losses, pooling and per-task gradient rows see the packed batch as with minBERT. The index maps come from the
-  layout's host values (no device read).
-
-``token_type_ids`` are passed only where the model has token types (``type_vocab_size >= 2``).
-``pooler_output`` is the model's pooler where it has one (BERT-style tanh pooler), else the first token's hidden
-state.
+which takes minBERT's call: packed rows (``[N]`` tokens and the batch's :class:`~fastpals.data.layout.BatchLayout`)
+are padded for the HF model, whose attention takes no varlen input, and its output is packed again ``[N, d]``
+(index maps from the layout's host values); padded ``[B, L]`` inputs go through as they are.
+``token_type_ids`` are passed only where the model has token types; ``pooler_output`` is the model's pooler, else
+the first token's hidden state.
 """
 
 from __future__ import annotations

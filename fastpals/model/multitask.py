@@ -33,7 +33,7 @@ from fastpals.adapters.format import (
     write_adapter,
 )
 from fastpals.adapters.targets import TARGETS
-from fastpals.data.layout import BatchLayout, layout_from_cu_seqlens, make_layout, pool_packed
+from fastpals.data.layout import BatchLayout, layout_from_cu_seqlens
 from fastpals.data.tasks import TASKS, TaskSpec, get_task
 from fastpals.encoder.bert import BertConfig, BertModel, PALConfig, state_dict_mismatches, task_specific_kind
 from fastpals.encoder.fingerprint import check_encoder_fingerprint, encoder_fingerprint, parameter_digests
@@ -50,6 +50,7 @@ from fastpals.model.heads import (
     task_losses,
 )
 from fastpals.model.hf_encoder import HFEncoder, runs_as_minbert
+from fastpals_kernels.padding import pool_packed
 
 __all__ = [
     "TASKS",
@@ -266,10 +267,11 @@ class MultiTaskBert(nn.Module):
             raise ValueError(f"unknown task {name!r}; this model has {self.task_names}") from None
 
     # ------------------------------------------------------------------------------------------------------------
-    def _features(self, spec: TaskSpec, out: Any, mask: torch.Tensor | None) -> torch.Tensor:
+    def _features(self, spec: TaskSpec, out: Any, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The task's pooled features ``[B, d]`` of an encoder output, packed, or padded with its ``mask``."""
         if spec.pooling == "cls":
             return out.pooler_output
-        if out.cu_seqlens is not None:  # packed [N, d]
+        if out.cu_seqlens is not None:
             return pool_packed(out.last_hidden_state, out.cu_seqlens, spec.pooling)
         h = out.last_hidden_state
         m = mask.to(h.dtype).unsqueeze(-1)
@@ -286,61 +288,110 @@ class MultiTaskBert(nn.Module):
         input_ids_b: torch.Tensor | None = None,
         attention_mask_b: torch.Tensor | None = None,
         token_type_ids_b: torch.Tensor | None = None,
-        unpad: bool = False,
-        cu_seqlens: torch.Tensor | None = None,
-        max_seqlen: int | None = None,
-        cu_seqlens_b: torch.Tensor | None = None,
-        max_seqlen_b: int | None = None,
         layout: BatchLayout | None = None,
+        **deprecated: Any,
     ) -> MultiTaskOutput:
-        """input_ids etc. ``[B, L]``; task_ids ``[B]`` int64 (may be omitted for a one-task model).
+        """Every row through its task's PALs and head. Returns :class:`MultiTaskOutput`.
 
-        Siamese pair tasks (``pair_mode`` sbert_*) take the second sentences in ``*_b`` ``[B, L2]`` (rows of other
-        tasks are ignored there). Returns :class:`MultiTaskOutput`.
-
-        Packed inputs (:mod:`fastpals.data.mixed_batches`, no padding): ``input_ids``/``token_type_ids`` ``[N]`` and the
-        batch's ``layout`` (:func:`fastpals.data.mixed_batches.model_inputs` passes both; the step then reads no device
-        value on the host), or ``cu_seqlens [B+1]`` int32 and ``max_seqlen`` (a layout is then built from them
-        with one host read), no attention masks; the second sentences of the siamese rows (only those, in row
-        order) as ``input_ids_b``/``token_type_ids_b`` ``[N2]`` (with ``layout.second``, or ``cu_seqlens_b
-        [B2+1]`` and ``max_seqlen_b``). The encoder runs its unpadded path (Triton ``pal_varlen`` and flash-attn
-        varlen on CUDA when available) and pooling reads the packed rows.
+        Packed (what :func:`fastpals.data.mixed_batches.model_inputs` gives): ``input_ids`` / ``token_type_ids``
+        int64 ``[N]`` and the batch's ``layout``; the siamese rows' second sentences as ``input_ids_b`` /
+        ``token_type_ids_b`` ``[N2]`` (laid out by ``layout.second``). Padded: ``[B, L]`` tensors with
+        ``attention_mask`` (right-padded) and ``task_ids [B]`` (optional for a one-task model), ``*_b`` ``[B, L2]``
+        for siamese tasks; they are packed here (:meth:`batch_layout`, one host read) and run as packed.
         """
-        if layout is not None or cu_seqlens is not None:
-            return self._forward_packed(
-                input_ids, attention_mask, token_type_ids, task_ids, input_ids_b, token_type_ids_b, cu_seqlens,
-                max_seqlen, cu_seqlens_b, max_seqlen_b, layout,
-            )  # fmt: skip
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [batch, length], got shape {list(input_ids.shape)}")
-        b = input_ids.shape[0]
-        task_ids = self._task_ids(task_ids, b, input_ids.device)
-        num = len(self.tasks)
-        layout = make_layout(
-            attention_mask, task_ids, unpad, tuple(input_ids.shape), num
-        )  # reads the host once
-        out_a = self.bert(input_ids, attention_mask, token_type_ids, task_ids, unpad=unpad, layout=layout)
-        out_b, tokens = None, list(layout.task_tokens)
-        if any(self.tasks[t].siamese for t in layout.present):
-            if input_ids_b is None or attention_mask_b is None:
-                raise ValueError("siamese pair tasks need input_ids_b and attention_mask_b")
-            layout_b = make_layout(attention_mask_b, task_ids, unpad, tuple(input_ids_b.shape), num)
-            out_b = self.bert(
-                input_ids_b, attention_mask_b, token_type_ids_b, task_ids, unpad=unpad, layout=layout_b
+        if deprecated:
+            input_ids, token_type_ids, layout = self._deprecated_inputs(
+                input_ids, attention_mask, token_type_ids, task_ids, input_ids_b, layout, deprecated
             )
-            tokens = [
-                n + (layout_b.task_tokens[t] if self.tasks[t].siamese else 0) for t, n in enumerate(tokens)
-            ]
-        logits = self._head_logits(
-            layout, out_a.pooler_output,
-            lambda spec, rows: take_rows(self._features(spec, out_a, attention_mask), rows),
-            lambda spec, rows: take_rows(self._features(spec, out_b, attention_mask_b), rows),
-        )  # fmt: skip
-        return MultiTaskOutput(
-            logits=logits, task_ids=task_ids, pooled=out_a.pooler_output, layout=layout, task_tokens=tokens
+        if layout is None:
+            if input_ids.dim() != 2:
+                raise ValueError(
+                    f"input_ids must be [B, L] with attention_mask, or [N] with the batch's layout, got shape "
+                    f"{list(input_ids.shape)}"
+                )
+            layout = self.batch_layout(
+                attention_mask if attention_mask is not None else torch.ones_like(input_ids), task_ids,
+                attention_mask_b,
+            )  # fmt: skip
+        if input_ids.dim() == 2:  # padded: to packed rows, once, here
+            input_ids, token_type_ids = _packed_rows(layout, input_ids, token_type_ids)
+            if layout.second is not None and input_ids_b is not None:
+                rows = torch.as_tensor(layout.second_rows, device=input_ids_b.device)
+                input_ids_b, token_type_ids_b = _packed_rows(
+                    layout.second, input_ids_b.index_select(0, rows),
+                    None if token_type_ids_b is None else token_type_ids_b.index_select(0, rows),
+                )  # fmt: skip
+        return self._forward_packed(input_ids, token_type_ids, input_ids_b, token_type_ids_b, layout)
+
+    def batch_layout(
+        self,
+        attention_mask: torch.Tensor,
+        task_ids: torch.Tensor | None = None,
+        attention_mask_b: torch.Tensor | None = None,
+    ) -> BatchLayout:
+        """The packed layout of a padded batch (what :meth:`forward` runs it as): ``attention_mask [B, L]``
+        right-padded, ``task_ids [B]`` int64 (None for a one-task model), ``attention_mask_b [B, L2]`` the second
+        sentences (read for the siamese tasks' rows only). Reads the masks and task ids on the host once."""
+        if attention_mask.dim() != 2:
+            raise ValueError(f"attention_mask must be [B, L], got shape {list(attention_mask.shape)}")
+        b = attention_mask.shape[0]
+        task_ids = self._task_ids(task_ids, b, attention_mask.device)
+        layout = BatchLayout.from_mask(attention_mask, task_ids, len(self.tasks))
+        rows = np.flatnonzero([self.tasks[t].siamese for t in layout.host_task_ids])
+        if rows.size:
+            if attention_mask_b is None:
+                raise ValueError("siamese pair tasks need input_ids_b and attention_mask_b")
+            index = torch.as_tensor(rows, device=attention_mask_b.device)
+            second = BatchLayout.from_mask(
+                attention_mask_b.index_select(0, index), layout.host_task_ids[rows], len(self.tasks)
+            )
+            layout.with_second(second, rows)
+        return layout
+
+    def _deprecated_inputs(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        token_type_ids: torch.Tensor | None,
+        task_ids: torch.Tensor | None,
+        input_ids_b: torch.Tensor | None,
+        layout: BatchLayout | None,
+        kwargs: dict[str, Any],
+    ) -> tuple[torch.Tensor, torch.Tensor | None, BatchLayout | None]:
+        """The keywords of the former entry paths (``unpad``; packed tensors as ``cu_seqlens``, ``max_seqlen``,
+        ``cu_seqlens_b``, ``max_seqlen_b``), with a ``FutureWarning``."""
+        unknown = set(kwargs) - {"unpad", "cu_seqlens", "max_seqlen", "cu_seqlens_b", "max_seqlen_b"}
+        if unknown:
+            raise TypeError(f"MultiTaskBert.forward() got unexpected keyword arguments {sorted(unknown)}")
+        warnings.warn(
+            f"MultiTaskBert.forward: {', '.join(sorted(kwargs))} will be removed in the next release: padded "
+            "inputs always run packed; pass packed tensors with their layout (model_inputs(batch, device))",
+            FutureWarning,
+            stacklevel=5,
         )
+        cu_seqlens = kwargs.get("cu_seqlens")
+        if cu_seqlens is None or layout is not None:
+            return input_ids, token_type_ids, layout
+        if attention_mask is not None:
+            raise ValueError("packed inputs (cu_seqlens given) take no attention_mask")
+        num, max_pos = len(self.tasks), self.config.bert.max_position_embeddings
+        task_ids = self._task_ids(task_ids, cu_seqlens.shape[0] - 1, input_ids.device)
+        layout = layout_from_cu_seqlens(
+            input_ids, cu_seqlens, kwargs.get("max_seqlen"), task_ids, num, max_pos
+        )
+        rows = np.flatnonzero([self.tasks[t].siamese for t in layout.host_task_ids])
+        cu_b = kwargs.get("cu_seqlens_b")
+        if rows.size and input_ids_b is not None and cu_b is not None:
+            if cu_b.shape[0] - 1 != rows.size:
+                raise ValueError(
+                    f"cu_seqlens_b holds {cu_b.shape[0] - 1} sequences for {rows.size} siamese rows"
+                )
+            ids_b = layout.task_ids.index_select(0, torch.as_tensor(rows, device=input_ids.device))
+            second = layout_from_cu_seqlens(
+                input_ids_b, cu_b, kwargs.get("max_seqlen_b"), ids_b, num, max_pos
+            )
+            layout.with_second(second, rows)
+        return input_ids, token_type_ids, layout
 
     def _task_ids(self, task_ids: torch.Tensor | None, b: int, device: torch.device) -> torch.Tensor:
         """``task_ids`` checked (long ``[B]``; its range is checked where the layout reads it), or zeros for a
@@ -390,38 +441,14 @@ class MultiTaskBert(nn.Module):
     def _forward_packed(
         self,
         input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None,
         token_type_ids: torch.Tensor | None,
-        task_ids: torch.Tensor | None,
         input_ids_b: torch.Tensor | None,
         token_type_ids_b: torch.Tensor | None,
-        cu_seqlens: torch.Tensor | None,
-        max_seqlen: int | None,
-        cu_seqlens_b: torch.Tensor | None,
-        max_seqlen_b: int | None,
-        layout: BatchLayout | None,
+        layout: BatchLayout,
     ) -> MultiTaskOutput:
-        if attention_mask is not None:
-            raise ValueError("packed inputs (cu_seqlens given) take no attention_mask")
         num = len(self.tasks)
         max_pos = self.config.bert.max_position_embeddings
-        if layout is None:  # packed tensors without their layout: read them on the host once, here
-            b = cu_seqlens.shape[0] - 1
-            task_ids = self._task_ids(task_ids, b, input_ids.device)
-            layout = layout_from_cu_seqlens(input_ids, cu_seqlens, max_seqlen, task_ids, num, max_pos)
-            siamese_rows = np.flatnonzero([self.tasks[t].siamese for t in layout.host_task_ids])
-            if siamese_rows.size and input_ids_b is not None and cu_seqlens_b is not None:
-                if cu_seqlens_b.shape[0] - 1 != siamese_rows.size:
-                    raise ValueError(
-                        f"cu_seqlens_b holds {cu_seqlens_b.shape[0] - 1} sequences for {siamese_rows.size} "
-                        "siamese rows"
-                    )
-                second = layout_from_cu_seqlens(
-                    input_ids_b, cu_seqlens_b, max_seqlen_b, layout.task_ids.index_select(
-                        0, torch.as_tensor(siamese_rows, device=input_ids.device)), num, max_pos,
-                )  # fmt: skip
-                layout.with_second(second, siamese_rows)
-        elif layout.host_task_ids is None or layout.num_tasks != num:
+        if layout.host_task_ids is None or layout.num_tasks != num:
             raise ValueError(f"the batch's layout must hold task ids of this model's {num} tasks")
         if layout.max_seqlen > max_pos:
             raise ValueError(
@@ -451,8 +478,8 @@ class MultiTaskBert(nn.Module):
 
         logits = self._head_logits(
             layout, out_a.pooler_output,
-            lambda spec, rows: take_rows(self._features(spec, out_a, None), rows),
-            lambda spec, rows: take_rows(self._features(spec, out_b, None), rows_b(self.task_index(spec.name), rows)),
+            lambda spec, rows: take_rows(self._features(spec, out_a), rows),
+            lambda spec, rows: take_rows(self._features(spec, out_b), rows_b(self.task_index(spec.name), rows)),
         )  # fmt: skip
         return MultiTaskOutput(
             logits=logits,
@@ -747,3 +774,12 @@ def count_parameters(model: nn.Module) -> dict[str, int]:
         else:
             counts["encoder"] += n
     return counts
+
+
+def _packed_rows(
+    layout: BatchLayout, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Padded ``[B, L]`` token ids and types → packed ``[N]`` rows of ``layout``."""
+    width = layout.max_seqlen
+    ids = layout.to_rows(input_ids[:, :width])
+    return ids, None if token_type_ids is None else layout.to_rows(token_type_ids[:, :width])

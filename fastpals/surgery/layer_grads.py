@@ -85,6 +85,7 @@ class BlockState(Protocol):
 
     def rows(self, lead: tuple[int, ...]) -> RowTasks | None: ...
     def note_ran(self, m: nn.Module, exact: bool) -> None: ...
+    def ran_exact(self, m: nn.Module) -> bool: ...
     def example_rows(self) -> RowTasks: ...
     def packed_ids(self, n: int) -> bool: ...
     def frame_of(self, m: nn.Module) -> EmbeddingFrame: ...
@@ -163,16 +164,19 @@ def _detached_params(
 # ----------------------------------------------------------------------------------------------------------------
 # nn.Linear
 # ----------------------------------------------------------------------------------------------------------------
-def _batch_independent(state: BlockState, x: torch.Tensor) -> bool:
+def _batch_independent(state: BlockState, m: nn.Module, x: torch.Tensor) -> bool:
     """Is ``x [..., d]`` not split by example (e.g. DeBERTa's relative-position embeddings ``[2k, d]``)? Such a
-    module's parameters take the exact path (:meth:`PerTaskGradients.exact_task_gradients`)."""
+    module's parameters take the exact path (:meth:`PerTaskGradients.exact_task_gradients`). A forward replayed
+    by activation checkpointing repeats the first forward's answer (another encoder pass may be current)."""
+    if recomputing():
+        return state.ran_exact(m)
     return state.rows(tuple(x.shape[:-1])) is None
 
 
 def linear_forward(state: BlockState, m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """``m(x)`` (``x [..., K]`` -> ``[..., M]``) whose backward writes the per-task ``dW``/``db`` of ``m``."""
     if _batch_independent(
-        state, x
+        state, m, x
     ):  # not split by example: ordinary autograd, the exact path gives each task's
         state.note_ran(m, exact=True)
         return F.linear(x, m.weight, m.bias)
@@ -347,7 +351,7 @@ def layer_norm_forward(state: BlockState, m: nn.LayerNorm, x: torch.Tensor) -> t
     ``dgamma``/``dbeta`` of ``m``."""
     if len(m.normalized_shape) != 1:
         raise ValueError("per_task_gradients supports LayerNorm over the last dimension only")
-    if _batch_independent(state, x):
+    if _batch_independent(state, m, x):
         state.note_ran(m, exact=True)
         return F.layer_norm(x, m.normalized_shape, m.weight, m.bias, m.eps)
     state.note_ran(m, exact=False)

@@ -36,6 +36,7 @@ Non-reentrant activation checkpointing of whole layers is: the replayed forward 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,7 +45,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fastpals.data.layout import BatchLayout, layout_for, lengths_to_cu_seqlens
+from fastpals.data.layout import BatchLayout
 from fastpals.surgery.buffer import TaskGradientBuffer
 from fastpals.surgery.layer_grads import (
     EmbeddingFrame,
@@ -53,6 +54,7 @@ from fastpals.surgery.layer_grads import (
     layer_norm_forward,
     linear_forward,
 )
+from fastpals_kernels.padding import lengths_to_cu_seqlens
 
 __all__ = [
     "PerTaskGradients",
@@ -99,22 +101,17 @@ class _Written:
 
 
 class PerTaskGradients:
-    """The state of one :func:`per_task_gradients` block (see the module docstring).
-
-    Row maps come from the batch's :class:`~fastpals.data.layout.BatchLayout` (host values): the one passed as
-    ``layout``, or the live layout whose ``task_ids`` tensor is ``task_ids`` (as :func:`fastpals.data.mixed_batches.
-    model_inputs` hands them out). Only when neither exists are ``task_ids`` / ``cu_seqlens`` read on the host
-    (once, on entry)."""
+    """The state of one :func:`per_task_gradients` block (see the module docstring): row maps from the batch's
+    :class:`~fastpals.data.layout.BatchLayout` (host values)."""
 
     def __init__(
         self,
         model: nn.Module,
         buffer: TaskGradientBuffer,
-        task_ids: torch.Tensor | BatchLayout,
+        layout: BatchLayout | torch.Tensor,
         cu_seqlens: torch.Tensor | Sequence[torch.Tensor] | None = None,
         use_kernels: bool | None = None,
         pass_task_ids: Sequence[torch.Tensor] | None = None,
-        layout: BatchLayout | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -128,15 +125,29 @@ class PerTaskGradients:
         self.buffer = buffer
         self.num_tasks = buffer.num_tasks
         self.device = buffer.device
-        layout = layout if layout is not None else layout_for(task_ids)
-        if layout is not None and layout.packed:
+        if isinstance(layout, BatchLayout):
+            if cu_seqlens is not None or pass_task_ids is not None:
+                raise ValueError(
+                    "per_task_gradients: cu_seqlens / pass_task_ids go with task_ids, not a layout"
+                )
             if max(layout.num_tasks, 1) > self.num_tasks:
                 raise ValueError(
                     f"the batch's layout has {layout.num_tasks} tasks but the buffer {self.num_tasks} rows"
                 )
             self._layouts = [layout] + ([layout.second] if layout.second is not None else [])
         else:
-            self._layouts = self._host_layouts(task_ids, cu_seqlens, pass_task_ids)
+            warnings.warn(
+                "per_task_gradients(model, buffer, task_ids): pass the batch's BatchLayout instead "
+                "(model_inputs(batch, device)['layout']); task ids will not be accepted in the next release",
+                DeprecationWarning,
+                stacklevel=4,
+            )
+            self._layouts = self._host_layouts(layout, cu_seqlens, pass_task_ids)
+        # the deprecated call on a model that packs padded batches itself (MultiTaskBert.batch_layout): the
+        # layout it builds replaces the one made from the task ids
+        self._adopts_layout = not isinstance(layout, BatchLayout) and callable(
+            getattr(model, "batch_layout", None)
+        )
         self.present = list(self._layouts[0].present)
         self._use_pass(0)
         self.use_kernels = use_kernels
@@ -165,8 +176,8 @@ class PerTaskGradients:
         cu_seqlens: torch.Tensor | Sequence[torch.Tensor] | None,
         pass_task_ids: Sequence[torch.Tensor] | None,
     ) -> list[BatchLayout]:
-        """Per encoder pass, the layout of tensors given without one: ``task_ids`` (and ``cu_seqlens``) read on
-        the host once, and validated."""
+        """Per encoder pass, the layout of tensors given without one (the deprecated call): ``task_ids`` (and
+        ``cu_seqlens``) read on the host once, and validated."""
         if not isinstance(task_ids, torch.Tensor) or task_ids.dim() != 1 or task_ids.dtype.is_floating_point:
             raise ValueError("task_ids must be an integer tensor [B] (one task per example)")
         hosts = [np.asarray(task_ids.tolist(), dtype=np.int64)]  # the one host read of the block
@@ -196,11 +207,7 @@ class PerTaskGradients:
             ids = hosts[min(k, len(hosts) - 1)]
             if cu_list:
                 cu = np.asarray(cu_list[min(k, len(cu_list) - 1)].tolist(), dtype=np.int64)
-                lay = BatchLayout(
-                    batch=int(ids.size), length=int((cu[1:] - cu[:-1]).max(initial=0)), packed=True,
-                    lengths=cu[1:] - cu[:-1], host_task_ids=ids, num_tasks=self.num_tasks, device=self.device,
-                )  # fmt: skip
-                lay._build_packed_tensors()
+                lay = BatchLayout.from_lengths(cu[1:] - cu[:-1], ids, self.num_tasks, self.device)
             else:
                 lay = BatchLayout(
                     batch=int(ids.size), length=1, packed=False, lengths=np.ones(ids.size, dtype=np.int64),
@@ -433,6 +440,10 @@ class PerTaskGradients:
         """A patched module's forward ran (``exact``: on an input not split by example)."""
         self._ran[id(m)] = self._ran.get(id(m), False) or exact
 
+    def ran_exact(self, m: nn.Module) -> bool:
+        """Did ``m``'s forward in this block run on an input not split by example?"""
+        return self._ran.get(id(m), False)
+
     def exact_parameters(self, unused: bool = True) -> list[tuple[str, torch.Tensor]]:
         """The shared parameters one backward cannot split by task, by name: those of modules that ran on an
         input not split by example (DeBERTa's relative-position LayerNorm), and those of modules whose forward
@@ -538,6 +549,8 @@ class PerTaskGradients:
                     object.__setattr__(m, "_fastpals_parent", id(parent))
         for parent in parents.values():
             self._handles.append(parent.register_forward_pre_hook(self._enter_embeddings))
+        if self._adopts_layout:
+            self.model.__dict__["batch_layout"] = self._adopting(self.model.batch_layout)
         try:
             for _, m in modules:
                 if "forward" in m.__dict__:
@@ -554,6 +567,18 @@ class PerTaskGradients:
             raise
         return self
 
+    def _adopting(self, batch_layout: Any) -> Any:
+        def adopt(*args: Any, **kwargs: Any) -> BatchLayout:
+            layout = batch_layout(*args, **kwargs)
+            if not np.array_equal(layout.host_task_ids, self._layouts[0].host_task_ids):
+                raise ValueError("per_task_gradients: the model's batch holds other task ids than task_ids")
+            self._layouts = [layout] + ([layout.second] if layout.second is not None else [])
+            self._cache.clear()
+            self._use_pass(0)
+            return layout
+
+        return adopt
+
     def _enter_embeddings(self, module: nn.Module, args: tuple) -> None:
         self.passes += 1
         self._use_pass(self.passes - 1)
@@ -566,6 +591,7 @@ class PerTaskGradients:
         return self._frames[key]
 
     def _restore(self) -> None:
+        self.model.__dict__.pop("batch_layout", None)
         for m in self._patched:
             m.__dict__.pop("forward", None)
             m.__dict__.pop("_fastpals_parent", None)
@@ -630,11 +656,10 @@ def _bind(fn: Any, state: PerTaskGradients, module: nn.Module) -> Any:
 def per_task_gradients(
     model: nn.Module,
     buffer: TaskGradientBuffer | Any,
-    task_ids: torch.Tensor | BatchLayout,
+    layout: BatchLayout | torch.Tensor,
     cu_seqlens: torch.Tensor | Sequence[torch.Tensor] | None = None,
     use_kernels: bool | None = None,
     pass_task_ids: Sequence[torch.Tensor] | None = None,
-    layout: BatchLayout | None = None,
 ) -> Iterator[PerTaskGradients]:
     """Run the forward AND the backward of one mixed-task batch inside this block: the per-task gradients of the
     buffer's shared parameters go straight into the buffer's rows (accumulating over blocks until
@@ -645,20 +670,19 @@ def per_task_gradients(
     - ``buffer``: a :class:`TaskGradientBuffer` whose ``params`` are the shared parameters (``task_params`` the
       task-specific ones); any row dtype (float32, bfloat16); or a
       :class:`~fastpals.surgery.stream.StreamingTaskGradients` (no ``[T, P]`` rows; one block per ``apply``);
-    - ``task_ids [B]`` int: the task of every example. When it is the ``task_ids`` of a live
-      :class:`~fastpals.data.layout.BatchLayout` (``model_inputs(batch, device)["task_ids"]``), or ``layout`` is given,
-      the block reads no device value: every row map comes from the layout's host values (its ``second`` pass
-      for siamese second sentences; ``cu_seqlens`` and ``pass_task_ids`` are then not needed). Otherwise
-      ``task_ids`` (and ``cu_seqlens``) are read on the host once, on entry;
-    - ``cu_seqlens [B+1]`` int (or one per encoder pass): for packed inputs (minBERT ``unpad=True``);
-    - ``use_kernels``: force (True) or forbid (False) the Triton grouped weight-gradient kernel; default: on CUDA;
-    - ``pass_task_ids``: per encoder pass, the task of each of its examples, where a pass holds other examples
-      than ``task_ids`` (packed siamese second sentences exist for the siamese rows only); entry 0 is ignored.
+    - ``layout``: the batch's :class:`~fastpals.data.layout.BatchLayout` (``model_inputs(batch, device)["layout"]``,
+      or :func:`fastpals.data.layout.make_layout` of a padded batch): every row map comes from its host values
+      (its ``second`` for the siamese second sentences), so the block reads no device value;
+    - ``use_kernels``: force (True) or forbid (False) the Triton grouped weight-gradient kernel; default: on CUDA.
+
+    Deprecated: ``layout`` given as ``task_ids [B]`` int, with ``cu_seqlens [B+1]`` (one per encoder pass) for
+    packed inputs and ``pass_task_ids`` (per pass, the task of each of its examples; entry 0 ignored): read on the
+    host once, on entry.
 
     The loss to differentiate is the sum over tasks of each task's loss (e.g. ``MultiTaskBert.loss``, or
     :func:`task_mean_loss` of per-example losses). Raises if the forward ran in the block but no backward did.
     """
     block = getattr(buffer, "block_class", PerTaskGradients)  # StreamingTaskGradients: its streaming block
-    state = block(model, buffer, task_ids, cu_seqlens, use_kernels, pass_task_ids, layout)
+    state = block(model, buffer, layout, cu_seqlens, use_kernels, pass_task_ids)
     with state:
         yield state

@@ -225,12 +225,10 @@ def _forward_backward(
     loss (None for a one-task micro-batch, whose loss is its task's)."""
     module = engine.module
     if strategy == "one_backward":
-        from fastpals.data.mixed_batches import packed_passes
         from fastpals.surgery import per_task_gradients
 
         inputs = mb.inputs
-        passes = packed_passes(module, inputs)
-        with per_task_gradients(module, surgery.buffer, inputs["task_ids"], **passes) as block:
+        with per_task_gradients(module, surgery.buffer, inputs["layout"]) as block:
             res = module.task_losses(engine(**inputs), mb.labels, weighting="equal")
             loss = sum(res.per_task.values())  # each task's gradient is that of its own mean loss
             if not _runs_minbert(
