@@ -79,9 +79,12 @@ def test_packing_from_token_lists_equals_packing_padded_batches():
 
 
 def test_per_task_gradients_takes_the_layout_and_task_ids_only_with_a_warning():
-    """The block gets the batch's layout as an argument; task ids (the old call) still give the same per-task
-    gradients, read on the host, with a DeprecationWarning (the layout is never found from the tensor)."""
+    """The block gets the batch's layout as an argument. Task ids (the old call) still give the same per-task
+    gradients with a DeprecationWarning: the layout's own tensors (``model_inputs(...)["task_ids"]``, as the
+    host-read probe passes them) name the layout the model's forward gets, with no host read; other tensors are
+    read on the host."""
     sys.path.insert(0, str(Path(__file__).parent))
+    from host_read_counter import HostReads
     from test_fake_step import TASKS, _batch, _tiny_model
 
     from fastpals.surgery import TaskGradientBuffer, per_task_gradients, shared_parameters_by_name
@@ -91,19 +94,26 @@ def test_per_task_gradients_takes_the_layout_and_task_ids_only_with_a_warning():
     batch = _batch()
     inputs = model_inputs(batch, "cpu")
     layout = inputs["layout"]
+    assert "task_ids" not in inputs and "cu_seqlens" not in inputs  # model(**inputs) gets the layout alone
+    with pytest.warns(DeprecationWarning, match=r"\['layout'\]"):
+        own = (inputs["task_ids"], inputs["cu_seqlens"])
+    assert own[0] is layout.task_ids and own[1] is layout.cu_seqlens
     shared, specific = shared_parameters_by_name(model)
-    rows = []
-    for old in (False, True):
+    rows, reads = [], []
+    for args in ((layout,), own, (own[0].clone(), own[1].clone())):
         buf = TaskGradientBuffer(shared, len(TASKS), task_params=specific)
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings(record=True) as caught, HostReads() as counter:
             warnings.simplefilter("always")
-            args = (layout.task_ids, layout.cu_seqlens) if old else (layout,)
-            with per_task_gradients(model, buf, *args):
+            counter.active = True
+            with per_task_gradients(model, buf, *args):  # the model's forward reads nothing on the host
                 res = model.task_losses(model(**inputs), batch["labels"], weighting="equal")
                 sum(res.per_task.values()).backward()
+        old = len(args) > 1
         assert [w.category for w in caught if "BatchLayout" in str(w.message)] == [DeprecationWarning] * old
+        reads.append(sum(n for (path, *_), n in counter.counts.items() if "/fastpals/" in path))
         rows.append(torch.stack([buf.row(t) for t in range(len(TASKS))]))
-    assert rows[0].abs().sum() > 0 and torch.equal(rows[0], rows[1])
+    assert rows[0].abs().sum() > 0 and torch.equal(rows[0], rows[1]) and torch.equal(rows[0], rows[2])
+    assert reads[:2] == [0, 0] and reads[2] > 0, reads
 
 
 def test_model_does_not_import_batching_or_data_modules():

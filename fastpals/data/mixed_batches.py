@@ -22,6 +22,7 @@ Packing: a packed micro-batch is a dict of the rows back to back, never padded, 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -435,9 +436,26 @@ def collate_packed(batchers: Sequence[TaskBatcher], selection: MixedSelection) -
 _TOKEN_KEYS = ("input_ids", "token_type_ids", "input_ids_b", "token_type_ids_b")
 
 
+class ModelInputs(dict):
+    """``model_inputs``' dict. ``["task_ids"]`` and ``["cu_seqlens"]``, the former keys, still read the layout's
+    tensors (deprecated: use ``["layout"]``); they are not keys, so ``model(**inputs)`` does not get them."""
+
+    def __missing__(self, key: str) -> torch.Tensor:
+        if key not in ("task_ids", "cu_seqlens") or "layout" not in self:
+            raise KeyError(key)
+        warnings.warn(
+            f"model_inputs(...)[{key!r}] will be removed in the next release: use ['layout'].{key}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(self["layout"], key)
+
+
 def model_inputs(batch: dict, device: torch.device | str) -> dict[str, Any]:
     """``MultiTaskBert.forward``'s keyword arguments of a packed batch: its token tensors and its ``layout``, on
     ``device``."""
-    out: dict[str, Any] = {k: batch[k].to(device, non_blocking=True) for k in _TOKEN_KEYS if k in batch}
+    out: dict[str, Any] = ModelInputs(
+        (k, batch[k].to(device, non_blocking=True)) for k in _TOKEN_KEYS if k in batch
+    )
     out["layout"] = batch["layout"].to(device)
     return out

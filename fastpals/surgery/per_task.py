@@ -18,8 +18,9 @@ Usage::
 
     buf = TaskGradientBuffer(shared, T, task_params=specific)
     optimizer.zero_grad(set_to_none=True)
-    with per_task_gradients(model, buf, task_ids):                      # task_ids [B]
-        loss, _ = model.loss(model(input_ids, attention_mask, None, task_ids), labels)
+    inputs = model_inputs(batch, device)                                # token tensors and the layout
+    with per_task_gradients(model, buf, inputs["layout"]):
+        loss, _ = model.loss(model(**inputs), batch["labels"].to(device))
         loss.backward()                                                   # one backward
     if not buf.apply(pcgrad_weights, generator=g).skipped:              # Gram -> weights -> combine
         optimizer.step()
@@ -36,6 +37,7 @@ Non-reentrant activation checkpointing of whole layers is: the replayed forward 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -142,14 +144,18 @@ class PerTaskGradients:
                 DeprecationWarning,
                 stacklevel=4,
             )
-            self._layouts = self._host_layouts(layout, cu_seqlens, pass_task_ids)
+            self._given = (layout, cu_seqlens, pass_task_ids)
+            self._layouts = None  # on first use: the layout the model's forward gets, else read on the host
         # the deprecated call on a model that packs padded batches itself (MultiTaskBert.batch_layout): the
         # layout it builds replaces the one made from the task ids
         self._adopts_layout = not isinstance(layout, BatchLayout) and callable(
             getattr(model, "batch_layout", None)
         )
-        self.present = list(self._layouts[0].present)
-        self._use_pass(0)
+        # the deprecated call on a model whose forward takes the layout: its own tensors name it (no host read)
+        self._takes_layout = self._layouts is None and "layout" in inspect.signature(model.forward).parameters
+        self._pass_key: int | None = None
+        if not self._takes_layout:
+            self._use_pass(0)
         self.use_kernels = use_kernels
         self._cache: dict[tuple, RowTasks] = {}
         self.passes = 0  # calls of the embeddings block(s): the encoder pass
@@ -217,10 +223,37 @@ class PerTaskGradients:
             layouts.append(lay)
         return layouts
 
+    @property
+    def present(self) -> list[int]:
+        """The tasks with rows in the batch."""
+        return list(self._all_layouts()[0].present)
+
+    def _all_layouts(self) -> list[BatchLayout]:
+        if self._layouts is None:
+            self._layouts = self._host_layouts(*self._given)
+        return self._layouts
+
+    def _take_layout(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        """The deprecated call: the layout the model's forward gets, when ``task_ids`` (and ``cu_seqlens``) are
+        that layout's own tensors (``model_inputs(batch, device)["task_ids"]``); else the task ids read once."""
+        task_ids, cu_seqlens, pass_task_ids = self._given
+        lay = kwargs.get("layout")
+        if (
+            self._layouts is None
+            and isinstance(lay, BatchLayout)
+            and lay.task_ids is task_ids
+            and (cu_seqlens is None or cu_seqlens is lay.cu_seqlens)
+            and pass_task_ids is None
+        ):
+            self._layouts = [lay] + ([lay.second] if lay.second is not None else [])
+        if self._pass_key is None:
+            self._use_pass(0)
+
     def _use_pass(self, k: int) -> None:
         """Make pass ``k``'s layout the one rows map to (the last one for later passes)."""
-        self._pass_key = min(k, len(self._layouts) - 1)
-        lay = self._layouts[self._pass_key]
+        layouts = self._all_layouts()
+        self._pass_key = min(k, len(layouts) - 1)
+        lay = layouts[self._pass_key]
         self.layout = lay
         self.batch = lay.batch
         self.task_ids = lay.task_ids
@@ -549,6 +582,8 @@ class PerTaskGradients:
                     object.__setattr__(m, "_fastpals_parent", id(parent))
         for parent in parents.values():
             self._handles.append(parent.register_forward_pre_hook(self._enter_embeddings))
+        if self._takes_layout:
+            self._handles.append(self.model.register_forward_pre_hook(self._take_layout, with_kwargs=True))
         if self._adopts_layout:
             self.model.__dict__["batch_layout"] = self._adopting(self.model.batch_layout)
         try:
@@ -570,7 +605,7 @@ class PerTaskGradients:
     def _adopting(self, batch_layout: Any) -> Any:
         def adopt(*args: Any, **kwargs: Any) -> BatchLayout:
             layout = batch_layout(*args, **kwargs)
-            if not np.array_equal(layout.host_task_ids, self._layouts[0].host_task_ids):
+            if not np.array_equal(layout.host_task_ids, self._all_layouts()[0].host_task_ids):
                 raise ValueError("per_task_gradients: the model's batch holds other task ids than task_ids")
             self._layouts = [layout] + ([layout.second] if layout.second is not None else [])
             self._cache.clear()
