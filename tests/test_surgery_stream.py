@@ -30,6 +30,7 @@ from fastpals.surgery import (
     shared_parameters_by_name,
     stream,
 )
+from fastpals.surgery import stream as stream_module
 from fastpals.surgery.stream import embedding_row_gram, stream_policy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -278,7 +279,10 @@ def test_stream_pcgrad_equals_the_paper_on_separate_backwards():
 # ----------------------------------------------------------------------------------------------------------------
 # the pieces
 # ----------------------------------------------------------------------------------------------------------------
-def test_embedding_row_gram_equals_the_dense_tables():
+@pytest.mark.parametrize("block_bytes", [None, 4 * 4 * 200 * 2], ids=["one-block", "column-blocks"])
+def test_embedding_row_gram_equals_the_dense_tables(monkeypatch, block_bytes):
+    if block_bytes is not None:  # the [T, N, cols] table in blocks of 2 columns
+        monkeypatch.setattr(stream_module, "EMBEDDING_GRAM_BYTES", block_bytes)
     gen = torch.Generator().manual_seed(0)
     n, v, d, t = 200, 13, 5, 4
     ids = torch.randint(0, v, (n,), generator=gen)

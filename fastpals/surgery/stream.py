@@ -22,8 +22,8 @@ shared parameter, keeps whichever is smaller:
 - **embeddings by token-id rows** (an ``nn.Embedding`` looked up per example whose ``T * V`` exceeds the step's
   rows, e.g. BERT's word embeddings): the output gradient ``dY [N, d]`` and the ids are kept. The Gram uses
   ``<g_s, g_t> = sum over ids of <sum_{rows of s with that id} dY, sum_{rows of t with that id} dY>``: rows are
-  summed per (id, task) after a stable sort (no host read), so that the at most ``T`` entries of one id are
-  adjacent, and the ``T`` diagonals of that banded product are added into the Gram (``T * N * d`` multiply-adds).
+  summed per (task, distinct id) into a ``[T, N, d]`` fp32 table (the ids numbered after a sort, no host read;
+  column blocks within ``EMBEDDING_GRAM_BYTES``), whose Gram is the op library's (``T * T * N * d`` products).
   The update is one ``index_add`` of ``c_row * dY`` at the ids. The ``padding_idx`` row gets nothing.
 - **kept rows** (biases, LayerNorm weights and biases, broadcast position embeddings, small embeddings such as
   BERT's token types, Linear weights where ``T * M * K <= N * (M + K)``, i.e. few tasks, and the Linear weights
@@ -102,6 +102,8 @@ GRAM_COLUMNS = 1 << 16
 #: kept rows of at most this many elements per task (biases, LayerNorm, small embeddings) are put side by side
 #: for one Gram and one combine launch over all of them
 SMALL_ROW_ELEMENTS = 1 << 20
+#: bytes of the fp32 ``[T, N, cols]`` table of one column block of :func:`embedding_row_gram`
+EMBEDDING_GRAM_BYTES = 256 << 20
 
 
 def stream_policy(policy: str, num_tasks: int, shape: Sequence[int], rows: int, embedding: bool) -> bool:
@@ -125,32 +127,28 @@ def embedding_row_gram(
     """The ``[T, T]`` fp32 Gram of the per-task gradients of an embedding table from its rows.
 
     ``ids [N]`` int64, ``dy [N, d]`` (any float dtype), ``row_task [N]`` int64 in ``[0, T)``: task t's gradient
-    is ``index_add`` of its rows of ``dy`` at ``ids``. Rows at ``padding_idx`` count as zero. No host read."""
+    is ``index_add`` of its rows of ``dy`` at ``ids``. Rows at ``padding_idx`` count as zero. No host read: the
+    rows are summed per (task, distinct id) into a ``[T, N, cols]`` fp32 table (ids numbered by a sort), whose
+    Gram over its flattened rows is the table's, in column blocks of at most ``EMBEDDING_GRAM_BYTES``."""
     t = num_tasks
     n = ids.shape[0]
-    g = torch.zeros(t * t, dtype=torch.float32, device=dy.device)
     if n == 0:
-        return g.view(t, t)
-    d32 = dy.float()
+        return torch.zeros(t, t, dtype=torch.float32, device=dy.device)
+    sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)
+    new_id = torch.ones_like(sorted_ids, dtype=torch.bool)
+    new_id[1:] = sorted_ids[1:] != sorted_ids[:-1]
+    slot = row_task.to(torch.int64).index_select(0, order) * n + torch.cumsum(new_id, 0) - 1
+    rows = dy.index_select(0, order)
     if padding_idx is not None:
-        d32 = torch.where((ids == padding_idx)[:, None], 0.0, d32)
-    keys = ids.to(torch.int64) * t + row_task.to(torch.int64)
-    sorted_keys, order = torch.sort(keys, stable=True)
-    new_run = torch.ones_like(sorted_keys, dtype=torch.bool)
-    new_run[1:] = sorted_keys[1:] != sorted_keys[:-1]
-    run = torch.cumsum(new_run, 0) - 1
-    compact = torch.zeros(n, d32.shape[1], dtype=torch.float32, device=dy.device)
-    compact.index_add_(0, run, d32.index_select(0, order))
-    run_keys = torch.full_like(sorted_keys, -1).scatter_(0, run, sorted_keys)  # past the last run: zero rows
-    cid = torch.div(run_keys, t, rounding_mode="floor")
-    ctask = run_keys - cid * t
-    for o in range(min(t, n)):  # one id has at most T (id, task) entries, adjacent after the sort
-        a, b = compact[: n - o], compact[o:]
-        dots = (a * b).sum(1) * (cid[: n - o] == cid[o:])
-        g.index_add_(0, ctask[: n - o] * t + ctask[o:], dots)
-        if o:
-            g.index_add_(0, ctask[o:] * t + ctask[: n - o], dots)
-    return g.view(t, t)
+        rows = torch.where((sorted_ids == padding_idx)[:, None], 0, rows)
+    d = dy.shape[1]
+    step = max(1, min(d, EMBEDDING_GRAM_BYTES // (4 * t * n)))
+    parts = []
+    for c0 in range(0, d, step):
+        table = torch.zeros(t * n, min(step, d - c0), dtype=torch.float32, device=dy.device)
+        table.index_add_(0, slot, rows[:, c0 : c0 + step].float())
+        parts.append(gram_op(table.view(t, -1))[0])
+    return parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)
 
 
 class _StreamBlock(PerTaskGradients):
@@ -278,6 +276,7 @@ class StreamingTaskGradients:
         t = self.num_tasks
         self._blocks = 0
         self._gram: torch.Tensor | None = None
+        self._gram_parts: list[torch.Tensor] = []  # fp32 [T, T] Grams of the parts, summed once (fp64)
         self._rows: dict[int, torch.Tensor] = {}  # kept rows and the live scratches, [T, *shape] fp32
         self._small: tuple[list[int], torch.Tensor] | None = None  # small kept rows side by side, [T, n] fp32
         self._decided: dict[int, bool] = {}  # per parameter: streamed?
@@ -310,9 +309,9 @@ class StreamingTaskGradients:
         self._gram = torch.zeros(self.num_tasks, self.num_tasks, dtype=torch.float64, device=self.device)
 
     def _add_gram(self, rows: torch.Tensor) -> None:
-        """Gram += that of ``rows [T, n]`` fp32 (the op library's blocked Gram, as the buffer's; the per-layer
-        parts are summed in fp64)."""
-        self._gram.add_(gram_op(rows.contiguous())[0])
+        """Gram += that of ``rows [T, n]`` fp32 (the op library's blocked Gram, as the buffer's; the parts are
+        summed in fp64 at :meth:`_finish_gram`)."""
+        self._gram_parts.append(gram_op(rows.contiguous())[0])
 
     def _count_call(self, k: int, rows: int, linear: bool = False) -> None:
         self._calls[k] = self._calls.get(k, 0) + 1
@@ -584,7 +583,10 @@ class StreamingTaskGradients:
             row_task = torch.cat([c[2] for c in calls])
             if self.all_reduce:
                 ids, dy, row_task = self._gather_rows(ids, dy, row_task)
-            self._gram.add_(embedding_row_gram(ids, dy, row_task, t, calls[0][3]))
+            self._gram_parts.append(embedding_row_gram(ids, dy, row_task, t, calls[0][3]))
+        if self._gram_parts:
+            self._gram.add_(torch.stack(self._gram_parts).sum(0, dtype=torch.float64))
+            self._gram_parts = []
         return self._gram.to(torch.float32)
 
     def _gather_rows(
@@ -708,6 +710,12 @@ class StreamingTaskGradients:
             left[entry[0]] = left.get(entry[0], 0) + 1
         grads: dict[int, torch.Tensor] = {}
         done: set[int] = set()
+        row_weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # c_row [N, 1] per distinct row_task
+
+        def c_row_of(row_task: torch.Tensor) -> torch.Tensor:
+            if id(row_task) not in row_weights:
+                row_weights[id(row_task)] = (row_task, c.index_select(0, row_task)[:, None])
+            return row_weights[id(row_task)][1]
 
         def hand_over(k: int) -> None:
             g = grads.pop(k, None)
@@ -729,7 +737,7 @@ class StreamingTaskGradients:
             hand_over(k)
         while self._linears:
             k, row_task, dy, x = self._linears.pop(0)
-            c_row = c.index_select(0, row_task)[:, None]
+            c_row = c_row_of(row_task)
             if dy.dtype == torch.float32:  # c_row scales the narrower of dy and x
                 if dy.shape[1] <= x.shape[1]:
                     prod = torch.mm((dy * c_row).t(), x.float())
@@ -758,7 +766,7 @@ class StreamingTaskGradients:
             dy = dy.reshape(ids.numel(), -1)
             if k not in grads:
                 grads[k] = torch.zeros(self.params[k].shape, dtype=torch.float32, device=self.device)
-            grads[k].index_add_(0, ids, dy.float() * c.index_select(0, row_task)[:, None])
+            grads[k].index_add_(0, ids, dy.float() * c_row_of(row_task))
             if pad is not None:
                 grads[k][pad].zero_()
             del dy, ids, row_task
