@@ -11,14 +11,14 @@ shared parameter, keeps whichever is smaller:
   layer): the layer's output gradient ``dY [N, M]`` and input ``X [N, K]`` are kept in the training dtype. As
   soon as every call of the layer has run its backward (siamese pairs: both encoder passes), the Gram of a
   streamed Linear is built in chunks of output rows: each chunk's per-task weight gradients (summed over the
-  calls), ``[T, rows, K]`` fp32 within ``GRAM_CHUNK_BYTES`` (12 MiB; on the op library's grouped kernel, the
-  Triton path, one launch per call and block on that block's columns of ``dY``, within
-  ``GRAM_CHUNK_BYTES_DEVICE``, 64 MiB), have their pairwise dot products added into the fp32 ``[T, T]`` Gram at
-  once, with no ``[T, M, K]`` scratch (data parallel: the capture writes a whole ``[T, M, K]`` fp32 scratch,
-  all-reduced, whose Gram is added and which is then dropped).
+  calls), ``[T, rows, K]`` fp32 within ``GRAM_CHUNK_BYTES`` (12 MiB), have their pairwise dot products added
+  into the fp32 ``[T, T]`` Gram at once, with no ``[T, M, K]`` scratch (data parallel: the capture writes a
+  whole ``[T, M, K]`` fp32 scratch, all-reduced, whose Gram is added and which is then dropped).
   After the weights ``c`` are solved, one weight-gradient GEMM per call, ``(c_row * dY)^T X`` (``c_row [N]`` the
   weight of each row's task), writes ``sum_t c_t g_t`` into ``.grad``: the FLOPs of one ordinary weight-gradient
-  pass, no second forward/backward.
+  pass, no second forward/backward. On the op library's kernels (CUDA with Triton) the Gram of every streamed
+  Linear weight is one launch at ``apply`` and their update another (``fastpals_kernels.stream_linear``: the
+  same products, tile by tile, from the kept ``dY`` and ``X`` of all their calls).
 - **embeddings by token-id rows** (an ``nn.Embedding`` looked up per example whose ``T * V`` exceeds the step's
   rows, e.g. BERT's word embeddings): the output gradient ``dY [N, d]`` and the ids are kept. The Gram uses
   ``<g_s, g_t> = sum over ids of <sum_{rows of s with that id} dY, sum_{rows of t with that id} dY>``: rows are
@@ -95,8 +95,6 @@ BUCKET_ELEMENTS = 1 << 22  # data parallel: scratch elements all-reduced in one 
 # FFN weights at T = 16, one thread: 43-45 ms per layer for the scratch and its Gram, 29-30 ms in blocks of 128 to
 # 512 rows; blocks under 128 rows of K = 1536 lose it again (32 rows: 36 ms), hence 12 MiB, not an L2-sized block.
 GRAM_CHUNK_BYTES = 12 << 20
-# The same on the op library's grouped kernel (CUDA): larger blocks, fewer launches
-GRAM_CHUNK_BYTES_DEVICE = 64 << 20
 # columns of one fp32 Gram product, the products summed in fp64 (the op library's Gram sums such blocks)
 GRAM_COLUMNS = 1 << 16
 #: kept rows of at most this many elements per task (biases, LayerNorm, small embeddings) are put side by side
@@ -288,7 +286,10 @@ class StreamingTaskGradients:
         self._left: dict[int, int] = {}
         self._linears: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._deferred: dict[int, bool] = {}  # per streamed Linear weight: Gram in blocks (no scratch)?
-        self._deferred_calls: dict[int, list[tuple[RowTasks, torch.Tensor, torch.Tensor, bool]]] = {}
+        self._deferred_calls: dict[int, list[tuple[RowTasks, torch.Tensor, torch.Tensor]]] = {}
+        # streamed Linear weights on the op library's kernels: their calls' rows (with the task plan), dy and x;
+        # Gram and update over all of them in one launch each (fastpals_kernels.stream_linear)
+        self._grouped: dict[int, list[tuple[RowTasks, torch.Tensor, torch.Tensor]]] = {}
         self._embeddings: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, int | None]] = []
         self._pending: list[
             torch.Tensor
@@ -361,42 +362,14 @@ class StreamingTaskGradients:
             )
         return self._deferred[k]
 
-    def _blocked_gram_grouped(
-        self, k: int, calls: Sequence[tuple[RowTasks, torch.Tensor, torch.Tensor, bool]]
-    ) -> None:
-        """:meth:`_blocked_gram` on the op library's grouped weight-gradient kernel (the Triton path): per block
-        of output rows, one kernel launch per call on that block's columns of ``dy`` gives the ``[T, rows, K]``
-        fp32 per-task products (summed over the calls), whose Gram the fused Gram op adds; blocks within
-        ``GRAM_CHUNK_BYTES_DEVICE``, so no whole ``[T, M, K]`` scratch is made."""
-        from fastpals_kernels import dispatch
-
-        m, kk = self.params[k].shape
-        t = self.num_tasks
-        step = max(1, min(m, GRAM_CHUNK_BYTES_DEVICE // (t * kk * 4)))
-        xs = [x.contiguous() for _, _, x, _ in calls]
-        for m0 in range(0, m, step):
-            v = None
-            for (rows, dy, _, _), x in zip(calls, xs):
-                dw, _ = dispatch.grouped_wgrad(
-                    dy[:, m0 : m0 + step].contiguous(), x, rows.plan, torch.float32, False
-                )
-                v = dw if v is None else v.add_(dw)
-            if v is not None:
-                self._add_gram(v.view(t, -1))
-
-    def _blocked_gram(
-        self, k: int, calls: Sequence[tuple[RowTasks, torch.Tensor, torch.Tensor, bool]]
-    ) -> None:
+    def _blocked_gram(self, k: int, calls: Sequence[tuple[RowTasks, torch.Tensor, torch.Tensor]]) -> None:
         """Gram += that of the per-task gradients ``sum over calls of dy_t^T x_t`` of Linear weight k
         (``[M, K]``), in blocks of output rows: each block's fp32 products ``[n, rows, K]`` (``n`` the tasks
         with rows; the same GEMMs, dtypes and summing order over calls as the scratch's) within
         ``GRAM_CHUNK_BYTES``, its Gram added at once (fp32 products over ``GRAM_COLUMNS`` columns, summed in
         fp64), the block reused."""
-        tasks = sorted({t for rows, _, _, _ in calls for t in rows.tasks})
+        tasks = sorted({t for rows, _, _ in calls for t in rows.tasks})
         if not tasks:
-            return
-        if any(grouped for _, _, _, grouped in calls):
-            self._blocked_gram_grouped(k, calls)
             return
         m, kk = self.params[k].shape
         n = len(tasks)
@@ -408,7 +381,7 @@ class StreamingTaskGradients:
             mc = min(step, m - m0)
             v = block[: n * mc * kk].view(n, mc, kk)
             first = [True] * n
-            for rows, dy, x, _ in calls:
+            for rows, dy, x in calls:
                 for t in rows.tasks:
                     sel = rows.slices[t]
                     if isinstance(sel, slice):
@@ -478,13 +451,17 @@ class StreamingTaskGradients:
         grouped: bool = False,
     ) -> None:
         """One call of the shared Linear whose weight is parameter k has written its task rows: keep ``dy`` and
-        ``x`` if the weight streams; after its last call, its scratch goes into the Gram and is dropped."""
+        ``x`` if the weight streams; after its last call, its scratch goes into the Gram and is dropped (on the
+        op library's kernels, ``grouped``: its Gram is built with every streamed weight's at :meth:`_finish_gram`)."""
         if not self._streams(k, embedding=False):
+            return
+        self._left[k] -= 1
+        if grouped:  # Gram and update with all streamed Linears' (_finish_gram, _write_update)
+            self._grouped.setdefault(k, []).append((rows, dy, x))
             return
         self._linears.append((k, rows.row_task, dy, x))
         if self._deferred.get(k):
-            self._deferred_calls.setdefault(k, []).append((rows, dy, x, grouped))
-        self._left[k] -= 1
+            self._deferred_calls.setdefault(k, []).append((rows, dy, x))
         if self._left[k] > 0:
             return
         calls = self._deferred_calls.pop(k, None)
@@ -559,6 +536,11 @@ class StreamingTaskGradients:
             self._gram = torch.zeros(t, t, dtype=torch.float64, device=self.device)
         for k in list(self._deferred_calls):  # a weight whose forward calls outnumber its backward calls
             self._blocked_gram(k, self._deferred_calls.pop(k))
+        if self._grouped:
+            from fastpals_kernels import stream_linear  # Triton: the kernels path only
+
+            for _, args in self._grouped_problems():
+                self._gram.add_(stream_linear.stream_linear_gram(*args, t))
         if self.all_reduce:
             self._flush()
             kept = [r.view(t, -1) for r in self._rows.values()]
@@ -578,9 +560,9 @@ class StreamingTaskGradients:
         for k, ids, dy, row_task, pad in self._embeddings:
             by_param.setdefault(k, []).append((ids.reshape(-1), dy.reshape(ids.numel(), -1), row_task, pad))
         for calls in by_param.values():
-            ids = torch.cat([c[0] for c in calls])
-            dy = torch.cat([c[1] for c in calls])
-            row_task = torch.cat([c[2] for c in calls])
+            ids, dy, row_task = (
+                torch.cat(parts) if len(parts) > 1 else parts[0] for parts in list(zip(*calls))[:3]
+            )
             if self.all_reduce:
                 ids, dy, row_task = self._gather_rows(ids, dy, row_task)
             self._gram_parts.append(embedding_row_gram(ids, dy, row_task, t, calls[0][3]))
@@ -588,6 +570,21 @@ class StreamingTaskGradients:
             self._gram.add_(torch.stack(self._gram_parts).sum(0, dtype=torch.float64))
             self._gram_parts = []
         return self._gram.to(torch.float32)
+
+    def _grouped_problems(self) -> list[tuple[list[int], tuple]]:
+        """The streamed Linear weights of :attr:`_grouped` as problems of the op library's multi-Linear ops, one
+        group per dtype of the kept ``dy`` and ``x``: ``(weights k, (dy, x, row_index, task_row_offsets,
+        problem))`` per group."""
+        groups: dict[torch.dtype, tuple[list[int], tuple[list, list, list, list, list]]] = {}
+        for k, calls in self._grouped.items():
+            keys, args = groups.setdefault(calls[0][1].dtype, ([], ([], [], [], [], [])))
+            for rows, dy, x in calls:
+                for column, value in zip(
+                    args, (dy, x, rows.plan.row_index, rows.plan.task_row_offsets, len(keys))
+                ):
+                    column.append(value)
+            keys.append(k)
+        return list(groups.values())
 
     def _gather_rows(
         self, ids: torch.Tensor, dy: torch.Tensor, row_task: torch.Tensor
@@ -735,6 +732,20 @@ class StreamingTaskGradients:
         for k in list(self._rows):
             grads[k] = (c @ self._rows.pop(k).view(t, -1)).view(self.params[k].shape)
             hand_over(k)
+        if self._grouped:  # one launch per dtype for all streamed Linear weights on the kernels path
+            from fastpals_kernels import stream_linear  # Triton: the kernels path only
+
+            groups = self._grouped_problems()
+            self._grouped = {}
+            while groups:  # each group's dy and x freed once combined
+                keys, args = groups.pop(0)
+                flat = stream_linear.stream_linear_combine(*args, c)
+                del args
+                start = 0
+                for k in keys:  # slices, not torch.split: a caller may scale the gradients in place
+                    grads[k] = flat[start : start + self.numels[k]].view(self.params[k].shape)
+                    start += self.numels[k]
+                    hand_over(k)
         while self._linears:
             k, row_task, dy, x = self._linears.pop(0)
             c_row = c_row_of(row_task)

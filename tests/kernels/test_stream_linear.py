@@ -1,0 +1,96 @@
+"""The streaming surgery's multi-Linear ops (fastpals_kernels.stream_linear): the Gram of every problem's per-task
+weight gradients and their weighted sum, against a float64 transcription of ``G_pt = sum over the calls of
+dy[rows of t]^T x[rows of t]``.
+
+Several problems of different shapes (none a multiple of the blocks), two calls each with different rows, random
+examples per task with tasks that have no rows. fp32 within 1e-5 of the fp32 PyTorch reference; fp32 and bf16:
+the kernel's error against float64 at most 2x the same-dtype reference's (tests/tolerances.py). Inputs are drawn
+on the CPU and moved to tests/device.py's DEVICE; off CUDA the kernels run in Triton's interpreter.
+"""
+
+import pytest
+import torch
+from device import DEVICE
+from tolerances import assert_close_to_reference, assert_fp32_close
+from torch.library import opcheck
+
+from fastpals_kernels import stream_linear
+from fastpals_kernels.common import build_task_row_plan
+
+pytestmark = pytest.mark.kernels
+
+SHAPES = [(40, 33), (16, 50), (70, 20)]  # [M, K] per problem
+
+
+def _calls(num_tasks: int, dtype: torch.dtype, seed: int = 0) -> tuple[list, list, list[torch.Tensor]]:
+    """Two calls per problem of :data:`SHAPES`: ``(op arguments, problem numbers, each call's row tasks)``.
+    Examples of 1 to 6 rows with random tasks, task 1 never drawn (no rows), call 1 of each problem one task."""
+    g = torch.Generator().manual_seed(seed)
+    dy, x, row_index, offsets, problem, row_tasks = [], [], [], [], [], []
+    drawn = [t for t in range(num_tasks) if t != 1]
+    for p, (m, k) in enumerate(SHAPES):
+        for call in range(2):
+            examples = 5 + 3 * call
+            pick = torch.randint(0, len(drawn), (examples,), generator=g)
+            tasks = torch.tensor(drawn)[pick] if call == 0 else torch.full((examples,), drawn[p % len(drawn)])
+            lengths = torch.randint(1, 7, (examples,), generator=g)
+            cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+            rows = int(cu[-1])
+            plan = build_task_row_plan(tasks.to(DEVICE), num_tasks, rows, cu_seqlens=cu.to(DEVICE))
+            dy.append(torch.randn(rows, m, generator=g).to(dtype).to(DEVICE))
+            x.append(torch.randn(rows, k, generator=g).to(dtype).to(DEVICE))
+            row_index.append(plan.row_index)
+            offsets.append(plan.task_row_offsets)
+            problem.append(p)
+            row_tasks.append(torch.repeat_interleave(tasks, lengths))
+    return [dy, x, row_index, offsets], problem, row_tasks
+
+
+def _float64_products(args: list, problem: list[int], row_tasks: list, num_tasks: int) -> list[torch.Tensor]:
+    """``G_p [T, M, K]`` float64 from each call's row tasks (not its plan)."""
+    out = [torch.zeros(num_tasks, m, k, dtype=torch.float64) for m, k in SHAPES]
+    for dy, x, p, tasks in zip(args[0], args[1], problem, row_tasks):
+        for t in range(num_tasks):
+            rows = tasks == t
+            out[p][t] += dy.cpu()[rows].double().T @ x.cpu()[rows].double()
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("num_tasks", [3, 17])
+def test_gram_and_combine_against_float64(dtype, num_tasks):
+    args, problem, row_tasks = _calls(num_tasks, dtype)
+    products = _float64_products(args, problem, row_tasks, num_tasks)
+    flat64 = [g.reshape(num_tasks, -1) for g in products]
+    gram64 = sum(f @ f.T for f in flat64)
+    weights = torch.linspace(-1.0, 1.5, num_tasks)
+    combine64 = torch.cat([torch.tensordot(weights.double(), g, 1).reshape(-1) for g in products])
+
+    gram = stream_linear.stream_linear_gram_triton(*args, problem, num_tasks)
+    gram_ref = stream_linear.stream_linear_gram_reference(*args, problem, num_tasks)
+    combine = stream_linear.stream_linear_combine_triton(*args, problem, weights.to(DEVICE))
+    combine_ref = stream_linear.stream_linear_combine_reference(*args, problem, weights.to(DEVICE))
+    assert gram.dtype == torch.float64 and combine.dtype == torch.float32
+    assert gram[1].abs().max() == 0 and gram[:, 1].abs().max() == 0  # task 1 has no rows
+    if dtype == torch.float32:
+        assert_fp32_close("gram", gram.float().cpu(), gram_ref.float().cpu())
+        assert_fp32_close("combine", combine.cpu(), combine_ref.cpu())
+    assert_close_to_reference("gram", gram.cpu(), gram_ref.cpu(), gram64)
+    assert_close_to_reference("combine", combine.cpu(), combine_ref.cpu(), combine64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_ops_pass_opcheck(dtype):
+    args, problem, _ = _calls(3, dtype)
+    opcheck(torch.ops.fastpals.stream_linear_gram.default, (*args, problem, 3))
+    opcheck(
+        torch.ops.fastpals.stream_linear_combine.default,
+        (*args, problem, torch.tensor([0.5, 1.0, -2.0]).to(DEVICE)),
+    )
+
+
+def test_calls_of_one_problem_must_share_its_shape():
+    args, problem, _ = _calls(3, torch.float32)
+    args[0][1] = args[0][1][:, :7]
+    with pytest.raises(ValueError, match="the calls of problem 0 differ in shape"):
+        torch.ops.fastpals.stream_linear_gram(*args, problem, 3)
