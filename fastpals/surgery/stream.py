@@ -23,7 +23,8 @@ shared parameter, keeps whichever is smaller:
   rows, e.g. BERT's word embeddings): the output gradient ``dY [N, d]`` and the ids are kept. The Gram uses
   ``<g_s, g_t> = sum over ids of <sum_{rows of s with that id} dY, sum_{rows of t with that id} dY>``: rows are
   summed per (task, distinct id) into a ``[T, N, d]`` fp32 table (the ids numbered after a sort, no host read;
-  column blocks within ``EMBEDDING_GRAM_BYTES``), whose Gram is the op library's (``T * T * N * d`` products).
+  column blocks within ``EMBEDDING_GRAM_BYTES``), whose Gram is the op library's (``T * T * N * d`` products);
+  the tables of one row width share one such Gram (their ids offset, as rows of one table).
   The update is one ``index_add`` of ``c_row * dY`` at the ids. The ``padding_idx`` row gets nothing.
 - **kept rows** (biases, LayerNorm weights and biases, broadcast position embeddings, small embeddings such as
   BERT's token types, Linear weights where ``T * M * K <= N * (M + K)``, i.e. few tasks, and the Linear weights
@@ -559,13 +560,28 @@ class StreamingTaskGradients:
         by_param: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int | None]]] = {}
         for k, ids, dy, row_task, pad in self._embeddings:
             by_param.setdefault(k, []).append((ids.reshape(-1), dy.reshape(ids.numel(), -1), row_task, pad))
-        for calls in by_param.values():
+        # tables of one row width and dtype share one Gram: ids offset by the vocabularies before them (the
+        # tables are disjoint parameters), padding rows given the id -1
+        tables: dict[tuple[int, torch.dtype], tuple[list, list, list, list]] = {}
+        for k, calls in by_param.items():
             ids, dy, row_task = (
                 torch.cat(parts) if len(parts) > 1 else parts[0] for parts in list(zip(*calls))[:3]
             )
             if self.all_reduce:
                 ids, dy, row_task = self._gather_rows(ids, dy, row_task)
-            self._gram_parts.append(embedding_row_gram(ids, dy, row_task, t, calls[0][3]))
+            *columns, base = tables.setdefault((dy.shape[1], dy.dtype), ([], [], [], [0, None]))
+            pad = calls[0][3]
+            if base[0]:
+                ids = ids + base[0]
+            if pad is not None:
+                ids = torch.where(ids == pad + base[0], -1, ids)
+                base[1] = -1
+            for column, value in zip(columns, (ids, dy, row_task)):
+                column.append(value)
+            base[0] += self.params[k].shape[0]
+        for columns in tables.values():
+            ids, dy, row_task = (torch.cat(parts) if len(parts) > 1 else parts[0] for parts in columns[:3])
+            self._gram_parts.append(embedding_row_gram(ids, dy, row_task, t, columns[3][1]))
         if self._gram_parts:
             self._gram.add_(torch.stack(self._gram_parts).sum(0, dtype=torch.float64))
             self._gram_parts = []

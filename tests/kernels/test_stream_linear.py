@@ -31,10 +31,12 @@ def _calls(num_tasks: int, dtype: torch.dtype, seed: int = 0) -> tuple[list, lis
     for p, (m, k) in enumerate(SHAPES):
         for call in range(2):
             examples = 5 + 3 * call
-            pick = torch.randint(0, len(drawn), (examples,), generator=g)
-            tasks = torch.tensor(drawn)[pick] if call == 0 else torch.full((examples,), drawn[p % len(drawn)])
-            lengths = torch.randint(1, 7, (examples,), generator=g)
-            cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+            # the examples' tasks and lengths: host draws (CPU generator), moved below
+            pick = torch.randint(0, len(drawn), (examples,), generator=g)  # host: drawn on the CPU generator
+            one = torch.full((examples,), drawn[p % len(drawn)])  # host: moved with the plan's inputs
+            tasks = torch.tensor(drawn)[pick] if call == 0 else one  # host: moved with the plan's inputs
+            lengths = torch.randint(1, 7, (examples,), generator=g)  # host: drawn on the CPU generator
+            cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])  # host: moved below
             rows = int(cu[-1])
             plan = build_task_row_plan(tasks.to(DEVICE), num_tasks, rows, cu_seqlens=cu.to(DEVICE))
             dy.append(torch.randn(rows, m, generator=g).to(dtype).to(DEVICE))
@@ -48,7 +50,7 @@ def _calls(num_tasks: int, dtype: torch.dtype, seed: int = 0) -> tuple[list, lis
 
 def _float64_products(args: list, problem: list[int], row_tasks: list, num_tasks: int) -> list[torch.Tensor]:
     """``G_p [T, M, K]`` float64 from each call's row tasks (not its plan)."""
-    out = [torch.zeros(num_tasks, m, k, dtype=torch.float64) for m, k in SHAPES]
+    out = [torch.zeros(num_tasks, m, k, dtype=torch.float64) for m, k in SHAPES]  # host: float64 ref
     for dy, x, p, tasks in zip(args[0], args[1], problem, row_tasks):
         for t in range(num_tasks):
             rows = tasks == t
@@ -63,13 +65,13 @@ def test_gram_and_combine_against_float64(dtype, num_tasks):
     products = _float64_products(args, problem, row_tasks, num_tasks)
     flat64 = [g.reshape(num_tasks, -1) for g in products]
     gram64 = sum(f @ f.T for f in flat64)
-    weights = torch.linspace(-1.0, 1.5, num_tasks)
-    combine64 = torch.cat([torch.tensordot(weights.double(), g, 1).reshape(-1) for g in products])
+    weights = torch.linspace(-1.0, 1.5, num_tasks).to(DEVICE)
+    combine64 = torch.cat([torch.tensordot(weights.cpu().double(), g, 1).reshape(-1) for g in products])
 
     gram = stream_linear.stream_linear_gram_triton(*args, problem, num_tasks)
     gram_ref = stream_linear.stream_linear_gram_reference(*args, problem, num_tasks)
-    combine = stream_linear.stream_linear_combine_triton(*args, problem, weights.to(DEVICE))
-    combine_ref = stream_linear.stream_linear_combine_reference(*args, problem, weights.to(DEVICE))
+    combine = stream_linear.stream_linear_combine_triton(*args, problem, weights)
+    combine_ref = stream_linear.stream_linear_combine_reference(*args, problem, weights)
     assert gram.dtype == torch.float64 and combine.dtype == torch.float32
     assert gram[1].abs().max() == 0 and gram[:, 1].abs().max() == 0  # task 1 has no rows
     if dtype == torch.float32:
