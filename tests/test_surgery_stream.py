@@ -149,8 +149,8 @@ def test_streamed_gram_in_output_row_blocks_equals_buffer(monkeypatch, missing):
 @pytest.mark.parametrize("missing", [False, True], ids=["all-tasks", "task-1-absent"])
 def test_streamed_linears_on_the_multi_linear_ops(monkeypatch, missing):
     """The op library's path (the Triton kernels of fastpals_kernels.stream_linear; here in Triton's
-    interpreter): the Gram of every streamed Linear weight, both siamese calls each, in one launch, and their
-    update in one more. Equals the buffer on the torch path (Gram and update)."""
+    interpreter): the Gram of every streamed Linear weight and its bias, both siamese calls each, in one launch,
+    and their update in one more. Equals the buffer on the torch path (Gram and update)."""
     from device import DEVICE, ON_CUDA, TRITON_INTERPRETED
 
     from fastpals_kernels import stream_linear
@@ -164,9 +164,9 @@ def test_streamed_linears_on_the_multi_linear_ops(monkeypatch, missing):
     def spy(name):
         kernel = getattr(stream_linear, name)
 
-        def run(dy, x, row_index, offsets, problem, arg):
-            launches.append((name, len(dy), max(problem) + 1))
-            return kernel(dy, x, row_index, offsets, problem, arg)
+        def run(dy, x, row_index, offsets, problem, bias, arg):
+            launches.append((name, len(dy), max(problem) + 1, sum(bias)))
+            return kernel(dy, x, row_index, offsets, problem, bias, arg)
 
         return run
 
@@ -181,9 +181,12 @@ def test_streamed_linears_on_the_multi_linear_ops(monkeypatch, missing):
     got = _update(model, data, "stream", pcgrad_weights, unpad=True, use_kernels=True)
     _check_same(ref, got, f"multi-Linear ops missing={missing}")
     # one launch each over every streamed Linear weight (2 layers x 6), each called by both siamese passes
-    (gram, calls, weights), combine = launches
-    assert (gram, combine) == ("stream_linear_gram_triton", ("stream_linear_combine_triton", calls, weights))
-    assert weights >= 12 and calls == 2 * weights, launches
+    (gram, calls, weights, biases), combine = launches
+    assert (gram, combine) == (
+        "stream_linear_gram_triton",
+        ("stream_linear_combine_triton", calls, weights, biases),
+    )
+    assert weights >= 12 and calls == 2 * weights and biases == weights, launches
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -17,8 +17,9 @@ shared parameter, keeps whichever is smaller:
   After the weights ``c`` are solved, one weight-gradient GEMM per call, ``(c_row * dY)^T X`` (``c_row [N]`` the
   weight of each row's task), writes ``sum_t c_t g_t`` into ``.grad``: the FLOPs of one ordinary weight-gradient
   pass, no second forward/backward. On the op library's kernels (CUDA with Triton) the Gram of every streamed
-  Linear weight is one launch at ``apply`` and their update another (``fastpals_kernels.stream_linear``: the
-  same products, tile by tile, from the kept ``dY`` and ``X`` of all their calls).
+  Linear weight and its bias is one launch at ``apply`` and their update another
+  (``fastpals_kernels.stream_linear``: the same products, tile by tile, from the kept ``dY`` and ``X`` of all
+  their calls, the bias as a column of ones in ``X``), and the backward computes nothing per task for them.
 - **embeddings by token-id rows** (an ``nn.Embedding`` looked up per example whose ``T * V`` exceeds the step's
   rows, e.g. BERT's word embeddings): the output gradient ``dY [N, d]`` and the ids are kept. The Gram uses
   ``<g_s, g_t> = sum over ids of <sum_{rows of s with that id} dY, sum_{rows of t with that id} dY>``: rows are
@@ -168,7 +169,17 @@ class _StreamBlock(PerTaskGradients):
     def _count(self, module: nn.Module, args: tuple) -> None:
         x = args[0]
         rows = x.numel() if isinstance(module, nn.Embedding) else x.numel() // max(x.shape[-1], 1)
-        self.buffer._count_call(self.param_index(module.weight), rows, isinstance(module, nn.Linear))
+        k_w = self.param_index(module.weight)
+        self.buffer._count_call(k_w, rows, isinstance(module, nn.Linear))
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            self.buffer._linear_bias(k_w, self.param_index(module.bias))
+
+    def write_segment_sums(self, k: int, values: torch.Tensor, rows: RowTasks) -> None:
+        if self.buffer._bias_with_weight(k) and kernels_on(self, values):
+            for t in rows.tasks:  # computed with its weight's (the multi-Linear ops' extra column)
+                self.written.flags[t][k] = True
+            return
+        super().write_segment_sums(k, values, rows)
 
     def linear_done(self, rows: RowTasks, k_w: int, dy: torch.Tensor, x: torch.Tensor) -> None:
         grouped = self.buffer._deferred.get(k_w, False) and kernels_on(self, dy)
@@ -291,6 +302,8 @@ class StreamingTaskGradients:
         # streamed Linear weights on the op library's kernels: their calls' rows (with the task plan), dy and x;
         # Gram and update over all of them in one launch each (fastpals_kernels.stream_linear)
         self._grouped: dict[int, list[tuple[RowTasks, torch.Tensor, torch.Tensor]]] = {}
+        self._bias_of: dict[int, int] = {}  # shared Linear weight -> its bias (both shared parameters)
+        self._weight_of: dict[int, int] = {}
         self._embeddings: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, int | None]] = []
         self._pending: list[
             torch.Tensor
@@ -314,6 +327,15 @@ class StreamingTaskGradients:
         """Gram += that of ``rows [T, n]`` fp32 (the op library's blocked Gram, as the buffer's; the parts are
         summed in fp64 at :meth:`_finish_gram`)."""
         self._gram_parts.append(gram_op(rows.contiguous())[0])
+
+    def _linear_bias(self, k_w: int, k_b: int) -> None:
+        self._bias_of[k_w] = k_b
+        self._weight_of[k_b] = k_w
+
+    def _bias_with_weight(self, k: int) -> bool:
+        """Is parameter k the bias of a streamed Linear weight whose Gram is built in blocks (its per-task sums
+        then come with the weight's: on the op library's kernels, as one more column of the weight's products)?"""
+        return self._deferred.get(self._weight_of.get(k, -1), False)
 
     def _count_call(self, k: int, rows: int, linear: bool = False) -> None:
         self._calls[k] = self._calls.get(k, 0) + 1
@@ -588,17 +610,18 @@ class StreamingTaskGradients:
         return self._gram.to(torch.float32)
 
     def _grouped_problems(self) -> list[tuple[list[int], tuple]]:
-        """The streamed Linear weights of :attr:`_grouped` as problems of the op library's multi-Linear ops, one
-        group per dtype of the kept ``dy`` and ``x``: ``(weights k, (dy, x, row_index, task_row_offsets,
-        problem))`` per group."""
-        groups: dict[torch.dtype, tuple[list[int], tuple[list, list, list, list, list]]] = {}
+        """The streamed Linear weights of :attr:`_grouped` (with their biases) as problems of the op library's
+        multi-Linear ops, one group per dtype of the kept ``dy`` and ``x``: ``(weights k, (dy, x, row_index,
+        task_row_offsets, problem, bias))`` per group."""
+        groups: dict[torch.dtype, tuple[list[int], tuple[list, list, list, list, list, list]]] = {}
         for k, calls in self._grouped.items():
-            keys, args = groups.setdefault(calls[0][1].dtype, ([], ([], [], [], [], [])))
+            keys, args = groups.setdefault(calls[0][1].dtype, ([], ([], [], [], [], [], [])))
             for rows, dy, x in calls:
                 for column, value in zip(
                     args, (dy, x, rows.plan.row_index, rows.plan.task_row_offsets, len(keys))
                 ):
                     column.append(value)
+            args[5].append(k in self._bias_of)
             keys.append(k)
         return list(groups.values())
 
@@ -758,10 +781,12 @@ class StreamingTaskGradients:
                 flat = stream_linear.stream_linear_combine(*args, c)
                 del args
                 start = 0
-                for k in keys:  # slices, not torch.split: a caller may scale the gradients in place
-                    grads[k] = flat[start : start + self.numels[k]].view(self.params[k].shape)
-                    start += self.numels[k]
-                    hand_over(k)
+                for k_w in keys:  # slices, not torch.split: a caller may scale the gradients in place
+                    for k in (k_w, self._bias_of.get(k_w)):  # the weight's, then its bias's
+                        if k is not None:
+                            grads[k] = flat[start : start + self.numels[k]].view(self.params[k].shape)
+                            start += self.numels[k]
+                            hand_over(k)
         while self._linears:
             k, row_task, dy, x = self._linears.pop(0)
             c_row = c_row_of(row_task)
