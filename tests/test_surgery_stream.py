@@ -30,6 +30,7 @@ from fastpals.surgery import (
     shared_parameters_by_name,
     stream,
 )
+from fastpals.surgery import stream as stream_module
 from fastpals.surgery.stream import embedding_row_gram, stream_policy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -129,7 +130,7 @@ def test_streamed_gram_in_output_row_blocks_equals_buffer(monkeypatch, missing):
     blocked = stream.StreamingTaskGradients._blocked_gram
 
     def spy(self, k, calls):
-        seen.append((len(calls), len({t for rows, _, _, _ in calls for t in rows.tasks})))
+        seen.append((len(calls), len({t for rows, _, _ in calls for t in rows.tasks})))
         return blocked(self, k, calls)
 
     monkeypatch.setattr(stream, "GRAM_CHUNK_BYTES", 1000)
@@ -146,40 +147,46 @@ def test_streamed_gram_in_output_row_blocks_equals_buffer(monkeypatch, missing):
 
 @pytest.mark.kernels
 @pytest.mark.parametrize("missing", [False, True], ids=["all-tasks", "task-1-absent"])
-def test_streamed_gram_on_the_grouped_kernel_in_output_row_blocks(monkeypatch, missing):
-    """The op library's path (the Triton grouped weight-gradient kernel; here in Triton's interpreter): the
-    streamed Linears' Gram in blocks of output rows, each block one kernel launch per call on that block's
-    columns of dy, so no [T, M, K] scratch is made. Equals the buffer on the torch path (Gram and update)."""
+def test_streamed_linears_on_the_multi_linear_ops(monkeypatch, missing):
+    """The op library's path (the Triton kernels of fastpals_kernels.stream_linear; here in Triton's
+    interpreter): the Gram of every streamed Linear weight and its bias, both siamese calls each, in one launch,
+    and their update in one more. Equals the buffer on the torch path (Gram and update)."""
     from device import DEVICE, ON_CUDA, TRITON_INTERPRETED
 
-    from fastpals_kernels import dispatch
+    from fastpals_kernels import stream_linear
     from fastpals_kernels.dispatch import available
 
     ok, reason = available()
     if not ok or not (ON_CUDA or TRITON_INTERPRETED):
         pytest.skip(f"Triton kernels cannot run here: {reason or 'no CUDA and TRITON_INTERPRET unset'}")
-    shapes = []
-    grouped = dispatch.grouped_wgrad
+    launches = []
 
-    def spy(dy, x, plan, out_dtype, with_bias):
-        dw, db = grouped(dy, x, plan, out_dtype, with_bias)
-        shapes.append(tuple(dw.shape))
-        return dw, db
+    def spy(name):
+        kernel = getattr(stream_linear, name)
+
+        def run(dy, x, row_index, offsets, problem, bias, arg):
+            launches.append((name, len(dy), max(problem) + 1, sum(bias)))
+            return kernel(dy, x, row_index, offsets, problem, bias, arg)
+
+        return run
 
     model = _tiny_model().to(DEVICE)
     data = {k: v.to(DEVICE) for k, v in _tiny_batch().items()}
     if missing:
         data = select(data, torch.tensor([0, 1, 4, 5, 6, 8, 9], device=DEVICE))
     ref = _update(model, data, "buffer", pcgrad_weights, unpad=True)
-    monkeypatch.setattr(stream, "GRAM_CHUNK_BYTES_DEVICE", 1000)
-    monkeypatch.setattr(dispatch, "grouped_wgrad", spy)
+    monkeypatch.setenv("FASTPALS_BACKENDS", "grouped_wgrad=triton")
+    for name in ("stream_linear_gram_triton", "stream_linear_combine_triton"):
+        monkeypatch.setattr(stream_linear, name, spy(name))
     got = _update(model, data, "stream", pcgrad_weights, unpad=True, use_kernels=True)
-    _check_same(ref, got, f"grouped blocked Gram missing={missing}")
-    linears = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)}
-    assert shapes and all(s[0] == T for s in shapes)
-    # 1000 bytes: at most 1000 // (T * K * 4) output rows per launch, never a whole weight's [T, M, K]
-    assert all(s[1] <= max(1, 1000 // (T * s[2] * 4)) for s in shapes), shapes
-    assert not any((s[1], s[2]) in linears and s[1] > 1000 // (T * s[2] * 4) for s in shapes)
+    _check_same(ref, got, f"multi-Linear ops missing={missing}")
+    # one launch each over every streamed Linear weight (2 layers x 6), each called by both siamese passes
+    (gram, calls, weights, biases), combine = launches
+    assert (gram, combine) == (
+        "stream_linear_gram_triton",
+        ("stream_linear_combine_triton", calls, weights, biases),
+    )
+    assert weights >= 12 and calls == 2 * weights and biases == weights, launches
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -278,7 +285,10 @@ def test_stream_pcgrad_equals_the_paper_on_separate_backwards():
 # ----------------------------------------------------------------------------------------------------------------
 # the pieces
 # ----------------------------------------------------------------------------------------------------------------
-def test_embedding_row_gram_equals_the_dense_tables():
+@pytest.mark.parametrize("block_bytes", [None, 4 * 4 * 200 * 2], ids=["one-block", "column-blocks"])
+def test_embedding_row_gram_equals_the_dense_tables(monkeypatch, block_bytes):
+    if block_bytes is not None:  # the [T, N, cols] table in blocks of 2 columns
+        monkeypatch.setattr(stream_module, "EMBEDDING_GRAM_BYTES", block_bytes)
     gen = torch.Generator().manual_seed(0)
     n, v, d, t = 200, 13, 5, 4
     ids = torch.randint(0, v, (n,), generator=gen)

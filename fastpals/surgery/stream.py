@@ -9,8 +9,12 @@ buffer's place inside :func:`~fastpals.surgery.per_task_gradients` and keeps, pe
   ``dY [N, M]`` and ``X [N, K]`` in the training dtype. After the layer's last backward call its Gram is added
   from blocks of output rows of the per-task products (fp32, within ``GRAM_CHUNK_BYTES``; data parallel: a whole
   ``[T, M, K]`` scratch, all-reduced). The update is one weight-gradient GEMM per call, ``(c_row * dY)^T X``.
+  On the op library's kernels (CUDA with Triton) the Gram of every streamed weight and its bias is one launch at
+  ``apply`` and their update another (:mod:`fastpals_kernels.stream_linear`, the bias a column of ones in ``X``);
+  the backward computes nothing per task for them.
 - **embeddings by token-id rows** (an ``nn.Embedding`` looked up per example with ``T * V`` above the step's
-  rows): ``dY [N, d]`` and the ids; the Gram sums rows per (id, task) after a stable sort
+  rows): ``dY [N, d]`` and the ids; the Gram sums rows per (task, distinct id) into ``[T, N, d]`` fp32 tables
+  (column blocks within ``EMBEDDING_GRAM_BYTES``; the tables of one row width share one Gram)
   (:func:`embedding_row_gram`), the update is one ``index_add`` of ``c_row * dY``.
 - **kept rows** (biases, LayerNorm, small embeddings, Linear weights with few tasks, and Linear weights within
   ``keep_bytes``): ``[T, *shape]`` fp32 rows, as the buffer holds them.
@@ -51,13 +55,13 @@ BUCKET_ELEMENTS = 1 << 22  # data parallel: scratch elements all-reduced in one 
 # stay within this many bytes, not from a whole [T, M, K] scratch written and read back (memory-bound); smaller
 # blocks lose the gain again (docs/surgery-scaling.md)
 GRAM_CHUNK_BYTES = 12 << 20
-# The same on the op library's grouped kernel (CUDA): larger blocks, fewer launches
-GRAM_CHUNK_BYTES_DEVICE = 64 << 20
 # columns of one fp32 Gram product, the products summed in fp64 (the op library's Gram sums such blocks)
 GRAM_COLUMNS = 1 << 16
 #: kept rows of at most this many elements per task (biases, LayerNorm, small embeddings) are put side by side
 #: for one Gram and one combine launch over all of them
 SMALL_ROW_ELEMENTS = 1 << 20
+#: bytes of the fp32 ``[T, N, cols]`` table of one column block of :func:`embedding_row_gram`
+EMBEDDING_GRAM_BYTES = 256 << 20
 
 
 def stream_policy(policy: str, num_tasks: int, shape: Sequence[int], rows: int, embedding: bool) -> bool:
@@ -81,32 +85,28 @@ def embedding_row_gram(
     """The ``[T, T]`` fp32 Gram of the per-task gradients of an embedding table from its rows.
 
     ``ids [N]`` int64, ``dy [N, d]`` (any float dtype), ``row_task [N]`` int64 in ``[0, T)``: task t's gradient
-    is ``index_add`` of its rows of ``dy`` at ``ids``. Rows at ``padding_idx`` count as zero. No host read."""
+    is ``index_add`` of its rows of ``dy`` at ``ids``. Rows at ``padding_idx`` count as zero. No host read: the
+    rows are summed per (task, distinct id) into a ``[T, N, cols]`` fp32 table (ids numbered by a sort), whose
+    Gram over its flattened rows is the table's, in column blocks of at most ``EMBEDDING_GRAM_BYTES``."""
     t = num_tasks
     n = ids.shape[0]
-    g = torch.zeros(t * t, dtype=torch.float32, device=dy.device)
     if n == 0:
-        return g.view(t, t)
-    d32 = dy.float()
+        return torch.zeros(t, t, dtype=torch.float32, device=dy.device)
+    sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)
+    new_id = torch.ones_like(sorted_ids, dtype=torch.bool)
+    new_id[1:] = sorted_ids[1:] != sorted_ids[:-1]
+    slot = row_task.to(torch.int64).index_select(0, order) * n + torch.cumsum(new_id, 0) - 1
+    rows = dy.index_select(0, order)
     if padding_idx is not None:
-        d32 = torch.where((ids == padding_idx)[:, None], 0.0, d32)
-    keys = ids.to(torch.int64) * t + row_task.to(torch.int64)
-    sorted_keys, order = torch.sort(keys, stable=True)
-    new_run = torch.ones_like(sorted_keys, dtype=torch.bool)
-    new_run[1:] = sorted_keys[1:] != sorted_keys[:-1]
-    run = torch.cumsum(new_run, 0) - 1
-    compact = torch.zeros(n, d32.shape[1], dtype=torch.float32, device=dy.device)
-    compact.index_add_(0, run, d32.index_select(0, order))
-    run_keys = torch.full_like(sorted_keys, -1).scatter_(0, run, sorted_keys)  # past the last run: zero rows
-    cid = torch.div(run_keys, t, rounding_mode="floor")
-    ctask = run_keys - cid * t
-    for o in range(min(t, n)):  # one id has at most T (id, task) entries, adjacent after the sort
-        a, b = compact[: n - o], compact[o:]
-        dots = (a * b).sum(1) * (cid[: n - o] == cid[o:])
-        g.index_add_(0, ctask[: n - o] * t + ctask[o:], dots)
-        if o:
-            g.index_add_(0, ctask[o:] * t + ctask[: n - o], dots)
-    return g.view(t, t)
+        rows = torch.where((sorted_ids == padding_idx)[:, None], 0, rows)
+    d = dy.shape[1]
+    step = max(1, min(d, EMBEDDING_GRAM_BYTES // (4 * t * n)))
+    parts = []
+    for c0 in range(0, d, step):
+        table = torch.zeros(t * n, min(step, d - c0), dtype=torch.float32, device=dy.device)
+        table.index_add_(0, slot, rows[:, c0 : c0 + step].float())
+        parts.append(gram_op(table.view(t, -1))[0])
+    return parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)
 
 
 class _StreamBlock(PerTaskGradients):
@@ -127,7 +127,17 @@ class _StreamBlock(PerTaskGradients):
     def _count(self, module: nn.Module, args: tuple) -> None:
         x = args[0]
         rows = x.numel() if isinstance(module, nn.Embedding) else x.numel() // max(x.shape[-1], 1)
-        self.buffer._count_call(self.param_index(module.weight), rows, isinstance(module, nn.Linear))
+        k_w = self.param_index(module.weight)
+        self.buffer._count_call(k_w, rows, isinstance(module, nn.Linear))
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            self.buffer._linear_bias(k_w, self.param_index(module.bias))
+
+    def write_segment_sums(self, k: int, values: torch.Tensor, rows: RowTasks) -> None:
+        if self.buffer._bias_with_weight(k) and kernels_on(self, values):
+            for t in rows.tasks:  # computed with its weight's (the multi-Linear ops' extra column)
+                self.written.flags[t][k] = True
+            return
+        super().write_segment_sums(k, values, rows)
 
     def linear_done(self, rows: RowTasks, k_w: int, dy: torch.Tensor, x: torch.Tensor) -> None:
         grouped = self.buffer._deferred.get(k_w, False) and kernels_on(self, dy)
@@ -197,6 +207,7 @@ class StreamingTaskGradients(TaskGradients):
         t = self.num_tasks
         self._blocks = 0
         self._gram: torch.Tensor | None = None
+        self._gram_parts: list[torch.Tensor] = []  # fp32 [T, T] Grams of the parts, summed once (fp64)
         self._rows: dict[int, torch.Tensor] = {}  # kept rows and the live scratches, [T, *shape] fp32
         self._small: tuple[list[int], torch.Tensor] | None = None  # small kept rows side by side, [T, n] fp32
         self._decided: dict[int, bool] = {}  # per parameter: streamed?
@@ -208,7 +219,12 @@ class StreamingTaskGradients(TaskGradients):
         self._left: dict[int, int] = {}
         self._linears: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._deferred: dict[int, bool] = {}  # per streamed Linear weight: Gram in blocks (no scratch)?
-        self._deferred_calls: dict[int, list[tuple[RowTasks, torch.Tensor, torch.Tensor, bool]]] = {}
+        self._deferred_calls: dict[int, list[tuple[RowTasks, torch.Tensor, torch.Tensor]]] = {}
+        # streamed Linear weights on the op library's kernels: their calls' rows (with the task plan), dy and x;
+        # Gram and update over all of them in one launch each (fastpals_kernels.stream_linear)
+        self._grouped: dict[int, list[tuple[RowTasks, torch.Tensor, torch.Tensor]]] = {}
+        self._bias_of: dict[int, int] = {}  # shared Linear weight -> its bias (both shared parameters)
+        self._weight_of: dict[int, int] = {}
         self._embeddings: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, int | None]] = []
         self._pending: list[
             torch.Tensor
@@ -229,9 +245,18 @@ class StreamingTaskGradients(TaskGradients):
         self._gram = torch.zeros(self.num_tasks, self.num_tasks, dtype=torch.float64, device=self.device)
 
     def _add_gram(self, rows: torch.Tensor) -> None:
-        """Gram += that of ``rows [T, n]`` fp32 (the op library's blocked Gram, as the buffer's; the per-layer
-        parts are summed in fp64)."""
-        self._gram.add_(gram_op(rows.contiguous())[0])
+        """Gram += that of ``rows [T, n]`` fp32 (the op library's blocked Gram, as the buffer's; the parts are
+        summed in fp64 at :meth:`_finish_gram`)."""
+        self._gram_parts.append(gram_op(rows.contiguous())[0])
+
+    def _linear_bias(self, k_w: int, k_b: int) -> None:
+        self._bias_of[k_w] = k_b
+        self._weight_of[k_b] = k_w
+
+    def _bias_with_weight(self, k: int) -> bool:
+        """Is parameter k the bias of a streamed Linear weight whose Gram is built in blocks (its per-task sums
+        then come with the weight's: on the op library's kernels, as one more column of the weight's products)?"""
+        return self._deferred.get(self._weight_of.get(k, -1), False)
 
     def _count_call(self, k: int, rows: int, linear: bool = False) -> None:
         self._calls[k] = self._calls.get(k, 0) + 1
@@ -281,42 +306,14 @@ class StreamingTaskGradients(TaskGradients):
             )
         return self._deferred[k]
 
-    def _blocked_gram_grouped(
-        self, k: int, calls: Sequence[tuple[RowTasks, torch.Tensor, torch.Tensor, bool]]
-    ) -> None:
-        """:meth:`_blocked_gram` on the op library's grouped weight-gradient kernel (the Triton path): per block
-        of output rows, one kernel launch per call on that block's columns of ``dy`` gives the ``[T, rows, K]``
-        fp32 per-task products (summed over the calls), whose Gram the fused Gram op adds; blocks within
-        ``GRAM_CHUNK_BYTES_DEVICE``, so no whole ``[T, M, K]`` scratch is made."""
-        from fastpals_kernels import dispatch
-
-        m, kk = self.params[k].shape
-        t = self.num_tasks
-        step = max(1, min(m, GRAM_CHUNK_BYTES_DEVICE // (t * kk * 4)))
-        xs = [x.contiguous() for _, _, x, _ in calls]
-        for m0 in range(0, m, step):
-            v = None
-            for (rows, dy, _, _), x in zip(calls, xs):
-                dw, _ = dispatch.grouped_wgrad(
-                    dy[:, m0 : m0 + step].contiguous(), x, rows.plan, torch.float32, False
-                )
-                v = dw if v is None else v.add_(dw)
-            if v is not None:
-                self._add_gram(v.view(t, -1))
-
-    def _blocked_gram(
-        self, k: int, calls: Sequence[tuple[RowTasks, torch.Tensor, torch.Tensor, bool]]
-    ) -> None:
+    def _blocked_gram(self, k: int, calls: Sequence[tuple[RowTasks, torch.Tensor, torch.Tensor]]) -> None:
         """Gram += that of the per-task gradients ``sum over calls of dy_t^T x_t`` of Linear weight k
         (``[M, K]``), in blocks of output rows: each block's fp32 products ``[n, rows, K]`` (``n`` the tasks
         with rows; the same GEMMs, dtypes and summing order over calls as the scratch's) within
         ``GRAM_CHUNK_BYTES``, its Gram added at once (fp32 products over ``GRAM_COLUMNS`` columns, summed in
         fp64), the block reused."""
-        tasks = sorted({t for rows, _, _, _ in calls for t in rows.tasks})
+        tasks = sorted({t for rows, _, _ in calls for t in rows.tasks})
         if not tasks:
-            return
-        if any(grouped for _, _, _, grouped in calls):
-            self._blocked_gram_grouped(k, calls)
             return
         m, kk = self.params[k].shape
         n = len(tasks)
@@ -328,7 +325,7 @@ class StreamingTaskGradients(TaskGradients):
             mc = min(step, m - m0)
             v = block[: n * mc * kk].view(n, mc, kk)
             first = [True] * n
-            for rows, dy, x, _ in calls:
+            for rows, dy, x in calls:
                 for t in rows.tasks:
                     sel = rows.slices[t]
                     if isinstance(sel, slice):
@@ -395,13 +392,17 @@ class StreamingTaskGradients(TaskGradients):
         grouped: bool = False,
     ) -> None:
         """One call of the shared Linear whose weight is parameter k has written its task rows: keep ``dy`` and
-        ``x`` if the weight streams; after its last call, its scratch goes into the Gram and is dropped."""
+        ``x`` if the weight streams; after its last call, its scratch goes into the Gram and is dropped (on the
+        op library's kernels, ``grouped``: its Gram is built with every streamed weight's at :meth:`_finish_gram`)."""
         if not self._streams(k, embedding=False):
+            return
+        self._left[k] -= 1
+        if grouped:  # Gram and update with all streamed Linears' (_finish_gram, _write_update)
+            self._grouped.setdefault(k, []).append((rows, dy, x))
             return
         self._linears.append((k, rows.row_task, dy, x))
         if self._deferred.get(k):
-            self._deferred_calls.setdefault(k, []).append((rows, dy, x, grouped))
-        self._left[k] -= 1
+            self._deferred_calls.setdefault(k, []).append((rows, dy, x))
         if self._left[k] > 0:
             return
         calls = self._deferred_calls.pop(k, None)
@@ -465,6 +466,11 @@ class StreamingTaskGradients(TaskGradients):
             self._gram = torch.zeros(t, t, dtype=torch.float64, device=self.device)
         for k in list(self._deferred_calls):  # a weight whose forward calls outnumber its backward calls
             self._blocked_gram(k, self._deferred_calls.pop(k))
+        if self._grouped:
+            from fastpals_kernels import stream_linear  # Triton: the kernels path only
+
+            for _, args in self._grouped_problems():
+                self._gram.add_(stream_linear.stream_linear_gram(*args, t))
         if self.all_reduce:
             self._flush()
             kept = [r.view(t, -1) for r in self._rows.values()]
@@ -483,14 +489,48 @@ class StreamingTaskGradients(TaskGradients):
         by_param: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int | None]]] = {}
         for k, ids, dy, row_task, pad in self._embeddings:
             by_param.setdefault(k, []).append((ids.reshape(-1), dy.reshape(ids.numel(), -1), row_task, pad))
-        for calls in by_param.values():
-            ids = torch.cat([c[0] for c in calls])
-            dy = torch.cat([c[1] for c in calls])
-            row_task = torch.cat([c[2] for c in calls])
+        # tables of one row width and dtype share one Gram: ids offset by the vocabularies before them (the
+        # tables are disjoint parameters), padding rows given the id -1
+        tables: dict[tuple[int, torch.dtype], tuple[list, list, list, list]] = {}
+        for k, calls in by_param.items():
+            ids, dy, row_task = (
+                torch.cat(parts) if len(parts) > 1 else parts[0] for parts in list(zip(*calls))[:3]
+            )
             if self.all_reduce:
                 ids, dy, row_task = self._gather_rows(ids, dy, row_task)
-            self._gram.add_(embedding_row_gram(ids, dy, row_task, t, calls[0][3]))
+            *columns, base = tables.setdefault((dy.shape[1], dy.dtype), ([], [], [], [0, None]))
+            pad = calls[0][3]
+            if base[0]:
+                ids = ids + base[0]
+            if pad is not None:
+                ids = torch.where(ids == pad + base[0], -1, ids)
+                base[1] = -1
+            for column, value in zip(columns, (ids, dy, row_task)):
+                column.append(value)
+            base[0] += self.params[k].shape[0]
+        for columns in tables.values():
+            ids, dy, row_task = (torch.cat(parts) if len(parts) > 1 else parts[0] for parts in columns[:3])
+            self._gram_parts.append(embedding_row_gram(ids, dy, row_task, t, columns[3][1]))
+        if self._gram_parts:
+            self._gram.add_(torch.stack(self._gram_parts).sum(0, dtype=torch.float64))
+            self._gram_parts = []
         return self._gram.to(torch.float32)
+
+    def _grouped_problems(self) -> list[tuple[list[int], tuple]]:
+        """The streamed Linear weights of :attr:`_grouped` (with their biases) as problems of the op library's
+        multi-Linear ops, one group per dtype of the kept ``dy`` and ``x``: ``(weights k, (dy, x, row_index,
+        task_row_offsets, problem, bias))`` per group."""
+        groups: dict[torch.dtype, tuple[list[int], tuple[list, list, list, list, list, list]]] = {}
+        for k, calls in self._grouped.items():
+            keys, args = groups.setdefault(calls[0][1].dtype, ([], ([], [], [], [], [], [])))
+            for rows, dy, x in calls:
+                for column, value in zip(
+                    args, (dy, x, rows.plan.row_index, rows.plan.task_row_offsets, len(keys))
+                ):
+                    column.append(value)
+            args[5].append(k in self._bias_of)
+            keys.append(k)
+        return list(groups.values())
 
     def _gather_rows(
         self, ids: torch.Tensor, dy: torch.Tensor, row_task: torch.Tensor
@@ -527,6 +567,12 @@ class StreamingTaskGradients(TaskGradients):
             left[entry[0]] = left.get(entry[0], 0) + 1
         grads: dict[int, torch.Tensor] = {}
         done: set[int] = set()
+        row_weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # c_row [N, 1] per distinct row_task
+
+        def c_row_of(row_task: torch.Tensor) -> torch.Tensor:
+            if id(row_task) not in row_weights:
+                row_weights[id(row_task)] = (row_task, c.index_select(0, row_task)[:, None])
+            return row_weights[id(row_task)][1]
 
         def hand_over(k: int) -> None:
             g = grads.pop(k, None)
@@ -546,9 +592,25 @@ class StreamingTaskGradients(TaskGradients):
         for k in list(self._rows):
             grads[k] = (c @ self._rows.pop(k).view(t, -1)).view(self.params[k].shape)
             hand_over(k)
+        if self._grouped:  # one launch per dtype for all streamed Linear weights on the kernels path
+            from fastpals_kernels import stream_linear  # Triton: the kernels path only
+
+            groups = self._grouped_problems()
+            self._grouped = {}
+            while groups:  # each group's dy and x freed once combined
+                keys, args = groups.pop(0)
+                flat = stream_linear.stream_linear_combine(*args, c)
+                del args
+                start = 0
+                for k_w in keys:  # slices, not torch.split: a caller may scale the gradients in place
+                    for k in (k_w, self._bias_of.get(k_w)):  # the weight's, then its bias's
+                        if k is not None:
+                            grads[k] = flat[start : start + self.numels[k]].view(self.params[k].shape)
+                            start += self.numels[k]
+                            hand_over(k)
         while self._linears:
             k, row_task, dy, x = self._linears.pop(0)
-            c_row = c.index_select(0, row_task)[:, None]
+            c_row = c_row_of(row_task)
             if dy.dtype == torch.float32:  # c_row scales the narrower of dy and x
                 if dy.shape[1] <= x.shape[1]:
                     prod = torch.mm((dy * c_row).t(), x.float())
@@ -577,7 +639,7 @@ class StreamingTaskGradients(TaskGradients):
             dy = dy.reshape(ids.numel(), -1)
             if k not in grads:
                 grads[k] = torch.zeros(self.params[k].shape, dtype=torch.float32, device=self.device)
-            grads[k].index_add_(0, ids, dy.float() * c.index_select(0, row_task)[:, None])
+            grads[k].index_add_(0, ids, dy.float() * c_row_of(row_task))
             if pad is not None:
                 grads[k][pad].zero_()
             del dy, ids, row_task
