@@ -15,6 +15,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_fixtures import make_tiny_data, make_tiny_model  # noqa: E402
 
+from fastpals.commands import claims, claims_jobs  # noqa: E402
 from fastpals.commands.claims import (  # noqa: E402
     ARMS,
     CONVERGED,
@@ -28,6 +29,7 @@ from fastpals.commands.claims import (  # noqa: E402
     reference_scores,
     resolve_budget,
     run_argv,
+    student_t_quantile,
     summarize,
     verdict,
     write_markdown,
@@ -44,6 +46,15 @@ T_975 = {
     2: 4.303,
     4: 2.776,
 }  # Student-t 0.975 quantiles, df 1, 2, 4 (any printed table, 3 decimals)
+
+
+def test_student_t_quantile_equals_scipys_without_needing_scipy():
+    stats = pytest.importorskip("scipy.stats", reason="scipy (the dev extra) is the reference")
+    for df in (1, 2, 4, 9, 30):
+        for p in (0.5, 0.9, 0.975, 0.995):
+            assert student_t_quantile(p, df) == pytest.approx(float(stats.t.ppf(p, df)), rel=1e-8, abs=1e-12)
+    source = Path(claims.__file__).read_text() + Path(claims_jobs.__file__).read_text()
+    assert "scipy" not in source  # fastpals claims runs on a plain install
 
 
 def test_paired_interval_matches_a_hand_computed_case():

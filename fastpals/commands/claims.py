@@ -271,10 +271,32 @@ def paired_interval(better: Sequence[float], worse: Sequence[float], level: floa
     mean, sd = mean_sd(diffs)
     if n < 2:
         return {"n": n, "mean": mean, "sd": sd, "lo": math.nan, "hi": math.nan}
-    from scipy.stats import t  # optional: scipy is a dev extra
-
-    half = float(t.ppf((1.0 + level) / 2.0, n - 1)) * sd / math.sqrt(n)
+    half = student_t_quantile((1.0 + level) / 2.0, n - 1) * sd / math.sqrt(n)
     return {"n": n, "mean": mean, "sd": sd, "lo": mean - half, "hi": mean + half}
+
+
+def student_t_quantile(p: float, df: int) -> float:
+    """The ``p`` quantile (``0.5 <= p < 1``) of Student's t with ``df`` degrees of freedom: bisection on the CDF,
+    whose integral over ``[0, x]`` is Simpson's rule in ``u = atan(x)`` (a smooth integrand on a finite range)."""
+    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+
+    def mass(x: float, steps: int = 2000) -> float:  # P(0 < T < x)
+        top = math.atan(x)
+        h = top / steps
+
+        def f(u: float) -> float:  # the density at tan(u), times dx/du
+            return math.exp(log_c - (df + 1) / 2 * math.log1p(math.tan(u) ** 2 / df)) / math.cos(u) ** 2
+
+        inner = sum((4 if i % 2 else 2) * f(i * h) for i in range(1, steps))
+        return h / 3 * (f(0.0) + inner + f(top))
+
+    lo, hi = 0.0, 1.0
+    while mass(hi) < p - 0.5:
+        lo, hi = hi, 2 * hi
+    for _ in range(50):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if mass(mid) < p - 0.5 else (lo, mid)
+    return 0.5 * (lo + hi)
 
 
 def verdict(interval: dict[str, float]) -> str:
