@@ -22,7 +22,9 @@ from __future__ import annotations
 import importlib
 
 from fastpals_kernels import library  # noqa: F401 - registers torch.ops.fastpals
-from fastpals_kernels.dispatch import available, backend, combine, decide, gram, kernel_mode, use_triton
+from fastpals_kernels.combine import combine
+from fastpals_kernels.dispatch import available, backend, decide, kernel_mode, use_triton
+from fastpals_kernels.gram import gram
 
 __all__ = [
     "available",

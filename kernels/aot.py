@@ -268,8 +268,8 @@ def _grouped_case(dtype: Any, d_in: int, d_out: int, gelu: bool) -> None:
 def _buffer_case(dtype: Any, tasks: int) -> None:
     import torch
 
-    from fastpals_kernels.combine_triton import combine_triton
-    from fastpals_kernels.gram_triton import gram_triton
+    from fastpals_kernels.combine import combine_triton
+    from fastpals_kernels.gram import gram_triton
 
     buf = torch.zeros(tasks, 1 << 20, dtype=dtype)
     gram_triton(buf)

@@ -13,7 +13,9 @@ import contextlib
 import numbers
 import os
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,13 +23,18 @@ import torch
 from fastpals_kernels.reference import autocast_dtype, check_task_ids
 
 __all__ = [
+    "BUFFER_DTYPES",
+    "MAX_TASKS",
     "ROW_ALIGN",
+    "TritonKernel",
     "TaskRowPlan",
     "aligned_rows",
     "autocast_dtype",
     "build_task_row_plan",
     "build_task_row_plan_host",
     "cast_floats",
+    "cdiv",
+    "check_task_buffer",
     "check_cu_seqlens",
     "cu_seqlens_int32",
     "device_context",
@@ -35,6 +42,8 @@ __all__ = [
     "aot_mode",
     "interpret_mode",
     "last_dim_contiguous",
+    "next_power_of_2",
+    "per_sample_vmap",
     "target_arch",
     "task_row_plan",
 ]
@@ -43,6 +52,55 @@ __all__ = [
 def interpret_mode() -> bool:
     """True when ``TRITON_INTERPRET=1`` (Triton's CPU interpreter) is set."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+class TritonKernel:
+    """A ``@triton.jit`` function that Triton compiles on its first launch (``kernel[grid](...)``), so that importing
+    an op module loads no Triton (optional, and slow to import). The first launch binds ``triton`` and ``tl`` in the
+    kernel's module and replaces every :class:`TritonKernel` there by its ``triton.jit`` function (kernels call
+    each other by name); ``TRITON_INTERPRET`` is read then."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+        self.__name__ = fn.__name__
+        self.kernel: Any = None
+
+    def __getitem__(self, grid: Any) -> Any:
+        return self.jit()[grid]
+
+    def jit(self) -> Any:
+        """The ``triton.jit`` function (Triton imported here)."""
+        if self.kernel is None:
+            load_triton(self.fn.__globals__)
+        return self.kernel
+
+
+def load_triton(namespace: dict) -> None:
+    """Bind ``triton`` and ``tl`` in ``namespace`` (a module's globals) and replace its :class:`TritonKernel`
+    values by their ``triton.jit`` functions."""
+    import triton  # Triton: optional
+    import triton.language as tl
+
+    namespace.setdefault("triton", triton)
+    namespace.setdefault("tl", tl)
+    for name, value in list(namespace.items()):
+        if isinstance(value, TritonKernel):
+            if value.kernel is None:
+                if value.fn.__globals__ is not namespace:
+                    load_triton(value.fn.__globals__)
+                else:
+                    value.kernel = triton.jit(value.fn)
+            namespace[name] = value.kernel
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for positive ints."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two ``>= n`` (1 for ``n <= 1``)."""
+    return 1 << max(n - 1, 0).bit_length()
 
 
 #: set to 1 by :mod:`fastpals_kernels.aot` only: launches are compiled for a fake GPU target, never run
@@ -382,3 +440,53 @@ def build_task_row_plan_host(
     flat = torch.from_numpy(np.concatenate(parts).astype(np.int32)).to(device)
     views = torch.split(flat, [p.size for p in parts])
     return TaskRowPlan(*views, num_rows=num_rows, num_tasks=num_tasks, block_rows=block_rows)
+
+
+#: most task rows a ``[T, P]`` task-gradient buffer may have: 64 tasks, and GEM's episodic memory (2 T rows) for
+#: them; the Gram kernel pads T to a power of two and tiles it in 32 x 32 blocks
+MAX_TASKS = 128
+BUFFER_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_task_buffer(buf: object, name: str = "buf") -> torch.Tensor:
+    """Validate a per-task gradient buffer: ``[T, P]`` float32/float16/bfloat16, ``1 <= T <= MAX_TASKS``,
+    ``P >= 1``, unit stride along P (rows may be strided)."""
+    if not isinstance(buf, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(buf).__name__}")
+    if buf.dim() != 2:
+        raise ValueError(f"{name} must have shape [T, P], got {list(buf.shape)}")
+    t, p = buf.shape
+    if not 1 <= t <= MAX_TASKS:
+        raise ValueError(f"{name} has T = {t} rows; 1 <= T <= {MAX_TASKS} is supported")
+    if p < 1:
+        raise ValueError(f"{name} has P = {p} columns; at least 1 is needed")
+    if buf.dtype not in BUFFER_DTYPES:
+        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {buf.dtype}")
+    if buf.stride(1) != 1 or buf.stride(0) < p:
+        raise ValueError(f"{name} must be contiguous along P (strides {buf.stride()})")
+    return buf
+
+
+def per_sample_vmap(op: Any) -> Callable:
+    """A ``torch.func.vmap`` rule for the custom op ``op``: the op on each sample of the batched arguments in turn
+    (the unbatched ones shared), the results stacked along dim 0. Exact for every backend; ``batch_size`` calls,
+    which suits the few Jacobian rows of TorchJD's ``mtl_backward``. Dropout seeds are arguments, so every sample
+    sees the mask the unbatched call would."""
+
+    def rule(info: Any, in_dims: tuple, *args: Any) -> tuple:
+        outs = [op(*[a if d is None else a.select(d, i) for a, d in zip(args, in_dims)])
+                for i in range(info.batch_size)]  # fmt: skip
+        return _stack_outputs(outs)
+
+    return rule
+
+
+def _stack_outputs(items: list) -> tuple:
+    """Per-sample outputs (a tensor, None, or a tuple/list of them) stacked along dim 0: ``(value, out_dims)``."""
+    first = items[0]
+    if isinstance(first, torch.Tensor):
+        return torch.stack(items), 0
+    if first is None:
+        return None, None
+    parts = [_stack_outputs([item[k] for item in items]) for k in range(len(first))]
+    return type(first)(v for v, _ in parts), type(first)(d for _, d in parts)

@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 
-from fastpals_kernels import reference as functional
 from fastpals_kernels.backends import (
     BACKENDS_ENV,
     KERNELS_ENV,
@@ -33,6 +32,7 @@ from fastpals_kernels.backends import (
     use_library,
     use_triton,
 )
+from fastpals_kernels.combine import combine
 from fastpals_kernels.eager import (
     PackedSegments,
     attention_varlen_eager,
@@ -40,6 +40,7 @@ from fastpals_kernels.eager import (
     padded_attention,
     pal_eager,
 )
+from fastpals_kernels.gram import gram
 from fastpals_kernels.library import draw_seed
 from fastpals_kernels.padding import AttentionPlan
 
@@ -85,53 +86,6 @@ def _seed(dropout_p: float) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------------------
 # Dispatching ops
 # ----------------------------------------------------------------------------------------------------------------
-def gram(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gram matrix of the rows of ``buf`` and a per-row finite flag, in one pass (``torch.ops.fastpals.gram``).
-
-    Args:
-        buf: ``[T, P]`` float32/float16/bfloat16, contiguous along P, ``T <= MAX_TASKS`` (128).
-
-    Returns:
-        ``(gram [T, T] float32, finite [T] bool)`` on ``buf``'s device (launched there). No host sync.
-    """
-    buf = functional.check_task_buffer(buf)
-    ext = registered("gram", backend("gram", buf))
-    if ext is not None:
-        return ext.impl(buf)
-    return torch.ops.fastpals.gram(buf)
-
-
-def combine(
-    buf: torch.Tensor, weights: torch.Tensor, out: torch.Tensor | None = None, *, out_row: int | None = None
-) -> torch.Tensor:
-    """``out = weights @ buf`` in one pass (``torch.ops.fastpals.combine`` / ``combine_out`` / ``combine_row``).
-
-    Args:
-        buf: ``[T, P]`` float32/float16/bfloat16, contiguous along P, ``T <= MAX_TASKS`` (128).
-        weights: ``[T]`` float32/float64 on ``buf``'s device (read as fp32).
-        out: ``[P]`` contiguous float32/float16/bfloat16 destination (e.g. the flat gradient of the shared
-            parameters); a new float32 tensor when omitted. It must not overlap ``buf``.
-        out_row: instead of ``out``, write the result over row ``out_row`` of ``buf`` (no extra ``[P]`` memory;
-            each column is read in full before it is written).
-
-    Returns:
-        ``out``.
-    """
-    buf = functional.check_task_buffer(buf)
-    given = out
-    out, in_place = functional.check_combine_args(buf, weights, out, out_row)
-    ext = registered("combine", backend("combine", buf))
-    if ext is not None:
-        return ext.impl(buf, weights, given, out_row=out_row)
-    if in_place:
-        torch.ops.fastpals.combine_row(buf, weights, out_row)
-        return out
-    if given is None:
-        return torch.ops.fastpals.combine(buf, weights)
-    torch.ops.fastpals.combine_out(buf, weights, out)
-    return out
-
-
 def grouped_wgrad(
     dy: torch.Tensor, x: torch.Tensor, plan: Any, out_dtype: torch.dtype, with_bias: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:

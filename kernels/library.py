@@ -16,10 +16,6 @@ op                     computes
 ``attention_varlen``   softmax attention over packed rows ``q, k, v [N, H, Dh]`` (each sequence its own keys)
 ``attention_varlen_backward``  its gradients (q, k, v), recomputing the forward
 ``grouped_wgrad``      per-task weight (and bias) gradients ``dW_t = dY_tᵀ X_t`` from one backward's rows
-``gram``               ``(buf bufᵀ [T, T] fp32, finite [T] bool)`` of a ``[T, P]`` task-gradient buffer
-``combine``            ``weights @ buf`` as a new fp32 ``[P]``
-``combine_out``        the same written into ``out [P]`` (mutates ``out``)
-``combine_row``        the same written over row ``row`` of ``buf`` (mutates ``buf``)
 =====================  ======================================================================================
 
 Dropout inside ``pal*`` and ``attention_varlen`` draws its mask from ``seed`` (an int64 tensor of one element,
@@ -29,7 +25,7 @@ of the encoder), as activation checkpointing does; the eager training path of :m
 keeps the Triton ops' saved activations instead.
 
 Under ``torch.func.vmap`` (TorchJD's Jacobians) every non-mutating op runs once per sample
-(:func:`_per_sample_vmap`), so the ops, their autograd formulas included, work inside vmapped code.
+(:func:`~fastpals_kernels.common.per_sample_vmap`), so the ops, their autograd formulas included, work inside vmapped code.
 """
 
 from __future__ import annotations
@@ -39,8 +35,10 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from fastpals_kernels import backends, eager, reference
-from fastpals_kernels.common import TaskRowPlan
+from fastpals_kernels import backends, eager
+from fastpals_kernels.combine import combine_op, combine_out_op, combine_row_op
+from fastpals_kernels.common import TaskRowPlan, per_sample_vmap
+from fastpals_kernels.gram import gram_op
 
 __all__ = ["NAMESPACE", "OPS", "draw_seed"]
 
@@ -474,93 +472,6 @@ def _(dy, x, row_index, offsets, tile_task, tile_start, tile_end, num_tasks, blo
     return None
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Gradient-surgery buffer ops
-# ----------------------------------------------------------------------------------------------------------------
-@torch.library.custom_op(f"{NAMESPACE}::gram", mutates_args=())
-def gram(buf: Tensor) -> tuple[Tensor, Tensor]:
-    """``(buf bufᵀ [T, T] fp32, finite [T] bool)`` for ``buf [T, P]`` fp32/fp16/bf16 (one pass; no host read)."""
-    if _backend("gram", buf) == "triton":
-        from fastpals_kernels.gram_triton import gram_triton  # Triton: optional
-
-        return gram_triton(buf)
-    return reference.gram_reference(buf)
-
-
-@gram.register_fake
-def _(buf):
-    t = buf.shape[0]
-    return buf.new_empty(t, t, dtype=torch.float32), buf.new_empty(t, dtype=torch.bool)
-
-
-def _gram_setup(ctx, inputs, output) -> None:
-    ctx.save_for_backward(inputs[0])
-
-
-def _gram_backward(ctx, grad_gram: Tensor, grad_finite: Tensor | None) -> Tensor:
-    (buf,) = ctx.saved_tensors
-    return ((grad_gram + grad_gram.T) @ buf.float()).to(buf.dtype)
-
-
-gram.register_autograd(_gram_backward, setup_context=_gram_setup)
-
-
-def _combine_into(buf: Tensor, weights: Tensor, out: Tensor, in_place: bool) -> Tensor:
-    if _backend("combine", buf) == "triton":
-        from fastpals_kernels.combine_triton import combine_triton  # Triton: optional
-
-        return combine_triton(buf, weights, out)
-    return reference.combine_reference(buf, weights, out, in_place=in_place)
-
-
-@torch.library.custom_op(f"{NAMESPACE}::combine", mutates_args=())
-def combine(buf: Tensor, weights: Tensor) -> Tensor:
-    """``weights @ buf``: buf ``[T, P]``, weights ``[T]`` fp32/fp64 → a new fp32 ``[P]``."""
-    out = torch.empty(buf.shape[1], dtype=torch.float32, device=buf.device)
-    return _combine_into(buf, weights, out, in_place=False)
-
-
-@combine.register_fake
-def _(buf, weights):
-    return buf.new_empty(buf.shape[1], dtype=torch.float32)
-
-
-def _combine_setup(ctx, inputs, output) -> None:
-    ctx.save_for_backward(*inputs)
-
-
-def _combine_backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor]:
-    buf, weights = ctx.saved_tensors
-    d_buf = (weights.float()[:, None] * grad[None, :]).to(buf.dtype)
-    d_weights = (buf.float() @ grad).to(weights.dtype)
-    return d_buf, d_weights
-
-
-combine.register_autograd(_combine_backward, setup_context=_combine_setup)
-
-
-@torch.library.custom_op(f"{NAMESPACE}::combine_out", mutates_args=("out",))
-def combine_out(buf: Tensor, weights: Tensor, out: Tensor) -> None:
-    """``out = weights @ buf`` into ``out [P]`` (fp32/fp16/bf16, not sharing memory with buf)."""
-    _combine_into(buf, weights, out, in_place=False)
-
-
-@torch.library.custom_op(f"{NAMESPACE}::combine_row", mutates_args=("buf",))
-def combine_row(buf: Tensor, weights: Tensor, row: int) -> None:
-    """``buf[row] = weights @ buf`` (each column read in full before it is written; no ``[P]`` temporary)."""
-    _combine_into(buf, weights, buf[row], in_place=True)
-
-
-@combine_out.register_fake
-def _(buf, weights, out):
-    return None
-
-
-@combine_row.register_fake
-def _(buf, weights, row):
-    return None
-
-
 #: every op of the library, by name (``torch.ops.fastpals.<name>``)
 OPS = {
     op._name: op
@@ -573,44 +484,17 @@ OPS = {
         attention_varlen_backward,
         grouped_wgrad,
         grouped_wgrad_out,
-        gram,
-        combine,
-        combine_out,
-        combine_row,
+        gram_op,
+        combine_op,
+        combine_out_op,
+        combine_row_op,
     )
 }
-
-
-def _per_sample_vmap(op: Callable) -> Callable:
-    """A ``torch.func.vmap`` rule for ``op``: the op on each sample of the batched arguments in turn (the
-    unbatched ones shared), the results stacked along dim 0. Exact (each call is the op itself) and works for
-    every backend; ``batch_size`` calls, so it suits the small batches of Jacobian rows (TorchJD's
-    ``mtl_backward`` vmaps the backward over its tasks). Dropout seeds are arguments: every sample sees the
-    same mask, as the unbatched call would."""
-
-    def rule(info, in_dims, *args):
-        outs = []
-        for i in range(info.batch_size):
-            outs.append(op(*[a if d is None else a.select(d, i) for a, d in zip(args, in_dims)]))
-        return _stack_outputs(outs)
-
-    return rule
-
-
-def _stack_outputs(items: list) -> tuple:
-    """Per-sample outputs (a tensor, None, or a tuple/list of them) stacked along dim 0: ``(value, out_dims)``."""
-    first = items[0]
-    if isinstance(first, torch.Tensor):
-        return torch.stack(items), 0
-    if first is None:
-        return None, None
-    parts = [_stack_outputs([item[k] for item in items]) for k in range(len(first))]
-    return type(first)(v for v, _ in parts), type(first)(d for _, d in parts)
 
 
 #: the ops that take a vmap rule (the mutating ``grouped_wgrad_out`` / ``combine_out`` / ``combine_row`` write into
 #: their arguments)
 VMAPPED = ("pal", "pal_varlen", "pal_backward", "pal_varlen_backward", "attention_varlen",
-           "attention_varlen_backward", "grouped_wgrad", "gram", "combine")  # fmt: skip
+           "attention_varlen_backward", "grouped_wgrad")  # fmt: skip
 for _name in VMAPPED:
-    OPS[_name].register_vmap(_per_sample_vmap(OPS[_name]))
+    OPS[_name].register_vmap(per_sample_vmap(OPS[_name]))

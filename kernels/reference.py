@@ -1,4 +1,4 @@
-"""Reference (plain PyTorch) definitions of every fastpals op: the PAL ops and the gradient-surgery buffer ops.
+"""Reference (plain PyTorch) definitions of the PAL ops (the Gram and combine references are in their op modules).
 
 These functions *define* what every fused kernel in ``fastpals_kernels`` computes. They run on any device, are
 the path used on CPU, and import no Triton. Shapes use these letters:
@@ -28,19 +28,14 @@ import torch.nn.functional as F
 from fastpals_kernels.padding import pad_packed_index as pad_packed
 
 __all__ = [
-    "MAX_TASKS",
     "Dropout",
     "PALWeights",
     "attention_reference",
     "attention_sdpa",
     "attention_varlen_reference",
     "attention_with_key_bias",
-    "check_combine_args",
-    "check_task_buffer",
     "check_task_ids",
-    "combine_reference",
     "dropout",
-    "gram_reference",
     "grouped_linear_reference",
     "key_mask_bias",
     "pad_packed",
@@ -444,135 +439,3 @@ def pal_varlen_reference(
         num_heads, gelu, dropout_p, attention,
     )  # fmt: skip
     return out.flatten(0, 1).index_select(0, index)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Gradient-surgery buffer ops: a [T, P] buffer of per-task gradients
-# ----------------------------------------------------------------------------------------------------------------
-#: most task rows a [T, P] task-gradient buffer may have: 64 tasks, and GEM's episodic memory (2 T rows) for
-#: them; the Gram kernel pads T to a power of two and tiles it in 32 x 32 blocks
-MAX_TASKS = 128
-_BUFFER_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_REFERENCE_CHUNK = 1 << 20  # columns per fp32 up-cast in the reference paths (bounds their temporary memory)
-# columns per in-place combine chunk (a 4 MiB fp32 temporary): measured 2x faster than 2^14 on a 2-core AVX2 EPYC
-_IN_PLACE_CHUNK = 1 << 20
-# columns per block of the blocked Gram: one [T, T] product per block, summed at the end
-_GRAM_BLOCK = 1 << 16
-
-
-def _blocked_gram(x: torch.Tensor) -> torch.Tensor:
-    """``x @ x.T`` for a float32 ``[T, n]`` with unit column stride, as a batched GEMM over blocks of
-    ``_GRAM_BLOCK`` columns whose ``[T, T]`` products are then summed. A single ``x @ x.T`` with tiny T and huge n
-    runs as one long dot product per entry: measured 3x slower on a 2-core CPU (T = 3, n = 22.7M) and ~10^4x less
-    accurate against float64 (2.5e-3 vs 3.3e-7 relative)."""
-    t, n = x.shape
-    full = n // _GRAM_BLOCK
-    rest = x[:, full * _GRAM_BLOCK :]
-    g = rest @ rest.T
-    if full:
-        blocks = (
-            x[:, : full * _GRAM_BLOCK].view(t, full, _GRAM_BLOCK).transpose(0, 1)
-        )  # [full, T, block], a view
-        g = g + torch.bmm(blocks, blocks.transpose(1, 2)).sum(0)
-    return g
-
-
-def check_task_buffer(buf: object, name: str = "buf") -> torch.Tensor:
-    """Validate a per-task gradient buffer: ``[T, P]`` float32/float16/bfloat16, ``1 <= T <= MAX_TASKS``,
-    ``P >= 1``, unit stride along P (rows may be strided)."""
-    if not isinstance(buf, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(buf).__name__}")
-    if buf.dim() != 2:
-        raise ValueError(f"{name} must have shape [T, P], got {list(buf.shape)}")
-    t, p = buf.shape
-    if not 1 <= t <= MAX_TASKS:
-        raise ValueError(f"{name} has T = {t} rows; 1 <= T <= {MAX_TASKS} is supported")
-    if p < 1:
-        raise ValueError(f"{name} has P = {p} columns; at least 1 is needed")
-    if buf.dtype not in _BUFFER_DTYPES:
-        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {buf.dtype}")
-    if buf.stride(1) != 1 or buf.stride(0) < p:
-        raise ValueError(f"{name} must be contiguous along P (strides {buf.stride()})")
-    return buf
-
-
-def gram_reference(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Gram matrix of the rows of ``buf`` and a per-row finite flag (the reference of
-    :func:`fastpals_kernels.gram`): ``(gram [T, T] float32, finite [T] bool)``; fp32 products over blocks of 2^16
-    columns, summed (bf16/fp16 up-cast in chunks of 2^20 columns).
-
-    ``finite[t]`` is read from the diagonal: a sum of squares is inf/nan exactly when row ``t`` holds an inf or
-    a nan (non-negative terms never cancel) or overflows.
-    """
-    buf = check_task_buffer(buf)
-    if buf.dtype == torch.float32:
-        g = _blocked_gram(buf)
-    else:
-        t = buf.shape[0]
-        g = torch.zeros((t, t), dtype=torch.float32, device=buf.device)
-        for chunk in torch.split(buf, _REFERENCE_CHUNK, dim=1):
-            g += _blocked_gram(chunk.float())
-    g = 0.5 * (g + g.T)
-    return g, torch.isfinite(torch.diagonal(g)).clone()
-
-
-def check_combine_args(buf: torch.Tensor, weights: object, out: object, out_row: object = None) -> tuple:
-    """Validate the arguments of :func:`fastpals_kernels.combine` (``buf`` already checked by
-    :func:`check_task_buffer`) and return ``(out, in_place)``: ``out`` is a new float32 ``[P]`` when None, row
-    ``out_row`` of ``buf`` when that is given."""
-    in_place = out_row is not None
-    if in_place:
-        if out is not None:
-            raise ValueError("give either out or out_row, not both")
-        if isinstance(out_row, bool) or not isinstance(out_row, int) or not 0 <= out_row < buf.shape[0]:
-            raise ValueError(f"out_row must be a row index in [0, {buf.shape[0]}), got {out_row!r}")
-        out = buf[out_row]
-    elif out is None:
-        out = torch.empty(buf.shape[1], dtype=torch.float32, device=buf.device)
-    elif (
-        isinstance(out, torch.Tensor) and out.untyped_storage()._cdata == buf.untyped_storage()._cdata
-    ):  # the same storage (compared by identity: fake tensors have no data pointer)
-        raise ValueError("out shares memory with buf: use out_row to overwrite a row of buf")
-    t, p = buf.shape
-    if not isinstance(weights, torch.Tensor):
-        raise TypeError(f"weights must be a torch.Tensor, got {type(weights).__name__}")
-    if weights.shape != (t,) or weights.dtype not in (torch.float32, torch.float64):
-        raise ValueError(
-            f"weights must be float32/float64 of shape ({t},), got {weights.dtype} {list(weights.shape)}"
-        )
-    if weights.device != buf.device:
-        raise ValueError(f"weights are on {weights.device} but buf is on {buf.device}")
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
-    if out.shape != (p,) or out.dtype not in _BUFFER_DTYPES or not out.is_contiguous():
-        raise ValueError(
-            f"out must be a contiguous float tensor of shape ({p},), got {out.dtype} {list(out.shape)}"
-        )
-    if out.device != buf.device:
-        raise ValueError(f"out is on {out.device} but buf is on {buf.device}")
-    return out, in_place
-
-
-def combine_reference(
-    buf: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, in_place: bool = False
-) -> torch.Tensor:
-    """``out = weights @ buf`` (the reference of :func:`fastpals_kernels.combine`, arguments checked by
-    :func:`check_combine_args`): fp32 ``w @ buf`` (in chunks of 2^20 columns through a 4 MiB
-    temporary when ``out`` is a row of ``buf``, ``in_place``); bf16/fp16 up-cast in chunks of 2^20 columns, each
-    computed in full before it is stored."""
-    w = weights.float()
-    if buf.dtype == torch.float32 and out.dtype == torch.float32:
-        if in_place:  # column chunks through a 4 MiB temporary (no [P] allocation)
-            tmp = torch.empty(min(_IN_PLACE_CHUNK, out.numel()), dtype=torch.float32, device=out.device)
-            for chunk, dst in zip(
-                torch.split(buf, _IN_PLACE_CHUNK, dim=1), torch.split(out, _IN_PLACE_CHUNK)
-            ):
-                part = tmp[: dst.numel()]
-                torch.mv(chunk.T, w, out=part)
-                dst.copy_(part)
-        else:
-            torch.mv(buf.T, w, out=out)
-        return out
-    for chunk, dst in zip(torch.split(buf, _REFERENCE_CHUNK, dim=1), torch.split(out, _REFERENCE_CHUNK)):
-        dst.copy_(w @ chunk.float())
-    return out
