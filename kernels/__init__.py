@@ -25,6 +25,7 @@ from fastpals_kernels import library  # noqa: F401 - registers torch.ops.fastpal
 from fastpals_kernels.combine import combine
 from fastpals_kernels.dispatch import available, backend, decide, kernel_mode, use_triton
 from fastpals_kernels.gram import gram
+from fastpals_kernels.grouped_linear import grouped_linear, grouped_linear_varlen
 
 __all__ = [
     "available",
@@ -45,8 +46,6 @@ __all__ = [
 # exported Triton op -> module holding it; loaded on first use: Triton is optional (Linux only) and its import
 # costs about 0.5 s, which `import fastpals` on a CPU never needs
 _LAZY = {
-    "grouped_linear": "grouped_linear_triton",
-    "grouped_linear_varlen": "grouped_linear_triton",
     "pal": "pal_triton",
     "pal_varlen": "pal_triton",
     "pal_attention": "pal_attention_triton",

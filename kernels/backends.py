@@ -1,9 +1,10 @@
 """Which backend runs each fastpals op: the Triton kernels, a stock PyTorch composition, or the reference.
 
-One decision per op, from the device's compute capability and the dtype (:func:`decide`), under the override
-``$FASTPALS_KERNELS`` = ``auto`` (default) | ``triton`` | ``reference`` (:func:`backend`), and whether a call
-goes through the custom ops of :mod:`fastpals_kernels.library` (:func:`use_library`). ``python -m
-fastpals.env`` prints the decision and its reason for the current device. Backends:
+One decision per op, from the device's compute capability and the dtype (:func:`decide`), under the one switch
+``$FASTPALS_KERNELS``: a mode ``auto`` (default) | ``triton`` | ``reference``, then optional per-op overrides
+``op=backend`` and the word ``library`` (every call through ``torch.ops.fastpals``, as under ``torch.compile``),
+comma-separated, e.g. ``FASTPALS_KERNELS=auto,gram=reference``. ``python -m fastpals.env`` prints the decision
+and its reason for the current device. Backends:
 
 - ``triton``: the fused kernels of this package (``fastpals_kernels.*_triton``);
 - ``sdpa``: grouped cuBLAS matmuls plus ``F.scaled_dot_product_attention`` with the head dim padded to a
@@ -11,10 +12,7 @@ fastpals.env`` prints the decision and its reason for the current device. Backen
 - ``flash_attn``: flash-attn's varlen kernel (BERT's own self-attention over packed rows);
 - ``reference``: the plain PyTorch definitions in :mod:`fastpals.functional` (CPU, or forced).
 
-The bottom of the op library's dispatch: it imports no other module of the package but :mod:`common`
-(``interpret_mode``), so :mod:`fastpals_kernels.eager`, :mod:`fastpals_kernels.library` and
-:mod:`fastpals_kernels.dispatch` all build on it without an import circle. Nothing here imports Triton at module
-load.
+Every op module imports this one; it imports only :mod:`fastpals_kernels.common`, and no Triton at module load.
 """
 
 from __future__ import annotations
@@ -22,18 +20,20 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from fastpals_kernels.common import interpret_mode
+from fastpals_kernels.common import TritonKernel, interpret_mode
 
 __all__ = [
     "BACKENDS_ENV",
     "KERNELS_ENV",
     "OPS",
+    "Switch",
     "OPS_ENV",
     "Backend",
     "Decision",
@@ -48,16 +48,19 @@ __all__ = [
     "library_mode",
     "register_backend",
     "registered",
+    "require_triton",
+    "switch",
     "unregister_backend",
     "use_library",
     "use_triton",
 ]
 
 
+#: the switch: ``mode[,op=backend,...][,library]``
 KERNELS_ENV = "FASTPALS_KERNELS"
-#: per-op override: ``op=backend,op=backend`` (e.g. ``pal=sdpa,gram=reference``)
+#: the per-op overrides before they joined ``$FASTPALS_KERNELS``: still read, with a warning, for one release
 BACKENDS_ENV = "FASTPALS_BACKENDS"
-#: ``library``: every op call goes through ``torch.ops.fastpals`` (default ``auto``)
+#: the flag ``library`` before it joined ``$FASTPALS_KERNELS``: still read, with a warning, for one release
 OPS_ENV = "FASTPALS_OPS"
 _BUILTIN_BACKENDS = ("triton", "sdpa", "flash_attn", "reference")
 _MODES = ("auto", "triton", "reference")
@@ -169,9 +172,11 @@ def _triton_import_error() -> str | None:
 
 
 def _kernels_compiled_for_gpu() -> bool:
-    """True when the grouped kernels were already defined as GPU (non-interpreted) Triton functions."""
-    module = sys.modules.get("fastpals_kernels.grouped_linear_triton")
-    kernel = getattr(module, "_grouped_mm_kernel", None)
+    """True when the grouped kernels were already defined as GPU (non-interpreted) Triton functions (Triton
+    defines a :class:`~fastpals_kernels.common.TritonKernel` on its first launch)."""
+    kernel = getattr(sys.modules.get("fastpals_kernels.grouped_linear"), "_grouped_mm_kernel", None)
+    if isinstance(kernel, TritonKernel):
+        kernel = kernel.kernel
     return kernel is not None and type(kernel).__name__ != "InterpretedFunction"
 
 
@@ -191,12 +196,68 @@ def available() -> tuple[bool, str]:
     return False, "no CUDA device and TRITON_INTERPRET is not 1"
 
 
+class Switch(NamedTuple):
+    """``$FASTPALS_KERNELS`` parsed: the mode, the per-op backends it names, and the ``library`` flag."""
+
+    mode: str
+    forced: dict[str, str]
+    library: bool
+
+
+_WARNED: set[str] = set()
+
+
+def switch() -> Switch:
+    """``$FASTPALS_KERNELS`` parsed (plus the deprecated ``$FASTPALS_BACKENDS`` and ``$FASTPALS_OPS``); a one-line
+    ``ValueError`` naming the variable when malformed."""
+    text = os.environ.get(KERNELS_ENV, "").strip()
+    mode, forced, library = "auto", {}, False
+    items = [part.strip() for part in text.split(",") if part.strip()]
+    for old, new in ((BACKENDS_ENV, "op=backend items"), (OPS_ENV, "the item library")):
+        value = os.environ.get(old, "").strip()
+        if value:
+            if old not in _WARNED:
+                _WARNED.add(old)
+                warnings.warn(f"{old} is deprecated and will be removed in the next release: put {new} in "
+                          f"{KERNELS_ENV} instead (e.g. {KERNELS_ENV}=auto,pal=sdpa,library)", FutureWarning,
+                              stacklevel=3)  # fmt: skip
+            if old == OPS_ENV:
+                if value.lower() not in ("auto", "library"):
+                    raise ValueError(f"{OPS_ENV}={value!r} is not one of auto, library")
+                library = library or value.lower() == "library"
+            else:
+                items = [part.strip() for part in value.split(",") if part.strip()] + items
+    modes = []
+    for item in items:
+        op, sep, name = (part.strip() for part in item.partition("="))
+        if not sep:
+            if op.lower() == "library":
+                library = True
+            elif op.lower() in _MODES:
+                modes.append(op.lower())
+            else:
+                raise ValueError(
+                    f"{KERNELS_ENV}={text!r}: {item!r} is not a mode ({', '.join(_MODES)}), op=backend or library"
+                )
+        elif op not in OPS or not name:
+            raise ValueError(f"{KERNELS_ENV}={text!r}: in op=backend, op must be one of {', '.join(OPS)}")
+        else:
+            forced[op] = name
+    if len(modes) > 1:
+        raise ValueError(f"{KERNELS_ENV}={text!r} names more than one mode ({', '.join(modes)}); keep one")
+    return Switch(modes[0] if modes else mode, forced, library)
+
+
 def kernel_mode() -> str:
-    """The value of ``$FASTPALS_KERNELS``: ``auto`` (default), ``triton`` or ``reference``."""
-    mode = os.environ.get(KERNELS_ENV, "auto").strip().lower() or "auto"
-    if mode not in _MODES:
-        raise ValueError(f"{KERNELS_ENV}={mode!r} is not one of {', '.join(_MODES)}")
-    return mode
+    """The mode of ``$FASTPALS_KERNELS``: ``auto`` (default), ``triton`` or ``reference``."""
+    return switch().mode
+
+
+def require_triton(name: str) -> None:
+    """Raise a one-line ``ImportError`` when the Triton op ``name`` cannot run here (see :func:`available`)."""
+    if _triton_import_error() is not None:
+        raise ImportError(f"fastpals_kernels.{name} needs Triton ({available()[1]}); use the reference ops "
+                          f"(fastpals.functional) or {KERNELS_ENV}=reference")  # fmt: skip
 
 
 def use_triton(tensor: torch.Tensor) -> bool:
@@ -233,14 +294,14 @@ def use_triton(tensor: torch.Tensor) -> bool:
 def backend(op: str, tensor: torch.Tensor) -> str:
     """The backend that runs ``op`` on ``tensor`` now: ``reference`` mode -> reference; ``triton`` mode -> triton
     (or an error, see :func:`use_triton`); ``auto`` -> :func:`decide` for ``tensor``'s device and dtype, the
-    reference wherever the Triton kernels cannot run. ``$FASTPALS_BACKENDS`` names a backend per op over all of
-    that (``triton`` still needs the kernels to be able to run: see :func:`use_triton`)."""
+    reference wherever the Triton kernels cannot run. An ``op=backend`` item of ``$FASTPALS_KERNELS`` names the
+    backend of that op over all of that (``triton`` still needs the kernels to be able to run: see :func:`use_triton`)."""
     forced = forced_backends().get(op)
     if forced is not None:
         if forced not in _BUILTIN_BACKENDS and registered(op, forced) is None:
-            raise ValueError(f"{BACKENDS_ENV}: {op}={forced} names no backend of {op}")
+            raise ValueError(f"{KERNELS_ENV}: {op}={forced} names no backend of {op}")
         if forced == "triton" and not tensor.is_cuda and not interpret_mode():
-            raise RuntimeError(f"{BACKENDS_ENV}: {op}=triton needs a CUDA tensor or TRITON_INTERPRET=1")
+            raise RuntimeError(f"{KERNELS_ENV}: {op}=triton needs a CUDA tensor or TRITON_INTERPRET=1")
         return forced
     if op == "bert_attention_varlen":
         dtype = tensor.dtype if tensor.dtype in (torch.float16, torch.bfloat16) else torch.float32
@@ -295,7 +356,7 @@ def register_backend(
     impl: Callable[..., Any],
 ) -> None:
     """Add a backend for ``op``: asked before the built-in rules of :func:`decide`, newest first; it runs wherever
-    ``serves`` gives a reason (and wherever ``$FASTPALS_BACKENDS`` names it)."""
+    ``serves`` gives a reason (and wherever ``$FASTPALS_KERNELS`` names it: ``op=name``)."""
     if op not in OPS:
         raise ValueError(f"op must be one of {', '.join(OPS)}, got {op!r}")
     if name in _BUILTIN_BACKENDS:
@@ -315,30 +376,17 @@ def registered(op: str, name: str) -> Backend | None:
 
 
 def forced_backends() -> dict[str, str]:
-    """``$FASTPALS_BACKENDS`` (``op=backend,op=backend``) as a dict; one-line ``ValueError`` when malformed."""
-    text = os.environ.get(BACKENDS_ENV, "").strip()
-    out: dict[str, str] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        op, sep, name = item.partition("=")
-        op, name = op.strip(), name.strip()
-        if not sep or op not in OPS or not name:
-            raise ValueError(
-                f"{BACKENDS_ENV}={text!r}: each item must be op=backend with op one of {', '.join(OPS)}"
-            )
-        out[op] = name
-    return out
+    """The ``op=backend`` items of ``$FASTPALS_KERNELS`` as a dict."""
+    return switch().forced
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Which implementation runs: the custom ops of the library, or the eager paths
 # ----------------------------------------------------------------------------------------------------------------
 def library_mode() -> bool:
-    """``$FASTPALS_OPS=library``: every call goes through ``torch.ops.fastpals`` (default ``auto``: only where
+    """``$FASTPALS_KERNELS`` holds ``library``: every call goes through ``torch.ops.fastpals`` (else only where
     :func:`use_library` says)."""
-    mode = os.environ.get(OPS_ENV, "auto").strip().lower() or "auto"
-    if mode not in ("auto", "library"):
-        raise ValueError(f"{OPS_ENV}={mode!r} is not one of auto, library")
-    return mode == "library"
+    return switch().library
 
 
 def _is_fake(t: torch.Tensor) -> bool:

@@ -20,9 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from fastpals_kernels.reference import autocast_dtype, check_task_ids
-
 __all__ = [
+    "check_task_ids",
     "BUFFER_DTYPES",
     "MAX_TASKS",
     "ROW_ALIGN",
@@ -42,6 +41,7 @@ __all__ = [
     "aot_mode",
     "interpret_mode",
     "last_dim_contiguous",
+    "load_triton",
     "next_power_of_2",
     "per_sample_vmap",
     "target_arch",
@@ -52,6 +52,47 @@ __all__ = [
 def interpret_mode() -> bool:
     """True when ``TRITON_INTERPRET=1`` (Triton's CPU interpreter) is set."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def autocast_dtype(tensor: torch.Tensor) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` runs linear layers in on ``tensor``'s device, or None outside autocast.
+
+    The fused ops follow autocast like ``F.linear`` does: floating operands are cast (differentiably) to this
+    dtype, so fp32 parameters train under bf16/fp16 autocast with fp32 gradients."""
+    device_type = tensor.device.type
+    if device_type not in ("cuda", "cpu") or not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+def check_task_ids(
+    task_ids: object, num_tasks: int, batch: int, device: torch.device, check_values: bool = True
+) -> torch.Tensor:
+    """Validate ``task_ids`` (one integer task per example) and return it as int64.
+
+    Raises ``TypeError``/``ValueError`` naming the argument on a wrong type, dtype, shape, device or range.
+    The range check reads the tensor once (a device sync); it guarantees no kernel ever indexes a weight out of
+    bounds. ``check_values=False`` leaves the range to the caller (:func:`fastpals.data.layout.make_layout` checks
+    it on the host values it reads anyway).
+    """
+    if not isinstance(task_ids, torch.Tensor):
+        raise TypeError(f"task_ids must be a torch.Tensor of integer task ids, got {type(task_ids).__name__}")
+    if task_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+        raise TypeError(f"task_ids must have an integer dtype, got {task_ids.dtype}")
+    if task_ids.dim() != 1 or task_ids.shape[0] != batch:
+        raise ValueError(
+            f"task_ids must have shape [{batch}] (one task per example), got {list(task_ids.shape)}"
+        )
+    if task_ids.device != device:
+        raise ValueError(f"task_ids is on {task_ids.device} but the inputs are on {device}")
+    if batch > 0 and check_values:
+        lo, hi = int(task_ids.min()), int(task_ids.max())
+        if lo < 0 or hi >= num_tasks:
+            bad = lo if lo < 0 else hi
+            raise ValueError(
+                f"task_ids contains {bad}, outside [0, {num_tasks}) for a model with {num_tasks} tasks"
+            )
+    return task_ids.long()
 
 
 class TritonKernel:

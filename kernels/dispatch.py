@@ -1,6 +1,6 @@
 """The dispatching ops of :mod:`fastpals_kernels`: each call goes to a registered backend, the custom op of
 :mod:`fastpals_kernels.library` (``torch.ops.fastpals.*``: under ``torch.compile``, fake tensors or
-``$FASTPALS_OPS=library``), or the eager implementation of :mod:`fastpals_kernels.eager`, as
+``$FASTPALS_KERNELS=...,library``), or the eager implementation of :mod:`fastpals_kernels.eager`, as
 :mod:`fastpals_kernels.backends` decides. The names of those two modules are re-exported here.
 """
 
@@ -41,6 +41,7 @@ from fastpals_kernels.eager import (
     pal_eager,
 )
 from fastpals_kernels.gram import gram
+from fastpals_kernels.grouped_linear import grouped_wgrad, grouped_wgrad_into
 from fastpals_kernels.library import draw_seed
 from fastpals_kernels.padding import AttentionPlan
 
@@ -86,41 +87,6 @@ def _seed(dropout_p: float) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------------------
 # Dispatching ops
 # ----------------------------------------------------------------------------------------------------------------
-def grouped_wgrad(
-    dy: torch.Tensor, x: torch.Tensor, plan: Any, out_dtype: torch.dtype, with_bias: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-task weight gradients from one backward's rows (``torch.ops.fastpals.grouped_wgrad``): ``dy [R, M]``,
-    ``x [R, K]``, ``plan`` a :class:`~fastpals_kernels.common.TaskRowPlan` of the R rows → ``(dW [T, M, K],
-    db [T, M] or None)`` in ``out_dtype``, fp32 accumulation."""
-    ext = registered("grouped_wgrad", backend("grouped_wgrad", dy))
-    if ext is not None:
-        return ext.impl(dy, x, plan, out_dtype, with_bias)
-    dw, db = torch.ops.fastpals.grouped_wgrad(
-        dy, x, plan.row_index, plan.task_row_offsets, plan.tile_task, plan.tile_start, plan.tile_end,
-        plan.num_tasks, plan.block_rows, with_bias, out_dtype,
-    )  # fmt: skip
-    return dw, (db if with_bias else None)
-
-
-def grouped_wgrad_into(
-    dy: torch.Tensor, x: torch.Tensor, plan: Any, dw: torch.Tensor, db: torch.Tensor | None
-) -> None:
-    """:func:`grouped_wgrad` written into ``dw [T, M, K]`` and ``db [T, M]`` (None: no bias gradient) in their
-    dtype (``torch.ops.fastpals.grouped_wgrad_out``): each ``dw[t]`` / ``db[t]`` contiguous, any stride between
-    tasks (e.g. the rows of a surgery buffer), so no ``[T, M, K]`` temporary is made."""
-    ext = registered("grouped_wgrad", backend("grouped_wgrad", dy))
-    if ext is not None:
-        got_dw, got_db = ext.impl(dy, x, plan, dw.dtype, db is not None)
-        dw.copy_(got_dw)
-        if db is not None:
-            db.copy_(got_db)
-        return
-    torch.ops.fastpals.grouped_wgrad_out(
-        dy, x, plan.row_index, plan.task_row_offsets, plan.tile_task, plan.tile_start, plan.tile_end,
-        plan.num_tasks, plan.block_rows, dw, db if db is not None else dw.new_empty(0),
-    )  # fmt: skip
-
-
 def attention_varlen(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -136,7 +102,7 @@ def attention_varlen(
     Backends (:func:`decide` for ``bert_attention_varlen``): flash-attn's varlen kernel; SDPA / the reference on
     padded blocks: over the length buckets of ``plan`` (:func:`fastpals_kernels.padding.attention_plan`, built
     once per batch on the host) where given, else every sequence padded to ``max_seqlen``. Under
-    ``torch.compile`` on a GPU (or ``$FASTPALS_OPS=library``) the call is ``torch.ops.fastpals.attention_varlen``.
+    ``torch.compile`` on a GPU (or ``$FASTPALS_KERNELS=...,library``) the call is ``torch.ops.fastpals.attention_varlen``.
     """
     choice = backend("bert_attention_varlen", q)
     ext = registered("bert_attention_varlen", choice)
@@ -166,7 +132,7 @@ def run_pal(
     qkv_weight, qkv_bias, dec_weight, dec_bias, num_heads, gelu, dropout_p)`` as in
     :func:`fastpals_kernels.reference.pal_reference`. ``segments`` (packed rows, reference backend): a
     :class:`PackedSegments` of host facts that let the reference skip the padded PAL work. The Triton kernel adds
-    the residual in its epilogue. Under ``torch.compile`` on a GPU (or ``$FASTPALS_OPS=library``) the call is
+    the residual in its epilogue. Under ``torch.compile`` on a GPU (or ``$FASTPALS_KERNELS=...,library``) the call is
     ``torch.ops.fastpals.pal`` / ``pal_varlen``.
     """
     choice = backend("pal", h)

@@ -37,8 +37,9 @@ import torch
 
 from fastpals_kernels import backends, eager
 from fastpals_kernels.combine import combine_op, combine_out_op, combine_row_op
-from fastpals_kernels.common import TaskRowPlan, per_sample_vmap
+from fastpals_kernels.common import per_sample_vmap
 from fastpals_kernels.gram import gram_op
+from fastpals_kernels.grouped_linear import grouped_wgrad_op, grouped_wgrad_out_op
 
 __all__ = ["NAMESPACE", "OPS", "draw_seed"]
 
@@ -368,110 +369,6 @@ def _attention_backward_formula(ctx, grad: Tensor) -> tuple:
 attention_varlen.register_autograd(_attention_backward_formula, setup_context=_attention_setup)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The grouped per-task weight gradient
-# ----------------------------------------------------------------------------------------------------------------
-@torch.library.custom_op(f"{NAMESPACE}::grouped_wgrad", mutates_args=())
-def grouped_wgrad(
-    dy: Tensor,
-    x: Tensor,
-    row_index: Tensor,
-    task_row_offsets: Tensor,
-    tile_task: Tensor,
-    tile_start: Tensor,
-    tile_end: Tensor,
-    num_tasks: int,
-    block_rows: int,
-    with_bias: bool,
-    out_dtype: torch.dtype,
-) -> tuple[Tensor, Tensor]:
-    """Per-task ``dW_t = dY_tᵀ X_t`` ``[T, M, K]`` and ``db_t = Σ dY_t`` ``[T, M]`` (``[0]`` without bias) in
-    ``out_dtype``, fp32 accumulation: dy ``[R, M]``, x ``[R, K]``; task t owns rows
-    ``row_index[task_row_offsets[t]:task_row_offsets[t+1]]`` (the :class:`~fastpals_kernels.common.TaskRowPlan`
-    fields; ``tile_*`` are its launch tiles)."""
-    if _backend("grouped_wgrad", dy) == "triton":
-        from fastpals_kernels.grouped_linear_triton import grouped_wgrad_rows  # Triton: optional
-
-        plan = TaskRowPlan(row_index, task_row_offsets, tile_task, tile_start, tile_end, dy.shape[0], num_tasks,
-                           block_rows)  # fmt: skip
-        dw, db = grouped_wgrad_rows(dy.contiguous(), x.contiguous(), plan, out_dtype, with_bias)
-        return dw, (db if db is not None else dy.new_empty(0, dtype=out_dtype))
-    return _grouped_wgrad_reference(dy, x, row_index, task_row_offsets, num_tasks, with_bias, out_dtype)
-
-
-def _grouped_wgrad_reference(
-    dy: Tensor,
-    x: Tensor,
-    row_index: Tensor,
-    task_row_offsets: Tensor,
-    num_tasks: int,
-    with_bias: bool,
-    out_dtype: torch.dtype,
-) -> tuple[Tensor, Tensor]:
-    """The reference: each row's task from the plan (no host read), then one masked fp32 GEMM per task."""
-    rows = dy.shape[0]
-    positions = torch.arange(rows, device=dy.device)
-    task_of_position = torch.searchsorted(task_row_offsets[1:].long(), positions, right=True)
-    row_task = torch.empty(rows, dtype=torch.long, device=dy.device)
-    row_task[row_index.long()] = task_of_position
-    dyf, xf = dy.float(), x.float()
-    dw = torch.stack([(dyf * (row_task == t)[:, None]).T @ xf for t in range(num_tasks)])
-    if with_bias:
-        db = torch.stack([(dyf * (row_task == t)[:, None]).sum(0) for t in range(num_tasks)]).to(out_dtype)
-    else:
-        db = dy.new_empty(0, dtype=out_dtype)
-    return dw.to(out_dtype), db
-
-
-@grouped_wgrad.register_fake
-def _(
-    dy, x, row_index, offsets, tile_task, tile_start, tile_end, num_tasks, block_rows, with_bias, out_dtype
-):
-    dw = dy.new_empty(num_tasks, dy.shape[1], x.shape[1], dtype=out_dtype)
-    db = dy.new_empty((num_tasks, dy.shape[1]) if with_bias else (0,), dtype=out_dtype)
-    return dw, db
-
-
-@torch.library.custom_op(f"{NAMESPACE}::grouped_wgrad_out", mutates_args=("dw", "db"))
-def grouped_wgrad_out(
-    dy: Tensor,
-    x: Tensor,
-    row_index: Tensor,
-    task_row_offsets: Tensor,
-    tile_task: Tensor,
-    tile_start: Tensor,
-    tile_end: Tensor,
-    num_tasks: int,
-    block_rows: int,
-    dw: Tensor,
-    db: Tensor,
-) -> None:
-    """:func:`grouped_wgrad` written into ``dw [T, M, K]`` (each ``dw[t]`` contiguous, any task stride: e.g. the
-    rows of a surgery buffer) and ``db [T, M]`` (each ``db[t]`` contiguous; ``[0]``: no bias gradient), in their
-    dtype."""
-    with_bias = db.numel() > 0
-    if _backend("grouped_wgrad", dy) == "triton":
-        from fastpals_kernels.grouped_linear_triton import grouped_wgrad_rows  # Triton: optional
-
-        plan = TaskRowPlan(row_index, task_row_offsets, tile_task, tile_start, tile_end, dy.shape[0], num_tasks,
-                           block_rows)  # fmt: skip
-        grouped_wgrad_rows(
-            dy.contiguous(), x.contiguous(), plan, dw.dtype, with_bias, dw=dw, db=db if with_bias else None
-        )
-        return
-    ref_dw, ref_db = _grouped_wgrad_reference(
-        dy, x, row_index, task_row_offsets, num_tasks, with_bias, dw.dtype
-    )
-    dw.copy_(ref_dw)
-    if with_bias:
-        db.copy_(ref_db)
-
-
-@grouped_wgrad_out.register_fake
-def _(dy, x, row_index, offsets, tile_task, tile_start, tile_end, num_tasks, block_rows, dw, db):
-    return None
-
-
 #: every op of the library, by name (``torch.ops.fastpals.<name>``)
 OPS = {
     op._name: op
@@ -482,8 +379,8 @@ OPS = {
         pal_varlen_backward,
         attention_varlen,
         attention_varlen_backward,
-        grouped_wgrad,
-        grouped_wgrad_out,
+        grouped_wgrad_op,
+        grouped_wgrad_out_op,
         gram_op,
         combine_op,
         combine_out_op,
@@ -495,6 +392,6 @@ OPS = {
 #: the ops that take a vmap rule (the mutating ``grouped_wgrad_out`` / ``combine_out`` / ``combine_row`` write into
 #: their arguments)
 VMAPPED = ("pal", "pal_varlen", "pal_backward", "pal_varlen_backward", "attention_varlen",
-           "attention_varlen_backward", "grouped_wgrad")  # fmt: skip
+           "attention_varlen_backward")  # fmt: skip
 for _name in VMAPPED:
     OPS[_name].register_vmap(per_sample_vmap(OPS[_name]))

@@ -54,7 +54,7 @@ from fastpals_kernels.common import (
     last_dim_contiguous,
     target_arch,
 )
-from fastpals_kernels.grouped_linear_triton import target_class
+from fastpals_kernels.grouped_linear import target_class
 from fastpals_kernels.pal_attention_kernels import (
     _pal_attn_bwd_delta_kernel,
     _pal_attn_bwd_dkdv_kernel,

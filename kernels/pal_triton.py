@@ -9,7 +9,7 @@ Four launches forward, all grouped by task with one row plan built once per call
    shared memory of every GPU at d_s = 276);
 2. :func:`fastpals_kernels.pal_attention_triton.pal_attention` (flash-style, small head dims) on strided Q/K/V views
    of the packed QKV output;
-3. the grouped V^D GEMM of :mod:`fastpals_kernels.grouped_linear_triton` with bias, exact GELU and the residual add
+3. the grouped V^D GEMM of :mod:`fastpals_kernels.grouped_linear` with bias, exact GELU and the residual add
    (the layer's pre-LayerNorm sum) as its epilogue.
 
 Backward: grouped input-gradient GEMMs and per-task weight-gradient GEMMs (``dW_t = dZ_tᵀ X_t``) for the
@@ -40,7 +40,7 @@ from fastpals_kernels.common import (
     cast_floats,
     task_row_plan,
 )
-from fastpals_kernels.grouped_linear_triton import (
+from fastpals_kernels.grouped_linear import (
     grouped_linear_rows,
     grouped_mm_rows,
     grouped_wgrad_rows,

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from fastpals_kernels.common import check_task_ids
+from fastpals_kernels.grouped_linear import grouped_linear_reference, segment_linear
 from fastpals_kernels.padding import pad_packed_index as pad_packed
 
 __all__ = [
@@ -43,181 +44,6 @@ __all__ = [
     "pal_varlen_reference",
     "segment_linear",
 ]
-
-
-def autocast_dtype(tensor: torch.Tensor) -> torch.dtype | None:
-    """The dtype ``torch.autocast`` runs linear layers in on ``tensor``'s device, or None outside autocast.
-
-    The fused ops follow autocast like ``F.linear`` does: floating operands are cast (differentiably) to this
-    dtype, so fp32 parameters train under bf16/fp16 autocast with fp32 gradients."""
-    device_type = tensor.device.type
-    if device_type not in ("cuda", "cpu") or not torch.is_autocast_enabled(device_type):
-        return None
-    return torch.get_autocast_dtype(device_type)
-
-
-def check_task_ids(
-    task_ids: object, num_tasks: int, batch: int, device: torch.device, check_values: bool = True
-) -> torch.Tensor:
-    """Validate ``task_ids`` (one integer task per example) and return it as int64.
-
-    Raises ``TypeError``/``ValueError`` naming the argument on a wrong type, dtype, shape, device or range.
-    The range check reads the tensor once (a device sync); it guarantees no kernel ever indexes a weight out of
-    bounds. ``check_values=False`` leaves the range to the caller (:func:`fastpals.data.layout.make_layout` checks
-    it on the host values it reads anyway).
-    """
-    if not isinstance(task_ids, torch.Tensor):
-        raise TypeError(f"task_ids must be a torch.Tensor of integer task ids, got {type(task_ids).__name__}")
-    if task_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
-        raise TypeError(f"task_ids must have an integer dtype, got {task_ids.dtype}")
-    if task_ids.dim() != 1 or task_ids.shape[0] != batch:
-        raise ValueError(
-            f"task_ids must have shape [{batch}] (one task per example), got {list(task_ids.shape)}"
-        )
-    if task_ids.device != device:
-        raise ValueError(f"task_ids is on {task_ids.device} but the inputs are on {device}")
-    if batch > 0 and check_values:
-        lo, hi = int(task_ids.min()), int(task_ids.max())
-        if lo < 0 or hi >= num_tasks:
-            bad = lo if lo < 0 else hi
-            raise ValueError(
-                f"task_ids contains {bad}, outside [0, {num_tasks}) for a model with {num_tasks} tasks"
-            )
-    return task_ids.long()
-
-
-def grouped_linear_reference(
-    x: torch.Tensor, task_ids: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """``y[b] = x[b] @ weight[task_ids[b]].T + bias[task_ids[b]]``.
-
-    x: ``[B, ..., K]``; task_ids: ``[B]`` int64; weight: ``[T, M, K]``; bias: ``[T, M]`` or None.
-    Returns ``[B, ..., M]`` in x's dtype. Sorts the examples by task and runs :func:`segment_linear` (one GEMM
-    per task, its weight gradient written into the task's row: no ``T`` zero-padded ``[T, M, K]`` gradients
-    added up in the backward), never a loop over examples; under
-    ``torch.compile`` (where the per-task row counts would be a host read) one batched matmul against each
-    example's gathered weight instead.
-    """
-    if torch.compiler.is_compiling():
-        w = weight.index_select(0, task_ids)  # [B, M, K]
-        rows = x.reshape(x.shape[0], -1, x.shape[-1])  # [B, R, K]
-        y = torch.bmm(rows, w.transpose(1, 2))
-        if bias is not None:
-            y = y + bias.index_select(0, task_ids)[:, None, :]
-        return y.reshape(*x.shape[:-1], weight.shape[1])
-    counts = torch.bincount(task_ids, minlength=weight.shape[0]).tolist()  # one host sync
-    if x.shape[0] == 0:
-        return x.new_empty(*x.shape[:-1], weight.shape[1])
-    order = torch.argsort(task_ids, stable=True)
-    x_sorted = x.index_select(0, order)
-    per_example = x[0].numel() // x.shape[-1]  # rows of one example
-    y = segment_linear(x_sorted.reshape(-1, x.shape[-1]), [n * per_example for n in counts], weight, bias)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    return y.view(*x.shape[:-1], weight.shape[1]).index_select(0, inverse)
-
-
-def segment_linear(
-    x: torch.Tensor, counts: list[int], weight: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """:func:`grouped_linear_reference` for rows already grouped by task: ``x [N, K]`` holds ``counts[0]`` rows of
-    task 0, then ``counts[1]`` of task 1, ... (``sum(counts) == N``); ``weight [T, M, K]``, ``bias [T, M]`` or None.
-    Returns ``[N, M]`` in x's dtype.
-
-    One GEMM per task on its slice, written straight into the output (no gather, scatter or concatenation); the
-    backward likewise writes each task's input gradient into one ``[N, K]`` tensor and its weight gradient into
-    ``weight``'s row t. Composed of ``F.linear`` on slices and ``torch.cat``, autograd would instead add T
-    zero-padded ``[N, K]`` input gradients and T zero-padded ``[T, M, K]`` weight gradients.
-    """
-    if len(counts) != weight.shape[0] or sum(counts) != x.shape[0]:
-        raise ValueError(
-            f"segment_linear: counts {counts} must have one entry per task ({weight.shape[0]}) "
-            f"and sum to the rows of x ({x.shape[0]})"
-        )
-    if x.dim() != 2 or weight.dim() != 3 or x.shape[1] != weight.shape[2]:
-        raise ValueError(
-            f"segment_linear: x {list(x.shape)} must be [N, K] and weight {list(weight.shape)} [T, M, K]"
-        )
-    cast = autocast_dtype(x)  # follow torch.autocast as F.linear does: operands cast (differentiably) first
-    if cast is not None:
-        x, weight = x.to(cast), weight.to(cast)
-        bias = None if bias is None else bias.to(cast)
-    with torch.autocast(x.device.type, enabled=False):
-        return _SegmentLinear.apply(x, weight, bias, tuple(int(n) for n in counts))
-
-
-class _SegmentLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, counts: tuple[int, ...]
-    ) -> torch.Tensor:
-        out = x.new_empty(x.shape[0], weight.shape[1])
-        start = 0
-        for t, n in enumerate(counts):
-            if n:
-                rows = slice(start, start + n)
-                if bias is None:
-                    torch.mm(x[rows], weight[t].t(), out=out[rows])
-                else:
-                    torch.addmm(bias[t], x[rows], weight[t].t(), out=out[rows])
-            start += n
-        ctx.save_for_backward(x, weight)
-        ctx.counts, ctx.has_bias = counts, bias is not None
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        x, weight = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        grad = grad.contiguous()
-        if not torch.compiler.is_compiling() and torch._C._functorch.is_functorch_wrapped_tensor(grad):
-            # under torch.func.vmap (e.g. TorchJD's Jacobians): mm(out=...) has no batching rule (the check is
-            # skipped while torch.compile traces: dynamo cannot trace it, and compiled code is not vmapped here)
-            return _segment_linear_backward_functional(ctx, grad, x, weight, need_x, need_w, need_b)
-        gx = x.new_empty(x.shape) if need_x else None
-        gw = torch.zeros_like(weight) if need_w else None
-        gb = weight.new_zeros(weight.shape[:2]) if need_b and ctx.has_bias else None
-        start = 0
-        for t, n in enumerate(ctx.counts):
-            if n:
-                rows = slice(start, start + n)
-                g = grad[rows]
-                if gx is not None:
-                    torch.mm(g, weight[t], out=gx[rows])
-                if gw is not None:
-                    torch.mm(g.t(), x[rows], out=gw[t])
-                if gb is not None:
-                    gb[t] = g.sum(0)
-            start += n
-        return gx, gw, gb, None
-
-
-def _segment_linear_backward_functional(
-    ctx: Any,
-    grad: torch.Tensor,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    need_x: bool,
-    need_w: bool,
-    need_b: bool,
-) -> tuple[torch.Tensor | None, ...]:
-    """:class:`_SegmentLinear`'s backward without ``out=`` or in-place writes (the pieces concatenated and
-    stacked), for ``torch.func`` transforms: the same values."""
-    gx_parts, gw_parts, gb_parts = [], [], []
-    start = 0
-    for t, n in enumerate(ctx.counts):
-        g = grad[start : start + n]
-        if need_x and n:
-            gx_parts.append(g @ weight[t])
-        if need_w:
-            gw_parts.append(g.t() @ x[start : start + n] if n else torch.zeros_like(weight[t]))
-        if need_b and ctx.has_bias:
-            gb_parts.append(g.sum(0) if n else weight.new_zeros(weight.shape[1]))
-        start += n
-    gx = (torch.cat(gx_parts) if gx_parts else x.new_zeros(x.shape)) if need_x else None
-    gw = torch.stack(gw_parts) if need_w else None
-    gb = torch.stack(gb_parts) if gb_parts else None
-    return gx, gw, gb, None
 
 
 def key_mask_bias(key_padding_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

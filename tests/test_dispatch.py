@@ -1,12 +1,15 @@
 """The backend decision (fastpals_kernels.dispatch.decide) for each GPU generation, the $FASTPALS_KERNELS
 override, and the stock-composition path (grouped matmuls + SDPA) it picks on sm_75, against the reference."""
 
+import importlib
+
 import pytest
 import torch
 from device import TRITON_INTERPRETED
 
 from fastpals.functional import attention_reference, attention_sdpa, pal_reference, pal_varlen_reference
 from fastpals_kernels import dispatch
+from fastpals_kernels.common import load_triton
 from fastpals_kernels.dispatch import OPS, decide
 
 FP32, FP16, BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -58,7 +61,9 @@ def test_pre_volta_and_bad_arguments():
 
 
 def test_backend_follows_the_env_override(monkeypatch):
-    import fastpals_kernels.grouped_linear_triton  # noqa: F401 - defines the kernels before the variable changes
+    load_triton(
+        vars(importlib.import_module("fastpals_kernels.grouped_linear"))
+    )  # kernels defined before the change
 
     x = torch.zeros(2)
     monkeypatch.setenv("FASTPALS_KERNELS", "reference")

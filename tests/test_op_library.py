@@ -16,7 +16,7 @@ from device import DEVICE, requires_cuda
 from torch.library import opcheck
 
 import fastpals_kernels
-from fastpals_kernels import dispatch, library, reference
+from fastpals_kernels import backends, dispatch, library, reference
 from fastpals_kernels.gram import gram_reference
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -231,14 +231,31 @@ def test_a_registered_backend_serves_its_op(monkeypatch):
 
 def test_the_per_op_override(monkeypatch):
     x = torch.zeros(2)
-    monkeypatch.setenv(dispatch.BACKENDS_ENV, "pal=sdpa, gram=reference")
+    monkeypatch.setenv(dispatch.KERNELS_ENV, "pal=sdpa, gram=reference")
     assert dispatch.backend("pal", x) == "sdpa" and dispatch.backend("gram", x) == "reference"
-    monkeypatch.setenv(dispatch.BACKENDS_ENV, "pal=nope")
+    monkeypatch.setenv(dispatch.KERNELS_ENV, "reference,pal=sdpa")
+    assert dispatch.backend("pal", x) == "sdpa" and dispatch.backend("combine", x) == "reference"
+    monkeypatch.setenv(dispatch.KERNELS_ENV, "pal=nope")
     with pytest.raises(ValueError, match="names no backend"):
         dispatch.backend("pal", x)
-    monkeypatch.setenv(dispatch.BACKENDS_ENV, "softmax=sdpa")
+    monkeypatch.setenv(dispatch.KERNELS_ENV, "softmax=sdpa")
     with pytest.raises(ValueError, match="op=backend"):
         dispatch.backend("pal", x)
+    monkeypatch.setenv(dispatch.KERNELS_ENV, "auto,reference")
+    with pytest.raises(ValueError, match="more than one mode"):
+        dispatch.backend("pal", x)
+
+
+def test_the_old_variables_still_work_with_a_deprecation_warning(monkeypatch):
+    x = torch.zeros(2)
+    monkeypatch.delenv(dispatch.KERNELS_ENV, raising=False)
+    monkeypatch.setattr(backends, "_WARNED", set())
+    monkeypatch.setenv(dispatch.BACKENDS_ENV, "pal=sdpa")
+    with pytest.warns(FutureWarning, match="FASTPALS_BACKENDS is deprecated"):
+        assert dispatch.backend("pal", x) == "sdpa"
+    monkeypatch.setenv(dispatch.OPS_ENV, "library")
+    with pytest.warns(FutureWarning, match="FASTPALS_OPS is deprecated"):
+        assert dispatch.library_mode()
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -295,17 +312,18 @@ def test_fullgraph_compile_of_the_packed_step_matches_eager():
 
 
 def test_fullgraph_compile_through_the_custom_ops_matches_the_eager_reference(monkeypatch):
-    """``$FASTPALS_OPS=library`` sends the PALs and the attention through torch.ops.fastpals (what a GPU compiles)."""
+    """``$FASTPALS_KERNELS=auto,library`` sends the PALs and the attention through torch.ops.fastpals (what a GPU
+    compiles)."""
     torch._dynamo.reset()
     model, loss = _packed_step()
-    monkeypatch.setenv(dispatch.OPS_ENV, "library")
+    monkeypatch.setenv(dispatch.KERNELS_ENV, "auto,library")
     explained = torch._dynamo.explain(loss)()
     assert explained.graph_break_count == 0
     ops = {str(n.target) for g in explained.graphs for n in g.graph.nodes if n.op == "call_function"}
     for name in ("fastpals.pal_varlen", "fastpals.attention_varlen"):
         assert any(t.startswith(name) for t in ops), (name, sorted(ops))
     torch._dynamo.reset()
-    _compiled_matches_eager(model, loss, eager_env={dispatch.OPS_ENV: "library"})
+    _compiled_matches_eager(model, loss, eager_env={dispatch.KERNELS_ENV: "auto,library"})
 
 
 def test_fullgraph_compile_of_an_hf_bert_with_injected_pals_matches_eager():

@@ -7,6 +7,7 @@ same-dtype reference's (tests/tolerances.py). Inputs are drawn on the CPU and mo
 off CUDA the kernels run in Triton's interpreter.
 """
 
+import importlib
 import math
 import os
 import subprocess
@@ -21,6 +22,7 @@ from tolerances import assert_close_to_reference, assert_fp32_close
 import fastpals_kernels as kernels
 from fastpals.functional import grouped_linear_reference, pal_reference, pal_varlen_reference
 from fastpals_kernels import backends as kernel_backends
+from fastpals_kernels.common import load_triton
 from fastpals_kernels.pal_attention_triton import pal_attention_dropout_mask
 
 pytestmark = pytest.mark.kernels
@@ -305,7 +307,9 @@ class TestDispatch:
         assert kernels.use_triton(HOST_TENSOR) is False
 
     def test_triton_mode_on_cpu_needs_the_interpreter(self, monkeypatch):
-        import fastpals_kernels.grouped_linear_triton  # noqa: F401 - defines the kernels before the variable changes
+        load_triton(
+            vars(importlib.import_module("fastpals_kernels.grouped_linear"))
+        )  # kernels defined before the change
 
         monkeypatch.setenv("FASTPALS_KERNELS", "triton")
         monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -324,11 +328,11 @@ class TestDispatch:
     def test_triton_mode_on_cpu_with_kernels_loaded_for_gpu_is_an_error(self, monkeypatch):
         import types
 
-        fake = types.ModuleType("fastpals_kernels.grouped_linear_triton")
+        fake = types.ModuleType("fastpals_kernels.grouped_linear")
         fake._grouped_mm_kernel = (
             object()
         )  # a GPU-compiled JITFunction stands here when TRITON_INTERPRET was unset
-        monkeypatch.setitem(sys.modules, "fastpals_kernels.grouped_linear_triton", fake)
+        monkeypatch.setitem(sys.modules, "fastpals_kernels.grouped_linear", fake)
         monkeypatch.setenv("FASTPALS_KERNELS", "triton")
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         with pytest.raises(RuntimeError, match="loaded before TRITON_INTERPRET=1"):
@@ -381,7 +385,7 @@ print("ok")
 
 
 def test_exported_ops_are_functions_not_modules():
-    import fastpals_kernels.grouped_linear_triton  # noqa: F401 - no module shares an op's name
+    import fastpals_kernels.grouped_linear  # noqa: F401 - no module shares an op's name
     import fastpals_kernels.pal_attention_triton  # noqa: F401
     import fastpals_kernels.pal_triton  # noqa: F401
 
