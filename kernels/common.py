@@ -13,7 +13,7 @@ import contextlib
 import numbers
 import os
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +21,10 @@ import numpy as np
 import torch
 
 __all__ = [
+    "autograd_vjp",
+    "draw_seed",
+    "seed_for",
+    "seeded",
     "check_task_ids",
     "BUFFER_DTYPES",
     "MAX_TASKS",
@@ -531,3 +535,50 @@ def _stack_outputs(items: list) -> tuple:
         return None, None
     parts = [_stack_outputs([item[k] for item in items]) for k in range(len(first))]
     return type(first)(v for v, _ in parts), type(first)(d for _, d in parts)
+
+
+def draw_seed() -> torch.Tensor:
+    """A dropout seed for the custom ops: one int64 drawn from torch's default CPU generator (no device read)."""
+    return torch.randint(0, 2**62, (1,), dtype=torch.int64)
+
+
+@contextlib.contextmanager
+def seeded(seed: torch.Tensor, device: torch.device, dropout_p: float) -> Iterator[None]:
+    """Run the block with torch's generators (CPU, and ``device``'s when CUDA) seeded from ``seed``, restored
+    afterwards; a no-op without dropout."""
+    if dropout_p <= 0.0:
+        yield
+        return
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices, device_type="cuda"):
+        torch.manual_seed(int(seed.reshape(-1)[0]))
+        yield
+
+
+def autograd_vjp(
+    fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor], grad: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """The gradients of ``fn(*inputs)`` against ``grad``, recomputing ``fn`` with autograd. An op's kernel runs
+    below the autograd dispatch key, so autograd is switched back on for the recomputation."""
+    leaves = [t.detach().requires_grad_(True) for t in inputs]
+    with autograd_on(), torch.enable_grad():
+        out = fn(*leaves)
+        grads = torch.autograd.grad(out, leaves, grad, allow_unused=True)
+    # outputs may not alias each other (e.g. the unbound views of one stacked gradient)
+    return tuple(torch.zeros_like(x) if g is None else g.clone() if g._base is not None else g
+                 for g, x in zip(grads, leaves))  # fmt: skip
+
+
+@contextlib.contextmanager
+def autograd_on() -> Iterator[None]:
+    """Autograd's dispatch keys switched back on (an op's kernel runs with them excluded)."""
+    keys = (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.ADInplaceOrView)
+    with contextlib.ExitStack() as stack:
+        for key in keys:
+            stack.enter_context(torch._C._SetExcludeDispatchKeyGuard(key, False))
+        yield
+
+
+def seed_for(dropout_p: float) -> torch.Tensor:
+    """:func:`draw_seed` with dropout, else a zero seed (no draw from the generator)."""
+    return draw_seed() if dropout_p > 0.0 else torch.zeros(1, dtype=torch.int64)

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from fastpals_kernels.attention_varlen import attention_varlen, attention_varlen_eager, padded_attention
 from fastpals_kernels.backends import (
     BACKENDS_ENV,
     KERNELS_ENV,
@@ -33,17 +34,10 @@ from fastpals_kernels.backends import (
     use_triton,
 )
 from fastpals_kernels.combine import combine
-from fastpals_kernels.eager import (
-    PackedSegments,
-    attention_varlen_eager,
-    packed_pal_reference,
-    padded_attention,
-    pal_eager,
-)
+from fastpals_kernels.common import seed_for
+from fastpals_kernels.eager import PackedSegments, packed_pal_reference, pal_eager
 from fastpals_kernels.gram import gram
 from fastpals_kernels.grouped_linear import grouped_wgrad, grouped_wgrad_into
-from fastpals_kernels.library import draw_seed
-from fastpals_kernels.padding import AttentionPlan
 
 __all__ = [
     "BACKENDS_ENV",
@@ -80,41 +74,9 @@ __all__ = [
 ]
 
 
-def _seed(dropout_p: float) -> torch.Tensor:
-    return draw_seed() if dropout_p > 0.0 else torch.zeros(1, dtype=torch.int64)
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Dispatching ops
 # ----------------------------------------------------------------------------------------------------------------
-def attention_varlen(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    max_seqlen: int,
-    dropout_p: float,
-    plan: AttentionPlan | None = None,
-) -> torch.Tensor:
-    """BERT's self-attention over packed rows: ``q, k, v [N, H, Dh]``, ``cu_seqlens [B+1]`` → ``[N, H, Dh]``,
-    each sequence attending to its own keys.
-
-    Backends (:func:`decide` for ``bert_attention_varlen``): flash-attn's varlen kernel; SDPA / the reference on
-    padded blocks: over the length buckets of ``plan`` (:func:`fastpals_kernels.padding.attention_plan`, built
-    once per batch on the host) where given, else every sequence padded to ``max_seqlen``. Under
-    ``torch.compile`` on a GPU (or ``$FASTPALS_KERNELS=...,library``) the call is ``torch.ops.fastpals.attention_varlen``.
-    """
-    choice = backend("bert_attention_varlen", q)
-    ext = registered("bert_attention_varlen", choice)
-    if ext is not None:
-        return ext.impl(q, k, v, cu_seqlens, max_seqlen, dropout_p, plan)
-    if use_library("reference" if q.device.type == "cpu" else choice, q):
-        return torch.ops.fastpals.attention_varlen(
-            q, k, v, cu_seqlens, max_seqlen, dropout_p, _seed(dropout_p)
-        )
-    return attention_varlen_eager(q, k, v, cu_seqlens, max_seqlen, dropout_p, plan)
-
-
 def run_pal(
     h: torch.Tensor,
     args: tuple,
@@ -140,7 +102,7 @@ def run_pal(
     if ext is not None:
         return ext.impl(h, args, mask=mask, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, residual=residual)
     if use_library(choice, h):
-        seed = _seed(float(args[-1]))
+        seed = seed_for(float(args[-1]))
         if cu_seqlens is not None:
             return torch.ops.fastpals.pal_varlen(h, cu_seqlens, max_seqlen, *args, residual, seed)
         return torch.ops.fastpals.pal(h, mask, *args, residual, seed)

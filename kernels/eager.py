@@ -14,70 +14,14 @@ import torch.nn.functional as F
 
 from fastpals_kernels import backends
 from fastpals_kernels import reference as functional
-from fastpals_kernels.common import cu_seqlens_int32
-from fastpals_kernels.padding import AttentionPlan, bucketed_attention, pad_packed_index
+from fastpals_kernels.attention_varlen import attention_with_key_bias
+from fastpals_kernels.padding import AttentionPlan, bucketed_attention
 
 __all__ = [
     "PackedSegments",
-    "attention_varlen_eager",
     "packed_pal_reference",
-    "padded_attention",
     "pal_eager",
 ]
-
-
-def padded_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor,
-    dropout_p: float,
-    key_bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """BERT's attention on padded blocks: ``q, k, v [B, L, H, Dh]``, key ``mask [B, L]`` bool → ``[B, L, H, Dh]``.
-    ``key_bias`` (optional): the mask's fp32 bias ``[B, 1, 1, L]`` when the caller has it built (CPU path only).
-
-    On CPU the matmul + fp32 softmax reference op: torch's CPU flash-attention backward spends ~15 us per
-    (sequence, head) on BERT's short rows (23% of a `make train` update in the profile). Paired on the same
-    batches, SDPA with ``F.dropout`` made the update 1.32x as long as this attention with
-    :func:`fastpals_kernels.reference.dropout` (0.503 s against 0.380 s median).
-    Elsewhere ``F.scaled_dot_product_attention`` with the boolean mask.
-    """
-    if q.device.type == "cpu":
-        if key_bias is None:
-            key_bias = functional.key_mask_bias(mask, torch.float32)
-        return functional.attention_with_key_bias(q, k, v, key_bias, dropout_p)
-    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
-    ctx = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask[:, None, None, :], dropout_p=dropout_p)
-    return ctx.transpose(1, 2)
-
-
-def attention_varlen_eager(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    max_seqlen: int,
-    dropout_p: float,
-    plan: AttentionPlan | None = None,
-) -> torch.Tensor:
-    """The eager backends of :func:`attention_varlen` (also what ``torch.ops.fastpals.attention_varlen`` runs):
-    flash-attn's varlen kernel where it serves ``q``, else padded attention over ``plan``'s length buckets or
-    over every sequence padded to ``max_seqlen``."""
-    if backends.flash_varlen_ok(q):
-        from flash_attn import flash_attn_varlen_func  # optional
-
-        cu = cu_seqlens_int32(cu_seqlens)
-        return flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=dropout_p)
-    if plan is not None:
-
-        def attend(qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, bucket: Any) -> torch.Tensor:
-            return padded_attention(qb, kb, vb, bucket.mask, dropout_p, key_bias=bucket.key_bias)
-
-        return bucketed_attention(q, k, v, plan, attend)
-    padded, mask, index = pad_packed_index(torch.stack((q, k, v)), cu_seqlens, max_seqlen)
-    ctx = padded_attention(padded[0], padded[1], padded[2], mask, dropout_p)
-    return ctx.flatten(0, 1).index_select(0, index)
 
 
 def pal_eager(
@@ -141,7 +85,7 @@ def packed_pal_reference(h: torch.Tensor, args: tuple, segments: PackedSegments)
     q, k, v = linear(s, qkv_w, qkv_b).view(n, 3, num_heads, d_s // num_heads).unbind(1)
     ctx = bucketed_attention(
         q, k, v, segments.plan,
-        lambda qb, kb, vb, b: functional.attention_with_key_bias(qb, kb, vb, b.key_bias, dropout_p),
+        lambda qb, kb, vb, b: attention_with_key_bias(qb, kb, vb, b.key_bias, dropout_p),
     )  # fmt: skip
     y = linear(ctx.reshape(n, d_s), dec_w, dec_b)
     return F.gelu(y) if gelu else y

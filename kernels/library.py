@@ -30,14 +30,14 @@ Under ``torch.func.vmap`` (TorchJD's Jacobians) every non-mutating op runs once 
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from fastpals_kernels import backends, eager
+from fastpals_kernels.attention_varlen import attention_varlen_backward_op, attention_varlen_op
 from fastpals_kernels.combine import combine_op, combine_out_op, combine_row_op
-from fastpals_kernels.common import per_sample_vmap
+from fastpals_kernels.common import autograd_vjp, draw_seed, per_sample_vmap, seeded
 from fastpals_kernels.gram import gram_op
 from fastpals_kernels.grouped_linear import grouped_wgrad_op, grouped_wgrad_out_op
 
@@ -45,46 +45,6 @@ __all__ = ["NAMESPACE", "OPS", "draw_seed"]
 
 NAMESPACE = "fastpals"
 Tensor = torch.Tensor
-
-
-def draw_seed() -> Tensor:
-    """A dropout seed for the ops above: one int64 drawn from torch's default CPU generator (no device read)."""
-    return torch.randint(0, 2**62, (1,), dtype=torch.int64)
-
-
-@contextlib.contextmanager
-def _seeded(seed: Tensor, device: torch.device, dropout_p: float) -> Iterator[None]:
-    """Run the block with torch's generators (CPU, and ``device``'s when CUDA) seeded from ``seed``, restored
-    afterwards; a no-op without dropout."""
-    if dropout_p <= 0.0:
-        yield
-        return
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices, device_type="cuda"):
-        torch.manual_seed(int(seed.reshape(-1)[0]))
-        yield
-
-
-def _vjp(fn: Callable[..., Tensor], inputs: Sequence[Tensor], grad: Tensor) -> tuple[Tensor, ...]:
-    """The gradients of ``fn(*inputs)`` against ``grad``, recomputing ``fn`` with autograd. An op's kernel runs
-    below the autograd dispatch key, so autograd is switched back on for the recomputation."""
-    leaves = [t.detach().requires_grad_(True) for t in inputs]
-    with _autograd_on(), torch.enable_grad():
-        out = fn(*leaves)
-        grads = torch.autograd.grad(out, leaves, grad, allow_unused=True)
-    # outputs may not alias each other (e.g. the unbound views of one stacked gradient)
-    return tuple(torch.zeros_like(x) if g is None else g.clone() if g._base is not None else g
-                 for g, x in zip(grads, leaves))  # fmt: skip
-
-
-@contextlib.contextmanager
-def _autograd_on() -> Iterator[None]:
-    """Autograd's dispatch keys switched back on (an op's kernel runs with them excluded)."""
-    keys = (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.ADInplaceOrView)
-    with contextlib.ExitStack() as stack:
-        for key in keys:
-            stack.enter_context(torch._C._SetExcludeDispatchKeyGuard(key, False))
-        yield
 
 
 def _backend(op: str, t: Tensor) -> str:
@@ -109,7 +69,7 @@ def _pal_eager(
     its dropout drawn from ``seed``."""
     args = (task_ids, *weights, num_heads, gelu, dropout_p)
     generator_seed = int(seed.reshape(-1)[0]) if dropout_p > 0.0 else None
-    with _seeded(seed, h.device, dropout_p):
+    with seeded(seed, h.device, dropout_p):
         return eager.pal_eager(h, args, mask=where.get("mask"), cu_seqlens=where.get("cu_seqlens"),
                                   max_seqlen=where.get("max_seqlen", 0), residual=residual,
                                   generator_seed=generator_seed)  # fmt: skip
@@ -131,7 +91,7 @@ def _pal_grads(
     def forward(*inputs: Tensor) -> Tensor:
         return _pal_eager(inputs[0], where, task_ids, inputs[1:], num_heads, gelu, dropout_p, None, seed)
 
-    return list(_vjp(forward, (h, *weights), grad))
+    return list(autograd_vjp(forward, (h, *weights), grad))
 
 
 @torch.library.custom_op(f"{NAMESPACE}::pal", mutates_args=())
@@ -302,73 +262,6 @@ pal.register_autograd(_pal_backward_formula, setup_context=_pal_setup)
 pal_varlen.register_autograd(_pal_varlen_backward_formula, setup_context=_pal_setup)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Attention over packed rows (BERT's self-attention)
-# ----------------------------------------------------------------------------------------------------------------
-def _attention_eager(
-    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float, seed: Tensor
-) -> Tensor:
-    with _seeded(seed, q.device, dropout_p):
-        return eager.attention_varlen_eager(q, k, v, cu_seqlens, max_seqlen, dropout_p)
-
-
-@torch.library.custom_op(f"{NAMESPACE}::attention_varlen", mutates_args=())
-def attention_varlen(
-    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float, seed: Tensor
-) -> Tensor:
-    """Softmax attention over packed rows: q, k, v ``[N, H, Dh]``, cu_seqlens ``[B+1]``; each sequence attends
-    to its own keys. Returns ``[N, H, Dh]`` in q's dtype (flash-attn varlen on CUDA sm_80+ fp16/bf16 where it is
-    installed, SDPA elsewhere on CUDA, the reference on the CPU)."""
-    with torch.no_grad():
-        return _attention_eager(q, k, v, cu_seqlens, max_seqlen, dropout_p, seed).contiguous()
-
-
-@torch.library.custom_op(f"{NAMESPACE}::attention_varlen_backward", mutates_args=())
-def attention_varlen_backward(
-    grad: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    cu_seqlens: Tensor,
-    max_seqlen: int,
-    dropout_p: float,
-    seed: Tensor,
-) -> list[Tensor]:
-    """``[dq, dk, dv]`` of :func:`attention_varlen`, recomputing its forward."""
-
-    def forward(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return _attention_eager(q, k, v, cu_seqlens, max_seqlen, dropout_p, seed)
-
-    return list(_vjp(forward, (q, k, v), grad))
-
-
-@attention_varlen.register_fake
-def _(q, k, v, cu, max_seqlen, dropout_p, seed):
-    return torch.empty_like(q, memory_format=torch.contiguous_format)
-
-
-@attention_varlen_backward.register_fake
-def _(grad, q, k, v, cu, max_seqlen, dropout_p, seed):
-    return [torch.empty_like(t) for t in (q, k, v)]
-
-
-def _attention_setup(ctx, inputs, output) -> None:
-    q, k, v, cu, max_seqlen, dropout_p, seed = inputs
-    ctx.save_for_backward(q, k, v, cu, seed)
-    ctx.max_seqlen, ctx.dropout_p = max_seqlen, dropout_p
-
-
-def _attention_backward_formula(ctx, grad: Tensor) -> tuple:
-    q, k, v, cu, seed = ctx.saved_tensors
-    dq, dk, dv = torch.ops.fastpals.attention_varlen_backward(
-        grad, q, k, v, cu, ctx.max_seqlen, ctx.dropout_p, seed
-    )
-    return dq, dk, dv, None, None, None, None
-
-
-attention_varlen.register_autograd(_attention_backward_formula, setup_context=_attention_setup)
-
-
 #: every op of the library, by name (``torch.ops.fastpals.<name>``)
 OPS = {
     op._name: op
@@ -377,8 +270,8 @@ OPS = {
         pal_varlen,
         pal_backward,
         pal_varlen_backward,
-        attention_varlen,
-        attention_varlen_backward,
+        attention_varlen_op,
+        attention_varlen_backward_op,
         grouped_wgrad_op,
         grouped_wgrad_out_op,
         gram_op,
@@ -391,7 +284,6 @@ OPS = {
 
 #: the ops that take a vmap rule (the mutating ``grouped_wgrad_out`` / ``combine_out`` / ``combine_row`` write into
 #: their arguments)
-VMAPPED = ("pal", "pal_varlen", "pal_backward", "pal_varlen_backward", "attention_varlen",
-           "attention_varlen_backward")  # fmt: skip
+VMAPPED = ("pal", "pal_varlen", "pal_backward", "pal_varlen_backward")
 for _name in VMAPPED:
     OPS[_name].register_vmap(per_sample_vmap(OPS[_name]))

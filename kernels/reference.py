@@ -18,12 +18,20 @@ projection and ``act`` is the exact (erf) GELU or the identity.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from fastpals_kernels.attention_varlen import (
+    Dropout,
+    attention_reference,
+    attention_sdpa,
+    attention_varlen_reference,
+    attention_with_key_bias,
+    dropout,
+    key_mask_bias,
+)
 from fastpals_kernels.common import check_task_ids
 from fastpals_kernels.grouped_linear import grouped_linear_reference, segment_linear
 from fastpals_kernels.padding import pad_packed_index as pad_packed
@@ -44,129 +52,6 @@ __all__ = [
     "pal_varlen_reference",
     "segment_linear",
 ]
-
-
-def key_mask_bias(key_padding_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Key padding mask [B, L] (1 = token, 0 = padding) -> additive [B, 1, 1, L] (0 or the dtype's most negative value)."""
-    keep = key_padding_mask.to(torch.bool)[:, None, None, :]
-    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)
-
-
-def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
-    """Inverted dropout: each element of ``x`` (any shape, float dtype) is zeroed with probability ``p`` and the
-    others are scaled by ``1 / (1 - p)``; identity when ``training`` is False or ``p == 0``.
-
-    On CPU the keep mask comes from 16-bit slices of 64-bit words drawn from torch's default CPU generator, so
-    ``p`` is rounded to a multiple of 1/65536 (the scale uses the rounded value, so the output stays unbiased).
-    torch's ``F.dropout`` draws one Bernoulli variate per element, which measured about 2x slower here (12.4 ms
-    against 6.6 ms forward + backward on 900 x 1536 bf16, 2-core AVX-512 CPU). Other devices, and code under
-    ``torch.compile``, use ``F.dropout``.
-    """
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"dropout: p must be in [0, 1), got {p}")
-    if not training or p == 0.0:
-        return x
-    if x.device.type != "cpu" or torch.compiler.is_compiling():  # the compiler traces F.dropout's mask
-        return F.dropout(x, p=p, training=True)
-    n = x.numel()
-    drop = round(p * 65536)  # a slice below -32768 + drop is dropped: probability drop / 65536
-    words = torch.empty((n + 3) // 4, dtype=torch.int64).random_(-(2**63), None)
-    slices = words.view(torch.int16)[:n].view(x.shape)
-    keep = slices >= drop - 32768
-    # the scale is applied in the op's fp32 math: one rounding, as F.dropout
-    return (x * keep).mul_(65536.0 / (65536 - drop))
-
-
-class Dropout(torch.nn.Dropout):
-    """``nn.Dropout`` computed by :func:`dropout` (the same module type, state and ``p``; a faster mask on CPU)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dropout(x, self.p, self.training)
-
-
-def attention_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    key_padding_mask: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    softmax_scale: float | None = None,
-) -> torch.Tensor:
-    """Multi-head softmax attention, flash-attn layout.
-
-    q, k, v: ``[B, L, H, Dh]``; key_padding_mask: ``[B, L]`` (1 = token, 0 = padding) or None.
-    Padded keys get the dtype's most negative score (BERT's additive mask); every query row, padded or not,
-    is computed. Softmax in fp32; dropout (``dropout_p``) on the probabilities. Returns ``[B, L, H, Dh]``.
-    """
-    bias = None if key_padding_mask is None else key_mask_bias(key_padding_mask, torch.float32)
-    return attention_with_key_bias(q, k, v, bias, dropout_p, softmax_scale)
-
-
-def attention_with_key_bias(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    key_bias: torch.Tensor | None,
-    dropout_p: float = 0.0,
-    softmax_scale: float | None = None,
-) -> torch.Tensor:
-    """:func:`attention_reference` with the key mask given as its additive fp32 bias ``key_bias [B, 1, 1, L]``
-    (from :func:`key_mask_bias`, so callers that attend over one block many times build it once), or None.
-
-    q, k, v: ``[B, L, H, Dh]`` → ``[B, L, H, Dh]`` in q's dtype: scores in q's dtype, then fp32 scale, bias and
-    softmax, probabilities cast back, dropout, then ``probs @ v``.
-    """
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, L, Dh]
-    scores = torch.matmul(qh, kh.transpose(-1, -2)).float().mul_(scale)
-    if key_bias is not None:
-        scores = scores.add_(key_bias)
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    if dropout_p > 0.0:
-        probs = dropout(probs, dropout_p)
-    return torch.matmul(probs, vh).transpose(1, 2)
-
-
-def attention_sdpa(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    key_padding_mask: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    softmax_scale: float | None = None,
-) -> torch.Tensor:
-    """:func:`attention_reference` through ``F.scaled_dot_product_attention`` (the stock composition used on
-    GPUs where the Triton kernels lose, e.g. sm_75): the head dim is zero-padded to a multiple of 8 so the
-    fused SDPA backends (which need that alignment) take it; the padding changes no score and its output
-    columns are dropped. Same shapes and mask rule (an additive most-negative bias per padded key); dropout
-    draws its own mask. Returns ``[B, L, H, Dh]``.
-    """
-    head_dim = q.shape[-1]
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
-    pad = (-head_dim) % 8
-    qh, kh, vh = (F.pad(t, (0, pad)).transpose(1, 2) if pad else t.transpose(1, 2) for t in (q, k, v))
-    bias = None if key_padding_mask is None else key_mask_bias(key_padding_mask, q.dtype)
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias, dropout_p=dropout_p, scale=scale)
-    return out.transpose(1, 2)[..., :head_dim]
-
-
-def attention_varlen_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    max_seqlen: int,
-    dropout_p: float = 0.0,
-    softmax_scale: float | None = None,
-) -> torch.Tensor:
-    """Packed (varlen) form of :func:`attention_reference`.
-
-    q, k, v: ``[N, H, Dh]`` with sequences back to back; cu_seqlens: ``[B+1]`` int32 or int64 cumulative lengths.
-    Returns ``[N, H, Dh]``.
-    """
-    padded, mask, index = pad_packed(torch.stack((q, k, v)), cu_seqlens, max_seqlen)
-    out = attention_reference(padded[0], padded[1], padded[2], mask, dropout_p, softmax_scale)
-    return out.flatten(0, 1).index_select(0, index)
 
 
 @dataclass(frozen=True, eq=False)
