@@ -21,7 +21,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from fastpals_kernels.backends import backend, flash_varlen_ok, registered, use_library
+from fastpals_kernels import backends
+from fastpals_kernels.backends import backend, registered, use_library
 from fastpals_kernels.common import autograd_vjp, cu_seqlens_int32, per_sample_vmap, seed_for, seeded
 from fastpals_kernels.padding import AttentionPlan, bucketed_attention, pad_packed_index
 
@@ -79,9 +80,8 @@ def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
 
     On CPU the keep mask comes from 16-bit slices of 64-bit words drawn from torch's default CPU generator, so
     ``p`` is rounded to a multiple of 1/65536 (the scale uses the rounded value, so the output stays unbiased).
-    torch's ``F.dropout`` draws one Bernoulli variate per element, which measured about 2x slower here (12.4 ms
-    against 6.6 ms forward + backward on 900 x 1536 bf16, 2-core AVX-512 CPU). Other devices, and code under
-    ``torch.compile``, use ``F.dropout``.
+    ``F.dropout`` draws one Bernoulli variate per element, slower on CPU (docs/measurements.md). Other devices,
+    and code under ``torch.compile``, use ``F.dropout``.
     """
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout: p must be in [0, 1), got {p}")
@@ -201,11 +201,8 @@ def padded_attention(
     """BERT's attention on padded blocks: ``q, k, v [B, L, H, Dh]``, key ``mask [B, L]`` bool → ``[B, L, H, Dh]``.
     ``key_bias`` (optional): the mask's fp32 bias ``[B, 1, 1, L]`` when the caller has it built (CPU path only).
 
-    On CPU the matmul + fp32 softmax reference op: torch's CPU flash-attention backward spends ~15 us per
-    (sequence, head) on BERT's short rows (23% of a `make train` update in the profile). Paired on the same
-    batches, SDPA with ``F.dropout`` made the update 1.32x as long as this attention with
-    :func:`fastpals_kernels.reference.dropout` (0.503 s against 0.380 s median).
-    Elsewhere ``F.scaled_dot_product_attention`` with the boolean mask.
+    On CPU the matmul + fp32 softmax reference with :func:`dropout` (faster there than SDPA's CPU backward on
+    BERT's short rows; docs/measurements.md); elsewhere ``F.scaled_dot_product_attention`` with the boolean mask.
     """
     if q.device.type == "cpu":
         if key_bias is None:
@@ -228,7 +225,7 @@ def attention_varlen_eager(
     """The eager backends of :func:`attention_varlen` (also what ``torch.ops.fastpals.attention_varlen`` runs):
     flash-attn's varlen kernel where it serves ``q``, else padded attention over ``plan``'s length buckets or
     over every sequence padded to ``max_seqlen``."""
-    if flash_varlen_ok(q):
+    if backends.flash_varlen_ok(q):  # looked up on the module: tests stand in for flash-attn
         from flash_attn import flash_attn_varlen_func  # optional
 
         cu = cu_seqlens_int32(cu_seqlens)

@@ -337,7 +337,7 @@ class Backend(NamedTuple):
     """A backend added with :func:`register_backend`.
 
     ``serves(capability, dtype)`` returns the reason it serves ``op`` on such a device (None: it does not);
-    ``impl`` takes the arguments of the dispatching function of ``op`` in :mod:`fastpals_kernels.dispatch` (``run_pal``,
+    ``impl`` takes the arguments of the public function of ``op`` in its module (``run_pal``,
     ``attention_varlen``, ``grouped_wgrad``, ``gram``, ``combine``) and returns what it returns.
     """
 

@@ -1,6 +1,6 @@
 """Host-side helpers shared by every fastpals kernel: the ``cu_seqlens`` rule, the task plan, casts, dot flags,
 device guards. Nothing here imports Triton (the Triton building blocks are in
-:mod:`fastpals_kernels.tl_helpers`; which backend runs is decided in :mod:`fastpals_kernels.dispatch`).
+:mod:`fastpals_kernels.tl_helpers`; which backend runs is decided in :mod:`fastpals_kernels.backends`).
 
 The task plan (:class:`TaskRowPlan`) is the multi-adapter trick of Punica's SGMV and vLLM's LoRA kernels: rows
 are grouped by task through an index array (no physical permutation of the activations), and row tiles are cut

@@ -1,14 +1,8 @@
-"""The dispatching ops of :mod:`fastpals_kernels`: each call goes to a registered backend, the custom op of
-:mod:`fastpals_kernels.library` (``torch.ops.fastpals.*``: under ``torch.compile``, fake tensors or
-``$FASTPALS_KERNELS=...,library``), or the eager implementation of :mod:`fastpals_kernels.eager`, as
-:mod:`fastpals_kernels.backends` decides. The names of those two modules are re-exported here.
-"""
+"""The old import path of the dispatching ops, kept for one release: each op now lives in its module
+(:mod:`fastpals_kernels.pal`, ``attention_varlen``, ``grouped_linear``, ``gram``, ``combine``) and the switch in
+:mod:`fastpals_kernels.backends`; import them from there."""
 
 from __future__ import annotations
-
-from typing import Any
-
-import torch
 
 from fastpals_kernels.attention_varlen import attention_varlen, attention_varlen_eager, padded_attention
 from fastpals_kernels.backends import (
@@ -34,10 +28,9 @@ from fastpals_kernels.backends import (
     use_triton,
 )
 from fastpals_kernels.combine import combine
-from fastpals_kernels.common import seed_for
-from fastpals_kernels.eager import PackedSegments, packed_pal_reference, pal_eager
 from fastpals_kernels.gram import gram
 from fastpals_kernels.grouped_linear import grouped_wgrad, grouped_wgrad_into
+from fastpals_kernels.pal import PackedSegments, packed_pal_reference, pal_eager, run_pal
 
 __all__ = [
     "BACKENDS_ENV",
@@ -72,39 +65,3 @@ __all__ = [
     "use_library",
     "use_triton",
 ]
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Dispatching ops
-# ----------------------------------------------------------------------------------------------------------------
-def run_pal(
-    h: torch.Tensor,
-    args: tuple,
-    *,
-    mask: torch.Tensor | None,
-    cu_seqlens: torch.Tensor | None = None,
-    max_seqlen: int = 0,
-    residual: torch.Tensor | None = None,
-    segments: Any = None,
-) -> torch.Tensor:
-    """``residual + PAL(h)`` (just ``PAL(h)`` without a residual) on the backend :func:`backend` picks.
-
-    h: ``[B, L, d]`` with ``mask [B, L]``, or packed rows ``[N, d]`` with ``cu_seqlens [B+1]`` and
-    ``max_seqlen`` (computed once per forward by the caller); args: ``(task_ids, enc_weight, enc_bias,
-    qkv_weight, qkv_bias, dec_weight, dec_bias, num_heads, gelu, dropout_p)`` as in
-    :func:`fastpals_kernels.reference.pal_reference`. ``segments`` (packed rows, reference backend): a
-    :class:`PackedSegments` of host facts that let the reference skip the padded PAL work. The Triton kernel adds
-    the residual in its epilogue. Under ``torch.compile`` on a GPU (or ``$FASTPALS_KERNELS=...,library``) the call is
-    ``torch.ops.fastpals.pal`` / ``pal_varlen``.
-    """
-    choice = backend("pal", h)
-    ext = registered("pal", choice)
-    if ext is not None:
-        return ext.impl(h, args, mask=mask, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, residual=residual)
-    if use_library(choice, h):
-        seed = seed_for(float(args[-1]))
-        if cu_seqlens is not None:
-            return torch.ops.fastpals.pal_varlen(h, cu_seqlens, max_seqlen, *args, residual, seed)
-        return torch.ops.fastpals.pal(h, mask, *args, residual, seed)
-    return pal_eager(h, args, mask=mask, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, residual=residual,
-                     segments=segments, choice=choice)  # fmt: skip

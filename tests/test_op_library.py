@@ -16,8 +16,10 @@ from device import DEVICE, requires_cuda
 from torch.library import opcheck
 
 import fastpals_kernels
-from fastpals_kernels import backends, dispatch, library, reference
+from fastpals_kernels import backends, dispatch, library
+from fastpals_kernels.attention_varlen import attention_varlen_reference
 from fastpals_kernels.gram import gram_reference
+from fastpals_kernels.pal import pal_reference, pal_varlen_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = [torch.float32, torch.bfloat16]
@@ -108,10 +110,10 @@ def test_pal_ops_match_the_reference_in_output_and_every_gradient(packed):
         cu = torch.tensor([0, 7, 11, 18, 20])
         h, res = h[mask].detach().requires_grad_(), res[mask].detach().requires_grad_()
         got = torch.ops.fastpals.pal_varlen(h, cu, 7, task_ids, *weights, HEADS, True, 0.0, res, seed)
-        want = res + reference.pal_varlen_reference(h, cu, 7, task_ids, *weights, HEADS, True, 0.0)
+        want = res + pal_varlen_reference(h, cu, 7, task_ids, *weights, HEADS, True, 0.0)
     else:
         got = torch.ops.fastpals.pal(h, mask, task_ids, *weights, HEADS, True, 0.0, res, seed)
-        want = res + reference.pal_reference(h, mask, task_ids, *weights, HEADS, True, 0.0)
+        want = res + pal_reference(h, mask, task_ids, *weights, HEADS, True, 0.0)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     grad = torch.randn(got.shape, generator=g)
     inputs = [h, *weights, res]
@@ -127,7 +129,7 @@ def test_pal_op_dropout_replays_its_mask_in_the_backward():
     got = torch.ops.fastpals.pal(h, mask, task_ids, *weights, HEADS, True, 0.3, None, seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(1234)
-        want = reference.pal_reference(h, mask, task_ids, *weights, HEADS, True, 0.3)
+        want = pal_reference(h, mask, task_ids, *weights, HEADS, True, 0.3)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     grad = torch.randn(got.shape, generator=g)
     for a, b in zip(_grads(got, [h, *weights], grad), _grads(want, [h, *weights], grad)):
@@ -144,7 +146,7 @@ def test_attention_varlen_opcheck_and_reference(dtype):
     for p in (0.0, 0.2):
         opcheck(torch.ops.fastpals.attention_varlen.default, (q, k, v, cu, 7, p, library.draw_seed()))
     got = torch.ops.fastpals.attention_varlen(q, k, v, cu, 7, 0.0, library.draw_seed())
-    want = reference.attention_varlen_reference(q, k, v, cu, 7)
+    want = attention_varlen_reference(q, k, v, cu, 7)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got, want, rtol=0, atol=tol)
     grad = torch.randn(got.shape, generator=g).to(dtype)
