@@ -43,9 +43,7 @@ __all__ = [
     "decide",
     "flash_attn_installed",
     "flash_varlen_ok",
-    "forced_backends",
     "kernel_mode",
-    "library_mode",
     "register_backend",
     "registered",
     "require_triton",
@@ -296,7 +294,7 @@ def backend(op: str, tensor: torch.Tensor) -> str:
     (or an error, see :func:`use_triton`); ``auto`` -> :func:`decide` for ``tensor``'s device and dtype, the
     reference wherever the Triton kernels cannot run. An ``op=backend`` item of ``$FASTPALS_KERNELS`` names the
     backend of that op over all of that (``triton`` still needs the kernels to be able to run: see :func:`use_triton`)."""
-    forced = forced_backends().get(op)
+    forced = switch().forced.get(op)
     if forced is not None:
         if forced not in _BUILTIN_BACKENDS and registered(op, forced) is None:
             raise ValueError(f"{KERNELS_ENV}: {op}={forced} names no backend of {op}")
@@ -375,20 +373,9 @@ def registered(op: str, name: str) -> Backend | None:
     return next((b for b in _REGISTERED.get(op, []) if b.name == name), None)
 
 
-def forced_backends() -> dict[str, str]:
-    """The ``op=backend`` items of ``$FASTPALS_KERNELS`` as a dict."""
-    return switch().forced
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Which implementation runs: the custom ops of the library, or the eager paths
 # ----------------------------------------------------------------------------------------------------------------
-def library_mode() -> bool:
-    """``$FASTPALS_KERNELS`` holds ``library``: every call goes through ``torch.ops.fastpals`` (else only where
-    :func:`use_library` says)."""
-    return switch().library
-
-
 def _is_fake(t: torch.Tensor) -> bool:
     return isinstance(t, FakeTensor)
 
@@ -399,7 +386,7 @@ def use_library(choice: str, t: torch.Tensor) -> bool:
     Yes under ``$FASTPALS_OPS=library``, and under ``torch.compile`` / fake tensors for every backend other
     than the reference (the reference is plain PyTorch: the compiler traces it as it is). Eager training on a
     GPU keeps the Triton ops' saved activations (the custom op's backward recomputes the forward)."""
-    if library_mode():
+    if switch().library:
         return True
     if choice == "reference":
         return False

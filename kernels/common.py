@@ -1,6 +1,7 @@
-"""Host-side helpers shared by every fastpals kernel: the ``cu_seqlens`` rule, the task plan, casts, dot flags,
-device guards. Nothing here imports Triton (the Triton building blocks are in
-:mod:`fastpals_kernels.tl_helpers`; which backend runs is decided in :mod:`fastpals_kernels.backends`).
+"""Host-side helpers shared by the op modules: the lazy :class:`TritonKernel`, the ``cu_seqlens`` and task-id
+checks, the task plan, the task-gradient buffer check, casts, dot flags, device guards, and the custom ops' seed,
+recompute and vmap helpers. Nothing here imports Triton at module load (the Triton building blocks are in
+:mod:`fastpals_kernels.tl_helpers`).
 
 The task plan (:class:`TaskRowPlan`) is the multi-adapter trick of Punica's SGMV and vLLM's LoRA kernels: rows
 are grouped by task through an index array (no physical permutation of the activations), and row tiles are cut
@@ -21,33 +22,33 @@ import numpy as np
 import torch
 
 __all__ = [
-    "autograd_vjp",
-    "draw_seed",
-    "seed_for",
-    "seeded",
-    "check_task_ids",
     "BUFFER_DTYPES",
     "MAX_TASKS",
     "ROW_ALIGN",
-    "TritonKernel",
     "TaskRowPlan",
+    "TritonKernel",
     "aligned_rows",
+    "aot_mode",
     "autocast_dtype",
+    "autograd_vjp",
     "build_task_row_plan",
     "build_task_row_plan_host",
     "cast_floats",
     "cdiv",
-    "check_task_buffer",
     "check_cu_seqlens",
+    "check_task_buffer",
+    "check_task_ids",
     "cu_seqlens_int32",
     "device_context",
     "dot_flags",
-    "aot_mode",
+    "draw_seed",
     "interpret_mode",
     "last_dim_contiguous",
     "load_triton",
     "next_power_of_2",
     "per_sample_vmap",
+    "seed_for",
+    "seeded",
     "target_arch",
     "task_row_plan",
 ]

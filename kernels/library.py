@@ -11,9 +11,7 @@ from fastpals_kernels.gram import gram_op
 from fastpals_kernels.grouped_linear import grouped_wgrad_op, grouped_wgrad_out_op
 from fastpals_kernels.pal import pal_backward_op, pal_op, pal_varlen_backward_op, pal_varlen_op
 
-__all__ = ["NAMESPACE", "OPS", "draw_seed"]
-
-NAMESPACE = "fastpals"
+__all__ = ["OPS", "draw_seed"]
 
 #: every op of the library, by name (``torch.ops.fastpals.<name>``)
 OPS = {

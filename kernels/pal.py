@@ -251,8 +251,9 @@ def pal_eager(
     choice = backend("pal", h) if choice is None else choice
     if choice == "triton":
         if cu_seqlens is not None:
-            return pal_varlen(h, cu_seqlens, max_seqlen, *args, residual=residual,
-                                      generator_seed=generator_seed)  # fmt: skip
+            return pal_varlen(
+                h, cu_seqlens, max_seqlen, *args, residual=residual, generator_seed=generator_seed
+            )
         return pal(h, mask, *args, residual=residual, generator_seed=generator_seed)
     attention = "sdpa" if choice == "sdpa" else "reference"
     if attention == "reference" and cu_seqlens is not None and segments is not None:
@@ -305,7 +306,7 @@ HEAD_ALIGN = 8
 
 
 def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
+    return cdiv(n, multiple) * multiple
 
 
 class PALLayout(NamedTuple):
