@@ -264,7 +264,7 @@ def use_triton(tensor: torch.Tensor) -> bool:
     ``reference`` -> False; ``auto`` (default) -> True when ``tensor`` is on CUDA and :func:`available` is true
     (:func:`backend` then asks :func:`decide` whether they should); ``triton`` -> True, raising
     ``RuntimeError`` when the kernels cannot run on ``tensor`` (no Triton; or a CPU tensor without
-    ``TRITON_INTERPRET=1``, which must be set before Triton is first imported).
+    ``TRITON_INTERPRET=1``, which must be set before the kernels' first launch).
     """
     mode = kernel_mode()
     if mode == "reference":
@@ -280,12 +280,12 @@ def use_triton(tensor: torch.Tensor) -> bool:
         if _kernels_compiled_for_gpu():
             raise RuntimeError(
                 f"{KERNELS_ENV}=triton on a CPU tensor: the kernels were loaded before TRITON_INTERPRET=1 was set "
-                "(Triton fixes the mode when a kernel is defined); set it before importing fastpals_kernels ops"
+                "(Triton fixes the mode when a kernel is first launched); set it before the first launch"
             )
         return True
     raise RuntimeError(
         f"{KERNELS_ENV}=triton but the tensor is on {tensor.device}: the kernels need a CUDA tensor, or a CPU "
-        "tensor with TRITON_INTERPRET=1 set before Triton is imported"
+        "tensor with TRITON_INTERPRET=1 set before the first launch"
     )
 
 
@@ -319,7 +319,10 @@ def backend(op: str, tensor: torch.Tensor) -> str:
 def flash_attn_installed() -> bool:
     """flash-attn is importable (looked up, not imported)."""
     if "flash_attn" not in _PROBES:
-        _PROBES["flash_attn"] = importlib.util.find_spec("flash_attn") is not None
+        try:
+            _PROBES["flash_attn"] = importlib.util.find_spec("flash_attn") is not None
+        except ValueError:  # imported already, without a spec: a stand-in module (not cached)
+            return True
     return _PROBES["flash_attn"]
 
 

@@ -224,9 +224,9 @@ def gram_triton(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return _gram_pairs(buf)
     t_pad = max(16, next_power_of_2(t))  # tl.dot needs every dimension >= 16
     t_blk = min(t_pad, 32)  # a 32 x 32 fp32 accumulator per program at most: more tasks, more row blocks
-    # 16 x 128 up-cast tiles of a 16-bit buffer spilled 12 B on sm_90 (AOT test): 64 columns for 16-bit buffers
+    # narrower column blocks where wider up-cast tiles spill on sm_90 (tests/test_aot.py, docs/measurements.md)
     block_p = 128 if t_blk <= 16 and buf.element_size() == 4 else 64
-    if t_pad > t_blk and buf.element_size() < 4:  # two 32 x 64 up-cast tiles spilled 8 B on sm_90 (AOT test)
+    if t_pad > t_blk and buf.element_size() < 4:
         block_p = 32
     programs, cols_per_program = _programs(buf, block_p)
     partial = torch.empty((programs, t_pad, t_pad), dtype=torch.float32, device=buf.device)

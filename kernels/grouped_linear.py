@@ -198,16 +198,14 @@ def _segment_linear_backward_functional(
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Launch shapes of the grouped kernels per target: (rows per tile, N-tile cap, K-tile cap, warps, stages), keyed
 # on (fp32?, target). "sm75" covers compute capability 7.x, "sm80" 8.x, "sm90" 9.x and newer; "interp" is
-# Triton's CPU interpreter. Chosen from the ahead-of-time compile of every launch for each target (Triton 3.9,
-# ptxas -v; tests/test_aot.py asserts the shared memory fits and 16-bit kernels do not spill on sm_80/sm_90).
-# Not yet timed on a GPU.
+# Triton's CPU interpreter. Chosen so that the ahead-of-time compile fits the shared memory and the 16-bit kernels
+# do not spill on sm_80/sm_90 (tests/test_aot.py; the alternatives' spills: docs/measurements.md).
 GROUPED_CONFIGS: dict[tuple[bool, str], tuple[int, int, int, int, int]] = {
-    # 16-bit: 8 warps over 64 x 64 tiles, K in steps of 32 (4 warps, or K steps of 64 with 3 stages, spill 48-64 B
-    # on sm_80 where the PAL widths 204/276 defeat vectorised loads)
+    # 16-bit: 8 warps over 64 x 64 tiles, K in steps of 32
     (False, "sm90"): (64, 64, 32, 8, 2),
     (False, "sm80"): (64, 64, 32, 8, 2),
     (False, "sm75"): (64, 64, 32, 8, 2),
-    # fp32 (IEEE products on CUDA cores): 32-row tiles, 8 warps (64-row tiles spilled 3.6-4.7 KB per thread)
+    # fp32 (IEEE products on CUDA cores): 32-row tiles, 8 warps
     (True, "sm90"): (32, 64, 32, 8, 2),
     (True, "sm80"): (32, 64, 32, 8, 2),
     (True, "sm75"): (32, 64, 32, 8, 2),

@@ -1,4 +1,4 @@
-# ruff: noqa: ANN001, ANN201, ANN202 - Triton kernel parameters and the custom ops' hooks mirror their schemas
+# ruff: noqa: ANN001, ANN202 - Triton kernel parameters and the custom ops' hooks mirror their schemas
 """The PAL op: the Projected Attention Layer ``residual + act(V^D_t · MHA_t(V^E_t · h))`` of a mixed-task batch,
 each example using the weights of its task ``t`` (``act``: exact GELU or the identity; MHA without an output
 projection).
@@ -721,14 +721,11 @@ def _clamp_block(block: int, seq: int) -> int:
 
 
 # GPU launch configurations (block_m = queries, block_n = keys, warps, stages) per kernel, "fp32 or 16-bit" and
-# padded head dim; sm_75 takes one stage (see attention_config). Chosen from the
-# ahead-of-time compile of every launch (Triton 3.9, ptxas -v, every feature on: mask/varlen + dropout) so that
-# the shared memory fits each target and the 16-bit kernels do not spill on sm_80/sm_90 (tests/test_aot.py
-# asserts both); not yet timed on a GPU.
+# padded head dim; sm_75 takes one stage (see attention_config). Chosen so that the ahead-of-time compile of every
+# launch fits each target's shared memory and the 16-bit kernels do not spill on sm_80/sm_90 (tests/test_aot.py
+# asserts both; the spills of the alternatives are in docs/measurements.md).
 _BASE_CONFIGS: dict[tuple[str, bool, int], tuple[int, int, int, int]] = {
-    # 16-bit (tensor-core mma / wgmma): 64 x 64 tiles spilled 44-308 B on sm_80; dK/dV at head dim 17 with 32 x 32
-    # tiles and 4 warps spilled 8 B there (varlen + dropout), 64 x 32 with 8 warps does not; dK/dV at the PAL's
-    # padded head dims 40/48 (16-byte cp.async loads) spilled 4 B on sm_80 with 4 warps (varlen), 8 warps do not
+    # 16-bit (tensor-core mma / wgmma)
     ("fwd", False, 32): (64, 32, 4, 2),
     ("fwd", False, 64): (64, 32, 4, 2),
     ("fwd", False, 128): (32, 32, 4, 2),
@@ -796,8 +793,8 @@ def _check_qkv(q: object, k: object, v: object, ndim: int, form: str) -> None:
         raise ValueError(f"head dim (last dim of q) must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
     if q.device.type != "cuda" and not _interpreting() and not aot_mode():
         raise RuntimeError(
-            f"q is on {q.device}: the Triton kernels need a CUDA device, or TRITON_INTERPRET=1 set before "
-            "triton is imported (CPU interpreter); use fastpals.functional.attention_reference on CPU"
+            f"q is on {q.device}: the Triton kernels need a CUDA device, or TRITON_INTERPRET=1 set before their "
+            "first launch (CPU interpreter); use fastpals.functional.attention_reference on CPU"
         )
 
 
