@@ -284,10 +284,7 @@ def test_the_racecheck_subset_selects_tests_of_both_kernels():
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert (
-        "tests/kernels/test_pal_op.py::" in proc.stdout
-        and "tests/kernels/test_gram.py::" in proc.stdout
-    )
+    assert "tests/kernels/test_pal_op.py::" in proc.stdout and "tests/kernels/test_gram.py::" in proc.stdout
 
 
 @NO_GPU

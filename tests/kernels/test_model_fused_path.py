@@ -51,7 +51,8 @@ def test_fused_model_equals_reference(monkeypatch, unpad, pal):
     torch.manual_seed(0)
     model = BertModel(TINY, pal=dataclasses.replace(pal, dropout=0.0)).to(DEVICE).train()
     ref_out, ref_grads = _run(model, "reference", monkeypatch, unpad)
-    pal_module = importlib.import_module("fastpals_kernels.pal")  # where the eager PAL path finds the fused op
+    # the eager PAL path finds the fused op in its module
+    pal_module = importlib.import_module("fastpals_kernels.pal")
 
     name = "pal_varlen" if unpad else "pal"
     fused_op, calls = getattr(pal_module, name), []
