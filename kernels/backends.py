@@ -208,42 +208,39 @@ _WARNED: set[str] = set()
 def switch() -> Switch:
     """``$FASTPALS_KERNELS`` parsed (plus the deprecated ``$FASTPALS_BACKENDS`` and ``$FASTPALS_OPS``); a one-line
     ``ValueError`` naming the variable when malformed."""
-    text = os.environ.get(KERNELS_ENV, "").strip()
-    mode, forced, library = "auto", {}, False
-    items = [part.strip() for part in text.split(",") if part.strip()]
-    for old, new in ((BACKENDS_ENV, "op=backend items"), (OPS_ENV, "the item library")):
-        value = os.environ.get(old, "").strip()
-        if value:
-            if old not in _WARNED:
-                _WARNED.add(old)
-                warnings.warn(f"{old} is deprecated and will be removed in the next release: put {new} in "
-                          f"{KERNELS_ENV} instead (e.g. {KERNELS_ENV}=auto,pal=sdpa,library)", FutureWarning,
-                              stacklevel=3)  # fmt: skip
-            if old == OPS_ENV:
-                if value.lower() not in ("auto", "library"):
-                    raise ValueError(f"{OPS_ENV}={value!r} is not one of auto, library")
-                library = library or value.lower() == "library"
-            else:
-                items = [part.strip() for part in value.split(",") if part.strip()] + items
-    modes = []
-    for item in items:
-        op, sep, name = (part.strip() for part in item.partition("="))
-        if not sep:
-            if op.lower() == "library":
+    modes, forced, library = [], {}, False
+    for var in (BACKENDS_ENV, OPS_ENV, KERNELS_ENV):
+        text = os.environ.get(var, "").strip()
+        if text and var != KERNELS_ENV and var not in _WARNED:
+            _WARNED.add(var)
+            warnings.warn(
+                f"{var} is deprecated and will be removed in the next release: put its items in {KERNELS_ENV} "
+                f"instead (e.g. {KERNELS_ENV}=auto,pal=sdpa,library)",
+                FutureWarning,
+                stacklevel=3,
+            )
+        if var == OPS_ENV:
+            if text.lower() not in ("", "auto", "library"):
+                raise ValueError(f"{OPS_ENV}={text!r} is not one of auto, library")
+            library = text.lower() == "library"
+            continue
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            op, sep, name = (part.strip() for part in item.partition("="))
+            if not sep and op.lower() == "library":
                 library = True
-            elif op.lower() in _MODES:
+            elif not sep and op.lower() in _MODES:
                 modes.append(op.lower())
-            else:
+            elif not sep:
                 raise ValueError(
-                    f"{KERNELS_ENV}={text!r}: {item!r} is not a mode ({', '.join(_MODES)}), op=backend or library"
+                    f"{var}={text!r}: {item!r} is not a mode ({', '.join(_MODES)}), op=backend or library"
                 )
-        elif op not in OPS or not name:
-            raise ValueError(f"{KERNELS_ENV}={text!r}: in op=backend, op must be one of {', '.join(OPS)}")
-        else:
-            forced[op] = name
+            elif op not in OPS or not name:
+                raise ValueError(f"{var}={text!r}: in op=backend, op must be one of {', '.join(OPS)}")
+            else:
+                forced[op] = name
     if len(modes) > 1:
-        raise ValueError(f"{KERNELS_ENV}={text!r} names more than one mode ({', '.join(modes)}); keep one")
-    return Switch(modes[0] if modes else mode, forced, library)
+        raise ValueError(f"{KERNELS_ENV} names more than one mode ({', '.join(modes)}); keep one")
+    return Switch(modes[0] if modes else "auto", forced, library)
 
 
 def kernel_mode() -> str:
