@@ -136,15 +136,15 @@ TAIL = 3000
 LOG_LIMIT = 4_000_000  # characters of one step's section of a log file
 #: the rehearsal's subsets: one fused-PAL and one Gram test under the interpreter, the benchmark kernels on CPU
 REHEARSAL_TESTS = [
-    "tests/kernels/test_fused_pal.py", "tests/test_surgery_kernels.py", "-k",
+    "tests/kernels/test_pal_op.py", "tests/kernels/test_gram.py", "-k",
     "test_pal_padded_fp32_matches_reference and 34-2-uniform or test_gram_matches_torch_and_float64 and 2-1000",
 ]  # fmt: skip
 RACECHECK_TESTS = [
-    "tests/kernels/test_fused_pal.py", "tests/test_surgery_kernels.py", "-k",
+    "tests/kernels/test_pal_op.py", "tests/kernels/test_gram.py", "-k",
     "pal_half_precision or test_gram_matches_torch_and_float64 and 2-1000",
 ]  # fmt: skip
 REHEARSAL_RACECHECK = [
-    "tests/test_surgery_kernels.py",
+    "tests/kernels/test_gram.py",
     "-k",
     "test_gram_matches_torch_and_float64 and 2-1000",
 ]

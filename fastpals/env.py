@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 import fastpals
-from fastpals_kernels import dispatch
+from fastpals_kernels import backends
 
 __all__ = ["PACKAGES", "collect", "format_report", "main"]
 
@@ -170,16 +170,16 @@ def _parse_capability(text: str) -> tuple[int, int] | None:
 
 
 def _dispatch(capability: tuple[int, int] | None) -> dict[str, Any]:
-    """The backend and reason :func:`fastpals_kernels.dispatch.decide` gives every op, per dtype, on a device of
+    """The backend and reason :func:`fastpals_kernels.backends.decide` gives every op, per dtype, on a device of
     ``capability`` (None = CPU), with flash-attn as installed here."""
 
-    flash = dispatch.flash_attn_installed()
+    flash = backends.flash_attn_installed()
     table = {
         op: {
-            name: dispatch.decide(op, capability, dtype, flash)._asdict()
+            name: backends.decide(op, capability, dtype, flash)._asdict()
             for name, dtype in _DTYPE_NAMES.items()
         }
-        for op in dispatch.OPS
+        for op in backends.OPS
     }
     return {"capability": None if capability is None else f"{capability[0]}.{capability[1]}", "ops": table}
 

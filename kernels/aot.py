@@ -268,8 +268,8 @@ def _grouped_case(dtype: Any, d_in: int, d_out: int, gelu: bool) -> None:
 def _buffer_case(dtype: Any, tasks: int) -> None:
     import torch
 
-    from fastpals_kernels.combine_triton import combine_triton
-    from fastpals_kernels.gram_triton import gram_triton
+    from fastpals_kernels.combine import combine_triton
+    from fastpals_kernels.gram import gram_triton
 
     buf = torch.zeros(tasks, 1 << 20, dtype=dtype)
     gram_triton(buf)
@@ -279,7 +279,7 @@ def _buffer_case(dtype: Any, tasks: int) -> None:
 
 
 def _dropout_mask_case() -> None:
-    from fastpals_kernels.pal_attention_triton import pal_attention_dropout_mask
+    from fastpals_kernels.pal import pal_attention_dropout_mask
 
     pal_attention_dropout_mask(8, 12, 128, 0.1, seed=1234, device="cpu")
 

@@ -1,9 +1,10 @@
 """Which backend runs each fastpals op: the Triton kernels, a stock PyTorch composition, or the reference.
 
-One decision per op, from the device's compute capability and the dtype (:func:`decide`), under the override
-``$FASTPALS_KERNELS`` = ``auto`` (default) | ``triton`` | ``reference`` (:func:`backend`), and whether a call
-goes through the custom ops of :mod:`fastpals_kernels.library` (:func:`use_library`). ``python -m
-fastpals.env`` prints the decision and its reason for the current device. Backends:
+One decision per op, from the device's compute capability and the dtype (:func:`decide`), under the one switch
+``$FASTPALS_KERNELS``: a mode ``auto`` (default) | ``triton`` | ``reference``, then optional per-op overrides
+``op=backend`` and the word ``library`` (every call through ``torch.ops.fastpals``, as under ``torch.compile``),
+comma-separated, e.g. ``FASTPALS_KERNELS=auto,gram=reference``. ``python -m fastpals.env`` prints the decision
+and its reason for the current device. Backends:
 
 - ``triton``: the fused kernels of this package (``fastpals_kernels.*_triton``);
 - ``sdpa``: grouped cuBLAS matmuls plus ``F.scaled_dot_product_attention`` with the head dim padded to a
@@ -11,10 +12,7 @@ fastpals.env`` prints the decision and its reason for the current device. Backen
 - ``flash_attn``: flash-attn's varlen kernel (BERT's own self-attention over packed rows);
 - ``reference``: the plain PyTorch definitions in :mod:`fastpals.functional` (CPU, or forced).
 
-The bottom of the op library's dispatch: it imports no other module of the package but :mod:`common`
-(``interpret_mode``), so :mod:`fastpals_kernels.eager`, :mod:`fastpals_kernels.library` and
-:mod:`fastpals_kernels.dispatch` all build on it without an import circle. Nothing here imports Triton at module
-load.
+Every op module imports this one; it imports only :mod:`fastpals_kernels.common`, and no Triton at module load.
 """
 
 from __future__ import annotations
@@ -22,18 +20,20 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from fastpals_kernels.common import interpret_mode
+from fastpals_kernels.common import TritonKernel, interpret_mode
 
 __all__ = [
     "BACKENDS_ENV",
     "KERNELS_ENV",
     "OPS",
+    "Switch",
     "OPS_ENV",
     "Backend",
     "Decision",
@@ -43,21 +43,22 @@ __all__ = [
     "decide",
     "flash_attn_installed",
     "flash_varlen_ok",
-    "forced_backends",
     "kernel_mode",
-    "library_mode",
     "register_backend",
     "registered",
+    "require_triton",
+    "switch",
     "unregister_backend",
     "use_library",
     "use_triton",
 ]
 
 
+#: the switch: ``mode[,op=backend,...][,library]``
 KERNELS_ENV = "FASTPALS_KERNELS"
-#: per-op override: ``op=backend,op=backend`` (e.g. ``pal=sdpa,gram=reference``)
+#: the per-op overrides before they joined ``$FASTPALS_KERNELS``: still read, with a warning, for one release
 BACKENDS_ENV = "FASTPALS_BACKENDS"
-#: ``library``: every op call goes through ``torch.ops.fastpals`` (default ``auto``)
+#: the flag ``library`` before it joined ``$FASTPALS_KERNELS``: still read, with a warning, for one release
 OPS_ENV = "FASTPALS_OPS"
 _BUILTIN_BACKENDS = ("triton", "sdpa", "flash_attn", "reference")
 _MODES = ("auto", "triton", "reference")
@@ -169,9 +170,11 @@ def _triton_import_error() -> str | None:
 
 
 def _kernels_compiled_for_gpu() -> bool:
-    """True when the grouped kernels were already defined as GPU (non-interpreted) Triton functions."""
-    module = sys.modules.get("fastpals_kernels.grouped_linear_triton")
-    kernel = getattr(module, "_grouped_mm_kernel", None)
+    """True when the grouped kernels were already defined as GPU (non-interpreted) Triton functions (Triton
+    defines a :class:`~fastpals_kernels.common.TritonKernel` on its first launch)."""
+    kernel = getattr(sys.modules.get("fastpals_kernels.grouped_linear"), "_grouped_mm_kernel", None)
+    if isinstance(kernel, TritonKernel):
+        kernel = kernel.kernel
     return kernel is not None and type(kernel).__name__ != "InterpretedFunction"
 
 
@@ -191,12 +194,65 @@ def available() -> tuple[bool, str]:
     return False, "no CUDA device and TRITON_INTERPRET is not 1"
 
 
+class Switch(NamedTuple):
+    """``$FASTPALS_KERNELS`` parsed: the mode, the per-op backends it names, and the ``library`` flag."""
+
+    mode: str
+    forced: dict[str, str]
+    library: bool
+
+
+_WARNED: set[str] = set()
+
+
+def switch() -> Switch:
+    """``$FASTPALS_KERNELS`` parsed (plus the deprecated ``$FASTPALS_BACKENDS`` and ``$FASTPALS_OPS``); a one-line
+    ``ValueError`` naming the variable when malformed."""
+    modes, forced, library = [], {}, False
+    for var in (BACKENDS_ENV, OPS_ENV, KERNELS_ENV):
+        text = os.environ.get(var, "").strip()
+        if text and var != KERNELS_ENV and var not in _WARNED:
+            _WARNED.add(var)
+            warnings.warn(
+                f"{var} is deprecated and will be removed in the next release: put its items in {KERNELS_ENV} "
+                f"instead (e.g. {KERNELS_ENV}=auto,pal=sdpa,library)",
+                FutureWarning,
+                stacklevel=3,
+            )
+        if var == OPS_ENV:
+            if text.lower() not in ("", "auto", "library"):
+                raise ValueError(f"{OPS_ENV}={text!r} is not one of auto, library")
+            library = text.lower() == "library"
+            continue
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            op, sep, name = (part.strip() for part in item.partition("="))
+            if not sep and op.lower() == "library":
+                library = True
+            elif not sep and op.lower() in _MODES:
+                modes.append(op.lower())
+            elif not sep:
+                raise ValueError(
+                    f"{var}={text!r}: {item!r} is not a mode ({', '.join(_MODES)}), op=backend or library"
+                )
+            elif op not in OPS or not name:
+                raise ValueError(f"{var}={text!r}: in op=backend, op must be one of {', '.join(OPS)}")
+            else:
+                forced[op] = name
+    if len(modes) > 1:
+        raise ValueError(f"{KERNELS_ENV} names more than one mode ({', '.join(modes)}); keep one")
+    return Switch(modes[0] if modes else "auto", forced, library)
+
+
 def kernel_mode() -> str:
-    """The value of ``$FASTPALS_KERNELS``: ``auto`` (default), ``triton`` or ``reference``."""
-    mode = os.environ.get(KERNELS_ENV, "auto").strip().lower() or "auto"
-    if mode not in _MODES:
-        raise ValueError(f"{KERNELS_ENV}={mode!r} is not one of {', '.join(_MODES)}")
-    return mode
+    """The mode of ``$FASTPALS_KERNELS``: ``auto`` (default), ``triton`` or ``reference``."""
+    return switch().mode
+
+
+def require_triton(name: str) -> None:
+    """Raise a one-line ``ImportError`` when the Triton op ``name`` cannot run here (see :func:`available`)."""
+    if _triton_import_error() is not None:
+        raise ImportError(f"fastpals_kernels.{name} needs Triton ({available()[1]}); use the reference ops "
+                          f"(fastpals.functional) or {KERNELS_ENV}=reference")  # fmt: skip
 
 
 def use_triton(tensor: torch.Tensor) -> bool:
@@ -205,7 +261,7 @@ def use_triton(tensor: torch.Tensor) -> bool:
     ``reference`` -> False; ``auto`` (default) -> True when ``tensor`` is on CUDA and :func:`available` is true
     (:func:`backend` then asks :func:`decide` whether they should); ``triton`` -> True, raising
     ``RuntimeError`` when the kernels cannot run on ``tensor`` (no Triton; or a CPU tensor without
-    ``TRITON_INTERPRET=1``, which must be set before Triton is first imported).
+    ``TRITON_INTERPRET=1``, which must be set before the kernels' first launch).
     """
     mode = kernel_mode()
     if mode == "reference":
@@ -221,26 +277,26 @@ def use_triton(tensor: torch.Tensor) -> bool:
         if _kernels_compiled_for_gpu():
             raise RuntimeError(
                 f"{KERNELS_ENV}=triton on a CPU tensor: the kernels were loaded before TRITON_INTERPRET=1 was set "
-                "(Triton fixes the mode when a kernel is defined); set it before importing fastpals_kernels ops"
+                "(Triton fixes the mode when a kernel is first launched); set it before the first launch"
             )
         return True
     raise RuntimeError(
         f"{KERNELS_ENV}=triton but the tensor is on {tensor.device}: the kernels need a CUDA tensor, or a CPU "
-        "tensor with TRITON_INTERPRET=1 set before Triton is imported"
+        "tensor with TRITON_INTERPRET=1 set before the first launch"
     )
 
 
 def backend(op: str, tensor: torch.Tensor) -> str:
     """The backend that runs ``op`` on ``tensor`` now: ``reference`` mode -> reference; ``triton`` mode -> triton
     (or an error, see :func:`use_triton`); ``auto`` -> :func:`decide` for ``tensor``'s device and dtype, the
-    reference wherever the Triton kernels cannot run. ``$FASTPALS_BACKENDS`` names a backend per op over all of
-    that (``triton`` still needs the kernels to be able to run: see :func:`use_triton`)."""
-    forced = forced_backends().get(op)
+    reference wherever the Triton kernels cannot run. An ``op=backend`` item of ``$FASTPALS_KERNELS`` names the
+    backend of that op over all of that (``triton`` still needs the kernels to be able to run: see :func:`use_triton`)."""
+    forced = switch().forced.get(op)
     if forced is not None:
         if forced not in _BUILTIN_BACKENDS and registered(op, forced) is None:
-            raise ValueError(f"{BACKENDS_ENV}: {op}={forced} names no backend of {op}")
+            raise ValueError(f"{KERNELS_ENV}: {op}={forced} names no backend of {op}")
         if forced == "triton" and not tensor.is_cuda and not interpret_mode():
-            raise RuntimeError(f"{BACKENDS_ENV}: {op}=triton needs a CUDA tensor or TRITON_INTERPRET=1")
+            raise RuntimeError(f"{KERNELS_ENV}: {op}=triton needs a CUDA tensor or TRITON_INTERPRET=1")
         return forced
     if op == "bert_attention_varlen":
         dtype = tensor.dtype if tensor.dtype in (torch.float16, torch.bfloat16) else torch.float32
@@ -260,7 +316,10 @@ def backend(op: str, tensor: torch.Tensor) -> str:
 def flash_attn_installed() -> bool:
     """flash-attn is importable (looked up, not imported)."""
     if "flash_attn" not in _PROBES:
-        _PROBES["flash_attn"] = importlib.util.find_spec("flash_attn") is not None
+        try:
+            _PROBES["flash_attn"] = importlib.util.find_spec("flash_attn") is not None
+        except ValueError:  # imported already, without a spec: a stand-in module (not cached)
+            return True
     return _PROBES["flash_attn"]
 
 
@@ -276,7 +335,7 @@ class Backend(NamedTuple):
     """A backend added with :func:`register_backend`.
 
     ``serves(capability, dtype)`` returns the reason it serves ``op`` on such a device (None: it does not);
-    ``impl`` takes the arguments of the dispatching function of ``op`` in :mod:`fastpals_kernels.dispatch` (``run_pal``,
+    ``impl`` takes the arguments of the public function of ``op`` in its module (``run_pal``,
     ``attention_varlen``, ``grouped_wgrad``, ``gram``, ``combine``) and returns what it returns.
     """
 
@@ -295,7 +354,7 @@ def register_backend(
     impl: Callable[..., Any],
 ) -> None:
     """Add a backend for ``op``: asked before the built-in rules of :func:`decide`, newest first; it runs wherever
-    ``serves`` gives a reason (and wherever ``$FASTPALS_BACKENDS`` names it)."""
+    ``serves`` gives a reason (and wherever ``$FASTPALS_KERNELS`` names it: ``op=name``)."""
     if op not in OPS:
         raise ValueError(f"op must be one of {', '.join(OPS)}, got {op!r}")
     if name in _BUILTIN_BACKENDS:
@@ -314,33 +373,9 @@ def registered(op: str, name: str) -> Backend | None:
     return next((b for b in _REGISTERED.get(op, []) if b.name == name), None)
 
 
-def forced_backends() -> dict[str, str]:
-    """``$FASTPALS_BACKENDS`` (``op=backend,op=backend``) as a dict; one-line ``ValueError`` when malformed."""
-    text = os.environ.get(BACKENDS_ENV, "").strip()
-    out: dict[str, str] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        op, sep, name = item.partition("=")
-        op, name = op.strip(), name.strip()
-        if not sep or op not in OPS or not name:
-            raise ValueError(
-                f"{BACKENDS_ENV}={text!r}: each item must be op=backend with op one of {', '.join(OPS)}"
-            )
-        out[op] = name
-    return out
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Which implementation runs: the custom ops of the library, or the eager paths
 # ----------------------------------------------------------------------------------------------------------------
-def library_mode() -> bool:
-    """``$FASTPALS_OPS=library``: every call goes through ``torch.ops.fastpals`` (default ``auto``: only where
-    :func:`use_library` says)."""
-    mode = os.environ.get(OPS_ENV, "auto").strip().lower() or "auto"
-    if mode not in ("auto", "library"):
-        raise ValueError(f"{OPS_ENV}={mode!r} is not one of auto, library")
-    return mode == "library"
-
-
 def _is_fake(t: torch.Tensor) -> bool:
     return isinstance(t, FakeTensor)
 
@@ -351,7 +386,7 @@ def use_library(choice: str, t: torch.Tensor) -> bool:
     Yes under ``$FASTPALS_OPS=library``, and under ``torch.compile`` / fake tensors for every backend other
     than the reference (the reference is plain PyTorch: the compiler traces it as it is). Eager training on a
     GPU keeps the Triton ops' saved activations (the custom op's backward recomputes the forward)."""
-    if library_mode():
+    if switch().library:
         return True
     if choice == "reference":
         return False

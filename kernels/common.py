@@ -1,6 +1,7 @@
-"""Host-side helpers shared by every fastpals kernel: the ``cu_seqlens`` rule, the task plan, casts, dot flags,
-device guards. Nothing here imports Triton (the Triton building blocks are in
-:mod:`fastpals_kernels.tl_helpers`; which backend runs is decided in :mod:`fastpals_kernels.dispatch`).
+"""Host-side helpers shared by the op modules: the lazy :class:`TritonKernel`, the ``cu_seqlens`` and task-id
+checks, the task plan, the task-gradient buffer check, casts, dot flags, device guards, and the custom ops' seed,
+recompute and vmap helpers. Nothing here imports Triton at module load (the Triton building blocks are in
+:mod:`fastpals_kernels.tl_helpers`).
 
 The task plan (:class:`TaskRowPlan`) is the multi-adapter trick of Punica's SGMV and vLLM's LoRA kernels: rows
 are grouped by task through an index array (no physical permutation of the activations), and row tiles are cut
@@ -13,28 +14,41 @@ import contextlib
 import numbers
 import os
 import weakref
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
-from fastpals_kernels.reference import autocast_dtype, check_task_ids
-
 __all__ = [
+    "BUFFER_DTYPES",
+    "MAX_TASKS",
     "ROW_ALIGN",
     "TaskRowPlan",
+    "TritonKernel",
     "aligned_rows",
+    "aot_mode",
     "autocast_dtype",
+    "autograd_vjp",
     "build_task_row_plan",
     "build_task_row_plan_host",
     "cast_floats",
+    "cdiv",
     "check_cu_seqlens",
+    "check_task_buffer",
+    "check_task_ids",
     "cu_seqlens_int32",
     "device_context",
     "dot_flags",
-    "aot_mode",
+    "draw_seed",
     "interpret_mode",
     "last_dim_contiguous",
+    "load_triton",
+    "next_power_of_2",
+    "per_sample_vmap",
+    "seed_for",
+    "seeded",
     "target_arch",
     "task_row_plan",
 ]
@@ -43,6 +57,96 @@ __all__ = [
 def interpret_mode() -> bool:
     """True when ``TRITON_INTERPRET=1`` (Triton's CPU interpreter) is set."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def autocast_dtype(tensor: torch.Tensor) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` runs linear layers in on ``tensor``'s device, or None outside autocast.
+
+    The fused ops follow autocast like ``F.linear`` does: floating operands are cast (differentiably) to this
+    dtype, so fp32 parameters train under bf16/fp16 autocast with fp32 gradients."""
+    device_type = tensor.device.type
+    if device_type not in ("cuda", "cpu") or not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+def check_task_ids(
+    task_ids: object, num_tasks: int, batch: int, device: torch.device, check_values: bool = True
+) -> torch.Tensor:
+    """Validate ``task_ids`` (one integer task per example) and return it as int64.
+
+    Raises ``TypeError``/``ValueError`` naming the argument on a wrong type, dtype, shape, device or range.
+    The range check reads the tensor once (a device sync); it guarantees no kernel ever indexes a weight out of
+    bounds. ``check_values=False`` leaves the range to the caller (:func:`fastpals.data.layout.make_layout` checks
+    it on the host values it reads anyway).
+    """
+    if not isinstance(task_ids, torch.Tensor):
+        raise TypeError(f"task_ids must be a torch.Tensor of integer task ids, got {type(task_ids).__name__}")
+    if task_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+        raise TypeError(f"task_ids must have an integer dtype, got {task_ids.dtype}")
+    if task_ids.dim() != 1 or task_ids.shape[0] != batch:
+        raise ValueError(
+            f"task_ids must have shape [{batch}] (one task per example), got {list(task_ids.shape)}"
+        )
+    if task_ids.device != device:
+        raise ValueError(f"task_ids is on {task_ids.device} but the inputs are on {device}")
+    if batch > 0 and check_values:
+        lo, hi = int(task_ids.min()), int(task_ids.max())
+        if lo < 0 or hi >= num_tasks:
+            bad = lo if lo < 0 else hi
+            raise ValueError(
+                f"task_ids contains {bad}, outside [0, {num_tasks}) for a model with {num_tasks} tasks"
+            )
+    return task_ids.long()
+
+
+class TritonKernel:
+    """A ``@triton.jit`` function that Triton compiles on its first launch (``kernel[grid](...)``), so that importing
+    an op module loads no Triton (optional, and slow to import). The first launch binds ``triton`` and ``tl`` in the
+    kernel's module and replaces every :class:`TritonKernel` there by its ``triton.jit`` function (kernels call
+    each other by name); ``TRITON_INTERPRET`` is read then."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+        self.__name__ = fn.__name__
+        self.kernel: Any = None
+
+    def __getitem__(self, grid: Any) -> Any:
+        return self.jit()[grid]
+
+    def jit(self) -> Any:
+        """The ``triton.jit`` function (Triton imported here)."""
+        if self.kernel is None:
+            load_triton(self.fn.__globals__)
+        return self.kernel
+
+
+def load_triton(namespace: dict) -> None:
+    """Bind ``triton`` and ``tl`` in ``namespace`` (a module's globals) and replace its :class:`TritonKernel`
+    values by their ``triton.jit`` functions."""
+    import triton  # Triton: optional
+    import triton.language as tl
+
+    namespace.setdefault("triton", triton)
+    namespace.setdefault("tl", tl)
+    for name, value in list(namespace.items()):
+        if isinstance(value, TritonKernel):
+            if value.kernel is None:
+                if value.fn.__globals__ is not namespace:
+                    load_triton(value.fn.__globals__)
+                else:
+                    value.kernel = triton.jit(value.fn)
+            namespace[name] = value.kernel
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for positive ints."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two ``>= n`` (1 for ``n <= 1``)."""
+    return 1 << max(n - 1, 0).bit_length()
 
 
 #: set to 1 by :mod:`fastpals_kernels.aot` only: launches are compiled for a fake GPU target, never run
@@ -382,3 +486,100 @@ def build_task_row_plan_host(
     flat = torch.from_numpy(np.concatenate(parts).astype(np.int32)).to(device)
     views = torch.split(flat, [p.size for p in parts])
     return TaskRowPlan(*views, num_rows=num_rows, num_tasks=num_tasks, block_rows=block_rows)
+
+
+#: most task rows a ``[T, P]`` task-gradient buffer may have: 64 tasks, and GEM's episodic memory (2 T rows) for
+#: them; the Gram kernel pads T to a power of two and tiles it in 32 x 32 blocks
+MAX_TASKS = 128
+BUFFER_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_task_buffer(buf: object, name: str = "buf") -> torch.Tensor:
+    """Validate a per-task gradient buffer: ``[T, P]`` float32/float16/bfloat16, ``1 <= T <= MAX_TASKS``,
+    ``P >= 1``, unit stride along P (rows may be strided)."""
+    if not isinstance(buf, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(buf).__name__}")
+    if buf.dim() != 2:
+        raise ValueError(f"{name} must have shape [T, P], got {list(buf.shape)}")
+    t, p = buf.shape
+    if not 1 <= t <= MAX_TASKS:
+        raise ValueError(f"{name} has T = {t} rows; 1 <= T <= {MAX_TASKS} is supported")
+    if p < 1:
+        raise ValueError(f"{name} has P = {p} columns; at least 1 is needed")
+    if buf.dtype not in BUFFER_DTYPES:
+        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {buf.dtype}")
+    if buf.stride(1) != 1 or buf.stride(0) < p:
+        raise ValueError(f"{name} must be contiguous along P (strides {buf.stride()})")
+    return buf
+
+
+def per_sample_vmap(op: Any) -> Callable:
+    """A ``torch.func.vmap`` rule for the custom op ``op``: the op on each sample of the batched arguments in turn
+    (the unbatched ones shared), the results stacked along dim 0. Exact for every backend; ``batch_size`` calls,
+    which suits the few Jacobian rows of TorchJD's ``mtl_backward``. Dropout seeds are arguments, so every sample
+    sees the mask the unbatched call would."""
+
+    def rule(info: Any, in_dims: tuple, *args: Any) -> tuple:
+        outs = [op(*[a if d is None else a.select(d, i) for a, d in zip(args, in_dims)])
+                for i in range(info.batch_size)]  # fmt: skip
+        return _stack_outputs(outs)
+
+    return rule
+
+
+def _stack_outputs(items: list) -> tuple:
+    """Per-sample outputs (a tensor, None, or a tuple/list of them) stacked along dim 0: ``(value, out_dims)``."""
+    first = items[0]
+    if isinstance(first, torch.Tensor):
+        return torch.stack(items), 0
+    if first is None:
+        return None, None
+    parts = [_stack_outputs([item[k] for item in items]) for k in range(len(first))]
+    return type(first)(v for v, _ in parts), type(first)(d for _, d in parts)
+
+
+def draw_seed() -> torch.Tensor:
+    """A dropout seed for the custom ops: one int64 drawn from torch's default CPU generator (no device read)."""
+    return torch.randint(0, 2**62, (1,), dtype=torch.int64)
+
+
+@contextlib.contextmanager
+def seeded(seed: torch.Tensor, device: torch.device, dropout_p: float) -> Iterator[None]:
+    """Run the block with torch's generators (CPU, and ``device``'s when CUDA) seeded from ``seed``, restored
+    afterwards; a no-op without dropout."""
+    if dropout_p <= 0.0:
+        yield
+        return
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices, device_type="cuda"):
+        torch.manual_seed(int(seed.reshape(-1)[0]))
+        yield
+
+
+def autograd_vjp(
+    fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor], grad: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """The gradients of ``fn(*inputs)`` against ``grad``, recomputing ``fn`` with autograd. An op's kernel runs
+    below the autograd dispatch key, so autograd is switched back on for the recomputation."""
+    leaves = [t.detach().requires_grad_(True) for t in inputs]
+    with autograd_on(), torch.enable_grad():
+        out = fn(*leaves)
+        grads = torch.autograd.grad(out, leaves, grad, allow_unused=True)
+    # outputs may not alias each other (e.g. the unbound views of one stacked gradient)
+    return tuple(torch.zeros_like(x) if g is None else g.clone() if g._base is not None else g
+                 for g, x in zip(grads, leaves))  # fmt: skip
+
+
+@contextlib.contextmanager
+def autograd_on() -> Iterator[None]:
+    """Autograd's dispatch keys switched back on (an op's kernel runs with them excluded)."""
+    keys = (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.ADInplaceOrView)
+    with contextlib.ExitStack() as stack:
+        for key in keys:
+            stack.enter_context(torch._C._SetExcludeDispatchKeyGuard(key, False))
+        yield
+
+
+def seed_for(dropout_p: float) -> torch.Tensor:
+    """:func:`draw_seed` with dropout, else a zero seed (no draw from the generator)."""
+    return draw_seed() if dropout_p > 0.0 else torch.zeros(1, dtype=torch.int64)

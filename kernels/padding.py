@@ -166,7 +166,7 @@ class AttentionBucket:
     """Sequences of similar length attended together in one padded block ``[size, length]``.
 
     ``mask [size, length]`` bool (True = token); ``key_bias [size, 1, 1, length]`` fp32, the mask's additive
-    bias (:func:`fastpals_kernels.reference.key_mask_bias`), built with the plan and shared by every layer that
+    bias (:func:`fastpals_kernels.attention_varlen.key_mask_bias`), built with the plan and shared by every layer that
     attends over this block; where each token lands is the plan's ``slots``.
     """
 
@@ -201,9 +201,7 @@ def attention_plan(
     ``cu_seqlens``: host values (NumPy / a list: no device read; tensors go on ``device``) or a tensor (read on
     the host once; the plan's tensors go on its device).
 
-    The ratio trades padding against per-block overhead: on ``make train``'s batches (32 rows of 5-69 tokens,
-    MiniLM on 2 CPU cores), paired on the same batches, 0.5 made the update 0.87x as long as 0.8; 0.65 gave
-    0.94x and 0.35 1.03x."""
+    The ratio trades padding against per-block overhead (the default's measurement: docs/measurements.md)."""
     if isinstance(cu_seqlens, torch.Tensor):
         device = cu_seqlens.device if device is None else device
         cu = np.asarray(cu_seqlens.tolist(), dtype=np.int64)
@@ -244,8 +242,8 @@ def bucketed_attention(
 
     ``attend(q, k, v, bucket)`` is padded attention on ``[size, length, H, Dh]`` with the bucket's key mask
     (``bucket.mask [size, length]`` bool, or its cached fp32 ``bucket.key_bias``; e.g.
-    :func:`fastpals_kernels.reference.attention_with_key_bias`); each sequence only sees its own keys, as in
-    :func:`fastpals_kernels.reference.attention_varlen_reference`, with padding bounded per block instead of padding
+    :func:`fastpals_kernels.attention_varlen.attention_with_key_bias`); each sequence only sees its own keys, as in
+    :func:`fastpals_kernels.attention_varlen.attention_varlen_reference`, with padding bounded per block instead of padding
     every sequence to the batch's longest. The tokens enter one padded buffer holding every block with one
     scatter and leave it with one gather (``plan.slots``), so the backward adds no per-block full-size gradients.
     """

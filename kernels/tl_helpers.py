@@ -1,16 +1,20 @@
-"""Triton building blocks shared by every fastpals kernel: the dot with its precision flags, the rounding cast,
-the GELU derivative. Imports Triton; the host-side helpers (dispatch, checks, task plans) are in
-:mod:`fastpals_kernels.common`, which does not."""
+# ruff: noqa: ANN001, ANN201 - Triton kernel parameters are untyped by design
+"""Triton building blocks shared by the op modules' kernels: the dot with its precision flags, the rounding cast,
+the GELU derivative (:class:`~fastpals_kernels.common.TritonKernel`: Triton loads on the first launch)."""
 
 from __future__ import annotations
 
-import triton
-import triton.language as tl
+from typing import TYPE_CHECKING
+
+from fastpals_kernels.common import TritonKernel
+
+if TYPE_CHECKING:
+    import triton.language as tl
 
 __all__ = ["cast_rne", "dot_acc", "gelu_grad", "mm"]
 
 
-@triton.jit
+@TritonKernel
 def dot_acc(a, b, acc, IEEE: tl.constexpr, INTERP_BF16: tl.constexpr):
     """``acc + a @ b`` in fp32. IEEE: exact fp32 products for fp32 operands (no TF32). INTERP_BF16 (bf16 under
     the CPU interpreter only, whose bf16 ``tl.dot`` is wrong): widen the tiles to fp32 first (bf16 products
@@ -25,7 +29,7 @@ def dot_acc(a, b, acc, IEEE: tl.constexpr, INTERP_BF16: tl.constexpr):
     return acc
 
 
-@triton.jit
+@TritonKernel
 def mm(a, b, IEEE: tl.constexpr, INTERP_BF16: tl.constexpr):
     """``a @ b`` with fp32 accumulation (no accumulator operand); flags as in :func:`dot_acc`."""
     if INTERP_BF16:
@@ -38,7 +42,7 @@ def mm(a, b, IEEE: tl.constexpr, INTERP_BF16: tl.constexpr):
     return c
 
 
-@triton.jit
+@TritonKernel
 def cast_rne(x, dtype: tl.constexpr, INTERP_BF16: tl.constexpr):
     """``x.to(dtype)`` rounding to nearest even. The CPU interpreter truncates fp32 -> bf16 (GPUs round to
     nearest even), so under INTERP_BF16 the fp32 bits are rounded to the nearest bf16 value first and the
@@ -50,7 +54,7 @@ def cast_rne(x, dtype: tl.constexpr, INTERP_BF16: tl.constexpr):
     return x.to(dtype)
 
 
-@triton.jit
+@TritonKernel
 def gelu_grad(z):
     """d/dz of z * Phi(z) (exact erf GELU), in fp32."""
     cdf = 0.5 * (1.0 + tl.math.erf(z * 0.7071067811865476))

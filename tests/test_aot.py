@@ -143,10 +143,10 @@ PIPELINED_ATTENTION = ("_pal_attn_fwd_kernel", "_pal_attn_bwd_dkdv_kernel", "_pa
 @pytest.mark.parametrize("cap", [80, 90])
 @pytest.mark.parametrize("d_s, heads", SEED_PAL_SHAPES)
 def test_16bit_pal_loads_are_vectorised_and_pipelined(results, cap, d_s, heads):
-    """The fused PAL's zero-padded layout (fastpals_kernels.pal_triton.pal_layout: heads of 40/24/48, ``s`` 208 or
+    """The fused PAL's zero-padded layout (fastpals_kernels.pal.pal_layout: heads of 40/24/48, ``s`` 208 or
     288 wide) makes its 16-bit loads 16-byte aligned: the attention forward and backward and the QKV and V^D
     forward GEMMs copy global -> shared with 16-byte ``cp.async`` (before the padding they had none)."""
-    from fastpals_kernels.pal_triton import pal_layout
+    from fastpals_kernels.pal import pal_layout
 
     lay = pal_layout(d_s, heads)
     tag = f" d_s={d_s} H={heads} "

@@ -549,7 +549,7 @@ def test_packed_mixed_batch_dispatches_to_pal_varlen_and_flash_varlen(monkeypatc
         calls["flash"].append((cu_q.tolist(), max_q))
         return attention_varlen_reference(q, k, v, cu_q, max_q)
 
-    monkeypatch.setitem(kernels.__dict__, "pal_varlen", counted)
+    monkeypatch.setattr(sys.modules["fastpals_kernels.pal"], "pal_varlen", counted)  # the eager PAL path's op
     monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=fake_varlen))
     monkeypatch.setattr(backends, "flash_varlen_ok", lambda q: True)
     monkeypatch.setenv("FASTPALS_KERNELS", "triton")

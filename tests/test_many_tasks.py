@@ -42,9 +42,9 @@ def test_torchjd_mtl_backward_upgrad_on_a_pal_model(ops, monkeypatch):
     """TorchJD's ``mtl_backward`` differentiates the encoder under ``torch.func.vmap`` (the fused PAL and
     grouped-GEMM ops included); with ``UPGrad`` its encoder gradient equals ``sum_t w_t g_t`` with fastpals'
     UPGrad weights of the same Jacobian's Gram (the PAL weights are encoder parameters here: their rows for the
-    other tasks are zero), and each head's gradient is its own task's. ``library``: every fused op through
-    ``torch.ops.fastpals`` (as under ``torch.compile``), whose vmap rules run it per Jacobian row."""
-    monkeypatch.setenv("FASTPALS_OPS", ops)
+    other tasks are zero), and each head's gradient is its own task's. ``library`` (in ``$FASTPALS_KERNELS``): every fused op
+    through ``torch.ops.fastpals`` (as under ``torch.compile``), whose vmap rules run it per Jacobian row."""
+    monkeypatch.setenv("FASTPALS_KERNELS", f"auto,{ops}" if ops == "library" else ops)
     autojac = pytest.importorskip("torchjd.autojac", reason="torchjd (dev extra) is needed")
     from torchjd.aggregation import UPGrad
 

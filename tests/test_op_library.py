@@ -16,7 +16,9 @@ from device import DEVICE, requires_cuda
 from torch.library import opcheck
 
 import fastpals_kernels
-from fastpals_kernels import dispatch, library, reference
+from fastpals_kernels import backends, dispatch, library
+from fastpals_kernels.gram import gram_reference
+from fastpals_kernels.pal import pal_reference, pal_varlen_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = [torch.float32, torch.bfloat16]
@@ -107,10 +109,10 @@ def test_pal_ops_match_the_reference_in_output_and_every_gradient(packed):
         cu = torch.tensor([0, 7, 11, 18, 20])
         h, res = h[mask].detach().requires_grad_(), res[mask].detach().requires_grad_()
         got = torch.ops.fastpals.pal_varlen(h, cu, 7, task_ids, *weights, HEADS, True, 0.0, res, seed)
-        want = res + reference.pal_varlen_reference(h, cu, 7, task_ids, *weights, HEADS, True, 0.0)
+        want = res + pal_varlen_reference(h, cu, 7, task_ids, *weights, HEADS, True, 0.0)
     else:
         got = torch.ops.fastpals.pal(h, mask, task_ids, *weights, HEADS, True, 0.0, res, seed)
-        want = res + reference.pal_reference(h, mask, task_ids, *weights, HEADS, True, 0.0)
+        want = res + pal_reference(h, mask, task_ids, *weights, HEADS, True, 0.0)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     grad = torch.randn(got.shape, generator=g)
     inputs = [h, *weights, res]
@@ -126,29 +128,13 @@ def test_pal_op_dropout_replays_its_mask_in_the_backward():
     got = torch.ops.fastpals.pal(h, mask, task_ids, *weights, HEADS, True, 0.3, None, seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(1234)
-        want = reference.pal_reference(h, mask, task_ids, *weights, HEADS, True, 0.3)
+        want = pal_reference(h, mask, task_ids, *weights, HEADS, True, 0.3)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     grad = torch.randn(got.shape, generator=g)
     for a, b in zip(_grads(got, [h, *weights], grad), _grads(want, [h, *weights], grad)):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
     other = torch.ops.fastpals.pal(h, mask, task_ids, *weights, HEADS, True, 0.3, None, torch.tensor([99]))
     assert not torch.equal(other, got)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_attention_varlen_opcheck_and_reference(dtype):
-    g = torch.Generator().manual_seed(1)
-    q, k, v = (_w(g, 20, 2, 8, dtype=dtype) for _ in range(3))
-    cu = torch.tensor([0, 7, 11, 18, 20], dtype=torch.int32)
-    for p in (0.0, 0.2):
-        opcheck(torch.ops.fastpals.attention_varlen.default, (q, k, v, cu, 7, p, library.draw_seed()))
-    got = torch.ops.fastpals.attention_varlen(q, k, v, cu, 7, 0.0, library.draw_seed())
-    want = reference.attention_varlen_reference(q, k, v, cu, 7)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got, want, rtol=0, atol=tol)
-    grad = torch.randn(got.shape, generator=g).to(dtype)
-    for a, b in zip(_grads(got, [q, k, v], grad), _grads(want, [q, k, v], grad)):
-        torch.testing.assert_close(a, b, rtol=0, atol=tol)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -186,7 +172,7 @@ def test_gram_and_combine_opcheck_and_reference(dtype):
     opcheck(torch.ops.fastpals.combine_out.default, (plain, weights.detach(), torch.empty(257)))
     opcheck(torch.ops.fastpals.combine_row.default, (plain.clone(), weights.detach(), 1))
     gram, finite = fastpals_kernels.gram(plain)
-    want, _ = reference.gram_reference(plain)
+    want, _ = gram_reference(plain)
     torch.testing.assert_close(gram, want, rtol=0, atol=1e-5)
     assert finite.all()
     out = fastpals_kernels.combine(plain, weights.detach())
@@ -211,7 +197,7 @@ def test_a_registered_backend_serves_its_op(monkeypatch):
 
     def my_gram(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         calls.append(buf.shape)
-        return reference.gram_reference(buf)
+        return gram_reference(buf)
 
     dispatch.register_backend(
         "gram", "mine", lambda cap, dtype: "CPU test backend" if cap is None else None, my_gram
@@ -230,14 +216,31 @@ def test_a_registered_backend_serves_its_op(monkeypatch):
 
 def test_the_per_op_override(monkeypatch):
     x = torch.zeros(2)
-    monkeypatch.setenv(dispatch.BACKENDS_ENV, "pal=sdpa, gram=reference")
+    monkeypatch.setenv(dispatch.KERNELS_ENV, "pal=sdpa, gram=reference")
     assert dispatch.backend("pal", x) == "sdpa" and dispatch.backend("gram", x) == "reference"
-    monkeypatch.setenv(dispatch.BACKENDS_ENV, "pal=nope")
+    monkeypatch.setenv(dispatch.KERNELS_ENV, "reference,pal=sdpa")
+    assert dispatch.backend("pal", x) == "sdpa" and dispatch.backend("combine", x) == "reference"
+    monkeypatch.setenv(dispatch.KERNELS_ENV, "pal=nope")
     with pytest.raises(ValueError, match="names no backend"):
         dispatch.backend("pal", x)
-    monkeypatch.setenv(dispatch.BACKENDS_ENV, "softmax=sdpa")
+    monkeypatch.setenv(dispatch.KERNELS_ENV, "softmax=sdpa")
     with pytest.raises(ValueError, match="op=backend"):
         dispatch.backend("pal", x)
+    monkeypatch.setenv(dispatch.KERNELS_ENV, "auto,reference")
+    with pytest.raises(ValueError, match="more than one mode"):
+        dispatch.backend("pal", x)
+
+
+def test_the_old_variables_still_work_with_a_deprecation_warning(monkeypatch):
+    x = torch.zeros(2)
+    monkeypatch.delenv(dispatch.KERNELS_ENV, raising=False)
+    monkeypatch.setattr(backends, "_WARNED", set())
+    monkeypatch.setenv(dispatch.BACKENDS_ENV, "pal=sdpa")
+    with pytest.warns(FutureWarning, match="FASTPALS_BACKENDS is deprecated"):
+        assert dispatch.backend("pal", x) == "sdpa"
+    monkeypatch.setenv(dispatch.OPS_ENV, "library")
+    with pytest.warns(FutureWarning, match="FASTPALS_OPS is deprecated"):
+        assert backends.switch().library
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -294,17 +297,18 @@ def test_fullgraph_compile_of_the_packed_step_matches_eager():
 
 
 def test_fullgraph_compile_through_the_custom_ops_matches_the_eager_reference(monkeypatch):
-    """``$FASTPALS_OPS=library`` sends the PALs and the attention through torch.ops.fastpals (what a GPU compiles)."""
+    """``$FASTPALS_KERNELS=auto,library`` sends the PALs and the attention through torch.ops.fastpals (what a GPU
+    compiles)."""
     torch._dynamo.reset()
     model, loss = _packed_step()
-    monkeypatch.setenv(dispatch.OPS_ENV, "library")
+    monkeypatch.setenv(dispatch.KERNELS_ENV, "auto,library")
     explained = torch._dynamo.explain(loss)()
     assert explained.graph_break_count == 0
     ops = {str(n.target) for g in explained.graphs for n in g.graph.nodes if n.op == "call_function"}
     for name in ("fastpals.pal_varlen", "fastpals.attention_varlen"):
         assert any(t.startswith(name) for t in ops), (name, sorted(ops))
     torch._dynamo.reset()
-    _compiled_matches_eager(model, loss, eager_env={dispatch.OPS_ENV: "library"})
+    _compiled_matches_eager(model, loss, eager_env={dispatch.KERNELS_ENV: "auto,library"})
 
 
 def test_fullgraph_compile_of_an_hf_bert_with_injected_pals_matches_eager():

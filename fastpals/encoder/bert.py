@@ -53,8 +53,7 @@ from fastpals.functional import (
     Dropout,
     check_task_ids,
 )
-from fastpals_kernels import dispatch
-from fastpals_kernels.dispatch import padded_attention
+from fastpals_kernels.attention_varlen import attention_varlen, padded_attention
 
 __all__ = [
     "BatchLayout",
@@ -244,7 +243,7 @@ class BertSelfAttention(nn.Module):
         shape = (q.shape[0], self.num_heads, self.head_dim)
         if layout.packed:
             plan = layout.attention_plan() if layout.buckets else None
-            ctx = dispatch.attention_varlen(
+            ctx = attention_varlen(
                 q.view(shape),
                 k.view(shape),
                 v.view(shape),

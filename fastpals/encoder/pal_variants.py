@@ -46,7 +46,7 @@ from fastpals.functional import (
     grouped_linear_reference,
     segment_linear,
 )
-from fastpals_kernels import dispatch
+from fastpals_kernels.pal import PackedSegments, run_pal
 
 if TYPE_CHECKING:
     from fastpals.encoder.bert import BertConfig, BertLayer, BertModel, BertSelfAttention, PALConfig
@@ -133,14 +133,14 @@ class PALLayer(nn.Module):
         where = {"mask": None if layout.packed else layout.mask, "cu_seqlens": layout.cu_seqlens if layout.packed else None,
                  "max_seqlen": layout.max_seqlen}  # fmt: skip
         if layout.packed and layout.buckets:  # host facts that let the reference skip padded PAL work
-            segments = dispatch.PackedSegments(
+            segments = PackedSegments(
                 layout.row_task_ids, layout.task_segments(weights.num_tasks), layout.attention_plan()
             )
             where["segments"] = segments
         args = weights.as_args(layout.task_ids)
         if self.gate is None:
-            return dispatch.run_pal(h, args, **where, residual=residual)
-        ts = dispatch.run_pal(h, args, **where)
+            return run_pal(h, args, **where, residual=residual)
+        ts = run_pal(h, args, **where)
         ts = ts * layout.per_row(self.gate.index_select(0, layout.task_ids)).unsqueeze(-1).to(ts.dtype)
         return residual + ts
 

@@ -13,7 +13,7 @@ from device import DEVICE
 from tolerances import assert_close_to_reference, assert_fp32_close
 
 from fastpals.functional import grouped_linear_reference
-from fastpals_kernels.grouped_linear_triton import grouped_linear, grouped_linear_varlen
+from fastpals_kernels.grouped_linear import grouped_linear, grouped_linear_varlen
 
 pytestmark = pytest.mark.kernels
 

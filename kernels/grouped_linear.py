@@ -1,60 +1,211 @@
-# ruff: noqa: ANN001 - Triton kernel parameters are untyped by design
-"""Grouped-by-task linear layer: every example uses the weight slice of its own task, one launch for all tasks.
+# ruff: noqa: ANN001, ANN202 - Triton kernel parameters and the custom ops' fake hooks mirror their schemas
+"""The grouped linear op: ``y = residual + act(x @ weight[task].T + bias[task])`` for a mixed-task batch, every
+row using the weight slice of its example's task, in one launch for all tasks.
 
-``y = residual + act(x @ weight[task].T + bias[task])`` where ``task`` is the task of the example a row
-belongs to, ``act`` is the identity or the exact (erf) GELU. The forward and the input gradient run one
-grouped GEMM each over row tiles that never straddle tasks (see :class:`~fastpals_kernels.common.TaskRowPlan`);
-the weight and bias gradients run one grouped GEMM over each task's row segment (``dW_t = dZ_tᵀ X_t``, the
-same FLOPs as an ordinary weight gradient). The GELU derivative is applied while loading the output gradient,
-from the pre-activation saved by the forward, so ``dZ`` is never materialised.
+- :func:`grouped_linear_reference` / :func:`segment_linear`: PyTorch, one GEMM per task (the CPU path, and the
+  PAL reference's linears);
+- :func:`grouped_linear` / :func:`grouped_linear_varlen` (Triton): the forward and the input gradient run one
+  grouped GEMM each over row tiles that never straddle tasks (:class:`~fastpals_kernels.common.TaskRowPlan`);
+  the weight and bias gradients one grouped GEMM over each task's rows (``dW_t = dZ_tᵀ X_t``). The GELU
+  derivative is applied while loading the output gradient, from the saved pre-activation;
+- :func:`grouped_wgrad` / :func:`grouped_wgrad_into`: per-task weight gradients of a Linear from one backward's
+  rows (``torch.ops.fastpals.grouped_wgrad`` / ``grouped_wgrad_out``), as the per-task gradient capture needs.
 
 Accumulation is fp32 for fp32, fp16 and bf16 inputs; fp32 dots use IEEE precision (no TF32).
 """
 
 from __future__ import annotations
 
-import torch
-import triton
-import triton.language as tl
+from typing import TYPE_CHECKING, Any
 
+import torch
+
+from fastpals_kernels.backends import backend, registered, require_triton
 from fastpals_kernels.common import (
     TaskRowPlan,
+    TritonKernel,
     aligned_rows,
     autocast_dtype,
+    cdiv,
     device_context,
     dot_flags,
     last_dim_contiguous,
+    next_power_of_2,
+    per_sample_vmap,
     target_arch,
     task_row_plan,
 )
 from fastpals_kernels.tl_helpers import cast_rne, dot_acc, gelu_grad
+
+if TYPE_CHECKING:
+    import triton.language as tl
 
 __all__ = [
     "GROUPED_CONFIGS",
     "GroupedLinearFunction",
     "grouped_config",
     "grouped_linear",
+    "grouped_linear_reference",
     "grouped_linear_rows",
     "grouped_linear_varlen",
     "grouped_mm_rows",
+    "grouped_wgrad",
+    "grouped_wgrad_into",
     "grouped_wgrad_rows",
     "row_block",
+    "segment_linear",
     "target_class",
 ]
 
+
+def grouped_linear_reference(
+    x: torch.Tensor, task_ids: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``y[b] = x[b] @ weight[task_ids[b]].T + bias[task_ids[b]]``.
+
+    x: ``[B, ..., K]``; task_ids: ``[B]`` int64; weight: ``[T, M, K]``; bias: ``[T, M]`` or None.
+    Returns ``[B, ..., M]`` in x's dtype. Sorts the examples by task and runs :func:`segment_linear` (one GEMM
+    per task, its weight gradient written into the task's row: no ``T`` zero-padded ``[T, M, K]`` gradients
+    added up in the backward), never a loop over examples; under
+    ``torch.compile`` (where the per-task row counts would be a host read) one batched matmul against each
+    example's gathered weight instead.
+    """
+    if torch.compiler.is_compiling():
+        w = weight.index_select(0, task_ids)  # [B, M, K]
+        rows = x.reshape(x.shape[0], -1, x.shape[-1])  # [B, R, K]
+        y = torch.bmm(rows, w.transpose(1, 2))
+        if bias is not None:
+            y = y + bias.index_select(0, task_ids)[:, None, :]
+        return y.reshape(*x.shape[:-1], weight.shape[1])
+    counts = torch.bincount(task_ids, minlength=weight.shape[0]).tolist()  # one host sync
+    if x.shape[0] == 0:
+        return x.new_empty(*x.shape[:-1], weight.shape[1])
+    order = torch.argsort(task_ids, stable=True)
+    x_sorted = x.index_select(0, order)
+    per_example = x[0].numel() // x.shape[-1]  # rows of one example
+    y = segment_linear(x_sorted.reshape(-1, x.shape[-1]), [n * per_example for n in counts], weight, bias)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return y.view(*x.shape[:-1], weight.shape[1]).index_select(0, inverse)
+
+
+def segment_linear(
+    x: torch.Tensor, counts: list[int], weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """:func:`grouped_linear_reference` for rows already grouped by task: ``x [N, K]`` holds ``counts[0]`` rows of
+    task 0, then ``counts[1]`` of task 1, ... (``sum(counts) == N``); ``weight [T, M, K]``, ``bias [T, M]`` or None.
+    Returns ``[N, M]`` in x's dtype.
+
+    One GEMM per task on its slice, written straight into the output (no gather, scatter or concatenation); the
+    backward likewise writes each task's input gradient into one ``[N, K]`` tensor and its weight gradient into
+    ``weight``'s row t. Composed of ``F.linear`` on slices and ``torch.cat``, autograd would instead add T
+    zero-padded ``[N, K]`` input gradients and T zero-padded ``[T, M, K]`` weight gradients.
+    """
+    if len(counts) != weight.shape[0] or sum(counts) != x.shape[0]:
+        raise ValueError(
+            f"segment_linear: counts {counts} must have one entry per task ({weight.shape[0]}) "
+            f"and sum to the rows of x ({x.shape[0]})"
+        )
+    if x.dim() != 2 or weight.dim() != 3 or x.shape[1] != weight.shape[2]:
+        raise ValueError(
+            f"segment_linear: x {list(x.shape)} must be [N, K] and weight {list(weight.shape)} [T, M, K]"
+        )
+    cast = autocast_dtype(x)  # follow torch.autocast as F.linear does: operands cast (differentiably) first
+    if cast is not None:
+        x, weight = x.to(cast), weight.to(cast)
+        bias = None if bias is None else bias.to(cast)
+    with torch.autocast(x.device.type, enabled=False):
+        return _SegmentLinear.apply(x, weight, bias, tuple(int(n) for n in counts))
+
+
+class _SegmentLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, counts: tuple[int, ...]
+    ) -> torch.Tensor:
+        out = x.new_empty(x.shape[0], weight.shape[1])
+        start = 0
+        for t, n in enumerate(counts):
+            if n:
+                rows = slice(start, start + n)
+                if bias is None:
+                    torch.mm(x[rows], weight[t].t(), out=out[rows])
+                else:
+                    torch.addmm(bias[t], x[rows], weight[t].t(), out=out[rows])
+            start += n
+        ctx.save_for_backward(x, weight)
+        ctx.counts, ctx.has_bias = counts, bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad = grad.contiguous()
+        if not torch.compiler.is_compiling() and torch._C._functorch.is_functorch_wrapped_tensor(grad):
+            # under torch.func.vmap (e.g. TorchJD's Jacobians): mm(out=...) has no batching rule (the check is
+            # skipped while torch.compile traces: dynamo cannot trace it, and compiled code is not vmapped here)
+            return _segment_linear_backward_functional(ctx, grad, x, weight, need_x, need_w, need_b)
+        gx = x.new_empty(x.shape) if need_x else None
+        gw = torch.zeros_like(weight) if need_w else None
+        gb = weight.new_zeros(weight.shape[:2]) if need_b and ctx.has_bias else None
+        start = 0
+        for t, n in enumerate(ctx.counts):
+            if n:
+                rows = slice(start, start + n)
+                g = grad[rows]
+                if gx is not None:
+                    torch.mm(g, weight[t], out=gx[rows])
+                if gw is not None:
+                    torch.mm(g.t(), x[rows], out=gw[t])
+                if gb is not None:
+                    gb[t] = g.sum(0)
+            start += n
+        return gx, gw, gb, None
+
+
+def _segment_linear_backward_functional(
+    ctx: Any,
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    need_x: bool,
+    need_w: bool,
+    need_b: bool,
+) -> tuple[torch.Tensor | None, ...]:
+    """:class:`_SegmentLinear`'s backward without ``out=`` or in-place writes (the pieces concatenated and
+    stacked), for ``torch.func`` transforms: the same values."""
+    gx_parts, gw_parts, gb_parts = [], [], []
+    start = 0
+    for t, n in enumerate(ctx.counts):
+        g = grad[start : start + n]
+        if need_x and n:
+            gx_parts.append(g @ weight[t])
+        if need_w:
+            gw_parts.append(g.t() @ x[start : start + n] if n else torch.zeros_like(weight[t]))
+        if need_b and ctx.has_bias:
+            gb_parts.append(g.sum(0) if n else weight.new_zeros(weight.shape[1]))
+        start += n
+    gx = (torch.cat(gx_parts) if gx_parts else x.new_zeros(x.shape)) if need_x else None
+    gw = torch.stack(gw_parts) if need_w else None
+    gb = torch.stack(gb_parts) if gb_parts else None
+    return gx, gw, gb, None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Triton
+# ----------------------------------------------------------------------------------------------------------------
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Launch shapes of the grouped kernels per target: (rows per tile, N-tile cap, K-tile cap, warps, stages), keyed
 # on (fp32?, target). "sm75" covers compute capability 7.x, "sm80" 8.x, "sm90" 9.x and newer; "interp" is
-# Triton's CPU interpreter. Chosen from the ahead-of-time compile of every launch for each target (Triton 3.9,
-# ptxas -v; tests/test_aot.py asserts the shared memory fits and 16-bit kernels do not spill on sm_80/sm_90).
-# Not yet timed on a GPU.
+# Triton's CPU interpreter. Chosen so that the ahead-of-time compile fits the shared memory and the 16-bit kernels
+# do not spill on sm_80/sm_90 (tests/test_aot.py; the alternatives' spills: docs/measurements.md).
 GROUPED_CONFIGS: dict[tuple[bool, str], tuple[int, int, int, int, int]] = {
-    # 16-bit: 8 warps over 64 x 64 tiles, K in steps of 32 (4 warps, or K steps of 64 with 3 stages, spill 48-64 B
-    # on sm_80 where the PAL widths 204/276 defeat vectorised loads)
+    # 16-bit: 8 warps over 64 x 64 tiles, K in steps of 32
     (False, "sm90"): (64, 64, 32, 8, 2),
     (False, "sm80"): (64, 64, 32, 8, 2),
     (False, "sm75"): (64, 64, 32, 8, 2),
-    # fp32 (IEEE products on CUDA cores): 32-row tiles, 8 warps (64-row tiles spilled 3.6-4.7 KB per thread)
+    # fp32 (IEEE products on CUDA cores): 32-row tiles, 8 warps
     (True, "sm90"): (32, 64, 32, 8, 2),
     (True, "sm80"): (32, 64, 32, 8, 2),
     (True, "sm75"): (32, 64, 32, 8, 2),
@@ -64,7 +215,7 @@ GROUPED_CONFIGS: dict[tuple[bool, str], tuple[int, int, int, int, int]] = {
 _ACTIVATIONS = (None, "gelu")
 
 
-@triton.jit
+@TritonKernel
 def _grouped_mm_kernel(
     a_ptr,  # [R, K_RED] rows read through row_index
     z_ptr,  # [R, K_RED] pre-activation (only with GELU_GRAD_PROLOGUE)
@@ -160,7 +311,7 @@ def _grouped_mm_kernel(
     )
 
 
-@triton.jit
+@TritonKernel
 def _grouped_wgrad_kernel(
     dy_ptr,  # [R, M] output gradient
     z_ptr,  # [R, M] pre-activation (only with GELU_GRAD_PROLOGUE)
@@ -253,7 +404,7 @@ def row_block(x: torch.Tensor) -> int:
 
 def _block(n: int, cap: int = 64) -> int:
     """Power-of-two tile edge for a dimension of size n: at least 16 (tl.dot's minimum), at most ``cap``."""
-    return max(16, min(cap, triton.next_power_of_2(max(n, 1))))
+    return max(16, min(cap, next_power_of_2(max(n, 1))))
 
 
 def grouped_mm_rows(
@@ -303,7 +454,7 @@ def grouped_mm_rows(
     _, cap_n, cap_k, warps, stages = grouped_config(a.dtype, target_arch(a))
     block_n = _block(n_out, cap_n)
     block_k = _block(k_red, cap_k)
-    grid = (plan.num_tiles, triton.cdiv(n_out, block_n))
+    grid = (plan.num_tiles, cdiv(n_out, block_n))
     with device_context(a):
         _grouped_mm_kernel[grid](
             a,
@@ -374,7 +525,7 @@ def grouped_wgrad_rows(
     _, cap_n, cap_k, warps, stages = grouped_config(dy.dtype, target_arch(dy))
     block_m = _block(m, cap_n)
     block_k = _block(k, cap_k)
-    grid = (plan.num_tasks, triton.cdiv(m, block_m), triton.cdiv(k, block_k))
+    grid = (plan.num_tasks, cdiv(m, block_m), cdiv(k, block_k))
     with device_context(dy):
         _grouped_wgrad_kernel[grid](
             dy,
@@ -543,10 +694,11 @@ def grouped_linear(
     weight: ``[T, M, K]``; bias: ``[T, M]`` or None; activation: None or ``"gelu"`` (exact erf GELU, after the
     bias); residual: the output's shape (``[B, L, M]`` or ``[B, M]``), added after the activation, or None.
     Returns ``[B, L, M]`` (or ``[B, M]``) in x's dtype; differentiable in x, weight, bias and residual.
-    Equal to ``residual + act(fastpals.functional.grouped_linear_reference(x, task_ids, weight, bias))``.
+    Equal to ``residual + act(grouped_linear_reference(x, task_ids, weight, bias))``. Triton only.
     Under ``torch.autocast`` x, weight and bias are cast to the autocast dtype first (like ``F.linear``); a
     residual of another dtype is then added outside the kernel.
     """
+    require_triton("grouped_linear")
     x, weight, bias, residual, outside = _autocast(x, weight, bias, residual)
     if outside is not None:
         return outside + grouped_linear(x, task_ids, weight, bias, activation)
@@ -584,6 +736,7 @@ def grouped_linear_varlen(
     cu_seqlens: ``[B+1]`` int32/int64 cumulative lengths (0 first, N last); task_ids: ``[B]``, one task per
     sequence; residual: ``[N, M]`` or None. Returns ``[N, M]``. Autocast as in :func:`grouped_linear`.
     """
+    require_triton("grouped_linear_varlen")
     x, weight, bias, residual, outside = _autocast(x, weight, bias, residual)
     if outside is not None:
         return outside + grouped_linear_varlen(x, cu_seqlens, task_ids, weight, bias, activation)
@@ -594,3 +747,141 @@ def grouped_linear_varlen(
         task_ids, weight.shape[0], x.shape[0], x.device, cu_seqlens=cu_seqlens, block_rows=row_block(x)
     )
     return grouped_linear_rows(x, plan, weight, bias, activation, residual)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# torch.ops.fastpals.grouped_wgrad, grouped_wgrad_out, and their public functions
+# ----------------------------------------------------------------------------------------------------------------
+@torch.library.custom_op("fastpals::grouped_wgrad", mutates_args=())
+def grouped_wgrad_op(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    row_index: torch.Tensor,
+    task_row_offsets: torch.Tensor,
+    tile_task: torch.Tensor,
+    tile_start: torch.Tensor,
+    tile_end: torch.Tensor,
+    num_tasks: int,
+    block_rows: int,
+    with_bias: bool,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-task ``dW_t = dY_tᵀ X_t`` ``[T, M, K]`` and ``db_t = Σ dY_t`` ``[T, M]`` (``[0]`` without bias) in
+    ``out_dtype``, fp32 accumulation: dy ``[R, M]``, x ``[R, K]``; task t owns rows
+    ``row_index[task_row_offsets[t]:task_row_offsets[t+1]]`` (the :class:`~fastpals_kernels.common.TaskRowPlan`
+    fields; ``tile_*`` are its launch tiles)."""
+    if backend("grouped_wgrad", dy) == "triton":
+        plan = TaskRowPlan(row_index, task_row_offsets, tile_task, tile_start, tile_end, dy.shape[0], num_tasks,
+                           block_rows)  # fmt: skip
+        dw, db = grouped_wgrad_rows(dy.contiguous(), x.contiguous(), plan, out_dtype, with_bias)
+        return dw, (db if db is not None else dy.new_empty(0, dtype=out_dtype))
+    return _grouped_wgrad_reference(dy, x, row_index, task_row_offsets, num_tasks, with_bias, out_dtype)
+
+
+def _grouped_wgrad_reference(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    row_index: torch.Tensor,
+    task_row_offsets: torch.Tensor,
+    num_tasks: int,
+    with_bias: bool,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference: each row's task from the plan (no host read), then one masked fp32 GEMM per task."""
+    rows = dy.shape[0]
+    positions = torch.arange(rows, device=dy.device)
+    task_of_position = torch.searchsorted(task_row_offsets[1:].long(), positions, right=True)
+    row_task = torch.empty(rows, dtype=torch.long, device=dy.device)
+    row_task[row_index.long()] = task_of_position
+    dyf, xf = dy.float(), x.float()
+    dw = torch.stack([(dyf * (row_task == t)[:, None]).T @ xf for t in range(num_tasks)])
+    if with_bias:
+        db = torch.stack([(dyf * (row_task == t)[:, None]).sum(0) for t in range(num_tasks)]).to(out_dtype)
+    else:
+        db = dy.new_empty(0, dtype=out_dtype)
+    return dw.to(out_dtype), db
+
+
+@grouped_wgrad_op.register_fake
+def _(
+    dy, x, row_index, offsets, tile_task, tile_start, tile_end, num_tasks, block_rows, with_bias, out_dtype
+):
+    dw = dy.new_empty(num_tasks, dy.shape[1], x.shape[1], dtype=out_dtype)
+    db = dy.new_empty((num_tasks, dy.shape[1]) if with_bias else (0,), dtype=out_dtype)
+    return dw, db
+
+
+@torch.library.custom_op("fastpals::grouped_wgrad_out", mutates_args=("dw", "db"))
+def grouped_wgrad_out_op(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    row_index: torch.Tensor,
+    task_row_offsets: torch.Tensor,
+    tile_task: torch.Tensor,
+    tile_start: torch.Tensor,
+    tile_end: torch.Tensor,
+    num_tasks: int,
+    block_rows: int,
+    dw: torch.Tensor,
+    db: torch.Tensor,
+) -> None:
+    """:func:`grouped_wgrad_op` written into ``dw [T, M, K]`` (each ``dw[t]`` contiguous, any task stride: e.g. the
+    rows of a surgery buffer) and ``db [T, M]`` (each ``db[t]`` contiguous; ``[0]``: no bias gradient), in their
+    dtype."""
+    with_bias = db.numel() > 0
+    if backend("grouped_wgrad", dy) == "triton":
+        plan = TaskRowPlan(row_index, task_row_offsets, tile_task, tile_start, tile_end, dy.shape[0], num_tasks,
+                           block_rows)  # fmt: skip
+        grouped_wgrad_rows(
+            dy.contiguous(), x.contiguous(), plan, dw.dtype, with_bias, dw=dw, db=db if with_bias else None
+        )
+        return
+    ref_dw, ref_db = _grouped_wgrad_reference(
+        dy, x, row_index, task_row_offsets, num_tasks, with_bias, dw.dtype
+    )
+    dw.copy_(ref_dw)
+    if with_bias:
+        db.copy_(ref_db)
+
+
+@grouped_wgrad_out_op.register_fake
+def _(dy, x, row_index, offsets, tile_task, tile_start, tile_end, num_tasks, block_rows, dw, db):
+    return None
+
+
+grouped_wgrad_op.register_vmap(per_sample_vmap(grouped_wgrad_op))
+
+
+def grouped_wgrad(
+    dy: torch.Tensor, x: torch.Tensor, plan: TaskRowPlan, out_dtype: torch.dtype, with_bias: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-task weight gradients from one backward's rows (``torch.ops.fastpals.grouped_wgrad``): ``dy [R, M]``,
+    ``x [R, K]``, ``plan`` a :class:`~fastpals_kernels.common.TaskRowPlan` of the R rows → ``(dW [T, M, K],
+    db [T, M] or None)`` in ``out_dtype``, fp32 accumulation."""
+    ext = registered("grouped_wgrad", backend("grouped_wgrad", dy))
+    if ext is not None:
+        return ext.impl(dy, x, plan, out_dtype, with_bias)
+    dw, db = torch.ops.fastpals.grouped_wgrad(
+        dy, x, plan.row_index, plan.task_row_offsets, plan.tile_task, plan.tile_start, plan.tile_end,
+        plan.num_tasks, plan.block_rows, with_bias, out_dtype,
+    )  # fmt: skip
+    return dw, (db if with_bias else None)
+
+
+def grouped_wgrad_into(
+    dy: torch.Tensor, x: torch.Tensor, plan: TaskRowPlan, dw: torch.Tensor, db: torch.Tensor | None
+) -> None:
+    """:func:`grouped_wgrad` written into ``dw [T, M, K]`` and ``db [T, M]`` (None: no bias gradient) in their
+    dtype (``torch.ops.fastpals.grouped_wgrad_out``): each ``dw[t]`` / ``db[t]`` contiguous, any stride between
+    tasks (e.g. the rows of a surgery buffer), so no ``[T, M, K]`` temporary is made."""
+    ext = registered("grouped_wgrad", backend("grouped_wgrad", dy))
+    if ext is not None:
+        got_dw, got_db = ext.impl(dy, x, plan, dw.dtype, db is not None)
+        dw.copy_(got_dw)
+        if db is not None:
+            db.copy_(got_db)
+        return
+    torch.ops.fastpals.grouped_wgrad_out(
+        dy, x, plan.row_index, plan.task_row_offsets, plan.tile_task, plan.tile_start, plan.tile_end,
+        plan.num_tasks, plan.block_rows, dw, db if db is not None else dw.new_empty(0),
+    )  # fmt: skip

@@ -1,40 +1,96 @@
-# ruff: noqa: ANN001  (Triton kernel arguments are pointers and constexprs without Python annotations)
-"""Gram matrix of the per-task gradients, with a fused finite check, in one pass over the ``[T, P]`` buffer.
+# ruff: noqa: ANN001, ANN202 - Triton kernel parameters and the custom op's fake/autograd hooks mirror its schema
+"""The Gram op: ``gram[i, j] = sum_p buf[i, p] * buf[j, p]`` of a ``[T, P]`` task-gradient buffer, with a per-row
+finite flag, in one pass (fp32 accumulation, IEEE products, no TF32).
 
-``gram[i, j] = sum_p buf[i, p] * buf[j, p]`` accumulated in fp32 (every element is up-cast to fp32 in registers
-and the products run in IEEE precision, no TF32), and ``finite[t]`` is true when row ``t`` holds no inf/nan and
-its sum of squares did not overflow. Each program reads a contiguous run of columns of the rows once and writes
-a partial Gram; the partials are then summed (a tiny ``[programs, ., .]`` reduction, deterministic: no atomics).
+- :func:`gram` (public): validates, then runs a registered backend or ``torch.ops.fastpals.gram``;
+- :func:`gram_reference`: PyTorch, fp32 products over blocks of 2^16 columns (the CPU path);
+- :func:`gram_triton`: ``T <= 8``: :func:`_gram_pairs_kernel`, one FMA per row pair and column into per-pair
+  accumulators; ``T > 8``: :func:`_gram_partial_kernel`, rows padded to ``T_PAD`` (a power of two >= 16, as
+  ``tl.dot`` needs) in row blocks of ``min(T_PAD, 32)``, with a non-finite count per row. Each program writes a
+  partial Gram of its columns; the partials are summed (deterministic, no atomics).
 
-- ``T <= 8`` (:func:`_gram_pairs_kernel`): the rows' ``T`` values of each column give the ``T (T + 1) / 2``
-  products of the upper triangle, one FMA each into a per-pair, per-column accumulator, reduced once at the end.
-  A non-finite value or an overflowing sum of squares makes the row's diagonal entry non-finite.
-- ``T > 8`` (:func:`_gram_partial_kernel`): the rows are padded to ``T_PAD`` (a power of two >= 16, as ``tl.dot``
-  needs) and cut into row blocks of ``T_BLK = min(T_PAD, 32)`` rows; each program accumulates the partial Gram
-  block ``(I, J)`` of row blocks ``I`` and ``J`` with ``tl.dot`` and (for ``J = 0``) counts non-finite values
-  per row of ``I``. Up to 32 tasks that is one block, as many tasks as needed beyond.
-
-No autograd: the buffer holds gradients. The public op is :func:`fastpals_kernels.gram` (validation and
-dispatch in :mod:`fastpals_kernels.dispatch`); the reference is :func:`fastpals.functional.gram_reference`.
+``finite[t]`` is false when row ``t`` holds an inf/nan or its sum of squares overflows (read from the diagonal:
+non-negative terms never cancel).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-import triton
-import triton.language as tl
 
-from fastpals_kernels.common import device_context
+from fastpals_kernels.backends import backend, registered
+from fastpals_kernels.common import (
+    TritonKernel,
+    cdiv,
+    check_task_buffer,
+    device_context,
+    next_power_of_2,
+    per_sample_vmap,
+)
 
-__all__ = ["gram_triton"]
+if TYPE_CHECKING:
+    import triton.language as tl
+
+__all__ = ["gram", "gram_reference", "gram_triton"]
 
 #: up to this many rows the Gram runs as row-pair products (:func:`_gram_pairs_kernel`), beyond as ``tl.dot``
 PAIRS_MAX_TASKS = 8
 #: warps of the row-pair kernel
 PAIRS_WARPS = 4
+_REFERENCE_CHUNK = 1 << 20  # columns per fp32 up-cast of a 16-bit buffer (bounds the temporary memory)
+_GRAM_BLOCK = 1 << 16  # columns per block of the blocked Gram
 
 
-@triton.jit
+def gram(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gram matrix of the rows of ``buf`` and a per-row finite flag, in one pass.
+
+    Args:
+        buf: ``[T, P]`` float32/float16/bfloat16, contiguous along P, ``T <= MAX_TASKS`` (128).
+
+    Returns:
+        ``(gram [T, T] float32, finite [T] bool)`` on ``buf``'s device. No host sync.
+    """
+    buf = check_task_buffer(buf)
+    ext = registered("gram", backend("gram", buf))
+    if ext is not None:
+        return ext.impl(buf)
+    return torch.ops.fastpals.gram(buf)
+
+
+def _blocked_gram(x: torch.Tensor) -> torch.Tensor:
+    """``x @ x.T`` for a float32 ``[T, n]`` with unit column stride, as a batched GEMM over blocks of
+    ``_GRAM_BLOCK`` columns whose ``[T, T]`` products are summed: one ``x @ x.T`` with tiny T and huge n runs one
+    long dot product per entry, slower and far less accurate against float64."""
+    t, n = x.shape
+    full = n // _GRAM_BLOCK
+    rest = x[:, full * _GRAM_BLOCK :]
+    g = rest @ rest.T
+    if full:
+        blocks = x[:, : full * _GRAM_BLOCK].view(t, full, _GRAM_BLOCK).transpose(0, 1)  # [full, T, block]
+        g = g + torch.bmm(blocks, blocks.transpose(1, 2)).sum(0)
+    return g
+
+
+def gram_reference(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gram` in PyTorch: ``(gram [T, T] float32, finite [T] bool)``; fp32 products over blocks of 2^16
+    columns, summed (16-bit buffers up-cast in chunks of 2^20 columns)."""
+    buf = check_task_buffer(buf)
+    if buf.dtype == torch.float32:
+        g = _blocked_gram(buf)
+    else:
+        t = buf.shape[0]
+        g = torch.zeros((t, t), dtype=torch.float32, device=buf.device)
+        for chunk in torch.split(buf, _REFERENCE_CHUNK, dim=1):
+            g += _blocked_gram(chunk.float())
+    g = 0.5 * (g + g.T)
+    return g, torch.isfinite(torch.diagonal(g)).clone()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Triton
+# ----------------------------------------------------------------------------------------------------------------
+@TritonKernel
 def _gram_partial_kernel(
     buf_ptr,
     partial_ptr,  # [programs, T_PAD, T_PAD] fp32
@@ -88,7 +144,7 @@ def _gram_partial_kernel(
             tl.store(bad_ptr + pid * T_PAD + rows_i, bad)
 
 
-@triton.jit
+@TritonKernel
 def _gram_pairs_kernel(
     buf_ptr,
     partial_ptr,  # [programs, T, T] fp32
@@ -131,13 +187,13 @@ def _gram_pairs_kernel(
 def _programs(buf: torch.Tensor, block_p: int) -> tuple[int, int]:
     """``(programs, cols_per_program)``: the columns cut into whole blocks of ``block_p``, spread over at most four
     programs per SM (on the CPU, in the interpreter: four programs, each looping over many blocks)."""
-    blocks = triton.cdiv(buf.shape[1], block_p)
+    blocks = cdiv(buf.shape[1], block_p)
     if buf.is_cuda:
         max_programs = 4 * torch.cuda.get_device_properties(buf.device).multi_processor_count
     else:
         max_programs = 4
-    cols_per_program = triton.cdiv(blocks, min(blocks, max_programs)) * block_p
-    return triton.cdiv(buf.shape[1], cols_per_program), cols_per_program
+    cols_per_program = cdiv(blocks, min(blocks, max_programs)) * block_p
+    return cdiv(buf.shape[1], cols_per_program), cols_per_program
 
 
 def _gram_pairs(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,16 +217,16 @@ def _gram_pairs(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def gram_triton(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`fastpals.functional.gram_reference` by the Triton kernels, on ``buf``'s device (``buf`` already
-    validated by :func:`fastpals.functional.check_task_buffer`). No host synchronisation."""
+    """:func:`gram_reference` by the Triton kernels, on ``buf``'s device (``buf`` already validated by
+    :func:`~fastpals_kernels.common.check_task_buffer`). No host synchronisation."""
     t, p = buf.shape
     if t <= PAIRS_MAX_TASKS:
         return _gram_pairs(buf)
-    t_pad = max(16, triton.next_power_of_2(t))  # tl.dot needs every dimension >= 16
+    t_pad = max(16, next_power_of_2(t))  # tl.dot needs every dimension >= 16
     t_blk = min(t_pad, 32)  # a 32 x 32 fp32 accumulator per program at most: more tasks, more row blocks
-    # 16 x 128 up-cast tiles of a 16-bit buffer spilled 12 B on sm_90 (AOT test): 64 columns for 16-bit buffers
+    # narrower column blocks where wider up-cast tiles spill on sm_90 (tests/test_aot.py, docs/measurements.md)
     block_p = 128 if t_blk <= 16 and buf.element_size() == 4 else 64
-    if t_pad > t_blk and buf.element_size() < 4:  # two 32 x 64 up-cast tiles spilled 8 B on sm_90 (AOT test)
+    if t_pad > t_blk and buf.element_size() < 4:
         block_p = 32
     programs, cols_per_program = _programs(buf, block_p)
     partial = torch.empty((programs, t_pad, t_pad), dtype=torch.float32, device=buf.device)
@@ -193,3 +249,33 @@ def gram_triton(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     g = 0.5 * (g + g.T)
     finite = (bad.sum(dim=0)[:t] == 0) & torch.isfinite(torch.diagonal(g))
     return g, finite
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# torch.ops.fastpals.gram
+# ----------------------------------------------------------------------------------------------------------------
+@torch.library.custom_op("fastpals::gram", mutates_args=())
+def gram_op(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(buf bufᵀ [T, T] fp32, finite [T] bool)`` for ``buf [T, P]`` fp32/fp16/bf16 (one pass; no host read)."""
+    if backend("gram", buf) == "triton":
+        return gram_triton(buf)
+    return gram_reference(buf)
+
+
+@gram_op.register_fake
+def _(buf):
+    t = buf.shape[0]
+    return buf.new_empty(t, t, dtype=torch.float32), buf.new_empty(t, dtype=torch.bool)
+
+
+def _setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(inputs[0])
+
+
+def _backward(ctx, grad_gram: torch.Tensor, grad_finite: torch.Tensor | None) -> torch.Tensor:
+    (buf,) = ctx.saved_tensors
+    return ((grad_gram + grad_gram.T) @ buf.float()).to(buf.dtype)
+
+
+gram_op.register_autograd(_backward, setup_context=_setup)
+gram_op.register_vmap(per_sample_vmap(gram_op))
