@@ -10,6 +10,7 @@ from fastpals_kernels.common import draw_seed
 from fastpals_kernels.gram import gram_op
 from fastpals_kernels.grouped_linear import grouped_wgrad_op, grouped_wgrad_out_op
 from fastpals_kernels.pal import pal_backward_op, pal_op, pal_varlen_backward_op, pal_varlen_op
+from fastpals_kernels.stream_linear import stream_linear_combine, stream_linear_gram
 
 __all__ = ["OPS", "draw_seed"]
 
@@ -29,5 +30,7 @@ OPS = {
         combine_op,
         combine_out_op,
         combine_row_op,
+        stream_linear_gram,
+        stream_linear_combine,
     )
 }

@@ -26,16 +26,17 @@ kernels run; elsewhere the PyTorch reference (:func:`stream_linear_gram_referenc
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-import triton
-import triton.language as tl
 
 from fastpals_kernels import backends
-from fastpals_kernels.common import device_context, dot_flags
-from fastpals_kernels.library import NAMESPACE
+from fastpals_kernels.common import TritonKernel, device_context, dot_flags, next_power_of_2
 from fastpals_kernels.tl_helpers import dot_acc
+
+if TYPE_CHECKING:
+    import triton.language as tl
 
 __all__ = [
     "stream_linear_combine",
@@ -45,7 +46,13 @@ __all__ = [
 ]
 
 Tensor = torch.Tensor
-_TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _triton_dtype(dtype: torch.dtype) -> Any:
+    """The ``tl`` dtype of ``dtype`` (the kernels read their operands through address tables)."""
+    import triton.language as tl  # Triton: optional; the launchers run only where it is
+
+    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
 _SEG_FIELDS = 6  # per call: dy, x, row_index, task_row_offsets addresses; dy's and x's row strides
 _PROB_FIELDS = 6  # per problem: M, K, first call, end of its calls, offset in the flat combine output, bias
 
@@ -134,7 +141,7 @@ def stream_linear_combine_reference(
 # ----------------------------------------------------------------------------------------------------------------
 # The Triton kernels
 # ----------------------------------------------------------------------------------------------------------------
-@triton.jit
+@TritonKernel
 def _task_product(
     seg_ptr, s0, s1, t, offs_m, offs_k, m_mask, k, has_bias, DT: tl.constexpr, IEEE: tl.constexpr,
     INTERP_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -173,7 +180,7 @@ def _task_product(
     return p
 
 
-@triton.jit
+@TritonKernel
 def _stream_gram_kernel(
     tile_ptr, prob_ptr, seg_ptr, partial_ptr, T, DT: tl.constexpr, IEEE: tl.constexpr,
     INTERP_BF16: tl.constexpr, T_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -205,7 +212,7 @@ def _stream_gram_kernel(
     tl.store(out, g, mask=(tasks[:, None] < T) & (tasks[None, :] < T))
 
 
-@triton.jit
+@TritonKernel
 def _stream_combine_kernel(
     tile_ptr, prob_ptr, seg_ptr, w_ptr, out_ptr, T, DT: tl.constexpr, IEEE: tl.constexpr,
     INTERP_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -245,7 +252,7 @@ def _stream_combine_kernel(
 # ----------------------------------------------------------------------------------------------------------------
 def _blocks(num_tasks: int) -> tuple[int, int, int]:
     """``(T_PAD, BLOCK_M, BLOCK_K)``: the stacked products ``[T_PAD, BLOCK_M * BLOCK_K]`` within 16K fp32."""
-    t_pad = max(16, triton.next_power_of_2(num_tasks))
+    t_pad = max(16, next_power_of_2(num_tasks))
     block = 32 if t_pad <= 16 else 16
     return t_pad, block, block
 
@@ -310,7 +317,7 @@ def stream_linear_gram_triton(
     if n_tiles:
         with device_context(dy[0]):
             _stream_gram_kernel[(n_tiles,)](
-                tiles, probs, segs, partial, num_tasks, DT=_TRITON_DTYPES[dy[0].dtype], **dot_flags(dy[0].dtype),
+                tiles, probs, segs, partial, num_tasks, DT=_triton_dtype(dy[0].dtype), **dot_flags(dy[0].dtype),
                 T_PAD=t_pad, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=16, num_warps=8,
             )  # fmt: skip
     g = partial.sum(0, dtype=torch.float64)
@@ -330,7 +337,7 @@ def stream_linear_combine_triton(
         with device_context(dy[0]):
             _stream_combine_kernel[(n_tiles,)](
                 tiles, probs, segs, weights.to(torch.float32).contiguous(), out, weights.shape[0],
-                DT=_TRITON_DTYPES[dy[0].dtype], **dot_flags(dy[0].dtype), BLOCK_M=block_m, BLOCK_K=block_k,
+                DT=_triton_dtype(dy[0].dtype), **dot_flags(dy[0].dtype), BLOCK_M=block_m, BLOCK_K=block_k,
                 BLOCK_R=16, num_warps=4,
             )  # fmt: skip
     return out
@@ -344,7 +351,7 @@ def _triton_runs(t: Tensor) -> bool:
     return backends.backend("grouped_wgrad", t) == "triton"
 
 
-@torch.library.custom_op(f"{NAMESPACE}::stream_linear_gram", mutates_args=())
+@torch.library.custom_op("fastpals::stream_linear_gram", mutates_args=())
 def stream_linear_gram(
     dy: list[Tensor],
     x: list[Tensor],
@@ -369,7 +376,7 @@ def _(dy, x, row_index, task_row_offsets, problem, bias, num_tasks):
     return dy[0].new_empty(num_tasks, num_tasks, dtype=torch.float64)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::stream_linear_combine", mutates_args=())
+@torch.library.custom_op("fastpals::stream_linear_combine", mutates_args=())
 def stream_linear_combine(
     dy: list[Tensor],
     x: list[Tensor],

@@ -366,6 +366,10 @@ def test_every_op_passes_opcheck_on_cuda(dtype):
     dw, db = torch.zeros(T, 6, 5, device=DEVICE), torch.zeros(T, 6, device=DEVICE)
     opcheck(torch.ops.fastpals.grouped_wgrad_out.default, (dy, x, plan.row_index, plan.task_row_offsets,
             plan.tile_task, plan.tile_start, plan.tile_end, T, plan.block_rows, dw, db))  # fmt: skip
+    # one streamed Linear with a bias, called twice
+    calls = ([dy, dy], [x, x], [plan.row_index] * 2, [plan.task_row_offsets] * 2, [0, 0], [True])
+    opcheck(torch.ops.fastpals.stream_linear_gram.default, (*calls, T))
+    opcheck(torch.ops.fastpals.stream_linear_combine.default, (*calls, torch.rand(T, device=DEVICE)))
     buf = torch.randn(3, 4099, device=DEVICE, dtype=dtype)
     w = torch.randn(3, device=DEVICE)
     opcheck(torch.ops.fastpals.gram.default, (buf,))

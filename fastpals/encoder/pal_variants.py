@@ -46,6 +46,7 @@ from fastpals.functional import (
     grouped_linear_reference,
     segment_linear,
 )
+from fastpals_kernels.attention_varlen import attention_varlen
 from fastpals_kernels.pal import PackedSegments, run_pal
 
 if TYPE_CHECKING:
@@ -181,7 +182,7 @@ class PALTop(nn.Module):
                 return grouped_linear_reference(x, layout.row_task_ids, w, b)
 
             def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-                return dispatch.attention_varlen(q, k, v, layout.cu_seqlens, layout.max_seqlen, dropout, plan)
+                return attention_varlen(q, k, v, layout.cu_seqlens, layout.max_seqlen, dropout, plan)
 
             def per_row(t: torch.Tensor) -> torch.Tensor:
                 return t.index_select(0, layout.row_task_ids)
