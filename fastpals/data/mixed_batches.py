@@ -396,7 +396,6 @@ class ModelInputs(dict):
 
 def model_inputs(batch: dict, device: torch.device | str) -> dict[str, Any]:
     """``MultiTaskBert.forward``'s keyword arguments of a packed batch (token tensors and layout) on ``device``."""
-
     out: dict[str, Any] = ModelInputs(
         (k, batch[k].to(device, non_blocking=True)) for k in _TOKEN_KEYS if k in batch
     )

@@ -435,7 +435,6 @@ def read_task_file(
     label rules; ``labelled``: read labels (else ``None``); ``strict``: raise ``DataError`` at the first bad row
     (else skip it); ``format``: default the task's, else by extension; fields over ``max_field_chars`` are bad.
     ``DataError`` also for an empty file or a missing column."""
-
     spec = get_task(task)
     if not spec.columns:
         raise ValueError(

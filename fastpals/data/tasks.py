@@ -428,7 +428,6 @@ def _looks_like_path(item: str) -> bool:
 def resolve_tasks(tasks: str | Sequence[str | TaskSpec]) -> list[TaskSpec]:
     """Built-in names and task files (``.json`` or a path) to specs, in order: ``"sst,para,imdb.json"``
     (``--tasks``) or a list of names, paths and specs. ``ValueError`` for an unknown, missing or repeated name."""
-
     items = [t.strip() for t in tasks.split(",")] if isinstance(tasks, str) else list(tasks)
     items = [t for t in items if not (isinstance(t, str) and not t)]
     if not items:

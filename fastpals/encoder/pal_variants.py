@@ -508,7 +508,6 @@ def pal_count_categories() -> tuple[str, ...]:
 
 def pal_parameter_category(name: str) -> str:
     """The count category of PAL parameter ``name`` from the first variant that claims it, else ``"pal_other"``."""
-
     for variant in PAL_VARIANTS.values():
         category = variant.parameter_category(name)
         if category is not None:

@@ -1,8 +1,5 @@
-"""The multi-task model's heads, outputs and losses: one :class:`TaskHead` per task, the :class:`MultiTaskOutput`
-of a batch, and the per-task losses (:func:`task_losses`, :func:`summed_loss`) and predictions (:func:`predict`)
-by each task's kind (:mod:`fastpals.data.task_kinds`). :class:`fastpals.model.multitask.MultiTaskBert` holds the
-heads and calls these functions; they read the batch's rows per task from its layout (host values, no device
-read)."""
+"""The task heads, a batch's :class:`MultiTaskOutput`, and the per-task losses and predictions by each task's
+kind; each task's rows come from the batch's layout (no device read)."""
 
 from __future__ import annotations
 
@@ -69,12 +66,8 @@ class MultiTaskOutput:
 
 @dataclass
 class TaskLosses:
-    """What :meth:`MultiTaskBert.task_losses` returns.
-
-    ``total``: the combined loss (0-dim, fp32) to back-propagate; ``per_task``: each present task's loss (0-dim,
-    the mean over its rows, CoSENT over its rows' pairs); ``weights``: the weight of each in ``total``;
-    ``examples`` / ``tokens``: each present task's rows and tokens in the batch (Python ints).
-    """
+    """``total`` (0-dim fp32) to back-propagate, each present task's loss (``per_task``), its ``weights`` in
+    ``total``, and its ``examples`` and ``tokens`` in the batch (host ints)."""
 
     total: torch.Tensor
     per_task: dict[str, torch.Tensor]
@@ -98,18 +91,9 @@ def task_losses(
     weighting: str = "examples",
     loss_fn: LossFn = _kind_loss,
 ) -> TaskLosses:
-    """One loss per task present (the mean over its rows), combined by ``weighting``:
-
-    - ``"examples"`` (default): ``total = sum_t (n_t / B) L_t``, the example-weighted mean (``n_t`` rows of
-      task t, ``B`` rows in all). For a batch of per-task micro-batches this equals their losses averaged
-      with each task's share as weight, i.e. what gradient accumulation over one micro-batch per task of
-      equal size computes.
-    - ``"equal"``: ``total = (1 / T_present) sum_t L_t``, each task present counts equally.
-
-    ``tasks``: the model's task specs in task-id order; labels ``[B]`` float; ``loss_fn``: one task's loss (default
-    its kind's, :meth:`fastpals.data.task_kinds.TaskKind.loss`). Also returns each task's example and token
-    counts: host values of the batch's layout (no device read; the losses stay on the device).
-    """
+    """One loss per task present, combined by ``weighting``: ``"examples"``, ``sum_t (n_t / B) L_t``, or
+    ``"equal"``, the mean over the tasks present. ``tasks`` in task-id order; labels ``[B]`` float; ``loss_fn``:
+    one task's loss (default its kind's)."""
     if weighting not in TASK_WEIGHTINGS:
         raise ValueError(f"task weighting {weighting!r}: choose one of {', '.join(TASK_WEIGHTINGS)}")
     layout = _output_layout(output, len(tasks))
@@ -137,10 +121,7 @@ def task_losses(
 def summed_loss(
     tasks: Sequence[TaskSpec], output: MultiTaskOutput, labels: torch.Tensor, loss_fn: LossFn = _kind_loss
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Sum over the tasks present of each task's mean loss (0-dim), and the per-task losses.
-
-    labels ``[B]`` float (class index for classification, 0/1 for binary, the raw label for regression).
-    """
+    """The sum over the tasks present of each task's loss (0-dim), and those losses; labels ``[B]`` float."""
     layout = _output_layout(output, len(tasks))
     total = output.logits.new_zeros(())
     per_task: dict[str, torch.Tensor] = {}

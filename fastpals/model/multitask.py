@@ -692,7 +692,6 @@ def _load_exact(
 def count_parameters(model: nn.Module) -> dict[str, int]:
     """Parameter counts (each tied tensor once): ``total``, ``encoder``, ``pal`` (task-specific encoder
     parameters), ``heads``, and one per PAL category of the registered variants (:func:`pal_count_categories`)."""
-
     counts = dict.fromkeys(("total", "encoder", "pal", "heads", *pal_count_categories()), 0)
     for name, p in model.named_parameters():
         n = p.numel()
