@@ -13,12 +13,7 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
-from fastpals.data.readers import (
-    BadRow,
-    DataWarning,
-    Example,
-    read_task_file,
-)
+from fastpals.data.readers import BadRow, DataWarning, Example, read_task_file
 from fastpals.data.tasks import QUORA_FILE, SPLITS, TASKS, TaskSpec, get_task
 
 __all__ = [

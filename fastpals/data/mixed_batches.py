@@ -21,7 +21,13 @@ import numpy as np
 import torch
 
 from fastpals.data.layout import BatchLayout, pack_rows
-from fastpals.data.sampling import SAMPLING_METHODS, check_resume_settings, next_epoch, task_probabilities
+from fastpals.data.sampling import (
+    SAMPLING_METHODS,
+    check_int,
+    check_resume_settings,
+    next_epoch,
+    task_probabilities,
+)
 from fastpals_kernels.padding import unpad
 
 if TYPE_CHECKING:
@@ -53,11 +59,6 @@ def padding_fraction(batch: dict) -> float:
             slots += batch[key].numel()
             tokens += int(batch[key].sum())
     return 1.0 - tokens / slots if slots else 0.0
-
-
-def _check_int(name: str, value: Any, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
 
 
 def share_counts(total: int, probabilities: np.ndarray, u: float) -> np.ndarray:
@@ -120,13 +121,13 @@ class MixedBatchSampler:
         self.task_names = list(task_names) if task_names is not None else [f"task{i}" for i in range(t)]
         if len(self.task_names) != t:
             raise ValueError(f"task_names has {len(self.task_names)} entries for {t} tasks")
-        _check_int("num_epochs", num_epochs, 1)
-        _check_int("seed", seed, 0)
+        check_int("num_epochs", num_epochs, 1)
+        check_int("seed", seed, 0)
         if batch_size is None and max_tokens is None:
             raise ValueError("give batch_size (--batch-size) or max_tokens (--max-tokens)")
         for name, value in (("--batch-size", batch_size), ("--max-tokens", max_tokens)):
             if value is not None:
-                _check_int(name, value, 1)
+                check_int(name, value, 1)
         if max_tokens is not None:
             longest = max(int(x.max()) for x in self.lengths)
             for name, x in zip(self.task_names, self.lengths):
@@ -153,7 +154,7 @@ class MixedBatchSampler:
                 micro_batches_per_epoch = math.ceil(sum(self.sizes) / batch_size)
             else:
                 micro_batches_per_epoch = math.ceil(sum(int(x.sum()) for x in self.lengths) / max_tokens)
-        _check_int("micro_batches_per_epoch", micro_batches_per_epoch, 1)
+        check_int("micro_batches_per_epoch", micro_batches_per_epoch, 1)
         self.micro_batches_per_epoch = micro_batches_per_epoch
         self.epoch = 1
         self.step = 0

@@ -11,7 +11,7 @@ import torch
 
 from fastpals.data.mixed_batches import TaskRows
 from fastpals.data.readers import Example, PairExample, SentenceExample
-from fastpals.data.sampling import check_resume_settings
+from fastpals.data.sampling import check_int, check_resume_settings
 from fastpals.data.tasks import TaskSpec, get_task
 from fastpals.data.tokenizer import Tokenizer
 
@@ -48,13 +48,9 @@ class TaskBatcher:
         pair_encoding: str = "joint",
     ) -> None:
         self.spec = get_task(task)
-        for name, value, low in (
-            ("batch_size", batch_size, 1),
-            ("bucket_size", bucket_size, 1),
-            ("seed", seed, 0),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        check_int("batch_size", batch_size, 1)
+        check_int("bucket_size", bucket_size, 1)
+        check_int("seed", seed, 0)
         if pair_encoding not in PAIR_ENCODINGS:
             raise ValueError(
                 f"pair_encoding must be one of {', '.join(PAIR_ENCODINGS)}, got {pair_encoding!r}"
@@ -213,8 +209,7 @@ class TaskBatcher:
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` from its first batch."""
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
+        check_int("epoch", epoch, 0)
         self.epoch = epoch
         self.position = 0
 

@@ -257,6 +257,13 @@ class _DelimitedText:
         return _Row(k + 1, fields, open_line + 1, [], kind, reason, open_line + 1, open_line + 1)
 
 
+def _roles(spec: TaskSpec, labelled: bool) -> list[str]:
+    """The column roles a reader reads: ``id`` when the task has one, the texts, and the label if ``labelled``."""
+    return [role for role in ("id", "text", "text_pair") if role in spec.columns] + (
+        ["label"] if labelled else []
+    )
+
+
 def _split_hint(header_line: str, delimiter: str, needed: Sequence[str]) -> str:
     other, name, fmt = ("\t", "tabs", "tsv") if delimiter == "," else (",", "commas", "csv")
     names = [field.strip() for field in header_line.split(other)]
@@ -282,9 +289,7 @@ def _read_delimited(
         raise DataError(path, head.line, "header row is not valid UTF-8")
     if any("\x00" in name for name in header):
         raise DataError(path, head.line, "header row holds a NUL byte")
-    roles = [role for role in ("id", "text", "text_pair") if role in spec.columns]
-    if labelled:
-        roles.append("label")
+    roles = _roles(spec, labelled)
     needed = [spec.columns[role] for role in roles]
     columns = {name: i for i, name in reversed(list(enumerate(header)))}  # first occurrence wins
     missing = [name for name in needed if name not in columns]
@@ -362,9 +367,7 @@ def _read_delimited(
 def _read_jsonl(
     path: Path, text: str, spec: TaskSpec, labelled: bool, strict: bool, max_field_chars: int
 ) -> tuple[list[Example], list[BadRow]]:
-    roles = [role for role in ("id", "text", "text_pair") if role in spec.columns]
-    if labelled:
-        roles.append("label")
+    roles = _roles(spec, labelled)
     checker = _RowChecker(spec, labelled)
     examples: list[Example] = []
     bad_rows: list[BadRow] = []

@@ -52,9 +52,14 @@ def _check_sizes(sizes: Sequence[int]) -> np.ndarray:
     return array
 
 
+def check_int(name: str, value: Any, low: int) -> None:
+    """``ValueError`` naming ``name`` unless ``value`` is an int (not a bool) >= ``low``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+
+
 def _check_epoch(epoch: int, num_epochs: int) -> None:
-    if isinstance(num_epochs, bool) or not isinstance(num_epochs, int) or num_epochs < 1:
-        raise ValueError(f"num_epochs must be an int >= 1, got {num_epochs!r}")
+    check_int("num_epochs", num_epochs, 1)
     if isinstance(epoch, bool) or not isinstance(epoch, int) or not 1 <= epoch <= num_epochs:
         raise ValueError(f"epoch must be an int in [1, {num_epochs}] (counted from 1), got {epoch!r}")
 
@@ -145,22 +150,13 @@ class TaskSampler:
                 f"batches_per_task must hold {len(self.sizes)} positive counts, got {list(batches_per_task)!r}"
             )
         _check_epoch(1, num_epochs)
-        for name, value, low in (
-            ("micro_batches_per_update", micro_batches_per_update, 1),
-            ("extra", extra, 0),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+        check_int("micro_batches_per_update", micro_batches_per_update, 1)
+        check_int("extra", extra, 0)
+        check_int("seed", seed, 0)
         if updates_per_epoch is None and method != "round_robin":
             raise ValueError(f"updates_per_epoch is needed for sampling {method!r}")
-        if updates_per_epoch is not None and (
-            isinstance(updates_per_epoch, bool)
-            or not isinstance(updates_per_epoch, int)
-            or updates_per_epoch < 1
-        ):
-            raise ValueError(f"updates_per_epoch must be an int >= 1, got {updates_per_epoch!r}")
+        if updates_per_epoch is not None:
+            check_int("updates_per_epoch", updates_per_epoch, 1)
         self.method = method
         self.num_tasks = len(self.sizes)
         self.num_epochs = num_epochs

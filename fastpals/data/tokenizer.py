@@ -211,7 +211,7 @@ class Tokenizer:
         files = {"tokenizer.json": json.dumps(pipeline, ensure_ascii=False)}
         src = self.source.parent
         if self.source.name == "vocab.txt":
-            special = {k: v for k, v in self.special_tokens.items()}
+            special = dict(self.special_tokens)
             config = {
                 "tokenizer_class": "BertTokenizer",
                 "do_lower_case": True,
@@ -252,7 +252,7 @@ class Tokenizer:
     def encode(
         self, texts: Sequence[str], pair_texts: Sequence[str] | None = None, max_length: int = 128
     ) -> list[Encoded]:
-        """``B`` unpadded :class:`Encoded` of ``B`` texts (``pair_texts``: encoded jointly with the pair
+        """``B`` :class:`Encoded` (no padding) of ``B`` texts (``pair_texts``: encoded jointly with the pair
         template), at most ``max_length`` tokens each."""
         texts = _check_texts(texts, "texts")
         max_length = _check_max_length(max_length, pair_texts is not None, self.max_positions)

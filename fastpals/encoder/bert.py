@@ -43,10 +43,7 @@ from fastpals.encoder.task_params import (
     is_task_specific,
     task_specific_kind,
 )
-from fastpals.functional import (
-    Dropout,
-    check_task_ids,
-)
+from fastpals.functional import Dropout, check_task_ids
 from fastpals_kernels import dispatch
 from fastpals_kernels.dispatch import padded_attention
 
@@ -427,11 +424,7 @@ class BertModel(nn.Module):
                     f"the layout ({layout.batch} x {layout.length}) does not describe this batch"
                 )
         else:
-            if task_specific:
-                if task_ids is None:
-                    raise ValueError(
-                        "this model has task-specific PAL parameters: pass task_ids (one per example)"
-                    )
+            if task_specific and task_ids is not None:
                 task_ids = check_task_ids(task_ids, self.num_tasks, b, input_ids.device, check_values=False)
             layout = make_layout(
                 attention_mask, task_ids if task_specific else None, unpad, (b, n), self.num_tasks

@@ -21,12 +21,7 @@ from torch import nn
 
 from fastpals.data.layout import BatchLayout
 from fastpals.encoder.task_params import register_task_specific_names, unregister_task_specific_names
-from fastpals.functional import (
-    PALWeights,
-    attention_reference,
-    grouped_linear_reference,
-    segment_linear,
-)
+from fastpals.functional import PALWeights, attention_reference, grouped_linear_reference, segment_linear
 from fastpals_kernels import dispatch
 
 if TYPE_CHECKING:

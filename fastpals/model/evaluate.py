@@ -30,6 +30,7 @@ __all__ = [
     "load_split",
     "model_inputs",
     "overall_from",
+    "padded_model_inputs",
     "predict_batches",
 ]
 
@@ -44,13 +45,24 @@ INPUT_KEYS = (
 )
 
 
-def model_inputs(batch: dict, task_index: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """The model's keyword inputs of a collated batch of one task: its tensors on ``device`` and ``task_ids``
-    (long ``[B]``, all ``task_index``)."""
+def padded_model_inputs(batch: dict, task_index: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """The model's keyword inputs of one task's padded batch: its tensors on ``device`` and ``task_ids`` (long
+    ``[B]``, all ``task_index``)."""
     inputs = {k: batch[k].to(device) for k in INPUT_KEYS if k in batch}
     n = batch["input_ids"].shape[0]
     inputs["task_ids"] = torch.full((n,), task_index, dtype=torch.long, device=device)
     return inputs
+
+
+def model_inputs(batch: dict, task_index: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """The former name of :func:`padded_model_inputs` (deprecated)."""
+    warnings.warn(
+        "fastpals.model.evaluate.model_inputs will be removed in the next release: use padded_model_inputs "
+        "(fastpals.data.model_inputs is the packed batches' one)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return padded_model_inputs(batch, task_index, device)
 
 
 def confidence(model: torch.nn.Module, output: Any, task_index: int) -> torch.Tensor | None:

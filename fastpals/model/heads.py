@@ -3,7 +3,7 @@ kind; each task's rows come from the batch's layout (no device read)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -103,11 +103,7 @@ def task_losses(
     rows = sum(counts)
     total = output.logits.new_zeros((), dtype=torch.float32)
     result = TaskLosses(total=total, per_task={}, weights={}, examples={}, tokens={})
-    for i in present:
-        spec = tasks[i]
-        sel = layout.rows_of(i)
-        z = take_rows(output.logits, sel)[:, : spec.num_labels]
-        loss = loss_fn(spec, z, take_rows(labels, sel))
+    for i, spec, loss in _each_task_loss(tasks, layout, output, labels, loss_fn):
         w = counts[i] / rows if weighting == "examples" else 1.0 / len(present)
         total = total + w * loss
         result.per_task[spec.name] = loss
@@ -123,21 +119,26 @@ def summed_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The sum over the tasks present of each task's loss (0-dim), and those losses; labels ``[B]`` float."""
     layout = _output_layout(output, len(tasks))
-    total = output.logits.new_zeros(())
-    per_task: dict[str, torch.Tensor] = {}
+    per_task = {spec.name: loss for _, spec, loss in _each_task_loss(tasks, layout, output, labels, loss_fn)}
+    return sum(per_task.values(), output.logits.new_zeros(())), per_task
+
+
+def _each_task_loss(
+    tasks: Sequence[TaskSpec],
+    layout: BatchLayout,
+    output: MultiTaskOutput,
+    labels: torch.Tensor,
+    loss_fn: LossFn,
+) -> Iterator[tuple[int, TaskSpec, torch.Tensor]]:
+    """``(task index, spec, loss over its rows)`` for each task present."""
     for i in layout.present:
-        spec = tasks[i]
-        sel = layout.rows_of(i)
-        z = take_rows(output.logits, sel)[:, : spec.num_labels]
-        loss = loss_fn(spec, z, take_rows(labels, sel))
-        per_task[spec.name] = loss
-        total = total + loss
-    return total, per_task
+        spec, rows = tasks[i], layout.rows_of(i)
+        z = take_rows(output.logits, rows)[:, : spec.num_labels]
+        yield i, spec, loss_fn(spec, z, take_rows(labels, rows))
 
 
 def predict(tasks: Sequence[TaskSpec], output: MultiTaskOutput) -> torch.Tensor:
-    """Predicted labels ``[B]`` float32 by each row's task kind (:meth:`fastpals.data.task_kinds.TaskKind.predict`):
-    class index, 0/1, or the regression value clipped to the label range. No host reads."""
+    """Predicted labels ``[B]`` float32 by each row's task kind; no host reads."""
     preds = output.logits.new_zeros(output.logits.shape[0], dtype=torch.float32)
     for i, spec in enumerate(tasks):  # each kind predicts on every row; torch.where keeps its task's
         p = spec.task_kind.predict(spec, output.logits[:, : spec.num_labels])
