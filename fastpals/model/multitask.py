@@ -393,7 +393,7 @@ class MultiTaskBert(nn.Module):
         tasks also take ``features_b(spec, rows)`` (cosine, or the head on ``(u, v, |u - v|)``)."""
         width = max(t.num_labels for t in self.tasks)
         pieces = []
-        # fp32: a cosine near 1 keeps 3 digits in bf16
+        # fp32 logits: in bf16 a cosine near 1 has only 3 digits
         logits = None if layout.grouped else pooled.new_zeros(layout.batch, width, dtype=torch.float32)
         for i in layout.present:
             spec = self.tasks[i]
