@@ -1,9 +1,7 @@
 """What fastpals will use on this machine: ``python -m fastpals.env`` (or ``fastpals env``).
 
-The Python and package versions, the device, which accelerated backends can run and why the others cannot, and
-the backend each op runs (``--capability 7.5`` shows another GPU's); :func:`collect` returns it as a
-JSON-serialisable dict. Nothing is built or downloaded; slow or noisy packages (DeepSpeed) are looked up without
-importing them.
+Versions, the device, which backends can run and why not, and each op's backend (``--capability 7.5``: another
+GPU's). Nothing is built or downloaded, and slow packages (DeepSpeed) are not imported.
 """
 
 from __future__ import annotations
@@ -172,7 +170,6 @@ def _parse_capability(text: str) -> tuple[int, int] | None:
 def _dispatch(capability: tuple[int, int] | None) -> dict[str, Any]:
     """The backend and reason :func:`fastpals_kernels.backends.decide` gives every op, per dtype, on a device of
     ``capability`` (None = CPU), with flash-attn as installed here."""
-
     flash = backends.flash_attn_installed()
     table = {
         op: {
@@ -185,18 +182,9 @@ def _dispatch(capability: tuple[int, int] | None) -> dict[str, Any]:
 
 
 def collect(capability: tuple[int, int] | None | str = "device") -> dict[str, Any]:
-    """Everything :func:`main` prints, as a JSON-serialisable dict.
-
-    Keys: ``fastpals`` (version), ``python`` (version), ``python_executable``, ``platform``, ``versions``
-    (``{package: version or None}`` for :data:`PACKAGES`), ``torch_cuda`` (the CUDA version torch was built
-    with, or None), ``device`` (see below), ``backends`` (``{name: {"available": bool, "reason": str}}`` for
-    ``triton_kernels``, ``flash_attn``, ``apex_fused_layer_norm``, ``apex_fused_adam``),
-    ``kernels`` (``{"env", "value", "mode", "selects"}``: what ``$FASTPALS_KERNELS`` selects), ``dispatch``
-    (``{"capability", "ops": {op: {dtype: {"backend", "reason"}}}}``: the auto decision per op for this
-    device, or for ``capability`` when given: a ``(major, minor)`` tuple or None for a CPU).
-    ``device`` is ``{"type": "cuda", "name", "capability", "total_memory_bytes", ...}`` or
-    ``{"type": "cpu", "name", "cores", "torch_threads"}``.
-    """
+    """Everything :func:`main` prints, as a JSON-serialisable dict: versions, ``device``, ``backends``
+    (``{name: {"available", "reason"}}``), ``kernels`` (what ``$FASTPALS_KERNELS`` selects) and ``dispatch``
+    (each op's backend per dtype, for this device or ``capability``: ``(major, minor)``, or None for a CPU)."""
     backends = _backends()
     if capability == "device":
         capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None

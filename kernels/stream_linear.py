@@ -53,6 +53,8 @@ def _triton_dtype(dtype: torch.dtype) -> Any:
     import triton.language as tl  # Triton: optional; the launchers run only where it is
 
     return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
+
+
 _SEG_FIELDS = 6  # per call: dy, x, row_index, task_row_offsets addresses; dy's and x's row strides
 _PROB_FIELDS = 6  # per problem: M, K, first call, end of its calls, offset in the flat combine output, bias
 

@@ -235,3 +235,17 @@ def test_flash_attn_varlen_matches_sdpa_on_gpu():
         packed = model(ids, mask, unpad=True).last_hidden_state.float()
         padded = model(ids, mask).last_hidden_state.float()
     assert (packed - padded)[mask.bool()].abs().max() <= 3e-2
+
+
+def test_padded_model_inputs_and_its_deprecated_name():
+    from fastpals.model.evaluate import model_inputs, padded_model_inputs
+
+    batch = {
+        "input_ids": torch.ones(2, 3, dtype=torch.long),
+        "attention_mask": torch.ones(2, 3, dtype=torch.long),
+    }
+    got = padded_model_inputs(batch, 1, "cpu")
+    assert sorted(got) == ["attention_mask", "input_ids", "task_ids"] and got["task_ids"].tolist() == [1, 1]
+    with pytest.warns(DeprecationWarning, match="padded_model_inputs"):
+        old = model_inputs(batch, 1, "cpu")
+    assert all(torch.equal(old[k], got[k]) for k in got)

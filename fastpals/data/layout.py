@@ -26,12 +26,18 @@ __all__ = [
 ]
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The layout
-# ----------------------------------------------------------------------------------------------------------------
+def _check_task_range(ids: np.ndarray, num_tasks: int) -> None:
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= num_tasks:
+        bad = lo if lo < 0 else hi
+        raise ValueError(
+            f"task_ids contains {bad}, outside [0, {num_tasks}) for a model with {num_tasks} tasks"
+        )
+
+
 def _ranges(ids: np.ndarray, starts: np.ndarray, num_tasks: int) -> dict[int, tuple[int, int]] | None:
-    """Per present task, its contiguous range ``[starts[first row], starts[last row + 1])`` when rows are grouped
-    by task in increasing order; None otherwise."""
+    """Per present task, its range ``[starts[first row], starts[last row + 1])`` when rows are grouped by task;
+    None otherwise."""
     if ids.size > 1 and bool(np.any(ids[1:] < ids[:-1])):
         return None
     out: dict[int, tuple[int, int]] = {}
@@ -46,7 +52,7 @@ def _ranges(ids: np.ndarray, starts: np.ndarray, num_tasks: int) -> dict[int, tu
 class BatchLayout:
     """How one batch is laid out, shared by every layer, head, loss and per-task gradient of one step.
 
-    Host values (Python ints / NumPy, never read back from a device):
+    Host values (never read back from a device):
 
     - ``batch`` B sequences, ``length`` L (padded width; ``max_seqlen`` for packed layouts), ``packed``;
     - ``lengths [B]`` int64 tokens per sequence, ``cu_host [B+1]`` int64, ``total`` N tokens, ``max_seqlen``;
@@ -78,14 +84,12 @@ class BatchLayout:
     cls_index: torch.Tensor | None = None
     mask: torch.Tensor | None = None
     index: torch.Tensor | None = None
-    # packed inputs: attention over length buckets where no varlen kernel serves them (the CPU path)
-    buckets: bool = False
+    buckets: bool = False  # packed attention over length buckets (the CPU path)
     second: BatchLayout | None = None
     second_rows: np.ndarray | None = None
     second_slot: torch.Tensor | None = None
     plan: AttentionPlan | None = field(default=None, repr=False)
 
-    # --- derived host values ------------------------------------------------------------------------------------
     def __post_init__(self) -> None:
         self.lengths = np.asarray(self.lengths, dtype=np.int64)
         self.cu_host = np.zeros(self.batch + 1, dtype=np.int64)
@@ -108,10 +112,9 @@ class BatchLayout:
 
     @property
     def grouped(self) -> bool:
-        """True when rows are grouped by task in increasing order (every task's rows one contiguous range)."""
+        """True when rows are grouped by task in increasing order."""
         return self.example_ranges is not None
 
-    # --- construction -------------------------------------------------------------------------------------------
     @classmethod
     def from_lengths(
         cls,
@@ -121,9 +124,8 @@ class BatchLayout:
         device: torch.device | str = "cpu",
         max_positions: int | None = None,
     ) -> BatchLayout:
-        """The packed layout of sequences of ``lengths`` (host ints, each >= 1) whose tasks are ``task_ids``
-        (host ints in ``[0, num_tasks)``, or None for a model without tasks), with device tensors on ``device``.
-        The one place packed batches are validated (``ValueError`` naming what is wrong)."""
+        """The packed layout of sequences of ``lengths`` (host ints >= 1) of tasks ``task_ids`` (host ints, or
+        None without tasks), tensors on ``device``. The one place packed batches are validated."""
         lengths = np.asarray(lengths, dtype=np.int64)
         if lengths.ndim != 1 or lengths.size == 0:
             raise ValueError("a packed batch needs at least one sequence (lengths [B], B >= 1)")
@@ -138,11 +140,8 @@ class BatchLayout:
             ids = np.asarray(task_ids, dtype=np.int64)
             if ids.shape != lengths.shape:
                 raise ValueError(f"task_ids has {ids.size} entries for {lengths.size} sequences")
-            if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= num_tasks):
-                bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
-                raise ValueError(
-                    f"task_ids contains {bad}, outside [0, {num_tasks}) for a model with {num_tasks} tasks"
-                )
+            if ids.size:
+                _check_task_range(ids, num_tasks)
         layout = cls(
             batch=int(lengths.size), length=int(lengths.max()), packed=True, lengths=lengths, host_task_ids=ids,
             num_tasks=num_tasks, device=torch.device(device), buckets=True,
@@ -158,9 +157,8 @@ class BatchLayout:
         num_tasks: int,
         max_positions: int | None = None,
     ) -> BatchLayout:
-        """The packed layout of a right-padded batch: ``attention_mask [B, L]`` (1/True = token), ``task_ids [B]``
-        int64 (a tensor, host values, or None for a model without tasks). Reads the mask and a task-id tensor on
-        the host once; raises ``ValueError`` on a mask row that is not ``1...1 0...0``."""
+        """The packed layout of a right-padded ``attention_mask [B, L]`` and ``task_ids [B]`` (tensor, host
+        values or None); one host read."""
         mask = attention_mask.to(torch.bool)
         host = mask.long()
         if isinstance(task_ids, torch.Tensor):
@@ -188,14 +186,12 @@ class BatchLayout:
         self._build_plan()
 
     def _build_plan(self) -> None:
-        """The attention buckets, built with the other tensors: host work only, and never inside a compiled
-        forward (``torch.compile`` would trace the NumPy code)."""
+        """The attention buckets: host work, kept out of compiled forwards (they would trace the NumPy code)."""
         if self.packed and self.buckets:
             self.plan = attention_plan(self.cu_host, device=self.device)
 
     def with_second(self, second: BatchLayout, rows: Sequence[int] | np.ndarray) -> BatchLayout:
-        """Attach the siamese second pass: ``second`` lays out the second sentences of this layout's rows
-        ``rows`` (host ints, in row order). Returns self."""
+        """Attach ``second``, the layout of the second sentences of the siamese ``rows``; returns self."""
         rows = np.asarray(rows, dtype=np.int64)
         if rows.size != second.batch:
             raise ValueError(f"the second pass holds {second.batch} sequences for {rows.size} siamese rows")
@@ -206,8 +202,7 @@ class BatchLayout:
         return self
 
     def to(self, device: torch.device | str) -> BatchLayout:
-        """This layout with its device tensors on ``device`` (self when they are there already). The host values
-        are shared; the copies are asynchronous where the source is pinned."""
+        """This layout with its device tensors on ``device`` (self if there already), host values shared."""
         device = torch.device(device)
         if device == self.device:
             return self
@@ -225,17 +220,14 @@ class BatchLayout:
         moved._build_plan()
         return moved
 
-    # --- what the layers use ------------------------------------------------------------------------------------
     def attention_plan(self) -> AttentionPlan:
-        """The length buckets packed attention runs over when no varlen kernel serves it (built once per batch,
-        from the host lengths)."""
+        """The length buckets packed attention runs over without a fused kernel (built once per batch)."""
         if self.plan is None:
             self.plan = attention_plan(self.cu_host, device=self.device)
         return self.plan
 
     def task_segments(self, num_tasks: int) -> list[int] | None:
-        """Packed token rows per task (``num_tasks`` counts) when the rows are grouped by task in increasing order
-        (as collate lays them out); None otherwise. Host values."""
+        """Packed token rows per task (host ints) when rows are grouped by task; None otherwise."""
         if not self.packed or self.token_ranges is None or num_tasks != max(self.num_tasks, 1):
             return None
         counts = [0] * num_tasks
@@ -306,12 +298,8 @@ def make_layout(
     shape: tuple[int, int],
     num_tasks: int = 0,
 ) -> BatchLayout:
-    """The layout of a padded batch at the model's entry: ``attention_mask [B, L]`` (1/True = token),
-    ``task_ids [B]`` int64 or None, ``packed`` (run token-wise ops on the N real tokens only; needs right-padded
-    rows), ``shape = (B, L)``, ``num_tasks`` (task ids must lie in ``[0, num_tasks)`` when it is > 0).
-
-    Padded batches enter here: the row lengths and task ids are read on the host once (the whole mask when
-    ``packed``, to check it is right-padded)."""
+    """The layout of a padded batch ``shape = (B, L)`` at the model's entry, one host read: ``attention_mask``,
+    ``task_ids [B]`` or None (in ``[0, num_tasks)`` when ``num_tasks > 0``); ``packed`` needs right-padded rows."""
     mask = attention_mask.to(torch.bool)
     batch, length = shape
     ids: np.ndarray | None = None
@@ -328,13 +316,9 @@ def make_layout(
         lengths = host[0]
         ids = host[1] if task_ids is not None else None
     if ids is not None and ids.size:
-        lo, hi = int(ids.min()), int(ids.max())
-        if num_tasks > 0 and (lo < 0 or hi >= num_tasks):
-            bad = lo if lo < 0 else hi
-            raise ValueError(
-                f"task_ids contains {bad}, outside [0, {num_tasks}) for a model with {num_tasks} tasks"
-            )
-        num_tasks = max(num_tasks, hi + 1)
+        if num_tasks > 0:
+            _check_task_range(ids, num_tasks)
+        num_tasks = max(num_tasks, int(ids.max()) + 1)
     layout = BatchLayout(
         batch=batch, length=length, packed=packed, lengths=lengths, host_task_ids=ids, num_tasks=num_tasks,
         device=mask.device, task_ids=task_ids, mask=mask,
@@ -347,10 +331,8 @@ def make_layout(
 
 
 class TracedLayout:
-    """The padded-layout view a compiled forward of injected PALs reads, built from device tensors alone (a
-    :class:`BatchLayout` needs host values, and ``torch.compile`` would trace their NumPy code): ``mask [B, L]``
-    bool, ``task_ids [B]`` int64, ``batch``, ``length`` (= ``max_seqlen``), ``num_tasks``. It answers what the
-    padded PAL path asks (:meth:`per_row`, :meth:`padding_mask`); losses and surgery need :func:`make_layout`."""
+    """What a compiled forward of injected PALs reads of a padded batch, from device tensors alone: ``mask
+    [B, L]`` bool, ``task_ids [B]`` int64, ``batch``, ``length``, ``num_tasks``."""
 
     packed = False
     buckets = False
@@ -387,9 +369,8 @@ def layout_from_cu_seqlens(
     num_tasks: int,
     max_positions: int,
 ) -> BatchLayout:
-    """The layout of packed tensors handed to the model without one (``cu_seqlens [B+1]`` int32, ``task_ids
-    [B]``): validated and read on the host once, here, where they enter. Collated batches carry their layout
-    (:meth:`BatchLayout.from_lengths`) and skip this."""
+    """The layout of packed tensors given without one (``cu_seqlens [B+1]`` int32, ``task_ids [B]``): validated
+    and read on the host once."""
     lengths = check_packed(input_ids, cu_seqlens, max_seqlen, max_positions)
     ids = None
     if task_ids is not None:

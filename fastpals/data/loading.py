@@ -1,14 +1,7 @@
-"""Task data: each split's file (:func:`split_path`), the Quora hash split, and :func:`load_task` (typed examples).
+"""Task data: each split's file (:func:`split_path`) and :func:`load_task` (typed examples, in file order).
 
-Built-in tasks (files under ``$FASTPALS_DATA_DIR``): ``sst`` (5 classes, int64 labels), ``cfimdb`` (binary),
-``para`` (binary, from ``quora-dev.csv``), ``sts`` (regression on the 0..5 score). Test files carry no label.
-The CS224N files are tab-separated although named ``.csv``, and the SST/CFIMDB test files have an extra leading
-column: every column is found by its header name.
-
-Only ``quora-dev.csv`` exists, so ``para``'s ``train`` and ``dev`` are carved from it: a row is ``dev`` when
-``int.from_bytes(sha256(id)[:8], "big") % 100 < 10``, independent of row order and hash seed (18,187 / 2,025
-rows on the released file; :func:`quora_split_sizes`). The same rule splits any task whose ``dev`` file is its
-``train`` file. ``para`` has no ``test`` split.
+A task whose ``dev`` file is its ``train`` file (``para``: ``quora-dev.csv``) is split by id hash: a row is
+``dev`` when ``int.from_bytes(sha256(id)[:8], "big") % 100 < 10`` (:func:`quora_split_sizes`).
 """
 
 from __future__ import annotations
@@ -20,12 +13,7 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
-from fastpals.data.readers import (
-    BadRow,
-    DataWarning,
-    Example,
-    read_task_file,
-)
+from fastpals.data.readers import BadRow, DataWarning, Example, read_task_file
 from fastpals.data.tasks import QUORA_FILE, SPLITS, TASKS, TaskSpec, get_task
 
 __all__ = [
@@ -109,12 +97,7 @@ def quora_split_sizes(data_dir: str | os.PathLike | None = None) -> dict[str, in
 
 
 def split_path(task: str | TaskSpec, split: str, data_dir: str | os.PathLike | None = None) -> Path:
-    """The file of ``split`` of ``task``: task-file paths as they are, built-in names under the data folder.
-
-    Raises:
-        ValueError: unknown split, or the task has no file for it.
-        FileNotFoundError: a relative file name and no data folder (see ``resolve_data_dir``).
-    """
+    """The file of ``split`` of ``task``: task-file paths as they are, built-in names under the data folder."""
     spec = get_task(task)
     if split not in SPLITS:
         raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
@@ -138,20 +121,8 @@ def split_path(task: str | TaskSpec, split: str, data_dir: str | os.PathLike | N
 def load_task(
     name: str | TaskSpec, split: str, data_dir: str | os.PathLike | None = None, strict: bool = True
 ) -> list[Example]:
-    """Load one split of a task as typed examples, in file order.
-
-    Args:
-        name: a built-in task (``"sst"``, ``"para"``, ``"sts"``, ``"cfimdb"``) or a ``TaskSpec`` (e.g. from
-            ``TaskSpec.from_file``).
-        split: ``"train"``, ``"dev"`` or ``"test"``. When a task's ``dev`` file is its ``train`` file (``para``),
-            ``train`` / ``dev`` are the hash split described in the module docstring.
-        data_dir: folder of relative file names (the built-in tasks); default ``$FASTPALS_DATA_DIR``.
-        strict: raise ``DataError`` on the first bad row, or skip bad rows with a ``DataWarning``.
-
-    Returns:
-        ``list[SentenceExample]`` (single text) or ``list[PairExample]`` (pairs); labels are ``None`` for
-        ``test``.
-    """
+    """One split of a task (built-in name or ``TaskSpec``) as examples in file order (``test``: no labels).
+    ``data_dir``: default ``$FASTPALS_DATA_DIR``; ``strict``: raise at a bad row, else skip it with a warning."""
     spec = get_task(name)
     path = split_path(spec, split, data_dir)
     examples, bad_rows = read_task_file(path, spec, labelled=split != "test", strict=strict)

@@ -1,11 +1,5 @@
-"""Evaluation metrics, prediction files and confusion-matrix plots (the numeric scores of the task kinds are in
-:mod:`fastpals.data.scores`, re-exported here).
-
-Metrics run over the whole set, never averaged over batches: accuracy, Pearson (float64) and Spearman.
-:func:`overall` scores any mix of tasks as the mean of each task's ``unit_score`` (accuracy, or ``(r + 1) / 2`` of
-a regression task's Pearson ``r``, a NaN ``r`` counting as 0): for ``sst, para, sts`` the CS224N score. Prediction
-files follow the CS224N starter: a header ``id \\t Predicted_<Name>``, then ``<id> , <prediction>`` per line.
-"""
+"""Evaluation metrics over whole sets, the overall score (mean of each task's ``unit_score``: the CS224N score for
+``sst, para, sts``), CS224N prediction files and confusion-matrix plots."""
 
 from __future__ import annotations
 
@@ -51,10 +45,7 @@ PREDICTION_HEADERS = {
 
 
 def task_metrics(task: str | TaskSpec, y_true: Sequence, y_pred: Sequence) -> dict[str, float]:
-    """The metrics of one task, by its kind (:meth:`fastpals.data.task_kinds.TaskKind.metrics`): ``{"accuracy": a}``
-    (classification, binary: ``y_pred`` class indices or 0/1) or ``{"pearson": r, "spearman": rho}``
-    (regression; NaN when the predictions are constant, without a warning). ``task.metric`` names the primary
-    one. 1-D inputs of equal length ``N >= 1`` (2 for regression)."""
+    """The metrics of one task by its kind, from 1-D inputs of one length; ``task.metric`` is the primary one."""
     spec = get_task(task)
     return spec.task_kind.metrics(spec, y_true, y_pred)
 
@@ -67,15 +58,8 @@ def unit_score(task: str | TaskSpec, value: float) -> float:
 
 
 def overall(scores: Mapping[str, float], tasks: Iterable[str | TaskSpec] | None = None) -> float:
-    """The overall dev score of any mix of tasks: the mean of ``unit_score`` over the tasks in ``scores``.
-
-    Args:
-        scores: ``{task name: primary metric}`` (accuracy, or Pearson r for regression); an ``"overall"`` key
-            is ignored.
-        tasks: the specs (or built-in names) the names in ``scores`` refer to; built-in names need none.
-
-    For ``{"sst", "para", "sts"}`` this equals ``overall_score`` (the CS224N leaderboard score).
-    """
+    """The mean ``unit_score`` of ``scores`` (``{task name: primary metric}``, an ``"overall"`` key ignored) for
+    the specs ``tasks`` (built-in names need none)."""
     specs = {spec.name: spec for spec in (get_task(t) for t in (tasks or ()))}
     parts = [unit_score(specs.get(name, name), value) for name, value in scores.items() if name != "overall"]
     if not parts:
@@ -107,13 +91,7 @@ def bin_sts(scores: Sequence[float]) -> np.ndarray:
 def task_confusion_matrix(
     task: str | TaskSpec, y_true: Sequence, y_pred: Sequence, steps: int = 10
 ) -> tuple[np.ndarray, list[str]]:
-    """A confusion matrix of any task and its class names: ``(int64 (K, K), K names)``, by its kind
-    (:meth:`fastpals.data.task_kinds.TaskKind.confusion_matrix`).
-
-    Classification and binary tasks: ``K`` = their classes, named by ``label_names`` (else ``0..K-1``).
-    Regression: labels and predictions clipped to ``label_range`` and rounded to ``steps + 1`` evenly spaced
-    values (halves round up), named by those values; for ``sts`` (range [0, 5], 10 steps) that is ``bin_sts``.
-    """
+    """``(int64 [K, K], K names)`` of any task by its kind (regression: ``steps + 1`` score bins)."""
     spec = get_task(task)
     return spec.task_kind.confusion_matrix(spec, y_true, y_pred, steps)
 
@@ -131,9 +109,7 @@ def _format_prediction(value: object) -> str:
 
 
 def prediction_header(task: str | TaskSpec) -> str:
-    """The prediction-file column of a task: the CS224N name of a built-in task (``PREDICTION_HEADERS``),
-    else ``Predicted_<Label column>`` (e.g. ``Predicted_Label``; other characters than letters, digits and
-    ``_`` become ``_``)."""
+    """The prediction-file column of a task: the CS224N name, else ``Predicted_<Label column>``."""
     if isinstance(task, str) and task in PREDICTION_HEADERS:
         return PREDICTION_HEADERS[task]
     spec = get_task(task)
@@ -146,18 +122,8 @@ def prediction_header(task: str | TaskSpec) -> str:
 def write_predictions(
     path: str | os.PathLike, ids: Sequence[str], predictions: Sequence, task: str | TaskSpec
 ) -> Path:
-    """Write a CS224N prediction file: ``id \\t Predicted_<Name> `` then ``<id> , <prediction> `` per example.
-
-    Args:
-        path: output file (its folder is created).
-        ids: example ids (str, no comma, tab or newline).
-        predictions: one int (class) or float (score) per id; numpy arrays and torch tensors work too.
-        task: a built-in name (``sst``, ``cfimdb``, ``para``, ``sts``) or any ``TaskSpec`` (a task file's);
-            picks the header (``prediction_header``).
-
-    Returns:
-        The path written.
-    """
+    """Write a CS224N prediction file (``id \\t Predicted_<Name> ``, then ``<id> , <prediction> `` per id) and
+    return its path; ``task`` picks the header."""
     if isinstance(task, str) and task not in PREDICTION_HEADERS:
         raise ValueError(f"task must be one of {', '.join(PREDICTION_HEADERS)} or a TaskSpec, got {task!r}")
     header = prediction_header(task)
@@ -210,18 +176,8 @@ def plot_confusion_matrix(
     title: str | None = None,
     normalize: bool = False,
 ) -> Path:
-    """Draw a confusion matrix (rows = true, columns = predicted) to a PNG with matplotlib's Agg canvas.
-
-    Args:
-        matrix: square int array ``(K, K)`` from ``confusion_matrix``.
-        path: output PNG (its folder is created).
-        class_names: ``K`` tick labels (default ``0..K-1``).
-        title: figure title.
-        normalize: colour and print each row as shares of its true class (rows with no examples stay 0).
-
-    Returns:
-        The path written. Uses no pyplot state, so it is safe in threads and on machines without a display.
-    """
+    """Draw ``matrix [K, K]`` (rows true) to a PNG with the Agg canvas (no pyplot state); returns the path.
+    ``normalize``: each row as shares of its true class."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # matplotlib: costly, only for plots
     from matplotlib.figure import Figure
 

@@ -1,22 +1,12 @@
 """Mixed-task micro-batches: which examples each holds (:class:`MixedBatchSampler`) and how they are packed.
 
-Sampling: task ``t`` gets the share ``p_t`` of each micro-batch (:func:`fastpals.data.sampling.task_probabilities`,
-or ``1/T`` for the round-robin methods). With ``batch_size`` B it gets ``floor(B p_t)`` examples plus one more with
-the probability of the fractional part (systematic rounding: the counts sum to B, their mean is ``B p_t``). With
-``max_tokens`` tasks take turns by smooth weighted round robin until the next row would pass the budget; rows are
-never split. Each task walks through its own permutation per pass, ``default_rng([task_seed, pass])``, so the stream
-is a function of the seeds and ``state_dict()`` resumes it exactly.
+Task ``t`` gets the share ``p_t`` of each micro-batch, by systematic rounding (``batch_size``) or smooth weighted
+round robin up to ``max_tokens``; each task walks its own permutation per pass, ``default_rng([task_seed, pass])``,
+so ``state_dict()`` resumes the stream exactly.
 
-Packing: a packed micro-batch is a dict of the rows back to back, never padded, and their
-:class:`~fastpals.data.layout.BatchLayout`:
-
-* ``input_ids``, ``token_type_ids``: int64 ``[N]``; rows grouped by task in increasing order;
-* siamese pair tasks: their second sentences ``input_ids_b``, ``token_type_ids_b`` int64 ``[N2]``, one per siamese
-  row in row order (laid out by ``layout.second``);
-* ``labels`` float32 ``[B]`` (when labelled), ``ids`` ``list[str]``, ``tasks`` (the task name of every row);
-* ``layout``: lengths, task ids and offsets of the rows (host values and device tensors).
-
-:func:`model_inputs` gives ``MultiTaskBert.forward``'s keyword arguments: the token tensors and the layout.
+A packed micro-batch is a dict: ``input_ids``, ``token_type_ids`` int64 ``[N]`` (rows grouped by task),
+``input_ids_b``, ``token_type_ids_b`` ``[N2]`` (siamese rows' second sentences, ``layout.second``), ``labels``
+float32 ``[B]``, ``ids``, ``tasks`` (names) and ``layout`` (:class:`BatchLayout`).
 """
 
 from __future__ import annotations
@@ -31,7 +21,13 @@ import numpy as np
 import torch
 
 from fastpals.data.layout import BatchLayout, pack_rows
-from fastpals.data.sampling import SAMPLING_METHODS, check_resume_settings, next_epoch, task_probabilities
+from fastpals.data.sampling import (
+    SAMPLING_METHODS,
+    check_int,
+    check_resume_settings,
+    next_epoch,
+    task_probabilities,
+)
 from fastpals_kernels.padding import unpad
 
 if TYPE_CHECKING:
@@ -54,8 +50,7 @@ EQUAL_SHARE_METHODS = ("round_robin", "random_round_robin", "every_task_plus_ann
 
 
 def padding_fraction(batch: dict) -> float:
-    """Fraction of the token slots a batch dict makes the model compute that are padding: 0.0 for a packed batch
-    (``layout``), ``1 - tokens / (B * L)`` over ``attention_mask`` (and ``attention_mask_b``) for a padded one."""
+    """The share of a batch's token slots that are padding: 0.0 when packed, ``1 - tokens / (B * L)`` if padded."""
     if "layout" in batch:
         return 0.0
     slots = tokens = 0
@@ -66,15 +61,9 @@ def padding_fraction(batch: dict) -> float:
     return 1.0 - tokens / slots if slots else 0.0
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Sampling
-# ----------------------------------------------------------------------------------------------------------------
 def share_counts(total: int, probabilities: np.ndarray, u: float) -> np.ndarray:
-    """Integer counts summing to ``total`` with expectation ``total * p`` (systematic rounding).
-
-    Each task gets ``floor(total p_t)`` plus 1 when one of the points ``u, u+1, u+2, ...`` falls in its slice of
-    the cumulative fractional parts; ``u`` in [0, 1) (one uniform draw). Returns int64 ``[T]``.
-    """
+    """int64 counts ``[T]`` summing to ``total`` with mean ``total * p``, by systematic rounding at the points
+    ``u, u+1, ...`` (``u`` one uniform draw in [0, 1))."""
     exact = total * np.asarray(probabilities, dtype=np.float64)
     base = np.floor(exact)
     cum = np.concatenate([[0.0], np.cumsum(exact - base)])
@@ -88,8 +77,7 @@ def share_counts(total: int, probabilities: np.ndarray, u: float) -> np.ndarray:
 
 @dataclass
 class MixedSelection:
-    """One mixed micro-batch: ``indices[t]`` int64 array of task t's example indices (maybe empty), with the
-    ``epoch`` (from 1) and ``step`` (from 0, within the epoch) it was drawn at."""
+    """One mixed micro-batch: int64 example indices per task (maybe empty), its ``epoch`` (from 1) and ``step``."""
 
     indices: list[np.ndarray]
     epoch: int
@@ -102,21 +90,11 @@ class MixedSelection:
 
 
 class MixedBatchSampler:
-    """A resumable stream of mixed-task micro-batches (example indices per task); see the module docstring.
+    """A resumable stream of mixed-task micro-batches (example indices per task).
 
-    Args:
-        lengths: per task, the packed token count of every example (``[N_t]`` ints: the joint encoding's length,
-            or both sentences' for siamese pairs; :attr:`fastpals.data.per_task_batches.TaskBatcher.packed_lengths`).
-        method: a :data:`fastpals.data.sampling.SAMPLING_METHODS` name (sets the shares).
-        num_epochs: ``E`` (the annealing schedule depends on it).
-        batch_size: examples per micro-batch, and/or
-        max_tokens: tokens per micro-batch (rows never split; an example above it is an error).
-        micro_batches_per_epoch: micro-batches in an epoch (default: ``ceil(sum N_t / batch_size)``, or with
-            ``max_tokens`` alone ``ceil(sum of all lengths / max_tokens)``, i.e. about one pass over the data).
-        seed: non-negative int, seeds the share draws.
-        task_seeds: per task, the seed of its example permutations (default ``seed * 1000 + t``, the trainer's
-            batcher seeds).
-        task_names: for error messages (default ``task0``, ``task1``, ...).
+    ``lengths``: per task, each example's packed token count; ``method``: a ``SAMPLING_METHODS`` name;
+    ``batch_size`` and/or ``max_tokens`` per micro-batch; ``micro_batches_per_epoch``: default about one pass
+    over the data; ``seed`` the share draws', ``task_seeds`` the permutations' (default ``seed * 1000 + t``).
     """
 
     def __init__(
@@ -143,14 +121,13 @@ class MixedBatchSampler:
         self.task_names = list(task_names) if task_names is not None else [f"task{i}" for i in range(t)]
         if len(self.task_names) != t:
             raise ValueError(f"task_names has {len(self.task_names)} entries for {t} tasks")
-        for name, value, low in (("num_epochs", num_epochs, 1), ("seed", seed, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        check_int("num_epochs", num_epochs, 1)
+        check_int("seed", seed, 0)
         if batch_size is None and max_tokens is None:
             raise ValueError("give batch_size (--batch-size) or max_tokens (--max-tokens)")
         for name, value in (("--batch-size", batch_size), ("--max-tokens", max_tokens)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            if value is not None:
+                check_int(name, value, 1)
         if max_tokens is not None:
             longest = max(int(x.max()) for x in self.lengths)
             for name, x in zip(self.task_names, self.lengths):
@@ -177,12 +154,7 @@ class MixedBatchSampler:
                 micro_batches_per_epoch = math.ceil(sum(self.sizes) / batch_size)
             else:
                 micro_batches_per_epoch = math.ceil(sum(int(x.sum()) for x in self.lengths) / max_tokens)
-        if (
-            isinstance(micro_batches_per_epoch, bool)
-            or not isinstance(micro_batches_per_epoch, int)
-            or micro_batches_per_epoch < 1
-        ):
-            raise ValueError(f"micro_batches_per_epoch must be an int >= 1, got {micro_batches_per_epoch!r}")
+        check_int("micro_batches_per_epoch", micro_batches_per_epoch, 1)
         self.micro_batches_per_epoch = micro_batches_per_epoch
         self.epoch = 1
         self.step = 0
@@ -195,13 +167,11 @@ class MixedBatchSampler:
     def from_batchers(
         cls, batchers: Sequence[TaskBatcher], method: str, num_epochs: int, **kwargs: Any
     ) -> MixedBatchSampler:
-        """A sampler over the examples of ``batchers`` (one per task, in the model's task order): lengths from
-        their ``packed_lengths``, permutation seeds from their ``seed``; ``kwargs`` as for the constructor."""
+        """A sampler over ``batchers`` (one per task, in model order): their ``packed_lengths`` and ``seed``."""
         kwargs.setdefault("task_seeds", [b.seed for b in batchers])
         kwargs.setdefault("task_names", [b.spec.name for b in batchers])
         return cls([b.packed_lengths for b in batchers], method, num_epochs, **kwargs)
 
-    # ------------------------------------------------------------------------------------------------------------
     def probabilities(self, epoch: int | None = None) -> np.ndarray:
         """Per-task shares ``[T]`` float64 in ``epoch`` (default: the current one)."""
         epoch = self.epoch if epoch is None else epoch
@@ -210,8 +180,7 @@ class MixedBatchSampler:
         return task_probabilities(self.sizes, self.method, epoch, self.num_epochs)
 
     def pass_order(self, task: int, k: int) -> np.ndarray:
-        """The example order of pass ``k`` (from 0) over task ``task``: int64 ``[N_t]``, the same permutation as
-        :meth:`fastpals.data.per_task_batches.TaskBatcher.epoch_batches` starts epoch ``k`` with (given the batcher's seed)."""
+        """int64 ``[N_t]``: task ``task``'s example order in pass ``k`` (the batcher's epoch ``k`` order)."""
         return np.random.default_rng([self.task_seeds[task], k]).permutation(self.sizes[task])
 
     def _perm(self, t: int) -> np.ndarray:
@@ -244,8 +213,7 @@ class MixedBatchSampler:
         self.step = 0
 
     def next_micro_batch(self) -> MixedSelection:
-        """Draw the next micro-batch. Raises ``StopIteration`` at the end of the epoch (call
-        :meth:`start_next_epoch`)."""
+        """Draw the next micro-batch; ``StopIteration`` at the end of the epoch."""
         if self.epoch_done():
             raise StopIteration(f"epoch {self.epoch} is done")
         p = self.probabilities()
@@ -276,7 +244,6 @@ class MixedBatchSampler:
             examples += 1
         return [np.asarray(x, dtype=np.int64) for x in taken]
 
-    # ------------------------------------------------------------------------------------------------------------
     def _settings(self) -> dict[str, Any]:
         return {
             "method": self.method,
@@ -291,8 +258,7 @@ class MixedBatchSampler:
         }
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain-Python state: the settings (checked on load), ``epoch``, ``step``, every task's ``passes`` and
-        ``positions``, and ``rng`` (the numpy generator's bit-generator state)."""
+        """Plain-Python state: the settings (checked on load), position in the stream, generator state."""
         return {
             **self._settings(),
             "epoch": self.epoch,
@@ -321,13 +287,10 @@ class MixedBatchSampler:
         self._perms.clear()
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Packing
-# ----------------------------------------------------------------------------------------------------------------
 @dataclass
 class TaskRows:
-    """One task's share of a packed micro-batch, as host values: per example its token ids and token types
-    (``list[int]`` or int64 arrays, unpadded), and for siamese pair tasks those of its second sentences."""
+    """One task's share of a packed micro-batch on the host: each example's token ids and types (and its second
+    sentence's, for siamese tasks) as ``list[int]`` or int64 arrays."""
 
     task: int
     input_ids: list[Any]
@@ -340,8 +303,7 @@ class TaskRows:
 
 
 def pack_task_rows(parts: Sequence[TaskRows], num_tasks: int) -> dict:
-    """One packed micro-batch (the dict of the module docstring) of the tasks' rows (host lists), grouped by task in
-    increasing task order; its :class:`~fastpals.data.layout.BatchLayout` is built and validated here, once."""
+    """The packed micro-batch of the tasks' host rows, grouped by task, with its layout built once here."""
     if len(parts) == 0:
         raise ValueError("batches is empty")
     tasks_given = [int(p.task) for p in parts]
@@ -350,17 +312,7 @@ def pack_task_rows(parts: Sequence[TaskRows], num_tasks: int) -> dict:
     labelled = [p.labels is not None for p in parts]
     if any(labelled) and not all(labelled):
         raise ValueError("some batches have labels and some do not")
-    ids_a, types_a, ids_b, types_b, rows_task, rows_b, labels, names, tasks = (
-        [],
-        [],
-        [],
-        [],
-        [],
-        [],
-        [],
-        [],
-        [],
-    )
+    ids_a, types_a, ids_b, types_b, rows_task, rows_b, labels, names, tasks = ([] for _ in range(9))
     for part in sorted(parts, key=lambda p: p.task):
         t, n = part.task, len(part.input_ids)
         if part.input_ids_b is not None:
@@ -386,9 +338,8 @@ def pack_task_rows(parts: Sequence[TaskRows], num_tasks: int) -> dict:
     return out
 
 
-def _unpadded_rows(ids: torch.Tensor, types: torch.Tensor, mask: torch.Tensor) -> tuple[list, list]:
-    """Host rows of a right-padded host batch ``[R, L]`` (raises ``ValueError`` on a mask that is not
-    ``1...1 0...0``)."""
+def _host_rows(ids: torch.Tensor, types: torch.Tensor, mask: torch.Tensor) -> tuple[list, list]:
+    """The token lists of a right-padded host batch ``[R, L]`` (``ValueError`` for another mask)."""
     _, cu, _ = unpad(ids, mask)  # validates the mask (host tensors: no device read)
     lengths = (cu[1:] - cu[:-1]).tolist()
     ids_l, types_l = ids.tolist(), types.tolist()
@@ -396,26 +347,20 @@ def _unpadded_rows(ids: torch.Tensor, types: torch.Tensor, mask: torch.Tensor) -
 
 
 def pack_batches(batches: Sequence[dict], task_ids: Sequence[int], num_tasks: int) -> dict:
-    """Pack padded per-task batches (:meth:`fastpals.data.per_task_batches.TaskBatcher.collate` dicts, host tensors) into one packed
-    mixed micro-batch (the dict of the module docstring, with its ``layout``), rows grouped by task in increasing
-    task order. The trainer packs straight from the token lists instead (:func:`collate_packed`).
-
-    ``task_ids[i]``: the model's index of ``batches[i]``'s task (distinct, in ``[0, num_tasks)``). Batches with
-    ``input_ids_b`` (``pair_encoding="separate"`` or ``"both"``) are siamese: their ``input_ids`` is sentence 1
-    and ``input_ids_b`` sentence 2; ``joint_*`` keys are not used.
-    """
+    """Pack padded per-task host batches (``TaskBatcher.collate`` dicts; ``task_ids[i]`` the model's index of
+    ``batches[i]``'s task) into one packed micro-batch. A batch with ``input_ids_b`` is siamese."""
     if len(batches) == 0:
         raise ValueError("batches is empty")
     if len(task_ids) != len(batches):
         raise ValueError(f"batches has {len(batches)} entries but task_ids has {len(task_ids)}")
     parts = []
     for batch, t in zip(batches, task_ids):
-        ids, types = _unpadded_rows(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])
+        ids, types = _host_rows(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])
         part = TaskRows(
             int(t), ids, types, labels=batch.get("labels"), ids=batch.get("ids"), name=batch.get("task")
         )
         if "input_ids_b" in batch:
-            part.input_ids_b, part.token_type_ids_b = _unpadded_rows(
+            part.input_ids_b, part.token_type_ids_b = _host_rows(
                 batch["input_ids_b"], batch["token_type_ids_b"], batch["attention_mask_b"]
             )
         parts.append(part)
@@ -423,8 +368,7 @@ def pack_batches(batches: Sequence[dict], task_ids: Sequence[int], num_tasks: in
 
 
 def collate_packed(batchers: Sequence[TaskBatcher], selection: MixedSelection) -> dict:
-    """The packed micro-batch of ``selection``: each task's selected examples straight from its batcher's token
-    lists (:meth:`fastpals.data.per_task_batches.TaskBatcher.task_rows`, no padding made), packed by :func:`pack_task_rows`."""
+    """The packed micro-batch of ``selection``, straight from the batchers' token lists."""
     if len(batchers) != len(selection.indices):
         raise ValueError(f"{len(batchers)} batchers for a selection over {len(selection.indices)} tasks")
     present = [t for t, idx in enumerate(selection.indices) if len(idx)]
@@ -437,8 +381,8 @@ _TOKEN_KEYS = ("input_ids", "token_type_ids", "input_ids_b", "token_type_ids_b")
 
 
 class ModelInputs(dict):
-    """``model_inputs``' dict. ``["task_ids"]`` and ``["cu_seqlens"]``, the former keys, still read the layout's
-    tensors (deprecated: use ``["layout"]``); they are not keys, so ``model(**inputs)`` does not get them."""
+    """``model_inputs``' dict; the former keys ``task_ids`` and ``cu_seqlens`` still read (deprecated) but are not
+    passed by ``model(**inputs)``."""
 
     def __missing__(self, key: str) -> torch.Tensor:
         if key not in ("task_ids", "cu_seqlens") or "layout" not in self:
@@ -452,8 +396,7 @@ class ModelInputs(dict):
 
 
 def model_inputs(batch: dict, device: torch.device | str) -> dict[str, Any]:
-    """``MultiTaskBert.forward``'s keyword arguments of a packed batch: its token tensors and its ``layout``, on
-    ``device``."""
+    """``MultiTaskBert.forward``'s keyword arguments of a packed batch (token tensors and layout) on ``device``."""
     out: dict[str, Any] = ModelInputs(
         (k, batch[k].to(device, non_blocking=True)) for k in _TOKEN_KEYS if k in batch
     )

@@ -1,12 +1,5 @@
-"""Deterministic, resumable batches of one task's examples, and mixed-task batches.
-
-``TaskBatcher`` tokenizes every example once, then yields padded batches in an order that is a pure function
-of ``(seed, epoch)``; ``state_dict()`` / ``load_state_dict()`` hold ``(epoch, position)``, so a resumed run
-continues with exactly the batches it would have seen. ``merge_batches`` concatenates one batch per task into a
-mixed-task batch (``task_ids``, float labels) for ``MultiTaskBert.forward`` / ``MultiTaskBert.loss``.
-
-Shapes and dtypes of a batch: see :class:`TaskBatcher`; of a merged batch: see :func:`merge_batches`.
-"""
+"""Deterministic, resumable padded batches of one task (:class:`TaskBatcher`), and :func:`merge_batches`, one
+mixed padded batch of one batch per task."""
 
 from __future__ import annotations
 
@@ -18,7 +11,7 @@ import torch
 
 from fastpals.data.mixed_batches import TaskRows
 from fastpals.data.readers import Example, PairExample, SentenceExample
-from fastpals.data.sampling import check_resume_settings
+from fastpals.data.sampling import check_int, check_resume_settings
 from fastpals.data.tasks import TaskSpec, get_task
 from fastpals.data.tokenizer import Tokenizer
 
@@ -28,49 +21,15 @@ PAIR_ENCODINGS = ("joint", "separate", "both")
 
 
 class TaskBatcher:
-    """Padded, deterministic batches of one task's examples.
+    """Padded batches of one task's examples (tokenized once), in an order that is a pure function of
+    ``(seed, epoch)``: examples permuted by ``default_rng([seed, e])`` when ``shuffle``, sorted by length within
+    chunks of ``bucket_size`` batches when ``bucket_by_length``, cut into ``batch_size`` batches, the batches
+    permuted. ``state_dict()`` resumes with the next batch.
 
-    All examples are tokenized once at construction. The batches of epoch ``e`` are ``epoch_batches(e)``, a pure
-    function of ``(seed, e)``:
-
-    1. the example indices, permuted by ``numpy.random.default_rng([seed, e])`` when ``shuffle``;
-    2. with ``bucket_by_length``: cut into chunks of ``bucket_size * batch_size`` and each chunk sorted by token
-       length (stable), so a batch holds examples of similar length and pads little;
-    3. cut into batches of ``batch_size`` (the last one smaller unless ``drop_last``);
-    4. when ``shuffle``: the batches permuted by the same generator.
-
-    Iterating yields the remaining batches of the current epoch, then moves to the next epoch (``next_batch()``
-    gives the same sequence one batch at a time, across epochs); ``state_dict()``
-    taken between two batches and given to ``load_state_dict()`` of a new batcher over the same examples resumes
-    with the next batch. Use one iterator at a time.
-
-    Each batch is a dict:
-        ``input_ids``, ``attention_mask``, ``token_type_ids``: int64 ``(B, L)``, ``L`` = longest in the batch; for
-            pairs the joint ``[CLS] s1 [SEP] s2 [SEP]`` encoding with token types 0/1.
-        ``labels``: ``(B,)`` int64 (classification) or float32 (binary, regression); absent without labels.
-        ``ids``: ``list[str]`` of length ``B``; ``task``: the task name.
-        Pairs with ``pair_encoding="separate"`` (siamese heads; the keys ``MultiTaskBert.forward`` takes):
-            ``input_ids``, ``attention_mask``, ``token_type_ids`` hold sentence1 alone (``[CLS] s1 [SEP]``,
-            ``(B, L1)``) and ``input_ids_b``, ``attention_mask_b``, ``token_type_ids_b`` sentence2 alone
-            (``(B, L2)``). With ``"both"``: those keys plus the joint encoding as ``joint_input_ids``,
-            ``joint_attention_mask``, ``joint_token_type_ids``.
-
-    ``lengths [N]`` int64: each example's padded-width length (bucketing key); ``packed_lengths [N]`` int64: its
-    tokens once packed without padding (``fastpals.data.mixed_batches``: the joint encoding, or both sentences when
-    ``pair_encoding`` is ``"separate"``/``"both"``).
-
-    Args:
-        examples: examples of one task (all with labels, or all without).
-        tokenizer: a ``fastpals.Tokenizer``.
-        task: task name or ``TaskSpec`` (kind of example, label dtype).
-        batch_size: examples per batch.
-        max_length: token limit per sequence (truncations are counted in ``num_truncated``).
-        shuffle: permute examples and batches each epoch (training) or keep file order (evaluation).
-        seed: non-negative int.
-        bucket_by_length: group examples of similar length (see above).
-        bucket_size: chunk size in batches for the length sort.
-        drop_last: drop a final incomplete batch.
-        pair_encoding: ``"joint"`` (cross-encoder, default), ``"separate"`` or ``"both"`` (see above; pairs only).
+    A batch: ``input_ids``, ``attention_mask``, ``token_type_ids`` int64 ``[B, L]`` (pairs: the joint encoding),
+    ``labels [B]`` (the kind's dtype; absent without labels), ``ids``, ``task``. ``pair_encoding="separate"``:
+    sentence 1 in those keys and sentence 2 in ``*_b``; ``"both"`` adds the joint one as ``joint_*``.
+    ``lengths [N]``: each example's padded width; ``packed_lengths [N]``: its tokens once packed.
     """
 
     def __init__(
@@ -89,13 +48,9 @@ class TaskBatcher:
         pair_encoding: str = "joint",
     ) -> None:
         self.spec = get_task(task)
-        for name, value, low in (
-            ("batch_size", batch_size, 1),
-            ("bucket_size", bucket_size, 1),
-            ("seed", seed, 0),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        check_int("batch_size", batch_size, 1)
+        check_int("bucket_size", bucket_size, 1)
+        check_int("seed", seed, 0)
         if pair_encoding not in PAIR_ENCODINGS:
             raise ValueError(
                 f"pair_encoding must be one of {', '.join(PAIR_ENCODINGS)}, got {pair_encoding!r}"
@@ -210,9 +165,8 @@ class TaskBatcher:
         return batch
 
     def task_rows(self, indices: Sequence[int], task: int) -> TaskRows:
-        """The examples at ``indices`` as unpadded host token lists for :func:`fastpals.data.mixed_batches.pack_task_rows`
-        (``task``: the model's index of this batcher's task). Joint encodings for ``pair_encoding="joint"``,
-        else each sentence separately (siamese)."""
+        """The examples at ``indices`` as host token lists for :func:`pack_task_rows` (``task``: the model's
+        index of this batcher's task); each sentence on its own unless ``pair_encoding="joint"``."""
         indices = [int(i) for i in indices]
         first = self._joint if self.pair_encoding == "joint" else self._first
         rows = TaskRows(
@@ -245,11 +199,7 @@ class TaskBatcher:
         self.position = 0
 
     def next_batch(self) -> dict:
-        """The next batch, going on into the next epoch when the current one is used up.
-
-        For trainers that interleave tasks (one ``next_batch()`` per task step); the sequence of batches is the
-        same as iterating epoch after epoch.
-        """
+        """The next batch, going on into the next epoch when this one is used up."""
         if self.position >= len(self):
             self.epoch += 1
             self.position = 0
@@ -259,8 +209,7 @@ class TaskBatcher:
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` from its first batch."""
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
+        check_int("epoch", epoch, 0)
         self.epoch = epoch
         self.position = 0
 
@@ -306,21 +255,9 @@ def _pad_cat(tensors: Sequence[torch.Tensor], value: int) -> torch.Tensor:
 
 
 def merge_batches(batches: Sequence[dict], task_ids: Sequence[int], tokenizer: Tokenizer) -> dict:
-    """Concatenate one batch per task into a mixed-task batch for ``MultiTaskBert.forward(..., task_ids=...)``.
-
-    Args:
-        batches: ``TaskBatcher`` batches (any tasks, single or pair, any ``pair_encoding``).
-        task_ids: for each batch, its task's index in the model (all its rows get that id).
-        tokenizer: gives the ``[PAD]``, ``[CLS]`` and ``[SEP]`` ids.
-
-    Returns:
-        ``input_ids``, ``attention_mask``, ``token_type_ids``: int64 ``(B, L)``, each batch right-padded to the
-        widest; ``task_ids``: int64 ``(B,)``; ``labels``: float32 ``(B,)`` (class indices are exact in float32;
-        ``MultiTaskBert.loss`` casts per task) when every batch has labels; ``ids``: ``list[str]``; ``tasks``: the
-        task name of every row. ``*_b`` (second sentences of siamese tasks) when some batch has them: the rows of
-        batches without them get ``[CLS] [SEP]`` (ignored by the model, and never an all-masked row).
-        ``joint_*`` keys are kept only when every batch has them.
-    """
+    """One padded mixed batch of ``TaskBatcher`` batches (``task_ids[i]``: the model's index of ``batches[i]``'s
+    task): int64 ``[B, L]`` tokens right-padded to the widest, ``task_ids [B]``, float32 ``labels [B]``, ``ids``,
+    ``tasks``; ``*_b`` when some batch has them (``[CLS] [SEP]`` in the other rows), ``joint_*`` when all do."""
     if len(batches) == 0:
         raise ValueError("batches is empty")
     if len(task_ids) != len(batches):

@@ -1,16 +1,8 @@
-"""Reading one task file: the TSV, CSV and JSONL readers, their row checks, and the example types.
+"""The TSV, CSV and JSONL readers of one task file (:func:`read_task_file`), their row checks, the example types.
 
-:func:`read_task_file` reads one file of a :class:`fastpals.data.tasks.TaskSpec` (its ``columns``, ``format`` and
-labels say how) into :class:`SentenceExample` / :class:`PairExample` rows; :func:`fastpals.data.loading.load_task`
-picks the file of a split.
-
-CSV/TSV follow the usual quoting rules (a field that starts with ``"`` is quoted, ``""`` is a quote; any line end;
-a UTF-8 BOM is dropped); JSONL holds one object per line. Every row is checked (UTF-8, no NUL, field count, field
-length, id, duplicate id, non-empty text, label in range). A quote that opens a field and is never closed is
-one bad row reported at its opening line, and reading goes on after it, so it cannot swallow the rows below.
-A missing or empty file or a missing column always raises; a bad row raises :class:`DataError` (file, line,
-reason) with ``strict=True``, else it is skipped and a :class:`DataWarning` counts and lists the skipped rows
-(``quora-dev.csv`` has 2 broken rows, so ``para`` loads with ``strict=False``).
+CSV/TSV follow the usual quoting rules (any line end, a UTF-8 BOM dropped). Every row is checked (UTF-8, NUL,
+field count and length, id, duplicate id, empty text, label); a quote never closed is one bad row at its opening
+line, so it cannot swallow the rows below. A bad row raises :class:`DataError` with ``strict``, else is skipped.
 """
 
 from __future__ import annotations
@@ -87,15 +79,6 @@ class BadRow:
     reason: str
 
 
-# --------------------------------------------------------------------------------------------------------------
-# labels and rows
-# --------------------------------------------------------------------------------------------------------------
-def _parse_label(value: Any, spec: TaskSpec) -> tuple[int | float | None, str, str]:
-    """Return ``(label, kind, reason)``; ``label`` is ``None`` when ``value`` is not a valid label (the task's
-    kind parses it: :meth:`fastpals.data.task_kinds.TaskKind.parse_label`)."""
-    return spec.task_kind.parse_label(spec, value)
-
-
 # bytes that are not UTF-8 decode to lone surrogates U+DC80..U+DCFF under errors="surrogateescape"
 _BAD_UTF8 = re.compile("[\udc80-\udcff]")
 
@@ -143,7 +126,7 @@ class _RowChecker:
             return None, "empty sentence", f"empty {' and '.join(empty)}"
         label = None
         if self.labelled:
-            label, kind, reason = _parse_label(values["label"], spec)
+            label, kind, reason = spec.task_kind.parse_label(spec, values["label"])
             if kind:
                 return None, kind, reason
         self.first_line_of_id[row_id] = line
@@ -152,9 +135,6 @@ class _RowChecker:
         return SentenceExample(row_id, texts[0], label), "", ""
 
 
-# --------------------------------------------------------------------------------------------------------------
-# delimited files (TSV, CSV)
-# --------------------------------------------------------------------------------------------------------------
 @dataclass
 class _Row:
     """One parsed row: ``line`` (1-based first line), ``fields``, ``next_line`` (0-based index of the line after
@@ -172,7 +152,7 @@ class _Row:
 
 
 class _DelimitedText:
-    """A tokenizer for tab/comma-separated text that knows the line of every quote (see the module docstring)."""
+    """A tokenizer for tab/comma-separated text that knows the line of every quote."""
 
     def __init__(self, text: str, delimiter: str, max_field_chars: int) -> None:
         self.text = text
@@ -277,6 +257,13 @@ class _DelimitedText:
         return _Row(k + 1, fields, open_line + 1, [], kind, reason, open_line + 1, open_line + 1)
 
 
+def _roles(spec: TaskSpec, labelled: bool) -> list[str]:
+    """The column roles a reader reads: ``id`` when the task has one, the texts, and the label if ``labelled``."""
+    return [role for role in ("id", "text", "text_pair") if role in spec.columns] + (
+        ["label"] if labelled else []
+    )
+
+
 def _split_hint(header_line: str, delimiter: str, needed: Sequence[str]) -> str:
     other, name, fmt = ("\t", "tabs", "tsv") if delimiter == "," else (",", "commas", "csv")
     names = [field.strip() for field in header_line.split(other)]
@@ -302,9 +289,7 @@ def _read_delimited(
         raise DataError(path, head.line, "header row is not valid UTF-8")
     if any("\x00" in name for name in header):
         raise DataError(path, head.line, "header row holds a NUL byte")
-    roles = [role for role in ("id", "text", "text_pair") if role in spec.columns]
-    if labelled:
-        roles.append("label")
+    roles = _roles(spec, labelled)
     needed = [spec.columns[role] for role in roles]
     columns = {name: i for i, name in reversed(list(enumerate(header)))}  # first occurrence wins
     missing = [name for name in needed if name not in columns]
@@ -379,15 +364,10 @@ def _read_delimited(
     return examples, bad_rows
 
 
-# --------------------------------------------------------------------------------------------------------------
-# JSON lines
-# --------------------------------------------------------------------------------------------------------------
 def _read_jsonl(
     path: Path, text: str, spec: TaskSpec, labelled: bool, strict: bool, max_field_chars: int
 ) -> tuple[list[Example], list[BadRow]]:
-    roles = [role for role in ("id", "text", "text_pair") if role in spec.columns]
-    if labelled:
-        roles.append("label")
+    roles = _roles(spec, labelled)
     checker = _RowChecker(spec, labelled)
     examples: list[Example] = []
     bad_rows: list[BadRow] = []
@@ -445,9 +425,6 @@ def _read_jsonl(
     return examples, bad_rows
 
 
-# --------------------------------------------------------------------------------------------------------------
-# public readers
-# --------------------------------------------------------------------------------------------------------------
 def read_task_file(
     path: str | os.PathLike,
     task: str | TaskSpec,
@@ -457,24 +434,10 @@ def read_task_file(
     format: str | None = None,
     max_field_chars: int = MAX_FIELD_CHARS,
 ) -> tuple[list[Example], list[BadRow]]:
-    """Read one task file (TSV, CSV or JSONL; see the module docstring for the rules and checks).
-
-    Args:
-        path: the file.
-        task: task name or ``TaskSpec``: which columns to read and how to check the label.
-        labelled: read the label column (train/dev files) or not (test files: ``label=None``).
-        strict: raise ``DataError`` at the first bad row (``True``) or skip bad rows (``False``).
-        format: ``"tsv"``, ``"csv"`` or ``"jsonl"``; default the task's ``format``, else by extension.
-        max_field_chars: longest field accepted (characters); longer ones are bad rows.
-
-    Returns:
-        ``(examples, bad_rows)`` in file order; ``bad_rows`` is empty when ``strict``. The caller reports them
-        (``load_task`` warns); this function does not warn.
-
-    Raises:
-        FileNotFoundError: no file at ``path``.
-        DataError: empty file, header (or first JSON object) without a needed column, or (``strict``) a bad row.
-    """
+    """``(examples, bad_rows)`` of one task file in file order, without warning. ``task`` says the columns and
+    label rules; ``labelled``: read labels (else ``None``); ``strict``: raise ``DataError`` at the first bad row
+    (else skip it); ``format``: default the task's, else by extension; fields over ``max_field_chars`` are bad.
+    ``DataError`` also for an empty file or a missing column."""
     spec = get_task(task)
     if not spec.columns:
         raise ValueError(

@@ -1,8 +1,5 @@
-"""Which task each micro-batch of multi-task training comes from.
-
-Pure functions give the task probabilities of each method; :class:`TaskSampler` turns a method into a stream of
-task ids, one per micro-batch, a pure function of ``(seed, epoch)`` resumable from ``state_dict()``. With
-``N_t`` examples of task ``t``, ``T`` tasks, epoch ``e`` from 1 of ``E``:
+"""Which task each micro-batch comes from: the shares of each method, and :class:`TaskSampler`, a resumable
+stream of task ids. With ``N_t`` examples of task ``t``, ``T`` tasks, epoch ``e`` from 1 of ``E``:
 
 * ``round_robin``: tasks take turns and a task whose batches are used up drops out (an epoch exhausts every task);
 * ``proportional`` ``p_t ∝ N_t``; ``uniform`` ``1/T``; ``sqrt`` ``p_t ∝ sqrt(N_t)``;
@@ -11,8 +8,7 @@ task ids, one per micro-batch, a pure function of ``(seed, epoch)`` resumable fr
 * ``every_task_plus_annealed``: one batch of every task in a random order, then ``extra`` annealed draws;
 * ``random_round_robin``: one batch of every task, in a fresh random order.
 
-The last two form *update groups* (``group_size`` micro-batches per optimizer update), which gradient surgery
-needs (several tasks in one update).
+The last two form update groups (``group_size`` micro-batches per update), so surgery sees several tasks.
 """
 
 from __future__ import annotations
@@ -56,9 +52,14 @@ def _check_sizes(sizes: Sequence[int]) -> np.ndarray:
     return array
 
 
+def check_int(name: str, value: Any, low: int) -> None:
+    """``ValueError`` naming ``name`` unless ``value`` is an int (not a bool) >= ``low``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+
+
 def _check_epoch(epoch: int, num_epochs: int) -> None:
-    if isinstance(num_epochs, bool) or not isinstance(num_epochs, int) or num_epochs < 1:
-        raise ValueError(f"num_epochs must be an int >= 1, got {num_epochs!r}")
+    check_int("num_epochs", num_epochs, 1)
     if isinstance(epoch, bool) or not isinstance(epoch, int) or not 1 <= epoch <= num_epochs:
         raise ValueError(f"epoch must be an int in [1, {num_epochs}] (counted from 1), got {epoch!r}")
 
@@ -73,9 +74,8 @@ def next_epoch(epoch: int, num_epochs: int) -> int:
 def check_resume_settings(
     state: Mapping[str, Any], mine: Mapping[str, Any], what: str, skip: Sequence[str] = ()
 ) -> None:
-    """Raise ``ValueError("cannot resume {what}: ...")`` naming every key of ``mine`` (a resumable object's
-    settings) whose value in the saved ``state`` differs (a missing key counts as ``None``); keys in ``skip`` (the
-    position) are not compared."""
+    """``ValueError("cannot resume {what}: ...")`` naming every setting of ``mine`` that differs in ``state``
+    (missing: None), ``skip`` aside."""
     differ = [k for k in mine if k not in skip and state.get(k) != mine[k]]
     if differ:
         detail = ", ".join(f"{k}: saved {state.get(k)!r}, now {mine[k]!r}" for k in differ)
@@ -91,15 +91,7 @@ def annealed_alpha(epoch: int, num_epochs: int) -> float:
 
 
 def task_probabilities(sizes: Sequence[int], method: str, epoch: int = 1, num_epochs: int = 1) -> np.ndarray:
-    """Probability of drawing each task: float64 ``[T]`` summing to 1.
-
-    Args:
-        sizes: training examples per task, ``[T]`` positive.
-        method: ``proportional``, ``uniform``, ``sqrt``, ``annealed``, or ``every_task_plus_annealed`` (its
-            extra batches are annealed).
-        epoch: current epoch, from 1 (only ``annealed`` depends on it).
-        num_epochs: total epochs.
-    """
+    """Each task's share, float64 ``[T]`` summing to 1, of ``sizes`` examples per task in ``epoch`` (from 1)."""
     n = _check_sizes(sizes)
     _check_epoch(epoch, num_epochs)
     if method == "proportional":
@@ -119,10 +111,7 @@ def task_probabilities(sizes: Sequence[int], method: str, epoch: int = 1, num_ep
 
 
 def round_robin_order(batches_per_task: Sequence[int]) -> list[int]:
-    """Task ids of one round-robin epoch: tasks take turns, an exhausted task leaves the rotation.
-
-    ``round_robin_order([2, 1, 3]) == [0, 1, 2, 0, 2, 2]``; task ``t`` appears ``batches_per_task[t]`` times.
-    """
+    """Task ids of one round-robin epoch: ``round_robin_order([2, 1, 3]) == [0, 1, 2, 0, 2, 2]``."""
     counts = [int(c) for c in batches_per_task]
     if not counts or any(c < 1 for c in counts):
         raise ValueError(f"batches_per_task must be positive counts, got {list(batches_per_task)!r}")
@@ -137,23 +126,9 @@ def round_robin_order(batches_per_task: Sequence[int]) -> list[int]:
 
 
 class TaskSampler:
-    """A resumable stream of task ids, one per micro-batch.
-
-    The ids of epoch ``e`` (from 1) are :meth:`epoch_order` ``(e)``, a pure function of ``(seed, e)``;
-    ``next_task()`` walks through them and ``state_dict()`` / ``load_state_dict()`` keep ``(epoch, position)``.
-
-    Args:
-        method: one of :data:`SAMPLING_METHODS`.
-        sizes: training examples per task ``[T]``.
-        batches_per_task: batches per epoch of each task ``[T]`` (``round_robin`` uses them).
-        num_epochs: ``E`` (the annealing schedule depends on it).
-        updates_per_epoch: optimizer updates per epoch; ``None`` only for ``round_robin`` (a full pass). For
-            ``round_robin`` a number cuts the pass short.
-        micro_batches_per_update: micro-batches in one update for the ungrouped methods (gradient
-            accumulation); the grouped methods use :attr:`group_size`.
-        extra: annealed batches after the every-task batches (``every_task_plus_annealed``).
-        seed: non-negative int.
-    """
+    """A resumable stream of task ids, one per micro-batch; epoch ``e``'s are :meth:`epoch_order` ``(e)``, a
+    pure function of ``(seed, e)``. ``updates_per_epoch`` None: a full ``round_robin`` pass;
+    ``micro_batches_per_update``: for the ungrouped methods; ``extra``: ``every_task_plus_annealed``'s draws."""
 
     def __init__(
         self,
@@ -175,22 +150,13 @@ class TaskSampler:
                 f"batches_per_task must hold {len(self.sizes)} positive counts, got {list(batches_per_task)!r}"
             )
         _check_epoch(1, num_epochs)
-        for name, value, low in (
-            ("micro_batches_per_update", micro_batches_per_update, 1),
-            ("extra", extra, 0),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+        check_int("micro_batches_per_update", micro_batches_per_update, 1)
+        check_int("extra", extra, 0)
+        check_int("seed", seed, 0)
         if updates_per_epoch is None and method != "round_robin":
             raise ValueError(f"updates_per_epoch is needed for sampling {method!r}")
-        if updates_per_epoch is not None and (
-            isinstance(updates_per_epoch, bool)
-            or not isinstance(updates_per_epoch, int)
-            or updates_per_epoch < 1
-        ):
-            raise ValueError(f"updates_per_epoch must be an int >= 1, got {updates_per_epoch!r}")
+        if updates_per_epoch is not None:
+            check_int("updates_per_epoch", updates_per_epoch, 1)
         self.method = method
         self.num_tasks = len(self.sizes)
         self.num_epochs = num_epochs

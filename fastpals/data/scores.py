@@ -1,8 +1,4 @@
-"""The scores of one set of predictions, in float64, without task definitions (so that the task kinds of
-:mod:`fastpals.data.task_kinds` use them without importing the tasks): ``accuracy``, ``pearson``, ``spearman``
-(Pearson of the average ranks, ties sharing their mean rank), ``confusion_matrix`` (rows = true class, columns =
-predicted), and ``as_1d`` / ``paired_arrays``, the checks of their inputs. :mod:`fastpals.data.metrics` builds
-the per-task metrics, the overall score and the prediction files on them."""
+"""The float64 scores of one set of predictions, free of task definitions so that the task kinds import them."""
 
 from __future__ import annotations
 
@@ -46,11 +42,8 @@ def accuracy(y_true: Sequence, y_pred: Sequence) -> float:
 
 
 def pearson(x: Sequence[float], y: Sequence[float]) -> float:
-    """Pearson correlation of two 1-D samples of length ``N >= 2``, computed in float64 over the whole set.
-
-    Returns NaN, with a ``RuntimeWarning``, when either sample is constant (the correlation is undefined).
-    Raises ``ValueError`` on non-finite values or mismatched lengths.
-    """
+    """Pearson correlation of two 1-D samples of length ``N >= 2`` in float64; NaN with a ``RuntimeWarning``
+    when either is constant."""
     a, b = paired_arrays(x, y, np.float64)
     if a.size < 2:
         raise ValueError(f"pearson needs at least 2 pairs, got {a.size}")
@@ -99,10 +92,7 @@ def spearman(x: Sequence[float], y: Sequence[float]) -> float:
 
 
 def confusion_matrix(y_true: Sequence[int], y_pred: Sequence[int], num_classes: int) -> np.ndarray:
-    """Counts ``C[i, j]`` of examples of true class ``i`` predicted as ``j``: int64 ``(num_classes, num_classes)``.
-
-    Labels must be whole numbers in ``[0, num_classes)``.
-    """
+    """int64 ``[K, K]`` counts of true class ``i`` predicted as ``j``, for whole-number labels in ``[0, K)``."""
     if isinstance(num_classes, bool) or not isinstance(num_classes, (int, np.integer)) or num_classes < 1:
         raise ValueError(f"num_classes must be an int >= 1, got {num_classes!r}")
     true, pred = paired_arrays(y_true, y_pred)

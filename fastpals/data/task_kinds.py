@@ -1,12 +1,6 @@
-"""Task kinds: everything that depends on what a task predicts, one :class:`TaskKind` per kind.
-
-A task's ``kind`` string names an entry of :data:`TASK_KINDS`. The kind holds the head's output count and label
-checks, how a label cell parses and its batch dtype, the loss, the predictions (branch-free, no host reads), the
-metrics and the task's share of the overall score. Built in: :class:`Classification` (cross-entropy),
-:class:`Binary` (one logit, BCE) and :class:`Regression` (one value in [0, 1] units of ``label_scale``; MSE or
-CoSENT). A new kind is a subclass registered with :func:`register_task_kind`; task files, the readers, the
-model's losses and predictions and the metrics all ask the kind.
-"""
+"""Task kinds: one :class:`TaskKind` per kind (``TaskSpec.kind`` names an entry of :data:`TASK_KINDS`) holds the
+head's output count, label parsing and checks, the loss, the predictions, the metrics and the score share. A new
+kind is a subclass passed to :func:`register_task_kind`."""
 
 from __future__ import annotations
 
@@ -39,22 +33,13 @@ Fail = Callable[[str], NoReturn]
 
 
 class TaskKind:
-    """What a task predicts, and everything that follows from it (see the module docstring).
+    """What a task predicts. Subclasses set the attributes and implement :meth:`head_outputs`,
+    :meth:`task_file_num_labels`, :meth:`loss` and :meth:`predict`; the rest defaults to class indices scored by
+    accuracy.
 
-    Subclasses set the class attributes and implement :meth:`head_outputs`, :meth:`task_file_num_labels`,
-    :meth:`loss` and :meth:`predict`. The other methods default to a kind whose labels are class indices
-    ``0..num_classes-1`` scored by accuracy.
-
-    Attributes:
-        name: the kind's name, the value of ``TaskSpec.kind`` and of a task file's ``kind``.
-        losses: the allowed values of ``TaskSpec.loss``; the first is the default.
-        metric_names: the metrics :meth:`metrics` reports; the first is the primary dev metric
-            (``TaskSpec.metric``).
-        integer_labels: labels are whole numbers (class indices); predictions are written as integers.
-        label_dtype: the dtype of a batch's labels (``TaskSpec.label_dtype``).
-        boolean_labels: a JSON ``true``/``false`` label cell reads as 1/0 (otherwise it is a bad label).
-        scored: labels are scores in a ``label_range`` the task file may give (no classes, no ``label_names``).
-        cosine_pairs: pair tasks may use ``pair_mode="sbert_cosine"`` (the cosine is the prediction).
+    ``losses``: allowed ``TaskSpec.loss`` values, the first the default; ``metric_names``: the first is the
+    primary dev metric; ``integer_labels``: whole-number labels; ``boolean_labels``: JSON true/false read as 1/0;
+    ``scored``: labels are scores in a ``label_range``; ``cosine_pairs``: ``sbert_cosine`` is allowed.
     """
 
     name: str = ""
@@ -69,27 +54,22 @@ class TaskKind:
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
-    # --- the spec ----------------------------------------------------------------------------------------------
     def head_outputs(self, num_labels: int) -> int:
-        """The head's output count for a ``TaskSpec`` given ``num_labels`` (the value ``TaskSpec.num_labels``
-        takes). Must be idempotent (``head_outputs(head_outputs(n)) == head_outputs(n)``): saved specs are
-        rebuilt from their fields. Raises ``ValueError(reason)`` for a bad ``num_labels``."""
+        """The head's output count (``TaskSpec.num_labels``) for ``num_labels``; idempotent, since saved specs are
+        rebuilt from their fields. ``ValueError(reason)`` for a bad value."""
         raise NotImplementedError
 
     def task_file_num_labels(self, value: Any) -> int:
-        """``TaskSpec.num_labels`` from a task file's ``num_labels`` value (``None`` when the key is absent).
-        Raises ``ValueError(reason)``: the one-line reason after ``<file>: num_labels:``."""
+        """``TaskSpec.num_labels`` from a task file's ``num_labels`` (None: absent); ``ValueError(reason)``."""
         raise NotImplementedError
 
     def num_classes(self, spec: TaskSpec) -> int | None:
-        """Classes of the task (``TaskSpec.num_classes``); ``None`` for a scored kind. Default: ``num_labels``."""
+        """The task's number of classes (default ``num_labels``); None for a scored kind."""
         return spec.num_labels
 
     def check_labels(self, spec: TaskSpec, fail: Fail) -> None:
-        """Check and complete ``spec.label_range``, ``label_names`` and ``label_scale`` (called from
-        ``TaskSpec.__post_init__`` after the kind-independent ``label_range`` checks; ``fail(reason)`` raises the
-        spec's one-line error). Default (class labels): ``label_range`` is ``(0, num_classes - 1)``,
-        ``label_scale`` 1, ``label_names`` one distinct non-empty name per class."""
+        """Check and complete ``spec``'s ``label_range``, ``label_names`` and ``label_scale``; ``fail(reason)``
+        raises the spec's error."""
         num_classes = self.num_classes(spec)
         implied = (0.0, float(num_classes - 1))
         if spec.label_range is not None and spec.label_range != implied:
@@ -105,12 +85,9 @@ class TaskKind:
                 fail(f"label_names has a name twice: {names!r}")
             spec.label_names = names
 
-    # --- the data ----------------------------------------------------------------------------------------------
     def parse_label(self, spec: TaskSpec, value: Any) -> tuple[int | float | None, str, str]:
-        """One raw label cell (a CSV/TSV string, or a JSON value) to ``(label, problem, reason)``: the label (an
-        int for integer kinds, else a float) with ``problem == reason == ""``, or ``(None, problem, reason)`` with
-        the bad row's category (``"empty label"``, ``"bad label"``, ``"label out of range"``) and its one-line
-        reason. Names of ``label_names`` read as their index; numbers must lie in ``label_range``."""
+        """A raw label cell (CSV/TSV string or JSON value) → ``(label, "", "")`` or ``(None, problem, reason)``;
+        a name of ``label_names`` reads as its index."""
         column = spec.label_column
         names = spec.label_names
         if value is None or (isinstance(value, str) and not value.strip()):
@@ -147,35 +124,25 @@ class TaskKind:
     def _format_bound(self, value: float) -> str:
         return str(int(value)) if self.integer_labels else f"{value:g}"
 
-    # --- the model ---------------------------------------------------------------------------------------------
     def loss(self, spec: TaskSpec, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The task's loss over its rows: ``logits`` ``[n, num_labels]`` (any float dtype), ``labels`` ``[n]``
-        (any dtype; class index, 0/1 or the raw score). Returns a 0-dim float32 tensor (the mean over the rows,
-        or a loss over the batch's pairs)."""
+        """The task's 0-dim float32 loss of ``logits [n, num_labels]`` against ``labels [n]``."""
         raise NotImplementedError
 
     def predict(self, spec: TaskSpec, logits: torch.Tensor) -> torch.Tensor:
-        """Predicted labels float32 ``[n]`` from ``logits`` ``[n, num_labels]`` (any float dtype), in label
-        units. Branch-free tensor code without host reads (no ``.item()``, ``.tolist()``, ``nonzero``):
-        ``MultiTaskBert.predict`` runs it on every row of a batch and keeps this task's rows."""
+        """Predicted labels float32 ``[n]`` of ``logits [n, num_labels]``; no host reads (it runs on every row)."""
         raise NotImplementedError
 
     def confidence(self, spec: TaskSpec, logits: torch.Tensor) -> torch.Tensor | None:
-        """Probability of the predicted label, float32 ``[n]``, from ``logits`` ``[n, num_labels]``; ``None``
-        when the kind has none (the default; a regression's prediction is its score)."""
+        """Probability of the predicted label, float32 ``[n]``; None when the kind has none."""
         return None
 
-    # --- the metrics -------------------------------------------------------------------------------------------
     def metrics(self, spec: TaskSpec, y_true: Sequence, y_pred: Sequence) -> dict[str, float]:
-        """``{name: value}`` for every name of :attr:`metric_names`, from 1-D host arrays of equal length
-        ``N >= 1`` (lists, numpy or torch). Default: ``{"accuracy": a}``, both sides rounded to whole numbers."""
-
+        """``{name: value}`` for every one of :attr:`metric_names`, from 1-D host arrays of one length."""
         true, pred = paired_arrays(y_true, y_pred, np.float64)
         return {"accuracy": accuracy(np.rint(true).astype(np.int64), np.rint(pred).astype(np.int64))}
 
     def unit_score(self, spec: TaskSpec, value: float) -> float:
-        """The task's share of the overall score, in [0, 1], from its primary metric ``value``. Default: the
-        accuracy itself (``ValueError`` outside [0, 1] or NaN)."""
+        """The task's share of the overall score, in [0, 1], from its primary metric ``value``."""
         if not 0.0 <= value <= 1.0:  # also rejects NaN
             raise ValueError(f"task {spec.name!r}: accuracy must be in [0, 1], got {value!r}")
         return float(value)
@@ -183,9 +150,7 @@ class TaskKind:
     def confusion_matrix(
         self, spec: TaskSpec, y_true: Sequence, y_pred: Sequence, steps: int = 10
     ) -> tuple[np.ndarray, list[str]]:
-        """``(int64 (K, K) counts, K class names)`` (rows = true, columns = predicted) from 1-D host arrays.
-        Default: the ``num_classes`` classes, named by ``label_names`` (else ``0..K-1``); ``steps`` is unused."""
-
+        """``(int64 [K, K] counts, K class names)``, rows true and columns predicted."""
         num_classes = self.num_classes(spec)
         names = [spec.label_name(k) for k in range(num_classes)]
         true, pred = paired_arrays(y_true, y_pred, np.float64)
@@ -327,7 +292,6 @@ class Regression(TaskKind):
     def metrics(self, spec: TaskSpec, y_true: Sequence, y_pred: Sequence) -> dict[str, float]:
         """``{"pearson": r, "spearman": rho}`` in float64 over the whole set (``N >= 2``); NaN, without a
         warning, when either side is constant."""
-
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             return {"pearson": pearson(y_true, y_pred), "spearman": spearman(y_true, y_pred)}
@@ -344,7 +308,6 @@ class Regression(TaskKind):
     ) -> tuple[np.ndarray, list[str]]:
         """Labels and predictions clipped to ``label_range`` and rounded to ``steps + 1`` evenly spaced values
         (halves round up), named by those values: ``(int64 (steps + 1, steps + 1), names)``."""
-
         low, high = spec.label_range
         binned = []
         for name, values in (("y_true", y_true), ("y_pred", y_pred)):

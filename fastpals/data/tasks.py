@@ -1,11 +1,6 @@
-"""The task registry: one :class:`TaskSpec` per task holds the model side (kind, pair mode, head, pooling, loss),
-the files and how they are read (columns, format, labels), and the metric.
-
-The built-in tasks are :data:`TASKS` (``sst``, ``para``, ``sts``, ``cfimdb``: the CS224N files, resolved against
-the data folder). A JSON task file defines another (:meth:`TaskSpec.from_file`; the keys are in
-docs/training.md, "Your own task"); :func:`resolve_tasks` turns the trainer's ``--tasks`` into specs. A bad task
-file is a :class:`TaskFileError`, one line naming the file and the key.
-"""
+"""Tasks: one :class:`TaskSpec` per task (model side, files and their reading, metric); :data:`TASKS` holds the
+built-in CS224N ones, a JSON task file defines another (:meth:`TaskSpec.from_file`, keys in docs/training.md), and
+a bad one is a one-line :class:`TaskFileError`."""
 
 from __future__ import annotations
 
@@ -31,9 +26,7 @@ __all__ = [
     "resolve_tasks",
 ]
 
-KINDS = tuple(
-    TASK_KINDS
-)  # the built-in kinds; TASK_KINDS (fastpals.data.task_kinds) holds every registered one
+KINDS = tuple(TASK_KINDS)  # the built-in kinds; TASK_KINDS holds every registered one
 PAIR_MODES = ("joint", "sbert_cosine", "sbert_concat")
 HEADS = ("linear", "mlp")
 POOLINGS = ("cls", "mean", "max")
@@ -57,36 +50,15 @@ class TaskFileError(ValueError):
 
 @dataclass
 class TaskSpec:
-    """One task: model side, file format and metric (task-file keys: docs/training.md).
+    """One task (fields as the task-file keys, docs/training.md).
 
-    Model side:
-
-    - ``kind``: ``classification`` (``num_labels``-way cross-entropy), ``binary`` (one logit, BCE) or
-      ``regression`` (one value trained on ``label / label_scale``; predictions clipped to [0, 1] and scaled
-      back, as in Bert-n-Pals' STS), or any kind registered in :data:`fastpals.data.task_kinds.TASK_KINDS`;
-      :attr:`task_kind` is its :class:`~fastpals.data.task_kinds.TaskKind` object, which holds the kind's loss,
-      predictions, metrics and label rules.
-    - ``pair``/``pair_mode``: pair tasks as a joint cross-encoder (``[CLS] a [SEP] b [SEP]``), as SBERT with
-      cosine similarity (regression only: the cosine is the prediction in [0, 1] units of the label range), or as
-      SBERT with concatenation ``(u, v, |u - v|)`` into the head.
-    - ``head``: ``linear`` (dropout + Linear) or ``mlp`` (Linear, GELU, dropout, Linear); ``pooling``: ``cls``
-      (BERT's pooler on [CLS]), ``mean`` or ``max`` over tokens.
-    - ``loss``: ``ce`` / ``bce`` / ``mse``, or ``cosine`` for regression (CoSENT: a ranking loss on the
-      predicted scores' pairwise order within the batch).
-    - ``label_scale``: regression labels are divided by it for training; default ``label_range[1]`` (1.0 for
-      the other kinds).
-
-    Files:
-
-    - ``files``: file per split (``train``/``dev``/``test``); relative names resolve against the data folder
-      (``$FASTPALS_DATA_DIR``), task files store absolute paths. Empty for a task that has no files; when empty
-      and ``data`` (default ``name``) is a built-in task, the built-in files, columns and format are filled in.
-    - ``columns``: ``{"text", "label"}`` plus ``"text_pair"`` (pairs) and ``"id"`` (optional).
-    - ``format``: ``csv`` / ``tsv`` / ``jsonl``, or ``None`` for "by extension".
-    - ``label_range``: inclusive bounds of a valid label; derived for classification ``(0, K - 1)`` and binary
-      ``(0, 1)``; regression default ``(0, label_scale)``.
-    - ``label_names``: one name per class (classification/binary), or ``None``.
-    - ``source``: the task file this spec came from, if any.
+    - ``kind``: a registered :class:`TaskKind` name (``classification``, ``binary``, ``regression``, ...).
+    - ``pair_mode``: ``joint`` (one ``[CLS] a [SEP] b [SEP]`` input), ``sbert_cosine`` or ``sbert_concat``
+      (``(u, v, |u - v|)`` into the head); ``head``: ``linear`` or ``mlp``; ``pooling``: ``cls``, ``mean``, ``max``.
+    - ``label_scale``: regression labels are divided by it for training (default ``label_range[1]``).
+    - ``files``: one per split, relative to ``$FASTPALS_DATA_DIR``; empty with a built-in ``data`` (default
+      ``name``): the built-in files, columns and format. ``format`` None: by extension.
+    - ``label_range``: inclusive bounds of a valid label; ``source``: the task file, if any.
     """
 
     name: str
@@ -180,20 +152,19 @@ class TaskSpec:
         if not self.label_scale > 0:
             fail("label_scale must be > 0")
 
-    # --- derived ------------------------------------------------------------------------------------------------
     @property
     def task_kind(self) -> TaskKind:
-        """The kind object of ``kind`` (``TASK_KINDS[kind]``): its loss, predictions, metrics and label rules."""
+        """``TASK_KINDS[kind]``: the kind's loss, predictions, metrics and label rules."""
         return TASK_KINDS[self.kind]
 
     @property
     def metric(self) -> str:
-        """The primary dev metric: ``"pearson"`` (regression) or ``"accuracy"`` (the kind's first metric)."""
+        """The primary dev metric (the kind's first)."""
         return self.task_kind.metric_names[0]
 
     @property
     def metrics(self) -> tuple[str, ...]:
-        """Every metric reported for the task: ``("pearson", "spearman")`` or ``("accuracy",)`` (the kind's)."""
+        """Every metric reported for the task."""
         return self.task_kind.metric_names
 
     @property
@@ -202,7 +173,7 @@ class TaskSpec:
 
     @property
     def num_classes(self) -> int | None:
-        """Classes of a classification (``num_labels``) or binary (2) task; ``None`` for regression."""
+        """The number of classes; None for regression."""
         return self.task_kind.num_classes(self)
 
     @property
@@ -210,19 +181,13 @@ class TaskSpec:
         return self.columns.get("label")
 
     @property
-    def label_kind(self) -> str:
-        """Same as ``kind`` (the name the data readers used)."""
-        return self.kind
-
-    @property
     def integer_labels(self) -> bool:
-        """Labels are whole numbers (class indices or 0/1); False for regression scores."""
+        """Labels are whole numbers (class indices or 0/1)."""
         return self.task_kind.integer_labels
 
     @property
     def label_dtype(self) -> Any:
-        """The batch label dtype: ``torch.int64`` for classification (class indices), ``torch.float32`` for
-        binary and regression."""
+        """The batch label dtype (the kind's)."""
         return self.task_kind.label_dtype
 
     def label_name(self, label: int) -> str:
@@ -238,12 +203,7 @@ class TaskSpec:
         path = self.files[split]
         fmt = FORMAT_BY_EXTENSION.get(Path(path).suffix.lower())
         if fmt is None:
-            raise TaskFileError(
-                self.source,
-                f"files.{split}",
-                f'cannot tell the format of {path} from its extension: add "format": '
-                f"one of {', '.join(FORMATS)}",
-            )
+            raise _unknown_format(self.source, split, path)
         return fmt
 
     def to_dict(self) -> dict[str, Any]:
@@ -252,15 +212,10 @@ class TaskSpec:
         out["label_range"] = None if self.label_range is None else list(self.label_range)
         return out
 
-    # --- task files ---------------------------------------------------------------------------------------------
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> TaskSpec:
-        """Read a JSON task file (keys in the module docstring); relative file paths resolve against its folder.
-
-        Raises:
-            TaskFileError: the file is missing, not JSON, or has a bad key or value (one line naming file and
-                key), or a data file it lists does not exist.
-        """
+        """Read a JSON task file; its data paths resolve against its folder. ``TaskFileError`` when the file,
+        a key or a listed data file is bad."""
         path = Path(path).expanduser()
         if not path.is_file():
             raise TaskFileError(path, None, "task file does not exist")
@@ -274,7 +229,7 @@ class TaskSpec:
 
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> TaskSpec:
-        """The inverse of :meth:`to_dict` (every field; not the task-file schema, see :meth:`from_task_dict`)."""
+        """The inverse of :meth:`to_dict` (not the task-file schema)."""
         return cls(**fields)
 
     @classmethod
@@ -285,14 +240,8 @@ class TaskSpec:
         source: str | os.PathLike | None = None,
         check_files: bool = True,
     ) -> TaskSpec:
-        """A spec from the contents of a task file (see the module docstring).
-
-        Args:
-            raw: the parsed JSON object.
-            base_dir: folder that relative ``files`` resolve against (default: the current folder).
-            source: the task file, for error messages and ``TaskSpec.source``.
-            check_files: require every listed data file to exist.
-        """
+        """A spec from a parsed task file ``raw``: ``files`` resolve against ``base_dir`` (default: the current
+        folder), ``source`` names the file in errors, ``check_files`` requires each data file to exist."""
         src = None if source is None else str(source)
         if not isinstance(raw, dict):
             raise TaskFileError(src, None, f"must hold a JSON object, got {type(raw).__name__}")
@@ -358,12 +307,7 @@ class TaskSpec:
         if fmt is None:
             for split, value in resolved.items():
                 if Path(value).suffix.lower() not in FORMAT_BY_EXTENSION:
-                    raise TaskFileError(
-                        src,
-                        f"files.{split}",
-                        f'cannot tell the format of {value} from its extension: add "format": '
-                        f"one of {', '.join(FORMATS)}",
-                    )
+                    raise _unknown_format(src, split, value)
 
         label_range = raw.get("label_range")
         if label_range is not None:
@@ -399,6 +343,11 @@ class TaskSpec:
             )
         except ValueError as err:
             raise TaskFileError(src, None, str(err)) from None
+
+
+def _unknown_format(source: str | None, split: str, path: str) -> TaskFileError:
+    reason = f'cannot tell the format of {path} from its extension: add "format": one of {", ".join(FORMATS)}'
+    return TaskFileError(source, f"files.{split}", reason)
 
 
 def _builtin_format(
@@ -477,15 +426,8 @@ def _looks_like_path(item: str) -> bool:
 
 
 def resolve_tasks(tasks: str | Sequence[str | TaskSpec]) -> list[TaskSpec]:
-    """Built-in names and task files to specs, in order: ``"sst,para,path/to/imdb.json"`` (the trainer's
-    ``--tasks``) or a list of names, paths and specs.
-
-    An item is a task file when it ends in ``.json`` or contains a path separator, else a built-in name.
-
-    Raises:
-        ValueError: an unknown name, an empty list, or two tasks with one name (one line each).
-        TaskFileError: a bad task file (a ``ValueError`` too).
-    """
+    """Built-in names and task files (``.json`` or a path) to specs, in order: ``"sst,para,imdb.json"``
+    (``--tasks``) or a list of names, paths and specs. ``ValueError`` for an unknown, missing or repeated name."""
     items = [t.strip() for t in tasks.split(",")] if isinstance(tasks, str) else list(tasks)
     items = [t for t in items if not (isinstance(t, str) and not t)]
     if not items:

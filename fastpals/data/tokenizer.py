@@ -1,15 +1,6 @@
-"""The checkpoint's own tokenizer, on the Rust ``tokenizers`` library, with truncation counting and padding.
-
-``Tokenizer.from_pretrained(name_or_path)`` loads the model's ``tokenizer.json`` (normalizer, pre-tokenizer,
-model, post-processor), so special tokens and the pair template are the checkpoint's (``[CLS] a [SEP] b [SEP]``
-for BERT, ``<s> a </s></s> b </s>`` for RoBERTa); special-token names come from ``tokenizer_config.json`` /
-``special_tokens_map.json``. Token types are kept only where the model has them (``type_vocab_size >= 2``). A
-folder with only a BERT ``vocab.txt`` gets the uncased BERT pipeline built from it (the ids of an uncased BERT's
-``tokenizer.json``).
-
-Truncation is always on, at ``max_length`` tokens including the special tokens, longest-first for pairs; every
-truncated sequence or pair is counted in ``Tokenizer.num_truncated``.
-"""
+"""The checkpoint's own tokenizer (its ``tokenizer.json``, else the uncased BERT pipeline of a ``vocab.txt``) on
+the Rust ``tokenizers`` library, with padding and truncation (at ``max_length`` tokens with the special tokens,
+longest-first for pairs, counted in ``Tokenizer.num_truncated``). Token types only where the model has them."""
 
 from __future__ import annotations
 
@@ -33,7 +24,7 @@ SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
 
 class Encoded(NamedTuple):
-    """One tokenized (unpadded) sequence: ``input_ids`` and ``token_type_ids``, both ``list[int]`` of one length."""
+    """One tokenized sequence: ``input_ids`` and ``token_type_ids``, ``list[int]`` of one length."""
 
     input_ids: list[int]
     token_type_ids: list[int]
@@ -56,7 +47,7 @@ def _read_vocab(path: Path) -> dict[str, int]:
 
 
 def _bert_pipeline(vocab: dict[str, int]) -> RustTokenizer:
-    """The uncased BERT pipeline of a ``vocab.txt`` (see the module docstring)."""
+    """The uncased BERT pipeline of a ``vocab.txt``."""
     rust = RustTokenizer(WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=100))
     rust.normalizer = normalizers.BertNormalizer(
         clean_text=True, handle_chinese_chars=True, strip_accents=None, lowercase=True
@@ -114,23 +105,13 @@ TOKENIZER_MAIN_FILES = ("tokenizer.json", "vocab.txt")
 
 
 class Tokenizer:
-    """A checkpoint's tokenizer (``tokenizer.json``, or a BERT ``vocab.txt``) with dynamic padding.
+    """A checkpoint's tokenizer with dynamic padding: ``Tokenizer.from_pretrained("minilm-l6" | folder | hub
+    name)`` or ``Tokenizer(vocab_file)``.
 
-    Build it with ``Tokenizer.from_pretrained("minilm-l6" | folder | hub name)`` or ``Tokenizer(vocab_file)``
-    (a BERT ``vocab.txt``).
-
-    Attributes:
-        source: the file it was built from (``tokenizer.json`` or ``vocab.txt``).
-        vocab_size: number of tokens (added tokens included).
-        pad_token_id, unk_token_id, mask_token_id: special token ids (unk / mask None when the tokenizer has none).
-        cls_token_id, sep_token_id: the first and last special token of a single sequence (BERT ``[CLS]`` /
-            ``[SEP]``, RoBERTa ``<s>`` / ``</s>``).
-        token_types: whether ``token_type_ids`` carry the pair's segment ids (else they are all 0).
-        max_positions: the longest ``max_length`` accepted (512, or the tokenizer config's longer ``model_max_length``).
-        num_truncated: how many sequences (a pair counts once) were truncated so far; reset it by assigning 0.
-
-    One instance sets its Rust tokenizer's truncation length per call: share it between threads only with a lock
-    (processes are fine: it pickles).
+    ``source``: the file it was built from; ``*_token_id``: special tokens (unk / mask may be None);
+    ``token_types``: whether ``token_type_ids`` carry segment ids; ``max_positions``: the longest ``max_length``;
+    ``num_truncated``: sequences (a pair counts once) truncated so far. It sets the truncation length per call:
+    share it between threads only with a lock.
     """
 
     def __init__(
@@ -193,17 +174,13 @@ class Tokenizer:
 
     @property
     def vocab_file(self) -> Path:
-        """The file the tokenizer was built from (the former name of :attr:`source`)."""
+        """:attr:`source` (former name)."""
         return self.source
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike) -> Tokenizer:
-        """The tokenizer of ``"minilm-l6"``, a local folder, or a Hugging Face Hub repository id: its
-        ``tokenizer.json`` (else its BERT ``vocab.txt``), special tokens from ``tokenizer_config.json`` /
-        ``special_tokens_map.json``, token types as the folder's ``config.json`` says (``type_vocab_size``).
-
-        See ``fastpals.data.hub.resolve_model_dir`` for how the name is resolved and the errors it raises.
-        """
+        """The tokenizer of ``"minilm-l6"``, a folder or a Hub id (:func:`resolve_model_dir`), with the special
+        tokens of its ``tokenizer_config.json`` / ``special_tokens_map.json`` and token types per its config."""
         folder = resolve_model_dir(name_or_path, (), optional=TOKENIZER_FILES, any_of=TOKENIZER_MAIN_FILES)
         special: dict[str, str] = {}
         config = _read_json(folder / "tokenizer_config.json")
@@ -214,7 +191,7 @@ class Tokenizer:
                     special[key] = name
         model_config = _read_json(folder / "config.json")
         types = model_config.get("type_vocab_size", 2 if not model_config else 0)
-        limit = config.get("model_max_length")  # longer models (ModernBERT: 8192) raise the 512 of BERT
+        limit = config.get("model_max_length")  # may raise BERT's 512
         limit = max(MAX_POSITIONS, limit) if isinstance(limit, int) and limit <= 1_000_000 else MAX_POSITIONS
         kwargs: dict[str, Any] = dict(
             special_tokens=special, token_types=isinstance(types, int) and types >= 2, max_positions=limit
@@ -224,11 +201,8 @@ class Tokenizer:
         return cls(folder / "vocab.txt", **kwargs)
 
     def save_pretrained(self, folder: str | os.PathLike) -> list[Path]:
-        """Write the tokenizer files HF transformers reads, so ``AutoTokenizer.from_pretrained(folder)`` gives a
-        tokenizer with the same ids, masks and token types (and ``Tokenizer.from_pretrained(folder)`` this
-        tokenizer): ``tokenizer.json`` (this Rust pipeline, without truncation or padding),
-        ``tokenizer_config.json`` and ``special_tokens_map.json`` (the source folder's, else BERT's), and for a
-        tokenizer built from a ``vocab.txt``, that file. Returns the paths written."""
+        """Write ``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json`` (and ``vocab.txt``)
+        so that ``AutoTokenizer.from_pretrained(folder)`` gives the same ids; returns the paths written."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         pipeline = json.loads(self._rust.to_str())
@@ -237,7 +211,7 @@ class Tokenizer:
         files = {"tokenizer.json": json.dumps(pipeline, ensure_ascii=False)}
         src = self.source.parent
         if self.source.name == "vocab.txt":
-            special = {k: v for k, v in self.special_tokens.items()}
+            special = dict(self.special_tokens)
             config = {
                 "tokenizer_class": "BertTokenizer",
                 "do_lower_case": True,
@@ -278,16 +252,8 @@ class Tokenizer:
     def encode(
         self, texts: Sequence[str], pair_texts: Sequence[str] | None = None, max_length: int = 128
     ) -> list[Encoded]:
-        """Tokenize without padding.
-
-        Args:
-            texts: ``B`` strings.
-            pair_texts: ``None``, or ``B`` second sentences encoded jointly with the tokenizer's pair template.
-            max_length: most tokens per sequence, special tokens included (``<= max_positions``).
-
-        Returns:
-            ``B`` ``Encoded(input_ids, token_type_ids)``; truncated ones are counted in ``num_truncated``.
-        """
+        """``B`` :class:`Encoded` (no padding) of ``B`` texts (``pair_texts``: encoded jointly with the pair
+        template), at most ``max_length`` tokens each."""
         texts = _check_texts(texts, "texts")
         max_length = _check_max_length(max_length, pair_texts is not None, self.max_positions)
         if pair_texts is None:
@@ -309,15 +275,8 @@ class Tokenizer:
     def pad(
         self, encoded: Sequence[Encoded], return_tensors: str | None = "pt"
     ) -> dict[str, torch.Tensor] | dict[str, list[list[int]]]:
-        """Pad to the longest sequence of the batch (right padding with ``[PAD]``, token type 0, mask 0).
-
-        Args:
-            encoded: ``B`` ``Encoded`` sequences (``B >= 1``).
-            return_tensors: ``"pt"`` for int64 tensors of shape ``(B, L)``, ``None`` for nested lists.
-
-        Returns:
-            ``{"input_ids", "attention_mask", "token_type_ids"}``, each ``(B, L)`` with ``L`` the longest length.
-        """
+        """``{"input_ids", "attention_mask", "token_type_ids"}`` ``[B, L]`` right-padded to the longest, as int64
+        tensors (``"pt"``) or lists (None)."""
         if return_tensors not in ("pt", None):
             raise ValueError(f"return_tensors must be 'pt' or None, got {return_tensors!r}")
         if len(encoded) == 0:
@@ -342,21 +301,8 @@ class Tokenizer:
         padding: bool = True,
         return_tensors: str | None = "pt",
     ) -> dict[str, torch.Tensor] | dict[str, list[list[int]]]:
-        """Tokenize a batch: single sentences, or pairs encoded jointly (the pair template; BERT: ``[CLS] a [SEP] b
-        [SEP]``, types 0/1).
-
-        Args:
-            texts: ``B`` strings (``B >= 1``).
-            pair_texts: ``None`` or ``B`` second sentences.
-            max_length: most tokens per sequence, special tokens included (``<= max_positions``); longer inputs are
-                truncated (longest-first for pairs) and counted in ``num_truncated``.
-            padding: ``True`` pads to the longest sequence of the batch. ``False`` is only allowed with
-                ``return_tensors=None`` (ragged lists; ``attention_mask`` all ones).
-            return_tensors: ``"pt"`` (int64 tensors ``(B, L)``) or ``None`` (lists).
-
-        Returns:
-            ``{"input_ids", "attention_mask", "token_type_ids"}``.
-        """
+        """``{"input_ids", "attention_mask", "token_type_ids"}`` of ``B`` sentences or joint pairs, at most
+        ``max_length`` tokens each; ``padding=False`` (ragged lists) needs ``return_tensors=None``."""
         if isinstance(texts, str):
             raise TypeError("texts must be a list of str (wrap a single sentence in a list)")
         encoded = self.encode(texts, pair_texts, max_length)
@@ -379,11 +325,7 @@ class Tokenizer:
         max_length: int = 128,
         return_tensors: str | None = "pt",
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """Tokenize the two sentences of each pair as two single sequences (for siamese / bi-encoder heads).
-
-        Each side is a single sequence (BERT: ``[CLS] x [SEP]``) with token type 0, truncated to ``max_length`` on its own and padded to
-        the longest of its own side. Returns ``(batch_a, batch_b)`` as from ``__call__``.
-        """
+        """``(batch_a, batch_b)``: each side of the pairs as single sequences, each padded on its own (siamese)."""
         texts_a = _check_texts(texts_a, "texts_a")
         texts_b = _check_texts(texts_b, "texts_b")
         if len(texts_a) != len(texts_b):
@@ -394,7 +336,7 @@ class Tokenizer:
         )
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        """Turn ids back into text (WordPiece pieces merged; lower-cased as encoded)."""
+        """The text of ``ids``."""
         return self._rust.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:

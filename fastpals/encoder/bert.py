@@ -1,16 +1,10 @@
-"""minBERT with Projected Attention Layers, in one file.
-
-A BERT encoder (embeddings, post-LN layers, pooler) whose parameter names are HF transformers' ``BertModel``
-names, so HF checkpoints load as they are (CS224N minBERT names and ``bert.``-prefixed checkpoints load too).
-PALs (Stickland & Murray 2019) add, per task t and per layer l,
+"""minBERT with Projected Attention Layers (Stickland & Murray 2019), under HF ``BertModel`` parameter names.
 
     TS_t(h) = act(V^D_t · MHA_{t,l}(V^E_t · h))           (act = GELU by default, as in the original code)
     h'      = LN(attn_out + FFN(attn_out) + gate · TS_t(h))
 
-where V^E/V^D are shared across layers (or per layer), MHA_{t,l} has per-task Q/K/V and no output projection.
-Every example of a batch carries its own task id, so one call serves a batch that mixes tasks.
-
-Shapes: ``B`` batch, ``L`` padded length, ``N`` packed tokens, ``d`` hidden size, ``T`` tasks, ``d_s`` PAL width.
+Each row carries its task id, so one call serves a mixed batch. Shapes: ``B`` batch, ``L`` padded length,
+``N`` packed tokens, ``d`` hidden size, ``T`` tasks, ``d_s`` PAL width.
 """
 
 from __future__ import annotations
@@ -77,9 +71,6 @@ __all__ = [
 ]
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Configuration
-# ----------------------------------------------------------------------------------------------------------------
 @dataclass
 class BertConfig:
     """The HF ``config.json`` fields minBERT uses (other fields are ignored)."""
@@ -124,22 +115,15 @@ class _RegisteredVariants:
 
 @dataclass
 class PALConfig:
-    """What PALs to add and where. The defaults are the original Bert-n-Pals code.
+    """What PALs to add and where; the defaults are the original Bert-n-Pals code.
 
-    - ``hidden`` (d_s, 204) and ``num_heads`` (6 → head dim 34; 12 → 17): the projected attention's width.
-    - ``gelu``: GELU after V^D (in the original code, not in the paper's formula).
-    - ``shared_projections``: V^E/V^D shared by all layers per task (True) or one pair per layer.
-    - ``layers``: ``"all"``, an int k (the top k layers) or an explicit list of layer indices.
-    - ``gate``: a learned scalar per layer and task multiplying TS (initial value ``gate_init``).
-    - ``variant``: the name of a registered :class:`~fastpals.encoder.pal_variants.PALVariant` (``pal_variant`` is that
-      object, which holds everything the variant does): ``"parallel"`` (PALs inside the layers), ``"top"``
-      (task-specific projected attention blocks after the last layer, replacing its output), ``"top_parallel"``
-      (both; ``top_shares_projections`` reuses the parallel V^E/V^D for the top), ``"embert"`` (per-task vectors
-      added to Q, K, V of every BERT layer), ``"none"`` (no task-specific encoder parameters: the multi-task
-      baseline), or one registered with :func:`fastpals.encoder.pal_variants.register_pal_variant`.
-    - ``top_blocks``/``top_heads``: the top's depth (6) and heads (12 of 17 for d_s = 204).
-    - ``dropout``: attention-probability dropout inside the PAL (None = BERT's attention dropout).
-    - ``zero_init_decoder``: start V^D at zero (with ``gelu`` the PAL then adds exactly 0 at step 0).
+    - ``hidden`` (d_s) and ``num_heads``: the projected attention's width; ``gelu``: GELU after V^D.
+    - ``shared_projections``: one V^E/V^D pair per task for all layers, else one per layer.
+    - ``layers``: ``"all"``, the top k layers, or a list of layer indices; ``gate``: a learned scalar on TS.
+    - ``variant``: a registered :class:`PALVariant`: ``"parallel"``, ``"top"`` (blocks after the last layer),
+      ``"top_parallel"`` (both), ``"embert"`` (per-task vectors added to Q, K, V), ``"none"`` (baseline).
+    - ``top_blocks``/``top_heads``: the top's depth and heads; ``dropout``: None = BERT's attention dropout.
+    - ``zero_init_decoder``: V^D starts at zero, so the PAL adds 0 at the first update.
     """
 
     num_tasks: int = 3
@@ -167,8 +151,7 @@ class PALConfig:
 
     @property
     def pal_variant(self) -> PALVariant:
-        """The :class:`~fastpals.encoder.pal_variants.PALVariant` ``variant`` names (``ValueError`` if none is
-        registered under that name)."""
+        """The registered :class:`PALVariant` named ``variant`` (``ValueError`` if none)."""
         return get_pal_variant(self.variant)
 
     def validate(self, num_layers: int) -> None:
@@ -191,9 +174,6 @@ class PALConfig:
         return cls(**d)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# BERT
-# ----------------------------------------------------------------------------------------------------------------
 def _act(name: str) -> nn.Module:
     return {"gelu": nn.GELU(), "gelu_new": nn.GELU(approximate="tanh"), "relu": nn.ReLU()}[name]
 
@@ -210,8 +190,7 @@ class BertEmbeddings(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, token_type_ids: torch.Tensor, position_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """input_ids, token_type_ids: [B, L] int64 → [B, L, d]; or packed [N] with ``position_ids [N]`` int64
-        (each token's position inside its own sequence) → [N, d]."""
+        """int64 ``[B, L]`` → ``[B, L, d]``, or packed ``[N]`` with ``position_ids [N]`` → ``[N, d]``."""
         if position_ids is None:
             pos = self.position_embeddings(torch.arange(input_ids.shape[1], device=input_ids.device))[None]
         else:
@@ -221,8 +200,7 @@ class BertEmbeddings(nn.Module):
 
 
 class BertSelfAttention(nn.Module):
-    """Q/K/V projections and scaled dot-product attention; a PAL variant (``pal_variant``, set by
-    :meth:`BertModel.add_pals`) may change Q/K/V (:meth:`~fastpals.encoder.pal_variants.PALVariant.qkv`)."""
+    """Q/K/V projections and attention; a PAL variant may change Q/K/V (:meth:`PALVariant.qkv`)."""
 
     def __init__(self, cfg: BertConfig) -> None:
         super().__init__()
@@ -301,9 +279,7 @@ class BertOutputBlock(nn.Module):
 
 
 class BertLayer(nn.Module):
-    """Post-LN transformer layer. A PAL variant (``pal_variant``, set by :meth:`BertModel.add_pals`) may change
-    what enters the final LayerNorm and the layer's output; the parallel variants' ``pal`` reads the layer input
-    and enters the final LayerNorm."""
+    """Post-LN transformer layer; a PAL variant may change what enters the final LayerNorm and what leaves."""
 
     def __init__(self, cfg: BertConfig) -> None:
         super().__init__()
@@ -340,13 +316,10 @@ class _Encoder(nn.Module):
         self.layer = nn.ModuleList(BertLayer(cfg) for _ in range(cfg.num_hidden_layers))
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The model
-# ----------------------------------------------------------------------------------------------------------------
 @dataclass
 class BertOutput:
-    """``last_hidden_state [B, L, d]`` and ``pooler_output [B, d]`` (tanh(dense([CLS]))). For packed inputs
-    ``last_hidden_state`` is packed ``[N, d]`` and ``cu_seqlens [B+1]`` int32 says where each sequence lies."""
+    """``last_hidden_state [B, L, d]`` (packed: ``[N, d]`` with ``cu_seqlens [B+1]`` int32) and
+    ``pooler_output [B, d]``."""
 
     last_hidden_state: torch.Tensor
     pooler_output: torch.Tensor
@@ -369,16 +342,11 @@ class BertModel(nn.Module):
         if pal is not None:
             self.add_pals(pal)
         self.load_report: LoadReport | None = None
-        #: recompute each encoder layer in the backward instead of keeping its activations (training only)
         self.activation_checkpointing = False
 
     def set_activation_checkpointing(self, enabled: bool = True) -> None:
-        """Activation checkpointing of the encoder layers (``--activation-checkpointing``): in training with
-        gradients on, each layer keeps only its input and runs its forward again in the backward
-        (non-reentrant ``torch.utils.checkpoint``, dropout masks replayed from the saved RNG state), so the
-        forward's saved activations shrink to one ``[rows, d]`` tensor per layer at the cost of a second forward
-        of the layers. Results are unchanged; :func:`fastpals.surgery.per_task_gradients` counts each layer
-        once."""
+        """Recompute each encoder layer in the backward (training with gradients on), keeping only its input;
+        results are unchanged."""
         self.activation_checkpointing = bool(enabled)
 
     def _init_bert_weights(self, m: nn.Module) -> None:
@@ -391,9 +359,7 @@ class BertModel(nn.Module):
             nn.init.zeros_(m.bias)
 
     def add_pals(self, pal: PALConfig) -> None:
-        """Add freshly initialised task-specific parameters of ``pal`` (any variant: its
-        :meth:`~fastpals.encoder.pal_variants.PALVariant.add_parameters`) to this model in place, hand the variant to
-        the layers' forward hooks and record ``pal`` as its ``pal_config``. The model must not have PALs yet."""
+        """Add fresh PALs of ``pal`` in place to a model that has none, and hand the variant to the layers."""
         if any(is_task_specific(n) for n, _ in self.named_parameters()):
             raise ValueError("add_pals: this model already has task-specific (PAL) parameters")
         pal.validate(self.config.num_hidden_layers)
@@ -406,7 +372,7 @@ class BertModel(nn.Module):
 
     @property
     def pal_variant(self) -> PALVariant | None:
-        """The :class:`~fastpals.encoder.pal_variants.PALVariant` of ``pal_config`` (None without PALs)."""
+        """The :class:`PALVariant` of ``pal_config`` (None without PALs)."""
         return None if self.pal_config is None else self.pal_config.pal_variant
 
     @property
@@ -429,16 +395,10 @@ class BertModel(nn.Module):
         max_seqlen: int | None = None,
         layout: BatchLayout | None = None,
     ) -> BertOutput:
-        """input_ids/attention_mask/token_type_ids: [B, L] int; task_ids: [B] int (needed when the model has
-        task-specific parameters). ``unpad=True`` runs every token-wise op on the packed [N, d] tokens only
-        (right-padded masks), which saves the work on padding for batches of short sentences.
-
-        Packed inputs (no padding anywhere, see :mod:`fastpals.data.layout`): ``input_ids``/``token_type_ids``
-        ``[N]`` int64 with the ``B`` sequences back to back and their ``layout`` (a packed
-        :class:`~fastpals.data.layout.BatchLayout` built at collate time: no host read here), or ``cu_seqlens [B+1]``
-        int32 (``cu_seqlens[i]`` = start of sequence i, ``cu_seqlens[B] = N``), ``max_seqlen`` int >= the longest
-        sequence and ``task_ids``, from which a layout is built (one host read). No ``attention_mask``. They run the
-        same unpadded path as ``unpad=True``; the output's ``last_hidden_state`` is packed ``[N, d]``.
+        """Padded: int ``[B, L]`` inputs, ``task_ids [B]`` (when the model is task-specific); ``unpad=True`` runs
+        the token-wise ops packed (right-padded masks). Packed: int64 ``[N]`` inputs with their ``layout`` (no
+        host read), or with ``cu_seqlens [B+1]`` int32, ``max_seqlen`` and ``task_ids`` (one host read), and no
+        ``attention_mask``; ``last_hidden_state`` is then ``[N, d]``.
         """
         if cu_seqlens is not None or (layout is not None and input_ids.dim() == 1):
             return self._forward_packed(
@@ -466,11 +426,7 @@ class BertModel(nn.Module):
                     f"the layout ({layout.batch} x {layout.length}) does not describe this batch"
                 )
         else:
-            if task_specific:
-                if task_ids is None:
-                    raise ValueError(
-                        "this model has task-specific PAL parameters: pass task_ids (one per example)"
-                    )
+            if task_specific and task_ids is not None:
                 task_ids = check_task_ids(task_ids, self.num_tasks, b, input_ids.device, check_values=False)
             layout = make_layout(
                 attention_mask, task_ids if task_specific else None, unpad, (b, n), self.num_tasks
@@ -482,9 +438,7 @@ class BertModel(nn.Module):
     def forward_layout(
         self, input_ids: torch.Tensor, token_type_ids: torch.Tensor, layout: BatchLayout
     ) -> BertOutput:
-        """The encoder on a batch whose :class:`~fastpals.data.layout.BatchLayout` is known: ``input_ids`` /
-        ``token_type_ids`` ``[B, L]`` (padded layouts) or ``[N]`` (packed ones). Reads no device value on the
-        host."""
+        """The encoder on ``[B, L]`` (padded layout) or ``[N]`` (packed) inputs with their layout; no host read."""
         if layout.packed and input_ids.dim() == 1:
             x = self.embeddings(input_ids, token_type_ids, layout.position_ids)
         else:
@@ -544,19 +498,12 @@ class BertModel(nn.Module):
             raise ValueError("this model has task-specific PAL parameters: the layout needs task ids")
         return self.forward_layout(input_ids, token_type_ids, layout)
 
-    # ------------------------------------------------------------------------------------------------------------
     @classmethod
     def from_pretrained(
         cls, name_or_path: str | os.PathLike, pal: PALConfig | None = None, strict: bool = True
     ) -> BertModel:
-        """Load ``minilm-l6`` (the offline all-MiniLM-L6-v2 package), a local folder of an HF BERT checkpoint
-        (config.json + model.safetensors or pytorch_model.bin), or a hub name such as ``bert-base-uncased``.
-
-        Unknown keys and missing encoder keys are reported in ``model.load_report`` and as a warning; with
-        ``strict=True`` missing encoder keys are an error. PAL parameters keep their random initialisation.
-        The model comes back in eval mode (as in transformers): call ``.train()`` before training.
-        """
-
+        """Load ``minilm-l6``, a folder of an HF BERT checkpoint, or a Hub name, in eval mode, PALs fresh.
+        Unknown and missing keys go to ``load_report`` and a warning; ``strict``: missing ones are an error."""
         try:
             folder = resolve_model_dir(name_or_path, ("config.json", "model.safetensors"))
         except FileNotFoundError as first:

@@ -1,14 +1,7 @@
-"""A fingerprint of the encoder an adapter was trained with, recorded in its ``adapter_config.json``
-(``encoder.fingerprint``) and checked when the adapter loads, so that PALs and heads trained on one encoder are
-not silently served beside another (a different checkpoint, or another run's fine-tuned encoder).
-
-The fingerprint hashes (SHA-256, 16 hex digits kept) the name and shape of every shared encoder parameter
-(``embeddings.*`` and ``encoder.layer.*``, HF ``BertModel`` names, as in fastpals' own encoder; PAL tensors,
-the pooler and the parameters the adapter itself holds excluded) and, as a cheap checksum of the weights, up to
-``SAMPLES`` evenly spaced values of each, rounded to bfloat16 (so that the same encoder in fp32 or bf16 has one
-fingerprint). Fine-tuning changes nearly every weight, so a trained encoder differs from its base in the
-samples; the cost is a few milliseconds (no full pass over the weights).
-"""
+"""The fingerprint of the encoder an adapter was trained with (``encoder.fingerprint`` in its config), checked
+when it loads so that PALs are not served beside another encoder. It hashes the name and shape of every shared
+encoder parameter (PALs, pooler and the adapter's own tensors excluded) and ``SAMPLES`` evenly spaced values of
+each, rounded to bfloat16 so that fp32 and bf16 copies agree."""
 
 from __future__ import annotations
 
@@ -65,9 +58,8 @@ def encoder_fingerprint(encoder: nn.Module, exclude: Iterable[str] = ()) -> str:
 def check_encoder_fingerprint(
     saved: str | None, encoder: nn.Module, exclude: Iterable[str], source: str, caller: str, force: bool
 ) -> None:
-    """Refuse (``EncoderMismatchError``, one line) an adapter whose recorded fingerprint ``saved`` differs from
-    ``encoder``'s, unless ``force`` (an encoder with NaN/inf weights is named as such). Adapters saved before
-    fingerprints (``saved`` None) load unchecked."""
+    """Raise ``EncoderMismatchError`` when the recorded fingerprint ``saved`` (None: unchecked) differs from
+    ``encoder``'s, unless ``force``."""
     if saved is None or force:
         return
     own = encoder_fingerprint(encoder, exclude)

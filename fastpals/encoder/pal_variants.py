@@ -1,30 +1,11 @@
-"""PAL variants: one class per variant, holding everything about it.
+"""PAL variants: one stateless :class:`PALVariant` subclass per ``PALConfig.variant``, registered in
+:data:`PAL_VARIANTS`. A variant checks its config, adds and names its task-specific parameters, says their count
+categories, changes the forward through four hooks (``qkv``, ``pre_layer_norm``, ``layer_output``,
+``encoder_output``; identity by default) and lists its ``--pal`` presets. A new variant is one subclass passed to
+:func:`register_pal_variant`.
 
-``PALConfig.variant`` (a string, as saved in configs and adapter files and given on the command line) names a
-:class:`PALVariant` in the registry :data:`PAL_VARIANTS`; ``PALConfig.pal_variant`` returns that object. A variant
-says, for a :class:`~fastpals.encoder.bert.PALConfig` and a :class:`~fastpals.encoder.bert.BertModel`:
-
-- which ``PALConfig`` fields it checks (:meth:`PALVariant.validate`) and which layers get a per-layer PAL
-  (:meth:`PALVariant.layer_indices`);
-- how its task-specific parameters are added to the model (:meth:`PALVariant.add_parameters`) and which names
-  they have (:attr:`PALVariant.module_names` / :attr:`PALVariant.parameter_names`: the task-specific rule of
-  :mod:`fastpals.encoder.task_params`, hence freezing, surgery, saving and loading) and their
-  :func:`fastpals.count_parameters` categories (:meth:`PALVariant.parameter_category`);
-- how it changes the forward, through four hooks the model calls with the module they change (identity by
-  default): :meth:`~PALVariant.qkv` (a layer's self-attention Q/K/V), :meth:`~PALVariant.pre_layer_norm` (what
-  enters a layer's final LayerNorm), :meth:`~PALVariant.layer_output` (a layer's output) and
-  :meth:`~PALVariant.encoder_output` (the last layer's output);
-- whether :func:`fastpals.inject_pals` (and so the PEFT method ``FASTPALS``) can add it to HF encoders
-  (:attr:`PALVariant.injectable`), and its ``--pal`` presets of the trainer (:attr:`PALVariant.presets`).
-
-The built-in variants are :class:`Parallel` (``"parallel"``, Bert-n-Pals' PALs inside the layers),
-:class:`Top` (``"top"``), :class:`TopParallel` (``"top_parallel"``), :class:`EmBERT` (``"embert"``) and
-:class:`NoPAL` (``"none"``). A new variant is one subclass registered with :func:`register_pal_variant`; nothing
-else in fastpals changes. Variants hold no state: every method takes the config, model or module it works on.
-
-Shapes: ``B`` batch, ``L`` padded length, ``N`` packed tokens, ``d`` hidden size, ``T`` tasks, ``d_s`` PAL width.
-A layer's hidden states are "rows" of its :class:`~fastpals.data.layout.BatchLayout`: ``[B, L, d]`` (padded layouts)
-or ``[N, d]`` (packed ones); ``layout.per_row(x)`` broadcasts a per-sequence ``x [B, ...]`` over them.
+Hidden states are the rows of the :class:`BatchLayout`: ``[B, L, d]`` (padded) or ``[N, d]`` (packed);
+``T`` tasks, ``d_s`` PAL width.
 """
 
 from __future__ import annotations
@@ -74,9 +55,7 @@ __all__ = [
 ]
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The PAL modules (parameter names are part of the checkpoint format: keep them)
-# ----------------------------------------------------------------------------------------------------------------
+# parameter names below are part of the checkpoint format
 def _normal(shape: tuple[int, ...], std: float) -> nn.Parameter:
     return nn.Parameter(torch.randn(shape) * std)
 
@@ -113,8 +92,7 @@ class PALLayer(nn.Module):
         self.projections = (
             PALProjections(t, d, d_s, pal.init_std, pal.zero_init_decoder) if shared is None else None
         )
-        # The shared projections are owned by the model; keep a plain reference (not a submodule).
-        object.__setattr__(self, "_shared", shared)
+        object.__setattr__(self, "_shared", shared)  # owned by the model: not a submodule
 
     def proj(self) -> PALProjections:
         """V^E/V^D of this layer: its own, or the model's shared ones."""
@@ -147,9 +125,8 @@ class PALLayer(nn.Module):
 
 
 class PALTop(nn.Module):
-    """Task-specific projected attention blocks after the last layer (Bert-n-Pals' ``top``): per task,
-    V^E, then ``top_blocks`` attention blocks (Q/K/V, a d_s×d_s output dense, residual and LayerNorm, all per
-    task), then V^D; the result replaces the last layer's output."""
+    """Per task: V^E, ``top_blocks`` attention blocks (Q/K/V, output dense, residual, LayerNorm), V^D; the result
+    replaces the last layer's output (Bert-n-Pals' ``top``)."""
 
     def __init__(
         self, pal: PALConfig, d: int, eps: float, dropout: float, shared: PALProjections | None
@@ -169,10 +146,10 @@ class PALTop(nn.Module):
         object.__setattr__(self, "_shared", shared)
 
     def forward(self, h: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
-        """h: the last layer's rows, ``[B, L, d]`` (padded layout) or ``[N, d]`` (packed) → the same shape."""
+        """h: the last layer's rows, ``[B, L, d]`` or ``[N, d]`` → the same shape."""
         p = self.projections if self.projections is not None else self._shared
         dropout = self.dropout_p if self.training else 0.0
-        if h.dim() == 2:  # packed rows: varlen attention, per-task GEMMs on task segments
+        if h.dim() == 2:  # packed rows: per-task GEMMs on task segments
             segments = layout.task_segments(self.qkv_weight.shape[1])
             plan = layout.attention_plan() if layout.buckets else None
 
@@ -213,14 +190,10 @@ def pal_dropout(pal: PALConfig, config: BertConfig) -> float:
     return config.attention_probs_dropout_prob if pal.dropout is None else pal.dropout
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The variant interface
-# ----------------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class PALPreset:
-    """A ``--pal`` preset of the trainer (:mod:`fastpals.train.args`): the :class:`~fastpals.encoder.bert.PALConfig`
-    fields it sets (``None``: no PALs at all, ``pal=None``), a short ``help`` for ``--help`` (may be empty), and
-    its ``rank`` (presets are listed by rank, then in registration order)."""
+    """A ``--pal`` preset: the ``PALConfig`` fields it sets (None: no PALs), its ``--help`` text, and its
+    ``rank`` in the listing."""
 
     fields: Mapping[str, Any] | None
     help: str = ""
@@ -237,16 +210,10 @@ def _owns(name: str, modules: tuple[str, ...], parameters: tuple[str, ...]) -> b
 
 
 class PALVariant:
-    """One PAL variant (subclass it, set :attr:`name`, register an instance with :func:`register_pal_variant`).
-
-    Class attributes: :attr:`name` (the ``PALConfig.variant`` string), :attr:`task_specific` (it adds
-    task-specific encoder parameters, so the encoder's forward needs task ids), :attr:`injectable`
-    (:func:`fastpals.inject_pals` adds it to HF encoders; only :class:`Parallel`, whose HF hooks live in
-    :mod:`fastpals.adapters.hooks`), :attr:`module_names` / :attr:`parameter_names` (its parameters' names: a module
-    name anywhere in a dotted parameter name, or a parameter's own name; they become task-specific, see
-    :func:`fastpals.encoder.bert.is_task_specific`), :attr:`count_categories` (its :func:`fastpals.count_parameters` keys)
-    and :attr:`presets` (its ``--pal`` presets).
-    """
+    """One PAL variant. ``name``: the ``PALConfig.variant`` string; ``task_specific``: the forward needs task
+    ids; ``injectable``: :func:`fastpals.inject_pals` adds it to HF encoders; ``module_names`` /
+    ``parameter_names``: what makes a parameter name task-specific; ``count_categories``: its
+    :func:`fastpals.count_parameters` keys; ``presets``: its ``--pal`` presets."""
 
     name: ClassVar[str] = ""
     task_specific: ClassVar[bool] = True
@@ -271,15 +238,11 @@ class PALVariant:
 
     @property
     def supports_peft(self) -> bool:
-        """The PEFT method ``FASTPALS`` (:mod:`fastpals.adapters.peft_method`) adds PALs with :func:`fastpals.inject_pals`:
-        it supports exactly the :attr:`injectable` variants."""
+        """The PEFT method ``FASTPALS`` supports exactly the :attr:`injectable` variants."""
         return self.injectable
 
-    # --- configuration ------------------------------------------------------------------------------------------
     def validate(self, pal: PALConfig, num_layers: int) -> None:
-        """Raise ``ValueError`` naming the first field of ``pal`` this variant cannot build for a model of
-        ``num_layers`` layers: the common fields (``num_tasks``, ``hidden``/``num_heads``), then this variant's
-        (:meth:`check`), then ``dropout``."""
+        """Raise ``ValueError`` naming the first field of ``pal`` that cannot build for ``num_layers`` layers."""
         if pal.num_tasks < 1:
             raise ValueError(f"PALConfig.num_tasks must be >= 1, got {pal.num_tasks}")
         if pal.hidden < 1 or pal.num_heads < 1 or pal.hidden % pal.num_heads:
@@ -292,28 +255,22 @@ class PALVariant:
         """This variant's own checks of ``pal`` (``ValueError``); none by default."""
 
     def layer_indices(self, pal: PALConfig, num_layers: int) -> list[int]:
-        """The encoder layers (sorted indices in ``[0, num_layers)``) that carry a per-layer PAL
-        (``BertLayer.pal``); none by default."""
+        """The sorted indices of the layers that carry a per-layer PAL; none by default."""
         return []
 
     def cli_check(self, pal: PALConfig, preset: str) -> str | None:
         """A one-line problem of the config the trainer built from ``--pal preset`` (and ``--pal-*``), or None."""
         return None
 
-    # --- parameters -----------------------------------------------------------------------------------------
     def add_parameters(self, model: BertModel, pal: PALConfig) -> None:
-        """Add freshly initialised task-specific parameters of ``pal`` (validated) to ``model`` in place, named
-        as :attr:`module_names` / :attr:`parameter_names` say. Creation order is the random-init order."""
+        """Add fresh task-specific parameters of the validated ``pal`` to ``model`` in place."""
 
     def parameter_category(self, name: str) -> str | None:
-        """The :func:`fastpals.count_parameters` category of a task-specific parameter ``name`` when it is this
-        variant's, else None. By default the first of :attr:`count_categories` for names matching
-        :attr:`module_names` / :attr:`parameter_names`."""
+        """The count category of parameter ``name`` when it is this variant's, else None."""
         if self.count_categories and _owns(name, self.module_names, self.parameter_names):
             return self.count_categories[0]
         return None
 
-    # --- forward hooks (identity by default) ----------------------------------------------------------------
     def qkv(
         self,
         attention: BertSelfAttention,
@@ -322,34 +279,27 @@ class PALVariant:
         v: torch.Tensor,
         layout: BatchLayout,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A layer's self-attention projections ``q, k, v`` (rows ``[B, L, d]`` or ``[N, d]``, the model's
-        dtype) → the ``q, k, v`` the attention uses (same shapes)."""
+        """A layer's ``q, k, v`` rows → the ``q, k, v`` its attention uses."""
         return q, k, v
 
     def pre_layer_norm(
         self, layer: BertLayer, h: torch.Tensor, layout: BatchLayout, pre_ln: torch.Tensor
     ) -> torch.Tensor:
-        """What enters ``layer``'s final LayerNorm: ``pre_ln`` (``attn_out + FFN(attn_out)``, rows) changed
-        given the layer input ``h`` (rows, same shape)."""
+        """What enters ``layer``'s final LayerNorm, from ``pre_ln = attn_out + FFN(attn_out)`` and input ``h``."""
         return pre_ln
 
     def layer_output(self, layer: BertLayer, out: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
-        """``layer``'s output ``out`` (after its final LayerNorm; rows) → the next layer's input (same shape)."""
+        """``layer``'s output rows → the next layer's input."""
         return out
 
     def encoder_output(self, model: BertModel, x: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
-        """The last layer's output → the encoder's ``last_hidden_state`` (same shape): ``x`` is packed
-        ``[N, d]`` when the model was given packed inputs (packed output), else padded ``[B, L, d]``."""
+        """The last layer's output (``[N, d]`` or ``[B, L, d]``) → ``last_hidden_state``."""
         return x
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The built-in variants
-# ----------------------------------------------------------------------------------------------------------------
 class Parallel(PALVariant):
-    """Bert-n-Pals' PALs inside the layers: ``LN(attn_out + FFN(attn_out) + gate · TS_t(h))`` in the layers
-    ``PALConfig.layers`` selects (``encoder.layer.{i}.pal``), V^E/V^D shared (``pal_projections``) or per layer.
-    Count categories ``pal_projections`` (V^E/V^D), ``pal_attention`` (per-task Q/K/V), ``pal_gates``."""
+    """Bert-n-Pals' PALs inside the layers ``PALConfig.layers`` selects:
+    ``LN(attn_out + FFN(attn_out) + gate · TS_t(h))``."""
 
     name = "parallel"
     injectable = True
@@ -364,7 +314,6 @@ class Parallel(PALVariant):
     })  # fmt: skip
 
     def check(self, pal: PALConfig, num_layers: int) -> None:
-        """``layers`` must name layers of the model (see :meth:`layer_indices`)."""
         self.layer_indices(pal, num_layers)
 
     def layer_indices(self, pal: PALConfig, num_layers: int) -> list[int]:
@@ -383,7 +332,6 @@ class Parallel(PALVariant):
         raise ValueError(f"PALConfig.layers={pal.layers!r}: use 'all', an int (top k) or a list of indices")
 
     def add_parameters(self, model: BertModel, pal: PALConfig) -> None:
-        """``model.pal_projections`` (when shared) and ``model.encoder.layer[i].pal`` for the PAL layers."""
         cfg = model.config
         layers = self.layer_indices(pal, cfg.num_hidden_layers)
         if layers and pal.shared_projections:
@@ -396,8 +344,6 @@ class Parallel(PALVariant):
             )
 
     def parameter_category(self, name: str) -> str | None:
-        """``pal_gates`` (``.gate``), ``pal_attention`` (``qkv_*``) or ``pal_projections`` for names under
-        ``pal`` / ``pal_projections``."""
         if not _owns(name, Parallel.module_names, ()):
             return None
         if name.endswith(".gate"):
@@ -409,15 +355,14 @@ class Parallel(PALVariant):
     def pre_layer_norm(
         self, layer: BertLayer, h: torch.Tensor, layout: BatchLayout, pre_ln: torch.Tensor
     ) -> torch.Tensor:
-        """``pre_ln + gate · TS_t(h)`` in the layers with a PAL (one fused op on CUDA)."""
+        """``pre_ln + gate · TS_t(h)`` in the layers with a PAL."""
         if layer.pal is None:
             return pre_ln
         return layer.pal(h, layout, residual=pre_ln)
 
 
 class Top(PALVariant):
-    """Task-specific projected attention blocks after the last layer (``pal_top``, :class:`PALTop`) whose output
-    replaces the encoder's; ``top_blocks`` blocks of ``top_heads`` heads. Count category ``pal_top``."""
+    """:class:`PALTop` blocks after the last layer, replacing the encoder's output."""
 
     name = "top"
     module_names = ("pal_top",)
@@ -425,19 +370,15 @@ class Top(PALVariant):
     presets = MappingProxyType({"top": PALPreset({"variant": "top"}, rank=50)})
 
     def check(self, pal: PALConfig, num_layers: int) -> None:
-        """``top_heads`` must divide ``hidden``."""
         if pal.hidden % pal.top_heads:
             raise ValueError(f"PALConfig.top_heads={pal.top_heads} must divide PALConfig.hidden={pal.hidden}")
 
     def cli_check(self, pal: PALConfig, preset: str) -> str | None:
-        """The top heads must divide the width the ``--pal-*`` options set."""
         if pal.hidden % pal.top_heads:
             return f"--pal {preset}: its {pal.top_heads} top heads do not divide d_s = {pal.hidden}"
         return None
 
     def add_parameters(self, model: BertModel, pal: PALConfig) -> None:
-        """``model.pal_top``, with its own V^E/V^D, or the parallel PALs' shared ones
-        (``top_shares_projections``, which needs them)."""
         cfg = model.config
         shared = model.pal_projections
         share = shared if (pal.top_shares_projections and shared) else None
@@ -446,18 +387,14 @@ class Top(PALVariant):
         model.pal_top = PALTop(pal, cfg.hidden_size, cfg.layer_norm_eps, pal_dropout(pal, cfg), share)
 
     def parameter_category(self, name: str) -> str | None:
-        """``pal_top`` for names under ``pal_top``."""
         return "pal_top" if _owns(name, Top.module_names, ()) else None
 
     def encoder_output(self, model: BertModel, x: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
-        """The top blocks' output, in ``x``'s form (padded or packed)."""
         return x if model.pal_top is None else model.pal_top(x, layout)
 
 
 class TopParallel(Parallel, Top):
-    """Both :class:`Parallel` (in the layers) and :class:`Top` (after them); ``top_shares_projections`` makes the
-    top reuse the parallel PALs' shared V^E/V^D. Forward hooks: Parallel's ``pre_layer_norm``, Top's
-    ``encoder_output``."""
+    """:class:`Parallel` in the layers and :class:`Top` after them (``top_shares_projections``: one V^E/V^D)."""
 
     name = "top_parallel"
     injectable = False
@@ -466,23 +403,19 @@ class TopParallel(Parallel, Top):
     presets = MappingProxyType({"top_parallel": PALPreset({"variant": "top_parallel"}, rank=60)})
 
     def check(self, pal: PALConfig, num_layers: int) -> None:
-        """Top's check (``top_heads``), then Parallel's (``layers``)."""
         Top.check(self, pal, num_layers)
         Parallel.check(self, pal, num_layers)
 
     def add_parameters(self, model: BertModel, pal: PALConfig) -> None:
-        """Parallel's parameters, then Top's."""
         Parallel.add_parameters(self, model, pal)
         Top.add_parameters(self, model, pal)
 
     def parameter_category(self, name: str) -> str | None:
-        """Top's category, else Parallel's."""
         return Top.parameter_category(self, name) or Parallel.parameter_category(self, name)
 
 
 class EmBERT(PALVariant):
-    """Per-task vectors added to Q, K and V of every BERT layer (``encoder.layer.{i}.attention.self.task_embedding``
-    ``[T, 3, d]``, zero at the start). Count category ``embert``."""
+    """Per-task vectors ``task_embedding [T, 3, d]`` (zeros at first) added to every layer's Q, K and V."""
 
     name = "embert"
     parameter_names = ("task_embedding",)
@@ -490,7 +423,6 @@ class EmBERT(PALVariant):
     presets = MappingProxyType({"embert": PALPreset({"variant": "embert"}, rank=80)})
 
     def add_parameters(self, model: BertModel, pal: PALConfig) -> None:
-        """``task_embedding [T, 3, d]`` (zeros) on every layer's self-attention."""
         for layer in model.encoder.layer:
             layer.attention.self.task_embedding = nn.Parameter(
                 torch.zeros(pal.num_tasks, 3, model.config.hidden_size)
@@ -504,7 +436,6 @@ class EmBERT(PALVariant):
         v: torch.Tensor,
         layout: BatchLayout,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``q + e_t[0]``, ``k + e_t[1]``, ``v + e_t[2]`` with each sequence's task vectors."""
         emb = getattr(attention, "task_embedding", None)
         if emb is None:
             return q, k, v
@@ -513,19 +444,14 @@ class EmBERT(PALVariant):
 
 
 class NoPAL(PALVariant):
-    """No task-specific encoder parameters (the multi-task baseline: only the heads are per task). Its ``--pal``
-    preset ``none`` builds no PALConfig at all."""
+    """The multi-task baseline: no task-specific encoder parameters, only the heads."""
 
     name = "none"
     task_specific = False
     presets = MappingProxyType({"none": PALPreset(None, "multi-task baseline", rank=0)})
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The registry
-# ----------------------------------------------------------------------------------------------------------------
-#: every registered variant by name (``PALConfig.variant``), in registration order; change it with
-#: :func:`register_pal_variant` / :func:`unregister_pal_variant` (they also register the parameter names)
+#: every registered variant by ``PALConfig.variant``, in registration order
 PAL_VARIANTS: dict[str, PALVariant] = {}
 _BUILTIN = ("parallel", "top", "top_parallel", "embert", "none")
 
@@ -533,9 +459,8 @@ _BUILTIN = ("parallel", "top", "top_parallel", "embert", "none")
 def register_pal_variant(
     variant: PALVariant | type[PALVariant], *, replace: bool = False
 ) -> PALVariant | type[PALVariant]:
-    """Register a variant (an instance, or a class, which is instantiated) under its :attr:`~PALVariant.name`,
-    and make its parameter names task-specific. Returns ``variant`` (so it works as a class decorator).
-    ``replace=True`` replaces a registered variant of the same name (the built-in ones cannot be replaced)."""
+    """Register a variant (instance or class) under its name and make its parameter names task-specific;
+    returns ``variant`` (a class decorator). ``replace``: replace a registered non-built-in one."""
     obj = variant() if isinstance(variant, type) else variant
     if not isinstance(obj, PALVariant):
         raise TypeError(f"register_pal_variant: expected a PALVariant, got {type(obj).__name__}")
@@ -568,8 +493,7 @@ def get_pal_variant(name: str) -> PALVariant:
 
 
 def pal_presets() -> dict[str, PALPreset]:
-    """Every registered variant's ``--pal`` presets, by rank then registration order (a name defined twice:
-    the first one)."""
+    """Every registered variant's ``--pal`` presets by rank, then registration order (first of a name wins)."""
     found: dict[str, PALPreset] = {}
     for variant in PAL_VARIANTS.values():
         for preset, spec in variant.presets.items():
@@ -579,14 +503,12 @@ def pal_presets() -> dict[str, PALPreset]:
 
 
 def pal_count_categories() -> tuple[str, ...]:
-    """The :func:`fastpals.count_parameters` PAL categories of every registered variant (each once, in
-    registration order)."""
+    """The PAL count categories of every registered variant, each once, in registration order."""
     return tuple(dict.fromkeys(c for v in PAL_VARIANTS.values() for c in v.count_categories))
 
 
 def pal_parameter_category(name: str) -> str:
-    """The count category of a task-specific PAL parameter ``name`` (kind ``"pal"``): the first registered
-    variant's that claims it (``"pal_other"`` when none does)."""
+    """The count category of PAL parameter ``name`` from the first variant that claims it, else ``"pal_other"``."""
     for variant in PAL_VARIANTS.values():
         category = variant.parameter_category(name)
         if category is not None:

@@ -39,10 +39,8 @@ def _rebuild() -> None:
 def register_task_specific_names(
     owner: str, modules: Iterable[str] = (), parameters: Iterable[str] = ()
 ) -> None:
-    """Make more names task-specific (kind ``"pal"``): a module named one of ``modules`` anywhere in a dotted
-    parameter name, or a parameter whose own (last) name is one of ``parameters``. ``owner`` (a PAL variant's
-    name) replaces what it registered before. The built-in names (:data:`PAL_MODULE_NAMES`,
-    :data:`TASK_EMBEDDING_NAME`) are always task-specific."""
+    """Make parameter names task-specific (kind ``"pal"``): under a module named one of ``modules``, or whose
+    last part is one of ``parameters``; ``owner`` replaces what it registered before."""
     if isinstance(modules, str) or isinstance(parameters, str):
         raise TypeError(
             "register_task_specific_names: modules and parameters are lists of names, not strings"
@@ -58,12 +56,8 @@ def unregister_task_specific_names(owner: str) -> None:
 
 
 def task_specific_kind(name: str) -> str | None:
-    """What a parameter (or state-dict) name holds: ``"pal"`` for PAL weights of every variant (a module named
-    ``pal``, ``pal_projections`` or ``pal_top`` anywhere in the dotted name, EmBERT's ``task_embedding``, and the
-    names registered variants add, see :func:`register_task_specific_names`), ``"head"`` for task heads (a module
-    named ``heads`` anywhere in the name, as in :class:`fastpals.MultiTaskBert` and ``inject_pals`` users'
-    wrappers), ``None`` for shared (encoder) weights. Names are matched by whole dotted components, under any
-    prefix."""
+    """``"pal"`` (any variant's PAL weights), ``"head"`` (under a module named ``heads``) or None (shared) for a
+    parameter name, matched by whole dotted parts under any prefix."""
     parts = name.split(".")
     if HEAD_MODULE_NAME in parts[:-1]:
         return "head"
@@ -87,14 +81,9 @@ def is_layer_norm(module: nn.Module) -> bool:
 def freeze_shared_parameters(
     model: nn.Module, train_layer_norms: bool = True, modules_to_train: Iterable[str] = ()
 ) -> dict[str, int]:
-    """The Bert-n-Pals "freeze" recipe: set ``requires_grad=False`` on every parameter of ``model`` except the
-    task-specific ones (:func:`is_task_specific`), the LayerNorms (:func:`is_layer_norm`, when
-    ``train_layer_norms``) and the modules named in ``modules_to_train``.
-
-    ``modules_to_train``: module names, each matching a module whose qualified name equals it or ends with
-    ``"." + name`` (e.g. ``"classifier"``, ``"pooler"``); a name that matches nothing is an error.
-    Returns ``{"trainable": n, "frozen": m}`` parameter element counts.
-    """
+    """The Bert-n-Pals "freeze" recipe: freeze every parameter but the task-specific ones, the LayerNorms (with
+    ``train_layer_norms``) and the modules ``modules_to_train`` names (by qualified-name suffix; one matching
+    nothing is an error). Returns ``{"trainable": n, "frozen": m}`` element counts."""
     if isinstance(modules_to_train, str):
         raise TypeError("modules_to_train must be a list of module names, not a string")
     names = list(modules_to_train)

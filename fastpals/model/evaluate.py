@@ -1,9 +1,4 @@
-"""Prediction and dev evaluation, shared by the trainer and ``fastpals predict``.
-
-:func:`predict_batches` runs a model over a :class:`~fastpals.data.per_task_batches.TaskBatcher` in order (with a progress bar
-when asked); :func:`evaluate` turns the dev predictions into metrics; :func:`load_split` reads (a capped part of)
-a split and reports its skipped rows.
-"""
+"""Prediction and dev evaluation, shared by the trainer and ``fastpals predict``."""
 
 from __future__ import annotations
 
@@ -35,6 +30,7 @@ __all__ = [
     "load_split",
     "model_inputs",
     "overall_from",
+    "padded_model_inputs",
     "predict_batches",
 ]
 
@@ -49,19 +45,28 @@ INPUT_KEYS = (
 )
 
 
-def model_inputs(batch: dict, task_index: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """The model's keyword inputs of a collated batch of one task: its tensors on ``device`` and ``task_ids``
-    (long ``[B]``, all ``task_index``)."""
+def padded_model_inputs(batch: dict, task_index: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """The model's keyword inputs of one task's padded batch: its tensors on ``device`` and ``task_ids`` (long
+    ``[B]``, all ``task_index``)."""
     inputs = {k: batch[k].to(device) for k in INPUT_KEYS if k in batch}
     n = batch["input_ids"].shape[0]
     inputs["task_ids"] = torch.full((n,), task_index, dtype=torch.long, device=device)
     return inputs
 
 
+def model_inputs(batch: dict, task_index: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """The former name of :func:`padded_model_inputs` (deprecated)."""
+    warnings.warn(
+        "fastpals.model.evaluate.model_inputs will be removed in the next release: use padded_model_inputs "
+        "(fastpals.data.model_inputs is the packed batches' one)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return padded_model_inputs(batch, task_index, device)
+
+
 def confidence(model: torch.nn.Module, output: Any, task_index: int) -> torch.Tensor | None:
-    """Probability of the predicted label (float32 ``[B]``) for classification and binary tasks; None for
-    regression (its prediction is the score). The task's kind decides
-    (:meth:`fastpals.data.task_kinds.TaskKind.confidence`)."""
+    """Probability of the predicted label (float32 ``[B]``) by the task's kind; None for regression."""
     spec = model.tasks[task_index]
     return spec.task_kind.confidence(spec, output.logits[:, : spec.num_labels])
 
@@ -87,12 +92,9 @@ def predict_batches(
     desc: str | None = None,
     with_confidence: bool = False,
 ) -> tuple[list[str], np.ndarray, np.ndarray | None] | tuple[list[str], np.ndarray, np.ndarray | None, Any]:
-    """``(ids, predictions, labels or None)`` of every example of ``batcher`` in order (each batch packed
-    without padding), with ``model`` in eval mode (restored afterwards); predictions as ``model.predict`` gives them (class index, 0/1 or score, ``[N]``).
-    ``progress`` shows a tqdm bar on stderr; ``with_confidence`` appends the probability of each predicted label
-    (float32 ``[N]``, None for regression tasks). NaN/inf outputs (logits) raise :class:`NonFiniteOutputs`:
-    a NaN logit would otherwise score as class 0."""
-
+    """``(ids, predictions [N], labels or None)`` of ``batcher``'s examples in order, each batch packed, in eval
+    mode; ``with_confidence`` appends :func:`confidence`. Non-finite logits raise :class:`NonFiniteOutputs`
+    (a NaN would score as class 0)."""
     was_training = model.training
     model.eval()
     ids, preds, labels, confs = [], [], [], []
@@ -126,24 +128,15 @@ def predict_batches(
 
 
 def overall_from(dev: dict[str, float], specs: Any = None) -> float:
-    """CS224N overall ``(sst + para + (r + 1)/2) / 3`` when the three are there; else the mean of accuracies and
-    ``(r + 1)/2`` (:func:`fastpals.data.metrics.overall`; ``specs``: the task specs, needed for task files). A NaN
-    Pearson (constant predictions) counts as r = 0."""
-
+    """:func:`fastpals.data.metrics.overall` of ``scores`` (``specs``: needed for task files)."""
     return overall(dev, specs)
 
 
 def eval_model(
     module: torch.nn.Module, device: torch.device, dtype: torch.dtype | None = None
 ) -> torch.nn.Module:
-    """The module to evaluate, in the dtype the run trained in (``dtype``, default the module's own) where this
-    device computes it natively; else an fp32 copy.
-
-    On a CPU, bf16 is native with AVX512-BF16 or AMX (:func:`fastpals.encoder.precision.cpu_has_native_bf16`); on CPUs
-    without them bf16 and fp16 matmuls are emulated, and fp32 runs several times faster (the copy holds the same,
-    rounded, weights). The result is ``module`` itself when nothing changes, else a copy.
-    """
-
+    """``module`` in ``dtype`` (default its own) where this device computes it natively, else an fp32 copy
+    (CPUs without AVX512-BF16 or AMX emulate bf16 and fp16 matmuls)."""
     current = next(module.parameters()).dtype
     target = dtype or current
     if (
@@ -160,7 +153,6 @@ def evaluate(
 ) -> tuple[dict[str, float], dict[str, Any]]:
     """Dev metrics ``{task: primary metric (accuracy or Pearson r), "overall": ...}`` (each task's kind computes
     it, :func:`fastpals.data.metrics.task_metrics`) and ``{task: (ids, predictions, labels)}``."""
-
     dev: dict[str, float] = {}
     preds: dict[str, Any] = {}
     for t, batcher in dev_batchers.items():
@@ -180,10 +172,8 @@ def load_split(
     log: Callable[[str], None],
     sample: bool = False,
 ) -> list:
-    """The examples of one split; with ``limit``: the first ``limit`` (``sample=False``) or a fixed random subset
-    of ``limit`` kept in file order (``sample=True``: numpy seed 0, independent of ``--seed``, so that capped dev
-    sets are representative and the same for every run; the dev files are not shuffled, e.g. SST's first rows
-    are mostly positive). Skipped rows are reported through ``log``."""
+    """The examples of one split, skipped rows reported through ``log``; ``limit``: the first ones, or with
+    ``sample`` a fixed (seed 0) random subset in file order, since dev files are not shuffled."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", DataWarning)
         examples = load_task(task, split, data_dir, strict=False)

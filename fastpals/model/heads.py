@@ -1,12 +1,9 @@
-"""The multi-task model's heads, outputs and losses: one :class:`TaskHead` per task, the :class:`MultiTaskOutput`
-of a batch, and the per-task losses (:func:`task_losses`, :func:`summed_loss`) and predictions (:func:`predict`)
-by each task's kind (:mod:`fastpals.data.task_kinds`). :class:`fastpals.model.multitask.MultiTaskBert` holds the
-heads and calls these functions; they read the batch's rows per task from its layout (host values, no device
-read)."""
+"""The task heads, a batch's :class:`MultiTaskOutput`, and the per-task losses and predictions by each task's
+kind; each task's rows come from the batch's layout (no device read)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,12 +66,8 @@ class MultiTaskOutput:
 
 @dataclass
 class TaskLosses:
-    """What :meth:`MultiTaskBert.task_losses` returns.
-
-    ``total``: the combined loss (0-dim, fp32) to back-propagate; ``per_task``: each present task's loss (0-dim,
-    the mean over its rows, CoSENT over its rows' pairs); ``weights``: the weight of each in ``total``;
-    ``examples`` / ``tokens``: each present task's rows and tokens in the batch (Python ints).
-    """
+    """``total`` (0-dim fp32) to back-propagate, each present task's loss (``per_task``), its ``weights`` in
+    ``total``, and its ``examples`` and ``tokens`` in the batch (host ints)."""
 
     total: torch.Tensor
     per_task: dict[str, torch.Tensor]
@@ -98,18 +91,9 @@ def task_losses(
     weighting: str = "examples",
     loss_fn: LossFn = _kind_loss,
 ) -> TaskLosses:
-    """One loss per task present (the mean over its rows), combined by ``weighting``:
-
-    - ``"examples"`` (default): ``total = sum_t (n_t / B) L_t``, the example-weighted mean (``n_t`` rows of
-      task t, ``B`` rows in all). For a batch of per-task micro-batches this equals their losses averaged
-      with each task's share as weight, i.e. what gradient accumulation over one micro-batch per task of
-      equal size computes.
-    - ``"equal"``: ``total = (1 / T_present) sum_t L_t``, each task present counts equally.
-
-    ``tasks``: the model's task specs in task-id order; labels ``[B]`` float; ``loss_fn``: one task's loss (default
-    its kind's, :meth:`fastpals.data.task_kinds.TaskKind.loss`). Also returns each task's example and token
-    counts: host values of the batch's layout (no device read; the losses stay on the device).
-    """
+    """One loss per task present, combined by ``weighting``: ``"examples"``, ``sum_t (n_t / B) L_t``, or
+    ``"equal"``, the mean over the tasks present. ``tasks`` in task-id order; labels ``[B]`` float; ``loss_fn``:
+    one task's loss (default its kind's)."""
     if weighting not in TASK_WEIGHTINGS:
         raise ValueError(f"task weighting {weighting!r}: choose one of {', '.join(TASK_WEIGHTINGS)}")
     layout = _output_layout(output, len(tasks))
@@ -119,11 +103,7 @@ def task_losses(
     rows = sum(counts)
     total = output.logits.new_zeros((), dtype=torch.float32)
     result = TaskLosses(total=total, per_task={}, weights={}, examples={}, tokens={})
-    for i in present:
-        spec = tasks[i]
-        sel = layout.rows_of(i)
-        z = take_rows(output.logits, sel)[:, : spec.num_labels]
-        loss = loss_fn(spec, z, take_rows(labels, sel))
+    for i, spec, loss in _each_task_loss(tasks, layout, output, labels, loss_fn):
         w = counts[i] / rows if weighting == "examples" else 1.0 / len(present)
         total = total + w * loss
         result.per_task[spec.name] = loss
@@ -137,26 +117,28 @@ def task_losses(
 def summed_loss(
     tasks: Sequence[TaskSpec], output: MultiTaskOutput, labels: torch.Tensor, loss_fn: LossFn = _kind_loss
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Sum over the tasks present of each task's mean loss (0-dim), and the per-task losses.
-
-    labels ``[B]`` float (class index for classification, 0/1 for binary, the raw label for regression).
-    """
+    """The sum over the tasks present of each task's loss (0-dim), and those losses; labels ``[B]`` float."""
     layout = _output_layout(output, len(tasks))
-    total = output.logits.new_zeros(())
-    per_task: dict[str, torch.Tensor] = {}
+    per_task = {spec.name: loss for _, spec, loss in _each_task_loss(tasks, layout, output, labels, loss_fn)}
+    return sum(per_task.values(), output.logits.new_zeros(())), per_task
+
+
+def _each_task_loss(
+    tasks: Sequence[TaskSpec],
+    layout: BatchLayout,
+    output: MultiTaskOutput,
+    labels: torch.Tensor,
+    loss_fn: LossFn,
+) -> Iterator[tuple[int, TaskSpec, torch.Tensor]]:
+    """``(task index, spec, loss over its rows)`` for each task present."""
     for i in layout.present:
-        spec = tasks[i]
-        sel = layout.rows_of(i)
-        z = take_rows(output.logits, sel)[:, : spec.num_labels]
-        loss = loss_fn(spec, z, take_rows(labels, sel))
-        per_task[spec.name] = loss
-        total = total + loss
-    return total, per_task
+        spec, rows = tasks[i], layout.rows_of(i)
+        z = take_rows(output.logits, rows)[:, : spec.num_labels]
+        yield i, spec, loss_fn(spec, z, take_rows(labels, rows))
 
 
 def predict(tasks: Sequence[TaskSpec], output: MultiTaskOutput) -> torch.Tensor:
-    """Predicted labels ``[B]`` float32 by each row's task kind (:meth:`fastpals.data.task_kinds.TaskKind.predict`):
-    class index, 0/1, or the regression value clipped to the label range. No host reads."""
+    """Predicted labels ``[B]`` float32 by each row's task kind; no host reads."""
     preds = output.logits.new_zeros(output.logits.shape[0], dtype=torch.float32)
     for i, spec in enumerate(tasks):  # each kind predicts on every row; torch.where keeps its task's
         p = spec.task_kind.predict(spec, output.logits[:, : spec.num_labels])

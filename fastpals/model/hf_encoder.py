@@ -1,13 +1,6 @@
-"""Any HF transformers encoder as the encoder of :class:`fastpals.MultiTaskBert`.
-
-BERT checkpoints run as fastpals' own minBERT. Every other architecture runs as the HF model
-(``transformers.AutoModel``) with PALs injected by :func:`fastpals.inject_pals`, wrapped in :class:`HFEncoder`,
-which takes minBERT's call: packed rows (``[N]`` tokens and the batch's :class:`~fastpals.data.layout.BatchLayout`)
-are padded for the HF model, whose attention takes no varlen input, and its output is packed again ``[N, d]``
-(index maps from the layout's host values); padded ``[B, L]`` inputs go through as they are.
-``token_type_ids`` are passed only where the model has token types; ``pooler_output`` is the model's pooler, else
-the first token's hidden state.
-"""
+"""Any non-BERT HF encoder (``AutoModel`` with injected PALs) as :class:`fastpals.MultiTaskBert`'s encoder:
+:class:`HFEncoder` takes minBERT's call, padding packed rows for the HF model and packing its output again;
+``pooler_output`` is the model's pooler, else the first token's hidden state."""
 
 from __future__ import annotations
 
@@ -35,7 +28,6 @@ MINBERT_MODEL_TYPES = ("bert",)
 def checkpoint_model_type(name_or_path: str | os.PathLike) -> str:
     """The ``model_type`` in the ``config.json`` of ``"minilm-l6"``, a local folder or a Hub id (see
     :func:`fastpals.data.hub.resolve_model_dir` for the errors)."""
-
     folder = resolve_model_dir(name_or_path, ("config.json",))
     try:
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))

@@ -1,10 +1,5 @@
-"""The multi-task model: a (PAL-)BERT encoder, one head per task, save and load (the heads, losses and predictions
-are :mod:`fastpals.model.heads`).
-
-Tasks are declared with :class:`fastpals.data.tasks.TaskSpec` (kind, single sentence or pair, head, pooling, loss,
-files, metric), so users can add tasks beyond SST / Quora / STS. A batch may mix tasks: ``task_ids [B]`` says
-which task each example belongs to, every example goes through its own task's PALs and head in one call.
-"""
+"""The multi-task model: a (PAL-)BERT encoder and one head per task (:mod:`fastpals.model.heads`), with save and
+load. A batch may mix tasks; each row runs through its own task's PALs and head in one call."""
 
 from __future__ import annotations
 
@@ -67,8 +62,7 @@ __all__ = [
 
 @dataclass
 class MultiTaskConfig:
-    """Everything needed to rebuild a :class:`MultiTaskBert`: the encoder config, the tasks, the PAL config
-    (None = no PALs), and the base checkpoint it was fine-tuned from (for adapter-only saves)."""
+    """What rebuilds a :class:`MultiTaskBert`: encoder config, tasks, PAL config (None: no PALs), base checkpoint."""
 
     bert: BertConfig
     tasks: list[TaskSpec]
@@ -103,13 +97,10 @@ class MultiTaskBert(nn.Module):
     """A (PAL-)BERT encoder with one head per task. ``MultiTaskBert(config)`` is randomly initialised;
     :meth:`from_pretrained` loads the encoder from a checkpoint."""
 
-    #: ``inject_pals``, ``save_pals`` and ``load_pals`` hand this model to its own methods
-    #: (:func:`fastpals.adapters.targets.builds_own_pals`)
-    builds_own_pals = True
+    builds_own_pals = True  # inject_pals / save_pals / load_pals call this model's own methods
 
     def __init__(self, config: MultiTaskConfig, encoder: nn.Module | None = None) -> None:
-        """``encoder``: an :class:`fastpals.model.hf_encoder.HFEncoder` (an HF model with injected PALs; its
-        ``config`` must be ``config.bert``) instead of minBERT built from ``config.bert``."""
+        """``encoder``: an :class:`HFEncoder` whose config is ``config.bert``, in place of minBERT."""
         super().__init__()
         if not config.tasks:
             raise ValueError("MultiTaskBert needs at least one task")
@@ -124,7 +115,6 @@ class MultiTaskBert(nn.Module):
         d = config.bert.hidden_size
         self.heads = nn.ModuleDict({t.name: TaskHead(t, d, config.head_dropout) for t in self.tasks})
 
-    # ------------------------------------------------------------------------------------------------------------
     @classmethod
     def from_base(
         cls,
@@ -133,11 +123,8 @@ class MultiTaskBert(nn.Module):
         pal: PALConfig | None = None,
         head_dropout: float = 0.1,
     ) -> MultiTaskBert:
-        """A new multi-task model on a pretrained encoder: encoder weights from the BERT checkpoint
-        ``name_or_path`` (see :meth:`BertModel.from_pretrained`: ``"minilm-l6"``, a local folder, a Hub name),
-        freshly initialised PALs (``pal``; ``num_tasks`` is set to ``len(tasks)``) and heads. Returned in eval
-        mode, as transformers does: call ``.train()`` before training."""
-
+        """A new model on the encoder checkpoint ``name_or_path`` (``"minilm-l6"``, a folder, a Hub name) with
+        fresh PALs (``num_tasks`` set to ``len(tasks)``) and heads, in eval mode: call ``.train()`` to train."""
         specs = [get_task(t) for t in tasks]
         if pal is not None:
             pal = dataclasses.replace(pal, num_tasks=len(specs))
@@ -164,17 +151,13 @@ class MultiTaskBert(nn.Module):
         base_model: str | os.PathLike | None = None,
         force: bool = False,
     ) -> MultiTaskBert:
-        """Open a model saved with :meth:`save_pretrained` (a full folder, or an adapter-only folder whose
-        encoder comes from ``base_model``, default the ``base_model_name_or_path`` it records), in eval mode.
-        ``force``: accept an adapter beside an encoder other than the one it was trained with (see
-        :meth:`load_adapter`).
+        """Open a folder of :meth:`save_pretrained` in eval mode: full, or adapter-only on ``base_model``
+        (default: the ``base_model_name_or_path`` it records). ``force``: see :meth:`load_adapter`.
 
-        An adapter written by :func:`fastpals.save_pals` from an injected HF encoder records no task heads:
-        pass ``tasks=`` (one per PAL task); the heads then start fresh. For a base BERT checkpoint (no adapter),
-        ``from_pretrained(name, tasks=..., pal=...)`` is :meth:`from_base` (the clearer name for it). Folders of
-        the old format (``fastpals_config.json``) load with a ``FutureWarning``.
+        An adapter of :func:`fastpals.save_pals` holds no heads: pass ``tasks=`` (one per PAL task; fresh heads).
+        A base checkpoint with ``tasks=`` is :meth:`from_base`; a ``fastpals_config.json`` folder loads with a
+        ``FutureWarning``.
         """
-
         folder = Path(name_or_path)
         if folder.is_dir() and find_adapter_folder(folder) is not None:
             return cls._from_adapter_folder(folder, tasks, pal, head_dropout, base_model, force).eval()
@@ -201,7 +184,7 @@ class MultiTaskBert(nn.Module):
     def load(
         cls, folder: str | os.PathLike, base_model: str | os.PathLike | None = None, force: bool = False
     ) -> MultiTaskBert:
-        """The former name of :meth:`from_pretrained` for saved folders (kept as an alias)."""
+        """:meth:`from_pretrained` for saved folders (alias)."""
         return cls.from_pretrained(folder, base_model=base_model, force=force)
 
     @classmethod
@@ -214,7 +197,6 @@ class MultiTaskBert(nn.Module):
         base_model: str | os.PathLike | None,
         force: bool = False,
     ) -> MultiTaskBert:
-
         config, adapter = read_adapter_config(folder, "MultiTaskBert.from_pretrained")
         saved_pal = None if config.get("pal_config") is None else PALConfig.from_dict(config["pal_config"])
         if pal is not None:
@@ -234,14 +216,20 @@ class MultiTaskBert(nn.Module):
                 )
             specs = [get_task(t) for t in tasks]
         full = adapter != folder and (folder / "config.json").is_file()
-        if full and config.get("extra", {}).get("hf_model_type"):  # an HF encoder saved beside its adapter
+        saved_extra = config.get("extra", {})
+        if full and saved_extra.get("hf_model_type"):  # an HF encoder saved beside its adapter
             model = cls.from_base(folder, specs, saved_pal, head_dropout)
-            model.config.base_model = config.get("extra", {}).get("fine_tuned_from")
+            model.config.base_model = saved_extra.get("fine_tuned_from")
         elif full:
             bert_config = BertConfig.from_json(folder / "config.json")
-            base_name = config.get("extra", {}).get("fine_tuned_from")
+            base_name = saved_extra.get("fine_tuned_from")
             model = cls(MultiTaskConfig(bert_config, specs, saved_pal, base_name, head_dropout))
-            _load_shared(model, folder)
+            path = folder / "model.safetensors"
+            if not path.is_file():
+                raise FileNotFoundError(
+                    f"{path} not found (a full MultiTaskBert folder has it beside config.json)"
+                )
+            _load_exact(model.bert, load_file(str(path)), path, task_specific=False)
         else:
             base = base_model or config.get("base_model_name_or_path")
             if base is None:
@@ -249,7 +237,6 @@ class MultiTaskBert(nn.Module):
                     f"{folder} holds an adapter only and records no base_model_name_or_path: pass base_model="
                 )
             model = cls.from_base(base, specs, saved_pal, head_dropout)
-        saved_extra = config.get("extra", {})
         model.config.extra = {
             k: v for k, v in saved_extra.items() if k not in ("head_dropout", "fine_tuned_from")
         }
@@ -266,7 +253,6 @@ class MultiTaskBert(nn.Module):
         except ValueError:
             raise ValueError(f"unknown task {name!r}; this model has {self.task_names}") from None
 
-    # ------------------------------------------------------------------------------------------------------------
     def _features(self, spec: TaskSpec, out: Any, mask: torch.Tensor | None = None) -> torch.Tensor:
         """The task's pooled features ``[B, d]`` of an encoder output, packed, or padded with its ``mask``."""
         if spec.pooling == "cls":
@@ -329,9 +315,8 @@ class MultiTaskBert(nn.Module):
         task_ids: torch.Tensor | None = None,
         attention_mask_b: torch.Tensor | None = None,
     ) -> BatchLayout:
-        """The packed layout of a padded batch (what :meth:`forward` runs it as): ``attention_mask [B, L]``
-        right-padded, ``task_ids [B]`` int64 (None for a one-task model), ``attention_mask_b [B, L2]`` the second
-        sentences (read for the siamese tasks' rows only). Reads the masks and task ids on the host once."""
+        """The layout :meth:`forward` runs a padded batch as: ``attention_mask [B, L]`` right-padded,
+        ``task_ids [B]`` int64 (None for one task), ``attention_mask_b [B, L2]`` (siamese rows). One host read."""
         if attention_mask.dim() != 2:
             raise ValueError(f"attention_mask must be [B, L], got shape {list(attention_mask.shape)}")
         b = attention_mask.shape[0]
@@ -394,9 +379,7 @@ class MultiTaskBert(nn.Module):
         return input_ids, token_type_ids, layout
 
     def _task_ids(self, task_ids: torch.Tensor | None, b: int, device: torch.device) -> torch.Tensor:
-        """``task_ids`` checked (long ``[B]``; its range is checked where the layout reads it), or zeros for a
-        one-task model."""
-
+        """``task_ids`` checked as long ``[B]`` (the layout checks the range), or zeros for a one-task model."""
         if task_ids is None:
             if len(self.tasks) != 1:
                 raise ValueError("task_ids is required for a model with more than one task")
@@ -406,12 +389,11 @@ class MultiTaskBert(nn.Module):
     def _head_logits(
         self, layout: BatchLayout, pooled: torch.Tensor, features_a: Any, features_b: Any
     ) -> torch.Tensor:
-        """Logits ``[B, max num_labels]``: each present task's head on its rows' features (``features_a(spec,
-        rows)``, and for siamese tasks ``features_b(spec, rows)`` of the second sentences: cosine, or the head on
-        ``(u, v, |u - v|)``); ``rows`` is :meth:`BatchLayout.rows_of` (a slice when rows are grouped by task)."""
+        """fp32 logits ``[B, max num_labels]``: each present task's head on ``features_a(spec, rows)``; siamese
+        tasks also take ``features_b(spec, rows)`` (cosine, or the head on ``(u, v, |u - v|)``)."""
         width = max(t.num_labels for t in self.tasks)
         pieces = []
-        # fp32 logits: a bf16 model's scores keep fp32 resolution (a cosine near 1 has 3 digits in bf16)
+        # fp32 logits: in bf16 a cosine near 1 has only 3 digits
         logits = None if layout.grouped else pooled.new_zeros(layout.batch, width, dtype=torch.float32)
         for i in layout.present:
             spec = self.tasks[i]
@@ -490,42 +472,33 @@ class MultiTaskBert(nn.Module):
         )
 
     def _task_loss(self, spec: TaskSpec, z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """One task's loss (0-dim fp32) over its rows, by its kind (:meth:`fastpals.data.task_kinds.TaskKind.loss`):
-        ``z`` logits ``[n, num_labels]``, ``y`` labels ``[n]``."""
+        """One task's fp32 loss by its kind: ``z`` logits ``[n, num_labels]``, ``y`` labels ``[n]``."""
         return spec.task_kind.loss(spec, z, y)
 
     def task_losses(
         self, output: MultiTaskOutput, labels: torch.Tensor, weighting: str = "examples"
     ) -> TaskLosses:
-        """One loss per task present (the mean over its rows), combined by ``weighting`` (``"examples"``: the
-        example-weighted mean; ``"equal"``: each task present counts equally); see
-        :func:`fastpals.model.heads.task_losses`. labels ``[B]`` float (as :meth:`loss`)."""
+        """:func:`fastpals.model.heads.task_losses` of this model's tasks; labels ``[B]`` float."""
         return task_losses(self.tasks, output, labels, weighting, self._task_loss)
 
     def loss(
         self, output: MultiTaskOutput, labels: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Sum over the tasks present of each task's mean loss, and the per-task losses
-        (:func:`fastpals.model.heads.summed_loss`).
-
-        labels ``[B]`` float (class index for classification, 0/1 for binary, the raw label for regression).
-        """
+        """:func:`fastpals.model.heads.summed_loss`: the sum of each present task's mean loss, and those losses.
+        labels ``[B]`` float (class index, 0/1, or the regression value)."""
         return summed_loss(self.tasks, output, labels, self._task_loss)
 
     def predict(self, output: MultiTaskOutput) -> torch.Tensor:
-        """Predicted labels ``[B]`` float32 by each row's task kind (:func:`fastpals.model.heads.predict`): class
-        index, 0/1, or the regression value clipped to the label range. No host reads."""
+        """Predicted labels ``[B]`` float32 (:func:`fastpals.model.heads.predict`); no host reads."""
         return predict(self.tasks, output)
 
-    # ------------------------------------------------------------------------------------------------------------
     def adapter_state_dict(self) -> dict[str, torch.Tensor]:
-        """The task-specific weights alone (:func:`fastpals.encoder.bert.is_task_specific`): PALs (every variant) and
-        heads, by their names in this model."""
+        """The task-specific weights (PALs and heads) by their names in this model."""
         return {k: v for k, v in self.state_dict().items() if task_specific_kind(k) is not None}
 
     def trained_base_state_dict(self) -> dict[str, torch.Tensor]:
-        """The shared (encoder) parameters that train while others are frozen (the freeze recipe trains the
-        LayerNorms): empty when every parameter is trainable or every shared one is frozen."""
+        """The shared parameters that train while others are frozen (the freeze recipe's LayerNorms); empty when
+        all train or all shared ones are frozen."""
         shared = {n: p for n, p in self.named_parameters() if task_specific_kind(n) is None}
         if all(p.requires_grad for p in shared.values()):
             return {}
@@ -542,8 +515,7 @@ class MultiTaskBert(nn.Module):
 
     @property
     def encoder_prefix(self) -> str:
-        """Where the encoder's HF-named modules sit in this model: ``"bert"`` (minBERT), ``"bert.model"`` (an
-        HF encoder)."""
+        """Where the encoder's HF-named modules sit: ``"bert"`` (minBERT) or ``"bert.model"`` (HF encoder)."""
         return "bert" if isinstance(self.bert, BertModel) else "bert.model"
 
     def _adapter_kwargs(self) -> dict[str, Any]:
@@ -573,31 +545,14 @@ class MultiTaskBert(nn.Module):
     def save_pretrained(
         self, folder: str | os.PathLike, adapters_only: bool = False, tokenizer: Any | None = None
     ) -> Path:
-        """Save the model so that :meth:`from_pretrained` opens it, and HF tools open its shared encoder.
+        """Save for :meth:`from_pretrained` and HF tools; returns the folder.
 
-        Full (default), the folder holds:
-
-        - ``config.json`` (HF ``BertConfig``, ``model_type`` ``"bert"``) and ``model.safetensors`` (the shared
-          encoder under HF ``BertModel`` names): ``transformers.AutoModel.from_pretrained(folder)`` opens the
-          encoder without PALs;
-        - ``pals/adapter_config.json`` and ``pals/adapter_model.safetensors``: PALs and heads
-          (:mod:`fastpals.adapters.format`); ``fastpals.load_pals(AutoModel.from_pretrained(folder), folder)`` gives the
-          HF encoder its PALs. Their ``base_model_name_or_path`` is null (they belong to the encoder saved
-          beside them); the checkpoint the model started from is kept as ``extra.fine_tuned_from``;
-        - with ``tokenizer`` (a :class:`fastpals.Tokenizer`): ``tokenizer.json``, ``tokenizer_config.json``,
-          ``special_tokens_map.json`` for ``transformers.AutoTokenizer`` (and ``vocab.txt`` for a tokenizer
-          built from one).
-
-        ``adapters_only=True`` writes ``adapter_config.json`` and ``adapter_model.safetensors`` at the top of
-        ``folder``: PALs, heads, and (freeze recipe) the trained base weights; loading needs the base checkpoint
-        named in ``base_model_name_or_path``. It warns when the shared encoder trained (changed since
-        :meth:`from_base`): the adapter needs that encoder, which only the full save keeps.
-
-        Either way the adapter records the fingerprint of the encoder it was trained with
-        (``encoder.fingerprint``, :mod:`fastpals.encoder.fingerprint`; the trained base weights it carries left out):
-        :meth:`load_adapter` refuses it beside another encoder unless ``force=True``. Returns the folder.
+        Full: ``config.json`` and ``model.safetensors`` (the shared encoder under HF ``BertModel`` names, for
+        ``AutoModel``), ``pals/adapter_*`` (PALs and heads, ``base_model_name_or_path`` null, the start checkpoint
+        as ``extra.fine_tuned_from``) and, with ``tokenizer``, its files for ``AutoTokenizer``.
+        ``adapters_only``: ``adapter_*`` at the top (PALs, heads, trained base weights), loaded on the base
+        checkpoint; warns when the shared encoder trained. The adapter records the encoder's fingerprint.
         """
-
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         tensors = self.adapter_state_dict()
@@ -622,8 +577,7 @@ class MultiTaskBert(nn.Module):
         )
         if adapters_only:
             self._warn_if_encoder_trained(base)
-        if not adapters_only:
-            # these PALs belong to the encoder saved beside them (fine-tuned or not), not to the original base
+        else:  # the PALs belong to the encoder saved beside them
             kwargs["base_model_name_or_path"] = None
             kwargs["extra"]["fine_tuned_from"] = self.config.base_model
         write_adapter(
@@ -634,8 +588,7 @@ class MultiTaskBert(nn.Module):
         return folder
 
     def _warn_if_encoder_trained(self, base: dict[str, torch.Tensor]) -> None:
-        """``adapters_only`` drops the shared encoder: warn when it trained since :meth:`from_base` loaded it
-        (a shared parameter the adapter does not carry changed), since the adapter then needs that encoder."""
+        """Warn when a shared parameter the adapter does not carry changed since :meth:`from_base`."""
         start = getattr(self, "base_digests", None)
         if not start:
             return
@@ -657,13 +610,10 @@ class MultiTaskBert(nn.Module):
         strict: bool = True,
         force: bool = False,
     ) -> MultiTaskBert:
-        """Load an adapter (from :meth:`save_pretrained` or :func:`fastpals.save_pals`) into this model: its PAL
-        config must equal this model's (else ``ValueError`` naming the fields that differ); PAL tensors must
-        match exactly. Heads and trained base weights load by name; with ``strict`` a saved tensor this model
-        has no place for is an error (else a warning names it). An adapter that records the fingerprint of the
-        encoder it was trained with (:mod:`fastpals.encoder.fingerprint`) is refused beside another encoder
-        (:class:`fastpals.encoder.fingerprint.EncoderMismatchError`, one line) unless ``force``. Returns the model."""
-
+        """Load an adapter of :meth:`save_pretrained` or :func:`fastpals.save_pals`; returns the model. Its PAL
+        config and tensors must match exactly; heads and trained base weights load by name (``strict``: a tensor
+        with no place is an error, else a warning). Refused beside another encoder
+        (:class:`EncoderMismatchError`) unless ``force``."""
         config, tensors, adapter = read_adapter(folder, "load_adapter")
         check_encoder_fingerprint(
             config.get("encoder", {}).get("fingerprint"), self.bert, trained_base_in_encoder(config),
@@ -692,8 +642,7 @@ class MultiTaskBert(nn.Module):
 
 
 def hf_bert_config(config: BertConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """An HF transformers ``config.json`` for a ``BertModel`` with this encoder's shape (``model_type`` bert)
-    whose weights are saved in ``dtype``."""
+    """An HF ``config.json`` for a ``BertModel`` of this shape with weights in ``dtype``."""
     return {
         "architectures": ["BertModel"],
         "model_type": "bert",
@@ -705,29 +654,13 @@ def hf_bert_config(config: BertConfig, dtype: torch.dtype = torch.float32) -> di
     }
 
 
-def _load_shared(model: MultiTaskBert, folder: Path) -> None:
-    """Load a full folder's ``model.safetensors`` (the shared encoder, HF names) into ``model.bert``: exactly."""
-
-    path = folder / "model.safetensors"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found (a full MultiTaskBert folder has it beside config.json)")
-    state = load_file(str(path))
-    own = {k: v for k, v in model.bert.state_dict().items() if task_specific_kind(k) is None}
-    problems = state_dict_mismatches(own, state)
-    if problems:
-        raise ValueError(f"cannot load {path}:\n  " + "\n  ".join(problems))
-    model.bert.load_state_dict(state, strict=False)
-
-
 LEGACY_CONFIG_NAME = "fastpals_config.json"
 
 
 def _load_legacy(
     cls: type[MultiTaskBert], folder: Path, base_model: str | os.PathLike | None
 ) -> MultiTaskBert:
-    """Folders of fastpals 0.1: ``fastpals_config.json`` with ``model.safetensors`` (all weights, ``bert.``
-    names) or ``adapters.safetensors`` (PALs and heads)."""
-
+    """A ``fastpals_config.json`` folder with ``model.safetensors`` (all weights) or ``adapters.safetensors``."""
     meta = json.loads((folder / LEGACY_CONFIG_NAME).read_text())
     config = MultiTaskConfig.from_dict(meta)
     if meta.get("format") == "adapters":
@@ -735,31 +668,30 @@ def _load_legacy(
         if base is None:
             raise ValueError(f"{folder} holds adapters only: pass base_model=")
         model = cls.from_base(base, config.tasks, config.pal, config.head_dropout)
-        _load_checked(model, load_file(str(folder / "adapters.safetensors")), folder, subset=True)
+        _load_exact(model, load_file(str(folder / "adapters.safetensors")), folder, task_specific=True)
     else:
         model = cls(config)
-        _load_checked(model, load_file(str(folder / "model.safetensors")), folder, subset=False)
+        _load_exact(model, load_file(str(folder / "model.safetensors")), folder)
     return model
 
 
-def _load_checked(model: nn.Module, state: dict[str, torch.Tensor], folder: Path, subset: bool) -> None:
-    own = model.state_dict()
-    if subset:
-        own = {k: v for k, v in own.items() if task_specific_kind(k) is not None}
+def _load_exact(
+    module: nn.Module, state: dict[str, torch.Tensor], source: Path, task_specific: bool | None = None
+) -> None:
+    """Load ``state`` into ``module``, which must match exactly its weights that are task-specific (True),
+    shared (False) or all (None)."""
+    own = module.state_dict()
+    if task_specific is not None:
+        own = {k: v for k, v in own.items() if (task_specific_kind(k) is not None) == task_specific}
     problems = state_dict_mismatches(own, state)
     if problems:
-        raise ValueError(f"cannot load {folder}:\n  " + "\n  ".join(problems))
-    model.load_state_dict(state, strict=not subset)
+        raise ValueError(f"cannot load {source}:\n  " + "\n  ".join(problems))
+    module.load_state_dict(state, strict=task_specific is None)
 
 
 def count_parameters(model: nn.Module) -> dict[str, int]:
-    """Parameter counts by component (each shared tensor counted once).
-
-    Keys: ``total``, ``encoder`` (the BERT weights), ``pal`` (all task-specific encoder parameters), ``heads``,
-    and the PAL breakdown by the registered variants' categories
-    (:func:`fastpals.encoder.pal_variants.pal_count_categories`; built in: ``pal_projections``, ``pal_attention``,
-    ``pal_gates``, ``pal_top``, ``embert``), each variant classifying its own parameters.
-    """
+    """Parameter counts (each tied tensor once): ``total``, ``encoder``, ``pal`` (task-specific encoder
+    parameters), ``heads``, and one per PAL category of the registered variants (:func:`pal_count_categories`)."""
     counts = dict.fromkeys(("total", "encoder", "pal", "heads", *pal_count_categories()), 0)
     for name, p in model.named_parameters():
         n = p.numel()

@@ -379,7 +379,7 @@ class Trainer:
         """The next batch of task ``task_index`` (its batcher's), on the device."""
         batch = self.train_batchers[self.args.task_list[task_index]].next_batch()
         return MicroBatch(
-            inputs=ev.model_inputs(batch, task_index, self.device), labels=batch["labels"].to(self.device).float(),
+            inputs=ev.padded_model_inputs(batch, task_index, self.device), labels=batch["labels"].to(self.device).float(),
             tasks=(task_index,), examples=(batch["input_ids"].shape[0],),
         )  # fmt: skip
 

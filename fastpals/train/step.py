@@ -54,7 +54,7 @@ class MicroBatch:
 
     Attributes:
         inputs: the model's keyword inputs, on the device (``fastpals.data.mixed_batches.model_inputs`` of a packed batch,
-            or ``fastpals.model.evaluate.model_inputs`` of one task's padded batch).
+            or ``fastpals.model.evaluate.padded_model_inputs`` of one task's padded batch).
         labels: ``[B]`` float, on the device.
         tasks: the model's indices of the tasks it holds, increasing (one for a per-task batch).
         examples: examples of each task of ``tasks`` (host ints, known at collate time).
