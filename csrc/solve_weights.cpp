@@ -12,12 +12,14 @@
 namespace fastpals {
 
 int method_code(const std::string& method) {
-  static const char* names[NUM_METHODS] = {"imtlg", "alignedmtl", "upgrad",     "dualproj",
-                                           "gem",   "mgda",       "alpha_fair", "gradvac"};
+  static const char* names[NUM_METHODS] = {"imtlg",  "alignedmtl", "upgrad", "dualproj", "gem",
+                                           "mgda",   "alpha_fair", "gradvac", "pcgrad",  "cagrad",
+                                           "sum",    "mean",       "constant", "random"};
   for (int i = 0; i < NUM_METHODS; ++i)
     if (method == names[i]) return i;
   TORCH_CHECK(false, "solve_weights: unknown method '", method,
-              "'; choose one of imtlg, alignedmtl, upgrad, dualproj, gem, mgda, alpha_fair, gradvac");
+              "'; choose one of imtlg, alignedmtl, upgrad, dualproj, gem, mgda, alpha_fair, gradvac, pcgrad, "
+              "cagrad, sum, mean, constant, random");
   return -1;
 }
 

@@ -38,7 +38,13 @@ enum Method : int {
   MGDA = 5,
   ALPHA_FAIR = 6,
   GRADVAC = 7,
-  NUM_METHODS = 8
+  PCGRAD = 8,
+  CAGRAD = 9,
+  SUM = 10,
+  MEAN = 11,
+  CONSTANT = 12,
+  RANDOM = 13,
+  NUM_METHODS = 14
 };
 
 // the slots of the `params` array per method (unused slots are ignored)
@@ -50,6 +56,10 @@ enum Method : int {
 //   ALPHA_FAIR: [0] alpha (> 0), [1] max_iter  (FairGrad's and Nash-MTL's root of G x = x^(-1/alpha))
 //   GRADVAC:    [0] beta, [1] eps; vec: the projection orders (T x (T - 1), row-major); state: the EMA
 //               targets phi_hat (T x T, read and written)
+//   PCGRAD:     vec: the projection orders (T x (T - 1), row-major)
+//   CAGRAD:     [0] c, [1] norm_eps, [2] 1: every support (exact), 0: projected gradient then active set;
+//               vec: [0] projected-gradient iterations, [1] active-set iterations
+//   SUM, MEAN:  none;  CONSTANT: vec [0, T) the weights;  RANDOM: vec [0, T) the normal draws z (w = softmax(z))
 // `vec` (length vec_size(method, T)): UPGRAD/DUALPROJ/ALIGNEDMTL: the preference vector in [0, T); GEM: the proposal in [0, T)
 // and the constraint mask (1 or 0) in [T, 2T); MGDA, IMTLG: unused.
 constexpr int NUM_PARAMS = 3;
@@ -71,6 +81,10 @@ template <typename S>
 FASTPALS_HD inline S smax(S a, S b) { return a > b ? a : b; }
 template <typename S>
 FASTPALS_HD inline S smin(S a, S b) { return a < b ? a : b; }
+
+// a positive floor v in double, the smallest normal float in float (v would underflow to 0)
+template <typename S>
+FASTPALS_HD inline S floor_of(double v) { return S(sizeof(S) == sizeof(double) ? v : 1e-37); }
 
 template <typename S>
 FASTPALS_HD inline bool finite(S v) {
@@ -561,8 +575,285 @@ FASTPALS_HD void gradvac(const S* g, const S* orders, int t, S beta, S eps, S* p
   }
 }
 
+// PCGrad as weights: task i's gradient, tracked as coefficients of the g_k, is projected in the order of row i of
+// `orders` onto the normal plane of each original g_j it conflicts with; w = the coefficients' column sums.
+template <typename S>
+FASTPALS_HD void pcgrad(const S* g, const S* orders, int t, S* w, S* coef) {
+  for (int k = 0; k < t; ++k) w[k] = S(0);
+  for (int i = 0; i < t; ++i) {
+    for (int k = 0; k < t; ++k) coef[k] = k == i ? S(1) : S(0);
+    for (int step = 0; step < t - 1; ++step) {
+      int j = int(orders[i * (t - 1) + step]);
+      S dot = S(0);
+      for (int k = 0; k < t; ++k) dot += coef[k] * g[k * t + j];
+      S d = g[j * t + j];
+      if (dot < S(0) && d > S(0)) coef[j] -= dot / d;
+    }
+    for (int k = 0; k < t; ++k) w[k] += coef[k];
+  }
+}
+
+// CAGrad's objective <b, x> + rho sqrt(x^T G x), summing over the non-zero entries of x only
+template <typename S>
+FASTPALS_HD S cagrad_objective(const S* g, const S* b, S rho, const S* x, int t, S* norm_out) {
+  S lin = S(0), quad = S(0);
+  for (int i = 0; i < t; ++i) {
+    if (x[i] == S(0)) continue;
+    lin += x[i] * b[i];
+    S acc = S(0);
+    for (int j = 0; j < t; ++j)
+      if (x[j] != S(0)) acc += g[i * t + j] * x[j];
+    quad += x[i] * acc;
+  }
+  S norm = sqrt(smax(quad, S(0)));
+  if (norm_out) *norm_out = norm;
+  return lin + rho * norm;
+}
+
+// CAGrad's KKT point on the support `in` (1 or 0 per task): a = G_SS^-1 1, c = G_SS^-1 b_S (ridge 1e-12 scale),
+// w = (lam a - c) / sqrt(disc) with lam the root of the quadratic; returns whether disc > 0 and sum(a) > 0.
+// work: t * t + 2 t elements.
+template <typename S>
+FASTPALS_HD bool cagrad_on_support(const S* g, const S* b, S rho, const S* in, int t, S scale, S* w, S* work) {
+  S* sys = work;
+  S* a = sys + t * t;
+  S* c = a + t;
+  int k = 0;
+  for (int i = 0; i < t; ++i) k += in[i] != S(0);
+  for (int pass = 0; pass < 2; ++pass) {
+    S* rhs = pass == 0 ? a : c;
+    int r = 0;
+    for (int i = 0; i < t; ++i) {
+      if (in[i] == S(0)) continue;
+      int l = 0;
+      for (int j = 0; j < t; ++j)
+        if (in[j] != S(0)) sys[r * k + l++] = g[i * t + j] + (i == j ? S(1e-12) * scale : S(0));
+      rhs[r++] = pass == 0 ? S(1) : b[i];
+    }
+    lu_solve(sys, rhs, k);
+  }
+  S big_a = S(0), big_b = S(0), big_c = S(0);
+  for (int i = t - 1, r = k - 1; i >= 0; --i) {  // unpack in place, from the back
+    if (in[i] != S(0)) {
+      a[i] = a[r];
+      c[i] = c[r];
+      --r;
+    } else {
+      a[i] = S(0);
+      c[i] = S(0);
+    }
+  }
+  for (int i = 0; i < t; ++i) {
+    big_a += a[i];
+    big_b += c[i];
+    big_c += c[i] * b[i];
+  }
+  S disc = big_b * big_b - big_a * (big_c - rho * rho);
+  bool ok = disc > S(0) && big_a > S(0);
+  S sd = sqrt(ok ? disc : S(1));
+  S lam = (big_b + sd) / (ok ? big_a : S(1));
+  for (int i = 0; i < t; ++i) w[i] = (lam * a[i] - c[i]) / sd;
+  return ok;
+}
+
+// Euclidean projection of y onto the probability simplex (x may alias nothing); sorted: t scratch elements.
+template <typename S>
+FASTPALS_HD void simplex_projection(const S* y, int t, S* x, S* sorted) {
+  for (int i = 0; i < t; ++i) sorted[i] = y[i];
+  for (int i = 1; i < t; ++i) {  // insertion sort, descending
+    S v = sorted[i];
+    int j = i - 1;
+    while (j >= 0 && sorted[j] < v) {
+      sorted[j + 1] = sorted[j];
+      --j;
+    }
+    sorted[j + 1] = v;
+  }
+  S css = S(0), theta_css = sorted[0] - S(1);
+  int count = 1;
+  for (int k = 0; k < t; ++k) {
+    css += sorted[k];
+    if (sorted[k] - (css - S(1)) / S(k + 1) > S(0)) {
+      count = k + 1;
+      theta_css = css - S(1);
+    }
+  }
+  S theta = theta_css / S(count);
+  for (int i = 0; i < t; ++i) x[i] = smax(y[i] - theta, S(0));
+}
+
+FASTPALS_HD inline int64_t cagrad_workspace(int t) { return 2 * int64_t(t) * t + 12 * int64_t(t); }
+
+// CAGrad (weights_solved.py cagrad_weights): w* = argmin over the simplex of <b, w> + rho |g_w| on G / trace(G),
+// from every support (exact) or from projected-gradient steps and a primal active-set method; the vertices are
+// candidates too. Returns 1/T + rho / |g_w*| w*, zeros when |g_w*| < norm_eps.
+template <typename S>
+FASTPALS_HD void cagrad(const S* g0, int t, S c, S norm_eps, bool exact, int pgd_iters, int search_iters, S* w,
+                        S* ws) {
+  S* g = ws;               // t x t: the normalised Gram
+  S* work = g + t * t;     // t x t + 2t: the support solves
+  S* b = work + t * t + 2 * t;
+  S* best = b + t;
+  S* cand = best + t;
+  S* grad = cand + t;
+  S* in = grad + t;
+  S* gw = in + t;
+  S* sorted = gw + t;
+  S* tmp = sorted + t;
+  S tr = S(0);
+  for (int i = 0; i < t; ++i) tr += g0[i * t + i];
+  for (int i = 0; i < t; ++i)
+    for (int j = 0; j < t; ++j) g[i * t + j] = tr < norm_eps ? S(0) : S(0.5) * (g0[i * t + j] + g0[j * t + i]) / tr;
+  S scale = S(0);
+  for (int i = 0; i < t; ++i) scale = smax(scale, g[i * t + i]);
+  scale = smax(scale, Eps<S>::tiny);
+  S uu = S(0);
+  for (int i = 0; i < t; ++i) {
+    S acc = S(0);
+    for (int j = 0; j < t; ++j) acc += g[i * t + j];
+    b[i] = acc / S(t);
+    uu += b[i] / S(t);
+  }
+  S rho = c * sqrt(smax(uu, S(0)));
+  bool have = false;
+  S best_obj = S(0);
+  if (exact) {
+    for (int64_t code = 1; code < (int64_t(1) << t); ++code) {
+      for (int i = 0; i < t; ++i) in[i] = (code >> i) & 1 ? S(1) : S(0);
+      bool ok = cagrad_on_support(g, b, rho, in, t, scale, cand, work);
+      S sum = S(0);
+      for (int i = 0; i < t; ++i) {
+        ok = ok && cand[i] >= S(-1e-9);
+        cand[i] = smax(cand[i], S(0));
+        sum += cand[i];
+      }
+      if (!ok) continue;
+      for (int i = 0; i < t; ++i) cand[i] /= smax(sum, floor_of<S>(1e-300));
+      S f = cagrad_objective(g, b, rho, cand, t, (S*)nullptr);
+      if (!have || f < best_obj) {
+        have = true;
+        best_obj = f;
+        for (int i = 0; i < t; ++i) best[i] = cand[i];
+      }
+    }
+  } else {
+    // projected (sub)gradient steps from 1/T, 40 step sizes 2^-k and the current point tried each time
+    S* x = best;
+    for (int i = 0; i < t; ++i) x[i] = S(1) / S(t);
+    for (int it = 0; it < pgd_iters; ++it) {
+      S q = S(0);
+      for (int i = 0; i < t; ++i) {
+        S acc = S(0);
+        for (int j = 0; j < t; ++j) acc += g[i * t + j] * x[j];
+        gw[i] = acc;
+        q += x[i] * acc;
+      }
+      S norm = smax(sqrt(smax(q, S(0))), floor_of<S>(1e-150));
+      S mean = S(0);
+      for (int i = 0; i < t; ++i) {
+        grad[i] = b[i] + rho * gw[i] / norm;
+        mean += grad[i];
+      }
+      mean /= S(t);
+      S gmax = S(0);
+      for (int i = 0; i < t; ++i) {
+        grad[i] -= mean;
+        gmax = smax(gmax, fabs(grad[i]));
+      }
+      gmax = smax(gmax, floor_of<S>(1e-300));
+      S fbest = S(0);
+      int kbest = -1;
+      S step = S(1);
+      for (int k = 0; k <= 40; ++k) {
+        S s = k == 40 ? S(0) : step;
+        for (int i = 0; i < t; ++i) tmp[i] = x[i] - s / gmax * grad[i];
+        simplex_projection(tmp, t, cand, sorted);
+        S f = cagrad_objective(g, b, rho, cand, t, (S*)nullptr);
+        if (kbest < 0 || f < fbest) {
+          fbest = f;
+          kbest = k;
+          for (int i = 0; i < t; ++i) in[i] = cand[i];
+        }
+        step *= S(0.5);
+      }
+      for (int i = 0; i < t; ++i) x[i] = in[i];
+    }
+    // primal active set from the support of x; best point met kept in `best`
+    S best_f = cagrad_objective(g, b, rho, x, t, (S*)nullptr);
+    S xmax = x[0];
+    int xarg = 0;
+    for (int i = 1; i < t; ++i)
+      if (x[i] > xmax) {
+        xmax = x[i];
+        xarg = i;
+      }
+    for (int i = 0; i < t; ++i) in[i] = (x[i] > S(1e-6) * xmax || i == xarg) ? S(1) : S(0);
+    for (int it = 0; it < search_iters; ++it) {
+      bool valid = cagrad_on_support(g, b, rho, in, t, scale, cand, work);
+      bool any_neg = false;
+      for (int i = 0; i < t; ++i) any_neg = any_neg || (in[i] != S(0) && cand[i] < S(0));
+      bool feasible = valid && !any_neg;
+      for (int i = 0; i < t; ++i) tmp[i] = smax(cand[i], S(0));
+      S f = cagrad_objective(g, b, rho, tmp, t, (S*)nullptr);
+      if (feasible && f < best_f) {
+        best_f = f;
+        for (int i = 0; i < t; ++i) best[i] = tmp[i];
+      }
+      S q = S(0);
+      for (int i = 0; i < t; ++i) {
+        S acc = S(0);
+        for (int j = 0; j < t; ++j) acc += g[i * t + j] * cand[j];
+        gw[i] = acc;
+        q += cand[i] * acc;
+      }
+      S norm = sqrt(smax(q, floor_of<S>(1e-300)));
+      S mu = S(0), gmax = S(0);
+      for (int i = 0; i < t; ++i) {
+        grad[i] = b[i] + rho * gw[i] / norm;
+        mu += grad[i] * cand[i];
+        gmax = smax(gmax, fabs(grad[i]));
+      }
+      S tol = S(1e-12) * (gmax + floor_of<S>(1e-300));
+      int most = -1, smallest = -1, largest = 0;
+      for (int i = 0; i < t; ++i) {
+        if (in[i] == S(0) && grad[i] < mu - tol && (most < 0 || grad[i] < grad[most])) most = i;
+        if (in[i] != S(0) && (smallest < 0 || best[i] < best[smallest])) smallest = i;
+        if (best[i] > best[largest]) largest = i;
+      }
+      if (feasible && most < 0) break;  // optimal: the support freezes
+      if (any_neg || !valid) {
+        int left = 0;
+        for (int i = 0; i < t; ++i) {
+          bool keep = in[i] != S(0) && (valid ? !(cand[i] < S(0)) : i != smallest);
+          in[i] = keep ? S(1) : S(0);
+          left += keep;
+        }
+        if (left == 0) in[largest] = S(1);
+      } else if (most >= 0) {
+        in[most] = S(1);
+      }
+    }
+    have = true;
+    best_obj = cagrad_objective(g, b, rho, best, t, (S*)nullptr);
+  }
+  // the vertices are candidates too; the first minimum wins
+  S norm_best = S(0);
+  if (have) cagrad_objective(g, b, rho, best, t, &norm_best);
+  for (int v = 0; v < t; ++v) {
+    S f = b[v] + rho * sqrt(smax(g[v * t + v], S(0)));
+    if (!have || f < best_obj) {
+      have = true;
+      best_obj = f;
+      for (int i = 0; i < t; ++i) best[i] = i == v ? S(1) : S(0);
+      norm_best = sqrt(smax(g[v * t + v], S(0)));
+    }
+  }
+  bool small = norm_best < norm_eps;
+  for (int i = 0; i < t; ++i) w[i] = small ? S(0) : S(1) / S(t) + rho / norm_best * best[i];
+}
+
 FASTPALS_HD inline int64_t vec_size(int method, int t) {
-  return method == GRADVAC ? int64_t(t) * (t - 1) : 2 * int64_t(t);
+  return method == GRADVAC || method == PCGRAD ? int64_t(t) * (t - 1) : 2 * int64_t(t);
 }
 
 FASTPALS_HD inline int64_t solve_workspace_size(int method, int t) {
@@ -580,6 +871,10 @@ FASTPALS_HD inline int64_t solve_workspace_size(int method, int t) {
       return alpha_fair_workspace(t);
     case GRADVAC:
       return 3 * int64_t(t);
+    case PCGRAD:
+      return t;
+    case CAGRAD:
+      return cagrad_workspace(t);
     default:
       return 0;
   }
@@ -613,6 +908,30 @@ FASTPALS_HD void solve_weights(int method, const S* g, int t, const S* vec, cons
     case GRADVAC:
       gradvac(g, vec, t, params[0], params[1], state, w, ws);
       break;
+    case PCGRAD:
+      pcgrad(g, vec, t, w, ws);
+      break;
+    case CAGRAD:
+      cagrad(g, t, params[0], params[1], params[2] != S(0), int(vec[0]), int(vec[1]), w, ws);
+      break;
+    case SUM:
+    case MEAN:
+      for (int i = 0; i < t; ++i) w[i] = method == SUM ? S(1) : S(1) / S(t);
+      break;
+    case CONSTANT:
+      for (int i = 0; i < t; ++i) w[i] = vec[i];
+      break;
+    case RANDOM: {
+      S top = vec[0];
+      for (int i = 1; i < t; ++i) top = smax(top, vec[i]);
+      S sum = S(0);
+      for (int i = 0; i < t; ++i) {
+        w[i] = exp(vec[i] - top);
+        sum += w[i];
+      }
+      for (int i = 0; i < t; ++i) w[i] /= sum;
+      break;
+    }
     default:
       break;
   }

@@ -23,7 +23,23 @@ from fastpals.surgery.weights_basic import gem_weights  # noqa: E402
 
 tja = pytest.importorskip("torchjd.aggregation", reason="torchjd (dev extra) is needed for the comparisons")
 F64 = torch.float64
-METHODS = ("imtlg", "alignedmtl", "upgrad", "dualproj", "gem", "mgda", "fairgrad", "nashmtl", "gradvac")
+METHODS = (
+    "imtlg",
+    "alignedmtl",
+    "upgrad",
+    "dualproj",
+    "gem",
+    "mgda",
+    "fairgrad",
+    "nashmtl",
+    "gradvac",
+    "pcgrad",
+    "cagrad",
+    "sum",
+    "mean",
+    "constant",
+    "random",
+)
 SIZES = (2, 3, 5, 8, 16, 17, 33, 64)
 KINDS = ("full", "lowrank", "conflict")
 # the PyTorch Jacobi solver takes ~0.4 s at T = 64: every kind up to 16, one each beyond

@@ -28,7 +28,22 @@ __all__ = ["CSRC", "METHODS", "enabled", "extension_cache_dir", "load", "solve_w
 #: the sources of the op (a checkout's top-level ``csrc/``)
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 #: the methods the op solves (codes of ``csrc/solvers.h``)
-METHODS = ("imtlg", "alignedmtl", "upgrad", "dualproj", "gem", "mgda", "alpha_fair", "gradvac")
+METHODS = (
+    "imtlg",
+    "alignedmtl",
+    "upgrad",
+    "dualproj",
+    "gem",
+    "mgda",
+    "alpha_fair",
+    "gradvac",
+    "pcgrad",
+    "cagrad",
+    "sum",
+    "mean",
+    "constant",
+    "random",
+)
 CPU_SOURCES = ("solve_weights.cpp",)
 CUDA_SOURCES = ("solve_weights_cuda.cu",)
 

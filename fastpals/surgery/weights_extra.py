@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from fastpals.surgery import compiled
 from fastpals.surgery.weights_basic import check_gram, weights_dtype
 
 __all__ = [
@@ -62,9 +63,12 @@ def constant_weights(
     g = check_gram(gram)
     t = g.shape[0]
     if weights is None:
-        return torch.ones(t, dtype=weights_dtype(gram), device=g.device)
+        weights = torch.ones(t, dtype=F64)
     if not isinstance(weights, torch.Tensor) or weights.shape != (t,):
         raise ValueError(f"constant: option weights must be {t} comma-separated values, got {weights!r}")
+    if compiled.enabled(g):
+        vec = torch.cat([weights.to(F64), torch.zeros(t, dtype=F64, device=weights.device)])
+        return compiled.solve_weights(g, "constant", vec.to(g.device, non_blocking=True), [])
     return weights.to(device=g.device, dtype=weights_dtype(gram), non_blocking=True)
 
 
@@ -76,6 +80,9 @@ def random_weights(gram: torch.Tensor, generator: torch.Generator | None = None)
     ``gram [T, T]`` float32/float64 -> ``w [T]`` on its device (float64 for a float64 Gram, else float32)."""
     g = check_gram(gram)
     z = torch.randn(g.shape[0], dtype=F64, generator=generator)
+    if compiled.enabled(g):
+        vec = torch.cat([z, torch.zeros_like(z)]).to(g.device, non_blocking=True)
+        return compiled.solve_weights(g, "random", vec, [])
     return torch.softmax(z, 0).to(device=g.device, dtype=weights_dtype(gram), non_blocking=True)
 
 
