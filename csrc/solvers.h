@@ -593,19 +593,33 @@ FASTPALS_HD void pcgrad(const S* g, const S* orders, int t, S* w, S* coef) {
   }
 }
 
-// CAGrad's objective <b, x> + rho sqrt(x^T G x), summing over the non-zero entries of x only
+// CAGrad's objective <b, x> + rho sqrt(x^T G x) over the non-zero entries of x (their indices go to nz, t
+// elements; G symmetric: the strict lower triangle counted twice, four partial sums per row)
 template <typename S>
-FASTPALS_HD S cagrad_objective(const S* g, const S* b, S rho, const S* x, int t, S* norm_out) {
-  S lin = S(0), quad = S(0);
-  for (int i = 0; i < t; ++i) {
-    if (x[i] == S(0)) continue;
-    lin += x[i] * b[i];
-    S acc = S(0);
-    for (int j = 0; j < t; ++j)
-      if (x[j] != S(0)) acc += g[i * t + j] * x[j];
-    quad += x[i] * acc;
+FASTPALS_HD S cagrad_objective(const S* g, const S* b, S rho, const S* x, int t, S* norm_out, S* nz) {
+  int k = 0;
+  S lin = S(0);
+  for (int i = 0; i < t; ++i)
+    if (x[i] != S(0)) {
+      nz[k++] = S(i);
+      lin += x[i] * b[i];
+    }
+  S diag = S(0), off = S(0);
+  for (int a = 0; a < k; ++a) {
+    const int i = int(nz[a]);
+    const S* row = g + int64_t(i) * t;
+    S acc[4] = {S(0), S(0), S(0), S(0)};
+    int c = 0;
+    for (; c + 4 <= a; c += 4)
+      for (int u = 0; u < 4; ++u) {
+        const int j = int(nz[c + u]);
+        acc[u] += row[j] * x[j];
+      }
+    for (; c < a; ++c) acc[0] += row[int(nz[c])] * x[int(nz[c])];
+    off += x[i] * ((acc[0] + acc[1]) + (acc[2] + acc[3]));
+    diag += x[i] * x[i] * row[i];
   }
-  S norm = sqrt(smax(quad, S(0)));
+  S norm = sqrt(smax(diag + S(2) * off, S(0)));
   if (norm_out) *norm_out = norm;
   return lin + rho * norm;
 }
@@ -656,30 +670,29 @@ FASTPALS_HD bool cagrad_on_support(const S* g, const S* b, S rho, const S* in, i
   return ok;
 }
 
-// Euclidean projection of y onto the probability simplex (x may alias nothing); sorted: t scratch elements.
+// Euclidean projection of y onto the probability simplex: max(y - tau, 0), tau found by Michelot's method (drop
+// the entries at or below the running threshold until none is); in: t scratch elements.
 template <typename S>
-FASTPALS_HD void simplex_projection(const S* y, int t, S* x, S* sorted) {
-  for (int i = 0; i < t; ++i) sorted[i] = y[i];
-  for (int i = 1; i < t; ++i) {  // insertion sort, descending
-    S v = sorted[i];
-    int j = i - 1;
-    while (j >= 0 && sorted[j] < v) {
-      sorted[j + 1] = sorted[j];
-      --j;
-    }
-    sorted[j + 1] = v;
+FASTPALS_HD void simplex_projection(const S* y, int t, S* x, S* in) {
+  for (int i = 0; i < t; ++i) in[i] = S(1);
+  S tau = S(0);
+  for (bool changed = true; changed;) {
+    S sum = S(0);
+    int cnt = 0;
+    for (int i = 0; i < t; ++i)
+      if (in[i] != S(0)) {
+        sum += y[i];
+        ++cnt;
+      }
+    tau = (sum - S(1)) / S(cnt);
+    changed = false;
+    for (int i = 0; i < t; ++i)
+      if (in[i] != S(0) && y[i] <= tau) {
+        in[i] = S(0);
+        changed = true;
+      }
   }
-  S css = S(0), theta_css = sorted[0] - S(1);
-  int count = 1;
-  for (int k = 0; k < t; ++k) {
-    css += sorted[k];
-    if (sorted[k] - (css - S(1)) / S(k + 1) > S(0)) {
-      count = k + 1;
-      theta_css = css - S(1);
-    }
-  }
-  S theta = theta_css / S(count);
-  for (int i = 0; i < t; ++i) x[i] = smax(y[i] - theta, S(0));
+  for (int i = 0; i < t; ++i) x[i] = smax(y[i] - tau, S(0));
 }
 
 FASTPALS_HD inline int64_t cagrad_workspace(int t) { return 2 * int64_t(t) * t + 12 * int64_t(t); }
@@ -729,7 +742,7 @@ FASTPALS_HD void cagrad(const S* g0, int t, S c, S norm_eps, bool exact, int pgd
       }
       if (!ok) continue;
       for (int i = 0; i < t; ++i) cand[i] /= smax(sum, floor_of<S>(1e-300));
-      S f = cagrad_objective(g, b, rho, cand, t, (S*)nullptr);
+      S f = cagrad_objective(g, b, rho, cand, t, (S*)nullptr, sorted);
       if (!have || f < best_obj) {
         have = true;
         best_obj = f;
@@ -768,7 +781,7 @@ FASTPALS_HD void cagrad(const S* g0, int t, S c, S norm_eps, bool exact, int pgd
         S s = k == 40 ? S(0) : step;
         for (int i = 0; i < t; ++i) tmp[i] = x[i] - s / gmax * grad[i];
         simplex_projection(tmp, t, cand, sorted);
-        S f = cagrad_objective(g, b, rho, cand, t, (S*)nullptr);
+        S f = cagrad_objective(g, b, rho, cand, t, (S*)nullptr, sorted);
         if (kbest < 0 || f < fbest) {
           fbest = f;
           kbest = k;
@@ -779,7 +792,7 @@ FASTPALS_HD void cagrad(const S* g0, int t, S c, S norm_eps, bool exact, int pgd
       for (int i = 0; i < t; ++i) x[i] = in[i];
     }
     // primal active set from the support of x; best point met kept in `best`
-    S best_f = cagrad_objective(g, b, rho, x, t, (S*)nullptr);
+    S best_f = cagrad_objective(g, b, rho, x, t, (S*)nullptr, sorted);
     S xmax = x[0];
     int xarg = 0;
     for (int i = 1; i < t; ++i)
@@ -794,7 +807,7 @@ FASTPALS_HD void cagrad(const S* g0, int t, S c, S norm_eps, bool exact, int pgd
       for (int i = 0; i < t; ++i) any_neg = any_neg || (in[i] != S(0) && cand[i] < S(0));
       bool feasible = valid && !any_neg;
       for (int i = 0; i < t; ++i) tmp[i] = smax(cand[i], S(0));
-      S f = cagrad_objective(g, b, rho, tmp, t, (S*)nullptr);
+      S f = cagrad_objective(g, b, rho, tmp, t, (S*)nullptr, sorted);
       if (feasible && f < best_f) {
         best_f = f;
         for (int i = 0; i < t; ++i) best[i] = tmp[i];
@@ -834,11 +847,11 @@ FASTPALS_HD void cagrad(const S* g0, int t, S c, S norm_eps, bool exact, int pgd
       }
     }
     have = true;
-    best_obj = cagrad_objective(g, b, rho, best, t, (S*)nullptr);
+    best_obj = cagrad_objective(g, b, rho, best, t, (S*)nullptr, sorted);
   }
   // the vertices are candidates too; the first minimum wins
   S norm_best = S(0);
-  if (have) cagrad_objective(g, b, rho, best, t, &norm_best);
+  if (have) cagrad_objective(g, b, rho, best, t, &norm_best, sorted);
   for (int v = 0; v < t; ++v) {
     S f = b[v] + rho * sqrt(smax(g[v * t + v], S(0)));
     if (!have || f < best_obj) {
