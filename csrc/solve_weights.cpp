@@ -14,12 +14,12 @@ namespace fastpals {
 int method_code(const std::string& method) {
   static const char* names[NUM_METHODS] = {"imtlg",  "alignedmtl", "upgrad", "dualproj", "gem",
                                            "mgda",   "alpha_fair", "gradvac", "pcgrad",  "cagrad",
-                                           "sum",    "mean",       "constant", "random"};
+                                           "sum",    "mean",       "constant", "random",  "pcd"};
   for (int i = 0; i < NUM_METHODS; ++i)
     if (method == names[i]) return i;
   TORCH_CHECK(false, "solve_weights: unknown method '", method,
               "'; choose one of imtlg, alignedmtl, upgrad, dualproj, gem, mgda, alpha_fair, gradvac, pcgrad, "
-              "cagrad, sum, mean, constant, random");
+              "cagrad, sum, mean, constant, random, pcd");
   return -1;
 }
 

@@ -44,7 +44,8 @@ enum Method : int {
   MEAN = 11,
   CONSTANT = 12,
   RANDOM = 13,
-  NUM_METHODS = 14
+  PCD = 14,
+  NUM_METHODS = 15
 };
 
 // the slots of the `params` array per method (unused slots are ignored)
@@ -59,6 +60,8 @@ enum Method : int {
 //   PCGRAD:     vec: the projection orders (T x (T - 1), row-major)
 //   CAGRAD:     [0] c, [1] norm_eps, [2] 1: every support (exact), 0: projected gradient then active set;
 //               vec: [0] projected-gradient iterations, [1] active-set iterations
+//   PCD:        [0] the relative precision below which the direction counts as zero; vec: the scales s [0, T),
+//               the fractions tau of the secondary tasks [T, 2T - 1)
 //   SUM, MEAN:  none;  CONSTANT: vec [0, T) the weights;  RANDOM: vec [0, T) the normal draws z (w = softmax(z))
 // `vec` (length vec_size(method, T)): UPGRAD/DUALPROJ/ALIGNEDMTL: the preference vector in [0, T); GEM: the proposal in [0, T)
 // and the constraint mask (1 or 0) in [T, 2T); MGDA, IMTLG: unused.
@@ -865,6 +868,57 @@ FASTPALS_HD void cagrad(const S* g0, int t, S c, S norm_eps, bool exact, int pgd
   for (int i = 0; i < t; ++i) w[i] = small ? S(0) : S(1) / S(t) + rho / norm_best * best[i];
 }
 
+FASTPALS_HD inline int64_t pcd_workspace(int t) { return 2 * int64_t(t) * t + 2 * int64_t(t) + qp_workspace(t); }
+
+// PCD (weights_extra.py pcd_weights): on G~ = G s s^T, the multipliers mu >= 0 of the secondary tasks' progress
+// constraints from the dual non-negative QP (ridge 1e-12 max diag; mu = 0 where the constraints are infeasible),
+// w = [1, mu] s sqrt(G_00 / d^T d); zeros when
+// G_00 = 0 or d^T d <= precision (sum |w_i| |g~_i|)^2.
+template <typename S>
+FASTPALS_HD void pcd(const S* g, const S* s, const S* taus, int t, S precision, S* w, S* ws) {
+  const int m = t - 1;
+  S* ng = ws;           // t x t
+  S* q = ng + t * t;    // m x m
+  S* lin = q + t * t;   // m
+  S* mu = lin + t;      // m
+  S* work = mu + t;     // qp_workspace(m)
+  for (int i = 0; i < t; ++i)
+    for (int j = 0; j < t; ++j) ng[i * t + j] = g[i * t + j] * s[i] * s[j];
+  w[0] = S(1);
+  if (m > 0) {
+    S top = S(0);
+    for (int i = 1; i < t; ++i) top = smax(top, ng[i * t + i]);
+    for (int i = 0; i < m; ++i) {
+      for (int j = 0; j < m; ++j) q[i * m + j] = ng[(i + 1) * t + j + 1] + (i == j ? S(1e-12) * top : S(0));
+      lin[i] = ng[(i + 1) * t] - taus[i] * ng[(i + 1) * t + i + 1];
+    }
+    S qmax = S(0);
+    for (int i = 0; i < m; ++i) qmax = smax(qmax, q[i * m + i]);
+    const int iters = 3 * m + 10 < 40 ? 3 * m + 10 : 40;  // solvers.py QP_MAX_ITER
+    nonneg_qp(q, lin, m, iters, S(1e-13) * smax(qmax, Eps<S>::tiny), mu, work);
+    // infeasible constraints (an unbounded dual, bounded only by the ridge): a constraint still violated by
+    // more than 1e-6 max diag G~ without the ridge (the ridge alone shifts
+    // it by 1e-12 max diag mu_j); then d = g~_0
+    bool infeasible = false;
+    for (int i = 0; i < m; ++i) {
+      S slack = lin[i];
+      for (int j = 0; j < m; ++j) slack += ng[(i + 1) * t + j + 1] * mu[j];
+      infeasible = infeasible || slack < S(-1e-6) * smax(top, ng[0]);
+    }
+    for (int i = 0; i < m; ++i) w[i + 1] = infeasible ? S(0) : mu[i];
+  }
+  S dsq = S(0), mag = S(0);
+  for (int i = 0; i < t; ++i) {
+    S acc = S(0);
+    for (int j = 0; j < t; ++j) acc += ng[i * t + j] * w[j];
+    dsq += w[i] * acc;
+    mag += fabs(w[i]) * sqrt(smax(ng[i * t + i], S(0)));
+  }
+  const bool keep = g[0] > S(0) && dsq > precision * mag * mag;
+  const S factor = keep ? sqrt(g[0] / dsq) : S(0);
+  for (int i = 0; i < t; ++i) w[i] = keep ? w[i] * s[i] * factor : S(0);
+}
+
 FASTPALS_HD inline int64_t vec_size(int method, int t) {
   return method == GRADVAC || method == PCGRAD ? int64_t(t) * (t - 1) : 2 * int64_t(t);
 }
@@ -888,6 +942,8 @@ FASTPALS_HD inline int64_t solve_workspace_size(int method, int t) {
       return t;
     case CAGRAD:
       return cagrad_workspace(t);
+    case PCD:
+      return pcd_workspace(t);
     default:
       return 0;
   }
@@ -933,6 +989,9 @@ FASTPALS_HD void solve_weights(int method, const S* g, int t, const S* vec, cons
       break;
     case CONSTANT:
       for (int i = 0; i < t; ++i) w[i] = vec[i];
+      break;
+    case PCD:
+      pcd(g, vec, vec + t, t, params[0], w, ws);
       break;
     case RANDOM: {
       S top = vec[0];

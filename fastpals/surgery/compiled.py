@@ -43,6 +43,7 @@ METHODS = (
     "mean",
     "constant",
     "random",
+    "pcd",
 )
 CPU_SOURCES = ("solve_weights.cpp",)
 CUDA_SOURCES = ("solve_weights_cuda.cu",)

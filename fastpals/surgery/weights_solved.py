@@ -756,6 +756,7 @@ AGGREGATORS: dict[str, Callable[..., torch.Tensor]] = {
     "modo": weights_extra.modo_weights,
     "sdmgrad": weights_extra.sdmgrad_weights,
     "crmogm": crmogm_weights,
+    "pcd": weights_extra.pcd_weights,
 }
 """Name -> aggregator ``fn(gram, [state,] generator=None, **options) -> w``."""
 
@@ -765,5 +766,6 @@ STATEFUL: dict[str, type] = {
     "modo": weights_extra.MoDoState,
     "sdmgrad": weights_extra.SDMGradState,
     "crmogm": CRMOGMState,
+    "pcd": weights_extra.PCDState,
 }
 """Names whose function takes a state object (second argument / ``state=``), and the state's class."""
