@@ -30,6 +30,13 @@ COMPILED = {
     "nashmtl",
     "gradvac",
     "crmogm",
+    "pcgrad",
+    "cagrad",
+    "sum",
+    "mean",
+    "constant",
+    "random",
+    "pcd",
 }
 
 

@@ -22,8 +22,10 @@
 
 #if defined(__CUDACC__)
 #define FASTPALS_HD __host__ __device__
+#define FASTPALS_NOINLINE __noinline__
 #else
 #define FASTPALS_HD
+#define FASTPALS_NOINLINE
 #endif
 
 namespace fastpals {
@@ -599,7 +601,7 @@ FASTPALS_HD void pcgrad(const S* g, const S* orders, int t, S* w, S* coef) {
 // CAGrad's objective <b, x> + rho sqrt(x^T G x) over the non-zero entries of x (their indices go to nz, t
 // elements; G symmetric: the strict lower triangle counted twice, four partial sums per row)
 template <typename S>
-FASTPALS_HD S cagrad_objective(const S* g, const S* b, S rho, const S* x, int t, S* norm_out, S* nz) {
+FASTPALS_HD FASTPALS_NOINLINE S cagrad_objective(const S* g, const S* b, S rho, const S* x, int t, S* norm_out, S* nz) {
   int k = 0;
   S lin = S(0);
   for (int i = 0; i < t; ++i)
@@ -631,7 +633,7 @@ FASTPALS_HD S cagrad_objective(const S* g, const S* b, S rho, const S* x, int t,
 // w = (lam a - c) / sqrt(disc) with lam the root of the quadratic; returns whether disc > 0 and sum(a) > 0.
 // work: t * t + 2 t elements.
 template <typename S>
-FASTPALS_HD bool cagrad_on_support(const S* g, const S* b, S rho, const S* in, int t, S scale, S* w, S* work) {
+FASTPALS_HD FASTPALS_NOINLINE bool cagrad_on_support(const S* g, const S* b, S rho, const S* in, int t, S scale, S* w, S* work) {
   S* sys = work;
   S* a = sys + t * t;
   S* c = a + t;
@@ -676,7 +678,7 @@ FASTPALS_HD bool cagrad_on_support(const S* g, const S* b, S rho, const S* in, i
 // Euclidean projection of y onto the probability simplex: max(y - tau, 0), tau found by Michelot's method (drop
 // the entries at or below the running threshold until none is); in: t scratch elements.
 template <typename S>
-FASTPALS_HD void simplex_projection(const S* y, int t, S* x, S* in) {
+FASTPALS_HD FASTPALS_NOINLINE void simplex_projection(const S* y, int t, S* x, S* in) {
   for (int i = 0; i < t; ++i) in[i] = S(1);
   S tau = S(0);
   for (bool changed = true; changed;) {
@@ -704,7 +706,7 @@ FASTPALS_HD inline int64_t cagrad_workspace(int t) { return 2 * int64_t(t) * t +
 // from every support (exact) or from projected-gradient steps and a primal active-set method; the vertices are
 // candidates too. Returns 1/T + rho / |g_w*| w*, zeros when |g_w*| < norm_eps.
 template <typename S>
-FASTPALS_HD void cagrad(const S* g0, int t, S c, S norm_eps, bool exact, int pgd_iters, int search_iters, S* w,
+FASTPALS_HD FASTPALS_NOINLINE void cagrad(const S* g0, int t, S c, S norm_eps, bool exact, int pgd_iters, int search_iters, S* w,
                         S* ws) {
   S* g = ws;               // t x t: the normalised Gram
   S* work = g + t * t;     // t x t + 2t: the support solves
@@ -792,6 +794,7 @@ FASTPALS_HD void cagrad(const S* g0, int t, S c, S norm_eps, bool exact, int pgd
         }
         step *= S(0.5);
       }
+      if (kbest == 40) break;  // the current point is kept: a fixed point, the next iterations keep it too
       for (int i = 0; i < t; ++i) x[i] = in[i];
     }
     // primal active set from the support of x; best point met kept in `best`
@@ -875,7 +878,7 @@ FASTPALS_HD inline int64_t pcd_workspace(int t) { return 2 * int64_t(t) * t + 2 
 // w = [1, mu] s sqrt(G_00 / d^T d); zeros when
 // G_00 = 0 or d^T d <= precision (sum |w_i| |g~_i|)^2.
 template <typename S>
-FASTPALS_HD void pcd(const S* g, const S* s, const S* taus, int t, S precision, S* w, S* ws) {
+FASTPALS_HD FASTPALS_NOINLINE void pcd(const S* g, const S* s, const S* taus, int t, S precision, S* w, S* ws) {
   const int m = t - 1;
   S* ng = ws;           // t x t
   S* q = ng + t * t;    // m x m
