@@ -37,6 +37,8 @@ COMPILED = {
     "constant",
     "random",
     "pcd",
+    "modo",
+    "sdmgrad",
 }
 
 

@@ -47,7 +47,9 @@ enum Method : int {
   CONSTANT = 12,
   RANDOM = 13,
   PCD = 14,
-  NUM_METHODS = 15
+  MODO = 15,
+  SDMGRAD = 16,
+  NUM_METHODS = 17
 };
 
 // the slots of the `params` array per method (unused slots are ignored)
@@ -64,6 +66,8 @@ enum Method : int {
 //               vec: [0] projected-gradient iterations, [1] active-set iterations
 //   PCD:        [0] the relative precision below which the direction counts as zero; vec: the scales s [0, T),
 //               the fractions tau of the secondary tasks [T, 2T - 1)
+//   MODO:       [0] gamma, [1] rho; state: lambda [T] (read and written)
+//   SDMGRAD:    [0] lr, [1] momentum, [2] n_iter; vec: the preference p [0, T), lambda_ at [T]; state: w [T]
 //   SUM, MEAN:  none;  CONSTANT: vec [0, T) the weights;  RANDOM: vec [0, T) the normal draws z (w = softmax(z))
 // `vec` (length vec_size(method, T)): UPGRAD/DUALPROJ/ALIGNEDMTL: the preference vector in [0, T); GEM: the proposal in [0, T)
 // and the constraint mask (1 or 0) in [T, 2T); MGDA, IMTLG: unused.
@@ -922,6 +926,42 @@ FASTPALS_HD FASTPALS_NOINLINE void pcd(const S* g, const S* s, const S* taus, in
   for (int i = 0; i < t; ++i) w[i] = keep ? w[i] * s[i] * factor : S(0);
 }
 
+// MoDo (weights_extra.py modo_weights): lambda <- Proj_simplex(lambda - gamma (G lambda + rho lambda)); w = lambda.
+template <typename S>
+FASTPALS_HD FASTPALS_NOINLINE void modo(const S* g, int t, S gamma, S rho, S* lam, S* w, S* ws) {
+  for (int i = 0; i < t; ++i) {
+    S acc = S(0);
+    for (int j = 0; j < t; ++j) acc += g[i * t + j] * lam[j];
+    ws[i] = lam[i] - gamma * (acc + rho * lam[i]);
+  }
+  simplex_projection(ws, t, w, ws + t);
+  for (int i = 0; i < t; ++i) lam[i] = w[i];
+}
+
+// SDMGrad (weights_extra.py sdmgrad_weights): n_iter momentum steps on the simplex for 1/2 |J^T (w + lambda_ p)|^2
+// on G / (mean_i sqrt(G_ii))^2 from the stored w; returns (w + lambda_ p) / (1 + lambda_).
+template <typename S>
+FASTPALS_HD FASTPALS_NOINLINE void sdmgrad(const S* g, const S* p, int t, S lr, S momentum, int n_iter,
+                                           S lambda, S* state, S* w, S* ws) {
+  S* velocity = ws;
+  S* y = velocity + t;
+  S* scratch = y + t;
+  S scale = S(0);
+  for (int i = 0; i < t; ++i) scale += sqrt(smax(g[i * t + i], S(0)));
+  scale /= S(t);
+  const S denom = scale * scale + S(1e-8);
+  for (int step = 0; step < n_iter; ++step) {
+    for (int i = 0; i < t; ++i) {
+      S acc = S(0);
+      for (int j = 0; j < t; ++j) acc += g[i * t + j] / denom * (state[j] + lambda * p[j]);
+      velocity[i] = step == 0 ? acc : momentum * velocity[i] + acc;
+      y[i] = state[i] - lr * velocity[i];
+    }
+    simplex_projection(y, t, state, scratch);
+  }
+  for (int i = 0; i < t; ++i) w[i] = (state[i] + lambda * p[i]) / (S(1) + lambda);
+}
+
 FASTPALS_HD inline int64_t vec_size(int method, int t) {
   return method == GRADVAC || method == PCGRAD ? int64_t(t) * (t - 1) : 2 * int64_t(t);
 }
@@ -947,6 +987,10 @@ FASTPALS_HD inline int64_t solve_workspace_size(int method, int t) {
       return cagrad_workspace(t);
     case PCD:
       return pcd_workspace(t);
+    case MODO:
+      return 2 * int64_t(t);
+    case SDMGRAD:
+      return 3 * int64_t(t);
     default:
       return 0;
   }
@@ -995,6 +1039,12 @@ FASTPALS_HD void solve_weights(int method, const S* g, int t, const S* vec, cons
       break;
     case PCD:
       pcd(g, vec, vec + t, t, params[0], w, ws);
+      break;
+    case MODO:
+      modo(g, t, params[0], params[1], state, w, ws);
+      break;
+    case SDMGRAD:
+      sdmgrad(g, vec, t, params[0], params[1], int(params[2]), vec[t], state, w, ws);
       break;
     case RANDOM: {
       S top = vec[0];

@@ -40,6 +40,8 @@ METHODS = (
     "constant",
     "random",
     "pcd",
+    "modo",
+    "sdmgrad",
 )
 SIZES = (2, 3, 5, 8, 16, 17, 33, 64)
 KINDS = ("full", "lowrank", "conflict")

@@ -8,8 +8,8 @@ into ``$XDG_CACHE_HOME/fastpals/extensions`` (``~/.cache/...``); without a compi
 ``FASTPALS_SOLVE=torch``) the PyTorch solvers run. The first solve prints one line saying which.
 
 ``solve_weights(gram [T, T] float32/float64, method, vec float64 or None, params [<= 3] floats, state=None)``
-returns ``w [T]`` in the Gram's dtype; ``method``, ``vec``, ``params`` and ``state`` (GradVac's targets, updated
-in place) are laid out in ``csrc/solvers.h``.
+returns ``w [T]`` in the Gram's dtype; ``method``, ``vec``, ``params`` and ``state`` (GradVac's targets, MoDo's and
+SDMGrad's weights, updated in place) are laid out in ``csrc/solvers.h``.
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ METHODS = (
     "constant",
     "random",
     "pcd",
+    "modo",
+    "sdmgrad",
 )
 CPU_SOURCES = ("solve_weights.cpp",)
 CUDA_SOURCES = ("solve_weights_cuda.cu",)

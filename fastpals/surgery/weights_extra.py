@@ -176,6 +176,9 @@ def modo_weights(
         raise ValueError(f"modo: gamma must be positive and rho non-negative, got {gamma}, {rho}")
     g = check_gram(gram).to(F64)
     lam = state.current(g.shape[0], g.device)
+    if compiled.enabled(g):
+        state.weights = lam.contiguous()
+        return compiled.solve_weights(gram, "modo", None, [gamma, rho], state=state.weights)
     lam = project_onto_simplex(lam - gamma * (g @ lam + rho * lam))
     state.weights = lam
     return lam.to(weights_dtype(gram))
@@ -216,6 +219,10 @@ def sdmgrad_weights(
     scale = torch.diagonal(g).clamp_min(0.0).sqrt().mean()
     a = g / (scale.pow(2) + 1e-8)
     w = state.current(t, g.device)
+    if compiled.enabled(g):
+        state.weights = w.contiguous()
+        vec = torch.cat([p, torch.full((t,), float(lambda_), dtype=F64, device=g.device)])
+        return compiled.solve_weights(gram, "sdmgrad", vec, [lr, momentum, int(n_iter)], state=state.weights)
     velocity = torch.zeros_like(w)
     for step in range(int(n_iter)):
         grad = a @ (w + lambda_ * p)
