@@ -39,6 +39,7 @@ COMPILED = {
     "pcd",
     "modo",
     "sdmgrad",
+    "krum",
 }
 
 

@@ -15,12 +15,12 @@ int method_code(const std::string& method) {
   static const char* names[NUM_METHODS] = {"imtlg",  "alignedmtl", "upgrad", "dualproj", "gem",
                                            "mgda",   "alpha_fair", "gradvac", "pcgrad",  "cagrad",
                                            "sum",    "mean",       "constant", "random",  "pcd",
-                                           "modo",   "sdmgrad"};
+                                           "modo",   "sdmgrad",    "krum"};
   for (int i = 0; i < NUM_METHODS; ++i)
     if (method == names[i]) return i;
   TORCH_CHECK(false, "solve_weights: unknown method '", method,
               "'; choose one of imtlg, alignedmtl, upgrad, dualproj, gem, mgda, alpha_fair, gradvac, pcgrad, "
-              "cagrad, sum, mean, constant, random, pcd, modo, sdmgrad");
+              "cagrad, sum, mean, constant, random, pcd, modo, sdmgrad, krum");
   return -1;
 }
 

@@ -49,7 +49,8 @@ enum Method : int {
   PCD = 14,
   MODO = 15,
   SDMGRAD = 16,
-  NUM_METHODS = 17
+  KRUM = 17,
+  NUM_METHODS = 18
 };
 
 // the slots of the `params` array per method (unused slots are ignored)
@@ -68,6 +69,7 @@ enum Method : int {
 //               the fractions tau of the secondary tasks [T, 2T - 1)
 //   MODO:       [0] gamma, [1] rho; state: lambda [T] (read and written)
 //   SDMGRAD:    [0] lr, [1] momentum, [2] n_iter; vec: the preference p [0, T), lambda_ at [T]; state: w [T]
+//   KRUM:       [0] n_byzantine, [1] n_selected
 //   SUM, MEAN:  none;  CONSTANT: vec [0, T) the weights;  RANDOM: vec [0, T) the normal draws z (w = softmax(z))
 // `vec` (length vec_size(method, T)): UPGRAD/DUALPROJ/ALIGNEDMTL: the preference vector in [0, T); GEM: the proposal in [0, T)
 // and the constraint mask (1 or 0) in [T, 2T); MGDA, IMTLG: unused.
@@ -962,6 +964,38 @@ FASTPALS_HD FASTPALS_NOINLINE void sdmgrad(const S* g, const S* p, int t, S lr, 
   for (int i = 0; i < t; ++i) w[i] = (state[i] + lambda * p[i]) / (S(1) + lambda);
 }
 
+// (Multi-)Krum (weights_extra.py krum_weights): score_i = the sum of the distances |g_i - g_j| (from G) to its
+// t - n_byzantine - 2 nearest others; the n_selected lowest scores (the lower index first on ties) get
+// 1 / n_selected.
+template <typename S>
+FASTPALS_HD FASTPALS_NOINLINE void krum(const S* g, int t, int n_byzantine, int n_selected, S* w, S* ws) {
+  S* row = ws;
+  S* score = row + t;
+  const int k = t - n_byzantine - 1;
+  for (int i = 0; i < t; ++i) {
+    for (int j = 0; j < t; ++j) row[j] = sqrt(smax(g[j * t + j] + g[i * t + i] - S(2) * g[i * t + j], S(0)));
+    for (int a = 1; a < t; ++a) {  // insertion sort, ascending
+      S v = row[a];
+      int b = a - 1;
+      while (b >= 0 && row[b] > v) {
+        row[b + 1] = row[b];
+        --b;
+      }
+      row[b + 1] = v;
+    }
+    S sum = S(0);
+    for (int a = 1; a < k; ++a) sum += row[a];
+    score[i] = sum;
+    w[i] = S(0);
+  }
+  for (int n = 0; n < n_selected; ++n) {
+    int best = -1;
+    for (int i = 0; i < t; ++i)
+      if (w[i] == S(0) && (best < 0 || score[i] < score[best])) best = i;
+    w[best] = S(1) / S(n_selected);
+  }
+}
+
 FASTPALS_HD inline int64_t vec_size(int method, int t) {
   return method == GRADVAC || method == PCGRAD ? int64_t(t) * (t - 1) : 2 * int64_t(t);
 }
@@ -991,6 +1025,8 @@ FASTPALS_HD inline int64_t solve_workspace_size(int method, int t) {
       return 2 * int64_t(t);
     case SDMGRAD:
       return 3 * int64_t(t);
+    case KRUM:
+      return 2 * int64_t(t);
     default:
       return 0;
   }
@@ -1045,6 +1081,9 @@ FASTPALS_HD void solve_weights(int method, const S* g, int t, const S* vec, cons
       break;
     case SDMGRAD:
       sdmgrad(g, vec, t, params[0], params[1], int(params[2]), vec[t], state, w, ws);
+      break;
+    case KRUM:
+      krum(g, t, int(params[0]), int(params[1]), w, ws);
       break;
     case RANDOM: {
       S top = vec[0];

@@ -42,6 +42,7 @@ METHODS = (
     "pcd",
     "modo",
     "sdmgrad",
+    "krum",
 )
 SIZES = (2, 3, 5, 8, 16, 17, 33, 64)
 KINDS = ("full", "lowrank", "conflict")
@@ -92,6 +93,8 @@ def gem_objective(w, g):
 def test_compiled_equals_the_pytorch_solver(name, monkeypatch):
     worst = []
     for t, kind in REF_CASES:
+        if name == "krum" and t < 3:  # Krum needs T >= n_byzantine + 3
+            continue
         j = task_gradients(t, kind_for(name, kind), 1, dim=max(40, 2 * t))
         g = j @ j.T
         # PCD on a rounded rank-deficient Gram is a degenerate QP (multipliers not unique, infeasibility decided

@@ -46,6 +46,7 @@ METHODS = (
     "pcd",
     "modo",
     "sdmgrad",
+    "krum",
 )
 CPU_SOURCES = ("solve_weights.cpp",)
 CUDA_SOURCES = ("solve_weights_cuda.cu",)

@@ -110,6 +110,8 @@ def krum_weights(
             f"krum: needs n_byzantine >= 0, 1 <= n_selected <= T and T >= n_byzantine + 3, got "
             f"n_byzantine={n_byzantine}, n_selected={n_selected}, T={t}"
         )
+    if compiled.enabled(g):
+        return compiled.solve_weights(gram, "krum", None, [n_byzantine, n_selected])
     sq = torch.diagonal(g)
     dist = (sq[None, :] + sq[:, None] - 2 * g).clamp_min(0.0).sqrt()
     nearest = torch.topk(dist, k=t - n_byzantine - 1, largest=False).values[:, 1:]
