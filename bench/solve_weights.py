@@ -30,6 +30,16 @@ COMPILED = {
     "nashmtl",
     "gradvac",
     "crmogm",
+    "pcgrad",
+    "cagrad",
+    "sum",
+    "mean",
+    "constant",
+    "random",
+    "pcd",
+    "modo",
+    "sdmgrad",
+    "krum",
 }
 
 

@@ -12,12 +12,15 @@
 namespace fastpals {
 
 int method_code(const std::string& method) {
-  static const char* names[NUM_METHODS] = {"imtlg", "alignedmtl", "upgrad",     "dualproj",
-                                           "gem",   "mgda",       "alpha_fair", "gradvac"};
+  static const char* names[NUM_METHODS] = {"imtlg",  "alignedmtl", "upgrad", "dualproj", "gem",
+                                           "mgda",   "alpha_fair", "gradvac", "pcgrad",  "cagrad",
+                                           "sum",    "mean",       "constant", "random",  "pcd",
+                                           "modo",   "sdmgrad",    "krum"};
   for (int i = 0; i < NUM_METHODS; ++i)
     if (method == names[i]) return i;
   TORCH_CHECK(false, "solve_weights: unknown method '", method,
-              "'; choose one of imtlg, alignedmtl, upgrad, dualproj, gem, mgda, alpha_fair, gradvac");
+              "'; choose one of imtlg, alignedmtl, upgrad, dualproj, gem, mgda, alpha_fair, gradvac, pcgrad, "
+              "cagrad, sum, mean, constant, random, pcd, modo, sdmgrad, krum");
   return -1;
 }
 
@@ -35,6 +38,10 @@ void check_inputs(const at::Tensor& gram, int code, const c10::optional<at::Tens
     TORCH_CHECK(state.has_value() && state->scalar_type() == at::kDouble && state->is_contiguous() &&
                     state->numel() == int64_t(t) * t && state->device() == gram.device(),
                 "solve_weights: gradvac needs state, a contiguous float64 [T, T] tensor on the Gram's device");
+  if (code == MODO || code == SDMGRAD)
+    TORCH_CHECK(state.has_value() && state->scalar_type() == at::kDouble && state->is_contiguous() &&
+                    state->numel() == t && state->device() == gram.device(),
+                "solve_weights: modo and sdmgrad need state, a contiguous float64 [T] tensor on the Gram's device");
 }
 
 at::Tensor solve_weights_cpu(const at::Tensor& gram, const std::string& method,

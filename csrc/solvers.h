@@ -22,8 +22,10 @@
 
 #if defined(__CUDACC__)
 #define FASTPALS_HD __host__ __device__
+#define FASTPALS_NOINLINE __noinline__
 #else
 #define FASTPALS_HD
+#define FASTPALS_NOINLINE
 #endif
 
 namespace fastpals {
@@ -38,7 +40,17 @@ enum Method : int {
   MGDA = 5,
   ALPHA_FAIR = 6,
   GRADVAC = 7,
-  NUM_METHODS = 8
+  PCGRAD = 8,
+  CAGRAD = 9,
+  SUM = 10,
+  MEAN = 11,
+  CONSTANT = 12,
+  RANDOM = 13,
+  PCD = 14,
+  MODO = 15,
+  SDMGRAD = 16,
+  KRUM = 17,
+  NUM_METHODS = 18
 };
 
 // the slots of the `params` array per method (unused slots are ignored)
@@ -50,6 +62,15 @@ enum Method : int {
 //   ALPHA_FAIR: [0] alpha (> 0), [1] max_iter  (FairGrad's and Nash-MTL's root of G x = x^(-1/alpha))
 //   GRADVAC:    [0] beta, [1] eps; vec: the projection orders (T x (T - 1), row-major); state: the EMA
 //               targets phi_hat (T x T, read and written)
+//   PCGRAD:     vec: the projection orders (T x (T - 1), row-major)
+//   CAGRAD:     [0] c, [1] norm_eps, [2] 1: every support (exact), 0: projected gradient then active set;
+//               vec: [0] projected-gradient iterations, [1] active-set iterations
+//   PCD:        [0] the relative precision below which the direction counts as zero; vec: the scales s [0, T),
+//               the fractions tau of the secondary tasks [T, 2T - 1)
+//   MODO:       [0] gamma, [1] rho; state: lambda [T] (read and written)
+//   SDMGRAD:    [0] lr, [1] momentum, [2] n_iter; vec: the preference p [0, T), lambda_ at [T]; state: w [T]
+//   KRUM:       [0] n_byzantine, [1] n_selected
+//   SUM, MEAN:  none;  CONSTANT: vec [0, T) the weights;  RANDOM: vec [0, T) the normal draws z (w = softmax(z))
 // `vec` (length vec_size(method, T)): UPGRAD/DUALPROJ/ALIGNEDMTL: the preference vector in [0, T); GEM: the proposal in [0, T)
 // and the constraint mask (1 or 0) in [T, 2T); MGDA, IMTLG: unused.
 constexpr int NUM_PARAMS = 3;
@@ -71,6 +92,10 @@ template <typename S>
 FASTPALS_HD inline S smax(S a, S b) { return a > b ? a : b; }
 template <typename S>
 FASTPALS_HD inline S smin(S a, S b) { return a < b ? a : b; }
+
+// a positive floor v in double, the smallest normal float in float (v would underflow to 0)
+template <typename S>
+FASTPALS_HD inline S floor_of(double v) { return S(sizeof(S) == sizeof(double) ? v : 1e-37); }
 
 template <typename S>
 FASTPALS_HD inline bool finite(S v) {
@@ -561,8 +586,418 @@ FASTPALS_HD void gradvac(const S* g, const S* orders, int t, S beta, S eps, S* p
   }
 }
 
+// PCGrad as weights: task i's gradient, tracked as coefficients of the g_k, is projected in the order of row i of
+// `orders` onto the normal plane of each original g_j it conflicts with; w = the coefficients' column sums.
+template <typename S>
+FASTPALS_HD void pcgrad(const S* g, const S* orders, int t, S* w, S* coef) {
+  for (int k = 0; k < t; ++k) w[k] = S(0);
+  for (int i = 0; i < t; ++i) {
+    for (int k = 0; k < t; ++k) coef[k] = k == i ? S(1) : S(0);
+    for (int step = 0; step < t - 1; ++step) {
+      int j = int(orders[i * (t - 1) + step]);
+      S dot = S(0);
+      for (int k = 0; k < t; ++k) dot += coef[k] * g[k * t + j];
+      S d = g[j * t + j];
+      if (dot < S(0) && d > S(0)) coef[j] -= dot / d;
+    }
+    for (int k = 0; k < t; ++k) w[k] += coef[k];
+  }
+}
+
+// CAGrad's objective <b, x> + rho sqrt(x^T G x) over the non-zero entries of x (their indices go to nz, t
+// elements; G symmetric: the strict lower triangle counted twice, four partial sums per row)
+template <typename S>
+FASTPALS_HD FASTPALS_NOINLINE S cagrad_objective(const S* g, const S* b, S rho, const S* x, int t, S* norm_out, S* nz) {
+  int k = 0;
+  S lin = S(0);
+  for (int i = 0; i < t; ++i)
+    if (x[i] != S(0)) {
+      nz[k++] = S(i);
+      lin += x[i] * b[i];
+    }
+  S diag = S(0), off = S(0);
+  for (int a = 0; a < k; ++a) {
+    const int i = int(nz[a]);
+    const S* row = g + int64_t(i) * t;
+    S acc[4] = {S(0), S(0), S(0), S(0)};
+    int c = 0;
+    for (; c + 4 <= a; c += 4)
+      for (int u = 0; u < 4; ++u) {
+        const int j = int(nz[c + u]);
+        acc[u] += row[j] * x[j];
+      }
+    for (; c < a; ++c) acc[0] += row[int(nz[c])] * x[int(nz[c])];
+    off += x[i] * ((acc[0] + acc[1]) + (acc[2] + acc[3]));
+    diag += x[i] * x[i] * row[i];
+  }
+  S norm = sqrt(smax(diag + S(2) * off, S(0)));
+  if (norm_out) *norm_out = norm;
+  return lin + rho * norm;
+}
+
+// CAGrad's KKT point on the support `in` (1 or 0 per task): a = G_SS^-1 1, c = G_SS^-1 b_S (ridge 1e-12 scale),
+// w = (lam a - c) / sqrt(disc) with lam the root of the quadratic; returns whether disc > 0 and sum(a) > 0.
+// work: t * t + 2 t elements.
+template <typename S>
+FASTPALS_HD FASTPALS_NOINLINE bool cagrad_on_support(const S* g, const S* b, S rho, const S* in, int t, S scale, S* w, S* work) {
+  S* sys = work;
+  S* a = sys + t * t;
+  S* c = a + t;
+  int k = 0;
+  for (int i = 0; i < t; ++i) k += in[i] != S(0);
+  for (int pass = 0; pass < 2; ++pass) {
+    S* rhs = pass == 0 ? a : c;
+    int r = 0;
+    for (int i = 0; i < t; ++i) {
+      if (in[i] == S(0)) continue;
+      int l = 0;
+      for (int j = 0; j < t; ++j)
+        if (in[j] != S(0)) sys[r * k + l++] = g[i * t + j] + (i == j ? S(1e-12) * scale : S(0));
+      rhs[r++] = pass == 0 ? S(1) : b[i];
+    }
+    lu_solve(sys, rhs, k);
+  }
+  S big_a = S(0), big_b = S(0), big_c = S(0);
+  for (int i = t - 1, r = k - 1; i >= 0; --i) {  // unpack in place, from the back
+    if (in[i] != S(0)) {
+      a[i] = a[r];
+      c[i] = c[r];
+      --r;
+    } else {
+      a[i] = S(0);
+      c[i] = S(0);
+    }
+  }
+  for (int i = 0; i < t; ++i) {
+    big_a += a[i];
+    big_b += c[i];
+    big_c += c[i] * b[i];
+  }
+  S disc = big_b * big_b - big_a * (big_c - rho * rho);
+  bool ok = disc > S(0) && big_a > S(0);
+  S sd = sqrt(ok ? disc : S(1));
+  S lam = (big_b + sd) / (ok ? big_a : S(1));
+  for (int i = 0; i < t; ++i) w[i] = (lam * a[i] - c[i]) / sd;
+  return ok;
+}
+
+// Euclidean projection of y onto the probability simplex: max(y - tau, 0), tau found by Michelot's method (drop
+// the entries at or below the running threshold until none is); in: t scratch elements.
+template <typename S>
+FASTPALS_HD FASTPALS_NOINLINE void simplex_projection(const S* y, int t, S* x, S* in) {
+  for (int i = 0; i < t; ++i) in[i] = S(1);
+  S tau = S(0);
+  for (bool changed = true; changed;) {
+    S sum = S(0);
+    int cnt = 0;
+    for (int i = 0; i < t; ++i)
+      if (in[i] != S(0)) {
+        sum += y[i];
+        ++cnt;
+      }
+    tau = (sum - S(1)) / S(cnt);
+    changed = false;
+    for (int i = 0; i < t; ++i)
+      if (in[i] != S(0) && y[i] <= tau) {
+        in[i] = S(0);
+        changed = true;
+      }
+  }
+  for (int i = 0; i < t; ++i) x[i] = smax(y[i] - tau, S(0));
+}
+
+FASTPALS_HD inline int64_t cagrad_workspace(int t) { return 2 * int64_t(t) * t + 12 * int64_t(t); }
+
+// CAGrad (weights_solved.py cagrad_weights): w* = argmin over the simplex of <b, w> + rho |g_w| on G / trace(G),
+// from every support (exact) or from projected-gradient steps and a primal active-set method; the vertices are
+// candidates too. Returns 1/T + rho / |g_w*| w*, zeros when |g_w*| < norm_eps.
+template <typename S>
+FASTPALS_HD FASTPALS_NOINLINE void cagrad(const S* g0, int t, S c, S norm_eps, bool exact, int pgd_iters, int search_iters, S* w,
+                        S* ws) {
+  S* g = ws;               // t x t: the normalised Gram
+  S* work = g + t * t;     // t x t + 2t: the support solves
+  S* b = work + t * t + 2 * t;
+  S* best = b + t;
+  S* cand = best + t;
+  S* grad = cand + t;
+  S* in = grad + t;
+  S* gw = in + t;
+  S* sorted = gw + t;
+  S* tmp = sorted + t;
+  S tr = S(0);
+  for (int i = 0; i < t; ++i) tr += g0[i * t + i];
+  for (int i = 0; i < t; ++i)
+    for (int j = 0; j < t; ++j) g[i * t + j] = tr < norm_eps ? S(0) : S(0.5) * (g0[i * t + j] + g0[j * t + i]) / tr;
+  S scale = S(0);
+  for (int i = 0; i < t; ++i) scale = smax(scale, g[i * t + i]);
+  scale = smax(scale, Eps<S>::tiny);
+  S uu = S(0);
+  for (int i = 0; i < t; ++i) {
+    S acc = S(0);
+    for (int j = 0; j < t; ++j) acc += g[i * t + j];
+    b[i] = acc / S(t);
+    uu += b[i] / S(t);
+  }
+  S rho = c * sqrt(smax(uu, S(0)));
+  bool have = false;
+  S best_obj = S(0);
+  if (exact) {
+    for (int64_t code = 1; code < (int64_t(1) << t); ++code) {
+      for (int i = 0; i < t; ++i) in[i] = (code >> i) & 1 ? S(1) : S(0);
+      bool ok = cagrad_on_support(g, b, rho, in, t, scale, cand, work);
+      S sum = S(0);
+      for (int i = 0; i < t; ++i) {
+        ok = ok && cand[i] >= S(-1e-9);
+        cand[i] = smax(cand[i], S(0));
+        sum += cand[i];
+      }
+      if (!ok) continue;
+      for (int i = 0; i < t; ++i) cand[i] /= smax(sum, floor_of<S>(1e-300));
+      S f = cagrad_objective(g, b, rho, cand, t, (S*)nullptr, sorted);
+      if (!have || f < best_obj) {
+        have = true;
+        best_obj = f;
+        for (int i = 0; i < t; ++i) best[i] = cand[i];
+      }
+    }
+  } else {
+    // projected (sub)gradient steps from 1/T, 40 step sizes 2^-k and the current point tried each time
+    S* x = best;
+    for (int i = 0; i < t; ++i) x[i] = S(1) / S(t);
+    for (int it = 0; it < pgd_iters; ++it) {
+      S q = S(0);
+      for (int i = 0; i < t; ++i) {
+        S acc = S(0);
+        for (int j = 0; j < t; ++j) acc += g[i * t + j] * x[j];
+        gw[i] = acc;
+        q += x[i] * acc;
+      }
+      S norm = smax(sqrt(smax(q, S(0))), floor_of<S>(1e-150));
+      S mean = S(0);
+      for (int i = 0; i < t; ++i) {
+        grad[i] = b[i] + rho * gw[i] / norm;
+        mean += grad[i];
+      }
+      mean /= S(t);
+      S gmax = S(0);
+      for (int i = 0; i < t; ++i) {
+        grad[i] -= mean;
+        gmax = smax(gmax, fabs(grad[i]));
+      }
+      gmax = smax(gmax, floor_of<S>(1e-300));
+      S fbest = S(0);
+      int kbest = -1;
+      S step = S(1);
+      for (int k = 0; k <= 40; ++k) {
+        S s = k == 40 ? S(0) : step;
+        for (int i = 0; i < t; ++i) tmp[i] = x[i] - s / gmax * grad[i];
+        simplex_projection(tmp, t, cand, sorted);
+        S f = cagrad_objective(g, b, rho, cand, t, (S*)nullptr, sorted);
+        if (kbest < 0 || f < fbest) {
+          fbest = f;
+          kbest = k;
+          for (int i = 0; i < t; ++i) in[i] = cand[i];
+        }
+        step *= S(0.5);
+      }
+      if (kbest == 40) break;  // the current point is kept: a fixed point, the next iterations keep it too
+      for (int i = 0; i < t; ++i) x[i] = in[i];
+    }
+    // primal active set from the support of x; best point met kept in `best`
+    S best_f = cagrad_objective(g, b, rho, x, t, (S*)nullptr, sorted);
+    S xmax = x[0];
+    int xarg = 0;
+    for (int i = 1; i < t; ++i)
+      if (x[i] > xmax) {
+        xmax = x[i];
+        xarg = i;
+      }
+    for (int i = 0; i < t; ++i) in[i] = (x[i] > S(1e-6) * xmax || i == xarg) ? S(1) : S(0);
+    for (int it = 0; it < search_iters; ++it) {
+      bool valid = cagrad_on_support(g, b, rho, in, t, scale, cand, work);
+      bool any_neg = false;
+      for (int i = 0; i < t; ++i) any_neg = any_neg || (in[i] != S(0) && cand[i] < S(0));
+      bool feasible = valid && !any_neg;
+      for (int i = 0; i < t; ++i) tmp[i] = smax(cand[i], S(0));
+      S f = cagrad_objective(g, b, rho, tmp, t, (S*)nullptr, sorted);
+      if (feasible && f < best_f) {
+        best_f = f;
+        for (int i = 0; i < t; ++i) best[i] = tmp[i];
+      }
+      S q = S(0);
+      for (int i = 0; i < t; ++i) {
+        S acc = S(0);
+        for (int j = 0; j < t; ++j) acc += g[i * t + j] * cand[j];
+        gw[i] = acc;
+        q += cand[i] * acc;
+      }
+      S norm = sqrt(smax(q, floor_of<S>(1e-300)));
+      S mu = S(0), gmax = S(0);
+      for (int i = 0; i < t; ++i) {
+        grad[i] = b[i] + rho * gw[i] / norm;
+        mu += grad[i] * cand[i];
+        gmax = smax(gmax, fabs(grad[i]));
+      }
+      S tol = S(1e-12) * (gmax + floor_of<S>(1e-300));
+      int most = -1, smallest = -1, largest = 0;
+      for (int i = 0; i < t; ++i) {
+        if (in[i] == S(0) && grad[i] < mu - tol && (most < 0 || grad[i] < grad[most])) most = i;
+        if (in[i] != S(0) && (smallest < 0 || best[i] < best[smallest])) smallest = i;
+        if (best[i] > best[largest]) largest = i;
+      }
+      if (feasible && most < 0) break;  // optimal: the support freezes
+      if (any_neg || !valid) {
+        int left = 0;
+        for (int i = 0; i < t; ++i) {
+          bool keep = in[i] != S(0) && (valid ? !(cand[i] < S(0)) : i != smallest);
+          in[i] = keep ? S(1) : S(0);
+          left += keep;
+        }
+        if (left == 0) in[largest] = S(1);
+      } else if (most >= 0) {
+        in[most] = S(1);
+      }
+    }
+    have = true;
+    best_obj = cagrad_objective(g, b, rho, best, t, (S*)nullptr, sorted);
+  }
+  // the vertices are candidates too; the first minimum wins
+  S norm_best = S(0);
+  if (have) cagrad_objective(g, b, rho, best, t, &norm_best, sorted);
+  for (int v = 0; v < t; ++v) {
+    S f = b[v] + rho * sqrt(smax(g[v * t + v], S(0)));
+    if (!have || f < best_obj) {
+      have = true;
+      best_obj = f;
+      for (int i = 0; i < t; ++i) best[i] = i == v ? S(1) : S(0);
+      norm_best = sqrt(smax(g[v * t + v], S(0)));
+    }
+  }
+  bool small = norm_best < norm_eps;
+  for (int i = 0; i < t; ++i) w[i] = small ? S(0) : S(1) / S(t) + rho / norm_best * best[i];
+}
+
+FASTPALS_HD inline int64_t pcd_workspace(int t) { return 2 * int64_t(t) * t + 2 * int64_t(t) + qp_workspace(t); }
+
+// PCD (weights_extra.py pcd_weights): on G~ = G s s^T, the multipliers mu >= 0 of the secondary tasks' progress
+// constraints from the dual non-negative QP (ridge 1e-12 max diag; mu = 0 where the constraints are infeasible),
+// w = [1, mu] s sqrt(G_00 / d^T d); zeros when
+// G_00 = 0 or d^T d <= precision (sum |w_i| |g~_i|)^2.
+template <typename S>
+FASTPALS_HD FASTPALS_NOINLINE void pcd(const S* g, const S* s, const S* taus, int t, S precision, S* w, S* ws) {
+  const int m = t - 1;
+  S* ng = ws;           // t x t
+  S* q = ng + t * t;    // m x m
+  S* lin = q + t * t;   // m
+  S* mu = lin + t;      // m
+  S* work = mu + t;     // qp_workspace(m)
+  for (int i = 0; i < t; ++i)
+    for (int j = 0; j < t; ++j) ng[i * t + j] = g[i * t + j] * s[i] * s[j];
+  w[0] = S(1);
+  if (m > 0) {
+    S top = S(0);
+    for (int i = 1; i < t; ++i) top = smax(top, ng[i * t + i]);
+    for (int i = 0; i < m; ++i) {
+      for (int j = 0; j < m; ++j) q[i * m + j] = ng[(i + 1) * t + j + 1] + (i == j ? S(1e-12) * top : S(0));
+      lin[i] = ng[(i + 1) * t] - taus[i] * ng[(i + 1) * t + i + 1];
+    }
+    S qmax = S(0);
+    for (int i = 0; i < m; ++i) qmax = smax(qmax, q[i * m + i]);
+    const int iters = 3 * m + 10 < 40 ? 3 * m + 10 : 40;  // solvers.py QP_MAX_ITER
+    nonneg_qp(q, lin, m, iters, S(1e-13) * smax(qmax, Eps<S>::tiny), mu, work);
+    // infeasible constraints (an unbounded dual, bounded only by the ridge): a constraint still violated by
+    // more than 1e-6 max diag G~ without the ridge (the ridge alone shifts
+    // it by 1e-12 max diag mu_j); then d = g~_0
+    bool infeasible = false;
+    for (int i = 0; i < m; ++i) {
+      S slack = lin[i];
+      for (int j = 0; j < m; ++j) slack += ng[(i + 1) * t + j + 1] * mu[j];
+      infeasible = infeasible || slack < S(-1e-6) * smax(top, ng[0]);
+    }
+    for (int i = 0; i < m; ++i) w[i + 1] = infeasible ? S(0) : mu[i];
+  }
+  S dsq = S(0), mag = S(0);
+  for (int i = 0; i < t; ++i) {
+    S acc = S(0);
+    for (int j = 0; j < t; ++j) acc += ng[i * t + j] * w[j];
+    dsq += w[i] * acc;
+    mag += fabs(w[i]) * sqrt(smax(ng[i * t + i], S(0)));
+  }
+  const bool keep = g[0] > S(0) && dsq > precision * mag * mag;
+  const S factor = keep ? sqrt(g[0] / dsq) : S(0);
+  for (int i = 0; i < t; ++i) w[i] = keep ? w[i] * s[i] * factor : S(0);
+}
+
+// MoDo (weights_extra.py modo_weights): lambda <- Proj_simplex(lambda - gamma (G lambda + rho lambda)); w = lambda.
+template <typename S>
+FASTPALS_HD FASTPALS_NOINLINE void modo(const S* g, int t, S gamma, S rho, S* lam, S* w, S* ws) {
+  for (int i = 0; i < t; ++i) {
+    S acc = S(0);
+    for (int j = 0; j < t; ++j) acc += g[i * t + j] * lam[j];
+    ws[i] = lam[i] - gamma * (acc + rho * lam[i]);
+  }
+  simplex_projection(ws, t, w, ws + t);
+  for (int i = 0; i < t; ++i) lam[i] = w[i];
+}
+
+// SDMGrad (weights_extra.py sdmgrad_weights): n_iter momentum steps on the simplex for 1/2 |J^T (w + lambda_ p)|^2
+// on G / (mean_i sqrt(G_ii))^2 from the stored w; returns (w + lambda_ p) / (1 + lambda_).
+template <typename S>
+FASTPALS_HD FASTPALS_NOINLINE void sdmgrad(const S* g, const S* p, int t, S lr, S momentum, int n_iter,
+                                           S lambda, S* state, S* w, S* ws) {
+  S* velocity = ws;
+  S* y = velocity + t;
+  S* scratch = y + t;
+  S scale = S(0);
+  for (int i = 0; i < t; ++i) scale += sqrt(smax(g[i * t + i], S(0)));
+  scale /= S(t);
+  const S denom = scale * scale + S(1e-8);
+  for (int step = 0; step < n_iter; ++step) {
+    for (int i = 0; i < t; ++i) {
+      S acc = S(0);
+      for (int j = 0; j < t; ++j) acc += g[i * t + j] / denom * (state[j] + lambda * p[j]);
+      velocity[i] = step == 0 ? acc : momentum * velocity[i] + acc;
+      y[i] = state[i] - lr * velocity[i];
+    }
+    simplex_projection(y, t, state, scratch);
+  }
+  for (int i = 0; i < t; ++i) w[i] = (state[i] + lambda * p[i]) / (S(1) + lambda);
+}
+
+// (Multi-)Krum (weights_extra.py krum_weights): score_i = the sum of the distances |g_i - g_j| (from G) to its
+// t - n_byzantine - 2 nearest others; the n_selected lowest scores (the lower index first on ties) get
+// 1 / n_selected.
+template <typename S>
+FASTPALS_HD FASTPALS_NOINLINE void krum(const S* g, int t, int n_byzantine, int n_selected, S* w, S* ws) {
+  S* row = ws;
+  S* score = row + t;
+  const int k = t - n_byzantine - 1;
+  for (int i = 0; i < t; ++i) {
+    for (int j = 0; j < t; ++j) row[j] = sqrt(smax(g[j * t + j] + g[i * t + i] - S(2) * g[i * t + j], S(0)));
+    for (int a = 1; a < t; ++a) {  // insertion sort, ascending
+      S v = row[a];
+      int b = a - 1;
+      while (b >= 0 && row[b] > v) {
+        row[b + 1] = row[b];
+        --b;
+      }
+      row[b + 1] = v;
+    }
+    S sum = S(0);
+    for (int a = 1; a < k; ++a) sum += row[a];
+    score[i] = sum;
+    w[i] = S(0);
+  }
+  for (int n = 0; n < n_selected; ++n) {
+    int best = -1;
+    for (int i = 0; i < t; ++i)
+      if (w[i] == S(0) && (best < 0 || score[i] < score[best])) best = i;
+    w[best] = S(1) / S(n_selected);
+  }
+}
+
 FASTPALS_HD inline int64_t vec_size(int method, int t) {
-  return method == GRADVAC ? int64_t(t) * (t - 1) : 2 * int64_t(t);
+  return method == GRADVAC || method == PCGRAD ? int64_t(t) * (t - 1) : 2 * int64_t(t);
 }
 
 FASTPALS_HD inline int64_t solve_workspace_size(int method, int t) {
@@ -580,6 +1015,18 @@ FASTPALS_HD inline int64_t solve_workspace_size(int method, int t) {
       return alpha_fair_workspace(t);
     case GRADVAC:
       return 3 * int64_t(t);
+    case PCGRAD:
+      return t;
+    case CAGRAD:
+      return cagrad_workspace(t);
+    case PCD:
+      return pcd_workspace(t);
+    case MODO:
+      return 2 * int64_t(t);
+    case SDMGRAD:
+      return 3 * int64_t(t);
+    case KRUM:
+      return 2 * int64_t(t);
     default:
       return 0;
   }
@@ -613,6 +1060,42 @@ FASTPALS_HD void solve_weights(int method, const S* g, int t, const S* vec, cons
     case GRADVAC:
       gradvac(g, vec, t, params[0], params[1], state, w, ws);
       break;
+    case PCGRAD:
+      pcgrad(g, vec, t, w, ws);
+      break;
+    case CAGRAD:
+      cagrad(g, t, params[0], params[1], params[2] != S(0), int(vec[0]), int(vec[1]), w, ws);
+      break;
+    case SUM:
+    case MEAN:
+      for (int i = 0; i < t; ++i) w[i] = method == SUM ? S(1) : S(1) / S(t);
+      break;
+    case CONSTANT:
+      for (int i = 0; i < t; ++i) w[i] = vec[i];
+      break;
+    case PCD:
+      pcd(g, vec, vec + t, t, params[0], w, ws);
+      break;
+    case MODO:
+      modo(g, t, params[0], params[1], state, w, ws);
+      break;
+    case SDMGRAD:
+      sdmgrad(g, vec, t, params[0], params[1], int(params[2]), vec[t], state, w, ws);
+      break;
+    case KRUM:
+      krum(g, t, int(params[0]), int(params[1]), w, ws);
+      break;
+    case RANDOM: {
+      S top = vec[0];
+      for (int i = 1; i < t; ++i) top = smax(top, vec[i]);
+      S sum = S(0);
+      for (int i = 0; i < t; ++i) {
+        w[i] = exp(vec[i] - top);
+        sum += w[i];
+      }
+      for (int i = 0; i < t; ++i) w[i] /= sum;
+      break;
+    }
     default:
       break;
   }

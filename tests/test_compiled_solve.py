@@ -23,7 +23,27 @@ from fastpals.surgery.weights_basic import gem_weights  # noqa: E402
 
 tja = pytest.importorskip("torchjd.aggregation", reason="torchjd (dev extra) is needed for the comparisons")
 F64 = torch.float64
-METHODS = ("imtlg", "alignedmtl", "upgrad", "dualproj", "gem", "mgda", "fairgrad", "nashmtl", "gradvac")
+METHODS = (
+    "imtlg",
+    "alignedmtl",
+    "upgrad",
+    "dualproj",
+    "gem",
+    "mgda",
+    "fairgrad",
+    "nashmtl",
+    "gradvac",
+    "pcgrad",
+    "cagrad",
+    "sum",
+    "mean",
+    "constant",
+    "random",
+    "pcd",
+    "modo",
+    "sdmgrad",
+    "krum",
+)
 SIZES = (2, 3, 5, 8, 16, 17, 33, 64)
 KINDS = ("full", "lowrank", "conflict")
 # the PyTorch Jacobi solver takes ~0.4 s at T = 64: every kind up to 16, one each beyond
@@ -73,9 +93,13 @@ def gem_objective(w, g):
 def test_compiled_equals_the_pytorch_solver(name, monkeypatch):
     worst = []
     for t, kind in REF_CASES:
+        if name == "krum" and t < 3:  # Krum needs T >= n_byzantine + 3
+            continue
         j = task_gradients(t, kind_for(name, kind), 1, dim=max(40, 2 * t))
         g = j @ j.T
-        for dtype in (F64, torch.float32):
+        # PCD on a rounded rank-deficient Gram is a degenerate QP (multipliers not unique, infeasibility decided
+        # at a threshold): float64 only there
+        for dtype in (F64,) if name == "pcd" and kind == "lowrank" else (F64, torch.float32):
             w_ref = pytorch_solver(name, g.to(dtype), monkeypatch)
             w = weights(name, g.to(dtype))
             assert w.dtype == w_ref.dtype == dtype and w.shape == (t,)

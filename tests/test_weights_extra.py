@@ -12,7 +12,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_aggregators import task_gradients  # noqa: E402
+from test_aggregators import rel_dir, task_gradients  # noqa: E402
 
 from fastpals.surgery import (  # noqa: E402
     AGGREGATORS,
@@ -23,11 +23,16 @@ from fastpals.surgery import (  # noqa: E402
     SurgeryOptimizer,
     make_weighting,
 )
-from fastpals.surgery.weights_extra import project_onto_simplex  # noqa: E402
+from fastpals.surgery.weights_extra import (  # noqa: E402
+    ExcessMTLState,
+    PCDState,
+    excessmtl_weights,
+    project_onto_simplex,
+)
 
 tja = pytest.importorskip("torchjd.aggregation", reason="torchjd (dev extra) is needed for the comparisons")
 F64 = torch.float64
-NEW = ["constant", "random", "krum", "modo", "sdmgrad", "crmogm"]
+NEW = ["constant", "random", "krum", "modo", "sdmgrad", "crmogm", "pcd"]
 GRAMS = [(t, kind) for t in (3, 5, 16, 64) for kind in ("full", "lowrank", "conflict")]
 
 
@@ -39,7 +44,7 @@ def gram(t, kind, seed=0):
 def test_registered_by_name_with_their_states():
     assert list(AGGREGATORS)[-len(NEW) :] == NEW
     assert STATEFUL["modo"] is MoDoState and STATEFUL["sdmgrad"] is SDMGradState
-    assert STATEFUL["crmogm"] is CRMOGMState
+    assert STATEFUL["crmogm"] is CRMOGMState and STATEFUL["pcd"] is PCDState
 
 
 def test_simplex_projection_is_torchjds():
@@ -160,3 +165,83 @@ def test_bad_options_name_the_option():
         make_weighting("crmogm", base="nashmtl")[0](torch.eye(3))
     with pytest.raises(ValueError, match="krum: needs"):
         AGGREGATORS["krum"](torch.eye(3), n_byzantine=1)
+
+
+@pytest.mark.parametrize("options", [{}, {"tau": 0.3, "beta": 0.9}])
+def test_pcd_equals_torchjd_over_steps(options):
+    """PCD's update direction over 4 calls (its moving average of the squared norms carried) within 1e-4 of
+    TorchJD's, T = 2..64 on random, rank-deficient and conflicting gradients in float64, and on the full-rank
+    ones in float32 (a rounded rank-deficient Gram is a different, degenerate problem)."""
+    bad = []
+    for t, kind in [(2, "conflict")] + GRAMS:
+        for dtype in (F64, torch.float32) if kind != "lowrank" else (F64,):
+            state, ref = PCDState(), tja.PCDWeighting(**options)
+            for step in range(4):
+                j = task_gradients(t, kind, step, dim=max(40, 2 * t))
+                g = (j @ j.T).to(dtype)
+                err = rel_dir(AGGREGATORS["pcd"](g, state, **options), ref(g), j)
+                if err > 1e-4:
+                    bad.append((err, t, kind, dtype, step))
+    assert not bad, f"pcd: direction differs from TorchJD's on {bad}"
+
+
+def test_pcd_tau_per_task_from_a_string():
+    g = gram(3, "conflict")
+    fn, state = make_weighting("pcd", tau="0.1,0.6", beta="0.5")
+    ref = tja.PCDWeighting(tau=torch.tensor([0.1, 0.6], dtype=F64), beta=0.5)
+    for _ in range(2):
+        torch.testing.assert_close(fn(g), ref(g), rtol=1e-6, atol=1e-10)
+    assert isinstance(state, PCDState) and state.step == 2
+
+
+@pytest.mark.parametrize("n_warmup_steps", [0, 2])
+def test_excessmtl_equals_torchjd_over_steps(n_warmup_steps):
+    for t in (2, 5, 64):
+        for dtype in (F64, torch.float32):
+            state = ExcessMTLState()
+            ref = tja.ExcessMTLWeighting(robust_step_size=0.5, n_warmup_steps=n_warmup_steps)
+            for step in range(5):
+                j = task_gradients(t, "conflict", step, dim=max(40, 2 * t)).to(dtype)
+                got = excessmtl_weights(j, state, robust_step_size=0.5, n_warmup_steps=n_warmup_steps)
+                assert got.dtype == dtype
+                torch.testing.assert_close(
+                    got, ref(j), rtol=0, atol=1e-6 if dtype == torch.float32 else 1e-12
+                )
+
+
+def test_pcd_and_excessmtl_torchjd_values():
+    """The weights TorchJD 0.18's ``PCDWeighting()`` and ``ExcessMTLWeighting()`` give for
+    ``J = [[-4, 1, 1], [6, 1, 1]]`` (first call)."""
+    j = torch.tensor([[-4.0, 1.0, 1.0], [6.0, 1.0, 1.0]])
+    torch.testing.assert_close(
+        AGGREGATORS["pcd"](G_BASE, PCDState()), torch.tensor([1.8481, 1.0954]), rtol=0, atol=1e-4
+    )
+    torch.testing.assert_close(
+        excessmtl_weights(j, ExcessMTLState()), torch.tensor([0.1192, 0.8808]), rtol=0, atol=1e-4
+    )
+
+
+def test_pcd_surgery_optimizer_trains_and_checkpoints():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 4)
+    opt = SurgeryOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), method="pcd")
+    x = torch.randn(16, 6)
+    first = float(model(x)[:, 0].pow(2).mean().detach())
+    for _ in range(3):
+        opt.zero_grad()
+        opt.backward([model(x)[:, k].pow(2).mean() for k in range(4)])
+        opt.step()
+    assert float(model(x)[:, 0].pow(2).mean().detach()) < first  # the primary task descends
+    again = SurgeryOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), method="pcd")
+    again.load_state_dict(opt.state_dict())
+    assert again.weighting_state.step == 3
+    torch.testing.assert_close(again.weighting_state.sq_norm_ema, opt.weighting_state.sq_norm_ema.cpu())
+
+
+def test_pcd_and_excessmtl_bad_options_name_the_option():
+    with pytest.raises(ValueError, match="option tau"):
+        make_weighting("pcd", tau="1.5")[0](torch.eye(3))
+    with pytest.raises(ValueError, match="option tau"):
+        make_weighting("pcd", tau="0.1,0.2,0.3")[0](torch.eye(3))
+    with pytest.raises(ValueError, match="robust_step_size"):
+        excessmtl_weights(torch.eye(3), ExcessMTLState(), robust_step_size=0.0)

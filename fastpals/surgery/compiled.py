@@ -8,8 +8,8 @@ into ``$XDG_CACHE_HOME/fastpals/extensions`` (``~/.cache/...``); without a compi
 ``FASTPALS_SOLVE=torch``) the PyTorch solvers run. The first solve prints one line saying which.
 
 ``solve_weights(gram [T, T] float32/float64, method, vec float64 or None, params [<= 3] floats, state=None)``
-returns ``w [T]`` in the Gram's dtype; ``method``, ``vec``, ``params`` and ``state`` (GradVac's targets, updated
-in place) are laid out in ``csrc/solvers.h``.
+returns ``w [T]`` in the Gram's dtype; ``method``, ``vec``, ``params`` and ``state`` (GradVac's targets, MoDo's and
+SDMGrad's weights, updated in place) are laid out in ``csrc/solvers.h``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,26 @@ __all__ = ["CSRC", "METHODS", "enabled", "extension_cache_dir", "load", "solve_w
 #: the sources of the op (a checkout's top-level ``csrc/``)
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 #: the methods the op solves (codes of ``csrc/solvers.h``)
-METHODS = ("imtlg", "alignedmtl", "upgrad", "dualproj", "gem", "mgda", "alpha_fair", "gradvac")
+METHODS = (
+    "imtlg",
+    "alignedmtl",
+    "upgrad",
+    "dualproj",
+    "gem",
+    "mgda",
+    "alpha_fair",
+    "gradvac",
+    "pcgrad",
+    "cagrad",
+    "sum",
+    "mean",
+    "constant",
+    "random",
+    "pcd",
+    "modo",
+    "sdmgrad",
+    "krum",
+)
 CPU_SOURCES = ("solve_weights.cpp",)
 CUDA_SOURCES = ("solve_weights_cuda.cu",)
 

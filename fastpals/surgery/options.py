@@ -29,7 +29,7 @@ def _parse(name: str, key: str, value: Any, default: Any) -> Any:
         return value
     text = value.strip()
     try:
-        if key in ("pref_vector", "weights") or (key == "proposal" and "," in text):
+        if key in ("pref_vector", "weights") or (key in ("proposal", "tau") and "," in text):
             return torch.tensor([float(x) for x in text.split(",")], dtype=F64)
         if key == "proposal":
             return int(text) if text.lstrip("-").isdigit() else text

@@ -73,6 +73,8 @@ def sum_weights(gram: torch.Tensor, generator: torch.Generator | None = None) ->
     ``gram [T, T]`` float32/float64 (only its shape, dtype and device are used) -> ``w [T]`` on its device
     (float64 for a float64 Gram, else float32). No iterations."""
     gram = _check_gram(gram)
+    if compiled.enabled(gram):
+        return compiled.solve_weights(gram, "sum", None, [])
     return torch.ones(gram.shape[0], dtype=_out_dtype(gram), device=gram.device)
 
 
@@ -82,6 +84,8 @@ def mean_weights(gram: torch.Tensor, generator: torch.Generator | None = None) -
     ``gram [T, T]`` float32/float64 (only its shape, dtype and device are used) -> ``w [T]`` on its device
     (float64 for a float64 Gram, else float32). No iterations."""
     gram = _check_gram(gram)
+    if compiled.enabled(gram):
+        return compiled.solve_weights(gram, "mean", None, [])
     t = gram.shape[0]
     return torch.full((t,), 1.0 / t, dtype=_out_dtype(gram), device=gram.device)
 
@@ -144,6 +148,9 @@ def pcgrad_weights(
     elif not isinstance(orders, torch.Tensor) or orders.shape != (t, t - 1) or orders.dtype != torch.int64:
         raise ValueError(f"orders must be an int64 tensor of shape ({t}, {t - 1})")
     device = gram.device
+    if compiled.enabled(gram):
+        vec = orders.to(device=device, dtype=torch.float64, non_blocking=True).reshape(-1)
+        return compiled.solve_weights(gram, "pcgrad", vec, [])
     g = gram.to(torch.float64)
     orders = orders.to(device, non_blocking=True)
     coef = torch.eye(t, dtype=torch.float64, device=device)

@@ -6,7 +6,11 @@
 ``krum``      (Multi-)Krum (Blanchard et al. 2017): the ``n_selected`` gradients closest to their neighbours
 ``modo``      MoDo (Chen et al., JMLR 2024): one projected gradient step on the task weights per call, stateful
 ``sdmgrad``   SDMGrad (Xiao et al., NeurIPS 2023): ``n_iter`` momentum steps on the simplex per call, stateful
+``pcd``       PCD (Priority-Constrained Descent, TMLR 2026): the primary task 0 under progress constraints, stateful
 ============  =========================================================================================
+
+ExcessMTL (He et al., ICML 2024) needs the gradient rows themselves (per-parameter squared-gradient sums), not the
+Gram: :func:`excessmtl_weights` takes the ``[T, P]`` rows.
 
 Same conventions as :mod:`fastpals.surgery.weights_solved`: ``fn(gram, [state,] generator=None, **options)``,
 ``gram [T, T]`` float32/float64 on any device, ``w [T]`` on that device (float64 for a float64 Gram, else
@@ -22,9 +26,15 @@ from typing import Any
 
 import torch
 
+from fastpals.surgery import compiled
+from fastpals.surgery.solvers import nonneg_qp
 from fastpals.surgery.weights_basic import check_gram, weights_dtype
 
 __all__ = [
+    "ExcessMTLState",
+    "PCDState",
+    "excessmtl_weights",
+    "pcd_weights",
     "MoDoState",
     "SDMGradState",
     "constant_weights",
@@ -62,9 +72,12 @@ def constant_weights(
     g = check_gram(gram)
     t = g.shape[0]
     if weights is None:
-        return torch.ones(t, dtype=weights_dtype(gram), device=g.device)
+        weights = torch.ones(t, dtype=F64)
     if not isinstance(weights, torch.Tensor) or weights.shape != (t,):
         raise ValueError(f"constant: option weights must be {t} comma-separated values, got {weights!r}")
+    if compiled.enabled(g):
+        vec = torch.cat([weights.to(F64), torch.zeros(t, dtype=F64, device=weights.device)])
+        return compiled.solve_weights(g, "constant", vec.to(g.device, non_blocking=True), [])
     return weights.to(device=g.device, dtype=weights_dtype(gram), non_blocking=True)
 
 
@@ -76,6 +89,9 @@ def random_weights(gram: torch.Tensor, generator: torch.Generator | None = None)
     ``gram [T, T]`` float32/float64 -> ``w [T]`` on its device (float64 for a float64 Gram, else float32)."""
     g = check_gram(gram)
     z = torch.randn(g.shape[0], dtype=F64, generator=generator)
+    if compiled.enabled(g):
+        vec = torch.cat([z, torch.zeros_like(z)]).to(g.device, non_blocking=True)
+        return compiled.solve_weights(g, "random", vec, [])
     return torch.softmax(z, 0).to(device=g.device, dtype=weights_dtype(gram), non_blocking=True)
 
 
@@ -94,6 +110,8 @@ def krum_weights(
             f"krum: needs n_byzantine >= 0, 1 <= n_selected <= T and T >= n_byzantine + 3, got "
             f"n_byzantine={n_byzantine}, n_selected={n_selected}, T={t}"
         )
+    if compiled.enabled(g):
+        return compiled.solve_weights(gram, "krum", None, [n_byzantine, n_selected])
     sq = torch.diagonal(g)
     dist = (sq[None, :] + sq[:, None] - 2 * g).clamp_min(0.0).sqrt()
     nearest = torch.topk(dist, k=t - n_byzantine - 1, largest=False).values[:, 1:]
@@ -160,6 +178,9 @@ def modo_weights(
         raise ValueError(f"modo: gamma must be positive and rho non-negative, got {gamma}, {rho}")
     g = check_gram(gram).to(F64)
     lam = state.current(g.shape[0], g.device)
+    if compiled.enabled(g):
+        state.weights = lam.contiguous()
+        return compiled.solve_weights(gram, "modo", None, [gamma, rho], state=state.weights)
     lam = project_onto_simplex(lam - gamma * (g @ lam + rho * lam))
     state.weights = lam
     return lam.to(weights_dtype(gram))
@@ -200,6 +221,10 @@ def sdmgrad_weights(
     scale = torch.diagonal(g).clamp_min(0.0).sqrt().mean()
     a = g / (scale.pow(2) + 1e-8)
     w = state.current(t, g.device)
+    if compiled.enabled(g):
+        state.weights = w.contiguous()
+        vec = torch.cat([p, torch.full((t,), float(lambda_), dtype=F64, device=g.device)])
+        return compiled.solve_weights(gram, "sdmgrad", vec, [lr, momentum, int(n_iter)], state=state.weights)
     velocity = torch.zeros_like(w)
     for step in range(int(n_iter)):
         grad = a @ (w + lambda_ * p)
@@ -207,3 +232,165 @@ def sdmgrad_weights(
         w = project_onto_simplex(w - lr * velocity)
     state.weights = w
     return ((w + lambda_ * p) / (1.0 + lambda_)).to(weights_dtype(gram))
+
+
+class PCDState(WeightsState):
+    """PCD's moving average of the squared gradient norms ``[T]`` (float64, on the Gram's device) and its
+    number of updates ``step`` (a Python int, read for the bias correction without a device read)."""
+
+    tensors = ("sq_norm_ema",)
+    sq_norm_ema: torch.Tensor | None
+
+    def reset(self) -> None:
+        super().reset()
+        self.step = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "step": self.step}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.step = int(state["step"])
+
+
+def pcd_weights(
+    gram: torch.Tensor,
+    state: PCDState,
+    generator: torch.Generator | None = None,
+    *,
+    tau: float | torch.Tensor = 0.02,
+    beta: float = 0.999,
+    eps: float = 1e-8,
+) -> torch.Tensor:
+    """PCD (Priority-Constrained Descent, TMLR 2026; TorchJD's ``PCDWeighting``): task 0 is the primary one.
+
+    With scales ``s_i = 1 / sqrt(v_i + eps)`` (``v`` the bias-corrected moving average, decay ``beta``, of
+    ``G_ii``) and ``G~ = G * s s^T``, the direction ``d = g~_0 + sum_j mu_j g~_j`` is the closest to ``g~_0`` with
+    ``<g~_j, d> >= tau_j |g~_j|^2`` for every other task ``j``; its dual is the non-negative QP
+    ``min_{mu >= 0} 1/2 mu^T G~_SS mu + mu^T (G~_S0 - tau G~_jj)`` (``S`` the other tasks; ``1e-12 max diag``
+    added to its diagonal so dependent gradients stay solvable), solved by block principal pivoting. ``d`` is
+    rescaled to ``|g_0|``: ``w = [1, mu] * s * sqrt(G_00 / d^T d)``; zero when ``G_00 = 0`` or ``d`` vanishes
+    up to ``10 eps`` of the Gram's dtype. Infeasible constraints (a constraint still violated by more than
+    ``1e-6 max diag G~`` at the QP's solution) are dropped: ``d = g~_0``. ``tau`` is a float or ``[T - 1]``
+    values in ``[0, 1]``.
+
+    ``gram [T, T]`` float32/float64 -> ``w [T]`` on its device (float64 for a float64 Gram, else float32)."""
+    if not isinstance(state, PCDState):
+        raise TypeError(f"pcd needs a PCDState, got {type(state).__name__}")
+    if not 0.0 <= beta < 1.0 or eps < 0:
+        raise ValueError(f"pcd: needs 0 <= beta < 1 and eps >= 0, got beta={beta}, eps={eps}")
+    g = check_gram(gram).to(F64)
+    t = g.shape[0]
+    if isinstance(tau, torch.Tensor):
+        if tau.shape != (t - 1,):
+            raise ValueError(
+                f"pcd: option tau must be one value or {t - 1} comma-separated values, got {tau!r}"
+            )
+        taus = tau.to(device=g.device, dtype=F64, non_blocking=True)
+    elif 0.0 <= float(tau) <= 1.0:
+        taus = torch.full((t - 1,), float(tau), dtype=F64, device=g.device)
+    else:
+        raise ValueError(f"pcd: option tau must be in [0, 1], got {tau!r}")
+    sq = torch.diagonal(g)
+    if state.sq_norm_ema is None or state.sq_norm_ema.shape != (t,):
+        state.reset()
+        state.sq_norm_ema = torch.zeros(t, dtype=F64, device=g.device)
+    state.step += 1
+    ema = beta * state.sq_norm_ema.to(g.device, non_blocking=True) + (1.0 - beta) * sq
+    state.sq_norm_ema = ema
+    den = (ema / (1.0 - beta**state.step) + eps).sqrt()
+    scales = torch.where(
+        den > 0, 1.0 / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(den)
+    )
+    precision = 10.0 * torch.finfo(gram.dtype).eps
+    if compiled.enabled(g):
+        vec = torch.cat([scales, taus, torch.zeros(1, dtype=F64, device=g.device)])
+        return compiled.solve_weights(gram, "pcd", vec, [precision])
+    ng = g * scales[:, None] * scales[None, :]
+    w = torch.ones(t, dtype=F64, device=g.device)
+    if t > 1:
+        q = ng[1:, 1:]
+        q = q + 1e-12 * torch.diagonal(q).amax() * torch.eye(t - 1, dtype=F64, device=g.device)
+        lin = ng[1:, 0] - taus * torch.diagonal(ng)[1:]
+        mu = nonneg_qp(q, lin[None, :])[0]
+        # infeasible constraints make the dual unbounded (bounded only by the ridge): a constraint then stays
+        # violated without the ridge, and d = g~_0
+        top = torch.diagonal(ng).amax()
+        infeasible = (ng[1:, 1:] @ mu + lin < -1e-6 * top).any()
+        w = torch.cat([w[:1], torch.where(infeasible, torch.zeros_like(mu), mu)])
+    dsq = w @ ng @ w
+    magnitude = (w.abs() @ torch.diagonal(ng).clamp_min(0.0).sqrt()) ** 2
+    keep = (sq[0] > 0) & (dsq > precision * magnitude)
+    factor = (sq[0] / torch.where(keep, dsq, torch.ones_like(dsq))).sqrt()
+    return torch.where(keep, w * scales * factor, torch.zeros_like(w)).to(weights_dtype(gram))
+
+
+class ExcessMTLState(WeightsState):
+    """ExcessMTL's state, float64 on the rows' device: ``weights [T]`` (uniform at the start), the per-parameter
+    squared-gradient sums ``sq_grad_sum [T, P]``, the baseline excess risks ``initial [T]``, the warm-up sums
+    ``warmup_sum [T]`` and the number of calls ``step`` (a Python int)."""
+
+    tensors = ("weights", "sq_grad_sum", "initial", "warmup_sum")
+
+    def reset(self) -> None:
+        super().reset()
+        self.step = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "step": self.step}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.step = int(state["step"])
+
+
+def excessmtl_weights(
+    rows: torch.Tensor,
+    state: ExcessMTLState,
+    generator: torch.Generator | None = None,
+    *,
+    robust_step_size: float = 1.0,
+    n_warmup_steps: int = 0,
+) -> torch.Tensor:
+    """ExcessMTL (He et al., "Robust Multi-Task Learning with Excess Risks", ICML 2024; TorchJD's
+    ``ExcessMTLWeighting``): task ``i``'s excess risk is ``e_i = sum_p g_ip^2 / sqrt(S_ip + 1e-7)`` with ``S``
+    the running sum of the squared gradients (an AdaGrad-style diagonal Hessian); after ``n_warmup_steps``
+    calls returning the uniform weights, ``e`` is divided by its baseline (the warm-up mean, or the first
+    call's ``e`` when there is no warm-up, then used raw) and ``w <- softmax(log w + robust_step_size * e)``.
+
+    ``rows [T, P]`` float32/float64, the task gradients (not a Gram) -> ``w [T]`` on their device (float64 for
+    float64 rows, else float32)."""
+    if not isinstance(state, ExcessMTLState):
+        raise TypeError(f"excessmtl needs an ExcessMTLState, got {type(state).__name__}")
+    if robust_step_size <= 0 or int(n_warmup_steps) < 0:
+        raise ValueError(
+            f"excessmtl: needs robust_step_size > 0 and n_warmup_steps >= 0, got {robust_step_size}, "
+            f"{n_warmup_steps}"
+        )
+    if not isinstance(rows, torch.Tensor) or rows.dim() != 2 or rows.shape[0] == 0:
+        raise ValueError(f"excessmtl: rows must be a [T, P] tensor of task gradients, got {rows!r}")
+    out_dtype = F64 if rows.dtype == F64 else torch.float32
+    x = rows.detach().to(F64)
+    t = x.shape[0]
+    if state.sq_grad_sum is None or state.sq_grad_sum.shape != x.shape:
+        state.reset()
+        state.sq_grad_sum = torch.zeros_like(x)
+        state.warmup_sum = torch.zeros(t, dtype=F64, device=x.device)
+        state.weights = torch.full((t,), 1.0 / t, dtype=F64, device=x.device)
+    sq = x * x
+    state.sq_grad_sum = state.sq_grad_sum.to(x.device) + sq
+    excess = (sq / (state.sq_grad_sum + 1e-7).sqrt()).sum(1)
+    state.step += 1
+    if state.step <= int(n_warmup_steps):
+        state.warmup_sum = state.warmup_sum + excess
+        return state.weights.to(out_dtype)
+    if state.initial is None:
+        if int(n_warmup_steps) > 0:
+            state.initial = state.warmup_sum / int(n_warmup_steps)
+            excess = excess / (state.initial + 1e-7)
+        else:
+            state.initial = excess
+    else:
+        excess = excess / (state.initial + 1e-7)
+    state.weights = torch.softmax(state.weights.to(x.device).log() + robust_step_size * excess, 0)
+    return state.weights.to(out_dtype)

@@ -470,8 +470,7 @@ def cagrad_weights(
         raise ValueError(f"cagrad: solver must be 'auto', 'exact' or 'pgd', got {solver!r}")
     if int(max_iter) < 0 or (search_iters is not None and int(search_iters) < 0):
         raise ValueError(f"cagrad: max_iter and search_iters must be >= 0, got {max_iter}, {search_iters}")
-    g = _normalize(_prepare(gram), norm_eps)
-    t = g.shape[0]
+    t = check_gram(gram).shape[0]
     if solver == "auto":
         solver = "exact" if t <= CAGRAD_EXACT_MAX_TASKS else "pgd"
     if solver == "exact" and t > CAGRAD_EXACT_MAX_TASKS:
@@ -479,6 +478,13 @@ def cagrad_weights(
             f"cagrad: solver='exact' enumerates 2^T supports, at most {CAGRAD_EXACT_MAX_TASKS} tasks, got {t}; "
             "use solver='pgd' (or 'auto')"
         )
+    search_iters = 2 * t + 10 if search_iters is None else int(search_iters)
+    if compiled.enabled(gram):
+        vec = torch.zeros(2 * t, dtype=F64)
+        vec[0], vec[1] = int(max_iter), search_iters
+        vec = vec.to(gram.device, non_blocking=True)
+        return compiled.solve_weights(gram, "cagrad", vec, [c, norm_eps, float(solver == "exact")])
+    g = _normalize(_prepare(gram), norm_eps)
     dev = g.device
     u = torch.full((t,), 1.0 / t, dtype=F64, device=dev)
     b = g @ u
@@ -488,8 +494,7 @@ def cagrad_weights(
         w, ok = _cagrad_on_supports(g, b, rho, _subsets(t, dev))
     else:
         it = _cagrad_projected_gradient(g, b, rho, int(max_iter))
-        search_iters = 2 * t + 10 if search_iters is None else search_iters
-        w = _cagrad_active_set(g, b, rho, it, int(search_iters))[None, :]
+        w = _cagrad_active_set(g, b, rho, it, search_iters)[None, :]
         ok = torch.ones(1, dtype=torch.bool, device=dev)
     # the vertices are always feasible candidates (they cover rho = 0 and degenerate supports)
     w = torch.cat([w, eye])
@@ -751,6 +756,7 @@ AGGREGATORS: dict[str, Callable[..., torch.Tensor]] = {
     "modo": weights_extra.modo_weights,
     "sdmgrad": weights_extra.sdmgrad_weights,
     "crmogm": crmogm_weights,
+    "pcd": weights_extra.pcd_weights,
 }
 """Name -> aggregator ``fn(gram, [state,] generator=None, **options) -> w``."""
 
@@ -760,5 +766,6 @@ STATEFUL: dict[str, type] = {
     "modo": weights_extra.MoDoState,
     "sdmgrad": weights_extra.SDMGradState,
     "crmogm": CRMOGMState,
+    "pcd": weights_extra.PCDState,
 }
 """Names whose function takes a state object (second argument / ``state=``), and the state's class."""
