@@ -13,8 +13,8 @@ buffer's place inside :func:`~fastpals.surgery.per_task_gradients` and keeps, pe
   ``apply`` and their update another (:mod:`fastpals_kernels.stream_linear`, the bias a column of ones in ``X``);
   the backward computes nothing per task for them.
 - **embeddings by token-id rows** (an ``nn.Embedding`` looked up per example with ``T * V`` above the step's
-  rows): ``dY [N, d]`` and the ids; the Gram sums rows per (task, distinct id) into ``[T, N, d]`` fp32 tables
-  (column blocks within ``EMBEDDING_GRAM_BYTES``; the tables of one row width share one Gram)
+  rows): ``dY [N, d]`` and the ids; the Gram sums rows per (task, distinct id) into ``[T, N, d / T]`` fp32
+  tables, one per block of ``d / T`` columns (no larger than the rows: flat in T; one row width, one Gram)
   (:func:`embedding_row_gram`), the update is one ``index_add`` of ``c_row * dY``.
 - **kept rows** (biases, LayerNorm, small embeddings, Linear weights with few tasks, and Linear weights within
   ``keep_bytes``): ``[T, *shape]`` fp32 rows, as the buffer holds them.
@@ -60,8 +60,6 @@ GRAM_COLUMNS = 1 << 16
 #: kept rows of at most this many elements per task (biases, LayerNorm, small embeddings) are put side by side
 #: for one Gram and one combine launch over all of them
 SMALL_ROW_ELEMENTS = 1 << 20
-#: bytes of the fp32 ``[T, N, cols]`` table of one column block of :func:`embedding_row_gram`
-EMBEDDING_GRAM_BYTES = 256 << 20
 
 
 def stream_policy(policy: str, num_tasks: int, shape: Sequence[int], rows: int, embedding: bool) -> bool:
@@ -87,7 +85,8 @@ def embedding_row_gram(
     ``ids [N]`` int64, ``dy [N, d]`` (any float dtype), ``row_task [N]`` int64 in ``[0, T)``: task t's gradient
     is ``index_add`` of its rows of ``dy`` at ``ids``. Rows at ``padding_idx`` count as zero. No host read: the
     rows are summed per (task, distinct id) into a ``[T, N, cols]`` fp32 table (ids numbered by a sort), whose
-    Gram over its flattened rows is the table's, in column blocks of at most ``EMBEDDING_GRAM_BYTES``."""
+    Gram over its flattened rows is the table's, in blocks of ``cols = ceil(d / T)`` columns: the table is no
+    larger than the rows, so the memory stays flat in T."""
     t = num_tasks
     n = ids.shape[0]
     if n == 0:
@@ -100,7 +99,7 @@ def embedding_row_gram(
     if padding_idx is not None:
         rows = torch.where((sorted_ids == padding_idx)[:, None], 0, rows)
     d = dy.shape[1]
-    step = max(1, min(d, EMBEDDING_GRAM_BYTES // (4 * t * n)))
+    step = -(-d // t)  # columns per block: a [T, N, step] table holds no more than the [N, d] rows
     parts = []
     for c0 in range(0, d, step):
         table = torch.zeros(t * n, min(step, d - c0), dtype=torch.float32, device=dy.device)
