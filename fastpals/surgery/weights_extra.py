@@ -151,6 +151,21 @@ class WeightsState:
         return self.weights.to(device=device, dtype=F64, non_blocking=True)
 
 
+class CountedState(WeightsState):
+    """A :class:`WeightsState` that also counts its updates, ``step`` (a Python int: read without a device read)."""
+
+    def reset(self) -> None:
+        super().reset()
+        self.step = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "step": self.step}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.step = int(state["step"])
+
+
 class MoDoState(WeightsState):
     """MoDo's task weights ``lambda [T]`` (float64, on the Gram's device; uniform at the start)."""
 
@@ -234,23 +249,12 @@ def sdmgrad_weights(
     return ((w + lambda_ * p) / (1.0 + lambda_)).to(weights_dtype(gram))
 
 
-class PCDState(WeightsState):
+class PCDState(CountedState):
     """PCD's moving average of the squared gradient norms ``[T]`` (float64, on the Gram's device) and its
     number of updates ``step`` (a Python int, read for the bias correction without a device read)."""
 
     tensors = ("sq_norm_ema",)
     sq_norm_ema: torch.Tensor | None
-
-    def reset(self) -> None:
-        super().reset()
-        self.step = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "step": self.step}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        super().load_state_dict(state)
-        self.step = int(state["step"])
 
 
 def pcd_weights(
@@ -325,23 +329,12 @@ def pcd_weights(
     return torch.where(keep, w * scales * factor, torch.zeros_like(w)).to(weights_dtype(gram))
 
 
-class ExcessMTLState(WeightsState):
+class ExcessMTLState(CountedState):
     """ExcessMTL's state, float64 on the rows' device: ``weights [T]`` (uniform at the start), the per-parameter
     squared-gradient sums ``sq_grad_sum [T, P]``, the baseline excess risks ``initial [T]``, the warm-up sums
     ``warmup_sum [T]`` and the number of calls ``step`` (a Python int)."""
 
     tensors = ("weights", "sq_grad_sum", "initial", "warmup_sum")
-
-    def reset(self) -> None:
-        super().reset()
-        self.step = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "step": self.step}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        super().load_state_dict(state)
-        self.step = int(state["step"])
 
 
 def excessmtl_weights(
