@@ -5,6 +5,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from test_pal import PAL, TINY  # the tiny encoder and PALs of the PAL tests
 
 from fastpals.data.mixed_batches import (
     MixedBatchSampler,
@@ -15,15 +16,10 @@ from fastpals.data.mixed_batches import (
     share_counts,
 )
 from fastpals.data.sampling import annealed_alpha, task_probabilities
-from fastpals.encoder.bert import BertConfig, BertModel, PALConfig
+from fastpals.encoder.bert import BertModel, PALConfig
 from fastpals.model.multitask import MultiTaskBert, MultiTaskConfig, TaskSpec, get_task
 from fastpals_kernels.padding import cu_seqlens_to_mask, lengths_to_cu_seqlens, pad_packed, pool_packed, unpad
 
-TINY = BertConfig(
-    vocab_size=100, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64,
-    max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-)  # fmt: skip
-PAL = PALConfig(num_tasks=3, hidden=12, num_heads=2, top_blocks=2, top_heads=3)
 # every PAL variant and option of PALConfig (as in tests/test_pal.py), plus no PALs at all
 VARIANTS = {
     "no_pal": None,
@@ -110,6 +106,14 @@ def _per_task_batches(model: MultiTaskBert, sizes=(3, 4, 5), seed=0) -> dict[int
     return out
 
 
+def _padded_inputs(batch: dict, t: int) -> dict:
+    """The model's keyword inputs of one task's padded batch: its token tensors and ``task_ids`` (all ``t``)."""
+    tensors = {
+        k: v for k, v in batch.items() if k.startswith(("input_ids", "attention_mask", "token_type_ids"))
+    }
+    return {**tensors, "task_ids": torch.full((len(batch["ids"]),), t)}
+
+
 def _grads(model):
     return {n: None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
 
@@ -134,16 +138,7 @@ def _padded_reference(model, batches, weighting):
     rows = sum(len(b["ids"]) for b in batches.values())
     losses, total = {}, 0.0
     for t, batch in batches.items():
-        keys = (
-            "input_ids",
-            "attention_mask",
-            "token_type_ids",
-            "input_ids_b",
-            "attention_mask_b",
-            "token_type_ids_b",
-        )
-        inputs = {k: batch[k] for k in keys if k in batch}
-        out = model(**inputs, task_ids=torch.full((len(batch["ids"]),), t))
+        out = model(**_padded_inputs(batch, t))
         _, per = model.loss(out, batch["labels"].float())
         (loss,) = per.values()
         w = len(batch["ids"]) / rows if weighting == "examples" else 1.0 / len(batches)
@@ -190,22 +185,13 @@ def test_padded_input_runs_the_packed_path(variant):
     the same rows packed by collate, bit for bit (siamese second sentences included); the former ``unpad``
     keyword still runs, with a FutureWarning."""
     model = _model(VARIANTS[variant], "sbert_concat").eval()
-    keys = (
-        "input_ids",
-        "attention_mask",
-        "token_type_ids",
-        "input_ids_b",
-        "attention_mask_b",
-        "token_type_ids_b",
-    )
     with torch.no_grad():
         for t, batch in _per_task_batches(model).items():
             want = model(**model_inputs(pack_batches([batch], [t], 3), "cpu")).logits
-            padded = {k: batch[k] for k in keys if k in batch}
-            task_ids = torch.full((len(batch["ids"]),), t)
-            assert torch.equal(model(**padded, task_ids=task_ids).logits, want), t
+            padded = _padded_inputs(batch, t)
+            assert torch.equal(model(**padded).logits, want), t
             with pytest.warns(FutureWarning, match="unpad"):
-                assert torch.equal(model(**padded, task_ids=task_ids, unpad=True).logits, want), t
+                assert torch.equal(model(**padded, unpad=True).logits, want), t
 
 
 def test_equal_task_weighting():

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from test_tasks import _tiny_model, vocab_tokenizer
 
 from fastpals.data.loading import load_task
 from fastpals.data.metrics import overall, read_predictions, task_confusion_matrix, task_metrics, unit_score
@@ -29,14 +30,9 @@ from fastpals.data.task_kinds import (
     register_task_kind,
 )
 from fastpals.data.tasks import TaskFileError, TaskSpec, get_task
-from fastpals.data.tokenizer import Tokenizer
-from fastpals.encoder.bert import BertConfig, PALConfig
 from fastpals.model.evaluate import confidence, evaluate
-from fastpals.model.multitask import MultiTaskBert, MultiTaskConfig, MultiTaskOutput
+from fastpals.model.multitask import MultiTaskBert, MultiTaskOutput
 from fastpals.train.outputs import write_dev_predictions
-
-WORDS = "good bad great awful film plot acting boring fun a the is was movie".split()
-
 
 # ---------------------------------------------------------------- the built-in kinds
 
@@ -160,23 +156,7 @@ def grade_file(tmp_path):
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
-    vocab = tmp_path_factory.mktemp("vocab") / "vocab.txt"
-    vocab.write_text(
-        "\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]) + "\n", encoding="utf-8"
-    )
-    return Tokenizer(vocab)
-
-
-def _tiny_model(specs):
-    bert = BertConfig(
-        vocab_size=len(WORDS) + 5, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return MultiTaskBert(
-        MultiTaskConfig(bert, specs, PALConfig(num_tasks=len(specs), hidden=16, num_heads=2))
-    )
+    return vocab_tokenizer(tmp_path_factory.mktemp("vocab"))
 
 
 def test_new_kind_spec_and_task_file(ordinal, grade_file, tmp_path):

@@ -23,13 +23,18 @@ from fastpals.model.multitask import MultiTaskBert, MultiTaskConfig
 WORDS = "good bad great awful film plot acting boring fun a the is was movie man plays guitar music".split()
 
 
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    vocab = tmp_path_factory.mktemp("vocab") / "vocab.txt"
+def vocab_tokenizer(folder):
+    """A BERT tokenizer of the special tokens and ``WORDS``, its vocab.txt written in ``folder``."""
+    vocab = folder / "vocab.txt"
     vocab.write_text(
         "\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]) + "\n", encoding="utf-8"
     )
     return Tokenizer(vocab)
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return vocab_tokenizer(tmp_path_factory.mktemp("vocab"))
 
 
 def write_task(folder, name, content):
