@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from fastpals.adapters.targets import ResolvedTargets
-from fastpals.data.layout import BatchLayout, make_layout, traced_layout
+from fastpals.data.layout import BatchLayout, PaddedBatch, make_layout
 from fastpals.encoder.bert import PALConfig, PALLayer, PALProjections
 from fastpals.functional import check_task_ids
 
@@ -217,7 +217,7 @@ class PALInjection:
             task_ids = self._default_task_ids(b, h.device)
         if torch.compiler.is_compiling():  # no host read in a compiled graph: the ids' range is the caller's
             task_ids = check_task_ids(task_ids, self.config.num_tasks, b, h.device, check_values=False)
-            self.layout = traced_layout(mask, task_ids, self.config.num_tasks)
+            self.layout = PaddedBatch(mask, task_ids, self.config.num_tasks)
             return self.layout
         task_ids = check_task_ids(task_ids, self.config.num_tasks, b, h.device)
         self.layout = make_layout(mask, task_ids, False, (b, n))

@@ -16,14 +16,7 @@ import torch
 
 from fastpals_kernels.padding import AttentionPlan, attention_plan, check_packed
 
-__all__ = [
-    "BatchLayout",
-    "TracedLayout",
-    "layout_from_cu_seqlens",
-    "make_layout",
-    "pack_rows",
-    "traced_layout",
-]
+__all__ = ["BatchLayout", "PaddedBatch", "layout_from_cu_seqlens", "make_layout", "pack_rows"]
 
 
 def _check_task_range(ids: np.ndarray, num_tasks: int) -> None:
@@ -52,21 +45,12 @@ def _ranges(ids: np.ndarray, starts: np.ndarray, num_tasks: int) -> dict[int, tu
 class BatchLayout:
     """How one batch is laid out, shared by every layer, head, loss and per-task gradient of one step.
 
-    Host values (never read back from a device):
-
-    - ``batch`` B sequences, ``length`` L (padded width; ``max_seqlen`` for packed layouts), ``packed``;
-    - ``lengths [B]`` int64 tokens per sequence, ``cu_host [B+1]`` int64, ``total`` N tokens, ``max_seqlen``;
-    - ``host_task_ids [B]`` int64 (or None: a model without tasks), ``num_tasks``; ``task_examples`` /
-      ``task_tokens``: per task (``num_tasks`` ints) its sequences and tokens in this pass;
-    - ``example_ranges`` / ``token_ranges``: per present task, its contiguous ``(start, stop)`` example rows and
-      packed token rows when rows are grouped by task in increasing order (as collate lays them out), else None;
-    - ``second``: the siamese second pass (its own layout: the second sentences of the rows ``second_rows``).
-
-    Device tensors (built once, on ``device``): ``task_ids [B]`` int64, ``cu_seqlens [B+1]`` int32,
-    ``position_ids [N]`` int64, ``row_task_ids [N]`` int64 (task of each packed token), ``row_example [N]`` int64
-    (sequence of each packed token), ``cls_index [B]`` int64 (first token of each sequence); padded layouts hold
-    ``mask [B, L]`` bool (built on demand for packed ones, with ``index [N]``: the tokens' flat positions in
-    ``[B*L]``). ``second_slot [B]`` int64: the second-pass row of each siamese row (-1 elsewhere).
+    Host values: ``batch`` B, ``length`` L (padded width or ``max_seqlen``), ``lengths [B]``, ``cu_host [B+1]``,
+    ``total`` N, ``host_task_ids [B]`` (None: no tasks), per task ``task_examples`` / ``task_tokens``, and when
+    rows are grouped by task its ``example_ranges`` / ``token_ranges`` ``(start, stop)``; ``second``: the siamese
+    second sentences' layout (of the rows ``second_rows``). Device tensors, int64 unless said: ``task_ids [B]``,
+    ``cu_seqlens [B+1]`` int32, ``position_ids``, ``row_task_ids``, ``row_example [N]``, ``cls_index [B]``,
+    ``mask [B, L]`` bool and ``index [N]`` (flat positions in ``[B*L]``), ``second_slot [B]`` (-1: no second).
     """
 
     batch: int
@@ -230,10 +214,7 @@ class BatchLayout:
         """Packed token rows per task (host ints) when rows are grouped by task; None otherwise."""
         if not self.packed or self.token_ranges is None or num_tasks != max(self.num_tasks, 1):
             return None
-        counts = [0] * num_tasks
-        for t, (a, b) in self.token_ranges.items():
-            counts[t] = b - a
-        return counts
+        return [b - a for a, b in (self.token_ranges.get(t, (0, 0)) for t in range(num_tasks))]
 
     def rows_of(self, task: int) -> slice | torch.Tensor:
         """The example rows of ``task``: a ``slice`` when rows are grouped, else an int64 index tensor."""
@@ -330,19 +311,19 @@ def make_layout(
     return layout
 
 
-class TracedLayout:
-    """What a compiled forward of injected PALs reads of a padded batch, from device tensors alone: ``mask
-    [B, L]`` bool, ``task_ids [B]`` int64, ``batch``, ``length``, ``num_tasks``."""
+class PaddedBatch:
+    """A padded batch as a compiled forward of injected PALs reads it, from device tensors alone (no host read):
+    ``mask [B, L]`` bool (from ``attention_mask``, 1/True = token), ``task_ids [B]`` int64, ``num_tasks``."""
 
     packed = False
     buckets = False
     cu_seqlens = None
 
-    def __init__(self, mask: torch.Tensor, task_ids: torch.Tensor | None, num_tasks: int) -> None:
-        self.mask = mask
+    def __init__(self, attention_mask: torch.Tensor, task_ids: torch.Tensor | None, num_tasks: int) -> None:
+        self.mask = attention_mask.to(torch.bool)
         self.task_ids = task_ids
         self.num_tasks = num_tasks
-        self.batch, self.length = mask.shape
+        self.batch, self.length = self.mask.shape
         self.max_seqlen = self.length
 
     def padding_mask(self) -> torch.Tensor:
@@ -352,13 +333,6 @@ class TracedLayout:
     def per_row(self, per_example: torch.Tensor) -> torch.Tensor:
         """``[B, ...]`` → ``[B, 1, ...]`` (broadcast over the padded rows)."""
         return per_example.unsqueeze(1)
-
-
-def traced_layout(
-    attention_mask: torch.Tensor, task_ids: torch.Tensor | None, num_tasks: int = 0
-) -> TracedLayout:
-    """:class:`TracedLayout` of ``attention_mask [B, L]`` (1/True = token) and ``task_ids [B]``: no host read."""
-    return TracedLayout(attention_mask.to(torch.bool), task_ids, num_tasks)
 
 
 def layout_from_cu_seqlens(
