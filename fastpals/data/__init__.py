@@ -1,15 +1,5 @@
-"""The data stage: tasks, their files, tokens and batches, up to the one description of a micro-batch.
-
-- :mod:`.tasks` (:class:`TaskSpec`, built-in tasks, task files) and :mod:`.task_kinds` (loss, predictions and
-  metrics of each kind of task); :mod:`.metrics` (metrics for any task kind, prediction files);
-- :mod:`.readers` (CSV/TSV/JSONL rows, bad rows reported with file and line) and :mod:`.loading`
-  (:func:`load_task`: split files, the Quora hash split);
-- :mod:`.tokenizer` (WordPiece via ``tokenizers``) and :mod:`.hub` (the folder of a pretrained model's files);
-- :mod:`.sampling` (which task each micro-batch comes from);
-- :mod:`.per_task_batches` (:class:`TaskBatcher`: one task per batch, padded, resumable) and
-  :mod:`.mixed_batches` (:class:`MixedBatchSampler`, mixed-task micro-batches packed without padding);
-- :mod:`.layout` (:class:`BatchLayout`: a batch's rows and tasks, built once and passed along).
-"""
+"""The data stage: tasks and their files (readers, loading), the tokenizer, task sampling, per-task padded
+batches (:class:`TaskBatcher`), mixed-task packed micro-batches and their :class:`BatchLayout`."""
 
 from fastpals.data.layout import BatchLayout
 from fastpals.data.loading import load_task, resolve_data_dir, split_path

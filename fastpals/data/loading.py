@@ -72,16 +72,12 @@ def _warn_bad_rows(bad_rows: Sequence[BadRow], path: Path, kept: int) -> None:
     )
 
 
-def _is_held_out(example_id: str) -> bool:
-    digest = hashlib.sha256(example_id.encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "big") % 100 < QUORA_DEV_PERCENT
-
-
 def hash_split(examples: Sequence[Example]) -> tuple[list[Example], list[Example]]:
     """Split examples into ``(train, dev)`` by a SHA-256 hash of each id (about 90% / 10%; see the module)."""
     train, dev = [], []
     for example in examples:
-        (dev if _is_held_out(example.id) else train).append(example)
+        digest = hashlib.sha256(example.id.encode("utf-8")).digest()
+        (dev if int.from_bytes(digest[:8], "big") % 100 < QUORA_DEV_PERCENT else train).append(example)
     return train, dev
 
 

@@ -97,9 +97,7 @@ def task_confusion_matrix(
 
 
 def _format_prediction(value: object) -> str:
-    if isinstance(value, (bool, np.bool_)):
-        return str(int(value))
-    if isinstance(value, (int, np.integer)):
+    if isinstance(value, (bool, np.bool_, int, np.integer)):
         return str(int(value))
     if isinstance(value, (float, np.floating)):
         if not math.isfinite(float(value)):

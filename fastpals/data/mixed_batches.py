@@ -1,13 +1,8 @@
 """Mixed-task micro-batches: which examples each holds (:class:`MixedBatchSampler`) and how they are packed.
 
-Task ``t`` gets the share ``p_t`` of each micro-batch, by systematic rounding (``batch_size``) or smooth weighted
-round robin up to ``max_tokens``; each task walks its own permutation per pass, ``default_rng([task_seed, pass])``,
-so ``state_dict()`` resumes the stream exactly.
-
 A packed micro-batch is a dict: ``input_ids``, ``token_type_ids`` int64 ``[N]`` (rows grouped by task),
-``input_ids_b``, ``token_type_ids_b`` ``[N2]`` (siamese rows' second sentences, ``layout.second``), ``labels``
-float32 ``[B]``, ``ids``, ``tasks`` (names) and ``layout`` (:class:`BatchLayout`).
-"""
+``input_ids_b``, ``token_type_ids_b`` ``[N2]`` (siamese second sentences, ``layout.second``), ``labels``
+float32 ``[B]``, ``ids``, ``tasks`` (names) and ``layout`` (:class:`BatchLayout`)."""
 
 from __future__ import annotations
 
@@ -22,6 +17,7 @@ import torch
 
 from fastpals.data.layout import BatchLayout, pack_rows
 from fastpals.data.sampling import (
+    EQUAL_SHARE_METHODS,
     SAMPLING_METHODS,
     check_int,
     check_resume_settings,
@@ -45,8 +41,6 @@ __all__ = [
     "padding_fraction",
     "share_counts",
 ]
-
-EQUAL_SHARE_METHODS = ("round_robin", "random_round_robin", "every_task_plus_annealed")
 
 
 def padding_fraction(batch: dict) -> float:
@@ -90,12 +84,10 @@ class MixedSelection:
 
 
 class MixedBatchSampler:
-    """A resumable stream of mixed-task micro-batches (example indices per task).
-
-    ``lengths``: per task, each example's packed token count; ``method``: a ``SAMPLING_METHODS`` name;
-    ``batch_size`` and/or ``max_tokens`` per micro-batch; ``micro_batches_per_epoch``: default about one pass
-    over the data; ``seed`` the share draws', ``task_seeds`` the permutations' (default ``seed * 1000 + t``).
-    """
+    """A resumable stream of mixed-task micro-batches (example indices per task). Task ``t`` gets the share
+    ``p_t`` (``method``) of ``batch_size`` by systematic rounding, or of ``max_tokens`` by smooth weighted round
+    robin over ``lengths`` (each example's packed tokens); each task walks its own permutation per pass,
+    ``default_rng([task_seed, pass])`` (``task_seeds`` default ``seed * 1000 + t``)."""
 
     def __init__(
         self,

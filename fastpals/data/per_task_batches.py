@@ -13,23 +13,23 @@ from fastpals.data.mixed_batches import TaskRows
 from fastpals.data.readers import Example, PairExample, SentenceExample
 from fastpals.data.sampling import check_int, check_resume_settings
 from fastpals.data.tasks import TaskSpec, get_task
-from fastpals.data.tokenizer import Tokenizer
+from fastpals.data.tokenizer import Encoded, Tokenizer
 
 __all__ = ["PAIR_ENCODINGS", "TaskBatcher", "merge_batches"]
 
 PAIR_ENCODINGS = ("joint", "separate", "both")
 
 
+def _token_counts(encodings: Sequence[Encoded]) -> np.ndarray:
+    return np.array([len(enc.input_ids) for enc in encodings], dtype=np.int64)
+
+
 class TaskBatcher:
     """Padded batches of one task's examples (tokenized once), in an order that is a pure function of
-    ``(seed, epoch)``: examples permuted by ``default_rng([seed, e])`` when ``shuffle``, sorted by length within
-    chunks of ``bucket_size`` batches when ``bucket_by_length``, cut into ``batch_size`` batches, the batches
-    permuted. ``state_dict()`` resumes with the next batch.
+    ``(seed, epoch)`` (permuted, sorted by length within ``bucket_size`` batches, cut, the batches permuted).
 
-    A batch: ``input_ids``, ``attention_mask``, ``token_type_ids`` int64 ``[B, L]`` (pairs: the joint encoding),
-    ``labels [B]`` (the kind's dtype; absent without labels), ``ids``, ``task``. ``pair_encoding="separate"``:
-    sentence 1 in those keys and sentence 2 in ``*_b``; ``"both"`` adds the joint one as ``joint_*``.
-    ``lengths [N]``: each example's padded width; ``packed_lengths [N]``: its tokens once packed.
+    A batch: ``input_ids``, ``attention_mask``, ``token_type_ids`` int64 ``[B, L]``, ``labels [B]``, ``ids``,
+    ``task``; ``pair_encoding="separate"`` puts sentence 2 in ``*_b``, ``"both"`` adds the joint ``joint_*``.
     """
 
     def __init__(
@@ -97,18 +97,14 @@ class TaskBatcher:
         else:
             self._joint = tokenizer.encode([example.sentence for example in examples], max_length=max_length)
         self.num_truncated = tokenizer.num_truncated - truncated_before
-        if pair_encoding == "separate":  # bucket on the longer side: it sets the padded width of its tensor
-            lengths = [max(len(a.input_ids), len(b.input_ids)) for a, b in zip(self._first, self._second)]
-        else:
-            lengths = [len(enc.input_ids) for enc in self._joint]
-        self.lengths = np.array(lengths, dtype=np.int64)
-        # tokens of each example once packed without padding (fastpals.data.mixed_batches): both sentences when separate
+        # lengths [N]: each example's padded width; packed_lengths [N]: its tokens once packed
         if pair_encoding == "joint":
-            self.packed_lengths = np.array([len(enc.input_ids) for enc in self._joint], dtype=np.int64)
+            self.lengths = self.packed_lengths = _token_counts(self._joint)
         else:
-            self.packed_lengths = np.array(
-                [len(a.input_ids) + len(b.input_ids) for a, b in zip(self._first, self._second)],
-                dtype=np.int64,
+            first, second = _token_counts(self._first), _token_counts(self._second)
+            self.packed_lengths = first + second
+            self.lengths = (
+                np.maximum(first, second) if pair_encoding == "separate" else _token_counts(self._joint)
             )
         if self.has_labels:
             self._labels = torch.tensor([example.label for example in examples], dtype=self.spec.label_dtype)

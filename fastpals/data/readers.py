@@ -11,7 +11,7 @@ import bisect
 import json
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -272,9 +272,10 @@ def _split_hint(header_line: str, delimiter: str, needed: Sequence[str]) -> str:
     return ""
 
 
-def _read_delimited(
-    path: Path, text: str, delimiter: str, spec: TaskSpec, labelled: bool, strict: bool, max_field_chars: int
-) -> tuple[list[Example], list[BadRow]]:
+def _delimited_rows(
+    path: Path, text: str, delimiter: str, spec: TaskSpec, labelled: bool, max_field_chars: int
+) -> Iterator[tuple[int, Example | None, str, str]]:
+    """``(line, example, problem kind, reason)`` of each data row of a TSV/CSV text."""
     parsed = _DelimitedText(text, delimiter, max_field_chars)
     k = 0
     while k < parsed.num_lines and parsed.is_blank(k):
@@ -306,9 +307,7 @@ def _read_delimited(
 
     checker = _RowChecker(spec, labelled)
     bad_utf8, has_nul = _has_bad_utf8(text), "\x00" in text  # per-row checks only when the file needs them
-    examples: list[Example] = []
-    bad_rows: list[BadRow] = []
-    k = head.next_line
+    k, rows = head.next_line, 0
     while k < parsed.num_lines:
         if parsed.is_blank(k):
             k += 1
@@ -353,25 +352,19 @@ def _read_delimited(
         else:
             values = {role: row.fields[i] for role, i in index.items()}
             example, kind, reason = checker.example(line, values)
-        if kind:
-            if strict:
-                raise DataError(path, line, f"{reason} (pass strict=False to skip such rows with a warning)")
-            bad_rows.append(BadRow(str(path), line, kind, reason))
-            continue
-        examples.append(example)
-    if not examples and not bad_rows:
+        rows += 1
+        yield line, example, kind, reason
+    if not rows:
         raise DataError(path, head.line + 1, "no data rows after the header")
-    return examples, bad_rows
 
 
-def _read_jsonl(
-    path: Path, text: str, spec: TaskSpec, labelled: bool, strict: bool, max_field_chars: int
-) -> tuple[list[Example], list[BadRow]]:
+def _jsonl_rows(
+    path: Path, text: str, spec: TaskSpec, labelled: bool, max_field_chars: int
+) -> Iterator[tuple[int, Example | None, str, str]]:
+    """``(line, example, problem kind, reason)`` of each object line of a JSONL text."""
     roles = _roles(spec, labelled)
     checker = _RowChecker(spec, labelled)
-    examples: list[Example] = []
-    bad_rows: list[BadRow] = []
-    first = True
+    first, rows = True, 0
     for number, content in enumerate(_LINE_END.split(text), start=1):
         if not content.strip():
             continue
@@ -412,17 +405,10 @@ def _read_jsonl(
                         reason = f"{long[0]} is longer than max_field_chars={max_field_chars}"
                     else:
                         example, kind, reason = checker.example(number, values)
-        if kind:
-            if strict:
-                raise DataError(
-                    path, number, f"{reason} (pass strict=False to skip such rows with a warning)"
-                )
-            bad_rows.append(BadRow(str(path), number, kind, reason))
-            continue
-        examples.append(example)
-    if not examples and not bad_rows:
+        rows += 1
+        yield number, example, kind, reason
+    if not rows:
         raise DataError(path, 1, "empty file (one JSON object per line is needed)")
-    return examples, bad_rows
 
 
 def read_task_file(
@@ -447,9 +433,7 @@ def read_task_file(
     if not path.is_file():
         raise FileNotFoundError(f"task file {path} does not exist")
     if format is None:
-        format = spec.format
-    if format is None:
-        format = FORMAT_BY_EXTENSION.get(path.suffix.lower())
+        format = spec.format or FORMAT_BY_EXTENSION.get(path.suffix.lower())
         if format is None:
             raise ValueError(
                 f"{path}: cannot tell the format from the extension: pass format='tsv', 'csv' or 'jsonl'"
@@ -463,7 +447,16 @@ def read_task_file(
     if text.startswith("\ufeff"):
         text = text[1:]
     if format == "jsonl":
-        return _read_jsonl(path, text, spec, labelled, strict, max_field_chars)
-    return _read_delimited(
-        path, text, "\t" if format == "tsv" else ",", spec, labelled, strict, max_field_chars
-    )
+        rows = _jsonl_rows(path, text, spec, labelled, max_field_chars)
+    else:
+        rows = _delimited_rows(path, text, "\t" if format == "tsv" else ",", spec, labelled, max_field_chars)
+    examples: list[Example] = []
+    bad_rows: list[BadRow] = []
+    for line, example, kind, reason in rows:
+        if not kind:
+            examples.append(example)
+        elif strict:
+            raise DataError(path, line, f"{reason} (pass strict=False to skip such rows with a warning)")
+        else:
+            bad_rows.append(BadRow(str(path), line, kind, reason))
+    return examples, bad_rows

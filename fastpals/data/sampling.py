@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "EQUAL_SHARE_METHODS",
     "GROUPED_METHODS",
     "SAMPLING_METHODS",
     "TaskSampler",
@@ -40,6 +41,11 @@ SAMPLING_METHODS = (
     "random_round_robin",
 )
 GROUPED_METHODS = ("every_task_plus_annealed", "random_round_robin")
+EQUAL_SHARE_METHODS = (
+    "round_robin",
+    "random_round_robin",
+    "every_task_plus_annealed",
+)  # in mixed micro-batches
 _PROBABILITY_METHODS = ("proportional", "uniform", "sqrt", "annealed")
 
 
@@ -115,14 +121,7 @@ def round_robin_order(batches_per_task: Sequence[int]) -> list[int]:
     counts = [int(c) for c in batches_per_task]
     if not counts or any(c < 1 for c in counts):
         raise ValueError(f"batches_per_task must be positive counts, got {list(batches_per_task)!r}")
-    order: list[int] = []
-    left = list(counts)
-    while any(left):
-        for t in range(len(left)):
-            if left[t]:
-                order.append(t)
-                left[t] -= 1
-    return order
+    return [t for turn in range(max(counts)) for t, count in enumerate(counts) if count > turn]
 
 
 class TaskSampler:
@@ -163,12 +162,8 @@ class TaskSampler:
         self.micro_batches_per_update = micro_batches_per_update
         self.extra = extra
         self.seed = seed
-        if method == "random_round_robin":
-            self.group_size = self.num_tasks
-        elif method == "every_task_plus_annealed":
-            self.group_size = self.num_tasks + extra
-        else:
-            self.group_size = micro_batches_per_update
+        grouped = {"random_round_robin": self.num_tasks, "every_task_plus_annealed": self.num_tasks + extra}
+        self.group_size = grouped.get(method, micro_batches_per_update)
         if method == "round_robin":
             full = math.ceil(sum(self.batches_per_task) / self.group_size)
             self.updates_per_epoch = full if updates_per_epoch is None else min(full, updates_per_epoch)

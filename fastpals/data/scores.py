@@ -41,22 +41,32 @@ def accuracy(y_true: Sequence, y_pred: Sequence) -> float:
     return float(np.mean(true == pred))
 
 
+def _samples(x: Sequence[float], y: Sequence[float], name: str) -> tuple[np.ndarray, np.ndarray]:
+    """Two finite float64 samples of one length ``N >= 2`` for the correlation ``name``."""
+    a, b = paired_arrays(x, y, np.float64)
+    if a.size < 2:
+        raise ValueError(f"{name} needs at least 2 pairs, got {a.size}")
+    if not (np.isfinite(a).all() and np.isfinite(b).all()):
+        raise ValueError(f"{name} got non-finite values (NaN or inf)")
+    return a, b
+
+
+def _undefined(name: str) -> float:
+    warnings.warn(
+        f"{name}: one input is constant, the correlation is undefined (NaN)", RuntimeWarning, stacklevel=3
+    )
+    return math.nan
+
+
 def pearson(x: Sequence[float], y: Sequence[float]) -> float:
     """Pearson correlation of two 1-D samples of length ``N >= 2`` in float64; NaN with a ``RuntimeWarning``
     when either is constant."""
-    a, b = paired_arrays(x, y, np.float64)
-    if a.size < 2:
-        raise ValueError(f"pearson needs at least 2 pairs, got {a.size}")
-    if not (np.isfinite(a).all() and np.isfinite(b).all()):
-        raise ValueError("pearson got non-finite values (NaN or inf)")
+    a, b = _samples(x, y, "pearson")
     da = a - a.mean()
     db = b - b.mean()
     norm = math.sqrt(float(np.dot(da, da))) * math.sqrt(float(np.dot(db, db)))
     if norm == 0.0:
-        warnings.warn(
-            "pearson: one input is constant, the correlation is undefined (NaN)", RuntimeWarning, stacklevel=2
-        )
-        return math.nan
+        return _undefined("pearson")
     return float(np.clip(np.dot(da, db) / norm, -1.0, 1.0))
 
 
@@ -75,19 +85,10 @@ def _average_ranks(values: np.ndarray) -> np.ndarray:
 def spearman(x: Sequence[float], y: Sequence[float]) -> float:
     """Spearman rank correlation of two 1-D samples of length ``N >= 2``: Pearson of the average ranks (tied
     values share the mean of their ranks), in float64. NaN with a ``RuntimeWarning`` when either is constant."""
-    a, b = paired_arrays(x, y, np.float64)
-    if a.size < 2:
-        raise ValueError(f"spearman needs at least 2 pairs, got {a.size}")
-    if not (np.isfinite(a).all() and np.isfinite(b).all()):
-        raise ValueError("spearman got non-finite values (NaN or inf)")
+    a, b = _samples(x, y, "spearman")
     ranks_a, ranks_b = _average_ranks(a), _average_ranks(b)
     if np.all(ranks_a == ranks_a[0]) or np.all(ranks_b == ranks_b[0]):
-        warnings.warn(
-            "spearman: one input is constant, the correlation is undefined (NaN)",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        return math.nan
+        return _undefined("spearman")
     return pearson(ranks_a, ranks_b)
 
 

@@ -33,14 +33,10 @@ Fail = Callable[[str], NoReturn]
 
 
 class TaskKind:
-    """What a task predicts. Subclasses set the attributes and implement :meth:`head_outputs`,
-    :meth:`task_file_num_labels`, :meth:`loss` and :meth:`predict`; the rest defaults to class indices scored by
-    accuracy.
-
-    ``losses``: allowed ``TaskSpec.loss`` values, the first the default; ``metric_names``: the first is the
-    primary dev metric; ``integer_labels``: whole-number labels; ``boolean_labels``: JSON true/false read as 1/0;
-    ``scored``: labels are scores in a ``label_range``; ``cosine_pairs``: ``sbert_cosine`` is allowed.
-    """
+    """What a task predicts. Subclasses set the attributes (``losses`` and ``metric_names``: the first is the
+    default; ``boolean_labels``: JSON true/false read as 1/0; ``scored``: labels are scores in a ``label_range``;
+    ``cosine_pairs``: ``sbert_cosine`` is allowed) and implement :meth:`head_outputs`,
+    :meth:`task_file_num_labels`, :meth:`loss` and :meth:`predict`; the rest is class indices scored by accuracy."""
 
     name: str = ""
     losses: tuple[str, ...] = ()
@@ -165,7 +161,6 @@ class Classification(TaskKind):
     losses = ("ce",)
 
     def head_outputs(self, num_labels: int) -> int:
-        """``num_labels`` itself (>= 2)."""
         if num_labels < 2:
             raise ValueError("classification needs num_labels >= 2")
         return num_labels
@@ -182,7 +177,6 @@ class Classification(TaskKind):
         return F.cross_entropy(logits.float(), labels.long())
 
     def predict(self, spec: TaskSpec, logits: torch.Tensor) -> torch.Tensor:
-        """The argmax class ``[n]`` as float32."""
         return logits.float().argmax(-1).float()
 
     def confidence(self, spec: TaskSpec, logits: torch.Tensor) -> torch.Tensor:
@@ -200,7 +194,6 @@ class Binary(TaskKind):
     boolean_labels = True
 
     def head_outputs(self, num_labels: int) -> int:
-        """Always 1 (one logit)."""
         return 1
 
     def task_file_num_labels(self, value: Any) -> int:
@@ -210,7 +203,6 @@ class Binary(TaskKind):
         return 1
 
     def num_classes(self, spec: TaskSpec) -> int:
-        """Always 2."""
         return 2
 
     def loss(self, spec: TaskSpec, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -243,7 +235,6 @@ class Regression(TaskKind):
     cosine_pairs = True
 
     def head_outputs(self, num_labels: int) -> int:
-        """Always 1 (one value)."""
         return 1
 
     def task_file_num_labels(self, value: Any) -> int:
@@ -253,7 +244,6 @@ class Regression(TaskKind):
         return 1
 
     def num_classes(self, spec: TaskSpec) -> None:
-        """None: a score has no classes."""
         return None
 
     def check_labels(self, spec: TaskSpec, fail: Fail) -> None:

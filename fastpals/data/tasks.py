@@ -50,16 +50,10 @@ class TaskFileError(ValueError):
 
 @dataclass
 class TaskSpec:
-    """One task (fields as the task-file keys, docs/training.md).
-
-    - ``kind``: a registered :class:`TaskKind` name (``classification``, ``binary``, ``regression``, ...).
-    - ``pair_mode``: ``joint`` (one ``[CLS] a [SEP] b [SEP]`` input), ``sbert_cosine`` or ``sbert_concat``
-      (``(u, v, |u - v|)`` into the head); ``head``: ``linear`` or ``mlp``; ``pooling``: ``cls``, ``mean``, ``max``.
-    - ``label_scale``: regression labels are divided by it for training (default ``label_range[1]``).
-    - ``files``: one per split, relative to ``$FASTPALS_DATA_DIR``; empty with a built-in ``data`` (default
-      ``name``): the built-in files, columns and format. ``format`` None: by extension.
-    - ``label_range``: inclusive bounds of a valid label; ``source``: the task file, if any.
-    """
+    """One task, its fields the task-file keys (docs/training.md): ``kind`` names a :class:`TaskKind`;
+    ``pair_mode`` ``joint`` or siamese (``sbert_cosine``, ``sbert_concat``); ``files`` per split, relative to
+    ``$FASTPALS_DATA_DIR`` (empty: the built-in ``data`` task's, default ``name``); ``label_scale`` divides
+    regression labels (default ``label_range[1]``); ``source``: the task file, if any."""
 
     name: str
     kind: str
@@ -112,7 +106,7 @@ class TaskSpec:
         if not self.files and not self.columns and builtin is not None and builtin["pair"] == self.pair:
             self.files = dict(builtin["files"])
             self.columns = dict(builtin["columns"])
-            self.format = builtin["format"]
+            self.format = "tsv"
             if self.label_names is None and builtin["label_names"] is not None and not kind.scored:
                 if len(builtin["label_names"]) == self.num_classes:
                     self.label_names = list(builtin["label_names"])
@@ -136,10 +130,6 @@ class TaskSpec:
                 fail("pair=True needs a 'text_pair' entry in columns")
         if self.format is not None and self.format not in FORMATS:
             fail(f"format={self.format!r}, choose one of {FORMATS}")
-
-        self._check_labels(fail)
-
-    def _check_labels(self, fail: Any) -> None:
         if self.label_range is not None:
             if len(self.label_range) != 2:
                 fail(f"label_range must be [low, high], got {self.label_range!r}")
@@ -351,20 +341,24 @@ def _unknown_format(source: str | None, split: str, path: str) -> TaskFileError:
 
 
 def _builtin_format(
-    files: dict[str, str],
-    text: str,
+    files: str | dict[str, str],
     label: str,
     pair: bool,
     label_names: list[str] | None = None,
     label_range: tuple[float, float] | None = None,
 ) -> dict[str, Any]:
-    columns = {"id": "id", "text": "sentence1" if pair else text, "label": label}
+    """A CS224N task's files (a prefix ``P``: ``P-train.csv``, ``P-dev.csv``, ``P-test-student.csv``), columns
+    (``sentence`` or ``sentence1``/``sentence2``) and labels."""
+    if isinstance(files, str):
+        files = {
+            "train": f"{files}-train.csv",
+            "dev": f"{files}-dev.csv",
+            "test": f"{files}-test-student.csv",
+        }
+    columns = {"id": "id", "text": "sentence1" if pair else "sentence", "label": label}
     if pair:
         columns["text_pair"] = "sentence2"
-    return {
-        "files": files, "columns": columns, "format": "tsv", "pair": pair, "label_names": label_names,
-        "label_range": label_range,
-    }  # fmt: skip
+    return dict(files=files, columns=columns, pair=pair, label_names=label_names, label_range=label_range)
 
 
 QUORA_FILE = "quora-dev.csv"
@@ -373,33 +367,13 @@ QUORA_FILE = "quora-dev.csv"
 # its hash split (same file for both splits), and there is no test file.
 _BUILTIN_FORMATS: dict[str, dict[str, Any]] = {
     "sst": _builtin_format(
-        {"train": "ids-sst-train.csv", "dev": "ids-sst-dev.csv", "test": "ids-sst-test-student.csv"},
-        "sentence",
-        "sentiment",
-        False,
-        ["very negative", "negative", "neutral", "positive", "very positive"],
+        "ids-sst", "sentiment", False, ["very negative", "negative", "neutral", "positive", "very positive"]
     ),
-    "cfimdb": _builtin_format(
-        {"train": "ids-cfimdb-train.csv", "dev": "ids-cfimdb-dev.csv", "test": "ids-cfimdb-test-student.csv"},
-        "sentence",
-        "sentiment",
-        False,
-        ["negative", "positive"],
-    ),
+    "cfimdb": _builtin_format("ids-cfimdb", "sentiment", False, ["negative", "positive"]),
     "para": _builtin_format(
-        {"train": QUORA_FILE, "dev": QUORA_FILE},
-        "sentence",
-        "is_duplicate",
-        True,
-        ["not paraphrase", "paraphrase"],
+        {"train": QUORA_FILE, "dev": QUORA_FILE}, "is_duplicate", True, ["not paraphrase", "paraphrase"]
     ),
-    "sts": _builtin_format(
-        {"train": "sts-train.csv", "dev": "sts-dev.csv", "test": "sts-test-student.csv"},
-        "sentence",
-        "similarity",
-        True,
-        label_range=(0.0, 5.0),
-    ),
+    "sts": _builtin_format("sts", "similarity", True, label_range=(0.0, 5.0)),
 }
 
 TASKS: dict[str, TaskSpec] = {
@@ -421,10 +395,6 @@ def get_task(task: str | TaskSpec) -> TaskSpec:
     return dataclasses.replace(TASKS[task])
 
 
-def _looks_like_path(item: str) -> bool:
-    return item.lower().endswith(".json") or "/" in item or os.sep in item
-
-
 def resolve_tasks(tasks: str | Sequence[str | TaskSpec]) -> list[TaskSpec]:
     """Built-in names and task files (``.json`` or a path) to specs, in order: ``"sst,para,imdb.json"``
     (``--tasks``) or a list of names, paths and specs. ``ValueError`` for an unknown, missing or repeated name."""
@@ -438,7 +408,7 @@ def resolve_tasks(tasks: str | Sequence[str | TaskSpec]) -> list[TaskSpec]:
             specs.append(item)
         elif item in TASKS:
             specs.append(get_task(item))
-        elif _looks_like_path(item) or Path(item).is_file():
+        elif item.lower().endswith(".json") or "/" in item or os.sep in item or Path(item).is_file():
             specs.append(TaskSpec.from_file(item))
         else:
             raise ValueError(

@@ -106,13 +106,9 @@ TOKENIZER_MAIN_FILES = ("tokenizer.json", "vocab.txt")
 
 class Tokenizer:
     """A checkpoint's tokenizer with dynamic padding: ``Tokenizer.from_pretrained("minilm-l6" | folder | hub
-    name)`` or ``Tokenizer(vocab_file)``.
-
-    ``source``: the file it was built from; ``*_token_id``: special tokens (unk / mask may be None);
-    ``token_types``: whether ``token_type_ids`` carry segment ids; ``max_positions``: the longest ``max_length``;
-    ``num_truncated``: sequences (a pair counts once) truncated so far. It sets the truncation length per call:
-    share it between threads only with a lock.
-    """
+    name)`` or ``Tokenizer(vocab_file)``. ``token_types``: ``token_type_ids`` carry segment ids;
+    ``num_truncated``: sequences truncated so far. It sets the truncation length per call: share it between
+    threads only with a lock."""
 
     def __init__(
         self,
@@ -232,11 +228,9 @@ class Tokenizer:
             if "tokenizer_config.json" not in files:
                 config = {"tokenizer_class": "PreTrainedTokenizerFast", **self.special_tokens}
                 files["tokenizer_config.json"] = json.dumps(config, indent=2)
-        paths = []
         for name, text in files.items():
             (folder / name).write_text(text, encoding="utf-8")
-            paths.append(folder / name)
-        return paths
+        return [folder / name for name in files]
 
     def __repr__(self) -> str:
         return f"Tokenizer(source={str(self.source)!r}, vocab_size={self.vocab_size})"
