@@ -167,12 +167,8 @@ class BatchLayout:
         if self.host_task_ids is not None:
             self.task_ids = torch.as_tensor(self.host_task_ids, device=dev)
             self.row_task_ids = torch.as_tensor(self.host_task_ids[row_example], device=dev)
-        self._build_plan()
-
-    def _build_plan(self) -> None:
-        """The attention buckets: host work, kept out of compiled forwards (they would trace the NumPy code)."""
-        if self.packed and self.buckets:
-            self.plan = attention_plan(self.cu_host, device=self.device)
+        if self.buckets:  # host work, kept out of compiled forwards (they would trace the NumPy code)
+            self.attention_plan()
 
     def with_second(self, second: BatchLayout, rows: Sequence[int] | np.ndarray) -> BatchLayout:
         """Attach ``second``, the layout of the second sentences of the siamese ``rows``; returns self."""
@@ -201,7 +197,8 @@ class BatchLayout:
                 setattr(moved, name, value.to(device, non_blocking=True))
         if self.second is not None:
             moved.second, moved.second_rows = self.second.to(device), self.second_rows
-        moved._build_plan()
+        if moved.packed and moved.buckets:
+            moved.attention_plan()
         return moved
 
     def attention_plan(self) -> AttentionPlan:

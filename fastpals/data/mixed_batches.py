@@ -141,11 +141,9 @@ class MixedBatchSampler:
         self.batch_size = batch_size
         self.max_tokens = max_tokens
         self.seed = seed
-        if micro_batches_per_epoch is None:
-            if batch_size is not None:
-                micro_batches_per_epoch = math.ceil(sum(self.sizes) / batch_size)
-            else:
-                micro_batches_per_epoch = math.ceil(sum(int(x.sum()) for x in self.lengths) / max_tokens)
+        if micro_batches_per_epoch is None:  # about one pass over the examples, or over their tokens
+            total = sum(self.sizes) if batch_size is not None else sum(int(x.sum()) for x in self.lengths)
+            micro_batches_per_epoch = math.ceil(total / (batch_size or max_tokens))
         check_int("micro_batches_per_epoch", micro_batches_per_epoch, 1)
         self.micro_batches_per_epoch = micro_batches_per_epoch
         self.epoch = 1

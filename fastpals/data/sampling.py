@@ -1,15 +1,8 @@
-"""Which task each micro-batch comes from: the shares of each method, and :class:`TaskSampler`, a resumable
-stream of task ids. With ``N_t`` examples of task ``t``, ``T`` tasks, epoch ``e`` from 1 of ``E``:
-
-* ``round_robin``: tasks take turns and a task whose batches are used up drops out (an epoch exhausts every task);
-* ``proportional`` ``p_t ∝ N_t``; ``uniform`` ``1/T``; ``sqrt`` ``p_t ∝ sqrt(N_t)``;
-* ``annealed``: ``p_t ∝ N_t^α``, ``α = 1 - 0.8 (e - 1) / (E - 1)`` (Stickland & Murray 2019; ``α = 1`` when
-  ``E = 1``);
-* ``every_task_plus_annealed``: one batch of every task in a random order, then ``extra`` annealed draws;
-* ``random_round_robin``: one batch of every task, in a fresh random order.
-
-The last two form update groups (``group_size`` micro-batches per update), so surgery sees several tasks.
-"""
+"""Which task each micro-batch comes from (:class:`TaskSampler`, a resumable stream of task ids). With ``N_t``
+examples of task ``t``: ``round_robin`` (turns until every task is used up), ``proportional`` (``p_t ∝ N_t``),
+``uniform``, ``sqrt``, ``annealed`` (``p_t ∝ N_t^α``, :func:`annealed_alpha`, Stickland & Murray 2019), and two
+that form update groups so that surgery sees several tasks: ``random_round_robin`` (every task once, in a fresh
+random order) and ``every_task_plus_annealed`` (the same, then ``extra`` annealed draws)."""
 
 from __future__ import annotations
 

@@ -91,25 +91,20 @@ class TaskSpec:
             self.loss = kind.losses[0]
         if self.loss not in kind.losses:
             fail(f"loss={self.loss!r} not valid for {self.kind} ({kind.losses})")
-        if self.pair_mode not in PAIR_MODES:
-            fail(f"pair_mode={self.pair_mode!r}, choose one of {PAIR_MODES}")
+        for key, choices in (("pair_mode", PAIR_MODES), ("head", HEADS), ("pooling", POOLINGS)):
+            if getattr(self, key) not in choices:
+                fail(f"{key}={getattr(self, key)!r}, choose one of {choices}")
         if self.pair_mode != "joint" and not self.pair:
             fail(f"pair_mode={self.pair_mode!r} needs pair=True")
         if self.pair_mode == "sbert_cosine" and not kind.cosine_pairs:
             fail(f"sbert_cosine is for {kind_names(lambda k: k.cosine_pairs)} tasks")
-        if self.head not in HEADS:
-            fail(f"head={self.head!r}, choose one of {HEADS}")
-        if self.pooling not in POOLINGS:
-            fail(f"pooling={self.pooling!r}, choose one of {POOLINGS}")
 
         builtin = _BUILTIN_FORMATS.get(self.data or self.name)
         if not self.files and not self.columns and builtin is not None and builtin["pair"] == self.pair:
-            self.files = dict(builtin["files"])
-            self.columns = dict(builtin["columns"])
-            self.format = "tsv"
-            if self.label_names is None and builtin["label_names"] is not None and not kind.scored:
-                if len(builtin["label_names"]) == self.num_classes:
-                    self.label_names = list(builtin["label_names"])
+            self.files, self.columns, self.format = builtin["files"], builtin["columns"], "tsv"
+            names = builtin["label_names"]
+            if self.label_names is None and not kind.scored and names and len(names) == self.num_classes:
+                self.label_names = list(names)
             if kind.scored and self.label_range is None and builtin["label_range"] is not None:
                 self.label_range = builtin["label_range"]
         self.files = dict(self.files)

@@ -124,17 +124,15 @@ class Tokenizer:
                 "Tokenizer takes one of vocab_file (a BERT vocab.txt) or tokenizer_file (tokenizer.json)"
             )
         special = dict(special_tokens or {})
+        self.source = Path(vocab_file if vocab_file is not None else tokenizer_file)
+        if not self.source.is_file():
+            name = "vocab_file" if vocab_file is not None else "tokenizer_file"
+            raise FileNotFoundError(f"{name} {self.source} does not exist")
         if vocab_file is not None:
-            self.source = Path(vocab_file)
-            if not self.source.is_file():
-                raise FileNotFoundError(f"vocab_file {self.source} does not exist")
             rust = _bert_pipeline(_read_vocab(self.source))
             special = {"pad_token": "[PAD]", "unk_token": "[UNK]", "mask_token": "[MASK]", "cls_token": "[CLS]",
                        "sep_token": "[SEP]", **special}  # fmt: skip
         else:
-            self.source = Path(tokenizer_file)
-            if not self.source.is_file():
-                raise FileNotFoundError(f"tokenizer_file {self.source} does not exist")
             try:
                 rust = RustTokenizer.from_file(str(self.source))
             except Exception as err:  # the Rust library's parse errors carry no file name
@@ -335,10 +333,9 @@ class Tokenizer:
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         """The vocabulary entry of each id."""
-        out = []
-        for i in ids:
-            token = self._rust.id_to_token(int(i))
-            if token is None:
-                raise ValueError(f"id {i} is outside the vocabulary (size {self.vocab_size})")
-            out.append(token)
-        return out
+        tokens = [self._rust.id_to_token(int(i)) for i in ids]
+        if None in tokens:
+            raise ValueError(
+                f"id {ids[tokens.index(None)]} is outside the vocabulary (size {self.vocab_size})"
+            )
+        return tokens
