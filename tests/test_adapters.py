@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from inputs import padded_batch
 from torch import nn
 
 from fastpals import (
@@ -53,14 +54,7 @@ def _mt(pal=PAL, seed=0, tasks=TASKS):
 
 
 def _batch(b=5, n=9, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, 100, (b, n), generator=g)
-    mask = torch.ones(b, n, dtype=torch.long)
-    for i in range(b):
-        mask[i, n - i :] = 0
-    types = torch.zeros_like(ids)
-    types[:, 5:] = 1
-    return ids, mask, types
+    return padded_batch(b, n, seed, second_segment=5)
 
 
 TASK_IDS = torch.tensor([0, 1, 2, 0, 1])

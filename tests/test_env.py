@@ -15,7 +15,9 @@ BACKENDS = ("triton_kernels", "flash_attn", "apex_fused_layer_norm", "apex_fused
 
 
 def run_env(*args, **env):
+    """``python -m fastpals.env *args``'s output, with ``env`` over this environment (None: unset)."""
     full_env = {**os.environ, **env}
+    full_env = {k: v for k, v in full_env.items() if v is not None}
     return subprocess.run(
         [sys.executable, "-m", "fastpals.env", *args],
         capture_output=True,
@@ -29,17 +31,7 @@ def run_env(*args, **env):
 
 @pytest.fixture(scope="module")
 def report_lines():
-    env = {k: v for k, v in os.environ.items() if k != "FASTPALS_KERNELS"}
-    out = subprocess.run(
-        [sys.executable, "-m", "fastpals.env"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        timeout=120,
-        check=True,
-    ).stdout
-    return out.splitlines()
+    return run_env(FASTPALS_KERNELS=None).splitlines()
 
 
 def _line(lines, prefix):

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from inputs import padded_batch
 
 import fastpals
 from fastpals.encoder.bert import BertConfig, BertModel, PALConfig
@@ -16,16 +17,6 @@ TINY = BertConfig(
     max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
 )  # fmt: skip
 PAL = PALConfig(num_tasks=3, hidden=12, num_heads=2, top_blocks=2, top_heads=3)
-
-
-def _batch(b=5, n=9, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, 100, (b, n), generator=g)
-    mask = torch.ones(b, n, dtype=torch.long)
-    for i in range(b):
-        mask[i, n - i :] = 0
-    types = torch.zeros_like(ids)
-    return ids, mask, types
 
 
 def _pal_model(pal=PAL, seed=0):
@@ -85,7 +76,7 @@ def _transcribe(model, ids, types, valid, task):
 
 def test_default_pal_equals_transcription_of_the_formulas():
     model = _pal_model()
-    ids, mask, types = _batch()
+    ids, mask, types = padded_batch()
     tasks = torch.tensor([2, 0, 1, 0, 2])
     with torch.no_grad():
         out = model(ids, mask, types, tasks).last_hidden_state
@@ -101,7 +92,7 @@ def test_zero_decoder_equals_base_encoder_exactly():
     base = BertModel(TINY).eval()
     model = BertModel(TINY, pal=pal).eval()
     model.load_state_dict(base.state_dict(), strict=False)
-    ids, mask, types = _batch()
+    ids, mask, types = padded_batch()
     with torch.no_grad():
         a = base(ids, mask, types)
         b = model(ids, mask, types, torch.tensor([0, 1, 2, 1, 0]))
@@ -111,7 +102,7 @@ def test_zero_decoder_equals_base_encoder_exactly():
 
 def test_mixed_batch_equals_single_task_batches():
     model = _pal_model()
-    ids, mask, types = _batch(6)
+    ids, mask, types = padded_batch(6)
     tasks = torch.tensor([0, 2, 1, 1, 0, 2])
     with torch.no_grad():
         mixed = model(ids, mask, types, tasks).last_hidden_state
@@ -124,7 +115,7 @@ def test_mixed_batch_equals_single_task_batches():
 
 def test_packed_path_equals_padded_path():
     model = _pal_model()
-    ids, mask, types = _batch(4)
+    ids, mask, types = padded_batch(4)
     tasks = torch.tensor([1, 0, 2, 1])
     with torch.no_grad():
         a = model(ids, mask, types, tasks).last_hidden_state
@@ -165,7 +156,7 @@ VARIANTS = {
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_every_variant_trains_only_what_it_should(name):
     model = _pal_model(VARIANTS[name]).train()
-    ids, mask, types = _batch()
+    ids, mask, types = padded_batch()
     tasks = torch.tensor([0, 0, 2, 0, 2])  # task 1 absent
     out = model(ids, mask, types, tasks)
     (out.last_hidden_state.pow(2).mean() + out.pooler_output.sum()).backward()
@@ -187,7 +178,7 @@ def test_every_variant_trains_only_what_it_should(name):
 
 def test_invalid_task_ids_raise():
     model = _pal_model()
-    ids, mask, types = _batch(3)
+    ids, mask, types = padded_batch(3)
     with pytest.raises(ValueError, match="outside"):
         model(ids, mask, types, torch.tensor([0, 3, 1]))
     with pytest.raises(ValueError, match="outside"):
@@ -222,7 +213,7 @@ def _mt(tasks=("sst", "para", "sts"), pal=PAL):
 def test_multitask_heads_losses_and_predictions():
     cfimdb_extra = ("sst", "para", "sts", "cfimdb")  # a fourth task beyond the three
     model = _mt(cfimdb_extra)
-    ids, mask, types = _batch(8)
+    ids, mask, types = padded_batch(8)
     tasks = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3])
     labels = torch.tensor([4.0, 1.0, 3.2, 0.0, 1.0, 0.0, 0.5, 1.0])
     out = model(ids, mask, types, tasks)
@@ -246,8 +237,8 @@ def test_siamese_pair_heads(mode, pooling):
     sts = TaskSpec("sts", "regression", pair=True, pair_mode=mode, pooling=pooling, label_scale=5.0,
                    loss="cosine" if mode == "sbert_cosine" else "mse", head="mlp")  # fmt: skip
     model = _mt((get_task("sst"), sts))
-    ids, mask, types = _batch(4)
-    ids_b, mask_b, _ = _batch(4, 7, seed=1)
+    ids, mask, types = padded_batch(4)
+    ids_b, mask_b, _ = padded_batch(4, 7, seed=1)
     tasks = torch.tensor([1, 1, 0, 1])
     out = model(ids, mask, types, tasks, input_ids_b=ids_b, attention_mask_b=mask_b)
     total, per = model.loss(out, torch.tensor([1.0, 4.0, 2.0, 2.5]))
@@ -277,7 +268,7 @@ def test_save_load_round_trip(tmp_path, adapters_only):
     model.save_pretrained(tmp_path, adapters_only=adapters_only)
     loaded = MultiTaskBert.load(tmp_path)  # the former name of from_pretrained
     assert not loaded.training
-    ids, mask, types = _batch()
+    ids, mask, types = padded_batch()
     ids = ids.clamp(max=99)
     tasks = torch.tensor([0, 1, 2, 0, 1])
     with torch.no_grad():

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from inputs import padded_batch
 from torch import nn
 
 from fastpals import MultiTaskBert, count_parameters, freeze_shared_parameters, inject_pals, is_task_specific
@@ -65,15 +66,6 @@ def lhuc_registered():
 LHUC_PAL = PALConfig(num_tasks=3, variant="lhuc")
 
 
-def _batch(b=5, n=9, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, 100, (b, n), generator=g)
-    mask = torch.ones(b, n, dtype=torch.long)
-    for i in range(b):
-        mask[i, n - i :] = 0
-    return ids, mask, torch.zeros_like(ids)
-
-
 def _lhuc_model(seed=0, randomise=True):
     torch.manual_seed(seed)
     model = BertModel(TINY, pal=LHUC_PAL).eval()
@@ -113,7 +105,7 @@ def test_new_variant_builds_from_its_name_only():
     # zero-initialised: exactly the base encoder
     torch.manual_seed(0)
     base = BertModel(TINY).eval()
-    ids, mask, types = _batch()
+    ids, mask, types = padded_batch()
     with torch.no_grad():
         want = base(ids, mask, types).last_hidden_state
         assert torch.equal(model(ids, mask, types, TASKS).last_hidden_state, want)
@@ -134,7 +126,7 @@ def test_new_variant_builds_from_its_name_only():
 
 def test_new_variant_forward_padded_and_packed():
     model = _lhuc_model()
-    ids, mask, types = _batch()
+    ids, mask, types = padded_batch()
     with torch.no_grad():
         padded = model(ids, mask, types, TASKS).last_hidden_state
         ref = _reference(model, ids, mask, types, TASKS)
@@ -159,7 +151,7 @@ def test_new_variant_forward_padded_and_packed():
 @pytest.mark.parametrize("packed", [False, True])
 def test_new_variant_backward_reaches_only_present_tasks(packed):
     model = _lhuc_model().train()
-    ids, mask, types = _batch()
+    ids, mask, types = padded_batch()
     tasks = torch.tensor([0, 0, 2, 0, 2])  # task 1 absent
     if packed:
         flat = ids[mask.bool()]
@@ -190,7 +182,7 @@ def test_new_variant_multitask_save_pretrained_round_trip(tmp_path):
     loaded = MultiTaskBert.from_pretrained(folder)
     assert loaded.config.pal == model.config.pal and isinstance(loaded.bert.pal_variant, LHUC)
     model.eval()
-    ids, mask, types = _batch()
+    ids, mask, types = padded_batch()
     with torch.no_grad():
         assert torch.equal(loaded(ids, mask, types, TASKS).logits, model(ids, mask, types, TASKS).logits)
     for k, v in model.state_dict().items():
@@ -252,7 +244,7 @@ def test_top_blocks_run_packed_rows_as_padded(variant, tasks):
     pal = PALConfig(num_tasks=3, hidden=12, num_heads=2, top_blocks=2, top_heads=3, variant=variant)
     torch.manual_seed(0)
     model = BertModel(TINY, pal=pal).eval()
-    ids, mask, types = _batch()
+    ids, mask, types = padded_batch()
     task_ids = torch.tensor(tasks)
     valid = mask.bool()
     padded = model(ids, mask, types, task_ids).last_hidden_state

@@ -1,13 +1,7 @@
-"""The one adapter format of fastpals, written and read by :class:`fastpals.MultiTaskBert`,
-:func:`fastpals.save_pals` / :func:`fastpals.load_pals` and PEFT (``peft_type`` ``"FASTPALS"``,
-:mod:`fastpals.adapters.peft_method`); described in ``docs/api.md``.
-
-An adapter folder holds ``adapter_config.json`` (PEFT's fields and fastpals': ``pal_config``, ``tasks``,
-``encoder``, every saved tensor's name and shape by kind) and ``adapter_model.safetensors`` (the tensors under the
-saving model's ``state_dict`` names); a full model folder keeps them in ``pals/``. Names inside the encoder are the
-same for every BERT-like encoder, so loading re-targets the encoder's tensors from the saving model's
-``encoder.prefix`` to wherever the loading model keeps its encoder: an adapter saved from a ``MultiTaskBert``
-(encoder at ``bert``) loads into an injected HF ``BertModel`` (``""``) and back.
+"""The one adapter format (``docs/api.md``), written and read by ``MultiTaskBert``, ``save_pals`` / ``load_pals``
+and PEFT: ``adapter_config.json`` (PEFT's fields and fastpals': ``pal_config``, ``tasks``, ``encoder``, each
+tensor's name and shape by kind) and ``adapter_model.safetensors``, in ``pals/`` of a full model folder. Loading
+re-targets encoder tensors from the saving model's ``encoder.prefix`` to the loading model's encoder.
 """
 
 from __future__ import annotations

@@ -1,18 +1,7 @@
-"""The state of one :func:`fastpals.inject_pals` injection and the forward hooks that run the PALs.
-
-How the HF layers are changed (hooks only; no HF module is replaced or renamed):
-
-- a forward pre-hook on the model you pass (and on its base model) takes ``task_ids`` out of the keyword
-  arguments; a pre-hook on the base model reads its ``attention_mask`` argument (``[B, L]``, 1 = token; None =
-  no padding);
-- a forward pre-hook on each layer keeps the layer input ``h [B, L, d]``;
-- a forward pre-hook on the layer's final LayerNorm (BERT: ``output.LayerNorm``, DistilBERT:
-  ``output_layer_norm``) adds ``TS_t(h)`` to the LayerNorm's input; for pre-LN layers (ModernBERT, target
-  ``site="output"``) a forward hook on the target module (``mlp``) adds it to that module's output
-  (see :mod:`fastpals.adapters.targets` for why that is the PAL algebra's place).
-
-The state (:class:`PALInjection`) is a plain attribute of the root model, named :data:`INJECTION_ATTR`; the
-hooks are its bound methods. Shapes: layer input ``h [B, L, d]``, padding mask ``[B, L]``, ``task_ids [B]`` int.
+"""The state of one :func:`fastpals.inject_pals` injection (:class:`PALInjection`, an attribute of the root
+model) and its forward hooks: the root/base pre-hooks take ``task_ids`` and the ``[B, L]`` padding mask, each
+layer's pre-hook keeps its input ``h [B, L, d]``, and the final LayerNorm's pre-hook (or, for ``site="output"``,
+the target's forward hook) adds ``TS_t(h)``. No HF module is replaced or renamed.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""Add PALs to a model you already have: ``inject_pals(model, PALConfig(...))``, in place, like PEFT's LoRA
-injection, on HF encoders (the architectures of :data:`TARGETS`, or any model whose layers ``layers_pattern`` /
-``layer_norm_name`` find) and on fastpals' minBERT.
-
-The base model's parameter names do not change (the PALs are new submodules named as in
-:class:`fastpals.BertModel`, so PAL weights move between an HF ``BertModel`` and minBERT as they are). The forward
-takes ``task_ids`` (``[B]`` int) or reads them from :func:`set_task`; every layer computes
-``LN(ffn_out + attn_out + TS_t(h))``. The hooks are in :mod:`fastpals.adapters.hooks`. Only the ``"parallel"``
-variant injects; ``chunk_size_feed_forward > 0`` is refused; HF gradient checkpointing works.
+"""``inject_pals(model, PALConfig(...))``: PALs added in place to an HF encoder (:data:`TARGETS`, or any model
+``layers_pattern`` / ``layer_norm_name`` locate) or to minBERT, with base parameter names unchanged. Each layer
+computes ``LN(ffn_out + attn_out + TS_t(h))``; the forward takes ``task_ids [B]`` or reads :func:`set_task`.
 """
 
 from __future__ import annotations
@@ -412,7 +406,9 @@ def _injected_like(
         targets = (
             {} if is_known_model(model) else {k: target[k] for k in ("layers_pattern", "layer_norm_name")}
         )
-        resolved = resolve_targets(model, saved, mask_argument="attention_mask", **_resolve_kwargs(targets))
+        resolved = resolve_targets(
+            model, saved, targets.get("layers_pattern"), targets.get("layer_norm_name"), "attention_mask"
+        )
         _check_shape(
             target, resolved.layers_pattern, resolved.hidden_size, len(resolved.layers), source, caller
         )
@@ -421,13 +417,6 @@ def _injected_like(
     _check_shape(target, state.layers_pattern, state.hidden_size, state.num_layers, source, caller)
     check_same_pal_config(state.config.to_dict(), saved.to_dict(), str(source), caller)
     return state
-
-
-def _resolve_kwargs(targets: dict[str, str]) -> dict[str, str | None]:
-    return {
-        "layers_pattern": targets.get("layers_pattern"),
-        "layer_norm_name": targets.get("layer_norm_name"),
-    }
 
 
 def _check_shape(

@@ -1,13 +1,8 @@
-"""fastpals' PAL adapters as the PEFT method ``FASTPALS``: ``peft.PeftModel.from_pretrained``,
-``peft.PeftConfig.from_pretrained`` and ``peft.get_peft_model`` + ``save_pretrained`` work on fastpals' adapter
-folders (:mod:`fastpals.adapters.format`), through fastpals' injection and checked loading. Importing this module
-imports PEFT and registers the method (usage: ``docs/api.md``).
+"""fastpals' PAL adapters as the PEFT method ``FASTPALS`` (``get_peft_model``, ``PeftModel.from_pretrained``,
+``save_pretrained``), through fastpals' injection and checked loading; usage in ``docs/api.md``.
 
-The ``PeftModel``'s forward takes ``task_ids`` ``[B]``, or ``with peft_model.set_task("sts"):`` runs calls
-without them. PEFT's task-specific wrappers drop ``task_ids``, so ``task_type`` stays None (fastpals' files say
-``"FEATURE_EXTRACTION"``, read as None). PEFT 0.21's ``register_peft_method`` accepts only members of its closed
-``PeftType`` enum, so the ``FASTPALS`` member is added to it first. One PAL adapter per model (it holds every
-task's PALs); PALs cannot be merged into the base weights.
+The forward takes ``task_ids [B]``, or runs inside ``with peft_model.set_task("sts"):``. ``task_type`` stays None
+(PEFT's task wrappers drop ``task_ids``). One PAL adapter per model; PALs cannot be merged into the base weights.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""Where :func:`fastpals.inject_pals` puts the PALs: :data:`TARGETS` maps ``config.model_type`` to a
-:class:`PALTarget`, and :func:`resolve_targets` finds it in a model (an HF encoder or minBERT) and checks the PAL
-config, hidden size and mask argument, changing nothing.
-
-A layer with input ``h`` computes ``LN(ffn_out + attn_out + TS_t(h))`` (Stickland & Murray 2019): ``TS_t(h)`` is
-one more branch of the layer's last residual sum, before it is normalised. Post-LN layers (BERT, RoBERTa, XLM-R,
-ELECTRA, DeBERTa-v2/v3, DistilBERT) add it to the input of the final LayerNorm (``site="norm_input"``).
-ModernBERT is pre-LN (no LayerNorm after the FFN): it adds it to the output of ``mlp`` (``site="output"``), and
-the next normalisation of ``h + attn + mlp + TS_t(h)`` is the algebra's LayerNorm.
+"""Where :func:`fastpals.inject_pals` puts the PALs: :data:`TARGETS` by ``config.model_type``, found and checked
+by :func:`resolve_targets` (nothing changed). ``TS_t(h)`` joins the layer's last residual sum: post-LN layers add
+it to the final LayerNorm's input (``site="norm_input"``); pre-LN ModernBERT adds it to ``mlp``'s output
+(``site="output"``), which the next normalisation takes in.
 """
 
 from __future__ import annotations
@@ -169,13 +164,13 @@ def _resolve_hf(
 ) -> ResolvedTargets:
     model_type = _model_type(model)
     target = TARGETS.get(model_type) if model_type is not None else None
+    lists = [n for n, m in model.named_modules() if isinstance(m, nn.ModuleList)]
     if target is None and (layers_pattern is None or layer_norm_name is None):
         missing = " and ".join(
             a
             for a, v in (("layers_pattern", layers_pattern), ("layer_norm_name", layer_norm_name))
             if v is None
         )
-        lists = [n for n, m in model.named_modules() if isinstance(m, nn.ModuleList)]
         raise ValueError(
             f"inject_pals: no PAL targets known for {type(model).__name__} (model_type={model_type!r}; known: "
             f"{', '.join(sorted(TARGETS))}, fastpals.BertModel): pass {missing}. "
@@ -187,13 +182,8 @@ def _resolve_hf(
         target.site if target is not None and layer_norm_name in (None, target.layer_norm) else "norm_input"
     )
     layer_norm_name = target.layer_norm if layer_norm_name is None else layer_norm_name
-    found = [
-        n
-        for n, m in model.named_modules()
-        if isinstance(m, nn.ModuleList) and (n == layers_pattern or n.endswith("." + layers_pattern))
-    ]
+    found = [n for n in lists if n == layers_pattern or n.endswith("." + layers_pattern)]
     if not found:
-        lists = [n for n, m in model.named_modules() if isinstance(m, nn.ModuleList)]
         raise ValueError(
             f"inject_pals: no nn.ModuleList named '{layers_pattern}' (layers_pattern) found in "
             f"{type(model).__name__}; module lists in this model: {lists or 'none'}"
