@@ -1,21 +1,17 @@
 # ruff: noqa: ANN001, ANN202 - the custom ops' hooks mirror their schemas
 """The PAL op: the Projected Attention Layer ``residual + act(V^D_t · MHA_t(V^E_t · h))`` of a mixed-task batch,
 each example using the weights of its task ``t`` (``act``: exact GELU or the identity; MHA without an output
-projection).
+projection). Shapes: ``B`` examples, ``L`` padded length, ``N`` packed rows, ``d`` model width, ``T`` tasks,
+``d_s`` PAL width, ``H`` heads. Weights, one slice per task: ``enc_weight [T, d_s, d]``, ``enc_bias [T, d_s]``
+(V^E); ``qkv_weight [T, 3 d_s, d_s]``, ``qkv_bias [T, 3 d_s]`` (rows Q, K, V); ``dec_weight [T, d, d_s]``,
+``dec_bias [T, d]`` (V^D).
 
-Shapes: ``B`` examples, ``L`` padded length, ``N`` packed rows, ``d`` model width, ``T`` tasks, ``d_s`` PAL
-width, ``H`` heads, ``Dh = d_s / H``. Weights, one slice per task: ``enc_weight [T, d_s, d]``, ``enc_bias
-[T, d_s]`` (V^E); ``qkv_weight [T, 3 d_s, d_s]``, ``qkv_bias [T, 3 d_s]`` (rows Q, K, V); ``dec_weight
-[T, d, d_s]``, ``dec_bias [T, d]`` (V^D).
-
-- :func:`run_pal` (what the model calls): a registered backend, ``torch.ops.fastpals.pal`` / ``pal_varlen``
-  (under ``torch.compile`` / fake tensors; backward recomputes the forward), or :func:`pal_eager`;
-- references: :func:`pal_reference`, :func:`pal_varlen_reference`, :func:`packed_pal_reference` (grouped
-  GEMMs on the packed rows, attention over length buckets: the CPU training path);
-- Triton: :func:`pal` / :func:`pal_varlen` run the grouped V^E and QKV GEMMs (:class:`EncQKVFunction`), the
-  attention of :mod:`fastpals_kernels.pal_attention`, and the grouped V^D GEMM with bias, GELU and the residual
-  as its epilogue. Every head is zero-padded to a multiple of 8 and ``s`` to a multiple of 16 columns
-  (:func:`pal_layout`), so 16-bit loads are 16-byte aligned; the pads are zero and add nothing.
+:func:`run_pal` (what the model calls) picks a registered backend, the custom ops ``torch.ops.fastpals.pal`` /
+``pal_varlen`` (under ``torch.compile``; backward recomputes the forward) or :func:`pal_eager`: the references
+(:func:`pal_reference`, :func:`pal_varlen_reference`, :func:`packed_pal_reference`) or the Triton :func:`pal` /
+:func:`pal_varlen`: grouped V^E and QKV GEMMs, :mod:`fastpals_kernels.pal_attention`, and the grouped V^D GEMM
+with bias, GELU and residual as epilogue, every head zero-padded to a multiple of 8 and ``s`` to 16 columns
+(:func:`pal_layout`) so that 16-bit loads are 16-byte aligned.
 """
 
 from __future__ import annotations

@@ -323,15 +323,11 @@ class _AttentionFunction(torch.autograd.Function):
     def run(ctx, q, k, v, layout: _Layout, dropout_p, softmax_scale, generator_seed, aligned) -> torch.Tensor:
         dropout_p = float(dropout_p)
         scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(layout.head_dim)
-        # the seed: generator_seed, else one draw from the CPU generator (no device sync; torch.manual_seed and
-        # torch.utils.checkpoint replay it); 0 without dropout
-        seed = 0
-        if dropout_p > 0.0:
-            seed = (
-                int(torch.randint(0, 2**31 - 1, (1,)).item())
-                if generator_seed is None
-                else int(generator_seed)
-            )
+        # without a generator_seed, one draw from the CPU generator: no device sync, replayed by checkpoint
+        seed = generator_seed if dropout_p > 0.0 else 0
+        if seed is None:
+            seed = torch.randint(0, 2**31 - 1, (1,)).item()
+        seed = int(seed)
         q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
         out, stat_m, stat_l = _attention_forward(q, k, v, layout, dropout_p, scale, seed, aligned)
         ctx.save_for_backward(q, k, v, out, stat_m, stat_l, layout.mask, layout.cu_seqlens)
@@ -550,14 +546,9 @@ def _row_stats(STAT_M, STAT_L, DELTA, b64, tok, h, valid, H, stat_stride_b):
 
 @TritonKernel
 def _pal_attn_fwd_kernel(
-    Q, K, V, Out, STAT_M, STAT_L, MASK, CU,
-    seed, dropout_p, dropout_scale, softmax_scale,
-    stride_qb, stride_ql, stride_qh,
-    stride_kb, stride_kl, stride_kh,
-    stride_vb, stride_vl, stride_vh,
-    stride_ob, stride_ol, stride_oh,
-    stride_mb, stride_ml, stat_stride_b,
-    H, SEQ, HEAD_DIM,
+    Q, K, V, Out, STAT_M, STAT_L, MASK, CU, seed, dropout_p, dropout_scale, softmax_scale,
+    stride_qb, stride_ql, stride_qh, stride_kb, stride_kl, stride_kh, stride_vb, stride_vl, stride_vh,
+    stride_ob, stride_ol, stride_oh, stride_mb, stride_ml, stat_stride_b, H, SEQ, HEAD_DIM,
     IS_VARLEN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     IEEE: tl.constexpr, INTERP_BF16: tl.constexpr, ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -607,11 +598,8 @@ def _pal_attn_fwd_kernel(
 
 @TritonKernel
 def _pal_attn_bwd_delta_kernel(
-    Out, DO, DELTA, CU,
-    stride_ob, stride_ol, stride_oh,
-    stride_dob, stride_dol, stride_doh,
-    stat_stride_b,
-    H, SEQ, HEAD_DIM,
+    Out, DO, DELTA, CU, stride_ob, stride_ol, stride_oh, stride_dob, stride_dol, stride_doh,
+    stat_stride_b, H, SEQ, HEAD_DIM,
     IS_VARLEN: tl.constexpr, ALIGN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """``delta = rowsum(dO * O)`` of one query block."""
@@ -629,15 +617,10 @@ def _pal_attn_bwd_delta_kernel(
 
 @TritonKernel
 def _pal_attn_bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV, STAT_M, STAT_L, DELTA, MASK, CU,
-    seed, dropout_p, dropout_scale, softmax_scale,
-    stride_qb, stride_ql, stride_qh,
-    stride_kb, stride_kl, stride_kh,
-    stride_vb, stride_vl, stride_vh,
-    stride_dob, stride_dol, stride_doh,
-    stride_gb, stride_gl, stride_gh,
-    stride_mb, stride_ml, stat_stride_b,
-    H, SEQ, HEAD_DIM,
+    Q, K, V, DO, DK, DV, STAT_M, STAT_L, DELTA, MASK, CU, seed, dropout_p, dropout_scale, softmax_scale,
+    stride_qb, stride_ql, stride_qh, stride_kb, stride_kl, stride_kh, stride_vb, stride_vl, stride_vh,
+    stride_dob, stride_dol, stride_doh, stride_gb, stride_gl, stride_gh,
+    stride_mb, stride_ml, stat_stride_b, H, SEQ, HEAD_DIM,
     IS_VARLEN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     IEEE: tl.constexpr, INTERP_BF16: tl.constexpr, ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -686,15 +669,10 @@ def _pal_attn_bwd_dkdv_kernel(
 
 @TritonKernel
 def _pal_attn_bwd_dq_kernel(
-    Q, K, V, DO, DQ, STAT_M, STAT_L, DELTA, MASK, CU,
-    seed, dropout_p, dropout_scale, softmax_scale,
-    stride_qb, stride_ql, stride_qh,
-    stride_kb, stride_kl, stride_kh,
-    stride_vb, stride_vl, stride_vh,
-    stride_dob, stride_dol, stride_doh,
-    stride_gb, stride_gl, stride_gh,
-    stride_mb, stride_ml, stat_stride_b,
-    H, SEQ, HEAD_DIM,
+    Q, K, V, DO, DQ, STAT_M, STAT_L, DELTA, MASK, CU, seed, dropout_p, dropout_scale, softmax_scale,
+    stride_qb, stride_ql, stride_qh, stride_kb, stride_kl, stride_kh, stride_vb, stride_vl, stride_vh,
+    stride_dob, stride_dol, stride_doh, stride_gb, stride_gl, stride_gh,
+    stride_mb, stride_ml, stat_stride_b, H, SEQ, HEAD_DIM,
     IS_VARLEN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     IEEE: tl.constexpr, INTERP_BF16: tl.constexpr, ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
