@@ -2,8 +2,8 @@
 on first launch: ``import fastpals_kernels`` loads no Triton), its ``torch.ops.fastpals`` custom ops and its
 public function.
 
-- :mod:`~fastpals_kernels.pal`: :func:`pal` / :func:`pal_varlen`, the fused Projected Attention Layer, and
-  :func:`pal_attention` / :func:`pal_attention_varlen`, its flash-style attention (Triton);
+- :mod:`~fastpals_kernels.pal`: :func:`pal` / :func:`pal_varlen`, the fused Projected Attention Layer;
+  :mod:`~fastpals_kernels.pal_attention`: :func:`pal_attention` / :func:`pal_attention_varlen`, its attention;
 - :mod:`~fastpals_kernels.attention_varlen`: BERT's attention over packed rows;
 - :mod:`~fastpals_kernels.grouped_linear`: :func:`grouped_linear` / :func:`grouped_linear_varlen` (Triton), the
   per-task weight gradients;
@@ -23,7 +23,8 @@ from fastpals_kernels.backends import available, backend, decide, kernel_mode, u
 from fastpals_kernels.combine import combine
 from fastpals_kernels.gram import gram
 from fastpals_kernels.grouped_linear import grouped_linear, grouped_linear_varlen
-from fastpals_kernels.pal import pal, pal_attention, pal_attention_varlen, pal_varlen
+from fastpals_kernels.pal import pal, pal_varlen
+from fastpals_kernels.pal_attention import pal_attention, pal_attention_varlen
 
 __all__ = [
     "available",

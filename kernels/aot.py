@@ -279,7 +279,7 @@ def _buffer_case(dtype: Any, tasks: int) -> None:
 
 
 def _dropout_mask_case() -> None:
-    from fastpals_kernels.pal import pal_attention_dropout_mask
+    from fastpals_kernels.pal_attention import pal_attention_dropout_mask
 
     pal_attention_dropout_mask(8, 12, 128, 0.1, seed=1234, device="cpu")
 

@@ -1,14 +1,12 @@
-"""The backend decision (fastpals_kernels.dispatch.decide) for each GPU generation, the $FASTPALS_KERNELS
-override, and the stock-composition path (grouped matmuls + SDPA) it picks on sm_75, against the reference."""
+"""The backend decision (fastpals_kernels.dispatch.decide) for each GPU generation and the $FASTPALS_KERNELS
+override (the PAL's stock-composition path against the reference: tests/kernels/test_pal_op.py)."""
 
 import importlib
-import sys
 
 import pytest
 import torch
 from device import TRITON_INTERPRETED
 
-from fastpals.functional import pal_reference, pal_varlen_reference
 from fastpals_kernels import dispatch
 from fastpals_kernels.common import load_triton
 from fastpals_kernels.dispatch import OPS, decide
@@ -80,53 +78,3 @@ def test_backend_follows_the_env_override(monkeypatch):
             dispatch.backend("gram", x)
     assert dispatch.backend("bert_attention_varlen", x) == "sdpa"
     assert not dispatch.flash_varlen_ok(x)
-
-
-def _pal_args(d, d_s, heads, tasks, g):
-    def w(*s):
-        return torch.randn(*s, generator=g) * 0.1
-
-    weights = (
-        w(tasks, d_s, d),
-        w(tasks, d_s),
-        w(tasks, 3 * d_s, d_s),
-        w(tasks, 3 * d_s),
-        w(tasks, d, d_s),
-        w(tasks, d),
-    )
-    return weights, heads
-
-
-def test_pal_sdpa_path_matches_the_reference_fp32():
-    g = torch.Generator().manual_seed(0)
-    weights, heads = _pal_args(24, 34, 2, 3, g)
-    h = torch.randn(4, 9, 24, generator=g)
-    mask = torch.ones(4, 9, dtype=torch.bool)
-    mask[1, 5:] = False
-    task_ids = torch.tensor([2, 0, 1, 2])
-    ref = pal_reference(h, mask, task_ids, *weights, heads)
-    sdpa = pal_reference(h, mask, task_ids, *weights, heads, attention="sdpa")
-    assert (ref - sdpa).abs().max().item() <= 1e-5
-    lengths = mask.sum(1)
-    cu = torch.zeros(5, dtype=torch.int64)
-    cu[1:] = torch.cumsum(lengths, 0)
-    packed = pal_varlen_reference(h[mask], cu, 9, task_ids, *weights, heads, attention="sdpa")
-    assert (packed - ref[mask]).abs().max().item() <= 1e-5
-    with pytest.raises(ValueError, match="attention must be"):
-        pal_reference(h, mask, task_ids, *weights, heads, attention="flash")
-
-
-def test_run_pal_adds_the_residual_on_every_backend(monkeypatch):
-    g = torch.Generator().manual_seed(1)
-    weights, heads = _pal_args(16, 12, 2, 2, g)
-    h = torch.randn(2, 5, 16, generator=g)
-    mask = torch.ones(2, 5, dtype=torch.bool)
-    res = torch.randn(2, 5, 16, generator=g)
-    task_ids = torch.tensor([1, 0])
-    args = (task_ids, *weights, heads, True, 0.0)
-    want = res + pal_reference(h, mask, *args)
-    for choice in ("reference", "sdpa"):
-        monkeypatch.setattr(sys.modules["fastpals_kernels.pal"], "backend", lambda op, t, c=choice: c)
-        got = dispatch.run_pal(h, args, mask=mask, residual=res)
-        assert (got - want).abs().max().item() <= 1e-5, choice
-        assert (dispatch.run_pal(h, args, mask=mask) - (want - res)).abs().max().item() <= 1e-5

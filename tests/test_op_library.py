@@ -18,7 +18,6 @@ from torch.library import opcheck
 import fastpals_kernels
 from fastpals_kernels import backends, dispatch, library
 from fastpals_kernels.gram import gram_reference
-from fastpals_kernels.pal import pal_reference, pal_varlen_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = [torch.float32, torch.bfloat16]
@@ -74,69 +73,8 @@ def test_the_namespace_holds_every_op():
 
 
 # ------------------------------------------------------------------------------------------------------------
-# opcheck and the references, per op and dtype
+# opcheck and the references, per op and dtype (the PAL ops: tests/kernels/test_pal_op.py)
 # ------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("residual", [False, True])
-@pytest.mark.parametrize("dropout_p", [0.0, 0.25])
-def test_pal_opcheck(dtype, residual, dropout_p):
-    h, mask, task_ids, weights, g = _pal_operands(dtype)
-    res = _w(g, *h.shape, dtype=dtype) if residual else None
-    args = (h, mask, task_ids, *weights, HEADS, True, dropout_p, res, library.draw_seed())
-    opcheck(torch.ops.fastpals.pal.default, args)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_pal_varlen_opcheck(dtype):
-    h, mask, task_ids, weights, g = _pal_operands(dtype)
-    cu = torch.tensor([0, 7, 11, 18, 20])
-    rows = _w(g, 20, D, dtype=dtype)
-    for res in (None, _w(g, 20, D, dtype=dtype)):
-        args = (rows, cu, 7, task_ids, *weights, HEADS, False, 0.1, res, library.draw_seed())
-        opcheck(torch.ops.fastpals.pal_varlen.default, args)
-
-
-def _grads(out: torch.Tensor, inputs: list, grad: torch.Tensor) -> tuple:
-    return torch.autograd.grad(out, inputs, grad)
-
-
-@pytest.mark.parametrize("packed", [False, True])
-def test_pal_ops_match_the_reference_in_output_and_every_gradient(packed):
-    h, mask, task_ids, weights, g = _pal_operands(torch.float32)
-    res = _w(g, *h.shape)
-    seed = library.draw_seed()
-    if packed:
-        cu = torch.tensor([0, 7, 11, 18, 20])
-        h, res = h[mask].detach().requires_grad_(), res[mask].detach().requires_grad_()
-        got = torch.ops.fastpals.pal_varlen(h, cu, 7, task_ids, *weights, HEADS, True, 0.0, res, seed)
-        want = res + pal_varlen_reference(h, cu, 7, task_ids, *weights, HEADS, True, 0.0)
-    else:
-        got = torch.ops.fastpals.pal(h, mask, task_ids, *weights, HEADS, True, 0.0, res, seed)
-        want = res + pal_reference(h, mask, task_ids, *weights, HEADS, True, 0.0)
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
-    grad = torch.randn(got.shape, generator=g)
-    inputs = [h, *weights, res]
-    for a, b in zip(_grads(got, inputs, grad), _grads(want, inputs, grad)):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
-
-
-def test_pal_op_dropout_replays_its_mask_in_the_backward():
-    """The backward recomputes the forward: the same seed gives the same mask, so the gradient is that of the
-    forward that ran (checked against autograd through the reference under the same seed)."""
-    h, mask, task_ids, weights, g = _pal_operands(torch.float32)
-    seed = torch.tensor([1234])
-    got = torch.ops.fastpals.pal(h, mask, task_ids, *weights, HEADS, True, 0.3, None, seed)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(1234)
-        want = pal_reference(h, mask, task_ids, *weights, HEADS, True, 0.3)
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
-    grad = torch.randn(got.shape, generator=g)
-    for a, b in zip(_grads(got, [h, *weights], grad), _grads(want, [h, *weights], grad)):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
-    other = torch.ops.fastpals.pal(h, mask, task_ids, *weights, HEADS, True, 0.3, None, torch.tensor([99]))
-    assert not torch.equal(other, got)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_grouped_wgrad_opcheck_and_reference(dtype, with_bias):

@@ -1,6 +1,6 @@
 """The PAL op (fastpals_kernels.pal): the fused PAL (pal / pal_varlen) against fastpals.functional.pal_reference,
-its flash-style attention (pal_attention / pal_attention_varlen) against the attention references, the package
-API and the FASTPALS_KERNELS switch.
+the custom ops torch.ops.fastpals.pal / pal_varlen (opcheck, references, dropout replay), run_pal's backends, the
+package API and the FASTPALS_KERNELS switch (the attention kernels: test_pal_attention.py).
 
 Every fused-PAL case checks the output and the gradients of h, the six weights and biases, and the residual.
 fp32 within 1e-5 of the fp32 reference; every dtype: the kernel's max error against a float64 transcription at
@@ -17,20 +17,21 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from device import DEVICE, ON_CUDA, TRITON_INTERPRETED, requires_cuda
+from device import DEVICE, TRITON_INTERPRETED, requires_cuda
 from tolerances import assert_close_to_reference, assert_fp32_close
+from torch.library import opcheck
 
 import fastpals_kernels as kernels
 from fastpals.functional import (
-    attention_reference,
-    attention_varlen_reference,
     grouped_linear_reference,
     pal_reference,
     pal_varlen_reference,
 )
 from fastpals_kernels import backends as kernel_backends
+from fastpals_kernels import library
 from fastpals_kernels.common import load_triton
-from fastpals_kernels.pal import MAX_HEAD_DIM, pal_attention, pal_attention_dropout_mask, pal_attention_varlen
+from fastpals_kernels.pal import run_pal
+from fastpals_kernels.pal_attention import pal_attention_dropout_mask
 
 pytestmark = pytest.mark.kernels
 
@@ -409,7 +410,7 @@ def test_exported_ops_are_functions_not_modules():
     ):
         assert callable(getattr(kernels, name)), name
     assert kernels.pal.__module__ == "fastpals_kernels.pal"
-    assert kernels.pal_attention.__module__ == "fastpals_kernels.pal"
+    assert kernels.pal_attention.__module__ == "fastpals_kernels.pal_attention"
     assert kernels.gram.__module__ == "fastpals_kernels.gram"
 
 
@@ -433,381 +434,99 @@ def test_pal_under_autocast_follows_the_reference(residual_dtype):
 
 
 # ==============================================================================================================
-# The PAL attention (pal_attention, pal_attention_varlen)
+# torch.ops.fastpals.pal / pal_varlen (opcheck, the references, dropout replay) and run_pal's backends
 # ==============================================================================================================
-# ------------------------------------------------------------------------------------------------ helpers
+def _op_case(dtype):
+    """A padded batch of 4 x 7 tokens (d = 16, d_s = 12, 3 tasks) on the CPU, its packed rows and cu_seqlens."""
+    g = torch.Generator().manual_seed(0)
+    weights = [w.detach().cpu().requires_grad_() for w in _weights(3, 16, 12, dtype, g)]
+    h = (torch.randn(4, 7, 16, generator=g) * 0.2).to(dtype).requires_grad_()
+    mask = torch.ones(4, 7, dtype=torch.bool)
+    mask[1, 4:] = False
+    mask[3, 2:] = False
+    cu = torch.tensor([0, 7, 11, 18, 20])
+    return h, mask, torch.tensor([2, 0, 1, 2]), weights, cu, g
 
 
-def packed_qkv(batch, length, heads, head_dim, dtype=torch.float32, seed=0):
-    """q, k, v as strided views of one [B, L, 3*H*Dh] projection output, as the PAL produces them."""
-    gen = torch.Generator().manual_seed(seed)
-    qkv = torch.randn(batch, length, 3 * heads * head_dim, generator=gen).to(DEVICE, dtype).requires_grad_()
-    q, k, v = qkv.view(batch, length, 3, heads, head_dim).unbind(2)
-    return qkv, q, k, v
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.25])
+def test_pal_opcheck(dtype, residual, dropout_p):
+    h, mask, task_ids, weights, _, g = _op_case(dtype)
+    res = torch.randn(h.shape, generator=g).to(dtype).requires_grad_() if residual else None
+    args = (h, mask, task_ids, *weights, 2, True, dropout_p, res, library.draw_seed())
+    opcheck(torch.ops.fastpals.pal.default, args)
 
 
-def randn(*shape, seed, dtype=torch.float32):
-    """Seeded normal tensor on DEVICE (tests do not depend on the global RNG or on test order)."""
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pal_varlen_opcheck(dtype):
+    _, _, task_ids, weights, cu, g = _op_case(dtype)
+    rows = torch.randn(20, 16, generator=g).to(dtype).requires_grad_()
+    for res in (None, torch.randn(20, 16, generator=g).to(dtype).requires_grad_()):
+        args = (rows, cu, 7, task_ids, *weights, 2, False, 0.1, res, library.draw_seed())
+        opcheck(torch.ops.fastpals.pal_varlen.default, args)
 
 
-def ragged_mask(lengths, length):
-    return torch.arange(length, device=DEVICE)[None, :] < torch.tensor(lengths, device=DEVICE)[:, None]
+@pytest.mark.parametrize("packed", [False, True])
+def test_pal_ops_match_the_reference_in_output_and_every_gradient(packed):
+    h, mask, task_ids, weights, cu, g = _op_case(torch.float32)
+    res = torch.randn(h.shape, generator=g).requires_grad_()
+    seed = library.draw_seed()
+    if packed:
+        h, res = h[mask].detach().requires_grad_(), res[mask].detach().requires_grad_()
+        got = torch.ops.fastpals.pal_varlen(h, cu, 7, task_ids, *weights, 2, True, 0.0, res, seed)
+        want = res + pal_varlen_reference(h, cu, 7, task_ids, *weights, 2, True, 0.0)
+    else:
+        got = torch.ops.fastpals.pal(h, mask, task_ids, *weights, 2, True, 0.0, res, seed)
+        want = res + pal_reference(h, mask, task_ids, *weights, 2, True, 0.0)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    grad = torch.randn(got.shape, generator=g)
+    for a, b in zip(_grads(got, [h, *weights, res], grad), _grads(want, [h, *weights, res], grad)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
-def out_and_grad(out, leaf, out_grad):
-    (grad,) = torch.autograd.grad(out, leaf, out_grad)
-    return out.detach(), grad
+def test_pal_op_dropout_replays_its_mask_in_the_backward():
+    """The backward recomputes the forward: the same seed gives the same mask, so the gradient is that of the
+    forward that ran (checked against autograd through the reference under the same seed)."""
+    h, mask, task_ids, weights, _, g = _op_case(torch.float32)
+    got = torch.ops.fastpals.pal(h, mask, task_ids, *weights, 2, True, 0.3, None, torch.tensor([1234]))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1234)
+        want = pal_reference(h, mask, task_ids, *weights, 2, True, 0.3)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    grad = torch.randn(got.shape, generator=g)
+    for a, b in zip(_grads(got, [h, *weights], grad), _grads(want, [h, *weights], grad)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    other = torch.ops.fastpals.pal(h, mask, task_ids, *weights, 2, True, 0.3, None, torch.tensor([99]))
+    assert not torch.equal(other, got)
 
 
-def split_qkv_grad(grad):
-    """The gradient of a packed [..., 3*H*Dh] projection -> {"dq": ..., "dk": ..., "dv": ...}."""
-    return dict(zip(("dq", "dk", "dv"), grad.unflatten(-1, (3, -1)).unbind(-2)))
+def test_pal_sdpa_path_matches_the_reference_fp32():
+    g = torch.Generator().manual_seed(0)
+    weights = [w.detach().cpu() for w in _weights(3, 24, 34, torch.float32, g)]
+    h = torch.randn(4, 9, 24, generator=g)
+    mask = torch.ones(4, 9, dtype=torch.bool)
+    mask[1, 5:] = False
+    task_ids = torch.tensor([2, 0, 1, 2])
+    ref = pal_reference(h, mask, task_ids, *weights, 2)
+    sdpa = pal_reference(h, mask, task_ids, *weights, 2, attention="sdpa")
+    assert (ref - sdpa).abs().max().item() <= 1e-5
+    cu = torch.tensor([0, 9, 14, 23, 32])
+    packed = pal_varlen_reference(h[mask], cu, 9, task_ids, *weights, 2, attention="sdpa")
+    assert (packed - ref[mask]).abs().max().item() <= 1e-5
+    with pytest.raises(ValueError, match="attention must be"):
+        pal_reference(h, mask, task_ids, *weights, 2, attention="flash")
 
 
-def assert_fp32_matches(name, got, ref, ref64):
-    """fp32 rule: within 1e-5 of the fp32 reference and at most 2x its error against float64."""
-    assert_fp32_close(name, got, ref)
-    assert_close_to_reference(name, got, ref, ref64)
-
-
-def float64_qkv(qkv, *view):
-    """A float64 leaf copy of a packed projection output and its q, k, v views (split on dim -3)."""
-    qkv64 = qkv.detach().double().requires_grad_()
-    return (qkv64, *qkv64.view(*view).unbind(-3))
-
-
-def attention_with_keep_mask(q, k, v, key_padding_mask, keep=None, dropout_p=0.0, softmax_scale=None):
-    """attention_reference's op order with F.dropout replaced by a given keep mask [B, H, L, L] (or none); the
-    softmax in fp32, or in float64 for float64 inputs (attention_reference computes it in fp32 always)."""
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    softmax_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
-    scores = torch.matmul(qh, kh.transpose(-1, -2)).to(softmax_dtype) * scale
-    if key_padding_mask is not None:
-        bias = torch.zeros(scores.shape[0], 1, 1, scores.shape[-1], dtype=softmax_dtype, device=scores.device)
-        bias = bias.masked_fill(~key_padding_mask.bool()[:, None, None, :], torch.finfo(torch.float32).min)
-        scores = scores + bias
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    if keep is not None:
-        probs = probs * (keep.to(q.dtype) / (1.0 - dropout_p))
-    return torch.matmul(probs, vh).transpose(1, 2)
-
-
-def varlen_attention_float64(q, k, v, cu_seqlens):
-    """attention_with_keep_mask over each packed sequence of float64 q, k, v [N, H, Dh] -> [N, H, Dh]."""
-    bounds = cu_seqlens.tolist()
-    rows = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
-    return torch.cat([attention_with_keep_mask(q[r][None], k[r][None], v[r][None], None)[0] for r in rows])
-
-
-def varlen_inputs(lengths, heads, head_dim, dtype=torch.float32, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    total = sum(lengths)
-    qkv = torch.randn(total, 3 * heads * head_dim, generator=gen).to(DEVICE, dtype).requires_grad_()
-    q, k, v = qkv.view(total, 3, heads, head_dim).unbind(1)
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
-    return qkv, q, k, v, cu
-
-
-# ------------------------------------------------------------------------------------------------ fp32 exactness
-
-
-@pytest.mark.parametrize(
-    "heads, head_dim, lengths, scale",
-    [
-        (
-            4,
-            17,
-            [21, 9, 1],
-            None,
-        ),  # 12 heads of 17 in the "top" PAL variant; ragged padding, a 1-token sequence
-        (
-            2,
-            34,
-            [16, 0, 11],
-            None,
-        ),  # 6 heads of 34; a sequence with no token at all (uniform average, no NaN)
-        (3, 46, None, 0.3),  # 6 heads of 46 ("half" PALs); no mask; a custom softmax scale
-        (1, 64, [24, 5], None),
-    ],
-)
-def test_padded_fp32_matches_reference(heads, head_dim, lengths, scale):
-    batch = 3 if lengths is None else len(lengths)
-    length = 21 if lengths is None else max(lengths)
-    qkv, q, k, v = packed_qkv(batch, length, heads, head_dim, seed=head_dim)
-    mask = None if lengths is None else ragged_mask(lengths, length)
-    out_grad = randn(batch, length, heads, head_dim, seed=100)
-    out, grad = out_and_grad(pal_attention(q, k, v, mask, softmax_scale=scale), qkv, out_grad)
-    ref, ref_grad = out_and_grad(attention_reference(q, k, v, mask, softmax_scale=scale), qkv, out_grad)
-    qkv64, q64, k64, v64 = float64_qkv(qkv, batch, length, 3, heads, head_dim)
-    ref64, ref64_grad = out_and_grad(
-        attention_with_keep_mask(q64, k64, v64, mask, softmax_scale=scale), qkv64, out_grad.double()
-    )
-    assert (
-        out.shape == (batch, length, heads, head_dim) and out.is_contiguous() and out.dtype == torch.float32
-    )
-    assert torch.isfinite(out).all() and torch.isfinite(grad).all()
-    assert_fp32_matches("out", out, ref, ref64)
-    for name in ("dq", "dk", "dv"):
-        g, r, r64 = (split_qkv_grad(x)[name] for x in (grad, ref_grad, ref64_grad))
-        assert_fp32_matches(name, g, r, r64)
-
-
-def test_varlen_fp32_matches_reference():
-    lengths, heads, head_dim = (
-        [7, 1, 0, 19, 3],
-        3,
-        34,
-    )  # a 1-token and an empty sequence; max_seqlen > longest
-    qkv, q, k, v, cu = varlen_inputs(lengths, heads, head_dim, seed=1)
-    out_grad = randn(sum(lengths), heads, head_dim, seed=101)
-    out, grad = out_and_grad(pal_attention_varlen(q, k, v, cu, 20), qkv, out_grad)
-    ref, ref_grad = out_and_grad(attention_varlen_reference(q, k, v, cu, 20), qkv, out_grad)
-    qkv64, q64, k64, v64 = float64_qkv(qkv, sum(lengths), 3, heads, head_dim)
-    ref64, ref64_grad = out_and_grad(varlen_attention_float64(q64, k64, v64, cu), qkv64, out_grad.double())
-    assert out.shape == (sum(lengths), heads, head_dim) and out.is_contiguous()
-    assert_fp32_matches("out", out, ref, ref64)
-    assert_fp32_matches("dq, dk, dv", grad, ref_grad, ref64_grad)
-
-
-def test_head_dim_extremes_fp32():
-    """Head dims 1 (padded to 16), 100 (to 128, not a power of two) and 128 (the limit)."""
-    for seed, head_dim in enumerate((1, 100, 128)):
-        qkv, q, k, v = packed_qkv(2, 7, 2, head_dim, seed=seed)
-        mask = ragged_mask([7, 3], 7)
-        out_grad = randn(2, 7, 2, head_dim, seed=200 + seed)
-        out, grad = out_and_grad(pal_attention(q, k, v, mask), qkv, out_grad)
-        ref, ref_grad = out_and_grad(attention_reference(q, k, v, mask), qkv, out_grad)
-        qkv64, q64, k64, v64 = float64_qkv(qkv, 2, 7, 3, 2, head_dim)
-        ref64, ref64_grad = out_and_grad(
-            attention_with_keep_mask(q64, k64, v64, mask), qkv64, out_grad.double()
-        )
-        assert_fp32_matches(f"Dh={head_dim} out", out, ref, ref64)
-        assert_fp32_matches(f"Dh={head_dim} dq, dk, dv", grad, ref_grad, ref64_grad)
-
-
-def test_layouts_and_partial_gradients():
-    """Last dim not contiguous (copied), grad-output with zero strides, only q requiring a gradient, empty batch."""
-    q = randn(2, 9, 17, 2, seed=1).transpose(-1, -2).requires_grad_()  # [2, 9, 2, 17], stride(-1) != 1
-    k = randn(2, 9, 2, 17, seed=2)
-    v = randn(2, 9, 2, 17, seed=3)
-    mask = ragged_mask([9, 4], 9).to(torch.int64)
-    out = pal_attention(q, k, v, mask)
-    ref = attention_reference(q, k, v, mask)
-    q64 = q.detach().double().requires_grad_()
-    ref64 = attention_with_keep_mask(q64, k.double(), v.double(), mask)
-    assert_fp32_matches("out", out, ref, ref64)
-    (dq,) = torch.autograd.grad(out.sum(), q)  # sum().backward() hands in an expanded, stride-0 gradient
-    (ref_dq,) = torch.autograd.grad(ref.sum(), q)
-    (ref64_dq,) = torch.autograd.grad(ref64.sum(), q64)
-    assert_fp32_matches("dq", dq, ref_dq, ref64_dq)
-    empty = torch.randn(0, 5, 2, 17, device=DEVICE, requires_grad=True)
-    out = pal_attention(empty, empty, empty)
-    assert out.shape == (0, 5, 2, 17)
-    out.sum().backward()
-    assert empty.grad.shape == empty.shape
-
-
-# ------------------------------------------------------------------------------------------------ fp16 / bf16
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_low_precision_within_2x_reference_error(dtype):
-    """On CPU the interpreter runs fp16 natively and bf16 through fp32-widened tiles (its bf16 tl.dot is broken)."""
-    heads, head_dim, lengths = 3, 46, [20, 13, 1]
-    qkv, q, k, v = packed_qkv(len(lengths), 20, heads, head_dim, dtype=dtype, seed=7)
-    mask = ragged_mask(lengths, 20)
-    out_grad = randn(len(lengths), 20, heads, head_dim, seed=102, dtype=dtype)
-    qkv64, q64, k64, v64 = float64_qkv(qkv, len(lengths), 20, 3, heads, head_dim)
-    ref64, ref64_grad = out_and_grad(attention_with_keep_mask(q64, k64, v64, mask), qkv64, out_grad.double())
-    ref, ref_grad = out_and_grad(attention_reference(q, k, v, mask), qkv, out_grad)
-    out, grad = out_and_grad(pal_attention(q, k, v, mask), qkv, out_grad)
-    assert out.dtype == dtype and grad.dtype == dtype
-    assert_close_to_reference("out", out, ref, ref64, rtol=0.0, atol=1e-4)
-    for name in ("dq", "dk", "dv"):
-        g, r, r64 = (split_qkv_grad(x)[name] for x in (grad, ref_grad, ref64_grad))
-        assert_close_to_reference(name, g, r, r64, rtol=0.0, atol=1e-4)
-
-    lengths = [5, 1, 17]
-    qkv, q, k, v, cu = varlen_inputs(lengths, 2, 17, dtype=dtype, seed=8)
-    qkv64, q64, k64, v64 = float64_qkv(qkv, sum(lengths), 3, 2, 17)
-    out_grad = randn(sum(lengths), 2, 17, seed=103, dtype=dtype)
-    ref64, ref64_grad = out_and_grad(varlen_attention_float64(q64, k64, v64, cu), qkv64, out_grad.double())
-    ref, ref_grad = out_and_grad(attention_varlen_reference(q, k, v, cu, 17), qkv, out_grad)
-    out, grad = out_and_grad(pal_attention_varlen(q, k, v, cu, 17), qkv, out_grad)
-    assert_close_to_reference("varlen out", out, ref, ref64, rtol=0.0, atol=1e-4)
-    for name in ("dq", "dk", "dv"):
-        g, r, r64 = (split_qkv_grad(x)[name] for x in (grad, ref_grad, ref64_grad))
-        assert_close_to_reference("varlen " + name, g, r, r64, rtol=0.0, atol=1e-4)
-
-
-@requires_cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("heads, head_dim", [(12, 17), (6, 34), (6, 46), (4, 64), (2, 128)])
-def test_gpu_sizes_within_2x_reference_error(dtype, heads, head_dim):
-    """GPU launch configurations (blocks of 64-128, several tiles per sequence) on BERT-sized batches."""
-    lengths = [300, 128, 77, 1]
-    qkv, q, k, v = packed_qkv(len(lengths), 300, heads, head_dim, dtype=dtype, seed=head_dim)
-    mask = ragged_mask(lengths, 300)
-    out_grad = randn(len(lengths), 300, heads, head_dim, seed=104, dtype=dtype)
-    qkv64, q64, k64, v64 = float64_qkv(qkv, len(lengths), 300, 3, heads, head_dim)
-    ref64, ref64_grad = out_and_grad(attention_with_keep_mask(q64, k64, v64, mask), qkv64, out_grad.double())
-    ref, ref_grad = out_and_grad(attention_reference(q, k, v, mask), qkv, out_grad)
-    out, grad = out_and_grad(pal_attention(q, k, v, mask), qkv, out_grad)
-    floor = {"rtol": 0.0, "atol": 1e-5 if dtype == torch.float32 else 1e-4}
-    if dtype == torch.float32:
-        assert_fp32_close("out", out, ref)
-    assert_close_to_reference("out", out, ref, ref64, **floor)
-    for name in ("dq", "dk", "dv"):
-        g, r, r64 = (split_qkv_grad(x)[name] for x in (grad, ref_grad, ref64_grad))
-        assert_close_to_reference(name, g, r, r64, **floor)
-
-
-# ------------------------------------------------------------------------------------------------ dropout
-
-
-def test_dropout_mask_statistics_and_determinism():
-    p = 0.3
-    keep = pal_attention_dropout_mask(2, 3, 64, p, seed=1234, device=DEVICE)
-    assert keep.shape == (2, 3, 64, 64) and keep.dtype == torch.bool
-    fraction = keep.float().mean().item()
-    assert abs(fraction - (1 - p)) < 0.02, fraction  # 24,576 draws: std 0.003
-    assert torch.equal(keep, pal_attention_dropout_mask(2, 3, 64, p, seed=1234, device=DEVICE))
-    other_seed = pal_attention_dropout_mask(2, 3, 64, p, seed=1235, device=DEVICE)
-    assert (keep != other_seed).float().mean().item() > 0.3  # independent masks differ in 2p(1-p) = 42%
-    flat = keep.view(6, -1).float()
-    assert (
-        (flat[:, None] - flat[None]).abs().mean(-1) + torch.eye(6, device=DEVICE)
-    ).min().item() > 0.3  # heads/batches differ
-
-
-def test_dropout_matches_masked_reference():
-    p, heads, head_dim, lengths = 0.25, 2, 34, [19, 6, 1]
-    qkv, q, k, v = packed_qkv(3, 19, heads, head_dim, seed=3)
-    mask = ragged_mask(lengths, 19)
-    keep = pal_attention_dropout_mask(3, heads, 19, p, seed=99, device=DEVICE)
-    out_grad = randn(3, 19, heads, head_dim, seed=105)
-    out, grad = out_and_grad(pal_attention(q, k, v, mask, dropout_p=p, generator_seed=99), qkv, out_grad)
-    ref, ref_grad = out_and_grad(attention_with_keep_mask(q, k, v, mask, keep, p), qkv, out_grad)
-    qkv64, q64, k64, v64 = float64_qkv(qkv, 3, 19, 3, heads, head_dim)
-    ref64, ref64_grad = out_and_grad(
-        attention_with_keep_mask(q64, k64, v64, mask, keep, p), qkv64, out_grad.double()
-    )
-    assert_fp32_matches("out", out, ref, ref64)
-    assert_fp32_matches("dq, dk, dv", grad, ref_grad, ref64_grad)
-    no_drop = attention_reference(q, k, v, mask)
-    assert (out - no_drop).abs().max().item() > 0.1  # dropout did something
-
-    # varlen: position (i, j) of sequence b draws the same counter as the padded batch with L = max_seqlen
-    packed_rows = ragged_mask(lengths, 19).flatten().nonzero().squeeze(1)
-    qv, kv, vv = (t.reshape(3 * 19, heads, head_dim)[packed_rows] for t in (q, k, v))
-    cu = torch.tensor([0, 19, 25, 26], dtype=torch.int32, device=DEVICE)
-    out_v = pal_attention_varlen(qv, kv, vv, cu, 19, dropout_p=p, generator_seed=99)
-    # rows of padded keys never contribute, so the packed rows of the padded output must agree
-    assert_fp32_close("varlen out", out_v, out.reshape(3 * 19, heads, head_dim)[packed_rows])
-    (grad_v,) = torch.autograd.grad(out_v, qkv, out_grad.reshape(3 * 19, heads, head_dim)[packed_rows])
-    (grad_p,) = torch.autograd.grad(
-        attention_with_keep_mask(q, k, v, mask, keep, p).reshape(3 * 19, heads, head_dim)[packed_rows],
-        qkv,
-        out_grad.reshape(3 * 19, heads, head_dim)[packed_rows],
-    )
-    assert_fp32_close("varlen dq, dk, dv", grad_v, grad_p)
-
-
-def test_dropout_seed_comes_from_torch_generator():
-    qkv, q, k, v = packed_qkv(1, 16, 2, 17, seed=5)
-    torch.manual_seed(11)
-    first = pal_attention(q, k, v, dropout_p=0.5)
-    second = pal_attention(q, k, v, dropout_p=0.5)
-    torch.manual_seed(11)
-    replay = pal_attention(q, k, v, dropout_p=0.5)
-    assert torch.equal(first, replay)
-    assert not torch.equal(first, second)
-    # p = 0: plain attention, no seed drawn
-    state = torch.get_rng_state()
-    assert_fp32_matches(
-        "p=0",
-        pal_attention(q, k, v, dropout_p=0.0),
-        attention_reference(q, k, v),
-        attention_with_keep_mask(q.double(), k.double(), v.double(), None),
-    )
-    assert torch.equal(state, torch.get_rng_state())
-
-
-# ------------------------------------------------------------------------------------------------ validation
-
-
-def test_validation_errors():
-    q = torch.randn(2, 5, 2, 17, device=DEVICE)
-    mask = torch.ones(2, 5, dtype=torch.bool, device=DEVICE)
-    with pytest.raises(TypeError, match="q must be float32"):
-        pal_attention(q.double(), q.double(), q.double())
-    with pytest.raises(TypeError, match="k has dtype"):
-        pal_attention(q, q.half(), q)
-    with pytest.raises(ValueError, match="v must have the shape of q"):
-        pal_attention(q, q, q[:, :4])
-    with pytest.raises(ValueError, match=r"q must have shape \[B, L, H, Dh\]"):
-        pal_attention(q[0], q[0], q[0])
-    with pytest.raises(TypeError, match="k must be a torch.Tensor"):
-        pal_attention(q, None, q)
-    big = torch.randn(1, 2, 1, MAX_HEAD_DIM + 1, device=DEVICE)
-    with pytest.raises(ValueError, match="head dim"):
-        pal_attention(big, big, big)
-    with pytest.raises(ValueError, match="key_padding_mask must have shape"):
-        pal_attention(q, q, q, mask[:, :4])
-    with pytest.raises(TypeError, match="key_padding_mask must be bool or integer"):
-        pal_attention(q, q, q, mask.float())
-    with pytest.raises(ValueError, match="dropout_p"):
-        pal_attention(q, q, q, dropout_p=1.0)
-    with pytest.raises(TypeError, match="generator_seed"):
-        pal_attention(q, q, q, dropout_p=0.1, generator_seed=1.5)
-    with pytest.raises(ValueError, match="softmax_scale"):
-        pal_attention(q, q, q, softmax_scale=float("nan"))
-
-    packed = torch.randn(6, 2, 17, device=DEVICE)
-    good = torch.tensor([0, 2, 6], dtype=torch.int32, device=DEVICE)
-    pal_attention_varlen(packed, packed, packed, good, 4)  # the valid call works
-    # int32 and int64 boundaries follow one rule and give the same result
-    assert torch.equal(
-        pal_attention_varlen(packed, packed, packed, good.long(), 4),
-        pal_attention_varlen(packed, packed, packed, good, 4),
-    )
-    with pytest.raises(TypeError, match="cu_seqlens must be int32 or int64"):
-        pal_attention_varlen(packed, packed, packed, good.float(), 4)
-    with pytest.raises(ValueError, match=r"cu_seqlens must have shape \[B\+1\]"):
-        pal_attention_varlen(packed, packed, packed, good[None], 4)
-    with pytest.raises(ValueError, match="non-decreasing"):
-        pal_attention_varlen(
-            packed, packed, packed, torch.tensor([0, 4, 2, 6], dtype=torch.int32, device=DEVICE), 4
-        )
-    with pytest.raises(ValueError, match="end at the number of packed rows 6"):
-        pal_attention_varlen(
-            packed, packed, packed, torch.tensor([0, 2, 5], dtype=torch.int32, device=DEVICE), 4
-        )
-    with pytest.raises(ValueError, match="must start at 0"):
-        pal_attention_varlen(
-            packed, packed, packed, torch.tensor([1, 2, 6], dtype=torch.int32, device=DEVICE), 5
-        )
-    with pytest.raises(ValueError, match="max_seqlen"):
-        pal_attention_varlen(packed, packed, packed, good, 3)
-    with pytest.raises(ValueError, match=r"q must have shape \[N, H, Dh\]"):
-        pal_attention_varlen(q, q, q, good, 4)
-    if ON_CUDA:  # device mismatches need two devices
-        with pytest.raises(ValueError, match="k is on cpu"):
-            pal_attention(q, q.cpu(), q)  # host: a deliberate device mismatch
-        with pytest.raises(ValueError, match="key_padding_mask is on cpu"):
-            pal_attention(q, q, q, mask.cpu())  # host: a deliberate device mismatch
-        with pytest.raises(ValueError, match="cu_seqlens is on cpu"):
-            pal_attention_varlen(packed, packed, packed, good.cpu(), 4)  # host: a deliberate device mismatch
-
-
-def test_reference_dropout_agrees_in_distribution():
-    """Sanity link to F.dropout: the kernel's expected output equals the no-dropout output (unbiased scaling)."""
-    torch.manual_seed(0)
-    qkv, q, k, v = packed_qkv(1, 24, 1, 17, seed=2)
-    outs = torch.stack([pal_attention(q, k, v, dropout_p=0.2, generator_seed=s) for s in range(48)])
-    mean_err = (outs.mean(0) - attention_reference(q, k, v)).abs().mean().item()
-    ref_outs = torch.stack([attention_reference(q, k, v, dropout_p=0.2) for _ in range(48)])
-    ref_err = (ref_outs.mean(0) - attention_reference(q, k, v)).abs().mean().item()
-    assert mean_err < 2 * ref_err + 1e-3, (mean_err, ref_err)
+def test_run_pal_adds_the_residual_on_every_backend(monkeypatch):
+    g = torch.Generator().manual_seed(1)
+    weights = [w.detach().cpu() for w in _weights(2, 16, 12, torch.float32, g)]
+    h, res = torch.randn(2, 5, 16, generator=g), torch.randn(2, 5, 16, generator=g)
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    args = (torch.tensor([1, 0]), *weights, 2, True, 0.0)
+    want = res + pal_reference(h, mask, *args)
+    for choice in ("reference", "sdpa"):
+        monkeypatch.setattr(sys.modules["fastpals_kernels.pal"], "backend", lambda op, t, c=choice: c)
+        got = run_pal(h, args, mask=mask, residual=res)
+        assert (got - want).abs().max().item() <= 1e-5, choice
+        assert (run_pal(h, args, mask=mask) - (want - res)).abs().max().item() <= 1e-5
