@@ -65,12 +65,7 @@ def quiet_libraries(verbose: bool = False) -> None:
 
 
 def initialize(
-    model: Any,
-    optimizer: Any,
-    scheduler: Any,
-    config: dict[str, Any],
-    log: Any = print,
-    verbose: bool = False,
+    model: Any, optimizer: Any, scheduler: Any, config: dict, log: Any = print, verbose: bool = False
 ) -> tuple:
     """``deepspeed.initialize`` for this process, without the shared-memory op when it is the only one; returns
     DeepSpeed's ``(engine, optimizer, loader, scheduler)``. Without ``verbose``, what DeepSpeed prints while it

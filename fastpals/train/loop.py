@@ -23,7 +23,7 @@ from tqdm import tqdm
 from fastpals.model import evaluate as ev
 from fastpals.model.hf_encoder import HFEncoder
 from fastpals.model.multitask import MultiTaskBert, count_parameters
-from fastpals.surgery import make_weighting, parse_surgery_options, shared_parameters_by_name
+from fastpals.surgery import make_weighting, parse_surgery_options
 from fastpals.train import outputs
 from fastpals.train.args import TrainArgs
 from fastpals.train.callbacks import Callback, default_callbacks
@@ -37,7 +37,7 @@ from fastpals.train.errors import (
     SetupCtrlC,
     TrainingInterrupted,
 )
-from fastpals.train.memory_mode import SURGERY_MEMORY_TEXT, run_memory_mode, surgery_memory_mode
+from fastpals.train.memory_mode import SURGERY_MEMORY_TEXT, trainer_memory_mode
 from fastpals.train.mixed import packed_micro_batches
 from fastpals.train.optimizer_setup import build_model, lr_lambda, make_optimizer, optimizer_param_groups
 from fastpals.train.runlock import RunLock
@@ -51,17 +51,11 @@ from fastpals.train.state import (
 )
 from fastpals.train.step import MicroBatch, Surgery, deepspeed_surgery_buffer, run_update
 
-__all__ = ["Trainer", "parameters_finite", "timestamped"]
+__all__ = ["Trainer", "timestamped"]
 
 
 def timestamped(message: str) -> str:
     return f"{datetime.now().strftime('%H:%M:%S')} {message}"
-
-
-def parameters_finite(module: torch.nn.Module) -> bool:
-    """Are all of ``module``'s parameters finite? The check runs on the device; one host read."""
-    flags = [torch.isfinite(p).all() for p in module.parameters()]
-    return bool(torch.stack(flags).all()) if flags else True
 
 
 def _rng_state() -> tuple[Any, Any, Any]:
@@ -207,37 +201,14 @@ class Trainer:
             self._setup_surgery()
 
     def _setup_surgery(self) -> None:
-        args, module = self.args, self.engine.module
-        bf16 = self.ds_config.get("bf16", {}).get("enabled")
-        rows = args.surgery_buffer_dtype
-        if rows == "auto":  # the training precision: bf16 rows with bf16 training (fp16 keeps fp32 rows)
-            rows = "bf16" if bf16 else "fp32"
-        one_backward = args.batching == "mixed"  # its per-task gradients bypass DeepSpeed's reduce
-        choice = None
-        if surgery_memory_mode(args.surgery_memory, one_backward, args.surgery_buffer_dtype) == "smaller":
-            precision = (
-                "bf16" if bf16 else "fp16" if self.ds_config.get("fp16", {}).get("enabled") else "fp32"
-            )
-            shared, _ = shared_parameters_by_name(module)
-            choice = run_memory_mode(
-                module,
-                len(args.task_list),
-                sum(p.numel() for p in shared),
-                2 if rows == "bf16" else 4,
-                args.max_tokens or args.batch_size * args.max_length,
-                args.max_length,
-                precision,
-                self.zero_stage,
-                self.world_size,
-                self.device,
-            )
-        self.surgery_memory = surgery_memory_mode(
-            args.surgery_memory, one_backward, args.surgery_buffer_dtype, choice and choice.mode
-        )
-        dtype, keep = torch.bfloat16 if rows == "bf16" else torch.float32, choice.keep_bytes if choice else 0
-        reduce = one_backward and self.world_size > 1
+        args, module, stage = self.args, self.engine.module, self.zero_stage
+        memory, dtype, choice = trainer_memory_mode(self)
+        keep = choice.keep_bytes if choice is not None else 0
+        # the gradients of one backward bypass DeepSpeed's reduce: the rows are all-reduced
+        reduce = args.batching == "mixed" and self.world_size > 1
+        self.surgery_memory = memory
         self.surgery_buffer = deepspeed_surgery_buffer(
-            module, len(args.task_list), self.zero_stage, dtype, reduce, self.surgery_memory, keep
+            module, len(args.task_list), stage, dtype, reduce, memory, keep
         )
         why = f" (auto: {choice.why})" if choice is not None else ""
         self.log(f"[setup] surgery {args.surgery}: {SURGERY_MEMORY_TEXT[self.surgery_memory]}{why}")
@@ -278,7 +249,8 @@ class Trainer:
         step = self.state.global_step
         if self._finite_step == step:
             return
-        if not parameters_finite(self.engine.module):
+        flags = [torch.isfinite(p).all() for p in self.engine.module.parameters()]
+        if flags and not bool(torch.stack(flags).all()):  # one host read
             self.record({"type": "nonfinite", "step": step, "task": "all", "what": "weights"})
             raise NonFiniteLossError(step, "all", math.nan, "weights")
         self._finite_step = step

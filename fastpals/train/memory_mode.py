@@ -13,7 +13,12 @@ from typing import Any
 
 import torch
 
-from fastpals.surgery import StreamingTaskGradients, TaskGradientBuffer, TaskGradients
+from fastpals.surgery import (
+    StreamingTaskGradients,
+    TaskGradientBuffer,
+    TaskGradients,
+    shared_parameters_by_name,
+)
 from fastpals.train.memory_states import model_state_bytes
 
 __all__ = [
@@ -32,6 +37,7 @@ __all__ = [
     "run_memory_mode",
     "surgery_memory_mode",
     "task_gradients",
+    "trainer_memory_mode",
 ]
 
 #: ``--surgery-memory`` of one-backward surgery: the [T, P] buffer, streaming, or auto
@@ -204,6 +210,29 @@ def run_memory_mode(
         rows, activations, states + activations + rows, device_memory_bytes(device),
         keep_share=KEEP_SHARE if world_size == 1 else 0.0,
     )  # fmt: skip
+
+
+def trainer_memory_mode(trainer: Any) -> tuple[str, torch.dtype, MemoryModeChoice | None]:
+    """A :class:`~fastpals.train.loop.Trainer`'s surgery memory: the :func:`surgery_memory_mode`, the rows' dtype
+    (``auto``: bf16 with bf16 training, else fp32) and ``auto``'s :func:`run_memory_mode` choice (None where it
+    did not run)."""
+    args, ds_config, module = trainer.args, trainer.ds_config, trainer.engine.module
+    bf16 = ds_config.get("bf16", {}).get("enabled")
+    rows = args.surgery_buffer_dtype if args.surgery_buffer_dtype != "auto" else "bf16" if bf16 else "fp32"
+    one_backward, choice = args.batching == "mixed", None
+    if surgery_memory_mode(args.surgery_memory, one_backward, args.surgery_buffer_dtype) == "smaller":
+        precision = "bf16" if bf16 else "fp16" if ds_config.get("fp16", {}).get("enabled") else "fp32"
+        shared = sum(p.numel() for p in shared_parameters_by_name(module)[0])
+        tokens, n = args.max_tokens or args.batch_size * args.max_length, len(args.task_list)
+        row_bytes = 2 if rows == "bf16" else 4
+        choice = run_memory_mode(
+            module, n, shared, row_bytes, tokens, args.max_length, precision, trainer.zero_stage,
+            trainer.world_size, trainer.device,
+        )  # fmt: skip
+    memory = surgery_memory_mode(
+        args.surgery_memory, one_backward, args.surgery_buffer_dtype, choice and choice.mode
+    )
+    return memory, torch.bfloat16 if rows == "bf16" else torch.float32, choice
 
 
 def plan_auto_modes(

@@ -54,11 +54,7 @@ class ModelStates:
 
 
 def model_state_bytes(
-    num_params: int,
-    precision: str,
-    zero_stage: int,
-    world_size: int = 1,
-    largest_layer_params: int = 0,
+    num_params: int, precision: str, zero_stage: int, world_size: int = 1, largest_layer_params: int = 0
 ) -> ModelStates:
     """DeepSpeed's per-rank model-state bytes for ``num_params`` trainable parameters with AdamW, counted as
     DeepSpeed's ``estimate_zero2/3_model_states_mem_needs`` do (mixed precision: ``2 + 18 / N`` bytes per parameter
@@ -305,8 +301,8 @@ class DeepSpeedLikeEngine:
             with self._phase("gradients"):
                 self._hp_flat = torch.zeros(self.master[0].numel(), dtype=torch.float32)
         self._hp_set.add(id(p))
-        start, n = self._offsets[id(p)], p.numel()
-        lo, hi = start, min(start + n, self._hp_flat.numel())
+        lo = self._offsets[id(p)]
+        hi = min(lo + p.numel(), self._hp_flat.numel())
         if hi > lo:
             part = self._hp_flat[lo:hi]
             if value is None:
@@ -330,14 +326,12 @@ class DeepSpeedLikeEngine:
             if flat is None:
                 with self._phase("gradients"):
                     flat = torch.zeros(self.master[0].numel(), dtype=torch.float32)
-            start = 0
             for p in self.params:  # this rank's partition of the flattened gradients, in fp32
-                n = p.numel()
-                lo, hi = max(start, 0), min(start + n, flat.numel())
+                lo = self._offsets[id(p)]
+                hi = min(lo + p.numel(), flat.numel())
                 g = None if id(p) in self._hp_set else self.hp_grads.get(id(p), p.grad)
                 if hi > lo and g is not None and not self._drop_grads:
-                    flat[lo:hi].copy_(g.reshape(-1)[lo - start : hi - start])
-                start += n
+                    flat[lo:hi].copy_(g.reshape(-1)[: hi - lo])
             grads = [flat]
         else:
             grads = []
@@ -356,14 +350,12 @@ class DeepSpeedLikeEngine:
         self.optimizer.step()
         if self.flat_master:
             self.master[0].grad = None
-            start = 0
             with torch.no_grad():
                 for p in self.params:  # all-gather of the updated weights into the module
-                    n = p.numel()
-                    lo, hi = start, min(start + n, self.master[0].numel())
+                    lo = self._offsets[id(p)]
+                    hi = min(lo + p.numel(), self.master[0].numel())
                     if hi > lo:
                         p.reshape(-1)[: hi - lo].copy_(self.master[0][lo:hi])
-                    start += n
         for p in self.params:
             p.grad = None
         self.hp_grads.clear()

@@ -125,31 +125,23 @@ def plot_confusion_matrices(
     ``confusion_sst.png``, ``confusion_sts.png`` (binned to 0.5) and, with ``specs``, every other task's. Returns the
     paths written."""
 
-    folder = Path(folder)
-    written = []
-    for task, spec in (specs or {}).items():
-        if task in ("sst", "sts") or task not in predictions:
-            continue
-        labels, preds = predictions[task]
-        matrix, names = task_confusion_matrix(spec, labels, preds)
-        written.append(
-            plot_confusion_matrix(
-                matrix, folder / f"confusion_{task}.png", class_names=names, title=f"{task} dev (rows: true)"
-            )
-        )
+    plots = {
+        task: (*task_confusion_matrix(spec, *predictions[task]), f"{task} dev (rows: true)")
+        for task, spec in (specs or {}).items()
+        if task not in ("sst", "sts") and task in predictions
+    }
     if "sst" in predictions:
-        labels, preds = predictions["sst"]
-        matrix = confusion_matrix(np.asarray(labels, dtype=np.int64), np.asarray(preds, dtype=np.int64), 5)
-        written.append(
-            plot_confusion_matrix(matrix, folder / "confusion_sst.png", title="SST dev (rows: true)")
-        )
+        labels, preds = (np.asarray(v, dtype=np.int64) for v in predictions["sst"])
+        plots["sst"] = (confusion_matrix(labels, preds, 5), None, "SST dev (rows: true)")
     if "sts" in predictions:
         labels, preds = predictions["sts"]
-        matrix = confusion_matrix(bin_sts(labels), bin_sts(preds), 11)
         names = [f"{k / 2:g}" for k in range(11)]
-        written.append(
-            plot_confusion_matrix(
-                matrix, folder / "confusion_sts.png", class_names=names, title="STS dev, binned to 0.5"
-            )
+        plots["sts"] = (
+            confusion_matrix(bin_sts(labels), bin_sts(preds), 11),
+            names,
+            "STS dev, binned to 0.5",
         )
-    return written
+    return [
+        plot_confusion_matrix(matrix, Path(folder) / f"confusion_{task}.png", class_names=names, title=title)
+        for task, (matrix, names, title) in plots.items()
+    ]

@@ -15,6 +15,7 @@ from fastpals.train.errors import ConfigError
 __all__ = ["LOCK_NAME", "RunLock", "writable_folder_error"]
 
 LOCK_NAME = ".lock"
+_HELD = (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN)  # flock's errors for a lock another process holds
 
 
 def writable_folder_error(out: Path, err: OSError) -> ConfigError:
@@ -46,13 +47,13 @@ class RunLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except OSError as err:
-            if err.errno in (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN):
-                pid, host = _read(fd) or ("?", "?")
-                raise self._busy(pid, host) from None
+            if err.errno in _HELD:
+                raise self._busy(_read(fd)) from None
         finally:
             os.close(fd)
 
-    def _busy(self, pid: str, host: str) -> ConfigError:
+    def _busy(self, holder: tuple[str, str] | None) -> ConfigError:
+        pid, host = holder or ("?", "?")
         return ConfigError(
             f"--out {self.out} is in use by the run with pid {pid} on host {host} (lock {self.path}): wait "
             f"for it to end, stop it, or choose another --out"
@@ -69,10 +70,9 @@ class RunLock:
         except OSError as err:
             holder = _read(fd)
             os.close(fd)
-            if err.errno not in (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN):
+            if err.errno not in _HELD:
                 raise writable_folder_error(self.out, err) from None
-            pid, host = holder or ("?", "?")
-            raise self._busy(pid, host) from None
+            raise self._busy(holder) from None
         earlier = _read(fd)
         if earlier is not None and earlier[0] != str(os.getpid()):
             self.taken_over = earlier

@@ -96,9 +96,7 @@ class TorchEngine:
         max_grad_norm: float | None = None,
     ) -> None:
         self.module, self.optimizer, self.scaler, self.autocast = module, optimizer, scaler, autocast
-        self.accumulation = accumulation
-        self.max_grad_norm = max_grad_norm
-        self.micro_steps = 0
+        self.accumulation, self.max_grad_norm, self.micro_steps = accumulation, max_grad_norm, 0
 
     def _autocast(self) -> AbstractContextManager:
         if self.autocast is None:
