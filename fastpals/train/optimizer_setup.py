@@ -42,20 +42,13 @@ def optimizer_param_groups(
         kind = task_specific_kind(name) or "encoder"
         groups.setdefault((kind, not _no_decay(name)), []).append(p)
     rates = {"encoder": lr, "pal": pal_lr, "head": head_lr}
-    out = []
-    for kind in ("encoder", "pal", "head"):
-        for decay in (True, False):
-            params = groups.get((kind, decay))
-            if params:
-                out.append(
-                    {
-                        "params": params,
-                        "lr": rates[kind],
-                        "weight_decay": weight_decay if decay else 0.0,
-                        "name": f"{kind}{'' if decay else '_no_decay'}",
-                    }
-                )
-    return out
+    return [
+        {"params": groups[kind, decay], "lr": rates[kind], "weight_decay": weight_decay if decay else 0.0,
+         "name": f"{kind}{'' if decay else '_no_decay'}"}
+        for kind in ("encoder", "pal", "head")
+        for decay in (True, False)
+        if groups.get((kind, decay))
+    ]  # fmt: skip
 
 
 def make_optimizer(groups: list[dict[str, Any]], name: str) -> torch.optim.Optimizer:
