@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +42,9 @@ class Callback:
         pass
 
 
+@dataclass
 class JsonlLog(Callback):
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    path: Path
 
     def on_record(self, trainer: Any, entry: dict[str, Any]) -> None:
         with open(self.path, "a") as f:
@@ -148,20 +149,16 @@ class Plots(Callback):
             plot_confusion_matrices(pairs, trainer.out, trainer.args.task_specs)
 
 
+@dataclass
 class FaultInjection(Callback):
     """Test-only faults: the loss of update ``nan_at_step`` turns NaN (a loss hook), a weight turns NaN after
     ``nan_weights_at_step``, and this process gets SIGTERM after ``stop_after_steps`` or SIGKILL after
     ``kill_after_steps``."""
 
-    def __init__(
-        self,
-        nan_at_step: int | None,
-        stop_after_steps: int | None,
-        kill_after_steps: int | None = None,
-        nan_weights_at_step: int | None = None,
-    ) -> None:
-        self.nan_at_step, self.stop_after_steps = nan_at_step, stop_after_steps
-        self.kill_after_steps, self.nan_weights_at_step = kill_after_steps, nan_weights_at_step
+    nan_at_step: int | None
+    stop_after_steps: int | None
+    kill_after_steps: int | None = None
+    nan_weights_at_step: int | None = None
 
     def on_train_start(self, trainer: Any) -> None:
         if self.nan_at_step is not None:

@@ -147,17 +147,12 @@ class Trainer:
         )
 
     def _encoder_line(self) -> str:
-        bert = self.model.bert
-        mixed = self.args.batching == "mixed"
-        if isinstance(bert, HFEncoder):
-            how = (
-                "padded per micro-batch (its attention takes no packed input)" if mixed else "padded per task"
-            )
-            return (
-                f"[model] encoder: HF {bert.model_type} (transformers AutoModel + inject_pals); batches {how}"
-            )
-        how = "packed without padding" if mixed else "padded per task"
-        return f"[model] encoder: fastpals minBERT (fused PALs); batches {how}"
+        bert, mixed = self.model.bert, self.args.batching == "mixed"
+        if not isinstance(bert, HFEncoder):
+            how = "packed without padding" if mixed else "padded per task"
+            return f"[model] encoder: fastpals minBERT (fused PALs); batches {how}"
+        how = "padded per micro-batch (its attention takes no packed input)" if mixed else "padded per task"
+        return f"[model] encoder: HF {bert.model_type} (transformers AutoModel + inject_pals); batches {how}"
 
     def _device_name(self) -> str:
         local = int(os.environ.get("LOCAL_RANK", "0"))
