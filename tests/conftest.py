@@ -2,10 +2,12 @@
 (imported here, before any test module loads Triton)."""
 
 import os
+from pathlib import Path
 
 import device  # noqa: F401 - sets TRITON_INTERPRET off CUDA before a test module imports Triton
 import pytest
 import torch
+from train_fixtures import make_tiny_data, make_tiny_model
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
@@ -14,6 +16,13 @@ def data_dir() -> str:
     """The CS224N task files: $FASTPALS_DATA_DIR, else ../shared/data beside the checkout."""
     here = os.path.dirname(os.path.abspath(__file__))
     return os.environ.get("FASTPALS_DATA_DIR", os.path.join(here, "..", "..", "shared", "data"))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A tiny task-data folder and encoder checkpoint (``train_fixtures``), made once per test module."""
+    root = tmp_path_factory.mktemp("tiny")
+    return make_tiny_data(root / "data"), make_tiny_model(root / "model")
 
 
 @pytest.fixture

@@ -12,16 +12,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_fixtures import make_tiny_data, make_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("e2e")
-    return make_tiny_data(root / "data"), make_tiny_model(root / "model")
 
 
 def common(tiny, out, *extra):

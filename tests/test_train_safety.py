@@ -19,13 +19,7 @@ from fastpals.train.state import TrainState, check_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_fixtures import make_tiny_data, make_tiny_model, tiny_run_args  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("safety")
-    return make_tiny_data(root / "data"), make_tiny_model(root / "model")
+from train_fixtures import tiny_run_args  # noqa: E402
 
 
 def common(tiny, out, *extra):

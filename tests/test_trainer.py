@@ -17,14 +17,6 @@ from fastpals.train.errors import ConfigError
 from fastpals.train.optimizer_setup import lr_lambda, optimizer_param_groups
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_fixtures import make_tiny_data, make_tiny_model  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny")
-    return make_tiny_data(root / "data"), make_tiny_model(root / "model")
 
 
 def parse(tiny, *extra):

@@ -1,9 +1,5 @@
-"""Keep freed host memory in the process during training (glibc ``malloc`` tuning).
-
-A CPU step allocates and frees the same tensors every update; with glibc's defaults large blocks are mapped fresh
-and unmapped on free, so each update pays page faults again (measured in ``docs/measurements.md``).
-:func:`keep_freed_memory` raises the mmap threshold and stops trimming, so freed blocks are reused.
-"""
+"""Keep freed host memory in the process during training (glibc ``malloc`` tuning): with glibc's defaults a CPU
+step's large blocks are mapped fresh and unmapped on free, so each update pays page faults again."""
 
 from __future__ import annotations
 
@@ -24,8 +20,8 @@ _TOP_PAD = 64 * 1024 * 1024
 
 
 def keep_freed_memory() -> bool:
-    """Tune glibc ``malloc`` for a training process (see the module doc). Returns True when every setting was
-    taken, False where there is no glibc (macOS, Windows, musl) or glibc refused one; nothing else changes."""
+    """Raise glibc's mmap threshold and stop trimming, so freed blocks are reused. True when every
+    setting was taken; False without glibc (macOS, Windows, musl) or where glibc refused one."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     try:

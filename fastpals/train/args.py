@@ -16,12 +16,12 @@ from fastpals.data.sampling import GROUPED_METHODS, SAMPLING_METHODS
 from fastpals.data.tasks import TaskSpec, resolve_tasks
 from fastpals.encoder.bert import PALConfig
 from fastpals.encoder.pal_variants import pal_presets
-from fastpals.model.multitask import TASKS
+from fastpals.model.multitask import TASK_WEIGHTINGS, TASKS
 from fastpals.surgery import AGGREGATORS, make_weighting, parse_surgery_options
 from fastpals.train.dsconfig import DEFAULT_DS_CONFIG, load_ds_config
 from fastpals.train.errors import ConfigError
 from fastpals.train.memory_mode import SURGERY_MEMORIES
-from fastpals.train.options import MAY, jsonable, opt, option_flag
+from fastpals.train.optimizer_setup import OPTIMIZERS
 
 __all__ = [
     "BATCHINGS",
@@ -33,22 +33,64 @@ __all__ = [
     "TASK_WEIGHTINGS",
     "TrainArgs",
     "build_pal_config",
+    "jsonable",
+    "opt",
+    "option_flag",
     "resume_fields",
 ]
 
-#: ``--pal`` presets: the PALConfig fields of each (None: no PALs), from the PAL variants registered when this
-#: module is imported (:attr:`fastpals.encoder.pal_variants.PALVariant.presets`)
+#: ``--pal`` presets: the PALConfig fields of each (None: no PALs), from the registered PAL variants
 PAL_PRESETS: dict[str, dict[str, Any] | None] = {
     name: None if preset.fields is None else dict(preset.fields) for name, preset in pal_presets().items()
 }
 _PAL_HELP = ", ".join(
     f"{name} ({preset.help})" if preset.help else name for name, preset in pal_presets().items()
 )
-SURGERIES = ("none", *AGGREGATORS)  # every fastpals.surgery.AGGREGATORS name
-OPTIMIZERS = ("adamw", "sgd", "rmsprop")
+SURGERIES = ("none", *AGGREGATORS)
 BATCHINGS = ("per_task", "mixed")
-TASK_WEIGHTINGS = ("examples", "equal")
 SURGERY_BUFFER_DTYPES = ("auto", "fp32", "bf16")
+MAY = "may_change"  # ``opt(resume=MAY)``: an option a resumed run may give anew
+#: the lower bound of each numeric option (None stays allowed where it is the default)
+_LOWER_BOUNDS = {"epochs": 1, "batch_size": 1, "grad_accum": 1, "steps_per_epoch": 1, "max_eval": 1, "max_train": 1,
+                 "max_predict": 1, "stop_after_steps": 1, "extra_batches": 0, "eval_every": 0, "checkpoint_every": 0,
+                 "max_tokens": 1, "seed": 0, "weight_decay": 0}  # fmt: skip
+
+
+def opt(
+    help: str,
+    *,
+    resume: str = "match",
+    type: type | None = None,
+    choices: tuple[str, ...] | None = None,
+    flags: tuple[str, ...] = (),
+    metavar: str | None = None,
+    hidden: bool = False,
+    default: Any = None,
+    factory: Any = None,
+) -> Any:
+    """A :class:`TrainArgs` field: ``help``, ``resume`` (``"match"``: must equal the saved run's value on
+    ``--resume``; :data:`MAY`: may change), argparse ``type``/``choices``/``metavar``, extra ``flags`` spellings and
+    ``hidden`` (left out of ``--help``: test-only options)."""
+    assert resume in ("match", MAY), resume
+    meta = {"help": help, "resume": resume, "type": type, "choices": choices, "flags": flags,
+            "metavar": metavar, "hidden": hidden}  # fmt: skip
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def option_flag(name: str) -> str:
+    """The command-line spelling of option ``name`` (``pal_lr`` -> ``--pal-lr``)."""
+    return "--" + name.replace("_", "-")
+
+
+def jsonable(value: Any) -> Any:
+    """``value`` as JSON data: lists and tuples as lists, str/int/float/bool/None as they are, else ``str``."""
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, (str, int, float, bool, type(None))):
+        return value
+    return str(value)
 
 
 @dataclass
@@ -255,29 +297,24 @@ class TrainArgs:
             raise ConfigError(f"--tasks: {err}") from None
         self.task_specs = {spec.name: spec for spec in specs}
         tasks = self.task_list = list(self.task_specs)
-        for name in ("optimizer", "sampling", "surgery", "pal", "head", "pair_mode", "batching",
-                     "task_weighting", "surgery_buffer_dtype", "surgery_memory"):  # fmt: skip
-            choices = _field(name).metadata["choices"]
-            if getattr(self, name) not in choices:
+        for name, f in OPTIONS.items():
+            if f.metadata["choices"] and getattr(self, name) not in f.metadata["choices"]:
                 raise ConfigError(
-                    f"{option_flag(name)} {getattr(self, name)!r}: choose one of {', '.join(choices)}"
+                    f"{option_flag(name)} {getattr(self, name)!r}: choose one of {', '.join(f.metadata['choices'])}"
                 )
-        self._not_implemented_yet()
+        self._check_surgery_options()
         if self.batch_size is None or self.grad_accum is None:
             ds = load_ds_config(self.ds_config)
             if self.batch_size is None:
                 self.batch_size = ds.get("train_micro_batch_size_per_gpu", 32)
             if self.grad_accum is None:
                 self.grad_accum = 1 if self.surgery != "none" else ds.get("gradient_accumulation_steps", 1)
-        for name in ("epochs", "batch_size", "grad_accum"):
-            self._at_least(name)
-        for name in ("steps_per_epoch", "max_eval", "max_train", "max_predict", "stop_after_steps"):
-            self._at_least(name, allow_none=True)
-        self._at_least("extra_batches", low=0)
-        self._at_least("eval_every", low=0)
-        self._at_least("checkpoint_every", low=0)
-        if self.seed < 0:
-            raise ConfigError(f"--seed must be >= 0, got {self.seed}")
+        for name, low in _LOWER_BOUNDS.items():
+            value = getattr(self, name)
+            if value is None and OPTIONS[name].default is None:
+                continue
+            if value is None or value < low:
+                raise ConfigError(f"{option_flag(name)} must be >= {low}, got {value}")
         if not 8 <= self.max_length <= 512:
             raise ConfigError(f"--max-length must be in [8, 512], got {self.max_length}")
         for name in ("lr", "pal_lr", "head_lr"):
@@ -286,8 +323,6 @@ class TrainArgs:
                 raise ConfigError(f"{option_flag(name)} must be a positive number, got {value}")
         if not 0.0 <= self.warmup < 1.0:
             raise ConfigError(f"--warmup is a fraction of the updates in [0, 1), got {self.warmup}")
-        if self.weight_decay < 0:
-            raise ConfigError(f"--weight-decay must be >= 0, got {self.weight_decay}")
         if self.surgery != "none" and self.grad_accum != 1:
             raise ConfigError(
                 "--surgery groups the micro-batches of an update by itself (see --sampling); use --grad-accum 1"
@@ -303,7 +338,6 @@ class TrainArgs:
                 raise ConfigError(
                     "--task-weighting weighs tasks inside a mixed micro-batch: use --batching mixed"
                 )
-        self._at_least("max_tokens", allow_none=True)
         if (
             self.sampling in GROUPED_METHODS
             and self.batching == "per_task"
@@ -324,9 +358,7 @@ class TrainArgs:
             raise ConfigError(f"--out {self.out} is a file, not a folder: choose another --out")
         self.data_path = self._check_data()
 
-    # --- checks -------------------------------------------------------------------------------------------------
-    def _not_implemented_yet(self) -> None:
-        # extension point: remove an entry here once the loop implements that option
+    def _check_surgery_options(self) -> None:
         if self.surgery == "none" and (self.surgery_opts or self.surgery_buffer_dtype != "auto"):
             raise ConfigError("--surgery-opt and --surgery-buffer-dtype need a --surgery method")
         if self.surgery_memory == "stream" and (self.surgery == "none" or self.batching != "mixed"):
@@ -343,13 +375,6 @@ class TrainArgs:
                 make_weighting(self.surgery, **parse_surgery_options(self.surgery_opts))
             except ValueError as err:
                 raise ConfigError(str(err)) from None
-
-    def _at_least(self, name: str, allow_none: bool = False, low: float = 1) -> None:
-        value = getattr(self, name)
-        if value is None and allow_none:
-            return
-        if value is None or value < low:
-            raise ConfigError(f"{option_flag(name)} must be >= {low}, got {value}")
 
     def _check_data(self) -> Path | None:
         builtin = [
@@ -382,10 +407,9 @@ class TrainArgs:
             )
         return data_path
 
-    # --- conversions --------------------------------------------------------------------------------------------
     def options(self) -> dict[str, Any]:
         """The options (not the derived fields) as JSON-ready values: what ``train_args.json`` holds."""
-        return {f.name: jsonable(getattr(self, f.name)) for f in dataclasses.fields(self) if f.init}
+        return {name: jsonable(getattr(self, name)) for name in OPTIONS}
 
     def resume_options(self) -> dict[str, Any]:
         """The options that must match the saved run's on ``--resume``."""
@@ -406,13 +430,31 @@ def _file_problem(path: Path) -> str | None:
         return f"cannot be read ({err.strerror or type(err).__name__})"
 
 
-def _field(name: str) -> dataclasses.Field:
-    return {f.name: f for f in dataclasses.fields(TrainArgs)}[name]
+#: the option fields of :class:`TrainArgs` by name, in declaration order
+OPTIONS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(TrainArgs) if f.init}
 
 
 def resume_fields(kind: str) -> list[str]:
     """Names of the options whose ``resume`` flag is ``kind`` (``"match"`` or ``"may_change"``)."""
-    return [f.name for f in dataclasses.fields(TrainArgs) if f.init and f.metadata["resume"] == kind]
+    return [name for name, f in OPTIONS.items() if f.metadata["resume"] == kind]
+
+
+def type_problem(f: dataclasses.Field, value: Any) -> str | None:
+    """None when the JSON ``value`` has the type of option ``f``, else what it must be (``"an integer"``, ...)."""
+    kind = f.metadata["type"]
+    if value is None and f.default is None:
+        return None
+    if f.default is False:
+        ok, want = isinstance(value, bool), "true or false"
+    elif f.name == "surgery_opts":
+        ok, want = isinstance(value, list) and all(isinstance(v, str) for v in value), "a list of strings"
+    elif kind is float:
+        ok, want = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+    elif kind is int:
+        ok, want = isinstance(value, int) and not isinstance(value, bool), "an integer"
+    else:
+        ok, want = isinstance(value, str), "a string"
+    return None if ok else want
 
 
 def build_pal_config(args: TrainArgs) -> PALConfig | None:

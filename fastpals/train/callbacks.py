@@ -1,13 +1,13 @@
-"""What a run reports, kept out of the update code: every record of the loop goes to the callbacks
-(``metrics.jsonl``, TensorBoard, the progress bar, the plots, test-only faults). A callback implements any of
-``on_train_start(trainer)``, ``on_record(trainer, entry)`` and ``on_train_end(trainer)``; records are dicts with
-a ``type`` (config, step, eval, epoch, nonfinite, interrupted)."""
+"""What a run reports: every record of the loop (a dict with a ``type``: config, step, eval, epoch, nonfinite,
+interrupted) goes to the callbacks, each implementing any of ``on_train_start(trainer)``,
+``on_record(trainer, entry)`` and ``on_train_end(trainer)``."""
 
 from __future__ import annotations
 
 import os
 import signal
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +42,9 @@ class Callback:
         pass
 
 
+@dataclass
 class JsonlLog(Callback):
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    path: Path
 
     def on_record(self, trainer: Any, entry: dict[str, Any]) -> None:
         with open(self.path, "a") as f:
@@ -89,8 +89,8 @@ class TensorBoardLog(Callback):
 
 
 class Progress(Callback):
-    """One bar over all the run's updates, so its ETA is the whole run's; the postfix shows each task's
-    loss (moving average) and the throughput."""
+    """One bar over all the run's updates (its ETA the whole run's), each task's loss (moving average) and the
+    throughput in the postfix."""
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
@@ -134,12 +134,10 @@ class Plots(Callback):
         if not trainer.is_main or not trainer.finished:
             return
 
-        state = trainer.state
+        state, args = trainer.state, trainer.args
         untrained = [{"step": 0, "dev": state.untrained}] if state.untrained else []
-        plot_training_curves(
-            state.step_losses, untrained + list(state.evals), trainer.out / "training_curves.png",
-            title=run_title(trainer.args), tasks=trainer.args.task_list,
-        )  # fmt: skip
+        plot_training_curves(state.step_losses, untrained + list(state.evals), trainer.out / "training_curves.png",
+                             title=run_title(args), tasks=args.task_list)  # fmt: skip
         npz = trainer.out / "predictions" / "dev_labels_and_predictions.npz"
         if npz.is_file():
             data = np.load(npz)
@@ -151,21 +149,16 @@ class Plots(Callback):
             plot_confusion_matrices(pairs, trainer.out, trainer.args.task_specs)
 
 
+@dataclass
 class FaultInjection(Callback):
-    """Test-only faults, installed only when asked for: ``nan_at_step`` turns the loss of that update into NaN
-    (through the trainer's ``loss_hooks``); ``nan_weights_at_step`` puts a NaN into the weights after that update;
-    ``stop_after_steps`` sends this process SIGTERM after that update, as a real kill would; ``kill_after_steps``
-    sends it SIGKILL (kill -9: no checkpoint, no clean-up)."""
+    """Test-only faults: the loss of update ``nan_at_step`` turns NaN (a loss hook), a weight turns NaN after
+    ``nan_weights_at_step``, and this process gets SIGTERM after ``stop_after_steps`` or SIGKILL after
+    ``kill_after_steps``."""
 
-    def __init__(
-        self,
-        nan_at_step: int | None,
-        stop_after_steps: int | None,
-        kill_after_steps: int | None = None,
-        nan_weights_at_step: int | None = None,
-    ) -> None:
-        self.nan_at_step, self.stop_after_steps = nan_at_step, stop_after_steps
-        self.kill_after_steps, self.nan_weights_at_step = kill_after_steps, nan_weights_at_step
+    nan_at_step: int | None
+    stop_after_steps: int | None
+    kill_after_steps: int | None = None
+    nan_weights_at_step: int | None = None
 
     def on_train_start(self, trainer: Any) -> None:
         if self.nan_at_step is not None:
@@ -179,10 +172,9 @@ class FaultInjection(Callback):
         if entry["type"] != "step":
             return
         if entry["step"] == self.nan_weights_at_step:
+            weight = next(p for p in trainer.engine.module.parameters() if p.requires_grad)
             with torch.no_grad():
-                next(p for p in trainer.engine.module.parameters() if p.requires_grad).view(-1)[0] = float(
-                    "nan"
-                )
+                weight.view(-1)[0] = float("nan")
         if entry["step"] == self.kill_after_steps:
             os.kill(os.getpid(), signal.SIGKILL)
         if entry["step"] == self.stop_after_steps:
@@ -190,8 +182,8 @@ class FaultInjection(Callback):
 
 
 def default_callbacks(args: Any, out: Path, is_main: bool) -> list[Callback]:
-    """The callbacks of ``train.py``: on the main rank JSONL, TensorBoard, progress and plots; fault injection
-    when a test option asks for it (on every rank)."""
+    """The callbacks of ``train.py``: JSONL, TensorBoard, progress and plots on the main rank, and the
+    fault injection a test option asks for."""
     callbacks: list[Callback] = []
     if is_main:
         callbacks += [JsonlLog(out / "metrics.jsonl"), TensorBoardLog(out / "tensorboard"),

@@ -15,13 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from fastpals.train.allocator import keep_freed_memory
-from fastpals.train.args import TrainArgs, resume_fields
+from fastpals.train.args import OPTIONS, TrainArgs, option_flag, resume_fields, type_problem
 from fastpals.train.errors import (
     ConfigError,
     NonFiniteLossError,
     OutputError,
     SetupCtrlC,
     TrainingInterrupted,
+    read_json_object,
 )
 from fastpals.train.loop import Trainer
 from fastpals.train.recipes import load_recipe, recipe_names
@@ -35,21 +36,15 @@ PER_INVOCATION = ("resume", "overwrite", "debug", "verbose", "local_rank", "stop
 
 
 #: the exit codes of ``train.py`` (also in ``--help``)
-EXIT_CODES = (
-    (0, "the run finished"),
-    (2, "an option, the ds_config, the data, --out or a checkpoint is wrong (one line says what to change)"),
-    (3, "a non-finite loss, gradient or weights stopped training (nothing non-finite was saved)"),
-    (
-        4,
-        "an output could not be written (disk full, no permission, read-only): the previous checkpoint is whole",
-    ),
-    (129, "stopped by SIGHUP (a closed terminal) after writing a checkpoint: --resume continues"),
-    (
-        130,
-        "stopped by Ctrl-C: once, after a checkpoint (--resume continues); twice, or during the set-up, at once",
-    ),
-    (143, "stopped by SIGTERM after writing a checkpoint: --resume continues"),
-)
+EXIT_CODES = {
+    0: "the run finished",
+    2: "an option, the ds_config, the data, --out or a checkpoint is wrong (one line says what to change)",
+    3: "a non-finite loss, gradient or weights stopped training (nothing non-finite was saved)",
+    4: "an output could not be written (disk full, no permission, read-only): the previous checkpoint is whole",
+    129: "stopped by SIGHUP (a closed terminal) after writing a checkpoint: --resume continues",
+    130: "stopped by Ctrl-C: once, after a checkpoint (--resume continues); twice, or during the set-up, at once",
+    143: "stopped by SIGTERM after writing a checkpoint: --resume continues",
+}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -80,17 +75,16 @@ def build_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
         description="Multi-task fine-tuning of BERT + PALs (SST, Quora, STS) with DeepSpeed. Run as `deepspeed "
         "train.py --ds_config configs/<name>.json [options]` or `python train.py [options]`.",
         epilog="[may change on --resume] marks the options a resumed run may give anew: "
-        + ", ".join(_fmt(n) for n in may if not _field_hidden(n))
+        + ", ".join(_fmt(n) for n in may if not OPTIONS[n].metadata["hidden"])
         + ". --resume reads every option from <out>/train_args.json; giving one of the others with another value "
-        "is an error.\n\nexit codes:\n" + "\n".join(f"  {code:>3}  {text}" for code, text in EXIT_CODES),
+        "is an error.\n\nexit codes:\n"
+        + "\n".join(f"  {code:>3}  {text}" for code, text in EXIT_CODES.items()),
         formatter_class=_HelpFormatter,
         argument_default=argparse.SUPPRESS if suppress_defaults else None,
     )
-    for f in dataclasses.fields(TrainArgs):
-        if not f.init:
-            continue
+    for f in OPTIONS.values():
         m = f.metadata
-        flags = m["flags"] or ("--" + f.name.replace("_", "-"),)
+        flags = m["flags"] or (option_flag(f.name),)
         help_text = (
             argparse.SUPPRESS
             if m["hidden"]
@@ -104,12 +98,7 @@ def build_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
         elif f.name == "surgery_opts":
             kw.update(action="append", metavar=m["metavar"])
         else:
-            if m["choices"]:
-                kw["choices"] = m["choices"]
-            if m["type"] is not None:
-                kw["type"] = m["type"]
-            if m["metavar"]:
-                kw["metavar"] = m["metavar"]
+            kw.update({key: m[key] for key in ("choices", "type", "metavar") if m[key]})
         p.add_argument(*flags, **kw)
 
     p.add_argument("--recipe", dest="recipe", metavar="NAME", default=argparse.SUPPRESS,
@@ -119,13 +108,8 @@ def build_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
     return p
 
 
-def _field_hidden(name: str) -> bool:
-    return {f.name: f for f in dataclasses.fields(TrainArgs)}[name].metadata["hidden"]
-
-
 def _fmt(name: str) -> str:
-    flags = {f.name: f for f in dataclasses.fields(TrainArgs)}[name].metadata["flags"]
-    return flags[0] if flags else "--" + name.replace("_", "-")
+    return (OPTIONS[name].metadata["flags"] or (option_flag(name),))[0]
 
 
 def parse_args(argv: list[str] | None = None) -> TrainArgs:
@@ -138,7 +122,6 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
             raise ConfigError(
                 "--recipe starts a new run; --resume takes the saved run's options: drop --recipe"
             )
-
         return TrainArgs(**{**load_recipe(recipe), **given})
     if not given.get("resume"):
         return TrainArgs(**{k: v for k, v in vars(build_parser().parse_args(argv)).items() if k != "recipe"})
@@ -149,16 +132,19 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
             f"--resume: {saved_path} does not exist, so --out {out} holds no run to resume: check --out, or start "
             f"a new run without --resume"
         )
-    try:
-        saved = json.loads(saved_path.read_text())
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"--resume: {saved_path}:{err.lineno}: not valid JSON ({err.msg})") from None
-    if not isinstance(saved, dict):
-        raise ConfigError(
-            f"--resume: {saved_path} must hold a JSON object of options, not {type(saved).__name__}: restore it "
-            f"(the run's checkpoint keeps the options too) or start a new run"
-        )
-    _check_saved_types(saved, saved_path)
+    saved = read_json_object(
+        saved_path,
+        "--resume: ",
+        "must hold a JSON object of options",
+        ": restore it (the run's checkpoint keeps the options too) or start a new run",
+    )
+    for name, value in saved.items():
+        want = type_problem(OPTIONS[name], value) if name in OPTIONS else None
+        if want is not None:
+            raise ConfigError(
+                f"--resume: {saved_path}: {name} = {json.dumps(value)} must be {want}: fix that entry (the run was "
+                f"started with the option {_fmt(name)})"
+            )
     match = set(resume_fields("match"))
     differ = [k for k in given if k in match and k in saved and given[k] != saved[k]]
     if differ:
@@ -167,35 +153,9 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
             f"--resume with different options: {detail}; leave them out (the saved ones are used) or start a new "
             f"run in another --out"
         )
-    known = {f.name for f in dataclasses.fields(TrainArgs) if f.init}
-    options = {k: v for k, v in saved.items() if k in known and k not in PER_INVOCATION}
+    options = {k: v for k, v in saved.items() if k in OPTIONS and k not in PER_INVOCATION}
     options.update(given)
     return TrainArgs(**options)
-
-
-def _check_saved_types(saved: dict[str, Any], path: Path) -> None:
-    """Each option of ``train_args.json`` (``path``) has its option's type (a hand edit may break that)."""
-    for f in dataclasses.fields(TrainArgs):
-        if not f.init or f.name not in saved:
-            continue
-        value, kind = saved[f.name], f.metadata["type"]
-        if value is None and f.default is None:
-            continue
-        if f.default is False:
-            ok, want = isinstance(value, bool), "true or false"
-        elif f.name == "surgery_opts":
-            ok, want = isinstance(value, list) and all(isinstance(v, str) for v in value), "a list of strings"
-        elif kind is float:
-            ok, want = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
-        elif kind is int:
-            ok, want = isinstance(value, int) and not isinstance(value, bool), "an integer"
-        else:
-            ok, want = isinstance(value, str), "a string"
-        if not ok:
-            raise ConfigError(
-                f"--resume: {path}: {f.name} = {json.dumps(value)} must be {want}: fix that entry (the run was "
-                f"started with the option {_fmt(f.name)})"
-            )
 
 
 def main(argv: list[str] | None = None) -> int:

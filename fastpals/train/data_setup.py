@@ -1,6 +1,5 @@
-"""The data of a training run: the tokenizer, every task's train and dev
-:class:`~fastpals.data.per_task_batches.TaskBatcher` and the sampler of the updates. Training examples are sharded
-by rank (rank ``r`` of ``W`` keeps ``r, r + W, ...``)."""
+"""The data of a training run: the tokenizer, every task's train and dev batchers and the sampler of the
+updates; rank ``r`` of ``W`` trains on examples ``r, r + W, ...``."""
 
 from __future__ import annotations
 
@@ -48,9 +47,8 @@ def setup_data(
     log: Callable[[str], None],
     tokenizer: Tokenizer | None = None,
 ) -> RunData:
-    """Tokenizer (``tokenizer``, already opened by :func:`open_tokenizer`, or opened here), batchers and
-    sampler of a run of ``args`` on process ``rank`` of ``world_size``; ``log`` gets one summary line. Raises
-    :class:`ConfigError` when ``--model`` has no usable tokenizer."""
+    """Tokenizer (opened by :func:`open_tokenizer` unless given), batchers and sampler of a run of ``args`` on
+    process ``rank`` of ``world_size``; ``log`` gets one summary line."""
     if tokenizer is None:
         tokenizer = open_tokenizer(args)
     pair_encoding = {
@@ -60,9 +58,16 @@ def setup_data(
     train_batchers: dict[str, TaskBatcher] = {}
     dev_batchers: dict[str, TaskBatcher] = {}
     train_sizes: list[int] = []
-    log = _once(log)  # train and dev read from one file (Quora) report its skipped rows once
+    said: set[str] = set()
+
+    def log_once(line: str) -> None:  # train and dev read from one file (Quora) report its skipped rows once
+        message = line.split(": ", 1)[-1] if line.startswith("[data] ") else line
+        if message not in said:
+            said.add(message)
+            log(line)
+
     for i, t in enumerate(args.task_list):
-        train = ev.load_split(args.task_specs[t], "train", args.data_path, args.max_train, log)
+        train = ev.load_split(args.task_specs[t], "train", args.data_path, args.max_train, log_once)
         train_sizes.append(len(train))
         shard = train[rank::world_size] if world_size > 1 else train
         train_batchers[t] = TaskBatcher(
@@ -70,7 +75,7 @@ def setup_data(
             seed=args.seed * 1000 + i, pair_encoding=pair_encoding[t],
         )  # fmt: skip
         dev_batchers[t] = eval_batcher(
-            args, tokenizer, pair_encoding, t, "dev", args.max_eval, log, sample=True
+            args, tokenizer, pair_encoding, t, "dev", args.max_eval, log_once, sample=True
         )
     # identical on every rank: batches of the smallest shard
     batches = [math.ceil((n // world_size) / args.batch_size) or 1 for n in train_sizes]
@@ -92,7 +97,7 @@ def setup_data(
         )  # fmt: skip
     total_updates = sampler.updates_per_epoch * args.epochs
     sizes = ", ".join(f"{t} {n}" for t, n in zip(args.task_list, train_sizes))
-    log(
+    log_once(
         f"[data] train examples: {sizes}; {sampler.updates_per_epoch} updates/epoch x {args.epochs} "
         f"epochs, sampling {args.sampling}, {args.batching} batches; dev: "
         + ", ".join(f"{t} {len(b.examples)}" for t, b in dev_batchers.items())
@@ -101,20 +106,6 @@ def setup_data(
     return RunData(
         tokenizer, pair_encoding, train_batchers, dev_batchers, train_sizes, sampler, total_updates
     )
-
-
-def _once(log: Callable[[str], None]) -> Callable[[str], None]:
-    """``log`` that drops a ``[data] task/split: message`` line whose message was already logged."""
-    said: set[str] = set()
-
-    def log_once(line: str) -> None:
-        message = line.split(": ", 1)[-1] if line.startswith("[data] ") else line
-        if message in said:
-            return
-        said.add(message)
-        log(line)
-
-    return log_once
 
 
 def eval_batcher(
@@ -127,8 +118,8 @@ def eval_batcher(
     log: Callable[[str], None],
     sample: bool = False,
 ) -> TaskBatcher:
-    """The in-order batcher (no shuffle, no bucketing) of ``split`` of ``task``: at most ``limit`` examples (a
-    fixed random subset with ``sample``, else the first ones), batches of ``max(--batch-size, EVAL_BATCH)``."""
+    """The in-order batcher of ``split`` of ``task``: at most ``limit`` examples (a fixed random subset with
+    ``sample``, else the first ones), batches of ``max(--batch-size, EVAL_BATCH)``."""
     spec = args.task_specs[task]
     examples = ev.load_split(spec, split, args.data_path, limit, log, sample=sample)
     return TaskBatcher(

@@ -1,11 +1,10 @@
-"""DeepSpeed JSON configs: the shipped ones (package data in ``fastpals/configs/``, also reachable as
-``configs/<name>`` from the repository root), reading one, and checking it against the options."""
+"""DeepSpeed JSON configs: the shipped ones (``fastpals/configs/``, also ``configs/<name>``), reading one, and
+checking it against the options."""
 
 from __future__ import annotations
 
 import copy
 import difflib
-import json
 import os
 import re
 import typing
@@ -16,7 +15,7 @@ from typing import Any
 import torch
 
 from fastpals.encoder.precision import cpu_has_native_bf16
-from fastpals.train.errors import ConfigError
+from fastpals.train.errors import ConfigError, read_json_object
 
 __all__ = [
     "DEFAULT_DS_CONFIG",
@@ -61,14 +60,7 @@ def resolve_ds_config(path: str | os.PathLike) -> Path:
 def load_ds_config(path: str | os.PathLike) -> dict[str, Any]:
     """Read a DeepSpeed JSON config (a path or a shipped config's name); a missing file or bad JSON is a
     :class:`ConfigError`."""
-    path = resolve_ds_config(path)
-    try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"--ds_config {path}:{err.lineno}: not valid JSON ({err.msg})") from None
-    if not isinstance(cfg, dict):
-        raise ConfigError(f"--ds_config {path}: the top level must be a JSON object")
-    return cfg
+    return read_json_object(resolve_ds_config(path), "--ds_config ", "the top level must be a JSON object")
 
 
 def _enabled(cfg: dict[str, Any], key: str) -> bool:
@@ -77,8 +69,8 @@ def _enabled(cfg: dict[str, Any], key: str) -> bool:
 
 
 def _resolve_auto_precision(cfg: dict[str, Any], cuda: bool, native_bf16: bool | None, name: str) -> None:
-    """Replace ``"bf16": {"enabled": "auto"}`` in place: bf16 on a CUDA GPU that supports it or on a CPU with
-    native bf16, else fp32. Any other non-boolean ``enabled`` is a :class:`ConfigError`."""
+    """Replace ``"bf16": {"enabled": "auto"}`` in place (bf16 where the GPU or CPU runs it
+    natively, else fp32); any other non-boolean ``enabled`` is a :class:`ConfigError`."""
     for key in ("fp16", "bf16"):
         section = cfg.get(key)
         if not isinstance(section, dict) or "enabled" not in section:
@@ -102,43 +94,35 @@ def precision_note(
     cuda: bool | None = None,
     native_bf16: bool | None = None,
 ) -> str:
-    """One line for the run's log: the training precision and ZeRO stage of ``checked`` (what
-    :func:`check_ds_config` made of the config ``requested``) and why the precision was chosen."""
-    stage = (checked.get("zero_optimization") or {}).get("stage", 0)
-    accum = (checked.get("data_types") or {}).get("grad_accum_dtype")
-    grads = f", {accum} gradient accumulation" if accum else ""
-    return f"{_precision_reason(requested, checked, cuda, native_bf16)}, ZeRO stage {stage}{grads}"
-
-
-def _precision_reason(
-    requested: dict[str, Any], checked: dict[str, Any], cuda: bool | None, native_bf16: bool | None
-) -> str:
+    """One line for the run's log: the training precision of ``checked`` (what :func:`check_ds_config` made of
+    ``requested``) and why, its ZeRO stage and gradient accumulation dtype."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
     native = cpu_has_native_bf16() if native_bf16 is None else native_bf16
     section = requested.get("bf16")
     auto = isinstance(section, dict) and section.get("enabled") == "auto"
     if _enabled(checked, "fp16"):
-        return "precision: fp16 (--ds_config)"
-    if _enabled(checked, "bf16"):
-        if not cuda and not native:
-            return f"precision: bf16 as --ds_config asks, but {_EMULATED_BF16_NOTE}: configs/cpu_auto.json picks fp32"
-        if auto:
-            return "precision: bf16 (bf16.enabled = auto: " + (
-                "the GPU supports it)" if cuda else "native on this CPU)"
-            )
-        return "precision: bf16 (--ds_config)"
-    if auto:
-        return "precision: fp32 (bf16.enabled = auto: " + (
+        reason = "precision: fp16 (--ds_config)"
+    elif _enabled(checked, "bf16") and not cuda and not native:
+        reason = f"precision: bf16 as --ds_config asks, but {_EMULATED_BF16_NOTE}: configs/cpu_auto.json picks fp32"
+    elif _enabled(checked, "bf16"):
+        why = "the GPU supports it" if cuda else "native on this CPU"
+        reason = f"precision: bf16 (bf16.enabled = auto: {why})" if auto else "precision: bf16 (--ds_config)"
+    elif auto:
+        reason = "precision: fp32 (bf16.enabled = auto: " + (
             "the GPU has no bf16)" if cuda else f"{_EMULATED_BF16_NOTE})"
         )
-    return "precision: fp32 (--ds_config)"
+    else:
+        reason = "precision: fp32 (--ds_config)"
+    stage = (checked.get("zero_optimization") or {}).get("stage", 0)
+    accum = (checked.get("data_types") or {}).get("grad_accum_dtype")
+    return f"{reason}, ZeRO stage {stage}" + (f", {accum} gradient accumulation" if accum else "")
 
 
 def _resolve_grad_accum_dtype(cfg: dict[str, Any], surgery: str, name: str) -> None:
-    """Resolve ``"data_types": {"grad_accum_dtype": "auto"}`` in place: fp32 with bf16 + ZeRO-1 and no surgery
-    (DeepSpeed's ``BF16_Optimizer`` with ``immediate_grad_update``: a faster optimizer step, the same updates;
-    ``docs/measurements.md``), else DeepSpeed's default (the parameters' dtype). With surgery fp32 accumulation is
-    refused: that optimizer takes each gradient during the backward, before the aggregator combines them."""
+    """Resolve ``"data_types": {"grad_accum_dtype": "auto"}`` in place: fp32 with bf16 + ZeRO-1 and no
+    surgery (DeepSpeed's ``BF16_Optimizer`` with ``immediate_grad_update``: a faster step, the same updates), else
+    DeepSpeed's default. Explicit fp32 there with surgery is refused: that optimizer takes each gradient during the
+    backward, before the aggregator combines them."""
     types = cfg.get("data_types")
     if not isinstance(types, dict) or "grad_accum_dtype" not in types:
         return
@@ -171,11 +155,10 @@ def check_ds_config(
     name: str = "--ds_config",
     native_bf16: bool | None = None,
 ) -> dict[str, Any]:
-    """Check a DeepSpeed config against the options and return a completed copy: the batch entries filled in
-    from ``batch_size`` and ``grad_accum`` (1 with surgery), every ``"auto"`` resolved (bf16 where the device runs
-    it natively, ``native_bf16`` default :func:`cpu_has_native_bf16`; ZeRO-1 with bf16/fp16 or several ranks;
-    :func:`_resolve_grad_accum_dtype`), every contradiction a :class:`ConfigError` naming the entry. ``cuda``
-    defaults to ``torch.cuda.is_available()``."""
+    """A completed copy of DeepSpeed config ``cfg`` checked against the options: batch entries filled in
+    from ``batch_size`` and ``grad_accum`` (1 with surgery), every ``"auto"`` resolved (precision, ZeRO-1 with 16-bit
+    training or several ranks, ``grad_accum_dtype``), every contradiction a :class:`ConfigError` naming the entry.
+    ``cuda`` defaults to ``torch.cuda.is_available()``, ``native_bf16`` to :func:`cpu_has_native_bf16`."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
     out = copy.deepcopy(cfg)
     _resolve_auto_precision(out, cuda, native_bf16, name)
@@ -251,42 +234,11 @@ _DS_SECTIONS = (
 )  # fmt: skip
 
 
-def _quiet_import() -> None:
-    """Name the CPU accelerator before DeepSpeed is first imported (as the trainer's set-up does), so checking a
-    ds_config prints no accelerator guess."""
-
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
-
-def _valid_top_level_keys() -> set[str]:
-    _quiet_import()
-    import deepspeed.runtime.constants as constants  # DeepSpeed's import takes seconds
-
-    names = {
-        v
-        for k, v in vars(constants).items()
-        if k.isupper() and isinstance(v, str) and re.fullmatch(r"[a-z][a-z0-9_]*", v)
-    }
-    return names | set(_DS_SECTIONS)
-
-
-def _section_models() -> dict[str, Any]:
-    _quiet_import()
-    # DeepSpeed's import takes seconds
-    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-
-    return {"zero_optimization": DeepSpeedZeroConfig, "bf16": DeepSpeedBF16Config, "bfloat16": DeepSpeedBF16Config,
-            "fp16": DeepSpeedFP16Config}  # fmt: skip
-
-
 _DATA_TYPES_KEYS = ("grad_accum_dtype", "param_dtype", "buffer_dtype", "keep_in_fp32_modules")
 
 
 def _model_keys(model: Any, path: tuple[Any, ...]) -> list[str]:
     """The keys a (nested) DeepSpeed pydantic section accepts at ``path``: field names and their aliases."""
-
     from pydantic import BaseModel  # comes with DeepSpeed
 
     for part in path:
@@ -309,15 +261,26 @@ def _unknown(name: str, key: str, valid: list[str] | set[str], where: str) -> Co
 
 
 def check_ds_keys(cfg: dict[str, Any], name: str = "--ds_config") -> None:
-    """Refuse what DeepSpeed would ignore or reject only after the set-up: an unknown top-level key, an unknown
-    key inside ``zero_optimization``/``bf16``/``fp16``/``data_types`` (one line with the closest valid key), or a
-    value DeepSpeed's own validation refuses (one line naming the key)."""
-    try:
-        valid = _valid_top_level_keys()
-        models = _section_models()
+    """Refuse what DeepSpeed would ignore or reject only after the set-up: an unknown key at the top level or
+    in ``zero_optimization``/``bf16``/``fp16``/``data_types`` (naming the closest valid one), or a value DeepSpeed's
+    own validation refuses."""
+    if not torch.cuda.is_available():  # name the CPU accelerator before DeepSpeed's import: no guess printed
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:  # DeepSpeed's import takes seconds
+        import deepspeed.runtime.constants as constants
+        from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
         from pydantic import ValidationError
     except ImportError:  # no DeepSpeed here: it checks its config itself at the set-up
         return
+    valid = {
+        v
+        for k, v in vars(constants).items()
+        if k.isupper() and isinstance(v, str) and re.fullmatch(r"[a-z][a-z0-9_]*", v)
+    }
+    valid |= set(_DS_SECTIONS)
+    models = {"zero_optimization": DeepSpeedZeroConfig, "bf16": DeepSpeedBF16Config, "bfloat16": DeepSpeedBF16Config,
+              "fp16": DeepSpeedFP16Config}  # fmt: skip
     for key in cfg:
         if key not in valid:
             raise _unknown(name, key, valid, "top-level keys")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import signal
@@ -17,6 +18,7 @@ __all__ = [
     "SetupCtrlC",
     "TrainingInterrupted",
     "is_write_error",
+    "read_json_object",
     "save_error_cause",
 ]
 
@@ -26,10 +28,21 @@ class ConfigError(ValueError):
     says what to change. Raised before training starts (or when resuming)."""
 
 
+def read_json_object(path: Path, where: str, what: str, fix: str = "") -> dict[str, Any]:
+    """The JSON object in ``path``; else a one-line :class:`ConfigError` starting with ``where`` (the option)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{where}{path}:{err.lineno}: not valid JSON ({err.msg})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}{path}: {what}, not {type(data).__name__}{fix}")
+    return data
+
+
 class SetupCtrlC:
-    """Ctrl-C during the set-up: the SIGINT handler raises KeyboardInterrupt and remembers it, so a Ctrl-C that
-    Python swallows (one landing in an import lock's or a finalizer's callback) still stops the run, quietly, when
-    the trainer takes over (:meth:`check`). :meth:`install` and :meth:`restore` on the main thread only."""
+    """Ctrl-C during the set-up: the SIGINT handler raises KeyboardInterrupt and remembers it, so that one
+    Python swallows (in an import lock's or a finalizer's callback) still stops the run at :meth:`check`.
+    :meth:`install` and :meth:`restore` on the main thread only."""
 
     def __init__(self) -> None:
         self.seen = False
@@ -75,9 +88,8 @@ _LOWER_RATE = (
 
 
 class NonFiniteLossError(RuntimeError):
-    """A loss (or a task gradient under surgery, or the weights) was NaN/inf: ``step`` (update, from 1), ``task``,
-    ``value``. :meth:`add_context` names the run's last checkpoint and best model (both hold finite weights: a
-    non-finite model is never checkpointed, evaluated or saved)."""
+    """A loss (or a task gradient under surgery, the weights, the dev outputs) was NaN/inf at update
+    ``step``; :meth:`add_context` names the run's last checkpoint and best model (both finite)."""
 
     def __init__(self, step: int, task: str, value: float, what: str = "loss") -> None:
         self.step, self.task, self.value, self.what = step, task, value, what
@@ -120,9 +132,8 @@ class NonFiniteLossError(RuntimeError):
 
 
 class TrainingInterrupted(RuntimeError):
-    """SIGTERM/SIGINT/SIGHUP arrived: a checkpoint was written (``checkpoint``), and ``--resume`` continues; or a
-    second Ctrl-C stopped the run at once (``at_once``; ``checkpoint`` is the last one written, or None).
-    ``signum`` says which signal."""
+    """SIGTERM/SIGINT/SIGHUP ``signum`` stopped the run after writing ``checkpoint`` (``--resume``
+    continues), or a second Ctrl-C stopped it at once (``at_once``; ``checkpoint``: the last one, or None)."""
 
     def __init__(self, signum: int, step: int, checkpoint: Path | None, at_once: bool = False) -> None:
         self.signum, self.step, self.checkpoint, self.at_once = signum, step, checkpoint, at_once
@@ -143,8 +154,8 @@ class TrainingInterrupted(RuntimeError):
 
 
 def save_error_cause(err: BaseException, path: Path) -> str:
-    """What an error while writing ``path`` means, in words: the OS's cause (``No space left on device
-    (ENOSPC)``), or for torch's file writer, which reports a full disk as ``unexpected pos``, the free space."""
+    """What an error while writing ``path`` means: the OS's cause (``No space left on device (ENOSPC)``),
+    or for torch's file writer, which reports a full disk as ``unexpected pos``, the free space."""
     if isinstance(err, OSError) and err.errno is not None:
         name = errno.errorcode.get(err.errno, str(err.errno))
         return f"{err.strerror or os.strerror(err.errno)} ({name})"

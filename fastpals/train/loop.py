@@ -1,11 +1,6 @@
-"""The training loop: ``Trainer(args).run()`` sets up the data, model and DeepSpeed engine, runs the updates
-(each one call of :func:`fastpals.train.step.run_update`), evaluates, checkpoints and writes the outputs of
-``--out`` (``docs/training.md``); it returns the results dict.
-
-Every loss is checked once per update, after its backwards: a NaN/inf loss stops the run before
-``engine.step()`` with :class:`NonFiniteLossError`, the last checkpoint untouched. SIGTERM/SIGINT/SIGHUP write a
-checkpoint and raise :class:`TrainingInterrupted`.
-"""
+"""The training loop: ``Trainer(args).run()`` sets up data, model and DeepSpeed engine, runs the updates
+(:func:`fastpals.train.step.run_update`), evaluates, checkpoints and writes the outputs of ``--out``; a NaN/inf loss
+stops it before ``engine.step()`` (:class:`NonFiniteLossError`), SIGTERM/SIGINT/SIGHUP after a checkpoint."""
 
 from __future__ import annotations
 
@@ -42,7 +37,7 @@ from fastpals.train.errors import (
     SetupCtrlC,
     TrainingInterrupted,
 )
-from fastpals.train.memory_mode import SURGERY_MEMORY_TEXT, surgery_memory_mode
+from fastpals.train.memory_mode import SURGERY_MEMORY_TEXT, trainer_memory_mode
 from fastpals.train.mixed import packed_micro_batches
 from fastpals.train.optimizer_setup import build_model, lr_lambda, make_optimizer, optimizer_param_groups
 from fastpals.train.runlock import RunLock
@@ -56,17 +51,11 @@ from fastpals.train.state import (
 )
 from fastpals.train.step import MicroBatch, Surgery, deepspeed_surgery_buffer, run_update
 
-__all__ = ["Trainer", "parameters_finite", "timestamped"]
+__all__ = ["Trainer", "timestamped"]
 
 
 def timestamped(message: str) -> str:
     return f"{datetime.now().strftime('%H:%M:%S')} {message}"
-
-
-def parameters_finite(module: torch.nn.Module) -> bool:
-    """Are all of ``module``'s parameters finite? The check runs on the device; one host read."""
-    flags = [torch.isfinite(p).all() for p in module.parameters()]
-    return bool(torch.stack(flags).all()) if flags else True
 
 
 def _rng_state() -> tuple[Any, Any, Any]:
@@ -80,9 +69,8 @@ def _set_rng_state(state: tuple[Any, Any, Any]) -> None:
 
 
 def _build_model_keeping_rng(args: TrainArgs) -> tuple[torch.nn.Module, tuple[Any, Any, Any]]:
-    """:func:`build_model` now (before the run folder is touched), leaving the random state as it was: returns
-    the model and the random state its build left, for the set-up to restore where it would have built it (so
-    that the run is the one it was when the model was built after the data)."""
+    """:func:`build_model` before the run folder is touched, the random state left as it was: returns the model
+    and the state its build left, which the set-up restores after the data (the draws of a model built there)."""
     before = _rng_state()
     model = build_model(args)
     after = _rng_state()
@@ -100,18 +88,13 @@ class Trainer:
         self.is_main = self.rank == 0
         self.out = Path(args.out)
         requested = load_ds_config(args.ds_config)
+        name = f"--ds_config {args.ds_config}"
         self.ds_config = check_ds_config(
-            requested,
-            args.batch_size,
-            args.grad_accum,
-            args.surgery,
-            self.world_size,
-            name=f"--ds_config {args.ds_config}",
+            requested, args.batch_size, args.grad_accum, args.surgery, self.world_size, name=name
         )
         self.precision = precision_note(requested, self.ds_config)
         self.ckpt_dir = self.out / "checkpoints"
-        # the model and the tokenizer are opened (and validated) before --out is touched at all; a folder in use
-        # is refused first, without waiting for them
+        # model and tokenizer are checked before --out is touched; a folder in use is refused before them
         if self.is_main:
             RunLock(self.out).check_free()
         self._tokenizer = open_tokenizer(args)
@@ -144,7 +127,6 @@ class Trainer:
         self._checkpoint: tuple[Path, int] | None = None  # the last checkpoint (all finite) and its step
         self._finite_step: int | None = None  # the update step whose weights were last checked finite
 
-    # --- reporting ----------------------------------------------------------------------------------------------
     def log(self, message: str) -> None:
         """A timestamped line on stderr (main rank), above the progress bar."""
         if self.is_main:
@@ -156,7 +138,6 @@ class Trainer:
             callback.on_record(self, entry)
 
     def _model_line(self) -> str:
-        """What is trained, in one line: the model, its PALs and parameter counts."""
         args, counts = self.args, count_parameters(self.model)
         trained = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         pals = "no PALs" if args.pal_config is None else f"PALs {args.pal}"
@@ -166,18 +147,12 @@ class Trainer:
         )
 
     def _encoder_line(self) -> str:
-        """How the encoder runs: minBERT (packed mixed batches) or an HF model (padded per micro-batch)."""
-        bert = self.model.bert
-        mixed = self.args.batching == "mixed"
-        if isinstance(bert, HFEncoder):
-            how = (
-                "padded per micro-batch (its attention takes no packed input)" if mixed else "padded per task"
-            )
-            return (
-                f"[model] encoder: HF {bert.model_type} (transformers AutoModel + inject_pals); batches {how}"
-            )
-        how = "packed without padding" if mixed else "padded per task"
-        return f"[model] encoder: fastpals minBERT (fused PALs); batches {how}"
+        bert, mixed = self.model.bert, self.args.batching == "mixed"
+        if not isinstance(bert, HFEncoder):
+            how = "packed without padding" if mixed else "padded per task"
+            return f"[model] encoder: fastpals minBERT (fused PALs); batches {how}"
+        how = "padded per micro-batch (its attention takes no packed input)" if mixed else "padded per task"
+        return f"[model] encoder: HF {bert.model_type} (transformers AutoModel + inject_pals); batches {how}"
 
     def _device_name(self) -> str:
         local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -185,17 +160,15 @@ class Trainer:
             return f"device cuda:{local} ({torch.cuda.get_device_name(local)})"
         return f"device cpu ({torch.get_num_threads()} threads)"
 
-    # --- set-up -------------------------------------------------------------------------------------------------
     def _setup_data(self) -> None:
         data = setup_data(self.args, self.rank, self.world_size, self.log, tokenizer=self._tokenizer)
         self.tokenizer, self.pair_encoding, self.sampler = data.tokenizer, data.pair_encoding, data.sampler
-        self._exact_logged = False
         self.train_batchers, self.dev_batchers = data.train_batchers, data.dev_batchers
         self.train_sizes, self.total_updates = data.train_sizes, data.total_updates
+        self._exact_logged = False
 
     def _setup_model(self) -> None:
-        # the model opened in __init__, and the random state its build left (as if it were built here)
-        self.model, self._early_model = self._early_model, None
+        self.model, self._early_model = self._early_model, None  # built in __init__: its random state now
         _set_rng_state(self._rng_after_model)
         # as build_model's torch.manual_seed did (lazy: no CUDA init)
         torch.cuda.manual_seed_all(self.args.seed)
@@ -223,24 +196,15 @@ class Trainer:
             self._setup_surgery()
 
     def _setup_surgery(self) -> None:
-        args = self.args
-        rows = args.surgery_buffer_dtype
-        if rows == "auto":  # the training precision: bf16 rows with bf16 training (fp16 keeps fp32 rows)
-            rows = "bf16" if self.ds_config.get("bf16", {}).get("enabled") else "fp32"
-        dtype = torch.bfloat16 if rows == "bf16" else torch.float32
-        one_backward = (
-            args.batching == "mixed"
-        )  # per-task gradients from one backward bypass DeepSpeed's reduce
-        choice = None
-        if surgery_memory_mode(args.surgery_memory, one_backward, args.surgery_buffer_dtype) == "smaller":
-            choice = self._auto_memory_mode(rows)  # auto streams unless the estimate picks the buffer
-        self.surgery_memory = surgery_memory_mode(
-            args.surgery_memory, one_backward, args.surgery_buffer_dtype, choice and choice.mode
+        args, module, stage = self.args, self.engine.module, self.zero_stage
+        memory, dtype, choice = trainer_memory_mode(self)
+        keep = choice.keep_bytes if choice is not None else 0
+        # the gradients of one backward bypass DeepSpeed's reduce: the rows are all-reduced
+        reduce = args.batching == "mixed" and self.world_size > 1
+        self.surgery_memory = memory
+        self.surgery_buffer = deepspeed_surgery_buffer(
+            module, len(args.task_list), stage, dtype, reduce, memory, keep
         )
-        self.surgery_buffer = deepspeed_surgery_buffer(self.engine.module, len(args.task_list), self.zero_stage,
-                                                       dtype, all_reduce=one_backward and self.world_size > 1,
-                                                       memory=self.surgery_memory,
-                                                       keep_bytes=choice.keep_bytes if choice is not None else 0)  # fmt: skip
         why = f" (auto: {choice.why})" if choice is not None else ""
         self.log(f"[setup] surgery {args.surgery}: {SURGERY_MEMORY_TEXT[self.surgery_memory]}{why}")
         self.aggregator, aggregator_state = make_weighting(
@@ -251,25 +215,9 @@ class Trainer:
         self.surgery_generator = torch.Generator().manual_seed(self.args.seed)
         self.components["surgery_rng"] = GeneratorState(self.surgery_generator)
 
-    def _auto_memory_mode(self, rows: str) -> Any:
-        """``--surgery-memory auto``: :func:`fastpals.train.memory_mode.run_memory_mode` for this run."""
-        from fastpals.surgery import shared_parameters_by_name
-        from fastpals.train.memory_mode import run_memory_mode
-
-        args, module = self.args, self.engine.module
-        shared, _ = shared_parameters_by_name(module)
-        precision = "bf16" if self.ds_config.get("bf16", {}).get("enabled") else (
-            "fp16" if self.ds_config.get("fp16", {}).get("enabled") else "fp32"
-        )  # fmt: skip
-        tokens = args.max_tokens or args.batch_size * args.max_length
-        return run_memory_mode(
-            module, len(args.task_list), sum(p.numel() for p in shared), 2 if rows == "bf16" else 4, tokens,
-            args.max_length, precision, self.zero_stage, self.world_size, self.device,
-        )  # fmt: skip
-
     def output_sizes(self) -> tuple[int, int]:
-        """Bytes of a checkpoint (the module's weights, fp32 master weights under bf16/fp16 and the optimizer's
-        states of the trained ones) and of best/ (every weight in fp32), estimated from the engine's module."""
+        """Estimated bytes of a checkpoint (weights, fp32 master weights under bf16/fp16, optimizer states) and of
+        best/ (fp32 weights)."""
         params = list(self.engine.module.parameters())
         module = sum(p.numel() * p.element_size() for p in params)
         trained = sum(p.numel() for p in params if p.requires_grad)
@@ -277,11 +225,9 @@ class Trainer:
         master = 1 if params and params[0].dtype != torch.float32 else 0
         return module + 4 * trained * (states + master), 4 * sum(p.numel() for p in params)
 
-    # --- checkpoints --------------------------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
-        """DeepSpeed checkpoint + train state + component states; the previous one is removed. The first one of a
-        run started with ``--overwrite`` also deletes the earlier run it replaced. Non-finite weights are never
-        checkpointed (:meth:`check_finite`); a checkpoint of this step already written is not written again."""
+        """DeepSpeed checkpoint + train state + component states (once per step, finite weights only); the first
+        one of an ``--overwrite`` run also deletes the earlier run it replaced."""
         step = self.state.global_step
         if self._checkpoint is not None and self._checkpoint[1] == step:
             return self._checkpoint[0]
@@ -293,20 +239,20 @@ class Trainer:
         return path
 
     def check_finite(self) -> None:
-        """Before an evaluation, a best/ save or a checkpoint: are all the weights finite? One check on the device
-        and one host read, once per update step; :class:`NonFiniteLossError` (after a ``"nonfinite"`` record)
-        when not."""
+        """Before an evaluation, a best/ save or a checkpoint, once per update: :class:`NonFiniteLossError`
+        (after a ``"nonfinite"`` record) unless every weight is finite."""
         step = self.state.global_step
         if self._finite_step == step:
             return
-        if not parameters_finite(self.engine.module):
+        flags = [torch.isfinite(p).all() for p in self.engine.module.parameters()]
+        if flags and not bool(torch.stack(flags).all()):  # one host read
             self.record({"type": "nonfinite", "step": step, "task": "all", "what": "weights"})
             raise NonFiniteLossError(step, "all", math.nan, "weights")
         self._finite_step = step
 
     def _settle_replaced(self, failed: bool) -> None:
-        """The earlier run ``--overwrite`` moved aside: deleted once this run has a checkpoint or finished, put back
-        when this run fails before that (see :func:`fastpals.train.outputs.prepare_out`)."""
+        """The earlier run ``--overwrite`` moved aside: deleted once this run has a checkpoint or finished, put
+        back (quietly) when it fails before that."""
         aside, self._replaced = getattr(self, "_replaced", None), None
         if aside is None:
             return
@@ -331,10 +277,9 @@ class Trainer:
             self.record({"type": "resume", "step": state.global_step, "checkpoint": str(path),
                          "dropped_records": dropped})  # fmt: skip
 
-    # --- evaluation ---------------------------------------------------------------------------------------------
     def evaluate(self) -> tuple[dict[str, float], dict[str, Any]]:
-        """Dev metrics and predictions of the current model (see :func:`fastpals.model.evaluate.evaluate`); NaN/inf
-        outputs stop the run (:class:`NonFiniteLossError`, after a ``"nonfinite"`` record)."""
+        """Dev metrics and predictions of the current model; NaN/inf outputs stop the run
+        (:class:`NonFiniteLossError`, after a ``"nonfinite"`` record)."""
         t0 = time.perf_counter()
         model = ev.eval_model(self.engine.module, self.device)
         try:
@@ -374,7 +319,6 @@ class Trainer:
                     ) from err
         return dev
 
-    # --- one update ---------------------------------------------------------------------------------------------
     def _task_micro_batch(self, task_index: int) -> MicroBatch:
         """The next batch of task ``task_index`` (its batcher's), on the device."""
         batch = self.train_batchers[self.args.task_list[task_index]].next_batch()
@@ -384,11 +328,9 @@ class Trainer:
         )  # fmt: skip
 
     def train_update(self, group: list[Any]) -> dict[str, Any]:
-        """One optimizer update over the micro-batches of ``group`` (task indices, or with ``--batching mixed``
-        the mixed selections of :class:`fastpals.train.mixed.MixedUpdates`), run by
-        :func:`fastpals.train.step.run_update`: strategy ``none`` without surgery, ``per_task_backward``
-        (per-task batches) or ``one_backward`` (mixed batches) with it. Returns the update's ``loss`` per task and
-        ``examples`` (and for mixed batches ``task_examples``, ``task_tokens``, ``tokens``)."""
+        """One optimizer update over the micro-batches of ``group`` (task indices, or the mixed selections of
+        ``--batching mixed``) by :func:`fastpals.train.step.run_update`; returns each task's ``loss`` and the ``examples``
+        (mixed batches: also ``task_examples``, ``task_tokens``, ``tokens``)."""
         mixed = self.args.batching == "mixed"
         if mixed:
             micro: Iterable[MicroBatch] = packed_micro_batches(
@@ -402,8 +344,12 @@ class Trainer:
             strategy = "one_backward" if mixed else "per_task_backward"
         update = run_update(self.engine, micro, strategy, surgery=surgery, step=self.state.global_step + 1,
                             loss_hooks=self.loss_hooks, record=self.record)  # fmt: skip
-        if update.surgery is not None and not update.overflow:  # an fp16 overflow: the loss scaler skipped it
-            self._raise_if_skipped(update.surgery)
+        skipped = update.surgery is not None and update.surgery.skipped
+        if skipped and not update.overflow:  # an fp16 overflow: the loss scaler skipped the step itself
+            bad = [self.args.task_list[i] for i in update.surgery.nonfinite_tasks] or ["task-specific"]
+            step = self.state.global_step + 1
+            self.record({"type": "nonfinite", "step": step, "task": bad, "what": "gradient"})
+            raise NonFiniteLossError(step, ",".join(bad), math.nan, "task gradient")
         if surgery is not None and surgery.exact_names is not None and not self._exact_logged:
             self._exact_logged = True
             if surgery.exact_names:
@@ -414,33 +360,25 @@ class Trainer:
             else:
                 self.log("[surgery] one backward gives every task's gradient of every shared parameter")
         self.state.global_step += 1
-        stats: dict[str, Any] = {"loss": update.loss}
+        stats: dict[str, Any] = {"loss": update.loss, "examples": sum(update.examples.values())}
         if mixed:
             stats.update(
                 task_examples=update.examples, task_tokens=update.tokens, tokens=sum(update.tokens.values())
             )
-        stats["examples"] = sum(update.examples.values())
         return stats
 
-    def _raise_if_skipped(self, result: Any) -> None:
-        if result.skipped:
-            bad = [self.args.task_list[i] for i in result.nonfinite_tasks] or ["task-specific"]
-            step = self.state.global_step + 1
-            self.record({"type": "nonfinite", "step": step, "task": bad, "what": "gradient"})
-            raise NonFiniteLossError(step, ",".join(bad), math.nan, "task gradient")
-
-    # --- the run ------------------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         """Set up, train, evaluate and write the outputs; returns the results dict."""
         try:
             try:
                 results = self._run()
-            except NonFiniteLossError as err:
-                self._add_nonfinite_context(err)
-                self._record_manifest()
-                self._settle_replaced(failed=True)
-                raise
-            except BaseException:
+            except BaseException as err:
+                if isinstance(err, NonFiniteLossError):  # name the run's good checkpoint and best model
+                    ckpt, ckpt_step = self._checkpoint if self._checkpoint is not None else (None, None)
+                    best_step = self.state.best.get("step")
+                    best = self.out / "best"
+                    best = best if best_step is not None and best.is_dir() else None
+                    err.add_context(ckpt, ckpt_step, best, best_step)
                 self._record_manifest()
                 self._settle_replaced(failed=True)
                 raise
@@ -451,19 +389,13 @@ class Trainer:
         return results
 
     def _record_manifest(self) -> None:
-        """The run's manifest in --out (main rank): what ``--overwrite`` clears (:func:`outputs.record_manifest`).
-        Quiet on an OSError: the error the run stops with, if any, stays the one line."""
+        """The run's manifest in --out (main rank), quiet on an OSError: the error the run stops with stays
+        the one line."""
         if self.is_main and getattr(self, "_before", None) is not None:
             try:
                 outputs.record_manifest(self.out, self._before)
             except OSError:
                 pass
-
-    def _add_nonfinite_context(self, err: NonFiniteLossError) -> None:
-        ckpt, ckpt_step = self._checkpoint if self._checkpoint is not None else (None, None)
-        best_step = self.state.best.get("step")
-        best = self.out / "best" if best_step is not None and (self.out / "best").is_dir() else None
-        err.add_context(ckpt, ckpt_step, best, best_step)
 
     def _release_lock(self) -> None:
         lock, self._lock = getattr(self, "_lock", None), None
@@ -519,8 +451,8 @@ class Trainer:
         return self._finish(start)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        """SIGTERM/SIGHUP/SIGINT: stop after this update (or evaluation) with a checkpoint. The first Ctrl-C says
-        so at once; a second one stops at once, without a checkpoint (:class:`TrainingInterrupted`)."""
+        """SIGTERM/SIGHUP/SIGINT: stop after this update (or evaluation) with a checkpoint; a second Ctrl-C stops at
+        once, without one (:class:`TrainingInterrupted`)."""
         if self._stop_signal is not None and signum == signal.SIGINT:
             ckpt = self._checkpoint[0] if self._checkpoint is not None else None
             raise TrainingInterrupted(signum, self.state.global_step, ckpt, at_once=True)
@@ -557,10 +489,8 @@ class Trainer:
                 stats = self.train_update(group)
                 dt = time.perf_counter() - t0
                 entry = {"type": "step", "step": state.global_step, "epoch": sampler.epoch, "loss": stats["loss"],
-                         "lr": self.scheduler.get_last_lr(), "examples_per_s": stats["examples"] / dt, "seconds": dt}  # fmt: skip
-                for key in ("task_examples", "task_tokens", "tokens"):  # mixed batches: counts per task
-                    if key in stats:
-                        entry[key] = stats[key]
+                         "lr": self.scheduler.get_last_lr(), "examples_per_s": stats["examples"] / dt, "seconds": dt,
+                         **{k: stats[k] for k in ("task_examples", "task_tokens", "tokens") if k in stats}}  # fmt: skip
                 if "tokens" in stats:
                     entry["tokens_per_s"] = stats["tokens"] / dt
                 for t, v in stats["loss"].items():

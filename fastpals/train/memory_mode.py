@@ -1,21 +1,9 @@
-"""The surgery memory mode (``--surgery-memory buffer|stream|auto``): which one-backward surgery builds, and
-``auto``'s choice between the ``[T, P]`` buffer and streaming.
-
-:func:`surgery_memory_mode` resolves the option and :func:`task_gradients` builds the buffer or the stream for
-it. ``auto``'s rule, :func:`choose_memory_mode`, serves ``fastpals memory`` (per GPU, with the traced buffer-mode
-peak) and the trainer (:func:`run_memory_mode`, with the run's device memory and analytic estimates, no trace):
-
-- **buffer** where the buffer-mode peak fits the device with a margin (at most :data:`FIT_SHARE` of its memory)
-  and the ``[T, P]`` rows are at most :data:`ROWS_SHARE` of the activations (the rows are made while the backward
-  frees the activations, so up to that size they take the activations' place and do not raise the peak);
-- **stream** otherwise, keeping the task rows of the first layers' Linear weights where what they add over the
-  ``dY`` and ``X`` they spare is within :data:`KEEP_SHARE` of the activations (``keep_bytes`` of
-  :class:`~fastpals.surgery.StreamingTaskGradients`): those layers skip the second weight-gradient pass.
-
-The rows are exact (``T * P * bytes``); the activations are :func:`estimate_activation_bytes`, a per-token,
-per-layer formula fitted to the planner's traces of MiniLM-L6 and BERT-base (``tests/test_memory_mode.py``); the
-trainer's buffer-mode peak is model states + activations + rows, an upper bound of the traced one.
-"""
+"""``--surgery-memory buffer|stream|auto``: what one-backward surgery builds (:func:`task_gradients`) and
+``auto``'s choice (:func:`choose_memory_mode`): the ``[T, P]`` buffer where its predicted peak fits the device
+within :data:`FIT_SHARE` and its rows are at most :data:`ROWS_SHARE` of the activations (they take the freed
+activations' place), else streaming with the first layers' Linear task rows kept within :data:`KEEP_SHARE` of the
+activations. The activations are :func:`estimate_activation_bytes`, a per-token, per-layer formula fitted to the
+planner's traces of MiniLM-L6 and BERT-base (``tests/test_memory_mode.py``)."""
 
 from __future__ import annotations
 
@@ -25,7 +13,12 @@ from typing import Any
 
 import torch
 
-from fastpals.surgery import StreamingTaskGradients, TaskGradientBuffer, TaskGradients
+from fastpals.surgery import (
+    StreamingTaskGradients,
+    TaskGradientBuffer,
+    TaskGradients,
+    shared_parameters_by_name,
+)
 from fastpals.train.memory_states import model_state_bytes
 
 __all__ = [
@@ -44,6 +37,7 @@ __all__ = [
     "run_memory_mode",
     "surgery_memory_mode",
     "task_gradients",
+    "trainer_memory_mode",
 ]
 
 #: ``--surgery-memory`` of one-backward surgery: the [T, P] buffer, streaming, or auto
@@ -71,8 +65,8 @@ _PER_HIDDEN, _PER_SCORE = 24.0, 3.4
 
 @dataclass(frozen=True)
 class MemoryModeChoice:
-    """What :func:`choose_memory_mode` decided: ``mode`` (``buffer`` or ``stream``), ``why`` (one line) and, for
-    ``stream``, ``keep_bytes`` (:class:`~fastpals.surgery.StreamingTaskGradients`'s budget of kept Linear rows)."""
+    """What :func:`choose_memory_mode` decided: ``mode`` (``buffer`` or ``stream``), ``why`` (one line) and,
+    for ``stream``, ``keep_bytes`` (the budget of kept Linear rows)."""
 
     mode: str
     why: str
@@ -83,9 +77,8 @@ def surgery_memory_mode(
     option: str, one_backward: bool, buffer_dtype: str = "fp32", auto_pick: str | None = None
 ) -> str:
     """``--surgery-memory`` -> what :func:`task_gradients` builds: ``buffer``, ``stream`` or ``smaller``
-    (``auto``'s streaming: per layer the smaller of the task rows and the kept activations). ``auto`` is the
-    buffer with per-task backwards, with bf16 rows asked for (``buffer_dtype``: ``--surgery-buffer-dtype``), or
-    where ``auto_pick`` (:func:`run_memory_mode`'s mode; None: not run) is ``buffer``; else ``smaller``."""
+    (``auto``'s streaming). ``auto`` is the buffer with per-task backwards, with bf16 rows asked for
+    (``buffer_dtype``), or where ``auto_pick`` (:func:`run_memory_mode`'s mode) is ``buffer``."""
     if option == "auto":
         if not one_backward or buffer_dtype == "bf16" or auto_pick == "buffer":
             return "buffer"
@@ -102,9 +95,8 @@ def task_gradients(
     **kwargs: Any,
 ) -> TaskGradients:
     """The per-task gradients of a :func:`surgery_memory_mode`: a :class:`~fastpals.surgery.TaskGradientBuffer`
-    with rows of ``dtype`` for ``buffer``, else a :class:`~fastpals.surgery.StreamingTaskGradients` (``stream``:
-    every Linear weight streamed; ``smaller``: per layer the smaller, and ``keep_bytes`` of kept Linear rows).
-    ``kwargs``: the getter, setter, task parameters and data-parallel options both take."""
+    with ``dtype`` rows, or a :class:`~fastpals.surgery.StreamingTaskGradients` (``smaller``: with ``keep_bytes`` of
+    kept Linear rows); ``kwargs`` go to either (getter, setter, task parameters, data parallel)."""
     if memory not in SURGERY_MEMORY_TEXT:
         raise ValueError(f"surgery memory {memory!r}: choose one of {', '.join(SURGERY_MEMORY_TEXT)}")
     if memory == "buffer":
@@ -126,18 +118,10 @@ def choose_memory_mode(
     rows_share: float = ROWS_SHARE,
     keep_share: float = KEEP_SHARE,
 ) -> MemoryModeChoice:
-    """``auto``'s pick from host-known byte counts (Python ints, per rank).
-
-    Args:
-        rows_bytes: the buffer's ``[T, P]`` rows, ``T * P * bytes``.
-        activation_bytes: the step's saved activations (traced or :func:`estimate_activation_bytes`).
-        buffer_peak_bytes: the predicted peak of the step in buffer mode (rows included).
-        device_bytes: the memory the device leaves to tensors (0: unknown, the fit is not checked).
-        fit_share, rows_share: the margins (:data:`FIT_SHARE`, :data:`ROWS_SHARE`).
-        keep_share: streaming's kept Linear rows, a share of the activations (:data:`KEEP_SHARE`; 0: none, as
-            data parallel runs, whose streaming ignores ``keep_bytes``), at most what the device leaves above
-            the streamed peak (taken as the buffer's peak less its rows) within ``fit_share``.
-    """
+    """``auto``'s pick from byte counts per rank: the buffer's ``[T, P]`` ``rows_bytes``, the step's
+    ``activation_bytes``, its predicted ``buffer_peak_bytes`` (rows included) and the ``device_bytes`` (0: unknown, the
+    fit is not checked). Streaming keeps ``keep_share`` of the activations in Linear rows (0 for data parallel), at
+    most what the device leaves above the streamed peak (the buffer's less its rows) within ``fit_share``."""
     keep = keep_bytes(activation_bytes, keep_share)
     if device_bytes > 0:  # the kept rows come on top of the streamed peak (about the buffer's, less its rows)
         keep = max(0, min(keep, int(fit_share * device_bytes) - (buffer_peak_bytes - rows_bytes)))
@@ -164,15 +148,13 @@ def choose_memory_mode(
 
 
 def keep_bytes(activation_bytes: int, share: float = KEEP_SHARE) -> int:
-    """``auto``'s streaming budget of kept Linear task rows (``keep_bytes`` of
-    :class:`~fastpals.surgery.StreamingTaskGradients`): ``share`` of the step's activations, in bytes."""
+    """``auto``'s streaming budget of kept Linear task rows: ``share`` of the step's activations, in bytes."""
     return int(share * activation_bytes)
 
 
 def keep_bytes_for(config: Any, tokens: int, length: int, precision: str = "fp32") -> int:
     """:func:`keep_bytes` of a step of ``tokens`` tokens in sequences of ``length`` through the encoder of
-    ``config`` (``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``), its activations estimated by
-    :func:`estimate_activation_bytes`: the budget ``auto``'s streaming runs with on one rank."""
+    ``config`` (``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``): ``auto``'s budget on one rank."""
     c = config
     activations = estimate_activation_bytes(
         tokens, length, c.hidden_size, c.num_hidden_layers, c.num_attention_heads, precision
@@ -183,9 +165,8 @@ def keep_bytes_for(config: Any, tokens: int, length: int, precision: str = "fp32
 def estimate_activation_bytes(
     tokens: int, length: int, hidden: int, layers: int, heads: int, precision: str = "fp32"
 ) -> int:
-    """The saved activations of one forward of ``tokens`` tokens in sequences of ``length`` through ``layers``
-    encoder layers of width ``hidden`` with ``heads`` attention heads (PALs and heads included), in bytes: a
-    formula fitted to the planner's traces (see the module's docstring)."""
+    """Saved activation bytes of one forward of ``tokens`` tokens in sequences of ``length`` through
+    ``layers`` encoder layers (width ``hidden``, ``heads`` heads; PALs and heads included): the fitted formula."""
     per_token_layer = _PER_HIDDEN * hidden + _PER_SCORE * heads * length
     return int(tokens * layers * per_token_layer * _ELEMENT_BYTES.get(precision, 4.0))
 
@@ -213,9 +194,8 @@ def run_memory_mode(
     world_size: int,
     device: torch.device | str,
 ) -> MemoryModeChoice:
-    """The trainer's ``auto``: :func:`choose_memory_mode` with the run's device memory and the analytic numbers
-    (``module``: the multi-task model, whose ``bert.config`` gives the encoder's shape; ``tokens``: tokens of a
-    micro-batch, all rows full length; ``row_bytes``: 4 for fp32 rows, 2 for bf16)."""
+    """The trainer's ``auto``: :func:`choose_memory_mode` with the device's memory and analytic estimates
+    (``module``: the multi-task model; ``tokens``: a micro-batch's, rows full length; ``row_bytes``: 4 or 2)."""
 
     config: Any = getattr(getattr(module, "bert", module), "config", None)
     hidden = int(getattr(config, "hidden_size", 768))
@@ -232,6 +212,29 @@ def run_memory_mode(
     )  # fmt: skip
 
 
+def trainer_memory_mode(trainer: Any) -> tuple[str, torch.dtype, MemoryModeChoice | None]:
+    """A :class:`~fastpals.train.loop.Trainer`'s surgery memory: the :func:`surgery_memory_mode`, the rows' dtype
+    (``auto``: bf16 with bf16 training, else fp32) and ``auto``'s :func:`run_memory_mode` choice (None where it
+    did not run)."""
+    args, ds_config, module = trainer.args, trainer.ds_config, trainer.engine.module
+    bf16 = ds_config.get("bf16", {}).get("enabled")
+    rows = args.surgery_buffer_dtype if args.surgery_buffer_dtype != "auto" else "bf16" if bf16 else "fp32"
+    one_backward, choice = args.batching == "mixed", None
+    if surgery_memory_mode(args.surgery_memory, one_backward, args.surgery_buffer_dtype) == "smaller":
+        precision = "bf16" if bf16 else "fp16" if ds_config.get("fp16", {}).get("enabled") else "fp32"
+        shared = sum(p.numel() for p in shared_parameters_by_name(module)[0])
+        tokens, n = args.max_tokens or args.batch_size * args.max_length, len(args.task_list)
+        row_bytes = 2 if rows == "bf16" else 4
+        choice = run_memory_mode(
+            module, n, shared, row_bytes, tokens, args.max_length, precision, trainer.zero_stage,
+            trainer.world_size, trainer.device,
+        )  # fmt: skip
+    memory = surgery_memory_mode(
+        args.surgery_memory, one_backward, args.surgery_buffer_dtype, choice and choice.mode
+    )
+    return memory, torch.bfloat16 if rows == "bf16" else torch.float32, choice
+
+
 def plan_auto_modes(
     bert: Any,
     num_tasks: int,
@@ -244,10 +247,9 @@ def plan_auto_modes(
     buffer_peak_bytes: int,
     devices: dict[str, int],
 ) -> dict[str, dict[str, str]]:
-    """``fastpals memory``'s ``auto`` per device: ``{name: {"mode", "why"}}`` from :func:`choose_memory_mode`
-    with the traced buffer-mode peak and each device's usable bytes (``devices``). ``bert``: the encoder's
-    config (``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``); ``rows_dtype``: the rows' dtype
-    (``fp32``/``bf16``); ``buffer_dtype``: the ``--surgery-buffer-dtype`` option (``bf16`` asked for: the buffer)."""
+    """``fastpals memory``'s ``auto`` per device, ``{name: {"mode", "why"}}``: :func:`choose_memory_mode`
+    with the traced buffer-mode peak and each device's usable bytes (``devices``); ``bert``: the encoder config,
+    ``rows_dtype``: the rows' dtype, ``buffer_dtype``: ``--surgery-buffer-dtype`` (``bf16``: the buffer)."""
     if buffer_dtype == "bf16":
         return {n: {"mode": "buffer", "why": "bf16 rows asked for"} for n in devices}
     activations = estimate_activation_bytes(

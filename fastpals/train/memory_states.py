@@ -1,12 +1,12 @@
-"""What one training step's memory is made of, for :mod:`fastpals.commands.memory`: the bytes DeepSpeed keeps per
-rank for the model at each precision and ZeRO stage (:func:`model_state_bytes`), a ``TorchDispatchMode`` that adds
-up live tensor storage as a step runs (:class:`LiveTensorBytes`), and a DeepSpeed-like engine that holds those
-states around the real update (:class:`DeepSpeedLikeEngine`) with the gradient buckets of ZeRO-1/2
-(:func:`gradient_buckets`)."""
+"""What one training step's memory is made of, for :mod:`fastpals.commands.memory`: DeepSpeed's per-rank
+model states (:func:`model_state_bytes`), its ZeRO-1/2 gradient buckets (:func:`gradient_buckets`), a live-tensor
+tracker (:class:`LiveTensorBytes`) and an engine holding those states around the real update
+(:class:`DeepSpeedLikeEngine`)."""
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import weakref
 from collections.abc import Iterator
@@ -35,13 +35,9 @@ CATEGORIES = ("parameters", "gradients", "optimizer", "buckets", "activations", 
 
 @dataclass(frozen=True)
 class ModelStates:
-    """Bytes per rank of what DeepSpeed keeps for the model (steady state, after the first step).
-
-    ``params``: the module's weights (fp32, or fp16/bf16 for mixed precision); ``gradients``: the module's
-    gradients (same dtype; partitioned from ZeRO-2 on); ``master``: fp32 master weights (mixed precision, or any
-    ZeRO stage >= 1, which keeps an fp32 partition); ``fp32_gradients``: the fp32 gradient partition the
-    optimizer steps on (made at the step); ``optimizer``: AdamW's two fp32 moments; ``gathered``: ZeRO-3's
-    gathered largest layer (16-bit weights and gradients)."""
+    """Bytes per rank that DeepSpeed keeps for the model after the first step: 16- or 32-bit ``params`` and
+    ``gradients``, fp32 ``master`` weights and ``fp32_gradients`` (mixed precision or ZeRO >= 1), AdamW's two fp32
+    moments (``optimizer``) and ZeRO-3's gathered largest layer (``gathered``)."""
 
     params: int
     gradients: int
@@ -58,16 +54,11 @@ class ModelStates:
 
 
 def model_state_bytes(
-    num_params: int,
-    precision: str,
-    zero_stage: int,
-    world_size: int = 1,
-    largest_layer_params: int = 0,
+    num_params: int, precision: str, zero_stage: int, world_size: int = 1, largest_layer_params: int = 0
 ) -> ModelStates:
-    """DeepSpeed's per-rank model-state bytes for ``num_params`` trainable parameters with AdamW, as DeepSpeed's
-    ``estimate_zero2/3_model_states_mem_needs`` count them: mixed precision keeps 16-bit weights and gradients
-    plus fp32 master weights, gradient partition and two moments (``2 + 18 / N`` bytes per parameter at ZeRO-2);
-    ``fp32`` keeps fp32 weights, gradients and moments, and from ZeRO-1 an fp32 partition copy of the weights."""
+    """DeepSpeed's per-rank model-state bytes for ``num_params`` trainable parameters with AdamW, counted as
+    DeepSpeed's ``estimate_zero2/3_model_states_mem_needs`` do (mixed precision: ``2 + 18 / N`` bytes per parameter
+    at ZeRO-2)."""
     if precision not in PRECISIONS:
         raise ValueError(f"--precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
     if zero_stage not in (0, 1, 2, 3):
@@ -80,12 +71,7 @@ def model_state_bytes(
     params = width * (part if zero_stage == 3 else p)
     grads = 0 if zero_stage == 3 else width * (part if zero_stage == 2 else p)
     sharded = zero_stage >= 1
-    if precision == "fp32":
-        master = 4 * part if sharded else 0
-        fp32_grads = 4 * part if sharded else 0
-    else:
-        master = 4 * (part if sharded else p)
-        fp32_grads = 4 * (part if sharded else p)
+    master = fp32_grads = 4 * (part if sharded else 0 if precision == "fp32" else p)
     optimizer = 8 * (part if sharded else p)
     gathered = 2 * width * largest_layer_params if zero_stage == 3 else 0
     return ModelStates(params, grads, master, fp32_grads, optimizer, gathered)
@@ -98,8 +84,8 @@ _WIDTH = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 @dataclass(frozen=True)
 class GradientBuckets:
-    """The contiguous gradient buckets of DeepSpeed's ZeRO-1/2 optimizer for one backward: ``count`` flat buffers
-    of ``elements`` each in ``dtype`` (``fp32``/``bf16``/``fp16``); ``why``: one line on where that comes from."""
+    """ZeRO-1/2's contiguous gradient buckets of one backward: ``count`` flat buffers of ``elements`` in
+    ``dtype`` (``fp32``/``bf16``/``fp16``); ``why``: where that comes from, one line."""
 
     count: int
     elements: int
@@ -114,19 +100,11 @@ class GradientBuckets:
 def gradient_buckets(
     ds_config: dict[str, Any] | None, precision: str, zero_stage: int, surgery: str = "none"
 ) -> GradientBuckets:
-    """What DeepSpeed 0.19.8's ``DeepSpeedZeroOptimizer`` allocates for each backward under ``ds_config`` (a
-    DeepSpeed config dict; None: DeepSpeed's defaults) with ``precision`` and ``zero_stage``.
-
-    ``setup_buckets`` (``deepspeed/runtime/zero/stage_1_and_2.py``), run by the first gradient hook of a backward,
-    allocates with ``contiguous_gradients`` (default true) one ``torch.empty(reduce_bucket_size)`` per
-    communication dtype (one here: no torch autocast), and a second one with ``overlap_comm`` (default false at
-    ZeRO-1/2), of exactly ``reduce_bucket_size`` elements (default 5e8; not capped by the model's size) in
-    ``_gradient_reduction_buffer_dtype()``: the gradient accumulation dtype where it differs from the model's at
-    ZeRO-1 (``use_grad_accum_attribute``), else the model's dtype. ``_release_ipg_buffers`` frees them at the
-    backward's epilogue. ZeRO-0 allocates none, nor bf16 + ZeRO-1 with fp32 ``data_types.grad_accum_dtype``
-    (DeepSpeed's ``BF16_Optimizer`` runs instead). ``"auto"`` entries resolve as the trainer resolves them
-    (:func:`fastpals.train.dsconfig.check_ds_config`: ``grad_accum_dtype`` auto is fp32 with bf16 + ZeRO-1 and no
-    ``surgery``)."""
+    """What DeepSpeed 0.19.8's ``DeepSpeedZeroOptimizer.setup_buckets`` allocates for each backward under
+    ``ds_config`` (None: defaults): with ``contiguous_gradients`` one ``reduce_bucket_size`` buffer (two with
+    ``overlap_comm``) in the gradient-reduction dtype, freed at the backward's end; none at ZeRO-0 nor for bf16
+    ZeRO-1 with fp32 ``grad_accum_dtype`` (``BF16_Optimizer``). ``"auto"`` resolves as
+    :func:`fastpals.train.dsconfig.check_ds_config` does."""
     cfg = ds_config or {}
     zero = cfg.get("zero_optimization") or {}
     if zero_stage not in (1, 2):
@@ -152,13 +130,9 @@ def gradient_buckets(
 
 
 class LiveTensorBytes(TorchDispatchMode):
-    """Adds up the bytes of the live tensor storages made by ops under this mode (fake or real tensors).
-
-    Every op output's storage is counted once, under the current :meth:`phase` (its category; a ``.grad`` is
-    re-tagged ``gradients`` by :meth:`tag`), and taken off when the storage is freed (a weakref finalizer; storages
-    keep their Python object while alive). ``peak`` is the largest total since :meth:`reset_peak`, ``at_peak`` the
-    bytes of each category at that moment. Under fake tensors, host reads (``.item()``, ``.tolist()``) return 1 so
-    that a step's finite checks pass (``stub_host_reads``)."""
+    """Adds up the live tensor storages made by ops under this mode (fake or real tensors), each counted
+    once under the current :meth:`phase` and taken off when freed (weakref finalizer); ``peak`` and ``at_peak`` (bytes
+    per category) since :meth:`reset_peak`. ``stub_host_reads``: ``.item()``/``.tolist()`` return 1 (fake tensors)."""
 
     def __init__(self, stub_host_reads: bool = False) -> None:
         super().__init__()
@@ -214,9 +188,7 @@ class LiveTensorBytes(TorchDispatchMode):
         self.by_category[cat] += nbytes
         weakref.finalize(st, self._free, key)
         if self.current > self.peak:
-            self.peak = self.current
-            self.at_peak = dict(self.by_category)
-            self.peak_phase = self.category
+            self.reset_peak()
 
     def tag(self, t: torch.Tensor, category: str) -> None:
         """Move ``t``'s storage (counted or not) to ``category``."""
@@ -241,13 +213,11 @@ class LiveTensorBytes(TorchDispatchMode):
 
 
 class DeepSpeedLikeEngine:
-    """What :func:`fastpals.train.step.run_update` needs of a DeepSpeed engine (``module``, forward,
-    ``backward``, ``step``), holding DeepSpeed's model states for ``precision`` and ``zero_stage`` on one of
-    ``world_size`` ranks (collectives are not run). The module runs in the training dtype (no autocast, as
-    DeepSpeed); the master partition and AdamW moments exist from the start (the steady state); ``step`` makes
-    the fp32 gradient partition (or takes what a surgery buffer wrote through :meth:`grad_setter`), unscales,
-    clips, steps in place and copies back. ZeRO-2 on several ranks drops each 16-bit gradient once
-    reduce-scattered; ``buckets`` live from a backward's first gradient to its end, as DeepSpeed's."""
+    """What :func:`fastpals.train.step.run_update` needs of a DeepSpeed engine, holding DeepSpeed's model
+    states for ``precision`` and ``zero_stage`` on one of ``world_size`` ranks (no collectives): the steady-state
+    master partition and AdamW moments, ``step`` making the fp32 gradient partition (or taking what
+    :meth:`grad_setter` wrote), unscaling, clipping, stepping and copying back; ZeRO-2 on several ranks drops each
+    16-bit gradient once reduce-scattered; ``buckets`` live from a backward's first gradient to its end."""
 
     def __init__(
         self,
@@ -268,11 +238,10 @@ class DeepSpeedLikeEngine:
         self.part = math.ceil(self.numel / world_size)
         self.scale = 2.0**16 if precision == "fp16" else 1.0
         self.hp_grads: dict[int, torch.Tensor] = {}  # id(param) -> fp32 gradient written by a surgery buffer
-        self._offsets: dict[int, int] = {}
-        start = 0
-        for p in self.params:
-            self._offsets[id(p)] = start
-            start += p.numel()
+        sizes = [p.numel() for p in self.params]
+        self._offsets = {
+            id(p): start for p, start in zip(self.params, itertools.accumulate(sizes, initial=0))
+        }
         self._hp_flat: torch.Tensor | None = None  # the fp32 gradient partition a surgery buffer wrote into
         self._hp_set: set[int] = set()  # the parameters it wrote
         self.flat_master = precision != "fp32" or zero_stage >= 1
@@ -320,10 +289,8 @@ class DeepSpeedLikeEngine:
         p.grad = None  # reduced into the rank's partition buffer, the full 16-bit gradient freed
 
     def grad_setter(self, p: torch.nn.Parameter, value: torch.Tensor | None) -> None:
-        """What ``deepspeed.utils.safe_set_full_grad`` does for a surgery buffer: copy this rank's part of the
-        fp32 gradient into the gradient partition the optimizer steps on (with a flat master; made at the first
-        call of a step, as DeepSpeed's own), so that ``value`` can be freed at once; without one (fp32 ZeRO-0)
-        the value becomes the gradient."""
+        """``deepspeed.utils.safe_set_full_grad`` for a surgery buffer: this rank's part of ``value`` into the fp32
+        gradient partition (with a flat master), else ``value`` becomes the gradient."""
         if not self.flat_master:
             if value is None:
                 self.hp_grads.pop(id(p), None)
@@ -334,8 +301,8 @@ class DeepSpeedLikeEngine:
             with self._phase("gradients"):
                 self._hp_flat = torch.zeros(self.master[0].numel(), dtype=torch.float32)
         self._hp_set.add(id(p))
-        start, n = self._offsets[id(p)], p.numel()
-        lo, hi = start, min(start + n, self._hp_flat.numel())
+        lo = self._offsets[id(p)]
+        hi = min(lo + p.numel(), self._hp_flat.numel())
         if hi > lo:
             part = self._hp_flat[lo:hi]
             if value is None:
@@ -359,14 +326,12 @@ class DeepSpeedLikeEngine:
             if flat is None:
                 with self._phase("gradients"):
                     flat = torch.zeros(self.master[0].numel(), dtype=torch.float32)
-            start = 0
             for p in self.params:  # this rank's partition of the flattened gradients, in fp32
-                n = p.numel()
-                lo, hi = max(start, 0), min(start + n, flat.numel())
+                lo = self._offsets[id(p)]
+                hi = min(lo + p.numel(), flat.numel())
                 g = None if id(p) in self._hp_set else self.hp_grads.get(id(p), p.grad)
                 if hi > lo and g is not None and not self._drop_grads:
-                    flat[lo:hi].copy_(g.reshape(-1)[lo - start : hi - start])
-                start += n
+                    flat[lo:hi].copy_(g.reshape(-1)[: hi - lo])
             grads = [flat]
         else:
             grads = []
@@ -385,14 +350,12 @@ class DeepSpeedLikeEngine:
         self.optimizer.step()
         if self.flat_master:
             self.master[0].grad = None
-            start = 0
             with torch.no_grad():
                 for p in self.params:  # all-gather of the updated weights into the module
-                    n = p.numel()
-                    lo, hi = start, min(start + n, self.master[0].numel())
+                    lo = self._offsets[id(p)]
+                    hi = min(lo + p.numel(), self.master[0].numel())
                     if hi > lo:
                         p.reshape(-1)[: hi - lo].copy_(self.master[0][lo:hi])
-                    start += n
         for p in self.params:
             p.grad = None
         self.hp_grads.clear()

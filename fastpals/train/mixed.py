@@ -1,11 +1,7 @@
-"""``--batching mixed``: every micro-batch mixes the tasks, packed without padding (``docs/training.md``).
-
-:class:`MixedUpdates` draws each micro-batch's examples with a :class:`~fastpals.data.mixed_batches.MixedBatchSampler`
-(``--batch-size`` examples or ``--max-tokens`` tokens); :func:`packed_micro_batches` hands them to
-:func:`fastpals.train.step.run_update`: one forward and one backward per micro-batch, with surgery the per-task
-gradients from that same backward. An epoch is ``--steps-per-epoch`` updates, else about one pass over the
-training examples.
-"""
+"""``--batching mixed``: every micro-batch mixes the tasks, packed without padding. :class:`MixedUpdates`
+draws each micro-batch's examples (``--batch-size`` examples or ``--max-tokens`` tokens) and
+:func:`packed_micro_batches` collates them for :func:`fastpals.train.step.run_update`. An epoch is
+``--steps-per-epoch`` updates, else about one pass over the training examples."""
 
 from __future__ import annotations
 
@@ -25,9 +21,8 @@ __all__ = ["MixedUpdates", "packed_micro_batches"]
 
 
 class MixedUpdates:
-    """The update stream of ``--batching mixed`` with the interface the loop uses for a
-    :class:`fastpals.data.sampling.TaskSampler` (``epoch``, ``epoch_done``, ``start_next_epoch``, ``next_update``,
-    ``updates_per_epoch``, ``state_dict``/``load_state_dict``); an update is ``micro_per_update`` selections."""
+    """The update stream of ``--batching mixed``, with the interface of a
+    :class:`fastpals.data.sampling.TaskSampler`; an update is ``micro_per_update`` selections."""
 
     def __init__(
         self,
@@ -86,9 +81,9 @@ def packed_micro_batches(
     device: torch.device | str,
     weighting: str,
 ) -> Iterator[MicroBatch]:
-    """The update's packed mixed micro-batches for :func:`fastpals.train.step.run_update`, collated one at a time
-    as it consumes them: ``batchers`` one per task in the model's order, ``weighting`` the ``--task-weighting``.
-    Each task's examples and tokens are host counts (the selection's indices, the batcher's ``packed_lengths``)."""
+    """The update's packed mixed micro-batches, collated one at a time as ``run_update`` consumes
+    them (``batchers``: one per task in the model's order; ``weighting``: ``--task-weighting``), with host counts of
+    each task's examples and tokens."""
     for sel in selections:
         batch = collate_packed(batchers, sel)
         tasks = tuple(t for t, idx in enumerate(sel.indices) if len(idx))

@@ -1,5 +1,5 @@
-"""The model of a run's options, its optimizer parameter groups, the optimizers, the warm-up/decay schedule and
-``--freeze-bert``."""
+"""The model of a run's options, its optimizer parameter groups, the optimizers and the warm-up/decay
+schedule."""
 
 from __future__ import annotations
 
@@ -14,14 +14,7 @@ from fastpals.encoder.bert import freeze_shared_parameters, is_task_specific, ta
 from fastpals.model.multitask import MultiTaskBert
 from fastpals.train.errors import ConfigError
 
-__all__ = [
-    "build_model",
-    "freeze_bottom_layers",
-    "freeze_encoder",
-    "lr_lambda",
-    "make_optimizer",
-    "optimizer_param_groups",
-]
+__all__ = ["build_model", "freeze_bottom_layers", "lr_lambda", "make_optimizer", "optimizer_param_groups"]
 
 OPTIMIZERS = ("adamw", "sgd", "rmsprop")
 
@@ -49,31 +42,18 @@ def optimizer_param_groups(
         kind = task_specific_kind(name) or "encoder"
         groups.setdefault((kind, not _no_decay(name)), []).append(p)
     rates = {"encoder": lr, "pal": pal_lr, "head": head_lr}
-    out = []
-    for kind in ("encoder", "pal", "head"):
-        for decay in (True, False):
-            params = groups.get((kind, decay))
-            if params:
-                out.append(
-                    {
-                        "params": params,
-                        "lr": rates[kind],
-                        "weight_decay": weight_decay if decay else 0.0,
-                        "name": f"{kind}{'' if decay else '_no_decay'}",
-                    }
-                )
-    return out
-
-
-def freeze_encoder(model: torch.nn.Module) -> None:
-    """``--freeze-bert``: only PALs, heads and LayerNorms (matched by module type) keep ``requires_grad``."""
-    freeze_shared_parameters(model)
+    return [
+        {"params": groups[kind, decay], "lr": rates[kind], "weight_decay": weight_decay if decay else 0.0,
+         "name": f"{kind}{'' if decay else '_no_decay'}"}
+        for kind in ("encoder", "pal", "head")
+        for decay in (True, False)
+        if groups.get((kind, decay))
+    ]  # fmt: skip
 
 
 def make_optimizer(groups: list[dict[str, Any]], name: str) -> torch.optim.Optimizer:
-    """``adamw`` (betas 0.9/0.999, eps 1e-6; torch's fused single-pass kernel where every parameter is a
-    floating CPU or CUDA tensor: on the 2-core CPU it cuts a MiniLM update's optimizer step from about 200 to
-    120 ms), ``sgd`` (momentum 0.9) or ``rmsprop`` over ``groups``."""
+    """``adamw`` (betas 0.9/0.999, eps 1e-6; fused where every parameter is a floating CPU or CUDA
+    tensor), ``sgd`` (momentum 0.9) or ``rmsprop`` over ``groups``."""
     if name == "adamw":
         params = [p for g in groups for p in g["params"]]
         fused = bool(params) and all(
@@ -97,9 +77,9 @@ def lr_lambda(step: int, total: int, warmup: float) -> float:
 
 
 def build_model(args: Any) -> torch.nn.Module:
-    """The :class:`~fastpals.MultiTaskBert` of a run's options (``TrainArgs``): the encoder ``--model``, one
-    head per task (``--head``, ``--pair-mode``), the PALs of ``--pal``; seeded with ``--seed``; frozen encoder
-    with ``--freeze-bert``. A model that cannot be loaded is a :class:`ConfigError`."""
+    """The :class:`~fastpals.MultiTaskBert` of a run's options: encoder ``--model``, one head per task
+    (``--head``, ``--pair-mode``), the PALs of ``--pal``, seeded with ``--seed``, with the freezing options applied.
+    A model that cannot be loaded is a :class:`ConfigError`."""
 
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
@@ -123,7 +103,7 @@ def build_model(args: Any) -> torch.nn.Module:
         except ValueError as err:
             raise ConfigError(f"--pal {args.pal}: {err}") from None
     if args.freeze_bert:
-        freeze_encoder(model)
+        freeze_shared_parameters(model)  # only PALs, heads and LayerNorms train
     if args.freeze_word_embeddings:
         if hasattr(model.bert, "model"):  # an HF encoder (fastpals.model.hf_encoder.HFEncoder)
             model.bert.model.get_input_embeddings().weight.requires_grad_(False)
@@ -137,10 +117,9 @@ def build_model(args: Any) -> torch.nn.Module:
 
 
 def freeze_bottom_layers(model: torch.nn.Module, k: int) -> None:
-    """``--freeze-layers K``: the embeddings and encoder layers ``0 .. K-1`` of a :class:`~fastpals.MultiTaskBert`
-    get ``requires_grad = False``, so no gradient, optimizer state or backward work exists below layer K. A
-    task-specific parameter there (a PAL, EmBERT's task vectors) would be frozen at its random start: that is a
-    :class:`ConfigError` naming it (put the PALs above with ``--pal-layers``)."""
+    """``--freeze-layers K``: the embeddings and encoder layers ``0 .. K-1`` get ``requires_grad =
+    False``, so the backward stops at layer K; a task-specific parameter there (frozen at its random start) is a
+    :class:`ConfigError` naming it."""
     if not hasattr(model.bert, "encoder"):
         raise ConfigError(
             f"--freeze-layers {k}: only BERT checkpoints (fastpals' minBERT) support it; this run's encoder is "

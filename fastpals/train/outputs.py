@@ -1,4 +1,5 @@
-"""The run folder: refusing to mix runs, the best model, prediction files, ``results.json`` and its table."""
+"""The run folder: refusing to mix runs, the manifest, the best model, prediction files and
+``results.json``."""
 
 from __future__ import annotations
 
@@ -56,17 +57,14 @@ def read_manifest(out: Path) -> list[str] | None:
         names = json.loads((out / MANIFEST_NAME).read_text()).get("outputs")
     except (OSError, ValueError, AttributeError):
         return None
-    return (
-        [n for n in names if isinstance(n, str) and "/" not in n and n not in ("", ".", "..")]
-        if isinstance(names, list)
-        else None
-    )
+    if not isinstance(names, list):
+        return None
+    return [n for n in names if isinstance(n, str) and "/" not in n and n not in ("", ".", "..")]
 
 
 def record_manifest(out: Path, before: set[str]) -> None:
-    """Write (atomically) the manifest of the run writing ``out``: the names it holds now that were not there
-    when the run started (``before``: the user's own files, and the lock, an earlier run moved aside), added to
-    those the manifest already lists (a resumed run's)."""
+    """Write the manifest of the run writing ``out`` (atomically): the names there now that were not in
+    ``before`` (the user's files), added to those it already lists (a resumed run's)."""
     now = entries(out)
     made = {n for n in now - before if n not in _NOT_OUTPUTS and not n.startswith(REPLACED_PREFIX)}
     names = sorted(set(read_manifest(out) or []) | made)
@@ -74,11 +72,9 @@ def record_manifest(out: Path, before: set[str]) -> None:
 
 
 def run_outputs(out: Path) -> list[str]:
-    """The names in ``out`` that a run wrote: those its manifest (:data:`MANIFEST_NAME`) lists (every file and
-    folder the run created, a user task's confusion plot included, nothing else of the user's), the manifest
-    itself, the fixed :data:`RUN_OUTPUTS` names (a run killed between two manifest updates) and a best/ save cut
-    short (``best.partial``, ``best.old``). A run without a manifest (written before manifests) is found by
-    :data:`RUN_OUTPUTS` and ``confusion_*.png``."""
+    """The names in ``out`` that a run wrote: those its manifest lists (nothing of the user's) and the manifest,
+    the fixed :data:`RUN_OUTPUTS` (a kill between two manifest updates; without a manifest, also ``confusion_*.png``)
+    and a best/ save cut short (``best.partial``, ``best.old``)."""
     if not out.is_dir():
         return []
     names = [name for name in RUN_OUTPUTS if (out / name).exists()]
@@ -92,14 +88,10 @@ def run_outputs(out: Path) -> list[str]:
 
 
 def prepare_out(out: Path, resume: bool, overwrite: bool, is_main: bool) -> Path | None:
-    """Make ``out`` ready: a new run needs a folder without an earlier run's outputs; ``resume`` continues the run
-    there. :class:`ConfigError` otherwise.
-
-    ``overwrite`` deletes nothing here: the earlier run's outputs move aside, into ``out/.replaced-<pid>/`` (a
-    rename in the same folder), and that folder is returned. The trainer deletes it once the new run has written
-    its first checkpoint or finished (:func:`discard_replaced`), and moves the earlier outputs back if the new run
-    fails before that (:func:`restore_replaced`): a failed start leaves the earlier run as it was. After a kill
-    in between, the earlier run stays in that folder."""
+    """Make ``out`` ready: a new run needs a folder without an earlier run's outputs, ``resume`` continues
+    the one there; else :class:`ConfigError`. ``overwrite`` deletes nothing here: the earlier outputs move into
+    ``out/.replaced-<pid>/`` (returned), which the trainer deletes once the new run has a checkpoint
+    (:func:`discard_replaced`) or moves back if it fails before that (:func:`restore_replaced`)."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file, not a folder: choose another --out")
     earlier = run_outputs(out)
@@ -141,8 +133,8 @@ def discard_replaced(aside: Path | None) -> None:
 
 
 def restore_replaced(out: Path, aside: Path | None, remove_new: bool = True) -> None:
-    """Put the earlier run moved aside by :func:`prepare_out` back in ``out``: the new run's outputs (any of
-    :data:`RUN_OUTPUTS`) are removed first when ``remove_new``, so the earlier run is as it was."""
+    """Put the earlier run moved aside by :func:`prepare_out` back in ``out``, after removing the new
+    run's outputs when ``remove_new``."""
     if aside is None or not aside.exists():
         return
     if remove_new:
@@ -174,9 +166,8 @@ def strict_json(value: Any, **kw: Any) -> str:
 
 
 def trim_metrics(path: Path, step: int) -> int:
-    """Before a resume from the checkpoint of update ``step``: drop the records of ``path`` (``metrics.jsonl``)
-    of later updates, which the resumed run writes again, and a last line cut short by a kill; the file is
-    replaced atomically. Returns the number of records dropped."""
+    """Before a resume from the checkpoint of update ``step``: drop the records of ``metrics.jsonl`` at
+    ``path`` of later updates (run again) and a last line cut short by a kill, atomically; returns how many."""
     if not path.is_file():
         return 0
     kept, dropped = [], 0
@@ -221,12 +212,9 @@ def atomic_write_text(path: Path, text: str) -> None:
 def save_best(
     module: Any, tokenizer: Any, folder: Path, max_length: int, step: int, tasks: list[str]
 ) -> None:
-    """The best model so far: ``module.save_pretrained(folder)`` (the one place the trainer saves a model), the
-    tokenizer's files (HF layout) and ``training_args.json`` (max length, step, tasks) for ``fastpals predict``.
-
-    Written whole or not at all: into ``<folder>.partial``, which then takes the place of ``folder``. A failed
-    write (a full disk, no permission) removes the partial folder, keeps the previous best model and raises
-    :class:`OutputError` naming the path and the cause."""
+    """The best model so far in ``folder``: ``module.save_pretrained`` with the tokenizer and
+    ``training_args.json`` (for ``fastpals predict``), written whole or not at all (``<folder>.partial`` then renamed);
+    a failed write keeps the previous best model and raises :class:`OutputError` naming the path and the cause."""
 
     partial, old = folder.with_name(folder.name + ".partial"), folder.with_name(folder.name + ".old")
     try:
@@ -257,9 +245,8 @@ def save_best(
 
 
 def free_space_error(out: Path, checkpoint_bytes: int, best_bytes: int, resume: bool) -> ConfigError | None:
-    """None when the disk of ``out`` has room for what the run writes: a checkpoint (twice while a new one is
-    written beside the previous one, unless resuming, where the previous one is already there) and best/
-    (twice: the new one is written beside the old); else the one-line error giving both sizes."""
+    """None when the disk of ``out`` has room for a checkpoint (twice unless resuming: the new one is
+    written beside the previous) and best/ (twice); else the one-line error giving both sizes."""
     need = checkpoint_bytes * (1 if resume else 2) + 2 * best_bytes
     free = shutil.disk_usage(out).free
     if free >= need:
@@ -277,8 +264,8 @@ def _values(spec: Any, p: np.ndarray) -> np.ndarray:
 
 
 def write_dev_predictions(folder: Path, preds: dict[str, Any], specs: dict[str, Any]) -> None:
-    """CS224N-format ``<task>-dev-output.csv`` files and ``dev_labels_and_predictions.npz`` (for the confusion
-    matrices) from ``{task: (ids, predictions, labels)}``; ``specs``: ``{task: TaskSpec}``."""
+    """CS224N-format ``<task>-dev-output.csv`` files and ``dev_labels_and_predictions.npz`` from
+    ``{task: (ids, predictions, labels)}``; ``specs``: ``{task: TaskSpec}``."""
 
     for t, (ids, p, _) in preds.items():
         write_predictions(folder / f"{t}-dev-output.csv", ids, _values(specs[t], p), specs[t])

@@ -34,8 +34,7 @@ def smooth(values: Sequence[float], window: int) -> np.ndarray:
 
 
 def task_colors(tasks: Sequence[str]) -> dict[str, str]:
-    """One colour per task (matplotlib's tab10 cycle, in the given order) and black for ``overall``: every panel of
-    a figure uses this map, so a task keeps its colour everywhere."""
+    """One colour per task (tab10, in the given order) and black for ``overall``, the same in every panel."""
     palette = [f"C{i % 10}" for i in range(len(tasks))]
     return {**dict(zip(tasks, palette)), "overall": "black"}
 
@@ -45,9 +44,8 @@ def training_curve_series(
     evals: Sequence[dict],
     tasks: Sequence[str] | None = None,
 ) -> list[dict]:
-    """What :func:`plot_training_curves` draws, as data: a list of series ``{"panel": "loss" | "dev", "task",
-    "kind": "points" | "smoothed" | "dev", "x", "y", "color"}``. Losses are drawn only at the updates where the
-    task trained: its points and a moving average over its own updates."""
+    """What :func:`plot_training_curves` draws, as series ``{"panel": "loss" | "dev", "task", "kind":
+    "points" | "smoothed" | "dev", "x", "y", "color"}``; a task's losses only at the updates that trained it."""
     keys = sorted({k for e in evals for k in e["dev"] if isinstance(e["dev"][k], (int, float))} - {"overall"})
     order = list(tasks) if tasks is not None else sorted(set(step_losses) | set(keys))
     order += [t for t in sorted(set(step_losses) | set(keys)) if t not in order]
@@ -62,20 +60,10 @@ def training_curve_series(
         if not len(steps):
             continue
         x, y = np.asarray(steps), np.asarray(losses, dtype=np.float64)
-        series.append(
-            {"panel": "loss", "task": task, "kind": "points", "x": x, "y": y, "color": colors[task]}
-        )
-        window = max(1, len(losses) // 20)
-        series.append(
-            {
-                "panel": "loss",
-                "task": task,
-                "kind": "smoothed",
-                "x": x,
-                "y": smooth(y, window),
-                "color": colors[task],
-            }
-        )
+        for kind, values in (("points", y), ("smoothed", smooth(y, max(1, len(losses) // 20)))):
+            series.append(
+                {"panel": "loss", "task": task, "kind": kind, "x": x, "y": values, "color": colors[task]}
+            )
     for key in [t for t in order if t in keys] + (
         ["overall"] if any("overall" in e["dev"] for e in evals) else []
     ):
@@ -93,9 +81,8 @@ def plot_training_curves(
     title: str | None = None,
     tasks: Sequence[str] | None = None,
 ) -> Path:
-    """Write ``path`` (PNG): per-task training loss against the update (``step_losses``: ``{task: (steps,
-    losses)}``; points and a moving average) beside the dev scores of each evaluation (``evals``: ``[{"step",
-    "dev"}, ...]``), one colour per task in both panels (``tasks`` fixes the order), ``title`` above."""
+    """Write ``path`` (PNG): each task's training loss per update (``step_losses``: ``{task: (steps,
+    losses)}``, points and a moving average) beside the dev scores of ``evals`` (``[{"step", "dev"}, ...]``)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # start-up: matplotlib's import is slow
     from matplotlib.figure import Figure
 
@@ -135,34 +122,26 @@ def plot_confusion_matrices(
     predictions: dict[str, tuple[Sequence, Sequence]], folder: str | os.PathLike, specs: dict | None = None
 ) -> list[Path]:
     """Confusion matrices of the dev predictions (``{task: (labels, predictions)}``) in ``folder``:
-    ``confusion_sst.png``, ``confusion_sts.png`` (scores binned to 0.5) and, with ``specs``, every other task's
-    (:func:`fastpals.data.metrics.task_confusion_matrix`). Returns the paths written."""
+    ``confusion_sst.png``, ``confusion_sts.png`` (binned to 0.5) and, with ``specs``, every other task's. Returns the
+    paths written."""
 
-    folder = Path(folder)
-    written = []
-    for task, spec in (specs or {}).items():
-        if task in ("sst", "sts") or task not in predictions:
-            continue
-        labels, preds = predictions[task]
-        matrix, names = task_confusion_matrix(spec, labels, preds)
-        written.append(
-            plot_confusion_matrix(
-                matrix, folder / f"confusion_{task}.png", class_names=names, title=f"{task} dev (rows: true)"
-            )
-        )
+    plots = {
+        task: (*task_confusion_matrix(spec, *predictions[task]), f"{task} dev (rows: true)")
+        for task, spec in (specs or {}).items()
+        if task not in ("sst", "sts") and task in predictions
+    }
     if "sst" in predictions:
-        labels, preds = predictions["sst"]
-        matrix = confusion_matrix(np.asarray(labels, dtype=np.int64), np.asarray(preds, dtype=np.int64), 5)
-        written.append(
-            plot_confusion_matrix(matrix, folder / "confusion_sst.png", title="SST dev (rows: true)")
-        )
+        labels, preds = (np.asarray(v, dtype=np.int64) for v in predictions["sst"])
+        plots["sst"] = (confusion_matrix(labels, preds, 5), None, "SST dev (rows: true)")
     if "sts" in predictions:
         labels, preds = predictions["sts"]
-        matrix = confusion_matrix(bin_sts(labels), bin_sts(preds), 11)
         names = [f"{k / 2:g}" for k in range(11)]
-        written.append(
-            plot_confusion_matrix(
-                matrix, folder / "confusion_sts.png", class_names=names, title="STS dev, binned to 0.5"
-            )
+        plots["sts"] = (
+            confusion_matrix(bin_sts(labels), bin_sts(preds), 11),
+            names,
+            "STS dev, binned to 0.5",
         )
-    return written
+    return [
+        plot_confusion_matrix(matrix, Path(folder) / f"confusion_{task}.png", class_names=names, title=title)
+        for task, (matrix, names, title) in plots.items()
+    ]

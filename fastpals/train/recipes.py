@@ -1,17 +1,15 @@
-"""Named recipes: JSON objects of :class:`~fastpals.train.args.TrainArgs` option values plus ``"description"``
-and ``"source"``, shipped in ``fastpals/configs/recipes/`` or given as a path. ``train.py --recipe NAME`` takes
-them as defaults; options on the command line override them."""
+"""Named recipes: JSON objects of :class:`~fastpals.train.args.TrainArgs` options plus ``"description"`` and
+``"source"``, shipped in ``fastpals/configs/recipes/`` or given as a path; ``train.py --recipe NAME`` takes them as
+defaults that the command line overrides."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from fastpals.train.args import TrainArgs
-from fastpals.train.errors import ConfigError
+from fastpals.train.args import OPTIONS, type_problem
+from fastpals.train.errors import ConfigError, read_json_object
 
 __all__ = ["RECIPE_INFO_KEYS", "load_recipe", "recipe_info", "recipe_names", "recipe_path"]
 
@@ -40,13 +38,7 @@ def recipe_path(name: str) -> Path:
 
 def _read(name: str) -> tuple[Path, dict[str, Any]]:
     path = recipe_path(name)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"--recipe {path}:{err.lineno}: not valid JSON ({err.msg})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"--recipe {path}: a recipe is a JSON object of TrainArgs options")
-    return path, data
+    return path, read_json_object(path, "--recipe ", "a recipe is a JSON object of TrainArgs options")
 
 
 def recipe_info(name: str) -> dict[str, str]:
@@ -55,42 +47,22 @@ def recipe_info(name: str) -> dict[str, str]:
     return {k: str(data.get(k, "")) for k in RECIPE_INFO_KEYS}
 
 
-def _type_ok(f: dataclasses.Field, value: Any) -> bool:
-    if f.default is False:  # flags
-        return isinstance(value, bool)
-    if f.name == "surgery_opts":
-        return isinstance(value, list) and all(isinstance(v, str) for v in value)
-    if value is None:
-        return f.default is None
-    kind = f.metadata["type"] or (str if f.metadata["choices"] else None)
-    if kind is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if kind is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if kind is str:
-        return isinstance(value, str)
-    return True
-
-
 def load_recipe(name: str) -> dict[str, Any]:
-    """The options of recipe ``name`` (shipped name or JSON path) as ``{TrainArgs field: value}``, without
-    ``description``/``source``. Raises :class:`ConfigError` (one line naming the file and the key) for a key that
-    is not a :class:`TrainArgs` option or a value of the wrong JSON type; the values themselves are checked by
-    :class:`TrainArgs`."""
+    """The options of recipe ``name`` (shipped name or JSON path) as ``{TrainArgs field: value}``; a key that is
+    not an option or a value of the wrong JSON type is a one-line :class:`ConfigError` naming the file and the key."""
     path, data = _read(name)
-    fields = {f.name: f for f in dataclasses.fields(TrainArgs) if f.init}
     options = {}
     for key, value in data.items():
         if key in RECIPE_INFO_KEYS:
             continue
-        if key not in fields:
+        if key not in OPTIONS:
             raise ConfigError(
                 f"--recipe {path}: key {key!r} is not a training option (the keys are TrainArgs field names, "
                 f"e.g. pal, surgery, pair_mode, or {', '.join(RECIPE_INFO_KEYS)})"
             )
         if key in ("resume", "overwrite", "local_rank", "stop_after_steps", "inject_nan_at_step"):
             raise ConfigError(f"--recipe {path}: key {key!r} belongs to one command, not to a recipe")
-        if not _type_ok(fields[key], value):
+        if type_problem(OPTIONS[key], value) is not None:
             raise ConfigError(f"--recipe {path}: key {key!r} has a value of the wrong type: {value!r}")
         options[key] = value
     return options

@@ -1,9 +1,6 @@
-"""One run per output folder: :class:`RunLock` holds ``<out>/.lock`` while a run writes there.
-
-An ``fcntl.flock`` taken without waiting: the kernel decides which of two runs gets it and releases it when its
-holder dies, so a lock is never stale. The file records ``pid host``; a run that finds it filled in but the flock
-free takes over from a run that ended without releasing it, and says so.
-"""
+"""One run per output folder: :class:`RunLock` holds ``<out>/.lock``, an ``fcntl.flock`` taken without
+waiting that the kernel releases when its holder dies (never stale). The file records ``pid host``; a run that finds
+it filled in but free takes over, and says so."""
 
 from __future__ import annotations
 
@@ -18,6 +15,7 @@ from fastpals.train.errors import ConfigError
 __all__ = ["LOCK_NAME", "RunLock", "writable_folder_error"]
 
 LOCK_NAME = ".lock"
+_HELD = (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN)  # flock's errors for a lock another process holds
 
 
 def writable_folder_error(out: Path, err: OSError) -> ConfigError:
@@ -30,9 +28,8 @@ def writable_folder_error(out: Path, err: OSError) -> ConfigError:
 
 
 class RunLock:
-    """The lock of ``out`` (created when missing). :meth:`acquire` raises :class:`ConfigError` naming the pid and
-    host of the run that holds it; ``taken_over`` is then the ``(pid, host)`` of an earlier run that died holding
-    the file (the caller warns), else None."""
+    """The lock of ``out`` (created when missing). :meth:`acquire` raises :class:`ConfigError` naming the run that
+    holds it; ``taken_over`` is then the ``(pid, host)`` of an earlier run that died holding it, else None."""
 
     def __init__(self, out: Path) -> None:
         self.out = Path(out)
@@ -41,9 +38,8 @@ class RunLock:
         self.taken_over: tuple[str, str] | None = None
 
     def check_free(self) -> None:
-        """Raise the :meth:`acquire` error when a live run holds the lock now, changing nothing in ``out`` (a
-        read-only open and a shared ``flock`` test): a run checks this before its slow set-up, and takes the lock
-        later with :meth:`acquire`."""
+        """Raise the :meth:`acquire` error when a live run holds the lock now, changing nothing in ``out``: checked
+        before the slow set-up, taken later with :meth:`acquire`."""
         try:
             fd = os.open(self.path, os.O_RDONLY)
         except OSError:
@@ -51,13 +47,13 @@ class RunLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except OSError as err:
-            if err.errno in (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN):
-                pid, host = _read(fd) or ("?", "?")
-                raise self._busy(pid, host) from None
+            if err.errno in _HELD:
+                raise self._busy(_read(fd)) from None
         finally:
             os.close(fd)
 
-    def _busy(self, pid: str, host: str) -> ConfigError:
+    def _busy(self, holder: tuple[str, str] | None) -> ConfigError:
+        pid, host = holder or ("?", "?")
         return ConfigError(
             f"--out {self.out} is in use by the run with pid {pid} on host {host} (lock {self.path}): wait "
             f"for it to end, stop it, or choose another --out"
@@ -74,10 +70,9 @@ class RunLock:
         except OSError as err:
             holder = _read(fd)
             os.close(fd)
-            if err.errno not in (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN):
+            if err.errno not in _HELD:
                 raise writable_folder_error(self.out, err) from None
-            pid, host = holder or ("?", "?")
-            raise self._busy(pid, host) from None
+            raise self._busy(holder) from None
         earlier = _read(fd)
         if earlier is not None and earlier[0] != str(os.getpid()):
             self.taken_over = earlier
@@ -92,8 +87,8 @@ class RunLock:
         return self
 
     def release(self) -> None:
-        """Empty the file (a clean end) and release the lock; the file stays (removing it would let a third run
-        lock a new file while a second waits on the old one)."""
+        """Empty the file and release the lock; the file stays (removing it would let a third run lock a new file
+        while a second waits on the old one)."""
         if self.fd is None:
             return
         fd, self.fd = self.fd, None

@@ -1,11 +1,6 @@
-"""What a run carries from update to update, and its checkpoints.
-
-:class:`TrainState` round-trips through ``state_dict`` / ``from_state_dict``. A checkpoint is DeepSpeed's
-(module, optimizer, scheduler) with the client state ``{"train_state": ..., "components": {name: state}}``; the
-components (sampler, batchers, RNGs) are objects with ``state_dict``/``load_state_dict``. ``latest`` is written
-atomically once the new folder is whole; a failed save removes its partial folder (:class:`OutputError`), and a
-missing or corrupt checkpoint is a one-line :class:`ConfigError`.
-"""
+"""What a run carries from update to update (:class:`TrainState`), and its checkpoints: DeepSpeed's (module,
+optimizer, scheduler) with the client state ``{"train_state": ..., "components": {name: state}}``, ``latest``
+written atomically once the folder is whole; failures are one-line errors."""
 
 from __future__ import annotations
 
@@ -32,6 +27,8 @@ FRESH_START = "start the run again with --overwrite (or restore the file from a 
 
 
 class Stateful(Protocol):
+    """A checkpointed component: the sampler, a batcher, an RNG."""
+
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
@@ -112,20 +109,13 @@ def _read_latest(ckpt_dir: Path) -> str | None:
         return None
 
 
-def write_latest(ckpt_dir: Path, tag: str) -> None:
-    """``<ckpt_dir>/latest`` := ``tag``, atomically: a temporary file, fsync, rename."""
-
-    atomic_write_text(ckpt_dir / "latest", tag)
-
-
 def save_checkpoint(
     engine: Any, ckpt_dir: Path, state: TrainState, components: dict[str, Stateful], is_main: bool
 ) -> Path:
     """DeepSpeed checkpoint ``<ckpt_dir>/step<N>`` with the train state and every component's state, then
-    ``latest`` (atomically); the previous checkpoint is removed once the new one is written, and so are step
-    folders left half-deleted by a kill. An OSError while writing (a full disk, no permission, a read-only file
-    system) is an :class:`OutputError` naming the path and the cause, after the partial folder is removed:
-    the previous checkpoint stays whole and ``latest`` names it."""
+    ``latest``; the previous checkpoint and step folders left by a kill are removed. A failed write is an
+    :class:`OutputError` naming the path and the cause, after the partial folder is removed: the previous checkpoint
+    stays whole and ``latest`` names it."""
     tag = f"step{state.global_step}"
     folder = ckpt_dir / tag
     previous = _read_latest(ckpt_dir)
@@ -140,7 +130,7 @@ def save_checkpoint(
     try:
         engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client, save_latest=False)
         if is_main:
-            write_latest(ckpt_dir, tag)
+            atomic_write_text(ckpt_dir / "latest", tag)
     except (OSError, RuntimeError) as err:
         if not is_write_error(err):
             raise
@@ -163,8 +153,8 @@ def save_checkpoint(
 
 
 def _whole(folder: Path) -> str | None:
-    """None when ``folder`` is a whole checkpoint (its model file there, every ``.pt`` a zip whose CRCs
-    match), else what is wrong."""
+    """None when ``folder`` is a whole checkpoint (its model file there, every ``.pt`` a zip whose CRCs match),
+    else what is wrong."""
     if not sorted(folder.glob("mp_rank_*_model_states.pt")):
         return f"{folder / 'mp_rank_00_model_states.pt'} is missing"
     for path in sorted(folder.glob("*.pt")):
@@ -191,20 +181,17 @@ def newest_whole_checkpoint(ckpt_dir: Path) -> Path | None:
     """The whole ``step<N>`` folder of ``ckpt_dir`` with the largest N, or None."""
     if not ckpt_dir.is_dir():
         return None
-    steps = sorted(
-        (
-            (int(m.group(1)), p)
-            for p in ckpt_dir.iterdir()
-            if p.is_dir() and (m := _STEP_FOLDER.fullmatch(p.name))
-        ),
-        reverse=True,
-    )
-    return next((p for _, p in steps if _whole(p) is None), None)
+    steps = [
+        (int(m.group(1)), p)
+        for p in ckpt_dir.iterdir()
+        if p.is_dir() and (m := _STEP_FOLDER.fullmatch(p.name))
+    ]
+    return next((p for _, p in sorted(steps, reverse=True) if _whole(p) is None), None)
 
 
 def check_checkpoint(ckpt_dir: Path) -> str:
-    """The tag ``latest`` names, after checking that its folder and files are there and whole (every ``.pt``
-    file is a complete zip whose CRCs match); else :class:`ConfigError` naming the file."""
+    """The tag ``latest`` names, once its folder and files are checked whole; else :class:`ConfigError`
+    naming the file."""
     latest = ckpt_dir / "latest"
     try:
         tag = latest.read_text().strip() if latest.is_file() else None

@@ -1,21 +1,7 @@
-"""One optimizer update, written once: :func:`run_update` is the update of the trainer (``--batching per_task``
-and ``mixed``, with or without ``--surgery``) and of the benchmarks (``bench/training.py``,
-``bench/test_bench_surgery.py``), so that they time this code.
-
-An update is a list of :class:`MicroBatch` (each already on the device, with the host's counts of its examples
-and tokens) and a surgery strategy:
-
-- ``none``: per micro-batch a forward and ``engine.backward``, then ``engine.step()`` (DeepSpeed accumulates the
-  micro-batches and updates at the accumulation boundary, the last one);
-- ``per_task_backward``: per micro-batch (one task each) a forward and backward, whose gradients of the shared
-  weights :meth:`fastpals.surgery.TaskGradientBuffer.capture` takes into the task's row (summed over the task's
-  micro-batches); then ``buffer.apply(aggregator)`` and ``engine.step()``;
-- ``one_backward``: per packed mixed micro-batch one forward and one backward inside
-  :func:`fastpals.surgery.per_task_gradients` (every task's gradient from that backward); then ``buffer.apply``
-  and ``engine.step()``.
-
-The losses stay on the device until the update's backwards are done; see :func:`run_update` for the one read.
-"""
+"""One optimizer update, shared by the trainer and the benchmarks: :func:`run_update` over a list of
+:class:`MicroBatch` with a surgery strategy (:data:`STRATEGIES`): ``none`` (DeepSpeed accumulates),
+``per_task_backward`` (one backward per one-task micro-batch, captured into the task's buffer row) or
+``one_backward`` (every task's gradient from one backward of a packed mixed micro-batch)."""
 
 from __future__ import annotations
 
@@ -29,7 +15,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from fastpals.encoder.bert import BertModel
+from fastpals.surgery import per_task_gradients, shared_parameters_by_name
 from fastpals.train.errors import NonFiniteLossError
+from fastpals.train.memory_mode import task_gradients
 
 __all__ = [
     "STRATEGIES",
@@ -50,19 +39,10 @@ LossHook = Callable[[int, torch.Tensor], torch.Tensor]
 
 @dataclass
 class MicroBatch:
-    """One micro-batch of an update, described the same way for every batching.
-
-    Attributes:
-        inputs: the model's keyword inputs, on the device (``fastpals.data.mixed_batches.model_inputs`` of a packed batch,
-            or ``fastpals.model.evaluate.padded_model_inputs`` of one task's padded batch).
-        labels: ``[B]`` float, on the device.
-        tasks: the model's indices of the tasks it holds, increasing (one for a per-task batch).
-        examples: examples of each task of ``tasks`` (host ints, known at collate time).
-        tokens: tokens of each task of ``tasks`` (host ints), or None where not counted.
-        weighting: how its loss is formed: None for one task's batch (the task's mean loss,
-            ``module.loss``); for a mixed batch the ``task_losses(..., weighting=...)`` name (``examples``,
-            ``equal``), whose ``total`` is the loss (with ``one_backward``: the sum of the task means instead).
-    """
+    """One micro-batch of an update, on the device: ``inputs`` (the model's keyword inputs), ``labels`` ``[B]``
+    float, ``tasks`` (model task indices, increasing), host counts ``examples`` and ``tokens`` (None: not counted)
+    per task, and ``weighting``: None for one task's batch (``module.loss``), else the ``task_losses`` weighting
+    of a mixed batch (``examples`` or ``equal``)."""
 
     inputs: dict[str, Any]
     labels: torch.Tensor
@@ -74,33 +54,22 @@ class MicroBatch:
 
 @dataclass
 class Surgery:
-    """The gradient-surgery parts of an update: a :class:`fastpals.surgery.TaskGradientBuffer` with one row per
-    task, the aggregator (weights from the task-gradient Gram matrix: ``pcgrad_weights``, ``gem_weights``, ...)
-    and its random stream (PCGrad's projection order)."""
+    """The surgery of an update: the per-task gradients (buffer or stream), the aggregator and its generator;
+    ``exact_names``: the shared parameters that took the exact per-task path (set by the first one-backward
+    update)."""
 
     buffer: Any
     aggregator: Callable[..., torch.Tensor]
     generator: torch.Generator | None = None
-    #: shared parameters whose per-task gradients took the exact path (set by the first one-backward update)
     exact_names: list[str] | None = None
 
 
 @dataclass
 class UpdateResult:
-    """What :func:`run_update` did.
-
-    Attributes:
-        loss: per task, the mean of its loss over the micro-batches holding it (host floats).
-        examples: per task, its examples in the update (host ints).
-        tokens: per task, its tokens, or None when a micro-batch did not count them.
-        surgery: the buffer's ``apply`` result (``.skipped``, ``.nonfinite_tasks``, ``.weights``), None without
-            surgery.
-        surgery_seconds: wall time inside the buffer's own calls (every ``capture`` and the ``apply``).
-        stepped: whether the update was handed to ``engine.step()`` to apply (False when ``surgery.skipped``: a
-            non-finite task gradient, nothing applied).
-        overflow: ``surgery.skipped`` under dynamic loss scaling (fp16): the engine's loss scaler took the step
-            as an overflow (skipped it, lowered the scale, zeroed the gradients); training goes on.
-    """
+    """What :func:`run_update` did: each task's mean ``loss`` and its ``examples`` and ``tokens`` (host numbers;
+    ``tokens`` None when not counted), the ``surgery`` result (None without), the seconds spent in the surgery
+    calls, whether ``engine.step()`` applied the update (``stepped``) and whether an fp16 loss scaler took a
+    skipped surgery as an ``overflow`` (training goes on)."""
 
     loss: dict[str, float]
     examples: dict[str, int]
@@ -112,13 +81,10 @@ class UpdateResult:
 
 
 class TorchEngine:
-    """The part of a DeepSpeed engine that :func:`run_update` uses (``module``, forward, ``backward``, ``step``)
-    over a plain module and optimizer, for benchmarks and tests: the forward runs under ``autocast`` (a dtype, or
-    None for none); ``backward`` scales the loss by ``1 / accumulation`` and with ``scaler`` (a
-    ``torch.amp.GradScaler``, or None); every ``accumulation``-th ``step`` (the accumulation boundary) unscales
-    the gradients, clips their norm to ``max_grad_norm`` (if given), steps the optimizer (through the scaler,
-    which skips the step and lowers the scale when a gradient is non-finite) and then zeroes the gradients, as
-    DeepSpeed's ``step`` does; the others only count."""
+    """What :func:`run_update` uses of a DeepSpeed engine, over a plain module and optimizer (benchmarks, tests):
+    the forward under ``autocast`` (a dtype or None), ``backward`` of ``loss / accumulation`` through the
+    optional ``GradScaler``, and every ``accumulation``-th ``step`` unscales, clips to ``max_grad_norm``, steps
+    and zeroes the gradients, as DeepSpeed's ``step`` does."""
 
     def __init__(
         self,
@@ -130,9 +96,7 @@ class TorchEngine:
         max_grad_norm: float | None = None,
     ) -> None:
         self.module, self.optimizer, self.scaler, self.autocast = module, optimizer, scaler, autocast
-        self.accumulation = accumulation
-        self.max_grad_norm = max_grad_norm
-        self.micro_steps = 0
+        self.accumulation, self.max_grad_norm, self.micro_steps = accumulation, max_grad_norm, 0
 
     def _autocast(self) -> AbstractContextManager:
         if self.autocast is None:
@@ -140,19 +104,15 @@ class TorchEngine:
         return torch.autocast(next(self.module.parameters()).device.type, dtype=self.autocast)
 
     def __call__(self, **inputs: Any) -> Any:
-        """The module's forward."""
         with self._autocast():
             return self.module(**inputs)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """The backward of ``loss`` (divided by ``accumulation``, scaled by the scaler, if any)."""
         if self.accumulation != 1:
             loss = loss / self.accumulation
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
     def step(self) -> None:
-        """At the accumulation boundary: the optimizer step (through the scaler, if any), then
-        ``zero_grad(set_to_none=True)``; elsewhere nothing but the count."""
         self.micro_steps += 1
         if self.micro_steps % self.accumulation:
             return
@@ -169,9 +129,8 @@ class TorchEngine:
 
 
 def skips_overflow(engine: Any) -> bool:
-    """Whether ``engine.step()`` itself skips an update with a non-finite gradient and lowers the loss scale
-    (dynamic loss scaling): a :class:`TorchEngine` with an enabled ``GradScaler``, a DeepSpeed engine with
-    fp16 and ``"loss_scale": 0``."""
+    """Whether ``engine.step()`` skips a non-finite update and lowers the loss scale (dynamic loss scaling):
+    a :class:`TorchEngine` with an enabled ``GradScaler``, a DeepSpeed engine with fp16 and ``"loss_scale": 0``."""
     if isinstance(engine, TorchEngine):
         return engine.scaler is not None and engine.scaler.is_enabled()
     fp16, dynamic = getattr(engine, "fp16_enabled", None), getattr(engine, "dynamic_loss_scale", None)
@@ -179,10 +138,8 @@ def skips_overflow(engine: Any) -> bool:
 
 
 def _skip_step(engine: Any, buffer: Any) -> bool:
-    """End an update whose surgery was skipped without applying anything: under dynamic loss scaling hand
-    ``engine.step()`` a NaN gradient (the first shared parameter's, through the buffer's setter), so that the loss
-    scaler counts the overflow, lowers the scale and zeroes the gradients itself; otherwise drop the module's
-    gradients (as DeepSpeed's ``zero_grad``). Returns whether the loss scaler took it."""
+    """End an update whose surgery was skipped: under dynamic loss scaling hand ``engine.step()`` a NaN gradient
+    so that the loss scaler counts the overflow; otherwise drop the gradients. Returns whether the scaler took it."""
     if not skips_overflow(engine):
         engine.module.zero_grad(set_to_none=True)
         return False
@@ -207,12 +164,6 @@ def _check_strategy(strategy: str, surgery: Surgery | None, mb: MicroBatch) -> N
         raise ValueError("one_backward runs packed mixed micro-batches: give them a weighting")
 
 
-def _runs_minbert(module: Any) -> bool:
-    from fastpals.encoder.bert import BertModel
-
-    return isinstance(getattr(module, "bert", None), BertModel)
-
-
 def _forward_backward(
     engine: Any,
     mb: MicroBatch,
@@ -223,35 +174,28 @@ def _forward_backward(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
     """One micro-batch's forward, loss, hooks and ``engine.backward``: the differentiated loss, and each task's
     loss (None for a one-task micro-batch, whose loss is its task's)."""
-    module = engine.module
-    if strategy == "one_backward":
-        from fastpals.surgery import per_task_gradients
-
-        inputs = mb.inputs
-        with per_task_gradients(module, surgery.buffer, inputs["layout"]) as block:
-            res = module.task_losses(engine(**inputs), mb.labels, weighting="equal")
-            loss = sum(res.per_task.values())  # each task's gradient is that of its own mean loss
-            if not _runs_minbert(
-                module
-            ):  # HF encoders: parameters one backward cannot split take the exact path
-                terms = [(module.task_index(name), value) for name, value in res.per_task.items()]
-                names = block.exact_task_gradients(terms)
+    module, per_task = engine.module, None
+    one_backward = strategy == "one_backward"
+    context = (
+        per_task_gradients(module, surgery.buffer, mb.inputs["layout"]) if one_backward else nullcontext()
+    )
+    with context as block:
+        out = engine(**mb.inputs)
+        if one_backward:
+            per_task = module.task_losses(out, mb.labels, weighting="equal").per_task
+            loss = sum(per_task.values())  # each task's gradient is that of its own mean loss
+            if not isinstance(getattr(module, "bert", None), BertModel):  # HF: what one backward cannot split
+                names = block.exact_task_gradients([(module.task_index(n), v) for n, v in per_task.items()])
                 if surgery.exact_names is None:
                     surgery.exact_names = names
-            for hook in loss_hooks:
-                loss = hook(step, loss)
-            engine.backward(loss)
-        return loss, res.per_task
-    out = engine(**mb.inputs)
-    per_task = None
-    if mb.weighting is None:
-        loss, _ = module.loss(out, mb.labels)
-    else:
-        res = module.task_losses(out, mb.labels, weighting=mb.weighting)
-        loss, per_task = res.total, res.per_task
-    for hook in loss_hooks:
-        loss = hook(step, loss)
-    engine.backward(loss)
+        elif mb.weighting is None:
+            loss, _ = module.loss(out, mb.labels)
+        else:
+            res = module.task_losses(out, mb.labels, weighting=mb.weighting)
+            loss, per_task = res.total, res.per_task
+        for hook in loss_hooks:
+            loss = hook(step, loss)
+        engine.backward(loss)
     return loss, per_task
 
 
@@ -266,43 +210,18 @@ def run_update(
     record: Callable[[dict[str, Any]], None] | None = None,
     sync: Callable[[], None] | None = None,
 ) -> UpdateResult:
-    """One optimizer update over ``micro_batches`` (consumed one at a time, so a generator may collate each
-    while the device runs the previous one).
+    """One optimizer update over ``micro_batches`` (consumed one at a time, so a generator may collate each while
+    the device runs the previous one) with ``strategy`` (:data:`STRATEGIES`; ``surgery`` required by all but
+    ``none``). Each micro-batch runs its forward, loss, ``loss_hooks`` (``hook(step, loss) -> loss``: test faults)
+    and ``engine.backward``; with ``none`` every earlier micro-batch also gets an ``engine.step()`` that only counts
+    towards DeepSpeed's accumulation boundary.
 
-    Each micro-batch runs its forward (``engine(**inputs)``), its loss (see :attr:`MicroBatch.weighting`), the
-    ``loss_hooks`` (``hook(step, loss) -> loss``, in order: test faults) and ``engine.backward``; ``strategy``
-    (:data:`STRATEGIES`, see the module docstring) says what happens around the backward and before the
-    ``engine.step()`` that ends the update (with ``none``, also one ``engine.step()`` after each earlier
-    micro-batch, which only counts micro-batches towards DeepSpeed's accumulation boundary).
-
-    Host reads: none per micro-batch. The loss of every backward (after the hooks) and each task's loss stay on
-    the device until the last backward is done; then ONE ``.tolist()`` of one stacked float64 tensor reads them
-    all, once per update, because the host needs them before ``engine.step()``: to stop on a NaN/inf loss before
-    the step applies anything, and to log the per-task losses. With surgery on one rank, ``buffer.apply(sync=
-    False)`` runs before that read and its finite flags (whether to skip the step) are read with the losses:
-    still one read. Data parallel (an all-reducing buffer), ``apply`` reads once more after the loss check.
-    Examples and tokens come from the micro-batches' host counts.
-
-    A non-finite loss (of the first micro-batch that had one) is recorded (``record({"type": "nonfinite",
-    "step", "task", "loss"})``) and raised as :class:`NonFiniteLossError` naming the tasks whose loss was
-    non-finite (or all of the micro-batch's tasks, when only the combined loss was), before the ``engine.step()``
-    that would update: the parameters and the last checkpoint are untouched.
-
-    Args:
-        engine: a DeepSpeed engine (or :class:`TorchEngine`) whose ``module`` is a
-            :class:`fastpals.MultiTaskBert`; gradients zero at the start (DeepSpeed's ``step`` zeroes them).
-        micro_batches: the update's micro-batches (at least one).
-        strategy: ``none``, ``per_task_backward`` or ``one_backward``.
-        surgery: buffer, aggregator and generator; required by the surgery strategies, refused by ``none``.
-        step: the update's number (from 1), for the hooks, the record and the error.
-        loss_hooks: functions of ``(step, loss)`` returning the loss to differentiate.
-        record: receives the ``"nonfinite"`` record.
-        sync: called before reading the clock after ``apply`` (e.g. ``torch.cuda.synchronize``).
-
-    Returns an :class:`UpdateResult`; when ``result.surgery.skipped`` (a non-finite task gradient) nothing was
-    applied and the gradients are dropped. Under dynamic loss scaling (:func:`skips_overflow`: fp16) that is an
-    overflow, ``result.overflow``: ``engine.step()`` runs on a NaN gradient, so that the loss scaler skips the
-    step and lowers the scale, and the next update goes on. Otherwise the caller decides (the trainer raises).
+    Host reads: one per update. Every loss stays on the device until the last backward; then one ``.tolist()``
+    reads them all (with one rank's surgery flags, ``apply(sync=False)``), because a NaN/inf loss must stop the
+    run before ``engine.step()``: it is recorded (``record``) and raised as :class:`NonFiniteLossError`, the
+    parameters untouched. A data-parallel buffer's ``apply`` reads once more. ``sync`` runs before the clock is
+    read after ``apply``. A skipped surgery (non-finite task gradient) applies nothing; under dynamic loss scaling
+    it is an ``overflow`` handed to the loss scaler, otherwise the caller decides (the trainer raises).
     """
     module = engine.module
     names = [spec.name for spec in module.tasks]
@@ -388,23 +307,12 @@ def deepspeed_surgery_buffer(
     memory: str = "buffer",
     keep_bytes: int = 0,
 ) -> Any:
-    """A :class:`fastpals.surgery.TaskGradientBuffer` (rows of ``dtype``, one per task) over the shared parameters
-    of a DeepSpeed engine's ``module`` (``memory``: ``buffer``; ``stream`` / ``smaller``: a
-    :class:`fastpals.surgery.StreamingTaskGradients` with that policy, same getter/setter and all-reduce). ``all_reduce``: average the ``[T, P]`` rows across ranks before the Gram
-    (for :func:`fastpals.surgery.per_task_gradients`, whose shared gradients bypass DeepSpeed's reduction: one
-    all-reduce of ``T * P`` elements per update).
-
-    Gradients under DeepSpeed 0.19.8 are read with ``deepspeed.utils.safe_get_full_grad`` and written with
-    ``safe_set_full_grad`` (a zero tensor where the buffer clears one). Checked on CPU, one rank: ZeRO-0 fp32
-    (``safe_*`` fall through to ``p.grad``) and ZeRO-1 bf16, where they are the fp32 gradients of the optimizer's
-    partitions (the bf16 module's ``p.grad`` is not where the reduced gradient lives), so the buffer is fp32.
-    ZeRO-2 uses the same calls (not run here: no GPU). ZeRO-1/2 backwards replace the reduced gradients instead of
-    adding to them, so each task's head/PAL gradients are taken out at capture time too.
-    """
-    from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
-
-    from fastpals.surgery import shared_parameters_by_name
-    from fastpals.train.memory_mode import task_gradients
+    """The per-task gradients (:func:`fastpals.train.memory_mode.task_gradients` of ``memory``, rows of
+    ``dtype``) over the shared parameters of a DeepSpeed engine's ``module``: DeepSpeed's ``safe_get_full_grad``
+    and ``safe_set_full_grad`` (fp32 partitions under ZeRO-1/2), task parameters captured from ZeRO-1 on (its
+    backwards replace gradients). ``all_reduce``: average the rows across ranks (one-backward surgery bypasses
+    DeepSpeed's reduction)."""
+    from deepspeed.utils import safe_get_full_grad, safe_set_full_grad  # optional: the trainer's engine
 
     def setter(p: torch.nn.Parameter, g: torch.Tensor | None) -> None:
         safe_set_full_grad(p, g if g is not None else torch.zeros_like(p, dtype=torch.float32))
