@@ -32,14 +32,7 @@ SMEM_LIMIT = {75: 64 * 1024, 80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 2
 #: dtypes each target runs (sm_75 has no bf16 tensor cores and the dispatch never sends bf16 there)
 TARGET_DTYPES = {75: ("fp32", "fp16"), 80: ("fp32", "fp16", "bf16"), 90: ("fp32", "fp16", "bf16")}
 #: (d, d_s, heads): BERT-base and MiniLM widths with the seed PAL widths and head counts
-PAL_SHAPES = (
-    (768, 204, 6),
-    (768, 204, 12),
-    (768, 276, 6),
-    (768, 276, 12),
-    (384, 204, 6),
-    (384, 276, 12),
-)
+PAL_SHAPES = ((768, 204, 6), (768, 204, 12), (768, 276, 6), (768, 276, 12), (384, 204, 6), (384, 276, 12))
 #: 16-byte asynchronous global -> shared copies in PTX (``cp.async`` also counts 4/8-byte copies and group marks)
 _CP_ASYNC_16 = re.compile(r"cp\.async\.c[ag]\.shared\.global[^;]*,\s*(?:0x10|16)\s*[,;]")
 #: fp32 arithmetic in PTX: fused multiply-adds, multiplies, adds (any rounding/ftz modifiers)

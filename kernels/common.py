@@ -47,6 +47,7 @@ __all__ = [
     "load_triton",
     "next_power_of_2",
     "per_sample_vmap",
+    "plan_row_tasks",
     "seed_for",
     "seeded",
     "target_arch",
@@ -171,29 +172,34 @@ def target_arch(tensor: torch.Tensor) -> int | None:
     return None
 
 
-class _CheckedCuSeqlens:
-    """The last few ``cu_seqlens`` tensors already validated, keyed on identity and in-place version: every
-    layer of one forward receives the same tensor, so the host read (a device sync) happens once per forward."""
+class _RecentTensors:
+    """The last few values computed from tensors, keyed on the tensors' identity and in-place version and on
+    ``meta``: every layer of one forward passes the same tensors, so the work (a host read, small launches) runs
+    once per forward. An in-place change or a new tensor misses."""
 
     def __init__(self, size: int = 8) -> None:
         self.size = size
-        self.entries: list[
-            tuple[weakref.ref, int, int, int, int]
-        ] = []  # (ref, version, rows, batch, longest)
+        self.entries: list[tuple[tuple, tuple, Any, Any]] = []  # (weak refs, versions, meta, value)
 
-    def get(self, cu: torch.Tensor, num_rows: int) -> tuple[int, int] | None:
-        for ref, version, rows, batch, longest in self.entries:
-            if ref() is cu and cu._version == version and rows == num_rows:
-                return batch, longest
+    def get(self, tensors: tuple, meta: Any) -> Any:
+        for refs, versions, entry_meta, value in self.entries:
+            if entry_meta == meta and all(
+                (r is None and t is None) or (r is not None and r() is t and t._version == v)
+                for r, v, t in zip(refs, versions, tensors)
+            ):
+                return value
         return None
 
-    def put(self, cu: torch.Tensor, num_rows: int, batch: int, longest: int) -> None:
-        self.entries = [e for e in self.entries if e[0]() is not None]
-        self.entries.insert(0, (weakref.ref(cu), cu._version, num_rows, batch, longest))
+    def put(self, tensors: tuple, meta: Any, value: Any) -> None:
+        refs = tuple(None if t is None else weakref.ref(t) for t in tensors)
+        versions = tuple(None if t is None else t._version for t in tensors)
+        self.entries = [e for e in self.entries if all(r is None or r() is not None for r in e[0])]
+        self.entries.insert(0, (refs, versions, meta, value))
         del self.entries[self.size :]
 
 
-_CHECKED_CU = _CheckedCuSeqlens()
+_CHECKED_CU = _RecentTensors()
+_PLAN_CACHE = _RecentTensors()
 
 
 def check_cu_seqlens(
@@ -222,7 +228,7 @@ def check_cu_seqlens(
         isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral)
     ):
         raise TypeError(f"max_seqlen must be an int, got {type(max_seqlen).__name__}")
-    cached = _CHECKED_CU.get(cu_seqlens, num_rows)
+    cached = _CHECKED_CU.get((cu_seqlens,), num_rows)
     if cached is None:
         values = cu_seqlens.tolist()
         if values[0] != 0 or values[-1] != num_rows:
@@ -233,7 +239,7 @@ def check_cu_seqlens(
         if any(n < 0 for n in lengths):
             raise ValueError(f"{name} must be non-decreasing, got {values}")
         cached = (len(values) - 1, max(lengths, default=0))
-        _CHECKED_CU.put(cu_seqlens, num_rows, *cached)
+        _CHECKED_CU.put((cu_seqlens,), num_rows, cached)
     batch, longest = cached
     if max_seqlen is not None and int(max_seqlen) < longest:
         raise ValueError(
@@ -350,43 +356,6 @@ def dot_flags(dtype: torch.dtype) -> dict[str, bool]:
     return {"IEEE": dtype == torch.float32 or upcast, "INTERP_BF16": upcast}
 
 
-class _PlanCache:
-    """The last few validated plans, keyed on the identity and in-place version of ``task_ids`` (and
-    ``cu_seqlens``) plus the sizes. The PAL of every layer of one forward receives the same ``task_ids`` object:
-    the validation sync and the ~15 small plan-building launches then happen once per forward, not per layer.
-    An in-place change of either tensor bumps its version and misses the cache; a new tensor misses too."""
-
-    def __init__(self, size: int = 8) -> None:
-        self.size = size
-        self.entries: list[tuple[tuple, tuple, TaskRowPlan]] = []
-
-    @staticmethod
-    def _alive(refs: tuple, versions: tuple, tensors: tuple) -> bool:
-        return all(
-            (r is None and t is None) or (r is not None and r() is t and t._version == v)
-            for r, v, t in zip(refs, versions, tensors)
-        )
-
-    def get(self, tensors: tuple, meta: tuple) -> TaskRowPlan | None:
-        for refs, versions, entry_meta, plan in self.entries:
-            if entry_meta == meta and self._alive(refs, versions, tensors):
-                return plan
-        return None
-
-    def put(self, tensors: tuple, meta: tuple, plan: TaskRowPlan) -> None:
-        refs = tuple(None if t is None else weakref.ref(t) for t in tensors)
-        versions = tuple(None if t is None else t._version for t in tensors)
-        self.entries = [e for e in self.entries if all(r is None or r() is not None for r in e[0])]
-        self.entries.insert(0, (refs, versions, meta, plan))
-        del self.entries[self.size :]
-
-    def clear(self) -> None:
-        self.entries.clear()
-
-
-_PLAN_CACHE = _PlanCache()
-
-
 def task_row_plan(
     task_ids: object,
     num_tasks: int,
@@ -455,37 +424,25 @@ def build_task_row_plan_host(
     device: torch.device | str,
     block_rows: int = 64,
 ) -> TaskRowPlan:
-    """:func:`build_task_row_plan` from host values: ``task_ids [B]`` and ``lengths [B]`` int (example b owns the
-    ``lengths[b]`` rows after those of examples ``0 .. b-1``: packed tokens, or ``seq_len`` padded rows each). The
-    plan is built with numpy and copied to ``device`` in one transfer (its tensors are views of one int32 tensor),
-    where the device form takes some fifty small launches."""
-    task_ids = np.asarray(task_ids, dtype=np.int64)
-    lengths = np.asarray(lengths, dtype=np.int64)
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-    num_rows = int(lengths.sum())
-    order = np.argsort(task_ids, kind="stable")
-    row_index = (
-        np.concatenate([np.arange(starts[e], starts[e] + lengths[e]) for e in order])
-        if order.size
-        else np.zeros(0, dtype=np.int64)
-    )
-    rows_per_task = np.bincount(task_ids, weights=lengths, minlength=num_tasks).astype(np.int64)
-    task_row_offsets = np.concatenate([[0], np.cumsum(rows_per_task)]).astype(np.int64)
-    tiles_per_task = (rows_per_task + block_rows - 1) // block_rows
-    tile_ends_cum = np.cumsum(tiles_per_task)
-    tile = np.arange((num_rows + block_rows - 1) // block_rows + num_tasks)
-    task_of_tile = np.searchsorted(tile_ends_cum, tile, side="right")
-    valid = task_of_tile < num_tasks
-    safe = np.minimum(task_of_tile, num_tasks - 1)
-    tile_start = task_row_offsets[safe] + (tile - (tile_ends_cum[safe] - tiles_per_task[safe])) * block_rows
-    tile_end = np.minimum(tile_start + block_rows, task_row_offsets[safe + 1])
-    parts = [
-        row_index, task_row_offsets, np.where(valid, task_of_tile, -1), np.where(valid, tile_start, 0),
-        np.where(valid, tile_end, 0),
-    ]  # fmt: skip
-    flat = torch.from_numpy(np.concatenate(parts).astype(np.int32)).to(device)
-    views = torch.split(flat, [p.size for p in parts])
-    return TaskRowPlan(*views, num_rows=num_rows, num_tasks=num_tasks, block_rows=block_rows)
+    """:func:`build_task_row_plan` from host values ``task_ids [B]`` and ``lengths [B]`` int (example b owns the
+    ``lengths[b]`` rows after those of examples ``0 .. b-1``): built on the CPU and copied to ``device`` in one
+    transfer (its tensors are views of one int32 tensor)."""
+    lengths = torch.as_tensor(np.asarray(lengths, dtype=np.int64))
+    cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+    ids = torch.as_tensor(np.asarray(task_ids, dtype=np.int64))
+    plan = build_task_row_plan(ids, num_tasks, int(cu[-1]), cu_seqlens=cu, block_rows=block_rows)
+    parts = (plan.row_index, plan.task_row_offsets, plan.tile_task, plan.tile_start, plan.tile_end)
+    views = torch.cat(parts).to(device).split([p.numel() for p in parts])
+    return TaskRowPlan(*views, num_rows=plan.num_rows, num_tasks=num_tasks, block_rows=block_rows)
+
+
+def plan_row_tasks(row_index: torch.Tensor, task_row_offsets: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """The task of each of ``num_rows`` rows from a plan's ``row_index`` and ``task_row_offsets`` (int64
+    ``[num_rows]``, -1 for rows the plan leaves out), with no host read."""
+    positions = torch.arange(row_index.shape[0], device=row_index.device)
+    row_task = torch.full((num_rows,), -1, dtype=torch.long, device=row_index.device)
+    row_task[row_index.long()] = torch.searchsorted(task_row_offsets[1:].long(), positions, right=True)
+    return row_task
 
 
 #: most task rows a ``[T, P]`` task-gradient buffer may have: 64 tasks, and GEM's episodic memory (2 T rows) for
