@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from fastpals_kernels import backends
 from fastpals_kernels.backends import backend, registered, use_library
 from fastpals_kernels.common import autograd_vjp, cu_seqlens_int32, per_sample_vmap, seed_for, seeded
-from fastpals_kernels.padding import AttentionPlan, bucketed_attention, pad_packed_index
+from fastpals_kernels.padding import AttentionPlan, bucketed_attention, key_mask_bias, pad_packed_index
 
 __all__ = [
     "Dropout",
@@ -54,12 +54,6 @@ def attention_varlen(
             q, k, v, cu_seqlens, max_seqlen, dropout_p, seed_for(dropout_p)
         )
     return attention_varlen_eager(q, k, v, cu_seqlens, max_seqlen, dropout_p, plan)
-
-
-def key_mask_bias(key_padding_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Key padding mask [B, L] (1 = token, 0 = padding) -> additive [B, 1, 1, L] (0 or the dtype's most negative value)."""
-    keep = key_padding_mask.to(torch.bool)[:, None, None, :]
-    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)
 
 
 def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:

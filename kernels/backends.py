@@ -143,7 +143,6 @@ _PROBES: dict[str, Any] = {}
 def _triton_import_error() -> str | None:
     if "triton" not in _PROBES:
         try:
-            import triton  # noqa: F401
             import triton.language  # noqa: F401
         except Exception as exc:  # ImportError, or a broken install raising something else at import
             _PROBES["triton"] = f"{type(exc).__name__}: {exc}"
@@ -299,24 +298,23 @@ def flash_varlen_ok(q: torch.Tensor) -> bool:
     return q.is_cuda and backend("bert_attention_varlen", q) == "flash_attn"
 
 
+#: ``serves(capability, dtype)``: the reason a registered backend serves an op there, or None
+Serves = Callable[[tuple[int, int] | None, torch.dtype], str | None]
+
+
 class Backend(NamedTuple):
     """A backend added with :func:`register_backend`: ``serves(capability, dtype)`` gives the reason it serves the
     op there (None: it does not); ``impl`` takes and returns what the op's public function does."""
 
     name: str
-    serves: Callable[[tuple[int, int] | None, torch.dtype], str | None]
+    serves: Serves
     impl: Callable[..., Any]
 
 
 _REGISTERED: dict[str, list[Backend]] = {}
 
 
-def register_backend(
-    op: str,
-    name: str,
-    serves: Callable[[tuple[int, int] | None, torch.dtype], str | None],
-    impl: Callable[..., Any],
-) -> None:
+def register_backend(op: str, name: str, serves: Serves, impl: Callable[..., Any]) -> None:
     """Add a backend for ``op``: asked before the built-in rules of :func:`decide`, newest first; it runs wherever
     ``serves`` gives a reason (and wherever ``$FASTPALS_KERNELS`` names it: ``op=name``)."""
     if op not in OPS:

@@ -214,11 +214,5 @@ def combine_row_op(buf: torch.Tensor, weights: torch.Tensor, row: int) -> None:
     _combine_into(buf, weights, buf[row], in_place=True)
 
 
-@combine_out_op.register_fake
-def _(buf, weights, out):
-    return None
-
-
-@combine_row_op.register_fake
-def _(buf, weights, row):
-    return None
+combine_out_op.register_fake(lambda buf, weights, out: None)
+combine_row_op.register_fake(lambda buf, weights, row: None)

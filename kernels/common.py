@@ -1,11 +1,8 @@
-"""Host-side helpers shared by the op modules: the lazy :class:`TritonKernel`, the ``cu_seqlens`` and task-id
-checks, the task plan, the task-gradient buffer check, casts, dot flags, device guards, and the custom ops' seed,
-recompute and vmap helpers. Nothing here imports Triton at module load (the Triton building blocks are in
-:mod:`fastpals_kernels.tl_helpers`).
+"""Host-side helpers shared by the op modules: the lazy :class:`TritonKernel`, argument checks, the task plan,
+casts, launch flags, and the custom ops' seed, recompute and vmap helpers. No Triton import at module load.
 
 The task plan (:class:`TaskRowPlan`) is the multi-adapter trick of Punica's SGMV and vLLM's LoRA kernels: rows
-are grouped by task through an index array (no physical permutation of the activations), and row tiles are cut
-per task so that a tile never straddles two tasks.
+grouped by task through an index array (the activations stay in place), row tiles that never straddle tasks.
 """
 
 from __future__ import annotations
@@ -61,10 +58,8 @@ def interpret_mode() -> bool:
 
 
 def autocast_dtype(tensor: torch.Tensor) -> torch.dtype | None:
-    """The dtype ``torch.autocast`` runs linear layers in on ``tensor``'s device, or None outside autocast.
-
-    The fused ops follow autocast like ``F.linear`` does: floating operands are cast (differentiably) to this
-    dtype, so fp32 parameters train under bf16/fp16 autocast with fp32 gradients."""
+    """The dtype ``torch.autocast`` runs linear layers in on ``tensor``'s device (the fused ops cast their floating
+    operands to it differentiably, as ``F.linear`` does), or None outside autocast."""
     device_type = tensor.device.type
     if device_type not in ("cuda", "cpu") or not torch.is_autocast_enabled(device_type):
         return None
@@ -74,13 +69,9 @@ def autocast_dtype(tensor: torch.Tensor) -> torch.dtype | None:
 def check_task_ids(
     task_ids: object, num_tasks: int, batch: int, device: torch.device, check_values: bool = True
 ) -> torch.Tensor:
-    """Validate ``task_ids`` (one integer task per example) and return it as int64.
-
-    Raises ``TypeError``/``ValueError`` naming the argument on a wrong type, dtype, shape, device or range.
-    The range check reads the tensor once (a device sync); it guarantees no kernel ever indexes a weight out of
-    bounds. ``check_values=False`` leaves the range to the caller (:func:`fastpals.data.layout.make_layout` checks
-    it on the host values it reads anyway).
-    """
+    """Validate ``task_ids [batch]`` (one integer task per example) and return it as int64. The range check (a
+    host read: no kernel may index a weight out of bounds) is skipped with ``check_values=False``, for callers
+    that check the host values they hold."""
     if not isinstance(task_ids, torch.Tensor):
         raise TypeError(f"task_ids must be a torch.Tensor of integer task ids, got {type(task_ids).__name__}")
     if task_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
@@ -102,10 +93,9 @@ def check_task_ids(
 
 
 class TritonKernel:
-    """A ``@triton.jit`` function that Triton compiles on its first launch (``kernel[grid](...)``), so that importing
-    an op module loads no Triton (optional, and slow to import). The first launch binds ``triton`` and ``tl`` in the
-    kernel's module and replaces every :class:`TritonKernel` there by its ``triton.jit`` function (kernels call
-    each other by name); ``TRITON_INTERPRET`` is read then."""
+    """A ``@triton.jit`` function made on its first launch, so that importing an op module loads no Triton. That
+    launch binds ``triton`` and ``tl`` in the kernel's module and replaces every :class:`TritonKernel` there by its
+    ``triton.jit`` function (kernels call each other by name); ``TRITON_INTERPRET`` is read then."""
 
     def __init__(self, fn: Callable) -> None:
         self.fn = fn
@@ -150,13 +140,9 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-#: set to 1 by :mod:`fastpals_kernels.aot` only: launches are compiled for a fake GPU target, never run
-AOT_ENV = "FASTPALS_AOT"
-
-
 def aot_mode() -> bool:
     """True inside the ahead-of-time compile harness (CPU tensors stand for GPU ones, launches only compile)."""
-    return os.environ.get(AOT_ENV, "0") == "1"
+    return os.environ.get("FASTPALS_AOT", "0") == "1"
 
 
 def target_arch(tensor: torch.Tensor) -> int | None:
@@ -209,13 +195,9 @@ def check_cu_seqlens(
     max_seqlen: int | None = None,
     name: str = "cu_seqlens",
 ) -> int:
-    """Validate packed-sequence boundaries and return B, the number of sequences.
-
-    The one rule for every packed op: ``cu_seqlens [B+1]`` int32 or int64 on ``device``, 0 first,
-    non-decreasing, ``num_rows`` last; ``max_seqlen`` (when given) at least the longest sequence. The kernels
-    read it as int32 (:func:`cu_seqlens_int32`). The tensor is read on the host once (a device sync); the same
-    tensor, unchanged in place, is not read again (every layer of a forward passes the same one).
-    """
+    """Validate packed-sequence boundaries and return B, the number of sequences: ``cu_seqlens [B+1]`` int32 or
+    int64 on ``device``, 0 first, non-decreasing, ``num_rows`` last; ``max_seqlen`` (when given) at least the
+    longest sequence. One host read per tensor (unchanged in place, it is not read again)."""
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
@@ -286,28 +268,19 @@ def build_task_row_plan(
     cu_seqlens: torch.Tensor | None = None,
     block_rows: int = 64,
 ) -> TaskRowPlan:
-    """Group the rows of a batch by task. ``task_ids [B]`` int64 (already validated), one task per example.
-
-    Padded form (``seq_len`` given): example b owns rows ``b*seq_len .. (b+1)*seq_len - 1`` of the flattened
-    ``[B*seq_len, ...]`` batch (``seq_len = 1`` for a 2-D ``[B, K]`` input). Varlen form (``cu_seqlens [B+1]``):
-    example b owns rows ``cu_seqlens[b] .. cu_seqlens[b+1] - 1``. Everything runs on ``task_ids``' device with
-    torch ops (no Python loop over examples, no sync).
-    """
+    """Group the rows of a batch by task, on ``task_ids``' device with no host read: ``task_ids [B]`` int64
+    (validated), example b owning rows ``b*seq_len ..`` of the padded batch, or with ``cu_seqlens [B+1]`` the
+    packed rows ``cu_seqlens[b] .. cu_seqlens[b+1] - 1``."""
     device = task_ids.device
     order = torch.argsort(task_ids, stable=True)
     if cu_seqlens is None:
         if seq_len is None:
             raise ValueError("build_task_row_plan needs seq_len (padded rows) or cu_seqlens (packed rows)")
-        lengths = torch.full_like(task_ids, seq_len)
-        starts = torch.arange(task_ids.shape[0], device=device, dtype=torch.long) * seq_len
-    else:
-        cu = cu_seqlens.long()
-        lengths = cu[1:] - cu[:-1]
-        starts = cu[:-1]
+        cu_seqlens = torch.arange(task_ids.shape[0] + 1, device=device, dtype=torch.long) * seq_len
+    cu = cu_seqlens.long()
+    lengths, starts = cu[1:] - cu[:-1], cu[:-1]
     lengths_sorted = lengths[order]
-    seg_offsets = (
-        torch.cumsum(lengths_sorted, 0) - lengths_sorted
-    )  # start of each sorted example in row_index
+    seg_offsets = torch.cumsum(lengths_sorted, 0) - lengths_sorted  # each sorted example's start in row_index
     seg_of_row = torch.repeat_interleave(
         torch.arange(order.shape[0], device=device), lengths_sorted, output_size=num_rows
     )
@@ -329,16 +302,14 @@ def build_task_row_plan(
     local = tile - (tile_ends_cum[safe_task] - tiles_per_task[safe_task])
     tile_start = task_row_offsets[safe_task] + local * block_rows
     tile_end = torch.minimum(tile_start + block_rows, task_row_offsets[safe_task + 1])
-    tile_task = torch.where(valid, task_of_tile, torch.full_like(task_of_tile, -1))
+    tiles = [torch.where(valid, t, fill) for t, fill in ((task_of_tile, -1), (tile_start, 0), (tile_end, 0))]
     return TaskRowPlan(
-        row_index=row_index.contiguous(),
-        task_row_offsets=task_row_offsets.to(torch.int32),
-        tile_task=tile_task.to(torch.int32),
-        tile_start=torch.where(valid, tile_start, 0).to(torch.int32),
-        tile_end=torch.where(valid, tile_end, 0).to(torch.int32),
-        num_rows=num_rows,
-        num_tasks=num_tasks,
-        block_rows=block_rows,
+        row_index.contiguous(),
+        task_row_offsets.to(torch.int32),
+        *(t.to(torch.int32) for t in tiles),
+        num_rows,
+        num_tasks,
+        block_rows,
     )
 
 
@@ -366,13 +337,9 @@ def task_row_plan(
     cu_seqlens: object = None,
     block_rows: int = 64,
 ) -> TaskRowPlan:
-    """Validate ``task_ids`` (and ``cu_seqlens``) and return the batch's :class:`TaskRowPlan`, from a small
-    cache when the same tensors (unchanged in place) were planned before with the same sizes.
-
-    Padded rows: ``batch`` (B) and ``seq_len`` given, ``num_rows = B * seq_len``. Packed rows: ``cu_seqlens
-    [B+1]`` given (B is read from it), ``num_rows = N``.
-    Raises ``TypeError``/``ValueError`` naming the argument on bad input.
-    """
+    """Validate ``task_ids`` (and ``cu_seqlens``) and return the batch's :class:`TaskRowPlan` (cached for the
+    same unchanged tensors and sizes): padded rows with ``batch * seq_len == num_rows``, or packed rows with
+    ``cu_seqlens [B+1]``."""
     tensors = (task_ids, cu_seqlens)
     meta = (num_tasks, num_rows, batch, seq_len, block_rows, str(device))
     if isinstance(task_ids, torch.Tensor):
@@ -398,10 +365,8 @@ ROW_ALIGN = 16
 
 
 def aligned_rows(num_rows: int, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An uninitialised ``[num_rows, width]`` view whose row stride is ``width`` rounded up to a multiple of 16
-    elements: every row then starts 16-byte aligned (fp32 and 16-bit) and Triton specialises the stride as
-    divisible by 16, so loads of the PAL's activations (widths 204, 276, 612, ...) can be vectorised. Costs at
-    most 15 columns of memory; values and shapes are unchanged."""
+    """An uninitialised ``[num_rows, width]`` view with the row stride rounded up to a multiple of 16 elements:
+    rows start 16-byte aligned and Triton specialises the stride, so loads of odd widths can be vectorised."""
     stride = -(-width // ROW_ALIGN) * ROW_ALIGN
     return torch.empty(num_rows, stride, dtype=dtype, device=device)[:, :width]
 
@@ -412,8 +377,7 @@ def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 
 def cast_floats(dtype: torch.dtype, *tensors: object) -> list:
-    """Autocast's rule for the fused ops' operands: floating tensors go to ``dtype`` (differentiably), the
-    rest (task ids, masks, None) pass unchanged."""
+    """Floating tensors cast to ``dtype`` (differentiably), the rest (task ids, masks, None) unchanged."""
     return [t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in tensors]
 
 
@@ -471,10 +435,9 @@ def check_task_buffer(buf: object, name: str = "buf") -> torch.Tensor:
 
 
 def per_sample_vmap(op: Any) -> Callable:
-    """A ``torch.func.vmap`` rule for the custom op ``op``: the op on each sample of the batched arguments in turn
-    (the unbatched ones shared), the results stacked along dim 0. Exact for every backend; ``batch_size`` calls,
-    which suits the few Jacobian rows of TorchJD's ``mtl_backward``. Dropout seeds are arguments, so every sample
-    sees the mask the unbatched call would."""
+    """A ``torch.func.vmap`` rule for the custom op ``op``: the op on each sample in turn, the results stacked
+    along dim 0 (exact for every backend, and every sample sees the unbatched call's dropout mask). Suits the
+    few Jacobian rows of TorchJD's ``mtl_backward``."""
 
     def rule(info: Any, in_dims: tuple, *args: Any) -> tuple:
         outs = [op(*[a if d is None else a.select(d, i) for a, d in zip(args, in_dims)])
@@ -516,25 +479,18 @@ def seeded(seed: torch.Tensor, device: torch.device, dropout_p: float) -> Iterat
 def autograd_vjp(
     fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor], grad: torch.Tensor
 ) -> tuple[torch.Tensor, ...]:
-    """The gradients of ``fn(*inputs)`` against ``grad``, recomputing ``fn`` with autograd. An op's kernel runs
-    below the autograd dispatch key, so autograd is switched back on for the recomputation."""
+    """The gradients of ``fn(*inputs)`` against ``grad``, recomputing ``fn`` with autograd (switched back on: an
+    op's kernel runs below the autograd dispatch keys)."""
     leaves = [t.detach().requires_grad_(True) for t in inputs]
-    with autograd_on(), torch.enable_grad():
+    with contextlib.ExitStack() as stack:
+        for key in (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.ADInplaceOrView):
+            stack.enter_context(torch._C._SetExcludeDispatchKeyGuard(key, False))
+        stack.enter_context(torch.enable_grad())
         out = fn(*leaves)
         grads = torch.autograd.grad(out, leaves, grad, allow_unused=True)
     # outputs may not alias each other (e.g. the unbound views of one stacked gradient)
     return tuple(torch.zeros_like(x) if g is None else g.clone() if g._base is not None else g
                  for g, x in zip(grads, leaves))  # fmt: skip
-
-
-@contextlib.contextmanager
-def autograd_on() -> Iterator[None]:
-    """Autograd's dispatch keys switched back on (an op's kernel runs with them excluded)."""
-    keys = (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.ADInplaceOrView)
-    with contextlib.ExitStack() as stack:
-        for key in keys:
-            stack.enter_context(torch._C._SetExcludeDispatchKeyGuard(key, False))
-        yield
 
 
 def seed_for(dropout_p: float) -> torch.Tensor:

@@ -551,8 +551,7 @@ class GroupedLinearFunction(torch.autograd.Function):
             dx, _ = grouped_mm_rows(dy, weight, plan, transpose_weight=True, gelu_grad_pre=pre)
         if ctx.needs_input_grad[1] or (ctx.has_bias and ctx.needs_input_grad[2]):
             dw, db = grouped_wgrad_rows(dy, x, plan, weight.dtype, ctx.has_bias, gelu_grad_pre=pre)
-            if not ctx.needs_input_grad[1]:
-                dw = None
+            dw = dw if ctx.needs_input_grad[1] else None
         dres = dy if ctx.has_residual and ctx.needs_input_grad[3] else None
         return dx, dw, db, dres, None, None
 
@@ -578,13 +577,11 @@ def _check_operands(
             f"x has {x.shape[-1]} features but weight is {list(weight.shape)} ([T, M, K], K must match)"
         )
     for name, t in (("weight", weight), ("bias", bias), ("residual", residual)):
-        if t is None:
-            continue
-        if t.dtype != x.dtype:
+        if t is not None and t.dtype != x.dtype:
             raise TypeError(
                 f"{name} has dtype {t.dtype} but x has {x.dtype}: all operands must share one dtype"
             )
-        if t.device != x.device:
+        if t is not None and t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
     if bias is not None and tuple(bias.shape) != (weight.shape[0], weight.shape[1]):
         raise ValueError(f"bias must have shape {[weight.shape[0], weight.shape[1]]}, got {list(bias.shape)}")
@@ -601,16 +598,12 @@ def _autocast(
 ) -> tuple:
     """Under ``torch.autocast``: (x, weight, bias) in the autocast dtype, and a residual of another dtype moved
     out of the kernel (returned last, to be added by the caller). Outside autocast: the inputs unchanged."""
-    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
-        return x, weight, bias, residual, None
-    cast = autocast_dtype(x)
+    cast = autocast_dtype(x) if isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) else None
     if cast is None:
         return x, weight, bias, residual, None
-    x, weight = x.to(cast), weight.to(cast)
     bias = bias.to(cast) if isinstance(bias, torch.Tensor) else bias
-    if isinstance(residual, torch.Tensor) and residual.dtype != cast:
-        return x, weight, bias, None, residual
-    return x, weight, bias, residual, None
+    outside = residual if isinstance(residual, torch.Tensor) and residual.dtype != cast else None
+    return x.to(cast), weight.to(cast), bias, residual if outside is None else None, outside
 
 
 def grouped_linear_rows(
@@ -623,14 +616,9 @@ def grouped_linear_rows(
 ) -> torch.Tensor:
     """Grouped linear on row-major ``x [R, K]`` with a plan from :func:`~fastpals_kernels.common.task_row_plan`
     (reused across several layers of one batch, as the fused PAL does). Operands must already be validated."""
-    return GroupedLinearFunction.apply(
-        last_dim_contiguous(x),
-        weight.contiguous(),
-        None if bias is None else bias.contiguous(),
-        None if residual is None else last_dim_contiguous(residual),
-        plan,
-        activation,
-    )
+    x, bias = last_dim_contiguous(x), None if bias is None else bias.contiguous()
+    residual = None if residual is None else last_dim_contiguous(residual)
+    return GroupedLinearFunction.apply(x, weight.contiguous(), bias, residual, plan, activation)
 
 
 def grouped_linear(
@@ -694,9 +682,7 @@ def _grouped_linear(x, cu_seqlens, task_ids, weight, bias, activation, residual)
     return grouped_linear_rows(rows, plan, weight, bias, activation, res_rows).view(out_shape)
 
 
-def _wgrad_outputs(
-    dy, x, num_tasks: int, with_bias: bool, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _wgrad_outputs(dy, x, num_tasks: int, with_bias: bool, dtype: torch.dtype) -> tuple:
     """New ``dw [T, M, K]`` and ``db [T, M]`` (``[0]`` without bias) for the rows ``dy [R, M]``, ``x [R, K]``."""
     dw = dy.new_empty(num_tasks, dy.shape[1], x.shape[1], dtype=dtype)
     return dw, dy.new_empty((num_tasks, dy.shape[1]) if with_bias else (0,), dtype=dtype)
@@ -721,7 +707,7 @@ def grouped_wgrad_op(
     :class:`~fastpals_kernels.common.TaskRowPlan`."""
     dw, db = _wgrad_outputs(dy, x, num_tasks, with_bias, out_dtype)
     plan = (row_index, task_row_offsets, tile_task, tile_start, tile_end)
-    grouped_wgrad_out_op(dy, x, *plan, num_tasks, block_rows, dw, db)
+    _grouped_wgrad_out(dy, x, *plan, num_tasks, block_rows, dw, db)
     return dw, db
 
 
@@ -732,8 +718,7 @@ def _(
     return _wgrad_outputs(dy, x, num_tasks, with_bias, out_dtype)
 
 
-@torch.library.custom_op("fastpals::grouped_wgrad_out", mutates_args=("dw", "db"))
-def grouped_wgrad_out_op(
+def _grouped_wgrad_out(
     dy: torch.Tensor,
     x: torch.Tensor,
     row_index: torch.Tensor,
@@ -766,10 +751,10 @@ def grouped_wgrad_out_op(
             db[t] = dyt.sum(0)
 
 
-@grouped_wgrad_out_op.register_fake
-def _(dy, x, row_index, offsets, tile_task, tile_start, tile_end, num_tasks, block_rows, dw, db):
-    return None
-
+grouped_wgrad_out_op = torch.library.custom_op(
+    "fastpals::grouped_wgrad_out", _grouped_wgrad_out, mutates_args=("dw", "db")
+)
+grouped_wgrad_out_op.register_fake(lambda *args: None)
 
 grouped_wgrad_op.register_vmap(per_sample_vmap(grouped_wgrad_op))
 

@@ -21,6 +21,7 @@ __all__ = [
     "bucketed_attention",
     "check_packed",
     "cu_seqlens_to_mask",
+    "key_mask_bias",
     "lengths_to_cu_seqlens",
     "packed_position_ids",
     "pad_packed",
@@ -35,6 +36,12 @@ def lengths_to_cu_seqlens(lengths: torch.Tensor) -> torch.Tensor:
     cu = torch.zeros(lengths.shape[0] + 1, dtype=torch.int32, device=lengths.device)
     cu[1:] = torch.cumsum(lengths, 0)
     return cu
+
+
+def key_mask_bias(key_padding_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Key padding mask [B, L] (1 = token, 0 = padding) -> additive [B, 1, 1, L] (0 or the dtype's most negative value)."""
+    keep = key_padding_mask.to(torch.bool)[:, None, None, :]
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)
 
 
 def cu_seqlens_to_mask(cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
@@ -153,9 +160,7 @@ class AttentionBucket:
 
     def __post_init__(self) -> None:
         if self.key_bias is None:
-            keep = self.mask[:, None, None, :]
-            zeros = torch.zeros(keep.shape, dtype=torch.float32, device=keep.device)
-            object.__setattr__(self, "key_bias", zeros.masked_fill(~keep, torch.finfo(torch.float32).min))
+            object.__setattr__(self, "key_bias", key_mask_bias(self.mask, torch.float32))
 
 
 @dataclass(frozen=True)

@@ -269,27 +269,34 @@ def _tables(dy, x, row_index, offsets, problem, bias, block_m: int) -> tuple[Ten
     return table[:n_tiles], table[n_tiles : n_tiles + n_probs], table[n_tiles + n_probs :], int(sizes.sum())
 
 
-def _operands(dy, x, row_index, offsets) -> list[list[Tensor]]:
-    """Rows with unit feature stride and int32 plans (what the kernels read)."""
-    rows = [[t if t.stride(-1) == 1 else t.contiguous() for t in ts] for ts in (dy, x)]
-    return [*rows, *([t.to(torch.int32).contiguous() for t in ts] for ts in (row_index, offsets))]
+def _launch_args(dy, x, row_index, offsets, problem, bias, num_tasks: int) -> tuple[list[Tensor], int, dict]:
+    """The kernels' tables (:func:`_tables`, from rows with unit feature stride and int32 plans), the flat
+    output's length and the launch keywords."""
+    dy, x = ([t if t.stride(-1) == 1 else t.contiguous() for t in ts] for ts in (dy, x))
+    row_index, offsets = ([t.to(torch.int32).contiguous() for t in ts] for ts in (row_index, offsets))
+    _, block_m, block_k = _blocks(num_tasks)
+    *tables, total = _tables(dy, x, row_index, offsets, problem, bias, block_m)
+    meta = {
+        "DT": _triton_dtype(dy[0].dtype),
+        **dot_flags(dy[0].dtype),
+        "BLOCK_M": block_m,
+        "BLOCK_K": block_k,
+    }
+    return tables, total, {**meta, "BLOCK_R": 16}
 
 
 def stream_linear_gram_triton(
     dy, x, row_index, offsets, problem: Sequence[int], bias: Sequence[bool], num_tasks: int
 ) -> Tensor:
     """:func:`stream_linear_gram` on the Triton kernel (arguments as there)."""
-    dy, x, row_index, offsets = _operands(dy, x, row_index, offsets)
-    t_pad, block_m, block_k = _blocks(num_tasks)
-    tiles, probs, segs, _ = _tables(dy, x, row_index, offsets, problem, bias, block_m)
-    n_tiles = tiles.shape[0] // 2
-    partial = torch.empty(n_tiles, num_tasks, num_tasks, dtype=torch.float32, device=dy[0].device)
+    tables, _, meta = _launch_args(dy, x, row_index, offsets, problem, bias, num_tasks)
+    n_tiles = tables[0].shape[0] // 2
+    partial = torch.empty(n_tiles, num_tasks, num_tasks, dtype=torch.float32, device=tables[0].device)
     if n_tiles:
-        with device_context(dy[0]):
+        with device_context(tables[0]):
             _stream_gram_kernel[(n_tiles,)](
-                tiles, probs, segs, partial, num_tasks, DT=_triton_dtype(dy[0].dtype), **dot_flags(dy[0].dtype),
-                T_PAD=t_pad, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=16, num_warps=8,
-            )  # fmt: skip
+                *tables, partial, num_tasks, **meta, T_PAD=_blocks(num_tasks)[0], num_warps=8
+            )
     g = partial.sum(0, dtype=torch.float64)
     return 0.5 * (g + g.T)
 
@@ -298,24 +305,16 @@ def stream_linear_combine_triton(
     dy, x, row_index, offsets, problem: Sequence[int], bias: Sequence[bool], weights: Tensor
 ) -> Tensor:
     """:func:`stream_linear_combine` on the Triton kernel (arguments as there)."""
-    dy, x, row_index, offsets = _operands(dy, x, row_index, offsets)
-    _, block_m, block_k = _blocks(weights.shape[0])
-    tiles, probs, segs, total = _tables(dy, x, row_index, offsets, problem, bias, block_m)
-    out = torch.empty(total, dtype=torch.float32, device=dy[0].device)
-    n_tiles = tiles.shape[0] // 2
+    tables, total, meta = _launch_args(dy, x, row_index, offsets, problem, bias, weights.shape[0])
+    out = torch.empty(total, dtype=torch.float32, device=tables[0].device)
+    n_tiles = tables[0].shape[0] // 2
     if n_tiles:
-        with device_context(dy[0]):
-            _stream_combine_kernel[(n_tiles,)](
-                tiles, probs, segs, weights.to(torch.float32).contiguous(), out, weights.shape[0],
-                DT=_triton_dtype(dy[0].dtype), **dot_flags(dy[0].dtype), BLOCK_M=block_m, BLOCK_K=block_k,
-                BLOCK_R=16, num_warps=4,
-            )  # fmt: skip
+        with device_context(tables[0]):
+            w = weights.to(torch.float32).contiguous()
+            _stream_combine_kernel[(n_tiles,)](*tables, w, out, weights.shape[0], **meta, num_warps=4)
     return out
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The custom ops
-# ----------------------------------------------------------------------------------------------------------------
 def _triton_runs(t: Tensor) -> bool:
     """The kernels run where the op library's grouped weight-gradient kernel does (CUDA with Triton)."""
     return backends.backend("grouped_wgrad", t) == "triton"
