@@ -50,9 +50,6 @@ def _triton_dtype(dtype: torch.dtype) -> Any:
 _SEG_FIELDS = 6  # per call: dy, x, row_index, task_row_offsets addresses; dy's and x's row strides
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The reference
-# ----------------------------------------------------------------------------------------------------------------
 def _check(
     dy: Sequence[Tensor], x: Sequence[Tensor], row_index, offsets, problem: Sequence[int], bias
 ) -> list:
@@ -127,9 +124,6 @@ def stream_linear_combine_reference(
     return torch.cat(parts).to(torch.float32)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The Triton kernels
-# ----------------------------------------------------------------------------------------------------------------
 @TritonKernel
 def _task_product(
     seg_ptr, s0, s1, t, offs_m, offs_k, m_mask, k, has_bias, DT: tl.constexpr, IEEE: tl.constexpr,
@@ -228,9 +222,6 @@ def _stream_combine_kernel(
         tl.store(out_ptr + base + m.to(tl.int64) * k + offs_m, bias, mask=bias_rows)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Launchers
-# ----------------------------------------------------------------------------------------------------------------
 def _blocks(num_tasks: int) -> tuple[int, int, int]:
     """``(T_PAD, BLOCK_M, BLOCK_K)``: the stacked products ``[T_PAD, BLOCK_M * BLOCK_K]`` within 16K fp32."""
     t_pad = max(16, next_power_of_2(num_tasks))
