@@ -277,6 +277,8 @@ def _pal_fns(x: torch.Tensor, mask: torch.Tensor, args: tuple, grad: torch.Tenso
 
 def row_pal(shapes: Shapes, device: torch.device) -> list[dict[str, Any]]:
     """Fused PAL forward+backward against the reference and the SDPA composition, per dtype."""
+    from fastpals_kernels.aot import pal_weight_shapes
+
     rows = []
     b, n, d, ds, h, t = shapes.batch, shapes.length, shapes.hidden, shapes.pal_hidden, shapes.pal_heads, 3
     for dtype_name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16), ("fp32", torch.float32)):
@@ -289,14 +291,7 @@ def row_pal(shapes: Shapes, device: torch.device) -> list[dict[str, Any]]:
         lengths = torch.randint(n // 2, n + 1, (b,), generator=g)
         mask = (torch.arange(n)[None] < lengths[:, None]).long().to(device)
         task_ids = (torch.arange(b) % t).to(device)
-        weights = [
-            rand(t, ds, d),
-            rand(t, ds),
-            rand(t, 3 * ds, ds),
-            rand(t, 3 * ds),
-            rand(t, d, ds),
-            rand(t, d),
-        ]
+        weights = [rand(*shape) for shape in pal_weight_shapes(t, d, ds)]
         args = (task_ids, *weights, h, True, 0.0)
         grad = torch.randn(b, n, d, generator=g).to(device, dtype)
         fns = _pal_fns(x, mask, args, grad)

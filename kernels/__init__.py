@@ -1,19 +1,7 @@
-"""fastpals' op library: one module per op, each holding the op's PyTorch reference, its Triton kernels (compiled
-on first launch: ``import fastpals_kernels`` loads no Triton), its ``torch.ops.fastpals`` custom ops and its
-public function.
-
-- :mod:`~fastpals_kernels.pal`: :func:`pal` / :func:`pal_varlen`, the fused Projected Attention Layer;
-  :mod:`~fastpals_kernels.pal_attention`: :func:`pal_attention` / :func:`pal_attention_varlen`, its attention;
-- :mod:`~fastpals_kernels.attention_varlen`: BERT's attention over packed rows;
-- :mod:`~fastpals_kernels.grouped_linear`: :func:`grouped_linear` / :func:`grouped_linear_varlen` (Triton), the
-  per-task weight gradients;
-- :mod:`~fastpals_kernels.gram` / :mod:`~fastpals_kernels.combine`: :func:`gram`, :func:`combine`, the surgery
-  buffer ops;
-- :mod:`~fastpals_kernels.backends`: the switch ``$FASTPALS_KERNELS`` (:func:`available`, :func:`use_triton`,
-  :func:`kernel_mode`, :func:`backend`, :func:`decide`) and the registry of added backends;
-- :mod:`~fastpals_kernels.padding` (packed/padded conversions), :mod:`~fastpals_kernels.common` (shared host
-  helpers), :mod:`~fastpals_kernels.tl_helpers` (shared Triton helpers), :mod:`~fastpals_kernels.library` (the
-  custom-op registry), :mod:`~fastpals_kernels.aot` (ahead-of-time compile).
+"""fastpals' op library: one module per op (``pal``, ``pal_attention``, ``attention_varlen``, ``grouped_linear``, ``gram``,
+``combine``, ``stream_linear``), each holding the op's PyTorch reference, its Triton kernels (compiled on first
+launch: ``import fastpals_kernels`` loads no Triton), its ``torch.ops.fastpals`` custom ops and its public
+function; the switch ``$FASTPALS_KERNELS`` in :mod:`~fastpals_kernels.backends`.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """Ahead-of-time compilation of every fastpals Triton kernel for a GPU target, on a machine without a GPU.
 
-``python -m fastpals_kernels.aot --cap 80 --out aot_80.json`` runs the real host wrappers (fused PAL forward and
-backward, padded and packed, with and without dropout; grouped linear; Gram; combine) on CPU tensors, with
-Triton's driver replaced by one whose target is ``GPUTarget("cuda", CAP, 32)``. Every kernel launch becomes a
-compile-only warm-up with Triton's own specialisations (integer divisibility, pointer alignment) computed from
-the real arguments, at the launch configuration the wrapper chooses for that target. ``ptxas -v`` (the one
-shipped with Triton) then reports registers, spills and shared memory of each compiled variant, and the PTX and
-TTGIR say whether ``tl.dot`` became tensor-core ``mma``/``wgmma``. Each variant also carries its static fp32
-``fma``/``mul``/``add`` counts and global-load bytes (PTX), and those of :data:`SASS_KERNELS` their
-``FFMA``/``FMUL``/``FADD`` counts (SASS, by the ``cuobjdump`` shipped with Triton): arithmetic per loaded element.
-
-Shapes: BERT-base (d 768) and MiniLM (d 384), the PAL widths of the presets (204, 276) with 6 and 12 heads,
-B 8 x L 128 (compiles do not depend on B; sequence lengths only clamp the tiles, and 128 is the training length).
-Must run in its own process: it sets ``FASTPALS_AOT=1`` and unsets ``TRITON_INTERPRET`` before Triton loads.
+``python -m fastpals_kernels.aot --cap 80 --out aot_80.json`` runs the real host wrappers on CPU tensors with
+Triton's driver replaced by one whose target is ``GPUTarget("cuda", CAP, 32)``: every launch becomes a
+compile-only warm-up with Triton's own specialisations, at the launch configuration chosen for that target.
+``ptxas -v`` (shipped with Triton) reports each variant's registers, spills and shared memory; the PTX and TTGIR
+say whether ``tl.dot`` became ``mma``/``wgmma``; static fp32 arithmetic and load counts (PTX, and SASS for
+:data:`SASS_KERNELS`) give the arithmetic per loaded element. Shapes: BERT-base and MiniLM widths with the PAL
+presets, B 8 x L 128. Runs in its own process (it sets ``FASTPALS_AOT=1`` before Triton loads).
 """
 
 from __future__ import annotations
@@ -27,19 +21,20 @@ import tempfile
 import time
 from typing import Any
 
+import torch
+
+import fastpals_kernels as kernels
+from fastpals_kernels.combine import combine_triton
+from fastpals_kernels.common import build_task_row_plan
+from fastpals_kernels.gram import gram_triton
+from fastpals_kernels.stream_linear import stream_linear_combine_triton, stream_linear_gram_triton
+
 #: per-block shared memory (bytes) of each target
 SMEM_LIMIT = {75: 64 * 1024, 80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 #: dtypes each target runs (sm_75 has no bf16 tensor cores and the dispatch never sends bf16 there)
 TARGET_DTYPES = {75: ("fp32", "fp16"), 80: ("fp32", "fp16", "bf16"), 90: ("fp32", "fp16", "bf16")}
 #: (d, d_s, heads): BERT-base and MiniLM widths with the seed PAL widths and head counts
-PAL_SHAPES = (
-    (768, 204, 6),
-    (768, 204, 12),
-    (768, 276, 6),
-    (768, 276, 12),
-    (384, 204, 6),
-    (384, 276, 12),
-)
+PAL_SHAPES = ((768, 204, 6), (768, 204, 12), (768, 276, 6), (768, 276, 12), (384, 204, 6), (384, 276, 12))
 #: 16-byte asynchronous global -> shared copies in PTX (``cp.async`` also counts 4/8-byte copies and group marks)
 _CP_ASYNC_16 = re.compile(r"cp\.async\.c[ag]\.shared\.global[^;]*,\s*(?:0x10|16)\s*[,;]")
 #: fp32 arithmetic in PTX: fused multiply-adds, multiplies, adds (any rounding/ftz modifiers)
@@ -78,11 +73,12 @@ DOT_KERNELS = (
     "_pal_attn_fwd_kernel",
     "_pal_attn_bwd_dkdv_kernel",
     "_pal_attn_bwd_dq_kernel",
+    "_stream_gram_kernel",
+    "_stream_combine_kernel",
 )
 
 
 def _install_fake_driver(cap: int) -> None:
-    import torch
     from triton.backends.compiler import GPUTarget
     from triton.runtime.driver import driver
 
@@ -187,6 +183,8 @@ class Recorder:
                     if hasattr(a, "dtype") and a.is_floating_point()
                 }
             )
+            if "DT" in kwargs:  # operands read through address tables: their dtype is the constexpr DT
+                dtypes = [{"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[str(kwargs["DT"])]]
             rec = {
                 "kernel": name,
                 "dtype": "/".join(dtypes),
@@ -216,11 +214,13 @@ class Recorder:
             rec["launches"].append(ints)
 
 
+def pal_weight_shapes(t: int, d: int, d_s: int) -> list[tuple[int, ...]]:
+    """The shapes of the PAL op's six weights for ``t`` tasks, in argument order: ``enc_weight [t, d_s, d]``,
+    its bias, ``qkv_weight [t, 3 d_s, d_s]``, its bias, ``dec_weight [t, d, d_s]``, its bias."""
+    return [(t, d_s, d), (t, d_s), (t, 3 * d_s, d_s), (t, 3 * d_s), (t, d, d_s), (t, d)]
+
+
 def _pal_case(dtype: Any, d: int, d_s: int, heads: int, packed: bool, dropout: float) -> None:
-    import torch
-
-    import fastpals_kernels as kernels
-
     batch, length, tasks = 8, 128, 3
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(length // 2, length + 1, (batch,), generator=g)
@@ -231,14 +231,7 @@ def _pal_case(dtype: Any, d: int, d_s: int, heads: int, packed: bool, dropout: f
     def w(*shape: int) -> torch.Tensor:
         return (torch.randn(*shape, generator=g) * 0.02).to(dtype).requires_grad_()
 
-    weights = [
-        w(tasks, d_s, d),
-        w(tasks, d_s),
-        w(tasks, 3 * d_s, d_s),
-        w(tasks, 3 * d_s),
-        w(tasks, d, d_s),
-        w(tasks, d),
-    ]
+    weights = [w(*shape) for shape in pal_weight_shapes(tasks, d, d_s)]
     h = torch.randn(batch, length, d, generator=g).to(dtype)
     if packed:
         rows = h[mask].requires_grad_()
@@ -254,10 +247,6 @@ def _pal_case(dtype: Any, d: int, d_s: int, heads: int, packed: bool, dropout: f
 
 
 def _grouped_case(dtype: Any, d_in: int, d_out: int, gelu: bool) -> None:
-    import torch
-
-    import fastpals_kernels as kernels
-
     x = torch.randn(8, 128, d_in).to(dtype).requires_grad_()
     w = (torch.randn(3, d_out, d_in) * 0.02).to(dtype).requires_grad_()
     b = torch.zeros(3, d_out).to(dtype).requires_grad_()
@@ -266,16 +255,20 @@ def _grouped_case(dtype: Any, d_in: int, d_out: int, gelu: bool) -> None:
 
 
 def _buffer_case(dtype: Any, tasks: int) -> None:
-    import torch
-
-    from fastpals_kernels.combine import combine_triton
-    from fastpals_kernels.gram import gram_triton
-
     buf = torch.zeros(tasks, 1 << 20, dtype=dtype)
     gram_triton(buf)
     for out_dtype in {torch.float32, dtype}:
         combine_triton(buf, torch.ones(tasks), torch.empty(1 << 20, dtype=out_dtype))
     combine_triton(buf, torch.ones(tasks), buf[0])
+
+
+def _stream_case(dtype: Any, tasks: int) -> None:
+    plan = build_task_row_plan(torch.arange(8) % tasks, tasks, 8 * 128, seq_len=128)
+    dy = [torch.zeros(8 * 128, m, dtype=dtype) for m in (768, 3072)]
+    x = [torch.zeros(8 * 128, 768, dtype=dtype)] * 2
+    args = (dy, x, [plan.row_index] * 2, [plan.task_row_offsets] * 2, [0, 1], [True, False])
+    stream_linear_gram_triton(*args, tasks)
+    stream_linear_combine_triton(*args, torch.ones(tasks))
 
 
 def _dropout_mask_case() -> None:
@@ -286,8 +279,6 @@ def _dropout_mask_case() -> None:
 
 def cases(cap: int, quick: bool = False) -> list[tuple[str, Any, tuple]]:
     """Every compile case for target ``cap``: (label, function, arguments)."""
-    import torch
-
     dt = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
     out: list[tuple[str, Any, tuple]] = [("dropout mask", _dropout_mask_case, ())]
     shapes = PAL_SHAPES[:3] if quick else PAL_SHAPES
@@ -302,6 +293,8 @@ def cases(cap: int, quick: bool = False) -> list[tuple[str, Any, tuple]]:
         out.append((f"grouped_linear {name} 384->204", _grouped_case, (dt[name], 384, 204, False)))
         for tasks in (3, 8, 16, 32, 128):  # 8: the most row pairs; 128 = MAX_TASKS: 32 x 32 row blocks
             out.append((f"gram+combine {name} T={tasks}", _buffer_case, (dt[name], tasks)))
+        # T_PAD 32: at T <= 16 the 16-bit combine kernel spills on sm_90, from T = 64 the Gram kernel
+        out.append((f"stream_linear {name} T=32", _stream_case, (dt[name], 32)))
     return out
 
 

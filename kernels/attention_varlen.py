@@ -1,16 +1,8 @@
 # ruff: noqa: ANN001, ANN202 - the custom ops' fake and autograd hooks mirror their schemas
 """The attention op: BERT's multi-head softmax self-attention over packed rows (``q, k, v [N, H, Dh]``, sequences
-back to back as ``cu_seqlens [B+1]`` says), and the attention references the PAL builds on.
-
-- :func:`attention_varlen` (public): flash-attn's varlen kernel where it serves (CUDA sm_80+, fp16/bf16,
-  installed), else padded attention (SDPA on CUDA, the matmul reference on the CPU) over the length buckets of
-  an :class:`~fastpals_kernels.padding.AttentionPlan` or every sequence padded to ``max_seqlen``; under
-  ``torch.compile`` / fake tensors ``torch.ops.fastpals.attention_varlen`` (backward: recomputes the forward);
-- references: :func:`attention_reference` (padded, flash-attn layout ``[B, L, H, Dh]``),
-  :func:`attention_with_key_bias`, :func:`attention_sdpa`, :func:`attention_varlen_reference`, and the CPU
-  :func:`dropout`.
-
-Softmax in fp32; padded keys get the dtype's most negative score (BERT's additive mask).
+back to back as ``cu_seqlens [B+1]`` says), with ``torch.ops.fastpals.attention_varlen`` (its backward recomputes
+the forward), and the attention references the PAL builds on. Softmax in fp32; padded keys get the dtype's most
+negative score (BERT's additive mask).
 """
 
 from __future__ import annotations
@@ -24,7 +16,7 @@ import torch.nn.functional as F
 from fastpals_kernels import backends
 from fastpals_kernels.backends import backend, registered, use_library
 from fastpals_kernels.common import autograd_vjp, cu_seqlens_int32, per_sample_vmap, seed_for, seeded
-from fastpals_kernels.padding import AttentionPlan, bucketed_attention, pad_packed_index
+from fastpals_kernels.padding import AttentionPlan, bucketed_attention, key_mask_bias, pad_packed_index
 
 __all__ = [
     "Dropout",
@@ -50,13 +42,9 @@ def attention_varlen(
     plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """BERT's self-attention over packed rows: ``q, k, v [N, H, Dh]``, ``cu_seqlens [B+1]`` → ``[N, H, Dh]``,
-    each sequence attending to its own keys.
-
-    Backends (:func:`decide` for ``bert_attention_varlen``): flash-attn's varlen kernel; SDPA / the reference on
-    padded blocks: over the length buckets of ``plan`` (:func:`fastpals_kernels.padding.attention_plan`, built
-    once per batch on the host) where given, else every sequence padded to ``max_seqlen``. Under
-    ``torch.compile`` on a GPU (or ``$FASTPALS_KERNELS=...,library``) the call is ``torch.ops.fastpals.attention_varlen``.
-    """
+    each sequence attending to its own keys (:func:`attention_varlen_eager`; ``plan``: length buckets from
+    :func:`fastpals_kernels.padding.attention_plan`). Under ``torch.compile`` on a GPU (or
+    ``$FASTPALS_KERNELS=...,library``) the call is ``torch.ops.fastpals.attention_varlen``."""
     choice = backend("bert_attention_varlen", q)
     ext = registered("bert_attention_varlen", choice)
     if ext is not None:
@@ -68,21 +56,13 @@ def attention_varlen(
     return attention_varlen_eager(q, k, v, cu_seqlens, max_seqlen, dropout_p, plan)
 
 
-def key_mask_bias(key_padding_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Key padding mask [B, L] (1 = token, 0 = padding) -> additive [B, 1, 1, L] (0 or the dtype's most negative value)."""
-    keep = key_padding_mask.to(torch.bool)[:, None, None, :]
-    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)
-
-
 def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
-    """Inverted dropout: each element of ``x`` (any shape, float dtype) is zeroed with probability ``p`` and the
-    others are scaled by ``1 / (1 - p)``; identity when ``training`` is False or ``p == 0``.
+    """Inverted dropout: each element of ``x`` is zeroed with probability ``p``, the others scaled by
+    ``1 / (1 - p)``; identity when ``training`` is False or ``p == 0``.
 
-    On CPU the keep mask comes from 16-bit slices of 64-bit words drawn from torch's default CPU generator, so
-    ``p`` is rounded to a multiple of 1/65536 (the scale uses the rounded value, so the output stays unbiased).
-    ``F.dropout`` draws one Bernoulli variate per element, slower on CPU (docs/measurements.md). Other devices,
-    and code under ``torch.compile``, use ``F.dropout``.
-    """
+    On CPU the keep mask comes from 16-bit slices of 64-bit random words (faster than ``F.dropout``'s one draw per
+    element), so ``p`` is rounded to a multiple of 1/65536 and the scale uses the rounded value (unbiased). Other
+    devices and ``torch.compile`` use ``F.dropout``."""
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout: p must be in [0, 1), got {p}")
     if not training or p == 0.0:
@@ -113,12 +93,8 @@ def attention_reference(
     dropout_p: float = 0.0,
     softmax_scale: float | None = None,
 ) -> torch.Tensor:
-    """Multi-head softmax attention, flash-attn layout.
-
-    q, k, v: ``[B, L, H, Dh]``; key_padding_mask: ``[B, L]`` (1 = token, 0 = padding) or None.
-    Padded keys get the dtype's most negative score (BERT's additive mask); every query row, padded or not,
-    is computed. Softmax in fp32; dropout (``dropout_p``) on the probabilities. Returns ``[B, L, H, Dh]``.
-    """
+    """Multi-head softmax attention in flash-attn's layout: q, k, v ``[B, L, H, Dh]``, key_padding_mask ``[B, L]``
+    (1 = token) or None → ``[B, L, H, Dh]``; every query row is computed, dropout on the probabilities."""
     bias = None if key_padding_mask is None else key_mask_bias(key_padding_mask, torch.float32)
     return attention_with_key_bias(q, k, v, bias, dropout_p, softmax_scale)
 
@@ -131,12 +107,9 @@ def attention_with_key_bias(
     dropout_p: float = 0.0,
     softmax_scale: float | None = None,
 ) -> torch.Tensor:
-    """:func:`attention_reference` with the key mask given as its additive fp32 bias ``key_bias [B, 1, 1, L]``
-    (from :func:`key_mask_bias`, so callers that attend over one block many times build it once), or None.
-
-    q, k, v: ``[B, L, H, Dh]`` → ``[B, L, H, Dh]`` in q's dtype: scores in q's dtype, then fp32 scale, bias and
-    softmax, probabilities cast back, dropout, then ``probs @ v``.
-    """
+    """:func:`attention_reference` with the key mask as its additive fp32 bias ``key_bias [B, 1, 1, L]``
+    (:func:`key_mask_bias`, built once per block) or None: scores in q's dtype, then fp32 scale, bias and
+    softmax, probabilities cast back, dropout, then ``probs @ v``."""
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, L, Dh]
     scores = torch.matmul(qh, kh.transpose(-1, -2)).float().mul_(scale)
@@ -156,12 +129,9 @@ def attention_sdpa(
     dropout_p: float = 0.0,
     softmax_scale: float | None = None,
 ) -> torch.Tensor:
-    """:func:`attention_reference` through ``F.scaled_dot_product_attention`` (the stock composition used on
-    GPUs where the Triton kernels lose, e.g. sm_75): the head dim is zero-padded to a multiple of 8 so the
-    fused SDPA backends (which need that alignment) take it; the padding changes no score and its output
-    columns are dropped. Same shapes and mask rule (an additive most-negative bias per padded key); dropout
-    draws its own mask. Returns ``[B, L, H, Dh]``.
-    """
+    """:func:`attention_reference` through ``F.scaled_dot_product_attention`` (GPUs where the Triton kernels
+    lose, e.g. sm_75), the head dim zero-padded to a multiple of 8 for the fused SDPA backends (no score changes;
+    the extra output columns are dropped). Dropout draws its own mask."""
     head_dim = q.shape[-1]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     pad = (-head_dim) % 8
@@ -180,11 +150,8 @@ def attention_varlen_reference(
     dropout_p: float = 0.0,
     softmax_scale: float | None = None,
 ) -> torch.Tensor:
-    """Packed (varlen) form of :func:`attention_reference`.
-
-    q, k, v: ``[N, H, Dh]`` with sequences back to back; cu_seqlens: ``[B+1]`` int32 or int64 cumulative lengths.
-    Returns ``[N, H, Dh]``.
-    """
+    """Packed form of :func:`attention_reference`: q, k, v ``[N, H, Dh]``, cu_seqlens ``[B+1]`` int32/int64 →
+    ``[N, H, Dh]``."""
     padded, mask, index = pad_packed_index(torch.stack((q, k, v)), cu_seqlens, max_seqlen)
     out = attention_reference(padded[0], padded[1], padded[2], mask, dropout_p, softmax_scale)
     return out.flatten(0, 1).index_select(0, index)
@@ -199,11 +166,8 @@ def padded_attention(
     key_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """BERT's attention on padded blocks: ``q, k, v [B, L, H, Dh]``, key ``mask [B, L]`` bool → ``[B, L, H, Dh]``.
-    ``key_bias`` (optional): the mask's fp32 bias ``[B, 1, 1, L]`` when the caller has it built (CPU path only).
-
-    On CPU the matmul + fp32 softmax reference with :func:`dropout` (faster there than SDPA's CPU backward on
-    BERT's short rows; docs/measurements.md); elsewhere ``F.scaled_dot_product_attention`` with the boolean mask.
-    """
+    On CPU :func:`attention_with_key_bias` (faster there than SDPA's backward on short rows; ``key_bias``: the
+    mask's bias when built already), elsewhere ``F.scaled_dot_product_attention`` with the boolean mask."""
     if q.device.type == "cpu":
         if key_bias is None:
             key_bias = key_mask_bias(mask, torch.float32)
@@ -222,9 +186,9 @@ def attention_varlen_eager(
     dropout_p: float,
     plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
-    """The eager backends of :func:`attention_varlen` (also what ``torch.ops.fastpals.attention_varlen`` runs):
-    flash-attn's varlen kernel where it serves ``q``, else padded attention over ``plan``'s length buckets or
-    over every sequence padded to ``max_seqlen``."""
+    """The eager backends of :func:`attention_varlen`: flash-attn's varlen kernel where it serves ``q`` (CUDA
+    sm_80+, fp16/bf16, installed), else :func:`padded_attention` over ``plan``'s length buckets or over every
+    sequence padded to ``max_seqlen``."""
     if backends.flash_varlen_ok(q):  # looked up on the module: tests stand in for flash-attn
         from flash_attn import flash_attn_varlen_func  # optional
 
@@ -241,22 +205,6 @@ def attention_varlen_eager(
     return ctx.flatten(0, 1).index_select(0, index)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# torch.ops.fastpals.attention_varlen and its backward
-# ----------------------------------------------------------------------------------------------------------------
-def _attention_eager(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    max_seqlen: int,
-    dropout_p: float,
-    seed: torch.Tensor,
-) -> torch.Tensor:
-    with seeded(seed, q.device, dropout_p):
-        return attention_varlen_eager(q, k, v, cu_seqlens, max_seqlen, dropout_p)
-
-
 @torch.library.custom_op("fastpals::attention_varlen", mutates_args=())
 def attention_varlen_op(
     q: torch.Tensor,
@@ -267,11 +215,9 @@ def attention_varlen_op(
     dropout_p: float,
     seed: torch.Tensor,
 ) -> torch.Tensor:
-    """Softmax attention over packed rows: q, k, v ``[N, H, Dh]``, cu_seqlens ``[B+1]``; each sequence attends
-    to its own keys. Returns ``[N, H, Dh]`` in q's dtype (flash-attn varlen on CUDA sm_80+ fp16/bf16 where it is
-    installed, SDPA elsewhere on CUDA, the reference on the CPU)."""
-    with torch.no_grad():
-        return _attention_eager(q, k, v, cu_seqlens, max_seqlen, dropout_p, seed).contiguous()
+    """:func:`attention_varlen_eager` with dropout seeded from ``seed``."""
+    with torch.no_grad(), seeded(seed, q.device, dropout_p):
+        return attention_varlen_eager(q, k, v, cu_seqlens, max_seqlen, dropout_p).contiguous()
 
 
 @torch.library.custom_op("fastpals::attention_varlen_backward", mutates_args=())
@@ -288,7 +234,8 @@ def attention_varlen_backward_op(
     """``[dq, dk, dv]`` of :func:`attention_varlen_op`, recomputing its forward."""
 
     def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return _attention_eager(q, k, v, cu_seqlens, max_seqlen, dropout_p, seed)
+        with seeded(seed, q.device, dropout_p):
+            return attention_varlen_eager(q, k, v, cu_seqlens, max_seqlen, dropout_p)
 
     return list(autograd_vjp(forward, (q, k, v), grad))
 
@@ -318,7 +265,5 @@ def _attention_backward_formula(ctx, grad: torch.Tensor) -> tuple:
 
 
 attention_varlen_op.register_autograd(_attention_backward_formula, setup_context=_attention_setup)
-
-
 attention_varlen_op.register_vmap(per_sample_vmap(attention_varlen_op))
 attention_varlen_backward_op.register_vmap(per_sample_vmap(attention_varlen_backward_op))

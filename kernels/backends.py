@@ -1,18 +1,11 @@
-"""Which backend runs each fastpals op: the Triton kernels, a stock PyTorch composition, or the reference.
+"""Which backend runs each fastpals op: ``triton`` (this package's kernels), ``sdpa`` (cuBLAS matmuls and
+``F.scaled_dot_product_attention``, for GPUs where Triton emits no tensor-core code), ``flash_attn`` (BERT's
+attention over packed rows) or ``reference`` (plain PyTorch).
 
-One decision per op, from the device's compute capability and the dtype (:func:`decide`), under the one switch
+One decision per op from the device's compute capability and the dtype (:func:`decide`), under the switch
 ``$FASTPALS_KERNELS``: a mode ``auto`` (default) | ``triton`` | ``reference``, then optional per-op overrides
-``op=backend`` and the word ``library`` (every call through ``torch.ops.fastpals``, as under ``torch.compile``),
-comma-separated, e.g. ``FASTPALS_KERNELS=auto,gram=reference``. ``python -m fastpals.env`` prints the decision
-and its reason for the current device. Backends:
-
-- ``triton``: the fused kernels of this package (``fastpals_kernels.*_triton``);
-- ``sdpa``: grouped cuBLAS matmuls plus ``F.scaled_dot_product_attention`` with the head dim padded to a
-  multiple of 8 (:func:`fastpals.functional.attention_sdpa`), for GPUs where Triton emits no tensor-core code;
-- ``flash_attn``: flash-attn's varlen kernel (BERT's own self-attention over packed rows);
-- ``reference``: the plain PyTorch definitions in :mod:`fastpals.functional` (CPU, or forced).
-
-Every op module imports this one; it imports only :mod:`fastpals_kernels.common`, and no Triton at module load.
+``op=backend`` and the word ``library`` (every call through ``torch.ops.fastpals``), comma-separated, e.g.
+``FASTPALS_KERNELS=auto,gram=reference``. ``python -m fastpals.env`` prints the decision and its reason.
 """
 
 from __future__ import annotations
@@ -86,17 +79,10 @@ class Decision(NamedTuple):
 
 
 def decide(
-    op: str,
-    capability: tuple[int, int] | None,
-    dtype: torch.dtype,
-    flash_attn: bool = False,
+    op: str, capability: tuple[int, int] | None, dtype: torch.dtype, flash_attn: bool = False
 ) -> Decision:
-    """The backend for ``op`` on a device of compute ``capability`` (``None`` = CPU) with ``dtype`` operands.
-
-    ``flash_attn``: whether flash-attn is installed (only ``bert_attention_varlen`` reads it). The rules follow
-    what the ahead-of-time compile test (tests/test_aot.py) shows for each target; speed on a GPU is not yet
-    measured (a GPU run of bench/gpu_session.py does that), so the reasons say which evidence they rest on.
-    """
+    """The backend for ``op`` on a device of compute ``capability`` (``None`` = CPU) with ``dtype`` operands, and
+    the evidence it rests on (tests/test_aot.py per target). ``flash_attn``: flash-attn is installed."""
     if op not in OPS:
         raise ValueError(f"op must be one of {', '.join(OPS)}, got {op!r}")
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -147,20 +133,16 @@ def decide(
 
 def capability_of(tensor: torch.Tensor) -> tuple[int, int] | None:
     """The compute capability of ``tensor``'s CUDA device, or None for a CPU (or other) tensor."""
-    if not tensor.is_cuda:
-        return None
-    return torch.cuda.get_device_capability(tensor.device)
+    return torch.cuda.get_device_capability(tensor.device) if tensor.is_cuda else None
 
 
-#: probes that cannot change while the process runs, memoised in a plain dict (``torch.compile`` traces through
-#: ``functools`` caches with a warning; it reads a dict)
+#: probes that cannot change while the process runs (a plain dict: ``torch.compile`` warns on ``functools`` caches)
 _PROBES: dict[str, Any] = {}
 
 
 def _triton_import_error() -> str | None:
     if "triton" not in _PROBES:
         try:
-            import triton  # noqa: F401
             import triton.language  # noqa: F401
         except Exception as exc:  # ImportError, or a broken install raising something else at import
             _PROBES["triton"] = f"{type(exc).__name__}: {exc}"
@@ -170,8 +152,7 @@ def _triton_import_error() -> str | None:
 
 
 def _kernels_compiled_for_gpu() -> bool:
-    """True when the grouped kernels were already defined as GPU (non-interpreted) Triton functions (Triton
-    defines a :class:`~fastpals_kernels.common.TritonKernel` on its first launch)."""
+    """True when the grouped kernels were already compiled as GPU (non-interpreted) Triton functions."""
     kernel = getattr(sys.modules.get("fastpals_kernels.grouped_linear"), "_grouped_mm_kernel", None)
     if isinstance(kernel, TritonKernel):
         kernel = kernel.kernel
@@ -179,11 +160,8 @@ def _kernels_compiled_for_gpu() -> bool:
 
 
 def available() -> tuple[bool, str]:
-    """Can the Triton kernels run here? Returns ``(ok, reason)``.
-
-    ``ok`` is true when Triton imports and either a CUDA device is present or ``TRITON_INTERPRET=1`` is set
-    (Triton's CPU interpreter, slow, meant for tests). ``reason`` says what is missing, or what will be used.
-    """
+    """``(ok, reason)``: the Triton kernels can run here (Triton imports, and a CUDA device or
+    ``TRITON_INTERPRET=1``, the CPU interpreter for tests); ``reason`` says what is missing or what is used."""
     err = _triton_import_error()
     if err is not None:
         return False, f"triton is not importable ({err})"
@@ -256,13 +234,8 @@ def require_triton(name: str) -> None:
 
 
 def use_triton(tensor: torch.Tensor) -> bool:
-    """May the Triton kernels run on ``tensor`` under ``$FASTPALS_KERNELS``?
-
-    ``reference`` -> False; ``auto`` (default) -> True when ``tensor`` is on CUDA and :func:`available` is true
-    (:func:`backend` then asks :func:`decide` whether they should); ``triton`` -> True, raising
-    ``RuntimeError`` when the kernels cannot run on ``tensor`` (no Triton; or a CPU tensor without
-    ``TRITON_INTERPRET=1``, which must be set before the kernels' first launch).
-    """
+    """May the Triton kernels run on ``tensor`` under ``$FASTPALS_KERNELS``? ``reference``: no; ``auto``: on
+    CUDA where :func:`available`; ``triton``: yes, or a ``RuntimeError`` when they cannot run on ``tensor``."""
     mode = kernel_mode()
     if mode == "reference":
         return False
@@ -287,10 +260,8 @@ def use_triton(tensor: torch.Tensor) -> bool:
 
 
 def backend(op: str, tensor: torch.Tensor) -> str:
-    """The backend that runs ``op`` on ``tensor`` now: ``reference`` mode -> reference; ``triton`` mode -> triton
-    (or an error, see :func:`use_triton`); ``auto`` -> :func:`decide` for ``tensor``'s device and dtype, the
-    reference wherever the Triton kernels cannot run. An ``op=backend`` item of ``$FASTPALS_KERNELS`` names the
-    backend of that op over all of that (``triton`` still needs the kernels to be able to run: see :func:`use_triton`)."""
+    """The backend that runs ``op`` on ``tensor`` now: an ``op=backend`` item of ``$FASTPALS_KERNELS``, else the
+    mode's (``auto``: :func:`decide` for ``tensor``'s device and dtype where the kernels can run)."""
     forced = switch().forced.get(op)
     if forced is not None:
         if forced not in _BUILTIN_BACKENDS and registered(op, forced) is None:
@@ -298,10 +269,9 @@ def backend(op: str, tensor: torch.Tensor) -> str:
         if forced == "triton" and not tensor.is_cuda and not interpret_mode():
             raise RuntimeError(f"{KERNELS_ENV}: {op}=triton needs a CUDA tensor or TRITON_INTERPRET=1")
         return forced
-    if op == "bert_attention_varlen":
-        dtype = tensor.dtype if tensor.dtype in (torch.float16, torch.bfloat16) else torch.float32
-        return decide(op, capability_of(tensor), dtype, flash_attn_installed()).backend
     dtype = tensor.dtype if tensor.dtype in (torch.float16, torch.bfloat16) else torch.float32
+    if op == "bert_attention_varlen":
+        return decide(op, capability_of(tensor), dtype, flash_attn_installed()).backend
     if _REGISTERED.get(op) and kernel_mode() == "auto":
         choice = decide(op, capability_of(tensor), dtype).backend
         if registered(op, choice) is not None:
@@ -328,31 +298,23 @@ def flash_varlen_ok(q: torch.Tensor) -> bool:
     return q.is_cuda and backend("bert_attention_varlen", q) == "flash_attn"
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Registered backends: a new backend is one module that calls register_backend
-# ----------------------------------------------------------------------------------------------------------------
-class Backend(NamedTuple):
-    """A backend added with :func:`register_backend`.
+#: ``serves(capability, dtype)``: the reason a registered backend serves an op there, or None
+Serves = Callable[[tuple[int, int] | None, torch.dtype], str | None]
 
-    ``serves(capability, dtype)`` returns the reason it serves ``op`` on such a device (None: it does not);
-    ``impl`` takes the arguments of the public function of ``op`` in its module (``run_pal``,
-    ``attention_varlen``, ``grouped_wgrad``, ``gram``, ``combine``) and returns what it returns.
-    """
+
+class Backend(NamedTuple):
+    """A backend added with :func:`register_backend`: ``serves(capability, dtype)`` gives the reason it serves the
+    op there (None: it does not); ``impl`` takes and returns what the op's public function does."""
 
     name: str
-    serves: Callable[[tuple[int, int] | None, torch.dtype], str | None]
+    serves: Serves
     impl: Callable[..., Any]
 
 
 _REGISTERED: dict[str, list[Backend]] = {}
 
 
-def register_backend(
-    op: str,
-    name: str,
-    serves: Callable[[tuple[int, int] | None, torch.dtype], str | None],
-    impl: Callable[..., Any],
-) -> None:
+def register_backend(op: str, name: str, serves: Serves, impl: Callable[..., Any]) -> None:
     """Add a backend for ``op``: asked before the built-in rules of :func:`decide`, newest first; it runs wherever
     ``serves`` gives a reason (and wherever ``$FASTPALS_KERNELS`` names it: ``op=name``)."""
     if op not in OPS:
@@ -373,21 +335,9 @@ def registered(op: str, name: str) -> Backend | None:
     return next((b for b in _REGISTERED.get(op, []) if b.name == name), None)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Which implementation runs: the custom ops of the library, or the eager paths
-# ----------------------------------------------------------------------------------------------------------------
-def _is_fake(t: torch.Tensor) -> bool:
-    return isinstance(t, FakeTensor)
-
-
 def use_library(choice: str, t: torch.Tensor) -> bool:
-    """Does this call go through ``torch.ops.fastpals`` (the custom op) rather than the eager path?
-
-    Yes under ``$FASTPALS_OPS=library``, and under ``torch.compile`` / fake tensors for every backend other
-    than the reference (the reference is plain PyTorch: the compiler traces it as it is). Eager training on a
-    GPU keeps the Triton ops' saved activations (the custom op's backward recomputes the forward)."""
+    """Does this call go through ``torch.ops.fastpals`` rather than the eager path? Under the ``library`` flag, and
+    under ``torch.compile`` / fake tensors for every backend but the reference (which the compiler traces)."""
     if switch().library:
         return True
-    if choice == "reference":
-        return False
-    return torch.compiler.is_compiling() or _is_fake(t)
+    return choice != "reference" and (torch.compiler.is_compiling() or isinstance(t, FakeTensor))

@@ -1,12 +1,8 @@
 # ruff: noqa: ANN001, ANN202 - Triton kernel parameters and the custom ops' fake/autograd hooks mirror their schemas
 """The combine op: ``out[p] = sum_t weights[t] * buf[t, p]`` over a ``[T, P]`` task-gradient buffer, in one pass.
 
-The sum is accumulated in fp32 and stored in ``out``'s dtype, so the surgery update is written straight into a
-flat gradient whose views are the parameters' ``.grad``, or over a row of the buffer itself.
-
-- :func:`combine` (public): validates, then a registered backend or ``torch.ops.fastpals.combine`` /
-  ``combine_out`` / ``combine_row``;
-- :func:`combine_reference`: PyTorch (the CPU path); :func:`combine_triton`: one Triton kernel.
+The sum is accumulated in fp32 and stored in ``out``'s dtype: the surgery update goes straight into a flat
+gradient whose views are the parameters' ``.grad``, or over a row of the buffer itself.
 """
 
 from __future__ import annotations
@@ -39,18 +35,9 @@ _IN_PLACE_CHUNK = 1 << 20  # columns per chunk when the result overwrites a row 
 def combine(
     buf: torch.Tensor, weights: torch.Tensor, out: torch.Tensor | None = None, *, out_row: int | None = None
 ) -> torch.Tensor:
-    """``out = weights @ buf`` in one pass.
-
-    Args:
-        buf: ``[T, P]`` float32/float16/bfloat16, contiguous along P, ``T <= MAX_TASKS`` (128).
-        weights: ``[T]`` float32/float64 on ``buf``'s device (read as fp32).
-        out: ``[P]`` contiguous float32/float16/bfloat16 destination, not overlapping ``buf``; a new float32
-            tensor when omitted.
-        out_row: instead of ``out``, write the result over row ``out_row`` of ``buf`` (no extra ``[P]`` memory).
-
-    Returns:
-        ``out``.
-    """
+    """``out = weights @ buf``, returned: ``buf [T, P]`` float32/float16/bfloat16 (contiguous along P, ``T <=
+    MAX_TASKS``), ``weights [T]`` float32/float64 on its device, ``out [P]`` contiguous float32/float16/bfloat16
+    apart from ``buf`` (a new float32 tensor when omitted), or ``out_row``: write over that row of ``buf``."""
     buf = check_task_buffer(buf)
     given = out
     out, in_place = check_combine_args(buf, weights, out, out_row)
@@ -67,9 +54,8 @@ def combine(
 
 
 def check_combine_args(buf: torch.Tensor, weights: object, out: object, out_row: object = None) -> tuple:
-    """Validate the arguments of :func:`combine` (``buf`` already checked by :func:`check_task_buffer`) and
-    return ``(out, in_place)``: ``out`` is a new float32 ``[P]`` when None, row ``out_row`` of ``buf`` when that
-    is given."""
+    """Validate :func:`combine`'s arguments (``buf`` checked already) and return ``(out, in_place)``: ``out`` a new
+    float32 ``[P]`` when None, row ``out_row`` of ``buf`` when that is given."""
     in_place = out_row is not None
     if in_place:
         if out is not None:
@@ -106,12 +92,11 @@ def check_combine_args(buf: torch.Tensor, weights: object, out: object, out_row:
 def combine_reference(
     buf: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, in_place: bool = False
 ) -> torch.Tensor:
-    """:func:`combine` in PyTorch (arguments checked by :func:`check_combine_args`): fp32 ``w @ buf`` (through a
-    4 MiB temporary per chunk of 2^20 columns when ``out`` is a row of ``buf``, ``in_place``); 16-bit buffers
-    up-cast in chunks of 2^20 columns, each computed in full before it is stored."""
+    """:func:`combine` in PyTorch (arguments checked): fp32 ``w @ buf``, in chunks of 2^20 columns through a
+    temporary when ``out`` is a row of ``buf`` (``in_place``) or ``buf`` is 16-bit."""
     w = weights.float()
     if buf.dtype == torch.float32 and out.dtype == torch.float32:
-        if in_place:  # column chunks through a 4 MiB temporary (no [P] allocation)
+        if in_place:
             tmp = torch.empty(min(_IN_PLACE_CHUNK, out.numel()), dtype=torch.float32, device=out.device)
             for chunk, dst in zip(
                 torch.split(buf, _IN_PLACE_CHUNK, dim=1), torch.split(out, _IN_PLACE_CHUNK)
@@ -127,9 +112,6 @@ def combine_reference(
     return out
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Triton
-# ----------------------------------------------------------------------------------------------------------------
 #: the kernel's constexpr for each output dtype
 OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -172,9 +154,8 @@ def _combine_kernel(
 
 
 def combine_triton(buf: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out = weights @ buf`` by the Triton kernel on ``buf``'s device (arguments already validated by
-    :func:`check_combine_args`; ``out`` may be a row of ``buf``: each column is read in full
-    before it is written). Returns ``out``."""
+    """``out = weights @ buf`` by the Triton kernel (arguments checked; ``out`` may be a row of ``buf``: each
+    column is read in full before it is written). Returns ``out``."""
     t, p = buf.shape
     t_pad = max(2, next_power_of_2(t))
     block_p = 1024 if target_arch(buf) is None else max(32, 4096 // t_pad)  # None: the CPU interpreter
@@ -186,9 +167,6 @@ def combine_triton(buf: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) 
     return out
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# torch.ops.fastpals.combine, combine_out, combine_row
-# ----------------------------------------------------------------------------------------------------------------
 def _combine_into(
     buf: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, in_place: bool
 ) -> torch.Tensor:
@@ -236,11 +214,5 @@ def combine_row_op(buf: torch.Tensor, weights: torch.Tensor, row: int) -> None:
     _combine_into(buf, weights, buf[row], in_place=True)
 
 
-@combine_out_op.register_fake
-def _(buf, weights, out):
-    return None
-
-
-@combine_row_op.register_fake
-def _(buf, weights, row):
-    return None
+combine_out_op.register_fake(lambda buf, weights, out: None)
+combine_row_op.register_fake(lambda buf, weights, row: None)

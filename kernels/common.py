@@ -1,11 +1,8 @@
-"""Host-side helpers shared by the op modules: the lazy :class:`TritonKernel`, the ``cu_seqlens`` and task-id
-checks, the task plan, the task-gradient buffer check, casts, dot flags, device guards, and the custom ops' seed,
-recompute and vmap helpers. Nothing here imports Triton at module load (the Triton building blocks are in
-:mod:`fastpals_kernels.tl_helpers`).
+"""Host-side helpers shared by the op modules: the lazy :class:`TritonKernel`, argument checks, the task plan,
+casts, launch flags, and the custom ops' seed, recompute and vmap helpers. No Triton import at module load.
 
 The task plan (:class:`TaskRowPlan`) is the multi-adapter trick of Punica's SGMV and vLLM's LoRA kernels: rows
-are grouped by task through an index array (no physical permutation of the activations), and row tiles are cut
-per task so that a tile never straddles two tasks.
+grouped by task through an index array (the activations stay in place), row tiles that never straddle tasks.
 """
 
 from __future__ import annotations
@@ -47,6 +44,7 @@ __all__ = [
     "load_triton",
     "next_power_of_2",
     "per_sample_vmap",
+    "plan_row_tasks",
     "seed_for",
     "seeded",
     "target_arch",
@@ -60,10 +58,8 @@ def interpret_mode() -> bool:
 
 
 def autocast_dtype(tensor: torch.Tensor) -> torch.dtype | None:
-    """The dtype ``torch.autocast`` runs linear layers in on ``tensor``'s device, or None outside autocast.
-
-    The fused ops follow autocast like ``F.linear`` does: floating operands are cast (differentiably) to this
-    dtype, so fp32 parameters train under bf16/fp16 autocast with fp32 gradients."""
+    """The dtype ``torch.autocast`` runs linear layers in on ``tensor``'s device (the fused ops cast their floating
+    operands to it differentiably, as ``F.linear`` does), or None outside autocast."""
     device_type = tensor.device.type
     if device_type not in ("cuda", "cpu") or not torch.is_autocast_enabled(device_type):
         return None
@@ -73,13 +69,9 @@ def autocast_dtype(tensor: torch.Tensor) -> torch.dtype | None:
 def check_task_ids(
     task_ids: object, num_tasks: int, batch: int, device: torch.device, check_values: bool = True
 ) -> torch.Tensor:
-    """Validate ``task_ids`` (one integer task per example) and return it as int64.
-
-    Raises ``TypeError``/``ValueError`` naming the argument on a wrong type, dtype, shape, device or range.
-    The range check reads the tensor once (a device sync); it guarantees no kernel ever indexes a weight out of
-    bounds. ``check_values=False`` leaves the range to the caller (:func:`fastpals.data.layout.make_layout` checks
-    it on the host values it reads anyway).
-    """
+    """Validate ``task_ids [batch]`` (one integer task per example) and return it as int64. The range check (a
+    host read: no kernel may index a weight out of bounds) is skipped with ``check_values=False``, for callers
+    that check the host values they hold."""
     if not isinstance(task_ids, torch.Tensor):
         raise TypeError(f"task_ids must be a torch.Tensor of integer task ids, got {type(task_ids).__name__}")
     if task_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
@@ -101,10 +93,9 @@ def check_task_ids(
 
 
 class TritonKernel:
-    """A ``@triton.jit`` function that Triton compiles on its first launch (``kernel[grid](...)``), so that importing
-    an op module loads no Triton (optional, and slow to import). The first launch binds ``triton`` and ``tl`` in the
-    kernel's module and replaces every :class:`TritonKernel` there by its ``triton.jit`` function (kernels call
-    each other by name); ``TRITON_INTERPRET`` is read then."""
+    """A ``@triton.jit`` function made on its first launch, so that importing an op module loads no Triton. That
+    launch binds ``triton`` and ``tl`` in the kernel's module and replaces every :class:`TritonKernel` there by its
+    ``triton.jit`` function (kernels call each other by name); ``TRITON_INTERPRET`` is read then."""
 
     def __init__(self, fn: Callable) -> None:
         self.fn = fn
@@ -149,13 +140,9 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-#: set to 1 by :mod:`fastpals_kernels.aot` only: launches are compiled for a fake GPU target, never run
-AOT_ENV = "FASTPALS_AOT"
-
-
 def aot_mode() -> bool:
     """True inside the ahead-of-time compile harness (CPU tensors stand for GPU ones, launches only compile)."""
-    return os.environ.get(AOT_ENV, "0") == "1"
+    return os.environ.get("FASTPALS_AOT", "0") == "1"
 
 
 def target_arch(tensor: torch.Tensor) -> int | None:
@@ -171,29 +158,34 @@ def target_arch(tensor: torch.Tensor) -> int | None:
     return None
 
 
-class _CheckedCuSeqlens:
-    """The last few ``cu_seqlens`` tensors already validated, keyed on identity and in-place version: every
-    layer of one forward receives the same tensor, so the host read (a device sync) happens once per forward."""
+class _RecentTensors:
+    """The last few values computed from tensors, keyed on the tensors' identity and in-place version and on
+    ``meta``: every layer of one forward passes the same tensors, so the work (a host read, small launches) runs
+    once per forward. An in-place change or a new tensor misses."""
 
     def __init__(self, size: int = 8) -> None:
         self.size = size
-        self.entries: list[
-            tuple[weakref.ref, int, int, int, int]
-        ] = []  # (ref, version, rows, batch, longest)
+        self.entries: list[tuple[tuple, tuple, Any, Any]] = []  # (weak refs, versions, meta, value)
 
-    def get(self, cu: torch.Tensor, num_rows: int) -> tuple[int, int] | None:
-        for ref, version, rows, batch, longest in self.entries:
-            if ref() is cu and cu._version == version and rows == num_rows:
-                return batch, longest
+    def get(self, tensors: tuple, meta: Any) -> Any:
+        for refs, versions, entry_meta, value in self.entries:
+            if entry_meta == meta and all(
+                (r is None and t is None) or (r is not None and r() is t and t._version == v)
+                for r, v, t in zip(refs, versions, tensors)
+            ):
+                return value
         return None
 
-    def put(self, cu: torch.Tensor, num_rows: int, batch: int, longest: int) -> None:
-        self.entries = [e for e in self.entries if e[0]() is not None]
-        self.entries.insert(0, (weakref.ref(cu), cu._version, num_rows, batch, longest))
+    def put(self, tensors: tuple, meta: Any, value: Any) -> None:
+        refs = tuple(None if t is None else weakref.ref(t) for t in tensors)
+        versions = tuple(None if t is None else t._version for t in tensors)
+        self.entries = [e for e in self.entries if all(r is None or r() is not None for r in e[0])]
+        self.entries.insert(0, (refs, versions, meta, value))
         del self.entries[self.size :]
 
 
-_CHECKED_CU = _CheckedCuSeqlens()
+_CHECKED_CU = _RecentTensors()
+_PLAN_CACHE = _RecentTensors()
 
 
 def check_cu_seqlens(
@@ -203,13 +195,9 @@ def check_cu_seqlens(
     max_seqlen: int | None = None,
     name: str = "cu_seqlens",
 ) -> int:
-    """Validate packed-sequence boundaries and return B, the number of sequences.
-
-    The one rule for every packed op: ``cu_seqlens [B+1]`` int32 or int64 on ``device``, 0 first,
-    non-decreasing, ``num_rows`` last; ``max_seqlen`` (when given) at least the longest sequence. The kernels
-    read it as int32 (:func:`cu_seqlens_int32`). The tensor is read on the host once (a device sync); the same
-    tensor, unchanged in place, is not read again (every layer of a forward passes the same one).
-    """
+    """Validate packed-sequence boundaries and return B, the number of sequences: ``cu_seqlens [B+1]`` int32 or
+    int64 on ``device``, 0 first, non-decreasing, ``num_rows`` last; ``max_seqlen`` (when given) at least the
+    longest sequence. One host read per tensor (unchanged in place, it is not read again)."""
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
@@ -222,7 +210,7 @@ def check_cu_seqlens(
         isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral)
     ):
         raise TypeError(f"max_seqlen must be an int, got {type(max_seqlen).__name__}")
-    cached = _CHECKED_CU.get(cu_seqlens, num_rows)
+    cached = _CHECKED_CU.get((cu_seqlens,), num_rows)
     if cached is None:
         values = cu_seqlens.tolist()
         if values[0] != 0 or values[-1] != num_rows:
@@ -233,7 +221,7 @@ def check_cu_seqlens(
         if any(n < 0 for n in lengths):
             raise ValueError(f"{name} must be non-decreasing, got {values}")
         cached = (len(values) - 1, max(lengths, default=0))
-        _CHECKED_CU.put(cu_seqlens, num_rows, *cached)
+        _CHECKED_CU.put((cu_seqlens,), num_rows, cached)
     batch, longest = cached
     if max_seqlen is not None and int(max_seqlen) < longest:
         raise ValueError(
@@ -280,28 +268,19 @@ def build_task_row_plan(
     cu_seqlens: torch.Tensor | None = None,
     block_rows: int = 64,
 ) -> TaskRowPlan:
-    """Group the rows of a batch by task. ``task_ids [B]`` int64 (already validated), one task per example.
-
-    Padded form (``seq_len`` given): example b owns rows ``b*seq_len .. (b+1)*seq_len - 1`` of the flattened
-    ``[B*seq_len, ...]`` batch (``seq_len = 1`` for a 2-D ``[B, K]`` input). Varlen form (``cu_seqlens [B+1]``):
-    example b owns rows ``cu_seqlens[b] .. cu_seqlens[b+1] - 1``. Everything runs on ``task_ids``' device with
-    torch ops (no Python loop over examples, no sync).
-    """
+    """Group the rows of a batch by task, on ``task_ids``' device with no host read: ``task_ids [B]`` int64
+    (validated), example b owning rows ``b*seq_len ..`` of the padded batch, or with ``cu_seqlens [B+1]`` the
+    packed rows ``cu_seqlens[b] .. cu_seqlens[b+1] - 1``."""
     device = task_ids.device
     order = torch.argsort(task_ids, stable=True)
     if cu_seqlens is None:
         if seq_len is None:
             raise ValueError("build_task_row_plan needs seq_len (padded rows) or cu_seqlens (packed rows)")
-        lengths = torch.full_like(task_ids, seq_len)
-        starts = torch.arange(task_ids.shape[0], device=device, dtype=torch.long) * seq_len
-    else:
-        cu = cu_seqlens.long()
-        lengths = cu[1:] - cu[:-1]
-        starts = cu[:-1]
+        cu_seqlens = torch.arange(task_ids.shape[0] + 1, device=device, dtype=torch.long) * seq_len
+    cu = cu_seqlens.long()
+    lengths, starts = cu[1:] - cu[:-1], cu[:-1]
     lengths_sorted = lengths[order]
-    seg_offsets = (
-        torch.cumsum(lengths_sorted, 0) - lengths_sorted
-    )  # start of each sorted example in row_index
+    seg_offsets = torch.cumsum(lengths_sorted, 0) - lengths_sorted  # each sorted example's start in row_index
     seg_of_row = torch.repeat_interleave(
         torch.arange(order.shape[0], device=device), lengths_sorted, output_size=num_rows
     )
@@ -323,16 +302,14 @@ def build_task_row_plan(
     local = tile - (tile_ends_cum[safe_task] - tiles_per_task[safe_task])
     tile_start = task_row_offsets[safe_task] + local * block_rows
     tile_end = torch.minimum(tile_start + block_rows, task_row_offsets[safe_task + 1])
-    tile_task = torch.where(valid, task_of_tile, torch.full_like(task_of_tile, -1))
+    tiles = [torch.where(valid, t, fill) for t, fill in ((task_of_tile, -1), (tile_start, 0), (tile_end, 0))]
     return TaskRowPlan(
-        row_index=row_index.contiguous(),
-        task_row_offsets=task_row_offsets.to(torch.int32),
-        tile_task=tile_task.to(torch.int32),
-        tile_start=torch.where(valid, tile_start, 0).to(torch.int32),
-        tile_end=torch.where(valid, tile_end, 0).to(torch.int32),
-        num_rows=num_rows,
-        num_tasks=num_tasks,
-        block_rows=block_rows,
+        row_index.contiguous(),
+        task_row_offsets.to(torch.int32),
+        *(t.to(torch.int32) for t in tiles),
+        num_rows,
+        num_tasks,
+        block_rows,
     )
 
 
@@ -350,43 +327,6 @@ def dot_flags(dtype: torch.dtype) -> dict[str, bool]:
     return {"IEEE": dtype == torch.float32 or upcast, "INTERP_BF16": upcast}
 
 
-class _PlanCache:
-    """The last few validated plans, keyed on the identity and in-place version of ``task_ids`` (and
-    ``cu_seqlens``) plus the sizes. The PAL of every layer of one forward receives the same ``task_ids`` object:
-    the validation sync and the ~15 small plan-building launches then happen once per forward, not per layer.
-    An in-place change of either tensor bumps its version and misses the cache; a new tensor misses too."""
-
-    def __init__(self, size: int = 8) -> None:
-        self.size = size
-        self.entries: list[tuple[tuple, tuple, TaskRowPlan]] = []
-
-    @staticmethod
-    def _alive(refs: tuple, versions: tuple, tensors: tuple) -> bool:
-        return all(
-            (r is None and t is None) or (r is not None and r() is t and t._version == v)
-            for r, v, t in zip(refs, versions, tensors)
-        )
-
-    def get(self, tensors: tuple, meta: tuple) -> TaskRowPlan | None:
-        for refs, versions, entry_meta, plan in self.entries:
-            if entry_meta == meta and self._alive(refs, versions, tensors):
-                return plan
-        return None
-
-    def put(self, tensors: tuple, meta: tuple, plan: TaskRowPlan) -> None:
-        refs = tuple(None if t is None else weakref.ref(t) for t in tensors)
-        versions = tuple(None if t is None else t._version for t in tensors)
-        self.entries = [e for e in self.entries if all(r is None or r() is not None for r in e[0])]
-        self.entries.insert(0, (refs, versions, meta, plan))
-        del self.entries[self.size :]
-
-    def clear(self) -> None:
-        self.entries.clear()
-
-
-_PLAN_CACHE = _PlanCache()
-
-
 def task_row_plan(
     task_ids: object,
     num_tasks: int,
@@ -397,13 +337,9 @@ def task_row_plan(
     cu_seqlens: object = None,
     block_rows: int = 64,
 ) -> TaskRowPlan:
-    """Validate ``task_ids`` (and ``cu_seqlens``) and return the batch's :class:`TaskRowPlan`, from a small
-    cache when the same tensors (unchanged in place) were planned before with the same sizes.
-
-    Padded rows: ``batch`` (B) and ``seq_len`` given, ``num_rows = B * seq_len``. Packed rows: ``cu_seqlens
-    [B+1]`` given (B is read from it), ``num_rows = N``.
-    Raises ``TypeError``/``ValueError`` naming the argument on bad input.
-    """
+    """Validate ``task_ids`` (and ``cu_seqlens``) and return the batch's :class:`TaskRowPlan` (cached for the
+    same unchanged tensors and sizes): padded rows with ``batch * seq_len == num_rows``, or packed rows with
+    ``cu_seqlens [B+1]``."""
     tensors = (task_ids, cu_seqlens)
     meta = (num_tasks, num_rows, batch, seq_len, block_rows, str(device))
     if isinstance(task_ids, torch.Tensor):
@@ -429,10 +365,8 @@ ROW_ALIGN = 16
 
 
 def aligned_rows(num_rows: int, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An uninitialised ``[num_rows, width]`` view whose row stride is ``width`` rounded up to a multiple of 16
-    elements: every row then starts 16-byte aligned (fp32 and 16-bit) and Triton specialises the stride as
-    divisible by 16, so loads of the PAL's activations (widths 204, 276, 612, ...) can be vectorised. Costs at
-    most 15 columns of memory; values and shapes are unchanged."""
+    """An uninitialised ``[num_rows, width]`` view with the row stride rounded up to a multiple of 16 elements:
+    rows start 16-byte aligned and Triton specialises the stride, so loads of odd widths can be vectorised."""
     stride = -(-width // ROW_ALIGN) * ROW_ALIGN
     return torch.empty(num_rows, stride, dtype=dtype, device=device)[:, :width]
 
@@ -443,8 +377,7 @@ def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 
 def cast_floats(dtype: torch.dtype, *tensors: object) -> list:
-    """Autocast's rule for the fused ops' operands: floating tensors go to ``dtype`` (differentiably), the
-    rest (task ids, masks, None) pass unchanged."""
+    """Floating tensors cast to ``dtype`` (differentiably), the rest (task ids, masks, None) unchanged."""
     return [t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in tensors]
 
 
@@ -455,37 +388,25 @@ def build_task_row_plan_host(
     device: torch.device | str,
     block_rows: int = 64,
 ) -> TaskRowPlan:
-    """:func:`build_task_row_plan` from host values: ``task_ids [B]`` and ``lengths [B]`` int (example b owns the
-    ``lengths[b]`` rows after those of examples ``0 .. b-1``: packed tokens, or ``seq_len`` padded rows each). The
-    plan is built with numpy and copied to ``device`` in one transfer (its tensors are views of one int32 tensor),
-    where the device form takes some fifty small launches."""
-    task_ids = np.asarray(task_ids, dtype=np.int64)
-    lengths = np.asarray(lengths, dtype=np.int64)
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-    num_rows = int(lengths.sum())
-    order = np.argsort(task_ids, kind="stable")
-    row_index = (
-        np.concatenate([np.arange(starts[e], starts[e] + lengths[e]) for e in order])
-        if order.size
-        else np.zeros(0, dtype=np.int64)
-    )
-    rows_per_task = np.bincount(task_ids, weights=lengths, minlength=num_tasks).astype(np.int64)
-    task_row_offsets = np.concatenate([[0], np.cumsum(rows_per_task)]).astype(np.int64)
-    tiles_per_task = (rows_per_task + block_rows - 1) // block_rows
-    tile_ends_cum = np.cumsum(tiles_per_task)
-    tile = np.arange((num_rows + block_rows - 1) // block_rows + num_tasks)
-    task_of_tile = np.searchsorted(tile_ends_cum, tile, side="right")
-    valid = task_of_tile < num_tasks
-    safe = np.minimum(task_of_tile, num_tasks - 1)
-    tile_start = task_row_offsets[safe] + (tile - (tile_ends_cum[safe] - tiles_per_task[safe])) * block_rows
-    tile_end = np.minimum(tile_start + block_rows, task_row_offsets[safe + 1])
-    parts = [
-        row_index, task_row_offsets, np.where(valid, task_of_tile, -1), np.where(valid, tile_start, 0),
-        np.where(valid, tile_end, 0),
-    ]  # fmt: skip
-    flat = torch.from_numpy(np.concatenate(parts).astype(np.int32)).to(device)
-    views = torch.split(flat, [p.size for p in parts])
-    return TaskRowPlan(*views, num_rows=num_rows, num_tasks=num_tasks, block_rows=block_rows)
+    """:func:`build_task_row_plan` from host values ``task_ids [B]`` and ``lengths [B]`` int (example b owns the
+    ``lengths[b]`` rows after those of examples ``0 .. b-1``): built on the CPU and copied to ``device`` in one
+    transfer (its tensors are views of one int32 tensor)."""
+    lengths = torch.as_tensor(np.asarray(lengths, dtype=np.int64))
+    cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+    ids = torch.as_tensor(np.asarray(task_ids, dtype=np.int64))
+    plan = build_task_row_plan(ids, num_tasks, int(cu[-1]), cu_seqlens=cu, block_rows=block_rows)
+    parts = (plan.row_index, plan.task_row_offsets, plan.tile_task, plan.tile_start, plan.tile_end)
+    views = torch.cat(parts).to(device).split([p.numel() for p in parts])
+    return TaskRowPlan(*views, num_rows=plan.num_rows, num_tasks=num_tasks, block_rows=block_rows)
+
+
+def plan_row_tasks(row_index: torch.Tensor, task_row_offsets: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """The task of each of ``num_rows`` rows from a plan's ``row_index`` and ``task_row_offsets`` (int64
+    ``[num_rows]``, -1 for rows the plan leaves out), with no host read."""
+    positions = torch.arange(row_index.shape[0], device=row_index.device)
+    row_task = torch.full((num_rows,), -1, dtype=torch.long, device=row_index.device)
+    row_task[row_index.long()] = torch.searchsorted(task_row_offsets[1:].long(), positions, right=True)
+    return row_task
 
 
 #: most task rows a ``[T, P]`` task-gradient buffer may have: 64 tasks, and GEM's episodic memory (2 T rows) for
@@ -514,10 +435,9 @@ def check_task_buffer(buf: object, name: str = "buf") -> torch.Tensor:
 
 
 def per_sample_vmap(op: Any) -> Callable:
-    """A ``torch.func.vmap`` rule for the custom op ``op``: the op on each sample of the batched arguments in turn
-    (the unbatched ones shared), the results stacked along dim 0. Exact for every backend; ``batch_size`` calls,
-    which suits the few Jacobian rows of TorchJD's ``mtl_backward``. Dropout seeds are arguments, so every sample
-    sees the mask the unbatched call would."""
+    """A ``torch.func.vmap`` rule for the custom op ``op``: the op on each sample in turn, the results stacked
+    along dim 0 (exact for every backend, and every sample sees the unbatched call's dropout mask). Suits the
+    few Jacobian rows of TorchJD's ``mtl_backward``."""
 
     def rule(info: Any, in_dims: tuple, *args: Any) -> tuple:
         outs = [op(*[a if d is None else a.select(d, i) for a, d in zip(args, in_dims)])
@@ -559,25 +479,18 @@ def seeded(seed: torch.Tensor, device: torch.device, dropout_p: float) -> Iterat
 def autograd_vjp(
     fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor], grad: torch.Tensor
 ) -> tuple[torch.Tensor, ...]:
-    """The gradients of ``fn(*inputs)`` against ``grad``, recomputing ``fn`` with autograd. An op's kernel runs
-    below the autograd dispatch key, so autograd is switched back on for the recomputation."""
+    """The gradients of ``fn(*inputs)`` against ``grad``, recomputing ``fn`` with autograd (switched back on: an
+    op's kernel runs below the autograd dispatch keys)."""
     leaves = [t.detach().requires_grad_(True) for t in inputs]
-    with autograd_on(), torch.enable_grad():
+    with contextlib.ExitStack() as stack:
+        for key in (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.ADInplaceOrView):
+            stack.enter_context(torch._C._SetExcludeDispatchKeyGuard(key, False))
+        stack.enter_context(torch.enable_grad())
         out = fn(*leaves)
         grads = torch.autograd.grad(out, leaves, grad, allow_unused=True)
     # outputs may not alias each other (e.g. the unbound views of one stacked gradient)
     return tuple(torch.zeros_like(x) if g is None else g.clone() if g._base is not None else g
                  for g, x in zip(grads, leaves))  # fmt: skip
-
-
-@contextlib.contextmanager
-def autograd_on() -> Iterator[None]:
-    """Autograd's dispatch keys switched back on (an op's kernel runs with them excluded)."""
-    keys = (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.ADInplaceOrView)
-    with contextlib.ExitStack() as stack:
-        for key in keys:
-            stack.enter_context(torch._C._SetExcludeDispatchKeyGuard(key, False))
-        yield
 
 
 def seed_for(dropout_p: float) -> torch.Tensor:

@@ -2,15 +2,8 @@
 """The Gram op: ``gram[i, j] = sum_p buf[i, p] * buf[j, p]`` of a ``[T, P]`` task-gradient buffer, with a per-row
 finite flag, in one pass (fp32 accumulation, IEEE products, no TF32).
 
-- :func:`gram` (public): validates, then runs a registered backend or ``torch.ops.fastpals.gram``;
-- :func:`gram_reference`: PyTorch, fp32 products over blocks of 2^16 columns (the CPU path);
-- :func:`gram_triton`: ``T <= 8``: :func:`_gram_pairs_kernel`, one FMA per row pair and column into per-pair
-  accumulators; ``T > 8``: :func:`_gram_partial_kernel`, rows padded to ``T_PAD`` (a power of two >= 16, as
-  ``tl.dot`` needs) in row blocks of ``min(T_PAD, 32)``, with a non-finite count per row. Each program writes a
-  partial Gram of its columns; the partials are summed (deterministic, no atomics).
-
-``finite[t]`` is false when row ``t`` holds an inf/nan or its sum of squares overflows (read from the diagonal:
-non-negative terms never cancel).
+``finite[t]`` is false when row ``t`` holds an inf/nan or its sum of squares overflows (the diagonal: its terms
+never cancel). The Triton kernels write one partial Gram per program, summed after (deterministic, no atomics).
 """
 
 from __future__ import annotations
@@ -43,14 +36,8 @@ _GRAM_BLOCK = 1 << 16  # columns per block of the blocked Gram
 
 
 def gram(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gram matrix of the rows of ``buf`` and a per-row finite flag, in one pass.
-
-    Args:
-        buf: ``[T, P]`` float32/float16/bfloat16, contiguous along P, ``T <= MAX_TASKS`` (128).
-
-    Returns:
-        ``(gram [T, T] float32, finite [T] bool)`` on ``buf``'s device. No host sync.
-    """
+    """``(gram [T, T] float32, finite [T] bool)`` of ``buf [T, P]`` float32/float16/bfloat16 (contiguous along P,
+    ``T <= MAX_TASKS``) on its device, in one pass with no host sync."""
     buf = check_task_buffer(buf)
     ext = registered("gram", backend("gram", buf))
     if ext is not None:
@@ -59,9 +46,8 @@ def gram(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _blocked_gram(x: torch.Tensor) -> torch.Tensor:
-    """``x @ x.T`` for a float32 ``[T, n]`` with unit column stride, as a batched GEMM over blocks of
-    ``_GRAM_BLOCK`` columns whose ``[T, T]`` products are summed: one ``x @ x.T`` with tiny T and huge n runs one
-    long dot product per entry, slower and far less accurate against float64."""
+    """``x @ x.T`` for a float32 ``[T, n]`` as a batched GEMM over blocks of ``_GRAM_BLOCK`` columns, summed (one
+    long dot product per entry is slower and far less accurate against float64)."""
     t, n = x.shape
     full = n // _GRAM_BLOCK
     rest = x[:, full * _GRAM_BLOCK :]
@@ -73,8 +59,7 @@ def _blocked_gram(x: torch.Tensor) -> torch.Tensor:
 
 
 def gram_reference(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`gram` in PyTorch: ``(gram [T, T] float32, finite [T] bool)``; fp32 products over blocks of 2^16
-    columns, summed (16-bit buffers up-cast in chunks of 2^20 columns)."""
+    """:func:`gram` in PyTorch: fp32 products over blocks of 2^16 columns (16-bit buffers up-cast in chunks)."""
     buf = check_task_buffer(buf)
     if buf.dtype == torch.float32:
         g = _blocked_gram(buf)
@@ -87,9 +72,6 @@ def gram_reference(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return g, torch.isfinite(torch.diagonal(g)).clone()
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Triton
-# ----------------------------------------------------------------------------------------------------------------
 @TritonKernel
 def _gram_partial_kernel(
     buf_ptr,
@@ -103,6 +85,8 @@ def _gram_partial_kernel(
     T_BLK: tl.constexpr,
     BLOCK_P: tl.constexpr,
 ):
+    """Program ``pid``'s partial Gram ``[T_PAD, T_PAD]`` and non-finite counts over its columns, rows padded to
+    ``T_PAD`` (a power of two >= 16, as ``tl.dot`` needs) in row blocks of ``T_BLK``."""
     pid = tl.program_id(0).to(tl.int64)
     start = pid * cols_per_program
     if T_BLK == T_PAD:  # one row block (T <= 32): all rows against themselves
@@ -185,20 +169,18 @@ def _gram_pairs_kernel(
 
 
 def _programs(buf: torch.Tensor, block_p: int) -> tuple[int, int]:
-    """``(programs, cols_per_program)``: the columns cut into whole blocks of ``block_p``, spread over at most four
-    programs per SM (on the CPU, in the interpreter: four programs, each looping over many blocks)."""
+    """``(programs, cols_per_program)``: whole blocks of ``block_p`` columns over at most four programs per SM
+    (four in the interpreter)."""
     blocks = cdiv(buf.shape[1], block_p)
-    if buf.is_cuda:
-        max_programs = 4 * torch.cuda.get_device_properties(buf.device).multi_processor_count
-    else:
-        max_programs = 4
+    sms = torch.cuda.get_device_properties(buf.device).multi_processor_count if buf.is_cuda else 1
+    max_programs = 4 * sms
     cols_per_program = cdiv(blocks, min(blocks, max_programs)) * block_p
     return cdiv(buf.shape[1], cols_per_program), cols_per_program
 
 
 def _gram_pairs(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Gram of ``T <= PAIRS_MAX_TASKS`` rows by :func:`_gram_pairs_kernel`. A row holding inf/nan, or whose
-    sum of squares overflows, has a non-finite diagonal entry: that is its finite flag."""
+    """The Gram of ``T <= PAIRS_MAX_TASKS`` rows by :func:`_gram_pairs_kernel` (one FMA per row pair and column);
+    the finite flags from the diagonal."""
     t, p = buf.shape
     # columns per thread: 16-byte loads (4 fp32, 8 16-bit) while the T (T + 1) / 2 fp32 accumulators stay within
     # 64 registers, else halved down to two
@@ -217,8 +199,7 @@ def _gram_pairs(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def gram_triton(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`gram_reference` by the Triton kernels, on ``buf``'s device (``buf`` already validated by
-    :func:`~fastpals_kernels.common.check_task_buffer`). No host synchronisation."""
+    """:func:`gram_reference` by the Triton kernels on ``buf``'s device (``buf`` validated already); no host sync."""
     t, p = buf.shape
     if t <= PAIRS_MAX_TASKS:
         return _gram_pairs(buf)
@@ -251,9 +232,6 @@ def gram_triton(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return g, finite
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# torch.ops.fastpals.gram
-# ----------------------------------------------------------------------------------------------------------------
 @torch.library.custom_op("fastpals::gram", mutates_args=())
 def gram_op(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(buf bufᵀ [T, T] fp32, finite [T] bool)`` for ``buf [T, P]`` fp32/fp16/bf16 (one pass; no host read)."""

@@ -1,17 +1,9 @@
 # ruff: noqa: ANN001, ANN202 - Triton kernel parameters and the custom ops' fake hooks mirror their schemas
 """The grouped linear op: ``y = residual + act(x @ weight[task].T + bias[task])`` for a mixed-task batch, every
-row using the weight slice of its example's task, in one launch for all tasks.
-
-- :func:`grouped_linear_reference` / :func:`segment_linear`: PyTorch, one GEMM per task (the CPU path, and the
-  PAL reference's linears);
-- :func:`grouped_linear` / :func:`grouped_linear_varlen` (Triton): the forward and the input gradient run one
-  grouped GEMM each over row tiles that never straddle tasks (:class:`~fastpals_kernels.common.TaskRowPlan`);
-  the weight and bias gradients one grouped GEMM over each task's rows (``dW_t = dZ_tᵀ X_t``). The GELU
-  derivative is applied while loading the output gradient, from the saved pre-activation;
-- :func:`grouped_wgrad` / :func:`grouped_wgrad_into`: per-task weight gradients of a Linear from one backward's
-  rows (``torch.ops.fastpals.grouped_wgrad`` / ``grouped_wgrad_out``), as the per-task gradient capture needs.
-
-Accumulation is fp32 for fp32, fp16 and bf16 inputs; fp32 dots use IEEE precision (no TF32).
+row using the weight of its example's task: the PyTorch reference (one GEMM per task), the Triton kernels (one
+grouped GEMM over row tiles that never straddle tasks, :class:`~fastpals_kernels.common.TaskRowPlan`, for the
+forward, the input gradient and the per-task weight gradients ``dW_t = dZ_tᵀ X_t``), and the per-task weight
+gradients of a Linear as ops (:func:`grouped_wgrad`). fp32 accumulation; fp32 dots in IEEE precision (no TF32).
 """
 
 from __future__ import annotations
@@ -32,6 +24,7 @@ from fastpals_kernels.common import (
     last_dim_contiguous,
     next_power_of_2,
     per_sample_vmap,
+    plan_row_tasks,
     target_arch,
     task_row_plan,
 )
@@ -61,15 +54,11 @@ __all__ = [
 def grouped_linear_reference(
     x: torch.Tensor, task_ids: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """``y[b] = x[b] @ weight[task_ids[b]].T + bias[task_ids[b]]``.
+    """``y[b] = x[b] @ weight[task_ids[b]].T + bias[task_ids[b]]``: x ``[B, ..., K]``, task_ids ``[B]`` int64,
+    weight ``[T, M, K]``, bias ``[T, M]`` or None → ``[B, ..., M]`` in x's dtype.
 
-    x: ``[B, ..., K]``; task_ids: ``[B]`` int64; weight: ``[T, M, K]``; bias: ``[T, M]`` or None.
-    Returns ``[B, ..., M]`` in x's dtype. Sorts the examples by task and runs :func:`segment_linear` (one GEMM
-    per task, its weight gradient written into the task's row: no ``T`` zero-padded ``[T, M, K]`` gradients
-    added up in the backward), never a loop over examples; under
-    ``torch.compile`` (where the per-task row counts would be a host read) one batched matmul against each
-    example's gathered weight instead.
-    """
+    The examples sorted by task through :func:`segment_linear`; under ``torch.compile`` (where the per-task row
+    counts would be a host read) one batched matmul against each example's gathered weight."""
     if torch.compiler.is_compiling():
         w = weight.index_select(0, task_ids)  # [B, M, K]
         rows = x.reshape(x.shape[0], -1, x.shape[-1])  # [B, R, K]
@@ -96,11 +85,8 @@ def segment_linear(
     task 0, then ``counts[1]`` of task 1, ... (``sum(counts) == N``); ``weight [T, M, K]``, ``bias [T, M]`` or None.
     Returns ``[N, M]`` in x's dtype.
 
-    One GEMM per task on its slice, written straight into the output (no gather, scatter or concatenation); the
-    backward likewise writes each task's input gradient into one ``[N, K]`` tensor and its weight gradient into
-    ``weight``'s row t. Composed of ``F.linear`` on slices and ``torch.cat``, autograd would instead add T
-    zero-padded ``[N, K]`` input gradients and T zero-padded ``[T, M, K]`` weight gradients.
-    """
+    One GEMM per task written straight into the output, and in the backward into one ``[N, K]`` input gradient
+    and ``weight``'s row t (``F.linear`` on slices would add T zero-padded gradients of each)."""
     if len(counts) != weight.shape[0] or sum(counts) != x.shape[0]:
         raise ValueError(
             f"segment_linear: counts {counts} must have one entry per task ({weight.shape[0]}) "
@@ -145,7 +131,7 @@ class _SegmentLinear(torch.autograd.Function):
         if not torch.compiler.is_compiling() and torch._C._functorch.is_functorch_wrapped_tensor(grad):
             # under torch.func.vmap (e.g. TorchJD's Jacobians): mm(out=...) has no batching rule (the check is
             # skipped while torch.compile traces: dynamo cannot trace it, and compiled code is not vmapped here)
-            return _segment_linear_backward_functional(ctx, grad, x, weight, need_x, need_w, need_b)
+            return _segment_linear_backward_functional(ctx, grad, x, weight)
         gx = x.new_empty(x.shape) if need_x else None
         gw = torch.zeros_like(weight) if need_w else None
         gb = weight.new_zeros(weight.shape[:2]) if need_b and ctx.has_bias else None
@@ -165,50 +151,36 @@ class _SegmentLinear(torch.autograd.Function):
 
 
 def _segment_linear_backward_functional(
-    ctx: Any,
-    grad: torch.Tensor,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    need_x: bool,
-    need_w: bool,
-    need_b: bool,
-) -> tuple[torch.Tensor | None, ...]:
-    """:class:`_SegmentLinear`'s backward without ``out=`` or in-place writes (the pieces concatenated and
-    stacked), for ``torch.func`` transforms: the same values."""
-    gx_parts, gw_parts, gb_parts = [], [], []
+    ctx: Any, grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
+) -> tuple:
+    """:class:`_SegmentLinear`'s backward without ``out=`` (the pieces concatenated and stacked), for ``torch.func``
+    transforms: the same values."""
+    need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+    gx, gw, gb = [], [], []
     start = 0
     for t, n in enumerate(ctx.counts):
-        g = grad[start : start + n]
-        if need_x and n:
-            gx_parts.append(g @ weight[t])
-        if need_w:
-            gw_parts.append(g.t() @ x[start : start + n] if n else torch.zeros_like(weight[t]))
-        if need_b and ctx.has_bias:
-            gb_parts.append(g.sum(0) if n else weight.new_zeros(weight.shape[1]))
+        g, rows = grad[start : start + n], x[start : start + n]
         start += n
-    gx = (torch.cat(gx_parts) if gx_parts else x.new_zeros(x.shape)) if need_x else None
-    gw = torch.stack(gw_parts) if need_w else None
-    gb = torch.stack(gb_parts) if gb_parts else None
-    return gx, gw, gb, None
+        gx += [g @ weight[t]] if need_x else []
+        gw += [g.t() @ rows] if need_w else []
+        gb += [g.sum(0)] if need_b and ctx.has_bias else []
+    return (
+        torch.cat(gx) if gx else None,
+        torch.stack(gw) if gw else None,
+        torch.stack(gb) if gb else None,
+        None,
+    )
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Triton
-# ----------------------------------------------------------------------------------------------------------------
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# Launch shapes of the grouped kernels per target: (rows per tile, N-tile cap, K-tile cap, warps, stages), keyed
-# on (fp32?, target). "sm75" covers compute capability 7.x, "sm80" 8.x, "sm90" 9.x and newer; "interp" is
-# Triton's CPU interpreter. Chosen so that the ahead-of-time compile fits the shared memory and the 16-bit kernels
-# do not spill on sm_80/sm_90 (tests/test_aot.py; the alternatives' spills: docs/measurements.md).
+#: launch shapes of the grouped kernels, (rows per tile, N-tile cap, K-tile cap, warps, stages), keyed on (fp32?,
+#: target class of :func:`target_class`): within shared memory and without 16-bit spills (tests/test_aot.py)
 GROUPED_CONFIGS: dict[tuple[bool, str], tuple[int, int, int, int, int]] = {
-    # 16-bit: 8 warps over 64 x 64 tiles, K in steps of 32
-    (False, "sm90"): (64, 64, 32, 8, 2),
-    (False, "sm80"): (64, 64, 32, 8, 2),
-    (False, "sm75"): (64, 64, 32, 8, 2),
-    # fp32 (IEEE products on CUDA cores): 32-row tiles, 8 warps
-    (True, "sm90"): (32, 64, 32, 8, 2),
-    (True, "sm80"): (32, 64, 32, 8, 2),
-    (True, "sm75"): (32, 64, 32, 8, 2),
+    **{
+        (fp32, sm): (32 if fp32 else 64, 64, 32, 8, 2)
+        for fp32 in (False, True)
+        for sm in ("sm75", "sm80", "sm90")
+    },
     (False, "interp"): (64, 64, 64, 4, 1),
     (True, "interp"): (64, 64, 64, 4, 1),
 }
@@ -420,18 +392,12 @@ def grouped_mm_rows(
     aligned_out: bool = False,
     out_width: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Launch the grouped GEMM on row-major ``a [R, K_red]`` (unit last stride, validated by the caller).
+    """The grouped GEMM on row-major ``a [R, K_red]`` → ``(out [R, out_width or N], pre or None)``: ``a @
+    weight[t].T`` for weight ``[T, N, K_w]``, or ``a @ weight[t]`` for ``[T, K_w, N]`` with ``transpose_weight``.
 
-    ``transpose_weight=False``: ``out = a @ weight[t].T`` with weight ``[T, N, K_w]`` (the forward).
-    ``transpose_weight=True``: ``out = a @ weight[t]`` with weight ``[T, K_w, N]`` (the input gradient).
-    ``a`` may be wider than the weight (``K_red >= K_w``): its extra columns meet zero weights (they must be
-    finite). ``out_width >= N``: the output's extra columns are computed with zero weights and bias (zeros
-    without a residual), so a row-aligned activation can be stored at its padded width.
-    ``gelu_grad_pre``: multiply ``a`` by GELU'(pre) while loading (``a`` is then the output gradient).
-    ``aligned_out``: ``out`` and ``pre`` get row strides padded to 16 elements (:func:`aligned_rows`).
-    Returns ``(out [R, out_width or N], pre or None)``; rows outside the plan are left as allocated (the plans
-    built here always cover every row).
-    """
+    Columns of ``a`` beyond ``K_w`` (finite) and of ``out`` beyond ``N`` meet zero weights (row-aligned operands
+    at their padded width); ``gelu_grad_pre``: ``a`` times GELU'(pre) while loading; ``aligned_out``: rows of
+    ``out`` and ``pre`` 16-element aligned (:func:`aligned_rows`)."""
     num_rows, k_red = a.shape
     if transpose_weight:
         n_w, k_w = weight.shape[2], weight.shape[1]
@@ -567,24 +533,11 @@ class GroupedLinearFunction(torch.autograd.Function):
         residual: torch.Tensor | None,
         plan: TaskRowPlan,
         activation: str | None,
-        aligned_out: bool = False,
     ) -> torch.Tensor:
         gelu = activation == "gelu"
-        ctx.aligned_out = aligned_out
-        y, pre = grouped_mm_rows(
-            x,
-            weight,
-            plan,
-            bias=bias,
-            gelu=gelu,
-            residual=residual,
-            store_pre=gelu,
-            aligned_out=ctx.aligned_out,
-        )
+        y, pre = grouped_mm_rows(x, weight, plan, bias=bias, gelu=gelu, residual=residual, store_pre=gelu)
         ctx.save_for_backward(x, weight, pre)
-        ctx.plan = plan
-        ctx.has_bias = bias is not None
-        ctx.has_residual = residual is not None
+        ctx.plan, ctx.has_bias, ctx.has_residual = plan, bias is not None, residual is not None
         return y
 
     @staticmethod
@@ -598,10 +551,9 @@ class GroupedLinearFunction(torch.autograd.Function):
             dx, _ = grouped_mm_rows(dy, weight, plan, transpose_weight=True, gelu_grad_pre=pre)
         if ctx.needs_input_grad[1] or (ctx.has_bias and ctx.needs_input_grad[2]):
             dw, db = grouped_wgrad_rows(dy, x, plan, weight.dtype, ctx.has_bias, gelu_grad_pre=pre)
-            if not ctx.needs_input_grad[1]:
-                dw = None
+            dw = dw if ctx.needs_input_grad[1] else None
         dres = dy if ctx.has_residual and ctx.needs_input_grad[3] else None
-        return dx, dw, db, dres, None, None, None
+        return dx, dw, db, dres, None, None
 
 
 def _check_operands(
@@ -625,13 +577,11 @@ def _check_operands(
             f"x has {x.shape[-1]} features but weight is {list(weight.shape)} ([T, M, K], K must match)"
         )
     for name, t in (("weight", weight), ("bias", bias), ("residual", residual)):
-        if t is None:
-            continue
-        if t.dtype != x.dtype:
+        if t is not None and t.dtype != x.dtype:
             raise TypeError(
                 f"{name} has dtype {t.dtype} but x has {x.dtype}: all operands must share one dtype"
             )
-        if t.device != x.device:
+        if t is not None and t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
     if bias is not None and tuple(bias.shape) != (weight.shape[0], weight.shape[1]):
         raise ValueError(f"bias must have shape {[weight.shape[0], weight.shape[1]]}, got {list(bias.shape)}")
@@ -648,16 +598,12 @@ def _autocast(
 ) -> tuple:
     """Under ``torch.autocast``: (x, weight, bias) in the autocast dtype, and a residual of another dtype moved
     out of the kernel (returned last, to be added by the caller). Outside autocast: the inputs unchanged."""
-    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
-        return x, weight, bias, residual, None
-    cast = autocast_dtype(x)
+    cast = autocast_dtype(x) if isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) else None
     if cast is None:
         return x, weight, bias, residual, None
-    x, weight = x.to(cast), weight.to(cast)
     bias = bias.to(cast) if isinstance(bias, torch.Tensor) else bias
-    if isinstance(residual, torch.Tensor) and residual.dtype != cast:
-        return x, weight, bias, None, residual
-    return x, weight, bias, residual, None
+    outside = residual if isinstance(residual, torch.Tensor) and residual.dtype != cast else None
+    return x.to(cast), weight.to(cast), bias, residual if outside is None else None, outside
 
 
 def grouped_linear_rows(
@@ -670,14 +616,9 @@ def grouped_linear_rows(
 ) -> torch.Tensor:
     """Grouped linear on row-major ``x [R, K]`` with a plan from :func:`~fastpals_kernels.common.task_row_plan`
     (reused across several layers of one batch, as the fused PAL does). Operands must already be validated."""
-    return GroupedLinearFunction.apply(
-        last_dim_contiguous(x),
-        weight.contiguous(),
-        None if bias is None else bias.contiguous(),
-        None if residual is None else last_dim_contiguous(residual),
-        plan,
-        activation,
-    )
+    x, bias = last_dim_contiguous(x), None if bias is None else bias.contiguous()
+    residual = None if residual is None else last_dim_contiguous(residual)
+    return GroupedLinearFunction.apply(x, weight.contiguous(), bias, residual, plan, activation)
 
 
 def grouped_linear(
@@ -698,28 +639,7 @@ def grouped_linear(
     Under ``torch.autocast`` x, weight and bias are cast to the autocast dtype first (like ``F.linear``); a
     residual of another dtype is then added outside the kernel.
     """
-    require_triton("grouped_linear")
-    x, weight, bias, residual, outside = _autocast(x, weight, bias, residual)
-    if outside is not None:
-        return outside + grouped_linear(x, task_ids, weight, bias, activation)
-    _check_operands(x, weight, bias, activation, residual, (*x.shape[:-1], weight.shape[1]))
-    if x.dim() not in (2, 3):
-        raise ValueError(f"x must be [B, L, K] or [B, K], got {list(x.shape)}")
-    batch = x.shape[0]
-    seq_len = x.shape[1] if x.dim() == 3 else 1
-    plan = task_row_plan(
-        task_ids,
-        weight.shape[0],
-        batch * seq_len,
-        x.device,
-        batch=batch,
-        seq_len=seq_len,
-        block_rows=row_block(x),
-    )
-    rows = x.reshape(batch * seq_len, x.shape[-1])
-    res_rows = None if residual is None else residual.reshape(batch * seq_len, weight.shape[1])
-    y = grouped_linear_rows(rows, plan, weight, bias, activation, res_rows)
-    return y.view(*x.shape[:-1], weight.shape[1])
+    return _grouped_linear(x, None, task_ids, weight, bias, activation, residual)
 
 
 def grouped_linear_varlen(
@@ -736,22 +656,38 @@ def grouped_linear_varlen(
     cu_seqlens: ``[B+1]`` int32/int64 cumulative lengths (0 first, N last); task_ids: ``[B]``, one task per
     sequence; residual: ``[N, M]`` or None. Returns ``[N, M]``. Autocast as in :func:`grouped_linear`.
     """
-    require_triton("grouped_linear_varlen")
+    return _grouped_linear(x, cu_seqlens, task_ids, weight, bias, activation, residual)
+
+
+def _grouped_linear(x, cu_seqlens, task_ids, weight, bias, activation, residual) -> torch.Tensor:
+    """:func:`grouped_linear` (``cu_seqlens`` None) or :func:`grouped_linear_varlen`."""
+    packed = cu_seqlens is not None
+    require_triton("grouped_linear_varlen" if packed else "grouped_linear")
     x, weight, bias, residual, outside = _autocast(x, weight, bias, residual)
     if outside is not None:
-        return outside + grouped_linear_varlen(x, cu_seqlens, task_ids, weight, bias, activation)
-    _check_operands(x, weight, bias, activation, residual, (x.shape[0], weight.shape[1]))
-    if x.dim() != 2:
+        return outside + _grouped_linear(x, cu_seqlens, task_ids, weight, bias, activation, None)
+    out_shape = (x.shape[0], weight.shape[1]) if packed else (*x.shape[:-1], weight.shape[1])
+    _check_operands(x, weight, bias, activation, residual, out_shape)
+    if packed and x.dim() != 2:
         raise ValueError(f"x must be packed rows [N, K], got {list(x.shape)}")
+    if x.dim() not in (2, 3):
+        raise ValueError(f"x must be [B, L, K] or [B, K], got {list(x.shape)}")
+    seq_len = x.shape[1] if x.dim() == 3 else 1
+    rows = x.reshape(x.shape[0] * seq_len, x.shape[-1])
+    batch, seq_len = (None, None) if packed else (x.shape[0], seq_len)
     plan = task_row_plan(
-        task_ids, weight.shape[0], x.shape[0], x.device, cu_seqlens=cu_seqlens, block_rows=row_block(x)
+        task_ids, weight.shape[0], rows.shape[0], x.device, batch, seq_len, cu_seqlens, row_block(x)
     )
-    return grouped_linear_rows(x, plan, weight, bias, activation, residual)
+    res_rows = None if residual is None else residual.reshape(rows.shape[0], weight.shape[1])
+    return grouped_linear_rows(rows, plan, weight, bias, activation, res_rows).view(out_shape)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# torch.ops.fastpals.grouped_wgrad, grouped_wgrad_out, and their public functions
-# ----------------------------------------------------------------------------------------------------------------
+def _wgrad_outputs(dy, x, num_tasks: int, with_bias: bool, dtype: torch.dtype) -> tuple:
+    """New ``dw [T, M, K]`` and ``db [T, M]`` (``[0]`` without bias) for the rows ``dy [R, M]``, ``x [R, K]``."""
+    dw = dy.new_empty(num_tasks, dy.shape[1], x.shape[1], dtype=dtype)
+    return dw, dy.new_empty((num_tasks, dy.shape[1]) if with_bias else (0,), dtype=dtype)
+
+
 @torch.library.custom_op("fastpals::grouped_wgrad", mutates_args=())
 def grouped_wgrad_op(
     dy: torch.Tensor,
@@ -767,52 +703,22 @@ def grouped_wgrad_op(
     out_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-task ``dW_t = dY_tᵀ X_t`` ``[T, M, K]`` and ``db_t = Σ dY_t`` ``[T, M]`` (``[0]`` without bias) in
-    ``out_dtype``, fp32 accumulation: dy ``[R, M]``, x ``[R, K]``; task t owns rows
-    ``row_index[task_row_offsets[t]:task_row_offsets[t+1]]`` (the :class:`~fastpals_kernels.common.TaskRowPlan`
-    fields; ``tile_*`` are its launch tiles)."""
-    if backend("grouped_wgrad", dy) == "triton":
-        plan = TaskRowPlan(row_index, task_row_offsets, tile_task, tile_start, tile_end, dy.shape[0], num_tasks,
-                           block_rows)  # fmt: skip
-        dw, db = grouped_wgrad_rows(dy.contiguous(), x.contiguous(), plan, out_dtype, with_bias)
-        return dw, (db if db is not None else dy.new_empty(0, dtype=out_dtype))
-    return _grouped_wgrad_reference(dy, x, row_index, task_row_offsets, num_tasks, with_bias, out_dtype)
-
-
-def _grouped_wgrad_reference(
-    dy: torch.Tensor,
-    x: torch.Tensor,
-    row_index: torch.Tensor,
-    task_row_offsets: torch.Tensor,
-    num_tasks: int,
-    with_bias: bool,
-    out_dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference: each row's task from the plan (no host read), then one masked fp32 GEMM per task."""
-    rows = dy.shape[0]
-    positions = torch.arange(rows, device=dy.device)
-    task_of_position = torch.searchsorted(task_row_offsets[1:].long(), positions, right=True)
-    row_task = torch.empty(rows, dtype=torch.long, device=dy.device)
-    row_task[row_index.long()] = task_of_position
-    dyf, xf = dy.float(), x.float()
-    dw = torch.stack([(dyf * (row_task == t)[:, None]).T @ xf for t in range(num_tasks)])
-    if with_bias:
-        db = torch.stack([(dyf * (row_task == t)[:, None]).sum(0) for t in range(num_tasks)]).to(out_dtype)
-    else:
-        db = dy.new_empty(0, dtype=out_dtype)
-    return dw.to(out_dtype), db
+    ``out_dtype``, fp32 accumulation: dy ``[R, M]``, x ``[R, K]``; the other arguments are the fields of the rows'
+    :class:`~fastpals_kernels.common.TaskRowPlan`."""
+    dw, db = _wgrad_outputs(dy, x, num_tasks, with_bias, out_dtype)
+    plan = (row_index, task_row_offsets, tile_task, tile_start, tile_end)
+    _grouped_wgrad_out(dy, x, *plan, num_tasks, block_rows, dw, db)
+    return dw, db
 
 
 @grouped_wgrad_op.register_fake
 def _(
     dy, x, row_index, offsets, tile_task, tile_start, tile_end, num_tasks, block_rows, with_bias, out_dtype
 ):
-    dw = dy.new_empty(num_tasks, dy.shape[1], x.shape[1], dtype=out_dtype)
-    db = dy.new_empty((num_tasks, dy.shape[1]) if with_bias else (0,), dtype=out_dtype)
-    return dw, db
+    return _wgrad_outputs(dy, x, num_tasks, with_bias, out_dtype)
 
 
-@torch.library.custom_op("fastpals::grouped_wgrad_out", mutates_args=("dw", "db"))
-def grouped_wgrad_out_op(
+def _grouped_wgrad_out(
     dy: torch.Tensor,
     x: torch.Tensor,
     row_index: torch.Tensor,
@@ -825,9 +731,8 @@ def grouped_wgrad_out_op(
     dw: torch.Tensor,
     db: torch.Tensor,
 ) -> None:
-    """:func:`grouped_wgrad_op` written into ``dw [T, M, K]`` (each ``dw[t]`` contiguous, any task stride: e.g. the
-    rows of a surgery buffer) and ``db [T, M]`` (each ``db[t]`` contiguous; ``[0]``: no bias gradient), in their
-    dtype."""
+    """:func:`grouped_wgrad_op` written into ``dw [T, M, K]`` and ``db [T, M]`` (``[0]``: no bias gradient) in
+    their dtype; each ``dw[t]``, ``db[t]`` contiguous, any task stride (e.g. the rows of a surgery buffer)."""
     with_bias = db.numel() > 0
     if backend("grouped_wgrad", dy) == "triton":
         plan = TaskRowPlan(row_index, task_row_offsets, tile_task, tile_start, tile_end, dy.shape[0], num_tasks,
@@ -836,18 +741,20 @@ def grouped_wgrad_out_op(
             dy.contiguous(), x.contiguous(), plan, dw.dtype, with_bias, dw=dw, db=db if with_bias else None
         )
         return
-    ref_dw, ref_db = _grouped_wgrad_reference(
-        dy, x, row_index, task_row_offsets, num_tasks, with_bias, dw.dtype
-    )
-    dw.copy_(ref_dw)
-    if with_bias:
-        db.copy_(ref_db)
+    # the reference: each row's task from the plan (no host read), then one masked fp32 GEMM per task
+    row_task = plan_row_tasks(row_index, task_row_offsets, dy.shape[0])
+    dyf, xf = dy.float(), x.float()
+    for t in range(num_tasks):
+        dyt = dyf * (row_task == t)[:, None]
+        dw[t] = dyt.T @ xf
+        if with_bias:
+            db[t] = dyt.sum(0)
 
 
-@grouped_wgrad_out_op.register_fake
-def _(dy, x, row_index, offsets, tile_task, tile_start, tile_end, num_tasks, block_rows, dw, db):
-    return None
-
+grouped_wgrad_out_op = torch.library.custom_op(
+    "fastpals::grouped_wgrad_out", _grouped_wgrad_out, mutates_args=("dw", "db")
+)
+grouped_wgrad_out_op.register_fake(lambda *args: None)
 
 grouped_wgrad_op.register_vmap(per_sample_vmap(grouped_wgrad_op))
 

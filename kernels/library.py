@@ -1,6 +1,4 @@
-"""The registry of fastpals' ``torch.library`` custom ops (``torch.ops.fastpals.<name>``): each op module of
-this package defines its ops (schema, fake, autograd, vmap rule) beside its kernels; this module imports them all
-so that one place lists them."""
+"""Every ``torch.ops.fastpals`` custom op, by name (each op module defines its ops beside its kernels)."""
 
 from __future__ import annotations
 
@@ -14,7 +12,6 @@ from fastpals_kernels.stream_linear import stream_linear_combine, stream_linear_
 
 __all__ = ["OPS", "draw_seed"]
 
-#: every op of the library, by name (``torch.ops.fastpals.<name>``)
 OPS = {
     op._name: op
     for op in (

@@ -1,11 +1,8 @@
-"""Pad, unpad and ``cu_seqlens`` helpers (the role of flash-attention's ``bert_padding.py``), and attention over
-length buckets: packed attention on padded blocks of similar lengths where no varlen kernel serves it (the CPU
-path).
+"""Pad, unpad and ``cu_seqlens`` helpers (the role of flash-attention's ``bert_padding.py``), and packed attention
+over padded blocks of similar lengths where no varlen kernel serves it (the CPU path).
 
-A batch runs either *packed* (``[N, d]`` token rows, no padding; ``cu_seqlens [B+1]`` int32 says where each of
-the ``B`` sequences lies, the layout of flash-attn's varlen kernels) or *padded* (``[B, L, d]`` with a ``[B, L]``
-mask). Tensors in, tensors out; no host read unless a docstring says so. :class:`fastpals.data.layout.BatchLayout`
-builds on these.
+A batch is *packed* (``[N, d]`` token rows; ``cu_seqlens [B+1]`` int32 says where each sequence lies) or *padded*
+(``[B, L, d]`` with a ``[B, L]`` mask). No host read unless a docstring says so.
 """
 
 from __future__ import annotations
@@ -24,6 +21,7 @@ __all__ = [
     "bucketed_attention",
     "check_packed",
     "cu_seqlens_to_mask",
+    "key_mask_bias",
     "lengths_to_cu_seqlens",
     "packed_position_ids",
     "pad_packed",
@@ -33,14 +31,17 @@ __all__ = [
 ]
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# cu_seqlens helpers (tensors in, tensors out; no host read unless the docstring says so)
-# ----------------------------------------------------------------------------------------------------------------
 def lengths_to_cu_seqlens(lengths: torch.Tensor) -> torch.Tensor:
     """Sequence lengths ``[B]`` (int) → ``cu_seqlens [B+1]`` int32 (0, then the running sums)."""
     cu = torch.zeros(lengths.shape[0] + 1, dtype=torch.int32, device=lengths.device)
     cu[1:] = torch.cumsum(lengths, 0)
     return cu
+
+
+def key_mask_bias(key_padding_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Key padding mask [B, L] (1 = token, 0 = padding) -> additive [B, 1, 1, L] (0 or the dtype's most negative value)."""
+    keep = key_padding_mask.to(torch.bool)[:, None, None, :]
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)
 
 
 def cu_seqlens_to_mask(cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
@@ -77,11 +78,8 @@ def pad_packed(x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, value
 
 
 def pad_packed_index(x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> tuple[torch.Tensor, ...]:
-    """Scatter packed rows ``x[..., N, *rest]`` (packed dim 1 if x is stacked, else 0) into a padded batch.
-
-    Returns (padded ``[..., B, max_seqlen, *rest]``, mask ``[B, max_seqlen]``, index ``[N]`` of each packed
-    row in the flattened padded batch).
-    """
+    """Scatter packed rows ``x [N, *rest]`` (or stacked ``[S, N, H, Dh]``) into a padded batch: ``(padded
+    [(S,) B, max_seqlen, *rest], mask [B, max_seqlen], index [N])``, index: each row's place in the flat batch."""
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     batch = lengths.shape[0]
     pos = torch.arange(max_seqlen, device=x.device)
@@ -89,9 +87,7 @@ def pad_packed_index(x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int)
     stacked = x.dim() >= 4  # [3, N, H, Dh] vs [N, ...]
     total = x.shape[1] if stacked else x.shape[0]
     example = torch.repeat_interleave(torch.arange(batch, device=x.device), lengths, output_size=total)
-    index = example * max_seqlen + packed_position_ids(
-        cu_seqlens, total
-    )  # no data-dependent size: no host read
+    index = example * max_seqlen + packed_position_ids(cu_seqlens, total)
     if stacked:
         flat = x.new_zeros(x.shape[0], batch * max_seqlen, *x.shape[2:])
         flat[:, index] = x
@@ -105,11 +101,8 @@ def check_packed(
     input_ids: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int | None, max_positions: int
 ) -> np.ndarray:
     """Validate packed tensors handed over without a layout and return their lengths ``[B]`` int64 on the host
-    (one host read of ``cu_seqlens``: this is where such data enters).
-
-    ``input_ids [N]``; ``cu_seqlens [B+1]`` int32 on the same device, starting at 0, ending at N, every sequence
-    at least one token; ``max_seqlen`` an int >= the longest sequence and <= ``max_positions``.
-    """
+    (one host read): ``input_ids [N]``; ``cu_seqlens [B+1]`` int32 on its device from 0 to N, no empty sequence;
+    ``max_seqlen`` an int from the longest sequence to ``max_positions``."""
     if input_ids.dim() != 1:
         raise ValueError(
             f"packed input_ids must be [N] (cu_seqlens given), got shape {list(input_ids.shape)}"
@@ -136,11 +129,8 @@ def check_packed(
 
 
 def pool_packed(hidden: torch.Tensor, cu_seqlens: torch.Tensor, mode: str) -> torch.Tensor:
-    """Pool packed token states ``hidden [N, d]`` per sequence → ``[B, d]`` (same dtype).
-
-    ``mode``: ``"first"`` (the [CLS] token), ``"mean"`` (over the sequence's tokens) or ``"max"`` (element-wise).
-    Equals the masked pooling of the padded batch.
-    """
+    """Pool packed token states ``hidden [N, d]`` per sequence → ``[B, d]`` (same dtype), as the masked pooling of
+    the padded batch: ``mode`` ``"first"`` (the [CLS] token), ``"mean"`` or ``"max"`` (element-wise)."""
     starts = cu_seqlens[:-1].long()
     if mode == "first":
         return hidden.index_select(0, starts)
@@ -158,17 +148,10 @@ def pool_packed(hidden: torch.Tensor, cu_seqlens: torch.Tensor, mode: str) -> to
     raise ValueError(f"pooling mode {mode!r}: choose first, mean or max")
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Attention over length buckets (packed attention without a varlen kernel)
-# ----------------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class AttentionBucket:
-    """Sequences of similar length attended together in one padded block ``[size, length]``.
-
-    ``mask [size, length]`` bool (True = token); ``key_bias [size, 1, 1, length]`` fp32, the mask's additive
-    bias (:func:`fastpals_kernels.attention_varlen.key_mask_bias`), built with the plan and shared by every layer that
-    attends over this block; where each token lands is the plan's ``slots``.
-    """
+    """Sequences of similar length attended together in one padded block ``[size, length]``: ``mask [size, length]``
+    bool (True = token) and its additive fp32 ``key_bias [size, 1, 1, length]``, built once for every layer."""
 
     mask: torch.Tensor
     size: int
@@ -177,9 +160,7 @@ class AttentionBucket:
 
     def __post_init__(self) -> None:
         if self.key_bias is None:
-            keep = self.mask[:, None, None, :]
-            zeros = torch.zeros(keep.shape, dtype=torch.float32, device=keep.device)
-            object.__setattr__(self, "key_bias", zeros.masked_fill(~keep, torch.finfo(torch.float32).min))
+            object.__setattr__(self, "key_bias", key_mask_bias(self.mask, torch.float32))
 
 
 @dataclass(frozen=True)
@@ -194,14 +175,10 @@ class AttentionPlan:
 def attention_plan(
     cu_seqlens: torch.Tensor | np.ndarray | Sequence[int], ratio: float = 0.5, device: Any = None
 ) -> AttentionPlan:
-    """Group the sequences of ``cu_seqlens [B+1]`` by length for attention over padded blocks (the CPU path):
-    sorted longest first, a sequence joins the current block while its length is at least ``ratio`` times the
-    block's longest, so at most ``1 - ratio`` of a block's query rows (and keys) are padding.
-
-    ``cu_seqlens``: host values (NumPy / a list: no device read; tensors go on ``device``) or a tensor (read on
-    the host once; the plan's tensors go on its device).
-
-    The ratio trades padding against per-block overhead (the default's measurement: docs/measurements.md)."""
+    """Group the sequences of ``cu_seqlens [B+1]`` by length for attention over padded blocks: longest first, a
+    sequence joins the current block while it is at least ``ratio`` times the block's longest (at most
+    ``1 - ratio`` padding per block). ``cu_seqlens``: host values (the plan goes on ``device``) or a tensor (read
+    on the host once; the plan goes on its device)."""
     if isinstance(cu_seqlens, torch.Tensor):
         device = cu_seqlens.device if device is None else device
         cu = np.asarray(cu_seqlens.tolist(), dtype=np.int64)
@@ -238,15 +215,9 @@ def bucketed_attention(
     plan: AttentionPlan,
     attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionBucket], torch.Tensor],
 ) -> torch.Tensor:
-    """Packed attention computed block by block: ``q, k, v [N, H, Dh]`` → ``[N, H, Dh]``.
-
-    ``attend(q, k, v, bucket)`` is padded attention on ``[size, length, H, Dh]`` with the bucket's key mask
-    (``bucket.mask [size, length]`` bool, or its cached fp32 ``bucket.key_bias``; e.g.
-    :func:`fastpals_kernels.attention_varlen.attention_with_key_bias`); each sequence only sees its own keys, as in
-    :func:`fastpals_kernels.attention_varlen.attention_varlen_reference`, with padding bounded per block instead of padding
-    every sequence to the batch's longest. The tokens enter one padded buffer holding every block with one
-    scatter and leave it with one gather (``plan.slots``), so the backward adds no per-block full-size gradients.
-    """
+    """Packed attention block by block: ``q, k, v [N, H, Dh]`` → ``[N, H, Dh]``, ``attend(q, k, v, bucket)`` being
+    padded attention on ``[size, length, H, Dh]`` with the bucket's key mask. The tokens enter one buffer of all
+    blocks with one scatter and leave with one gather, so the backward adds no per-block full-size gradients."""
     qkv = torch.stack((q, k, v), 1)  # [N, 3, H, Dh]
     sizes = [b.size * b.length for b in plan.buckets]
     padded = qkv.new_zeros(sum(sizes), *qkv.shape[1:]).index_copy(0, plan.slots, qkv)

@@ -1,26 +1,18 @@
 # ruff: noqa: ANN001, ANN202 - Triton kernel arguments and fake implementations mirror the ops' schemas
-"""The streaming surgery's ops over all its streamed Linear weights at once, from the kept output gradients and
-inputs of their calls: their ``[T, T]`` Gram and their weighted weight gradients.
+"""The streaming surgery's ops over all its streamed Linear weights at once: their ``[T, T]`` Gram and their
+weighted weight gradients, from the kept output gradients and inputs of their calls.
 
-A *problem* is one Linear weight ``[M, K]`` and, where ``bias[p]``, its bias ``[M]``; each of its *calls* (a
-siamese model calls a Linear twice) brings ``dy [R, M]`` and ``x [R, K]`` (one dtype for all calls) and the
-:class:`~fastpals_kernels.common.TaskRowPlan` fields of its rows: ``row_index [R] int32`` (the rows of task 0,
-then task 1, ...) and ``task_row_offsets [T+1] int32``. Task t's gradient of problem p is ``G_pt = sum over p's
-calls of dy[rows of t]^T [x, 1][rows of t]`` ``[M, K (+1)]``: the weight's, and the bias's as a last column
-(``x`` read with a column of ones).
+A *problem* is one Linear weight ``[M, K]`` (with its bias ``[M]`` where ``bias[p]``); each of its *calls* brings
+``dy [R, M]``, ``x [R, K]`` (one dtype for all calls) and the :class:`~fastpals_kernels.common.TaskRowPlan`
+fields of its rows (``row_index [R]``, ``task_row_offsets [T+1]``). Task t's gradient of problem p is
+``G_pt = sum over p's calls of dy[rows of t]^T [x, 1][rows of t]`` ``[M, K (+1)]`` (the bias as a last column).
 
-- ``torch.ops.fastpals.stream_linear_gram``: ``sum_p G_p G_p^T`` ``[T, T]`` float64, i.e. ``<G_ps, G_pt>``
-  summed over the problems;
-- ``torch.ops.fastpals.stream_linear_combine``: ``sum_t c_t G_pt`` for every problem, as one flat float32
-  tensor (problem after problem: the weight's ``[M, K]`` row-major, then the bias's ``[M]``).
+- ``torch.ops.fastpals.stream_linear_gram``: ``sum_p G_p G_p^T`` ``[T, T]`` float64;
+- ``torch.ops.fastpals.stream_linear_combine``: ``sum_t c_t G_pt`` of every problem as one flat float32 tensor
+  (problem after problem: the weight's ``[M, K]`` row-major, then the bias's ``[M]``).
 
-The Triton kernels take pointer tables (grouped-GEMM style): one program per (problem, block of output rows),
-from a table built on the host from the shapes alone; each program loops over the column blocks, and per task
-over that task's rows of every call, with fp32 accumulation. The Gram kernel stacks the ``T`` per-task products
-of a tile as a ``[T_PAD, BLOCK_M * BLOCK_K]`` block and adds its ``block @ block^T`` into the program's
-``[T, T]`` partial; the partials are summed in float64 (deterministic, no atomics). On CUDA with Triton the
-kernels run; elsewhere the PyTorch reference (:func:`stream_linear_gram_reference`,
-:func:`stream_linear_combine_reference`, which define the ops and run in any float dtype).
+The Triton kernels (CUDA) run one program per (problem, block of output rows) from tables built on the host; the
+Gram kernel's per-program ``[T, T]`` partials are summed in float64 (no atomics). Elsewhere the PyTorch reference.
 """
 
 from __future__ import annotations
@@ -32,7 +24,7 @@ import numpy as np
 import torch
 
 from fastpals_kernels import backends
-from fastpals_kernels.common import TritonKernel, device_context, dot_flags, next_power_of_2
+from fastpals_kernels.common import TritonKernel, device_context, dot_flags, next_power_of_2, plan_row_tasks
 from fastpals_kernels.tl_helpers import dot_acc
 
 if TYPE_CHECKING:
@@ -56,12 +48,8 @@ def _triton_dtype(dtype: torch.dtype) -> Any:
 
 
 _SEG_FIELDS = 6  # per call: dy, x, row_index, task_row_offsets addresses; dy's and x's row strides
-_PROB_FIELDS = 6  # per problem: M, K, first call, end of its calls, offset in the flat combine output, bias
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The reference
-# ----------------------------------------------------------------------------------------------------------------
 def _check(
     dy: Sequence[Tensor], x: Sequence[Tensor], row_index, offsets, problem: Sequence[int], bias
 ) -> list:
@@ -102,10 +90,7 @@ def _task_products(dy, x, row_index, offsets, problem: Sequence[int], bias, num_
         for a, b, ri, off, q in zip(dy, x, row_index, offsets, problem):
             if q != p:
                 continue
-            positions = torch.arange(ri.shape[0], device=a.device)
-            task_of_position = torch.searchsorted(off[1:].long(), positions, right=True)
-            row_task = torch.full((a.shape[0],), -1, dtype=torch.long, device=a.device)
-            row_task[ri.long()] = task_of_position
+            row_task = plan_row_tasks(ri, off, a.shape[0])
             b = b.to(dtype)
             if bias[p]:
                 b = torch.cat([b, b.new_ones(b.shape[0], 1)], 1)
@@ -118,8 +103,7 @@ def _task_products(dy, x, row_index, offsets, problem: Sequence[int], bias, num_
 def stream_linear_gram_reference(
     dy, x, row_index, offsets, problem: Sequence[int], bias: Sequence[bool], num_tasks: int
 ) -> Tensor:
-    """``sum_p G_p G_p^T`` ``[T, T]`` float64 (see the module docstring), each problem's Gram in its products'
-    dtype."""
+    """``sum_p G_p G_p^T`` ``[T, T]`` float64, each problem's Gram in its products' dtype."""
     g = torch.zeros(num_tasks, num_tasks, dtype=torch.float64, device=dy[0].device)
     for prod in _task_products(dy, x, row_index, offsets, problem, bias, num_tasks):
         flat = prod.reshape(num_tasks, -1)
@@ -130,7 +114,7 @@ def stream_linear_gram_reference(
 def stream_linear_combine_reference(
     dy, x, row_index, offsets, problem: Sequence[int], bias: Sequence[bool], weights: Tensor
 ) -> Tensor:
-    """``sum_t weights[t] G_pt`` of every problem, its weight's then its bias's, concatenated: float32
+    """``sum_t weights[t] G_pt`` of every problem, its weight's then its bias's: float32
     ``[sum_p M_p (K_p + bias_p)]``."""
     parts = []
     for p, prod in enumerate(_task_products(dy, x, row_index, offsets, problem, bias, weights.shape[0])):
@@ -140,9 +124,6 @@ def stream_linear_combine_reference(
     return torch.cat(parts).to(torch.float32)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The Triton kernels
-# ----------------------------------------------------------------------------------------------------------------
 @TritonKernel
 def _task_product(
     seg_ptr, s0, s1, t, offs_m, offs_k, m_mask, k, has_bias, DT: tl.constexpr, IEEE: tl.constexpr,
@@ -183,6 +164,15 @@ def _task_product(
 
 
 @TritonKernel
+def _tile(tile_ptr, prob_ptr, pid, BLOCK_M: tl.constexpr):
+    """Program ``pid``'s problem (M, K, first call, end of its calls, output offset, bias) and output rows."""
+    prob = prob_ptr + tl.load(tile_ptr + 2 * pid) * 6
+    m, k, s0, s1 = tl.load(prob), tl.load(prob + 1), tl.load(prob + 2), tl.load(prob + 3)
+    offs_m = tl.load(tile_ptr + 2 * pid + 1) + tl.arange(0, BLOCK_M)
+    return m, k, s0, s1, tl.load(prob + 4), tl.load(prob + 5), offs_m, offs_m < m
+
+
+@TritonKernel
 def _stream_gram_kernel(
     tile_ptr, prob_ptr, seg_ptr, partial_ptr, T, DT: tl.constexpr, IEEE: tl.constexpr,
     INTERP_BF16: tl.constexpr, T_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -191,15 +181,7 @@ def _stream_gram_kernel(
     """``partial[pid] = sum over the column blocks of P P^T`` ``[T, T]`` fp32, ``P [T_PAD, BLOCK_M * BLOCK_K]``
     the per-task products of the tile (problem, output rows) of program ``pid``."""
     pid = tl.program_id(0)
-    prob = tl.load(tile_ptr + 2 * pid)
-    m0 = tl.load(tile_ptr + 2 * pid + 1)
-    m = tl.load(prob_ptr + prob * 6)
-    k = tl.load(prob_ptr + prob * 6 + 1)
-    s0 = tl.load(prob_ptr + prob * 6 + 2)
-    s1 = tl.load(prob_ptr + prob * 6 + 3)
-    has_bias = tl.load(prob_ptr + prob * 6 + 5)
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < m
+    m, k, s0, s1, _, has_bias, offs_m, m_mask = _tile(tile_ptr, prob_ptr, pid, BLOCK_M)
     tasks = tl.arange(0, T_PAD)
     g = tl.zeros((T_PAD, T_PAD), dtype=tl.float32)
     for k0 in range(0, k + has_bias, BLOCK_K):
@@ -222,16 +204,7 @@ def _stream_combine_kernel(
     """``sum_t w[t] * (task t's product)`` fp32 over the tile of ``pid``: the weight's ``(m, k)`` at the
     problem's offset ``+ m * K + k``, the bias's ``m`` at ``+ M * K + m``."""
     pid = tl.program_id(0)
-    prob = tl.load(tile_ptr + 2 * pid)
-    m0 = tl.load(tile_ptr + 2 * pid + 1)
-    m = tl.load(prob_ptr + prob * 6)
-    k = tl.load(prob_ptr + prob * 6 + 1)
-    s0 = tl.load(prob_ptr + prob * 6 + 2)
-    s1 = tl.load(prob_ptr + prob * 6 + 3)
-    base = tl.load(prob_ptr + prob * 6 + 4)
-    has_bias = tl.load(prob_ptr + prob * 6 + 5)
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < m
+    m, k, s0, s1, base, has_bias, offs_m, m_mask = _tile(tile_ptr, prob_ptr, pid, BLOCK_M)
     for k0 in range(0, k + has_bias, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
@@ -249,9 +222,6 @@ def _stream_combine_kernel(
         tl.store(out_ptr + base + m.to(tl.int64) * k + offs_m, bias, mask=bias_rows)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Launchers
-# ----------------------------------------------------------------------------------------------------------------
 def _blocks(num_tasks: int) -> tuple[int, int, int]:
     """``(T_PAD, BLOCK_M, BLOCK_K)``: the stacked products ``[T_PAD, BLOCK_M * BLOCK_K]`` within 16K fp32."""
     t_pad = max(16, next_power_of_2(num_tasks))
@@ -290,38 +260,34 @@ def _tables(dy, x, row_index, offsets, problem, bias, block_m: int) -> tuple[Ten
     return table[:n_tiles], table[n_tiles : n_tiles + n_probs], table[n_tiles + n_probs :], int(sizes.sum())
 
 
-def _operands(dy, x, row_index, offsets) -> tuple[list, list, list, list]:
-    """Rows contiguous along the feature dimension, plans in int32 (what the kernels read)."""
-
-    def rows(t: Tensor) -> Tensor:
-        return t if t.stride(-1) == 1 else t.contiguous()
-
-    def int32(t: Tensor) -> Tensor:
-        return t.to(torch.int32).contiguous()
-
-    return (
-        [rows(t) for t in dy],
-        [rows(t) for t in x],
-        [int32(t) for t in row_index],
-        [int32(t) for t in offsets],
-    )
+def _launch_args(dy, x, row_index, offsets, problem, bias, num_tasks: int) -> tuple[list[Tensor], int, dict]:
+    """The kernels' tables (:func:`_tables`, from rows with unit feature stride and int32 plans), the flat
+    output's length and the launch keywords."""
+    dy, x = ([t if t.stride(-1) == 1 else t.contiguous() for t in ts] for ts in (dy, x))
+    row_index, offsets = ([t.to(torch.int32).contiguous() for t in ts] for ts in (row_index, offsets))
+    _, block_m, block_k = _blocks(num_tasks)
+    *tables, total = _tables(dy, x, row_index, offsets, problem, bias, block_m)
+    meta = {
+        "DT": _triton_dtype(dy[0].dtype),
+        **dot_flags(dy[0].dtype),
+        "BLOCK_M": block_m,
+        "BLOCK_K": block_k,
+    }
+    return tables, total, {**meta, "BLOCK_R": 16}
 
 
 def stream_linear_gram_triton(
     dy, x, row_index, offsets, problem: Sequence[int], bias: Sequence[bool], num_tasks: int
 ) -> Tensor:
     """:func:`stream_linear_gram` on the Triton kernel (arguments as there)."""
-    dy, x, row_index, offsets = _operands(dy, x, row_index, offsets)
-    t_pad, block_m, block_k = _blocks(num_tasks)
-    tiles, probs, segs, _ = _tables(dy, x, row_index, offsets, problem, bias, block_m)
-    n_tiles = tiles.shape[0] // 2
-    partial = torch.empty(n_tiles, num_tasks, num_tasks, dtype=torch.float32, device=dy[0].device)
+    tables, _, meta = _launch_args(dy, x, row_index, offsets, problem, bias, num_tasks)
+    n_tiles = tables[0].shape[0] // 2
+    partial = torch.empty(n_tiles, num_tasks, num_tasks, dtype=torch.float32, device=tables[0].device)
     if n_tiles:
-        with device_context(dy[0]):
+        with device_context(tables[0]):
             _stream_gram_kernel[(n_tiles,)](
-                tiles, probs, segs, partial, num_tasks, DT=_triton_dtype(dy[0].dtype), **dot_flags(dy[0].dtype),
-                T_PAD=t_pad, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=16, num_warps=8,
-            )  # fmt: skip
+                *tables, partial, num_tasks, **meta, T_PAD=_blocks(num_tasks)[0], num_warps=8
+            )
     g = partial.sum(0, dtype=torch.float64)
     return 0.5 * (g + g.T)
 
@@ -330,24 +296,16 @@ def stream_linear_combine_triton(
     dy, x, row_index, offsets, problem: Sequence[int], bias: Sequence[bool], weights: Tensor
 ) -> Tensor:
     """:func:`stream_linear_combine` on the Triton kernel (arguments as there)."""
-    dy, x, row_index, offsets = _operands(dy, x, row_index, offsets)
-    _, block_m, block_k = _blocks(weights.shape[0])
-    tiles, probs, segs, total = _tables(dy, x, row_index, offsets, problem, bias, block_m)
-    out = torch.empty(total, dtype=torch.float32, device=dy[0].device)
-    n_tiles = tiles.shape[0] // 2
+    tables, total, meta = _launch_args(dy, x, row_index, offsets, problem, bias, weights.shape[0])
+    out = torch.empty(total, dtype=torch.float32, device=tables[0].device)
+    n_tiles = tables[0].shape[0] // 2
     if n_tiles:
-        with device_context(dy[0]):
-            _stream_combine_kernel[(n_tiles,)](
-                tiles, probs, segs, weights.to(torch.float32).contiguous(), out, weights.shape[0],
-                DT=_triton_dtype(dy[0].dtype), **dot_flags(dy[0].dtype), BLOCK_M=block_m, BLOCK_K=block_k,
-                BLOCK_R=16, num_warps=4,
-            )  # fmt: skip
+        with device_context(tables[0]):
+            w = weights.to(torch.float32).contiguous()
+            _stream_combine_kernel[(n_tiles,)](*tables, w, out, weights.shape[0], **meta, num_warps=4)
     return out
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The custom ops
-# ----------------------------------------------------------------------------------------------------------------
 def _triton_runs(t: Tensor) -> bool:
     """The kernels run where the op library's grouped weight-gradient kernel does (CUDA with Triton)."""
     return backends.backend("grouped_wgrad", t) == "triton"
@@ -363,10 +321,8 @@ def stream_linear_gram(
     bias: list[bool],
     num_tasks: int,
 ) -> Tensor:
-    """``[T, T]`` float64 Gram of the per-task gradients of all problems (module docstring): ``dy[i] [R_i, M]``
-    and ``x[i] [R_i, K]`` (fp32/bf16/fp16, one dtype), ``row_index[i] [R_i]`` and ``task_row_offsets[i]
-    [T+1]`` (int32/int64) the task plan of call i's rows, ``problem[i]`` its problem's number; ``bias[p]``:
-    problem p has a bias."""
+    """``sum_p G_p G_p^T`` ``[T, T]`` float64 (module docstring): call i's ``dy[i] [R_i, M]``, ``x[i] [R_i, K]``
+    (fp32/bf16/fp16), its rows' task plan (int32/int64) and problem number; ``bias[p]``: problem p has a bias."""
     if _triton_runs(dy[0]):
         return stream_linear_gram_triton(dy, x, row_index, task_row_offsets, problem, bias, num_tasks)
     return stream_linear_gram_reference(dy, x, row_index, task_row_offsets, problem, bias, num_tasks)
@@ -388,9 +344,8 @@ def stream_linear_combine(
     bias: list[bool],
     weights: Tensor,
 ) -> Tensor:
-    """``sum_t weights[t] G_pt`` of every problem ``p`` as one float32 ``[sum_p M_p * (K_p + bias_p)]``
-    (problem after problem: its weight's ``[M, K]`` row-major, then its bias's ``[M]``); arguments as for
-    :func:`stream_linear_gram`, ``weights [T]`` float on the calls' device."""
+    """``sum_t weights[t] G_pt`` of every problem as one float32 ``[sum_p M_p (K_p + bias_p)]`` (module
+    docstring); arguments as for :func:`stream_linear_gram`, ``weights [T]`` float on the calls' device."""
     if _triton_runs(dy[0]):
         return stream_linear_combine_triton(dy, x, row_index, task_row_offsets, problem, bias, weights)
     return stream_linear_combine_reference(dy, x, row_index, task_row_offsets, problem, bias, weights)

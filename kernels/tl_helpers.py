@@ -1,6 +1,6 @@
 # ruff: noqa: ANN001, ANN201 - Triton kernel parameters are untyped by design
 """Triton building blocks shared by the op modules' kernels: the dot with its precision flags, the rounding cast,
-the GELU derivative (:class:`~fastpals_kernels.common.TritonKernel`: Triton loads on the first launch)."""
+the GELU derivative."""
 
 from __future__ import annotations
 

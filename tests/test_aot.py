@@ -33,6 +33,8 @@ ALL_KERNELS = {
     "_gram_partial_kernel",
     "_gram_pairs_kernel",
     "_combine_kernel",
+    "_stream_gram_kernel",
+    "_stream_combine_kernel",
 }
 #: on sm_75 the dispatch sends only these to Triton (memory-bound; see fastpals_kernels.dispatch.decide)
 SM75_DISPATCHED = {"_gram_partial_kernel", "_gram_pairs_kernel", "_combine_kernel"}
