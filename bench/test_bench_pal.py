@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from fastpals.functional import attention_reference, pal_reference
+from fastpals_kernels.aot import pal_weight_shapes
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 HAS_CUDA = torch.cuda.is_available()
@@ -60,14 +61,7 @@ def make_inputs(batch, length, d, d_s, tasks, dtype=torch.float32, device="cpu",
     lengths = torch.randint(int(0.7 * length), length + 1, (batch,), generator=g)
     mask = (torch.arange(length)[None, :] < lengths[:, None]).to(device)
     task_ids = (torch.arange(batch) % tasks).to(device)
-    weights = [
-        param(tasks, d_s, d),
-        param(tasks, d_s),
-        param(tasks, 3 * d_s, d_s),
-        param(tasks, 3 * d_s),
-        param(tasks, d, d_s),
-        param(tasks, d),
-    ]
+    weights = [param(*shape) for shape in pal_weight_shapes(tasks, d, d_s)]
     return h, mask, task_ids, weights, residual
 
 
