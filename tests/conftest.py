@@ -49,3 +49,9 @@ def _launcher_variables_stay_in_their_test():
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+@pytest.fixture
+def triton_mode(monkeypatch):
+    """Run the ops' Triton path (interpreted off CUDA)."""
+    monkeypatch.setenv("FASTPALS_KERNELS", "triton")

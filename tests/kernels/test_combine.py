@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 from device import DEVICE
+from inputs import make_buf, max_err
 from tolerances import assert_close_to_reference
 
 from fastpals.surgery import TaskGradientBuffer, gem_weights, pcgrad_weights
@@ -24,23 +25,6 @@ from fastpals_kernels.common import MAX_TASKS
 pytestmark = [pytest.mark.kernels, pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")]
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-@pytest.fixture
-def triton_mode(monkeypatch):
-    monkeypatch.setenv("FASTPALS_KERNELS", "triton")
-
-
-def max_err(a: torch.Tensor, ref64: torch.Tensor) -> float:
-    return float((a.double() - ref64).abs().max() / ref64.abs().max().clamp_min(1e-300))
-
-
-def make_buf(t: int, p: int, dtype: torch.dtype, seed: int, row_pad: int = 0) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    full = (torch.randn(t, p + row_pad, generator=gen) * torch.rand(t, 1, generator=gen) * 3).to(
-        DEVICE, dtype
-    )
-    return full[:, :p]  # row_pad > 0: rows strided by p + row_pad
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
