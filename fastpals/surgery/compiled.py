@@ -7,6 +7,7 @@ with ``FASTPALS_SOLVE=torch``) the PyTorch solvers run. The first solve prints o
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
@@ -43,10 +44,8 @@ def _fake(gram: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
 def _build_jit() -> str:
     from torch.utils import cpp_extension
 
-    sources = [str(CSRC / f) for f in CPU_SOURCES]
     with_cuda = torch.cuda.is_available() and cpp_extension.CUDA_HOME is not None
-    if with_cuda:
-        sources += [str(CSRC / f) for f in CUDA_SOURCES]
+    sources = [str(CSRC / f) for f in CPU_SOURCES + (CUDA_SOURCES if with_cuda else ())]
     build = extension_cache_dir()
     build.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(
@@ -87,10 +86,8 @@ def load() -> bool:
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             _state["ok"], how = False, f"weight solves run as PyTorch ops (no compiled solve: {reason})"
     if _state["ok"] and not hasattr(torch.ops.fastpals.solve_weights.default, "_fastpals_fake"):
-        try:
+        with contextlib.suppress(RuntimeError):  # registered by an earlier load of this module
             torch.library.register_fake("fastpals::solve_weights")(_fake)
-        except RuntimeError:  # registered by an earlier load of this module
-            pass
         torch.ops.fastpals.solve_weights.default._fastpals_fake = True
     if how:
         print(f"fastpals: {how}", file=sys.stderr)

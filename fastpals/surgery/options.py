@@ -27,16 +27,14 @@ def _parse(name: str, key: str, value: Any, default: Any) -> Any:
         if key == "proposal":
             return int(text) if text.lstrip("-").isdigit() else text
         if isinstance(default, bool):
-            if text.lower() in ("1", "true", "yes"):
-                return True
-            if text.lower() in ("0", "false", "no"):
-                return False
-            raise ValueError(text)
+            return {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}[
+                text.lower()
+            ]
         if isinstance(default, int) or (default is None and key in ("max_iter", "max_iters", "sweeps")):
             return int(text)
         if isinstance(default, float):
             return float(text)
-    except ValueError:
+    except (ValueError, KeyError):
         raise ValueError(f"surgery {name}: option {key}={value!r} is not a valid value") from None
     return text
 

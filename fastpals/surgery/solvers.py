@@ -70,17 +70,11 @@ def jacobi_eigh(a: torch.Tensor, sweeps: int | None = None) -> tuple[torch.Tenso
     eps = torch.finfo(F64).eps
     p_all, q_all = _round_robin(n, dev)
     rounds = []
-    for r in range(n - 1):
-        p, q = p_all[r], q_all[r]
-        pq = torch.cat([p, q])
-        rounds.append(
-            (
-                (torch.cat([p, q, p]), torch.cat([p, q, q])),  # gathers a_pp, a_qq, a_pq
-                torch.cat([q, p])[torch.argsort(pq)],  # partner of each index
-                torch.argsort(pq),  # index i -> its position in cat([p, q])
-                (pq, torch.cat([q, p])),  # the zeroed entries
-            )
-        )
+    for p, q in zip(p_all, q_all):
+        pq, qp = torch.cat([p, q]), torch.cat([q, p])
+        position = torch.argsort(pq)  # index i -> its position in pq
+        # the gathers of a_pp, a_qq and a_pq; the partner of each index; the zeroed entries
+        rounds.append(((torch.cat([p, q, p]), torch.cat([p, q, q])), qp[position], position, (pq, qp)))
     zeros = torch.zeros(n, dtype=F64, device=dev)
     half = n // 2
     for _ in range(budget):

@@ -1,11 +1,7 @@
-"""Aggregators: a Gram matrix ``gram [T, T]`` (float32/float64, ``gram[i, j] = <g_i, g_j>``, any device) -> task
-weights ``w [T]`` on its device (float64 for a float64 Gram, else float32); the update is ``sum_t w[t] g_t``.
-
-Every aggregator is ``fn(gram, [state,] generator=None, **options)``, runs in float64 and never reads the device
-from the host (no ``.item()``, boolean masks, 0-dim device indices, ``torch.linalg`` host error checks or loops
-that exit on a tensor): iterative solvers run a fixed budget and freeze the converged iterate with
-``torch.where``. Only Python arguments are validated, never tensor values (``tests/test_aggregators_fake.py``
-runs them all on fake tensors); non-finite Grams never get here (``TaskGradients.apply`` skips the step).
+"""Aggregators ``fn(gram, [state,] generator=None, **options) -> w``: a Gram ``gram [T, T]`` (float32/float64,
+``<g_i, g_j>``, any device) -> weights ``w [T]`` on its device (float64 for a float64 Gram, else float32), the
+update being ``sum_t w[t] g_t``. They compute in float64 and never read the device from the host: fixed
+iteration budgets, converged iterates frozen with ``torch.where``, only Python arguments validated.
 """
 
 from __future__ import annotations
@@ -105,13 +101,10 @@ def pcgrad_orders(num_tasks: int, generator: torch.Generator | None = None) -> t
 def pcgrad_weights(
     gram: torch.Tensor, generator: torch.Generator | None = None, orders: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """PCGrad (Yu et al. 2020, Algorithm 1) as task weights.
-
-    Each ``g_i`` is projected, in the order ``orders[i]`` (``int64 [T, T-1]``, default drawn by
-    :func:`pcgrad_orders` from ``generator``), onto the normal plane of each ORIGINAL ``g_j`` it conflicts with;
-    the results are summed. ``g_i^PC = sum_k C[i, k] g_k`` is tracked through ``C`` (``I`` at the start), so every
-    inner product is read from the Gram: ``T - 1`` vectorised steps, ``w = C.sum(0)``. Zero gradients
-    (``gram[j, j] == 0``) are never projected against.
+    """PCGrad (Yu et al. 2020, Algorithm 1) as task weights: each ``g_i`` is projected, in the order
+    ``orders[i]`` (``int64 [T, T-1]``, default :func:`pcgrad_orders` from ``generator``), onto the normal plane of
+    each ORIGINAL ``g_j`` it conflicts with, and the results summed. ``g_i^PC = sum_k C[i, k] g_k`` is tracked
+    through ``C`` (``I`` at the start): ``T - 1`` steps on the Gram, ``w = C.sum(0)``; zero gradients never count.
     """
     gram = check_gram(gram)
     t = gram.shape[0]
@@ -168,14 +161,12 @@ def _constraint_mask(constraints: object, t: int, proposal: object, device: torc
             )
         idx = constraints.to(device=device, dtype=torch.int64, non_blocking=True)
         return torch.zeros(t, dtype=torch.bool, device=device).index_fill_(0, idx, True)
-    mask = torch.zeros(t, dtype=torch.bool)
+    mask = torch.full((t,), constraints is None)
     if constraints is None:
-        mask[:] = True
         if isinstance(proposal, int) and not isinstance(proposal, bool):
             mask[proposal] = False  # GEM constrains the other tasks, not the one being trained
     else:
-        idx = list(constraints.tolist() if isinstance(constraints, torch.Tensor) else constraints)
-        for k in idx:
+        for k in constraints.tolist() if isinstance(constraints, torch.Tensor) else constraints:
             if not isinstance(k, int) or not 0 <= k < t:
                 raise ValueError(f"constraints must hold task indices in [0, {t}), got {k!r}")
             mask[k] = True
@@ -191,17 +182,11 @@ def gem_weights(
     tol: float = 1e-12,
     ridge: float = 1e-12,
 ) -> torch.Tensor:
-    """GEM (Lopez-Paz & Ranzato 2017) for multi-task training, as task weights.
-
-    The update closest to the proposal ``g = sum_t a_t g_t`` whose inner product with every constrained task
-    gradient is non-negative. ``a`` is ``proposal``: ``"sum"`` (default), ``"mean"``, a task index ``k`` or a
-    floating ``[T]`` tensor. ``constraints``: the constrained rows (default every task, or every task but ``k``);
-    a CPU tensor or list is validated, a device tensor used unchecked. With an episodic memory, memory gradients
-    go in their own rows, proposed with zeros and constrained (what :class:`fastpals.surgery.GEM` does).
-
-    The dual QP ``min_{v >= 0} 1/2 v^T G_cc v + v^T (G a)_c`` (``ridge * max(diag G)`` on the diagonal) gives
-    ``w = a + v``, by :func:`nonneg_qp` with ``max_iter`` iterations (default ``3 T + 10``) and KKT tolerance
-    ``tol * max(diag G)``.
+    """GEM (Lopez-Paz & Ranzato 2017) as task weights: the update closest to the proposal ``sum_t a_t g_t``
+    (``proposal``: ``"sum"``, ``"mean"``, a task index ``k`` or a ``[T]`` tensor) with a non-negative inner
+    product with every row of ``constraints`` (default all, or all but ``k``; a device tensor is not validated).
+    ``w = a + v`` from the dual QP ``min_{v >= 0} 1/2 v^T G_cc v + v^T (G a)_c`` (:func:`nonneg_qp`, ``max_iter``
+    iterations, default ``3 T + 10``). Episodic memory: memory rows proposed with zeros, constrained (``GEM``).
     """
     gram = check_gram(gram)
     t = gram.shape[0]

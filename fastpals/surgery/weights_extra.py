@@ -245,7 +245,7 @@ def pcd_weights(
     if isinstance(tau, torch.Tensor):
         if tau.shape != (t - 1,):
             raise ValueError(
-                f"pcd: option tau must be one value or {t - 1} comma-separated values, got {tau!r}"
+                f"pcd: option tau must be one value or {t - 1} comma-separated ones, got {tau!r}"
             )
         taus = tau.to(device=g.device, dtype=F64, non_blocking=True)
     elif 0.0 <= float(tau) <= 1.0:

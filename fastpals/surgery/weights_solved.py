@@ -172,9 +172,8 @@ def imtlg_weights(
     v = vec @ (inv * (vec.T @ d))
     s = v.sum()
     small = s.abs() < 1e-12
-    return torch.where(small, torch.zeros_like(v), v / torch.where(small, torch.ones_like(s), s)).to(
-        weights_dtype(gram)
-    )
+    w = torch.where(small, torch.zeros_like(v), v / torch.where(small, torch.ones_like(s), s))
+    return w.to(weights_dtype(gram))
 
 
 def alignedmtl_weights(
@@ -196,12 +195,10 @@ def alignedmtl_weights(
     t = g.shape[0]
     p = preference(pref_vector, t, g.device, "alignedmtl")
     if compiled.enabled(g):
-        mode = ("min", "median", "rmse").index(scale_mode)
         budget = jacobi_sweeps(t) if sweeps is None else int(sweeps)
-        eps = torch.finfo(gram.dtype).eps
-        return compiled.solve_weights(
-            gram, "alignedmtl", torch.cat([p, torch.zeros_like(p)]), [budget, mode, eps]
-        )
+        mode = ("min", "median", "rmse").index(scale_mode)
+        vec = torch.cat([p, torch.zeros_like(p)])
+        return compiled.solve_weights(gram, "alignedmtl", vec, [budget, mode, torch.finfo(gram.dtype).eps])
     lam, vec = jacobi_eigh(torch.triu(g) + torch.triu(g, 1).T, sweeps)
     tol = lam.amax() * t * torch.finfo(gram.dtype).eps
     keep = lam > tol
@@ -333,14 +330,11 @@ def cagrad_weights(
     max_iter: int = 100,
     search_iters: int | None = None,
 ) -> torch.Tensor:
-    """CAGrad (Liu et al., "Conflict-Averse Gradient Descent", 2021, Algorithm 1): with ``g_0`` the mean
-    gradient and ``φ = c^2 |g_0|^2``, ``w* = argmin_{w in simplex} <g_w, g_0> + sqrt(φ) |g_w|`` and the weights
-    ``1/T + sqrt(φ) / |g_w*| w*`` (zero when ``|g_w*| < norm_eps``), ``G`` divided by its trace first (TorchJD).
-
-    ``solver``: ``exact`` solves the KKT system on every support (``2^T - 1``, at most 10 tasks); ``pgd`` runs
-    ``max_iter`` projected-gradient steps, then ``search_iters`` (default ``2 T + 10``) active-set steps from
-    the iterate's support, exact once it reaches the optimal support; ``auto``: ``exact`` up to 10 tasks.
-    """
+    """CAGrad (Liu et al. 2021, Algorithm 1): with ``g_0`` the mean gradient and ``φ = c^2 |g_0|^2``, the weights
+    ``1/T + sqrt(φ) / |g_w*| w*`` (zero when ``|g_w*| < norm_eps``), ``w* = argmin_{w in simplex} <g_w, g_0> +
+    sqrt(φ) |g_w|`` on ``G / trace(G)``. ``solver``: ``exact``, the KKT point of every support (at most 10 tasks);
+    ``pgd``, ``max_iter`` projected-gradient then ``search_iters`` (default ``2 T + 10``) active-set steps;
+    ``auto``: ``exact`` up to 10 tasks."""
     if c < 0:
         raise ValueError(f"cagrad: c must be non-negative, got {c}")
     if solver not in ("auto", "exact", "pgd"):
@@ -389,12 +383,9 @@ def cagrad_weights(
 
 
 def _alpha_fair_solve(g: torch.Tensor, alpha: float, max_iter: int) -> torch.Tensor:
-    """The positive root ``x`` of ``G x = x^{-1/alpha}`` (the minimiser of the strictly convex
-    ``1/2 x^T G x - sum_i psi(x_i)``, ``psi' = x^{-1/alpha}``), by damped Newton with a batched backtracking line
-    search (no host sync): exactly ``max_iter`` Newton steps, each trying the 40 step sizes ``2^-k`` at once and
-    taking the first that satisfies Armijo's rule (none: ``x`` is kept). At the root the Newton step is at the
-    round-off level, so iterations past convergence leave ``x`` unchanged up to round-off. ``G`` is first divided
-    by its trace; the root scales back as ``tr^{-alpha/(alpha+1)}``."""
+    """The positive root ``x`` of ``G x = x^{-1/alpha}`` (the minimiser of ``1/2 x^T G x - sum_i psi(x_i)``,
+    ``psi' = x^{-1/alpha}``) on ``G / trace(G)``, scaled back: ``max_iter`` damped Newton steps, each taking the
+    first of the step sizes ``2^-k`` that satisfies Armijo's rule (none: ``x`` is kept)."""
     if compiled.enabled(g):
         return compiled.solve_weights(g, "alpha_fair", None, [alpha, max_iter])
     t = g.shape[0]
@@ -571,13 +562,10 @@ def crmogm_weights(
         raise ValueError(f"crmogm: alpha must be in [0, 1], got {alpha}")
     lam_hat = AGGREGATORS[base](gram, generator).to(F64)
     t = lam_hat.shape[0]
-    if state.weights is None or state.weights.shape != (t,):
-        lam = lam_hat
-    else:
-        lam = (
-            alpha * state.weights.to(device=lam_hat.device, dtype=F64, non_blocking=True)
-            + (1.0 - alpha) * lam_hat
-        )
+    lam = lam_hat
+    if state.weights is not None and state.weights.shape == (t,):
+        previous = state.weights.to(device=lam_hat.device, dtype=F64, non_blocking=True)
+        lam = alpha * previous + (1.0 - alpha) * lam_hat
     state.weights = lam
     return lam.to(weights_dtype(gram))
 
