@@ -1,5 +1,4 @@
-"""Aggregators from command-line options: :func:`make_weighting` (``--surgery NAME --surgery-opt KEY=VALUE``)
-and :func:`parse_surgery_options`."""
+"""Aggregators from command-line options (``--surgery NAME --surgery-opt KEY=VALUE``)."""
 
 from __future__ import annotations
 

@@ -44,8 +44,7 @@ def _round_robin(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tens
 
 
 def jacobi_sweeps(t: int) -> int:
-    """The default sweep budget of :func:`jacobi_eigh` for a ``T x T`` matrix: ``2 ceil(log2 n) + 4``, ``n`` =
-    ``T`` rounded up to even; convergence is quadratic."""
+    """Default sweeps of :func:`jacobi_eigh`: ``2 ceil(log2 n) + 4``, ``n`` = ``T`` rounded up to even."""
     n = t + t % 2
     return 2 * (n - 1).bit_length() + 4
 

@@ -436,8 +436,7 @@ def fairgrad_weights(
 
 
 class NashMTLState(CountedState):
-    """Nash-MTL's state across steps: the step counter and the last weights (reused between updates when
-    ``update_weights_every > 1``)."""
+    """Nash-MTL's step counter and last weights (reused between updates when ``update_weights_every > 1``)."""
 
 
 def nashmtl_weights(
