@@ -1,35 +1,9 @@
 """Gradient surgery: per-task gradients of the shared parameters -> ``T x T`` Gram -> task weights -> one update.
 
-An *aggregator* maps the Gram ``G[i, j] = <g_i, g_j>`` (float32/float64, on the device) to weights ``w [T]``;
-the update is ``sum_t w_t g_t``. :data:`AGGREGATORS` names them all (``pcgrad``, ``gem``, ``upgrad``, ``mgda``,
-``cagrad``, ``nashmtl``, ...: :mod:`.weights_basic`, :mod:`.weights_solved`, :mod:`.weights_extra`) and
-:func:`make_weighting` builds one from string options. No aggregator reads the device from the host.
-
-The per-task gradients live in one of two memory modes, both :class:`TaskGradients` (:mod:`.core`), whose
-``apply`` runs Gram -> weights -> combine: :class:`TaskGradientBuffer` holds ``[T, P]`` rows (one backward per
-task and :meth:`~TaskGradientBuffer.capture`, or :func:`per_task_gradients` from one backward);
-:class:`StreamingTaskGradients` builds the Gram layer by layer in the one backward, memory flat in ``T``.
-:class:`SurgeryOptimizer` (and its names :class:`PCGrad`, :class:`GEM`) wraps an optimizer with
-Pytorch-PCGrad's ``pc_backward(losses)`` convention.
-
-Mixed precision: use one loss scale for all tasks (the weights do not depend on it; the Gram is accumulated in
-float32). Inf/nan in any task gradient skips the step: ``apply`` returns ``SurgeryResult(skipped=True, ...)``
-and writes nothing; with ``torch.amp.GradScaler`` do not call ``scaler.step`` then, lower the scale yourself.
-
-Data parallel: run the per-task backwards without DDP's all-reduce (``model.no_sync()``) and pass
-``all_reduce=True`` (or ``process_group``): the task gradients are averaged before the Gram (per-rank Grams do
-not add up to the global one), so every rank computes the same update. DeepSpeed ZeRO 0-2 (not 3): one
-``engine.backward(loss_t)`` and ``buf.capture(t)`` per task, then ``buf.apply(...)`` and ``engine.step()``, with
-``capture_task_params=True`` (ZeRO-1/2 backwards replace gradients) and DeepSpeed's getter and setter::
-
-    from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
-    buf = TaskGradientBuffer(shared, T, task_params=specific, capture_task_params=True,
-                             grad_getter=safe_get_full_grad,
-                             grad_setter=lambda p, g: safe_set_full_grad(
-                                 p, g if g is not None else torch.zeros_like(p, dtype=torch.float32)))
-
-DeepSpeed already averages each backward over the ranks: do not pass ``all_reduce``. Client optimizers need
-``"zero_allow_untested_optimizer": true``; ``"gradient_clipping"`` applies after surgery.
+An *aggregator* maps the Gram to weights ``w [T]`` (:data:`AGGREGATORS`, :func:`make_weighting`); the per-task
+gradients live in a :class:`TaskGradientBuffer` (``[T, P]`` rows) or a :class:`StreamingTaskGradients` (the Gram
+built layer by layer), whose ``apply`` runs Gram -> weights -> combine. :class:`SurgeryOptimizer` (and its names
+:class:`PCGrad`, :class:`GEM`) wraps an optimizer. Mixed precision, data parallel and DeepSpeed: ``docs/api.md``.
 """
 
 from fastpals.surgery.buffer import TaskGradientBuffer, parameters_reached

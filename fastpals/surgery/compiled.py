@@ -1,19 +1,13 @@
 """The compiled weight solve ``torch.ops.fastpals.solve_weights`` (``csrc/``): one op call per Gram -> weights
-solve, C++ on the CPU and one CUDA kernel launch on the GPU, in place of the loops of small PyTorch ops of
-:mod:`fastpals.surgery.solvers` (which stay the reference and the fallback).
-
-The op comes, in this order, from the extension ``fastpals._C`` built into the wheel (``FASTPALS_BUILD_EXT=1 pip
-install .``, see ``setup.py``) or from ``csrc/`` built just in time with ninja (``torch.utils.cpp_extension.load``)
-into ``$XDG_CACHE_HOME/fastpals/extensions`` (``~/.cache/...``); without a compiler (or with
-``FASTPALS_SOLVE=torch``) the PyTorch solvers run. The first solve prints one line saying which.
-
-``solve_weights(gram [T, T] float32/float64, method, vec float64 or None, params [<= 3] floats, state=None)``
-returns ``w [T]`` in the Gram's dtype; ``method``, ``vec``, ``params`` and ``state`` (GradVac's targets, MoDo's and
-SDMGrad's weights, updated in place) are laid out in ``csrc/solvers.h``.
+solve (C++ on the CPU, one CUDA launch on the GPU) for the aggregators, whose PyTorch solvers stay the reference
+and the fallback. The op comes from the wheel's extension ``fastpals._C`` (``FASTPALS_BUILD_EXT=1 pip install
+.``) or from ``csrc/`` built just in time with ninja into :func:`extension_cache_dir`; without a compiler (or
+with ``FASTPALS_SOLVE=torch``) the PyTorch solvers run. The first solve prints one line saying which.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
@@ -23,31 +17,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["CSRC", "METHODS", "enabled", "extension_cache_dir", "load", "solve_weights"]
+__all__ = ["CSRC", "enabled", "extension_cache_dir", "load", "solve_weights"]
 
 #: the sources of the op (a checkout's top-level ``csrc/``)
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
-#: the methods the op solves (codes of ``csrc/solvers.h``)
-METHODS = (
-    "imtlg",
-    "alignedmtl",
-    "upgrad",
-    "dualproj",
-    "gem",
-    "mgda",
-    "alpha_fair",
-    "gradvac",
-    "pcgrad",
-    "cagrad",
-    "sum",
-    "mean",
-    "constant",
-    "random",
-    "pcd",
-    "modo",
-    "sdmgrad",
-    "krum",
-)
 CPU_SOURCES = ("solve_weights.cpp",)
 CUDA_SOURCES = ("solve_weights_cuda.cu",)
 
@@ -64,27 +37,15 @@ def extension_cache_dir() -> Path:
     return root / tag
 
 
-def _registered() -> bool:
-    try:
-        torch.ops.fastpals.solve_weights  # noqa: B018 - raises AttributeError while the op is not defined
-    except AttributeError:
-        return False
-    return True
-
-
-def _register_fake() -> None:
-    @torch.library.register_fake("fastpals::solve_weights")
-    def _(gram: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:  # w [T], whatever the rest
-        return gram.new_empty((gram.shape[0],))
+def _fake(gram: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return gram.new_empty((gram.shape[0],))  # w [T], whatever the rest
 
 
 def _build_jit() -> str:
     from torch.utils import cpp_extension
 
-    sources = [str(CSRC / f) for f in CPU_SOURCES]
     with_cuda = torch.cuda.is_available() and cpp_extension.CUDA_HOME is not None
-    if with_cuda:
-        sources += [str(CSRC / f) for f in CUDA_SOURCES]
+    sources = [str(CSRC / f) for f in CPU_SOURCES + (CUDA_SOURCES if with_cuda else ())]
     build = extension_cache_dir()
     build.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(
@@ -102,13 +63,13 @@ def _build_jit() -> str:
 
 
 def load() -> bool:
-    """Load (or build) the op once per process; print one line saying which solver path runs. True if the op
-    is there."""
+    """Load (or build) the op once per process and print one line saying which solver path runs; True if the
+    op is there."""
     if "ok" in _state:
         return bool(_state["ok"])
     if os.environ.get("FASTPALS_SOLVE", "").lower() == "torch":
         _state["ok"], how = False, "FASTPALS_SOLVE=torch: weight solves run as PyTorch ops"
-    elif _registered():
+    elif hasattr(torch.ops.fastpals, "solve_weights"):
         _state["ok"], how = True, None
     else:
         try:
@@ -125,10 +86,8 @@ def load() -> bool:
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             _state["ok"], how = False, f"weight solves run as PyTorch ops (no compiled solve: {reason})"
     if _state["ok"] and not hasattr(torch.ops.fastpals.solve_weights.default, "_fastpals_fake"):
-        try:
-            _register_fake()
-        except RuntimeError:  # registered by an earlier load of this module
-            pass
+        with contextlib.suppress(RuntimeError):  # registered by an earlier load of this module
+            torch.library.register_fake("fastpals::solve_weights")(_fake)
         torch.ops.fastpals.solve_weights.default._fastpals_fake = True
     if how:
         print(f"fastpals: {how}", file=sys.stderr)
@@ -150,8 +109,9 @@ def solve_weights(
     params: Sequence[float],
     state: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``torch.ops.fastpals.solve_weights`` (see the module docstring); ``w [T]`` float32 or float64 (float64 for
-    a float64 ``gram``, else float32). ``state`` (GradVac's ``[T, T]`` float64 targets) is updated in place."""
+    """``w [T]`` (float64 for a float64 ``gram [T, T]``, else float32) for the op code ``method`` with ``vec``
+    (float64 or None) and ``params`` (at most 3), laid out in ``csrc/solvers.h``; ``state`` (float64: GradVac's
+    targets, MoDo's and SDMGrad's weights) is updated in place."""
     if gram.dtype != torch.float64:
         gram = gram.to(torch.float32)
     return torch.ops.fastpals.solve_weights(gram, method, vec, [float(p) for p in params], state)

@@ -1,5 +1,4 @@
-"""Aggregators from command-line options: :func:`make_weighting` (``--surgery NAME --surgery-opt KEY=VALUE``)
-and :func:`parse_surgery_options`."""
+"""Aggregators from command-line options (``--surgery NAME --surgery-opt KEY=VALUE``)."""
 
 from __future__ import annotations
 
@@ -13,15 +12,8 @@ from fastpals.surgery.weights_solved import AGGREGATORS, STATEFUL
 
 __all__ = ["make_weighting", "parse_surgery_options"]
 
-F64 = torch.float64
-
-# options settable from strings; everything else in a signature (generator, orders, state) is not an option
+# the parameters of an aggregator that are not options settable from strings
 _NOT_OPTIONS = {"gram", "generator", "state", "orders", "constraints"}
-
-
-def _options(name: str) -> dict[str, inspect.Parameter]:
-    sig = inspect.signature(AGGREGATORS[name])
-    return {k: p for k, p in sig.parameters.items() if k not in _NOT_OPTIONS}
 
 
 def _parse(name: str, key: str, value: Any, default: Any) -> Any:
@@ -30,37 +22,33 @@ def _parse(name: str, key: str, value: Any, default: Any) -> Any:
     text = value.strip()
     try:
         if key in ("pref_vector", "weights") or (key in ("proposal", "tau") and "," in text):
-            return torch.tensor([float(x) for x in text.split(",")], dtype=F64)
+            return torch.tensor([float(x) for x in text.split(",")], dtype=torch.float64)
         if key == "proposal":
             return int(text) if text.lstrip("-").isdigit() else text
         if isinstance(default, bool):
-            if text.lower() in ("1", "true", "yes"):
-                return True
-            if text.lower() in ("0", "false", "no"):
-                return False
-            raise ValueError(text)
+            return {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}[
+                text.lower()
+            ]
         if isinstance(default, int) or (default is None and key in ("max_iter", "max_iters", "sweeps")):
             return int(text)
         if isinstance(default, float):
             return float(text)
-    except ValueError:
+    except (ValueError, KeyError):
         raise ValueError(f"surgery {name}: option {key}={value!r} is not a valid value") from None
     return text
 
 
 def make_weighting(name: str, **options: Any) -> tuple[Callable[..., torch.Tensor], Any]:
-    """Build the weighting ``name`` of :data:`AGGREGATORS` with ``options`` (values may be strings, as from
-    ``--surgery-opt KEY=VALUE``; they are parsed by the option's default type; ``pref_vector`` is comma-separated).
-
-    Returns ``(fn, state)``: ``fn(gram, generator=None) -> w [T]`` (the signature
-    :meth:`TaskGradientBuffer.apply` calls) and the state object of a stateful method (``None`` otherwise; keep it
-    in checkpoints through its ``state_dict()`` / ``load_state_dict()``; ``fn`` closes over it).
-    Raises ``ValueError`` (one line) for an unknown name or option or an unparsable value.
+    """Build the aggregator ``name`` of :data:`AGGREGATORS` with ``options`` (strings, as from ``--surgery-opt
+    KEY=VALUE``, are parsed by the option's default type; vectors are comma-separated). Returns ``(fn, state)``:
+    ``fn(gram, generator=None) -> w [T]`` and the state object of a stateful method (``None`` otherwise), which
+    ``fn`` closes over. Raises a one-line ``ValueError`` for an unknown name or option or a bad value.
     """
     key = str(name).lower()
     if key not in AGGREGATORS:
         raise ValueError(f"unknown surgery method {name!r}; choose one of {', '.join(AGGREGATORS)}")
-    allowed = _options(key)
+    params = inspect.signature(AGGREGATORS[key]).parameters
+    allowed = {k: p for k, p in params.items() if k not in _NOT_OPTIONS}
     parsed: dict[str, Any] = {}
     for opt, value in options.items():
         if opt not in allowed:

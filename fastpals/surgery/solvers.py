@@ -1,6 +1,5 @@
-"""Small dense solvers for the Gram-matrix weightings (:mod:`fastpals.surgery.weights_solved`): batched SPD solves, a
-fixed-sweep Jacobi eigensolver and a non-negative QP, all branch-free tensor code with fixed budgets, so that none
-reads a device value on the host (``torch.linalg.eigh``/``pinv`` check errors on the host on CUDA)."""
+"""Small dense solvers of the aggregators, with fixed budgets and no host read (``torch.linalg.eigh`` and ``pinv``
+check errors on the host on CUDA): batched SPD solves, a Jacobi eigensolver and a non-negative QP."""
 
 from __future__ import annotations
 
@@ -11,19 +10,14 @@ __all__ = ["jacobi_eigh", "jacobi_sweeps", "nonneg_qp", "spd_solve"]
 F64 = torch.float64
 #: the largest systems solved by :func:`spd_solve`; larger ones go to ``torch.linalg.solve_ex`` (no host check)
 SPD_SOLVE_MAX_T = 16
-#: the most iterations of :func:`nonneg_qp` by default (its budget is ``min(3 T + 10, QP_MAX_ITER)``); the fixed
-#: budget runs every iteration (no host read ends it early), so a cap keeps large T affordable
+#: the most iterations of :func:`nonneg_qp` by default (``min(3 T + 10, QP_MAX_ITER)``): every one runs
 QP_MAX_ITER = 40
 
 
 def spd_solve(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Solve ``a x = b`` for a batch of small symmetric positive definite systems (``a [B, T, T]``, ``b [B, T, K]``)
-    by Gauss-Jordan elimination without pivoting (backward stable for SPD matrices), in ``T`` vectorised steps.
-
-    Batched ``torch.linalg.solve`` on CPU splits the batch over threads; on a busy machine a batch of a few 3 x 3
-    systems then waits tens of milliseconds for a free core. Elementwise ops on these tiny tensors stay on the
-    calling thread.
-    """
+    by Gauss-Jordan elimination without pivoting (backward stable for SPD matrices), in ``T`` vectorised steps:
+    elementwise ops stay on the calling thread, where batched ``torch.linalg.solve`` waits for the thread pool."""
     a = a.clone()
     b = b.clone()
     t = a.shape[-1]
@@ -50,34 +44,16 @@ def _round_robin(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tens
 
 
 def jacobi_sweeps(t: int) -> int:
-    """The default sweep budget of :func:`jacobi_eigh` for a ``T x T`` matrix: ``2 ceil(log2 n) + 4`` with ``n`` =
-    ``T`` rounded up to even (6 sweeps for T = 2, 8 for T = 3..4, 10 for 5..8, 12 for 9..16, 14 for 17..32)."""
+    """Default sweeps of :func:`jacobi_eigh`: ``2 ceil(log2 n) + 4``, ``n`` = ``T`` rounded up to even."""
     n = t + t % 2
     return 2 * (n - 1).bit_length() + 4
 
 
 def jacobi_eigh(a: torch.Tensor, sweeps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eigendecomposition of a small symmetric matrix by the cyclic Jacobi method, on the device, no host sync.
-
-    ``torch.linalg.eigh`` (and ``pinv``) read an error flag back to the host on CUDA; this runs a fixed number of
-    ``sweeps`` (default :func:`jacobi_sweeps`), each ``n - 1`` rounds of ``n / 2`` disjoint plane rotations
-    (round-robin order, ``n`` = ``T`` rounded up to even; an odd ``T`` is padded with a zero row and column that
-    never rotates). A rotation zeroes ``a[p, q]`` (angle ``atan(2 a_pq / (a_qq - a_pp)) / 2``, at most pi/4) unless
-    ``|a[p, q]| <= eps sqrt(|a[p, p] a[q, q]|)`` (Demmel & Veselic's threshold, float64 ``eps``), in which case it
-    is the identity: once converged, further sweeps are the identity, except for round-off-level rotations
-    between eigenvalues at the round-off level of ``|a|``. Convergence is quadratic; on random, low-rank,
-    graded and clustered test matrices (float32- and float64-rounded) ``imtlg``'s and ``alignedmtl``'s weights stop
-    changing after 1 (T = 2), 3 (T = 3), 7 (T = 8), 9 (T = 16) and 12 (T = 32) sweeps. The rotations are applied
-    elementwise (``O(T^2)`` per round, no BLAS call).
-
-    Args:
-        a: ``[T, T]`` float32/float64, symmetric (not checked: that would read it), any device.
-        sweeps: the fixed sweep budget (default :func:`jacobi_sweeps`, ``2 ceil(log2 n) + 4``).
-
-    Returns:
-        ``(lam [T], vec [T, T])`` float64 on ``a``'s device, ``a ~= vec @ diag(lam) @ vec.T``, eigenvalues in no
-        particular order, eigenvectors in the columns.
-    """
+    """Eigendecomposition ``a ~= vec @ diag(lam) @ vec.T`` of a symmetric ``a [T, T]`` (float32/float64, any
+    device) by the cyclic Jacobi method: ``sweeps`` sweeps (default :func:`jacobi_sweeps`) of ``n - 1`` rounds of
+    ``n / 2`` disjoint rotations (round-robin, ``T`` padded to even ``n``), each skipped below Demmel & Veselic's
+    threshold ``|a_pq| <= eps sqrt(|a_pp a_qq|)``. Returns ``(lam [T], vec [T, T])`` float64, in no order."""
     if a.dim() != 2 or a.shape[0] != a.shape[1] or a.shape[0] == 0:
         raise ValueError(f"jacobi_eigh needs a non-empty square matrix, got shape {tuple(a.shape)}")
     t = a.shape[0]
@@ -93,17 +69,11 @@ def jacobi_eigh(a: torch.Tensor, sweeps: int | None = None) -> tuple[torch.Tenso
     eps = torch.finfo(F64).eps
     p_all, q_all = _round_robin(n, dev)
     rounds = []
-    for r in range(n - 1):
-        p, q = p_all[r], q_all[r]
-        pq = torch.cat([p, q])
-        rounds.append(
-            (
-                (torch.cat([p, q, p]), torch.cat([p, q, q])),  # gathers a_pp, a_qq, a_pq
-                torch.cat([q, p])[torch.argsort(pq)],  # partner of each index
-                torch.argsort(pq),  # index i -> its position in cat([p, q])
-                (pq, torch.cat([q, p])),  # the zeroed entries
-            )
-        )
+    for p, q in zip(p_all, q_all):
+        pq, qp = torch.cat([p, q]), torch.cat([q, p])
+        position = torch.argsort(pq)  # index i -> its position in pq
+        # the gathers of a_pp, a_qq and a_pq; the partner of each index; the zeroed entries
+        rounds.append(((torch.cat([p, q, p]), torch.cat([p, q, q])), qp[position], position, (pq, qp)))
     zeros = torch.zeros(n, dtype=F64, device=dev)
     half = n // 2
     for _ in range(budget):
@@ -125,27 +95,22 @@ def jacobi_eigh(a: torch.Tensor, sweeps: int | None = None) -> tuple[torch.Tenso
 
 
 def nonneg_qp(
-    q: torch.Tensor, b: torch.Tensor, max_iter: int | None = None, tol: float = 1e-13
+    q: torch.Tensor,
+    b: torch.Tensor,
+    max_iter: int | None = None,
+    tol: float = 1e-13,
+    scale: torch.Tensor | None = None,
+    pivoting: bool = False,
 ) -> torch.Tensor:
-    """Solve ``min_{x >= 0} 1/2 x^T Q x + b^T x`` for a batch of right-hand sides, on the device, no host sync.
-
-    Block principal pivoting (Júdice & Pires; Kim & Park's NNLS form) with full exchanges while the number of
-    infeasible variables falls, then Murty's single-pivot backup rule (finite termination for positive definite
-    ``Q``), run for a fixed ``max_iter`` iterations; the free set freezes once the KKT
-    conditions hold to ``tol * max(diag Q)``. Default budget: ``min(3 T + 10, QP_MAX_ITER)`` (see
-    :data:`QP_MAX_ITER`).
-
-    Args:
-        q: ``[T, T]`` float64, symmetric positive definite.
-        b: ``[B, T]`` float64.
-
-    Returns:
-        ``x [B, T]`` float64, ``x >= 0``.
-    """
+    """``x [B, T] >= 0`` minimising ``1/2 x^T Q x + b^T x`` for ``q [T, T]`` (float64, SPD) and each row of
+    ``b [B, T]`` (float64): block principal pivoting (Júdice & Pires; Kim & Park) with Murty's backup rule,
+    exactly ``max_iter`` iterations (default ``min(3 T + 10, QP_MAX_ITER)``), the free set frozen once the KKT
+    conditions hold to ``tol * scale`` (default ``max(diag Q)``). ``pivoting``: LU solves at every ``T``, for a
+    ``Q`` that may be numerically singular."""
     bsz, t = b.shape
     device = q.device
     eye = torch.eye(t, dtype=F64, device=device)
-    thresh = tol * torch.diagonal(q).amax().clamp_min(torch.finfo(F64).tiny)
+    thresh = tol * (torch.diagonal(q).amax() if scale is None else scale).clamp_min(torch.finfo(F64).tiny)
     iters = min(3 * t + 10, QP_MAX_ITER) if max_iter is None else int(max_iter)
     passive = torch.zeros((bsz, t), dtype=torch.bool, device=device)
     best = torch.full((bsz,), t + 1, device=device)
@@ -155,12 +120,9 @@ def nonneg_qp(
     def solve(free: torch.Tensor) -> torch.Tensor:
         system = torch.where(free[:, :, None] & free[:, None, :], q, eye)
         rhs = torch.where(free, -b, torch.zeros_like(b))[:, :, None]
-        # T elementwise Gauss-Jordan steps for small T (no thread pool); beyond, one batched LAPACK solve:
-        # UPGrad's 3 updates at T = 64 (tests/test_many_tasks.py) took 108 s with spd_solve, 20 s with this,
-        # on the shared 2-core CPU
-        sol = (spd_solve(system, rhs) if t <= SPD_SOLVE_MAX_T else torch.linalg.solve_ex(system, rhs)[0])[
-            :, :, 0
-        ]
+        # elementwise Gauss-Jordan for small T (no thread pool); beyond, one batched LAPACK solve is faster
+        gauss_jordan = t <= SPD_SOLVE_MAX_T and not pivoting
+        sol = (spd_solve(system, rhs) if gauss_jordan else torch.linalg.solve_ex(system, rhs)[0])[:, :, 0]
         return torch.where(free, sol, torch.zeros_like(sol))
 
     for _ in range(iters):

@@ -1,22 +1,7 @@
-"""TorchJD 0.18's further Gram-matrix weightings: ``T x T`` Gram -> task weights ``w [T]``.
-
-============  =========================================================================================
-``constant``  fixed weights ``weights`` (TorchJD's ``ConstantWeighting``; default ones)
-``random``    ``softmax(z)``, ``z ~ N(0, I)`` drawn from ``generator`` (Lin et al. 2022, Algorithm 2)
-``krum``      (Multi-)Krum (Blanchard et al. 2017): the ``n_selected`` gradients closest to their neighbours
-``modo``      MoDo (Chen et al., JMLR 2024): one projected gradient step on the task weights per call, stateful
-``sdmgrad``   SDMGrad (Xiao et al., NeurIPS 2023): ``n_iter`` momentum steps on the simplex per call, stateful
-``pcd``       PCD (Priority-Constrained Descent, TMLR 2026): the primary task 0 under progress constraints, stateful
-============  =========================================================================================
-
-ExcessMTL (He et al., ICML 2024) needs the gradient rows themselves (per-parameter squared-gradient sums), not the
-Gram: :func:`excessmtl_weights` takes the ``[T, P]`` rows.
-
-Same conventions as :mod:`fastpals.surgery.weights_solved`: ``fn(gram, [state,] generator=None, **options)``,
-``gram [T, T]`` float32/float64 on any device, ``w [T]`` on that device (float64 for a float64 Gram, else
-float32), float64 arithmetic, branch-free tensor code without host reads; the state objects keep their tensors
-on the Gram's device. MoDo and SDMGrad are defined on ``J_1 J_2^T`` of two independent mini-batches; given the
-Gram ``J J^T`` of one batch (what :class:`TaskGradientBuffer` computes) they run as TorchJD runs on it.
+"""TorchJD 0.18's further weightings, with :mod:`.weights_basic`'s conventions: ``constant`` (fixed weights),
+``random`` (softmax of a normal draw), ``krum`` (Multi-Krum), and the stateful ``modo``, ``sdmgrad``, ``pcd`` and
+``excessmtl`` (the only one on the ``[T, P]`` gradient rows, not the Gram). MoDo and SDMGrad are defined on
+``J_1 J_2^T`` of two mini-batches; on one batch's ``J J^T`` they run as TorchJD runs on it.
 """
 
 from __future__ import annotations
@@ -28,18 +13,19 @@ import torch
 
 from fastpals.surgery import compiled
 from fastpals.surgery.solvers import nonneg_qp
-from fastpals.surgery.weights_basic import check_gram, weights_dtype
+from fastpals.surgery.weights_basic import check_gram, preference, weights_dtype
 
 __all__ = [
+    "CountedState",
     "ExcessMTLState",
-    "PCDState",
-    "excessmtl_weights",
-    "pcd_weights",
     "MoDoState",
+    "PCDState",
     "SDMGradState",
     "constant_weights",
+    "excessmtl_weights",
     "krum_weights",
     "modo_weights",
+    "pcd_weights",
     "project_onto_simplex",
     "random_weights",
     "sdmgrad_weights",
@@ -50,25 +36,20 @@ F64 = torch.float64
 
 
 def project_onto_simplex(y: torch.Tensor) -> torch.Tensor:
-    """The Euclidean projection of ``y [T]`` onto the probability simplex (sort-based, branch-free): ``max(y -
-    tau, 0)`` with ``tau = (sum of the k largest - 1) / k`` for the largest ``k`` where it stays below the
-    ``k``-th largest (the rule of the official MoDo and SDMGrad code)."""
-    t = y.shape[0]
-    desc = torch.sort(y, descending=True).values
-    k = torch.arange(1, t + 1, dtype=y.dtype, device=y.device)
-    taus = (torch.cumsum(desc, 0) - 1.0) / k
-    support = desc > taus  # a prefix of the k (k = 1 always holds); the threshold is the last one's
-    last = (support.sum() - 1).reshape(1)
-    tau = taus.index_select(0, last)[0]
-    return (y - tau).clamp_min(0.0)
+    """The Euclidean projection of each ``y [..., T]`` onto the probability simplex (sort-based, no host read):
+    ``max(y - tau, 0)``, ``tau = (sum of the k largest - 1) / k`` for the largest ``k`` where it stays below the
+    ``k``-th largest (Held, Wolfe & Crowder 1974; the rule of the official MoDo and SDMGrad code)."""
+    desc = torch.sort(y, dim=-1, descending=True).values
+    k = torch.arange(1, y.shape[-1] + 1, dtype=y.dtype, device=y.device)
+    taus = (torch.cumsum(desc, -1) - 1.0) / k
+    count = (desc > taus).sum(-1, keepdim=True)  # the condition holds on a prefix, k = 1 always
+    return (y - taus.gather(-1, count - 1)).clamp_min(0.0)
 
 
 def constant_weights(
     gram: torch.Tensor, generator: torch.Generator | None = None, *, weights: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The fixed ``weights [T]`` whatever the Gram (``--surgery-opt weights=1,2,...``; default ones, the sum).
-
-    ``gram [T, T]`` float32/float64 -> ``w [T]`` on its device (float64 for a float64 Gram, else float32)."""
+    """The fixed ``weights [T]`` whatever the Gram (``--surgery-opt weights=1,2,...``; default ones, the sum)."""
     g = check_gram(gram)
     t = g.shape[0]
     if weights is None:
@@ -82,11 +63,8 @@ def constant_weights(
 
 
 def random_weights(gram: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Random weighting (Lin et al., "Reasonable Effectiveness of Random Weighting", 2022): ``softmax(z)`` with
-    ``z [T]`` standard normal, float64, drawn on the CPU from ``generator`` (torch's default one if ``None``) and
-    copied to the Gram's device without waiting.
-
-    ``gram [T, T]`` float32/float64 -> ``w [T]`` on its device (float64 for a float64 Gram, else float32)."""
+    """Random weighting (Lin et al. 2022, Algorithm 2): ``softmax(z)``, ``z [T]`` float64 standard normal drawn
+    on the CPU from ``generator`` (torch's default if ``None``), copied to the Gram's device without waiting."""
     g = check_gram(gram)
     z = torch.randn(g.shape[0], dtype=F64, generator=generator)
     if compiled.enabled(g):
@@ -100,9 +78,7 @@ def krum_weights(
 ) -> torch.Tensor:
     """(Multi-)Krum (Blanchard et al. 2017): each gradient's score is the sum of its distances to its ``T -
     n_byzantine - 2`` nearest others (distances from the Gram: ``|g_i|^2 + |g_j|^2 - 2 G_ij``); the
-    ``n_selected`` lowest scores get weight ``1 / n_selected``, the others 0. Needs ``T >= n_byzantine + 3``.
-
-    ``gram [T, T]`` float32/float64 -> ``w [T]`` on its device (float64 for a float64 Gram, else float32)."""
+    ``n_selected`` lowest scores get weight ``1 / n_selected``, the others 0. Needs ``T >= n_byzantine + 3``."""
     g = check_gram(gram).to(F64)
     t = g.shape[0]
     if n_byzantine < 0 or n_selected < 1 or t < n_byzantine + 3 or n_selected > t:
@@ -184,9 +160,7 @@ def modo_weights(
 ) -> torch.Tensor:
     """MoDo (Chen, Fernando, Ying & Chen, "Three-Way Trade-Off in Multi-Objective Learning", JMLR 2024): one
     step ``lambda <- Proj_simplex(lambda - gamma (G lambda + rho lambda))`` per call from the stored ``lambda``
-    (uniform at the start); returns the new ``lambda``. ``state`` is a :class:`MoDoState`.
-
-    ``gram [T, T]`` float32/float64 -> ``w [T]`` on its device (float64 for a float64 Gram, else float32)."""
+    (uniform at the start); returns the new ``lambda``. ``state`` is a :class:`MoDoState`."""
     if not isinstance(state, MoDoState):
         raise TypeError(f"modo needs a MoDoState, got {type(state).__name__}")
     if gamma <= 0 or rho < 0:
@@ -215,9 +189,7 @@ def sdmgrad_weights(
     """SDMGrad (Xiao, Ban & Ji, "Direction-oriented Multi-objective Learning", NeurIPS 2023): ``n_iter`` steps of
     momentum SGD on the simplex for ``min_w 1/2 |J^T (w + lambda_ p)|^2`` on ``A = G / (mean_i sqrt(G_ii))^2``
     from the stored ``w`` (uniform at the start); returns ``(w + lambda_ p) / (1 + lambda_)``, ``p`` =
-    ``pref_vector`` (default ``1 / T``). ``state`` is a :class:`SDMGradState`.
-
-    ``gram [T, T]`` float32/float64 -> ``w [T]`` on its device (float64 for a float64 Gram, else float32)."""
+    ``pref_vector`` (default ``1 / T``). ``state`` is a :class:`SDMGradState`."""
     if not isinstance(state, SDMGradState):
         raise TypeError(f"sdmgrad needs an SDMGradState, got {type(state).__name__}")
     if lr <= 0 or not 0 <= momentum < 1 or int(n_iter) < 1 or lambda_ < 0:
@@ -227,12 +199,7 @@ def sdmgrad_weights(
         )
     g = check_gram(gram).to(F64)
     t = g.shape[0]
-    if pref_vector is None:
-        p = torch.full((t,), 1.0 / t, dtype=F64, device=g.device)
-    elif isinstance(pref_vector, torch.Tensor) and pref_vector.shape == (t,):
-        p = pref_vector.to(device=g.device, dtype=F64, non_blocking=True)
-    else:
-        raise ValueError(f"sdmgrad: pref_vector must be a tensor of shape ({t},), got {pref_vector!r}")
+    p = preference(pref_vector, t, g.device, "sdmgrad")
     scale = torch.diagonal(g).clamp_min(0.0).sqrt().mean()
     a = g / (scale.pow(2) + 1e-8)
     w = state.current(t, g.device)
@@ -250,8 +217,7 @@ def sdmgrad_weights(
 
 
 class PCDState(CountedState):
-    """PCD's moving average of the squared gradient norms ``[T]`` (float64, on the Gram's device) and its
-    number of updates ``step`` (a Python int, read for the bias correction without a device read)."""
+    """PCD's moving average of the squared gradient norms ``[T]`` and its number of updates ``step``."""
 
     tensors = ("sq_norm_ema",)
     sq_norm_ema: torch.Tensor | None
@@ -266,19 +232,10 @@ def pcd_weights(
     beta: float = 0.999,
     eps: float = 1e-8,
 ) -> torch.Tensor:
-    """PCD (Priority-Constrained Descent, TMLR 2026; TorchJD's ``PCDWeighting``): task 0 is the primary one.
-
-    With scales ``s_i = 1 / sqrt(v_i + eps)`` (``v`` the bias-corrected moving average, decay ``beta``, of
-    ``G_ii``) and ``G~ = G * s s^T``, the direction ``d = g~_0 + sum_j mu_j g~_j`` is the closest to ``g~_0`` with
-    ``<g~_j, d> >= tau_j |g~_j|^2`` for every other task ``j``; its dual is the non-negative QP
-    ``min_{mu >= 0} 1/2 mu^T G~_SS mu + mu^T (G~_S0 - tau G~_jj)`` (``S`` the other tasks; ``1e-12 max diag``
-    added to its diagonal so dependent gradients stay solvable), solved by block principal pivoting. ``d`` is
-    rescaled to ``|g_0|``: ``w = [1, mu] * s * sqrt(G_00 / d^T d)``; zero when ``G_00 = 0`` or ``d`` vanishes
-    up to ``10 eps`` of the Gram's dtype. Infeasible constraints (a constraint still violated by more than
-    ``1e-6 max diag G~`` at the QP's solution) are dropped: ``d = g~_0``. ``tau`` is a float or ``[T - 1]``
-    values in ``[0, 1]``.
-
-    ``gram [T, T]`` float32/float64 -> ``w [T]`` on its device (float64 for a float64 Gram, else float32)."""
+    """PCD (Priority-Constrained Descent, TMLR 2026; TorchJD's ``PCDWeighting``), task 0 the primary one: with
+    ``s_i = 1 / sqrt(v_i + eps)`` (``v`` the bias-corrected EMA, decay ``beta``, of ``G_ii``) and ``G~ = G s s^T``,
+    ``d = g~_0 + sum_j mu_j g~_j`` closest to ``g~_0`` with ``<g~_j, d> >= tau_j |g~_j|^2`` (``tau``: one value or
+    ``[T - 1]`` in ``[0, 1]``; infeasible: ``d = g~_0``), by its dual QP; ``w = [1, mu] s sqrt(G_00 / d^T d)``."""
     if not isinstance(state, PCDState):
         raise TypeError(f"pcd needs a PCDState, got {type(state).__name__}")
     if not 0.0 <= beta < 1.0 or eps < 0:
@@ -288,7 +245,7 @@ def pcd_weights(
     if isinstance(tau, torch.Tensor):
         if tau.shape != (t - 1,):
             raise ValueError(
-                f"pcd: option tau must be one value or {t - 1} comma-separated values, got {tau!r}"
+                f"pcd: option tau must be one value or {t - 1} comma-separated ones, got {tau!r}"
             )
         taus = tau.to(device=g.device, dtype=F64, non_blocking=True)
     elif 0.0 <= float(tau) <= 1.0:
@@ -330,9 +287,8 @@ def pcd_weights(
 
 
 class ExcessMTLState(CountedState):
-    """ExcessMTL's state, float64 on the rows' device: ``weights [T]`` (uniform at the start), the per-parameter
-    squared-gradient sums ``sq_grad_sum [T, P]``, the baseline excess risks ``initial [T]``, the warm-up sums
-    ``warmup_sum [T]`` and the number of calls ``step`` (a Python int)."""
+    """ExcessMTL's ``weights [T]``, squared-gradient sums ``sq_grad_sum [T, P]``, baseline excess risks
+    ``initial [T]``, warm-up sums ``warmup_sum [T]`` and number of calls ``step``."""
 
     tensors = ("weights", "sq_grad_sum", "initial", "warmup_sum")
 
@@ -345,14 +301,10 @@ def excessmtl_weights(
     robust_step_size: float = 1.0,
     n_warmup_steps: int = 0,
 ) -> torch.Tensor:
-    """ExcessMTL (He et al., "Robust Multi-Task Learning with Excess Risks", ICML 2024; TorchJD's
-    ``ExcessMTLWeighting``): task ``i``'s excess risk is ``e_i = sum_p g_ip^2 / sqrt(S_ip + 1e-7)`` with ``S``
-    the running sum of the squared gradients (an AdaGrad-style diagonal Hessian); after ``n_warmup_steps``
-    calls returning the uniform weights, ``e`` is divided by its baseline (the warm-up mean, or the first
-    call's ``e`` when there is no warm-up, then used raw) and ``w <- softmax(log w + robust_step_size * e)``.
-
-    ``rows [T, P]`` float32/float64, the task gradients (not a Gram) -> ``w [T]`` on their device (float64 for
-    float64 rows, else float32)."""
+    """ExcessMTL (He et al., ICML 2024; TorchJD's ``ExcessMTLWeighting``) on the task gradients ``rows [T, P]``
+    (float32/float64, not a Gram): excess risks ``e_i = sum_p g_ip^2 / sqrt(S_ip + 1e-7)``, ``S`` the running sum
+    of squared gradients; after ``n_warmup_steps`` uniform calls, ``e`` over its baseline (the warm-up mean, or
+    the first call's ``e`` with no warm-up) and ``w <- softmax(log w + robust_step_size e)``."""
     if not isinstance(state, ExcessMTLState):
         raise TypeError(f"excessmtl needs an ExcessMTLState, got {type(state).__name__}")
     if robust_step_size <= 0 or int(n_warmup_steps) < 0:

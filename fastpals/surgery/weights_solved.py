@@ -1,38 +1,13 @@
-"""Gram-based multi-task weightings: ``T x T`` Gram matrix -> task weights ``w [T]`` (update ``sum_t w_t g_t``).
-
-The methods of the multi-task literature that TorchJD 0.18 expresses as functions of the Gram matrix, computed on
-the Gram's device with fixed iteration counts (no scipy, cvxpy or host round trip):
-
-============  =========================================================================================
-``upgrad``    UPGrad (Quinton & Rey 2024): each task gradient projected onto the dual cone, averaged
-``mgda``      MGDA (Désidéri 2012), Frank-Wolfe solver of Sener & Koltun 2018 (Algorithm 2)
-``dualproj``  DualProj: the mean gradient projected onto the dual cone (GEM's Eq. 11)
-``imtlg``     IMTL-G (Liu et al. 2021), the pseudo-inverse generalisation of Quinton & Rey 2024
-``cagrad``    CAGrad (Liu et al. 2021, Algorithm 1), radius ``c``
-``alignedmtl`` Aligned-MTL (Senushkin et al. 2023, Algorithm 1)
-``fairgrad``  FairGrad (Ban & Ji 2024, Eq. 4), alpha-fairness ``alpha``
-``nashmtl``   Nash-MTL (Navon et al. 2022): ``G a = 1 / a``, stateful (step counter, last weights)
-``gradvac``   GradVac (Wang et al. 2021): stateful EMA of the target cosine similarities
-============  =========================================================================================
-
-Every function is ``fn(gram, [state,] generator=None, **options) -> w`` with the conventions of
-:mod:`fastpals.surgery.weights_basic` (no host read, fixed iteration budgets, float64 arithmetic); ``imtlg`` and
-``alignedmtl`` use :func:`jacobi_eigh` because ``torch.linalg.eigh``/``pinv`` check errors on the host on CUDA.
-Defaults equal TorchJD 0.18's where TorchJD defines one (CAGrad's ``c = 0.4``, the paper's, and FairGrad's
-``alpha = 1`` have none there).
-:data:`AGGREGATORS` names every aggregator of the package (:func:`~fastpals.surgery.make_weighting` builds one
-from string options).
-
-Loss scaling (fp16): only FairGrad's weights (``S^(-2 alpha / (alpha + 1))``) and Nash-MTL's ``max_norm`` clip
-depend on a common gradient scale ``S``: give them unscaled Gram matrices (divide by ``S^2``) or train in
-bf16/fp32.
+"""Gram-based weightings of the multi-task literature (UPGrad, MGDA, DualProj, IMTL-G, CAGrad, Aligned-MTL,
+FairGrad, Nash-MTL, GradVac, CR-MOGM) with :mod:`.weights_basic`'s conventions, and :data:`AGGREGATORS`, the
+registry of every aggregator. Defaults are TorchJD 0.18's where it has one. Loss scaling: FairGrad's weights and
+Nash-MTL's ``max_norm`` clip depend on a common gradient scale ``S``: give them Grams divided by ``S^2``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
 import torch
 
@@ -44,10 +19,11 @@ from fastpals.surgery.weights_basic import (
     mean_weights,
     pcgrad_orders,
     pcgrad_weights,
+    preference,
     sum_weights,
     weights_dtype,
 )
-from fastpals.surgery.weights_extra import WeightsState
+from fastpals.surgery.weights_extra import CountedState, WeightsState, project_onto_simplex
 
 __all__ = [
     "AGGREGATORS",
@@ -62,22 +38,14 @@ __all__ = [
     "fairgrad_weights",
     "gradvac_weights",
     "imtlg_weights",
-    "jacobi_eigh",
     "mgda_weights",
     "nashmtl_weights",
-    "nonneg_qp",
-    "spd_solve",
     "upgrad_weights",
 ]
 
 F64 = torch.float64
 #: most tasks of CAGrad's exact solver (it enumerates the 2^T - 1 supports); ``pgd`` takes any number
 CAGRAD_EXACT_MAX_TASKS = 10
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# helpers
-# ----------------------------------------------------------------------------------------------------------------
 
 
 def _normalize(g: torch.Tensor, eps: float) -> torch.Tensor:
@@ -87,44 +55,33 @@ def _normalize(g: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.where(small, torch.zeros_like(g), g / torch.where(small, torch.ones_like(tr), tr))
 
 
-def _pref(pref_vector: torch.Tensor | None, t: int, device: torch.device) -> torch.Tensor:
-    if pref_vector is None:
-        return torch.full((t,), 1.0 / t, dtype=F64, device=device)
-    if not isinstance(pref_vector, torch.Tensor) or pref_vector.shape != (t,):
-        raise ValueError(f"pref_vector must be a tensor of shape ({t},), got {pref_vector!r}")
-    return pref_vector.to(device=device, dtype=F64, non_blocking=True)
-
-
-def _dual_cone_weights(
-    g: torch.Tensor, u: torch.Tensor, norm_eps: float, reg_eps: float, max_iter: int | None
-):
-    """Weights ``v`` of the projections of ``J^T u_k`` onto the dual cone of the rows of ``J``: for each row
-    ``u_k`` of ``u [B, T]``, ``argmin_{v >= u_k} v^T G' v`` with ``G' = G / trace(G) + reg_eps I`` (TorchJD's
-    regularised QP; ``reg_eps = 0`` is the exact projection for a non-singular ``G``)."""
-    t = g.shape[0]
-    gr = _normalize(g, norm_eps) + reg_eps * torch.eye(t, dtype=F64, device=g.device)
-    # v = u + x, x >= 0: min 1/2 x^T G' x + x^T G' u.
-    return u + nonneg_qp(gr, u @ gr, max_iter=max_iter)
-
-
-def _compiled_dual_cone(
-    gram: torch.Tensor, method: str, p: torch.Tensor, norm_eps: float, reg_eps: float, max_iter: int | None
+def _dual_cone(
+    gram: torch.Tensor,
+    method: str,
+    pref_vector: torch.Tensor | None,
+    norm_eps: float,
+    reg_eps: float,
+    max_iter: int | None,
 ) -> torch.Tensor:
-    """UPGrad's or DualProj's weights from the compiled solve (:mod:`fastpals.surgery.compiled`)."""
-    t = gram.shape[0]
-    iters = min(3 * t + 10, QP_MAX_ITER) if max_iter is None else int(max_iter)
-    vec = torch.cat([p, torch.zeros_like(p)])
-    return compiled.solve_weights(gram, method, vec, [norm_eps, reg_eps, iters])
+    """UPGrad's or DualProj's weights: the projections of ``J^T u_k`` onto the dual cone of the rows of ``J``,
+    ``argmin_{v >= u_k} v^T G' v`` with ``G' = G / trace(G) + reg_eps I`` (TorchJD's regularised QP), for the
+    rows ``u_k`` of ``diag(p)`` (UPGrad, summed) or of ``p[None]`` (DualProj)."""
+    g = _prepare(gram)
+    t = g.shape[0]
+    p = preference(pref_vector, t, g.device, method)
+    if compiled.enabled(g):
+        iters = min(3 * t + 10, QP_MAX_ITER) if max_iter is None else int(max_iter)
+        vec = torch.cat([p, torch.zeros_like(p)])
+        return compiled.solve_weights(gram, method, vec, [norm_eps, reg_eps, iters])
+    u = torch.diag(p) if method == "upgrad" else p[None, :]
+    gr = _normalize(g, norm_eps) + reg_eps * torch.eye(t, dtype=F64, device=g.device)
+    v = u + nonneg_qp(gr, u @ gr, max_iter=max_iter)  # v = u + x, x >= 0: min 1/2 x^T G' x + x^T G' u
+    return v.sum(dim=0).to(weights_dtype(gram))
 
 
 def _prepare(gram: torch.Tensor) -> torch.Tensor:
     g = check_gram(gram).to(F64)
     return 0.5 * (g + g.T)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# stateless weightings
-# ----------------------------------------------------------------------------------------------------------------
 
 
 def upgrad_weights(
@@ -136,25 +93,12 @@ def upgrad_weights(
     reg_eps: float = 1e-4,
     max_iter: int | None = None,
 ) -> torch.Tensor:
-    """UPGrad (Quinton & Rey, "Jacobian Descent for Multi-Objective Optimization", 2024).
-
-    Each task gradient ``g_i`` (scaled by ``pref_vector[i]``, default ``1 / T``) is projected onto the dual cone
-    ``{x : <x, g_j> >= 0 for all j}``; the projections are summed. In Gram terms (their Proposition 1): row ``i``'s
-    weights are ``argmin_{v >= p_i e_i} v^T G v``, solved by :func:`nonneg_qp`. As in TorchJD, ``G`` is divided by
-    its trace (zeroed below ``norm_eps``) and ``reg_eps * I`` is added before the solve. ``max_iter`` is
-    :func:`nonneg_qp`'s fixed iteration budget (default ``min(3 T + 10, 40)``; the free set freezes once optimal).
-
-    ``gram [T, T]`` float32/float64; ``pref_vector`` ``[T]`` floating (any device).
-
-    Returns ``w [T]`` on ``gram``'s device (float64 for a float64 Gram, else float32).
+    """UPGrad (Quinton & Rey, "Jacobian Descent for Multi-Objective Optimization", 2024): each task gradient,
+    scaled by ``pref_vector`` (``[T]``, default ``1 / T``), projected onto the dual cone ``{x : <x, g_j> >= 0}``,
+    summed; row ``i``'s weights are ``argmin_{v >= p_i e_i} v^T G v`` (their Proposition 1), by :func:`nonneg_qp`
+    with ``max_iter`` iterations (default ``min(3 T + 10, 40)``). ``G`` is divided by its trace first, as in TorchJD.
     """
-    g = _prepare(gram)
-    p = _pref(pref_vector, g.shape[0], g.device)
-    if compiled.enabled(g):
-        return _compiled_dual_cone(gram, "upgrad", p, norm_eps, reg_eps, max_iter)
-    return (
-        _dual_cone_weights(g, torch.diag(p), norm_eps, reg_eps, max_iter).sum(dim=0).to(weights_dtype(gram))
-    )
+    return _dual_cone(gram, "upgrad", pref_vector, norm_eps, reg_eps, max_iter)
 
 
 def dualproj_weights(
@@ -167,15 +111,8 @@ def dualproj_weights(
     max_iter: int | None = None,
 ) -> torch.Tensor:
     """DualProj: the preference-weighted gradient (default the mean) projected onto the dual cone of the task
-    gradients (GEM's Eq. 11 with every task as a constraint), with UPGrad's normalisation and ``reg_eps``.
-    ``max_iter`` is :func:`nonneg_qp`'s fixed iteration budget (default ``min(3 T + 10, 40)``; frozen once optimal).
-
-    ``gram [T, T]`` float32/float64 -> ``w [T]`` on its device (float64 for a float64 Gram, else float32)."""
-    g = _prepare(gram)
-    p = _pref(pref_vector, g.shape[0], g.device)
-    if compiled.enabled(g):
-        return _compiled_dual_cone(gram, "dualproj", p, norm_eps, reg_eps, max_iter)
-    return _dual_cone_weights(g, p[None, :], norm_eps, reg_eps, max_iter)[0].to(weights_dtype(gram))
+    gradients (GEM's Eq. 11 with every task as a constraint), with UPGrad's options."""
+    return _dual_cone(gram, "dualproj", pref_vector, norm_eps, reg_eps, max_iter)
 
 
 def mgda_weights(
@@ -185,12 +122,9 @@ def mgda_weights(
     epsilon: float = 1e-3,
     max_iters: int = 100,
 ) -> torch.Tensor:
-    """MGDA: the minimum-norm point of the convex hull of the task gradients, by the Frank-Wolfe solver of Sener &
-    Koltun 2018 (Algorithm 2), started at ``1 / T``, stopping once the step size falls below ``epsilon``
-    (TorchJD's rule). It runs exactly ``max_iters`` iterations (default 100, the fixed budget) and freezes the
-    iterate after the stopping one (``torch.where(done, old, new)``): no host sync.
-
-    ``gram [T, T]`` float32/float64 -> ``w [T]`` on its device (float64 for a float64 Gram, else float32)."""
+    """MGDA: the minimum-norm point of the convex hull of the task gradients, by Sener & Koltun's Frank-Wolfe
+    solver (2018, Algorithm 2) from ``1 / T``, frozen once the step falls below ``epsilon`` (TorchJD's rule);
+    exactly ``max_iters`` iterations."""
     if epsilon <= 0 or int(max_iters) <= 0:
         raise ValueError(f"mgda: epsilon and max_iters must be positive, got {epsilon}, {max_iters}")
     if compiled.enabled(check_gram(gram)):
@@ -222,13 +156,8 @@ def imtlg_weights(
 ) -> torch.Tensor:
     """IMTL-G (Liu et al., "Towards Impartial Multi-task Learning", 2021): the combination ``w`` (summing to 1)
     whose update has equal projections on every unit task gradient, ``G w ∝ d`` with ``d_i = |g_i|``. For linearly
-    dependent gradients TorchJD's generalisation ``w ∝ G^+ d`` is used; ``w = 0`` when ``sum(G^+ d) ~ 0``.
-
-    ``G^+`` is ``torch.linalg.pinv``'s (singular values ``|lam|`` at most ``T eps max|lam|`` dropped, float64
-    ``eps``), computed from :func:`jacobi_eigh` with ``sweeps`` sweeps (the fixed budget, default
-    :func:`jacobi_sweeps`) instead of ``pinv``, whose error check reads the device on CUDA.
-
-    ``gram [T, T]`` float32/float64 -> ``w [T]`` on its device (float64 for a float64 Gram, else float32)."""
+    dependent gradients TorchJD's generalisation ``w ∝ G^+ d``; ``w = 0`` when ``sum(G^+ d) ~ 0``. ``G^+`` is
+    ``pinv``'s (``|lam| <= T eps max|lam|`` dropped), from :func:`jacobi_eigh` with ``sweeps`` sweeps."""
     g = check_gram(gram).to(F64)
     t = g.shape[0]
     if compiled.enabled(g):
@@ -243,9 +172,8 @@ def imtlg_weights(
     v = vec @ (inv * (vec.T @ d))
     s = v.sum()
     small = s.abs() < 1e-12
-    return torch.where(small, torch.zeros_like(v), v / torch.where(small, torch.ones_like(s), s)).to(
-        weights_dtype(gram)
-    )
+    w = torch.where(small, torch.zeros_like(v), v / torch.where(small, torch.ones_like(s), s))
+    return w.to(weights_dtype(gram))
 
 
 def alignedmtl_weights(
@@ -259,25 +187,18 @@ def alignedmtl_weights(
     """Aligned-MTL (Senushkin et al. 2023, Algorithm 1): ``w = B p`` with the balance transformation
     ``B = sqrt(s) V Λ^{-1/2} V^T`` over the eigenpairs of ``G`` above ``max(λ) T eps`` (eps of the Gram's dtype),
     ``s`` their smallest (``"min"``, default), median (``"median"``) or mean (``"rmse"``) eigenvalue; ``B = I``
-    when ``G`` is zero. ``p`` is ``pref_vector`` (default ``1 / T``).
-
-    The eigenpairs come from :func:`jacobi_eigh` on the upper triangle of ``G`` (as ``eigh(UPLO="U")``) with
-    ``sweeps`` sweeps (the fixed budget, default :func:`jacobi_sweeps`), not ``torch.linalg.eigh``, whose error
-    check reads the device on CUDA.
-
-    ``gram [T, T]`` float32/float64 -> ``w [T]`` on its device (float64 for a float64 Gram, else float32)."""
+    when ``G`` is zero; ``p`` is ``pref_vector`` (default ``1 / T``). Eigenpairs by :func:`jacobi_eigh` with
+    ``sweeps`` sweeps on the upper triangle of ``G`` (as ``eigh(UPLO="U")``)."""
     if scale_mode not in ("min", "median", "rmse"):
         raise ValueError(f"alignedmtl: scale_mode must be 'min', 'median' or 'rmse', got {scale_mode!r}")
     g = check_gram(gram).to(F64)
     t = g.shape[0]
-    p = _pref(pref_vector, t, g.device)
+    p = preference(pref_vector, t, g.device, "alignedmtl")
     if compiled.enabled(g):
-        mode = ("min", "median", "rmse").index(scale_mode)
         budget = jacobi_sweeps(t) if sweeps is None else int(sweeps)
-        eps = torch.finfo(gram.dtype).eps
-        return compiled.solve_weights(
-            gram, "alignedmtl", torch.cat([p, torch.zeros_like(p)]), [budget, mode, eps]
-        )
+        mode = ("min", "median", "rmse").index(scale_mode)
+        vec = torch.cat([p, torch.zeros_like(p)])
+        return compiled.solve_weights(gram, "alignedmtl", vec, [budget, mode, torch.finfo(gram.dtype).eps])
     lam, vec = jacobi_eigh(torch.triu(g) + torch.triu(g, 1).T, sweeps)
     tol = lam.amax() * t * torch.finfo(gram.dtype).eps
     keep = lam > tol
@@ -304,52 +225,36 @@ def _subsets(t: int, device: torch.device) -> torch.Tensor:
     return ((codes[:, None] >> torch.arange(t, device=device)[None, :]) & 1).bool()
 
 
-def _cagrad_on_supports(
-    g: torch.Tensor, b: torch.Tensor, rho: torch.Tensor, masks: torch.Tensor, batched_solve: Any = None
+def _cagrad_kkt(
+    g: torch.Tensor,
+    b: torch.Tensor,
+    rho: torch.Tensor,
+    masks: torch.Tensor,
+    solve: Callable[..., torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """CAGrad's KKT solution on each support of ``masks [K, T]`` (bool): ``w_S = (λ G_SS^{-1} 1 - G_SS^{-1} b_S) /
-    sqrt(disc)`` with ``λ`` the root of a quadratic, one batched solve. Returns ``(w [K, T]`` on the simplex,
-    ``ok [K]`` bool: the support's solution exists and is non-negative)."""
-    t = g.shape[0]
-    eye = torch.eye(t, dtype=F64, device=g.device)
+    """CAGrad's KKT point on each support ``S`` of ``masks [K, T]`` (bool), ``w_S = (λ G_SS^{-1} 1 - G_SS^{-1}
+    b_S) / sqrt(disc)`` (summing to 1, ``λ`` the root of a quadratic), by ``solve(system [K, T, T], rhs [K, T,
+    2])``. Returns ``(w [K, T], valid [K])``, ``valid`` where the root exists."""
+    eye = torch.eye(g.shape[0], dtype=F64, device=g.device)
     scale = torch.diagonal(g).amax().clamp_min(1e-300)
-    outer = masks[:, :, None] & masks[:, None, :]
-    system = torch.where(outer, g + 1e-12 * scale * eye, eye)
-    rhs = torch.stack([masks.to(F64), torch.where(masks, b, torch.zeros_like(b))], dim=2)  # [K, T, 2]
-    sol = spd_solve(system, rhs) if batched_solve is None else batched_solve(system, rhs)[0]
+    system = torch.where(masks[:, :, None] & masks[:, None, :], g + 1e-12 * scale * eye, eye)
+    rhs = torch.stack([masks.to(F64), torch.where(masks, b, torch.zeros_like(b))], dim=2)
+    sol = solve(system, rhs)
     sol = torch.where(masks[:, :, None], sol, torch.zeros_like(sol))
     a_vec, c_vec = sol[..., 0], sol[..., 1]
-    big_a = a_vec.sum(1)
-    big_b = c_vec.sum(1)
-    big_c = c_vec @ b
+    big_a, big_b, big_c = a_vec.sum(1), c_vec.sum(1), c_vec @ b
     disc = big_b * big_b - big_a * (big_c - rho * rho)
-    ok = (disc > 0) & (big_a > 0)
-    sd = torch.where(ok, disc, torch.ones_like(disc)).sqrt()
-    lam = (big_b + sd) / torch.where(ok, big_a, torch.ones_like(big_a))
-    w = (lam[:, None] * a_vec - c_vec) / sd[:, None]
-    ok = ok & (w >= -1e-9).all(1)
-    w = w.clamp_min(0.0)
-    return w / w.sum(1, keepdim=True).clamp_min(1e-300), ok
-
-
-def _simplex_projection(v: torch.Tensor) -> torch.Tensor:
-    """Euclidean projection of each row of ``v [K, T]`` onto the probability simplex (sort-based, Held, Wolfe &
-    Crowder 1974; Duchi et al. 2008): ``max(v - θ, 0)`` with ``θ`` from the sorted prefix sums, no host read."""
-    u = torch.sort(v, dim=1, descending=True).values
-    css = u.cumsum(1) - 1.0
-    k = torch.arange(1, v.shape[1] + 1, dtype=F64, device=v.device)
-    count = (u - css / k > 0).sum(1, keepdim=True).clamp_min(1)  # the condition holds on a prefix
-    theta = css.gather(1, count - 1) / count.to(F64)
-    return (v - theta).clamp_min(0.0)
+    valid = (disc > 0) & (big_a > 0)
+    sd = torch.where(valid, disc, torch.ones_like(disc)).sqrt()
+    lam = (big_b + sd) / torch.where(valid, big_a, torch.ones_like(big_a))
+    return (lam[:, None] * a_vec - c_vec) / sd[:, None], valid
 
 
 def _cagrad_projected_gradient(
     g: torch.Tensor, b: torch.Tensor, rho: torch.Tensor, iters: int
 ) -> torch.Tensor:
-    """An approximate minimiser of ``f(w) = <b, w> + ρ sqrt(wᵀ G w)`` on the simplex: projected (sub)gradient
-    steps from ``1/T``, each trying the 40 step sizes ``2^-k`` at once and keeping the candidate with the lowest
-    ``f`` (the current point included, so ``f`` never rises). ``O(T^2 + 40 T log T)`` per iteration, exactly
-    ``iters`` iterations. Returns ``w [T]``."""
+    """An approximate minimiser ``w [T]`` of ``f(w) = <b, w> + ρ sqrt(wᵀ G w)`` on the simplex: ``iters``
+    projected (sub)gradient steps from ``1/T``, each keeping the best of the step sizes ``2^-k`` and zero."""
     t = g.shape[0]
     dev = g.device
     w = torch.full((t,), 1.0 / t, dtype=F64, device=dev)
@@ -364,11 +269,9 @@ def _cagrad_projected_gradient(
         gw = g @ w
         norm = (w @ gw).clamp_min(0.0).sqrt()
         grad = b + rho * gw / norm.clamp_min(1e-150)
-        grad = (
-            grad - grad.mean()
-        )  # the component along the simplex (1ᵀ x = 1 is kept by the projection anyway)
+        grad = grad - grad.mean()  # the component along the simplex
         scale = grad.abs().amax().clamp_min(1e-300)  # the largest step moves some coordinate by 1
-        cand = _simplex_projection(w[None, :] - (steps / scale)[:, None] * grad[None, :])
+        cand = project_onto_simplex(w[None, :] - (steps / scale)[:, None] * grad[None, :])
         best = torch.argmin(objective(cand)).reshape(1)
         w = cand.index_select(0, best)[0]
     return w
@@ -377,16 +280,12 @@ def _cagrad_projected_gradient(
 def _cagrad_active_set(
     g: torch.Tensor, b: torch.Tensor, rho: torch.Tensor, start: torch.Tensor, iters: int
 ) -> torch.Tensor:
-    """A primal active-set method for CAGrad's problem from the support ``S`` of ``start [T]`` (a point of the
-    simplex): on ``S`` the KKT solution (one ``solve_ex``); the coordinates that come out negative leave ``S``
-    (no solution on ``S``, as for a singular ``G_SS``: ``S``'s smallest coordinate of the best point so far
-    leaves); when none does, the task with the most violated optimality condition (``∂f/∂w_i < μ``, ``μ`` the
-    common value on ``S``) comes in; none violated: optimal, ``S`` freezes. Exactly ``iters`` iterations,
-    ``O(T^3)`` each. Returns the best feasible point met (``start`` included): the objective never rises."""
+    """A primal active-set method for CAGrad's problem from the support ``S`` of ``start [T]``: on ``S`` the KKT
+    point; negative coordinates leave ``S`` (no point: the best point's smallest one leaves), else the most
+    violated optimality condition (``∂f/∂w_i < μ``) comes in, none: ``S`` freezes. ``iters`` iterations; returns
+    the best feasible point met (``start`` included)."""
     t = g.shape[0]
     dev = g.device
-    eye = torch.eye(t, dtype=F64, device=dev)
-    scale = torch.diagonal(g).amax().clamp_min(1e-300)
     index = torch.arange(t, device=dev)
     inf = torch.full((t,), math.inf, dtype=F64, device=dev)
 
@@ -397,18 +296,8 @@ def _cagrad_active_set(
     support = (start > 1e-6 * start.amax()) | (index == torch.argmax(start))
     done = torch.zeros((), dtype=torch.bool, device=dev)
     for _ in range(iters):
-        outer = support[:, None] & support[None, :]
-        system = torch.where(outer, g + 1e-12 * scale * eye, eye)
-        rhs = torch.stack([support.to(F64), torch.where(support, b, torch.zeros_like(b))], dim=1)  # [T, 2]
-        sol, _info = torch.linalg.solve_ex(system, rhs)
-        sol = torch.where(support[:, None], sol, torch.zeros_like(sol))
-        a_vec, c_vec = sol[:, 0], sol[:, 1]
-        big_a, big_b, big_c = a_vec.sum(), c_vec.sum(), c_vec @ b
-        disc = big_b * big_b - big_a * (big_c - rho * rho)
-        valid = (disc > 0) & (big_a > 0)
-        sd = torch.where(valid, disc, torch.ones_like(disc)).sqrt()
-        lam = (big_b + sd) / torch.where(valid, big_a, torch.ones_like(big_a))
-        w = (lam * a_vec - c_vec) / sd  # sums to 1 on S
+        w, valid = _cagrad_kkt(g, b, rho, support[None], lambda a, r: torch.linalg.solve_ex(a, r)[0])
+        w, valid = w[0], valid[0]
         neg = support & (w < 0)
         feasible = valid & ~neg.any()
         f = objective(w.clamp_min(0.0))
@@ -441,29 +330,11 @@ def cagrad_weights(
     max_iter: int = 100,
     search_iters: int | None = None,
 ) -> torch.Tensor:
-    """CAGrad (Liu et al., "Conflict-Averse Gradient Descent", 2021, Algorithm 1).
-
-    With ``g_0`` the mean gradient and ``φ = c^2 |g_0|^2``: ``w* = argmin_{w in simplex} <g_w, g_0> + sqrt(φ)
-    |g_w|`` and the update is ``g_0 + sqrt(φ) / |g_w*| g_w*``, i.e. weights ``1/T + sqrt(φ) / |g_w*| w*`` (zero
-    when ``|g_w*| < norm_eps``). ``G`` is divided by its trace first, as in TorchJD.
-
-    On an active set ``S`` the problem's KKT conditions give ``w_S = (λ G_SS^{-1} 1 - G_SS^{-1} b_S) /
-    sqrt(disc)`` with ``b = G 1/T`` and ``λ`` the root of a quadratic. ``solver`` picks the candidate supports:
-
-    - ``exact``: every support (``2^T - 1`` of them, one batched solve; at most ``T = 10`` tasks), the best
-      feasible one kept: the exact minimiser, no iterations.
-    - ``pgd``: any ``T``, polynomial cost. ``max_iter`` projected-gradient steps on the simplex (each a batched
-      line search over 40 step sizes; ``O(max_iter (T^2 + 40 T log T))``), then ``search_iters`` (default
-      ``2 T + 10``) steps of a primal active-set method from the iterate's support (``O(T^3)`` each). The best
-      point met and the vertices are the candidates, so the objective is never above the projected-gradient
-      iterate's, and it is the exact minimiser once the active set reaches the optimal support (checked against ``exact`` for T <= 10 and against TorchJD's cvxpy solve up
-      to T = 64 in ``tests/test_many_tasks.py``).
-    - ``auto`` (default): ``exact`` up to 10 tasks, ``pgd`` beyond.
-
-    Either way the best candidate is picked by ``argmin`` and gathered on the device: no host read.
-
-    ``gram [T, T]`` float32/float64 -> ``w [T]`` on its device (float64 for a float64 Gram, else float32).
-    """
+    """CAGrad (Liu et al. 2021, Algorithm 1): with ``g_0`` the mean gradient and ``φ = c^2 |g_0|^2``, the weights
+    ``1/T + sqrt(φ) / |g_w*| w*`` (zero when ``|g_w*| < norm_eps``), ``w* = argmin_{w in simplex} <g_w, g_0> +
+    sqrt(φ) |g_w|`` on ``G / trace(G)``. ``solver``: ``exact``, the KKT point of every support (at most 10 tasks);
+    ``pgd``, ``max_iter`` projected-gradient then ``search_iters`` (default ``2 T + 10``) active-set steps;
+    ``auto``: ``exact`` up to 10 tasks."""
     if c < 0:
         raise ValueError(f"cagrad: c must be non-negative, got {c}")
     if solver not in ("auto", "exact", "pgd"):
@@ -491,7 +362,10 @@ def cagrad_weights(
     rho = c * (u @ b).clamp_min(0.0).sqrt()
     eye = torch.eye(t, dtype=F64, device=dev)
     if solver == "exact":
-        w, ok = _cagrad_on_supports(g, b, rho, _subsets(t, dev))
+        w, ok = _cagrad_kkt(g, b, rho, _subsets(t, dev), spd_solve)
+        ok = ok & (w >= -1e-9).all(1)
+        w = w.clamp_min(0.0)
+        w = w / w.sum(1, keepdim=True).clamp_min(1e-300)
     else:
         it = _cagrad_projected_gradient(g, b, rho, int(max_iter))
         w = _cagrad_active_set(g, b, rho, it, search_iters)[None, :]
@@ -509,12 +383,9 @@ def cagrad_weights(
 
 
 def _alpha_fair_solve(g: torch.Tensor, alpha: float, max_iter: int) -> torch.Tensor:
-    """The positive root ``x`` of ``G x = x^{-1/alpha}`` (the minimiser of the strictly convex
-    ``1/2 x^T G x - sum_i psi(x_i)``, ``psi' = x^{-1/alpha}``), by damped Newton with a batched backtracking line
-    search (no host sync): exactly ``max_iter`` Newton steps, each trying the 40 step sizes ``2^-k`` at once and
-    taking the first that satisfies Armijo's rule (none: ``x`` is kept). At the root the Newton step is at the
-    round-off level, so iterations past convergence leave ``x`` unchanged up to round-off. ``G`` is first divided
-    by its trace; the root scales back as ``tr^{-alpha/(alpha+1)}``."""
+    """The positive root ``x`` of ``G x = x^{-1/alpha}`` (the minimiser of ``1/2 x^T G x - sum_i psi(x_i)``,
+    ``psi' = x^{-1/alpha}``) on ``G / trace(G)``, scaled back: ``max_iter`` damped Newton steps, each taking the
+    first of the step sizes ``2^-k`` that satisfies Armijo's rule (none: ``x`` is kept)."""
     if compiled.enabled(g):
         return compiled.solve_weights(g, "alpha_fair", None, [alpha, max_iter])
     t = g.shape[0]
@@ -554,11 +425,7 @@ def fairgrad_weights(
 ) -> torch.Tensor:
     """FairGrad (Ban & Ji, "Fair Resource Allocation in Multi-Task Learning", 2024, Eq. 4): the weights ``w > 0``
     with ``G w = w^{-1/alpha}`` (alpha-fair utilities; ``alpha = 1`` is proportional fairness, the Nash-MTL
-    equation). ``alpha = 0`` gives ``1 / T``. Damped Newton, exactly ``max_iter`` iterations (the fixed budget,
-    default 40; quadratic convergence: the default reaches float64 round-off on the tests' Gram matrices, and
-    further iterations leave it there).
-
-    ``gram [T, T]`` float32/float64 -> ``w [T]`` on its device (float64 for a float64 Gram, else float32)."""
+    equation). ``alpha = 0`` gives ``1 / T``. Damped Newton, exactly ``max_iter`` iterations."""
     if alpha < 0:
         raise ValueError(f"fairgrad: alpha must be non-negative, got {alpha}")
     g = _prepare(gram)
@@ -568,25 +435,8 @@ def fairgrad_weights(
     return _alpha_fair_solve(g, float(alpha), int(max_iter)).to(weights_dtype(gram))
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# stateful weightings
-# ----------------------------------------------------------------------------------------------------------------
-
-
-class NashMTLState(WeightsState):
-    """Nash-MTL's state across steps: the step counter and the last weights (reused between updates when
-    ``update_weights_every > 1``)."""
-
-    def reset(self) -> None:
-        super().reset()
-        self.step = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, **super().state_dict()}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        super().load_state_dict(state)
-        self.step = int(state["step"])
+class NashMTLState(CountedState):
+    """Nash-MTL's step counter and last weights (reused between updates when ``update_weights_every > 1``)."""
 
 
 def nashmtl_weights(
@@ -598,16 +448,10 @@ def nashmtl_weights(
     update_weights_every: int = 1,
     max_iter: int = 40,
 ) -> torch.Tensor:
-    """Nash-MTL (Navon et al., "Multi-Task Learning as a Bargaining Game", 2022, Algorithm 1).
-
-    The Nash bargaining solution ``G' a = 1 / a`` on ``G' = G / |G|_F`` (the official code's normalisation), solved
-    to convergence by damped Newton (the paper's and TorchJD's sequence of convex programs approximate this root,
-    stopping at a residual of 1e-3), then scaled so that ``|sum_t a_t g_t| <= max_norm`` (``0`` disables it).
-    Every ``update_weights_every`` calls the weights are recomputed, in between the last ones are reused.
-    ``state`` is a :class:`NashMTLState`; the recompute decision reads only its Python step counter, and its
-    weights stay on the device. Exactly ``max_iter`` Newton iterations (the fixed budget, default 40).
-
-    ``gram [T, T]`` float32/float64 -> ``w [T]`` on its device (float64 for a float64 Gram, else float32).
+    """Nash-MTL (Navon et al., "Multi-Task Learning as a Bargaining Game", 2022, Algorithm 1): the root of
+    ``G' a = 1 / a``, ``G' = G / |G|_F`` (the official code's normalisation), by ``max_iter`` damped Newton steps
+    (TorchJD's convex programs approximate it), scaled so that ``|sum_t a_t g_t| <= max_norm`` (``0``: off);
+    recomputed every ``update_weights_every`` calls, reused in between (``state``: a :class:`NashMTLState`).
     """
     if not isinstance(state, NashMTLState):
         raise TypeError(f"nashmtl needs a NashMTLState, got {type(state).__name__}")
@@ -649,17 +493,11 @@ def gradvac_weights(
     eps: float = 1e-8,
     orders: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """GradVac (Wang et al., "Gradient Vaccine", ICLR 2021), whole-model variant, as task weights.
-
-    For each task ``i`` and each other task ``j`` in a random order (drawn as :func:`pcgrad_orders` draws, from
-    ``generator``), the cosine ``phi`` between the current ``g_i^PC`` and the original ``g_j`` is compared with the
-    EMA target ``phi_hat[i, j]``; when ``phi < phi_hat``, ``g_i^PC += |g_i^PC| (phi_hat sqrt(1 - phi^2) - phi
-    sqrt(1 - phi_hat^2)) / (|g_j| sqrt(1 - phi_hat^2) + eps) g_j``; then ``phi_hat[i, j] <- (1 - beta) phi_hat +
-    beta phi``. The weights are the column sums of the coefficients (vectorised over ``i`` as in
-    :func:`pcgrad_weights`; exactly ``T - 1`` steps, the test ``phi < phi_hat`` a ``torch.where``). ``state`` is a
-    :class:`GradVacState`; its targets stay on the Gram's device.
-
-    ``gram [T, T]`` float32/float64 -> ``w [T]`` on its device (float64 for a float64 Gram, else float32).
+    """GradVac (Wang et al., "Gradient Vaccine", ICLR 2021), whole-model variant, as task weights: for each task
+    ``i`` and each other ``j`` in :func:`pcgrad_orders`'s order, when the cosine ``phi`` of ``g_i^PC`` and ``g_j``
+    is below the EMA target ``phi_hat[i, j]`` (in ``state``, a :class:`GradVacState`), ``g_i^PC += |g_i^PC|
+    (phi_hat s(phi) - phi s(phi_hat)) / (|g_j| s(phi_hat) + eps) g_j`` (``s(x) = sqrt(1 - x^2)``); then
+    ``phi_hat <- (1 - beta) phi_hat + beta phi``. Tracked as combinations like :func:`pcgrad_weights`.
     """
     if not isinstance(state, GradVacState):
         raise TypeError(f"gradvac needs a GradVacState, got {type(state).__name__}")
@@ -713,9 +551,7 @@ def crmogm_weights(
     """CR-MOGM (Zhou et al., "On the Convergence of Stochastic Multi-Objective Gradient Manipulation", NeurIPS
     2022): the weights of the stateless aggregator ``base`` (default ``mgda``, with its default options),
     smoothed across calls, ``lambda <- alpha lambda + (1 - alpha) lambda_hat`` (the first call returns
-    ``lambda_hat``). ``state`` is a :class:`CRMOGMState`.
-
-    ``gram [T, T]`` float32/float64 -> ``w [T]`` on its device (float64 for a float64 Gram, else float32)."""
+    ``lambda_hat``). ``state`` is a :class:`CRMOGMState`."""
     if not isinstance(state, CRMOGMState):
         raise TypeError(f"crmogm needs a CRMOGMState, got {type(state).__name__}")
     if base not in AGGREGATORS or base in STATEFUL:
@@ -725,13 +561,10 @@ def crmogm_weights(
         raise ValueError(f"crmogm: alpha must be in [0, 1], got {alpha}")
     lam_hat = AGGREGATORS[base](gram, generator).to(F64)
     t = lam_hat.shape[0]
-    if state.weights is None or state.weights.shape != (t,):
-        lam = lam_hat
-    else:
-        lam = (
-            alpha * state.weights.to(device=lam_hat.device, dtype=F64, non_blocking=True)
-            + (1.0 - alpha) * lam_hat
-        )
+    lam = lam_hat
+    if state.weights is not None and state.weights.shape == (t,):
+        previous = state.weights.to(device=lam_hat.device, dtype=F64, non_blocking=True)
+        lam = alpha * previous + (1.0 - alpha) * lam_hat
     state.weights = lam
     return lam.to(weights_dtype(gram))
 
