@@ -270,6 +270,14 @@ class TaskGradientBuffer(TaskGradients):
             return gram(made[0])[0]
         return torch.stack([gram(c)[0] for c in made]).sum(0)
 
+    def _task_rows(self) -> torch.Tensor:
+        """The ``[T, P]`` rows as :meth:`_finish_gram` left them (zeros for a chunk nobody wrote)."""
+        t, dtype = self.num_tasks, self.dtype
+        zeros = [
+            torch.zeros(t, sum(self.numels[a:b]), dtype=dtype, device=self.device) for a, b in self._bounds
+        ]
+        return torch.cat([c if c is not None else z for c, z in zip(self._chunks, zeros)], dim=1)
+
     def _end_step(self) -> None:
         """Forget this step's captures and rows (the next one starts fresh rows)."""
         super()._end_step()

@@ -148,10 +148,14 @@ def weights_on_device(
     generator: torch.Generator | None,
     aggregator_kwargs: dict[str, Any],
 ) -> torch.Tensor:
-    """``apply(sync=False)``'s weights without a host read: the aggregator on the Gram where ``ok`` (a device
-    bool), else on the identity (non-finite entries zeroed first: the weights stay finite, the caller skips)."""
-    eye = torch.eye(g_mat.shape[0], dtype=g_mat.dtype, device=g_mat.device)
-    safe = torch.where(ok, torch.nan_to_num(g_mat, nan=0.0, posinf=0.0, neginf=0.0), eye)
+    """``apply(sync=False)``'s weights without a host read: the aggregator on its input (the Gram, or the rows of a
+    ``reads_rows`` aggregator) where ``ok`` (a device bool), else on the identity (zeros for rows); non-finite
+    entries are zeroed first, so the weights stay finite and the caller skips."""
+    if g_mat.shape[0] == g_mat.shape[1]:
+        fallback = torch.eye(g_mat.shape[0], dtype=g_mat.dtype, device=g_mat.device)
+    else:
+        fallback = torch.zeros_like(g_mat)
+    safe = torch.where(ok, torch.nan_to_num(g_mat, nan=0.0, posinf=0.0, neginf=0.0), fallback)
     return aggregator(safe, generator=generator, **aggregator_kwargs)
 
 
@@ -323,7 +327,8 @@ class TaskGradients:
         if task_ok is None:
             task_ok = torch.ones(1, dtype=torch.bool, device=self.device)
         flags_dev = torch.cat([finite, task_ok])
-        weights = weights_on_device(aggregator, g_mat, flags_dev.all(), generator, aggregator_kwargs)
+        x = self._aggregator_input(aggregator, g_mat)
+        weights = weights_on_device(aggregator, x, flags_dev.all(), generator, aggregator_kwargs)
         self._write_update(weights, touched)
         self._end_step()
         return SurgeryResult(None, weights, g_mat, flags=flags_dev, on_skip=self._count_skip)
@@ -343,7 +348,20 @@ class TaskGradients:
             self._count_skip()
             self._end_step()
             return SurgeryResult(True, None, g_mat, [i for i in range(t) if not host[i]], not all(host[t:]))
-        weights = aggregator(g_mat, generator=generator, **aggregator_kwargs)
+        weights = aggregator(
+            self._aggregator_input(aggregator, g_mat), generator=generator, **aggregator_kwargs
+        )
         self._write_update(weights, touched)
         self._end_step()
         return SurgeryResult(False, weights, g_mat)
+
+    def _aggregator_input(self, aggregator: Aggregator, g_mat: torch.Tensor) -> torch.Tensor:
+        """The Gram, or the ``[T, P]`` rows for an aggregator marked ``reads_rows`` (ExcessMTL)."""
+        return self._task_rows() if getattr(aggregator, "reads_rows", False) else g_mat
+
+    def _task_rows(self) -> torch.Tensor:
+        """``[T, P]`` task gradients after ``_finish_gram`` (a mode that keeps them)."""
+        raise ValueError(
+            f"{type(self).__name__} keeps no [T, P] task gradients, which this --surgery method reads: "
+            "use --surgery-memory buffer (a TaskGradientBuffer)"
+        )
