@@ -1,10 +1,8 @@
 """The surgery core shared by the buffer and the stream: Gram -> aggregator weights -> combined update.
 
-:class:`TaskGradients` holds what both memory modes share (the shared and task-specific parameters, the
-gradient getter and setter, the data-parallel flags, the step counters) and runs :meth:`TaskGradients.apply`.
-A mode supplies two hooks: ``_finish_gram() -> [T, T] float32`` (the Gram of the step's task gradients over the
-shared parameters, globally averaged when data parallel) and ``_write_update(weights, touched)`` (``sum_t w_t g_t``
-into the shared parameters' gradients).
+:class:`TaskGradients` runs :meth:`TaskGradients.apply`; a memory mode supplies ``_finish_gram() -> [T, T]``
+float32 (globally averaged when data parallel) and ``_write_update(weights, touched)`` (``sum_t w_t g_t`` into
+the shared parameters' gradients).
 """
 
 from __future__ import annotations
@@ -43,10 +41,11 @@ class SurgeryResult:
     - ``nonfinite_tasks``: rows whose gradient held inf/nan (or whose squared norm overflowed fp32).
     - ``nonfinite_task_params``: True when a task-specific gradient was non-finite.
     - ``ok``: 0-dim bool device tensor, True when nothing was non-finite (None for host-checked results).
+    - ``flags``: ``[T + 1]`` bool device tensor (deferred results; else None): each row's finite flag, then the
+      task-specific gradients' one.
 
-    A result of ``apply(..., sync=False)`` holds its flags on the device: ``skipped`` and the other host fields
-    read them on first access (one read), so a caller can instead stack ``ok`` with its own per-update values
-    and read everything at once.
+    A result of ``apply(..., sync=False)`` holds its flags on the device: the host fields read them on first
+    access (one read), or the caller reads ``flags`` with its own values and passes them to :meth:`resolve`.
     """
 
     def __init__(
@@ -65,22 +64,16 @@ class SurgeryResult:
         self.gram = gram
         self._nonfinite_tasks = list(nonfinite_tasks)
         self._nonfinite_task_params = nonfinite_task_params
-        self._flags = flags  # [T + 1] bool on the device: per row finite, then the task-specific check
+        self.flags = flags
         self._on_skip = on_skip
         self.ok = None if flags is None else flags.all()
-
-    @property
-    def flags(self) -> torch.Tensor | None:
-        """``[T + 1]`` bool on the device (deferred results): each row's finite flag, then the task-specific
-        gradients' one; read them with other values and pass them to :meth:`resolve`."""
-        return self._flags
 
     def resolve(self, host: Sequence[float | bool]) -> None:
         """Settle a deferred result with its ``flags`` read on the host by the caller (no read here)."""
         if self._skipped is None:
             host = [bool(f) for f in host]
-            if len(host) != self._flags.shape[0]:
-                raise ValueError(f"resolve needs the {self._flags.shape[0]} flags, got {len(host)}")
+            if len(host) != self.flags.shape[0]:
+                raise ValueError(f"resolve needs the {self.flags.shape[0]} flags, got {len(host)}")
             self._skipped = not all(host)
             self._nonfinite_tasks = [t for t, f in enumerate(host[:-1]) if not f]
             self._nonfinite_task_params = not host[-1]
@@ -91,7 +84,7 @@ class SurgeryResult:
 
     def _resolve(self) -> None:
         if self._skipped is None:
-            self.resolve(self._flags.tolist())  # the one host read of a deferred result
+            self.resolve(self.flags.tolist())  # the one host read of a deferred result
 
     @property
     def skipped(self) -> bool:
@@ -130,15 +123,6 @@ def unique_params(params: Iterable[torch.nn.Parameter], name: str) -> list[torch
             seen.add(id(p))
             out.append(p)
     return out
-
-
-def task_grads_finite(grads: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
-    """``[1]`` bool on the device: every present task-specific gradient is finite (one fused norm); None when
-    none is present."""
-    present = [g.detach() for g in grads if g is not None]
-    if not present:
-        return None
-    return torch.isfinite(torch.stack(torch._foreach_norm(present))).all().reshape(1)
 
 
 def weights_on_device(
@@ -235,9 +219,6 @@ class TaskGradients:
         """Forget this step's gradients (the next step starts fresh)."""
         self.steps += 1
 
-    def release_update(self) -> None:
-        """Nothing to release: ``apply`` keeps no row past the step, the update lives in the ``.grad`` tensors."""
-
     # --- Gram -> weights -> combine -----------------------------------------------------------------------------
     def _task_grads(self) -> list[torch.Tensor | None]:
         if self.capture_task_params:
@@ -269,15 +250,11 @@ class TaskGradients:
     ) -> SurgeryResult:
         """Gram -> ``aggregator(gram, generator=generator, **aggregator_kwargs)`` -> ``sum_t w_t g_t`` into .grad.
 
-        Tasks with no gradient this step count as zero gradients. One device-to-host read: the finite check of
-        every task gradient (read from the Gram's diagonal) and of the task-specific gradients (and, data
-        parallel, the touched flags of all ranks). When something is non-finite the step is skipped: the shared
-        gradients stay ``None``, :attr:`skipped_steps` grows, the result names the tasks at fault, and the
-        aggregator is not called.
-
-        ``sync=False`` (one rank): no host read. The flags stay on the device (``result.ok``); the aggregator
-        runs on the Gram with non-finite entries replaced by the identity and the update is written (non-finite
-        where a row was). The caller reads the flags before stepping and must not step when one is false.
+        Tasks with no gradient this step count as zero. One host read: the finite checks (the Gram's diagonal,
+        the task-specific gradients; data parallel, every rank's touched flags). When one fails the step is
+        skipped: the shared gradients stay ``None``, the aggregator is not called, the result names the tasks.
+        ``sync=False`` (one rank): no host read; the flags stay on the device (``result.ok``), the aggregator runs
+        on the identity where they fail, and the caller must not step when one is false.
         """
         if self.all_reduce and (not dist.is_available() or not dist.is_initialized()):
             raise RuntimeError("all_reduce/process_group given but torch.distributed is not initialised")
@@ -314,7 +291,10 @@ class TaskGradients:
                 host[: t + len(checks)], g_mat, touched, aggregator, generator, aggregator_kwargs
             )
         touched = self._touched
-        task_ok = task_grads_finite(task_grads)
+        present = [g.detach() for g in task_grads if g is not None]  # one fused norm: are they finite?
+        task_ok = (
+            torch.isfinite(torch.stack(torch._foreach_norm(present))).all().reshape(1) if present else None
+        )
         if self.capture_task_params:  # the captured copies back (reused accumulators: hand over copies)
             for p, g in zip(self.task_params, task_grads):
                 if g is not None:
