@@ -501,10 +501,8 @@ class PerTaskGradients:
         parents: dict[int, nn.Module] = {}
         name_to_module = dict(self.model.named_modules())
         shared_embeddings = {id(m) for _, m in modules if isinstance(m, nn.Embedding)}
-        for (
-            name,
-            m,
-        ) in name_to_module.items():  # every embeddings block counts encoder passes, frozen ones too
+        # every embeddings block counts encoder passes, frozen ones too
+        for name, m in name_to_module.items():
             if isinstance(m, nn.Embedding):
                 parent = name_to_module[name.rsplit(".", 1)[0]] if "." in name else self.model
                 parents[id(parent)] = parent
@@ -520,10 +518,7 @@ class PerTaskGradients:
             for _, m in modules:
                 if "forward" in m.__dict__:
                     raise RuntimeError(f"module {m!r} already has an instance-level forward (nested block?)")
-                rule = {nn.Linear: linear_forward, nn.LayerNorm: layer_norm_forward}.get(
-                    type(m), embedding_forward
-                )
-                m.forward = functools.partial(rule, self, m)
+                m.forward = functools.partial(_RULES[type(m)], self, m)
                 self._patched.append(m)
         except BaseException:
             self._restore()
@@ -583,6 +578,9 @@ class PerTaskGradients:
                 "(or engine.backward(loss)) inside the with-block"
             )
         self.buffer.capture_written(self.present, self.written)
+
+
+_RULES = {nn.Linear: linear_forward, nn.LayerNorm: layer_norm_forward, nn.Embedding: embedding_forward}
 
 
 def _put(dst: torch.Tensor, value: torch.Tensor, first: bool) -> None:
