@@ -132,9 +132,8 @@ def weights_on_device(
     generator: torch.Generator | None,
     aggregator_kwargs: dict[str, Any],
 ) -> torch.Tensor:
-    """``apply(sync=False)``'s weights without a host read: the aggregator on its input (the Gram, or the rows of a
-    ``reads_rows`` aggregator) where ``ok`` (a device bool), else on the identity (zeros for rows); non-finite
-    entries are zeroed first, so the weights stay finite and the caller skips."""
+    """``apply(sync=False)``'s weights without a host read: the aggregator on its input (Gram or rows) where ``ok``
+    (a device bool), else on the identity (zeros for rows); non-finite entries zeroed, so the weights stay finite."""
     if g_mat.shape[0] == g_mat.shape[1]:
         fallback = torch.eye(g_mat.shape[0], dtype=g_mat.dtype, device=g_mat.device)
     else:

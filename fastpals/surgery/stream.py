@@ -238,8 +238,7 @@ class StreamingTaskGradients(TaskGradients):
 
     def _kept_by_budget(self) -> set[int]:
         """The Linear weights whose rows ``keep_bytes`` keeps: the forward-order prefix of those the policy would
-        stream whose fp32 rows, less the kept ``dY`` and ``X`` they spare, fit the budget together (decided once
-        per step, on the first backward)."""
+        stream whose fp32 rows, less the ``dY`` and ``X`` they spare, fit the budget (decided once per step)."""
         if self._kept_linears is None:
             kept: set[int] = set()
             left = self.keep_bytes
@@ -359,9 +358,8 @@ class StreamingTaskGradients(TaskGradients):
         written: Sequence[Sequence[bool]],
         grouped: bool = False,
     ) -> None:
-        """One call of the shared Linear whose weight is parameter k has written its task rows: keep ``dy`` and
-        ``x`` if the weight streams; after its last call, its scratch goes into the Gram and is dropped (on the
-        op library's kernels, ``grouped``: its Gram is built with every streamed weight's at :meth:`_finish_gram`)."""
+        """One call of the shared Linear of weight k has written its task rows: keep ``dy`` and ``x`` if the weight
+        streams; after its last call its scratch goes into the Gram (``grouped``: at :meth:`_finish_gram`)."""
         if not self._streams(k, embedding=False):
             return
         self._left[k] -= 1
@@ -480,9 +478,8 @@ class StreamingTaskGradients(TaskGradients):
         return self._gram.to(torch.float32)
 
     def _grouped_problems(self) -> list[tuple[list[int], tuple]]:
-        """The streamed Linear weights of :attr:`_grouped` (with their biases) as problems of the op library's
-        multi-Linear ops, one group per dtype of the kept ``dy`` and ``x``: ``(weights k, (dy, x, row_index,
-        task_row_offsets, problem, bias))`` per group."""
+        """The streamed Linear weights of :attr:`_grouped` (with their biases) as the multi-Linear ops' problems,
+        one group per dtype: ``(weights k, (dy, x, row_index, task_row_offsets, problem, bias))``."""
         groups: dict[torch.dtype, tuple[list[int], tuple[list, list, list, list, list, list]]] = {}
         for k, calls in self._grouped.items():
             keys, args = groups.setdefault(calls[0][1].dtype, ([], ([], [], [], [], [], [])))
