@@ -202,12 +202,10 @@ class StreamingTaskGradients(TaskGradients):
         self._bias_of: dict[int, int] = {}  # shared Linear weight -> its bias (both shared parameters)
         self._weight_of: dict[int, int] = {}
         self._embeddings: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, int | None]] = []
-        self._pending: list[
-            torch.Tensor
-        ] = []  # data parallel: scratches waiting for their bucket's all-reduce
+        # data parallel: scratches waiting for their bucket's all-reduce
+        self._pending: list[torch.Tensor] = []
         self._pending_elements = 0
         self._touched = [[False] * len(self.params) for _ in range(t)]
-        self._present: list[int] = []
         self._task_seen = [False] * len(self.task_params)
 
     def _begin_block(self) -> None:
@@ -406,7 +404,6 @@ class StreamingTaskGradients(TaskGradients):
                     self._touched[t][k] = True
         for k, rows in self._rows.items():  # kept rows (the streamed scratches are gone)
             self._zero_unwritten(k, rows, written)
-        self._present = tasks
         if not tasks:
             return
         for k, p in enumerate(self.task_params):
