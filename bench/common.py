@@ -124,12 +124,49 @@ class CudaPeakMemory:
         self.peak_bytes = torch.cuda.max_memory_allocated(self.device)
 
 
-def _proc_status_bytes(field: str) -> int:
+def proc_status_kb(field: str) -> int:
+    """A field of ``/proc/self/status`` in KiB (``VmRSS``, ``VmHWM``)."""
     with open("/proc/self/status", encoding="ascii") as f:
         for line in f:
             if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
+                return int(line.split()[1])
     raise RuntimeError(f"{field} not found in /proc/self/status")
+
+
+def peak_after_warmup_kb(step: Callable[[], Any], runs: int = 2) -> dict[str, int]:
+    """After one warm-up ``step()``: the resident set (KiB) ``runs`` more steps start from, and their peak
+    (``VmHWM`` reset to ``VmRSS``); for a fresh subprocess per variant."""
+    step()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+    start = proc_status_kb("VmRSS")
+    for _ in range(runs):
+        step()
+    return {"peak_kb": proc_status_kb("VmHWM"), "start_kb": start}
+
+
+def _proc_status_bytes(field: str) -> int:
+    return proc_status_kb(field) * 1024
+
+
+def interleaved_times(
+    steps: dict[str, Callable[[], Any]], rounds: int, sync: Callable[[], None] = lambda: None
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Wall-clock and process-CPU seconds of every step of each variant, run round robin after one warm-up step
+    each (allocations, optimizer state, buffers); ``sync`` after each step (a CUDA device's queue)."""
+    wall: dict[str, list[float]] = {k: [] for k in steps}
+    cpu: dict[str, list[float]] = {k: [] for k in steps}
+    for fn in steps.values():
+        fn()
+    sync()
+    for _ in range(rounds):
+        for name, fn in steps.items():
+            t0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            sync()
+            wall[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
+    return wall, cpu
 
 
 def _libc() -> ctypes.CDLL | None:

@@ -49,6 +49,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
+from common import interleaved_times, peak_after_warmup_kb  # noqa: E402
 from pcgrad_reference import ReferencePCGrad  # noqa: E402
 
 from fastpals.surgery import (  # noqa: E402
@@ -195,45 +196,13 @@ class Runner:
         self.reference.step()
 
 
-def interleaved_times(steps: dict, rounds: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """Wall-clock and process-CPU seconds of every step of each variant, round robin after a warm-up."""
-    wall: dict[str, list[float]] = {k: [] for k in steps}
-    cpu: dict[str, list[float]] = {k: [] for k in steps}
-    for fn in steps.values():
-        fn()
-    for _ in range(rounds):
-        for name, fn in steps.items():
-            t0, c0 = time.perf_counter(), time.process_time()
-            fn()
-            wall[name].append(time.perf_counter() - t0)
-            cpu[name].append(time.process_time() - c0)
-    return wall, cpu
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # CPU peak memory, one subprocess per variant
 # ----------------------------------------------------------------------------------------------------------------
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def _child_peak(variant: str) -> None:
     torch.set_num_threads(THREADS)
     runner = Runner()
-    step = runner.steps[variant]
-    step()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS
-    start = _status_kb("VmRSS")
-    for _ in range(2):
-        step()
-    print(
-        json.dumps({"peak_kb": _status_kb("VmHWM"), "start_kb": start, "shared_elements": runner.num_shared})
-    )
+    print(json.dumps({**peak_after_warmup_kb(runner.steps[variant]), "shared_elements": runner.num_shared}))
 
 
 def cpu_peak_kb(variant: str) -> dict[str, int]:

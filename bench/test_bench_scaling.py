@@ -46,7 +46,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -54,6 +53,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
+
+from common import interleaved_times, peak_after_warmup_kb  # noqa: E402
 
 from bench.scaling_gpu import SurgerySteps  # noqa: E402
 from fastpals.surgery import (  # noqa: E402
@@ -162,39 +163,11 @@ def torchjd_failure(num_tasks: int) -> str | None:
     return None
 
 
-def interleaved(steps: dict, rounds: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """Wall and CPU (``time.process_time``) seconds of each step of every variant, round robin after one
-    warm-up step each."""
-    wall: dict[str, list[float]] = {k: [] for k in steps}
-    cpu: dict[str, list[float]] = {k: [] for k in steps}
-    for fn in steps.values():
-        fn()
-    for _ in range(rounds):
-        for name, fn in steps.items():
-            c0, t0 = time.process_time(), time.perf_counter()
-            fn()
-            wall[name].append(time.perf_counter() - t0)
-            cpu[name].append(time.process_time() - c0)
-    return wall, cpu
-
-
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def _child_peak(num_tasks: int, variant: str, per: int) -> None:
     torch.set_num_threads(THREADS)
     runner = Runner(num_tasks, per=per)
-    step = runner.steps[variant]
-    step()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS
-    step()
-    print(json.dumps({"peak_kb": _status_kb("VmHWM"), "shared_elements": runner.num_shared}))
+    peak = peak_after_warmup_kb(runner.steps[variant], runs=1)["peak_kb"]
+    print(json.dumps({"peak_kb": peak, "shared_elements": runner.num_shared}))
 
 
 def cpu_peak_kb(num_tasks: int, variant: str, per: int) -> dict[str, int]:
@@ -221,7 +194,7 @@ def measure(regimes: dict[str, list[int]], rounds: int, peer_regimes: tuple[str,
         for t in tasks:
             per = _rows_per_task(t, regime)
             runner = Runner(t, peer=peer, per=per)
-            wall, cpu = interleaved(runner.steps, rounds)
+            wall, cpu = interleaved_times(runner.steps, rounds)
             del runner
             peaks = {v: cpu_peak_kb(t, v, per) for v in variants}
             med = {v: statistics.median(w) for v, w in wall.items()}

@@ -37,7 +37,6 @@ import platform
 import statistics
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -50,6 +49,7 @@ VARIANTS = ("plain", "fastpals_buffer", "fastpals_wrapper", "reference")
 
 sys.path.insert(0, HERE)
 
+from common import interleaved_times, peak_after_warmup_kb  # noqa: E402
 from pcgrad_reference import ReferencePCGrad  # noqa: E402
 
 from fastpals.surgery import PCGrad, TaskGradientBuffer, pcgrad_weights, shared_parameters_by_name  # noqa: E402
@@ -163,49 +163,15 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def interleaved_times(steps: dict, rounds: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """Wall-clock and process-CPU seconds of every step of each variant, run round robin after a warm-up."""
-    wall: dict[str, list[float]] = {k: [] for k in steps}
-    cpu: dict[str, list[float]] = {k: [] for k in steps}
-    for fn in steps.values():  # warm-up: allocations, optimizer state, buffers
-        fn()
-    _sync()
-    for _ in range(rounds):
-        for name, fn in steps.items():
-            t0, c0 = time.perf_counter(), time.process_time()
-            fn()
-            _sync()
-            wall[name].append(time.perf_counter() - t0)
-            cpu[name].append(time.process_time() - c0)
-    return wall, cpu
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # CPU peak memory, one subprocess per variant
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def _child_peak(variant: str) -> None:
     torch.set_num_threads(2)
     runner = Runner("cpu")
-    step = runner.steps[variant]
-    step()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current RSS
-    start = _status_kb("VmRSS")
-    for _ in range(2):
-        step()
-    print(
-        json.dumps({"peak_kb": _status_kb("VmHWM"), "start_kb": start, "shared_elements": runner.num_shared})
-    )
+    print(json.dumps({**peak_after_warmup_kb(runner.steps[variant]), "shared_elements": runner.num_shared}))
 
 
 def cpu_peak_kb(variant: str) -> dict[str, int]:
@@ -327,7 +293,7 @@ def test_side_by_side_cpu(benchmark, runner, ratio_table):
     measured = {}
 
     def compare():
-        measured["times"] = interleaved_times(runner.steps, rounds)
+        measured["times"] = interleaved_times(runner.steps, rounds, _sync)
         measured["peaks"] = {v: cpu_peak_kb(v) for v in VARIANTS}
 
     benchmark.pedantic(compare, rounds=1, iterations=1)

@@ -60,19 +60,21 @@ def _model(seed: int = 0) -> MultiTaskBert:
     return MultiTaskBert(MultiTaskConfig(bert, tasks, pal, head_dropout=0.0)).train()
 
 
-def _micro_batch(seed: int, device: str = "cpu") -> MicroBatch:
-    """One packed micro-batch of 3 examples of each task."""
-    gen = torch.Generator().manual_seed(seed)
+def packed_micro_batch(
+    num_tasks: int, per_task: int, length: int, generator: torch.Generator, device: str = "cpu"
+) -> MicroBatch:
+    """One packed micro-batch of ``per_task`` examples of each task (the tiny model's 3 task kinds in turn),
+    ``length // 2`` to ``length`` tokens each."""
     batches = []
-    for t in range(3):
-        lengths = torch.randint(4, 9, (3,), generator=gen)
-        mask = (torch.arange(8)[None, :] < lengths[:, None]).long()
-        ids = torch.randint(5, 50, (3, 8), generator=gen) * mask
+    for t in range(num_tasks):
+        lengths = torch.randint(length // 2, length + 1, (per_task,), generator=generator)
+        mask = (torch.arange(length)[None, :] < lengths[:, None]).long()
+        ids = torch.randint(5, 50, (per_task, length), generator=generator) * mask
         labels = [
-            torch.randint(0, 5, (3,), generator=gen).float(),
-            torch.randint(0, 2, (3,), generator=gen).float(),
-            torch.rand(3, generator=gen) * 5,
-        ][t]
+            torch.randint(0, 5, (per_task,), generator=generator).float(),
+            torch.randint(0, 2, (per_task,), generator=generator).float(),
+            torch.rand(per_task, generator=generator) * 5,
+        ][t % 3]
         batches.append(
             {
                 "input_ids": ids,
@@ -81,10 +83,18 @@ def _micro_batch(seed: int, device: str = "cpu") -> MicroBatch:
                 "labels": labels,
             }
         )
-    packed = pack_batches(batches, [0, 1, 2], 3)
+    packed = pack_batches(batches, list(range(num_tasks)), num_tasks)
     tokens = tuple(int(b["attention_mask"].sum()) for b in batches)
+    tasks = tuple(range(num_tasks))
     labels = packed["labels"].to(device)
-    return MicroBatch(model_inputs(packed, device), labels, (0, 1, 2), (3, 3, 3), tokens, "examples")
+    return MicroBatch(
+        model_inputs(packed, device), labels, tasks, (per_task,) * num_tasks, tokens, "examples"
+    )
+
+
+def _micro_batch(seed: int, device: str = "cpu") -> MicroBatch:
+    """One packed micro-batch of 3 examples of each task."""
+    return packed_micro_batch(3, 3, 8, torch.Generator().manual_seed(seed), device)
 
 
 def _surgery(model: MultiTaskBert, memory: str, aggregator: str, seed: int = 0) -> Surgery:

@@ -112,31 +112,9 @@ def _many_task_model(t: int) -> MultiTaskBert:
 
 
 def _many_task_batch(t: int, generator: torch.Generator):
-    from fastpals.data.mixed_batches import pack_batches
-    from fastpals.train.step import MicroBatch
+    from test_fp16_surgery import packed_micro_batch
 
-    batches = []
-    for i in range(t):
-        lengths = torch.randint(3, 7, (2,), generator=generator)
-        mask = (torch.arange(6)[None, :] < lengths[:, None]).long()
-        ids = torch.randint(5, 50, (2, 6), generator=generator) * mask
-        labels = [
-            torch.randint(0, 5, (2,), generator=generator).float(),
-            torch.randint(0, 2, (2,), generator=generator).float(),
-            torch.rand(2, generator=generator) * 5,
-        ][i % 3]
-        batches.append(
-            {
-                "input_ids": ids,
-                "attention_mask": mask,
-                "token_type_ids": torch.zeros_like(ids),
-                "labels": labels,
-            }
-        )
-    packed = pack_batches(batches, list(range(t)), t)
-    return MicroBatch(
-        model_inputs(packed, "cpu"), packed["labels"], tuple(range(t)), (2,) * t, None, "examples"
-    )
+    return packed_micro_batch(t, 2, 6, generator)
 
 
 @pytest.mark.parametrize("name", ["sum", "mean", "pcgrad", "gem", "upgrad", "mgda", "dualproj", "imtlg", "cagrad",

@@ -9,12 +9,12 @@ through HF transformers' BertModel with inject_pals. Dropout is off (eval mode):
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from test_surgery_distributed import _deepspeed_rank, _free_port
 from torch import nn
 
 from fastpals import MultiTaskBert, PALConfig
@@ -399,11 +399,22 @@ def _tiny_batch() -> dict[str, torch.Tensor]:
     return data
 
 
-def _dp_update(rows: torch.Tensor, aggregator, all_reduce: bool) -> dict[str, torch.Tensor]:
+def _dp_update(
+    rows: torch.Tensor, aggregator, all_reduce: bool, mode: str = "buffer"
+) -> dict[str, torch.Tensor]:
+    """The update of the mixed batch's ``rows`` (this rank's share) in memory ``mode``: ``buffer``, or a
+    streaming policy (``stream``, ``smaller``)."""
+    from fastpals.surgery import StreamingTaskGradients
+
     model = _tiny_model()
     shared, specific = shared_parameters_by_name(model)
     data = select(_tiny_batch(), rows)
-    buf = TaskGradientBuffer(shared, T, task_params=specific, all_reduce=all_reduce)
+    if mode == "buffer":
+        buf = TaskGradientBuffer(shared, T, task_params=specific, all_reduce=all_reduce)
+    else:
+        buf = StreamingTaskGradients(
+            shared, T, task_params=specific, all_reduce=all_reduce, policy=mode, bucket_elements=4096
+        )
     with per_task_gradients(model, buf, data["task_ids"]):
         out = model(data["input_ids"], data["attention_mask"], None, data["task_ids"],
                     input_ids_b=data["input_ids_b"], attention_mask_b=data["attention_mask_b"])  # fmt: skip
@@ -421,12 +432,6 @@ def _dp_update(rows: torch.Tensor, aggregator, all_reduce: bool) -> dict[str, to
     result = buf.apply(aggregator, generator=torch.Generator().manual_seed(7))
     assert not result.skipped
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _dp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -478,15 +483,7 @@ def _ds_grads(engine, names) -> dict[str, torch.Tensor]:
 
 
 def _ds_worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-    )
-    torch.set_num_threads(1)
-    import deepspeed
+    deepspeed = _deepspeed_rank(rank, world, port)
     from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
 
     def setter(p, g):

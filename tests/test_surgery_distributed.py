@@ -186,34 +186,9 @@ def _stream_update(rows: torch.Tensor, aggregator, mode: str, all_reduce: bool) 
     import sys
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from test_per_task_grads import T, _tiny_batch, _tiny_model, select
+    from test_per_task_grads import _dp_update
 
-    from fastpals.surgery import StreamingTaskGradients, per_task_gradients, shared_parameters_by_name
-
-    model = _tiny_model()
-    shared, specific = shared_parameters_by_name(model)
-    data = select(_tiny_batch(), rows)
-    if mode == "buffer":
-        buf = TaskGradientBuffer(shared, T, task_params=specific, all_reduce=all_reduce)
-    else:
-        buf = StreamingTaskGradients(
-            shared, T, task_params=specific, all_reduce=all_reduce, policy=mode, bucket_elements=4096
-        )
-    with per_task_gradients(model, buf, data["task_ids"]):
-        out = model(data["input_ids"], data["attention_mask"], None, data["task_ids"],
-                    input_ids_b=data["input_ids_b"], attention_mask_b=data["attention_mask_b"])  # fmt: skip
-        per = model.loss(out, data["labels"])[1]
-        counts = torch.bincount(_tiny_batch()["task_ids"], minlength=T)
-        world = dist.get_world_size() if all_reduce else 1
-        total = sum(  # each task's mean over the GLOBAL batch, times the world size (the ranks are averaged)
-            per[name] * (data["task_ids"] == i).sum() / counts[i] * world
-            for i, name in enumerate(model.task_names)
-            if name in per
-        )
-        total.backward()
-    result = buf.apply(aggregator, generator=torch.Generator().manual_seed(7))
-    assert not result.skipped
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return _dp_update(rows, aggregator, all_reduce, mode)
 
 
 def _stream_worker(rank: int, world: int, port: int, out_dir: str) -> None:

@@ -90,7 +90,7 @@ def _check_same(ref, got, what: str) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 # the modes differ in the Gram and the combine, not in Gram -> weights: TorchJD 0.18's newer weightings
 # (tests/test_weights_extra.py) add no case here
-NEWER_WEIGHTINGS = {"constant", "random", "krum", "modo", "sdmgrad", "crmogm"}
+NEWER_WEIGHTINGS = {"constant", "random", "krum", "modo", "sdmgrad", "crmogm", "excessmtl"}
 
 
 @pytest.mark.parametrize("unpad", [False, True], ids=["padded", "packed"])

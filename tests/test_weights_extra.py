@@ -32,7 +32,7 @@ from fastpals.surgery.weights_extra import (  # noqa: E402
 
 tja = pytest.importorskip("torchjd.aggregation", reason="torchjd (dev extra) is needed for the comparisons")
 F64 = torch.float64
-NEW = ["constant", "random", "krum", "modo", "sdmgrad", "crmogm", "pcd"]
+NEW = ["constant", "random", "krum", "modo", "sdmgrad", "crmogm", "pcd", "excessmtl"]
 GRAMS = [(t, kind) for t in (3, 5, 16, 64) for kind in ("full", "lowrank", "conflict")]
 
 
@@ -45,6 +45,7 @@ def test_registered_by_name_with_their_states():
     assert list(AGGREGATORS)[-len(NEW) :] == NEW
     assert STATEFUL["modo"] is MoDoState and STATEFUL["sdmgrad"] is SDMGradState
     assert STATEFUL["crmogm"] is CRMOGMState and STATEFUL["pcd"] is PCDState
+    assert STATEFUL["excessmtl"] is ExcessMTLState
 
 
 def test_simplex_projection_is_torchjds():

@@ -1,28 +1,11 @@
 """The flat per-task gradient buffer: capture one task's gradient at a time, then Gram -> weights -> combine.
 
-Usage from any training loop (one forward + backward per task, the graph freed each time)::
-
-    buf = TaskGradientBuffer(shared_params, num_tasks=T, task_params=task_specific_params)
-    optimizer.zero_grad(set_to_none=True)
-    for t in range(T):
-        loss_t = model_loss(batch[t], task=t)
-        loss_t.backward()          # shared grads land in .grad, task-specific grads accumulate
-        buf.capture(t)             # copies the shared grads into row t and clears them
-    result = buf.apply(pcgrad_weights, generator=g)   # writes sum_t w_t g_t into the shared .grad
-    if not result.skipped:
-        optimizer.step()
-
-The rows are :data:`NUM_CHUNKS` flat ``[T, P_c]`` tensors of ``dtype`` (float32, bfloat16 or float16; default the
-parameters' dtype), runs of consecutive shared parameters whose sizes double in the backward's write order; each
-is made at its first write in a step and given up by :meth:`apply`, so the rows cost ``T * P * bytes(dtype)`` above
-plain training and none outlives the step. Each shared parameter's ``[T, numel]`` block is a column view of its
-chunk. Where the rows have the gradients' dtype the update is written over each chunk's last row and the shared
-``.grad`` are views of it; otherwise it is handed to ``grad_setter`` one parameter at a time. The Gram and the
-combine take one launch per chunk whatever the number of parameter tensors.
-
-Task-specific parameters (a task's PAL slice, its head) are not in the rows: their gradients accumulate over the
-per-task backwards, so each receives its own task's gradient unchanged. A shared parameter that no task touched
-keeps ``grad = None``.
+The rows are :data:`NUM_CHUNKS` flat ``[T, P_c]`` tensors of ``dtype``, runs of consecutive shared parameters
+whose sizes double in the backward's write order, made at their first write in a step and given up by
+:meth:`~TaskGradientBuffer.apply` (``T * P * bytes(dtype)`` above plain training, none outlives the step). Where
+the rows have the gradients' dtype the update is written over each chunk's last row and ``.grad`` are views of it.
+Task-specific parameters are not in the rows: their gradients accumulate over the per-task backwards. A shared
+parameter that no task touched keeps ``grad = None``. Usage: :mod:`fastpals.surgery`.
 """
 
 from __future__ import annotations
@@ -44,10 +27,8 @@ NUM_CHUNKS = 6
 
 
 def chunk_bounds(numels: Sequence[int], num_chunks: int = NUM_CHUNKS) -> list[tuple[int, int]]:
-    """Parameter index ranges ``[(a, b), ...]`` (in parameter order) of the buffer's chunks: runs of consecutive
-    parameters taken from the last one back (the backward's write order), whose element counts double from one
-    chunk to the next (the first written about ``P / (2^num_chunks - 1)``), so that the chunk a backward has just
-    made is about as large as the rows it has written before."""
+    """Parameter index ranges ``[(a, b), ...]`` of the buffer's chunks: runs of consecutive parameters from the
+    last one back (the backward's write order) whose element counts double from one chunk to the next."""
     total = sum(numels)
     bounds: list[tuple[int, int]] = []
     end, done, target = len(numels), 0, 0.0
@@ -70,14 +51,10 @@ class TaskGradientBuffer(TaskGradients):
 
     Args:
         params, num_tasks, task_params, grad_getter, grad_setter, grad_dtype, process_group, all_reduce,
-            capture_task_params: as for :class:`~fastpals.surgery.core.TaskGradients` (``num_tasks`` up to
-            ``MAX_TASKS`` = 128: 64 tasks with GEM's episodic memory, which uses ``2 T`` rows). Data parallel
-            averages the ``[T, P]`` rows, ``T * P`` elements per step. Under DeepSpeed ZeRO-1/2 pass
-            ``deepspeed.utils.safe_get_full_grad`` and a setter built on ``safe_set_full_grad`` (see
-            :mod:`fastpals.surgery`) and ``capture_task_params=True``.
+            capture_task_params: as for :class:`~fastpals.surgery.core.TaskGradients` (DeepSpeed ZeRO-1/2: see
+            :mod:`fastpals.surgery`). Data parallel averages the ``[T, P]`` rows.
         dtype: row dtype, ``torch.float32``, ``torch.bfloat16`` or ``torch.float16``; default (None) the
-            parameters' dtype (bf16 rows for a bf16 module), float32 for any other. The Gram is always accumulated
-            in float32, the update combined in float32.
+            parameters' dtype if 16-bit, else float32. The Gram and the update accumulate in float32.
     """
 
     def __init__(
@@ -184,22 +161,19 @@ class TaskGradientBuffer(TaskGradients):
         return chunk
 
     def _new_block(self, k: int) -> torch.Tensor:
-        """The ``[T, numel_k]`` block of rows of shared parameter ``k``: its columns of its chunk (made by the
-        chunk's first write in the step), zeroed when some row already holds an earlier capture of this step (a
-        later write may add to it); otherwise every row is written, or zeroed by the capture or by :meth:`apply`,
-        before it is read. The memory planner counts what this makes as the surgery buffer's."""
-        chunk = self._chunk(self._chunk_of[k])
-        block = chunk[:, self._offsets[k] : self._offsets[k] + self.numels[k]]
+        """Shared parameter ``k``'s columns of its chunk, zeroed when some row already holds an earlier capture of
+        this step; otherwise every row is written or zeroed before it is read. The memory planner counts what
+        this makes as the surgery buffer's."""
+        block = self._chunk(self._chunk_of[k])[:, self._offsets[k] : self._offsets[k] + self.numels[k]]
         if any(self._captured):
             block.zero_()
         return block
 
     def block(self, k: int) -> torch.Tensor:
         """Every task's row of shared parameter ``k``, ``[T, numel_k]`` (made on first use in a step)."""
-        b = self._blocks[k]
-        if b is None:
-            b = self._blocks[k] = self._new_block(k)
-        return b
+        if self._blocks[k] is None:
+            self._blocks[k] = self._new_block(k)
+        return self._blocks[k]
 
     def param_row(self, task: int, k: int) -> torch.Tensor:
         """Row ``task`` of shared parameter ``k`` as a view shaped like the parameter (write into it)."""
@@ -211,9 +185,8 @@ class TaskGradientBuffer(TaskGradients):
 
     def capture_written(self, tasks: Sequence[int], written: Sequence[Sequence[bool]]) -> None:
         """Record rows written in place by :func:`fastpals.surgery.per_task_gradients`: ``tasks`` had rows in the
-        batch; ``written[t][k]`` says that shared parameter k's part of row t was written. Rows captured since
-        the last :meth:`apply` accumulate; in a fresh row the parts nobody wrote are zeroed (not touched). Then
-        the task-specific gradients are handled as in :meth:`capture` (their tasks: all of ``tasks``)."""
+        batch, ``written[t][k]``: shared parameter k's part of row t was written (in a fresh row the others are
+        zeroed); then the task-specific gradients as in :meth:`capture`."""
         tasks = list(tasks)
         for t in tasks:
             if not 0 <= t < self.num_tasks:
@@ -269,6 +242,14 @@ class TaskGradientBuffer(TaskGradients):
         if len(made) == 1:
             return gram(made[0])[0]
         return torch.stack([gram(c)[0] for c in made]).sum(0)
+
+    def _task_rows(self) -> torch.Tensor:
+        """The ``[T, P]`` rows as :meth:`_finish_gram` left them (zeros for a chunk nobody wrote)."""
+        t, dtype = self.num_tasks, self.dtype
+        zeros = [
+            torch.zeros(t, sum(self.numels[a:b]), dtype=dtype, device=self.device) for a, b in self._bounds
+        ]
+        return torch.cat([c if c is not None else z for c, z in zip(self._chunks, zeros)], dim=1)
 
     def _end_step(self) -> None:
         """Forget this step's captures and rows (the next one starts fresh rows)."""

@@ -1,10 +1,8 @@
 """The surgery core shared by the buffer and the stream: Gram -> aggregator weights -> combined update.
 
-:class:`TaskGradients` holds what both memory modes share (the shared and task-specific parameters, the
-gradient getter and setter, the data-parallel flags, the step counters) and runs :meth:`TaskGradients.apply`.
-A mode supplies two hooks: ``_finish_gram() -> [T, T] float32`` (the Gram of the step's task gradients over the
-shared parameters, globally averaged when data parallel) and ``_write_update(weights, touched)`` (``sum_t w_t g_t``
-into the shared parameters' gradients).
+:class:`TaskGradients` runs :meth:`TaskGradients.apply`; a memory mode supplies ``_finish_gram() -> [T, T]``
+float32 (globally averaged when data parallel) and ``_write_update(weights, touched)`` (``sum_t w_t g_t`` into
+the shared parameters' gradients).
 """
 
 from __future__ import annotations
@@ -43,10 +41,11 @@ class SurgeryResult:
     - ``nonfinite_tasks``: rows whose gradient held inf/nan (or whose squared norm overflowed fp32).
     - ``nonfinite_task_params``: True when a task-specific gradient was non-finite.
     - ``ok``: 0-dim bool device tensor, True when nothing was non-finite (None for host-checked results).
+    - ``flags``: ``[T + 1]`` bool device tensor (deferred results; else None): each row's finite flag, then the
+      task-specific gradients' one.
 
-    A result of ``apply(..., sync=False)`` holds its flags on the device: ``skipped`` and the other host fields
-    read them on first access (one read), so a caller can instead stack ``ok`` with its own per-update values
-    and read everything at once.
+    A result of ``apply(..., sync=False)`` holds its flags on the device: the host fields read them on first
+    access (one read), or the caller reads ``flags`` with its own values and passes them to :meth:`resolve`.
     """
 
     def __init__(
@@ -65,22 +64,16 @@ class SurgeryResult:
         self.gram = gram
         self._nonfinite_tasks = list(nonfinite_tasks)
         self._nonfinite_task_params = nonfinite_task_params
-        self._flags = flags  # [T + 1] bool on the device: per row finite, then the task-specific check
+        self.flags = flags
         self._on_skip = on_skip
         self.ok = None if flags is None else flags.all()
-
-    @property
-    def flags(self) -> torch.Tensor | None:
-        """``[T + 1]`` bool on the device (deferred results): each row's finite flag, then the task-specific
-        gradients' one; read them with other values and pass them to :meth:`resolve`."""
-        return self._flags
 
     def resolve(self, host: Sequence[float | bool]) -> None:
         """Settle a deferred result with its ``flags`` read on the host by the caller (no read here)."""
         if self._skipped is None:
             host = [bool(f) for f in host]
-            if len(host) != self._flags.shape[0]:
-                raise ValueError(f"resolve needs the {self._flags.shape[0]} flags, got {len(host)}")
+            if len(host) != self.flags.shape[0]:
+                raise ValueError(f"resolve needs the {self.flags.shape[0]} flags, got {len(host)}")
             self._skipped = not all(host)
             self._nonfinite_tasks = [t for t, f in enumerate(host[:-1]) if not f]
             self._nonfinite_task_params = not host[-1]
@@ -91,7 +84,7 @@ class SurgeryResult:
 
     def _resolve(self) -> None:
         if self._skipped is None:
-            self.resolve(self._flags.tolist())  # the one host read of a deferred result
+            self.resolve(self.flags.tolist())  # the one host read of a deferred result
 
     @property
     def skipped(self) -> bool:
@@ -132,15 +125,6 @@ def unique_params(params: Iterable[torch.nn.Parameter], name: str) -> list[torch
     return out
 
 
-def task_grads_finite(grads: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
-    """``[1]`` bool on the device: every present task-specific gradient is finite (one fused norm); None when
-    none is present."""
-    present = [g.detach() for g in grads if g is not None]
-    if not present:
-        return None
-    return torch.isfinite(torch.stack(torch._foreach_norm(present))).all().reshape(1)
-
-
 def weights_on_device(
     aggregator: Aggregator,
     g_mat: torch.Tensor,
@@ -148,10 +132,13 @@ def weights_on_device(
     generator: torch.Generator | None,
     aggregator_kwargs: dict[str, Any],
 ) -> torch.Tensor:
-    """``apply(sync=False)``'s weights without a host read: the aggregator on the Gram where ``ok`` (a device
-    bool), else on the identity (non-finite entries zeroed first: the weights stay finite, the caller skips)."""
-    eye = torch.eye(g_mat.shape[0], dtype=g_mat.dtype, device=g_mat.device)
-    safe = torch.where(ok, torch.nan_to_num(g_mat, nan=0.0, posinf=0.0, neginf=0.0), eye)
+    """``apply(sync=False)``'s weights without a host read: the aggregator on its input (Gram or rows) where ``ok``
+    (a device bool), else on the identity (zeros for rows); non-finite entries zeroed, so the weights stay finite."""
+    if g_mat.shape[0] == g_mat.shape[1]:
+        fallback = torch.eye(g_mat.shape[0], dtype=g_mat.dtype, device=g_mat.device)
+    else:
+        fallback = torch.zeros_like(g_mat)
+    safe = torch.where(ok, torch.nan_to_num(g_mat, nan=0.0, posinf=0.0, neginf=0.0), fallback)
     return aggregator(safe, generator=generator, **aggregator_kwargs)
 
 
@@ -231,9 +218,6 @@ class TaskGradients:
         """Forget this step's gradients (the next step starts fresh)."""
         self.steps += 1
 
-    def release_update(self) -> None:
-        """Nothing to release: ``apply`` keeps no row past the step, the update lives in the ``.grad`` tensors."""
-
     # --- Gram -> weights -> combine -----------------------------------------------------------------------------
     def _task_grads(self) -> list[torch.Tensor | None]:
         if self.capture_task_params:
@@ -265,15 +249,11 @@ class TaskGradients:
     ) -> SurgeryResult:
         """Gram -> ``aggregator(gram, generator=generator, **aggregator_kwargs)`` -> ``sum_t w_t g_t`` into .grad.
 
-        Tasks with no gradient this step count as zero gradients. One device-to-host read: the finite check of
-        every task gradient (read from the Gram's diagonal) and of the task-specific gradients (and, data
-        parallel, the touched flags of all ranks). When something is non-finite the step is skipped: the shared
-        gradients stay ``None``, :attr:`skipped_steps` grows, the result names the tasks at fault, and the
-        aggregator is not called.
-
-        ``sync=False`` (one rank): no host read. The flags stay on the device (``result.ok``); the aggregator
-        runs on the Gram with non-finite entries replaced by the identity and the update is written (non-finite
-        where a row was). The caller reads the flags before stepping and must not step when one is false.
+        Tasks with no gradient this step count as zero. One host read: the finite checks (the Gram's diagonal,
+        the task-specific gradients; data parallel, every rank's touched flags). When one fails the step is
+        skipped: the shared gradients stay ``None``, the aggregator is not called, the result names the tasks.
+        ``sync=False`` (one rank): no host read; the flags stay on the device (``result.ok``), the aggregator runs
+        on the identity where they fail, and the caller must not step when one is false.
         """
         if self.all_reduce and (not dist.is_available() or not dist.is_initialized()):
             raise RuntimeError("all_reduce/process_group given but torch.distributed is not initialised")
@@ -310,7 +290,10 @@ class TaskGradients:
                 host[: t + len(checks)], g_mat, touched, aggregator, generator, aggregator_kwargs
             )
         touched = self._touched
-        task_ok = task_grads_finite(task_grads)
+        present = [g.detach() for g in task_grads if g is not None]  # one fused norm: are they finite?
+        task_ok = (
+            torch.isfinite(torch.stack(torch._foreach_norm(present))).all().reshape(1) if present else None
+        )
         if self.capture_task_params:  # the captured copies back (reused accumulators: hand over copies)
             for p, g in zip(self.task_params, task_grads):
                 if g is not None:
@@ -323,7 +306,8 @@ class TaskGradients:
         if task_ok is None:
             task_ok = torch.ones(1, dtype=torch.bool, device=self.device)
         flags_dev = torch.cat([finite, task_ok])
-        weights = weights_on_device(aggregator, g_mat, flags_dev.all(), generator, aggregator_kwargs)
+        x = self._aggregator_input(aggregator, g_mat)
+        weights = weights_on_device(aggregator, x, flags_dev.all(), generator, aggregator_kwargs)
         self._write_update(weights, touched)
         self._end_step()
         return SurgeryResult(None, weights, g_mat, flags=flags_dev, on_skip=self._count_skip)
@@ -343,7 +327,20 @@ class TaskGradients:
             self._count_skip()
             self._end_step()
             return SurgeryResult(True, None, g_mat, [i for i in range(t) if not host[i]], not all(host[t:]))
-        weights = aggregator(g_mat, generator=generator, **aggregator_kwargs)
+        weights = aggregator(
+            self._aggregator_input(aggregator, g_mat), generator=generator, **aggregator_kwargs
+        )
         self._write_update(weights, touched)
         self._end_step()
         return SurgeryResult(False, weights, g_mat)
+
+    def _aggregator_input(self, aggregator: Aggregator, g_mat: torch.Tensor) -> torch.Tensor:
+        """The Gram, or the ``[T, P]`` rows for an aggregator marked ``reads_rows`` (ExcessMTL)."""
+        return self._task_rows() if getattr(aggregator, "reads_rows", False) else g_mat
+
+    def _task_rows(self) -> torch.Tensor:
+        """``[T, P]`` task gradients after ``_finish_gram`` (a mode that keeps them)."""
+        raise ValueError(
+            f"{type(self).__name__} keeps no [T, P] task gradients, which this --surgery method reads: "
+            "use --surgery-memory buffer (a TaskGradientBuffer)"
+        )

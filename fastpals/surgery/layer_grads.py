@@ -1,28 +1,13 @@
 """The per-layer rules of :func:`fastpals.surgery.per_task_gradients`: autograd functions for the shared
 ``nn.Linear`` / ``nn.LayerNorm`` / ``nn.Embedding`` modules whose backward writes each task's gradient of the
-module's parameters into that task's row of the :class:`~fastpals.surgery.TaskGradientBuffer`.
-
-Rows: a module's input ``x [..., d]`` is flattened to ``[R, d]`` rows (``R = B * L`` padded, ``B`` per example,
-``N`` packed tokens); :class:`RowTasks` says which task each row belongs to (built by
-:meth:`~fastpals.surgery.per_task.PerTaskGradients.rows`). Per task ``t`` (its rows only):
-
-- :func:`linear_forward`: ``dW_t = dY_t^T X_t`` (``[M, K]``), ``db_t = sum dY_t`` (``[M]``): one GEMM per task
-  segment straight into the buffer row (the Triton grouped weight-gradient kernel on CUDA);
-- :func:`layer_norm_forward`: ``dgamma_t = sum dY * xhat``, ``dbeta_t = sum dY`` (fp32 sums, one reduction by
-  task each);
-- :func:`embedding_forward`: ``dY_t`` summed at the ids, every task at once; embeddings looked up once and broadcast
-  over the batch (position embeddings, :class:`EmbeddingFrame`) take the gradient of the full-batch embedding they
-  are summed with, summed per task over its examples.
-
-Each ``*_forward(state, module, input)`` is what the patched module's forward calls inside the block; the
-parameters enter the graph detached (no ordinary ``.grad``); the input gradient is the ordinary one.
+module's parameters (over that task's rows of the flattened input ``[R, d]``, :class:`RowTasks`) into that task's
+row of the buffer. The parameters enter the graph detached; the input gradient is the ordinary one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,9 +26,8 @@ __all__ = [
     "linear_forward",
 ]
 
-# Elements of the fp32 temporary of one output-row chunk of one task's weight gradient when the buffer holds
-# another dtype (bf16 rows): 256 KiB, so the 16-bit buffer's peak stays within T * P * 2 bytes of plain training
-# (a whole [T, M, K] fp32 product of MiniLM's FFN weights is 6.75 MiB at T = 3).
+# Elements of the fp32 temporary of one output-row chunk of a task's weight gradient when the rows hold another
+# dtype: the 16-bit buffer's peak stays within T * P * 2 bytes of plain training.
 STACK_TEMP_ELEMENTS = 1 << 16
 
 
@@ -70,43 +54,9 @@ class RowTasks:
     host_examples: tuple[np.ndarray, np.ndarray] | None = None  # per example its task and rows, host values
 
 
-class BlockState(Protocol):
-    """What these rules need of the block's state (:class:`fastpals.surgery.per_task.PerTaskGradients`, which
-    imports this module, not the other way round): the row maps and the writes into the buffer's rows."""
-
-    anchor: torch.Tensor
-    batch: int
-    buffer: Any
-    num_tasks: int
-    task_ids: torch.Tensor | None
-    use_kernels: bool | None
-    forward_calls: int
-    exact_pass: bool  # inside PerTaskGradients.exact_task_gradients: write nothing
-
-    def rows(self, lead: tuple[int, ...]) -> RowTasks | None: ...
-    def note_ran(self, m: nn.Module, exact: bool) -> None: ...
-    def ran_exact(self, m: nn.Module) -> bool: ...
-    def example_rows(self) -> RowTasks: ...
-    def packed_ids(self, n: int) -> bool: ...
-    def frame_of(self, m: nn.Module) -> EmbeddingFrame: ...
-    def param_index(self, p: torch.Tensor) -> int: ...
-    def mark_backward(self) -> None: ...
-    def linear_done(self, rows: RowTasks, k_w: int, dy: torch.Tensor, x: torch.Tensor) -> None: ...
-    def defers_linear_weight(self, k_w: int, rows: RowTasks) -> bool: ...
-    def write(self, task: int, k: int, value: torch.Tensor) -> None: ...
-    def write_mm(self, task: int, k: int, a: torch.Tensor, b: torch.Tensor) -> None: ...
-    def write_stack(self, k: int, tasks: Sequence[int], values: torch.Tensor) -> None: ...
-    def write_stack_chunks(
-        self, k: int, tasks: Sequence[int], chunks: Iterable[tuple[int, int, torch.Tensor]]
-    ) -> None: ...
-    def stack_target(self, k: int, tasks: Sequence[int], dtype: torch.dtype) -> torch.Tensor | None: ...
-    def write_segment_sums(self, k: int, values: torch.Tensor, rows: RowTasks) -> None: ...
-    def write_embedding(
-        self, k: int, ids: torch.Tensor, grad: torch.Tensor, rows: RowTasks, padding_idx: int | None
-    ) -> None: ...
-    def write_broadcast_embedding(
-        self, k: int, ids: torch.Tensor, sums: torch.Tensor, tasks: Sequence[int], padding_idx: int | None
-    ) -> None: ...
+# The block's state: a fastpals.surgery.per_task.PerTaskGradients (which imports this module), whose row maps
+# and writes into the buffer's rows these rules call.
+BlockState = Any
 
 
 class EmbeddingFrame:
@@ -119,87 +69,46 @@ class EmbeddingFrame:
         self.example_rows: RowTasks | None = None  # one row per example of the pass that made this frame
 
 
-def _split_rows(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
-    return x.reshape(-1, x.shape[-1]), tuple(x.shape[:-1])
-
-
-def _check_rows(state: BlockState, lead: tuple[int, ...], what: str) -> RowTasks:
-    rows = state.rows(lead)
-    if rows is None:
-        raise ValueError(
-            f"per_task_gradients: {what} got an input with leading shape {list(lead)} that does not map to the "
-            f"batch's {state.batch} examples (padded [B, L, d], per-example [B, d], or packed [N, d] with "
-            "cu_seqlens)"
-        )
-    return rows
-
-
 def recomputing() -> bool:
     """True inside a backward (where activation checkpointing runs a layer's forward again)."""
     return torch._C._current_graph_task_id() != -1
 
 
-def _detached_params(
-    state: BlockState, m: nn.Linear | nn.LayerNorm, x: torch.Tensor, what: str
-) -> tuple[RowTasks, torch.Tensor, torch.Tensor | None, int, int | None]:
-    """One forward of a shared ``m`` on ``x [..., d]``: the row -> task map of ``x`` (checked), ``m``'s weight and
-    bias detached, and their indices among the buffer's shared parameters (``k_w``, ``k_b``; None: no bias)."""
-    if (
-        recomputing()
-    ):  # activation checkpointing replays the forward inside the backward: the node made by this
-        # replay is never differentiated (its saved tensors fill the first forward's node, whose row map and
-        # parameter indices are used), so it is not counted and its rows are not looked up (another encoder pass
-        # may be current by now)
-        rows = None
-    else:
-        rows = _check_rows(state, tuple(x.shape[:-1]), what)
+def _per_task_args(state: BlockState, m: nn.Linear | nn.LayerNorm, x: torch.Tensor) -> tuple | None:
+    """One forward of a shared ``m`` on ``x [..., d]``: None when ``x`` is not split by example (e.g. DeBERTa's
+    relative-position embeddings; ordinary autograd, the exact path gives each task's), else ``(weight, bias,
+    state, rows, k_w, k_b)``: ``m``'s parameters detached (no gradient edge, so no gradient hook fires), the row
+    map of ``x`` and their indices among the buffer's shared parameters (``k_b`` None: no bias)."""
+    lead = tuple(x.shape[:-1])
+    # A forward replayed by activation checkpointing (inside the backward) repeats the first forward's answer and
+    # is neither counted nor looked up: its node is never differentiated, another encoder pass may be current.
+    replay = recomputing()
+    rows = None if replay else state.rows(lead)
+    exact = state.ran_exact(m) if replay else rows is None
+    state.note_ran(m, exact=exact)
+    if exact:
+        return None
+    if not replay:
         state.forward_calls += 1
-    # The parameters enter the graph detached: autograd holds no gradient edge to them (no AccumulateGrad node,
-    # so no gradient hook, e.g. DeepSpeed's, fires for them); the backward writes their per-task gradients.
     k_b = state.param_index(m.bias) if m.bias is not None else None
     bias = m.bias.detach() if m.bias is not None else None
-    return rows, m.weight.detach(), bias, state.param_index(m.weight), k_b
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# nn.Linear
-# ----------------------------------------------------------------------------------------------------------------
-def _batch_independent(state: BlockState, m: nn.Module, x: torch.Tensor) -> bool:
-    """Is ``x [..., d]`` not split by example (e.g. DeBERTa's relative-position embeddings ``[2k, d]``)? Such a
-    module's parameters take the exact path (:meth:`PerTaskGradients.exact_task_gradients`). A forward replayed
-    by activation checkpointing repeats the first forward's answer (another encoder pass may be current)."""
-    if recomputing():
-        return state.ran_exact(m)
-    return state.rows(tuple(x.shape[:-1])) is None
+    return m.weight.detach(), bias, state, rows, state.param_index(m.weight), k_b
 
 
 def linear_forward(state: BlockState, m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """``m(x)`` (``x [..., K]`` -> ``[..., M]``) whose backward writes the per-task ``dW``/``db`` of ``m``."""
-    if _batch_independent(
-        state, m, x
-    ):  # not split by example: ordinary autograd, the exact path gives each task's
-        state.note_ran(m, exact=True)
+    args = _per_task_args(state, m, x)
+    if args is None:
         return F.linear(x, m.weight, m.bias)
-    state.note_ran(m, exact=False)
-    rows, weight, bias, k_w, k_b = _detached_params(state, m, x, "a shared nn.Linear")
-    return _PerTaskLinear.apply(state.anchor, x, weight, bias, state, rows, k_w, k_b)
+    return _PerTaskLinear.apply(state.anchor, x, *args)
 
 
 class _PerTaskLinear(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx: Any,
-        anchor: torch.Tensor,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        state: BlockState,
-        rows: RowTasks,
-        k_w: int,
-        k_b: int | None,
-    ) -> torch.Tensor:
+    def forward(ctx: Any, anchor: torch.Tensor, x: torch.Tensor, *args: Any) -> torch.Tensor:
+        """``args``: :func:`_per_task_args`' ``(weight, bias, state, rows, k_w, k_b)``."""
+        weight, bias, ctx.state, ctx.rows, ctx.k_w, ctx.k_b = args
         ctx.save_for_backward(x, weight)
-        ctx.state, ctx.rows, ctx.k_w, ctx.k_b = state, rows, k_w, k_b
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -212,15 +121,15 @@ class _PerTaskLinear(torch.autograd.Function):
             # one 2-D GEMM (a non-contiguous 3-D dy would make matmul batch it against an expanded weight)
             flat = torch.mm(dy.reshape(-1, dy.shape[-1]), weight.to(dy.dtype))
             dx = flat.view(*dy.shape[:-1], weight.shape[1]).to(x.dtype)
-        dy2, _ = _split_rows(dy)
-        x2, _ = _split_rows(x)
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1])
         if x2.dtype != dy2.dtype:  # autocast: the GEMMs run in the output gradient's dtype
             x2 = x2.to(dy2.dtype)
         if not state.exact_pass:  # the exact path's partial backwards only carry the input gradient through
-            # streaming surgery may build the weight's Gram later from the kept dy and x (surgery.stream)
+            # streaming surgery may build the weight's Gram later from the dy and x it keeps
             weight = not state.defers_linear_weight(ctx.k_w, ctx.rows)
             _linear_weight_grads(state, ctx.rows, ctx.k_w, ctx.k_b, dy2, x2, weight)
-            state.linear_done(ctx.rows, ctx.k_w, dy2, x2)  # streaming surgery keeps dy and x (surgery.stream)
+            state.linear_done(ctx.rows, ctx.k_w, dy2, x2)
         return None, dx, None, None, None, None, None, None
 
 
@@ -234,9 +143,8 @@ def _linear_weight_grads(
     weight: bool = True,
 ) -> None:
     """``dW_t = dy_t^T x_t`` and ``db_t = sum dy_t`` per task into the buffer (``dy [R, M]``, ``x [R, K]``;
-    ``k_w`` / ``k_b`` the weight's and bias's indices among the buffer's shared parameters; ``weight=False``: the
-    bias only)."""
-    if weight and _kernels_on(state, dy):
+    ``k_w`` / ``k_b`` the buffer's indices of weight and bias; ``weight=False``: the bias only)."""
+    if weight and kernels_on(state, dy):
         _linear_weight_grads_grouped(state, rows, k_w, k_b, dy, x)
         return
     if not weight:  # the bias only: one reduction by task for all tasks
@@ -245,20 +153,19 @@ def _linear_weight_grads(
         return
     sizes = {s.stop - s.start for s in rows.slices.values() if isinstance(s, slice)}
     if len(rows.tasks) > 1 and len(sizes) == 1 and all(isinstance(s, slice) for s in rows.slices.values()):
-        # Equal, contiguous task segments: one GEMM per segment straight into its buffer row. (torch.bmm over the
-        # T segments splits its threads over the batch: at T = 3 on 2 cores it measured 1.13-1.5x the single
-        # weight-gradient GEMM, where T GEMMs of all threads each measured 1.00-1.05x; MiniLM's shapes.)
+        # Equal, contiguous task segments: one GEMM per segment straight into its buffer row (torch.bmm would
+        # split its threads over the segments, slower on the CPU).
         n = sizes.pop()
         starts = [rows.slices[t].start for t in rows.tasks]
         if starts == [starts[0] + i * n for i in range(len(starts))]:
             seg = slice(starts[0], starts[0] + n * len(starts))
             dyb = dy[seg].view(len(starts), n, dy.shape[1])
             xb = x[seg].view(len(starts), n, x.shape[1])
-            out = state.stack_target(k_w, rows.tasks, dy.dtype) if weight else None
+            out = state.stack_target(k_w, rows.tasks, dy.dtype)
             if out is not None:  # straight into the buffer rows
                 for i in range(len(starts)):
                     torch.mm(dyb[i].t(), xb[i], out=out[i])
-            elif weight:  # another buffer dtype: per task, output-row chunks (a bounded temporary)
+            else:  # another buffer dtype: per task, output-row chunks (a bounded temporary)
                 step = max(1, STACK_TEMP_ELEMENTS // x.shape[1])
                 chunks = (
                     (m0, i, torch.mm(dyb[i, :, m0 : m0 + step].t(), xb[i]))
@@ -273,16 +180,15 @@ def _linear_weight_grads(
         sel = rows.slices[t]
         dy_t = dy[sel] if isinstance(sel, slice) else dy.index_select(0, sel)
         x_t = x[sel] if isinstance(sel, slice) else x.index_select(0, sel)
-        if weight:
-            state.write_mm(t, k_w, dy_t.t(), x_t)
+        state.write_mm(t, k_w, dy_t.t(), x_t)
         if k_b is not None:
             state.write(t, k_b, dy_t.sum(0))
 
 
-def _kernels_on(state: BlockState, t: torch.Tensor) -> bool:
+def kernels_on(state: BlockState, t: torch.Tensor) -> bool:
+    """Does the block run the op library's grouped weight-gradient kernel for tensors like ``t``?"""
     if state.use_kernels is not None:
         return state.use_kernels
-
     return dispatch.backend("grouped_wgrad", t) == "triton"
 
 
@@ -300,11 +206,6 @@ def row_plan(state: BlockState, rows: RowTasks) -> Any:
     return rows.plan
 
 
-def kernels_on(state: BlockState, t: torch.Tensor) -> bool:
-    """Does the block run the op library's grouped weight-gradient kernel for tensors like ``t``?"""
-    return _kernels_on(state, t)
-
-
 def _linear_weight_grads_grouped(
     state: BlockState,
     rows: RowTasks,
@@ -314,9 +215,8 @@ def _linear_weight_grads_grouped(
     x: torch.Tensor,
 ) -> None:
     """All task segments in one launch of the grouped weight-gradient kernel (fp32 accumulation), straight into
-    the rows when every task's rows are written here for the first time; otherwise into a ``[T, M, K]``
-    temporary in the buffer's dtype, then one copy (or add) into the rows (:meth:`write_stack`)."""
-
+    the rows when every task's rows are written here for the first time; otherwise through a ``[T, M, K]``
+    temporary in the buffer's dtype."""
     plan = row_plan(state, rows)
     dtype = torch.float32 if state.buffer.dtype == torch.float32 else dy.dtype
     dw_rows = state.stack_target(k_w, rows.tasks, dtype)
@@ -330,13 +230,7 @@ def _linear_weight_grads_grouped(
         dispatch.grouped_wgrad_into(dy.contiguous(), x.contiguous(), plan, dw_rows, db_tmp)
         state.write_stack(k_b, rows.tasks, db_tmp)
         return
-    dw, db = dispatch.grouped_wgrad(
-        dy.contiguous(),
-        x.contiguous(),
-        plan,
-        torch.float32 if state.buffer.dtype == torch.float32 else dy.dtype,
-        k_b is not None,
-    )
+    dw, db = dispatch.grouped_wgrad(dy.contiguous(), x.contiguous(), plan, dtype, k_b is not None)
     present = slice(None) if list(rows.tasks) == list(range(dw.shape[0])) else rows.tasks
     state.write_stack(k_w, rows.tasks, dw[present])
     if k_b is not None and db is not None:
@@ -351,34 +245,22 @@ def layer_norm_forward(state: BlockState, m: nn.LayerNorm, x: torch.Tensor) -> t
     ``dgamma``/``dbeta`` of ``m``."""
     if len(m.normalized_shape) != 1:
         raise ValueError("per_task_gradients supports LayerNorm over the last dimension only")
-    if _batch_independent(state, m, x):
-        state.note_ran(m, exact=True)
+    args = _per_task_args(state, m, x)
+    if args is None:
         return F.layer_norm(x, m.normalized_shape, m.weight, m.bias, m.eps)
-    state.note_ran(m, exact=False)
-    rows, weight, bias, k_w, k_b = _detached_params(state, m, x, "a shared nn.LayerNorm")
-    return _PerTaskLayerNorm.apply(state.anchor, x, weight, bias, m.eps, state, rows, k_w, k_b)
+    return _PerTaskLayerNorm.apply(state.anchor, x, *args, m.eps)
 
 
 class _PerTaskLayerNorm(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx: Any,
-        anchor: torch.Tensor,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        eps: float,
-        state: BlockState,
-        rows: RowTasks,
-        k_w: int,
-        k_b: int | None,
-    ) -> torch.Tensor:
+    def forward(ctx: Any, anchor: torch.Tensor, x: torch.Tensor, *args: Any) -> torch.Tensor:
+        """``args``: :func:`_per_task_args`' ``(weight, bias, state, rows, k_w, k_b)`` and ``eps``."""
+        weight, bias, ctx.state, ctx.rows, ctx.k_w, ctx.k_b, ctx.eps = args
         w = weight.to(x.dtype)
         b = bias.to(x.dtype) if bias is not None else None
-        y, mean, rstd = torch.native_layer_norm(x, (x.shape[-1],), w, b, eps)
+        y, mean, rstd = torch.native_layer_norm(x, (x.shape[-1],), w, b, ctx.eps)
         ctx.save_for_backward(x, weight, bias if bias is not None else weight, mean, rstd)
-        ctx.state, ctx.rows, ctx.has_bias, ctx.k_w, ctx.k_b = state, rows, bias is not None, k_w, k_b
-        ctx.eps = eps
+        ctx.has_bias = bias is not None
         return y
 
     @staticmethod
@@ -434,19 +316,12 @@ def embedding_forward(state: BlockState, m: nn.Embedding, ids: torch.Tensor) -> 
 class _PerTaskEmbedding(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any,
-        anchor: torch.Tensor,
-        ids: torch.Tensor,
-        weight: torch.Tensor,
-        padding_idx: int | None,
-        state: BlockState,
-        rows: RowTasks,
-        frame: EmbeddingFrame | None,
-        k: int,
+        ctx: Any, anchor: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor, *args: Any
     ) -> torch.Tensor:
+        """``args``: ``(padding_idx, state, rows, frame, k)``, ``frame`` None unless this call owns its frame."""
+        ctx.padding_idx, ctx.state, ctx.rows, ctx.frame, ctx.k = args
         ctx.save_for_backward(ids)
-        ctx.state, ctx.rows, ctx.frame, ctx.padding_idx, ctx.k = state, rows, frame, padding_idx, k
-        return F.embedding(ids, weight, padding_idx)
+        return F.embedding(ids, weight, ctx.padding_idx)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple:
@@ -483,15 +358,10 @@ class _PerTaskEmbedding(torch.autograd.Function):
 class _BroadcastEmbedding(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any,
-        anchor: torch.Tensor,
-        ids: torch.Tensor,
-        weight: torch.Tensor,
-        padding_idx: int | None,
-        frame: EmbeddingFrame,
-        state: BlockState,
+        ctx: Any, anchor: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor, *args: Any
     ) -> torch.Tensor:
-        ctx.frame, ctx.state = frame, state
+        """``args``: ``(padding_idx, frame, state)``."""
+        padding_idx, ctx.frame, ctx.state = args
         return F.embedding(ids, weight, padding_idx)
 
     @staticmethod

@@ -1,15 +1,6 @@
 """``SurgeryOptimizer(optimizer, method=...)``: any aggregator around any optimizer, with Pytorch-PCGrad's
-``pc_backward(losses)`` convention; :class:`PCGrad` and :class:`GEM` are its ``pcgrad`` and ``gem`` methods.
-
-``backward(losses)`` takes the per-task scalar losses of one forward (one shared graph), runs one backward per
-loss (``retain_graph`` for all but the last), captures each task's gradient of the shared parameters into a
-:class:`~fastpals.surgery.TaskGradientBuffer`, and writes the surgery's update into ``.grad``; ``step()`` steps
-the wrapped optimizer unless the step was skipped for non-finite gradients.
-
-Shared parameters are found per call from the losses' autograd graphs (reached by two or more losses: shared; by
-one: task-specific; by none: unused, ``grad = None``), unless ``shared_params`` is given. Give it where the
-task-specific weights are slices of one stacked parameter (``fastpals.MultiTaskBert``'s PALs); see
-:func:`shared_parameters_by_name`.
+``pc_backward(losses)`` convention (one backward per loss of one shared graph, each captured into a
+:class:`~fastpals.surgery.TaskGradientBuffer`); :class:`PCGrad` and :class:`GEM` are its ``pcgrad`` and ``gem``.
 """
 
 from __future__ import annotations
@@ -46,22 +37,23 @@ def shared_parameters_by_name(
 
 
 class SurgeryOptimizer:
-    """Any aggregator of :data:`fastpals.surgery.AGGREGATORS` around any optimizer, with Pytorch-PCGrad's
-    calling convention: ``SurgeryOptimizer(opt, method="upgrad").backward(losses); opt.step()``.
+    """Any aggregator of :data:`fastpals.surgery.AGGREGATORS` around any optimizer:
+    ``SurgeryOptimizer(opt, method="upgrad").backward(losses); opt.step()``.
 
     Args:
         optimizer: the wrapped optimizer (its parameters are the ones surgery and the split consider).
         method: a registry name (``"pcgrad"``, ``"upgrad"``, ``"mgda"``, ``"cagrad"``, ``"nashmtl"``, ...).
         generator: CPU ``torch.Generator`` for the random orders of ``pcgrad`` and ``gradvac``.
         buffer_dtype: dtype of the per-task gradient rows (float32, or bfloat16 to halve their memory).
-        shared_params: the parameters shared by the tasks (default: found from the losses' graphs).
+        shared_params: the parameters shared by the tasks (default: found per call from the losses' graphs,
+            those reached by two or more losses; give it where task-specific weights are slices of one stacked
+            parameter, as ``MultiTaskBert``'s PALs: :func:`shared_parameters_by_name`).
         buffer_kwargs: passed to :class:`TaskGradientBuffer` (``grad_getter``, ``process_group``, ...).
         **options: the method's options (values may be strings, see :func:`~fastpals.surgery.make_weighting`),
             e.g. ``c=0.5`` for CAGrad, ``alpha=2`` for FairGrad.
 
-    The projected gradients are summed over the shared parameters only; task-specific and unused parameters are
-    left alone. The state of a stateful method (``nashmtl``, ``gradvac``, ...) is :attr:`weighting_state`;
-    ``state_dict()`` holds it under ``"surgery"`` beside the wrapped optimizer's state.
+    Task-specific and unused parameters are left alone. A stateful method's state is :attr:`weighting_state`;
+    ``state_dict()`` holds it under ``"surgery"`` beside the wrapped optimizer's.
     """
 
     def __init__(
@@ -87,7 +79,6 @@ class SurgeryOptimizer:
         self.last_result: SurgeryResult | None = None
         self.skipped_steps = 0
 
-    # --- delegation ---------------------------------------------------------------------------------------------
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
@@ -118,7 +109,6 @@ class SurgeryOptimizer:
             return None
         return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
 
-    # --- internals ----------------------------------------------------------------------------------------------
     def _trainable(self) -> list[torch.nn.Parameter]:
         out, seen = [], set()
         for group in self.optimizer.param_groups:

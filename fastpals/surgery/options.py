@@ -63,6 +63,7 @@ def make_weighting(name: str, **options: Any) -> tuple[Callable[..., torch.Tenso
             return fn(gram, state, generator, **parsed)
         return fn(gram, generator, **parsed)
 
+    weighting.reads_rows = getattr(fn, "reads_rows", False)  # type: ignore[attr-defined]
     weighting.__name__ = f"{key}_weighting"
     weighting.__qualname__ = weighting.__name__
     return weighting, state

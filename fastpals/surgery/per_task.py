@@ -1,46 +1,24 @@
-"""Every task's gradient of the shared parameters from ONE forward and ONE backward over a mixed-task batch.
+"""Every task's gradient of the shared parameters from one forward and one backward over a mixed-task batch.
 
-Where examples do not interact (BERT: attention stays inside a sequence), one backward of ``sum_t L_t`` carries
-every task's output gradients split by rows, so a shared weight's per-task gradient is a sum over that task's
-rows: ``nn.Linear`` ``dW_t = dY_t^T X_t`` and ``db_t = sum dY_t`` (a grouped GEMM with the FLOPs of the ordinary
-weight gradient); ``nn.LayerNorm`` ``dgamma_t = sum dY * xhat``, ``dbeta_t = sum dY``; ``nn.Embedding`` a per-task
-``index_add`` (broadcast position embeddings take the gradient of the embedding they are summed with).
+Where examples do not interact (BERT), a shared weight's per-task gradient is a sum over that task's rows
+(``nn.Linear``: ``dW_t = dY_t^T X_t``). Inside :func:`per_task_gradients` the shared Linear / LayerNorm /
+Embedding modules run through the rules of :mod:`fastpals.surgery.layer_grads`, whose backward writes these
+gradients into the rows of a :class:`~fastpals.surgery.TaskGradientBuffer` (or a
+:class:`~fastpals.surgery.StreamingTaskGradients`); task-specific parameters keep their ordinary gradients. The
+row maps are host values of the batch's :class:`~fastpals.data.layout.BatchLayout`. Usage: ``docs/api.md``.
 
-Inside :func:`per_task_gradients` the shared Linear / LayerNorm / Embedding modules run through the autograd
-functions of :mod:`fastpals.surgery.layer_grads`, whose backward writes these gradients into the task rows of a
-:class:`~fastpals.surgery.TaskGradientBuffer` (or a :class:`~fastpals.surgery.StreamingTaskGradients`) and
-returns none for the shared weights: no summed ``[P]`` gradient is computed. Task-specific parameters keep their
-ordinary gradients. Rows are padded ``[B, L, d]`` or packed ``[N, d]`` (``cu_seqlens [B+1]``, one per encoder
-pass for siamese pairs); the row maps are host values of the batch's :class:`~fastpals.data.layout.BatchLayout`,
-so the block reads no device value. Several micro-batches before one ``apply`` accumulate in the rows.
-
-Usage::
-
-    buf = TaskGradientBuffer(shared, T, task_params=specific)
-    optimizer.zero_grad(set_to_none=True)
-    inputs = model_inputs(batch, device)                                # token tensors and the layout
-    with per_task_gradients(model, buf, inputs["layout"]):
-        loss, _ = model.loss(model(**inputs), batch["labels"].to(device))
-        loss.backward()                                                   # one backward
-    if not buf.apply(pcgrad_weights, generator=g).skipped:              # Gram -> weights -> combine
-        optimizer.step()
-
-Data parallel and DeepSpeed ZeRO 0-2: build the buffer as :mod:`fastpals.surgery` says, with ``all_reduce``
-(the shared weights enter the graph detached, so neither DDP nor DeepSpeed reduces them) and run
-``engine.backward(loss)`` inside the block.
-
-Limits: examples must not interact (no batch norm, no cross-example attention); every shared parameter belongs
-to an ``nn.Linear``, ``nn.LayerNorm`` or ``nn.Embedding``; ``torch.compile`` and ZeRO-3 are not covered.
-Non-reentrant activation checkpointing of whole layers is: the replayed forward is not differentiated again.
+Limits: examples must not interact; every shared parameter belongs to an ``nn.Linear``, ``nn.LayerNorm`` or
+``nn.Embedding``; ``torch.compile`` and ZeRO-3 are not covered (non-reentrant activation checkpointing is).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
+import math
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -66,9 +44,6 @@ __all__ = [
 ]
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# helpers for users
-# ----------------------------------------------------------------------------------------------------------------
 def cu_seqlens_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """``[B, L]`` right-padded attention mask (1 = token) -> ``cu_seqlens [B+1]`` int32 (packed token offsets)."""
     if attention_mask.dim() != 2:
@@ -89,17 +64,6 @@ def task_mean_loss(losses: torch.Tensor, task_ids: torch.Tensor, num_tasks: int)
     counts = torch.bincount(task_ids, minlength=num_tasks).to(losses.dtype)
     sums = torch.zeros(num_tasks, dtype=losses.dtype, device=losses.device).index_add(0, task_ids, losses)
     return (sums / counts.clamp_min(1)).sum()
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# the state of one block
-# ----------------------------------------------------------------------------------------------------------------
-@dataclass
-class _Written:
-    """Per (task, shared parameter index): written since the block began (first write overwrites a fresh row)."""
-
-    fresh: list[bool]
-    flags: list[list[bool]] = field(default_factory=list)
 
 
 class PerTaskGradients:
@@ -161,10 +125,9 @@ class PerTaskGradients:
         self.passes = 0  # calls of the embeddings block(s): the encoder pass
         self._frames: dict[int, EmbeddingFrame] = {}
         self._index = {id(p): k for k, p in enumerate(buffer.params)}
-        self.written = _Written(
-            fresh=[not c for c in buffer.captured_tasks()],
-            flags=[[False] * len(buffer.params) for _ in range(self.num_tasks)],
-        )
+        # per task, its row holds no earlier capture (the first write overwrites); per (task, parameter): written
+        self.fresh = [not c for c in buffer.captured_tasks()]
+        self.written = [[False] * len(buffer.params) for _ in range(self.num_tasks)]
         self.forward_calls = 0
         self.backward_calls = 0
         self._ran: dict[int, bool] = {}  # id(module) -> ran on a batch-independent input (exact path)
@@ -198,12 +161,7 @@ class PerTaskGradients:
                 raise ValueError(
                     f"pass_task_ids[{k}] must be a 1-D tensor of task ids in [0, {self.num_tasks})"
                 )
-        if cu_seqlens is None:
-            cu_list: list[torch.Tensor] = []
-        elif isinstance(cu_seqlens, torch.Tensor):
-            cu_list = [cu_seqlens]
-        else:
-            cu_list = list(cu_seqlens)
+        cu_list = [cu_seqlens] if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens or [])
         for k, cu in enumerate(cu_list):
             n = hosts[min(k, len(hosts) - 1)].size
             if not isinstance(cu, torch.Tensor) or cu.shape != (n + 1,):
@@ -253,20 +211,15 @@ class PerTaskGradients:
         """Make pass ``k``'s layout the one rows map to (the last one for later passes)."""
         layouts = self._all_layouts()
         self._pass_key = min(k, len(layouts) - 1)
-        lay = layouts[self._pass_key]
-        self.layout = lay
-        self.batch = lay.batch
-        self.task_ids = lay.task_ids
-        self.pass_present = list(lay.present)
-        self.sorted = lay.grouped
+        self.layout = layouts[self._pass_key]
+        self.batch = self.layout.batch
+        self.task_ids = self.layout.task_ids
 
     # --- row layout ---------------------------------------------------------------------------------------------
     def rows(self, lead: tuple[int, ...]) -> RowTasks | None:
         """The row -> task map of an input whose leading shape (all but the feature dimension) is ``lead``;
         None when the rows are not per example (a broadcast input). Host values only."""
-        num_rows = 1
-        for n in lead:
-            num_rows *= n
+        num_rows = math.prod(lead)
         lay = self.layout
         b = lay.batch
         if lay.packed and len(lead) == 1 and lead[0] == lay.total and lead[0] != b:
@@ -324,7 +277,6 @@ class PerTaskGradients:
         return self.layout.packed and self.layout.total == n
 
     def example_rows(self) -> RowTasks:
-        """One row per example."""
         return self.rows((self.batch,))  # type: ignore[return-value]
 
     # --- writing into the buffer --------------------------------------------------------------------------------
@@ -334,14 +286,11 @@ class PerTaskGradients:
     def write(self, task: int, k: int, value: torch.Tensor) -> None:
         """Add ``value`` (shaped like shared parameter k) to row ``task`` (overwrite on the first write)."""
         dst = self.buffer.param_row(task, k)
-        if self._first(task, k):
-            dst.copy_(value.reshape(dst.shape))
-        else:
-            dst.add_(value.reshape(dst.shape).to(dst.dtype))
+        _put(dst, value.reshape(dst.shape), self._first(task, k))
 
     def _first(self, task: int, k: int) -> bool:
-        flags = self.written.flags[task]
-        first = self.written.fresh[task] and not flags[k]
+        flags = self.written[task]
+        first = self.fresh[task] and not flags[k]
         flags[k] = True
         return first
 
@@ -353,26 +302,22 @@ class PerTaskGradients:
         time in a buffer of ``dtype`` (an op can then write all rows at once); else None (nothing marked)."""
         if not self._all_tasks(tasks) or self.buffer.dtype != dtype:
             return None
-        if not all(self.written.fresh[t] and not self.written.flags[t][k] for t in tasks):
+        if not all(self.fresh[t] and not self.written[t][k] for t in tasks):
             return None
         for t in tasks:
-            self.written.flags[t][k] = True
+            self.written[t][k] = True
         return self.buffer.param_rows(k)
 
     def write_stack(self, k: int, tasks: Sequence[int], values: torch.Tensor) -> None:
         """``values [len(tasks), *shape]``: row tasks[i] of shared parameter k (+)= values[i] (one op when every
         task is written, all for the first time or all accumulating)."""
         if self._all_tasks(tasks):
-            firsts = [self.written.fresh[t] and not self.written.flags[t][k] for t in tasks]
+            firsts = [self.fresh[t] and not self.written[t][k] for t in tasks]
             if all(firsts) or not any(firsts):
                 rows = self.buffer.param_rows(k)
-                vals = values.reshape(rows.shape)
-                if all(firsts):
-                    rows.copy_(vals)
-                else:
-                    rows.add_(vals.to(rows.dtype))
+                _put(rows, values.reshape(rows.shape), all(firsts))
                 for t in tasks:
-                    self.written.flags[t][k] = True
+                    self.written[t][k] = True
                 return
         for i, t in enumerate(tasks):
             self.write(t, k, values[i])
@@ -386,11 +331,7 @@ class PerTaskGradients:
         firsts = [self._first(t, k) for t in tasks]
         rows = [self.buffer.param_row(t, k) for t in tasks]
         for m0, i, values in chunks:
-            dst = rows[i][m0 : m0 + values.shape[0]]
-            if firsts[i]:
-                dst.copy_(values)
-            else:
-                dst.add_(values.to(dst.dtype))
+            _put(rows[i][m0 : m0 + values.shape[0]], values, firsts[i])
 
     def write_mm(self, task: int, k: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """Row ``task`` of shared weight k (+)= ``a @ b`` (``a [M, R]``, ``b [R, K]``), straight into the buffer
@@ -403,17 +344,11 @@ class PerTaskGradients:
             else:
                 dst.addmm_(a, b)
             return
-        prod = torch.mm(a, b.to(a.dtype))
-        if first:
-            dst.copy_(prod)
-        else:
-            dst.add_(prod.to(dst.dtype))
+        _put(dst, torch.mm(a, b.to(a.dtype)), first)
 
     def write_segment_sums(self, k: int, values: torch.Tensor, rows: RowTasks) -> None:
-        """Per task, the sum over its rows of ``values [R, n]`` into row t of shared parameter k (fp32 sums), all
-        tasks in one reduction by ``row_task``: straight into the rows when every task is written here for the
-        first time (each row receives its sum, nothing to zero first), else through :meth:`write_stack`. A task's
-        non-finite rows stay in its own sum."""
+        """Per task, the fp32 sum over its rows of ``values [R, n]`` into row t of shared parameter k, all tasks in
+        one reduction by ``row_task`` (straight into the rows when every task is written here first)."""
         index = rows.row_task[:, None].expand(-1, values.shape[1])
         target = self.stack_target(k, rows.tasks, torch.float32)
         if target is not None:
@@ -427,11 +362,9 @@ class PerTaskGradients:
     def write_embedding(
         self, k: int, ids: torch.Tensor, grad: torch.Tensor, rows: RowTasks, padding_idx: int | None
     ) -> None:
-        """Every task's rows of ``grad [R, d]`` summed at ``ids [R]`` into its row of embedding k, all tasks at
-        once: one accumulating ``index_put_`` at the ``(task, id)`` pairs into the ``[T, V, d]`` rows (overwrite
-        where a task's row is written for the first time); the ``padding_idx`` rows stay zero. On the CPU the
-        rows of equal pairs are summed into a compact ``[R, d]`` fp32 tensor first (:func:`_sum_by_key`); CUDA's
-        accumulating ``index_put_`` sorts by index itself."""
+        """Every task's rows of ``grad [R, d]`` summed at ``ids [R]`` into its row of embedding k: one accumulating
+        ``index_put_`` at the ``(task, id)`` pairs (on the CPU after :func:`_sum_by_key`); ``padding_idx`` rows
+        stay zero."""
         dst = self._embedding_rows(k, rows.tasks)
         if compacts_embedding_rows(grad.device):
             vocab = self.buffer.params[k].shape[0]
@@ -478,10 +411,9 @@ class PerTaskGradients:
         return self._ran.get(id(m), False)
 
     def exact_parameters(self, unused: bool = True) -> list[tuple[str, torch.Tensor]]:
-        """The shared parameters one backward cannot split by task, by name: those of modules that ran on an
-        input not split by example (DeBERTa's relative-position LayerNorm), and those of modules whose forward
-        did not run although the model ran (``unused``: a weight read directly, e.g. DeBERTa's
-        ``rel_embeddings.weight``, or a module the model did not use). Call after the forward."""
+        """The shared parameters one backward cannot split by task, by name: of modules that ran on an input not
+        split by example (DeBERTa's relative-position LayerNorm) and, ``unused``, of modules whose forward did not
+        run although the model ran (a weight read directly). Call after the forward."""
         out = []
         for name, m in self._modules:
             ran = self._ran.get(id(m))
@@ -490,10 +422,9 @@ class PerTaskGradients:
         return out
 
     def exact_task_gradients(self, task_losses: Sequence[tuple[int, torch.Tensor]]) -> list[str]:
-        """The exact path for :meth:`exact_parameters`: per task ``t`` with loss ``L_t`` (the terms of the loss
-        the one backward differentiates), ``autograd.grad(L_t, params, retain_graph=True)`` into row t. Call
-        after the forward and before the backward; the ordinary (summed) gradient the backward then gives these
-        parameters is dropped on exit. Returns their names (empty: nothing to do, no extra backward)."""
+        """The exact path for :meth:`exact_parameters`: per ``(t, L_t)``, ``autograd.grad(L_t, params,
+        retain_graph=True)`` into row t. Call between the forward and the backward (whose summed gradient of
+        these parameters is dropped on exit). Returns their names (empty: nothing to do)."""
         named = self.exact_parameters()
         self._exact_done = True
         if not named:
@@ -567,14 +498,11 @@ class PerTaskGradients:
         modules = self.shared_modules()
         self._modules = modules
         self._exact: list[torch.Tensor] = []
-        self.buffer.release_update()  # bf16 rows: the last update's fp32 [P] goes with the .grad views
         parents: dict[int, nn.Module] = {}
         name_to_module = dict(self.model.named_modules())
         shared_embeddings = {id(m) for _, m in modules if isinstance(m, nn.Embedding)}
-        for (
-            name,
-            m,
-        ) in name_to_module.items():  # every embeddings block counts encoder passes, frozen ones too
+        # every embeddings block counts encoder passes, frozen ones too
+        for name, m in name_to_module.items():
             if isinstance(m, nn.Embedding):
                 parent = name_to_module[name.rsplit(".", 1)[0]] if "." in name else self.model
                 parents[id(parent)] = parent
@@ -590,12 +518,7 @@ class PerTaskGradients:
             for _, m in modules:
                 if "forward" in m.__dict__:
                     raise RuntimeError(f"module {m!r} already has an instance-level forward (nested block?)")
-                if isinstance(m, nn.Linear):
-                    m.forward = _bind(linear_forward, self, m)
-                elif isinstance(m, nn.LayerNorm):
-                    m.forward = _bind(layer_norm_forward, self, m)
-                else:
-                    m.forward = _bind(embedding_forward, self, m)
+                m.forward = functools.partial(_RULES[type(m)], self, m)
                 self._patched.append(m)
         except BaseException:
             self._restore()
@@ -654,7 +577,18 @@ class PerTaskGradients:
                 "per_task_gradients: the forward ran inside the block but no backward did; run loss.backward() "
                 "(or engine.backward(loss)) inside the with-block"
             )
-        self.buffer.capture_written(self.present, self.written.flags)
+        self.buffer.capture_written(self.present, self.written)
+
+
+_RULES = {nn.Linear: linear_forward, nn.LayerNorm: layer_norm_forward, nn.Embedding: embedding_forward}
+
+
+def _put(dst: torch.Tensor, value: torch.Tensor, first: bool) -> None:
+    """``dst = value`` on a row's first write, else ``dst += value`` (in ``dst``'s dtype)."""
+    if first:
+        dst.copy_(value)
+    else:
+        dst.add_(value.to(dst.dtype))
 
 
 def compacts_embedding_rows(device: torch.device) -> bool:
@@ -665,12 +599,8 @@ def compacts_embedding_rows(device: torch.device) -> bool:
 
 def _sum_by_key(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows of ``values [R, d]`` summed by ``keys [R]`` int64: ``(run_keys [R], sums [R, d] fp32)``, one row
-    per distinct key (first ones) then zero rows at key 0 (+0 where added).
-
-    Summing the rows of repeated keys into a compact ``[R, d]`` first keeps the later ``index_put_`` into a whole
-    ``[V, d]`` table cheap on the CPU (3-10x slower than the plain embedding backward without it). The runs
-    of equal keys come from a stable sort: no data-dependent size, so no host read (``torch.unique`` would
-    need one)."""
+    per distinct key, then zero rows at key 0. Keeps the CPU's ``index_put_`` into a whole ``[V, d]`` table cheap;
+    the runs come from a stable sort (no data-dependent size, so no host read as ``torch.unique`` would need)."""
     sorted_keys, order = torch.sort(keys, stable=True)
     new_run = torch.ones_like(sorted_keys, dtype=torch.bool)
     new_run[1:] = sorted_keys[1:] != sorted_keys[:-1]
@@ -678,13 +608,6 @@ def _sum_by_key(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor,
     sums = torch.zeros(keys.shape[0], values.shape[1], dtype=torch.float32, device=values.device)
     sums.index_add_(0, run, values.index_select(0, order).float())
     return torch.zeros_like(sorted_keys).scatter_(0, run, sorted_keys), sums
-
-
-def _bind(fn: Any, state: PerTaskGradients, module: nn.Module) -> Any:
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        return fn(state, module, *args, **kwargs)
-
-    return forward
 
 
 @contextlib.contextmanager
@@ -696,26 +619,16 @@ def per_task_gradients(
     use_kernels: bool | None = None,
     pass_task_ids: Sequence[torch.Tensor] | None = None,
 ) -> Iterator[PerTaskGradients]:
-    """Run the forward AND the backward of one mixed-task batch inside this block: the per-task gradients of the
-    buffer's shared parameters go straight into the buffer's rows (accumulating over blocks until
-    ``buffer.apply``); the shared parameters get no ordinary ``.grad``; task-specific parameters get theirs.
+    """Run the forward and the backward of one mixed-task batch inside this block: the per-task gradients of the
+    buffer's shared parameters go into its rows (accumulating until ``buffer.apply``), not into ``.grad``.
 
-    - ``model``: the module holding the shared ``nn.Linear`` / ``nn.LayerNorm`` / ``nn.Embedding`` modules
-      (minBERT, :class:`fastpals.MultiTaskBert`, an HF model with ``inject_pals``, a DeepSpeed engine's module);
-    - ``buffer``: a :class:`TaskGradientBuffer` whose ``params`` are the shared parameters (``task_params`` the
-      task-specific ones); any row dtype (float32, bfloat16); or a
-      :class:`~fastpals.surgery.stream.StreamingTaskGradients` (no ``[T, P]`` rows; one block per ``apply``);
-    - ``layout``: the batch's :class:`~fastpals.data.layout.BatchLayout` (``model_inputs(batch, device)["layout"]``,
-      or :func:`fastpals.data.layout.make_layout` of a padded batch): every row map comes from its host values
-      (its ``second`` for the siamese second sentences), so the block reads no device value;
-    - ``use_kernels``: force (True) or forbid (False) the Triton grouped weight-gradient kernel; default: on CUDA.
-
-    Deprecated: ``layout`` given as ``task_ids [B]`` int, with ``cu_seqlens [B+1]`` (one per encoder pass) for
-    packed inputs and ``pass_task_ids`` (per pass, the task of each of its examples; entry 0 ignored): read on the
-    host once, on entry.
-
-    The loss to differentiate is the sum over tasks of each task's loss (e.g. ``MultiTaskBert.loss``, or
-    :func:`task_mean_loss` of per-example losses). Raises if the forward ran in the block but no backward did.
+    ``model`` holds the shared ``nn.Linear`` / ``nn.LayerNorm`` / ``nn.Embedding`` modules; ``buffer`` is a
+    :class:`TaskGradientBuffer` (any row dtype) or a :class:`~fastpals.surgery.StreamingTaskGradients` (one block
+    per ``apply``); ``layout`` the batch's :class:`~fastpals.data.layout.BatchLayout` (its host values map the rows,
+    its ``second`` the siamese second sentences); ``use_kernels`` forces or forbids the Triton grouped
+    weight-gradient kernel (default: on CUDA). Deprecated: ``layout`` as ``task_ids [B]`` int, with ``cu_seqlens
+    [B+1]`` (one per encoder pass) and ``pass_task_ids`` (per pass; entry 0 ignored), read on the host once.
+    The loss to differentiate is the sum of the tasks' losses (:func:`task_mean_loss`).
     """
     block = getattr(buffer, "block_class", PerTaskGradients)  # StreamingTaskGradients: its streaming block
     state = block(model, buffer, layout, cu_seqlens, use_kernels, pass_task_ids)

@@ -1,33 +1,15 @@
-"""Streaming gradient surgery (``--surgery-memory stream``): the Gram and the combined gradient of the one-backward
-capture without the ``[T, P]`` rows.
+"""Streaming gradient surgery (``--surgery-memory stream``): the Gram and the update of the one-backward capture
+without the ``[T, P]`` rows, memory flat in ``T``.
 
-For a shared ``nn.Linear`` the task gradient is ``g_t = dY_t^T X_t`` over task t's rows, so neither the Gram nor
-the update ``sum_t c_t g_t`` needs all ``T`` gradients alive at once. :class:`StreamingTaskGradients` takes the
-buffer's place inside :func:`~fastpals.surgery.per_task_gradients` and keeps, per shared parameter, the smaller of:
-
-- **streamed** (Linear weights where ``T * M * K > N * (M + K)``, ``N`` the step's rows through the layer): its
-  ``dY [N, M]`` and ``X [N, K]`` in the training dtype. After the layer's last backward call its Gram is added
-  from blocks of output rows of the per-task products (fp32, within ``GRAM_CHUNK_BYTES``; data parallel: a whole
-  ``[T, M, K]`` scratch, all-reduced). The update is one weight-gradient GEMM per call, ``(c_row * dY)^T X``.
-  On the op library's kernels (CUDA with Triton) the Gram of every streamed weight and its bias is one launch at
-  ``apply`` and their update another (:mod:`fastpals_kernels.stream_linear`, the bias a column of ones in ``X``);
-  the backward computes nothing per task for them.
-- **embeddings by token-id rows** (an ``nn.Embedding`` looked up per example with ``T * V`` above the step's
-  rows): ``dY [N, d]`` and the ids; the Gram sums rows per (task, distinct id) into ``[T, N, d / T]`` fp32
-  tables, one per block of ``d / T`` columns (no larger than the rows: flat in T; one row width, one Gram)
-  (:func:`embedding_row_gram`), the update is one ``index_add`` of ``c_row * dY``.
-- **kept rows** (biases, LayerNorm, small embeddings, Linear weights with few tasks, and Linear weights within
-  ``keep_bytes``): ``[T, *shape]`` fp32 rows, as the buffer holds them.
-
-``keep_bytes`` (one rank) keeps the task rows of the first Linear weights in forward order that the policy would
-stream, as long as what they add over the ``dY`` and ``X`` they spare totals at most ``keep_bytes``: those skip
-the second weight-gradient pass (``--surgery-memory auto``: :mod:`fastpals.train.memory_mode`).
-
-The Gram is exact (fp32 products, summed in another order than the buffer's: equal within 1e-5 relative), so
-every aggregator gives the buffer mode's update. One :func:`~fastpals.surgery.per_task_gradients` block per
-``apply`` (a Gram over micro-batches needs their cross terms: use the buffer for gradient accumulation).
-Data parallel: the scratches and kept rows are averaged over the ranks before their Gram, the token-id rows
-all-gathered, and each rank's combined gradient averaged, as DDP averages an ordinary gradient.
+:class:`StreamingTaskGradients` takes the buffer's place in :func:`~fastpals.surgery.per_task_gradients` and keeps,
+per shared parameter, the smaller of: **streamed** Linear weights (``T * M * K > N * (M + K)``, ``N`` the step's
+rows): their ``dY`` and ``X``, the Gram built from blocks of per-task products ``dY_t^T X_t`` after the layer's
+last backward (on the op library's kernels, all streamed weights in one launch at ``apply``), the update one GEMM
+``(c_row * dY)^T X`` per call; **embeddings by token-id rows**: ``dY`` and the ids (:func:`embedding_row_gram`),
+the update one ``index_add``; **kept rows** (biases, LayerNorm, small tables, and Linear weights within
+``keep_bytes``): ``[T, *shape]`` fp32 rows, as the buffer holds them. The Gram is exact (equal to the buffer's
+within 1e-5 relative), so every aggregator gives the buffer's update. One block per ``apply``. Data parallel:
+scratches and kept rows averaged before their Gram, token-id rows all-gathered, the update averaged.
 """
 
 from __future__ import annotations
@@ -51,9 +33,8 @@ __all__ = ["POLICIES", "StreamingTaskGradients", "embedding_row_gram", "stream_p
 POLICIES = ("smaller", "stream")
 
 BUCKET_ELEMENTS = 1 << 22  # data parallel: scratch elements all-reduced in one call (16 MiB fp32)
-# One rank: a streamed Linear's Gram is built over blocks of output rows whose fp32 per-task products, [T, rows, K],
-# stay within this many bytes, not from a whole [T, M, K] scratch written and read back (memory-bound); smaller
-# blocks lose the gain again (docs/surgery-scaling.md)
+# One rank: a streamed Linear's Gram is built over blocks of output rows whose fp32 per-task products,
+# [T, rows, K], stay within this many bytes (docs/surgery-scaling.md)
 GRAM_CHUNK_BYTES = 12 << 20
 # columns of one fp32 Gram product, the products summed in fp64 (the op library's Gram sums such blocks)
 GRAM_COLUMNS = 1 << 16
@@ -83,10 +64,8 @@ def embedding_row_gram(
     """The ``[T, T]`` fp32 Gram of the per-task gradients of an embedding table from its rows.
 
     ``ids [N]`` int64, ``dy [N, d]`` (any float dtype), ``row_task [N]`` int64 in ``[0, T)``: task t's gradient
-    is ``index_add`` of its rows of ``dy`` at ``ids``. Rows at ``padding_idx`` count as zero. No host read: the
-    rows are summed per (task, distinct id) into a ``[T, N, cols]`` fp32 table (ids numbered by a sort), whose
-    Gram over its flattened rows is the table's, in blocks of ``cols = ceil(d / T)`` columns: the table is no
-    larger than the rows, so the memory stays flat in T."""
+    is ``index_add`` of its rows of ``dy`` at ``ids`` (rows at ``padding_idx`` count as zero). No host read: rows
+    summed per (task, distinct id) into ``[T, N, ceil(d / T)]`` fp32 tables, no larger than the rows."""
     t = num_tasks
     n = ids.shape[0]
     if n == 0:
@@ -109,9 +88,8 @@ def embedding_row_gram(
 
 
 class _StreamBlock(PerTaskGradients):
-    """The state of one :func:`~fastpals.surgery.per_task_gradients` block over a :class:`StreamingTaskGradients`:
-    counts the calls and rows of every shared Linear / Embedding in the forward, and hands each layer's output
-    gradient to the streaming buffer in the backward."""
+    """One :func:`~fastpals.surgery.per_task_gradients` block over a :class:`StreamingTaskGradients`: counts the
+    calls and rows of every shared Linear / Embedding in the forward, hands their output gradients over."""
 
     buffer: StreamingTaskGradients
 
@@ -129,12 +107,13 @@ class _StreamBlock(PerTaskGradients):
         k_w = self.param_index(module.weight)
         self.buffer._count_call(k_w, rows, isinstance(module, nn.Linear))
         if isinstance(module, nn.Linear) and module.bias is not None:
-            self.buffer._linear_bias(k_w, self.param_index(module.bias))
+            k_b = self.buffer._bias_of[k_w] = self.param_index(module.bias)
+            self.buffer._weight_of[k_b] = k_w
 
     def write_segment_sums(self, k: int, values: torch.Tensor, rows: RowTasks) -> None:
         if self.buffer._bias_with_weight(k) and kernels_on(self, values):
             for t in rows.tasks:  # computed with its weight's (the multi-Linear ops' extra column)
-                self.written.flags[t][k] = True
+                self.written[t][k] = True
             return
         super().write_segment_sums(k, values, rows)
 
@@ -142,13 +121,13 @@ class _StreamBlock(PerTaskGradients):
         grouped = self.buffer._deferred.get(k_w, False) and kernels_on(self, dy)
         if grouped:
             row_plan(self, rows)  # the grouped kernel's plan of these rows, for the blocked Gram
-        self.buffer._linear_done(rows, k_w, dy, x, self.written.flags, grouped)
+        self.buffer._linear_done(rows, k_w, dy, x, self.written, grouped)
 
     def defers_linear_weight(self, k_w: int, rows: RowTasks) -> bool:
         if not self.buffer._defers(k_w):
             return False
         for t in rows.tasks:
-            self.written.flags[t][k_w] = True
+            self.written[t][k_w] = True
         return True
 
     def write_embedding(
@@ -158,14 +137,13 @@ class _StreamBlock(PerTaskGradients):
             super().write_embedding(k, ids, grad, rows, padding_idx)
             return
         for t in rows.tasks:
-            self.written.flags[t][k] = True
-        self.buffer._keep_embedding(k, ids, grad, rows.row_task, padding_idx)
+            self.written[t][k] = True
+        self.buffer._embeddings.append((k, ids, grad, rows.row_task, padding_idx))
 
 
 class StreamingTaskGradients(TaskGradients):
     """The streaming counterpart of :class:`~fastpals.surgery.TaskGradientBuffer` for
-    :func:`~fastpals.surgery.per_task_gradients` (see the module docstring): same ``apply``, same results, memory
-    flat in ``T``.
+    :func:`~fastpals.surgery.per_task_gradients` (module docstring): same ``apply`` and results.
 
     Args:
         params, num_tasks, task_params, grad_getter, grad_setter, grad_dtype, process_group, all_reduce,
@@ -173,8 +151,7 @@ class StreamingTaskGradients(TaskGradients):
         policy: ``smaller`` (default: per parameter, the smaller of the kept output gradient and the task rows)
             or ``stream`` (every Linear weight and per-example embedding streamed).
         keep_bytes: bytes that kept task rows of Linear weights the policy would stream may add over the ``dY``
-            and ``X`` they spare, in forward order (module docstring). Ignored with data parallel, which
-            all-reduces the kept rows in one piece.
+            and ``X`` they spare, in forward order. Ignored with data parallel.
         bucket_elements: data parallel, scratch elements per all-reduce.
     """
 
@@ -225,12 +202,10 @@ class StreamingTaskGradients(TaskGradients):
         self._bias_of: dict[int, int] = {}  # shared Linear weight -> its bias (both shared parameters)
         self._weight_of: dict[int, int] = {}
         self._embeddings: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, int | None]] = []
-        self._pending: list[
-            torch.Tensor
-        ] = []  # data parallel: scratches waiting for their bucket's all-reduce
+        # data parallel: scratches waiting for their bucket's all-reduce
+        self._pending: list[torch.Tensor] = []
         self._pending_elements = 0
         self._touched = [[False] * len(self.params) for _ in range(t)]
-        self._present: list[int] = []
         self._task_seen = [False] * len(self.task_params)
 
     def _begin_block(self) -> None:
@@ -248,10 +223,6 @@ class StreamingTaskGradients(TaskGradients):
         summed in fp64 at :meth:`_finish_gram`)."""
         self._gram_parts.append(gram_op(rows.contiguous())[0])
 
-    def _linear_bias(self, k_w: int, k_b: int) -> None:
-        self._bias_of[k_w] = k_b
-        self._weight_of[k_b] = k_w
-
     def _bias_with_weight(self, k: int) -> bool:
         """Is parameter k the bias of a streamed Linear weight whose Gram is built in blocks (its per-task sums
         then come with the weight's: on the op library's kernels, as one more column of the weight's products)?"""
@@ -265,8 +236,7 @@ class StreamingTaskGradients(TaskGradients):
 
     def _kept_by_budget(self) -> set[int]:
         """The Linear weights whose rows ``keep_bytes`` keeps: the forward-order prefix of those the policy would
-        stream whose fp32 rows, less the kept ``dY`` and ``X`` they spare, fit the budget together (decided once
-        per step, on the first backward)."""
+        stream whose fp32 rows, less the ``dY`` and ``X`` they spare, fit the budget (decided once per step)."""
         if self._kept_linears is None:
             kept: set[int] = set()
             left = self.keep_bytes
@@ -296,9 +266,8 @@ class StreamingTaskGradients(TaskGradients):
 
     def _defers(self, k: int) -> bool:
         """Is streamed Linear weight k's Gram built in output-row blocks from its kept ``dy`` and ``x``
-        (:meth:`_blocked_gram`) instead of a ``[T, M, K]`` scratch? One rank only (data parallel all-reduces the
-        scratch first), and not where its rows were already written this step (the exact path). Decided on the
-        weight's first backward call, kept for its later calls."""
+        (:meth:`_blocked_gram`) instead of a ``[T, M, K]`` scratch? One rank only, and not where its rows were
+        already written this step (the exact path). Decided on the weight's first backward call."""
         if k not in self._deferred:
             self._deferred[k] = (
                 self._streams(k, embedding=False) and not self.all_reduce and k not in self._rows
@@ -306,11 +275,9 @@ class StreamingTaskGradients(TaskGradients):
         return self._deferred[k]
 
     def _blocked_gram(self, k: int, calls: Sequence[tuple[RowTasks, torch.Tensor, torch.Tensor]]) -> None:
-        """Gram += that of the per-task gradients ``sum over calls of dy_t^T x_t`` of Linear weight k
-        (``[M, K]``), in blocks of output rows: each block's fp32 products ``[n, rows, K]`` (``n`` the tasks
-        with rows; the same GEMMs, dtypes and summing order over calls as the scratch's) within
-        ``GRAM_CHUNK_BYTES``, its Gram added at once (fp32 products over ``GRAM_COLUMNS`` columns, summed in
-        fp64), the block reused."""
+        """Gram += that of Linear weight k's per-task gradients ``sum over calls of dy_t^T x_t`` (``[M, K]``), in
+        blocks of output rows whose fp32 products ``[n, rows, K]`` (the scratch's GEMMs, dtypes and order) stay
+        within ``GRAM_CHUNK_BYTES``; fp32 Gram products over ``GRAM_COLUMNS`` columns, summed in fp64."""
         tasks = sorted({t for rows, _, _ in calls for t in rows.tasks})
         if not tasks:
             return
@@ -365,8 +332,7 @@ class StreamingTaskGradients(TaskGradients):
         rows = self._rows.get(k)
         if rows is None:
             p = self.params[k]
-            # uninitialised: the capture's first write of a task overwrites its row; rows no task wrote are
-            # zeroed when the parameter is done (_zero_unwritten)
+            # uninitialised: a task's first write overwrites its row; rows no task wrote: _zero_unwritten
             rows = torch.empty((self.num_tasks, *p.shape), dtype=torch.float32, device=self.device)
             self._rows[k] = rows
         return rows
@@ -390,9 +356,8 @@ class StreamingTaskGradients(TaskGradients):
         written: Sequence[Sequence[bool]],
         grouped: bool = False,
     ) -> None:
-        """One call of the shared Linear whose weight is parameter k has written its task rows: keep ``dy`` and
-        ``x`` if the weight streams; after its last call, its scratch goes into the Gram and is dropped (on the
-        op library's kernels, ``grouped``: its Gram is built with every streamed weight's at :meth:`_finish_gram`)."""
+        """One call of the shared Linear of weight k has written its task rows: keep ``dy`` and ``x`` if the weight
+        streams; after its last call its scratch goes into the Gram (``grouped``: at :meth:`_finish_gram`)."""
         if not self._streams(k, embedding=False):
             return
         self._left[k] -= 1
@@ -430,11 +395,6 @@ class StreamingTaskGradients(TaskGradients):
         dist.all_reduce(flat, group=self.process_group)
         self._add_gram(flat)
 
-    def _keep_embedding(
-        self, k: int, ids: torch.Tensor, dy: torch.Tensor, row_task: torch.Tensor, padding_idx: int | None
-    ) -> None:
-        self._embeddings.append((k, ids, dy, row_task, padding_idx))
-
     def capture_written(self, tasks: Sequence[int], written: Sequence[Sequence[bool]]) -> None:
         """End of the block: which tasks had rows, which parameters each wrote; the task-specific gradients."""
         tasks = list(tasks)
@@ -444,7 +404,6 @@ class StreamingTaskGradients(TaskGradients):
                     self._touched[t][k] = True
         for k, rows in self._rows.items():  # kept rows (the streamed scratches are gone)
             self._zero_unwritten(k, rows, written)
-        self._present = tasks
         if not tasks:
             return
         for k, p in enumerate(self.task_params):
@@ -516,9 +475,8 @@ class StreamingTaskGradients(TaskGradients):
         return self._gram.to(torch.float32)
 
     def _grouped_problems(self) -> list[tuple[list[int], tuple]]:
-        """The streamed Linear weights of :attr:`_grouped` (with their biases) as problems of the op library's
-        multi-Linear ops, one group per dtype of the kept ``dy`` and ``x``: ``(weights k, (dy, x, row_index,
-        task_row_offsets, problem, bias))`` per group."""
+        """The streamed Linear weights of :attr:`_grouped` (with their biases) as the multi-Linear ops' problems,
+        one group per dtype: ``(weights k, (dy, x, row_index, task_row_offsets, problem, bias))``."""
         groups: dict[torch.dtype, tuple[list[int], tuple[list, list, list, list, list, list]]] = {}
         for k, calls in self._grouped.items():
             keys, args = groups.setdefault(calls[0][1].dtype, ([], ([], [], [], [], [], [])))
@@ -553,11 +511,10 @@ class StreamingTaskGradients(TaskGradients):
         return out[0], out[1], out[2]
 
     def _write_update(self, weights: torch.Tensor, touched: Sequence[Sequence[Any]]) -> None:
-        """``sum_t weights[t] g_t`` into the shared gradients: kept rows by a ``[T] @ [T, n]`` product, streamed
-        Linear weights by ``(c_row * dY)^T X`` per call, token-id embeddings by an ``index_add`` of ``c_row * dY``;
-        each parameter's gradient handed to ``grad_setter`` as soon as it is complete and the kept tensors freed
-        as they are used (so a setter that copies, as DeepSpeed's, holds no second ``[P]``). Data parallel: the
-        streamed parts (each rank's own rows) are averaged over the ranks first."""
+        """``sum_t weights[t] g_t`` into the shared gradients: kept rows by ``[T] @ [T, n]``, streamed Linear
+        weights by ``(c_row * dY)^T X`` per call, token-id embeddings by an ``index_add`` of ``c_row * dY``; each
+        gradient handed to ``grad_setter`` once complete and the kept tensors freed as used (a copying setter
+        holds no second ``[P]``). Data parallel: the streamed parts are averaged over the ranks first."""
         t = self.num_tasks
         c = weights.to(torch.float32).reshape(t)
         used = [any(touched[i][k] for i in range(t)) for k in range(len(self.params))]
@@ -578,16 +535,19 @@ class StreamingTaskGradients(TaskGradients):
             self.grad_setter(self.params[k], g.to(self.grad_dtype) if used[k] and g is not None else None)
             done.add(k)
 
+        def hand_over_flat(flat: torch.Tensor, keys: Iterable[int]) -> None:
+            start = 0
+            for k in keys:  # slices, not torch.split: a caller may scale the gradients in place
+                grads[k] = flat[start : start + self.numels[k]].view(self.params[k].shape)
+                start += self.numels[k]
+                hand_over(k)
+
         if self._small is not None:
             keys, rows = self._small
             self._small = None
             update = c @ rows
             del rows
-            start = 0
-            for k in keys:  # slices, not torch.split: a caller may scale the gradients in place
-                grads[k] = update[start : start + self.numels[k]].view(self.params[k].shape)
-                start += self.numels[k]
-                hand_over(k)
+            hand_over_flat(update, keys)
         for k in list(self._rows):
             grads[k] = (c @ self._rows.pop(k).view(t, -1)).view(self.params[k].shape)
             hand_over(k)
@@ -600,13 +560,8 @@ class StreamingTaskGradients(TaskGradients):
                 keys, args = groups.pop(0)
                 flat = stream_linear.stream_linear_combine(*args, c)
                 del args
-                start = 0
-                for k_w in keys:  # slices, not torch.split: a caller may scale the gradients in place
-                    for k in (k_w, self._bias_of.get(k_w)):  # the weight's, then its bias's
-                        if k is not None:
-                            grads[k] = flat[start : start + self.numels[k]].view(self.params[k].shape)
-                            start += self.numels[k]
-                            hand_over(k)
+                with_bias = [(k_w, self._bias_of.get(k_w)) for k_w in keys]  # the weight's, then its bias's
+                hand_over_flat(flat, [k for pair in with_bias for k in pair if k is not None])
         while self._linears:
             k, row_task, dy, x = self._linears.pop(0)
             c_row = c_row_of(row_task)
@@ -615,10 +570,7 @@ class StreamingTaskGradients(TaskGradients):
                     prod = torch.mm((dy * c_row).t(), x.float())
                 else:
                     prod = torch.mm(dy.t(), x.float() * c_row)
-                if k in grads:
-                    grads[k].add_(prod)
-                else:
-                    grads[k] = prod
+                grads[k] = grads[k].add_(prod) if k in grads else prod
             else:  # 16-bit dy / x: fp32 products (as the buffer's fp32 rows), in output-row chunks
                 if k not in grads:
                     grads[k] = torch.zeros(self.params[k].shape, dtype=torch.float32, device=self.device)
@@ -650,9 +602,7 @@ class StreamingTaskGradients(TaskGradients):
             flat = torch.cat([grads.pop(k).reshape(-1) for k in ks])
             flat.div_(dist.get_world_size(self.process_group))
             dist.all_reduce(flat, group=self.process_group)
-            for k, part in zip(ks, torch.split(flat, [self.numels[k] for k in ks])):
-                grads[k] = part.view(self.params[k].shape)
-                hand_over(k)
+            hand_over_flat(flat, ks)
         for k in range(len(self.params)):
             if k not in done:
                 hand_over(k)

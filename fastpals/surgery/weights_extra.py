@@ -339,3 +339,6 @@ def excessmtl_weights(
         excess = excess / (state.initial + 1e-7)
     state.weights = torch.softmax(state.weights.to(x.device).log() + robust_step_size * excess, 0)
     return state.weights.to(out_dtype)
+
+
+excessmtl_weights.reads_rows = True  # type: ignore[attr-defined]  # TaskGradients.apply hands it the rows

@@ -590,6 +590,7 @@ AGGREGATORS: dict[str, Callable[..., torch.Tensor]] = {
     "sdmgrad": weights_extra.sdmgrad_weights,
     "crmogm": crmogm_weights,
     "pcd": weights_extra.pcd_weights,
+    "excessmtl": weights_extra.excessmtl_weights,
 }
 """Name -> aggregator ``fn(gram, [state,] generator=None, **options) -> w``."""
 
@@ -600,5 +601,6 @@ STATEFUL: dict[str, type] = {
     "sdmgrad": weights_extra.SDMGradState,
     "crmogm": CRMOGMState,
     "pcd": weights_extra.PCDState,
+    "excessmtl": weights_extra.ExcessMTLState,
 }
 """Names whose function takes a state object (second argument / ``state=``), and the state's class."""
