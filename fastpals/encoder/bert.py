@@ -239,9 +239,8 @@ class BertIntermediate(nn.Module):
     def __init__(self, cfg: BertConfig) -> None:
         super().__init__()
         self.dense = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
-        self.act = {"gelu": nn.GELU(), "gelu_new": nn.GELU(approximate="tanh"), "relu": nn.ReLU()}[
-            cfg.hidden_act
-        ]
+        acts = {"gelu": nn.GELU, "gelu_new": lambda: nn.GELU(approximate="tanh"), "relu": nn.ReLU}
+        self.act = acts[cfg.hidden_act]()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.act(self.dense(x))
