@@ -66,7 +66,6 @@ class HFEncoder(nn.Module):
 
     def __init__(self, model: nn.Module, pal: PALConfig | None = None) -> None:
         super().__init__()
-
         self.model = model
         hf_config = model.config
         self.model_type = hf_config.model_type

@@ -649,17 +649,12 @@ def count_parameters(model: nn.Module) -> dict[str, int]:
     parameters), ``heads``, and one per PAL category of the registered variants (:func:`pal_count_categories`)."""
     counts = dict.fromkeys(("total", "encoder", "pal", "heads", *pal_count_categories()), 0)
     for name, p in model.named_parameters():
-        n = p.numel()
+        n, kind = p.numel(), task_specific_kind(name)
         counts["total"] += n
-        kind = task_specific_kind(name)
-        if kind == "head":
-            counts["heads"] += n
-        elif kind == "pal":
-            counts["pal"] += n
+        counts[{"head": "heads", "pal": "pal", None: "encoder"}[kind]] += n
+        if kind == "pal":
             category = pal_parameter_category(name)
             counts[category] = counts.get(category, 0) + n
-        else:
-            counts["encoder"] += n
     return counts
 
 
