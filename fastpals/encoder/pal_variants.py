@@ -132,7 +132,7 @@ class PALTop(nn.Module):
 
     def forward(self, h: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
         """h: the last layer's rows, ``[B, L, d]`` or ``[N, d]`` → the same shape."""
-        p = PALLayer.proj(self)
+        p = self.projections if self.projections is not None else self._shared
         dropout = self.dropout_p if self.training else 0.0
         packed = h.dim() == 2  # packed rows: per-task GEMMs on task segments
         task_of_row = layout.row_task_ids if packed else layout.task_ids

@@ -441,6 +441,10 @@ class MultiTaskBert(nn.Module):
             task_ids = torch.zeros(b, dtype=torch.long, device=device)
         return check_task_ids(task_ids, len(self.tasks), b, device, check_values=False)
 
+    def _task_loss(self, spec: TaskSpec, z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """One task's fp32 loss by its kind: ``z`` logits ``[n, num_labels]``, ``y`` labels ``[n]``."""
+        return spec.task_kind.loss(spec, z, y)
+
     def task_losses(
         self, output: MultiTaskOutput, labels: torch.Tensor, weighting: str = "examples"
     ) -> TaskLosses:
