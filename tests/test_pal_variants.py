@@ -240,7 +240,7 @@ def test_pal_weights_are_what_the_layer_hands_to_the_op():
 @pytest.mark.parametrize("tasks", [[0, 0, 1, 2, 2], [2, 0, 1, 0, 2]], ids=["grouped", "ungrouped"])
 def test_top_blocks_run_packed_rows_as_padded(variant, tasks):
     """The top blocks on packed rows (per-task GEMMs on task segments when rows are grouped, varlen attention)
-    equal them on the padded batch, forward and backward."""
+    equal them on the padded batch, forward and backward; a padded batch with unpad=True runs them packed."""
     pal = PALConfig(num_tasks=3, hidden=12, num_heads=2, top_blocks=2, top_heads=3, variant=variant)
     torch.manual_seed(0)
     model = BertModel(TINY, pal=pal).eval()
@@ -251,6 +251,8 @@ def test_top_blocks_run_packed_rows_as_padded(variant, tasks):
     layout = BatchLayout.from_lengths(mask.sum(1).tolist(), tasks, 3)
     packed = model(ids[valid], None, types[valid], layout=layout).last_hidden_state
     assert (packed - padded[valid]).abs().max() <= 1e-5
+    unpadded = model(ids, mask, types, task_ids, unpad=True).last_hidden_state
+    assert torch.equal(unpadded[valid], packed)  # unpad=True: the top runs on the packed rows too
     w = torch.randn(packed.shape, generator=torch.Generator().manual_seed(1))
     top = [p for n, p in model.named_parameters() if n.startswith("pal_top")]
     want = torch.autograd.grad((padded[valid] * w).sum(), top)

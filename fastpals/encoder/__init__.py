@@ -1,11 +1,5 @@
-"""The encoder stage: fastpals' own BERT (minBERT) and the PAL variants it runs.
-
-- :mod:`.bert` (:class:`BertModel`, :class:`BertConfig`, :class:`PALConfig`; HF ``BertModel`` names and numerics);
-- :mod:`.pal_variants` (one class per PAL variant, registered in ``PAL_VARIANTS``; the PAL modules and hooks);
-- :mod:`.task_params` (the one rule for task-specific parameters, :func:`freeze_shared_parameters`);
-- :mod:`.checkpoints` (HF / CS224N checkpoint key names, load reports) and :mod:`.fingerprint` (the encoder's
-  fingerprint recorded in an adapter).
-"""
+"""The encoder stage: fastpals' own BERT (minBERT, HF ``BertModel`` names and numerics), the PAL variants, the
+rule for task-specific parameters, checkpoint reading and the encoder fingerprint an adapter records."""
 
 from fastpals.encoder.bert import BertConfig, BertModel, PALConfig
 from fastpals.encoder.checkpoints import load_bert_state_dict

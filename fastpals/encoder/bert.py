@@ -3,9 +3,8 @@
     TS_t(h) = act(V^D_t · MHA_{t,l}(V^E_t · h))           (act = GELU by default, as in the original code)
     h'      = LN(attn_out + FFN(attn_out) + gate · TS_t(h))
 
-Each row carries its task id, so one call serves a mixed batch. Shapes: ``B`` batch, ``L`` padded length,
-``N`` packed tokens, ``d`` hidden size, ``T`` tasks, ``d_s`` PAL width.
-"""
+Each row carries its task id, so one call serves a mixed batch. ``B`` batch, ``L`` padded length, ``N`` packed
+tokens, ``d`` hidden size, ``T`` tasks, ``d_s`` PAL width."""
 
 from __future__ import annotations
 
@@ -43,10 +42,7 @@ from fastpals.encoder.task_params import (
     is_task_specific,
     task_specific_kind,
 )
-from fastpals.functional import (
-    Dropout,
-    check_task_ids,
-)
+from fastpals.functional import Dropout, check_task_ids
 from fastpals_kernels.attention_varlen import attention_varlen, padded_attention
 
 __all__ = [
@@ -106,13 +102,6 @@ class BertConfig:
             return cls.from_dict(json.load(f))
 
 
-class _RegisteredVariants:
-    """``PALConfig.VARIANTS``: the names of the registered PAL variants, read when accessed."""
-
-    def __get__(self, obj: object, owner: type | None = None) -> tuple[str, ...]:
-        return tuple(PAL_VARIANTS)
-
-
 @dataclass
 class PALConfig:
     """What PALs to add and where; the defaults are the original Bert-n-Pals code.
@@ -142,7 +131,7 @@ class PALConfig:
     init_std: float = 0.02
     zero_init_decoder: bool = False
 
-    VARIANTS = _RegisteredVariants()
+    VARIANTS = PAL_VARIANTS.keys()  # the registered variants' names (a live view)
 
     @classmethod
     def half(cls, **kw: Any) -> PALConfig:
@@ -167,15 +156,10 @@ class PALConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PALConfig:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - names
+        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"unknown PALConfig fields: {sorted(unknown)}")
         return cls(**d)
-
-
-def _act(name: str) -> nn.Module:
-    return {"gelu": nn.GELU(), "gelu_new": nn.GELU(approximate="tanh"), "relu": nn.ReLU()}[name]
 
 
 class BertEmbeddings(nn.Module):
@@ -218,29 +202,22 @@ class BertSelfAttention(nn.Module):
         if self.pal_variant is not None:
             q, k, v = self.pal_variant.qkv(self, q, k, v, layout)
         dropout = self.dropout_p if self.training else 0.0
-        shape = (q.shape[0], self.num_heads, self.head_dim)
+        shape = (*q.shape[:-1], self.num_heads, self.head_dim)
+        q, k, v = q.view(shape), k.view(shape), v.view(shape)
         if layout.packed:
             plan = layout.attention_plan() if layout.buckets else None
-            ctx = attention_varlen(
-                q.view(shape),
-                k.view(shape),
-                v.view(shape),
-                layout.cu_seqlens,
-                layout.max_seqlen,
-                dropout,
-                plan,
-            )
-            return ctx.reshape(q.shape)
-        q, k, v = (layout.to_padded(t) for t in (q, k, v))
-        b, n, d = q.shape
-        ctx = padded_attention(*(t.view(b, n, *shape[1:]) for t in (q, k, v)), layout.padding_mask(), dropout)
-        return layout.to_rows(ctx.reshape(b, n, d))
+            ctx = attention_varlen(q, k, v, layout.cu_seqlens, layout.max_seqlen, dropout, plan)
+        else:
+            ctx = padded_attention(q, k, v, layout.padding_mask(), dropout)
+        return ctx.flatten(-2)
 
 
 class BertSelfOutput(nn.Module):
-    def __init__(self, cfg: BertConfig) -> None:
+    """Dense, dropout, residual, LayerNorm; from ``d_in`` features (HF's ``BertSelfOutput`` and ``BertOutput``)."""
+
+    def __init__(self, cfg: BertConfig, d_in: int | None = None) -> None:
         super().__init__()
-        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.dense = nn.Linear(d_in or cfg.hidden_size, cfg.hidden_size)
         self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.dropout = Dropout(cfg.hidden_dropout_prob)
 
@@ -262,20 +239,11 @@ class BertIntermediate(nn.Module):
     def __init__(self, cfg: BertConfig) -> None:
         super().__init__()
         self.dense = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
-        self.act = _act(cfg.hidden_act)
+        acts = {"gelu": nn.GELU, "gelu_new": lambda: nn.GELU(approximate="tanh"), "relu": nn.ReLU}
+        self.act = acts[cfg.hidden_act]()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.act(self.dense(x))
-
-
-class BertOutputBlock(nn.Module):
-    """The FFN's second dense and the layer's final LayerNorm (HF's ``BertOutput``)."""
-
-    def __init__(self, cfg: BertConfig) -> None:
-        super().__init__()
-        self.dense = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
-        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
-        self.dropout = Dropout(cfg.hidden_dropout_prob)
 
 
 class BertLayer(nn.Module):
@@ -285,7 +253,7 @@ class BertLayer(nn.Module):
         super().__init__()
         self.attention = BertAttention(cfg)
         self.intermediate = BertIntermediate(cfg)
-        self.output = BertOutputBlock(cfg)
+        self.output = BertSelfOutput(cfg, cfg.intermediate_size)
         self.pal: PALLayer | None = None
         self.pal_variant: PALVariant | None = None
 
@@ -310,12 +278,6 @@ class BertPooler(nn.Module):
         return self.activation(self.dense(hidden[:, 0]))
 
 
-class _Encoder(nn.Module):
-    def __init__(self, cfg: BertConfig) -> None:
-        super().__init__()
-        self.layer = nn.ModuleList(BertLayer(cfg) for _ in range(cfg.num_hidden_layers))
-
-
 @dataclass
 class BertOutput:
     """``last_hidden_state [B, L, d]`` (packed: ``[N, d]`` with ``cu_seqlens [B+1]`` int32) and
@@ -334,7 +296,8 @@ class BertModel(nn.Module):
         self.config = config
         self.pal_config = pal
         self.embeddings = BertEmbeddings(config)
-        self.encoder = _Encoder(config)
+        self.encoder = nn.Module()  # HF's names: encoder.layer.<i>
+        self.encoder.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
         self.pooler = BertPooler(config)
         self.apply(self._init_bert_weights)
         self.pal_projections: PALProjections | None = None
@@ -345,8 +308,7 @@ class BertModel(nn.Module):
         self.activation_checkpointing = False
 
     def set_activation_checkpointing(self, enabled: bool = True) -> None:
-        """Recompute each encoder layer in the backward (training with gradients on), keeping only its input;
-        results are unchanged."""
+        """Recompute each encoder layer in the backward (training with gradients on); results are unchanged."""
         self.activation_checkpointing = bool(enabled)
 
     def _init_bert_weights(self, m: nn.Module) -> None:
@@ -395,51 +357,42 @@ class BertModel(nn.Module):
         max_seqlen: int | None = None,
         layout: BatchLayout | None = None,
     ) -> BertOutput:
-        """Padded: int ``[B, L]`` inputs, ``task_ids [B]`` (when the model is task-specific); ``unpad=True`` runs
-        the token-wise ops packed (right-padded masks). Packed: int64 ``[N]`` inputs with their ``layout`` (no
-        host read), or with ``cu_seqlens [B+1]`` int32, ``max_seqlen`` and ``task_ids`` (one host read), and no
-        ``attention_mask``; ``last_hidden_state`` is then ``[N, d]``.
-        """
-        if cu_seqlens is not None or (layout is not None and input_ids.dim() == 1):
-            return self._forward_packed(
-                input_ids, attention_mask, token_type_ids, task_ids, cu_seqlens, max_seqlen, layout
-            )
-        if input_ids.dim() != 2:
+        """Padded: int64 ``[B, L]`` inputs (``unpad=True``: the token-wise ops run packed; right-padded masks).
+        Packed: int64 ``[N]`` inputs with their ``layout`` (no host read), or with ``cu_seqlens [B+1]`` int32 and
+        ``max_seqlen`` (one host read), no ``attention_mask``. ``task_ids [B]`` when the model is task-specific.
+        ``last_hidden_state`` has the input's form, ``[B, L, d]`` or ``[N, d]``."""
+        packed = cu_seqlens is not None or (layout is not None and input_ids.dim() == 1)
+        max_pos = self.config.max_position_embeddings
+        if packed and attention_mask is not None:
+            raise ValueError("packed inputs (cu_seqlens given) take no attention_mask")
+        if not packed and input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, length], got shape {list(input_ids.shape)}")
-        b, n = input_ids.shape
-        if n > self.config.max_position_embeddings:
-            raise ValueError(
-                f"sequence length {n} > max_position_embeddings {self.config.max_position_embeddings}"
-            )
-        if attention_mask is None:
+        if not packed and input_ids.shape[1] > max_pos:
+            raise ValueError(f"sequence length {input_ids.shape[1]} > max_position_embeddings {max_pos}")
+        if not packed and attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        if attention_mask.shape != input_ids.shape:
-            raise ValueError(
-                f"attention_mask shape {list(attention_mask.shape)} != input_ids {list(input_ids.shape)}"
-            )
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
-        task_specific = self.task_specific
-        if layout is not None:  # the caller built it (and checked the task ids) from this batch
-            if (layout.batch, layout.length) != (b, n) or layout.packed != unpad:
-                raise ValueError(
-                    f"the layout ({layout.batch} x {layout.length}) does not describe this batch"
-                )
-        else:
-            if task_specific and task_ids is not None:
-                task_ids = check_task_ids(task_ids, self.num_tasks, b, input_ids.device, check_values=False)
-            layout = make_layout(
-                attention_mask, task_ids if task_specific else None, unpad, (b, n), self.num_tasks
+        for name, t in (("token_type_ids", token_type_ids), ("attention_mask", attention_mask)):
+            if t is not None and t.shape != input_ids.shape:
+                raise ValueError(f"{name} shape {list(t.shape)} != input_ids {list(input_ids.shape)}")
+        task_ids = task_ids if self.task_specific else None
+        if packed and layout is None:
+            layout = layout_from_cu_seqlens(
+                input_ids, cu_seqlens, max_seqlen, task_ids, self.num_tasks, max_pos
             )
-        if task_specific and layout.task_ids is None:
-            raise ValueError("this model has task-specific PAL parameters: pass task_ids (one per example)")
-        return self.forward_layout(input_ids, token_type_ids, layout)
-
-    def forward_layout(
-        self, input_ids: torch.Tensor, token_type_ids: torch.Tensor, layout: BatchLayout
-    ) -> BertOutput:
-        """The encoder on ``[B, L]`` (padded layout) or ``[N]`` (packed) inputs with their layout; no host read."""
-        if layout.packed and input_ids.dim() == 1:
+        elif layout is None:
+            b = input_ids.shape[0]
+            if task_ids is not None:
+                task_ids = check_task_ids(task_ids, self.num_tasks, b, input_ids.device, check_values=False)
+            layout = make_layout(attention_mask, task_ids, unpad, tuple(input_ids.shape), self.num_tasks)
+        elif packed and input_ids.shape[0] != layout.total:
+            raise ValueError(f"packed input_ids must be [N] = [{layout.total}] (the layout's tokens)")
+        elif not packed and ((layout.batch, layout.length) != input_ids.shape or layout.packed != unpad):
+            raise ValueError(f"the layout ({layout.batch} x {layout.length}) does not describe this batch")
+        if self.task_specific and layout.task_ids is None:
+            raise ValueError("this model has task-specific PAL parameters: pass task_ids (one per sequence)")
+        if packed:
             x = self.embeddings(input_ids, token_type_ids, layout.position_ids)
         else:
             x = layout.to_rows(self.embeddings(input_ids, token_type_ids))
@@ -449,54 +402,15 @@ class BertModel(nn.Module):
                 x = torch.utils.checkpoint.checkpoint(layer, x, layout, use_reentrant=False)
             else:
                 x = layer(x, layout)
-        variant = self.pal_variant
-        if input_ids.dim() == 1:  # packed in, packed out
-            if variant is not None:
-                x = variant.encoder_output(self, x, layout)
-            cls = x.index_select(0, layout.cls_index)
+        if self.pal_variant is not None:
+            x = self.pal_variant.encoder_output(self, x, layout)
+        if packed:
+            cls = x.index_select(0, layout.cls_index)[:, None]
             return BertOutput(
-                last_hidden_state=x, pooler_output=self.pooler(cls[:, None]), cu_seqlens=layout.cu_seqlens
+                last_hidden_state=x, pooler_output=self.pooler(cls), cu_seqlens=layout.cu_seqlens
             )
         hidden = layout.to_padded(x)
-        if variant is not None:
-            hidden = variant.encoder_output(self, hidden, layout)
         return BertOutput(last_hidden_state=hidden, pooler_output=self.pooler(hidden))
-
-    def _forward_packed(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        token_type_ids: torch.Tensor | None,
-        task_ids: torch.Tensor | None,
-        cu_seqlens: torch.Tensor | None,
-        max_seqlen: int | None,
-        layout: BatchLayout | None,
-    ) -> BertOutput:
-        if attention_mask is not None:
-            raise ValueError("packed inputs (cu_seqlens given) take no attention_mask")
-        if token_type_ids is None:
-            token_type_ids = torch.zeros_like(input_ids)
-        if token_type_ids.shape != input_ids.shape:
-            raise ValueError(
-                f"token_type_ids shape {list(token_type_ids.shape)} != input_ids {list(input_ids.shape)}"
-            )
-        task_specific = self.task_specific
-        if layout is None:
-            if task_specific and task_ids is None:
-                raise ValueError(
-                    "this model has task-specific PAL parameters: pass task_ids (one per sequence)"
-                )
-            layout = layout_from_cu_seqlens(
-                input_ids, cu_seqlens, max_seqlen, task_ids if task_specific else None, self.num_tasks,
-                self.config.max_position_embeddings,
-            )  # fmt: skip
-        elif input_ids.dim() != 1 or input_ids.shape[0] != layout.total:
-            raise ValueError(
-                f"packed input_ids must be [N] = [{layout.total}] (the layout's tokens), got {list(input_ids.shape)}"
-            )
-        if task_specific and layout.task_ids is None:
-            raise ValueError("this model has task-specific PAL parameters: the layout needs task ids")
-        return self.forward_layout(input_ids, token_type_ids, layout)
 
     @classmethod
     def from_pretrained(

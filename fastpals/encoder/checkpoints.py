@@ -86,15 +86,13 @@ def load_bert_state_dict(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
     folder = Path(folder)
     st, pt = folder / "model.safetensors", folder / "pytorch_model.bin"
     path = st if st.is_file() else pt if pt.is_file() else None
-    if path is not None:
-        try:
-            if path is st:
-                return load_file(str(st))
-            return torch.load(pt, map_location="cpu", weights_only=True)
-        except Exception as err:  # a damaged or foreign file: name it (the loaders' errors do not)
-            detail = str(err).splitlines()[0] if str(err) else type(err).__name__
-            raise OSError(
-                f"{path} is not a readable weights file ({type(err).__name__}: {detail}): replace it (download "
-                f"or copy the model again)"
-            ) from err
-    raise FileNotFoundError(f"{folder} has neither model.safetensors nor pytorch_model.bin")
+    if path is None:
+        raise FileNotFoundError(f"{folder} has neither model.safetensors nor pytorch_model.bin")
+    try:
+        return load_file(str(st)) if path is st else torch.load(pt, map_location="cpu", weights_only=True)
+    except Exception as err:  # a damaged or foreign file: name it (the loaders' errors do not)
+        detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise OSError(
+            f"{path} is not a readable weights file ({type(err).__name__}: {detail}): replace it (download "
+            f"or copy the model again)"
+        ) from err

@@ -1,12 +1,7 @@
 """PAL variants: one stateless :class:`PALVariant` subclass per ``PALConfig.variant``, registered in
-:data:`PAL_VARIANTS`. A variant checks its config, adds and names its task-specific parameters, says their count
-categories, changes the forward through four hooks (``qkv``, ``pre_layer_norm``, ``layer_output``,
-``encoder_output``; identity by default) and lists its ``--pal`` presets. A new variant is one subclass passed to
-:func:`register_pal_variant`.
-
-Hidden states are the rows of the :class:`BatchLayout`: ``[B, L, d]`` (padded) or ``[N, d]`` (packed);
-``T`` tasks, ``d_s`` PAL width.
-"""
+:data:`PAL_VARIANTS`: its config checks, task-specific parameters, count categories, ``--pal`` presets and four
+forward hooks. Hidden states are the layout's rows, ``[B, L, d]`` or packed ``[N, d]``; ``T`` tasks, ``d_s`` PAL
+width."""
 
 from __future__ import annotations
 
@@ -21,12 +16,7 @@ from torch import nn
 
 from fastpals.data.layout import BatchLayout
 from fastpals.encoder.task_params import register_task_specific_names, unregister_task_specific_names
-from fastpals.functional import (
-    PALWeights,
-    attention_reference,
-    grouped_linear_reference,
-    segment_linear,
-)
+from fastpals.functional import PALWeights, attention_reference, grouped_linear_reference, segment_linear
 from fastpals_kernels.attention_varlen import attention_varlen
 from fastpals_kernels.pal import PackedSegments, run_pal
 
@@ -68,11 +58,8 @@ class PALProjections(nn.Module):
         super().__init__()
         self.enc_weight = _normal((num_tasks, d_s, d), std)
         self.enc_bias = nn.Parameter(torch.zeros(num_tasks, d_s))
-        self.dec_weight = (
-            nn.Parameter(torch.zeros(num_tasks, d, d_s))
-            if zero_decoder
-            else _normal((num_tasks, d, d_s), std)
-        )
+        shape = (num_tasks, d, d_s)
+        self.dec_weight = nn.Parameter(torch.zeros(shape)) if zero_decoder else _normal(shape, std)
         self.dec_bias = nn.Parameter(torch.zeros(num_tasks, d))
 
 
@@ -112,10 +99,8 @@ class PALLayer(nn.Module):
         where = {"mask": None if layout.packed else layout.mask, "cu_seqlens": layout.cu_seqlens if layout.packed else None,
                  "max_seqlen": layout.max_seqlen}  # fmt: skip
         if layout.packed and layout.buckets:  # host facts that let the reference skip padded PAL work
-            segments = PackedSegments(
-                layout.row_task_ids, layout.task_segments(weights.num_tasks), layout.attention_plan()
-            )
-            where["segments"] = segments
+            segments = layout.task_segments(weights.num_tasks)
+            where["segments"] = PackedSegments(layout.row_task_ids, segments, layout.attention_plan())
         args = weights.as_args(layout.task_ids)
         if self.gate is None:
             return run_pal(h, args, **where, residual=residual)
@@ -149,30 +134,24 @@ class PALTop(nn.Module):
         """h: the last layer's rows, ``[B, L, d]`` or ``[N, d]`` → the same shape."""
         p = self.projections if self.projections is not None else self._shared
         dropout = self.dropout_p if self.training else 0.0
-        if h.dim() == 2:  # packed rows: per-task GEMMs on task segments
-            segments = layout.task_segments(self.qkv_weight.shape[1])
-            plan = layout.attention_plan() if layout.buckets else None
+        packed = h.dim() == 2  # packed rows: per-task GEMMs on task segments
+        task_of_row = layout.row_task_ids if packed else layout.task_ids
+        segments = layout.task_segments(self.qkv_weight.shape[1]) if packed else None
+        plan = layout.attention_plan() if packed and layout.buckets else None
 
-            def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-                if segments is not None:
-                    return segment_linear(x, segments, w, b)
-                return grouped_linear_reference(x, layout.row_task_ids, w, b)
+        def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            if segments is not None:
+                return segment_linear(x, segments, w, b)
+            return grouped_linear_reference(x, task_of_row, w, b)
 
-            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            if packed:
                 return attention_varlen(q, k, v, layout.cu_seqlens, layout.max_seqlen, dropout, plan)
+            return attention_reference(q, k, v, layout.padding_mask(), dropout)
 
-            def per_row(t: torch.Tensor) -> torch.Tensor:
-                return t.index_select(0, layout.row_task_ids)
-        else:
-
-            def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-                return grouped_linear_reference(x, layout.task_ids, w, b)
-
-            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-                return attention_reference(q, k, v, layout.padding_mask(), dropout)
-
-            def per_row(t: torch.Tensor) -> torch.Tensor:
-                return t.index_select(0, layout.task_ids)[:, None]
+        def per_row(t: torch.Tensor) -> torch.Tensor:
+            t = t.index_select(0, task_of_row)
+            return t if packed else t[:, None]
 
         x = linear(h, p.enc_weight, p.enc_bias)
         d_s = x.shape[-1]
@@ -498,8 +477,7 @@ def pal_presets() -> dict[str, PALPreset]:
     for variant in PAL_VARIANTS.values():
         for preset, spec in variant.presets.items():
             found.setdefault(preset, spec)
-    order = {name: i for i, name in enumerate(found)}
-    return dict(sorted(found.items(), key=lambda kv: (kv[1].rank, order[kv[0]])))
+    return dict(sorted(found.items(), key=lambda kv: kv[1].rank))  # stable: registration order among equals
 
 
 def pal_count_categories() -> tuple[str, ...]:

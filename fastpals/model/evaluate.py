@@ -35,13 +35,8 @@ __all__ = [
 ]
 
 EVAL_BATCH = 64
-INPUT_KEYS = (
-    "input_ids",
-    "attention_mask",
-    "token_type_ids",
-    "input_ids_b",
-    "attention_mask_b",
-    "token_type_ids_b",
+INPUT_KEYS = tuple(
+    f"{name}{side}" for side in ("", "_b") for name in ("input_ids", "attention_mask", "token_type_ids")
 )
 
 

@@ -3,7 +3,7 @@ kind; each task's rows come from the batch's layout (no device read)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -76,24 +76,11 @@ class TaskLosses:
     tokens: dict[str, int]
 
 
-#: ``loss_fn(spec, z [n, num_labels], y [n]) -> 0-dim fp32``: one task's loss over its rows
-LossFn = Callable[[TaskSpec, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def _kind_loss(spec: TaskSpec, z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return spec.task_kind.loss(spec, z, y)
-
-
 def task_losses(
-    tasks: Sequence[TaskSpec],
-    output: MultiTaskOutput,
-    labels: torch.Tensor,
-    weighting: str = "examples",
-    loss_fn: LossFn = _kind_loss,
+    tasks: Sequence[TaskSpec], output: MultiTaskOutput, labels: torch.Tensor, weighting: str = "examples"
 ) -> TaskLosses:
-    """One loss per task present, combined by ``weighting``: ``"examples"``, ``sum_t (n_t / B) L_t``, or
-    ``"equal"``, the mean over the tasks present. ``tasks`` in task-id order; labels ``[B]`` float; ``loss_fn``:
-    one task's loss (default its kind's)."""
+    """One loss per task present (its kind's), combined by ``weighting``: ``"examples"``, ``sum_t (n_t / B) L_t``,
+    or ``"equal"``, the mean over the tasks present. ``tasks`` in task-id order; labels ``[B]`` float."""
     if weighting not in TASK_WEIGHTINGS:
         raise ValueError(f"task weighting {weighting!r}: choose one of {', '.join(TASK_WEIGHTINGS)}")
     layout = _output_layout(output, len(tasks))
@@ -103,7 +90,7 @@ def task_losses(
     rows = sum(counts)
     total = output.logits.new_zeros((), dtype=torch.float32)
     result = TaskLosses(total=total, per_task={}, weights={}, examples={}, tokens={})
-    for i, spec, loss in _each_task_loss(tasks, layout, output, labels, loss_fn):
+    for i, spec, loss in _each_task_loss(tasks, layout, output, labels):
         w = counts[i] / rows if weighting == "examples" else 1.0 / len(present)
         total = total + w * loss
         result.per_task[spec.name] = loss
@@ -115,26 +102,22 @@ def task_losses(
 
 
 def summed_loss(
-    tasks: Sequence[TaskSpec], output: MultiTaskOutput, labels: torch.Tensor, loss_fn: LossFn = _kind_loss
+    tasks: Sequence[TaskSpec], output: MultiTaskOutput, labels: torch.Tensor
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The sum over the tasks present of each task's loss (0-dim), and those losses; labels ``[B]`` float."""
     layout = _output_layout(output, len(tasks))
-    per_task = {spec.name: loss for _, spec, loss in _each_task_loss(tasks, layout, output, labels, loss_fn)}
+    per_task = {spec.name: loss for _, spec, loss in _each_task_loss(tasks, layout, output, labels)}
     return sum(per_task.values(), output.logits.new_zeros(())), per_task
 
 
 def _each_task_loss(
-    tasks: Sequence[TaskSpec],
-    layout: BatchLayout,
-    output: MultiTaskOutput,
-    labels: torch.Tensor,
-    loss_fn: LossFn,
+    tasks: Sequence[TaskSpec], layout: BatchLayout, output: MultiTaskOutput, labels: torch.Tensor
 ) -> Iterator[tuple[int, TaskSpec, torch.Tensor]]:
-    """``(task index, spec, loss over its rows)`` for each task present."""
+    """``(task index, spec, its kind's loss over its rows)`` for each task present."""
     for i in layout.present:
         spec, rows = tasks[i], layout.rows_of(i)
         z = take_rows(output.logits, rows)[:, : spec.num_labels]
-        yield i, spec, loss_fn(spec, z, take_rows(labels, rows))
+        yield i, spec, spec.task_kind.loss(spec, z, take_rows(labels, rows))
 
 
 def predict(tasks: Sequence[TaskSpec], output: MultiTaskOutput) -> torch.Tensor:

@@ -7,17 +7,15 @@ from __future__ import annotations
 import inspect
 import json
 import os
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from fastpals.adapters.inject import inject_pals
 from fastpals.data.hub import resolve_model_dir
 from fastpals.data.layout import BatchLayout
-from fastpals.encoder.bert import BertConfig, PALConfig
+from fastpals.encoder.bert import BertConfig, BertOutput, PALConfig
 
 __all__ = ["MINBERT_MODEL_TYPES", "HFEncoder", "HFEncoderOutput", "checkpoint_model_type", "runs_as_minbert"]
 
@@ -41,14 +39,8 @@ def runs_as_minbert(name_or_path: str | os.PathLike) -> bool:
     return checkpoint_model_type(name_or_path) in MINBERT_MODEL_TYPES
 
 
-@dataclass
-class HFEncoderOutput:
-    """minBERT's output: ``last_hidden_state [B, L, d]`` (packed ``[N, d]`` with ``cu_seqlens [B+1]``) and
-    ``pooler_output [B, d]``."""
-
-    last_hidden_state: torch.Tensor
-    pooler_output: torch.Tensor
-    cu_seqlens: torch.Tensor | None = None
+#: the encoder output :class:`HFEncoder` returns: minBERT's
+HFEncoderOutput = BertOutput
 
 
 def mirror_config(hf_config: Any) -> BertConfig:
@@ -74,7 +66,6 @@ class HFEncoder(nn.Module):
 
     def __init__(self, model: nn.Module, pal: PALConfig | None = None) -> None:
         super().__init__()
-
         self.model = model
         hf_config = model.config
         self.model_type = hf_config.model_type
@@ -109,20 +100,12 @@ class HFEncoder(nn.Module):
         """minBERT's call: padded ``[B, L]`` int64 inputs, or packed ``[N]`` ones with their ``layout``;
         ``task_ids [B]`` int64 (for the PALs). ``unpad`` is ignored (the HF model runs padded)."""
         packed = layout is not None and layout.packed and input_ids.dim() == 1
-        index = None
-        if packed:
-            b, n = layout.batch, layout.max_seqlen
-            rows = np.concatenate([e * n + np.arange(k) for e, k in enumerate(layout.lengths.tolist())])
-            index = torch.as_tensor(rows, device=input_ids.device)
-            mask_host = np.zeros(b * n, dtype=np.int64)
-            mask_host[rows] = 1
-            attention_mask = torch.as_tensor(mask_host.reshape(b, n), device=input_ids.device)
-            pad = self.config.pad_token_id
-            input_ids = input_ids.new_full((b * n,), pad).index_copy(0, index, input_ids).view(b, n)
+        if packed:  # to the layout's padded [B, L] and back
+            mask = layout.padding_mask()
+            input_ids = layout.to_padded(input_ids).masked_fill(~mask, self.config.pad_token_id)
+            attention_mask = mask.long()
             if token_type_ids is not None:
-                token_type_ids = (
-                    token_type_ids.new_zeros(b * n).index_copy(0, index, token_type_ids).view(b, n)
-                )
+                token_type_ids = layout.to_padded(token_type_ids)
             task_ids = layout.task_ids  # this pass's rows (a siamese second pass holds the siamese rows only)
         kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask}
         if self.token_types and token_type_ids is not None:
@@ -135,6 +118,5 @@ class HFEncoder(nn.Module):
         if pooled is None:
             pooled = h[:, 0]
         if packed:
-            flat = h.reshape(-1, h.shape[-1]).index_select(0, index)
-            return HFEncoderOutput(flat, pooled, layout.cu_seqlens)
+            return HFEncoderOutput(layout.to_rows(h), pooled, layout.cu_seqlens)
         return HFEncoderOutput(h, pooled)

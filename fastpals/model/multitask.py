@@ -72,14 +72,7 @@ class MultiTaskConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "bert": dataclasses.asdict(self.bert),
-            "tasks": [t.to_dict() for t in self.tasks],
-            "pal": None if self.pal is None else self.pal.to_dict(),
-            "base_model": self.base_model,
-            "head_dropout": self.head_dropout,
-            "extra": self.extra,
-        }
+        return {**dataclasses.asdict(self), "tasks": [t.to_dict() for t in self.tasks]}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> MultiTaskConfig:
@@ -203,27 +196,30 @@ class MultiTaskBert(nn.Module):
             raise ValueError(
                 f"{folder} is a saved model: its PALs are fixed by {adapter}/adapter_config.json (drop pal=)"
             )
+        saved_extra = config.get("extra", {})
         if config.get("tasks") is not None:
             if tasks is not None:
                 raise ValueError(f"{folder} is a saved MultiTaskBert: its tasks are fixed (drop tasks=)")
             specs = [TaskSpec(**t) for t in config["tasks"]]
-            head_dropout = config.get("extra", {}).get("head_dropout", head_dropout)
+            head_dropout = saved_extra.get("head_dropout", head_dropout)
+        elif tasks is None:
+            raise ValueError(
+                f"the adapter in {adapter} holds PALs for {config.get('task_names')} but no task heads "
+                "(saved by save_pals): pass tasks=[...] (one per PAL task; the heads start fresh)"
+            )
         else:
-            if tasks is None:
-                raise ValueError(
-                    f"the adapter in {adapter} holds PALs for {config.get('task_names')} but no task heads "
-                    "(saved by save_pals): pass tasks=[...] (one per PAL task; the heads start fresh)"
-                )
             specs = [get_task(t) for t in tasks]
         full = adapter != folder and (folder / "config.json").is_file()
-        saved_extra = config.get("extra", {})
         if full and saved_extra.get("hf_model_type"):  # an HF encoder saved beside its adapter
             model = cls.from_base(folder, specs, saved_pal, head_dropout)
             model.config.base_model = saved_extra.get("fine_tuned_from")
         elif full:
             bert_config = BertConfig.from_json(folder / "config.json")
-            base_name = saved_extra.get("fine_tuned_from")
-            model = cls(MultiTaskConfig(bert_config, specs, saved_pal, base_name, head_dropout))
+            model = cls(
+                MultiTaskConfig(
+                    bert_config, specs, saved_pal, saved_extra.get("fine_tuned_from"), head_dropout
+                )
+            )
             path = folder / "model.safetensors"
             if not path.is_file():
                 raise FileNotFoundError(
@@ -286,8 +282,8 @@ class MultiTaskBert(nn.Module):
         for siamese tasks; they are packed here (:meth:`batch_layout`, one host read) and run as packed.
         """
         if deprecated:
-            input_ids, token_type_ids, layout = self._deprecated_inputs(
-                input_ids, attention_mask, token_type_ids, task_ids, input_ids_b, layout, deprecated
+            layout = self._deprecated_layout(
+                input_ids, attention_mask, task_ids, input_ids_b, layout, deprecated
             )
         if layout is None:
             if input_ids.dim() != 2:
@@ -295,19 +291,80 @@ class MultiTaskBert(nn.Module):
                     f"input_ids must be [B, L] with attention_mask, or [N] with the batch's layout, got shape "
                     f"{list(input_ids.shape)}"
                 )
-            layout = self.batch_layout(
-                attention_mask if attention_mask is not None else torch.ones_like(input_ids), task_ids,
-                attention_mask_b,
-            )  # fmt: skip
+            mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+            layout = self.batch_layout(mask, task_ids, attention_mask_b)
         if input_ids.dim() == 2:  # padded: to packed rows, once, here
             input_ids, token_type_ids = _packed_rows(layout, input_ids, token_type_ids)
             if layout.second is not None and input_ids_b is not None:
                 rows = torch.as_tensor(layout.second_rows, device=input_ids_b.device)
                 input_ids_b, token_type_ids_b = _packed_rows(
-                    layout.second, input_ids_b.index_select(0, rows),
-                    None if token_type_ids_b is None else token_type_ids_b.index_select(0, rows),
-                )  # fmt: skip
-        return self._forward_packed(input_ids, token_type_ids, input_ids_b, token_type_ids_b, layout)
+                    layout.second, input_ids_b, token_type_ids_b, rows
+                )
+        num, max_pos = len(self.tasks), self.config.bert.max_position_embeddings
+        if layout.host_task_ids is None or layout.num_tasks != num:
+            raise ValueError(f"the batch's layout must hold task ids of this model's {num} tasks")
+        if layout.max_seqlen > max_pos:
+            raise ValueError(
+                f"a sequence of {layout.max_seqlen} tokens exceeds max_position_embeddings {max_pos}"
+            )
+        enc_tasks = layout.task_ids if self.bert.num_tasks else None
+        out_a = self.bert(input_ids, None, token_type_ids, enc_tasks, layout=layout)
+        tokens = list(layout.task_tokens)
+        second, out_b = layout.second, None
+        if any(self.tasks[t].siamese for t in layout.present):
+            if input_ids_b is None or second is None:
+                raise ValueError(
+                    "siamese pair tasks need input_ids_b and cu_seqlens_b (their second sentences)"
+                )
+            expected = sum(n for t, n in enumerate(layout.task_examples) if self.tasks[t].siamese)
+            if second.batch != expected:
+                raise ValueError(f"cu_seqlens_b holds {second.batch} sequences for {expected} siamese rows")
+            out_b = self.bert(input_ids_b, None, token_type_ids_b, enc_tasks, layout=second)
+            tokens = [n + second.task_tokens[t] for t, n in enumerate(tokens)]
+        logits = self._head_logits(layout, out_a, out_b)
+        return MultiTaskOutput(
+            logits=logits,
+            task_ids=layout.task_ids,
+            pooled=out_a.pooler_output,
+            layout=layout,
+            task_tokens=tokens,
+        )
+
+    def _head_logits(self, layout: BatchLayout, out_a: Any, out_b: Any | None) -> torch.Tensor:
+        """fp32 logits ``[B, max num_labels]``: each present task's head on its rows' features of the encoder
+        outputs ``out_a`` (and ``out_b``, the siamese second sentences: cosine, or the head on ``(u, v, |u - v|)``)."""
+        width = max(t.num_labels for t in self.tasks)
+        pieces = []
+        # fp32 logits: in bf16 a cosine near 1 has only 3 digits
+        pooled = out_a.pooler_output
+        logits = None if layout.grouped else pooled.new_zeros(layout.batch, width, dtype=torch.float32)
+        for i in layout.present:
+            spec, rows = self.tasks[i], layout.rows_of(i)
+            u = take_rows(self._features(spec, out_a), rows)
+            if spec.siamese:
+                if isinstance(rows, slice):
+                    rows_b = slice(*layout.second.example_ranges[i])
+                else:
+                    rows_b = layout.second_slot.index_select(0, rows)
+                v = take_rows(self._features(spec, out_b), rows_b)
+                if spec.pair_mode == "sbert_cosine":
+                    y = F.cosine_similarity(u.float(), v.float(), dim=-1)[:, None]
+                else:
+                    y = self.heads[spec.name](torch.cat([u, v, (u - v).abs()], dim=-1))
+            else:
+                y = self.heads[spec.name](u)
+            y = F.pad(y, (0, width - y.shape[1]))
+            if logits is None:
+                pieces.append(y.float())
+            else:
+                logits = logits.index_copy(0, rows, y.to(logits.dtype))
+        if logits is None:
+            logits = torch.cat(pieces) if pieces else pooled.new_zeros(0, width, dtype=torch.float32)
+        return logits
+
+    def _siamese_rows(self, layout: BatchLayout) -> np.ndarray:
+        """The rows of ``layout`` whose task is siamese (host indices)."""
+        return np.flatnonzero([self.tasks[t].siamese for t in layout.host_task_ids])
 
     def batch_layout(
         self,
@@ -319,10 +376,9 @@ class MultiTaskBert(nn.Module):
         ``task_ids [B]`` int64 (None for one task), ``attention_mask_b [B, L2]`` (siamese rows). One host read."""
         if attention_mask.dim() != 2:
             raise ValueError(f"attention_mask must be [B, L], got shape {list(attention_mask.shape)}")
-        b = attention_mask.shape[0]
-        task_ids = self._task_ids(task_ids, b, attention_mask.device)
+        task_ids = self._task_ids(task_ids, attention_mask.shape[0], attention_mask.device)
         layout = BatchLayout.from_mask(attention_mask, task_ids, len(self.tasks))
-        rows = np.flatnonzero([self.tasks[t].siamese for t in layout.host_task_ids])
+        rows = self._siamese_rows(layout)
         if rows.size:
             if attention_mask_b is None:
                 raise ValueError("siamese pair tasks need input_ids_b and attention_mask_b")
@@ -333,18 +389,17 @@ class MultiTaskBert(nn.Module):
             layout.with_second(second, rows)
         return layout
 
-    def _deprecated_inputs(
+    def _deprecated_layout(
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None,
-        token_type_ids: torch.Tensor | None,
         task_ids: torch.Tensor | None,
         input_ids_b: torch.Tensor | None,
         layout: BatchLayout | None,
         kwargs: dict[str, Any],
-    ) -> tuple[torch.Tensor, torch.Tensor | None, BatchLayout | None]:
-        """The keywords of the former entry paths (``unpad``; packed tensors as ``cu_seqlens``, ``max_seqlen``,
-        ``cu_seqlens_b``, ``max_seqlen_b``), with a ``FutureWarning``."""
+    ) -> BatchLayout | None:
+        """The layout of the former entry paths' keywords (``unpad``; packed tensors as ``cu_seqlens``,
+        ``max_seqlen``, ``cu_seqlens_b``, ``max_seqlen_b``), with a ``FutureWarning``."""
         unknown = set(kwargs) - {"unpad", "cu_seqlens", "max_seqlen", "cu_seqlens_b", "max_seqlen_b"}
         if unknown:
             raise TypeError(f"MultiTaskBert.forward() got unexpected keyword arguments {sorted(unknown)}")
@@ -356,7 +411,7 @@ class MultiTaskBert(nn.Module):
         )
         cu_seqlens = kwargs.get("cu_seqlens")
         if cu_seqlens is None or layout is not None:
-            return input_ids, token_type_ids, layout
+            return layout
         if attention_mask is not None:
             raise ValueError("packed inputs (cu_seqlens given) take no attention_mask")
         num, max_pos = len(self.tasks), self.config.bert.max_position_embeddings
@@ -364,7 +419,7 @@ class MultiTaskBert(nn.Module):
         layout = layout_from_cu_seqlens(
             input_ids, cu_seqlens, kwargs.get("max_seqlen"), task_ids, num, max_pos
         )
-        rows = np.flatnonzero([self.tasks[t].siamese for t in layout.host_task_ids])
+        rows = self._siamese_rows(layout)
         cu_b = kwargs.get("cu_seqlens_b")
         if rows.size and input_ids_b is not None and cu_b is not None:
             if cu_b.shape[0] - 1 != rows.size:
@@ -376,7 +431,7 @@ class MultiTaskBert(nn.Module):
                 input_ids_b, cu_b, kwargs.get("max_seqlen_b"), ids_b, num, max_pos
             )
             layout.with_second(second, rows)
-        return input_ids, token_type_ids, layout
+        return layout
 
     def _task_ids(self, task_ids: torch.Tensor | None, b: int, device: torch.device) -> torch.Tensor:
         """``task_ids`` checked as long ``[B]`` (the layout checks the range), or zeros for a one-task model."""
@@ -386,91 +441,6 @@ class MultiTaskBert(nn.Module):
             task_ids = torch.zeros(b, dtype=torch.long, device=device)
         return check_task_ids(task_ids, len(self.tasks), b, device, check_values=False)
 
-    def _head_logits(
-        self, layout: BatchLayout, pooled: torch.Tensor, features_a: Any, features_b: Any
-    ) -> torch.Tensor:
-        """fp32 logits ``[B, max num_labels]``: each present task's head on ``features_a(spec, rows)``; siamese
-        tasks also take ``features_b(spec, rows)`` (cosine, or the head on ``(u, v, |u - v|)``)."""
-        width = max(t.num_labels for t in self.tasks)
-        pieces = []
-        # fp32 logits: in bf16 a cosine near 1 has only 3 digits
-        logits = None if layout.grouped else pooled.new_zeros(layout.batch, width, dtype=torch.float32)
-        for i in layout.present:
-            spec = self.tasks[i]
-            rows = layout.rows_of(i)
-            u = features_a(spec, rows)
-            if spec.siamese:
-                v = features_b(spec, rows)
-                if spec.pair_mode == "sbert_cosine":
-                    y = F.cosine_similarity(u.float(), v.float(), dim=-1)[:, None]
-                else:
-                    y = self.heads[spec.name](torch.cat([u, v, (u - v).abs()], dim=-1))
-            else:
-                y = self.heads[spec.name](u)
-            y = F.pad(y, (0, width - y.shape[1]))
-            if logits is None:
-                pieces.append(y)
-            else:
-                logits = logits.index_copy(0, rows, y.to(logits.dtype))
-        if logits is None:
-            logits = (
-                torch.cat([y.float() for y in pieces])
-                if pieces
-                else pooled.new_zeros(0, width, dtype=torch.float32)
-            )
-        return logits
-
-    def _forward_packed(
-        self,
-        input_ids: torch.Tensor,
-        token_type_ids: torch.Tensor | None,
-        input_ids_b: torch.Tensor | None,
-        token_type_ids_b: torch.Tensor | None,
-        layout: BatchLayout,
-    ) -> MultiTaskOutput:
-        num = len(self.tasks)
-        max_pos = self.config.bert.max_position_embeddings
-        if layout.host_task_ids is None or layout.num_tasks != num:
-            raise ValueError(f"the batch's layout must hold task ids of this model's {num} tasks")
-        if layout.max_seqlen > max_pos:
-            raise ValueError(
-                f"a sequence of {layout.max_seqlen} tokens exceeds max_position_embeddings {max_pos}"
-            )
-        enc_tasks = layout.task_ids if self.bert.num_tasks else None
-        out_a = self.bert(input_ids, None, token_type_ids, enc_tasks, layout=layout)
-        tokens = list(layout.task_tokens)
-        out_b = None
-        if any(self.tasks[t].siamese for t in layout.present):
-            second = layout.second
-            if input_ids_b is None or second is None:
-                raise ValueError(
-                    "siamese pair tasks need input_ids_b and cu_seqlens_b (their second sentences)"
-                )
-            expected = sum(n for t, n in enumerate(layout.task_examples) if self.tasks[t].siamese)
-            if second.batch != expected:
-                raise ValueError(f"cu_seqlens_b holds {second.batch} sequences for {expected} siamese rows")
-            out_b = self.bert(input_ids_b, None, token_type_ids_b, enc_tasks, layout=second)
-            tokens = [n + second.task_tokens[t] for t, n in enumerate(tokens)]
-
-        def rows_b(i: int, rows: slice | torch.Tensor) -> slice | torch.Tensor:
-            if isinstance(rows, slice):
-                a, b = layout.second.example_ranges[i]
-                return slice(a, b)
-            return layout.second_slot.index_select(0, rows)
-
-        logits = self._head_logits(
-            layout, out_a.pooler_output,
-            lambda spec, rows: take_rows(self._features(spec, out_a), rows),
-            lambda spec, rows: take_rows(self._features(spec, out_b), rows_b(self.task_index(spec.name), rows)),
-        )  # fmt: skip
-        return MultiTaskOutput(
-            logits=logits,
-            task_ids=layout.task_ids,
-            pooled=out_a.pooler_output,
-            layout=layout,
-            task_tokens=tokens,
-        )
-
     def _task_loss(self, spec: TaskSpec, z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """One task's fp32 loss by its kind: ``z`` logits ``[n, num_labels]``, ``y`` labels ``[n]``."""
         return spec.task_kind.loss(spec, z, y)
@@ -479,14 +449,14 @@ class MultiTaskBert(nn.Module):
         self, output: MultiTaskOutput, labels: torch.Tensor, weighting: str = "examples"
     ) -> TaskLosses:
         """:func:`fastpals.model.heads.task_losses` of this model's tasks; labels ``[B]`` float."""
-        return task_losses(self.tasks, output, labels, weighting, self._task_loss)
+        return task_losses(self.tasks, output, labels, weighting)
 
     def loss(
         self, output: MultiTaskOutput, labels: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """:func:`fastpals.model.heads.summed_loss`: the sum of each present task's mean loss, and those losses.
         labels ``[B]`` float (class index, 0/1, or the regression value)."""
-        return summed_loss(self.tasks, output, labels, self._task_loss)
+        return summed_loss(self.tasks, output, labels)
 
     def predict(self, output: MultiTaskOutput) -> torch.Tensor:
         """Predicted labels ``[B]`` float32 (:func:`fastpals.model.heads.predict`); no host reads."""
@@ -518,30 +488,6 @@ class MultiTaskBert(nn.Module):
         """Where the encoder's HF-named modules sit: ``"bert"`` (minBERT) or ``"bert.model"`` (HF encoder)."""
         return "bert" if isinstance(self.bert, BertModel) else "bert.model"
 
-    def _adapter_kwargs(self) -> dict[str, Any]:
-        cfg = self.config
-        n_layers = cfg.bert.num_hidden_layers
-        model_type = cfg.extra.get("hf_model_type", "bert")
-        target = TARGETS.get(model_type, TARGETS["bert"])
-        return {
-            "pal_config": None if cfg.pal is None else cfg.pal.to_dict(),
-            "encoder": {
-                "prefix": self.encoder_prefix,
-                "model_type": model_type,
-                "layers_pattern": target.layers,
-                "layer_norm_name": target.layer_norm,
-                "hidden_size": cfg.bert.hidden_size,
-                "num_layers": n_layers,
-                "layer_indices": [] if cfg.pal is None else cfg.pal.layer_indices(n_layers),
-            },
-            "base_model_name_or_path": cfg.base_model,
-            "task_names": self.task_names,
-            "tasks": [t.to_dict() for t in self.tasks],
-            "modules_to_save": ["heads"],
-            "extra": {**cfg.extra, "head_dropout": cfg.head_dropout},
-            "saved_from": type(self).__name__,
-        }
-
     def save_pretrained(
         self, folder: str | os.PathLike, adapters_only: bool = False, tokenizer: Any | None = None
     ) -> Path:
@@ -571,18 +517,31 @@ class MultiTaskBert(nn.Module):
             else:
                 self.bert.model.config.save_pretrained(folder)
             save_file(shared, str(folder / "model.safetensors"), metadata={"format": "pt"})
-        kwargs = self._adapter_kwargs()
-        kwargs["encoder"]["fingerprint"] = encoder_fingerprint(
-            self.bert, {n.removeprefix("bert.") for n in base}
-        )
         if adapters_only:
             self._warn_if_encoder_trained(base)
-        else:  # the PALs belong to the encoder saved beside them
-            kwargs["base_model_name_or_path"] = None
-            kwargs["extra"]["fine_tuned_from"] = self.config.base_model
+        cfg, n_layers = self.config, self.config.bert.num_hidden_layers
+        model_type = cfg.extra.get("hf_model_type", "bert")
+        target = TARGETS.get(model_type, TARGETS["bert"])
+        encoder = {
+            "prefix": self.encoder_prefix,
+            "model_type": model_type,
+            "layers_pattern": target.layers,
+            "layer_norm_name": target.layer_norm,
+            "hidden_size": cfg.bert.hidden_size,
+            "num_layers": n_layers,
+            "layer_indices": [] if cfg.pal is None else cfg.pal.layer_indices(n_layers),
+            "fingerprint": encoder_fingerprint(self.bert, {n.removeprefix("bert.") for n in base}),
+        }
+        extra = {**cfg.extra, "head_dropout": cfg.head_dropout}
+        if not adapters_only:  # the PALs belong to the encoder saved beside them
+            extra["fine_tuned_from"] = cfg.base_model
         write_adapter(
-            adapter_dir, {**tensors, **base}, head_names=heads, trained_base_names=set(base), **kwargs
-        )
+            adapter_dir, {**tensors, **base}, head_names=heads, trained_base_names=set(base),
+            pal_config=None if cfg.pal is None else cfg.pal.to_dict(), encoder=encoder,
+            base_model_name_or_path=cfg.base_model if adapters_only else None, task_names=self.task_names,
+            tasks=[t.to_dict() for t in self.tasks], modules_to_save=["heads"], extra=extra,
+            saved_from=type(self).__name__,
+        )  # fmt: skip
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
         return folder
@@ -694,24 +653,24 @@ def count_parameters(model: nn.Module) -> dict[str, int]:
     parameters), ``heads``, and one per PAL category of the registered variants (:func:`pal_count_categories`)."""
     counts = dict.fromkeys(("total", "encoder", "pal", "heads", *pal_count_categories()), 0)
     for name, p in model.named_parameters():
-        n = p.numel()
+        n, kind = p.numel(), task_specific_kind(name)
         counts["total"] += n
-        kind = task_specific_kind(name)
-        if kind == "head":
-            counts["heads"] += n
-        elif kind == "pal":
-            counts["pal"] += n
+        counts[{"head": "heads", "pal": "pal", None: "encoder"}[kind]] += n
+        if kind == "pal":
             category = pal_parameter_category(name)
             counts[category] = counts.get(category, 0) + n
-        else:
-            counts["encoder"] += n
     return counts
 
 
 def _packed_rows(
-    layout: BatchLayout, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None
+    layout: BatchLayout,
+    input_ids: torch.Tensor,
+    token_type_ids: torch.Tensor | None,
+    rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Padded ``[B, L]`` token ids and types → packed ``[N]`` rows of ``layout``."""
-    width = layout.max_seqlen
-    ids = layout.to_rows(input_ids[:, :width])
-    return ids, None if token_type_ids is None else layout.to_rows(token_type_ids[:, :width])
+    """Padded ``[B, L]`` token ids and types (their ``rows`` only, when given) → packed ``[N]`` rows of ``layout``."""
+    pieces = [
+        t if rows is None else t.index_select(0, rows) for t in (input_ids, token_type_ids) if t is not None
+    ]
+    ids, *types = (layout.to_rows(t[:, : layout.max_seqlen]) for t in pieces)
+    return ids, types[0] if types else None
