@@ -145,20 +145,22 @@ sys.path.insert(0, sys.argv[3])
 from fastpals.train.command import parse_args
 from fastpals.train.loop import Trainer
 model, data, out = sys.argv[1], sys.argv[2], sys.argv[4]
-for batch, length in ((4, 16), (32, 64)):
-    tr = Trainer(parse_args(["--model", model, "--data-dir", data, "--out", f"{out}-{batch}", "--ds_config",
-        "configs/cpu_fp32.json", "--surgery", "pcgrad", "--surgery-memory", "auto", "--batch-size", str(batch),
+for batch, length, method in ((4, 16, "pcgrad"), (32, 64, "pcgrad"), (4, 16, "excessmtl")):
+    tr = Trainer(parse_args(["--model", model, "--data-dir", data, "--out", f"{out}-{batch}-{method}",
+        "--ds_config", "configs/cpu_fp32.json", "--surgery", method, "--surgery-memory", "auto",
+        "--batch-size", str(batch),
         "--max-length", str(length), "--pal-hidden", "16", "--pal-heads", "2", "--steps-per-epoch", "1",
         "--epochs", "1", "--max-eval", "4", "--no-progress"]), callbacks=[])
     tr._setup_data(); tr._setup_model(); tr._setup_engine()
-    print("MODE", batch, tr.surgery_memory, type(tr.surgery_buffer).__name__,
+    print("MODE", batch, method, tr.surgery_memory, type(tr.surgery_buffer).__name__,
           getattr(tr.surgery_buffer, "keep_bytes", "-"))
 """
 
 
 def test_trainer_resolves_auto(tmp_path):
     """The trainer's ``auto`` (tiny model, 3 tasks, fp32): 4 x 16 tokens, the rows (mostly the word embeddings)
-    dwarf the activations: streaming; 32 x 64 tokens: the buffer. The set-up line says why."""
+    dwarf the activations: streaming; 32 x 64 tokens: the buffer; ExcessMTL reads the rows: the buffer. The set-up
+    line says why."""
     from train_fixtures import make_tiny_data, make_tiny_model
 
     data, model = make_tiny_data(tmp_path / "data"), make_tiny_model(tmp_path / "model")
@@ -172,6 +174,7 @@ def test_trainer_resolves_auto(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     kept = keep_bytes(estimate_activation_bytes(4 * 16, 16, 32, 2, 4))  # the tiny model (train_fixtures)
-    assert f"MODE 4 smaller StreamingTaskGradients {kept}" in out, out[-3000:]
-    assert "MODE 32 buffer TaskGradientBuffer" in out, out[-3000:]
+    assert f"MODE 4 pcgrad smaller StreamingTaskGradients {kept}" in out, out[-3000:]
+    assert "MODE 32 pcgrad buffer TaskGradientBuffer" in out, out[-3000:]
+    assert "MODE 4 excessmtl buffer TaskGradientBuffer" in out, out[-3000:]
     assert "auto: the [T, P] rows" in out and "auto: the buffer's peak" in out, out[-3000:]

@@ -54,6 +54,10 @@ def test_valid_options_pass(tiny):
         (["--surgery-memory", "stream"], "--surgery-memory stream needs a --surgery method"),
         (["--surgery", "pcgrad", "--batching", "per_task", "--surgery-memory", "stream"], "--batching mixed"),
         (["--surgery", "pcgrad", "--surgery-memory", "stream", "--surgery-buffer-dtype", "bf16"], "has none"),
+        (
+            ["--surgery", "excessmtl", "--surgery-memory", "stream"],
+            "does not keep: use --surgery-memory buffer",
+        ),
         (["--surgery", "cagrad", "--surgery-opt", "cc=0.5"], "unknown option 'cc'"),
         (["--surgery", "cagrad", "--surgery-opt", "c"], "KEY=VALUE"),
         (["--surgery", "fairgrad", "--surgery-opt", "alpha=abc"], "alpha"),

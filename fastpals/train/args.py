@@ -366,6 +366,11 @@ class TrainArgs:
                 "--surgery-memory stream needs a --surgery method and --batching mixed (one backward per update); "
                 "per-task batches use the buffer: drop --surgery-memory or use --batching mixed"
             )
+        if self.surgery_memory == "stream" and getattr(AGGREGATORS.get(self.surgery), "reads_rows", False):
+            raise ConfigError(
+                f"--surgery {self.surgery} reads the [tasks, shared parameters] gradient rows, which "
+                "--surgery-memory stream does not keep: use --surgery-memory buffer (or auto)"
+            )
         if self.surgery_memory == "stream" and self.surgery_buffer_dtype == "bf16":
             raise ConfigError(
                 "--surgery-buffer-dtype sets the buffer's rows; --surgery-memory stream has none: drop one of them"

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from fastpals.surgery import (
+    AGGREGATORS,
     StreamingTaskGradients,
     TaskGradientBuffer,
     TaskGradients,
@@ -219,8 +220,10 @@ def trainer_memory_mode(trainer: Any) -> tuple[str, torch.dtype, MemoryModeChoic
     args, ds_config, module = trainer.args, trainer.ds_config, trainer.engine.module
     bf16 = ds_config.get("bf16", {}).get("enabled")
     rows = args.surgery_buffer_dtype if args.surgery_buffer_dtype != "auto" else "bf16" if bf16 else "fp32"
-    one_backward, choice = args.batching == "mixed", None
-    if surgery_memory_mode(args.surgery_memory, one_backward, args.surgery_buffer_dtype) == "smaller":
+    one_backward, choice, option = args.batching == "mixed", None, args.surgery_memory
+    if getattr(AGGREGATORS.get(args.surgery), "reads_rows", False):  # ExcessMTL: the [T, P] rows themselves
+        option = "buffer"
+    if surgery_memory_mode(option, one_backward, args.surgery_buffer_dtype) == "smaller":
         precision = "bf16" if bf16 else "fp16" if ds_config.get("fp16", {}).get("enabled") else "fp32"
         shared = sum(p.numel() for p in shared_parameters_by_name(module)[0])
         tokens, n = args.max_tokens or args.batch_size * args.max_length, len(args.task_list)
@@ -229,9 +232,7 @@ def trainer_memory_mode(trainer: Any) -> tuple[str, torch.dtype, MemoryModeChoic
             module, n, shared, row_bytes, tokens, args.max_length, precision, trainer.zero_stage,
             trainer.world_size, trainer.device,
         )  # fmt: skip
-    memory = surgery_memory_mode(
-        args.surgery_memory, one_backward, args.surgery_buffer_dtype, choice and choice.mode
-    )
+    memory = surgery_memory_mode(option, one_backward, args.surgery_buffer_dtype, choice and choice.mode)
     return memory, torch.bfloat16 if rows == "bf16" else torch.float32, choice
 
 
