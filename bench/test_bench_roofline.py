@@ -1,5 +1,5 @@
 """Roofline row: the main job's training step against the machine's measured matrix-product peak
-(``pytest bench/test_bench_roofline.py --benchmark-only -s``).
+(``pytest bench/test_bench_roofline.py --benchmark-only``).
 
 - Peak: the best GFLOP/s of ``a @ b`` in bf16 and in fp32 on the device the bench runs on, at 2048³ and at the
   step's FFN shape (tokens x d x 4d), best of ``FASTPALS_BENCH_ROUNDS`` calls after one warm-up.
@@ -20,7 +20,6 @@ CUDA (the device is ``cuda`` when one is visible), against that GPU's peak.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -86,10 +85,14 @@ def main_job_step(device: torch.device) -> tuple[torch.nn.Module, Any]:
     from fastpals.train.mixed import packed_micro_batches
     from fastpals.train.optimizer_setup import build_model
 
-    with contextlib.chdir(REPO):  # the Makefile's paths are relative to the repository
+    cwd = os.getcwd()
+    os.chdir(REPO)  # the Makefile's paths are relative to the repository
+    try:
         args = parse_args(makefile_train_argv())
         model = build_model(args).to(device).train()
         data = setup_data(args, 0, 1, lambda line: None)
+    finally:
+        os.chdir(cwd)
     selections = data.sampler.next_update()
     batchers = list(data.train_batchers.values())
     return model, next(packed_micro_batches(batchers, selections, device, args.task_weighting))
@@ -207,7 +210,7 @@ def _markdown(doc: dict[str, Any], name: str) -> str:
         f"# Roofline: training step vs matmul peak, {doc['device']} ({name})",
         "",
         f"Shape `{doc['shape']}`: {doc['examples']} examples, {doc['tokens']} tokens; {doc['threads']} torch "
-        f"threads; load average {doc['load_average']} (1, 5, 15 min); commit {doc['commit']}, {doc['date']}.",
+        f"threads; load average {' / '.join(map(str, doc['load_average']))} (1, 5, 15 min); commit {doc['commit']}, {doc['date']}.",
         "",
         "| matmul | dtype | best GFLOP/s |",
         "| --- | --- | ---: |",
