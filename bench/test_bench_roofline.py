@@ -272,6 +272,9 @@ def test_roofline_row(benchmark, ratio_table):
         "peaks": peaks,
         "peak_gflops": peak,
         "rows": rows,
+        "peak_ratio": {
+            f"{r['trainable']}_{dt}": r[f"fraction_{dt}"] for r in rows for dt in ("bf16", "fp32")
+        },
     }
     benchmark.extra_info.update({r["trainable"]: r["fraction_bf16"] for r in rows})
     table = [f"{'step':14s} {'GFLOP':>7s} {'best s':>7s} {'GFLOP/s':>8s} {'x bf16':>7s} {'x fp32':>7s}"]
