@@ -231,6 +231,8 @@ def _markdown(doc: dict[str, Any], name: str) -> str:
 
 
 def test_roofline_row(benchmark, ratio_table):
+    """The step's GFLOP/s as the job trains and with every parameter trainable, against the measured peaks;
+    each fraction of the bf16 peak must lie in (0, 1.5]."""
     model, mb = main_job_step(DEVICE) if SHAPE == "main" else tiny_step(DEVICE)
     tokens = sum(mb.tokens)
     d = model.config.bert.hidden_size
