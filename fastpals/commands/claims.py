@@ -1,11 +1,7 @@
-"""``fastpals claims``: the five CS224N reports' findings, each re-run as a comparison of arms over several seeds.
-
-A finding (:data:`FINDINGS`) names its report, the claim, its arms (option sets of ``train.py``, :data:`ARMS`), its
-metric and the expected direction of each comparison. Every arm trains with the same data, budget
-(:class:`Budget`) and seeds; the runs are subprocesses (:mod:`fastpals.commands.claims_jobs`). Written to
-``--out``: ``claims.md`` (per finding: each arm's mean ± sd, each comparison's paired 95% t-interval and verdict),
-``claims.json`` (every run and comparison) and ``claims.png``. Usage and the committed table: ``docs/claims.md``.
-"""
+"""``fastpals claims``: the five CS224N reports' findings (:data:`FINDINGS`), each re-run as a comparison of arms
+(``train.py`` option sets, :data:`ARMS`) over several seeds with the same data and budget, the runs ``train.py``
+subprocesses (:func:`execute`); writes ``claims.md`` (paired 95% t-intervals and verdicts), ``claims.json`` and
+``claims.png``. Usage: ``docs/claims.md``."""
 
 from __future__ import annotations
 
@@ -14,7 +10,10 @@ import dataclasses
 import json
 import math
 import os
+import platform
 import shlex
+import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -26,19 +25,11 @@ import torch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from fastpals.commands.claims_jobs import (
-    PROG,
-    auto_jobs,
-    environment,
-    execute,
-    fmt_time,
-    metric_value,
-    micro_batches_per_update,
-    run_name,
-    train_command,
-)
+from fastpals import __version__
+from fastpals.commands.compare import OneLineErrorParser
+from fastpals.commands.memory import StepSpec, plan_memory
 from fastpals.train.command import parse_args
-from fastpals.train.errors import ConfigError
+from fastpals.train.memory_mode import device_memory_bytes
 
 __all__ = [
     "ARMS",
@@ -56,27 +47,24 @@ __all__ = [
 
 #: options every run gets before the caller's common options (the short-budget learning rates of `fastpals compare`'s
 #: committed table, docs/results/compare_minilm_cpu.md)
-DEFAULT_COMMON = (
-    "--batch-size",
-    "16",
-    "--lr",
-    "1e-4",
-    "--pal-lr",
-    "5e-4",
-    "--head-lr",
-    "2e-4",
-    "--max-eval",
-    "600",
-)
+DEFAULT_COMMON = tuple("--batch-size 16 --lr 1e-4 --pal-lr 5e-4 --head-lr 2e-4 --max-eval 600".split())
 #: options set by claims itself (per run)
 RESERVED = ("--epochs", "--steps-per-epoch", "--out", "--resume", "--recipe", "--overwrite", "--seed")
 #: options every run of the converged budget gets first: the main job's settings (the Makefile's ``train`` target)
-CONVERGED_COMMON = (
-    "--batch-size", "48", "--lr", "1.2e-4", "--pal-lr", "6e-4", "--head-lr", "2.4e-4", "--warmup", "0.06",
-    "--max-length", "128", "--max-eval", "600",
-)  # fmt: skip
+CONVERGED_COMMON = tuple(
+    "--batch-size 48 --lr 1.2e-4 --pal-lr 6e-4 --head-lr 2.4e-4 --warmup 0.06 --max-length 128 --max-eval 600".split()
+)
 #: a run whose last evaluation gained more than this over the previous one is "still improving"
 IMPROVING = 0.005
+PROG = "fastpals claims"
+#: a run: (arm, seed)
+RunKey = tuple[str, int]
+#: per run, its record (options, command, status, scores; written to claims.json)
+Runs = dict[RunKey, dict[str, Any]]
+#: what a run's process holds besides the tensors the planner counts: the CUDA context and allocator slack on a
+#: GPU; the interpreter, torch, the data and the tokenizer on the CPU
+GPU_PROCESS_BYTES = 1 << 30
+CPU_PROCESS_BYTES = 3 << 29
 
 
 @dataclass(frozen=True)
@@ -302,14 +290,9 @@ def student_t_quantile(p: float, df: int) -> float:
 def verdict(interval: dict[str, float]) -> str:
     """``holds`` (the interval lies above 0), ``reversed`` (below 0) or ``not resolved`` (it holds 0, or fewer
     than 2 seeds)."""
-    lo, hi = interval["lo"], interval["hi"]
-    if math.isnan(lo) or math.isnan(hi):
-        return "not resolved"
-    if lo > 0:
-        return "holds"
-    if hi < 0:
-        return "reversed"
-    return "not resolved"
+    return (
+        "holds" if interval["lo"] > 0 else "reversed" if interval["hi"] < 0 else "not resolved"
+    )  # NaN: neither
 
 
 # ------------------------------------------------------------------------------------------------------- the runs
@@ -346,10 +329,8 @@ def resolve_budget(text: str | None, quick: bool = False) -> Budget:
         if quick:
             return QUICK
         return CONVERGED if torch.cuda.is_available() else EARLY
-    if text in ("early", EARLY.name):
-        return EARLY
-    if text == "converged":
-        return CONVERGED
+    if text in ("early", EARLY.name, "converged"):
+        return CONVERGED if text == "converged" else EARLY
     if text.isdigit() and int(text) >= 1:
         return Budget(
             f"{int(text)} updates", int(text), what=f"{int(text)} updates, each run scored at its end"
@@ -357,10 +338,263 @@ def resolve_budget(text: str | None, quick: bool = False) -> Budget:
     raise ValueError(f"--budget {text}: give early, converged or a number of updates >= 1")
 
 
+# ------------------------------------------------------------------------------------------------------- the jobs
+def metric_value(dev: dict[str, float | None], metric: str) -> float:
+    """A run's dev score on ``metric``: a task's metric, or ``overall`` = (SST + Quora + (STS r + 1) / 2) / 3 (an
+    STS r of None/NaN, from constant predictions, counts as 0); NaN where a task is missing."""
+    if metric != "overall":
+        return math.nan if dev.get(metric) is None else float(dev[metric])
+    if dev.get("sst") is None or dev.get("para") is None or "sts" not in dev:
+        return math.nan
+    r = 0.0 if dev["sts"] is None or math.isnan(dev["sts"]) else float(dev["sts"])
+    return (float(dev["sst"]) + float(dev["para"]) + (r + 1.0) / 2.0) / 3.0
+
+
+def run_scores(arm: Arm, results: dict[str, Any]) -> dict[str, Any]:
+    """What the table reads of a finished run's ``results.json``: ``dev`` (a learning-curve arm's best dev, any
+    other arm's last evaluation, at its end), ``best_step`` and ``evals`` (``[[update, dev overall], ...]``)."""
+    evals = [[e["step"], metric_value(e["dev"], "overall")] for e in results.get("evals") or []]
+    curve = "--eval-every" in arm.options
+    last = (results.get("evals") or [{"dev": results["dev"]}])[-1]["dev"]
+    return {"dev": results["dev"] if curve else last, "best_step": results.get("best_step"), "evals": evals}
+
+
+def run_name(arm: str, seed: int) -> str:
+    return f"{arm}-s{seed}"
+
+
+def micro_batches_per_update(train_argv: Sequence[str]) -> int:
+    """Micro-batches in one update of the run ``train_argv``: one per task with surgery, else ``--grad-accum``.
+    Raises :class:`fastpals.train.errors.ConfigError` for bad options."""
+    args = parse_args([*train_argv, "--out", "unused"])
+    return len(args.task_list) if args.surgery != "none" else int(args.grad_accum)
+
+
+def pick_jobs(per_run_bytes: int, free_bytes: int, cores: int, runs: int) -> int:
+    """How many runs go at once: as many as 90% of ``free_bytes`` holds at ``per_run_bytes`` each, at most one per
+    CPU core and one per run; at least 1."""
+    by_memory = int(0.9 * free_bytes // per_run_bytes) if per_run_bytes > 0 else runs
+    return max(1, min(by_memory, cores, runs))
+
+
+def _option(argv: Sequence[str], name: str, default: str) -> str:
+    """The last value of option ``name`` in ``argv`` (``--x v`` or ``--x=v``), else ``default``."""
+    value = default
+    for i, a in enumerate(argv):
+        if a == name and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif a.startswith(name + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def cpu_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _proc_field(path: str, key: str) -> str:
+    """The value of ``key`` in a ``/proc`` file such as ``/proc/meminfo`` ("" where there is none)."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return ""
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith(key)), "")
+
+
+def auto_jobs(train_argv: Sequence[str], runs: int) -> tuple[int, str]:
+    """``--jobs auto``: the runs that fit at once, from the memory planner's peak of one run (its model, batch and
+    length with PALs and PCGrad, the heaviest arms) plus a process's own memory, against the GPU's free memory (on
+    the CPU: the available RAM) and the CPU cores. Returns (jobs, how it was chosen)."""
+    cuda = torch.cuda.is_available()
+    ds = _option(train_argv, "--ds_config", _option(train_argv, "--ds-config", ""))
+    precision = next((p for p in ("fp16", "bf16", "fp32") if p in ds), "bf16" if cuda else "fp32")
+    spec = StepSpec(model=_option(train_argv, "--model", "minilm-l6"), precision=precision, pal="12heads",
+                    max_length=int(_option(train_argv, "--max-length", "128")), surgery="pcgrad")  # fmt: skip
+    peak = plan_memory(spec, int(_option(train_argv, "--batch-size", "16"))).peak_bytes
+    if cuda:
+        free, per_run, where = torch.cuda.mem_get_info()[0], peak + GPU_PROCESS_BYTES, "GPU memory free"
+    else:
+        free = int(_proc_field("/proc/meminfo", "MemAvailable:").split(" ")[0] or 0) * 1024
+        free, per_run, where = free or device_memory_bytes("cpu"), peak + CPU_PROCESS_BYTES, "RAM available"
+    cores = cpu_cores()
+    jobs = pick_jobs(per_run, free, cores, runs)
+    return jobs, (f"--jobs auto: {jobs} (per run {per_run / 2**30:.2f} GiB = planner peak {peak / 2**30:.2f} GiB "
+                  f"+ the process; {free / 2**30:.1f} GiB {where}; {cores} CPU cores; {runs} runs)")  # fmt: skip
+
+
+def job_environment(jobs: int) -> dict[str, str]:
+    """The variables every run gets when ``jobs`` run at once: the CPU cores split between them
+    (``OMP_NUM_THREADS``, ``MKL_NUM_THREADS``), and one GPU for all (the first visible one)."""
+    threads = str(max(1, cpu_cores() // jobs))
+    env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    env["CUDA_VISIBLE_DEVICES"] = "0" if visible is None else visible.split(",")[0]  # "": no GPU, kept
+    return env
+
+
+def train_command() -> list[str]:
+    """The command that starts ``train.py``: the repository's ``train.py`` next to the package when present, else
+    ``python -m fastpals.cli train`` (the same entry point)."""
+    script = Path(__file__).resolve().parents[2] / "train.py"
+    if script.is_file():
+        return [sys.executable, str(script)]
+    return [sys.executable, "-m", "fastpals.cli", "train"]
+
+
+def environment() -> dict[str, str]:
+    """Where and with what the runs run: device, versions, commit and date."""
+    try:
+        commit = subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short", "HEAD"],
+                                capture_output=True, text=True, timeout=10).stdout.strip() or "unknown"  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        commit = "unknown"
+    cpu = _proc_field("/proc/cpuinfo", "model name") or platform.processor() or platform.machine()
+    device = (
+        torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({cpu}), {os.cpu_count()} cores"
+    )
+    return {"device": device, "python": platform.python_version(), "torch": torch.__version__,
+            "fastpals": __version__, "commit": commit,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}  # fmt: skip
+
+
+def fmt_time(seconds: float) -> str:
+    seconds = max(0, int(round(seconds)))
+    if seconds >= 3600:
+        return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
+    return f"{seconds // 60} min {seconds % 60:02d} s"
+
+
+def _read_results(run_dir: Path) -> dict[str, Any] | None:
+    path = run_dir / "results.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _without_out(argv: Sequence[str]) -> list[str]:
+    """``argv`` without its ``--out DIR``."""
+    argv = list(argv)
+    i = argv.index("--out") if "--out" in argv else -1
+    return argv[:i] + argv[i + 2 :] if i >= 0 else argv
+
+
+def _check_earlier(run_dir: Path, argv: Sequence[str]) -> dict[str, Any] | None:
+    """The ``claims_run.json`` of a finished run in ``run_dir`` (None when it has no ``results.json``); raises
+    :class:`ValueError` when that run had other options."""
+    if not (run_dir / "results.json").is_file():
+        return None
+    path = run_dir / "claims_run.json"
+    saved = json.loads(path.read_text()) if path.is_file() else {}
+    if _without_out(saved.get("argv") or []) != _without_out(argv):  # a moved claims folder still matches
+        raise ValueError(f"{run_dir} holds a run with other options than {shlex.join(argv)}; use another --out or "
+                         "move that folder")  # fmt: skip
+    return saved
+
+
+def _overall(results: dict[str, Any]) -> str:
+    """A finished run's best dev overall, 4 digits."""
+    value = metric_value(results["dev"], "overall")
+    return "—" if math.isnan(value) else f"{value:.4f}"
+
+
+def execute(runs: Runs, runs_dir: Path, jobs: int, keep_checkpoints: bool = False) -> int:
+    """Run the ``(arm, seed)`` runs in order, ``jobs`` :func:`train_command` subprocesses at a time, filling each
+    record of ``runs`` with the :func:`run_scores` of its ``results.json``. A finished run is skipped; ``jobs`` 0:
+    none starts (``--report``). Returns 0, 1 (a run failed), 2 (a folder holds another run) or 128 + signal."""
+    plan, command = list(runs), train_command()
+    done_cost = done_s = 0.0
+    remaining = sum(ARMS[a].cost for a, _ in plan)
+    pending = []
+    for i, (a, s) in enumerate(plan):
+        record = runs[(a, s)]
+        run_dir = runs_dir / run_name(a, s)
+        try:
+            saved = _check_earlier(run_dir, record["argv"])
+        except ValueError as err:
+            print(f"{PROG}: error: {err}", file=sys.stderr)
+            return 2
+        if saved is None:
+            pending.append((i, a, s))
+            continue
+        results = _read_results(run_dir)
+        record.update(**run_scores(ARMS[a], results), status="done", seconds=saved.get("seconds"),
+                      argv=saved["argv"], environment=saved.get("environment"),
+                      command=saved.get("command") or shlex.join([*command, *saved["argv"]]))  # fmt: skip
+        remaining -= ARMS[a].cost
+        print(f"[claims] {i + 1}/{len(plan)} {run_name(a, s)}: finished earlier, skipped (dev overall "
+              f"{_overall(results)})", file=sys.stderr, flush=True)  # fmt: skip
+    if jobs == 0:
+        return 0
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    # a run is its own one-process job: no rank or port of a launcher (or of an in-process run) leaks in
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
+    }
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(job_environment(jobs))
+    session_env = environment()
+    running: list[tuple[int, str, int, subprocess.Popen, float, Any]] = []
+    status = 0
+    try:
+        while pending or running:
+            while pending and len(running) < jobs:
+                i, a, s = pending.pop(0)
+                name = run_name(a, s)
+                print(f"[claims] {i + 1}/{len(plan)} {name}: start ({runs[(a, s)]['updates']} updates): "
+                      f"{runs[(a, s)]['command']}", file=sys.stderr, flush=True)  # fmt: skip
+                log = open(runs_dir / f"{name}.log", "w")
+                proc = subprocess.Popen([*command, *runs[(a, s)]["argv"]], stdout=log, stderr=subprocess.STDOUT,
+                                        env=env)  # fmt: skip
+                running.append((i, a, s, proc, time.perf_counter(), log))
+            time.sleep(0.2)
+            for item in [r for r in running if r[3].poll() is not None]:
+                running.remove(item)
+                i, a, s, proc, t0, log = item
+                log.close()
+                name, record, run_dir = run_name(a, s), runs[(a, s)], runs_dir / run_name(a, s)
+                seconds = time.perf_counter() - t0
+                code = proc.returncode
+                remaining -= ARMS[a].cost
+                if code < 0 or code in (130, 143):
+                    print(f"{PROG}: the run {name} was stopped (exit {code}); a rerun starts it again",
+                          file=sys.stderr)  # fmt: skip
+                    status = 128 + (-code if code < 0 else code - 128)
+                    pending.clear()
+                    continue
+                results = _read_results(run_dir) if code == 0 else None
+                if results is None:
+                    record["status"] = f"failed (exit {code}, see {log.name})"
+                    status = max(status, 1)
+                    print(f"[claims] {i + 1}/{len(plan)} {name}: FAILED (exit {code}); its output: {log.name}",
+                          file=sys.stderr, flush=True)  # fmt: skip
+                    continue
+                run_env = {**session_env, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+                saved = {"command": record["command"], "argv": record["argv"], "seconds": seconds,
+                         "environment": run_env}  # fmt: skip
+                (run_dir / "claims_run.json").write_text(json.dumps(saved))
+                if not keep_checkpoints and (run_dir / "checkpoints").is_dir():
+                    shutil.rmtree(run_dir / "checkpoints")
+                record.update(
+                    **run_scores(ARMS[a], results), status="done", seconds=seconds, environment=run_env
+                )
+                done_cost += ARMS[a].cost
+                done_s += seconds
+                eta = remaining * done_s / done_cost / max(1, jobs)
+                print(f"[claims] {i + 1}/{len(plan)} {name}: done in {seconds:.0f} s, dev overall "
+                      f"{_overall(results)}{'' if keep_checkpoints else ' (checkpoints/ removed, best/ kept)'}; "
+                      f"ETA {fmt_time(eta)}", file=sys.stderr, flush=True)  # fmt: skip
+    except KeyboardInterrupt:
+        for item in running:
+            item[3].wait()  # Ctrl-C reached them too: each checkpoints and stops
+            item[5].close()
+        print(f"{PROG}: stopped; the finished runs are kept and a rerun skips them", file=sys.stderr)
+        return 130
+    return status
+
+
 # ----------------------------------------------------------------------------------------------------- the report
-def convergence_rows(
-    runs: dict[tuple[str, int], dict[str, Any]], plan: Sequence[tuple[str, int]]
-) -> list[dict[str, Any]]:
+def convergence_rows(runs: Runs, plan: Sequence[RunKey]) -> list[dict[str, Any]]:
     """Per finished run: its updates, the dev overall at its last two evaluations (``previous`` None when it was
     evaluated once), their difference and ``improving`` (the last gained more than :data:`IMPROVING`)."""
     rows = []
@@ -376,33 +610,14 @@ def convergence_rows(
     return rows
 
 
-def still_improving(convergence: Sequence[dict[str, Any]]) -> dict[str, list[int]]:
-    """Per arm, the seeds whose run was still improving at its end."""
-    out: dict[str, list[int]] = {}
-    for r in convergence:
-        if r["improving"]:
-            out.setdefault(r["arm"], []).append(r["seed"])
-    return out
+def _collect(runs: Runs, arm: str, seeds: Sequence[int], metric: str) -> dict[int, float]:
+    done = {s: run for s in seeds if (run := runs.get((arm, s))) and run.get("dev") is not None}
+    if metric != "best_step":
+        return {s: metric_value(run["dev"], metric) for s, run in done.items()}
+    return {s: float(run["best_step"]) for s, run in done.items() if run.get("best_step") is not None}
 
 
-def _collect(
-    runs: dict[tuple[str, int], dict[str, Any]], arm: str, seeds: Sequence[int], metric: str
-) -> dict[int, float]:
-    out = {}
-    for s in seeds:
-        run = runs.get((arm, s))
-        if run and run.get("dev") is not None:
-            if metric == "best_step":
-                if run.get("best_step") is not None:
-                    out[s] = float(run["best_step"])
-            else:
-                out[s] = metric_value(run["dev"], metric)
-    return out
-
-
-def reference_scores(
-    runs: dict[tuple[str, int], dict[str, Any]], seeds: Sequence[int], metric: str
-) -> dict[int, float]:
+def reference_scores(runs: Runs, seeds: Sequence[int], metric: str) -> dict[int, float]:
     """Per seed, the single-task runs' score on ``metric`` (``overall``: the three single-task models together)."""
     out = {}
     for s in seeds:
@@ -417,9 +632,7 @@ def reference_scores(
     return out
 
 
-def summarize(
-    findings: Sequence[Finding], runs: dict[tuple[str, int], dict[str, Any]], seeds: Sequence[int]
-) -> list[dict[str, Any]]:
+def summarize(findings: Sequence[Finding], runs: Runs, seeds: Sequence[int]) -> list[dict[str, Any]]:
     """Per finding: each arm's scores per seed, mean and sd; each comparison's paired interval over the seeds where
     both arms finished, and its verdict (``unfinished`` when no seed has both). The paired difference is
     ``better - worse``, or ``worse - better`` for a finding whose claim is a lower value (``Finding.lower``): a
@@ -461,7 +674,10 @@ def write_markdown(
     """``claims.md``: ``header``, the verdicts at a glance (each marked where an arm was still improving at its
     end), then per finding its arms and comparisons, then each run's dev overall at its last two evaluations
     (``convergence``: :func:`convergence_rows`)."""
-    improving = still_improving(convergence)
+    improving: dict[str, list[int]] = {}  # per arm, the seeds whose run was still improving at its end
+    for r in convergence:
+        if r["improving"]:
+            improving.setdefault(r["arm"], []).append(r["seed"])
 
     def marks(*arms: str) -> str:
         return "; ".join(f"{a} still improving (seed {', '.join(map(str, improving[a]))})" for a in arms
@@ -567,14 +783,9 @@ def _jsonable(x: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------------- the command
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:
-        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help`)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The options of ``fastpals claims``; every other option goes to every run (a ``train.py`` option)."""
-    p = _Parser(prog=PROG, allow_abbrev=False, usage=f"{PROG} [--budget early|converged|STEPS] [--seeds N] [--jobs N|auto] [--out DIR] [--quick] [train.py options]",
+    p = OneLineErrorParser(prog=PROG, allow_abbrev=False, usage=f"{PROG} [--budget early|converged|STEPS] [--seeds N] [--jobs N|auto] [--out DIR] [--quick] [train.py options]",
                 description="Re-run the findings of the five CS224N reports: every arm for --budget with "
                 "seeds 0..N-1, then claims.md, claims.json and claims.png in --out. Finished runs are kept and "
                 "skipped on a rerun. Other options (e.g. --model, --data-dir, --max-length) go to every run, after "
@@ -612,13 +823,12 @@ def _header(
     seeds: Sequence[int],
     common: Sequence[str],
     env: dict[str, str],
-    runs: dict[tuple[str, int], dict[str, Any]],
-    plan: Sequence[tuple[str, int]],
-    unfinished: Sequence[str],
+    runs: Runs,
     jobs: int,
     wall_s: float,
 ) -> str:
     """The head of ``claims.md``: budget, seeds, common options, where and with what the runs ran, the wall time."""
+    unfinished = [run_name(a, s) for (a, s), r in runs.items() if r["dev"] is None]
     envs = {}
     for r in runs.values():
         e = r["environment"]
@@ -634,8 +844,8 @@ def _header(
         f"**Budget: {budget.name}**: {budget.what}. The verdicts are about the model of these runs at this budget. "
         f"Every run: its arm's options, then `{' '.join(budget.defaults)} {' '.join(common)}`, one epoch of "
         f"{'/'.join(map(str, updates))} updates, its seed (the exact command lines: claims.json). Runs: {where}. "
-        f"Table written {env['date']} (commit {env['commit']}). Runs finished: {len(plan) - len(unfinished)} of "
-        f"{len(plan)}, {fmt_time(sum(r['seconds'] or 0.0 for r in runs.values()))} of run time; wall time of "
+        f"Table written {env['date']} (commit {env['commit']}). Runs finished: {len(runs) - len(unfinished)} of "
+        f"{len(runs)}, {fmt_time(sum(r['seconds'] or 0.0 for r in runs.values()))} of run time; wall time of "
         f"this call {fmt_time(wall_s)} with {jobs} run(s) at a time"
         + (f"; **not finished**: {', '.join(unfinished)}." if unfinished else ".")
     )  # fmt: skip
@@ -649,57 +859,45 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().print_help()
         return 0
     opts, common = build_parser().parse_known_args(argv)
-    bad = [a.split("=")[0] for a in common if a.split("=")[0] in RESERVED]
-    if bad:
-        print(
-            f"{PROG}: error: {', '.join(bad)} is set by claims itself (use --budget, --seeds, --out)",
-            file=sys.stderr,
-        )
-        return 2
-    try:
-        budget = resolve_budget(opts.budget, opts.quick)
-    except ValueError as err:
-        print(f"{PROG}: error: {err}", file=sys.stderr)
-        return 2
-    n_seeds = opts.seeds if opts.seeds is not None else (2 if opts.quick else 3)
-    jobs = int(opts.jobs) if opts.jobs.isdigit() else -1 if opts.jobs != "auto" else 0
-    if n_seeds < 1 or jobs < 0 or opts.jobs == "0":
-        print(f"{PROG}: error: --seeds and --jobs must be >= 1 (--jobs also auto), got {n_seeds}, {opts.jobs}",
-              file=sys.stderr)  # fmt: skip
-        return 2
-    keys = [f.key for f in FINDINGS]
-    wanted = (
-        QUICK_FINDINGS if opts.quick and opts.only is None else (opts.only.split(",") if opts.only else keys)
-    )
-    unknown = [k for k in wanted if k not in keys]
-    if unknown:
-        print(
-            f"{PROG}: error: --only {','.join(unknown)}: no such finding; the findings: {', '.join(keys)}",
-            file=sys.stderr,
-        )
-        return 2
-    findings = [f for f in FINDINGS if f.key in wanted]
-    if opts.quick:  # only the comparisons between the quick arms (any model depth, 2 arms per seed)
-        findings = [quick_finding(f) for f in findings]
-    reference = not (opts.no_reference or opts.quick)
-    seeds = list(range(n_seeds))
-    if opts.quick and "--max-eval" not in common:
-        common += ["--max-eval", "16"]
-    # the exact data in every command line
-    if "--data-dir" not in common and os.environ.get("FASTPALS_DATA_DIR"):
-        common += ["--data-dir", os.environ["FASTPALS_DATA_DIR"]]
-    out = Path(opts.out).resolve()
-    runs_dir = out / "runs"
-    plan = [(a, s) for a in _plan(findings, reference) for s in seeds]
-
     try:  # every run's options are checked before the first starts
+        bad = [a.split("=")[0] for a in common if a.split("=")[0] in RESERVED]
+        if bad:
+            raise ValueError(f"{', '.join(bad)} is set by claims itself (use --budget, --seeds, --out)")
+        budget = resolve_budget(opts.budget, opts.quick)
+        n_seeds = opts.seeds if opts.seeds is not None else (2 if opts.quick else 3)
+        jobs = int(opts.jobs) if opts.jobs.isdigit() else -1 if opts.jobs != "auto" else 0
+        if n_seeds < 1 or jobs < 0 or opts.jobs == "0":
+            raise ValueError(
+                f"--seeds and --jobs must be >= 1 (--jobs also auto), got {n_seeds}, {opts.jobs}"
+            )
+        keys = [f.key for f in FINDINGS]
+        wanted = (
+            QUICK_FINDINGS
+            if opts.quick and opts.only is None
+            else (opts.only.split(",") if opts.only else keys)
+        )
+        unknown = [k for k in wanted if k not in keys]
+        if unknown:
+            raise ValueError(f"--only {','.join(unknown)}: no such finding; the findings: {', '.join(keys)}")
+        findings = [f for f in FINDINGS if f.key in wanted]
+        if opts.quick:  # only the comparisons between the quick arms (any model depth, 2 arms per seed)
+            findings = [quick_finding(f) for f in findings]
+        seeds = list(range(n_seeds))
+        if opts.quick and "--max-eval" not in common:
+            common += ["--max-eval", "16"]
+        # the exact data in every command line
+        if "--data-dir" not in common and os.environ.get("FASTPALS_DATA_DIR"):
+            common += ["--data-dir", os.environ["FASTPALS_DATA_DIR"]]
+        out = Path(opts.out).resolve()
+        runs_dir = out / "runs"
+        plan = [(a, s) for a in _plan(findings, not (opts.no_reference or opts.quick)) for s in seeds]
         updates = {a: budget.arm_updates(micro_batches_per_update([*ARMS[a].options, *budget.defaults, *common]))
                    for a in dict.fromkeys(a for a, _ in plan)}  # fmt: skip
         argvs = {(a, s): run_argv(ARMS[a], s, updates[a], common, runs_dir / run_name(a, s), budget.defaults,
                                   budget.eval_every(updates[a])) for a, s in plan}  # fmt: skip
         for a, s in plan:
             parse_args(argvs[(a, s)])
-    except ConfigError as err:
+    except ValueError as err:  # ConfigError too
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
     if jobs == 0:
@@ -714,19 +912,18 @@ def main(argv: list[str] | None = None) -> int:
                      "argv": argvs[(a, s)], "updates": updates[a], "dev": None, "best_step": None, "evals": [],
                      "status": "not run", "seconds": None, "environment": None} for a, s in plan}  # fmt: skip
     t_start = time.perf_counter()
-    status = execute(plan, runs, command, runs_dir, jobs, ARMS, opts.report, opts.keep_checkpoints)
+    status = execute(runs, runs_dir, 0 if opts.report else jobs, opts.keep_checkpoints)
     if status == 2:
         return 2
     summary = summarize(findings, runs, seeds)
     env = environment()
-    unfinished = [run_name(a, s) for a, s in plan if runs[(a, s)]["dev"] is None]
     wall_s = time.perf_counter() - t_start
     earlier = out / "claims.json"
     # the table's wall time and runs at once stay those of the training call
     if opts.report and earlier.is_file():
         saved = json.loads(earlier.read_text())
         wall_s, jobs = saved.get("wall_s_this_session", wall_s), saved.get("jobs", jobs)
-    header = _header(findings, budget, seeds, common, env, runs, plan, unfinished, jobs, wall_s)
+    header = _header(findings, budget, seeds, common, env, runs, jobs, wall_s)
     out.mkdir(parents=True, exist_ok=True)
     convergence = convergence_rows(runs, plan)
     write_markdown(summary, out / "claims.md", header, seeds, convergence)
