@@ -31,7 +31,7 @@ COMMANDS = {
     "env": "fastpals.env",
     "compare": "fastpals.commands.compare",
     "claims": "fastpals.commands.claims",
-    "memory": "fastpals.commands.memory",
+    "memory": "fastpals.commands.memory_cli",
     "export": "fastpals.commands.export",
 }
 

@@ -33,11 +33,11 @@ from fastpals.commands.claims import (  # noqa: E402
     reference_scores,
     resolve_budget,
     run_argv,
-    student_t_quantile,
     summarize,
     verdict,
     write_markdown,
 )
+from fastpals.commands.claims_findings import student_t_quantile  # noqa: E402
 
 T_975 = {
     1: 12.706,

@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fastpals.commands.memory import DEVICES, StepSpec, load_bert_config, main, measure_step, trace_step
+from fastpals.commands.memory import DEVICES, StepSpec, load_bert_config, measure_step, trace_step
+from fastpals.commands.memory_cli import main
 from fastpals.train.memory_states import LiveTensorBytes, model_state_bytes
 
 
@@ -163,7 +164,7 @@ def test_bad_input_is_one_line(argv: list[str], needle: str, capsys: pytest.Capt
 
 def test_table_chart(tmp_path) -> None:
     """The chart of docs/memory.md: one panel per model, a line per bf16 variant, the GPUs' memory."""
-    from fastpals.commands.memory import plot_table
+    from fastpals.commands.memory_cli import plot_table
 
     lines = [
         (model, label, precision, a * 2**30, c * 2**20)

@@ -103,7 +103,8 @@ def test_memory_cli_names_auto_per_gpu(capsys):
     """The fast variant of the BERT-base run below: MiniLM, 4 tasks, 4 x 16 tokens, fp32 rows (bf16 training:
     auto's rows would be bf16; fp32 asked for here). The rows (4 x 22.7 M x 4 B) dwarf the activations of 64
     tokens: streaming on every device, and the line says why."""
-    from fastpals.commands.memory import DEVICES, main
+    from fastpals.commands.memory import DEVICES
+    from fastpals.commands.memory_cli import main
 
     argv = [
         "--tasks",
@@ -126,7 +127,8 @@ def test_memory_cli_names_auto_per_gpu(capsys):
 
 @pytest.mark.slow  # three fake traces of BERT-base (about 60 s on the loaded 2-core CPU); the rule is tested above
 def test_memory_cli_bert_base_8_tasks_names_auto_per_gpu(capsys):
-    from fastpals.commands.memory import DEVICES, main
+    from fastpals.commands.memory import DEVICES
+    from fastpals.commands.memory_cli import main
 
     assert main(["--model", "bert-base-uncased", "--tasks", "8", "--surgery", "pcgrad"]) == 0
     out = capsys.readouterr().out
