@@ -67,21 +67,26 @@ class Step:
     what: str
 
 
-#: the session's steps in priority order; estimates are replaced by a committed session's measured seconds
-PLAN = (
-    Step("wheels", 0, 15, "install the carried wheels"),
-    Step("env", 1, 10, "device, versions, kernel dispatch per op and dtype"),
-    Step("tests", 1, 75, "kernel and gpu tests, compiled, every dtype"),
-    Step("opcheck", 1, 25, "torch.library.opcheck of every fastpals op on CUDA inputs"),
-    Step("sync", 1, 30, 'the training step under set_sync_debug_mode("error")'),
-    Step("memcheck", 2, 150, "compute-sanitizer memcheck over every kernel test file"),
-    Step("peers", 3, 75, "core peer ratios at BERT-base"),
-    Step("racecheck", 4, 45, "compute-sanitizer racecheck on a small subset"),
-    Step("memory_validate", 4, 240, "the memory planner against a DeepSpeed step"),
-    Step("memory_report", 4, 90, "largest batches under the T4 / A100 caps"),
-    Step("scaling", 4, 150, "scaling in T and the memory peer row"),
-    Step("bench", 4, 150, "the pytest-benchmark suites"),
-    Step("claims", 4, 480, "the converged MiniLM claims table, many runs at once"),
+#: the session's steps in priority order: name, priority class, estimated seconds on an H100 (replaced by a
+#: committed session's measured seconds), what it does
+_PLAN_TABLE = """
+wheels           0   15  install the carried wheels
+env              1   10  device, versions, kernel dispatch per op and dtype
+tests            1   75  kernel and gpu tests, compiled, every dtype
+opcheck          1   25  torch.library.opcheck of every fastpals op on CUDA inputs
+sync             1   30  the training step under set_sync_debug_mode("error")
+memcheck         2  150  compute-sanitizer memcheck over every kernel test file
+peers            3   75  core peer ratios at BERT-base
+racecheck        4   45  compute-sanitizer racecheck on a small subset
+memory_validate  4  240  the memory planner against a DeepSpeed step
+memory_report    4   90  largest batches under the T4 / A100 caps
+scaling          4  150  scaling in T and the memory peer row
+bench            4  150  the pytest-benchmark suites
+claims           4  480  the converged MiniLM claims table, many runs at once
+"""
+PLAN = tuple(
+    Step(name, int(priority), int(estimate), what)
+    for name, priority, estimate, what in (row.split(maxsplit=3) for row in _PLAN_TABLE.strip().splitlines())
 )
 STEPS = tuple(s.name for s in PLAN)
 BY_NAME = {s.name: s for s in PLAN}

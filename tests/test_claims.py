@@ -15,7 +15,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_fixtures import make_tiny_data, make_tiny_model  # noqa: E402
 
-from fastpals.commands import claims, claims_jobs  # noqa: E402
+from fastpals.commands import claims  # noqa: E402
 from fastpals.commands.claims import (  # noqa: E402
     ARMS,
     CONVERGED,
@@ -24,22 +24,20 @@ from fastpals.commands.claims import (  # noqa: E402
     QUICK_FINDINGS,
     REFERENCE_ARMS,
     convergence_rows,
+    job_environment,
     main,
+    metric_value,
+    micro_batches_per_update,
     paired_interval,
+    pick_jobs,
     reference_scores,
     resolve_budget,
     run_argv,
-    student_t_quantile,
     summarize,
     verdict,
     write_markdown,
 )
-from fastpals.commands.claims_jobs import (  # noqa: E402
-    job_environment,
-    metric_value,
-    micro_batches_per_update,
-    pick_jobs,
-)
+from fastpals.commands.claims_findings import student_t_quantile  # noqa: E402
 
 T_975 = {
     1: 12.706,
@@ -53,7 +51,7 @@ def test_student_t_quantile_equals_scipys_without_needing_scipy():
     for df in (1, 2, 4, 9, 30):
         for p in (0.5, 0.9, 0.975, 0.995):
             assert student_t_quantile(p, df) == pytest.approx(float(stats.t.ppf(p, df)), rel=1e-8, abs=1e-12)
-    source = Path(claims.__file__).read_text() + Path(claims_jobs.__file__).read_text()
+    source = Path(claims.__file__).read_text()
     assert "scipy" not in source  # fastpals claims runs on a plain install
 
 
@@ -247,7 +245,7 @@ def test_converged_budget_and_still_improving_marks(tmp_path, monkeypatch):
     assert [pick_jobs(2 * gib, 20 * gib, 16, 81), pick_jobs(2 * gib, 20 * gib, 4, 81),
             pick_jobs(2 * gib, 20 * gib, 16, 5), pick_jobs(30 * gib, 20 * gib, 16, 81)] == [9, 4, 5, 1]  # fmt: skip
     # 4 runs at once on 16 cores: 4 threads each, all on the first visible GPU
-    monkeypatch.setattr("fastpals.commands.claims_jobs.cpu_cores", lambda: 16)
+    monkeypatch.setattr("fastpals.commands.claims.cpu_cores", lambda: 16)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
     assert job_environment(4) == {"OMP_NUM_THREADS": "4", "MKL_NUM_THREADS": "4", "CUDA_VISIBLE_DEVICES": "3"}
     # gains of 0.006 and 0.004 at the last evaluation: the first is still improving, the second not

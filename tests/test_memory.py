@@ -9,16 +9,9 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fastpals.commands.memory import (
-    DEVICES,
-    LiveTensorBytes,
-    StepSpec,
-    load_bert_config,
-    measure_step,
-    model_state_bytes,
-    trace_step,
-)
+from fastpals.commands.memory import DEVICES, StepSpec, load_bert_config, measure_step, trace_step
 from fastpals.commands.memory_cli import main
+from fastpals.train.memory_states import LiveTensorBytes, model_state_bytes
 
 
 @pytest.mark.parametrize("fake", [False, True])
@@ -85,12 +78,10 @@ def test_traced_states_follow_the_layout() -> None:
 
 
 def _minilm_params() -> list:
-    from fastpals.commands.memory import _build_model
+    from fastpals.commands.memory import step_model
 
     with FakeTensorMode():
-        return [
-            p for p in _build_model(StepSpec(precision="fp32"), load_bert_config("minilm-l6")).parameters()
-        ]
+        return list(step_model(StepSpec(precision="fp32")).parameters())
 
 
 def test_zero2_on_several_ranks_holds_less() -> None:
@@ -173,7 +164,7 @@ def test_bad_input_is_one_line(argv: list[str], needle: str, capsys: pytest.Capt
 
 def test_table_chart(tmp_path) -> None:
     """The chart of docs/memory.md: one panel per model, a line per bf16 variant, the GPUs' memory."""
-    from fastpals.commands.memory_chart import plot_table
+    from fastpals.commands.memory_cli import plot_table
 
     lines = [
         (model, label, precision, a * 2**30, c * 2**20)

@@ -1,11 +1,7 @@
-"""``fastpals claims``: the five CS224N reports' findings, each re-run as a comparison of arms over several seeds.
-
-A finding (:data:`FINDINGS`) names its report, the claim, its arms (option sets of ``train.py``, :data:`ARMS`), its
-metric and the expected direction of each comparison. Every arm trains with the same data, budget
-(:class:`Budget`) and seeds; the runs are subprocesses (:mod:`fastpals.commands.claims_jobs`). Written to
-``--out``: ``claims.md`` (per finding: each arm's mean ± sd, each comparison's paired 95% t-interval and verdict),
-``claims.json`` (every run and comparison) and ``claims.png``. Usage and the committed table: ``docs/claims.md``.
-"""
+"""``fastpals claims``: the five CS224N reports' findings (:data:`FINDINGS`), each re-run as a comparison of arms
+(``train.py`` option sets, :data:`ARMS`) over several seeds with the same data and budget, the runs ``train.py``
+subprocesses (:func:`execute`); writes ``claims.md`` (paired 95% t-intervals and verdicts), ``claims.json`` and
+``claims.png``. Usage: ``docs/claims.md``."""
 
 from __future__ import annotations
 
@@ -14,11 +10,13 @@ import dataclasses
 import json
 import math
 import os
+import platform
 import shlex
+import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,19 +24,38 @@ import torch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from fastpals.commands.claims_jobs import (
+from fastpals import __version__
+from fastpals.commands.claims_findings import (
+    ARMS,
+    CONVERGED,
+    CPU_PROCESS_BYTES,
+    EARLY,
+    FINDINGS,
+    GPU_PROCESS_BYTES,
+    IMPROVING,
     PROG,
-    auto_jobs,
-    environment,
-    execute,
-    fmt_time,
-    metric_value,
-    micro_batches_per_update,
-    run_name,
-    train_command,
+    QUICK,
+    QUICK_FINDINGS,
+    REFERENCE_ARMS,
+    RESERVED,
+    Arm,
+    Budget,
+    Comparison,
+    Finding,
+    RunKey,
+    Runs,
+    mean_sd,
+    paired_interval,
+    plan_runs,
+    quick_finding,
+    resolve_budget,
+    run_argv,
+    verdict,
 )
+from fastpals.commands.compare import OneLineErrorParser
+from fastpals.commands.memory import StepSpec, plan_memory
 from fastpals.train.command import parse_args
-from fastpals.train.errors import ConfigError
+from fastpals.train.memory_mode import device_memory_bytes
 
 __all__ = [
     "ARMS",
@@ -54,313 +71,264 @@ __all__ = [
     "write_markdown",
 ]
 
-#: options every run gets before the caller's common options (the short-budget learning rates of `fastpals compare`'s
-#: committed table, docs/results/compare_minilm_cpu.md)
-DEFAULT_COMMON = (
-    "--batch-size",
-    "16",
-    "--lr",
-    "1e-4",
-    "--pal-lr",
-    "5e-4",
-    "--head-lr",
-    "2e-4",
-    "--max-eval",
-    "600",
-)
-#: options set by claims itself (per run)
-RESERVED = ("--epochs", "--steps-per-epoch", "--out", "--resume", "--recipe", "--overwrite", "--seed")
-#: options every run of the converged budget gets first: the main job's settings (the Makefile's ``train`` target)
-CONVERGED_COMMON = (
-    "--batch-size", "48", "--lr", "1.2e-4", "--pal-lr", "6e-4", "--head-lr", "2.4e-4", "--warmup", "0.06",
-    "--max-length", "128", "--max-eval", "600",
-)  # fmt: skip
-#: a run whose last evaluation gained more than this over the previous one is "still improving"
-IMPROVING = 0.005
+
+# ------------------------------------------------------------------------------------------------------- the jobs
+def metric_value(dev: dict[str, float | None], metric: str) -> float:
+    """A run's dev score on ``metric``: a task's metric, or ``overall`` = (SST + Quora + (STS r + 1) / 2) / 3 (an
+    STS r of None/NaN, from constant predictions, counts as 0); NaN where a task is missing."""
+    if metric != "overall":
+        return math.nan if dev.get(metric) is None else float(dev[metric])
+    if dev.get("sst") is None or dev.get("para") is None or "sts" not in dev:
+        return math.nan
+    r = 0.0 if dev["sts"] is None or math.isnan(dev["sts"]) else float(dev["sts"])
+    return (float(dev["sst"]) + float(dev["para"]) + (r + 1.0) / 2.0) / 3.0
 
 
-@dataclass(frozen=True)
-class Budget:
-    """How long every run trains: ``updates`` updates (of the options ``defaults`` set first); ``evals``
-    evaluations of the dev sets, evenly spaced, the last at the end; ``examples_equivalent``: an arm whose update
-    holds one micro-batch per task (gradient surgery) trains ``updates / tasks`` updates, the same examples."""
-
-    name: str
-    updates: int
-    defaults: tuple[str, ...] = DEFAULT_COMMON
-    evals: int = 1
-    examples_equivalent: bool = False
-    what: str = ""
-
-    def arm_updates(self, micro_batches_per_update: int) -> int:
-        """The updates of an arm whose update holds ``micro_batches_per_update`` micro-batches."""
-        if not self.examples_equivalent:
-            return self.updates
-        return max(1, round(self.updates / micro_batches_per_update))
-
-    def eval_every(self, updates: int) -> int | None:
-        """``--eval-every`` of a run of ``updates`` updates (None: evaluated at its end only)."""
-        return math.ceil(updates / self.evals) if self.evals > 1 else None
+def run_scores(arm: Arm, results: dict[str, Any]) -> dict[str, Any]:
+    """What the table reads of a finished run's ``results.json``: ``dev`` (a learning-curve arm's best dev, any
+    other arm's last evaluation, at its end), ``best_step`` and ``evals`` (``[[update, dev overall], ...]``)."""
+    evals = [[e["step"], metric_value(e["dev"], "overall")] for e in results.get("evals") or []]
+    curve = "--eval-every" in arm.options
+    last = (results.get("evals") or [{"dev": results["dev"]}])[-1]["dev"]
+    return {"dev": results["dev"] if curve else last, "best_step": results.get("best_step"), "evals": evals}
 
 
-#: the CPU table's budget: how fast each arm starts
-EARLY = Budget("early-training", 100, what="100 updates of 16 examples, each run scored at its end: how fast each "
-               "arm starts, not what it reaches")  # fmt: skip
-#: the main job's budget (`make train`: 867 updates of 48 examples), dev every 174 updates
-CONVERGED = Budget("converged", 867, CONVERGED_COMMON, evals=5, examples_equivalent=True,
-                   what="the main job's budget (`make train`): 867 updates of 48 examples, an arm with one "
-                   "micro-batch per task per update (gradient surgery) the same examples in fewer updates; "
-                   "dev every 1/5 of the run")  # fmt: skip
-#: ``--quick``: 4 updates, dev after 2 and 4 (the pipeline check of the converged protocol)
-QUICK = Budget("quick", 4, evals=2, what="the pipeline check: 4 updates, dev after 2 and 4")
+def run_name(arm: str, seed: int) -> str:
+    return f"{arm}-s{seed}"
 
 
-@dataclass(frozen=True)
-class Arm:
-    """One system of a comparison: ``options`` are ``train.py`` options (a recipe and what it overrides);
-    ``cost`` its run time relative to the multi-task baseline at the same budget, from the 150-update table
-    docs/results/compare_minilm_cpu.md (it orders the runs and weighs the ETA)."""
-
-    name: str
-    label: str
-    options: tuple[str, ...]
-    cost: float = 1.0
+def micro_batches_per_update(train_argv: Sequence[str]) -> int:
+    """Micro-batches in one update of the run ``train_argv``: one per task with surgery, else ``--grad-accum``.
+    Raises :class:`fastpals.train.errors.ConfigError` for bad options."""
+    args = parse_args([*train_argv, "--out", "unused"])
+    return len(args.task_list) if args.surgery != "none" else int(args.grad_accum)
 
 
-@dataclass(frozen=True)
-class Comparison:
-    """The claim that arm ``better`` scores higher than arm ``worse`` on the finding's metric."""
-
-    better: str
-    worse: str
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One finding of one report: ``metric`` is ``overall`` (SST, Quora, STS), a task name or ``best_step`` (the
-    update of a run's best dev overall, from its ``results.json``)."""
-
-    key: str
-    report: str
-    claim: str
-    metric: str
-    comparisons: tuple[Comparison, ...]
-    note: str = ""
-    arms: tuple[str, ...] = field(default=())
-    #: the claim is that ``better`` has the LOWER value (``best_step``: it peaks earlier)
-    lower: bool = False
-
-    def arm_names(self) -> tuple[str, ...]:
-        """The arms in the order of first mention (``arms`` when given, then the comparisons')."""
-        names = list(self.arms)
-        for c in self.comparisons:
-            names += [n for n in (c.better, c.worse) if n not in names]
-        return tuple(names)
+def pick_jobs(per_run_bytes: int, free_bytes: int, cores: int, runs: int) -> int:
+    """How many runs go at once: as many as 90% of ``free_bytes`` holds at ``per_run_bytes`` each, at most one per
+    CPU core and one per run; at least 1."""
+    by_memory = int(0.9 * free_bytes // per_run_bytes) if per_run_bytes > 0 else runs
+    return max(1, min(by_memory, cores, runs))
 
 
-_BASE = ("--recipe", "baseline_multitask")
-#: the learning-curve arms' evaluation: dev every 20 updates (and at the end), so a run's best update is known
-_CURVE = ("--eval-every", "20")
-ARMS: dict[str, Arm] = {
-    a.name: a
-    for a in (
-        Arm("base", "multi-task baseline (no PALs, annealed, AdamW)", _BASE),
-        Arm("pal12", "baseline + PAL (12 heads)", (*_BASE, "--pal", "12heads"), 1.3),
-        Arm("pcgrad", "baseline + PCGrad", (*_BASE, "--surgery", "pcgrad"), 4.0),
-        Arm("pal12_pcgrad", "baseline + PAL (12 heads) + PCGrad", (*_BASE, "--pal", "12heads", "--surgery", "pcgrad"),
-            10.0),
-        Arm("round_robin", "baseline, round-robin sampling", (*_BASE, "--sampling", "round_robin")),
-        Arm("proportional", "baseline, proportional sampling", (*_BASE, "--sampling", "proportional")),
-        Arm("uniform", "baseline, uniform sampling", (*_BASE, "--sampling", "uniform")),
-        Arm("rmsprop", "baseline with RMSProp", (*_BASE, "--optimizer", "rmsprop")),
-        Arm("sgd", "baseline with SGD (momentum 0.9)", (*_BASE, "--optimizer", "sgd")),
-        Arm("adamw_curve", "baseline (AdamW), dev every 20 updates", (*_BASE, *_CURVE), 1.2),
-        Arm("rmsprop_curve", "baseline with RMSProp, dev every 20 updates", (*_BASE, "--optimizer", "rmsprop", *_CURVE),
-            1.2),
-        Arm("sgd_curve", "baseline with SGD (momentum 0.9), dev every 20 updates",
-            (*_BASE, "--optimizer", "sgd", *_CURVE), 1.2),
-        Arm("cos_base", "baseline, siamese pairs (STS cosine)", (*_BASE, "--pair-mode", "sbert_cosine")),
-        Arm("pal_pcgrad_cos", "001: PAL + PCGrad, siamese pairs (STS cosine)", ("--recipe", "001_pal_pcgrad_cosine"),
-            5.0),
-        Arm("gem_joint", "002 without PALs and GEM: jointly fine-tuned BERT",
-            ("--recipe", "002_pal12_gem", "--pal", "none", "--surgery", "none"), 2.2),
-        Arm("gem_pal", "002: PALs (12 heads) without GEM", ("--recipe", "002_pal12_gem", "--surgery", "none"), 2.5),
-        Arm("gem_pal_gem", "002: PALs (12 heads) with GEM", ("--recipe", "002_pal12_gem"), 2.8),
-        Arm("shared4", "003: all-shared baseline (no PALs), 4 tasks", ("--recipe", "003_pal_top", "--pal", "none"),
-            1.1),
-        Arm("embert", "003: EmBERT (every layer)", ("--recipe", "003_embert"), 1.1),
-        Arm("pal_gate", "003: gated PALs (every layer)", ("--recipe", "003_pal_gate"), 1.4),
-        Arm("pal_top", "003: PALs at the top", ("--recipe", "003_pal_top"), 1.4),
-        Arm("pal_top_parallel", "003: PALs top + parallel", ("--recipe", "003_pal_top_parallel"), 1.6),
-        Arm("pal_half", "004: half PALs (top 3 of MiniLM's 6 layers, d_s 276)",
-            ("--recipe", "004_pal_half", "--pal-layers", "3"), 1.2),
-        Arm("pal_full", "004: full PALs (every layer, d_s 204)", ("--recipe", "004_pal_full"), 1.3),
-        Arm("single_sst", "single-task SST", ("--recipe", "single_sst"), 0.85),
-        Arm("single_para", "single-task Quora", ("--recipe", "single_para"), 0.85),
-        Arm("single_sts", "single-task STS", ("--recipe", "single_sts"), 0.85),
+def _option(argv: Sequence[str], name: str, default: str) -> str:
+    """The last value of option ``name`` in ``argv`` (``--x v`` or ``--x=v``), else ``default``."""
+    value = default
+    for i, a in enumerate(argv):
+        if a == name and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif a.startswith(name + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def cpu_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _proc_field(path: str, key: str) -> str:
+    """The value of ``key`` in a ``/proc`` file such as ``/proc/meminfo`` ("" where there is none)."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return ""
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith(key)), "")
+
+
+def auto_jobs(train_argv: Sequence[str], runs: int) -> tuple[int, str]:
+    """``--jobs auto``: the runs that fit at once, from the memory planner's peak of one run (its model, batch and
+    length with PALs and PCGrad, the heaviest arms) plus a process's own memory, against the GPU's free memory (on
+    the CPU: the available RAM) and the CPU cores. Returns (jobs, how it was chosen)."""
+    cuda = torch.cuda.is_available()
+    ds = _option(train_argv, "--ds_config", _option(train_argv, "--ds-config", ""))
+    precision = next((p for p in ("fp16", "bf16", "fp32") if p in ds), "bf16" if cuda else "fp32")
+    spec = StepSpec(model=_option(train_argv, "--model", "minilm-l6"), precision=precision, pal="12heads",
+                    max_length=int(_option(train_argv, "--max-length", "128")), surgery="pcgrad")  # fmt: skip
+    peak = plan_memory(spec, int(_option(train_argv, "--batch-size", "16"))).peak_bytes
+    if cuda:
+        free, per_run, where = torch.cuda.mem_get_info()[0], peak + GPU_PROCESS_BYTES, "GPU memory free"
+    else:
+        free = int(_proc_field("/proc/meminfo", "MemAvailable:").split(" ")[0] or 0) * 1024
+        free, per_run, where = free or device_memory_bytes("cpu"), peak + CPU_PROCESS_BYTES, "RAM available"
+    cores = cpu_cores()
+    jobs = pick_jobs(per_run, free, cores, runs)
+    return jobs, (f"--jobs auto: {jobs} (per run {per_run / 2**30:.2f} GiB = planner peak {peak / 2**30:.2f} GiB "
+                  f"+ the process; {free / 2**30:.1f} GiB {where}; {cores} CPU cores; {runs} runs)")  # fmt: skip
+
+
+def job_environment(jobs: int) -> dict[str, str]:
+    """The variables every run gets when ``jobs`` run at once: the CPU cores split between them
+    (``OMP_NUM_THREADS``, ``MKL_NUM_THREADS``), and one GPU for all (the first visible one)."""
+    threads = str(max(1, cpu_cores() // jobs))
+    env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    env["CUDA_VISIBLE_DEVICES"] = "0" if visible is None else visible.split(",")[0]  # "": no GPU, kept
+    return env
+
+
+def train_command() -> list[str]:
+    """The command that starts ``train.py``: the repository's ``train.py`` next to the package when present, else
+    ``python -m fastpals.cli train`` (the same entry point)."""
+    script = Path(__file__).resolve().parents[2] / "train.py"
+    if script.is_file():
+        return [sys.executable, str(script)]
+    return [sys.executable, "-m", "fastpals.cli", "train"]
+
+
+def environment() -> dict[str, str]:
+    """Where and with what the runs run: device, versions, commit and date."""
+    try:
+        commit = subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short", "HEAD"],
+                                capture_output=True, text=True, timeout=10).stdout.strip() or "unknown"  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        commit = "unknown"
+    cpu = _proc_field("/proc/cpuinfo", "model name") or platform.processor() or platform.machine()
+    device = (
+        torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({cpu}), {os.cpu_count()} cores"
     )
-}  # fmt: skip
-REFERENCE_ARMS = ("single_sst", "single_para", "single_sts")
-
-C = Comparison
-FINDINGS: tuple[Finding, ...] = (
-    Finding("000-pal", "000", "PAL adds about +1% over the multi-task baseline", "overall", (C("pal12", "base"),)),
-    Finding("000-surgery", "000", "gradient surgery (PCGrad) adds about +1% over the multi-task baseline", "overall",
-            (C("pcgrad", "base"),)),
-    Finding("000-pal+surgery", "000", "PAL + surgery together is worse than either alone", "overall",
-            (C("pal12", "pal12_pcgrad"), C("pcgrad", "pal12_pcgrad"))),
-    Finding("000-sampling", "000", "annealed sampling beats round-robin, proportional and uniform", "overall",
-            (C("base", "round_robin"), C("base", "proportional"), C("base", "uniform"))),
-    Finding("000-optimizer", "000", "RMSProp ends higher than AdamW and SGD (same learning rate)", "overall",
-            (C("rmsprop", "base"), C("rmsprop", "sgd")),
-            "each run scored once, at its end; the peaks: 000-optimizer-peak and 000-optimizer-earlier"),
-    Finding("000-optimizer-peak", "000", "RMSProp peaks higher than AdamW and SGD (same learning rate)", "overall",
-            (C("rmsprop_curve", "adamw_curve"), C("rmsprop_curve", "sgd_curve")),
-            "each run's best dev overall of its evaluations every 20 updates and at its end"),
-    Finding("000-optimizer-earlier", "000", "RMSProp peaks earlier than AdamW and SGD", "best_step",
-            (C("rmsprop_curve", "adamw_curve"), C("rmsprop_curve", "sgd_curve")),
-            "each run is evaluated every 20 updates and at its end (ties: the first); earlier is better", lower=True),
-    Finding("001", "001", "PAL with PCGrad improves the overall score over the multi-task baseline", "overall",
-            (C("pal_pcgrad_cos", "cos_base"),),
-            "both arms score STS by the cosine of siamese embeddings (the report's setting)"),
-    Finding("002", "002", "PALs without GEM beat jointly fine-tuned BERT; PALs with GEM are worse than without",
-            "overall", (C("gem_pal", "gem_joint"), C("gem_pal", "gem_pal_gem")),
-            "GEM here constrains each update with the current batches' task gradients, not an episodic memory"),
-    Finding("003", "003", "of single methods only PALs at the top beat the all-shared baseline; top + parallel is "
-            "best; methods inside every layer do worse than the stand-alone top layers", "overall",
-            (C("pal_top", "shared4"), C("shared4", "embert"), C("shared4", "pal_gate"),
-             C("pal_top_parallel", "pal_top"), C("pal_top", "embert"), C("pal_top", "pal_gate")),
-            "trained on 4 tasks (with CFIMDB) as in the report; the metric is overall over SST, Quora and STS"),
-    Finding("004-overall", "004", "zero PALs beat half and full PALs overall", "overall",
-            (C("base", "pal_half"), C("base", "pal_full")),
-            "zero PALs = the multi-task baseline (identical options); 'half' = the top 3 of MiniLM's 6 layers"),
-    Finding("004-para", "004", "PALs raise paraphrase (Quora) accuracy", "para",
-            (C("pal_half", "base"), C("pal_full", "base"))),
-)  # fmt: skip
-del C
-#: ``--quick``: two findings that share their arms (the CI check of the whole pipeline)
-QUICK_FINDINGS = ("004-overall", "004-para")
-QUICK_ARMS = ("base", "pal_full")
+    return {"device": device, "python": platform.python_version(), "torch": torch.__version__,
+            "fastpals": __version__, "commit": commit,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}  # fmt: skip
 
 
-def quick_finding(finding: Finding) -> Finding:
-    """``finding`` with only its comparisons between :data:`QUICK_ARMS` (``--quick``)."""
-    comps = tuple(c for c in finding.comparisons if c.better in QUICK_ARMS and c.worse in QUICK_ARMS)
-    return dataclasses.replace(finding, comparisons=comps, arms=())
+def fmt_time(seconds: float) -> str:
+    seconds = max(0, int(round(seconds)))
+    if seconds >= 3600:
+        return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
+    return f"{seconds // 60} min {seconds % 60:02d} s"
 
 
-# ----------------------------------------------------------------------------------------------------- statistics
-def mean_sd(values: Sequence[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation (n - 1; NaN for one value) of ``values``."""
-    n = len(values)
-    if n == 0:
-        return math.nan, math.nan
-    mean = sum(values) / n
-    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else math.nan
-    return mean, sd
+def _read_results(run_dir: Path) -> dict[str, Any] | None:
+    path = run_dir / "results.json"
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
-def paired_interval(better: Sequence[float], worse: Sequence[float], level: float = 0.95) -> dict[str, float]:
-    """The paired difference ``better[i] - worse[i]`` (same seed ``i``) over ``n`` seeds: ``{"n", "mean", "sd",
-    "lo", "hi"}`` with the two-sided ``level`` Student-t interval ``mean ± t_{(1+level)/2, n-1} sd / sqrt(n)``
-    (``lo``/``hi`` NaN for fewer than 2 seeds)."""
-    if len(better) != len(worse):
-        raise ValueError(f"paired values need the same seeds: {len(better)} vs {len(worse)}")
-    diffs = [b - w for b, w in zip(better, worse)]
-    n = len(diffs)
-    mean, sd = mean_sd(diffs)
-    if n < 2:
-        return {"n": n, "mean": mean, "sd": sd, "lo": math.nan, "hi": math.nan}
-    half = student_t_quantile((1.0 + level) / 2.0, n - 1) * sd / math.sqrt(n)
-    return {"n": n, "mean": mean, "sd": sd, "lo": mean - half, "hi": mean + half}
+def _without_out(argv: Sequence[str]) -> list[str]:
+    """``argv`` without its ``--out DIR``."""
+    argv = list(argv)
+    i = argv.index("--out") if "--out" in argv else -1
+    return argv[:i] + argv[i + 2 :] if i >= 0 else argv
 
 
-def student_t_quantile(p: float, df: int) -> float:
-    """The ``p`` quantile (``0.5 <= p < 1``) of Student's t with ``df`` degrees of freedom: bisection on the CDF,
-    whose integral over ``[0, x]`` is Simpson's rule in ``u = atan(x)`` (a smooth integrand on a finite range)."""
-    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
-
-    def mass(x: float, steps: int = 2000) -> float:  # P(0 < T < x)
-        top = math.atan(x)
-        h = top / steps
-
-        def f(u: float) -> float:  # the density at tan(u), times dx/du
-            return math.exp(log_c - (df + 1) / 2 * math.log1p(math.tan(u) ** 2 / df)) / math.cos(u) ** 2
-
-        inner = sum((4 if i % 2 else 2) * f(i * h) for i in range(1, steps))
-        return h / 3 * (f(0.0) + inner + f(top))
-
-    lo, hi = 0.0, 1.0
-    while mass(hi) < p - 0.5:
-        lo, hi = hi, 2 * hi
-    for _ in range(50):
-        mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if mass(mid) < p - 0.5 else (lo, mid)
-    return 0.5 * (lo + hi)
+def _check_earlier(run_dir: Path, argv: Sequence[str]) -> dict[str, Any] | None:
+    """The ``claims_run.json`` of a finished run in ``run_dir`` (None when it has no ``results.json``); raises
+    :class:`ValueError` when that run had other options."""
+    if not (run_dir / "results.json").is_file():
+        return None
+    path = run_dir / "claims_run.json"
+    saved = json.loads(path.read_text()) if path.is_file() else {}
+    if _without_out(saved.get("argv") or []) != _without_out(argv):  # a moved claims folder still matches
+        raise ValueError(f"{run_dir} holds a run with other options than {shlex.join(argv)}; use another --out or "
+                         "move that folder")  # fmt: skip
+    return saved
 
 
-def verdict(interval: dict[str, float]) -> str:
-    """``holds`` (the interval lies above 0), ``reversed`` (below 0) or ``not resolved`` (it holds 0, or fewer
-    than 2 seeds)."""
-    lo, hi = interval["lo"], interval["hi"]
-    if math.isnan(lo) or math.isnan(hi):
-        return "not resolved"
-    if lo > 0:
-        return "holds"
-    if hi < 0:
-        return "reversed"
-    return "not resolved"
+def _overall(results: dict[str, Any]) -> str:
+    """A finished run's best dev overall, 4 digits."""
+    value = metric_value(results["dev"], "overall")
+    return "—" if math.isnan(value) else f"{value:.4f}"
 
 
-# ------------------------------------------------------------------------------------------------------- the runs
-def run_argv(
-    arm: Arm,
-    seed: int,
-    updates: int,
-    common: Sequence[str],
-    run_dir: Path,
-    defaults: Sequence[str] = DEFAULT_COMMON,
-    eval_every: int | None = None,
-) -> list[str]:
-    """The ``train.py`` options of one run: the arm's options, the budget's ``defaults``, the common ones, then
-    the updates, the evaluation interval (when the budget evaluates during the run), seed and folder."""
-    every = ["--eval-every", str(eval_every)] if eval_every else []
-    return [*arm.options, *defaults, *common, "--epochs", "1", "--steps-per-epoch", str(updates), *every,
-            "--seed", str(seed), "--out", str(run_dir), "--overwrite", "--no-progress", "--max-predict", "8"]  # fmt: skip
-
-
-def _plan(findings: Sequence[Finding], reference: bool) -> list[str]:
-    """The arms to run, cheapest finding first (so that a stopped run leaves whole findings), then the reference."""
-    order: list[str] = []
-    for f in sorted(findings, key=lambda f: sum(ARMS[a].cost for a in f.arm_names())):
-        order += [a for a in f.arm_names() if a not in order]
-    if reference:
-        order += [a for a in REFERENCE_ARMS if a not in order]
-    return order
-
-
-def resolve_budget(text: str | None, quick: bool = False) -> Budget:
-    """``--budget``: ``early``, ``converged``, a number of updates, or None (``--quick``: :data:`QUICK`; on a GPU
-    :data:`CONVERGED`; else :data:`EARLY`). Raises ValueError (one line) for anything else."""
-    if text is None:
-        if quick:
-            return QUICK
-        return CONVERGED if torch.cuda.is_available() else EARLY
-    if text in ("early", EARLY.name):
-        return EARLY
-    if text == "converged":
-        return CONVERGED
-    if text.isdigit() and int(text) >= 1:
-        return Budget(
-            f"{int(text)} updates", int(text), what=f"{int(text)} updates, each run scored at its end"
-        )
-    raise ValueError(f"--budget {text}: give early, converged or a number of updates >= 1")
+def execute(runs: Runs, runs_dir: Path, jobs: int, keep_checkpoints: bool = False) -> int:
+    """Run the ``(arm, seed)`` runs in order, ``jobs`` :func:`train_command` subprocesses at a time, filling each
+    record of ``runs`` with the :func:`run_scores` of its ``results.json``. A finished run is skipped; ``jobs`` 0:
+    none starts (``--report``). Returns 0, 1 (a run failed), 2 (a folder holds another run) or 128 + signal."""
+    plan, command = list(runs), train_command()
+    done_cost = done_s = 0.0
+    remaining = sum(ARMS[a].cost for a, _ in plan)
+    pending = []
+    for i, (a, s) in enumerate(plan):
+        record = runs[(a, s)]
+        run_dir = runs_dir / run_name(a, s)
+        try:
+            saved = _check_earlier(run_dir, record["argv"])
+        except ValueError as err:
+            print(f"{PROG}: error: {err}", file=sys.stderr)
+            return 2
+        if saved is None:
+            pending.append((i, a, s))
+            continue
+        results = _read_results(run_dir)
+        record.update(**run_scores(ARMS[a], results), status="done", seconds=saved.get("seconds"),
+                      argv=saved["argv"], environment=saved.get("environment"),
+                      command=saved.get("command") or shlex.join([*command, *saved["argv"]]))  # fmt: skip
+        remaining -= ARMS[a].cost
+        print(f"[claims] {i + 1}/{len(plan)} {run_name(a, s)}: finished earlier, skipped (dev overall "
+              f"{_overall(results)})", file=sys.stderr, flush=True)  # fmt: skip
+    if jobs == 0:
+        return 0
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    # a run is its own one-process job: no rank or port of a launcher (or of an in-process run) leaks in
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
+    }
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(job_environment(jobs))
+    session_env = environment()
+    running: list[tuple[int, str, int, subprocess.Popen, float, Any]] = []
+    status = 0
+    try:
+        while pending or running:
+            while pending and len(running) < jobs:
+                i, a, s = pending.pop(0)
+                name = run_name(a, s)
+                print(f"[claims] {i + 1}/{len(plan)} {name}: start ({runs[(a, s)]['updates']} updates): "
+                      f"{runs[(a, s)]['command']}", file=sys.stderr, flush=True)  # fmt: skip
+                log = open(runs_dir / f"{name}.log", "w")
+                proc = subprocess.Popen([*command, *runs[(a, s)]["argv"]], stdout=log, stderr=subprocess.STDOUT,
+                                        env=env)  # fmt: skip
+                running.append((i, a, s, proc, time.perf_counter(), log))
+            time.sleep(0.2)
+            for item in [r for r in running if r[3].poll() is not None]:
+                running.remove(item)
+                i, a, s, proc, t0, log = item
+                log.close()
+                name, record, run_dir = run_name(a, s), runs[(a, s)], runs_dir / run_name(a, s)
+                seconds = time.perf_counter() - t0
+                code = proc.returncode
+                remaining -= ARMS[a].cost
+                if code < 0 or code in (130, 143):
+                    print(f"{PROG}: the run {name} was stopped (exit {code}); a rerun starts it again",
+                          file=sys.stderr)  # fmt: skip
+                    status = 128 + (-code if code < 0 else code - 128)
+                    pending.clear()
+                    continue
+                results = _read_results(run_dir) if code == 0 else None
+                if results is None:
+                    record["status"] = f"failed (exit {code}, see {log.name})"
+                    status = max(status, 1)
+                    print(f"[claims] {i + 1}/{len(plan)} {name}: FAILED (exit {code}); its output: {log.name}",
+                          file=sys.stderr, flush=True)  # fmt: skip
+                    continue
+                run_env = {**session_env, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+                saved = {"command": record["command"], "argv": record["argv"], "seconds": seconds,
+                         "environment": run_env}  # fmt: skip
+                (run_dir / "claims_run.json").write_text(json.dumps(saved))
+                if not keep_checkpoints and (run_dir / "checkpoints").is_dir():
+                    shutil.rmtree(run_dir / "checkpoints")
+                record.update(
+                    **run_scores(ARMS[a], results), status="done", seconds=seconds, environment=run_env
+                )
+                done_cost += ARMS[a].cost
+                done_s += seconds
+                eta = remaining * done_s / done_cost / max(1, jobs)
+                print(f"[claims] {i + 1}/{len(plan)} {name}: done in {seconds:.0f} s, dev overall "
+                      f"{_overall(results)}{'' if keep_checkpoints else ' (checkpoints/ removed, best/ kept)'}; "
+                      f"ETA {fmt_time(eta)}", file=sys.stderr, flush=True)  # fmt: skip
+    except KeyboardInterrupt:
+        for item in running:
+            item[3].wait()  # Ctrl-C reached them too: each checkpoints and stops
+            item[5].close()
+        print(f"{PROG}: stopped; the finished runs are kept and a rerun skips them", file=sys.stderr)
+        return 130
+    return status
 
 
 # ----------------------------------------------------------------------------------------------------- the report
-def convergence_rows(
-    runs: dict[tuple[str, int], dict[str, Any]], plan: Sequence[tuple[str, int]]
-) -> list[dict[str, Any]]:
+def convergence_rows(runs: Runs, plan: Sequence[RunKey]) -> list[dict[str, Any]]:
     """Per finished run: its updates, the dev overall at its last two evaluations (``previous`` None when it was
     evaluated once), their difference and ``improving`` (the last gained more than :data:`IMPROVING`)."""
     rows = []
@@ -376,33 +344,14 @@ def convergence_rows(
     return rows
 
 
-def still_improving(convergence: Sequence[dict[str, Any]]) -> dict[str, list[int]]:
-    """Per arm, the seeds whose run was still improving at its end."""
-    out: dict[str, list[int]] = {}
-    for r in convergence:
-        if r["improving"]:
-            out.setdefault(r["arm"], []).append(r["seed"])
-    return out
+def _collect(runs: Runs, arm: str, seeds: Sequence[int], metric: str) -> dict[int, float]:
+    done = {s: run for s in seeds if (run := runs.get((arm, s))) and run.get("dev") is not None}
+    if metric != "best_step":
+        return {s: metric_value(run["dev"], metric) for s, run in done.items()}
+    return {s: float(run["best_step"]) for s, run in done.items() if run.get("best_step") is not None}
 
 
-def _collect(
-    runs: dict[tuple[str, int], dict[str, Any]], arm: str, seeds: Sequence[int], metric: str
-) -> dict[int, float]:
-    out = {}
-    for s in seeds:
-        run = runs.get((arm, s))
-        if run and run.get("dev") is not None:
-            if metric == "best_step":
-                if run.get("best_step") is not None:
-                    out[s] = float(run["best_step"])
-            else:
-                out[s] = metric_value(run["dev"], metric)
-    return out
-
-
-def reference_scores(
-    runs: dict[tuple[str, int], dict[str, Any]], seeds: Sequence[int], metric: str
-) -> dict[int, float]:
+def reference_scores(runs: Runs, seeds: Sequence[int], metric: str) -> dict[int, float]:
     """Per seed, the single-task runs' score on ``metric`` (``overall``: the three single-task models together)."""
     out = {}
     for s in seeds:
@@ -417,9 +366,7 @@ def reference_scores(
     return out
 
 
-def summarize(
-    findings: Sequence[Finding], runs: dict[tuple[str, int], dict[str, Any]], seeds: Sequence[int]
-) -> list[dict[str, Any]]:
+def summarize(findings: Sequence[Finding], runs: Runs, seeds: Sequence[int]) -> list[dict[str, Any]]:
     """Per finding: each arm's scores per seed, mean and sd; each comparison's paired interval over the seeds where
     both arms finished, and its verdict (``unfinished`` when no seed has both). The paired difference is
     ``better - worse``, or ``worse - better`` for a finding whose claim is a lower value (``Finding.lower``): a
@@ -461,7 +408,10 @@ def write_markdown(
     """``claims.md``: ``header``, the verdicts at a glance (each marked where an arm was still improving at its
     end), then per finding its arms and comparisons, then each run's dev overall at its last two evaluations
     (``convergence``: :func:`convergence_rows`)."""
-    improving = still_improving(convergence)
+    improving: dict[str, list[int]] = {}  # per arm, the seeds whose run was still improving at its end
+    for r in convergence:
+        if r["improving"]:
+            improving.setdefault(r["arm"], []).append(r["seed"])
 
     def marks(*arms: str) -> str:
         return "; ".join(f"{a} still improving (seed {', '.join(map(str, improving[a]))})" for a in arms
@@ -567,14 +517,9 @@ def _jsonable(x: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------------- the command
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:
-        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help`)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The options of ``fastpals claims``; every other option goes to every run (a ``train.py`` option)."""
-    p = _Parser(prog=PROG, allow_abbrev=False, usage=f"{PROG} [--budget early|converged|STEPS] [--seeds N] [--jobs N|auto] [--out DIR] [--quick] [train.py options]",
+    p = OneLineErrorParser(prog=PROG, allow_abbrev=False, usage=f"{PROG} [--budget early|converged|STEPS] [--seeds N] [--jobs N|auto] [--out DIR] [--quick] [train.py options]",
                 description="Re-run the findings of the five CS224N reports: every arm for --budget with "
                 "seeds 0..N-1, then claims.md, claims.json and claims.png in --out. Finished runs are kept and "
                 "skipped on a rerun. Other options (e.g. --model, --data-dir, --max-length) go to every run, after "
@@ -612,13 +557,12 @@ def _header(
     seeds: Sequence[int],
     common: Sequence[str],
     env: dict[str, str],
-    runs: dict[tuple[str, int], dict[str, Any]],
-    plan: Sequence[tuple[str, int]],
-    unfinished: Sequence[str],
+    runs: Runs,
     jobs: int,
     wall_s: float,
 ) -> str:
     """The head of ``claims.md``: budget, seeds, common options, where and with what the runs ran, the wall time."""
+    unfinished = [run_name(a, s) for (a, s), r in runs.items() if r["dev"] is None]
     envs = {}
     for r in runs.values():
         e = r["environment"]
@@ -634,8 +578,8 @@ def _header(
         f"**Budget: {budget.name}**: {budget.what}. The verdicts are about the model of these runs at this budget. "
         f"Every run: its arm's options, then `{' '.join(budget.defaults)} {' '.join(common)}`, one epoch of "
         f"{'/'.join(map(str, updates))} updates, its seed (the exact command lines: claims.json). Runs: {where}. "
-        f"Table written {env['date']} (commit {env['commit']}). Runs finished: {len(plan) - len(unfinished)} of "
-        f"{len(plan)}, {fmt_time(sum(r['seconds'] or 0.0 for r in runs.values()))} of run time; wall time of "
+        f"Table written {env['date']} (commit {env['commit']}). Runs finished: {len(runs) - len(unfinished)} of "
+        f"{len(runs)}, {fmt_time(sum(r['seconds'] or 0.0 for r in runs.values()))} of run time; wall time of "
         f"this call {fmt_time(wall_s)} with {jobs} run(s) at a time"
         + (f"; **not finished**: {', '.join(unfinished)}." if unfinished else ".")
     )  # fmt: skip
@@ -649,57 +593,45 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().print_help()
         return 0
     opts, common = build_parser().parse_known_args(argv)
-    bad = [a.split("=")[0] for a in common if a.split("=")[0] in RESERVED]
-    if bad:
-        print(
-            f"{PROG}: error: {', '.join(bad)} is set by claims itself (use --budget, --seeds, --out)",
-            file=sys.stderr,
-        )
-        return 2
-    try:
-        budget = resolve_budget(opts.budget, opts.quick)
-    except ValueError as err:
-        print(f"{PROG}: error: {err}", file=sys.stderr)
-        return 2
-    n_seeds = opts.seeds if opts.seeds is not None else (2 if opts.quick else 3)
-    jobs = int(opts.jobs) if opts.jobs.isdigit() else -1 if opts.jobs != "auto" else 0
-    if n_seeds < 1 or jobs < 0 or opts.jobs == "0":
-        print(f"{PROG}: error: --seeds and --jobs must be >= 1 (--jobs also auto), got {n_seeds}, {opts.jobs}",
-              file=sys.stderr)  # fmt: skip
-        return 2
-    keys = [f.key for f in FINDINGS]
-    wanted = (
-        QUICK_FINDINGS if opts.quick and opts.only is None else (opts.only.split(",") if opts.only else keys)
-    )
-    unknown = [k for k in wanted if k not in keys]
-    if unknown:
-        print(
-            f"{PROG}: error: --only {','.join(unknown)}: no such finding; the findings: {', '.join(keys)}",
-            file=sys.stderr,
-        )
-        return 2
-    findings = [f for f in FINDINGS if f.key in wanted]
-    if opts.quick:  # only the comparisons between the quick arms (any model depth, 2 arms per seed)
-        findings = [quick_finding(f) for f in findings]
-    reference = not (opts.no_reference or opts.quick)
-    seeds = list(range(n_seeds))
-    if opts.quick and "--max-eval" not in common:
-        common += ["--max-eval", "16"]
-    # the exact data in every command line
-    if "--data-dir" not in common and os.environ.get("FASTPALS_DATA_DIR"):
-        common += ["--data-dir", os.environ["FASTPALS_DATA_DIR"]]
-    out = Path(opts.out).resolve()
-    runs_dir = out / "runs"
-    plan = [(a, s) for a in _plan(findings, reference) for s in seeds]
-
     try:  # every run's options are checked before the first starts
+        bad = [a.split("=")[0] for a in common if a.split("=")[0] in RESERVED]
+        if bad:
+            raise ValueError(f"{', '.join(bad)} is set by claims itself (use --budget, --seeds, --out)")
+        budget = resolve_budget(opts.budget, opts.quick)
+        n_seeds = opts.seeds if opts.seeds is not None else (2 if opts.quick else 3)
+        jobs = int(opts.jobs) if opts.jobs.isdigit() else -1 if opts.jobs != "auto" else 0
+        if n_seeds < 1 or jobs < 0 or opts.jobs == "0":
+            raise ValueError(
+                f"--seeds and --jobs must be >= 1 (--jobs also auto), got {n_seeds}, {opts.jobs}"
+            )
+        keys = [f.key for f in FINDINGS]
+        wanted = (
+            QUICK_FINDINGS
+            if opts.quick and opts.only is None
+            else (opts.only.split(",") if opts.only else keys)
+        )
+        unknown = [k for k in wanted if k not in keys]
+        if unknown:
+            raise ValueError(f"--only {','.join(unknown)}: no such finding; the findings: {', '.join(keys)}")
+        findings = [f for f in FINDINGS if f.key in wanted]
+        if opts.quick:  # only the comparisons between the quick arms (any model depth, 2 arms per seed)
+            findings = [quick_finding(f) for f in findings]
+        seeds = list(range(n_seeds))
+        if opts.quick and "--max-eval" not in common:
+            common += ["--max-eval", "16"]
+        # the exact data in every command line
+        if "--data-dir" not in common and os.environ.get("FASTPALS_DATA_DIR"):
+            common += ["--data-dir", os.environ["FASTPALS_DATA_DIR"]]
+        out = Path(opts.out).resolve()
+        runs_dir = out / "runs"
+        plan = [(a, s) for a in plan_runs(findings, not (opts.no_reference or opts.quick)) for s in seeds]
         updates = {a: budget.arm_updates(micro_batches_per_update([*ARMS[a].options, *budget.defaults, *common]))
                    for a in dict.fromkeys(a for a, _ in plan)}  # fmt: skip
         argvs = {(a, s): run_argv(ARMS[a], s, updates[a], common, runs_dir / run_name(a, s), budget.defaults,
                                   budget.eval_every(updates[a])) for a, s in plan}  # fmt: skip
         for a, s in plan:
             parse_args(argvs[(a, s)])
-    except ConfigError as err:
+    except ValueError as err:  # ConfigError too
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
     if jobs == 0:
@@ -714,19 +646,18 @@ def main(argv: list[str] | None = None) -> int:
                      "argv": argvs[(a, s)], "updates": updates[a], "dev": None, "best_step": None, "evals": [],
                      "status": "not run", "seconds": None, "environment": None} for a, s in plan}  # fmt: skip
     t_start = time.perf_counter()
-    status = execute(plan, runs, command, runs_dir, jobs, ARMS, opts.report, opts.keep_checkpoints)
+    status = execute(runs, runs_dir, 0 if opts.report else jobs, opts.keep_checkpoints)
     if status == 2:
         return 2
     summary = summarize(findings, runs, seeds)
     env = environment()
-    unfinished = [run_name(a, s) for a, s in plan if runs[(a, s)]["dev"] is None]
     wall_s = time.perf_counter() - t_start
     earlier = out / "claims.json"
     # the table's wall time and runs at once stay those of the training call
     if opts.report and earlier.is_file():
         saved = json.loads(earlier.read_text())
         wall_s, jobs = saved.get("wall_s_this_session", wall_s), saved.get("jobs", jobs)
-    header = _header(findings, budget, seeds, common, env, runs, plan, unfinished, jobs, wall_s)
+    header = _header(findings, budget, seeds, common, env, runs, jobs, wall_s)
     out.mkdir(parents=True, exist_ok=True)
     convergence = convergence_rows(runs, plan)
     write_markdown(summary, out / "claims.md", header, seeds, convergence)

@@ -1,10 +1,6 @@
-"""``fastpals compare RECIPE... --budget STEPS``: several recipes on the same budget, seed and data, one table.
-
-Each recipe (``all``: every shipped one) trains one epoch of ``STEPS`` updates in ``<out>/<recipe>/``, one after
-the other in this process, with the same common ``train.py`` options; the first also scores the untrained model.
-Written to ``<out>``: ``compare.md``, ``compare.json`` and ``compare.png``. A surgery update holds one
-micro-batch per task, so the table counts the examples each run trained on.
-"""
+"""``fastpals compare RECIPE... --budget STEPS``: several recipes trained one after the other in this process for
+one epoch of ``STEPS`` updates with the same common ``train.py`` options (the first also scores the untrained
+model); writes ``compare.md``, ``compare.json`` and ``compare.png`` to ``--out``."""
 
 from __future__ import annotations
 
@@ -36,7 +32,9 @@ PROG = "fastpals compare"
 RESERVED = ("--epochs", "--steps-per-epoch", "--out", "--resume", "--recipe", "--overwrite")
 
 
-class _Parser(argparse.ArgumentParser):
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line pointing at ``--help`` (``fastpals compare`` and ``claims``)."""
+
     def error(self, message: str) -> None:
         self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help`)\n")
 
@@ -44,7 +42,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     """The options of ``fastpals compare`` itself; every other option is a common ``train.py`` option."""
 
-    p = _Parser(
+    p = OneLineErrorParser(
         prog=PROG,
         usage=f"{PROG} RECIPE [RECIPE ...] --budget STEPS [--out DIR] [--max-eval N] [train.py options]",
         description="Train each recipe for one epoch of STEPS updates on the same data and seed, then write "
@@ -207,24 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     recipes, rest = _split(argv)
     opts, common = build_parser().parse_known_args(rest)
-    if not recipes:
-        print(
-            f"{PROG}: error: name at least one recipe (or all): {', '.join(recipe_names())}", file=sys.stderr
-        )
-        return 2
     recipes = [n for r in recipes for n in (recipe_names() if r == "all" else [r])]
     bad = [a.split("=")[0] for a in common if a.split("=")[0] in RESERVED]
-    if bad:
-        print(
-            f"{PROG}: error: {', '.join(bad)} is set by compare itself (use --budget, --out)", file=sys.stderr
-        )
-        return 2
-    if opts.budget < 1:
-        print(f"{PROG}: error: --budget must be >= 1, got {opts.budget}", file=sys.stderr)
-        return 2
-    if len(set(recipes)) != len(recipes):
-        print(f"{PROG}: error: a recipe is listed twice: {recipes}", file=sys.stderr)
-        return 2
     out = Path(opts.out)
     argvs = []
     for i, name in enumerate(recipes):
@@ -236,8 +218,16 @@ def main(argv: list[str] | None = None) -> int:
             run_argv.append("--eval-at-start")
         argvs.append(run_argv)
     try:  # every recipe is checked before the first run starts
+        if not recipes:
+            raise ValueError(f"name at least one recipe (or all): {', '.join(recipe_names())}")
+        if bad:
+            raise ValueError(f"{', '.join(bad)} is set by compare itself (use --budget, --out)")
+        if opts.budget < 1:
+            raise ValueError(f"--budget must be >= 1, got {opts.budget}")
+        if len(set(recipes)) != len(recipes):
+            raise ValueError(f"a recipe is listed twice: {recipes}")
         parsed = [parse_args(a) for a in argvs]
-    except ConfigError as err:
+    except ValueError as err:  # ConfigError too
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
 

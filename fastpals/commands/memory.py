@@ -1,13 +1,9 @@
 """``fastpals memory``: the peak memory of one training step, predicted before a GPU is rented (``docs/memory.md``).
 
-:func:`plan_memory` builds the model from its ``config.json`` (no weights) and runs the trainer's own update,
-:func:`fastpals.train.step.run_update`, on fake tensors (``FakeTensorMode``: shapes and dtypes, no memory), inside
-:class:`~fastpals.train.memory_states.LiveTensorBytes`, which adds up every live tensor storage: the peak and what
-is live at it come from the code. A :class:`~fastpals.train.memory_states.DeepSpeedLikeEngine` holds DeepSpeed's
-model states for the precision and ZeRO stage. The peak is that of ``torch.cuda.max_memory_allocated`` (tensor
-storage); :data:`DEVICES` gives each GPU the memory it leaves to tensors. The trace runs the CPU code path; the
-Triton kernels save the same or fewer tensors. :func:`measure_step` runs the step on real tensors (CPU
-validation). The command line is :mod:`fastpals.commands.memory_cli`.
+:func:`plan_memory` runs the trainer's own update (:func:`fastpals.train.step.run_update`) on fake tensors of a
+model built from its ``config.json``, with DeepSpeed's model states (:class:`DeepSpeedLikeEngine`), and adds up the
+live tensor storage (:class:`LiveTensorBytes`): the peak ``torch.cuda.max_memory_allocated`` would read. The command
+line and charts: :mod:`fastpals.commands.memory_cli`.
 """
 
 from __future__ import annotations
@@ -16,7 +12,6 @@ import contextlib
 import dataclasses
 import gc
 import math
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -31,16 +26,14 @@ from fastpals.data.mixed_batches import TaskRows, model_inputs, pack_task_rows
 from fastpals.data.tasks import resolve_tasks
 from fastpals.encoder.bert import BertConfig, PALConfig
 from fastpals.model.multitask import MultiTaskBert, MultiTaskConfig
-from fastpals.surgery import (
-    AGGREGATORS,
-    shared_parameters_by_name,
-)
+from fastpals.surgery import AGGREGATORS, shared_parameters_by_name
 from fastpals.train.args import PAL_PRESETS
 from fastpals.train.distributed import initialize
 from fastpals.train.dsconfig import check_ds_config, load_ds_config
 from fastpals.train.errors import ConfigError
 from fastpals.train.memory_mode import (
     SURGERY_MEMORIES,
+    device_memory_bytes,
     keep_bytes_for,
     plan_auto_modes,
     surgery_memory_mode,
@@ -85,16 +78,17 @@ __all__ = [
 GIB = 2**30
 SURGERY_MODES = ("one_backward", "per_task")
 BUFFER_DTYPES = ("auto", "fp32", "bf16")
-#: the parts of the peak, in the order printed
-CATEGORY_TEXT = {
-    "parameters": "parameters (module weights)",
-    "gradients": "gradients",
-    "optimizer": "optimizer + master states",
-    "buckets": "DeepSpeed gradient buckets",
-    "activations": "activations (saved by the forward)",
-    "surgery": "surgery buffer",
-    "temporaries": "temporaries at the peak",
-}
+#: the parts of the peak (:data:`CATEGORIES`), as printed
+_CATEGORY_LABELS = (
+    "parameters (module weights)",
+    "gradients",
+    "optimizer + master states",
+    "DeepSpeed gradient buckets",
+    "activations (saved by the forward)",
+    "surgery buffer",
+    "temporaries at the peak",
+)
+CATEGORY_TEXT = dict(zip(CATEGORIES, _CATEGORY_LABELS))
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _SHIPPED_MODELS = {
     "bert-base-uncased": "bert-base-uncased.json",
@@ -119,18 +113,9 @@ class Device:
 
     def supports(self, precision: str) -> str | None:
         """None when ``precision`` trains on this device, else why not (one line)."""
-        if precision == "bf16" and not self.bf16:
-            return self.why_not.get("bf16", "no bf16")
-        if precision == "fp16" and not self.fp16:
-            return self.why_not.get("fp16", "no fp16")
-        return None
-
-
-def host_memory() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
+        if getattr(self, precision, True):
+            return None
+        return self.why_not.get(precision, f"no {precision}")
 
 
 #: the targets of ``fastpals memory`` (usable memory: the caps of ``bench/memory_report.py``; ``cpu``: this host)
@@ -148,7 +133,7 @@ DEVICES: dict[str, Device] = {
     "cpu": Device(
         "cpu",
         "this CPU host",
-        host_memory(),
+        device_memory_bytes("cpu"),
         fp16=False,
         why_not={"fp16": "fp16 training needs a CUDA GPU (the trainer refuses it on CPU)"},
     ),  # fmt: skip
@@ -159,18 +144,15 @@ def load_bert_config(model: str) -> Any:
     """The :class:`fastpals.encoder.bert.BertConfig` of ``model``: a shipped name (``bert-base-uncased``,
     ``bert-large-uncased``, ``minilm-l6``; offline), a ``config.json`` path, a folder holding one, or a Hugging
     Face Hub name (only its ``config.json`` is fetched). Raises ``ValueError`` (one line) when none is found."""
-
     if model in _SHIPPED_MODELS:
         return BertConfig.from_json(Path(__file__).parents[1] / "configs" / "models" / _SHIPPED_MODELS[model])
     path = Path(model)
-    if path.is_file():
-        return BertConfig.from_json(path)
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ValueError(
-                f"--model {model}: the folder has no config.json; give the folder of a BERT checkpoint"
-            )
-        return BertConfig.from_json(path / "config.json")
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise ValueError(
+            f"--model {model}: the folder has no config.json; give the folder of a BERT checkpoint"
+        )
+    if path.exists():
+        return BertConfig.from_json(path / "config.json" if path.is_dir() else path)
     try:
         return BertConfig.from_json(resolve_model_dir(model, files=("config.json",)) / "config.json")
     except Exception as err:  # noqa: BLE001 - any failure to fetch is the same advice
@@ -215,7 +197,7 @@ class StepSpec:
         """The ZeRO stage; None means the shipped configs' ``auto``: 1 with fp16/bf16 or several ranks, else 0."""
         if self.zero_stage is not None:
             return self.zero_stage
-        return 1 if self.precision != "fp32" or self.world_size > 1 else 0
+        return int(self.precision != "fp32" or self.world_size > 1)
 
     @property
     def ds_config_name(self) -> str | None:
@@ -228,7 +210,6 @@ class StepSpec:
     def gradient_buckets(self) -> GradientBuckets:
         """The gradient buckets DeepSpeed allocates for each backward of this run
         (:func:`fastpals.train.memory_states.gradient_buckets` of :attr:`ds_config`)."""
-
         name = self.ds_config_name
         try:
             cfg = load_ds_config(name) if name is not None else None
@@ -244,31 +225,22 @@ class StepSpec:
 
     def check(self) -> None:
         """Raise ``ValueError`` (one line naming the option) on a bad field."""
-
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"--precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}")
-        if self.surgery != "none" and self.surgery not in AGGREGATORS:
-            raise ValueError(f"--surgery {self.surgery!r}: choose none or one of {', '.join(AGGREGATORS)}")
-        if self.surgery_mode not in SURGERY_MODES:
-            raise ValueError(
-                f"--surgery-mode {self.surgery_mode!r}: choose one of {', '.join(SURGERY_MODES)}"
-            )
+        for option, value, choices in (
+            ("--precision", self.precision, PRECISIONS),
+            ("--surgery", self.surgery, ("none", *AGGREGATORS)),
+            ("--surgery-mode", self.surgery_mode, SURGERY_MODES),
+            ("--surgery-memory", self.surgery_memory, SURGERY_MEMORIES),
+            ("--surgery-buffer-dtype", self.buffer_dtype, BUFFER_DTYPES),
+            ("--pal", self.pal, tuple(PAL_PRESETS)),
+        ):
+            if value not in choices:
+                raise ValueError(f"{option} {value!r}: choose one of {', '.join(choices)}")
         if self.surgery != "none" and len(self.tasks) < 2:
             raise ValueError("--surgery needs at least two --tasks")
-        if self.surgery_memory not in SURGERY_MEMORIES:
-            raise ValueError(
-                f"--surgery-memory {self.surgery_memory!r}: choose one of {', '.join(SURGERY_MEMORIES)}"
-            )
         if self.surgery_memory != "buffer" and self.surgery_mode != "one_backward":
             raise ValueError(
                 "--surgery-memory stream/auto is for one-backward surgery (--surgery-mode one_backward)"
             )
-        if self.buffer_dtype not in BUFFER_DTYPES:
-            raise ValueError(
-                f"--surgery-buffer-dtype {self.buffer_dtype!r}: choose one of {', '.join(BUFFER_DTYPES)}"
-            )
-        if self.pal not in PAL_PRESETS:
-            raise ValueError(f"--pal {self.pal!r}: choose one of {', '.join(PAL_PRESETS)}")
         if not 8 <= self.max_length <= 512:
             raise ValueError(f"--max-length must be in [8, 512], got {self.max_length}")
         if self.stage not in (0, 1, 2):
@@ -280,7 +252,12 @@ class StepSpec:
             raise ValueError(f"--world-size {self.world_size}: give 1 or more ranks")
 
 
-def _build_model(spec: StepSpec, bert: Any) -> torch.nn.Module:
+def step_model(spec: StepSpec, cast: bool = True, bert: Any = None) -> torch.nn.Module:
+    """The model :func:`trace_step` runs (``spec.model``'s config or ``bert``, random weights from seed 0, train
+    mode, on the default device): cast to ``spec.precision`` as DeepSpeed casts it, or fp32 with ``cast=False`` (for
+    a real DeepSpeed engine to cast)."""
+    torch.manual_seed(0)
+    bert = load_bert_config(spec.model) if bert is None else bert
     # "sst:3": a copy of a built-in task under its own name (``--tasks N`` plans N tasks)
     specs = [
         dataclasses.replace(resolve_tasks([name.split(":")[0]])[0], name=name) if ":" in name else None
@@ -298,7 +275,7 @@ def _build_model(spec: StepSpec, bert: Any) -> torch.nn.Module:
     model = MultiTaskBert(MultiTaskConfig(bert, specs, pal))
     model.bert.set_activation_checkpointing(spec.activation_checkpointing)
     # as DeepSpeed's module.half() / .bfloat16(), in place (fake tensors cannot be swapped by Module.to)
-    if spec.precision != "fp32":
+    if cast and spec.precision != "fp32":
         dtype = _DTYPES[spec.precision]
         with torch.no_grad():
             for t in [*model.parameters(), *model.buffers()]:
@@ -307,13 +284,11 @@ def _build_model(spec: StepSpec, bert: Any) -> torch.nn.Module:
     return model.train()
 
 
-def _rows_per_task(batch_size: int, num_tasks: int) -> list[int]:
-    return [batch_size // num_tasks + (1 if t < batch_size % num_tasks else 0) for t in range(num_tasks)]
-
-
-def _micro_batches(spec: StepSpec, model: torch.nn.Module, batch_size: int, vocab: int) -> list[Any]:
-    """The update's micro-batches: every example ``max_length`` tokens (token id 1000, valid label 0)."""
-
+def step_micro_batches(spec: StepSpec, model: torch.nn.Module, batch_size: int, vocab: int = 0) -> list[Any]:
+    """The micro-batches (:class:`fastpals.train.step.MicroBatch`, on the CPU) of the update :func:`trace_step`
+    runs at ``batch_size`` examples of ``spec.max_length`` tokens (token id 1000, valid label 0); ``vocab``: the
+    vocabulary size (0: ``spec.model``'s)."""
+    vocab = vocab or load_bert_config(spec.model).vocab_size
     num_tasks = len(model.tasks)
     ids = [min(1000, vocab - 1)] * spec.max_length
     types = [0] * spec.max_length
@@ -331,29 +306,26 @@ def _micro_batches(spec: StepSpec, model: torch.nn.Module, batch_size: int, voca
 
     if spec.surgery != "none" and spec.surgery_mode == "per_task":
         return [micro([rows(t, batch_size)], None) for t in range(num_tasks)]
-    counts = _rows_per_task(batch_size, num_tasks)
+    counts = [batch_size // num_tasks + (t < batch_size % num_tasks) for t in range(num_tasks)]
     return [micro([rows(t, n) for t, n in enumerate(counts) if n], "equal")]
 
 
-class _PhasedTorchEngine:
-    """:class:`fastpals.train.step.TorchEngine` (fp32, no accumulation) telling the tracker the phases."""
+class _PhasedTorchEngine(TorchEngine):
+    """:class:`fastpals.train.step.TorchEngine` (fp32, no accumulation) telling ``tracker`` the phases."""
 
-    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.inner = TorchEngine(module, optimizer)
-        self.module, self.optimizer = module, optimizer
-        self.tracker: LiveTensorBytes | None = None
+    tracker: LiveTensorBytes
 
     def __call__(self, **inputs: Any) -> Any:
         self.tracker.set_phase("activations")
-        return self.inner(**inputs)
+        return super().__call__(**inputs)
 
     def backward(self, loss: torch.Tensor) -> None:
         self.tracker.set_phase("temporaries")
-        self.inner.backward(loss)
+        super().backward(loss)
 
     def step(self) -> None:
         self.tracker.set_phase("temporaries")
-        self.inner.step()
+        super().step()
 
 
 @dataclass
@@ -372,10 +344,8 @@ class StepTrace:
 
 
 def _run_step(spec: StepSpec, batch_size: int, fake: bool, warmup: bool = False) -> StepTrace:
-    """Build and run one update of ``spec`` (see :func:`trace_step`); ``fake=False``: real tensors, with the
-    trainer's own optimizer (:func:`fastpals.train.optimizer_setup.make_optimizer`, fp32 only) and a first update before
-    the measured one when ``warmup``."""
-
+    """Build and run one update of ``spec`` (see :func:`trace_step`); ``fake=False``: real tensors, the trainer's
+    optimizer (fp32 only) and, with ``warmup``, a first update before the measured one."""
     spec.check()
     bert = load_bert_config(spec.model)
     start = time.perf_counter()
@@ -383,8 +353,7 @@ def _run_step(spec: StepSpec, batch_size: int, fake: bool, warmup: bool = False)
     mode = FakeTensorMode() if fake else contextlib.nullcontext()
     with mode, tracker:
         with tracker.phase("parameters"):
-            torch.manual_seed(0)
-            model = _build_model(spec, bert)
+            model = step_model(spec, bert=bert)
         trainable = [p for p in model.parameters() if p.requires_grad]
         for p in trainable:  # a gradient is counted as one from the moment it lands in .grad
             p.register_post_accumulate_grad_hook(
@@ -397,7 +366,6 @@ def _run_step(spec: StepSpec, batch_size: int, fake: bool, warmup: bool = False)
         else:
             if spec.precision != "fp32" or spec.stage != 0 or spec.world_size != 1:
                 raise ValueError("measure_step runs fp32, ZeRO-0, one rank (the trainer's CPU default)")
-
             opt = make_optimizer(optimizer_param_groups(model, 2e-5, 2e-5, 2e-5, 0.01), "adamw")
             engine = _PhasedTorchEngine(model, opt)
             engine.tracker = tracker
@@ -412,18 +380,12 @@ def _run_step(spec: StepSpec, batch_size: int, fake: bool, warmup: bool = False)
                 keep = 0
                 if memory == "smaller" and spec.world_size == 1:  # auto's streaming (one rank)
                     keep = keep_bytes_for(bert, batch_size * spec.max_length, spec.max_length, spec.precision)
+                rows_dtype = _DTYPES[spec.rows_dtype]
                 buffer = task_gradients(
-                    memory,
-                    shared,
-                    len(spec.tasks),
-                    _DTYPES[spec.rows_dtype],
-                    keep,
-                    task_params=specific,
-                    **kw,
+                    memory, shared, len(spec.tasks), rows_dtype, keep, task_params=specific, **kw
                 )
-            for name in ("capture", "apply", "_new_block"):  # the buffer's own allocations are the surgery's
-                if not hasattr(buffer, name):
-                    continue
+            # the buffer's own allocations are the surgery's
+            for name in [n for n in ("capture", "apply", "_new_block") if hasattr(buffer, n)]:
                 method = getattr(buffer, name)
 
                 def wrapped(*a: Any, _m: Any = method, **k: Any) -> Any:
@@ -438,7 +400,7 @@ def _run_step(spec: StepSpec, batch_size: int, fake: bool, warmup: bool = False)
         updates = 2 if warmup else 1
         for u in range(updates):
             with tracker.phase("activations"):
-                micro = _micro_batches(spec, model, batch_size, bert.vocab_size)
+                micro = step_micro_batches(spec, model, batch_size, bert.vocab_size)
             if u == updates - 1:
                 for state in getattr(getattr(engine, "optimizer", None), "state", {}).values():
                     # the trainer's optimizer made its moments in the first update
@@ -518,41 +480,17 @@ def predict_peak_bytes(
     return trace_step(spec, batch_size).peak_bytes
 
 
-def step_model(spec: StepSpec, cast: bool = True) -> torch.nn.Module:
-    """The model :func:`trace_step` runs (``spec.model``'s config, random weights from seed 0, train mode, on the
-    default device): cast to ``spec.precision`` as DeepSpeed casts it, or fp32 with ``cast=False`` (for a real
-    DeepSpeed engine to cast)."""
-    torch.manual_seed(0)
-    fp32 = spec if cast else dataclasses.replace(spec, precision="fp32")
-    return _build_model(fp32, load_bert_config(spec.model))
-
-
-def step_micro_batches(spec: StepSpec, model: torch.nn.Module, batch_size: int) -> list[Any]:
-    """The micro-batches (:class:`fastpals.train.step.MicroBatch`, on the CPU) of the update :func:`trace_step`
-    runs at ``batch_size`` examples of ``spec.max_length`` tokens."""
-    return _micro_batches(spec, model, batch_size, load_bert_config(spec.model).vocab_size)
-
-
 @dataclass
-class MemoryPlan:
-    """What :func:`plan_memory` predicts for one configuration (bytes are per rank).
-
-    ``peak_bytes``: the traced peak of one update; ``at_peak``: its parts (:data:`CATEGORIES`); ``model_states``:
-    DeepSpeed's steady model states (:func:`model_state_bytes`); ``devices``: per :data:`DEVICES` name
-    ``{"label", "usable_bytes", "fits" (bool, or None where the precision does not run there), "note"}``;
+class MemoryPlan(StepTrace):
+    """What :func:`plan_memory` predicts for one configuration (bytes are per rank): the traced step, and
+    ``model_states``: DeepSpeed's steady model states (:func:`model_state_bytes`); ``devices``: per :data:`DEVICES`
+    name ``{"label", "usable_bytes", "fits" (bool, or None where the precision does not run there), "note"}``;
     ``fit``: ``{"intercept_bytes", "bytes_per_example"}`` of ``peak(b) = a + c b`` (with ``largest_batch``);
     ``largest_batch``: per device the largest batch that fits (None: not even 1, or the precision does not run)."""
 
     spec: StepSpec
-    batch_size: int
-    peak_bytes: int
-    at_peak: dict[str, int]
-    peak_phase: str
-    num_params: int
-    shared_params: int
     model_states: ModelStates
     devices: dict[str, dict[str, Any]]
-    trace_seconds: float
     fit: dict[str, float] | None = None
     largest_batch: dict[str, int | None] | None = None
     surgery_modes: dict[str, int] | None = None
@@ -564,6 +502,8 @@ class MemoryPlan:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready (``--json``)."""
         out = dataclasses.asdict(self)
+        out = {"spec": out.pop("spec"), **out, "trace_seconds": out["seconds"]}
+        del out["seconds"], out["fake"]
         out["spec"]["zero_stage"] = self.spec.stage
         out["model_states"]["total"] = self.model_states.total
         if self.gradient_buckets is not None:
@@ -573,15 +513,17 @@ class MemoryPlan:
 
 
 def _fits(peak: int, device: Device, precision: str) -> dict[str, Any]:
-    why = device.supports(precision)
     entry: dict[str, Any] = {"label": device.label, "usable_bytes": device.usable_bytes}
-    if why is not None:
+    if why := device.supports(precision):
         return {**entry, "fits": None, "note": why}
-    fits = peak <= device.usable_bytes
-    return {**entry, "fits": fits, "note": f"{(device.usable_bytes - peak) / GIB:+.2f} GiB left"}
+    return {
+        **entry,
+        "fits": peak <= device.usable_bytes,
+        "note": f"{(device.usable_bytes - peak) / GIB:+.2f} GiB left",
+    }
 
 
-def _fit_line(spec: StepSpec, traces: Sequence[StepTrace]) -> tuple[float, float]:
+def _fit_line(traces: Sequence[StepTrace]) -> tuple[float, float]:
     (b1, p1), (b2, p2) = [(t.batch_size, t.peak_bytes) for t in traces]
     slope = (p2 - p1) / (b2 - b1)
     return p1 - slope * b1, slope
@@ -606,7 +548,7 @@ def largest_batches(
         (16, 32) if spec.surgery_mode == "per_task" and spec.surgery != "none" else (16 * t, 32 * t)
     )
     traces = [trace_step(spec, b) for b in probes]
-    a, c = _fit_line(spec, traces[-2:])
+    a, c = _fit_line(traces[-2:])
     usable = [DEVICES[n].usable_bytes for n in devices if DEVICES[n].supports(spec.precision) is None]
     for _ in range(_REFINE_STEPS if usable else 0):
         limit = (max(usable) - a) / c if c > 0 else math.inf
@@ -614,16 +556,13 @@ def largest_batches(
         if c * last >= 0.5 * traces[-1].peak_bytes or limit <= 2 * last or last >= _MAX_PROBE:
             break  # the batch makes most of the peak already, or the limit is near
         traces.append(trace_step(spec, int(min(limit, _MAX_PROBE))))
-        a, c = _fit_line(spec, traces[-2:])
-    out: dict[str, int | None] = {}
-    for name in devices:
-        device = DEVICES[name]
-        if device.supports(spec.precision) is not None or c <= 0:
-            out[name] = None
-            continue
-        b = math.floor((device.usable_bytes - a) / c)
-        out[name] = b if b >= 1 else None
-    return out, {"intercept_bytes": a, "bytes_per_example": c}
+        a, c = _fit_line(traces[-2:])
+    runs = {n: c > 0 and DEVICES[n].supports(spec.precision) is None for n in devices}
+    largest = {n: math.floor((DEVICES[n].usable_bytes - a) / c) if runs[n] else 0 for n in devices}
+    return {n: b if b >= 1 else None for n, b in largest.items()}, {
+        "intercept_bytes": a,
+        "bytes_per_example": c,
+    }
 
 
 def plan_memory(
@@ -654,10 +593,8 @@ def plan_memory(
     trace = trace_step(spec, batch_size)
     states = model_state_bytes(trace.num_params, spec.precision, spec.stage, spec.world_size)
     devices = {name: _fits(trace.peak_bytes, d, spec.precision) for name, d in DEVICES.items()}
-    plan = MemoryPlan(
-        spec, batch_size, trace.peak_bytes, trace.at_peak, trace.peak_phase, trace.num_params, trace.shared_params,
-        states, devices, trace.seconds, gradient_buckets=spec.gradient_buckets(),
-    )  # fmt: skip
+    plan = MemoryPlan(**vars(trace), spec=spec, model_states=states, devices=devices)
+    plan.gradient_buckets = spec.gradient_buckets()
     if largest_batch:
         plan.largest_batch, plan.fit = largest_batches(spec)
     if every_surgery_memory and spec.surgery != "none" and spec.surgery_mode == "one_backward":
@@ -698,7 +635,7 @@ def format_plan(plan: MemoryPlan) -> str:
         f"{batch} x {s.max_length} tokens; {s.precision}; ZeRO-{s.stage} on {s.world_size} rank(s)"
         + ("; activation checkpointing" if s.activation_checkpointing else ""),
         f"predicted peak of one training step, per rank: {_gib(plan.peak_bytes)} (tensor storage, as "
-        f"torch.cuda.max_memory_allocated; traced on fake tensors in {plan.trace_seconds:.1f} s)",
+        f"torch.cuda.max_memory_allocated; traced on fake tensors in {plan.seconds:.1f} s)",
         "at the peak:",
     ]
     for cat in CATEGORIES:

@@ -1,9 +1,6 @@
-"""``fastpals predict MODEL_DIR``: a trained multi-task model on the CS224N test files, or on ``--text`` /
-``--pair`` sentences (printed as ``task, prediction, label name, probability or score, text``, tab-separated).
-
-The folder is one ``MultiTaskBert.save_pretrained`` wrote (the trainer's ``<out>/best``): its tokenizer and
-``training_args.json`` (the max length) come from there. The prediction loop is the trainer's.
-"""
+"""``fastpals predict MODEL_DIR``: a saved multi-task model (the trainer's ``<out>/best``, with its tokenizer and
+``training_args.json``) on the CS224N test files, or on ``--text`` / ``--pair`` sentences (printed tab-separated:
+task, prediction, label name, probability or score, text)."""
 
 from __future__ import annotations
 
@@ -42,7 +39,6 @@ class PredictError(ValueError):
 def load_for_prediction(model_dir: str | Path, force: bool = False) -> tuple[MultiTaskBert, object, dict]:
     """``(model in eval mode, tokenizer, training args)`` of a saved model folder. ``force``: accept an adapter
     beside an encoder other than the one it was trained with (:mod:`fastpals.encoder.fingerprint`)."""
-
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"{model_dir} is not a folder (give the trainer's <out>/best)")
