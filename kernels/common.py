@@ -389,15 +389,35 @@ def build_task_row_plan_host(
     block_rows: int = 64,
 ) -> TaskRowPlan:
     """:func:`build_task_row_plan` from host values ``task_ids [B]`` and ``lengths [B]`` int (example b owns the
-    ``lengths[b]`` rows after those of examples ``0 .. b-1``): built on the CPU and copied to ``device`` in one
-    transfer (its tensors are views of one int32 tensor)."""
-    lengths = torch.as_tensor(np.asarray(lengths, dtype=np.int64))
-    cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
-    ids = torch.as_tensor(np.asarray(task_ids, dtype=np.int64))
-    plan = build_task_row_plan(ids, num_tasks, int(cu[-1]), cu_seqlens=cu, block_rows=block_rows)
-    parts = (plan.row_index, plan.task_row_offsets, plan.tile_task, plan.tile_start, plan.tile_end)
-    views = torch.cat(parts).to(device).split([p.numel() for p in parts])
-    return TaskRowPlan(*views, num_rows=plan.num_rows, num_tasks=num_tasks, block_rows=block_rows)
+    ``lengths[b]`` rows after those of examples ``0 .. b-1``): built with numpy, not torch ops (so no tensor op or
+    host read is dispatched), and copied to ``device`` in one transfer (views of one int32 tensor)."""
+    task_ids = np.asarray(task_ids, dtype=np.int64)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    num_rows = int(lengths.sum())
+    order = np.argsort(task_ids, kind="stable")
+    row_index = (
+        np.concatenate([np.arange(starts[e], starts[e] + lengths[e]) for e in order])
+        if order.size
+        else np.zeros(0, dtype=np.int64)
+    )
+    rows_per_task = np.bincount(task_ids, weights=lengths, minlength=num_tasks).astype(np.int64)
+    task_row_offsets = np.concatenate([[0], np.cumsum(rows_per_task)]).astype(np.int64)
+    tiles_per_task = (rows_per_task + block_rows - 1) // block_rows
+    tile_ends_cum = np.cumsum(tiles_per_task)
+    tile = np.arange((num_rows + block_rows - 1) // block_rows + num_tasks)
+    task_of_tile = np.searchsorted(tile_ends_cum, tile, side="right")
+    valid = task_of_tile < num_tasks
+    safe = np.minimum(task_of_tile, num_tasks - 1)
+    tile_start = task_row_offsets[safe] + (tile - (tile_ends_cum[safe] - tiles_per_task[safe])) * block_rows
+    tile_end = np.minimum(tile_start + block_rows, task_row_offsets[safe + 1])
+    parts = [
+        row_index, task_row_offsets, np.where(valid, task_of_tile, -1), np.where(valid, tile_start, 0),
+        np.where(valid, tile_end, 0),
+    ]  # fmt: skip
+    flat = torch.from_numpy(np.concatenate(parts).astype(np.int32)).to(device)
+    views = torch.split(flat, [p.size for p in parts])
+    return TaskRowPlan(*views, num_rows=num_rows, num_tasks=num_tasks, block_rows=block_rows)
 
 
 def plan_row_tasks(row_index: torch.Tensor, task_row_offsets: torch.Tensor, num_rows: int) -> torch.Tensor:

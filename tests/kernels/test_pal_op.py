@@ -440,12 +440,12 @@ def _op_case(dtype):
     """A padded batch of 4 x 7 tokens (d = 16, d_s = 12, 3 tasks) on the CPU, its packed rows and cu_seqlens."""
     g = torch.Generator().manual_seed(0)
     weights = [w.detach().cpu().requires_grad_() for w in _weights(3, 16, 12, dtype, g)]
-    h = (torch.randn(4, 7, 16, generator=g) * 0.2).to(dtype).requires_grad_()
-    mask = torch.ones(4, 7, dtype=torch.bool)
+    h = (torch.randn(4, 7, 16, generator=g) * 0.2).to(dtype).requires_grad_()  # host: CPU op
+    mask = torch.ones(4, 7, dtype=torch.bool)  # host: CPU op
     mask[1, 4:] = False
     mask[3, 2:] = False
-    cu = torch.tensor([0, 7, 11, 18, 20])
-    return h, mask, torch.tensor([2, 0, 1, 2]), weights, cu, g
+    cu = torch.tensor([0, 7, 11, 18, 20])  # host: CPU op
+    return h, mask, torch.tensor([2, 0, 1, 2]), weights, cu, g  # host: CPU op
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -453,7 +453,7 @@ def _op_case(dtype):
 @pytest.mark.parametrize("dropout_p", [0.0, 0.25])
 def test_pal_opcheck(dtype, residual, dropout_p):
     h, mask, task_ids, weights, _, g = _op_case(dtype)
-    res = torch.randn(h.shape, generator=g).to(dtype).requires_grad_() if residual else None
+    res = torch.randn(h.shape, generator=g).to(dtype).requires_grad_() if residual else None  # host: CPU op
     args = (h, mask, task_ids, *weights, 2, True, dropout_p, res, library.draw_seed())
     opcheck(torch.ops.fastpals.pal.default, args)
 
@@ -461,8 +461,8 @@ def test_pal_opcheck(dtype, residual, dropout_p):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_pal_varlen_opcheck(dtype):
     _, _, task_ids, weights, cu, g = _op_case(dtype)
-    rows = torch.randn(20, 16, generator=g).to(dtype).requires_grad_()
-    for res in (None, torch.randn(20, 16, generator=g).to(dtype).requires_grad_()):
+    rows = torch.randn(20, 16, generator=g).to(dtype).requires_grad_()  # host: CPU op
+    for res in (None, torch.randn(20, 16, generator=g).to(dtype).requires_grad_()):  # host: CPU op
         args = (rows, cu, 7, task_ids, *weights, 2, False, 0.1, res, library.draw_seed())
         opcheck(torch.ops.fastpals.pal_varlen.default, args)
 
@@ -470,7 +470,7 @@ def test_pal_varlen_opcheck(dtype):
 @pytest.mark.parametrize("packed", [False, True])
 def test_pal_ops_match_the_reference_in_output_and_every_gradient(packed):
     h, mask, task_ids, weights, cu, g = _op_case(torch.float32)
-    res = torch.randn(h.shape, generator=g).requires_grad_()
+    res = torch.randn(h.shape, generator=g).requires_grad_()  # host: CPU op
     seed = library.draw_seed()
     if packed:
         h, res = h[mask].detach().requires_grad_(), res[mask].detach().requires_grad_()
@@ -480,7 +480,7 @@ def test_pal_ops_match_the_reference_in_output_and_every_gradient(packed):
         got = torch.ops.fastpals.pal(h, mask, task_ids, *weights, 2, True, 0.0, res, seed)
         want = res + pal_reference(h, mask, task_ids, *weights, 2, True, 0.0)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
-    grad = torch.randn(got.shape, generator=g)
+    grad = torch.randn(got.shape, generator=g)  # host: CPU op
     for a, b in zip(_grads(got, [h, *weights, res], grad), _grads(want, [h, *weights, res], grad)):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
@@ -489,29 +489,31 @@ def test_pal_op_dropout_replays_its_mask_in_the_backward():
     """The backward recomputes the forward: the same seed gives the same mask, so the gradient is that of the
     forward that ran (checked against autograd through the reference under the same seed)."""
     h, mask, task_ids, weights, _, g = _op_case(torch.float32)
-    got = torch.ops.fastpals.pal(h, mask, task_ids, *weights, 2, True, 0.3, None, torch.tensor([1234]))
+    seed = torch.tensor([1234])  # host: CPU op
+    got = torch.ops.fastpals.pal(h, mask, task_ids, *weights, 2, True, 0.3, None, seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(1234)
         want = pal_reference(h, mask, task_ids, *weights, 2, True, 0.3)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
-    grad = torch.randn(got.shape, generator=g)
+    grad = torch.randn(got.shape, generator=g)  # host: CPU op
     for a, b in zip(_grads(got, [h, *weights], grad), _grads(want, [h, *weights], grad)):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
-    other = torch.ops.fastpals.pal(h, mask, task_ids, *weights, 2, True, 0.3, None, torch.tensor([99]))
+    seed = torch.tensor([99])  # host: CPU op
+    other = torch.ops.fastpals.pal(h, mask, task_ids, *weights, 2, True, 0.3, None, seed)
     assert not torch.equal(other, got)
 
 
 def test_pal_sdpa_path_matches_the_reference_fp32():
     g = torch.Generator().manual_seed(0)
     weights = [w.detach().cpu() for w in _weights(3, 24, 34, torch.float32, g)]
-    h = torch.randn(4, 9, 24, generator=g)
-    mask = torch.ones(4, 9, dtype=torch.bool)
+    h = torch.randn(4, 9, 24, generator=g)  # host: CPU op
+    mask = torch.ones(4, 9, dtype=torch.bool)  # host: CPU op
     mask[1, 5:] = False
-    task_ids = torch.tensor([2, 0, 1, 2])
+    task_ids = torch.tensor([2, 0, 1, 2])  # host: CPU op
     ref = pal_reference(h, mask, task_ids, *weights, 2)
     sdpa = pal_reference(h, mask, task_ids, *weights, 2, attention="sdpa")
     assert (ref - sdpa).abs().max().item() <= 1e-5
-    cu = torch.tensor([0, 9, 14, 23, 32])
+    cu = torch.tensor([0, 9, 14, 23, 32])  # host: CPU op
     packed = pal_varlen_reference(h[mask], cu, 9, task_ids, *weights, 2, attention="sdpa")
     assert (packed - ref[mask]).abs().max().item() <= 1e-5
     with pytest.raises(ValueError, match="attention must be"):
@@ -521,9 +523,9 @@ def test_pal_sdpa_path_matches_the_reference_fp32():
 def test_run_pal_adds_the_residual_on_every_backend(monkeypatch):
     g = torch.Generator().manual_seed(1)
     weights = [w.detach().cpu() for w in _weights(2, 16, 12, torch.float32, g)]
-    h, res = torch.randn(2, 5, 16, generator=g), torch.randn(2, 5, 16, generator=g)
-    mask = torch.ones(2, 5, dtype=torch.bool)
-    args = (torch.tensor([1, 0]), *weights, 2, True, 0.0)
+    h, res = torch.randn(2, 5, 16, generator=g), torch.randn(2, 5, 16, generator=g)  # host: CPU op
+    mask = torch.ones(2, 5, dtype=torch.bool)  # host: CPU op
+    args = (torch.tensor([1, 0]), *weights, 2, True, 0.0)  # host: CPU op
     want = res + pal_reference(h, mask, *args)
     for choice in ("reference", "sdpa"):
         monkeypatch.setattr(sys.modules["fastpals_kernels.pal"], "backend", lambda op, t, c=choice: c)
