@@ -1,8 +1,6 @@
-"""Host-side helpers shared by the op modules: the lazy :class:`TritonKernel`, argument checks, the task plan,
-casts, launch flags, and the custom ops' seed, recompute and vmap helpers. No Triton import at module load.
-
-The task plan (:class:`TaskRowPlan`) is the multi-adapter trick of Punica's SGMV and vLLM's LoRA kernels: rows
-grouped by task through an index array (the activations stay in place), row tiles that never straddle tasks.
+"""Host-side helpers shared by the op modules: the lazy :class:`TritonKernel`, argument checks, the task plan
+(:class:`TaskRowPlan`: rows grouped by task through an index array, row tiles that never straddle tasks, as in
+Punica's SGMV), launch flags, and the custom ops' seed, recompute and vmap helpers. No Triton import at load.
 """
 
 from __future__ import annotations
@@ -17,39 +15,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
-__all__ = [
-    "BUFFER_DTYPES",
-    "MAX_TASKS",
-    "ROW_ALIGN",
-    "TaskRowPlan",
-    "TritonKernel",
-    "aligned_rows",
-    "aot_mode",
-    "autocast_dtype",
-    "autograd_vjp",
-    "build_task_row_plan",
-    "build_task_row_plan_host",
-    "cast_floats",
-    "cdiv",
-    "check_cu_seqlens",
-    "check_task_buffer",
-    "check_task_ids",
-    "cu_seqlens_int32",
-    "device_context",
-    "dot_flags",
-    "draw_seed",
-    "interpret_mode",
-    "last_dim_contiguous",
-    "load_triton",
-    "next_power_of_2",
-    "per_sample_vmap",
-    "plan_row_tasks",
-    "seed_for",
-    "seeded",
-    "target_arch",
-    "task_row_plan",
-]
 
 
 def interpret_mode() -> bool:

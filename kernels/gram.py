@@ -1,9 +1,7 @@
 # ruff: noqa: ANN001, ANN202 - Triton kernel parameters and the custom op's fake/autograd hooks mirror its schema
-"""The Gram op: ``gram[i, j] = sum_p buf[i, p] * buf[j, p]`` of a ``[T, P]`` task-gradient buffer, with a per-row
-finite flag, in one pass (fp32 accumulation, IEEE products, no TF32).
-
-``finite[t]`` is false when row ``t`` holds an inf/nan or its sum of squares overflows (the diagonal: its terms
-never cancel). The Triton kernels write one partial Gram per program, summed after (deterministic, no atomics).
+"""The Gram op: ``gram[i, j] = sum_p buf[i, p] * buf[j, p]`` of a ``[T, P]`` task-gradient buffer in one pass
+(fp32 accumulation, IEEE products), with ``finite[t]`` false when row t holds an inf/nan or its sum of squares
+overflows. The Triton kernels write one partial Gram per program, summed after (no atomics).
 """
 
 from __future__ import annotations
@@ -74,19 +72,12 @@ def gram_reference(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @TritonKernel
 def _gram_partial_kernel(
-    buf_ptr,
-    partial_ptr,  # [programs, T_PAD, T_PAD] fp32
-    bad_ptr,  # [programs, T_PAD] int32
-    T,
-    P,
-    stride_t,
-    cols_per_program,
-    T_PAD: tl.constexpr,
-    T_BLK: tl.constexpr,
+    buf_ptr, partial_ptr, bad_ptr, T, P, stride_t, cols_per_program, T_PAD: tl.constexpr, T_BLK: tl.constexpr,
     BLOCK_P: tl.constexpr,
-):
-    """Program ``pid``'s partial Gram ``[T_PAD, T_PAD]`` and non-finite counts over its columns, rows padded to
-    ``T_PAD`` (a power of two >= 16, as ``tl.dot`` needs) in row blocks of ``T_BLK``."""
+):  # fmt: skip
+    """Program ``pid``'s partial Gram ``partial[pid] [T_PAD, T_PAD]`` fp32 and non-finite counts ``bad[pid]
+    [T_PAD]`` int32 over its columns, rows padded to ``T_PAD`` (a power of two >= 16, as ``tl.dot`` needs) in
+    row blocks of ``T_BLK``."""
     pid = tl.program_id(0).to(tl.int64)
     start = pid * cols_per_program
     if T_BLK == T_PAD:  # one row block (T <= 32): all rows against themselves
@@ -130,16 +121,11 @@ def _gram_partial_kernel(
 
 @TritonKernel
 def _gram_pairs_kernel(
-    buf_ptr,
-    partial_ptr,  # [programs, T, T] fp32
-    P,
-    stride_t,
-    cols_per_program,
-    T: tl.constexpr,
-    BLOCK_P: tl.constexpr,
+    buf_ptr, partial_ptr, P, stride_t, cols_per_program, T: tl.constexpr, BLOCK_P: tl.constexpr
 ):
-    """Program ``pid``'s partial Gram ``[T, T]`` (both triangles written) over its ``cols_per_program`` columns
-    of the ``T <= 8`` rows of ``buf [T, P]`` (fp32, bf16 or fp16; columns contiguous, rows ``stride_t`` apart)."""
+    """Program ``pid``'s partial Gram ``partial[pid] [T, T]`` fp32 (both triangles written) over its
+    ``cols_per_program`` columns of the ``T <= 8`` rows of ``buf [T, P]`` (fp32, bf16 or fp16; columns
+    contiguous, rows ``stride_t`` apart)."""
     pid = tl.program_id(0).to(tl.int64)
     start = pid * cols_per_program
     row_ptr = buf_ptr + start

@@ -1,10 +1,7 @@
 # ruff: noqa: ANN001, ANN202 - Triton kernel parameters and the custom ops' fake hooks mirror their schemas
-"""The grouped linear op: ``y = residual + act(x @ weight[task].T + bias[task])`` for a mixed-task batch, every
-row using the weight of its example's task: the PyTorch reference (one GEMM per task), the Triton kernels (one
-grouped GEMM over row tiles that never straddle tasks, :class:`~fastpals_kernels.common.TaskRowPlan`, for the
-forward, the input gradient and the per-task weight gradients ``dW_t = dZ_tᵀ X_t``), and the per-task weight
-gradients of a Linear as ops (:func:`grouped_wgrad`). fp32 accumulation; fp32 dots in IEEE precision (no TF32).
-"""
+"""The grouped linear op ``y = residual + act(x @ weight[task].T + bias[task])`` of a mixed-task batch: the
+PyTorch reference (one GEMM per task), the Triton grouped GEMMs over row tiles that never straddle tasks, and
+the per-task weight gradients as ops (:func:`grouped_wgrad`). fp32 accumulation, IEEE fp32 dots (no TF32)."""
 
 from __future__ import annotations
 
@@ -34,20 +31,12 @@ if TYPE_CHECKING:
     import triton.language as tl
 
 __all__ = [
-    "GROUPED_CONFIGS",
-    "GroupedLinearFunction",
-    "grouped_config",
     "grouped_linear",
     "grouped_linear_reference",
-    "grouped_linear_rows",
     "grouped_linear_varlen",
-    "grouped_mm_rows",
     "grouped_wgrad",
     "grouped_wgrad_into",
-    "grouped_wgrad_rows",
-    "row_block",
     "segment_linear",
-    "target_class",
 ]
 
 
@@ -110,15 +99,11 @@ class _SegmentLinear(torch.autograd.Function):
         ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, counts: tuple[int, ...]
     ) -> torch.Tensor:
         out = x.new_empty(x.shape[0], weight.shape[1])
-        start = 0
-        for t, n in enumerate(counts):
-            if n:
-                rows = slice(start, start + n)
-                if bias is None:
-                    torch.mm(x[rows], weight[t].t(), out=out[rows])
-                else:
-                    torch.addmm(bias[t], x[rows], weight[t].t(), out=out[rows])
-            start += n
+        for t, (a, n) in enumerate(_segments(counts)):
+            if n and bias is None:
+                torch.mm(x[a : a + n], weight[t].t(), out=out[a : a + n])
+            elif n:
+                torch.addmm(bias[t], x[a : a + n], weight[t].t(), out=out[a : a + n])
         ctx.save_for_backward(x, weight)
         ctx.counts, ctx.has_bias = counts, bias is not None
         return out
@@ -127,49 +112,37 @@ class _SegmentLinear(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        need_b = need_b and ctx.has_bias
         grad = grad.contiguous()
+        # under torch.func.vmap (e.g. TorchJD's Jacobians) mm(out=...) has no batching rule: the pieces are
+        # concatenated instead (not checked while torch.compile traces: dynamo cannot, nor is it vmapped)
         if not torch.compiler.is_compiling() and torch._C._functorch.is_functorch_wrapped_tensor(grad):
-            # under torch.func.vmap (e.g. TorchJD's Jacobians): mm(out=...) has no batching rule (the check is
-            # skipped while torch.compile traces: dynamo cannot trace it, and compiled code is not vmapped here)
-            return _segment_linear_backward_functional(ctx, grad, x, weight)
+            pieces = [(grad[a : a + n], x[a : a + n], t) for t, (a, n) in enumerate(_segments(ctx.counts))]
+            gx = torch.cat([g @ weight[t] for g, _, t in pieces]) if need_x else None
+            gw = torch.stack([g.t() @ rows for g, rows, _ in pieces]) if need_w else None
+            gb = torch.stack([g.sum(0) for g, _, _ in pieces]) if need_b else None
+            return gx, gw, gb, None
         gx = x.new_empty(x.shape) if need_x else None
         gw = torch.zeros_like(weight) if need_w else None
-        gb = weight.new_zeros(weight.shape[:2]) if need_b and ctx.has_bias else None
-        start = 0
-        for t, n in enumerate(ctx.counts):
+        gb = weight.new_zeros(weight.shape[:2]) if need_b else None
+        for t, (a, n) in enumerate(_segments(ctx.counts)):
             if n:
-                rows = slice(start, start + n)
-                g = grad[rows]
+                g = grad[a : a + n]
                 if gx is not None:
-                    torch.mm(g, weight[t], out=gx[rows])
+                    torch.mm(g, weight[t], out=gx[a : a + n])
                 if gw is not None:
-                    torch.mm(g.t(), x[rows], out=gw[t])
+                    torch.mm(g.t(), x[a : a + n], out=gw[t])
                 if gb is not None:
                     gb[t] = g.sum(0)
-            start += n
         return gx, gw, gb, None
 
 
-def _segment_linear_backward_functional(
-    ctx: Any, grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
-) -> tuple:
-    """:class:`_SegmentLinear`'s backward without ``out=`` (the pieces concatenated and stacked), for ``torch.func``
-    transforms: the same values."""
-    need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-    gx, gw, gb = [], [], []
-    start = 0
-    for t, n in enumerate(ctx.counts):
-        g, rows = grad[start : start + n], x[start : start + n]
-        start += n
-        gx += [g @ weight[t]] if need_x else []
-        gw += [g.t() @ rows] if need_w else []
-        gb += [g.sum(0)] if need_b and ctx.has_bias else []
-    return (
-        torch.cat(gx) if gx else None,
-        torch.stack(gw) if gw else None,
-        torch.stack(gb) if gb else None,
-        None,
-    )
+def _segments(counts: tuple[int, ...]) -> list[tuple[int, int]]:
+    """``(start, count)`` of each task's rows when ``counts[t]`` rows of task t follow those of task t - 1."""
+    starts = [0]
+    for n in counts[:-1]:
+        starts.append(starts[-1] + n)
+    return list(zip(starts, counts))
 
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -189,45 +162,16 @@ _ACTIVATIONS = (None, "gelu")
 
 @TritonKernel
 def _grouped_mm_kernel(
-    a_ptr,  # [R, K_RED] rows read through row_index
-    z_ptr,  # [R, K_RED] pre-activation (only with GELU_GRAD_PROLOGUE)
-    w_ptr,  # [T, ...] indexed with (stride_wt, stride_wn, stride_wk)
-    bias_ptr,  # [T, N_OUT]
-    res_ptr,  # [R, N_OUT]
-    out_ptr,  # [R, N_OUT]
-    pre_ptr,  # [R, N_OUT] pre-activation store (only with STORE_PRE)
-    row_index_ptr,
-    tile_task_ptr,
-    tile_start_ptr,
-    tile_end_ptr,
-    N_OUT,
-    K_RED,
-    N_W,
-    K_W,
-    stride_a,
-    stride_z,
-    stride_wt,
-    stride_wn,
-    stride_wk,
-    stride_bt,
-    stride_res,
-    stride_out,
-    stride_pre,
-    HAS_BIAS: tl.constexpr,
-    GELU: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-    STORE_PRE: tl.constexpr,
-    GELU_GRAD_PROLOGUE: tl.constexpr,
-    IEEE: tl.constexpr,
-    INTERP_BF16: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """out[rows, n] = epilogue(sum_k prologue(a[rows, k]) * w[task, n, k]) over one task's row tile.
-
-    The weight (and bias) hold ``N_W <= N_OUT`` outputs and ``K_W <= K_RED`` reduction entries: the rest reads
-    as zero, so a row-aligned ``a`` or ``out`` can run at its padded width (16-byte vectors, unmasked groups)."""
+    a_ptr, z_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, pre_ptr, row_index_ptr, tile_task_ptr, tile_start_ptr,
+    tile_end_ptr, N_OUT, K_RED, N_W, K_W, stride_a, stride_z, stride_wt, stride_wn, stride_wk, stride_bt,
+    stride_res, stride_out, stride_pre, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, STORE_PRE: tl.constexpr, GELU_GRAD_PROLOGUE: tl.constexpr, IEEE: tl.constexpr,
+    INTERP_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """``out[rows] = epilogue(prologue(a[rows]) @ w[task]ᵀ)`` over one task's row tile: ``a``, ``z`` (the
+    GELU'-prologue's pre-activation) ``[R, K_RED]`` read through ``row_index``; ``out``, ``res``, ``pre [R,
+    N_OUT]``. ``w`` holds ``N_W <= N_OUT`` outputs and ``K_W <= K_RED`` reduction entries, the rest reading as
+    zero, so a row-aligned ``a`` or ``out`` runs at its padded width (16-byte vectors, unmasked groups)."""
     tile = tl.program_id(0)
     pid_n = tl.program_id(1)
     task = tl.load(tile_task_ptr + tile)
@@ -285,33 +229,14 @@ def _grouped_mm_kernel(
 
 @TritonKernel
 def _grouped_wgrad_kernel(
-    dy_ptr,  # [R, M] output gradient
-    z_ptr,  # [R, M] pre-activation (only with GELU_GRAD_PROLOGUE)
-    x_ptr,  # [R, K] forward input
-    dw_ptr,  # [T, M, K], task stride stride_dw (each task's [M, K] row-major)
-    db_ptr,  # [T, M], task stride stride_db
-    row_index_ptr,
-    task_row_offsets_ptr,
-    M,
-    K,
-    M_OUT,
-    stride_dy,
-    stride_z,
-    stride_x,
-    stride_dw,
-    stride_db,
-    GELU_GRAD_PROLOGUE: tl.constexpr,
-    HAS_BIAS_GRAD: tl.constexpr,
-    IEEE: tl.constexpr,
-    INTERP_BF16: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    dy_ptr, z_ptr, x_ptr, dw_ptr, db_ptr, row_index_ptr, task_row_offsets_ptr, M, K, M_OUT, stride_dy,
+    stride_z, stride_x, stride_dw, stride_db, GELU_GRAD_PROLOGUE: tl.constexpr, HAS_BIAS_GRAD: tl.constexpr,
+    IEEE: tl.constexpr, INTERP_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
-):
-    """dw[t, m, k] = sum over task t's rows of dz[r, m] * x[r, k]; db[t, m] = sum of dz[r, m] (fp32 acc).
-
-    Only the first ``M_OUT <= M`` rows of ``dw``/``db`` exist (``dw [T, M_OUT, K]``): ``dy`` may be read at its
-    row-aligned width ``M``. A task with no rows stores zeros (its gradient is defined and zero)."""
+):  # fmt: skip
+    """``dw[t] = dz[rows of t]ᵀ x[rows of t]``, ``db[t] = sum of dz[rows of t]`` (fp32 acc): ``dy``, ``z``
+    ``[R, M]``, ``x [R, K]``, ``dw [T, M_OUT, K]`` (each task's block row-major, task stride ``stride_dw``),
+    ``db [T, M_OUT]``; ``M_OUT <= M``: ``dy`` read at its row-aligned width. A task without rows stores 0."""
     task = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -374,6 +299,16 @@ def row_block(x: torch.Tensor) -> int:
     return grouped_config(x.dtype, target_arch(x))[0]
 
 
+def _or(t: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
+    """``t``, or for an absent optional operand a ``placeholder`` pointer the kernel does not read."""
+    return placeholder if t is None else t
+
+
+def _row_stride(t: torch.Tensor | None) -> int:
+    """``t``'s row stride, 0 for an absent optional operand."""
+    return 0 if t is None else t.stride(0)
+
+
 def _block(n: int, cap: int = 64) -> int:
     """Power-of-two tile edge for a dimension of size n: at least 16 (tl.dot's minimum), at most ``cap``."""
     return max(16, min(cap, next_power_of_2(max(n, 1))))
@@ -423,42 +358,14 @@ def grouped_mm_rows(
     grid = (plan.num_tiles, cdiv(n_out, block_n))
     with device_context(a):
         _grouped_mm_kernel[grid](
-            a,
-            gelu_grad_pre if gelu_grad_pre is not None else a,
-            weight,
-            bias if bias is not None else weight,
-            residual if residual is not None else out,
-            out,
-            pre if pre is not None else out,
-            plan.row_index,
-            plan.tile_task,
-            plan.tile_start,
-            plan.tile_end,
-            n_out,
-            k_red,
-            n_w,
-            k_w,
-            a.stride(0),
-            gelu_grad_pre.stride(0) if gelu_grad_pre is not None else 0,
-            weight.stride(0),
-            stride_wn,
-            stride_wk,
-            bias.stride(0) if bias is not None else 0,
-            residual.stride(0) if residual is not None else 0,
-            out.stride(0),
-            pre.stride(0) if pre is not None else 0,
-            HAS_BIAS=bias is not None,
-            GELU=gelu,
-            HAS_RESIDUAL=residual is not None,
-            STORE_PRE=store_pre,
-            GELU_GRAD_PROLOGUE=gelu_grad_pre is not None,
-            **dot_flags(a.dtype),
-            BLOCK_M=plan.block_rows,
-            BLOCK_N=block_n,
-            BLOCK_K=block_k,
-            num_warps=warps,
-            num_stages=stages,
-        )
+            a, _or(gelu_grad_pre, a), weight, _or(bias, weight), _or(residual, out), out, _or(pre, out),
+            plan.row_index, plan.tile_task, plan.tile_start, plan.tile_end, n_out, k_red, n_w, k_w,
+            a.stride(0), _row_stride(gelu_grad_pre), weight.stride(0), stride_wn, stride_wk,
+            _row_stride(bias), _row_stride(residual), out.stride(0), _row_stride(pre),
+            HAS_BIAS=bias is not None, GELU=gelu, HAS_RESIDUAL=residual is not None, STORE_PRE=store_pre,
+            GELU_GRAD_PROLOGUE=gelu_grad_pre is not None, **dot_flags(a.dtype), BLOCK_M=plan.block_rows,
+            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+        )  # fmt: skip
     return out, pre
 
 
@@ -494,30 +401,11 @@ def grouped_wgrad_rows(
     grid = (plan.num_tasks, cdiv(m, block_m), cdiv(k, block_k))
     with device_context(dy):
         _grouped_wgrad_kernel[grid](
-            dy,
-            gelu_grad_pre if gelu_grad_pre is not None else dy,
-            x,
-            dw,
-            db if db is not None else dw,
-            plan.row_index,
-            plan.task_row_offsets,
-            m,
-            k,
-            m_out,
-            dy.stride(0),
-            gelu_grad_pre.stride(0) if gelu_grad_pre is not None else 0,
-            x.stride(0),
-            dw.stride(0),
-            db.stride(0) if db is not None else 0,
-            GELU_GRAD_PROLOGUE=gelu_grad_pre is not None,
-            HAS_BIAS_GRAD=with_bias,
-            **dot_flags(dy.dtype),
-            BLOCK_M=block_m,
-            BLOCK_K=block_k,
-            BLOCK_R=plan.block_rows,
-            num_warps=warps,
-            num_stages=stages,
-        )
+            dy, _or(gelu_grad_pre, dy), x, dw, _or(db, dw), plan.row_index, plan.task_row_offsets, m, k,
+            m_out, dy.stride(0), _row_stride(gelu_grad_pre), x.stride(0), dw.stride(0), _row_stride(db),
+            GELU_GRAD_PROLOGUE=gelu_grad_pre is not None, HAS_BIAS_GRAD=with_bias, **dot_flags(dy.dtype),
+            BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=plan.block_rows, num_warps=warps, num_stages=stages,
+        )  # fmt: skip
     return dw, db
 
 
@@ -682,67 +570,41 @@ def _grouped_linear(x, cu_seqlens, task_ids, weight, bias, activation, residual)
     return grouped_linear_rows(rows, plan, weight, bias, activation, res_rows).view(out_shape)
 
 
+#: the task plan's fields as the ops' arguments (:func:`_plan_args`)
+_PLAN_SCHEMA = (
+    "Tensor row_index, Tensor task_row_offsets, Tensor tile_task, Tensor tile_start, Tensor tile_end, "
+    "SymInt num_tasks, SymInt block_rows"
+)
+
+
+def _plan_args(plan: TaskRowPlan) -> tuple:
+    return (plan.row_index, plan.task_row_offsets, plan.tile_task, plan.tile_start, plan.tile_end,
+            plan.num_tasks, plan.block_rows)  # fmt: skip
+
+
 def _wgrad_outputs(dy, x, num_tasks: int, with_bias: bool, dtype: torch.dtype) -> tuple:
-    """New ``dw [T, M, K]`` and ``db [T, M]`` (``[0]`` without bias) for the rows ``dy [R, M]``, ``x [R, K]``."""
+    """New ``dw [T, M, K]`` and ``db [T, M]`` (``[0]`` without bias) for ``dy [R, M]``, ``x [R, K]``."""
     dw = dy.new_empty(num_tasks, dy.shape[1], x.shape[1], dtype=dtype)
     return dw, dy.new_empty((num_tasks, dy.shape[1]) if with_bias else (0,), dtype=dtype)
 
 
-@torch.library.custom_op("fastpals::grouped_wgrad", mutates_args=())
-def grouped_wgrad_op(
-    dy: torch.Tensor,
-    x: torch.Tensor,
-    row_index: torch.Tensor,
-    task_row_offsets: torch.Tensor,
-    tile_task: torch.Tensor,
-    tile_start: torch.Tensor,
-    tile_end: torch.Tensor,
-    num_tasks: int,
-    block_rows: int,
-    with_bias: bool,
-    out_dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-task ``dW_t = dY_tᵀ X_t`` ``[T, M, K]`` and ``db_t = Σ dY_t`` ``[T, M]`` (``[0]`` without bias) in
-    ``out_dtype``, fp32 accumulation: dy ``[R, M]``, x ``[R, K]``; the other arguments are the fields of the rows'
-    :class:`~fastpals_kernels.common.TaskRowPlan`."""
-    dw, db = _wgrad_outputs(dy, x, num_tasks, with_bias, out_dtype)
-    plan = (row_index, task_row_offsets, tile_task, tile_start, tile_end)
-    _grouped_wgrad_out(dy, x, *plan, num_tasks, block_rows, dw, db)
-    return dw, db
-
-
-@grouped_wgrad_op.register_fake
-def _(
-    dy, x, row_index, offsets, tile_task, tile_start, tile_end, num_tasks, block_rows, with_bias, out_dtype
-):
-    return _wgrad_outputs(dy, x, num_tasks, with_bias, out_dtype)
-
-
 def _grouped_wgrad_out(
-    dy: torch.Tensor,
-    x: torch.Tensor,
-    row_index: torch.Tensor,
-    task_row_offsets: torch.Tensor,
-    tile_task: torch.Tensor,
-    tile_start: torch.Tensor,
-    tile_end: torch.Tensor,
-    num_tasks: int,
-    block_rows: int,
-    dw: torch.Tensor,
-    db: torch.Tensor,
-) -> None:
-    """:func:`grouped_wgrad_op` written into ``dw [T, M, K]`` and ``db [T, M]`` (``[0]``: no bias gradient) in
-    their dtype; each ``dw[t]``, ``db[t]`` contiguous, any task stride (e.g. the rows of a surgery buffer)."""
+    dy, x, row_index, offsets, tile_task, tile_start, tile_end, num_tasks, block_rows, dw, db
+):
+    """Per-task ``dW_t = dY_tᵀ X_t`` and ``db_t = Σ dY_t`` (fp32 accumulation) of ``dy [R, M]``, ``x [R,
+    K]`` written into ``dw [T, M, K]`` and ``db [T, M]`` (``[0]``: no bias gradient) in their dtype; each
+    ``dw[t]``, ``db[t]`` contiguous, any task stride (e.g. the rows of a surgery buffer)."""
     with_bias = db.numel() > 0
     if backend("grouped_wgrad", dy) == "triton":
-        plan = TaskRowPlan(row_index, task_row_offsets, tile_task, tile_start, tile_end, dy.shape[0], num_tasks,
-                           block_rows)  # fmt: skip
+        plan = TaskRowPlan(
+            row_index, offsets, tile_task, tile_start, tile_end, dy.shape[0], num_tasks, block_rows
+        )
         grouped_wgrad_rows(
             dy.contiguous(), x.contiguous(), plan, dw.dtype, with_bias, dw=dw, db=db if with_bias else None
         )
         return
     # the reference: each row's task from the plan (no host read), then one masked fp32 GEMM per task
-    row_task = plan_row_tasks(row_index, task_row_offsets, dy.shape[0])
+    row_task = plan_row_tasks(row_index, offsets, dy.shape[0])
     dyf, xf = dy.float(), x.float()
     for t in range(num_tasks):
         dyt = dyf * (row_task == t)[:, None]
@@ -751,12 +613,28 @@ def _grouped_wgrad_out(
             db[t] = dyt.sum(0)
 
 
+def _grouped_wgrad(dy, x, *args):
+    *plan, with_bias, out_dtype = args
+    dw, db = _wgrad_outputs(dy, x, plan[5], with_bias, out_dtype)
+    _grouped_wgrad_out(dy, x, *plan, dw, db)
+    return dw, db
+
+
+grouped_wgrad_op = torch.library.custom_op(
+    "fastpals::grouped_wgrad",
+    _grouped_wgrad,
+    mutates_args=(),
+    schema=f"(Tensor dy, Tensor x, {_PLAN_SCHEMA}, bool with_bias, ScalarType out_dtype) -> (Tensor, Tensor)",
+)
+grouped_wgrad_op.register_fake(lambda dy, x, *args: _wgrad_outputs(dy, x, args[5], *args[7:]))
+grouped_wgrad_op.register_vmap(per_sample_vmap(grouped_wgrad_op))
 grouped_wgrad_out_op = torch.library.custom_op(
-    "fastpals::grouped_wgrad_out", _grouped_wgrad_out, mutates_args=("dw", "db")
+    "fastpals::grouped_wgrad_out",
+    _grouped_wgrad_out,
+    mutates_args=("dw", "db"),
+    schema=f"(Tensor dy, Tensor x, {_PLAN_SCHEMA}, Tensor(a!) dw, Tensor(b!) db) -> ()",
 )
 grouped_wgrad_out_op.register_fake(lambda *args: None)
-
-grouped_wgrad_op.register_vmap(per_sample_vmap(grouped_wgrad_op))
 
 
 def grouped_wgrad(
@@ -768,10 +646,7 @@ def grouped_wgrad(
     ext = registered("grouped_wgrad", backend("grouped_wgrad", dy))
     if ext is not None:
         return ext.impl(dy, x, plan, out_dtype, with_bias)
-    dw, db = torch.ops.fastpals.grouped_wgrad(
-        dy, x, plan.row_index, plan.task_row_offsets, plan.tile_task, plan.tile_start, plan.tile_end,
-        plan.num_tasks, plan.block_rows, with_bias, out_dtype,
-    )  # fmt: skip
+    dw, db = torch.ops.fastpals.grouped_wgrad(dy, x, *_plan_args(plan), with_bias, out_dtype)
     return dw, (db if with_bias else None)
 
 
@@ -788,7 +663,4 @@ def grouped_wgrad_into(
         if db is not None:
             db.copy_(got_db)
         return
-    torch.ops.fastpals.grouped_wgrad_out(
-        dy, x, plan.row_index, plan.task_row_offsets, plan.tile_task, plan.tile_start, plan.tile_end,
-        plan.num_tasks, plan.block_rows, dw, db if db is not None else dw.new_empty(0),
-    )  # fmt: skip
+    torch.ops.fastpals.grouped_wgrad_out(dy, x, *_plan_args(plan), dw, dw.new_empty(0) if db is None else db)

@@ -4,14 +4,10 @@ each example using the weights of its task ``t`` (``act``: exact GELU or the ide
 projection). Shapes: ``B`` examples, ``L`` padded length, ``N`` packed rows, ``d`` model width, ``T`` tasks,
 ``d_s`` PAL width, ``H`` heads. Weights, one slice per task: ``enc_weight [T, d_s, d]``, ``enc_bias [T, d_s]``
 (V^E); ``qkv_weight [T, 3 d_s, d_s]``, ``qkv_bias [T, 3 d_s]`` (rows Q, K, V); ``dec_weight [T, d, d_s]``,
-``dec_bias [T, d]`` (V^D).
-
-:func:`run_pal` (what the model calls) picks a registered backend, the custom ops ``torch.ops.fastpals.pal`` /
-``pal_varlen`` (under ``torch.compile``; backward recomputes the forward) or :func:`pal_eager`: the references
-(:func:`pal_reference`, :func:`pal_varlen_reference`, :func:`packed_pal_reference`) or the Triton :func:`pal` /
-:func:`pal_varlen`: grouped V^E and QKV GEMMs, :mod:`fastpals_kernels.pal_attention`, and the grouped V^D GEMM
-with bias, GELU and residual as epilogue, every head zero-padded to a multiple of 8 and ``s`` to 16 columns
-(:func:`pal_layout`) so that 16-bit loads are 16-byte aligned.
+``dec_bias [T, d]`` (V^D). :func:`run_pal` (what the model calls) runs a registered backend, the custom ops
+``torch.ops.fastpals.pal`` / ``pal_varlen`` or :func:`pal_eager`: the references or the Triton :func:`pal` /
+:func:`pal_varlen` (grouped GEMMs around :mod:`fastpals_kernels.pal_attention`, heads zero-padded for 16-byte
+aligned loads: :func:`pal_layout`).
 """
 
 from __future__ import annotations
@@ -50,9 +46,6 @@ from fastpals_kernels.padding import AttentionPlan, bucketed_attention, pad_pack
 from fastpals_kernels.pal_attention import pal_attention, pal_attention_varlen
 
 __all__ = [
-    "HEAD_ALIGN",
-    "EncQKVFunction",
-    "PALLayout",
     "PALWeights",
     "PackedSegments",
     "packed_pal_reference",
@@ -248,9 +241,6 @@ def packed_pal_reference(h: torch.Tensor, args: tuple, segments: PackedSegments)
     return F.gelu(y) if gelu else y
 
 
-# ================================================================================================================
-# Triton: the fused PAL
-# ================================================================================================================
 #: inside the fused PAL every head is zero-padded to a multiple of this many elements (16 bytes of 16-bit data)
 HEAD_ALIGN = 8
 
@@ -526,18 +516,8 @@ def pal_varlen(
     return _fused_pal(h, (h.shape[0],), {"cu_seqlens": cu_seqlens}, attend, args, residual, generator_seed)
 
 
-# ================================================================================================================
-# torch.ops.fastpals.pal, pal_varlen and their backward ops
-# ================================================================================================================
-_ARGS_SCHEMA = ", ".join(
-    [
-        "Tensor task_ids",
-        *(f"Tensor {n}" for n in _WEIGHT_NAMES),
-        "SymInt num_heads",
-        "bool gelu",
-        "float dropout_p",
-    ]
-)
+_ARGS_SCHEMA = ", ".join(["Tensor task_ids", *(f"Tensor {n}" for n in _WEIGHT_NAMES)])
+_ARGS_SCHEMA += ", SymInt num_heads, bool gelu, float dropout_p"
 
 
 def _define_ops(name: str, where: tuple[str, ...], where_schema: str) -> tuple:

@@ -1,13 +1,9 @@
 # ruff: noqa: ANN001, ANN202 - Triton kernel parameters and autograd hooks
 """The PAL attention: flash-style multi-head softmax attention over a padded ``[B, L, H, Dh]`` or packed
-``[N, H, Dh]`` batch for head dims up to 128, the attention inside the fused PAL (:mod:`fastpals_kernels.pal`).
-
-The forward streams key blocks with an online fp32 softmax and saves the row max and normaliser; the backward
-recomputes the probabilities (``delta = rowsum(dO * O)``, one kernel for dK/dV per key block, one for dQ per query
-block; no atomics). Padded keys get ``finfo(float32).min`` added, as BERT's additive mask. Dropout keeps entry
-(b, h, i, j) when ``tl.rand(seed, ((b * H + h) * S + i) * S + j) >= p`` (``S``: ``L`` or ``max_seqlen``), so the
-backward regenerates the forward's mask and a packed batch drops what the padded one does
-(:func:`pal_attention_dropout_mask`).
+``[N, H, Dh]`` batch (head dims up to 128), inside the fused PAL. Online fp32 softmax forward; the backward
+recomputes the probabilities (one dK/dV kernel per key block, one dQ kernel per query block; no atomics). Dropout
+keeps (b, h, i, j) when ``tl.rand(seed, ((b * H + h) * S + i) * S + j) >= p`` (``S``: ``L`` or ``max_seqlen``),
+so a packed batch drops what the padded one does (:func:`pal_attention_dropout_mask`).
 """
 
 from __future__ import annotations
@@ -38,15 +34,7 @@ from fastpals_kernels.tl_helpers import cast_rne, mm
 if TYPE_CHECKING:
     import triton.language as tl
 
-__all__ = [
-    "MAX_HEAD_DIM",
-    "PALAttentionFunction",
-    "PALAttentionVarlenFunction",
-    "attention_config",
-    "pal_attention",
-    "pal_attention_dropout_mask",
-    "pal_attention_varlen",
-]
+__all__ = ["MAX_HEAD_DIM", "pal_attention", "pal_attention_dropout_mask", "pal_attention_varlen"]
 
 MAX_HEAD_DIM = 128
 _SEED_LIMIT = 2**63
@@ -316,11 +304,13 @@ def _attention_backward(
 
 
 class _AttentionFunction(torch.autograd.Function):
-    """The forward and backward shared by :class:`PALAttentionFunction` and :class:`PALAttentionVarlenFunction`;
-    a subclass's ``forward`` builds the call's :class:`_Layout` and calls :meth:`run`."""
+    """Autograd op behind :func:`pal_attention` and :func:`pal_attention_varlen` (arguments checked there), the
+    tokens addressed as ``layout`` says."""
 
     @staticmethod
-    def run(ctx, q, k, v, layout: _Layout, dropout_p, softmax_scale, generator_seed, aligned) -> torch.Tensor:
+    def forward(
+        ctx, q, k, v, layout: _Layout, dropout_p, softmax_scale, generator_seed, aligned
+    ) -> torch.Tensor:
         dropout_p = float(dropout_p)
         scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(layout.head_dim)
         # without a generator_seed, one draw from the CPU generator: no device sync, replayed by checkpoint
@@ -349,36 +339,6 @@ class _AttentionFunction(torch.autograd.Function):
         return dq, dk if need_dk else None, dv if need_dv else None, *nones
 
 
-class PALAttentionFunction(_AttentionFunction):
-    """Autograd op behind :func:`pal_attention`: ``apply(q, k, v, key_padding_mask, dropout_p, softmax_scale,
-    generator_seed, aligned_rows)``, arguments as there (validated here too)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, key_padding_mask, dropout_p, softmax_scale, generator_seed, aligned_rows=False):
-        _check_qkv(q, k, v, 4, "[B, L, H, Dh]")
-        _check_options(dropout_p, softmax_scale, generator_seed)
-        layout = _padded_layout(q, key_padding_mask)
-        return _AttentionFunction.run(
-            ctx, q, k, v, layout, dropout_p, softmax_scale, generator_seed, aligned_rows
-        )
-
-
-class PALAttentionVarlenFunction(_AttentionFunction):
-    """Autograd op behind :func:`pal_attention_varlen`: ``apply(q, k, v, cu_seqlens, max_seqlen, dropout_p,
-    softmax_scale, generator_seed, aligned_rows)``, arguments as there (validated here too)."""
-
-    @staticmethod
-    def forward(
-        ctx, q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, generator_seed, aligned_rows=False
-    ):
-        _check_qkv(q, k, v, 3, "[N, H, Dh]")
-        _check_options(dropout_p, softmax_scale, generator_seed)
-        layout = _varlen_layout(q, cu_seqlens, max_seqlen)
-        return _AttentionFunction.run(
-            ctx, q, k, v, layout, dropout_p, softmax_scale, generator_seed, aligned_rows
-        )
-
-
 def pal_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -403,9 +363,10 @@ def pal_attention(
     q, k and v.
     """
     require_triton("pal_attention")
-    return PALAttentionFunction.apply(
-        q, k, v, key_padding_mask, dropout_p, softmax_scale, generator_seed, aligned_rows
-    )
+    _check_qkv(q, k, v, 4, "[B, L, H, Dh]")
+    _check_options(dropout_p, softmax_scale, generator_seed)
+    layout = _padded_layout(q, key_padding_mask)
+    return _AttentionFunction.apply(q, k, v, layout, dropout_p, softmax_scale, generator_seed, aligned_rows)
 
 
 def pal_attention_varlen(
@@ -429,9 +390,10 @@ def pal_attention_varlen(
     with ``L = max_seqlen``); the rest as in :func:`pal_attention`. Returns ``[N, H, Dh]``.
     """
     require_triton("pal_attention_varlen")
-    return PALAttentionVarlenFunction.apply(
-        q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, generator_seed, aligned_rows
-    )
+    _check_qkv(q, k, v, 3, "[N, H, Dh]")
+    _check_options(dropout_p, softmax_scale, generator_seed)
+    layout = _varlen_layout(q, cu_seqlens, max_seqlen)
+    return _AttentionFunction.apply(q, k, v, layout, dropout_p, softmax_scale, generator_seed, aligned_rows)
 
 
 def pal_attention_dropout_mask(
@@ -460,9 +422,6 @@ def pal_attention_dropout_mask(
     return keep.bool()
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Triton kernels
-# ----------------------------------------------------------------------------------------------------------------
 @TritonKernel
 def _program(CU, H, SEQ, IS_VARLEN: tl.constexpr):
     """This program's (batch x head, batch as int64, head, first token row, sequence length): the sequence
