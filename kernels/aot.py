@@ -2,11 +2,8 @@
 
 ``python -m fastpals_kernels.aot --cap 80 --out aot_80.json`` runs the real host wrappers on CPU tensors with
 Triton's driver replaced by one whose target is ``GPUTarget("cuda", CAP, 32)``: every launch becomes a
-compile-only warm-up with Triton's own specialisations, at the launch configuration chosen for that target.
-``ptxas -v`` (shipped with Triton) reports each variant's registers, spills and shared memory; the PTX and TTGIR
-say whether ``tl.dot`` became ``mma``/``wgmma``; static fp32 arithmetic and load counts (PTX, and SASS for
-:data:`SASS_KERNELS`) give the arithmetic per loaded element. Shapes: BERT-base and MiniLM widths with the PAL
-presets, B 8 x L 128. Runs in its own process (it sets ``FASTPALS_AOT=1`` before Triton loads).
+compile-only warm-up at the launch configuration chosen for that target, and ``ptxas -v`` reports each
+variant's registers, spills and shared memory. Runs in its own process (it sets ``FASTPALS_AOT=1`` before Triton loads).
 """
 
 from __future__ import annotations
@@ -35,8 +32,6 @@ SMEM_LIMIT = {75: 64 * 1024, 80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 2
 TARGET_DTYPES = {75: ("fp32", "fp16"), 80: ("fp32", "fp16", "bf16"), 90: ("fp32", "fp16", "bf16")}
 #: (d, d_s, heads): BERT-base and MiniLM widths with the seed PAL widths and head counts
 PAL_SHAPES = ((768, 204, 6), (768, 204, 12), (768, 276, 6), (768, 276, 12), (384, 204, 6), (384, 276, 12))
-#: 16-byte asynchronous global -> shared copies in PTX (``cp.async`` also counts 4/8-byte copies and group marks)
-_CP_ASYNC_16 = re.compile(r"cp\.async\.c[ag]\.shared\.global[^;]*,\s*(?:0x10|16)\s*[,;]")
 #: fp32 arithmetic in PTX: fused multiply-adds, multiplies, adds (any rounding/ftz modifiers)
 _FMA_F32 = re.compile(r"\bfma\.rn(?:\.ftz)?\.f32\b")
 _MUL_F32 = re.compile(r"\bmul(?:\.rn)?(?:\.ftz)?\.f32\b")
@@ -160,9 +155,7 @@ class Recorder:
         def run(fn: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
             kernel = original(fn, *args, grid=grid, warmup=True, **kwargs)
             ints = {
-                name: a
-                for name, a in zip(fn.arg_names, args)
-                if isinstance(a, int) and not isinstance(a, bool)
+                n: a for n, a in zip(fn.arg_names, args) if isinstance(a, int) and not isinstance(a, bool)
             }
             recorder.record(fn.fn.__name__, kernel, args, kwargs, ints)
             return kernel
@@ -176,13 +169,8 @@ class Recorder:
         rec = self.records.get(key)
         if rec is None:
             ptx, ttgir = kernel.asm["ptx"], kernel.asm.get("ttgir", "")
-            dtypes = sorted(
-                {
-                    str(a.dtype).replace("torch.", "")
-                    for a in args
-                    if hasattr(a, "dtype") and a.is_floating_point()
-                }
-            )
+            dtypes = {str(a.dtype).replace("torch.", "") for a in args if hasattr(a, "dtype")}
+            dtypes = sorted(d for d in dtypes if d.startswith(("float", "bfloat")))
             if "DT" in kwargs:  # operands read through address tables: their dtype is the constexpr DT
                 dtypes = [{"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[str(kwargs["DT"])]]
             rec = {
@@ -191,7 +179,7 @@ class Recorder:
                 "constexprs": {
                     k: v
                     for k, v in kwargs.items()
-                    if isinstance(v, (bool, int, float, str)) and k[:1].isupper()
+                    if isinstance(v, (bool, int, float, str)) and k[0].isupper()
                 },
                 "num_warps": kernel.metadata.num_warps,
                 "num_stages": kernel.metadata.num_stages,
@@ -201,7 +189,7 @@ class Recorder:
                 "wgmma": ptx.count("wgmma.mma_async"),
                 "mma_layout": sorted(set(re.findall(r"nvidia_mma<\{versionMajor = (\d)", ttgir))),
                 "cp_async": ptx.count("cp.async"),
-                "cp_async_16": len(_CP_ASYNC_16.findall(ptx)),
+                "cp_async_16": sum(n in ("0x10", "16") for n in _CP_ASYNC_BYTES.findall(ptx)),
                 **arithmetic_counts(ptx),
                 "cases": [],
                 "launches": [],

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from fastpals_kernels import backends
 from fastpals_kernels.backends import backend, registered, use_library
-from fastpals_kernels.common import autograd_vjp, cu_seqlens_int32, per_sample_vmap, seed_for, seeded
+from fastpals_kernels.common import cu_seqlens_int32, recompute_ops, seed_for, seeded
 from fastpals_kernels.padding import AttentionPlan, bucketed_attention, key_mask_bias, pad_packed_index
 
 __all__ = [
@@ -205,65 +205,16 @@ def attention_varlen_eager(
     return ctx.flatten(0, 1).index_select(0, index)
 
 
-@torch.library.custom_op("fastpals::attention_varlen", mutates_args=())
-def attention_varlen_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    max_seqlen: int,
-    dropout_p: float,
-    seed: torch.Tensor,
-) -> torch.Tensor:
+def _attention_run(q, k, v, cu_seqlens, max_seqlen, dropout_p, seed) -> torch.Tensor:
     """:func:`attention_varlen_eager` with dropout seeded from ``seed``."""
-    with torch.no_grad(), seeded(seed, q.device, dropout_p):
-        return attention_varlen_eager(q, k, v, cu_seqlens, max_seqlen, dropout_p).contiguous()
+    with seeded(seed, q.device, dropout_p):
+        return attention_varlen_eager(q, k, v, cu_seqlens, max_seqlen, dropout_p)
 
 
-@torch.library.custom_op("fastpals::attention_varlen_backward", mutates_args=())
-def attention_varlen_backward_op(
-    grad: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    max_seqlen: int,
-    dropout_p: float,
-    seed: torch.Tensor,
-) -> list[torch.Tensor]:
-    """``[dq, dk, dv]`` of :func:`attention_varlen_op`, recomputing its forward."""
-
-    def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        with seeded(seed, q.device, dropout_p):
-            return attention_varlen_eager(q, k, v, cu_seqlens, max_seqlen, dropout_p)
-
-    return list(autograd_vjp(forward, (q, k, v), grad))
-
-
-@attention_varlen_op.register_fake
-def _(q, k, v, cu, max_seqlen, dropout_p, seed):
-    return torch.empty_like(q, memory_format=torch.contiguous_format)
-
-
-@attention_varlen_backward_op.register_fake
-def _(grad, q, k, v, cu, max_seqlen, dropout_p, seed):
-    return [torch.empty_like(t) for t in (q, k, v)]
-
-
-def _attention_setup(ctx, inputs, output) -> None:
-    q, k, v, cu, max_seqlen, dropout_p, seed = inputs
-    ctx.save_for_backward(q, k, v, cu, seed)
-    ctx.max_seqlen, ctx.dropout_p = max_seqlen, dropout_p
-
-
-def _attention_backward_formula(ctx, grad: torch.Tensor) -> tuple:
-    q, k, v, cu, seed = ctx.saved_tensors
-    dq, dk, dv = torch.ops.fastpals.attention_varlen_backward(
-        grad, q, k, v, cu, ctx.max_seqlen, ctx.dropout_p, seed
-    )
-    return dq, dk, dv, None, None, None, None
-
-
-attention_varlen_op.register_autograd(_attention_backward_formula, setup_context=_attention_setup)
-attention_varlen_op.register_vmap(per_sample_vmap(attention_varlen_op))
-attention_varlen_backward_op.register_vmap(per_sample_vmap(attention_varlen_backward_op))
+attention_varlen_op, attention_varlen_backward_op = recompute_ops(
+    "attention_varlen",
+    "Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, SymInt max_seqlen, float dropout_p, Tensor seed",
+    _attention_run,
+    (0, 1, 2),
+    lambda q, *args: torch.empty_like(q, memory_format=torch.contiguous_format),
+)

@@ -1,11 +1,8 @@
 """Which backend runs each fastpals op: ``triton`` (this package's kernels), ``sdpa`` (cuBLAS matmuls and
-``F.scaled_dot_product_attention``, for GPUs where Triton emits no tensor-core code), ``flash_attn`` (BERT's
-attention over packed rows) or ``reference`` (plain PyTorch).
-
-One decision per op from the device's compute capability and the dtype (:func:`decide`), under the switch
-``$FASTPALS_KERNELS``: a mode ``auto`` (default) | ``triton`` | ``reference``, then optional per-op overrides
-``op=backend`` and the word ``library`` (every call through ``torch.ops.fastpals``), comma-separated, e.g.
-``FASTPALS_KERNELS=auto,gram=reference``. ``python -m fastpals.env`` prints the decision and its reason.
+``F.scaled_dot_product_attention``), ``flash_attn`` (BERT's packed attention) or ``reference`` (plain PyTorch),
+decided per op from the device's compute capability and the dtype (:func:`decide`) under the switch
+``$FASTPALS_KERNELS``: a mode ``auto`` (default) | ``triton`` | ``reference``, then optional ``op=backend``
+overrides and the word ``library`` (every call through ``torch.ops.fastpals``), e.g. ``auto,gram=reference``.
 """
 
 from __future__ import annotations
@@ -47,12 +44,9 @@ __all__ = [
 ]
 
 
-#: the switch: ``mode[,op=backend,...][,library]``
 KERNELS_ENV = "FASTPALS_KERNELS"
-#: the per-op overrides before they joined ``$FASTPALS_KERNELS``: still read, with a warning, for one release
-BACKENDS_ENV = "FASTPALS_BACKENDS"
-#: the flag ``library`` before it joined ``$FASTPALS_KERNELS``: still read, with a warning, for one release
-OPS_ENV = "FASTPALS_OPS"
+#: deprecated forms of the per-op overrides and of the flag ``library``: still read, with a warning
+BACKENDS_ENV, OPS_ENV = "FASTPALS_BACKENDS", "FASTPALS_OPS"
 _BUILTIN_BACKENDS = ("triton", "sdpa", "flash_attn", "reference")
 _MODES = ("auto", "triton", "reference")
 
@@ -66,11 +60,8 @@ OPS = {
     "combine": "weighted sum of the buffer's rows",
     "bert_attention_varlen": "BERT self-attention over packed rows",
 }
-_SM75_REASON = (
-    "sm_{cap}: Triton >= 3.3 emits no mma for this GPU, so the fused kernels' 16-bit dots would run on CUDA "
-    "cores and spill up to 2.9 KB per thread (AOT test); cuBLAS and SDPA use its tensor cores"
-)
-_SM75_FP32_REASON = "sm_{cap} fp32: no tensor cores on either path; the stock ops are kept as for 16-bit (GPU speed not measured)"
+_SM75_REASON = "sm_{cap}: Triton emits no mma for this GPU (AOT test); cuBLAS and SDPA use its tensor cores"
+_SM75_FP32_REASON = "sm_{cap} fp32: no tensor cores on either path; the stock ops are kept as for 16-bit"
 
 
 class Decision(NamedTuple):
@@ -120,14 +111,10 @@ def decide(
         return Decision("sdpa", reason)
     if half:
         return Decision(
-            "triton",
-            f"sm_{cap}: fused kernels compile to tensor-core mma with no spills (AOT test); GPU speed not yet "
-            "measured",
+            "triton", f"sm_{cap}: fused kernels compile to tensor-core mma with no spills (AOT test)"
         )
     return Decision(
-        "triton",
-        f"sm_{cap} fp32: IEEE fp32 products on both paths (no TF32, no tensor cores); the fused kernels save "
-        "launches and never hold the L x L matrix; GPU speed not yet measured",
+        "triton", f"sm_{cap} fp32: IEEE fp32 products on both paths; the fused kernels save launches"
     )
 
 
@@ -142,20 +129,18 @@ _PROBES: dict[str, Any] = {}
 
 def _triton_import_error() -> str | None:
     if "triton" not in _PROBES:
+        _PROBES["triton"] = None
         try:
             import triton.language  # noqa: F401
         except Exception as exc:  # ImportError, or a broken install raising something else at import
             _PROBES["triton"] = f"{type(exc).__name__}: {exc}"
-        else:
-            _PROBES["triton"] = None
     return _PROBES["triton"]
 
 
 def _kernels_compiled_for_gpu() -> bool:
     """True when the grouped kernels were already compiled as GPU (non-interpreted) Triton functions."""
     kernel = getattr(sys.modules.get("fastpals_kernels.grouped_linear"), "_grouped_mm_kernel", None)
-    if isinstance(kernel, TritonKernel):
-        kernel = kernel.kernel
+    kernel = kernel.kernel if isinstance(kernel, TritonKernel) else kernel
     return kernel is not None and type(kernel).__name__ != "InterpretedFunction"
 
 

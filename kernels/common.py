@@ -473,11 +473,61 @@ def autograd_vjp(
         stack.enter_context(torch.enable_grad())
         out = fn(*leaves)
         grads = torch.autograd.grad(out, leaves, grad, allow_unused=True)
-    # outputs may not alias each other (e.g. the unbound views of one stacked gradient)
-    return tuple(torch.zeros_like(x) if g is None else g.clone() if g._base is not None else g
+    # outputs may not alias each other or ``grad`` (e.g. the unbound views of one stacked gradient, a residual's)
+    return tuple(torch.zeros_like(x) if g is None else g.clone() if g._base is not None or g is grad else g
                  for g, x in zip(grads, leaves))  # fmt: skip
 
 
 def seed_for(dropout_p: float) -> torch.Tensor:
     """:func:`draw_seed` with dropout, else a zero seed (no draw from the generator)."""
     return draw_seed() if dropout_p > 0.0 else torch.zeros(1, dtype=torch.int64)
+
+
+def recompute_ops(name: str, schema: str, run: Callable, grad_inputs: Sequence[int], fake: Callable) -> tuple:
+    """The custom op ``fastpals::<name>(<schema>) -> Tensor``, ``run(*inputs)`` without autograd, and its backward
+    ``fastpals::<name>_backward(Tensor grad, <schema>) -> Tensor[]``: the gradients in the (not None) inputs at
+    ``grad_inputs``, by recomputing ``run`` with autograd; with fakes (``fake(*inputs)``, the forward's),
+    autograd and vmap rules. Returns the two ops."""
+
+    def given(inputs: Sequence) -> list[int]:
+        return [i for i in grad_inputs if inputs[i] is not None]
+
+    def forward(*inputs: Any) -> torch.Tensor:
+        with torch.no_grad():
+            out = run(*inputs).contiguous()
+        return out.clone() if any(out is x for x in inputs) else out
+
+    def backward(grad: torch.Tensor, *inputs: Any) -> list[torch.Tensor]:
+        def recompute(*leaves: torch.Tensor) -> torch.Tensor:
+            args = list(inputs)
+            for i, leaf in zip(given(inputs), leaves):
+                args[i] = leaf
+            return run(*args)
+
+        return list(autograd_vjp(recompute, [inputs[i] for i in given(inputs)], grad))
+
+    op = torch.library.custom_op(
+        f"fastpals::{name}", forward, mutates_args=(), schema=f"({schema}) -> Tensor"
+    )
+    backward_op = torch.library.custom_op(
+        f"fastpals::{name}_backward", backward, mutates_args=(), schema=f"(Tensor grad, {schema}) -> Tensor[]"
+    )
+    op.register_fake(fake)
+    backward_op.register_fake(lambda grad, *inputs: [torch.empty_like(inputs[i]) for i in given(inputs)])
+
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        """Tensors (and None) through ``save_for_backward``, the scalars as attributes."""
+        ctx.save_for_backward(*[x if x is None or isinstance(x, torch.Tensor) else None for x in inputs])
+        ctx.scalars = [None if x is None or isinstance(x, torch.Tensor) else x for x in inputs]
+
+    def grad_formula(ctx: Any, grad: torch.Tensor) -> tuple:
+        inputs = [s if t is None else t for t, s in zip(ctx.saved_tensors, ctx.scalars)]
+        grads = [None] * len(inputs)
+        for i, g in zip(given(inputs), backward_op(grad, *inputs)):
+            grads[i] = g
+        return tuple(grads)
+
+    op.register_autograd(grad_formula, setup_context=setup_context)
+    for o in (op, backward_op):
+        o.register_vmap(per_sample_vmap(o))
+    return op, backward_op

@@ -26,10 +26,9 @@ from fastpals_kernels.common import (
     ROW_ALIGN,
     TaskRowPlan,
     autocast_dtype,
-    autograd_vjp,
     cast_floats,
     cdiv,
-    per_sample_vmap,
+    recompute_ops,
     seed_for,
     seeded,
     task_row_plan,
@@ -115,10 +114,8 @@ class PALWeights:
     def as_args(self, task_ids: torch.Tensor) -> tuple:
         """``(task_ids, enc_weight, enc_bias, qkv_weight, qkv_bias, dec_weight, dec_bias, num_heads, gelu,
         dropout_p)``, what the op's functions take after their inputs; ``task_ids [B]`` int64, one per sequence."""
-        return (
-            task_ids, self.enc_weight, self.enc_bias, self.qkv_weight, self.qkv_bias, self.dec_weight,
-            self.dec_bias, self.num_heads, self.gelu, self.dropout_p,
-        )  # fmt: skip
+        weights = (getattr(self, name) for name in _WEIGHT_NAMES)
+        return task_ids, *weights, self.num_heads, self.gelu, self.dropout_p
 
 
 def pal_reference(
@@ -522,76 +519,25 @@ _ARGS_SCHEMA += ", SymInt num_heads, bool gelu, float dropout_p"
 
 def _define_ops(name: str, where: tuple[str, ...], where_schema: str) -> tuple:
     """``fastpals::<name>(h, <where>, task_ids, <six weights>, num_heads, gelu, dropout_p, residual, seed)``:
-    ``residual + PAL(h)`` on the backend the dispatch picks for h, its dropout drawn from ``seed``; and
-    ``fastpals::<name>_backward(grad, h, <where>, ..., dropout_p, seed)``: the gradients in h and the six weights,
-    by recomputing the forward with autograd. ``where``: the arguments that place the tokens (``mask [B, L]`` of
-    h ``[B, L, d]``, or ``cu_seqlens [B+1], max_seqlen`` of h ``[N, d]``). Returns the two ops."""
+    ``residual + PAL(h)`` on the backend the dispatch picks for h, its dropout drawn from ``seed``, and its
+    backward op (:func:`~fastpals_kernels.common.recompute_ops`). ``where``: the arguments that place the tokens
+    (``mask [B, L]`` of h ``[B, L, d]``, or ``cu_seqlens [B+1], max_seqlen`` of h ``[N, d]``)."""
     n = len(where)
 
-    def run(h, where_args, args, residual, seed):
-        dropout_p = args[-1]
-        generator_seed = int(seed.reshape(-1)[0]) if dropout_p > 0.0 else None
-        with seeded(seed, h.device, dropout_p):
+    def run(h, *inputs):
+        args, residual, seed = inputs[n:-2], inputs[-2], inputs[-1]
+        generator_seed = int(seed.reshape(-1)[0]) if args[-1] > 0.0 else None
+        with seeded(seed, h.device, args[-1]):
             return pal_eager(h, tuple(args), residual=residual, generator_seed=generator_seed,
-                             **{"mask": None, **dict(zip(where, where_args))})  # fmt: skip
+                             **{"mask": None, **dict(zip(where, inputs[:n]))})  # fmt: skip
 
-    def forward(h, *inputs):
+    def fake(h, *inputs):
         residual = inputs[-2]
-        with torch.no_grad():
-            out = run(h, inputs[:n], inputs[n:-2], residual, inputs[-1])
-        return out.clone() if out is h or out is residual else out
+        dtype = h.dtype if residual is None else torch.promote_types(h.dtype, residual.dtype)
+        return h.new_empty(h.shape, dtype=dtype)
 
-    def backward(grad, h, *inputs):
-        args, seed = inputs[n:-1], inputs[-1]
-
-        def recompute(h, *weights):
-            return run(h, inputs[:n], (args[0], *weights, *args[7:]), None, seed)
-
-        return list(autograd_vjp(recompute, (h, *args[1:7]), grad))
-
-    schema = f"Tensor h, {where_schema}, {_ARGS_SCHEMA}"
-    op = torch.library.custom_op(
-        f"fastpals::{name}",
-        forward,
-        mutates_args=(),
-        schema=f"({schema}, Tensor? residual, Tensor seed) -> Tensor",
-    )
-    backward_op = torch.library.custom_op(
-        f"fastpals::{name}_backward",
-        backward,
-        mutates_args=(),
-        schema=f"(Tensor grad, {schema}, Tensor seed) -> Tensor[]",
-    )
-
-    @op.register_fake
-    def _(h, *inputs):
-        residual = inputs[-2]
-        return h.new_empty(
-            h.shape, dtype=h.dtype if residual is None else torch.promote_types(h.dtype, residual.dtype)
-        )
-
-    @backward_op.register_fake
-    def _(grad, h, *inputs):
-        return [torch.empty_like(t) for t in (h, *inputs[n + 1 : n + 7])]
-
-    def setup_context(ctx, inputs, output) -> None:
-        """torch.Tensors (and None) through ``save_for_backward``, the scalars as attributes."""
-        ctx.save_for_backward(*[x if x is None or isinstance(x, torch.Tensor) else None for x in inputs])
-        ctx.scalars = [None if x is None or isinstance(x, torch.Tensor) else x for x in inputs]
-
-    def grad_formula(ctx, grad: torch.Tensor) -> tuple:
-        h, *args, residual, seed = [s if t is None else t for t, s in zip(ctx.saved_tensors, ctx.scalars)]
-        grads = backward_op(grad, h, *args, seed)
-        out = [None] * len(ctx.scalars)
-        out[0], out[n + 2 : n + 8] = grads[0], grads[1:]
-        if residual is not None:
-            out[-2] = grad.to(residual.dtype)
-        return tuple(out)
-
-    op.register_autograd(grad_formula, setup_context=setup_context)
-    for o in (op, backward_op):
-        o.register_vmap(per_sample_vmap(o))
-    return op, backward_op
+    schema = f"Tensor h, {where_schema}, {_ARGS_SCHEMA}, Tensor? residual, Tensor seed"
+    return recompute_ops(name, schema, run, (0, *range(n + 2, n + 8), n + 11), fake)
 
 
 pal_op, pal_backward_op = _define_ops("pal", ("mask",), "Tensor? mask")

@@ -3,16 +3,10 @@
 weighted weight gradients, from the kept output gradients and inputs of their calls.
 
 A *problem* is one Linear weight ``[M, K]`` (with its bias ``[M]`` where ``bias[p]``); each of its *calls* brings
-``dy [R, M]``, ``x [R, K]`` (one dtype for all calls) and the :class:`~fastpals_kernels.common.TaskRowPlan`
-fields of its rows (``row_index [R]``, ``task_row_offsets [T+1]``). Task t's gradient of problem p is
-``G_pt = sum over p's calls of dy[rows of t]^T [x, 1][rows of t]`` ``[M, K (+1)]`` (the bias as a last column).
-
-- ``torch.ops.fastpals.stream_linear_gram``: ``sum_p G_p G_p^T`` ``[T, T]`` float64;
-- ``torch.ops.fastpals.stream_linear_combine``: ``sum_t c_t G_pt`` of every problem as one flat float32 tensor
-  (problem after problem: the weight's ``[M, K]`` row-major, then the bias's ``[M]``).
-
-The Triton kernels (CUDA) run one program per (problem, block of output rows) from tables built on the host; the
-Gram kernel's per-program ``[T, T]`` partials are summed in float64 (no atomics). Elsewhere the PyTorch reference.
+``dy [R, M]``, ``x [R, K]`` (one dtype for all calls) and its rows' task plan (``row_index [R]``,
+``task_row_offsets [T+1]``). Task t's gradient of problem p is ``G_pt = sum over p's calls of dy[rows of t]^T
+[x, 1][rows of t]`` ``[M, K (+1)]`` (the bias as a last column). The Triton kernels run one program per
+(problem, block of output rows) from tables built on the host; elsewhere the PyTorch reference.
 """
 
 from __future__ import annotations
