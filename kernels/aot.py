@@ -3,7 +3,7 @@
 ``python -m fastpals_kernels.aot --cap 80 --out aot_80.json`` runs the real host wrappers on CPU tensors with
 Triton's driver replaced by one whose target is ``GPUTarget("cuda", CAP, 32)``: every launch becomes a
 compile-only warm-up at the launch configuration chosen for that target, and ``ptxas -v`` reports each
-variant's registers, spills and shared memory. Runs in its own process (it sets ``FASTPALS_AOT=1`` before Triton loads).
+variant's registers, spills and shared memory. Runs in its own process (FASTPALS_AOT=1 before Triton loads).
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 # ruff: noqa: ANN001, ANN202 - the custom ops' fake and autograd hooks mirror their schemas
-"""The attention op: BERT's multi-head softmax self-attention over packed rows (``q, k, v [N, H, Dh]``, sequences
-back to back as ``cu_seqlens [B+1]`` says), with ``torch.ops.fastpals.attention_varlen`` (its backward recomputes
-the forward), and the attention references the PAL builds on. Softmax in fp32; padded keys get the dtype's most
-negative score (BERT's additive mask).
+"""The attention op: BERT's multi-head softmax self-attention over packed rows (``q, k, v [N, H, Dh]``), its
+custom op ``torch.ops.fastpals.attention_varlen``, and the attention references the PAL builds on. Softmax in
+fp32; padded keys get the dtype's most negative score (BERT's additive mask).
 """
 
 from __future__ import annotations
@@ -42,9 +41,8 @@ def attention_varlen(
     plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """BERT's self-attention over packed rows: ``q, k, v [N, H, Dh]``, ``cu_seqlens [B+1]`` → ``[N, H, Dh]``,
-    each sequence attending to its own keys (:func:`attention_varlen_eager`; ``plan``: length buckets from
-    :func:`fastpals_kernels.padding.attention_plan`). Under ``torch.compile`` on a GPU (or
-    ``$FASTPALS_KERNELS=...,library``) the call is ``torch.ops.fastpals.attention_varlen``."""
+    each sequence attending to its own keys; ``plan``: length buckets from
+    :func:`fastpals_kernels.padding.attention_plan`."""
     choice = backend("bert_attention_varlen", q)
     ext = registered("bert_attention_varlen", choice)
     if ext is not None:
@@ -57,12 +55,9 @@ def attention_varlen(
 
 
 def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
-    """Inverted dropout: each element of ``x`` is zeroed with probability ``p``, the others scaled by
-    ``1 / (1 - p)``; identity when ``training`` is False or ``p == 0``.
-
-    On CPU the keep mask comes from 16-bit slices of 64-bit random words (faster than ``F.dropout``'s one draw per
-    element), so ``p`` is rounded to a multiple of 1/65536 and the scale uses the rounded value (unbiased). Other
-    devices and ``torch.compile`` use ``F.dropout``."""
+    """Inverted dropout (identity when ``training`` is False or ``p == 0``). On CPU the keep mask comes from
+    16-bit slices of 64-bit random words (faster than ``F.dropout``), so ``p`` is rounded to a multiple of
+    1/65536 and the scale uses the rounded value; elsewhere and under ``torch.compile`` ``F.dropout``."""
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout: p must be in [0, 1), got {p}")
     if not training or p == 0.0:
@@ -129,9 +124,8 @@ def attention_sdpa(
     dropout_p: float = 0.0,
     softmax_scale: float | None = None,
 ) -> torch.Tensor:
-    """:func:`attention_reference` through ``F.scaled_dot_product_attention`` (GPUs where the Triton kernels
-    lose, e.g. sm_75), the head dim zero-padded to a multiple of 8 for the fused SDPA backends (no score changes;
-    the extra output columns are dropped). Dropout draws its own mask."""
+    """:func:`attention_reference` through ``F.scaled_dot_product_attention``, the head dim zero-padded to a
+    multiple of 8 for the fused SDPA backends. Dropout draws its own mask."""
     head_dim = q.shape[-1]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     pad = (-head_dim) % 8

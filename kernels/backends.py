@@ -1,6 +1,6 @@
 """Which backend runs each fastpals op: ``triton`` (this package's kernels), ``sdpa`` (cuBLAS matmuls and
-``F.scaled_dot_product_attention``), ``flash_attn`` (BERT's packed attention) or ``reference`` (plain PyTorch),
-decided per op from the device's compute capability and the dtype (:func:`decide`) under the switch
+``F.scaled_dot_product_attention``), ``flash_attn`` (BERT's packed attention) or ``reference`` (plain
+PyTorch), decided per op from the device's compute capability and the dtype (:func:`decide`) under the switch
 ``$FASTPALS_KERNELS``: a mode ``auto`` (default) | ``triton`` | ``reference``, then optional ``op=backend``
 overrides and the word ``library`` (every call through ``torch.ops.fastpals``), e.g. ``auto,gram=reference``.
 """
@@ -60,8 +60,6 @@ OPS = {
     "combine": "weighted sum of the buffer's rows",
     "bert_attention_varlen": "BERT self-attention over packed rows",
 }
-_SM75_REASON = "sm_{cap}: Triton emits no mma for this GPU (AOT test); cuBLAS and SDPA use its tensor cores"
-_SM75_FP32_REASON = "sm_{cap} fp32: no tensor cores on either path; the stock ops are kept as for 16-bit"
 
 
 class Decision(NamedTuple):
@@ -105,17 +103,16 @@ def decide(
     if capability < (8, 0):
         if dtype == torch.bfloat16:
             return Decision("reference", f"sm_{cap}: no bf16 tensor cores; the PyTorch reference ops")
-        reason = (_SM75_REASON if half else _SM75_FP32_REASON).format(cap=cap)
+        reason = f"sm_{cap}: Triton emits no mma here (AOT test); cuBLAS and SDPA use its tensor cores"
+        reason = (
+            reason if half else f"sm_{cap} fp32: no tensor cores on either path; the stock ops as for 16-bit"
+        )
         if op == "grouped_linear":
             return Decision("reference", reason + " (per-task cuBLAS matmuls)")
         return Decision("sdpa", reason)
     if half:
-        return Decision(
-            "triton", f"sm_{cap}: fused kernels compile to tensor-core mma with no spills (AOT test)"
-        )
-    return Decision(
-        "triton", f"sm_{cap} fp32: IEEE fp32 products on both paths; the fused kernels save launches"
-    )
+        return Decision("triton", f"sm_{cap}: fused kernels compile to tensor-core mma (AOT test)")
+    return Decision("triton", f"sm_{cap} fp32: IEEE fp32 products; the fused kernels save launches")
 
 
 def capability_of(tensor: torch.Tensor) -> tuple[int, int] | None:

@@ -1,6 +1,6 @@
 # ruff: noqa: ANN001, ANN202 - Triton kernel parameters and the custom ops' fake/autograd hooks mirror their schemas
-"""The combine op: ``out[p] = sum_t weights[t] * buf[t, p]`` over a ``[T, P]`` task-gradient buffer in one pass,
-accumulated in fp32 and stored in ``out``'s dtype (a flat gradient, or a row of the buffer itself).
+"""The combine op: ``out[p] = sum_t weights[t] * buf[t, p]`` over a ``[T, P]`` task-gradient buffer in one
+pass, accumulated in fp32 and stored in ``out``'s dtype (a flat gradient, or a row of the buffer itself).
 """
 
 from __future__ import annotations

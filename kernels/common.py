@@ -473,7 +473,7 @@ def autograd_vjp(
         stack.enter_context(torch.enable_grad())
         out = fn(*leaves)
         grads = torch.autograd.grad(out, leaves, grad, allow_unused=True)
-    # outputs may not alias each other or ``grad`` (e.g. the unbound views of one stacked gradient, a residual's)
+    # outputs may not alias each other or grad (e.g. the unbound views of one stacked gradient, a residual's)
     return tuple(torch.zeros_like(x) if g is None else g.clone() if g._base is not None or g is grad else g
                  for g, x in zip(grads, leaves))  # fmt: skip
 
@@ -484,10 +484,10 @@ def seed_for(dropout_p: float) -> torch.Tensor:
 
 
 def recompute_ops(name: str, schema: str, run: Callable, grad_inputs: Sequence[int], fake: Callable) -> tuple:
-    """The custom op ``fastpals::<name>(<schema>) -> Tensor``, ``run(*inputs)`` without autograd, and its backward
-    ``fastpals::<name>_backward(Tensor grad, <schema>) -> Tensor[]``: the gradients in the (not None) inputs at
-    ``grad_inputs``, by recomputing ``run`` with autograd; with fakes (``fake(*inputs)``, the forward's),
-    autograd and vmap rules. Returns the two ops."""
+    """The custom op ``fastpals::<name>(<schema>) -> Tensor``, ``run(*inputs)`` without autograd, and its
+    backward ``fastpals::<name>_backward(Tensor grad, <schema>) -> Tensor[]``: the gradients in the (not None)
+    inputs at ``grad_inputs``, by recomputing ``run`` with autograd; with fakes (``fake(*inputs)``, the
+    forward's), autograd and vmap rules. Returns the two ops."""
 
     def given(inputs: Sequence) -> list[int]:
         return [i for i in grad_inputs if inputs[i] is not None]

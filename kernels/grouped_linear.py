@@ -44,10 +44,8 @@ def grouped_linear_reference(
     x: torch.Tensor, task_ids: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """``y[b] = x[b] @ weight[task_ids[b]].T + bias[task_ids[b]]``: x ``[B, ..., K]``, task_ids ``[B]`` int64,
-    weight ``[T, M, K]``, bias ``[T, M]`` or None → ``[B, ..., M]`` in x's dtype.
-
-    The examples sorted by task through :func:`segment_linear`; under ``torch.compile`` (where the per-task row
-    counts would be a host read) one batched matmul against each example's gathered weight."""
+    weight ``[T, M, K]``, bias ``[T, M]`` or None → ``[B, ..., M]`` in x's dtype; under ``torch.compile`` one
+    batched matmul against each example's gathered weight (no host read of the per-task counts)."""
     if torch.compiler.is_compiling():
         w = weight.index_select(0, task_ids)  # [B, M, K]
         rows = x.reshape(x.shape[0], -1, x.shape[-1])  # [B, R, K]
@@ -70,12 +68,10 @@ def grouped_linear_reference(
 def segment_linear(
     x: torch.Tensor, counts: list[int], weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """:func:`grouped_linear_reference` for rows already grouped by task: ``x [N, K]`` holds ``counts[0]`` rows of
-    task 0, then ``counts[1]`` of task 1, ... (``sum(counts) == N``); ``weight [T, M, K]``, ``bias [T, M]`` or None.
-    Returns ``[N, M]`` in x's dtype.
-
-    One GEMM per task written straight into the output, and in the backward into one ``[N, K]`` input gradient
-    and ``weight``'s row t (``F.linear`` on slices would add T zero-padded gradients of each)."""
+    """:func:`grouped_linear_reference` for rows already grouped by task: ``x [N, K]`` holds ``counts[0]``
+    rows of task 0, then ``counts[1]`` of task 1, ...; ``weight [T, M, K]``, ``bias [T, M]`` or None → ``[N,
+    M]``. One GEMM per task written straight into the output and, in the backward, into one input gradient and
+    weight row t (``F.linear`` on slices would add T zero-padded gradients)."""
     if len(counts) != weight.shape[0] or sum(counts) != x.shape[0]:
         raise ValueError(
             f"segment_linear: counts {counts} must have one entry per task ({weight.shape[0]}) "
@@ -146,17 +142,6 @@ def _segments(counts: tuple[int, ...]) -> list[tuple[int, int]]:
 
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-#: launch shapes of the grouped kernels, (rows per tile, N-tile cap, K-tile cap, warps, stages), keyed on (fp32?,
-#: target class of :func:`target_class`): within shared memory and without 16-bit spills (tests/test_aot.py)
-GROUPED_CONFIGS: dict[tuple[bool, str], tuple[int, int, int, int, int]] = {
-    **{
-        (fp32, sm): (32 if fp32 else 64, 64, 32, 8, 2)
-        for fp32 in (False, True)
-        for sm in ("sm75", "sm80", "sm90")
-    },
-    (False, "interp"): (64, 64, 64, 4, 1),
-    (True, "interp"): (64, 64, 64, 4, 1),
-}
 _ACTIVATIONS = (None, "gelu")
 
 
@@ -290,8 +275,12 @@ def target_class(arch: int | None) -> str:
 
 
 def grouped_config(dtype: torch.dtype, arch: int | None) -> tuple[int, int, int, int, int]:
-    """(rows per tile, N-tile cap, K-tile cap, warps, stages) of the grouped kernels for ``dtype`` on ``arch``."""
-    return GROUPED_CONFIGS[(dtype == torch.float32, target_class(arch))]
+    """(rows per tile, N-tile cap, K-tile cap, warps, stages) of the grouped kernels for ``dtype`` on ``arch``
+    (None: the interpreter), within shared memory and without 16-bit spills on sm_75/80/90
+    (tests/test_aot.py)."""
+    if arch is None:
+        return 64, 64, 64, 4, 1
+    return 32 if dtype == torch.float32 else 64, 64, 32, 8, 2
 
 
 def row_block(x: torch.Tensor) -> int:
@@ -328,11 +317,10 @@ def grouped_mm_rows(
     out_width: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The grouped GEMM on row-major ``a [R, K_red]`` → ``(out [R, out_width or N], pre or None)``: ``a @
-    weight[t].T`` for weight ``[T, N, K_w]``, or ``a @ weight[t]`` for ``[T, K_w, N]`` with ``transpose_weight``.
-
-    Columns of ``a`` beyond ``K_w`` (finite) and of ``out`` beyond ``N`` meet zero weights (row-aligned operands
-    at their padded width); ``gelu_grad_pre``: ``a`` times GELU'(pre) while loading; ``aligned_out``: rows of
-    ``out`` and ``pre`` 16-element aligned (:func:`aligned_rows`)."""
+    weight[t].T`` for weight ``[T, N, K_w]``, or ``a @ weight[t]`` for ``[T, K_w, N]`` with
+    ``transpose_weight``; columns beyond ``K_w`` / ``N`` meet zero weights; ``gelu_grad_pre``: ``a`` times
+    GELU'(pre) while loading; ``aligned_out``: rows of ``out`` and ``pre`` 16-element aligned
+    (:func:`aligned_rows`)."""
     num_rows, k_red = a.shape
     if transpose_weight:
         n_w, k_w = weight.shape[2], weight.shape[1]
@@ -380,11 +368,9 @@ def grouped_wgrad_rows(
     dw: torch.Tensor | None = None,
     db: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-task weight/bias gradients: ``dW [T, M, K]``, ``db [T, M]`` from ``dy [R, M]`` and ``x [R, K]``.
-
-    ``out_rows``: keep only the first ``out_rows <= M`` rows of ``dW`` and ``db`` (``dy`` read at its padded,
-    row-aligned width ``M``). ``dw`` / ``db``: write into these (each task's ``[M, K]`` / ``[M]`` contiguous, any
-    task stride, e.g. row views of a surgery buffer) instead of new tensors."""
+    """Per-task ``dW [T, M, K]``, ``db [T, M]`` from ``dy [R, M]`` and ``x [R, K]``; ``out_rows``: only the
+    first ``out_rows <= M`` rows (``dy`` read at its aligned width); ``dw`` / ``db``: written into (each
+    task's block contiguous, any task stride) instead of new tensors."""
     m, k = dy.shape[1], x.shape[1]
     m_out = m if out_rows is None else out_rows
     if dw is None:
@@ -413,15 +399,7 @@ class GroupedLinearFunction(torch.autograd.Function):
     """Autograd op over row-major activations: ``x [R, K]`` -> ``[R, M]`` with a prebuilt task plan."""
 
     @staticmethod
-    def forward(
-        ctx: torch.autograd.function.FunctionCtx,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        residual: torch.Tensor | None,
-        plan: TaskRowPlan,
-        activation: str | None,
-    ) -> torch.Tensor:
+    def forward(ctx, x, weight, bias, residual, plan: TaskRowPlan, activation: str | None) -> torch.Tensor:
         gelu = activation == "gelu"
         y, pre = grouped_mm_rows(x, weight, plan, bias=bias, gelu=gelu, residual=residual, store_pre=gelu)
         ctx.save_for_backward(x, weight, pre)
@@ -517,15 +495,13 @@ def grouped_linear(
     activation: str | None = None,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``residual + act(x[b] @ weight[task_ids[b]].T + bias[task_ids[b]])`` for a mixed-task batch.
+    """``residual + act(grouped_linear_reference(x, task_ids, weight, bias))`` for a mixed-task batch
+    (Triton).
 
-    x: ``[B, L, K]`` or ``[B, K]`` (fp32/fp16/bf16); task_ids: ``[B]`` integer (int64), values in ``[0, T)``;
-    weight: ``[T, M, K]``; bias: ``[T, M]`` or None; activation: None or ``"gelu"`` (exact erf GELU, after the
-    bias); residual: the output's shape (``[B, L, M]`` or ``[B, M]``), added after the activation, or None.
-    Returns ``[B, L, M]`` (or ``[B, M]``) in x's dtype; differentiable in x, weight, bias and residual.
-    Equal to ``residual + act(grouped_linear_reference(x, task_ids, weight, bias))``. Triton only.
-    Under ``torch.autocast`` x, weight and bias are cast to the autocast dtype first (like ``F.linear``); a
-    residual of another dtype is then added outside the kernel.
+    x: ``[B, L, K]`` or ``[B, K]`` fp32/fp16/bf16; task_ids: ``[B]`` integer in ``[0, T)``; weight: ``[T, M,
+    K]``; bias: ``[T, M]`` or None; activation: None or ``"gelu"`` (exact erf); residual: the output's shape
+    or None. Returns ``[B, L, M]`` (or ``[B, M]``) in x's dtype. Under autocast the operands are cast like
+    ``F.linear``'s and a residual of another dtype is added outside the kernel.
     """
     return _grouped_linear(x, None, task_ids, weight, bias, activation, residual)
 
@@ -539,11 +515,8 @@ def grouped_linear_varlen(
     activation: str | None = None,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Packed form of :func:`grouped_linear`: x ``[N, K]`` holds B sequences back to back.
-
-    cu_seqlens: ``[B+1]`` int32/int64 cumulative lengths (0 first, N last); task_ids: ``[B]``, one task per
-    sequence; residual: ``[N, M]`` or None. Returns ``[N, M]``. Autocast as in :func:`grouped_linear`.
-    """
+    """Packed form of :func:`grouped_linear`: x ``[N, K]``, cu_seqlens ``[B+1]`` int32/int64, task_ids
+    ``[B]``, residual ``[N, M]`` or None → ``[N, M]``."""
     return _grouped_linear(x, cu_seqlens, task_ids, weight, bias, activation, residual)
 
 

@@ -1,8 +1,6 @@
-"""Pad, unpad and ``cu_seqlens`` helpers (the role of flash-attention's ``bert_padding.py``), and packed attention
-over padded blocks of similar lengths where no varlen kernel serves it (the CPU path).
-
-A batch is *packed* (``[N, d]`` token rows; ``cu_seqlens [B+1]`` int32 says where each sequence lies) or *padded*
-(``[B, L, d]`` with a ``[B, L]`` mask). No host read unless a docstring says so.
+"""Pad, unpad and ``cu_seqlens`` helpers (the role of flash-attention's ``bert_padding.py``) between *packed*
+(``[N, d]`` rows, ``cu_seqlens [B+1]`` int32) and *padded* (``[B, L, d]``, a ``[B, L]`` mask) batches, and
+packed attention over padded blocks of similar lengths (the CPU path). No host read unless a docstring says.
 """
 
 from __future__ import annotations
@@ -80,21 +78,13 @@ def pad_packed(x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, value
 def pad_packed_index(x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> tuple[torch.Tensor, ...]:
     """Scatter packed rows ``x [N, *rest]`` (or stacked ``[S, N, H, Dh]``) into a padded batch: ``(padded
     [(S,) B, max_seqlen, *rest], mask [B, max_seqlen], index [N])``, index: each row's place in the flat batch."""
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    batch = lengths.shape[0]
-    pos = torch.arange(max_seqlen, device=x.device)
-    mask = pos[None, :] < lengths[:, None]
-    stacked = x.dim() >= 4  # [3, N, H, Dh] vs [N, ...]
-    total = x.shape[1] if stacked else x.shape[0]
-    example = torch.repeat_interleave(torch.arange(batch, device=x.device), lengths, output_size=total)
+    mask = cu_seqlens_to_mask(cu_seqlens, max_seqlen)
+    batch, dim = mask.shape[0], int(x.dim() >= 4)  # the row dim: [3, N, H, Dh] vs [N, ...]
+    total = x.shape[dim]
+    example = torch.repeat_interleave(torch.arange(batch, device=x.device), mask.sum(1), output_size=total)
     index = example * max_seqlen + packed_position_ids(cu_seqlens, total)
-    if stacked:
-        flat = x.new_zeros(x.shape[0], batch * max_seqlen, *x.shape[2:])
-        flat[:, index] = x
-        return flat.view(x.shape[0], batch, max_seqlen, *x.shape[2:]), mask, index
-    flat = x.new_zeros(batch * max_seqlen, *x.shape[1:])
-    flat[index] = x
-    return flat.view(batch, max_seqlen, *x.shape[1:]), mask, index
+    flat = x.new_zeros(*x.shape[:dim], batch * max_seqlen, *x.shape[dim + 1 :]).index_copy_(dim, index, x)
+    return flat.view(*x.shape[:dim], batch, max_seqlen, *x.shape[dim + 1 :]), mask, index
 
 
 def check_packed(

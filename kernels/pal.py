@@ -70,13 +70,9 @@ def run_pal(
     residual: torch.Tensor | None = None,
     segments: Any = None,
 ) -> torch.Tensor:
-    """``residual + PAL(h)`` (``PAL(h)`` without a residual) on the backend :func:`backend` picks.
-
-    h: ``[B, L, d]`` with ``mask [B, L]``, or packed rows ``[N, d]`` with ``cu_seqlens [B+1]`` and ``max_seqlen``;
-    args: :meth:`PALWeights.as_args`; ``segments``: the :class:`PackedSegments` of packed rows (reference
-    backend). Under ``torch.compile`` on a GPU (or ``$FASTPALS_KERNELS=...,library``) the call is
-    ``torch.ops.fastpals.pal`` / ``pal_varlen``.
-    """
+    """``residual + PAL(h)`` on the backend :func:`backend` picks: h ``[B, L, d]`` with ``mask [B, L]``, or
+    packed rows ``[N, d]`` with ``cu_seqlens [B+1]`` and ``max_seqlen``; args: :meth:`PALWeights.as_args`;
+    ``segments``: the :class:`PackedSegments` of packed rows (reference backend)."""
     choice = backend("pal", h)
     ext = registered("pal", choice)
     if ext is not None:
@@ -133,10 +129,9 @@ def pal_reference(
     dropout_p: float = 0.0,
     attention: str = "reference",
 ) -> torch.Tensor:
-    """The task-specific PAL output ``TS_t(h)`` of a padded mixed-task batch: h ``[B, L, d]``, attention_mask
-    ``[B, L]`` (1 = token) or None, task_ids ``[B]`` int64 (checked by the caller); attention: ``"reference"``
-    (:func:`attention_reference`) or ``"sdpa"`` (:func:`attention_sdpa`, the same through PyTorch's fused
-    attention). Returns ``[B, L, d]``."""
+    """The task-specific PAL output ``TS_t(h)`` ``[B, L, d]`` of a padded mixed-task batch: h ``[B, L, d]``,
+    attention_mask ``[B, L]`` (1 = token) or None, task_ids ``[B]`` int64; attention: ``"reference"``
+    (:func:`attention_reference`) or ``"sdpa"`` (:func:`attention_sdpa`)."""
     attend = {"reference": attention_reference, "sdpa": attention_sdpa}.get(attention)
     if attend is None:
         raise ValueError(f"attention must be 'reference' or 'sdpa', got {attention!r}")
@@ -272,9 +267,7 @@ class _ZeroPadded(torch.autograd.Function):
     the gradient, cast back to x's dtype (the pads' gradient is dropped). One copy each way, fused with the cast."""
 
     @staticmethod
-    def forward(
-        ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, shape: tuple, dtype: torch.dtype
-    ) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
         ctx.corner = tuple(slice(0, n) for n in x.shape)
         ctx.x_dtype = x.dtype
         out = x.new_zeros(shape, dtype=dtype)
@@ -309,21 +302,12 @@ def _padded_weights(qkv_weight, qkv_bias, dec_weight, lay: PALLayout, dtype: tor
 
 
 class EncQKVFunction(torch.autograd.Function):
-    """``qkv = (x V^E_tᵀ + b^E_t) W^{QKV}_tᵀ + b^{QKV}_t`` over row-major ``x [R, d]`` with a task plan: two
-    grouped GEMMs in 64-wide column tiles (no width rounded up to a power of two), ``s`` rounded to x's dtype as
-    the reference does. ``qkv_weight [T, N, K]`` may be wider than ``s`` (``K >= d_s``, the extra columns zero):
-    ``s`` is then stored ``K`` wide with zero columns, so every GEMM reads it at an aligned width."""
+    """``qkv = (x V^E_tᵀ + b^E_t) W^{QKV}_tᵀ + b^{QKV}_t`` over row-major ``x [R, d]`` with a task plan, ``s``
+    rounded to x's dtype as the reference does and stored as wide as ``qkv_weight [T, N, K]`` (``K >= d_s``,
+    the extra columns zero) so that every GEMM reads it at an aligned width."""
 
     @staticmethod
-    def forward(
-        ctx: torch.autograd.function.FunctionCtx,
-        x: torch.Tensor,
-        enc_weight: torch.Tensor,
-        enc_bias: torch.Tensor,
-        qkv_weight: torch.Tensor,
-        qkv_bias: torch.Tensor,
-        plan: TaskRowPlan,
-    ) -> torch.Tensor:
+    def forward(ctx, x, enc_weight, enc_bias, qkv_weight, qkv_bias, plan: TaskRowPlan) -> torch.Tensor:
         s, _ = grouped_mm_rows(
             x, enc_weight, plan, bias=enc_bias, aligned_out=True, out_width=qkv_weight.shape[2]
         )
@@ -402,11 +386,10 @@ def _fused_pal(
     residual: torch.Tensor | None,
     generator_seed: int | None,
 ) -> torch.Tensor:
-    """The body of :func:`pal` and :func:`pal_varlen`: h ``[*form, d]`` (``form``: ``(B, L)`` or ``(N,)``, the
-    attention's token shape) through ``attend(q, k, v, **options)``; ``args`` as in :func:`pal_reference` after
-    its inputs. Under ``torch.autocast``: h, the V^E weight and bias and the V^D bias in the autocast dtype (the
-    QKV and V^D weights are cast by their re-layout copy), and a residual of another dtype added outside the
-    kernel (the sum is promoted, as in ``residual + pal_reference``)."""
+    """The body of :func:`pal` and :func:`pal_varlen`: h ``[*form, d]`` (``form``: ``(B, L)`` or ``(N,)``)
+    through ``attend(q, k, v, **options)``; ``args`` as in :func:`pal_reference` after its inputs. Under
+    autocast the QKV and V^D weights are cast by their re-layout copy, and a residual of another dtype is
+    added outside the kernel (the sum promoted, as in ``residual + pal_reference``)."""
     task_ids, *weights, num_heads, gelu, dropout_p = args
     cast = autocast_dtype(h)
     outside = None
@@ -454,15 +437,12 @@ def pal(
     residual: torch.Tensor | None = None,
     generator_seed: int | None = None,
 ) -> torch.Tensor:
-    """Fused PAL over a padded mixed-task batch: ``residual + pal_reference(h, ...)``.
+    """Fused PAL over a padded mixed-task batch: ``residual + pal_reference(h, ...)`` ``[B, L, d]``.
 
-    h: ``[B, L, d]`` fp32/fp16/bf16; attention_mask: ``[B, L]`` (1 = token, 0 = padding) or None; task_ids:
-    ``[B]`` int64 in ``[0, T)``; weights as in the module docstring, in h's dtype; num_heads divides d_s (head dim
-    <= 128); gelu: exact GELU after V^D; dropout_p: attention-probability dropout, its mask drawn from
-    ``generator_seed`` (see :func:`~fastpals_kernels.pal_attention.pal_attention_dropout_mask`); residual:
-    ``[B, L, d]`` added in the V^D kernel, or None. Returns ``[B, L, d]`` in h's dtype, differentiable in h, the
-    six weights and biases, and residual. Under ``torch.autocast`` h and the weights are cast like ``F.linear``;
-    a residual of another dtype is then added outside the kernel (the result dtype is promoted).
+    h: ``[B, L, d]`` fp32/fp16/bf16; attention_mask: ``[B, L]`` (1 = token) or None; task_ids: ``[B]`` int64
+    in ``[0, T)``; weights as in the module docstring, in h's dtype (cast like ``F.linear`` under autocast);
+    num_heads divides d_s (head dim <= 128); dropout_p: its mask drawn from ``generator_seed``
+    (:func:`~fastpals_kernels.pal_attention.pal_attention_dropout_mask`); residual: ``[B, L, d]`` or None.
     """
     require_triton("pal")
     if not isinstance(h, torch.Tensor) or h.dim() != 3:
@@ -497,12 +477,9 @@ def pal_varlen(
     residual: torch.Tensor | None = None,
     generator_seed: int | None = None,
 ) -> torch.Tensor:
-    """Packed form of :func:`pal`: ``residual + pal_varlen_reference(h, cu_seqlens, max_seqlen, ...)``.
-
-    h: ``[N, d]`` with B sequences back to back; cu_seqlens: ``[B+1]`` int32 or int64 (0 first, N last,
-    non-decreasing; read on the host once per tensor, so every layer of a forward passing the same tensor syncs
-    once); max_seqlen: int >= the longest sequence, computed once by the caller; task_ids: ``[B]``, one task per
-    sequence; residual: ``[N, d]`` or None; the rest as in :func:`pal`. Returns ``[N, d]``.
+    """Packed form of :func:`pal`: ``residual + pal_varlen_reference(h, cu_seqlens, max_seqlen, ...)`` ``[N,
+    d]``. h: ``[N, d]``; cu_seqlens: ``[B+1]`` int32/int64 (read on the host once per tensor); max_seqlen: an
+    int >= the longest sequence; task_ids: ``[B]``; residual: ``[N, d]`` or None; the rest as in :func:`pal`.
     """
     require_triton("pal_varlen")
     if not isinstance(h, torch.Tensor) or h.dim() != 2:
@@ -520,8 +497,8 @@ _ARGS_SCHEMA += ", SymInt num_heads, bool gelu, float dropout_p"
 def _define_ops(name: str, where: tuple[str, ...], where_schema: str) -> tuple:
     """``fastpals::<name>(h, <where>, task_ids, <six weights>, num_heads, gelu, dropout_p, residual, seed)``:
     ``residual + PAL(h)`` on the backend the dispatch picks for h, its dropout drawn from ``seed``, and its
-    backward op (:func:`~fastpals_kernels.common.recompute_ops`). ``where``: the arguments that place the tokens
-    (``mask [B, L]`` of h ``[B, L, d]``, or ``cu_seqlens [B+1], max_seqlen`` of h ``[N, d]``)."""
+    backward op (:func:`~fastpals_kernels.common.recompute_ops`). ``where``: the arguments that place the
+    tokens (``mask [B, L]`` of h ``[B, L, d]``, or ``cu_seqlens [B+1], max_seqlen`` of h ``[N, d]``)."""
     n = len(where)
 
     def run(h, *inputs):

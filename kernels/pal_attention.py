@@ -1,9 +1,9 @@
 # ruff: noqa: ANN001, ANN202 - Triton kernel parameters and autograd hooks
-"""The PAL attention: flash-style multi-head softmax attention over a padded ``[B, L, H, Dh]`` or packed
-``[N, H, Dh]`` batch (head dims up to 128), inside the fused PAL. Online fp32 softmax forward; the backward
-recomputes the probabilities (one dK/dV kernel per key block, one dQ kernel per query block; no atomics). Dropout
-keeps (b, h, i, j) when ``tl.rand(seed, ((b * H + h) * S + i) * S + j) >= p`` (``S``: ``L`` or ``max_seqlen``),
-so a packed batch drops what the padded one does (:func:`pal_attention_dropout_mask`).
+"""The PAL attention: flash-style multi-head softmax attention over a padded ``[B, L, H, Dh]`` or packed ``[N,
+H, Dh]`` batch (head dims up to 128), inside the fused PAL. Online fp32 softmax forward; the backward
+recomputes the probabilities (one dK/dV kernel per key block, one dQ kernel per query block; no atomics).
+Dropout keeps (b, h, i, j) when ``tl.rand(seed, ((b * H + h) * S + i) * S + j) >= p`` (``S``: ``L`` or
+``max_seqlen``), so a packed batch drops what the padded one does (:func:`pal_attention_dropout_mask`).
 """
 
 from __future__ import annotations
@@ -304,8 +304,8 @@ def _attention_backward(
 
 
 class _AttentionFunction(torch.autograd.Function):
-    """Autograd op behind :func:`pal_attention` and :func:`pal_attention_varlen` (arguments checked there), the
-    tokens addressed as ``layout`` says."""
+    """Autograd op behind :func:`pal_attention` and :func:`pal_attention_varlen` (arguments checked there),
+    the tokens addressed as ``layout`` says."""
 
     @staticmethod
     def forward(
@@ -350,17 +350,13 @@ def pal_attention(
     *,
     aligned_rows: bool = False,
 ) -> torch.Tensor:
-    """Multi-head softmax attention over a padded batch; the fused form of ``attention_reference``.
+    """Multi-head softmax attention over a padded batch, the fused ``attention_reference``: ``[B, L, H, Dh]``.
 
-    q, k, v: ``[B, L, H, Dh]`` fp32, fp16 or bf16, one dtype and device, ``Dh <= 128``, any strides on the first
-    three dims (e.g. the ``unbind`` of a ``[B, L, 3, H, Dh]`` QKV view), last dim contiguous (else copied).
-    key_padding_mask: ``[B, L]`` bool or integer, 1 = token, 0 = padding, or None; padded keys get
-    ``finfo(float32).min`` added (a sequence with no token averages all keys, as the reference does).
-    dropout_p: in ``[0, 1)``, kept probabilities scaled by ``1 / (1 - dropout_p)``; softmax_scale: default
-    ``1 / sqrt(Dh)``; generator_seed: Philox seed of the dropout mask (see :func:`pal_attention_dropout_mask`),
-    default one draw from torch's CPU generator; aligned_rows: return the ``[B*L, H*Dh]`` rows at a stride padded
-    to 16 elements (what the fused PAL's V^D reads). Returns ``[B, L, H, Dh]`` in q's dtype, differentiable in
-    q, k and v.
+    q, k, v: ``[B, L, H, Dh]`` fp32/fp16/bf16, ``Dh <= 128``, any strides but the last dim's;
+    key_padding_mask: ``[B, L]`` bool or integer (1 = token) or None; softmax_scale: default ``1 / sqrt(Dh)``;
+    generator_seed: Philox seed of the dropout mask (:func:`pal_attention_dropout_mask`), default one draw
+    from torch's CPU generator; aligned_rows: the ``[B*L, H*Dh]`` rows at a stride padded to 16 elements (what
+    V^D reads).
     """
     require_triton("pal_attention")
     _check_qkv(q, k, v, 4, "[B, L, H, Dh]")
@@ -381,14 +377,9 @@ def pal_attention_varlen(
     *,
     aligned_rows: bool = False,
 ) -> torch.Tensor:
-    """Packed form of :func:`pal_attention`; the fused form of ``attention_varlen_reference``.
-
-    q, k, v: ``[N, H, Dh]``, the B sequences back to back (any strides on the first two dims); cu_seqlens:
-    ``[B+1]`` int32 or int64 on q's device, 0 first, non-decreasing, N last (empty sequences allowed), checked on
-    the host once per tensor (:func:`fastpals_kernels.common.check_cu_seqlens`); max_seqlen: an int >= the longest
-    sequence (it sizes the grid and the dropout counters: position i, j of sequence b draws as in a padded batch
-    with ``L = max_seqlen``); the rest as in :func:`pal_attention`. Returns ``[N, H, Dh]``.
-    """
+    """Packed form of :func:`pal_attention`, the fused ``attention_varlen_reference``: q, k, v ``[N, H, Dh]``,
+    cu_seqlens ``[B+1]`` int32/int64 (checked on the host once per tensor), max_seqlen an int >= the longest
+    sequence (dropout draws as in a padded batch with ``L = max_seqlen``) → ``[N, H, Dh]``."""
     require_triton("pal_attention_varlen")
     _check_qkv(q, k, v, 3, "[N, H, Dh]")
     _check_options(dropout_p, softmax_scale, generator_seed)
