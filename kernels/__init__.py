@@ -1,7 +1,6 @@
-"""fastpals' op library: one module per op (``pal``, ``pal_attention``, ``attention_varlen``,
-``grouped_linear``, ``gram``, ``combine``, ``stream_linear``), each holding the op's PyTorch reference, its Triton
-kernels (compiled on first launch: ``import fastpals_kernels`` loads no Triton), its ``torch.ops.fastpals`` custom
-ops and its public function; the switch ``$FASTPALS_KERNELS`` in :mod:`~fastpals_kernels.backends`.
+"""fastpals' op library: one module per op, each holding the op's PyTorch reference, its Triton kernels
+(compiled on first launch: importing loads no Triton), its ``torch.ops.fastpals`` custom ops and its public
+function; the switch ``$FASTPALS_KERNELS`` in :mod:`~fastpals_kernels.backends`.
 """
 
 from __future__ import annotations

@@ -44,9 +44,8 @@ _CP_ASYNC_BYTES = re.compile(r"cp\.async\.c[ag]\.shared\.global[^;]*?,\s*(0x10|1
 
 def arithmetic_counts(ptx: str) -> dict[str, int]:
     """Static counts in one kernel's PTX (one thread's instructions, a loop body counted once): fp32 ``fma``,
-    ``mul`` and ``add`` instructions, and ``loaded_bytes``, the bytes its global loads and ``cp.async`` copies
-    read. Divided by the element size, ``loaded_bytes`` is the elements one thread loads per pass of the code;
-    ``(fma + mul) / elements`` is then the fp32 products per loaded element."""
+    ``mul`` and ``add`` instructions, and ``loaded_bytes`` read by its global loads and ``cp.async`` copies.
+    """
     loaded = sum(int(vec or 1) * int(bits) // 8 for vec, bits in _LD_GLOBAL.findall(ptx))
     loaded += sum(int(n, 0) for n in _CP_ASYNC_BYTES.findall(ptx))
     return {

@@ -202,14 +202,10 @@ def cu_seqlens_int32(cu_seqlens: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class TaskRowPlan:
-    """Rows of a mixed-task batch grouped by task, and the row tiles the grouped kernels launch over.
-
-    - ``row_index [R] int32``: the rows of task 0's examples (stable order), then task 1's, ...
-    - ``task_row_offsets [T+1] int32``: task t owns ``row_index[task_row_offsets[t]:task_row_offsets[t+1]]``.
-    - ``tile_task / tile_start / tile_end [num_tiles] int32``: tile i covers ``row_index[tile_start:tile_end]``
-      (at most ``block_rows`` rows) of task ``tile_task``; ``num_tiles`` is the bound ``ceil(R / block_rows) + T``
-      so that no device-to-host sync is needed, and the unused tail has ``tile_task = -1`` (the program exits).
-    """
+    """Rows of a mixed-task batch grouped by task: ``row_index [R] int32`` (task 0's rows in stable order,
+    then task 1's, ...), task t owning ``row_index[task_row_offsets[t]:task_row_offsets[t+1]]``; and the row
+    tiles ``tile_task / tile_start / tile_end [ceil(R / block_rows) + T] int32`` (a bound: no host sync), the
+    unused tail with ``tile_task = -1``."""
 
     row_index: torch.Tensor
     task_row_offsets: torch.Tensor
