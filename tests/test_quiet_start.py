@@ -62,7 +62,7 @@ def test_a_run_starts_with_few_lines_that_say_what_it_trains(tiny, tmp_path):
     assert len(before) <= MAX_LINES_BEFORE_STEP_1, "\n".join(before)
     head = "\n".join(before)
     for what in ("[data] train examples: sst", "updates/epoch", "[model] ", "tasks sst,para,sts", "parameters",
-                 "[setup] precision: bf16", "device cpu"):  # fmt: skip
+                 "[setup] precision: bf16", "device cpu", "s after the process started"):  # fmt: skip
         assert what in head, f"{what!r} missing from the start:\n{head}"
     for noise in DEEPSPEED_NOISE:
         assert noise not in output, f"{noise!r} printed without --verbose"
