@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import torch
 from tqdm import tqdm
 
@@ -60,8 +61,6 @@ def timestamped(message: str) -> str:
 
 def seconds_since_process_start() -> float:
     """Wall seconds since this process started, its imports included."""
-    import psutil  # a dependency of DeepSpeed
-
     return time.time() - psutil.Process().create_time()
 
 
