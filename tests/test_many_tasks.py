@@ -66,7 +66,7 @@ def test_torchjd_mtl_backward_upgrad_on_a_pal_model(ops, monkeypatch):
         for i, spec in enumerate(model.tasks):
             rows = layout.rows_of(i)
             z = model.heads[spec.name](features[0][rows])
-            result.append(model._task_loss(spec, z, batch["labels"][rows]))
+            result.append(spec.task_kind.loss(spec, z, batch["labels"][rows]))
         return result
 
     # reference: the per-task Jacobian by T ordinary backwards, fastpals' UPGrad weights of its Gram

@@ -224,12 +224,12 @@ def test_new_kind_through_the_model_metrics_and_outputs(ordinal, grade_file, tok
     assert batch["labels"].dtype == torch.float32 and batch["task_ids"].tolist() == [0] * 3 + [1] * 6
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "token_type_ids", "task_ids")}
 
-    # loss: MultiTaskBert._task_loss / task_losses run the kind's loss on the task's rows
+    # loss: the kind's loss, and task_losses runs it on the task's rows
     out = model(**inputs)
     rows = batch["task_ids"] == 1
     z, y = out.logits[rows][:, :3], batch["labels"][rows]
     want = F.binary_cross_entropy_with_logits(z.float(), (y.long()[:, None] > torch.arange(3)).float())
-    assert torch.equal(model._task_loss(spec, z, y), want)
+    assert torch.equal(spec.task_kind.loss(spec, z, y), want)
     losses = model.task_losses(out, batch["labels"])
     assert torch.equal(losses.per_task["grade"], want) and losses.examples == {"sst": 3, "grade": 6}
     losses.total.backward()

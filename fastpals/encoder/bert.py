@@ -1,4 +1,5 @@
-"""minBERT with Projected Attention Layers (Stickland & Murray 2019), under HF ``BertModel`` parameter names.
+"""minBERT with Projected Attention Layers (Stickland & Murray 2019), under HF ``BertModel`` parameter names,
+and the reading of its checkpoints (HF and CS224N minBERT key names).
 
     TS_t(h) = act(V^D_t · MHA_{t,l}(V^E_t · h))           (act = GELU by default, as in the original code)
     h'      = LN(attn_out + FFN(attn_out) + gate · TS_t(h))
@@ -13,21 +14,16 @@ import json
 import os
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
-import torch.utils.checkpoint
+from safetensors.torch import load_file
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from fastpals.data.hub import resolve_model_dir
 from fastpals.data.layout import BatchLayout, layout_from_cu_seqlens, make_layout
-from fastpals.encoder.checkpoints import (
-    LoadReport,
-    is_ignorable_key,
-    load_bert_state_dict,
-    normalize_key,
-    state_dict_mismatches,
-)
 from fastpals.encoder.pal_variants import (
     PAL_VARIANTS,
     PALLayer,
@@ -36,35 +32,109 @@ from fastpals.encoder.pal_variants import (
     PALVariant,
     get_pal_variant,
 )
-from fastpals.encoder.task_params import (
-    freeze_shared_parameters,
-    is_layer_norm,
-    is_task_specific,
-    task_specific_kind,
-)
+from fastpals.encoder.task_params import freeze_shared_parameters, is_task_specific, task_specific_kind
 from fastpals.functional import Dropout, check_task_ids
 from fastpals_kernels.attention_varlen import attention_varlen, padded_attention
 
 __all__ = [
-    "BatchLayout",
     "BertConfig",
     "BertModel",
     "BertOutput",
     "LoadReport",
     "PALConfig",
-    "PALLayer",
-    "PALProjections",
-    "PALTop",
-    "PALVariant",
     "freeze_shared_parameters",
-    "is_layer_norm",
-    "is_task_specific",
+    "is_ignorable_key",
     "load_bert_state_dict",
-    "make_layout",
-    "padded_attention",
+    "normalize_key",
     "state_dict_mismatches",
     "task_specific_kind",
 ]
+
+
+def is_ignorable_key(name: str) -> bool:
+    """Checkpoint entries that are not encoder weights: the position-id buffer and pre-training heads."""
+    return name.endswith("position_ids") or name.startswith(("cls.", "lm_head.", "classifier."))
+
+
+_MINBERT_NAMES = {  # CS224N minBERT → HF
+    "word_embedding": "embeddings.word_embeddings",
+    "pos_embedding": "embeddings.position_embeddings",
+    "tk_type_embedding": "embeddings.token_type_embeddings",
+    "embed_layer_norm": "embeddings.LayerNorm",
+    "pooler_dense": "pooler.dense",
+}
+_MINBERT_LAYER_NAMES = {
+    "self_attention.query": "attention.self.query",
+    "self_attention.key": "attention.self.key",
+    "self_attention.value": "attention.self.value",
+    "attention_dense": "attention.output.dense",
+    "attention_layer_norm": "attention.output.LayerNorm",
+    "interm_dense": "intermediate.dense",
+    "out_dense": "output.dense",
+    "out_layer_norm": "output.LayerNorm",
+}
+
+
+def normalize_key(key: str) -> str:
+    """Map a checkpoint key to minBERT's (= HF ``BertModel``'s) name: strips ``bert.``, renames TF-era
+    ``gamma``/``beta`` and CS224N minBERT names."""
+    key = key.removeprefix("bert.")
+    if key.endswith(".gamma"):
+        key = key[:-6] + ".weight"
+    elif key.endswith(".beta"):
+        key = key[:-5] + ".bias"
+    head, _, tail = key.partition(".")
+    if head in _MINBERT_NAMES:
+        return f"{_MINBERT_NAMES[head]}.{tail}"
+    if head == "bert_layers":
+        idx, _, rest = tail.partition(".")
+        for old, new in _MINBERT_LAYER_NAMES.items():
+            if rest.startswith(old + "."):
+                return f"encoder.layer.{idx}.{new}{rest[len(old) :]}"
+    return key
+
+
+def state_dict_mismatches(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor]) -> list[str]:
+    """Human-readable differences between a model's tensors (``expected``) and a checkpoint's (``found``):
+    names missing from the checkpoint, names the model lacks, and shape mismatches. Empty when they agree."""
+    problems = [f"missing in checkpoint: {k}" for k in sorted(set(expected) - set(found))]
+    problems += [f"not in the model: {k}" for k in sorted(set(found) - set(expected))]
+    problems += [
+        f"{k}: saved {list(v.shape)}, model {list(expected[k].shape)}"
+        for k, v in found.items()
+        if k in expected and v.shape != expected[k].shape
+    ]
+    return problems
+
+
+@dataclass
+class LoadReport:
+    """What a checkpoint load did: ``loaded`` tensors, ``missing`` model keys, ``unexpected`` ones."""
+
+    missing: list[str]
+    unexpected: list[str]
+    loaded: int
+
+    def __str__(self) -> str:
+        missing, unexpected = self.missing or "none", self.unexpected or "none"
+        return f"loaded {self.loaded} tensors; missing {missing}; unexpected {unexpected}"
+
+
+def load_bert_state_dict(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Read ``model.safetensors`` (preferred) or ``pytorch_model.bin`` from a checkpoint folder."""
+    folder = Path(folder)
+    st, pt = folder / "model.safetensors", folder / "pytorch_model.bin"
+    path = st if st.is_file() else pt if pt.is_file() else None
+    if path is None:
+        raise FileNotFoundError(f"{folder} has neither model.safetensors nor pytorch_model.bin")
+    try:
+        return load_file(str(st)) if path is st else torch.load(pt, map_location="cpu", weights_only=True)
+    except Exception as err:  # a damaged or foreign file: name it (the loaders' errors do not)
+        detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise OSError(
+            f"{path} is not a readable weights file ({type(err).__name__}: {detail}): replace it (download "
+            f"or copy the model again)"
+        ) from err
 
 
 @dataclass
@@ -98,8 +168,7 @@ class BertConfig:
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> BertConfig:
-        with open(path, encoding="utf-8") as f:
-            return cls.from_dict(json.load(f))
+        return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
 
 
 @dataclass
@@ -176,11 +245,9 @@ class BertEmbeddings(nn.Module):
     ) -> torch.Tensor:
         """int64 ``[B, L]`` → ``[B, L, d]``, or packed ``[N]`` with ``position_ids [N]`` → ``[N, d]``."""
         if position_ids is None:
-            pos = self.position_embeddings(torch.arange(input_ids.shape[1], device=input_ids.device))[None]
-        else:
-            pos = self.position_embeddings(position_ids)
-        x = self.word_embeddings(input_ids) + pos + self.token_type_embeddings(token_type_ids)
-        return self.dropout(self.LayerNorm(x))
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+        x = self.word_embeddings(input_ids) + self.position_embeddings(position_ids)
+        return self.dropout(self.LayerNorm(x + self.token_type_embeddings(token_type_ids)))
 
 
 class BertSelfAttention(nn.Module):
@@ -225,63 +292,36 @@ class BertSelfOutput(nn.Module):
         return self.LayerNorm(self.dropout(self.dense(ctx)) + x)
 
 
-class BertAttention(nn.Module):
-    def __init__(self, cfg: BertConfig) -> None:
-        super().__init__()
-        self.self = BertSelfAttention(cfg)
-        self.output = BertSelfOutput(cfg)
-
-    def forward(self, x: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
-        return self.output(self.self(x, layout), x)
-
-
-class BertIntermediate(nn.Module):
-    def __init__(self, cfg: BertConfig) -> None:
-        super().__init__()
-        self.dense = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
-        acts = {"gelu": nn.GELU, "gelu_new": lambda: nn.GELU(approximate="tanh"), "relu": nn.ReLU}
-        self.act = acts[cfg.hidden_act]()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.act(self.dense(x))
-
-
 class BertLayer(nn.Module):
     """Post-LN transformer layer; a PAL variant may change what enters the final LayerNorm and what leaves."""
 
     def __init__(self, cfg: BertConfig) -> None:
         super().__init__()
-        self.attention = BertAttention(cfg)
-        self.intermediate = BertIntermediate(cfg)
+        self.attention = nn.Module()  # HF's names: attention.self, attention.output, intermediate.dense
+        self.attention.self = BertSelfAttention(cfg)
+        self.attention.output = BertSelfOutput(cfg)
+        self.intermediate = nn.Module()
+        self.intermediate.dense = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
+        acts = {"gelu": nn.GELU, "gelu_new": lambda: nn.GELU(approximate="tanh"), "relu": nn.ReLU}
+        self.intermediate.act = acts[cfg.hidden_act]()
         self.output = BertSelfOutput(cfg, cfg.intermediate_size)
         self.pal: PALLayer | None = None
         self.pal_variant: PALVariant | None = None
 
     def forward(self, x: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
         """x: [B, L, d] or packed [N, d] → same shape."""
-        attn = self.attention(x, layout)
-        pre_ln = self.output.dropout(self.output.dense(self.intermediate(attn))) + attn
-        variant = self.pal_variant
-        if variant is None:
+        attn = self.attention.output(self.attention.self(x, layout), x)
+        ffn = self.intermediate.act(self.intermediate.dense(attn))
+        pre_ln = self.output.dropout(self.output.dense(ffn)) + attn
+        if self.pal_variant is None:
             return self.output.LayerNorm(pre_ln)
-        pre_ln = variant.pre_layer_norm(self, x, layout, pre_ln)
-        return variant.layer_output(self, self.output.LayerNorm(pre_ln), layout)
-
-
-class BertPooler(nn.Module):
-    def __init__(self, cfg: BertConfig) -> None:
-        super().__init__()
-        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
-        self.activation = nn.Tanh()
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.activation(self.dense(hidden[:, 0]))
+        pre_ln = self.pal_variant.pre_layer_norm(self, x, layout, pre_ln)
+        return self.pal_variant.layer_output(self, self.output.LayerNorm(pre_ln), layout)
 
 
 @dataclass
 class BertOutput:
-    """``last_hidden_state [B, L, d]`` (packed: ``[N, d]`` with ``cu_seqlens [B+1]`` int32) and
-    ``pooler_output [B, d]``."""
+    """``last_hidden_state [B, L, d]`` (packed: ``[N, d]``, ``cu_seqlens [B+1]`` int32), ``pooler_output``."""
 
     last_hidden_state: torch.Tensor
     pooler_output: torch.Tensor
@@ -298,7 +338,8 @@ class BertModel(nn.Module):
         self.embeddings = BertEmbeddings(config)
         self.encoder = nn.Module()  # HF's names: encoder.layer.<i>
         self.encoder.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
-        self.pooler = BertPooler(config)
+        self.pooler = nn.Module()  # tanh(dense(first token))
+        self.pooler.dense = nn.Linear(config.hidden_size, config.hidden_size)
         self.apply(self._init_bert_weights)
         self.pal_projections: PALProjections | None = None
         self.pal_top: PALTop | None = None
@@ -328,8 +369,7 @@ class BertModel(nn.Module):
         variant = pal.pal_variant
         variant.add_parameters(self, pal)
         for layer in self.encoder.layer:
-            layer.pal_variant = variant
-            layer.attention.self.pal_variant = variant
+            layer.pal_variant = layer.attention.self.pal_variant = variant
         self.pal_config = pal
 
     @property
@@ -357,10 +397,9 @@ class BertModel(nn.Module):
         max_seqlen: int | None = None,
         layout: BatchLayout | None = None,
     ) -> BertOutput:
-        """Padded: int64 ``[B, L]`` inputs (``unpad=True``: the token-wise ops run packed; right-padded masks).
-        Packed: int64 ``[N]`` inputs with their ``layout`` (no host read), or with ``cu_seqlens [B+1]`` int32 and
-        ``max_seqlen`` (one host read), no ``attention_mask``. ``task_ids [B]`` when the model is task-specific.
-        ``last_hidden_state`` has the input's form, ``[B, L, d]`` or ``[N, d]``."""
+        """Padded int64 ``[B, L]`` inputs (``unpad``: run packed inside), or packed ``[N]`` ones with their
+        ``layout`` or with ``cu_seqlens [B+1]`` int32 and ``max_seqlen`` (one host read); ``task_ids [B]`` if
+        task-specific. ``last_hidden_state`` has the input's form, ``[B, L, d]`` or ``[N, d]``."""
         packed = cu_seqlens is not None or (layout is not None and input_ids.dim() == 1)
         max_pos = self.config.max_position_embeddings
         if packed and attention_mask is not None:
@@ -371,8 +410,7 @@ class BertModel(nn.Module):
             raise ValueError(f"sequence length {input_ids.shape[1]} > max_position_embeddings {max_pos}")
         if not packed and attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        if token_type_ids is None:
-            token_type_ids = torch.zeros_like(input_ids)
+        token_type_ids = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
         for name, t in (("token_type_ids", token_type_ids), ("attention_mask", attention_mask)):
             if t is not None and t.shape != input_ids.shape:
                 raise ValueError(f"{name} shape {list(t.shape)} != input_ids {list(input_ids.shape)}")
@@ -398,19 +436,12 @@ class BertModel(nn.Module):
             x = layout.to_rows(self.embeddings(input_ids, token_type_ids))
         checkpointed = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.encoder.layer:
-            if checkpointed:
-                x = torch.utils.checkpoint.checkpoint(layer, x, layout, use_reentrant=False)
-            else:
-                x = layer(x, layout)
+            x = checkpoint(layer, x, layout, use_reentrant=False) if checkpointed else layer(x, layout)
         if self.pal_variant is not None:
             x = self.pal_variant.encoder_output(self, x, layout)
-        if packed:
-            cls = x.index_select(0, layout.cls_index)[:, None]
-            return BertOutput(
-                last_hidden_state=x, pooler_output=self.pooler(cls), cu_seqlens=layout.cu_seqlens
-            )
-        hidden = layout.to_padded(x)
-        return BertOutput(last_hidden_state=hidden, pooler_output=self.pooler(hidden))
+        hidden = x if packed else layout.to_padded(x)
+        first = x.index_select(0, layout.cls_index) if packed else hidden[:, 0]
+        return BertOutput(hidden, torch.tanh(self.pooler.dense(first)), layout.cu_seqlens if packed else None)
 
     @classmethod
     def from_pretrained(
@@ -418,17 +449,10 @@ class BertModel(nn.Module):
     ) -> BertModel:
         """Load ``minilm-l6``, a folder of an HF BERT checkpoint, or a Hub name, in eval mode, PALs fresh.
         Unknown and missing keys go to ``load_report`` and a warning; ``strict``: missing ones are an error."""
-        try:
-            folder = resolve_model_dir(name_or_path, ("config.json", "model.safetensors"))
-        except FileNotFoundError as first:
-            try:
-                folder = resolve_model_dir(name_or_path, ("config.json", "pytorch_model.bin"))
-            except FileNotFoundError:
-                raise first from None
-        config = BertConfig.from_json(folder / "config.json")
-        model = cls(config, pal=pal)
-        state = load_bert_state_dict(folder)
-        model.load_report = model.load_bert_weights(state, strict=strict, source=str(folder))
+        weights = ("model.safetensors", "pytorch_model.bin")
+        folder = resolve_model_dir(name_or_path, ("config.json",), any_of=weights)
+        model = cls(BertConfig.from_json(folder / "config.json"), pal=pal)
+        model.load_report = model.load_bert_weights(load_bert_state_dict(folder), strict, str(folder))
         return model.eval()
 
     def load_bert_weights(
@@ -436,23 +460,16 @@ class BertModel(nn.Module):
     ) -> LoadReport:
         """Copy encoder weights from an HF/CS224N state dict (names normalised by :func:`normalize_key`)."""
         own = {k: v for k, v in self.state_dict().items() if not is_task_specific(k)}
-        normalized: dict[str, torch.Tensor] = {}
-        unexpected: list[str] = []
-        for key, value in state.items():
-            new = normalize_key(key)
-            if new in own:
-                normalized[new] = value
-            elif not is_ignorable_key(new):
-                unexpected.append(key)
+        renamed = {normalize_key(key): (key, value) for key, value in state.items()}
+        normalized = {new: value for new, (_, value) in renamed.items() if new in own}
+        unexpected = sorted(
+            key for new, (key, _) in renamed.items() if new not in own and not is_ignorable_key(new)
+        )
         missing = sorted(set(own) - set(normalized))
-        mismatched = [
-            f"{k}: checkpoint {list(v.shape)} vs model {list(own[k].shape)}"
-            for k, v in normalized.items()
-            if v.shape != own[k].shape
-        ]
+        mismatched = state_dict_mismatches({k: own[k] for k in normalized}, normalized)
         if mismatched:
             raise ValueError(f"shape mismatch loading {source}:\n  " + "\n  ".join(mismatched))
-        report = LoadReport(missing=missing, unexpected=sorted(unexpected), loaded=len(normalized))
+        report = LoadReport(missing, unexpected, len(normalized))
         if missing and strict:
             raise ValueError(
                 f"checkpoint {source} lacks encoder weights: {missing[:10]}{' ...' if len(missing) > 10 else ''}"

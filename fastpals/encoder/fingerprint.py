@@ -1,7 +1,6 @@
 """The fingerprint of the encoder an adapter was trained with (``encoder.fingerprint`` in its config), checked
-when it loads so that PALs are not served beside another encoder. It hashes the name and shape of every shared
-encoder parameter (PALs, pooler and the adapter's own tensors excluded) and ``SAMPLES`` evenly spaced values of
-each, rounded to bfloat16 so that fp32 and bf16 copies agree."""
+when it loads: a hash of every shared encoder parameter's name, shape and ``SAMPLES`` evenly spaced values,
+rounded to bfloat16 so that fp32 and bf16 copies agree."""
 
 from __future__ import annotations
 
@@ -12,14 +11,6 @@ import torch
 from torch import nn
 
 from fastpals.encoder.bert import task_specific_kind
-
-__all__ = [
-    "SAMPLES",
-    "EncoderMismatchError",
-    "check_encoder_fingerprint",
-    "encoder_fingerprint",
-    "parameter_digests",
-]
 
 #: values sampled per parameter tensor
 SAMPLES = 1024
@@ -40,9 +31,7 @@ def parameter_digests(encoder: nn.Module) -> dict[str, str]:
         n = flat.numel()
         index = torch.linspace(0, max(n - 1, 0), min(n, SAMPLES), device=flat.device).round().long()
         values = flat.index_select(0, index).to(torch.bfloat16).view(torch.int16).cpu().numpy()
-        digest = hashlib.sha256(f"{name}:{list(p.shape)};".encode())
-        digest.update(values.tobytes())
-        out[name] = digest.hexdigest()
+        out[name] = hashlib.sha256(f"{name}:{list(p.shape)};".encode() + values.tobytes()).hexdigest()
     return out
 
 
@@ -60,18 +49,15 @@ def check_encoder_fingerprint(
 ) -> None:
     """Raise ``EncoderMismatchError`` when the recorded fingerprint ``saved`` (None: unchecked) differs from
     ``encoder``'s, unless ``force``."""
-    if saved is None or force:
+    if saved is None or force or (own := encoder_fingerprint(encoder, exclude)) == saved:
         return
-    own = encoder_fingerprint(encoder, exclude)
-    if own != saved:
-        flags = [torch.isfinite(p).all() for p in encoder.parameters()]
-        if flags and not bool(torch.stack(flags).all()):  # a broken encoder: say that, not "another encoder"
-            raise EncoderMismatchError(
-                f"{caller}: the encoder beside the adapter in {source} holds non-finite weights (NaN/inf): the "
-                "model is broken; use another checkpoint"
-            )
+    if not all(bool(torch.isfinite(p).all()) for p in encoder.parameters()):  # broken, not another encoder
         raise EncoderMismatchError(
-            f"{caller}: the adapter in {source} was trained with another encoder (fingerprint {saved}, this "
-            f"encoder's {own}): load it beside the encoder it was saved with, or pass force=True (--force) to "
-            "accept the mismatch"
+            f"{caller}: the encoder beside the adapter in {source} holds non-finite weights (NaN/inf): the "
+            "model is broken; use another checkpoint"
         )
+    raise EncoderMismatchError(
+        f"{caller}: the adapter in {source} was trained with another encoder (fingerprint {saved}, this "
+        f"encoder's {own}): load it beside the encoder it was saved with, or pass force=True (--force) to "
+        "accept the mismatch"
+    )

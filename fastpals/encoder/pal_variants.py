@@ -1,7 +1,5 @@
 """PAL variants: one stateless :class:`PALVariant` subclass per ``PALConfig.variant``, registered in
-:data:`PAL_VARIANTS`: its config checks, task-specific parameters, count categories, ``--pal`` presets and four
-forward hooks. Hidden states are the layout's rows, ``[B, L, d]`` or packed ``[N, d]``; ``T`` tasks, ``d_s`` PAL
-width."""
+:data:`PAL_VARIANTS`. Hidden states are the layout's rows, ``[B, L, d]`` or packed ``[N, d]``; ``T`` tasks."""
 
 from __future__ import annotations
 
@@ -12,7 +10,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from fastpals.data.layout import BatchLayout
 from fastpals.encoder.task_params import register_task_specific_names, unregister_task_specific_names
@@ -22,27 +20,6 @@ from fastpals_kernels.pal import PackedSegments, run_pal
 
 if TYPE_CHECKING:
     from fastpals.encoder.bert import BertConfig, BertLayer, BertModel, BertSelfAttention, PALConfig
-
-__all__ = [
-    "PAL_VARIANTS",
-    "EmBERT",
-    "NoPAL",
-    "PALLayer",
-    "PALPreset",
-    "PALProjections",
-    "PALTop",
-    "PALVariant",
-    "Parallel",
-    "Top",
-    "TopParallel",
-    "get_pal_variant",
-    "pal_count_categories",
-    "pal_dropout",
-    "pal_parameter_category",
-    "pal_presets",
-    "register_pal_variant",
-    "unregister_pal_variant",
-]
 
 
 # parameter names below are part of the checkpoint format
@@ -76,24 +53,18 @@ class PALLayer(nn.Module):
         self.qkv_weight = _normal((t, 3 * d_s, d_s), pal.init_std)
         self.qkv_bias = nn.Parameter(torch.zeros(t, 3 * d_s))
         self.gate = nn.Parameter(torch.full((t,), float(pal.gate_init))) if pal.gate else None
-        self.projections = (
-            PALProjections(t, d, d_s, pal.init_std, pal.zero_init_decoder) if shared is None else None
-        )
+        self.projections = None if shared else PALProjections(t, d, d_s, pal.init_std, pal.zero_init_decoder)
         object.__setattr__(self, "_shared", shared)  # owned by the model: not a submodule
-
-    def proj(self) -> PALProjections:
-        """V^E/V^D of this layer: its own, or the model's shared ones."""
-        return self.projections if self.projections is not None else self._shared
 
     def weights(self) -> PALWeights:
         """This PAL's weights and options for one op call (dropout 0.0 in eval mode)."""
-        p = self.proj()
+        p = self.projections or self._shared
         return PALWeights(
             p.enc_weight, p.enc_bias, self.qkv_weight, self.qkv_bias, p.dec_weight, p.dec_bias,
             self.num_heads, self.gelu, self.dropout_p if self.training else 0.0,
         )  # fmt: skip
 
-    def forward(self, h: torch.Tensor, layout: BatchLayout, residual: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: Tensor, layout: BatchLayout, residual: Tensor) -> Tensor:
         """h, residual: [B, L, d] or packed [N, d] → residual + gate · TS(h), same shape."""
         weights = self.weights()
         where = {"mask": None if layout.packed else layout.mask, "cu_seqlens": layout.cu_seqlens if layout.packed else None,
@@ -130,26 +101,26 @@ class PALTop(nn.Module):
         self.projections = PALProjections(t, d, d_s, pal.init_std, False) if shared is None else None
         object.__setattr__(self, "_shared", shared)
 
-    def forward(self, h: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+    def forward(self, h: Tensor, layout: BatchLayout) -> Tensor:
         """h: the last layer's rows, ``[B, L, d]`` or ``[N, d]`` → the same shape."""
-        p = self.projections if self.projections is not None else self._shared
+        p = self.projections or self._shared
         dropout = self.dropout_p if self.training else 0.0
         packed = h.dim() == 2  # packed rows: per-task GEMMs on task segments
         task_of_row = layout.row_task_ids if packed else layout.task_ids
         segments = layout.task_segments(self.qkv_weight.shape[1]) if packed else None
         plan = layout.attention_plan() if packed and layout.buckets else None
 
-        def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        def linear(x: Tensor, w: Tensor, b: Tensor) -> Tensor:
             if segments is not None:
                 return segment_linear(x, segments, w, b)
             return grouped_linear_reference(x, task_of_row, w, b)
 
-        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             if packed:
                 return attention_varlen(q, k, v, layout.cu_seqlens, layout.max_seqlen, dropout, plan)
             return attention_reference(q, k, v, layout.padding_mask(), dropout)
 
-        def per_row(t: torch.Tensor) -> torch.Tensor:
+        def per_row(t: Tensor) -> Tensor:
             t = t.index_select(0, task_of_row)
             return t if packed else t[:, None]
 
@@ -189,10 +160,10 @@ def _owns(name: str, modules: tuple[str, ...], parameters: tuple[str, ...]) -> b
 
 
 class PALVariant:
-    """One PAL variant. ``name``: the ``PALConfig.variant`` string; ``task_specific``: the forward needs task
-    ids; ``injectable``: :func:`fastpals.inject_pals` adds it to HF encoders; ``module_names`` /
-    ``parameter_names``: what makes a parameter name task-specific; ``count_categories``: its
-    :func:`fastpals.count_parameters` keys; ``presets``: its ``--pal`` presets."""
+    """One PAL variant. ``name``: its ``PALConfig.variant``; ``task_specific``: the forward needs task ids;
+    ``injectable``: :func:`fastpals.inject_pals` supports it; ``module_names`` / ``parameter_names``: its
+    parameters' names; ``count_categories``: its :func:`fastpals.count_parameters` keys; ``presets``: its
+    ``--pal`` presets."""
 
     name: ClassVar[str] = ""
     task_specific: ClassVar[bool] = True
@@ -251,27 +222,20 @@ class PALVariant:
         return None
 
     def qkv(
-        self,
-        attention: BertSelfAttention,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layout: BatchLayout,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self, attention: BertSelfAttention, q: Tensor, k: Tensor, v: Tensor, layout: BatchLayout
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """A layer's ``q, k, v`` rows → the ``q, k, v`` its attention uses."""
         return q, k, v
 
-    def pre_layer_norm(
-        self, layer: BertLayer, h: torch.Tensor, layout: BatchLayout, pre_ln: torch.Tensor
-    ) -> torch.Tensor:
+    def pre_layer_norm(self, layer: BertLayer, h: Tensor, layout: BatchLayout, pre_ln: Tensor) -> Tensor:
         """What enters ``layer``'s final LayerNorm, from ``pre_ln = attn_out + FFN(attn_out)`` and input ``h``."""
         return pre_ln
 
-    def layer_output(self, layer: BertLayer, out: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+    def layer_output(self, layer: BertLayer, out: Tensor, layout: BatchLayout) -> Tensor:
         """``layer``'s output rows → the next layer's input."""
         return out
 
-    def encoder_output(self, model: BertModel, x: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+    def encoder_output(self, model: BertModel, x: Tensor, layout: BatchLayout) -> Tensor:
         """The last layer's output (``[N, d]`` or ``[B, L, d]``) → ``last_hidden_state``."""
         return x
 
@@ -311,16 +275,14 @@ class Parallel(PALVariant):
         raise ValueError(f"PALConfig.layers={pal.layers!r}: use 'all', an int (top k) or a list of indices")
 
     def add_parameters(self, model: BertModel, pal: PALConfig) -> None:
-        cfg = model.config
+        cfg, dropout = model.config, pal_dropout(pal, model.config)
         layers = self.layer_indices(pal, cfg.num_hidden_layers)
         if layers and pal.shared_projections:
             model.pal_projections = PALProjections(
                 pal.num_tasks, cfg.hidden_size, pal.hidden, pal.init_std, pal.zero_init_decoder
             )
         for i in layers:
-            model.encoder.layer[i].pal = PALLayer(
-                pal, cfg.hidden_size, pal_dropout(pal, cfg), model.pal_projections
-            )
+            model.encoder.layer[i].pal = PALLayer(pal, cfg.hidden_size, dropout, model.pal_projections)
 
     def parameter_category(self, name: str) -> str | None:
         if not _owns(name, Parallel.module_names, ()):
@@ -331,9 +293,7 @@ class Parallel(PALVariant):
             return "pal_attention"
         return "pal_projections"
 
-    def pre_layer_norm(
-        self, layer: BertLayer, h: torch.Tensor, layout: BatchLayout, pre_ln: torch.Tensor
-    ) -> torch.Tensor:
+    def pre_layer_norm(self, layer: BertLayer, h: Tensor, layout: BatchLayout, pre_ln: Tensor) -> Tensor:
         """``pre_ln + gate · TS_t(h)`` in the layers with a PAL."""
         if layer.pal is None:
             return pre_ln
@@ -359,8 +319,7 @@ class Top(PALVariant):
 
     def add_parameters(self, model: BertModel, pal: PALConfig) -> None:
         cfg = model.config
-        shared = model.pal_projections
-        share = shared if (pal.top_shares_projections and shared) else None
+        share = model.pal_projections if pal.top_shares_projections else None
         if pal.top_shares_projections and share is None:
             raise ValueError("top_shares_projections needs variant='top_parallel' with shared_projections")
         model.pal_top = PALTop(pal, cfg.hidden_size, cfg.layer_norm_eps, pal_dropout(pal, cfg), share)
@@ -368,7 +327,7 @@ class Top(PALVariant):
     def parameter_category(self, name: str) -> str | None:
         return "pal_top" if _owns(name, Top.module_names, ()) else None
 
-    def encoder_output(self, model: BertModel, x: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+    def encoder_output(self, model: BertModel, x: Tensor, layout: BatchLayout) -> Tensor:
         return x if model.pal_top is None else model.pal_top(x, layout)
 
 
@@ -402,19 +361,13 @@ class EmBERT(PALVariant):
     presets = MappingProxyType({"embert": PALPreset({"variant": "embert"}, rank=80)})
 
     def add_parameters(self, model: BertModel, pal: PALConfig) -> None:
+        shape = (pal.num_tasks, 3, model.config.hidden_size)
         for layer in model.encoder.layer:
-            layer.attention.self.task_embedding = nn.Parameter(
-                torch.zeros(pal.num_tasks, 3, model.config.hidden_size)
-            )
+            layer.attention.self.task_embedding = nn.Parameter(torch.zeros(shape))
 
     def qkv(
-        self,
-        attention: BertSelfAttention,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layout: BatchLayout,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self, attention: BertSelfAttention, q: Tensor, k: Tensor, v: Tensor, layout: BatchLayout
+    ) -> tuple[Tensor, Tensor, Tensor]:
         emb = getattr(attention, "task_embedding", None)
         if emb is None:
             return q, k, v
@@ -465,10 +418,9 @@ def unregister_pal_variant(name: str) -> None:
 
 def get_pal_variant(name: str) -> PALVariant:
     """The registered variant called ``name``; ``ValueError`` listing the registered names otherwise."""
-    variant = PAL_VARIANTS.get(name)
-    if variant is None:
+    if name not in PAL_VARIANTS:
         raise ValueError(f"PALConfig.variant={name!r}: choose one of {', '.join(PAL_VARIANTS)}")
-    return variant
+    return PAL_VARIANTS[name]
 
 
 def pal_presets() -> dict[str, PALPreset]:
@@ -487,11 +439,8 @@ def pal_count_categories() -> tuple[str, ...]:
 
 def pal_parameter_category(name: str) -> str:
     """The count category of PAL parameter ``name`` from the first variant that claims it, else ``"pal_other"``."""
-    for variant in PAL_VARIANTS.values():
-        category = variant.parameter_category(name)
-        if category is not None:
-            return category
-    return "pal_other"
+    categories = (variant.parameter_category(name) for variant in PAL_VARIANTS.values())
+    return next((category for category in categories if category is not None), "pal_other")
 
 
 for _cls in (Parallel, Top, TopParallel, EmBERT, NoPAL):

@@ -1,5 +1,4 @@
-"""Which float types this machine computes natively: the trainer's ``"auto"`` precision
-(:mod:`fastpals.train.dsconfig`) and the dtype evaluation runs in (:func:`fastpals.model.evaluate.eval_model`)."""
+"""Which float types this CPU computes natively: the trainer's ``"auto"`` precision, the evaluation dtype."""
 
 from __future__ import annotations
 
@@ -7,15 +6,11 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["cpu_has_native_bf16"]
-
 
 def cpu_has_native_bf16() -> bool:
     """Does this CPU run bf16 matmuls in hardware (AVX512-BF16 or AMX)? Read from torch's CPU capability checks,
     else from ``/proc/cpuinfo``'s flags; False when neither can tell."""
-    checks = [
-        getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    ]
+    checks = [getattr(torch.cpu, n, None) for n in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
     if all(callable(c) for c in checks):
         return any(bool(c()) for c in checks)  # type: ignore[misc]
     try:

@@ -6,18 +6,6 @@ from collections.abc import Iterable
 
 from torch import nn
 
-__all__ = [
-    "HEAD_MODULE_NAME",
-    "PAL_MODULE_NAMES",
-    "TASK_EMBEDDING_NAME",
-    "freeze_shared_parameters",
-    "is_layer_norm",
-    "is_task_specific",
-    "register_task_specific_names",
-    "task_specific_kind",
-    "unregister_task_specific_names",
-]
-
 #: the module names of the built-in PAL variants' weights (:mod:`fastpals.encoder.pal_variants`)
 PAL_MODULE_NAMES = ("pal", "pal_projections", "pal_top")
 HEAD_MODULE_NAME = "heads"
@@ -26,14 +14,6 @@ TASK_EMBEDDING_NAME = "task_embedding"
 
 # names registered by PAL variants (fastpals.encoder.pal_variants.register_pal_variant), by owner (the variant's name)
 _REGISTERED: dict[str, tuple[frozenset[str], frozenset[str]]] = {}
-_PAL_MODULES: frozenset[str] = frozenset(PAL_MODULE_NAMES)
-_PAL_PARAMETERS: frozenset[str] = frozenset((TASK_EMBEDDING_NAME,))
-
-
-def _rebuild() -> None:
-    global _PAL_MODULES, _PAL_PARAMETERS
-    _PAL_MODULES = frozenset(PAL_MODULE_NAMES).union(*(m for m, _ in _REGISTERED.values()))
-    _PAL_PARAMETERS = frozenset((TASK_EMBEDDING_NAME,)).union(*(p for _, p in _REGISTERED.values()))
 
 
 def register_task_specific_names(
@@ -42,17 +22,13 @@ def register_task_specific_names(
     """Make parameter names task-specific (kind ``"pal"``): under a module named one of ``modules``, or whose
     last part is one of ``parameters``; ``owner`` replaces what it registered before."""
     if isinstance(modules, str) or isinstance(parameters, str):
-        raise TypeError(
-            "register_task_specific_names: modules and parameters are lists of names, not strings"
-        )
+        raise TypeError("register_task_specific_names: modules and parameters are name lists, not strings")
     _REGISTERED[owner] = (frozenset(modules), frozenset(parameters))
-    _rebuild()
 
 
 def unregister_task_specific_names(owner: str) -> None:
     """Forget the names ``owner`` registered with :func:`register_task_specific_names` (none: no-op)."""
     _REGISTERED.pop(owner, None)
-    _rebuild()
 
 
 def task_specific_kind(name: str) -> str | None:
@@ -61,7 +37,9 @@ def task_specific_kind(name: str) -> str | None:
     parts = name.split(".")
     if HEAD_MODULE_NAME in parts[:-1]:
         return "head"
-    if any(p in _PAL_MODULES for p in parts[:-1]) or parts[-1] in _PAL_PARAMETERS:
+    modules = set(PAL_MODULE_NAMES).union(*(m for m, _ in _REGISTERED.values()))
+    parameters = {TASK_EMBEDDING_NAME}.union(*(p for _, p in _REGISTERED.values()))
+    if any(p in modules for p in parts[:-1]) or parts[-1] in parameters:
         return "pal"
     return None
 
@@ -95,9 +73,7 @@ def freeze_shared_parameters(
         if hit or (train_layer_norms and is_layer_norm(module)):
             keep.update(id(p) for p in module.parameters())
     if unmatched:
-        raise ValueError(
-            f"freeze_shared_parameters: modules_to_train names {sorted(unmatched)} match no module"
-        )
+        raise ValueError(f"freeze_shared_parameters: modules_to_train {sorted(unmatched)} match no module")
     counts = {"trainable": 0, "frozen": 0}
     for p in model.parameters():
         p.requires_grad_(id(p) in keep)

@@ -22,18 +22,6 @@ from fastpals.data.readers import DataWarning
 from fastpals.data.tasks import TaskSpec
 from fastpals.encoder import precision
 
-__all__ = [
-    "EVAL_BATCH",
-    "NonFiniteOutputs",
-    "eval_model",
-    "evaluate",
-    "load_split",
-    "model_inputs",
-    "overall_from",
-    "padded_model_inputs",
-    "predict_batches",
-]
-
 EVAL_BATCH = 64
 INPUT_KEYS = tuple(
     f"{name}{side}" for side in ("", "_b") for name in ("input_ids", "attention_mask", "token_type_ids")
@@ -41,8 +29,7 @@ INPUT_KEYS = tuple(
 
 
 def padded_model_inputs(batch: dict, task_index: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """The model's keyword inputs of one task's padded batch: its tensors on ``device`` and ``task_ids`` (long
-    ``[B]``, all ``task_index``)."""
+    """The model's inputs of one task's padded batch on ``device``, ``task_ids [B]`` all ``task_index``."""
     inputs = {k: batch[k].to(device) for k in INPUT_KEYS if k in batch}
     n = batch["input_ids"].shape[0]
     inputs["task_ids"] = torch.full((n,), task_index, dtype=torch.long, device=device)
@@ -67,8 +54,7 @@ def confidence(model: torch.nn.Module, output: Any, task_index: int) -> torch.Te
 
 
 class NonFiniteOutputs(ValueError):
-    """The model gave NaN/inf outputs (logits) for ``count`` example(s) of ``task``: its predictions (NaN logits
-    score as class 0) and metrics would be meaningless."""
+    """The model gave NaN/inf logits for ``count`` example(s) of ``task`` (a NaN logit scores as class 0)."""
 
     def __init__(self, task: str, count: int) -> None:
         self.task, self.count = task, count
@@ -87,17 +73,14 @@ def predict_batches(
     desc: str | None = None,
     with_confidence: bool = False,
 ) -> tuple[list[str], np.ndarray, np.ndarray | None] | tuple[list[str], np.ndarray, np.ndarray | None, Any]:
-    """``(ids, predictions [N], labels or None)`` of ``batcher``'s examples in order, each batch packed, in eval
-    mode; ``with_confidence`` appends :func:`confidence`. Non-finite logits raise :class:`NonFiniteOutputs`
-    (a NaN would score as class 0)."""
+    """``(ids, predictions [N], labels or None)`` of ``batcher``'s examples in order, packed, in eval mode;
+    ``with_confidence`` appends :func:`confidence`; non-finite logits raise :class:`NonFiniteOutputs`."""
     was_training = model.training
     model.eval()
     ids, preds, labels, confs = [], [], [], []
     device = next(model.parameters()).device
     spec = model.tasks[task_index]
-    bad = torch.zeros(
-        (), dtype=torch.int64, device=device
-    )  # examples with a non-finite output, on the device
+    bad = torch.zeros((), dtype=torch.int64, device=device)  # examples with a non-finite output
     with tqdm(total=len(batcher.examples), desc=desc, disable=not progress, file=sys.stderr, unit="ex",
               dynamic_ncols=True, mininterval=1.0, leave=False) as bar:  # fmt: skip
         for indices in batcher.epoch_batches(0):  # packed from the token lists, as training packs them
@@ -130,15 +113,11 @@ def overall_from(dev: dict[str, float], specs: Any = None) -> float:
 def eval_model(
     module: torch.nn.Module, device: torch.device, dtype: torch.dtype | None = None
 ) -> torch.nn.Module:
-    """``module`` in ``dtype`` (default its own) where this device computes it natively, else an fp32 copy
-    (CPUs without AVX512-BF16 or AMX emulate bf16 and fp16 matmuls)."""
+    """``module`` in ``dtype`` (default its own) where this device computes it natively, else an fp32 copy."""
     current = next(module.parameters()).dtype
     target = dtype or current
-    if (
-        device.type == "cpu"
-        and target != torch.float32
-        and not (target == torch.bfloat16 and precision.cpu_has_native_bf16())
-    ):
+    native = device.type != "cpu" or target == torch.float32
+    if not native and not (target == torch.bfloat16 and precision.cpu_has_native_bf16()):
         target = torch.float32
     return module if target == current else copy.deepcopy(module).to(target)
 
@@ -151,10 +130,9 @@ def evaluate(
     dev: dict[str, float] = {}
     preds: dict[str, Any] = {}
     for t, batcher in dev_batchers.items():
-        ids, p, y = predict_batches(model, batcher, task_list.index(t), progress, desc=f"dev {t}")
+        preds[t] = ids, p, y = predict_batches(model, batcher, task_list.index(t), progress, desc=f"dev {t}")
         spec = model.tasks[task_list.index(t)]
         dev[t] = task_metrics(spec, y, p)[spec.metric]
-        preds[t] = (ids, p, y)
     dev["overall"] = overall_from(dev, model.tasks)
     return dev, preds
 

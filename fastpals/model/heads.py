@@ -14,17 +14,6 @@ from fastpals.data.layout import BatchLayout
 from fastpals.data.tasks import TaskSpec
 from fastpals.functional import Dropout
 
-__all__ = [
-    "TASK_WEIGHTINGS",
-    "MultiTaskOutput",
-    "TaskHead",
-    "TaskLosses",
-    "predict",
-    "summed_loss",
-    "take_rows",
-    "task_losses",
-]
-
 TASK_WEIGHTINGS = ("examples", "equal")
 
 
@@ -35,12 +24,10 @@ class TaskHead(nn.Module):
         super().__init__()
         width = 3 * d if spec.pair_mode == "sbert_concat" else d
         self.dropout = Dropout(dropout)
-        if spec.head == "mlp":
-            self.mlp = nn.Sequential(nn.Linear(width, d), nn.GELU(), Dropout(dropout))
-            width = d
-        else:
-            self.mlp = None
-        self.out = nn.Linear(width, spec.num_labels)
+        self.mlp = (
+            nn.Sequential(nn.Linear(width, d), nn.GELU(), Dropout(dropout)) if spec.head == "mlp" else None
+        )
+        self.out = nn.Linear(width if self.mlp is None else d, spec.num_labels)
         nn.init.normal_(self.out.weight, std=0.02)
         nn.init.zeros_(self.out.bias)
 
@@ -66,8 +53,7 @@ class MultiTaskOutput:
 
 @dataclass
 class TaskLosses:
-    """``total`` (0-dim fp32) to back-propagate, each present task's loss (``per_task``), its ``weights`` in
-    ``total``, and its ``examples`` and ``tokens`` in the batch (host ints)."""
+    """``total`` (0-dim fp32) to back-propagate; per present task its loss, weight, examples and tokens."""
 
     total: torch.Tensor
     per_task: dict[str, torch.Tensor]
@@ -86,18 +72,14 @@ def task_losses(
     layout = _output_layout(output, len(tasks))
     counts = layout.task_examples
     tokens = output.task_tokens if output.task_tokens is not None else [0] * len(counts)
-    present = layout.present
-    rows = sum(counts)
-    total = output.logits.new_zeros((), dtype=torch.float32)
-    result = TaskLosses(total=total, per_task={}, weights={}, examples={}, tokens={})
+    result = TaskLosses(output.logits.new_zeros((), dtype=torch.float32), {}, {}, {}, {})
     for i, spec, loss in _each_task_loss(tasks, layout, output, labels):
-        w = counts[i] / rows if weighting == "examples" else 1.0 / len(present)
-        total = total + w * loss
+        w = counts[i] / sum(counts) if weighting == "examples" else 1.0 / len(layout.present)
+        result.total = result.total + w * loss
         result.per_task[spec.name] = loss
         result.weights[spec.name] = w
         result.examples[spec.name] = counts[i]
         result.tokens[spec.name] = tokens[i]
-    result.total = total
     return result
 
 

@@ -1,6 +1,5 @@
-"""Any non-BERT HF encoder (``AutoModel`` with injected PALs) as :class:`fastpals.MultiTaskBert`'s encoder:
-:class:`HFEncoder` takes minBERT's call, padding packed rows for the HF model and packing its output again;
-``pooler_output`` is the model's pooler, else the first token's hidden state."""
+"""Any non-BERT HF encoder (``AutoModel`` with injected PALs) as :class:`fastpals.MultiTaskBert`'s encoder,
+called like minBERT: packed rows are padded for the HF model and its output packed again."""
 
 from __future__ import annotations
 
@@ -16,8 +15,6 @@ from fastpals.adapters.inject import inject_pals
 from fastpals.data.hub import resolve_model_dir
 from fastpals.data.layout import BatchLayout
 from fastpals.encoder.bert import BertConfig, BertOutput, PALConfig
-
-__all__ = ["MINBERT_MODEL_TYPES", "HFEncoder", "HFEncoderOutput", "checkpoint_model_type", "runs_as_minbert"]
 
 #: ``config.json`` model types that run as fastpals' own minBERT
 MINBERT_MODEL_TYPES = ("bert",)
@@ -48,11 +45,9 @@ def mirror_config(hf_config: Any) -> BertConfig:
     positions = getattr(hf_config, "max_position_embeddings", 512)
     if getattr(hf_config, "model_type", None) in ("roberta", "xlm-roberta", "camembert"):
         positions -= (getattr(hf_config, "pad_token_id", 1) or 0) + 1  # positions start after the pad id
+    sizes = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
     return BertConfig(
-        vocab_size=hf_config.vocab_size,
-        hidden_size=hf_config.hidden_size,
-        num_hidden_layers=hf_config.num_hidden_layers,
-        num_attention_heads=hf_config.num_attention_heads,
+        **{name: getattr(hf_config, name) for name in sizes},
         intermediate_size=getattr(hf_config, "intermediate_size", 4 * hf_config.hidden_size),
         max_position_embeddings=positions,
         type_vocab_size=getattr(hf_config, "type_vocab_size", 0) or 0,
@@ -67,9 +62,8 @@ class HFEncoder(nn.Module):
     def __init__(self, model: nn.Module, pal: PALConfig | None = None) -> None:
         super().__init__()
         self.model = model
-        hf_config = model.config
-        self.model_type = hf_config.model_type
-        self.config = mirror_config(hf_config)
+        self.model_type = model.config.model_type
+        self.config = mirror_config(model.config)
         self.num_tasks = 0 if pal is None else pal.num_tasks
         if pal is not None:
             inject_pals(model, pal)
@@ -82,9 +76,8 @@ class HFEncoder(nn.Module):
         """The checkpoint ``name_or_path`` (``AutoModel``; a local folder or a Hub id) with ``pal`` injected."""
         import transformers  # optional: only HF encoders need it
 
-        folder = resolve_model_dir(
-            name_or_path, ("config.json",), any_of=("model.safetensors", "pytorch_model.bin")
-        )
+        weights = ("model.safetensors", "pytorch_model.bin")
+        folder = resolve_model_dir(name_or_path, ("config.json",), any_of=weights)
         model = transformers.AutoModel.from_pretrained(str(folder))
         return cls(model, pal)
 
@@ -115,8 +108,7 @@ class HFEncoder(nn.Module):
         out = self.model(**kwargs)
         h = out.last_hidden_state
         pooled = getattr(out, "pooler_output", None) if self.has_pooler else None
-        if pooled is None:
-            pooled = h[:, 0]
+        pooled = h[:, 0] if pooled is None else pooled
         if packed:
             return HFEncoderOutput(layout.to_rows(h), pooled, layout.cu_seqlens)
         return HFEncoderOutput(h, pooled)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from torch import nn
+from torch import Tensor, nn
 
 from fastpals.adapters.format import (
     ADAPTER_SUBFOLDER,
@@ -76,19 +76,13 @@ class MultiTaskConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> MultiTaskConfig:
-        return cls(
-            bert=BertConfig.from_dict(d["bert"]),
-            tasks=[TaskSpec(**t) for t in d["tasks"]],
-            pal=None if d.get("pal") is None else PALConfig.from_dict(d["pal"]),
-            base_model=d.get("base_model"),
-            head_dropout=d.get("head_dropout", 0.1),
-            extra=d.get("extra", {}),
-        )
+        pal = None if d.get("pal") is None else PALConfig.from_dict(d["pal"])
+        rest = {k: d[k] for k in ("base_model", "head_dropout", "extra") if k in d}
+        return cls(BertConfig.from_dict(d["bert"]), [TaskSpec(**t) for t in d["tasks"]], pal, **rest)
 
 
 class MultiTaskBert(nn.Module):
-    """A (PAL-)BERT encoder with one head per task. ``MultiTaskBert(config)`` is randomly initialised;
-    :meth:`from_pretrained` loads the encoder from a checkpoint."""
+    """A (PAL-)BERT encoder with one head per task: ``MultiTaskBert(config)`` (random), :meth:`from_base`."""
 
     builds_own_pals = True  # inject_pals / save_pals / load_pals call this model's own methods
 
@@ -145,12 +139,9 @@ class MultiTaskBert(nn.Module):
         force: bool = False,
     ) -> MultiTaskBert:
         """Open a folder of :meth:`save_pretrained` in eval mode: full, or adapter-only on ``base_model``
-        (default: the ``base_model_name_or_path`` it records). ``force``: see :meth:`load_adapter`.
-
-        An adapter of :func:`fastpals.save_pals` holds no heads: pass ``tasks=`` (one per PAL task; fresh heads).
-        A base checkpoint with ``tasks=`` is :meth:`from_base`; a ``fastpals_config.json`` folder loads with a
-        ``FutureWarning``.
-        """
+        (default: the one it records); ``force``: see :meth:`load_adapter`. An adapter of
+        :func:`fastpals.save_pals` has no heads: pass ``tasks=`` (fresh heads). A base checkpoint with
+        ``tasks=`` is :meth:`from_base`."""
         folder = Path(name_or_path)
         if folder.is_dir() and find_adapter_folder(folder) is not None:
             return cls._from_adapter_folder(folder, tasks, pal, head_dropout, base_model, force).eval()
@@ -196,12 +187,12 @@ class MultiTaskBert(nn.Module):
             raise ValueError(
                 f"{folder} is a saved model: its PALs are fixed by {adapter}/adapter_config.json (drop pal=)"
             )
-        saved_extra = config.get("extra", {})
+        saved = config.get("extra", {})
         if config.get("tasks") is not None:
             if tasks is not None:
                 raise ValueError(f"{folder} is a saved MultiTaskBert: its tasks are fixed (drop tasks=)")
             specs = [TaskSpec(**t) for t in config["tasks"]]
-            head_dropout = saved_extra.get("head_dropout", head_dropout)
+            head_dropout = saved.get("head_dropout", head_dropout)
         elif tasks is None:
             raise ValueError(
                 f"the adapter in {adapter} holds PALs for {config.get('task_names')} but no task heads "
@@ -210,21 +201,14 @@ class MultiTaskBert(nn.Module):
         else:
             specs = [get_task(t) for t in tasks]
         full = adapter != folder and (folder / "config.json").is_file()
-        if full and saved_extra.get("hf_model_type"):  # an HF encoder saved beside its adapter
+        if full and saved.get("hf_model_type"):  # an HF encoder saved beside its adapter
             model = cls.from_base(folder, specs, saved_pal, head_dropout)
-            model.config.base_model = saved_extra.get("fine_tuned_from")
         elif full:
             bert_config = BertConfig.from_json(folder / "config.json")
-            model = cls(
-                MultiTaskConfig(
-                    bert_config, specs, saved_pal, saved_extra.get("fine_tuned_from"), head_dropout
-                )
-            )
+            model = cls(MultiTaskConfig(bert_config, specs, saved_pal, None, head_dropout))
             path = folder / "model.safetensors"
             if not path.is_file():
-                raise FileNotFoundError(
-                    f"{path} not found (a full MultiTaskBert folder has it beside config.json)"
-                )
+                raise FileNotFoundError(f"{path} not found (a full model folder has it beside config.json)")
             _load_exact(model.bert, load_file(str(path)), path, task_specific=False)
         else:
             base = base_model or config.get("base_model_name_or_path")
@@ -233,9 +217,9 @@ class MultiTaskBert(nn.Module):
                     f"{folder} holds an adapter only and records no base_model_name_or_path: pass base_model="
                 )
             model = cls.from_base(base, specs, saved_pal, head_dropout)
-        model.config.extra = {
-            k: v for k, v in saved_extra.items() if k not in ("head_dropout", "fine_tuned_from")
-        }
+        if full:
+            model.config.base_model = saved.get("fine_tuned_from")
+        model.config.extra = {k: v for k, v in saved.items() if k not in ("head_dropout", "fine_tuned_from")}
         model.load_adapter(adapter, strict=config.get("tasks") is not None, force=force)
         return model
 
@@ -249,7 +233,7 @@ class MultiTaskBert(nn.Module):
         except ValueError:
             raise ValueError(f"unknown task {name!r}; this model has {self.task_names}") from None
 
-    def _features(self, spec: TaskSpec, out: Any, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def _features(self, spec: TaskSpec, out: Any, mask: Tensor | None = None) -> Tensor:
         """The task's pooled features ``[B, d]`` of an encoder output, packed, or padded with its ``mask``."""
         if spec.pooling == "cls":
             return out.pooler_output
@@ -263,27 +247,23 @@ class MultiTaskBert(nn.Module):
 
     def forward(
         self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        token_type_ids: torch.Tensor | None = None,
-        task_ids: torch.Tensor | None = None,
-        input_ids_b: torch.Tensor | None = None,
-        attention_mask_b: torch.Tensor | None = None,
-        token_type_ids_b: torch.Tensor | None = None,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+        task_ids: Tensor | None = None,
+        input_ids_b: Tensor | None = None,
+        attention_mask_b: Tensor | None = None,
+        token_type_ids_b: Tensor | None = None,
         layout: BatchLayout | None = None,
         **deprecated: Any,
     ) -> MultiTaskOutput:
-        """Every row through its task's PALs and head. Returns :class:`MultiTaskOutput`.
-
-        Packed (what :func:`fastpals.data.mixed_batches.model_inputs` gives): ``input_ids`` / ``token_type_ids``
-        int64 ``[N]`` and the batch's ``layout``; the siamese rows' second sentences as ``input_ids_b`` /
-        ``token_type_ids_b`` ``[N2]`` (laid out by ``layout.second``). Padded: ``[B, L]`` tensors with
-        ``attention_mask`` (right-padded) and ``task_ids [B]`` (optional for a one-task model), ``*_b`` ``[B, L2]``
-        for siamese tasks; they are packed here (:meth:`batch_layout`, one host read) and run as packed.
-        """
+        """Every row through its task's PALs and head. Packed: int64 ``[N]`` tensors and the batch's
+        ``layout`` (:func:`fastpals.data.model_inputs`), the siamese second sentences ``*_b [N2]`` laid out by
+        ``layout.second``. Padded: ``[B, L]`` tensors, right-padded ``attention_mask``, ``task_ids [B]``
+        (optional for one task), ``*_b [B, L2]``; packed here once (:meth:`batch_layout`, one host read)."""
         if deprecated:
             layout = self._deprecated_layout(
-                input_ids, attention_mask, task_ids, input_ids_b, layout, deprecated
+                deprecated, layout, input_ids, attention_mask, task_ids, input_ids_b
             )
         if layout is None:
             if input_ids.dim() != 2:
@@ -294,28 +274,24 @@ class MultiTaskBert(nn.Module):
             mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
             layout = self.batch_layout(mask, task_ids, attention_mask_b)
         if input_ids.dim() == 2:  # padded: to packed rows, once, here
-            input_ids, token_type_ids = _packed_rows(layout, input_ids, token_type_ids)
+            input_ids, token_type_ids = _packed_rows(layout, None, input_ids, token_type_ids)
             if layout.second is not None and input_ids_b is not None:
                 rows = torch.as_tensor(layout.second_rows, device=input_ids_b.device)
                 input_ids_b, token_type_ids_b = _packed_rows(
-                    layout.second, input_ids_b, token_type_ids_b, rows
+                    layout.second, rows, input_ids_b, token_type_ids_b
                 )
         num, max_pos = len(self.tasks), self.config.bert.max_position_embeddings
         if layout.host_task_ids is None or layout.num_tasks != num:
             raise ValueError(f"the batch's layout must hold task ids of this model's {num} tasks")
         if layout.max_seqlen > max_pos:
-            raise ValueError(
-                f"a sequence of {layout.max_seqlen} tokens exceeds max_position_embeddings {max_pos}"
-            )
+            raise ValueError(f"a sequence of {layout.max_seqlen} tokens > max_position_embeddings {max_pos}")
         enc_tasks = layout.task_ids if self.bert.num_tasks else None
         out_a = self.bert(input_ids, None, token_type_ids, enc_tasks, layout=layout)
         tokens = list(layout.task_tokens)
         second, out_b = layout.second, None
         if any(self.tasks[t].siamese for t in layout.present):
             if input_ids_b is None or second is None:
-                raise ValueError(
-                    "siamese pair tasks need input_ids_b and cu_seqlens_b (their second sentences)"
-                )
+                raise ValueError("siamese tasks need input_ids_b and cu_seqlens_b (their second sentences)")
             expected = sum(n for t, n in enumerate(layout.task_examples) if self.tasks[t].siamese)
             if second.batch != expected:
                 raise ValueError(f"cu_seqlens_b holds {second.batch} sequences for {expected} siamese rows")
@@ -323,14 +299,10 @@ class MultiTaskBert(nn.Module):
             tokens = [n + second.task_tokens[t] for t, n in enumerate(tokens)]
         logits = self._head_logits(layout, out_a, out_b)
         return MultiTaskOutput(
-            logits=logits,
-            task_ids=layout.task_ids,
-            pooled=out_a.pooler_output,
-            layout=layout,
-            task_tokens=tokens,
+            logits, layout.task_ids, out_a.pooler_output, layout=layout, task_tokens=tokens
         )
 
-    def _head_logits(self, layout: BatchLayout, out_a: Any, out_b: Any | None) -> torch.Tensor:
+    def _head_logits(self, layout: BatchLayout, out_a: Any, out_b: Any | None) -> Tensor:
         """fp32 logits ``[B, max num_labels]``: each present task's head on its rows' features of the encoder
         outputs ``out_a`` (and ``out_b``, the siamese second sentences: cosine, or the head on ``(u, v, |u - v|)``)."""
         width = max(t.num_labels for t in self.tasks)
@@ -367,10 +339,7 @@ class MultiTaskBert(nn.Module):
         return np.flatnonzero([self.tasks[t].siamese for t in layout.host_task_ids])
 
     def batch_layout(
-        self,
-        attention_mask: torch.Tensor,
-        task_ids: torch.Tensor | None = None,
-        attention_mask_b: torch.Tensor | None = None,
+        self, attention_mask: Tensor, task_ids: Tensor | None = None, attention_mask_b: Tensor | None = None
     ) -> BatchLayout:
         """The layout :meth:`forward` runs a padded batch as: ``attention_mask [B, L]`` right-padded,
         ``task_ids [B]`` int64 (None for one task), ``attention_mask_b [B, L2]`` (siamese rows). One host read."""
@@ -382,24 +351,18 @@ class MultiTaskBert(nn.Module):
         if rows.size:
             if attention_mask_b is None:
                 raise ValueError("siamese pair tasks need input_ids_b and attention_mask_b")
-            index = torch.as_tensor(rows, device=attention_mask_b.device)
-            second = BatchLayout.from_mask(
-                attention_mask_b.index_select(0, index), layout.host_task_ids[rows], len(self.tasks)
+            mask_b = attention_mask_b.index_select(0, torch.as_tensor(rows, device=attention_mask_b.device))
+            layout.with_second(
+                BatchLayout.from_mask(mask_b, layout.host_task_ids[rows], len(self.tasks)), rows
             )
-            layout.with_second(second, rows)
         return layout
 
     def _deprecated_layout(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        task_ids: torch.Tensor | None,
-        input_ids_b: torch.Tensor | None,
-        layout: BatchLayout | None,
-        kwargs: dict[str, Any],
+        self, kwargs: dict[str, Any], layout: BatchLayout | None, *tensors: Tensor | None
     ) -> BatchLayout | None:
         """The layout of the former entry paths' keywords (``unpad``; packed tensors as ``cu_seqlens``,
-        ``max_seqlen``, ``cu_seqlens_b``, ``max_seqlen_b``), with a ``FutureWarning``."""
+        ``max_seqlen``, ``cu_seqlens_b``, ``max_seqlen_b``), with a ``FutureWarning``. ``tensors``: forward's
+        ``input_ids, attention_mask, task_ids, input_ids_b``."""
         unknown = set(kwargs) - {"unpad", "cu_seqlens", "max_seqlen", "cu_seqlens_b", "max_seqlen_b"}
         if unknown:
             raise TypeError(f"MultiTaskBert.forward() got unexpected keyword arguments {sorted(unknown)}")
@@ -412,6 +375,7 @@ class MultiTaskBert(nn.Module):
         cu_seqlens = kwargs.get("cu_seqlens")
         if cu_seqlens is None or layout is not None:
             return layout
+        input_ids, attention_mask, task_ids, input_ids_b = tensors
         if attention_mask is not None:
             raise ValueError("packed inputs (cu_seqlens given) take no attention_mask")
         num, max_pos = len(self.tasks), self.config.bert.max_position_embeddings
@@ -433,7 +397,7 @@ class MultiTaskBert(nn.Module):
             layout.with_second(second, rows)
         return layout
 
-    def _task_ids(self, task_ids: torch.Tensor | None, b: int, device: torch.device) -> torch.Tensor:
+    def _task_ids(self, task_ids: Tensor | None, b: int, device: torch.device) -> Tensor:
         """``task_ids`` checked as long ``[B]`` (the layout checks the range), or zeros for a one-task model."""
         if task_ids is None:
             if len(self.tasks) != 1:
@@ -441,47 +405,35 @@ class MultiTaskBert(nn.Module):
             task_ids = torch.zeros(b, dtype=torch.long, device=device)
         return check_task_ids(task_ids, len(self.tasks), b, device, check_values=False)
 
-    def _task_loss(self, spec: TaskSpec, z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """One task's fp32 loss by its kind: ``z`` logits ``[n, num_labels]``, ``y`` labels ``[n]``."""
-        return spec.task_kind.loss(spec, z, y)
-
-    def task_losses(
-        self, output: MultiTaskOutput, labels: torch.Tensor, weighting: str = "examples"
-    ) -> TaskLosses:
+    def task_losses(self, output: MultiTaskOutput, labels: Tensor, weighting: str = "examples") -> TaskLosses:
         """:func:`fastpals.model.heads.task_losses` of this model's tasks; labels ``[B]`` float."""
         return task_losses(self.tasks, output, labels, weighting)
 
-    def loss(
-        self, output: MultiTaskOutput, labels: torch.Tensor
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(self, output: MultiTaskOutput, labels: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         """:func:`fastpals.model.heads.summed_loss`: the sum of each present task's mean loss, and those losses.
         labels ``[B]`` float (class index, 0/1, or the regression value)."""
         return summed_loss(self.tasks, output, labels)
 
-    def predict(self, output: MultiTaskOutput) -> torch.Tensor:
+    def predict(self, output: MultiTaskOutput) -> Tensor:
         """Predicted labels ``[B]`` float32 (:func:`fastpals.model.heads.predict`); no host reads."""
         return predict(self.tasks, output)
 
-    def adapter_state_dict(self) -> dict[str, torch.Tensor]:
+    def adapter_state_dict(self) -> dict[str, Tensor]:
         """The task-specific weights (PALs and heads) by their names in this model."""
         return {k: v for k, v in self.state_dict().items() if task_specific_kind(k) is not None}
 
-    def trained_base_state_dict(self) -> dict[str, torch.Tensor]:
-        """The shared parameters that train while others are frozen (the freeze recipe's LayerNorms); empty when
-        all train or all shared ones are frozen."""
+    def trained_base_state_dict(self) -> dict[str, Tensor]:
+        """The shared parameters that train while others are frozen (the freeze LayerNorms); else empty."""
         shared = {n: p for n, p in self.named_parameters() if task_specific_kind(n) is None}
         if all(p.requires_grad for p in shared.values()):
             return {}
         return {n: p.detach() for n, p in shared.items() if p.requires_grad}
 
-    def shared_state_dict(self) -> dict[str, torch.Tensor]:
+    def shared_state_dict(self) -> dict[str, Tensor]:
         """The shared encoder's weights under HF names (``BertModel``'s, or the HF encoder's own; no PALs)."""
         prefix = self.encoder_prefix + "."
-        return {
-            k[len(prefix) :]: v
-            for k, v in self.state_dict().items()
-            if k.startswith(prefix) and task_specific_kind(k) is None
-        }
+        shared = {k: v for k, v in self.state_dict().items() if task_specific_kind(k) is None}
+        return {k.removeprefix(prefix): v for k, v in shared.items() if k.startswith(prefix)}
 
     @property
     def encoder_prefix(self) -> str:
@@ -491,34 +443,27 @@ class MultiTaskBert(nn.Module):
     def save_pretrained(
         self, folder: str | os.PathLike, adapters_only: bool = False, tokenizer: Any | None = None
     ) -> Path:
-        """Save for :meth:`from_pretrained` and HF tools; returns the folder.
-
-        Full: ``config.json`` and ``model.safetensors`` (the shared encoder under HF ``BertModel`` names, for
-        ``AutoModel``), ``pals/adapter_*`` (PALs and heads, ``base_model_name_or_path`` null, the start checkpoint
-        as ``extra.fine_tuned_from``) and, with ``tokenizer``, its files for ``AutoTokenizer``.
-        ``adapters_only``: ``adapter_*`` at the top (PALs, heads, trained base weights), loaded on the base
-        checkpoint; warns when the shared encoder trained. The adapter records the encoder's fingerprint.
-        """
+        """Save for :meth:`from_pretrained` and HF tools; returns the folder. Full: ``config.json`` and
+        ``model.safetensors`` (the shared encoder, for ``AutoModel``), ``pals/adapter_*`` (PALs and heads) and
+        the ``tokenizer``'s files. ``adapters_only``: ``adapter_*`` at the top (PALs, heads, trained base
+        weights), to load on the base checkpoint; warns when the shared encoder trained."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         tensors = self.adapter_state_dict()
         heads = {k for k in tensors if task_specific_kind(k) == "head"}
-        base: dict[str, torch.Tensor] = {}
+        base = self.trained_base_state_dict() if adapters_only else {}
         if adapters_only:
-            base = self.trained_base_state_dict()
+            self._warn_if_encoder_trained(base)
             adapter_dir = folder
         else:
             adapter_dir = folder / ADAPTER_SUBFOLDER
             shared = {k: v.detach().contiguous().cpu() for k, v in self.shared_state_dict().items()}
             if isinstance(self.bert, BertModel):
-                dtype = shared["embeddings.word_embeddings.weight"].dtype
-                config_json = json.dumps(hf_bert_config(self.config.bert, dtype), indent=2)
-                (folder / "config.json").write_text(config_json)
+                config = hf_bert_config(self.config.bert, shared["embeddings.word_embeddings.weight"].dtype)
+                (folder / "config.json").write_text(json.dumps(config, indent=2))
             else:
                 self.bert.model.config.save_pretrained(folder)
             save_file(shared, str(folder / "model.safetensors"), metadata={"format": "pt"})
-        if adapters_only:
-            self._warn_if_encoder_trained(base)
         cfg, n_layers = self.config, self.config.bert.num_hidden_layers
         model_type = cfg.extra.get("hf_model_type", "bert")
         target = TARGETS.get(model_type, TARGETS["bert"])
@@ -546,7 +491,7 @@ class MultiTaskBert(nn.Module):
             tokenizer.save_pretrained(folder)
         return folder
 
-    def _warn_if_encoder_trained(self, base: dict[str, torch.Tensor]) -> None:
+    def _warn_if_encoder_trained(self, base: dict[str, Tensor]) -> None:
         """Warn when a shared parameter the adapter does not carry changed since :meth:`from_base`."""
         start = getattr(self, "base_digests", None)
         if not start:
@@ -569,10 +514,9 @@ class MultiTaskBert(nn.Module):
         strict: bool = True,
         force: bool = False,
     ) -> MultiTaskBert:
-        """Load an adapter of :meth:`save_pretrained` or :func:`fastpals.save_pals`; returns the model. Its PAL
-        config and tensors must match exactly; heads and trained base weights load by name (``strict``: a tensor
-        with no place is an error, else a warning). Refused beside another encoder
-        (:class:`EncoderMismatchError`) unless ``force``."""
+        """Load an adapter of :meth:`save_pretrained` or :func:`fastpals.save_pals`; returns the model. PALs
+        must match exactly; heads and trained base weights load by name (``strict``: a tensor with no place is
+        an error, else a warning). Refused beside another encoder unless ``force``."""
         config, tensors, adapter = read_adapter(folder, "load_adapter")
         check_encoder_fingerprint(
             config.get("encoder", {}).get("fingerprint"), self.bert, trained_base_in_encoder(config),
@@ -587,15 +531,9 @@ class MultiTaskBert(nn.Module):
             )
         if own is not None:
             check_same_pal_config(own, saved, str(adapter), "load_adapter")
+        options = {"load_trained_base": load_trained_base, "strict": strict}
         load_adapter_tensors(
-            self,
-            self.encoder_prefix,
-            config,
-            tensors,
-            source=str(adapter),
-            caller="load_adapter",
-            load_trained_base=load_trained_base,
-            strict=strict,
+            self, self.encoder_prefix, config, tensors, source=str(adapter), caller="load_adapter", **options
         )
         return self
 
@@ -635,7 +573,7 @@ def _load_legacy(
 
 
 def _load_exact(
-    module: nn.Module, state: dict[str, torch.Tensor], source: Path, task_specific: bool | None = None
+    module: nn.Module, state: dict[str, Tensor], source: Path, task_specific: bool | None = None
 ) -> None:
     """Load ``state`` into ``module``, which must match exactly its weights that are task-specific (True),
     shared (False) or all (None)."""
@@ -662,15 +600,7 @@ def count_parameters(model: nn.Module) -> dict[str, int]:
     return counts
 
 
-def _packed_rows(
-    layout: BatchLayout,
-    input_ids: torch.Tensor,
-    token_type_ids: torch.Tensor | None,
-    rows: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Padded ``[B, L]`` token ids and types (their ``rows`` only, when given) → packed ``[N]`` rows of ``layout``."""
-    pieces = [
-        t if rows is None else t.index_select(0, rows) for t in (input_ids, token_type_ids) if t is not None
-    ]
-    ids, *types = (layout.to_rows(t[:, : layout.max_seqlen]) for t in pieces)
-    return ids, types[0] if types else None
+def _packed_rows(layout: BatchLayout, rows: Tensor | None, *padded: Tensor | None) -> list:
+    """Padded ``[B, L]`` tensors (their ``rows`` only, when given; None stays None) → packed ``[N]`` rows."""
+    picked = (t if t is None or rows is None else t.index_select(0, rows) for t in padded)
+    return [None if t is None else layout.to_rows(t[:, : layout.max_seqlen]) for t in picked]
