@@ -28,22 +28,14 @@ from fastpals import __version__
 from fastpals.commands.claims_findings import (
     ARMS,
     CONVERGED,
-    CPU_PROCESS_BYTES,
     EARLY,
     FINDINGS,
-    GPU_PROCESS_BYTES,
-    IMPROVING,
-    PROG,
     QUICK,
     QUICK_FINDINGS,
     REFERENCE_ARMS,
-    RESERVED,
     Arm,
     Budget,
-    Comparison,
     Finding,
-    RunKey,
-    Runs,
     mean_sd,
     paired_interval,
     plan_runs,
@@ -57,19 +49,21 @@ from fastpals.commands.memory import StepSpec, plan_memory
 from fastpals.train.command import parse_args
 from fastpals.train.memory_mode import device_memory_bytes
 
-__all__ = [
-    "ARMS",
-    "FINDINGS",
-    "REFERENCE_ARMS",
-    "Arm",
-    "Comparison",
-    "Finding",
-    "main",
-    "paired_interval",
-    "plot_claims",
-    "verdict",
-    "write_markdown",
-]
+__all__ = ["main", "plot_claims", "write_markdown"]
+
+PROG = "fastpals claims"
+#: options set by claims itself (per run)
+RESERVED = ("--epochs", "--steps-per-epoch", "--out", "--resume", "--recipe", "--overwrite", "--seed")
+#: a run whose last evaluation gained more than this over the previous one is "still improving"
+IMPROVING = 0.005
+#: a run: (arm, seed)
+RunKey = tuple[str, int]
+#: per run, its record (options, command, status, scores; written to claims.json)
+Runs = dict[RunKey, dict[str, Any]]
+#: what a run's process holds besides the tensors the planner counts: the CUDA context and allocator slack on a
+#: GPU; the interpreter, torch, the data and the tokenizer on the CPU
+GPU_PROCESS_BYTES = 1 << 30
+CPU_PROCESS_BYTES = 3 << 29
 
 
 # ------------------------------------------------------------------------------------------------------- the jobs

@@ -1,10 +1,5 @@
-"""``fastpals memory``: the peak memory of one training step, predicted before a GPU is rented (``docs/memory.md``).
-
-:func:`plan_memory` runs the trainer's own update (:func:`fastpals.train.step.run_update`) on fake tensors of a
-model built from its ``config.json``, with DeepSpeed's model states (:class:`DeepSpeedLikeEngine`), and adds up the
-live tensor storage (:class:`LiveTensorBytes`): the peak ``torch.cuda.max_memory_allocated`` would read. The command
-line and charts: :mod:`fastpals.commands.memory_cli`.
-"""
+"""``fastpals memory``'s planner (``docs/memory.md``): the trainer's own update run on fake tensors with
+DeepSpeed's model states, adding up the live tensor storage ``torch.cuda.max_memory_allocated`` would read."""
 
 from __future__ import annotations
 
@@ -27,7 +22,7 @@ from fastpals.data.tasks import resolve_tasks
 from fastpals.encoder.bert import BertConfig, PALConfig
 from fastpals.model.multitask import MultiTaskBert, MultiTaskConfig
 from fastpals.surgery import AGGREGATORS, shared_parameters_by_name
-from fastpals.train.args import PAL_PRESETS
+from fastpals.train.args import PAL_PRESETS, SURGERY_BUFFER_DTYPES
 from fastpals.train.distributed import initialize
 from fastpals.train.dsconfig import check_ds_config, load_ds_config
 from fastpals.train.errors import ConfigError
@@ -53,23 +48,16 @@ from fastpals.train.optimizer_setup import make_optimizer, optimizer_param_group
 from fastpals.train.step import MicroBatch, Surgery, TorchEngine, run_update
 
 __all__ = [
-    "CATEGORIES",
     "CATEGORY_TEXT",
     "DEVICES",
     "Device",
-    "GradientBuckets",
-    "DeepSpeedLikeEngine",
-    "LiveTensorBytes",
     "MemoryPlan",
-    "ModelStates",
     "StepSpec",
     "StepTrace",
     "load_bert_config",
     "measure_deepspeed_step",
     "measure_step",
-    "model_state_bytes",
     "plan_memory",
-    "predict_peak_bytes",
     "step_micro_batches",
     "step_model",
     "trace_step",
@@ -77,7 +65,6 @@ __all__ = [
 
 GIB = 2**30
 SURGERY_MODES = ("one_backward", "per_task")
-BUFFER_DTYPES = ("auto", "fp32", "bf16")
 #: the parts of the peak (:data:`CATEGORIES`), as printed
 _CATEGORY_LABELS = (
     "parameters (module weights)",
@@ -101,42 +88,31 @@ _SHIPPED_MODELS = {
 @dataclass(frozen=True)
 class Device:
     """A target: ``usable_bytes`` is what the device leaves to tensors (for GPUs the card's memory less the CUDA
-    context and library workspaces, as ``bench/memory_report.py`` caps the allocator); ``bf16``/``fp16``: whether
-    training in that precision runs there."""
+    context and library workspaces, as ``bench/memory_report.py`` caps the allocator); ``why_not``: per precision
+    that does not train there, why (one line)."""
 
-    name: str
     label: str
     usable_bytes: int
-    bf16: bool = True
-    fp16: bool = True
     why_not: dict[str, str] = field(default_factory=dict)
 
     def supports(self, precision: str) -> str | None:
         """None when ``precision`` trains on this device, else why not (one line)."""
-        if getattr(self, precision, True):
-            return None
-        return self.why_not.get(precision, f"no {precision}")
+        return self.why_not.get(precision)
 
 
 #: the targets of ``fastpals memory`` (usable memory: the caps of ``bench/memory_report.py``; ``cpu``: this host)
 DEVICES: dict[str, Device] = {
     "t4": Device(
-        "t4",
-        "T4 16GB",
-        int(14.0 * GIB),
-        bf16=False,
-        why_not={"bf16": "T4 (Turing) has no bf16: train in fp16 (--precision fp16)"},
-    ),  # fmt: skip
-    "a100-40": Device("a100-40", "A100 40GB", int(38.5 * GIB)),
-    "a100-80": Device("a100-80", "A100 80GB", int(78.0 * GIB)),
-    "h100-80": Device("h100-80", "H100 80GB", int(78.0 * GIB)),
+        "T4 16GB", int(14.0 * GIB), {"bf16": "T4 (Turing) has no bf16: train in fp16 (--precision fp16)"}
+    ),
+    "a100-40": Device("A100 40GB", int(38.5 * GIB)),
+    "a100-80": Device("A100 80GB", int(78.0 * GIB)),
+    "h100-80": Device("H100 80GB", int(78.0 * GIB)),
     "cpu": Device(
-        "cpu",
         "this CPU host",
         device_memory_bytes("cpu"),
-        fp16=False,
-        why_not={"fp16": "fp16 training needs a CUDA GPU (the trainer refuses it on CPU)"},
-    ),  # fmt: skip
+        {"fp16": "fp16 training needs a CUDA GPU (the trainer refuses it on CPU)"},
+    ),
 }
 
 
@@ -186,8 +162,7 @@ class StepSpec:
 
     @property
     def rows_dtype(self) -> str:
-        """The surgery rows' dtype: ``buffer_dtype``, where ``auto`` follows the training precision as the trainer
-        does (bf16 rows with bf16 training, else fp32)."""
+        """The surgery rows' dtype: ``buffer_dtype``; ``auto``: bf16 with bf16 training, else fp32 (as trained)."""
         if self.buffer_dtype != "auto":
             return self.buffer_dtype
         return "bf16" if self.precision == "bf16" else "fp32"
@@ -195,21 +170,21 @@ class StepSpec:
     @property
     def stage(self) -> int:
         """The ZeRO stage; None means the shipped configs' ``auto``: 1 with fp16/bf16 or several ranks, else 0."""
-        if self.zero_stage is not None:
-            return self.zero_stage
-        return int(self.precision != "fp32" or self.world_size > 1)
+        return (
+            self.zero_stage
+            if self.zero_stage is not None
+            else int(self.precision != "fp32" or self.world_size > 1)
+        )
 
     @property
     def ds_config_name(self) -> str | None:
-        """:attr:`ds_config`, or the shipped ``gpu_<precision>_zero<stage>.json`` for fp16/bf16 (None for fp32:
-        DeepSpeed's defaults)."""
+        """:attr:`ds_config`, or the shipped ``gpu_<precision>_zero<stage>.json`` (None for fp32: DeepSpeed's)."""
         if self.ds_config is None and self.precision != "fp32":
             return f"gpu_{self.precision}_zero{self.stage}.json"
         return self.ds_config
 
     def gradient_buckets(self) -> GradientBuckets:
-        """The gradient buckets DeepSpeed allocates for each backward of this run
-        (:func:`fastpals.train.memory_states.gradient_buckets` of :attr:`ds_config`)."""
+        """The gradient buckets DeepSpeed allocates for each backward of this run (of :attr:`ds_config_name`)."""
         name = self.ds_config_name
         try:
             cfg = load_ds_config(name) if name is not None else None
@@ -230,7 +205,7 @@ class StepSpec:
             ("--surgery", self.surgery, ("none", *AGGREGATORS)),
             ("--surgery-mode", self.surgery_mode, SURGERY_MODES),
             ("--surgery-memory", self.surgery_memory, SURGERY_MEMORIES),
-            ("--surgery-buffer-dtype", self.buffer_dtype, BUFFER_DTYPES),
+            ("--surgery-buffer-dtype", self.buffer_dtype, SURGERY_BUFFER_DTYPES),
             ("--pal", self.pal, tuple(PAL_PRESETS)),
         ):
             if value not in choices:
@@ -268,9 +243,8 @@ def step_model(spec: StepSpec, cast: bool = True, bert: Any = None) -> torch.nn.
     elif not all(specs):
         raise ValueError("--tasks: give built-in names and files, or a number of tasks, not both")
     preset = PAL_PRESETS[spec.pal]
-    pal = None
-    if preset is not None:
-        pal = PALConfig(num_tasks=len(specs), **preset)
+    pal = None if preset is None else PALConfig(num_tasks=len(specs), **preset)
+    if pal is not None:
         pal.validate(bert.num_hidden_layers)
     model = MultiTaskBert(MultiTaskConfig(bert, specs, pal))
     model.bert.set_activation_checkpointing(spec.activation_checkpointing)
@@ -343,9 +317,9 @@ class StepTrace:
     fake: bool
 
 
-def _run_step(spec: StepSpec, batch_size: int, fake: bool, warmup: bool = False) -> StepTrace:
+def _run_step(spec: StepSpec, batch_size: int, fake: bool) -> StepTrace:
     """Build and run one update of ``spec`` (see :func:`trace_step`); ``fake=False``: real tensors, the trainer's
-    optimizer (fp32 only) and, with ``warmup``, a first update before the measured one."""
+    optimizer (fp32 only) and a first update before the measured one."""
     spec.check()
     bert = load_bert_config(spec.model)
     start = time.perf_counter()
@@ -397,7 +371,7 @@ def _run_step(spec: StepSpec, batch_size: int, fake: bool, warmup: bool = False)
         strategy = "none" if surgery is None else (
             "one_backward" if spec.surgery_mode == "one_backward" else "per_task_backward"
         )  # fmt: skip
-        updates = 2 if warmup else 1
+        updates = 1 if fake else 2
         for u in range(updates):
             with tracker.phase("activations"):
                 micro = step_micro_batches(spec, model, batch_size, bert.vocab_size)
@@ -429,16 +403,13 @@ def measure_step(spec: StepSpec, batch_size: int) -> StepTrace:
     """The measured peak of live tensor storage of the same update on real CPU tensors (fp32, ZeRO-0: the
     trainer's CPU default), with the trainer's optimizer and a first update before the measured one (its
     optimizer states exist, as in training). The CPU validation of :func:`trace_step`."""
-    return _run_step(spec, batch_size, fake=False, warmup=True)
+    return _run_step(spec, batch_size, fake=False)
 
 
 def measure_deepspeed_step(spec: StepSpec, batch_size: int, ds_config: str | dict[str, Any]) -> StepTrace:
-    """The measured peak of live tensor storage of one update of ``spec`` on a real DeepSpeed engine on the CPU
-    (``ds_config``: a path, a shipped name or a dict; checked as the trainer checks it), built as the trainer
-    builds it (fp32 model that DeepSpeed casts, the trainer's AdamW groups), after a first update: the CPU check
-    of :func:`trace_step`'s DeepSpeed states and gradient buckets with the same tracker. No surgery; ``at_peak``
-    is all ``temporaries`` but the module's weights."""
-
+    """The measured live-tensor peak of the second plain update of ``spec`` on a real DeepSpeed engine on the CPU,
+    built as the trainer builds it (``ds_config``: a path, a shipped name or a dict): the CPU check of
+    :func:`trace_step`'s DeepSpeed states and buckets. ``at_peak`` is all ``temporaries`` but the weights."""
     if spec.surgery != "none":
         raise ValueError("measure_deepspeed_step runs the plain step (--surgery none)")
     cfg = load_ds_config(ds_config) if not isinstance(ds_config, dict) else ds_config
@@ -463,21 +434,6 @@ def measure_deepspeed_step(spec: StepSpec, batch_size: int, ds_config: str | dic
         batch_size, tracker.peak, dict(tracker.at_peak), tracker.peak_phase, numel, 0,
         time.perf_counter() - start, False,
     )  # fmt: skip
-
-
-def predict_peak_bytes(
-    model: str = "bert-base-uncased",
-    batch_size: int = 32,
-    max_length: int = 128,
-    precision: str = "bf16",
-    surgery: str = "none",
-    **spec_fields: Any,
-) -> int:
-    """Predicted peak bytes of tensor storage per rank for one update (what ``torch.cuda.max_memory_allocated``
-    measures over a steady-state update): the function a GPU session compares its measurement with.
-    ``spec_fields``: the other :class:`StepSpec` fields (``tasks``, ``pal``, ``surgery_mode``, ``zero_stage``...)."""
-    spec = StepSpec(model=model, max_length=max_length, precision=precision, surgery=surgery, **spec_fields)
-    return trace_step(spec, batch_size).peak_bytes
 
 
 @dataclass
@@ -513,14 +469,10 @@ class MemoryPlan(StepTrace):
 
 
 def _fits(peak: int, device: Device, precision: str) -> dict[str, Any]:
-    entry: dict[str, Any] = {"label": device.label, "usable_bytes": device.usable_bytes}
-    if why := device.supports(precision):
-        return {**entry, "fits": None, "note": why}
-    return {
-        **entry,
-        "fits": peak <= device.usable_bytes,
-        "note": f"{(device.usable_bytes - peak) / GIB:+.2f} GiB left",
-    }
+    why = device.supports(precision)
+    fits = None if why else peak <= device.usable_bytes
+    note = why or f"{(device.usable_bytes - peak) / GIB:+.2f} GiB left"
+    return {"label": device.label, "usable_bytes": device.usable_bytes, "fits": fits, "note": note}
 
 
 def _fit_line(traces: Sequence[StepTrace]) -> tuple[float, float]:
@@ -559,10 +511,8 @@ def largest_batches(
         a, c = _fit_line(traces[-2:])
     runs = {n: c > 0 and DEVICES[n].supports(spec.precision) is None for n in devices}
     largest = {n: math.floor((DEVICES[n].usable_bytes - a) / c) if runs[n] else 0 for n in devices}
-    return {n: b if b >= 1 else None for n, b in largest.items()}, {
-        "intercept_bytes": a,
-        "bytes_per_example": c,
-    }
+    fit = {"intercept_bytes": a, "bytes_per_example": c}
+    return {n: b if b >= 1 else None for n, b in largest.items()}, fit
 
 
 def plan_memory(
