@@ -46,9 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         usage=f"{PROG} RECIPE [RECIPE ...] --budget STEPS [--out DIR] [--max-eval N] [train.py options]",
         description="Train each recipe for one epoch of STEPS updates on the same data and seed, then write "
-        "compare.md, compare.json and compare.png in --out. Recipes: all, "
-        + ", ".join(recipe_names())
-        + ", or "
+        f"compare.md, compare.json and compare.png in --out. Recipes: all, {', '.join(recipe_names())}, or "
         "JSON files. Other options (e.g. --model, --batch-size, --max-length, --seed, --data-dir) go to every run.",
     )
     p.add_argument(
@@ -136,12 +134,8 @@ def _fmt(value: float | None, digits: int = 3) -> str:
 def write_markdown(rows: list[dict[str, Any]], path: Path, header: str) -> Path:
     """``compare.md``: ``header`` then the table (a CFIMDB column only when a row has that task)."""
     cols = [(k, n) for k, n in SCORE_COLUMNS if k != "cfimdb" or any(k in r["scores"] for r in rows)]
-    lines = [header, ""]
-    lines.append(
-        "| recipe | "
-        + " | ".join(n for _, n in cols)
-        + " | overall† | updates | examples | train s | total s |"
-    )
+    names = " | ".join(n for _, n in cols)
+    lines = [header, "", f"| recipe | {names} | overall† | updates | examples | train s | total s |"]
     lines.append("|---" * (len(cols) + 6) + "|")
     for r in rows:
         if r["error"]:
@@ -169,9 +163,7 @@ def plot_compare(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
     recipes' own rows are drawn as their combined ``single-task`` row)."""
     shown = [r for r in rows if not r["error"] and not (r["kind"] == "recipe" and Path(r["name"]).stem.startswith(
         "single_") and any(x["kind"] == "single" for x in rows))]  # fmt: skip
-    cols = [(k, n) for k, n in SCORE_COLUMNS if any(k in r["scores"] for r in shown)] + [
-        ("overall", "overall†")
-    ]
+    cols = [c for c in SCORE_COLUMNS if any(c[0] in r["scores"] for r in shown)] + [("overall", "overall†")]
     figure = Figure(figsize=(max(7.0, 1.2 + 0.35 * len(shown) * len(cols)), 4.8))
     FigureCanvasAgg(figure)
     ax = figure.add_subplot(1, 1, 1)
@@ -260,11 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = compare_rows(runs)
 
     first = parsed[0]
-    device = (
-        torch.cuda.get_device_name()
-        if torch.cuda.is_available()
-        else f"CPU, {torch.get_num_threads()} threads of {os.cpu_count()} cores"
-    )
+    cpu = f"CPU, {torch.get_num_threads()} threads of {os.cpu_count()} cores"
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else cpu
     header = (
         f"# fastpals compare: {len(runs)} recipe(s), {opts.budget} updates each\n\n"
         f"Same data and seed for every run: model {first.model}, seed {first.seed}, batch size {first.batch_size}, "
@@ -281,7 +270,3 @@ def main(argv: list[str] | None = None) -> int:
         file=sys.stderr,
     )
     return status
-
-
-if __name__ == "__main__":
-    sys.exit(main())

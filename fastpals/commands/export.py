@@ -52,7 +52,3 @@ def main(argv: list[str] | None = None) -> int:
         f"wrote {out}: SentenceTransformer({str(out)!r}, trust_remote_code=True) encodes with task {args.task}"
     )
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -88,8 +88,8 @@ _SHIPPED_MODELS = {
 @dataclass(frozen=True)
 class Device:
     """A target: ``usable_bytes`` is what the device leaves to tensors (for GPUs the card's memory less the CUDA
-    context and library workspaces, as ``bench/memory_report.py`` caps the allocator); ``why_not``: per precision
-    that does not train there, why (one line)."""
+    context and library workspaces, as ``bench/memory_report.py`` caps the allocator); ``why_not``: per
+    precision that does not train there, why (one line)."""
 
     label: str
     usable_bytes: int
@@ -162,7 +162,7 @@ class StepSpec:
 
     @property
     def rows_dtype(self) -> str:
-        """The surgery rows' dtype: ``buffer_dtype``; ``auto``: bf16 with bf16 training, else fp32 (as trained)."""
+        """The surgery rows' dtype: ``buffer_dtype``; ``auto``: bf16 with bf16 training, else fp32."""
         if self.buffer_dtype != "auto":
             return self.buffer_dtype
         return "bf16" if self.precision == "bf16" else "fp32"
@@ -178,13 +178,13 @@ class StepSpec:
 
     @property
     def ds_config_name(self) -> str | None:
-        """:attr:`ds_config`, or the shipped ``gpu_<precision>_zero<stage>.json`` (None for fp32: DeepSpeed's)."""
+        """:attr:`ds_config`, or the shipped ``gpu_<precision>_zero<stage>.json`` (fp32: None, defaults)."""
         if self.ds_config is None and self.precision != "fp32":
             return f"gpu_{self.precision}_zero{self.stage}.json"
         return self.ds_config
 
     def gradient_buckets(self) -> GradientBuckets:
-        """The gradient buckets DeepSpeed allocates for each backward of this run (of :attr:`ds_config_name`)."""
+        """The gradient buckets DeepSpeed allocates for each backward (of :attr:`ds_config_name`)."""
         name = self.ds_config_name
         try:
             cfg = load_ds_config(name) if name is not None else None
@@ -407,8 +407,8 @@ def measure_step(spec: StepSpec, batch_size: int) -> StepTrace:
 
 
 def measure_deepspeed_step(spec: StepSpec, batch_size: int, ds_config: str | dict[str, Any]) -> StepTrace:
-    """The measured live-tensor peak of the second plain update of ``spec`` on a real DeepSpeed engine on the CPU,
-    built as the trainer builds it (``ds_config``: a path, a shipped name or a dict): the CPU check of
+    """The measured live-tensor peak of the second plain update of ``spec`` on a real DeepSpeed engine on the
+    CPU, built as the trainer builds it (``ds_config``: a path, a shipped name or a dict): the CPU check of
     :func:`trace_step`'s DeepSpeed states and buckets. ``at_peak`` is all ``temporaries`` but the weights."""
     if spec.surgery != "none":
         raise ValueError("measure_deepspeed_step runs the plain step (--surgery none)")

@@ -132,10 +132,9 @@ def plot_table(
     precision: str = "bf16",
     max_length: int = 128,
 ) -> Path:
-    """Write the chart of ``docs/memory.md``: per model a panel with ``peak(b) = a + c b`` (GiB) for every variant
-    of ``lines`` (model, variant, precision, ``a``, ``c`` in bytes) in ``precision`` over the batch sizes up to the largest that fits the largest GPU, and a dashed
-    line at each GPU's ``(label, usable bytes)`` of ``gpus``. Returns the path written."""
-
+    """Write the chart of ``docs/memory.md``: per model a panel with ``peak(b) = a + c b`` (GiB) for each line
+    ``(model, variant, precision, a, c)`` in ``precision``, up to the batch that fits the largest GPU, and a
+    dashed line at each GPU's ``(label, usable bytes)`` of ``gpus``. Returns the path written."""
     models = list(dict.fromkeys(line[0] for line in lines))
     fig, _ = _figure(5.2 * len(models), 4.2)
     top = max(u for _, u in gpus) / GIB
@@ -289,7 +288,3 @@ def main(argv: list[str] | None = None) -> int:
         gpus = [(d.label, d.usable_bytes) for name, d in DEVICES.items() if name != "cpu"]
         print(f"wrote {plot_plan(plan.at_peak, CATEGORY_TEXT, gpus, title, args.chart)}", file=sys.stderr)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
