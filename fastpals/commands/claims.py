@@ -1,7 +1,5 @@
-"""``fastpals claims``: the five CS224N reports' findings (:data:`FINDINGS`), each re-run as a comparison of arms
-(``train.py`` option sets, :data:`ARMS`) over several seeds with the same data and budget, the runs ``train.py``
-subprocesses (:func:`execute`); writes ``claims.md`` (paired 95% t-intervals and verdicts), ``claims.json`` and
-``claims.png``. Usage: ``docs/claims.md``."""
+"""``fastpals claims`` (``docs/claims.md``): the findings' arms run as ``train.py`` subprocesses over several
+seeds, then ``claims.md`` (paired 95% t-intervals and verdicts), ``claims.json`` and ``claims.png``."""
 
 from __future__ import annotations
 
@@ -355,9 +353,8 @@ def reference_scores(runs: Runs, seeds: Sequence[int], metric: str) -> dict[int,
 
 def summarize(findings: Sequence[Finding], runs: Runs, seeds: Sequence[int]) -> list[dict[str, Any]]:
     """Per finding: each arm's scores per seed, mean and sd; each comparison's paired interval over the seeds where
-    both arms finished, and its verdict (``unfinished`` when no seed has both). The paired difference is
-    ``better - worse``, or ``worse - better`` for a finding whose claim is a lower value (``Finding.lower``): a
-    difference above 0 supports the claim either way."""
+    both arms finished, its verdict (``unfinished``: no seed has both). The difference ``better - worse`` is
+    negated where the claim is a lower value (``Finding.lower``): above 0 supports the claim either way."""
     out = []
     for f in findings:
         arms = {}

@@ -1,6 +1,5 @@
-"""``fastpals compare RECIPE... --budget STEPS``: several recipes trained one after the other in this process for
-one epoch of ``STEPS`` updates with the same common ``train.py`` options (the first also scores the untrained
-model); writes ``compare.md``, ``compare.json`` and ``compare.png`` to ``--out``."""
+"""``fastpals compare RECIPE... --budget STEPS``: recipes trained one after the other in this process with the
+same ``train.py`` options; writes ``compare.md``, ``compare.json`` and ``compare.png`` to ``--out``."""
 
 from __future__ import annotations
 

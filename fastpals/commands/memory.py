@@ -77,12 +77,8 @@ _CATEGORY_LABELS = (
 )
 CATEGORY_TEXT = dict(zip(CATEGORIES, _CATEGORY_LABELS))
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_SHIPPED_MODELS = {
-    "bert-base-uncased": "bert-base-uncased.json",
-    "bert-large-uncased": "bert-large-uncased.json",
-    "minilm-l6": "minilm-l6.json",
-    "sentence-transformers/all-MiniLM-L6-v2": "minilm-l6.json",
-}
+_SHIPPED_MODELS = ("bert-base-uncased", "bert-large-uncased", "minilm-l6")
+_ALIASES = {"sentence-transformers/all-MiniLM-L6-v2": "minilm-l6"}
 
 
 @dataclass(frozen=True)
@@ -120,8 +116,9 @@ def load_bert_config(model: str) -> Any:
     """The :class:`fastpals.encoder.bert.BertConfig` of ``model``: a shipped name (``bert-base-uncased``,
     ``bert-large-uncased``, ``minilm-l6``; offline), a ``config.json`` path, a folder holding one, or a Hugging
     Face Hub name (only its ``config.json`` is fetched). Raises ``ValueError`` (one line) when none is found."""
-    if model in _SHIPPED_MODELS:
-        return BertConfig.from_json(Path(__file__).parents[1] / "configs" / "models" / _SHIPPED_MODELS[model])
+    name = _ALIASES.get(model, model)
+    if name in _SHIPPED_MODELS:
+        return BertConfig.from_json(Path(__file__).parents[1] / "configs" / "models" / f"{name}.json")
     path = Path(model)
     if path.is_dir() and not (path / "config.json").is_file():
         raise ValueError(
@@ -132,10 +129,9 @@ def load_bert_config(model: str) -> Any:
     try:
         return BertConfig.from_json(resolve_model_dir(model, files=("config.json",)) / "config.json")
     except Exception as err:  # noqa: BLE001 - any failure to fetch is the same advice
-        shipped = ", ".join(n for n in _SHIPPED_MODELS if "/" not in n)
         raise ValueError(
             f"--model {model}: no config.json found ({str(err).splitlines()[0] if str(err) else type(err).__name__}); "
-            f"use a shipped model ({shipped}), a local folder or a config.json"
+            f"use a shipped model ({', '.join(_SHIPPED_MODELS)}), a local folder or a config.json"
         ) from None
 
 
@@ -228,9 +224,8 @@ class StepSpec:
 
 
 def step_model(spec: StepSpec, cast: bool = True, bert: Any = None) -> torch.nn.Module:
-    """The model :func:`trace_step` runs (``spec.model``'s config or ``bert``, random weights from seed 0, train
-    mode, on the default device): cast to ``spec.precision`` as DeepSpeed casts it, or fp32 with ``cast=False`` (for
-    a real DeepSpeed engine to cast)."""
+    """The model :func:`trace_step` runs (``spec.model``'s config or ``bert``, seed 0, train mode), cast to
+    ``spec.precision`` as DeepSpeed casts it, or fp32 with ``cast=False`` (for a real DeepSpeed engine)."""
     torch.manual_seed(0)
     bert = load_bert_config(spec.model) if bert is None else bert
     # "sst:3": a copy of a built-in task under its own name (``--tasks N`` plans N tasks)
@@ -250,11 +245,9 @@ def step_model(spec: StepSpec, cast: bool = True, bert: Any = None) -> torch.nn.
     model.bert.set_activation_checkpointing(spec.activation_checkpointing)
     # as DeepSpeed's module.half() / .bfloat16(), in place (fake tensors cannot be swapped by Module.to)
     if cast and spec.precision != "fp32":
-        dtype = _DTYPES[spec.precision]
-        with torch.no_grad():
-            for t in [*model.parameters(), *model.buffers()]:
-                if t.is_floating_point():
-                    t.data = t.data.to(dtype)
+        for t in [*model.parameters(), *model.buffers()]:
+            if t.is_floating_point():
+                t.data = t.data.to(_DTYPES[spec.precision])
     return model.train()
 
 
@@ -360,13 +353,7 @@ def _run_step(spec: StepSpec, batch_size: int, fake: bool) -> StepTrace:
                 )
             # the buffer's own allocations are the surgery's
             for name in [n for n in ("capture", "apply", "_new_block") if hasattr(buffer, n)]:
-                method = getattr(buffer, name)
-
-                def wrapped(*a: Any, _m: Any = method, **k: Any) -> Any:
-                    with tracker.phase("surgery"):
-                        return _m(*a, **k)
-
-                setattr(buffer, name, wrapped)
+                setattr(buffer, name, tracker.phase("surgery")(getattr(buffer, name)))
             surgery = Surgery(buffer, AGGREGATORS[spec.surgery], torch.Generator().manual_seed(0))
         strategy = "none" if surgery is None else (
             "one_backward" if spec.surgery_mode == "one_backward" else "per_task_backward"
@@ -400,9 +387,8 @@ def trace_step(spec: StepSpec, batch_size: int) -> StepTrace:
 
 
 def measure_step(spec: StepSpec, batch_size: int) -> StepTrace:
-    """The measured peak of live tensor storage of the same update on real CPU tensors (fp32, ZeRO-0: the
-    trainer's CPU default), with the trainer's optimizer and a first update before the measured one (its
-    optimizer states exist, as in training). The CPU validation of :func:`trace_step`."""
+    """The measured live-tensor peak of the same update on real CPU tensors (fp32, ZeRO-0, the trainer's
+    optimizer, after a first update): the CPU validation of :func:`trace_step`."""
     return _run_step(spec, batch_size, fake=False)
 
 
@@ -490,11 +476,9 @@ _MAX_PROBE = 32768
 def largest_batches(
     spec: StepSpec, devices: Sequence[str] = tuple(DEVICES), probes: tuple[int, int] | None = None
 ) -> tuple[dict[str, int | None], dict[str, float]]:
-    """Per device the largest batch whose predicted peak fits, from the straight line through two traces at
-    ``probes`` (default 16 and 32 examples per task; the peak is linear in the batch, ``tests/test_memory.py``).
-    Where the batch-proportional part of the line is under half the last trace's peak (model states and surgery
-    rows dominate), up to :data:`_REFINE_STEPS` more traces at the predicted limit refit the line. Returns
-    ``(largest, {"intercept_bytes", "bytes_per_example"})``."""
+    """Per device the largest batch whose predicted peak fits, from the line through two traces at ``probes``
+    (default 16 and 32 examples per task), refit by traces at the predicted limit while the batch makes under
+    half the peak. Returns ``(largest, {"intercept_bytes", "bytes_per_example"})``."""
     t = len(spec.tasks)
     probes = probes or (
         (16, 32) if spec.surgery_mode == "per_task" and spec.surgery != "none" else (16 * t, 32 * t)
@@ -523,9 +507,8 @@ def plan_memory(
     every_surgery_memory: bool = False,
 ) -> MemoryPlan:
     """Predict the peak memory per rank of one training step of ``spec`` at ``batch_size`` examples (or
-    ``max_tokens // max_length`` full-length rows), traced on fake tensors (:func:`trace_step`).
-    ``largest_batch`` adds the largest batch per device; ``every_surgery_memory`` traces every
-    ``--surgery-memory`` mode too. Raises a one-line ``ValueError`` naming the option on bad input."""
+    ``max_tokens // max_length`` rows), with the largest batch per device and every ``--surgery-memory``
+    mode's peak when asked. Raises a one-line ``ValueError`` naming the option on bad input."""
     spec.check()
     if max_tokens is not None:
         if max_tokens < spec.max_length:
@@ -569,11 +552,8 @@ def _gib(n: float) -> str:
 def format_plan(plan: MemoryPlan) -> str:
     """The text ``fastpals memory`` prints."""
     s = plan.spec
-    surgery = (
-        "none"
-        if s.surgery == "none"
-        else f"{s.surgery} ({s.surgery_mode.replace('_', ' ')}, {s.rows_dtype} rows)"
-    )
+    mode = s.surgery_mode.replace("_", " ")
+    surgery = "none" if s.surgery == "none" else f"{s.surgery} ({mode}, {s.rows_dtype} rows)"
     batch = (
         f"{plan.batch_size} examples per task micro-batch ({len(s.tasks)} backwards)"
         if s.surgery != "none" and s.surgery_mode == "per_task"
@@ -618,10 +598,8 @@ def format_plan(plan: MemoryPlan) -> str:
     lines.append("fits (memory left to tensors):")
     for name, d in plan.devices.items():
         verdict = "n/a" if d["fits"] is None else ("fits" if d["fits"] else "does NOT fit")
-        extra = ""
-        if plan.largest_batch is not None:
-            lb = plan.largest_batch.get(name)
-            extra = f"; largest batch {lb if lb is not None else '-'}"
+        lb = (plan.largest_batch or {}).get(name)
+        extra = "" if plan.largest_batch is None else f"; largest batch {'-' if lb is None else lb}"
         if plan.auto_modes is not None:
             pick = plan.auto_modes[name]
             extra += f"; auto: {pick['mode']} ({pick['why']})"

@@ -42,10 +42,8 @@ _TABLE_GPUS = ("t4", "a100-40", "a100-80", "h100-80")
 
 
 def memory_table(max_length: int = 128, chart: str | Path | None = None) -> str:
-    """The markdown of ``docs/memory.md``: the predicted largest batch at ``max_length`` on each GPU for BERT-base
-    and BERT-large, plain / PAL / PAL + PCGrad (one backward), without and with activation checkpointing,
-    fp16 / bf16, tasks sst, para, sts, ZeRO-1, one rank. ``chart``: also write the chart of the bf16 lines
-    (:func:`plot_table`) there, linked from the markdown."""
+    """The markdown of ``docs/memory.md``: the predicted largest batch at ``max_length`` per GPU for each
+    variant of :data:`_TABLE_VARIANTS`; ``chart``: also write the chart of the bf16 lines there."""
     rows, lines = [], []
     fits: dict[tuple, tuple[dict[str, int | None], dict[str, float]]] = {}
     for model in _TABLE_MODELS:

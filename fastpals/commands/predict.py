@@ -1,6 +1,5 @@
-"""``fastpals predict MODEL_DIR``: a saved multi-task model (the trainer's ``<out>/best``, with its tokenizer and
-``training_args.json``) on the CS224N test files, or on ``--text`` / ``--pair`` sentences (printed tab-separated:
-task, prediction, label name, probability or score, text)."""
+"""``fastpals predict MODEL_DIR``: a saved multi-task model on the CS224N test files, or on ``--text`` /
+``--pair`` sentences (printed tab-separated: task, prediction, label name, probability or score, text)."""
 
 from __future__ import annotations
 
