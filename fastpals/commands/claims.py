@@ -507,14 +507,12 @@ def build_parser() -> argparse.ArgumentParser:
                 "seeds 0..N-1, then claims.md, claims.json and claims.png in --out. Finished runs are kept and "
                 "skipped on a rerun. Other options (e.g. --model, --data-dir, --max-length) go to every run, after "
                 "the budget's defaults.")  # fmt: skip
-    p.add_argument("--budget", default=None, metavar="early|converged|STEPS",
+    p.add_argument("--budget", metavar="early|converged|STEPS",
                    help=f"early: {EARLY.what} (the default on the CPU); converged: {CONVERGED.what} (the default "
                    f"on a GPU); a number: that many updates, scored at the end (--quick: {QUICK.what})")  # fmt: skip
-    p.add_argument(
-        "--seeds", type=int, default=None, metavar="N", help="seeds per arm (default: 3; --quick: 2)"
-    )
+    p.add_argument("--seeds", type=int, metavar="N", help="seeds per arm (default: 3; --quick: 2)")
     p.add_argument("--out", default="runs/claims", metavar="DIR", help="output folder (default: runs/claims)")
-    p.add_argument("--only", default=None, metavar="KEY,...", help="only these findings (keys in claims.md)")
+    p.add_argument("--only", metavar="KEY,...", help="only these findings (keys in claims.md)")
     p.add_argument("--jobs", default="1", metavar="N|auto",
                    help="runs at a time, all on one device, the CPU cores split between them; auto: as many as the "
                    "memory planner's peak of one run fits in the GPU's free memory (CPU: RAM) and the cores "

@@ -60,15 +60,12 @@ class Budget:
         return math.ceil(updates / self.evals) if self.evals > 1 else None
 
 
-#: the CPU table's budget: how fast each arm starts
 EARLY = Budget("early-training", 100, what="100 updates of 16 examples, each run scored at its end: how fast each "
                "arm starts, not what it reaches")  # fmt: skip
-#: the main job's budget (`make train`: 867 updates of 48 examples), dev every 174 updates
 CONVERGED = Budget("converged", 867, CONVERGED_COMMON, evals=5, examples_equivalent=True,
                    what="the main job's budget (`make train`): 867 updates of 48 examples, an arm with one "
                    "micro-batch per task per update (gradient surgery) the same examples in fewer updates; "
                    "dev every 1/5 of the run")  # fmt: skip
-#: ``--quick``: 4 updates, dev after 2 and 4 (the pipeline check of the converged protocol)
 QUICK = Budget("quick", 4, evals=2, what="the pipeline check: 4 updates, dev after 2 and 4")
 
 

@@ -40,7 +40,6 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The options of ``fastpals compare`` itself; every other option is a common ``train.py`` option."""
-
     p = OneLineErrorParser(
         prog=PROG,
         usage=f"{PROG} RECIPE [RECIPE ...] --budget STEPS [--out DIR] [--max-eval N] [train.py options]",
@@ -189,7 +188,6 @@ def plot_compare(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``fastpals compare``; 0 when every run finished, 1 when one failed (its row says why), 2 for
     a bad option or recipe (before any run starts)."""
-
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
         build_parser().print_help()
@@ -264,8 +262,6 @@ def main(argv: list[str] | None = None) -> int:
         json.dumps({"budget": opts.budget, "common": common, "rows": finite_or_null(rows)}, indent=2)
     )
     plot_compare(rows, out / "compare.png", f"dev scores after {opts.budget} updates per recipe")
-    print(
-        f"[compare] wrote {out / 'compare.md'}, {out / 'compare.json'}, {out / 'compare.png'}",
-        file=sys.stderr,
-    )
+    written = ", ".join(str(out / f"compare.{ext}") for ext in ("md", "json", "png"))
+    print(f"[compare] wrote {written}", file=sys.stderr)
     return status
