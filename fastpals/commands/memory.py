@@ -363,11 +363,10 @@ def _run_step(spec: StepSpec, batch_size: int, fake: bool) -> StepTrace:
             with tracker.phase("activations"):
                 micro = step_micro_batches(spec, model, batch_size, bert.vocab_size)
             if u == updates - 1:
-                for state in getattr(getattr(engine, "optimizer", None), "state", {}).values():
-                    # the trainer's optimizer made its moments in the first update
-                    for value in state.values():
-                        if isinstance(value, torch.Tensor):
-                            tracker.tag(value, "optimizer")
+                # the trainer's optimizer made its moments in the first update
+                states = getattr(getattr(engine, "optimizer", None), "state", {}).values()
+                for value in [v for state in states for v in state.values() if isinstance(v, torch.Tensor)]:
+                    tracker.tag(value, "optimizer")
                 tracker.set_phase("temporaries")
                 tracker.reset_peak()
             engine_phase = tracker.category
