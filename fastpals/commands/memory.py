@@ -535,7 +535,6 @@ def plan_memory(
             trace_step(dataclasses.replace(spec, surgery_memory=mode), batch_size).peak_bytes
             for mode in SURGERY_MEMORIES
         }  # fmt: skip
-
         plan.auto_modes = plan_auto_modes(
             load_bert_config(spec.model), len(spec.tasks), trace.shared_params, batch_size * spec.max_length,
             spec.max_length, spec.precision, spec.rows_dtype, spec.buffer_dtype, plan.surgery_modes["buffer"],
