@@ -1,7 +1,5 @@
-"""``fastpals claims``: the five CS224N reports' findings (:data:`FINDINGS`), each re-run as a comparison of arms
-(``train.py`` option sets, :data:`ARMS`) over several seeds with the same data and budget, the runs ``train.py``
-subprocesses (:func:`execute`); writes ``claims.md`` (paired 95% t-intervals and verdicts), ``claims.json`` and
-``claims.png``. Usage: ``docs/claims.md``."""
+"""``fastpals claims`` (``docs/claims.md``): the findings' arms run as ``train.py`` subprocesses over several
+seeds, then ``claims.md`` (paired 95% t-intervals and verdicts), ``claims.json`` and ``claims.png``."""
 
 from __future__ import annotations
 
@@ -28,22 +26,14 @@ from fastpals import __version__
 from fastpals.commands.claims_findings import (
     ARMS,
     CONVERGED,
-    CPU_PROCESS_BYTES,
     EARLY,
     FINDINGS,
-    GPU_PROCESS_BYTES,
-    IMPROVING,
-    PROG,
     QUICK,
     QUICK_FINDINGS,
     REFERENCE_ARMS,
-    RESERVED,
     Arm,
     Budget,
-    Comparison,
     Finding,
-    RunKey,
-    Runs,
     mean_sd,
     paired_interval,
     plan_runs,
@@ -57,22 +47,23 @@ from fastpals.commands.memory import StepSpec, plan_memory
 from fastpals.train.command import parse_args
 from fastpals.train.memory_mode import device_memory_bytes
 
-__all__ = [
-    "ARMS",
-    "FINDINGS",
-    "REFERENCE_ARMS",
-    "Arm",
-    "Comparison",
-    "Finding",
-    "main",
-    "paired_interval",
-    "plot_claims",
-    "verdict",
-    "write_markdown",
-]
+__all__ = ["main", "plot_claims", "write_markdown"]
+
+PROG = "fastpals claims"
+#: options set by claims itself (per run)
+RESERVED = ("--epochs", "--steps-per-epoch", "--out", "--resume", "--recipe", "--overwrite", "--seed")
+#: a run whose last evaluation gained more than this over the previous one is "still improving"
+IMPROVING = 0.005
+#: a run: (arm, seed)
+RunKey = tuple[str, int]
+#: per run, its record (options, command, status, scores; written to claims.json)
+Runs = dict[RunKey, dict[str, Any]]
+#: what a run's process holds besides the tensors the planner counts: the CUDA context and allocator slack on a
+#: GPU; the interpreter, torch, the data and the tokenizer on the CPU
+GPU_PROCESS_BYTES = 1 << 30
+CPU_PROCESS_BYTES = 3 << 29
 
 
-# ------------------------------------------------------------------------------------------------------- the jobs
 def metric_value(dev: dict[str, float | None], metric: str) -> float:
     """A run's dev score on ``metric``: a task's metric, or ``overall`` = (SST + Quora + (STS r + 1) / 2) / 3 (an
     STS r of None/NaN, from constant predictions, counts as 0); NaN where a task is missing."""
@@ -163,10 +154,9 @@ def job_environment(jobs: int) -> dict[str, str]:
     """The variables every run gets when ``jobs`` run at once: the CPU cores split between them
     (``OMP_NUM_THREADS``, ``MKL_NUM_THREADS``), and one GPU for all (the first visible one)."""
     threads = str(max(1, cpu_cores() // jobs))
-    env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    env["CUDA_VISIBLE_DEVICES"] = "0" if visible is None else visible.split(",")[0]  # "": no GPU, kept
-    return env
+    gpu = "0" if visible is None else visible.split(",")[0]  # "": no GPU, kept
+    return {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "CUDA_VISIBLE_DEVICES": gpu}
 
 
 def train_command() -> list[str]:
@@ -186,9 +176,8 @@ def environment() -> dict[str, str]:
     except (OSError, subprocess.SubprocessError):
         commit = "unknown"
     cpu = _proc_field("/proc/cpuinfo", "model name") or platform.processor() or platform.machine()
-    device = (
-        torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({cpu}), {os.cpu_count()} cores"
-    )
+    cuda = torch.cuda.is_available()
+    device = torch.cuda.get_device_name() if cuda else f"CPU ({cpu}), {os.cpu_count()} cores"
     return {"device": device, "python": platform.python_version(), "torch": torch.__version__,
             "fastpals": __version__, "commit": commit,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}  # fmt: skip
@@ -208,9 +197,8 @@ def _read_results(run_dir: Path) -> dict[str, Any] | None:
 
 def _without_out(argv: Sequence[str]) -> list[str]:
     """``argv`` without its ``--out DIR``."""
-    argv = list(argv)
-    i = argv.index("--out") if "--out" in argv else -1
-    return argv[:i] + argv[i + 2 :] if i >= 0 else argv
+    i = argv.index("--out") if "--out" in argv else len(argv)
+    return [*argv[:i], *argv[i + 2 :]]
 
 
 def _check_earlier(run_dir: Path, argv: Sequence[str]) -> dict[str, Any] | None:
@@ -262,11 +250,9 @@ def execute(runs: Runs, runs_dir: Path, jobs: int, keep_checkpoints: bool = Fals
         return 0
     runs_dir.mkdir(parents=True, exist_ok=True)
     # a run is its own one-process job: no rank or port of a launcher (or of an in-process run) leaks in
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
-    }
-    env["PYTHONUNBUFFERED"] = "1"
-    env.update(job_environment(jobs))
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in launcher}
+    env.update(PYTHONUNBUFFERED="1", **job_environment(jobs))
     session_env = environment()
     running: list[tuple[int, str, int, subprocess.Popen, float, Any]] = []
     status = 0
@@ -327,7 +313,6 @@ def execute(runs: Runs, runs_dir: Path, jobs: int, keep_checkpoints: bool = Fals
     return status
 
 
-# ----------------------------------------------------------------------------------------------------- the report
 def convergence_rows(runs: Runs, plan: Sequence[RunKey]) -> list[dict[str, Any]]:
     """Per finished run: its updates, the dev overall at its last two evaluations (``previous`` None when it was
     evaluated once), their difference and ``improving`` (the last gained more than :data:`IMPROVING`)."""
@@ -368,9 +353,8 @@ def reference_scores(runs: Runs, seeds: Sequence[int], metric: str) -> dict[int,
 
 def summarize(findings: Sequence[Finding], runs: Runs, seeds: Sequence[int]) -> list[dict[str, Any]]:
     """Per finding: each arm's scores per seed, mean and sd; each comparison's paired interval over the seeds where
-    both arms finished, and its verdict (``unfinished`` when no seed has both). The paired difference is
-    ``better - worse``, or ``worse - better`` for a finding whose claim is a lower value (``Finding.lower``): a
-    difference above 0 supports the claim either way."""
+    both arms finished, its verdict (``unfinished``: no seed has both). The difference ``better - worse`` is
+    negated where the claim is a lower value (``Finding.lower``): above 0 supports the claim either way."""
     out = []
     for f in findings:
         arms = {}
@@ -516,7 +500,6 @@ def _jsonable(x: Any) -> Any:
     return x
 
 
-# ---------------------------------------------------------------------------------------------------- the command
 def build_parser() -> argparse.ArgumentParser:
     """The options of ``fastpals claims``; every other option goes to every run (a ``train.py`` option)."""
     p = OneLineErrorParser(prog=PROG, allow_abbrev=False, usage=f"{PROG} [--budget early|converged|STEPS] [--seeds N] [--jobs N|auto] [--out DIR] [--quick] [train.py options]",
@@ -524,14 +507,12 @@ def build_parser() -> argparse.ArgumentParser:
                 "seeds 0..N-1, then claims.md, claims.json and claims.png in --out. Finished runs are kept and "
                 "skipped on a rerun. Other options (e.g. --model, --data-dir, --max-length) go to every run, after "
                 "the budget's defaults.")  # fmt: skip
-    p.add_argument("--budget", default=None, metavar="early|converged|STEPS",
+    p.add_argument("--budget", metavar="early|converged|STEPS",
                    help=f"early: {EARLY.what} (the default on the CPU); converged: {CONVERGED.what} (the default "
                    f"on a GPU); a number: that many updates, scored at the end (--quick: {QUICK.what})")  # fmt: skip
-    p.add_argument(
-        "--seeds", type=int, default=None, metavar="N", help="seeds per arm (default: 3; --quick: 2)"
-    )
+    p.add_argument("--seeds", type=int, metavar="N", help="seeds per arm (default: 3; --quick: 2)")
     p.add_argument("--out", default="runs/claims", metavar="DIR", help="output folder (default: runs/claims)")
-    p.add_argument("--only", default=None, metavar="KEY,...", help="only these findings (keys in claims.md)")
+    p.add_argument("--only", metavar="KEY,...", help="only these findings (keys in claims.md)")
     p.add_argument("--jobs", default="1", metavar="N|auto",
                    help="runs at a time, all on one device, the CPU cores split between them; auto: as many as the "
                    "memory planner's peak of one run fits in the GPU's free memory (CPU: RAM) and the cores "
@@ -552,16 +533,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _header(
-    findings: Sequence[Finding],
-    budget: Budget,
-    seeds: Sequence[int],
-    common: Sequence[str],
-    env: dict[str, str],
-    runs: Runs,
-    jobs: int,
-    wall_s: float,
+    n_findings: int, budget: Budget, common: list[str], env: dict, runs: Runs, jobs: int, wall_s: float
 ) -> str:
     """The head of ``claims.md``: budget, seeds, common options, where and with what the runs ran, the wall time."""
+    seeds = sorted({s for _, s in runs})
     unfinished = [run_name(a, s) for (a, s), r in runs.items() if r["dev"] is None]
     envs = {}
     for r in runs.values():
@@ -573,7 +548,7 @@ def _header(
                       f"{min(d)} to {max(d)}" for k, d in envs.items() for n in [len(d)]) or "no run finished"  # fmt: skip
     updates = sorted({r["updates"] for r in runs.values()})
     return (
-        f"# fastpals claims: {len(findings)} finding(s), budget {budget.name} ({'/'.join(map(str, updates))} "
+        f"# fastpals claims: {n_findings} finding(s), budget {budget.name} ({'/'.join(map(str, updates))} "
         f"updates per run), seeds {', '.join(map(str, seeds))}\n\n"
         f"**Budget: {budget.name}**: {budget.what}. The verdicts are about the model of these runs at this budget. "
         f"Every run: its arm's options, then `{' '.join(budget.defaults)} {' '.join(common)}`, one epoch of "
@@ -608,7 +583,9 @@ def main(argv: list[str] | None = None) -> int:
         wanted = (
             QUICK_FINDINGS
             if opts.quick and opts.only is None
-            else (opts.only.split(",") if opts.only else keys)
+            else opts.only.split(",")
+            if opts.only
+            else keys
         )
         unknown = [k for k in wanted if k not in keys]
         if unknown:
@@ -657,7 +634,7 @@ def main(argv: list[str] | None = None) -> int:
     if opts.report and earlier.is_file():
         saved = json.loads(earlier.read_text())
         wall_s, jobs = saved.get("wall_s_this_session", wall_s), saved.get("jobs", jobs)
-    header = _header(findings, budget, seeds, common, env, runs, jobs, wall_s)
+    header = _header(len(findings), budget, common, env, runs, jobs, wall_s)
     out.mkdir(parents=True, exist_ok=True)
     convergence = convergence_rows(runs, plan)
     write_markdown(summary, out / "claims.md", header, seeds, convergence)
@@ -670,7 +647,3 @@ def main(argv: list[str] | None = None) -> int:
     plot_claims(summary, out / "claims.png", f"fastpals claims: budget {budget.name}, {n_seeds} seed(s)")
     print(f"[claims] wrote {out / 'claims.md'}, {out / 'claims.json'}, {out / 'claims.png'}", file=sys.stderr)
     return status
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -8,7 +8,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -31,23 +30,10 @@ __all__ = [
 #: options every run gets before the caller's common options (the short-budget learning rates of `fastpals compare`'s
 #: committed table, docs/results/compare_minilm_cpu.md)
 DEFAULT_COMMON = tuple("--batch-size 16 --lr 1e-4 --pal-lr 5e-4 --head-lr 2e-4 --max-eval 600".split())
-#: options set by claims itself (per run)
-RESERVED = ("--epochs", "--steps-per-epoch", "--out", "--resume", "--recipe", "--overwrite", "--seed")
 #: options every run of the converged budget gets first: the main job's settings (the Makefile's ``train`` target)
 CONVERGED_COMMON = tuple(
     "--batch-size 48 --lr 1.2e-4 --pal-lr 6e-4 --head-lr 2.4e-4 --warmup 0.06 --max-length 128 --max-eval 600".split()
 )
-#: a run whose last evaluation gained more than this over the previous one is "still improving"
-IMPROVING = 0.005
-PROG = "fastpals claims"
-#: a run: (arm, seed)
-RunKey = tuple[str, int]
-#: per run, its record (options, command, status, scores; written to claims.json)
-Runs = dict[RunKey, dict[str, Any]]
-#: what a run's process holds besides the tensors the planner counts: the CUDA context and allocator slack on a
-#: GPU; the interpreter, torch, the data and the tokenizer on the CPU
-GPU_PROCESS_BYTES = 1 << 30
-CPU_PROCESS_BYTES = 3 << 29
 
 
 @dataclass(frozen=True)
@@ -74,15 +60,12 @@ class Budget:
         return math.ceil(updates / self.evals) if self.evals > 1 else None
 
 
-#: the CPU table's budget: how fast each arm starts
 EARLY = Budget("early-training", 100, what="100 updates of 16 examples, each run scored at its end: how fast each "
                "arm starts, not what it reaches")  # fmt: skip
-#: the main job's budget (`make train`: 867 updates of 48 examples), dev every 174 updates
 CONVERGED = Budget("converged", 867, CONVERGED_COMMON, evals=5, examples_equivalent=True,
                    what="the main job's budget (`make train`): 867 updates of 48 examples, an arm with one "
                    "micro-batch per task per update (gradient surgery) the same examples in fewer updates; "
                    "dev every 1/5 of the run")  # fmt: skip
-#: ``--quick``: 4 updates, dev after 2 and 4 (the pipeline check of the converged protocol)
 QUICK = Budget("quick", 4, evals=2, what="the pipeline check: 4 updates, dev after 2 and 4")
 
 
@@ -240,9 +223,7 @@ def paired_interval(better: Sequence[float], worse: Sequence[float], level: floa
     diffs = [b - w for b, w in zip(better, worse)]
     n = len(diffs)
     mean, sd = mean_sd(diffs)
-    if n < 2:
-        return {"n": n, "mean": mean, "sd": sd, "lo": math.nan, "hi": math.nan}
-    half = student_t_quantile((1.0 + level) / 2.0, n - 1) * sd / math.sqrt(n)
+    half = student_t_quantile((1.0 + level) / 2.0, n - 1) * sd / math.sqrt(n) if n >= 2 else math.nan
     return {"n": n, "mean": mean, "sd": sd, "lo": mean - half, "hi": mean + half}
 
 
@@ -273,9 +254,7 @@ def student_t_quantile(p: float, df: int) -> float:
 def verdict(interval: dict[str, float]) -> str:
     """``holds`` (the interval lies above 0), ``reversed`` (below 0) or ``not resolved`` (it holds 0, or fewer
     than 2 seeds)."""
-    return (
-        "holds" if interval["lo"] > 0 else "reversed" if interval["hi"] < 0 else "not resolved"
-    )  # NaN: neither
+    return "holds" if interval["lo"] > 0 else "reversed" if interval["hi"] < 0 else "not resolved"
 
 
 # ------------------------------------------------------------------------------------------------------- the runs
@@ -309,9 +288,7 @@ def resolve_budget(text: str | None, quick: bool = False) -> Budget:
     """``--budget``: ``early``, ``converged``, a number of updates, or None (``--quick``: :data:`QUICK`; on a GPU
     :data:`CONVERGED`; else :data:`EARLY`). Raises ValueError (one line) for anything else."""
     if text is None:
-        if quick:
-            return QUICK
-        return CONVERGED if torch.cuda.is_available() else EARLY
+        return QUICK if quick else CONVERGED if torch.cuda.is_available() else EARLY
     if text in ("early", EARLY.name, "converged"):
         return CONVERGED if text == "converged" else EARLY
     if text.isdigit() and int(text) >= 1:

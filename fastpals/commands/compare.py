@@ -1,6 +1,5 @@
-"""``fastpals compare RECIPE... --budget STEPS``: several recipes trained one after the other in this process for
-one epoch of ``STEPS`` updates with the same common ``train.py`` options (the first also scores the untrained
-model); writes ``compare.md``, ``compare.json`` and ``compare.png`` to ``--out``."""
+"""``fastpals compare RECIPE... --budget STEPS``: recipes trained one after the other in this process with the
+same ``train.py`` options; writes ``compare.md``, ``compare.json`` and ``compare.png`` to ``--out``."""
 
 from __future__ import annotations
 
@@ -41,14 +40,11 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The options of ``fastpals compare`` itself; every other option is a common ``train.py`` option."""
-
     p = OneLineErrorParser(
         prog=PROG,
         usage=f"{PROG} RECIPE [RECIPE ...] --budget STEPS [--out DIR] [--max-eval N] [train.py options]",
         description="Train each recipe for one epoch of STEPS updates on the same data and seed, then write "
-        "compare.md, compare.json and compare.png in --out. Recipes: all, "
-        + ", ".join(recipe_names())
-        + ", or "
+        f"compare.md, compare.json and compare.png in --out. Recipes: all, {', '.join(recipe_names())}, or "
         "JSON files. Other options (e.g. --model, --batch-size, --max-length, --seed, --data-dir) go to every run.",
     )
     p.add_argument(
@@ -136,12 +132,8 @@ def _fmt(value: float | None, digits: int = 3) -> str:
 def write_markdown(rows: list[dict[str, Any]], path: Path, header: str) -> Path:
     """``compare.md``: ``header`` then the table (a CFIMDB column only when a row has that task)."""
     cols = [(k, n) for k, n in SCORE_COLUMNS if k != "cfimdb" or any(k in r["scores"] for r in rows)]
-    lines = [header, ""]
-    lines.append(
-        "| recipe | "
-        + " | ".join(n for _, n in cols)
-        + " | overall† | updates | examples | train s | total s |"
-    )
+    names = " | ".join(n for _, n in cols)
+    lines = [header, "", f"| recipe | {names} | overall† | updates | examples | train s | total s |"]
     lines.append("|---" * (len(cols) + 6) + "|")
     for r in rows:
         if r["error"]:
@@ -169,9 +161,7 @@ def plot_compare(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
     recipes' own rows are drawn as their combined ``single-task`` row)."""
     shown = [r for r in rows if not r["error"] and not (r["kind"] == "recipe" and Path(r["name"]).stem.startswith(
         "single_") and any(x["kind"] == "single" for x in rows))]  # fmt: skip
-    cols = [(k, n) for k, n in SCORE_COLUMNS if any(k in r["scores"] for r in shown)] + [
-        ("overall", "overall†")
-    ]
+    cols = [c for c in SCORE_COLUMNS if any(c[0] in r["scores"] for r in shown)] + [("overall", "overall†")]
     figure = Figure(figsize=(max(7.0, 1.2 + 0.35 * len(shown) * len(cols)), 4.8))
     FigureCanvasAgg(figure)
     ax = figure.add_subplot(1, 1, 1)
@@ -198,7 +188,6 @@ def plot_compare(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``fastpals compare``; 0 when every run finished, 1 when one failed (its row says why), 2 for
     a bad option or recipe (before any run starts)."""
-
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
         build_parser().print_help()
@@ -260,11 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = compare_rows(runs)
 
     first = parsed[0]
-    device = (
-        torch.cuda.get_device_name()
-        if torch.cuda.is_available()
-        else f"CPU, {torch.get_num_threads()} threads of {os.cpu_count()} cores"
-    )
+    cpu = f"CPU, {torch.get_num_threads()} threads of {os.cpu_count()} cores"
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else cpu
     header = (
         f"# fastpals compare: {len(runs)} recipe(s), {opts.budget} updates each\n\n"
         f"Same data and seed for every run: model {first.model}, seed {first.seed}, batch size {first.batch_size}, "
@@ -276,12 +262,6 @@ def main(argv: list[str] | None = None) -> int:
         json.dumps({"budget": opts.budget, "common": common, "rows": finite_or_null(rows)}, indent=2)
     )
     plot_compare(rows, out / "compare.png", f"dev scores after {opts.budget} updates per recipe")
-    print(
-        f"[compare] wrote {out / 'compare.md'}, {out / 'compare.json'}, {out / 'compare.png'}",
-        file=sys.stderr,
-    )
+    written = ", ".join(str(out / f"compare.{ext}") for ext in ("md", "json", "png"))
+    print(f"[compare] wrote {written}", file=sys.stderr)
     return status
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -22,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("out", help="the folder to write (must not exist, or be empty, unless --overwrite)")
     parser.add_argument("--task", required=True, help="the task to export (e.g. sts)")
     parser.add_argument("--format", required=True, choices=FORMATS, help="the output format")
-    parser.add_argument("--max-length", type=int, default=None, help="tokens per text (default: the run's)")
+    parser.add_argument("--max-length", type=int, help="tokens per text (default: the run's)")
     parser.add_argument(
         "--overwrite", action="store_true", help="replace the files of a non-empty out folder"
     )
@@ -52,7 +52,3 @@ def main(argv: list[str] | None = None) -> int:
         f"wrote {out}: SentenceTransformer({str(out)!r}, trust_remote_code=True) encodes with task {args.task}"
     )
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

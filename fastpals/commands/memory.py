@@ -1,10 +1,5 @@
-"""``fastpals memory``: the peak memory of one training step, predicted before a GPU is rented (``docs/memory.md``).
-
-:func:`plan_memory` runs the trainer's own update (:func:`fastpals.train.step.run_update`) on fake tensors of a
-model built from its ``config.json``, with DeepSpeed's model states (:class:`DeepSpeedLikeEngine`), and adds up the
-live tensor storage (:class:`LiveTensorBytes`): the peak ``torch.cuda.max_memory_allocated`` would read. The command
-line and charts: :mod:`fastpals.commands.memory_cli`.
-"""
+"""``fastpals memory``'s planner (``docs/memory.md``): the trainer's own update run on fake tensors with
+DeepSpeed's model states, adding up the live tensor storage ``torch.cuda.max_memory_allocated`` would read."""
 
 from __future__ import annotations
 
@@ -27,7 +22,7 @@ from fastpals.data.tasks import resolve_tasks
 from fastpals.encoder.bert import BertConfig, PALConfig
 from fastpals.model.multitask import MultiTaskBert, MultiTaskConfig
 from fastpals.surgery import AGGREGATORS, shared_parameters_by_name
-from fastpals.train.args import PAL_PRESETS
+from fastpals.train.args import PAL_PRESETS, SURGERY_BUFFER_DTYPES
 from fastpals.train.distributed import initialize
 from fastpals.train.dsconfig import check_ds_config, load_ds_config
 from fastpals.train.errors import ConfigError
@@ -53,23 +48,16 @@ from fastpals.train.optimizer_setup import make_optimizer, optimizer_param_group
 from fastpals.train.step import MicroBatch, Surgery, TorchEngine, run_update
 
 __all__ = [
-    "CATEGORIES",
     "CATEGORY_TEXT",
     "DEVICES",
     "Device",
-    "GradientBuckets",
-    "DeepSpeedLikeEngine",
-    "LiveTensorBytes",
     "MemoryPlan",
-    "ModelStates",
     "StepSpec",
     "StepTrace",
     "load_bert_config",
     "measure_deepspeed_step",
     "measure_step",
-    "model_state_bytes",
     "plan_memory",
-    "predict_peak_bytes",
     "step_micro_batches",
     "step_model",
     "trace_step",
@@ -77,7 +65,6 @@ __all__ = [
 
 GIB = 2**30
 SURGERY_MODES = ("one_backward", "per_task")
-BUFFER_DTYPES = ("auto", "fp32", "bf16")
 #: the parts of the peak (:data:`CATEGORIES`), as printed
 _CATEGORY_LABELS = (
     "parameters (module weights)",
@@ -90,53 +77,38 @@ _CATEGORY_LABELS = (
 )
 CATEGORY_TEXT = dict(zip(CATEGORIES, _CATEGORY_LABELS))
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_SHIPPED_MODELS = {
-    "bert-base-uncased": "bert-base-uncased.json",
-    "bert-large-uncased": "bert-large-uncased.json",
-    "minilm-l6": "minilm-l6.json",
-    "sentence-transformers/all-MiniLM-L6-v2": "minilm-l6.json",
-}
+_SHIPPED_MODELS = ("bert-base-uncased", "bert-large-uncased", "minilm-l6")
+_ALIASES = {"sentence-transformers/all-MiniLM-L6-v2": "minilm-l6"}
 
 
 @dataclass(frozen=True)
 class Device:
     """A target: ``usable_bytes`` is what the device leaves to tensors (for GPUs the card's memory less the CUDA
-    context and library workspaces, as ``bench/memory_report.py`` caps the allocator); ``bf16``/``fp16``: whether
-    training in that precision runs there."""
+    context and library workspaces, as ``bench/memory_report.py`` caps the allocator); ``why_not``: per
+    precision that does not train there, why (one line)."""
 
-    name: str
     label: str
     usable_bytes: int
-    bf16: bool = True
-    fp16: bool = True
     why_not: dict[str, str] = field(default_factory=dict)
 
     def supports(self, precision: str) -> str | None:
         """None when ``precision`` trains on this device, else why not (one line)."""
-        if getattr(self, precision, True):
-            return None
-        return self.why_not.get(precision, f"no {precision}")
+        return self.why_not.get(precision)
 
 
 #: the targets of ``fastpals memory`` (usable memory: the caps of ``bench/memory_report.py``; ``cpu``: this host)
 DEVICES: dict[str, Device] = {
     "t4": Device(
-        "t4",
-        "T4 16GB",
-        int(14.0 * GIB),
-        bf16=False,
-        why_not={"bf16": "T4 (Turing) has no bf16: train in fp16 (--precision fp16)"},
-    ),  # fmt: skip
-    "a100-40": Device("a100-40", "A100 40GB", int(38.5 * GIB)),
-    "a100-80": Device("a100-80", "A100 80GB", int(78.0 * GIB)),
-    "h100-80": Device("h100-80", "H100 80GB", int(78.0 * GIB)),
+        "T4 16GB", int(14.0 * GIB), {"bf16": "T4 (Turing) has no bf16: train in fp16 (--precision fp16)"}
+    ),
+    "a100-40": Device("A100 40GB", int(38.5 * GIB)),
+    "a100-80": Device("A100 80GB", int(78.0 * GIB)),
+    "h100-80": Device("H100 80GB", int(78.0 * GIB)),
     "cpu": Device(
-        "cpu",
         "this CPU host",
         device_memory_bytes("cpu"),
-        fp16=False,
-        why_not={"fp16": "fp16 training needs a CUDA GPU (the trainer refuses it on CPU)"},
-    ),  # fmt: skip
+        {"fp16": "fp16 training needs a CUDA GPU (the trainer refuses it on CPU)"},
+    ),
 }
 
 
@@ -144,8 +116,9 @@ def load_bert_config(model: str) -> Any:
     """The :class:`fastpals.encoder.bert.BertConfig` of ``model``: a shipped name (``bert-base-uncased``,
     ``bert-large-uncased``, ``minilm-l6``; offline), a ``config.json`` path, a folder holding one, or a Hugging
     Face Hub name (only its ``config.json`` is fetched). Raises ``ValueError`` (one line) when none is found."""
-    if model in _SHIPPED_MODELS:
-        return BertConfig.from_json(Path(__file__).parents[1] / "configs" / "models" / _SHIPPED_MODELS[model])
+    name = _ALIASES.get(model, model)
+    if name in _SHIPPED_MODELS:
+        return BertConfig.from_json(Path(__file__).parents[1] / "configs" / "models" / f"{name}.json")
     path = Path(model)
     if path.is_dir() and not (path / "config.json").is_file():
         raise ValueError(
@@ -156,10 +129,9 @@ def load_bert_config(model: str) -> Any:
     try:
         return BertConfig.from_json(resolve_model_dir(model, files=("config.json",)) / "config.json")
     except Exception as err:  # noqa: BLE001 - any failure to fetch is the same advice
-        shipped = ", ".join(n for n in _SHIPPED_MODELS if "/" not in n)
         raise ValueError(
             f"--model {model}: no config.json found ({str(err).splitlines()[0] if str(err) else type(err).__name__}); "
-            f"use a shipped model ({shipped}), a local folder or a config.json"
+            f"use a shipped model ({', '.join(_SHIPPED_MODELS)}), a local folder or a config.json"
         ) from None
 
 
@@ -186,8 +158,7 @@ class StepSpec:
 
     @property
     def rows_dtype(self) -> str:
-        """The surgery rows' dtype: ``buffer_dtype``, where ``auto`` follows the training precision as the trainer
-        does (bf16 rows with bf16 training, else fp32)."""
+        """The surgery rows' dtype: ``buffer_dtype``; ``auto``: bf16 with bf16 training, else fp32."""
         if self.buffer_dtype != "auto":
             return self.buffer_dtype
         return "bf16" if self.precision == "bf16" else "fp32"
@@ -195,21 +166,21 @@ class StepSpec:
     @property
     def stage(self) -> int:
         """The ZeRO stage; None means the shipped configs' ``auto``: 1 with fp16/bf16 or several ranks, else 0."""
-        if self.zero_stage is not None:
-            return self.zero_stage
-        return int(self.precision != "fp32" or self.world_size > 1)
+        return (
+            self.zero_stage
+            if self.zero_stage is not None
+            else int(self.precision != "fp32" or self.world_size > 1)
+        )
 
     @property
     def ds_config_name(self) -> str | None:
-        """:attr:`ds_config`, or the shipped ``gpu_<precision>_zero<stage>.json`` for fp16/bf16 (None for fp32:
-        DeepSpeed's defaults)."""
+        """:attr:`ds_config`, or the shipped ``gpu_<precision>_zero<stage>.json`` (fp32: None, defaults)."""
         if self.ds_config is None and self.precision != "fp32":
             return f"gpu_{self.precision}_zero{self.stage}.json"
         return self.ds_config
 
     def gradient_buckets(self) -> GradientBuckets:
-        """The gradient buckets DeepSpeed allocates for each backward of this run
-        (:func:`fastpals.train.memory_states.gradient_buckets` of :attr:`ds_config`)."""
+        """The gradient buckets DeepSpeed allocates for each backward (of :attr:`ds_config_name`)."""
         name = self.ds_config_name
         try:
             cfg = load_ds_config(name) if name is not None else None
@@ -230,7 +201,7 @@ class StepSpec:
             ("--surgery", self.surgery, ("none", *AGGREGATORS)),
             ("--surgery-mode", self.surgery_mode, SURGERY_MODES),
             ("--surgery-memory", self.surgery_memory, SURGERY_MEMORIES),
-            ("--surgery-buffer-dtype", self.buffer_dtype, BUFFER_DTYPES),
+            ("--surgery-buffer-dtype", self.buffer_dtype, SURGERY_BUFFER_DTYPES),
             ("--pal", self.pal, tuple(PAL_PRESETS)),
         ):
             if value not in choices:
@@ -253,9 +224,8 @@ class StepSpec:
 
 
 def step_model(spec: StepSpec, cast: bool = True, bert: Any = None) -> torch.nn.Module:
-    """The model :func:`trace_step` runs (``spec.model``'s config or ``bert``, random weights from seed 0, train
-    mode, on the default device): cast to ``spec.precision`` as DeepSpeed casts it, or fp32 with ``cast=False`` (for
-    a real DeepSpeed engine to cast)."""
+    """The model :func:`trace_step` runs (``spec.model``'s config or ``bert``, seed 0, train mode), cast to
+    ``spec.precision`` as DeepSpeed casts it, or fp32 with ``cast=False`` (for a real DeepSpeed engine)."""
     torch.manual_seed(0)
     bert = load_bert_config(spec.model) if bert is None else bert
     # "sst:3": a copy of a built-in task under its own name (``--tasks N`` plans N tasks)
@@ -268,19 +238,16 @@ def step_model(spec: StepSpec, cast: bool = True, bert: Any = None) -> torch.nn.
     elif not all(specs):
         raise ValueError("--tasks: give built-in names and files, or a number of tasks, not both")
     preset = PAL_PRESETS[spec.pal]
-    pal = None
-    if preset is not None:
-        pal = PALConfig(num_tasks=len(specs), **preset)
+    pal = None if preset is None else PALConfig(num_tasks=len(specs), **preset)
+    if pal is not None:
         pal.validate(bert.num_hidden_layers)
     model = MultiTaskBert(MultiTaskConfig(bert, specs, pal))
     model.bert.set_activation_checkpointing(spec.activation_checkpointing)
     # as DeepSpeed's module.half() / .bfloat16(), in place (fake tensors cannot be swapped by Module.to)
     if cast and spec.precision != "fp32":
-        dtype = _DTYPES[spec.precision]
-        with torch.no_grad():
-            for t in [*model.parameters(), *model.buffers()]:
-                if t.is_floating_point():
-                    t.data = t.data.to(dtype)
+        for t in [*model.parameters(), *model.buffers()]:
+            if t.is_floating_point():
+                t.data = t.data.to(_DTYPES[spec.precision])
     return model.train()
 
 
@@ -343,9 +310,9 @@ class StepTrace:
     fake: bool
 
 
-def _run_step(spec: StepSpec, batch_size: int, fake: bool, warmup: bool = False) -> StepTrace:
+def _run_step(spec: StepSpec, batch_size: int, fake: bool) -> StepTrace:
     """Build and run one update of ``spec`` (see :func:`trace_step`); ``fake=False``: real tensors, the trainer's
-    optimizer (fp32 only) and, with ``warmup``, a first update before the measured one."""
+    optimizer (fp32 only) and a first update before the measured one."""
     spec.check()
     bert = load_bert_config(spec.model)
     start = time.perf_counter()
@@ -386,27 +353,20 @@ def _run_step(spec: StepSpec, batch_size: int, fake: bool, warmup: bool = False)
                 )
             # the buffer's own allocations are the surgery's
             for name in [n for n in ("capture", "apply", "_new_block") if hasattr(buffer, n)]:
-                method = getattr(buffer, name)
-
-                def wrapped(*a: Any, _m: Any = method, **k: Any) -> Any:
-                    with tracker.phase("surgery"):
-                        return _m(*a, **k)
-
-                setattr(buffer, name, wrapped)
+                setattr(buffer, name, tracker.phase("surgery")(getattr(buffer, name)))
             surgery = Surgery(buffer, AGGREGATORS[spec.surgery], torch.Generator().manual_seed(0))
         strategy = "none" if surgery is None else (
             "one_backward" if spec.surgery_mode == "one_backward" else "per_task_backward"
         )  # fmt: skip
-        updates = 2 if warmup else 1
+        updates = 1 if fake else 2
         for u in range(updates):
             with tracker.phase("activations"):
                 micro = step_micro_batches(spec, model, batch_size, bert.vocab_size)
             if u == updates - 1:
-                for state in getattr(getattr(engine, "optimizer", None), "state", {}).values():
-                    # the trainer's optimizer made its moments in the first update
-                    for value in state.values():
-                        if isinstance(value, torch.Tensor):
-                            tracker.tag(value, "optimizer")
+                # the trainer's optimizer made its moments in the first update
+                states = getattr(getattr(engine, "optimizer", None), "state", {}).values()
+                for value in [v for state in states for v in state.values() if isinstance(v, torch.Tensor)]:
+                    tracker.tag(value, "optimizer")
                 tracker.set_phase("temporaries")
                 tracker.reset_peak()
             engine_phase = tracker.category
@@ -426,19 +386,15 @@ def trace_step(spec: StepSpec, batch_size: int) -> StepTrace:
 
 
 def measure_step(spec: StepSpec, batch_size: int) -> StepTrace:
-    """The measured peak of live tensor storage of the same update on real CPU tensors (fp32, ZeRO-0: the
-    trainer's CPU default), with the trainer's optimizer and a first update before the measured one (its
-    optimizer states exist, as in training). The CPU validation of :func:`trace_step`."""
-    return _run_step(spec, batch_size, fake=False, warmup=True)
+    """The measured live-tensor peak of the same update on real CPU tensors (fp32, ZeRO-0, the trainer's
+    optimizer, after a first update): the CPU validation of :func:`trace_step`."""
+    return _run_step(spec, batch_size, fake=False)
 
 
 def measure_deepspeed_step(spec: StepSpec, batch_size: int, ds_config: str | dict[str, Any]) -> StepTrace:
-    """The measured peak of live tensor storage of one update of ``spec`` on a real DeepSpeed engine on the CPU
-    (``ds_config``: a path, a shipped name or a dict; checked as the trainer checks it), built as the trainer
-    builds it (fp32 model that DeepSpeed casts, the trainer's AdamW groups), after a first update: the CPU check
-    of :func:`trace_step`'s DeepSpeed states and gradient buckets with the same tracker. No surgery; ``at_peak``
-    is all ``temporaries`` but the module's weights."""
-
+    """The measured live-tensor peak of the second plain update of ``spec`` on a real DeepSpeed engine on the
+    CPU, built as the trainer builds it (``ds_config``: a path, a shipped name or a dict): the CPU check of
+    :func:`trace_step`'s DeepSpeed states and buckets. ``at_peak`` is all ``temporaries`` but the weights."""
     if spec.surgery != "none":
         raise ValueError("measure_deepspeed_step runs the plain step (--surgery none)")
     cfg = load_ds_config(ds_config) if not isinstance(ds_config, dict) else ds_config
@@ -463,21 +419,6 @@ def measure_deepspeed_step(spec: StepSpec, batch_size: int, ds_config: str | dic
         batch_size, tracker.peak, dict(tracker.at_peak), tracker.peak_phase, numel, 0,
         time.perf_counter() - start, False,
     )  # fmt: skip
-
-
-def predict_peak_bytes(
-    model: str = "bert-base-uncased",
-    batch_size: int = 32,
-    max_length: int = 128,
-    precision: str = "bf16",
-    surgery: str = "none",
-    **spec_fields: Any,
-) -> int:
-    """Predicted peak bytes of tensor storage per rank for one update (what ``torch.cuda.max_memory_allocated``
-    measures over a steady-state update): the function a GPU session compares its measurement with.
-    ``spec_fields``: the other :class:`StepSpec` fields (``tasks``, ``pal``, ``surgery_mode``, ``zero_stage``...)."""
-    spec = StepSpec(model=model, max_length=max_length, precision=precision, surgery=surgery, **spec_fields)
-    return trace_step(spec, batch_size).peak_bytes
 
 
 @dataclass
@@ -513,14 +454,10 @@ class MemoryPlan(StepTrace):
 
 
 def _fits(peak: int, device: Device, precision: str) -> dict[str, Any]:
-    entry: dict[str, Any] = {"label": device.label, "usable_bytes": device.usable_bytes}
-    if why := device.supports(precision):
-        return {**entry, "fits": None, "note": why}
-    return {
-        **entry,
-        "fits": peak <= device.usable_bytes,
-        "note": f"{(device.usable_bytes - peak) / GIB:+.2f} GiB left",
-    }
+    why = device.supports(precision)
+    fits = None if why else peak <= device.usable_bytes
+    note = why or f"{(device.usable_bytes - peak) / GIB:+.2f} GiB left"
+    return {"label": device.label, "usable_bytes": device.usable_bytes, "fits": fits, "note": note}
 
 
 def _fit_line(traces: Sequence[StepTrace]) -> tuple[float, float]:
@@ -538,11 +475,9 @@ _MAX_PROBE = 32768
 def largest_batches(
     spec: StepSpec, devices: Sequence[str] = tuple(DEVICES), probes: tuple[int, int] | None = None
 ) -> tuple[dict[str, int | None], dict[str, float]]:
-    """Per device the largest batch whose predicted peak fits, from the straight line through two traces at
-    ``probes`` (default 16 and 32 examples per task; the peak is linear in the batch, ``tests/test_memory.py``).
-    Where the batch-proportional part of the line is under half the last trace's peak (model states and surgery
-    rows dominate), up to :data:`_REFINE_STEPS` more traces at the predicted limit refit the line. Returns
-    ``(largest, {"intercept_bytes", "bytes_per_example"})``."""
+    """Per device the largest batch whose predicted peak fits, from the line through two traces at ``probes``
+    (default 16 and 32 examples per task), refit by traces at the predicted limit while the batch makes under
+    half the peak. Returns ``(largest, {"intercept_bytes", "bytes_per_example"})``."""
     t = len(spec.tasks)
     probes = probes or (
         (16, 32) if spec.surgery_mode == "per_task" and spec.surgery != "none" else (16 * t, 32 * t)
@@ -559,10 +494,8 @@ def largest_batches(
         a, c = _fit_line(traces[-2:])
     runs = {n: c > 0 and DEVICES[n].supports(spec.precision) is None for n in devices}
     largest = {n: math.floor((DEVICES[n].usable_bytes - a) / c) if runs[n] else 0 for n in devices}
-    return {n: b if b >= 1 else None for n, b in largest.items()}, {
-        "intercept_bytes": a,
-        "bytes_per_example": c,
-    }
+    fit = {"intercept_bytes": a, "bytes_per_example": c}
+    return {n: b if b >= 1 else None for n, b in largest.items()}, fit
 
 
 def plan_memory(
@@ -573,9 +506,8 @@ def plan_memory(
     every_surgery_memory: bool = False,
 ) -> MemoryPlan:
     """Predict the peak memory per rank of one training step of ``spec`` at ``batch_size`` examples (or
-    ``max_tokens // max_length`` full-length rows), traced on fake tensors (:func:`trace_step`).
-    ``largest_batch`` adds the largest batch per device; ``every_surgery_memory`` traces every
-    ``--surgery-memory`` mode too. Raises a one-line ``ValueError`` naming the option on bad input."""
+    ``max_tokens // max_length`` rows), with the largest batch per device and every ``--surgery-memory``
+    mode's peak when asked. Raises a one-line ``ValueError`` naming the option on bad input."""
     spec.check()
     if max_tokens is not None:
         if max_tokens < spec.max_length:
@@ -603,7 +535,6 @@ def plan_memory(
             trace_step(dataclasses.replace(spec, surgery_memory=mode), batch_size).peak_bytes
             for mode in SURGERY_MEMORIES
         }  # fmt: skip
-
         plan.auto_modes = plan_auto_modes(
             load_bert_config(spec.model), len(spec.tasks), trace.shared_params, batch_size * spec.max_length,
             spec.max_length, spec.precision, spec.rows_dtype, spec.buffer_dtype, plan.surgery_modes["buffer"],
@@ -619,11 +550,8 @@ def _gib(n: float) -> str:
 def format_plan(plan: MemoryPlan) -> str:
     """The text ``fastpals memory`` prints."""
     s = plan.spec
-    surgery = (
-        "none"
-        if s.surgery == "none"
-        else f"{s.surgery} ({s.surgery_mode.replace('_', ' ')}, {s.rows_dtype} rows)"
-    )
+    mode = s.surgery_mode.replace("_", " ")
+    surgery = "none" if s.surgery == "none" else f"{s.surgery} ({mode}, {s.rows_dtype} rows)"
     batch = (
         f"{plan.batch_size} examples per task micro-batch ({len(s.tasks)} backwards)"
         if s.surgery != "none" and s.surgery_mode == "per_task"
@@ -668,10 +596,8 @@ def format_plan(plan: MemoryPlan) -> str:
     lines.append("fits (memory left to tensors):")
     for name, d in plan.devices.items():
         verdict = "n/a" if d["fits"] is None else ("fits" if d["fits"] else "does NOT fit")
-        extra = ""
-        if plan.largest_batch is not None:
-            lb = plan.largest_batch.get(name)
-            extra = f"; largest batch {lb if lb is not None else '-'}"
+        lb = (plan.largest_batch or {}).get(name)
+        extra = "" if plan.largest_batch is None else f"; largest batch {'-' if lb is None else lb}"
         if plan.auto_modes is not None:
             pick = plan.auto_modes[name]
             extra += f"; auto: {pick['mode']} ({pick['why']})"

@@ -13,7 +13,6 @@ from typing import Any
 import numpy as np
 
 from fastpals.commands.memory import (
-    BUFFER_DTYPES,
     CATEGORY_TEXT,
     DEVICES,
     GIB,
@@ -24,22 +23,11 @@ from fastpals.commands.memory import (
     plan_memory,
 )
 from fastpals.surgery import AGGREGATORS
-from fastpals.train.args import PAL_PRESETS
-from fastpals.train.memory_mode import (
-    SURGERY_MEMORIES,
-)
-from fastpals.train.memory_states import (
-    PRECISIONS,
-)
+from fastpals.train.args import PAL_PRESETS, SURGERY_BUFFER_DTYPES
+from fastpals.train.memory_mode import SURGERY_MEMORIES
+from fastpals.train.memory_states import PRECISIONS
 
-__all__ = [
-    "DOCS_COMMAND",
-    "TableLine",
-    "main",
-    "memory_table",
-    "plot_plan",
-    "plot_table",
-]
+__all__ = ["main", "memory_table", "plot_plan", "plot_table"]
 
 DOCS_COMMAND = "fastpals memory --table docs/memory.md --chart docs/memory.png"
 _TABLE_VARIANTS = (  # label, --pal, --surgery, --activation-checkpointing
@@ -54,12 +42,9 @@ _TABLE_GPUS = ("t4", "a100-40", "a100-80", "h100-80")
 
 
 def memory_table(max_length: int = 128, chart: str | Path | None = None) -> str:
-    """The markdown of ``docs/memory.md``: the predicted largest batch at ``max_length`` on each GPU for BERT-base
-    and BERT-large, plain / PAL / PAL + PCGrad (one backward), without and with activation checkpointing,
-    fp16 / bf16, tasks sst, para, sts, ZeRO-1, one rank. ``chart``: also write the chart of the bf16 lines
-    (:func:`plot_table`) there, linked from the markdown."""
-    rows = []
-    lines = []
+    """The markdown of ``docs/memory.md``: the predicted largest batch at ``max_length`` per GPU for each
+    variant of :data:`_TABLE_VARIANTS`; ``chart``: also write the chart of the bf16 lines there."""
+    rows, lines = [], []
     fits: dict[tuple, tuple[dict[str, int | None], dict[str, float]]] = {}
     for model in _TABLE_MODELS:
         for label, pal, surgery, ckpt in _TABLE_VARIANTS:
@@ -123,10 +108,6 @@ def memory_table(max_length: int = 128, chart: str | Path | None = None) -> str:
     )
 
 
-#: one line of :func:`plot_table`: model, variant label, precision, intercept bytes ``a``, bytes per example ``c``
-TableLine = tuple[str, str, str, float, float]
-
-
 def _figure(width: float, height: float) -> tuple[Any, Any]:
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # start-up: matplotlib's import is slow
     from matplotlib.figure import Figure
@@ -143,16 +124,15 @@ def _save(fig: Any, path: str | Path) -> Path:
 
 
 def plot_table(
-    lines: Sequence[TableLine],
+    lines: Sequence[tuple[str, str, str, float, float]],
     gpus: Sequence[tuple[str, int]],
     path: str | Path,
     precision: str = "bf16",
     max_length: int = 128,
 ) -> Path:
-    """Write the chart of ``docs/memory.md``: per model a panel with ``peak(b) = a + c b`` (GiB) for every variant
-    of ``lines`` in ``precision`` over the batch sizes up to the largest that fits the largest GPU, and a dashed
-    line at each GPU's ``(label, usable bytes)`` of ``gpus``. Returns the path written."""
-
+    """Write the chart of ``docs/memory.md``: per model a panel with ``peak(b) = a + c b`` (GiB) for each line
+    ``(model, variant, precision, a, c)`` in ``precision``, up to the batch that fits the largest GPU, and a
+    dashed line at each GPU's ``(label, usable bytes)`` of ``gpus``. Returns the path written."""
     models = list(dict.fromkeys(line[0] for line in lines))
     fig, _ = _figure(5.2 * len(models), 4.2)
     top = max(u for _, u in gpus) / GIB
@@ -244,7 +224,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--surgery-mode", choices=SURGERY_MODES, default="one_backward",
                    help="one_backward (--batching mixed) or per_task backwards (--batching per_task)")  # fmt: skip
-    p.add_argument("--surgery-buffer-dtype", choices=BUFFER_DTYPES, default="auto",
+    p.add_argument("--surgery-buffer-dtype", choices=SURGERY_BUFFER_DTYPES, default="auto",
                    help="surgery buffer rows (default auto: bf16 with --precision bf16, else fp32)")  # fmt: skip
     p.add_argument("--surgery-memory", choices=SURGERY_MEMORIES,
                    help="one-backward surgery: the [T, P] buffer, stream, or auto (default: the plan of the buffer "
@@ -306,7 +286,3 @@ def main(argv: list[str] | None = None) -> int:
         gpus = [(d.label, d.usable_bytes) for name, d in DEVICES.items() if name != "cpu"]
         print(f"wrote {plot_plan(plan.at_peak, CATEGORY_TEXT, gpus, title, args.chart)}", file=sys.stderr)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,5 @@
-"""``fastpals predict MODEL_DIR``: a saved multi-task model (the trainer's ``<out>/best``, with its tokenizer and
-``training_args.json``) on the CS224N test files, or on ``--text`` / ``--pair`` sentences (printed tab-separated:
-task, prediction, label name, probability or score, text)."""
+"""``fastpals predict MODEL_DIR``: a saved multi-task model on the CS224N test files, or on ``--text`` /
+``--pair`` sentences (printed tab-separated: task, prediction, label name, probability or score, text)."""
 
 from __future__ import annotations
 
@@ -97,11 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task", help="task for --text/--pair (one of the model's tasks)")
     p.add_argument("--text", action="append", default=[], help="a sentence to classify (repeatable)")
     p.add_argument("--pair", nargs=2, action="append", default=[], metavar=("A", "B"), help="a sentence pair")
-    p.add_argument("--data-dir", default=None, help=f"folder of the test files (default ${DATA_DIR_ENV})")
-    p.add_argument(
-        "--out", default=None, help="folder for prediction files (default <model_dir>/../predictions)"
-    )
-    p.add_argument("--max-length", type=int, default=None, help="tokens per sequence (default: as trained)")
+    p.add_argument("--data-dir", help=f"folder of the test files (default ${DATA_DIR_ENV})")
+    p.add_argument("--out", help="folder for prediction files (default <model_dir>/../predictions)")
+    p.add_argument("--max-length", type=int, help="tokens per sequence (default: as trained)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument(
         "--force",
