@@ -1,12 +1,11 @@
-"""The state of one :func:`fastpals.inject_pals` injection (:class:`PALInjection`, an attribute of the root
-model) and its forward hooks: the root/base pre-hooks take ``task_ids`` and the ``[B, L]`` padding mask, each
-layer's pre-hook keeps its input ``h [B, L, d]``, and the final LayerNorm's pre-hook (or, for ``site="output"``,
-the target's forward hook) adds ``TS_t(h)``. No HF module is replaced or renamed.
-"""
+"""The state of one :func:`fastpals.inject_pals` injection and its forward hooks: the root/base pre-hooks take
+``task_ids`` and the ``[B, L]`` padding mask, each layer's pre-hook keeps its input ``h [B, L, d]``, and the
+PAL site's hook adds ``TS_t(h)``. No HF module is replaced or renamed."""
 
 from __future__ import annotations
 
-import functools
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -23,36 +22,29 @@ __all__ = ["INJECTION_ATTR", "PALInjection", "add_hf_pals", "get_injection"]
 INJECTION_ATTR = "_fastpals_injection"
 
 
-class PALInjection:
-    """What :func:`inject_pals` did to one model, and the per-call context its hooks share.
+@dataclass(eq=False)
+class PALInjection(ResolvedTargets):
+    """What :func:`inject_pals` did to one model (its targets, PALs and hooks), and the context its hooks
+    share. A plain attribute of the root model whose bound methods are the hooks, so ``copy.deepcopy(model)``
+    gives a copy whose hooks use the copy's state."""
 
-    Held as a plain attribute of the root model (not a module: it has no parameters). The hooks are bound
-    methods of this object, so ``copy.deepcopy(model)`` gives a copy whose hooks use the copy's state.
-    """
+    config: PALConfig
+    layer_indices: list[int]
+    mask_argument: str = "attention_mask"
+    handles: list[Any] = field(default_factory=list)
+    added: list[tuple[nn.Module, str]] = field(default_factory=list)  # (owner, attribute) of each new module
+    default_task: int | torch.Tensor | None = None
+    # False: the PALs add nothing (the base model's forward); PEFT's disable_adapter sets it
+    enabled: bool = True
+    frozen_base: bool = False  # set by freeze_base_model: save_pals then also saves the trained base weights
+    modules_to_train: list[str] = field(default_factory=list)
 
-    def __init__(self, config: PALConfig, resolved: ResolvedTargets, layer_indices: list[int]) -> None:
-        self.config = config
-        self.kind = resolved.kind
-        self.model_type = resolved.model_type
-        self.base_name = resolved.base_name
-        self.base = resolved.base
-        self.layers_pattern = resolved.layers_pattern
-        self.layer_norm_name = resolved.layer_norm_name
-        self.layers = resolved.layers
-        self.hidden_size = resolved.hidden_size
-        self.num_layers = len(resolved.layers)
-        self.layer_indices = layer_indices
-        self.mask_position = resolved.mask_position
-        self.mask_argument = "attention_mask"
-        self.handles: list[Any] = []
-        self.added: list[tuple[nn.Module, str]] = []  # (owner, attribute) of every added module
-        self.default_task: int | torch.Tensor | None = None
-        # False: the PALs add nothing (the base model's forward); PEFT's disable_adapter sets it
-        self.enabled = True
-        # set by freeze_base_model: save_pals then also saves the trained base weights
-        self.frozen_base = False
-        self.modules_to_train: list[str] = []
+    def __post_init__(self) -> None:
         self._reset()
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
 
     def _reset(self) -> None:
         self.depth = 0
@@ -61,7 +53,6 @@ class PALInjection:
         self.layout: BatchLayout | None = None
         self.inputs: dict[int, torch.Tensor] = {}
 
-    # --- root and base model --------------------------------------------------------------------------------
     def enter(self, capture_mask: bool, is_root: bool, module: nn.Module, args: tuple, kwargs: dict) -> tuple:
         """Pre-hook of the root model (``is_root``) and of the base model: take ``task_ids`` out of the
         keyword arguments and, on the base model (``capture_mask``), read the padding mask."""
@@ -72,13 +63,9 @@ class PALInjection:
             self.task_ids = task_ids
         self.depth += 1
         if capture_mask:
-            if self.mask_argument in kwargs:
-                self.mask = kwargs[self.mask_argument]
-            elif self.mask_position is not None and len(args) > self.mask_position:
-                self.mask = args[self.mask_position]
-            else:
-                self.mask = None
-            self.layout = None
+            pos = self.mask_position
+            positional = args[pos] if pos is not None and len(args) > pos else None
+            self.mask, self.layout = kwargs.get(self.mask_argument, positional), None
         return args, kwargs
 
     def leave(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -96,7 +83,6 @@ class PALInjection:
             kwargs["task_ids"] = self._default_task_ids(input_ids.shape[0], input_ids.device)
         return args, kwargs
 
-    # --- layers ---------------------------------------------------------------------------------------------
     def keep_input(self, index: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self.depth == 0:
             raise RuntimeError(
@@ -163,9 +149,7 @@ class PALInjection:
                 f"layer {index}: the final LayerNorm's input has shape {list(x.shape)} but the layer input "
                 f"{list(h.shape)} (chunked feed-forward is not supported)"
             )
-        pal = self.layers[index].pal
-        x = pal(h, self._layout(h), residual=x)
-        return (x, *args[1:]), kwargs
+        return (self.layers[index].pal(h, self._layout(h), residual=x), *args[1:]), kwargs
 
     def add_pal_to_output(self, index: int, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         """Forward hook of a ``site="output"`` target: its output ``[B, L, d]`` plus ``TS_t(h)``."""
@@ -204,12 +188,14 @@ class PALInjection:
                     "forward, or wrap the call in fastpals.set_task(model, task)"
                 )
             task_ids = self._default_task_ids(b, h.device)
-        if torch.compiler.is_compiling():  # no host read in a compiled graph: the ids' range is the caller's
-            task_ids = check_task_ids(task_ids, self.config.num_tasks, b, h.device, check_values=False)
+        compiling = (
+            torch.compiler.is_compiling()
+        )  # no host read in a compiled graph: the ids' range is the caller's
+        task_ids = check_task_ids(task_ids, self.config.num_tasks, b, h.device, check_values=not compiling)
+        if compiling:
             self.layout = PaddedBatch(mask, task_ids, self.config.num_tasks)
-            return self.layout
-        task_ids = check_task_ids(task_ids, self.config.num_tasks, b, h.device)
-        self.layout = make_layout(mask, task_ids, False, (b, n))
+        else:
+            self.layout = make_layout(mask, task_ids, False, (b, n))
         return self.layout
 
     def _default_task_ids(self, batch: int, device: torch.device) -> torch.Tensor:
@@ -229,46 +215,35 @@ def get_injection(model: nn.Module, caller: str) -> PALInjection:
     return state
 
 
-def add_hf_pals(
-    model: nn.Module,
-    resolved: ResolvedTargets,
-    config: PALConfig,
-    indices: list[int],
-    state: PALInjection,
-    device: torch.device,
-    dtype: torch.dtype,
-) -> None:
-    """Add the PAL modules (``<base>.pal_projections``, ``<layers>.{i}.pal`` for ``i`` in ``indices``, on
-    ``device`` in ``dtype``) to an HF model and register the hooks; both are recorded in ``state``."""
-    base, d = resolved.base, resolved.hidden_size
-    clashes = (
-        [f"{resolved.base_name or '<root>'}.pal_projections"] if hasattr(base, "pal_projections") else []
-    )
-    clashes += [f"{resolved.layers_pattern}.{i}.pal" for i in indices if hasattr(resolved.layers[i], "pal")]
+def add_hf_pals(model: nn.Module, state: PALInjection, device: torch.device, dtype: torch.dtype) -> None:
+    """Add the PAL modules (``<base>.pal_projections``, ``<layers>.{i}.pal``; ``device``, ``dtype``) to an HF
+    model and register the hooks; both are recorded in ``state``."""
+    base, config, indices = state.base, state.config, state.layer_indices
+    clashes = [f"{state.base_name or '<root>'}.pal_projections"] if hasattr(base, "pal_projections") else []
+    clashes += [f"{state.layers_pattern}.{i}.pal" for i in indices if hasattr(state.layers[i], "pal")]
     if clashes:
         raise ValueError(f"inject_pals: the model already has attributes named {clashes}")
     shared = None
     if config.shared_projections:
-        shared = PALProjections(config.num_tasks, d, config.hidden, config.init_std, config.zero_init_decoder)
+        shared = PALProjections(
+            config.num_tasks, state.hidden_size, config.hidden, config.init_std, config.zero_init_decoder
+        )
         base.add_module("pal_projections", shared.to(device=device, dtype=dtype))
         state.added.append((base, "pal_projections"))
     for i in indices:
-        pal = PALLayer(config, d, resolved.dropout, shared).to(device=device, dtype=dtype)
-        pal.train(resolved.layers[i].training)
-        resolved.layers[i].add_module("pal", pal)
-        state.added.append((resolved.layers[i], "pal"))
+        layer, norm = state.layers[i], state.layer_norms[i]
+        pal = PALLayer(config, state.hidden_size, state.dropout, shared).to(device=device, dtype=dtype)
+        pal.train(layer.training)
+        layer.add_module("pal", pal)
+        state.added.append((layer, "pal"))
+        state.handles.append(layer.register_forward_pre_hook(partial(state.keep_input, i), with_kwargs=True))
+        if state.site == "output":
+            handle = norm.register_forward_hook(partial(state.add_pal_to_output, i), with_kwargs=True)
+        else:
+            handle = norm.register_forward_pre_hook(partial(state.add_pal, i), with_kwargs=True)
+        state.handles.append(handle)
     callers = [(model, base is model, True)] + ([(base, True, False)] if base is not model else [])
     for module, capture_mask, is_root in callers:
-        pre = functools.partial(state.enter, capture_mask, is_root)
+        pre = partial(state.enter, capture_mask, is_root)
         state.handles.append(module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
         state.handles.append(module.register_forward_hook(state.leave, with_kwargs=True, always_call=True))
-    for i in indices:
-        layer, norm = resolved.layers[i], resolved.layer_norms[i]
-        hook = functools.partial(state.keep_input, i)
-        state.handles.append(layer.register_forward_pre_hook(hook, with_kwargs=True))
-        if resolved.site == "output":
-            hook = functools.partial(state.add_pal_to_output, i)
-            state.handles.append(norm.register_forward_hook(hook, with_kwargs=True))
-        else:
-            hook = functools.partial(state.add_pal, i)
-            state.handles.append(norm.register_forward_pre_hook(hook, with_kwargs=True))

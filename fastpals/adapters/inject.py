@@ -1,12 +1,10 @@
-"""``inject_pals(model, PALConfig(...))``: PALs added in place to an HF encoder (:data:`TARGETS`, or any model
-``layers_pattern`` / ``layer_norm_name`` locate) or to minBERT, with base parameter names unchanged. Each layer
-computes ``LN(ffn_out + attn_out + TS_t(h))``; the forward takes ``task_ids [B]`` or reads :func:`set_task`.
-"""
+"""``inject_pals(model, PALConfig(...))``: PALs added in place to an HF encoder or minBERT, base parameter
+names unchanged; each layer computes ``LN(ffn_out + attn_out + TS_t(h))``, its forward takes ``task_ids [B]``
+or reads :func:`set_task`. Saving and loading in the adapter format (:mod:`fastpals.adapters.format`)."""
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import os
 import warnings
@@ -28,26 +26,17 @@ from fastpals.adapters.format import (
     write_adapter,
 )
 from fastpals.adapters.hooks import INJECTION_ATTR, PALInjection, add_hf_pals, get_injection
-from fastpals.adapters.targets import TARGETS, PALTarget, builds_own_pals, is_known_model, resolve_targets
+from fastpals.adapters.targets import TARGETS, builds_own_pals, is_known_model, resolve_targets
 from fastpals.encoder.bert import BertModel as MiniBert
-from fastpals.encoder.bert import (
-    PALConfig,
-    freeze_shared_parameters,
-    state_dict_mismatches,
-    task_specific_kind,
-)
+from fastpals.encoder.bert import PALConfig, freeze_shared_parameters, task_specific_kind
 from fastpals.encoder.fingerprint import check_encoder_fingerprint, encoder_fingerprint
 
 __all__ = [
     "TARGETS",
-    "PALTarget",
-    "adapter_contents",
     "freeze_base_model",
     "inject_pals",
     "load_pals",
-    "pal_modules",
     "pal_state_dict",
-    "prepare_for_adapter",
     "remove_pals",
     "save_pals",
     "set_task",
@@ -56,9 +45,9 @@ __all__ = [
 
 # the old format (read only, with a FutureWarning); the current one is fastpals.adapters.format'
 LEGACY_WEIGHTS_NAME = "pals.safetensors"
-LEGACY_BASE_WEIGHTS_NAME = "trained_base.safetensors"
 LEGACY_CONFIG_NAME = "pals_config.json"
-LEGACY_FORMAT = "fastpals-pals"
+# the fields of a saved adapter's ``encoder`` beside ``prefix`` and ``fingerprint``, named as in the injection
+ENCODER_FIELDS = "model_type layers_pattern layer_norm_name hidden_size num_layers layer_indices".split()
 
 
 def inject_pals(
@@ -87,8 +76,7 @@ def inject_pals(
     indices = config.layer_indices(len(resolved.layers))
     ref = next(resolved.layers[0].parameters(), None)
     device, dtype = (ref.device, ref.dtype) if ref is not None else (torch.device("cpu"), torch.float32)
-    state = PALInjection(config, resolved, indices)
-    state.mask_argument = mask_argument
+    state = PALInjection(**vars(resolved), config=config, layer_indices=indices, mask_argument=mask_argument)
     if resolved.kind == "minbert":
         mini = resolved.base
         mini.add_pals(config)
@@ -99,7 +87,7 @@ def inject_pals(
                 state.added.append((owner, attr))
         state.handles.append(model.register_forward_pre_hook(state.enter_minbert, with_kwargs=True))
     else:
-        add_hf_pals(model, resolved, config, indices, state, device, dtype)
+        add_hf_pals(model, state, device, dtype)
     setattr(model, INJECTION_ATTR, state)
     if freeze_base:
         freeze_base_model(model, train_layer_norms=train_layer_norms, modules_to_train=modules_to_train)
@@ -159,12 +147,7 @@ def pal_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     ``pal_projections.*``, ``<layers>.{i}.pal.*``)."""
     state = get_injection(model, "pal_state_dict")
     names = {id(m): n for n, m in state.base.named_modules()}
-    out: dict[str, torch.Tensor] = {}
-    for module in pal_modules(state):
-        prefix = names[id(module)]
-        for k, v in module.state_dict().items():
-            out[f"{prefix}.{k}"] = v
-    return out
+    return {f"{names[id(m)]}.{k}": v for m in pal_modules(state) for k, v in m.state_dict().items()}
 
 
 def freeze_base_model(
@@ -182,18 +165,6 @@ def freeze_base_model(
     state.frozen_base = True
     state.modules_to_train = list(modules_to_train)
     return counts
-
-
-def _description(state: PALInjection) -> dict[str, Any]:
-    return {
-        "prefix": state.base_name,
-        "model_type": state.model_type,
-        "layers_pattern": state.layers_pattern,
-        "layer_norm_name": state.layer_norm_name,
-        "hidden_size": state.hidden_size,
-        "num_layers": state.num_layers,
-        "layer_indices": state.layer_indices,
-    }
 
 
 def trained_base_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -215,7 +186,6 @@ def save_pals(
     weights, the task heads and, with ``include_trained_base`` (default: when the base was frozen with
     :func:`freeze_base_model`), the trained base weights. ``task_names`` default to ``task0, task1, ...``;
     ``base_model_name_or_path`` to the HF model's ``name_or_path``. Returns the folder."""
-
     if builds_own_pals(model):
         return model.save_pretrained(folder, adapters_only=True)
     state = get_injection(model, "save_pals")
@@ -236,7 +206,6 @@ def adapter_contents(
     """What :func:`save_pals` writes for an injected ``model``: ``(tensors, fields)``, the PAL weights, heads and
     the base parameters ``base_names`` by their names in ``model``, and the fields of
     :func:`fastpals.adapters.format.adapter_config`. ``caller`` names the function in error messages."""
-
     state = get_injection(model, caller)
     pals = {join_name(state.base_name, k): v for k, v in pal_state_dict(model).items()}
     params = dict(model.named_parameters())
@@ -259,7 +228,8 @@ def adapter_contents(
     kwargs = {
         "pal_config": state.config.to_dict(),
         "encoder": {
-            **_description(state),
+            "prefix": state.base_name,
+            **{k: getattr(state, k) for k in ENCODER_FIELDS},
             "fingerprint": encoder_fingerprint(encoder, {n.removeprefix(lead) for n in base}),
         },
         "base_model_name_or_path": base_model_name_or_path,
@@ -279,14 +249,11 @@ def load_pals(
     strict: bool = False,
     force: bool = False,
 ) -> nn.Module:
-    """Load an adapter (an adapter folder, or a full model folder's ``pals/``) into ``model`` and return it.
-
-    A model without PALs is injected first (:func:`prepare_for_adapter`); any difference from the saved PALs is a
-    ``ValueError`` saying what differs. ``load_trained_base``: also load the trained base weights the adapter
-    holds; saved tensors without a place in the model are an error with ``strict``, else a warning. An adapter
-    trained beside another encoder is refused unless ``force``. Old-format folders load with a FutureWarning.
-    """
-
+    """Load an adapter (an adapter folder, or a full model folder's ``pals/``) into ``model`` (injected first
+    if it has no PALs; a difference from the saved PALs is a ``ValueError``) and return it.
+    ``load_trained_base``: also the trained base weights; saved tensors without a place in the model are an
+    error with ``strict``, else a warning; an adapter trained beside another encoder is refused unless
+    ``force``. Old folders: a FutureWarning."""
     if builds_own_pals(model):
         return model.load_adapter(folder, load_trained_base=load_trained_base, strict=strict, force=force)
     folder = Path(folder)
@@ -297,24 +264,16 @@ def load_pals(
             FutureWarning,
             stacklevel=2,
         )
-        return _load_legacy_pals(model, folder, load_trained_base)
+        return _load_legacy_pals(model, folder, load_trained_base, strict)
     config, tensors, adapter = read_adapter(folder, "load_pals")
-    prefix = prepare_for_adapter(model, config, str(adapter), "load_pals")
-
+    source = str(adapter)
+    prefix = prepare_for_adapter(model, config, source, "load_pals")
     check_encoder_fingerprint(
         config.get("encoder", {}).get("fingerprint"), model.get_submodule(prefix) if prefix else model,
-        trained_base_in_encoder(config), str(adapter), "load_pals", force,
+        trained_base_in_encoder(config), source, "load_pals", force,
     )  # fmt: skip
-    load_adapter_tensors(
-        model,
-        prefix,
-        config,
-        tensors,
-        source=str(adapter),
-        caller="load_pals",
-        load_trained_base=load_trained_base,
-        strict=strict,
-    )
+    options = dict(load_trained_base=load_trained_base, strict=strict)
+    load_adapter_tensors(model, prefix, config, tensors, source=source, caller="load_pals", **options)
     return model
 
 
@@ -323,7 +282,6 @@ def prepare_for_adapter(
 ) -> str:
     """Give ``model`` the PALs an adapter ``config`` describes, or check that it has the same ones; returns
     where its encoder sits (``""``: the model itself). A difference is a ``ValueError`` naming ``source``."""
-
     if config.get("pal_config") is None:
         raise ValueError(
             f"{caller}: the adapter in {source} holds no PALs (saved from a model with pal=None)"
@@ -339,8 +297,9 @@ def prepare_for_adapter(
     return _injected_like(model, saved, config["encoder"], source, caller).base_name
 
 
-def _load_legacy_pals(model: nn.Module, folder: Path, load_trained_base: bool) -> nn.Module:
-    """Load a folder of the old format (``pals.safetensors`` + ``pals_config.json``)."""
+def _load_legacy_pals(model: nn.Module, folder: Path, load_trained_base: bool, strict: bool) -> nn.Module:
+    """Load a folder of the old format (``pals_config.json``, ``pals.safetensors`` named from the base model,
+    ``trained_base.safetensors``) with the checks of the new."""
     cfg_path, weights_path = folder / LEGACY_CONFIG_NAME, folder / LEGACY_WEIGHTS_NAME
     for path in (cfg_path, weights_path):
         if not path.is_file():
@@ -349,42 +308,27 @@ def _load_legacy_pals(model: nn.Module, folder: Path, load_trained_base: bool) -
         meta = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"load_pals: {cfg_path} is not valid JSON ({e})") from None
-    if meta.get("format") != LEGACY_FORMAT or meta.get("format_version") != 1:
+    if meta.get("format") != "fastpals-pals" or meta.get("format_version") != 1:
         raise ValueError(
             f"load_pals: {cfg_path} has format {meta.get('format')!r} version {meta.get('format_version')!r}; "
-            f"expected {LEGACY_FORMAT!r} version 1"
+            "expected 'fastpals-pals' version 1"
         )
-    _injected_like(model, PALConfig.from_dict(meta["pal_config"]), meta, folder)
-    tensors = load_file(str(weights_path))
-    own_state = pal_state_dict(model)
-    problems = state_dict_mismatches(own_state, tensors)
-    if problems:
-        raise ValueError(f"load_pals: cannot load {folder}:\n  " + "\n  ".join(problems))
-    base_names = meta.get("trained_base_parameters", {})
-    base_tensors: dict[str, torch.Tensor] = {}
-    if base_names and load_trained_base:
-        base_path = folder / LEGACY_BASE_WEIGHTS_NAME
+    prefix = _injected_like(model, PALConfig.from_dict(meta["pal_config"]), meta, folder).base_name
+    pals = {join_name(prefix, k): v for k, v in load_file(str(weights_path)).items()}
+    base = {}
+    if meta.get("trained_base_parameters") and load_trained_base:
+        base_path = folder / "trained_base.safetensors"
         if not base_path.is_file():
             raise FileNotFoundError(
                 f"load_pals: {LEGACY_CONFIG_NAME} lists trained base parameters but {base_path} is missing"
             )
-        base_tensors = load_file(str(base_path))
-        params = dict(model.named_parameters())
-        problems = [f"not in the model: {k}" for k in sorted(set(base_tensors) - set(params))]
-        problems += [
-            f"{k}: saved {list(v.shape)}, model {list(params[k].shape)}"
-            for k, v in base_tensors.items()
-            if k in params and v.shape != params[k].shape
-        ]
-        if problems:
-            raise ValueError(
-                f"load_pals: cannot load the trained base parameters of {folder} (saved from a "
-                f"{meta.get('model_class')}) into {type(model).__name__}:\n  " + "\n  ".join(problems)
-            )
-        own_state.update({k: params[k] for k in base_tensors})
-    with torch.no_grad():
-        for k, v in itertools.chain(tensors.items(), base_tensors.items()):
-            own_state[k].copy_(v)
+        base = load_file(str(base_path))
+    config = {"encoder": {"prefix": prefix}, "pal_parameters": pals, "head_parameters": {}}
+    config["trained_base_parameters"] = base
+    tensors = {**pals, **base}
+    load_adapter_tensors(
+        model, prefix, config, tensors, source=str(folder), caller="load_pals", strict=strict
+    )
     return model
 
 
@@ -420,26 +364,15 @@ def _injected_like(
 
 
 def _check_shape(
-    meta: dict[str, Any],
-    layers_pattern: str,
-    hidden: int,
-    num_layers: int,
-    source: str | Path,
-    caller: str = "load_pals",
+    meta: dict[str, Any], layers_pattern: str, hidden: int, num_layers: int, source: str | Path, caller: str
 ) -> None:
+    saved = f"{caller}: the PALs in {source} were saved"
     if meta["layers_pattern"] != layers_pattern:
         raise ValueError(
-            f"{caller}: the PALs in {source} were saved from a {meta['model_type']} model with layers at "
-            f"'{meta['layers_pattern']}' (parameter names follow that path); this model's layers are at "
-            f"'{layers_pattern}'"
+            f"{saved} from a {meta['model_type']} model with layers at '{meta['layers_pattern']}' (parameter "
+            f"names follow that path); this model's layers are at '{layers_pattern}'"
         )
     if meta["hidden_size"] != hidden:
-        raise ValueError(
-            f"{caller}: the PALs in {source} were saved for hidden size {meta['hidden_size']}, "
-            f"the model has hidden size {hidden}"
-        )
+        raise ValueError(f"{saved} for hidden size {meta['hidden_size']}, the model has hidden size {hidden}")
     if meta["num_layers"] != num_layers:
-        raise ValueError(
-            f"{caller}: the PALs in {source} were saved for a {meta['num_layers']}-layer model, "
-            f"the model has {num_layers} layers"
-        )
+        raise ValueError(f"{saved} for a {meta['num_layers']}-layer model, the model has {num_layers} layers")
