@@ -1,5 +1,5 @@
-"""PALs put into an encoder someone already has (:mod:`.inject`, with the per-architecture :mod:`.targets` and
-the forward :mod:`.hooks`), the one adapter :mod:`.format`, and the PEFT method (:mod:`.peft_method`)."""
+"""PALs put into an encoder someone already has (:mod:`.inject`, with the per-architecture :mod:`.targets`), the
+one adapter :mod:`.format`, and the PEFT method (:mod:`.peft_method`)."""
 
 from fastpals.adapters.format import read_adapter, write_adapter
 from fastpals.adapters.inject import inject_pals, load_pals, remove_pals, save_pals, set_task

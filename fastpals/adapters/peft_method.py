@@ -28,9 +28,10 @@ from fastpals.adapters.format import (
     plan_adapter_load,
     retarget,
 )
-from fastpals.adapters.hooks import INJECTION_ATTR, get_injection
 from fastpals.adapters.inject import (
+    INJECTION_ATTR,
     adapter_contents,
+    get_injection,
     inject_pals,
     pal_modules,
     prepare_for_adapter,
@@ -88,12 +89,10 @@ FASTPALS = _add_peft_type_member()
 
 @dataclass
 class FastPalsConfig(PeftConfig):
-    """PEFT config of fastpals' PALs (``peft_type`` ``"FASTPALS"``). For a new adapter: ``pal_config`` (a
-    :class:`fastpals.PALConfig` or its dict, variant ``"parallel"``), ``task_names`` (for ``set_task("name")``),
-    ``init_weights`` (V^D starts at zero: the output is the base model's), ``train_layer_norms`` and
-    ``modules_to_save`` (what else trains and is saved, as in :func:`fastpals.freeze_base_model`), and
-    ``layers_pattern`` / ``layer_norm_name`` for architectures fastpals does not know. The other fields are the
-    adapter format, read from a saved ``adapter_config.json`` and written on save."""
+    """PEFT config of fastpals' PALs. A new adapter takes ``pal_config`` (a :class:`fastpals.PALConfig` or its
+    dict), ``task_names``, ``init_weights`` (V^D = 0: the base model's output), ``train_layer_norms``,
+    ``modules_to_save`` and, for other architectures, ``layers_pattern`` / ``layer_norm_name``; the other fields
+    are the adapter format, written on save."""
 
     pal_config: dict[str, Any] | None = None
     task_names: list[str] | None = None
@@ -197,9 +196,8 @@ class FastPalsModel(BaseTuner):
         low_cpu_mem_usage: bool = False,
         state_dict: dict[str, torch.Tensor] | None = None,
     ) -> None:
-        """Give ``model`` the PALs of ``self.peft_config[adapter_name]``: new PALs for a new config (with
-        :func:`fastpals.inject_pals`), or those a saved adapter describes (checked against the model: any
-        difference is a ``ValueError`` naming it). Sets which parameters train."""
+        """Give ``model`` the PALs of ``self.peft_config[adapter_name]`` (new ones, or a saved adapter's, checked
+        against the model) and set which parameters train."""
         config = self.peft_config[adapter_name]
         others = [n for n in self.peft_config if n != adapter_name]
         if others:
@@ -305,9 +303,8 @@ class FastPalsModel(BaseTuner):
 
     @contextlib.contextmanager
     def set_task(self, task: int | str | torch.Tensor) -> Iterator[None]:
-        """Run the model's calls in this block with these task ids (when they pass no ``task_ids``): a task name
-        (one of the config's ``task_names``), an index, or a ``[B]`` tensor of indices. See
-        :func:`fastpals.set_task`."""
+        """Run the model's calls in this block (passing no ``task_ids``) with a task of ``task_names``, an index,
+        or a ``[B]`` tensor of indices (:func:`fastpals.set_task`)."""
         names = self.peft_config[self._adapter_name].task_names
         if isinstance(task, str):
             if task not in names:
@@ -379,9 +376,8 @@ class FastPalsModel(BaseTuner):
     def _remap_adapter_state_dict_for_load(
         cls, model: nn.Module, config: PeftConfig, adapter_name: str, state_dict: dict[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
-        """Check the saved tensors against the config and the model (as :func:`fastpals.load_pals` does: PALs
-        must match exactly; saved tensors the model has no place for are named in a warning) and return them keyed
-        as the PEFT model's state dict."""
+        """The saved tensors, checked as :func:`fastpals.load_pals` does (a warning names those without a place in
+        the model), keyed as the PEFT model's state dict."""
         tuner, prefix = _tuner_and_prefix(model)
         if config.encoder is None:
             raise ValueError(
