@@ -28,27 +28,15 @@ from fastpals.adapters.format import (
     trained_base_in_encoder,
     write_adapter,
 )
-from fastpals.adapters.targets import (
-    TARGETS,
-    ResolvedTargets,
-    builds_own_pals,
-    is_known_model,
-    resolve_targets,
-)
+from fastpals.adapters.targets import ResolvedTargets, builds_own_pals, is_known_model, resolve_targets
 from fastpals.data.layout import BatchLayout, PaddedBatch, make_layout
 from fastpals.encoder.bert import BertModel as MiniBert
-from fastpals.encoder.bert import (
-    PALConfig,
-    PALLayer,
-    PALProjections,
-    freeze_shared_parameters,
-    task_specific_kind,
-)
+from fastpals.encoder.bert import PALConfig, freeze_shared_parameters, task_specific_kind
 from fastpals.encoder.fingerprint import check_encoder_fingerprint, encoder_fingerprint
+from fastpals.encoder.pal_variants import PALLayer, PALProjections
 from fastpals.functional import check_task_ids
 
 __all__ = [
-    "TARGETS",
     "freeze_base_model",
     "inject_pals",
     "load_pals",
@@ -59,7 +47,7 @@ __all__ = [
     "trained_base_state_dict",
 ]
 
-# the old format (read only, with a FutureWarning); the current one is fastpals.adapters.format'
+# the old format (read only, with a FutureWarning)
 LEGACY_WEIGHTS_NAME = "pals.safetensors"
 LEGACY_CONFIG_NAME = "pals_config.json"
 # the fields of a saved adapter's ``encoder`` beside ``prefix`` and ``fingerprint``, named as in the injection
@@ -92,6 +80,10 @@ class PALInjection(ResolvedTargets):
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    def pal_modules(self) -> list[nn.Module]:
+        """The PAL modules this injection added (shared projections and per-layer PALs)."""
+        return [getattr(owner, attr) for owner, attr in self.added]
 
     def _reset(self) -> None:
         self.depth = 0
@@ -379,17 +371,12 @@ def set_task(model: nn.Module, task: int | torch.Tensor) -> Iterator[None]:
         state.default_task = previous
 
 
-def pal_modules(state: PALInjection) -> list[nn.Module]:
-    """The PAL modules an injection added to the model (its shared projections and per-layer attentions)."""
-    return [getattr(owner, attr) for owner, attr in state.added]
-
-
 def pal_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The PAL parameters of an injected model, named relative to its base model (fastpals' names:
     ``pal_projections.*``, ``<layers>.{i}.pal.*``)."""
     state = get_injection(model, "pal_state_dict")
     names = {id(m): n for n, m in state.base.named_modules()}
-    return {f"{names[id(m)]}.{k}": v for m in pal_modules(state) for k, v in m.state_dict().items()}
+    return {f"{names[id(m)]}.{k}": v for m in state.pal_modules() for k, v in m.state_dict().items()}
 
 
 def freeze_base_model(
@@ -412,7 +399,7 @@ def trained_base_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The base model's parameters that are trainable (``requires_grad``), by their names in ``model``: after
     :func:`freeze_base_model`, the LayerNorms and ``modules_to_train``. PAL parameters are not included."""
     state = get_injection(model, "trained_base_state_dict")
-    pal_ids = {id(p) for m in pal_modules(state) for p in m.parameters()}
+    pal_ids = {id(p) for m in state.pal_modules() for p in m.parameters()}
     return {n: p for n, p in model.named_parameters() if p.requires_grad and id(p) not in pal_ids}
 
 
@@ -461,7 +448,6 @@ def adapter_contents(
         )
     if base_model_name_or_path is None:
         base_model_name_or_path = getattr(model, "name_or_path", None) or None
-
     lead = f"{state.base_name}." if state.base_name else ""
     encoder = model.get_submodule(state.base_name) if state.base_name else model
     kwargs = {
@@ -526,9 +512,9 @@ def prepare_for_adapter(
             f"{caller}: the adapter in {source} holds no PALs (saved from a model with pal=None)"
         )
     saved = PALConfig.from_dict(config["pal_config"])
-    native = _native_pal_model(model)
-    if native is not None:  # fastpals' own BertModel built with PALs: any variant, the same names
-        name, mini = native
+    built = [(n, m) for n, m in model.named_modules() if isinstance(m, MiniBert) and m.task_specific]
+    if getattr(model, INJECTION_ATTR, None) is None and len(built) == 1:  # a BertModel with its own PALs
+        name, mini = built[0]
         check_same_pal_config(mini.pal_config.to_dict(), saved.to_dict(), source, caller)
         _check_shape(config["encoder"], "encoder.layer", mini.config.hidden_size, mini.config.num_hidden_layers,
                      source, caller)  # fmt: skip
@@ -562,21 +548,11 @@ def _load_legacy_pals(model: nn.Module, folder: Path, load_trained_base: bool, s
                 f"load_pals: {LEGACY_CONFIG_NAME} lists trained base parameters but {base_path} is missing"
             )
         base = load_file(str(base_path))
-    config = {"encoder": {"prefix": prefix}, "pal_parameters": pals, "head_parameters": {}}
-    config["trained_base_parameters"] = base
+    cfg = {"encoder": {"prefix": prefix}, "pal_parameters": pals, "head_parameters": {}}
+    cfg["trained_base_parameters"] = base
     tensors = {**pals, **base}
-    load_adapter_tensors(
-        model, prefix, config, tensors, source=str(folder), caller="load_pals", strict=strict
-    )
+    load_adapter_tensors(model, prefix, cfg, tensors, source=str(folder), caller="load_pals", strict=strict)
     return model
-
-
-def _native_pal_model(model: nn.Module) -> tuple[str, MiniBert] | None:
-    """The one fastpals ``BertModel`` in ``model`` that was built with PALs (not injected), with its name."""
-    if getattr(model, INJECTION_ATTR, None) is not None:
-        return None
-    found = [(n, m) for n, m in model.named_modules() if isinstance(m, MiniBert) and m.task_specific]
-    return found[0] if len(found) == 1 else None
 
 
 def _injected_like(

@@ -33,7 +33,6 @@ from fastpals.adapters.inject import (
     adapter_contents,
     get_injection,
     inject_pals,
-    pal_modules,
     prepare_for_adapter,
     remove_pals,
     set_task,
@@ -73,13 +72,11 @@ def _add_peft_type_member() -> PeftType:
     if PEFT_TYPE in PeftType.__members__:
         return PeftType[PEFT_TYPE]
     member = str.__new__(PeftType, PEFT_TYPE)
-    member._name_ = PEFT_TYPE
-    member._value_ = PEFT_TYPE
+    member._name_ = member._value_ = PEFT_TYPE
     member.__objclass__ = PeftType
     member._sort_order_ = len(PeftType._member_names_)
     type.__setattr__(PeftType, PEFT_TYPE, member)
-    PeftType._member_map_[PEFT_TYPE] = member
-    PeftType._value2member_map_[PEFT_TYPE] = member
+    PeftType._member_map_[PEFT_TYPE] = PeftType._value2member_map_[PEFT_TYPE] = member
     PeftType._member_names_.append(PEFT_TYPE)
     return member
 
@@ -258,7 +255,7 @@ class FastPalsModel(BaseTuner):
     def _adapter_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """The adapter's parameters in the model: PALs, task heads, and its trained base weights."""
         state = get_injection(self.model, _CALLER)
-        pal_ids = {id(p) for m in pal_modules(state) for p in m.parameters()}
+        pal_ids = {id(p) for m in state.pal_modules() for p in m.parameters()}
         base = set(self._base_names)
         return [
             (n, p)
