@@ -1,4 +1,4 @@
-"""PALs put into an encoder someone already has (:mod:`.inject`, with the per-architecture :mod:`.targets`), the
+"""PALs put into an encoder someone already has (:mod:`.inject`, the per-architecture :mod:`.targets`), the
 one adapter :mod:`.format`, and the PEFT method (:mod:`.peft_method`)."""
 
 from fastpals.adapters.format import read_adapter, write_adapter

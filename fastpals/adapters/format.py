@@ -67,8 +67,8 @@ def adapter_config(
     saved_from: str = "",
 ) -> dict[str, Any]:
     """The ``adapter_config.json`` of an adapter holding ``tensors`` (named as in the saving model): heads,
-    trained base weights, the rest PAL tensors. ``encoder``: ``prefix`` (the encoder's name in the saving model,
-    ``""`` for itself) and the injection's description."""
+    trained base weights, the rest PAL tensors. ``encoder``: ``prefix`` (the encoder's name in the saving
+    model, ``""`` for itself) and the injection's description."""
 
     def shapes(names: set[str] | None) -> dict[str, list[int]]:
         return {
@@ -180,8 +180,8 @@ def check_adapter_tensors(
 
 
 def retarget(name: str, saved_prefix: str, encoder_prefix: str) -> str:
-    """The name in the loading model (encoder at ``encoder_prefix``) of a tensor saved as ``name`` by a model with
-    its encoder at ``saved_prefix``: the encoder's tensors move, others (heads, a classifier) keep their name."""
+    """The name in the loading model (encoder at ``encoder_prefix``) of a tensor saved as ``name`` by a model
+    with its encoder at ``saved_prefix``: the encoder's tensors move, others (heads) keep their name."""
     lead = saved_prefix + "." if saved_prefix else ""
     return join_name(encoder_prefix, name.removeprefix(lead)) if name.startswith(lead) else name
 
@@ -198,9 +198,9 @@ def plan_adapter_load(
     strict: bool = True,
     stacklevel: int = 3,
 ) -> tuple[list[tuple[str, torch.Tensor]], list[str]]:
-    """Check an adapter's tensors against ``model`` (encoder at ``encoder_prefix``): ``(copies, skipped)``, the
-    ``(name in the model, saved tensor)`` pairs (PALs first, which must match exactly) and the saved names without
-    a place in the model (a warning, with ``strict`` an error). Another shape is an error."""
+    """Check an adapter's tensors against ``model`` (encoder at ``encoder_prefix``): ``(copies, skipped)``,
+    the ``(name in the model, saved tensor)`` pairs (PALs first: they must match exactly) and the saved names
+    without a place in the model (a warning; with ``strict`` an error). Another shape is an error."""
     saved_prefix = config["encoder"]["prefix"]
     own = model.state_dict(keep_vars=True)
     pal_saved = {retarget(k, saved_prefix, encoder_prefix): tensors[k] for k in config["pal_parameters"]}
@@ -249,8 +249,8 @@ def load_adapter_tensors(
     tensors: dict[str, torch.Tensor],
     **options: Any,
 ) -> list[str]:
-    """Copy an adapter's tensors into ``model`` (its devices and dtypes) after :func:`plan_adapter_load`'s checks
-    (``options``: its keyword arguments); returns the saved names that were not loaded."""
+    """Copy an adapter's tensors into ``model`` (its devices and dtypes) after the checks of
+    :func:`plan_adapter_load` (``options``: its keyword arguments); returns the saved names not loaded."""
     copies, skipped = plan_adapter_load(model, encoder_prefix, config, tensors, stacklevel=4, **options)
     own = model.state_dict(keep_vars=True)
     with torch.no_grad():

@@ -1,5 +1,5 @@
 """``inject_pals(model, PALConfig(...))``: PALs added in place to an HF encoder or minBERT, base parameter
-names unchanged, through forward hooks (:class:`PALInjection`): the root and base models' take ``task_ids [B]``
+names unchanged, through forward hooks (:class:`PALInjection`): the root and base models' take ``task_ids``
 (or :func:`set_task`'s) and the padding mask, each layer's keeps its input ``h``, and the PAL site's adds
 ``TS_t(h)``. Saving and loading in the adapter format (:mod:`fastpals.adapters.format`)."""
 
@@ -60,8 +60,8 @@ INJECTION_ATTR = "_fastpals_injection"
 
 @dataclass(eq=False)
 class PALInjection(ResolvedTargets):
-    """What :func:`inject_pals` did to one model and the context its hooks share: an attribute of the root model
-    whose bound methods are the hooks, so ``copy.deepcopy(model)`` gives hooks that use the copy's state."""
+    """What :func:`inject_pals` did to one model and the context its hooks share: an attribute of the root
+    model whose bound methods are the hooks, so ``copy.deepcopy(model)`` gives hooks on the copy's state."""
 
     config: PALConfig
     layer_indices: list[int]
@@ -410,7 +410,7 @@ def save_pals(
     task_names: list[str] | None = None,
     base_model_name_or_path: str | None = None,
 ) -> Path:
-    """Write the adapter of an injected ``model`` to ``folder``: PALs, heads and, with ``include_trained_base``
+    """Write ``model``'s adapter to ``folder``: its PALs, heads and, with ``include_trained_base``
     (default: after :func:`freeze_base_model`), the trained base weights. ``task_names`` default to ``task0,
     task1, ...``, ``base_model_name_or_path`` to the model's ``name_or_path``. Returns the folder."""
     if builds_own_pals(model):
@@ -430,8 +430,8 @@ def adapter_contents(
     base_model_name_or_path: str | None = None,
     caller: str = "save_pals",
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """What :func:`save_pals` writes for an injected ``model``: the PALs, heads and ``base_names`` by their names
-    in ``model``, and the fields of :func:`fastpals.adapters.format.adapter_config`."""
+    """What :func:`save_pals` writes for an injected ``model``: its PALs, heads and ``base_names`` (by their
+    names in ``model``), and the fields of :func:`fastpals.adapters.format.adapter_config`."""
     state = get_injection(model, caller)
     pals = {join_name(state.base_name, k): v for k, v in pal_state_dict(model).items()}
     params = dict(model.named_parameters())

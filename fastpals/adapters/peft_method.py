@@ -88,8 +88,8 @@ FASTPALS = _add_peft_type_member()
 class FastPalsConfig(PeftConfig):
     """PEFT config of fastpals' PALs. A new adapter takes ``pal_config`` (a :class:`fastpals.PALConfig` or its
     dict), ``task_names``, ``init_weights`` (V^D = 0: the base model's output), ``train_layer_norms``,
-    ``modules_to_save`` and, for other architectures, ``layers_pattern`` / ``layer_norm_name``; the other fields
-    are the adapter format, written on save."""
+    ``modules_to_save`` and, for unknown architectures, ``layers_pattern`` / ``layer_norm_name``; the rest
+    is the adapter format, written on save."""
 
     pal_config: dict[str, Any] | None = None
     task_names: list[str] | None = None
@@ -193,7 +193,7 @@ class FastPalsModel(BaseTuner):
         low_cpu_mem_usage: bool = False,
         state_dict: dict[str, torch.Tensor] | None = None,
     ) -> None:
-        """Give ``model`` the PALs of ``self.peft_config[adapter_name]`` (new ones, or a saved adapter's, checked
+        """Give ``model`` the PALs of ``self.peft_config[adapter_name]`` (new, or a saved adapter's checked
         against the model) and set which parameters train."""
         config = self.peft_config[adapter_name]
         others = [n for n in self.peft_config if n != adapter_name]
@@ -300,8 +300,8 @@ class FastPalsModel(BaseTuner):
 
     @contextlib.contextmanager
     def set_task(self, task: int | str | torch.Tensor) -> Iterator[None]:
-        """Run the model's calls in this block (passing no ``task_ids``) with a task of ``task_names``, an index,
-        or a ``[B]`` tensor of indices (:func:`fastpals.set_task`)."""
+        """Run the model's calls in this block (passing no ``task_ids``) with a name of ``task_names``, an
+        index, or a ``[B]`` tensor of indices (:func:`fastpals.set_task`)."""
         names = self.peft_config[self._adapter_name].task_names
         if isinstance(task, str):
             if task not in names:
@@ -373,8 +373,8 @@ class FastPalsModel(BaseTuner):
     def _remap_adapter_state_dict_for_load(
         cls, model: nn.Module, config: PeftConfig, adapter_name: str, state_dict: dict[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
-        """The saved tensors, checked as :func:`fastpals.load_pals` does (a warning names those without a place in
-        the model), keyed as the PEFT model's state dict."""
+        """The saved tensors, checked as :func:`fastpals.load_pals` does (a warning names those the model has
+        no place for), keyed as the PEFT model's state dict."""
         tuner, prefix = _tuner_and_prefix(model)
         if config.encoder is None:
             raise ValueError(

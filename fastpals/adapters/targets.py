@@ -63,8 +63,8 @@ class ResolvedTargets:
 
 
 def builds_own_pals(model: nn.Module) -> bool:
-    """Does ``model`` build, save and load its PALs itself (:class:`fastpals.MultiTaskBert`)? Read from the class
-    mark ``builds_own_pals``, not by importing the model layer above this one."""
+    """Does ``model`` build, save and load its PALs itself (:class:`fastpals.MultiTaskBert`)? Read from the
+    class mark ``builds_own_pals``, not by importing the model layer above this one."""
     return bool(getattr(type(model), "builds_own_pals", False))
 
 
