@@ -1,12 +1,12 @@
 """fastpals: fused kernels for multi-task BERT fine-tuning with PALs and gradient surgery.
+``import fastpals`` registers the PEFT method ``FASTPALS`` when PEFT is already imported."""
 
-One package per stage, each importing only the ones before it (docs/architecture.md). ``import fastpals``
-registers the PEFT method ``FASTPALS`` when PEFT is already imported (:func:`register_with_peft` at any time).
-"""
+import sys
+import warnings
 
 from fastpals._version import __version__ as __version__
+from fastpals.adapters import register_with_peft
 from fastpals.adapters.inject import inject_pals, load_pals, remove_pals, save_pals, set_task
-from fastpals.adapters.peft_registration import register_if_peft_is_imported, register_with_peft
 from fastpals.data.tasks import resolve_tasks
 from fastpals.data.tokenizer import Tokenizer
 from fastpals.encoder.bert import BertConfig, BertModel, PALConfig, freeze_shared_parameters, is_task_specific
@@ -32,4 +32,14 @@ __all__ = [
     "set_task",
 ]
 
-register_if_peft_is_imported()
+# registered here only when PEFT is already imported (importing it takes seconds)
+if sys.modules.get("peft") is not None:
+    try:
+        register_with_peft()
+    except Exception as err:  # never break the user's `import fastpals`
+        warnings.warn(
+            f"fastpals could not register its PAL adapters with PEFT ({type(err).__name__}: {err}); "
+            "peft.PeftModel.from_pretrained will not open fastpals adapters (fastpals.load_pals does)",
+            RuntimeWarning,
+            stacklevel=1,
+        )

@@ -1,4 +1,3 @@
-"""The package version, here so that any layer can read it without importing the package's top (which imports
-every layer)."""
+"""The package version, readable by any layer without importing the package's top (which imports them all)."""
 
 __version__ = "0.1.0"

@@ -41,11 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, end="")
         return 0 if argv else 2
-    command, rest = argv[0], argv[1:]
-    if command not in COMMANDS:
-        print(f"fastpals: unknown command {command!r}\n{USAGE}", file=sys.stderr, end="")
+    if argv[0] not in COMMANDS:
+        print(f"fastpals: unknown command {argv[0]!r}\n{USAGE}", file=sys.stderr, end="")
         return 2
-    return importlib.import_module(COMMANDS[command]).main(rest)
+    return importlib.import_module(COMMANDS[argv[0]]).main(argv[1:])
 
 
 if __name__ == "__main__":

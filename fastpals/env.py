@@ -1,8 +1,7 @@
 """What fastpals will use on this machine: ``python -m fastpals.env`` (or ``fastpals env``).
 
 Versions, the device, which backends can run and why not, and each op's backend (``--capability 7.5``: another
-GPU's). Nothing is built or downloaded, and slow packages (DeepSpeed) are not imported.
-"""
+GPU's). Nothing is built, downloaded, or slow to import (DeepSpeed)."""
 
 from __future__ import annotations
 
@@ -18,15 +17,13 @@ from typing import Any
 
 import torch
 
-import fastpals
+from fastpals._version import __version__
 from fastpals_kernels import backends
 
 __all__ = ["PACKAGES", "collect", "format_report", "main"]
 
 #: distributions whose versions are reported (pip names); ``None`` when not installed
 PACKAGES = ("torch", "triton", "deepspeed", "transformers", "tokenizers", "safetensors")
-
-KERNELS_ENV = "FASTPALS_KERNELS"
 
 
 def _version(dist: str) -> str | None:
@@ -36,60 +33,40 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def _fastpals_version() -> str:
-    return getattr(fastpals, "__version__", None) or _version("fastpals") or "unknown"
-
-
 def _cpu_model() -> str:
     """The CPU's marketing name (``model name`` in /proc/cpuinfo on Linux), else what ``platform`` knows."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+            names = [line.split(":", 1)[1].strip() for line in f if line.lower().startswith("model name")]
     except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
+        names = []
+    return names[0] if names else platform.processor() or platform.machine() or "unknown CPU"
 
 
 def _device_info() -> dict[str, Any]:
-    """``{"type": "cuda", "name", "capability", "total_memory_bytes", "count"}`` for the current CUDA device,
-    else ``{"type": "cpu", "name", "cores", "torch_threads"}``."""
-    if torch.cuda.is_available():
-        index = torch.cuda.current_device()
-        props = torch.cuda.get_device_properties(index)
+    """The CUDA device (name, capability, memory, count), else the CPU (name, cores, torch threads)."""
+    if not torch.cuda.is_available():
         return {
-            "type": "cuda",
-            "index": index,
-            "count": torch.cuda.device_count(),
-            "name": props.name,
-            "capability": f"{props.major}.{props.minor}",
-            "total_memory_bytes": int(props.total_memory),
-            "multiprocessors": int(props.multi_processor_count),
+            "type": "cpu",
+            "name": _cpu_model(),
+            "cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
         }
+    index = torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
     return {
-        "type": "cpu",
-        "name": _cpu_model(),
-        "cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
+        "type": "cuda",
+        "index": index,
+        "count": torch.cuda.device_count(),
+        "name": props.name,
+        "capability": f"{props.major}.{props.minor}",
+        "total_memory_bytes": int(props.total_memory),
+        "multiprocessors": int(props.multi_processor_count),
     }
 
 
 def _status(available: bool, reason: str) -> dict[str, Any]:
     return {"available": bool(available), "reason": reason}
-
-
-def _triton_kernels() -> dict[str, Any]:
-    try:
-        from fastpals_kernels import available
-    except ImportError as exc:  # the kernels package is missing from this install: judge Triton directly
-        if importlib.util.find_spec("triton") is None:
-            return _status(False, f"fastpals_kernels not importable ({exc}) and triton is not installed")
-        if torch.cuda.is_available():
-            return _status(False, f"fastpals_kernels not importable ({exc}); triton and CUDA are present")
-        return _status(False, f"fastpals_kernels not importable ({exc})")
-    ok, reason = available()
-    return _status(ok, reason)
 
 
 def _flash_attn() -> dict[str, Any]:
@@ -121,36 +98,28 @@ def _apex_op(module: str, name: str, extension: str) -> dict[str, Any]:
     return _status(True, f"{module}.{name}")
 
 
-def _backends() -> dict[str, dict[str, Any]]:
-    return {
-        "triton_kernels": _triton_kernels(),
-        "flash_attn": _flash_attn(),
-        "apex_fused_layer_norm": _apex_op("apex.normalization", "FusedLayerNorm", "fused_layer_norm_cuda"),
-        "apex_fused_adam": _apex_op("apex.optimizers", "FusedAdam", "amp_C"),
-    }
-
-
 def _kernel_selection(triton: dict[str, Any]) -> dict[str, Any]:
     """What ``$FASTPALS_KERNELS`` makes the PAL and surgery ops run (the rule of ``fastpals_kernels.use_triton``)."""
-    raw = os.environ.get(KERNELS_ENV)
+    raw = os.environ.get(backends.KERNELS_ENV)
     mode = (raw or "auto").strip().lower() or "auto"
+    ok, reason = triton["available"], triton["reason"]
     if mode == "reference":
         selects = "the PyTorch reference ops everywhere"
+    elif mode == "auto" and ok and torch.cuda.is_available():
+        selects = "the Triton kernels for CUDA tensors, the PyTorch reference ops for CPU tensors"
+    elif mode == "auto" and ok:
+        selects = (
+            "the PyTorch reference ops (auto runs the Triton kernels on CUDA tensors only; no CUDA device)"
+        )
     elif mode == "auto":
-        if triton["available"] and torch.cuda.is_available():
-            selects = "the Triton kernels for CUDA tensors, the PyTorch reference ops for CPU tensors"
-        elif triton["available"]:
-            selects = "the PyTorch reference ops (auto runs the Triton kernels on CUDA tensors only; no CUDA device)"
-        else:
-            selects = f"the PyTorch reference ops (Triton kernels unavailable: {triton['reason']})"
+        selects = f"the PyTorch reference ops (Triton kernels unavailable: {reason})"
+    elif mode == "triton" and ok:
+        selects = f"the Triton kernels ({reason}); ops on other devices raise an error"
     elif mode == "triton":
-        if triton["available"]:
-            selects = f"the Triton kernels ({triton['reason']}); ops on other devices raise an error"
-        else:
-            selects = f"an error at the first fused op: the Triton kernels cannot run ({triton['reason']})"
+        selects = f"an error at the first fused op: the Triton kernels cannot run ({reason})"
     else:
         selects = f"an error: {mode!r} is not one of auto, triton, reference"
-    return {"env": KERNELS_ENV, "value": raw, "mode": mode, "selects": selects}
+    return {"env": backends.KERNELS_ENV, "value": raw, "mode": mode, "selects": selects}
 
 
 _DTYPE_NAMES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -171,33 +140,40 @@ def _dispatch(capability: tuple[int, int] | None) -> dict[str, Any]:
     """The backend and reason :func:`fastpals_kernels.backends.decide` gives every op, per dtype, on a device of
     ``capability`` (None = CPU), with flash-attn as installed here."""
     flash = backends.flash_attn_installed()
-    table = {
-        op: {
-            name: backends.decide(op, capability, dtype, flash)._asdict()
-            for name, dtype in _DTYPE_NAMES.items()
-        }
-        for op in backends.OPS
+    return {
+        "capability": None if capability is None else f"{capability[0]}.{capability[1]}",
+        "ops": {
+            op: {
+                name: backends.decide(op, capability, dtype, flash)._asdict()
+                for name, dtype in _DTYPE_NAMES.items()
+            }
+            for op in backends.OPS
+        },
     }
-    return {"capability": None if capability is None else f"{capability[0]}.{capability[1]}", "ops": table}
 
 
 def collect(capability: tuple[int, int] | None | str = "device") -> dict[str, Any]:
     """Everything :func:`main` prints, as a JSON-serialisable dict: versions, ``device``, ``backends``
     (``{name: {"available", "reason"}}``), ``kernels`` (what ``$FASTPALS_KERNELS`` selects) and ``dispatch``
     (each op's backend per dtype, for this device or ``capability``: ``(major, minor)``, or None for a CPU)."""
-    backends = _backends()
+    found = {
+        "triton_kernels": _status(*backends.available()),
+        "flash_attn": _flash_attn(),
+        "apex_fused_layer_norm": _apex_op("apex.normalization", "FusedLayerNorm", "fused_layer_norm_cuda"),
+        "apex_fused_adam": _apex_op("apex.optimizers", "FusedAdam", "amp_C"),
+    }
     if capability == "device":
         capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
     return {
-        "fastpals": _fastpals_version(),
+        "fastpals": __version__,
         "python": platform.python_version(),
         "python_executable": sys.executable,
         "platform": platform.platform(),
         "versions": {name: _version(name) for name in PACKAGES},
         "torch_cuda": torch.version.cuda,
         "device": _device_info(),
-        "backends": backends,
-        "kernels": _kernel_selection(backends["triton_kernels"]),
+        "backends": found,
+        "kernels": _kernel_selection(found["triton_kernels"]),
         "dispatch": _dispatch(capability),
     }
 

@@ -1,8 +1,6 @@
-"""The one adapter format (``docs/api.md``), written and read by ``MultiTaskBert``, ``save_pals`` / ``load_pals``
-and PEFT: ``adapter_config.json`` (PEFT's fields and fastpals': ``pal_config``, ``tasks``, ``encoder``, each
-tensor's name and shape by kind) and ``adapter_model.safetensors``, in ``pals/`` of a full model folder. Loading
-re-targets encoder tensors from the saving model's ``encoder.prefix`` to the loading model's encoder.
-"""
+"""The one adapter format (``docs/api.md``) of ``MultiTaskBert``, ``save_pals`` / ``load_pals`` and PEFT:
+``adapter_config.json`` (PEFT's fields, ``pal_config``, ``tasks``, ``encoder``, each tensor's name and shape
+by kind) and ``adapter_model.safetensors``, in ``pals/`` of a full model folder."""
 
 from __future__ import annotations
 
@@ -21,21 +19,12 @@ from fastpals.encoder.bert import state_dict_mismatches, task_specific_kind
 
 __all__ = [
     "ADAPTER_CONFIG_NAME",
-    "trained_base_in_encoder",
     "ADAPTER_SUBFOLDER",
     "ADAPTER_WEIGHTS_NAME",
     "FORMAT_VERSION",
     "PEFT_TYPE",
     "adapter_config",
-    "check_adapter_tensors",
-    "check_same_pal_config",
-    "find_adapter_folder",
-    "join_name",
-    "load_adapter_tensors",
-    "plan_adapter_load",
     "read_adapter",
-    "read_adapter_config",
-    "retarget",
     "write_adapter",
 ]
 
@@ -55,8 +44,7 @@ def join_name(prefix: str, name: str) -> str:
 
 
 def check_same_pal_config(own: dict[str, Any], saved: dict[str, Any], source: str, caller: str) -> None:
-    """``ValueError`` naming every PALConfig field (``to_dict()`` form) where a saved adapter and a model
-    differ."""
+    """``ValueError`` naming each ``PALConfig.to_dict()`` field where a saved adapter and a model differ."""
     diffs = [f"{k}: saved {v!r}, model {own.get(k)!r}" for k, v in saved.items() if own.get(k) != v]
     if diffs:
         raise ValueError(
@@ -78,11 +66,9 @@ def adapter_config(
     extra: dict[str, Any] | None = None,
     saved_from: str = "",
 ) -> dict[str, Any]:
-    """The ``adapter_config.json`` content for an adapter holding ``tensors`` (every tensor to save, by its name
-    in the saving model). ``head_names`` / ``trained_base_names`` say which are task heads / trained base weights,
-    the rest are PAL tensors. ``encoder`` holds ``prefix`` (the encoder's module name in the saving model, ``""``
-    for the model itself), ``model_type``, ``layers_pattern``, ``layer_norm_name``, ``hidden_size``,
-    ``num_layers`` and ``layer_indices``."""
+    """The ``adapter_config.json`` of an adapter holding ``tensors`` (named as in the saving model): heads,
+    trained base weights, the rest PAL tensors. ``encoder``: ``prefix`` (the encoder's name in the saving
+    model, ``""`` for itself) and the injection's description."""
 
     def shapes(names: set[str] | None) -> dict[str, list[int]]:
         return {
@@ -127,22 +113,17 @@ def write_adapter(folder: str | os.PathLike, tensors: dict[str, torch.Tensor], *
 
 
 def find_adapter_folder(folder: str | os.PathLike) -> Path | None:
-    """The folder holding a fastpals ``adapter_config.json``: ``folder`` itself, or its ``pals/`` subfolder (a
-    full model folder). None when neither exists."""
-    folder = Path(folder)
-    for candidate in (folder, folder / ADAPTER_SUBFOLDER):
-        if (candidate / ADAPTER_CONFIG_NAME).is_file():
-            return candidate
-    return None
+    """The folder holding a fastpals ``adapter_config.json`` (``folder`` or its ``pals/``), or None."""
+    found = [
+        f for f in (Path(folder), Path(folder) / ADAPTER_SUBFOLDER) if (f / ADAPTER_CONFIG_NAME).is_file()
+    ]
+    return found[0] if found else None
 
 
 def read_adapter_config(folder: str | os.PathLike, caller: str) -> tuple[dict[str, Any], Path]:
-    """Read and check the ``adapter_config.json`` of an adapter folder (or of a full model folder's ``pals/``):
-    ``(config, adapter_folder)``.
-
-    Raises ``FileNotFoundError`` when there is none, ``ValueError`` when it is not valid JSON, not a fastpals
-    adapter (e.g. a PEFT LoRA adapter) or of another format version.
-    """
+    """``(config, adapter_folder)`` of an adapter folder (or a full model folder's ``pals/``); raises
+    ``FileNotFoundError`` without one, ``ValueError`` for invalid JSON, another adapter (e.g. PEFT's LoRA) or
+    another format version."""
     adapter = find_adapter_folder(folder)
     if adapter is None:
         raise FileNotFoundError(
@@ -184,9 +165,8 @@ def read_adapter(
 def check_adapter_tensors(
     config: dict[str, Any], tensors: dict[str, torch.Tensor], what: str, caller: str
 ) -> None:
-    """``ValueError`` (``"{caller}: {what}:"`` and the differences) unless ``tensors`` are exactly the tensors,
-    names and shapes, that an adapter ``config`` lists (``pal_parameters``, ``head_parameters``,
-    ``trained_base_parameters``)."""
+    """``ValueError`` (``"{caller}: {what}:"`` and the differences) unless ``tensors`` have exactly the names
+    and shapes an adapter ``config`` lists."""
     listed = {
         k: v
         for kind in ("pal_parameters", "head_parameters", "trained_base_parameters")
@@ -200,14 +180,10 @@ def check_adapter_tensors(
 
 
 def retarget(name: str, saved_prefix: str, encoder_prefix: str) -> str:
-    """The name in the loading model (its encoder at ``encoder_prefix``) of a tensor an adapter saved as ``name``
-    from a model whose encoder was at ``saved_prefix``: tensors of the saving model's encoder move to the loading
-    model's encoder, others (heads, a classifier) keep their name."""
-    if not saved_prefix:
-        return join_name(encoder_prefix, name)
-    if name.startswith(saved_prefix + "."):
-        return join_name(encoder_prefix, name[len(saved_prefix) + 1 :])
-    return name
+    """The name in the loading model (encoder at ``encoder_prefix``) of a tensor saved as ``name`` by a model
+    with its encoder at ``saved_prefix``: the encoder's tensors move, others (heads) keep their name."""
+    lead = saved_prefix + "." if saved_prefix else ""
+    return join_name(encoder_prefix, name.removeprefix(lead)) if name.startswith(lead) else name
 
 
 def plan_adapter_load(
@@ -222,11 +198,9 @@ def plan_adapter_load(
     strict: bool = True,
     stacklevel: int = 3,
 ) -> tuple[list[tuple[str, torch.Tensor]], list[str]]:
-    """Check an adapter's tensors against ``model`` (its encoder at ``encoder_prefix``) without copying:
-    ``(copies, skipped)``, ``copies`` the ``(name in the model, saved tensor)`` pairs, PAL tensors first, and
-    ``skipped`` the saved names without a place in the model (a warning, or with ``strict`` an error). The PAL
-    tensors must match the model's exactly; a head or trained-base tensor of another shape is an error;
-    ``load_trained_base=False`` leaves the trained base tensors out."""
+    """Check an adapter's tensors against ``model`` (encoder at ``encoder_prefix``): ``(copies, skipped)``,
+    the ``(name in the model, saved tensor)`` pairs (PALs first: they must match exactly) and the saved names
+    without a place in the model (a warning; with ``strict`` an error). Another shape is an error."""
     saved_prefix = config["encoder"]["prefix"]
     own = model.state_dict(keep_vars=True)
     pal_saved = {retarget(k, saved_prefix, encoder_prefix): tensors[k] for k in config["pal_parameters"]}
@@ -243,9 +217,7 @@ def plan_adapter_load(
             + "\n  ".join(p.replace("checkpoint", "adapter") for p in problems)
         )
     copies = list(pal_saved.items())
-    others = list(config["head_parameters"])
-    if load_trained_base:
-        others += list(config["trained_base_parameters"])
+    others = [*config["head_parameters"], *(config["trained_base_parameters"] if load_trained_base else ())]
     skipped, bad = [], []
     for k in others:
         name = retarget(k, saved_prefix, encoder_prefix)
@@ -277,9 +249,8 @@ def load_adapter_tensors(
     tensors: dict[str, torch.Tensor],
     **options: Any,
 ) -> list[str]:
-    """Copy an adapter's tensors into ``model`` (its encoder at ``encoder_prefix``), into the model's devices and
-    dtypes, after the checks of :func:`plan_adapter_load` (``options``: its keyword arguments); returns the saved
-    names that were not loaded."""
+    """Copy an adapter's tensors into ``model`` (its devices and dtypes) after the checks of
+    :func:`plan_adapter_load` (``options``: its keyword arguments); returns the saved names not loaded."""
     copies, skipped = plan_adapter_load(model, encoder_prefix, config, tensors, stacklevel=4, **options)
     own = model.state_dict(keep_vars=True)
     with torch.no_grad():
@@ -293,4 +264,4 @@ def trained_base_in_encoder(config: dict[str, Any]) -> set[str]:
     prefix removed): what :func:`fastpals.encoder.fingerprint.encoder_fingerprint` leaves out."""
     prefix = config.get("encoder", {}).get("prefix", "")
     lead = f"{prefix}." if prefix else ""
-    return {n[len(lead) :] if n.startswith(lead) else n for n in config.get("trained_base_parameters", {})}
+    return {n.removeprefix(lead) for n in config.get("trained_base_parameters", {})}

@@ -1,16 +1,17 @@
-"""``inject_pals(model, PALConfig(...))``: PALs added in place to an HF encoder (:data:`TARGETS`, or any model
-``layers_pattern`` / ``layer_norm_name`` locate) or to minBERT, with base parameter names unchanged. Each layer
-computes ``LN(ffn_out + attn_out + TS_t(h))``; the forward takes ``task_ids [B]`` or reads :func:`set_task`.
-"""
+"""``inject_pals(model, PALConfig(...))``: PALs added in place to an HF encoder or minBERT, base parameter
+names unchanged, through forward hooks (:class:`PALInjection`): the root and base models' take ``task_ids``
+(or :func:`set_task`'s) and the padding mask, each layer's keeps its input ``h``, and the PAL site's adds
+``TS_t(h)``. Saving and loading in the adapter format (:mod:`fastpals.adapters.format`)."""
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import os
 import warnings
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -27,38 +28,264 @@ from fastpals.adapters.format import (
     trained_base_in_encoder,
     write_adapter,
 )
-from fastpals.adapters.hooks import INJECTION_ATTR, PALInjection, add_hf_pals, get_injection
-from fastpals.adapters.targets import TARGETS, PALTarget, builds_own_pals, is_known_model, resolve_targets
+from fastpals.adapters.targets import ResolvedTargets, builds_own_pals, is_known_model, resolve_targets
+from fastpals.data.layout import BatchLayout, PaddedBatch, make_layout
 from fastpals.encoder.bert import BertModel as MiniBert
-from fastpals.encoder.bert import (
-    PALConfig,
-    freeze_shared_parameters,
-    state_dict_mismatches,
-    task_specific_kind,
-)
+from fastpals.encoder.bert import PALConfig, freeze_shared_parameters, task_specific_kind
 from fastpals.encoder.fingerprint import check_encoder_fingerprint, encoder_fingerprint
+from fastpals.encoder.pal_variants import PALLayer, PALProjections
+from fastpals.functional import check_task_ids
 
 __all__ = [
-    "TARGETS",
-    "PALTarget",
-    "adapter_contents",
     "freeze_base_model",
     "inject_pals",
     "load_pals",
-    "pal_modules",
     "pal_state_dict",
-    "prepare_for_adapter",
     "remove_pals",
     "save_pals",
     "set_task",
     "trained_base_state_dict",
 ]
 
-# the old format (read only, with a FutureWarning); the current one is fastpals.adapters.format'
+# the old format (read only, with a FutureWarning)
 LEGACY_WEIGHTS_NAME = "pals.safetensors"
-LEGACY_BASE_WEIGHTS_NAME = "trained_base.safetensors"
 LEGACY_CONFIG_NAME = "pals_config.json"
-LEGACY_FORMAT = "fastpals-pals"
+# the fields of a saved adapter's ``encoder`` beside ``prefix`` and ``fingerprint``, named as in the injection
+ENCODER_FIELDS = "model_type layers_pattern layer_norm_name hidden_size num_layers layer_indices".split()
+
+
+#: the root model's attribute holding its :class:`PALInjection`
+INJECTION_ATTR = "_fastpals_injection"
+
+
+@dataclass(eq=False)
+class PALInjection(ResolvedTargets):
+    """What :func:`inject_pals` did to one model and the context its hooks share: an attribute of the root
+    model whose bound methods are the hooks, so ``copy.deepcopy(model)`` gives hooks on the copy's state."""
+
+    config: PALConfig
+    layer_indices: list[int]
+    mask_argument: str = "attention_mask"
+    handles: list[Any] = field(default_factory=list)
+    added: list[tuple[nn.Module, str]] = field(default_factory=list)  # (owner, attribute) of each new module
+    default_task: int | torch.Tensor | None = None
+    # False: the PALs add nothing (the base model's forward); PEFT's disable_adapter sets it
+    enabled: bool = True
+    frozen_base: bool = False  # set by freeze_base_model: save_pals then also saves the trained base weights
+    modules_to_train: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._reset()
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def pal_modules(self) -> list[nn.Module]:
+        """The PAL modules this injection added (shared projections and per-layer PALs)."""
+        return [getattr(owner, attr) for owner, attr in self.added]
+
+    def _reset(self) -> None:
+        self.depth = 0
+        self.task_ids: torch.Tensor | None = None
+        self.mask: torch.Tensor | None = None
+        self.layout: BatchLayout | None = None
+        self.inputs: dict[int, torch.Tensor] = {}
+
+    def enter(self, capture_mask: bool, is_root: bool, module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+        """Pre-hook of the root model (``is_root``) and of the base model: take ``task_ids`` out of the
+        keyword arguments and, on the base model (``capture_mask``), read the padding mask."""
+        task_ids = kwargs.pop("task_ids", None)
+        if is_root or self.depth == 0:
+            self._reset()
+        if task_ids is not None:
+            self.task_ids = task_ids
+        self.depth += 1
+        if capture_mask:
+            pos = self.mask_position
+            positional = args[pos] if pos is not None and len(args) > pos else None
+            self.mask, self.layout = kwargs.get(self.mask_argument, positional), None
+        return args, kwargs
+
+    def leave(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        """Forward hook (always called, also on errors) of the root and base models."""
+        self.depth -= 1
+        if self.depth <= 0:
+            self._reset()
+
+    def enter_minbert(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """minBERT takes task_ids itself; fill them in from :func:`set_task` when the call has none."""
+        if kwargs.get("task_ids") is None and len(args) < 4 and self.default_task is not None:
+            input_ids = args[0] if args else kwargs.get("input_ids")
+            if not isinstance(input_ids, torch.Tensor):
+                raise ValueError("set_task: the model was called without input_ids")
+            kwargs["task_ids"] = self._default_task_ids(input_ids.shape[0], input_ids.device)
+        return args, kwargs
+
+    def keep_input(self, index: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.depth == 0:
+            raise RuntimeError(
+                f"PAL layer {index} ran outside the injected model's forward: call the model (or its base model) "
+                "so the PALs get task_ids and the attention mask"
+            )
+        if getattr(module, "gradient_checkpointing", False) and module.training:
+            self._wrap_checkpointing(index, module)
+        h = args[0] if args else kwargs.get("hidden_states")
+        if not isinstance(h, torch.Tensor) or h.dim() != 3 or h.shape[-1] != self.hidden_size:
+            got = list(h.shape) if isinstance(h, torch.Tensor) else type(h).__name__
+            raise ValueError(
+                f"PAL layer {index}: expected the layer input [batch, length, {self.hidden_size}] as the first "
+                f"argument or hidden_states=, got {got}"
+            )
+        self.inputs[index] = h
+
+    def _wrap_checkpointing(self, index: int, layer: nn.Module) -> None:
+        """HF gradient checkpointing runs the layer's forward again in the backward, after this model's forward
+        has ended (no task ids, mask or layer input left here): wrap the layer's checkpointing function (again
+        after each ``gradient_checkpointing_enable``) so that the replay sees the call's own context."""
+        inner = getattr(layer, "_gradient_checkpointing_func", None)
+        if inner is None or getattr(inner, "_fastpals_state", None) is self:
+            return
+
+        def checkpointing(fn: Any, *args: Any, **kwargs: Any) -> Any:
+            saved = (self.task_ids, self.mask, self.layout, self.inputs.get(index))
+
+            def run(*a: Any, **k: Any) -> Any:
+                if self.depth > 0:  # the forward itself
+                    return fn(*a, **k)
+                self.task_ids, self.mask, self.layout, h = saved  # the replay, inside the backward
+                self.inputs[index] = h
+                self.depth += 1
+                try:
+                    return fn(*a, **k)
+                finally:
+                    self.depth -= 1
+                    self._reset()
+
+            return inner(run, *args, **kwargs)
+
+        checkpointing._fastpals_state = self  # type: ignore[attr-defined]
+        checkpointing._fastpals_inner = inner  # type: ignore[attr-defined]
+        layer._gradient_checkpointing_func = checkpointing
+
+    def _layer_input(self, index: int, site: str) -> torch.Tensor:
+        """The input of layer ``index``, recorded by its pre-hook; ``site`` names the hook that needs it."""
+        h = self.inputs.pop(index, None)
+        if h is None:
+            raise RuntimeError(
+                f"{site} of layer {index} ran without its layer input (it ran twice, or outside the layer's "
+                "forward)"
+            )
+        return h
+
+    def add_pal(self, index: int, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        h = self._layer_input(index, "the final LayerNorm")
+        if not self.enabled:
+            return None
+        x = args[0] if args else kwargs.pop("input")
+        if x.shape != h.shape:
+            raise ValueError(
+                f"layer {index}: the final LayerNorm's input has shape {list(x.shape)} but the layer input "
+                f"{list(h.shape)} (chunked feed-forward is not supported)"
+            )
+        return (self.layers[index].pal(h, self._layout(h), residual=x), *args[1:]), kwargs
+
+    def add_pal_to_output(self, index: int, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        """Forward hook of a ``site="output"`` target: its output ``[B, L, d]`` plus ``TS_t(h)``."""
+        h = self._layer_input(index, "the PAL site")
+        if not self.enabled:
+            return None
+        if not isinstance(output, torch.Tensor) or output.shape != h.shape:
+            got = list(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
+            raise ValueError(
+                f"layer {index}: the PAL site's output is {got} but the layer input {list(h.shape)}"
+            )
+        return self.layers[index].pal(h, self._layout(h), residual=output)
+
+    def _layout(self, h: torch.Tensor) -> BatchLayout:
+        b, n = h.shape[0], h.shape[1]
+        if self.layout is not None and self.layout.batch == b and self.layout.length == n:
+            return self.layout
+        mask = self.mask
+        if mask is None:
+            mask = torch.ones(b, n, dtype=torch.bool, device=h.device)
+        elif not isinstance(mask, torch.Tensor) or mask.dim() != 2 or tuple(mask.shape) != (b, n):
+            got = list(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise ValueError(
+                f"PALs need {self.mask_argument} as a [batch, length] = [{b}, {n}] padding mask (1 = token), "
+                f"got {got}"
+            )
+        if mask.device != h.device:
+            raise ValueError(
+                f"{self.mask_argument} is on {mask.device} but the hidden states are on {h.device}"
+            )
+        task_ids = self.task_ids
+        if task_ids is None:
+            if self.default_task is None:
+                raise ValueError(
+                    "this model has PALs: pass task_ids=[batch] int tensor (one task per example) to its "
+                    "forward, or wrap the call in fastpals.set_task(model, task)"
+                )
+            task_ids = self._default_task_ids(b, h.device)
+        compiling = (
+            torch.compiler.is_compiling()
+        )  # no host read in a compiled graph: the ids' range is the caller's
+        task_ids = check_task_ids(task_ids, self.config.num_tasks, b, h.device, check_values=not compiling)
+        if compiling:
+            self.layout = PaddedBatch(mask, task_ids, self.config.num_tasks)
+        else:
+            self.layout = make_layout(mask, task_ids, False, (b, n))
+        return self.layout
+
+    def _default_task_ids(self, batch: int, device: torch.device) -> torch.Tensor:
+        task = self.default_task
+        if isinstance(task, torch.Tensor):
+            return task.to(device)
+        return torch.full((batch,), int(task), dtype=torch.long, device=device)
+
+
+def get_injection(model: nn.Module, caller: str) -> PALInjection:
+    """The injection state of ``model``; ``ValueError`` (naming ``caller``) when it has no PALs injected."""
+    state = getattr(model, INJECTION_ATTR, None)
+    if not isinstance(state, PALInjection):
+        raise ValueError(
+            f"{caller}: {type(model).__name__} has no PALs injected (call fastpals.inject_pals first)"
+        )
+    return state
+
+
+def add_hf_pals(model: nn.Module, state: PALInjection, device: torch.device, dtype: torch.dtype) -> None:
+    """Add the PAL modules (``<base>.pal_projections``, ``<layers>.{i}.pal``; ``device``, ``dtype``) to an HF
+    model and register the hooks; both are recorded in ``state``."""
+    base, config, indices = state.base, state.config, state.layer_indices
+    clashes = [f"{state.base_name or '<root>'}.pal_projections"] if hasattr(base, "pal_projections") else []
+    clashes += [f"{state.layers_pattern}.{i}.pal" for i in indices if hasattr(state.layers[i], "pal")]
+    if clashes:
+        raise ValueError(f"inject_pals: the model already has attributes named {clashes}")
+    shared = None
+    if config.shared_projections:
+        shared = PALProjections(
+            config.num_tasks, state.hidden_size, config.hidden, config.init_std, config.zero_init_decoder
+        )
+        base.add_module("pal_projections", shared.to(device=device, dtype=dtype))
+        state.added.append((base, "pal_projections"))
+    for i in indices:
+        layer, norm = state.layers[i], state.layer_norms[i]
+        pal = PALLayer(config, state.hidden_size, state.dropout, shared).to(device=device, dtype=dtype)
+        pal.train(layer.training)
+        layer.add_module("pal", pal)
+        state.added.append((layer, "pal"))
+        state.handles.append(layer.register_forward_pre_hook(partial(state.keep_input, i), with_kwargs=True))
+        if state.site == "output":
+            handle = norm.register_forward_hook(partial(state.add_pal_to_output, i), with_kwargs=True)
+        else:
+            handle = norm.register_forward_pre_hook(partial(state.add_pal, i), with_kwargs=True)
+        state.handles.append(handle)
+    callers = [(model, base is model, True)] + ([(base, True, False)] if base is not model else [])
+    for module, capture_mask, is_root in callers:
+        pre = partial(state.enter, capture_mask, is_root)
+        state.handles.append(module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
+        state.handles.append(module.register_forward_hook(state.leave, with_kwargs=True, always_call=True))
 
 
 def inject_pals(
@@ -72,23 +299,18 @@ def inject_pals(
     train_layer_norms: bool = True,
     modules_to_train: Iterable[str] = (),
 ) -> nn.Module:
-    """Add PALs (one set per task) to ``model`` in place and return it.
-
-    ``model``: an HF encoder (or a module holding one) or a :class:`fastpals.BertModel` without PALs. ``config``:
-    the PALs (``variant="parallel"``; ``zero_init_decoder=True`` keeps the model's output until V^D trains).
-    ``layers_pattern`` / ``layer_norm_name``: where the layer list and each layer's final LayerNorm are (default:
-    by model type, :data:`TARGETS`); ``mask_argument``: the forward argument holding the ``[B, L]`` padding mask.
-    ``freeze_base`` calls :func:`freeze_base_model` with ``train_layer_norms`` and ``modules_to_train``. PAL
-    weights take the layers' device and dtype. ``ValueError`` names what was not found, or PALs already there.
-    """
+    """Add PALs (one set per task, ``variant="parallel"``) in place to ``model``, an HF encoder (or a module
+    holding one) or a :class:`fastpals.BertModel` without PALs, and return it. ``layers_pattern`` /
+    ``layer_norm_name``: the layer list and each layer's final LayerNorm (default: :data:`TARGETS`);
+    ``mask_argument``: the forward argument holding the ``[B, L]`` padding mask; ``freeze_base``: calls
+    :func:`freeze_base_model`. PAL weights take the layers' device and dtype."""
     if getattr(model, INJECTION_ATTR, None) is not None:
         raise ValueError(f"inject_pals: {type(model).__name__} already has PALs injected")
     resolved = resolve_targets(model, config, layers_pattern, layer_norm_name, mask_argument)
     indices = config.layer_indices(len(resolved.layers))
     ref = next(resolved.layers[0].parameters(), None)
     device, dtype = (ref.device, ref.dtype) if ref is not None else (torch.device("cpu"), torch.float32)
-    state = PALInjection(config, resolved, indices)
-    state.mask_argument = mask_argument
+    state = PALInjection(**vars(resolved), config=config, layer_indices=indices, mask_argument=mask_argument)
     if resolved.kind == "minbert":
         mini = resolved.base
         mini.add_pals(config)
@@ -99,7 +321,7 @@ def inject_pals(
                 state.added.append((owner, attr))
         state.handles.append(model.register_forward_pre_hook(state.enter_minbert, with_kwargs=True))
     else:
-        add_hf_pals(model, resolved, config, indices, state, device, dtype)
+        add_hf_pals(model, state, device, dtype)
     setattr(model, INJECTION_ATTR, state)
     if freeze_base:
         freeze_base_model(model, train_layer_norms=train_layer_norms, modules_to_train=modules_to_train)
@@ -149,31 +371,20 @@ def set_task(model: nn.Module, task: int | torch.Tensor) -> Iterator[None]:
         state.default_task = previous
 
 
-def pal_modules(state: PALInjection) -> list[nn.Module]:
-    """The PAL modules an injection added to the model (its shared projections and per-layer attentions)."""
-    return [getattr(owner, attr) for owner, attr in state.added]
-
-
 def pal_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The PAL parameters of an injected model, named relative to its base model (fastpals' names:
     ``pal_projections.*``, ``<layers>.{i}.pal.*``)."""
     state = get_injection(model, "pal_state_dict")
     names = {id(m): n for n, m in state.base.named_modules()}
-    out: dict[str, torch.Tensor] = {}
-    for module in pal_modules(state):
-        prefix = names[id(module)]
-        for k, v in module.state_dict().items():
-            out[f"{prefix}.{k}"] = v
-    return out
+    return {f"{names[id(m)]}.{k}": v for m in state.pal_modules() for k, v in m.state_dict().items()}
 
 
 def freeze_base_model(
     model: nn.Module, train_layer_norms: bool = True, modules_to_train: Iterable[str] = ()
 ) -> dict[str, int]:
-    """Freeze every parameter of an injected ``model`` except the task-specific ones (PALs, ``heads``), the
-    LayerNorms (with ``train_layer_norms``) and the modules named in ``modules_to_train`` (a qualified name or its
-    last parts, e.g. ``"classifier"``; one that matches nothing is an error); :func:`save_pals` then saves the
-    trained base weights. Returns ``{"trainable": n, "frozen": m}`` element counts."""
+    """Freeze an injected ``model`` but its PALs, ``heads``, LayerNorms (with ``train_layer_norms``) and the
+    ``modules_to_train`` (qualified names or their last parts, e.g. ``"classifier"``), which :func:`save_pals`
+    then saves. Returns ``{"trainable": n, "frozen": m}`` element counts."""
     state = get_injection(model, "freeze_base_model")
     try:
         counts = freeze_shared_parameters(model, train_layer_norms, modules_to_train)
@@ -184,23 +395,11 @@ def freeze_base_model(
     return counts
 
 
-def _description(state: PALInjection) -> dict[str, Any]:
-    return {
-        "prefix": state.base_name,
-        "model_type": state.model_type,
-        "layers_pattern": state.layers_pattern,
-        "layer_norm_name": state.layer_norm_name,
-        "hidden_size": state.hidden_size,
-        "num_layers": state.num_layers,
-        "layer_indices": state.layer_indices,
-    }
-
-
 def trained_base_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The base model's parameters that are trainable (``requires_grad``), by their names in ``model``: after
     :func:`freeze_base_model`, the LayerNorms and ``modules_to_train``. PAL parameters are not included."""
     state = get_injection(model, "trained_base_state_dict")
-    pal_ids = {id(p) for m in pal_modules(state) for p in m.parameters()}
+    pal_ids = {id(p) for m in state.pal_modules() for p in m.parameters()}
     return {n: p for n, p in model.named_parameters() if p.requires_grad and id(p) not in pal_ids}
 
 
@@ -211,11 +410,9 @@ def save_pals(
     task_names: list[str] | None = None,
     base_model_name_or_path: str | None = None,
 ) -> Path:
-    """Write the adapter of an injected ``model`` to ``folder`` (:mod:`fastpals.adapters.format`): the PAL
-    weights, the task heads and, with ``include_trained_base`` (default: when the base was frozen with
-    :func:`freeze_base_model`), the trained base weights. ``task_names`` default to ``task0, task1, ...``;
-    ``base_model_name_or_path`` to the HF model's ``name_or_path``. Returns the folder."""
-
+    """Write ``model``'s adapter to ``folder``: its PALs, heads and, with ``include_trained_base``
+    (default: after :func:`freeze_base_model`), the trained base weights. ``task_names`` default to ``task0,
+    task1, ...``, ``base_model_name_or_path`` to the model's ``name_or_path``. Returns the folder."""
     if builds_own_pals(model):
         return model.save_pretrained(folder, adapters_only=True)
     state = get_injection(model, "save_pals")
@@ -233,10 +430,8 @@ def adapter_contents(
     base_model_name_or_path: str | None = None,
     caller: str = "save_pals",
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """What :func:`save_pals` writes for an injected ``model``: ``(tensors, fields)``, the PAL weights, heads and
-    the base parameters ``base_names`` by their names in ``model``, and the fields of
-    :func:`fastpals.adapters.format.adapter_config`. ``caller`` names the function in error messages."""
-
+    """What :func:`save_pals` writes for an injected ``model``: its PALs, heads and ``base_names`` (by their
+    names in ``model``), and the fields of :func:`fastpals.adapters.format.adapter_config`."""
     state = get_injection(model, caller)
     pals = {join_name(state.base_name, k): v for k, v in pal_state_dict(model).items()}
     params = dict(model.named_parameters())
@@ -253,13 +448,13 @@ def adapter_contents(
         )
     if base_model_name_or_path is None:
         base_model_name_or_path = getattr(model, "name_or_path", None) or None
-
     lead = f"{state.base_name}." if state.base_name else ""
     encoder = model.get_submodule(state.base_name) if state.base_name else model
     kwargs = {
         "pal_config": state.config.to_dict(),
         "encoder": {
-            **_description(state),
+            "prefix": state.base_name,
+            **{k: getattr(state, k) for k in ENCODER_FIELDS},
             "fingerprint": encoder_fingerprint(encoder, {n.removeprefix(lead) for n in base}),
         },
         "base_model_name_or_path": base_model_name_or_path,
@@ -279,14 +474,11 @@ def load_pals(
     strict: bool = False,
     force: bool = False,
 ) -> nn.Module:
-    """Load an adapter (an adapter folder, or a full model folder's ``pals/``) into ``model`` and return it.
-
-    A model without PALs is injected first (:func:`prepare_for_adapter`); any difference from the saved PALs is a
-    ``ValueError`` saying what differs. ``load_trained_base``: also load the trained base weights the adapter
-    holds; saved tensors without a place in the model are an error with ``strict``, else a warning. An adapter
-    trained beside another encoder is refused unless ``force``. Old-format folders load with a FutureWarning.
-    """
-
+    """Load an adapter (an adapter folder, or a full model folder's ``pals/``) into ``model`` (injected first
+    if it has no PALs; a difference from the saved PALs is a ``ValueError``) and return it.
+    ``load_trained_base``: also the trained base weights; saved tensors without a place in the model are an
+    error with ``strict``, else a warning; an adapter trained beside another encoder is refused unless
+    ``force``. Old folders: a FutureWarning."""
     if builds_own_pals(model):
         return model.load_adapter(folder, load_trained_base=load_trained_base, strict=strict, force=force)
     folder = Path(folder)
@@ -297,24 +489,16 @@ def load_pals(
             FutureWarning,
             stacklevel=2,
         )
-        return _load_legacy_pals(model, folder, load_trained_base)
+        return _load_legacy_pals(model, folder, load_trained_base, strict)
     config, tensors, adapter = read_adapter(folder, "load_pals")
-    prefix = prepare_for_adapter(model, config, str(adapter), "load_pals")
-
+    source = str(adapter)
+    prefix = prepare_for_adapter(model, config, source, "load_pals")
     check_encoder_fingerprint(
         config.get("encoder", {}).get("fingerprint"), model.get_submodule(prefix) if prefix else model,
-        trained_base_in_encoder(config), str(adapter), "load_pals", force,
+        trained_base_in_encoder(config), source, "load_pals", force,
     )  # fmt: skip
-    load_adapter_tensors(
-        model,
-        prefix,
-        config,
-        tensors,
-        source=str(adapter),
-        caller="load_pals",
-        load_trained_base=load_trained_base,
-        strict=strict,
-    )
+    options = dict(load_trained_base=load_trained_base, strict=strict)
+    load_adapter_tensors(model, prefix, config, tensors, source=source, caller="load_pals", **options)
     return model
 
 
@@ -323,15 +507,14 @@ def prepare_for_adapter(
 ) -> str:
     """Give ``model`` the PALs an adapter ``config`` describes, or check that it has the same ones; returns
     where its encoder sits (``""``: the model itself). A difference is a ``ValueError`` naming ``source``."""
-
     if config.get("pal_config") is None:
         raise ValueError(
             f"{caller}: the adapter in {source} holds no PALs (saved from a model with pal=None)"
         )
     saved = PALConfig.from_dict(config["pal_config"])
-    native = _native_pal_model(model)
-    if native is not None:  # fastpals' own BertModel built with PALs: any variant, the same names
-        name, mini = native
+    built = [(n, m) for n, m in model.named_modules() if isinstance(m, MiniBert) and m.task_specific]
+    if getattr(model, INJECTION_ATTR, None) is None and len(built) == 1:  # a BertModel with its own PALs
+        name, mini = built[0]
         check_same_pal_config(mini.pal_config.to_dict(), saved.to_dict(), source, caller)
         _check_shape(config["encoder"], "encoder.layer", mini.config.hidden_size, mini.config.num_hidden_layers,
                      source, caller)  # fmt: skip
@@ -339,8 +522,9 @@ def prepare_for_adapter(
     return _injected_like(model, saved, config["encoder"], source, caller).base_name
 
 
-def _load_legacy_pals(model: nn.Module, folder: Path, load_trained_base: bool) -> nn.Module:
-    """Load a folder of the old format (``pals.safetensors`` + ``pals_config.json``)."""
+def _load_legacy_pals(model: nn.Module, folder: Path, load_trained_base: bool, strict: bool) -> nn.Module:
+    """Load a folder of the old format (``pals_config.json``, ``pals.safetensors`` named from the base model,
+    ``trained_base.safetensors``) with the checks of the new."""
     cfg_path, weights_path = folder / LEGACY_CONFIG_NAME, folder / LEGACY_WEIGHTS_NAME
     for path in (cfg_path, weights_path):
         if not path.is_file():
@@ -349,51 +533,26 @@ def _load_legacy_pals(model: nn.Module, folder: Path, load_trained_base: bool) -
         meta = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"load_pals: {cfg_path} is not valid JSON ({e})") from None
-    if meta.get("format") != LEGACY_FORMAT or meta.get("format_version") != 1:
+    if meta.get("format") != "fastpals-pals" or meta.get("format_version") != 1:
         raise ValueError(
             f"load_pals: {cfg_path} has format {meta.get('format')!r} version {meta.get('format_version')!r}; "
-            f"expected {LEGACY_FORMAT!r} version 1"
+            "expected 'fastpals-pals' version 1"
         )
-    _injected_like(model, PALConfig.from_dict(meta["pal_config"]), meta, folder)
-    tensors = load_file(str(weights_path))
-    own_state = pal_state_dict(model)
-    problems = state_dict_mismatches(own_state, tensors)
-    if problems:
-        raise ValueError(f"load_pals: cannot load {folder}:\n  " + "\n  ".join(problems))
-    base_names = meta.get("trained_base_parameters", {})
-    base_tensors: dict[str, torch.Tensor] = {}
-    if base_names and load_trained_base:
-        base_path = folder / LEGACY_BASE_WEIGHTS_NAME
+    prefix = _injected_like(model, PALConfig.from_dict(meta["pal_config"]), meta, folder).base_name
+    pals = {join_name(prefix, k): v for k, v in load_file(str(weights_path)).items()}
+    base = {}
+    if meta.get("trained_base_parameters") and load_trained_base:
+        base_path = folder / "trained_base.safetensors"
         if not base_path.is_file():
             raise FileNotFoundError(
                 f"load_pals: {LEGACY_CONFIG_NAME} lists trained base parameters but {base_path} is missing"
             )
-        base_tensors = load_file(str(base_path))
-        params = dict(model.named_parameters())
-        problems = [f"not in the model: {k}" for k in sorted(set(base_tensors) - set(params))]
-        problems += [
-            f"{k}: saved {list(v.shape)}, model {list(params[k].shape)}"
-            for k, v in base_tensors.items()
-            if k in params and v.shape != params[k].shape
-        ]
-        if problems:
-            raise ValueError(
-                f"load_pals: cannot load the trained base parameters of {folder} (saved from a "
-                f"{meta.get('model_class')}) into {type(model).__name__}:\n  " + "\n  ".join(problems)
-            )
-        own_state.update({k: params[k] for k in base_tensors})
-    with torch.no_grad():
-        for k, v in itertools.chain(tensors.items(), base_tensors.items()):
-            own_state[k].copy_(v)
+        base = load_file(str(base_path))
+    cfg = {"encoder": {"prefix": prefix}, "pal_parameters": pals, "head_parameters": {}}
+    cfg["trained_base_parameters"] = base
+    tensors = {**pals, **base}
+    load_adapter_tensors(model, prefix, cfg, tensors, source=str(folder), caller="load_pals", strict=strict)
     return model
-
-
-def _native_pal_model(model: nn.Module) -> tuple[str, MiniBert] | None:
-    """The one fastpals ``BertModel`` in ``model`` that was built with PALs (not injected), with its name."""
-    if getattr(model, INJECTION_ATTR, None) is not None:
-        return None
-    found = [(n, m) for n, m in model.named_modules() if isinstance(m, MiniBert) and m.task_specific]
-    return found[0] if len(found) == 1 else None
 
 
 def _injected_like(
@@ -420,26 +579,15 @@ def _injected_like(
 
 
 def _check_shape(
-    meta: dict[str, Any],
-    layers_pattern: str,
-    hidden: int,
-    num_layers: int,
-    source: str | Path,
-    caller: str = "load_pals",
+    meta: dict[str, Any], layers_pattern: str, hidden: int, num_layers: int, source: str | Path, caller: str
 ) -> None:
+    saved = f"{caller}: the PALs in {source} were saved"
     if meta["layers_pattern"] != layers_pattern:
         raise ValueError(
-            f"{caller}: the PALs in {source} were saved from a {meta['model_type']} model with layers at "
-            f"'{meta['layers_pattern']}' (parameter names follow that path); this model's layers are at "
-            f"'{layers_pattern}'"
+            f"{saved} from a {meta['model_type']} model with layers at '{meta['layers_pattern']}' (parameter "
+            f"names follow that path); this model's layers are at '{layers_pattern}'"
         )
     if meta["hidden_size"] != hidden:
-        raise ValueError(
-            f"{caller}: the PALs in {source} were saved for hidden size {meta['hidden_size']}, "
-            f"the model has hidden size {hidden}"
-        )
+        raise ValueError(f"{saved} for hidden size {meta['hidden_size']}, the model has hidden size {hidden}")
     if meta["num_layers"] != num_layers:
-        raise ValueError(
-            f"{caller}: the PALs in {source} were saved for a {meta['num_layers']}-layer model, "
-            f"the model has {num_layers} layers"
-        )
+        raise ValueError(f"{saved} for a {meta['num_layers']}-layer model, the model has {num_layers} layers")

@@ -1,9 +1,6 @@
-"""fastpals' PAL adapters as the PEFT method ``FASTPALS`` (``get_peft_model``, ``PeftModel.from_pretrained``,
-``save_pretrained``), through fastpals' injection and checked loading; usage in ``docs/api.md``.
-
-The forward takes ``task_ids [B]``, or runs inside ``with peft_model.set_task("sts"):``. ``task_type`` stays None
-(PEFT's task wrappers drop ``task_ids``). One PAL adapter per model; PALs cannot be merged into the base weights.
-"""
+"""fastpals' PAL adapters as the PEFT method ``FASTPALS`` (``docs/api.md``): the forward takes ``task_ids
+[B]`` or runs inside ``with peft_model.set_task("sts"):``; ``task_type`` stays None (PEFT's task wrappers drop
+``task_ids``). One PAL adapter per model; PALs cannot be merged into the base weights."""
 
 from __future__ import annotations
 
@@ -31,12 +28,11 @@ from fastpals.adapters.format import (
     plan_adapter_load,
     retarget,
 )
-from fastpals.adapters.hooks import INJECTION_ATTR, get_injection
 from fastpals.adapters.inject import (
+    INJECTION_ATTR,
     adapter_contents,
-    freeze_base_model,
+    get_injection,
     inject_pals,
-    pal_modules,
     prepare_for_adapter,
     remove_pals,
     set_task,
@@ -55,24 +51,16 @@ _PEFT_MODEL_PREFIX = "base_model.model."
 _CALLER = "FASTPALS adapter"
 # adapter_config.json fields that describe the saved PALs (fastpals' format), refreshed on every save
 _FORMAT_FIELDS = (
-    "library_name",
-    "fastpals_version",
-    "format_version",
-    "saved_from",
-    "pal_config",
-    "task_names",
-    "encoder",
-    "pal_parameters",
-    "head_parameters",
-    "trained_base_parameters",
-    "modules_to_save",
-)
+    "library_name fastpals_version format_version saved_from pal_config task_names encoder pal_parameters "
+    "head_parameters trained_base_parameters modules_to_save"
+).split()
 
-for _hook in (
+_STATE_DICT_HOOKS = (
     "_get_adapter_state_dict",
     "_remove_adapter_name_from_key",
     "_remap_adapter_state_dict_for_load",
-):
+)
+for _hook in _STATE_DICT_HOOKS:
     if not hasattr(BaseTuner, _hook):
         raise ImportError(
             f"fastpals' PEFT support needs peft>=0.21 (BaseTuner.{_hook}); peft {peft.__version__} is installed"
@@ -84,13 +72,11 @@ def _add_peft_type_member() -> PeftType:
     if PEFT_TYPE in PeftType.__members__:
         return PeftType[PEFT_TYPE]
     member = str.__new__(PeftType, PEFT_TYPE)
-    member._name_ = PEFT_TYPE
-    member._value_ = PEFT_TYPE
+    member._name_ = member._value_ = PEFT_TYPE
     member.__objclass__ = PeftType
     member._sort_order_ = len(PeftType._member_names_)
     type.__setattr__(PeftType, PEFT_TYPE, member)
-    PeftType._member_map_[PEFT_TYPE] = member
-    PeftType._value2member_map_[PEFT_TYPE] = member
+    PeftType._member_map_[PEFT_TYPE] = PeftType._value2member_map_[PEFT_TYPE] = member
     PeftType._member_names_.append(PEFT_TYPE)
     return member
 
@@ -100,24 +86,18 @@ FASTPALS = _add_peft_type_member()
 
 @dataclass
 class FastPalsConfig(PeftConfig):
-    """PEFT config of fastpals' PALs (``peft_type`` ``"FASTPALS"``). For a new adapter: ``pal_config`` (a
-    :class:`fastpals.PALConfig` or its dict, variant ``"parallel"``), ``task_names`` (for ``set_task("name")``),
-    ``init_weights`` (V^D starts at zero: the output is the base model's), ``train_layer_norms`` and
-    ``modules_to_save`` (what else trains and is saved, as in :func:`fastpals.freeze_base_model`), and
-    ``layers_pattern`` / ``layer_norm_name`` for architectures fastpals does not know. The other fields are the
-    adapter format, read from a saved ``adapter_config.json`` and written on save."""
+    """PEFT config of fastpals' PALs. A new adapter takes ``pal_config`` (a :class:`fastpals.PALConfig` or its
+    dict), ``task_names``, ``init_weights`` (V^D = 0: the base model's output), ``train_layer_norms``,
+    ``modules_to_save`` and, for unknown architectures, ``layers_pattern`` / ``layer_norm_name``; the rest
+    is the adapter format, written on save."""
 
-    pal_config: dict[str, Any] | None = field(
-        default=None, metadata={"help": "fastpals.PALConfig (or its to_dict()) of the PALs"}
-    )
-    task_names: list[str] | None = field(default=None, metadata={"help": "one name per PAL task"})
-    init_weights: bool = field(default=True, metadata={"help": "new PALs start with V^D = 0 (output = base)"})
-    train_layer_norms: bool = field(default=True, metadata={"help": "LayerNorms train and are saved"})
-    modules_to_save: list[str] | None = field(
-        default=None, metadata={"help": "base modules that train and are saved with the PALs"}
-    )
-    layers_pattern: str | None = field(default=None, metadata={"help": "path of the encoder's layer list"})
-    layer_norm_name: str | None = field(default=None, metadata={"help": "a layer's final LayerNorm"})
+    pal_config: dict[str, Any] | None = None
+    task_names: list[str] | None = None
+    init_weights: bool = True
+    train_layer_norms: bool = True
+    modules_to_save: list[str] | None = None
+    layers_pattern: str | None = None
+    layer_norm_name: str | None = None
     # fastpals' adapter format (filled in on save; read from a saved adapter)
     library_name: str = LIBRARY
     fastpals_version: str | None = None
@@ -153,9 +133,8 @@ class FastPalsConfig(PeftConfig):
         if self.encoder is None and self.init_weights:  # a new adapter (a saved one describes its encoder)
             pal = dataclasses.replace(pal, zero_init_decoder=True)
         self.pal_config = pal.to_dict()
-        if self.task_names is None:
-            self.task_names = [f"task{i}" for i in range(pal.num_tasks)]
-        self.task_names = list(self.task_names)
+        names = self.task_names
+        self.task_names = [f"task{i}" for i in range(pal.num_tasks)] if names is None else list(names)
         if len(self.task_names) != pal.num_tasks:
             raise ValueError(
                 f"FastPalsConfig: {len(self.task_names)} task_names for {pal.num_tasks} PAL tasks "
@@ -178,14 +157,6 @@ class FastPalsConfig(PeftConfig):
     def source(self) -> str:
         """Where this config was read from (for messages)."""
         return getattr(self, "_source", None) or "the FASTPALS adapter config"
-
-    def task_index(self, task: int | str) -> int:
-        """The index of a task given by name (one of ``task_names``) or index."""
-        if isinstance(task, str):
-            if task not in self.task_names:
-                raise ValueError(f"set_task: unknown task {task!r}; the PAL tasks are {self.task_names}")
-            return self.task_names.index(task)
-        return task
 
 
 def _tuner_and_prefix(model: nn.Module) -> tuple[FastPalsModel, str]:
@@ -214,7 +185,6 @@ class FastPalsModel(BaseTuner):
     # V^E/V^D are shared by the layers: peft.inject_adapter_in_model (which returns only the model) refuses it
     uses_shared_state = True
 
-    # --- injection ------------------------------------------------------------------------------------------
     def inject_adapter(
         self,
         model: nn.Module,
@@ -223,9 +193,8 @@ class FastPalsModel(BaseTuner):
         low_cpu_mem_usage: bool = False,
         state_dict: dict[str, torch.Tensor] | None = None,
     ) -> None:
-        """Give ``model`` the PALs of ``self.peft_config[adapter_name]``: new PALs for a new config (with
-        :func:`fastpals.inject_pals`), or those a saved adapter describes (checked against the model: any
-        difference is a ``ValueError`` naming it). Sets which parameters train."""
+        """Give ``model`` the PALs of ``self.peft_config[adapter_name]`` (new, or a saved adapter's checked
+        against the model) and set which parameters train."""
         config = self.peft_config[adapter_name]
         others = [n for n in self.peft_config if n != adapter_name]
         if others:
@@ -234,7 +203,19 @@ class FastPalsModel(BaseTuner):
                 "every task (select a task with task_ids= or set_task), so a model takes only one"
             )
         try:
-            base_names = self._inject(model, config)
+            if config.encoder is None:  # a new adapter
+                inject_pals(
+                    model,
+                    PALConfig.from_dict(config.pal_config),
+                    layers_pattern=config.layers_pattern,
+                    layer_norm_name=config.layer_norm_name,
+                    freeze_base=True,
+                    train_layer_norms=config.train_layer_norms,
+                    modules_to_train=config.modules_to_save or (),
+                )
+                self._base_names = list(trained_base_state_dict(model))
+            else:
+                self._base_names = self._saved_base_names(model, config)
         except NotImplementedError as err:
             if "meta tensor" not in str(err):
                 raise
@@ -244,7 +225,6 @@ class FastPalsModel(BaseTuner):
             ) from None
         state = get_injection(model, _CALLER)
         self._adapter_name = adapter_name
-        self._base_names = base_names
         self.targeted_module_names = [
             ".".join(p for p in (state.base_name, state.layers_pattern, str(i)) if p)
             for i in state.layer_indices
@@ -253,45 +233,29 @@ class FastPalsModel(BaseTuner):
         self._mark_only_adapters_as_trainable(model)
 
     @staticmethod
-    def _inject(model: nn.Module, config: FastPalsConfig) -> list[str]:
-        """Inject the PALs of ``config`` into ``model``; returns the names of the base parameters that belong to
-        the adapter (trained with it and saved in it)."""
-        if config.encoder is None:  # a new adapter
-            inject_pals(
-                model,
-                PALConfig.from_dict(config.pal_config),
-                layers_pattern=config.layers_pattern,
-                layer_norm_name=config.layer_norm_name,
+    def _saved_base_names(model: nn.Module, config: FastPalsConfig) -> list[str]:
+        """Give ``model`` the PALs of a saved adapter (where it says, or an error naming what differs);
+        returns the names of the base parameters the adapter trains and saves."""
+        encoder_prefix = prepare_for_adapter(model, config.to_dict(), config.source, _CALLER)
+        if getattr(model, INJECTION_ATTR, None) is None:
+            raise ValueError(
+                f"{_CALLER}: {type(model).__name__} holds a fastpals.BertModel built with its own PALs; "
+                "PEFT support covers injected PALs: load it with fastpals.load_pals or "
+                "MultiTaskBert.from_pretrained"
             )
-            freeze_base_model(
-                model,
-                train_layer_norms=config.train_layer_norms,
-                modules_to_train=config.modules_to_save or (),
-            )
-            base_names = list(trained_base_state_dict(model))
-        else:  # a saved adapter: its PALs, where it says, or an error naming what differs
-            encoder_prefix = prepare_for_adapter(model, config.to_dict(), config.source, _CALLER)
-            if getattr(model, INJECTION_ATTR, None) is None:
-                raise ValueError(
-                    f"{_CALLER}: {type(model).__name__} holds a fastpals.BertModel built with its own PALs; "
-                    "PEFT support covers injected PALs: load it with fastpals.load_pals or "
-                    "MultiTaskBert.from_pretrained"
-                )
-            params = dict(model.named_parameters())
-            saved = [*config.head_parameters, *config.trained_base_parameters]
-            base_names = [
-                name
-                for k in saved
-                if (name := retarget(k, config.encoder["prefix"], encoder_prefix)) in params
-                and task_specific_kind(name) != "head"
-            ]
-            get_injection(model, _CALLER).modules_to_train = list(config.modules_to_save or [])
-        return base_names
+        get_injection(model, _CALLER).modules_to_train = list(config.modules_to_save or [])
+        params = dict(model.named_parameters())
+        return [
+            name
+            for k in [*config.head_parameters, *config.trained_base_parameters]
+            if (name := retarget(k, config.encoder["prefix"], encoder_prefix)) in params
+            and task_specific_kind(name) != "head"
+        ]
 
     def _adapter_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """The adapter's parameters in the model: PALs, task heads, and its trained base weights."""
         state = get_injection(self.model, _CALLER)
-        pal_ids = {id(p) for m in pal_modules(state) for p in m.parameters()}
+        pal_ids = {id(p) for m in state.pal_modules() for p in m.parameters()}
         base = set(self._base_names)
         return [
             (n, p)
@@ -308,25 +272,25 @@ class FastPalsModel(BaseTuner):
 
     def set_requires_grad(self, adapter_names: str | list[str], requires_grad: bool = True) -> None:
         """Switch gradients of the adapter's parameters on or off."""
-        names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
-        self._check_adapter_names(names)
+        self._check_adapter_names(adapter_names)
         for _, p in self._adapter_parameters():
             p.requires_grad = requires_grad
 
     def set_adapter(self, adapter_name: str | list[str], inference_mode: bool = False) -> None:
         """Make the (one) PAL adapter active; ``inference_mode`` freezes it."""
-        names = [adapter_name] if isinstance(adapter_name, str) else list(adapter_name)
-        self._check_adapter_names(names)
+        names = self._check_adapter_names(adapter_name)
         self.active_adapter = adapter_name
         if inference_mode:
             self.set_requires_grad(names, False)
 
-    def _check_adapter_names(self, names: list[str]) -> None:
+    def _check_adapter_names(self, names: str | list[str]) -> list[str]:
+        names = [names] if isinstance(names, str) else list(names)
         unknown = [n for n in names if n not in self.peft_config]
         if unknown:
             raise ValueError(
                 f"{_CALLER}: no adapter named {unknown}; this model has {list(self.peft_config)}"
             )
+        return names
 
     def _create_and_replace(self, *args: Any, **kwargs: Any) -> None:
         raise NotImplementedError("FastPalsModel adds its PALs in inject_adapter (fastpals.inject_pals)")
@@ -334,15 +298,15 @@ class FastPalsModel(BaseTuner):
     def _prepare_adapter_config(self, peft_config: PeftConfig, model_config: dict) -> PeftConfig:
         return peft_config
 
-    # --- tasks, enabling, removal ---------------------------------------------------------------------------
     @contextlib.contextmanager
     def set_task(self, task: int | str | torch.Tensor) -> Iterator[None]:
-        """Run the model's calls in this block with these task ids (when they pass no ``task_ids``): a task name
-        (one of the config's ``task_names``), an index, or a ``[B]`` tensor of indices. See
-        :func:`fastpals.set_task`."""
-        config = self.peft_config[self._adapter_name]
-        if not isinstance(task, torch.Tensor):
-            task = config.task_index(task)
+        """Run the model's calls in this block (passing no ``task_ids``) with a name of ``task_names``, an
+        index, or a ``[B]`` tensor of indices (:func:`fastpals.set_task`)."""
+        names = self.peft_config[self._adapter_name].task_names
+        if isinstance(task, str):
+            if task not in names:
+                raise ValueError(f"set_task: unknown task {task!r}; the PAL tasks are {names}")
+            task = names.index(task)
         with set_task(self.model, task):
             yield
 
@@ -354,7 +318,7 @@ class FastPalsModel(BaseTuner):
 
     def delete_adapter(self, adapter_name: str) -> None:
         """Remove the PALs from the model (:func:`fastpals.remove_pals`) and forget the adapter."""
-        self._check_adapter_names([adapter_name])
+        self._check_adapter_names(adapter_name)
         remove_pals(self.model)
         del self.peft_config[adapter_name]
         self.active_adapter = []
@@ -377,7 +341,6 @@ class FastPalsModel(BaseTuner):
             remove_pals(self.model)
         return self.model
 
-    # --- state dict hooks (PeftModel.save_pretrained / load_adapter) --------------------------------------
     @classmethod
     def _get_adapter_state_dict(
         cls,
@@ -408,15 +371,10 @@ class FastPalsModel(BaseTuner):
 
     @classmethod
     def _remap_adapter_state_dict_for_load(
-        cls,
-        model: nn.Module,
-        config: PeftConfig,
-        adapter_name: str,
-        state_dict: dict[str, torch.Tensor],
+        cls, model: nn.Module, config: PeftConfig, adapter_name: str, state_dict: dict[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
-        """Check the saved tensors against the config and the model (as :func:`fastpals.load_pals` does: PALs
-        must match exactly; saved tensors the model has no place for are named in a warning) and return them keyed
-        as the PEFT model's state dict."""
+        """The saved tensors, checked as :func:`fastpals.load_pals` does (a warning names those the model has
+        no place for), keyed as the PEFT model's state dict."""
         tuner, prefix = _tuner_and_prefix(model)
         if config.encoder is None:
             raise ValueError(
@@ -428,15 +386,9 @@ class FastPalsModel(BaseTuner):
         check_adapter_tensors(
             described, state_dict, f"the weights of {config.source} do not match its config", _CALLER
         )
-        state = get_injection(tuner.model, _CALLER)
+        base_name = get_injection(tuner.model, _CALLER).base_name
         copies, _ = plan_adapter_load(
-            tuner.model,
-            state.base_name,
-            described,
-            state_dict,
-            source=config.source,
-            caller=_CALLER,
-            strict=False,
+            tuner.model, base_name, described, state_dict, source=config.source, caller=_CALLER, strict=False
         )
         return {prefix + name: tensor for name, tensor in copies}
 

@@ -1,8 +1,6 @@
-"""Where :func:`fastpals.inject_pals` puts the PALs: :data:`TARGETS` by ``config.model_type``, found and checked
-by :func:`resolve_targets` (nothing changed). ``TS_t(h)`` joins the layer's last residual sum: post-LN layers add
-it to the final LayerNorm's input (``site="norm_input"``); pre-LN ModernBERT adds it to ``mlp``'s output
-(``site="output"``), which the next normalisation takes in.
-"""
+"""Where :func:`fastpals.inject_pals` puts the PALs (:data:`TARGETS` by ``config.model_type``, checked by
+:func:`resolve_targets`). ``TS_t(h)`` joins the layer's last residual sum: the final LayerNorm's input of
+post-LN layers (``site="norm_input"``), or ``mlp``'s output in pre-LN ModernBERT (``site="output"``)."""
 
 from __future__ import annotations
 
@@ -16,22 +14,15 @@ from fastpals.encoder.bert import BertModel as MiniBert
 from fastpals.encoder.bert import PALConfig
 from fastpals.encoder.pal_variants import PAL_VARIANTS
 
-__all__ = [
-    "TARGETS",
-    "PALTarget",
-    "ResolvedTargets",
-    "builds_own_pals",
-    "is_known_model",
-    "resolve_targets",
-]
+__all__ = ["TARGETS", "PALTarget", "ResolvedTargets", "builds_own_pals", "is_known_model", "resolve_targets"]
 
 
 @dataclass(frozen=True)
 class PALTarget:
-    """Where the PALs go in one architecture (PEFT's "target modules"): ``layers``, the dotted path the layer
-    list's name ends with (its parent is the *base model*); ``layer_norm``, a layer's final LayerNorm (or, with
-    ``site="output"``, the module whose output takes ``TS_t(h)``); ``dropout_attr``, the config attribute of the
-    attention dropout (the PAL's default)."""
+    """Where the PALs go in one architecture: ``layers``, the end of the layer list's path (its parent is the
+    base model); ``layer_norm``, a layer's final LayerNorm (with ``site="output"``: the module whose output
+    takes ``TS_t(h)``); ``dropout_attr``, the config attribute of the attention dropout (the PAL's
+    default)."""
 
     layers: str
     layer_norm: str
@@ -72,14 +63,9 @@ class ResolvedTargets:
 
 
 def builds_own_pals(model: nn.Module) -> bool:
-    """Is ``model`` a :class:`fastpals.MultiTaskBert` (or another model that builds, saves and loads its PALs
-    itself)? Such a class sets ``builds_own_pals = True``; this layer reads the mark instead of importing the
-    model layer above it."""
+    """Does ``model`` build, save and load its PALs itself (:class:`fastpals.MultiTaskBert`)? Read from the
+    class mark ``builds_own_pals``, not by importing the model layer above this one."""
     return bool(getattr(type(model), "builds_own_pals", False))
-
-
-def _model_type(model: nn.Module) -> str | None:
-    return getattr(getattr(model, "config", None), "model_type", None)
 
 
 def resolve_targets(
@@ -106,7 +92,93 @@ def resolve_targets(
     minis = [(name, m) for name, m in model.named_modules() if isinstance(m, MiniBert)]
     if minis:
         return _resolve_minbert(model, config, minis, layers_pattern, layer_norm_name)
-    return _resolve_hf(model, config, layers_pattern, layer_norm_name, mask_argument)
+    hf_config = getattr(model, "config", None)
+    model_type = getattr(hf_config, "model_type", None)
+    target = TARGETS.get(model_type)
+    lists = [n for n, m in model.named_modules() if isinstance(m, nn.ModuleList)]
+    if target is None and (layers_pattern is None or layer_norm_name is None):
+        given = {"layers_pattern": layers_pattern, "layer_norm_name": layer_norm_name}
+        missing = " and ".join(a for a, v in given.items() if v is None)
+        raise ValueError(
+            f"inject_pals: no PAL targets known for {type(model).__name__} (model_type={model_type!r}; known: "
+            f"{', '.join(sorted(TARGETS))}, fastpals.BertModel): pass {missing}. "
+            f"Module lists in this model: {lists or 'none'}"
+        )
+    layers_pattern = target.layers if layers_pattern is None else layers_pattern
+    # the site goes with the target's module: a layer_norm_name of the caller's is a LayerNorm's input
+    own_site = target is not None and layer_norm_name in (None, target.layer_norm)
+    site = target.site if own_site else "norm_input"
+    layer_norm_name = target.layer_norm if layer_norm_name is None else layer_norm_name
+    found = [n for n in lists if n == layers_pattern or n.endswith("." + layers_pattern)]
+    if not found:
+        raise ValueError(
+            f"inject_pals: no nn.ModuleList named '{layers_pattern}' (layers_pattern) found in "
+            f"{type(model).__name__}; module lists in this model: {lists or 'none'}"
+        )
+    if len(found) > 1:
+        raise ValueError(
+            f"inject_pals: layers_pattern '{layers_pattern}' matches {len(found)} module lists ({found}): "
+            "give a longer pattern"
+        )
+    full = found[0]
+    base_name = full[: -len(layers_pattern)].rstrip(".")
+    base = model.get_submodule(base_name) if base_name else model
+    layers = list(base.get_submodule(layers_pattern))
+    if not layers:
+        raise ValueError(f"inject_pals: the layer list '{full}' is empty")
+    norms = []
+    for i, layer in enumerate(layers):
+        try:
+            norms.append(layer.get_submodule(layer_norm_name))
+        except AttributeError:
+            children = [n for n, _ in layer.named_modules() if n]
+            raise ValueError(
+                f"inject_pals: layer {full}.{i} ({type(layer).__name__}) has no module '{layer_norm_name}' "
+                f"(layer_norm_name); its modules: {children}"
+            ) from None
+    hidden = _hidden_size(hf_config, norms[0], layer_norm_name)
+    config.validate(len(layers))
+    dropout = config.dropout
+    if dropout is None:
+        attrs = [target.dropout_attr] if target is not None else []
+        attrs += ["attention_probs_dropout_prob", "attention_dropout"]
+        values = [
+            getattr(hf_config, a) for a in attrs if isinstance(getattr(hf_config, a, None), (int, float))
+        ]
+        if not values:
+            raise ValueError(
+                f"inject_pals: {type(model).__name__} has no config attribute {attrs[0]!r} giving the attention "
+                "dropout: set PALConfig.dropout"
+            )
+        dropout = float(values[0])
+    if getattr(hf_config, "chunk_size_feed_forward", 0):
+        raise ValueError(
+            "inject_pals: config.chunk_size_feed_forward > 0 runs the final LayerNorm on sequence chunks; "
+            "set it to 0 to inject PALs"
+        )
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    params = [p for p in inspect.signature(base.forward).parameters.values() if p.kind not in variadic]
+    names = [p.name for p in params]
+    if mask_argument not in names:
+        raise ValueError(
+            f"inject_pals: the base model {type(base).__name__}.forward has no '{mask_argument}' argument "
+            f"(mask_argument); its arguments: {names}"
+        )
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return ResolvedTargets(
+        kind="hf",
+        model_type=model_type,
+        base_name=base_name,
+        base=base,
+        layers_pattern=layers_pattern,
+        layer_norm_name=layer_norm_name,
+        site=site,
+        layers=layers,
+        layer_norms=norms,
+        hidden_size=hidden,
+        dropout=dropout,
+        mask_position=positional.index(mask_argument) if mask_argument in positional else None,
+    )
 
 
 def _resolve_minbert(
@@ -155,117 +227,13 @@ def _resolve_minbert(
     )
 
 
-def _resolve_hf(
-    model: nn.Module,
-    config: PALConfig,
-    layers_pattern: str | None,
-    layer_norm_name: str | None,
-    mask_argument: str,
-) -> ResolvedTargets:
-    model_type = _model_type(model)
-    target = TARGETS.get(model_type) if model_type is not None else None
-    lists = [n for n, m in model.named_modules() if isinstance(m, nn.ModuleList)]
-    if target is None and (layers_pattern is None or layer_norm_name is None):
-        missing = " and ".join(
-            a
-            for a, v in (("layers_pattern", layers_pattern), ("layer_norm_name", layer_norm_name))
-            if v is None
-        )
-        raise ValueError(
-            f"inject_pals: no PAL targets known for {type(model).__name__} (model_type={model_type!r}; known: "
-            f"{', '.join(sorted(TARGETS))}, fastpals.BertModel): pass {missing}. "
-            f"Module lists in this model: {lists or 'none'}"
-        )
-    layers_pattern = target.layers if layers_pattern is None else layers_pattern
-    # the site goes with the target's module: a layer_norm_name of the caller's is a LayerNorm's input
-    site = (
-        target.site if target is not None and layer_norm_name in (None, target.layer_norm) else "norm_input"
-    )
-    layer_norm_name = target.layer_norm if layer_norm_name is None else layer_norm_name
-    found = [n for n in lists if n == layers_pattern or n.endswith("." + layers_pattern)]
-    if not found:
-        raise ValueError(
-            f"inject_pals: no nn.ModuleList named '{layers_pattern}' (layers_pattern) found in "
-            f"{type(model).__name__}; module lists in this model: {lists or 'none'}"
-        )
-    if len(found) > 1:
-        raise ValueError(
-            f"inject_pals: layers_pattern '{layers_pattern}' matches {len(found)} module lists ({found}): "
-            "give a longer pattern"
-        )
-    full = found[0]
-    base_name = full[: -len(layers_pattern)].rstrip(".")
-    base = model.get_submodule(base_name) if base_name else model
-    layers = list(base.get_submodule(layers_pattern))
-    if not layers:
-        raise ValueError(f"inject_pals: the layer list '{full}' is empty")
-    norms = []
-    for i, layer in enumerate(layers):
-        try:
-            norms.append(layer.get_submodule(layer_norm_name))
-        except AttributeError:
-            children = [n for n, _ in layer.named_modules() if n]
-            raise ValueError(
-                f"inject_pals: layer {full}.{i} ({type(layer).__name__}) has no module '{layer_norm_name}' "
-                f"(layer_norm_name); its modules: {children}"
-            ) from None
-    hidden = _hidden_size(model, norms[0], layer_norm_name)
-    config.validate(len(layers))
-    dropout = config.dropout
-    if dropout is None:
-        attrs = [target.dropout_attr] if target is not None else []
-        attrs += ["attention_probs_dropout_prob", "attention_dropout"]
-        hf_config = getattr(model, "config", None)
-        values = [
-            getattr(hf_config, a) for a in attrs if isinstance(getattr(hf_config, a, None), (int, float))
-        ]
-        if not values:
-            raise ValueError(
-                f"inject_pals: {type(model).__name__} has no config attribute {attrs[0]!r} giving the attention "
-                "dropout: set PALConfig.dropout"
-            )
-        dropout = float(values[0])
-    if getattr(getattr(model, "config", None), "chunk_size_feed_forward", 0):
-        raise ValueError(
-            "inject_pals: config.chunk_size_feed_forward > 0 runs the final LayerNorm on sequence chunks; "
-            "set it to 0 to inject PALs"
-        )
-    params = [
-        p
-        for p in inspect.signature(base.forward).parameters.values()
-        if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-    ]
-    names = [p.name for p in params]
-    if mask_argument not in names:
-        raise ValueError(
-            f"inject_pals: the base model {type(base).__name__}.forward has no '{mask_argument}' argument "
-            f"(mask_argument); its arguments: {names}"
-        )
-    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return ResolvedTargets(
-        kind="hf",
-        model_type=model_type,
-        base_name=base_name,
-        base=base,
-        layers_pattern=layers_pattern,
-        layer_norm_name=layer_norm_name,
-        site=site,
-        layers=layers,
-        layer_norms=norms,
-        hidden_size=hidden,
-        dropout=dropout,
-        mask_position=positional.index(mask_argument) if mask_argument in positional else None,
-    )
-
-
-def _hidden_size(model: nn.Module, norm: nn.Module, layer_norm_name: str) -> int:
+def _hidden_size(cfg: object, norm: nn.Module, layer_norm_name: str) -> int:
     shape = getattr(norm, "normalized_shape", None)
     if isinstance(shape, (tuple, list)) and len(shape) == 1:
         return int(shape[0])
     weight = getattr(norm, "weight", None)
     if isinstance(weight, torch.Tensor) and weight.dim() == 1:
         return int(weight.shape[0])
-    cfg = getattr(model, "config", None)
     for attr in ("hidden_size", "dim", "d_model"):
         if isinstance(getattr(cfg, attr, None), int):
             return int(getattr(cfg, attr))
@@ -278,4 +246,5 @@ def _hidden_size(model: nn.Module, norm: nn.Module, layer_norm_name: str) -> int
 def is_known_model(model: nn.Module) -> bool:
     """Does ``model`` have targets without ``layers_pattern`` / ``layer_norm_name`` (a known ``model_type``, or
     a fastpals ``BertModel`` inside)?"""
-    return _model_type(model) in TARGETS or any(isinstance(m, MiniBert) for m in model.modules())
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    return model_type in TARGETS or any(isinstance(m, MiniBert) for m in model.modules())

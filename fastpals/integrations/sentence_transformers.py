@@ -1,11 +1,8 @@
 """One task of a trained :class:`fastpals.MultiTaskBert` as a ``sentence_transformers.SentenceTransformer``
-(``fastpals export --format sentence-transformers``, :func:`export_task`).
-
-The folder's one module, :class:`PALTaskEncoder`, keeps the PALs as modules (attention inside each adapter folds
-into no linear merge) and runs the task's own path: its PALs, the packed encoder, its pooling. Only tasks whose
-score is the cosine of two embeddings export: a pair task trained with ``--pair-mode sbert_cosine`` (fastpals
-predicts ``cos(u, v) * label_scale``) or a single-sentence task (the features its head reads). Loading needs
-fastpals and ``SentenceTransformer(out, trust_remote_code=True)``; nothing is read from the network.
+(``fastpals export --format sentence-transformers``): one module, :class:`PALTaskEncoder`, runs the task's
+PALs (attention: they fold into no linear merge), encoder and pooling. Only a task scored by the cosine of two
+embeddings exports (a pair task trained ``--pair-mode sbert_cosine``, or a single-sentence task). Loading
+needs fastpals and ``SentenceTransformer(out, trust_remote_code=True)``; nothing is read from the network.
 """
 
 from __future__ import annotations
@@ -40,9 +37,8 @@ def check_exportable(model: MultiTaskBert, task: str) -> None:
         raise ExportError(f"--task {task}: the model has the tasks {', '.join(model.task_names)}")
     spec = model.tasks[model.task_index(task)]
     if spec.pair and spec.pair_mode != "sbert_cosine":
-        how = (
-            "a cross-encoder over the joined pair" if spec.pair_mode == "joint" else "a head on (u, v, |u-v|)"
-        )
+        joint = spec.pair_mode == "joint"
+        how = "a cross-encoder over the joined pair" if joint else "a head on (u, v, |u-v|)"
         raise ExportError(
             f"--task {task} was trained with pair_mode {spec.pair_mode} ({how}): its score is not the cosine of "
             "two sentence embeddings, so a sentence-transformers model cannot reproduce it; train it with "
@@ -51,10 +47,10 @@ def check_exportable(model: MultiTaskBert, task: str) -> None:
 
 
 class PALTaskEncoder(InputModule):
-    """A sentence-transformers input module running ``task``'s path of a :class:`fastpals.MultiTaskBert`.
-    ``preprocess(texts)`` gives ``input_ids``, ``attention_mask``, ``token_type_ids`` int64 ``[B, L]`` (right
-    padded, ``max_seq_length`` tokens with the special ones); ``forward`` adds ``sentence_embedding`` ``[B, d]``
-    in the model's dtype."""
+    """A sentence-transformers input module running ``task``'s path of a :class:`fastpals.MultiTaskBert`:
+    ``preprocess(texts)`` gives int64 ``[B, L]`` ``input_ids``, ``attention_mask``, ``token_type_ids`` (right
+    padded, at most ``max_seq_length``); ``forward`` adds ``sentence_embedding`` ``[B, d]`` in the model's
+    dtype."""
 
     config_keys = ["task", "max_seq_length"]
     config_file_name = CONFIG_NAME

@@ -1,13 +1,6 @@
-"""Multi-task PAL training with surgery inside the Hugging Face ``transformers.Trainer`` (``docs/api.md``).
-
-:class:`MultiTaskTrainer` trains a :class:`fastpals.MultiTaskBert` on packed mixed-task micro-batches drawn by
-fastpals' sampler; with ``surgery`` each micro-batch's one backward runs inside
-:func:`fastpals.surgery.per_task_gradients`, and the micro-batch that ends the Trainer's accumulation applies the
-aggregator before the Trainer clips and steps: the update of ``train.py --batching mixed --surgery NAME``.
-
-Limits: one process; the Trainer's checkpoints do not hold the sampler's position, the surgery's random stream or
-a stateful aggregator's state, so ``resume_from_checkpoint`` does not continue the same run (``train.py --resume``
-does).
+"""Multi-task PAL training with surgery inside the Hugging Face ``transformers.Trainer`` (``docs/api.md``):
+the update of ``train.py --batching mixed --surgery NAME``. One process only; ``resume_from_checkpoint`` does
+not continue the same run (the Trainer's checkpoints miss the sampler's position and the surgery's state).
 """
 
 from __future__ import annotations
@@ -53,17 +46,12 @@ class MixedTaskBatches(IterableDataset):
 
 
 class MultiTaskTrainer(transformers.Trainer):
-    """A ``transformers.Trainer`` that trains a :class:`fastpals.MultiTaskBert` on mixed-task batches with surgery
-    from one backward.
-
-    ``train_batchers``: one :class:`~fastpals.data.per_task_batches.TaskBatcher` per task of ``model``, by name or
-    in the model's task order; ``sampling``: the task shares of a micro-batch
-    (:data:`fastpals.data.sampling.SAMPLING_METHODS`); ``surgery``: an aggregator of
-    :data:`fastpals.surgery.AGGREGATORS` or ``"none"``, with ``surgery_options``; ``weighting``: how task losses
-    combine without surgery; ``max_tokens``: a token budget per micro-batch instead of
-    ``per_device_train_batch_size`` examples. ``args.seed`` seeds the sampler and the surgery's random stream.
-    ``train_dataset`` and ``data_collator`` are refused (the batchers are the data).
-    """
+    """A ``transformers.Trainer`` training a :class:`fastpals.MultiTaskBert` on mixed-task batches, with
+    surgery from one backward. ``train_batchers``: one ``TaskBatcher`` per task, by name or in the model's
+    order; ``sampling``: one of :data:`fastpals.data.sampling.SAMPLING_METHODS`; ``surgery``: an aggregator of
+    :data:`fastpals.surgery.AGGREGATORS` or ``"none"``; ``weighting``: the loss mix without surgery;
+    ``max_tokens``: a token budget per micro-batch instead of ``per_device_train_batch_size`` examples.
+    ``args.seed`` seeds the sampler and the surgery; the batchers are the data (no ``train_dataset``)."""
 
     def __init__(
         self,
@@ -84,9 +72,7 @@ class MultiTaskTrainer(transformers.Trainer):
                 raise ValueError(f"MultiTaskTrainer takes no {key}: the train_batchers are the data")
         names = [spec.name for spec in model.tasks]
         if isinstance(train_batchers, Mapping):
-            missing = [n for n in names if n not in train_batchers]
-            extra = [n for n in train_batchers if n not in names]
-            if missing or extra:
+            if set(train_batchers) != set(names):
                 raise ValueError(
                     f"train_batchers has tasks {list(train_batchers)}, the model {names}: give one per task"
                 )
@@ -100,14 +86,16 @@ class MultiTaskTrainer(transformers.Trainer):
                 )
         if weighting not in TASK_WEIGHTINGS:
             raise ValueError(f"weighting={weighting!r}: choose one of {', '.join(TASK_WEIGHTINGS)}")
-        self.train_batchers = batchers
-        self.sampling, self.max_tokens, self.weighting = sampling, max_tokens, weighting
-        self.micro_batches_per_epoch = micro_batches_per_epoch
-        self.surgery = surgery
+        self.train_batchers, self.sampling, self.weighting = batchers, sampling, weighting
+        self.max_tokens, self.micro_batches_per_epoch, self.surgery = (
+            max_tokens,
+            micro_batches_per_epoch,
+            surgery,
+        )
         self.aggregator = self.aggregator_state = None
         if surgery != "none":
             self.aggregator, self.aggregator_state = make_weighting(surgery, **dict(surgery_options or {}))
-        self.surgery_buffer: Any = None
+        self.surgery_buffer: TaskGradientBuffer | None = None
         self.surgery_generator = torch.Generator().manual_seed(args.seed)
         self.last_surgery: Any = None
         super().__init__(model=model, args=args, **kwargs)
@@ -118,7 +106,6 @@ class MultiTaskTrainer(transformers.Trainer):
                 "does not all-reduce through accelerate; use fastpals' own trainer (train.py) for data parallel"
             )
 
-    # --- the data ----------------------------------------------------------------------------------------------
     def _sampler(self, num_epochs: int, micro_batches_per_epoch: int | None = None) -> MixedBatchSampler:
         batch_size = None if self.max_tokens else self.args.per_device_train_batch_size
         return MixedBatchSampler.from_batchers(
@@ -131,19 +118,10 @@ class MultiTaskTrainer(transformers.Trainer):
         the sampler anneals over the run's epochs (from ``max_steps`` when it is set)."""
         per_epoch = self._sampler(1).micro_batches_per_epoch
         updates = max(1, per_epoch // self.args.gradient_accumulation_steps)
-        if self.args.max_steps > 0:
-            epochs = max(1, math.ceil(self.args.max_steps / updates))
-        else:
-            epochs = max(1, math.ceil(self.args.num_train_epochs))
-        sampler = self._sampler(epochs, per_epoch)
+        steps = self.args.max_steps
+        epochs = math.ceil(steps / updates) if steps > 0 else math.ceil(self.args.num_train_epochs)
+        sampler = self._sampler(max(1, epochs), per_epoch)
         return DataLoader(MixedTaskBatches(self.train_batchers, sampler), batch_size=None, collate_fn=_as_is)
-
-    # --- the step ----------------------------------------------------------------------------------------------
-    def _buffer(self, model: torch.nn.Module) -> Any:
-        if self.surgery_buffer is None:
-            shared, specific = shared_parameters_by_name(model)
-            self.surgery_buffer = TaskGradientBuffer(shared, len(model.tasks), task_params=specific)
-        return self.surgery_buffer
 
     def training_step(
         self,
@@ -151,10 +129,9 @@ class MultiTaskTrainer(transformers.Trainer):
         inputs: dict[str, Any],
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> torch.Tensor:
-        """One packed mixed micro-batch: forward, loss, backward (each task's loss is its own mean, so
-        ``num_items_in_batch`` is unused). With surgery the micro-batch that ends the accumulation applies the
-        aggregator; a non-finite task gradient empties every ``.grad``. Returns the loss divided by the
-        accumulation, detached."""
+        """Forward, loss and backward of one packed micro-batch (each task's loss is its own mean); with
+        surgery the micro-batch that ends the accumulation applies the aggregator, and a non-finite task
+        gradient empties every ``.grad``. Returns the loss divided by the accumulation, detached."""
         model.train()
         batch = model_inputs(inputs, self.args.device)
         labels = inputs["labels"].to(self.args.device)
@@ -165,7 +142,10 @@ class MultiTaskTrainer(transformers.Trainer):
             self.accelerator.backward(loss)
             return loss.detach()
 
-        buffer = self._buffer(model)
+        if self.surgery_buffer is None:
+            shared, specific = shared_parameters_by_name(model)
+            self.surgery_buffer = TaskGradientBuffer(shared, len(model.tasks), task_params=specific)
+        buffer = self.surgery_buffer
         with per_task_gradients(model, buffer, batch["layout"]):
             with self.compute_loss_context_manager():
                 res = model.task_losses(model(**batch), labels, weighting="equal")
@@ -192,7 +172,6 @@ class MultiTaskTrainer(transformers.Trainer):
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """``MultiTaskBert.save_pretrained(output_dir)``, with the ``processing_class`` when it is a
         :class:`fastpals.Tokenizer`."""
-
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         tokenizer = self.processing_class if isinstance(self.processing_class, Tokenizer) else None
         self.accelerator.unwrap_model(self.model).save_pretrained(output_dir, tokenizer=tokenizer)
