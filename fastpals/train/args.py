@@ -23,22 +23,6 @@ from fastpals.train.errors import ConfigError
 from fastpals.train.memory_mode import SURGERY_MEMORIES
 from fastpals.train.optimizer_setup import OPTIMIZERS
 
-__all__ = [
-    "BATCHINGS",
-    "OPTIMIZERS",
-    "PAL_PRESETS",
-    "SURGERIES",
-    "SURGERY_BUFFER_DTYPES",
-    "SURGERY_MEMORIES",
-    "TASK_WEIGHTINGS",
-    "TrainArgs",
-    "build_pal_config",
-    "jsonable",
-    "opt",
-    "option_flag",
-    "resume_fields",
-]
-
 #: ``--pal`` presets: the PALConfig fields of each (None: no PALs), from the registered PAL variants
 PAL_PRESETS: dict[str, dict[str, Any] | None] = {
     name: None if preset.fields is None else dict(preset.fields) for name, preset in pal_presets().items()

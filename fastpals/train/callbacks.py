@@ -18,16 +18,6 @@ from tqdm import tqdm
 from fastpals.train.outputs import strict_json
 from fastpals.train.plots import plot_confusion_matrices, plot_training_curves
 
-__all__ = [
-    "Callback",
-    "FaultInjection",
-    "JsonlLog",
-    "Plots",
-    "Progress",
-    "TensorBoardLog",
-    "default_callbacks",
-]
-
 
 class Callback:
     """Base class: every hook does nothing."""

@@ -17,17 +17,6 @@ import torch
 from fastpals.encoder.precision import cpu_has_native_bf16
 from fastpals.train.errors import ConfigError, read_json_object
 
-__all__ = [
-    "DEFAULT_DS_CONFIG",
-    "check_ds_config",
-    "check_ds_keys",
-    "cpu_has_native_bf16",
-    "load_ds_config",
-    "precision_note",
-    "resolve_ds_config",
-    "shipped_configs",
-]
-
 DEFAULT_DS_CONFIG = "cpu_auto.json"
 
 # bf16 where the CPU has no bf16 instructions: the matmuls are emulated in software

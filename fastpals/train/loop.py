@@ -68,16 +68,6 @@ def _set_rng_state(state: tuple[Any, Any, Any]) -> None:
     random.setstate(state[2])
 
 
-def _build_model_keeping_rng(args: TrainArgs) -> tuple[torch.nn.Module, tuple[Any, Any, Any]]:
-    """:func:`build_model` before the run folder is touched, the random state left as it was: returns the model
-    and the state its build left, which the set-up restores after the data (the draws of a model built there)."""
-    before = _rng_state()
-    model = build_model(args)
-    after = _rng_state()
-    _set_rng_state(before)
-    return model, after
-
-
 class Trainer:
     """One training run of :class:`TrainArgs`; ``callbacks`` default to :func:`default_callbacks`."""
 
@@ -98,7 +88,12 @@ class Trainer:
         if self.is_main:
             RunLock(self.out).check_free()
         self._tokenizer = open_tokenizer(args)
-        self._early_model, self._rng_after_model = _build_model_keeping_rng(args)
+        # the model is built before --out is touched, the random state put back: the set-up restores the state
+        # its build left after the data, as if it were built there
+        before = _rng_state()
+        self._early_model = build_model(args)
+        self._rng_after_model = _rng_state()
+        _set_rng_state(before)
         self._lock: RunLock | None = None
         if self.is_main:  # one run per folder: taken before anything in --out is touched
             self._lock = RunLock(self.out).acquire()

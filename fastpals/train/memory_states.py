@@ -17,17 +17,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = [
-    "CATEGORIES",
-    "PRECISIONS",
-    "DeepSpeedLikeEngine",
-    "GradientBuckets",
-    "LiveTensorBytes",
-    "ModelStates",
-    "gradient_buckets",
-    "model_state_bytes",
-]
-
 PRECISIONS = ("fp32", "bf16", "fp16")
 #: what the bytes at the peak are, by category
 CATEGORIES = ("parameters", "gradients", "optimizer", "buckets", "activations", "surgery", "temporaries")

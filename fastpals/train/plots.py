@@ -11,14 +11,6 @@ import numpy as np
 
 from fastpals.data.metrics import bin_sts, confusion_matrix, plot_confusion_matrix, task_confusion_matrix
 
-__all__ = [
-    "plot_confusion_matrices",
-    "plot_training_curves",
-    "smooth",
-    "task_colors",
-    "training_curve_series",
-]
-
 
 def smooth(values: Sequence[float], window: int) -> np.ndarray:
     """Trailing moving average of ``values`` over ``window`` points (shorter at the start); float64 ``[N]``."""

@@ -20,17 +20,6 @@ from fastpals.surgery import per_task_gradients, shared_parameters_by_name
 from fastpals.train.errors import NonFiniteLossError
 from fastpals.train.memory_mode import task_gradients
 
-__all__ = [
-    "STRATEGIES",
-    "MicroBatch",
-    "Surgery",
-    "TorchEngine",
-    "UpdateResult",
-    "deepspeed_surgery_buffer",
-    "run_update",
-    "skips_overflow",
-]
-
 #: the surgery strategies of :func:`run_update`
 STRATEGIES = ("none", "per_task_backward", "one_backward")
 
