@@ -1,6 +1,5 @@
-"""Every option of a training run: :class:`TrainArgs`, one dataclass field per command-line option (help,
-spelling, and whether it must match on ``--resume``). ``__post_init__`` checks every option and raises a one-line
-:class:`ConfigError` naming it."""
+"""Every option of a training run: :class:`TrainArgs`, one dataclass field per command-line option;
+``__post_init__`` checks them and raises a one-line :class:`ConfigError` naming the option."""
 
 from __future__ import annotations
 
@@ -72,9 +71,7 @@ def jsonable(value: Any) -> Any:
     """``value`` as JSON data: lists and tuples as lists, str/int/float/bool/None as they are, else ``str``."""
     if isinstance(value, (list, tuple)):
         return [jsonable(v) for v in value]
-    if isinstance(value, (str, int, float, bool, type(None))):
-        return value
-    return str(value)
+    return value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
 
 
 @dataclass
@@ -313,7 +310,8 @@ class TrainArgs:
             )
         if self.surgery != "none" and len(tasks) < 2:
             raise ConfigError("--surgery needs at least two --tasks")
-        if self.batching == "per_task":
+        per_task = self.batching == "per_task"
+        if per_task:
             if self.max_tokens is not None:
                 raise ConfigError(
                     "--max-tokens needs --batching mixed (per-task micro-batches use --batch-size)"
@@ -322,12 +320,7 @@ class TrainArgs:
                 raise ConfigError(
                     "--task-weighting weighs tasks inside a mixed micro-batch: use --batching mixed"
                 )
-        if (
-            self.sampling in GROUPED_METHODS
-            and self.batching == "per_task"
-            and self.surgery == "none"
-            and self.grad_accum != 1
-        ):
+        if self.sampling in GROUPED_METHODS and per_task and self.surgery == "none" and self.grad_accum != 1:
             raise ConfigError(
                 f"--sampling {self.sampling} sets the micro-batches of an update; use --grad-accum 1"
             )
@@ -366,9 +359,7 @@ class TrainArgs:
                 raise ConfigError(str(err)) from None
 
     def _check_data(self) -> Path | None:
-        builtin = [
-            t for t, spec in self.task_specs.items() if spec.source is None
-        ]  # task files name their own
+        builtin = [t for t, spec in self.task_specs.items() if spec.source is None]  # task files: their own
         if builtin and self.data_dir is None and not os.environ.get(DATA_DIR_ENV):
             raise ConfigError(
                 f"no data folder: pass --data-dir /path/to/the/task/files or `export {DATA_DIR_ENV}=/path/to/"
@@ -377,9 +368,7 @@ class TrainArgs:
         try:
             data_path = resolve_data_dir(self.data_dir) if builtin else None
             paths = [
-                split_path(self.task_specs[t], split, data_path)
-                for t in self.task_list
-                for split in ("train", "dev")
+                split_path(self.task_specs[t], s, data_path) for t in self.task_list for s in ("train", "dev")
             ]
         except (FileNotFoundError, ValueError) as err:
             raise ConfigError(f"--data-dir: {err}") from None
@@ -449,24 +438,17 @@ def type_problem(f: dataclasses.Field, value: Any) -> str | None:
 def build_pal_config(args: TrainArgs) -> PALConfig | None:
     """The :class:`PALConfig` of ``--pal`` with ``--pal-heads`` / ``--pal-hidden``; None for ``--pal none``."""
     preset = PAL_PRESETS[args.pal]
+    given = {"num_heads": args.pal_heads, "hidden": args.pal_hidden, "layers": args.pal_layers}
+    given = {k: v for k, v in given.items() if v is not None}
+    if preset is None and given:
+        raise ConfigError(
+            "--pal-heads/--pal-hidden/--pal-layers need PALs: drop them or choose a --pal variant"
+        )
     if preset is None:
-        if args.pal_heads is not None or args.pal_hidden is not None or args.pal_layers is not None:
-            raise ConfigError(
-                "--pal-heads/--pal-hidden/--pal-layers need PALs: drop them or choose a --pal variant"
-            )
         return None
-    kw = dict(preset)
-    if args.pal_heads is not None:
-        kw["num_heads"] = args.pal_heads
-    if args.pal_hidden is not None:
-        kw["hidden"] = args.pal_hidden
-    if args.pal_layers is not None:
-        if args.pal_layers < 1:
-            raise ConfigError(
-                f"--pal-layers {args.pal_layers}: give the number of top layers with PALs (>= 1)"
-            )
-        kw["layers"] = args.pal_layers
-    cfg = PALConfig(num_tasks=len(args.task_list), **kw)
+    if given.get("layers", 1) < 1:
+        raise ConfigError(f"--pal-layers {args.pal_layers}: give the number of top layers with PALs (>= 1)")
+    cfg = PALConfig(num_tasks=len(args.task_list), **{**preset, **given})
     if cfg.hidden < 1 or cfg.num_heads < 1 or cfg.hidden % cfg.num_heads:
         raise ConfigError(
             f"--pal-heads {cfg.num_heads} does not divide the PAL width d_s = {cfg.hidden} (--pal-hidden): "

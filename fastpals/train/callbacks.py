@@ -1,13 +1,12 @@
 """What a run reports: every record of the loop (a dict with a ``type``: config, step, eval, epoch, nonfinite,
-interrupted) goes to the callbacks, each implementing any of ``on_train_start(trainer)``,
-``on_record(trainer, entry)`` and ``on_train_end(trainer)``."""
+interrupted) goes to the callbacks' ``on_record``; they also have ``on_train_start`` and ``on_train_end``."""
 
 from __future__ import annotations
 
 import os
 import signal
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,10 +40,10 @@ class JsonlLog(Callback):
             f.write(strict_json(entry) + "\n")  # NaN/inf as null: every line is strict JSON
 
 
+@dataclass
 class TensorBoardLog(Callback):
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        self.writer = None
+    folder: Path
+    writer: Any = None
 
     def on_train_start(self, trainer: Any) -> None:
         try:
@@ -78,14 +77,14 @@ class TensorBoardLog(Callback):
             self.writer = None
 
 
+@dataclass
 class Progress(Callback):
     """One bar over all the run's updates (its ETA the whole run's), each task's loss (moving average) and the
     throughput in the postfix."""
 
-    def __init__(self, enabled: bool = True) -> None:
-        self.enabled = enabled
-        self.bar = None
-        self.ema: dict[str, float] = {}
+    enabled: bool = True
+    bar: Any = None
+    ema: dict[str, float] = field(default_factory=dict)
 
     def on_train_start(self, trainer: Any) -> None:
         self.bar = tqdm(
@@ -123,7 +122,6 @@ class Plots(Callback):
     def on_train_end(self, trainer: Any) -> None:
         if not trainer.is_main or not trainer.finished:
             return
-
         state, args = trainer.state, trainer.args
         untrained = [{"step": 0, "dev": state.untrained}] if state.untrained else []
         plot_training_curves(state.step_losses, untrained + list(state.evals), trainer.out / "training_curves.png",
@@ -132,11 +130,9 @@ class Plots(Callback):
         if npz.is_file():
             data = np.load(npz)
             pairs = {
-                t: (data[f"{t}_label"], data[f"{t}_pred"])
-                for t in trainer.args.task_list
-                if f"{t}_pred" in data
+                t: (data[f"{t}_label"], data[f"{t}_pred"]) for t in args.task_list if f"{t}_pred" in data
             }
-            plot_confusion_matrices(pairs, trainer.out, trainer.args.task_specs)
+            plot_confusion_matrices(pairs, trainer.out, args.task_specs)
 
 
 @dataclass

@@ -85,12 +85,11 @@ def build_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
     for f in OPTIONS.values():
         m = f.metadata
         flags = m["flags"] or (option_flag(f.name),)
-        help_text = (
-            argparse.SUPPRESS
-            if m["hidden"]
-            else m["help"] + (" [may change on --resume]" if m["resume"] == "may_change" else "")
-        )
-        kw: dict[str, Any] = {"dest": f.name, "help": help_text}
+        may_change = " [may change on --resume]" if m["resume"] == "may_change" else ""
+        kw: dict[str, Any] = {
+            "dest": f.name,
+            "help": argparse.SUPPRESS if m["hidden"] else m["help"] + may_change,
+        }
         if not suppress_defaults:
             kw["default"] = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         if f.default is False:
@@ -132,12 +131,8 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
             f"--resume: {saved_path} does not exist, so --out {out} holds no run to resume: check --out, or start "
             f"a new run without --resume"
         )
-    saved = read_json_object(
-        saved_path,
-        "--resume: ",
-        "must hold a JSON object of options",
-        ": restore it (the run's checkpoint keeps the options too) or start a new run",
-    )
+    fix = ": restore it (the run's checkpoint keeps the options too) or start a new run"
+    saved = read_json_object(saved_path, "--resume: ", "must hold a JSON object of options", fix)
     for name, value in saved.items():
         want = type_problem(OPTIONS[name], value) if name in OPTIONS else None
         if want is not None:
@@ -172,15 +167,10 @@ def main(argv: list[str] | None = None) -> int:
         trainer = Trainer(args)
         ctrl_c.check()
         trainer.run()
-    except ConfigError as err:
-        _report(f"{PROG}: error: {err}", debug)
-        return 2
-    except NonFiniteLossError as err:
-        _report(f"{PROG}: {err}", debug)
-        return 3
-    except OutputError as err:
-        _report(f"{PROG}: error: {err}", debug)
-        return 4
+    except (ConfigError, NonFiniteLossError, OutputError) as err:
+        error = "" if isinstance(err, NonFiniteLossError) else "error: "
+        _report(f"{PROG}: {error}{err}", debug)
+        return 2 if isinstance(err, ConfigError) else 3 if isinstance(err, NonFiniteLossError) else 4
     except TrainingInterrupted as err:
         _report(f"{PROG}: {err}", debug and err.at_once, hint=False)
         return 128 + err.signum

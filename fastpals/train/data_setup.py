@@ -49,8 +49,7 @@ def setup_data(
 ) -> RunData:
     """Tokenizer (opened by :func:`open_tokenizer` unless given), batchers and sampler of a run of ``args`` on
     process ``rank`` of ``world_size``; ``log`` gets one summary line."""
-    if tokenizer is None:
-        tokenizer = open_tokenizer(args)
+    tokenizer = open_tokenizer(args) if tokenizer is None else tokenizer
     pair_encoding = {
         t: "joint" if (args.pair_mode == "joint" or not args.task_specs[t].pair) else "separate"
         for t in args.task_list

@@ -37,9 +37,8 @@ def set_single_process_env() -> None:
 def without_shm_comm_op() -> Iterator[None]:
     """While active, DeepSpeed's communication backend starts without its CPU shared-memory op
     (``deepspeed.comm.torch.build_shm_op`` returns None: "op not available")."""
-    ds_torch = importlib.import_module(
-        "deepspeed.comm.torch"
-    )  # `deepspeed.comm.torch` the attribute is torch
+    # by name: the attribute `deepspeed.comm.torch` is torch itself
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
     original = ds_torch.build_shm_op
     ds_torch.build_shm_op = lambda: None
     try:
@@ -94,12 +93,11 @@ def initialize(
     finally:
         gc.unfreeze()
     engine = out[0]
-    if (
-        single
-        and not hasattr(engine.optimizer, "reduce_gradients")
-        and not engine.zero_optimization_partition_gradients()
-    ):
-        # one rank: DeepSpeed's fallback all-reduce (ZeRO-0, BF16_Optimizer) copies every gradient through a
-        # bucket for an identity; ZeRO-1/2's reduce_gradients also moves gradients into place, so it stays
+    # one rank: DeepSpeed's fallback all-reduce (ZeRO-0, BF16_Optimizer) copies every gradient through a
+    # bucket for an identity; ZeRO-1/2's reduce_gradients also moves gradients into place, so it stays
+    zero_reduces = (
+        hasattr(engine.optimizer, "reduce_gradients") or engine.zero_optimization_partition_gradients()
+    )
+    if single and not zero_reduces:
         engine.enable_backward_allreduce = False
     return out

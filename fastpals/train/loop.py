@@ -1,9 +1,9 @@
 """The training loop: ``Trainer(args).run()`` sets up data, model and DeepSpeed engine, runs the updates
-(:func:`fastpals.train.step.run_update`), evaluates, checkpoints and writes the outputs of ``--out``; a NaN/inf loss
-stops it before ``engine.step()`` (:class:`NonFiniteLossError`), SIGTERM/SIGINT/SIGHUP after a checkpoint."""
+(:func:`~fastpals.train.step.run_update`), evaluates, checkpoints and writes the outputs of ``--out``."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -192,13 +192,12 @@ class Trainer:
 
     def _setup_surgery(self) -> None:
         args, module, stage = self.args, self.engine.module, self.zero_stage
-        memory, dtype, choice = trainer_memory_mode(self)
+        self.surgery_memory, dtype, choice = trainer_memory_mode(self)
         keep = choice.keep_bytes if choice is not None else 0
         # the gradients of one backward bypass DeepSpeed's reduce: the rows are all-reduced
         reduce = args.batching == "mixed" and self.world_size > 1
-        self.surgery_memory = memory
         self.surgery_buffer = deepspeed_surgery_buffer(
-            module, len(args.task_list), stage, dtype, reduce, memory, keep
+            module, len(args.task_list), stage, dtype, reduce, self.surgery_memory, keep
         )
         why = f" (auto: {choice.why})" if choice is not None else ""
         self.log(f"[setup] surgery {args.surgery}: {SURGERY_MEMORY_TEXT[self.surgery_memory]}{why}")
@@ -207,7 +206,7 @@ class Trainer:
         )
         if aggregator_state is not None:  # Nash-MTL, GradVac: their state is checkpointed
             self.components["aggregator_state"] = aggregator_state
-        self.surgery_generator = torch.Generator().manual_seed(self.args.seed)
+        self.surgery_generator = torch.Generator().manual_seed(args.seed)
         self.components["surgery_rng"] = GeneratorState(self.surgery_generator)
 
     def output_sizes(self) -> tuple[int, int]:
@@ -369,11 +368,9 @@ class Trainer:
                 results = self._run()
             except BaseException as err:
                 if isinstance(err, NonFiniteLossError):  # name the run's good checkpoint and best model
-                    ckpt, ckpt_step = self._checkpoint if self._checkpoint is not None else (None, None)
-                    best_step = self.state.best.get("step")
-                    best = self.out / "best"
+                    best, best_step = self.out / "best", self.state.best.get("step")
                     best = best if best_step is not None and best.is_dir() else None
-                    err.add_context(ckpt, ckpt_step, best, best_step)
+                    err.add_context(*(self._checkpoint or (None, None)), best, best_step)
                 self._record_manifest()
                 self._settle_replaced(failed=True)
                 raise
@@ -384,13 +381,10 @@ class Trainer:
         return results
 
     def _record_manifest(self) -> None:
-        """The run's manifest in --out (main rank), quiet on an OSError: the error the run stops with stays
-        the one line."""
+        """The run's manifest in --out (main rank), quiet on an OSError (the run's error stays the line)."""
         if self.is_main and getattr(self, "_before", None) is not None:
-            try:
+            with contextlib.suppress(OSError):
                 outputs.record_manifest(self.out, self._before)
-            except OSError:
-                pass
 
     def _release_lock(self) -> None:
         lock, self._lock = getattr(self, "_lock", None), None
@@ -424,14 +418,9 @@ class Trainer:
             if isinstance(old[signal.SIGINT], SetupCtrlC):
                 old[signal.SIGINT].check()  # a Ctrl-C of the set-up that Python swallowed
             if args.eval_at_start and self.state.untrained is None:
-                self.state.untrained, _ = self.evaluate()
-                self.record(
-                    {"type": "eval", "step": 0, "epoch": 0, "dev": self.state.untrained, "untrained": True}
-                )
-                self.log(
-                    "[eval] untrained (step 0): "
-                    + ", ".join(f"{k} {v:.4f}" for k, v in self.state.untrained.items())
-                )
+                dev = self.state.untrained = self.evaluate()[0]
+                self.record({"type": "eval", "step": 0, "epoch": 0, "dev": dev, "untrained": True})
+                self.log("[eval] untrained (step 0): " + ", ".join(f"{k} {v:.4f}" for k, v in dev.items()))
             for callback in self.callbacks:
                 callback.on_train_start(self)
             self.phase = "training"

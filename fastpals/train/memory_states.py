@@ -1,7 +1,5 @@
-"""What one training step's memory is made of, for :mod:`fastpals.commands.memory`: DeepSpeed's per-rank
-model states (:func:`model_state_bytes`), its ZeRO-1/2 gradient buckets (:func:`gradient_buckets`), a live-tensor
-tracker (:class:`LiveTensorBytes`) and an engine holding those states around the real update
-(:class:`DeepSpeedLikeEngine`)."""
+"""What one training step's memory is made of, for :mod:`fastpals.commands.memory`: DeepSpeed's model states
+and gradient buckets, a live-tensor tracker and an engine holding those states around the real update."""
 
 from __future__ import annotations
 
@@ -37,9 +35,7 @@ class ModelStates:
 
     @property
     def total(self) -> int:
-        return (
-            self.params + self.gradients + self.master + self.fp32_gradients + self.optimizer + self.gathered
-        )
+        return sum(vars(self).values())
 
 
 def model_state_bytes(
@@ -89,11 +85,9 @@ class GradientBuckets:
 def gradient_buckets(
     ds_config: dict[str, Any] | None, precision: str, zero_stage: int, surgery: str = "none"
 ) -> GradientBuckets:
-    """What DeepSpeed 0.19.8's ``DeepSpeedZeroOptimizer.setup_buckets`` allocates for each backward under
-    ``ds_config`` (None: defaults): with ``contiguous_gradients`` one ``reduce_bucket_size`` buffer (two with
-    ``overlap_comm``) in the gradient-reduction dtype, freed at the backward's end; none at ZeRO-0 nor for bf16
-    ZeRO-1 with fp32 ``grad_accum_dtype`` (``BF16_Optimizer``). ``"auto"`` resolves as
-    :func:`fastpals.train.dsconfig.check_ds_config` does."""
+    """What DeepSpeed 0.19.8's ``setup_buckets`` allocates per backward for ``ds_config`` (None: defaults):
+    one ``reduce_bucket_size`` buffer (two with ``overlap_comm``) in the reduction dtype; none at ZeRO-0,
+    without ``contiguous_gradients``, nor for bf16 ZeRO-1 with fp32 ``grad_accum_dtype``."""
     cfg = ds_config or {}
     zero = cfg.get("zero_optimization") or {}
     if zero_stage not in (1, 2):
@@ -202,11 +196,9 @@ class LiveTensorBytes(TorchDispatchMode):
 
 
 class DeepSpeedLikeEngine:
-    """What :func:`fastpals.train.step.run_update` needs of a DeepSpeed engine, holding DeepSpeed's model
-    states for ``precision`` and ``zero_stage`` on one of ``world_size`` ranks (no collectives): the steady-state
-    master partition and AdamW moments, ``step`` making the fp32 gradient partition (or taking what
-    :meth:`grad_setter` wrote), unscaling, clipping, stepping and copying back; ZeRO-2 on several ranks drops each
-    16-bit gradient once reduce-scattered; ``buckets`` live from a backward's first gradient to its end."""
+    """What :func:`~fastpals.train.step.run_update` needs of a DeepSpeed engine, holding DeepSpeed's model
+    states for ``precision`` and ``zero_stage`` on one of ``world_size`` ranks (no collectives); ``step``
+    makes the fp32 gradient partition, unscales, clips, steps and copies back, as DeepSpeed's does."""
 
     def __init__(
         self,
@@ -217,20 +209,22 @@ class DeepSpeedLikeEngine:
         tracker: LiveTensorBytes | None = None,
         buckets: GradientBuckets | None = None,
     ) -> None:
-        self.module, self.precision = module, precision
+        self.module, self.precision, self.zero_stage, self.world_size = (
+            module,
+            precision,
+            zero_stage,
+            world_size,
+        )
         self.buckets = buckets if buckets is not None and buckets.count else None
         self._bucket_buffers: list[torch.Tensor] = []
-        self.zero_stage, self.world_size = zero_stage, world_size
         self.tracker = tracker
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.numel = sum(p.numel() for p in self.params)
         self.part = math.ceil(self.numel / world_size)
         self.scale = 2.0**16 if precision == "fp16" else 1.0
         self.hp_grads: dict[int, torch.Tensor] = {}  # id(param) -> fp32 gradient written by a surgery buffer
-        sizes = [p.numel() for p in self.params]
-        self._offsets = {
-            id(p): start for p, start in zip(self.params, itertools.accumulate(sizes, initial=0))
-        }
+        starts = itertools.accumulate((p.numel() for p in self.params), initial=0)
+        self._offsets = {id(p): start for p, start in zip(self.params, starts)}
         self._hp_flat: torch.Tensor | None = None  # the fp32 gradient partition a surgery buffer wrote into
         self._hp_set: set[int] = set()  # the parameters it wrote
         self.flat_master = precision != "fp32" or zero_stage >= 1

@@ -80,8 +80,7 @@ def plot_training_curves(
 
     figure = Figure(figsize=(11, 4.8))
     FigureCanvasAgg(figure)
-    left = figure.add_subplot(1, 2, 1)
-    right = figure.add_subplot(1, 2, 2)
+    left, right = figure.add_subplot(1, 2, 1), figure.add_subplot(1, 2, 2)
     handles: dict[str, object] = {}
     for s in training_curve_series(step_losses, evals, tasks):
         if s["kind"] == "points":
@@ -92,11 +91,9 @@ def plot_training_curves(
             width = 2.0 if s["task"] == "overall" else 1.0
             (line,) = right.plot(s["x"], s["y"], marker="o", color=s["color"], linewidth=width)
             handles.setdefault(s["task"], line)
-    left.set_xlabel("update step")
-    left.set_ylabel("training loss")
+    left.set(xlabel="update step", ylabel="training loss")
     left.set_title("training loss per task (points: updates that trained it)", fontsize=9)
-    right.set_xlabel("update step")
-    right.set_ylabel("dev score (accuracy / Pearson r)")
+    right.set(xlabel="update step", ylabel="dev score (accuracy / Pearson r)")
     right.set_title("dev evaluation", fontsize=9)
     if title:
         figure.suptitle(title, fontsize=9)
@@ -116,7 +113,6 @@ def plot_confusion_matrices(
     """Confusion matrices of the dev predictions (``{task: (labels, predictions)}``) in ``folder``:
     ``confusion_sst.png``, ``confusion_sts.png`` (binned to 0.5) and, with ``specs``, every other task's. Returns the
     paths written."""
-
     plots = {
         task: (*task_confusion_matrix(spec, *predictions[task]), f"{task} dev (rows: true)")
         for task, spec in (specs or {}).items()

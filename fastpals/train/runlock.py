@@ -104,7 +104,5 @@ def _read(fd: int) -> tuple[str, str] | None:
     try:
         text = os.pread(fd, 4096, 0).decode(errors="replace").split()
     except OSError:
-        return None
-    if not text:
-        return None
-    return text[0], text[1] if len(text) > 1 else "?"
+        text = []
+    return (text[0], text[1] if len(text) > 1 else "?") if text else None
