@@ -43,7 +43,6 @@ def opt(
     help: str,
     *,
     resume: str = "match",
-    type: type | None = None,
     choices: tuple[str, ...] | None = None,
     flags: tuple[str, ...] = (),
     metavar: str | None = None,
@@ -52,10 +51,10 @@ def opt(
     factory: Any = None,
 ) -> Any:
     """A :class:`TrainArgs` field: ``help``, ``resume`` (``"match"``: must equal the saved run's value on
-    ``--resume``; :data:`MAY`: may change), argparse ``type``/``choices``/``metavar``, extra ``flags`` spellings and
-    ``hidden`` (left out of ``--help``: test-only options)."""
+    ``--resume``; :data:`MAY`: may change), argparse ``choices``/``metavar``, extra ``flags`` spellings and
+    ``hidden`` (left out of ``--help``: test-only options); the argparse type is the field's annotation."""
     assert resume in ("match", MAY), resume
-    meta = {"help": help, "resume": resume, "type": type, "choices": choices, "flags": flags,
+    meta = {"help": help, "resume": resume, "choices": choices, "flags": flags,
             "metavar": metavar, "hidden": hidden}  # fmt: skip
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
@@ -84,38 +83,35 @@ class TrainArgs:
         "gpu_{bf16,fp16}_zero{0,1,2}.json; also as configs/<name>). Its batch and "
         "accumulation entries must agree with --batch-size and --grad-accum (missing ones are filled in); "
         "optimizer and scheduler come from the options",
-        resume=MAY, type=str, flags=("--ds_config", "--ds-config"), default=DEFAULT_DS_CONFIG,
+        resume=MAY, flags=("--ds_config", "--ds-config"), default=DEFAULT_DS_CONFIG,
     )  # fmt: skip
     model: str = opt(
         "encoder checkpoint: 'minilm-l6' (offline all-MiniLM-L6-v2), a folder with config.json + "
         "model.safetensors/pytorch_model.bin + tokenizer.json (or vocab.txt), or a Hugging Face hub name",
-        type=str, default="minilm-l6",
+        default="minilm-l6",
     )  # fmt: skip
     tasks: str = opt(
         f"comma-separated tasks: built-in names ({', '.join(TASKS)}) and task files (path/to/task.json, see the "
         "README's 'Your own task')",
-        type=str, default="sst,para,sts",
+        default="sst,para,sts",
     )  # fmt: skip
     data_dir: str | None = opt(
-        f"folder of the task CSV files (default: ${DATA_DIR_ENV})", resume=MAY, type=str, metavar="DIR"
+        f"folder of the task CSV files (default: ${DATA_DIR_ENV})", resume=MAY, metavar="DIR"
     )
-    epochs: int = opt("training epochs", type=int, default=3)
+    epochs: int = opt("training epochs", default=3)
     steps_per_epoch: int | None = opt(
         "optimizer updates per epoch (default: 2400 as in Bert-n-Pals; with round_robin: one full pass over "
         "every task's batches, which a number cuts short)",
-        type=int,
     )
     batch_size: int | None = opt(
         "examples per micro-batch (of one task with --batching per_task; default: the config's "
         "train_micro_batch_size_per_gpu, else 32)",
-        type=int,
     )
-    lr: float = opt("peak learning rate of the BERT encoder weights", type=float, default=2e-5)
-    pal_lr: float | None = opt("peak learning rate of the PAL parameters (default: --lr)", type=float)
-    head_lr: float | None = opt("peak learning rate of the task heads (default: --lr)", type=float)
+    lr: float = opt("peak learning rate of the BERT encoder weights", default=2e-5)
+    pal_lr: float | None = opt("peak learning rate of the PAL parameters (default: --lr)")
+    head_lr: float | None = opt("peak learning rate of the task heads (default: --lr)")
     warmup: float = opt(
         "fraction of all updates with a linear warm-up from 0; then linear decay to 0",
-        type=float,
         default=0.1,
     )
     optimizer: str = opt(
@@ -123,15 +119,13 @@ class TrainArgs:
         choices=OPTIMIZERS,
         default="adamw",
     )
-    weight_decay: float = opt(
-        "decoupled weight decay; never on biases and LayerNorms", type=float, default=0.01
-    )
-    max_length: int = opt("tokens per sequence (a pair counts together), <= 512", type=int, default=128)
-    seed: int = opt("seed of weights init, sampling, batch order and dropout", type=int, default=0)
+    weight_decay: float = opt("decoupled weight decay; never on biases and LayerNorms", default=0.01)
+    max_length: int = opt("tokens per sequence (a pair counts together), <= 512", default=128)
+    seed: int = opt("seed of weights init, sampling, batch order and dropout", default=0)
     out: str = opt(
         "output folder (metrics, checkpoints, best model, results); one that holds an earlier run is refused "
         "unless --resume or --overwrite",
-        resume=MAY, type=str, default="runs/default",
+        resume=MAY, default="runs/default",
     )  # fmt: skip
     resume: bool = opt(
         "continue the run in --out from its last checkpoint, with its saved options (give only those that may "
@@ -157,7 +151,6 @@ class TrainArgs:
     max_tokens: int | None = opt(
         "mixed batching: a token budget per micro-batch instead of --batch-size (rows are never split; a row "
         "longer than the budget is an error)",
-        type=int,
     )
     task_weighting: str = opt(
         "mixed batching: the micro-batch loss is each task's mean loss weighted by its share of the examples "
@@ -171,7 +164,7 @@ class TrainArgs:
     surgery_opts: list[str] = opt(
         "an option of the --surgery aggregator, KEY=VALUE, repeatable (e.g. c=0.4 for cagrad, alpha=2 for fairgrad; "
         "see fastpals.surgery.make_weighting)",
-        type=str, metavar="KEY=VALUE", factory=list, flags=("--surgery-opt", "--surgery-opts"),
+        metavar="KEY=VALUE", factory=list, flags=("--surgery-opt", "--surgery-opts"),
     )  # fmt: skip
     surgery_buffer_dtype: str = opt(
         "storage dtype of the per-task gradient rows of the shared parameters: auto (the training precision: "
@@ -191,9 +184,9 @@ class TrainArgs:
         f"PAL variant: {_PAL_HELP}",
         choices=tuple(PAL_PRESETS), default="default",
     )  # fmt: skip
-    pal_heads: int | None = opt("attention heads inside each PAL (overrides the preset)", type=int)
-    pal_hidden: int | None = opt("PAL width d_s (overrides the preset)", type=int)
-    pal_layers: int | None = opt("PALs in the top N encoder layers only (overrides the preset)", type=int)
+    pal_heads: int | None = opt("attention heads inside each PAL (overrides the preset)")
+    pal_hidden: int | None = opt("PAL width d_s (overrides the preset)")
+    pal_layers: int | None = opt("PALs in the top N encoder layers only (overrides the preset)")
     head: str = opt("task head on the pooled features", choices=("linear", "mlp"), default="linear")
     pair_mode: str = opt(
         "pair tasks: joint cross-encoder, or siamese (SBERT) with cosine similarity (STS; Quora then uses "
@@ -202,27 +195,24 @@ class TrainArgs:
     )  # fmt: skip
     grad_accum: int | None = opt(
         "micro-batches per update without surgery (default: the config's gradient_accumulation_steps, else 1)",
-        type=int,
     )
-    extra_batches: int = opt("annealed batches per update of every_task_plus_annealed", type=int, default=1)
+    extra_batches: int = opt("annealed batches per update of every_task_plus_annealed", default=1)
     eval_every: int = opt(
-        "also evaluate on dev every N updates (0: at epoch ends only)", resume=MAY, type=int, default=0
+        "also evaluate on dev every N updates (0: at epoch ends only)", resume=MAY, default=0
     )
     checkpoint_every: int = opt(
         "also write a resumable checkpoint every N updates inside an epoch (0: at epoch ends only); a kill "
         "(kill -9, out of memory, power cut) loses at most N updates: --resume continues from the last one, "
         "bit-identical to an uninterrupted run. The default, 100, is about 70 s of `make train` on a 2-core CPU",
-        resume=MAY, type=int, default=100,
+        resume=MAY, default=100,
     )  # fmt: skip
     eval_at_start: bool = opt("evaluate the untrained model (step 0) first", resume=MAY, default=False)
     max_eval: int | None = opt(
         "use at most N dev examples per task (a fixed random subset, the same in every run) for quick runs",
-        resume=MAY, type=int,
+        resume=MAY,
     )  # fmt: skip
-    max_train: int | None = opt("use at most N training examples per task (quick runs)", type=int)
-    max_predict: int | None = opt(
-        "predict at most N test examples per task (quick runs)", resume=MAY, type=int
-    )
+    max_train: int | None = opt("use at most N training examples per task (quick runs)")
+    max_predict: int | None = opt("predict at most N test examples per task (quick runs)", resume=MAY)
     freeze_bert: bool = opt("train only PALs, heads and LayerNorms", default=False)
     activation_checkpointing: bool = opt(
         "recompute each encoder layer in the backward instead of keeping its activations (non-reentrant "
@@ -237,7 +227,7 @@ class TrainArgs:
     freeze_layers: int = opt(
         "freeze the embeddings and the bottom K encoder layers: no gradient, and the backward stops at layer K "
         "(PALs must sit above them: --pal-layers)",
-        type=int, default=0,
+        default=0,
     )  # fmt: skip
     no_progress: bool = opt("no progress bars", resume=MAY, default=False)
     verbose: bool = opt(
@@ -247,21 +237,19 @@ class TrainArgs:
     debug: bool = opt("show the Python traceback of an error, not only its one-line message", resume=MAY,
                       default=False)  # fmt: skip
     local_rank: int | None = opt(
-        "set by the deepspeed launcher; do not pass by hand", resume=MAY, type=int,
+        "set by the deepspeed launcher; do not pass by hand", resume=MAY,
         flags=("--local_rank", "--local-rank"),
     )  # fmt: skip
     stop_after_steps: int | None = opt(
         "testing: send this process SIGTERM after N updates (checkpoint and stop, as a real kill would)",
-        resume=MAY, type=int,
+        resume=MAY,
     )  # fmt: skip
-    inject_nan_at_step: int | None = opt(
-        "testing: NaN loss at this update", resume=MAY, type=int, hidden=True
-    )
+    inject_nan_at_step: int | None = opt("testing: NaN loss at this update", resume=MAY, hidden=True)
     inject_nan_weights_at_step: int | None = opt(
-        "testing: NaN in the weights after this update", resume=MAY, type=int, hidden=True
+        "testing: NaN in the weights after this update", resume=MAY, hidden=True
     )
     kill_after_steps: int | None = opt(
-        "testing: SIGKILL this process after N updates (no checkpoint, as kill -9 would)", resume=MAY, type=int,
+        "testing: SIGKILL this process after N updates (no checkpoint, as kill -9 would)", resume=MAY,
         hidden=True,
     )  # fmt: skip
 
@@ -410,6 +398,10 @@ def _file_problem(path: Path) -> str | None:
 
 #: the option fields of :class:`TrainArgs` by name, in declaration order
 OPTIONS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(TrainArgs) if f.init}
+#: the argparse type of each option, from its annotation (``"int | None"``: int; None for flags and lists)
+OPTION_TYPES = {
+    name: {"int": int, "float": float, "str": str}.get(f.type.split()[0]) for name, f in OPTIONS.items()
+}
 
 
 def resume_fields(kind: str) -> list[str]:
@@ -419,7 +411,7 @@ def resume_fields(kind: str) -> list[str]:
 
 def type_problem(f: dataclasses.Field, value: Any) -> str | None:
     """None when the JSON ``value`` has the type of option ``f``, else what it must be (``"an integer"``, ...)."""
-    kind = f.metadata["type"]
+    kind = OPTION_TYPES[f.name]
     if value is None and f.default is None:
         return None
     if f.default is False:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from fastpals.train.allocator import keep_freed_memory
-from fastpals.train.args import OPTIONS, TrainArgs, option_flag, resume_fields, type_problem
+from fastpals.train.args import OPTION_TYPES, OPTIONS, TrainArgs, option_flag, resume_fields, type_problem
 from fastpals.train.errors import (
     ConfigError,
     NonFiniteLossError,
@@ -97,7 +97,7 @@ def build_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
         elif f.name == "surgery_opts":
             kw.update(action="append", metavar=m["metavar"])
         else:
-            kw.update({key: m[key] for key in ("choices", "type", "metavar") if m[key]})
+            kw.update({key: m[key] for key in ("choices", "metavar") if m[key]}, type=OPTION_TYPES[f.name])
         p.add_argument(*flags, **kw)
 
     p.add_argument("--recipe", dest="recipe", metavar="NAME", default=argparse.SUPPRESS,

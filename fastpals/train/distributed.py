@@ -1,7 +1,5 @@
 """Process set-up for DeepSpeed: rank/world defaults for ``python train.py``, quiet libraries, and no CPU
-shared-memory comm op for a single process (DeepSpeed builds ``deepspeed_shm_comm`` with ninja when its
-communication backend starts, minutes the first time; one process never all-reduces across processes).
-"""
+shared-memory comm op for a single process (DeepSpeed builds it with ninja, minutes the first time)."""
 
 from __future__ import annotations
 
@@ -48,9 +46,8 @@ def without_shm_comm_op() -> Iterator[None]:
 
 
 def quiet_libraries(verbose: bool = False) -> None:
-    """Before DeepSpeed is imported: without ``verbose``, name the CPU accelerator where there is no CUDA device
-    (DeepSpeed would guess it, with a warning) and keep transformers to errors; with ``verbose``, DeepSpeed logs
-    at INFO. Settings already in the environment are kept."""
+    """Before DeepSpeed's import: name the CPU accelerator where there is no GPU (no guess, no warning) and
+    keep transformers to errors; ``verbose``: DeepSpeed logs at INFO. Settings in the environment are kept."""
     if not verbose:
         if not torch.cuda.is_available():
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -66,9 +63,8 @@ def quiet_libraries(verbose: bool = False) -> None:
 def initialize(
     model: Any, optimizer: Any, scheduler: Any, config: dict, log: Any = print, verbose: bool = False
 ) -> tuple:
-    """``deepspeed.initialize`` for this process, without the shared-memory op when it is the only one; returns
-    DeepSpeed's ``(engine, optimizer, loader, scheduler)``. Without ``verbose``, what DeepSpeed prints while it
-    sets up is held back unless it fails."""
+    """``deepspeed.initialize`` (``(engine, optimizer, loader, scheduler)``), without the shared-memory op for
+    one process; without ``verbose``, what DeepSpeed prints is held back unless it fails."""
     quiet_libraries(verbose)
     import deepspeed  # its import takes seconds
 

@@ -40,7 +40,6 @@ from fastpals.train.errors import (
 from fastpals.train.memory_mode import SURGERY_MEMORY_TEXT, trainer_memory_mode
 from fastpals.train.mixed import packed_micro_batches
 from fastpals.train.optimizer_setup import build_model, lr_lambda, make_optimizer, optimizer_param_groups
-from fastpals.train.runlock import RunLock
 from fastpals.train.state import (
     GeneratorState,
     RNGState,
@@ -86,7 +85,7 @@ class Trainer:
         self.ckpt_dir = self.out / "checkpoints"
         # model and tokenizer are checked before --out is touched; a folder in use is refused before them
         if self.is_main:
-            RunLock(self.out).check_free()
+            outputs.RunLock(self.out).check_free()
         self._tokenizer = open_tokenizer(args)
         # the model is built before --out is touched, the random state put back: the set-up restores the state
         # its build left after the data, as if it were built there
@@ -94,9 +93,9 @@ class Trainer:
         self._early_model = build_model(args)
         self._rng_after_model = _rng_state()
         _set_rng_state(before)
-        self._lock: RunLock | None = None
+        self._lock: outputs.RunLock | None = None
         if self.is_main:  # one run per folder: taken before anything in --out is touched
-            self._lock = RunLock(self.out).acquire()
+            self._lock = outputs.RunLock(self.out).acquire()
             if self._lock.taken_over is not None:
                 pid, host = self._lock.taken_over
                 self.log(f"[warning] {self._lock.path}: the run with pid {pid} on host {host} ended without "

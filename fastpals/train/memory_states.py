@@ -209,12 +209,8 @@ class DeepSpeedLikeEngine:
         tracker: LiveTensorBytes | None = None,
         buckets: GradientBuckets | None = None,
     ) -> None:
-        self.module, self.precision, self.zero_stage, self.world_size = (
-            module,
-            precision,
-            zero_stage,
-            world_size,
-        )
+        self.module, self.precision = module, precision
+        self.zero_stage, self.world_size = zero_stage, world_size
         self.buckets = buckets if buckets is not None and buckets.count else None
         self._bucket_buffers: list[torch.Tensor] = []
         self.tracker = tracker
@@ -231,8 +227,7 @@ class DeepSpeedLikeEngine:
         self._drop_grads = zero_stage == 2 and world_size > 1
         with self._phase("optimizer"):
             if self.flat_master:
-                master = torch.nn.Parameter(torch.zeros(self.part if zero_stage >= 1 else self.numel))
-                self.master = [master]
+                self.master = [torch.nn.Parameter(torch.zeros(self.part if zero_stage >= 1 else self.numel))]
             else:
                 self.master = self.params
             self.optimizer = torch.optim.AdamW(self.master, lr=2e-5, weight_decay=0.01, eps=1e-6, fused=True)

@@ -1,5 +1,4 @@
-"""The model of a run's options, its optimizer parameter groups, the optimizers and the warm-up/decay
-schedule."""
+"""A run's model, its optimizer parameter groups, the optimizers and the warm-up/decay schedule."""
 
 from __future__ import annotations
 
@@ -21,13 +20,8 @@ OPTIMIZERS = ("adamw", "sgd", "rmsprop")
 
 def _no_decay(name: str) -> bool:
     leaf = name.split(".")[-1]
-    return (
-        leaf.endswith("bias")
-        or "LayerNorm" in name
-        or "layer_norm" in name
-        or leaf.startswith("ln_")
-        or leaf == "gate"
-    )
+    norm = "LayerNorm" in name or "layer_norm" in name or leaf.startswith("ln_")
+    return norm or leaf.endswith("bias") or leaf == "gate"
 
 
 def optimizer_param_groups(
