@@ -79,8 +79,7 @@ class TensorBoardLog(Callback):
 
 @dataclass
 class Progress(Callback):
-    """One bar over all the run's updates (its ETA the whole run's), each task's loss (moving average) and the
-    throughput in the postfix."""
+    """One bar over the run's updates; each task's loss (moving average) and the throughput in the postfix."""
 
     enabled: bool = True
     bar: Any = None
@@ -137,9 +136,8 @@ class Plots(Callback):
 
 @dataclass
 class FaultInjection(Callback):
-    """Test-only faults: the loss of update ``nan_at_step`` turns NaN (a loss hook), a weight turns NaN after
-    ``nan_weights_at_step``, and this process gets SIGTERM after ``stop_after_steps`` or SIGKILL after
-    ``kill_after_steps``."""
+    """Test-only faults: a NaN loss at update ``nan_at_step``, a NaN weight after ``nan_weights_at_step``,
+    SIGTERM after ``stop_after_steps``, SIGKILL after ``kill_after_steps``."""
 
     nan_at_step: int | None
     stop_after_steps: int | None
@@ -168,8 +166,7 @@ class FaultInjection(Callback):
 
 
 def default_callbacks(args: Any, out: Path, is_main: bool) -> list[Callback]:
-    """The callbacks of ``train.py``: JSONL, TensorBoard, progress and plots on the main rank, and the
-    fault injection a test option asks for."""
+    """JSONL, TensorBoard, progress and plots on the main rank, and the faults a test option asks for."""
     callbacks: list[Callback] = []
     if is_main:
         callbacks += [JsonlLog(out / "metrics.jsonl"), TensorBoardLog(out / "tensorboard"),

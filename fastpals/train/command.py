@@ -1,6 +1,5 @@
-"""The ``train.py`` / ``fastpals train`` command line, generated from :class:`TrainArgs`'s fields. ``--resume``
-reads the options saved in ``<out>/train_args.json``; errors a user can fix print one line (``--debug``: the
-traceback too)."""
+"""The ``train.py`` / ``fastpals train`` command line, generated from :class:`TrainArgs`'s fields; errors a
+user can fix print one line (``--debug``: the traceback too)."""
 
 from __future__ import annotations
 
@@ -112,8 +111,7 @@ def _fmt(name: str) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> TrainArgs:
-    """:class:`TrainArgs` from a command line; with ``--resume`` the saved options of ``<out>`` fill in the rest.
-    Raises :class:`ConfigError` (one line) for anything to fix."""
+    """:class:`TrainArgs` from a command line; with ``--resume`` the options saved in ``<out>`` fill in."""
     given = vars(build_parser(suppress_defaults=True).parse_args(argv))
     recipe = given.pop("recipe", None)
     if recipe is not None:
@@ -154,9 +152,7 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``train.py`` and ``fastpals train``; returns the exit status (:data:`EXIT_CODES`: 0 ok,
-    2 bad option, config, data, run folder or checkpoint, 3 non-finite, 4 an output not written, 128 + signal
-    number when stopped by SIGTERM/SIGINT/SIGHUP)."""
+    """Entry point of ``train.py`` and ``fastpals train``; returns the exit status (:data:`EXIT_CODES`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     trainer = None

@@ -104,10 +104,9 @@ def precision_note(
 
 
 def _resolve_grad_accum_dtype(cfg: dict[str, Any], surgery: str, name: str) -> None:
-    """Resolve ``"data_types": {"grad_accum_dtype": "auto"}`` in place: fp32 with bf16 + ZeRO-1 and no
-    surgery (DeepSpeed's ``BF16_Optimizer`` with ``immediate_grad_update``: a faster step, the same updates), else
-    DeepSpeed's default. Explicit fp32 there with surgery is refused: that optimizer takes each gradient during the
-    backward, before the aggregator combines them."""
+    """Resolve ``"data_types": {"grad_accum_dtype": "auto"}`` in place: fp32 with bf16 + ZeRO-1 and no surgery
+    (DeepSpeed's faster ``BF16_Optimizer``), else DeepSpeed's default. Explicit fp32 with surgery is refused:
+    that optimizer takes each gradient during the backward, before the aggregator combines them."""
     types = cfg.get("data_types")
     if not isinstance(types, dict) or "grad_accum_dtype" not in types:
         return
@@ -140,10 +139,9 @@ def check_ds_config(
     name: str = "--ds_config",
     native_bf16: bool | None = None,
 ) -> dict[str, Any]:
-    """A completed copy of DeepSpeed config ``cfg`` checked against the options: batch entries filled in
-    from ``batch_size`` and ``grad_accum`` (1 with surgery), every ``"auto"`` resolved (precision, ZeRO-1 with 16-bit
-    training or several ranks, ``grad_accum_dtype``), every contradiction a :class:`ConfigError` naming the entry.
-    ``cuda`` defaults to ``torch.cuda.is_available()``, ``native_bf16`` to :func:`cpu_has_native_bf16`."""
+    """A completed copy of DeepSpeed config ``cfg`` checked against the options: batch entries filled in,
+    every ``"auto"`` resolved, every contradiction a :class:`ConfigError` naming the entry (``cuda``,
+    ``native_bf16``: the machine's by default)."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
     out = copy.deepcopy(cfg)
     _resolve_auto_precision(out, cuda, native_bf16, name)
@@ -246,9 +244,8 @@ def _unknown(name: str, key: str, valid: list[str] | set[str], where: str) -> Co
 
 
 def check_ds_keys(cfg: dict[str, Any], name: str = "--ds_config") -> None:
-    """Refuse what DeepSpeed would ignore or reject only after the set-up: an unknown key at the top level or
-    in ``zero_optimization``/``bf16``/``fp16``/``data_types`` (naming the closest valid one), or a value DeepSpeed's
-    own validation refuses."""
+    """Refuse what DeepSpeed would ignore or reject only after the set-up: an unknown key (naming the closest
+    valid one) or a value DeepSpeed's own validation refuses."""
     if not torch.cuda.is_available():  # name the CPU accelerator before DeepSpeed's import: no guess printed
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:  # DeepSpeed's import takes seconds

@@ -209,8 +209,7 @@ class Trainer:
         self.components["surgery_rng"] = GeneratorState(self.surgery_generator)
 
     def output_sizes(self) -> tuple[int, int]:
-        """Estimated bytes of a checkpoint (weights, fp32 master weights under bf16/fp16, optimizer states) and of
-        best/ (fp32 weights)."""
+        """Estimated bytes of a checkpoint (weights, fp32 master weights, optimizer states) and of best/."""
         params = list(self.engine.module.parameters())
         module = sum(p.numel() * p.element_size() for p in params)
         trained = sum(p.numel() for p in params if p.requires_grad)
@@ -244,8 +243,7 @@ class Trainer:
         self._finite_step = step
 
     def _settle_replaced(self, failed: bool) -> None:
-        """The earlier run ``--overwrite`` moved aside: deleted once this run has a checkpoint or finished, put
-        back (quietly) when it fails before that."""
+        """Delete the run ``--overwrite`` moved aside, or put it back (quietly) when this run ``failed``."""
         aside, self._replaced = getattr(self, "_replaced", None), None
         if aside is None:
             return
@@ -321,9 +319,8 @@ class Trainer:
         )  # fmt: skip
 
     def train_update(self, group: list[Any]) -> dict[str, Any]:
-        """One optimizer update over the micro-batches of ``group`` (task indices, or the mixed selections of
-        ``--batching mixed``) by :func:`fastpals.train.step.run_update`; returns each task's ``loss`` and the ``examples``
-        (mixed batches: also ``task_examples``, ``task_tokens``, ``tokens``)."""
+        """One :func:`~fastpals.train.step.run_update` over ``group`` (task indices or mixed selections): each
+        task's ``loss``, the ``examples`` (mixed: also ``task_examples``, ``task_tokens``, ``tokens``)."""
         mixed = self.args.batching == "mixed"
         if mixed:
             micro: Iterable[MicroBatch] = packed_micro_batches(

@@ -55,9 +55,8 @@ class MemoryModeChoice:
 def surgery_memory_mode(
     option: str, one_backward: bool, buffer_dtype: str = "fp32", auto_pick: str | None = None
 ) -> str:
-    """``--surgery-memory`` -> what :func:`task_gradients` builds: ``buffer``, ``stream`` or ``smaller``
-    (``auto``'s streaming). ``auto`` is the buffer with per-task backwards, with bf16 rows asked for
-    (``buffer_dtype``), or where ``auto_pick`` (:func:`run_memory_mode`'s mode) is ``buffer``."""
+    """``--surgery-memory`` -> ``buffer``, ``stream`` or ``smaller`` (``auto``'s streaming); ``auto`` is the
+    buffer with per-task backwards, bf16 rows, or where ``auto_pick`` is ``buffer``."""
     if option != "auto":
         return option
     return "buffer" if not one_backward or buffer_dtype == "bf16" or auto_pick == "buffer" else "smaller"
@@ -71,9 +70,8 @@ def task_gradients(
     keep_bytes: int = 0,
     **kwargs: Any,
 ) -> TaskGradients:
-    """The per-task gradients of a :func:`surgery_memory_mode`: a :class:`~fastpals.surgery.TaskGradientBuffer`
-    with ``dtype`` rows, or a :class:`~fastpals.surgery.StreamingTaskGradients` (``smaller``: with ``keep_bytes`` of
-    kept Linear rows); ``kwargs`` go to either (getter, setter, task parameters, data parallel)."""
+    """The per-task gradients of a :func:`surgery_memory_mode`: a ``TaskGradientBuffer`` of ``dtype`` rows or
+    ``StreamingTaskGradients`` (``smaller``: ``keep_bytes`` of kept Linear rows); ``kwargs`` go to either."""
     if memory not in SURGERY_MEMORY_TEXT:
         raise ValueError(f"surgery memory {memory!r}: choose one of {', '.join(SURGERY_MEMORY_TEXT)}")
     if memory == "buffer":
@@ -95,10 +93,8 @@ def choose_memory_mode(
     rows_share: float = ROWS_SHARE,
     keep_share: float = KEEP_SHARE,
 ) -> MemoryModeChoice:
-    """``auto``'s pick from byte counts per rank: the buffer's ``[T, P]`` ``rows_bytes``, the step's
-    ``activation_bytes``, its predicted ``buffer_peak_bytes`` (rows included) and the ``device_bytes`` (0: unknown, the
-    fit is not checked). Streaming keeps ``keep_share`` of the activations in Linear rows (0 for data parallel), at
-    most what the device leaves above the streamed peak (the buffer's less its rows) within ``fit_share``."""
+    """``auto``'s pick from byte counts per rank (``device_bytes`` 0: fit not checked); streaming keeps
+    ``keep_share`` of the activations in Linear rows, at most what the device leaves above its peak."""
     keep = keep_bytes(activation_bytes, keep_share)
     if device_bytes > 0:  # the kept rows come on top of the streamed peak (about the buffer's, less its rows)
         keep = max(0, min(keep, int(fit_share * device_bytes) - (buffer_peak_bytes - rows_bytes)))
@@ -182,9 +178,8 @@ def run_memory_mode(
 
 
 def trainer_memory_mode(trainer: Any) -> tuple[str, torch.dtype, MemoryModeChoice | None]:
-    """A :class:`~fastpals.train.loop.Trainer`'s surgery memory: the :func:`surgery_memory_mode`, the rows' dtype
-    (``auto``: bf16 with bf16 training, else fp32) and ``auto``'s :func:`run_memory_mode` choice (None where it
-    did not run)."""
+    """A ``Trainer``'s :func:`surgery_memory_mode`, the rows' dtype (``auto``: bf16 with bf16 training, else
+    fp32) and ``auto``'s :func:`run_memory_mode` choice (None where it did not run)."""
     args, ds_config, module = trainer.args, trainer.ds_config, trainer.engine.module
     bf16 = ds_config.get("bf16", {}).get("enabled")
     rows = args.surgery_buffer_dtype if args.surgery_buffer_dtype != "auto" else "bf16" if bf16 else "fp32"
@@ -216,9 +211,8 @@ def plan_auto_modes(
     buffer_peak_bytes: int,
     devices: dict[str, int],
 ) -> dict[str, dict[str, str]]:
-    """``fastpals memory``'s ``auto`` per device, ``{name: {"mode", "why"}}``: :func:`choose_memory_mode`
-    with the traced buffer-mode peak and each device's usable bytes (``devices``); ``bert``: the encoder config,
-    ``rows_dtype``: the rows' dtype, ``buffer_dtype``: ``--surgery-buffer-dtype`` (``bf16``: the buffer)."""
+    """``fastpals memory``'s ``auto`` per device, ``{name: {"mode", "why"}}``: :func:`choose_memory_mode` with
+    the traced buffer peak and each device's usable bytes; ``bert``: the encoder config."""
     if buffer_dtype == "bf16":
         return {n: {"mode": "buffer", "why": "bf16 rows asked for"} for n in devices}
     activations = estimate_activation_bytes(

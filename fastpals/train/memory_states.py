@@ -42,8 +42,7 @@ def model_state_bytes(
     num_params: int, precision: str, zero_stage: int, world_size: int = 1, largest_layer_params: int = 0
 ) -> ModelStates:
     """DeepSpeed's per-rank model-state bytes for ``num_params`` trainable parameters with AdamW, counted as
-    DeepSpeed's ``estimate_zero2/3_model_states_mem_needs`` do (mixed precision: ``2 + 18 / N`` bytes per parameter
-    at ZeRO-2)."""
+    its ``estimate_zero2/3_model_states_mem_needs`` do."""
     if precision not in PRECISIONS:
         raise ValueError(f"--precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
     if zero_stage not in (0, 1, 2, 3):
@@ -113,9 +112,8 @@ def gradient_buckets(
 
 
 class LiveTensorBytes(TorchDispatchMode):
-    """Adds up the live tensor storages made by ops under this mode (fake or real tensors), each counted
-    once under the current :meth:`phase` and taken off when freed (weakref finalizer); ``peak`` and ``at_peak`` (bytes
-    per category) since :meth:`reset_peak`. ``stub_host_reads``: ``.item()``/``.tolist()`` return 1 (fake tensors)."""
+    """Adds up the live tensor storages made under this mode, once each under the current :meth:`phase` until
+    freed; ``peak`` and ``at_peak`` since :meth:`reset_peak`. ``stub_host_reads``: ``.item()`` returns 1."""
 
     def __init__(self, stub_host_reads: bool = False) -> None:
         super().__init__()

@@ -71,9 +71,8 @@ def lr_lambda(step: int, total: int, warmup: float) -> float:
 
 
 def build_model(args: Any) -> torch.nn.Module:
-    """The :class:`~fastpals.MultiTaskBert` of a run's options: encoder ``--model``, one head per task
-    (``--head``, ``--pair-mode``), the PALs of ``--pal``, seeded with ``--seed``, with the freezing options applied.
-    A model that cannot be loaded is a :class:`ConfigError`."""
+    """The :class:`~fastpals.MultiTaskBert` of a run's options, seeded with ``--seed``, with the freezing
+    options applied; a model that cannot be loaded is a :class:`ConfigError`."""
 
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
@@ -111,9 +110,8 @@ def build_model(args: Any) -> torch.nn.Module:
 
 
 def freeze_bottom_layers(model: torch.nn.Module, k: int) -> None:
-    """``--freeze-layers K``: the embeddings and encoder layers ``0 .. K-1`` get ``requires_grad =
-    False``, so the backward stops at layer K; a task-specific parameter there (frozen at its random start) is a
-    :class:`ConfigError` naming it."""
+    """``--freeze-layers K``: no gradient for the embeddings and encoder layers ``0 .. K-1`` (the backward
+    stops at layer K); a task-specific parameter there is a :class:`ConfigError` naming it."""
     if not hasattr(model.bert, "encoder"):
         raise ConfigError(
             f"--freeze-layers {k}: only BERT checkpoints (fastpals' minBERT) support it; this run's encoder is "

@@ -55,9 +55,8 @@ def record_manifest(out: Path, before: set[str]) -> None:
 
 
 def run_outputs(out: Path) -> list[str]:
-    """The names in ``out`` that a run wrote: those its manifest lists (nothing of the user's) and the manifest,
-    the fixed :data:`RUN_OUTPUTS` (a kill between two manifest updates; without a manifest, also ``confusion_*.png``)
-    and a best/ save cut short (``best.partial``, ``best.old``)."""
+    """The names in ``out`` that a run wrote: the manifest and what it lists (nothing of the user's), the
+    fixed :data:`RUN_OUTPUTS` (no manifest: also ``confusion_*.png``) and a best/ save cut short."""
     if not out.is_dir():
         return []
     names = [name for name in RUN_OUTPUTS if (out / name).exists()]
@@ -116,8 +115,7 @@ def discard_replaced(aside: Path | None) -> None:
 
 
 def restore_replaced(out: Path, aside: Path | None, remove_new: bool = True) -> None:
-    """Put the earlier run moved aside by :func:`prepare_out` back in ``out`` (``remove_new``: the new run's
-    outputs removed first)."""
+    """Put the run :func:`prepare_out` moved aside back (``remove_new``: the new run's outputs first)."""
     if aside is None or not aside.exists():
         return
     if remove_new:
@@ -292,8 +290,8 @@ def writable_folder_error(out: Path, err: OSError) -> ConfigError:
 
 
 class RunLock:
-    """The lock of ``out`` (created when missing). :meth:`acquire` raises :class:`ConfigError` naming the run that
-    holds it; ``taken_over`` is then the ``(pid, host)`` of an earlier run that died holding it, else None."""
+    """The lock of ``out``; :meth:`acquire` raises :class:`ConfigError` naming the run that holds it, and sets
+    ``taken_over`` to the ``(pid, host)`` of an earlier run that died holding it (else None)."""
 
     def __init__(self, out: Path) -> None:
         self.out = Path(out)
@@ -302,8 +300,7 @@ class RunLock:
         self.taken_over: tuple[str, str] | None = None
 
     def check_free(self) -> None:
-        """Raise the :meth:`acquire` error when a live run holds the lock now, changing nothing in ``out``: checked
-        before the slow set-up, taken later with :meth:`acquire`."""
+        """Raise the :meth:`acquire` error when a live run holds the lock, changing nothing in ``out``."""
         try:
             fd = os.open(self.path, os.O_RDONLY)
         except OSError:

@@ -110,9 +110,8 @@ def plot_training_curves(
 def plot_confusion_matrices(
     predictions: dict[str, tuple[Sequence, Sequence]], folder: str | os.PathLike, specs: dict | None = None
 ) -> list[Path]:
-    """Confusion matrices of the dev predictions (``{task: (labels, predictions)}``) in ``folder``:
-    ``confusion_sst.png``, ``confusion_sts.png`` (binned to 0.5) and, with ``specs``, every other task's. Returns the
-    paths written."""
+    """Write the confusion matrices of the dev predictions (``{task: (labels, predictions)}``) into
+    ``folder``: SST's, STS's (binned to 0.5) and, with ``specs``, every other task's; returns the paths."""
     plots = {
         task: (*task_confusion_matrix(spec, *predictions[task]), f"{task} dev (rows: true)")
         for task, spec in (specs or {}).items()
