@@ -147,8 +147,7 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
             f"run in another --out"
         )
     options = {k: v for k, v in saved.items() if k in OPTIONS and k not in PER_INVOCATION}
-    options.update(given)
-    return TrainArgs(**options)
+    return TrainArgs(**{**options, **given})
 
 
 def main(argv: list[str] | None = None) -> int:

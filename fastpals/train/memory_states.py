@@ -119,8 +119,7 @@ class LiveTensorBytes(TorchDispatchMode):
         super().__init__()
         self.live: dict[int, list[Any]] = {}  # storage key -> [bytes, category]
         self.by_category = dict.fromkeys(CATEGORIES, 0)
-        self.current = 0
-        self.peak = 0
+        self.current = self.peak = 0
         self.at_peak: dict[str, int] = dict(self.by_category)
         self.peak_phase = ""
         self.category = "temporaries"

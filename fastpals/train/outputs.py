@@ -48,8 +48,7 @@ def read_manifest(out: Path) -> list[str] | None:
 def record_manifest(out: Path, before: set[str]) -> None:
     """Write the manifest of the run writing ``out`` (atomically): the names there now that were not in
     ``before`` (the user's files), added to those it already lists (a resumed run's)."""
-    now = entries(out)
-    made = {n for n in now - before if n not in _NOT_OUTPUTS and not n.startswith(REPLACED_PREFIX)}
+    made = {n for n in entries(out) - before if n not in _NOT_OUTPUTS and not n.startswith(REPLACED_PREFIX)}
     names = sorted(set(read_manifest(out) or []) | made)
     atomic_write_text(out / MANIFEST_NAME, json.dumps({"outputs": names}, indent=1) + "\n")
 
