@@ -78,11 +78,11 @@ def initialize(
     held = io.StringIO()
     gc.freeze()  # DeepSpeed's set-up runs gc.collect() per parameter group: let it scan only new objects
     try:
-        with without_shm_comm_op() if single else contextlib.nullcontext():
-            with contextlib.redirect_stdout(sys.stdout if verbose else held):
-                out = deepspeed.initialize(
-                    model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config
-                )
+        quiet = contextlib.redirect_stdout(sys.stdout if verbose else held)
+        with without_shm_comm_op() if single else contextlib.nullcontext(), quiet:
+            out = deepspeed.initialize(
+                model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config
+            )
     except BaseException:
         sys.stdout.write(held.getvalue())
         raise
@@ -91,9 +91,7 @@ def initialize(
     engine = out[0]
     # one rank: DeepSpeed's fallback all-reduce (ZeRO-0, BF16_Optimizer) copies every gradient through a
     # bucket for an identity; ZeRO-1/2's reduce_gradients also moves gradients into place, so it stays
-    zero_reduces = (
-        hasattr(engine.optimizer, "reduce_gradients") or engine.zero_optimization_partition_gradients()
-    )
-    if single and not zero_reduces:
+    reduces = hasattr(engine.optimizer, "reduce_gradients")
+    if single and not reduces and not engine.zero_optimization_partition_gradients():
         engine.enable_backward_allreduce = False
     return out

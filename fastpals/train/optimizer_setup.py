@@ -65,9 +65,7 @@ def lr_lambda(step: int, total: int, warmup: float) -> float:
     """Multiplier of the peak learning rate for update ``step`` (from 0) of ``total``: linear warm-up over
     ``round(warmup * total)`` updates (``(step + 1) / w``), then linear decay reaching 0 after ``total``."""
     w = int(round(warmup * total))
-    if step < w:
-        return (step + 1) / w
-    return max(0.0, (total - step) / max(1, total - w))
+    return (step + 1) / w if step < w else max(0.0, (total - step) / max(1, total - w))
 
 
 def build_model(args: Any) -> torch.nn.Module:
