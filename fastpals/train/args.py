@@ -92,8 +92,7 @@ class TrainArgs:
     )  # fmt: skip
     tasks: str = opt(
         f"comma-separated tasks: built-in names ({', '.join(TASKS)}) and task files (path/to/task.json, see the "
-        "README's 'Your own task')",
-        default="sst,para,sts",
+        "README's 'Your own task')", default="sst,para,sts",
     )  # fmt: skip
     data_dir: str | None = opt(
         f"folder of the task CSV files (default: ${DATA_DIR_ENV})", resume=MAY, metavar="DIR"
@@ -124,13 +123,11 @@ class TrainArgs:
     seed: int = opt("seed of weights init, sampling, batch order and dropout", default=0)
     out: str = opt(
         "output folder (metrics, checkpoints, best model, results); one that holds an earlier run is refused "
-        "unless --resume or --overwrite",
-        resume=MAY, default="runs/default",
+        "unless --resume or --overwrite", resume=MAY, default="runs/default",
     )  # fmt: skip
     resume: bool = opt(
         "continue the run in --out from its last checkpoint, with its saved options (give only those that may "
-        "change)",
-        resume=MAY, default=False,
+        "change)", resume=MAY, default=False,
     )  # fmt: skip
     overwrite: bool = opt(
         "replace the earlier run in --out: its outputs (metrics, checkpoints, best/, TensorBoard events, plots) "
@@ -181,8 +178,7 @@ class TrainArgs:
         choices=SURGERY_MEMORIES, default="buffer",
     )  # fmt: skip
     pal: str = opt(
-        f"PAL variant: {_PAL_HELP}",
-        choices=tuple(PAL_PRESETS), default="default",
+        f"PAL variant: {_PAL_HELP}", choices=tuple(PAL_PRESETS), default="default",
     )  # fmt: skip
     pal_heads: int | None = opt("attention heads inside each PAL (overrides the preset)")
     pal_hidden: int | None = opt("PAL width d_s (overrides the preset)")
@@ -226,8 +222,7 @@ class TrainArgs:
     )
     freeze_layers: int = opt(
         "freeze the embeddings and the bottom K encoder layers: no gradient, and the backward stops at layer K "
-        "(PALs must sit above them: --pal-layers)",
-        default=0,
+        "(PALs must sit above them: --pal-layers)", default=0,
     )  # fmt: skip
     no_progress: bool = opt("no progress bars", resume=MAY, default=False)
     verbose: bool = opt(
