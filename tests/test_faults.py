@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from fastpals.train.errors import ConfigError, NonFiniteLossError, OutputError, TrainingInterrupted
-from fastpals.train.runlock import RunLock
+from fastpals.train.outputs import RunLock
 from fastpals.train.state import TrainState, check_checkpoint, save_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -191,7 +191,7 @@ def test_second_run_into_a_busy_folder_and_a_dead_runs_lock(tmp_path):
     assert second.taken_over is None  # released cleanly: nothing to take over
     second.release()
     # a run killed while holding the lock: the kernel frees the flock; the next run takes over and says whose
-    child = subprocess.run([sys.executable, "-c", "import os, signal, sys; from fastpals.train.runlock import "
+    child = subprocess.run([sys.executable, "-c", "import os, signal, sys; from fastpals.train.outputs import "
                             "RunLock; RunLock(sys.argv[1]).acquire(); print(os.getpid(), flush=True); "
                             "os.kill(os.getpid(), signal.SIGKILL)", str(out)],
                            capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=60)  # fmt: skip
@@ -542,12 +542,12 @@ def test_data_file_that_is_a_folder_or_a_symlink_loop_is_named(tiny, tmp_path):
 
 
 def test_unwritable_out_is_one_line(tmp_path, monkeypatch):
-    from fastpals.train import runlock
+    from fastpals.train import outputs
 
     def refuse(path, *a, **k):
         raise OSError(errno.EROFS, "Read-only file system", str(path))
 
-    monkeypatch.setattr(runlock.os, "open", refuse)
+    monkeypatch.setattr(outputs.os, "open", refuse)
     with pytest.raises(ConfigError) as info:
         RunLock(tmp_path / "run").acquire()
     assert "Read-only file system" in str(info.value) and "choose an --out" in str(info.value)

@@ -334,7 +334,7 @@ def test_single_process_run_logs_times_and_builds_no_comm_op(tiny, tmp_path):
 
 
 def test_training_curve_colours_are_per_task():
-    from fastpals.train.plots import training_curve_series
+    from fastpals.train.callbacks import training_curve_series
 
     losses = {"sst": ([1, 4], [1.0, 0.8]), "para": ([2, 3, 5], [0.7, 0.6, 0.5]), "sts": ([3], [2.0])}
     evals = [{"step": 0, "dev": {"sst": 0.2, "para": 0.5, "sts": 0.1, "overall": 0.4}},

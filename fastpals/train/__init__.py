@@ -1,6 +1,5 @@
 """Multi-task fine-tuning with DeepSpeed, as a library: ``train.py`` is :func:`main`, :class:`TrainArgs` every
-option, :class:`Trainer` the loop and :func:`run_update` one optimizer update. The modules: ``docs/architecture.md``.
-"""
+option, :class:`Trainer` the loop and :func:`run_update` one optimizer update."""
 
 from fastpals.train.args import PAL_PRESETS, TrainArgs, build_pal_config
 from fastpals.train.command import build_parser, main, parse_args

@@ -1,6 +1,5 @@
-"""Every option of a training run: :class:`TrainArgs`, one dataclass field per command-line option (help,
-spelling, and whether it must match on ``--resume``). ``__post_init__`` checks every option and raises a one-line
-:class:`ConfigError` naming it."""
+"""Every option of a training run: :class:`TrainArgs`, one dataclass field per command-line option;
+``__post_init__`` checks them and raises a one-line :class:`ConfigError` naming the option."""
 
 from __future__ import annotations
 
@@ -23,22 +22,6 @@ from fastpals.train.errors import ConfigError
 from fastpals.train.memory_mode import SURGERY_MEMORIES
 from fastpals.train.optimizer_setup import OPTIMIZERS
 
-__all__ = [
-    "BATCHINGS",
-    "OPTIMIZERS",
-    "PAL_PRESETS",
-    "SURGERIES",
-    "SURGERY_BUFFER_DTYPES",
-    "SURGERY_MEMORIES",
-    "TASK_WEIGHTINGS",
-    "TrainArgs",
-    "build_pal_config",
-    "jsonable",
-    "opt",
-    "option_flag",
-    "resume_fields",
-]
-
 #: ``--pal`` presets: the PALConfig fields of each (None: no PALs), from the registered PAL variants
 PAL_PRESETS: dict[str, dict[str, Any] | None] = {
     name: None if preset.fields is None else dict(preset.fields) for name, preset in pal_presets().items()
@@ -60,7 +43,6 @@ def opt(
     help: str,
     *,
     resume: str = "match",
-    type: type | None = None,
     choices: tuple[str, ...] | None = None,
     flags: tuple[str, ...] = (),
     metavar: str | None = None,
@@ -69,10 +51,10 @@ def opt(
     factory: Any = None,
 ) -> Any:
     """A :class:`TrainArgs` field: ``help``, ``resume`` (``"match"``: must equal the saved run's value on
-    ``--resume``; :data:`MAY`: may change), argparse ``type``/``choices``/``metavar``, extra ``flags`` spellings and
-    ``hidden`` (left out of ``--help``: test-only options)."""
+    ``--resume``; :data:`MAY`: may change), argparse ``choices``/``metavar``, extra ``flags`` spellings and
+    ``hidden`` (left out of ``--help``: test-only options); the argparse type is the field's annotation."""
     assert resume in ("match", MAY), resume
-    meta = {"help": help, "resume": resume, "type": type, "choices": choices, "flags": flags,
+    meta = {"help": help, "resume": resume, "choices": choices, "flags": flags,
             "metavar": metavar, "hidden": hidden}  # fmt: skip
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
@@ -88,9 +70,7 @@ def jsonable(value: Any) -> Any:
     """``value`` as JSON data: lists and tuples as lists, str/int/float/bool/None as they are, else ``str``."""
     if isinstance(value, (list, tuple)):
         return [jsonable(v) for v in value]
-    if isinstance(value, (str, int, float, bool, type(None))):
-        return value
-    return str(value)
+    return value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
 
 
 @dataclass
@@ -103,38 +83,34 @@ class TrainArgs:
         "gpu_{bf16,fp16}_zero{0,1,2}.json; also as configs/<name>). Its batch and "
         "accumulation entries must agree with --batch-size and --grad-accum (missing ones are filled in); "
         "optimizer and scheduler come from the options",
-        resume=MAY, type=str, flags=("--ds_config", "--ds-config"), default=DEFAULT_DS_CONFIG,
+        resume=MAY, flags=("--ds_config", "--ds-config"), default=DEFAULT_DS_CONFIG,
     )  # fmt: skip
     model: str = opt(
         "encoder checkpoint: 'minilm-l6' (offline all-MiniLM-L6-v2), a folder with config.json + "
         "model.safetensors/pytorch_model.bin + tokenizer.json (or vocab.txt), or a Hugging Face hub name",
-        type=str, default="minilm-l6",
+        default="minilm-l6",
     )  # fmt: skip
     tasks: str = opt(
         f"comma-separated tasks: built-in names ({', '.join(TASKS)}) and task files (path/to/task.json, see the "
-        "README's 'Your own task')",
-        type=str, default="sst,para,sts",
+        "README's 'Your own task')", default="sst,para,sts",
     )  # fmt: skip
     data_dir: str | None = opt(
-        f"folder of the task CSV files (default: ${DATA_DIR_ENV})", resume=MAY, type=str, metavar="DIR"
+        f"folder of the task CSV files (default: ${DATA_DIR_ENV})", resume=MAY, metavar="DIR"
     )
-    epochs: int = opt("training epochs", type=int, default=3)
+    epochs: int = opt("training epochs", default=3)
     steps_per_epoch: int | None = opt(
         "optimizer updates per epoch (default: 2400 as in Bert-n-Pals; with round_robin: one full pass over "
         "every task's batches, which a number cuts short)",
-        type=int,
     )
     batch_size: int | None = opt(
         "examples per micro-batch (of one task with --batching per_task; default: the config's "
         "train_micro_batch_size_per_gpu, else 32)",
-        type=int,
     )
-    lr: float = opt("peak learning rate of the BERT encoder weights", type=float, default=2e-5)
-    pal_lr: float | None = opt("peak learning rate of the PAL parameters (default: --lr)", type=float)
-    head_lr: float | None = opt("peak learning rate of the task heads (default: --lr)", type=float)
+    lr: float = opt("peak learning rate of the BERT encoder weights", default=2e-5)
+    pal_lr: float | None = opt("peak learning rate of the PAL parameters (default: --lr)")
+    head_lr: float | None = opt("peak learning rate of the task heads (default: --lr)")
     warmup: float = opt(
         "fraction of all updates with a linear warm-up from 0; then linear decay to 0",
-        type=float,
         default=0.1,
     )
     optimizer: str = opt(
@@ -142,20 +118,16 @@ class TrainArgs:
         choices=OPTIMIZERS,
         default="adamw",
     )
-    weight_decay: float = opt(
-        "decoupled weight decay; never on biases and LayerNorms", type=float, default=0.01
-    )
-    max_length: int = opt("tokens per sequence (a pair counts together), <= 512", type=int, default=128)
-    seed: int = opt("seed of weights init, sampling, batch order and dropout", type=int, default=0)
+    weight_decay: float = opt("decoupled weight decay; never on biases and LayerNorms", default=0.01)
+    max_length: int = opt("tokens per sequence (a pair counts together), <= 512", default=128)
+    seed: int = opt("seed of weights init, sampling, batch order and dropout", default=0)
     out: str = opt(
         "output folder (metrics, checkpoints, best model, results); one that holds an earlier run is refused "
-        "unless --resume or --overwrite",
-        resume=MAY, type=str, default="runs/default",
+        "unless --resume or --overwrite", resume=MAY, default="runs/default",
     )  # fmt: skip
     resume: bool = opt(
         "continue the run in --out from its last checkpoint, with its saved options (give only those that may "
-        "change)",
-        resume=MAY, default=False,
+        "change)", resume=MAY, default=False,
     )  # fmt: skip
     overwrite: bool = opt(
         "replace the earlier run in --out: its outputs (metrics, checkpoints, best/, TensorBoard events, plots) "
@@ -176,7 +148,6 @@ class TrainArgs:
     max_tokens: int | None = opt(
         "mixed batching: a token budget per micro-batch instead of --batch-size (rows are never split; a row "
         "longer than the budget is an error)",
-        type=int,
     )
     task_weighting: str = opt(
         "mixed batching: the micro-batch loss is each task's mean loss weighted by its share of the examples "
@@ -190,7 +161,7 @@ class TrainArgs:
     surgery_opts: list[str] = opt(
         "an option of the --surgery aggregator, KEY=VALUE, repeatable (e.g. c=0.4 for cagrad, alpha=2 for fairgrad; "
         "see fastpals.surgery.make_weighting)",
-        type=str, metavar="KEY=VALUE", factory=list, flags=("--surgery-opt", "--surgery-opts"),
+        metavar="KEY=VALUE", factory=list, flags=("--surgery-opt", "--surgery-opts"),
     )  # fmt: skip
     surgery_buffer_dtype: str = opt(
         "storage dtype of the per-task gradient rows of the shared parameters: auto (the training precision: "
@@ -207,12 +178,11 @@ class TrainArgs:
         choices=SURGERY_MEMORIES, default="buffer",
     )  # fmt: skip
     pal: str = opt(
-        f"PAL variant: {_PAL_HELP}",
-        choices=tuple(PAL_PRESETS), default="default",
+        f"PAL variant: {_PAL_HELP}", choices=tuple(PAL_PRESETS), default="default",
     )  # fmt: skip
-    pal_heads: int | None = opt("attention heads inside each PAL (overrides the preset)", type=int)
-    pal_hidden: int | None = opt("PAL width d_s (overrides the preset)", type=int)
-    pal_layers: int | None = opt("PALs in the top N encoder layers only (overrides the preset)", type=int)
+    pal_heads: int | None = opt("attention heads inside each PAL (overrides the preset)")
+    pal_hidden: int | None = opt("PAL width d_s (overrides the preset)")
+    pal_layers: int | None = opt("PALs in the top N encoder layers only (overrides the preset)")
     head: str = opt("task head on the pooled features", choices=("linear", "mlp"), default="linear")
     pair_mode: str = opt(
         "pair tasks: joint cross-encoder, or siamese (SBERT) with cosine similarity (STS; Quora then uses "
@@ -221,27 +191,24 @@ class TrainArgs:
     )  # fmt: skip
     grad_accum: int | None = opt(
         "micro-batches per update without surgery (default: the config's gradient_accumulation_steps, else 1)",
-        type=int,
     )
-    extra_batches: int = opt("annealed batches per update of every_task_plus_annealed", type=int, default=1)
+    extra_batches: int = opt("annealed batches per update of every_task_plus_annealed", default=1)
     eval_every: int = opt(
-        "also evaluate on dev every N updates (0: at epoch ends only)", resume=MAY, type=int, default=0
+        "also evaluate on dev every N updates (0: at epoch ends only)", resume=MAY, default=0
     )
     checkpoint_every: int = opt(
         "also write a resumable checkpoint every N updates inside an epoch (0: at epoch ends only); a kill "
         "(kill -9, out of memory, power cut) loses at most N updates: --resume continues from the last one, "
         "bit-identical to an uninterrupted run. The default, 100, is about 70 s of `make train` on a 2-core CPU",
-        resume=MAY, type=int, default=100,
+        resume=MAY, default=100,
     )  # fmt: skip
     eval_at_start: bool = opt("evaluate the untrained model (step 0) first", resume=MAY, default=False)
     max_eval: int | None = opt(
         "use at most N dev examples per task (a fixed random subset, the same in every run) for quick runs",
-        resume=MAY, type=int,
+        resume=MAY,
     )  # fmt: skip
-    max_train: int | None = opt("use at most N training examples per task (quick runs)", type=int)
-    max_predict: int | None = opt(
-        "predict at most N test examples per task (quick runs)", resume=MAY, type=int
-    )
+    max_train: int | None = opt("use at most N training examples per task (quick runs)")
+    max_predict: int | None = opt("predict at most N test examples per task (quick runs)", resume=MAY)
     freeze_bert: bool = opt("train only PALs, heads and LayerNorms", default=False)
     activation_checkpointing: bool = opt(
         "recompute each encoder layer in the backward instead of keeping its activations (non-reentrant "
@@ -255,8 +222,7 @@ class TrainArgs:
     )
     freeze_layers: int = opt(
         "freeze the embeddings and the bottom K encoder layers: no gradient, and the backward stops at layer K "
-        "(PALs must sit above them: --pal-layers)",
-        type=int, default=0,
+        "(PALs must sit above them: --pal-layers)", default=0,
     )  # fmt: skip
     no_progress: bool = opt("no progress bars", resume=MAY, default=False)
     verbose: bool = opt(
@@ -266,21 +232,19 @@ class TrainArgs:
     debug: bool = opt("show the Python traceback of an error, not only its one-line message", resume=MAY,
                       default=False)  # fmt: skip
     local_rank: int | None = opt(
-        "set by the deepspeed launcher; do not pass by hand", resume=MAY, type=int,
+        "set by the deepspeed launcher; do not pass by hand", resume=MAY,
         flags=("--local_rank", "--local-rank"),
     )  # fmt: skip
     stop_after_steps: int | None = opt(
         "testing: send this process SIGTERM after N updates (checkpoint and stop, as a real kill would)",
-        resume=MAY, type=int,
+        resume=MAY,
     )  # fmt: skip
-    inject_nan_at_step: int | None = opt(
-        "testing: NaN loss at this update", resume=MAY, type=int, hidden=True
-    )
+    inject_nan_at_step: int | None = opt("testing: NaN loss at this update", resume=MAY, hidden=True)
     inject_nan_weights_at_step: int | None = opt(
-        "testing: NaN in the weights after this update", resume=MAY, type=int, hidden=True
+        "testing: NaN in the weights after this update", resume=MAY, hidden=True
     )
     kill_after_steps: int | None = opt(
-        "testing: SIGKILL this process after N updates (no checkpoint, as kill -9 would)", resume=MAY, type=int,
+        "testing: SIGKILL this process after N updates (no checkpoint, as kill -9 would)", resume=MAY,
         hidden=True,
     )  # fmt: skip
 
@@ -329,7 +293,8 @@ class TrainArgs:
             )
         if self.surgery != "none" and len(tasks) < 2:
             raise ConfigError("--surgery needs at least two --tasks")
-        if self.batching == "per_task":
+        per_task = self.batching == "per_task"
+        if per_task:
             if self.max_tokens is not None:
                 raise ConfigError(
                     "--max-tokens needs --batching mixed (per-task micro-batches use --batch-size)"
@@ -338,12 +303,7 @@ class TrainArgs:
                 raise ConfigError(
                     "--task-weighting weighs tasks inside a mixed micro-batch: use --batching mixed"
                 )
-        if (
-            self.sampling in GROUPED_METHODS
-            and self.batching == "per_task"
-            and self.surgery == "none"
-            and self.grad_accum != 1
-        ):
+        if self.sampling in GROUPED_METHODS and per_task and self.surgery == "none" and self.grad_accum != 1:
             raise ConfigError(
                 f"--sampling {self.sampling} sets the micro-batches of an update; use --grad-accum 1"
             )
@@ -382,9 +342,7 @@ class TrainArgs:
                 raise ConfigError(str(err)) from None
 
     def _check_data(self) -> Path | None:
-        builtin = [
-            t for t, spec in self.task_specs.items() if spec.source is None
-        ]  # task files name their own
+        builtin = [t for t, spec in self.task_specs.items() if spec.source is None]  # task files: their own
         if builtin and self.data_dir is None and not os.environ.get(DATA_DIR_ENV):
             raise ConfigError(
                 f"no data folder: pass --data-dir /path/to/the/task/files or `export {DATA_DIR_ENV}=/path/to/"
@@ -393,9 +351,7 @@ class TrainArgs:
         try:
             data_path = resolve_data_dir(self.data_dir) if builtin else None
             paths = [
-                split_path(self.task_specs[t], split, data_path)
-                for t in self.task_list
-                for split in ("train", "dev")
+                split_path(self.task_specs[t], s, data_path) for t in self.task_list for s in ("train", "dev")
             ]
         except (FileNotFoundError, ValueError) as err:
             raise ConfigError(f"--data-dir: {err}") from None
@@ -437,6 +393,10 @@ def _file_problem(path: Path) -> str | None:
 
 #: the option fields of :class:`TrainArgs` by name, in declaration order
 OPTIONS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(TrainArgs) if f.init}
+#: the argparse type of each option, from its annotation (``"int | None"``: int; None for flags and lists)
+OPTION_TYPES = {
+    name: {"int": int, "float": float, "str": str}.get(f.type.split()[0]) for name, f in OPTIONS.items()
+}
 
 
 def resume_fields(kind: str) -> list[str]:
@@ -446,7 +406,7 @@ def resume_fields(kind: str) -> list[str]:
 
 def type_problem(f: dataclasses.Field, value: Any) -> str | None:
     """None when the JSON ``value`` has the type of option ``f``, else what it must be (``"an integer"``, ...)."""
-    kind = f.metadata["type"]
+    kind = OPTION_TYPES[f.name]
     if value is None and f.default is None:
         return None
     if f.default is False:
@@ -465,24 +425,17 @@ def type_problem(f: dataclasses.Field, value: Any) -> str | None:
 def build_pal_config(args: TrainArgs) -> PALConfig | None:
     """The :class:`PALConfig` of ``--pal`` with ``--pal-heads`` / ``--pal-hidden``; None for ``--pal none``."""
     preset = PAL_PRESETS[args.pal]
+    given = {"num_heads": args.pal_heads, "hidden": args.pal_hidden, "layers": args.pal_layers}
+    given = {k: v for k, v in given.items() if v is not None}
+    if preset is None and given:
+        raise ConfigError(
+            "--pal-heads/--pal-hidden/--pal-layers need PALs: drop them or choose a --pal variant"
+        )
     if preset is None:
-        if args.pal_heads is not None or args.pal_hidden is not None or args.pal_layers is not None:
-            raise ConfigError(
-                "--pal-heads/--pal-hidden/--pal-layers need PALs: drop them or choose a --pal variant"
-            )
         return None
-    kw = dict(preset)
-    if args.pal_heads is not None:
-        kw["num_heads"] = args.pal_heads
-    if args.pal_hidden is not None:
-        kw["hidden"] = args.pal_hidden
-    if args.pal_layers is not None:
-        if args.pal_layers < 1:
-            raise ConfigError(
-                f"--pal-layers {args.pal_layers}: give the number of top layers with PALs (>= 1)"
-            )
-        kw["layers"] = args.pal_layers
-    cfg = PALConfig(num_tasks=len(args.task_list), **kw)
+    if given.get("layers", 1) < 1:
+        raise ConfigError(f"--pal-layers {args.pal_layers}: give the number of top layers with PALs (>= 1)")
+    cfg = PALConfig(num_tasks=len(args.task_list), **{**preset, **given})
     if cfg.hidden < 1 or cfg.num_heads < 1 or cfg.hidden % cfg.num_heads:
         raise ConfigError(
             f"--pal-heads {cfg.num_heads} does not divide the PAL width d_s = {cfg.hidden} (--pal-hidden): "

@@ -1,13 +1,13 @@
 """What a run reports: every record of the loop (a dict with a ``type``: config, step, eval, epoch, nonfinite,
-interrupted) goes to the callbacks, each implementing any of ``on_train_start(trainer)``,
-``on_record(trainer, entry)`` and ``on_train_end(trainer)``."""
+interrupted) goes to the callbacks' ``on_record``; :class:`Plots` draws PNGs (matplotlib's Agg canvas)."""
 
 from __future__ import annotations
 
 import os
 import signal
 import sys
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -15,31 +15,18 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from fastpals.data.metrics import bin_sts, confusion_matrix, plot_confusion_matrix, task_confusion_matrix
 from fastpals.train.outputs import strict_json
-from fastpals.train.plots import plot_confusion_matrices, plot_training_curves
-
-__all__ = [
-    "Callback",
-    "FaultInjection",
-    "JsonlLog",
-    "Plots",
-    "Progress",
-    "TensorBoardLog",
-    "default_callbacks",
-]
 
 
 class Callback:
     """Base class: every hook does nothing."""
 
-    def on_train_start(self, trainer: Any) -> None:
-        pass
+    def on_train_start(self, trainer: Any) -> None: ...
 
-    def on_record(self, trainer: Any, entry: dict[str, Any]) -> None:
-        pass
+    def on_record(self, trainer: Any, entry: dict[str, Any]) -> None: ...
 
-    def on_train_end(self, trainer: Any) -> None:
-        pass
+    def on_train_end(self, trainer: Any) -> None: ...
 
 
 @dataclass
@@ -51,10 +38,10 @@ class JsonlLog(Callback):
             f.write(strict_json(entry) + "\n")  # NaN/inf as null: every line is strict JSON
 
 
+@dataclass
 class TensorBoardLog(Callback):
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        self.writer = None
+    folder: Path
+    writer: Any = None
 
     def on_train_start(self, trainer: Any) -> None:
         try:
@@ -88,14 +75,13 @@ class TensorBoardLog(Callback):
             self.writer = None
 
 
+@dataclass
 class Progress(Callback):
-    """One bar over all the run's updates (its ETA the whole run's), each task's loss (moving average) and the
-    throughput in the postfix."""
+    """One bar over the run's updates; each task's loss (moving average) and the throughput in the postfix."""
 
-    def __init__(self, enabled: bool = True) -> None:
-        self.enabled = enabled
-        self.bar = None
-        self.ema: dict[str, float] = {}
+    enabled: bool = True
+    bar: Any = None
+    ema: dict[str, float] = field(default_factory=dict)
 
     def on_train_start(self, trainer: Any) -> None:
         self.bar = tqdm(
@@ -133,7 +119,6 @@ class Plots(Callback):
     def on_train_end(self, trainer: Any) -> None:
         if not trainer.is_main or not trainer.finished:
             return
-
         state, args = trainer.state, trainer.args
         untrained = [{"step": 0, "dev": state.untrained}] if state.untrained else []
         plot_training_curves(state.step_losses, untrained + list(state.evals), trainer.out / "training_curves.png",
@@ -142,18 +127,15 @@ class Plots(Callback):
         if npz.is_file():
             data = np.load(npz)
             pairs = {
-                t: (data[f"{t}_label"], data[f"{t}_pred"])
-                for t in trainer.args.task_list
-                if f"{t}_pred" in data
+                t: (data[f"{t}_label"], data[f"{t}_pred"]) for t in args.task_list if f"{t}_pred" in data
             }
-            plot_confusion_matrices(pairs, trainer.out, trainer.args.task_specs)
+            plot_confusion_matrices(pairs, trainer.out, args.task_specs)
 
 
 @dataclass
 class FaultInjection(Callback):
-    """Test-only faults: the loss of update ``nan_at_step`` turns NaN (a loss hook), a weight turns NaN after
-    ``nan_weights_at_step``, and this process gets SIGTERM after ``stop_after_steps`` or SIGKILL after
-    ``kill_after_steps``."""
+    """Test-only faults: a NaN loss at update ``nan_at_step``, a NaN weight after ``nan_weights_at_step``,
+    SIGTERM after ``stop_after_steps``, SIGKILL after ``kill_after_steps``."""
 
     nan_at_step: int | None
     stop_after_steps: int | None
@@ -182,8 +164,7 @@ class FaultInjection(Callback):
 
 
 def default_callbacks(args: Any, out: Path, is_main: bool) -> list[Callback]:
-    """The callbacks of ``train.py``: JSONL, TensorBoard, progress and plots on the main rank, and the
-    fault injection a test option asks for."""
+    """JSONL, TensorBoard, progress and plots on the main rank, and the faults a test option asks for."""
     callbacks: list[Callback] = []
     if is_main:
         callbacks += [JsonlLog(out / "metrics.jsonl"), TensorBoardLog(out / "tensorboard"),
@@ -197,3 +178,121 @@ def default_callbacks(args: Any, out: Path, is_main: bool) -> list[Callback]:
     if any(f is not None for f in faults):
         callbacks.append(FaultInjection(*faults))
     return callbacks
+
+
+def smooth(values: Sequence[float], window: int) -> np.ndarray:
+    """Trailing moving average of ``values`` over ``window`` points (shorter at the start), float64."""
+    x = np.asarray(values, dtype=np.float64)
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    if x.size == 0:
+        return x
+    c = np.cumsum(np.insert(x, 0, 0.0))
+    idx = np.arange(1, x.size + 1)
+    lo = np.maximum(idx - window, 0)
+    return (c[idx] - c[lo]) / (idx - lo)
+
+
+def task_colors(tasks: Sequence[str]) -> dict[str, str]:
+    """One colour per task (tab10, in the given order) and black for ``overall``, the same in every panel."""
+    return {**{task: f"C{i % 10}" for i, task in enumerate(tasks)}, "overall": "black"}
+
+
+def training_curve_series(
+    step_losses: dict[str, tuple[Sequence[int], Sequence[float]]],
+    evals: Sequence[dict],
+    tasks: Sequence[str] | None = None,
+) -> list[dict]:
+    """What :func:`plot_training_curves` draws, as series ``{"panel": "loss" | "dev", "task", "kind":
+    "points" | "smoothed" | "dev", "x", "y", "color"}``; a task's losses only where it trained."""
+    keys = sorted({k for e in evals for k in e["dev"] if isinstance(e["dev"][k], (int, float))} - {"overall"})
+    order = list(tasks) if tasks is not None else sorted(set(step_losses) | set(keys))
+    order += [t for t in sorted(set(step_losses) | set(keys)) if t not in order]
+    colors = task_colors(order)
+    series = []
+    for task in [t for t in order if t in step_losses]:
+        steps, losses = step_losses[task]
+        if len(steps) != len(losses):
+            raise ValueError(f"task {task}: {len(steps)} steps but {len(losses)} losses")
+        if not len(steps):
+            continue
+        x, y = np.asarray(steps), np.asarray(losses, dtype=np.float64)
+        for kind, values in (("points", y), ("smoothed", smooth(y, max(1, len(losses) // 20)))):
+            series.append(
+                {"panel": "loss", "task": task, "kind": kind, "x": x, "y": values, "color": colors[task]}
+            )
+    overall = ["overall"] if any("overall" in e["dev"] for e in evals) else []
+    for key in [t for t in order if t in keys] + overall:
+        xs = [e["step"] for e in evals if key in e["dev"]]
+        ys = [e["dev"][key] for e in evals if key in e["dev"]]
+        series.append({"panel": "dev", "task": key, "kind": "dev", "x": np.asarray(xs), "y": np.asarray(ys),
+                       "color": colors[key]})  # fmt: skip
+    return series
+
+
+def plot_training_curves(
+    step_losses: dict[str, tuple[Sequence[int], Sequence[float]]],
+    evals: Sequence[dict],
+    path: str | os.PathLike,
+    title: str | None = None,
+    tasks: Sequence[str] | None = None,
+) -> Path:
+    """Write ``path`` (PNG): each task's training loss per update (``step_losses``: ``{task: (steps,
+    losses)}``, points, moving average) beside the dev scores of ``evals`` (``[{"step", "dev"}, ...]``)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # start-up: matplotlib's import is slow
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(11, 4.8))
+    FigureCanvasAgg(figure)
+    left, right = figure.add_subplot(1, 2, 1), figure.add_subplot(1, 2, 2)
+    handles: dict[str, object] = {}
+    for s in training_curve_series(step_losses, evals, tasks):
+        if s["kind"] == "points":
+            left.plot(s["x"], s["y"], linestyle="none", marker=".", markersize=3, alpha=0.3, color=s["color"])
+        elif s["kind"] == "smoothed":
+            (handles[s["task"]],) = left.plot(s["x"], s["y"], color=s["color"], linewidth=1.5)
+        else:
+            width = 2.0 if s["task"] == "overall" else 1.0
+            (line,) = right.plot(s["x"], s["y"], marker="o", color=s["color"], linewidth=width)
+            handles.setdefault(s["task"], line)
+    left.set(xlabel="update step", ylabel="training loss")
+    left.set_title("training loss per task (points: updates that trained it)", fontsize=9)
+    right.set(xlabel="update step", ylabel="dev score (accuracy / Pearson r)")
+    right.set_title("dev evaluation", fontsize=9)
+    if title:
+        figure.suptitle(title, fontsize=9)
+    if handles:
+        figure.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(len(handles), 8),
+                      frameon=False)  # fmt: skip
+    figure.tight_layout(rect=(0, 0.08, 1, 1))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, format="png", dpi=100)
+    return path
+
+
+def plot_confusion_matrices(
+    predictions: dict[str, tuple[Sequence, Sequence]], folder: str | os.PathLike, specs: dict | None = None
+) -> list[Path]:
+    """Write the confusion matrices of the dev predictions (``{task: (labels, predictions)}``) into
+    ``folder``: SST's, STS's (binned to 0.5) and, with ``specs``, every other task's; returns the paths."""
+    plots = {
+        task: (*task_confusion_matrix(spec, *predictions[task]), f"{task} dev (rows: true)")
+        for task, spec in (specs or {}).items()
+        if task not in ("sst", "sts") and task in predictions
+    }
+    if "sst" in predictions:
+        labels, preds = (np.asarray(v, dtype=np.int64) for v in predictions["sst"])
+        plots["sst"] = (confusion_matrix(labels, preds, 5), None, "SST dev (rows: true)")
+    if "sts" in predictions:
+        labels, preds = predictions["sts"]
+        names = [f"{k / 2:g}" for k in range(11)]
+        plots["sts"] = (
+            confusion_matrix(bin_sts(labels), bin_sts(preds), 11),
+            names,
+            "STS dev, binned to 0.5",
+        )
+    return [
+        plot_confusion_matrix(matrix, Path(folder) / f"confusion_{task}.png", class_names=names, title=title)
+        for task, (matrix, names, title) in plots.items()
+    ]

@@ -1,6 +1,5 @@
-"""The ``train.py`` / ``fastpals train`` command line, generated from :class:`TrainArgs`'s fields. ``--resume``
-reads the options saved in ``<out>/train_args.json``; errors a user can fix print one line (``--debug``: the
-traceback too)."""
+"""The ``train.py`` / ``fastpals train`` command line, generated from :class:`TrainArgs`'s fields; errors a
+user can fix print one line (``--debug``: the traceback too)."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fastpals.train.allocator import keep_freed_memory
-from fastpals.train.args import OPTIONS, TrainArgs, option_flag, resume_fields, type_problem
+from fastpals.train.args import OPTION_TYPES, OPTIONS, TrainArgs, option_flag, resume_fields, type_problem
 from fastpals.train.errors import (
     ConfigError,
     NonFiniteLossError,
@@ -85,12 +84,11 @@ def build_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
     for f in OPTIONS.values():
         m = f.metadata
         flags = m["flags"] or (option_flag(f.name),)
-        help_text = (
-            argparse.SUPPRESS
-            if m["hidden"]
-            else m["help"] + (" [may change on --resume]" if m["resume"] == "may_change" else "")
-        )
-        kw: dict[str, Any] = {"dest": f.name, "help": help_text}
+        may_change = " [may change on --resume]" if m["resume"] == "may_change" else ""
+        kw: dict[str, Any] = {
+            "dest": f.name,
+            "help": argparse.SUPPRESS if m["hidden"] else m["help"] + may_change,
+        }
         if not suppress_defaults:
             kw["default"] = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         if f.default is False:
@@ -98,7 +96,7 @@ def build_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
         elif f.name == "surgery_opts":
             kw.update(action="append", metavar=m["metavar"])
         else:
-            kw.update({key: m[key] for key in ("choices", "type", "metavar") if m[key]})
+            kw.update({key: m[key] for key in ("choices", "metavar") if m[key]}, type=OPTION_TYPES[f.name])
         p.add_argument(*flags, **kw)
 
     p.add_argument("--recipe", dest="recipe", metavar="NAME", default=argparse.SUPPRESS,
@@ -113,8 +111,7 @@ def _fmt(name: str) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> TrainArgs:
-    """:class:`TrainArgs` from a command line; with ``--resume`` the saved options of ``<out>`` fill in the rest.
-    Raises :class:`ConfigError` (one line) for anything to fix."""
+    """:class:`TrainArgs` from a command line; with ``--resume`` the options saved in ``<out>`` fill in."""
     given = vars(build_parser(suppress_defaults=True).parse_args(argv))
     recipe = given.pop("recipe", None)
     if recipe is not None:
@@ -132,12 +129,8 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
             f"--resume: {saved_path} does not exist, so --out {out} holds no run to resume: check --out, or start "
             f"a new run without --resume"
         )
-    saved = read_json_object(
-        saved_path,
-        "--resume: ",
-        "must hold a JSON object of options",
-        ": restore it (the run's checkpoint keeps the options too) or start a new run",
-    )
+    fix = ": restore it (the run's checkpoint keeps the options too) or start a new run"
+    saved = read_json_object(saved_path, "--resume: ", "must hold a JSON object of options", fix)
     for name, value in saved.items():
         want = type_problem(OPTIONS[name], value) if name in OPTIONS else None
         if want is not None:
@@ -154,14 +147,11 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
             f"run in another --out"
         )
     options = {k: v for k, v in saved.items() if k in OPTIONS and k not in PER_INVOCATION}
-    options.update(given)
-    return TrainArgs(**options)
+    return TrainArgs(**{**options, **given})
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``train.py`` and ``fastpals train``; returns the exit status (:data:`EXIT_CODES`: 0 ok,
-    2 bad option, config, data, run folder or checkpoint, 3 non-finite, 4 an output not written, 128 + signal
-    number when stopped by SIGTERM/SIGINT/SIGHUP)."""
+    """Entry point of ``train.py`` and ``fastpals train``; returns the exit status (:data:`EXIT_CODES`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     trainer = None
@@ -172,15 +162,10 @@ def main(argv: list[str] | None = None) -> int:
         trainer = Trainer(args)
         ctrl_c.check()
         trainer.run()
-    except ConfigError as err:
-        _report(f"{PROG}: error: {err}", debug)
-        return 2
-    except NonFiniteLossError as err:
-        _report(f"{PROG}: {err}", debug)
-        return 3
-    except OutputError as err:
-        _report(f"{PROG}: error: {err}", debug)
-        return 4
+    except (ConfigError, NonFiniteLossError, OutputError) as err:
+        error = "" if isinstance(err, NonFiniteLossError) else "error: "
+        _report(f"{PROG}: {error}{err}", debug)
+        return 2 if isinstance(err, ConfigError) else 3 if isinstance(err, NonFiniteLossError) else 4
     except TrainingInterrupted as err:
         _report(f"{PROG}: {err}", debug and err.at_once, hint=False)
         return 128 + err.signum

@@ -1,5 +1,5 @@
-"""The data of a training run: the tokenizer, every task's train and dev batchers and the sampler of the
-updates; rank ``r`` of ``W`` trains on examples ``r, r + W, ...``."""
+"""The data of a run: tokenizer, train and dev batchers, the updates' sampler; rank ``r`` of ``W`` trains on
+examples ``r, r + W, ...``."""
 
 from __future__ import annotations
 
@@ -47,10 +47,8 @@ def setup_data(
     log: Callable[[str], None],
     tokenizer: Tokenizer | None = None,
 ) -> RunData:
-    """Tokenizer (opened by :func:`open_tokenizer` unless given), batchers and sampler of a run of ``args`` on
-    process ``rank`` of ``world_size``; ``log`` gets one summary line."""
-    if tokenizer is None:
-        tokenizer = open_tokenizer(args)
+    """The :class:`RunData` of ``args`` on process ``rank`` of ``world_size``; ``log`` gets a summary line."""
+    tokenizer = open_tokenizer(args) if tokenizer is None else tokenizer
     pair_encoding = {
         t: "joint" if (args.pair_mode == "joint" or not args.task_specs[t].pair) else "separate"
         for t in args.task_list

@@ -1,7 +1,5 @@
 """Process set-up for DeepSpeed: rank/world defaults for ``python train.py``, quiet libraries, and no CPU
-shared-memory comm op for a single process (DeepSpeed builds ``deepspeed_shm_comm`` with ninja when its
-communication backend starts, minutes the first time; one process never all-reduces across processes).
-"""
+shared-memory comm op for a single process (DeepSpeed builds it with ninja, minutes the first time)."""
 
 from __future__ import annotations
 
@@ -37,9 +35,8 @@ def set_single_process_env() -> None:
 def without_shm_comm_op() -> Iterator[None]:
     """While active, DeepSpeed's communication backend starts without its CPU shared-memory op
     (``deepspeed.comm.torch.build_shm_op`` returns None: "op not available")."""
-    ds_torch = importlib.import_module(
-        "deepspeed.comm.torch"
-    )  # `deepspeed.comm.torch` the attribute is torch
+    # by name: the attribute `deepspeed.comm.torch` is torch itself
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
     original = ds_torch.build_shm_op
     ds_torch.build_shm_op = lambda: None
     try:
@@ -49,9 +46,8 @@ def without_shm_comm_op() -> Iterator[None]:
 
 
 def quiet_libraries(verbose: bool = False) -> None:
-    """Before DeepSpeed is imported: without ``verbose``, name the CPU accelerator where there is no CUDA device
-    (DeepSpeed would guess it, with a warning) and keep transformers to errors; with ``verbose``, DeepSpeed logs
-    at INFO. Settings already in the environment are kept."""
+    """Before DeepSpeed's import: name the CPU accelerator where there is no GPU (no guess, no warning) and
+    keep transformers to errors; ``verbose``: DeepSpeed logs at INFO. Settings in the environment are kept."""
     if not verbose:
         if not torch.cuda.is_available():
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -67,9 +63,8 @@ def quiet_libraries(verbose: bool = False) -> None:
 def initialize(
     model: Any, optimizer: Any, scheduler: Any, config: dict, log: Any = print, verbose: bool = False
 ) -> tuple:
-    """``deepspeed.initialize`` for this process, without the shared-memory op when it is the only one; returns
-    DeepSpeed's ``(engine, optimizer, loader, scheduler)``. Without ``verbose``, what DeepSpeed prints while it
-    sets up is held back unless it fails."""
+    """``deepspeed.initialize`` (``(engine, optimizer, loader, scheduler)``), without the shared-memory op for
+    one process; without ``verbose``, what DeepSpeed prints is held back unless it fails."""
     quiet_libraries(verbose)
     import deepspeed  # its import takes seconds
 
@@ -83,23 +78,20 @@ def initialize(
     held = io.StringIO()
     gc.freeze()  # DeepSpeed's set-up runs gc.collect() per parameter group: let it scan only new objects
     try:
-        with without_shm_comm_op() if single else contextlib.nullcontext():
-            with contextlib.redirect_stdout(sys.stdout if verbose else held):
-                out = deepspeed.initialize(
-                    model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config
-                )
+        quiet = contextlib.redirect_stdout(sys.stdout if verbose else held)
+        with without_shm_comm_op() if single else contextlib.nullcontext(), quiet:
+            out = deepspeed.initialize(
+                model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config
+            )
     except BaseException:
         sys.stdout.write(held.getvalue())
         raise
     finally:
         gc.unfreeze()
     engine = out[0]
-    if (
-        single
-        and not hasattr(engine.optimizer, "reduce_gradients")
-        and not engine.zero_optimization_partition_gradients()
-    ):
-        # one rank: DeepSpeed's fallback all-reduce (ZeRO-0, BF16_Optimizer) copies every gradient through a
-        # bucket for an identity; ZeRO-1/2's reduce_gradients also moves gradients into place, so it stays
+    # one rank: DeepSpeed's fallback all-reduce (ZeRO-0, BF16_Optimizer) copies every gradient through a
+    # bucket for an identity; ZeRO-1/2's reduce_gradients also moves gradients into place, so it stays
+    reduces = hasattr(engine.optimizer, "reduce_gradients")
+    if single and not reduces and not engine.zero_optimization_partition_gradients():
         engine.enable_backward_allreduce = False
     return out

@@ -1,5 +1,4 @@
-"""DeepSpeed JSON configs: the shipped ones (``fastpals/configs/``, also ``configs/<name>``), reading one, and
-checking it against the options."""
+"""DeepSpeed JSON configs: the shipped ones (``fastpals/configs/``), reading one and checking it."""
 
 from __future__ import annotations
 
@@ -17,17 +16,6 @@ import torch
 from fastpals.encoder.precision import cpu_has_native_bf16
 from fastpals.train.errors import ConfigError, read_json_object
 
-__all__ = [
-    "DEFAULT_DS_CONFIG",
-    "check_ds_config",
-    "check_ds_keys",
-    "cpu_has_native_bf16",
-    "load_ds_config",
-    "precision_note",
-    "resolve_ds_config",
-    "shipped_configs",
-]
-
 DEFAULT_DS_CONFIG = "cpu_auto.json"
 
 # bf16 where the CPU has no bf16 instructions: the matmuls are emulated in software
@@ -44,8 +32,8 @@ def shipped_configs() -> dict[str, Path]:
 
 
 def resolve_ds_config(path: str | os.PathLike) -> Path:
-    """``path`` when it is a file; else a shipped config of that name (``cpu_bf16.json`` or
-    ``configs/cpu_bf16.json`` from any folder); else :class:`ConfigError`."""
+    """``path`` when it is a file, else the shipped config of that name (``cpu_bf16.json`` or
+    ``configs/cpu_bf16.json`` from any folder), else :class:`ConfigError`."""
     candidate = Path(path)
     if candidate.is_file():
         return candidate
@@ -58,8 +46,7 @@ def resolve_ds_config(path: str | os.PathLike) -> Path:
 
 
 def load_ds_config(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a DeepSpeed JSON config (a path or a shipped config's name); a missing file or bad JSON is a
-    :class:`ConfigError`."""
+    """Read a DeepSpeed JSON config (a path or a shipped config's name); else :class:`ConfigError`."""
     return read_json_object(resolve_ds_config(path), "--ds_config ", "the top level must be a JSON object")
 
 
@@ -69,13 +56,11 @@ def _enabled(cfg: dict[str, Any], key: str) -> bool:
 
 
 def _resolve_auto_precision(cfg: dict[str, Any], cuda: bool, native_bf16: bool | None, name: str) -> None:
-    """Replace ``"bf16": {"enabled": "auto"}`` in place (bf16 where the GPU or CPU runs it
-    natively, else fp32); any other non-boolean ``enabled`` is a :class:`ConfigError`."""
+    """Replace ``"bf16": {"enabled": "auto"}`` in place (bf16 where the GPU or CPU runs it natively, else
+    fp32); any other non-boolean ``enabled`` is a :class:`ConfigError`."""
     for key in ("fp16", "bf16"):
         section = cfg.get(key)
-        if not isinstance(section, dict) or "enabled" not in section:
-            continue
-        value = section["enabled"]
+        value = section.get("enabled", False) if isinstance(section, dict) else False
         if isinstance(value, bool):
             continue
         if key == "bf16" and value == "auto":
@@ -101,28 +86,27 @@ def precision_note(
     section = requested.get("bf16")
     auto = isinstance(section, dict) and section.get("enabled") == "auto"
     if _enabled(checked, "fp16"):
-        reason = "precision: fp16 (--ds_config)"
+        reason = "fp16 (--ds_config)"
     elif _enabled(checked, "bf16") and not cuda and not native:
-        reason = f"precision: bf16 as --ds_config asks, but {_EMULATED_BF16_NOTE}: configs/cpu_auto.json picks fp32"
+        reason = f"bf16 as --ds_config asks, but {_EMULATED_BF16_NOTE}: configs/cpu_auto.json picks fp32"
     elif _enabled(checked, "bf16"):
         why = "the GPU supports it" if cuda else "native on this CPU"
-        reason = f"precision: bf16 (bf16.enabled = auto: {why})" if auto else "precision: bf16 (--ds_config)"
+        reason = f"bf16 (bf16.enabled = auto: {why})" if auto else "bf16 (--ds_config)"
     elif auto:
-        reason = "precision: fp32 (bf16.enabled = auto: " + (
+        reason = "fp32 (bf16.enabled = auto: " + (
             "the GPU has no bf16)" if cuda else f"{_EMULATED_BF16_NOTE})"
         )
     else:
-        reason = "precision: fp32 (--ds_config)"
+        reason = "fp32 (--ds_config)"
     stage = (checked.get("zero_optimization") or {}).get("stage", 0)
     accum = (checked.get("data_types") or {}).get("grad_accum_dtype")
-    return f"{reason}, ZeRO stage {stage}" + (f", {accum} gradient accumulation" if accum else "")
+    return f"precision: {reason}, ZeRO stage {stage}" + (f", {accum} gradient accumulation" if accum else "")
 
 
 def _resolve_grad_accum_dtype(cfg: dict[str, Any], surgery: str, name: str) -> None:
-    """Resolve ``"data_types": {"grad_accum_dtype": "auto"}`` in place: fp32 with bf16 + ZeRO-1 and no
-    surgery (DeepSpeed's ``BF16_Optimizer`` with ``immediate_grad_update``: a faster step, the same updates), else
-    DeepSpeed's default. Explicit fp32 there with surgery is refused: that optimizer takes each gradient during the
-    backward, before the aggregator combines them."""
+    """Resolve ``"data_types": {"grad_accum_dtype": "auto"}`` in place: fp32 with bf16 + ZeRO-1 and no surgery
+    (DeepSpeed's faster ``BF16_Optimizer``), else DeepSpeed's default. Explicit fp32 with surgery is refused:
+    that optimizer takes each gradient during the backward, before the aggregator combines them."""
     types = cfg.get("data_types")
     if not isinstance(types, dict) or "grad_accum_dtype" not in types:
         return
@@ -155,10 +139,9 @@ def check_ds_config(
     name: str = "--ds_config",
     native_bf16: bool | None = None,
 ) -> dict[str, Any]:
-    """A completed copy of DeepSpeed config ``cfg`` checked against the options: batch entries filled in
-    from ``batch_size`` and ``grad_accum`` (1 with surgery), every ``"auto"`` resolved (precision, ZeRO-1 with 16-bit
-    training or several ranks, ``grad_accum_dtype``), every contradiction a :class:`ConfigError` naming the entry.
-    ``cuda`` defaults to ``torch.cuda.is_available()``, ``native_bf16`` to :func:`cpu_has_native_bf16`."""
+    """A completed copy of DeepSpeed config ``cfg`` checked against the options: batch entries filled in,
+    every ``"auto"`` resolved, every contradiction a :class:`ConfigError` naming the entry (``cuda``,
+    ``native_bf16``: the machine's by default)."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
     out = copy.deepcopy(cfg)
     _resolve_auto_precision(out, cuda, native_bf16, name)
@@ -261,9 +244,8 @@ def _unknown(name: str, key: str, valid: list[str] | set[str], where: str) -> Co
 
 
 def check_ds_keys(cfg: dict[str, Any], name: str = "--ds_config") -> None:
-    """Refuse what DeepSpeed would ignore or reject only after the set-up: an unknown key at the top level or
-    in ``zero_optimization``/``bf16``/``fp16``/``data_types`` (naming the closest valid one), or a value DeepSpeed's
-    own validation refuses."""
+    """Refuse what DeepSpeed would ignore or reject only after the set-up: an unknown key (naming the closest
+    valid one) or a value DeepSpeed's own validation refuses."""
     if not torch.cuda.is_available():  # name the CPU accelerator before DeepSpeed's import: no guess printed
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:  # DeepSpeed's import takes seconds
@@ -273,22 +255,16 @@ def check_ds_keys(cfg: dict[str, Any], name: str = "--ds_config") -> None:
         from pydantic import ValidationError
     except ImportError:  # no DeepSpeed here: it checks its config itself at the set-up
         return
-    valid = {
-        v
-        for k, v in vars(constants).items()
-        if k.isupper() and isinstance(v, str) and re.fullmatch(r"[a-z][a-z0-9_]*", v)
-    }
-    valid |= set(_DS_SECTIONS)
+    names = [v for k, v in vars(constants).items() if k.isupper() and isinstance(v, str)]
+    valid = {v for v in names if re.fullmatch(r"[a-z][a-z0-9_]*", v)} | set(_DS_SECTIONS)
     models = {"zero_optimization": DeepSpeedZeroConfig, "bf16": DeepSpeedBF16Config, "bfloat16": DeepSpeedBF16Config,
               "fp16": DeepSpeedFP16Config}  # fmt: skip
     for key in cfg:
         if key not in valid:
             raise _unknown(name, key, valid, "top-level keys")
-    types = cfg.get("data_types")
-    if isinstance(types, dict):
-        for key in types:
-            if key not in _DATA_TYPES_KEYS:
-                raise _unknown(name, f"data_types.{key}", list(_DATA_TYPES_KEYS), "data_types keys")
+    for key in cfg["data_types"] if isinstance(cfg.get("data_types"), dict) else ():
+        if key not in _DATA_TYPES_KEYS:
+            raise _unknown(name, f"data_types.{key}", list(_DATA_TYPES_KEYS), "data_types keys")
     for section, model in models.items():
         if section not in cfg:
             continue

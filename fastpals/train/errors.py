@@ -11,21 +11,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = [
-    "ConfigError",
-    "NonFiniteLossError",
-    "OutputError",
-    "SetupCtrlC",
-    "TrainingInterrupted",
-    "is_write_error",
-    "read_json_object",
-    "save_error_cause",
-]
-
 
 class ConfigError(ValueError):
-    """An option, the DeepSpeed config, the data, the run folder or a checkpoint is wrong; the message (one line)
-    says what to change. Raised before training starts (or when resuming)."""
+    """An option, the ds_config, the data, the run folder or a checkpoint is wrong; one line, the fix."""
 
 
 def read_json_object(path: Path, where: str, what: str, fix: str = "") -> dict[str, Any]:
@@ -40,9 +28,8 @@ def read_json_object(path: Path, where: str, what: str, fix: str = "") -> dict[s
 
 
 class SetupCtrlC:
-    """Ctrl-C during the set-up: the SIGINT handler raises KeyboardInterrupt and remembers it, so that one
-    Python swallows (in an import lock's or a finalizer's callback) still stops the run at :meth:`check`.
-    :meth:`install` and :meth:`restore` on the main thread only."""
+    """Ctrl-C during the set-up: raises KeyboardInterrupt and remembers it, so that one Python swallows (in an
+    import lock's or a finalizer's callback) still stops the run at :meth:`check`. Main thread only."""
 
     def __init__(self) -> None:
         self.seen = False
@@ -64,11 +51,10 @@ class SetupCtrlC:
         return self
 
     def restore(self) -> None:
+        if self._previous is not None and signal.getsignal(signal.SIGINT) is self:
+            signal.signal(signal.SIGINT, self._previous[0])
         if self._previous is not None:
-            if signal.getsignal(signal.SIGINT) is self:
-                signal.signal(signal.SIGINT, self._previous[0])
-            sys.unraisablehook = self._previous[1]
-            self._previous = None
+            sys.unraisablehook, self._previous = self._previous[1], None
 
     def check(self) -> None:
         """Raise KeyboardInterrupt if a Ctrl-C came since :meth:`install`, swallowed or not."""
@@ -77,8 +63,7 @@ class SetupCtrlC:
 
 
 class OutputError(RuntimeError):
-    """Writing an output failed (a full disk, no permission, a read-only file system): one line naming the path
-    and the cause; the partial files are removed and the previous checkpoint is whole."""
+    """Writing an output failed (disk full, no permission, read-only): one line naming the path and cause."""
 
 
 _LOWER_RATE = (
@@ -97,32 +82,26 @@ class NonFiniteLossError(RuntimeError):
         super().__init__(self._message())
 
     def _message(self) -> str:
-        if self.what == "outputs":
-            head = (
-                f"non-finite dev outputs (NaN/inf) of task {self.task!r} after update step {self.step}, from finite "
-                f"weights (an overflow in the forward): training stopped; this model was not saved as best/ or "
-                f"checkpointed"
-            )
-        elif self.what == "weights":
-            head = (
-                f"non-finite weights after update step {self.step}: training stopped; they were not evaluated, "
-                f"saved as best/ or checkpointed"
-            )
-        else:
-            head = (
-                f"non-finite {self.what} {self.value} at update step {self.step}, task {self.task!r}: training "
-                f"stopped before this step's update"
-            )
+        head = {
+            "outputs": f"non-finite dev outputs (NaN/inf) of task {self.task!r} after update step "
+            f"{self.step}, from finite weights (an overflow in the forward): training stopped; this model "
+            "was not saved as best/ or checkpointed",
+            "weights": f"non-finite weights after update step {self.step}: training stopped; they were not "
+            "evaluated, saved as best/ or checkpointed",
+        }.get(
+            self.what,
+            f"non-finite {self.what} {self.value} at update step {self.step}, task {self.task!r}: training "
+            "stopped before this step's update",
+        )
         return f"{head}{self.context}. To go on, {_LOWER_RATE}."
 
     def add_context(
         self, checkpoint: Path | None, checkpoint_step: int | None, best: Path | None, best_step: int | None
     ) -> None:
         """Say which good checkpoint and best model this run has (None: none yet)."""
+        ckpt = "this run wrote no checkpoint yet"
         if checkpoint is not None:
             ckpt = f"the last checkpoint, {checkpoint} (update {checkpoint_step}), is good"
-        else:
-            ckpt = "this run wrote no checkpoint yet"
         best_text = f"; {best} holds the best model so far (update {best_step})" if best is not None else ""
         self.context = f" ({ckpt}{best_text})"
         self.args = (self._message(),)
@@ -137,25 +116,22 @@ class TrainingInterrupted(RuntimeError):
 
     def __init__(self, signum: int, step: int, checkpoint: Path | None, at_once: bool = False) -> None:
         self.signum, self.step, self.checkpoint, self.at_once = signum, step, checkpoint, at_once
-        name = signal.Signals(signum).name
-        if checkpoint is None:
-            then = "this run wrote no checkpoint yet: start it again (--overwrite)"
-        else:
+        then = "this run wrote no checkpoint yet: start it again (--overwrite)"
+        if checkpoint is not None:
             then = f"continue with --out {checkpoint.parent.parent} --resume"
-        if at_once:
-            last = f"; the last checkpoint is {checkpoint}" if checkpoint is not None else ""
-            message = (
-                f"stopped at once by a second Ctrl-C after update step {step}, without a new checkpoint"
-                f"{last} ({then})"
-            )
-        else:
-            message = f"stopped by signal {name} after update step {step}; checkpoint {checkpoint} ({then})"
-        super().__init__(message)
+        last = f"; the last checkpoint is {checkpoint}" if checkpoint is not None else ""
+        super().__init__(
+            f"stopped at once by a second Ctrl-C after update step {step}, without a new checkpoint{last} "
+            f"({then})"
+            if at_once
+            else f"stopped by signal {signal.Signals(signum).name} after update step {step}; checkpoint "
+            f"{checkpoint} ({then})"
+        )
 
 
 def save_error_cause(err: BaseException, path: Path) -> str:
-    """What an error while writing ``path`` means: the OS's cause (``No space left on device (ENOSPC)``),
-    or for torch's file writer, which reports a full disk as ``unexpected pos``, the free space."""
+    """What an error writing ``path`` means: the OS's cause (``No space left on device (ENOSPC)``), or for
+    torch's file writer, which reports a full disk as ``unexpected pos``, the free space."""
     if isinstance(err, OSError) and err.errno is not None:
         name = errno.errorcode.get(err.errno, str(err.errno))
         return f"{err.strerror or os.strerror(err.errno)} ({name})"

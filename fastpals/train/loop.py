@@ -1,9 +1,9 @@
 """The training loop: ``Trainer(args).run()`` sets up data, model and DeepSpeed engine, runs the updates
-(:func:`fastpals.train.step.run_update`), evaluates, checkpoints and writes the outputs of ``--out``; a NaN/inf loss
-stops it before ``engine.step()`` (:class:`NonFiniteLossError`), SIGTERM/SIGINT/SIGHUP after a checkpoint."""
+(:func:`~fastpals.train.step.run_update`), evaluates, checkpoints and writes the outputs of ``--out``."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -41,7 +41,6 @@ from fastpals.train.errors import (
 from fastpals.train.memory_mode import SURGERY_MEMORY_TEXT, trainer_memory_mode
 from fastpals.train.mixed import packed_micro_batches
 from fastpals.train.optimizer_setup import build_model, lr_lambda, make_optimizer, optimizer_param_groups
-from fastpals.train.runlock import RunLock
 from fastpals.train.state import (
     GeneratorState,
     RNGState,
@@ -74,16 +73,6 @@ def _set_rng_state(state: tuple[Any, Any, Any]) -> None:
     random.setstate(state[2])
 
 
-def _build_model_keeping_rng(args: TrainArgs) -> tuple[torch.nn.Module, tuple[Any, Any, Any]]:
-    """:func:`build_model` before the run folder is touched, the random state left as it was: returns the model
-    and the state its build left, which the set-up restores after the data (the draws of a model built there)."""
-    before = _rng_state()
-    model = build_model(args)
-    after = _rng_state()
-    _set_rng_state(before)
-    return model, after
-
-
 class Trainer:
     """One training run of :class:`TrainArgs`; ``callbacks`` default to :func:`default_callbacks`."""
 
@@ -102,12 +91,17 @@ class Trainer:
         self.ckpt_dir = self.out / "checkpoints"
         # model and tokenizer are checked before --out is touched; a folder in use is refused before them
         if self.is_main:
-            RunLock(self.out).check_free()
+            outputs.RunLock(self.out).check_free()
         self._tokenizer = open_tokenizer(args)
-        self._early_model, self._rng_after_model = _build_model_keeping_rng(args)
-        self._lock: RunLock | None = None
+        # the model is built before --out is touched, the random state put back: the set-up restores the state
+        # its build left after the data, as if it were built there
+        before = _rng_state()
+        self._early_model = build_model(args)
+        self._rng_after_model = _rng_state()
+        _set_rng_state(before)
+        self._lock: outputs.RunLock | None = None
         if self.is_main:  # one run per folder: taken before anything in --out is touched
-            self._lock = RunLock(self.out).acquire()
+            self._lock = outputs.RunLock(self.out).acquire()
             if self._lock.taken_over is not None:
                 pid, host = self._lock.taken_over
                 self.log(f"[warning] {self._lock.path}: the run with pid {pid} on host {host} ended without "
@@ -203,13 +197,12 @@ class Trainer:
 
     def _setup_surgery(self) -> None:
         args, module, stage = self.args, self.engine.module, self.zero_stage
-        memory, dtype, choice = trainer_memory_mode(self)
+        self.surgery_memory, dtype, choice = trainer_memory_mode(self)
         keep = choice.keep_bytes if choice is not None else 0
         # the gradients of one backward bypass DeepSpeed's reduce: the rows are all-reduced
         reduce = args.batching == "mixed" and self.world_size > 1
-        self.surgery_memory = memory
         self.surgery_buffer = deepspeed_surgery_buffer(
-            module, len(args.task_list), stage, dtype, reduce, memory, keep
+            module, len(args.task_list), stage, dtype, reduce, self.surgery_memory, keep
         )
         why = f" (auto: {choice.why})" if choice is not None else ""
         self.log(f"[setup] surgery {args.surgery}: {SURGERY_MEMORY_TEXT[self.surgery_memory]}{why}")
@@ -218,12 +211,11 @@ class Trainer:
         )
         if aggregator_state is not None:  # Nash-MTL, GradVac: their state is checkpointed
             self.components["aggregator_state"] = aggregator_state
-        self.surgery_generator = torch.Generator().manual_seed(self.args.seed)
+        self.surgery_generator = torch.Generator().manual_seed(args.seed)
         self.components["surgery_rng"] = GeneratorState(self.surgery_generator)
 
     def output_sizes(self) -> tuple[int, int]:
-        """Estimated bytes of a checkpoint (weights, fp32 master weights under bf16/fp16, optimizer states) and of
-        best/ (fp32 weights)."""
+        """Estimated bytes of a checkpoint (weights, fp32 master weights, optimizer states) and of best/."""
         params = list(self.engine.module.parameters())
         module = sum(p.numel() * p.element_size() for p in params)
         trained = sum(p.numel() for p in params if p.requires_grad)
@@ -257,8 +249,7 @@ class Trainer:
         self._finite_step = step
 
     def _settle_replaced(self, failed: bool) -> None:
-        """The earlier run ``--overwrite`` moved aside: deleted once this run has a checkpoint or finished, put
-        back (quietly) when it fails before that."""
+        """Delete the run ``--overwrite`` moved aside, or put it back (quietly) when this run ``failed``."""
         aside, self._replaced = getattr(self, "_replaced", None), None
         if aside is None:
             return
@@ -334,9 +325,8 @@ class Trainer:
         )  # fmt: skip
 
     def train_update(self, group: list[Any]) -> dict[str, Any]:
-        """One optimizer update over the micro-batches of ``group`` (task indices, or the mixed selections of
-        ``--batching mixed``) by :func:`fastpals.train.step.run_update`; returns each task's ``loss`` and the ``examples``
-        (mixed batches: also ``task_examples``, ``task_tokens``, ``tokens``)."""
+        """One :func:`~fastpals.train.step.run_update` over ``group`` (task indices or mixed selections): each
+        task's ``loss``, the ``examples`` (mixed: also ``task_examples``, ``task_tokens``, ``tokens``)."""
         mixed = self.args.batching == "mixed"
         if mixed:
             micro: Iterable[MicroBatch] = packed_micro_batches(
@@ -380,11 +370,9 @@ class Trainer:
                 results = self._run()
             except BaseException as err:
                 if isinstance(err, NonFiniteLossError):  # name the run's good checkpoint and best model
-                    ckpt, ckpt_step = self._checkpoint if self._checkpoint is not None else (None, None)
-                    best_step = self.state.best.get("step")
-                    best = self.out / "best"
+                    best, best_step = self.out / "best", self.state.best.get("step")
                     best = best if best_step is not None and best.is_dir() else None
-                    err.add_context(ckpt, ckpt_step, best, best_step)
+                    err.add_context(*(self._checkpoint or (None, None)), best, best_step)
                 self._record_manifest()
                 self._settle_replaced(failed=True)
                 raise
@@ -395,13 +383,10 @@ class Trainer:
         return results
 
     def _record_manifest(self) -> None:
-        """The run's manifest in --out (main rank), quiet on an OSError: the error the run stops with stays
-        the one line."""
+        """The run's manifest in --out (main rank), quiet on an OSError (the run's error stays the line)."""
         if self.is_main and getattr(self, "_before", None) is not None:
-            try:
+            with contextlib.suppress(OSError):
                 outputs.record_manifest(self.out, self._before)
-            except OSError:
-                pass
 
     def _release_lock(self) -> None:
         lock, self._lock = getattr(self, "_lock", None), None
@@ -437,14 +422,9 @@ class Trainer:
             if isinstance(old[signal.SIGINT], SetupCtrlC):
                 old[signal.SIGINT].check()  # a Ctrl-C of the set-up that Python swallowed
             if args.eval_at_start and self.state.untrained is None:
-                self.state.untrained, _ = self.evaluate()
-                self.record(
-                    {"type": "eval", "step": 0, "epoch": 0, "dev": self.state.untrained, "untrained": True}
-                )
-                self.log(
-                    "[eval] untrained (step 0): "
-                    + ", ".join(f"{k} {v:.4f}" for k, v in self.state.untrained.items())
-                )
+                dev = self.state.untrained = self.evaluate()[0]
+                self.record({"type": "eval", "step": 0, "epoch": 0, "dev": dev, "untrained": True})
+                self.log("[eval] untrained (step 0): " + ", ".join(f"{k} {v:.4f}" for k, v in dev.items()))
             for callback in self.callbacks:
                 callback.on_train_start(self)
             self.phase = "training"

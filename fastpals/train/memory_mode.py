@@ -1,9 +1,6 @@
-"""``--surgery-memory buffer|stream|auto``: what one-backward surgery builds (:func:`task_gradients`) and
-``auto``'s choice (:func:`choose_memory_mode`): the ``[T, P]`` buffer where its predicted peak fits the device
-within :data:`FIT_SHARE` and its rows are at most :data:`ROWS_SHARE` of the activations (they take the freed
-activations' place), else streaming with the first layers' Linear task rows kept within :data:`KEEP_SHARE` of the
-activations. The activations are :func:`estimate_activation_bytes`, a per-token, per-layer formula fitted to the
-planner's traces of MiniLM-L6 and BERT-base (``tests/test_memory_mode.py``)."""
+"""``--surgery-memory buffer|stream|auto``: what one-backward surgery builds (:func:`task_gradients`), and
+``auto``'s choice (:func:`choose_memory_mode`) from the predicted peak, ``[T, P]`` rows and the activations
+(:func:`estimate_activation_bytes`: fitted to the planner's traces of MiniLM-L6 and BERT-base)."""
 
 from __future__ import annotations
 
@@ -21,25 +18,6 @@ from fastpals.surgery import (
     shared_parameters_by_name,
 )
 from fastpals.train.memory_states import model_state_bytes
-
-__all__ = [
-    "FIT_SHARE",
-    "KEEP_SHARE",
-    "ROWS_SHARE",
-    "SURGERY_MEMORIES",
-    "SURGERY_MEMORY_TEXT",
-    "MemoryModeChoice",
-    "choose_memory_mode",
-    "device_memory_bytes",
-    "estimate_activation_bytes",
-    "keep_bytes",
-    "keep_bytes_for",
-    "plan_auto_modes",
-    "run_memory_mode",
-    "surgery_memory_mode",
-    "task_gradients",
-    "trainer_memory_mode",
-]
 
 #: ``--surgery-memory`` of one-backward surgery: the [T, P] buffer, streaming, or auto
 SURGERY_MEMORIES = ("buffer", "stream", "auto")
@@ -66,8 +44,8 @@ _PER_HIDDEN, _PER_SCORE = 24.0, 3.4
 
 @dataclass(frozen=True)
 class MemoryModeChoice:
-    """What :func:`choose_memory_mode` decided: ``mode`` (``buffer`` or ``stream``), ``why`` (one line) and,
-    for ``stream``, ``keep_bytes`` (the budget of kept Linear rows)."""
+    """:func:`choose_memory_mode`'s ``mode`` (``buffer`` or ``stream``), ``why`` (one line) and, for
+    ``stream``, ``keep_bytes`` (the budget of kept Linear rows)."""
 
     mode: str
     why: str
@@ -77,14 +55,11 @@ class MemoryModeChoice:
 def surgery_memory_mode(
     option: str, one_backward: bool, buffer_dtype: str = "fp32", auto_pick: str | None = None
 ) -> str:
-    """``--surgery-memory`` -> what :func:`task_gradients` builds: ``buffer``, ``stream`` or ``smaller``
-    (``auto``'s streaming). ``auto`` is the buffer with per-task backwards, with bf16 rows asked for
-    (``buffer_dtype``), or where ``auto_pick`` (:func:`run_memory_mode`'s mode) is ``buffer``."""
-    if option == "auto":
-        if not one_backward or buffer_dtype == "bf16" or auto_pick == "buffer":
-            return "buffer"
-        return "smaller"
-    return option
+    """``--surgery-memory`` -> ``buffer``, ``stream`` or ``smaller`` (``auto``'s streaming); ``auto`` is the
+    buffer with per-task backwards, bf16 rows, or where ``auto_pick`` is ``buffer``."""
+    if option != "auto":
+        return option
+    return "buffer" if not one_backward or buffer_dtype == "bf16" or auto_pick == "buffer" else "smaller"
 
 
 def task_gradients(
@@ -95,9 +70,8 @@ def task_gradients(
     keep_bytes: int = 0,
     **kwargs: Any,
 ) -> TaskGradients:
-    """The per-task gradients of a :func:`surgery_memory_mode`: a :class:`~fastpals.surgery.TaskGradientBuffer`
-    with ``dtype`` rows, or a :class:`~fastpals.surgery.StreamingTaskGradients` (``smaller``: with ``keep_bytes`` of
-    kept Linear rows); ``kwargs`` go to either (getter, setter, task parameters, data parallel)."""
+    """The per-task gradients of a :func:`surgery_memory_mode`: a ``TaskGradientBuffer`` of ``dtype`` rows or
+    ``StreamingTaskGradients`` (``smaller``: ``keep_bytes`` of kept Linear rows); ``kwargs`` go to either."""
     if memory not in SURGERY_MEMORY_TEXT:
         raise ValueError(f"surgery memory {memory!r}: choose one of {', '.join(SURGERY_MEMORY_TEXT)}")
     if memory == "buffer":
@@ -119,33 +93,23 @@ def choose_memory_mode(
     rows_share: float = ROWS_SHARE,
     keep_share: float = KEEP_SHARE,
 ) -> MemoryModeChoice:
-    """``auto``'s pick from byte counts per rank: the buffer's ``[T, P]`` ``rows_bytes``, the step's
-    ``activation_bytes``, its predicted ``buffer_peak_bytes`` (rows included) and the ``device_bytes`` (0: unknown, the
-    fit is not checked). Streaming keeps ``keep_share`` of the activations in Linear rows (0 for data parallel), at
-    most what the device leaves above the streamed peak (the buffer's less its rows) within ``fit_share``."""
+    """``auto``'s pick from byte counts per rank (``device_bytes`` 0: fit not checked); streaming keeps
+    ``keep_share`` of the activations in Linear rows, at most what the device leaves above its peak."""
     keep = keep_bytes(activation_bytes, keep_share)
     if device_bytes > 0:  # the kept rows come on top of the streamed peak (about the buffer's, less its rows)
         keep = max(0, min(keep, int(fit_share * device_bytes) - (buffer_peak_bytes - rows_bytes)))
     kept = f"; the first layers' Linear task rows kept within {_mib(keep)}" if keep else ""
     if device_bytes > 0 and buffer_peak_bytes > fit_share * device_bytes:
-        return MemoryModeChoice(
-            "stream",
+        why = (
             f"the buffer's predicted peak {_mib(buffer_peak_bytes)} is over {fit_share:.0%} of the device's "
-            f"{_mib(device_bytes)}{kept}",
-            keep,
         )
+        return MemoryModeChoice("stream", f"{why}{_mib(device_bytes)}{kept}", keep)
+    activations = f"of the activations (~{_mib(activation_bytes)})"
     if rows_bytes > rows_share * activation_bytes:
-        return MemoryModeChoice(
-            "stream",
-            f"the [T, P] rows ({_mib(rows_bytes)}) are over {rows_share:.0%} of the activations "
-            f"(~{_mib(activation_bytes)}){kept}",
-            keep,
-        )
-    return MemoryModeChoice(
-        "buffer",
-        f"the buffer's peak {_mib(buffer_peak_bytes)} fits and its rows ({_mib(rows_bytes)}) are at most "
-        f"{rows_share:.0%} of the activations (~{_mib(activation_bytes)})",
-    )
+        why = f"the [T, P] rows ({_mib(rows_bytes)}) are over {rows_share:.0%} {activations}{kept}"
+        return MemoryModeChoice("stream", why, keep)
+    why = f"the buffer's peak {_mib(buffer_peak_bytes)} fits and its rows ({_mib(rows_bytes)}) are at most"
+    return MemoryModeChoice("buffer", f"{why} {rows_share:.0%} {activations}")
 
 
 def keep_bytes(activation_bytes: int, share: float = KEEP_SHARE) -> int:
@@ -157,10 +121,11 @@ def keep_bytes_for(config: Any, tokens: int, length: int, precision: str = "fp32
     """:func:`keep_bytes` of a step of ``tokens`` tokens in sequences of ``length`` through the encoder of
     ``config`` (``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``): ``auto``'s budget on one rank."""
     c = config
-    activations = estimate_activation_bytes(
-        tokens, length, c.hidden_size, c.num_hidden_layers, c.num_attention_heads, precision
+    return keep_bytes(
+        estimate_activation_bytes(
+            tokens, length, c.hidden_size, c.num_hidden_layers, c.num_attention_heads, precision
+        )
     )
-    return keep_bytes(activations)
 
 
 def estimate_activation_bytes(
@@ -197,7 +162,6 @@ def run_memory_mode(
 ) -> MemoryModeChoice:
     """The trainer's ``auto``: :func:`choose_memory_mode` with the device's memory and analytic estimates
     (``module``: the multi-task model; ``tokens``: a micro-batch's, rows full length; ``row_bytes``: 4 or 2)."""
-
     config: Any = getattr(getattr(module, "bert", module), "config", None)
     hidden = int(getattr(config, "hidden_size", 768))
     activations = estimate_activation_bytes(
@@ -214,9 +178,8 @@ def run_memory_mode(
 
 
 def trainer_memory_mode(trainer: Any) -> tuple[str, torch.dtype, MemoryModeChoice | None]:
-    """A :class:`~fastpals.train.loop.Trainer`'s surgery memory: the :func:`surgery_memory_mode`, the rows' dtype
-    (``auto``: bf16 with bf16 training, else fp32) and ``auto``'s :func:`run_memory_mode` choice (None where it
-    did not run)."""
+    """A ``Trainer``'s :func:`surgery_memory_mode`, the rows' dtype (``auto``: bf16 with bf16 training, else
+    fp32) and ``auto``'s :func:`run_memory_mode` choice (None where it did not run)."""
     args, ds_config, module = trainer.args, trainer.ds_config, trainer.engine.module
     bf16 = ds_config.get("bf16", {}).get("enabled")
     rows = args.surgery_buffer_dtype if args.surgery_buffer_dtype != "auto" else "bf16" if bf16 else "fp32"
@@ -248,17 +211,15 @@ def plan_auto_modes(
     buffer_peak_bytes: int,
     devices: dict[str, int],
 ) -> dict[str, dict[str, str]]:
-    """``fastpals memory``'s ``auto`` per device, ``{name: {"mode", "why"}}``: :func:`choose_memory_mode`
-    with the traced buffer-mode peak and each device's usable bytes (``devices``); ``bert``: the encoder config,
-    ``rows_dtype``: the rows' dtype, ``buffer_dtype``: ``--surgery-buffer-dtype`` (``bf16``: the buffer)."""
+    """``fastpals memory``'s ``auto`` per device, ``{name: {"mode", "why"}}``: :func:`choose_memory_mode` with
+    the traced buffer peak and each device's usable bytes; ``bert``: the encoder config."""
     if buffer_dtype == "bf16":
         return {n: {"mode": "buffer", "why": "bf16 rows asked for"} for n in devices}
     activations = estimate_activation_bytes(
         tokens, length, bert.hidden_size, bert.num_hidden_layers, bert.num_attention_heads, precision
     )
     rows = num_tasks * shared_elements * (2 if rows_dtype == "bf16" else 4)
-    out = {}
-    for name, usable in devices.items():
-        choice = choose_memory_mode(rows, activations, buffer_peak_bytes, usable)
-        out[name] = {"mode": choice.mode, "why": choice.why}
-    return out
+    choices = {
+        name: choose_memory_mode(rows, activations, buffer_peak_bytes, n) for name, n in devices.items()
+    }
+    return {name: {"mode": c.mode, "why": c.why} for name, c in choices.items()}

@@ -1,7 +1,5 @@
-"""What one training step's memory is made of, for :mod:`fastpals.commands.memory`: DeepSpeed's per-rank
-model states (:func:`model_state_bytes`), its ZeRO-1/2 gradient buckets (:func:`gradient_buckets`), a live-tensor
-tracker (:class:`LiveTensorBytes`) and an engine holding those states around the real update
-(:class:`DeepSpeedLikeEngine`)."""
+"""What one training step's memory is made of, for :mod:`fastpals.commands.memory`: DeepSpeed's model states
+and gradient buckets, a live-tensor tracker and an engine holding those states around the real update."""
 
 from __future__ import annotations
 
@@ -16,17 +14,6 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-
-__all__ = [
-    "CATEGORIES",
-    "PRECISIONS",
-    "DeepSpeedLikeEngine",
-    "GradientBuckets",
-    "LiveTensorBytes",
-    "ModelStates",
-    "gradient_buckets",
-    "model_state_bytes",
-]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 #: what the bytes at the peak are, by category
@@ -48,17 +35,14 @@ class ModelStates:
 
     @property
     def total(self) -> int:
-        return (
-            self.params + self.gradients + self.master + self.fp32_gradients + self.optimizer + self.gathered
-        )
+        return sum(vars(self).values())
 
 
 def model_state_bytes(
     num_params: int, precision: str, zero_stage: int, world_size: int = 1, largest_layer_params: int = 0
 ) -> ModelStates:
     """DeepSpeed's per-rank model-state bytes for ``num_params`` trainable parameters with AdamW, counted as
-    DeepSpeed's ``estimate_zero2/3_model_states_mem_needs`` do (mixed precision: ``2 + 18 / N`` bytes per parameter
-    at ZeRO-2)."""
+    its ``estimate_zero2/3_model_states_mem_needs`` do."""
     if precision not in PRECISIONS:
         raise ValueError(f"--precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
     if zero_stage not in (0, 1, 2, 3):
@@ -100,11 +84,9 @@ class GradientBuckets:
 def gradient_buckets(
     ds_config: dict[str, Any] | None, precision: str, zero_stage: int, surgery: str = "none"
 ) -> GradientBuckets:
-    """What DeepSpeed 0.19.8's ``DeepSpeedZeroOptimizer.setup_buckets`` allocates for each backward under
-    ``ds_config`` (None: defaults): with ``contiguous_gradients`` one ``reduce_bucket_size`` buffer (two with
-    ``overlap_comm``) in the gradient-reduction dtype, freed at the backward's end; none at ZeRO-0 nor for bf16
-    ZeRO-1 with fp32 ``grad_accum_dtype`` (``BF16_Optimizer``). ``"auto"`` resolves as
-    :func:`fastpals.train.dsconfig.check_ds_config` does."""
+    """What DeepSpeed 0.19.8's ``setup_buckets`` allocates per backward for ``ds_config`` (None: defaults):
+    one ``reduce_bucket_size`` buffer (two with ``overlap_comm``) in the reduction dtype; none at ZeRO-0,
+    without ``contiguous_gradients``, nor for bf16 ZeRO-1 with fp32 ``grad_accum_dtype``."""
     cfg = ds_config or {}
     zero = cfg.get("zero_optimization") or {}
     if zero_stage not in (1, 2):
@@ -130,16 +112,14 @@ def gradient_buckets(
 
 
 class LiveTensorBytes(TorchDispatchMode):
-    """Adds up the live tensor storages made by ops under this mode (fake or real tensors), each counted
-    once under the current :meth:`phase` and taken off when freed (weakref finalizer); ``peak`` and ``at_peak`` (bytes
-    per category) since :meth:`reset_peak`. ``stub_host_reads``: ``.item()``/``.tolist()`` return 1 (fake tensors)."""
+    """Adds up the live tensor storages made under this mode, once each under the current :meth:`phase` until
+    freed; ``peak`` and ``at_peak`` since :meth:`reset_peak`. ``stub_host_reads``: ``.item()`` returns 1."""
 
     def __init__(self, stub_host_reads: bool = False) -> None:
         super().__init__()
         self.live: dict[int, list[Any]] = {}  # storage key -> [bytes, category]
         self.by_category = dict.fromkeys(CATEGORIES, 0)
-        self.current = 0
-        self.peak = 0
+        self.current = self.peak = 0
         self.at_peak: dict[str, int] = dict(self.by_category)
         self.peak_phase = ""
         self.category = "temporaries"
@@ -213,11 +193,9 @@ class LiveTensorBytes(TorchDispatchMode):
 
 
 class DeepSpeedLikeEngine:
-    """What :func:`fastpals.train.step.run_update` needs of a DeepSpeed engine, holding DeepSpeed's model
-    states for ``precision`` and ``zero_stage`` on one of ``world_size`` ranks (no collectives): the steady-state
-    master partition and AdamW moments, ``step`` making the fp32 gradient partition (or taking what
-    :meth:`grad_setter` wrote), unscaling, clipping, stepping and copying back; ZeRO-2 on several ranks drops each
-    16-bit gradient once reduce-scattered; ``buckets`` live from a backward's first gradient to its end."""
+    """What :func:`~fastpals.train.step.run_update` needs of a DeepSpeed engine, holding DeepSpeed's model
+    states for ``precision`` and ``zero_stage`` on one of ``world_size`` ranks (no collectives); ``step``
+    makes the fp32 gradient partition, unscales, clips, steps and copies back, as DeepSpeed's does."""
 
     def __init__(
         self,
@@ -229,27 +207,24 @@ class DeepSpeedLikeEngine:
         buckets: GradientBuckets | None = None,
     ) -> None:
         self.module, self.precision = module, precision
+        self.zero_stage, self.world_size = zero_stage, world_size
         self.buckets = buckets if buckets is not None and buckets.count else None
         self._bucket_buffers: list[torch.Tensor] = []
-        self.zero_stage, self.world_size = zero_stage, world_size
         self.tracker = tracker
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.numel = sum(p.numel() for p in self.params)
         self.part = math.ceil(self.numel / world_size)
         self.scale = 2.0**16 if precision == "fp16" else 1.0
         self.hp_grads: dict[int, torch.Tensor] = {}  # id(param) -> fp32 gradient written by a surgery buffer
-        sizes = [p.numel() for p in self.params]
-        self._offsets = {
-            id(p): start for p, start in zip(self.params, itertools.accumulate(sizes, initial=0))
-        }
+        starts = itertools.accumulate((p.numel() for p in self.params), initial=0)
+        self._offsets = {id(p): start for p, start in zip(self.params, starts)}
         self._hp_flat: torch.Tensor | None = None  # the fp32 gradient partition a surgery buffer wrote into
         self._hp_set: set[int] = set()  # the parameters it wrote
         self.flat_master = precision != "fp32" or zero_stage >= 1
         self._drop_grads = zero_stage == 2 and world_size > 1
         with self._phase("optimizer"):
             if self.flat_master:
-                master = torch.nn.Parameter(torch.zeros(self.part if zero_stage >= 1 else self.numel))
-                self.master = [master]
+                self.master = [torch.nn.Parameter(torch.zeros(self.part if zero_stage >= 1 else self.numel))]
             else:
                 self.master = self.params
             self.optimizer = torch.optim.AdamW(self.master, lr=2e-5, weight_decay=0.01, eps=1e-6, fused=True)

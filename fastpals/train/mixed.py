@@ -21,8 +21,8 @@ __all__ = ["MixedUpdates", "packed_micro_batches"]
 
 
 class MixedUpdates:
-    """The update stream of ``--batching mixed``, with the interface of a
-    :class:`fastpals.data.sampling.TaskSampler`; an update is ``micro_per_update`` selections."""
+    """The update stream of ``--batching mixed``, with a ``TaskSampler``'s interface: an update is
+    ``micro_per_update`` selections; epochs and state are its ``sampler``'s."""
 
     def __init__(
         self,
@@ -55,24 +55,13 @@ class MixedUpdates:
             micro_batches_per_epoch=updates_per_epoch * micro_per_update, seed=seed,
         )  # fmt: skip
 
-    @property
-    def epoch(self) -> int:
-        return self.sampler.epoch
-
-    def epoch_done(self) -> bool:
-        return self.sampler.epoch_done()
-
-    def start_next_epoch(self) -> None:
-        self.sampler.start_next_epoch()
+    def __getattr__(self, name: str) -> Any:  # epoch, epoch_done, start_next_epoch, (load_)state_dict
+        if name == "sampler":  # not set yet
+            raise AttributeError(name)
+        return getattr(self.sampler, name)
 
     def next_update(self) -> list[MixedSelection]:
         return [self.sampler.next_micro_batch() for _ in range(self.micro_per_update)]
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.sampler.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.sampler.load_state_dict(state)
 
 
 def packed_micro_batches(

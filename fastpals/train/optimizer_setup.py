@@ -1,5 +1,4 @@
-"""The model of a run's options, its optimizer parameter groups, the optimizers and the warm-up/decay
-schedule."""
+"""A run's model, its optimizer parameter groups, the optimizers and the warm-up/decay schedule."""
 
 from __future__ import annotations
 
@@ -21,13 +20,8 @@ OPTIMIZERS = ("adamw", "sgd", "rmsprop")
 
 def _no_decay(name: str) -> bool:
     leaf = name.split(".")[-1]
-    return (
-        leaf.endswith("bias")
-        or "LayerNorm" in name
-        or "layer_norm" in name
-        or leaf.startswith("ln_")
-        or leaf == "gate"
-    )
+    norm = "LayerNorm" in name or "layer_norm" in name or leaf.startswith("ln_")
+    return norm or leaf.endswith("bias") or leaf == "gate"
 
 
 def optimizer_param_groups(
@@ -71,15 +65,12 @@ def lr_lambda(step: int, total: int, warmup: float) -> float:
     """Multiplier of the peak learning rate for update ``step`` (from 0) of ``total``: linear warm-up over
     ``round(warmup * total)`` updates (``(step + 1) / w``), then linear decay reaching 0 after ``total``."""
     w = int(round(warmup * total))
-    if step < w:
-        return (step + 1) / w
-    return max(0.0, (total - step) / max(1, total - w))
+    return (step + 1) / w if step < w else max(0.0, (total - step) / max(1, total - w))
 
 
 def build_model(args: Any) -> torch.nn.Module:
-    """The :class:`~fastpals.MultiTaskBert` of a run's options: encoder ``--model``, one head per task
-    (``--head``, ``--pair-mode``), the PALs of ``--pal``, seeded with ``--seed``, with the freezing options applied.
-    A model that cannot be loaded is a :class:`ConfigError`."""
+    """The :class:`~fastpals.MultiTaskBert` of a run's options, seeded with ``--seed``, with the freezing
+    options applied; a model that cannot be loaded is a :class:`ConfigError`."""
 
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
@@ -117,9 +108,8 @@ def build_model(args: Any) -> torch.nn.Module:
 
 
 def freeze_bottom_layers(model: torch.nn.Module, k: int) -> None:
-    """``--freeze-layers K``: the embeddings and encoder layers ``0 .. K-1`` get ``requires_grad =
-    False``, so the backward stops at layer K; a task-specific parameter there (frozen at its random start) is a
-    :class:`ConfigError` naming it."""
+    """``--freeze-layers K``: no gradient for the embeddings and encoder layers ``0 .. K-1`` (the backward
+    stops at layer K); a task-specific parameter there is a :class:`ConfigError` naming it."""
     if not hasattr(model.bert, "encoder"):
         raise ConfigError(
             f"--freeze-layers {k}: only BERT checkpoints (fastpals' minBERT) support it; this run's encoder is "

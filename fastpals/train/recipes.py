@@ -1,6 +1,5 @@
-"""Named recipes: JSON objects of :class:`~fastpals.train.args.TrainArgs` options plus ``"description"`` and
-``"source"``, shipped in ``fastpals/configs/recipes/`` or given as a path; ``train.py --recipe NAME`` takes them as
-defaults that the command line overrides."""
+"""Named recipes: JSON objects of :class:`~fastpals.train.args.TrainArgs` options (and ``description``,
+``source``) in ``fastpals/configs/recipes/`` or a path: ``--recipe``'s defaults, which options override."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """One optimizer update, shared by the trainer and the benchmarks: :func:`run_update` over a list of
-:class:`MicroBatch` with a surgery strategy (:data:`STRATEGIES`): ``none`` (DeepSpeed accumulates),
-``per_task_backward`` (one backward per one-task micro-batch, captured into the task's buffer row) or
-``one_backward`` (every task's gradient from one backward of a packed mixed micro-batch)."""
+:class:`MicroBatch` with a surgery strategy, one of :data:`STRATEGIES`."""
 
 from __future__ import annotations
 
@@ -9,7 +7,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -20,18 +18,8 @@ from fastpals.surgery import per_task_gradients, shared_parameters_by_name
 from fastpals.train.errors import NonFiniteLossError
 from fastpals.train.memory_mode import task_gradients
 
-__all__ = [
-    "STRATEGIES",
-    "MicroBatch",
-    "Surgery",
-    "TorchEngine",
-    "UpdateResult",
-    "deepspeed_surgery_buffer",
-    "run_update",
-    "skips_overflow",
-]
-
-#: the surgery strategies of :func:`run_update`
+#: ``none``: DeepSpeed accumulates; ``per_task_backward``: one backward per one-task micro-batch, captured
+#: into the task's row; ``one_backward``: every task's gradient from one backward of a packed mixed batch
 STRATEGIES = ("none", "per_task_backward", "one_backward")
 
 LossHook = Callable[[int, torch.Tensor], torch.Tensor]
@@ -39,10 +27,9 @@ LossHook = Callable[[int, torch.Tensor], torch.Tensor]
 
 @dataclass
 class MicroBatch:
-    """One micro-batch of an update, on the device: ``inputs`` (the model's keyword inputs), ``labels`` ``[B]``
-    float, ``tasks`` (model task indices, increasing), host counts ``examples`` and ``tokens`` (None: not counted)
-    per task, and ``weighting``: None for one task's batch (``module.loss``), else the ``task_losses`` weighting
-    of a mixed batch (``examples`` or ``equal``)."""
+    """One micro-batch on the device: the model's keyword ``inputs``, ``labels`` ``[B]`` float, ``tasks``
+    (model task indices, increasing), host counts per task, and ``weighting``: None for one task's batch, else
+    the ``task_losses`` weighting of a mixed batch (``examples`` or ``equal``)."""
 
     inputs: dict[str, Any]
     labels: torch.Tensor
@@ -54,9 +41,8 @@ class MicroBatch:
 
 @dataclass
 class Surgery:
-    """The surgery of an update: the per-task gradients (buffer or stream), the aggregator and its generator;
-    ``exact_names``: the shared parameters that took the exact per-task path (set by the first one-backward
-    update)."""
+    """The per-task gradients (buffer or stream), the aggregator and its generator; ``exact_names``: the
+    shared parameters that took the exact per-task path (set by the first one-backward update)."""
 
     buffer: Any
     aggregator: Callable[..., torch.Tensor]
@@ -66,10 +52,8 @@ class Surgery:
 
 @dataclass
 class UpdateResult:
-    """What :func:`run_update` did: each task's mean ``loss`` and its ``examples`` and ``tokens`` (host numbers;
-    ``tokens`` None when not counted), the ``surgery`` result (None without), the seconds spent in the surgery
-    calls, whether ``engine.step()`` applied the update (``stepped``) and whether an fp16 loss scaler took a
-    skipped surgery as an ``overflow`` (training goes on)."""
+    """What :func:`run_update` did: host numbers per task, the ``surgery`` result (None without), whether
+    ``engine.step()`` applied the update, and whether a loss scaler took a skipped surgery (``overflow``)."""
 
     loss: dict[str, float]
     examples: dict[str, int]
@@ -80,23 +64,19 @@ class UpdateResult:
     overflow: bool = False
 
 
+@dataclass(eq=False)
 class TorchEngine:
-    """What :func:`run_update` uses of a DeepSpeed engine, over a plain module and optimizer (benchmarks, tests):
-    the forward under ``autocast`` (a dtype or None), ``backward`` of ``loss / accumulation`` through the
-    optional ``GradScaler``, and every ``accumulation``-th ``step`` unscales, clips to ``max_grad_norm``, steps
-    and zeroes the gradients, as DeepSpeed's ``step`` does."""
+    """What :func:`run_update` uses of a DeepSpeed engine, over a plain module and optimizer: forward under
+    ``autocast`` (a dtype or None), ``backward`` through the optional ``GradScaler``, and every
+    ``accumulation``-th ``step`` unscales, clips to ``max_grad_norm``, steps and zeroes the gradients."""
 
-    def __init__(
-        self,
-        module: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scaler: Any = None,
-        autocast: torch.dtype | None = None,
-        accumulation: int = 1,
-        max_grad_norm: float | None = None,
-    ) -> None:
-        self.module, self.optimizer, self.scaler, self.autocast = module, optimizer, scaler, autocast
-        self.accumulation, self.max_grad_norm, self.micro_steps = accumulation, max_grad_norm, 0
+    module: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: Any = None
+    autocast: torch.dtype | None = None
+    accumulation: int = 1
+    max_grad_norm: float | None = None
+    micro_steps: int = field(default=0, init=False)
 
     def _autocast(self) -> AbstractContextManager:
         if self.autocast is None:
@@ -129,8 +109,8 @@ class TorchEngine:
 
 
 def skips_overflow(engine: Any) -> bool:
-    """Whether ``engine.step()`` skips a non-finite update and lowers the loss scale (dynamic loss scaling):
-    a :class:`TorchEngine` with an enabled ``GradScaler``, a DeepSpeed engine with fp16 and ``"loss_scale": 0``."""
+    """Whether ``engine.step()`` skips a non-finite update and lowers the loss scale: a :class:`TorchEngine`
+    with an enabled ``GradScaler``, a DeepSpeed engine with fp16 and ``"loss_scale": 0``."""
     if isinstance(engine, TorchEngine):
         return engine.scaler is not None and engine.scaler.is_enabled()
     fp16, dynamic = getattr(engine, "fp16_enabled", None), getattr(engine, "dynamic_loss_scale", None)
@@ -138,8 +118,8 @@ def skips_overflow(engine: Any) -> bool:
 
 
 def _skip_step(engine: Any, buffer: Any) -> bool:
-    """End an update whose surgery was skipped: under dynamic loss scaling hand ``engine.step()`` a NaN gradient
-    so that the loss scaler counts the overflow; otherwise drop the gradients. Returns whether the scaler took it."""
+    """End an update whose surgery was skipped: under dynamic loss scaling ``engine.step()`` gets a NaN
+    gradient (the scaler counts an overflow: returns True); otherwise the gradients are dropped."""
     if not skips_overflow(engine):
         engine.module.zero_grad(set_to_none=True)
         return False
@@ -172,8 +152,8 @@ def _forward_backward(
     step: int,
     loss_hooks: Sequence[LossHook],
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
-    """One micro-batch's forward, loss, hooks and ``engine.backward``: the differentiated loss, and each task's
-    loss (None for a one-task micro-batch, whose loss is its task's)."""
+    """One micro-batch's forward, loss, hooks and ``engine.backward``: the differentiated loss, and each
+    task's loss (None for a one-task micro-batch, whose loss is its task's)."""
     module, per_task = engine.module, None
     one_backward = strategy == "one_backward"
     context = (
@@ -210,19 +190,15 @@ def run_update(
     record: Callable[[dict[str, Any]], None] | None = None,
     sync: Callable[[], None] | None = None,
 ) -> UpdateResult:
-    """One optimizer update over ``micro_batches`` (consumed one at a time, so a generator may collate each while
-    the device runs the previous one) with ``strategy`` (:data:`STRATEGIES`; ``surgery`` required by all but
-    ``none``). Each micro-batch runs its forward, loss, ``loss_hooks`` (``hook(step, loss) -> loss``: test faults)
-    and ``engine.backward``; with ``none`` every earlier micro-batch also gets an ``engine.step()`` that only counts
-    towards DeepSpeed's accumulation boundary.
+    """One optimizer update over ``micro_batches`` (consumed one at a time: a generator may collate each while
+    the device runs the previous one) with ``strategy`` (``surgery`` required by all but ``none``);
+    ``loss_hooks`` (``hook(step, loss) -> loss``) are test faults; ``sync`` runs before the clock is read
+    after ``apply``.
 
-    Host reads: one per update. Every loss stays on the device until the last backward; then one ``.tolist()``
-    reads them all (with one rank's surgery flags, ``apply(sync=False)``), because a NaN/inf loss must stop the
-    run before ``engine.step()``: it is recorded (``record``) and raised as :class:`NonFiniteLossError`, the
-    parameters untouched. A data-parallel buffer's ``apply`` reads once more. ``sync`` runs before the clock is
-    read after ``apply``. A skipped surgery (non-finite task gradient) applies nothing; under dynamic loss scaling
-    it is an ``overflow`` handed to the loss scaler, otherwise the caller decides (the trainer raises).
-    """
+    One host read per update (two with a data-parallel buffer): every loss, with one rank's surgery flags, is
+    read after the last backward, so that a NaN/inf loss is recorded and raised as :class:`NonFiniteLossError`
+    before ``engine.step()``. A skipped surgery applies nothing: an ``overflow`` under dynamic loss scaling,
+    else the caller decides (the trainer raises)."""
     module = engine.module
     names = [spec.name for spec in module.tasks]
     values: list[torch.Tensor] = []  # device scalars, read once after the last backward
@@ -289,11 +265,9 @@ def run_update(
             sync()
         seconds += time.perf_counter() - t0
     stepped = result is None or not result.skipped
-    overflow = False
+    overflow = not stepped and _skip_step(engine, surgery.buffer)
     if stepped:
         engine.step()
-    else:
-        overflow = _skip_step(engine, surgery.buffer)
     loss = {name: float(np.mean([host[i] for i in at])) for name, at in loss_at.items()}
     return UpdateResult(loss, examples, tokens if all_tokens else None, result, seconds, stepped, overflow)
 
@@ -307,11 +281,9 @@ def deepspeed_surgery_buffer(
     memory: str = "buffer",
     keep_bytes: int = 0,
 ) -> Any:
-    """The per-task gradients (:func:`fastpals.train.memory_mode.task_gradients` of ``memory``, rows of
-    ``dtype``) over the shared parameters of a DeepSpeed engine's ``module``: DeepSpeed's ``safe_get_full_grad``
-    and ``safe_set_full_grad`` (fp32 partitions under ZeRO-1/2), task parameters captured from ZeRO-1 on (its
-    backwards replace gradients). ``all_reduce``: average the rows across ranks (one-backward surgery bypasses
-    DeepSpeed's reduction)."""
+    """:func:`~fastpals.train.memory_mode.task_gradients` over the shared parameters of a DeepSpeed engine's
+    ``module`` via ``safe_get/set_full_grad``, task parameters captured from ZeRO-1 on; ``all_reduce``:
+    mean of the rows across ranks (one backward bypasses DeepSpeed's reduction)."""
     from deepspeed.utils import safe_get_full_grad, safe_set_full_grad  # optional: the trainer's engine
 
     def setter(p: torch.nn.Parameter, g: torch.Tensor | None) -> None:
