@@ -55,13 +55,24 @@ class MixedUpdates:
             micro_batches_per_epoch=updates_per_epoch * micro_per_update, seed=seed,
         )  # fmt: skip
 
-    def __getattr__(self, name: str) -> Any:  # epoch, epoch_done, start_next_epoch, (load_)state_dict
-        if name == "sampler":  # not set yet
-            raise AttributeError(name)
-        return getattr(self.sampler, name)
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
+
+    def epoch_done(self) -> bool:
+        return self.sampler.epoch_done()
+
+    def start_next_epoch(self) -> None:
+        self.sampler.start_next_epoch()
 
     def next_update(self) -> list[MixedSelection]:
         return [self.sampler.next_micro_batch() for _ in range(self.micro_per_update)]
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state)
 
 
 def packed_micro_batches(
