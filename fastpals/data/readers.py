@@ -125,8 +125,8 @@ class _RowChecker:
 @dataclass
 class _Row:
     """One parsed row: ``line`` (1-based first line), ``fields``, ``next_line`` (0-based index of the line after
-    it), the quoted fields that span lines as ``(field index, open line, close line)`` (1-based), or a problem:
-    ``kind``/``reason`` reported at ``problem_line`` with reading resumed at line index ``resume``."""
+    it), the quoted fields that span lines as ``(field index, open line, close line)`` (1-based); for a problem
+    ``kind``/``reason``, ``line`` is the opening quote's and ``next_line`` the one after it."""
 
     line: int
     fields: list[str]
@@ -134,8 +134,6 @@ class _Row:
     multiline: list[tuple[int, int, int]]
     kind: str = ""
     reason: str = ""
-    problem_line: int = 0
-    resume: int = 0
 
 
 class _DelimitedText:
@@ -178,7 +176,7 @@ class _DelimitedText:
                     if quote == -1:
                         swallowed = self.num_lines - open_line - 1
                         return self._problem(
-                            k, fields, "unclosed quote", open_line,
+                            fields, "unclosed quote", open_line,
                             f"field {column} opens with a quote that is never closed (it would swallow the "
                             f"{swallowed} line(s) after it; inside a quoted field write a quote as \"\")",
                         )  # fmt: skip
@@ -205,14 +203,14 @@ class _DelimitedText:
                             f"field {column}: text {self._snippet(pos, line)!r} follows the closing quote (a field "
                             f'that starts with a quote must end with one; write a quote inside it as "")'
                         )
-                    return self._problem(k, fields, "unclosed quote", open_line, reason)
+                    return self._problem(fields, "unclosed quote", open_line, reason)
                 if len(value) > self.max_field_chars:
                     what, hint = f"field {column}", ""
                     if line != open_line:
                         what = f"the quoted field {column} runs from here to line {line + 1} and"
                         hint = " (an unclosed quote?)"
                     return self._problem(
-                        k, fields, "field too long", open_line,
+                        fields, "field too long", open_line,
                         f"{what} has {len(value)} characters, more than max_field_chars={self.max_field_chars}"
                         f"{hint}",
                     )  # fmt: skip
@@ -232,8 +230,8 @@ class _DelimitedText:
     def _snippet(self, pos: int, line: int) -> str:
         return self.text[pos : min(pos + 20, self.ends[line])].split(self.delimiter)[0]
 
-    def _problem(self, k: int, fields: list[str], kind: str, open_line: int, reason: str) -> _Row:
-        return _Row(k + 1, fields, open_line + 1, [], kind, reason, open_line + 1, open_line + 1)
+    def _problem(self, fields: list[str], kind: str, open_line: int, reason: str) -> _Row:
+        return _Row(open_line + 1, fields, open_line + 1, [], kind, reason)
 
 
 def _roles(spec: TaskSpec, labelled: bool) -> list[str]:
@@ -263,7 +261,7 @@ def _delimited_rows(
         raise DataError(path, 1, "empty file (a header row and at least one data row are needed)")
     head = parsed.row(k)
     if head.kind:
-        raise DataError(path, head.problem_line, f"header row: {head.reason}")
+        raise DataError(path, head.line, f"header row: {head.reason}")
     header = head.fields
     if any(_find_bad_utf8(name) for name in header):
         raise DataError(path, head.line, "header row is not valid UTF-8")
@@ -293,7 +291,7 @@ def _delimited_rows(
         line, kind, reason, k = row.line, row.kind, row.reason, row.next_line
         example = None
         if kind:
-            line, k = row.problem_line, row.resume
+            pass  # reported at its opening quote, reading resumes on the line after it
         elif row.multiline and (
             len(row.fields) != width
             or (

@@ -258,21 +258,18 @@ class Classification(TaskKind):
         return num_labels
 
     def task_file_num_labels(self, value: Any) -> int:
-        """The number of classes, an int >= 2 (required)."""
         if isinstance(value, bool) or not isinstance(value, int) or value < 2:
             what = "missing" if value is None else f"{value!r} must be an int >= 2"
             raise ValueError(f"{what} (classification needs the number of classes)")
         return value
 
     def loss(self, spec: TaskSpec, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy of the fp32 logits ``[n, K]`` against the class indices ``labels`` ``[n]``."""
         return F.cross_entropy(logits.float(), labels.long())
 
     def predict(self, spec: TaskSpec, logits: torch.Tensor) -> torch.Tensor:
         return logits.float().argmax(-1).float()
 
     def confidence(self, spec: TaskSpec, logits: torch.Tensor) -> torch.Tensor:
-        """The softmax probability of the argmax class, float32 ``[n]``."""
         return logits.float().softmax(-1).amax(-1)
 
 
@@ -289,7 +286,6 @@ class Binary(TaskKind):
         return 1
 
     def task_file_num_labels(self, value: Any) -> int:
-        """Absent or 2; gives 1 (one logit)."""
         if value not in (None, 2) or isinstance(value, bool):
             raise ValueError(f"a binary task has 2 labels, got {value!r}")
         return 1
@@ -298,15 +294,12 @@ class Binary(TaskKind):
         return 2
 
     def loss(self, spec: TaskSpec, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean BCE-with-logits of the fp32 logit ``logits[:, 0]`` against the 0/1 ``labels`` ``[n]``."""
         return F.binary_cross_entropy_with_logits(logits[:, 0].float(), labels.float())
 
     def predict(self, spec: TaskSpec, logits: torch.Tensor) -> torch.Tensor:
-        """``1.0`` where the logit is positive, else ``0.0``; float32 ``[n]``."""
         return (logits.float()[:, 0] > 0).float()
 
     def confidence(self, spec: TaskSpec, logits: torch.Tensor) -> torch.Tensor:
-        """``max(p, 1 - p)`` with ``p = sigmoid(logit)``, float32 ``[n]``."""
         p = logits.float()[:, 0].sigmoid()
         return torch.where(p >= 0.5, p, 1 - p)
 
@@ -330,7 +323,6 @@ class Regression(TaskKind):
         return 1
 
     def task_file_num_labels(self, value: Any) -> int:
-        """Must be absent (a regression task gives ``label_range`` instead); gives 1."""
         if value is not None:
             raise ValueError("not used by a regression task (give label_range)")
         return 1
@@ -357,15 +349,11 @@ class Regression(TaskKind):
             fail(f"label_scale={spec.label_scale:g} is below label_range's high {high:g}")
 
     def loss(self, spec: TaskSpec, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """``mse``: mean squared error of the fp32 ``logits[:, 0]`` against ``labels / label_scale``;
-        ``cosine``: :func:`cosent_loss` of ``logits[:, 0]`` and the raw ``labels`` ``[n]``."""
         if spec.loss == "mse":
             return F.mse_loss(logits[:, 0].float(), labels.float() / spec.label_scale)
         return cosent_loss(logits[:, 0].float(), labels.float())
 
     def predict(self, spec: TaskSpec, logits: torch.Tensor) -> torch.Tensor:
-        """``clip(logits[:, 0], 0, 1) * label_scale``, float32 ``[n]``; for ``sbert_cosine`` pairs the cosine
-        ``logits[:, 0]`` in ``[-1, 1]`` times ``label_scale``, unclipped."""
         score = logits.float()[:, 0]
         if spec.pair_mode != "sbert_cosine":
             score = score.clamp(0.0, 1.0)
