@@ -114,8 +114,7 @@ class BatchLayout:
             ids = np.asarray(task_ids, dtype=np.int64)
             if ids.shape != lengths.shape:
                 raise ValueError(f"task_ids has {ids.size} entries for {lengths.size} sequences")
-            if ids.size:
-                _check_task_range(ids, num_tasks)
+            _check_task_range(ids, num_tasks)
         layout = cls(
             batch=int(lengths.size), length=int(lengths.max()), packed=True, lengths=lengths, host_task_ids=ids,
             num_tasks=num_tasks, device=torch.device(device), buckets=True,
@@ -277,8 +276,7 @@ def make_layout(
     else:
         rows = [mask.sum(1)] + ([task_ids.to(mask.device)] if task_ids is not None else [])
         host = np.asarray(torch.stack(rows).tolist(), dtype=np.int64).reshape(len(rows), batch)
-        lengths = host[0]
-        ids = host[1] if task_ids is not None else None
+        lengths, ids = host[0], (host[1] if task_ids is not None else None)
     if ids is not None and ids.size:
         if num_tasks > 0:
             _check_task_range(ids, num_tasks)

@@ -252,12 +252,8 @@ class MixedBatchSampler:
         if not 1 <= epoch <= self.num_epochs or not 0 <= step <= self.micro_batches_per_epoch:
             raise ValueError(f"saved epoch {epoch} / step {step} is outside this schedule")
         passes, positions = [int(x) for x in state["passes"]], [int(x) for x in state["positions"]]
-        if (
-            len(passes) != self.num_tasks
-            or len(positions) != self.num_tasks
-            or any(p < 0 for p in passes)
-            or any(not 0 <= p <= n for p, n in zip(positions, self.sizes))
-        ):
+        fits = len(passes) == len(positions) == self.num_tasks and all(p >= 0 for p in passes)
+        if not fits or any(not 0 <= p <= n for p, n in zip(positions, self.sizes)):
             raise ValueError("saved per-task positions do not fit these tasks")
         self.epoch, self.step, self.passes, self.positions = epoch, step, passes, positions
         self._rng.bit_generator.state = state["rng"]

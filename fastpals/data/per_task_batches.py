@@ -120,12 +120,8 @@ class TaskBatcher:
         order = rng.permutation(n) if self.shuffle else np.arange(n)
         if self.bucket_by_length:
             chunk = self.bucket_size * self.batch_size
-            order = np.concatenate(
-                [
-                    part[np.argsort(self.lengths[part], kind="stable")]
-                    for part in (order[start : start + chunk] for start in range(0, n, chunk))
-                ]
-            )
+            parts = [order[start : start + chunk] for start in range(0, n, chunk)]
+            order = np.concatenate([part[np.argsort(self.lengths[part], kind="stable")] for part in parts])
         batches = [order[start : start + self.batch_size] for start in range(0, n, self.batch_size)]
         if self.drop_last and len(batches[-1]) < self.batch_size:
             batches.pop()

@@ -87,8 +87,7 @@ class TaskSpec:
             self.num_labels = kind.head_outputs(self.num_labels)
         except ValueError as err:
             fail(str(err))
-        if self.loss is None:
-            self.loss = kind.losses[0]
+        self.loss = kind.losses[0] if self.loss is None else self.loss
         if self.loss not in kind.losses:
             fail(f"loss={self.loss!r} not valid for {self.kind} ({kind.losses})")
         for key, choices in (("pair_mode", PAIR_MODES), ("head", HEADS), ("pooling", POOLINGS)):
