@@ -83,17 +83,15 @@ def resolve_model_dir(
     ``"minilm-l6"``, a local folder or a Hub id. ``FileNotFoundError`` says how to supply missing files."""
     if not isinstance(name_or_path, (str, os.PathLike)):
         raise TypeError(f"name_or_path must be a str or os.PathLike, got {type(name_or_path).__name__}")
-    if isinstance(files, str) or not all(isinstance(name, str) and name for name in files):
-        raise TypeError(f"files must be a tuple of file names, got {files!r}")
-    files = tuple(files)
+    files, optional, any_of = tuple(files), tuple(optional), tuple(any_of)
     name = os.fspath(name_or_path)
     if not name:
         raise ValueError("name_or_path is empty: give 'minilm-l6', a local folder or a Hub repository id")
     if name.lower() == MINILM_ALIAS:
-        return _minilm_dir(files, tuple(any_of))
+        return _minilm_dir(files, any_of)
     path = Path(name).expanduser()
     if path.is_dir():
-        return _check_files(path, files, "the local folder", tuple(any_of))
+        return _check_files(path, files, "the local folder", any_of)
     if path.exists():
         raise FileNotFoundError(
             f"{name!r} is a file, not a folder: pass the folder that holds {', '.join(files)}"
@@ -103,4 +101,4 @@ def resolve_model_dir(
     )
     if looks_local or os.sep != "/" and os.sep in name:
         raise FileNotFoundError(f"no folder at {name!r}: {_how_to_supply(name, files)}")
-    return _hub_dir(name, files, tuple(optional), tuple(any_of))
+    return _hub_dir(name, files, optional, any_of)

@@ -1,10 +1,6 @@
-"""The layout of one batch (:class:`BatchLayout`): where each sequence's tokens lie and which task it belongs to.
-
-A batch runs *packed* (``[N, d]`` token rows, ``cu_seqlens [B+1]`` int32, no padding) or *padded* (``[B, L, d]``
-with a ``[B, L]`` mask). Its layout is built once, on the host, where the data enters (collate, or the model's
-entry for padded tensors), and is then passed to the model, the losses and :func:`fastpals.surgery.
-per_task_gradients`, which read its host values and device tensors and never derive them again.
-"""
+"""The layout of one batch (:class:`BatchLayout`): where each sequence's tokens lie (*packed* ``[N, d]`` rows
+with ``cu_seqlens``, or *padded* ``[B, L, d]`` with a mask) and which task it belongs to. Built once on the host
+where the data enters, then passed to the model, the losses and ``per_task_gradients``, which never rebuild it."""
 
 from __future__ import annotations
 
@@ -80,19 +76,13 @@ class BatchLayout:
         np.cumsum(self.lengths, out=self.cu_host[1:])
         self.total = int(self.cu_host[-1])
         self.max_seqlen = int(self.lengths.max()) if self.batch else 0
-        ids = self.host_task_ids
         num = max(self.num_tasks, 1)
-        if ids is None:
-            self.task_examples = [self.batch] + [0] * (num - 1)
-            self.task_tokens = [self.total] + [0] * (num - 1)
-            grouped_ids = np.zeros(self.batch, dtype=np.int64)
-        else:
-            self.task_examples = np.bincount(ids, minlength=num).tolist()
-            self.task_tokens = np.bincount(ids, weights=self.lengths, minlength=num).astype(np.int64).tolist()
-            grouped_ids = ids
+        ids = self.host_task_ids if self.host_task_ids is not None else np.zeros(self.batch, dtype=np.int64)
+        self.task_examples = np.bincount(ids, minlength=num).tolist()
+        self.task_tokens = np.bincount(ids, weights=self.lengths, minlength=num).astype(np.int64).tolist()
         self.present = [t for t in range(num) if self.task_examples[t]]
-        self.example_ranges = _ranges(grouped_ids, np.arange(self.batch + 1), num)
-        self.token_ranges = _ranges(grouped_ids, self.cu_host, num) if self.packed else None
+        self.example_ranges = _ranges(ids, np.arange(self.batch + 1), num)
+        self.token_ranges = _ranges(ids, self.cu_host, num) if self.packed else None
 
     @property
     def grouped(self) -> bool:
@@ -124,8 +114,7 @@ class BatchLayout:
             ids = np.asarray(task_ids, dtype=np.int64)
             if ids.shape != lengths.shape:
                 raise ValueError(f"task_ids has {ids.size} entries for {lengths.size} sequences")
-            if ids.size:
-                _check_task_range(ids, num_tasks)
+            _check_task_range(ids, num_tasks)
         layout = cls(
             batch=int(lengths.size), length=int(lengths.max()), packed=True, lengths=lengths, host_task_ids=ids,
             num_tasks=num_tasks, device=torch.device(device), buckets=True,
@@ -223,11 +212,8 @@ class BatchLayout:
 
     def _padded_index(self) -> None:
         if self.index is None:
-            flat = (
-                np.arange(self.batch, dtype=np.int64)[:, None] * self.length + np.arange(self.length)[None, :]
-            )
             keep = np.arange(self.length)[None, :] < self.lengths[:, None]
-            self.index = torch.as_tensor(flat[keep], device=self.device)
+            self.index = torch.as_tensor(np.flatnonzero(keep), device=self.device)  # flat positions in [B*L]
             if self.mask is None:
                 self.mask = torch.as_tensor(keep, device=self.device)
 
@@ -242,8 +228,7 @@ class BatchLayout:
         if not self.packed:
             return x
         self._padded_index()
-        out = x.new_zeros(self.batch * self.length, *x.shape[1:])
-        out = out.index_copy(0, self.index, x)
+        out = x.new_zeros(self.batch * self.length, *x.shape[1:]).index_copy(0, self.index, x)
         return out.view(self.batch, self.length, *x.shape[1:])
 
     def to_rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -291,8 +276,7 @@ def make_layout(
     else:
         rows = [mask.sum(1)] + ([task_ids.to(mask.device)] if task_ids is not None else [])
         host = np.asarray(torch.stack(rows).tolist(), dtype=np.int64).reshape(len(rows), batch)
-        lengths = host[0]
-        ids = host[1] if task_ids is not None else None
+        lengths, ids = host[0], (host[1] if task_ids is not None else None)
     if ids is not None and ids.size:
         if num_tasks > 0:
             _check_task_range(ids, num_tasks)
@@ -317,9 +301,7 @@ class PaddedBatch:
     cu_seqlens = None
 
     def __init__(self, attention_mask: torch.Tensor, task_ids: torch.Tensor | None, num_tasks: int) -> None:
-        self.mask = attention_mask.to(torch.bool)
-        self.task_ids = task_ids
-        self.num_tasks = num_tasks
+        self.mask, self.task_ids, self.num_tasks = attention_mask.to(torch.bool), task_ids, num_tasks
         self.batch, self.length = self.mask.shape
         self.max_seqlen = self.length
 

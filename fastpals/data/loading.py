@@ -1,8 +1,6 @@
-"""Task data: each split's file (:func:`split_path`) and :func:`load_task` (typed examples, in file order).
-
-A task whose ``dev`` file is its ``train`` file (``para``: ``quora-dev.csv``) is split by id hash: a row is
-``dev`` when ``int.from_bytes(sha256(id)[:8], "big") % 100 < 10`` (:func:`quora_split_sizes`).
-"""
+"""Task data: each split's file (:func:`split_path`) and :func:`load_task` (typed examples, in file order). A
+task whose ``dev`` file is its ``train`` file (``para``) is split by id hash: a row is ``dev`` when
+``int.from_bytes(sha256(id)[:8], "big") % 100 < 10``."""
 
 from __future__ import annotations
 
@@ -13,14 +11,13 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
-from fastpals.data.readers import BadRow, DataWarning, Example, read_task_file
+from fastpals.data.readers import DataWarning, Example, read_task_file
 from fastpals.data.tasks import QUORA_FILE, SPLITS, TASKS, TaskSpec, get_task
 
 __all__ = [
     "DATA_DIR_ENV",
     "QUORA_DEV_PERCENT",
     "TASK_FORMATS",
-    "TaskFormat",
     "hash_split",
     "load_task",
     "quora_split",
@@ -33,43 +30,22 @@ DATA_DIR_ENV = "FASTPALS_DATA_DIR"
 QUORA_DEV_PERCENT = 10
 _MAX_LISTED_BAD_ROWS = 20
 
-# The one task registry lives in fastpals.data.tasks; these names are kept for code written against data.py.
-TaskFormat = TaskSpec
-TASK_FORMATS = TASKS
+TASK_FORMATS = TASKS  # the registry's former name
 
 
 def resolve_data_dir(data_dir: str | os.PathLike | None = None) -> Path:
     """``data_dir`` if given, else ``$FASTPALS_DATA_DIR``; the folder must exist."""
-    if data_dir is None:
-        data_dir = os.environ.get(DATA_DIR_ENV)
-        if not data_dir:
-            raise FileNotFoundError(
-                f"no data_dir given and ${DATA_DIR_ENV} is not set: pass data_dir= or "
-                f"`export {DATA_DIR_ENV}=/path/to/the/csv/files`"
-            )
-        origin = f"${DATA_DIR_ENV}"
-    else:
-        origin = "data_dir"
+    origin = "data_dir" if data_dir is not None else f"${DATA_DIR_ENV}"
+    data_dir = data_dir if data_dir is not None else os.environ.get(DATA_DIR_ENV)
+    if not data_dir:
+        raise FileNotFoundError(
+            f"no data_dir given and ${DATA_DIR_ENV} is not set: pass data_dir= or "
+            f"`export {DATA_DIR_ENV}=/path/to/the/csv/files`"
+        )
     path = Path(data_dir).expanduser()
     if not path.is_dir():
         raise FileNotFoundError(f"{origin} = {str(path)!r} is not a folder")
     return path
-
-
-def _warn_bad_rows(bad_rows: Sequence[BadRow], path: Path, kept: int) -> None:
-    if not bad_rows:
-        return
-    counts = Counter(bad.kind for bad in bad_rows)
-    per_reason = ", ".join(f"{count} x {kind}" for kind, count in counts.most_common())
-    listed = "; ".join(f"{bad.path}:{bad.line}: {bad.reason}" for bad in bad_rows[:_MAX_LISTED_BAD_ROWS])
-    more = (
-        f"; and {len(bad_rows) - _MAX_LISTED_BAD_ROWS} more" if len(bad_rows) > _MAX_LISTED_BAD_ROWS else ""
-    )
-    warnings.warn(
-        f"{path}: skipped {len(bad_rows)} bad row(s), kept {kept} ({per_reason}): {listed}{more}",
-        DataWarning,
-        stacklevel=3,
-    )
 
 
 def hash_split(examples: Sequence[Example]) -> tuple[list[Example], list[Example]]:
@@ -88,7 +64,7 @@ def quora_split_sizes(data_dir: str | os.PathLike | None = None) -> dict[str, in
     """Rows per ``para`` split and skipped rows: ``{"train": ..., "dev": ..., "skipped": ...}``."""
     path = resolve_data_dir(data_dir) / QUORA_FILE
     examples, bad_rows = read_task_file(path, "para", labelled=True, strict=False)
-    train, dev = quora_split(examples)
+    train, dev = hash_split(examples)
     return {"train": len(train), "dev": len(dev), "skipped": len(bad_rows)}
 
 
@@ -122,7 +98,15 @@ def load_task(
     spec = get_task(name)
     path = split_path(spec, split, data_dir)
     examples, bad_rows = read_task_file(path, spec, labelled=split != "test", strict=strict)
-    _warn_bad_rows(bad_rows, path, len(examples))
+    if bad_rows:
+        per_reason = ", ".join(
+            f"{n} x {kind}" for kind, n in Counter(bad.kind for bad in bad_rows).most_common()
+        )
+        listed = "; ".join(f"{bad.path}:{bad.line}: {bad.reason}" for bad in bad_rows[:_MAX_LISTED_BAD_ROWS])
+        more = len(bad_rows) - _MAX_LISTED_BAD_ROWS
+        more_text = f"; and {more} more" if more > 0 else ""
+        kept = f"skipped {len(bad_rows)} bad row(s), kept {len(examples)}"
+        warnings.warn(f"{path}: {kept} ({per_reason}): {listed}{more_text}", DataWarning, stacklevel=2)
     if split in ("train", "dev") and spec.files.get("train") == spec.files.get("dev"):
         train, dev = hash_split(examples)
         return train if split == "train" else dev

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fastpals.data.scores import accuracy, as_1d, confusion_matrix, paired_arrays, pearson, spearman
+from fastpals.data.task_kinds import accuracy, as_1d, confusion_matrix, paired_arrays, pearson, spearman
 from fastpals.data.tasks import TaskSpec, get_task
 
 __all__ = [
@@ -131,8 +131,7 @@ def write_predictions(
         if predictions.ndim != 1:
             raise ValueError(f"predictions must be 1-D, got shape {predictions.shape}")
         predictions = predictions.tolist()
-    ids = list(ids)
-    predictions = list(predictions)
+    ids, predictions = list(ids), list(predictions)
     if len(ids) != len(predictions):
         raise ValueError(f"ids has {len(ids)} entries but predictions has {len(predictions)}")
     lines = [f"id \t {header} \n"]
@@ -208,13 +207,11 @@ def plot_confusion_matrix(
     axes.set_ylabel("true")
     if title:
         axes.set_title(title)
-    threshold = float(shown.max()) / 2.0
+    threshold, fontsize = float(shown.max()) / 2.0, 8 if size > 6 else 10
     for i in range(size):
         for j in range(size):
             colour = "white" if shown[i, j] > threshold else "black"
-            axes.text(
-                j, i, text[i][j], ha="center", va="center", color=colour, fontsize=8 if size > 6 else 10
-            )
+            axes.text(j, i, text[i][j], ha="center", va="center", color=colour, fontsize=fontsize)
     figure.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

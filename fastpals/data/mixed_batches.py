@@ -134,22 +134,15 @@ class MixedBatchSampler:
         )
         if len(self.task_seeds) != t or any(s < 0 for s in self.task_seeds):
             raise ValueError(f"task_seeds must hold {t} non-negative ints, got {task_seeds!r}")
-        self.method = method
-        self.num_tasks = t
-        self.sizes = [int(x.size) for x in self.lengths]
-        self.num_epochs = num_epochs
-        self.batch_size = batch_size
-        self.max_tokens = max_tokens
+        self.method, self.num_tasks, self.sizes = method, t, [int(x.size) for x in self.lengths]
+        self.num_epochs, self.batch_size, self.max_tokens = num_epochs, batch_size, max_tokens
         self.seed = seed
         if micro_batches_per_epoch is None:  # about one pass over the examples, or over their tokens
             total = sum(self.sizes) if batch_size is not None else sum(int(x.sum()) for x in self.lengths)
             micro_batches_per_epoch = math.ceil(total / (batch_size or max_tokens))
         check_int("micro_batches_per_epoch", micro_batches_per_epoch, 1)
         self.micro_batches_per_epoch = micro_batches_per_epoch
-        self.epoch = 1
-        self.step = 0
-        self.passes = [0] * t
-        self.positions = [0] * t
+        self.epoch, self.step, self.passes, self.positions = 1, 0, [0] * t, [0] * t
         self._rng = np.random.default_rng(seed)
         self._perms: dict[int, tuple[int, np.ndarray]] = {}
 
@@ -173,18 +166,13 @@ class MixedBatchSampler:
         """int64 ``[N_t]``: task ``task``'s example order in pass ``k`` (the batcher's epoch ``k`` order)."""
         return np.random.default_rng([self.task_seeds[task], k]).permutation(self.sizes[task])
 
-    def _perm(self, t: int) -> np.ndarray:
-        cached = self._perms.get(t)
-        if cached is None or cached[0] != self.passes[t]:
-            cached = (self.passes[t], self.pass_order(t, self.passes[t]))
-            self._perms[t] = cached
-        return cached[1]
-
     def _peek(self, t: int) -> int:
         if self.positions[t] >= self.sizes[t]:
             self.passes[t] += 1
             self.positions[t] = 0
-        return int(self._perm(t)[self.positions[t]])
+        if t not in self._perms or self._perms[t][0] != self.passes[t]:
+            self._perms[t] = (self.passes[t], self.pass_order(t, self.passes[t]))
+        return int(self._perms[t][1][self.positions[t]])
 
     def _take(self, t: int, k: int) -> np.ndarray:
         out = []
@@ -212,9 +200,8 @@ class MixedBatchSampler:
             indices = [self._take(t, int(c)) for t, c in enumerate(counts)]
         else:
             indices = self._fill_budget(p)
-        selection = MixedSelection(indices=indices, epoch=self.epoch, step=self.step)
         self.step += 1
-        return selection
+        return MixedSelection(indices, self.epoch, self.step - 1)
 
     def _fill_budget(self, p: np.ndarray) -> list[np.ndarray]:
         credit = self._rng.random(self.num_tasks)
@@ -265,12 +252,8 @@ class MixedBatchSampler:
         if not 1 <= epoch <= self.num_epochs or not 0 <= step <= self.micro_batches_per_epoch:
             raise ValueError(f"saved epoch {epoch} / step {step} is outside this schedule")
         passes, positions = [int(x) for x in state["passes"]], [int(x) for x in state["positions"]]
-        if (
-            len(passes) != self.num_tasks
-            or len(positions) != self.num_tasks
-            or any(p < 0 for p in passes)
-            or any(not 0 <= p <= n for p, n in zip(positions, self.sizes))
-        ):
+        fits = len(passes) == len(positions) == self.num_tasks and all(p >= 0 for p in passes)
+        if not fits or any(not 0 <= p <= n for p, n in zip(positions, self.sizes)):
             raise ValueError("saved per-task positions do not fit these tasks")
         self.epoch, self.step, self.passes, self.positions = epoch, step, passes, positions
         self._rng.bit_generator.state = state["rng"]
@@ -332,8 +315,7 @@ def _host_rows(ids: torch.Tensor, types: torch.Tensor, mask: torch.Tensor) -> tu
     """The token lists of a right-padded host batch ``[R, L]`` (``ValueError`` for another mask)."""
     _, cu, _ = unpad(ids, mask)  # validates the mask (host tensors: no device read)
     lengths = (cu[1:] - cu[:-1]).tolist()
-    ids_l, types_l = ids.tolist(), types.tolist()
-    return [r[:n] for r, n in zip(ids_l, lengths)], [r[:n] for r, n in zip(types_l, lengths)]
+    return [r[:n] for r, n in zip(ids.tolist(), lengths)], [r[:n] for r, n in zip(types.tolist(), lengths)]
 
 
 def pack_batches(batches: Sequence[dict], task_ids: Sequence[int], num_tasks: int) -> dict:

@@ -18,6 +18,9 @@ from fastpals.data.tokenizer import Encoded, Tokenizer
 __all__ = ["PAIR_ENCODINGS", "TaskBatcher", "merge_batches"]
 
 PAIR_ENCODINGS = ("joint", "separate", "both")
+_ORDER_SETTINGS = (
+    "seed batch_size shuffle bucket_by_length bucket_size drop_last pair_encoding max_length".split()
+)
 
 
 def _token_counts(encodings: Sequence[Encoded]) -> np.ndarray:
@@ -74,21 +77,14 @@ class TaskBatcher:
                 f"examples mix labelled and unlabelled ones (example {with_labels.index(False)} has none)"
             )
         self.has_labels = with_labels[0]
-        self.examples = examples
-        self.tokenizer = tokenizer
-        self.batch_size = batch_size
-        self.max_length = max_length
-        self.shuffle = shuffle
-        self.seed = seed
-        self.bucket_by_length = bucket_by_length
-        self.bucket_size = bucket_size
-        self.drop_last = drop_last
+        self.examples, self.tokenizer, self.batch_size = examples, tokenizer, batch_size
+        self.max_length, self.shuffle, self.seed = max_length, shuffle, seed
+        self.bucket_by_length, self.bucket_size, self.drop_last = bucket_by_length, bucket_size, drop_last
         self.pair_encoding = pair_encoding
 
         truncated_before = tokenizer.num_truncated
         if self.spec.pair:
-            first = [example.sentence1 for example in examples]
-            second = [example.sentence2 for example in examples]
+            first, second = [ex.sentence1 for ex in examples], [ex.sentence2 for ex in examples]
             if pair_encoding != "separate":
                 self._joint = tokenizer.encode(first, second, max_length)
             if pair_encoding != "joint":
@@ -109,10 +105,8 @@ class TaskBatcher:
         if self.has_labels:
             self._labels = torch.tensor([example.label for example in examples], dtype=self.spec.label_dtype)
 
-        self.epoch = 0
-        self.position = 0
-        self._cached_epoch: int | None = None
-        self._cached_batches: list[np.ndarray] = []
+        self.epoch, self.position = 0, 0
+        self._cached: tuple[int, list[np.ndarray]] | None = None
 
     def __len__(self) -> int:
         """Batches per epoch."""
@@ -126,12 +120,8 @@ class TaskBatcher:
         order = rng.permutation(n) if self.shuffle else np.arange(n)
         if self.bucket_by_length:
             chunk = self.bucket_size * self.batch_size
-            order = np.concatenate(
-                [
-                    part[np.argsort(self.lengths[part], kind="stable")]
-                    for part in (order[start : start + chunk] for start in range(0, n, chunk))
-                ]
-            )
+            parts = [order[start : start + chunk] for start in range(0, n, chunk)]
+            order = np.concatenate([part[np.argsort(self.lengths[part], kind="stable")] for part in parts])
         batches = [order[start : start + self.batch_size] for start in range(0, n, self.batch_size)]
         if self.drop_last and len(batches[-1]) < self.batch_size:
             batches.pop()
@@ -179,20 +169,15 @@ class TaskBatcher:
         return rows
 
     def _batches_of(self, epoch: int) -> list[np.ndarray]:
-        if self._cached_epoch != epoch:
-            self._cached_batches = self.epoch_batches(epoch)
-            self._cached_epoch = epoch
-        return self._cached_batches
+        if self._cached is None or self._cached[0] != epoch:
+            self._cached = (epoch, self.epoch_batches(epoch))
+        return self._cached[1]
 
     def __iter__(self) -> Iterator[dict]:
         """Yield the remaining batches of the current epoch, then move ``epoch`` on by one."""
-        batches = self._batches_of(self.epoch)
-        while self.position < len(batches):
-            indices = batches[self.position]
-            self.position += 1  # counted before the yield: a state_dict taken now resumes after this batch
-            yield self.collate(indices)
-        self.epoch += 1
-        self.position = 0
+        while self.position < len(self):
+            yield self.next_batch()  # counts the batch before the yield: a state_dict now resumes after it
+        self.epoch, self.position = self.epoch + 1, 0
 
     def next_batch(self) -> dict:
         """The next batch, going on into the next epoch when this one is used up."""
@@ -209,28 +194,17 @@ class TaskBatcher:
         self.epoch = epoch
         self.position = 0
 
-    def _fingerprint(self) -> str:
-        digest = hashlib.sha256()
-        for example in self.examples:
-            digest.update(example.id.encode("utf-8") + b"\0")
-        return digest.hexdigest()[:16]
-
     def state_dict(self) -> dict:
         """``{"epoch", "position", "seed", "batch_size", "num_examples", "fingerprint", ...}`` (plain Python)."""
         return {
             "task": self.spec.name,
             "epoch": self.epoch,
             "position": self.position,
-            "seed": self.seed,
-            "batch_size": self.batch_size,
-            "shuffle": self.shuffle,
-            "bucket_by_length": self.bucket_by_length,
-            "bucket_size": self.bucket_size,
-            "drop_last": self.drop_last,
-            "pair_encoding": self.pair_encoding,
-            "max_length": self.max_length,
+            **{key: getattr(self, key) for key in _ORDER_SETTINGS},
             "num_examples": len(self.examples),
-            "fingerprint": self._fingerprint(),
+            "fingerprint": hashlib.sha256(
+                b"".join(e.id.encode("utf-8") + b"\0" for e in self.examples)
+            ).hexdigest()[:16],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -264,25 +238,16 @@ def merge_batches(batches: Sequence[dict], task_ids: Sequence[int], tokenizer: T
         key: _pad_cat([batch[key] for batch in batches], pad_values[key]) for key in _ENCODING_KEYS
     }
     if any("input_ids_b" in batch for batch in batches):
-        filler = {
-            "input_ids": [tokenizer.cls_token_id, tokenizer.sep_token_id],
-            "attention_mask": [1, 1],
-            "token_type_ids": [0, 0],
-        }
+        filler = dict(zip(_ENCODING_KEYS, ([tokenizer.cls_token_id, tokenizer.sep_token_id], [1, 1], [0, 0])))
         for key in _ENCODING_KEYS:
             parts = [
-                batch[key + "_b"]
-                if key + "_b" in batch
-                else torch.tensor([filler[key]] * size, dtype=torch.int64)
-                for batch, size in zip(batches, sizes)
+                batch.get(key + "_b", torch.tensor([filler[key]] * n)) for batch, n in zip(batches, sizes)
             ]
             merged[key + "_b"] = _pad_cat(parts, pad_values[key])
     if all("joint_input_ids" in batch for batch in batches):
         for key in _ENCODING_KEYS:
             merged["joint_" + key] = _pad_cat([batch["joint_" + key] for batch in batches], pad_values[key])
-    merged["task_ids"] = torch.cat(
-        [torch.full((size,), int(task_id), dtype=torch.int64) for task_id, size in zip(task_ids, sizes)]
-    )
+    merged["task_ids"] = torch.tensor([int(t) for t in task_ids]).repeat_interleave(torch.tensor(sizes))
     if all("labels" in batch for batch in batches):
         merged["labels"] = torch.cat([batch["labels"].to(torch.float32) for batch in batches])
     elif any("labels" in batch for batch in batches):

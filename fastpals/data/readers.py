@@ -1,9 +1,6 @@
-"""The TSV, CSV and JSONL readers of one task file (:func:`read_task_file`), their row checks, the example types.
-
-CSV/TSV follow the usual quoting rules (any line end, a UTF-8 BOM dropped). Every row is checked (UTF-8, NUL,
-field count and length, id, duplicate id, empty text, label); a quote never closed is one bad row at its opening
-line, so it cannot swallow the rows below. A bad row raises :class:`DataError` with ``strict``, else is skipped.
-"""
+"""The TSV, CSV and JSONL readers of one task file (:func:`read_task_file`) and the example types. Every row is
+checked (UTF-8, NUL, fields, ids, texts, label); a quote never closed is one bad row at its opening line, so it
+cannot swallow the rows below. A bad row raises :class:`DataError` with ``strict``, else is skipped."""
 
 from __future__ import annotations
 
@@ -80,19 +77,14 @@ class BadRow:
 
 
 # bytes that are not UTF-8 decode to lone surrogates U+DC80..U+DCFF under errors="surrogateescape"
-_BAD_UTF8 = re.compile("[\udc80-\udcff]")
-
-
-def _has_bad_utf8(text: str) -> bool:
-    return _BAD_UTF8.search(text) is not None
+_find_bad_utf8 = re.compile("[\udc80-\udcff]").search
 
 
 class _RowChecker:
     """Turns the id / text / label values of one row into an example, or a ``(kind, reason)`` problem."""
 
     def __init__(self, spec: TaskSpec, labelled: bool) -> None:
-        self.spec = spec
-        self.labelled = labelled
+        self.spec, self.labelled = spec, labelled
         self.text_roles = ("text", "text_pair") if spec.pair else ("text",)
         self.first_line_of_id: dict[str, int] = {}
 
@@ -106,21 +98,16 @@ class _RowChecker:
             if not row_id:
                 return None, "empty id", "empty id"
             if any(ch in row_id for ch in ",\t\r\n"):
-                return (
-                    None,
-                    "bad id",
-                    f"id {row_id!r} holds a comma, tab or line break (prediction files cannot)",
-                )
+                reason = f"id {row_id!r} holds a comma, tab or line break (prediction files cannot)"
+                return None, "bad id", reason
             if row_id in self.first_line_of_id:
                 return None, "duplicate id", f"id {row_id} already on line {self.first_line_of_id[row_id]}"
         else:
             row_id = f"line{line}"
-        texts = []
-        for role in self.text_roles:
-            text = values[role]
+        texts = [values[role] for role in self.text_roles]
+        for role, text in zip(self.text_roles, texts):
             if not isinstance(text, str):
                 return None, "bad text", f"{spec.columns[role]} {text!r} is not a string"
-            texts.append(text)
         empty = [spec.columns[role] for role, text in zip(self.text_roles, texts) if not text.strip()]
         if empty:
             return None, "empty sentence", f"empty {' and '.join(empty)}"
@@ -138,8 +125,8 @@ class _RowChecker:
 @dataclass
 class _Row:
     """One parsed row: ``line`` (1-based first line), ``fields``, ``next_line`` (0-based index of the line after
-    it), the quoted fields that span lines as ``(field index, open line, close line)`` (1-based), or a problem:
-    ``kind``/``reason`` reported at ``problem_line`` with reading resumed at line index ``resume``."""
+    it), the quoted fields that span lines as ``(field index, open line, close line)`` (1-based); for a problem
+    ``kind``/``reason``, ``line`` is the opening quote's and ``next_line`` the one after it."""
 
     line: int
     fields: list[str]
@@ -147,17 +134,13 @@ class _Row:
     multiline: list[tuple[int, int, int]]
     kind: str = ""
     reason: str = ""
-    problem_line: int = 0
-    resume: int = 0
 
 
 class _DelimitedText:
     """A tokenizer for tab/comma-separated text that knows the line of every quote."""
 
     def __init__(self, text: str, delimiter: str, max_field_chars: int) -> None:
-        self.text = text
-        self.delimiter = delimiter
-        self.max_field_chars = max_field_chars
+        self.text, self.delimiter, self.max_field_chars = text, delimiter, max_field_chars
         starts, ends = [0], []
         for match in _LINE_END.finditer(text):
             ends.append(match.start())
@@ -166,12 +149,7 @@ class _DelimitedText:
             ends.append(len(text))
         else:
             starts.pop()
-        self.starts = starts
-        self.ends = ends
-        self.num_lines = len(starts)
-
-    def _line_of(self, pos: int) -> int:
-        return bisect.bisect_right(self.starts, pos) - 1
+        self.starts, self.ends, self.num_lines = starts, ends, len(starts)
 
     def content(self, k: int) -> str:
         return self.text[self.starts[k] : self.ends[k]]
@@ -190,8 +168,7 @@ class _DelimitedText:
         pos, line = self.starts[k], k
         while True:
             if pos < n and text[pos] == '"':
-                open_line = line
-                column = len(fields) + 1
+                open_line, column = line, len(fields) + 1
                 pos += 1
                 parts = []
                 while True:
@@ -199,7 +176,7 @@ class _DelimitedText:
                     if quote == -1:
                         swallowed = self.num_lines - open_line - 1
                         return self._problem(
-                            k, fields, "unclosed quote", open_line,
+                            fields, "unclosed quote", open_line,
                             f"field {column} opens with a quote that is never closed (it would swallow the "
                             f"{swallowed} line(s) after it; inside a quoted field write a quote as \"\")",
                         )  # fmt: skip
@@ -211,7 +188,7 @@ class _DelimitedText:
                     pos = quote + 1
                     break
                 value = "".join(parts)
-                line = self._line_of(quote)
+                line = bisect.bisect_right(self.starts, quote) - 1
                 if line != open_line:
                     multiline.append((len(fields), open_line + 1, line + 1))
                 if pos < n and text[pos] not in "\r\n" and text[pos] != delimiter:
@@ -226,14 +203,14 @@ class _DelimitedText:
                             f"field {column}: text {self._snippet(pos, line)!r} follows the closing quote (a field "
                             f'that starts with a quote must end with one; write a quote inside it as "")'
                         )
-                    return self._problem(k, fields, "unclosed quote", open_line, reason)
+                    return self._problem(fields, "unclosed quote", open_line, reason)
                 if len(value) > self.max_field_chars:
                     what, hint = f"field {column}", ""
                     if line != open_line:
                         what = f"the quoted field {column} runs from here to line {line + 1} and"
                         hint = " (an unclosed quote?)"
                     return self._problem(
-                        k, fields, "field too long", open_line,
+                        fields, "field too long", open_line,
                         f"{what} has {len(value)} characters, more than max_field_chars={self.max_field_chars}"
                         f"{hint}",
                     )  # fmt: skip
@@ -253,8 +230,8 @@ class _DelimitedText:
     def _snippet(self, pos: int, line: int) -> str:
         return self.text[pos : min(pos + 20, self.ends[line])].split(self.delimiter)[0]
 
-    def _problem(self, k: int, fields: list[str], kind: str, open_line: int, reason: str) -> _Row:
-        return _Row(k + 1, fields, open_line + 1, [], kind, reason, open_line + 1, open_line + 1)
+    def _problem(self, fields: list[str], kind: str, open_line: int, reason: str) -> _Row:
+        return _Row(open_line + 1, fields, open_line + 1, [], kind, reason)
 
 
 def _roles(spec: TaskSpec, labelled: bool) -> list[str]:
@@ -284,9 +261,9 @@ def _delimited_rows(
         raise DataError(path, 1, "empty file (a header row and at least one data row are needed)")
     head = parsed.row(k)
     if head.kind:
-        raise DataError(path, head.problem_line, f"header row: {head.reason}")
+        raise DataError(path, head.line, f"header row: {head.reason}")
     header = head.fields
-    if any(_has_bad_utf8(name) for name in header):
+    if any(_find_bad_utf8(name) for name in header):
         raise DataError(path, head.line, "header row is not valid UTF-8")
     if any("\x00" in name for name in header):
         raise DataError(path, head.line, "header row holds a NUL byte")
@@ -296,17 +273,15 @@ def _delimited_rows(
     missing = [name for name in needed if name not in columns]
     if missing:
         raise DataError(
-            path,
-            head.line,
+            path, head.line,
             f"header lacks column(s) {', '.join(missing)} (header: {header!r}; needed: {', '.join(needed)})"
             + _split_hint(parsed.content(k), delimiter, needed),
-        )
+        )  # fmt: skip
     index = {role: columns[spec.columns[role]] for role in roles}
-    width = len(header)
-    separated = "tab-separated" if delimiter == "\t" else "comma-separated"
+    width, separated = len(header), "tab-separated" if delimiter == "\t" else "comma-separated"
 
     checker = _RowChecker(spec, labelled)
-    bad_utf8, has_nul = _has_bad_utf8(text), "\x00" in text  # per-row checks only when the file needs them
+    bad_utf8, has_nul = _find_bad_utf8(text), "\x00" in text  # per-row checks only when the file needs them
     k, rows = head.next_line, 0
     while k < parsed.num_lines:
         if parsed.is_blank(k):
@@ -316,7 +291,7 @@ def _delimited_rows(
         line, kind, reason, k = row.line, row.kind, row.reason, row.next_line
         example = None
         if kind:
-            line, k = row.problem_line, row.resume
+            pass  # reported at its opening quote, reading resumes on the line after it
         elif row.multiline and (
             len(row.fields) != width
             or (
@@ -334,7 +309,7 @@ def _delimited_rows(
                 else f"field {field + 1} opens with a quote that closes only on line {close_line} and holds "
                 f"whole rows (tabs and line breaks)"
             ) + ': unclosed quote? (inside a quoted field write a quote as "")'
-        elif bad_utf8 and any(_has_bad_utf8(field) for field in row.fields):
+        elif bad_utf8 and any(_find_bad_utf8(field) for field in row.fields):
             kind, reason = "bad UTF-8", "row is not valid UTF-8"
         elif has_nul and any("\x00" in field for field in row.fields):
             column = next(i for i, field in enumerate(row.fields) if "\x00" in field) + 1
@@ -344,14 +319,10 @@ def _delimited_rows(
             reason = f"{len(row.fields)} {separated} fields, the header has {width}"
         elif any(len(field) > max_field_chars for field in row.fields):
             column = next(i for i, field in enumerate(row.fields) if len(field) > max_field_chars) + 1
-            kind = "field too long"
-            reason = (
-                f"field {column} has {len(row.fields[column - 1])} characters, more than "
-                f"max_field_chars={max_field_chars}"
-            )
+            size, kind = len(row.fields[column - 1]), "field too long"
+            reason = f"field {column} has {size} characters, more than max_field_chars={max_field_chars}"
         else:
-            values = {role: row.fields[i] for role, i in index.items()}
-            example, kind, reason = checker.example(line, values)
+            example, kind, reason = checker.example(line, {role: row.fields[i] for role, i in index.items()})
         rows += 1
         yield line, example, kind, reason
     if not rows:
@@ -363,49 +334,43 @@ def _jsonl_rows(
 ) -> Iterator[tuple[int, Example | None, str, str]]:
     """``(line, example, problem kind, reason)`` of each object line of a JSONL text."""
     roles = _roles(spec, labelled)
+    keys = [spec.columns[role] for role in roles]
     checker = _RowChecker(spec, labelled)
     first, rows = True, 0
     for number, content in enumerate(_LINE_END.split(text), start=1):
         if not content.strip():
             continue
-        example = None
-        if _has_bad_utf8(content):
+        rows += 1
+        example, kind, reason, obj = None, "", "", None
+        if _find_bad_utf8(content):
             kind, reason = "bad UTF-8", "line is not valid UTF-8"
         elif "\x00" in content:
             kind, reason = "NUL byte", "line holds a NUL byte (a binary or corrupt file?)"
         else:
             try:
                 obj = json.loads(content)
-                kind, reason = "", ""
             except json.JSONDecodeError as err:
-                obj = None
                 kind, reason = "bad JSON", f"not valid JSON: {err.msg} (column {err.colno})"
-            if not kind and not isinstance(obj, dict):
-                kind, reason = "bad JSON", f"a JSON {type(obj).__name__}, not an object"
-            if not kind:
-                missing = [spec.columns[role] for role in roles if spec.columns[role] not in obj]
-                if missing and first:
-                    raise DataError(
-                        path, number,
-                        f"the first object lacks key(s) {', '.join(missing)} (its keys: {', '.join(obj)}; "
-                        f"needed: {', '.join(spec.columns[role] for role in roles)})",
-                    )  # fmt: skip
-                first = False
-                if missing:
-                    kind, reason = "missing key", f"no key(s) {', '.join(missing)}"
-                else:
-                    values = {role: obj[spec.columns[role]] for role in roles}
-                    long = [
-                        spec.columns[role]
-                        for role in roles
-                        if isinstance(values[role], str) and len(values[role]) > max_field_chars
-                    ]
-                    if long:
-                        kind = "field too long"
-                        reason = f"{long[0]} is longer than max_field_chars={max_field_chars}"
-                    else:
-                        example, kind, reason = checker.example(number, values)
-        rows += 1
+        if not kind and not isinstance(obj, dict):
+            kind, reason = "bad JSON", f"a JSON {type(obj).__name__}, not an object"
+        if not kind:
+            missing = [key for key in keys if key not in obj]
+            if missing and first:
+                raise DataError(
+                    path, number,
+                    f"the first object lacks key(s) {', '.join(missing)} (its keys: {', '.join(obj)}; "
+                    f"needed: {', '.join(keys)})",
+                )  # fmt: skip
+            first = False
+            long = [key for key in keys if isinstance(obj.get(key), str) and len(obj[key]) > max_field_chars]
+            if missing:
+                kind, reason = "missing key", f"no key(s) {', '.join(missing)}"
+            elif long:
+                kind, reason = "field too long", f"{long[0]} is longer than max_field_chars={max_field_chars}"
+            else:
+                example, kind, reason = checker.example(
+                    number, {role: obj[spec.columns[role]] for role in roles}
+                )
         yield number, example, kind, reason
     if not rows:
         raise DataError(path, 1, "empty file (one JSON object per line is needed)")
@@ -443,9 +408,7 @@ def read_task_file(
     raw = path.read_bytes()
     if not raw.strip():
         raise DataError(path, 1, "empty file (a header row and at least one data row are needed)")
-    text = raw.decode("utf-8", errors="surrogateescape")
-    if text.startswith("\ufeff"):
-        text = text[1:]
+    text = raw.decode("utf-8", errors="surrogateescape").removeprefix("\ufeff")
     if format == "jsonl":
         rows = _jsonl_rows(path, text, spec, labelled, max_field_chars)
     else:

@@ -24,22 +24,10 @@ __all__ = [
     "task_probabilities",
 ]
 
-SAMPLING_METHODS = (
-    "round_robin",
-    "proportional",
-    "uniform",
-    "sqrt",
-    "annealed",
-    "every_task_plus_annealed",
-    "random_round_robin",
-)
-GROUPED_METHODS = ("every_task_plus_annealed", "random_round_robin")
-EQUAL_SHARE_METHODS = (
-    "round_robin",
-    "random_round_robin",
-    "every_task_plus_annealed",
-)  # in mixed micro-batches
 _PROBABILITY_METHODS = ("proportional", "uniform", "sqrt", "annealed")
+GROUPED_METHODS = ("every_task_plus_annealed", "random_round_robin")
+SAMPLING_METHODS = ("round_robin", *_PROBABILITY_METHODS, *GROUPED_METHODS)
+EQUAL_SHARE_METHODS = ("round_robin", "random_round_robin", "every_task_plus_annealed")  # in mixed batches
 
 
 def _check_sizes(sizes: Sequence[int]) -> np.ndarray:
@@ -84,23 +72,18 @@ def check_resume_settings(
 def annealed_alpha(epoch: int, num_epochs: int) -> float:
     """``α = 1 - 0.8 (epoch - 1) / (num_epochs - 1)`` for ``epoch`` in ``1..num_epochs``; 1.0 when ``num_epochs == 1``."""
     _check_epoch(epoch, num_epochs)
-    if num_epochs == 1:
-        return 1.0
-    return 1.0 - 0.8 * (epoch - 1) / (num_epochs - 1)
+    return 1.0 - 0.8 * (epoch - 1) / max(num_epochs - 1, 1)
 
 
 def task_probabilities(sizes: Sequence[int], method: str, epoch: int = 1, num_epochs: int = 1) -> np.ndarray:
     """Each task's share, float64 ``[T]`` summing to 1, of ``sizes`` examples per task in ``epoch`` (from 1)."""
     n = _check_sizes(sizes)
     _check_epoch(epoch, num_epochs)
-    if method == "proportional":
-        weights = n
-    elif method == "uniform":
-        weights = np.ones_like(n)
-    elif method == "sqrt":
-        weights = np.sqrt(n)
-    elif method in ("annealed", "every_task_plus_annealed"):
+    weigh = {"proportional": lambda: n, "uniform": lambda: np.ones_like(n), "sqrt": lambda: np.sqrt(n)}
+    if method in ("annealed", "every_task_plus_annealed"):
         weights = n ** annealed_alpha(epoch, num_epochs)
+    elif method in weigh:
+        weights = weigh[method]()
     else:
         raise ValueError(
             f"method {method!r} has no per-draw probabilities; choose one of "
@@ -149,12 +132,8 @@ class TaskSampler:
             raise ValueError(f"updates_per_epoch is needed for sampling {method!r}")
         if updates_per_epoch is not None:
             check_int("updates_per_epoch", updates_per_epoch, 1)
-        self.method = method
-        self.num_tasks = len(self.sizes)
-        self.num_epochs = num_epochs
-        self.micro_batches_per_update = micro_batches_per_update
-        self.extra = extra
-        self.seed = seed
+        self.method, self.num_tasks, self.num_epochs = method, len(self.sizes), num_epochs
+        self.micro_batches_per_update, self.extra, self.seed = micro_batches_per_update, extra, seed
         grouped = {"random_round_robin": self.num_tasks, "every_task_plus_annealed": self.num_tasks + extra}
         self.group_size = grouped.get(method, micro_batches_per_update)
         if method == "round_robin":
@@ -162,8 +141,7 @@ class TaskSampler:
             self.updates_per_epoch = full if updates_per_epoch is None else min(full, updates_per_epoch)
         else:
             self.updates_per_epoch = int(updates_per_epoch)
-        self.epoch = 1
-        self.position = 0
+        self.epoch, self.position = 1, 0
         self._cached: tuple[int, list[int]] | None = None
 
     def probabilities(self, epoch: int) -> np.ndarray | None:
@@ -233,7 +211,6 @@ class TaskSampler:
         """Continue at ``state``'s ``(epoch, position)``; every other entry must match this sampler's."""
         check_resume_settings(state, self.state_dict(), "the task sampler", skip=("epoch", "position"))
         _check_epoch(int(state["epoch"]), self.num_epochs)
-        self.epoch = int(state["epoch"])
-        self.position = int(state["position"])
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
         if not 0 <= self.position <= len(self._order()):
             raise ValueError(f"sampler position {self.position} is outside epoch {self.epoch}")

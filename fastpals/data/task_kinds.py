@@ -13,8 +13,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fastpals.data.scores import accuracy, as_1d, confusion_matrix, paired_arrays, pearson, spearman
-
 if TYPE_CHECKING:
     from fastpals.data.tasks import TaskSpec
 
@@ -28,6 +26,101 @@ __all__ = [
     "kind_names",
     "register_task_kind",
 ]
+
+
+def as_1d(values: Sequence | np.ndarray, name: str, dtype: type | None = None) -> np.ndarray:
+    """``values`` (a list, NumPy array or torch tensor) as a 1-D host array of ``dtype``; ``ValueError`` naming
+    ``name`` otherwise."""
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().numpy()
+    array = np.asarray(values, dtype=dtype)
+    if array.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {array.shape}")
+    return array
+
+
+def paired_arrays(
+    y_true: Sequence, y_pred: Sequence, dtype: type | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(y_true, y_pred)`` as 1-D host arrays of one length (:func:`as_1d`); ``ValueError`` otherwise."""
+    true, pred = as_1d(y_true, "y_true", dtype), as_1d(y_pred, "y_pred", dtype)
+    if true.shape != pred.shape:
+        raise ValueError(f"y_true has {true.shape[0]} entries but y_pred has {pred.shape[0]}")
+    if true.size == 0:
+        raise ValueError("y_true and y_pred are empty")
+    return true, pred
+
+
+def accuracy(y_true: Sequence, y_pred: Sequence) -> float:
+    """Share of positions where ``y_pred == y_true``; both 1-D of length ``N >= 1`` (lists, numpy or torch)."""
+    true, pred = paired_arrays(y_true, y_pred)
+    return float(np.mean(true == pred))
+
+
+def _samples(x: Sequence[float], y: Sequence[float], name: str) -> tuple[np.ndarray, np.ndarray]:
+    """Two finite float64 samples of one length ``N >= 2`` for the correlation ``name``."""
+    a, b = paired_arrays(x, y, np.float64)
+    if a.size < 2:
+        raise ValueError(f"{name} needs at least 2 pairs, got {a.size}")
+    if not (np.isfinite(a).all() and np.isfinite(b).all()):
+        raise ValueError(f"{name} got non-finite values (NaN or inf)")
+    return a, b
+
+
+def _undefined(name: str) -> float:
+    warnings.warn(
+        f"{name}: one input is constant, the correlation is undefined (NaN)", RuntimeWarning, stacklevel=3
+    )
+    return math.nan
+
+
+def pearson(x: Sequence[float], y: Sequence[float]) -> float:
+    """Pearson correlation of two 1-D samples of length ``N >= 2`` in float64; NaN with a ``RuntimeWarning``
+    when either is constant."""
+    a, b = _samples(x, y, "pearson")
+    da, db = a - a.mean(), b - b.mean()
+    norm = math.sqrt(float(np.dot(da, da))) * math.sqrt(float(np.dot(db, db)))
+    if norm == 0.0:
+        return _undefined("pearson")
+    return float(np.clip(np.dot(da, db) / norm, -1.0, 1.0))
+
+
+def _average_ranks(values: np.ndarray) -> np.ndarray:
+    order = np.argsort(values, kind="stable")
+    ordered = values[order]
+    new_group = np.concatenate([[True], ordered[1:] != ordered[:-1]])
+    starts = np.flatnonzero(new_group)
+    sizes = np.diff(np.concatenate([starts, [values.size]]))
+    mean_rank = starts + (sizes - 1) / 2.0 + 1.0  # 1-based ranks, ties get the mean of their positions
+    ranks = np.empty(values.size, dtype=np.float64)
+    ranks[order] = np.repeat(mean_rank, sizes)
+    return ranks
+
+
+def spearman(x: Sequence[float], y: Sequence[float]) -> float:
+    """Spearman rank correlation of two 1-D samples of length ``N >= 2``: Pearson of the average ranks (tied
+    values share the mean of their ranks), in float64. NaN with a ``RuntimeWarning`` when either is constant."""
+    a, b = _samples(x, y, "spearman")
+    ranks_a, ranks_b = _average_ranks(a), _average_ranks(b)
+    if np.all(ranks_a == ranks_a[0]) or np.all(ranks_b == ranks_b[0]):
+        return _undefined("spearman")
+    return pearson(ranks_a, ranks_b)
+
+
+def confusion_matrix(y_true: Sequence[int], y_pred: Sequence[int], num_classes: int) -> np.ndarray:
+    """int64 ``[K, K]`` counts of true class ``i`` predicted as ``j``, for whole-number labels in ``[0, K)``."""
+    if isinstance(num_classes, bool) or not isinstance(num_classes, (int, np.integer)) or num_classes < 1:
+        raise ValueError(f"num_classes must be an int >= 1, got {num_classes!r}")
+    true, pred = paired_arrays(y_true, y_pred)
+    for name, array in (("y_true", true), ("y_pred", pred)):
+        if array.dtype.kind not in "iub":
+            if not np.all(np.isfinite(array)) or not np.all(array == np.round(array)):
+                raise ValueError(f"{name} must hold whole class indices")
+        if array.min() < 0 or array.max() >= num_classes:
+            raise ValueError(f"{name} holds {array.min()}..{array.max()}, outside [0, {num_classes})")
+    flat = true.astype(np.int64) * num_classes + pred.astype(np.int64)
+    return np.bincount(flat, minlength=num_classes * num_classes).reshape(num_classes, num_classes)
+
 
 Fail = Callable[[str], NoReturn]
 
@@ -84,8 +177,7 @@ class TaskKind:
     def parse_label(self, spec: TaskSpec, value: Any) -> tuple[int | float | None, str, str]:
         """A raw label cell (CSV/TSV string or JSON value) → ``(label, "", "")`` or ``(None, problem, reason)``;
         a name of ``label_names`` reads as its index."""
-        column = spec.label_column
-        names = spec.label_names
+        column, names = spec.label_column, spec.label_names
         if value is None or (isinstance(value, str) and not value.strip()):
             return None, "empty label", f"empty {column}"
         if isinstance(value, bool):
@@ -166,21 +258,18 @@ class Classification(TaskKind):
         return num_labels
 
     def task_file_num_labels(self, value: Any) -> int:
-        """The number of classes, an int >= 2 (required)."""
         if isinstance(value, bool) or not isinstance(value, int) or value < 2:
             what = "missing" if value is None else f"{value!r} must be an int >= 2"
             raise ValueError(f"{what} (classification needs the number of classes)")
         return value
 
     def loss(self, spec: TaskSpec, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy of the fp32 logits ``[n, K]`` against the class indices ``labels`` ``[n]``."""
         return F.cross_entropy(logits.float(), labels.long())
 
     def predict(self, spec: TaskSpec, logits: torch.Tensor) -> torch.Tensor:
         return logits.float().argmax(-1).float()
 
     def confidence(self, spec: TaskSpec, logits: torch.Tensor) -> torch.Tensor:
-        """The softmax probability of the argmax class, float32 ``[n]``."""
         return logits.float().softmax(-1).amax(-1)
 
 
@@ -197,7 +286,6 @@ class Binary(TaskKind):
         return 1
 
     def task_file_num_labels(self, value: Any) -> int:
-        """Absent or 2; gives 1 (one logit)."""
         if value not in (None, 2) or isinstance(value, bool):
             raise ValueError(f"a binary task has 2 labels, got {value!r}")
         return 1
@@ -206,15 +294,12 @@ class Binary(TaskKind):
         return 2
 
     def loss(self, spec: TaskSpec, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean BCE-with-logits of the fp32 logit ``logits[:, 0]`` against the 0/1 ``labels`` ``[n]``."""
         return F.binary_cross_entropy_with_logits(logits[:, 0].float(), labels.float())
 
     def predict(self, spec: TaskSpec, logits: torch.Tensor) -> torch.Tensor:
-        """``1.0`` where the logit is positive, else ``0.0``; float32 ``[n]``."""
         return (logits.float()[:, 0] > 0).float()
 
     def confidence(self, spec: TaskSpec, logits: torch.Tensor) -> torch.Tensor:
-        """``max(p, 1 - p)`` with ``p = sigmoid(logit)``, float32 ``[n]``."""
         p = logits.float()[:, 0].sigmoid()
         return torch.where(p >= 0.5, p, 1 - p)
 
@@ -238,7 +323,6 @@ class Regression(TaskKind):
         return 1
 
     def task_file_num_labels(self, value: Any) -> int:
-        """Must be absent (a regression task gives ``label_range`` instead); gives 1."""
         if value is not None:
             raise ValueError("not used by a regression task (give label_range)")
         return 1
@@ -265,15 +349,11 @@ class Regression(TaskKind):
             fail(f"label_scale={spec.label_scale:g} is below label_range's high {high:g}")
 
     def loss(self, spec: TaskSpec, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """``mse``: mean squared error of the fp32 ``logits[:, 0]`` against ``labels / label_scale``;
-        ``cosine``: :func:`cosent_loss` of ``logits[:, 0]`` and the raw ``labels`` ``[n]``."""
         if spec.loss == "mse":
             return F.mse_loss(logits[:, 0].float(), labels.float() / spec.label_scale)
         return cosent_loss(logits[:, 0].float(), labels.float())
 
     def predict(self, spec: TaskSpec, logits: torch.Tensor) -> torch.Tensor:
-        """``clip(logits[:, 0], 0, 1) * label_scale``, float32 ``[n]``; for ``sbert_cosine`` pairs the cosine
-        ``logits[:, 0]`` in ``[-1, 1]`` times ``label_scale``, unclipped."""
         score = logits.float()[:, 0]
         if spec.pair_mode != "sbert_cosine":
             score = score.clamp(0.0, 1.0)
@@ -349,6 +429,5 @@ def kind_names(where: Callable[[TaskKind], bool]) -> str:
     return ", ".join(names[:-1]) + " and " + names[-1]
 
 
-for _kind in (Classification(), Binary(), Regression()):
-    register_task_kind(_kind)
-del _kind
+for _kind in (Classification, Binary, Regression):
+    register_task_kind(_kind())

@@ -87,8 +87,7 @@ class TaskSpec:
             self.num_labels = kind.head_outputs(self.num_labels)
         except ValueError as err:
             fail(str(err))
-        if self.loss is None:
-            self.loss = kind.losses[0]
+        self.loss = kind.losses[0] if self.loss is None else self.loss
         if self.loss not in kind.losses:
             fail(f"loss={self.loss!r} not valid for {self.kind} ({kind.losses})")
         for key, choices in (("pair_mode", PAIR_MODES), ("head", HEADS), ("pooling", POOLINGS)):
@@ -107,8 +106,7 @@ class TaskSpec:
                 self.label_names = list(names)
             if kind.scored and self.label_range is None and builtin["label_range"] is not None:
                 self.label_range = builtin["label_range"]
-        self.files = dict(self.files)
-        self.columns = dict(self.columns)
+        self.files, self.columns = dict(self.files), dict(self.columns)
         bad_splits = [split for split in self.files if split not in SPLITS]
         if bad_splits:
             fail(f"files has split(s) {bad_splits}; the splits are {SPLITS}")
@@ -259,15 +257,11 @@ class TaskSpec:
             raise TaskFileError(src, "files", 'needs an object like {"train": PATH, "dev": PATH}')
         base = Path(base_dir) if base_dir is not None else Path.cwd()
         resolved: dict[str, str] = {}
+        _check_names(src, "files", files, SPLITS, "split", "a file path")
         for split, value in files.items():
-            key = f"files.{split}"
-            if split not in SPLITS:
-                raise TaskFileError(src, key, f"unknown split (the splits are {', '.join(SPLITS)})")
-            if not isinstance(value, str) or not value:
-                raise TaskFileError(src, key, f"must be a file path, got {value!r}")
             file_path = Path(os.path.normpath(base / Path(value).expanduser()))
             if check_files and not file_path.is_file():
-                raise TaskFileError(src, key, f"data file {file_path} does not exist")
+                raise TaskFileError(src, f"files.{split}", f"data file {file_path} does not exist")
             resolved[split] = str(file_path)
         if "train" not in resolved:
             raise TaskFileError(src, "files.train", "missing (a task needs a training file)")
@@ -275,13 +269,7 @@ class TaskSpec:
         columns = raw.get("columns")
         if not isinstance(columns, dict):
             raise TaskFileError(src, "columns", 'needs an object like {"text": COLUMN, "label": COLUMN}')
-        for role, value in columns.items():
-            if role not in COLUMN_ROLES:
-                raise TaskFileError(
-                    src, f"columns.{role}", f"unknown key (the keys are {', '.join(COLUMN_ROLES)})"
-                )
-            if not isinstance(value, str) or not value:
-                raise TaskFileError(src, f"columns.{role}", f"must be a column name, got {value!r}")
+        _check_names(src, "columns", columns, COLUMN_ROLES, "key", "a column name")
         for role in ("text", "label"):
             if role not in columns:
                 raise TaskFileError(src, f"columns.{role}", "missing")
@@ -311,23 +299,29 @@ class TaskSpec:
         ):
             raise TaskFileError(src, "label_names", f"must be a list of strings, got {label_names!r}")
 
-        options = {key: raw[key] for key in ("head", "pooling", "loss", "pair_mode") if key in raw}
+        keys = ("format", "label_names", "head", "pooling", "loss", "pair_mode")
+        options = {key: raw[key] for key in keys if key in raw}
+        options.update(num_labels=num_labels, pair="text_pair" in columns, files=resolved, columns=columns)
+        if label_range is not None:
+            options["label_range"] = tuple(label_range)
+        if src is not None:
+            options["source"] = str(Path(src).resolve())
         try:
-            return cls(
-                name,
-                kind,
-                num_labels=num_labels,
-                pair="text_pair" in columns,
-                files=resolved,
-                columns=dict(columns),
-                format=fmt,
-                label_range=None if label_range is None else tuple(label_range),
-                label_names=label_names,
-                source=None if src is None else str(Path(src).resolve()),
-                **options,
-            )
+            return cls(name, kind, **options)
         except ValueError as err:
             raise TaskFileError(src, None, str(err)) from None
+
+
+def _check_names(
+    src: str | None, name: str, entries: dict, allowed: tuple[str, ...], kind: str, what: str
+) -> None:
+    """``TaskFileError`` at ``name.KEY`` for a key not in ``allowed`` or a value not a non-empty str (``what``)."""
+    for key, value in entries.items():
+        where = f"{name}.{key}"
+        if key not in allowed:
+            raise TaskFileError(src, where, f"unknown {kind} (the {kind}s are {', '.join(allowed)})")
+        if not isinstance(value, str) or not value:
+            raise TaskFileError(src, where, f"must be {what}, got {value!r}")
 
 
 def _unknown_format(source: str | None, split: str, path: str) -> TaskFileError:

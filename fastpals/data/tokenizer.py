@@ -91,19 +91,6 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def _token_name(value: Any) -> str | None:
-    """A special token as tokenizer_config.json / special_tokens_map.json write it: a str or {"content": str}."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
-
-
-#: files a tokenizer folder may hold (fetched from the Hub when present)
-TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "config.json")
-#: a tokenizer folder holds one of these (the first is read when both are there)
-TOKENIZER_MAIN_FILES = ("tokenizer.json", "vocab.txt")
-
-
 class Tokenizer:
     """A checkpoint's tokenizer with dynamic padding: ``Tokenizer.from_pretrained("minilm-l6" | folder | hub
     name)`` or ``Tokenizer(vocab_file)``. ``token_types``: ``token_type_ids`` carry segment ids;
@@ -137,13 +124,11 @@ class Tokenizer:
                 rust = RustTokenizer.from_file(str(self.source))
             except Exception as err:  # the Rust library's parse errors carry no file name
                 raise ValueError(f"{self.source} is not a tokenizers tokenizer.json ({err})") from None
-            padding = rust.padding
-            if "pad_token" not in special and padding is not None:
-                special["pad_token"] = padding["pad_token"]
+            if "pad_token" not in special and rust.padding is not None:
+                special["pad_token"] = rust.padding["pad_token"]
         rust.no_padding()
         rust.no_truncation()
-        self._rust = rust
-        self.special_tokens = special
+        self._rust, self.special_tokens = rust, special
         self.vocab_size = rust.get_vocab_size(with_added_tokens=True)
         pad = special.get("pad_token")
         self.pad_token_id = None if pad is None else rust.token_to_id(pad)
@@ -161,9 +146,7 @@ class Tokenizer:
                 "template): an encoder needs its [CLS]-like first token"
             )
         self.cls_token_id, self.sep_token_id = empty.ids[0], empty.ids[-1]
-        self.token_types = token_types
-        self.max_positions = max_positions
-        self.num_truncated = 0
+        self.token_types, self.max_positions, self.num_truncated = token_types, max_positions, 0
         self._truncation_length: int | None = None
 
     @property
@@ -175,37 +158,38 @@ class Tokenizer:
     def from_pretrained(cls, name_or_path: str | os.PathLike) -> Tokenizer:
         """The tokenizer of ``"minilm-l6"``, a folder or a Hub id (:func:`resolve_model_dir`), with the special
         tokens of its ``tokenizer_config.json`` / ``special_tokens_map.json`` and token types per its config."""
-        folder = resolve_model_dir(name_or_path, (), optional=TOKENIZER_FILES, any_of=TOKENIZER_MAIN_FILES)
+        optional = ("tokenizer_config.json", "special_tokens_map.json", "config.json")
+        folder = resolve_model_dir(
+            name_or_path, (), optional=optional, any_of=("tokenizer.json", "vocab.txt")
+        )
         special: dict[str, str] = {}
         config = _read_json(folder / "tokenizer_config.json")
         for data in (_read_json(folder / "special_tokens_map.json"), config):
             for key in ("pad_token", "unk_token", "mask_token", "cls_token", "sep_token"):
-                name = _token_name(data.get(key))
-                if name is not None:
+                name = data.get(key)  # a str or {"content": str}
+                name = name.get("content") if isinstance(name, dict) else name
+                if isinstance(name, str):
                     special[key] = name
         model_config = _read_json(folder / "config.json")
         types = model_config.get("type_vocab_size", 2 if not model_config else 0)
         limit = config.get("model_max_length")  # may raise BERT's 512
         limit = max(MAX_POSITIONS, limit) if isinstance(limit, int) and limit <= 1_000_000 else MAX_POSITIONS
-        kwargs: dict[str, Any] = dict(
-            special_tokens=special, token_types=isinstance(types, int) and types >= 2, max_positions=limit
-        )
-        if (folder / "tokenizer.json").is_file():
-            return cls(tokenizer_file=folder / "tokenizer.json", **kwargs)
-        return cls(folder / "vocab.txt", **kwargs)
+        main = {"tokenizer_file": folder / "tokenizer.json"}
+        if not main["tokenizer_file"].is_file():
+            main = {"vocab_file": folder / "vocab.txt"}
+        types = isinstance(types, int) and types >= 2
+        return cls(**main, special_tokens=special, token_types=types, max_positions=limit)
 
     def save_pretrained(self, folder: str | os.PathLike) -> list[Path]:
         """Write ``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json`` (and ``vocab.txt``)
         so that ``AutoTokenizer.from_pretrained(folder)`` gives the same ids; returns the paths written."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        pipeline = json.loads(self._rust.to_str())
-        pipeline["truncation"] = None
-        pipeline["padding"] = None
+        pipeline = {**json.loads(self._rust.to_str()), "truncation": None, "padding": None}
         files = {"tokenizer.json": json.dumps(pipeline, ensure_ascii=False)}
         src = self.source.parent
         if self.source.name == "vocab.txt":
-            special = dict(self.special_tokens)
+            special = self.special_tokens
             config = {
                 "tokenizer_class": "BertTokenizer",
                 "do_lower_case": True,
@@ -236,11 +220,6 @@ class Tokenizer:
     def __len__(self) -> int:
         return self.vocab_size
 
-    def _set_truncation(self, max_length: int) -> None:
-        if self._truncation_length != max_length:
-            self._rust.enable_truncation(max_length, stride=0, strategy="longest_first", direction="right")
-            self._truncation_length = max_length
-
     def encode(
         self, texts: Sequence[str], pair_texts: Sequence[str] | None = None, max_length: int = 128
     ) -> list[Encoded]:
@@ -257,12 +236,14 @@ class Tokenizer:
             inputs = list(zip(texts, pair_texts))
         if not inputs:
             return []
-        self._set_truncation(max_length)
+        if self._truncation_length != max_length:
+            self._rust.enable_truncation(max_length, stride=0, strategy="longest_first", direction="right")
+            self._truncation_length = max_length
         encodings = self._rust.encode_batch(inputs, add_special_tokens=True)
         self.num_truncated += sum(1 for enc in encodings if enc.overflowing)
-        if self.token_types:
-            return [Encoded(enc.ids, enc.type_ids) for enc in encodings]
-        return [Encoded(enc.ids, [0] * len(enc.ids)) for enc in encodings]
+        return [
+            Encoded(enc.ids, enc.type_ids if self.token_types else [0] * len(enc.ids)) for enc in encodings
+        ]
 
     def pad(
         self, encoded: Sequence[Encoded], return_tensors: str | None = "pt"
@@ -277,13 +258,10 @@ class Tokenizer:
         input_ids = [enc.input_ids + [self.pad_token_id] * (longest - len(enc.input_ids)) for enc in encoded]
         type_ids = [enc.token_type_ids + [0] * (longest - len(enc.token_type_ids)) for enc in encoded]
         mask = [[1] * len(enc.input_ids) + [0] * (longest - len(enc.input_ids)) for enc in encoded]
+        padded = {"input_ids": input_ids, "attention_mask": mask, "token_type_ids": type_ids}
         if return_tensors is None:
-            return {"input_ids": input_ids, "attention_mask": mask, "token_type_ids": type_ids}
-        return {
-            "input_ids": torch.tensor(input_ids, dtype=torch.int64),
-            "attention_mask": torch.tensor(mask, dtype=torch.int64),
-            "token_type_ids": torch.tensor(type_ids, dtype=torch.int64),
-        }
+            return padded
+        return {key: torch.tensor(value, dtype=torch.int64) for key, value in padded.items()}
 
     def __call__(
         self,
