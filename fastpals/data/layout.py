@@ -12,8 +12,6 @@ import torch
 
 from fastpals_kernels.padding import AttentionPlan, attention_plan, check_packed
 
-__all__ = ["BatchLayout", "PaddedBatch", "layout_from_cu_seqlens", "make_layout", "pack_rows"]
-
 
 def _check_task_range(ids: np.ndarray, num_tasks: int) -> None:
     lo, hi = int(ids.min()), int(ids.max())

@@ -14,18 +14,6 @@ from pathlib import Path
 from fastpals.data.readers import DataWarning, Example, read_task_file
 from fastpals.data.tasks import QUORA_FILE, SPLITS, TASKS, TaskSpec, get_task
 
-__all__ = [
-    "DATA_DIR_ENV",
-    "QUORA_DEV_PERCENT",
-    "TASK_FORMATS",
-    "hash_split",
-    "load_task",
-    "quora_split",
-    "quora_split_sizes",
-    "resolve_data_dir",
-    "split_path",
-]
-
 DATA_DIR_ENV = "FASTPALS_DATA_DIR"
 QUORA_DEV_PERCENT = 10
 _MAX_LISTED_BAD_ROWS = 20

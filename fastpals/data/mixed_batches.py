@@ -29,19 +29,6 @@ from fastpals_kernels.padding import unpad
 if TYPE_CHECKING:
     from fastpals.data.per_task_batches import TaskBatcher
 
-__all__ = [
-    "EQUAL_SHARE_METHODS",
-    "MixedBatchSampler",
-    "MixedSelection",
-    "TaskRows",
-    "collate_packed",
-    "model_inputs",
-    "pack_batches",
-    "pack_task_rows",
-    "padding_fraction",
-    "share_counts",
-]
-
 
 def padding_fraction(batch: dict) -> float:
     """The share of a batch's token slots that are padding: 0.0 when packed, ``1 - tokens / (B * L)`` if padded."""

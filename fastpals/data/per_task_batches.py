@@ -15,8 +15,6 @@ from fastpals.data.sampling import check_int, check_resume_settings
 from fastpals.data.tasks import TaskSpec, get_task
 from fastpals.data.tokenizer import Encoded, Tokenizer
 
-__all__ = ["PAIR_ENCODINGS", "TaskBatcher", "merge_batches"]
-
 PAIR_ENCODINGS = ("joint", "separate", "both")
 _ORDER_SETTINGS = (
     "seed batch_size shuffle bucket_by_length bucket_size drop_last pair_encoding max_length".split()

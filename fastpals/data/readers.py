@@ -15,17 +15,6 @@ from typing import Any
 
 from fastpals.data.tasks import FORMAT_BY_EXTENSION, TaskSpec, get_task
 
-__all__ = [
-    "MAX_FIELD_CHARS",
-    "BadRow",
-    "DataError",
-    "DataWarning",
-    "Example",
-    "PairExample",
-    "SentenceExample",
-    "read_task_file",
-]
-
 MAX_FIELD_CHARS = 131_072  # the csv module's default field limit
 _LINE_END = re.compile(r"\r\n|\n|\r")
 

@@ -12,18 +12,6 @@ from typing import Any
 
 import numpy as np
 
-__all__ = [
-    "EQUAL_SHARE_METHODS",
-    "GROUPED_METHODS",
-    "SAMPLING_METHODS",
-    "TaskSampler",
-    "annealed_alpha",
-    "check_resume_settings",
-    "next_epoch",
-    "round_robin_order",
-    "task_probabilities",
-]
-
 _PROBABILITY_METHODS = ("proportional", "uniform", "sqrt", "annealed")
 GROUPED_METHODS = ("every_task_plus_annealed", "random_round_robin")
 SAMPLING_METHODS = ("round_robin", *_PROBABILITY_METHODS, *GROUPED_METHODS)

@@ -16,17 +16,6 @@ import torch.nn.functional as F
 if TYPE_CHECKING:
     from fastpals.data.tasks import TaskSpec
 
-__all__ = [
-    "TASK_KINDS",
-    "Binary",
-    "Classification",
-    "Regression",
-    "TaskKind",
-    "cosent_loss",
-    "kind_names",
-    "register_task_kind",
-]
-
 
 def as_1d(values: Sequence | np.ndarray, name: str, dtype: type | None = None) -> np.ndarray:
     """``values`` (a list, NumPy array or torch tensor) as a 1-D host array of ``dtype``; ``ValueError`` naming

@@ -15,18 +15,6 @@ from typing import Any
 
 from fastpals.data.task_kinds import TASK_KINDS, TaskKind, kind_names
 
-__all__ = [
-    "FORMATS",
-    "KINDS",
-    "TASKS",
-    "TASK_KINDS",
-    "TaskFileError",
-    "TaskSpec",
-    "get_task",
-    "resolve_tasks",
-]
-
-KINDS = tuple(TASK_KINDS)  # the built-in kinds; TASK_KINDS holds every registered one
 PAIR_MODES = ("joint", "sbert_cosine", "sbert_concat")
 HEADS = ("linear", "mlp")
 POOLINGS = ("cls", "mean", "max")

@@ -17,8 +17,6 @@ from tokenizers.models import WordPiece
 
 from fastpals.data.hub import resolve_model_dir
 
-__all__ = ["MAX_POSITIONS", "Encoded", "Tokenizer"]
-
 MAX_POSITIONS = 512
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
