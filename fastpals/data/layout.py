@@ -14,11 +14,10 @@ from fastpals_kernels.padding import AttentionPlan, attention_plan, check_packed
 
 
 def _check_task_range(ids: np.ndarray, num_tasks: int) -> None:
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or hi >= num_tasks:
-        bad = lo if lo < 0 else hi
+    bad = [t for t in (int(ids.min()), int(ids.max())) if not 0 <= t < num_tasks]
+    if bad:
         raise ValueError(
-            f"task_ids contains {bad}, outside [0, {num_tasks}) for a model with {num_tasks} tasks"
+            f"task_ids contains {bad[0]}, outside [0, {num_tasks}) for a model with {num_tasks} tasks"
         )
 
 
@@ -44,8 +43,7 @@ class BatchLayout:
     rows are grouped by task its ``example_ranges`` / ``token_ranges`` ``(start, stop)``; ``second``: the siamese
     second sentences' layout (of the rows ``second_rows``). Device tensors, int64 unless said: ``task_ids [B]``,
     ``cu_seqlens [B+1]`` int32, ``position_ids``, ``row_task_ids``, ``row_example [N]``, ``cls_index [B]``,
-    ``mask [B, L]`` bool and ``index [N]`` (flat positions in ``[B*L]``), ``second_slot [B]`` (-1: no second).
-    """
+    ``mask [B, L]`` bool and ``index [N]`` (flat positions in ``[B*L]``), ``second_slot [B]`` (-1: none)."""
 
     batch: int
     length: int

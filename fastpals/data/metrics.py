@@ -109,12 +109,8 @@ def write_predictions(
     if isinstance(task, str) and task not in PREDICTION_HEADERS:
         raise ValueError(f"task must be one of {', '.join(PREDICTION_HEADERS)} or a TaskSpec, got {task!r}")
     header = prediction_header(task)
-    if hasattr(predictions, "detach"):
-        predictions = predictions.detach().cpu().numpy()
-    if isinstance(predictions, np.ndarray):
-        if predictions.ndim != 1:
-            raise ValueError(f"predictions must be 1-D, got shape {predictions.shape}")
-        predictions = predictions.tolist()
+    if hasattr(predictions, "detach") or isinstance(predictions, np.ndarray):
+        predictions = as_1d(predictions, "predictions").tolist()
     ids, predictions = list(ids), list(predictions)
     if len(ids) != len(predictions):
         raise ValueError(f"ids has {len(ids)} entries but predictions has {len(predictions)}")

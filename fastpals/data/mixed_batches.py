@@ -1,8 +1,6 @@
-"""Mixed-task micro-batches: which examples each holds (:class:`MixedBatchSampler`) and how they are packed.
-
-A packed micro-batch is a dict: ``input_ids``, ``token_type_ids`` int64 ``[N]`` (rows grouped by task),
-``input_ids_b``, ``token_type_ids_b`` ``[N2]`` (siamese second sentences, ``layout.second``), ``labels``
-float32 ``[B]``, ``ids``, ``tasks`` (names) and ``layout`` (:class:`BatchLayout`)."""
+"""Mixed-task micro-batches: which examples each holds (:class:`MixedBatchSampler`) and how they are packed: a
+dict of int64 ``input_ids``, ``token_type_ids`` ``[N]`` grouped by task (``*_b``: the siamese second sentences,
+``layout.second``), float32 ``labels [B]``, ``ids``, ``tasks`` (names) and ``layout`` (:class:`BatchLayout`)."""
 
 from __future__ import annotations
 
@@ -155,8 +153,7 @@ class MixedBatchSampler:
 
     def _peek(self, t: int) -> int:
         if self.positions[t] >= self.sizes[t]:
-            self.passes[t] += 1
-            self.positions[t] = 0
+            self.passes[t], self.positions[t] = self.passes[t] + 1, 0
         if t not in self._perms or self._perms[t][0] != self.passes[t]:
             self._perms[t] = (self.passes[t], self.pass_order(t, self.passes[t]))
         return int(self._perms[t][1][self.positions[t]])
@@ -174,8 +171,7 @@ class MixedBatchSampler:
 
     def start_next_epoch(self) -> None:
         """Move to the first micro-batch of the next epoch (the tasks' permutations go on where they were)."""
-        self.epoch = next_epoch(self.epoch, self.num_epochs)
-        self.step = 0
+        self.epoch, self.step = next_epoch(self.epoch, self.num_epochs), 0
 
     def next_micro_batch(self) -> MixedSelection:
         """Draw the next micro-batch; ``StopIteration`` at the end of the epoch."""

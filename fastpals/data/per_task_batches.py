@@ -30,8 +30,7 @@ class TaskBatcher:
     ``(seed, epoch)`` (permuted, sorted by length within ``bucket_size`` batches, cut, the batches permuted).
 
     A batch: ``input_ids``, ``attention_mask``, ``token_type_ids`` int64 ``[B, L]``, ``labels [B]``, ``ids``,
-    ``task``; ``pair_encoding="separate"`` puts sentence 2 in ``*_b``, ``"both"`` adds the joint ``joint_*``.
-    """
+    ``task``; ``pair_encoding="separate"`` puts sentence 2 in ``*_b``, ``"both"`` adds the joint ``joint_*``."""
 
     def __init__(
         self,
@@ -180,8 +179,7 @@ class TaskBatcher:
     def next_batch(self) -> dict:
         """The next batch, going on into the next epoch when this one is used up."""
         if self.position >= len(self):
-            self.epoch += 1
-            self.position = 0
+            self.epoch, self.position = self.epoch + 1, 0
         indices = self._batches_of(self.epoch)[self.position]
         self.position += 1
         return self.collate(indices)
@@ -189,8 +187,7 @@ class TaskBatcher:
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` from its first batch."""
         check_int("epoch", epoch, 0)
-        self.epoch = epoch
-        self.position = 0
+        self.epoch, self.position = epoch, 0
 
     def state_dict(self) -> dict:
         """``{"epoch", "position", "seed", "batch_size", "num_examples", "fingerprint", ...}`` (plain Python)."""

@@ -23,9 +23,7 @@ class DataError(ValueError):
     """A task file is malformed. ``path``, ``line`` (1-based, of the row's first line) and ``reason`` say where."""
 
     def __init__(self, path: str | os.PathLike, line: int, reason: str) -> None:
-        self.path = str(path)
-        self.line = line
-        self.reason = reason
+        self.path, self.line, self.reason = str(path), line, reason
         super().__init__(f"{self.path}:{line}: {reason}")
 
 
@@ -75,6 +73,8 @@ class _RowChecker:
     def __init__(self, spec: TaskSpec, labelled: bool) -> None:
         self.spec, self.labelled = spec, labelled
         self.text_roles = ("text", "text_pair") if spec.pair else ("text",)
+        roles = [role for role in ("id", "text", "text_pair") if role in spec.columns]
+        self.roles = roles + ["label"] if labelled else roles  # the columns read
         self.first_line_of_id: dict[str, int] = {}
 
     def example(self, line: int, values: dict[str, Any]) -> tuple[Example | None, str, str]:
@@ -223,13 +223,6 @@ class _DelimitedText:
         return _Row(open_line + 1, fields, open_line + 1, [], kind, reason)
 
 
-def _roles(spec: TaskSpec, labelled: bool) -> list[str]:
-    """The column roles a reader reads: ``id`` when the task has one, the texts, and the label if ``labelled``."""
-    return [role for role in ("id", "text", "text_pair") if role in spec.columns] + (
-        ["label"] if labelled else []
-    )
-
-
 def _split_hint(header_line: str, delimiter: str, needed: Sequence[str]) -> str:
     other, name, fmt = ("\t", "tabs", "tsv") if delimiter == "," else (",", "commas", "csv")
     names = [field.strip() for field in header_line.split(other)]
@@ -256,7 +249,8 @@ def _delimited_rows(
         raise DataError(path, head.line, "header row is not valid UTF-8")
     if any("\x00" in name for name in header):
         raise DataError(path, head.line, "header row holds a NUL byte")
-    roles = _roles(spec, labelled)
+    checker = _RowChecker(spec, labelled)
+    roles = checker.roles
     needed = [spec.columns[role] for role in roles]
     columns = {name: i for i, name in reversed(list(enumerate(header)))}  # first occurrence wins
     missing = [name for name in needed if name not in columns]
@@ -269,7 +263,6 @@ def _delimited_rows(
     index = {role: columns[spec.columns[role]] for role in roles}
     width, separated = len(header), "tab-separated" if delimiter == "\t" else "comma-separated"
 
-    checker = _RowChecker(spec, labelled)
     bad_utf8, has_nul = _find_bad_utf8(text), "\x00" in text  # per-row checks only when the file needs them
     k, rows = head.next_line, 0
     while k < parsed.num_lines:
@@ -322,9 +315,9 @@ def _jsonl_rows(
     path: Path, text: str, spec: TaskSpec, labelled: bool, max_field_chars: int
 ) -> Iterator[tuple[int, Example | None, str, str]]:
     """``(line, example, problem kind, reason)`` of each object line of a JSONL text."""
-    roles = _roles(spec, labelled)
-    keys = [spec.columns[role] for role in roles]
     checker = _RowChecker(spec, labelled)
+    roles = checker.roles
+    keys = [spec.columns[role] for role in roles]
     first, rows = True, 0
     for number, content in enumerate(_LINE_END.split(text), start=1):
         if not content.strip():

@@ -178,22 +178,12 @@ class TaskSampler:
 
     def start_next_epoch(self) -> None:
         """Move to the first micro-batch of the next epoch."""
-        self.epoch = next_epoch(self.epoch, self.num_epochs)
-        self.position = 0
+        self.epoch, self.position = next_epoch(self.epoch, self.num_epochs), 0
 
     def state_dict(self) -> dict:
         """Plain-Python state: method, seed and shape settings (checked on load) and ``(epoch, position)``."""
-        return {
-            "method": self.method,
-            "sizes": list(self.sizes),
-            "batches_per_task": list(self.batches_per_task),
-            "num_epochs": self.num_epochs,
-            "updates_per_epoch": self.updates_per_epoch,
-            "group_size": self.group_size,
-            "seed": self.seed,
-            "epoch": self.epoch,
-            "position": self.position,
-        }
+        names = "method sizes batches_per_task num_epochs updates_per_epoch group_size seed epoch position"
+        return {name: getattr(self, name) for name in names.split()}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue at ``state``'s ``(epoch, position)``; every other entry must match this sampler's."""

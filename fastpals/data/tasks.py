@@ -29,9 +29,7 @@ class TaskFileError(ValueError):
     """A task file (or a task definition) is invalid: ``path`` and ``key`` say where, the message in one line."""
 
     def __init__(self, path: str | os.PathLike | None, key: str | None, reason: str) -> None:
-        self.path = None if path is None else str(path)
-        self.key = key
-        self.reason = reason
+        self.path, self.key, self.reason = None if path is None else str(path), key, reason
         where = ": ".join(part for part in (self.path, key) if part)
         super().__init__(f"{where}: {reason}" if where else reason)
 
@@ -95,12 +93,10 @@ class TaskSpec:
             if kind.scored and self.label_range is None and builtin["label_range"] is not None:
                 self.label_range = builtin["label_range"]
         self.files, self.columns = dict(self.files), dict(self.columns)
-        bad_splits = [split for split in self.files if split not in SPLITS]
-        if bad_splits:
-            fail(f"files has split(s) {bad_splits}; the splits are {SPLITS}")
-        bad_roles = [role for role in self.columns if role not in COLUMN_ROLES]
-        if bad_roles:
-            fail(f"columns has key(s) {bad_roles}; the keys are {COLUMN_ROLES}")
+        for key, allowed, what in (("files", SPLITS, "split"), ("columns", COLUMN_ROLES, "key")):
+            bad = [name for name in getattr(self, key) if name not in allowed]
+            if bad:
+                fail(f"{key} has {what}(s) {bad}; the {what}s are {allowed}")
         if self.columns:
             for role in ("text", "label"):
                 if role not in self.columns:
@@ -327,11 +323,7 @@ def _builtin_format(
     """A CS224N task's files (a prefix ``P``: ``P-train.csv``, ``P-dev.csv``, ``P-test-student.csv``), columns
     (``sentence`` or ``sentence1``/``sentence2``) and labels."""
     if isinstance(files, str):
-        files = {
-            "train": f"{files}-train.csv",
-            "dev": f"{files}-dev.csv",
-            "test": f"{files}-test-student.csv",
-        }
+        files = dict(train=f"{files}-train.csv", dev=f"{files}-dev.csv", test=f"{files}-test-student.csv")
     columns = {"id": "id", "text": "sentence1" if pair else "sentence", "label": label}
     if pair:
         columns["text_pair"] = "sentence2"

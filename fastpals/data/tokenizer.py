@@ -294,8 +294,7 @@ class Tokenizer:
         return_tensors: str | None = "pt",
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """``(batch_a, batch_b)``: each side of the pairs as single sequences, each padded on its own (siamese)."""
-        texts_a = _check_texts(texts_a, "texts_a")
-        texts_b = _check_texts(texts_b, "texts_b")
+        texts_a, texts_b = _check_texts(texts_a, "texts_a"), _check_texts(texts_b, "texts_b")
         if len(texts_a) != len(texts_b):
             raise ValueError(f"texts_a has {len(texts_a)} entries but texts_b has {len(texts_b)}")
         return (
