@@ -203,8 +203,7 @@ class BatchLayout:
         if self.example_ranges is not None:
             a, b = self.example_ranges.get(task, (0, 0))
             return slice(a, b)
-        ids = self.host_task_ids if self.host_task_ids is not None else np.zeros(self.batch, dtype=np.int64)
-        return torch.as_tensor(np.flatnonzero(ids == task), device=self.device)
+        return torch.as_tensor(np.flatnonzero(self.host_task_ids == task), device=self.device)
 
     def _padded_index(self) -> None:
         if self.index is None:

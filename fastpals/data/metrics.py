@@ -92,8 +92,6 @@ def _format_prediction(value: object) -> str:
 
 def prediction_header(task: str | TaskSpec) -> str:
     """The prediction-file column of a task: the CS224N name, else ``Predicted_<Label column>``."""
-    if isinstance(task, str) and task in PREDICTION_HEADERS:
-        return PREDICTION_HEADERS[task]
     spec = get_task(task)
     if spec.name in PREDICTION_HEADERS and spec.source is None:
         return PREDICTION_HEADERS[spec.name]

@@ -121,9 +121,9 @@ class MixedBatchSampler:
             raise ValueError(f"task_seeds must hold {t} non-negative ints, got {task_seeds!r}")
         self.method, self.num_tasks, self.sizes = method, t, [int(x.size) for x in self.lengths]
         self.num_epochs, self.batch_size, self.max_tokens = num_epochs, batch_size, max_tokens
-        self.seed = seed
+        self.seed, self.tokens = seed, [int(x.sum()) for x in self.lengths]
         if micro_batches_per_epoch is None:  # about one pass over the examples, or over their tokens
-            total = sum(self.sizes) if batch_size is not None else sum(int(x.sum()) for x in self.lengths)
+            total = sum(self.sizes) if batch_size is not None else sum(self.tokens)
             micro_batches_per_epoch = math.ceil(total / (batch_size or max_tokens))
         check_int("micro_batches_per_epoch", micro_batches_per_epoch, 1)
         self.micro_batches_per_epoch = micro_batches_per_epoch
@@ -205,17 +205,8 @@ class MixedBatchSampler:
         return [np.asarray(x, dtype=np.int64) for x in taken]
 
     def _settings(self) -> dict[str, Any]:
-        return {
-            "method": self.method,
-            "sizes": list(self.sizes),
-            "tokens": [int(x.sum()) for x in self.lengths],
-            "num_epochs": self.num_epochs,
-            "batch_size": self.batch_size,
-            "max_tokens": self.max_tokens,
-            "micro_batches_per_epoch": self.micro_batches_per_epoch,
-            "seed": self.seed,
-            "task_seeds": list(self.task_seeds),
-        }
+        names = "method sizes tokens num_epochs batch_size max_tokens micro_batches_per_epoch seed task_seeds"
+        return {name: getattr(self, name) for name in names.split()}
 
     def state_dict(self) -> dict[str, Any]:
         """Plain-Python state: the settings (checked on load), position in the stream, generator state."""
@@ -342,11 +333,8 @@ class ModelInputs(dict):
     def __missing__(self, key: str) -> torch.Tensor:
         if key not in ("task_ids", "cu_seqlens") or "layout" not in self:
             raise KeyError(key)
-        warnings.warn(
-            f"model_inputs(...)[{key!r}] will be removed in the next release: use ['layout'].{key}",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+        message = f"model_inputs(...)[{key!r}] will be removed in the next release: use ['layout'].{key}"
+        warnings.warn(message, DeprecationWarning, stacklevel=2)
         return getattr(self["layout"], key)
 
 

@@ -373,9 +373,8 @@ class Regression(TaskKind):
             array = as_1d(values, name, np.float64)
             if not np.isfinite(array).all():
                 raise ValueError(f"{name} holds non-finite values (NaN or inf)")
-            binned.append(
-                np.floor((np.clip(array, low, high) - low) / (high - low) * steps + 0.5).astype(np.int64)
-            )
+            scaled = (np.clip(array, low, high) - low) / (high - low)
+            binned.append(np.floor(scaled * steps + 0.5).astype(np.int64))
         names = [f"{low + k * (high - low) / steps:g}" for k in range(steps + 1)]
         return confusion_matrix(binned[0], binned[1], steps + 1), names
 
