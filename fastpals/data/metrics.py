@@ -181,8 +181,7 @@ def plot_confusion_matrix(
     figure.colorbar(image, ax=axes, fraction=0.046, pad=0.04)
     axes.set_xticks(range(size), labels=names, rotation=45 if size > 6 else 0)
     axes.set_yticks(range(size), labels=names)
-    axes.set_xlabel("predicted")
-    axes.set_ylabel("true")
+    axes.set(xlabel="predicted", ylabel="true")
     if title:
         axes.set_title(title)
     threshold, fontsize = float(shown.max()) / 2.0, 8 if size > 6 else 10

@@ -129,18 +129,14 @@ class TaskBatcher:
     def collate(self, indices: Sequence[int]) -> dict:
         """The batch dict (see the class docstring) of the examples at ``indices``."""
         indices = [int(i) for i in indices]
-        pad = self.tokenizer.pad
+        pad = lambda encodings: self.tokenizer.pad([encodings[i] for i in indices])
         if self.pair_encoding == "joint":
-            batch: dict = dict(pad([self._joint[i] for i in indices]))
+            batch: dict = dict(pad(self._joint))
         else:
-            batch = dict(pad([self._first[i] for i in indices]))
-            batch.update(
-                (key + "_b", value) for key, value in pad([self._second[i] for i in indices]).items()
-            )
+            batch = dict(pad(self._first))
+            batch.update((key + "_b", value) for key, value in pad(self._second).items())
             if self.pair_encoding == "both":
-                batch.update(
-                    ("joint_" + key, value) for key, value in pad([self._joint[i] for i in indices]).items()
-                )
+                batch.update(("joint_" + key, value) for key, value in pad(self._joint).items())
         if self.has_labels:
             batch["labels"] = self._labels[indices]
         batch["ids"] = [self.examples[i].id for i in indices]

@@ -187,7 +187,6 @@ class Tokenizer:
         files = {"tokenizer.json": json.dumps(pipeline, ensure_ascii=False)}
         src = self.source.parent
         if self.source.name == "vocab.txt":
-            special = self.special_tokens
             config = {
                 "tokenizer_class": "BertTokenizer",
                 "do_lower_case": True,
@@ -195,12 +194,12 @@ class Tokenizer:
                 "strip_accents": None,
                 "model_max_length": self.max_positions,
                 "clean_up_tokenization_spaces": True,
-                **special,
+                **self.special_tokens,
             }
             by_id = sorted(self._rust.get_vocab(with_added_tokens=False).items(), key=lambda kv: kv[1])
             files["vocab.txt"] = "".join(t + "\n" for t, _ in by_id)
             files["tokenizer_config.json"] = json.dumps(config, indent=2)
-            files["special_tokens_map.json"] = json.dumps(special, indent=2)
+            files["special_tokens_map.json"] = json.dumps(self.special_tokens, indent=2)
         else:
             for name in ("tokenizer_config.json", "special_tokens_map.json"):
                 if (src / name).is_file():
