@@ -70,15 +70,6 @@ def _check_texts(texts: Sequence[str], name: str) -> list[str]:
     return list(texts)
 
 
-def _check_max_length(max_length: int, pair: bool, limit: int = MAX_POSITIONS) -> int:
-    if isinstance(max_length, bool) or not isinstance(max_length, int):
-        raise TypeError(f"max_length must be an int, got {type(max_length).__name__}")
-    smallest = 4 if pair else 3  # room for the special tokens and one token of text per sequence
-    if not smallest <= max_length <= limit:
-        raise ValueError(f"max_length must be in [{smallest}, {limit}], got {max_length}")
-    return max_length
-
-
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
@@ -223,7 +214,11 @@ class Tokenizer:
         """``B`` :class:`Encoded` (no padding) of ``B`` texts (``pair_texts``: encoded jointly with the pair
         template), at most ``max_length`` tokens each."""
         texts = _check_texts(texts, "texts")
-        max_length = _check_max_length(max_length, pair_texts is not None, self.max_positions)
+        if isinstance(max_length, bool) or not isinstance(max_length, int):
+            raise TypeError(f"max_length must be an int, got {type(max_length).__name__}")
+        smallest = 3 if pair_texts is None else 4  # room for the special tokens and one token of text each
+        if not smallest <= max_length <= self.max_positions:
+            raise ValueError(f"max_length must be in [{smallest}, {self.max_positions}], got {max_length}")
         if pair_texts is None:
             inputs: list = texts
         else:
