@@ -30,9 +30,11 @@ from fastpals.encoder.pal_variants import (
     PALProjections,
     PALTop,
     PALVariant,
+    freeze_shared_parameters,
     get_pal_variant,
+    is_task_specific,
+    task_specific_kind,
 )
-from fastpals.encoder.task_params import freeze_shared_parameters, is_task_specific, task_specific_kind
 from fastpals.functional import Dropout, check_task_ids
 from fastpals_kernels.attention_varlen import attention_varlen, padded_attention
 

@@ -271,7 +271,7 @@ class MultiTaskBert(nn.Module):
                     f"input_ids must be [B, L] with attention_mask, or [N] with the batch's layout, got shape "
                     f"{list(input_ids.shape)}"
                 )
-            mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+            mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
             layout = self.batch_layout(mask, task_ids, attention_mask_b)
         if input_ids.dim() == 2:  # padded: to packed rows, once, here
             input_ids, token_type_ids = _packed_rows(layout, None, input_ids, token_type_ids)
@@ -305,19 +305,15 @@ class MultiTaskBert(nn.Module):
     def _head_logits(self, layout: BatchLayout, out_a: Any, out_b: Any | None) -> Tensor:
         """fp32 logits ``[B, max num_labels]``: each present task's head on its rows' features of the encoder
         outputs ``out_a`` (and ``out_b``, the siamese second sentences: cosine, or the head on ``(u, v, |u - v|)``)."""
-        width = max(t.num_labels for t in self.tasks)
-        pieces = []
+        width, pieces, pooled = max(t.num_labels for t in self.tasks), [], out_a.pooler_output
         # fp32 logits: in bf16 a cosine near 1 has only 3 digits
-        pooled = out_a.pooler_output
         logits = None if layout.grouped else pooled.new_zeros(layout.batch, width, dtype=torch.float32)
         for i in layout.present:
             spec, rows = self.tasks[i], layout.rows_of(i)
             u = take_rows(self._features(spec, out_a), rows)
             if spec.siamese:
-                if isinstance(rows, slice):
-                    rows_b = slice(*layout.second.example_ranges[i])
-                else:
-                    rows_b = layout.second_slot.index_select(0, rows)
+                grouped = isinstance(rows, slice)
+                rows_b = slice(*layout.second.example_ranges[i]) if grouped else layout.second_slot[rows]
                 v = take_rows(self._features(spec, out_b), rows_b)
                 if spec.pair_mode == "sbert_cosine":
                     y = F.cosine_similarity(u.float(), v.float(), dim=-1)[:, None]
@@ -363,8 +359,7 @@ class MultiTaskBert(nn.Module):
         """The layout of the former entry paths' keywords (``unpad``; packed tensors as ``cu_seqlens``,
         ``max_seqlen``, ``cu_seqlens_b``, ``max_seqlen_b``), with a ``FutureWarning``. ``tensors``: forward's
         ``input_ids, attention_mask, task_ids, input_ids_b``."""
-        unknown = set(kwargs) - {"unpad", "cu_seqlens", "max_seqlen", "cu_seqlens_b", "max_seqlen_b"}
-        if unknown:
+        if unknown := set(kwargs) - {"unpad", "cu_seqlens", "max_seqlen", "cu_seqlens_b", "max_seqlen_b"}:
             raise TypeError(f"MultiTaskBert.forward() got unexpected keyword arguments {sorted(unknown)}")
         warnings.warn(
             f"MultiTaskBert.forward: {', '.join(sorted(kwargs))} will be removed in the next release: padded "
@@ -378,22 +373,17 @@ class MultiTaskBert(nn.Module):
         input_ids, attention_mask, task_ids, input_ids_b = tensors
         if attention_mask is not None:
             raise ValueError("packed inputs (cu_seqlens given) take no attention_mask")
-        num, max_pos = len(self.tasks), self.config.bert.max_position_embeddings
+        sizes = len(self.tasks), self.config.bert.max_position_embeddings
         task_ids = self._task_ids(task_ids, cu_seqlens.shape[0] - 1, input_ids.device)
-        layout = layout_from_cu_seqlens(
-            input_ids, cu_seqlens, kwargs.get("max_seqlen"), task_ids, num, max_pos
-        )
-        rows = self._siamese_rows(layout)
-        cu_b = kwargs.get("cu_seqlens_b")
+        layout = layout_from_cu_seqlens(input_ids, cu_seqlens, kwargs.get("max_seqlen"), task_ids, *sizes)
+        rows, cu_b = self._siamese_rows(layout), kwargs.get("cu_seqlens_b")
         if rows.size and input_ids_b is not None and cu_b is not None:
             if cu_b.shape[0] - 1 != rows.size:
                 raise ValueError(
                     f"cu_seqlens_b holds {cu_b.shape[0] - 1} sequences for {rows.size} siamese rows"
                 )
             ids_b = layout.task_ids.index_select(0, torch.as_tensor(rows, device=input_ids.device))
-            second = layout_from_cu_seqlens(
-                input_ids_b, cu_b, kwargs.get("max_seqlen_b"), ids_b, num, max_pos
-            )
+            second = layout_from_cu_seqlens(input_ids_b, cu_b, kwargs.get("max_seqlen_b"), ids_b, *sizes)
             layout.with_second(second, rows)
         return layout
 
@@ -447,7 +437,7 @@ class MultiTaskBert(nn.Module):
         ``model.safetensors`` (the shared encoder, for ``AutoModel``), ``pals/adapter_*`` (PALs and heads) and
         the ``tokenizer``'s files. ``adapters_only``: ``adapter_*`` at the top (PALs, heads, trained base
         weights), to load on the base checkpoint; warns when the shared encoder trained."""
-        folder = Path(folder)
+        folder, cfg, n_layers = Path(folder), self.config, self.config.bert.num_hidden_layers
         folder.mkdir(parents=True, exist_ok=True)
         tensors = self.adapter_state_dict()
         heads = {k for k in tensors if task_specific_kind(k) == "head"}
@@ -459,12 +449,13 @@ class MultiTaskBert(nn.Module):
             adapter_dir = folder / ADAPTER_SUBFOLDER
             shared = {k: v.detach().contiguous().cpu() for k, v in self.shared_state_dict().items()}
             if isinstance(self.bert, BertModel):
-                config = hf_bert_config(self.config.bert, shared["embeddings.word_embeddings.weight"].dtype)
-                (folder / "config.json").write_text(json.dumps(config, indent=2))
+                dtype = str(shared["embeddings.word_embeddings.weight"].dtype).removeprefix("torch.")
+                hf = dict(architectures=["BertModel"], model_type="bert", **dataclasses.asdict(cfg.bert))
+                hf.update(position_embedding_type="absolute", initializer_range=0.02, use_cache=True)
+                (folder / "config.json").write_text(json.dumps({**hf, "torch_dtype": dtype}, indent=2))
             else:
                 self.bert.model.config.save_pretrained(folder)
             save_file(shared, str(folder / "model.safetensors"), metadata={"format": "pt"})
-        cfg, n_layers = self.config, self.config.bert.num_hidden_layers
         model_type = cfg.extra.get("hf_model_type", "bert")
         target = TARGETS.get(model_type, TARGETS["bert"])
         encoder = {
@@ -536,19 +527,6 @@ class MultiTaskBert(nn.Module):
             self, self.encoder_prefix, config, tensors, source=str(adapter), caller="load_adapter", **options
         )
         return self
-
-
-def hf_bert_config(config: BertConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """An HF ``config.json`` for a ``BertModel`` of this shape with weights in ``dtype``."""
-    return {
-        "architectures": ["BertModel"],
-        "model_type": "bert",
-        **dataclasses.asdict(config),
-        "position_embedding_type": "absolute",
-        "initializer_range": 0.02,
-        "use_cache": True,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-    }
 
 
 LEGACY_CONFIG_NAME = "fastpals_config.json"
