@@ -176,11 +176,10 @@ class PALVariant:
         return f"{type(self).__name__}(name={self.name!r})"
 
     # stateless: copies of a model share the registered object; a pickled model finds it again by name
-    def __copy__(self) -> PALVariant:
+    def __deepcopy__(self, memo: dict[int, Any] | None = None) -> PALVariant:
         return self
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> PALVariant:
-        return self
+    __copy__ = __deepcopy__
 
     def __reduce__(self) -> tuple[Any, tuple[str]]:
         return get_pal_variant, (self.name,)

@@ -143,44 +143,26 @@ class MultiTaskBert(nn.Module):
         :func:`fastpals.save_pals` has no heads: pass ``tasks=`` (fresh heads). A base checkpoint with
         ``tasks=`` is :meth:`from_base`."""
         folder = Path(name_or_path)
-        if folder.is_dir() and find_adapter_folder(folder) is not None:
-            return cls._from_adapter_folder(folder, tasks, pal, head_dropout, base_model, force).eval()
-        if folder.is_dir() and (folder / LEGACY_CONFIG_NAME).is_file():
-            if tasks is not None or pal is not None:
-                raise ValueError(
-                    f"{folder} is a saved MultiTaskBert: its tasks and PALs are fixed (drop tasks=/pal=)"
+        if not (folder.is_dir() and find_adapter_folder(folder) is not None):
+            if folder.is_dir() and (folder / LEGACY_CONFIG_NAME).is_file():
+                if tasks is not None or pal is not None:
+                    raise ValueError(
+                        f"{folder} is a saved MultiTaskBert: its tasks and PALs are fixed (drop tasks=/pal=)"
+                    )
+                warnings.warn(
+                    f"{folder} is in the old fastpals format ({LEGACY_CONFIG_NAME}); save it again with "
+                    "save_pretrained to get config.json, model.safetensors and pals/adapter_*",
+                    FutureWarning,
+                    stacklevel=2,
                 )
-            warnings.warn(
-                f"{folder} is in the old fastpals format ({LEGACY_CONFIG_NAME}); save it again with "
-                "save_pretrained to get config.json, model.safetensors and pals/adapter_*",
-                FutureWarning,
-                stacklevel=2,
-            )
-            return _load_legacy(cls, folder, base_model).eval()
-        if tasks is None:
-            raise ValueError(
-                f"{name_or_path} is not a saved MultiTaskBert (no adapter_config.json): to start a new "
-                "model from a base checkpoint call MultiTaskBert.from_base(name_or_path, tasks=[...], pal=...)"
-            )
-        return cls.from_base(name_or_path, tasks, pal, head_dropout)
-
-    @classmethod
-    def load(
-        cls, folder: str | os.PathLike, base_model: str | os.PathLike | None = None, force: bool = False
-    ) -> MultiTaskBert:
-        """:meth:`from_pretrained` for saved folders (alias)."""
-        return cls.from_pretrained(folder, base_model=base_model, force=force)
-
-    @classmethod
-    def _from_adapter_folder(
-        cls,
-        folder: Path,
-        tasks: list[str | TaskSpec] | tuple[str | TaskSpec, ...] | None,
-        pal: PALConfig | None,
-        head_dropout: float,
-        base_model: str | os.PathLike | None,
-        force: bool = False,
-    ) -> MultiTaskBert:
+                return _load_legacy(cls, folder, base_model).eval()
+            if tasks is None:
+                raise ValueError(
+                    f"{name_or_path} is not a saved MultiTaskBert (no adapter_config.json): to start a new "
+                    "model from a base checkpoint call MultiTaskBert.from_base(name_or_path, tasks=[...], "
+                    "pal=...)"
+                )
+            return cls.from_base(name_or_path, tasks, pal, head_dropout)
         config, adapter = read_adapter_config(folder, "MultiTaskBert.from_pretrained")
         saved_pal = None if config.get("pal_config") is None else PALConfig.from_dict(config["pal_config"])
         if pal is not None:
@@ -221,7 +203,14 @@ class MultiTaskBert(nn.Module):
             model.config.base_model = saved.get("fine_tuned_from")
         model.config.extra = {k: v for k, v in saved.items() if k not in ("head_dropout", "fine_tuned_from")}
         model.load_adapter(adapter, strict=config.get("tasks") is not None, force=force)
-        return model
+        return model.eval()
+
+    @classmethod
+    def load(
+        cls, folder: str | os.PathLike, base_model: str | os.PathLike | None = None, force: bool = False
+    ) -> MultiTaskBert:
+        """:meth:`from_pretrained` for saved folders (alias)."""
+        return cls.from_pretrained(folder, base_model=base_model, force=force)
 
     @property
     def task_names(self) -> list[str]:
@@ -419,12 +408,6 @@ class MultiTaskBert(nn.Module):
             return {}
         return {n: p.detach() for n, p in shared.items() if p.requires_grad}
 
-    def shared_state_dict(self) -> dict[str, Tensor]:
-        """The shared encoder's weights under HF names (``BertModel``'s, or the HF encoder's own; no PALs)."""
-        prefix = self.encoder_prefix + "."
-        shared = {k: v for k, v in self.state_dict().items() if task_specific_kind(k) is None}
-        return {k.removeprefix(prefix): v for k, v in shared.items() if k.startswith(prefix)}
-
     @property
     def encoder_prefix(self) -> str:
         """Where the encoder's HF-named modules sit: ``"bert"`` (minBERT) or ``"bert.model"`` (HF encoder)."""
@@ -442,12 +425,26 @@ class MultiTaskBert(nn.Module):
         tensors = self.adapter_state_dict()
         heads = {k for k in tensors if task_specific_kind(k) == "head"}
         base = self.trained_base_state_dict() if adapters_only else {}
-        if adapters_only:
-            self._warn_if_encoder_trained(base)
+        if adapters_only:  # warn when a shared parameter the adapter does not carry changed since from_base
+            start, inner = getattr(self, "base_digests", None), {n.removeprefix("bert.") for n in base}
+            digests = parameter_digests(self.bert) if start else {}
+            if changed := [n for n, d in digests.items() if n not in inner and start.get(n) != d]:
+                warnings.warn(
+                    f"save_pretrained(adapters_only=True): the shared encoder trained ({len(changed)} "
+                    f"tensors changed, e.g. {changed[0]}) but is not saved, so the adapter will not load "
+                    "beside its base encoder (encoder fingerprint): save the full model "
+                    "(adapters_only=False) to keep the encoder",
+                    UserWarning,
+                    stacklevel=2,
+                )
             adapter_dir = folder
         else:
-            adapter_dir = folder / ADAPTER_SUBFOLDER
-            shared = {k: v.detach().contiguous().cpu() for k, v in self.shared_state_dict().items()}
+            adapter_dir, prefix = folder / ADAPTER_SUBFOLDER, self.encoder_prefix + "."
+            shared = {  # the shared encoder's weights under HF names (BertModel's, or the HF encoder's own)
+                k.removeprefix(prefix): v.detach().contiguous().cpu()
+                for k, v in self.state_dict().items()
+                if k.startswith(prefix) and task_specific_kind(k) is None
+            }
             if isinstance(self.bert, BertModel):
                 dtype = str(shared["embeddings.word_embeddings.weight"].dtype).removeprefix("torch.")
                 hf = dict(architectures=["BertModel"], model_type="bert", **dataclasses.asdict(cfg.bert))
@@ -481,22 +478,6 @@ class MultiTaskBert(nn.Module):
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
         return folder
-
-    def _warn_if_encoder_trained(self, base: dict[str, Tensor]) -> None:
-        """Warn when a shared parameter the adapter does not carry changed since :meth:`from_base`."""
-        start = getattr(self, "base_digests", None)
-        if not start:
-            return
-        inner = {n.removeprefix("bert.") for n in base}
-        changed = [n for n, d in parameter_digests(self.bert).items() if n not in inner and start.get(n) != d]
-        if changed:
-            warnings.warn(
-                f"save_pretrained(adapters_only=True): the shared encoder trained ({len(changed)} tensors changed, "
-                f"e.g. {changed[0]}) but is not saved, so the adapter will not load beside its base encoder "
-                "(encoder fingerprint): save the full model (adapters_only=False) to keep the encoder",
-                UserWarning,
-                stacklevel=3,
-            )
 
     def load_adapter(
         self,
