@@ -1,5 +1,4 @@
-"""The encoder stage: fastpals' own BERT (minBERT, HF ``BertModel`` names and numerics), the PAL variants, the
-rule for task-specific parameters, checkpoint reading and the encoder fingerprint an adapter records."""
+"""The encoder stage: minBERT, PAL variants, the task-specific parameter rule, the encoder fingerprint."""
 
 from fastpals.encoder.bert import BertConfig, BertModel, PALConfig, load_bert_state_dict
 from fastpals.encoder.fingerprint import encoder_fingerprint

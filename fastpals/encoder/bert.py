@@ -74,8 +74,7 @@ _MINBERT_LAYER_NAMES = {
 
 
 def normalize_key(key: str) -> str:
-    """Map a checkpoint key to minBERT's (= HF ``BertModel``'s) name: strips ``bert.``, renames TF-era
-    ``gamma``/``beta`` and CS224N minBERT names."""
+    """A checkpoint key under HF ``BertModel``'s name (no ``bert.``; TF ``gamma``/``beta``, CS224N names)."""
     key = key.removeprefix("bert.")
     if key.endswith(".gamma"):
         key = key[:-6] + ".weight"
@@ -93,8 +92,7 @@ def normalize_key(key: str) -> str:
 
 
 def state_dict_mismatches(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor]) -> list[str]:
-    """Human-readable differences between a model's tensors (``expected``) and a checkpoint's (``found``):
-    names missing from the checkpoint, names the model lacks, and shape mismatches. Empty when they agree."""
+    """Readable differences of a model's tensors (``expected``) and a checkpoint's (``found``)."""
     problems = [f"missing in checkpoint: {k}" for k in sorted(set(expected) - set(found))]
     problems += [f"not in the model: {k}" for k in sorted(set(found) - set(expected))]
     problems += [

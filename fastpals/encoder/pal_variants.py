@@ -80,8 +80,8 @@ class PALLayer(nn.Module):
 
 
 class PALTop(nn.Module):
-    """Per task: V^E, ``top_blocks`` attention blocks (Q/K/V, output dense, residual, LayerNorm), V^D; the result
-    replaces the last layer's output (Bert-n-Pals' ``top``)."""
+    """Per task: V^E, ``top_blocks`` attention blocks, V^D; replaces the last layer's output (Bert-n-Pals'
+    top)."""
 
     def __init__(
         self, pal: PALConfig, d: int, eps: float, dropout: float, shared: PALProjections | None
@@ -141,8 +141,7 @@ def pal_dropout(pal: PALConfig, config: BertConfig) -> float:
 
 @dataclass(frozen=True)
 class PALPreset:
-    """A ``--pal`` preset: the ``PALConfig`` fields it sets (None: no PALs), its ``--help`` text, and its
-    ``rank`` in the listing."""
+    """A ``--pal`` preset: the ``PALConfig`` fields it sets (None: no PALs), its ``--help`` text, its rank."""
 
     fields: Mapping[str, Any] | None
     help: str = ""
@@ -239,8 +238,7 @@ class PALVariant:
 
 
 class Parallel(PALVariant):
-    """Bert-n-Pals' PALs inside the layers ``PALConfig.layers`` selects:
-    ``LN(attn_out + FFN(attn_out) + gate · TS_t(h))``."""
+    """Bert-n-Pals' PALs in ``PALConfig.layers``: ``LN(attn_out + FFN(attn_out) + gate · TS_t(h))``."""
 
     name = "parallel"
     injectable = True

@@ -1,5 +1,4 @@
-"""The task heads, a batch's :class:`MultiTaskOutput`, and the per-task losses and predictions by each task's
-kind; each task's rows come from the batch's layout (no device read)."""
+"""The task heads, :class:`MultiTaskOutput`, and per-task losses and predictions by each task's kind."""
 
 from __future__ import annotations
 
@@ -33,9 +32,7 @@ class TaskHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.dropout(x)
-        if self.mlp is not None:
-            x = self.mlp(x)
-        return self.out(x)
+        return self.out(x if self.mlp is None else self.mlp(x))
 
 
 @dataclass

@@ -18,8 +18,7 @@ from fastpals.encoder.bert import BertConfig, BertOutput, PALConfig
 
 
 def runs_as_minbert(name_or_path: str | os.PathLike) -> bool:
-    """Is the checkpoint (``"minilm-l6"``, a folder, a Hub id) a BERT, run as fastpals' minBERT rather than as
-    an HF model with injected PALs?"""
+    """Is the checkpoint (``"minilm-l6"``, a folder, a Hub id) a BERT, run as minBERT (not as an HF model)?"""
     folder = resolve_model_dir(name_or_path, ("config.json",))
     try:
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
@@ -71,8 +70,7 @@ class HFEncoder(nn.Module):
         unpad: bool = False,
         layout: BatchLayout | None = None,
     ) -> BertOutput:
-        """minBERT's call: padded ``[B, L]`` int64 inputs, or packed ``[N]`` ones with their ``layout``;
-        ``task_ids [B]`` int64 (for the PALs). ``unpad`` is ignored (the HF model runs padded)."""
+        """minBERT's call: padded int64 ``[B, L]`` inputs (``unpad`` ignored) or packed ``[N]`` and layout."""
         packed = layout is not None and layout.packed and input_ids.dim() == 1
         if packed:  # to the layout's padded [B, L] and back
             mask = layout.padding_mask()
@@ -90,6 +88,4 @@ class HFEncoder(nn.Module):
         h = out.last_hidden_state
         pooled = getattr(out, "pooler_output", None) if self.has_pooler else None
         pooled = h[:, 0] if pooled is None else pooled
-        if packed:
-            return BertOutput(layout.to_rows(h), pooled, layout.cu_seqlens)
-        return BertOutput(h, pooled)
+        return BertOutput(layout.to_rows(h), pooled, layout.cu_seqlens) if packed else BertOutput(h, pooled)

@@ -1,5 +1,4 @@
-"""The multi-task model: a (PAL-)BERT encoder and one head per task (:mod:`fastpals.model.heads`), with save and
-load. A batch may mix tasks; each row runs through its own task's PALs and head in one call."""
+"""The multi-task model: a (PAL-)BERT encoder and one head per task (a batch may mix tasks), save and load."""
 
 from __future__ import annotations
 
@@ -138,10 +137,9 @@ class MultiTaskBert(nn.Module):
         base_model: str | os.PathLike | None = None,
         force: bool = False,
     ) -> MultiTaskBert:
-        """Open a folder of :meth:`save_pretrained` in eval mode: full, or adapter-only on ``base_model``
-        (default: the one it records); ``force``: see :meth:`load_adapter`. An adapter of
-        :func:`fastpals.save_pals` has no heads: pass ``tasks=`` (fresh heads). A base checkpoint with
-        ``tasks=`` is :meth:`from_base`."""
+        """Open a :meth:`save_pretrained` folder in eval mode, full or adapter-only (on ``base_model``,
+        default the recorded one); :func:`fastpals.save_pals`' adapters need ``tasks=``; a base checkpoint
+        with ``tasks=``: :meth:`from_base`."""
         folder = Path(name_or_path)
         if not (folder.is_dir() and find_adapter_folder(folder) is not None):
             if folder.is_dir() and (folder / LEGACY_CONFIG_NAME).is_file():
@@ -155,7 +153,18 @@ class MultiTaskBert(nn.Module):
                     FutureWarning,
                     stacklevel=2,
                 )
-                return _load_legacy(cls, folder, base_model).eval()
+                meta = json.loads((folder / LEGACY_CONFIG_NAME).read_text())
+                legacy = MultiTaskConfig.from_dict(meta)
+                if meta.get("format") != "adapters":  # model.safetensors: all weights
+                    model = cls(legacy)
+                    _load_exact(model, load_file(str(folder / "model.safetensors")), folder)
+                    return model.eval()
+                if (base := base_model or legacy.base_model) is None:
+                    raise ValueError(f"{folder} holds adapters only: pass base_model=")
+                model = cls.from_base(base, legacy.tasks, legacy.pal, legacy.head_dropout)
+                weights = load_file(str(folder / "adapters.safetensors"))
+                _load_exact(model, weights, folder, task_specific=True)
+                return model.eval()
             if tasks is None:
                 raise ValueError(
                     f"{name_or_path} is not a saved MultiTaskBert (no adapter_config.json): to start a new "
@@ -345,9 +354,8 @@ class MultiTaskBert(nn.Module):
     def _deprecated_layout(
         self, kwargs: dict[str, Any], layout: BatchLayout | None, *tensors: Tensor | None
     ) -> BatchLayout | None:
-        """The layout of the former entry paths' keywords (``unpad``; packed tensors as ``cu_seqlens``,
-        ``max_seqlen``, ``cu_seqlens_b``, ``max_seqlen_b``), with a ``FutureWarning``. ``tensors``: forward's
-        ``input_ids, attention_mask, task_ids, input_ids_b``."""
+        """The layout of the former keywords (``unpad``, ``cu_seqlens``, ``max_seqlen``, ``*_b``), with a
+        FutureWarning; ``tensors``: ``input_ids, attention_mask, task_ids, input_ids_b``."""
         if unknown := set(kwargs) - {"unpad", "cu_seqlens", "max_seqlen", "cu_seqlens_b", "max_seqlen_b"}:
             raise TypeError(f"MultiTaskBert.forward() got unexpected keyword arguments {sorted(unknown)}")
         warnings.warn(
@@ -389,8 +397,7 @@ class MultiTaskBert(nn.Module):
         return task_losses(self.tasks, output, labels, weighting)
 
     def loss(self, output: MultiTaskOutput, labels: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        """:func:`fastpals.model.heads.summed_loss`: the sum of each present task's mean loss, and those losses.
-        labels ``[B]`` float (class index, 0/1, or the regression value)."""
+        """The sum of each present task's mean loss, and those losses; labels ``[B]`` float."""
         return summed_loss(self.tasks, output, labels)
 
     def predict(self, output: MultiTaskOutput) -> Tensor:
@@ -416,10 +423,8 @@ class MultiTaskBert(nn.Module):
     def save_pretrained(
         self, folder: str | os.PathLike, adapters_only: bool = False, tokenizer: Any | None = None
     ) -> Path:
-        """Save for :meth:`from_pretrained` and HF tools; returns the folder. Full: ``config.json`` and
-        ``model.safetensors`` (the shared encoder, for ``AutoModel``), ``pals/adapter_*`` (PALs and heads) and
-        the ``tokenizer``'s files. ``adapters_only``: ``adapter_*`` at the top (PALs, heads, trained base
-        weights), to load on the base checkpoint; warns when the shared encoder trained."""
+        """Save for :meth:`from_pretrained` and HF tools; returns the folder. Full: ``config.json``,
+        ``model.safetensors``, ``pals/adapter_*``, tokenizer files; ``adapters_only``: ``adapter_*``."""
         folder, cfg, n_layers = Path(folder), self.config, self.config.bert.num_hidden_layers
         folder.mkdir(parents=True, exist_ok=True)
         tensors = self.adapter_state_dict()
@@ -513,29 +518,10 @@ class MultiTaskBert(nn.Module):
 LEGACY_CONFIG_NAME = "fastpals_config.json"
 
 
-def _load_legacy(
-    cls: type[MultiTaskBert], folder: Path, base_model: str | os.PathLike | None
-) -> MultiTaskBert:
-    """A ``fastpals_config.json`` folder with ``model.safetensors`` (all weights) or ``adapters.safetensors``."""
-    meta = json.loads((folder / LEGACY_CONFIG_NAME).read_text())
-    config = MultiTaskConfig.from_dict(meta)
-    if meta.get("format") == "adapters":
-        base = base_model or config.base_model
-        if base is None:
-            raise ValueError(f"{folder} holds adapters only: pass base_model=")
-        model = cls.from_base(base, config.tasks, config.pal, config.head_dropout)
-        _load_exact(model, load_file(str(folder / "adapters.safetensors")), folder, task_specific=True)
-    else:
-        model = cls(config)
-        _load_exact(model, load_file(str(folder / "model.safetensors")), folder)
-    return model
-
-
 def _load_exact(
     module: nn.Module, state: dict[str, Tensor], source: Path, task_specific: bool | None = None
 ) -> None:
-    """Load ``state`` into ``module``, which must match exactly its weights that are task-specific (True),
-    shared (False) or all (None)."""
+    """Load exactly ``module``'s task-specific (True), shared (False) or all (None) weights of ``state``."""
     own = module.state_dict()
     if task_specific is not None:
         own = {k: v for k, v in own.items() if (task_specific_kind(k) is not None) == task_specific}
