@@ -1,10 +1,15 @@
-"""The encoder stage: fastpals' own BERT (minBERT, HF ``BertModel`` names and numerics), the PAL variants, the
-rule for task-specific parameters, checkpoint reading and the encoder fingerprint an adapter records."""
+"""The encoder stage: minBERT, PAL variants, the task-specific parameter rule, the encoder fingerprint."""
 
 from fastpals.encoder.bert import BertConfig, BertModel, PALConfig, load_bert_state_dict
 from fastpals.encoder.fingerprint import encoder_fingerprint
-from fastpals.encoder.pal_variants import PAL_VARIANTS, PALVariant, get_pal_variant, register_pal_variant
-from fastpals.encoder.task_params import freeze_shared_parameters, is_task_specific
+from fastpals.encoder.pal_variants import (
+    PAL_VARIANTS,
+    PALVariant,
+    freeze_shared_parameters,
+    get_pal_variant,
+    is_task_specific,
+    register_pal_variant,
+)
 
 __all__ = [
     "BertConfig",

@@ -1,11 +1,7 @@
-"""minBERT with Projected Attention Layers (Stickland & Murray 2019), under HF ``BertModel`` parameter names,
-and the reading of its checkpoints (HF and CS224N minBERT key names).
-
-    TS_t(h) = act(V^D_t · MHA_{t,l}(V^E_t · h))           (act = GELU by default, as in the original code)
-    h'      = LN(attn_out + FFN(attn_out) + gate · TS_t(h))
-
-Each row carries its task id, so one call serves a mixed batch. ``B`` batch, ``L`` padded length, ``N`` packed
-tokens, ``d`` hidden size, ``T`` tasks, ``d_s`` PAL width."""
+"""minBERT with Projected Attention Layers (Stickland & Murray 2019) under HF ``BertModel`` names, and the
+reading of HF and CS224N checkpoints: ``h' = LN(attn_out + FFN(attn_out) + gate · TS_t(h))``, ``TS_t(h) =
+act(V^D_t · MHA_{t,l}(V^E_t · h))`` (act: GELU by default), ``t`` each row's task. ``B`` batch, ``L`` padded
+length, ``N`` packed tokens, ``d`` hidden size, ``T`` tasks, ``d_s`` PAL width."""
 
 from __future__ import annotations
 
@@ -30,9 +26,11 @@ from fastpals.encoder.pal_variants import (
     PALProjections,
     PALTop,
     PALVariant,
+    freeze_shared_parameters,
     get_pal_variant,
+    is_task_specific,
+    task_specific_kind,
 )
-from fastpals.encoder.task_params import freeze_shared_parameters, is_task_specific, task_specific_kind
 from fastpals.functional import Dropout, check_task_ids
 from fastpals_kernels.attention_varlen import attention_varlen, padded_attention
 
@@ -76,8 +74,7 @@ _MINBERT_LAYER_NAMES = {
 
 
 def normalize_key(key: str) -> str:
-    """Map a checkpoint key to minBERT's (= HF ``BertModel``'s) name: strips ``bert.``, renames TF-era
-    ``gamma``/``beta`` and CS224N minBERT names."""
+    """A checkpoint key under HF ``BertModel``'s name (no ``bert.``; TF ``gamma``/``beta``, CS224N names)."""
     key = key.removeprefix("bert.")
     if key.endswith(".gamma"):
         key = key[:-6] + ".weight"
@@ -95,8 +92,7 @@ def normalize_key(key: str) -> str:
 
 
 def state_dict_mismatches(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor]) -> list[str]:
-    """Human-readable differences between a model's tensors (``expected``) and a checkpoint's (``found``):
-    names missing from the checkpoint, names the model lacks, and shape mismatches. Empty when they agree."""
+    """Readable differences of a model's tensors (``expected``) and a checkpoint's (``found``)."""
     problems = [f"missing in checkpoint: {k}" for k in sorted(set(expected) - set(found))]
     problems += [f"not in the model: {k}" for k in sorted(set(found) - set(expected))]
     problems += [
@@ -173,16 +169,14 @@ class BertConfig:
 
 @dataclass
 class PALConfig:
-    """What PALs to add and where; the defaults are the original Bert-n-Pals code.
-
-    - ``hidden`` (d_s) and ``num_heads``: the projected attention's width; ``gelu``: GELU after V^D.
-    - ``shared_projections``: one V^E/V^D pair per task for all layers, else one per layer.
-    - ``layers``: ``"all"``, the top k layers, or a list of layer indices; ``gate``: a learned scalar on TS.
-    - ``variant``: a registered :class:`PALVariant`: ``"parallel"``, ``"top"`` (blocks after the last layer),
-      ``"top_parallel"`` (both), ``"embert"`` (per-task vectors added to Q, K, V), ``"none"`` (baseline).
-    - ``top_blocks``/``top_heads``: the top's depth and heads; ``dropout``: None = BERT's attention dropout.
-    - ``zero_init_decoder``: V^D starts at zero, so the PAL adds 0 at the first update.
-    """
+    """What PALs to add and where; the defaults are the original Bert-n-Pals code. ``hidden`` (d_s),
+    ``num_heads``: the projected attention's width; ``gelu``: GELU after V^D; ``shared_projections``: one
+    V^E/V^D pair per task for all layers, else one per layer; ``layers``: ``"all"``, the top k layers or a
+    list of indices; ``gate``: a learned scalar on TS; ``variant``: a registered :class:`PALVariant`
+    (``"parallel"``, ``"top"``: blocks after the last layer, ``"top_parallel"``: both, ``"embert"``: per-task
+    vectors added to Q, K, V, ``"none"``); ``top_blocks``/``top_heads``: the top's depth and heads;
+    ``dropout``: None = BERT's attention dropout; ``zero_init_decoder``: V^D starts at zero (the PAL adds 0 at
+    the first update)."""
 
     num_tasks: int = 3
     hidden: int = 204
@@ -225,8 +219,7 @@ class PALConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PALConfig:
-        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
+        if unknown := set(d) - {f.name for f in dataclasses.fields(cls)}:
             raise ValueError(f"unknown PALConfig fields: {sorted(unknown)}")
         return cls(**d)
 
@@ -264,7 +257,6 @@ class BertSelfAttention(nn.Module):
         self.pal_variant: PALVariant | None = None
 
     def forward(self, x: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
-        """x: [B, L, d] or packed [N, d] → same shape."""
         q, k, v = self.query(x), self.key(x), self.value(x)
         if self.pal_variant is not None:
             q, k, v = self.pal_variant.qkv(self, q, k, v, layout)
@@ -398,8 +390,7 @@ class BertModel(nn.Module):
         layout: BatchLayout | None = None,
     ) -> BertOutput:
         """Padded int64 ``[B, L]`` inputs (``unpad``: run packed inside), or packed ``[N]`` ones with their
-        ``layout`` or with ``cu_seqlens [B+1]`` int32 and ``max_seqlen`` (one host read); ``task_ids [B]`` if
-        task-specific. ``last_hidden_state`` has the input's form, ``[B, L, d]`` or ``[N, d]``."""
+        ``layout`` or ``cu_seqlens [B+1]`` int32 and ``max_seqlen``; ``task_ids [B]`` if task-specific."""
         packed = cu_seqlens is not None or (layout is not None and input_ids.dim() == 1)
         max_pos = self.config.max_position_embeddings
         if packed and attention_mask is not None:
@@ -430,10 +421,8 @@ class BertModel(nn.Module):
             raise ValueError(f"the layout ({layout.batch} x {layout.length}) does not describe this batch")
         if self.task_specific and layout.task_ids is None:
             raise ValueError("this model has task-specific PAL parameters: pass task_ids (one per sequence)")
-        if packed:
-            x = self.embeddings(input_ids, token_type_ids, layout.position_ids)
-        else:
-            x = layout.to_rows(self.embeddings(input_ids, token_type_ids))
+        x = self.embeddings(input_ids, token_type_ids, layout.position_ids if packed else None)
+        x = x if packed else layout.to_rows(x)
         checkpointed = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.encoder.layer:
             x = checkpoint(layer, x, layout, use_reentrant=False) if checkpointed else layer(x, layout)

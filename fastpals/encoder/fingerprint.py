@@ -36,8 +36,7 @@ def parameter_digests(encoder: nn.Module) -> dict[str, str]:
 
 
 def encoder_fingerprint(encoder: nn.Module, exclude: Iterable[str] = ()) -> str:
-    """The fingerprint (16 hex digits) of ``encoder``'s shared parameters, leaving out the names in ``exclude``
-    (names inside the encoder: the trained base weights an adapter carries itself)."""
+    """16 hex digits of ``encoder``'s shared parameters but ``exclude`` (names inside the encoder)."""
     skip = set(exclude)
     digests = parameter_digests(encoder)
     text = ";".join(f"{name}={digests[name]}" for name in sorted(digests) if name not in skip)
@@ -47,8 +46,8 @@ def encoder_fingerprint(encoder: nn.Module, exclude: Iterable[str] = ()) -> str:
 def check_encoder_fingerprint(
     saved: str | None, encoder: nn.Module, exclude: Iterable[str], source: str, caller: str, force: bool
 ) -> None:
-    """Raise ``EncoderMismatchError`` when the recorded fingerprint ``saved`` (None: unchecked) differs from
-    ``encoder``'s, unless ``force``."""
+    """Raise ``EncoderMismatchError`` if ``saved`` (None: unchecked) is not ``encoder``'s, unless
+    ``force``."""
     if saved is None or force or (own := encoder_fingerprint(encoder, exclude)) == saved:
         return
     if not all(bool(torch.isfinite(p).all()) for p in encoder.parameters()):  # broken, not another encoder

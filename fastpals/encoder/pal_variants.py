@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fastpals.data.layout import BatchLayout
-from fastpals.encoder.task_params import register_task_specific_names, unregister_task_specific_names
 from fastpals.functional import PALWeights, attention_reference, grouped_linear_reference, segment_linear
 from fastpals_kernels.attention_varlen import attention_varlen
 from fastpals_kernels.pal import PackedSegments, run_pal
@@ -81,8 +80,8 @@ class PALLayer(nn.Module):
 
 
 class PALTop(nn.Module):
-    """Per task: V^E, ``top_blocks`` attention blocks (Q/K/V, output dense, residual, LayerNorm), V^D; the result
-    replaces the last layer's output (Bert-n-Pals' ``top``)."""
+    """Per task: V^E, ``top_blocks`` attention blocks, V^D; replaces the last layer's output (Bert-n-Pals'
+    top)."""
 
     def __init__(
         self, pal: PALConfig, d: int, eps: float, dropout: float, shared: PALProjections | None
@@ -142,8 +141,7 @@ def pal_dropout(pal: PALConfig, config: BertConfig) -> float:
 
 @dataclass(frozen=True)
 class PALPreset:
-    """A ``--pal`` preset: the ``PALConfig`` fields it sets (None: no PALs), its ``--help`` text, and its
-    ``rank`` in the listing."""
+    """A ``--pal`` preset: the ``PALConfig`` fields it sets (None: no PALs), its ``--help`` text, its rank."""
 
     fields: Mapping[str, Any] | None
     help: str = ""
@@ -177,11 +175,10 @@ class PALVariant:
         return f"{type(self).__name__}(name={self.name!r})"
 
     # stateless: copies of a model share the registered object; a pickled model finds it again by name
-    def __copy__(self) -> PALVariant:
+    def __deepcopy__(self, memo: dict[int, Any] | None = None) -> PALVariant:
         return self
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> PALVariant:
-        return self
+    __copy__ = __deepcopy__
 
     def __reduce__(self) -> tuple[Any, tuple[str]]:
         return get_pal_variant, (self.name,)
@@ -241,8 +238,7 @@ class PALVariant:
 
 
 class Parallel(PALVariant):
-    """Bert-n-Pals' PALs inside the layers ``PALConfig.layers`` selects:
-    ``LN(attn_out + FFN(attn_out) + gate · TS_t(h))``."""
+    """Bert-n-Pals' PALs in ``PALConfig.layers``: ``LN(attn_out + FFN(attn_out) + gate · TS_t(h))``."""
 
     name = "parallel"
     injectable = True
@@ -391,7 +387,7 @@ _BUILTIN = ("parallel", "top", "top_parallel", "embert", "none")
 def register_pal_variant(
     variant: PALVariant | type[PALVariant], *, replace: bool = False
 ) -> PALVariant | type[PALVariant]:
-    """Register a variant (instance or class) under its name and make its parameter names task-specific;
+    """Register a variant (instance or class) under its name, its parameter names task-specific;
     returns ``variant`` (a class decorator). ``replace``: replace a registered non-built-in one."""
     obj = variant() if isinstance(variant, type) else variant
     if not isinstance(obj, PALVariant):
@@ -401,8 +397,9 @@ def register_pal_variant(
         raise ValueError(f"register_pal_variant: {type(obj).__name__}.name must be a non-empty string")
     if name in PAL_VARIANTS and (not replace or name in _BUILTIN):
         raise ValueError(f"register_pal_variant: a PAL variant named {name!r} is already registered")
+    if isinstance(obj.module_names, str) or isinstance(obj.parameter_names, str):
+        raise TypeError("register_pal_variant: module_names and parameter_names are name tuples, not strings")
     PAL_VARIANTS[name] = obj
-    register_task_specific_names(name, obj.module_names, obj.parameter_names)
     return variant
 
 
@@ -413,7 +410,6 @@ def unregister_pal_variant(name: str) -> None:
     if name not in PAL_VARIANTS:
         raise KeyError(f"unregister_pal_variant: no PAL variant named {name!r}")
     del PAL_VARIANTS[name]
-    unregister_task_specific_names(name)
 
 
 def get_pal_variant(name: str) -> PALVariant:
@@ -441,6 +437,49 @@ def pal_parameter_category(name: str) -> str:
     """The count category of PAL parameter ``name`` from the first variant that claims it, else ``"pal_other"``."""
     categories = (variant.parameter_category(name) for variant in PAL_VARIANTS.values())
     return next((category for category in categories if category is not None), "pal_other")
+
+
+def task_specific_kind(name: str) -> str | None:
+    """``"pal"`` (a registered variant's weights), ``"head"`` (under a module ``heads``) or None (shared) for
+    a parameter name, matched by whole dotted parts under any prefix: the rule every part of fastpals uses."""
+    parts = name.split(".")
+    if "heads" in parts[:-1]:
+        return "head"
+    if any(_owns(name, v.module_names, v.parameter_names) for v in PAL_VARIANTS.values()):
+        return "pal"
+    return None
+
+
+def is_task_specific(name: str) -> bool:
+    """True for task-specific parameter names (PALs, task heads; :func:`task_specific_kind`), else False."""
+    return task_specific_kind(name) is not None
+
+
+def freeze_shared_parameters(
+    model: nn.Module, train_layer_norms: bool = True, modules_to_train: Iterable[str] = ()
+) -> dict[str, int]:
+    """The Bert-n-Pals "freeze" recipe: freeze every parameter but the task-specific ones, the LayerNorms (with
+    ``train_layer_norms``) and the modules ``modules_to_train`` names (by qualified-name suffix; one matching
+    nothing is an error). Returns ``{"trainable": n, "frozen": m}`` element counts."""
+    if isinstance(modules_to_train, str):
+        raise TypeError("modules_to_train must be a list of module names, not a string")
+    names = list(modules_to_train)
+    unmatched = set(names)
+    keep = {id(p) for n, p in model.named_parameters() if is_task_specific(n)}
+    for name, module in model.named_modules():
+        hit = [t for t in names if name == t or name.endswith("." + t)]
+        unmatched -= set(hit)
+        # LayerNorms by module type (any library's class named *LayerNorm), never by parameter name
+        layer_norm = isinstance(module, nn.LayerNorm) or type(module).__name__.lower().endswith("layernorm")
+        if hit or (train_layer_norms and layer_norm):
+            keep.update(id(p) for p in module.parameters())
+    if unmatched:
+        raise ValueError(f"freeze_shared_parameters: modules_to_train {sorted(unmatched)} match no module")
+    counts = {"trainable": 0, "frozen": 0}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in keep)
+        counts["trainable" if id(p) in keep else "frozen"] += p.numel()
+    return counts
 
 
 for _cls in (Parallel, Top, TopParallel, EmBERT, NoPAL):

@@ -8,8 +8,7 @@ import torch
 
 
 def cpu_has_native_bf16() -> bool:
-    """Does this CPU run bf16 matmuls in hardware (AVX512-BF16 or AMX)? Read from torch's CPU capability checks,
-    else from ``/proc/cpuinfo``'s flags; False when neither can tell."""
+    """Does this CPU compute bf16 natively (AVX512-BF16, AMX)? torch's checks, else /proc/cpuinfo flags."""
     checks = [getattr(torch.cpu, n, None) for n in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
     if all(callable(c) for c in checks):
         return any(bool(c()) for c in checks)  # type: ignore[misc]

@@ -1,5 +1,4 @@
-"""The model stage: :class:`MultiTaskBert` (an encoder, minBERT or an HF one, with PALs and one head per task),
-its heads and losses, and prediction and dev metrics over a task's batches."""
+"""The model stage: :class:`MultiTaskBert`, its heads and losses, prediction and dev metrics."""
 
 from fastpals.model.evaluate import predict_batches
 from fastpals.model.heads import MultiTaskOutput, TaskLosses

@@ -31,8 +31,9 @@ INPUT_KEYS = tuple(
 def padded_model_inputs(batch: dict, task_index: int, device: torch.device) -> dict[str, torch.Tensor]:
     """The model's inputs of one task's padded batch on ``device``, ``task_ids [B]`` all ``task_index``."""
     inputs = {k: batch[k].to(device) for k in INPUT_KEYS if k in batch}
-    n = batch["input_ids"].shape[0]
-    inputs["task_ids"] = torch.full((n,), task_index, dtype=torch.long, device=device)
+    inputs["task_ids"] = torch.full(
+        (batch["input_ids"].shape[0],), task_index, dtype=torch.long, device=device
+    )
     return inputs
 
 
@@ -105,19 +106,13 @@ def predict_batches(
     return result
 
 
-def overall_from(dev: dict[str, float], specs: Any = None) -> float:
-    """:func:`fastpals.data.metrics.overall` of ``scores`` (``specs``: needed for task files)."""
-    return overall(dev, specs)
-
-
 def eval_model(
     module: torch.nn.Module, device: torch.device, dtype: torch.dtype | None = None
 ) -> torch.nn.Module:
     """``module`` in ``dtype`` (default its own) where this device computes it natively, else an fp32 copy."""
     current = next(module.parameters()).dtype
     target = dtype or current
-    native = device.type != "cpu" or target == torch.float32
-    if not native and not (target == torch.bfloat16 and precision.cpu_has_native_bf16()):
+    if device.type == "cpu" and not (target == torch.bfloat16 and precision.cpu_has_native_bf16()):
         target = torch.float32
     return module if target == current else copy.deepcopy(module).to(target)
 
@@ -130,10 +125,10 @@ def evaluate(
     dev: dict[str, float] = {}
     preds: dict[str, Any] = {}
     for t, batcher in dev_batchers.items():
-        preds[t] = ids, p, y = predict_batches(model, batcher, task_list.index(t), progress, desc=f"dev {t}")
+        preds[t] = _, p, y = predict_batches(model, batcher, task_list.index(t), progress, desc=f"dev {t}")
         spec = model.tasks[task_list.index(t)]
         dev[t] = task_metrics(spec, y, p)[spec.metric]
-    dev["overall"] = overall_from(dev, model.tasks)
+    dev["overall"] = overall(dev, model.tasks)
     return dev, preds
 
 

@@ -1,9 +1,8 @@
-"""The task heads, a batch's :class:`MultiTaskOutput`, and the per-task losses and predictions by each task's
-kind; each task's rows come from the batch's layout (no device read)."""
+"""The task heads, :class:`MultiTaskOutput`, and per-task losses and predictions by each task's kind."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,9 +32,7 @@ class TaskHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.dropout(x)
-        if self.mlp is not None:
-            x = self.mlp(x)
-        return self.out(x)
+        return self.out(x if self.mlp is None else self.mlp(x))
 
 
 @dataclass
@@ -69,11 +66,20 @@ def task_losses(
     or ``"equal"``, the mean over the tasks present. ``tasks`` in task-id order; labels ``[B]`` float."""
     if weighting not in TASK_WEIGHTINGS:
         raise ValueError(f"task weighting {weighting!r}: choose one of {', '.join(TASK_WEIGHTINGS)}")
-    layout = _output_layout(output, len(tasks))
+    layout = output.layout
+    if layout is None:  # an output built by hand: the layout of its task ids (one host read)
+        ids = np.asarray(output.task_ids.tolist(), dtype=np.int64)
+        layout = BatchLayout(
+            batch=int(ids.size), length=1, packed=False, lengths=np.ones(ids.size, dtype=np.int64),
+            host_task_ids=ids, num_tasks=len(tasks), device=output.task_ids.device, task_ids=output.task_ids,
+        )  # fmt: skip
     counts = layout.task_examples
     tokens = output.task_tokens if output.task_tokens is not None else [0] * len(counts)
     result = TaskLosses(output.logits.new_zeros((), dtype=torch.float32), {}, {}, {}, {})
-    for i, spec, loss in _each_task_loss(tasks, layout, output, labels):
+    for i in layout.present:
+        spec, rows = tasks[i], layout.rows_of(i)
+        z = take_rows(output.logits, rows)[:, : spec.num_labels]
+        loss = spec.task_kind.loss(spec, z, take_rows(labels, rows))
         w = counts[i] / sum(counts) if weighting == "examples" else 1.0 / len(layout.present)
         result.total = result.total + w * loss
         result.per_task[spec.name] = loss
@@ -87,19 +93,8 @@ def summed_loss(
     tasks: Sequence[TaskSpec], output: MultiTaskOutput, labels: torch.Tensor
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The sum over the tasks present of each task's loss (0-dim), and those losses; labels ``[B]`` float."""
-    layout = _output_layout(output, len(tasks))
-    per_task = {spec.name: loss for _, spec, loss in _each_task_loss(tasks, layout, output, labels)}
+    per_task = task_losses(tasks, output, labels).per_task
     return sum(per_task.values(), output.logits.new_zeros(())), per_task
-
-
-def _each_task_loss(
-    tasks: Sequence[TaskSpec], layout: BatchLayout, output: MultiTaskOutput, labels: torch.Tensor
-) -> Iterator[tuple[int, TaskSpec, torch.Tensor]]:
-    """``(task index, spec, its kind's loss over its rows)`` for each task present."""
-    for i in layout.present:
-        spec, rows = tasks[i], layout.rows_of(i)
-        z = take_rows(output.logits, rows)[:, : spec.num_labels]
-        yield i, spec, spec.task_kind.loss(spec, z, take_rows(labels, rows))
 
 
 def predict(tasks: Sequence[TaskSpec], output: MultiTaskOutput) -> torch.Tensor:
@@ -114,14 +109,3 @@ def predict(tasks: Sequence[TaskSpec], output: MultiTaskOutput) -> torch.Tensor:
 def take_rows(x: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:
     """The rows ``rows`` of ``x`` (a slice view, or ``index_select`` of an int64 index tensor)."""
     return x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
-
-
-def _output_layout(output: MultiTaskOutput, num_tasks: int) -> BatchLayout:
-    """The layout of an output; outputs built by hand without one get it from their task ids (one host read)."""
-    if output.layout is not None:
-        return output.layout
-    ids = np.asarray(output.task_ids.tolist(), dtype=np.int64)
-    return BatchLayout(
-        batch=int(ids.size), length=1, packed=False, lengths=np.ones(ids.size, dtype=np.int64), host_task_ids=ids,
-        num_tasks=num_tasks, device=output.task_ids.device, task_ids=output.task_ids,
-    )  # fmt: skip

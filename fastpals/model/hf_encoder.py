@@ -16,54 +16,35 @@ from fastpals.data.hub import resolve_model_dir
 from fastpals.data.layout import BatchLayout
 from fastpals.encoder.bert import BertConfig, BertOutput, PALConfig
 
-#: ``config.json`` model types that run as fastpals' own minBERT
-MINBERT_MODEL_TYPES = ("bert",)
 
-
-def checkpoint_model_type(name_or_path: str | os.PathLike) -> str:
-    """The ``model_type`` in the ``config.json`` of ``"minilm-l6"``, a local folder or a Hub id (see
-    :func:`fastpals.data.hub.resolve_model_dir` for the errors)."""
+def runs_as_minbert(name_or_path: str | os.PathLike) -> bool:
+    """Is the checkpoint (``"minilm-l6"``, a folder, a Hub id) a BERT, run as minBERT (not as an HF model)?"""
     folder = resolve_model_dir(name_or_path, ("config.json",))
     try:
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{folder / 'config.json'} is not valid JSON ({err})") from None
-    return str(config.get("model_type", "bert"))
-
-
-def runs_as_minbert(name_or_path: str | os.PathLike) -> bool:
-    """Does the checkpoint run as fastpals' minBERT (a BERT), not as an HF model with injected PALs?"""
-    return checkpoint_model_type(name_or_path) in MINBERT_MODEL_TYPES
-
-
-#: the encoder output :class:`HFEncoder` returns: minBERT's
-HFEncoderOutput = BertOutput
-
-
-def mirror_config(hf_config: Any) -> BertConfig:
-    """The :class:`~fastpals.encoder.bert.BertConfig` fields fastpals reads (sizes, positions) of an HF config."""
-    positions = getattr(hf_config, "max_position_embeddings", 512)
-    if getattr(hf_config, "model_type", None) in ("roberta", "xlm-roberta", "camembert"):
-        positions -= (getattr(hf_config, "pad_token_id", 1) or 0) + 1  # positions start after the pad id
-    sizes = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
-    return BertConfig(
-        **{name: getattr(hf_config, name) for name in sizes},
-        intermediate_size=getattr(hf_config, "intermediate_size", 4 * hf_config.hidden_size),
-        max_position_embeddings=positions,
-        type_vocab_size=getattr(hf_config, "type_vocab_size", 0) or 0,
-        pad_token_id=getattr(hf_config, "pad_token_id", 0) or 0,
-    )
+    return config.get("model_type", "bert") == "bert"
 
 
 class HFEncoder(nn.Module):
-    """An HF encoder (``transformers.AutoModel``) with injected PALs, called like minBERT (see the module
-    docstring). ``model``: the HF model (PALs are injected here when ``pal`` is given)."""
+    """An HF encoder (``transformers.AutoModel``; ``pal``: PALs injected here) called like minBERT."""
 
     def __init__(self, model: nn.Module, pal: PALConfig | None = None) -> None:
         super().__init__()
-        self.model = model
-        self.model_type = model.config.model_type
-        self.config = mirror_config(model.config)
+        self.model, c = model, model.config
+        self.model_type = c.model_type
+        positions = getattr(c, "max_position_embeddings", 512)  # the BertConfig fields fastpals reads
+        if c.model_type in ("roberta", "xlm-roberta", "camembert"):
+            positions -= (getattr(c, "pad_token_id", 1) or 0) + 1  # positions start after the pad id
+        sizes = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+        self.config = BertConfig(
+            **{name: getattr(c, name) for name in sizes},
+            intermediate_size=getattr(c, "intermediate_size", 4 * c.hidden_size),
+            max_position_embeddings=positions,
+            type_vocab_size=getattr(c, "type_vocab_size", 0) or 0,
+            pad_token_id=getattr(c, "pad_token_id", 0) or 0,
+        )
         self.num_tasks = 0 if pal is None else pal.num_tasks
         if pal is not None:
             inject_pals(model, pal)
@@ -78,8 +59,7 @@ class HFEncoder(nn.Module):
 
         weights = ("model.safetensors", "pytorch_model.bin")
         folder = resolve_model_dir(name_or_path, ("config.json",), any_of=weights)
-        model = transformers.AutoModel.from_pretrained(str(folder))
-        return cls(model, pal)
+        return cls(transformers.AutoModel.from_pretrained(str(folder)), pal)
 
     def forward(
         self,
@@ -89,9 +69,8 @@ class HFEncoder(nn.Module):
         task_ids: torch.Tensor | None = None,
         unpad: bool = False,
         layout: BatchLayout | None = None,
-    ) -> HFEncoderOutput:
-        """minBERT's call: padded ``[B, L]`` int64 inputs, or packed ``[N]`` ones with their ``layout``;
-        ``task_ids [B]`` int64 (for the PALs). ``unpad`` is ignored (the HF model runs padded)."""
+    ) -> BertOutput:
+        """minBERT's call: padded int64 ``[B, L]`` inputs (``unpad`` ignored) or packed ``[N]`` and layout."""
         packed = layout is not None and layout.packed and input_ids.dim() == 1
         if packed:  # to the layout's padded [B, L] and back
             mask = layout.padding_mask()
@@ -109,6 +88,4 @@ class HFEncoder(nn.Module):
         h = out.last_hidden_state
         pooled = getattr(out, "pooler_output", None) if self.has_pooler else None
         pooled = h[:, 0] if pooled is None else pooled
-        if packed:
-            return HFEncoderOutput(layout.to_rows(h), pooled, layout.cu_seqlens)
-        return HFEncoderOutput(h, pooled)
+        return BertOutput(layout.to_rows(h), pooled, layout.cu_seqlens) if packed else BertOutput(h, pooled)

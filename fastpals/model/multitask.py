@@ -1,5 +1,4 @@
-"""The multi-task model: a (PAL-)BERT encoder and one head per task (:mod:`fastpals.model.heads`), with save and
-load. A batch may mix tasks; each row runs through its own task's PALs and head in one call."""
+"""The multi-task model: a (PAL-)BERT encoder and one head per task (a batch may mix tasks), save and load."""
 
 from __future__ import annotations
 
@@ -138,49 +137,41 @@ class MultiTaskBert(nn.Module):
         base_model: str | os.PathLike | None = None,
         force: bool = False,
     ) -> MultiTaskBert:
-        """Open a folder of :meth:`save_pretrained` in eval mode: full, or adapter-only on ``base_model``
-        (default: the one it records); ``force``: see :meth:`load_adapter`. An adapter of
-        :func:`fastpals.save_pals` has no heads: pass ``tasks=`` (fresh heads). A base checkpoint with
-        ``tasks=`` is :meth:`from_base`."""
+        """Open a :meth:`save_pretrained` folder in eval mode, full or adapter-only (on ``base_model``,
+        default the recorded one); :func:`fastpals.save_pals`' adapters need ``tasks=``; a base checkpoint
+        with ``tasks=``: :meth:`from_base`."""
         folder = Path(name_or_path)
-        if folder.is_dir() and find_adapter_folder(folder) is not None:
-            return cls._from_adapter_folder(folder, tasks, pal, head_dropout, base_model, force).eval()
-        if folder.is_dir() and (folder / LEGACY_CONFIG_NAME).is_file():
-            if tasks is not None or pal is not None:
-                raise ValueError(
-                    f"{folder} is a saved MultiTaskBert: its tasks and PALs are fixed (drop tasks=/pal=)"
+        if not (folder.is_dir() and find_adapter_folder(folder) is not None):
+            if folder.is_dir() and (folder / LEGACY_CONFIG_NAME).is_file():
+                if tasks is not None or pal is not None:
+                    raise ValueError(
+                        f"{folder} is a saved MultiTaskBert: its tasks and PALs are fixed (drop tasks=/pal=)"
+                    )
+                warnings.warn(
+                    f"{folder} is in the old fastpals format ({LEGACY_CONFIG_NAME}); save it again with "
+                    "save_pretrained to get config.json, model.safetensors and pals/adapter_*",
+                    FutureWarning,
+                    stacklevel=2,
                 )
-            warnings.warn(
-                f"{folder} is in the old fastpals format ({LEGACY_CONFIG_NAME}); save it again with "
-                "save_pretrained to get config.json, model.safetensors and pals/adapter_*",
-                FutureWarning,
-                stacklevel=2,
-            )
-            return _load_legacy(cls, folder, base_model).eval()
-        if tasks is None:
-            raise ValueError(
-                f"{name_or_path} is not a saved MultiTaskBert (no adapter_config.json): to start a new "
-                "model from a base checkpoint call MultiTaskBert.from_base(name_or_path, tasks=[...], pal=...)"
-            )
-        return cls.from_base(name_or_path, tasks, pal, head_dropout)
-
-    @classmethod
-    def load(
-        cls, folder: str | os.PathLike, base_model: str | os.PathLike | None = None, force: bool = False
-    ) -> MultiTaskBert:
-        """:meth:`from_pretrained` for saved folders (alias)."""
-        return cls.from_pretrained(folder, base_model=base_model, force=force)
-
-    @classmethod
-    def _from_adapter_folder(
-        cls,
-        folder: Path,
-        tasks: list[str | TaskSpec] | tuple[str | TaskSpec, ...] | None,
-        pal: PALConfig | None,
-        head_dropout: float,
-        base_model: str | os.PathLike | None,
-        force: bool = False,
-    ) -> MultiTaskBert:
+                meta = json.loads((folder / LEGACY_CONFIG_NAME).read_text())
+                legacy = MultiTaskConfig.from_dict(meta)
+                if meta.get("format") != "adapters":  # model.safetensors: all weights
+                    model = cls(legacy)
+                    _load_exact(model, load_file(str(folder / "model.safetensors")), folder)
+                    return model.eval()
+                if (base := base_model or legacy.base_model) is None:
+                    raise ValueError(f"{folder} holds adapters only: pass base_model=")
+                model = cls.from_base(base, legacy.tasks, legacy.pal, legacy.head_dropout)
+                weights = load_file(str(folder / "adapters.safetensors"))
+                _load_exact(model, weights, folder, task_specific=True)
+                return model.eval()
+            if tasks is None:
+                raise ValueError(
+                    f"{name_or_path} is not a saved MultiTaskBert (no adapter_config.json): to start a new "
+                    "model from a base checkpoint call MultiTaskBert.from_base(name_or_path, tasks=[...], "
+                    "pal=...)"
+                )
+            return cls.from_base(name_or_path, tasks, pal, head_dropout)
         config, adapter = read_adapter_config(folder, "MultiTaskBert.from_pretrained")
         saved_pal = None if config.get("pal_config") is None else PALConfig.from_dict(config["pal_config"])
         if pal is not None:
@@ -221,7 +212,14 @@ class MultiTaskBert(nn.Module):
             model.config.base_model = saved.get("fine_tuned_from")
         model.config.extra = {k: v for k, v in saved.items() if k not in ("head_dropout", "fine_tuned_from")}
         model.load_adapter(adapter, strict=config.get("tasks") is not None, force=force)
-        return model
+        return model.eval()
+
+    @classmethod
+    def load(
+        cls, folder: str | os.PathLike, base_model: str | os.PathLike | None = None, force: bool = False
+    ) -> MultiTaskBert:
+        """:meth:`from_pretrained` for saved folders (alias)."""
+        return cls.from_pretrained(folder, base_model=base_model, force=force)
 
     @property
     def task_names(self) -> list[str]:
@@ -271,7 +269,7 @@ class MultiTaskBert(nn.Module):
                     f"input_ids must be [B, L] with attention_mask, or [N] with the batch's layout, got shape "
                     f"{list(input_ids.shape)}"
                 )
-            mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+            mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
             layout = self.batch_layout(mask, task_ids, attention_mask_b)
         if input_ids.dim() == 2:  # padded: to packed rows, once, here
             input_ids, token_type_ids = _packed_rows(layout, None, input_ids, token_type_ids)
@@ -305,19 +303,15 @@ class MultiTaskBert(nn.Module):
     def _head_logits(self, layout: BatchLayout, out_a: Any, out_b: Any | None) -> Tensor:
         """fp32 logits ``[B, max num_labels]``: each present task's head on its rows' features of the encoder
         outputs ``out_a`` (and ``out_b``, the siamese second sentences: cosine, or the head on ``(u, v, |u - v|)``)."""
-        width = max(t.num_labels for t in self.tasks)
-        pieces = []
+        width, pieces, pooled = max(t.num_labels for t in self.tasks), [], out_a.pooler_output
         # fp32 logits: in bf16 a cosine near 1 has only 3 digits
-        pooled = out_a.pooler_output
         logits = None if layout.grouped else pooled.new_zeros(layout.batch, width, dtype=torch.float32)
         for i in layout.present:
             spec, rows = self.tasks[i], layout.rows_of(i)
             u = take_rows(self._features(spec, out_a), rows)
             if spec.siamese:
-                if isinstance(rows, slice):
-                    rows_b = slice(*layout.second.example_ranges[i])
-                else:
-                    rows_b = layout.second_slot.index_select(0, rows)
+                grouped = isinstance(rows, slice)
+                rows_b = slice(*layout.second.example_ranges[i]) if grouped else layout.second_slot[rows]
                 v = take_rows(self._features(spec, out_b), rows_b)
                 if spec.pair_mode == "sbert_cosine":
                     y = F.cosine_similarity(u.float(), v.float(), dim=-1)[:, None]
@@ -360,11 +354,9 @@ class MultiTaskBert(nn.Module):
     def _deprecated_layout(
         self, kwargs: dict[str, Any], layout: BatchLayout | None, *tensors: Tensor | None
     ) -> BatchLayout | None:
-        """The layout of the former entry paths' keywords (``unpad``; packed tensors as ``cu_seqlens``,
-        ``max_seqlen``, ``cu_seqlens_b``, ``max_seqlen_b``), with a ``FutureWarning``. ``tensors``: forward's
-        ``input_ids, attention_mask, task_ids, input_ids_b``."""
-        unknown = set(kwargs) - {"unpad", "cu_seqlens", "max_seqlen", "cu_seqlens_b", "max_seqlen_b"}
-        if unknown:
+        """The layout of the former keywords (``unpad``, ``cu_seqlens``, ``max_seqlen``, ``*_b``), with a
+        FutureWarning; ``tensors``: ``input_ids, attention_mask, task_ids, input_ids_b``."""
+        if unknown := set(kwargs) - {"unpad", "cu_seqlens", "max_seqlen", "cu_seqlens_b", "max_seqlen_b"}:
             raise TypeError(f"MultiTaskBert.forward() got unexpected keyword arguments {sorted(unknown)}")
         warnings.warn(
             f"MultiTaskBert.forward: {', '.join(sorted(kwargs))} will be removed in the next release: padded "
@@ -378,22 +370,17 @@ class MultiTaskBert(nn.Module):
         input_ids, attention_mask, task_ids, input_ids_b = tensors
         if attention_mask is not None:
             raise ValueError("packed inputs (cu_seqlens given) take no attention_mask")
-        num, max_pos = len(self.tasks), self.config.bert.max_position_embeddings
+        sizes = len(self.tasks), self.config.bert.max_position_embeddings
         task_ids = self._task_ids(task_ids, cu_seqlens.shape[0] - 1, input_ids.device)
-        layout = layout_from_cu_seqlens(
-            input_ids, cu_seqlens, kwargs.get("max_seqlen"), task_ids, num, max_pos
-        )
-        rows = self._siamese_rows(layout)
-        cu_b = kwargs.get("cu_seqlens_b")
+        layout = layout_from_cu_seqlens(input_ids, cu_seqlens, kwargs.get("max_seqlen"), task_ids, *sizes)
+        rows, cu_b = self._siamese_rows(layout), kwargs.get("cu_seqlens_b")
         if rows.size and input_ids_b is not None and cu_b is not None:
             if cu_b.shape[0] - 1 != rows.size:
                 raise ValueError(
                     f"cu_seqlens_b holds {cu_b.shape[0] - 1} sequences for {rows.size} siamese rows"
                 )
             ids_b = layout.task_ids.index_select(0, torch.as_tensor(rows, device=input_ids.device))
-            second = layout_from_cu_seqlens(
-                input_ids_b, cu_b, kwargs.get("max_seqlen_b"), ids_b, num, max_pos
-            )
+            second = layout_from_cu_seqlens(input_ids_b, cu_b, kwargs.get("max_seqlen_b"), ids_b, *sizes)
             layout.with_second(second, rows)
         return layout
 
@@ -410,8 +397,7 @@ class MultiTaskBert(nn.Module):
         return task_losses(self.tasks, output, labels, weighting)
 
     def loss(self, output: MultiTaskOutput, labels: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        """:func:`fastpals.model.heads.summed_loss`: the sum of each present task's mean loss, and those losses.
-        labels ``[B]`` float (class index, 0/1, or the regression value)."""
+        """The sum of each present task's mean loss, and those losses; labels ``[B]`` float."""
         return summed_loss(self.tasks, output, labels)
 
     def predict(self, output: MultiTaskOutput) -> Tensor:
@@ -429,12 +415,6 @@ class MultiTaskBert(nn.Module):
             return {}
         return {n: p.detach() for n, p in shared.items() if p.requires_grad}
 
-    def shared_state_dict(self) -> dict[str, Tensor]:
-        """The shared encoder's weights under HF names (``BertModel``'s, or the HF encoder's own; no PALs)."""
-        prefix = self.encoder_prefix + "."
-        shared = {k: v for k, v in self.state_dict().items() if task_specific_kind(k) is None}
-        return {k.removeprefix(prefix): v for k, v in shared.items() if k.startswith(prefix)}
-
     @property
     def encoder_prefix(self) -> str:
         """Where the encoder's HF-named modules sit: ``"bert"`` (minBERT) or ``"bert.model"`` (HF encoder)."""
@@ -443,28 +423,41 @@ class MultiTaskBert(nn.Module):
     def save_pretrained(
         self, folder: str | os.PathLike, adapters_only: bool = False, tokenizer: Any | None = None
     ) -> Path:
-        """Save for :meth:`from_pretrained` and HF tools; returns the folder. Full: ``config.json`` and
-        ``model.safetensors`` (the shared encoder, for ``AutoModel``), ``pals/adapter_*`` (PALs and heads) and
-        the ``tokenizer``'s files. ``adapters_only``: ``adapter_*`` at the top (PALs, heads, trained base
-        weights), to load on the base checkpoint; warns when the shared encoder trained."""
-        folder = Path(folder)
+        """Save for :meth:`from_pretrained` and HF tools; returns the folder. Full: ``config.json``,
+        ``model.safetensors``, ``pals/adapter_*``, tokenizer files; ``adapters_only``: ``adapter_*``."""
+        folder, cfg, n_layers = Path(folder), self.config, self.config.bert.num_hidden_layers
         folder.mkdir(parents=True, exist_ok=True)
         tensors = self.adapter_state_dict()
         heads = {k for k in tensors if task_specific_kind(k) == "head"}
         base = self.trained_base_state_dict() if adapters_only else {}
-        if adapters_only:
-            self._warn_if_encoder_trained(base)
+        if adapters_only:  # warn when a shared parameter the adapter does not carry changed since from_base
+            start, inner = getattr(self, "base_digests", None), {n.removeprefix("bert.") for n in base}
+            digests = parameter_digests(self.bert) if start else {}
+            if changed := [n for n, d in digests.items() if n not in inner and start.get(n) != d]:
+                warnings.warn(
+                    f"save_pretrained(adapters_only=True): the shared encoder trained ({len(changed)} "
+                    f"tensors changed, e.g. {changed[0]}) but is not saved, so the adapter will not load "
+                    "beside its base encoder (encoder fingerprint): save the full model "
+                    "(adapters_only=False) to keep the encoder",
+                    UserWarning,
+                    stacklevel=2,
+                )
             adapter_dir = folder
         else:
-            adapter_dir = folder / ADAPTER_SUBFOLDER
-            shared = {k: v.detach().contiguous().cpu() for k, v in self.shared_state_dict().items()}
+            adapter_dir, prefix = folder / ADAPTER_SUBFOLDER, self.encoder_prefix + "."
+            shared = {  # the shared encoder's weights under HF names (BertModel's, or the HF encoder's own)
+                k.removeprefix(prefix): v.detach().contiguous().cpu()
+                for k, v in self.state_dict().items()
+                if k.startswith(prefix) and task_specific_kind(k) is None
+            }
             if isinstance(self.bert, BertModel):
-                config = hf_bert_config(self.config.bert, shared["embeddings.word_embeddings.weight"].dtype)
-                (folder / "config.json").write_text(json.dumps(config, indent=2))
+                dtype = str(shared["embeddings.word_embeddings.weight"].dtype).removeprefix("torch.")
+                hf = dict(architectures=["BertModel"], model_type="bert", **dataclasses.asdict(cfg.bert))
+                hf.update(position_embedding_type="absolute", initializer_range=0.02, use_cache=True)
+                (folder / "config.json").write_text(json.dumps({**hf, "torch_dtype": dtype}, indent=2))
             else:
                 self.bert.model.config.save_pretrained(folder)
             save_file(shared, str(folder / "model.safetensors"), metadata={"format": "pt"})
-        cfg, n_layers = self.config, self.config.bert.num_hidden_layers
         model_type = cfg.extra.get("hf_model_type", "bert")
         target = TARGETS.get(model_type, TARGETS["bert"])
         encoder = {
@@ -490,22 +483,6 @@ class MultiTaskBert(nn.Module):
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
         return folder
-
-    def _warn_if_encoder_trained(self, base: dict[str, Tensor]) -> None:
-        """Warn when a shared parameter the adapter does not carry changed since :meth:`from_base`."""
-        start = getattr(self, "base_digests", None)
-        if not start:
-            return
-        inner = {n.removeprefix("bert.") for n in base}
-        changed = [n for n, d in parameter_digests(self.bert).items() if n not in inner and start.get(n) != d]
-        if changed:
-            warnings.warn(
-                f"save_pretrained(adapters_only=True): the shared encoder trained ({len(changed)} tensors changed, "
-                f"e.g. {changed[0]}) but is not saved, so the adapter will not load beside its base encoder "
-                "(encoder fingerprint): save the full model (adapters_only=False) to keep the encoder",
-                UserWarning,
-                stacklevel=3,
-            )
 
     def load_adapter(
         self,
@@ -538,45 +515,13 @@ class MultiTaskBert(nn.Module):
         return self
 
 
-def hf_bert_config(config: BertConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """An HF ``config.json`` for a ``BertModel`` of this shape with weights in ``dtype``."""
-    return {
-        "architectures": ["BertModel"],
-        "model_type": "bert",
-        **dataclasses.asdict(config),
-        "position_embedding_type": "absolute",
-        "initializer_range": 0.02,
-        "use_cache": True,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-    }
-
-
 LEGACY_CONFIG_NAME = "fastpals_config.json"
-
-
-def _load_legacy(
-    cls: type[MultiTaskBert], folder: Path, base_model: str | os.PathLike | None
-) -> MultiTaskBert:
-    """A ``fastpals_config.json`` folder with ``model.safetensors`` (all weights) or ``adapters.safetensors``."""
-    meta = json.loads((folder / LEGACY_CONFIG_NAME).read_text())
-    config = MultiTaskConfig.from_dict(meta)
-    if meta.get("format") == "adapters":
-        base = base_model or config.base_model
-        if base is None:
-            raise ValueError(f"{folder} holds adapters only: pass base_model=")
-        model = cls.from_base(base, config.tasks, config.pal, config.head_dropout)
-        _load_exact(model, load_file(str(folder / "adapters.safetensors")), folder, task_specific=True)
-    else:
-        model = cls(config)
-        _load_exact(model, load_file(str(folder / "model.safetensors")), folder)
-    return model
 
 
 def _load_exact(
     module: nn.Module, state: dict[str, Tensor], source: Path, task_specific: bool | None = None
 ) -> None:
-    """Load ``state`` into ``module``, which must match exactly its weights that are task-specific (True),
-    shared (False) or all (None)."""
+    """Load exactly ``module``'s task-specific (True), shared (False) or all (None) weights of ``state``."""
     own = module.state_dict()
     if task_specific is not None:
         own = {k: v for k, v in own.items() if (task_specific_kind(k) is not None) == task_specific}
