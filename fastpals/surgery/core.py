@@ -1,9 +1,5 @@
-"""The surgery core shared by the buffer and the stream: Gram -> aggregator weights -> combined update.
-
-:class:`TaskGradients` runs :meth:`TaskGradients.apply`; a memory mode supplies ``_finish_gram() -> [T, T]``
-float32 (globally averaged when data parallel) and ``_write_update(weights, touched)`` (``sum_t w_t g_t`` into
-the shared parameters' gradients).
-"""
+"""The surgery core shared by the buffer and the stream: Gram -> aggregator weights -> combined update; a memory
+mode supplies ``_finish_gram`` and ``_write_update``."""
 
 from __future__ import annotations
 
@@ -33,19 +29,12 @@ def default_grad_setter(p: torch.nn.Parameter, value: torch.Tensor | None) -> No
 
 
 class SurgeryResult:
-    """What :meth:`TaskGradients.apply` did.
+    """What :meth:`TaskGradients.apply` did: ``skipped`` (a gradient was non-finite: do not step), ``weights [T]``
+    (None when skipped), ``gram [T, T]`` float32, ``nonfinite_tasks`` (rows with inf/nan), ``nonfinite_task_params``.
 
-    - ``skipped``: True when a gradient was non-finite; the optimizer must not step.
-    - ``weights [T]`` (device; None when skipped): the update is ``sum_t weights[t] * g_t``.
-    - ``gram [T, T]`` float32 (device): the Gram matrix of the (globally averaged) task gradients.
-    - ``nonfinite_tasks``: rows whose gradient held inf/nan (or whose squared norm overflowed fp32).
-    - ``nonfinite_task_params``: True when a task-specific gradient was non-finite.
-    - ``ok``: 0-dim bool device tensor, True when nothing was non-finite (None for host-checked results).
-    - ``flags``: ``[T + 1]`` bool device tensor (deferred results; else None): each row's finite flag, then the
-      task-specific gradients' one.
-
-    A result of ``apply(..., sync=False)`` holds its flags on the device: the host fields read them on first
-    access (one read), or the caller reads ``flags`` with its own values and passes them to :meth:`resolve`.
+    A result of ``apply(..., sync=False)`` holds ``flags [T + 1]`` (each row's finite flag, then the task-specific
+    gradients') and ``ok`` (all of them) on the device: the host fields read them on first access, or the caller
+    passes its own read of ``flags`` to :meth:`resolve`.
     """
 
     def __init__(
@@ -132,8 +121,8 @@ def weights_on_device(
     generator: torch.Generator | None,
     aggregator_kwargs: dict[str, Any],
 ) -> torch.Tensor:
-    """``apply(sync=False)``'s weights without a host read: the aggregator on its input (Gram or rows) where ``ok``
-    (a device bool), else on the identity (zeros for rows); non-finite entries zeroed, so the weights stay finite."""
+    """The aggregator on its input (Gram or rows) where the device bool ``ok``, else on the identity (zeros for
+    rows), non-finite entries zeroed: finite weights without a host read."""
     if g_mat.shape[0] == g_mat.shape[1]:
         fallback = torch.eye(g_mat.shape[0], dtype=g_mat.dtype, device=g_mat.device)
     else:
@@ -146,17 +135,13 @@ class TaskGradients:
     """Per-task gradients of the shared parameters, reduced to one update by :meth:`apply`.
 
     Args:
-        params: the parameters shared by the tasks (the Gram is over them). All on one device.
-        num_tasks: ``1 <= num_tasks <= MAX_TASKS``.
-        task_params: task-specific parameters; their gradients are not in the Gram. They take part in the finite
-            check and the data-parallel average, and :attr:`task_param_tasks` records which tasks touched each.
-        grad_getter / grad_setter: how gradients are read and written; default ``p.grad``. A setter receiving
-            ``None`` must clear the gradient.
-        grad_dtype: dtype of the combined gradient written back (default: the parameters' dtype).
-        process_group / all_reduce: data parallel: average the task gradients over the group (the default group
-            with ``all_reduce=True``) before the Gram, so that surgery acts on the global per-task gradients.
+        params: the parameters shared by the tasks (the Gram is over them), on one device.
+        task_params: task-specific parameters: not in the Gram, but in the finite check and the data-parallel
+            average; :attr:`task_param_tasks` records which tasks touched each.
+        grad_getter / grad_setter: how gradients are read and written (default ``p.grad``; ``None`` clears).
+        process_group / all_reduce: data parallel: average the task gradients over the group before the Gram.
         capture_task_params: take the task-specific gradients out at each capture and write them back in
-            :meth:`apply` (where successive backwards replace gradients instead of adding, as DeepSpeed ZeRO-1/2).
+            :meth:`apply` (where backwards replace gradients instead of adding, as DeepSpeed ZeRO-1/2).
     """
 
     def __init__(
@@ -205,7 +190,6 @@ class TaskGradients:
         self.skipped_steps = 0
         self.steps = 0
 
-    # --- the mode's hooks ---------------------------------------------------------------------------------------
     def _finish_gram(self) -> torch.Tensor:
         """``[T, T]`` float32 Gram of this step's task gradients (globally averaged when data parallel)."""
         raise NotImplementedError
@@ -215,18 +199,16 @@ class TaskGradients:
         raise NotImplementedError
 
     def _end_step(self) -> None:
-        """Forget this step's gradients (the next step starts fresh)."""
         self.steps += 1
 
-    # --- Gram -> weights -> combine -----------------------------------------------------------------------------
     def _task_grads(self) -> list[torch.Tensor | None]:
         if self.capture_task_params:
             return [acc if seen else None for acc, seen in zip(self._task_acc, self._task_seen)]
         return [self.grad_getter(p) for p in self.task_params]
 
     def _take_task_grad(self, k: int, g: torch.Tensor) -> None:
-        """``capture_task_params``: add task parameter ``k``'s gradient ``g`` into its float32 copy (zeroed at the
-        step's first capture) and clear the gradient."""
+        """Add task parameter ``k``'s gradient ``g`` into its float32 copy (zeroed at the step's first capture),
+        clear the gradient."""
         p = self.task_params[k]
         if self._task_acc[k] is None:
             self._task_acc[k] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
@@ -249,11 +231,9 @@ class TaskGradients:
     ) -> SurgeryResult:
         """Gram -> ``aggregator(gram, generator=generator, **aggregator_kwargs)`` -> ``sum_t w_t g_t`` into .grad.
 
-        Tasks with no gradient this step count as zero. One host read: the finite checks (the Gram's diagonal,
-        the task-specific gradients; data parallel, every rank's touched flags). When one fails the step is
-        skipped: the shared gradients stay ``None``, the aggregator is not called, the result names the tasks.
-        ``sync=False`` (one rank): no host read; the flags stay on the device (``result.ok``), the aggregator runs
-        on the identity where they fail, and the caller must not step when one is false.
+        One host read, the finite checks; when one fails the step is skipped (shared gradients ``None``, the
+        aggregator not called). ``sync=False`` (one rank): no host read; the aggregator runs on the identity where
+        the device flags (``result.ok``) fail, and the caller must not step then.
         """
         if self.all_reduce and (not dist.is_available() or not dist.is_initialized()):
             raise RuntimeError("all_reduce/process_group given but torch.distributed is not initialised")
@@ -298,10 +278,8 @@ class TaskGradients:
             for p, g in zip(self.task_params, task_grads):
                 if g is not None:
                     self.grad_setter(p, g.to(p.dtype) if g.dtype != p.dtype else g.clone())
-        if sync:
-            host = torch.cat(
-                [finite] + ([task_ok] if task_ok is not None else [])
-            ).tolist()  # the one host read
+        if sync:  # the one host read
+            host = torch.cat([finite] + ([task_ok] if task_ok is not None else [])).tolist()
             return self._settle(host, g_mat, touched, aggregator, generator, aggregator_kwargs)
         if task_ok is None:
             task_ok = torch.ones(1, dtype=torch.bool, device=self.device)

@@ -17,15 +17,6 @@ from torch import nn
 from fastpals_kernels import dispatch
 from fastpals_kernels.common import build_task_row_plan, build_task_row_plan_host
 
-__all__ = [
-    "STACK_TEMP_ELEMENTS",
-    "EmbeddingFrame",
-    "RowTasks",
-    "embedding_forward",
-    "layer_norm_forward",
-    "linear_forward",
-]
-
 # Elements of the fp32 temporary of one output-row chunk of a task's weight gradient when the rows hold another
 # dtype: the 16-bit buffer's peak stays within T * P * 2 bytes of plain training.
 STACK_TEMP_ELEMENTS = 1 << 16

@@ -12,23 +12,11 @@ from fastpals.functional import MAX_TASKS  # one limit for the buffer, the kerne
 from fastpals.surgery import compiled
 from fastpals.surgery.solvers import nonneg_qp
 
-__all__ = [
-    "check_gram",
-    "gem_weights",
-    "mean_weights",
-    "pcgrad_orders",
-    "pcgrad_weights",
-    "preference",
-    "sum_weights",
-    "weights_dtype",
-]
-
 F64 = torch.float64
 
 
 def check_gram(gram: object) -> torch.Tensor:
-    """Return ``gram`` if it is a float32/float64 ``[T, T]`` tensor with ``1 <= T <= MAX_TASKS``, else raise
-    ``TypeError``/``ValueError`` naming the problem (metadata only: reading values would sync)."""
+    """``gram`` if it is a float32/float64 ``[T, T]`` tensor with ``1 <= T <= MAX_TASKS`` (metadata only)."""
     if not isinstance(gram, torch.Tensor):
         raise TypeError(f"gram must be a torch.Tensor, got {type(gram).__name__}")
     if gram.dim() != 2 or gram.shape[0] != gram.shape[1] or gram.shape[0] == 0:
@@ -41,7 +29,7 @@ def check_gram(gram: object) -> torch.Tensor:
 
 
 def weights_dtype(gram: torch.Tensor) -> torch.dtype:
-    """The dtype of an aggregator's weights for ``gram``: float64 for a float64 Gram, else float32."""
+    """float64 for a float64 Gram, else float32."""
     return F64 if gram.dtype == F64 else torch.float32
 
 
@@ -55,7 +43,7 @@ def preference(pref_vector: torch.Tensor | None, t: int, device: torch.device, n
 
 
 def _constant(gram: torch.Tensor, method: str, value: float | None) -> torch.Tensor:
-    """``w = value`` (``1 / T`` for ``None``) for every task, through the compiled op's ``method`` when it runs."""
+    """``w = value`` (``1 / T`` for ``None``) for every task."""
     gram = check_gram(gram)
     if compiled.enabled(gram):
         return compiled.solve_weights(gram, method, None, [])
@@ -66,21 +54,18 @@ def _constant(gram: torch.Tensor, method: str, value: float | None) -> torch.Ten
 
 
 def sum_weights(gram: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Plain multi-task sum: ``w = 1`` for every task (only ``gram``'s shape, dtype and device are used)."""
+    """Plain multi-task sum: ``w = 1`` for every task."""
     return _constant(gram, "sum", 1.0)
 
 
 def mean_weights(gram: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Plain multi-task mean: ``w = 1 / T`` for every task (only ``gram``'s shape, dtype and device are used)."""
+    """Plain multi-task mean: ``w = 1 / T`` for every task."""
     return _constant(gram, "mean", None)
 
 
 def pcgrad_orders(num_tasks: int, generator: torch.Generator | None = None) -> torch.Tensor:
-    """The random projection orders of one PCGrad step, drawn on the host: ``int64 [T, T-1]`` (CPU).
-
-    For ``i = 0 .. T-1`` in turn, row ``i`` is ``others[torch.randperm(T - 1, generator=generator)]`` with
-    ``others`` the tasks ``j != i`` in order. ``generator``: a CPU ``torch.Generator`` (``None``: torch's default).
-    """
+    """The random projection orders of one PCGrad step, ``int64 [T, T-1]`` (CPU): row ``i`` is the tasks ``j != i``
+    permuted by ``torch.randperm(T - 1, generator=generator)``, rows drawn in order."""
     if not isinstance(num_tasks, int) or num_tasks < 1:
         raise ValueError(f"num_tasks must be a positive int, got {num_tasks!r}")
     if generator is not None:
@@ -101,11 +86,9 @@ def pcgrad_orders(num_tasks: int, generator: torch.Generator | None = None) -> t
 def pcgrad_weights(
     gram: torch.Tensor, generator: torch.Generator | None = None, orders: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """PCGrad (Yu et al. 2020, Algorithm 1) as task weights: each ``g_i`` is projected, in the order
-    ``orders[i]`` (``int64 [T, T-1]``, default :func:`pcgrad_orders` from ``generator``), onto the normal plane of
-    each ORIGINAL ``g_j`` it conflicts with, and the results summed. ``g_i^PC = sum_k C[i, k] g_k`` is tracked
-    through ``C`` (``I`` at the start): ``T - 1`` steps on the Gram, ``w = C.sum(0)``; zero gradients never count.
-    """
+    """PCGrad (Yu et al. 2020, Algorithm 1) as task weights: each ``g_i`` projected, in the order ``orders[i]``
+    (default :func:`pcgrad_orders`), onto the normal plane of each original ``g_j`` it conflicts with, summed;
+    ``g_i^PC = sum_k C[i, k] g_k`` is tracked on the Gram, ``w = C.sum(0)``."""
     gram = check_gram(gram)
     t = gram.shape[0]
     if orders is None:
@@ -130,7 +113,8 @@ def pcgrad_weights(
     return coef.sum(dim=0).to(weights_dtype(gram))
 
 
-def _proposal_vector(proposal: object, t: int, device: torch.device) -> torch.Tensor:
+def proposal_vector(proposal: object, t: int, device: torch.device) -> torch.Tensor:
+    """GEM's proposal ``a [T]`` float64: ``sum_t a_t g_t`` is the update it stays closest to."""
     if isinstance(proposal, str):
         if proposal in ("sum", "mean"):
             return torch.full((t,), 1.0 if proposal == "sum" else 1.0 / t, dtype=F64, device=device)
@@ -183,15 +167,12 @@ def gem_weights(
     ridge: float = 1e-12,
 ) -> torch.Tensor:
     """GEM (Lopez-Paz & Ranzato 2017) as task weights: the update closest to the proposal ``sum_t a_t g_t``
-    (``proposal``: ``"sum"``, ``"mean"``, a task index ``k`` or a ``[T]`` tensor) with a non-negative inner
-    product with every row of ``constraints`` (default all, or all but ``k``; a device tensor is not validated).
-    ``w = a + v`` from the dual QP ``min_{v >= 0} 1/2 v^T G_cc v + v^T (G a)_c`` (:func:`nonneg_qp`, ``max_iter``
-    iterations, default ``3 T + 10``). Episodic memory: memory rows proposed with zeros, constrained (``GEM``).
-    """
+    (``"sum"``, ``"mean"``, a task index ``k`` or a ``[T]`` tensor) with a non-negative inner product with every
+    task of ``constraints`` (default all, or all but ``k``), by the dual QP (``max_iter`` default ``3 T + 10``)."""
     gram = check_gram(gram)
     t = gram.shape[0]
     device = gram.device
-    a = _proposal_vector(proposal, t, device)
+    a = proposal_vector(proposal, t, device)
     mask = _constraint_mask(constraints, t, proposal, device)
     iters = 3 * t + 10 if max_iter is None else int(max_iter)
     if compiled.enabled(gram):

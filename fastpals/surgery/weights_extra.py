@@ -15,30 +15,12 @@ from fastpals.surgery import compiled
 from fastpals.surgery.solvers import nonneg_qp
 from fastpals.surgery.weights_basic import check_gram, preference, weights_dtype
 
-__all__ = [
-    "CountedState",
-    "ExcessMTLState",
-    "MoDoState",
-    "PCDState",
-    "SDMGradState",
-    "constant_weights",
-    "excessmtl_weights",
-    "krum_weights",
-    "modo_weights",
-    "pcd_weights",
-    "project_onto_simplex",
-    "random_weights",
-    "sdmgrad_weights",
-    "WeightsState",
-]
-
 F64 = torch.float64
 
 
 def project_onto_simplex(y: torch.Tensor) -> torch.Tensor:
-    """The Euclidean projection of each ``y [..., T]`` onto the probability simplex (sort-based, no host read):
-    ``max(y - tau, 0)``, ``tau = (sum of the k largest - 1) / k`` for the largest ``k`` where it stays below the
-    ``k``-th largest (Held, Wolfe & Crowder 1974; the rule of the official MoDo and SDMGrad code)."""
+    """The Euclidean projection of each ``y [..., T]`` onto the probability simplex (sort-based, no host read;
+    Held, Wolfe & Crowder 1974, as the official MoDo and SDMGrad code)."""
     desc = torch.sort(y, dim=-1, descending=True).values
     k = torch.arange(1, y.shape[-1] + 1, dtype=y.dtype, device=y.device)
     taus = (torch.cumsum(desc, -1) - 1.0) / k
@@ -63,8 +45,8 @@ def constant_weights(
 
 
 def random_weights(gram: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Random weighting (Lin et al. 2022, Algorithm 2): ``softmax(z)``, ``z [T]`` float64 standard normal drawn
-    on the CPU from ``generator`` (torch's default if ``None``), copied to the Gram's device without waiting."""
+    """Random weighting (Lin et al. 2022): ``softmax(z)``, ``z [T]`` float64 normal drawn on the CPU from
+    ``generator`` (torch's default if ``None``)."""
     g = check_gram(gram)
     z = torch.randn(g.shape[0], dtype=F64, generator=generator)
     if compiled.enabled(g):
@@ -76,9 +58,8 @@ def random_weights(gram: torch.Tensor, generator: torch.Generator | None = None)
 def krum_weights(
     gram: torch.Tensor, generator: torch.Generator | None = None, *, n_byzantine: int = 0, n_selected: int = 1
 ) -> torch.Tensor:
-    """(Multi-)Krum (Blanchard et al. 2017): each gradient's score is the sum of its distances to its ``T -
-    n_byzantine - 2`` nearest others (distances from the Gram: ``|g_i|^2 + |g_j|^2 - 2 G_ij``); the
-    ``n_selected`` lowest scores get weight ``1 / n_selected``, the others 0. Needs ``T >= n_byzantine + 3``."""
+    """(Multi-)Krum (Blanchard et al. 2017): the ``n_selected`` gradients with the lowest sums of distances to
+    their ``T - n_byzantine - 2`` nearest others get weight ``1 / n_selected``, the others 0."""
     g = check_gram(gram).to(F64)
     t = g.shape[0]
     if n_byzantine < 0 or n_selected < 1 or t < n_byzantine + 3 or n_selected > t:
@@ -90,16 +71,15 @@ def krum_weights(
         return compiled.solve_weights(gram, "krum", None, [n_byzantine, n_selected])
     sq = torch.diagonal(g)
     dist = (sq[None, :] + sq[:, None] - 2 * g).clamp_min(0.0).sqrt()
-    nearest = torch.topk(dist, k=t - n_byzantine - 1, largest=False).values[:, 1:]
-    scores = nearest.sum(1)
+    scores = torch.topk(dist, k=t - n_byzantine - 1, largest=False).values[:, 1:].sum(1)
     chosen = torch.topk(scores, k=n_selected, largest=False).indices
     w = torch.zeros(t, dtype=F64, device=g.device).index_fill(0, chosen, 1.0 / n_selected)
     return w.to(weights_dtype(gram))
 
 
 class WeightsState:
-    """Tensors an aggregator carries across calls (float64, on the Gram's device; ``None`` until the first call),
-    named in ``tensors``; ``state_dict()`` / ``load_state_dict()`` for checkpoints (host copies)."""
+    """Tensors an aggregator carries across calls, named in ``tensors`` (float64, ``None`` until the first call);
+    ``state_dict()`` holds host copies."""
 
     tensors: tuple[str, ...] = ("weights",)
     weights: torch.Tensor | None
@@ -158,9 +138,8 @@ def modo_weights(
     gamma: float = 0.1,
     rho: float = 0.1,
 ) -> torch.Tensor:
-    """MoDo (Chen, Fernando, Ying & Chen, "Three-Way Trade-Off in Multi-Objective Learning", JMLR 2024): one
-    step ``lambda <- Proj_simplex(lambda - gamma (G lambda + rho lambda))`` per call from the stored ``lambda``
-    (uniform at the start); returns the new ``lambda``. ``state`` is a :class:`MoDoState`."""
+    """MoDo (Chen et al., JMLR 2024): one step ``lambda <- Proj_simplex(lambda - gamma (G lambda + rho lambda))``
+    per call from the stored ``lambda``; returns the new ``lambda``."""
     if not isinstance(state, MoDoState):
         raise TypeError(f"modo needs a MoDoState, got {type(state).__name__}")
     if gamma <= 0 or rho < 0:
@@ -186,10 +165,9 @@ def sdmgrad_weights(
     lambda_: float = 0.3,
     pref_vector: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """SDMGrad (Xiao, Ban & Ji, "Direction-oriented Multi-objective Learning", NeurIPS 2023): ``n_iter`` steps of
-    momentum SGD on the simplex for ``min_w 1/2 |J^T (w + lambda_ p)|^2`` on ``A = G / (mean_i sqrt(G_ii))^2``
-    from the stored ``w`` (uniform at the start); returns ``(w + lambda_ p) / (1 + lambda_)``, ``p`` =
-    ``pref_vector`` (default ``1 / T``). ``state`` is a :class:`SDMGradState`."""
+    """SDMGrad (Xiao, Ban & Ji 2023): ``n_iter`` momentum steps on the simplex for ``min_w 1/2 |J^T (w + lambda_
+    p)|^2`` (``G`` over the squared mean gradient norm) from the stored ``w``; returns ``(w + lambda_ p) / (1 +
+    lambda_)``, ``p`` = ``pref_vector`` (default ``1 / T``)."""
     if not isinstance(state, SDMGradState):
         raise TypeError(f"sdmgrad needs an SDMGradState, got {type(state).__name__}")
     if lr <= 0 or not 0 <= momentum < 1 or int(n_iter) < 1 or lambda_ < 0:
@@ -232,10 +210,9 @@ def pcd_weights(
     beta: float = 0.999,
     eps: float = 1e-8,
 ) -> torch.Tensor:
-    """PCD (Priority-Constrained Descent, TMLR 2026; TorchJD's ``PCDWeighting``), task 0 the primary one: with
-    ``s_i = 1 / sqrt(v_i + eps)`` (``v`` the bias-corrected EMA, decay ``beta``, of ``G_ii``) and ``G~ = G s s^T``,
-    ``d = g~_0 + sum_j mu_j g~_j`` closest to ``g~_0`` with ``<g~_j, d> >= tau_j |g~_j|^2`` (``tau``: one value or
-    ``[T - 1]`` in ``[0, 1]``; infeasible: ``d = g~_0``), by its dual QP; ``w = [1, mu] s sqrt(G_00 / d^T d)``."""
+    """PCD (TorchJD's ``PCDWeighting``), task 0 primary: on gradients scaled by their EMA norms, ``d`` closest to
+    ``g~_0`` with ``<g~_j, d> >= tau_j |g~_j|^2`` (``tau``: one value or ``[T - 1]``; infeasible: ``d = g~_0``),
+    by its dual QP, rescaled to ``|g_0|``."""
     if not isinstance(state, PCDState):
         raise TypeError(f"pcd needs a PCDState, got {type(state).__name__}")
     if not 0.0 <= beta < 1.0 or eps < 0:
@@ -301,10 +278,9 @@ def excessmtl_weights(
     robust_step_size: float = 1.0,
     n_warmup_steps: int = 0,
 ) -> torch.Tensor:
-    """ExcessMTL (He et al., ICML 2024; TorchJD's ``ExcessMTLWeighting``) on the task gradients ``rows [T, P]``
-    (float32/float64, not a Gram): excess risks ``e_i = sum_p g_ip^2 / sqrt(S_ip + 1e-7)``, ``S`` the running sum
-    of squared gradients; after ``n_warmup_steps`` uniform calls, ``e`` over its baseline (the warm-up mean, or
-    the first call's ``e`` with no warm-up) and ``w <- softmax(log w + robust_step_size e)``."""
+    """ExcessMTL (He et al. 2024; TorchJD's ``ExcessMTLWeighting``) on the task gradients ``rows [T, P]`` (not a
+    Gram): after ``n_warmup_steps`` uniform calls, ``w <- softmax(log w + robust_step_size e)``, ``e`` the excess
+    risks over their baseline."""
     if not isinstance(state, ExcessMTLState):
         raise TypeError(f"excessmtl needs an ExcessMTLState, got {type(state).__name__}")
     if robust_step_size <= 0 or int(n_warmup_steps) < 0:
@@ -329,13 +305,11 @@ def excessmtl_weights(
     if state.step <= int(n_warmup_steps):
         state.warmup_sum = state.warmup_sum + excess
         return state.weights.to(out_dtype)
-    if state.initial is None:
-        if int(n_warmup_steps) > 0:
-            state.initial = state.warmup_sum / int(n_warmup_steps)
-            excess = excess / (state.initial + 1e-7)
-        else:
-            state.initial = excess
+    if state.initial is None and not int(n_warmup_steps):
+        state.initial = excess
     else:
+        if state.initial is None:
+            state.initial = state.warmup_sum / int(n_warmup_steps)
         excess = excess / (state.initial + 1e-7)
     state.weights = torch.softmax(state.weights.to(x.device).log() + robust_step_size * excess, 0)
     return state.weights.to(out_dtype)

@@ -25,24 +25,6 @@ from fastpals.surgery.weights_basic import (
 )
 from fastpals.surgery.weights_extra import CountedState, WeightsState, project_onto_simplex
 
-__all__ = [
-    "AGGREGATORS",
-    "STATEFUL",
-    "CRMOGMState",
-    "GradVacState",
-    "NashMTLState",
-    "alignedmtl_weights",
-    "cagrad_weights",
-    "crmogm_weights",
-    "dualproj_weights",
-    "fairgrad_weights",
-    "gradvac_weights",
-    "imtlg_weights",
-    "mgda_weights",
-    "nashmtl_weights",
-    "upgrad_weights",
-]
-
 F64 = torch.float64
 #: most tasks of CAGrad's exact solver (it enumerates the 2^T - 1 supports); ``pgd`` takes any number
 CAGRAD_EXACT_MAX_TASKS = 10
@@ -93,11 +75,9 @@ def upgrad_weights(
     reg_eps: float = 1e-4,
     max_iter: int | None = None,
 ) -> torch.Tensor:
-    """UPGrad (Quinton & Rey, "Jacobian Descent for Multi-Objective Optimization", 2024): each task gradient,
-    scaled by ``pref_vector`` (``[T]``, default ``1 / T``), projected onto the dual cone ``{x : <x, g_j> >= 0}``,
-    summed; row ``i``'s weights are ``argmin_{v >= p_i e_i} v^T G v`` (their Proposition 1), by :func:`nonneg_qp`
-    with ``max_iter`` iterations (default ``min(3 T + 10, 40)``). ``G`` is divided by its trace first, as in TorchJD.
-    """
+    """UPGrad (Quinton & Rey 2024): each task gradient scaled by ``pref_vector`` (default ``1 / T``), projected
+    onto the dual cone of the task gradients, summed; ``G / trace(G)`` as in TorchJD, :func:`nonneg_qp` with
+    ``max_iter`` iterations (default ``min(3 T + 10, 40)``)."""
     return _dual_cone(gram, "upgrad", pref_vector, norm_eps, reg_eps, max_iter)
 
 
@@ -110,8 +90,7 @@ def dualproj_weights(
     reg_eps: float = 1e-4,
     max_iter: int | None = None,
 ) -> torch.Tensor:
-    """DualProj: the preference-weighted gradient (default the mean) projected onto the dual cone of the task
-    gradients (GEM's Eq. 11 with every task as a constraint), with UPGrad's options."""
+    """DualProj: the preference-weighted gradient projected onto the dual cone of the task gradients."""
     return _dual_cone(gram, "dualproj", pref_vector, norm_eps, reg_eps, max_iter)
 
 
@@ -122,9 +101,8 @@ def mgda_weights(
     epsilon: float = 1e-3,
     max_iters: int = 100,
 ) -> torch.Tensor:
-    """MGDA: the minimum-norm point of the convex hull of the task gradients, by Sener & Koltun's Frank-Wolfe
-    solver (2018, Algorithm 2) from ``1 / T``, frozen once the step falls below ``epsilon`` (TorchJD's rule);
-    exactly ``max_iters`` iterations."""
+    """MGDA: the minimum-norm point of the task gradients' convex hull, ``max_iters`` Frank-Wolfe steps (Sener &
+    Koltun 2018, Algorithm 2) from ``1 / T``, frozen once the step is below ``epsilon`` (TorchJD's rule)."""
     if epsilon <= 0 or int(max_iters) <= 0:
         raise ValueError(f"mgda: epsilon and max_iters must be positive, got {epsilon}, {max_iters}")
     if compiled.enabled(check_gram(gram)):
@@ -144,9 +122,7 @@ def mgda_weights(
         c = gk.index_select(0, k)[0]
         den = b + c - 2 * a
         gamma = torch.where(c <= a, one, torch.where(b <= a, zero, (b - a) / torch.where(den > 0, den, one)))
-        new = (1 - gamma) * alpha
-        new = new + gamma * (index == k).to(F64)
-        alpha = torch.where(done, alpha, new)
+        alpha = torch.where(done, alpha, (1 - gamma) * alpha + gamma * (index == k).to(F64))
         done = done | (gamma < epsilon)
     return alpha.to(weights_dtype(gram))
 
@@ -154,10 +130,8 @@ def mgda_weights(
 def imtlg_weights(
     gram: torch.Tensor, generator: torch.Generator | None = None, *, sweeps: int | None = None
 ) -> torch.Tensor:
-    """IMTL-G (Liu et al., "Towards Impartial Multi-task Learning", 2021): the combination ``w`` (summing to 1)
-    whose update has equal projections on every unit task gradient, ``G w ∝ d`` with ``d_i = |g_i|``. For linearly
-    dependent gradients TorchJD's generalisation ``w ∝ G^+ d``; ``w = 0`` when ``sum(G^+ d) ~ 0``. ``G^+`` is
-    ``pinv``'s (``|lam| <= T eps max|lam|`` dropped), from :func:`jacobi_eigh` with ``sweeps`` sweeps."""
+    """IMTL-G (Liu et al. 2021) as TorchJD generalises it: ``w ∝ G^+ d`` (``d_i = |g_i|``), summing to 1, zero
+    when ``sum(G^+ d) ~ 0``; ``G^+`` is ``pinv``'s, from :func:`jacobi_eigh` with ``sweeps`` sweeps."""
     g = check_gram(gram).to(F64)
     t = g.shape[0]
     if compiled.enabled(g):
@@ -184,11 +158,9 @@ def alignedmtl_weights(
     scale_mode: str = "min",
     sweeps: int | None = None,
 ) -> torch.Tensor:
-    """Aligned-MTL (Senushkin et al. 2023, Algorithm 1): ``w = B p`` with the balance transformation
-    ``B = sqrt(s) V Λ^{-1/2} V^T`` over the eigenpairs of ``G`` above ``max(λ) T eps`` (eps of the Gram's dtype),
-    ``s`` their smallest (``"min"``, default), median (``"median"``) or mean (``"rmse"``) eigenvalue; ``B = I``
-    when ``G`` is zero; ``p`` is ``pref_vector`` (default ``1 / T``). Eigenpairs by :func:`jacobi_eigh` with
-    ``sweeps`` sweeps on the upper triangle of ``G`` (as ``eigh(UPLO="U")``)."""
+    """Aligned-MTL (Senushkin et al. 2023, Algorithm 1): ``w = sqrt(s) V Λ^{-1/2} V^T p`` over the eigenpairs of
+    ``G``'s upper triangle above ``max(λ) T eps``, ``s`` their min / median / mean (``rmse``) eigenvalue, ``w = p``
+    for a zero ``G``; ``p`` is ``pref_vector`` (default ``1 / T``)."""
     if scale_mode not in ("min", "median", "rmse"):
         raise ValueError(f"alignedmtl: scale_mode must be 'min', 'median' or 'rmse', got {scale_mode!r}")
     g = check_gram(gram).to(F64)
@@ -220,7 +192,7 @@ def alignedmtl_weights(
 
 
 def _subsets(t: int, device: torch.device) -> torch.Tensor:
-    """``bool [2^T - 1, T]``: every non-empty subset of the tasks, built on ``device`` (no host copy)."""
+    """``bool [2^T - 1, T]``: every non-empty subset of the tasks, on ``device``."""
     codes = torch.arange(1, 2**t, device=device)
     return ((codes[:, None] >> torch.arange(t, device=device)[None, :]) & 1).bool()
 
@@ -232,9 +204,8 @@ def _cagrad_kkt(
     masks: torch.Tensor,
     solve: Callable[..., torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """CAGrad's KKT point on each support ``S`` of ``masks [K, T]`` (bool), ``w_S = (λ G_SS^{-1} 1 - G_SS^{-1}
-    b_S) / sqrt(disc)`` (summing to 1, ``λ`` the root of a quadratic), by ``solve(system [K, T, T], rhs [K, T,
-    2])``. Returns ``(w [K, T], valid [K])``, ``valid`` where the root exists."""
+    """CAGrad's KKT point ``w [K, T]`` on each support of ``masks [K, T]`` (bool), and ``valid [K]`` where it
+    exists, by ``solve(system [K, T, T], rhs [K, T, 2])``."""
     eye = torch.eye(g.shape[0], dtype=F64, device=g.device)
     scale = torch.diagonal(g).amax().clamp_min(1e-300)
     system = torch.where(masks[:, :, None] & masks[:, None, :], g + 1e-12 * scale * eye, eye)
@@ -253,8 +224,8 @@ def _cagrad_kkt(
 def _cagrad_projected_gradient(
     g: torch.Tensor, b: torch.Tensor, rho: torch.Tensor, iters: int
 ) -> torch.Tensor:
-    """An approximate minimiser ``w [T]`` of ``f(w) = <b, w> + ρ sqrt(wᵀ G w)`` on the simplex: ``iters``
-    projected (sub)gradient steps from ``1/T``, each keeping the best of the step sizes ``2^-k`` and zero."""
+    """``iters`` projected gradient steps from ``1/T`` on ``<b, w> + ρ sqrt(wᵀ G w)`` over the simplex, each
+    taking the best of the step sizes ``2^-k`` and zero."""
     t = g.shape[0]
     dev = g.device
     w = torch.full((t,), 1.0 / t, dtype=F64, device=dev)
@@ -280,10 +251,8 @@ def _cagrad_projected_gradient(
 def _cagrad_active_set(
     g: torch.Tensor, b: torch.Tensor, rho: torch.Tensor, start: torch.Tensor, iters: int
 ) -> torch.Tensor:
-    """A primal active-set method for CAGrad's problem from the support ``S`` of ``start [T]``: on ``S`` the KKT
-    point; negative coordinates leave ``S`` (no point: the best point's smallest one leaves), else the most
-    violated optimality condition (``∂f/∂w_i < μ``) comes in, none: ``S`` freezes. ``iters`` iterations; returns
-    the best feasible point met (``start`` included)."""
+    """``iters`` primal active-set steps for CAGrad's problem from the support of ``start [T]``: negative KKT
+    coordinates leave, else the most violated optimality condition enters; the best feasible point met."""
     t = g.shape[0]
     dev = g.device
     index = torch.arange(t, device=dev)
@@ -330,11 +299,9 @@ def cagrad_weights(
     max_iter: int = 100,
     search_iters: int | None = None,
 ) -> torch.Tensor:
-    """CAGrad (Liu et al. 2021, Algorithm 1): with ``g_0`` the mean gradient and ``φ = c^2 |g_0|^2``, the weights
-    ``1/T + sqrt(φ) / |g_w*| w*`` (zero when ``|g_w*| < norm_eps``), ``w* = argmin_{w in simplex} <g_w, g_0> +
-    sqrt(φ) |g_w|`` on ``G / trace(G)``. ``solver``: ``exact``, the KKT point of every support (at most 10 tasks);
-    ``pgd``, ``max_iter`` projected-gradient then ``search_iters`` (default ``2 T + 10``) active-set steps;
-    ``auto``: ``exact`` up to 10 tasks."""
+    """CAGrad (Liu et al. 2021, Algorithm 1) on ``G / trace(G)``. ``solver``: ``exact`` (every support's KKT
+    point, at most 10 tasks), ``pgd`` (``max_iter`` projected-gradient then ``search_iters``, default ``2 T + 10``,
+    active-set steps) or ``auto`` (``exact`` up to 10 tasks)."""
     if c < 0:
         raise ValueError(f"cagrad: c must be non-negative, got {c}")
     if solver not in ("auto", "exact", "pgd"):
@@ -383,9 +350,8 @@ def cagrad_weights(
 
 
 def _alpha_fair_solve(g: torch.Tensor, alpha: float, max_iter: int) -> torch.Tensor:
-    """The positive root ``x`` of ``G x = x^{-1/alpha}`` (the minimiser of ``1/2 x^T G x - sum_i psi(x_i)``,
-    ``psi' = x^{-1/alpha}``) on ``G / trace(G)``, scaled back: ``max_iter`` damped Newton steps, each taking the
-    first of the step sizes ``2^-k`` that satisfies Armijo's rule (none: ``x`` is kept)."""
+    """The positive root of ``G x = x^{-1/alpha}`` on ``G / trace(G)``, scaled back: ``max_iter`` damped Newton
+    steps with Armijo's rule over the step sizes ``2^-k``."""
     if compiled.enabled(g):
         return compiled.solve_weights(g, "alpha_fair", None, [alpha, max_iter])
     t = g.shape[0]
@@ -423,9 +389,8 @@ def _alpha_fair_solve(g: torch.Tensor, alpha: float, max_iter: int) -> torch.Ten
 def fairgrad_weights(
     gram: torch.Tensor, generator: torch.Generator | None = None, *, alpha: float = 1.0, max_iter: int = 40
 ) -> torch.Tensor:
-    """FairGrad (Ban & Ji, "Fair Resource Allocation in Multi-Task Learning", 2024, Eq. 4): the weights ``w > 0``
-    with ``G w = w^{-1/alpha}`` (alpha-fair utilities; ``alpha = 1`` is proportional fairness, the Nash-MTL
-    equation). ``alpha = 0`` gives ``1 / T``. Damped Newton, exactly ``max_iter`` iterations."""
+    """FairGrad (Ban & Ji 2024, Eq. 4): ``w > 0`` with ``G w = w^{-1/alpha}`` (``alpha = 0``: ``1 / T``), by
+    ``max_iter`` damped Newton steps."""
     if alpha < 0:
         raise ValueError(f"fairgrad: alpha must be non-negative, got {alpha}")
     g = _prepare(gram)
@@ -448,10 +413,8 @@ def nashmtl_weights(
     update_weights_every: int = 1,
     max_iter: int = 40,
 ) -> torch.Tensor:
-    """Nash-MTL (Navon et al., "Multi-Task Learning as a Bargaining Game", 2022, Algorithm 1): the root of
-    ``G' a = 1 / a``, ``G' = G / |G|_F`` (the official code's normalisation), by ``max_iter`` damped Newton steps
-    (TorchJD's convex programs approximate it), scaled so that ``|sum_t a_t g_t| <= max_norm`` (``0``: off);
-    recomputed every ``update_weights_every`` calls, reused in between (``state``: a :class:`NashMTLState`).
+    """Nash-MTL (Navon et al. 2022, Algorithm 1): the root of ``G' a = 1 / a``, ``G' = G / |G|_F``, by damped
+    Newton, recomputed every ``update_weights_every`` calls, scaled to ``|sum_t a_t g_t| <= max_norm`` (0: off).
     """
     if not isinstance(state, NashMTLState):
         raise TypeError(f"nashmtl needs a NashMTLState, got {type(state).__name__}")
@@ -462,14 +425,10 @@ def nashmtl_weights(
         )
     g = _prepare(gram)
     t = g.shape[0]
-    recompute = (
-        state.step % int(update_weights_every) == 0 or state.weights is None or state.weights.numel() != t
-    )
-    state.step += 1
-    if recompute:
+    if state.step % int(update_weights_every) == 0 or state.weights is None or state.weights.numel() != t:
         nf = torch.linalg.matrix_norm(g).clamp_min(1e-300)
-        a = _alpha_fair_solve(g / nf, 1.0, int(max_iter))
-        state.weights = a
+        state.weights = _alpha_fair_solve(g / nf, 1.0, int(max_iter))
+    state.step += 1
     a = state.weights.to(device=g.device, dtype=F64, non_blocking=True)
     if max_norm > 0:
         norm = (a @ g @ a).clamp_min(0.0).sqrt()
@@ -493,11 +452,8 @@ def gradvac_weights(
     eps: float = 1e-8,
     orders: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """GradVac (Wang et al., "Gradient Vaccine", ICLR 2021), whole-model variant, as task weights: for each task
-    ``i`` and each other ``j`` in :func:`pcgrad_orders`'s order, when the cosine ``phi`` of ``g_i^PC`` and ``g_j``
-    is below the EMA target ``phi_hat[i, j]`` (in ``state``, a :class:`GradVacState`), ``g_i^PC += |g_i^PC|
-    (phi_hat s(phi) - phi s(phi_hat)) / (|g_j| s(phi_hat) + eps) g_j`` (``s(x) = sqrt(1 - x^2)``); then
-    ``phi_hat <- (1 - beta) phi_hat + beta phi``. Tracked as combinations like :func:`pcgrad_weights`.
+    """GradVac (Wang et al. 2021), whole-model variant, tracked as combinations like :func:`pcgrad_weights`: in
+    :func:`pcgrad_orders`' order, ``g_i^PC`` is moved towards the EMA cosine target ``phi_hat[i, j]`` with ``g_j``.
     """
     if not isinstance(state, GradVacState):
         raise TypeError(f"gradvac needs a GradVacState, got {type(state).__name__}")
@@ -548,10 +504,8 @@ def crmogm_weights(
     base: str = "mgda",
     alpha: float = 0.9,
 ) -> torch.Tensor:
-    """CR-MOGM (Zhou et al., "On the Convergence of Stochastic Multi-Objective Gradient Manipulation", NeurIPS
-    2022): the weights of the stateless aggregator ``base`` (default ``mgda``, with its default options),
-    smoothed across calls, ``lambda <- alpha lambda + (1 - alpha) lambda_hat`` (the first call returns
-    ``lambda_hat``). ``state`` is a :class:`CRMOGMState`."""
+    """CR-MOGM (Zhou et al. 2022): the weights of the stateless aggregator ``base`` smoothed across calls,
+    ``lambda <- alpha lambda + (1 - alpha) lambda_hat``."""
     if not isinstance(state, CRMOGMState):
         raise TypeError(f"crmogm needs a CRMOGMState, got {type(state).__name__}")
     if base not in AGGREGATORS or base in STATEFUL:
@@ -559,10 +513,8 @@ def crmogm_weights(
         raise ValueError(f"crmogm: option base={base!r} must be a stateless weighting: {stateless}")
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"crmogm: alpha must be in [0, 1], got {alpha}")
-    lam_hat = AGGREGATORS[base](gram, generator).to(F64)
-    t = lam_hat.shape[0]
-    lam = lam_hat
-    if state.weights is not None and state.weights.shape == (t,):
+    lam = lam_hat = AGGREGATORS[base](gram, generator).to(F64)
+    if state.weights is not None and state.weights.shape == lam_hat.shape:
         previous = state.weights.to(device=lam_hat.device, dtype=F64, non_blocking=True)
         lam = alpha * previous + (1.0 - alpha) * lam_hat
     state.weights = lam
