@@ -1,8 +1,6 @@
 """The compiled weight solve ``torch.ops.fastpals.solve_weights`` (``csrc/``): one op call per Gram -> weights
-solve (C++ on the CPU, one CUDA launch on the GPU) for the aggregators, whose PyTorch solvers stay the reference
-and the fallback. The op comes from the wheel's extension ``fastpals._C`` (``FASTPALS_BUILD_EXT=1 pip install
-.``) or from ``csrc/`` built just in time with ninja into :func:`extension_cache_dir`; without a compiler (or
-with ``FASTPALS_SOLVE=torch``) the PyTorch solvers run. The first solve prints one line saying which.
+solve, from the extension ``fastpals._C`` or built just in time with ninja; without it (or with
+``FASTPALS_SOLVE=torch``) the aggregators' PyTorch solvers run. The first solve prints which.
 """
 
 from __future__ import annotations
@@ -63,8 +61,7 @@ def _build_jit() -> str:
 
 
 def load() -> bool:
-    """Load (or build) the op once per process and print one line saying which solver path runs; True if the
-    op is there."""
+    """Load (or build) the op once per process, print which solver path runs; True if the op is there."""
     if "ok" in _state:
         return bool(_state["ok"])
     if os.environ.get("FASTPALS_SOLVE", "").lower() == "torch":
@@ -109,9 +106,8 @@ def solve_weights(
     params: Sequence[float],
     state: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``w [T]`` (float64 for a float64 ``gram [T, T]``, else float32) for the op code ``method`` with ``vec``
-    (float64 or None) and ``params`` (at most 3), laid out in ``csrc/solvers.h``; ``state`` (float64: GradVac's
-    targets, MoDo's and SDMGrad's weights) is updated in place."""
+    """``w [T]`` for the op code ``method`` with ``vec`` (float64 or None) and ``params`` (at most 3), laid out in
+    ``csrc/solvers.h``; ``state`` (float64) is updated in place."""
     if gram.dtype != torch.float64:
         gram = gram.to(torch.float32)
     return torch.ops.fastpals.solve_weights(gram, method, vec, [float(p) for p in params], state)

@@ -114,23 +114,6 @@ def unique_params(params: Iterable[torch.nn.Parameter], name: str) -> list[torch
     return out
 
 
-def weights_on_device(
-    aggregator: Aggregator,
-    g_mat: torch.Tensor,
-    ok: torch.Tensor,
-    generator: torch.Generator | None,
-    aggregator_kwargs: dict[str, Any],
-) -> torch.Tensor:
-    """The aggregator on its input (Gram or rows) where the device bool ``ok``, else on the identity (zeros for
-    rows), non-finite entries zeroed: finite weights without a host read."""
-    if g_mat.shape[0] == g_mat.shape[1]:
-        fallback = torch.eye(g_mat.shape[0], dtype=g_mat.dtype, device=g_mat.device)
-    else:
-        fallback = torch.zeros_like(g_mat)
-    safe = torch.where(ok, torch.nan_to_num(g_mat, nan=0.0, posinf=0.0, neginf=0.0), fallback)
-    return aggregator(safe, generator=generator, **aggregator_kwargs)
-
-
 class TaskGradients:
     """Per-task gradients of the shared parameters, reduced to one update by :meth:`apply`.
 
@@ -143,6 +126,8 @@ class TaskGradients:
         capture_task_params: take the task-specific gradients out at each capture and write them back in
             :meth:`apply` (where backwards replace gradients instead of adding, as DeepSpeed ZeRO-1/2).
     """
+
+    _repr_fields: tuple[str, ...] = ()  # a mode's settings shown by repr
 
     def __init__(
         self,
@@ -201,11 +186,6 @@ class TaskGradients:
     def _end_step(self) -> None:
         self.steps += 1
 
-    def _task_grads(self) -> list[torch.Tensor | None]:
-        if self.capture_task_params:
-            return [acc if seen else None for acc, seen in zip(self._task_acc, self._task_seen)]
-        return [self.grad_getter(p) for p in self.task_params]
-
     def _take_task_grad(self, k: int, g: torch.Tensor) -> None:
         """Add task parameter ``k``'s gradient ``g`` into its float32 copy (zeroed at the step's first capture),
         clear the gradient."""
@@ -242,7 +222,10 @@ class TaskGradients:
         t = self.num_tasks
         g_mat = self._finish_gram()
         finite = torch.isfinite(torch.diagonal(g_mat))
-        task_grads = self._task_grads()
+        if self.capture_task_params:
+            task_grads = [acc if seen else None for acc, seen in zip(self._task_acc, self._task_seen)]
+        else:
+            task_grads = [self.grad_getter(p) for p in self.task_params]
         if self.all_reduce:
             flags = torch.tensor(
                 [x for row in self._touched for x in row] + [g is not None for g in task_grads],
@@ -284,8 +267,12 @@ class TaskGradients:
         if task_ok is None:
             task_ok = torch.ones(1, dtype=torch.bool, device=self.device)
         flags_dev = torch.cat([finite, task_ok])
+        # finite weights without a host read: the aggregator on the identity (zero rows) where a flag fails
         x = self._aggregator_input(aggregator, g_mat)
-        weights = weights_on_device(aggregator, x, flags_dev.all(), generator, aggregator_kwargs)
+        square = x.shape[0] == x.shape[1]
+        fallback = torch.eye(x.shape[0], dtype=x.dtype, device=x.device) if square else torch.zeros_like(x)
+        safe = torch.where(flags_dev.all(), torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0), fallback)
+        weights = aggregator(safe, generator=generator, **aggregator_kwargs)
         self._write_update(weights, touched)
         self._end_step()
         return SurgeryResult(None, weights, g_mat, flags=flags_dev, on_skip=self._count_skip)
@@ -311,6 +298,13 @@ class TaskGradients:
         self._write_update(weights, touched)
         self._end_step()
         return SurgeryResult(False, weights, g_mat)
+
+    def __repr__(self) -> str:
+        mode = "".join(f"{k}={getattr(self, k)!r}, " for k in self._repr_fields)
+        return (
+            f"{type(self).__name__}(num_tasks={self.num_tasks}, shared_elements={self.num_elements}, {mode}"
+            f"task_params={len(self.task_params)}, all_reduce={self.all_reduce})"
+        )
 
     def _aggregator_input(self, aggregator: Aggregator, g_mat: torch.Tensor) -> torch.Tensor:
         """The Gram, or the ``[T, P]`` rows for an aggregator marked ``reads_rows`` (ExcessMTL)."""

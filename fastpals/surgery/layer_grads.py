@@ -1,12 +1,10 @@
 """The per-layer rules of :func:`fastpals.surgery.per_task_gradients`: autograd functions for the shared
-``nn.Linear`` / ``nn.LayerNorm`` / ``nn.Embedding`` modules whose backward writes each task's gradient of the
-module's parameters (over that task's rows of the flattened input ``[R, d]``, :class:`RowTasks`) into that task's
-row of the buffer. The parameters enter the graph detached; the input gradient is the ordinary one.
-"""
+``nn.Linear`` / ``nn.LayerNorm`` / ``nn.Embedding`` whose backward writes each task's gradient of the module's
+(detached) parameters, over its rows of the input (:class:`RowTasks`), into its buffer row."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -17,20 +15,14 @@ from torch import nn
 from fastpals_kernels import dispatch
 from fastpals_kernels.common import build_task_row_plan, build_task_row_plan_host
 
-# Elements of the fp32 temporary of one output-row chunk of a task's weight gradient when the rows hold another
-# dtype: the 16-bit buffer's peak stays within T * P * 2 bytes of plain training.
+# elements of the fp32 temporary of one output-row chunk of a weight gradient written into 16-bit rows
 STACK_TEMP_ELEMENTS = 1 << 16
 
 
 @dataclass
 class RowTasks:
-    """Which task each row of a module's flattened input ``[R, d]`` belongs to.
-
-    - ``tasks``: the tasks with at least one row (sorted);
-    - ``slices[t]``: a contiguous ``slice`` of rows (batches grouped by task) or an int64 index tensor;
-    - ``row_task [R]`` int64 (device): the task of every row (for segmented sums with ``index_add``);
-    - ``num_rows`` R, ``starts`` / ``lengths`` (the per-example row ranges, for the grouped kernel).
-    """
+    """Which task each row of a module's flattened input ``[R, d]`` belongs to: ``tasks`` (sorted, with rows),
+    ``slices[t]`` (a ``slice`` or an int64 index tensor), ``row_task [R]`` int64 (device)."""
 
     tasks: list[int]
     slices: dict[int, slice | torch.Tensor]
@@ -38,42 +30,31 @@ class RowTasks:
     num_rows: int
     seq_len: int | None = None
     cu_seqlens: torch.Tensor | None = None
-    example_tasks: torch.Tensor | None = (
-        None  # [B_pass] int64 (device): the task of every example of the pass
-    )
+    example_tasks: torch.Tensor | None = None  # [B_pass] int64 (device): the task of every example
     plan: Any = None  # the grouped kernel's TaskRowPlan, built on first use
     host_examples: tuple[np.ndarray, np.ndarray] | None = None  # per example its task and rows, host values
 
 
-# The block's state: a fastpals.surgery.per_task.PerTaskGradients (which imports this module), whose row maps
-# and writes into the buffer's rows these rules call.
-BlockState = Any
+BlockState = Any  # a fastpals.surgery.per_task.PerTaskGradients (which imports this module)
 
 
+@dataclass(eq=False)
 class EmbeddingFrame:
-    """One call of an embeddings block: the full-batch embedding that carries the summed gradient, and the
-    broadcast embeddings (position embeddings) summed with it."""
+    """One call of an embeddings block: whether its per-example embedding (which carries the summed gradient) ran,
+    the broadcast embeddings (position embeddings) summed with it, one row per example of the pass."""
 
-    def __init__(self) -> None:
-        self.owner_set = False
-        self.broadcast: list[tuple[nn.Embedding, torch.Tensor]] = []
-        self.example_rows: RowTasks | None = None  # one row per example of the pass that made this frame
-
-
-def recomputing() -> bool:
-    """True inside a backward (where activation checkpointing runs a layer's forward again)."""
-    return torch._C._current_graph_task_id() != -1
+    owner_set: bool = False
+    broadcast: list[tuple[nn.Embedding, torch.Tensor]] = field(default_factory=list)
+    example_rows: RowTasks | None = None
 
 
 def _per_task_args(state: BlockState, m: nn.Linear | nn.LayerNorm, x: torch.Tensor) -> tuple | None:
-    """One forward of a shared ``m`` on ``x [..., d]``: None when ``x`` is not split by example (e.g. DeBERTa's
-    relative-position embeddings; ordinary autograd, the exact path gives each task's), else ``(weight, bias,
-    state, rows, k_w, k_b)``: ``m``'s parameters detached (no gradient edge, so no gradient hook fires), the row
-    map of ``x`` and their indices among the buffer's shared parameters (``k_b`` None: no bias)."""
+    """One forward of a shared ``m`` on ``x [..., d]``: None when ``x`` is not split by example (the exact path),
+    else ``(weight, bias, state, rows, k_w, k_b)``: the parameters detached, the row map of ``x``, their indices."""
     lead = tuple(x.shape[:-1])
     # A forward replayed by activation checkpointing (inside the backward) repeats the first forward's answer and
     # is neither counted nor looked up: its node is never differentiated, another encoder pass may be current.
-    replay = recomputing()
+    replay = torch._C._current_graph_task_id() != -1
     rows = None if replay else state.rows(lead)
     exact = state.ran_exact(m) if replay else rows is None
     state.note_ran(m, exact=exact)
@@ -134,7 +115,7 @@ def _linear_weight_grads(
     weight: bool = True,
 ) -> None:
     """``dW_t = dy_t^T x_t`` and ``db_t = sum dy_t`` per task into the buffer (``dy [R, M]``, ``x [R, K]``;
-    ``k_w`` / ``k_b`` the buffer's indices of weight and bias; ``weight=False``: the bias only)."""
+    ``weight=False``: the bias only)."""
     if weight and kernels_on(state, dy):
         _linear_weight_grads_grouped(state, rows, k_w, k_b, dy, x)
         return
@@ -184,8 +165,7 @@ def kernels_on(state: BlockState, t: torch.Tensor) -> bool:
 
 
 def row_plan(state: BlockState, rows: RowTasks) -> Any:
-    """The grouped weight-gradient kernel's :class:`~fastpals_kernels.common.TaskRowPlan` of ``rows``: built on
-    first use, one per row layout, shared by every Linear of that layout."""
+    """The grouped weight-gradient kernel's plan of ``rows``, built on first use (shared by every Linear)."""
     if rows.plan is None and rows.host_examples is not None:  # host values: one transfer
         task_ids, lengths = rows.host_examples
         rows.plan = build_task_row_plan_host(task_ids, state.num_tasks, lengths, rows.row_task.device)
@@ -205,9 +185,8 @@ def _linear_weight_grads_grouped(
     dy: torch.Tensor,
     x: torch.Tensor,
 ) -> None:
-    """All task segments in one launch of the grouped weight-gradient kernel (fp32 accumulation), straight into
-    the rows when every task's rows are written here for the first time; otherwise through a ``[T, M, K]``
-    temporary in the buffer's dtype."""
+    """All task segments in one launch of the grouped weight-gradient kernel, straight into the rows when every
+    task's are written here first, else through a ``[T, M, K]`` temporary."""
     plan = row_plan(state, rows)
     dtype = torch.float32 if state.buffer.dtype == torch.float32 else dy.dtype
     dw_rows = state.stack_target(k_w, rows.tasks, dtype)
@@ -228,9 +207,6 @@ def _linear_weight_grads_grouped(
         state.write_stack(k_b, rows.tasks, db[present])
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# nn.LayerNorm
-# ----------------------------------------------------------------------------------------------------------------
 def layer_norm_forward(state: BlockState, m: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
     """``m(x)`` (``x [..., d]``, normalized over the last dimension) whose backward writes the per-task
     ``dgamma``/``dbeta`` of ``m``."""
@@ -277,9 +253,6 @@ class _PerTaskLayerNorm(torch.autograd.Function):
         return None, dx, None, None, None, None, None, None, None
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# nn.Embedding
-# ----------------------------------------------------------------------------------------------------------------
 def embedding_forward(state: BlockState, m: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
     """``m(ids)`` (``ids [B, L]``, packed ``[N]``, or broadcast ``[L]`` / ``[1, L]`` int64 -> ``[..., d]``) whose
     backward writes the per-task embedding gradient of ``m``."""

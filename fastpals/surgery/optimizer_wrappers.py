@@ -1,7 +1,5 @@
 """``SurgeryOptimizer(optimizer, method=...)``: any aggregator around any optimizer, with Pytorch-PCGrad's
-``pc_backward(losses)`` convention (one backward per loss of one shared graph, each captured into a
-:class:`~fastpals.surgery.TaskGradientBuffer`); :class:`PCGrad` and :class:`GEM` are its ``pcgrad`` and ``gem``.
-"""
+``pc_backward(losses)`` (one backward per loss, each captured into a buffer row); ``PCGrad`` and ``GEM`` too."""
 
 from __future__ import annotations
 
@@ -12,8 +10,8 @@ import torch
 
 from fastpals.surgery.buffer import TaskGradientBuffer, parameters_reached
 from fastpals.surgery.core import SurgeryResult
-from fastpals.surgery.options import make_weighting
 from fastpals.surgery.weights_basic import gem_weights, proposal_vector
+from fastpals.surgery.weights_solved import make_weighting
 
 __all__ = ["GEM", "PCGrad", "SurgeryOptimizer", "shared_parameters_by_name"]
 
@@ -21,11 +19,8 @@ __all__ = ["GEM", "PCGrad", "SurgeryOptimizer", "shared_parameters_by_name"]
 def shared_parameters_by_name(
     model: torch.nn.Module, is_task_specific: Callable[[str], bool] | None = None
 ) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
-    """Split ``model``'s trainable parameters into ``(shared, task_specific)`` by name.
-
-    The default rule is fastpals' :class:`~fastpals.MultiTaskBert` naming: heads (``heads.*``), PAL weights
-    and task embeddings are task-specific, every other (encoder) weight is shared.
-    """
+    """Split ``model``'s trainable parameters into ``(shared, task_specific)`` by name (default:
+    :class:`~fastpals.MultiTaskBert`'s, where heads, PAL weights and task embeddings are task-specific)."""
     if is_task_specific is None:
         from fastpals.encoder.bert import is_task_specific  # the parameter's default rule
 

@@ -1,8 +1,6 @@
-"""Aggregators ``fn(gram, [state,] generator=None, **options) -> w``: a Gram ``gram [T, T]`` (float32/float64,
-``<g_i, g_j>``, any device) -> weights ``w [T]`` on its device (float64 for a float64 Gram, else float32), the
-update being ``sum_t w[t] g_t``. They compute in float64 and never read the device from the host: fixed
-iteration budgets, converged iterates frozen with ``torch.where``, only Python arguments validated.
-"""
+"""Aggregators ``fn(gram, [state,] generator=None, **options) -> w``: ``gram [T, T]`` float32/float64 -> ``w [T]``
+on its device (float64 for a float64 Gram, else float32), the update being ``sum_t w[t] g_t``; float64 inside, no
+host read (fixed iteration budgets, converged iterates frozen with ``torch.where``)."""
 
 from __future__ import annotations
 

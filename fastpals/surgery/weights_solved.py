@@ -1,28 +1,22 @@
 """Gram-based weightings of the multi-task literature (UPGrad, MGDA, DualProj, IMTL-G, CAGrad, Aligned-MTL,
 FairGrad, Nash-MTL, GradVac, CR-MOGM) with :mod:`.weights_basic`'s conventions, and :data:`AGGREGATORS`, the
-registry of every aggregator. Defaults are TorchJD 0.18's where it has one. Loss scaling: FairGrad's weights and
+registry of every aggregator, built from ``--surgery NAME --surgery-opt KEY=VALUE`` by :func:`make_weighting`.
+Defaults are TorchJD 0.18's where it has one. Loss scaling: FairGrad's weights and
 Nash-MTL's ``max_norm`` clip depend on a common gradient scale ``S``: give them Grams divided by ``S^2``.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from fastpals.surgery import compiled, weights_extra
+from fastpals.surgery import compiled, weights_basic, weights_extra
 from fastpals.surgery.solvers import QP_MAX_ITER, jacobi_eigh, jacobi_sweeps, nonneg_qp, spd_solve
-from fastpals.surgery.weights_basic import (
-    check_gram,
-    gem_weights,
-    mean_weights,
-    pcgrad_orders,
-    pcgrad_weights,
-    preference,
-    sum_weights,
-    weights_dtype,
-)
+from fastpals.surgery.weights_basic import check_gram, pcgrad_orders, preference, weights_dtype
 from fastpals.surgery.weights_extra import CountedState, WeightsState, project_onto_simplex
 
 F64 = torch.float64
@@ -191,12 +185,6 @@ def alignedmtl_weights(
     return (b @ p).to(weights_dtype(gram))
 
 
-def _subsets(t: int, device: torch.device) -> torch.Tensor:
-    """``bool [2^T - 1, T]``: every non-empty subset of the tasks, on ``device``."""
-    codes = torch.arange(1, 2**t, device=device)
-    return ((codes[:, None] >> torch.arange(t, device=device)[None, :]) & 1).bool()
-
-
 def _cagrad_kkt(
     g: torch.Tensor,
     b: torch.Tensor,
@@ -329,7 +317,9 @@ def cagrad_weights(
     rho = c * (u @ b).clamp_min(0.0).sqrt()
     eye = torch.eye(t, dtype=F64, device=dev)
     if solver == "exact":
-        w, ok = _cagrad_kkt(g, b, rho, _subsets(t, dev), spd_solve)
+        codes = torch.arange(1, 2**t, device=dev)  # every non-empty subset of the tasks
+        subsets = ((codes[:, None] >> torch.arange(t, device=dev)[None, :]) & 1).bool()
+        w, ok = _cagrad_kkt(g, b, rho, subsets, spd_solve)
         ok = ok & (w >= -1e-9).all(1)
         w = w.clamp_min(0.0)
         w = w / w.sum(1, keepdim=True).clamp_min(1e-300)
@@ -360,11 +350,9 @@ def _alpha_fair_solve(g: torch.Tensor, alpha: float, max_iter: int) -> torch.Ten
     gn = g / tr
     p = -1.0 / alpha
 
-    def psi(x: torch.Tensor) -> torch.Tensor:
-        return torch.log(x) if alpha == 1.0 else (alpha / (alpha - 1.0)) * x.pow(1.0 + p)
-
-    def objective(x: torch.Tensor) -> torch.Tensor:  # x [..., T]
-        return 0.5 * ((x @ gn) * x).sum(-1) - psi(x).sum(-1)
+    def objective(x: torch.Tensor) -> torch.Tensor:  # x [..., T]; psi' = x^p
+        psi = torch.log(x) if alpha == 1.0 else (alpha / (alpha - 1.0)) * x.pow(1.0 + p)
+        return 0.5 * ((x @ gn) * x).sum(-1) - psi.sum(-1)
 
     s = (gn.sum() / (t * t)).clamp_min(1e-6)
     x = torch.full((t,), 1.0, dtype=F64, device=dev) * s.pow(-alpha / (alpha + 1.0))
@@ -522,10 +510,10 @@ def crmogm_weights(
 
 
 AGGREGATORS: dict[str, Callable[..., torch.Tensor]] = {
-    "sum": sum_weights,
-    "mean": mean_weights,
-    "pcgrad": pcgrad_weights,
-    "gem": gem_weights,
+    "sum": weights_basic.sum_weights,
+    "mean": weights_basic.mean_weights,
+    "pcgrad": weights_basic.pcgrad_weights,
+    "gem": weights_basic.gem_weights,
     "upgrad": upgrad_weights,
     "mgda": mgda_weights,
     "dualproj": dualproj_weights,
@@ -556,3 +544,67 @@ STATEFUL: dict[str, type] = {
     "excessmtl": weights_extra.ExcessMTLState,
 }
 """Names whose function takes a state object (second argument / ``state=``), and the state's class."""
+
+# the parameters of an aggregator that are not options settable from strings
+_NOT_OPTIONS = {"gram", "generator", "state", "orders", "constraints"}
+
+
+def _parse(name: str, key: str, value: Any, default: Any) -> Any:
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    try:
+        if key in ("pref_vector", "weights") or (key in ("proposal", "tau") and "," in text):
+            return torch.tensor([float(x) for x in text.split(",")], dtype=torch.float64)
+        if key == "proposal":
+            return int(text) if text.lstrip("-").isdigit() else text
+        if isinstance(default, bool):
+            return {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}[
+                text.lower()
+            ]
+        if isinstance(default, int) or (default is None and key in ("max_iter", "max_iters", "sweeps")):
+            return int(text)
+        if isinstance(default, float):
+            return float(text)
+    except (ValueError, KeyError):
+        raise ValueError(f"surgery {name}: option {key}={value!r} is not a valid value") from None
+    return text
+
+
+def make_weighting(name: str, **options: Any) -> tuple[Callable[..., torch.Tensor], Any]:
+    """``(fn, state)``: the aggregator ``name`` with ``options`` as ``fn(gram, generator=None) -> w [T]`` and its
+    state (``None`` if stateless). String options are parsed by the option's default type (vectors: ``1,2``)."""
+    key = str(name).lower()
+    if key not in AGGREGATORS:
+        raise ValueError(f"unknown surgery method {name!r}; choose one of {', '.join(AGGREGATORS)}")
+    params = inspect.signature(AGGREGATORS[key]).parameters
+    allowed = {k: p for k, p in params.items() if k not in _NOT_OPTIONS}
+    parsed: dict[str, Any] = {}
+    for opt, value in options.items():
+        if opt not in allowed:
+            known = ", ".join(allowed) or "none"
+            raise ValueError(f"surgery {key}: unknown option {opt!r} (options: {known})")
+        parsed[opt] = _parse(key, opt, value, allowed[opt].default)
+    fn = AGGREGATORS[key]
+    state = STATEFUL[key]() if key in STATEFUL else None
+
+    def weighting(gram: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        if state is not None:
+            return fn(gram, state, generator, **parsed)
+        return fn(gram, generator, **parsed)
+
+    weighting.reads_rows = getattr(fn, "reads_rows", False)  # type: ignore[attr-defined]
+    weighting.__name__ = f"{key}_weighting"
+    weighting.__qualname__ = weighting.__name__
+    return weighting, state
+
+
+def parse_surgery_options(pairs: list[str] | tuple[str, ...]) -> dict[str, str]:
+    """``["c=0.5", "alpha=2"] -> {"c": "0.5", "alpha": "2"}`` (for ``--surgery-opt KEY=VALUE``, repeatable)."""
+    out: dict[str, str] = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise ValueError(f"--surgery-opt expects KEY=VALUE, got {pair!r}")
+        k, v = pair.split("=", 1)
+        out[k.strip()] = v.strip()
+    return out
