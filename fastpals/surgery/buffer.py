@@ -13,8 +13,6 @@ import torch.distributed as dist
 from fastpals.surgery.core import TaskGradients
 from fastpals_kernels.dispatch import combine, gram
 
-__all__ = ["NUM_CHUNKS", "TaskGradientBuffer", "chunk_bounds", "parameters_reached"]
-
 #: flat ``[T, P_c]`` tensors the rows are split into: the Gram and the combine take this many launches
 NUM_CHUNKS = 6
 

@@ -15,8 +15,6 @@ from typing import Any
 
 import torch
 
-__all__ = ["CSRC", "enabled", "extension_cache_dir", "load", "solve_weights"]
-
 #: the sources of the op (a checkout's top-level ``csrc/``)
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 CPU_SOURCES = ("solve_weights.cpp",)

@@ -11,8 +11,6 @@ import torch.distributed as dist
 
 from fastpals.functional import MAX_TASKS
 
-__all__ = ["SurgeryResult", "TaskGradients", "default_grad_getter", "default_grad_setter"]
-
 GradGetter = Callable[[torch.nn.Parameter], "torch.Tensor | None"]
 GradSetter = Callable[[torch.nn.Parameter, "torch.Tensor | None"], None]
 Aggregator = Callable[..., torch.Tensor]
@@ -49,7 +47,7 @@ class SurgeryResult:
         on_skip: Callable[[], None] | None = None,
     ) -> None:
         self._skipped = skipped
-        self._weights = weights
+        self.weights = weights  # a pending result's device weights, None once resolved as skipped
         self.gram = gram
         self._nonfinite_tasks = list(nonfinite_tasks)
         self._nonfinite_task_params = nonfinite_task_params
@@ -67,7 +65,7 @@ class SurgeryResult:
             self._nonfinite_tasks = [t for t, f in enumerate(host[:-1]) if not f]
             self._nonfinite_task_params = not host[-1]
             if self._skipped:
-                self._weights = None
+                self.weights = None
                 if self._on_skip is not None:
                     self._on_skip()
 
@@ -79,12 +77,6 @@ class SurgeryResult:
     def skipped(self) -> bool:
         self._resolve()
         return bool(self._skipped)
-
-    @property
-    def weights(self) -> torch.Tensor | None:
-        if self._skipped is None:  # pending: the device weights (to be dropped if the flags say skip)
-            return self._weights
-        return None if self._skipped else self._weights
 
     @property
     def nonfinite_tasks(self) -> list[int]:
@@ -103,15 +95,12 @@ class SurgeryResult:
 
 def unique_params(params: Iterable[torch.nn.Parameter], name: str) -> list[torch.nn.Parameter]:
     """``params`` without repeats, in order; a ``TypeError`` naming ``name`` for anything but tensors."""
-    out: list[torch.nn.Parameter] = []
-    seen: set[int] = set()
+    out: dict[int, torch.nn.Parameter] = {}
     for p in params:
         if not isinstance(p, torch.Tensor):
             raise TypeError(f"{name} must hold tensors (parameters), got {type(p).__name__}")
-        if id(p) not in seen:
-            seen.add(id(p))
-            out.append(p)
-    return out
+        out.setdefault(id(p), p)
+    return list(out.values())
 
 
 class TaskGradients:
@@ -221,6 +210,22 @@ class TaskGradients:
             raise ValueError("apply(sync=False) is for one rank (the all-reduced flags are read on the host)")
         t = self.num_tasks
         g_mat = self._finish_gram()
+
+        def settle(host: Sequence[Any], touched: Sequence[Sequence[Any]]) -> SurgeryResult:
+            """The host-checked end: ``host`` holds the ``T`` row flags, then the task-specific one."""
+            if not all(host):
+                self._count_skip()
+                self._end_step()
+                return SurgeryResult(
+                    True, None, g_mat, [i for i in range(t) if not host[i]], not all(host[t:])
+                )
+            weights = aggregator(
+                self._aggregator_input(aggregator, g_mat), generator=generator, **aggregator_kwargs
+            )
+            self._write_update(weights, touched)
+            self._end_step()
+            return SurgeryResult(False, weights, g_mat)
+
         finite = torch.isfinite(torch.diagonal(g_mat))
         if self.capture_task_params:
             task_grads = [acc if seen else None for acc, seen in zip(self._task_acc, self._task_seen)]
@@ -249,9 +254,7 @@ class TaskGradients:
                 parts = torch.split(task_flat, [p.numel() for p in self.task_params])
                 for p, part, u in zip(self.task_params, parts, used[t * n :]):
                     self.grad_setter(p, part.view_as(p).to(p.dtype) if u else None)
-            return self._settle(
-                host[: t + len(checks)], g_mat, touched, aggregator, generator, aggregator_kwargs
-            )
+            return settle(host[: t + len(checks)], touched)
         touched = self._touched
         present = [g.detach() for g in task_grads if g is not None]  # one fused norm: are they finite?
         task_ok = (
@@ -262,8 +265,7 @@ class TaskGradients:
                 if g is not None:
                     self.grad_setter(p, g.to(p.dtype) if g.dtype != p.dtype else g.clone())
         if sync:  # the one host read
-            host = torch.cat([finite] + ([task_ok] if task_ok is not None else [])).tolist()
-            return self._settle(host, g_mat, touched, aggregator, generator, aggregator_kwargs)
+            return settle(torch.cat([finite] + ([task_ok] if task_ok is not None else [])).tolist(), touched)
         if task_ok is None:
             task_ok = torch.ones(1, dtype=torch.bool, device=self.device)
         flags_dev = torch.cat([finite, task_ok])
@@ -276,28 +278,6 @@ class TaskGradients:
         self._write_update(weights, touched)
         self._end_step()
         return SurgeryResult(None, weights, g_mat, flags=flags_dev, on_skip=self._count_skip)
-
-    def _settle(
-        self,
-        host: Sequence[Any],
-        g_mat: torch.Tensor,
-        touched: Sequence[Sequence[Any]],
-        aggregator: Aggregator,
-        generator: torch.Generator | None,
-        aggregator_kwargs: dict[str, Any],
-    ) -> SurgeryResult:
-        """The rest of a host-checked ``apply``: ``host`` holds the ``T`` row flags, then the task-specific one."""
-        t = self.num_tasks
-        if not all(host):
-            self._count_skip()
-            self._end_step()
-            return SurgeryResult(True, None, g_mat, [i for i in range(t) if not host[i]], not all(host[t:]))
-        weights = aggregator(
-            self._aggregator_input(aggregator, g_mat), generator=generator, **aggregator_kwargs
-        )
-        self._write_update(weights, touched)
-        self._end_step()
-        return SurgeryResult(False, weights, g_mat)
 
     def __repr__(self) -> str:
         mode = "".join(f"{k}={getattr(self, k)!r}, " for k in self._repr_fields)

@@ -94,9 +94,9 @@ class _PerTaskLinear(torch.autograd.Function):
             flat = torch.mm(dy.reshape(-1, dy.shape[-1]), weight.to(dy.dtype))
             dx = flat.view(*dy.shape[:-1], weight.shape[1]).to(x.dtype)
         dy2 = dy.reshape(-1, dy.shape[-1])
-        x2 = x.reshape(-1, x.shape[-1])
-        if x2.dtype != dy2.dtype:  # autocast: the GEMMs run in the output gradient's dtype
-            x2 = x2.to(dy2.dtype)
+        x2 = x.reshape(-1, x.shape[-1]).to(
+            dy2.dtype
+        )  # autocast: the GEMMs run in the output gradient's dtype
         if not state.exact_pass:  # the exact path's partial backwards only carry the input gradient through
             # streaming surgery may build the weight's Gram later from the dy and x it keeps
             weight = not state.defers_linear_weight(ctx.k_w, ctx.rows)
@@ -267,9 +267,7 @@ def embedding_forward(state: BlockState, m: nn.Embedding, ids: torch.Tensor) -> 
         return _BroadcastEmbedding.apply(state.anchor, ids, m.weight.detach(), m.padding_idx, frame, state)
     owner = not frame.owner_set
     frame.owner_set = True
-    if (
-        owner
-    ):  # the pass's examples, for the broadcast embeddings' backward (later passes may hold other rows)
+    if owner:  # the pass's examples, for the broadcast embeddings' backward (later passes may hold others)
         frame.example_rows = state.example_rows()
     k = state.param_index(m.weight)
     return _PerTaskEmbedding.apply(
@@ -295,8 +293,7 @@ class _PerTaskEmbedding(torch.autograd.Function):
         if state.exact_pass:
             return None, None, None, None, None, None, None, None
         d = dy.shape[-1]
-        rows: RowTasks = ctx.rows
-        state.write_embedding(ctx.k, ids.reshape(-1), dy.reshape(-1, d), rows, ctx.padding_idx)
+        state.write_embedding(ctx.k, ids.reshape(-1), dy.reshape(-1, d), ctx.rows, ctx.padding_idx)
         frame: EmbeddingFrame | None = ctx.frame
         if frame is not None and frame.broadcast:
             # The broadcast embeddings were summed with this one: their gradient is this dy summed over each

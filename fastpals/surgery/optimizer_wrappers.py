@@ -13,8 +13,6 @@ from fastpals.surgery.core import SurgeryResult
 from fastpals.surgery.weights_basic import gem_weights, proposal_vector
 from fastpals.surgery.weights_solved import make_weighting
 
-__all__ = ["GEM", "PCGrad", "SurgeryOptimizer", "shared_parameters_by_name"]
-
 
 def shared_parameters_by_name(
     model: torch.nn.Module, is_task_specific: Callable[[str], bool] | None = None

@@ -31,13 +31,6 @@ from fastpals.surgery.layer_grads import (
 )
 from fastpals_kernels.padding import lengths_to_cu_seqlens
 
-__all__ = [
-    "PerTaskGradients",
-    "cu_seqlens_from_mask",
-    "per_task_gradients",
-    "task_mean_loss",
-]
-
 
 def cu_seqlens_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """``[B, L]`` right-padded attention mask (1 = token) -> ``cu_seqlens [B+1]`` int32 (packed token offsets)."""
@@ -73,16 +66,13 @@ class PerTaskGradients:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not isinstance(buffer, TaskGradientBuffer) and getattr(buffer, "block_class", None) is not type(
-            self
-        ):
+        block_class = PerTaskGradients if isinstance(buffer, TaskGradientBuffer) else None
+        if getattr(buffer, "block_class", block_class) is not type(self):
             raise TypeError(
                 f"buffer must be a TaskGradientBuffer or a StreamingTaskGradients, got {type(buffer).__name__}"
             )
-        self.model = model
-        self.buffer = buffer
-        self.num_tasks = buffer.num_tasks
-        self.device = buffer.device
+        self.model, self.buffer, self.num_tasks, self.device = model, buffer, buffer.num_tasks, buffer.device
+        self._adopts_layout = self._takes_layout = False
         if isinstance(layout, BatchLayout):
             if cu_seqlens is not None or pass_task_ids is not None:
                 raise ValueError(
@@ -102,12 +92,10 @@ class PerTaskGradients:
             )
             self._given = (layout, cu_seqlens, pass_task_ids)
             self._layouts = None  # on first use: the layout the model's forward gets, else read on the host
-        # deprecated call: the layout a model that packs batches itself builds replaces the task ids' one
-        self._adopts_layout = not isinstance(layout, BatchLayout) and callable(
-            getattr(model, "batch_layout", None)
-        )
-        # deprecated call on a model whose forward takes the layout: its tensors name it (no host read)
-        self._takes_layout = self._layouts is None and "layout" in inspect.signature(model.forward).parameters
+            # the layout a model that packs batches itself builds replaces the task ids' one
+            self._adopts_layout = callable(getattr(model, "batch_layout", None))
+            # a model whose forward takes the layout: its tensors name it (no host read)
+            self._takes_layout = "layout" in inspect.signature(model.forward).parameters
         self._pass_key: int | None = None
         if not self._takes_layout:
             self._use_pass(0)

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["jacobi_eigh", "jacobi_sweeps", "nonneg_qp", "spd_solve"]
-
 F64 = torch.float64
 #: the largest systems solved by :func:`spd_solve`; larger ones go to ``torch.linalg.solve_ex`` (no host check)
 SPD_SOLVE_MAX_T = 16

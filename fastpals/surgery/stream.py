@@ -19,8 +19,6 @@ from fastpals.surgery.layer_grads import STACK_TEMP_ELEMENTS, RowTasks, kernels_
 from fastpals.surgery.per_task import PerTaskGradients
 from fastpals_kernels.dispatch import gram as gram_op
 
-__all__ = ["POLICIES", "StreamingTaskGradients", "embedding_row_gram", "stream_policy"]
-
 #: ``smaller``: stream a layer where its kept output gradient is smaller than its task rows; ``stream``: all
 POLICIES = ("smaller", "stream")
 
@@ -97,9 +95,9 @@ class _StreamBlock(PerTaskGradients):
         buf._row_counts[k_w] = buf._row_counts.get(k_w, 0) + rows
         if isinstance(module, nn.Linear):
             buf._linear_order.setdefault(k_w)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            k_b = self.buffer._bias_of[k_w] = self.param_index(module.bias)
-            self.buffer._weight_of[k_b] = k_w
+            if module.bias is not None:
+                k_b = buf._bias_of[k_w] = self.param_index(module.bias)
+                buf._weight_of[k_b] = k_w
 
     def write_segment_sums(self, k: int, values: torch.Tensor, rows: RowTasks) -> None:
         if self.buffer._bias_with_weight(k) and kernels_on(self, values):
