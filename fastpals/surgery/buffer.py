@@ -252,16 +252,9 @@ class TaskGradientBuffer(TaskGradients):
     @property
     def data(self) -> torch.Tensor:
         """A ``[T, P]`` copy of the rows captured since the last :meth:`apply` (for inspection)."""
-        out = torch.cat(
-            [
-                b if b is not None else torch.zeros((self.num_tasks, n), dtype=self.dtype, device=self.device)
-                for b, n in zip(self._blocks, self.numels)
-            ],
-            dim=1,
-        )
-        for t in range(self.num_tasks):
-            if not self._captured[t]:
-                out[t].zero_()
+        zeros = [torch.zeros((self.num_tasks, n), dtype=self.dtype, device=self.device) for n in self.numels]
+        out = torch.cat([b if b is not None else z for b, z in zip(self._blocks, zeros)], dim=1)
+        out[[not c for c in self._captured]] = 0
         return out
 
     def row(self, task: int) -> torch.Tensor:

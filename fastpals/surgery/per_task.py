@@ -305,14 +305,7 @@ class PerTaskGradients:
     def write_mm(self, task: int, k: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """Row ``task`` of shared weight k (+)= ``a [M, R] @ b [R, K]`` (straight into the buffer if dtypes allow)."""
         dst = self.buffer.param_row(task, k)
-        first = self._first(task, k)
-        if dst.dtype == a.dtype == b.dtype:
-            if first:
-                torch.mm(a, b, out=dst)
-            else:
-                dst.addmm_(a, b)
-            return
-        _put(dst, torch.mm(a, b.to(a.dtype)), first)
+        mm_into(dst, a, b, self._first(task, k))
 
     def write_segment_sums(self, k: int, values: torch.Tensor, rows: RowTasks) -> None:
         """Per task, the fp32 sum over its rows of ``values [R, n]`` into its row of shared parameter k (one
@@ -544,6 +537,16 @@ def _put(dst: torch.Tensor, value: torch.Tensor, first: bool) -> None:
         dst.copy_(value)
     else:
         dst.add_(value.to(dst.dtype))
+
+
+def mm_into(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
+    """``dst (+)= a @ b`` (overwrite on ``first``), straight into ``dst`` when the dtypes allow it."""
+    if dst.dtype != a.dtype or a.dtype != b.dtype:
+        _put(dst, torch.mm(a, b.to(a.dtype)), first)
+    elif first:
+        torch.mm(a, b, out=dst)
+    else:
+        dst.addmm_(a, b)
 
 
 def compacts_embedding_rows(device: torch.device) -> bool:

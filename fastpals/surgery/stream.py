@@ -16,7 +16,7 @@ from torch import nn
 
 from fastpals.surgery.core import TaskGradients
 from fastpals.surgery.layer_grads import STACK_TEMP_ELEMENTS, RowTasks, kernels_on, row_plan
-from fastpals.surgery.per_task import PerTaskGradients
+from fastpals.surgery.per_task import PerTaskGradients, mm_into
 from fastpals_kernels.dispatch import gram as gram_op
 
 #: ``smaller``: stream a layer where its kept output gradient is smaller than its task rows; ``stream``: all
@@ -267,19 +267,8 @@ class StreamingTaskGradients(TaskGradients):
                         a, b = dy[sel, m0 : m0 + mc].t(), x[sel]
                     else:
                         a, b = dy[:, m0 : m0 + mc].index_select(0, sel).t(), x.index_select(0, sel)
-                    i = pos[t]
-                    if a.dtype == b.dtype == torch.float32:
-                        if first[i]:
-                            torch.mm(a, b, out=v[i])
-                        else:
-                            v[i].addmm_(a, b)
-                    else:  # 16-bit dy / x: the product in their dtype, then fp32 (as the scratch is written)
-                        prod = torch.mm(a, b.to(a.dtype))
-                        if first[i]:
-                            v[i].copy_(prod)
-                        else:
-                            v[i].add_(prod.to(torch.float32))
-                    first[i] = False
+                    mm_into(v[pos[t]], a, b, first[pos[t]])  # as the scratch is written
+                    first[pos[t]] = False
             flat = v.view(n, -1)
             for c0 in range(0, flat.shape[1], GRAM_COLUMNS):  # fp32 products over at most 2^16 columns
                 part = flat[:, c0 : c0 + GRAM_COLUMNS]
@@ -365,9 +354,7 @@ class StreamingTaskGradients(TaskGradients):
         """End of the block: which tasks had rows, which parameters each wrote; the task-specific gradients."""
         tasks = list(tasks)
         for t in tasks:
-            for k in range(len(self.params)):
-                if written[t][k]:
-                    self._touched[t][k] = True
+            self._touched[t] = [a or bool(b) for a, b in zip(self._touched[t], written[t])]
         for k, rows in self._rows.items():  # kept rows (the streamed scratches are gone)
             self._zero_unwritten(k, rows, written)
         if not tasks:

@@ -234,8 +234,7 @@ def pcd_weights(
         state.reset()
         state.sq_norm_ema = torch.zeros(t, dtype=F64, device=g.device)
     state.step += 1
-    ema = beta * state.sq_norm_ema.to(g.device, non_blocking=True) + (1.0 - beta) * sq
-    state.sq_norm_ema = ema
+    ema = state.sq_norm_ema = beta * state.sq_norm_ema.to(g.device, non_blocking=True) + (1.0 - beta) * sq
     den = (ema / (1.0 - beta**state.step) + eps).sqrt()
     scales = torch.where(
         den > 0, 1.0 / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(den)
@@ -253,8 +252,7 @@ def pcd_weights(
         mu = nonneg_qp(q, lin[None, :])[0]
         # infeasible constraints make the dual unbounded (bounded only by the ridge): a constraint then stays
         # violated without the ridge, and d = g~_0
-        top = torch.diagonal(ng).amax()
-        infeasible = (ng[1:, 1:] @ mu + lin < -1e-6 * top).any()
+        infeasible = (ng[1:, 1:] @ mu + lin < -1e-6 * torch.diagonal(ng).amax()).any()
         w = torch.cat([w[:1], torch.where(infeasible, torch.zeros_like(mu), mu)])
     dsq = w @ ng @ w
     magnitude = (w.abs() @ torch.diagonal(ng).clamp_min(0.0).sqrt()) ** 2
