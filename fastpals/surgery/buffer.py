@@ -81,7 +81,6 @@ class TaskGradientBuffer(TaskGradients):
             raise ValueError(f"task {task} was already captured since the last apply() (use accumulate=True)")
         fresh = not self._captured[task]
         dst_some, src_some, dst_none = [], [], []
-        touched = self._touched[task]
         for k, p in enumerate(self.params):
             g = self.grad_getter(p)
             if g is None:
@@ -94,7 +93,7 @@ class TaskGradientBuffer(TaskGradients):
                 )
             if g.is_sparse:
                 raise ValueError(f"gradient of shared parameter {k} is sparse; dense gradients are required")
-            touched[k] = True
+            self._touched[task][k] = True
             dst_some.append(self.block(k)[task])
             src_some.append(g.detach().reshape(-1))
         if dst_some:
@@ -162,12 +161,11 @@ class TaskGradientBuffer(TaskGradients):
         for t in tasks:
             if not 0 <= t < self.num_tasks:
                 raise ValueError(f"task {t} out of range [0, {self.num_tasks})")
-            fresh = not self._captured[t]
             stale = []
             for k in range(len(self.params)):
                 if written[t][k]:
                     self._touched[t][k] = True
-                elif fresh and self._blocks[k] is not None:
+                elif not self._captured[t] and self._blocks[k] is not None:
                     stale.append(self._blocks[k][t])
             if stale:
                 torch._foreach_zero_(stale)

@@ -27,10 +27,8 @@ def extension_cache_dir() -> Path:
     """Where the just-in-time build lives: ``$XDG_CACHE_HOME/fastpals/extensions/<python>-<torch>-<cpu|cuXY>``."""
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fastpals" / "extensions"
     flavour = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
-    tag = (
-        f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__.split('+')[0]}-{flavour}"
-    )
-    return root / tag
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    return root / f"{python}-torch{torch.__version__.split('+')[0]}-{flavour}"
 
 
 def _fake(gram: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -54,8 +52,7 @@ def _build_jit() -> str:
         is_python_module=False,
         verbose=False,
     )
-    kind = "C++ and CUDA" if with_cuda else "C++"
-    return f"({kind}) built just in time with ninja, cached in {build} (rebuilt when csrc/ changes)"
+    return f"({'C++ and CUDA' if with_cuda else 'C++'}) built just in time with ninja, cached in {build} (rebuilt when csrc/ changes)"
 
 
 def load() -> bool:

@@ -51,11 +51,10 @@ class EmbeddingFrame:
 def _per_task_args(state: BlockState, m: nn.Linear | nn.LayerNorm, x: torch.Tensor) -> tuple | None:
     """One forward of a shared ``m`` on ``x [..., d]``: None when ``x`` is not split by example (the exact path),
     else ``(weight, bias, state, rows, k_w, k_b)``: the parameters detached, the row map of ``x``, their indices."""
-    lead = tuple(x.shape[:-1])
     # A forward replayed by activation checkpointing (inside the backward) repeats the first forward's answer and
     # is neither counted nor looked up: its node is never differentiated, another encoder pass may be current.
     replay = torch._C._current_graph_task_id() != -1
-    rows = None if replay else state.rows(lead)
+    rows = None if replay else state.rows(tuple(x.shape[:-1]))
     exact = state.ran_exact(m) if replay else rows is None
     state.note_ran(m, exact=exact)
     if exact:

@@ -141,9 +141,8 @@ class SurgeryOptimizer:
         return list(losses)
 
     def _backward_into(self, buf: TaskGradientBuffer, losses: list[torch.Tensor], first_row: int) -> None:
-        last = len(losses) - 1
         for t, loss in enumerate(losses):
-            loss.backward(retain_graph=t < last)
+            loss.backward(retain_graph=t < len(losses) - 1)
             buf.capture(first_row + t)
 
     def backward(self, losses: Sequence[torch.Tensor]) -> SurgeryResult:

@@ -178,8 +178,7 @@ def sdmgrad_weights(
     g = check_gram(gram).to(F64)
     t = g.shape[0]
     p = preference(pref_vector, t, g.device, "sdmgrad")
-    scale = torch.diagonal(g).clamp_min(0.0).sqrt().mean()
-    a = g / (scale.pow(2) + 1e-8)
+    a = g / (torch.diagonal(g).clamp_min(0.0).sqrt().mean().pow(2) + 1e-8)
     w = state.current(t, g.device)
     if compiled.enabled(g):
         state.weights = w.contiguous()

@@ -450,9 +450,7 @@ def gradvac_weights(
     g = check_gram(gram).to(F64)
     t = g.shape[0]
     dev = g.device
-    if orders is None:
-        orders = pcgrad_orders(t, generator)
-    orders = orders.to(dev, non_blocking=True)
+    orders = (pcgrad_orders(t, generator) if orders is None else orders).to(dev, non_blocking=True)
     if state.phi is None or state.phi.shape != (t, t):
         state.phi = torch.zeros((t, t), dtype=F64, device=dev)
     if compiled.enabled(g):
@@ -466,10 +464,9 @@ def gradvac_weights(
     for step in range(t - 1):
         j = orders[:, step]
         cg = coef @ g
-        dot = cg[rows, j]
         norm_i = (cg * coef).sum(1).clamp_min(0.0).sqrt()
         norm_j = norm_j_all[j]
-        phi = dot / (norm_i * norm_j + eps)
+        phi = cg[rows, j] / (norm_i * norm_j + eps)
         hat = phi_t[rows, j]
         s_phi = (1.0 - phi * phi).clamp_min(0.0).sqrt()
         s_hat = (1.0 - hat * hat).clamp_min(0.0).sqrt()
@@ -577,8 +574,8 @@ def make_weighting(name: str, **options: Any) -> tuple[Callable[..., torch.Tenso
     key = str(name).lower()
     if key not in AGGREGATORS:
         raise ValueError(f"unknown surgery method {name!r}; choose one of {', '.join(AGGREGATORS)}")
-    params = inspect.signature(AGGREGATORS[key]).parameters
-    allowed = {k: p for k, p in params.items() if k not in _NOT_OPTIONS}
+    params = inspect.signature(AGGREGATORS[key]).parameters.items()
+    allowed = {k: p for k, p in params if k not in _NOT_OPTIONS}
     parsed: dict[str, Any] = {}
     for opt, value in options.items():
         if opt not in allowed:
