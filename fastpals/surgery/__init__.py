@@ -12,24 +12,22 @@ from fastpals.surgery.per_task import (
 )
 from fastpals.surgery.stream import StreamingTaskGradients
 from fastpals.surgery.weights_basic import (
-    gem_weights,
-    mean_weights,
-    pcgrad_orders,
-    pcgrad_weights,
-    sum_weights,
-)
-from fastpals.surgery.weights_extra import (
     ExcessMTLState,
     MoDoState,
     PCDState,
     SDMGradState,
     constant_weights,
     excessmtl_weights,
+    gem_weights,
     krum_weights,
+    mean_weights,
     modo_weights,
     pcd_weights,
+    pcgrad_orders,
+    pcgrad_weights,
     random_weights,
     sdmgrad_weights,
+    sum_weights,
 )
 from fastpals.surgery.weights_solved import (
     AGGREGATORS,

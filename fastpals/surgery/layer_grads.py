@@ -51,8 +51,7 @@ class EmbeddingFrame:
 def _per_task_args(state: BlockState, m: nn.Linear | nn.LayerNorm, x: torch.Tensor) -> tuple | None:
     """One forward of a shared ``m`` on ``x [..., d]``: None when ``x`` is not split by example (the exact path),
     else ``(weight, bias, state, rows, k_w, k_b)``: the parameters detached, the row map of ``x``, their indices."""
-    # A forward replayed by activation checkpointing (inside the backward) repeats the first forward's answer and
-    # is neither counted nor looked up: its node is never differentiated, another encoder pass may be current.
+    # a forward replayed by activation checkpointing (inside the backward) repeats the first one's answer
     replay = torch._C._current_graph_task_id() != -1
     rows = None if replay else state.rows(tuple(x.shape[:-1]))
     exact = state.ran_exact(m) if replay else rows is None
@@ -124,8 +123,7 @@ def _linear_weight_grads(
         return
     sizes = {s.stop - s.start for s in rows.slices.values() if isinstance(s, slice)}
     if len(rows.tasks) > 1 and len(sizes) == 1 and all(isinstance(s, slice) for s in rows.slices.values()):
-        # Equal, contiguous task segments: one GEMM per segment straight into its buffer row (torch.bmm would
-        # split its threads over the segments, slower on the CPU).
+        # equal, contiguous task segments: one GEMM per segment into its row (faster than bmm on the CPU)
         n = sizes.pop()
         starts = [rows.slices[t].start for t in rows.tasks]
         if starts == [starts[0] + i * n for i in range(len(starts))]:
@@ -295,8 +293,7 @@ class _PerTaskEmbedding(torch.autograd.Function):
         state.write_embedding(ctx.k, ids.reshape(-1), dy.reshape(-1, d), ctx.rows, ctx.padding_idx)
         frame: EmbeddingFrame | None = ctx.frame
         if frame is not None and frame.broadcast:
-            # The broadcast embeddings were summed with this one: their gradient is this dy summed over each
-            # task's examples, at their own indices.
+            # broadcast embeddings summed with this one: this dy summed over each task's examples, at their ids
             ex_rows = frame.example_rows if frame.example_rows is not None else state.example_rows()
             per_example = dy.reshape(ex_rows.num_rows, -1)
             sums = torch.zeros(state.num_tasks, per_example.shape[1], dtype=torch.float32, device=dy.device)

@@ -585,6 +585,5 @@ def per_task_gradients(
     weight-gradient kernel (default: on CUDA).
     """
     block = getattr(buffer, "block_class", PerTaskGradients)  # StreamingTaskGradients: its streaming block
-    state = block(model, buffer, layout, cu_seqlens, use_kernels, pass_task_ids)
-    with state:
+    with block(model, buffer, layout, cu_seqlens, use_kernels, pass_task_ids) as state:
         yield state

@@ -398,8 +398,7 @@ class StreamingTaskGradients(TaskGradients):
         by_param: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int | None]]] = {}
         for k, ids, dy, row_task, pad in self._embeddings:
             by_param.setdefault(k, []).append((ids.reshape(-1), dy.reshape(ids.numel(), -1), row_task, pad))
-        # tables of one row width and dtype share one Gram: ids offset by the vocabularies before them (the
-        # tables are disjoint parameters), padding rows given the id -1
+        # tables of one width and dtype share one Gram: ids offset by the tables before them, padding ids -1
         tables: dict[tuple[int, torch.dtype], tuple[list, list, list, list]] = {}
         for k, calls in by_param.items():
             ids, dy, row_task = (

@@ -14,10 +14,9 @@ from typing import Any
 
 import torch
 
-from fastpals.surgery import compiled, weights_basic, weights_extra
+from fastpals.surgery import compiled, weights_basic
 from fastpals.surgery.solvers import QP_MAX_ITER, jacobi_eigh, jacobi_sweeps, nonneg_qp, spd_solve
-from fastpals.surgery.weights_basic import check_gram, pcgrad_orders, preference, weights_dtype
-from fastpals.surgery.weights_extra import CountedState, WeightsState, project_onto_simplex
+from fastpals.surgery.weights_basic import check_gram, preference, weights_dtype
 
 F64 = torch.float64
 #: most tasks of CAGrad's exact solver (it enumerates the 2^T - 1 supports); ``pgd`` takes any number
@@ -230,7 +229,7 @@ def _cagrad_projected_gradient(
         grad = b + rho * gw / norm.clamp_min(1e-150)
         grad = grad - grad.mean()  # the component along the simplex
         scale = grad.abs().amax().clamp_min(1e-300)  # the largest step moves some coordinate by 1
-        cand = project_onto_simplex(w[None, :] - (steps / scale)[:, None] * grad[None, :])
+        cand = weights_basic.project_onto_simplex(w[None, :] - (steps / scale)[:, None] * grad[None, :])
         best = torch.argmin(objective(cand)).reshape(1)
         w = cand.index_select(0, best)[0]
     return w
@@ -388,7 +387,7 @@ def fairgrad_weights(
     return _alpha_fair_solve(g, float(alpha), int(max_iter)).to(weights_dtype(gram))
 
 
-class NashMTLState(CountedState):
+class NashMTLState(weights_basic.CountedState):
     """Nash-MTL's step counter and last weights (reused between updates when ``update_weights_every > 1``)."""
 
 
@@ -424,7 +423,7 @@ def nashmtl_weights(
     return a.to(weights_dtype(gram))
 
 
-class GradVacState(WeightsState):
+class GradVacState(weights_basic.WeightsState):
     """GradVac's state: the EMA targets ``phi [T, T]`` (float64; zeros at the start)."""
 
     tensors = ("phi",)
@@ -450,7 +449,9 @@ def gradvac_weights(
     g = check_gram(gram).to(F64)
     t = g.shape[0]
     dev = g.device
-    orders = (pcgrad_orders(t, generator) if orders is None else orders).to(dev, non_blocking=True)
+    orders = (weights_basic.pcgrad_orders(t, generator) if orders is None else orders).to(
+        dev, non_blocking=True
+    )
     if state.phi is None or state.phi.shape != (t, t):
         state.phi = torch.zeros((t, t), dtype=F64, device=dev)
     if compiled.enabled(g):
@@ -477,7 +478,7 @@ def gradvac_weights(
     return coef.sum(0).to(weights_dtype(gram))
 
 
-class CRMOGMState(WeightsState):
+class CRMOGMState(weights_basic.WeightsState):
     """CR-MOGM's smoothed weights ``lambda [T]`` (float64, on the Gram's device; ``None`` before the first call)."""
 
 
@@ -520,25 +521,25 @@ AGGREGATORS: dict[str, Callable[..., torch.Tensor]] = {
     "fairgrad": fairgrad_weights,
     "nashmtl": nashmtl_weights,
     "gradvac": gradvac_weights,
-    "constant": weights_extra.constant_weights,
-    "random": weights_extra.random_weights,
-    "krum": weights_extra.krum_weights,
-    "modo": weights_extra.modo_weights,
-    "sdmgrad": weights_extra.sdmgrad_weights,
+    "constant": weights_basic.constant_weights,
+    "random": weights_basic.random_weights,
+    "krum": weights_basic.krum_weights,
+    "modo": weights_basic.modo_weights,
+    "sdmgrad": weights_basic.sdmgrad_weights,
     "crmogm": crmogm_weights,
-    "pcd": weights_extra.pcd_weights,
-    "excessmtl": weights_extra.excessmtl_weights,
+    "pcd": weights_basic.pcd_weights,
+    "excessmtl": weights_basic.excessmtl_weights,
 }
 """Name -> aggregator ``fn(gram, [state,] generator=None, **options) -> w``."""
 
 STATEFUL: dict[str, type] = {
     "nashmtl": NashMTLState,
     "gradvac": GradVacState,
-    "modo": weights_extra.MoDoState,
-    "sdmgrad": weights_extra.SDMGradState,
+    "modo": weights_basic.MoDoState,
+    "sdmgrad": weights_basic.SDMGradState,
     "crmogm": CRMOGMState,
-    "pcd": weights_extra.PCDState,
-    "excessmtl": weights_extra.ExcessMTLState,
+    "pcd": weights_basic.PCDState,
+    "excessmtl": weights_basic.ExcessMTLState,
 }
 """Names whose function takes a state object (second argument / ``state=``), and the state's class."""
 
