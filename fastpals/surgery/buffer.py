@@ -18,8 +18,7 @@ NUM_CHUNKS = 6
 
 
 def chunk_bounds(numels: Sequence[int], num_chunks: int = NUM_CHUNKS) -> list[tuple[int, int]]:
-    """Parameter index ranges ``[(a, b), ...]`` of the chunks: runs of consecutive parameters from the last one
-    back (the backward's write order) whose element counts double from one chunk to the next."""
+    """Parameter index ranges ``[(a, b), ...]`` of the chunks, sizes doubling from the last parameter back."""
     total = sum(numels)
     bounds: list[tuple[int, int]] = []
     end, done, target = len(numels), 0, 0.0
@@ -155,8 +154,7 @@ class TaskGradientBuffer(TaskGradients):
         return self.block(k).view(self.num_tasks, *self.params[k].shape)
 
     def capture_written(self, tasks: Sequence[int], written: Sequence[Sequence[bool]]) -> None:
-        """Record the rows :func:`fastpals.surgery.per_task_gradients` wrote: ``tasks`` had rows in the batch,
-        ``written[t][k]``: parameter k's part of row t (in a fresh row the others are zeroed)."""
+        """Record the rows :func:`~fastpals.surgery.per_task_gradients` wrote for ``tasks``."""
         tasks = list(tasks)
         for t in tasks:
             if not 0 <= t < self.num_tasks:
@@ -181,8 +179,7 @@ class TaskGradientBuffer(TaskGradients):
         self._task_state = [self._task_grad_state(p) for p in self.task_params]
 
     def _finish_gram(self) -> torch.Tensor:
-        """``[T, T]`` float32 Gram of the rows (those not captured and blocks nobody wrote zeroed, data parallel
-        averaged), one launch per chunk."""
+        """``[T, T]`` float32 Gram of the rows (absent ones zeroed), one launch per chunk."""
         absent = [t for t in range(self.num_tasks) if not self._captured[t]]
         if absent and any(c is not None for c in self._chunks):
             torch._foreach_zero_([c[t] for c in self._chunks if c is not None for t in absent])

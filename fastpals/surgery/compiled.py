@@ -101,8 +101,7 @@ def solve_weights(
     params: Sequence[float],
     state: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``w [T]`` for the op code ``method`` with ``vec`` (float64 or None) and ``params`` (at most 3), laid out in
-    ``csrc/solvers.h``; ``state`` (float64) is updated in place."""
+    """``w [T]`` for the op code ``method`` with ``vec``, ``params``, ``state`` (``csrc/solvers.h``)."""
     if gram.dtype != torch.float64:
         gram = gram.to(torch.float32)
     return torch.ops.fastpals.solve_weights(gram, method, vec, [float(p) for p in params], state)

@@ -176,8 +176,7 @@ class TaskGradients:
         self.steps += 1
 
     def _take_task_grad(self, k: int, g: torch.Tensor) -> None:
-        """Add task parameter ``k``'s gradient ``g`` into its float32 copy (zeroed at the step's first capture),
-        clear the gradient."""
+        """Move task parameter ``k``'s gradient into its float32 copy (zeroed at the first capture)."""
         p = self.task_params[k]
         if self._task_acc[k] is None:
             self._task_acc[k] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)

@@ -112,8 +112,7 @@ def _linear_weight_grads(
     x: torch.Tensor,
     weight: bool = True,
 ) -> None:
-    """``dW_t = dy_t^T x_t`` and ``db_t = sum dy_t`` per task into the buffer (``dy [R, M]``, ``x [R, K]``;
-    ``weight=False``: the bias only)."""
+    """``dW_t = dy_t^T x_t``, ``db_t = sum dy_t`` per task (``dy [R, M]``, ``x [R, K]``) into the rows."""
     if weight and kernels_on(state, dy):
         _linear_weight_grads_grouped(state, rows, k_w, k_b, dy, x)
         return
@@ -182,8 +181,7 @@ def _linear_weight_grads_grouped(
     dy: torch.Tensor,
     x: torch.Tensor,
 ) -> None:
-    """All task segments in one launch of the grouped weight-gradient kernel, straight into the rows when every
-    task's are written here first, else through a ``[T, M, K]`` temporary."""
+    """All task segments in one launch of the grouped weight-gradient kernel."""
     plan = row_plan(state, rows)
     dtype = torch.float32 if state.buffer.dtype == torch.float32 else dy.dtype
     dw_rows = state.stack_target(k_w, rows.tasks, dtype)
@@ -205,8 +203,7 @@ def _linear_weight_grads_grouped(
 
 
 def layer_norm_forward(state: BlockState, m: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
-    """``m(x)`` (``x [..., d]``, normalized over the last dimension) whose backward writes the per-task
-    ``dgamma``/``dbeta`` of ``m``."""
+    """``m(x)`` (``x [..., d]``) whose backward writes the per-task ``dgamma`` / ``dbeta`` of ``m``."""
     if len(m.normalized_shape) != 1:
         raise ValueError("per_task_gradients supports LayerNorm over the last dimension only")
     args = _per_task_args(state, m, x)
@@ -251,8 +248,7 @@ class _PerTaskLayerNorm(torch.autograd.Function):
 
 
 def embedding_forward(state: BlockState, m: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
-    """``m(ids)`` (``ids [B, L]``, packed ``[N]``, or broadcast ``[L]`` / ``[1, L]`` int64 -> ``[..., d]``) whose
-    backward writes the per-task embedding gradient of ``m``."""
+    """``m(ids)`` (``[B, L]``, packed ``[N]`` or broadcast ``[L]``) writing ``m``'s per-task rows."""
     frame = state.frame_of(m)
     state.note_ran(m, exact=False)
     state.forward_calls += 1

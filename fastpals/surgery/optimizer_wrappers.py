@@ -146,8 +146,7 @@ class SurgeryOptimizer:
             buf.capture(first_row + t)
 
     def backward(self, losses: Sequence[torch.Tensor]) -> SurgeryResult:
-        """Zero the gradients, back-propagate each task loss into its buffer row, and write the method's update
-        into ``.grad``."""
+        """Back-propagate each task loss into its buffer row and write the method's update into ``.grad``."""
         losses = self._check_losses(losses, "losses")
         shared, specific = self._split(losses)
         buf = self._buffer_for(shared, specific, len(losses))

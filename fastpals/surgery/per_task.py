@@ -52,8 +52,7 @@ def task_mean_loss(losses: torch.Tensor, task_ids: torch.Tensor, num_tasks: int)
 
 
 class PerTaskGradients:
-    """The state of one :func:`per_task_gradients` block: row maps (host values of the batch's layout) and
-    writes into the buffer's rows."""
+    """The state of one :func:`per_task_gradients` block: row maps and writes into the buffer's rows."""
 
     def __init__(
         self,
@@ -166,8 +165,7 @@ class PerTaskGradients:
         return self._layouts
 
     def _take_layout(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        """The deprecated call: the layout the model's forward gets, when ``task_ids`` (and ``cu_seqlens``) are
-        its own tensors; else the task ids read once."""
+        """The deprecated call: the layout the model's forward gets when the task ids are its own tensors."""
         task_ids, cu_seqlens, pass_task_ids = self._given
         lay = kwargs.get("layout")
         if (
@@ -190,8 +188,7 @@ class PerTaskGradients:
         self.task_ids = self.layout.task_ids
 
     def rows(self, lead: tuple[int, ...]) -> RowTasks | None:
-        """The row -> task map of an input whose leading shape (all but the feature dimension) is ``lead``;
-        None when the rows are not per example (a broadcast input). Host values only."""
+        """The row -> task map of an input of leading shape ``lead``; None for a broadcast input."""
         lay = self.layout
         b = lay.batch
         if lay.packed and len(lead) == 1 and lead[0] == lay.total and lead[0] != b:
@@ -279,8 +276,7 @@ class PerTaskGradients:
         return self.buffer.param_rows(k)
 
     def write_stack(self, k: int, tasks: Sequence[int], values: torch.Tensor) -> None:
-        """``values [len(tasks), *shape]``: row tasks[i] of shared parameter k (+)= values[i] (one op when every
-        task is written, all for the first time or all accumulating)."""
+        """Row ``tasks[i]`` of shared parameter k (+)= ``values[i]`` (one op where possible)."""
         if self._all_tasks(tasks):
             firsts = [self.fresh[t] and not self.written[t][k] for t in tasks]
             if all(firsts) or not any(firsts):
@@ -308,8 +304,7 @@ class PerTaskGradients:
         mm_into(dst, a, b, self._first(task, k))
 
     def write_segment_sums(self, k: int, values: torch.Tensor, rows: RowTasks) -> None:
-        """Per task, the fp32 sum over its rows of ``values [R, n]`` into its row of shared parameter k (one
-        reduction by ``row_task``)."""
+        """Per task, the fp32 sum of its rows of ``values [R, n]`` into its row of shared parameter k."""
         index = rows.row_task[:, None].expand(-1, values.shape[1])
         target = self.stack_target(k, rows.tasks, torch.float32)
         if target is not None:
@@ -339,8 +334,7 @@ class PerTaskGradients:
     def write_broadcast_embedding(
         self, k: int, ids: torch.Tensor, sums: torch.Tensor, tasks: Sequence[int], padding_idx: int | None
     ) -> None:
-        """A broadcast embedding's (position embeddings looked up once): ``sums [T, L, d]`` fp32 added at
-        ``ids [L]`` into every task's row of embedding k."""
+        """Position embeddings looked up once: ``sums [T, L, d]`` added at ``ids [L]``."""
         dst = self._embedding_rows(k, tasks)
         dst.index_add_(1, ids, sums.to(dst.dtype))
         if padding_idx is not None:
@@ -378,8 +372,7 @@ class PerTaskGradients:
         return out
 
     def exact_task_gradients(self, task_losses: Sequence[tuple[int, torch.Tensor]]) -> list[str]:
-        """Per ``(t, L_t)``, ``autograd.grad(L_t, exact_parameters())`` into row t; call between the forward and
-        the backward. Returns the parameters' names."""
+        """Per ``(t, L_t)``, ``autograd.grad(L_t, exact_parameters())`` into row t; returns their names."""
         named = self.exact_parameters()
         self._exact_done = True
         if not named:
@@ -404,8 +397,7 @@ class PerTaskGradients:
         return False
 
     def shared_modules(self) -> list[tuple[str, nn.Module]]:
-        """The ``nn.Linear`` / ``nn.LayerNorm`` / ``nn.Embedding`` modules that hold the shared parameters (an
-        error names any other holder)."""
+        """The ``nn.Linear`` / ``nn.LayerNorm`` / ``nn.Embedding`` modules that hold the shared parameters."""
         shared = set(self._index)
         found: list[tuple[str, nn.Module]] = []
         covered: set[int] = set()
@@ -550,8 +542,7 @@ def mm_into(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) ->
 
 
 def compacts_embedding_rows(device: torch.device) -> bool:
-    """Sum an embedding's per-task rows by ``(task, id)`` before the ``index_put_``? On the CPU (whose accumulating
-    ``index_put_`` adds row by row), not on CUDA."""
+    """Sum per-task embedding rows by ``(task, id)`` before ``index_put_`` (the CPU adds row by row)?"""
     return device.type == "cpu"
 
 

@@ -32,8 +32,7 @@ def spd_solve(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _round_robin(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``n - 1`` rounds of ``n / 2`` disjoint pairs ``(p, q)`` (``int64 [n - 1, n / 2]`` each) covering every
-    pair of ``0 .. n-1`` once (round-robin, ``n`` even), on ``device``."""
+    """The ``n - 1`` rounds of ``n / 2`` disjoint pairs ``(p, q)`` covering every pair once."""
     r = torch.arange(n - 1, device=device)[:, None]
     k = torch.arange(n, device=device)[None, :]
     seats = torch.where(k == 0, 0, 1 + (k - 1 + r) % (n - 1))  # [n - 1, n]: seat 0 fixed, the others rotate

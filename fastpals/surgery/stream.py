@@ -74,8 +74,7 @@ def embedding_row_gram(
 
 
 class _StreamBlock(PerTaskGradients):
-    """A :func:`~fastpals.surgery.per_task_gradients` block over a :class:`StreamingTaskGradients`: counts the
-    calls and rows of every shared Linear / Embedding, hands their output gradients over."""
+    """A :func:`~fastpals.surgery.per_task_gradients` block over a :class:`StreamingTaskGradients`."""
 
     buffer: StreamingTaskGradients
 
@@ -236,8 +235,7 @@ class StreamingTaskGradients(TaskGradients):
         return self._decided[k]
 
     def _defers(self, k: int) -> bool:
-        """Is streamed Linear weight k's Gram built by :meth:`_blocked_gram` instead of a ``[T, M, K]`` scratch?
-        One rank, and not where its rows were already written (the exact path)."""
+        """Is streamed Linear weight k's Gram built by :meth:`_blocked_gram` (one rank, rows not written)?"""
         if k not in self._deferred:
             self._deferred[k] = (
                 self._streams(k, embedding=False) and not self.all_reduce and k not in self._rows
@@ -285,8 +283,7 @@ class StreamingTaskGradients(TaskGradients):
         return [False] * self.num_tasks
 
     def param_rows(self, k: int) -> torch.Tensor:
-        """The ``[T, *shape]`` fp32 rows of shared parameter k (kept rows, or a streamed layer's scratch), made
-        uninitialised (a first write overwrites, :meth:`_zero_unwritten` zeroes the rest)."""
+        """The ``[T, *shape]`` fp32 rows of shared parameter k (kept rows or scratch), made uninitialised."""
         if k not in self._rows:
             shape = (self.num_tasks, *self.params[k].shape)
             self._rows[k] = torch.empty(shape, dtype=torch.float32, device=self.device)
@@ -425,8 +422,7 @@ class StreamingTaskGradients(TaskGradients):
         return self._gram.to(torch.float32)
 
     def _grouped_problems(self) -> list[tuple[list[int], tuple]]:
-        """:attr:`_grouped` as the multi-Linear ops' problems, one group per dtype: ``(weights k, (dy, x,
-        row_index, task_row_offsets, problem, bias))``."""
+        """:attr:`_grouped` as the multi-Linear ops' problems, one group per dtype: ``(weights k, args)``."""
         groups: dict[torch.dtype, tuple[list[int], tuple[list, list, list, list, list, list]]] = {}
         for k, calls in self._grouped.items():
             keys, args = groups.setdefault(calls[0][1].dtype, ([], ([], [], [], [], [], [])))
@@ -442,8 +438,7 @@ class StreamingTaskGradients(TaskGradients):
     def _gather_rows(
         self, ids: torch.Tensor, dy: torch.Tensor, row_task: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Data parallel: every rank's embedding rows (``dy`` over the world size), padded with zero rows to the
-        longest rank's count."""
+        """Data parallel: every rank's embedding rows (``dy`` over the world size), zero-padded."""
         world = dist.get_world_size(self.process_group)
         n = torch.tensor([ids.shape[0]], dtype=torch.int64, device=self.device)
         counts = [torch.zeros_like(n) for _ in range(world)]
@@ -461,8 +456,7 @@ class StreamingTaskGradients(TaskGradients):
         return out[0], out[1], out[2]
 
     def _write_update(self, weights: torch.Tensor, touched: Sequence[Sequence[Any]]) -> None:
-        """``sum_t weights[t] g_t`` into the shared gradients, each handed to ``grad_setter`` once complete and
-        the kept tensors freed as used (data parallel: averaged over the ranks first)."""
+        """``sum_t weights[t] g_t`` into the shared gradients, the kept tensors freed as they are used."""
         t = self.num_tasks
         c = weights.to(torch.float32).reshape(t)
         used = [any(touched[i][k] for i in range(t)) for k in range(len(self.params))]

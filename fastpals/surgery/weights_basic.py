@@ -220,8 +220,7 @@ def constant_weights(
 
 
 def random_weights(gram: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Random weighting (Lin et al. 2022): ``softmax(z)``, ``z [T]`` float64 normal drawn on the CPU from
-    ``generator`` (torch's default if ``None``)."""
+    """Random weighting (Lin et al. 2022): ``softmax(z)``, ``z [T]`` float64 normal drawn on the CPU."""
     g = check_gram(gram)
     z = torch.randn(g.shape[0], dtype=F64, generator=generator)
     if compiled.enabled(g):
@@ -253,8 +252,7 @@ def krum_weights(
 
 
 class WeightsState:
-    """Tensors an aggregator carries across calls, named in ``tensors`` (float64, ``None`` until the first call);
-    ``state_dict()`` holds host copies."""
+    """Tensors an aggregator carries across calls, named in ``tensors`` (float64, ``None`` at first)."""
 
     tensors: tuple[str, ...] = ("weights",)
     weights: torch.Tensor | None

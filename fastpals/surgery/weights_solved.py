@@ -191,8 +191,7 @@ def _cagrad_kkt(
     masks: torch.Tensor,
     solve: Callable[..., torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """CAGrad's KKT point ``w [K, T]`` on each support of ``masks [K, T]`` (bool), and ``valid [K]`` where it
-    exists, by ``solve(system [K, T, T], rhs [K, T, 2])``."""
+    """CAGrad's KKT point ``w [K, T]`` on each support of ``masks [K, T]``; ``valid [K]`` where it is."""
     eye = torch.eye(g.shape[0], dtype=F64, device=g.device)
     scale = torch.diagonal(g).amax().clamp_min(1e-300)
     system = torch.where(masks[:, :, None] & masks[:, None, :], g + 1e-12 * scale * eye, eye)
@@ -339,8 +338,7 @@ def cagrad_weights(
 
 
 def _alpha_fair_solve(g: torch.Tensor, alpha: float, max_iter: int) -> torch.Tensor:
-    """The positive root of ``G x = x^{-1/alpha}`` on ``G / trace(G)``, scaled back: ``max_iter`` damped Newton
-    steps with Armijo's rule over the step sizes ``2^-k``."""
+    """The positive root of ``G x = x^{-1/alpha}``: ``max_iter`` damped Newton steps (Armijo's rule)."""
     if compiled.enabled(g):
         return compiled.solve_weights(g, "alpha_fair", None, [alpha, max_iter])
     t = g.shape[0]
@@ -376,8 +374,7 @@ def _alpha_fair_solve(g: torch.Tensor, alpha: float, max_iter: int) -> torch.Ten
 def fairgrad_weights(
     gram: torch.Tensor, generator: torch.Generator | None = None, *, alpha: float = 1.0, max_iter: int = 40
 ) -> torch.Tensor:
-    """FairGrad (Ban & Ji 2024, Eq. 4): ``w > 0`` with ``G w = w^{-1/alpha}`` (``alpha = 0``: ``1 / T``), by
-    ``max_iter`` damped Newton steps."""
+    """FairGrad (Ban & Ji 2024, Eq. 4): ``w > 0`` with ``G w = w^{-1/alpha}`` (``alpha = 0``: ``1 / T``)."""
     if alpha < 0:
         raise ValueError(f"fairgrad: alpha must be non-negative, got {alpha}")
     g = _prepare(gram)
@@ -490,8 +487,7 @@ def crmogm_weights(
     base: str = "mgda",
     alpha: float = 0.9,
 ) -> torch.Tensor:
-    """CR-MOGM (Zhou et al. 2022): the weights of the stateless aggregator ``base`` smoothed across calls,
-    ``lambda <- alpha lambda + (1 - alpha) lambda_hat``."""
+    """CR-MOGM (Zhou et al. 2022): the stateless aggregator ``base``'s weights, exponentially smoothed."""
     if not isinstance(state, CRMOGMState):
         raise TypeError(f"crmogm needs a CRMOGMState, got {type(state).__name__}")
     if base not in AGGREGATORS or base in STATEFUL:
