@@ -72,8 +72,7 @@ class TaskGradientBuffer(TaskGradients):
         return None if g is None else (id(g), g._version)
 
     def capture(self, task: int, accumulate: bool = False) -> None:
-        """Move the shared parameters' gradients (after task ``task``'s backward) into row ``task``; a parameter
-        with none counts as not touched. ``accumulate=True`` adds to the row (micro-batches of one task)."""
+        """Move the shared gradients into row ``task`` (``accumulate``: add, micro-batches of one task)."""
         if not isinstance(task, int) or not 0 <= task < self.num_tasks:
             raise ValueError(f"task must be an int in [0, {self.num_tasks}), got {task!r}")
         if self._captured[task] and not accumulate:
@@ -126,8 +125,7 @@ class TaskGradientBuffer(TaskGradients):
         return list(self._captured)
 
     def _new_block(self, k: int) -> torch.Tensor:
-        """Shared parameter ``k``'s columns of its chunk, zeroed when a row already holds a capture of this step
-        (the memory planner counts what this makes as the surgery buffer's)."""
+        """Parameter ``k``'s columns of its chunk (counted by the memory planner as the surgery buffer's)."""
         c = self._chunk_of[k]
         if self._chunks[c] is None:  # uninitialised: every row is written or zeroed before it is read
             a, b = self._bounds[c]

@@ -21,8 +21,7 @@ STACK_TEMP_ELEMENTS = 1 << 16
 
 @dataclass
 class RowTasks:
-    """Which task each row of a module's flattened input ``[R, d]`` belongs to: ``tasks`` (sorted, with rows),
-    ``slices[t]`` (a ``slice`` or an int64 index tensor), ``row_task [R]`` int64 (device)."""
+    """The task of each row of a flattened input ``[R, d]``: per task a ``slice`` or an int64 index tensor."""
 
     tasks: list[int]
     slices: dict[int, slice | torch.Tensor]
@@ -40,8 +39,7 @@ BlockState = Any  # a fastpals.surgery.per_task.PerTaskGradients (which imports 
 
 @dataclass(eq=False)
 class EmbeddingFrame:
-    """One call of an embeddings block: whether its per-example embedding (which carries the summed gradient) ran,
-    the broadcast embeddings (position embeddings) summed with it, one row per example of the pass."""
+    """One call of an embeddings block: its per-example embedding ran?, the broadcast ones summed with it."""
 
     owner_set: bool = False
     broadcast: list[tuple[nn.Embedding, torch.Tensor]] = field(default_factory=list)
@@ -49,8 +47,7 @@ class EmbeddingFrame:
 
 
 def _per_task_args(state: BlockState, m: nn.Linear | nn.LayerNorm, x: torch.Tensor) -> tuple | None:
-    """One forward of a shared ``m`` on ``x [..., d]``: None when ``x`` is not split by example (the exact path),
-    else ``(weight, bias, state, rows, k_w, k_b)``: the parameters detached, the row map of ``x``, their indices."""
+    """``(weight, bias, state, rows, k_w, k_b)`` of a forward of ``m`` on ``x``; None for the exact path."""
     # a forward replayed by activation checkpointing (inside the backward) repeats the first one's answer
     replay = torch._C._current_graph_task_id() != -1
     rows = None if replay else state.rows(tuple(x.shape[:-1]))

@@ -40,8 +40,7 @@ def cu_seqlens_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def task_mean_loss(losses: torch.Tensor, task_ids: torch.Tensor, num_tasks: int) -> torch.Tensor:
-    """``sum_t mean_{b in task t} losses[b]`` (``losses [B]`` float, ``task_ids [B]`` int64): the loss whose one
-    backward gives every task's gradient."""
+    """``sum_t mean_{b in task t} losses[b]``: one backward gives every task's gradient."""
     if losses.dim() != 1 or task_ids.shape != losses.shape:
         raise ValueError(
             f"losses [B] and task_ids [B] expected, got {list(losses.shape)} and {list(task_ids.shape)}"
@@ -265,8 +264,7 @@ class PerTaskGradients:
         return list(tasks) == list(range(self.num_tasks))
 
     def stack_target(self, k: int, tasks: Sequence[int], dtype: torch.dtype) -> torch.Tensor | None:
-        """The ``[T, *shape]`` buffer view of shared parameter k when every task is written here for the first
-        time in a buffer of ``dtype`` (an op can then write all rows at once); else None (nothing marked)."""
+        """The ``[T, *shape]`` rows of parameter k if every task is written here first in ``dtype``."""
         if not self._all_tasks(tasks) or self.buffer.dtype != dtype:
             return None
         if not all(self.fresh[t] and not self.written[t][k] for t in tasks):
@@ -291,8 +289,7 @@ class PerTaskGradients:
     def write_stack_chunks(
         self, k: int, tasks: Sequence[int], chunks: Iterable[tuple[int, int, torch.Tensor]]
     ) -> None:
-        """:meth:`write_stack` for a shared weight k ``[M, K]`` from output-row chunks ``(m0, i, values [mc, K])``
-        of task ``tasks[i]`` (no ``[T, M, K]`` temporary when the buffer holds another dtype)."""
+        """:meth:`write_stack` from output-row chunks ``(m0, i, values [mc, K])`` (bounded temporaries)."""
         firsts = [self._first(t, k) for t in tasks]
         rows = [self.buffer.param_row(t, k) for t in tasks]
         for m0, i, values in chunks:
@@ -318,8 +315,7 @@ class PerTaskGradients:
     def write_embedding(
         self, k: int, ids: torch.Tensor, grad: torch.Tensor, rows: RowTasks, padding_idx: int | None
     ) -> None:
-        """Every task's rows of ``grad [R, d]`` summed at ``ids [R]`` into its row of embedding k (one accumulating
-        ``index_put_`` at the ``(task, id)`` pairs); ``padding_idx`` rows stay zero."""
+        """Every task's rows of ``grad [R, d]`` added at ``ids [R]`` into its row of embedding k."""
         dst = self._embedding_rows(k, rows.tasks)
         if compacts_embedding_rows(grad.device):
             vocab = self.buffer.params[k].shape[0]
@@ -362,8 +358,7 @@ class PerTaskGradients:
         return self._ran.get(id(m), False)
 
     def exact_parameters(self, unused: bool = True) -> list[tuple[str, torch.Tensor]]:
-        """``(name, parameter)`` that one backward cannot split by task: of modules that ran on an input not split
-        by example and, ``unused``, of modules whose forward did not run (a weight read directly)."""
+        """``(name, parameter)`` one backward cannot split by task (modules run off the per-task path)."""
         out = []
         for name, m in self._modules:
             ran = self._ran.get(id(m))
@@ -547,8 +542,7 @@ def compacts_embedding_rows(device: torch.device) -> bool:
 
 
 def _sum_by_key(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows of ``values [R, d]`` summed by ``keys [R]`` int64: ``(run_keys [R], sums [R, d] fp32)``, one row
-    per distinct key, then zero rows at key 0 (a stable sort: no data-dependent size, no host read)."""
+    """``(run_keys [R], sums [R, d] fp32)``: ``values [R, d]`` summed by ``keys [R]`` (no host read)."""
     sorted_keys, order = torch.sort(keys, stable=True)
     new_run = torch.ones_like(sorted_keys, dtype=torch.bool)
     new_run[1:] = sorted_keys[1:] != sorted_keys[:-1]

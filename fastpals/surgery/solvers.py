@@ -13,8 +13,7 @@ QP_MAX_ITER = 40
 
 
 def spd_solve(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Solve ``a x = b`` for small SPD systems ``a [B, T, T]``, ``b [B, T, K]`` by Gauss-Jordan elimination without
-    pivoting: elementwise ops stay on the calling thread, where batched ``torch.linalg.solve`` waits for a pool."""
+    """Solve small SPD systems ``a [B, T, T] x = b [B, T, K]`` by Gauss-Jordan on the calling thread."""
     a = a.clone()
     b = b.clone()
     t = a.shape[-1]

@@ -32,8 +32,7 @@ SMALL_ROW_ELEMENTS = 1 << 20
 
 
 def stream_policy(policy: str, num_tasks: int, shape: Sequence[int], rows: int, embedding: bool) -> bool:
-    """Is a Linear weight ``[M, K]`` (or an ``embedding`` table ``[V, d]``) that the step runs ``rows`` rows
-    through streamed (else kept as ``[T, *shape]`` rows)?"""
+    """Is a Linear weight ``[M, K]`` (or embedding table) that ``rows`` rows run through streamed?"""
     if policy == "stream":
         return True
     if embedding:
@@ -49,9 +48,8 @@ def embedding_row_gram(
     num_tasks: int,
     padding_idx: int | None = None,
 ) -> torch.Tensor:
-    """The ``[T, T]`` fp32 Gram of an embedding table's per-task gradients (task t's: its rows of ``dy [N, d]``
-    added at ``ids [N]``, ``row_task [N]`` int64; ``padding_idx`` rows zero), from ``[T, N, ceil(d / T)]`` fp32
-    tables of the rows summed per (task, distinct id); no host read."""
+    """The ``[T, T]`` fp32 Gram of an embedding's per-task gradients (task t's: its rows of ``dy [N, d]`` added
+    at ``ids [N]``, ``row_task [N]`` int64; ``padding_idx`` rows zero), with no host read."""
     t = num_tasks
     n = ids.shape[0]
     if n == 0:
@@ -206,8 +204,7 @@ class StreamingTaskGradients(TaskGradients):
         return self._deferred.get(self._weight_of.get(k, -1), False)
 
     def _kept_by_budget(self) -> set[int]:
-        """The Linear weights whose rows ``keep_bytes`` keeps: the forward-order prefix of those the policy would
-        stream whose fp32 rows, less the ``dY`` and ``X`` they spare, fit the budget."""
+        """The Linear weights the policy would stream whose rows ``keep_bytes`` keeps (in forward order)."""
         if self._kept_linears is None:
             kept: set[int] = set()
             left = self.keep_bytes
@@ -243,8 +240,7 @@ class StreamingTaskGradients(TaskGradients):
         return self._deferred[k]
 
     def _blocked_gram(self, k: int, calls: Sequence[tuple[RowTasks, torch.Tensor, torch.Tensor]]) -> None:
-        """Gram += that of Linear weight k's per-task gradients ``sum over calls of dy_t^T x_t``, in blocks of
-        output rows within ``GRAM_CHUNK_BYTES`` (the scratch's GEMMs and dtypes), summed in fp64."""
+        """Gram += that of Linear weight k's task gradients, in blocks within ``GRAM_CHUNK_BYTES``."""
         tasks = sorted({t for rows, _, _ in calls for t in rows.tasks})
         if not tasks:
             return
@@ -308,8 +304,7 @@ class StreamingTaskGradients(TaskGradients):
         written: Sequence[Sequence[bool]],
         grouped: bool = False,
     ) -> None:
-        """A call of the shared Linear of weight k is done: keep ``dy`` and ``x`` if the weight streams; after its
-        last call its scratch goes into the Gram (``grouped``: at :meth:`_finish_gram`)."""
+        """A call of shared Linear weight k is done: keep ``dy`` and ``x``, Gram after the last call."""
         if not self._streams(k, embedding=False):
             return
         self._left[k] -= 1

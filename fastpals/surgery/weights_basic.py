@@ -68,8 +68,7 @@ def mean_weights(gram: torch.Tensor, generator: torch.Generator | None = None) -
 
 
 def pcgrad_orders(num_tasks: int, generator: torch.Generator | None = None) -> torch.Tensor:
-    """The random projection orders of one PCGrad step, ``int64 [T, T-1]`` (CPU): row ``i`` is the tasks ``j != i``
-    permuted by ``torch.randperm(T - 1, generator=generator)``, rows drawn in order."""
+    """One PCGrad step's random projection orders, ``int64 [T, T-1]`` (CPU), drawn from ``generator``."""
     if not isinstance(num_tasks, int) or num_tasks < 1:
         raise ValueError(f"num_tasks must be a positive int, got {num_tasks!r}")
     if generator is not None:
@@ -170,9 +169,8 @@ def gem_weights(
     tol: float = 1e-12,
     ridge: float = 1e-12,
 ) -> torch.Tensor:
-    """GEM (Lopez-Paz & Ranzato 2017) as task weights: the update closest to the proposal ``sum_t a_t g_t``
-    (``"sum"``, ``"mean"``, a task index ``k`` or a ``[T]`` tensor) with a non-negative inner product with every
-    task of ``constraints`` (default all, or all but ``k``), by the dual QP (``max_iter`` default ``3 T + 10``)."""
+    """GEM (Lopez-Paz & Ranzato 2017): the update closest to ``proposal`` (``"sum"``, ``"mean"``, a task ``k`` or
+    ``[T]``) with no negative inner product with a task of ``constraints`` (default all, or all but ``k``)."""
     gram = check_gram(gram)
     t = gram.shape[0]
     device = gram.device
@@ -194,8 +192,7 @@ def gem_weights(
 
 
 def project_onto_simplex(y: torch.Tensor) -> torch.Tensor:
-    """The Euclidean projection of each ``y [..., T]`` onto the probability simplex (sort-based, no host read;
-    Held, Wolfe & Crowder 1974, as the official MoDo and SDMGrad code)."""
+    """The Euclidean projection of each ``y [..., T]`` onto the simplex (Held, Wolfe & Crowder 1974)."""
     desc = torch.sort(y, dim=-1, descending=True).values
     k = torch.arange(1, y.shape[-1] + 1, dtype=y.dtype, device=y.device)
     taus = (torch.cumsum(desc, -1) - 1.0) / k
@@ -232,8 +229,7 @@ def random_weights(gram: torch.Tensor, generator: torch.Generator | None = None)
 def krum_weights(
     gram: torch.Tensor, generator: torch.Generator | None = None, *, n_byzantine: int = 0, n_selected: int = 1
 ) -> torch.Tensor:
-    """(Multi-)Krum (Blanchard et al. 2017): the ``n_selected`` gradients with the lowest sums of distances to
-    their ``T - n_byzantine - 2`` nearest others get weight ``1 / n_selected``, the others 0."""
+    """(Multi-)Krum (Blanchard et al. 2017): ``1 / n_selected`` on the gradients closest to their others."""
     g = check_gram(gram).to(F64)
     t = g.shape[0]
     if n_byzantine < 0 or n_selected < 1 or t < n_byzantine + 3 or n_selected > t:
@@ -311,8 +307,7 @@ def modo_weights(
     gamma: float = 0.1,
     rho: float = 0.1,
 ) -> torch.Tensor:
-    """MoDo (Chen et al., JMLR 2024): one step ``lambda <- Proj_simplex(lambda - gamma (G lambda + rho lambda))``
-    per call from the stored ``lambda``; returns the new ``lambda``."""
+    """MoDo (Chen et al. 2024): one projected step ``lambda - gamma (G + rho I) lambda`` per call."""
     if not isinstance(state, MoDoState):
         raise TypeError(f"modo needs a MoDoState, got {type(state).__name__}")
     if gamma <= 0 or rho < 0:
@@ -433,8 +428,7 @@ def pcd_weights(
 
 
 class ExcessMTLState(CountedState):
-    """ExcessMTL's ``weights [T]``, squared-gradient sums ``sq_grad_sum [T, P]``, baseline excess risks
-    ``initial [T]``, warm-up sums ``warmup_sum [T]`` and number of calls ``step``."""
+    """ExcessMTL's ``weights``, ``sq_grad_sum [T, P]``, baseline ``initial``, ``warmup_sum`` and ``step``."""
 
     tensors = ("weights", "sq_grad_sum", "initial", "warmup_sum")
 

@@ -94,8 +94,7 @@ def mgda_weights(
     epsilon: float = 1e-3,
     max_iters: int = 100,
 ) -> torch.Tensor:
-    """MGDA: the minimum-norm point of the task gradients' convex hull, ``max_iters`` Frank-Wolfe steps (Sener &
-    Koltun 2018, Algorithm 2) from ``1 / T``, frozen once the step is below ``epsilon`` (TorchJD's rule)."""
+    """MGDA: the min-norm point of the gradients' hull, ``max_iters`` Frank-Wolfe steps (Sener & Koltun)."""
     if epsilon <= 0 or int(max_iters) <= 0:
         raise ValueError(f"mgda: epsilon and max_iters must be positive, got {epsilon}, {max_iters}")
     if compiled.enabled(check_gram(gram)):
@@ -123,8 +122,7 @@ def mgda_weights(
 def imtlg_weights(
     gram: torch.Tensor, generator: torch.Generator | None = None, *, sweeps: int | None = None
 ) -> torch.Tensor:
-    """IMTL-G (Liu et al. 2021) as TorchJD generalises it: ``w ∝ G^+ d`` (``d_i = |g_i|``), summing to 1, zero
-    when ``sum(G^+ d) ~ 0``; ``G^+`` is ``pinv``'s, from :func:`jacobi_eigh` with ``sweeps`` sweeps."""
+    """IMTL-G (Liu et al. 2021) as TorchJD generalises it: ``w ∝ G^+ d`` (``d_i = |g_i|``), summing to 1."""
     g = check_gram(gram).to(F64)
     t = g.shape[0]
     if compiled.enabled(g):
@@ -210,8 +208,7 @@ def _cagrad_kkt(
 def _cagrad_projected_gradient(
     g: torch.Tensor, b: torch.Tensor, rho: torch.Tensor, iters: int
 ) -> torch.Tensor:
-    """``iters`` projected gradient steps from ``1/T`` on ``<b, w> + ρ sqrt(wᵀ G w)`` over the simplex, each
-    taking the best of the step sizes ``2^-k`` and zero."""
+    """``iters`` projected gradient steps from ``1/T`` on ``<b, w> + ρ sqrt(wᵀ G w)`` over the simplex."""
     t = g.shape[0]
     dev = g.device
     w = torch.full((t,), 1.0 / t, dtype=F64, device=dev)
@@ -237,8 +234,7 @@ def _cagrad_projected_gradient(
 def _cagrad_active_set(
     g: torch.Tensor, b: torch.Tensor, rho: torch.Tensor, start: torch.Tensor, iters: int
 ) -> torch.Tensor:
-    """``iters`` primal active-set steps for CAGrad's problem from the support of ``start [T]``: negative KKT
-    coordinates leave, else the most violated optimality condition enters; the best feasible point met."""
+    """The best feasible point of ``iters`` active-set steps for CAGrad's problem from ``start [T]``."""
     t = g.shape[0]
     dev = g.device
     index = torch.arange(t, device=dev)
@@ -397,9 +393,7 @@ def nashmtl_weights(
     update_weights_every: int = 1,
     max_iter: int = 40,
 ) -> torch.Tensor:
-    """Nash-MTL (Navon et al. 2022, Algorithm 1): the root of ``G' a = 1 / a``, ``G' = G / |G|_F``, by damped
-    Newton, recomputed every ``update_weights_every`` calls, scaled to ``|sum_t a_t g_t| <= max_norm`` (0: off).
-    """
+    """Nash-MTL (Navon et al. 2022): the root of ``G' a = 1 / a``, ``|sum_t a_t g_t| <= max_norm``."""
     if not isinstance(state, NashMTLState):
         raise TypeError(f"nashmtl needs a NashMTLState, got {type(state).__name__}")
     if max_norm < 0 or int(update_weights_every) <= 0:
@@ -436,9 +430,7 @@ def gradvac_weights(
     eps: float = 1e-8,
     orders: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """GradVac (Wang et al. 2021), whole-model variant, tracked as combinations like :func:`pcgrad_weights`: in
-    :func:`pcgrad_orders`' order, ``g_i^PC`` is moved towards the EMA cosine target ``phi_hat[i, j]`` with ``g_j``.
-    """
+    """GradVac (Wang et al. 2021), whole-model, as combinations: ``g_i^PC`` moved to the EMA cosine target."""
     if not isinstance(state, GradVacState):
         raise TypeError(f"gradvac needs a GradVacState, got {type(state).__name__}")
     if not 0.0 <= beta <= 1.0 or eps < 0:
