@@ -1,4 +1,4 @@
-"""TorchJD 0.18's further weightings (fastpals.surgery.weights_extra and CR-MOGM) against TorchJD's own
+"""TorchJD 0.18's further weightings (fastpals.surgery.weights_basic and CR-MOGM) against TorchJD's own
 ``*Weighting`` classes on the same Gram matrices (stateful ones over several calls), TorchJD's value table
 (its ``tests/unit/aggregation/test_values.py``), and their use by name (``--surgery NAME``,
 ``make_weighting``, ``SurgeryOptimizer`` with a checkpointed state)."""
@@ -23,7 +23,7 @@ from fastpals.surgery import (  # noqa: E402
     SurgeryOptimizer,
     make_weighting,
 )
-from fastpals.surgery.weights_extra import (  # noqa: E402
+from fastpals.surgery.weights_basic import (  # noqa: E402
     ExcessMTLState,
     PCDState,
     excessmtl_weights,

@@ -1,15 +1,9 @@
-"""Gradient surgery: per-task gradients of the shared parameters -> ``T x T`` Gram -> task weights -> one update.
-
-An *aggregator* maps the Gram to weights ``w [T]`` (:data:`AGGREGATORS`, :func:`make_weighting`); the per-task
-gradients live in a :class:`TaskGradientBuffer` (``[T, P]`` rows) or a :class:`StreamingTaskGradients` (the Gram
-built layer by layer), whose ``apply`` runs Gram -> weights -> combine. :class:`SurgeryOptimizer` (and its names
-:class:`PCGrad`, :class:`GEM`) wraps an optimizer. Mixed precision, data parallel and DeepSpeed: ``docs/api.md``.
-"""
+"""Gradient surgery: per-task gradients of the shared parameters -> ``T x T`` Gram -> aggregator weights -> one
+update, from a :class:`TaskGradientBuffer` or a :class:`StreamingTaskGradients`; usage in ``docs/api.md``."""
 
 from fastpals.surgery.buffer import TaskGradientBuffer, parameters_reached
 from fastpals.surgery.core import SurgeryResult, TaskGradients, default_grad_getter, default_grad_setter
 from fastpals.surgery.optimizer_wrappers import GEM, PCGrad, SurgeryOptimizer, shared_parameters_by_name
-from fastpals.surgery.options import make_weighting, parse_surgery_options
 from fastpals.surgery.per_task import (
     PerTaskGradients,
     cu_seqlens_from_mask,
@@ -18,24 +12,22 @@ from fastpals.surgery.per_task import (
 )
 from fastpals.surgery.stream import StreamingTaskGradients
 from fastpals.surgery.weights_basic import (
-    gem_weights,
-    mean_weights,
-    pcgrad_orders,
-    pcgrad_weights,
-    sum_weights,
-)
-from fastpals.surgery.weights_extra import (
     ExcessMTLState,
     MoDoState,
     PCDState,
     SDMGradState,
     constant_weights,
     excessmtl_weights,
+    gem_weights,
     krum_weights,
+    mean_weights,
     modo_weights,
     pcd_weights,
+    pcgrad_orders,
+    pcgrad_weights,
     random_weights,
     sdmgrad_weights,
+    sum_weights,
 )
 from fastpals.surgery.weights_solved import (
     AGGREGATORS,
@@ -50,8 +42,10 @@ from fastpals.surgery.weights_solved import (
     fairgrad_weights,
     gradvac_weights,
     imtlg_weights,
+    make_weighting,
     mgda_weights,
     nashmtl_weights,
+    parse_surgery_options,
     upgrad_weights,
 )
 

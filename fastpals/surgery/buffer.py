@@ -1,12 +1,6 @@
-"""The flat per-task gradient buffer: capture one task's gradient at a time, then Gram -> weights -> combine.
-
-The rows are :data:`NUM_CHUNKS` flat ``[T, P_c]`` tensors of ``dtype``, runs of consecutive shared parameters
-whose sizes double in the backward's write order, made at their first write in a step and given up by
-:meth:`~TaskGradientBuffer.apply` (``T * P * bytes(dtype)`` above plain training, none outlives the step). Where
-the rows have the gradients' dtype the update is written over each chunk's last row and ``.grad`` are views of it.
-Task-specific parameters are not in the rows: their gradients accumulate over the per-task backwards. A shared
-parameter that no task touched keeps ``grad = None``. Usage: :mod:`fastpals.surgery`.
-"""
+"""The flat per-task gradient buffer: ``[T, P]`` rows of the shared parameters' gradients, made at their first
+write in a step and given up by ``apply`` (where the rows have the gradients' dtype, ``.grad`` are views of the
+update written over each chunk's last row)."""
 
 from __future__ import annotations
 
@@ -19,16 +13,12 @@ import torch.distributed as dist
 from fastpals.surgery.core import TaskGradients
 from fastpals_kernels.dispatch import combine, gram
 
-__all__ = ["NUM_CHUNKS", "TaskGradientBuffer", "chunk_bounds", "parameters_reached"]
-
-#: Flat ``[T, P_c]`` tensors the rows are split into (fewer when there are fewer shared parameters): the Gram and
-#: the combine take this many launches whatever the number of parameter tensors.
+#: flat ``[T, P_c]`` tensors the rows are split into: the Gram and the combine take this many launches
 NUM_CHUNKS = 6
 
 
 def chunk_bounds(numels: Sequence[int], num_chunks: int = NUM_CHUNKS) -> list[tuple[int, int]]:
-    """Parameter index ranges ``[(a, b), ...]`` of the buffer's chunks: runs of consecutive parameters from the
-    last one back (the backward's write order) whose element counts double from one chunk to the next."""
+    """Parameter index ranges ``[(a, b), ...]`` of the chunks, sizes doubling from the last parameter back."""
     total = sum(numels)
     bounds: list[tuple[int, int]] = []
     end, done, target = len(numels), 0, 0.0
@@ -49,12 +39,8 @@ def chunk_bounds(numels: Sequence[int], num_chunks: int = NUM_CHUNKS) -> list[tu
 class TaskGradientBuffer(TaskGradients):
     """Per-task gradients of the shared parameters in :data:`NUM_CHUNKS` flat ``[num_tasks, P_c]`` tensors.
 
-    Args:
-        params, num_tasks, task_params, grad_getter, grad_setter, grad_dtype, process_group, all_reduce,
-            capture_task_params: as for :class:`~fastpals.surgery.core.TaskGradients` (DeepSpeed ZeRO-1/2: see
-            :mod:`fastpals.surgery`). Data parallel averages the ``[T, P]`` rows.
-        dtype: row dtype, ``torch.float32``, ``torch.bfloat16`` or ``torch.float16``; default (None) the
-            parameters' dtype if 16-bit, else float32. The Gram and the update accumulate in float32.
+    ``dtype``: the rows' (float32, bfloat16 or float16; default the parameters' if 16-bit, else float32); the Gram
+    and the update accumulate in float32. The other arguments: :class:`~fastpals.surgery.core.TaskGradients`.
     """
 
     def __init__(
@@ -72,8 +58,7 @@ class TaskGradientBuffer(TaskGradients):
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise TypeError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
         self.dtype = dtype
-        # per shared parameter its [T, numel_k] rows: column views of its chunk's [T, P_c] tensor, made at the
-        # chunk's first write in a step, each marked as made on first use within the step
+        # per shared parameter its [T, numel_k] rows: column views of its chunk, made on first use in a step
         self._bounds = chunk_bounds(self.numels)
         self._chunks: list[torch.Tensor | None] = [None] * len(self._bounds)
         self._chunk_of = [c for c, (a, b) in enumerate(self._bounds) for _ in range(a, b)]
@@ -82,27 +67,18 @@ class TaskGradientBuffer(TaskGradients):
         self._captured = [False] * num_tasks
         self._task_state: list[tuple[int, int] | None] = [None] * len(self.task_params)
 
-    # ------------------------------------------------------------------------------------------------------------
     def _task_grad_state(self, p: torch.nn.Parameter) -> tuple[int, int] | None:
         g = self.grad_getter(p)
         return None if g is None else (id(g), g._version)
 
     def capture(self, task: int, accumulate: bool = False) -> None:
-        """Copy the current gradients of the shared parameters into row ``task`` and clear them.
-
-        Call it after the backward of task ``task``. A parameter with no gradient contributes zeros and counts as
-        not touched by that task. ``accumulate=True`` adds to the row instead (several micro-batches of one task);
-        otherwise capturing a task twice before :meth:`apply` is an error.
-        """
+        """Move the shared gradients into row ``task`` (``accumulate``: add, micro-batches of one task)."""
         if not isinstance(task, int) or not 0 <= task < self.num_tasks:
             raise ValueError(f"task must be an int in [0, {self.num_tasks}), got {task!r}")
         if self._captured[task] and not accumulate:
             raise ValueError(f"task {task} was already captured since the last apply() (use accumulate=True)")
         fresh = not self._captured[task]
-        dst_some: list[torch.Tensor] = []
-        src_some: list[torch.Tensor] = []
-        dst_none: list[torch.Tensor] = []
-        touched = self._touched[task]
+        dst_some, src_some, dst_none = [], [], []
         for k, p in enumerate(self.params):
             g = self.grad_getter(p)
             if g is None:
@@ -115,7 +91,7 @@ class TaskGradientBuffer(TaskGradients):
                 )
             if g.is_sparse:
                 raise ValueError(f"gradient of shared parameter {k} is sparse; dense gradients are required")
-            touched[k] = True
+            self._touched[task][k] = True
             dst_some.append(self.block(k)[task])
             src_some.append(g.detach().reshape(-1))
         if dst_some:
@@ -131,8 +107,7 @@ class TaskGradientBuffer(TaskGradients):
         self._capture_task_params([task])
 
     def _capture_task_params(self, tasks: Sequence[int]) -> None:
-        """The task-specific half of a capture: record which tasks touched each task parameter and, with
-        ``capture_task_params``, take their gradients out (summed into float32 copies)."""
+        """Record which tasks touched each task parameter (and with ``capture_task_params`` take the gradients)."""
         for k, p in enumerate(self.task_params):
             if self.capture_task_params:
                 g = self.grad_getter(p)
@@ -145,26 +120,19 @@ class TaskGradientBuffer(TaskGradients):
                 self.task_param_tasks[k].update(tasks)
             self._task_state[k] = state
 
-    # --- rows written in place (one backward for every task: fastpals.surgery.per_task) -------------------------
     def captured_tasks(self) -> list[bool]:
         """Which rows hold a gradient captured since the last :meth:`apply` (the others count as zero)."""
         return list(self._captured)
 
-    def _chunk(self, c: int) -> torch.Tensor:
-        """Chunk ``c``'s ``[T, P_c]`` tensor, made uninitialised at its first use in a step."""
-        chunk = self._chunks[c]
-        if chunk is None:
+    def _new_block(self, k: int) -> torch.Tensor:
+        """Parameter ``k``'s columns of its chunk (counted by the memory planner as the surgery buffer's)."""
+        c = self._chunk_of[k]
+        if self._chunks[c] is None:  # uninitialised: every row is written or zeroed before it is read
             a, b = self._bounds[c]
-            chunk = self._chunks[c] = torch.empty(
+            self._chunks[c] = torch.empty(
                 (self.num_tasks, sum(self.numels[a:b])), dtype=self.dtype, device=self.device
             )
-        return chunk
-
-    def _new_block(self, k: int) -> torch.Tensor:
-        """Shared parameter ``k``'s columns of its chunk, zeroed when some row already holds an earlier capture of
-        this step; otherwise every row is written or zeroed before it is read. The memory planner counts what
-        this makes as the surgery buffer's."""
-        block = self._chunk(self._chunk_of[k])[:, self._offsets[k] : self._offsets[k] + self.numels[k]]
+        block = self._chunks[c][:, self._offsets[k] : self._offsets[k] + self.numels[k]]
         if any(self._captured):
             block.zero_()
         return block
@@ -184,19 +152,16 @@ class TaskGradientBuffer(TaskGradients):
         return self.block(k).view(self.num_tasks, *self.params[k].shape)
 
     def capture_written(self, tasks: Sequence[int], written: Sequence[Sequence[bool]]) -> None:
-        """Record rows written in place by :func:`fastpals.surgery.per_task_gradients`: ``tasks`` had rows in the
-        batch, ``written[t][k]``: shared parameter k's part of row t was written (in a fresh row the others are
-        zeroed); then the task-specific gradients as in :meth:`capture`."""
+        """Record the rows :func:`~fastpals.surgery.per_task_gradients` wrote for ``tasks``."""
         tasks = list(tasks)
         for t in tasks:
             if not 0 <= t < self.num_tasks:
                 raise ValueError(f"task {t} out of range [0, {self.num_tasks})")
-            fresh = not self._captured[t]
             stale = []
             for k in range(len(self.params)):
                 if written[t][k]:
                     self._touched[t][k] = True
-                elif fresh and self._blocks[k] is not None:
+                elif not self._captured[t] and self._blocks[k] is not None:
                     stale.append(self._blocks[k][t])
             if stale:
                 torch._foreach_zero_(stale)
@@ -205,18 +170,14 @@ class TaskGradientBuffer(TaskGradients):
             self._capture_task_params(tasks)
 
     def drop_task_grads(self) -> None:
-        """Forget the task-specific gradients of this step so far (clear them through ``grad_setter`` and, with
-        ``capture_task_params``, the captured copies). GEM uses it after the episodic-memory backwards, whose
-        gradients only constrain the update."""
+        """Forget the task-specific gradients of this step so far (GEM, after the episodic-memory backwards)."""
         for k, p in enumerate(self.task_params):
             self.grad_setter(p, None)
             self._task_seen[k] = False
         self._task_state = [self._task_grad_state(p) for p in self.task_params]
 
-    # --- Gram -> weights -> combine (TaskGradients.apply) ----------------------------------------------------------
     def _finish_gram(self) -> torch.Tensor:
-        """``[T, T]`` float32 Gram of the rows: rows not captured this step and columns of blocks nobody wrote are
-        zeroed, the chunks averaged over the ranks when data parallel, then one Gram launch per chunk."""
+        """``[T, T]`` float32 Gram of the rows (absent ones zeroed), one launch per chunk."""
         absent = [t for t in range(self.num_tasks) if not self._captured[t]]
         if absent and any(c is not None for c in self._chunks):
             torch._foreach_zero_([c[t] for c in self._chunks if c is not None for t in absent])
@@ -252,7 +213,6 @@ class TaskGradientBuffer(TaskGradients):
         return torch.cat([c if c is not None else z for c, z in zip(self._chunks, zeros)], dim=1)
 
     def _end_step(self) -> None:
-        """Forget this step's captures and rows (the next one starts fresh rows)."""
         super()._end_step()
         self._task_seen = [False] * len(self.task_params)
         self._captured = [False] * self.num_tasks
@@ -282,37 +242,23 @@ class TaskGradientBuffer(TaskGradients):
             del b
             self.grad_setter(p, update.view_as(p))
 
-    # ------------------------------------------------------------------------------------------------------------
     @property
     def data(self) -> torch.Tensor:
-        """A ``[T, P]`` copy of the rows captured since the last :meth:`apply` (the shared parameters' blocks side
-        by side, zeros for a block not written yet): for inspection and tests; :meth:`apply` reads the blocks."""
-        out = torch.cat(
-            [
-                b if b is not None else torch.zeros((self.num_tasks, n), dtype=self.dtype, device=self.device)
-                for b, n in zip(self._blocks, self.numels)
-            ],
-            dim=1,
-        )
-        for t in range(self.num_tasks):
-            if not self._captured[t]:
-                out[t].zero_()
+        """A ``[T, P]`` copy of the rows captured since the last :meth:`apply` (for inspection)."""
+        zeros = [torch.zeros((self.num_tasks, n), dtype=self.dtype, device=self.device) for n in self.numels]
+        out = torch.cat([b if b is not None else z for b, z in zip(self._blocks, zeros)], dim=1)
+        out[[not c for c in self._captured]] = 0
         return out
 
     def row(self, task: int) -> torch.Tensor:
-        """A copy of row ``task``, ``[P]`` (the flattened gradient of the shared parameters; see :attr:`data`)."""
+        """A copy of row ``task``, ``[P]``."""
         return self.data[task]
 
-    def __repr__(self) -> str:
-        return (
-            f"TaskGradientBuffer(num_tasks={self.num_tasks}, shared_elements={self.num_elements}, "
-            f"dtype={self.dtype}, task_params={len(self.task_params)}, all_reduce={self.all_reduce})"
-        )
+    _repr_fields = ("dtype",)
 
 
 def parameters_reached(loss: torch.Tensor, params: Sequence[torch.nn.Parameter]) -> list[bool]:
-    """Which of ``params`` the autograd graph of ``loss`` reaches (a walk over ``grad_fn``; no gradient is
-    computed). Used to split parameters into shared, task-specific and unused ones."""
+    """Which of ``params`` the autograd graph of ``loss`` reaches (a walk over ``grad_fn``)."""
     if not isinstance(loss, torch.Tensor):
         raise TypeError(f"loss must be a tensor, got {type(loss).__name__}")
     index = {id(p): k for k, p in enumerate(params)}

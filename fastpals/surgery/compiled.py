@@ -1,8 +1,6 @@
 """The compiled weight solve ``torch.ops.fastpals.solve_weights`` (``csrc/``): one op call per Gram -> weights
-solve (C++ on the CPU, one CUDA launch on the GPU) for the aggregators, whose PyTorch solvers stay the reference
-and the fallback. The op comes from the wheel's extension ``fastpals._C`` (``FASTPALS_BUILD_EXT=1 pip install
-.``) or from ``csrc/`` built just in time with ninja into :func:`extension_cache_dir`; without a compiler (or
-with ``FASTPALS_SOLVE=torch``) the PyTorch solvers run. The first solve prints one line saying which.
+solve, from the extension ``fastpals._C`` or built just in time with ninja; without it (or with
+``FASTPALS_SOLVE=torch``) the aggregators' PyTorch solvers run. The first solve prints which.
 """
 
 from __future__ import annotations
@@ -17,8 +15,6 @@ from typing import Any
 
 import torch
 
-__all__ = ["CSRC", "enabled", "extension_cache_dir", "load", "solve_weights"]
-
 #: the sources of the op (a checkout's top-level ``csrc/``)
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 CPU_SOURCES = ("solve_weights.cpp",)
@@ -31,10 +27,8 @@ def extension_cache_dir() -> Path:
     """Where the just-in-time build lives: ``$XDG_CACHE_HOME/fastpals/extensions/<python>-<torch>-<cpu|cuXY>``."""
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fastpals" / "extensions"
     flavour = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
-    tag = (
-        f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__.split('+')[0]}-{flavour}"
-    )
-    return root / tag
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    return root / f"{python}-torch{torch.__version__.split('+')[0]}-{flavour}"
 
 
 def _fake(gram: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -58,13 +52,11 @@ def _build_jit() -> str:
         is_python_module=False,
         verbose=False,
     )
-    kind = "C++ and CUDA" if with_cuda else "C++"
-    return f"({kind}) built just in time with ninja, cached in {build} (rebuilt when csrc/ changes)"
+    return f"({'C++ and CUDA' if with_cuda else 'C++'}) built just in time with ninja, cached in {build} (rebuilt when csrc/ changes)"
 
 
 def load() -> bool:
-    """Load (or build) the op once per process and print one line saying which solver path runs; True if the
-    op is there."""
+    """Load (or build) the op once per process, print which solver path runs; True if the op is there."""
     if "ok" in _state:
         return bool(_state["ok"])
     if os.environ.get("FASTPALS_SOLVE", "").lower() == "torch":
@@ -109,9 +101,7 @@ def solve_weights(
     params: Sequence[float],
     state: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``w [T]`` (float64 for a float64 ``gram [T, T]``, else float32) for the op code ``method`` with ``vec``
-    (float64 or None) and ``params`` (at most 3), laid out in ``csrc/solvers.h``; ``state`` (float64: GradVac's
-    targets, MoDo's and SDMGrad's weights) is updated in place."""
+    """``w [T]`` for the op code ``method`` with ``vec``, ``params``, ``state`` (``csrc/solvers.h``)."""
     if gram.dtype != torch.float64:
         gram = gram.to(torch.float32)
     return torch.ops.fastpals.solve_weights(gram, method, vec, [float(p) for p in params], state)

@@ -1,9 +1,5 @@
-"""The surgery core shared by the buffer and the stream: Gram -> aggregator weights -> combined update.
-
-:class:`TaskGradients` runs :meth:`TaskGradients.apply`; a memory mode supplies ``_finish_gram() -> [T, T]``
-float32 (globally averaged when data parallel) and ``_write_update(weights, touched)`` (``sum_t w_t g_t`` into
-the shared parameters' gradients).
-"""
+"""The surgery core shared by the buffer and the stream: Gram -> aggregator weights -> combined update; a memory
+mode supplies ``_finish_gram`` and ``_write_update``."""
 
 from __future__ import annotations
 
@@ -14,8 +10,6 @@ import torch
 import torch.distributed as dist
 
 from fastpals.functional import MAX_TASKS
-
-__all__ = ["SurgeryResult", "TaskGradients", "default_grad_getter", "default_grad_setter"]
 
 GradGetter = Callable[[torch.nn.Parameter], "torch.Tensor | None"]
 GradSetter = Callable[[torch.nn.Parameter, "torch.Tensor | None"], None]
@@ -33,19 +27,12 @@ def default_grad_setter(p: torch.nn.Parameter, value: torch.Tensor | None) -> No
 
 
 class SurgeryResult:
-    """What :meth:`TaskGradients.apply` did.
+    """What :meth:`TaskGradients.apply` did: ``skipped`` (a gradient was non-finite: do not step), ``weights [T]``
+    (None when skipped), ``gram [T, T]`` float32, ``nonfinite_tasks`` (rows with inf/nan), ``nonfinite_task_params``.
 
-    - ``skipped``: True when a gradient was non-finite; the optimizer must not step.
-    - ``weights [T]`` (device; None when skipped): the update is ``sum_t weights[t] * g_t``.
-    - ``gram [T, T]`` float32 (device): the Gram matrix of the (globally averaged) task gradients.
-    - ``nonfinite_tasks``: rows whose gradient held inf/nan (or whose squared norm overflowed fp32).
-    - ``nonfinite_task_params``: True when a task-specific gradient was non-finite.
-    - ``ok``: 0-dim bool device tensor, True when nothing was non-finite (None for host-checked results).
-    - ``flags``: ``[T + 1]`` bool device tensor (deferred results; else None): each row's finite flag, then the
-      task-specific gradients' one.
-
-    A result of ``apply(..., sync=False)`` holds its flags on the device: the host fields read them on first
-    access (one read), or the caller reads ``flags`` with its own values and passes them to :meth:`resolve`.
+    A result of ``apply(..., sync=False)`` holds ``flags [T + 1]`` (each row's finite flag, then the task-specific
+    gradients') and ``ok`` (all of them) on the device: the host fields read them on first access, or the caller
+    passes its own read of ``flags`` to :meth:`resolve`.
     """
 
     def __init__(
@@ -60,7 +47,7 @@ class SurgeryResult:
         on_skip: Callable[[], None] | None = None,
     ) -> None:
         self._skipped = skipped
-        self._weights = weights
+        self.weights = weights  # a pending result's device weights, None once resolved as skipped
         self.gram = gram
         self._nonfinite_tasks = list(nonfinite_tasks)
         self._nonfinite_task_params = nonfinite_task_params
@@ -78,7 +65,7 @@ class SurgeryResult:
             self._nonfinite_tasks = [t for t, f in enumerate(host[:-1]) if not f]
             self._nonfinite_task_params = not host[-1]
             if self._skipped:
-                self._weights = None
+                self.weights = None
                 if self._on_skip is not None:
                     self._on_skip()
 
@@ -90,12 +77,6 @@ class SurgeryResult:
     def skipped(self) -> bool:
         self._resolve()
         return bool(self._skipped)
-
-    @property
-    def weights(self) -> torch.Tensor | None:
-        if self._skipped is None:  # pending: the device weights (to be dropped if the flags say skip)
-            return self._weights
-        return None if self._skipped else self._weights
 
     @property
     def nonfinite_tasks(self) -> list[int]:
@@ -114,50 +95,28 @@ class SurgeryResult:
 
 def unique_params(params: Iterable[torch.nn.Parameter], name: str) -> list[torch.nn.Parameter]:
     """``params`` without repeats, in order; a ``TypeError`` naming ``name`` for anything but tensors."""
-    out: list[torch.nn.Parameter] = []
-    seen: set[int] = set()
+    out: dict[int, torch.nn.Parameter] = {}
     for p in params:
         if not isinstance(p, torch.Tensor):
             raise TypeError(f"{name} must hold tensors (parameters), got {type(p).__name__}")
-        if id(p) not in seen:
-            seen.add(id(p))
-            out.append(p)
-    return out
-
-
-def weights_on_device(
-    aggregator: Aggregator,
-    g_mat: torch.Tensor,
-    ok: torch.Tensor,
-    generator: torch.Generator | None,
-    aggregator_kwargs: dict[str, Any],
-) -> torch.Tensor:
-    """``apply(sync=False)``'s weights without a host read: the aggregator on its input (Gram or rows) where ``ok``
-    (a device bool), else on the identity (zeros for rows); non-finite entries zeroed, so the weights stay finite."""
-    if g_mat.shape[0] == g_mat.shape[1]:
-        fallback = torch.eye(g_mat.shape[0], dtype=g_mat.dtype, device=g_mat.device)
-    else:
-        fallback = torch.zeros_like(g_mat)
-    safe = torch.where(ok, torch.nan_to_num(g_mat, nan=0.0, posinf=0.0, neginf=0.0), fallback)
-    return aggregator(safe, generator=generator, **aggregator_kwargs)
+        out.setdefault(id(p), p)
+    return list(out.values())
 
 
 class TaskGradients:
     """Per-task gradients of the shared parameters, reduced to one update by :meth:`apply`.
 
     Args:
-        params: the parameters shared by the tasks (the Gram is over them). All on one device.
-        num_tasks: ``1 <= num_tasks <= MAX_TASKS``.
-        task_params: task-specific parameters; their gradients are not in the Gram. They take part in the finite
-            check and the data-parallel average, and :attr:`task_param_tasks` records which tasks touched each.
-        grad_getter / grad_setter: how gradients are read and written; default ``p.grad``. A setter receiving
-            ``None`` must clear the gradient.
-        grad_dtype: dtype of the combined gradient written back (default: the parameters' dtype).
-        process_group / all_reduce: data parallel: average the task gradients over the group (the default group
-            with ``all_reduce=True``) before the Gram, so that surgery acts on the global per-task gradients.
+        params: the parameters shared by the tasks (the Gram is over them), on one device.
+        task_params: task-specific parameters: not in the Gram, but in the finite check and the data-parallel
+            average; :attr:`task_param_tasks` records which tasks touched each.
+        grad_getter / grad_setter: how gradients are read and written (default ``p.grad``; ``None`` clears).
+        process_group / all_reduce: data parallel: average the task gradients over the group before the Gram.
         capture_task_params: take the task-specific gradients out at each capture and write them back in
-            :meth:`apply` (where successive backwards replace gradients instead of adding, as DeepSpeed ZeRO-1/2).
+            :meth:`apply` (where backwards replace gradients instead of adding, as DeepSpeed ZeRO-1/2).
     """
+
+    _repr_fields: tuple[str, ...] = ()  # a mode's settings shown by repr
 
     def __init__(
         self,
@@ -205,7 +164,6 @@ class TaskGradients:
         self.skipped_steps = 0
         self.steps = 0
 
-    # --- the mode's hooks ---------------------------------------------------------------------------------------
     def _finish_gram(self) -> torch.Tensor:
         """``[T, T]`` float32 Gram of this step's task gradients (globally averaged when data parallel)."""
         raise NotImplementedError
@@ -215,18 +173,10 @@ class TaskGradients:
         raise NotImplementedError
 
     def _end_step(self) -> None:
-        """Forget this step's gradients (the next step starts fresh)."""
         self.steps += 1
 
-    # --- Gram -> weights -> combine -----------------------------------------------------------------------------
-    def _task_grads(self) -> list[torch.Tensor | None]:
-        if self.capture_task_params:
-            return [acc if seen else None for acc, seen in zip(self._task_acc, self._task_seen)]
-        return [self.grad_getter(p) for p in self.task_params]
-
     def _take_task_grad(self, k: int, g: torch.Tensor) -> None:
-        """``capture_task_params``: add task parameter ``k``'s gradient ``g`` into its float32 copy (zeroed at the
-        step's first capture) and clear the gradient."""
+        """Move task parameter ``k``'s gradient into its float32 copy (zeroed at the first capture)."""
         p = self.task_params[k]
         if self._task_acc[k] is None:
             self._task_acc[k] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
@@ -249,11 +199,9 @@ class TaskGradients:
     ) -> SurgeryResult:
         """Gram -> ``aggregator(gram, generator=generator, **aggregator_kwargs)`` -> ``sum_t w_t g_t`` into .grad.
 
-        Tasks with no gradient this step count as zero. One host read: the finite checks (the Gram's diagonal,
-        the task-specific gradients; data parallel, every rank's touched flags). When one fails the step is
-        skipped: the shared gradients stay ``None``, the aggregator is not called, the result names the tasks.
-        ``sync=False`` (one rank): no host read; the flags stay on the device (``result.ok``), the aggregator runs
-        on the identity where they fail, and the caller must not step when one is false.
+        One host read, the finite checks; when one fails the step is skipped (shared gradients ``None``, the
+        aggregator not called). ``sync=False`` (one rank): no host read; the aggregator runs on the identity where
+        the device flags (``result.ok``) fail, and the caller must not step then.
         """
         if self.all_reduce and (not dist.is_available() or not dist.is_initialized()):
             raise RuntimeError("all_reduce/process_group given but torch.distributed is not initialised")
@@ -261,8 +209,27 @@ class TaskGradients:
             raise ValueError("apply(sync=False) is for one rank (the all-reduced flags are read on the host)")
         t = self.num_tasks
         g_mat = self._finish_gram()
+
+        def settle(host: Sequence[Any], touched: Sequence[Sequence[Any]]) -> SurgeryResult:
+            """The host-checked end: ``host`` holds the ``T`` row flags, then the task-specific one."""
+            if not all(host):
+                self._count_skip()
+                self._end_step()
+                return SurgeryResult(
+                    True, None, g_mat, [i for i in range(t) if not host[i]], not all(host[t:])
+                )
+            weights = aggregator(
+                self._aggregator_input(aggregator, g_mat), generator=generator, **aggregator_kwargs
+            )
+            self._write_update(weights, touched)
+            self._end_step()
+            return SurgeryResult(False, weights, g_mat)
+
         finite = torch.isfinite(torch.diagonal(g_mat))
-        task_grads = self._task_grads()
+        if self.capture_task_params:
+            task_grads = [acc if seen else None for acc, seen in zip(self._task_acc, self._task_seen)]
+        else:
+            task_grads = [self.grad_getter(p) for p in self.task_params]
         if self.all_reduce:
             flags = torch.tensor(
                 [x for row in self._touched for x in row] + [g is not None for g in task_grads],
@@ -286,9 +253,7 @@ class TaskGradients:
                 parts = torch.split(task_flat, [p.numel() for p in self.task_params])
                 for p, part, u in zip(self.task_params, parts, used[t * n :]):
                     self.grad_setter(p, part.view_as(p).to(p.dtype) if u else None)
-            return self._settle(
-                host[: t + len(checks)], g_mat, touched, aggregator, generator, aggregator_kwargs
-            )
+            return settle(host[: t + len(checks)], touched)
         touched = self._touched
         present = [g.detach() for g in task_grads if g is not None]  # one fused norm: are they finite?
         task_ok = (
@@ -298,41 +263,27 @@ class TaskGradients:
             for p, g in zip(self.task_params, task_grads):
                 if g is not None:
                     self.grad_setter(p, g.to(p.dtype) if g.dtype != p.dtype else g.clone())
-        if sync:
-            host = torch.cat(
-                [finite] + ([task_ok] if task_ok is not None else [])
-            ).tolist()  # the one host read
-            return self._settle(host, g_mat, touched, aggregator, generator, aggregator_kwargs)
+        if sync:  # the one host read
+            return settle(torch.cat([finite] + ([task_ok] if task_ok is not None else [])).tolist(), touched)
         if task_ok is None:
             task_ok = torch.ones(1, dtype=torch.bool, device=self.device)
         flags_dev = torch.cat([finite, task_ok])
+        # finite weights without a host read: the aggregator on the identity (zero rows) where a flag fails
         x = self._aggregator_input(aggregator, g_mat)
-        weights = weights_on_device(aggregator, x, flags_dev.all(), generator, aggregator_kwargs)
+        square = x.shape[0] == x.shape[1]
+        fallback = torch.eye(x.shape[0], dtype=x.dtype, device=x.device) if square else torch.zeros_like(x)
+        safe = torch.where(flags_dev.all(), torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0), fallback)
+        weights = aggregator(safe, generator=generator, **aggregator_kwargs)
         self._write_update(weights, touched)
         self._end_step()
         return SurgeryResult(None, weights, g_mat, flags=flags_dev, on_skip=self._count_skip)
 
-    def _settle(
-        self,
-        host: Sequence[Any],
-        g_mat: torch.Tensor,
-        touched: Sequence[Sequence[Any]],
-        aggregator: Aggregator,
-        generator: torch.Generator | None,
-        aggregator_kwargs: dict[str, Any],
-    ) -> SurgeryResult:
-        """The rest of a host-checked ``apply``: ``host`` holds the ``T`` row flags, then the task-specific one."""
-        t = self.num_tasks
-        if not all(host):
-            self._count_skip()
-            self._end_step()
-            return SurgeryResult(True, None, g_mat, [i for i in range(t) if not host[i]], not all(host[t:]))
-        weights = aggregator(
-            self._aggregator_input(aggregator, g_mat), generator=generator, **aggregator_kwargs
+    def __repr__(self) -> str:
+        mode = "".join(f"{k}={getattr(self, k)!r}, " for k in self._repr_fields)
+        return (
+            f"{type(self).__name__}(num_tasks={self.num_tasks}, shared_elements={self.num_elements}, {mode}"
+            f"task_params={len(self.task_params)}, all_reduce={self.all_reduce})"
         )
-        self._write_update(weights, touched)
-        self._end_step()
-        return SurgeryResult(False, weights, g_mat)
 
     def _aggregator_input(self, aggregator: Aggregator, g_mat: torch.Tensor) -> torch.Tensor:
         """The Gram, or the ``[T, P]`` rows for an aggregator marked ``reads_rows`` (ExcessMTL)."""

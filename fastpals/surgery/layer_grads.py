@@ -1,12 +1,10 @@
 """The per-layer rules of :func:`fastpals.surgery.per_task_gradients`: autograd functions for the shared
-``nn.Linear`` / ``nn.LayerNorm`` / ``nn.Embedding`` modules whose backward writes each task's gradient of the
-module's parameters (over that task's rows of the flattened input ``[R, d]``, :class:`RowTasks`) into that task's
-row of the buffer. The parameters enter the graph detached; the input gradient is the ordinary one.
-"""
+``nn.Linear`` / ``nn.LayerNorm`` / ``nn.Embedding`` whose backward writes each task's gradient of the module's
+(detached) parameters, over its rows of the input (:class:`RowTasks`), into its buffer row."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -17,29 +15,13 @@ from torch import nn
 from fastpals_kernels import dispatch
 from fastpals_kernels.common import build_task_row_plan, build_task_row_plan_host
 
-__all__ = [
-    "STACK_TEMP_ELEMENTS",
-    "EmbeddingFrame",
-    "RowTasks",
-    "embedding_forward",
-    "layer_norm_forward",
-    "linear_forward",
-]
-
-# Elements of the fp32 temporary of one output-row chunk of a task's weight gradient when the rows hold another
-# dtype: the 16-bit buffer's peak stays within T * P * 2 bytes of plain training.
+# elements of the fp32 temporary of one output-row chunk of a weight gradient written into 16-bit rows
 STACK_TEMP_ELEMENTS = 1 << 16
 
 
 @dataclass
 class RowTasks:
-    """Which task each row of a module's flattened input ``[R, d]`` belongs to.
-
-    - ``tasks``: the tasks with at least one row (sorted);
-    - ``slices[t]``: a contiguous ``slice`` of rows (batches grouped by task) or an int64 index tensor;
-    - ``row_task [R]`` int64 (device): the task of every row (for segmented sums with ``index_add``);
-    - ``num_rows`` R, ``starts`` / ``lengths`` (the per-example row ranges, for the grouped kernel).
-    """
+    """The task of each row of a flattened input ``[R, d]``: per task a ``slice`` or an int64 index tensor."""
 
     tasks: list[int]
     slices: dict[int, slice | torch.Tensor]
@@ -47,43 +29,28 @@ class RowTasks:
     num_rows: int
     seq_len: int | None = None
     cu_seqlens: torch.Tensor | None = None
-    example_tasks: torch.Tensor | None = (
-        None  # [B_pass] int64 (device): the task of every example of the pass
-    )
+    example_tasks: torch.Tensor | None = None  # [B_pass] int64 (device): the task of every example
     plan: Any = None  # the grouped kernel's TaskRowPlan, built on first use
     host_examples: tuple[np.ndarray, np.ndarray] | None = None  # per example its task and rows, host values
 
 
-# The block's state: a fastpals.surgery.per_task.PerTaskGradients (which imports this module), whose row maps
-# and writes into the buffer's rows these rules call.
-BlockState = Any
+BlockState = Any  # a fastpals.surgery.per_task.PerTaskGradients (which imports this module)
 
 
+@dataclass(eq=False)
 class EmbeddingFrame:
-    """One call of an embeddings block: the full-batch embedding that carries the summed gradient, and the
-    broadcast embeddings (position embeddings) summed with it."""
+    """One call of an embeddings block: its per-example embedding ran?, the broadcast ones summed with it."""
 
-    def __init__(self) -> None:
-        self.owner_set = False
-        self.broadcast: list[tuple[nn.Embedding, torch.Tensor]] = []
-        self.example_rows: RowTasks | None = None  # one row per example of the pass that made this frame
-
-
-def recomputing() -> bool:
-    """True inside a backward (where activation checkpointing runs a layer's forward again)."""
-    return torch._C._current_graph_task_id() != -1
+    owner_set: bool = False
+    broadcast: list[tuple[nn.Embedding, torch.Tensor]] = field(default_factory=list)
+    example_rows: RowTasks | None = None
 
 
 def _per_task_args(state: BlockState, m: nn.Linear | nn.LayerNorm, x: torch.Tensor) -> tuple | None:
-    """One forward of a shared ``m`` on ``x [..., d]``: None when ``x`` is not split by example (e.g. DeBERTa's
-    relative-position embeddings; ordinary autograd, the exact path gives each task's), else ``(weight, bias,
-    state, rows, k_w, k_b)``: ``m``'s parameters detached (no gradient edge, so no gradient hook fires), the row
-    map of ``x`` and their indices among the buffer's shared parameters (``k_b`` None: no bias)."""
-    lead = tuple(x.shape[:-1])
-    # A forward replayed by activation checkpointing (inside the backward) repeats the first forward's answer and
-    # is neither counted nor looked up: its node is never differentiated, another encoder pass may be current.
-    replay = recomputing()
-    rows = None if replay else state.rows(lead)
+    """``(weight, bias, state, rows, k_w, k_b)`` of a forward of ``m`` on ``x``; None for the exact path."""
+    # a forward replayed by activation checkpointing (inside the backward) repeats the first one's answer
+    replay = torch._C._current_graph_task_id() != -1
+    rows = None if replay else state.rows(tuple(x.shape[:-1]))
     exact = state.ran_exact(m) if replay else rows is None
     state.note_ran(m, exact=exact)
     if exact:
@@ -122,9 +89,9 @@ class _PerTaskLinear(torch.autograd.Function):
             flat = torch.mm(dy.reshape(-1, dy.shape[-1]), weight.to(dy.dtype))
             dx = flat.view(*dy.shape[:-1], weight.shape[1]).to(x.dtype)
         dy2 = dy.reshape(-1, dy.shape[-1])
-        x2 = x.reshape(-1, x.shape[-1])
-        if x2.dtype != dy2.dtype:  # autocast: the GEMMs run in the output gradient's dtype
-            x2 = x2.to(dy2.dtype)
+        x2 = x.reshape(-1, x.shape[-1]).to(
+            dy2.dtype
+        )  # autocast: the GEMMs run in the output gradient's dtype
         if not state.exact_pass:  # the exact path's partial backwards only carry the input gradient through
             # streaming surgery may build the weight's Gram later from the dy and x it keeps
             weight = not state.defers_linear_weight(ctx.k_w, ctx.rows)
@@ -142,8 +109,7 @@ def _linear_weight_grads(
     x: torch.Tensor,
     weight: bool = True,
 ) -> None:
-    """``dW_t = dy_t^T x_t`` and ``db_t = sum dy_t`` per task into the buffer (``dy [R, M]``, ``x [R, K]``;
-    ``k_w`` / ``k_b`` the buffer's indices of weight and bias; ``weight=False``: the bias only)."""
+    """``dW_t = dy_t^T x_t``, ``db_t = sum dy_t`` per task (``dy [R, M]``, ``x [R, K]``) into the rows."""
     if weight and kernels_on(state, dy):
         _linear_weight_grads_grouped(state, rows, k_w, k_b, dy, x)
         return
@@ -153,8 +119,7 @@ def _linear_weight_grads(
         return
     sizes = {s.stop - s.start for s in rows.slices.values() if isinstance(s, slice)}
     if len(rows.tasks) > 1 and len(sizes) == 1 and all(isinstance(s, slice) for s in rows.slices.values()):
-        # Equal, contiguous task segments: one GEMM per segment straight into its buffer row (torch.bmm would
-        # split its threads over the segments, slower on the CPU).
+        # equal, contiguous task segments: one GEMM per segment into its row (faster than bmm on the CPU)
         n = sizes.pop()
         starts = [rows.slices[t].start for t in rows.tasks]
         if starts == [starts[0] + i * n for i in range(len(starts))]:
@@ -193,8 +158,7 @@ def kernels_on(state: BlockState, t: torch.Tensor) -> bool:
 
 
 def row_plan(state: BlockState, rows: RowTasks) -> Any:
-    """The grouped weight-gradient kernel's :class:`~fastpals_kernels.common.TaskRowPlan` of ``rows``: built on
-    first use, one per row layout, shared by every Linear of that layout."""
+    """The grouped weight-gradient kernel's plan of ``rows``, built on first use (shared by every Linear)."""
     if rows.plan is None and rows.host_examples is not None:  # host values: one transfer
         task_ids, lengths = rows.host_examples
         rows.plan = build_task_row_plan_host(task_ids, state.num_tasks, lengths, rows.row_task.device)
@@ -214,9 +178,7 @@ def _linear_weight_grads_grouped(
     dy: torch.Tensor,
     x: torch.Tensor,
 ) -> None:
-    """All task segments in one launch of the grouped weight-gradient kernel (fp32 accumulation), straight into
-    the rows when every task's rows are written here for the first time; otherwise through a ``[T, M, K]``
-    temporary in the buffer's dtype."""
+    """All task segments in one launch of the grouped weight-gradient kernel."""
     plan = row_plan(state, rows)
     dtype = torch.float32 if state.buffer.dtype == torch.float32 else dy.dtype
     dw_rows = state.stack_target(k_w, rows.tasks, dtype)
@@ -237,12 +199,8 @@ def _linear_weight_grads_grouped(
         state.write_stack(k_b, rows.tasks, db[present])
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# nn.LayerNorm
-# ----------------------------------------------------------------------------------------------------------------
 def layer_norm_forward(state: BlockState, m: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
-    """``m(x)`` (``x [..., d]``, normalized over the last dimension) whose backward writes the per-task
-    ``dgamma``/``dbeta`` of ``m``."""
+    """``m(x)`` (``x [..., d]``) whose backward writes the per-task ``dgamma`` / ``dbeta`` of ``m``."""
     if len(m.normalized_shape) != 1:
         raise ValueError("per_task_gradients supports LayerNorm over the last dimension only")
     args = _per_task_args(state, m, x)
@@ -286,12 +244,8 @@ class _PerTaskLayerNorm(torch.autograd.Function):
         return None, dx, None, None, None, None, None, None, None
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# nn.Embedding
-# ----------------------------------------------------------------------------------------------------------------
 def embedding_forward(state: BlockState, m: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
-    """``m(ids)`` (``ids [B, L]``, packed ``[N]``, or broadcast ``[L]`` / ``[1, L]`` int64 -> ``[..., d]``) whose
-    backward writes the per-task embedding gradient of ``m``."""
+    """``m(ids)`` (``[B, L]``, packed ``[N]`` or broadcast ``[L]``) writing ``m``'s per-task rows."""
     frame = state.frame_of(m)
     state.note_ran(m, exact=False)
     state.forward_calls += 1
@@ -303,9 +257,7 @@ def embedding_forward(state: BlockState, m: nn.Embedding, ids: torch.Tensor) -> 
         return _BroadcastEmbedding.apply(state.anchor, ids, m.weight.detach(), m.padding_idx, frame, state)
     owner = not frame.owner_set
     frame.owner_set = True
-    if (
-        owner
-    ):  # the pass's examples, for the broadcast embeddings' backward (later passes may hold other rows)
+    if owner:  # the pass's examples, for the broadcast embeddings' backward (later passes may hold others)
         frame.example_rows = state.example_rows()
     k = state.param_index(m.weight)
     return _PerTaskEmbedding.apply(
@@ -331,12 +283,10 @@ class _PerTaskEmbedding(torch.autograd.Function):
         if state.exact_pass:
             return None, None, None, None, None, None, None, None
         d = dy.shape[-1]
-        rows: RowTasks = ctx.rows
-        state.write_embedding(ctx.k, ids.reshape(-1), dy.reshape(-1, d), rows, ctx.padding_idx)
+        state.write_embedding(ctx.k, ids.reshape(-1), dy.reshape(-1, d), ctx.rows, ctx.padding_idx)
         frame: EmbeddingFrame | None = ctx.frame
         if frame is not None and frame.broadcast:
-            # The broadcast embeddings were summed with this one: their gradient is this dy summed over each
-            # task's examples, at their own indices.
+            # broadcast embeddings summed with this one: this dy summed over each task's examples, at their ids
             ex_rows = frame.example_rows if frame.example_rows is not None else state.example_rows()
             per_example = dy.reshape(ex_rows.num_rows, -1)
             sums = torch.zeros(state.num_tasks, per_example.shape[1], dtype=torch.float32, device=dy.device)

@@ -1,7 +1,5 @@
 """``SurgeryOptimizer(optimizer, method=...)``: any aggregator around any optimizer, with Pytorch-PCGrad's
-``pc_backward(losses)`` convention (one backward per loss of one shared graph, each captured into a
-:class:`~fastpals.surgery.TaskGradientBuffer`); :class:`PCGrad` and :class:`GEM` are its ``pcgrad`` and ``gem``.
-"""
+``pc_backward(losses)`` (one backward per loss, each captured into a buffer row); ``PCGrad`` and ``GEM`` too."""
 
 from __future__ import annotations
 
@@ -12,20 +10,15 @@ import torch
 
 from fastpals.surgery.buffer import TaskGradientBuffer, parameters_reached
 from fastpals.surgery.core import SurgeryResult
-from fastpals.surgery.options import make_weighting
-from fastpals.surgery.weights_basic import gem_weights
-
-__all__ = ["GEM", "PCGrad", "SurgeryOptimizer", "shared_parameters_by_name"]
+from fastpals.surgery.weights_basic import gem_weights, proposal_vector
+from fastpals.surgery.weights_solved import make_weighting
 
 
 def shared_parameters_by_name(
     model: torch.nn.Module, is_task_specific: Callable[[str], bool] | None = None
 ) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
-    """Split ``model``'s trainable parameters into ``(shared, task_specific)`` by name.
-
-    The default rule is fastpals' :class:`~fastpals.MultiTaskBert` naming: heads (``heads.*``), PAL weights
-    and task embeddings are task-specific, every other (encoder) weight is shared.
-    """
+    """Split ``model``'s trainable parameters into ``(shared, task_specific)`` by name (default:
+    :class:`~fastpals.MultiTaskBert`'s, where heads, PAL weights and task embeddings are task-specific)."""
     if is_task_specific is None:
         from fastpals.encoder.bert import is_task_specific  # the parameter's default rule
 
@@ -41,19 +34,14 @@ class SurgeryOptimizer:
     ``SurgeryOptimizer(opt, method="upgrad").backward(losses); opt.step()``.
 
     Args:
-        optimizer: the wrapped optimizer (its parameters are the ones surgery and the split consider).
-        method: a registry name (``"pcgrad"``, ``"upgrad"``, ``"mgda"``, ``"cagrad"``, ``"nashmtl"``, ...).
         generator: CPU ``torch.Generator`` for the random orders of ``pcgrad`` and ``gradvac``.
-        buffer_dtype: dtype of the per-task gradient rows (float32, or bfloat16 to halve their memory).
-        shared_params: the parameters shared by the tasks (default: found per call from the losses' graphs,
-            those reached by two or more losses; give it where task-specific weights are slices of one stacked
-            parameter, as ``MultiTaskBert``'s PALs: :func:`shared_parameters_by_name`).
+        shared_params: the parameters shared by the tasks (default: those reached by two or more losses' graphs;
+            give it where task-specific weights are slices of one parameter: :func:`shared_parameters_by_name`).
         buffer_kwargs: passed to :class:`TaskGradientBuffer` (``grad_getter``, ``process_group``, ...).
-        **options: the method's options (values may be strings, see :func:`~fastpals.surgery.make_weighting`),
-            e.g. ``c=0.5`` for CAGrad, ``alpha=2`` for FairGrad.
+        **options: the method's options (strings are parsed, :func:`~fastpals.surgery.make_weighting`).
 
-    Task-specific and unused parameters are left alone. A stateful method's state is :attr:`weighting_state`;
-    ``state_dict()`` holds it under ``"surgery"`` beside the wrapped optimizer's.
+    Task-specific and unused parameters are left alone; ``state_dict()`` holds a stateful method's
+    :attr:`weighting_state` under ``"surgery"``.
     """
 
     def __init__(
@@ -109,19 +97,11 @@ class SurgeryOptimizer:
             return None
         return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
 
-    def _trainable(self) -> list[torch.nn.Parameter]:
-        out, seen = [], set()
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                if p.requires_grad and id(p) not in seen:
-                    seen.add(id(p))
-                    out.append(p)
-        return out
-
     def _split(
         self, losses: Sequence[torch.Tensor]
     ) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
-        params = self._trainable()
+        groups = self.optimizer.param_groups
+        params = list({id(p): p for g in groups for p in g["params"] if p.requires_grad}.values())
         if self.shared_params is not None:
             ids = {id(p) for p in self.shared_params}
             return list(self.shared_params), [p for p in params if id(p) not in ids]
@@ -139,16 +119,14 @@ class SurgeryOptimizer:
         self, shared: list[torch.nn.Parameter], specific: list[torch.nn.Parameter], rows: int
     ) -> TaskGradientBuffer:
         buf = self.buffer
+        key = (rows, [id(p) for p in shared], [id(p) for p in specific])
         if (
             buf is None
-            or buf.num_tasks != rows
-            or [id(p) for p in buf.params] != [id(p) for p in shared]
-            or [id(p) for p in buf.task_params] != [id(p) for p in specific]
+            or (buf.num_tasks, [id(p) for p in buf.params], [id(p) for p in buf.task_params]) != key
         ):
-            buf = TaskGradientBuffer(
+            buf = self.buffer = TaskGradientBuffer(
                 shared, rows, self.buffer_dtype, task_params=specific, **self.buffer_kwargs
             )
-            self.buffer = buf
         return buf
 
     @staticmethod
@@ -163,14 +141,12 @@ class SurgeryOptimizer:
         return list(losses)
 
     def _backward_into(self, buf: TaskGradientBuffer, losses: list[torch.Tensor], first_row: int) -> None:
-        last = len(losses) - 1
         for t, loss in enumerate(losses):
-            loss.backward(retain_graph=t < last)
+            loss.backward(retain_graph=t < len(losses) - 1)
             buf.capture(first_row + t)
 
     def backward(self, losses: Sequence[torch.Tensor]) -> SurgeryResult:
-        """Zero the gradients, back-propagate each task loss into its buffer row, and write the method's update
-        into ``.grad``."""
+        """Back-propagate each task loss into its buffer row and write the method's update into ``.grad``."""
         losses = self._check_losses(losses, "losses")
         shared, specific = self._split(losses)
         buf = self._buffer_for(shared, specific, len(losses))
@@ -188,8 +164,7 @@ class SurgeryOptimizer:
 
 
 class PCGrad(SurgeryOptimizer):
-    """``SurgeryOptimizer(optimizer, method="pcgrad", ...)``: PCGrad (Yu et al. 2020), the projected gradients
-    summed (the paper's rule). ``**buffer_kwargs`` go to :class:`TaskGradientBuffer`."""
+    """``SurgeryOptimizer(optimizer, method="pcgrad", ...)``; ``**buffer_kwargs`` go to the buffer."""
 
     def __init__(
         self,
@@ -203,11 +178,9 @@ class PCGrad(SurgeryOptimizer):
 
 
 class GEM(SurgeryOptimizer):
-    """``SurgeryOptimizer(optimizer, method="gem", proposal=..., ...)``: GEM (Lopez-Paz & Ranzato 2017), the update
-    closest to the ``proposal`` (``"sum"``, ``"mean"`` or a task index ``k``) whose inner product with every
-    constraint gradient is non-negative; ``max_iter``, ``tol``, ``ridge``: :func:`~fastpals.surgery.gem_weights`'s
-    solver options. The constraints are the task gradients, or with :meth:`gem_backward`'s ``memory_losses`` (one
-    loss per task on its episodic memory; ``2 T`` buffer rows) those of the memory."""
+    """``SurgeryOptimizer(optimizer, method="gem", proposal=..., ...)`` (:func:`~fastpals.surgery.gem_weights`);
+    with :meth:`gem_backward`'s ``memory_losses`` (one per task, ``2 T`` buffer rows) the memory's gradients are
+    the constraints."""
 
     def __init__(
         self,
@@ -253,13 +226,9 @@ class GEM(SurgeryOptimizer):
         # Memory gradients only constrain the update: drop what they left in the task-specific parameters.
         buf.drop_task_grads()
         self._backward_into(buf, losses, 0)
-        a = torch.zeros(2 * t, dtype=torch.float64)
-        if self.proposal == "sum":
-            a[:t] = 1.0
-        elif self.proposal == "mean":
-            a[:t] = 1.0 / t
-        else:
-            a[self.proposal] = 1.0
+        a = torch.cat(
+            [proposal_vector(self.proposal, t, torch.device("cpu")), torch.zeros(t, dtype=torch.float64)]
+        )
         result = buf.apply(gem_weights, proposal=a, constraints=list(range(t, 2 * t)), **self.solver_options)
         return self._finish(result)
 

@@ -1,14 +1,9 @@
 """Every task's gradient of the shared parameters from one forward and one backward over a mixed-task batch.
 
 Where examples do not interact (BERT), a shared weight's per-task gradient is a sum over that task's rows
-(``nn.Linear``: ``dW_t = dY_t^T X_t``). Inside :func:`per_task_gradients` the shared Linear / LayerNorm /
-Embedding modules run through the rules of :mod:`fastpals.surgery.layer_grads`, whose backward writes these
-gradients into the rows of a :class:`~fastpals.surgery.TaskGradientBuffer` (or a
-:class:`~fastpals.surgery.StreamingTaskGradients`); task-specific parameters keep their ordinary gradients. The
-row maps are host values of the batch's :class:`~fastpals.data.layout.BatchLayout`. Usage: ``docs/api.md``.
-
-Limits: examples must not interact; every shared parameter belongs to an ``nn.Linear``, ``nn.LayerNorm`` or
-``nn.Embedding``; ``torch.compile`` and ZeRO-3 are not covered (non-reentrant activation checkpointing is).
+(``dW_t = dY_t^T X_t``): the shared Linear / LayerNorm / Embedding modules run through
+:mod:`fastpals.surgery.layer_grads`, whose backward writes them into the buffer's rows. Not covered:
+``torch.compile``, ZeRO-3, other modules holding shared parameters.
 """
 
 from __future__ import annotations
@@ -36,13 +31,6 @@ from fastpals.surgery.layer_grads import (
 )
 from fastpals_kernels.padding import lengths_to_cu_seqlens
 
-__all__ = [
-    "PerTaskGradients",
-    "cu_seqlens_from_mask",
-    "per_task_gradients",
-    "task_mean_loss",
-]
-
 
 def cu_seqlens_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """``[B, L]`` right-padded attention mask (1 = token) -> ``cu_seqlens [B+1]`` int32 (packed token offsets)."""
@@ -52,11 +40,7 @@ def cu_seqlens_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def task_mean_loss(losses: torch.Tensor, task_ids: torch.Tensor, num_tasks: int) -> torch.Tensor:
-    """``sum_t mean_{b in task t} losses[b]``: the loss whose one backward gives every task's gradient.
-
-    ``losses [B]`` float (per-example losses), ``task_ids [B]`` int64 -> scalar (float32 or the losses' dtype).
-    Tasks with no example contribute nothing.
-    """
+    """``sum_t mean_{b in task t} losses[b]``: one backward gives every task's gradient."""
     if losses.dim() != 1 or task_ids.shape != losses.shape:
         raise ValueError(
             f"losses [B] and task_ids [B] expected, got {list(losses.shape)} and {list(task_ids.shape)}"
@@ -67,8 +51,7 @@ def task_mean_loss(losses: torch.Tensor, task_ids: torch.Tensor, num_tasks: int)
 
 
 class PerTaskGradients:
-    """The state of one :func:`per_task_gradients` block (see the module docstring): row maps from the batch's
-    :class:`~fastpals.data.layout.BatchLayout` (host values)."""
+    """The state of one :func:`per_task_gradients` block: row maps and writes into the buffer's rows."""
 
     def __init__(
         self,
@@ -81,16 +64,13 @@ class PerTaskGradients:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not isinstance(buffer, TaskGradientBuffer) and getattr(buffer, "block_class", None) is not type(
-            self
-        ):
+        block_class = PerTaskGradients if isinstance(buffer, TaskGradientBuffer) else None
+        if getattr(buffer, "block_class", block_class) is not type(self):
             raise TypeError(
                 f"buffer must be a TaskGradientBuffer or a StreamingTaskGradients, got {type(buffer).__name__}"
             )
-        self.model = model
-        self.buffer = buffer
-        self.num_tasks = buffer.num_tasks
-        self.device = buffer.device
+        self.model, self.buffer, self.num_tasks, self.device = model, buffer, buffer.num_tasks, buffer.device
+        self._adopts_layout = self._takes_layout = False
         if isinstance(layout, BatchLayout):
             if cu_seqlens is not None or pass_task_ids is not None:
                 raise ValueError(
@@ -110,13 +90,10 @@ class PerTaskGradients:
             )
             self._given = (layout, cu_seqlens, pass_task_ids)
             self._layouts = None  # on first use: the layout the model's forward gets, else read on the host
-        # the deprecated call on a model that packs padded batches itself (MultiTaskBert.batch_layout): the
-        # layout it builds replaces the one made from the task ids
-        self._adopts_layout = not isinstance(layout, BatchLayout) and callable(
-            getattr(model, "batch_layout", None)
-        )
-        # the deprecated call on a model whose forward takes the layout: its own tensors name it (no host read)
-        self._takes_layout = self._layouts is None and "layout" in inspect.signature(model.forward).parameters
+            # the layout a model that packs batches itself builds replaces the task ids' one
+            self._adopts_layout = callable(getattr(model, "batch_layout", None))
+            # a model whose forward takes the layout: its tensors name it (no host read)
+            self._takes_layout = "layout" in inspect.signature(model.forward).parameters
         self._pass_key: int | None = None
         if not self._takes_layout:
             self._use_pass(0)
@@ -134,8 +111,7 @@ class PerTaskGradients:
         self._exact_done = False
         self.exact_pass = False
         self._handles: list[Any] = []
-        # A leaf that requires grad, passed to every function: their outputs require grad (and their backward
-        # runs) even where no input does (embedding lookups of detached tables). It never receives a gradient.
+        # passed to every rule: their backward runs even where no input requires grad (detached tables)
         self.anchor = torch.zeros((), device=self.device, requires_grad=True)
         self._patched: list[nn.Module] = []
 
@@ -145,21 +121,18 @@ class PerTaskGradients:
         cu_seqlens: torch.Tensor | Sequence[torch.Tensor] | None,
         pass_task_ids: Sequence[torch.Tensor] | None,
     ) -> list[BatchLayout]:
-        """Per encoder pass, the layout of tensors given without one (the deprecated call): ``task_ids`` (and
-        ``cu_seqlens``) read on the host once, and validated."""
+        """The deprecated call: per encoder pass, the layout of ``task_ids`` (and ``cu_seqlens``), read once."""
         if not isinstance(task_ids, torch.Tensor) or task_ids.dim() != 1 or task_ids.dtype.is_floating_point:
             raise ValueError("task_ids must be an integer tensor [B] (one task per example)")
         hosts = [np.asarray(task_ids.tolist(), dtype=np.int64)]  # the one host read of the block
         hosts += [np.asarray(torch.as_tensor(t).tolist(), dtype=np.int64) for t in (pass_task_ids or [])[1:]]
         for k, h in enumerate(hosts):
             if h.ndim != 1 or (h.size and (int(h.min()) < 0 or int(h.max()) >= self.num_tasks)):
-                if k == 0:
-                    raise ValueError(
-                        f"task_ids must lie in [0, {self.num_tasks}) (the buffer's num_tasks), got "
-                        f"[{int(h.min())}, {int(h.max())}]"
-                    )
                 raise ValueError(
-                    f"pass_task_ids[{k}] must be a 1-D tensor of task ids in [0, {self.num_tasks})"
+                    f"task_ids must lie in [0, {self.num_tasks}) (the buffer's num_tasks), got "
+                    f"[{int(h.min())}, {int(h.max())}]"
+                    if k == 0
+                    else f"pass_task_ids[{k}] must be a 1-D tensor of task ids in [0, {self.num_tasks})"
                 )
         cu_list = [cu_seqlens] if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens or [])
         for k, cu in enumerate(cu_list):
@@ -187,13 +160,11 @@ class PerTaskGradients:
         return list(self._all_layouts()[0].present)
 
     def _all_layouts(self) -> list[BatchLayout]:
-        if self._layouts is None:
-            self._layouts = self._host_layouts(*self._given)
+        self._layouts = self._layouts or self._host_layouts(*self._given)
         return self._layouts
 
     def _take_layout(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        """The deprecated call: the layout the model's forward gets, when ``task_ids`` (and ``cu_seqlens``) are
-        that layout's own tensors (``model_inputs(batch, device)["task_ids"]``); else the task ids read once."""
+        """The deprecated call: the layout the model's forward gets when the task ids are its own tensors."""
         task_ids, cu_seqlens, pass_task_ids = self._given
         lay = kwargs.get("layout")
         if (
@@ -215,25 +186,21 @@ class PerTaskGradients:
         self.batch = self.layout.batch
         self.task_ids = self.layout.task_ids
 
-    # --- row layout ---------------------------------------------------------------------------------------------
     def rows(self, lead: tuple[int, ...]) -> RowTasks | None:
-        """The row -> task map of an input whose leading shape (all but the feature dimension) is ``lead``;
-        None when the rows are not per example (a broadcast input). Host values only."""
-        num_rows = math.prod(lead)
+        """The row -> task map of an input of leading shape ``lead``; None for a broadcast input."""
         lay = self.layout
         b = lay.batch
         if lay.packed and len(lead) == 1 and lead[0] == lay.total and lead[0] != b:
-            key = ("packed", self._pass_key)
-            if key not in self._cache:
-                self._cache[key] = self._build_packed(lay)
-            return self._cache[key]
-        if len(lead) >= 1 and lead[0] == b and b > 0:
-            per = num_rows // b
-            key = ("padded", self._pass_key, per)
-            if key not in self._cache:
-                self._cache[key] = self._build_padded(lay, per)
-            return self._cache[key]
-        return None
+            key = ("packed", self._pass_key, None)
+        elif len(lead) >= 1 and lead[0] == b and b > 0:
+            key = ("padded", self._pass_key, math.prod(lead) // b)
+        else:
+            return None
+        if key not in self._cache:
+            self._cache[key] = (
+                self._build_packed(lay) if key[0] == "packed" else self._build_padded(lay, key[2])
+            )
+        return self._cache[key]
 
     def _build_padded(self, lay: BatchLayout, per: int) -> RowTasks:
         row_task = lay.task_ids.repeat_interleave(per) if per > 1 else lay.task_ids
@@ -279,7 +246,6 @@ class PerTaskGradients:
     def example_rows(self) -> RowTasks:
         return self.rows((self.batch,))  # type: ignore[return-value]
 
-    # --- writing into the buffer --------------------------------------------------------------------------------
     def param_index(self, p: torch.Tensor) -> int:
         return self._index[id(p)]
 
@@ -298,8 +264,7 @@ class PerTaskGradients:
         return list(tasks) == list(range(self.num_tasks))
 
     def stack_target(self, k: int, tasks: Sequence[int], dtype: torch.dtype) -> torch.Tensor | None:
-        """The ``[T, *shape]`` buffer view of shared parameter k when every task is written here for the first
-        time in a buffer of ``dtype`` (an op can then write all rows at once); else None (nothing marked)."""
+        """The ``[T, *shape]`` rows of parameter k if every task is written here first in ``dtype``."""
         if not self._all_tasks(tasks) or self.buffer.dtype != dtype:
             return None
         if not all(self.fresh[t] and not self.written[t][k] for t in tasks):
@@ -309,8 +274,7 @@ class PerTaskGradients:
         return self.buffer.param_rows(k)
 
     def write_stack(self, k: int, tasks: Sequence[int], values: torch.Tensor) -> None:
-        """``values [len(tasks), *shape]``: row tasks[i] of shared parameter k (+)= values[i] (one op when every
-        task is written, all for the first time or all accumulating)."""
+        """Row ``tasks[i]`` of shared parameter k (+)= ``values[i]`` (one op where possible)."""
         if self._all_tasks(tasks):
             firsts = [self.fresh[t] and not self.written[t][k] for t in tasks]
             if all(firsts) or not any(firsts):
@@ -325,30 +289,19 @@ class PerTaskGradients:
     def write_stack_chunks(
         self, k: int, tasks: Sequence[int], chunks: Iterable[tuple[int, int, torch.Tensor]]
     ) -> None:
-        """Like :meth:`write_stack` for a 2-D shared weight k (``[M, K]``) whose values arrive as output-row chunks
-        ``(m0, i, values [mc, K])`` of task ``tasks[i]`` (rows ``m0 : m0 + mc``), so that no ``[T, M, K]``
-        temporary of the compute dtype is needed when the buffer holds another dtype."""
+        """:meth:`write_stack` from output-row chunks ``(m0, i, values [mc, K])`` (bounded temporaries)."""
         firsts = [self._first(t, k) for t in tasks]
         rows = [self.buffer.param_row(t, k) for t in tasks]
         for m0, i, values in chunks:
             _put(rows[i][m0 : m0 + values.shape[0]], values, firsts[i])
 
     def write_mm(self, task: int, k: int, a: torch.Tensor, b: torch.Tensor) -> None:
-        """Row ``task`` of shared weight k (+)= ``a @ b`` (``a [M, R]``, ``b [R, K]``), straight into the buffer
-        when the dtypes allow it (no temporary)."""
+        """Row ``task`` of shared weight k (+)= ``a [M, R] @ b [R, K]`` (straight into the buffer if dtypes allow)."""
         dst = self.buffer.param_row(task, k)
-        first = self._first(task, k)
-        if dst.dtype == a.dtype == b.dtype:
-            if first:
-                torch.mm(a, b, out=dst)
-            else:
-                dst.addmm_(a, b)
-            return
-        _put(dst, torch.mm(a, b.to(a.dtype)), first)
+        mm_into(dst, a, b, self._first(task, k))
 
     def write_segment_sums(self, k: int, values: torch.Tensor, rows: RowTasks) -> None:
-        """Per task, the fp32 sum over its rows of ``values [R, n]`` into row t of shared parameter k, all tasks in
-        one reduction by ``row_task`` (straight into the rows when every task is written here first)."""
+        """Per task, the fp32 sum of its rows of ``values [R, n]`` into its row of shared parameter k."""
         index = rows.row_task[:, None].expand(-1, values.shape[1])
         target = self.stack_target(k, rows.tasks, torch.float32)
         if target is not None:
@@ -362,9 +315,7 @@ class PerTaskGradients:
     def write_embedding(
         self, k: int, ids: torch.Tensor, grad: torch.Tensor, rows: RowTasks, padding_idx: int | None
     ) -> None:
-        """Every task's rows of ``grad [R, d]`` summed at ``ids [R]`` into its row of embedding k: one accumulating
-        ``index_put_`` at the ``(task, id)`` pairs (on the CPU after :func:`_sum_by_key`); ``padding_idx`` rows
-        stay zero."""
+        """Every task's rows of ``grad [R, d]`` added at ``ids [R]`` into its row of embedding k."""
         dst = self._embedding_rows(k, rows.tasks)
         if compacts_embedding_rows(grad.device):
             vocab = self.buffer.params[k].shape[0]
@@ -379,17 +330,14 @@ class PerTaskGradients:
     def write_broadcast_embedding(
         self, k: int, ids: torch.Tensor, sums: torch.Tensor, tasks: Sequence[int], padding_idx: int | None
     ) -> None:
-        """A broadcast embedding's rows (position embeddings looked up once for the batch): ``sums [T, L, d]``
-        fp32 (zero for a task with no example) added at ``ids [L]`` into every task's row of embedding k, one
-        ``index_add_`` for all tasks (overwrite where a task of ``tasks`` is written for the first time)."""
+        """Position embeddings looked up once: ``sums [T, L, d]`` added at ``ids [L]``."""
         dst = self._embedding_rows(k, tasks)
         dst.index_add_(1, ids, sums.to(dst.dtype))
         if padding_idx is not None:
             dst[:, padding_idx].zero_()
 
     def _embedding_rows(self, k: int, tasks: Sequence[int]) -> torch.Tensor:
-        """Embedding k's ``[T, V, d]`` rows, those of ``tasks`` written here for the first time zeroed (one
-        launch) and marked written."""
+        """Embedding k's ``[T, V, d]`` rows, those of ``tasks`` written here first zeroed and marked written."""
         rows = self.buffer.param_rows(k)
         firsts = [t for t in tasks if self._first(t, k)]
         if len(firsts) == self.num_tasks:
@@ -401,7 +349,6 @@ class PerTaskGradients:
     def mark_backward(self) -> None:
         self.backward_calls += 1
 
-    # --- the exact path ---------------------------------------------------------------------------------------
     def note_ran(self, m: nn.Module, exact: bool) -> None:
         """A patched module's forward ran (``exact``: on an input not split by example)."""
         self._ran[id(m)] = self._ran.get(id(m), False) or exact
@@ -411,9 +358,7 @@ class PerTaskGradients:
         return self._ran.get(id(m), False)
 
     def exact_parameters(self, unused: bool = True) -> list[tuple[str, torch.Tensor]]:
-        """The shared parameters one backward cannot split by task, by name: of modules that ran on an input not
-        split by example (DeBERTa's relative-position LayerNorm) and, ``unused``, of modules whose forward did not
-        run although the model ran (a weight read directly). Call after the forward."""
+        """``(name, parameter)`` one backward cannot split by task (modules run off the per-task path)."""
         out = []
         for name, m in self._modules:
             ran = self._ran.get(id(m))
@@ -422,9 +367,7 @@ class PerTaskGradients:
         return out
 
     def exact_task_gradients(self, task_losses: Sequence[tuple[int, torch.Tensor]]) -> list[str]:
-        """The exact path for :meth:`exact_parameters`: per ``(t, L_t)``, ``autograd.grad(L_t, params,
-        retain_graph=True)`` into row t. Call between the forward and the backward (whose summed gradient of
-        these parameters is dropped on exit). Returns their names (empty: nothing to do)."""
+        """Per ``(t, L_t)``, ``autograd.grad(L_t, exact_parameters())`` into row t; returns their names."""
         named = self.exact_parameters()
         self._exact_done = True
         if not named:
@@ -442,18 +385,14 @@ class PerTaskGradients:
         return [n for n, _ in named]
 
     def linear_done(self, rows: RowTasks, k_w: int, dy: torch.Tensor, x: torch.Tensor) -> None:
-        """A shared Linear's backward has written its task rows (``dy [R, M]``, ``x [R, K]``): nothing to do here;
-        the streaming block (:mod:`fastpals.surgery.stream`) keeps them."""
+        """A shared Linear's backward has written its task rows (the streaming block keeps ``dy`` and ``x``)."""
 
     def defers_linear_weight(self, k_w: int, rows: RowTasks) -> bool:
-        """Skip the per-task rows of shared Linear weight ``k_w`` in this backward (its bias is still written)?
-        Never here; the streaming block builds a streamed weight's Gram from the kept ``dy`` and ``x``."""
+        """Skip the per-task rows of shared Linear weight ``k_w`` (the streaming block may)?"""
         return False
 
-    # --- the block ----------------------------------------------------------------------------------------------
     def shared_modules(self) -> list[tuple[str, nn.Module]]:
-        """The ``nn.Linear`` / ``nn.LayerNorm`` / ``nn.Embedding`` modules that hold the shared parameters; every
-        shared parameter must belong to one of them (a clear error names the others)."""
+        """The ``nn.Linear`` / ``nn.LayerNorm`` / ``nn.Embedding`` modules that hold the shared parameters."""
         shared = set(self._index)
         found: list[tuple[str, nn.Module]] = []
         covered: set[int] = set()
@@ -495,8 +434,7 @@ class PerTaskGradients:
         return found
 
     def __enter__(self) -> PerTaskGradients:
-        modules = self.shared_modules()
-        self._modules = modules
+        modules = self._modules = self.shared_modules()
         self._exact: list[torch.Tensor] = []
         parents: dict[int, nn.Module] = {}
         name_to_module = dict(self.model.named_modules())
@@ -543,10 +481,7 @@ class PerTaskGradients:
         self._frames[id(module)] = EmbeddingFrame()
 
     def frame_of(self, m: nn.Module) -> EmbeddingFrame:
-        key = m.__dict__.get("_fastpals_parent")
-        if key not in self._frames:
-            self._frames[key] = EmbeddingFrame()
-        return self._frames[key]
+        return self._frames.setdefault(m.__dict__.get("_fastpals_parent"), EmbeddingFrame())
 
     def _restore(self) -> None:
         self.model.__dict__.pop("batch_layout", None)
@@ -591,16 +526,23 @@ def _put(dst: torch.Tensor, value: torch.Tensor, first: bool) -> None:
         dst.add_(value.to(dst.dtype))
 
 
+def mm_into(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
+    """``dst (+)= a @ b`` (overwrite on ``first``), straight into ``dst`` when the dtypes allow it."""
+    if dst.dtype != a.dtype or a.dtype != b.dtype:
+        _put(dst, torch.mm(a, b.to(a.dtype)), first)
+    elif first:
+        torch.mm(a, b, out=dst)
+    else:
+        dst.addmm_(a, b)
+
+
 def compacts_embedding_rows(device: torch.device) -> bool:
-    """Are an embedding's per-task rows summed by ``(task, id)`` before the ``index_put_`` on ``device``? On the
-    CPU (whose accumulating ``index_put_`` adds row by row), not on CUDA (whose sorts by index itself)."""
+    """Sum per-task embedding rows by ``(task, id)`` before ``index_put_`` (the CPU adds row by row)?"""
     return device.type == "cpu"
 
 
 def _sum_by_key(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows of ``values [R, d]`` summed by ``keys [R]`` int64: ``(run_keys [R], sums [R, d] fp32)``, one row
-    per distinct key, then zero rows at key 0. Keeps the CPU's ``index_put_`` into a whole ``[V, d]`` table cheap;
-    the runs come from a stable sort (no data-dependent size, so no host read as ``torch.unique`` would need)."""
+    """``(run_keys [R], sums [R, d] fp32)``: ``values [R, d]`` summed by ``keys [R]`` (no host read)."""
     sorted_keys, order = torch.sort(keys, stable=True)
     new_run = torch.ones_like(sorted_keys, dtype=torch.bool)
     new_run[1:] = sorted_keys[1:] != sorted_keys[:-1]
@@ -619,18 +561,14 @@ def per_task_gradients(
     use_kernels: bool | None = None,
     pass_task_ids: Sequence[torch.Tensor] | None = None,
 ) -> Iterator[PerTaskGradients]:
-    """Run the forward and the backward of one mixed-task batch inside this block: the per-task gradients of the
-    buffer's shared parameters go into its rows (accumulating until ``buffer.apply``), not into ``.grad``.
+    """Run the forward and the backward of one mixed-task batch (loss: :func:`task_mean_loss`) inside this block:
+    the per-task gradients of the buffer's shared parameters go into its rows, not into ``.grad``.
 
-    ``model`` holds the shared ``nn.Linear`` / ``nn.LayerNorm`` / ``nn.Embedding`` modules; ``buffer`` is a
-    :class:`TaskGradientBuffer` (any row dtype) or a :class:`~fastpals.surgery.StreamingTaskGradients` (one block
-    per ``apply``); ``layout`` the batch's :class:`~fastpals.data.layout.BatchLayout` (its host values map the rows,
-    its ``second`` the siamese second sentences); ``use_kernels`` forces or forbids the Triton grouped
-    weight-gradient kernel (default: on CUDA). Deprecated: ``layout`` as ``task_ids [B]`` int, with ``cu_seqlens
-    [B+1]`` (one per encoder pass) and ``pass_task_ids`` (per pass; entry 0 ignored), read on the host once.
-    The loss to differentiate is the sum of the tasks' losses (:func:`task_mean_loss`).
+    ``buffer``: a :class:`TaskGradientBuffer` or a :class:`~fastpals.surgery.StreamingTaskGradients` (one block
+    per ``apply``); ``layout``: the batch's :class:`~fastpals.data.layout.BatchLayout` (deprecated: ``task_ids
+    [B]``, with ``cu_seqlens`` and ``pass_task_ids`` per encoder pass); ``use_kernels``: the grouped Triton
+    weight-gradient kernel (default: on CUDA).
     """
     block = getattr(buffer, "block_class", PerTaskGradients)  # StreamingTaskGradients: its streaming block
-    state = block(model, buffer, layout, cu_seqlens, use_kernels, pass_task_ids)
-    with state:
+    with block(model, buffer, layout, cu_seqlens, use_kernels, pass_task_ids) as state:
         yield state

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["jacobi_eigh", "jacobi_sweeps", "nonneg_qp", "spd_solve"]
-
 F64 = torch.float64
 #: the largest systems solved by :func:`spd_solve`; larger ones go to ``torch.linalg.solve_ex`` (no host check)
 SPD_SOLVE_MAX_T = 16
@@ -15,9 +13,7 @@ QP_MAX_ITER = 40
 
 
 def spd_solve(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Solve ``a x = b`` for a batch of small symmetric positive definite systems (``a [B, T, T]``, ``b [B, T, K]``)
-    by Gauss-Jordan elimination without pivoting (backward stable for SPD matrices), in ``T`` vectorised steps:
-    elementwise ops stay on the calling thread, where batched ``torch.linalg.solve`` waits for the thread pool."""
+    """Solve small SPD systems ``a [B, T, T] x = b [B, T, K]`` by Gauss-Jordan on the calling thread."""
     a = a.clone()
     b = b.clone()
     t = a.shape[-1]
@@ -35,8 +31,7 @@ def spd_solve(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _round_robin(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``n - 1`` rounds of ``n / 2`` disjoint pairs ``(p, q)`` (``int64 [n - 1, n / 2]`` each) that cover every
-    pair of ``0 .. n-1`` once (round-robin ordering, ``n`` even), computed on ``device`` without a host copy."""
+    """The ``n - 1`` rounds of ``n / 2`` disjoint pairs ``(p, q)`` covering every pair once."""
     r = torch.arange(n - 1, device=device)[:, None]
     k = torch.arange(n, device=device)[None, :]
     seats = torch.where(k == 0, 0, 1 + (k - 1 + r) % (n - 1))  # [n - 1, n]: seat 0 fixed, the others rotate
@@ -50,10 +45,9 @@ def jacobi_sweeps(t: int) -> int:
 
 
 def jacobi_eigh(a: torch.Tensor, sweeps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eigendecomposition ``a ~= vec @ diag(lam) @ vec.T`` of a symmetric ``a [T, T]`` (float32/float64, any
-    device) by the cyclic Jacobi method: ``sweeps`` sweeps (default :func:`jacobi_sweeps`) of ``n - 1`` rounds of
-    ``n / 2`` disjoint rotations (round-robin, ``T`` padded to even ``n``), each skipped below Demmel & Veselic's
-    threshold ``|a_pq| <= eps sqrt(|a_pp a_qq|)``. Returns ``(lam [T], vec [T, T])`` float64, in no order."""
+    """``(lam [T], vec [T, T])`` float64 (in no order) with ``a ~= vec @ diag(lam) @ vec.T`` for a symmetric
+    ``a [T, T]``: ``sweeps`` cyclic Jacobi sweeps of round-robin rotations, each skipped below Demmel & Veselic's
+    threshold."""
     if a.dim() != 2 or a.shape[0] != a.shape[1] or a.shape[0] == 0:
         raise ValueError(f"jacobi_eigh needs a non-empty square matrix, got shape {tuple(a.shape)}")
     t = a.shape[0]
@@ -83,9 +77,7 @@ def jacobi_eigh(a: torch.Tensor, sweeps: int | None = None) -> tuple[torch.Tenso
             # tan(2 theta) = 2 a_pq / (a_qq - a_pp), |theta| <= pi / 4 (0 / 0 only where skipped)
             theta = torch.where(skip, 0.0, 0.5 * torch.atan(2.0 * apq / (aqq - app)))
             cos, sin = torch.cos(theta), torch.sin(theta)
-            # the rotation R (R_pp = R_qq = c, R_pq = s, R_qp = -s) as R[i, i] = c_i, R[partner(i), i] = s_i;
-            # m <- R^T m R and vec <- vec R elementwise: a tiny BLAS call per round waits for idle threads on
-            # a busy CPU, elementwise ops on these sizes stay on the calling thread
+            # m <- R^T m R, vec <- vec R elementwise (R[i, i] = c_i, R[partner(i), i] = s_i): no tiny BLAS calls
             c_i = torch.cat([cos, cos])[position]
             s_i = torch.cat([-sin, sin])[position]
             m = c_i[:, None] * m + s_i[:, None] * m[partner]
@@ -102,11 +94,9 @@ def nonneg_qp(
     scale: torch.Tensor | None = None,
     pivoting: bool = False,
 ) -> torch.Tensor:
-    """``x [B, T] >= 0`` minimising ``1/2 x^T Q x + b^T x`` for ``q [T, T]`` (float64, SPD) and each row of
-    ``b [B, T]`` (float64): block principal pivoting (Júdice & Pires; Kim & Park) with Murty's backup rule,
-    exactly ``max_iter`` iterations (default ``min(3 T + 10, QP_MAX_ITER)``), the free set frozen once the KKT
-    conditions hold to ``tol * scale`` (default ``max(diag Q)``). ``pivoting``: LU solves at every ``T``, for a
-    ``Q`` that may be numerically singular."""
+    """``x [B, T] >= 0`` minimising ``1/2 x^T Q x + b^T x`` for an SPD float64 ``q [T, T]`` and each row of ``b``:
+    ``max_iter`` iterations of block principal pivoting with Murty's backup rule (Kim & Park), frozen once the KKT
+    conditions hold to ``tol * scale``. ``pivoting``: LU solves, for a ``Q`` that may be singular."""
     bsz, t = b.shape
     device = q.device
     eye = torch.eye(t, dtype=F64, device=device)

@@ -1,19 +1,12 @@
-"""Streaming gradient surgery (``--surgery-memory stream``): the Gram and the update of the one-backward capture
-without the ``[T, P]`` rows, memory flat in ``T``.
-
-:class:`StreamingTaskGradients` takes the buffer's place in :func:`~fastpals.surgery.per_task_gradients` and keeps,
-per shared parameter, the smaller of: **streamed** Linear weights (``T * M * K > N * (M + K)``, ``N`` the step's
-rows): their ``dY`` and ``X``, the Gram built from blocks of per-task products ``dY_t^T X_t`` after the layer's
-last backward (on the op library's kernels, all streamed weights in one launch at ``apply``), the update one GEMM
-``(c_row * dY)^T X`` per call; **embeddings by token-id rows**: ``dY`` and the ids (:func:`embedding_row_gram`),
-the update one ``index_add``; **kept rows** (biases, LayerNorm, small tables, and Linear weights within
-``keep_bytes``): ``[T, *shape]`` fp32 rows, as the buffer holds them. The Gram is exact (equal to the buffer's
-within 1e-5 relative), so every aggregator gives the buffer's update. One block per ``apply``. Data parallel:
-scratches and kept rows averaged before their Gram, token-id rows all-gathered, the update averaged.
+"""Streaming gradient surgery (``--surgery-memory stream``): the exact Gram and update of the one-backward capture
+without the ``[T, P]`` rows. Per shared parameter the smaller of: a streamed Linear weight's ``dY`` and ``X``
+(Gram from per-task products ``dY_t^T X_t``, update ``(c_row * dY)^T X``), an embedding's ``dY`` and token ids
+(:func:`embedding_row_gram`, update by ``index_add``), or kept ``[T, *shape]`` fp32 rows as the buffer's.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -23,29 +16,23 @@ from torch import nn
 
 from fastpals.surgery.core import TaskGradients
 from fastpals.surgery.layer_grads import STACK_TEMP_ELEMENTS, RowTasks, kernels_on, row_plan
-from fastpals.surgery.per_task import PerTaskGradients
+from fastpals.surgery.per_task import PerTaskGradients, mm_into
 from fastpals_kernels.dispatch import gram as gram_op
 
-__all__ = ["POLICIES", "StreamingTaskGradients", "embedding_row_gram", "stream_policy"]
-
-#: per-parameter choices of :class:`StreamingTaskGradients`: ``smaller`` (stream a layer where its kept output
-#: gradient is smaller than its task rows), ``stream`` (stream every Linear weight and per-example embedding)
+#: ``smaller``: stream a layer where its kept output gradient is smaller than its task rows; ``stream``: all
 POLICIES = ("smaller", "stream")
 
 BUCKET_ELEMENTS = 1 << 22  # data parallel: scratch elements all-reduced in one call (16 MiB fp32)
-# One rank: a streamed Linear's Gram is built over blocks of output rows whose fp32 per-task products,
-# [T, rows, K], stay within this many bytes (docs/surgery-scaling.md)
+# one rank: a streamed Linear's Gram over blocks of output rows whose fp32 products [T, rows, K] fit this
 GRAM_CHUNK_BYTES = 12 << 20
 # columns of one fp32 Gram product, the products summed in fp64 (the op library's Gram sums such blocks)
 GRAM_COLUMNS = 1 << 16
-#: kept rows of at most this many elements per task (biases, LayerNorm, small embeddings) are put side by side
-#: for one Gram and one combine launch over all of them
+#: kept rows of at most this many elements per task share one Gram and one combine launch
 SMALL_ROW_ELEMENTS = 1 << 20
 
 
 def stream_policy(policy: str, num_tasks: int, shape: Sequence[int], rows: int, embedding: bool) -> bool:
-    """Whether a shared parameter of ``shape`` (a Linear weight ``[M, K]``, or an embedding table ``[V, d]``)
-    through which the step runs ``rows`` rows is streamed (True) or kept as ``[T, *shape]`` task rows."""
+    """Is a Linear weight ``[M, K]`` (or embedding table) that ``rows`` rows run through streamed?"""
     if policy == "stream":
         return True
     if embedding:
@@ -61,11 +48,8 @@ def embedding_row_gram(
     num_tasks: int,
     padding_idx: int | None = None,
 ) -> torch.Tensor:
-    """The ``[T, T]`` fp32 Gram of the per-task gradients of an embedding table from its rows.
-
-    ``ids [N]`` int64, ``dy [N, d]`` (any float dtype), ``row_task [N]`` int64 in ``[0, T)``: task t's gradient
-    is ``index_add`` of its rows of ``dy`` at ``ids`` (rows at ``padding_idx`` count as zero). No host read: rows
-    summed per (task, distinct id) into ``[T, N, ceil(d / T)]`` fp32 tables, no larger than the rows."""
+    """The ``[T, T]`` fp32 Gram of an embedding's per-task gradients (task t's: its rows of ``dy [N, d]`` added
+    at ``ids [N]``, ``row_task [N]`` int64; ``padding_idx`` rows zero), with no host read."""
     t = num_tasks
     n = ids.shape[0]
     if n == 0:
@@ -88,8 +72,7 @@ def embedding_row_gram(
 
 
 class _StreamBlock(PerTaskGradients):
-    """One :func:`~fastpals.surgery.per_task_gradients` block over a :class:`StreamingTaskGradients`: counts the
-    calls and rows of every shared Linear / Embedding in the forward, hands their output gradients over."""
+    """A :func:`~fastpals.surgery.per_task_gradients` block over a :class:`StreamingTaskGradients`."""
 
     buffer: StreamingTaskGradients
 
@@ -104,11 +87,14 @@ class _StreamBlock(PerTaskGradients):
     def _count(self, module: nn.Module, args: tuple) -> None:
         x = args[0]
         rows = x.numel() if isinstance(module, nn.Embedding) else x.numel() // max(x.shape[-1], 1)
-        k_w = self.param_index(module.weight)
-        self.buffer._count_call(k_w, rows, isinstance(module, nn.Linear))
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            k_b = self.buffer._bias_of[k_w] = self.param_index(module.bias)
-            self.buffer._weight_of[k_b] = k_w
+        buf, k_w = self.buffer, self.param_index(module.weight)
+        buf._calls[k_w] = buf._calls.get(k_w, 0) + 1
+        buf._row_counts[k_w] = buf._row_counts.get(k_w, 0) + rows
+        if isinstance(module, nn.Linear):
+            buf._linear_order.setdefault(k_w)
+            if module.bias is not None:
+                k_b = buf._bias_of[k_w] = self.param_index(module.bias)
+                buf._weight_of[k_b] = k_w
 
     def write_segment_sums(self, k: int, values: torch.Tensor, rows: RowTasks) -> None:
         if self.buffer._bias_with_weight(k) and kernels_on(self, values):
@@ -142,16 +128,12 @@ class _StreamBlock(PerTaskGradients):
 
 
 class StreamingTaskGradients(TaskGradients):
-    """The streaming counterpart of :class:`~fastpals.surgery.TaskGradientBuffer` for
-    :func:`~fastpals.surgery.per_task_gradients` (module docstring): same ``apply`` and results.
+    """The streaming counterpart of :class:`~fastpals.surgery.TaskGradientBuffer` (same ``apply`` and results).
 
     Args:
-        params, num_tasks, task_params, grad_getter, grad_setter, grad_dtype, process_group, all_reduce,
-            capture_task_params: as for :class:`~fastpals.surgery.core.TaskGradients`.
-        policy: ``smaller`` (default: per parameter, the smaller of the kept output gradient and the task rows)
-            or ``stream`` (every Linear weight and per-example embedding streamed).
-        keep_bytes: bytes that kept task rows of Linear weights the policy would stream may add over the ``dY``
-            and ``X`` they spare, in forward order. Ignored with data parallel.
+        policy: one of :data:`POLICIES`.
+        keep_bytes: bytes that kept rows of Linear weights the policy would stream may add over the ``dY`` and
+            ``X`` they spare, in forward order (one rank only).
         bucket_elements: data parallel, scratch elements per all-reduce.
     """
 
@@ -178,9 +160,7 @@ class StreamingTaskGradients(TaskGradients):
         self.keep_bytes = 0 if self.all_reduce else keep_bytes
         self._reset()
 
-    # --- the step's state ---------------------------------------------------------------------------------------
     def _reset(self) -> None:
-        t = self.num_tasks
         self._blocks = 0
         self._gram: torch.Tensor | None = None
         self._gram_parts: list[torch.Tensor] = []  # fp32 [T, T] Grams of the parts, summed once (fp64)
@@ -188,24 +168,21 @@ class StreamingTaskGradients(TaskGradients):
         self._small: tuple[list[int], torch.Tensor] | None = None  # small kept rows side by side, [T, n] fp32
         self._decided: dict[int, bool] = {}  # per parameter: streamed?
         self._calls: dict[int, int] = {}
-        # shared Linear weights in the order of their first forward call; those whose rows keep_bytes keeps
-        self._linear_order: dict[int, None] = {}
+        self._linear_order: dict[int, None] = {}  # shared Linear weights by first forward call
         self._kept_linears: set[int] | None = None
         self._row_counts: dict[int, int] = {}
         self._left: dict[int, int] = {}
         self._linears: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._deferred: dict[int, bool] = {}  # per streamed Linear weight: Gram in blocks (no scratch)?
         self._deferred_calls: dict[int, list[tuple[RowTasks, torch.Tensor, torch.Tensor]]] = {}
-        # streamed Linear weights on the op library's kernels: their calls' rows (with the task plan), dy and x;
-        # Gram and update over all of them in one launch each (fastpals_kernels.stream_linear)
+        # streamed Linear weights on the kernels path: their calls' rows, dy and x (one Gram, one update launch)
         self._grouped: dict[int, list[tuple[RowTasks, torch.Tensor, torch.Tensor]]] = {}
         self._bias_of: dict[int, int] = {}  # shared Linear weight -> its bias (both shared parameters)
         self._weight_of: dict[int, int] = {}
         self._embeddings: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, int | None]] = []
-        # data parallel: scratches waiting for their bucket's all-reduce
-        self._pending: list[torch.Tensor] = []
+        self._pending: list[torch.Tensor] = []  # data parallel: scratches waiting for their all-reduce
         self._pending_elements = 0
-        self._touched = [[False] * len(self.params) for _ in range(t)]
+        self._touched = [[False] * len(self.params) for _ in range(self.num_tasks)]
         self._task_seen = [False] * len(self.task_params)
 
     def _begin_block(self) -> None:
@@ -219,24 +196,15 @@ class StreamingTaskGradients(TaskGradients):
         self._gram = torch.zeros(self.num_tasks, self.num_tasks, dtype=torch.float64, device=self.device)
 
     def _add_gram(self, rows: torch.Tensor) -> None:
-        """Gram += that of ``rows [T, n]`` fp32 (the op library's blocked Gram, as the buffer's; the parts are
-        summed in fp64 at :meth:`_finish_gram`)."""
+        """Gram += that of ``rows [T, n]`` fp32 (the op library's, as the buffer's; summed in fp64 later)."""
         self._gram_parts.append(gram_op(rows.contiguous())[0])
 
     def _bias_with_weight(self, k: int) -> bool:
-        """Is parameter k the bias of a streamed Linear weight whose Gram is built in blocks (its per-task sums
-        then come with the weight's: on the op library's kernels, as one more column of the weight's products)?"""
+        """Is parameter k the bias of a streamed Linear weight whose Gram is built in blocks (with the weight's)?"""
         return self._deferred.get(self._weight_of.get(k, -1), False)
 
-    def _count_call(self, k: int, rows: int, linear: bool = False) -> None:
-        self._calls[k] = self._calls.get(k, 0) + 1
-        self._row_counts[k] = self._row_counts.get(k, 0) + rows
-        if linear:
-            self._linear_order.setdefault(k)
-
     def _kept_by_budget(self) -> set[int]:
-        """The Linear weights whose rows ``keep_bytes`` keeps: the forward-order prefix of those the policy would
-        stream whose fp32 rows, less the ``dY`` and ``X`` they spare, fit the budget (decided once per step)."""
+        """The Linear weights the policy would stream whose rows ``keep_bytes`` keeps (in forward order)."""
         if self._kept_linears is None:
             kept: set[int] = set()
             left = self.keep_bytes
@@ -254,8 +222,7 @@ class StreamingTaskGradients(TaskGradients):
         return self._kept_linears
 
     def _streams(self, k: int, embedding: bool) -> bool:
-        """Is shared parameter k (a Linear weight, or an ``embedding`` table) streamed this step? Decided on its
-        first backward, from the rows its forward calls ran."""
+        """Is shared parameter k streamed this step? Decided on its first backward."""
         if k not in self._decided:
             p = self.params[k]
             self._decided[k] = stream_policy(
@@ -265,9 +232,7 @@ class StreamingTaskGradients(TaskGradients):
         return self._decided[k]
 
     def _defers(self, k: int) -> bool:
-        """Is streamed Linear weight k's Gram built in output-row blocks from its kept ``dy`` and ``x``
-        (:meth:`_blocked_gram`) instead of a ``[T, M, K]`` scratch? One rank only, and not where its rows were
-        already written this step (the exact path). Decided on the weight's first backward call."""
+        """Is streamed Linear weight k's Gram built by :meth:`_blocked_gram` (one rank, rows not written)?"""
         if k not in self._deferred:
             self._deferred[k] = (
                 self._streams(k, embedding=False) and not self.all_reduce and k not in self._rows
@@ -275,9 +240,7 @@ class StreamingTaskGradients(TaskGradients):
         return self._deferred[k]
 
     def _blocked_gram(self, k: int, calls: Sequence[tuple[RowTasks, torch.Tensor, torch.Tensor]]) -> None:
-        """Gram += that of Linear weight k's per-task gradients ``sum over calls of dy_t^T x_t`` (``[M, K]``), in
-        blocks of output rows whose fp32 products ``[n, rows, K]`` (the scratch's GEMMs, dtypes and order) stay
-        within ``GRAM_CHUNK_BYTES``; fp32 Gram products over ``GRAM_COLUMNS`` columns, summed in fp64."""
+        """Gram += that of Linear weight k's task gradients, in blocks within ``GRAM_CHUNK_BYTES``."""
         tasks = sorted({t for rows, _, _ in calls for t in rows.tasks})
         if not tasks:
             return
@@ -298,19 +261,8 @@ class StreamingTaskGradients(TaskGradients):
                         a, b = dy[sel, m0 : m0 + mc].t(), x[sel]
                     else:
                         a, b = dy[:, m0 : m0 + mc].index_select(0, sel).t(), x.index_select(0, sel)
-                    i = pos[t]
-                    if a.dtype == b.dtype == torch.float32:
-                        if first[i]:
-                            torch.mm(a, b, out=v[i])
-                        else:
-                            v[i].addmm_(a, b)
-                    else:  # 16-bit dy / x: the product in their dtype, then fp32 (as the scratch is written)
-                        prod = torch.mm(a, b.to(a.dtype))
-                        if first[i]:
-                            v[i].copy_(prod)
-                        else:
-                            v[i].add_(prod.to(torch.float32))
-                    first[i] = False
+                    mm_into(v[pos[t]], a, b, first[pos[t]])  # as the scratch is written
+                    first[pos[t]] = False
             flat = v.view(n, -1)
             for c0 in range(0, flat.shape[1], GRAM_COLUMNS):  # fp32 products over at most 2^16 columns
                 part = flat[:, c0 : c0 + GRAM_COLUMNS]
@@ -322,27 +274,23 @@ class StreamingTaskGradients(TaskGradients):
             idx = torch.tensor(tasks, dtype=torch.int64, device=self.device)
             self._gram.index_put_((idx[:, None], idx[None, :]), g, accumulate=True)
 
-    # --- what the per-layer capture calls -----------------------------------------------------------------------
     def captured_tasks(self) -> list[bool]:
         """Every block starts fresh rows (one block per apply)."""
         return [False] * self.num_tasks
 
     def param_rows(self, k: int) -> torch.Tensor:
-        """The ``[T, *shape]`` fp32 rows of shared parameter k (kept rows, or a streamed layer's scratch)."""
-        rows = self._rows.get(k)
-        if rows is None:
-            p = self.params[k]
-            # uninitialised: a task's first write overwrites its row; rows no task wrote: _zero_unwritten
-            rows = torch.empty((self.num_tasks, *p.shape), dtype=torch.float32, device=self.device)
-            self._rows[k] = rows
-        return rows
+        """The ``[T, *shape]`` fp32 rows of shared parameter k (kept rows or scratch), made uninitialised."""
+        if k not in self._rows:
+            shape = (self.num_tasks, *self.params[k].shape)
+            self._rows[k] = torch.empty(shape, dtype=torch.float32, device=self.device)
+        return self._rows[k]
 
     def param_row(self, task: int, k: int) -> torch.Tensor:
         """Row ``task`` of shared parameter k, shaped like the parameter."""
         return self.param_rows(k)[task]
 
     def _zero_unwritten(self, k: int, rows: torch.Tensor, written: Sequence[Sequence[bool]]) -> None:
-        """Zero the rows of parameter k that no task wrote (they were allocated uninitialised)."""
+        """Zero the rows of parameter k that no task wrote."""
         for t in range(self.num_tasks):
             if not written[t][k]:
                 rows[t].zero_()
@@ -356,8 +304,7 @@ class StreamingTaskGradients(TaskGradients):
         written: Sequence[Sequence[bool]],
         grouped: bool = False,
     ) -> None:
-        """One call of the shared Linear of weight k has written its task rows: keep ``dy`` and ``x`` if the weight
-        streams; after its last call its scratch goes into the Gram (``grouped``: at :meth:`_finish_gram`)."""
+        """A call of shared Linear weight k is done: keep ``dy`` and ``x``, Gram after the last call."""
         if not self._streams(k, embedding=False):
             return
         self._left[k] -= 1
@@ -399,9 +346,7 @@ class StreamingTaskGradients(TaskGradients):
         """End of the block: which tasks had rows, which parameters each wrote; the task-specific gradients."""
         tasks = list(tasks)
         for t in tasks:
-            for k in range(len(self.params)):
-                if written[t][k]:
-                    self._touched[t][k] = True
+            self._touched[t] = [a or bool(b) for a, b in zip(self._touched[t], written[t])]
         for k, rows in self._rows.items():  # kept rows (the streamed scratches are gone)
             self._zero_unwritten(k, rows, written)
         if not tasks:
@@ -415,10 +360,8 @@ class StreamingTaskGradients(TaskGradients):
                 self._take_task_grad(k, g)
             self._task_seen[k] = True
 
-    # --- Gram -> weights -> combine -----------------------------------------------------------------------------
     def _finish_gram(self) -> torch.Tensor:
-        """Add the kept rows' and the token-id embeddings' parts to the streamed layers' Gram (data parallel: after
-        averaging / gathering them over the ranks)."""
+        """The streamed layers' Gram plus the kept rows' and the embeddings' (data parallel: averaged first)."""
         t = self.num_tasks
         if self._gram is None:
             self._gram = torch.zeros(t, t, dtype=torch.float64, device=self.device)
@@ -447,8 +390,7 @@ class StreamingTaskGradients(TaskGradients):
         by_param: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int | None]]] = {}
         for k, ids, dy, row_task, pad in self._embeddings:
             by_param.setdefault(k, []).append((ids.reshape(-1), dy.reshape(ids.numel(), -1), row_task, pad))
-        # tables of one row width and dtype share one Gram: ids offset by the vocabularies before them (the
-        # tables are disjoint parameters), padding rows given the id -1
+        # tables of one width and dtype share one Gram: ids offset by the tables before them, padding ids -1
         tables: dict[tuple[int, torch.dtype], tuple[list, list, list, list]] = {}
         for k, calls in by_param.items():
             ids, dy, row_task = (
@@ -475,8 +417,7 @@ class StreamingTaskGradients(TaskGradients):
         return self._gram.to(torch.float32)
 
     def _grouped_problems(self) -> list[tuple[list[int], tuple]]:
-        """The streamed Linear weights of :attr:`_grouped` (with their biases) as the multi-Linear ops' problems,
-        one group per dtype: ``(weights k, (dy, x, row_index, task_row_offsets, problem, bias))``."""
+        """:attr:`_grouped` as the multi-Linear ops' problems, one group per dtype: ``(weights k, args)``."""
         groups: dict[torch.dtype, tuple[list[int], tuple[list, list, list, list, list, list]]] = {}
         for k, calls in self._grouped.items():
             keys, args = groups.setdefault(calls[0][1].dtype, ([], ([], [], [], [], [], [])))
@@ -492,8 +433,7 @@ class StreamingTaskGradients(TaskGradients):
     def _gather_rows(
         self, ids: torch.Tensor, dy: torch.Tensor, row_task: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Data parallel: every rank's embedding rows (``dy`` divided by the world size: the global gradient is
-        the ranks' mean), padded to the longest rank's count (padded rows are zero)."""
+        """Data parallel: every rank's embedding rows (``dy`` over the world size), zero-padded."""
         world = dist.get_world_size(self.process_group)
         n = torch.tensor([ids.shape[0]], dtype=torch.int64, device=self.device)
         counts = [torch.zeros_like(n) for _ in range(world)]
@@ -511,16 +451,11 @@ class StreamingTaskGradients(TaskGradients):
         return out[0], out[1], out[2]
 
     def _write_update(self, weights: torch.Tensor, touched: Sequence[Sequence[Any]]) -> None:
-        """``sum_t weights[t] g_t`` into the shared gradients: kept rows by ``[T] @ [T, n]``, streamed Linear
-        weights by ``(c_row * dY)^T X`` per call, token-id embeddings by an ``index_add`` of ``c_row * dY``; each
-        gradient handed to ``grad_setter`` once complete and the kept tensors freed as used (a copying setter
-        holds no second ``[P]``). Data parallel: the streamed parts are averaged over the ranks first."""
+        """``sum_t weights[t] g_t`` into the shared gradients, the kept tensors freed as they are used."""
         t = self.num_tasks
         c = weights.to(torch.float32).reshape(t)
         used = [any(touched[i][k] for i in range(t)) for k in range(len(self.params))]
-        left: dict[int, int] = {}
-        for entry in (*self._linears, *self._embeddings):
-            left[entry[0]] = left.get(entry[0], 0) + 1
+        left = Counter(entry[0] for entry in (*self._linears, *self._embeddings))
         grads: dict[int, torch.Tensor] = {}
         done: set[int] = set()
         row_weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # c_row [N, 1] per distinct row_task
@@ -543,8 +478,7 @@ class StreamingTaskGradients(TaskGradients):
                 hand_over(k)
 
         if self._small is not None:
-            keys, rows = self._small
-            self._small = None
+            (keys, rows), self._small = self._small, None
             update = c @ rows
             del rows
             hand_over_flat(update, keys)
@@ -611,9 +545,4 @@ class StreamingTaskGradients(TaskGradients):
         super()._end_step()
         self._reset()
 
-    def __repr__(self) -> str:
-        return (
-            f"StreamingTaskGradients(num_tasks={self.num_tasks}, shared_elements={self.num_elements}, "
-            f"policy={self.policy!r}, keep_bytes={self.keep_bytes}, task_params={len(self.task_params)}, "
-            f"all_reduce={self.all_reduce})"
-        )
+    _repr_fields = ("policy", "keep_bytes")

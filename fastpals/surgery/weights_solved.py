@@ -1,47 +1,22 @@
 """Gram-based weightings of the multi-task literature (UPGrad, MGDA, DualProj, IMTL-G, CAGrad, Aligned-MTL,
 FairGrad, Nash-MTL, GradVac, CR-MOGM) with :mod:`.weights_basic`'s conventions, and :data:`AGGREGATORS`, the
-registry of every aggregator. Defaults are TorchJD 0.18's where it has one. Loss scaling: FairGrad's weights and
+registry of every aggregator, built from ``--surgery NAME --surgery-opt KEY=VALUE`` by :func:`make_weighting`.
+Defaults are TorchJD 0.18's where it has one. Loss scaling: FairGrad's weights and
 Nash-MTL's ``max_norm`` clip depend on a common gradient scale ``S``: give them Grams divided by ``S^2``.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from fastpals.surgery import compiled, weights_extra
+from fastpals.surgery import compiled, weights_basic
 from fastpals.surgery.solvers import QP_MAX_ITER, jacobi_eigh, jacobi_sweeps, nonneg_qp, spd_solve
-from fastpals.surgery.weights_basic import (
-    check_gram,
-    gem_weights,
-    mean_weights,
-    pcgrad_orders,
-    pcgrad_weights,
-    preference,
-    sum_weights,
-    weights_dtype,
-)
-from fastpals.surgery.weights_extra import CountedState, WeightsState, project_onto_simplex
-
-__all__ = [
-    "AGGREGATORS",
-    "STATEFUL",
-    "CRMOGMState",
-    "GradVacState",
-    "NashMTLState",
-    "alignedmtl_weights",
-    "cagrad_weights",
-    "crmogm_weights",
-    "dualproj_weights",
-    "fairgrad_weights",
-    "gradvac_weights",
-    "imtlg_weights",
-    "mgda_weights",
-    "nashmtl_weights",
-    "upgrad_weights",
-]
+from fastpals.surgery.weights_basic import check_gram, preference, weights_dtype
 
 F64 = torch.float64
 #: most tasks of CAGrad's exact solver (it enumerates the 2^T - 1 supports); ``pgd`` takes any number
@@ -93,11 +68,9 @@ def upgrad_weights(
     reg_eps: float = 1e-4,
     max_iter: int | None = None,
 ) -> torch.Tensor:
-    """UPGrad (Quinton & Rey, "Jacobian Descent for Multi-Objective Optimization", 2024): each task gradient,
-    scaled by ``pref_vector`` (``[T]``, default ``1 / T``), projected onto the dual cone ``{x : <x, g_j> >= 0}``,
-    summed; row ``i``'s weights are ``argmin_{v >= p_i e_i} v^T G v`` (their Proposition 1), by :func:`nonneg_qp`
-    with ``max_iter`` iterations (default ``min(3 T + 10, 40)``). ``G`` is divided by its trace first, as in TorchJD.
-    """
+    """UPGrad (Quinton & Rey 2024): each task gradient scaled by ``pref_vector`` (default ``1 / T``), projected
+    onto the dual cone of the task gradients, summed; ``G / trace(G)`` as in TorchJD, :func:`nonneg_qp` with
+    ``max_iter`` iterations (default ``min(3 T + 10, 40)``)."""
     return _dual_cone(gram, "upgrad", pref_vector, norm_eps, reg_eps, max_iter)
 
 
@@ -110,8 +83,7 @@ def dualproj_weights(
     reg_eps: float = 1e-4,
     max_iter: int | None = None,
 ) -> torch.Tensor:
-    """DualProj: the preference-weighted gradient (default the mean) projected onto the dual cone of the task
-    gradients (GEM's Eq. 11 with every task as a constraint), with UPGrad's options."""
+    """DualProj: the preference-weighted gradient projected onto the dual cone of the task gradients."""
     return _dual_cone(gram, "dualproj", pref_vector, norm_eps, reg_eps, max_iter)
 
 
@@ -122,9 +94,7 @@ def mgda_weights(
     epsilon: float = 1e-3,
     max_iters: int = 100,
 ) -> torch.Tensor:
-    """MGDA: the minimum-norm point of the convex hull of the task gradients, by Sener & Koltun's Frank-Wolfe
-    solver (2018, Algorithm 2) from ``1 / T``, frozen once the step falls below ``epsilon`` (TorchJD's rule);
-    exactly ``max_iters`` iterations."""
+    """MGDA: the min-norm point of the gradients' hull, ``max_iters`` Frank-Wolfe steps (Sener & Koltun)."""
     if epsilon <= 0 or int(max_iters) <= 0:
         raise ValueError(f"mgda: epsilon and max_iters must be positive, got {epsilon}, {max_iters}")
     if compiled.enabled(check_gram(gram)):
@@ -144,9 +114,7 @@ def mgda_weights(
         c = gk.index_select(0, k)[0]
         den = b + c - 2 * a
         gamma = torch.where(c <= a, one, torch.where(b <= a, zero, (b - a) / torch.where(den > 0, den, one)))
-        new = (1 - gamma) * alpha
-        new = new + gamma * (index == k).to(F64)
-        alpha = torch.where(done, alpha, new)
+        alpha = torch.where(done, alpha, (1 - gamma) * alpha + gamma * (index == k).to(F64))
         done = done | (gamma < epsilon)
     return alpha.to(weights_dtype(gram))
 
@@ -154,10 +122,7 @@ def mgda_weights(
 def imtlg_weights(
     gram: torch.Tensor, generator: torch.Generator | None = None, *, sweeps: int | None = None
 ) -> torch.Tensor:
-    """IMTL-G (Liu et al., "Towards Impartial Multi-task Learning", 2021): the combination ``w`` (summing to 1)
-    whose update has equal projections on every unit task gradient, ``G w ∝ d`` with ``d_i = |g_i|``. For linearly
-    dependent gradients TorchJD's generalisation ``w ∝ G^+ d``; ``w = 0`` when ``sum(G^+ d) ~ 0``. ``G^+`` is
-    ``pinv``'s (``|lam| <= T eps max|lam|`` dropped), from :func:`jacobi_eigh` with ``sweeps`` sweeps."""
+    """IMTL-G (Liu et al. 2021) as TorchJD generalises it: ``w ∝ G^+ d`` (``d_i = |g_i|``), summing to 1."""
     g = check_gram(gram).to(F64)
     t = g.shape[0]
     if compiled.enabled(g):
@@ -184,11 +149,9 @@ def alignedmtl_weights(
     scale_mode: str = "min",
     sweeps: int | None = None,
 ) -> torch.Tensor:
-    """Aligned-MTL (Senushkin et al. 2023, Algorithm 1): ``w = B p`` with the balance transformation
-    ``B = sqrt(s) V Λ^{-1/2} V^T`` over the eigenpairs of ``G`` above ``max(λ) T eps`` (eps of the Gram's dtype),
-    ``s`` their smallest (``"min"``, default), median (``"median"``) or mean (``"rmse"``) eigenvalue; ``B = I``
-    when ``G`` is zero; ``p`` is ``pref_vector`` (default ``1 / T``). Eigenpairs by :func:`jacobi_eigh` with
-    ``sweeps`` sweeps on the upper triangle of ``G`` (as ``eigh(UPLO="U")``)."""
+    """Aligned-MTL (Senushkin et al. 2023, Algorithm 1): ``w = sqrt(s) V Λ^{-1/2} V^T p`` over the eigenpairs of
+    ``G``'s upper triangle above ``max(λ) T eps``, ``s`` their min / median / mean (``rmse``) eigenvalue, ``w = p``
+    for a zero ``G``; ``p`` is ``pref_vector`` (default ``1 / T``)."""
     if scale_mode not in ("min", "median", "rmse"):
         raise ValueError(f"alignedmtl: scale_mode must be 'min', 'median' or 'rmse', got {scale_mode!r}")
     g = check_gram(gram).to(F64)
@@ -219,12 +182,6 @@ def alignedmtl_weights(
     return (b @ p).to(weights_dtype(gram))
 
 
-def _subsets(t: int, device: torch.device) -> torch.Tensor:
-    """``bool [2^T - 1, T]``: every non-empty subset of the tasks, built on ``device`` (no host copy)."""
-    codes = torch.arange(1, 2**t, device=device)
-    return ((codes[:, None] >> torch.arange(t, device=device)[None, :]) & 1).bool()
-
-
 def _cagrad_kkt(
     g: torch.Tensor,
     b: torch.Tensor,
@@ -232,9 +189,7 @@ def _cagrad_kkt(
     masks: torch.Tensor,
     solve: Callable[..., torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """CAGrad's KKT point on each support ``S`` of ``masks [K, T]`` (bool), ``w_S = (λ G_SS^{-1} 1 - G_SS^{-1}
-    b_S) / sqrt(disc)`` (summing to 1, ``λ`` the root of a quadratic), by ``solve(system [K, T, T], rhs [K, T,
-    2])``. Returns ``(w [K, T], valid [K])``, ``valid`` where the root exists."""
+    """CAGrad's KKT point ``w [K, T]`` on each support of ``masks [K, T]``; ``valid [K]`` where it is."""
     eye = torch.eye(g.shape[0], dtype=F64, device=g.device)
     scale = torch.diagonal(g).amax().clamp_min(1e-300)
     system = torch.where(masks[:, :, None] & masks[:, None, :], g + 1e-12 * scale * eye, eye)
@@ -253,8 +208,7 @@ def _cagrad_kkt(
 def _cagrad_projected_gradient(
     g: torch.Tensor, b: torch.Tensor, rho: torch.Tensor, iters: int
 ) -> torch.Tensor:
-    """An approximate minimiser ``w [T]`` of ``f(w) = <b, w> + ρ sqrt(wᵀ G w)`` on the simplex: ``iters``
-    projected (sub)gradient steps from ``1/T``, each keeping the best of the step sizes ``2^-k`` and zero."""
+    """``iters`` projected gradient steps from ``1/T`` on ``<b, w> + ρ sqrt(wᵀ G w)`` over the simplex."""
     t = g.shape[0]
     dev = g.device
     w = torch.full((t,), 1.0 / t, dtype=F64, device=dev)
@@ -271,7 +225,7 @@ def _cagrad_projected_gradient(
         grad = b + rho * gw / norm.clamp_min(1e-150)
         grad = grad - grad.mean()  # the component along the simplex
         scale = grad.abs().amax().clamp_min(1e-300)  # the largest step moves some coordinate by 1
-        cand = project_onto_simplex(w[None, :] - (steps / scale)[:, None] * grad[None, :])
+        cand = weights_basic.project_onto_simplex(w[None, :] - (steps / scale)[:, None] * grad[None, :])
         best = torch.argmin(objective(cand)).reshape(1)
         w = cand.index_select(0, best)[0]
     return w
@@ -280,10 +234,7 @@ def _cagrad_projected_gradient(
 def _cagrad_active_set(
     g: torch.Tensor, b: torch.Tensor, rho: torch.Tensor, start: torch.Tensor, iters: int
 ) -> torch.Tensor:
-    """A primal active-set method for CAGrad's problem from the support ``S`` of ``start [T]``: on ``S`` the KKT
-    point; negative coordinates leave ``S`` (no point: the best point's smallest one leaves), else the most
-    violated optimality condition (``∂f/∂w_i < μ``) comes in, none: ``S`` freezes. ``iters`` iterations; returns
-    the best feasible point met (``start`` included)."""
+    """The best feasible point of ``iters`` active-set steps for CAGrad's problem from ``start [T]``."""
     t = g.shape[0]
     dev = g.device
     index = torch.arange(t, device=dev)
@@ -330,11 +281,9 @@ def cagrad_weights(
     max_iter: int = 100,
     search_iters: int | None = None,
 ) -> torch.Tensor:
-    """CAGrad (Liu et al. 2021, Algorithm 1): with ``g_0`` the mean gradient and ``φ = c^2 |g_0|^2``, the weights
-    ``1/T + sqrt(φ) / |g_w*| w*`` (zero when ``|g_w*| < norm_eps``), ``w* = argmin_{w in simplex} <g_w, g_0> +
-    sqrt(φ) |g_w|`` on ``G / trace(G)``. ``solver``: ``exact``, the KKT point of every support (at most 10 tasks);
-    ``pgd``, ``max_iter`` projected-gradient then ``search_iters`` (default ``2 T + 10``) active-set steps;
-    ``auto``: ``exact`` up to 10 tasks."""
+    """CAGrad (Liu et al. 2021, Algorithm 1) on ``G / trace(G)``. ``solver``: ``exact`` (every support's KKT
+    point, at most 10 tasks), ``pgd`` (``max_iter`` projected-gradient then ``search_iters``, default ``2 T + 10``,
+    active-set steps) or ``auto`` (``exact`` up to 10 tasks)."""
     if c < 0:
         raise ValueError(f"cagrad: c must be non-negative, got {c}")
     if solver not in ("auto", "exact", "pgd"):
@@ -362,7 +311,9 @@ def cagrad_weights(
     rho = c * (u @ b).clamp_min(0.0).sqrt()
     eye = torch.eye(t, dtype=F64, device=dev)
     if solver == "exact":
-        w, ok = _cagrad_kkt(g, b, rho, _subsets(t, dev), spd_solve)
+        codes = torch.arange(1, 2**t, device=dev)  # every non-empty subset of the tasks
+        subsets = ((codes[:, None] >> torch.arange(t, device=dev)[None, :]) & 1).bool()
+        w, ok = _cagrad_kkt(g, b, rho, subsets, spd_solve)
         ok = ok & (w >= -1e-9).all(1)
         w = w.clamp_min(0.0)
         w = w / w.sum(1, keepdim=True).clamp_min(1e-300)
@@ -383,9 +334,7 @@ def cagrad_weights(
 
 
 def _alpha_fair_solve(g: torch.Tensor, alpha: float, max_iter: int) -> torch.Tensor:
-    """The positive root ``x`` of ``G x = x^{-1/alpha}`` (the minimiser of ``1/2 x^T G x - sum_i psi(x_i)``,
-    ``psi' = x^{-1/alpha}``) on ``G / trace(G)``, scaled back: ``max_iter`` damped Newton steps, each taking the
-    first of the step sizes ``2^-k`` that satisfies Armijo's rule (none: ``x`` is kept)."""
+    """The positive root of ``G x = x^{-1/alpha}``: ``max_iter`` damped Newton steps (Armijo's rule)."""
     if compiled.enabled(g):
         return compiled.solve_weights(g, "alpha_fair", None, [alpha, max_iter])
     t = g.shape[0]
@@ -394,11 +343,9 @@ def _alpha_fair_solve(g: torch.Tensor, alpha: float, max_iter: int) -> torch.Ten
     gn = g / tr
     p = -1.0 / alpha
 
-    def psi(x: torch.Tensor) -> torch.Tensor:
-        return torch.log(x) if alpha == 1.0 else (alpha / (alpha - 1.0)) * x.pow(1.0 + p)
-
-    def objective(x: torch.Tensor) -> torch.Tensor:  # x [..., T]
-        return 0.5 * ((x @ gn) * x).sum(-1) - psi(x).sum(-1)
+    def objective(x: torch.Tensor) -> torch.Tensor:  # x [..., T]; psi' = x^p
+        psi = torch.log(x) if alpha == 1.0 else (alpha / (alpha - 1.0)) * x.pow(1.0 + p)
+        return 0.5 * ((x @ gn) * x).sum(-1) - psi.sum(-1)
 
     s = (gn.sum() / (t * t)).clamp_min(1e-6)
     x = torch.full((t,), 1.0, dtype=F64, device=dev) * s.pow(-alpha / (alpha + 1.0))
@@ -423,9 +370,7 @@ def _alpha_fair_solve(g: torch.Tensor, alpha: float, max_iter: int) -> torch.Ten
 def fairgrad_weights(
     gram: torch.Tensor, generator: torch.Generator | None = None, *, alpha: float = 1.0, max_iter: int = 40
 ) -> torch.Tensor:
-    """FairGrad (Ban & Ji, "Fair Resource Allocation in Multi-Task Learning", 2024, Eq. 4): the weights ``w > 0``
-    with ``G w = w^{-1/alpha}`` (alpha-fair utilities; ``alpha = 1`` is proportional fairness, the Nash-MTL
-    equation). ``alpha = 0`` gives ``1 / T``. Damped Newton, exactly ``max_iter`` iterations."""
+    """FairGrad (Ban & Ji 2024, Eq. 4): ``w > 0`` with ``G w = w^{-1/alpha}`` (``alpha = 0``: ``1 / T``)."""
     if alpha < 0:
         raise ValueError(f"fairgrad: alpha must be non-negative, got {alpha}")
     g = _prepare(gram)
@@ -435,7 +380,7 @@ def fairgrad_weights(
     return _alpha_fair_solve(g, float(alpha), int(max_iter)).to(weights_dtype(gram))
 
 
-class NashMTLState(CountedState):
+class NashMTLState(weights_basic.CountedState):
     """Nash-MTL's step counter and last weights (reused between updates when ``update_weights_every > 1``)."""
 
 
@@ -448,11 +393,7 @@ def nashmtl_weights(
     update_weights_every: int = 1,
     max_iter: int = 40,
 ) -> torch.Tensor:
-    """Nash-MTL (Navon et al., "Multi-Task Learning as a Bargaining Game", 2022, Algorithm 1): the root of
-    ``G' a = 1 / a``, ``G' = G / |G|_F`` (the official code's normalisation), by ``max_iter`` damped Newton steps
-    (TorchJD's convex programs approximate it), scaled so that ``|sum_t a_t g_t| <= max_norm`` (``0``: off);
-    recomputed every ``update_weights_every`` calls, reused in between (``state``: a :class:`NashMTLState`).
-    """
+    """Nash-MTL (Navon et al. 2022): the root of ``G' a = 1 / a``, ``|sum_t a_t g_t| <= max_norm``."""
     if not isinstance(state, NashMTLState):
         raise TypeError(f"nashmtl needs a NashMTLState, got {type(state).__name__}")
     if max_norm < 0 or int(update_weights_every) <= 0:
@@ -462,14 +403,10 @@ def nashmtl_weights(
         )
     g = _prepare(gram)
     t = g.shape[0]
-    recompute = (
-        state.step % int(update_weights_every) == 0 or state.weights is None or state.weights.numel() != t
-    )
-    state.step += 1
-    if recompute:
+    if state.step % int(update_weights_every) == 0 or state.weights is None or state.weights.numel() != t:
         nf = torch.linalg.matrix_norm(g).clamp_min(1e-300)
-        a = _alpha_fair_solve(g / nf, 1.0, int(max_iter))
-        state.weights = a
+        state.weights = _alpha_fair_solve(g / nf, 1.0, int(max_iter))
+    state.step += 1
     a = state.weights.to(device=g.device, dtype=F64, non_blocking=True)
     if max_norm > 0:
         norm = (a @ g @ a).clamp_min(0.0).sqrt()
@@ -477,7 +414,7 @@ def nashmtl_weights(
     return a.to(weights_dtype(gram))
 
 
-class GradVacState(WeightsState):
+class GradVacState(weights_basic.WeightsState):
     """GradVac's state: the EMA targets ``phi [T, T]`` (float64; zeros at the start)."""
 
     tensors = ("phi",)
@@ -493,12 +430,7 @@ def gradvac_weights(
     eps: float = 1e-8,
     orders: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """GradVac (Wang et al., "Gradient Vaccine", ICLR 2021), whole-model variant, as task weights: for each task
-    ``i`` and each other ``j`` in :func:`pcgrad_orders`'s order, when the cosine ``phi`` of ``g_i^PC`` and ``g_j``
-    is below the EMA target ``phi_hat[i, j]`` (in ``state``, a :class:`GradVacState`), ``g_i^PC += |g_i^PC|
-    (phi_hat s(phi) - phi s(phi_hat)) / (|g_j| s(phi_hat) + eps) g_j`` (``s(x) = sqrt(1 - x^2)``); then
-    ``phi_hat <- (1 - beta) phi_hat + beta phi``. Tracked as combinations like :func:`pcgrad_weights`.
-    """
+    """GradVac (Wang et al. 2021), whole-model, as combinations: ``g_i^PC`` moved to the EMA cosine target."""
     if not isinstance(state, GradVacState):
         raise TypeError(f"gradvac needs a GradVacState, got {type(state).__name__}")
     if not 0.0 <= beta <= 1.0 or eps < 0:
@@ -506,9 +438,9 @@ def gradvac_weights(
     g = check_gram(gram).to(F64)
     t = g.shape[0]
     dev = g.device
-    if orders is None:
-        orders = pcgrad_orders(t, generator)
-    orders = orders.to(dev, non_blocking=True)
+    orders = (weights_basic.pcgrad_orders(t, generator) if orders is None else orders).to(
+        dev, non_blocking=True
+    )
     if state.phi is None or state.phi.shape != (t, t):
         state.phi = torch.zeros((t, t), dtype=F64, device=dev)
     if compiled.enabled(g):
@@ -522,10 +454,9 @@ def gradvac_weights(
     for step in range(t - 1):
         j = orders[:, step]
         cg = coef @ g
-        dot = cg[rows, j]
         norm_i = (cg * coef).sum(1).clamp_min(0.0).sqrt()
         norm_j = norm_j_all[j]
-        phi = dot / (norm_i * norm_j + eps)
+        phi = cg[rows, j] / (norm_i * norm_j + eps)
         hat = phi_t[rows, j]
         s_phi = (1.0 - phi * phi).clamp_min(0.0).sqrt()
         s_hat = (1.0 - hat * hat).clamp_min(0.0).sqrt()
@@ -536,7 +467,7 @@ def gradvac_weights(
     return coef.sum(0).to(weights_dtype(gram))
 
 
-class CRMOGMState(WeightsState):
+class CRMOGMState(weights_basic.WeightsState):
     """CR-MOGM's smoothed weights ``lambda [T]`` (float64, on the Gram's device; ``None`` before the first call)."""
 
 
@@ -548,10 +479,7 @@ def crmogm_weights(
     base: str = "mgda",
     alpha: float = 0.9,
 ) -> torch.Tensor:
-    """CR-MOGM (Zhou et al., "On the Convergence of Stochastic Multi-Objective Gradient Manipulation", NeurIPS
-    2022): the weights of the stateless aggregator ``base`` (default ``mgda``, with its default options),
-    smoothed across calls, ``lambda <- alpha lambda + (1 - alpha) lambda_hat`` (the first call returns
-    ``lambda_hat``). ``state`` is a :class:`CRMOGMState`."""
+    """CR-MOGM (Zhou et al. 2022): the stateless aggregator ``base``'s weights, exponentially smoothed."""
     if not isinstance(state, CRMOGMState):
         raise TypeError(f"crmogm needs a CRMOGMState, got {type(state).__name__}")
     if base not in AGGREGATORS or base in STATEFUL:
@@ -559,10 +487,8 @@ def crmogm_weights(
         raise ValueError(f"crmogm: option base={base!r} must be a stateless weighting: {stateless}")
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"crmogm: alpha must be in [0, 1], got {alpha}")
-    lam_hat = AGGREGATORS[base](gram, generator).to(F64)
-    t = lam_hat.shape[0]
-    lam = lam_hat
-    if state.weights is not None and state.weights.shape == (t,):
+    lam = lam_hat = AGGREGATORS[base](gram, generator).to(F64)
+    if state.weights is not None and state.weights.shape == lam_hat.shape:
         previous = state.weights.to(device=lam_hat.device, dtype=F64, non_blocking=True)
         lam = alpha * previous + (1.0 - alpha) * lam_hat
     state.weights = lam
@@ -570,10 +496,10 @@ def crmogm_weights(
 
 
 AGGREGATORS: dict[str, Callable[..., torch.Tensor]] = {
-    "sum": sum_weights,
-    "mean": mean_weights,
-    "pcgrad": pcgrad_weights,
-    "gem": gem_weights,
+    "sum": weights_basic.sum_weights,
+    "mean": weights_basic.mean_weights,
+    "pcgrad": weights_basic.pcgrad_weights,
+    "gem": weights_basic.gem_weights,
     "upgrad": upgrad_weights,
     "mgda": mgda_weights,
     "dualproj": dualproj_weights,
@@ -583,24 +509,88 @@ AGGREGATORS: dict[str, Callable[..., torch.Tensor]] = {
     "fairgrad": fairgrad_weights,
     "nashmtl": nashmtl_weights,
     "gradvac": gradvac_weights,
-    "constant": weights_extra.constant_weights,
-    "random": weights_extra.random_weights,
-    "krum": weights_extra.krum_weights,
-    "modo": weights_extra.modo_weights,
-    "sdmgrad": weights_extra.sdmgrad_weights,
+    "constant": weights_basic.constant_weights,
+    "random": weights_basic.random_weights,
+    "krum": weights_basic.krum_weights,
+    "modo": weights_basic.modo_weights,
+    "sdmgrad": weights_basic.sdmgrad_weights,
     "crmogm": crmogm_weights,
-    "pcd": weights_extra.pcd_weights,
-    "excessmtl": weights_extra.excessmtl_weights,
+    "pcd": weights_basic.pcd_weights,
+    "excessmtl": weights_basic.excessmtl_weights,
 }
 """Name -> aggregator ``fn(gram, [state,] generator=None, **options) -> w``."""
 
 STATEFUL: dict[str, type] = {
     "nashmtl": NashMTLState,
     "gradvac": GradVacState,
-    "modo": weights_extra.MoDoState,
-    "sdmgrad": weights_extra.SDMGradState,
+    "modo": weights_basic.MoDoState,
+    "sdmgrad": weights_basic.SDMGradState,
     "crmogm": CRMOGMState,
-    "pcd": weights_extra.PCDState,
-    "excessmtl": weights_extra.ExcessMTLState,
+    "pcd": weights_basic.PCDState,
+    "excessmtl": weights_basic.ExcessMTLState,
 }
 """Names whose function takes a state object (second argument / ``state=``), and the state's class."""
+
+# the parameters of an aggregator that are not options settable from strings
+_NOT_OPTIONS = {"gram", "generator", "state", "orders", "constraints"}
+
+
+def _parse(name: str, key: str, value: Any, default: Any) -> Any:
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    try:
+        if key in ("pref_vector", "weights") or (key in ("proposal", "tau") and "," in text):
+            return torch.tensor([float(x) for x in text.split(",")], dtype=torch.float64)
+        if key == "proposal":
+            return int(text) if text.lstrip("-").isdigit() else text
+        if isinstance(default, bool):
+            return {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}[
+                text.lower()
+            ]
+        if isinstance(default, int) or (default is None and key in ("max_iter", "max_iters", "sweeps")):
+            return int(text)
+        if isinstance(default, float):
+            return float(text)
+    except (ValueError, KeyError):
+        raise ValueError(f"surgery {name}: option {key}={value!r} is not a valid value") from None
+    return text
+
+
+def make_weighting(name: str, **options: Any) -> tuple[Callable[..., torch.Tensor], Any]:
+    """``(fn, state)``: the aggregator ``name`` with ``options`` as ``fn(gram, generator=None) -> w [T]`` and its
+    state (``None`` if stateless). String options are parsed by the option's default type (vectors: ``1,2``)."""
+    key = str(name).lower()
+    if key not in AGGREGATORS:
+        raise ValueError(f"unknown surgery method {name!r}; choose one of {', '.join(AGGREGATORS)}")
+    params = inspect.signature(AGGREGATORS[key]).parameters.items()
+    allowed = {k: p for k, p in params if k not in _NOT_OPTIONS}
+    parsed: dict[str, Any] = {}
+    for opt, value in options.items():
+        if opt not in allowed:
+            known = ", ".join(allowed) or "none"
+            raise ValueError(f"surgery {key}: unknown option {opt!r} (options: {known})")
+        parsed[opt] = _parse(key, opt, value, allowed[opt].default)
+    fn = AGGREGATORS[key]
+    state = STATEFUL[key]() if key in STATEFUL else None
+
+    def weighting(gram: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        if state is not None:
+            return fn(gram, state, generator, **parsed)
+        return fn(gram, generator, **parsed)
+
+    weighting.reads_rows = getattr(fn, "reads_rows", False)  # type: ignore[attr-defined]
+    weighting.__name__ = f"{key}_weighting"
+    weighting.__qualname__ = weighting.__name__
+    return weighting, state
+
+
+def parse_surgery_options(pairs: list[str] | tuple[str, ...]) -> dict[str, str]:
+    """``["c=0.5", "alpha=2"] -> {"c": "0.5", "alpha": "2"}`` (for ``--surgery-opt KEY=VALUE``, repeatable)."""
+    out: dict[str, str] = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise ValueError(f"--surgery-opt expects KEY=VALUE, got {pair!r}")
+        k, v = pair.split("=", 1)
+        out[k.strip()] = v.strip()
+    return out
