@@ -29,7 +29,7 @@ from fastpals_kernels.common import (
     target_arch,
 )
 from fastpals_kernels.grouped_linear import target_class
-from fastpals_kernels.tl_helpers import cast_rne, mm
+from fastpals_kernels.tl_helpers import cast_rne, dot_acc
 
 if TYPE_CHECKING:
     import triton.language as tl
@@ -524,7 +524,7 @@ def _pal_attn_fwd_kernel(
             k = _load_rows(k_base, tok_n, stride_kl, offs_d, kv_mask)
             v = _load_rows(v_base, tok_n, stride_vl, offs_d, kv_mask)
             bias = _key_bias(MASK, b64, offs_n, valid_n, stride_mb, stride_ml, HAS_MASK)
-            s = mm(q, tl.trans(k), IEEE, INTERP_BF16) * softmax_scale + bias[None, :]
+            s = dot_acc(q, tl.trans(k), None, IEEE, INTERP_BF16) * softmax_scale + bias[None, :]
             # every tile holds at least one key inside the sequence, so m_new is finite
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp(m_i - m_new)
@@ -533,7 +533,7 @@ def _pal_attn_fwd_kernel(
             if HAS_DROPOUT:
                 keep = _dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], SEQ, dropout_p)
                 p = tl.where(keep, p * dropout_scale, 0.0)
-            acc = acc * alpha[:, None] + mm(cast_rne(p, v.dtype, INTERP_BF16), v, IEEE, INTERP_BF16)
+            acc = dot_acc(cast_rne(p, v.dtype, INTERP_BF16), v, acc * alpha[:, None], IEEE, INTERP_BF16)
             m_i = m_new
         acc = acc / l_i[:, None]
         tl.store(
@@ -598,18 +598,18 @@ def _pal_attn_bwd_dkdv_kernel(
             do = _load_rows(do_base, tok_m, stride_dol, offs_d, q_mask)
             m, l_row, delta = _row_stats(STAT_M, STAT_L, DELTA, b64, tok_m, h, valid_m, H, stat_stride_b)
 
-            s_t = mm(k, tl.trans(q), IEEE, INTERP_BF16) * softmax_scale + bias[:, None]
+            s_t = dot_acc(k, tl.trans(q), None, IEEE, INTERP_BF16) * softmax_scale + bias[:, None]
             p_t = tl.exp(s_t - m[None, :]) / l_row[None, :]
-            dp_t = mm(v, tl.trans(do), IEEE, INTERP_BF16)
+            dp_t = dot_acc(v, tl.trans(do), None, IEEE, INTERP_BF16)
             if HAS_DROPOUT:
                 keep_t = _dropout_keep(seed, bh, offs_m[None, :], offs_n[:, None], SEQ, dropout_p)
                 pd_t = tl.where(keep_t, p_t * dropout_scale, 0.0)
                 dp_t = tl.where(keep_t, dp_t * dropout_scale, 0.0)
             else:
                 pd_t = p_t
-            dv += mm(cast_rne(pd_t, do.dtype, INTERP_BF16), do, IEEE, INTERP_BF16)
+            dv = dot_acc(cast_rne(pd_t, do.dtype, INTERP_BF16), do, dv, IEEE, INTERP_BF16)
             ds_t = p_t * (dp_t - delta[None, :])
-            dk += mm(cast_rne(ds_t, q.dtype, INTERP_BF16), q, IEEE, INTERP_BF16)
+            dk = dot_acc(cast_rne(ds_t, q.dtype, INTERP_BF16), q, dk, IEEE, INTERP_BF16)
         dk = dk * softmax_scale
         dk_ptrs = _tile_ptrs(DK, b64, h, tok_n, offs_d, stride_gb, stride_gl, stride_gh, ALIGN)
         dv_ptrs = _tile_ptrs(DV, b64, h, tok_n, offs_d, stride_gb, stride_gl, stride_gh, ALIGN)
@@ -650,14 +650,14 @@ def _pal_attn_bwd_dq_kernel(
             k = _load_rows(k_base, tok_n, stride_kl, offs_d, kv_mask)
             v = _load_rows(v_base, tok_n, stride_vl, offs_d, kv_mask)
             bias = _key_bias(MASK, b64, offs_n, valid_n, stride_mb, stride_ml, HAS_MASK)
-            s = mm(q, tl.trans(k), IEEE, INTERP_BF16) * softmax_scale + bias[None, :]
+            s = dot_acc(q, tl.trans(k), None, IEEE, INTERP_BF16) * softmax_scale + bias[None, :]
             p = tl.exp(s - m[:, None]) / l_row[:, None]
-            dp = mm(do, tl.trans(v), IEEE, INTERP_BF16)
+            dp = dot_acc(do, tl.trans(v), None, IEEE, INTERP_BF16)
             if HAS_DROPOUT:
                 keep = _dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], SEQ, dropout_p)
                 dp = tl.where(keep, dp * dropout_scale, 0.0)
             ds = p * (dp - delta[:, None])
-            dq += mm(cast_rne(ds, k.dtype, INTERP_BF16), k, IEEE, INTERP_BF16)
+            dq = dot_acc(cast_rne(ds, k.dtype, INTERP_BF16), k, dq, IEEE, INTERP_BF16)
         dq = dq * softmax_scale
         tl.store(
             _tile_ptrs(DQ, b64, h, tok_m, offs_d, stride_gb, stride_gl, stride_gh, ALIGN),
