@@ -1,7 +1,6 @@
 # ruff: noqa: ANN001, ANN202 - Triton kernel parameters and the custom ops' fake/autograd hooks mirror their schemas
 """The combine op: ``out[p] = sum_t weights[t] * buf[t, p]`` over a ``[T, P]`` task-gradient buffer in one
-pass, accumulated in fp32 and stored in ``out``'s dtype (a flat gradient, or a row of the buffer itself).
-"""
+pass, accumulated in fp32 and stored in ``out``'s dtype (a flat gradient, or a row of the buffer itself)."""
 
 from __future__ import annotations
 
@@ -26,8 +25,8 @@ if TYPE_CHECKING:
 
 __all__ = ["check_combine_args", "combine", "combine_reference", "combine_triton"]
 
-_REFERENCE_CHUNK = 1 << 20  # columns per fp32 up-cast of a 16-bit buffer (bounds the temporary memory)
-_IN_PLACE_CHUNK = 1 << 20  # columns per chunk when the result overwrites a row of the buffer (4 MiB fp32)
+#: columns per fp32 temporary (a 16-bit buffer's up-cast, or the result before it overwrites a row of the buffer)
+_CHUNK = 1 << 20
 
 
 def combine(
@@ -95,17 +94,15 @@ def combine_reference(
     w = weights.float()
     if buf.dtype == torch.float32 and out.dtype == torch.float32:
         if in_place:
-            tmp = torch.empty(min(_IN_PLACE_CHUNK, out.numel()), dtype=torch.float32, device=out.device)
-            for chunk, dst in zip(
-                torch.split(buf, _IN_PLACE_CHUNK, dim=1), torch.split(out, _IN_PLACE_CHUNK)
-            ):
+            tmp = torch.empty(min(_CHUNK, out.numel()), dtype=torch.float32, device=out.device)
+            for chunk, dst in zip(torch.split(buf, _CHUNK, dim=1), torch.split(out, _CHUNK)):
                 part = tmp[: dst.numel()]
                 torch.mv(chunk.T, w, out=part)
                 dst.copy_(part)
         else:
             torch.mv(buf.T, w, out=out)
         return out
-    for chunk, dst in zip(torch.split(buf, _REFERENCE_CHUNK, dim=1), torch.split(out, _REFERENCE_CHUNK)):
+    for chunk, dst in zip(torch.split(buf, _CHUNK, dim=1), torch.split(out, _CHUNK)):
         dst.copy_(w @ chunk.float())
     return out
 
@@ -116,16 +113,8 @@ OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 @TritonKernel
 def _combine_kernel(
-    buf_ptr,
-    w_ptr,
-    out_ptr,
-    T,
-    P,
-    stride_t,
-    T_PAD: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-    OUT_KIND: tl.constexpr,
-):
+    buf_ptr, w_ptr, out_ptr, T, P, stride_t, T_PAD: tl.constexpr, BLOCK_P: tl.constexpr, OUT_KIND: tl.constexpr
+):  # fmt: skip
     pid = tl.program_id(0).to(tl.int64)
     cols = pid * BLOCK_P + tl.arange(0, BLOCK_P)
     rows = tl.arange(0, T_PAD)
