@@ -298,8 +298,7 @@ def register_backend(op: str, name: str, serves: Serves, impl: Callable[..., Any
         raise ValueError(f"op must be one of {', '.join(OPS)}, got {op!r}")
     if name in _BUILTIN_BACKENDS:
         raise ValueError(f"{name!r} is a built-in backend name; pick another")
-    backends = [b for b in _REGISTERED.get(op, []) if b.name != name]
-    _REGISTERED[op] = [Backend(name, serves, impl), *backends]
+    _REGISTERED[op] = [Backend(name, serves, impl), *(b for b in _REGISTERED.get(op, []) if b.name != name)]
 
 
 def unregister_backend(op: str, name: str) -> None:

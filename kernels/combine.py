@@ -25,8 +25,8 @@ if TYPE_CHECKING:
 
 __all__ = ["check_combine_args", "combine", "combine_reference", "combine_triton"]
 
-#: columns per fp32 temporary (a 16-bit buffer's up-cast, or the result before it overwrites a row of the buffer)
-_CHUNK = 1 << 20
+_REFERENCE_CHUNK = 1 << 20  # columns per fp32 up-cast of a 16-bit buffer (bounds the temporary memory)
+_IN_PLACE_CHUNK = 1 << 20  # columns per chunk when the result overwrites a row of the buffer (4 MiB fp32)
 
 
 def combine(
@@ -94,15 +94,17 @@ def combine_reference(
     w = weights.float()
     if buf.dtype == torch.float32 and out.dtype == torch.float32:
         if in_place:
-            tmp = torch.empty(min(_CHUNK, out.numel()), dtype=torch.float32, device=out.device)
-            for chunk, dst in zip(torch.split(buf, _CHUNK, dim=1), torch.split(out, _CHUNK)):
+            tmp = torch.empty(min(_IN_PLACE_CHUNK, out.numel()), dtype=torch.float32, device=out.device)
+            for chunk, dst in zip(
+                torch.split(buf, _IN_PLACE_CHUNK, dim=1), torch.split(out, _IN_PLACE_CHUNK)
+            ):
                 part = tmp[: dst.numel()]
                 torch.mv(chunk.T, w, out=part)
                 dst.copy_(part)
         else:
             torch.mv(buf.T, w, out=out)
         return out
-    for chunk, dst in zip(torch.split(buf, _CHUNK, dim=1), torch.split(out, _CHUNK)):
+    for chunk, dst in zip(torch.split(buf, _REFERENCE_CHUNK, dim=1), torch.split(out, _REFERENCE_CHUNK)):
         dst.copy_(w @ chunk.float())
     return out
 
