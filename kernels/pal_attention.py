@@ -240,9 +240,7 @@ class _AttentionFunction(torch.autograd.Function):
         scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(layout.head_dim)
         # without a generator_seed, one draw from the CPU generator: no device sync, replayed by checkpoint
         seed = generator_seed if dropout_p > 0.0 else 0
-        if seed is None:
-            seed = torch.randint(0, 2**31 - 1, (1,)).item()
-        seed = int(seed)
+        seed = int(torch.randint(0, 2**31 - 1, (1,)).item() if seed is None else seed)
         q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
         out, stat_m, stat_l = _attention_forward(q, k, v, layout, dropout_p, scale, seed, aligned)
         ctx.save_for_backward(q, k, v, out, stat_m, stat_l, layout.mask, layout.cu_seqlens)
