@@ -1,7 +1,6 @@
 """fastpals' op library: one module per op, each holding the op's PyTorch reference, its Triton kernels
 (compiled on first launch: importing loads no Triton), its ``torch.ops.fastpals`` custom ops and its public
-function; the switch ``$FASTPALS_KERNELS`` in :mod:`~fastpals_kernels.backends`.
-"""
+function; the switch ``$FASTPALS_KERNELS`` in :mod:`~fastpals_kernels.backends`."""
 
 from __future__ import annotations
 

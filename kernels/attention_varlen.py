@@ -1,20 +1,18 @@
 # ruff: noqa: ANN001, ANN202 - the custom ops' fake and autograd hooks mirror their schemas
 """The attention op: BERT's multi-head softmax self-attention over packed rows (``q, k, v [N, H, Dh]``), its
 custom op ``torch.ops.fastpals.attention_varlen``, and the attention references the PAL builds on. Softmax in
-fp32; padded keys get the dtype's most negative score (BERT's additive mask).
-"""
+fp32; padded keys get the dtype's most negative score (BERT's additive mask)."""
 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from fastpals_kernels import backends
 from fastpals_kernels.backends import backend, registered, use_library
-from fastpals_kernels.common import cu_seqlens_int32, recompute_ops, seed_for, seeded
+from fastpals_kernels.common import recompute_ops, seed_for, seeded
 from fastpals_kernels.padding import AttentionPlan, bucketed_attention, key_mask_bias, pad_packed_index
 
 __all__ = [
@@ -186,13 +184,10 @@ def attention_varlen_eager(
     if backends.flash_varlen_ok(q):  # looked up on the module: tests stand in for flash-attn
         from flash_attn import flash_attn_varlen_func  # optional
 
-        cu = cu_seqlens_int32(cu_seqlens)
+        cu = cu_seqlens.to(torch.int32)
         return flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=dropout_p)
     if plan is not None:
-
-        def attend(qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, bucket: Any) -> torch.Tensor:
-            return padded_attention(qb, kb, vb, bucket.mask, dropout_p, key_bias=bucket.key_bias)
-
+        attend = lambda qb, kb, vb, b: padded_attention(qb, kb, vb, b.mask, dropout_p, key_bias=b.key_bias)
         return bucketed_attention(q, k, v, plan, attend)
     padded, mask, index = pad_packed_index(torch.stack((q, k, v)), cu_seqlens, max_seqlen)
     ctx = padded_attention(padded[0], padded[1], padded[2], mask, dropout_p)

@@ -104,9 +104,8 @@ def decide(
         if dtype == torch.bfloat16:
             return Decision("reference", f"sm_{cap}: no bf16 tensor cores; the PyTorch reference ops")
         reason = f"sm_{cap}: Triton emits no mma here (AOT test); cuBLAS and SDPA use its tensor cores"
-        reason = (
-            reason if half else f"sm_{cap} fp32: no tensor cores on either path; the stock ops as for 16-bit"
-        )
+        if not half:
+            reason = f"sm_{cap} fp32: no tensor cores on either path; the stock ops as for 16-bit"
         if op == "grouped_linear":
             return Decision("reference", reason + " (per-task cuBLAS matmuls)")
         return Decision("sdpa", reason)
@@ -132,13 +131,6 @@ def _triton_import_error() -> str | None:
         except Exception as exc:  # ImportError, or a broken install raising something else at import
             _PROBES["triton"] = f"{type(exc).__name__}: {exc}"
     return _PROBES["triton"]
-
-
-def _kernels_compiled_for_gpu() -> bool:
-    """True when the grouped kernels were already compiled as GPU (non-interpreted) Triton functions."""
-    kernel = getattr(sys.modules.get("fastpals_kernels.grouped_linear"), "_grouped_mm_kernel", None)
-    kernel = kernel.kernel if isinstance(kernel, TritonKernel) else kernel
-    return kernel is not None and type(kernel).__name__ != "InterpretedFunction"
 
 
 def available() -> tuple[bool, str]:
@@ -229,7 +221,10 @@ def use_triton(tensor: torch.Tensor) -> bool:
     if tensor.is_cuda:
         return True
     if tensor.device.type == "cpu" and interpret_mode():
-        if _kernels_compiled_for_gpu():
+        # the grouped kernels were already made as GPU (non-interpreted) Triton functions
+        kernel = getattr(sys.modules.get("fastpals_kernels.grouped_linear"), "_grouped_mm_kernel", None)
+        kernel = kernel.kernel if isinstance(kernel, TritonKernel) else kernel
+        if kernel is not None and type(kernel).__name__ != "InterpretedFunction":
             raise RuntimeError(
                 f"{KERNELS_ENV}=triton on a CPU tensor: the kernels were loaded before TRITON_INTERPRET=1 was set "
                 "(Triton fixes the mode when a kernel is first launched); set it before the first launch"
@@ -303,8 +298,7 @@ def register_backend(op: str, name: str, serves: Serves, impl: Callable[..., Any
         raise ValueError(f"op must be one of {', '.join(OPS)}, got {op!r}")
     if name in _BUILTIN_BACKENDS:
         raise ValueError(f"{name!r} is a built-in backend name; pick another")
-    backends = [b for b in _REGISTERED.get(op, []) if b.name != name]
-    _REGISTERED[op] = [Backend(name, serves, impl), *backends]
+    _REGISTERED[op] = [Backend(name, serves, impl), *(b for b in _REGISTERED.get(op, []) if b.name != name)]
 
 
 def unregister_backend(op: str, name: str) -> None:

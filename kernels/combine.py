@@ -1,7 +1,6 @@
 # ruff: noqa: ANN001, ANN202 - Triton kernel parameters and the custom ops' fake/autograd hooks mirror their schemas
 """The combine op: ``out[p] = sum_t weights[t] * buf[t, p]`` over a ``[T, P]`` task-gradient buffer in one
-pass, accumulated in fp32 and stored in ``out``'s dtype (a flat gradient, or a row of the buffer itself).
-"""
+pass, accumulated in fp32 and stored in ``out``'s dtype (a flat gradient, or a row of the buffer itself)."""
 
 from __future__ import annotations
 
@@ -116,16 +115,8 @@ OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 @TritonKernel
 def _combine_kernel(
-    buf_ptr,
-    w_ptr,
-    out_ptr,
-    T,
-    P,
-    stride_t,
-    T_PAD: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-    OUT_KIND: tl.constexpr,
-):
+    buf_ptr, w_ptr, out_ptr, T, P, stride_t, T_PAD: tl.constexpr, BLOCK_P: tl.constexpr, OUT_KIND: tl.constexpr
+):  # fmt: skip
     pid = tl.program_id(0).to(tl.int64)
     cols = pid * BLOCK_P + tl.arange(0, BLOCK_P)
     rows = tl.arange(0, T_PAD)

@@ -57,6 +57,17 @@ def check_task_ids(
     return task_ids.long()
 
 
+def check_like(ref_name: str, ref: torch.Tensor, dtype: bool = True, **operands: torch.Tensor | None) -> None:
+    """One-line errors for the ``operands`` (None skipped) whose device, or dtype when ``dtype``, is not ``ref``'s."""
+    for name, t in operands.items():
+        if t is not None and dtype and t.dtype != ref.dtype:
+            raise TypeError(
+                f"{name} has dtype {t.dtype} but {ref_name} has {ref.dtype}: all operands must share one dtype"
+            )
+        if t is not None and t.device != ref.device:
+            raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}")
+
+
 class TritonKernel:
     """A ``@triton.jit`` function made on its first launch, so that importing an op module loads no Triton. That
     launch binds ``triton`` and ``tl`` in the kernel's module and replaces every :class:`TritonKernel` there by its
@@ -154,23 +165,19 @@ _PLAN_CACHE = _RecentTensors()
 
 
 def check_cu_seqlens(
-    cu_seqlens: object,
-    num_rows: int,
-    device: torch.device,
-    max_seqlen: int | None = None,
-    name: str = "cu_seqlens",
+    cu_seqlens: object, num_rows: int, device: torch.device, max_seqlen: int | None = None
 ) -> int:
     """Validate packed-sequence boundaries and return B, the number of sequences: ``cu_seqlens [B+1]`` int32 or
     int64 on ``device``, 0 first, non-decreasing, ``num_rows`` last; ``max_seqlen`` (when given) at least the
     longest sequence. One host read per tensor (unchanged in place, it is not read again)."""
     if not isinstance(cu_seqlens, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+        raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"{name} must be int32 or int64, got {cu_seqlens.dtype}")
+        raise TypeError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
-        raise ValueError(f"{name} must have shape [B+1], got {list(cu_seqlens.shape)}")
+        raise ValueError(f"cu_seqlens must have shape [B+1], got {list(cu_seqlens.shape)}")
     if cu_seqlens.device != device:
-        raise ValueError(f"{name} is on {cu_seqlens.device} but the inputs are on {device}")
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but the inputs are on {device}")
     if max_seqlen is not None and (
         isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral)
     ):
@@ -180,11 +187,11 @@ def check_cu_seqlens(
         values = cu_seqlens.tolist()
         if values[0] != 0 or values[-1] != num_rows:
             raise ValueError(
-                f"{name} must start at 0 and end at the number of packed rows {num_rows}, got {values}"
+                f"cu_seqlens must start at 0 and end at the number of packed rows {num_rows}, got {values}"
             )
         lengths = [b - a for a, b in zip(values[:-1], values[1:])]
         if any(n < 0 for n in lengths):
-            raise ValueError(f"{name} must be non-decreasing, got {values}")
+            raise ValueError(f"cu_seqlens must be non-decreasing, got {values}")
         cached = (len(values) - 1, max(lengths, default=0))
         _CHECKED_CU.put((cu_seqlens,), num_rows, cached)
     batch, longest = cached
@@ -193,11 +200,6 @@ def check_cu_seqlens(
             f"max_seqlen = {int(max_seqlen)} is shorter than the longest sequence ({longest} tokens)"
         )
     return batch
-
-
-def cu_seqlens_int32(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """The int32 form the kernels (and flash-attn) read; the tensor itself when it is already int32."""
-    return cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
 
 
 @dataclass(frozen=True)
@@ -264,14 +266,8 @@ def build_task_row_plan(
     tile_start = task_row_offsets[safe_task] + local * block_rows
     tile_end = torch.minimum(tile_start + block_rows, task_row_offsets[safe_task + 1])
     tiles = [torch.where(valid, t, fill) for t, fill in ((task_of_tile, -1), (tile_start, 0), (tile_end, 0))]
-    return TaskRowPlan(
-        row_index.contiguous(),
-        task_row_offsets.to(torch.int32),
-        *(t.to(torch.int32) for t in tiles),
-        num_rows,
-        num_tasks,
-        block_rows,
-    )
+    int32 = (t.to(torch.int32) for t in (task_row_offsets, *tiles))
+    return TaskRowPlan(row_index.contiguous(), *int32, num_rows, num_tasks, block_rows)
 
 
 def device_context(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
@@ -357,10 +353,8 @@ def build_task_row_plan_host(
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
     num_rows = int(lengths.sum())
     order = np.argsort(task_ids, kind="stable")
-    row_index = (
-        np.concatenate([np.arange(starts[e], starts[e] + lengths[e]) for e in order])
-        if order.size
-        else np.zeros(0, dtype=np.int64)
+    row_index = np.concatenate(
+        [np.zeros(0, np.int64), *(np.arange(starts[e], starts[e] + lengths[e]) for e in order)]
     )
     rows_per_task = np.bincount(task_ids, weights=lengths, minlength=num_tasks).astype(np.int64)
     task_row_offsets = np.concatenate([[0], np.cumsum(rows_per_task)]).astype(np.int64)
@@ -396,22 +390,22 @@ MAX_TASKS = 128
 BUFFER_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def check_task_buffer(buf: object, name: str = "buf") -> torch.Tensor:
+def check_task_buffer(buf: object) -> torch.Tensor:
     """Validate a per-task gradient buffer: ``[T, P]`` float32/float16/bfloat16, ``1 <= T <= MAX_TASKS``,
     ``P >= 1``, unit stride along P (rows may be strided)."""
     if not isinstance(buf, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(buf).__name__}")
+        raise TypeError(f"buf must be a torch.Tensor, got {type(buf).__name__}")
     if buf.dim() != 2:
-        raise ValueError(f"{name} must have shape [T, P], got {list(buf.shape)}")
+        raise ValueError(f"buf must have shape [T, P], got {list(buf.shape)}")
     t, p = buf.shape
     if not 1 <= t <= MAX_TASKS:
-        raise ValueError(f"{name} has T = {t} rows; 1 <= T <= {MAX_TASKS} is supported")
+        raise ValueError(f"buf has T = {t} rows; 1 <= T <= {MAX_TASKS} is supported")
     if p < 1:
-        raise ValueError(f"{name} has P = {p} columns; at least 1 is needed")
+        raise ValueError(f"buf has P = {p} columns; at least 1 is needed")
     if buf.dtype not in BUFFER_DTYPES:
-        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {buf.dtype}")
+        raise TypeError(f"buf must be float32, float16 or bfloat16, got {buf.dtype}")
     if buf.stride(1) != 1 or buf.stride(0) < p:
-        raise ValueError(f"{name} must be contiguous along P (strides {buf.stride()})")
+        raise ValueError(f"buf must be contiguous along P (strides {buf.stride()})")
     return buf
 
 
@@ -457,23 +451,6 @@ def seeded(seed: torch.Tensor, device: torch.device, dropout_p: float) -> Iterat
         yield
 
 
-def autograd_vjp(
-    fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor], grad: torch.Tensor
-) -> tuple[torch.Tensor, ...]:
-    """The gradients of ``fn(*inputs)`` against ``grad``, recomputing ``fn`` with autograd (switched back on: an
-    op's kernel runs below the autograd dispatch keys)."""
-    leaves = [t.detach().requires_grad_(True) for t in inputs]
-    with contextlib.ExitStack() as stack:
-        for key in (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.ADInplaceOrView):
-            stack.enter_context(torch._C._SetExcludeDispatchKeyGuard(key, False))
-        stack.enter_context(torch.enable_grad())
-        out = fn(*leaves)
-        grads = torch.autograd.grad(out, leaves, grad, allow_unused=True)
-    # outputs may not alias each other or grad (e.g. the unbound views of one stacked gradient, a residual's)
-    return tuple(torch.zeros_like(x) if g is None else g.clone() if g._base is not None or g is grad else g
-                 for g, x in zip(grads, leaves))  # fmt: skip
-
-
 def seed_for(dropout_p: float) -> torch.Tensor:
     """:func:`draw_seed` with dropout, else a zero seed (no draw from the generator)."""
     return draw_seed() if dropout_p > 0.0 else torch.zeros(1, dtype=torch.int64)
@@ -494,13 +471,21 @@ def recompute_ops(name: str, schema: str, run: Callable, grad_inputs: Sequence[i
         return out.clone() if any(out is x for x in inputs) else out
 
     def backward(grad: torch.Tensor, *inputs: Any) -> list[torch.Tensor]:
-        def recompute(*leaves: torch.Tensor) -> torch.Tensor:
-            args = list(inputs)
-            for i, leaf in zip(given(inputs), leaves):
-                args[i] = leaf
-            return run(*args)
-
-        return list(autograd_vjp(recompute, [inputs[i] for i in given(inputs)], grad))
+        """Recompute ``run`` with autograd (switched back on: an op's kernel runs below the autograd keys)."""
+        args = list(inputs)
+        leaves = [inputs[i].detach().requires_grad_(True) for i in given(inputs)]
+        for i, leaf in zip(given(inputs), leaves):
+            args[i] = leaf
+        with contextlib.ExitStack() as stack:
+            for key in (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.ADInplaceOrView):
+                stack.enter_context(torch._C._SetExcludeDispatchKeyGuard(key, False))
+            stack.enter_context(torch.enable_grad())
+            grads = torch.autograd.grad(run(*args), leaves, grad, allow_unused=True)
+        # outputs may not alias each other or grad (e.g. the unbound views of one stacked gradient, a residual's)
+        return [
+            torch.zeros_like(x) if g is None else g.clone() if g._base is not None or g is grad else g
+            for g, x in zip(grads, leaves)
+        ]
 
     op = torch.library.custom_op(
         f"fastpals::{name}", forward, mutates_args=(), schema=f"({schema}) -> Tensor"

@@ -1,8 +1,7 @@
 # ruff: noqa: ANN001, ANN202 - Triton kernel parameters and the custom op's fake/autograd hooks mirror its schema
 """The Gram op: ``gram[i, j] = sum_p buf[i, p] * buf[j, p]`` of a ``[T, P]`` task-gradient buffer in one pass
 (fp32 accumulation, IEEE products), with ``finite[t]`` false when row t holds an inf/nan or its sum of squares
-overflows. The Triton kernels write one partial Gram per program, summed after (no atomics).
-"""
+overflows. The Triton kernels write one partial Gram per program, summed after (no atomics)."""
 
 from __future__ import annotations
 
@@ -62,10 +61,7 @@ def gram_reference(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if buf.dtype == torch.float32:
         g = _blocked_gram(buf)
     else:
-        t = buf.shape[0]
-        g = torch.zeros((t, t), dtype=torch.float32, device=buf.device)
-        for chunk in torch.split(buf, _REFERENCE_CHUNK, dim=1):
-            g += _blocked_gram(chunk.float())
+        g = sum(_blocked_gram(chunk.float()) for chunk in torch.split(buf, _REFERENCE_CHUNK, dim=1))
     g = 0.5 * (g + g.T)
     return g, torch.isfinite(torch.diagonal(g)).clone()
 
@@ -159,36 +155,28 @@ def _programs(buf: torch.Tensor, block_p: int) -> tuple[int, int]:
     (four in the interpreter)."""
     blocks = cdiv(buf.shape[1], block_p)
     sms = torch.cuda.get_device_properties(buf.device).multi_processor_count if buf.is_cuda else 1
-    max_programs = 4 * sms
-    cols_per_program = cdiv(blocks, min(blocks, max_programs)) * block_p
+    cols_per_program = cdiv(blocks, min(blocks, 4 * sms)) * block_p
     return cdiv(buf.shape[1], cols_per_program), cols_per_program
-
-
-def _gram_pairs(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Gram of ``T <= PAIRS_MAX_TASKS`` rows by :func:`_gram_pairs_kernel` (one FMA per row pair and column);
-    the finite flags from the diagonal."""
-    t, p = buf.shape
-    # columns per thread: 16-byte loads (4 fp32, 8 16-bit) while the T (T + 1) / 2 fp32 accumulators stay within
-    # 64 registers, else halved down to two
-    per_thread = 16 // buf.element_size()
-    while per_thread > 2 and t * (t + 1) // 2 * per_thread > 64:
-        per_thread //= 2
-    block_p = per_thread * 32 * PAIRS_WARPS
-    programs, cols_per_program = _programs(buf, block_p)
-    partial = torch.empty((programs, t, t), dtype=torch.float32, device=buf.device)
-    with device_context(buf):
-        _gram_pairs_kernel[(programs,)](
-            buf, partial, p, buf.stride(0), cols_per_program, T=t, BLOCK_P=block_p, num_warps=PAIRS_WARPS
-        )
-    g = partial.sum(dim=0)
-    return g, torch.isfinite(torch.diagonal(g))
 
 
 def gram_triton(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`gram_reference` by the Triton kernels on ``buf``'s device (``buf`` validated already); no host sync."""
     t, p = buf.shape
-    if t <= PAIRS_MAX_TASKS:
-        return _gram_pairs(buf)
+    if t <= PAIRS_MAX_TASKS:  # one FMA per row pair and column; the finite flags from the diagonal
+        # columns per thread: 16-byte loads (4 fp32, 8 16-bit) while the T (T + 1) / 2 fp32 accumulators stay
+        # within 64 registers, else halved down to two
+        per_thread = 16 // buf.element_size()
+        while per_thread > 2 and t * (t + 1) // 2 * per_thread > 64:
+            per_thread //= 2
+        block_p = per_thread * 32 * PAIRS_WARPS
+        programs, cols_per_program = _programs(buf, block_p)
+        partial = torch.empty((programs, t, t), dtype=torch.float32, device=buf.device)
+        with device_context(buf):
+            _gram_pairs_kernel[(programs,)](
+                buf, partial, p, buf.stride(0), cols_per_program, T=t, BLOCK_P=block_p, num_warps=PAIRS_WARPS
+            )
+        g = partial.sum(dim=0)
+        return g, torch.isfinite(torch.diagonal(g))
     t_pad = max(16, next_power_of_2(t))  # tl.dot needs every dimension >= 16
     t_blk = min(t_pad, 32)  # a 32 x 32 fp32 accumulator per program at most: more tasks, more row blocks
     # narrower column blocks where wider up-cast tiles spill on sm_90 (tests/test_aot.py, docs/measurements.md)
@@ -201,17 +189,8 @@ def gram_triton(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n_blk = t_pad // t_blk
     with device_context(buf):
         _gram_partial_kernel[(programs, n_blk, n_blk)](
-            buf,
-            partial,
-            bad,
-            t,
-            p,
-            buf.stride(0),
-            cols_per_program,
-            T_PAD=t_pad,
-            T_BLK=t_blk,
-            BLOCK_P=block_p,
-        )
+            buf, partial, bad, t, p, buf.stride(0), cols_per_program, T_PAD=t_pad, T_BLK=t_blk, BLOCK_P=block_p,
+        )  # fmt: skip
     g = partial.sum(dim=0)[:t, :t]
     g = 0.5 * (g + g.T)
     finite = (bad.sum(dim=0)[:t] == 0) & torch.isfinite(torch.diagonal(g))

@@ -5,17 +5,20 @@ the per-task weight gradients as ops (:func:`grouped_wgrad`). fp32 accumulation,
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fastpals_kernels.backends import backend, registered, require_triton
 from fastpals_kernels.common import (
+    BUFFER_DTYPES,
     TaskRowPlan,
     TritonKernel,
     aligned_rows,
     autocast_dtype,
     cdiv,
+    check_like,
     device_context,
     dot_flags,
     last_dim_contiguous,
@@ -91,9 +94,7 @@ def segment_linear(
 
 class _SegmentLinear(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, counts: tuple[int, ...]
-    ) -> torch.Tensor:
+    def forward(ctx, x, weight, bias, counts: tuple[int, ...]) -> torch.Tensor:  # type: ignore[override]
         out = x.new_empty(x.shape[0], weight.shape[1])
         for t, (a, n) in enumerate(_segments(counts)):
             if n and bias is None:
@@ -135,14 +136,7 @@ class _SegmentLinear(torch.autograd.Function):
 
 def _segments(counts: tuple[int, ...]) -> list[tuple[int, int]]:
     """``(start, count)`` of each task's rows when ``counts[t]`` rows of task t follow those of task t - 1."""
-    starts = [0]
-    for n in counts[:-1]:
-        starts.append(starts[-1] + n)
-    return list(zip(starts, counts))
-
-
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_ACTIVATIONS = (None, "gelu")
+    return list(zip(itertools.accumulate(counts[:-1], initial=0), counts))
 
 
 @TritonKernel
@@ -422,46 +416,7 @@ class GroupedLinearFunction(torch.autograd.Function):
         return dx, dw, db, dres, None, None
 
 
-def _check_operands(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    activation: str | None,
-    residual: torch.Tensor | None,
-    out_shape: tuple[int, ...],
-) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 3:
-        raise ValueError(f"weight must be a [T, M, K] tensor, got {getattr(weight, 'shape', type(weight))}")
-    if weight.shape[0] < 1:
-        raise ValueError("weight must hold at least one task (weight.shape[0] >= 1)")
-    if x.dtype not in _DTYPES:
-        raise TypeError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
-    if x.shape[-1] != weight.shape[2]:
-        raise ValueError(
-            f"x has {x.shape[-1]} features but weight is {list(weight.shape)} ([T, M, K], K must match)"
-        )
-    for name, t in (("weight", weight), ("bias", bias), ("residual", residual)):
-        if t is not None and t.dtype != x.dtype:
-            raise TypeError(
-                f"{name} has dtype {t.dtype} but x has {x.dtype}: all operands must share one dtype"
-            )
-        if t is not None and t.device != x.device:
-            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
-    if bias is not None and tuple(bias.shape) != (weight.shape[0], weight.shape[1]):
-        raise ValueError(f"bias must have shape {[weight.shape[0], weight.shape[1]]}, got {list(bias.shape)}")
-    if residual is not None and tuple(residual.shape) != out_shape:
-        raise ValueError(
-            f"residual must have the output's shape {list(out_shape)}, got {list(residual.shape)}"
-        )
-    if activation not in _ACTIVATIONS:
-        raise ValueError(f"activation must be None or 'gelu', got {activation!r}")
-
-
-def _autocast(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None
-) -> tuple:
+def _autocast(x, weight, bias, residual) -> tuple:
     """Under ``torch.autocast``: (x, weight, bias) in the autocast dtype, and a residual of another dtype moved
     out of the kernel (returned last, to be added by the caller). Outside autocast: the inputs unchanged."""
     cast = autocast_dtype(x) if isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) else None
@@ -495,14 +450,12 @@ def grouped_linear(
     activation: str | None = None,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``residual + act(grouped_linear_reference(x, task_ids, weight, bias))`` for a mixed-task batch
-    (Triton).
+    """Triton ``residual + act(grouped_linear_reference(x, task_ids, weight, bias))`` of a mixed-task batch.
 
     x: ``[B, L, K]`` or ``[B, K]`` fp32/fp16/bf16; task_ids: ``[B]`` integer in ``[0, T)``; weight: ``[T, M,
     K]``; bias: ``[T, M]`` or None; activation: None or ``"gelu"`` (exact erf); residual: the output's shape
     or None. Returns ``[B, L, M]`` (or ``[B, M]``) in x's dtype. Under autocast the operands are cast like
-    ``F.linear``'s and a residual of another dtype is added outside the kernel.
-    """
+    ``F.linear``'s and a residual of another dtype is added outside the kernel."""
     return _grouped_linear(x, None, task_ids, weight, bias, activation, residual)
 
 
@@ -528,7 +481,27 @@ def _grouped_linear(x, cu_seqlens, task_ids, weight, bias, activation, residual)
     if outside is not None:
         return outside + _grouped_linear(x, cu_seqlens, task_ids, weight, bias, activation, None)
     out_shape = (x.shape[0], weight.shape[1]) if packed else (*x.shape[:-1], weight.shape[1])
-    _check_operands(x, weight, bias, activation, residual, out_shape)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 3:
+        raise ValueError(f"weight must be a [T, M, K] tensor, got {getattr(weight, 'shape', type(weight))}")
+    if weight.shape[0] < 1:
+        raise ValueError("weight must hold at least one task (weight.shape[0] >= 1)")
+    if x.dtype not in BUFFER_DTYPES:
+        raise TypeError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
+    if x.shape[-1] != weight.shape[2]:
+        raise ValueError(
+            f"x has {x.shape[-1]} features but weight is {list(weight.shape)} ([T, M, K], K must match)"
+        )
+    check_like("x", x, weight=weight, bias=bias, residual=residual)
+    if bias is not None and tuple(bias.shape) != (weight.shape[0], weight.shape[1]):
+        raise ValueError(f"bias must have shape {[weight.shape[0], weight.shape[1]]}, got {list(bias.shape)}")
+    if residual is not None and tuple(residual.shape) != out_shape:
+        raise ValueError(
+            f"residual must have the output's shape {list(out_shape)}, got {list(residual.shape)}"
+        )
+    if activation not in (None, "gelu"):
+        raise ValueError(f"activation must be None or 'gelu', got {activation!r}")
     if packed and x.dim() != 2:
         raise ValueError(f"x must be packed rows [N, K], got {list(x.shape)}")
     if x.dim() not in (2, 3):

@@ -7,8 +7,7 @@ projection). Shapes: ``B`` examples, ``L`` padded length, ``N`` packed rows, ``d
 ``dec_bias [T, d]`` (V^D). :func:`run_pal` (what the model calls) runs a registered backend, the custom ops
 ``torch.ops.fastpals.pal`` / ``pal_varlen`` or :func:`pal_eager`: the references or the Triton :func:`pal` /
 :func:`pal_varlen` (grouped GEMMs around :mod:`fastpals_kernels.pal_attention`, heads zero-padded for 16-byte
-aligned loads: :func:`pal_layout`).
-"""
+aligned loads: :func:`pal_layout`)."""
 
 from __future__ import annotations
 
@@ -28,6 +27,7 @@ from fastpals_kernels.common import (
     autocast_dtype,
     cast_floats,
     cdiv,
+    check_like,
     recompute_ops,
     seed_for,
     seeded,
@@ -368,24 +368,11 @@ def _check_pal_weights(h: torch.Tensor, weights: tuple, num_heads: int, residual
             raise ValueError(f"{name} must have shape {list(expected[name])}, got {list(t.shape)}")
         # under autocast the QKV and V^D weights are cast by their re-layout copy (_padded_weights)
         relaid = cast_later and name in ("qkv_weight", "qkv_bias", "dec_weight") and t.is_floating_point()
-        if t.dtype != h.dtype and not relaid:
-            raise TypeError(
-                f"{name} has dtype {t.dtype} but h has {h.dtype}: all operands must share one dtype"
-            )
-        if t.device != h.device:
-            raise ValueError(f"{name} is on {t.device} but h is on {h.device}")
+        check_like("h", h, not relaid, **{name: t})
     return num_tasks
 
 
-def _fused_pal(
-    h: torch.Tensor,
-    form: tuple[int, ...],
-    plan_options: dict,
-    attend: Any,
-    args: tuple,
-    residual: torch.Tensor | None,
-    generator_seed: int | None,
-) -> torch.Tensor:
+def _fused_pal(h, form: tuple[int, ...], plan_options: dict, attend, args: tuple, residual, generator_seed):
     """The body of :func:`pal` and :func:`pal_varlen`: h ``[*form, d]`` (``form``: ``(B, L)`` or ``(N,)``)
     through ``attend(q, k, v, **options)``; ``args`` as in :func:`pal_reference` after its inputs. Under
     autocast the QKV and V^D weights are cast by their re-layout copy, and a residual of another dtype is
@@ -442,8 +429,7 @@ def pal(
     h: ``[B, L, d]`` fp32/fp16/bf16; attention_mask: ``[B, L]`` (1 = token) or None; task_ids: ``[B]`` int64
     in ``[0, T)``; weights as in the module docstring, in h's dtype (cast like ``F.linear`` under autocast);
     num_heads divides d_s (head dim <= 128); dropout_p: its mask drawn from ``generator_seed``
-    (:func:`~fastpals_kernels.pal_attention.pal_attention_dropout_mask`); residual: ``[B, L, d]`` or None.
-    """
+    (:func:`~fastpals_kernels.pal_attention.pal_attention_dropout_mask`); residual: ``[B, L, d]`` or None."""
     require_triton("pal")
     if not isinstance(h, torch.Tensor) or h.dim() != 3:
         raise ValueError(f"h must be a [B, L, d] tensor, got {getattr(h, 'shape', type(h))}")
@@ -451,8 +437,7 @@ def pal(
     if attention_mask is not None:
         if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (batch, length):
             raise ValueError(f"attention_mask must be a [B, L] = {[batch, length]} tensor or None")
-        if attention_mask.device != h.device:
-            raise ValueError(f"attention_mask is on {attention_mask.device} but h is on {h.device}")
+        check_like("h", h, dtype=False, attention_mask=attention_mask)
     args = (task_ids, enc_weight, enc_bias, qkv_weight, qkv_bias, dec_weight, dec_bias, num_heads, gelu,
             dropout_p)  # fmt: skip
     attend = functools.partial(pal_attention, key_padding_mask=attention_mask)

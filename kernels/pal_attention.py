@@ -3,8 +3,7 @@
 H, Dh]`` batch (head dims up to 128), inside the fused PAL. Online fp32 softmax forward; the backward
 recomputes the probabilities (one dK/dV kernel per key block, one dQ kernel per query block; no atomics).
 Dropout keeps (b, h, i, j) when ``tl.rand(seed, ((b * H + h) * S + i) * S + j) >= p`` (``S``: ``L`` or
-``max_seqlen``), so a packed batch drops what the padded one does (:func:`pal_attention_dropout_mask`).
-"""
+``max_seqlen``), so a packed batch drops what the padded one does (:func:`pal_attention_dropout_mask`)."""
 
 from __future__ import annotations
 
@@ -21,7 +20,7 @@ from fastpals_kernels.common import (
     aot_mode,
     cdiv,
     check_cu_seqlens,
-    cu_seqlens_int32,
+    check_like,
     device_context,
     dot_flags,
     last_dim_contiguous,
@@ -29,7 +28,7 @@ from fastpals_kernels.common import (
     target_arch,
 )
 from fastpals_kernels.grouped_linear import target_class
-from fastpals_kernels.tl_helpers import cast_rne, mm
+from fastpals_kernels.tl_helpers import cast_rne, dot_acc
 
 if TYPE_CHECKING:
     import triton.language as tl
@@ -37,7 +36,6 @@ if TYPE_CHECKING:
 __all__ = ["MAX_HEAD_DIM", "pal_attention", "pal_attention_dropout_mask", "pal_attention_varlen"]
 
 MAX_HEAD_DIM = 128
-_SEED_LIMIT = 2**63
 _MAX_SEQ = 65535 * 16  # grid axis 1 (blocks of >= 16 rows) is limited to 65535 on CUDA
 
 
@@ -70,36 +68,22 @@ def _strides(x: torch.Tensor, is_varlen: bool) -> tuple[int, int, int]:
 # GPU tiles per (kernel, fp32): (block_m for padded head dims 32 and 64, block_m for 128, warps for 32 and 64);
 # block_n 32, 4 warps at 128, two stages (one on sm_75). The ahead-of-time compile of every launch fits each
 # target's shared memory and the 16-bit kernels do not spill on sm_80/sm_90 (tests/test_aot.py asserts both).
-_TILES = {
-    ("fwd", False): (64, 32, 4),
-    ("dkdv", False): (64, 16, 8),
-    ("dq", False): (64, 32, 4),
-    ("fwd", True): (32, 16, 4),
-    ("dkdv", True): (32, 16, 4),
-    ("dq", True): (32, 16, 4),
-}
-_INTERPRETER_BLOCK = 16  # small tiles keep the CPU interpreter fast
-
-
-def attention_config(target: str, kernel: str, fp32: bool, block_d: int) -> tuple[int, int, int, int]:
-    """(block_m, block_n, warps, stages) of ``kernel`` ("fwd", "dkdv", "dq") on ``target`` ("sm75", "sm80",
-    "sm90") for fp32 or 16-bit inputs and a padded head dim ``block_d`` (16, 32, 64 or 128). sm_75 (64 KiB of
-    shared memory per block) runs one stage."""
-    block_m, block_m_128, warps = _TILES[(kernel, fp32)]
-    if block_d > 64:
-        block_m, warps = block_m_128, 4
-    return block_m, 32, warps, 1 if target == "sm75" else 2
+_TILES = {("fwd", False): (64, 32, 4), ("dkdv", False): (64, 16, 8), ("dq", False): (64, 32, 4)}
+_TILES |= {(kernel, True): (32, 16, 4) for kernel in ("fwd", "dkdv", "dq")}
 
 
 def _launch_config(kernel: str, layout: _Layout, q: torch.Tensor) -> dict:
-    """Tile sizes and launch options of ``kernel`` for this call; tiles never exceed the sequence (>= 16)."""
+    """Tile sizes and launch options of ``kernel`` ("fwd", "dkdv", "dq") for this call; tiles never exceed the
+    sequence (>= 16). sm_75 (64 KiB of shared memory per block) runs one stage."""
     block_d = max(16, next_power_of_2(layout.head_dim))
-    if _interpreting():
-        block_m = block_n = _INTERPRETER_BLOCK
+    if _interpreting():  # small tiles keep the CPU interpreter fast
+        block_m = block_n = 16
         warps, stages = 4, 1
     else:
-        target = target_class(target_arch(q))
-        block_m, block_n, warps, stages = attention_config(target, kernel, q.dtype == torch.float32, block_d)
+        block_m, block_m_128, warps = _TILES[(kernel, q.dtype == torch.float32)]
+        if block_d > 64:
+            block_m, warps = block_m_128, 4
+        block_n, stages = 32, 1 if target_class(target_arch(q)) == "sm75" else 2
     seq = next_power_of_2(max(layout.seq, 1))
     return {
         "BLOCK_M": max(16, min(block_m, seq)),
@@ -116,18 +100,12 @@ def _check_qkv(q: object, k: object, v: object, ndim: int, form: str) -> None:
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() != ndim:
             raise ValueError(f"{name} must have shape {form}, got {list(x.shape)} ({x.dim()} dims)")
-    assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"q must be float32, float16 or bfloat16, got {q.dtype}")
     for name, x in (("k", k), ("v", v)):
         if x.shape != q.shape:
             raise ValueError(f"{name} must have the shape of q {list(q.shape)}, got {list(x.shape)}")
-        if x.dtype != q.dtype:
-            raise TypeError(
-                f"{name} has dtype {x.dtype} but q has {q.dtype}; q, k and v must share one dtype"
-            )
-        if x.device != q.device:
-            raise ValueError(f"{name} is on {x.device} but q is on {q.device}")
+    check_like("q", q, k=k, v=v)
     head_dim = q.shape[-1]
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"head dim (last dim of q) must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
@@ -139,9 +117,7 @@ def _check_qkv(q: object, k: object, v: object, ndim: int, form: str) -> None:
 
 
 def _check_options(dropout_p: object, softmax_scale: object, generator_seed: object) -> None:
-    def is_real(x: object) -> bool:
-        return not isinstance(x, bool) and isinstance(x, numbers.Real)
-
+    is_real = lambda x: not isinstance(x, bool) and isinstance(x, numbers.Real)
     if not is_real(dropout_p):
         raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
     if not (0.0 <= float(dropout_p) < 1.0):
@@ -154,46 +130,13 @@ def _check_options(dropout_p: object, softmax_scale: object, generator_seed: obj
         return
     if isinstance(generator_seed, bool) or not isinstance(generator_seed, numbers.Integral):
         raise TypeError(f"generator_seed must be an int or None, got {type(generator_seed).__name__}")
-    if not 0 <= int(generator_seed) < _SEED_LIMIT:
+    if not 0 <= int(generator_seed) < 2**63:
         raise ValueError(f"generator_seed must be in [0, 2**63), got {generator_seed}")
 
 
 def _check_grid_rows(seq: int, name: str) -> None:
     if seq > _MAX_SEQ:
         raise ValueError(f"{name} = {seq} exceeds the longest supported sequence ({_MAX_SEQ} tokens)")
-
-
-def _padded_layout(q: torch.Tensor, key_padding_mask: object) -> _Layout:
-    batch, length, heads, head_dim = q.shape
-    mask = key_padding_mask
-    if mask is not None:
-        if not isinstance(mask, torch.Tensor):
-            raise TypeError(f"key_padding_mask must be a torch.Tensor or None, got {type(mask).__name__}")
-        if mask.shape != (batch, length):
-            raise ValueError(
-                f"key_padding_mask must have shape [B, L] = [{batch}, {length}], got {list(mask.shape)}"
-            )
-        if mask.device != q.device:
-            raise ValueError(f"key_padding_mask is on {mask.device} but q is on {q.device}")
-        if mask.is_floating_point() or mask.is_complex():
-            raise TypeError(
-                f"key_padding_mask must be bool or integer (1 = token, 0 = padding), got {mask.dtype}; "
-                "an additive float mask is not accepted (convert it with `mask == 0`)"
-            )
-        if mask.dtype == torch.bool:
-            mask = mask.view(torch.uint8)
-    _check_grid_rows(length, "L (q.shape[1])")
-    return _Layout(False, batch, length, heads, head_dim, batch * length, length, mask, None)
-
-
-def _varlen_layout(q: torch.Tensor, cu_seqlens: object, max_seqlen: object) -> _Layout:
-    total, heads, head_dim = q.shape
-    # one host read per cu_seqlens tensor, not per call, so the PAL of every layer of one forward syncs once
-    batch = check_cu_seqlens(cu_seqlens, total, q.device, max_seqlen=max_seqlen)
-    _check_grid_rows(int(max_seqlen), "max_seqlen")
-    return _Layout(
-        True, batch, int(max_seqlen), heads, head_dim, total, 0, None, cu_seqlens_int32(cu_seqlens)
-    )
 
 
 def _head_align(head_dim: int, *tensors: torch.Tensor) -> int:
@@ -221,16 +164,7 @@ def _launch_args(layout: _Layout, q: torch.Tensor, dropout_p: float, *tensors: t
     return mask, cu, mask_strides, flags
 
 
-def _attention_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    layout: _Layout,
-    dropout_p: float,
-    scale: float,
-    seed: int,
-    aligned: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _attention_forward(q, k, v, layout: _Layout, dropout_p: float, scale: float, seed: int, aligned: bool):
     """Launch the forward kernel: (out like q, contiguous or with 16-element-aligned rows when ``aligned``;
     stat_m [rows, H]; stat_l [rows, H])."""
     if aligned:  # rows of H * Dh values at a 16-element stride (the PAL's V^D reads them as [R, d_s])
@@ -255,16 +189,7 @@ def _attention_forward(
     return out, stat_m, stat_l
 
 
-def _attention_backward(
-    dout: torch.Tensor,
-    saved: tuple,
-    layout: _Layout,
-    dropout_p: float,
-    scale: float,
-    seed: int,
-    need_dq: bool,
-    need_dkdv: bool,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+def _attention_backward(dout, saved: tuple, layout: _Layout, dropout_p, scale, seed, need_dq, need_dkdv):
     """Launch the delta, dK/dV and dQ kernels over ``saved = (q, k, v, out, stat_m, stat_l)``; the gradients
     come back contiguous in q's dtype."""
     q, k, v, out, stat_m, stat_l = saved
@@ -315,9 +240,7 @@ class _AttentionFunction(torch.autograd.Function):
         scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(layout.head_dim)
         # without a generator_seed, one draw from the CPU generator: no device sync, replayed by checkpoint
         seed = generator_seed if dropout_p > 0.0 else 0
-        if seed is None:
-            seed = torch.randint(0, 2**31 - 1, (1,)).item()
-        seed = int(seed)
+        seed = int(torch.randint(0, 2**31 - 1, (1,)).item() if seed is None else seed)
         q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
         out, stat_m, stat_l = _attention_forward(q, k, v, layout, dropout_p, scale, seed, aligned)
         ctx.save_for_backward(q, k, v, out, stat_m, stat_l, layout.mask, layout.cu_seqlens)
@@ -331,8 +254,6 @@ class _AttentionFunction(torch.autograd.Function):
         layout = ctx.layout._replace(mask=mask, cu_seqlens=cu_seqlens)
         need_dq, need_dk, need_dv = ctx.needs_input_grad[:3]
         nones = (None,) * (len(ctx.needs_input_grad) - 3)
-        if not (need_dq or need_dk or need_dv):
-            return None, None, None, *nones
         dq, dk, dv = _attention_backward(
             dout, tuple(saved), layout, ctx.dropout_p, ctx.scale, ctx.seed, need_dq, need_dk or need_dv
         )
@@ -356,12 +277,29 @@ def pal_attention(
     key_padding_mask: ``[B, L]`` bool or integer (1 = token) or None; softmax_scale: default ``1 / sqrt(Dh)``;
     generator_seed: Philox seed of the dropout mask (:func:`pal_attention_dropout_mask`), default one draw
     from torch's CPU generator; aligned_rows: the ``[B*L, H*Dh]`` rows at a stride padded to 16 elements (what
-    V^D reads).
-    """
+    V^D reads)."""
     require_triton("pal_attention")
     _check_qkv(q, k, v, 4, "[B, L, H, Dh]")
     _check_options(dropout_p, softmax_scale, generator_seed)
-    layout = _padded_layout(q, key_padding_mask)
+    batch, length, heads, head_dim = q.shape
+    mask = key_padding_mask
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor):
+            raise TypeError(f"key_padding_mask must be a torch.Tensor or None, got {type(mask).__name__}")
+        if mask.shape != (batch, length):
+            raise ValueError(
+                f"key_padding_mask must have shape [B, L] = [{batch}, {length}], got {list(mask.shape)}"
+            )
+        check_like("q", q, dtype=False, key_padding_mask=mask)
+        if mask.is_floating_point() or mask.is_complex():
+            raise TypeError(
+                f"key_padding_mask must be bool or integer (1 = token, 0 = padding), got {mask.dtype}; "
+                "an additive float mask is not accepted (convert it with `mask == 0`)"
+            )
+        if mask.dtype == torch.bool:
+            mask = mask.view(torch.uint8)
+    _check_grid_rows(length, "L (q.shape[1])")
+    layout = _Layout(False, batch, length, heads, head_dim, batch * length, length, mask, None)
     return _AttentionFunction.apply(q, k, v, layout, dropout_p, softmax_scale, generator_seed, aligned_rows)
 
 
@@ -383,7 +321,11 @@ def pal_attention_varlen(
     require_triton("pal_attention_varlen")
     _check_qkv(q, k, v, 3, "[N, H, Dh]")
     _check_options(dropout_p, softmax_scale, generator_seed)
-    layout = _varlen_layout(q, cu_seqlens, max_seqlen)
+    # one host read per cu_seqlens tensor, not per call, so the PAL of every layer of one forward syncs once
+    batch = check_cu_seqlens(cu_seqlens, q.shape[0], q.device, max_seqlen=max_seqlen)
+    _check_grid_rows(int(max_seqlen), "max_seqlen")
+    seq, cu = int(max_seqlen), cu_seqlens.to(torch.int32)
+    layout = _Layout(True, batch, seq, q.shape[1], q.shape[2], q.shape[0], 0, None, cu)
     return _AttentionFunction.apply(q, k, v, layout, dropout_p, softmax_scale, generator_seed, aligned_rows)
 
 
@@ -524,7 +466,7 @@ def _pal_attn_fwd_kernel(
             k = _load_rows(k_base, tok_n, stride_kl, offs_d, kv_mask)
             v = _load_rows(v_base, tok_n, stride_vl, offs_d, kv_mask)
             bias = _key_bias(MASK, b64, offs_n, valid_n, stride_mb, stride_ml, HAS_MASK)
-            s = mm(q, tl.trans(k), IEEE, INTERP_BF16) * softmax_scale + bias[None, :]
+            s = dot_acc(q, tl.trans(k), None, IEEE, INTERP_BF16) * softmax_scale + bias[None, :]
             # every tile holds at least one key inside the sequence, so m_new is finite
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp(m_i - m_new)
@@ -533,7 +475,7 @@ def _pal_attn_fwd_kernel(
             if HAS_DROPOUT:
                 keep = _dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], SEQ, dropout_p)
                 p = tl.where(keep, p * dropout_scale, 0.0)
-            acc = acc * alpha[:, None] + mm(cast_rne(p, v.dtype, INTERP_BF16), v, IEEE, INTERP_BF16)
+            acc = dot_acc(cast_rne(p, v.dtype, INTERP_BF16), v, acc * alpha[:, None], IEEE, INTERP_BF16)
             m_i = m_new
         acc = acc / l_i[:, None]
         tl.store(
@@ -598,18 +540,18 @@ def _pal_attn_bwd_dkdv_kernel(
             do = _load_rows(do_base, tok_m, stride_dol, offs_d, q_mask)
             m, l_row, delta = _row_stats(STAT_M, STAT_L, DELTA, b64, tok_m, h, valid_m, H, stat_stride_b)
 
-            s_t = mm(k, tl.trans(q), IEEE, INTERP_BF16) * softmax_scale + bias[:, None]
+            s_t = dot_acc(k, tl.trans(q), None, IEEE, INTERP_BF16) * softmax_scale + bias[:, None]
             p_t = tl.exp(s_t - m[None, :]) / l_row[None, :]
-            dp_t = mm(v, tl.trans(do), IEEE, INTERP_BF16)
+            dp_t = dot_acc(v, tl.trans(do), None, IEEE, INTERP_BF16)
             if HAS_DROPOUT:
                 keep_t = _dropout_keep(seed, bh, offs_m[None, :], offs_n[:, None], SEQ, dropout_p)
                 pd_t = tl.where(keep_t, p_t * dropout_scale, 0.0)
                 dp_t = tl.where(keep_t, dp_t * dropout_scale, 0.0)
             else:
                 pd_t = p_t
-            dv += mm(cast_rne(pd_t, do.dtype, INTERP_BF16), do, IEEE, INTERP_BF16)
+            dv = dot_acc(cast_rne(pd_t, do.dtype, INTERP_BF16), do, dv, IEEE, INTERP_BF16)
             ds_t = p_t * (dp_t - delta[None, :])
-            dk += mm(cast_rne(ds_t, q.dtype, INTERP_BF16), q, IEEE, INTERP_BF16)
+            dk = dot_acc(cast_rne(ds_t, q.dtype, INTERP_BF16), q, dk, IEEE, INTERP_BF16)
         dk = dk * softmax_scale
         dk_ptrs = _tile_ptrs(DK, b64, h, tok_n, offs_d, stride_gb, stride_gl, stride_gh, ALIGN)
         dv_ptrs = _tile_ptrs(DV, b64, h, tok_n, offs_d, stride_gb, stride_gl, stride_gh, ALIGN)
@@ -650,14 +592,14 @@ def _pal_attn_bwd_dq_kernel(
             k = _load_rows(k_base, tok_n, stride_kl, offs_d, kv_mask)
             v = _load_rows(v_base, tok_n, stride_vl, offs_d, kv_mask)
             bias = _key_bias(MASK, b64, offs_n, valid_n, stride_mb, stride_ml, HAS_MASK)
-            s = mm(q, tl.trans(k), IEEE, INTERP_BF16) * softmax_scale + bias[None, :]
+            s = dot_acc(q, tl.trans(k), None, IEEE, INTERP_BF16) * softmax_scale + bias[None, :]
             p = tl.exp(s - m[:, None]) / l_row[:, None]
-            dp = mm(do, tl.trans(v), IEEE, INTERP_BF16)
+            dp = dot_acc(do, tl.trans(v), None, IEEE, INTERP_BF16)
             if HAS_DROPOUT:
                 keep = _dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], SEQ, dropout_p)
                 dp = tl.where(keep, dp * dropout_scale, 0.0)
             ds = p * (dp - delta[:, None])
-            dq += mm(cast_rne(ds, k.dtype, INTERP_BF16), k, IEEE, INTERP_BF16)
+            dq = dot_acc(cast_rne(ds, k.dtype, INTERP_BF16), k, dq, IEEE, INTERP_BF16)
         dq = dq * softmax_scale
         tl.store(
             _tile_ptrs(DQ, b64, h, tok_m, offs_d, stride_gb, stride_gl, stride_gh, ALIGN),

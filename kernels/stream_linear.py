@@ -6,13 +6,12 @@ A *problem* is one Linear weight ``[M, K]`` (with its bias ``[M]`` where ``bias[
 ``dy [R, M]``, ``x [R, K]`` (one dtype for all calls) and its rows' task plan (``row_index [R]``,
 ``task_row_offsets [T+1]``). Task t's gradient of problem p is ``G_pt = sum over p's calls of dy[rows of t]^T
 [x, 1][rows of t]`` ``[M, K (+1)]`` (the bias as a last column). The Triton kernels run one program per
-(problem, block of output rows) from tables built on the host; elsewhere the PyTorch reference.
-"""
+(problem, block of output rows) from tables built on the host; elsewhere the PyTorch reference."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -32,16 +31,6 @@ __all__ = [
 ]
 
 Tensor = torch.Tensor
-
-
-def _triton_dtype(dtype: torch.dtype) -> Any:
-    """The ``tl`` dtype of ``dtype`` (the kernels read their operands through address tables)."""
-    import triton.language as tl  # Triton: optional; the launchers run only where it is
-
-    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
-
-
-_SEG_FIELDS = 6  # per call: dy, x, row_index, task_row_offsets addresses; dy's and x's row strides
 
 
 def _check(
@@ -228,11 +217,11 @@ def _tables(dy, x, row_index, offsets, problem, bias, block_m: int) -> tuple[Ten
     flat output's length."""
     shapes = _check(dy, x, row_index, offsets, problem, bias)
     order = sorted(range(len(problem)), key=lambda i: problem[i])
-    segs = np.array(
+    segs = np.array(  # per call: dy, x, row_index, task_row_offsets addresses; dy's and x's row strides
         [[dy[i].data_ptr(), x[i].data_ptr(), row_index[i].data_ptr(), offsets[i].data_ptr(), dy[i].stride(0),
           x[i].stride(0)] for i in order],
         dtype=np.int64,
-    ).reshape(-1, _SEG_FIELDS)  # fmt: skip
+    ).reshape(-1, 6)  # fmt: skip
     counts = np.bincount(np.asarray(problem), minlength=len(shapes))
     ends = np.cumsum(counts)
     with_bias = np.array([bool(b) for b in bias], dtype=np.int64)
@@ -261,13 +250,11 @@ def _launch_args(dy, x, row_index, offsets, problem, bias, num_tasks: int) -> tu
     row_index, offsets = ([t.to(torch.int32).contiguous() for t in ts] for ts in (row_index, offsets))
     _, block_m, block_k = _blocks(num_tasks)
     *tables, total = _tables(dy, x, row_index, offsets, problem, bias, block_m)
-    meta = {
-        "DT": _triton_dtype(dy[0].dtype),
-        **dot_flags(dy[0].dtype),
-        "BLOCK_M": block_m,
-        "BLOCK_K": block_k,
-    }
-    return tables, total, {**meta, "BLOCK_R": 16}
+    import triton.language as tl  # Triton: optional; the launchers run only where it is
+
+    dt = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dy[0].dtype]
+    meta = {"DT": dt, **dot_flags(dy[0].dtype), "BLOCK_M": block_m, "BLOCK_K": block_k, "BLOCK_R": 16}
+    return tables, total, meta
 
 
 def stream_linear_gram_triton(
@@ -300,11 +287,6 @@ def stream_linear_combine_triton(
     return out
 
 
-def _triton_runs(t: Tensor) -> bool:
-    """The kernels run where the op library's grouped weight-gradient kernel does (CUDA with Triton)."""
-    return backends.backend("grouped_wgrad", t) == "triton"
-
-
 @torch.library.custom_op("fastpals::stream_linear_gram", mutates_args=())
 def stream_linear_gram(
     dy: list[Tensor],
@@ -317,7 +299,7 @@ def stream_linear_gram(
 ) -> Tensor:
     """``sum_p G_p G_p^T`` ``[T, T]`` float64 (module docstring): call i's ``dy[i] [R_i, M]``, ``x[i] [R_i, K]``
     (fp32/bf16/fp16), its rows' task plan (int32/int64) and problem number; ``bias[p]``: problem p has a bias."""
-    if _triton_runs(dy[0]):
+    if backends.backend("grouped_wgrad", dy[0]) == "triton":  # where the grouped wgrad kernel runs
         return stream_linear_gram_triton(dy, x, row_index, task_row_offsets, problem, bias, num_tasks)
     return stream_linear_gram_reference(dy, x, row_index, task_row_offsets, problem, bias, num_tasks)
 
@@ -340,7 +322,7 @@ def stream_linear_combine(
 ) -> Tensor:
     """``sum_t weights[t] G_pt`` of every problem as one float32 ``[sum_p M_p (K_p + bias_p)]`` (module
     docstring); arguments as for :func:`stream_linear_gram`, ``weights [T]`` float on the calls' device."""
-    if _triton_runs(dy[0]):
+    if backends.backend("grouped_wgrad", dy[0]) == "triton":  # where the grouped wgrad kernel runs
         return stream_linear_combine_triton(dy, x, row_index, task_row_offsets, problem, bias, weights)
     return stream_linear_combine_reference(dy, x, row_index, task_row_offsets, problem, bias, weights)
 

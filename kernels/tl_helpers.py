@@ -11,12 +11,12 @@ from fastpals_kernels.common import TritonKernel
 if TYPE_CHECKING:
     import triton.language as tl
 
-__all__ = ["cast_rne", "dot_acc", "gelu_grad", "mm"]
+__all__ = ["cast_rne", "dot_acc", "gelu_grad"]
 
 
 @TritonKernel
 def dot_acc(a, b, acc, IEEE: tl.constexpr, INTERP_BF16: tl.constexpr):
-    """``acc + a @ b`` in fp32. IEEE: exact fp32 products for fp32 operands (no TF32). INTERP_BF16 (bf16 under
+    """``acc + a @ b`` in fp32 (``a @ b`` for ``acc=None``). IEEE: exact fp32 products for fp32 operands (no TF32). INTERP_BF16 (bf16 under
     the CPU interpreter only, whose bf16 ``tl.dot`` is wrong): widen the tiles to fp32 first (bf16 products
     are exact in fp32: the same result as a bf16 MMA with fp32 accumulation)."""
     if INTERP_BF16:
@@ -27,19 +27,6 @@ def dot_acc(a, b, acc, IEEE: tl.constexpr, INTERP_BF16: tl.constexpr):
     else:
         acc = tl.dot(a, b, acc)
     return acc
-
-
-@TritonKernel
-def mm(a, b, IEEE: tl.constexpr, INTERP_BF16: tl.constexpr):
-    """``a @ b`` with fp32 accumulation (no accumulator operand); flags as in :func:`dot_acc`."""
-    if INTERP_BF16:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    if IEEE:
-        c = tl.dot(a, b, input_precision="ieee")
-    else:
-        c = tl.dot(a, b)
-    return c
 
 
 @TritonKernel
