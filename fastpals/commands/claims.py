@@ -340,12 +340,8 @@ def reference_scores(runs: Runs, seeds: Sequence[int], metric: str) -> dict[int,
     """Per seed, the single-task runs' score on ``metric`` (``overall``: the three single-task models together)."""
     out = {}
     for s in seeds:
-        dev = {}
-        for a in REFERENCE_ARMS:
-            run = runs.get((a, s))
-            if run and run.get("dev"):
-                dev.update({k: v for k, v in run["dev"].items() if k != "overall"})
-        value = metric_value(dev, metric)
+        devs = [run["dev"] for a in REFERENCE_ARMS if (run := runs.get((a, s))) and run.get("dev")]
+        value = metric_value({k: v for dev in devs for k, v in dev.items() if k != "overall"}, metric)
         if not math.isnan(value):
             out[s] = value
     return out
@@ -507,28 +503,29 @@ def build_parser() -> argparse.ArgumentParser:
                 "seeds 0..N-1, then claims.md, claims.json and claims.png in --out. Finished runs are kept and "
                 "skipped on a rerun. Other options (e.g. --model, --data-dir, --max-length) go to every run, after "
                 "the budget's defaults.")  # fmt: skip
-    p.add_argument("--budget", metavar="early|converged|STEPS",
-                   help=f"early: {EARLY.what} (the default on the CPU); converged: {CONVERGED.what} (the default "
-                   f"on a GPU); a number: that many updates, scored at the end (--quick: {QUICK.what})")  # fmt: skip
-    p.add_argument("--seeds", type=int, metavar="N", help="seeds per arm (default: 3; --quick: 2)")
-    p.add_argument("--out", default="runs/claims", metavar="DIR", help="output folder (default: runs/claims)")
-    p.add_argument("--only", metavar="KEY,...", help="only these findings (keys in claims.md)")
-    p.add_argument("--jobs", default="1", metavar="N|auto",
-                   help="runs at a time, all on one device, the CPU cores split between them; auto: as many as the "
-                   "memory planner's peak of one run fits in the GPU's free memory (CPU: RAM) and the cores "
-                   "(default: 1)")  # fmt: skip
-    p.add_argument(
+    arg = p.add_argument
+    arg("--budget", metavar="early|converged|STEPS",
+        help=f"early: {EARLY.what} (the default on the CPU); converged: {CONVERGED.what} (the default "
+        f"on a GPU); a number: that many updates, scored at the end (--quick: {QUICK.what})")  # fmt: skip
+    arg("--seeds", type=int, metavar="N", help="seeds per arm (default: 3; --quick: 2)")
+    arg("--out", default="runs/claims", metavar="DIR", help="output folder (default: runs/claims)")
+    arg("--only", metavar="KEY,...", help="only these findings (keys in claims.md)")
+    arg("--jobs", default="1", metavar="N|auto",
+        help="runs at a time, all on one device, the CPU cores split between them; auto: as many as the "
+        "memory planner's peak of one run fits in the GPU's free memory (CPU: RAM) and the cores "
+        "(default: 1)")  # fmt: skip
+    arg(
         "--report",
         action="store_true",
         help="train nothing: write the three files from the runs finished so far in --out",
     )
-    p.add_argument("--no-reference", action="store_true", help="skip the single-task reference runs")
-    p.add_argument("--keep-checkpoints", action="store_true",
-                   help="keep each finished run's checkpoints/ (default: removed once its results.json is written; "
-                   "best/ is kept)")  # fmt: skip
-    p.add_argument("--quick", action="store_true",
-                   help=f"the pipeline check: findings {', '.join(QUICK_FINDINGS)}, 2 seeds, 4 updates, no "
-                   "reference runs (give --model/--data-dir for tiny ones)")  # fmt: skip
+    arg("--no-reference", action="store_true", help="skip the single-task reference runs")
+    arg("--keep-checkpoints", action="store_true",
+        help="keep each finished run's checkpoints/ (default: removed once its results.json is written; "
+        "best/ is kept)")  # fmt: skip
+    arg("--quick", action="store_true",
+        help=f"the pipeline check: findings {', '.join(QUICK_FINDINGS)}, 2 seeds, 4 updates, no "
+        "reference runs (give --model/--data-dir for tiny ones)")  # fmt: skip
     return p
 
 
@@ -580,13 +577,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"--seeds and --jobs must be >= 1 (--jobs also auto), got {n_seeds}, {opts.jobs}"
             )
         keys = [f.key for f in FINDINGS]
-        wanted = (
-            QUICK_FINDINGS
-            if opts.quick and opts.only is None
-            else opts.only.split(",")
-            if opts.only
-            else keys
-        )
+        wanted = opts.only.split(",") if opts.only else keys
+        if opts.quick and opts.only is None:
+            wanted = QUICK_FINDINGS
         unknown = [k for k in wanted if k not in keys]
         if unknown:
             raise ValueError(f"--only {','.join(unknown)}: no such finding; the findings: {', '.join(keys)}")
@@ -612,11 +605,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
     if jobs == 0:
-        jobs, how = (
-            (1, "--jobs auto: 1 (--report)")
-            if opts.report
-            else auto_jobs([*budget.defaults, *common], len(plan))
-        )
+        report = (1, "--jobs auto: 1 (--report)") if opts.report else None
+        jobs, how = report or auto_jobs([*budget.defaults, *common], len(plan))
         print(f"[claims] {how}", file=sys.stderr, flush=True)
     command = train_command()
     runs = {(a, s): {"arm": a, "seed": s, "command": shlex.join([*command, *argvs[(a, s)]]),

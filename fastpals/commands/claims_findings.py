@@ -51,9 +51,11 @@ class Budget:
 
     def arm_updates(self, micro_batches_per_update: int) -> int:
         """The updates of an arm whose update holds ``micro_batches_per_update`` micro-batches."""
-        if not self.examples_equivalent:
-            return self.updates
-        return max(1, round(self.updates / micro_batches_per_update))
+        return (
+            max(1, round(self.updates / micro_batches_per_update))
+            if self.examples_equivalent
+            else self.updates
+        )
 
     def eval_every(self, updates: int) -> int | None:
         """``--eval-every`` of a run of ``updates`` updates (None: evaluated at its end only)."""
@@ -207,9 +209,7 @@ def quick_finding(finding: Finding) -> Finding:
 def mean_sd(values: Sequence[float]) -> tuple[float, float]:
     """Mean and sample standard deviation (n - 1; NaN for one value) of ``values``."""
     n = len(values)
-    if n == 0:
-        return math.nan, math.nan
-    mean = sum(values) / n
+    mean = sum(values) / n if n else math.nan
     sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else math.nan
     return mean, sd
 
@@ -291,8 +291,7 @@ def resolve_budget(text: str | None, quick: bool = False) -> Budget:
         return QUICK if quick else CONVERGED if torch.cuda.is_available() else EARLY
     if text in ("early", EARLY.name, "converged"):
         return CONVERGED if text == "converged" else EARLY
-    if text.isdigit() and int(text) >= 1:
-        return Budget(
-            f"{int(text)} updates", int(text), what=f"{int(text)} updates, each run scored at its end"
-        )
+    if text.isdigit() and (n := int(text)) >= 1:
+        return Budget(f"{n} updates", n, what=f"{n} updates, each run scored at its end")
+
     raise ValueError(f"--budget {text}: give early, converged or a number of updates >= 1")

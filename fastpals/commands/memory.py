@@ -66,16 +66,15 @@ __all__ = [
 GIB = 2**30
 SURGERY_MODES = ("one_backward", "per_task")
 #: the parts of the peak (:data:`CATEGORIES`), as printed
-_CATEGORY_LABELS = (
-    "parameters (module weights)",
-    "gradients",
-    "optimizer + master states",
-    "DeepSpeed gradient buckets",
-    "activations (saved by the forward)",
-    "surgery buffer",
-    "temporaries at the peak",
-)
-CATEGORY_TEXT = dict(zip(CATEGORIES, _CATEGORY_LABELS))
+CATEGORY_TEXT = {
+    "parameters": "parameters (module weights)",
+    "gradients": "gradients",
+    "optimizer": "optimizer + master states",
+    "buckets": "DeepSpeed gradient buckets",
+    "activations": "activations (saved by the forward)",
+    "surgery": "surgery buffer",
+    "temporaries": "temporaries at the peak",
+}
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _SHIPPED_MODELS = ("bert-base-uncased", "bert-large-uncased", "minilm-l6")
 _ALIASES = {"sentence-transformers/all-MiniLM-L6-v2": "minilm-l6"}
@@ -90,10 +89,6 @@ class Device:
     label: str
     usable_bytes: int
     why_not: dict[str, str] = field(default_factory=dict)
-
-    def supports(self, precision: str) -> str | None:
-        """None when ``precision`` trains on this device, else why not (one line)."""
-        return self.why_not.get(precision)
 
 
 #: the targets of ``fastpals memory`` (usable memory: the caps of ``bench/memory_report.py``; ``cpu``: this host)
@@ -159,18 +154,14 @@ class StepSpec:
     @property
     def rows_dtype(self) -> str:
         """The surgery rows' dtype: ``buffer_dtype``; ``auto``: bf16 with bf16 training, else fp32."""
-        if self.buffer_dtype != "auto":
-            return self.buffer_dtype
-        return "bf16" if self.precision == "bf16" else "fp32"
+        auto = "bf16" if self.precision == "bf16" else "fp32"
+        return auto if self.buffer_dtype == "auto" else self.buffer_dtype
 
     @property
     def stage(self) -> int:
         """The ZeRO stage; None means the shipped configs' ``auto``: 1 with fp16/bf16 or several ranks, else 0."""
-        return (
-            self.zero_stage
-            if self.zero_stage is not None
-            else int(self.precision != "fp32" or self.world_size > 1)
-        )
+        auto = int(self.precision != "fp32" or self.world_size > 1)
+        return auto if self.zero_stage is None else self.zero_stage
 
     @property
     def ds_config_name(self) -> str | None:
@@ -310,9 +301,10 @@ class StepTrace:
     fake: bool
 
 
-def _run_step(spec: StepSpec, batch_size: int, fake: bool) -> StepTrace:
-    """Build and run one update of ``spec`` (see :func:`trace_step`); ``fake=False``: real tensors, the trainer's
-    optimizer (fp32 only) and a first update before the measured one."""
+def trace_step(spec: StepSpec, batch_size: int, fake: bool = True) -> StepTrace:
+    """The predicted peak of one update of ``spec`` at ``batch_size`` examples (per rank): the real update on
+    fake tensors with DeepSpeed's model states (:class:`DeepSpeedLikeEngine`). Takes seconds, needs no weights.
+    ``fake=False``: :func:`measure_step`."""
     spec.check()
     bert = load_bert_config(spec.model)
     start = time.perf_counter()
@@ -351,6 +343,7 @@ def _run_step(spec: StepSpec, batch_size: int, fake: bool) -> StepTrace:
                 buffer = task_gradients(
                     memory, shared, len(spec.tasks), rows_dtype, keep, task_params=specific, **kw
                 )
+
             # the buffer's own allocations are the surgery's
             for name in [n for n in ("capture", "apply", "_new_block") if hasattr(buffer, n)]:
                 setattr(buffer, name, tracker.phase("surgery")(getattr(buffer, name)))
@@ -379,16 +372,10 @@ def _run_step(spec: StepSpec, batch_size: int, fake: bool) -> StepTrace:
     return StepTrace(batch_size, peak, at_peak, phase, numel, shared_numel, time.perf_counter() - start, fake)
 
 
-def trace_step(spec: StepSpec, batch_size: int) -> StepTrace:
-    """The predicted peak of one update of ``spec`` at ``batch_size`` examples (per rank): the real update on
-    fake tensors with DeepSpeed's model states (:class:`DeepSpeedLikeEngine`). Takes seconds, needs no weights."""
-    return _run_step(spec, batch_size, fake=True)
-
-
 def measure_step(spec: StepSpec, batch_size: int) -> StepTrace:
     """The measured live-tensor peak of the same update on real CPU tensors (fp32, ZeRO-0, the trainer's
     optimizer, after a first update): the CPU validation of :func:`trace_step`."""
-    return _run_step(spec, batch_size, fake=False)
+    return trace_step(spec, batch_size, fake=False)
 
 
 def measure_deepspeed_step(spec: StepSpec, batch_size: int, ds_config: str | dict[str, Any]) -> StepTrace:
@@ -454,7 +441,7 @@ class MemoryPlan(StepTrace):
 
 
 def _fits(peak: int, device: Device, precision: str) -> dict[str, Any]:
-    why = device.supports(precision)
+    why = device.why_not.get(precision)
     fits = None if why else peak <= device.usable_bytes
     note = why or f"{(device.usable_bytes - peak) / GIB:+.2f} GiB left"
     return {"label": device.label, "usable_bytes": device.usable_bytes, "fits": fits, "note": note}
@@ -466,8 +453,6 @@ def _fit_line(traces: Sequence[StepTrace]) -> tuple[float, float]:
     return p1 - slope * b1, slope
 
 
-#: extra traces of :func:`largest_batches` where the first two sit below the batch-dependent part of the peak
-_REFINE_STEPS = 3
 #: the largest batch :func:`largest_batches` traces
 _MAX_PROBE = 32768
 
@@ -484,15 +469,18 @@ def largest_batches(
     )
     traces = [trace_step(spec, b) for b in probes]
     a, c = _fit_line(traces[-2:])
-    usable = [DEVICES[n].usable_bytes for n in devices if DEVICES[n].supports(spec.precision) is None]
-    for _ in range(_REFINE_STEPS if usable else 0):
+    usable = [DEVICES[n].usable_bytes for n in devices if spec.precision not in DEVICES[n].why_not]
+    for _ in range(
+        3 if usable else 0
+    ):  # refits where the first two traces sit below the batch-dependent part
         limit = (max(usable) - a) / c if c > 0 else math.inf
         last = traces[-1].batch_size
         if c * last >= 0.5 * traces[-1].peak_bytes or limit <= 2 * last or last >= _MAX_PROBE:
             break  # the batch makes most of the peak already, or the limit is near
         traces.append(trace_step(spec, int(min(limit, _MAX_PROBE))))
         a, c = _fit_line(traces[-2:])
-    runs = {n: c > 0 and DEVICES[n].supports(spec.precision) is None for n in devices}
+    runs = {n: c > 0 and spec.precision not in DEVICES[n].why_not for n in devices}
+
     largest = {n: math.floor((DEVICES[n].usable_bytes - a) / c) if runs[n] else 0 for n in devices}
     fit = {"intercept_bytes": a, "bytes_per_example": c}
     return {n: b if b >= 1 else None for n, b in largest.items()}, fit

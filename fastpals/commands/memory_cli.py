@@ -60,7 +60,7 @@ def memory_table(max_length: int = 128, chart: str | Path | None = None) -> str:
                     fits[key] = largest_batches(spec, _TABLE_GPUS)
                 largest, fit = fits[key]
                 cells = [
-                    "no bf16" if DEVICES[g].supports(precision) else str(largest[g] if largest[g] else "-")
+                    "no bf16" if precision in DEVICES[g].why_not else str(largest[g] if largest[g] else "-")
                     for g in _TABLE_GPUS
                 ]
                 rows.append(
@@ -197,56 +197,45 @@ def _parser() -> argparse.ArgumentParser:
         description="Predict the peak memory of one training step (traced on fake tensors; no weights, no GPU) "
         "and whether it fits a T4, A100 40/80 GB, H100 80 GB and this CPU.",
     )
-    p.add_argument("--model", default="minilm-l6",
-                   help="bert-base-uncased, bert-large-uncased, minilm-l6 (shipped, offline), a folder with "
-                   "config.json, a config.json, or a Hub name (default: minilm-l6)")  # fmt: skip
-    p.add_argument(
+    arg = p.add_argument
+    arg("--model", default="minilm-l6",
+        help="bert-base-uncased, bert-large-uncased, minilm-l6 (shipped, offline), a folder with "
+        "config.json, a config.json, or a Hub name (default: minilm-l6)")  # fmt: skip
+    arg(
         "--tasks",
         default="sst,para,sts",
         help="comma-separated tasks, as for train (default sst,para,sts), or a number N: N tasks (copies of sst, "
         "para and sts in turn)",
     )
-    p.add_argument("--batch-size", type=int, default=32, help="examples per micro-batch (default 32)")
-    p.add_argument(
-        "--max-length", type=int, default=128, help="tokens per example; all full length (default 128)"
-    )
-    p.add_argument(
-        "--max-tokens", type=int, help="packed token budget per micro-batch instead of --batch-size"
-    )
-    p.add_argument(
-        "--precision", choices=PRECISIONS, default="bf16", help="training precision (default bf16)"
-    )
-    p.add_argument(
-        "--pal", choices=tuple(PAL_PRESETS), default="default", help="PAL variant (default: default)"
-    )
-    p.add_argument(
-        "--surgery", choices=("none", *AGGREGATORS), default="none", help="the surgery's aggregator"
-    )
-    p.add_argument("--surgery-mode", choices=SURGERY_MODES, default="one_backward",
-                   help="one_backward (--batching mixed) or per_task backwards (--batching per_task)")  # fmt: skip
-    p.add_argument("--surgery-buffer-dtype", choices=SURGERY_BUFFER_DTYPES, default="auto",
-                   help="surgery buffer rows (default auto: bf16 with --precision bf16, else fp32)")  # fmt: skip
-    p.add_argument("--surgery-memory", choices=SURGERY_MEMORIES,
-                   help="one-backward surgery: the [T, P] buffer, stream, or auto (default: the plan of the buffer "
-                   "and every mode's predicted peak beside it; given: that mode alone)")  # fmt: skip
-    p.add_argument("--zero-stage", type=int, choices=(0, 1, 2),
-                   help="DeepSpeed ZeRO stage (default: 1 with fp16/bf16 or several ranks, else 0)")  # fmt: skip
-    p.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
-    p.add_argument("--ds-config", metavar="JSON",
-                   help="the run's DeepSpeed config (a path or a shipped name), for its gradient buckets "
-                   "(zero_optimization.reduce_bucket_size, overlap_comm, contiguous_gradients; default: the "
-                   "shipped gpu_<precision>_zero<stage>.json, DeepSpeed's defaults for fp32)")  # fmt: skip
-    p.add_argument("--activation-checkpointing", action="store_true",
-                   help="recompute the encoder layers in the backward (as train --activation-checkpointing)")  # fmt: skip
-    p.add_argument(
-        "--largest-batch", action="store_true", help="also the largest batch that fits each device"
-    )
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.add_argument("--table", metavar="PATH",
-                   help=f"write the predicted largest-batch table (docs/memory.md: `{DOCS_COMMAND}`) and exit")  # fmt: skip
-    p.add_argument("--chart", metavar="PNG",
-                   help="also write a chart: with --table, the peak against the batch per variant (bf16); else "
-                   "this configuration's peak by part beside the GPUs")  # fmt: skip
+    arg("--batch-size", type=int, default=32, help="examples per micro-batch (default 32)")
+    arg("--max-length", type=int, default=128, help="tokens per example; all full length (default 128)")
+    arg("--max-tokens", type=int, help="packed token budget per micro-batch instead of --batch-size")
+    arg("--precision", choices=PRECISIONS, default="bf16", help="training precision (default bf16)")
+    arg("--pal", choices=tuple(PAL_PRESETS), default="default", help="PAL variant (default: default)")
+    arg("--surgery", choices=("none", *AGGREGATORS), default="none", help="the surgery's aggregator")
+    arg("--surgery-mode", choices=SURGERY_MODES, default="one_backward",
+        help="one_backward (--batching mixed) or per_task backwards (--batching per_task)")  # fmt: skip
+    arg("--surgery-buffer-dtype", choices=SURGERY_BUFFER_DTYPES, default="auto",
+        help="surgery buffer rows (default auto: bf16 with --precision bf16, else fp32)")  # fmt: skip
+    arg("--surgery-memory", choices=SURGERY_MEMORIES,
+        help="one-backward surgery: the [T, P] buffer, stream, or auto (default: the plan of the buffer "
+        "and every mode's predicted peak beside it; given: that mode alone)")  # fmt: skip
+    arg("--zero-stage", type=int, choices=(0, 1, 2),
+        help="DeepSpeed ZeRO stage (default: 1 with fp16/bf16 or several ranks, else 0)")  # fmt: skip
+    arg("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
+    arg("--ds-config", metavar="JSON",
+        help="the run's DeepSpeed config (a path or a shipped name), for its gradient buckets "
+        "(zero_optimization.reduce_bucket_size, overlap_comm, contiguous_gradients; default: the "
+        "shipped gpu_<precision>_zero<stage>.json, DeepSpeed's defaults for fp32)")  # fmt: skip
+    arg("--activation-checkpointing", action="store_true",
+        help="recompute the encoder layers in the backward (as train --activation-checkpointing)")  # fmt: skip
+    arg("--largest-batch", action="store_true", help="also the largest batch that fits each device")
+    arg("--json", action="store_true", help="print the plan as JSON")
+    arg("--table", metavar="PATH",
+        help=f"write the predicted largest-batch table (docs/memory.md: `{DOCS_COMMAND}`) and exit")  # fmt: skip
+    arg("--chart", metavar="PNG",
+        help="also write a chart: with --table, the peak against the batch per variant (bf16); else "
+        "this configuration's peak by part beside the GPUs")  # fmt: skip
     return p
 
 
