@@ -54,10 +54,8 @@ PROG = "fastpals claims"
 RESERVED = ("--epochs", "--steps-per-epoch", "--out", "--resume", "--recipe", "--overwrite", "--seed")
 #: a run whose last evaluation gained more than this over the previous one is "still improving"
 IMPROVING = 0.005
-#: a run: (arm, seed)
-RunKey = tuple[str, int]
-#: per run, its record (options, command, status, scores; written to claims.json)
-Runs = dict[RunKey, dict[str, Any]]
+#: per run (arm, seed), its record (options, command, status, scores; written to claims.json)
+Runs = dict[tuple[str, int], dict[str, Any]]
 #: what a run's process holds besides the tensors the planner counts: the CUDA context and allocator slack on a
 #: GPU; the interpreter, torch, the data and the tokenizer on the CPU
 GPU_PROCESS_BYTES = 1 << 30
@@ -130,9 +128,8 @@ def _proc_field(path: str, key: str) -> str:
 
 
 def auto_jobs(train_argv: Sequence[str], runs: int) -> tuple[int, str]:
-    """``--jobs auto``: the runs that fit at once, from the memory planner's peak of one run (its model, batch and
-    length with PALs and PCGrad, the heaviest arms) plus a process's own memory, against the GPU's free memory (on
-    the CPU: the available RAM) and the CPU cores. Returns (jobs, how it was chosen)."""
+    """``--jobs auto``: the runs whose planner peak (PALs + PCGrad, the heaviest arms) plus a process fit the GPU's
+    free memory (CPU: available RAM), at most one per core. Returns (jobs, how it was chosen)."""
     cuda = torch.cuda.is_available()
     ds = _option(train_argv, "--ds_config", _option(train_argv, "--ds-config", ""))
     precision = next((p for p in ("fp16", "bf16", "fp32") if p in ds), "bf16" if cuda else "fp32")
@@ -221,16 +218,14 @@ def _overall(results: dict[str, Any]) -> str:
 
 
 def execute(runs: Runs, runs_dir: Path, jobs: int, keep_checkpoints: bool = False) -> int:
-    """Run the ``(arm, seed)`` runs in order, ``jobs`` :func:`train_command` subprocesses at a time, filling each
-    record of ``runs`` with the :func:`run_scores` of its ``results.json``. A finished run is skipped; ``jobs`` 0:
-    none starts (``--report``). Returns 0, 1 (a run failed), 2 (a folder holds another run) or 128 + signal."""
+    """Run ``runs`` in order, ``jobs`` at a time (0: none, ``--report``), skipping finished ones, filling each record
+    with :func:`run_scores`. Returns 0, 1 (a run failed), 2 (a folder holds another run) or 128 + signal."""
     plan, command = list(runs), train_command()
     done_cost = done_s = 0.0
     remaining = sum(ARMS[a].cost for a, _ in plan)
     pending = []
     for i, (a, s) in enumerate(plan):
-        record = runs[(a, s)]
-        run_dir = runs_dir / run_name(a, s)
+        record, run_dir = runs[(a, s)], runs_dir / run_name(a, s)
         try:
             saved = _check_earlier(run_dir, record["argv"])
         except ValueError as err:
@@ -250,8 +245,9 @@ def execute(runs: Runs, runs_dir: Path, jobs: int, keep_checkpoints: bool = Fals
         return 0
     runs_dir.mkdir(parents=True, exist_ok=True)
     # a run is its own one-process job: no rank or port of a launcher (or of an in-process run) leaks in
-    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items() if k not in launcher}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
+    }
     env.update(PYTHONUNBUFFERED="1", **job_environment(jobs))
     session_env = environment()
     running: list[tuple[int, str, int, subprocess.Popen, float, Any]] = []
@@ -295,9 +291,7 @@ def execute(runs: Runs, runs_dir: Path, jobs: int, keep_checkpoints: bool = Fals
                 (run_dir / "claims_run.json").write_text(json.dumps(saved))
                 if not keep_checkpoints and (run_dir / "checkpoints").is_dir():
                     shutil.rmtree(run_dir / "checkpoints")
-                record.update(
-                    **run_scores(ARMS[a], results), status="done", seconds=seconds, environment=run_env
-                )
+                record.update(**run_scores(ARMS[a], results), status="done", **saved)
                 done_cost += ARMS[a].cost
                 done_s += seconds
                 eta = remaining * done_s / done_cost / max(1, jobs)
@@ -313,7 +307,7 @@ def execute(runs: Runs, runs_dir: Path, jobs: int, keep_checkpoints: bool = Fals
     return status
 
 
-def convergence_rows(runs: Runs, plan: Sequence[RunKey]) -> list[dict[str, Any]]:
+def convergence_rows(runs: Runs, plan: Sequence[tuple[str, int]]) -> list[dict[str, Any]]:
     """Per finished run: its updates, the dev overall at its last two evaluations (``previous`` None when it was
     evaluated once), their difference and ``improving`` (the last gained more than :data:`IMPROVING`)."""
     rows = []
@@ -348,9 +342,8 @@ def reference_scores(runs: Runs, seeds: Sequence[int], metric: str) -> dict[int,
 
 
 def summarize(findings: Sequence[Finding], runs: Runs, seeds: Sequence[int]) -> list[dict[str, Any]]:
-    """Per finding: each arm's scores per seed, mean and sd; each comparison's paired interval over the seeds where
-    both arms finished, its verdict (``unfinished``: no seed has both). The difference ``better - worse`` is
-    negated where the claim is a lower value (``Finding.lower``): above 0 supports the claim either way."""
+    """Per finding: each arm's scores per seed, mean and sd; each comparison's paired interval and verdict over the
+    seeds where both finished (``better - worse``, negated for ``Finding.lower``: above 0 supports the claim)."""
     out = []
     for f in findings:
         arms = {}
@@ -385,9 +378,8 @@ def write_markdown(
     seeds: Sequence[int],
     convergence: Sequence[dict[str, Any]] = (),
 ) -> Path:
-    """``claims.md``: ``header``, the verdicts at a glance (each marked where an arm was still improving at its
-    end), then per finding its arms and comparisons, then each run's dev overall at its last two evaluations
-    (``convergence``: :func:`convergence_rows`)."""
+    """``claims.md``: ``header``, the verdicts (marked where an arm was still improving), per finding its arms and
+    comparisons, then the ``convergence`` rows (:func:`convergence_rows`)."""
     improving: dict[str, list[int]] = {}  # per arm, the seeds whose run was still improving at its end
     for r in convergence:
         if r["improving"]:
@@ -535,12 +527,10 @@ def _header(
     """The head of ``claims.md``: budget, seeds, common options, where and with what the runs ran, the wall time."""
     seeds = sorted({s for _, s in runs})
     unfinished = [run_name(a, s) for (a, s), r in runs.items() if r["dev"] is None]
-    envs = {}
-    for r in runs.values():
-        e = r["environment"]
-        if e:
-            key = (e.get("device"), e.get("python"), e.get("torch"), e.get("fastpals"), e.get("commit"))
-            envs.setdefault(key, []).append(e.get("date", "?"))
+    envs: dict[tuple, list[str]] = {}
+    for e in [r["environment"] for r in runs.values() if r["environment"]]:
+        key = (e.get("device"), e.get("python"), e.get("torch"), e.get("fastpals"), e.get("commit"))
+        envs.setdefault(key, []).append(e.get("date", "?"))
     where = "; ".join(f"{n} run(s) on {k[0]}, python {k[1]}, torch {k[2]}, fastpals {k[3]}, commit {k[4]}, "
                       f"{min(d)} to {max(d)}" for k, d in envs.items() for n in [len(d)]) or "no run finished"  # fmt: skip
     updates = sorted({r["updates"] for r in runs.values()})
@@ -631,8 +621,7 @@ def main(argv: list[str] | None = None) -> int:
     data = {"budget": dataclasses.asdict(budget), "seeds": seeds, "common": [*budget.defaults, *common],
             "environment": env, "jobs": jobs, "wall_s_this_session": wall_s, "convergence": convergence,
             "run_s_total": sum(r["seconds"] or 0.0 for r in runs.values()),
-            "runs": [runs[(a, s)] for a, s in plan],
-            "findings": summary}  # fmt: skip
+            "runs": list(runs.values()), "findings": summary}  # fmt: skip
     (out / "claims.json").write_text(json.dumps(_jsonable(data), indent=1))
     plot_claims(summary, out / "claims.png", f"fastpals claims: budget {budget.name}, {n_seeds} seed(s)")
     print(f"[claims] wrote {out / 'claims.md'}, {out / 'claims.json'}, {out / 'claims.png'}", file=sys.stderr)

@@ -3,10 +3,9 @@ the statistics (paired t-intervals, verdicts) and each run's ``train.py`` option
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -38,9 +37,8 @@ CONVERGED_COMMON = tuple(
 
 @dataclass(frozen=True)
 class Budget:
-    """How long every run trains: ``updates`` updates (of the options ``defaults`` set first); ``evals``
-    evaluations of the dev sets, evenly spaced, the last at the end; ``examples_equivalent``: an arm whose update
-    holds one micro-batch per task (gradient surgery) trains ``updates / tasks`` updates, the same examples."""
+    """How long every run trains: ``updates`` updates after the options ``defaults``, ``evals`` evenly spaced dev
+    evaluations; ``examples_equivalent``: an update of one micro-batch per task counts as ``tasks`` updates."""
 
     name: str
     updates: int
@@ -73,9 +71,8 @@ QUICK = Budget("quick", 4, evals=2, what="the pipeline check: 4 updates, dev aft
 
 @dataclass(frozen=True)
 class Arm:
-    """One system of a comparison: ``options`` are ``train.py`` options (a recipe and what it overrides);
-    ``cost`` its run time relative to the multi-task baseline at the same budget, from the 150-update table
-    docs/results/compare_minilm_cpu.md (it orders the runs and weighs the ETA)."""
+    """One system of a comparison: ``train.py`` ``options``; ``cost``: its run time relative to the baseline's
+    (docs/results/compare_minilm_cpu.md), which orders the runs and weighs the ETA."""
 
     name: str
     label: str
@@ -102,7 +99,7 @@ class Finding:
     metric: str
     comparisons: tuple[Comparison, ...]
     note: str = ""
-    arms: tuple[str, ...] = field(default=())
+    arms: tuple[str, ...] = ()
     #: the claim is that ``better`` has the LOWER value (``best_step``: it peaks earlier)
     lower: bool = False
 
@@ -202,7 +199,7 @@ QUICK_ARMS = ("base", "pal_full")
 def quick_finding(finding: Finding) -> Finding:
     """``finding`` with only its comparisons between :data:`QUICK_ARMS` (``--quick``)."""
     comps = tuple(c for c in finding.comparisons if c.better in QUICK_ARMS and c.worse in QUICK_ARMS)
-    return dataclasses.replace(finding, comparisons=comps, arms=())
+    return replace(finding, comparisons=comps, arms=())
 
 
 # ----------------------------------------------------------------------------------------------------- statistics
@@ -215,9 +212,8 @@ def mean_sd(values: Sequence[float]) -> tuple[float, float]:
 
 
 def paired_interval(better: Sequence[float], worse: Sequence[float], level: float = 0.95) -> dict[str, float]:
-    """The paired difference ``better[i] - worse[i]`` (same seed ``i``) over ``n`` seeds: ``{"n", "mean", "sd",
-    "lo", "hi"}`` with the two-sided ``level`` Student-t interval ``mean ± t_{(1+level)/2, n-1} sd / sqrt(n)``
-    (``lo``/``hi`` NaN for fewer than 2 seeds)."""
+    """The paired differences ``better[i] - worse[i]``: ``{"n", "mean", "sd", "lo", "hi"}``, ``lo``/``hi`` the
+    two-sided ``level`` Student-t interval ``mean ± t_{(1+level)/2, n-1} sd / sqrt(n)`` (NaN under 2 seeds)."""
     if len(better) != len(worse):
         raise ValueError(f"paired values need the same seeds: {len(better)} vs {len(worse)}")
     diffs = [b - w for b, w in zip(better, worse)]

@@ -81,11 +81,10 @@ def _overall3(dev: dict[str, float]) -> float:
 
 
 def compare_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Table rows from the runs ``[{"recipe", "results" (results.json or None), "error", "seconds",
-    "examples"}]``: an ``untrained`` row (from the first run that scored its step-0 model), one row per run,
-    and a ``single-task`` row combining the ``single_<task>`` recipes when any ran. Each row: ``name``,
-    ``scores`` ``{task: metric}``, ``overall`` (SST, Quora, STS; None unless all three), ``steps``, ``examples``,
-    ``train_s``, ``total_s``, ``error``, ``kind`` (``untrained`` / ``recipe`` / ``single``)."""
+    """Table rows of ``runs`` (``{"recipe", "results", "error", "seconds", "examples"}``): the first step-0
+    score (``kind`` ``untrained``), one ``recipe`` row per run, and a ``single`` row combining the ``single_<task>``
+    recipes. A row: ``name``, ``scores``, ``overall`` (None unless SST, Quora, STS), ``steps``, ``examples``,
+    ``train_s``, ``total_s``, ``error``, ``kind``."""
     rows: list[dict[str, Any]] = []
     for run in runs:
         untrained = (run.get("results") or {}).get("untrained_dev")

@@ -4,12 +4,11 @@ DeepSpeed's model states, adding up the live tensor storage ``torch.cuda.max_mem
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -82,9 +81,8 @@ _ALIASES = {"sentence-transformers/all-MiniLM-L6-v2": "minilm-l6"}
 
 @dataclass(frozen=True)
 class Device:
-    """A target: ``usable_bytes`` is what the device leaves to tensors (for GPUs the card's memory less the CUDA
-    context and library workspaces, as ``bench/memory_report.py`` caps the allocator); ``why_not``: per
-    precision that does not train there, why (one line)."""
+    """A target: ``usable_bytes`` what it leaves to tensors (GPUs: less the CUDA context and workspaces, the caps
+    of ``bench/memory_report.py``); ``why_not``: per precision that does not train there, why (one line)."""
 
     label: str
     usable_bytes: int
@@ -221,7 +219,7 @@ def step_model(spec: StepSpec, cast: bool = True, bert: Any = None) -> torch.nn.
     bert = load_bert_config(spec.model) if bert is None else bert
     # "sst:3": a copy of a built-in task under its own name (``--tasks N`` plans N tasks)
     specs = [
-        dataclasses.replace(resolve_tasks([name.split(":")[0]])[0], name=name) if ":" in name else None
+        replace(resolve_tasks([name.split(":")[0]])[0], name=name) if ":" in name else None
         for name in spec.tasks
     ]
     if not any(specs):
@@ -243,9 +241,8 @@ def step_model(spec: StepSpec, cast: bool = True, bert: Any = None) -> torch.nn.
 
 
 def step_micro_batches(spec: StepSpec, model: torch.nn.Module, batch_size: int, vocab: int = 0) -> list[Any]:
-    """The micro-batches (:class:`fastpals.train.step.MicroBatch`, on the CPU) of the update :func:`trace_step`
-    runs at ``batch_size`` examples of ``spec.max_length`` tokens (token id 1000, valid label 0); ``vocab``: the
-    vocabulary size (0: ``spec.model``'s)."""
+    """The CPU micro-batches of the update :func:`trace_step` runs: ``batch_size`` examples of ``spec.max_length``
+    tokens (id 1000, label 0); ``vocab``: the vocabulary size (0: ``spec.model``'s)."""
     vocab = vocab or load_bert_config(spec.model).vocab_size
     num_tasks = len(model.tasks)
     ids = [min(1000, vocab - 1)] * spec.max_length
@@ -302,15 +299,13 @@ class StepTrace:
 
 
 def trace_step(spec: StepSpec, batch_size: int, fake: bool = True) -> StepTrace:
-    """The predicted peak of one update of ``spec`` at ``batch_size`` examples (per rank): the real update on
-    fake tensors with DeepSpeed's model states (:class:`DeepSpeedLikeEngine`). Takes seconds, needs no weights.
-    ``fake=False``: :func:`measure_step`."""
+    """The predicted peak of one update of ``spec`` at ``batch_size`` examples (per rank): the real update on fake
+    tensors with DeepSpeed's model states (:class:`DeepSpeedLikeEngine`); ``fake=False``: :func:`measure_step`."""
     spec.check()
     bert = load_bert_config(spec.model)
     start = time.perf_counter()
     tracker = LiveTensorBytes(stub_host_reads=fake)
-    mode = FakeTensorMode() if fake else contextlib.nullcontext()
-    with mode, tracker:
+    with FakeTensorMode() if fake else contextlib.nullcontext(), tracker:
         with tracker.phase("parameters"):
             model = step_model(spec, bert=bert)
         trainable = [p for p in model.parameters() if p.requires_grad]
@@ -331,9 +326,8 @@ def trace_step(spec: StepSpec, batch_size: int, fake: bool = True) -> StepTrace:
         surgery = None
         if spec.surgery != "none":
             shared, specific = shared_parameters_by_name(model)
-            kw: dict[str, Any] = {}
-            if fake and spec.precision != "fp32":
-                kw = {"grad_setter": engine.grad_setter, "grad_dtype": torch.float32}
+            half = fake and spec.precision != "fp32"
+            kw = {"grad_setter": engine.grad_setter, "grad_dtype": torch.float32} if half else {}
             with tracker.phase("surgery"):
                 memory = surgery_memory_mode(spec.surgery_memory, spec.surgery_mode == "one_backward")
                 keep = 0
@@ -343,7 +337,6 @@ def trace_step(spec: StepSpec, batch_size: int, fake: bool = True) -> StepTrace:
                 buffer = task_gradients(
                     memory, shared, len(spec.tasks), rows_dtype, keep, task_params=specific, **kw
                 )
-
             # the buffer's own allocations are the surgery's
             for name in [n for n in ("capture", "apply", "_new_block") if hasattr(buffer, n)]:
                 setattr(buffer, name, tracker.phase("surgery")(getattr(buffer, name)))
@@ -429,7 +422,7 @@ class MemoryPlan(StepTrace):
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready (``--json``)."""
-        out = dataclasses.asdict(self)
+        out = asdict(self)
         out = {"spec": out.pop("spec"), **out, "trace_seconds": out["seconds"]}
         del out["seconds"], out["fake"]
         out["spec"]["zero_stage"] = self.spec.stage
@@ -460,9 +453,8 @@ _MAX_PROBE = 32768
 def largest_batches(
     spec: StepSpec, devices: Sequence[str] = tuple(DEVICES), probes: tuple[int, int] | None = None
 ) -> tuple[dict[str, int | None], dict[str, float]]:
-    """Per device the largest batch whose predicted peak fits, from the line through two traces at ``probes``
-    (default 16 and 32 examples per task), refit by traces at the predicted limit while the batch makes under
-    half the peak. Returns ``(largest, {"intercept_bytes", "bytes_per_example"})``."""
+    """Per device the largest batch that fits, from the line through traces at ``probes`` (16 and 32 per task),
+    refit at the predicted limit. Returns ``(largest, {"intercept_bytes", "bytes_per_example"})``."""
     t = len(spec.tasks)
     probes = probes or (
         (16, 32) if spec.surgery_mode == "per_task" and spec.surgery != "none" else (16 * t, 32 * t)
@@ -520,7 +512,7 @@ def plan_memory(
     if every_surgery_memory and spec.surgery != "none" and spec.surgery_mode == "one_backward":
         plan.surgery_modes = {
             mode: trace.peak_bytes if mode == spec.surgery_memory else
-            trace_step(dataclasses.replace(spec, surgery_memory=mode), batch_size).peak_bytes
+            trace_step(replace(spec, surgery_memory=mode), batch_size).peak_bytes
             for mode in SURGERY_MEMORIES
         }  # fmt: skip
         plan.auto_modes = plan_auto_modes(

@@ -130,9 +130,8 @@ def plot_table(
     precision: str = "bf16",
     max_length: int = 128,
 ) -> Path:
-    """Write the chart of ``docs/memory.md``: per model a panel with ``peak(b) = a + c b`` (GiB) for each line
-    ``(model, variant, precision, a, c)`` in ``precision``, up to the batch that fits the largest GPU, and a
-    dashed line at each GPU's ``(label, usable bytes)`` of ``gpus``. Returns the path written."""
+    """Write the chart of ``docs/memory.md``: per model a panel of ``peak(b) = a + c b`` for each line ``(model,
+    variant, precision, a, c)`` in ``precision`` and a dashed line per GPU ``(label, usable bytes)``."""
     models = list(dict.fromkeys(line[0] for line in lines))
     fig, _ = _figure(5.2 * len(models), 4.2)
     top = max(u for _, u in gpus) / GIB

@@ -71,9 +71,8 @@ def predict_examples(
     progress: bool = False,
     with_confidence: bool = False,
 ) -> tuple[list[str], np.ndarray] | tuple[list[str], np.ndarray, np.ndarray | None]:
-    """Predictions for ``examples`` of ``task`` in order: ``(ids, float64 [N])`` (class index, 0/1, or the STS
-    score in [0, 5]); ``with_confidence`` adds the probability of each predicted label (float32 ``[N]``, None for
-    regression tasks)."""
+    """``(ids, float64 [N])`` predictions for ``examples`` of ``task`` (class index or STS score);
+    ``with_confidence`` adds each predicted label's probability (float32 ``[N]``, None for regression)."""
     index = model.task_index(task)
     spec = model.tasks[index]
     batcher = TaskBatcher(
