@@ -198,19 +198,6 @@ def _without_out(argv: Sequence[str]) -> list[str]:
     return [*argv[:i], *argv[i + 2 :]]
 
 
-def _check_earlier(run_dir: Path, argv: Sequence[str]) -> dict[str, Any] | None:
-    """The ``claims_run.json`` of a finished run in ``run_dir`` (None when it has no ``results.json``); raises
-    :class:`ValueError` when that run had other options."""
-    if not (run_dir / "results.json").is_file():
-        return None
-    path = run_dir / "claims_run.json"
-    saved = json.loads(path.read_text()) if path.is_file() else {}
-    if _without_out(saved.get("argv") or []) != _without_out(argv):  # a moved claims folder still matches
-        raise ValueError(f"{run_dir} holds a run with other options than {shlex.join(argv)}; use another --out or "
-                         "move that folder")  # fmt: skip
-    return saved
-
-
 def _overall(results: dict[str, Any]) -> str:
     """A finished run's best dev overall, 4 digits."""
     value = metric_value(results["dev"], "overall")
@@ -226,15 +213,17 @@ def execute(runs: Runs, runs_dir: Path, jobs: int, keep_checkpoints: bool = Fals
     pending = []
     for i, (a, s) in enumerate(plan):
         record, run_dir = runs[(a, s)], runs_dir / run_name(a, s)
-        try:
-            saved = _check_earlier(run_dir, record["argv"])
-        except ValueError as err:
-            print(f"{PROG}: error: {err}", file=sys.stderr)
-            return 2
-        if saved is None:
+        results, path = _read_results(run_dir), run_dir / "claims_run.json"
+        if results is None:
             pending.append((i, a, s))
             continue
-        results = _read_results(run_dir)
+        saved = json.loads(path.read_text()) if path.is_file() else {}
+        if _without_out(saved.get("argv") or []) != _without_out(
+            record["argv"]
+        ):  # a moved folder still matches
+            print(f"{PROG}: error: {run_dir} holds a run with other options than {shlex.join(record['argv'])}; use "
+                  "another --out or move that folder", file=sys.stderr)  # fmt: skip
+            return 2
         record.update(**run_scores(ARMS[a], results), status="done", seconds=saved.get("seconds"),
                       argv=saved["argv"], environment=saved.get("environment"),
                       command=saved.get("command") or shlex.join([*command, *saved["argv"]]))  # fmt: skip
@@ -461,8 +450,7 @@ def plot_claims(summary: list[dict[str, Any]], path: Path, title: str) -> Path:
             ax.axhline(ref["mean"], color="black", linestyle="--", linewidth=0.8, label="single-task models")
             ax.legend(fontsize=6, loc="best", frameon=False)
         ax.set_xlim(-0.5, len(arms) - 0.5)  # an arm without a finished run keeps its column
-        ax.set_xticks(range(len(arms)))
-        ax.set_xticklabels(arms, rotation=30, ha="right", fontsize=7)
+        ax.set_xticks(range(len(arms)), arms, rotation=30, ha="right", fontsize=7)
         f = item["finding"]
         counts = [c["verdict"] for c in item["comparisons"]]
         verdicts = ", ".join(f"{counts.count(v)} {v}" for v in dict.fromkeys(counts))

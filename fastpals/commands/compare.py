@@ -64,14 +64,9 @@ def _split(argv: list[str]) -> tuple[list[str], list[str]]:
 
 def _examples(run_dir: Path) -> int:
     """Training examples of a run, from its ``metrics.jsonl`` step records."""
-    total = 0.0
     path = run_dir / "metrics.jsonl"
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            rec = json.loads(line)
-            if rec.get("type") == "step":
-                total += rec["examples_per_s"] * rec["seconds"]
-    return round(total)
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    return round(sum(r["examples_per_s"] * r["seconds"] for r in records if r.get("type") == "step"))
 
 
 def _overall3(dev: dict[str, float]) -> float:
@@ -163,8 +158,7 @@ def plot_compare(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
         xs = [j - 0.4 + width * (i + 0.5) for j in range(len(cols))]
         color = "0.6" if r["kind"] == "untrained" else ("black" if r["kind"] == "single" else f"C{i % 10}")
         ax.bar(xs, values, width=width, label=r["name"], color=color)
-    ax.set_xticks(range(len(cols)))
-    ax.set_xticklabels([n for _, n in cols])
+    ax.set_xticks(range(len(cols)), [n for _, n in cols])
     ax.axhline(0.0, color="black", linewidth=0.5)
     ax.set_ylabel("dev score (accuracy / Pearson r)")
     ax.set_title(title, fontsize=9)
