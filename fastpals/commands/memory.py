@@ -21,28 +21,13 @@ from fastpals.data.tasks import resolve_tasks
 from fastpals.encoder.bert import BertConfig, PALConfig
 from fastpals.model.multitask import MultiTaskBert, MultiTaskConfig
 from fastpals.surgery import AGGREGATORS, shared_parameters_by_name
+from fastpals.train import memory_mode, memory_states
 from fastpals.train.args import PAL_PRESETS, SURGERY_BUFFER_DTYPES
 from fastpals.train.distributed import initialize
 from fastpals.train.dsconfig import check_ds_config, load_ds_config
 from fastpals.train.errors import ConfigError
-from fastpals.train.memory_mode import (
-    SURGERY_MEMORIES,
-    device_memory_bytes,
-    keep_bytes_for,
-    plan_auto_modes,
-    surgery_memory_mode,
-    task_gradients,
-)
-from fastpals.train.memory_states import (
-    CATEGORIES,
-    PRECISIONS,
-    DeepSpeedLikeEngine,
-    GradientBuckets,
-    LiveTensorBytes,
-    ModelStates,
-    gradient_buckets,
-    model_state_bytes,
-)
+from fastpals.train.memory_mode import SURGERY_MEMORIES
+from fastpals.train.memory_states import PRECISIONS, GradientBuckets, LiveTensorBytes, ModelStates
 from fastpals.train.optimizer_setup import make_optimizer, optimizer_param_groups
 from fastpals.train.step import MicroBatch, Surgery, TorchEngine, run_update
 
@@ -99,7 +84,7 @@ DEVICES: dict[str, Device] = {
     "h100-80": Device("H100 80GB", int(78.0 * GIB)),
     "cpu": Device(
         "this CPU host",
-        device_memory_bytes("cpu"),
+        memory_mode.device_memory_bytes("cpu"),
         {"fp16": "fp16 training needs a CUDA GPU (the trainer refuses it on CPU)"},
     ),
 }
@@ -181,7 +166,7 @@ class StepSpec:
                 f"--ds-config {self.ds_config} has zero_optimization.stage {stage} but the plan is ZeRO-{self.stage}:"
                 f" give --zero-stage {stage}"
             )
-        return gradient_buckets(cfg, self.precision, self.stage, self.surgery)
+        return memory_states.gradient_buckets(cfg, self.precision, self.stage, self.surgery)
 
     def check(self) -> None:
         """Raise ``ValueError`` (one line naming the option) on a bad field."""
@@ -314,7 +299,7 @@ def trace_step(spec: StepSpec, batch_size: int, fake: bool = True) -> StepTrace:
                 lambda q: q.grad is not None and tracker.tag(q.grad, "gradients")
             )
         if fake:
-            engine: Any = DeepSpeedLikeEngine(
+            engine: Any = memory_states.DeepSpeedLikeEngine(
                 model, spec.precision, spec.stage, spec.world_size, tracker, spec.gradient_buckets()
             )
         else:
@@ -328,13 +313,13 @@ def trace_step(spec: StepSpec, batch_size: int, fake: bool = True) -> StepTrace:
             shared, specific = shared_parameters_by_name(model)
             half = fake and spec.precision != "fp32"
             kw = {"grad_setter": engine.grad_setter, "grad_dtype": torch.float32} if half else {}
+            memory = memory_mode.surgery_memory_mode(spec.surgery_memory, spec.surgery_mode == "one_backward")
+            smaller = memory == "smaller" and spec.world_size == 1  # auto's streaming keeps rows (one rank)
+            tokens = batch_size * spec.max_length
+            keep = memory_mode.keep_bytes_for(bert, tokens, spec.max_length, spec.precision) if smaller else 0
+            rows_dtype = _DTYPES[spec.rows_dtype]
             with tracker.phase("surgery"):
-                memory = surgery_memory_mode(spec.surgery_memory, spec.surgery_mode == "one_backward")
-                keep = 0
-                if memory == "smaller" and spec.world_size == 1:  # auto's streaming (one rank)
-                    keep = keep_bytes_for(bert, batch_size * spec.max_length, spec.max_length, spec.precision)
-                rows_dtype = _DTYPES[spec.rows_dtype]
-                buffer = task_gradients(
+                buffer = memory_mode.task_gradients(
                     memory, shared, len(spec.tasks), rows_dtype, keep, task_params=specific, **kw
                 )
             # the buffer's own allocations are the surgery's
@@ -503,7 +488,7 @@ def plan_memory(
             f"example per task for one-backward surgery; give --batch-size >= {len(spec.tasks)}"
         )
     trace = trace_step(spec, batch_size)
-    states = model_state_bytes(trace.num_params, spec.precision, spec.stage, spec.world_size)
+    states = memory_states.model_state_bytes(trace.num_params, spec.precision, spec.stage, spec.world_size)
     devices = {name: _fits(trace.peak_bytes, d, spec.precision) for name, d in DEVICES.items()}
     plan = MemoryPlan(**vars(trace), spec=spec, model_states=states, devices=devices)
     plan.gradient_buckets = spec.gradient_buckets()
@@ -515,7 +500,7 @@ def plan_memory(
             trace_step(replace(spec, surgery_memory=mode), batch_size).peak_bytes
             for mode in SURGERY_MEMORIES
         }  # fmt: skip
-        plan.auto_modes = plan_auto_modes(
+        plan.auto_modes = memory_mode.plan_auto_modes(
             load_bert_config(spec.model), len(spec.tasks), trace.shared_params, batch_size * spec.max_length,
             spec.max_length, spec.precision, spec.rows_dtype, spec.buffer_dtype, plan.surgery_modes["buffer"],
             {name: d.usable_bytes for name, d in DEVICES.items()},
@@ -546,7 +531,7 @@ def format_plan(plan: MemoryPlan) -> str:
         f"torch.cuda.max_memory_allocated; traced on fake tensors in {plan.seconds:.1f} s)",
         "at the peak:",
     ]
-    for cat in CATEGORIES:
+    for cat in memory_states.CATEGORIES:
         lines.append(f"  {CATEGORY_TEXT[cat]:<38} {_gib(plan.at_peak.get(cat, 0)):>11}")
     m = plan.model_states
     lines.append(

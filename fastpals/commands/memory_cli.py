@@ -12,16 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from fastpals.commands.memory import (
-    CATEGORY_TEXT,
-    DEVICES,
-    GIB,
-    SURGERY_MODES,
-    StepSpec,
-    format_plan,
-    largest_batches,
-    plan_memory,
-)
+from fastpals.commands import memory
+from fastpals.commands.memory import CATEGORY_TEXT, DEVICES, GIB, SURGERY_MODES, StepSpec
 from fastpals.surgery import AGGREGATORS
 from fastpals.train.args import PAL_PRESETS, SURGERY_BUFFER_DTYPES
 from fastpals.train.memory_mode import SURGERY_MEMORIES
@@ -57,7 +49,7 @@ def memory_table(max_length: int = 128, chart: str | Path | None = None) -> str:
                 # trace serves both (fp16's loss scaling is a scalar and in-place multiplies)
                 key = (model, pal, surgery, ckpt, spec.rows_dtype if surgery != "none" else None)
                 if key not in fits:
-                    fits[key] = largest_batches(spec, _TABLE_GPUS)
+                    fits[key] = memory.largest_batches(spec, _TABLE_GPUS)
                 largest, fit = fits[key]
                 cells = [
                     "no bf16" if precision in DEVICES[g].why_not else str(largest[g] if largest[g] else "-")
@@ -239,9 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.table:
-            text = memory_table(args.max_length, args.chart)
             Path(args.table).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.table).write_text(text, encoding="utf-8")
+            Path(args.table).write_text(memory_table(args.max_length, args.chart), encoding="utf-8")
             print(f"wrote {args.table}")
             return 0
         if args.tasks.strip().isdigit():  # N tasks: copies of sst, para and sts in turn
@@ -254,13 +245,13 @@ def main(argv: list[str] | None = None) -> int:
             surgery_memory=args.surgery_memory or "buffer", zero_stage=args.zero_stage, world_size=args.world_size,
             activation_checkpointing=args.activation_checkpointing, ds_config=args.ds_config,
         )  # fmt: skip
-        plan = plan_memory(
+        plan = memory.plan_memory(
             spec, args.batch_size, args.max_tokens, args.largest_batch, not args.surgery_memory
         )
     except ValueError as err:
         print(f"fastpals memory: error: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2
-    print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else memory.format_plan(plan))
     if args.chart:
         s = plan.spec
         title = (
