@@ -128,8 +128,8 @@ def _proc_field(path: str, key: str) -> str:
 
 
 def auto_jobs(train_argv: Sequence[str], runs: int) -> tuple[int, str]:
-    """``--jobs auto``: the runs whose planner peak (PALs + PCGrad, the heaviest arms) plus a process fit the GPU's
-    free memory (CPU: available RAM), at most one per core. Returns (jobs, how it was chosen)."""
+    """``--jobs auto``: the runs whose planner peak (PALs + PCGrad, the heaviest arms) plus a process fit the
+    GPU's free memory (CPU: available RAM), at most one per core. Returns (jobs, how it was chosen)."""
     cuda = torch.cuda.is_available()
     ds = _option(train_argv, "--ds_config", _option(train_argv, "--ds-config", ""))
     precision = next((p for p in ("fp16", "bf16", "fp32") if p in ds), "bf16" if cuda else "fp32")
@@ -205,8 +205,8 @@ def _overall(results: dict[str, Any]) -> str:
 
 
 def execute(runs: Runs, runs_dir: Path, jobs: int, keep_checkpoints: bool = False) -> int:
-    """Run ``runs`` in order, ``jobs`` at a time (0: none, ``--report``), skipping finished ones, filling each record
-    with :func:`run_scores`. Returns 0, 1 (a run failed), 2 (a folder holds another run) or 128 + signal."""
+    """Run ``runs`` in order, ``jobs`` at a time (0: none, ``--report``), skipping finished ones, each record
+    filled by :func:`run_scores`. Returns 0, 1 (a run failed), 2 (another run's folder) or 128 + signal."""
     plan, command = list(runs), train_command()
     done_cost = done_s = 0.0
     remaining = sum(ARMS[a].cost for a, _ in plan)
@@ -221,8 +221,8 @@ def execute(runs: Runs, runs_dir: Path, jobs: int, keep_checkpoints: bool = Fals
         if _without_out(saved.get("argv") or []) != _without_out(
             record["argv"]
         ):  # a moved folder still matches
-            print(f"{PROG}: error: {run_dir} holds a run with other options than {shlex.join(record['argv'])}; use "
-                  "another --out or move that folder", file=sys.stderr)  # fmt: skip
+            print(f"{PROG}: error: {run_dir} holds a run with other options than {shlex.join(record['argv'])}"
+                  "; use another --out or move that folder", file=sys.stderr)  # fmt: skip
             return 2
         record.update(**run_scores(ARMS[a], results), status="done", seconds=saved.get("seconds"),
                       argv=saved["argv"], environment=saved.get("environment"),
@@ -331,8 +331,8 @@ def reference_scores(runs: Runs, seeds: Sequence[int], metric: str) -> dict[int,
 
 
 def summarize(findings: Sequence[Finding], runs: Runs, seeds: Sequence[int]) -> list[dict[str, Any]]:
-    """Per finding: each arm's scores per seed, mean and sd; each comparison's paired interval and verdict over the
-    seeds where both finished (``better - worse``, negated for ``Finding.lower``: above 0 supports the claim)."""
+    """Per finding: each arm's scores per seed, mean and sd; each comparison's paired interval and verdict
+    over the seeds both finished (``better - worse``, negated for ``Finding.lower``: above 0 supports it)."""
     out = []
     for f in findings:
         arms = {}
@@ -367,8 +367,8 @@ def write_markdown(
     seeds: Sequence[int],
     convergence: Sequence[dict[str, Any]] = (),
 ) -> Path:
-    """``claims.md``: ``header``, the verdicts (marked where an arm was still improving), per finding its arms and
-    comparisons, then the ``convergence`` rows (:func:`convergence_rows`)."""
+    """``claims.md``: ``header``, the verdicts (marked where an arm was still improving), per finding its arms
+    and comparisons, then the ``convergence`` rows (:func:`convergence_rows`)."""
     improving: dict[str, list[int]] = {}  # per arm, the seeds whose run was still improving at its end
     for r in convergence:
         if r["improving"]:

@@ -37,8 +37,8 @@ CONVERGED_COMMON = tuple(
 
 @dataclass(frozen=True)
 class Budget:
-    """How long every run trains: ``updates`` updates after the options ``defaults``, ``evals`` evenly spaced dev
-    evaluations; ``examples_equivalent``: an update of one micro-batch per task counts as ``tasks`` updates."""
+    """How long every run trains: ``updates`` updates after the options ``defaults``, ``evals`` evenly spaced
+    dev evaluations; ``examples_equivalent``: an update of one micro-batch per task counts as ``tasks``."""
 
     name: str
     updates: int
@@ -105,10 +105,7 @@ class Finding:
 
     def arm_names(self) -> tuple[str, ...]:
         """The arms in the order of first mention (``arms`` when given, then the comparisons')."""
-        names = list(self.arms)
-        for c in self.comparisons:
-            names += [n for n in (c.better, c.worse) if n not in names]
-        return tuple(names)
+        return tuple(dict.fromkeys([*self.arms, *(n for c in self.comparisons for n in (c.better, c.worse))]))
 
 
 _BASE = ("--recipe", "baseline_multitask")
@@ -212,8 +209,8 @@ def mean_sd(values: Sequence[float]) -> tuple[float, float]:
 
 
 def paired_interval(better: Sequence[float], worse: Sequence[float], level: float = 0.95) -> dict[str, float]:
-    """The paired differences ``better[i] - worse[i]``: ``{"n", "mean", "sd", "lo", "hi"}``, ``lo``/``hi`` the
-    two-sided ``level`` Student-t interval ``mean ± t_{(1+level)/2, n-1} sd / sqrt(n)`` (NaN under 2 seeds)."""
+    """The paired differences ``better[i] - worse[i]``: ``{"n", "mean", "sd", "lo", "hi"}``, ``lo``/``hi``
+    the two-sided ``level`` Student-t interval ``mean ± t_{(1+level)/2, n-1} sd / sqrt(n)`` (NaN: n < 2)."""
     if len(better) != len(worse):
         raise ValueError(f"paired values need the same seeds: {len(better)} vs {len(worse)}")
     diffs = [b - w for b, w in zip(better, worse)]
@@ -248,8 +245,7 @@ def student_t_quantile(p: float, df: int) -> float:
 
 
 def verdict(interval: dict[str, float]) -> str:
-    """``holds`` (the interval lies above 0), ``reversed`` (below 0) or ``not resolved`` (it holds 0, or fewer
-    than 2 seeds)."""
+    """``holds`` (the interval lies above 0), ``reversed`` (below 0) or ``not resolved`` (holds 0, n < 2)."""
     return "holds" if interval["lo"] > 0 else "reversed" if interval["hi"] < 0 else "not resolved"
 
 
@@ -272,12 +268,9 @@ def run_argv(
 
 def plan_runs(findings: Sequence[Finding], reference: bool) -> list[str]:
     """The arms to run, cheapest finding first (so that a stopped run leaves whole findings), then the reference."""
-    order: list[str] = []
-    for f in sorted(findings, key=lambda f: sum(ARMS[a].cost for a in f.arm_names())):
-        order += [a for a in f.arm_names() if a not in order]
-    if reference:
-        order += [a for a in REFERENCE_ARMS if a not in order]
-    return order
+    cheapest_first = sorted(findings, key=lambda f: sum(ARMS[a].cost for a in f.arm_names()))
+    arms = [a for f in cheapest_first for a in f.arm_names()] + list(REFERENCE_ARMS if reference else ())
+    return list(dict.fromkeys(arms))
 
 
 def resolve_budget(text: str | None, quick: bool = False) -> Budget:
@@ -289,5 +282,4 @@ def resolve_budget(text: str | None, quick: bool = False) -> Budget:
         return CONVERGED if text == "converged" else EARLY
     if text.isdigit() and (n := int(text)) >= 1:
         return Budget(f"{n} updates", n, what=f"{n} updates, each run scored at its end")
-
     raise ValueError(f"--budget {text}: give early, converged or a number of updates >= 1")

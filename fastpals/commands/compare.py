@@ -77,9 +77,9 @@ def _overall3(dev: dict[str, float]) -> float:
 
 def compare_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Table rows of ``runs`` (``{"recipe", "results", "error", "seconds", "examples"}``): the first step-0
-    score (``kind`` ``untrained``), one ``recipe`` row per run, and a ``single`` row combining the ``single_<task>``
-    recipes. A row: ``name``, ``scores``, ``overall`` (None unless SST, Quora, STS), ``steps``, ``examples``,
-    ``train_s``, ``total_s``, ``error``, ``kind``."""
+    score (``kind`` ``untrained``), one ``recipe`` row per run, and a ``single`` row combining the
+    ``single_<task>`` recipes. A row: ``name``, ``scores``, ``overall`` (None unless SST, Quora, STS),
+    ``steps``, ``examples``, ``train_s``, ``total_s``, ``error``, ``kind``."""
     rows: list[dict[str, Any]] = []
     for run in runs:
         untrained = (run.get("results") or {}).get("untrained_dev")
@@ -164,8 +164,7 @@ def plot_compare(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
     ax.set_title(title, fontsize=9)
     if shown:  # all runs failed: an empty chart (the table says why)
         figure.legend(loc="lower center", ncol=min(4, len(shown)), fontsize=7, frameon=False)
-    rows_of_legend = math.ceil(len(shown) / 4)
-    figure.tight_layout(rect=(0, min(0.4, 0.05 * rows_of_legend + 0.02), 1, 1))
+    figure.tight_layout(rect=(0, min(0.4, 0.05 * math.ceil(len(shown) / 4) + 0.02), 1, 1))  # legend rows
     figure.savefig(path, format="png", dpi=100)
     return path
 

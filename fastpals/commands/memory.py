@@ -66,8 +66,8 @@ _ALIASES = {"sentence-transformers/all-MiniLM-L6-v2": "minilm-l6"}
 
 @dataclass(frozen=True)
 class Device:
-    """A target: ``usable_bytes`` what it leaves to tensors (GPUs: less the CUDA context and workspaces, the caps
-    of ``bench/memory_report.py``); ``why_not``: per precision that does not train there, why (one line)."""
+    """A target: ``usable_bytes`` what it leaves to tensors (GPUs: less the CUDA context and workspaces, the
+    caps of ``bench/memory_report.py``); ``why_not``: per precision that does not train there, why."""
 
     label: str
     usable_bytes: int
@@ -226,8 +226,8 @@ def step_model(spec: StepSpec, cast: bool = True, bert: Any = None) -> torch.nn.
 
 
 def step_micro_batches(spec: StepSpec, model: torch.nn.Module, batch_size: int, vocab: int = 0) -> list[Any]:
-    """The CPU micro-batches of the update :func:`trace_step` runs: ``batch_size`` examples of ``spec.max_length``
-    tokens (id 1000, label 0); ``vocab``: the vocabulary size (0: ``spec.model``'s)."""
+    """The CPU micro-batches of the update :func:`trace_step` runs: ``batch_size`` examples of
+    ``spec.max_length`` tokens (id 1000, label 0); ``vocab``: the vocabulary size (0: ``spec.model``'s)."""
     vocab = vocab or load_bert_config(spec.model).vocab_size
     num_tasks = len(model.tasks)
     ids = [min(1000, vocab - 1)] * spec.max_length
@@ -284,8 +284,8 @@ class StepTrace:
 
 
 def trace_step(spec: StepSpec, batch_size: int, fake: bool = True) -> StepTrace:
-    """The predicted peak of one update of ``spec`` at ``batch_size`` examples (per rank): the real update on fake
-    tensors with DeepSpeed's model states (:class:`DeepSpeedLikeEngine`); ``fake=False``: :func:`measure_step`."""
+    """The predicted peak of one update of ``spec`` at ``batch_size`` examples (per rank): the real update on
+    fake tensors with DeepSpeed's model states (``DeepSpeedLikeEngine``); ``fake=False``: ``measure_step``."""
     spec.check()
     bert = load_bert_config(spec.model)
     start = time.perf_counter()
@@ -431,25 +431,21 @@ def _fit_line(traces: Sequence[StepTrace]) -> tuple[float, float]:
     return p1 - slope * b1, slope
 
 
-#: the largest batch :func:`largest_batches` traces
-_MAX_PROBE = 32768
+_MAX_PROBE = 32768  # the largest batch largest_batches traces
 
 
 def largest_batches(
     spec: StepSpec, devices: Sequence[str] = tuple(DEVICES), probes: tuple[int, int] | None = None
 ) -> tuple[dict[str, int | None], dict[str, float]]:
-    """Per device the largest batch that fits, from the line through traces at ``probes`` (16 and 32 per task),
+    """Per device the largest batch that fits, from the line through traces at ``probes`` (16, 32 per task),
     refit at the predicted limit. Returns ``(largest, {"intercept_bytes", "bytes_per_example"})``."""
-    t = len(spec.tasks)
-    probes = probes or (
-        (16, 32) if spec.surgery_mode == "per_task" and spec.surgery != "none" else (16 * t, 32 * t)
-    )
+    t = 1 if spec.surgery_mode == "per_task" and spec.surgery != "none" else len(spec.tasks)
+    probes = probes or (16 * t, 32 * t)
     traces = [trace_step(spec, b) for b in probes]
     a, c = _fit_line(traces[-2:])
     usable = [DEVICES[n].usable_bytes for n in devices if spec.precision not in DEVICES[n].why_not]
-    for _ in range(
-        3 if usable else 0
-    ):  # refits where the first two traces sit below the batch-dependent part
+    # refits where the first two traces sit below the batch-dependent part of the peak
+    for _ in range(3 if usable else 0):
         limit = (max(usable) - a) / c if c > 0 else math.inf
         last = traces[-1].batch_size
         if c * last >= 0.5 * traces[-1].peak_bytes or limit <= 2 * last or last >= _MAX_PROBE:
@@ -457,7 +453,6 @@ def largest_batches(
         traces.append(trace_step(spec, int(min(limit, _MAX_PROBE))))
         a, c = _fit_line(traces[-2:])
     runs = {n: c > 0 and spec.precision not in DEVICES[n].why_not for n in devices}
-
     largest = {n: math.floor((DEVICES[n].usable_bytes - a) / c) if runs[n] else 0 for n in devices}
     fit = {"intercept_bytes": a, "bytes_per_example": c}
     return {n: b if b >= 1 else None for n, b in largest.items()}, fit

@@ -122,8 +122,8 @@ def plot_table(
     precision: str = "bf16",
     max_length: int = 128,
 ) -> Path:
-    """Write the chart of ``docs/memory.md``: per model a panel of ``peak(b) = a + c b`` for each line ``(model,
-    variant, precision, a, c)`` in ``precision`` and a dashed line per GPU ``(label, usable bytes)``."""
+    """Write the chart of ``docs/memory.md``: per model a panel of ``peak(b) = a + c b`` for each line
+    ``(model, variant, precision, a, c)`` in ``precision``; a dashed line per GPU ``(label, bytes)``."""
     models = list(dict.fromkeys(line[0] for line in lines))
     fig, _ = _figure(5.2 * len(models), 4.2)
     top = max(u for _, u in gpus) / GIB
@@ -215,11 +215,13 @@ def _parser() -> argparse.ArgumentParser:
         "(zero_optimization.reduce_bucket_size, overlap_comm, contiguous_gradients; default: the "
         "shipped gpu_<precision>_zero<stage>.json, DeepSpeed's defaults for fp32)")  # fmt: skip
     arg("--activation-checkpointing", action="store_true",
-        help="recompute the encoder layers in the backward (as train --activation-checkpointing)")  # fmt: skip
+        help="recompute the encoder layers in the backward "
+        "(as train --activation-checkpointing)")  # fmt: skip
     arg("--largest-batch", action="store_true", help="also the largest batch that fits each device")
     arg("--json", action="store_true", help="print the plan as JSON")
     arg("--table", metavar="PATH",
-        help=f"write the predicted largest-batch table (docs/memory.md: `{DOCS_COMMAND}`) and exit")  # fmt: skip
+        help=f"write the predicted largest-batch table (docs/memory.md: `{DOCS_COMMAND}`) "
+        "and exit")  # fmt: skip
     arg("--chart", metavar="PNG",
         help="also write a chart: with --table, the peak against the batch per variant (bf16); else "
         "this configuration's peak by part beside the GPUs")  # fmt: skip
