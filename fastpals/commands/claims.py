@@ -300,11 +300,8 @@ def convergence_rows(runs: Runs, plan: Sequence[tuple[str, int]]) -> list[dict[s
     """Per finished run: its updates, the dev overall at its last two evaluations (``previous`` None when it was
     evaluated once), their difference and ``improving`` (the last gained more than :data:`IMPROVING`)."""
     rows = []
-    for a, s in plan:
-        evals = runs[(a, s)].get("evals") or []
-        if not evals:
-            continue
-        (prev_step, prev), (last_step, last) = ([None, None], *evals[-1:]) if len(evals) < 2 else evals[-2:]
+    for a, s in [key for key in plan if runs[key].get("evals")]:
+        (prev_step, prev), (last_step, last) = ([[None, None]] + runs[(a, s)]["evals"])[-2:]
         gain = None if prev is None else last - prev
         rows.append({"arm": a, "seed": s, "updates": runs[(a, s)]["updates"], "previous_step": prev_step,
                      "previous": prev, "last_step": last_step, "last": last, "gain": gain,

@@ -18,13 +18,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fastpals export", description="Write one task of a trained model in another library's format."
     )
-    arg = parser.add_argument
-    arg("model_dir", help="a saved model folder (the trainer's <out>/best)")
-    arg("out", help="the folder to write (must not exist, or be empty, unless --overwrite)")
-    arg("--task", required=True, help="the task to export (e.g. sts)")
-    arg("--format", required=True, choices=FORMATS, help="the output format")
-    arg("--max-length", type=int, help="tokens per text (default: the run's)")
-    arg("--overwrite", action="store_true", help="replace the files of a non-empty out folder")
+    parser.add_argument("model_dir", help="a saved model folder (the trainer's <out>/best)")
+    parser.add_argument("out", help="the folder to write (must not exist, or be empty, unless --overwrite)")
+    parser.add_argument("--task", required=True, help="the task to export (e.g. sts)")
+    parser.add_argument("--format", required=True, choices=FORMATS, help="the output format")
+    parser.add_argument("--max-length", type=int, help="tokens per text (default: the run's)")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace the files of a non-empty out folder"
+    )
     return parser
 
 
