@@ -54,10 +54,8 @@ PROG = "fastpals claims"
 RESERVED = ("--epochs", "--steps-per-epoch", "--out", "--resume", "--recipe", "--overwrite", "--seed")
 #: a run whose last evaluation gained more than this over the previous one is "still improving"
 IMPROVING = 0.005
-#: a run: (arm, seed)
-RunKey = tuple[str, int]
-#: per run, its record (options, command, status, scores; written to claims.json)
-Runs = dict[RunKey, dict[str, Any]]
+#: per run (arm, seed), its record (options, command, status, scores; written to claims.json)
+Runs = dict[tuple[str, int], dict[str, Any]]
 #: what a run's process holds besides the tensors the planner counts: the CUDA context and allocator slack on a
 #: GPU; the interpreter, torch, the data and the tokenizer on the CPU
 GPU_PROCESS_BYTES = 1 << 30
@@ -130,9 +128,8 @@ def _proc_field(path: str, key: str) -> str:
 
 
 def auto_jobs(train_argv: Sequence[str], runs: int) -> tuple[int, str]:
-    """``--jobs auto``: the runs that fit at once, from the memory planner's peak of one run (its model, batch and
-    length with PALs and PCGrad, the heaviest arms) plus a process's own memory, against the GPU's free memory (on
-    the CPU: the available RAM) and the CPU cores. Returns (jobs, how it was chosen)."""
+    """``--jobs auto``: the runs whose planner peak (PALs + PCGrad, the heaviest arms) plus a process fit the
+    GPU's free memory (CPU: available RAM), at most one per core. Returns (jobs, how it was chosen)."""
     cuda = torch.cuda.is_available()
     ds = _option(train_argv, "--ds_config", _option(train_argv, "--ds-config", ""))
     precision = next((p for p in ("fp16", "bf16", "fp32") if p in ds), "bf16" if cuda else "fp32")
@@ -201,19 +198,6 @@ def _without_out(argv: Sequence[str]) -> list[str]:
     return [*argv[:i], *argv[i + 2 :]]
 
 
-def _check_earlier(run_dir: Path, argv: Sequence[str]) -> dict[str, Any] | None:
-    """The ``claims_run.json`` of a finished run in ``run_dir`` (None when it has no ``results.json``); raises
-    :class:`ValueError` when that run had other options."""
-    if not (run_dir / "results.json").is_file():
-        return None
-    path = run_dir / "claims_run.json"
-    saved = json.loads(path.read_text()) if path.is_file() else {}
-    if _without_out(saved.get("argv") or []) != _without_out(argv):  # a moved claims folder still matches
-        raise ValueError(f"{run_dir} holds a run with other options than {shlex.join(argv)}; use another --out or "
-                         "move that folder")  # fmt: skip
-    return saved
-
-
 def _overall(results: dict[str, Any]) -> str:
     """A finished run's best dev overall, 4 digits."""
     value = metric_value(results["dev"], "overall")
@@ -221,25 +205,25 @@ def _overall(results: dict[str, Any]) -> str:
 
 
 def execute(runs: Runs, runs_dir: Path, jobs: int, keep_checkpoints: bool = False) -> int:
-    """Run the ``(arm, seed)`` runs in order, ``jobs`` :func:`train_command` subprocesses at a time, filling each
-    record of ``runs`` with the :func:`run_scores` of its ``results.json``. A finished run is skipped; ``jobs`` 0:
-    none starts (``--report``). Returns 0, 1 (a run failed), 2 (a folder holds another run) or 128 + signal."""
+    """Run ``runs`` in order, ``jobs`` at a time (0: none, ``--report``), skipping finished ones, each record
+    filled by :func:`run_scores`. Returns 0, 1 (a run failed), 2 (another run's folder) or 128 + signal."""
     plan, command = list(runs), train_command()
     done_cost = done_s = 0.0
     remaining = sum(ARMS[a].cost for a, _ in plan)
     pending = []
     for i, (a, s) in enumerate(plan):
-        record = runs[(a, s)]
-        run_dir = runs_dir / run_name(a, s)
-        try:
-            saved = _check_earlier(run_dir, record["argv"])
-        except ValueError as err:
-            print(f"{PROG}: error: {err}", file=sys.stderr)
-            return 2
-        if saved is None:
+        record, run_dir = runs[(a, s)], runs_dir / run_name(a, s)
+        results, path = _read_results(run_dir), run_dir / "claims_run.json"
+        if results is None:
             pending.append((i, a, s))
             continue
-        results = _read_results(run_dir)
+        saved = json.loads(path.read_text()) if path.is_file() else {}
+        if _without_out(saved.get("argv") or []) != _without_out(
+            record["argv"]
+        ):  # a moved folder still matches
+            print(f"{PROG}: error: {run_dir} holds a run with other options than {shlex.join(record['argv'])}"
+                  "; use another --out or move that folder", file=sys.stderr)  # fmt: skip
+            return 2
         record.update(**run_scores(ARMS[a], results), status="done", seconds=saved.get("seconds"),
                       argv=saved["argv"], environment=saved.get("environment"),
                       command=saved.get("command") or shlex.join([*command, *saved["argv"]]))  # fmt: skip
@@ -250,8 +234,9 @@ def execute(runs: Runs, runs_dir: Path, jobs: int, keep_checkpoints: bool = Fals
         return 0
     runs_dir.mkdir(parents=True, exist_ok=True)
     # a run is its own one-process job: no rank or port of a launcher (or of an in-process run) leaks in
-    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items() if k not in launcher}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
+    }
     env.update(PYTHONUNBUFFERED="1", **job_environment(jobs))
     session_env = environment()
     running: list[tuple[int, str, int, subprocess.Popen, float, Any]] = []
@@ -295,9 +280,7 @@ def execute(runs: Runs, runs_dir: Path, jobs: int, keep_checkpoints: bool = Fals
                 (run_dir / "claims_run.json").write_text(json.dumps(saved))
                 if not keep_checkpoints and (run_dir / "checkpoints").is_dir():
                     shutil.rmtree(run_dir / "checkpoints")
-                record.update(
-                    **run_scores(ARMS[a], results), status="done", seconds=seconds, environment=run_env
-                )
+                record.update(**run_scores(ARMS[a], results), status="done", **saved)
                 done_cost += ARMS[a].cost
                 done_s += seconds
                 eta = remaining * done_s / done_cost / max(1, jobs)
@@ -313,15 +296,12 @@ def execute(runs: Runs, runs_dir: Path, jobs: int, keep_checkpoints: bool = Fals
     return status
 
 
-def convergence_rows(runs: Runs, plan: Sequence[RunKey]) -> list[dict[str, Any]]:
+def convergence_rows(runs: Runs, plan: Sequence[tuple[str, int]]) -> list[dict[str, Any]]:
     """Per finished run: its updates, the dev overall at its last two evaluations (``previous`` None when it was
     evaluated once), their difference and ``improving`` (the last gained more than :data:`IMPROVING`)."""
     rows = []
-    for a, s in plan:
-        evals = runs[(a, s)].get("evals") or []
-        if not evals:
-            continue
-        (prev_step, prev), (last_step, last) = ([None, None], *evals[-1:]) if len(evals) < 2 else evals[-2:]
+    for a, s in [key for key in plan if runs[key].get("evals")]:
+        (prev_step, prev), (last_step, last) = ([[None, None]] + runs[(a, s)]["evals"])[-2:]
         gain = None if prev is None else last - prev
         rows.append({"arm": a, "seed": s, "updates": runs[(a, s)]["updates"], "previous_step": prev_step,
                      "previous": prev, "last_step": last_step, "last": last, "gain": gain,
@@ -340,21 +320,16 @@ def reference_scores(runs: Runs, seeds: Sequence[int], metric: str) -> dict[int,
     """Per seed, the single-task runs' score on ``metric`` (``overall``: the three single-task models together)."""
     out = {}
     for s in seeds:
-        dev = {}
-        for a in REFERENCE_ARMS:
-            run = runs.get((a, s))
-            if run and run.get("dev"):
-                dev.update({k: v for k, v in run["dev"].items() if k != "overall"})
-        value = metric_value(dev, metric)
+        devs = [run["dev"] for a in REFERENCE_ARMS if (run := runs.get((a, s))) and run.get("dev")]
+        value = metric_value({k: v for dev in devs for k, v in dev.items() if k != "overall"}, metric)
         if not math.isnan(value):
             out[s] = value
     return out
 
 
 def summarize(findings: Sequence[Finding], runs: Runs, seeds: Sequence[int]) -> list[dict[str, Any]]:
-    """Per finding: each arm's scores per seed, mean and sd; each comparison's paired interval over the seeds where
-    both arms finished, its verdict (``unfinished``: no seed has both). The difference ``better - worse`` is
-    negated where the claim is a lower value (``Finding.lower``): above 0 supports the claim either way."""
+    """Per finding: each arm's scores per seed, mean and sd; each comparison's paired interval and verdict
+    over the seeds both finished (``better - worse``, negated for ``Finding.lower``: above 0 supports it)."""
     out = []
     for f in findings:
         arms = {}
@@ -389,9 +364,8 @@ def write_markdown(
     seeds: Sequence[int],
     convergence: Sequence[dict[str, Any]] = (),
 ) -> Path:
-    """``claims.md``: ``header``, the verdicts at a glance (each marked where an arm was still improving at its
-    end), then per finding its arms and comparisons, then each run's dev overall at its last two evaluations
-    (``convergence``: :func:`convergence_rows`)."""
+    """``claims.md``: ``header``, the verdicts (marked where an arm was still improving), per finding its arms
+    and comparisons, then the ``convergence`` rows (:func:`convergence_rows`)."""
     improving: dict[str, list[int]] = {}  # per arm, the seeds whose run was still improving at its end
     for r in convergence:
         if r["improving"]:
@@ -473,8 +447,7 @@ def plot_claims(summary: list[dict[str, Any]], path: Path, title: str) -> Path:
             ax.axhline(ref["mean"], color="black", linestyle="--", linewidth=0.8, label="single-task models")
             ax.legend(fontsize=6, loc="best", frameon=False)
         ax.set_xlim(-0.5, len(arms) - 0.5)  # an arm without a finished run keeps its column
-        ax.set_xticks(range(len(arms)))
-        ax.set_xticklabels(arms, rotation=30, ha="right", fontsize=7)
+        ax.set_xticks(range(len(arms)), arms, rotation=30, ha="right", fontsize=7)
         f = item["finding"]
         counts = [c["verdict"] for c in item["comparisons"]]
         verdicts = ", ".join(f"{counts.count(v)} {v}" for v in dict.fromkeys(counts))
@@ -507,28 +480,29 @@ def build_parser() -> argparse.ArgumentParser:
                 "seeds 0..N-1, then claims.md, claims.json and claims.png in --out. Finished runs are kept and "
                 "skipped on a rerun. Other options (e.g. --model, --data-dir, --max-length) go to every run, after "
                 "the budget's defaults.")  # fmt: skip
-    p.add_argument("--budget", metavar="early|converged|STEPS",
-                   help=f"early: {EARLY.what} (the default on the CPU); converged: {CONVERGED.what} (the default "
-                   f"on a GPU); a number: that many updates, scored at the end (--quick: {QUICK.what})")  # fmt: skip
-    p.add_argument("--seeds", type=int, metavar="N", help="seeds per arm (default: 3; --quick: 2)")
-    p.add_argument("--out", default="runs/claims", metavar="DIR", help="output folder (default: runs/claims)")
-    p.add_argument("--only", metavar="KEY,...", help="only these findings (keys in claims.md)")
-    p.add_argument("--jobs", default="1", metavar="N|auto",
-                   help="runs at a time, all on one device, the CPU cores split between them; auto: as many as the "
-                   "memory planner's peak of one run fits in the GPU's free memory (CPU: RAM) and the cores "
-                   "(default: 1)")  # fmt: skip
-    p.add_argument(
+    arg = p.add_argument
+    arg("--budget", metavar="early|converged|STEPS",
+        help=f"early: {EARLY.what} (the default on the CPU); converged: {CONVERGED.what} (the default "
+        f"on a GPU); a number: that many updates, scored at the end (--quick: {QUICK.what})")  # fmt: skip
+    arg("--seeds", type=int, metavar="N", help="seeds per arm (default: 3; --quick: 2)")
+    arg("--out", default="runs/claims", metavar="DIR", help="output folder (default: runs/claims)")
+    arg("--only", metavar="KEY,...", help="only these findings (keys in claims.md)")
+    arg("--jobs", default="1", metavar="N|auto",
+        help="runs at a time, all on one device, the CPU cores split between them; auto: as many as the "
+        "memory planner's peak of one run fits in the GPU's free memory (CPU: RAM) and the cores "
+        "(default: 1)")  # fmt: skip
+    arg(
         "--report",
         action="store_true",
         help="train nothing: write the three files from the runs finished so far in --out",
     )
-    p.add_argument("--no-reference", action="store_true", help="skip the single-task reference runs")
-    p.add_argument("--keep-checkpoints", action="store_true",
-                   help="keep each finished run's checkpoints/ (default: removed once its results.json is written; "
-                   "best/ is kept)")  # fmt: skip
-    p.add_argument("--quick", action="store_true",
-                   help=f"the pipeline check: findings {', '.join(QUICK_FINDINGS)}, 2 seeds, 4 updates, no "
-                   "reference runs (give --model/--data-dir for tiny ones)")  # fmt: skip
+    arg("--no-reference", action="store_true", help="skip the single-task reference runs")
+    arg("--keep-checkpoints", action="store_true",
+        help="keep each finished run's checkpoints/ (default: removed once its results.json is written; "
+        "best/ is kept)")  # fmt: skip
+    arg("--quick", action="store_true",
+        help=f"the pipeline check: findings {', '.join(QUICK_FINDINGS)}, 2 seeds, 4 updates, no "
+        "reference runs (give --model/--data-dir for tiny ones)")  # fmt: skip
     return p
 
 
@@ -538,12 +512,10 @@ def _header(
     """The head of ``claims.md``: budget, seeds, common options, where and with what the runs ran, the wall time."""
     seeds = sorted({s for _, s in runs})
     unfinished = [run_name(a, s) for (a, s), r in runs.items() if r["dev"] is None]
-    envs = {}
-    for r in runs.values():
-        e = r["environment"]
-        if e:
-            key = (e.get("device"), e.get("python"), e.get("torch"), e.get("fastpals"), e.get("commit"))
-            envs.setdefault(key, []).append(e.get("date", "?"))
+    envs: dict[tuple, list[str]] = {}
+    for e in [r["environment"] for r in runs.values() if r["environment"]]:
+        key = (e.get("device"), e.get("python"), e.get("torch"), e.get("fastpals"), e.get("commit"))
+        envs.setdefault(key, []).append(e.get("date", "?"))
     where = "; ".join(f"{n} run(s) on {k[0]}, python {k[1]}, torch {k[2]}, fastpals {k[3]}, commit {k[4]}, "
                       f"{min(d)} to {max(d)}" for k, d in envs.items() for n in [len(d)]) or "no run finished"  # fmt: skip
     updates = sorted({r["updates"] for r in runs.values()})
@@ -580,13 +552,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"--seeds and --jobs must be >= 1 (--jobs also auto), got {n_seeds}, {opts.jobs}"
             )
         keys = [f.key for f in FINDINGS]
-        wanted = (
-            QUICK_FINDINGS
-            if opts.quick and opts.only is None
-            else opts.only.split(",")
-            if opts.only
-            else keys
-        )
+        wanted = opts.only.split(",") if opts.only else keys
+        if opts.quick and opts.only is None:
+            wanted = QUICK_FINDINGS
         unknown = [k for k in wanted if k not in keys]
         if unknown:
             raise ValueError(f"--only {','.join(unknown)}: no such finding; the findings: {', '.join(keys)}")
@@ -612,11 +580,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
     if jobs == 0:
-        jobs, how = (
-            (1, "--jobs auto: 1 (--report)")
-            if opts.report
-            else auto_jobs([*budget.defaults, *common], len(plan))
-        )
+        report = (1, "--jobs auto: 1 (--report)") if opts.report else None
+        jobs, how = report or auto_jobs([*budget.defaults, *common], len(plan))
         print(f"[claims] {how}", file=sys.stderr, flush=True)
     command = train_command()
     runs = {(a, s): {"arm": a, "seed": s, "command": shlex.join([*command, *argvs[(a, s)]]),
@@ -641,8 +606,7 @@ def main(argv: list[str] | None = None) -> int:
     data = {"budget": dataclasses.asdict(budget), "seeds": seeds, "common": [*budget.defaults, *common],
             "environment": env, "jobs": jobs, "wall_s_this_session": wall_s, "convergence": convergence,
             "run_s_total": sum(r["seconds"] or 0.0 for r in runs.values()),
-            "runs": [runs[(a, s)] for a, s in plan],
-            "findings": summary}  # fmt: skip
+            "runs": list(runs.values()), "findings": summary}  # fmt: skip
     (out / "claims.json").write_text(json.dumps(_jsonable(data), indent=1))
     plot_claims(summary, out / "claims.png", f"fastpals claims: budget {budget.name}, {n_seeds} seed(s)")
     print(f"[claims] wrote {out / 'claims.md'}, {out / 'claims.json'}, {out / 'claims.png'}", file=sys.stderr)

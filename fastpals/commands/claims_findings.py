@@ -3,10 +3,9 @@ the statistics (paired t-intervals, verdicts) and each run's ``train.py`` option
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -38,9 +37,8 @@ CONVERGED_COMMON = tuple(
 
 @dataclass(frozen=True)
 class Budget:
-    """How long every run trains: ``updates`` updates (of the options ``defaults`` set first); ``evals``
-    evaluations of the dev sets, evenly spaced, the last at the end; ``examples_equivalent``: an arm whose update
-    holds one micro-batch per task (gradient surgery) trains ``updates / tasks`` updates, the same examples."""
+    """How long every run trains: ``updates`` updates after the options ``defaults``, ``evals`` evenly spaced
+    dev evaluations; ``examples_equivalent``: an update of one micro-batch per task counts as ``tasks``."""
 
     name: str
     updates: int
@@ -51,9 +49,11 @@ class Budget:
 
     def arm_updates(self, micro_batches_per_update: int) -> int:
         """The updates of an arm whose update holds ``micro_batches_per_update`` micro-batches."""
-        if not self.examples_equivalent:
-            return self.updates
-        return max(1, round(self.updates / micro_batches_per_update))
+        return (
+            max(1, round(self.updates / micro_batches_per_update))
+            if self.examples_equivalent
+            else self.updates
+        )
 
     def eval_every(self, updates: int) -> int | None:
         """``--eval-every`` of a run of ``updates`` updates (None: evaluated at its end only)."""
@@ -71,9 +71,8 @@ QUICK = Budget("quick", 4, evals=2, what="the pipeline check: 4 updates, dev aft
 
 @dataclass(frozen=True)
 class Arm:
-    """One system of a comparison: ``options`` are ``train.py`` options (a recipe and what it overrides);
-    ``cost`` its run time relative to the multi-task baseline at the same budget, from the 150-update table
-    docs/results/compare_minilm_cpu.md (it orders the runs and weighs the ETA)."""
+    """One system of a comparison: ``train.py`` ``options``; ``cost``: its run time relative to the baseline's
+    (docs/results/compare_minilm_cpu.md), which orders the runs and weighs the ETA."""
 
     name: str
     label: str
@@ -100,16 +99,13 @@ class Finding:
     metric: str
     comparisons: tuple[Comparison, ...]
     note: str = ""
-    arms: tuple[str, ...] = field(default=())
+    arms: tuple[str, ...] = ()
     #: the claim is that ``better`` has the LOWER value (``best_step``: it peaks earlier)
     lower: bool = False
 
     def arm_names(self) -> tuple[str, ...]:
         """The arms in the order of first mention (``arms`` when given, then the comparisons')."""
-        names = list(self.arms)
-        for c in self.comparisons:
-            names += [n for n in (c.better, c.worse) if n not in names]
-        return tuple(names)
+        return tuple(dict.fromkeys([*self.arms, *(n for c in self.comparisons for n in (c.better, c.worse))]))
 
 
 _BASE = ("--recipe", "baseline_multitask")
@@ -200,24 +196,21 @@ QUICK_ARMS = ("base", "pal_full")
 def quick_finding(finding: Finding) -> Finding:
     """``finding`` with only its comparisons between :data:`QUICK_ARMS` (``--quick``)."""
     comps = tuple(c for c in finding.comparisons if c.better in QUICK_ARMS and c.worse in QUICK_ARMS)
-    return dataclasses.replace(finding, comparisons=comps, arms=())
+    return replace(finding, comparisons=comps, arms=())
 
 
 # ----------------------------------------------------------------------------------------------------- statistics
 def mean_sd(values: Sequence[float]) -> tuple[float, float]:
     """Mean and sample standard deviation (n - 1; NaN for one value) of ``values``."""
     n = len(values)
-    if n == 0:
-        return math.nan, math.nan
-    mean = sum(values) / n
+    mean = sum(values) / n if n else math.nan
     sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else math.nan
     return mean, sd
 
 
 def paired_interval(better: Sequence[float], worse: Sequence[float], level: float = 0.95) -> dict[str, float]:
-    """The paired difference ``better[i] - worse[i]`` (same seed ``i``) over ``n`` seeds: ``{"n", "mean", "sd",
-    "lo", "hi"}`` with the two-sided ``level`` Student-t interval ``mean ± t_{(1+level)/2, n-1} sd / sqrt(n)``
-    (``lo``/``hi`` NaN for fewer than 2 seeds)."""
+    """The paired differences ``better[i] - worse[i]``: ``{"n", "mean", "sd", "lo", "hi"}``, ``lo``/``hi``
+    the two-sided ``level`` Student-t interval ``mean ± t_{(1+level)/2, n-1} sd / sqrt(n)`` (NaN: n < 2)."""
     if len(better) != len(worse):
         raise ValueError(f"paired values need the same seeds: {len(better)} vs {len(worse)}")
     diffs = [b - w for b, w in zip(better, worse)]
@@ -252,8 +245,7 @@ def student_t_quantile(p: float, df: int) -> float:
 
 
 def verdict(interval: dict[str, float]) -> str:
-    """``holds`` (the interval lies above 0), ``reversed`` (below 0) or ``not resolved`` (it holds 0, or fewer
-    than 2 seeds)."""
+    """``holds`` (the interval lies above 0), ``reversed`` (below 0) or ``not resolved`` (holds 0, n < 2)."""
     return "holds" if interval["lo"] > 0 else "reversed" if interval["hi"] < 0 else "not resolved"
 
 
@@ -276,12 +268,9 @@ def run_argv(
 
 def plan_runs(findings: Sequence[Finding], reference: bool) -> list[str]:
     """The arms to run, cheapest finding first (so that a stopped run leaves whole findings), then the reference."""
-    order: list[str] = []
-    for f in sorted(findings, key=lambda f: sum(ARMS[a].cost for a in f.arm_names())):
-        order += [a for a in f.arm_names() if a not in order]
-    if reference:
-        order += [a for a in REFERENCE_ARMS if a not in order]
-    return order
+    cheapest_first = sorted(findings, key=lambda f: sum(ARMS[a].cost for a in f.arm_names()))
+    arms = [a for f in cheapest_first for a in f.arm_names()] + list(REFERENCE_ARMS if reference else ())
+    return list(dict.fromkeys(arms))
 
 
 def resolve_budget(text: str | None, quick: bool = False) -> Budget:
@@ -291,8 +280,6 @@ def resolve_budget(text: str | None, quick: bool = False) -> Budget:
         return QUICK if quick else CONVERGED if torch.cuda.is_available() else EARLY
     if text in ("early", EARLY.name, "converged"):
         return CONVERGED if text == "converged" else EARLY
-    if text.isdigit() and int(text) >= 1:
-        return Budget(
-            f"{int(text)} updates", int(text), what=f"{int(text)} updates, each run scored at its end"
-        )
+    if text.isdigit() and (n := int(text)) >= 1:
+        return Budget(f"{n} updates", n, what=f"{n} updates, each run scored at its end")
     raise ValueError(f"--budget {text}: give early, converged or a number of updates >= 1")

@@ -47,36 +47,26 @@ def build_parser() -> argparse.ArgumentParser:
         f"compare.md, compare.json and compare.png in --out. Recipes: all, {', '.join(recipe_names())}, or "
         "JSON files. Other options (e.g. --model, --batch-size, --max-length, --seed, --data-dir) go to every run.",
     )
-    p.add_argument(
-        "--budget", type=int, required=True, metavar="STEPS", help="updates per recipe (one epoch)"
-    )
-    p.add_argument(
-        "--out", default="runs/compare", metavar="DIR", help="output folder (default: runs/compare)"
-    )
-    p.add_argument("--max-eval", type=int, metavar="N", help="dev examples per task (default: all)")
-    p.add_argument("--max-predict", type=int, default=8, metavar="N",
-                   help="test predictions per task written by each run (default: 8)")  # fmt: skip
+    arg = p.add_argument
+    arg("--budget", type=int, required=True, metavar="STEPS", help="updates per recipe (one epoch)")
+    arg("--out", default="runs/compare", metavar="DIR", help="output folder (default: runs/compare)")
+    arg("--max-eval", type=int, metavar="N", help="dev examples per task (default: all)")
+    arg("--max-predict", type=int, default=8, metavar="N",
+        help="test predictions per task written by each run (default: 8)")  # fmt: skip
     return p
 
 
 def _split(argv: list[str]) -> tuple[list[str], list[str]]:
     """Leading non-option words are the recipes; the rest are options."""
-    i = 0
-    while i < len(argv) and not argv[i].startswith("-"):
-        i += 1
+    i = next((i for i, a in enumerate(argv) if a.startswith("-")), len(argv))
     return argv[:i], argv[i:]
 
 
 def _examples(run_dir: Path) -> int:
     """Training examples of a run, from its ``metrics.jsonl`` step records."""
-    total = 0.0
     path = run_dir / "metrics.jsonl"
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            rec = json.loads(line)
-            if rec.get("type") == "step":
-                total += rec["examples_per_s"] * rec["seconds"]
-    return round(total)
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    return round(sum(r["examples_per_s"] * r["seconds"] for r in records if r.get("type") == "step"))
 
 
 def _overall3(dev: dict[str, float]) -> float:
@@ -86,11 +76,10 @@ def _overall3(dev: dict[str, float]) -> float:
 
 
 def compare_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Table rows from the runs ``[{"recipe", "results" (results.json or None), "error", "seconds",
-    "examples"}]``: an ``untrained`` row (from the first run that scored its step-0 model), one row per run,
-    and a ``single-task`` row combining the ``single_<task>`` recipes when any ran. Each row: ``name``,
-    ``scores`` ``{task: metric}``, ``overall`` (SST, Quora, STS; None unless all three), ``steps``, ``examples``,
-    ``train_s``, ``total_s``, ``error``, ``kind`` (``untrained`` / ``recipe`` / ``single``)."""
+    """Table rows of ``runs`` (``{"recipe", "results", "error", "seconds", "examples"}``): the first step-0
+    score (``kind`` ``untrained``), one ``recipe`` row per run, and a ``single`` row combining the
+    ``single_<task>`` recipes. A row: ``name``, ``scores``, ``overall`` (None unless SST, Quora, STS),
+    ``steps``, ``examples``, ``train_s``, ``total_s``, ``error``, ``kind``."""
     rows: list[dict[str, Any]] = []
     for run in runs:
         untrained = (run.get("results") or {}).get("untrained_dev")
@@ -100,26 +89,23 @@ def compare_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                          "overall": _overall3(scores), "steps": 0, "examples": 0, "train_s": None,
                          "total_s": None, "error": None})  # fmt: skip
             break
-    singles: dict[str, float] = {}
-    single_time = [0.0, 0.0, 0, 0]
     for run in runs:
         res = run.get("results") or {}
         scores = {k: v for k, v in (res.get("dev") or {}).items() if k != "overall"}
         timings = res.get("timings") or {}
-        row = {"name": run["recipe"], "kind": "recipe", "scores": scores, "overall": _overall3(scores),
-               "steps": res.get("steps", 0), "examples": run.get("examples", 0),
-               "train_s": timings.get("train_s"), "total_s": run.get("seconds"),
-               "error": run.get("error")}  # fmt: skip
-        rows.append(row)
-        name = Path(run["recipe"]).stem
-        if name.startswith("single_") and len(scores) == 1 and not row["error"]:
-            singles.update(scores)
-            single_time = [single_time[0] + (row["train_s"] or 0.0), single_time[1] + (row["total_s"] or 0.0),
-                           single_time[2] + row["steps"], single_time[3] + row["examples"]]  # fmt: skip
-    if singles:
+        rows.append({"name": run["recipe"], "kind": "recipe", "scores": scores, "overall": _overall3(scores),
+                     "steps": res.get("steps", 0), "examples": run.get("examples", 0),
+                     "train_s": timings.get("train_s"), "total_s": run.get("seconds"),
+                     "error": run.get("error")})  # fmt: skip
+    one = [r for r in rows if r["kind"] == "recipe" and Path(r["name"]).stem.startswith("single_")]
+    one = [r for r in one if len(r["scores"]) == 1 and not r["error"]]
+    if one:
+        singles = {k: v for r in one for k, v in r["scores"].items()}
         rows.append({"name": "single-task (" + " + ".join(f"single_{t}" for t in singles) + ")", "kind": "single",
-                     "scores": singles, "overall": _overall3(singles), "train_s": single_time[0],
-                     "total_s": single_time[1], "steps": single_time[2], "examples": single_time[3],
+                     "scores": singles, "overall": _overall3(singles),
+                     "train_s": sum((r["train_s"] or 0.0 for r in one), 0.0),
+                     "total_s": sum((r["total_s"] or 0.0 for r in one), 0.0),
+                     "steps": sum(r["steps"] for r in one), "examples": sum(r["examples"] for r in one),
                      "error": None})  # fmt: skip
     return rows
 
@@ -172,15 +158,13 @@ def plot_compare(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
         xs = [j - 0.4 + width * (i + 0.5) for j in range(len(cols))]
         color = "0.6" if r["kind"] == "untrained" else ("black" if r["kind"] == "single" else f"C{i % 10}")
         ax.bar(xs, values, width=width, label=r["name"], color=color)
-    ax.set_xticks(range(len(cols)))
-    ax.set_xticklabels([n for _, n in cols])
+    ax.set_xticks(range(len(cols)), [n for _, n in cols])
     ax.axhline(0.0, color="black", linewidth=0.5)
     ax.set_ylabel("dev score (accuracy / Pearson r)")
     ax.set_title(title, fontsize=9)
     if shown:  # all runs failed: an empty chart (the table says why)
         figure.legend(loc="lower center", ncol=min(4, len(shown)), fontsize=7, frameon=False)
-    rows_of_legend = math.ceil(len(shown) / 4)
-    figure.tight_layout(rect=(0, min(0.4, 0.05 * rows_of_legend + 0.02), 1, 1))
+    figure.tight_layout(rect=(0, min(0.4, 0.05 * math.ceil(len(shown) / 4) + 0.02), 1, 1))  # legend rows
     figure.savefig(path, format="png", dpi=100)
     return path
 

@@ -4,12 +4,11 @@ DeepSpeed's model states, adding up the live tensor storage ``torch.cuda.max_mem
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,28 +21,13 @@ from fastpals.data.tasks import resolve_tasks
 from fastpals.encoder.bert import BertConfig, PALConfig
 from fastpals.model.multitask import MultiTaskBert, MultiTaskConfig
 from fastpals.surgery import AGGREGATORS, shared_parameters_by_name
+from fastpals.train import memory_mode, memory_states
 from fastpals.train.args import PAL_PRESETS, SURGERY_BUFFER_DTYPES
 from fastpals.train.distributed import initialize
 from fastpals.train.dsconfig import check_ds_config, load_ds_config
 from fastpals.train.errors import ConfigError
-from fastpals.train.memory_mode import (
-    SURGERY_MEMORIES,
-    device_memory_bytes,
-    keep_bytes_for,
-    plan_auto_modes,
-    surgery_memory_mode,
-    task_gradients,
-)
-from fastpals.train.memory_states import (
-    CATEGORIES,
-    PRECISIONS,
-    DeepSpeedLikeEngine,
-    GradientBuckets,
-    LiveTensorBytes,
-    ModelStates,
-    gradient_buckets,
-    model_state_bytes,
-)
+from fastpals.train.memory_mode import SURGERY_MEMORIES
+from fastpals.train.memory_states import PRECISIONS, GradientBuckets, LiveTensorBytes, ModelStates
 from fastpals.train.optimizer_setup import make_optimizer, optimizer_param_groups
 from fastpals.train.step import MicroBatch, Surgery, TorchEngine, run_update
 
@@ -66,16 +50,15 @@ __all__ = [
 GIB = 2**30
 SURGERY_MODES = ("one_backward", "per_task")
 #: the parts of the peak (:data:`CATEGORIES`), as printed
-_CATEGORY_LABELS = (
-    "parameters (module weights)",
-    "gradients",
-    "optimizer + master states",
-    "DeepSpeed gradient buckets",
-    "activations (saved by the forward)",
-    "surgery buffer",
-    "temporaries at the peak",
-)
-CATEGORY_TEXT = dict(zip(CATEGORIES, _CATEGORY_LABELS))
+CATEGORY_TEXT = {
+    "parameters": "parameters (module weights)",
+    "gradients": "gradients",
+    "optimizer": "optimizer + master states",
+    "buckets": "DeepSpeed gradient buckets",
+    "activations": "activations (saved by the forward)",
+    "surgery": "surgery buffer",
+    "temporaries": "temporaries at the peak",
+}
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _SHIPPED_MODELS = ("bert-base-uncased", "bert-large-uncased", "minilm-l6")
 _ALIASES = {"sentence-transformers/all-MiniLM-L6-v2": "minilm-l6"}
@@ -83,17 +66,12 @@ _ALIASES = {"sentence-transformers/all-MiniLM-L6-v2": "minilm-l6"}
 
 @dataclass(frozen=True)
 class Device:
-    """A target: ``usable_bytes`` is what the device leaves to tensors (for GPUs the card's memory less the CUDA
-    context and library workspaces, as ``bench/memory_report.py`` caps the allocator); ``why_not``: per
-    precision that does not train there, why (one line)."""
+    """A target: ``usable_bytes`` what it leaves to tensors (GPUs: less the CUDA context and workspaces, the
+    caps of ``bench/memory_report.py``); ``why_not``: per precision that does not train there, why."""
 
     label: str
     usable_bytes: int
     why_not: dict[str, str] = field(default_factory=dict)
-
-    def supports(self, precision: str) -> str | None:
-        """None when ``precision`` trains on this device, else why not (one line)."""
-        return self.why_not.get(precision)
 
 
 #: the targets of ``fastpals memory`` (usable memory: the caps of ``bench/memory_report.py``; ``cpu``: this host)
@@ -106,7 +84,7 @@ DEVICES: dict[str, Device] = {
     "h100-80": Device("H100 80GB", int(78.0 * GIB)),
     "cpu": Device(
         "this CPU host",
-        device_memory_bytes("cpu"),
+        memory_mode.device_memory_bytes("cpu"),
         {"fp16": "fp16 training needs a CUDA GPU (the trainer refuses it on CPU)"},
     ),
 }
@@ -159,18 +137,14 @@ class StepSpec:
     @property
     def rows_dtype(self) -> str:
         """The surgery rows' dtype: ``buffer_dtype``; ``auto``: bf16 with bf16 training, else fp32."""
-        if self.buffer_dtype != "auto":
-            return self.buffer_dtype
-        return "bf16" if self.precision == "bf16" else "fp32"
+        auto = "bf16" if self.precision == "bf16" else "fp32"
+        return auto if self.buffer_dtype == "auto" else self.buffer_dtype
 
     @property
     def stage(self) -> int:
         """The ZeRO stage; None means the shipped configs' ``auto``: 1 with fp16/bf16 or several ranks, else 0."""
-        return (
-            self.zero_stage
-            if self.zero_stage is not None
-            else int(self.precision != "fp32" or self.world_size > 1)
-        )
+        auto = int(self.precision != "fp32" or self.world_size > 1)
+        return auto if self.zero_stage is None else self.zero_stage
 
     @property
     def ds_config_name(self) -> str | None:
@@ -192,7 +166,7 @@ class StepSpec:
                 f"--ds-config {self.ds_config} has zero_optimization.stage {stage} but the plan is ZeRO-{self.stage}:"
                 f" give --zero-stage {stage}"
             )
-        return gradient_buckets(cfg, self.precision, self.stage, self.surgery)
+        return memory_states.gradient_buckets(cfg, self.precision, self.stage, self.surgery)
 
     def check(self) -> None:
         """Raise ``ValueError`` (one line naming the option) on a bad field."""
@@ -230,7 +204,7 @@ def step_model(spec: StepSpec, cast: bool = True, bert: Any = None) -> torch.nn.
     bert = load_bert_config(spec.model) if bert is None else bert
     # "sst:3": a copy of a built-in task under its own name (``--tasks N`` plans N tasks)
     specs = [
-        dataclasses.replace(resolve_tasks([name.split(":")[0]])[0], name=name) if ":" in name else None
+        replace(resolve_tasks([name.split(":")[0]])[0], name=name) if ":" in name else None
         for name in spec.tasks
     ]
     if not any(specs):
@@ -252,9 +226,8 @@ def step_model(spec: StepSpec, cast: bool = True, bert: Any = None) -> torch.nn.
 
 
 def step_micro_batches(spec: StepSpec, model: torch.nn.Module, batch_size: int, vocab: int = 0) -> list[Any]:
-    """The micro-batches (:class:`fastpals.train.step.MicroBatch`, on the CPU) of the update :func:`trace_step`
-    runs at ``batch_size`` examples of ``spec.max_length`` tokens (token id 1000, valid label 0); ``vocab``: the
-    vocabulary size (0: ``spec.model``'s)."""
+    """The CPU micro-batches of the update :func:`trace_step` runs: ``batch_size`` examples of
+    ``spec.max_length`` tokens (id 1000, label 0); ``vocab``: the vocabulary size (0: ``spec.model``'s)."""
     vocab = vocab or load_bert_config(spec.model).vocab_size
     num_tasks = len(model.tasks)
     ids = [min(1000, vocab - 1)] * spec.max_length
@@ -310,15 +283,14 @@ class StepTrace:
     fake: bool
 
 
-def _run_step(spec: StepSpec, batch_size: int, fake: bool) -> StepTrace:
-    """Build and run one update of ``spec`` (see :func:`trace_step`); ``fake=False``: real tensors, the trainer's
-    optimizer (fp32 only) and a first update before the measured one."""
+def trace_step(spec: StepSpec, batch_size: int, fake: bool = True) -> StepTrace:
+    """The predicted peak of one update of ``spec`` at ``batch_size`` examples (per rank): the real update on
+    fake tensors with DeepSpeed's model states (``DeepSpeedLikeEngine``); ``fake=False``: ``measure_step``."""
     spec.check()
     bert = load_bert_config(spec.model)
     start = time.perf_counter()
     tracker = LiveTensorBytes(stub_host_reads=fake)
-    mode = FakeTensorMode() if fake else contextlib.nullcontext()
-    with mode, tracker:
+    with FakeTensorMode() if fake else contextlib.nullcontext(), tracker:
         with tracker.phase("parameters"):
             model = step_model(spec, bert=bert)
         trainable = [p for p in model.parameters() if p.requires_grad]
@@ -327,7 +299,7 @@ def _run_step(spec: StepSpec, batch_size: int, fake: bool) -> StepTrace:
                 lambda q: q.grad is not None and tracker.tag(q.grad, "gradients")
             )
         if fake:
-            engine: Any = DeepSpeedLikeEngine(
+            engine: Any = memory_states.DeepSpeedLikeEngine(
                 model, spec.precision, spec.stage, spec.world_size, tracker, spec.gradient_buckets()
             )
         else:
@@ -339,16 +311,15 @@ def _run_step(spec: StepSpec, batch_size: int, fake: bool) -> StepTrace:
         surgery = None
         if spec.surgery != "none":
             shared, specific = shared_parameters_by_name(model)
-            kw: dict[str, Any] = {}
-            if fake and spec.precision != "fp32":
-                kw = {"grad_setter": engine.grad_setter, "grad_dtype": torch.float32}
+            half = fake and spec.precision != "fp32"
+            kw = {"grad_setter": engine.grad_setter, "grad_dtype": torch.float32} if half else {}
+            memory = memory_mode.surgery_memory_mode(spec.surgery_memory, spec.surgery_mode == "one_backward")
+            smaller = memory == "smaller" and spec.world_size == 1  # auto's streaming keeps rows (one rank)
+            tokens = batch_size * spec.max_length
+            keep = memory_mode.keep_bytes_for(bert, tokens, spec.max_length, spec.precision) if smaller else 0
+            rows_dtype = _DTYPES[spec.rows_dtype]
             with tracker.phase("surgery"):
-                memory = surgery_memory_mode(spec.surgery_memory, spec.surgery_mode == "one_backward")
-                keep = 0
-                if memory == "smaller" and spec.world_size == 1:  # auto's streaming (one rank)
-                    keep = keep_bytes_for(bert, batch_size * spec.max_length, spec.max_length, spec.precision)
-                rows_dtype = _DTYPES[spec.rows_dtype]
-                buffer = task_gradients(
+                buffer = memory_mode.task_gradients(
                     memory, shared, len(spec.tasks), rows_dtype, keep, task_params=specific, **kw
                 )
             # the buffer's own allocations are the surgery's
@@ -379,16 +350,10 @@ def _run_step(spec: StepSpec, batch_size: int, fake: bool) -> StepTrace:
     return StepTrace(batch_size, peak, at_peak, phase, numel, shared_numel, time.perf_counter() - start, fake)
 
 
-def trace_step(spec: StepSpec, batch_size: int) -> StepTrace:
-    """The predicted peak of one update of ``spec`` at ``batch_size`` examples (per rank): the real update on
-    fake tensors with DeepSpeed's model states (:class:`DeepSpeedLikeEngine`). Takes seconds, needs no weights."""
-    return _run_step(spec, batch_size, fake=True)
-
-
 def measure_step(spec: StepSpec, batch_size: int) -> StepTrace:
     """The measured live-tensor peak of the same update on real CPU tensors (fp32, ZeRO-0, the trainer's
     optimizer, after a first update): the CPU validation of :func:`trace_step`."""
-    return _run_step(spec, batch_size, fake=False)
+    return trace_step(spec, batch_size, fake=False)
 
 
 def measure_deepspeed_step(spec: StepSpec, batch_size: int, ds_config: str | dict[str, Any]) -> StepTrace:
@@ -442,7 +407,7 @@ class MemoryPlan(StepTrace):
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready (``--json``)."""
-        out = dataclasses.asdict(self)
+        out = asdict(self)
         out = {"spec": out.pop("spec"), **out, "trace_seconds": out["seconds"]}
         del out["seconds"], out["fake"]
         out["spec"]["zero_stage"] = self.spec.stage
@@ -454,7 +419,7 @@ class MemoryPlan(StepTrace):
 
 
 def _fits(peak: int, device: Device, precision: str) -> dict[str, Any]:
-    why = device.supports(precision)
+    why = device.why_not.get(precision)
     fits = None if why else peak <= device.usable_bytes
     note = why or f"{(device.usable_bytes - peak) / GIB:+.2f} GiB left"
     return {"label": device.label, "usable_bytes": device.usable_bytes, "fits": fits, "note": note}
@@ -466,33 +431,28 @@ def _fit_line(traces: Sequence[StepTrace]) -> tuple[float, float]:
     return p1 - slope * b1, slope
 
 
-#: extra traces of :func:`largest_batches` where the first two sit below the batch-dependent part of the peak
-_REFINE_STEPS = 3
-#: the largest batch :func:`largest_batches` traces
-_MAX_PROBE = 32768
+_MAX_PROBE = 32768  # the largest batch largest_batches traces
 
 
 def largest_batches(
     spec: StepSpec, devices: Sequence[str] = tuple(DEVICES), probes: tuple[int, int] | None = None
 ) -> tuple[dict[str, int | None], dict[str, float]]:
-    """Per device the largest batch whose predicted peak fits, from the line through two traces at ``probes``
-    (default 16 and 32 examples per task), refit by traces at the predicted limit while the batch makes under
-    half the peak. Returns ``(largest, {"intercept_bytes", "bytes_per_example"})``."""
-    t = len(spec.tasks)
-    probes = probes or (
-        (16, 32) if spec.surgery_mode == "per_task" and spec.surgery != "none" else (16 * t, 32 * t)
-    )
+    """Per device the largest batch that fits, from the line through traces at ``probes`` (16, 32 per task),
+    refit at the predicted limit. Returns ``(largest, {"intercept_bytes", "bytes_per_example"})``."""
+    t = 1 if spec.surgery_mode == "per_task" and spec.surgery != "none" else len(spec.tasks)
+    probes = probes or (16 * t, 32 * t)
     traces = [trace_step(spec, b) for b in probes]
     a, c = _fit_line(traces[-2:])
-    usable = [DEVICES[n].usable_bytes for n in devices if DEVICES[n].supports(spec.precision) is None]
-    for _ in range(_REFINE_STEPS if usable else 0):
+    usable = [DEVICES[n].usable_bytes for n in devices if spec.precision not in DEVICES[n].why_not]
+    # refits where the first two traces sit below the batch-dependent part of the peak
+    for _ in range(3 if usable else 0):
         limit = (max(usable) - a) / c if c > 0 else math.inf
         last = traces[-1].batch_size
         if c * last >= 0.5 * traces[-1].peak_bytes or limit <= 2 * last or last >= _MAX_PROBE:
             break  # the batch makes most of the peak already, or the limit is near
         traces.append(trace_step(spec, int(min(limit, _MAX_PROBE))))
         a, c = _fit_line(traces[-2:])
-    runs = {n: c > 0 and DEVICES[n].supports(spec.precision) is None for n in devices}
+    runs = {n: c > 0 and spec.precision not in DEVICES[n].why_not for n in devices}
     largest = {n: math.floor((DEVICES[n].usable_bytes - a) / c) if runs[n] else 0 for n in devices}
     fit = {"intercept_bytes": a, "bytes_per_example": c}
     return {n: b if b >= 1 else None for n, b in largest.items()}, fit
@@ -523,7 +483,7 @@ def plan_memory(
             f"example per task for one-backward surgery; give --batch-size >= {len(spec.tasks)}"
         )
     trace = trace_step(spec, batch_size)
-    states = model_state_bytes(trace.num_params, spec.precision, spec.stage, spec.world_size)
+    states = memory_states.model_state_bytes(trace.num_params, spec.precision, spec.stage, spec.world_size)
     devices = {name: _fits(trace.peak_bytes, d, spec.precision) for name, d in DEVICES.items()}
     plan = MemoryPlan(**vars(trace), spec=spec, model_states=states, devices=devices)
     plan.gradient_buckets = spec.gradient_buckets()
@@ -532,10 +492,10 @@ def plan_memory(
     if every_surgery_memory and spec.surgery != "none" and spec.surgery_mode == "one_backward":
         plan.surgery_modes = {
             mode: trace.peak_bytes if mode == spec.surgery_memory else
-            trace_step(dataclasses.replace(spec, surgery_memory=mode), batch_size).peak_bytes
+            trace_step(replace(spec, surgery_memory=mode), batch_size).peak_bytes
             for mode in SURGERY_MEMORIES
         }  # fmt: skip
-        plan.auto_modes = plan_auto_modes(
+        plan.auto_modes = memory_mode.plan_auto_modes(
             load_bert_config(spec.model), len(spec.tasks), trace.shared_params, batch_size * spec.max_length,
             spec.max_length, spec.precision, spec.rows_dtype, spec.buffer_dtype, plan.surgery_modes["buffer"],
             {name: d.usable_bytes for name, d in DEVICES.items()},
@@ -566,7 +526,7 @@ def format_plan(plan: MemoryPlan) -> str:
         f"torch.cuda.max_memory_allocated; traced on fake tensors in {plan.seconds:.1f} s)",
         "at the peak:",
     ]
-    for cat in CATEGORIES:
+    for cat in memory_states.CATEGORIES:
         lines.append(f"  {CATEGORY_TEXT[cat]:<38} {_gib(plan.at_peak.get(cat, 0)):>11}")
     m = plan.model_states
     lines.append(

@@ -12,16 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from fastpals.commands.memory import (
-    CATEGORY_TEXT,
-    DEVICES,
-    GIB,
-    SURGERY_MODES,
-    StepSpec,
-    format_plan,
-    largest_batches,
-    plan_memory,
-)
+from fastpals.commands import memory
+from fastpals.commands.memory import CATEGORY_TEXT, DEVICES, GIB, SURGERY_MODES, StepSpec
 from fastpals.surgery import AGGREGATORS
 from fastpals.train.args import PAL_PRESETS, SURGERY_BUFFER_DTYPES
 from fastpals.train.memory_mode import SURGERY_MEMORIES
@@ -57,10 +49,10 @@ def memory_table(max_length: int = 128, chart: str | Path | None = None) -> str:
                 # trace serves both (fp16's loss scaling is a scalar and in-place multiplies)
                 key = (model, pal, surgery, ckpt, spec.rows_dtype if surgery != "none" else None)
                 if key not in fits:
-                    fits[key] = largest_batches(spec, _TABLE_GPUS)
+                    fits[key] = memory.largest_batches(spec, _TABLE_GPUS)
                 largest, fit = fits[key]
                 cells = [
-                    "no bf16" if DEVICES[g].supports(precision) else str(largest[g] if largest[g] else "-")
+                    "no bf16" if precision in DEVICES[g].why_not else str(largest[g] if largest[g] else "-")
                     for g in _TABLE_GPUS
                 ]
                 rows.append(
@@ -130,9 +122,8 @@ def plot_table(
     precision: str = "bf16",
     max_length: int = 128,
 ) -> Path:
-    """Write the chart of ``docs/memory.md``: per model a panel with ``peak(b) = a + c b`` (GiB) for each line
-    ``(model, variant, precision, a, c)`` in ``precision``, up to the batch that fits the largest GPU, and a
-    dashed line at each GPU's ``(label, usable bytes)`` of ``gpus``. Returns the path written."""
+    """Write the chart of ``docs/memory.md``: per model a panel of ``peak(b) = a + c b`` for each line
+    ``(model, variant, precision, a, c)`` in ``precision``; a dashed line per GPU ``(label, bytes)``."""
     models = list(dict.fromkeys(line[0] for line in lines))
     fig, _ = _figure(5.2 * len(models), 4.2)
     top = max(u for _, u in gpus) / GIB
@@ -148,9 +139,7 @@ def plot_table(
             ax.axhline(usable / GIB, color="grey", linestyle=":", linewidth=1)
             ax.text(b_max, usable / GIB, f" {label}", va="bottom", ha="right", fontsize=7, color="dimgrey")
         ax.set_title(f"{model}, {precision}, {max_length} tokens", fontsize=9)
-        ax.set_xlabel("batch size (examples)")
-        ax.set_ylabel("predicted peak (GiB)")
-        ax.set_ylim(0, top * 1.05)
+        ax.set(xlabel="batch size (examples)", ylabel="predicted peak (GiB)", ylim=(0, top * 1.05))
         ax.set_xlim(0, b_max)
         ax.grid(alpha=0.3)
         if i == 0:
@@ -182,9 +171,7 @@ def plot_plan(
         ax.axhline(usable, color="grey", linestyle=":", linewidth=1)
         ax.text(0.45, usable, f"{label}", va="bottom", ha="right", fontsize=7, color="dimgrey")
     ax.set_xticks([0], ["predicted peak"])
-    ax.set_xlim(-0.5, 1.8)
-    ax.set_ylim(0, max([bottom * 1.15] + [u * 1.05 for _, u in shown]))
-    ax.set_ylabel("GiB")
+    ax.set(xlim=(-0.5, 1.8), ylim=(0, max([bottom * 1.15] + [u * 1.05 for _, u in shown])), ylabel="GiB")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
@@ -197,56 +184,47 @@ def _parser() -> argparse.ArgumentParser:
         description="Predict the peak memory of one training step (traced on fake tensors; no weights, no GPU) "
         "and whether it fits a T4, A100 40/80 GB, H100 80 GB and this CPU.",
     )
-    p.add_argument("--model", default="minilm-l6",
-                   help="bert-base-uncased, bert-large-uncased, minilm-l6 (shipped, offline), a folder with "
-                   "config.json, a config.json, or a Hub name (default: minilm-l6)")  # fmt: skip
-    p.add_argument(
+    arg = p.add_argument
+    arg("--model", default="minilm-l6",
+        help="bert-base-uncased, bert-large-uncased, minilm-l6 (shipped, offline), a folder with "
+        "config.json, a config.json, or a Hub name (default: minilm-l6)")  # fmt: skip
+    arg(
         "--tasks",
         default="sst,para,sts",
         help="comma-separated tasks, as for train (default sst,para,sts), or a number N: N tasks (copies of sst, "
         "para and sts in turn)",
     )
-    p.add_argument("--batch-size", type=int, default=32, help="examples per micro-batch (default 32)")
-    p.add_argument(
-        "--max-length", type=int, default=128, help="tokens per example; all full length (default 128)"
-    )
-    p.add_argument(
-        "--max-tokens", type=int, help="packed token budget per micro-batch instead of --batch-size"
-    )
-    p.add_argument(
-        "--precision", choices=PRECISIONS, default="bf16", help="training precision (default bf16)"
-    )
-    p.add_argument(
-        "--pal", choices=tuple(PAL_PRESETS), default="default", help="PAL variant (default: default)"
-    )
-    p.add_argument(
-        "--surgery", choices=("none", *AGGREGATORS), default="none", help="the surgery's aggregator"
-    )
-    p.add_argument("--surgery-mode", choices=SURGERY_MODES, default="one_backward",
-                   help="one_backward (--batching mixed) or per_task backwards (--batching per_task)")  # fmt: skip
-    p.add_argument("--surgery-buffer-dtype", choices=SURGERY_BUFFER_DTYPES, default="auto",
-                   help="surgery buffer rows (default auto: bf16 with --precision bf16, else fp32)")  # fmt: skip
-    p.add_argument("--surgery-memory", choices=SURGERY_MEMORIES,
-                   help="one-backward surgery: the [T, P] buffer, stream, or auto (default: the plan of the buffer "
-                   "and every mode's predicted peak beside it; given: that mode alone)")  # fmt: skip
-    p.add_argument("--zero-stage", type=int, choices=(0, 1, 2),
-                   help="DeepSpeed ZeRO stage (default: 1 with fp16/bf16 or several ranks, else 0)")  # fmt: skip
-    p.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
-    p.add_argument("--ds-config", metavar="JSON",
-                   help="the run's DeepSpeed config (a path or a shipped name), for its gradient buckets "
-                   "(zero_optimization.reduce_bucket_size, overlap_comm, contiguous_gradients; default: the "
-                   "shipped gpu_<precision>_zero<stage>.json, DeepSpeed's defaults for fp32)")  # fmt: skip
-    p.add_argument("--activation-checkpointing", action="store_true",
-                   help="recompute the encoder layers in the backward (as train --activation-checkpointing)")  # fmt: skip
-    p.add_argument(
-        "--largest-batch", action="store_true", help="also the largest batch that fits each device"
-    )
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.add_argument("--table", metavar="PATH",
-                   help=f"write the predicted largest-batch table (docs/memory.md: `{DOCS_COMMAND}`) and exit")  # fmt: skip
-    p.add_argument("--chart", metavar="PNG",
-                   help="also write a chart: with --table, the peak against the batch per variant (bf16); else "
-                   "this configuration's peak by part beside the GPUs")  # fmt: skip
+    arg("--batch-size", type=int, default=32, help="examples per micro-batch (default 32)")
+    arg("--max-length", type=int, default=128, help="tokens per example; all full length (default 128)")
+    arg("--max-tokens", type=int, help="packed token budget per micro-batch instead of --batch-size")
+    arg("--precision", choices=PRECISIONS, default="bf16", help="training precision (default bf16)")
+    arg("--pal", choices=tuple(PAL_PRESETS), default="default", help="PAL variant (default: default)")
+    arg("--surgery", choices=("none", *AGGREGATORS), default="none", help="the surgery's aggregator")
+    arg("--surgery-mode", choices=SURGERY_MODES, default="one_backward",
+        help="one_backward (--batching mixed) or per_task backwards (--batching per_task)")  # fmt: skip
+    arg("--surgery-buffer-dtype", choices=SURGERY_BUFFER_DTYPES, default="auto",
+        help="surgery buffer rows (default auto: bf16 with --precision bf16, else fp32)")  # fmt: skip
+    arg("--surgery-memory", choices=SURGERY_MEMORIES,
+        help="one-backward surgery: the [T, P] buffer, stream, or auto (default: the plan of the buffer "
+        "and every mode's predicted peak beside it; given: that mode alone)")  # fmt: skip
+    arg("--zero-stage", type=int, choices=(0, 1, 2),
+        help="DeepSpeed ZeRO stage (default: 1 with fp16/bf16 or several ranks, else 0)")  # fmt: skip
+    arg("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
+    arg("--ds-config", metavar="JSON",
+        help="the run's DeepSpeed config (a path or a shipped name), for its gradient buckets "
+        "(zero_optimization.reduce_bucket_size, overlap_comm, contiguous_gradients; default: the "
+        "shipped gpu_<precision>_zero<stage>.json, DeepSpeed's defaults for fp32)")  # fmt: skip
+    arg("--activation-checkpointing", action="store_true",
+        help="recompute the encoder layers in the backward "
+        "(as train --activation-checkpointing)")  # fmt: skip
+    arg("--largest-batch", action="store_true", help="also the largest batch that fits each device")
+    arg("--json", action="store_true", help="print the plan as JSON")
+    arg("--table", metavar="PATH",
+        help=f"write the predicted largest-batch table (docs/memory.md: `{DOCS_COMMAND}`) "
+        "and exit")  # fmt: skip
+    arg("--chart", metavar="PNG",
+        help="also write a chart: with --table, the peak against the batch per variant (bf16); else "
+        "this configuration's peak by part beside the GPUs")  # fmt: skip
     return p
 
 
@@ -255,9 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.table:
-            text = memory_table(args.max_length, args.chart)
             Path(args.table).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.table).write_text(text, encoding="utf-8")
+            Path(args.table).write_text(memory_table(args.max_length, args.chart), encoding="utf-8")
             print(f"wrote {args.table}")
             return 0
         if args.tasks.strip().isdigit():  # N tasks: copies of sst, para and sts in turn
@@ -270,13 +247,13 @@ def main(argv: list[str] | None = None) -> int:
             surgery_memory=args.surgery_memory or "buffer", zero_stage=args.zero_stage, world_size=args.world_size,
             activation_checkpointing=args.activation_checkpointing, ds_config=args.ds_config,
         )  # fmt: skip
-        plan = plan_memory(
+        plan = memory.plan_memory(
             spec, args.batch_size, args.max_tokens, args.largest_batch, not args.surgery_memory
         )
     except ValueError as err:
         print(f"fastpals memory: error: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2
-    print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else memory.format_plan(plan))
     if args.chart:
         s = plan.spec
         title = (

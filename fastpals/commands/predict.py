@@ -71,9 +71,8 @@ def predict_examples(
     progress: bool = False,
     with_confidence: bool = False,
 ) -> tuple[list[str], np.ndarray] | tuple[list[str], np.ndarray, np.ndarray | None]:
-    """Predictions for ``examples`` of ``task`` in order: ``(ids, float64 [N])`` (class index, 0/1, or the STS
-    score in [0, 5]); ``with_confidence`` adds the probability of each predicted label (float32 ``[N]``, None for
-    regression tasks)."""
+    """``(ids, float64 [N])`` predictions for ``examples`` of ``task`` (class index or STS score);
+    ``with_confidence`` adds each predicted label's probability (float32 ``[N]``, None for regression)."""
     index = model.task_index(task)
     spec = model.tasks[index]
     batcher = TaskBatcher(
@@ -90,22 +89,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="fastpals predict", description="Predict with a trained fastpals multi-task model."
     )
-    p.add_argument(
-        "model_dir", help="folder written by the trainer (<out>/best) or MultiTaskBert.save_pretrained"
-    )
-    p.add_argument("--task", help="task for --text/--pair (one of the model's tasks)")
-    p.add_argument("--text", action="append", default=[], help="a sentence to classify (repeatable)")
-    p.add_argument("--pair", nargs=2, action="append", default=[], metavar=("A", "B"), help="a sentence pair")
-    p.add_argument("--data-dir", help=f"folder of the test files (default ${DATA_DIR_ENV})")
-    p.add_argument("--out", help="folder for prediction files (default <model_dir>/../predictions)")
-    p.add_argument("--max-length", type=int, help="tokens per sequence (default: as trained)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.add_argument(
+    arg = p.add_argument
+    arg("model_dir", help="folder written by the trainer (<out>/best) or MultiTaskBert.save_pretrained")
+    arg("--task", help="task for --text/--pair (one of the model's tasks)")
+    arg("--text", action="append", default=[], help="a sentence to classify (repeatable)")
+    arg("--pair", nargs=2, action="append", default=[], metavar=("A", "B"), help="a sentence pair")
+    arg("--data-dir", help=f"folder of the test files (default ${DATA_DIR_ENV})")
+    arg("--out", help="folder for prediction files (default <model_dir>/../predictions)")
+    arg("--max-length", type=int, help="tokens per sequence (default: as trained)")
+    arg("--no-progress", action="store_true", help="no progress bars")
+    arg(
         "--force",
         action="store_true",
         help="load the adapter even beside an encoder other than the one it was trained with",
     )
-    p.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    arg("--debug", action="store_true", help="show the traceback of an error")
     return p
 
 
