@@ -23,8 +23,7 @@ from fastpals.encoder.bert import BertConfig, PALConfig
 from fastpals.model.multitask import MultiTaskBert, MultiTaskConfig
 from fastpals.surgery import AGGREGATORS, shared_parameters_by_name
 from fastpals.train.args import PAL_PRESETS, SURGERY_BUFFER_DTYPES
-from fastpals.train.distributed import initialize
-from fastpals.train.dsconfig import check_ds_config, load_ds_config
+from fastpals.train.dsconfig import check_ds_config, initialize, load_ds_config
 from fastpals.train.errors import ConfigError
 from fastpals.train.memory_mode import (
     SURGERY_MEMORIES,

@@ -1,5 +1,7 @@
 """Every option of a training run: :class:`TrainArgs`, one dataclass field per command-line option;
-``__post_init__`` checks them and raises a one-line :class:`ConfigError` naming the option."""
+``__post_init__`` checks them and raises a one-line :class:`ConfigError` naming the option. Named recipes: JSON
+objects of options (and ``description``, ``source``) in ``fastpals/configs/recipes/`` or a path, ``--recipe``'s
+defaults, which options override."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +21,7 @@ from fastpals.encoder.pal_variants import pal_presets
 from fastpals.model.multitask import TASK_WEIGHTINGS, TASKS
 from fastpals.surgery import AGGREGATORS, make_weighting, parse_surgery_options
 from fastpals.train.dsconfig import DEFAULT_DS_CONFIG, load_ds_config
-from fastpals.train.errors import ConfigError
+from fastpals.train.errors import ConfigError, read_json_object
 from fastpals.train.memory_mode import SURGERY_MEMORIES
 from fastpals.train.optimizer_setup import OPTIMIZERS
 
@@ -445,3 +448,48 @@ def build_pal_config(args: TrainArgs) -> PALConfig | None:
     if problem is not None:
         raise ConfigError(problem)
     return cfg
+
+
+RECIPE_INFO_KEYS = ("description", "source")  # the keys of a recipe that are not options
+_RECIPES = Path(str(resources.files("fastpals") / "configs" / "recipes"))
+
+
+def recipe_names() -> list[str]:
+    """The shipped recipes' names, sorted (file names without ``.json``)."""
+    return sorted(p.stem for p in _RECIPES.glob("*.json"))
+
+
+def _read_recipe(name: str) -> tuple[Path, dict[str, Any]]:
+    """The path and JSON object of recipe ``name``, a shipped name or a path to a ``.json`` file; anything else is
+    a one-line :class:`ConfigError` listing the shipped names."""
+    if name in recipe_names():
+        path = _RECIPES / f"{name}.json"
+    elif (path := Path(name)).suffix != ".json" or not path.is_file():
+        raise ConfigError(f"--recipe {name!r}: no such recipe; shipped recipes: {', '.join(recipe_names())}")
+    return path, read_json_object(path, "--recipe ", "a recipe is a JSON object of TrainArgs options")
+
+
+def recipe_info(name: str) -> dict[str, str]:
+    """``{"description": ..., "source": ...}`` of a recipe (empty strings where missing)."""
+    return {k: str(_read_recipe(name)[1].get(k, "")) for k in RECIPE_INFO_KEYS}
+
+
+def load_recipe(name: str) -> dict[str, Any]:
+    """The options of recipe ``name`` (shipped name or JSON path) as ``{TrainArgs field: value}``; a key that is
+    not an option or a value of the wrong JSON type is a one-line :class:`ConfigError` naming the file and the key."""
+    path, data = _read_recipe(name)
+    options = {}
+    for key, value in data.items():
+        if key in RECIPE_INFO_KEYS:
+            continue
+        if key not in OPTIONS:
+            raise ConfigError(
+                f"--recipe {path}: key {key!r} is not a training option (the keys are TrainArgs field names, "
+                f"e.g. pal, surgery, pair_mode, or {', '.join(RECIPE_INFO_KEYS)})"
+            )
+        if key in ("resume", "overwrite", "local_rank", "stop_after_steps", "inject_nan_at_step"):
+            raise ConfigError(f"--recipe {path}: key {key!r} belongs to one command, not to a recipe")
+        if type_problem(OPTIONS[key], value) is not None:
+            raise ConfigError(f"--recipe {path}: key {key!r} has a value of the wrong type: {value!r}")
+        options[key] = value
+    return options

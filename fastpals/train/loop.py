@@ -28,9 +28,8 @@ from fastpals.surgery import make_weighting, parse_surgery_options
 from fastpals.train import outputs
 from fastpals.train.args import TrainArgs
 from fastpals.train.callbacks import Callback, default_callbacks
-from fastpals.train.data_setup import eval_batcher, open_tokenizer, setup_data
-from fastpals.train.distributed import initialize
-from fastpals.train.dsconfig import check_ds_config, load_ds_config, precision_note
+from fastpals.train.data_setup import eval_batcher, open_tokenizer, packed_micro_batches, setup_data
+from fastpals.train.dsconfig import check_ds_config, initialize, load_ds_config, precision_note
 from fastpals.train.errors import (
     ConfigError,
     NonFiniteLossError,
@@ -39,7 +38,6 @@ from fastpals.train.errors import (
     TrainingInterrupted,
 )
 from fastpals.train.memory_mode import SURGERY_MEMORY_TEXT, trainer_memory_mode
-from fastpals.train.mixed import packed_micro_batches
 from fastpals.train.optimizer_setup import build_model, lr_lambda, make_optimizer, optimizer_param_groups
 from fastpals.train.state import (
     GeneratorState,
