@@ -26,22 +26,20 @@ from fastpals.train.args import PAL_PRESETS, SURGERY_BUFFER_DTYPES
 from fastpals.train.dsconfig import check_ds_config, initialize, load_ds_config
 from fastpals.train.errors import ConfigError
 from fastpals.train.memory_mode import (
-    SURGERY_MEMORIES,
-    device_memory_bytes,
-    keep_bytes_for,
-    plan_auto_modes,
-    surgery_memory_mode,
-    task_gradients,
-)
-from fastpals.train.memory_states import (
     CATEGORIES,
     PRECISIONS,
+    SURGERY_MEMORIES,
     DeepSpeedLikeEngine,
     GradientBuckets,
     LiveTensorBytes,
     ModelStates,
+    device_memory_bytes,
     gradient_buckets,
+    keep_bytes_for,
     model_state_bytes,
+    plan_auto_modes,
+    surgery_memory_mode,
+    task_gradients,
 )
 from fastpals.train.optimizer_setup import make_optimizer, optimizer_param_groups
 from fastpals.train.step import MicroBatch, Surgery, TorchEngine, run_update

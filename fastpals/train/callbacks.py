@@ -193,11 +193,6 @@ def smooth(values: Sequence[float], window: int) -> np.ndarray:
     return (c[idx] - c[lo]) / (idx - lo)
 
 
-def task_colors(tasks: Sequence[str]) -> dict[str, str]:
-    """One colour per task (tab10, in the given order) and black for ``overall``, the same in every panel."""
-    return {**{task: f"C{i % 10}" for i, task in enumerate(tasks)}, "overall": "black"}
-
-
 def training_curve_series(
     step_losses: dict[str, tuple[Sequence[int], Sequence[float]]],
     evals: Sequence[dict],
@@ -208,7 +203,7 @@ def training_curve_series(
     keys = sorted({k for e in evals for k in e["dev"] if isinstance(e["dev"][k], (int, float))} - {"overall"})
     order = list(tasks) if tasks is not None else sorted(set(step_losses) | set(keys))
     order += [t for t in sorted(set(step_losses) | set(keys)) if t not in order]
-    colors = task_colors(order)
+    colors = {**{task: f"C{i % 10}" for i, task in enumerate(order)}, "overall": "black"}  # in both panels
     series = []
     for task in [t for t in order if t in step_losses]:
         steps, losses = step_losses[task]

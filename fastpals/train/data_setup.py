@@ -1,8 +1,5 @@
-"""The data of a run: tokenizer, train and dev batchers, the updates' sampler; rank ``r`` of ``W`` trains on
-examples ``r, r + W, ...``. ``--batching mixed``: :class:`MixedUpdates` draws each micro-batch's examples from
-every task (``--batch-size`` examples or ``--max-tokens`` tokens) and :func:`packed_micro_batches` collates them,
-packed, for :func:`fastpals.train.step.run_update`; an epoch is ``--steps-per-epoch`` updates, else about one pass
-over the training examples."""
+"""The data of a run: tokenizer, train and dev batchers, the updates' sampler (rank ``r`` of ``W`` trains on
+examples ``r, r + W, ...``), and ``--batching mixed``'s updates, whose micro-batches mix the tasks, packed."""
 
 from __future__ import annotations
 

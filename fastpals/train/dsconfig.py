@@ -297,11 +297,9 @@ def check_ds_keys(cfg: dict[str, Any], name: str = "--ds_config") -> None:
 def initialize(
     model: Any, optimizer: Any, scheduler: Any, config: dict, log: Any = print, verbose: bool = False
 ) -> tuple:
-    """``deepspeed.initialize`` (``(engine, optimizer, loader, scheduler)``) with defaults for ``RANK``,
-    ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` (a free port) where no launcher set them.
-    One process starts without DeepSpeed's CPU shared-memory comm op (built with ninja, minutes the first time).
-    Without ``verbose``: the CPU accelerator named, transformers kept to errors and what DeepSpeed prints held back
-    unless it fails; with it, DeepSpeed logs at INFO. Settings in the environment are kept."""
+    """``deepspeed.initialize`` (``(engine, optimizer, loader, scheduler)``), also without the launcher; one
+    process starts without the CPU shared-memory comm op (a ninja build of minutes). Without ``verbose``, what
+    DeepSpeed prints is held back unless it fails; with it, DeepSpeed logs at INFO."""
     if verbose:
         from deepspeed.utils import logger  # DeepSpeed's import takes seconds
 

@@ -56,11 +56,6 @@ def timestamped(message: str) -> str:
     return f"{datetime.now().strftime('%H:%M:%S')} {message}"
 
 
-def seconds_since_process_start() -> float:
-    """Wall seconds since this process started, its imports included."""
-    return time.time() - psutil.Process().create_time()
-
-
 def _rng_state() -> tuple[Any, Any, Any]:
     return torch.get_rng_state(), np.random.get_state(), random.getstate()
 
@@ -411,7 +406,7 @@ class Trainer:
             self.record({"type": "config", "args": args.options(), "ds_config": self.ds_config,
                          "parameters": count_parameters(self.model)})  # fmt: skip
         self.state.add_time("setup_s", time.perf_counter() - start)
-        self.state.timings["process_setup_s"] = startup = seconds_since_process_start()
+        self.state.timings["process_setup_s"] = startup = time.time() - psutil.Process().create_time()
         self.log(f"[setup] ready {startup:.1f} s after the process started (imports, data, model, engine)")
         stops = [signal.SIGTERM, signal.SIGINT] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
         # a closed terminal (SIGHUP) stops as SIGTERM

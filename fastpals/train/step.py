@@ -190,15 +190,11 @@ def run_update(
     record: Callable[[dict[str, Any]], None] | None = None,
     sync: Callable[[], None] | None = None,
 ) -> UpdateResult:
-    """One optimizer update over ``micro_batches`` (consumed one at a time: a generator may collate each while
-    the device runs the previous one) with ``strategy`` (``surgery`` required by all but ``none``);
-    ``loss_hooks`` (``hook(step, loss) -> loss``) are test faults; ``sync`` runs before the clock is read
-    after ``apply``.
-
-    One host read per update (two with a data-parallel buffer): every loss, with one rank's surgery flags, is
-    read after the last backward, so that a NaN/inf loss is recorded and raised as :class:`NonFiniteLossError`
-    before ``engine.step()``. A skipped surgery applies nothing: an ``overflow`` under dynamic loss scaling,
-    else the caller decides (the trainer raises)."""
+    """One optimizer update over ``micro_batches`` (consumed one at a time) with ``strategy`` (``surgery``
+    required by all but ``none``); ``loss_hooks`` (``hook(step, loss) -> loss``) are test faults; ``sync`` runs
+    before the clock is read after ``apply``. One host read per update (two with a data-parallel buffer), after
+    the last backward: a NaN/inf loss raises :class:`NonFiniteLossError` before ``engine.step()``. A skipped
+    surgery applies nothing: an ``overflow`` under dynamic loss scaling, else the caller decides."""
     module = engine.module
     names = [spec.name for spec in module.tasks]
     values: list[torch.Tensor] = []  # device scalars, read once after the last backward
