@@ -106,9 +106,6 @@ class NonFiniteLossError(RuntimeError):
         self.context = f" ({ckpt}{best_text})"
         self.args = (self._message(),)
 
-    def __str__(self) -> str:
-        return self._message()
-
 
 class TrainingInterrupted(RuntimeError):
     """SIGTERM/SIGINT/SIGHUP ``signum`` stopped the run after writing ``checkpoint`` (``--resume``

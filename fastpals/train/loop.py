@@ -130,28 +130,29 @@ class Trainer:
         for callback in self.callbacks:
             callback.on_record(self, entry)
 
-    def _model_line(self) -> str:
-        args, counts = self.args, count_parameters(self.model)
+    def _log_setup(self) -> None:
+        """The set-up lines: model, encoder, precision and device."""
+        args, bert, counts = self.args, self.model.bert, count_parameters(self.model)
         trained = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         pals = "no PALs" if args.pal_config is None else f"PALs {args.pal}"
-        return (
+        self.log(
             f"[model] {args.model} + {pals}, tasks {','.join(args.task_list)}: {counts['total'] / 1e6:.1f}M "
             f"parameters, {trained / 1e6:.1f}M trained"
         )
-
-    def _encoder_line(self) -> str:
-        bert, mixed = self.model.bert, self.args.batching == "mixed"
-        if not isinstance(bert, HFEncoder):
-            how = "packed without padding" if mixed else "padded per task"
-            return f"[model] encoder: fastpals minBERT (fused PALs); batches {how}"
-        how = "padded per micro-batch (its attention takes no packed input)" if mixed else "padded per task"
-        return f"[model] encoder: HF {bert.model_type} (transformers AutoModel + inject_pals); batches {how}"
-
-    def _device_name(self) -> str:
+        if isinstance(bert, HFEncoder):
+            how = "padded per micro-batch (its attention takes no packed input)"
+            encoder = f"HF {bert.model_type} (transformers AutoModel + inject_pals)"
+        else:
+            how, encoder = "packed without padding", "fastpals minBERT (fused PALs)"
+        self.log(
+            f"[model] encoder: {encoder}; batches {how if args.batching == 'mixed' else 'padded per task'}"
+        )
         local = int(os.environ.get("LOCAL_RANK", "0"))
+        device = f"device cpu ({torch.get_num_threads()} threads)"
         if torch.cuda.is_available():
-            return f"device cuda:{local} ({torch.cuda.get_device_name(local)})"
-        return f"device cpu ({torch.get_num_threads()} threads)"
+            device = f"device cuda:{local} ({torch.cuda.get_device_name(local)})"
+        # after the checks of data and model, whose errors are one line
+        self.log(f"[setup] {self.precision}; {device}")
 
     def _setup_data(self) -> None:
         data = setup_data(self.args, self.rank, self.world_size, self.log, tokenizer=self._tokenizer)
@@ -390,10 +391,7 @@ class Trainer:
         args, start = self.args, time.perf_counter()
         self._setup_data()
         self._setup_model()
-        self.log(self._model_line())
-        self.log(self._encoder_line())
-        # after the checks of data and model, whose errors are one line
-        self.log(f"[setup] {self.precision}; {self._device_name()}")
+        self._log_setup()
         self._setup_engine()
         if self.is_main:  # before training: room for a checkpoint and best/
             problem = outputs.free_space_error(self.out, *self.output_sizes(), resume=args.resume)

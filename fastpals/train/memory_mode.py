@@ -106,10 +106,8 @@ def choose_memory_mode(
         keep = max(0, min(keep, int(fit_share * device_bytes) - (buffer_peak_bytes - rows_bytes)))
     kept = f"; the first layers' Linear task rows kept within {_mib(keep)}" if keep else ""
     if device_bytes > 0 and buffer_peak_bytes > fit_share * device_bytes:
-        why = (
-            f"the buffer's predicted peak {_mib(buffer_peak_bytes)} is over {fit_share:.0%} of the device's "
-        )
-        return MemoryModeChoice("stream", f"{why}{_mib(device_bytes)}{kept}", keep)
+        why = f"the buffer's predicted peak {_mib(buffer_peak_bytes)} is over {fit_share:.0%} of the device's"
+        return MemoryModeChoice("stream", f"{why} {_mib(device_bytes)}{kept}", keep)
     activations = f"of the activations (~{_mib(activation_bytes)})"
     if rows_bytes > rows_share * activation_bytes:
         why = f"the [T, P] rows ({_mib(rows_bytes)}) are over {rows_share:.0%} {activations}{kept}"
@@ -299,19 +297,15 @@ def gradient_buckets(
         accum = "fp32" if precision == "bf16" and zero_stage == 1 and surgery == "none" else None
     accum = precision if accum is None else _DS_DTYPES.get(str(accum).lower(), precision)
     if precision == "bf16" and accum == "fp32" and zero_stage == 1:
-        return GradientBuckets(
-            0, 0, accum, "bf16 ZeRO-1 with fp32 gradient accumulation: BF16_Optimizer, no buckets"
-        )
+        why = "bf16 ZeRO-1 with fp32 gradient accumulation: BF16_Optimizer, no buckets"
+        return GradientBuckets(0, 0, accum, why)
     if not zero.get("contiguous_gradients", True):
         return GradientBuckets(0, 0, precision, "contiguous_gradients off: no contiguous buckets")
     elements = int(float(zero.get("reduce_bucket_size", 5e8)))
-    overlap = bool(zero.get("overlap_comm", False))
+    count = 2 if zero.get("overlap_comm", False) else 1
     dtype = accum if zero_stage == 1 and accum != precision else precision
-    why = (
-        f"reduce_bucket_size {elements:,} x {2 if overlap else 1} (overlap_comm {'on' if overlap else 'off'}), "
-        f"{dtype}"
-    )
-    return GradientBuckets(2 if overlap else 1, elements, dtype, why)
+    why = f"reduce_bucket_size {elements:,} x {count} (overlap_comm {'on' if count == 2 else 'off'}), {dtype}"
+    return GradientBuckets(count, elements, dtype, why)
 
 
 class LiveTensorBytes(TorchDispatchMode):

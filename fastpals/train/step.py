@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,13 +78,9 @@ class TorchEngine:
     max_grad_norm: float | None = None
     micro_steps: int = field(default=0, init=False)
 
-    def _autocast(self) -> AbstractContextManager:
-        if self.autocast is None:
-            return nullcontext()
-        return torch.autocast(next(self.module.parameters()).device.type, dtype=self.autocast)
-
     def __call__(self, **inputs: Any) -> Any:
-        with self._autocast():
+        device = next(self.module.parameters()).device.type
+        with nullcontext() if self.autocast is None else torch.autocast(device, dtype=self.autocast):
             return self.module(**inputs)
 
     def backward(self, loss: torch.Tensor) -> None:
