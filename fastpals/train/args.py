@@ -113,8 +113,7 @@ class TrainArgs:
     pal_lr: float | None = opt("peak learning rate of the PAL parameters (default: --lr)")
     head_lr: float | None = opt("peak learning rate of the task heads (default: --lr)")
     warmup: float = opt(
-        "fraction of all updates with a linear warm-up from 0; then linear decay to 0",
-        default=0.1,
+        "fraction of all updates with a linear warm-up from 0; then linear decay to 0", default=0.1
     )
     optimizer: str = opt(
         "adamw (betas 0.9/0.999, eps 1e-6), sgd (momentum 0.9) or rmsprop",

@@ -155,13 +155,11 @@ def check_ds_config(
     _resolve_auto_precision(out, cuda, native_bf16, name)
     zero = out.get("zero_optimization")
     if isinstance(zero, dict) and zero.get("stage") == "auto":
-        # ZeRO-1 where it earns its copies: bf16 (DeepSpeed keeps fp32 master weights there; on CPU nothing else
-        # does) or several ranks (partitioned optimizer state); one fp32 process gains nothing from it
+        # ZeRO-1 where it earns its copies: fp32 master weights for bf16/fp16, or partitioned optimizer state
         zero["stage"] = 1 if _enabled(out, "bf16") or _enabled(out, "fp16") or world_size > 1 else 0
     _resolve_grad_accum_dtype(out, surgery, name)
     if (out.get("zero_optimization") or {}).get("stage", 0) in (1, 2):
-        # the optimizer is always fastpals' own torch one (--optimizer adamw, sgd or rmsprop); DeepSpeed's ZeRO
-        # wraps any torch optimizer but refuses all but its tested few unless told
+        # ZeRO refuses torch optimizers it has not tested (fastpals' own --optimizer) unless told
         out.setdefault("zero_allow_untested_optimizer", True)
     accum = 1 if surgery != "none" else grad_accum
     micro = out.setdefault("train_micro_batch_size_per_gpu", batch_size)

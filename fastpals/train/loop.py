@@ -86,8 +86,7 @@ class Trainer:
         if self.is_main:
             outputs.RunLock(self.out).check_free()
         self._tokenizer = open_tokenizer(args)
-        # the model is built before --out is touched, the random state put back: the set-up restores the state
-        # its build left after the data, as if it were built there
+        # built before --out is touched; the set-up restores the random state it left, as if built after the data
         before = _rng_state()
         self._early_model = build_model(args)
         self._rng_after_model = _rng_state()
@@ -245,8 +244,6 @@ class Trainer:
     def _settle_replaced(self, failed: bool) -> None:
         """Delete the run ``--overwrite`` moved aside, or put it back (quietly) when this run ``failed``."""
         aside, self._replaced = getattr(self, "_replaced", None), None
-        if aside is None:
-            return
         if failed:  # quietly: the error that stopped the run stays the one line the user sees
             outputs.restore_replaced(self.out, aside)
         else:
@@ -457,7 +454,12 @@ class Trainer:
         while True:
             if sampler.epoch_done():
                 if state.evaluated_epoch < sampler.epoch:
-                    self._end_epoch()
+                    dev = self._eval_and_track(sampler.epoch)
+                    state.evaluated_epoch = sampler.epoch
+                    self.record(
+                        {"type": "epoch", "epoch": sampler.epoch, "step": state.global_step, "dev": dev}
+                    )
+                    self.save_checkpoint()
                     self._stop_if_asked(t_train)
                 if sampler.epoch == args.epochs:
                     break
@@ -485,13 +487,6 @@ class Trainer:
                     self.save_checkpoint()
                 self._stop_if_asked(t_train)
         state.add_time("train_s", time.perf_counter() - t_train)
-
-    def _end_epoch(self) -> None:
-        epoch = self.sampler.epoch
-        dev = self._eval_and_track(epoch)
-        self.state.evaluated_epoch = epoch
-        self.record({"type": "epoch", "epoch": epoch, "step": self.state.global_step, "dev": dev})
-        self.save_checkpoint()
 
     def _finish(self, start: float) -> dict[str, Any]:
         args, state = self.args, self.state

@@ -39,12 +39,11 @@ SURGERY_MEMORY_TEXT = {
 FIT_SHARE = 0.9
 #: ... and while its ``[T, P]`` rows are at most this share of the step's activations
 ROWS_SHARE = 1.0
-#: ``auto``'s streaming: the first layers' Linear task rows are kept within this share of the activations (net of
-#: the ``dY`` and ``X`` they spare)
+#: ``auto``'s streaming keeps the first layers' Linear task rows within this share of the activations
 KEEP_SHARE = 0.5
 #: bytes per saved activation element: fp32, and fp16/bf16 training (some saved tensors stay fp32 or bool)
 _ELEMENT_BYTES = {"fp32": 4.0, "bf16": 2.4, "fp16": 2.4}
-#: saved elements per token and layer: ``_PER_HIDDEN * hidden + _PER_SCORE * heads * length`` (fitted, see above)
+#: saved elements per token and layer: ``_PER_HIDDEN * hidden + _PER_SCORE * heads * length`` (fitted to traces)
 _PER_HIDDEN, _PER_SCORE = 24.0, 3.4
 
 
@@ -250,8 +249,7 @@ def model_state_bytes(
         raise ValueError(f"--zero-stage {zero_stage}: choose 0, 1, 2 or 3")
     if world_size < 1:
         raise ValueError(f"--world-size {world_size}: give 1 or more ranks")
-    p, n = num_params, world_size
-    part = math.ceil(p / n)  # one rank's partition
+    p, part = num_params, math.ceil(num_params / world_size)  # part: one rank's partition
     width = 4 if precision == "fp32" else 2
     params = width * (part if zero_stage == 3 else p)
     grads = 0 if zero_stage == 3 else width * (part if zero_stage == 2 else p)
@@ -399,8 +397,8 @@ class DeepSpeedLikeEngine:
         module: torch.nn.Module,
         precision: str,
         zero_stage: int,
-        world_size: int = 1,
-        tracker: LiveTensorBytes | None = None,
+        world_size: int,
+        tracker: LiveTensorBytes,
         buckets: GradientBuckets | None = None,
     ) -> None:
         self.module, self.precision = module, precision
@@ -419,7 +417,7 @@ class DeepSpeedLikeEngine:
         self._hp_set: set[int] = set()  # the parameters it wrote
         self.flat_master = precision != "fp32" or zero_stage >= 1
         self._drop_grads = zero_stage == 2 and world_size > 1
-        with self._phase("optimizer"):
+        with self.tracker.phase("optimizer"):
             if self.flat_master:
                 self.master = [torch.nn.Parameter(torch.zeros(self.part if zero_stage >= 1 else self.numel))]
             else:
@@ -435,23 +433,16 @@ class DeepSpeedLikeEngine:
             for p in self.params:
                 p.register_post_accumulate_grad_hook(self._setup_buckets)
         if self._drop_grads:
-            with self._phase("gradients"):
+            with self.tracker.phase("gradients"):
                 self.grad_partition = torch.zeros(self.part, dtype=self.params[0].dtype)
             for p in self.params:
                 p.register_post_accumulate_grad_hook(self._reduce_scatter)
-
-    def _phase(self, category: str) -> contextlib.AbstractContextManager:
-        return self.tracker.phase(category) if self.tracker is not None else contextlib.nullcontext()
-
-    def _set(self, category: str) -> None:
-        if self.tracker is not None:
-            self.tracker.set_phase(category)
 
     def _setup_buckets(self, p: torch.Tensor) -> None:
         if self._bucket_buffers or self.buckets is None:
             return
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.buckets.dtype]
-        with self._phase("buckets"):
+        with self.tracker.phase("buckets"):
             self._bucket_buffers = [
                 torch.empty(self.buckets.elements, dtype=dtype) for _ in range(self.buckets.count)
             ]
@@ -470,7 +461,7 @@ class DeepSpeedLikeEngine:
                 self.hp_grads[id(p)] = value
             return
         if self._hp_flat is None:
-            with self._phase("gradients"):
+            with self.tracker.phase("gradients"):
                 self._hp_flat = torch.zeros(self.master[0].numel(), dtype=torch.float32)
         self._hp_set.add(id(p))
         lo = self._offsets[id(p)]
@@ -483,20 +474,20 @@ class DeepSpeedLikeEngine:
                 part.copy_(value.reshape(-1)[: hi - lo])
 
     def __call__(self, **inputs: Any) -> Any:
-        self._set("activations")
+        self.tracker.set_phase("activations")
         return self.module(**inputs)
 
     def backward(self, loss: torch.Tensor) -> None:
-        self._set("temporaries")
+        self.tracker.set_phase("temporaries")
         (loss * self.scale if self.scale != 1.0 else loss).backward()
         self._bucket_buffers = []  # released at the backward's epilogue
 
     def step(self) -> None:
-        self._set("temporaries")
+        self.tracker.set_phase("temporaries")
         if self.flat_master:
             flat, self._hp_flat = self._hp_flat, None  # written by a surgery buffer's setter, or made here
             if flat is None:
-                with self._phase("gradients"):
+                with self.tracker.phase("gradients"):
                     flat = torch.zeros(self.master[0].numel(), dtype=torch.float32)
             for p in self.params:  # this rank's partition of the flattened gradients, in fp32
                 lo = self._offsets[id(p)]
