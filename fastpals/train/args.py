@@ -268,7 +268,27 @@ class TrainArgs:
                 raise ConfigError(
                     f"{option_flag(name)} {getattr(self, name)!r}: choose one of {', '.join(f.metadata['choices'])}"
                 )
-        self._check_surgery_options()
+        if self.surgery == "none" and (self.surgery_opts or self.surgery_buffer_dtype != "auto"):
+            raise ConfigError("--surgery-opt and --surgery-buffer-dtype need a --surgery method")
+        if self.surgery_memory == "stream" and (self.surgery == "none" or self.batching != "mixed"):
+            raise ConfigError(
+                "--surgery-memory stream needs a --surgery method and --batching mixed (one backward per update); "
+                "per-task batches use the buffer: drop --surgery-memory or use --batching mixed"
+            )
+        if self.surgery_memory == "stream" and getattr(AGGREGATORS.get(self.surgery), "reads_rows", False):
+            raise ConfigError(
+                f"--surgery {self.surgery} reads the [tasks, shared parameters] gradient rows, which "
+                "--surgery-memory stream does not keep: use --surgery-memory buffer (or auto)"
+            )
+        if self.surgery_memory == "stream" and self.surgery_buffer_dtype == "bf16":
+            raise ConfigError(
+                "--surgery-buffer-dtype sets the buffer's rows; --surgery-memory stream has none: drop one of them"
+            )
+        if self.surgery != "none":
+            try:
+                make_weighting(self.surgery, **parse_surgery_options(self.surgery_opts))
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
         if self.batch_size is None or self.grad_accum is None:
             ds = load_ds_config(self.ds_config)
             if self.batch_size is None:
@@ -318,32 +338,6 @@ class TrainArgs:
             )
         if Path(self.out).exists() and not Path(self.out).is_dir():
             raise ConfigError(f"--out {self.out} is a file, not a folder: choose another --out")
-        self.data_path = self._check_data()
-
-    def _check_surgery_options(self) -> None:
-        if self.surgery == "none" and (self.surgery_opts or self.surgery_buffer_dtype != "auto"):
-            raise ConfigError("--surgery-opt and --surgery-buffer-dtype need a --surgery method")
-        if self.surgery_memory == "stream" and (self.surgery == "none" or self.batching != "mixed"):
-            raise ConfigError(
-                "--surgery-memory stream needs a --surgery method and --batching mixed (one backward per update); "
-                "per-task batches use the buffer: drop --surgery-memory or use --batching mixed"
-            )
-        if self.surgery_memory == "stream" and getattr(AGGREGATORS.get(self.surgery), "reads_rows", False):
-            raise ConfigError(
-                f"--surgery {self.surgery} reads the [tasks, shared parameters] gradient rows, which "
-                "--surgery-memory stream does not keep: use --surgery-memory buffer (or auto)"
-            )
-        if self.surgery_memory == "stream" and self.surgery_buffer_dtype == "bf16":
-            raise ConfigError(
-                "--surgery-buffer-dtype sets the buffer's rows; --surgery-memory stream has none: drop one of them"
-            )
-        if self.surgery != "none":
-            try:
-                make_weighting(self.surgery, **parse_surgery_options(self.surgery_opts))
-            except ValueError as err:
-                raise ConfigError(str(err)) from None
-
-    def _check_data(self) -> Path | None:
         builtin = [t for t, spec in self.task_specs.items() if spec.source is None]  # task files: their own
         if builtin and self.data_dir is None and not os.environ.get(DATA_DIR_ENV):
             raise ConfigError(
@@ -368,7 +362,7 @@ class TrainArgs:
             raise ConfigError(
                 f"missing data file(s): {', '.join(missing)} (check --data-dir / ${DATA_DIR_ENV})"
             )
-        return data_path
+        self.data_path = data_path
 
     def options(self) -> dict[str, Any]:
         """The options (not the derived fields) as JSON-ready values: what ``train_args.json`` holds."""
@@ -429,11 +423,11 @@ def build_pal_config(args: TrainArgs) -> PALConfig | None:
     preset = PAL_PRESETS[args.pal]
     given = {"num_heads": args.pal_heads, "hidden": args.pal_hidden, "layers": args.pal_layers}
     given = {k: v for k, v in given.items() if v is not None}
-    if preset is None and given:
-        raise ConfigError(
-            "--pal-heads/--pal-hidden/--pal-layers need PALs: drop them or choose a --pal variant"
-        )
     if preset is None:
+        if given:
+            raise ConfigError(
+                "--pal-heads/--pal-hidden/--pal-layers need PALs: drop them or choose a --pal variant"
+            )
         return None
     if given.get("layers", 1) < 1:
         raise ConfigError(f"--pal-layers {args.pal_layers}: give the number of top layers with PALs (>= 1)")

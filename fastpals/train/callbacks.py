@@ -280,13 +280,9 @@ def plot_confusion_matrices(
         labels, preds = (np.asarray(v, dtype=np.int64) for v in predictions["sst"])
         plots["sst"] = (confusion_matrix(labels, preds, 5), None, "SST dev (rows: true)")
     if "sts" in predictions:
-        labels, preds = predictions["sts"]
+        labels, preds = (bin_sts(v) for v in predictions["sts"])
         names = [f"{k / 2:g}" for k in range(11)]
-        plots["sts"] = (
-            confusion_matrix(bin_sts(labels), bin_sts(preds), 11),
-            names,
-            "STS dev, binned to 0.5",
-        )
+        plots["sts"] = (confusion_matrix(labels, preds, 11), names, "STS dev, binned to 0.5")
     return [
         plot_confusion_matrix(matrix, Path(folder) / f"confusion_{task}.png", class_names=names, title=title)
         for task, (matrix, names, title) in plots.items()

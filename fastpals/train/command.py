@@ -94,11 +94,8 @@ def build_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
     for f in OPTIONS.values():
         m = f.metadata
         flags = m["flags"] or (option_flag(f.name),)
-        may_change = " [may change on --resume]" if m["resume"] == "may_change" else ""
-        kw: dict[str, Any] = {
-            "dest": f.name,
-            "help": argparse.SUPPRESS if m["hidden"] else m["help"] + may_change,
-        }
+        text = m["help"] + (" [may change on --resume]" if m["resume"] == "may_change" else "")
+        kw: dict[str, Any] = {"dest": f.name, "help": argparse.SUPPRESS if m["hidden"] else text}
         if not suppress_defaults:
             kw["default"] = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         if f.default is False:

@@ -43,9 +43,8 @@ class MixedUpdates:
         self.micro_per_update = micro_per_update
         # about one pass over the data (the smallest shard's, identical on ranks)
         if updates_per_epoch is None:
-            sizes = [len(b.examples) for b in batchers]
             if batch_size is not None:
-                micro = math.ceil(sum(sizes) / batch_size)
+                micro = math.ceil(sum(len(b.examples) for b in batchers) / batch_size)
             else:
                 micro = math.ceil(sum(int(np.sum(b.packed_lengths)) for b in batchers) / max_tokens)
             updates_per_epoch = max(1, micro // micro_per_update)
@@ -158,9 +157,7 @@ def setup_data(
         )
     # identical on every rank: batches of the smallest shard
     batches = [math.ceil((n // world_size) / args.batch_size) or 1 for n in train_sizes]
-    steps = args.steps_per_epoch
-    if steps is None and args.sampling != "round_robin":
-        steps = 2400
+    steps = args.steps_per_epoch or (None if args.sampling == "round_robin" else 2400)
     sampler: TaskSampler | MixedUpdates
     if args.batching == "mixed":
         sampler = MixedUpdates(

@@ -441,11 +441,10 @@ class Trainer:
         """After an update (and its evaluation, checkpoint): a stop signal writes a checkpoint and stops."""
         if self._stop_signal is None:
             return
-        state = self.state
-        state.add_time("train_s", time.perf_counter() - t_train)
+        self.state.add_time("train_s", time.perf_counter() - t_train)
         path = self.save_checkpoint()
-        self.record({"type": "interrupted", "step": state.global_step, "signal": self._stop_signal})
-        raise TrainingInterrupted(self._stop_signal, state.global_step, path)
+        self.record({"type": "interrupted", "step": self.state.global_step, "signal": self._stop_signal})
+        raise TrainingInterrupted(self._stop_signal, self.state.global_step, path)
 
     def _loop(self) -> None:
         args, sampler, state = self.args, self.sampler, self.state

@@ -351,9 +351,8 @@ class RunLock:
             return
         fd, self.fd = self.fd, None
         try:
-            os.ftruncate(fd, 0)
-        except OSError:
-            pass
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
         finally:
             os.close(fd)  # closing releases the flock
 

@@ -201,8 +201,7 @@ def check_checkpoint(ckpt_dir: Path) -> str:
             f"--resume: {problem}: write the name of an existing checkpoint folder into {latest}, or "
             f"{FRESH_START}"
         )
-    problem = _whole(ckpt_dir / tag)
-    if problem is not None:
+    if (problem := _whole(ckpt_dir / tag)) is not None:
         raise ConfigError(f"--resume: {problem}: {FRESH_START}")
     return tag
 
