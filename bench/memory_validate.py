@@ -91,8 +91,7 @@ def measure_cuda(case: Case) -> dict[str, Any]:
     "engine"}``."""
     from fastpals.commands.memory import step_micro_batches, step_model
     from fastpals.surgery import AGGREGATORS
-    from fastpals.train.distributed import initialize
-    from fastpals.train.dsconfig import check_ds_config, load_ds_config
+    from fastpals.train.dsconfig import check_ds_config, initialize, load_ds_config
     from fastpals.train.optimizer_setup import make_optimizer, optimizer_param_groups
     from fastpals.train.step import Surgery, deepspeed_surgery_buffer, run_update
 

@@ -543,7 +543,7 @@ def row_memory(shapes: Shapes, device: torch.device) -> list[dict[str, Any]]:
 
     from bench.common import CudaPeakMemory
     from fastpals.data.mixed_batches import pack_task_rows
-    from fastpals.train.memory_states import LiveTensorBytes
+    from fastpals.train.memory_mode import LiveTensorBytes
     from fastpals.train.optimizer_setup import make_optimizer, optimizer_param_groups
 
     measured, predicted, notes = {}, {}, {}

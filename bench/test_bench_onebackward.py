@@ -20,7 +20,7 @@ are left out, with the reason printed and recorded, when it is not installed.
 
 Time: the variants run interleaved, round after round, in one process (medians of wall-clock and process CPU
 time; the machine may be shared), with glibc's freed memory kept in the process as ``train.py`` keeps it
-(:func:`fastpals.train.allocator.keep_freed_memory`). Peak memory (CPU): each variant in a fresh subprocess; after one warm-up step
+(:func:`fastpals.train.command.keep_freed_memory`). Peak memory (CPU): each variant in a fresh subprocess; after one warm-up step
 the peak resident set is reset (``/proc/self/clear_refs`` = 5) and ``VmHWM`` read after two more steps; large
 blocks are served by ``mmap`` so that the resident set follows the live tensors. Goals (issue 13): the fp32
 PCGrad step at most 1.15x the plain mixed step's time; peak memory at most plain + T*P*bytes, and at most 1.15x
@@ -58,7 +58,7 @@ from fastpals.surgery import (  # noqa: E402
     per_task_gradients,
     shared_parameters_by_name,
 )
-from fastpals.train.allocator import keep_freed_memory  # noqa: E402
+from fastpals.train.command import keep_freed_memory  # noqa: E402
 
 NUM_TASKS, PER_TASK, LENGTH = 3, 16, 32
 HAS_TORCHJD = importlib.util.find_spec("torchjd") is not None

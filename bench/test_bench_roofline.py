@@ -81,8 +81,7 @@ def makefile_train_argv(makefile: Path = REPO / "Makefile") -> list[str]:
 def main_job_step(device: torch.device) -> tuple[torch.nn.Module, Any]:
     """``make train``'s model (train mode) and the first packed micro-batch of its sampler, on ``device``."""
     from fastpals.train.command import parse_args
-    from fastpals.train.data_setup import setup_data
-    from fastpals.train.mixed import packed_micro_batches
+    from fastpals.train.data_setup import packed_micro_batches, setup_data
     from fastpals.train.optimizer_setup import build_model
 
     cwd = os.getcwd()

@@ -60,7 +60,7 @@ from bench.scaling_gpu import SurgerySteps  # noqa: E402
 from fastpals.surgery import (  # noqa: E402
     shared_parameters_by_name,
 )
-from fastpals.train.allocator import keep_freed_memory  # noqa: E402
+from fastpals.train.command import keep_freed_memory  # noqa: E402
 
 ROWS, LENGTH = 48, 32
 HAS_TORCHJD = importlib.util.find_spec("torchjd") is not None

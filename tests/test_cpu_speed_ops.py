@@ -1,5 +1,5 @@
 """The CPU training path's own ops: :func:`fastpals.functional.dropout`, matmul attention in the model on CPU, and
-:func:`fastpals.train.allocator.keep_freed_memory`."""
+:func:`fastpals.train.command.keep_freed_memory`."""
 
 from __future__ import annotations
 
@@ -217,7 +217,7 @@ def test_keep_freed_memory_cuts_page_faults():
     script = textwrap.dedent(
         """
         import resource, sys, torch
-        from fastpals.train.allocator import keep_freed_memory
+        from fastpals.train.command import keep_freed_memory
         if sys.argv[1] == "1":
             assert keep_freed_memory()
         def step():

@@ -22,7 +22,7 @@ from fastpals.data.tokenizer import Tokenizer  # noqa: E402
 from fastpals.encoder.bert import PALConfig  # noqa: E402
 from fastpals.model.multitask import MultiTaskBert  # noqa: E402
 from fastpals.surgery import TaskGradientBuffer, make_weighting, shared_parameters_by_name  # noqa: E402
-from fastpals.train.mixed import MixedUpdates, packed_micro_batches  # noqa: E402
+from fastpals.train.data_setup import MixedUpdates, packed_micro_batches  # noqa: E402
 from fastpals.train.step import Surgery, TorchEngine, run_update  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -11,7 +11,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fastpals.commands.memory import DEVICES, StepSpec, load_bert_config, measure_step, trace_step
 from fastpals.commands.memory_cli import main
-from fastpals.train.memory_states import LiveTensorBytes, model_state_bytes
+from fastpals.train.memory_mode import LiveTensorBytes, model_state_bytes
 
 
 @pytest.mark.parametrize("fake", [False, True])
@@ -211,7 +211,7 @@ def test_a_number_of_tasks_plans_that_many_and_shows_every_surgery_memory(
 )
 def test_gradient_bucket_rule(config: str, precision: str, stage: int, surgery: str, expected: tuple) -> None:
     from fastpals.train.dsconfig import load_ds_config
-    from fastpals.train.memory_states import gradient_buckets
+    from fastpals.train.memory_mode import gradient_buckets
 
     b = gradient_buckets(load_ds_config(config), precision, stage, surgery)
     assert (b.count, b.elements, b.dtype) == expected

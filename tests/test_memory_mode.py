@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -68,7 +69,7 @@ def test_auto_streaming_keeps_the_first_layers_rows_within_a_share_of_the_activa
     shared = sum(p.numel() for n, p in model.named_parameters() if n.startswith("bert."))
     picks = [run_memory_mode(model, 16, shared, 4, 8 * 32, 32, "fp32", 0, world, "cpu") for world in (1, 2)]
     assert [c.mode for c in picks] == ["stream", "stream"]
-    assert picks[0].keep_bytes == keep_bytes(estimate_activation_bytes(8 * 32, 32, 32, 2, 2)) > 0
+    assert picks[0].keep_bytes == keep_bytes(estimate_activation_bytes(cfg, 8 * 32, 32)) > 0
     assert picks[1].keep_bytes == 0
 
 
@@ -79,9 +80,7 @@ def test_activation_estimate_within_15_percent_of_the_trace():
     bert = load_bert_config("minilm-l6")
     trace = trace_step(StepSpec(model="minilm-l6", max_length=128, precision="fp32"), 16)
     assert trace.peak_phase == "activations"
-    estimate = estimate_activation_bytes(
-        16 * 128, 128, bert.hidden_size, bert.num_hidden_layers, bert.num_attention_heads, "fp32"
-    )
+    estimate = estimate_activation_bytes(bert, 16 * 128, 128, "fp32")
     assert abs(estimate / trace.at_peak["activations"] - 1) < 0.15, (estimate, trace.at_peak)
 
 
@@ -173,7 +172,10 @@ def test_trainer_resolves_auto(tmp_path):
     )  # fmt: skip
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
-    kept = keep_bytes(estimate_activation_bytes(4 * 16, 16, 32, 2, 4))  # the tiny model (train_fixtures)
+    tiny = SimpleNamespace(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4
+    )  # train_fixtures' model
+    kept = keep_bytes(estimate_activation_bytes(tiny, 4 * 16, 16))
     assert f"MODE 4 pcgrad smaller StreamingTaskGradients {kept}" in out, out[-3000:]
     assert "MODE 32 pcgrad buffer TaskGradientBuffer" in out, out[-3000:]
     assert "MODE 4 excessmtl buffer TaskGradientBuffer" in out, out[-3000:]

@@ -12,11 +12,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_fixtures import make_tiny_data, make_tiny_model  # noqa: E402
 
-from fastpals.train.args import TrainArgs  # noqa: E402
+from fastpals.train.args import TrainArgs, load_recipe, recipe_info, recipe_names  # noqa: E402
 from fastpals.train.command import main as train_main  # noqa: E402
 from fastpals.train.command import parse_args  # noqa: E402
 from fastpals.train.errors import ConfigError  # noqa: E402
-from fastpals.train.recipes import load_recipe, recipe_info, recipe_names  # noqa: E402
 
 SEED_RECIPES = {
     "000_sbert_pcgrad", "001_pal_pcgrad_cosine", "002_pal12_gem", "003_embert", "003_pal_top",

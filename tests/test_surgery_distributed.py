@@ -230,7 +230,7 @@ def test_two_processes_streaming_equal_one_process_buffer(tmp_path):
 # Streaming under DeepSpeed ZeRO-1/2, 2 ranks (CPU accelerator, gloo), fp32, as the trainer builds it
 # (fastpals.train.step.deepspeed_surgery_buffer): one engine.backward inside per_task_gradients per rank, each
 # rank half of a mixed batch. The streamed update equals the buffer's within 1e-5, and the per-rank peak of the
-# live tensors the update makes (fastpals.train.memory_states.LiveTensorBytes around the backward and the apply) grows
+# live tensors the update makes (fastpals.train.memory_mode.LiveTensorBytes around the backward and the apply) grows
 # with T by one layer's T x (layer) scratch for streaming, while the buffer's grows by its (T2 - T1) * P * 4 bytes
 # of rows.
 
@@ -256,7 +256,7 @@ def _zero_update(engine, num_tasks: int, rank: int, world: int, memory: str) -> 
     from deepspeed.utils import safe_get_full_grad
 
     from fastpals.surgery import per_task_gradients
-    from fastpals.train.memory_states import LiveTensorBytes
+    from fastpals.train.memory_mode import LiveTensorBytes
     from fastpals.train.step import deepspeed_surgery_buffer
 
     module = engine.module

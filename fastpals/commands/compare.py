@@ -18,11 +18,11 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from fastpals.data.metrics import overall
+from fastpals.train.args import recipe_names
 from fastpals.train.command import parse_args
 from fastpals.train.errors import ConfigError, NonFiniteLossError, OutputError, TrainingInterrupted
 from fastpals.train.loop import Trainer
 from fastpals.train.outputs import finite_or_null
-from fastpals.train.recipes import recipe_names
 
 __all__ = ["SCORE_COLUMNS", "compare_rows", "main", "plot_compare", "write_markdown"]
 

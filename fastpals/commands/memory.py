@@ -21,13 +21,17 @@ from fastpals.data.tasks import resolve_tasks
 from fastpals.encoder.bert import BertConfig, PALConfig
 from fastpals.model.multitask import MultiTaskBert, MultiTaskConfig
 from fastpals.surgery import AGGREGATORS, shared_parameters_by_name
-from fastpals.train import memory_mode, memory_states
+from fastpals.train import memory_mode
 from fastpals.train.args import PAL_PRESETS, SURGERY_BUFFER_DTYPES
-from fastpals.train.distributed import initialize
-from fastpals.train.dsconfig import check_ds_config, load_ds_config
+from fastpals.train.dsconfig import check_ds_config, initialize, load_ds_config
 from fastpals.train.errors import ConfigError
-from fastpals.train.memory_mode import SURGERY_MEMORIES
-from fastpals.train.memory_states import PRECISIONS, GradientBuckets, LiveTensorBytes, ModelStates
+from fastpals.train.memory_mode import (
+    PRECISIONS,
+    SURGERY_MEMORIES,
+    GradientBuckets,
+    LiveTensorBytes,
+    ModelStates,
+)
 from fastpals.train.optimizer_setup import make_optimizer, optimizer_param_groups
 from fastpals.train.step import MicroBatch, Surgery, TorchEngine, run_update
 
@@ -166,7 +170,7 @@ class StepSpec:
                 f"--ds-config {self.ds_config} has zero_optimization.stage {stage} but the plan is ZeRO-{self.stage}:"
                 f" give --zero-stage {stage}"
             )
-        return memory_states.gradient_buckets(cfg, self.precision, self.stage, self.surgery)
+        return memory_mode.gradient_buckets(cfg, self.precision, self.stage, self.surgery)
 
     def check(self) -> None:
         """Raise ``ValueError`` (one line naming the option) on a bad field."""
@@ -299,7 +303,7 @@ def trace_step(spec: StepSpec, batch_size: int, fake: bool = True) -> StepTrace:
                 lambda q: q.grad is not None and tracker.tag(q.grad, "gradients")
             )
         if fake:
-            engine: Any = memory_states.DeepSpeedLikeEngine(
+            engine: Any = memory_mode.DeepSpeedLikeEngine(
                 model, spec.precision, spec.stage, spec.world_size, tracker, spec.gradient_buckets()
             )
         else:
@@ -483,7 +487,7 @@ def plan_memory(
             f"example per task for one-backward surgery; give --batch-size >= {len(spec.tasks)}"
         )
     trace = trace_step(spec, batch_size)
-    states = memory_states.model_state_bytes(trace.num_params, spec.precision, spec.stage, spec.world_size)
+    states = memory_mode.model_state_bytes(trace.num_params, spec.precision, spec.stage, spec.world_size)
     devices = {name: _fits(trace.peak_bytes, d, spec.precision) for name, d in DEVICES.items()}
     plan = MemoryPlan(**vars(trace), spec=spec, model_states=states, devices=devices)
     plan.gradient_buckets = spec.gradient_buckets()
@@ -526,7 +530,7 @@ def format_plan(plan: MemoryPlan) -> str:
         f"torch.cuda.max_memory_allocated; traced on fake tensors in {plan.seconds:.1f} s)",
         "at the peak:",
     ]
-    for cat in memory_states.CATEGORIES:
+    for cat in memory_mode.CATEGORIES:
         lines.append(f"  {CATEGORY_TEXT[cat]:<38} {_gib(plan.at_peak.get(cat, 0)):>11}")
     m = plan.model_states
     lines.append(

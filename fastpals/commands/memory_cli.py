@@ -16,8 +16,7 @@ from fastpals.commands import memory
 from fastpals.commands.memory import CATEGORY_TEXT, DEVICES, GIB, SURGERY_MODES, StepSpec
 from fastpals.surgery import AGGREGATORS
 from fastpals.train.args import PAL_PRESETS, SURGERY_BUFFER_DTYPES
-from fastpals.train.memory_mode import SURGERY_MEMORIES
-from fastpals.train.memory_states import PRECISIONS
+from fastpals.train.memory_mode import PRECISIONS, SURGERY_MEMORIES
 
 __all__ = ["main", "memory_table", "plot_plan", "plot_table"]
 

@@ -1,5 +1,7 @@
 """Every option of a training run: :class:`TrainArgs`, one dataclass field per command-line option;
-``__post_init__`` checks them and raises a one-line :class:`ConfigError` naming the option."""
+``__post_init__`` checks them and raises a one-line :class:`ConfigError` naming the option. Named recipes: JSON
+objects of options (and ``description``, ``source``) in ``fastpals/configs/recipes/`` or a path, ``--recipe``'s
+defaults, which options override."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +21,7 @@ from fastpals.encoder.pal_variants import pal_presets
 from fastpals.model.multitask import TASK_WEIGHTINGS, TASKS
 from fastpals.surgery import AGGREGATORS, make_weighting, parse_surgery_options
 from fastpals.train.dsconfig import DEFAULT_DS_CONFIG, load_ds_config
-from fastpals.train.errors import ConfigError
+from fastpals.train.errors import ConfigError, read_json_object
 from fastpals.train.memory_mode import SURGERY_MEMORIES
 from fastpals.train.optimizer_setup import OPTIMIZERS
 
@@ -110,8 +113,7 @@ class TrainArgs:
     pal_lr: float | None = opt("peak learning rate of the PAL parameters (default: --lr)")
     head_lr: float | None = opt("peak learning rate of the task heads (default: --lr)")
     warmup: float = opt(
-        "fraction of all updates with a linear warm-up from 0; then linear decay to 0",
-        default=0.1,
+        "fraction of all updates with a linear warm-up from 0; then linear decay to 0", default=0.1
     )
     optimizer: str = opt(
         "adamw (betas 0.9/0.999, eps 1e-6), sgd (momentum 0.9) or rmsprop",
@@ -266,7 +268,27 @@ class TrainArgs:
                 raise ConfigError(
                     f"{option_flag(name)} {getattr(self, name)!r}: choose one of {', '.join(f.metadata['choices'])}"
                 )
-        self._check_surgery_options()
+        if self.surgery == "none" and (self.surgery_opts or self.surgery_buffer_dtype != "auto"):
+            raise ConfigError("--surgery-opt and --surgery-buffer-dtype need a --surgery method")
+        if self.surgery_memory == "stream" and (self.surgery == "none" or self.batching != "mixed"):
+            raise ConfigError(
+                "--surgery-memory stream needs a --surgery method and --batching mixed (one backward per update); "
+                "per-task batches use the buffer: drop --surgery-memory or use --batching mixed"
+            )
+        if self.surgery_memory == "stream" and getattr(AGGREGATORS.get(self.surgery), "reads_rows", False):
+            raise ConfigError(
+                f"--surgery {self.surgery} reads the [tasks, shared parameters] gradient rows, which "
+                "--surgery-memory stream does not keep: use --surgery-memory buffer (or auto)"
+            )
+        if self.surgery_memory == "stream" and self.surgery_buffer_dtype == "bf16":
+            raise ConfigError(
+                "--surgery-buffer-dtype sets the buffer's rows; --surgery-memory stream has none: drop one of them"
+            )
+        if self.surgery != "none":
+            try:
+                make_weighting(self.surgery, **parse_surgery_options(self.surgery_opts))
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
         if self.batch_size is None or self.grad_accum is None:
             ds = load_ds_config(self.ds_config)
             if self.batch_size is None:
@@ -316,32 +338,6 @@ class TrainArgs:
             )
         if Path(self.out).exists() and not Path(self.out).is_dir():
             raise ConfigError(f"--out {self.out} is a file, not a folder: choose another --out")
-        self.data_path = self._check_data()
-
-    def _check_surgery_options(self) -> None:
-        if self.surgery == "none" and (self.surgery_opts or self.surgery_buffer_dtype != "auto"):
-            raise ConfigError("--surgery-opt and --surgery-buffer-dtype need a --surgery method")
-        if self.surgery_memory == "stream" and (self.surgery == "none" or self.batching != "mixed"):
-            raise ConfigError(
-                "--surgery-memory stream needs a --surgery method and --batching mixed (one backward per update); "
-                "per-task batches use the buffer: drop --surgery-memory or use --batching mixed"
-            )
-        if self.surgery_memory == "stream" and getattr(AGGREGATORS.get(self.surgery), "reads_rows", False):
-            raise ConfigError(
-                f"--surgery {self.surgery} reads the [tasks, shared parameters] gradient rows, which "
-                "--surgery-memory stream does not keep: use --surgery-memory buffer (or auto)"
-            )
-        if self.surgery_memory == "stream" and self.surgery_buffer_dtype == "bf16":
-            raise ConfigError(
-                "--surgery-buffer-dtype sets the buffer's rows; --surgery-memory stream has none: drop one of them"
-            )
-        if self.surgery != "none":
-            try:
-                make_weighting(self.surgery, **parse_surgery_options(self.surgery_opts))
-            except ValueError as err:
-                raise ConfigError(str(err)) from None
-
-    def _check_data(self) -> Path | None:
         builtin = [t for t, spec in self.task_specs.items() if spec.source is None]  # task files: their own
         if builtin and self.data_dir is None and not os.environ.get(DATA_DIR_ENV):
             raise ConfigError(
@@ -366,7 +362,7 @@ class TrainArgs:
             raise ConfigError(
                 f"missing data file(s): {', '.join(missing)} (check --data-dir / ${DATA_DIR_ENV})"
             )
-        return data_path
+        self.data_path = data_path
 
     def options(self) -> dict[str, Any]:
         """The options (not the derived fields) as JSON-ready values: what ``train_args.json`` holds."""
@@ -427,11 +423,11 @@ def build_pal_config(args: TrainArgs) -> PALConfig | None:
     preset = PAL_PRESETS[args.pal]
     given = {"num_heads": args.pal_heads, "hidden": args.pal_hidden, "layers": args.pal_layers}
     given = {k: v for k, v in given.items() if v is not None}
-    if preset is None and given:
-        raise ConfigError(
-            "--pal-heads/--pal-hidden/--pal-layers need PALs: drop them or choose a --pal variant"
-        )
     if preset is None:
+        if given:
+            raise ConfigError(
+                "--pal-heads/--pal-hidden/--pal-layers need PALs: drop them or choose a --pal variant"
+            )
         return None
     if given.get("layers", 1) < 1:
         raise ConfigError(f"--pal-layers {args.pal_layers}: give the number of top layers with PALs (>= 1)")
@@ -445,3 +441,48 @@ def build_pal_config(args: TrainArgs) -> PALConfig | None:
     if problem is not None:
         raise ConfigError(problem)
     return cfg
+
+
+RECIPE_INFO_KEYS = ("description", "source")  # the keys of a recipe that are not options
+_RECIPES = Path(str(resources.files("fastpals") / "configs" / "recipes"))
+
+
+def recipe_names() -> list[str]:
+    """The shipped recipes' names, sorted (file names without ``.json``)."""
+    return sorted(p.stem for p in _RECIPES.glob("*.json"))
+
+
+def _read_recipe(name: str) -> tuple[Path, dict[str, Any]]:
+    """The path and JSON object of recipe ``name``, a shipped name or a path to a ``.json`` file; anything else is
+    a one-line :class:`ConfigError` listing the shipped names."""
+    if name in recipe_names():
+        path = _RECIPES / f"{name}.json"
+    elif (path := Path(name)).suffix != ".json" or not path.is_file():
+        raise ConfigError(f"--recipe {name!r}: no such recipe; shipped recipes: {', '.join(recipe_names())}")
+    return path, read_json_object(path, "--recipe ", "a recipe is a JSON object of TrainArgs options")
+
+
+def recipe_info(name: str) -> dict[str, str]:
+    """``{"description": ..., "source": ...}`` of a recipe (empty strings where missing)."""
+    return {k: str(_read_recipe(name)[1].get(k, "")) for k in RECIPE_INFO_KEYS}
+
+
+def load_recipe(name: str) -> dict[str, Any]:
+    """The options of recipe ``name`` (shipped name or JSON path) as ``{TrainArgs field: value}``; a key that is
+    not an option or a value of the wrong JSON type is a one-line :class:`ConfigError` naming the file and the key."""
+    path, data = _read_recipe(name)
+    options = {}
+    for key, value in data.items():
+        if key in RECIPE_INFO_KEYS:
+            continue
+        if key not in OPTIONS:
+            raise ConfigError(
+                f"--recipe {path}: key {key!r} is not a training option (the keys are TrainArgs field names, "
+                f"e.g. pal, surgery, pair_mode, or {', '.join(RECIPE_INFO_KEYS)})"
+            )
+        if key in ("resume", "overwrite", "local_rank", "stop_after_steps", "inject_nan_at_step"):
+            raise ConfigError(f"--recipe {path}: key {key!r} belongs to one command, not to a recipe")
+        if type_problem(OPTIONS[key], value) is not None:
+            raise ConfigError(f"--recipe {path}: key {key!r} has a value of the wrong type: {value!r}")
+        options[key] = value
+    return options

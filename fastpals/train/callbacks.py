@@ -193,11 +193,6 @@ def smooth(values: Sequence[float], window: int) -> np.ndarray:
     return (c[idx] - c[lo]) / (idx - lo)
 
 
-def task_colors(tasks: Sequence[str]) -> dict[str, str]:
-    """One colour per task (tab10, in the given order) and black for ``overall``, the same in every panel."""
-    return {**{task: f"C{i % 10}" for i, task in enumerate(tasks)}, "overall": "black"}
-
-
 def training_curve_series(
     step_losses: dict[str, tuple[Sequence[int], Sequence[float]]],
     evals: Sequence[dict],
@@ -208,7 +203,7 @@ def training_curve_series(
     keys = sorted({k for e in evals for k in e["dev"] if isinstance(e["dev"][k], (int, float))} - {"overall"})
     order = list(tasks) if tasks is not None else sorted(set(step_losses) | set(keys))
     order += [t for t in sorted(set(step_losses) | set(keys)) if t not in order]
-    colors = task_colors(order)
+    colors = {**{task: f"C{i % 10}" for i, task in enumerate(order)}, "overall": "black"}  # in both panels
     series = []
     for task in [t for t in order if t in step_losses]:
         steps, losses = step_losses[task]
@@ -285,13 +280,9 @@ def plot_confusion_matrices(
         labels, preds = (np.asarray(v, dtype=np.int64) for v in predictions["sst"])
         plots["sst"] = (confusion_matrix(labels, preds, 5), None, "SST dev (rows: true)")
     if "sts" in predictions:
-        labels, preds = predictions["sts"]
+        labels, preds = (bin_sts(v) for v in predictions["sts"])
         names = [f"{k / 2:g}" for k in range(11)]
-        plots["sts"] = (
-            confusion_matrix(bin_sts(labels), bin_sts(preds), 11),
-            names,
-            "STS dev, binned to 0.5",
-        )
+        plots["sts"] = (confusion_matrix(labels, preds, 11), names, "STS dev, binned to 0.5")
     return [
         plot_confusion_matrix(matrix, Path(folder) / f"confusion_{task}.png", class_names=names, title=title)
         for task, (matrix, names, title) in plots.items()

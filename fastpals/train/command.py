@@ -4,8 +4,11 @@ user can fix print one line (``--debug``: the traceback too)."""
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import dataclasses
 import json
+import platform
 import sys
 import textwrap
 import threading
@@ -13,8 +16,16 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from fastpals.train.allocator import keep_freed_memory
-from fastpals.train.args import OPTION_TYPES, OPTIONS, TrainArgs, option_flag, resume_fields, type_problem
+from fastpals.train.args import (
+    OPTION_TYPES,
+    OPTIONS,
+    TrainArgs,
+    load_recipe,
+    option_flag,
+    recipe_names,
+    resume_fields,
+    type_problem,
+)
 from fastpals.train.errors import (
     ConfigError,
     NonFiniteLossError,
@@ -24,9 +35,8 @@ from fastpals.train.errors import (
     read_json_object,
 )
 from fastpals.train.loop import Trainer
-from fastpals.train.recipes import load_recipe, recipe_names
 
-__all__ = ["build_parser", "main", "parse_args"]
+__all__ = ["build_parser", "keep_freed_memory", "main", "parse_args"]
 
 PROG = "train.py"
 # options of one command, never taken from the saved run on --resume
@@ -84,11 +94,8 @@ def build_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
     for f in OPTIONS.values():
         m = f.metadata
         flags = m["flags"] or (option_flag(f.name),)
-        may_change = " [may change on --resume]" if m["resume"] == "may_change" else ""
-        kw: dict[str, Any] = {
-            "dest": f.name,
-            "help": argparse.SUPPRESS if m["hidden"] else m["help"] + may_change,
-        }
+        text = m["help"] + (" [may change on --resume]" if m["resume"] == "may_change" else "")
+        kw: dict[str, Any] = {"dest": f.name, "help": argparse.SUPPRESS if m["hidden"] else text}
         if not suppress_defaults:
             kw["default"] = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         if f.default is False:
@@ -150,6 +157,22 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
     return TrainArgs(**{**options, **given})
 
 
+def keep_freed_memory() -> bool:
+    """glibc ``malloc`` tuning: with its defaults a CPU step's large blocks are mapped fresh and unmapped on free,
+    so each update pays page faults again. Raises the mmap threshold (1 GiB, else the 32 MiB older glibc takes)
+    and stops trimming; True when every setting was taken, False without glibc or where it refused one."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except OSError:
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3  # glibc malloc.h
+    mmap_ok = mallopt(m_mmap_threshold, 1 << 30) == 1 or mallopt(m_mmap_threshold, 32 << 20) == 1
+    return mmap_ok and mallopt(m_trim_threshold, 2**31 - 1) == 1 and mallopt(m_top_pad, 64 << 20) == 1
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``train.py`` and ``fastpals train``; returns the exit status (:data:`EXIT_CODES`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -158,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     ctrl_c = SetupCtrlC().install() if threading.current_thread() is threading.main_thread() else SetupCtrlC()
     try:
         args = parse_args(argv)
-        keep_freed_memory()  # reuse freed host memory: fewer page faults per update (see its module)
+        keep_freed_memory()  # reuse freed host memory: fewer page faults per update
         trainer = Trainer(args)
         ctrl_c.check()
         trainer.run()

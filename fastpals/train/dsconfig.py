@@ -1,11 +1,19 @@
-"""DeepSpeed JSON configs: the shipped ones (``fastpals/configs/``), reading one and checking it."""
+"""DeepSpeed JSON configs: the shipped ones (``fastpals/configs/``), reading one and checking it; and
+:func:`initialize`, DeepSpeed's set-up for ``python train.py`` without the launcher."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import difflib
+import gc
+import importlib
+import io
+import logging
 import os
 import re
+import socket
+import sys
 import typing
 from importlib import resources
 from pathlib import Path
@@ -147,13 +155,11 @@ def check_ds_config(
     _resolve_auto_precision(out, cuda, native_bf16, name)
     zero = out.get("zero_optimization")
     if isinstance(zero, dict) and zero.get("stage") == "auto":
-        # ZeRO-1 where it earns its copies: bf16 (DeepSpeed keeps fp32 master weights there; on CPU nothing else
-        # does) or several ranks (partitioned optimizer state); one fp32 process gains nothing from it
+        # ZeRO-1 where it earns its copies: fp32 master weights for bf16/fp16, or partitioned optimizer state
         zero["stage"] = 1 if _enabled(out, "bf16") or _enabled(out, "fp16") or world_size > 1 else 0
     _resolve_grad_accum_dtype(out, surgery, name)
     if (out.get("zero_optimization") or {}).get("stage", 0) in (1, 2):
-        # the optimizer is always fastpals' own torch one (--optimizer adamw, sgd or rmsprop); DeepSpeed's ZeRO
-        # wraps any torch optimizer but refuses all but its tested few unless told
+        # ZeRO refuses torch optimizers it has not tested (fastpals' own --optimizer) unless told
         out.setdefault("zero_allow_untested_optimizer", True)
     accum = 1 if surgery != "none" else grad_accum
     micro = out.setdefault("train_micro_batch_size_per_gpu", batch_size)
@@ -284,3 +290,59 @@ def check_ds_keys(cfg: dict[str, Any], name: str = "--ds_config") -> None:
             raise ConfigError(
                 f"{name}: {section}: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
             ) from None
+
+
+def initialize(
+    model: Any, optimizer: Any, scheduler: Any, config: dict, log: Any = print, verbose: bool = False
+) -> tuple:
+    """``deepspeed.initialize`` (``(engine, optimizer, loader, scheduler)``), also without the launcher; one
+    process starts without the CPU shared-memory comm op (a ninja build of minutes). Without ``verbose``, what
+    DeepSpeed prints is held back unless it fails; with it, DeepSpeed logs at INFO."""
+    if verbose:
+        from deepspeed.utils import logger  # DeepSpeed's import takes seconds
+
+        logger.setLevel(logging.INFO)
+        for handler in logger.handlers:
+            handler.setLevel(logging.INFO)
+    else:
+        if not torch.cuda.is_available():
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    import deepspeed  # its import takes seconds
+
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, value)
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    single = int(os.environ["WORLD_SIZE"]) == 1
+    if not single and not torch.cuda.is_available():
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+        folder = Path(os.environ["TORCH_EXTENSIONS_DIR"])
+        if not any(folder.glob("*/deepspeed_shm_comm/*.so")):
+            log(f"[setup] building DeepSpeed's CPU shared-memory op once into {folder} (later runs reuse it)")
+    ds_torch = importlib.import_module("deepspeed.comm.torch")  # by name: the attribute is torch itself
+    build_shm_op = ds_torch.build_shm_op
+    if single:
+        ds_torch.build_shm_op = lambda: None  # "op not available"
+    held = io.StringIO()
+    gc.freeze()  # DeepSpeed's set-up runs gc.collect() per parameter group: let it scan only new objects
+    try:
+        with contextlib.redirect_stdout(sys.stdout if verbose else held):
+            out = deepspeed.initialize(
+                model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config
+            )
+    except BaseException:
+        sys.stdout.write(held.getvalue())
+        raise
+    finally:
+        gc.unfreeze()
+        ds_torch.build_shm_op = build_shm_op
+    engine = out[0]
+    # one rank: DeepSpeed's fallback all-reduce (ZeRO-0, BF16_Optimizer) copies every gradient through a
+    # bucket for an identity; ZeRO-1/2's reduce_gradients also moves gradients into place, so it stays
+    reduces = hasattr(engine.optimizer, "reduce_gradients")
+    if single and not reduces and not engine.zero_optimization_partition_gradients():
+        engine.enable_backward_allreduce = False
+    return out

@@ -66,12 +66,6 @@ class OutputError(RuntimeError):
     """Writing an output failed (disk full, no permission, read-only): one line naming the path and cause."""
 
 
-_LOWER_RATE = (
-    "start a new run (another --out, or --overwrite) with a lower --lr / --pal-lr / --head-lr, or bf16 instead of "
-    "fp16 (--resume keeps the saved options, so it would meet the same non-finite value again)"
-)
-
-
 class NonFiniteLossError(RuntimeError):
     """A loss (or a task gradient under surgery, the weights, the dev outputs) was NaN/inf at update
     ``step``; :meth:`add_context` names the run's last checkpoint and best model (both finite)."""
@@ -93,7 +87,11 @@ class NonFiniteLossError(RuntimeError):
             f"non-finite {self.what} {self.value} at update step {self.step}, task {self.task!r}: training "
             "stopped before this step's update",
         )
-        return f"{head}{self.context}. To go on, {_LOWER_RATE}."
+        return (
+            f"{head}{self.context}. To go on, start a new run (another --out, or --overwrite) with a lower --lr / "
+            "--pal-lr / --head-lr, or bf16 instead of fp16 (--resume keeps the saved options, so it would meet the "
+            "same non-finite value again)."
+        )
 
     def add_context(
         self, checkpoint: Path | None, checkpoint_step: int | None, best: Path | None, best_step: int | None
@@ -105,9 +103,6 @@ class NonFiniteLossError(RuntimeError):
         best_text = f"; {best} holds the best model so far (update {best_step})" if best is not None else ""
         self.context = f" ({ckpt}{best_text})"
         self.args = (self._message(),)
-
-    def __str__(self) -> str:
-        return self._message()
 
 
 class TrainingInterrupted(RuntimeError):

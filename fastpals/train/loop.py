@@ -28,9 +28,8 @@ from fastpals.surgery import make_weighting, parse_surgery_options
 from fastpals.train import outputs
 from fastpals.train.args import TrainArgs
 from fastpals.train.callbacks import Callback, default_callbacks
-from fastpals.train.data_setup import eval_batcher, open_tokenizer, setup_data
-from fastpals.train.distributed import initialize
-from fastpals.train.dsconfig import check_ds_config, load_ds_config, precision_note
+from fastpals.train.data_setup import eval_batcher, open_tokenizer, packed_micro_batches, setup_data
+from fastpals.train.dsconfig import check_ds_config, initialize, load_ds_config, precision_note
 from fastpals.train.errors import (
     ConfigError,
     NonFiniteLossError,
@@ -39,7 +38,6 @@ from fastpals.train.errors import (
     TrainingInterrupted,
 )
 from fastpals.train.memory_mode import SURGERY_MEMORY_TEXT, trainer_memory_mode
-from fastpals.train.mixed import packed_micro_batches
 from fastpals.train.optimizer_setup import build_model, lr_lambda, make_optimizer, optimizer_param_groups
 from fastpals.train.state import (
     GeneratorState,
@@ -56,11 +54,6 @@ __all__ = ["Trainer", "timestamped"]
 
 def timestamped(message: str) -> str:
     return f"{datetime.now().strftime('%H:%M:%S')} {message}"
-
-
-def seconds_since_process_start() -> float:
-    """Wall seconds since this process started, its imports included."""
-    return time.time() - psutil.Process().create_time()
 
 
 def _rng_state() -> tuple[Any, Any, Any]:
@@ -93,8 +86,7 @@ class Trainer:
         if self.is_main:
             outputs.RunLock(self.out).check_free()
         self._tokenizer = open_tokenizer(args)
-        # the model is built before --out is touched, the random state put back: the set-up restores the state
-        # its build left after the data, as if it were built there
+        # built before --out is touched; the set-up restores the random state it left, as if built after the data
         before = _rng_state()
         self._early_model = build_model(args)
         self._rng_after_model = _rng_state()
@@ -137,28 +129,29 @@ class Trainer:
         for callback in self.callbacks:
             callback.on_record(self, entry)
 
-    def _model_line(self) -> str:
-        args, counts = self.args, count_parameters(self.model)
+    def _log_setup(self) -> None:
+        """The set-up lines: model, encoder, precision and device."""
+        args, bert, counts = self.args, self.model.bert, count_parameters(self.model)
         trained = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         pals = "no PALs" if args.pal_config is None else f"PALs {args.pal}"
-        return (
+        self.log(
             f"[model] {args.model} + {pals}, tasks {','.join(args.task_list)}: {counts['total'] / 1e6:.1f}M "
             f"parameters, {trained / 1e6:.1f}M trained"
         )
-
-    def _encoder_line(self) -> str:
-        bert, mixed = self.model.bert, self.args.batching == "mixed"
-        if not isinstance(bert, HFEncoder):
-            how = "packed without padding" if mixed else "padded per task"
-            return f"[model] encoder: fastpals minBERT (fused PALs); batches {how}"
-        how = "padded per micro-batch (its attention takes no packed input)" if mixed else "padded per task"
-        return f"[model] encoder: HF {bert.model_type} (transformers AutoModel + inject_pals); batches {how}"
-
-    def _device_name(self) -> str:
+        if isinstance(bert, HFEncoder):
+            how = "padded per micro-batch (its attention takes no packed input)"
+            encoder = f"HF {bert.model_type} (transformers AutoModel + inject_pals)"
+        else:
+            how, encoder = "packed without padding", "fastpals minBERT (fused PALs)"
+        self.log(
+            f"[model] encoder: {encoder}; batches {how if args.batching == 'mixed' else 'padded per task'}"
+        )
         local = int(os.environ.get("LOCAL_RANK", "0"))
+        device = f"device cpu ({torch.get_num_threads()} threads)"
         if torch.cuda.is_available():
-            return f"device cuda:{local} ({torch.cuda.get_device_name(local)})"
-        return f"device cpu ({torch.get_num_threads()} threads)"
+            device = f"device cuda:{local} ({torch.cuda.get_device_name(local)})"
+        # after the checks of data and model, whose errors are one line
+        self.log(f"[setup] {self.precision}; {device}")
 
     def _setup_data(self) -> None:
         data = setup_data(self.args, self.rank, self.world_size, self.log, tokenizer=self._tokenizer)
@@ -251,8 +244,6 @@ class Trainer:
     def _settle_replaced(self, failed: bool) -> None:
         """Delete the run ``--overwrite`` moved aside, or put it back (quietly) when this run ``failed``."""
         aside, self._replaced = getattr(self, "_replaced", None), None
-        if aside is None:
-            return
         if failed:  # quietly: the error that stopped the run stays the one line the user sees
             outputs.restore_replaced(self.out, aside)
         else:
@@ -397,10 +388,7 @@ class Trainer:
         args, start = self.args, time.perf_counter()
         self._setup_data()
         self._setup_model()
-        self.log(self._model_line())
-        self.log(self._encoder_line())
-        # after the checks of data and model, whose errors are one line
-        self.log(f"[setup] {self.precision}; {self._device_name()}")
+        self._log_setup()
         self._setup_engine()
         if self.is_main:  # before training: room for a checkpoint and best/
             problem = outputs.free_space_error(self.out, *self.output_sizes(), resume=args.resume)
@@ -413,7 +401,7 @@ class Trainer:
             self.record({"type": "config", "args": args.options(), "ds_config": self.ds_config,
                          "parameters": count_parameters(self.model)})  # fmt: skip
         self.state.add_time("setup_s", time.perf_counter() - start)
-        self.state.timings["process_setup_s"] = startup = seconds_since_process_start()
+        self.state.timings["process_setup_s"] = startup = time.time() - psutil.Process().create_time()
         self.log(f"[setup] ready {startup:.1f} s after the process started (imports, data, model, engine)")
         stops = [signal.SIGTERM, signal.SIGINT] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
         # a closed terminal (SIGHUP) stops as SIGTERM
@@ -453,11 +441,10 @@ class Trainer:
         """After an update (and its evaluation, checkpoint): a stop signal writes a checkpoint and stops."""
         if self._stop_signal is None:
             return
-        state = self.state
-        state.add_time("train_s", time.perf_counter() - t_train)
+        self.state.add_time("train_s", time.perf_counter() - t_train)
         path = self.save_checkpoint()
-        self.record({"type": "interrupted", "step": state.global_step, "signal": self._stop_signal})
-        raise TrainingInterrupted(self._stop_signal, state.global_step, path)
+        self.record({"type": "interrupted", "step": self.state.global_step, "signal": self._stop_signal})
+        raise TrainingInterrupted(self._stop_signal, self.state.global_step, path)
 
     def _loop(self) -> None:
         args, sampler, state = self.args, self.sampler, self.state
@@ -466,7 +453,12 @@ class Trainer:
         while True:
             if sampler.epoch_done():
                 if state.evaluated_epoch < sampler.epoch:
-                    self._end_epoch()
+                    dev = self._eval_and_track(sampler.epoch)
+                    state.evaluated_epoch = sampler.epoch
+                    self.record(
+                        {"type": "epoch", "epoch": sampler.epoch, "step": state.global_step, "dev": dev}
+                    )
+                    self.save_checkpoint()
                     self._stop_if_asked(t_train)
                 if sampler.epoch == args.epochs:
                     break
@@ -494,13 +486,6 @@ class Trainer:
                     self.save_checkpoint()
                 self._stop_if_asked(t_train)
         state.add_time("train_s", time.perf_counter() - t_train)
-
-    def _end_epoch(self) -> None:
-        epoch = self.sampler.epoch
-        dev = self._eval_and_track(epoch)
-        self.state.evaluated_epoch = epoch
-        self.record({"type": "epoch", "epoch": epoch, "step": self.state.global_step, "dev": dev})
-        self.save_checkpoint()
 
     def _finish(self, start: float) -> dict[str, Any]:
         args, state = self.args, self.state

@@ -71,7 +71,6 @@ def lr_lambda(step: int, total: int, warmup: float) -> float:
 def build_model(args: Any) -> torch.nn.Module:
     """The :class:`~fastpals.MultiTaskBert` of a run's options, seeded with ``--seed``, with the freezing
     options applied; a model that cannot be loaded is a :class:`ConfigError`."""
-
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
     random.seed(args.seed)

@@ -281,8 +281,7 @@ _HELD = (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN)  # flock's errors for a 
 
 def writable_folder_error(out: Path, err: OSError) -> ConfigError:
     """The one-line error for an ``--out`` that cannot be created or written (read-only, permissions)."""
-    cause = err.strerror or type(err).__name__
-    where = err.filename or out
+    where, cause = err.filename or out, err.strerror or type(err).__name__
     return ConfigError(
         f"--out {out}: cannot write {where} ({cause}): choose an --out in a folder you can write to"
     )
@@ -352,9 +351,8 @@ class RunLock:
             return
         fd, self.fd = self.fd, None
         try:
-            os.ftruncate(fd, 0)
-        except OSError:
-            pass
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
         finally:
             os.close(fd)  # closing releases the flock
 

@@ -34,10 +34,6 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-def _no_best() -> dict[str, Any]:
-    return {"overall": -math.inf, "step": None, "epoch": None, "dev": None}
-
-
 @dataclass
 class TrainState:
     """Progress of a run: updates done, epochs evaluated, per-task loss curves ``{task: (steps, losses)}``,
@@ -48,7 +44,9 @@ class TrainState:
     evaluated_epoch: int = 0
     step_losses: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)
     evals: list[dict[str, Any]] = field(default_factory=list)
-    best: dict[str, Any] = field(default_factory=_no_best)
+    best: dict[str, Any] = field(
+        default_factory=lambda: {"overall": -math.inf, "step": None, "epoch": None, "dev": None}
+    )
     untrained: dict[str, float] | None = None
     timings: dict[str, float] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
@@ -86,11 +84,11 @@ class RNGState:
             torch.cuda.set_rng_state_all(state["cuda"])
 
 
+@dataclass
 class GeneratorState:
     """A ``torch.Generator`` as a component."""
 
-    def __init__(self, generator: torch.Generator) -> None:
-        self.generator = generator
+    generator: torch.Generator
 
     def state_dict(self) -> dict[str, Any]:
         return {"state": self.generator.get_state()}
@@ -102,23 +100,18 @@ class GeneratorState:
 _STEP_FOLDER = re.compile(r"step(\d+)")
 
 
-def _read_latest(ckpt_dir: Path) -> str | None:
-    try:
-        return (ckpt_dir / "latest").read_text().strip() or None
-    except OSError:
-        return None
-
-
 def save_checkpoint(
     engine: Any, ckpt_dir: Path, state: TrainState, components: dict[str, Stateful], is_main: bool
 ) -> Path:
     """DeepSpeed checkpoint ``<ckpt_dir>/step<N>`` with the train state and every component's state, then
-    ``latest``; the previous checkpoint and step folders left by a kill are removed. A failed write is an
-    :class:`OutputError` naming the path and the cause, after the partial folder is removed: the previous checkpoint
-    stays whole and ``latest`` names it."""
+    ``latest``; the previous one and step folders left by a kill are removed. A failed write removes the partial
+    folder (the previous checkpoint stays whole) and is an :class:`OutputError` naming the path and the cause."""
     tag = f"step{state.global_step}"
     folder = ckpt_dir / tag
-    previous = _read_latest(ckpt_dir)
+    try:
+        previous = (ckpt_dir / "latest").read_text().strip() or None
+    except OSError:
+        previous = None
     if is_main and ckpt_dir.is_dir():  # step folders that ``latest`` does not name: a kill during a removal
         for stale in ckpt_dir.iterdir():
             if stale.is_dir() and _STEP_FOLDER.fullmatch(stale.name) and stale.name not in (previous, tag):
@@ -177,18 +170,6 @@ def _whole(folder: Path) -> str | None:
     return None
 
 
-def newest_whole_checkpoint(ckpt_dir: Path) -> Path | None:
-    """The whole ``step<N>`` folder of ``ckpt_dir`` with the largest N, or None."""
-    if not ckpt_dir.is_dir():
-        return None
-    steps = [
-        (int(m.group(1)), p)
-        for p in ckpt_dir.iterdir()
-        if p.is_dir() and (m := _STEP_FOLDER.fullmatch(p.name))
-    ]
-    return next((p for _, p in sorted(steps, reverse=True) if _whole(p) is None), None)
-
-
 def check_checkpoint(ckpt_dir: Path) -> str:
     """The tag ``latest`` names, once its folder and files are checked whole; else :class:`ConfigError`
     naming the file."""
@@ -197,8 +178,9 @@ def check_checkpoint(ckpt_dir: Path) -> str:
         tag = latest.read_text().strip() if latest.is_file() else None
     except (OSError, UnicodeDecodeError) as err:
         raise ConfigError(f"--resume: cannot read {latest} ({err}): {FRESH_START}") from None
-    if tag is None or not tag or not (ckpt_dir / tag).is_dir():
-        newest = newest_whole_checkpoint(ckpt_dir)
+    if not tag or not (ckpt_dir / tag).is_dir():
+        steps = [p for p in ckpt_dir.glob("step*") if p.is_dir() and _STEP_FOLDER.fullmatch(p.name)]
+        newest = next((p for p in sorted(steps, key=lambda p: -int(p.name[4:])) if _whole(p) is None), None)
         if tag is None:
             problem = f"{latest} does not exist"
         elif not tag:
@@ -219,8 +201,7 @@ def check_checkpoint(ckpt_dir: Path) -> str:
             f"--resume: {problem}: write the name of an existing checkpoint folder into {latest}, or "
             f"{FRESH_START}"
         )
-    problem = _whole(ckpt_dir / tag)
-    if problem is not None:
+    if (problem := _whole(ckpt_dir / tag)) is not None:
         raise ConfigError(f"--resume: {problem}: {FRESH_START}")
     return tag
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,13 +78,9 @@ class TorchEngine:
     max_grad_norm: float | None = None
     micro_steps: int = field(default=0, init=False)
 
-    def _autocast(self) -> AbstractContextManager:
-        if self.autocast is None:
-            return nullcontext()
-        return torch.autocast(next(self.module.parameters()).device.type, dtype=self.autocast)
-
     def __call__(self, **inputs: Any) -> Any:
-        with self._autocast():
+        device = next(self.module.parameters()).device.type
+        with nullcontext() if self.autocast is None else torch.autocast(device, dtype=self.autocast):
             return self.module(**inputs)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -190,15 +186,11 @@ def run_update(
     record: Callable[[dict[str, Any]], None] | None = None,
     sync: Callable[[], None] | None = None,
 ) -> UpdateResult:
-    """One optimizer update over ``micro_batches`` (consumed one at a time: a generator may collate each while
-    the device runs the previous one) with ``strategy`` (``surgery`` required by all but ``none``);
-    ``loss_hooks`` (``hook(step, loss) -> loss``) are test faults; ``sync`` runs before the clock is read
-    after ``apply``.
-
-    One host read per update (two with a data-parallel buffer): every loss, with one rank's surgery flags, is
-    read after the last backward, so that a NaN/inf loss is recorded and raised as :class:`NonFiniteLossError`
-    before ``engine.step()``. A skipped surgery applies nothing: an ``overflow`` under dynamic loss scaling,
-    else the caller decides (the trainer raises)."""
+    """One optimizer update over ``micro_batches`` (consumed one at a time) with ``strategy`` (``surgery``
+    required by all but ``none``); ``loss_hooks`` (``hook(step, loss) -> loss``) are test faults; ``sync`` runs
+    before the clock is read after ``apply``. One host read per update (two with a data-parallel buffer), after
+    the last backward: a NaN/inf loss raises :class:`NonFiniteLossError` before ``engine.step()``. A skipped
+    surgery applies nothing: an ``overflow`` under dynamic loss scaling, else the caller decides."""
     module = engine.module
     names = [spec.name for spec in module.tasks]
     values: list[torch.Tensor] = []  # device scalars, read once after the last backward
