@@ -265,3 +265,24 @@ def test_surgery_upgrad_run_gives_the_pytorch_solver_weights(monkeypatch):
     monkeypatch.setenv("FASTPALS_SOLVE", "torch")
     errors = [float((w - upgrad_weights(g)).abs().max() / w.abs().max()) for g, w in seen]
     assert max(errors) <= 1e-6, errors
+
+
+def test_a_killed_build_does_not_block_the_next_one():
+    """A build killed mid-way leaves torch's ``lock`` file in the cache; the next process must build (or load)
+    instead of waiting on it forever."""
+    import os
+    import subprocess
+
+    lock = compiled.extension_cache_dir() / "lock"
+    lock.write_text("")
+    code = "from fastpals.surgery import compiled; assert compiled.load()"
+    env = {k: v for k, v in os.environ.items() if k != "FASTPALS_SOLVE"}
+    try:
+        run = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("the next load waited on the killed build's lock file")
+    finally:
+        lock.unlink(missing_ok=True)
+    assert run.returncode == 0, run.stderr[-2000:]

@@ -9,7 +9,7 @@ import contextlib
 import importlib.util
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,21 @@ def _fake(gram: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     return gram.new_empty((gram.shape[0],))  # w [T], whatever the rest
 
 
+@contextlib.contextmanager
+def _build_lock(build: Path) -> Iterator[None]:
+    """Serialise builds with an OS lock that dies with its holder, and clear the ``lock`` file a killed build
+    leaves behind (torch's build would wait on it forever)."""
+    try:
+        import fcntl  # not on Windows: torch's own lock file only
+    except ImportError:
+        yield
+        return
+    with open(build / "build.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (build / "lock").unlink(missing_ok=True)
+        yield
+
+
 def _build_jit() -> str:
     from torch.utils import cpp_extension
 
@@ -42,16 +57,17 @@ def _build_jit() -> str:
     sources = [str(CSRC / f) for f in CPU_SOURCES + (CUDA_SOURCES if with_cuda else ())]
     build = extension_cache_dir()
     build.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(
-        name="fastpals_solve_weights",
-        sources=sources,
-        extra_cflags=["-O2", "-ffp-contract=off"],
-        extra_cuda_cflags=["-O2"],
-        extra_include_paths=[str(CSRC)],
-        build_directory=str(build),
-        is_python_module=False,
-        verbose=False,
-    )
+    with _build_lock(build):
+        cpp_extension.load(
+            name="fastpals_solve_weights",
+            sources=sources,
+            extra_cflags=["-O2", "-ffp-contract=off"],
+            extra_cuda_cflags=["-O2"],
+            extra_include_paths=[str(CSRC)],
+            build_directory=str(build),
+            is_python_module=False,
+            verbose=False,
+        )
     return f"({'C++ and CUDA' if with_cuda else 'C++'}) built just in time with ninja, cached in {build} (rebuilt when csrc/ changes)"
 
 
