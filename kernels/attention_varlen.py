@@ -13,17 +13,16 @@ import torch.nn.functional as F
 from fastpals_kernels import backends
 from fastpals_kernels.backends import backend, registered, use_library
 from fastpals_kernels.common import recompute_ops, seed_for, seeded
+from fastpals_kernels.dropout import dropout
 from fastpals_kernels.padding import AttentionPlan, bucketed_attention, key_mask_bias, pad_packed_index
 
 __all__ = [
-    "Dropout",
     "attention_reference",
     "attention_sdpa",
     "attention_varlen",
     "attention_varlen_eager",
     "attention_varlen_reference",
     "attention_with_key_bias",
-    "dropout",
     "key_mask_bias",
     "padded_attention",
 ]
@@ -50,32 +49,6 @@ def attention_varlen(
             q, k, v, cu_seqlens, max_seqlen, dropout_p, seed_for(dropout_p)
         )
     return attention_varlen_eager(q, k, v, cu_seqlens, max_seqlen, dropout_p, plan)
-
-
-def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
-    """Inverted dropout (identity when ``training`` is False or ``p == 0``). On CPU the keep mask comes from
-    16-bit slices of 64-bit random words (faster than ``F.dropout``), so ``p`` is rounded to a multiple of
-    1/65536 and the scale uses the rounded value; elsewhere and under ``torch.compile`` ``F.dropout``."""
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"dropout: p must be in [0, 1), got {p}")
-    if not training or p == 0.0:
-        return x
-    if x.device.type != "cpu" or torch.compiler.is_compiling():  # the compiler traces F.dropout's mask
-        return F.dropout(x, p=p, training=True)
-    n = x.numel()
-    drop = round(p * 65536)  # a slice below -32768 + drop is dropped: probability drop / 65536
-    words = torch.empty((n + 3) // 4, dtype=torch.int64).random_(-(2**63), None)
-    slices = words.view(torch.int16)[:n].view(x.shape)
-    keep = slices >= drop - 32768
-    # the scale is applied in the op's fp32 math: one rounding, as F.dropout
-    return (x * keep).mul_(65536.0 / (65536 - drop))
-
-
-class Dropout(torch.nn.Dropout):
-    """``nn.Dropout`` computed by :func:`dropout` (the same module type, state and ``p``; a faster mask on CPU)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dropout(x, self.p, self.training)
 
 
 def attention_reference(

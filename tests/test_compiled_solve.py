@@ -273,7 +273,8 @@ def test_a_killed_build_does_not_block_the_next_one():
     import os
     import subprocess
 
-    lock = compiled.extension_cache_dir() / "lock"
+    lock = compiled.build_directory() / "lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
     lock.write_text("")
     code = "from fastpals.surgery import compiled; assert compiled.load()"
     env = {k: v for k, v in os.environ.items() if k != "FASTPALS_SOLVE"}

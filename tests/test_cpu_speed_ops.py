@@ -76,6 +76,75 @@ def test_dropout_module_is_an_nn_dropout():
     assert (m.train()(x) == 0).any()
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """Bit patterns, every NaN as one pattern (the kernel writes the quiet NaN, PyTorch keeps the payload)."""
+    t = t.detach()
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return torch.where(t.isnan(), torch.zeros((), dtype=ints), t.view(ints))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_compiled_dropout_is_bit_identical_to_the_reference(dtype):
+    """The one-pass kernel (csrc/dropout.cpp) against :func:`dropout_reference` and ``+ residual``: outputs and the
+    gradients of x and residual equal bit for bit, signed zeros, infinities and NaNs included."""
+    from fastpals_kernels import dropout as ops
+
+    if not ops.compiled_dropout():
+        pytest.skip("the compiled dropout did not build here (no C++ compiler or ninja)")
+    torch.manual_seed(6)
+    for shape in ((7,), (5, 1, 33), (48, 12, 29, 29)):
+        x = (10 * torch.randn(shape, dtype=torch.float64)).to(dtype)
+        x.view(-1)[:4] = torch.tensor([float("inf"), float("-inf"), float("nan"), -0.0])
+        residual = torch.randn(shape, dtype=torch.float64).to(dtype)
+        grad = (3 * torch.randn(shape, dtype=torch.float64)).to(dtype)
+        for p, with_residual in ((0.1, True), (0.5, False), (1e-4, True)):
+            runs = []
+            for fused in (True, False):
+                a = x.clone().requires_grad_()
+                r = residual.clone().requires_grad_() if with_residual else None
+                torch.manual_seed(7)
+                if fused:
+                    y = ops.dropout_add(a, r, p)
+                else:
+                    y = ops.dropout_reference(a, p) if r is None else ops.dropout_reference(a, p) + r
+                y.backward(grad)
+                runs.append([y, a.grad] + ([r.grad] if with_residual else []))
+                if fused:
+                    assert type(y.grad_fn).__name__ == "_DropoutMaskBackward"  # the kernel ran
+            for got, want in zip(*runs):
+                assert torch.equal(_bits(got), _bits(want)), (shape, p)
+
+
+def test_compiled_dropout_keeps_a_training_step_bit_identical(monkeypatch):
+    """A tiny packed BERT with PALs, one forward and backward in bf16: the loss and every gradient are the same
+    bits with the compiled dropout as with ``FASTPALS_DROPOUT=torch``."""
+    from fastpals_kernels import dropout as ops
+
+    if not ops.compiled_dropout():
+        pytest.skip("the compiled dropout did not build here (no C++ compiler or ninja)")
+    cfg = BertConfig(vocab_size=50, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=96, max_position_embeddings=32, hidden_dropout_prob=0.2)  # fmt: skip
+    torch.manual_seed(8)
+    model = BertModel(cfg, PALConfig(num_tasks=2, hidden=24, num_heads=2)).to(torch.bfloat16).train()
+    lengths = torch.tensor([9, 4, 7])
+    cu = torch.zeros(4, dtype=torch.int32)
+    cu[1:] = torch.cumsum(lengths, 0)
+    ids = torch.randint(1, 50, (int(lengths.sum()),))
+
+    def step(fused: bool) -> list[torch.Tensor]:
+        monkeypatch.setitem(ops._state, "ok", fused)
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(9)
+        out = model(ids, cu_seqlens=cu, max_seqlen=9, task_ids=torch.tensor([0, 1, 1]))
+        loss = out.last_hidden_state.float().square().mean() + out.pooler_output.float().sum()
+        loss.backward()
+        return [loss.detach()] + [p.grad for p in model.parameters() if p.grad is not None]
+
+    fused, reference = step(True), step(False)
+    assert len(fused) == len(reference) > 20
+    assert all(torch.equal(a, b) for a, b in zip(fused, reference))
+
+
 def test_model_on_cpu_runs_matmul_attention_equal_to_sdpa():
     """The CPU attention (matmul + fp32 softmax with a cached key bias) equals torch's SDPA on BERT's padded and
     packed paths and in the packed PALs (eval)."""

@@ -31,7 +31,7 @@ from fastpals.encoder.pal_variants import (
     is_task_specific,
     task_specific_kind,
 )
-from fastpals.functional import Dropout, check_task_ids
+from fastpals.functional import Dropout, check_task_ids, dropout_add
 from fastpals_kernels.attention_varlen import attention_varlen, padded_attention
 
 __all__ = [
@@ -281,7 +281,11 @@ class BertSelfOutput(nn.Module):
         self.dropout = Dropout(cfg.hidden_dropout_prob)
 
     def forward(self, ctx: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(self.dropout(self.dense(ctx)) + x)
+        return self.LayerNorm(self.add(self.dense(ctx), x))
+
+    def add(self, y: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``dropout(y) + residual``, in one pass where the op library fuses it."""
+        return dropout_add(y, residual, self.dropout.p, self.dropout.training)
 
 
 class BertLayer(nn.Module):
@@ -304,7 +308,7 @@ class BertLayer(nn.Module):
         """x: [B, L, d] or packed [N, d] → same shape."""
         attn = self.attention.output(self.attention.self(x, layout), x)
         ffn = self.intermediate.act(self.intermediate.dense(attn))
-        pre_ln = self.output.dropout(self.output.dense(ffn)) + attn
+        pre_ln = self.output.add(self.output.dense(ffn), attn)
         if self.pal_variant is None:
             return self.output.LayerNorm(pre_ln)
         pre_ln = self.pal_variant.pre_layer_norm(self, x, layout, pre_ln)
@@ -398,7 +402,10 @@ class BertModel(nn.Module):
         if not packed and input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, length], got shape {list(input_ids.shape)}")
         if not packed and input_ids.shape[1] > max_pos:
-            raise ValueError(f"sequence length {input_ids.shape[1]} > max_position_embeddings {max_pos}")
+            raise ValueError(
+                f"sequence length {input_ids.shape[1]} > max_position_embeddings {max_pos}: encode with "
+                f"max_length <= {max_pos} (train: --max-length)"
+            )
         if not packed and attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         token_type_ids = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids

@@ -9,66 +9,29 @@ import contextlib
 import importlib.util
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-#: the sources of the op (a checkout's top-level ``csrc/``)
-CSRC = Path(__file__).resolve().parents[2] / "csrc"
+from fastpals_kernels.extension import CSRC, build, extension_cache_dir
+
 CPU_SOURCES = ("solve_weights.cpp",)
 CUDA_SOURCES = ("solve_weights_cuda.cu",)
+#: the build's name (its folder under :func:`extension_cache_dir`)
+NAME = "fastpals_solve_weights"
 
 _state: dict[str, object] = {}
 
 
-def extension_cache_dir() -> Path:
-    """Where the just-in-time build lives: ``$XDG_CACHE_HOME/fastpals/extensions/<python>-<torch>-<cpu|cuXY>``."""
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fastpals" / "extensions"
-    flavour = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
-    python = f"py{sys.version_info.major}{sys.version_info.minor}"
-    return root / f"{python}-torch{torch.__version__.split('+')[0]}-{flavour}"
+def build_directory() -> Path:
+    """The folder of this op's just-in-time build."""
+    return extension_cache_dir() / NAME
 
 
 def _fake(gram: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     return gram.new_empty((gram.shape[0],))  # w [T], whatever the rest
-
-
-@contextlib.contextmanager
-def _build_lock(build: Path) -> Iterator[None]:
-    """Serialise builds with an OS lock that dies with its holder, and clear the ``lock`` file a killed build
-    leaves behind (torch's build would wait on it forever)."""
-    try:
-        import fcntl  # not on Windows: torch's own lock file only
-    except ImportError:
-        yield
-        return
-    with open(build / "build.flock", "w") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)
-        (build / "lock").unlink(missing_ok=True)
-        yield
-
-
-def _build_jit() -> str:
-    from torch.utils import cpp_extension
-
-    with_cuda = torch.cuda.is_available() and cpp_extension.CUDA_HOME is not None
-    sources = [str(CSRC / f) for f in CPU_SOURCES + (CUDA_SOURCES if with_cuda else ())]
-    build = extension_cache_dir()
-    build.mkdir(parents=True, exist_ok=True)
-    with _build_lock(build):
-        cpp_extension.load(
-            name="fastpals_solve_weights",
-            sources=sources,
-            extra_cflags=["-O2", "-ffp-contract=off"],
-            extra_cuda_cflags=["-O2"],
-            extra_include_paths=[str(CSRC)],
-            build_directory=str(build),
-            is_python_module=False,
-            verbose=False,
-        )
-    return f"({'C++ and CUDA' if with_cuda else 'C++'}) built just in time with ninja, cached in {build} (rebuilt when csrc/ changes)"
 
 
 def load() -> bool:
@@ -86,7 +49,7 @@ def load() -> bool:
                 torch.ops.load_library(spec.origin)
                 how = f"compiled weight solve from the installed extension {spec.origin}"
             elif (CSRC / CPU_SOURCES[0]).is_file():
-                how = "compiled weight solve " + _build_jit()
+                how = "compiled weight solve " + build(NAME, CPU_SOURCES, CUDA_SOURCES, ["-ffp-contract=off"])
             else:
                 raise RuntimeError("neither the extension fastpals._C nor the csrc/ sources are installed")
             _state["ok"] = True
