@@ -4,6 +4,7 @@ dict of int64 ``input_ids``, ``token_type_ids`` ``[N]`` grouped by task (``*_b``
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from collections.abc import Sequence
@@ -206,7 +207,7 @@ class MixedBatchSampler:
 
     def _settings(self) -> dict[str, Any]:
         names = "method sizes tokens num_epochs batch_size max_tokens micro_batches_per_epoch seed task_seeds"
-        return {name: getattr(self, name) for name in names.split()}
+        return copy.deepcopy({name: getattr(self, name) for name in names.split()})  # the caller's to change
 
     def state_dict(self) -> dict[str, Any]:
         """Plain-Python state: the settings (checked on load), position in the stream, generator state."""
