@@ -456,11 +456,19 @@ def seed_for(dropout_p: float) -> torch.Tensor:
     return draw_seed() if dropout_p > 0.0 else torch.zeros(1, dtype=torch.int64)
 
 
-def recompute_ops(name: str, schema: str, run: Callable, grad_inputs: Sequence[int], fake: Callable) -> tuple:
+def recompute_ops(
+    name: str,
+    schema: str,
+    run: Callable,
+    grad_inputs: Sequence[int],
+    fake: Callable,
+    residual: int | None = None,
+) -> tuple:
     """The custom op ``fastpals::<name>(<schema>) -> Tensor``, ``run(*inputs)`` without autograd, and its
     backward ``fastpals::<name>_backward(Tensor grad, <schema>) -> Tensor[]``: the gradients in the (not None)
     inputs at ``grad_inputs``, by recomputing ``run`` with autograd; with fakes (``fake(*inputs)``, the
-    forward's), autograd and vmap rules. Returns the two ops."""
+    forward's), autograd and vmap rules. ``residual``: the index of an optional input that ``run`` adds to its
+    output; its gradient is ``grad`` itself, so the recompute leaves it out. Returns the two ops."""
 
     def given(inputs: Sequence) -> list[int]:
         return [i for i in grad_inputs if inputs[i] is not None]
@@ -473,6 +481,8 @@ def recompute_ops(name: str, schema: str, run: Callable, grad_inputs: Sequence[i
     def backward(grad: torch.Tensor, *inputs: Any) -> list[torch.Tensor]:
         """Recompute ``run`` with autograd (switched back on: an op's kernel runs below the autograd keys)."""
         args = list(inputs)
+        if residual is not None:
+            args[residual] = None
         leaves = [inputs[i].detach().requires_grad_(True) for i in given(inputs)]
         for i, leaf in zip(given(inputs), leaves):
             args[i] = leaf
@@ -506,6 +516,8 @@ def recompute_ops(name: str, schema: str, run: Callable, grad_inputs: Sequence[i
         grads = [None] * len(inputs)
         for i, g in zip(given(inputs), backward_op(grad, *inputs)):
             grads[i] = g
+        if residual is not None and inputs[residual] is not None:
+            grads[residual] = grad.to(inputs[residual].dtype)
         return tuple(grads)
 
     op.register_autograd(grad_formula, setup_context=setup_context)
