@@ -35,6 +35,7 @@ class SurgeryOptimizer:
 
     Args:
         generator: CPU ``torch.Generator`` for the random orders of ``pcgrad`` and ``gradvac``.
+        buffer_dtype: dtype of the per-task gradient rows (float32, or bfloat16 to halve their memory).
         shared_params: the parameters shared by the tasks (default: those reached by two or more losses' graphs;
             give it where task-specific weights are slices of one parameter: :func:`shared_parameters_by_name`).
         buffer_kwargs: passed to :class:`TaskGradientBuffer` (``grad_getter``, ``process_group``, ...).

@@ -40,7 +40,8 @@ def cu_seqlens_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def task_mean_loss(losses: torch.Tensor, task_ids: torch.Tensor, num_tasks: int) -> torch.Tensor:
-    """``sum_t mean_{b in task t} losses[b]``: one backward gives every task's gradient."""
+    """``sum_t mean_{b in task t} losses[b]``: one backward gives every task's gradient. ``losses [B]`` float,
+    ``task_ids [B]`` int64 -> a scalar in the losses' dtype; a task without examples adds nothing."""
     if losses.dim() != 1 or task_ids.shape != losses.shape:
         raise ValueError(
             f"losses [B] and task_ids [B] expected, got {list(losses.shape)} and {list(task_ids.shape)}"
