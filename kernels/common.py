@@ -62,7 +62,8 @@ def check_like(ref_name: str, ref: torch.Tensor, dtype: bool = True, **operands:
     for name, t in operands.items():
         if t is not None and dtype and t.dtype != ref.dtype:
             raise TypeError(
-                f"{name} has dtype {t.dtype} but {ref_name} has {ref.dtype}: all operands must share one dtype"
+                f"{name} has dtype {t.dtype} but {ref_name} has {ref.dtype}: all operands must share one "
+                "dtype"
             )
         if t is not None and t.device != ref.device:
             raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}")

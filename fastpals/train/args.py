@@ -272,8 +272,8 @@ class TrainArgs:
             raise ConfigError("--surgery-opt and --surgery-buffer-dtype need a --surgery method")
         if self.surgery_memory == "stream" and (self.surgery == "none" or self.batching != "mixed"):
             raise ConfigError(
-                "--surgery-memory stream needs a --surgery method and --batching mixed (one backward per update); "
-                "per-task batches use the buffer: drop --surgery-memory or use --batching mixed"
+                "--surgery-memory stream needs a --surgery method and --batching mixed (one backward per "
+                "update); per-task batches use the buffer: drop --surgery-memory or use --batching mixed"
             )
         if self.surgery_memory == "stream" and getattr(AGGREGATORS.get(self.surgery), "reads_rows", False):
             raise ConfigError(
@@ -282,7 +282,8 @@ class TrainArgs:
             )
         if self.surgery_memory == "stream" and self.surgery_buffer_dtype == "bf16":
             raise ConfigError(
-                "--surgery-buffer-dtype sets the buffer's rows; --surgery-memory stream has none: drop one of them"
+                "--surgery-buffer-dtype sets the buffer's rows; --surgery-memory stream has none: "
+                "drop one of them"
             )
         if self.surgery != "none":
             try:
