@@ -58,7 +58,8 @@ def check_task_ids(
 
 
 def check_like(ref_name: str, ref: torch.Tensor, dtype: bool = True, **operands: torch.Tensor | None) -> None:
-    """One-line errors for the ``operands`` (None skipped) whose device, or dtype when ``dtype``, is not ``ref``'s."""
+    """One-line errors for the ``operands`` (None skipped) whose device, or dtype when ``dtype``, is not
+    ``ref``'s."""
     for name, t in operands.items():
         if t is not None and dtype and t.dtype != ref.dtype:
             raise TypeError(
@@ -347,8 +348,8 @@ def build_task_row_plan_host(
     block_rows: int = 64,
 ) -> TaskRowPlan:
     """:func:`build_task_row_plan` from host values ``task_ids [B]`` and ``lengths [B]`` int (example b owns the
-    ``lengths[b]`` rows after those of examples ``0 .. b-1``): built with numpy, not torch ops (so no tensor op or
-    host read is dispatched), and copied to ``device`` in one transfer (views of one int32 tensor)."""
+    ``lengths[b]`` rows after those of examples ``0 .. b-1``): built with numpy, not torch ops (so no tensor
+    op or host read is dispatched), and copied to ``device`` in one transfer (views of one int32 tensor)."""
     task_ids = np.asarray(task_ids, dtype=np.int64)
     lengths = np.asarray(lengths, dtype=np.int64)
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
@@ -492,7 +493,7 @@ def recompute_ops(
                 stack.enter_context(torch._C._SetExcludeDispatchKeyGuard(key, False))
             stack.enter_context(torch.enable_grad())
             grads = torch.autograd.grad(run(*args), leaves, grad, allow_unused=True)
-        # outputs may not alias each other or grad (e.g. the unbound views of one stacked gradient, a residual's)
+        # outputs may not alias each other or grad (e.g. the unbound views of one stacked gradient)
         return [
             torch.zeros_like(x) if g is None else g.clone() if g._base is not None or g is grad else g
             for g, x in zip(grads, leaves)

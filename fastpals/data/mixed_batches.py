@@ -1,6 +1,7 @@
 """Mixed-task micro-batches: which examples each holds (:class:`MixedBatchSampler`) and how they are packed: a
-dict of int64 ``input_ids``, ``token_type_ids`` ``[N]`` grouped by task (``*_b``: the siamese second sentences,
-``layout.second``), float32 ``labels [B]``, ``ids``, ``tasks`` (names) and ``layout`` (:class:`BatchLayout`)."""
+dict of int64 ``input_ids``, ``token_type_ids`` ``[N]`` grouped by task (``*_b``: the siamese second
+sentences, ``layout.second``), float32 ``labels [B]``, ``ids``, ``tasks`` (names) and ``layout``
+(:class:`BatchLayout`)."""
 
 from __future__ import annotations
 

@@ -158,9 +158,10 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
 
 
 def keep_freed_memory() -> bool:
-    """glibc ``malloc`` tuning: with its defaults a CPU step's large blocks are mapped fresh and unmapped on free,
-    so each update pays page faults again. Raises the mmap threshold (1 GiB, else the 32 MiB older glibc takes)
-    and stops trimming; True when every setting was taken, False without glibc or where it refused one."""
+    """glibc ``malloc`` tuning: with its defaults a CPU step's large blocks are mapped fresh and unmapped on
+    free, so each update pays page faults again. Raises the mmap threshold (1 GiB, else the 32 MiB older glibc
+    takes) and stops trimming; True when every setting was taken, False without glibc or where it refused
+    one."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     try:

@@ -187,8 +187,9 @@ def run_update(
     sync: Callable[[], None] | None = None,
 ) -> UpdateResult:
     """One optimizer update over ``micro_batches`` (consumed one at a time) with ``strategy`` (``surgery``
-    required by all but ``none``); ``loss_hooks`` (``hook(step, loss) -> loss``) are test faults; ``sync`` runs
-    before the clock is read after ``apply``. One host read per update (two with a data-parallel buffer), after
+    required by all but ``none``); ``loss_hooks`` (``hook(step, loss) -> loss``) are test faults; ``sync``
+    runs before the clock is read after ``apply``. One host read per update (two with a data-parallel buffer),
+    after
     the last backward: a NaN/inf loss raises :class:`NonFiniteLossError` before ``engine.step()``. A skipped
     surgery applies nothing: an ``overflow`` under dynamic loss scaling, else the caller decides."""
     module = engine.module
