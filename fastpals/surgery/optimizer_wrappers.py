@@ -38,8 +38,7 @@ class SurgeryOptimizer:
         generator: CPU ``torch.Generator`` for the random orders of ``pcgrad`` and ``gradvac``.
         buffer_dtype: dtype of the per-task gradient rows (float32, or bfloat16 to halve their memory).
         shared_params: the parameters shared by the tasks (default: those reached by two or more losses'
-        graphs;
-            give it where task-specific weights are slices of one parameter:
+            graphs; give it where task-specific weights are slices of one parameter:
             :func:`shared_parameters_by_name`).
         buffer_kwargs: passed to :class:`TaskGradientBuffer` (``grad_getter``, ``process_group``, ...).
         **options: the method's options (strings are parsed, :func:`~fastpals.surgery.make_weighting`).

@@ -77,8 +77,7 @@ def jacobi_eigh(a: torch.Tensor, sweeps: int | None = None) -> tuple[torch.Tenso
             # tan(2 theta) = 2 a_pq / (a_qq - a_pp), |theta| <= pi / 4 (0 / 0 only where skipped)
             theta = torch.where(skip, 0.0, 0.5 * torch.atan(2.0 * apq / (aqq - app)))
             cos, sin = torch.cos(theta), torch.sin(theta)
-            # m <- R^T m R, vec <- vec R elementwise (R[i, i] = c_i, R[partner(i), i] = s_i): no tiny BLAS
-            # calls
+            # m <- R^T m R, vec <- vec R elementwise (R[i, i] = c_i, R[partner(i), i] = s_i): no tiny GEMMs
             c_i = torch.cat([cos, cos])[position]
             s_i = torch.cat([-sin, sin])[position]
             m = c_i[:, None] * m + s_i[:, None] * m[partner]
