@@ -369,9 +369,12 @@ def build_task_row_plan_host(
     tile_start = task_row_offsets[safe] + (tile - (tile_ends_cum[safe] - tiles_per_task[safe])) * block_rows
     tile_end = np.minimum(tile_start + block_rows, task_row_offsets[safe + 1])
     parts = [
-        row_index, task_row_offsets, np.where(valid, task_of_tile, -1), np.where(valid, tile_start, 0),
+        row_index,
+        task_row_offsets,
+        np.where(valid, task_of_tile, -1),
+        np.where(valid, tile_start, 0),
         np.where(valid, tile_end, 0),
-    ]  # fmt: skip
+    ]
     flat = torch.from_numpy(np.concatenate(parts).astype(np.int32)).to(device)
     views = torch.split(flat, [p.size for p in parts])
     return TaskRowPlan(*views, num_rows=num_rows, num_tasks=num_tasks, block_rows=block_rows)
