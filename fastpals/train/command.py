@@ -186,10 +186,15 @@ def main(argv: list[str] | None = None) -> int:
         trainer = Trainer(args)
         ctrl_c.check()
         trainer.run()
-    except (ConfigError, NonFiniteLossError, OutputError) as err:
-        error = "" if isinstance(err, NonFiniteLossError) else "error: "
-        _report(f"{PROG}: {error}{err}", debug)
-        return 2 if isinstance(err, ConfigError) else 3 if isinstance(err, NonFiniteLossError) else 4
+    except ConfigError as err:
+        _report(f"{PROG}: error: {err}", debug)
+        return 2
+    except NonFiniteLossError as err:
+        _report(f"{PROG}: {err}", debug)
+        return 3
+    except OutputError as err:
+        _report(f"{PROG}: error: {err}", debug)
+        return 4
     except TrainingInterrupted as err:
         _report(f"{PROG}: {err}", debug and err.at_once, hint=False)
         return 128 + err.signum
