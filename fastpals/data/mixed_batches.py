@@ -208,7 +208,8 @@ class MixedBatchSampler:
 
     def _settings(self) -> dict[str, Any]:
         names = "method sizes tokens num_epochs batch_size max_tokens micro_batches_per_epoch seed task_seeds"
-        return copy.deepcopy({name: getattr(self, name) for name in names.split()})  # a copy: the caller may edit it
+        # a copy: the caller may edit it
+        return copy.deepcopy({name: getattr(self, name) for name in names.split()})
 
     def state_dict(self) -> dict[str, Any]:
         """Plain-Python state: the settings (checked on load), position in the stream, generator state."""
