@@ -115,8 +115,16 @@ OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 @TritonKernel
 def _combine_kernel(
-    buf_ptr, w_ptr, out_ptr, T, P, stride_t, T_PAD: tl.constexpr, BLOCK_P: tl.constexpr, OUT_KIND: tl.constexpr
-):  # fmt: skip
+    buf_ptr,
+    w_ptr,
+    out_ptr,
+    T,
+    P,
+    stride_t,
+    T_PAD: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    OUT_KIND: tl.constexpr,
+):
     pid = tl.program_id(0).to(tl.int64)
     cols = pid * BLOCK_P + tl.arange(0, BLOCK_P)
     rows = tl.arange(0, T_PAD)

@@ -58,11 +58,13 @@ def check_task_ids(
 
 
 def check_like(ref_name: str, ref: torch.Tensor, dtype: bool = True, **operands: torch.Tensor | None) -> None:
-    """One-line errors for the ``operands`` (None skipped) whose device, or dtype when ``dtype``, is not ``ref``'s."""
+    """One-line errors for the ``operands`` (None skipped) whose device, or dtype when ``dtype``, is not
+    ``ref``'s."""
     for name, t in operands.items():
         if t is not None and dtype and t.dtype != ref.dtype:
             raise TypeError(
-                f"{name} has dtype {t.dtype} but {ref_name} has {ref.dtype}: all operands must share one dtype"
+                f"{name} has dtype {t.dtype} but {ref_name} has {ref.dtype}: all operands must share one "
+                "dtype"
             )
         if t is not None and t.device != ref.device:
             raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}")
@@ -346,8 +348,8 @@ def build_task_row_plan_host(
     block_rows: int = 64,
 ) -> TaskRowPlan:
     """:func:`build_task_row_plan` from host values ``task_ids [B]`` and ``lengths [B]`` int (example b owns the
-    ``lengths[b]`` rows after those of examples ``0 .. b-1``): built with numpy, not torch ops (so no tensor op or
-    host read is dispatched), and copied to ``device`` in one transfer (views of one int32 tensor)."""
+    ``lengths[b]`` rows after those of examples ``0 .. b-1``): built with numpy, not torch ops (so no tensor
+    op or host read is dispatched), and copied to ``device`` in one transfer (views of one int32 tensor)."""
     task_ids = np.asarray(task_ids, dtype=np.int64)
     lengths = np.asarray(lengths, dtype=np.int64)
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
@@ -367,9 +369,12 @@ def build_task_row_plan_host(
     tile_start = task_row_offsets[safe] + (tile - (tile_ends_cum[safe] - tiles_per_task[safe])) * block_rows
     tile_end = np.minimum(tile_start + block_rows, task_row_offsets[safe + 1])
     parts = [
-        row_index, task_row_offsets, np.where(valid, task_of_tile, -1), np.where(valid, tile_start, 0),
+        row_index,
+        task_row_offsets,
+        np.where(valid, task_of_tile, -1),
+        np.where(valid, tile_start, 0),
         np.where(valid, tile_end, 0),
-    ]  # fmt: skip
+    ]
     flat = torch.from_numpy(np.concatenate(parts).astype(np.int32)).to(device)
     views = torch.split(flat, [p.size for p in parts])
     return TaskRowPlan(*views, num_rows=num_rows, num_tasks=num_tasks, block_rows=block_rows)
@@ -456,11 +461,19 @@ def seed_for(dropout_p: float) -> torch.Tensor:
     return draw_seed() if dropout_p > 0.0 else torch.zeros(1, dtype=torch.int64)
 
 
-def recompute_ops(name: str, schema: str, run: Callable, grad_inputs: Sequence[int], fake: Callable) -> tuple:
+def recompute_ops(
+    name: str,
+    schema: str,
+    run: Callable,
+    grad_inputs: Sequence[int],
+    fake: Callable,
+    residual: int | None = None,
+) -> tuple:
     """The custom op ``fastpals::<name>(<schema>) -> Tensor``, ``run(*inputs)`` without autograd, and its
     backward ``fastpals::<name>_backward(Tensor grad, <schema>) -> Tensor[]``: the gradients in the (not None)
     inputs at ``grad_inputs``, by recomputing ``run`` with autograd; with fakes (``fake(*inputs)``, the
-    forward's), autograd and vmap rules. Returns the two ops."""
+    forward's), autograd and vmap rules. ``residual``: the index of an optional input that ``run`` adds to its
+    output; its gradient is ``grad`` itself, so the recompute leaves it out. Returns the two ops."""
 
     def given(inputs: Sequence) -> list[int]:
         return [i for i in grad_inputs if inputs[i] is not None]
@@ -473,6 +486,8 @@ def recompute_ops(name: str, schema: str, run: Callable, grad_inputs: Sequence[i
     def backward(grad: torch.Tensor, *inputs: Any) -> list[torch.Tensor]:
         """Recompute ``run`` with autograd (switched back on: an op's kernel runs below the autograd keys)."""
         args = list(inputs)
+        if residual is not None:
+            args[residual] = None
         leaves = [inputs[i].detach().requires_grad_(True) for i in given(inputs)]
         for i, leaf in zip(given(inputs), leaves):
             args[i] = leaf
@@ -481,7 +496,7 @@ def recompute_ops(name: str, schema: str, run: Callable, grad_inputs: Sequence[i
                 stack.enter_context(torch._C._SetExcludeDispatchKeyGuard(key, False))
             stack.enter_context(torch.enable_grad())
             grads = torch.autograd.grad(run(*args), leaves, grad, allow_unused=True)
-        # outputs may not alias each other or grad (e.g. the unbound views of one stacked gradient, a residual's)
+        # outputs may not alias each other or grad (e.g. the unbound views of one stacked gradient)
         return [
             torch.zeros_like(x) if g is None else g.clone() if g._base is not None or g is grad else g
             for g, x in zip(grads, leaves)
@@ -506,6 +521,8 @@ def recompute_ops(name: str, schema: str, run: Callable, grad_inputs: Sequence[i
         grads = [None] * len(inputs)
         for i, g in zip(given(inputs), backward_op(grad, *inputs)):
             grads[i] = g
+        if residual is not None and inputs[residual] is not None:
+            grads[residual] = grad.to(inputs[residual].dtype)
         return tuple(grads)
 
     op.register_autograd(grad_formula, setup_context=setup_context)

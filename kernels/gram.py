@@ -68,9 +68,17 @@ def gram_reference(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @TritonKernel
 def _gram_partial_kernel(
-    buf_ptr, partial_ptr, bad_ptr, T, P, stride_t, cols_per_program, T_PAD: tl.constexpr, T_BLK: tl.constexpr,
+    buf_ptr,
+    partial_ptr,
+    bad_ptr,
+    T,
+    P,
+    stride_t,
+    cols_per_program,
+    T_PAD: tl.constexpr,
+    T_BLK: tl.constexpr,
     BLOCK_P: tl.constexpr,
-):  # fmt: skip
+):
     """Program ``pid``'s partial Gram ``partial[pid] [T_PAD, T_PAD]`` fp32 and non-finite counts ``bad[pid]
     [T_PAD]`` int32 over its columns, rows padded to ``T_PAD`` (a power of two >= 16, as ``tl.dot`` needs) in
     row blocks of ``T_BLK``."""
@@ -189,8 +197,17 @@ def gram_triton(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n_blk = t_pad // t_blk
     with device_context(buf):
         _gram_partial_kernel[(programs, n_blk, n_blk)](
-            buf, partial, bad, t, p, buf.stride(0), cols_per_program, T_PAD=t_pad, T_BLK=t_blk, BLOCK_P=block_p,
-        )  # fmt: skip
+            buf,
+            partial,
+            bad,
+            t,
+            p,
+            buf.stride(0),
+            cols_per_program,
+            T_PAD=t_pad,
+            T_BLK=t_blk,
+            BLOCK_P=block_p,
+        )
     g = partial.sum(dim=0)[:t, :t]
     g = 0.5 * (g + g.T)
     finite = (bad.sum(dim=0)[:t] == 0) & torch.isfinite(torch.diagonal(g))

@@ -141,12 +141,41 @@ def _segments(counts: tuple[int, ...]) -> list[tuple[int, int]]:
 
 @TritonKernel
 def _grouped_mm_kernel(
-    a_ptr, z_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, pre_ptr, row_index_ptr, tile_task_ptr, tile_start_ptr,
-    tile_end_ptr, N_OUT, K_RED, N_W, K_W, stride_a, stride_z, stride_wt, stride_wn, stride_wk, stride_bt,
-    stride_res, stride_out, stride_pre, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, STORE_PRE: tl.constexpr, GELU_GRAD_PROLOGUE: tl.constexpr, IEEE: tl.constexpr,
-    INTERP_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
+    a_ptr,
+    z_ptr,
+    w_ptr,
+    bias_ptr,
+    res_ptr,
+    out_ptr,
+    pre_ptr,
+    row_index_ptr,
+    tile_task_ptr,
+    tile_start_ptr,
+    tile_end_ptr,
+    N_OUT,
+    K_RED,
+    N_W,
+    K_W,
+    stride_a,
+    stride_z,
+    stride_wt,
+    stride_wn,
+    stride_wk,
+    stride_bt,
+    stride_res,
+    stride_out,
+    stride_pre,
+    HAS_BIAS: tl.constexpr,
+    GELU: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    STORE_PRE: tl.constexpr,
+    GELU_GRAD_PROLOGUE: tl.constexpr,
+    IEEE: tl.constexpr,
+    INTERP_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """``out[rows] = epilogue(prologue(a[rows]) @ w[task]ᵀ)`` over one task's row tile: ``a``, ``z`` (the
     GELU'-prologue's pre-activation) ``[R, K_RED]`` read through ``row_index``; ``out``, ``res``, ``pre [R,
     N_OUT]``. ``w`` holds ``N_W <= N_OUT`` outputs and ``K_W <= K_RED`` reduction entries, the rest reading as
@@ -208,11 +237,29 @@ def _grouped_mm_kernel(
 
 @TritonKernel
 def _grouped_wgrad_kernel(
-    dy_ptr, z_ptr, x_ptr, dw_ptr, db_ptr, row_index_ptr, task_row_offsets_ptr, M, K, M_OUT, stride_dy,
-    stride_z, stride_x, stride_dw, stride_db, GELU_GRAD_PROLOGUE: tl.constexpr, HAS_BIAS_GRAD: tl.constexpr,
-    IEEE: tl.constexpr, INTERP_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    dy_ptr,
+    z_ptr,
+    x_ptr,
+    dw_ptr,
+    db_ptr,
+    row_index_ptr,
+    task_row_offsets_ptr,
+    M,
+    K,
+    M_OUT,
+    stride_dy,
+    stride_z,
+    stride_x,
+    stride_dw,
+    stride_db,
+    GELU_GRAD_PROLOGUE: tl.constexpr,
+    HAS_BIAS_GRAD: tl.constexpr,
+    IEEE: tl.constexpr,
+    INTERP_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
-):  # fmt: skip
+):
     """``dw[t] = dz[rows of t]ᵀ x[rows of t]``, ``db[t] = sum of dz[rows of t]`` (fp32 acc): ``dy``, ``z``
     ``[R, M]``, ``x [R, K]``, ``dw [T, M_OUT, K]`` (each task's block row-major, task stride ``stride_dw``),
     ``db [T, M_OUT]``; ``M_OUT <= M``: ``dy`` read at its row-aligned width. A task without rows stores 0."""
@@ -340,14 +387,42 @@ def grouped_mm_rows(
     grid = (plan.num_tiles, cdiv(n_out, block_n))
     with device_context(a):
         _grouped_mm_kernel[grid](
-            a, _or(gelu_grad_pre, a), weight, _or(bias, weight), _or(residual, out), out, _or(pre, out),
-            plan.row_index, plan.tile_task, plan.tile_start, plan.tile_end, n_out, k_red, n_w, k_w,
-            a.stride(0), _row_stride(gelu_grad_pre), weight.stride(0), stride_wn, stride_wk,
-            _row_stride(bias), _row_stride(residual), out.stride(0), _row_stride(pre),
-            HAS_BIAS=bias is not None, GELU=gelu, HAS_RESIDUAL=residual is not None, STORE_PRE=store_pre,
-            GELU_GRAD_PROLOGUE=gelu_grad_pre is not None, **dot_flags(a.dtype), BLOCK_M=plan.block_rows,
-            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
-        )  # fmt: skip
+            a,
+            _or(gelu_grad_pre, a),
+            weight,
+            _or(bias, weight),
+            _or(residual, out),
+            out,
+            _or(pre, out),
+            plan.row_index,
+            plan.tile_task,
+            plan.tile_start,
+            plan.tile_end,
+            n_out,
+            k_red,
+            n_w,
+            k_w,
+            a.stride(0),
+            _row_stride(gelu_grad_pre),
+            weight.stride(0),
+            stride_wn,
+            stride_wk,
+            _row_stride(bias),
+            _row_stride(residual),
+            out.stride(0),
+            _row_stride(pre),
+            HAS_BIAS=bias is not None,
+            GELU=gelu,
+            HAS_RESIDUAL=residual is not None,
+            STORE_PRE=store_pre,
+            GELU_GRAD_PROLOGUE=gelu_grad_pre is not None,
+            **dot_flags(a.dtype),
+            BLOCK_M=plan.block_rows,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            num_warps=warps,
+            num_stages=stages,
+        )
     return out, pre
 
 
@@ -381,11 +456,30 @@ def grouped_wgrad_rows(
     grid = (plan.num_tasks, cdiv(m, block_m), cdiv(k, block_k))
     with device_context(dy):
         _grouped_wgrad_kernel[grid](
-            dy, _or(gelu_grad_pre, dy), x, dw, _or(db, dw), plan.row_index, plan.task_row_offsets, m, k,
-            m_out, dy.stride(0), _row_stride(gelu_grad_pre), x.stride(0), dw.stride(0), _row_stride(db),
-            GELU_GRAD_PROLOGUE=gelu_grad_pre is not None, HAS_BIAS_GRAD=with_bias, **dot_flags(dy.dtype),
-            BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=plan.block_rows, num_warps=warps, num_stages=stages,
-        )  # fmt: skip
+            dy,
+            _or(gelu_grad_pre, dy),
+            x,
+            dw,
+            _or(db, dw),
+            plan.row_index,
+            plan.task_row_offsets,
+            m,
+            k,
+            m_out,
+            dy.stride(0),
+            _row_stride(gelu_grad_pre),
+            x.stride(0),
+            dw.stride(0),
+            _row_stride(db),
+            GELU_GRAD_PROLOGUE=gelu_grad_pre is not None,
+            HAS_BIAS_GRAD=with_bias,
+            **dot_flags(dy.dtype),
+            BLOCK_M=block_m,
+            BLOCK_K=block_k,
+            BLOCK_R=plan.block_rows,
+            num_warps=warps,
+            num_stages=stages,
+        )
     return dw, db
 
 
@@ -524,8 +618,15 @@ _PLAN_SCHEMA = (
 
 
 def _plan_args(plan: TaskRowPlan) -> tuple:
-    return (plan.row_index, plan.task_row_offsets, plan.tile_task, plan.tile_start, plan.tile_end,
-            plan.num_tasks, plan.block_rows)  # fmt: skip
+    return (
+        plan.row_index,
+        plan.task_row_offsets,
+        plan.tile_task,
+        plan.tile_start,
+        plan.tile_end,
+        plan.num_tasks,
+        plan.block_rows,
+    )
 
 
 def _wgrad_outputs(dy, x, num_tasks: int, with_bias: bool, dtype: torch.dtype) -> tuple:

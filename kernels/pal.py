@@ -499,7 +499,7 @@ def _define_ops(name: str, where: tuple[str, ...], where_schema: str) -> tuple:
         return h.new_empty(h.shape, dtype=dtype)
 
     schema = f"Tensor h, {where_schema}, {_ARGS_SCHEMA}, Tensor? residual, Tensor seed"
-    return recompute_ops(name, schema, run, (0, *range(n + 2, n + 8), n + 11), fake)
+    return recompute_ops(name, schema, run, (0, *range(n + 2, n + 8)), fake, residual=n + 11)
 
 
 pal_op, pal_backward_op = _define_ops("pal", ("mask",), "Tensor? mask")

@@ -271,13 +271,14 @@ def pal_attention(
     *,
     aligned_rows: bool = False,
 ) -> torch.Tensor:
-    """Multi-head softmax attention over a padded batch, the fused ``attention_reference``: ``[B, L, H, Dh]``.
+    """Multi-head softmax attention over a padded batch, the fused ``attention_reference``: ``[B, L, H, Dh]``
+    in q's dtype.
 
-    q, k, v: ``[B, L, H, Dh]`` fp32/fp16/bf16, ``Dh <= 128``, any strides but the last dim's;
-    key_padding_mask: ``[B, L]`` bool or integer (1 = token) or None; softmax_scale: default ``1 / sqrt(Dh)``;
-    generator_seed: Philox seed of the dropout mask (:func:`pal_attention_dropout_mask`), default one draw
-    from torch's CPU generator; aligned_rows: the ``[B*L, H*Dh]`` rows at a stride padded to 16 elements (what
-    V^D reads)."""
+    q, k, v: ``[B, L, H, Dh]`` fp32/fp16/bf16, one dtype and device, ``Dh <= 128``, any strides on the first
+    three dims (a last dim that is not contiguous is copied); key_padding_mask: ``[B, L]`` bool or integer
+    (1 = token) or None; dropout_p: in ``[0, 1)``; softmax_scale: default ``1 / sqrt(Dh)``; generator_seed:
+    Philox seed of the dropout mask (:func:`pal_attention_dropout_mask`), default one draw from torch's CPU
+    generator; aligned_rows: the ``[B*L, H*Dh]`` rows at a stride padded to 16 elements (what V^D reads)."""
     require_triton("pal_attention")
     _check_qkv(q, k, v, 4, "[B, L, H, Dh]")
     _check_options(dropout_p, softmax_scale, generator_seed)

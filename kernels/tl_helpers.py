@@ -16,9 +16,9 @@ __all__ = ["cast_rne", "dot_acc", "gelu_grad"]
 
 @TritonKernel
 def dot_acc(a, b, acc, IEEE: tl.constexpr, INTERP_BF16: tl.constexpr):
-    """``acc + a @ b`` in fp32 (``a @ b`` for ``acc=None``). IEEE: exact fp32 products for fp32 operands (no TF32). INTERP_BF16 (bf16 under
-    the CPU interpreter only, whose bf16 ``tl.dot`` is wrong): widen the tiles to fp32 first (bf16 products
-    are exact in fp32: the same result as a bf16 MMA with fp32 accumulation)."""
+    """``acc + a @ b`` in fp32 (``a @ b`` for ``acc=None``). IEEE: exact fp32 products for fp32 operands (no
+    TF32). INTERP_BF16 (bf16 under the CPU interpreter only, whose bf16 ``tl.dot`` is wrong): widen the tiles
+    to fp32 first (bf16 products are exact in fp32: the same result as a bf16 MMA with fp32 accumulation)."""
     if INTERP_BF16:
         a = a.to(tl.float32)
         b = b.to(tl.float32)

@@ -1,5 +1,6 @@
 """Mixed-task packed micro-batches (fastpals.data.mixed_batches) against per-task padded micro-batches."""
 
+import copy
 import dataclasses
 
 import numpy as np
@@ -362,6 +363,15 @@ def test_sampler_deterministic_and_resume_is_exact(limit):
     wrong = dict(state, seed=99)
     with pytest.raises(ValueError, match="seed"):
         make().load_state_dict(wrong)
+
+
+def test_sampler_state_dict_is_a_copy():
+    sampler = MixedBatchSampler(_lengths(), "annealed", 3, batch_size=8, micro_batches_per_epoch=6, seed=3)
+    before = copy.deepcopy(sampler.state_dict())
+    for value in sampler.state_dict().values():
+        if isinstance(value, list):
+            value[0] = -1  # a caller editing the returned state must not change the sampler
+    assert sampler.state_dict() == before
 
 
 def test_sampler_shares_follow_the_annealing_schedule():

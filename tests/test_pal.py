@@ -231,6 +231,14 @@ def test_multitask_heads_losses_and_predictions():
     assert model.heads["cfimdb"].out.weight.grad.abs().max() > 0
 
 
+def test_multitask_too_long_a_sequence_is_an_error_naming_the_fix():
+    n = TINY.max_position_embeddings + 1
+    with pytest.raises(ValueError, match=r"max_position_embeddings 64: encode with max_length <= 64"):
+        _mt(("sst",))(
+            torch.ones(1, n, dtype=torch.long), torch.ones(1, n, dtype=torch.long), None, torch.tensor([0])
+        )
+
+
 @pytest.mark.parametrize("mode", ["sbert_cosine", "sbert_concat"])
 @pytest.mark.parametrize("pooling", ["cls", "mean", "max"])
 def test_siamese_pair_heads(mode, pooling):

@@ -1,5 +1,6 @@
 """Task sampling: exact probabilities, empirical frequencies, the annealing schedule, round robin, resuming."""
 
+import copy
 import math
 from collections import Counter
 
@@ -136,3 +137,12 @@ def test_resume_gives_the_same_stream(method):
     other = TaskSampler(method, SIZES, [7, 11, 5], 3, None if method == "round_robin" else 9, seed=6)
     with pytest.raises(ValueError, match="seed"):
         other.load_state_dict(state)
+
+
+def test_state_dict_is_a_copy():
+    sampler = TaskSampler("annealed", SIZES, [7, 11, 5], 3, 9, seed=5)
+    before = copy.deepcopy(sampler.state_dict())
+    for value in sampler.state_dict().values():
+        if isinstance(value, list):
+            value[0] = -1  # a caller editing the returned state must not change the sampler
+    assert sampler.state_dict() == before

@@ -125,8 +125,8 @@ class PALInjection(ResolvedTargets):
     def keep_input(self, index: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self.depth == 0:
             raise RuntimeError(
-                f"PAL layer {index} ran outside the injected model's forward: call the model (or its base model) "
-                "so the PALs get task_ids and the attention mask"
+                f"PAL layer {index} ran outside the injected model's forward: call the model (or its base "
+                "model) so the PALs get task_ids and the attention mask"
             )
         if getattr(module, "gradient_checkpointing", False) and module.training:
             self._wrap_checkpointing(index, module)
@@ -134,15 +134,16 @@ class PALInjection(ResolvedTargets):
         if not isinstance(h, torch.Tensor) or h.dim() != 3 or h.shape[-1] != self.hidden_size:
             got = list(h.shape) if isinstance(h, torch.Tensor) else type(h).__name__
             raise ValueError(
-                f"PAL layer {index}: expected the layer input [batch, length, {self.hidden_size}] as the first "
-                f"argument or hidden_states=, got {got}"
+                f"PAL layer {index}: expected the layer input [batch, length, {self.hidden_size}] as the "
+                f"first argument or hidden_states=, got {got}"
             )
         self.inputs[index] = h
 
     def _wrap_checkpointing(self, index: int, layer: nn.Module) -> None:
-        """HF gradient checkpointing runs the layer's forward again in the backward, after this model's forward
-        has ended (no task ids, mask or layer input left here): wrap the layer's checkpointing function (again
-        after each ``gradient_checkpointing_enable``) so that the replay sees the call's own context."""
+        """HF gradient checkpointing runs the layer's forward again in the backward, after this model's
+        forward has ended (no task ids, mask or layer input left here): wrap the layer's checkpointing
+        function (again after each ``gradient_checkpointing_enable``) so that the replay sees the call's own
+        context."""
         inner = getattr(layer, "_gradient_checkpointing_func", None)
         if inner is None or getattr(inner, "_fastpals_state", None) is self:
             return
@@ -352,8 +353,8 @@ def remove_pals(model: nn.Module) -> nn.Module:
 
 @contextlib.contextmanager
 def set_task(model: nn.Module, task: int | torch.Tensor) -> Iterator[None]:
-    """Run ``model`` with these task ids when the caller cannot pass ``task_ids``: an int (every example's task)
-    or a ``[B]`` integer tensor. A ``task_ids`` argument wins over this; blocks nest."""
+    """Run ``model`` with these task ids when the caller cannot pass ``task_ids``: an int (every example's
+    task) or a ``[B]`` integer tensor. A ``task_ids`` argument wins over this; blocks nest."""
     state = get_injection(model, "set_task")
     if isinstance(task, bool) or not isinstance(task, (int, torch.Tensor)):
         raise TypeError(
@@ -516,8 +517,8 @@ def prepare_for_adapter(
     if getattr(model, INJECTION_ATTR, None) is None and len(built) == 1:  # a BertModel with its own PALs
         name, mini = built[0]
         check_same_pal_config(mini.pal_config.to_dict(), saved.to_dict(), source, caller)
-        _check_shape(config["encoder"], "encoder.layer", mini.config.hidden_size, mini.config.num_hidden_layers,
-                     source, caller)  # fmt: skip
+        hidden, num_layers = mini.config.hidden_size, mini.config.num_hidden_layers
+        _check_shape(config["encoder"], "encoder.layer", hidden, num_layers, source, caller)
         return name
     return _injected_like(model, saved, config["encoder"], source, caller).base_name
 
@@ -535,8 +536,8 @@ def _load_legacy_pals(model: nn.Module, folder: Path, load_trained_base: bool, s
         raise ValueError(f"load_pals: {cfg_path} is not valid JSON ({e})") from None
     if meta.get("format") != "fastpals-pals" or meta.get("format_version") != 1:
         raise ValueError(
-            f"load_pals: {cfg_path} has format {meta.get('format')!r} version {meta.get('format_version')!r}; "
-            "expected 'fastpals-pals' version 1"
+            f"load_pals: {cfg_path} has format {meta.get('format')!r} version "
+            f"{meta.get('format_version')!r}; expected 'fastpals-pals' version 1"
         )
     prefix = _injected_like(model, PALConfig.from_dict(meta["pal_config"]), meta, folder).base_name
     pals = {join_name(prefix, k): v for k, v in load_file(str(weights_path)).items()}
@@ -548,8 +549,12 @@ def _load_legacy_pals(model: nn.Module, folder: Path, load_trained_base: bool, s
                 f"load_pals: {LEGACY_CONFIG_NAME} lists trained base parameters but {base_path} is missing"
             )
         base = load_file(str(base_path))
-    cfg = {"encoder": {"prefix": prefix}, "pal_parameters": pals, "head_parameters": {}}
-    cfg["trained_base_parameters"] = base
+    cfg = {
+        "encoder": {"prefix": prefix},
+        "pal_parameters": pals,
+        "head_parameters": {},
+        "trained_base_parameters": base,
+    }
     tensors = {**pals, **base}
     load_adapter_tensors(model, prefix, cfg, tensors, source=str(folder), caller="load_pals", strict=strict)
     return model

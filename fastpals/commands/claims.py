@@ -56,8 +56,8 @@ RESERVED = ("--epochs", "--steps-per-epoch", "--out", "--resume", "--recipe", "-
 IMPROVING = 0.005
 #: per run (arm, seed), its record (options, command, status, scores; written to claims.json)
 Runs = dict[tuple[str, int], dict[str, Any]]
-#: what a run's process holds besides the tensors the planner counts: the CUDA context and allocator slack on a
-#: GPU; the interpreter, torch, the data and the tokenizer on the CPU
+#: what a run's process holds besides the tensors the planner counts: the CUDA context and allocator slack
+#: on a GPU; the interpreter, torch, the data and the tokenizer on the CPU
 GPU_PROCESS_BYTES = 1 << 30
 CPU_PROCESS_BYTES = 3 << 29
 

@@ -105,7 +105,10 @@ class Finding:
 
     def arm_names(self) -> tuple[str, ...]:
         """The arms in the order of first mention (``arms`` when given, then the comparisons')."""
-        return tuple(dict.fromkeys([*self.arms, *(n for c in self.comparisons for n in (c.better, c.worse))]))
+        names = list(self.arms)
+        for c in self.comparisons:
+            names += [c.better, c.worse]
+        return tuple(dict.fromkeys(names))
 
 
 _BASE = ("--recipe", "baseline_multitask")

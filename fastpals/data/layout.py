@@ -1,6 +1,7 @@
 """The layout of one batch (:class:`BatchLayout`): where each sequence's tokens lie (*packed* ``[N, d]`` rows
-with ``cu_seqlens``, or *padded* ``[B, L, d]`` with a mask) and which task it belongs to. Built once on the host
-where the data enters, then passed to the model, the losses and ``per_task_gradients``, which never rebuild it."""
+with ``cu_seqlens``, or *padded* ``[B, L, d]`` with a mask) and which task it belongs to. Built once on the
+host where the data enters, then passed to the model, the losses and ``per_task_gradients``, which never
+rebuild it."""
 
 from __future__ import annotations
 

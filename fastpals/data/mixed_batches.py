@@ -1,9 +1,11 @@
 """Mixed-task micro-batches: which examples each holds (:class:`MixedBatchSampler`) and how they are packed: a
-dict of int64 ``input_ids``, ``token_type_ids`` ``[N]`` grouped by task (``*_b``: the siamese second sentences,
-``layout.second``), float32 ``labels [B]``, ``ids``, ``tasks`` (names) and ``layout`` (:class:`BatchLayout`)."""
+dict of int64 ``input_ids``, ``token_type_ids`` ``[N]`` grouped by task (``*_b``: the siamese second
+sentences, ``layout.second``), float32 ``labels [B]``, ``ids``, ``tasks`` (names) and ``layout``
+(:class:`BatchLayout`)."""
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from collections.abc import Sequence
@@ -206,7 +208,8 @@ class MixedBatchSampler:
 
     def _settings(self) -> dict[str, Any]:
         names = "method sizes tokens num_epochs batch_size max_tokens micro_batches_per_epoch seed task_seeds"
-        return {name: getattr(self, name) for name in names.split()}
+        # a copy: the caller may edit it
+        return copy.deepcopy({name: getattr(self, name) for name in names.split()})
 
     def state_dict(self) -> dict[str, Any]:
         """Plain-Python state: the settings (checked on load), position in the stream, generator state."""

@@ -30,7 +30,8 @@ class TaskBatcher:
     ``(seed, epoch)`` (permuted, sorted by length within ``bucket_size`` batches, cut, the batches permuted).
 
     A batch: ``input_ids``, ``attention_mask``, ``token_type_ids`` int64 ``[B, L]``, ``labels [B]``, ``ids``,
-    ``task``; ``pair_encoding="separate"`` puts sentence 2 in ``*_b``, ``"both"`` adds the joint ``joint_*``."""
+    ``task``; ``pair_encoding="separate"`` puts sentence 2 in ``*_b``, ``"both"`` adds the joint
+    ``joint_*``."""
 
     def __init__(
         self,

@@ -1,6 +1,6 @@
-"""The TSV, CSV and JSONL readers of one task file (:func:`read_task_file`) and the example types. Every row is
-checked (UTF-8, NUL, fields, ids, texts, label); a quote never closed is one bad row at its opening line, so it
-cannot swallow the rows below. A bad row raises :class:`DataError` with ``strict``, else is skipped."""
+"""The TSV, CSV and JSONL readers of one task file (:func:`read_task_file`) and the example types. Every row
+is checked (UTF-8, NUL, fields, ids, texts, label); a quote never closed is one bad row at its opening line,
+so it cannot swallow the rows below. A bad row raises :class:`DataError` with ``strict``, else is skipped."""
 
 from __future__ import annotations
 
@@ -114,8 +114,8 @@ class _RowChecker:
 @dataclass
 class _Row:
     """One parsed row: ``line`` (1-based first line), ``fields``, ``next_line`` (0-based index of the line after
-    it), the quoted fields that span lines as ``(field index, open line, close line)`` (1-based); for a problem
-    ``kind``/``reason``, ``line`` is the opening quote's and ``next_line`` the one after it."""
+    it), the quoted fields that span lines as ``(field index, open line, close line)`` (1-based); for a
+    problem ``kind``/``reason``, ``line`` is the opening quote's and ``next_line`` the one after it."""
 
     line: int
     fields: list[str]

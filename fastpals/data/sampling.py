@@ -6,6 +6,7 @@ random order) and ``every_task_plus_annealed`` (the same, then ``extra`` anneale
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -183,7 +184,8 @@ class TaskSampler:
     def state_dict(self) -> dict:
         """Plain-Python state: method, seed and shape settings (checked on load) and ``(epoch, position)``."""
         names = "method sizes batches_per_task num_epochs updates_per_epoch group_size seed epoch position"
-        return {name: getattr(self, name) for name in names.split()}
+        # a copy: the caller may edit it
+        return copy.deepcopy({name: getattr(self, name) for name in names.split()})
 
     def load_state_dict(self, state: dict) -> None:
         """Continue at ``state``'s ``(epoch, position)``; every other entry must match this sampler's."""

@@ -18,8 +18,8 @@ if TYPE_CHECKING:
 
 
 def as_1d(values: Sequence | np.ndarray, name: str, dtype: type | None = None) -> np.ndarray:
-    """``values`` (a list, NumPy array or torch tensor) as a 1-D host array of ``dtype``; ``ValueError`` naming
-    ``name`` otherwise."""
+    """``values`` (a list, NumPy array or torch tensor) as a 1-D host array of ``dtype``; ``ValueError``
+    naming ``name`` otherwise."""
     if isinstance(values, torch.Tensor):
         values = values.detach().cpu().numpy()
     array = np.asarray(values, dtype=dtype)
@@ -41,7 +41,8 @@ def paired_arrays(
 
 
 def accuracy(y_true: Sequence, y_pred: Sequence) -> float:
-    """Share of positions where ``y_pred == y_true``; both 1-D of length ``N >= 1`` (lists, numpy or torch)."""
+    """Share of positions where ``y_pred == y_true``; both 1-D of length ``N >= 1`` (lists, numpy or
+    torch)."""
     true, pred = paired_arrays(y_true, y_pred)
     return float(np.mean(true == pred))
 
@@ -88,7 +89,8 @@ def _average_ranks(values: np.ndarray) -> np.ndarray:
 
 def spearman(x: Sequence[float], y: Sequence[float]) -> float:
     """Spearman rank correlation of two 1-D samples of length ``N >= 2``: Pearson of the average ranks (tied
-    values share the mean of their ranks), in float64. NaN with a ``RuntimeWarning`` when either is constant."""
+    values share the mean of their ranks), in float64. NaN with a ``RuntimeWarning`` when either is
+    constant."""
     a, b = _samples(x, y, "spearman")
     ranks_a, ranks_b = _average_ranks(a), _average_ranks(b)
     if np.all(ranks_a == ranks_a[0]) or np.all(ranks_b == ranks_b[0]):
@@ -97,7 +99,8 @@ def spearman(x: Sequence[float], y: Sequence[float]) -> float:
 
 
 def confusion_matrix(y_true: Sequence[int], y_pred: Sequence[int], num_classes: int) -> np.ndarray:
-    """int64 ``[K, K]`` counts of true class ``i`` predicted as ``j``, for whole-number labels in ``[0, K)``."""
+    """int64 ``[K, K]`` counts of true class ``i`` predicted as ``j``, for whole-number labels in
+    ``[0, K)``."""
     if isinstance(num_classes, bool) or not isinstance(num_classes, (int, np.integer)) or num_classes < 1:
         raise ValueError(f"num_classes must be an int >= 1, got {num_classes!r}")
     true, pred = paired_arrays(y_true, y_pred)

@@ -299,7 +299,8 @@ class TaskSpec:
 def _check_names(
     src: str | None, name: str, entries: dict, allowed: tuple[str, ...], kind: str, what: str
 ) -> None:
-    """``TaskFileError`` at ``name.KEY`` for a key not in ``allowed`` or a value not a non-empty str (``what``)."""
+    """``TaskFileError`` at ``name.KEY`` for a key not in ``allowed`` or a value not a non-empty str
+    (``what``)."""
     for key, value in entries.items():
         where = f"{name}.{key}"
         if key not in allowed:

@@ -458,9 +458,9 @@ def is_task_specific(name: str) -> bool:
 def freeze_shared_parameters(
     model: nn.Module, train_layer_norms: bool = True, modules_to_train: Iterable[str] = ()
 ) -> dict[str, int]:
-    """The Bert-n-Pals "freeze" recipe: freeze every parameter but the task-specific ones, the LayerNorms (with
-    ``train_layer_norms``) and the modules ``modules_to_train`` names (by qualified-name suffix; one matching
-    nothing is an error). Returns ``{"trainable": n, "frozen": m}`` element counts."""
+    """The Bert-n-Pals "freeze" recipe: freeze every parameter but the task-specific ones, the LayerNorms
+    (with ``train_layer_norms``) and the modules ``modules_to_train`` names (by qualified-name suffix; one
+    matching nothing is an error). Returns ``{"trainable": n, "frozen": m}`` element counts."""
     if isinstance(modules_to_train, str):
         raise TypeError("modules_to_train must be a list of module names, not a string")
     names = list(modules_to_train)

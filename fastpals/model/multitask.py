@@ -282,7 +282,10 @@ class MultiTaskBert(nn.Module):
         if layout.host_task_ids is None or layout.num_tasks != num:
             raise ValueError(f"the batch's layout must hold task ids of this model's {num} tasks")
         if layout.max_seqlen > max_pos:
-            raise ValueError(f"a sequence of {layout.max_seqlen} tokens > max_position_embeddings {max_pos}")
+            raise ValueError(
+                f"a sequence of {layout.max_seqlen} tokens is longer than max_position_embeddings {max_pos}: "
+                f"encode with max_length <= {max_pos} (train: --max-length)"
+            )
         enc_tasks = layout.task_ids if self.bert.num_tasks else None
         out_a = self.bert(input_ids, None, token_type_ids, enc_tasks, layout=layout)
         tokens = list(layout.task_tokens)

@@ -1,5 +1,6 @@
-"""Gradient surgery: per-task gradients of the shared parameters -> ``T x T`` Gram -> aggregator weights -> one
-update, from a :class:`TaskGradientBuffer` or a :class:`StreamingTaskGradients`; usage in ``docs/api.md``."""
+"""Gradient surgery: per-task gradients of the shared parameters -> ``T x T`` Gram -> aggregator weights ->
+one update, from a :class:`TaskGradientBuffer` or a :class:`StreamingTaskGradients`; usage in
+``docs/api.md``."""
 
 from fastpals.surgery.buffer import TaskGradientBuffer, parameters_reached
 from fastpals.surgery.core import SurgeryResult, TaskGradients, default_grad_getter, default_grad_setter

@@ -1,6 +1,6 @@
 """The flat per-task gradient buffer: ``[T, P]`` rows of the shared parameters' gradients, made at their first
-write in a step and given up by ``apply`` (where the rows have the gradients' dtype, ``.grad`` are views of the
-update written over each chunk's last row)."""
+write in a step and given up by ``apply`` (where the rows have the gradients' dtype, ``.grad`` are views of
+the update written over each chunk's last row)."""
 
 from __future__ import annotations
 
@@ -39,8 +39,9 @@ def chunk_bounds(numels: Sequence[int], num_chunks: int = NUM_CHUNKS) -> list[tu
 class TaskGradientBuffer(TaskGradients):
     """Per-task gradients of the shared parameters in :data:`NUM_CHUNKS` flat ``[num_tasks, P_c]`` tensors.
 
-    ``dtype``: the rows' (float32, bfloat16 or float16; default the parameters' if 16-bit, else float32); the Gram
-    and the update accumulate in float32. The other arguments: :class:`~fastpals.surgery.core.TaskGradients`.
+    ``dtype``: the rows' (float32, bfloat16 or float16; default the parameters' if 16-bit, else float32); the
+    Gram and the update accumulate in float32. The other arguments:
+    :class:`~fastpals.surgery.core.TaskGradients`.
     """
 
     def __init__(
@@ -107,7 +108,8 @@ class TaskGradientBuffer(TaskGradients):
         self._capture_task_params([task])
 
     def _capture_task_params(self, tasks: Sequence[int]) -> None:
-        """Record which tasks touched each task parameter (and with ``capture_task_params`` take the gradients)."""
+        """Record which tasks touched each task parameter (and with ``capture_task_params`` take the
+        gradients)."""
         for k, p in enumerate(self.task_params):
             if self.capture_task_params:
                 g = self.grad_getter(p)
@@ -170,7 +172,8 @@ class TaskGradientBuffer(TaskGradients):
             self._capture_task_params(tasks)
 
     def drop_task_grads(self) -> None:
-        """Forget the task-specific gradients of this step so far (GEM, after the episodic-memory backwards)."""
+        """Forget the task-specific gradients of this step so far (GEM, after the episodic-memory
+        backwards)."""
         for k, p in enumerate(self.task_params):
             self.grad_setter(p, None)
             self._task_seen[k] = False

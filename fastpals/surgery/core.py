@@ -1,5 +1,5 @@
-"""The surgery core shared by the buffer and the stream: Gram -> aggregator weights -> combined update; a memory
-mode supplies ``_finish_gram`` and ``_write_update``."""
+"""The surgery core shared by the buffer and the stream: Gram -> aggregator weights -> combined update; a
+memory mode supplies ``_finish_gram`` and ``_write_update``."""
 
 from __future__ import annotations
 
@@ -27,12 +27,13 @@ def default_grad_setter(p: torch.nn.Parameter, value: torch.Tensor | None) -> No
 
 
 class SurgeryResult:
-    """What :meth:`TaskGradients.apply` did: ``skipped`` (a gradient was non-finite: do not step), ``weights [T]``
-    (None when skipped), ``gram [T, T]`` float32, ``nonfinite_tasks`` (rows with inf/nan), ``nonfinite_task_params``.
+    """What :meth:`TaskGradients.apply` did: ``skipped`` (a gradient was non-finite: do not step),
+    ``weights [T]`` (None when skipped), ``gram [T, T]`` float32, ``nonfinite_tasks`` (rows with inf/nan),
+    ``nonfinite_task_params``.
 
-    A result of ``apply(..., sync=False)`` holds ``flags [T + 1]`` (each row's finite flag, then the task-specific
-    gradients') and ``ok`` (all of them) on the device: the host fields read them on first access, or the caller
-    passes its own read of ``flags`` to :meth:`resolve`.
+    A result of ``apply(..., sync=False)`` holds ``flags [T + 1]`` (each row's finite flag, then the
+    task-specific gradients') and ``ok`` (all of them) on the device: the host fields read them on first
+    access, or the caller passes its own read of ``flags`` to :meth:`resolve`.
     """
 
     def __init__(
@@ -200,8 +201,8 @@ class TaskGradients:
         """Gram -> ``aggregator(gram, generator=generator, **aggregator_kwargs)`` -> ``sum_t w_t g_t`` into .grad.
 
         One host read, the finite checks; when one fails the step is skipped (shared gradients ``None``, the
-        aggregator not called). ``sync=False`` (one rank): no host read; the aggregator runs on the identity where
-        the device flags (``result.ok``) fail, and the caller must not step then.
+        aggregator not called). ``sync=False`` (one rank): no host read; the aggregator runs on the identity
+        where the device flags (``result.ok``) fail, and the caller must not step then.
         """
         if self.all_reduce and (not dist.is_available() or not dist.is_initialized()):
             raise RuntimeError("all_reduce/process_group given but torch.distributed is not initialised")

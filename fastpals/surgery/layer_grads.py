@@ -286,7 +286,7 @@ class _PerTaskEmbedding(torch.autograd.Function):
         state.write_embedding(ctx.k, ids.reshape(-1), dy.reshape(-1, d), ctx.rows, ctx.padding_idx)
         frame: EmbeddingFrame | None = ctx.frame
         if frame is not None and frame.broadcast:
-            # broadcast embeddings summed with this one: this dy summed over each task's examples, at their ids
+            # broadcast embeddings summed with this one: dy summed over each task's examples, at their ids
             ex_rows = frame.example_rows if frame.example_rows is not None else state.example_rows()
             per_example = dy.reshape(ex_rows.num_rows, -1)
             sums = torch.zeros(state.num_tasks, per_example.shape[1], dtype=torch.float32, device=dy.device)

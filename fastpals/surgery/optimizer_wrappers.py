@@ -1,5 +1,6 @@
 """``SurgeryOptimizer(optimizer, method=...)``: any aggregator around any optimizer, with Pytorch-PCGrad's
-``pc_backward(losses)`` (one backward per loss, each captured into a buffer row); ``PCGrad`` and ``GEM`` too."""
+``pc_backward(losses)`` (one backward per loss, each captured into a buffer row); ``PCGrad`` and ``GEM``
+too."""
 
 from __future__ import annotations
 
@@ -35,8 +36,10 @@ class SurgeryOptimizer:
 
     Args:
         generator: CPU ``torch.Generator`` for the random orders of ``pcgrad`` and ``gradvac``.
-        shared_params: the parameters shared by the tasks (default: those reached by two or more losses' graphs;
-            give it where task-specific weights are slices of one parameter: :func:`shared_parameters_by_name`).
+        buffer_dtype: dtype of the per-task gradient rows (float32, or bfloat16 to halve their memory).
+        shared_params: the parameters shared by the tasks (default: those reached by two or more losses'
+            graphs; give it where task-specific weights are slices of one parameter:
+            :func:`shared_parameters_by_name`).
         buffer_kwargs: passed to :class:`TaskGradientBuffer` (``grad_getter``, ``process_group``, ...).
         **options: the method's options (strings are parsed, :func:`~fastpals.surgery.make_weighting`).
 
@@ -178,9 +181,9 @@ class PCGrad(SurgeryOptimizer):
 
 
 class GEM(SurgeryOptimizer):
-    """``SurgeryOptimizer(optimizer, method="gem", proposal=..., ...)`` (:func:`~fastpals.surgery.gem_weights`);
-    with :meth:`gem_backward`'s ``memory_losses`` (one per task, ``2 T`` buffer rows) the memory's gradients are
-    the constraints."""
+    """``SurgeryOptimizer(optimizer, method="gem", proposal=..., ...)``
+    (:func:`~fastpals.surgery.gem_weights`); with :meth:`gem_backward`'s ``memory_losses`` (one per task,
+    ``2 T`` buffer rows) the memory's gradients are the constraints."""
 
     def __init__(
         self,

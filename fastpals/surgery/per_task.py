@@ -40,7 +40,8 @@ def cu_seqlens_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def task_mean_loss(losses: torch.Tensor, task_ids: torch.Tensor, num_tasks: int) -> torch.Tensor:
-    """``sum_t mean_{b in task t} losses[b]``: one backward gives every task's gradient."""
+    """``sum_t mean_{b in task t} losses[b]``: one backward gives every task's gradient. ``losses [B]`` float,
+    ``task_ids [B]`` int64 -> a scalar in the losses' dtype; a task without examples adds nothing."""
     if losses.dim() != 1 or task_ids.shape != losses.shape:
         raise ValueError(
             f"losses [B] and task_ids [B] expected, got {list(losses.shape)} and {list(task_ids.shape)}"
@@ -121,7 +122,8 @@ class PerTaskGradients:
         cu_seqlens: torch.Tensor | Sequence[torch.Tensor] | None,
         pass_task_ids: Sequence[torch.Tensor] | None,
     ) -> list[BatchLayout]:
-        """The deprecated call: per encoder pass, the layout of ``task_ids`` (and ``cu_seqlens``), read once."""
+        """The deprecated call: per encoder pass, the layout of ``task_ids`` (and ``cu_seqlens``), read
+        once."""
         if not isinstance(task_ids, torch.Tensor) or task_ids.dim() != 1 or task_ids.dtype.is_floating_point:
             raise ValueError("task_ids must be an integer tensor [B] (one task per example)")
         hosts = [np.asarray(task_ids.tolist(), dtype=np.int64)]  # the one host read of the block
@@ -296,7 +298,8 @@ class PerTaskGradients:
             _put(rows[i][m0 : m0 + values.shape[0]], values, firsts[i])
 
     def write_mm(self, task: int, k: int, a: torch.Tensor, b: torch.Tensor) -> None:
-        """Row ``task`` of shared weight k (+)= ``a [M, R] @ b [R, K]`` (straight into the buffer if dtypes allow)."""
+        """Row ``task`` of shared weight k (+)= ``a [M, R] @ b [R, K]`` (straight into the buffer if dtypes
+        allow)."""
         dst = self.buffer.param_row(task, k)
         mm_into(dst, a, b, self._first(task, k))
 
@@ -337,7 +340,8 @@ class PerTaskGradients:
             dst[:, padding_idx].zero_()
 
     def _embedding_rows(self, k: int, tasks: Sequence[int]) -> torch.Tensor:
-        """Embedding k's ``[T, V, d]`` rows, those of ``tasks`` written here first zeroed and marked written."""
+        """Embedding k's ``[T, V, d]`` rows, those of ``tasks`` written here first zeroed and marked
+        written."""
         rows = self.buffer.param_rows(k)
         firsts = [t for t in tasks if self._first(t, k)]
         if len(firsts) == self.num_tasks:
@@ -385,7 +389,8 @@ class PerTaskGradients:
         return [n for n, _ in named]
 
     def linear_done(self, rows: RowTasks, k_w: int, dy: torch.Tensor, x: torch.Tensor) -> None:
-        """A shared Linear's backward has written its task rows (the streaming block keeps ``dy`` and ``x``)."""
+        """A shared Linear's backward has written its task rows (the streaming block keeps ``dy`` and
+        ``x``)."""
 
     def defers_linear_weight(self, k_w: int, rows: RowTasks) -> bool:
         """Skip the per-task rows of shared Linear weight ``k_w`` (the streaming block may)?"""
@@ -561,13 +566,13 @@ def per_task_gradients(
     use_kernels: bool | None = None,
     pass_task_ids: Sequence[torch.Tensor] | None = None,
 ) -> Iterator[PerTaskGradients]:
-    """Run the forward and the backward of one mixed-task batch (loss: :func:`task_mean_loss`) inside this block:
-    the per-task gradients of the buffer's shared parameters go into its rows, not into ``.grad``.
+    """Run the forward and the backward of one mixed-task batch (loss: :func:`task_mean_loss`) inside this
+    block: the per-task gradients of the buffer's shared parameters go into its rows, not into ``.grad``.
 
-    ``buffer``: a :class:`TaskGradientBuffer` or a :class:`~fastpals.surgery.StreamingTaskGradients` (one block
-    per ``apply``); ``layout``: the batch's :class:`~fastpals.data.layout.BatchLayout` (deprecated: ``task_ids
-    [B]``, with ``cu_seqlens`` and ``pass_task_ids`` per encoder pass); ``use_kernels``: the grouped Triton
-    weight-gradient kernel (default: on CUDA).
+    ``buffer``: a :class:`TaskGradientBuffer` or a :class:`~fastpals.surgery.StreamingTaskGradients` (one
+    block per ``apply``); ``layout``: the batch's :class:`~fastpals.data.layout.BatchLayout` (deprecated:
+    ``task_ids [B]``, with ``cu_seqlens`` and ``pass_task_ids`` per encoder pass); ``use_kernels``: the
+    grouped Triton weight-gradient kernel (default: on CUDA).
     """
     block = getattr(buffer, "block_class", PerTaskGradients)  # StreamingTaskGradients: its streaming block
     with block(model, buffer, layout, cu_seqlens, use_kernels, pass_task_ids) as state:

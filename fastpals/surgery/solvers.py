@@ -46,8 +46,8 @@ def jacobi_sweeps(t: int) -> int:
 
 def jacobi_eigh(a: torch.Tensor, sweeps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(lam [T], vec [T, T])`` float64 (in no order) with ``a ~= vec @ diag(lam) @ vec.T`` for a symmetric
-    ``a [T, T]``: ``sweeps`` cyclic Jacobi sweeps of round-robin rotations, each skipped below Demmel & Veselic's
-    threshold."""
+    ``a [T, T]``: ``sweeps`` cyclic Jacobi sweeps of round-robin rotations, each skipped below Demmel &
+    Veselic's threshold."""
     if a.dim() != 2 or a.shape[0] != a.shape[1] or a.shape[0] == 0:
         raise ValueError(f"jacobi_eigh needs a non-empty square matrix, got shape {tuple(a.shape)}")
     t = a.shape[0]
@@ -77,7 +77,7 @@ def jacobi_eigh(a: torch.Tensor, sweeps: int | None = None) -> tuple[torch.Tenso
             # tan(2 theta) = 2 a_pq / (a_qq - a_pp), |theta| <= pi / 4 (0 / 0 only where skipped)
             theta = torch.where(skip, 0.0, 0.5 * torch.atan(2.0 * apq / (aqq - app)))
             cos, sin = torch.cos(theta), torch.sin(theta)
-            # m <- R^T m R, vec <- vec R elementwise (R[i, i] = c_i, R[partner(i), i] = s_i): no tiny BLAS calls
+            # m <- R^T m R, vec <- vec R elementwise (R[i, i] = c_i, R[partner(i), i] = s_i): no tiny GEMMs
             c_i = torch.cat([cos, cos])[position]
             s_i = torch.cat([-sin, sin])[position]
             m = c_i[:, None] * m + s_i[:, None] * m[partner]
@@ -94,9 +94,10 @@ def nonneg_qp(
     scale: torch.Tensor | None = None,
     pivoting: bool = False,
 ) -> torch.Tensor:
-    """``x [B, T] >= 0`` minimising ``1/2 x^T Q x + b^T x`` for an SPD float64 ``q [T, T]`` and each row of ``b``:
-    ``max_iter`` iterations of block principal pivoting with Murty's backup rule (Kim & Park), frozen once the KKT
-    conditions hold to ``tol * scale``. ``pivoting``: LU solves, for a ``Q`` that may be singular."""
+    """``x [B, T] >= 0`` minimising ``1/2 x^T Q x + b^T x`` for an SPD float64 ``q [T, T]`` and each row of
+    ``b``: ``max_iter`` iterations of block principal pivoting with Murty's backup rule (Kim & Park), frozen
+    once the KKT conditions hold to ``tol * scale``. ``pivoting``: LU solves, for a ``Q`` that may be
+    singular."""
     bsz, t = b.shape
     device = q.device
     eye = torch.eye(t, dtype=F64, device=device)

@@ -1,7 +1,8 @@
-"""Streaming gradient surgery (``--surgery-memory stream``): the exact Gram and update of the one-backward capture
-without the ``[T, P]`` rows. Per shared parameter the smaller of: a streamed Linear weight's ``dY`` and ``X``
-(Gram from per-task products ``dY_t^T X_t``, update ``(c_row * dY)^T X``), an embedding's ``dY`` and token ids
-(:func:`embedding_row_gram`, update by ``index_add``), or kept ``[T, *shape]`` fp32 rows as the buffer's.
+"""Streaming gradient surgery (``--surgery-memory stream``): the exact Gram and update of the one-backward
+capture without the ``[T, P]`` rows. Per shared parameter the smaller of: a streamed Linear weight's ``dY``
+and ``X`` (Gram from per-task products ``dY_t^T X_t``, update ``(c_row * dY)^T X``), an embedding's ``dY`` and
+token ids (:func:`embedding_row_gram`, update by ``index_add``), or kept ``[T, *shape]`` fp32 rows as the
+buffer's.
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ def embedding_row_gram(
     num_tasks: int,
     padding_idx: int | None = None,
 ) -> torch.Tensor:
-    """The ``[T, T]`` fp32 Gram of an embedding's per-task gradients (task t's: its rows of ``dy [N, d]`` added
-    at ``ids [N]``, ``row_task [N]`` int64; ``padding_idx`` rows zero), with no host read."""
+    """The ``[T, T]`` fp32 Gram of an embedding's per-task gradients (task t's: its rows of ``dy [N, d]``
+    added at ``ids [N]``, ``row_task [N]`` int64; ``padding_idx`` rows zero), with no host read."""
     t = num_tasks
     n = ids.shape[0]
     if n == 0:
@@ -128,7 +129,8 @@ class _StreamBlock(PerTaskGradients):
 
 
 class StreamingTaskGradients(TaskGradients):
-    """The streaming counterpart of :class:`~fastpals.surgery.TaskGradientBuffer` (same ``apply`` and results).
+    """The streaming counterpart of :class:`~fastpals.surgery.TaskGradientBuffer` (same ``apply`` and
+    results).
 
     Args:
         policy: one of :data:`POLICIES`.
@@ -175,7 +177,7 @@ class StreamingTaskGradients(TaskGradients):
         self._linears: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._deferred: dict[int, bool] = {}  # per streamed Linear weight: Gram in blocks (no scratch)?
         self._deferred_calls: dict[int, list[tuple[RowTasks, torch.Tensor, torch.Tensor]]] = {}
-        # streamed Linear weights on the kernels path: their calls' rows, dy and x (one Gram, one update launch)
+        # streamed Linear weights on the kernels path: the calls' rows, dy and x (one Gram, one update launch)
         self._grouped: dict[int, list[tuple[RowTasks, torch.Tensor, torch.Tensor]]] = {}
         self._bias_of: dict[int, int] = {}  # shared Linear weight -> its bias (both shared parameters)
         self._weight_of: dict[int, int] = {}
@@ -200,7 +202,8 @@ class StreamingTaskGradients(TaskGradients):
         self._gram_parts.append(gram_op(rows.contiguous())[0])
 
     def _bias_with_weight(self, k: int) -> bool:
-        """Is parameter k the bias of a streamed Linear weight whose Gram is built in blocks (with the weight's)?"""
+        """Is parameter k the bias of a streamed Linear weight whose Gram is built in blocks (with the
+        weight's)?"""
         return self._deferred.get(self._weight_of.get(k, -1), False)
 
     def _kept_by_budget(self) -> set[int]:
@@ -361,7 +364,8 @@ class StreamingTaskGradients(TaskGradients):
             self._task_seen[k] = True
 
     def _finish_gram(self) -> torch.Tensor:
-        """The streamed layers' Gram plus the kept rows' and the embeddings' (data parallel: averaged first)."""
+        """The streamed layers' Gram plus the kept rows' and the embeddings' (data parallel: averaged
+        first)."""
         t = self.num_tasks
         if self._gram is None:
             self._gram = torch.zeros(t, t, dtype=torch.float64, device=self.device)

@@ -1,9 +1,9 @@
-"""Aggregators ``fn(gram, [state,] generator=None, **options) -> w``: ``gram [T, T]`` float32/float64 -> ``w [T]``
-on its device (float64 for a float64 Gram, else float32), the update being ``sum_t w[t] g_t``; float64 inside, no
-host read (fixed iteration budgets, converged iterates frozen with ``torch.where``). Here the closed forms (sum,
-mean, PCGrad, GEM) and TorchJD 0.18's further weightings: constant, random, Krum, and the stateful MoDo, SDMGrad,
-PCD and ExcessMTL (on the ``[T, P]`` rows, not the Gram; MoDo and SDMGrad run on one batch's ``J J^T`` as
-TorchJD runs them)."""
+"""Aggregators ``fn(gram, [state,] generator=None, **options) -> w``: ``gram [T, T]`` float32/float64 ->
+``w [T]`` on its device (float64 for a float64 Gram, else float32), the update being ``sum_t w[t] g_t``;
+float64 inside, no host read (fixed iteration budgets, converged iterates frozen with ``torch.where``). Here
+the closed forms (sum, mean, PCGrad, GEM) and TorchJD 0.18's further weightings: constant, random, Krum, and
+the stateful MoDo, SDMGrad, PCD and ExcessMTL (on the ``[T, P]`` rows, not the Gram; MoDo and SDMGrad run on
+one batch's ``J J^T`` as TorchJD runs them)."""
 
 from __future__ import annotations
 
@@ -89,9 +89,9 @@ def pcgrad_orders(num_tasks: int, generator: torch.Generator | None = None) -> t
 def pcgrad_weights(
     gram: torch.Tensor, generator: torch.Generator | None = None, orders: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """PCGrad (Yu et al. 2020, Algorithm 1) as task weights: each ``g_i`` projected, in the order ``orders[i]``
-    (default :func:`pcgrad_orders`), onto the normal plane of each original ``g_j`` it conflicts with, summed;
-    ``g_i^PC = sum_k C[i, k] g_k`` is tracked on the Gram, ``w = C.sum(0)``."""
+    """PCGrad (Yu et al. 2020, Algorithm 1) as task weights: each ``g_i`` projected, in the order
+    ``orders[i]`` (default :func:`pcgrad_orders`), onto the normal plane of each original ``g_j`` it conflicts
+    with, summed; ``g_i^PC = sum_k C[i, k] g_k`` is tracked on the Gram, ``w = C.sum(0)``."""
     gram = check_gram(gram)
     t = gram.shape[0]
     if orders is None:
@@ -169,8 +169,9 @@ def gem_weights(
     tol: float = 1e-12,
     ridge: float = 1e-12,
 ) -> torch.Tensor:
-    """GEM (Lopez-Paz & Ranzato 2017): the update closest to ``proposal`` (``"sum"``, ``"mean"``, a task ``k`` or
-    ``[T]``) with no negative inner product with a task of ``constraints`` (default all, or all but ``k``)."""
+    """GEM (Lopez-Paz & Ranzato 2017): the update closest to ``proposal`` (``"sum"``, ``"mean"``, a task ``k``
+    or ``[T]``) with no negative inner product with a task of ``constraints`` (default all, or all but
+    ``k``)."""
     gram = check_gram(gram)
     t = gram.shape[0]
     device = gram.device
@@ -203,7 +204,8 @@ def project_onto_simplex(y: torch.Tensor) -> torch.Tensor:
 def constant_weights(
     gram: torch.Tensor, generator: torch.Generator | None = None, *, weights: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The fixed ``weights [T]`` whatever the Gram (``--surgery-opt weights=1,2,...``; default ones, the sum)."""
+    """The fixed ``weights [T]`` whatever the Gram (``--surgery-opt weights=1,2,...``; default ones, the
+    sum)."""
     g = check_gram(gram)
     t = g.shape[0]
     if weights is None:
@@ -270,14 +272,16 @@ class WeightsState:
             setattr(self, name, None if v is None else torch.as_tensor(v, dtype=F64).clone())
 
     def current(self, t: int, device: torch.device) -> torch.Tensor:
-        """The stored ``weights`` on ``device``, uniform ``1 / t`` before the first call or when ``T`` changed."""
+        """The stored ``weights`` on ``device``, uniform ``1 / t`` before the first call or when ``T``
+        changed."""
         if self.weights is None or self.weights.shape != (t,):
             return torch.full((t,), 1.0 / t, dtype=F64, device=device)
         return self.weights.to(device=device, dtype=F64, non_blocking=True)
 
 
 class CountedState(WeightsState):
-    """A :class:`WeightsState` that also counts its updates, ``step`` (a Python int: read without a device read)."""
+    """A :class:`WeightsState` that also counts its updates, ``step`` (a Python int: read without a device
+    read)."""
 
     def reset(self) -> None:
         super().reset()
@@ -333,9 +337,9 @@ def sdmgrad_weights(
     lambda_: float = 0.3,
     pref_vector: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """SDMGrad (Xiao, Ban & Ji 2023): ``n_iter`` momentum steps on the simplex for ``min_w 1/2 |J^T (w + lambda_
-    p)|^2`` (``G`` over the squared mean gradient norm) from the stored ``w``; returns ``(w + lambda_ p) / (1 +
-    lambda_)``, ``p`` = ``pref_vector`` (default ``1 / T``)."""
+    """SDMGrad (Xiao, Ban & Ji 2023): ``n_iter`` momentum steps on the simplex for
+    ``min_w 1/2 |J^T (w + lambda_ p)|^2`` (``G`` over the squared mean gradient norm) from the stored ``w``;
+    returns ``(w + lambda_ p) / (1 + lambda_)``, ``p`` = ``pref_vector`` (default ``1 / T``)."""
     if not isinstance(state, SDMGradState):
         raise TypeError(f"sdmgrad needs an SDMGradState, got {type(state).__name__}")
     if lr <= 0 or not 0 <= momentum < 1 or int(n_iter) < 1 or lambda_ < 0:
@@ -377,9 +381,9 @@ def pcd_weights(
     beta: float = 0.999,
     eps: float = 1e-8,
 ) -> torch.Tensor:
-    """PCD (TorchJD's ``PCDWeighting``), task 0 primary: on gradients scaled by their EMA norms, ``d`` closest to
-    ``g~_0`` with ``<g~_j, d> >= tau_j |g~_j|^2`` (``tau``: one value or ``[T - 1]``; infeasible: ``d = g~_0``),
-    by its dual QP, rescaled to ``|g_0|``."""
+    """PCD (TorchJD's ``PCDWeighting``), task 0 primary: on gradients scaled by their EMA norms, ``d`` closest
+    to ``g~_0`` with ``<g~_j, d> >= tau_j |g~_j|^2`` (``tau``: one value or ``[T - 1]``; infeasible:
+    ``d = g~_0``), by its dual QP, rescaled to ``|g_0|``."""
     if not isinstance(state, PCDState):
         raise TypeError(f"pcd needs a PCDState, got {type(state).__name__}")
     if not 0.0 <= beta < 1.0 or eps < 0:
@@ -441,9 +445,9 @@ def excessmtl_weights(
     robust_step_size: float = 1.0,
     n_warmup_steps: int = 0,
 ) -> torch.Tensor:
-    """ExcessMTL (He et al. 2024; TorchJD's ``ExcessMTLWeighting``) on the task gradients ``rows [T, P]`` (not a
-    Gram): after ``n_warmup_steps`` uniform calls, ``w <- softmax(log w + robust_step_size e)``, ``e`` the excess
-    risks over their baseline."""
+    """ExcessMTL (He et al. 2024; TorchJD's ``ExcessMTLWeighting``) on the task gradients ``rows [T, P]`` (not
+    a Gram): after ``n_warmup_steps`` uniform calls, ``w <- softmax(log w + robust_step_size e)``, ``e`` the
+    excess risks over their baseline."""
     if not isinstance(state, ExcessMTLState):
         raise TypeError(f"excessmtl needs an ExcessMTLState, got {type(state).__name__}")
     if robust_step_size <= 0 or int(n_warmup_steps) < 0:

@@ -68,9 +68,9 @@ def upgrad_weights(
     reg_eps: float = 1e-4,
     max_iter: int | None = None,
 ) -> torch.Tensor:
-    """UPGrad (Quinton & Rey 2024): each task gradient scaled by ``pref_vector`` (default ``1 / T``), projected
-    onto the dual cone of the task gradients, summed; ``G / trace(G)`` as in TorchJD, :func:`nonneg_qp` with
-    ``max_iter`` iterations (default ``min(3 T + 10, 40)``)."""
+    """UPGrad (Quinton & Rey 2024): each task gradient scaled by ``pref_vector`` (default ``1 / T``),
+    projected onto the dual cone of the task gradients, summed; ``G / trace(G)`` as in TorchJD,
+    :func:`nonneg_qp` with ``max_iter`` iterations (default ``min(3 T + 10, 40)``)."""
     return _dual_cone(gram, "upgrad", pref_vector, norm_eps, reg_eps, max_iter)
 
 
@@ -149,9 +149,9 @@ def alignedmtl_weights(
     scale_mode: str = "min",
     sweeps: int | None = None,
 ) -> torch.Tensor:
-    """Aligned-MTL (Senushkin et al. 2023, Algorithm 1): ``w = sqrt(s) V Λ^{-1/2} V^T p`` over the eigenpairs of
-    ``G``'s upper triangle above ``max(λ) T eps``, ``s`` their min / median / mean (``rmse``) eigenvalue, ``w = p``
-    for a zero ``G``; ``p`` is ``pref_vector`` (default ``1 / T``)."""
+    """Aligned-MTL (Senushkin et al. 2023, Algorithm 1): ``w = sqrt(s) V Λ^{-1/2} V^T p`` over the eigenpairs
+    of ``G``'s upper triangle above ``max(λ) T eps``, ``s`` their min / median / mean (``rmse``) eigenvalue,
+    ``w = p`` for a zero ``G``; ``p`` is ``pref_vector`` (default ``1 / T``)."""
     if scale_mode not in ("min", "median", "rmse"):
         raise ValueError(f"alignedmtl: scale_mode must be 'min', 'median' or 'rmse', got {scale_mode!r}")
     g = check_gram(gram).to(F64)
@@ -282,8 +282,8 @@ def cagrad_weights(
     search_iters: int | None = None,
 ) -> torch.Tensor:
     """CAGrad (Liu et al. 2021, Algorithm 1) on ``G / trace(G)``. ``solver``: ``exact`` (every support's KKT
-    point, at most 10 tasks), ``pgd`` (``max_iter`` projected-gradient then ``search_iters``, default ``2 T + 10``,
-    active-set steps) or ``auto`` (``exact`` up to 10 tasks)."""
+    point, at most 10 tasks), ``pgd`` (``max_iter`` projected-gradient then ``search_iters``, default
+    ``2 T + 10``, active-set steps) or ``auto`` (``exact`` up to 10 tasks)."""
     if c < 0:
         raise ValueError(f"cagrad: c must be non-negative, got {c}")
     if solver not in ("auto", "exact", "pgd"):
@@ -558,8 +558,9 @@ def _parse(name: str, key: str, value: Any, default: Any) -> Any:
 
 
 def make_weighting(name: str, **options: Any) -> tuple[Callable[..., torch.Tensor], Any]:
-    """``(fn, state)``: the aggregator ``name`` with ``options`` as ``fn(gram, generator=None) -> w [T]`` and its
-    state (``None`` if stateless). String options are parsed by the option's default type (vectors: ``1,2``)."""
+    """``(fn, state)``: the aggregator ``name`` with ``options`` as ``fn(gram, generator=None) -> w [T]`` and
+    its state (``None`` if stateless). String options are parsed by the option's default type (vectors:
+    ``1,2``)."""
     key = str(name).lower()
     if key not in AGGREGATORS:
         raise ValueError(f"unknown surgery method {name!r}; choose one of {', '.join(AGGREGATORS)}")
@@ -586,7 +587,8 @@ def make_weighting(name: str, **options: Any) -> tuple[Callable[..., torch.Tenso
 
 
 def parse_surgery_options(pairs: list[str] | tuple[str, ...]) -> dict[str, str]:
-    """``["c=0.5", "alpha=2"] -> {"c": "0.5", "alpha": "2"}`` (for ``--surgery-opt KEY=VALUE``, repeatable)."""
+    """``["c=0.5", "alpha=2"] -> {"c": "0.5", "alpha": "2"}`` (for ``--surgery-opt KEY=VALUE``,
+    repeatable)."""
     out: dict[str, str] = {}
     for pair in pairs:
         if "=" not in pair:

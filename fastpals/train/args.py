@@ -1,7 +1,7 @@
 """Every option of a training run: :class:`TrainArgs`, one dataclass field per command-line option;
-``__post_init__`` checks them and raises a one-line :class:`ConfigError` naming the option. Named recipes: JSON
-objects of options (and ``description``, ``source``) in ``fastpals/configs/recipes/`` or a path, ``--recipe``'s
-defaults, which options override."""
+``__post_init__`` checks them and raises a one-line :class:`ConfigError` naming the option. Named recipes:
+JSON objects of options (and ``description``, ``source``) in ``fastpals/configs/recipes/`` or a path,
+``--recipe``'s defaults, which options override."""
 
 from __future__ import annotations
 
@@ -272,8 +272,8 @@ class TrainArgs:
             raise ConfigError("--surgery-opt and --surgery-buffer-dtype need a --surgery method")
         if self.surgery_memory == "stream" and (self.surgery == "none" or self.batching != "mixed"):
             raise ConfigError(
-                "--surgery-memory stream needs a --surgery method and --batching mixed (one backward per update); "
-                "per-task batches use the buffer: drop --surgery-memory or use --batching mixed"
+                "--surgery-memory stream needs a --surgery method and --batching mixed (one backward per "
+                "update); per-task batches use the buffer: drop --surgery-memory or use --batching mixed"
             )
         if self.surgery_memory == "stream" and getattr(AGGREGATORS.get(self.surgery), "reads_rows", False):
             raise ConfigError(
@@ -282,7 +282,8 @@ class TrainArgs:
             )
         if self.surgery_memory == "stream" and self.surgery_buffer_dtype == "bf16":
             raise ConfigError(
-                "--surgery-buffer-dtype sets the buffer's rows; --surgery-memory stream has none: drop one of them"
+                "--surgery-buffer-dtype sets the buffer's rows; --surgery-memory stream has none: "
+                "drop one of them"
             )
         if self.surgery != "none":
             try:
@@ -453,8 +454,8 @@ def recipe_names() -> list[str]:
 
 
 def _read_recipe(name: str) -> tuple[Path, dict[str, Any]]:
-    """The path and JSON object of recipe ``name``, a shipped name or a path to a ``.json`` file; anything else is
-    a one-line :class:`ConfigError` listing the shipped names."""
+    """The path and JSON object of recipe ``name``, a shipped name or a path to a ``.json`` file; anything
+    else is a one-line :class:`ConfigError` listing the shipped names."""
     if name in recipe_names():
         path = _RECIPES / f"{name}.json"
     elif (path := Path(name)).suffix != ".json" or not path.is_file():
@@ -468,8 +469,9 @@ def recipe_info(name: str) -> dict[str, str]:
 
 
 def load_recipe(name: str) -> dict[str, Any]:
-    """The options of recipe ``name`` (shipped name or JSON path) as ``{TrainArgs field: value}``; a key that is
-    not an option or a value of the wrong JSON type is a one-line :class:`ConfigError` naming the file and the key."""
+    """The options of recipe ``name`` (shipped name or JSON path) as ``{TrainArgs field: value}``; a key that
+    is not an option or a value of the wrong JSON type is a one-line :class:`ConfigError` naming the file and
+    the key."""
     path, data = _read_recipe(name)
     options = {}
     for key, value in data.items():

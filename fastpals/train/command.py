@@ -158,9 +158,10 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
 
 
 def keep_freed_memory() -> bool:
-    """glibc ``malloc`` tuning: with its defaults a CPU step's large blocks are mapped fresh and unmapped on free,
-    so each update pays page faults again. Raises the mmap threshold (1 GiB, else the 32 MiB older glibc takes)
-    and stops trimming; True when every setting was taken, False without glibc or where it refused one."""
+    """glibc ``malloc`` tuning: with its defaults a CPU step's large blocks are mapped fresh and unmapped on
+    free, so each update pays page faults again. Raises the mmap threshold (1 GiB, else the 32 MiB older glibc
+    takes) and stops trimming; True when every setting was taken, False without glibc or where it refused
+    one."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     try:
@@ -185,10 +186,15 @@ def main(argv: list[str] | None = None) -> int:
         trainer = Trainer(args)
         ctrl_c.check()
         trainer.run()
-    except (ConfigError, NonFiniteLossError, OutputError) as err:
-        error = "" if isinstance(err, NonFiniteLossError) else "error: "
-        _report(f"{PROG}: {error}{err}", debug)
-        return 2 if isinstance(err, ConfigError) else 3 if isinstance(err, NonFiniteLossError) else 4
+    except ConfigError as err:
+        _report(f"{PROG}: error: {err}", debug)
+        return 2
+    except NonFiniteLossError as err:
+        _report(f"{PROG}: {err}", debug)
+        return 3
+    except OutputError as err:
+        _report(f"{PROG}: error: {err}", debug)
+        return 4
     except TrainingInterrupted as err:
         _report(f"{PROG}: {err}", debug and err.at_once, hint=False)
         return 128 + err.signum

@@ -85,8 +85,8 @@ def packed_micro_batches(
     weighting: str,
 ) -> Iterator[MicroBatch]:
     """The update's packed mixed micro-batches, collated one at a time as ``run_update`` consumes
-    them (``batchers``: one per task in the model's order; ``weighting``: ``--task-weighting``), with host counts of
-    each task's examples and tokens."""
+    them (``batchers``: one per task in the model's order; ``weighting``: ``--task-weighting``), with host
+    counts of each task's examples and tokens."""
     for sel in selections:
         batch = collate_packed(batchers, sel)
         tasks = tuple(t for t, idx in enumerate(sel.indices) if len(idx))

@@ -88,9 +88,9 @@ class NonFiniteLossError(RuntimeError):
             "stopped before this step's update",
         )
         return (
-            f"{head}{self.context}. To go on, start a new run (another --out, or --overwrite) with a lower --lr / "
-            "--pal-lr / --head-lr, or bf16 instead of fp16 (--resume keeps the saved options, so it would meet the "
-            "same non-finite value again)."
+            f"{head}{self.context}. To go on, start a new run (another --out, or --overwrite) with a lower "
+            "--lr / --pal-lr / --head-lr, or bf16 instead of fp16 (--resume keeps the saved options, so it "
+            "would meet the same non-finite value again)."
         )
 
     def add_context(

@@ -86,7 +86,7 @@ class Trainer:
         if self.is_main:
             outputs.RunLock(self.out).check_free()
         self._tokenizer = open_tokenizer(args)
-        # built before --out is touched; the set-up restores the random state it left, as if built after the data
+        # built before --out is touched; set-up restores the random state it left, as if built after the data
         before = _rng_state()
         self._early_model = build_model(args)
         self._rng_after_model = _rng_state()

@@ -43,7 +43,7 @@ ROWS_SHARE = 1.0
 KEEP_SHARE = 0.5
 #: bytes per saved activation element: fp32, and fp16/bf16 training (some saved tensors stay fp32 or bool)
 _ELEMENT_BYTES = {"fp32": 4.0, "bf16": 2.4, "fp16": 2.4}
-#: saved elements per token and layer: ``_PER_HIDDEN * hidden + _PER_SCORE * heads * length`` (fitted to traces)
+#: saved elements per token and layer (fitted to traces): ``_PER_HIDDEN * hidden + _PER_SCORE * heads * L``
 _PER_HIDDEN, _PER_SCORE = 24.0, 3.4
 
 
@@ -127,9 +127,9 @@ def keep_bytes_for(config: Any, tokens: int, length: int, precision: str = "fp32
 
 
 def estimate_activation_bytes(config: Any, tokens: int, length: int, precision: str = "fp32") -> int:
-    """Saved activation bytes of one forward of ``tokens`` tokens in sequences of ``length`` through the encoder of
-    ``config`` (``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``; PALs and heads included): the
-    fitted formula."""
+    """Saved activation bytes of one forward of ``tokens`` tokens in sequences of ``length`` through the
+    encoder of ``config`` (``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``; PALs and heads
+    included): the fitted formula."""
     per_token_layer = _PER_HIDDEN * config.hidden_size + _PER_SCORE * config.num_attention_heads * length
     return int(tokens * config.num_hidden_layers * per_token_layer * _ELEMENT_BYTES.get(precision, 4.0))
 
@@ -223,8 +223,8 @@ CATEGORIES = ("parameters", "gradients", "optimizer", "buckets", "activations", 
 @dataclass(frozen=True)
 class ModelStates:
     """Bytes per rank that DeepSpeed keeps for the model after the first step: 16- or 32-bit ``params`` and
-    ``gradients``, fp32 ``master`` weights and ``fp32_gradients`` (mixed precision or ZeRO >= 1), AdamW's two fp32
-    moments (``optimizer``) and ZeRO-3's gathered largest layer (``gathered``)."""
+    ``gradients``, fp32 ``master`` weights and ``fp32_gradients`` (mixed precision or ZeRO >= 1), AdamW's two
+    fp32 moments (``optimizer``) and ZeRO-3's gathered largest layer (``gathered``)."""
 
     params: int
     gradients: int
@@ -452,8 +452,8 @@ class DeepSpeedLikeEngine:
         p.grad = None  # reduced into the rank's partition buffer, the full 16-bit gradient freed
 
     def grad_setter(self, p: torch.nn.Parameter, value: torch.Tensor | None) -> None:
-        """``deepspeed.utils.safe_set_full_grad`` for a surgery buffer: this rank's part of ``value`` into the fp32
-        gradient partition (with a flat master), else ``value`` becomes the gradient."""
+        """``deepspeed.utils.safe_set_full_grad`` for a surgery buffer: this rank's part of ``value`` into the
+        fp32 gradient partition (with a flat master), else ``value`` becomes the gradient."""
         if not self.flat_master:
             if value is None:
                 self.hp_grads.pop(id(p), None)

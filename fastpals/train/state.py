@@ -104,8 +104,9 @@ def save_checkpoint(
     engine: Any, ckpt_dir: Path, state: TrainState, components: dict[str, Stateful], is_main: bool
 ) -> Path:
     """DeepSpeed checkpoint ``<ckpt_dir>/step<N>`` with the train state and every component's state, then
-    ``latest``; the previous one and step folders left by a kill are removed. A failed write removes the partial
-    folder (the previous checkpoint stays whole) and is an :class:`OutputError` naming the path and the cause."""
+    ``latest``; the previous one and step folders left by a kill are removed. A failed write removes the
+    partial folder (the previous checkpoint stays whole) and is an :class:`OutputError` naming the path and
+    the cause."""
     tag = f"step{state.global_step}"
     folder = ckpt_dir / tag
     try:

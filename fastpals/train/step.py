@@ -79,8 +79,9 @@ class TorchEngine:
     micro_steps: int = field(default=0, init=False)
 
     def __call__(self, **inputs: Any) -> Any:
-        device = next(self.module.parameters()).device.type
-        with nullcontext() if self.autocast is None else torch.autocast(device, dtype=self.autocast):
+        if self.autocast is None:
+            return self.module(**inputs)
+        with torch.autocast(next(self.module.parameters()).device.type, dtype=self.autocast):
             return self.module(**inputs)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -187,10 +188,11 @@ def run_update(
     sync: Callable[[], None] | None = None,
 ) -> UpdateResult:
     """One optimizer update over ``micro_batches`` (consumed one at a time) with ``strategy`` (``surgery``
-    required by all but ``none``); ``loss_hooks`` (``hook(step, loss) -> loss``) are test faults; ``sync`` runs
-    before the clock is read after ``apply``. One host read per update (two with a data-parallel buffer), after
-    the last backward: a NaN/inf loss raises :class:`NonFiniteLossError` before ``engine.step()``. A skipped
-    surgery applies nothing: an ``overflow`` under dynamic loss scaling, else the caller decides."""
+    required by all but ``none``); ``loss_hooks`` (``hook(step, loss) -> loss``) are test faults; ``sync``
+    runs before the clock is read after ``apply``. One host read per update (two with a data-parallel
+    buffer), after the last backward: a NaN/inf loss raises :class:`NonFiniteLossError` before
+    ``engine.step()``. A skipped surgery applies nothing: an ``overflow`` under dynamic loss scaling, else the
+    caller decides."""
     module = engine.module
     names = [spec.name for spec in module.tasks]
     values: list[torch.Tensor] = []  # device scalars, read once after the last backward

@@ -467,6 +467,17 @@ def test_pal_varlen_opcheck(dtype):
         opcheck(torch.ops.fastpals.pal_varlen.default, args)
 
 
+def test_pal_backward_op_leaves_the_residual_out():
+    """The residual's gradient is the incoming one: the backward op recomputes only h's and the six weights'."""
+    h, mask, task_ids, weights, _, g = _op_case(torch.float32)
+    res = torch.randn(h.shape, generator=g).requires_grad_()  # host: CPU op
+    grad, seed = torch.randn(h.shape, generator=g), library.draw_seed()  # host: CPU op
+    inputs = [t.detach() for t in (h, mask, task_ids, *weights)]
+    assert len(torch.ops.fastpals.pal_backward(grad, *inputs, 2, True, 0.0, res.detach(), seed)) == 7
+    out = torch.ops.fastpals.pal(h, mask, task_ids, *weights, 2, True, 0.0, res, seed)
+    torch.testing.assert_close(torch.autograd.grad(out, res, grad)[0], grad, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_pal_ops_match_the_reference_in_output_and_every_gradient(packed):
     h, mask, task_ids, weights, cu, g = _op_case(torch.float32)
