@@ -85,7 +85,9 @@ at::Tensor dropout_mask_cpu(const at::Tensor& x, const at::Tensor& words, int64_
 }  // namespace fastpals
 
 TORCH_LIBRARY_FRAGMENT(fastpals, m) {
-  m.def("dropout_mask(Tensor x, Tensor words, int threshold, float scale, bool mask_first, Tensor? residual) -> Tensor");
+  m.def(
+      "dropout_mask(Tensor x, Tensor words, int threshold, float scale, bool mask_first, Tensor? residual) "
+      "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fastpals, CPU, m) { m.impl("dropout_mask", &fastpals::dropout_mask_cpu); }
