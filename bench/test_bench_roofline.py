@@ -3,7 +3,8 @@
 
 - Peak: the best GFLOP/s of ``a @ b`` in bf16 and in fp32 on the device the bench runs on, at 2048³ and at the
   step's FFN shape (tokens x d x 4d), best of ``FASTPALS_BENCH_ROUNDS`` calls after one warm-up.
-- Step: forward + backward of one packed mixed micro-batch under bf16 autocast (the optimizer step excluded).
+- Step: forward + backward of one packed mixed micro-batch under bf16 autocast (the optimizer step excluded), and
+  as ``make train`` runs it: bf16 weights without autocast (DeepSpeed's bf16 mode; row ``job_bf16_weights``).
   Shape ``main`` is ``make train``'s: the Makefile's ``train`` options parsed by the trainer's own
   ``parse_args``, the model of ``build_model`` (MiniLM-L6 + PALs in layers 1-5, word embeddings and layer 0
   frozen) and the first micro-batch of its sampler (48 examples of at most 128 tokens from the task files).
@@ -20,6 +21,7 @@ CUDA (the device is ``cuda`` when one is visible), against that GPU's peak.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -135,13 +137,14 @@ def tiny_step(device: torch.device) -> tuple[torch.nn.Module, Any]:
     )  # fmt: skip
 
 
-def train_step(model: torch.nn.Module, mb: Any) -> Callable[[], None]:
-    """Forward (bf16 autocast) and backward of ``mb``'s loss as the trainer forms it; gradients reset each call."""
+def train_step(model: torch.nn.Module, mb: Any, autocast: bool = True) -> Callable[[], None]:
+    """Forward (bf16 autocast, or as the model's dtype is) and backward of ``mb``'s loss as the trainer forms it;
+    gradients reset each call."""
 
     def step() -> None:
         for p in model.parameters():
             p.grad = None
-        with torch.autocast(mb.labels.device.type, dtype=torch.bfloat16):
+        with torch.autocast(mb.labels.device.type, dtype=torch.bfloat16, enabled=autocast):
             loss = model.task_losses(model(**mb.inputs), mb.labels, weighting=mb.weighting).total
         loss.backward()
 
@@ -244,10 +247,15 @@ def test_roofline_row(benchmark, ratio_table):
     ]
     peak = {name: max(p["gflops"] for p in peaks if p["dtype"] == name) for name in ("bf16", "fp32")}
     rows = []
-    for trainable in ("job", "all_trainable"):
+    # job_bf16_weights: the job's bf16 weights without autocast, as DeepSpeed's bf16 mode trains them
+    for trainable in ("job", "job_bf16_weights", "all_trainable"):
         if trainable == "all_trainable":
             _set_all_trainable(model)
-        timer = StepTimer(train_step(model, mb), DEVICE)
+        if trainable == "job_bf16_weights":
+            step = train_step(copy.deepcopy(model).to(torch.bfloat16), mb, autocast=False)
+        else:
+            step = train_step(model, mb)
+        timer = StepTimer(step, DEVICE)
         timer()  # warm-up
         flops = counted_flops(timer.fn)
         if trainable == "job":
@@ -278,9 +286,9 @@ def test_roofline_row(benchmark, ratio_table):
         },
     }
     benchmark.extra_info.update({r["trainable"]: r["fraction_bf16"] for r in rows})
-    table = [f"{'step':14s} {'GFLOP':>7s} {'best s':>7s} {'GFLOP/s':>8s} {'x bf16':>7s} {'x fp32':>7s}"]
+    table = [f"{'step':16s} {'GFLOP':>7s} {'best s':>7s} {'GFLOP/s':>8s} {'x bf16':>7s} {'x fp32':>7s}"]
     table += [
-        f"{r['trainable']:14s} {r['flops'] / 1e9:7.2f} {r['best_s']:7.3f} {r['gflops']:8.1f} "
+        f"{r['trainable']:16s} {r['flops'] / 1e9:7.2f} {r['best_s']:7.3f} {r['gflops']:8.1f} "
         f"{r['fraction_bf16']:7.3f} {r['fraction_fp32']:7.3f}"
         for r in rows
     ]
@@ -288,7 +296,7 @@ def test_roofline_row(benchmark, ratio_table):
         f"peak GFLOP/s: bf16 {peak['bf16']:.1f}, fp32 {peak['fp32']:.1f} ({DEVICE.type}, shape {SHAPE}, "
         f"{tokens} tokens, load average {doc['load_average'][0]})"
     )
-    ratio_table("roofline: training step (forward + backward, bf16 autocast) vs measured matmul peak", table)
+    ratio_table("roofline: training step (forward + backward in bf16) vs measured matmul peak", table)
     if should_write():
         path = write_results(f"roofline_{DEVICE.type}", doc)
         path.with_suffix(".md").write_text(_markdown({**json.loads(path.read_text()), **doc}, path.name))
