@@ -30,27 +30,42 @@ inline uint16_t narrow(float f) {
   return static_cast<uint16_t>(rounded ^ ((rounded ^ 0x7FC0u) & (0u - nan)));
 }
 
-// Element i is kept when slice i of the words (little-endian int16) is at least `threshold`.
+// Element i is kept when slice i of the words (little-endian int16) is at least `threshold`: 1 - the sign bit of
+// slice - threshold, without a branch so that the loops vectorize.
 // mask_first (forward): y = (x * keep) * scale, each product rounded to the dtype; else (backward: the gradient
 // of that forward, as autograd forms it): y = (x * scale) * keep. Then y + residual, rounded to the dtype.
-// S: the storage type, load/store: its conversions to and from the math type M.
-// The keep flag is computed without a branch (1 - sign bit of slice - threshold) so that the loops vectorize.
+// S: the storage type; load/store: its conversions to and from the math type M.
 template <typename S, typename M, typename Load, typename Store>
-void dropout_mask_kernel(const S* __restrict x, const int16_t* __restrict slices, const S* __restrict residual,
-                         S* __restrict out, int64_t n, int64_t threshold, double scale, bool mask_first, Load load,
-                         Store store) {
-  const M s = static_cast<M>(scale);
-  const int32_t t = static_cast<int32_t>(threshold);
-  auto keep = [&](int64_t i) { return M((static_cast<uint32_t>(int32_t(slices[i]) - t) >> 31) ^ 1u); };
-  at::parallel_for(0, n, 1 << 15, [&](int64_t begin, int64_t end) {
-    if (mask_first) {
-      for (int64_t i = begin; i < end; ++i) out[i] = store(load(store(load(x[i]) * keep(i))) * s);
-    } else {
-      for (int64_t i = begin; i < end; ++i) out[i] = store(load(store(load(x[i]) * s)) * keep(i));
-    }
-    if (residual != nullptr)
-      for (int64_t i = begin; i < end; ++i) out[i] = store(load(out[i]) + load(residual[i]));
-  });
+inline void dropout_mask_chunk(const S* __restrict x, const int16_t* __restrict slices, const S* __restrict residual,
+                               S* __restrict out, int64_t n, int32_t threshold, M scale, bool mask_first, Load load,
+                               Store store) {
+  auto keep = [&](int64_t i) { return M((static_cast<uint32_t>(int32_t(slices[i]) - threshold) >> 31) ^ 1u); };
+  if (mask_first) {
+    for (int64_t i = 0; i < n; ++i) out[i] = store(load(store(load(x[i]) * keep(i))) * scale);
+  } else {
+    for (int64_t i = 0; i < n; ++i) out[i] = store(load(store(load(x[i]) * scale)) * keep(i));
+  }
+  if (residual != nullptr)
+    for (int64_t i = 0; i < n; ++i) out[i] = store(load(out[i]) + load(residual[i]));
+}
+
+// The bfloat16 chunk, compiled for AVX-512 and AVX2 as well (GCC on x86-64), picked at load time for the CPU.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define FASTPALS_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define FASTPALS_CPU_CLONES
+#endif
+
+FASTPALS_CPU_CLONES void dropout_mask_bf16(
+    const uint16_t* x, const int16_t* slices, const uint16_t* residual, uint16_t* out, int64_t n, int32_t threshold,
+    float scale, bool mask_first) {
+  dropout_mask_chunk<uint16_t, float>(x, slices, residual, out, n, threshold, scale, mask_first,
+                                      [](uint16_t v) { return widen(v); }, [](float v) { return narrow(v); });
+}
+
+template <typename S, typename Chunk>
+void parallel_chunks(int64_t n, Chunk chunk) {
+  at::parallel_for(0, n, 1 << 15, [&](int64_t begin, int64_t end) { chunk(begin, end - begin); });
 }
 
 at::Tensor dropout_mask_cpu(const at::Tensor& x, const at::Tensor& words, int64_t threshold, double scale,
@@ -64,20 +79,26 @@ at::Tensor dropout_mask_cpu(const at::Tensor& x, const at::Tensor& words, int64_
   at::Tensor out = at::empty_like(input, at::MemoryFormat::Contiguous);
   const auto* slices = reinterpret_cast<const int16_t*>(words.data_ptr<int64_t>());
   const int64_t n = input.numel();
+  const auto t = static_cast<int32_t>(threshold);
   if (input.scalar_type() == at::kBFloat16) {
-    const auto* r = res.defined() ? reinterpret_cast<const uint16_t*>(res.data_ptr()) : nullptr;
-    dropout_mask_kernel<uint16_t, float>(reinterpret_cast<const uint16_t*>(input.data_ptr()), slices, r,
-                                         reinterpret_cast<uint16_t*>(out.data_ptr()), n, threshold, scale,
-                                         mask_first, [](uint16_t v) { return widen(v); },
-                                         [](float v) { return narrow(v); });
+    const auto* xs = reinterpret_cast<const uint16_t*>(input.data_ptr());
+    const auto* rs = res.defined() ? reinterpret_cast<const uint16_t*>(res.data_ptr()) : nullptr;
+    auto* os = reinterpret_cast<uint16_t*>(out.data_ptr());
+    parallel_chunks<uint16_t>(n, [&](int64_t i, int64_t len) {
+      dropout_mask_bf16(xs + i, slices + i, rs ? rs + i : nullptr, os + i, len, t, float(scale), mask_first);
+    });
     return out;
   }
   AT_DISPATCH_FLOATING_TYPES_AND(at::kHalf, input.scalar_type(), "dropout_mask", [&] {
     using M = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-    dropout_mask_kernel<scalar_t, M>(input.data_ptr<scalar_t>(), slices,
-                                     res.defined() ? res.data_ptr<scalar_t>() : nullptr, out.data_ptr<scalar_t>(), n,
-                                     threshold, scale, mask_first, [](scalar_t v) { return static_cast<M>(v); },
-                                     [](M v) { return static_cast<scalar_t>(v); });
+    const scalar_t* xs = input.data_ptr<scalar_t>();
+    const scalar_t* rs = res.defined() ? res.data_ptr<scalar_t>() : nullptr;
+    scalar_t* os = out.data_ptr<scalar_t>();
+    parallel_chunks<scalar_t>(n, [&](int64_t i, int64_t len) {
+      dropout_mask_chunk<scalar_t, M>(xs + i, slices + i, rs ? rs + i : nullptr, os + i, len, t, M(scale), mask_first,
+                                      [](scalar_t v) { return static_cast<M>(v); },
+                                      [](M v) { return static_cast<scalar_t>(v); });
+    });
   });
   return out;
 }

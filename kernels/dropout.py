@@ -7,6 +7,7 @@ where it builds (bit-identical to the reference, forward and backward); elsewher
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +27,9 @@ def compiled_dropout() -> bool:
         if ok and not hasattr(torch.ops.fastpals, "dropout_mask"):
             try:
                 extension.build("fastpals_dropout", ("dropout.cpp",), cflags=("-O3", "-ffp-contract=off"))
-            except Exception:  # no compiler, no ninja, no csrc/: the reference runs, with the same results
+            except Exception as exc:  # no compiler, no ninja, no csrc/: the reference runs, with the same results
+                reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                print(f"fastpals: dropout runs as PyTorch ops (no compiled kernel: {reason})", file=sys.stderr)
                 ok = False
         _state["ok"] = ok
     return _state["ok"]
