@@ -4,11 +4,13 @@
 // are bit-identical to them.
 #include <torch/library.h>
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <type_traits>
 
 namespace fastpals {
@@ -68,6 +70,56 @@ void parallel_chunks(int64_t n, Chunk chunk) {
   at::parallel_for(0, n, 1 << 15, [&](int64_t begin, int64_t end) { chunk(begin, end - begin); });
 }
 
+// torch's mt19937 (at::mt19937) advanced in bulk: the 32-bit outputs n_0, n_1, ... of the engine's state
+// `state` as calling the engine would give them, tempered in vectorisable loops.
+void next_state(uint32_t* p) {
+  constexpr int N = at::MERSENNE_STATE_N, M = at::MERSENNE_STATE_M;
+  auto twist = [](uint32_t u, uint32_t v) {
+    return (((u & at::UMASK) | (v & at::LMASK)) >> 1) ^ ((0u - (v & 1u)) & at::MATRIX_A);
+  };
+  for (int j = 0; j < N - M; ++j) p[j] = p[j + M] ^ twist(p[j], p[j + 1]);
+  for (int j = N - M; j < N - 1; ++j) p[j] = p[j + M - N] ^ twist(p[j], p[j + 1]);
+  p[N - 1] = p[M - 1] ^ twist(p[N - 1], p[0]);
+}
+
+FASTPALS_CPU_CLONES void temper(const uint32_t* __restrict state, uint32_t* __restrict out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t y = state[i];
+    y ^= (y >> 11);
+    y ^= (y << 7) & 0x9d2c5680u;
+    y ^= (y << 15) & 0xefc60000u;
+    out[i] = y ^ (y >> 18);
+  }
+}
+
+// `n` int64 words drawn from the default CPU generator exactly as torch.empty(n, dtype=int64).random_(-2**63)
+// draws them (each word: the first 32-bit output in its high half, the second in its low half), in bulk.
+at::Tensor dropout_words(int64_t n) {
+  TORCH_CHECK(n >= 0, "dropout_words: n must be >= 0, got ", n);
+  at::Tensor words = at::empty({n}, at::TensorOptions().dtype(at::kLong));
+  auto* out = reinterpret_cast<uint32_t*>(words.data_ptr<int64_t>());
+  auto* gen = at::check_generator<at::CPUGeneratorImpl>(at::detail::getDefaultCPUGenerator());
+  std::lock_guard<std::mutex> lock(gen->mutex_);
+  at::mt19937 engine = gen->engine();
+  at::mt19937_data_pod d = engine.data();
+  for (int64_t done = 0, total = 2 * n; done < total;) {
+    if (d.left_ == 1) {  // the engine's next call twists first and then reads element 0
+      next_state(d.state_.data());
+      d.left_ = at::MERSENNE_STATE_N + 1;
+      d.next_ = 0;
+    }
+    const int64_t take = std::min<int64_t>(total - done, d.left_ - 1);
+    temper(d.state_.data() + d.next_, out + done, take);
+    d.next_ += static_cast<uint32_t>(take);
+    d.left_ -= static_cast<int>(take);
+    done += take;
+  }
+  for (int64_t i = 0; i < n; ++i) std::swap(out[2 * i], out[2 * i + 1]);  // little-endian: low half first
+  engine.set_data(d);
+  gen->set_engine(engine);
+  return words;
+}
+
 at::Tensor dropout_mask_cpu(const at::Tensor& x, const at::Tensor& words, int64_t threshold, double scale,
                             bool mask_first, const c10::optional<at::Tensor>& residual) {
   TORCH_CHECK(words.scalar_type() == at::kLong && words.is_contiguous() && words.numel() * 4 >= x.numel(),
@@ -109,6 +161,9 @@ TORCH_LIBRARY_FRAGMENT(fastpals, m) {
   m.def(
       "dropout_mask(Tensor x, Tensor words, int threshold, float scale, bool mask_first, Tensor? residual) "
       "-> Tensor");
+  m.def("dropout_words(int n) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fastpals, CPU, m) { m.impl("dropout_mask", &fastpals::dropout_mask_cpu); }
+
+TORCH_LIBRARY_IMPL(fastpals, CompositeExplicitAutograd, m) { m.impl("dropout_words", &fastpals::dropout_words); }

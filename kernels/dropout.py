@@ -27,9 +27,13 @@ def compiled_dropout() -> bool:
         if ok and not hasattr(torch.ops.fastpals, "dropout_mask"):
             try:
                 extension.build("fastpals_dropout", ("dropout.cpp",), cflags=("-O3", "-ffp-contract=off"))
-            except Exception as exc:  # no compiler, no ninja, no csrc/: the reference runs, with the same results
+            except (
+                Exception
+            ) as exc:  # no compiler, no ninja, no csrc/: the reference runs, with the same results
                 reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                print(f"fastpals: dropout runs as PyTorch ops (no compiled kernel: {reason})", file=sys.stderr)
+                print(
+                    f"fastpals: dropout runs as PyTorch ops (no compiled kernel: {reason})", file=sys.stderr
+                )
                 ok = False
         _state["ok"] = ok
     return _state["ok"]
@@ -40,11 +44,15 @@ def _check_p(p: float) -> None:
         raise ValueError(f"dropout: p must be in [0, 1), got {p}")
 
 
-def _mask_words(n: int, p: float) -> tuple[torch.Tensor, int, float]:
-    """The random words of ``n`` elements (drawn from the CPU generator), the keep threshold of a slice and the
-    scale: ``p`` rounded to a multiple of 1/65536, a slice below ``-32768 + 65536 p`` dropped."""
+def _mask_words(n: int, p: float, compiled: bool = False) -> tuple[torch.Tensor, int, float]:
+    """The random words of ``n`` elements (drawn from the CPU generator; ``compiled``: by the kernel's bulk copy
+    of ``random_``, the same words), the keep threshold of a slice and the scale: ``p`` rounded to a multiple of
+    1/65536, a slice below ``-32768 + 65536 p`` dropped."""
     drop = round(p * 65536)
-    words = torch.empty((n + 3) // 4, dtype=torch.int64).random_(-(2**63), None)
+    if compiled:
+        words = torch.ops.fastpals.dropout_words((n + 3) // 4)
+    else:
+        words = torch.empty((n + 3) // 4, dtype=torch.int64).random_(-(2**63), None)
     return words, drop - 32768, 65536.0 / (65536 - drop)
 
 
@@ -89,7 +97,7 @@ def dropout_add(
         and compiled_dropout()
     )
     if fused:
-        return _DropoutMask.apply(x, *_mask_words(x.numel(), p), residual)
+        return _DropoutMask.apply(x, *_mask_words(x.numel(), p, compiled=True), residual)
     if x.device.type != "cpu" or torch.compiler.is_compiling():  # the compiler traces F.dropout's mask
         y = F.dropout(x, p=p, training=True)
     else:

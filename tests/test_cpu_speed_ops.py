@@ -115,6 +115,31 @@ def test_compiled_dropout_is_bit_identical_to_the_reference(dtype):
                 assert torch.equal(_bits(got), _bits(want)), (shape, p)
 
 
+def test_compiled_dropout_words_are_torchs_random_words():
+    """The kernel's bulk mt19937 draws the words ``random_`` would, from any position of the generator (across
+    its 624-word twists), and leaves the generator where ``random_`` leaves it."""
+    from fastpals_kernels import dropout as ops
+
+    if not ops.compiled_dropout():
+        pytest.skip("the compiled dropout did not build here (no C++ compiler or ninja)")
+
+    def draw(n: int, ours: bool, seed: int) -> list[torch.Tensor]:
+        torch.manual_seed(seed)
+        torch.empty(37 * seed + 1, dtype=torch.int64).random_(-(2**63), None)  # start mid-state
+        if ours:
+            words = torch.ops.fastpals.dropout_words(n)
+        else:
+            words = torch.empty(n, dtype=torch.int64).random_(-(2**63), None)
+        return [words, torch.empty(5, dtype=torch.int64).random_(-(2**63), None), torch.rand(3)]
+
+    for seed in (0, 1, 5):
+        for n in (0, 1, 311, 312, 313, 624, 1000, 131_520):
+            assert all(torch.equal(a, b) for a, b in zip(draw(n, True, seed), draw(n, False, seed))), (
+                seed,
+                n,
+            )
+
+
 def test_compiled_dropout_keeps_a_training_step_bit_identical(monkeypatch):
     """A tiny packed BERT with PALs, one forward and backward in bf16: the loss and every gradient are the same
     bits with the compiled dropout as with ``FASTPALS_DROPOUT=torch``."""
