@@ -21,6 +21,7 @@ from fastpals_kernels.common import (
     device_context,
     interpret_mode,
     next_power_of_2,
+    per_sample_vmap,
     seed_for,
     target_arch,
 )
@@ -125,10 +126,14 @@ def dropout_add_layer_norm(
 
 
 @TritonKernel
-def _keep(seed, rows, cols, D, p):
-    """The keep mask of elements ``(rows[:, None], cols[None, :])`` of a ``[M, D]`` input."""
-    offsets = (rows.to(tl.int64)[:, None] * D + cols[None, :]).to(tl.uint32)
-    return tl.rand(seed, offsets) >= p
+def _dropout_factor(seed, rows, cols, D, p, scale, HAS_DROPOUT: tl.constexpr):
+    """What dropout multiplies the elements ``(rows[:, None], cols[None, :])`` of a ``[M, D]`` input by: ``scale``
+    where ``tl.rand(seed, row * D + col) >= p``, else 0 (1 without dropout)."""
+    factor = 1.0
+    if HAS_DROPOUT:
+        offsets = (rows.to(tl.int64)[:, None] * D + cols[None, :]).to(tl.uint32)
+        factor = tl.where(tl.rand(seed, offsets) >= p, scale, 0.0)
+    return factor
 
 
 @TritonKernel
@@ -145,18 +150,13 @@ def _store(ptrs, value, mask, INTERP: tl.constexpr):
 
 
 @TritonKernel
-def _layer_norm_input(X, R, E, rows, cols, mask, D, seed, p, scale, HAS_EXTRA, HAS_DROPOUT):
-    """``(dropout(x) + residual) [+ extra]`` of the tile in fp32, and the keep mask (None without dropout)."""
-    offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
-    s = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-    keep = None
-    if HAS_DROPOUT:
-        keep = _keep(seed, rows, cols, D, p)
-        s = tl.where(keep, s * scale, 0.0)
+def _layer_norm_input(X, R, E, offs, mask, factor, HAS_EXTRA: tl.constexpr):
+    """``(x * factor + residual) [+ extra]`` of the tile in fp32 (``factor``: :func:`_dropout_factor`)."""
+    s = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32) * factor
     s += tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_EXTRA:
         s += tl.load(E + offs, mask=mask, other=0.0).to(tl.float32)
-    return s, keep
+    return s
 
 
 @TritonKernel
@@ -170,14 +170,16 @@ def _dropout_add_ln_fwd_kernel(
     row_mask = rows < M
     col_mask = cols < D
     mask = row_mask[:, None] & col_mask[None, :]
-    s, keep = _layer_norm_input(X, R, E, rows, cols, mask, D, seed, p, scale, HAS_EXTRA, HAS_DROPOUT)
+    offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    factor = _dropout_factor(seed, rows, cols, D, p, scale, HAS_DROPOUT)
+    s = _layer_norm_input(X, R, E, offs, mask, factor, HAS_EXTRA)
     mean = tl.sum(s, axis=1) / D
     diff = tl.where(mask, s - mean[:, None], 0.0)
     rstd = 1.0 / tl.sqrt(tl.sum(diff * diff, axis=1) / D + eps)
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
     b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
     y = diff * rstd[:, None] * w[None, :] + b[None, :]
-    _store(Y + rows.to(tl.int64)[:, None] * D + cols[None, :], y, mask, INTERP)
+    _store(Y + offs, y, mask, INTERP)
     tl.store(MEAN + rows, mean, mask=row_mask)
     tl.store(RSTD + rows, rstd, mask=row_mask)
 
@@ -199,11 +201,12 @@ def _dropout_add_ln_bwd_kernel(
         rows = start + tl.arange(0, BLOCK_M)
         row_mask = rows < M
         mask = row_mask[:, None] & col_mask[None, :]
-        s, keep = _layer_norm_input(X, R, E, rows, cols, mask, D, seed, p, scale, HAS_EXTRA, HAS_DROPOUT)
+        offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+        factor = _dropout_factor(seed, rows, cols, D, p, scale, HAS_DROPOUT)
+        s = _layer_norm_input(X, R, E, offs, mask, factor, HAS_EXTRA)
         mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
         rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
         xhat = tl.where(mask, (s - mean[:, None]) * rstd[:, None], 0.0)
-        offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
         dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
         dw += tl.sum(dy * xhat, axis=0)
         db += tl.sum(dy, axis=0)
@@ -212,10 +215,7 @@ def _dropout_add_ln_bwd_kernel(
         c2 = tl.sum(g, axis=1) / D
         ds = (g - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
         _store(DS + offs, ds, mask, INTERP)
-        dx = ds
-        if HAS_DROPOUT:
-            dx = tl.where(keep, ds * scale, 0.0)
-        _store(DX + offs, dx, mask, INTERP)
+        _store(DX + offs, ds * factor, mask, INTERP)
     tl.store(DW_PART + pid * D + cols, dw, mask=col_mask)
     tl.store(DB_PART + pid * D + cols, db, mask=col_mask)
 
@@ -224,7 +224,7 @@ def _launch_config(x: torch.Tensor, d: int) -> tuple[int, int, int]:
     """``(BLOCK_M, BLOCK_D, num_warps)`` for rows of ``d`` elements."""
     block_d = next_power_of_2(d)
     block_m = max(1, _TILE // block_d)
-    num_warps = 4 if block_d <= 1024 else 8
+    num_warps = 8  # 16 elements of the tile per thread
     return block_m, block_d, num_warps
 
 
@@ -373,3 +373,5 @@ def _backward(ctx, dy, _dmean, _drstd) -> tuple:
 
 
 dropout_add_layer_norm_op.register_autograd(_backward, setup_context=_setup_context)
+dropout_add_layer_norm_op.register_vmap(per_sample_vmap(dropout_add_layer_norm_op))
+dropout_add_layer_norm_backward_op.register_vmap(per_sample_vmap(dropout_add_layer_norm_backward_op))

@@ -177,6 +177,15 @@ def test_opcheck(triton_mode):
     )
 
 
+def test_vmap_runs_the_op_per_sample(triton_mode):
+    x, residual, weight, bias, _ = _inputs(6, 100, torch.float32, False)
+    xs, residuals = torch.stack([x, 2 * x]).detach(), torch.stack([residual, residual]).detach()
+    w, b = weight.detach(), bias.detach()
+    got = torch.func.vmap(lambda a, r: dropout_add_layer_norm(a, r, w, b, EPS, 0.0))(xs, residuals)
+    expected = torch.stack([dropout_add_layer_norm(a, r, w, b, EPS, 0.0) for a, r in zip(xs, residuals)])
+    assert torch.equal(got, expected)
+
+
 @pytest.mark.parametrize(
     "change,match",
     [
