@@ -128,7 +128,7 @@ def dropout_add_layer_norm(
 @TritonKernel
 def _dropout_factor(seed, rows, cols, D, p, scale, HAS_DROPOUT: tl.constexpr):
     """What dropout multiplies the elements ``(rows[:, None], cols[None, :])`` of a ``[M, D]`` input by: ``scale``
-    where ``tl.rand(seed, row * D + col) >= p``, else 0 (1 without dropout)."""
+    where ``tl.rand(seed, (row * D + col) mod 2**32) >= p``, else 0 (1 without dropout)."""
     factor = 1.0
     if HAS_DROPOUT:
         offsets = (rows.to(tl.int64)[:, None] * D + cols[None, :]).to(tl.uint32)
@@ -220,12 +220,11 @@ def _dropout_add_ln_bwd_kernel(
     tl.store(DB_PART + pid * D + cols, db, mask=col_mask)
 
 
-def _launch_config(x: torch.Tensor, d: int) -> tuple[int, int, int]:
-    """``(BLOCK_M, BLOCK_D, num_warps)`` for rows of ``d`` elements."""
+def _launch_config(d: int) -> tuple[int, int, int]:
+    """``(BLOCK_M, BLOCK_D, num_warps)`` for rows of ``d`` elements: 8 warps, 16 elements of a 4096-element tile
+    per thread."""
     block_d = next_power_of_2(d)
-    block_m = max(1, _TILE // block_d)
-    num_warps = 8  # 16 elements of the tile per thread
-    return block_m, block_d, num_warps
+    return max(1, _TILE // block_d), block_d, 8
 
 
 def _flat(t: torch.Tensor | None, d: int) -> torch.Tensor | None:
@@ -253,7 +252,7 @@ def dropout_add_layer_norm_triton(
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     if m == 0:
         return y, mean, rstd
-    block_m, block_d, num_warps = _launch_config(x, d)
+    block_m, block_d, num_warps = _launch_config(d)
     with device_context(x):
         _dropout_add_ln_fwd_kernel[(cdiv(m, block_m),)](
             xf, rf, xf if ef is None else ef, weight.contiguous(), bias.contiguous(), y, mean, rstd,
@@ -289,7 +288,7 @@ def dropout_add_layer_norm_backward_triton(
     m = xf.shape[0]
     ds = torch.empty(residual.shape, dtype=residual.dtype, device=x.device)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    block_m, block_d, num_warps = _launch_config(x, d)
+    block_m, block_d, num_warps = _launch_config(d)
     programs = max(1, _backward_programs(x, cdiv(m, block_m)))
     dw_part = torch.zeros(programs, d, dtype=torch.float32, device=x.device)
     db_part = torch.zeros(programs, d, dtype=torch.float32, device=x.device)
