@@ -300,9 +300,9 @@ class BertSelfOutput(nn.Module):
 
 def fused_layer_norm(y: torch.Tensor, norm: nn.LayerNorm) -> bool:
     """Does a sublayer's dropout + residual + LayerNorm run as the op library's fused op on ``y``: a CUDA tensor the
-    dispatch sends to Triton, and ``norm`` a plain ``nn.LayerNorm`` call (no forward hooks, no replaced forward, as
-    PAL injection and the per-task gradient capture set: the fused op would skip them)?"""
-    plain = type(norm) is nn.LayerNorm and "forward" not in vars(norm)
+    dispatch sends to Triton, and ``norm`` a plain affine ``nn.LayerNorm`` call (no forward hooks, no replaced
+    forward, as PAL injection and the per-task gradient capture set: the fused op would skip them)?"""
+    plain = type(norm) is nn.LayerNorm and "forward" not in vars(norm) and norm.bias is not None
     hooked = norm._forward_hooks or norm._forward_pre_hooks
     return y.is_cuda and plain and not hooked and backend("dropout_layer_norm", y) == "triton"
 
