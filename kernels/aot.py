@@ -23,6 +23,10 @@ import torch
 import fastpals_kernels as kernels
 from fastpals_kernels.combine import combine_triton
 from fastpals_kernels.common import build_task_row_plan
+from fastpals_kernels.dropout_layer_norm import (
+    dropout_add_layer_norm_backward_triton,
+    dropout_add_layer_norm_triton,
+)
 from fastpals_kernels.gram import gram_triton
 from fastpals_kernels.stream_linear import stream_linear_combine_triton, stream_linear_gram_triton
 
@@ -258,6 +262,17 @@ def _stream_case(dtype: Any, tasks: int) -> None:
     stream_linear_combine_triton(*args, torch.ones(tasks))
 
 
+def _dropout_layer_norm_case(dtype: Any, residual_dtype: Any, d: int, p: float, extra: bool) -> None:
+    """BERT's sublayer output over 8 x 128 rows: forward and backward kernels (an fp32 residual: autocast)."""
+    x = torch.zeros(8 * 128, d, dtype=dtype)
+    residual = torch.zeros(8 * 128, d, dtype=residual_dtype)
+    more = torch.zeros_like(residual) if extra else None
+    w, b = torch.ones(d), torch.zeros(d)
+    out_dtype = torch.promote_types(dtype, residual_dtype)
+    y, mean, rstd = dropout_add_layer_norm_triton(x, residual, more, w, b, 1e-12, p, 1234, out_dtype)
+    dropout_add_layer_norm_backward_triton(y, x, residual, more, w, mean, rstd, p, 1234)
+
+
 def _dropout_mask_case() -> None:
     from fastpals_kernels.pal_attention import pal_attention_dropout_mask
 
@@ -282,6 +297,15 @@ def cases(cap: int, quick: bool = False) -> list[tuple[str, Any, tuple]]:
             out.append((f"gram+combine {name} T={tasks}", _buffer_case, (dt[name], tasks)))
         # T_PAD 32: at T <= 16 the 16-bit combine kernel spills on sm_90, from T = 64 the Gram kernel
         out.append((f"stream_linear {name} T=32", _stream_case, (dt[name], 32)))
+        # evaluation; training (under autocast an fp32 residual meets a 16-bit dense output); a PAL's output added
+        for form, d, p, extra in (
+            ("eval", 768, 0.0, False),
+            ("train", 768, 0.1, False),
+            ("extra", 384, 0.1, True),
+        ):
+            res = torch.float32 if form == "train" else dt[name]
+            label = f"dropout_layer_norm {name} {form} d={d}"
+            out.append((label, _dropout_layer_norm_case, (dt[name], res, d, p, extra)))
     return out
 
 

@@ -59,6 +59,7 @@ OPS = {
     "gram": "Gram matrix of the [T, P] task-gradient buffer",
     "combine": "weighted sum of the buffer's rows",
     "bert_attention_varlen": "BERT self-attention over packed rows",
+    "dropout_layer_norm": "residual + dropout + LayerNorm of BERT's sublayer outputs",
 }
 
 
@@ -96,10 +97,10 @@ def decide(
     if capability is None:
         return Decision("reference", "CPU: the PyTorch reference ops")
     cap = f"{capability[0]}{capability[1]}"
-    if op in ("gram", "combine"):
+    if op in ("gram", "combine", "dropout_layer_norm"):
         if capability < (7, 0):
             return Decision("reference", f"sm_{cap}: older than the GPUs Triton supports")
-        return Decision("triton", "memory-bound single pass over the buffer (no tensor cores needed)")
+        return Decision("triton", "memory-bound single pass (no tensor cores needed)")
     if capability < (8, 0):
         if dtype == torch.bfloat16:
             return Decision("reference", f"sm_{cap}: no bf16 tensor cores; the PyTorch reference ops")

@@ -35,6 +35,8 @@ ALL_KERNELS = {
     "_combine_kernel",
     "_stream_gram_kernel",
     "_stream_combine_kernel",
+    "_dropout_add_ln_fwd_kernel",
+    "_dropout_add_ln_bwd_kernel",
 }
 #: on sm_75 the dispatch sends only these to Triton (memory-bound; see fastpals_kernels.dispatch.decide)
 SM75_DISPATCHED = {"_gram_partial_kernel", "_gram_pairs_kernel", "_combine_kernel"}

@@ -314,3 +314,9 @@ def test_every_op_passes_opcheck_on_cuda(dtype):
     opcheck(torch.ops.fastpals.combine.default, (buf, w))
     opcheck(torch.ops.fastpals.combine_out.default, (buf, w, torch.empty(4099, device=DEVICE)))
     opcheck(torch.ops.fastpals.combine_row.default, (buf.clone(), w, 0))
+    res = torch.randn_like(rows, requires_grad=True)
+    ln_w, ln_b = (torch.randn(D, device=DEVICE, requires_grad=True) for _ in range(2))
+    opcheck(
+        torch.ops.fastpals.dropout_add_layer_norm.default,
+        (rows, res, None, ln_w, ln_b, 1e-12, 0.1, seed, dtype),
+    )

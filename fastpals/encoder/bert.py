@@ -33,6 +33,8 @@ from fastpals.encoder.pal_variants import (
 )
 from fastpals.functional import Dropout, check_task_ids, dropout_add
 from fastpals_kernels.attention_varlen import attention_varlen, padded_attention
+from fastpals_kernels.backends import backend
+from fastpals_kernels.dropout_layer_norm import dropout_add_layer_norm
 
 __all__ = [
     "BertConfig",
@@ -281,11 +283,28 @@ class BertSelfOutput(nn.Module):
         self.dropout = Dropout(cfg.hidden_dropout_prob)
 
     def forward(self, ctx: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(self.add(self.dense(ctx), x))
+        return self.add_layer_norm(self.dense(ctx), x)
 
     def add(self, y: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``dropout(y) + residual``, in one pass where the op library fuses it."""
         return dropout_add(y, residual, self.dropout.p, self.dropout.training)
+
+    def add_layer_norm(self, y: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``LayerNorm(dropout(y) + residual)``: one fused op on CUDA (:func:`fused_layer_norm`), else :meth:`add`
+        then the LayerNorm module."""
+        if not fused_layer_norm(y, self.LayerNorm):
+            return self.LayerNorm(self.add(y, residual))
+        norm, p = self.LayerNorm, self.dropout.p
+        return dropout_add_layer_norm(y, residual, norm.weight, norm.bias, norm.eps, p, self.dropout.training)
+
+
+def fused_layer_norm(y: torch.Tensor, norm: nn.LayerNorm) -> bool:
+    """Does a sublayer's dropout + residual + LayerNorm run as the op library's fused op on ``y``: a CUDA tensor the
+    dispatch sends to Triton, and ``norm`` a plain affine ``nn.LayerNorm`` call (no forward hooks, no replaced
+    forward, as PAL injection and the per-task gradient capture set: the fused op would skip them)?"""
+    plain = type(norm) is nn.LayerNorm and "forward" not in vars(norm) and norm.bias is not None
+    hooked = norm._forward_hooks or norm._forward_pre_hooks
+    return y.is_cuda and plain and not hooked and backend("dropout_layer_norm", y) == "triton"
 
 
 class BertLayer(nn.Module):
@@ -308,9 +327,9 @@ class BertLayer(nn.Module):
         """x: [B, L, d] or packed [N, d] → same shape."""
         attn = self.attention.output(self.attention.self(x, layout), x)
         ffn = self.intermediate.act(self.intermediate.dense(attn))
-        pre_ln = self.output.add(self.output.dense(ffn), attn)
         if self.pal_variant is None:
-            return self.output.LayerNorm(pre_ln)
+            return self.output.add_layer_norm(self.output.dense(ffn), attn)
+        pre_ln = self.output.add(self.output.dense(ffn), attn)
         pre_ln = self.pal_variant.pre_layer_norm(self, x, layout, pre_ln)
         return self.pal_variant.layer_output(self, self.output.LayerNorm(pre_ln), layout)
 
