@@ -92,6 +92,8 @@ def dropout_add(
         return x if residual is None else x + residual
     fused = (
         x.device.type == "cpu"
+        and type(x) is torch.Tensor  # not a fake or traced tensor, no dispatch mode: they run the reference
+        and not torch._C._len_torch_dispatch_stack()
         and not torch.compiler.is_compiling()
         and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype))
         and compiled_dropout()

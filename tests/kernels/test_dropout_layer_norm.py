@@ -40,7 +40,7 @@ def _inputs(rows: int, d: int, dtype: torch.dtype, extra: bool, seed: int = 0) -
         if shape is None:
             out.append(None)
             continue
-        t = torch.randn(shape, generator=g) * scale
+        t = torch.randn(shape, generator=g) * scale  # host: a seeded CPU draw, moved to DEVICE below
         if len(shape) == 1 and scale == 0.2:
             t += 1.0  # a LayerNorm weight near 1
         out.append(t.to(DEVICE, dtype).requires_grad_())
@@ -153,7 +153,7 @@ def test_fake_tensors_give_the_shapes(triton_mode):
         x = torch.empty(2, 5, 100, dtype=torch.bfloat16, device=DEVICE)
         residual, extra = torch.empty_like(x), torch.empty_like(x)
         w, b = torch.empty(100, device=DEVICE), torch.empty(100, device=DEVICE)
-        seed = torch.zeros(1, dtype=torch.int64)
+        seed = torch.zeros(1, dtype=torch.int64)  # host: the op's seed is a host tensor
         y, mean, rstd = torch.ops.fastpals.dropout_add_layer_norm(
             x, residual, extra, w, b, 1e-12, 0.1, seed, torch.float32
         )
@@ -169,7 +169,7 @@ def test_fake_tensors_give_the_shapes(triton_mode):
 
 def test_opcheck(triton_mode):
     x, residual, weight, bias, extra = _inputs(5, 20, torch.float32, True)
-    seed = torch.tensor([123], dtype=torch.int64)
+    seed = torch.tensor([123], dtype=torch.int64)  # host: the op's seed is a host tensor
     torch.library.opcheck(
         torch.ops.fastpals.dropout_add_layer_norm.default,
         (x, residual, extra, weight, bias, 1e-5, 0.2, seed, torch.float32),
@@ -190,19 +190,20 @@ def test_vmap_runs_the_op_per_sample(triton_mode):
     "change,match",
     [
         ({"x": "x"}, "x must be a torch.Tensor"),
-        ({"x": torch.zeros(3, 4, dtype=torch.float64)}, "x must be float32"),
-        ({"residual": torch.zeros(3, 5)}, r"residual must have x's shape \[3, 4\]"),
-        ({"extra": torch.zeros(4, 4)}, "extra must have x's shape"),
-        ({"weight": torch.zeros(5)}, r"weight must have shape \[4\]"),
-        ({"bias": torch.zeros(4, 1)}, r"bias must have shape \[4\]"),
+        ({"x": torch.zeros(3, 4, dtype=torch.float64)}, "x must be float32"),  # host: bad input
+        ({"residual": torch.zeros(3, 5)}, r"residual must have x's shape \[3, 4\]"),  # host: bad input
+        ({"extra": torch.zeros(4, 4)}, "extra must have x's shape"),  # host: bad input
+        ({"weight": torch.zeros(5)}, r"weight must have shape \[4\]"),  # host: bad input
+        ({"bias": torch.zeros(4, 1)}, r"bias must have shape \[4\]"),  # host: bad input
         ({"eps": 0.0}, "eps must be a positive float"),
         ({"p": 1.0}, r"p must be a float in \[0, 1\)"),
-        ({"x": torch.zeros(3, 0), "residual": torch.zeros(3, 0)}, "d >= 1"),
+        ({"x": torch.zeros(3, 0), "residual": torch.zeros(3, 0)}, "d >= 1"),  # host: bad input
     ],
 )
 def test_bad_inputs_name_the_argument(triton_mode, change, match):
-    args = {"x": torch.zeros(3, 4), "residual": torch.zeros(3, 4), "weight": torch.ones(4),
-            "bias": torch.zeros(4), "eps": 1e-5, "p": 0.1, "training": True, "extra": None}  # fmt: skip
+    args = {"x": torch.zeros(3, 4, device=DEVICE), "residual": torch.zeros(3, 4, device=DEVICE),
+            "weight": torch.ones(4, device=DEVICE), "bias": torch.zeros(4, device=DEVICE), "eps": 1e-5, "p": 0.1,
+            "training": True, "extra": None}  # fmt: skip
     args.update(change)
     args = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
     with pytest.raises((TypeError, ValueError), match=match) as info:
