@@ -6,14 +6,16 @@ fp32; padded keys get the dtype's most negative score (BERT's additive mask)."""
 from __future__ import annotations
 
 import math
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
 
-from fastpals_kernels import backends
+from fastpals_kernels import backends, extension
 from fastpals_kernels.backends import backend, registered, use_library
 from fastpals_kernels.common import recompute_ops, seed_for, seeded
-from fastpals_kernels.dropout import dropout
+from fastpals_kernels.dropout import compiled_dropout, dropout, mask_words
 from fastpals_kernels.padding import AttentionPlan, bucketed_attention, key_mask_bias, pad_packed_index
 
 __all__ = [
@@ -23,9 +25,146 @@ __all__ = [
     "attention_varlen_eager",
     "attention_varlen_reference",
     "attention_with_key_bias",
+    "compiled_attention",
     "key_mask_bias",
+    "packed_attention",
+    "packed_attention_reference",
     "padded_attention",
+    "plain_cpu",
 ]
+
+_state: dict[str, bool] = {}
+
+
+def compiled_attention() -> bool:
+    """Whether the compiled CPU kernel of :func:`packed_attention` is there (built or loaded once per process;
+    ``FASTPALS_ATTENTION=torch`` turns it off)."""
+    if "ok" not in _state:
+        ok = os.environ.get("FASTPALS_ATTENTION", "").lower() != "torch"
+        if ok and not hasattr(torch.ops.fastpals, "packed_attention"):
+            try:
+                extension.build(
+                    "fastpals_attention",
+                    ("attention.cpp",),
+                    cflags=("-O3", "-fopenmp"),
+                    ldflags=("-fopenmp",),
+                )
+            except Exception as exc:  # no compiler, no ninja, no csrc/: the reference runs
+                reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                print(
+                    f"fastpals: CPU attention runs as PyTorch ops (no compiled kernel: {reason})",
+                    file=sys.stderr,
+                )
+                ok = False
+        _state["ok"] = ok
+    return _state["ok"]
+
+
+def _packed_words(q: torch.Tensor, cu_seqlens: torch.Tensor, dropout_p: float, compiled: bool) -> tuple:
+    """The dropout words of :func:`packed_attention` (``H * sum(L_b^2)`` slices; None without dropout), the keep
+    threshold and the dropout scale."""
+    if dropout_p == 0.0:
+        return None, 0, 1.0
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    return mask_words(
+        q.shape[1] * int(lengths.long().square().sum()), dropout_p, compiled and compiled_dropout()
+    )
+
+
+def packed_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    words: tuple | None = None,
+) -> torch.Tensor:
+    """What :func:`packed_attention` computes, in PyTorch ops one sequence at a time: q, k, v ``[N, H, Dh]``,
+    ``cu_seqlens [B+1]`` → ``[N, H, Dh]``; scores in q's dtype, fp32 scale and softmax, probabilities cast back,
+    dropout with the keep mask of sequence b, head h, query i, key j at slice ``H * sum_{b'<b} L_b'^2 + (h * L_b
+    + i) * L_b + j`` of the words (``words``: :func:`~fastpals_kernels.dropout.mask_words`' triple, drawn here
+    when None), then ``probs @ v``."""
+    _check_dropout(dropout_p)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if dropout_p > 0.0 and words is None:
+        words = _packed_words(q, cu_seqlens, dropout_p, compiled=False)
+    slices = words[0].view(torch.int16) if dropout_p > 0.0 else None
+    heads, out, offset = q.shape[1], [], 0
+    for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
+        qh, kh, vh = (t[a:b].transpose(0, 1) for t in (q, k, v))  # [H, L, Dh]
+        probs = torch.softmax(torch.matmul(qh, kh.transpose(1, 2)).float().mul_(scale), dim=-1).to(q.dtype)
+        if slices is not None:
+            n = b - a
+            keep = slices[offset : offset + heads * n * n].view(heads, n, n) >= words[1]
+            probs = (probs * keep).mul_(words[2])
+            offset += heads * n * n
+        out.append(torch.matmul(probs, vh).transpose(0, 1))
+    return torch.cat(out) if out else q.new_zeros(q.shape)
+
+
+class _PackedAttention(torch.autograd.Function):
+    """The compiled kernel with its gradient (the probabilities recomputed from each row's saved softmax max and
+    sum, the same dropout words)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, words, threshold, drop_scale, scale):
+        out, stats = torch.ops.fastpals.packed_attention(
+            q, k, v, cu_seqlens, words, threshold, drop_scale, scale
+        )
+        ctx.save_for_backward(q, k, v, cu_seqlens, words, stats)
+        ctx.options = threshold, drop_scale, scale
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        q, k, v, cu_seqlens, words, stats = ctx.saved_tensors
+        grad = grad if grad.stride(-1) == 1 else grad.contiguous()
+        dq, dk, dv = torch.ops.fastpals.packed_attention_backward(
+            grad, q, k, v, cu_seqlens, words, *ctx.options, stats
+        )
+        return dq, dk, dv, None, None, None, None, None
+
+
+def packed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """BERT's attention over packed CPU rows without padding: q, k, v ``[N, H, Dh]`` (bf16 or fp32, unit stride
+    along Dh), ``cu_seqlens [B+1]`` → ``[N, H, Dh]``. The compiled kernel (``csrc/attention.cpp``) where it builds,
+    else :func:`packed_attention_reference` (the same dropout mask)."""
+    _check_dropout(dropout_p)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if (
+        plain_cpu(q, k, v)
+        and q.dtype in (torch.bfloat16, torch.float32)
+        and q.dtype == k.dtype == v.dtype
+        and all(t.stride(-1) == 1 for t in (q, k, v))
+        and compiled_attention()
+    ):
+        words, threshold, drop_scale = _packed_words(q, cu_seqlens, dropout_p, compiled=True)
+        return _PackedAttention.apply(q, k, v, cu_seqlens, words, threshold, drop_scale, scale)
+    return packed_attention_reference(q, k, v, cu_seqlens, dropout_p, scale)
+
+
+def plain_cpu(*tensors: torch.Tensor) -> bool:
+    """Are ``tensors`` plain CPU tensors outside dispatch modes and ``torch.compile`` (values the host can read,
+    as :func:`packed_attention` does)? Fake and traced tensors take the bucketed path."""
+    return (
+        all(type(t) is torch.Tensor and t.device.type == "cpu" for t in tensors)
+        and not torch._C._len_torch_dispatch_stack()
+        and not torch.compiler.is_compiling()
+    )
+
+
+def _check_dropout(p: float) -> None:
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"attention: dropout_p must be in [0, 1), got {p}")
 
 
 def attention_varlen(
@@ -159,6 +298,8 @@ def attention_varlen_eager(
 
         cu = cu_seqlens.to(torch.int32)
         return flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=dropout_p)
+    if plain_cpu(q, k, v):
+        return packed_attention(q, k, v, cu_seqlens, dropout_p)
     if plan is not None:
         attend = lambda qb, kb, vb, b: padded_attention(qb, kb, vb, b.mask, dropout_p, key_bias=b.key_bias)
         return bucketed_attention(q, k, v, plan, attend)

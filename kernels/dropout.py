@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from fastpals_kernels import extension
 
-__all__ = ["Dropout", "compiled_dropout", "dropout", "dropout_add", "dropout_reference"]
+__all__ = ["Dropout", "compiled_dropout", "dropout", "dropout_add", "dropout_reference", "mask_words"]
 
 _state: dict[str, bool] = {}
 
@@ -44,7 +44,7 @@ def _check_p(p: float) -> None:
         raise ValueError(f"dropout: p must be in [0, 1), got {p}")
 
 
-def _mask_words(n: int, p: float, compiled: bool = False) -> tuple[torch.Tensor, int, float]:
+def mask_words(n: int, p: float, compiled: bool = False) -> tuple[torch.Tensor, int, float]:
     """The random words of ``n`` elements (drawn from the CPU generator; ``compiled``: by the kernel's bulk copy
     of ``random_``, the same words), the keep threshold of a slice and the scale: ``p`` rounded to a multiple of
     1/65536, a slice below ``-32768 + 65536 p`` dropped."""
@@ -59,7 +59,7 @@ def _mask_words(n: int, p: float, compiled: bool = False) -> tuple[torch.Tensor,
 def dropout_reference(x: torch.Tensor, p: float) -> torch.Tensor:
     """The CPU dropout in PyTorch ops: ``(x * keep) * (1 / (1 - p))``, ``keep`` from the int16 slices of
     ``ceil(n / 4)`` random int64 words, each product rounded to ``x``'s dtype."""
-    words, threshold, scale = _mask_words(x.numel(), p)
+    words, threshold, scale = mask_words(x.numel(), p)
     keep = words.view(torch.int16)[: x.numel()].view(x.shape) >= threshold
     return (x * keep).mul_(scale)  # the scale in the op's fp32 math: one rounding, as F.dropout
 
@@ -99,7 +99,7 @@ def dropout_add(
         and compiled_dropout()
     )
     if fused:
-        return _DropoutMask.apply(x, *_mask_words(x.numel(), p, compiled=True), residual)
+        return _DropoutMask.apply(x, *mask_words(x.numel(), p, compiled=True), residual)
     if x.device.type != "cpu" or torch.compiler.is_compiling():  # the compiler traces F.dropout's mask
         y = F.dropout(x, p=p, training=True)
     else:

@@ -39,7 +39,11 @@ def build_lock(build: Path) -> Iterator[None]:
 
 
 def build(
-    name: str, sources: Sequence[str], cuda_sources: Sequence[str] = (), cflags: Sequence[str] = ()
+    name: str,
+    sources: Sequence[str],
+    cuda_sources: Sequence[str] = (),
+    cflags: Sequence[str] = (),
+    ldflags: Sequence[str] = (),
 ) -> str:
     """Build (or load the cached build of) the ops library ``name`` from ``csrc/`` files, the CUDA ones only
     where CUDA is there, and load it into ``torch.ops``. Returns how it was built, for a log line."""
@@ -55,6 +59,7 @@ def build(
             sources=files,
             extra_cflags=["-O2", *cflags],
             extra_cuda_cflags=["-O2"],
+            extra_ldflags=list(ldflags),
             extra_include_paths=[str(CSRC)],
             build_directory=str(directory),
             is_python_module=False,

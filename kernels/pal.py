@@ -19,7 +19,13 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from fastpals_kernels.attention_varlen import attention_reference, attention_sdpa, attention_with_key_bias
+from fastpals_kernels.attention_varlen import (
+    attention_reference,
+    attention_sdpa,
+    attention_with_key_bias,
+    packed_attention,
+    plain_cpu,
+)
 from fastpals_kernels.backends import backend, registered, require_triton, use_library
 from fastpals_kernels.common import (
     ROW_ALIGN,
@@ -194,7 +200,7 @@ def pal_eager(
         return pal(h, mask, *args, residual=residual, generator_seed=generator_seed)
     attention = "sdpa" if choice == "sdpa" else "reference"
     if attention == "reference" and cu_seqlens is not None and segments is not None:
-        ts = packed_pal_reference(h, args, segments)
+        ts = packed_pal_reference(h, args, segments, cu_seqlens)
     elif cu_seqlens is not None:
         ts = pal_varlen_reference(h, cu_seqlens, max_seqlen, *args, attention=attention)
     else:
@@ -211,9 +217,12 @@ class PackedSegments(NamedTuple):
     plan: AttentionPlan
 
 
-def packed_pal_reference(h: torch.Tensor, args: tuple, segments: PackedSegments) -> torch.Tensor:
+def packed_pal_reference(
+    h: torch.Tensor, args: tuple, segments: PackedSegments, cu_seqlens: torch.Tensor | None = None
+) -> torch.Tensor:
     """:func:`pal_varlen_reference` with the grouped linears on the packed rows only (one GEMM per task when rows
-    are grouped by task) and the attention over length buckets. ``h [N, d]`` → ``[N, d]``."""
+    are grouped by task) and the attention over the packed rows of ``cu_seqlens`` (:func:`packed_attention`, on
+    plain CPU tensors) or over length buckets. ``h [N, d]`` → ``[N, d]``."""
     _, enc_w, enc_b, qkv_w, qkv_b, dec_w, dec_b, num_heads, gelu, dropout_p = args
     tasks, counts = segments.row_task_ids, segments.counts
 
@@ -225,10 +234,13 @@ def packed_pal_reference(h: torch.Tensor, args: tuple, segments: PackedSegments)
     s = linear(h, enc_w, enc_b)  # [N, d_s]
     n, d_s = s.shape
     q, k, v = linear(s, qkv_w, qkv_b).view(n, 3, num_heads, d_s // num_heads).unbind(1)
-    ctx = bucketed_attention(
-        q, k, v, segments.plan,
-        lambda qb, kb, vb, b: attention_with_key_bias(qb, kb, vb, b.key_bias, dropout_p),
-    )  # fmt: skip
+    if cu_seqlens is not None and plain_cpu(q, k, v):
+        ctx = packed_attention(q, k, v, cu_seqlens, dropout_p)
+    else:
+        ctx = bucketed_attention(
+            q, k, v, segments.plan,
+            lambda qb, kb, vb, b: attention_with_key_bias(qb, kb, vb, b.key_bias, dropout_p),
+        )  # fmt: skip
     y = linear(ctx.reshape(n, d_s), dec_w, dec_b)
     return F.gelu(y) if gelu else y
 
