@@ -15,9 +15,9 @@ $(VENV)/.installed: pyproject.toml
 	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q -e ".[dev,demo]"
 	touch $@
 
-# builds the compiled weight solve and CPU dropout (csrc/, C++) just in time into ~/.cache/fastpals (a no-op once built)
+# builds the compiled weight solve, CPU dropout and CPU attention (csrc/, C++) just in time into ~/.cache/fastpals (a no-op once built)
 setup: $(VENV)/.installed
-	$(BIN)/python -c "from fastpals.surgery import compiled; from fastpals_kernels import dropout; compiled.load(); dropout.compiled_dropout()"
+	$(BIN)/python -c "from fastpals.surgery import compiled; from fastpals_kernels import attention_varlen, dropout; compiled.load(); dropout.compiled_dropout(); attention_varlen.compiled_attention()"
 
 train: setup
 	$(BIN)/python train.py --ds_config configs/cpu_auto.json --out runs/default --overwrite --epochs 1 \

@@ -3,8 +3,8 @@
 // sequence b being rows cu_seqlens[b] to cu_seqlens[b + 1]. The arithmetic follows
 // fastpals_kernels.attention_varlen.packed_attention_reference: scores rounded to the dtype, then fp32 scale and
 // softmax, probabilities rounded to the dtype, dropout ((p * keep) * drop_scale, each product rounded), and
-// products accumulated in fp32 and rounded once. The keep mask of (sequence b, head h, query i, key j) is slice
-// offset_b + (h * L_b + i) * L_b + j of the random words (offset_b = H * sum of the earlier L^2), kept when the
+// products accumulated in fp32 and rounded once. The keep mask of (sequence b, head h, query i, key j) is the
+// 16-bit slice words_layout[b][0] + (h * R + i) * R + j of the random words, R = words_layout[b][1], kept when the
 // slice is at least `threshold`. The forward saves each row's softmax max and sum; the backward recomputes the
 // probabilities from them.
 #include <torch/library.h>
@@ -158,7 +158,8 @@ FASTPALS_INLINE float keep_of(int16_t slice, int32_t threshold) {
 // rounded, dropped-out form. `stats` (each row's max and sum) are computed when `have_stats` is false, else read.
 template <bool BF16>
 FASTPALS_INLINE void softmax_rows(float* __restrict p, float* __restrict pd, int64_t L, int64_t Lp,
-                                  const int16_t* slices, const Shape& s, float* stats, int64_t stats_stride,
+                                  const int16_t* slices, int64_t slice_row, const Shape& s, float* stats,
+                                  int64_t stats_stride,
                                   bool have_stats, float* __restrict keep) {
   const float scale = s.scale, drop_scale = s.drop_scale;
   const int32_t threshold = s.threshold;
@@ -180,7 +181,7 @@ FASTPALS_INLINE void softmax_rows(float* __restrict p, float* __restrict pd, int
       for (int64_t j = 0; j < Lp; ++j) r[j] = exp_nonpositive(r[j] - m) * inv;
     }
     if (slices != nullptr) {
-      const int16_t* sl = slices + i * L;
+      const int16_t* sl = slices + i * slice_row;
       for (int64_t j = 0; j < L; ++j) keep[j] = keep_of(sl[j], threshold);
       for (int64_t j = 0; j < Lp; ++j)
         rd[j] = round_to<BF16>(round_to<BF16>(round_to<BF16>(r[j]) * keep[j]) * drop_scale);
@@ -191,19 +192,32 @@ FASTPALS_INLINE void softmax_rows(float* __restrict p, float* __restrict pd, int
 }
 
 struct Work {  // one (sequence, head)
-  int64_t start, length, head, slice_offset;
+  int64_t start, length, head, slice_offset, slice_row;
 };
 
-std::vector<Work> plan(const at::Tensor& cu_seqlens, int64_t heads) {
+// The (sequence, head) pairs, and the number of slices the words must hold (0 without a layout).
+std::vector<Work> plan(const at::Tensor& cu_seqlens, int64_t heads, const c10::optional<at::Tensor>& layout,
+                       int64_t* slices_needed) {
   const at::Tensor cu = cu_seqlens.to(at::kLong).contiguous();
   const int64_t* c = cu.data_ptr<int64_t>();
+  const int64_t batch = cu.numel() - 1;
+  TORCH_CHECK(batch >= 0, "packed_attention: cu_seqlens must have B + 1 entries");
+  const int64_t* lay = nullptr;
+  if (layout.has_value()) {
+    TORCH_CHECK(layout->scalar_type() == at::kLong && layout->is_contiguous() &&
+                    layout->sizes() == at::IntArrayRef({batch, 2}),
+                "packed_attention: words_layout must be a contiguous int64 [B, 2]");
+    lay = layout->data_ptr<int64_t>();
+  }
   std::vector<Work> work;
-  int64_t offset = 0;
-  for (int64_t b = 0; b + 1 < cu.numel(); ++b) {
+  *slices_needed = 0;
+  for (int64_t b = 0; b < batch; ++b) {
     const int64_t L = c[b + 1] - c[b];
     TORCH_CHECK(L >= 0, "packed_attention: cu_seqlens must not decrease");
-    for (int64_t h = 0; h < heads; ++h) work.push_back({c[b], L, h, offset + h * L * L});
-    offset += heads * L * L;
+    const int64_t base = lay ? lay[2 * b] : 0, row = lay ? lay[2 * b + 1] : L;
+    TORCH_CHECK(L == 0 || (base >= 0 && row >= L), "packed_attention: words_layout row ", b, " is out of range");
+    for (int64_t h = 0; h < heads; ++h) work.push_back({c[b], L, h, base + h * row * row, row});
+    if (lay && L > 0) *slices_needed = std::max(*slices_needed, base + ((heads - 1) * row + L - 1) * row + L);
   }
   // longest first, dealt round-robin to the threads
   std::stable_sort(work.begin(), work.end(), [](const Work& a, const Work& b) { return a.length > b.length; });
@@ -242,12 +256,6 @@ const int16_t* slices_of(const c10::optional<at::Tensor>& words, int64_t needed)
   return reinterpret_cast<const int16_t*>(words->data_ptr<int64_t>());
 }
 
-int64_t slice_count(const std::vector<Work>& work) {
-  int64_t n = 0;
-  for (const Work& w : work) n += w.length * w.length;
-  return n;
-}
-
 template <typename T>
 FASTPALS_INLINE void forward_block(const T* qb, const T* kb, const T* vb, T* ob, const Work& w, const int16_t* slices,
                                    const Shape& s, float* st, std::vector<float>& scratch) {
@@ -259,8 +267,8 @@ FASTPALS_INLINE void forward_block(const T* qb, const T* kb, const T* vb, T* ob,
   load_rows(kb, s.k_row, L, Dh, kt, Lp, true);
   load_rows(vb, s.v_row, L, Dh, vf, Dp, false);
   matmul_rows(qf, Dp, L, kt, Lp, Dh, p, Lp, Lp);  // scores
-  softmax_rows<std::is_same_v<T, uint16_t>>(p, pd, L, Lp, slices ? slices + w.slice_offset : nullptr, s, st + (w.start * H + w.head) * 2, 2 * H,
-               false, keep);
+  softmax_rows<std::is_same_v<T, uint16_t>>(p, pd, L, Lp, slices ? slices + w.slice_offset : nullptr, w.slice_row,
+                                             s, st + (w.start * H + w.head) * 2, 2 * H, false, keep);
   matmul_rows(pd, Lp, L, vf, Dp, L, o, Dp, Dp);  // o = pd v
   store_rows(ob, H * Dh, L, Dh, o, Dp);
 }
@@ -281,7 +289,8 @@ FASTPALS_INLINE void backward_block(const T* gb, int64_t g_row, const T* qb, con
   load_rows(gb, g_row, L, Dh, gf, Dp, false);
   const int16_t* sl = slices ? slices + w.slice_offset : nullptr;
   matmul_rows(qf, Dp, L, kt, Lp, Dh, p, Lp, Lp);  // the forward's probabilities again
-  softmax_rows<std::is_same_v<T, uint16_t>>(p, pd, L, Lp, sl, s, st + (w.start * H + w.head) * 2, 2 * H, true, keep);
+  softmax_rows<std::is_same_v<T, uint16_t>>(p, pd, L, Lp, sl, w.slice_row, s, st + (w.start * H + w.head) * 2, 2 * H,
+                                             true, keep);
   transpose(pd, L, Lp, tr);
   matmul_rows(tr, Lp, L, gf, Dp, L, dv, Dp, Dp);  // dV = pd^T dO
   matmul_rows(gf, Dp, L, vt, Lp, Dh, ds, Lp, Lp);  // dO v^T: the gradient of pd
@@ -292,7 +301,7 @@ FASTPALS_INLINE void backward_block(const T* gb, int64_t g_row, const T* qb, con
     float* g = ds + i * Lp;
     const float* r = p + i * Lp;
     if (sl != nullptr)
-      for (int64_t j = 0; j < L; ++j) keep[j] = keep_of(sl[i * L + j], threshold);
+      for (int64_t j = 0; j < L; ++j) keep[j] = keep_of(sl[i * w.slice_row + j], threshold);
     for (int64_t j = 0; j < Lp; ++j) {
       float x = round_to<BF16>(g[j]);  // rounded as the matmul rounds it
       if (sl != nullptr) x = round_to<BF16>(round_to<BF16>(x * drop_scale) * keep[j]);
@@ -386,11 +395,14 @@ void backward_impl(const at::Tensor& grad, const at::Tensor& q, const at::Tensor
 
 std::tuple<at::Tensor, at::Tensor> packed_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                     const at::Tensor& cu_seqlens,
-                                                    const c10::optional<at::Tensor>& words, int64_t threshold,
+                                                    const c10::optional<at::Tensor>& words,
+                                                    const c10::optional<at::Tensor>& words_layout, int64_t threshold,
                                                     double drop_scale, double scale) {
   const Shape s = make_shape(q, k, v, words, threshold, drop_scale, scale);
-  const std::vector<Work> work = plan(cu_seqlens, s.heads);
-  const int16_t* slices = slices_of(words, slice_count(work));
+  TORCH_CHECK(words.has_value() == words_layout.has_value(), "packed_attention: words need their words_layout");
+  int64_t needed = 0;
+  const std::vector<Work> work = plan(cu_seqlens, s.heads, words_layout, &needed);
+  const int16_t* slices = slices_of(words, needed);
   at::Tensor out = at::zeros(q.sizes(), q.options());
   at::Tensor stats = at::empty({q.size(0), s.heads, 2}, q.options().dtype(at::kFloat));
   if (s.bf16) forward_impl<uint16_t>(q, k, v, work, slices, s, out, stats);
@@ -400,16 +412,18 @@ std::tuple<at::Tensor, at::Tensor> packed_attention(const at::Tensor& q, const a
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> packed_attention_backward(
     const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens,
-    const c10::optional<at::Tensor>& words, int64_t threshold, double drop_scale, double scale,
-    const at::Tensor& stats) {
+    const c10::optional<at::Tensor>& words, const c10::optional<at::Tensor>& words_layout, int64_t threshold,
+    double drop_scale, double scale, const at::Tensor& stats) {
   const Shape s = make_shape(q, k, v, words, threshold, drop_scale, scale);
   TORCH_CHECK(grad.sizes() == q.sizes() && grad.scalar_type() == q.scalar_type() && grad.stride(2) == 1,
               "packed_attention_backward: grad must be like q");
   TORCH_CHECK(stats.scalar_type() == at::kFloat && stats.is_contiguous() &&
                   stats.sizes() == at::IntArrayRef({q.size(0), s.heads, 2}),
               "packed_attention_backward: stats must be the forward's");
-  const std::vector<Work> work = plan(cu_seqlens, s.heads);
-  const int16_t* slices = slices_of(words, slice_count(work));
+  TORCH_CHECK(words.has_value() == words_layout.has_value(), "packed_attention: words need their words_layout");
+  int64_t needed = 0;
+  const std::vector<Work> work = plan(cu_seqlens, s.heads, words_layout, &needed);
+  const int16_t* slices = slices_of(words, needed);
   at::Tensor dq = at::zeros(q.sizes(), q.options()), dk = at::zeros(q.sizes(), q.options()),
              dv = at::zeros(q.sizes(), q.options());
   if (s.bf16) backward_impl<uint16_t>(grad, q, k, v, work, slices, s, stats, dq, dk, dv);
@@ -421,11 +435,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> packed_attention_backward(
 
 TORCH_LIBRARY_FRAGMENT(fastpals, m) {
   m.def(
-      "packed_attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, Tensor? words, int threshold, "
-      "float drop_scale, float scale) -> (Tensor, Tensor)");
+      "packed_attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, Tensor? words, Tensor? words_layout, "
+      "int threshold, float drop_scale, float scale) -> (Tensor, Tensor)");
   m.def(
       "packed_attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, Tensor? words, "
-      "int threshold, float drop_scale, float scale, Tensor stats) -> (Tensor, Tensor, Tensor)");
+      "Tensor? words_layout, int threshold, float drop_scale, float scale, Tensor stats) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(fastpals, CPU, m) {

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,8 @@ __all__ = [
     "key_mask_bias",
     "packed_attention",
     "packed_attention_reference",
+    "packed_words",
+    "PackedWords",
     "padded_attention",
     "plain_cpu",
 ]
@@ -60,15 +63,50 @@ def compiled_attention() -> bool:
     return _state["ok"]
 
 
-def _packed_words(q: torch.Tensor, cu_seqlens: torch.Tensor, dropout_p: float, compiled: bool) -> tuple:
-    """The dropout words of :func:`packed_attention` (``H * sum(L_b^2)`` slices; None without dropout), the keep
-    threshold and the dropout scale."""
-    if dropout_p == 0.0:
-        return None, 0, 1.0
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    return mask_words(
-        q.shape[1] * int(lengths.long().square().sum()), dropout_p, compiled and compiled_dropout()
-    )
+class PackedWords(NamedTuple):
+    """The dropout of :func:`packed_attention`: the random ``words`` (int64), the ``layout [B, 2]`` int64 of each
+    sequence's slices (the first slice, the row length R: head h, query i, key j at ``first + (h R + i) R + j``),
+    the keep ``threshold`` and the ``scale``."""
+
+    words: torch.Tensor
+    layout: torch.Tensor
+    threshold: int
+    scale: float
+
+
+def packed_words(
+    cu_seqlens: torch.Tensor,
+    heads: int,
+    dropout_p: float,
+    plan: AttentionPlan | None = None,
+    compiled: bool = True,
+) -> PackedWords:
+    """Draw the dropout words of :func:`packed_attention` (``dropout_p > 0``) as the bucketed attention over
+    ``plan`` draws them: one call of :func:`~fastpals_kernels.dropout.mask_words` per bucket ``[size, H, length,
+    length]``, in the plan's order, each sequence's slices where its padded block has them. Without a plan, one
+    block ``[H, L, L]`` per sequence, back to back."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    layout = torch.zeros(len(lengths), 2, dtype=torch.int64)
+    if plan is None:
+        per_sequence = heads * lengths.square()
+        layout[:, 0] = per_sequence.cumsum(0) - per_sequence
+        layout[:, 1] = lengths
+        total = int(per_sequence.sum())
+    else:
+        sizes = torch.tensor([b.size for b in plan.buckets], dtype=torch.int64)
+        rows = torch.tensor([b.length for b in plan.buckets], dtype=torch.int64)
+        slots = -(-(sizes * heads * rows.square()) // 4) * 4  # each bucket's draw: whole words
+        first_slot = slots.cumsum(0) - slots
+        first_row = (sizes * rows).cumsum(0) - sizes * rows
+        present = lengths > 0
+        position = plan.slots.cpu()[cu_seqlens[:-1][present].long()]  # the padded row of each first token
+        bucket = torch.searchsorted(first_row, position, right=True) - 1
+        block = (position - first_row[bucket]) // rows[bucket]
+        layout[present, 0] = first_slot[bucket] + block * heads * rows[bucket].square()
+        layout[present, 1] = rows[bucket]
+        total = int(slots.sum())
+    words, threshold, scale = mask_words(total, dropout_p, compiled and compiled_dropout())
+    return PackedWords(words, layout, threshold, scale)
 
 
 def packed_attention_reference(
@@ -78,27 +116,27 @@ def packed_attention_reference(
     cu_seqlens: torch.Tensor,
     dropout_p: float = 0.0,
     softmax_scale: float | None = None,
-    words: tuple | None = None,
+    words: PackedWords | None = None,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """What :func:`packed_attention` computes, in PyTorch ops one sequence at a time: q, k, v ``[N, H, Dh]``,
     ``cu_seqlens [B+1]`` → ``[N, H, Dh]``; scores in q's dtype, fp32 scale and softmax, probabilities cast back,
-    dropout with the keep mask of sequence b, head h, query i, key j at slice ``H * sum_{b'<b} L_b'^2 + (h * L_b
-    + i) * L_b + j`` of the words (``words``: :func:`~fastpals_kernels.dropout.mask_words`' triple, drawn here
+    dropout with the keep mask of :class:`PackedWords` (``words``; drawn by :func:`packed_words` over ``plan``
     when None), then ``probs @ v``."""
     _check_dropout(dropout_p)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if dropout_p > 0.0 and words is None:
-        words = _packed_words(q, cu_seqlens, dropout_p, compiled=False)
-    slices = words[0].view(torch.int16) if dropout_p > 0.0 else None
-    heads, out, offset = q.shape[1], [], 0
-    for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
+        words = packed_words(cu_seqlens, q.shape[1], dropout_p, plan, compiled=False)
+    slices = words.words.view(torch.int16) if dropout_p > 0.0 else None
+    heads, out = q.shape[1], []
+    bounds = zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())
+    for s, (a, b) in enumerate(bounds):
         qh, kh, vh = (t[a:b].transpose(0, 1) for t in (q, k, v))  # [H, L, Dh]
         probs = torch.softmax(torch.matmul(qh, kh.transpose(1, 2)).float().mul_(scale), dim=-1).to(q.dtype)
-        if slices is not None:
-            n = b - a
-            keep = slices[offset : offset + heads * n * n].view(heads, n, n) >= words[1]
-            probs = (probs * keep).mul_(words[2])
-            offset += heads * n * n
+        if slices is not None and b > a:
+            first, row = words.layout[s].tolist()
+            block = slices[first : first + heads * row * row].view(heads, row, row)
+            probs = (probs * (block[:, : b - a, : b - a] >= words.threshold)).mul_(words.scale)
         out.append(torch.matmul(probs, vh).transpose(0, 1))
     return torch.cat(out) if out else q.new_zeros(q.shape)
 
@@ -108,23 +146,23 @@ class _PackedAttention(torch.autograd.Function):
     sum, the same dropout words)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, words, threshold, drop_scale, scale):
+    def forward(ctx, q, k, v, cu_seqlens, words, layout, threshold, drop_scale, scale):
         out, stats = torch.ops.fastpals.packed_attention(
-            q, k, v, cu_seqlens, words, threshold, drop_scale, scale
+            q, k, v, cu_seqlens, words, layout, threshold, drop_scale, scale
         )
-        ctx.save_for_backward(q, k, v, cu_seqlens, words, stats)
+        ctx.save_for_backward(q, k, v, cu_seqlens, words, layout, stats)
         ctx.options = threshold, drop_scale, scale
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        q, k, v, cu_seqlens, words, stats = ctx.saved_tensors
+        q, k, v, cu_seqlens, words, layout, stats = ctx.saved_tensors
         grad = grad if grad.stride(-1) == 1 else grad.contiguous()
         dq, dk, dv = torch.ops.fastpals.packed_attention_backward(
-            grad, q, k, v, cu_seqlens, words, *ctx.options, stats
+            grad, q, k, v, cu_seqlens, words, layout, *ctx.options, stats
         )
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def packed_attention(
@@ -134,10 +172,12 @@ def packed_attention(
     cu_seqlens: torch.Tensor,
     dropout_p: float = 0.0,
     softmax_scale: float | None = None,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """BERT's attention over packed CPU rows without padding: q, k, v ``[N, H, Dh]`` (bf16 or fp32, unit stride
-    along Dh), ``cu_seqlens [B+1]`` → ``[N, H, Dh]``. The compiled kernel (``csrc/attention.cpp``) where it builds,
-    else :func:`packed_attention_reference` (the same dropout mask)."""
+    along Dh), ``cu_seqlens [B+1]`` → ``[N, H, Dh]``, the dropout mask that of the bucketed attention over ``plan``
+    (:func:`packed_words`). The compiled kernel (``csrc/attention.cpp``) where it builds, else
+    :func:`packed_attention_reference`."""
     _check_dropout(dropout_p)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if (
@@ -147,9 +187,11 @@ def packed_attention(
         and all(t.stride(-1) == 1 for t in (q, k, v))
         and compiled_attention()
     ):
-        words, threshold, drop_scale = _packed_words(q, cu_seqlens, dropout_p, compiled=True)
-        return _PackedAttention.apply(q, k, v, cu_seqlens, words, threshold, drop_scale, scale)
-    return packed_attention_reference(q, k, v, cu_seqlens, dropout_p, scale)
+        if dropout_p == 0.0:
+            return _PackedAttention.apply(q, k, v, cu_seqlens, None, None, 0, 1.0, scale)
+        w = packed_words(cu_seqlens, q.shape[1], dropout_p, plan)
+        return _PackedAttention.apply(q, k, v, cu_seqlens, w.words, w.layout, w.threshold, w.scale, scale)
+    return packed_attention_reference(q, k, v, cu_seqlens, dropout_p, scale, plan=plan)
 
 
 def plain_cpu(*tensors: torch.Tensor) -> bool:
@@ -299,7 +341,7 @@ def attention_varlen_eager(
         cu = cu_seqlens.to(torch.int32)
         return flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=dropout_p)
     if plain_cpu(q, k, v):
-        return packed_attention(q, k, v, cu_seqlens, dropout_p)
+        return packed_attention(q, k, v, cu_seqlens, dropout_p, plan=plan)
     if plan is not None:
         attend = lambda qb, kb, vb, b: padded_attention(qb, kb, vb, b.mask, dropout_p, key_bias=b.key_bias)
         return bucketed_attention(q, k, v, plan, attend)

@@ -235,7 +235,7 @@ def packed_pal_reference(
     n, d_s = s.shape
     q, k, v = linear(s, qkv_w, qkv_b).view(n, 3, num_heads, d_s // num_heads).unbind(1)
     if cu_seqlens is not None and plain_cpu(q, k, v):
-        ctx = packed_attention(q, k, v, cu_seqlens, dropout_p)
+        ctx = packed_attention(q, k, v, cu_seqlens, dropout_p, plan=segments.plan)
     else:
         ctx = bucketed_attention(
             q, k, v, segments.plan,
