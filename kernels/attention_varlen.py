@@ -33,7 +33,7 @@ __all__ = [
     "packed_words",
     "PackedWords",
     "padded_attention",
-    "plain_cpu",
+    "compiled_attention_serves",
 ]
 
 _state: dict[str, bool] = {}
@@ -180,13 +180,7 @@ def packed_attention(
     :func:`packed_attention_reference`."""
     _check_dropout(dropout_p)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    if (
-        plain_cpu(q, k, v)
-        and q.dtype in (torch.bfloat16, torch.float32)
-        and q.dtype == k.dtype == v.dtype
-        and all(t.stride(-1) == 1 for t in (q, k, v))
-        and compiled_attention()
-    ):
+    if compiled_attention_serves(q, k, v):
         if dropout_p == 0.0:
             return _PackedAttention.apply(q, k, v, cu_seqlens, None, None, 0, 1.0, scale)
         w = packed_words(cu_seqlens, q.shape[1], dropout_p, plan)
@@ -194,13 +188,17 @@ def packed_attention(
     return packed_attention_reference(q, k, v, cu_seqlens, dropout_p, scale, plan=plan)
 
 
-def plain_cpu(*tensors: torch.Tensor) -> bool:
-    """Are ``tensors`` plain CPU tensors outside dispatch modes and ``torch.compile`` (values the host can read,
-    as :func:`packed_attention` does)? Fake and traced tensors take the bucketed path."""
+def compiled_attention_serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Does the compiled kernel run :func:`packed_attention` on q, k, v: plain CPU tensors (no fake or traced
+    tensor, no dispatch mode: the op reads the host's sequence lengths), all bf16 or all fp32, unit stride along
+    the head dim, and the kernel built?"""
     return (
-        all(type(t) is torch.Tensor and t.device.type == "cpu" for t in tensors)
+        all(type(t) is torch.Tensor and t.device.type == "cpu" and t.stride(-1) == 1 for t in (q, k, v))
+        and q.dtype in (torch.bfloat16, torch.float32)
+        and q.dtype == k.dtype == v.dtype
         and not torch._C._len_torch_dispatch_stack()
         and not torch.compiler.is_compiling()
+        and compiled_attention()
     )
 
 
@@ -340,7 +338,7 @@ def attention_varlen_eager(
 
         cu = cu_seqlens.to(torch.int32)
         return flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=dropout_p)
-    if plain_cpu(q, k, v):
+    if compiled_attention_serves(q, k, v):  # the bucketed path's dropout mask, without its padding
         return packed_attention(q, k, v, cu_seqlens, dropout_p, plan=plan)
     if plan is not None:
         attend = lambda qb, kb, vb, b: padded_attention(qb, kb, vb, b.mask, dropout_p, key_bias=b.key_bias)

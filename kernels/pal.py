@@ -23,8 +23,8 @@ from fastpals_kernels.attention_varlen import (
     attention_reference,
     attention_sdpa,
     attention_with_key_bias,
+    compiled_attention_serves,
     packed_attention,
-    plain_cpu,
 )
 from fastpals_kernels.backends import backend, registered, require_triton, use_library
 from fastpals_kernels.common import (
@@ -221,8 +221,8 @@ def packed_pal_reference(
     h: torch.Tensor, args: tuple, segments: PackedSegments, cu_seqlens: torch.Tensor | None = None
 ) -> torch.Tensor:
     """:func:`pal_varlen_reference` with the grouped linears on the packed rows only (one GEMM per task when rows
-    are grouped by task) and the attention over the packed rows of ``cu_seqlens`` (:func:`packed_attention`, on
-    plain CPU tensors) or over length buckets. ``h [N, d]`` → ``[N, d]``."""
+    are grouped by task) and the attention over length buckets (on CPU without their padding where the compiled
+    :func:`packed_attention` serves, given ``cu_seqlens``). ``h [N, d]`` → ``[N, d]``."""
     _, enc_w, enc_b, qkv_w, qkv_b, dec_w, dec_b, num_heads, gelu, dropout_p = args
     tasks, counts = segments.row_task_ids, segments.counts
 
@@ -234,7 +234,7 @@ def packed_pal_reference(
     s = linear(h, enc_w, enc_b)  # [N, d_s]
     n, d_s = s.shape
     q, k, v = linear(s, qkv_w, qkv_b).view(n, 3, num_heads, d_s // num_heads).unbind(1)
-    if cu_seqlens is not None and plain_cpu(q, k, v):
+    if cu_seqlens is not None and compiled_attention_serves(q, k, v):
         ctx = packed_attention(q, k, v, cu_seqlens, dropout_p, plan=segments.plan)
     else:
         ctx = bucketed_attention(

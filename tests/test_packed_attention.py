@@ -10,10 +10,13 @@ import torch
 from fastpals_kernels import attention_varlen as A
 from fastpals_kernels.attention_varlen import (
     attention_varlen_reference,
+    bucketed_attention,
     packed_attention,
     packed_attention_reference,
+    packed_words,
+    padded_attention,
 )
-from fastpals_kernels.dropout import mask_words
+from fastpals_kernels.padding import attention_plan
 
 pytestmark = pytest.mark.skipif(not A.compiled_attention(), reason="no C++ compiler: the kernel is not built")
 
@@ -43,12 +46,14 @@ def test_kernel_against_float64(dtype, p, head_dim):
     qkv, grad, cu = _inputs(dtype, head_dim=head_dim)
     scale = 1.0 / math.sqrt(head_dim)
     torch.manual_seed(3)
-    words = A._packed_words(qkv[:, 0], cu, p, compiled=True)
+    words = packed_words(cu, qkv.shape[2], p, attention_plan(cu)) if p else None
 
     def kernel(q, k, v):
         if p == 0.0:
             return packed_attention(q, k, v, cu, 0.0)
-        return A._PackedAttention.apply(q, k, v, cu, *words, scale)
+        return A._PackedAttention.apply(
+            q, k, v, cu, words.words, words.layout, words.threshold, words.scale, scale
+        )
 
     def reference(q, k, v):
         return packed_attention_reference(q, k, v, cu, p, scale, words=words)
@@ -67,24 +72,47 @@ def test_reference_is_bert_attention_without_dropout():
     qkv, _, cu = _inputs(torch.float64, heads=2, head_dim=8)
     q, k, v = qkv.unbind(1)
     want = attention_varlen_reference(q, k, v, cu, max(LENGTHS))
-    torch.testing.assert_close(packed_attention_reference(q, k, v, cu), want, rtol=0, atol=1e-12)
-    torch.testing.assert_close(packed_attention(q.float(), k.float(), v.float(), cu), want.float(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        packed_attention_reference(q, k, v, cu), want, rtol=0, atol=1e-6
+    )  # its softmax: fp32
+    torch.testing.assert_close(
+        packed_attention(q.float(), k.float(), v.float(), cu), want.float(), rtol=0, atol=1e-5
+    )
 
 
-def test_dropout_words_and_mask():
-    """The kernel draws the words the default generator gives (and leaves it where the reference leaves it); the
-    mask of (sequence b, head h, query i, key j) is slice H * sum(L_b'^2) + (h L_b + i) L_b + j."""
+def test_dropout_mask_is_the_bucketed_attentions():
+    """With a length-bucket plan the kernel draws the words the bucketed attention draws (one mask per padded
+    bucket, the generator left where it leaves it) and keeps the same probabilities: fp32 outputs and gradients
+    equal within 1e-6."""
+    qkv, grad, cu = _inputs(torch.float32, heads=2, head_dim=8, lengths=[3, 9, 4, 1, 8, 2])
+    plan = attention_plan(cu)
+    assert len(plan.buckets) > 1
+    torch.manual_seed(11)
+    got = _run(lambda q, k, v: packed_attention(q, k, v, cu, 0.5, plan=plan), qkv, grad)
+    after = torch.rand(3)
+    torch.manual_seed(11)
+
+    def buckets(q, k, v):
+        attend = lambda qb, kb, vb, b: padded_attention(qb, kb, vb, b.mask, 0.5, key_bias=b.key_bias)  # noqa: E731
+        return bucketed_attention(q, k, v, plan, attend)
+
+    want = _run(buckets, qkv, grad)
+    assert torch.equal(torch.rand(3), after)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_dropout_mask_without_a_plan():
+    """Without a plan: one block [H, L, L] of slices per sequence, back to back (sequence 1, head 1, query 2 by
+    hand)."""
     qkv, grad, cu = _inputs(torch.float32, heads=2, head_dim=8, lengths=[3, 4])
     q, k, v = qkv.unbind(1)
     torch.manual_seed(11)
     got = packed_attention(q, k, v, cu, 0.5)
-    after = torch.rand(3)
     torch.manual_seed(11)
-    words = mask_words(2 * (9 + 16), 0.5)
-    assert torch.equal(torch.rand(3), after)
-    torch.testing.assert_close(got, packed_attention_reference(q, k, v, cu, 0.5, words=words), rtol=0, atol=1e-6)
-    # sequence 1, head 1, query 2 by hand: probabilities times keep / (1 - p), then @ v
-    keep = words[0].view(torch.int16)[2 * 9 + (1 * 4 + 2) * 4 :][:4] >= words[1]
+    words = packed_words(cu, 2, 0.5)
+    assert words.layout.tolist() == [[0, 3], [18, 4]]
+    keep = words.words.view(torch.int16)[18 + (1 * 4 + 2) * 4 :][:4] >= words.threshold
     qs, ks, vs = (t[3:7, 1] for t in (q, k, v))
     probs = torch.softmax((qs[2] @ ks.T) / math.sqrt(8), -1)
     torch.testing.assert_close(got[3 + 2, 1], (probs * keep * 2.0) @ vs, rtol=0, atol=1e-6)
@@ -140,13 +168,19 @@ def test_model_step_uses_the_kernel(monkeypatch):
 def test_bad_input():
     q = torch.zeros(4, 2, 8)
     cu = torch.tensor([0, 4])
+    op = torch.ops.fastpals.packed_attention
+    layout = torch.tensor([[0, 4]])
     with pytest.raises(RuntimeError, match="all bfloat16 or all float32"):
-        torch.ops.fastpals.packed_attention(q, q.double(), q, cu, None, 0, 1.0, 1.0)
+        op(q, q.double(), q, cu, None, None, 0, 1.0, 1.0)
     with pytest.raises(RuntimeError, match="one shape"):
-        torch.ops.fastpals.packed_attention(q, q[:3], q, cu, None, 0, 1.0, 1.0)
+        op(q, q[:3], q, cu, None, None, 0, 1.0, 1.0)
     with pytest.raises(RuntimeError, match="unit stride"):
-        torch.ops.fastpals.packed_attention(q.transpose(1, 2).contiguous().transpose(1, 2), q, q, cu, None, 0, 1.0, 1.0)
+        op(q.transpose(1, 2).contiguous().transpose(1, 2), q, q, cu, None, None, 0, 1.0, 1.0)
     with pytest.raises(RuntimeError, match="words must be"):
-        torch.ops.fastpals.packed_attention(q, q, q, cu, torch.zeros(3, dtype=torch.int64), 0, 1.0, 1.0)
+        op(q, q, q, cu, torch.zeros(3, dtype=torch.int64), layout, 0, 1.0, 1.0)
+    with pytest.raises(RuntimeError, match="words need their words_layout"):
+        op(q, q, q, cu, torch.zeros(8, dtype=torch.int64), None, 0, 1.0, 1.0)
+    with pytest.raises(RuntimeError, match="out of range"):
+        op(q, q, q, cu, torch.zeros(8, dtype=torch.int64), torch.tensor([[0, 3]]), 0, 1.0, 1.0)
     with pytest.raises(ValueError, match="dropout_p must be in"):
         packed_attention(q, q, q, cu, 1.0)
