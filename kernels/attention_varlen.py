@@ -193,11 +193,11 @@ def compiled_attention_serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor)
     tensor, no dispatch mode: the op reads the host's sequence lengths), all bf16 or all fp32, unit stride along
     the head dim, and the kernel built?"""
     return (
-        all(type(t) is torch.Tensor and t.device.type == "cpu" and t.stride(-1) == 1 for t in (q, k, v))
+        not torch.compiler.is_compiling()
+        and all(type(t) is torch.Tensor and t.device.type == "cpu" and t.stride(-1) == 1 for t in (q, k, v))
         and q.dtype in (torch.bfloat16, torch.float32)
         and q.dtype == k.dtype == v.dtype
         and not torch._C._len_torch_dispatch_stack()
-        and not torch.compiler.is_compiling()
         and compiled_attention()
     )
 

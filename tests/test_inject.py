@@ -306,9 +306,10 @@ def test_inject_into_minbert_equals_native_pals_and_cross_loads_with_hf(tmp_path
         assert torch.equal(injected(ids, mask, task_ids=tasks).last_hidden_state, want)
         with set_task(injected, tasks):
             assert torch.equal(injected(ids, mask).last_hidden_state, want)
-            assert torch.equal(
-                injected(ids, mask, unpad=True).last_hidden_state[mask.bool()], want[mask.bool()]
-            )
+            packed = injected(ids, mask, unpad=True).last_hidden_state[
+                mask.bool()
+            ]  # the CPU attention kernel
+            torch.testing.assert_close(packed, want[mask.bool()], rtol=0, atol=1e-5)
     # PALs saved from minBERT load into an HF BertModel (auto-injected) and give the same outputs
     save_pals(injected, tmp_path)
     hf = load_pals(copy.deepcopy(hf_minilm).eval(), tmp_path)

@@ -252,7 +252,9 @@ def test_top_blocks_run_packed_rows_as_padded(variant, tasks):
     packed = model(ids[valid], None, types[valid], layout=layout).last_hidden_state
     assert (packed - padded[valid]).abs().max() <= 1e-5
     unpadded = model(ids, mask, types, task_ids, unpad=True).last_hidden_state
-    assert torch.equal(unpadded[valid], packed)  # unpad=True: the top runs on the packed rows too
+    # unpad=True: the top runs on the packed rows too (its attention on CPU: the compiled kernel or the padded
+    # reference, equal within fp32 rounding)
+    assert (unpadded[valid] - packed).abs().max() <= 1e-5
     w = torch.randn(packed.shape, generator=torch.Generator().manual_seed(1))
     top = [p for n, p in model.named_parameters() if n.startswith("pal_top")]
     want = torch.autograd.grad((padded[valid] * w).sum(), top)
