@@ -10,6 +10,7 @@ import os
 import sys
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -85,26 +86,19 @@ def packed_words(
     ``plan`` draws them: one call of :func:`~fastpals_kernels.dropout.mask_words` per bucket ``[size, H, length,
     length]``, in the plan's order, each sequence's slices where its padded block has them. Without a plan, one
     block ``[H, L, L]`` per sequence, back to back."""
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    layout = torch.zeros(len(lengths), 2, dtype=torch.int64)
     if plan is None:
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long().cpu()
         per_sequence = heads * lengths.square()
-        layout[:, 0] = per_sequence.cumsum(0) - per_sequence
-        layout[:, 1] = lengths
+        layout = torch.stack((per_sequence.cumsum(0) - per_sequence, lengths), 1)
         total = int(per_sequence.sum())
-    else:
-        sizes = torch.tensor([b.size for b in plan.buckets], dtype=torch.int64)
-        rows = torch.tensor([b.length for b in plan.buckets], dtype=torch.int64)
-        slots = -(-(sizes * heads * rows.square()) // 4) * 4  # each bucket's draw: whole words
-        first_slot = slots.cumsum(0) - slots
-        first_row = (sizes * rows).cumsum(0) - sizes * rows
-        present = lengths > 0
-        position = plan.slots.cpu()[cu_seqlens[:-1][present].long()]  # the padded row of each first token
-        bucket = torch.searchsorted(first_row, position, right=True) - 1
-        block = (position - first_row[bucket]) // rows[bucket]
-        layout[present, 0] = first_slot[bucket] + block * heads * rows[bucket].square()
-        layout[present, 1] = rows[bucket]
-        total = int(slots.sum())
+    else:  # from the plan's host facts: no read of a tensor
+        sizes = np.array([b.size for b in plan.buckets], dtype=np.int64)
+        rows = np.array([b.length for b in plan.buckets], dtype=np.int64)
+        draws = -(-(sizes * heads * rows**2) // 4) * 4  # each bucket's draw: whole words
+        bucket, block = plan.blocks[:, 0], plan.blocks[:, 1]
+        first = (np.cumsum(draws) - draws)[bucket] + block * heads * rows[bucket] ** 2
+        layout = torch.from_numpy(np.stack((first, rows[bucket]), 1))
+        total = int(draws.sum())
     words, threshold, scale = mask_words(total, dropout_p, compiled and compiled_dropout())
     return PackedWords(words, layout, threshold, scale)
 

@@ -156,10 +156,12 @@ class AttentionBucket:
 @dataclass(frozen=True)
 class AttentionPlan:
     """How :func:`bucketed_attention` splits a packed batch: ``buckets``, laid out back to back in one padded
-    buffer of ``sum(size * length)`` slots, and ``slots [N]`` int64: the buffer slot of every packed token."""
+    buffer of ``sum(size * length)`` slots, ``slots [N]`` int64: the buffer slot of every packed token, and
+    ``blocks [B, 2]`` int64 on the host: each sequence's bucket and its block in that bucket."""
 
     buckets: list[AttentionBucket]
     slots: torch.Tensor
+    blocks: np.ndarray
 
 
 def attention_plan(
@@ -184,8 +186,10 @@ def attention_plan(
             groups.append([int(s)])
     buckets = []
     slots = np.empty(int(cu[-1]), dtype=np.int64)
+    blocks = np.empty((len(lengths), 2), dtype=np.int64)
     offset = 0
-    for group in groups:
+    for index, group in enumerate(groups):
+        blocks[group, 0], blocks[group, 1] = index, np.arange(len(group))
         length = int(lengths[group[0]])
         tokens = np.concatenate([np.arange(cu[s], cu[s + 1]) for s in group])
         local = np.concatenate([j * length + np.arange(lengths[s]) for j, s in enumerate(group)])
@@ -195,7 +199,7 @@ def attention_plan(
         buckets.append(
             AttentionBucket(mask=torch.as_tensor(mask, device=device), size=len(group), length=length)
         )
-    return AttentionPlan(buckets=buckets, slots=torch.as_tensor(slots, device=device))
+    return AttentionPlan(buckets=buckets, slots=torch.as_tensor(slots, device=device), blocks=blocks)
 
 
 def bucketed_attention(
