@@ -78,7 +78,7 @@ struct Shape {
   int64_t v_row, v_head;
   int32_t threshold;               // keep when the slice >= threshold
   float drop_scale, scale;         // 1 / (1 - p); softmax scale
-  bool dropout, bf16;
+  bool bf16;
 };
 
 // Loops run over blocks of W floats (buffers padded with zeros to a multiple of W) so that they vectorize
@@ -234,8 +234,8 @@ void for_each_work(const std::vector<Work>& work, F f) {
   });
 }
 
-Shape make_shape(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& words,
-                 int64_t threshold, double drop_scale, double scale) {
+Shape make_shape(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t threshold, double drop_scale,
+                 double scale) {
   TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && v.sizes() == q.sizes(),
               "packed_attention: q, k, v must be [N, H, Dh] of one shape");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
@@ -244,8 +244,7 @@ Shape make_shape(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1,
               "packed_attention: q, k, v need unit stride along the head dim");
   return Shape{q.size(1), q.size(2), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-               static_cast<int32_t>(threshold), float(drop_scale), float(scale), words.has_value(),
-               q.scalar_type() == at::kBFloat16};
+               static_cast<int32_t>(threshold), float(drop_scale), float(scale), q.scalar_type() == at::kBFloat16};
 }
 
 const int16_t* slices_of(const c10::optional<at::Tensor>& words, int64_t needed) {
@@ -320,38 +319,19 @@ FASTPALS_INLINE void backward_block(const T* gb, int64_t g_row, const T* qb, con
 }
 
 // The blocks compiled for AVX-512 and AVX2 as well (GCC on x86-64), picked at load time for the CPU.
-#define FASTPALS_BLOCKS(T, suffix)                                                                                   \
-  FASTPALS_CPU_CLONES void forward_##suffix(const T* qb, const T* kb, const T* vb, T* ob, const Work& w,              \
+#define FASTPALS_BLOCKS(T)                                                                                   \
+  FASTPALS_CPU_CLONES void forward_clone(const T* qb, const T* kb, const T* vb, T* ob, const Work& w,                \
                                             const int16_t* slices, const Shape& s, float* st,                         \
                                             std::vector<float>& scratch) {                                            \
     forward_block<T>(qb, kb, vb, ob, w, slices, s, st, scratch);                                                      \
   }                                                                                                                   \
-  FASTPALS_CPU_CLONES void backward_##suffix(const T* gb, int64_t g_row, const T* qb, const T* kb, const T* vb,       \
+  FASTPALS_CPU_CLONES void backward_clone(const T* gb, int64_t g_row, const T* qb, const T* kb, const T* vb,         \
                                              T* dqb, T* dkb, T* dvb, const Work& w, const int16_t* slices,            \
                                              const Shape& s, float* st, std::vector<float>& scratch) {                \
     backward_block<T>(gb, g_row, qb, kb, vb, dqb, dkb, dvb, w, slices, s, st, scratch);                               \
   }
-FASTPALS_BLOCKS(uint16_t, bf16)
-FASTPALS_BLOCKS(float, f32)
-
-inline void forward_any(const uint16_t* qb, const uint16_t* kb, const uint16_t* vb, uint16_t* ob, const Work& w,
-                        const int16_t* sl, const Shape& s, float* st, std::vector<float>& sc) {
-  forward_bf16(qb, kb, vb, ob, w, sl, s, st, sc);
-}
-inline void forward_any(const float* qb, const float* kb, const float* vb, float* ob, const Work& w, const int16_t* sl,
-                        const Shape& s, float* st, std::vector<float>& sc) {
-  forward_f32(qb, kb, vb, ob, w, sl, s, st, sc);
-}
-inline void backward_any(const uint16_t* gb, int64_t g_row, const uint16_t* qb, const uint16_t* kb, const uint16_t* vb,
-                         uint16_t* dqb, uint16_t* dkb, uint16_t* dvb, const Work& w, const int16_t* sl, const Shape& s,
-                         float* st, std::vector<float>& sc) {
-  backward_bf16(gb, g_row, qb, kb, vb, dqb, dkb, dvb, w, sl, s, st, sc);
-}
-inline void backward_any(const float* gb, int64_t g_row, const float* qb, const float* kb, const float* vb, float* dqb,
-                         float* dkb, float* dvb, const Work& w, const int16_t* sl, const Shape& s, float* st,
-                         std::vector<float>& sc) {
-  backward_f32(gb, g_row, qb, kb, vb, dqb, dkb, dvb, w, sl, s, st, sc);
-}
+FASTPALS_BLOCKS(uint16_t)
+FASTPALS_BLOCKS(float)
 
 template <typename T>
 void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::vector<Work>& work,
@@ -363,7 +343,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   float* st = stats.data_ptr<float>();
   for_each_work(work, [&](const Work& w, std::vector<float>& scratch) {
     if (w.length == 0) return;
-    forward_any(qp + w.start * s.q_row + w.head * s.q_head, kp + w.start * s.k_row + w.head * s.k_head,
+    forward_clone(qp + w.start * s.q_row + w.head * s.q_head, kp + w.start * s.k_row + w.head * s.k_head,
                      vp + w.start * s.v_row + w.head * s.v_head, op + (w.start * s.heads + w.head) * s.dim, w, slices,
                      s, st, scratch);
   });
@@ -385,7 +365,7 @@ void backward_impl(const at::Tensor& grad, const at::Tensor& q, const at::Tensor
   for_each_work(work, [&](const Work& w, std::vector<float>& scratch) {
     if (w.length == 0) return;
     const int64_t o = (w.start * s.heads + w.head) * s.dim;
-    backward_any(gp + w.start * g_row + w.head * g_head, g_row, qp + w.start * s.q_row + w.head * s.q_head,
+    backward_clone(gp + w.start * g_row + w.head * g_head, g_row, qp + w.start * s.q_row + w.head * s.q_head,
                       kp + w.start * s.k_row + w.head * s.k_head, vp + w.start * s.v_row + w.head * s.v_head, dqp + o,
                       dkp + o, dvp + o, w, slices, s, st, scratch);
   });
@@ -398,7 +378,7 @@ std::tuple<at::Tensor, at::Tensor> packed_attention(const at::Tensor& q, const a
                                                     const c10::optional<at::Tensor>& words,
                                                     const c10::optional<at::Tensor>& words_layout, int64_t threshold,
                                                     double drop_scale, double scale) {
-  const Shape s = make_shape(q, k, v, words, threshold, drop_scale, scale);
+  const Shape s = make_shape(q, k, v, threshold, drop_scale, scale);
   TORCH_CHECK(words.has_value() == words_layout.has_value(), "packed_attention: words need their words_layout");
   int64_t needed = 0;
   const std::vector<Work> work = plan(cu_seqlens, s.heads, words_layout, &needed);
@@ -414,7 +394,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> packed_attention_backward(
     const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens,
     const c10::optional<at::Tensor>& words, const c10::optional<at::Tensor>& words_layout, int64_t threshold,
     double drop_scale, double scale, const at::Tensor& stats) {
-  const Shape s = make_shape(q, k, v, words, threshold, drop_scale, scale);
+  const Shape s = make_shape(q, k, v, threshold, drop_scale, scale);
   TORCH_CHECK(grad.sizes() == q.sizes() && grad.scalar_type() == q.scalar_type() && grad.stride(2) == 1,
               "packed_attention_backward: grad must be like q");
   TORCH_CHECK(stats.scalar_type() == at::kFloat && stats.is_contiguous() &&
